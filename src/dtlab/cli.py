@@ -1,0 +1,133 @@
+"""The ``dtlab`` command line. Thin: parse, load the config, call one function per command."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+
+from dtlab import __version__
+from dtlab.errors import DtlabError
+
+TRAIN_EPILOG = """\
+examples:
+  dtlab train                                   # built-in default: tiny model, stdlib corpus, 1 process
+  dtlab train configs/ddp.yaml --nproc 2        # DDP on 2 local processes
+  dtlab train --nproc 2 --set parallel.strategy=fsdp train.lr=3e-4
+  torchrun --nproc-per-node 2 -m dtlab train configs/fsdp.yaml   # under torchrun: runs as a worker
+
+--set KEY=VALUE overrides one config key (repeatable; values are YAML: 1e-4 is a float,
+true a bool, [a, b] a list). Precedence: --set > CONFIG > defaults. `dtlab config --keys` lists every key.
+"""
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dtlab", description="Distributed Training Lab: train a Llama-style model with single, DDP, FSDP or HSDP and see what each costs.")
+    parser.add_argument("--version", action="version", version=f"dtlab {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    t = sub.add_parser("train", help="train a model", description="Train a model as configured.", epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("config", nargs="?", metavar="CONFIG", help="YAML config file or run directory (default: the built-in default)")
+    t.add_argument("--nproc", type=_positive, default=1, help="processes on this node (default 1); >1 starts them through torch's elastic launcher")
+    t.add_argument("--nnodes", type=_positive, default=1, help="number of nodes (default 1)")
+    t.add_argument("--node-rank", type=_non_negative, default=0, help="this node's rank (multi-node)")
+    t.add_argument("--master-addr", default=None, help="rendezvous host (multi-node; default localhost)")
+    t.add_argument("--master-port", type=_positive, default=None, help="rendezvous port (multi-node; default 29500)")
+    t.add_argument("--max-restarts", type=_non_negative, default=0, help="restart the worker group up to K times after a failure")
+    t.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE", help="override a config key, e.g. --set train.lr=1e-4")
+
+    c = sub.add_parser("config", help="print the resolved config, or every key", description="Print the resolved config as YAML (CONFIG, then --set), or with --keys every key with its default.")
+    c.add_argument("config", nargs="?", metavar="CONFIG")
+    c.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE")
+    c.add_argument("--keys", action="store_true", help="list every key with its default and meaning")
+    return parser
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from dtlab.config import describe_fields, load_config
+
+    if args.keys:
+        for key, default, desc in describe_fields():
+            print(f"{key:<36} {default:<14} {desc}")
+        return 0
+    print(load_config(args.config, args.overrides).to_yaml(), end="")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from dtlab.config import check_world, load_config
+    from dtlab.parallel.dist import is_worker_env
+
+    config = load_config(args.config, args.overrides)
+    if is_worker_env():
+        from dtlab.train.loop import train
+
+        train(config)
+        return 0
+
+    world = args.nproc * args.nnodes
+    check_world(config, world)
+    if world == 1:
+        from dtlab.train.loop import train
+
+        train(config)
+        return 0
+
+    # Fail on bad data here, once, instead of in every worker after the launch.
+    from dtlab.data import build_source
+
+    build_source(config)
+    overrides = list(args.overrides)
+    if config.run.dir is None:
+        # Resolve the run directory once so the launcher can say where the run is.
+        run_dir = Path("runs") / f"{config.run.name}-{datetime.now():%Y%m%d-%H%M%S}"
+        overrides.append(f"run.dir={run_dir}")
+    from dtlab.launcher import LaunchSpec, launch
+
+    spec = LaunchSpec(args.nproc, args.nnodes, args.node_rank, args.master_addr, args.master_port, args.max_restarts)
+    worker_args = ["train", *([args.config] if args.config else []), *(["--set", *overrides] if overrides else [])]
+    return launch(spec, worker_args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``dtlab`` console script; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    handlers = {"train": cmd_train, "config": cmd_config}
+    try:
+        return handlers[args.command](args)
+    except DtlabError as e:
+        rank = os.environ.get("RANK")
+        tag = f"[rank{rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
+        print(f"{tag}error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

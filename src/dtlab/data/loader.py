@@ -1,0 +1,116 @@
+"""Turns global sample indices into per-rank micro-batches, optionally prepared in a background thread."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from dtlab.data.sources import SampleSource
+
+MicroBatch = tuple[torch.Tensor, torch.Tensor]  # inputs [m, T], targets [m, T]
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """How one optimizer step's G global samples are split: G = dp_size x accum_steps x micro."""
+
+    global_batch: int
+    dp_rank: int
+    dp_size: int
+    micro: int
+
+    @property
+    def accum_steps(self) -> int:
+        return self.global_batch // (self.micro * self.dp_size)
+
+    def indices(self, step: int, micro_index: int) -> range:
+        """Global sample indices of micro-batch ``micro_index`` of this rank at optimizer step ``step``.
+
+        Optimizer step k trains on global samples [k G, (k+1) G); rank r owns the contiguous slice
+        [k G + r G/D, k G + (r+1) G/D), cut into micro-batches in order.
+        """
+        per_rank = self.global_batch // self.dp_size
+        start = step * self.global_batch + self.dp_rank * per_rank + micro_index * self.micro
+        return range(start, start + self.micro)
+
+
+class BatchLoader:
+    """Yields, for each optimizer step, the list of this rank's micro-batches.
+
+    Its position (the next step) is part of the training state: ``state_dict`` / ``load_state_dict``.
+    With ``prefetch`` > 0 a daemon thread prepares that many steps ahead, off the critical path.
+    """
+
+    def __init__(self, source: SampleSource, layout: BatchLayout, start_step: int = 0, prefetch: int = 2, pin_memory: bool = False) -> None:
+        self.source, self.layout, self.prefetch, self.pin_memory = source, layout, prefetch, pin_memory
+        self.next_step = start_step
+        self._queue: queue.Queue[tuple[int, list[MicroBatch] | BaseException]] | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def build_step(self, step: int) -> list[MicroBatch]:
+        out = []
+        for j in range(self.layout.accum_steps):
+            rows = np.stack([self.source.sample(i) for i in self.layout.indices(step, j)])
+            t = torch.from_numpy(rows)
+            if self.pin_memory:
+                t = t.pin_memory()
+            out.append((t[:, :-1], t[:, 1:]))
+        return out
+
+    def _worker(self, first: int) -> None:
+        assert self._queue is not None
+        step = first
+        while not self._stop.is_set():
+            try:
+                item: list[MicroBatch] | BaseException = self.build_step(step)
+            except BaseException as e:  # handed to the training thread, which re-raises it
+                item = e
+            while not self._stop.is_set():
+                try:
+                    self._queue.put((step, item), timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            step += 1
+
+    def __iter__(self) -> BatchLoader:
+        return self
+
+    def __next__(self) -> list[MicroBatch]:
+        if self.prefetch <= 0:
+            batch = self.build_step(self.next_step)
+        else:
+            if self._thread is None:
+                self._queue = queue.Queue(maxsize=self.prefetch)
+                self._thread = threading.Thread(target=self._worker, args=(self.next_step,), name="dtlab-data", daemon=True)
+                self._thread.start()
+            assert self._queue is not None
+            step, item = self._queue.get()
+            assert step == self.next_step, f"data thread produced step {step}, expected {self.next_step}"
+            if isinstance(item, BaseException):
+                raise item
+            batch = item
+        self.next_step += 1
+        return batch
+
+    def close(self) -> None:
+        """Stop the prefetch thread (safe to call more than once)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"next_step": self.next_step, "global_batch": self.layout.global_batch, "source": self.source.name}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self._thread is not None:
+            raise RuntimeError("load_state_dict must be called before iterating")
+        # Samples are indexed globally, so the position survives a change of world size or micro-batch.
+        self.next_step = int(state["next_step"]) * int(state["global_batch"]) // self.layout.global_batch

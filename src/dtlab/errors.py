@@ -1,0 +1,15 @@
+"""User-facing errors. The CLI turns these into a short message and a non-zero exit, never a traceback."""
+
+
+class DtlabError(Exception):
+    """Base class for mistakes in what the user gave us (config, data, paths, CLI)."""
+
+    exit_code = 2
+
+
+class ConfigError(DtlabError):
+    """A config key has a value that is not allowed, or keys contradict each other."""
+
+
+class DataError(DtlabError):
+    """A data source is missing, unreadable, empty or too short."""

@@ -1,0 +1,58 @@
+"""``dtlab train --nproc N``: start N workers through torch's elastic launcher (torchrun semantics).
+
+Each worker is ``python -m dtlab train ...`` again; it sees the launcher's environment (RANK,
+WORLD_SIZE, TORCHELASTIC_RUN_ID, ...) and runs as a worker instead of launching.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import uuid
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What the launcher needs: how many processes on how many nodes, and where to meet."""
+
+    nproc: int
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    max_restarts: int = 0
+
+
+def launch(spec: LaunchSpec, worker_args: list[str]) -> int:
+    """Run ``python -m dtlab <worker_args>`` in ``spec.nproc`` local processes; returns an exit code."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    # The elastic agent logs every restart and failure at length; the workers print their own errors.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    if spec.nnodes == 1 and spec.master_addr is None:
+        # Single node: a c10d store on a free local port, like `torchrun --standalone`.
+        endpoint, run_id, rdzv_configs = "localhost:0", f"dtlab-{uuid.uuid4().hex[:8]}", {"is_host": True}
+    else:
+        endpoint = f"{spec.master_addr or 'localhost'}:{spec.master_port or 29500}"
+        run_id, rdzv_configs = f"dtlab-{spec.master_port or 29500}", {"is_host": spec.node_rank == 0}
+    config = LaunchConfig(
+        min_nodes=spec.nnodes,
+        max_nodes=spec.nnodes,
+        nproc_per_node=spec.nproc,
+        run_id=run_id,
+        rdzv_backend="c10d",
+        rdzv_endpoint=endpoint,
+        rdzv_configs=rdzv_configs,
+        max_restarts=spec.max_restarts,
+        monitor_interval=0.2,
+        start_method="spawn",
+    )
+    try:
+        elastic_launch(config, entrypoint=sys.executable)("-m", "dtlab", *worker_args)
+    except ChildFailedError as e:
+        failures = ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in sorted(e.failures.items()))
+        print(f"error: training failed on {failures}; see the messages above", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,61 @@
+"""End-of-run outputs: peak memory, the summary table and the loss-curve PNG."""
+
+from __future__ import annotations
+
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process: CUDA allocator peak on GPU, peak resident set size on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # bytes on macOS, KiB on Linux
+
+
+def plot_loss(metrics: list[dict[str, Any]], path: Path, title: str) -> Path:
+    """Loss against optimizer step, written as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    ax.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], lw=1.5)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (mean over the global batch)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def summary_table(s: dict[str, Any]) -> str:
+    """A short human-readable table of a run's summary."""
+    rows = [
+        ("strategy", f"{s['strategy']} x {s['world_size']} ({s['precision']})"),
+        ("model", f"{s['params'] / 1e6:.2f}M params"),
+        ("steps", f"{s['steps']} x {s['global_batch_size']} samples x {s['seq_len']} tokens"),
+        ("loss", f"{s['initial_loss']:.4f} -> {s['final_loss']:.4f}"),
+        ("median step time", f"{s['median_step_time_s']:.3f} s"),
+        ("throughput", f"{s['tokens_per_s']:,.0f} tokens/s (all ranks)"),
+        ("peak memory", f"{_human_bytes(s['peak_memory_bytes'])} per rank (max)"),
+        ("wall time", f"{s['train_time_s']:.1f} s"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

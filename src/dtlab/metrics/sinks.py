@@ -1,0 +1,102 @@
+"""Where step metrics go: metrics.jsonl, TensorBoard, and the terminal (progress bar or plain lines).
+
+Only global rank 0 creates real sinks; the other ranks get :class:`NullSink`, so the loop can call the
+same methods everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Protocol
+
+from dtlab.metrics.logging import logger
+
+
+def _clean(value: Any) -> Any:
+    # JSON has no inf/NaN; write null so every line stays valid JSON.
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class Sink(Protocol):
+    def log(self, metrics: dict[str, Any]) -> None: ...
+    def close(self) -> None: ...
+
+
+class NullSink:
+    """What ranks other than 0 log to."""
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class JsonlSink:
+    """One JSON object per logged optimizer step."""
+
+    def __init__(self, path: Path) -> None:
+        self.file = path.open("w", encoding="utf-8")
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        self.file.write(json.dumps({k: _clean(v) for k, v in metrics.items()}) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class TensorBoardSink:
+    """Scalars under ``train/`` in ``<run dir>/tensorboard``."""
+
+    def __init__(self, log_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        step = metrics["step"]
+        for key, value in metrics.items():
+            if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                self.writer.add_scalar(f"train/{key}", value, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def format_step(m: dict[str, Any], total: int) -> str:
+    return (
+        f"step {m['step']}/{total} | loss {m['loss']:.4f} | lr {m['lr']:.2e} | grad_norm {m['grad_norm']:.3f} "
+        f"| {m['tokens_per_s']:,.0f} tok/s | {m['step_time_s']:.3f} s/step"
+    )
+
+
+class ProgressSink:
+    """A tqdm bar on a terminal; plain log lines otherwise (logs, CI, Slurm output files)."""
+
+    def __init__(self, mode: str, total: int, log_every: int) -> None:
+        use_bar = mode == "bar" or (mode == "auto" and sys.stderr.isatty())
+        self.mode = "none" if mode == "none" else ("bar" if use_bar else "lines")
+        self.total, self.log_every = total, log_every
+        self.bar = None
+        if self.mode == "bar":
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr)
+
+    def step(self, metrics: dict[str, Any]) -> None:
+        """Called every step (cheap); prints a line only on logged steps."""
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_s']:,.0f}", refresh=False)
+        elif self.mode == "lines" and (metrics["step"] % self.log_every == 0 or metrics["step"] == self.total):
+            logger.info(format_step(metrics, self.total))
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

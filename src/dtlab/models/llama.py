@@ -1,0 +1,180 @@
+"""A Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention, causal SDPA.
+
+Plain PyTorch with no distributed code: parallelism is applied to this module from the outside
+(``dtlab.parallel``). Build it on the meta device, apply parallelism, then materialise with
+``to_empty`` + :meth:`Transformer.init_weights` (or :func:`dtlab.parallel.materialize`).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:  # config imports the presets from this package
+    from dtlab.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 even under autocast: the mean of squares overflows/underflows in half precision.
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return out.type_as(x) * self.weight
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles, each [max_seq_len, head_dim // 2]."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) of x [B, T, H, D] by the angles of each position."""
+    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    return out.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.kv_heads
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = apply_rope(self.wq(x).view(B, T, self.n_heads, self.head_dim), cos, sin)
+        k = apply_rope(self.wk(x).view(B, T, self.n_kv_heads, self.head_dim), cos, sin)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        # [B, H, T, D]; enable_gqa lets each group of query heads share one key/value head without a copy.
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads,
+        )  # fmt: skip
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, cfg.hidden_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """tokens [B, T] int64 -> logits [B, T, vocab_size]."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
+        # Not persistent: derived from the config, so never part of a checkpoint.
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        T = tokens.shape[1]
+        if T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds max_seq_len {self.cfg.max_seq_len}")
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))
+
+    # --- initialisation -------------------------------------------------------------------------
+    def init_std(self, name: str) -> float | None:
+        """Standard deviation of the normal init of parameter ``name``; None means ones (norm gains).
+
+        Residual output projections are scaled by 1/sqrt(2 n_layers) so the residual stream's variance
+        does not grow with depth (GPT-2).
+        """
+        if name.endswith("norm.weight"):
+            return None
+        if name.endswith(("wo.weight", "w2.weight")):
+            return 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        return 0.02
+
+    def initial_value(self, name: str, shape: torch.Size | tuple[int, ...], seed: int = 0) -> torch.Tensor:
+        """The full initial value of parameter ``name`` on CPU, in float32.
+
+        Drawn from a generator seeded by (seed, name) alone, so every rank and every parallel layout
+        initialises each parameter to the same values, whatever it holds of it.
+        """
+        std = self.init_std(name)
+        if std is None:
+            return torch.ones(shape)
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        return torch.normal(0.0, std, size=tuple(shape), generator=gen)
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Recompute the RoPE tables (needed after ``to_empty``)."""
+        cos, sin = rope_tables(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta, self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialise every parameter and buffer of an unsharded model in place."""
+        for name, param in self.named_parameters():
+            param.copy_(self.initial_value(name, param.shape, seed))
+        self.init_buffers()
+
+
+def build_model(cfg: ModelConfig, device: str | torch.device = "meta") -> Transformer:
+    """Build the model. On ``meta`` (the default) nothing is allocated; on a real device it is initialised."""
+    with torch.device(device):
+        model = Transformer(cfg)
+    if str(device) != "meta":
+        model.init_weights()
+    return model
+
+
+def count_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
+    """Number of parameters (tied weights counted once)."""
+    n = sum(p.numel() for p in model.parameters())
+    if exclude_embeddings and isinstance(model, Transformer):
+        n -= model.tok_embeddings.weight.numel()
+    return n

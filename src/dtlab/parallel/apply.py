@@ -1,0 +1,166 @@
+"""Parallelism applied to a plain model by functions.
+
+Order (see :func:`parallelize`): activation checkpointing, then compile, then FSDP on the meta model,
+then materialisation, then DDP. AC and compile wrap single blocks and must see the unsharded block;
+FSDP must shard before memory is allocated; DDP needs real weights to broadcast.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from dtlab.config import Config
+from dtlab.models.llama import Transformer
+from dtlab.parallel.dist import DistInfo
+
+# Prefixes that wrappers add to parameter names; stripped to get the plain model's names.
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
+
+
+def plain_name(name: str) -> str:
+    """The parameter's name in the unwrapped model."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+# --- activation checkpointing ----------------------------------------------------------------------
+def _saved_ops() -> set[object]:
+    aten = torch.ops.aten
+    names = [
+        "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention",
+    ]  # fmt: skip
+    return {getattr(aten, n).default for n in names if hasattr(aten, n)}
+
+
+def _selective_policy(saved: set[object], ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_ac(model: Transformer, mode: str) -> None:
+    """Wrap each block for activation checkpointing.
+
+    ``full`` keeps only each block's input and recomputes the block in backward; ``selective`` keeps the
+    outputs of matmuls and attention (expensive to recompute) and recomputes the cheap element-wise ops.
+    """
+    if mode == "none":
+        return
+    context_fn = functools.partial(create_selective_checkpoint_contexts, functools.partial(_selective_policy, _saved_ops()))
+    for i, block in enumerate(model.layers):
+        if mode == "full":
+            model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+        else:
+            model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=context_fn)
+
+
+def apply_compile(model: Transformer) -> None:
+    """Compile each block in place (keeps parameter names; blocks share one compiled graph)."""
+    for block in model.layers:
+        block.compile()
+
+
+# --- FSDP / HSDP ------------------------------------------------------------------------------------
+def build_dp_mesh(config: Config, dist_info: DistInfo) -> DeviceMesh:
+    """1-D mesh for fsdp; 2-D (replicate, shard) for hsdp and for no_shard (shard size 1)."""
+    world, p = dist_info.world_size, config.parallel
+    device_type = dist_info.device.type
+    if p.sharding == "no_shard":
+        return init_device_mesh(device_type, (world, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
+    if p.strategy == "hsdp":
+        assert p.replicate is not None  # checked by check_world
+        return init_device_mesh(device_type, (p.replicate, world // p.replicate), mesh_dim_names=("dp_replicate", "dp_shard"))
+    return init_device_mesh(device_type, (world,), mesh_dim_names=("dp_shard",))
+
+
+def apply_fsdp(model: Transformer, mesh: DeviceMesh, sharding: str) -> None:
+    """FSDP2 ``fully_shard`` on each block, then on the root (embeddings, final norm, output).
+
+    ``full`` frees the gathered parameters after forward (ZeRO-3); ``shard_grad_op`` keeps them until
+    backward is done (ZeRO-2: one all-gather per step instead of two).
+    """
+    reshard = sharding == "full"
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+
+
+# --- materialisation -------------------------------------------------------------------------------
+@torch.no_grad()
+def materialize(model: Transformer, device: torch.device, seed: int) -> None:
+    """Allocate a meta model on ``device`` and initialise it.
+
+    Each parameter's full initial value depends only on (seed, name); a sharded parameter keeps its
+    own slice of it. So every strategy and world size starts from exactly the weights of a single
+    process.
+    """
+    model.to_empty(device=device)
+    for name, param in model.named_parameters():
+        full = model.initial_value(plain_name(name), param.shape, seed).to(device)
+        if isinstance(param, DTensor):
+            # src_data_rank=None: every rank holds the same full value, so each slices locally (no comm).
+            local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+            param.to_local().copy_(local)
+        else:
+            param.copy_(full)
+    model.init_buffers()
+
+
+# --- the result --------------------------------------------------------------------------------------
+@dataclass
+class ParallelModel:
+    """The model as the training loop sees it: what to call, and how to skip gradient sync."""
+
+    module: nn.Module  # what forward is called on (the DDP wrapper, or the FSDP-sharded model)
+    model: Transformer  # the underlying model (same object as module except under DDP)
+    strategy: str
+
+    @contextmanager
+    def grad_sync(self, enabled: bool) -> Iterator[None]:
+        """Within this context, backward synchronises gradients only if ``enabled``.
+
+        Gradient accumulation runs all micro-batches but the last with ``enabled=False``: DDP's
+        ``no_sync`` and FSDP2's ``set_requires_gradient_sync`` keep the gradients local until then.
+        """
+        if enabled:
+            yield
+        elif isinstance(self.module, DistributedDataParallel):
+            with self.module.no_sync():
+                yield
+        elif isinstance(self.module, FSDPModule):
+            self.module.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                self.module.set_requires_gradient_sync(True)
+        else:
+            with nullcontext():
+                yield
+
+
+def parallelize(model: Transformer, config: Config, dist_info: DistInfo) -> ParallelModel:
+    """Apply the configured strategy to a meta-device model and materialise it."""
+    t, strategy = config.train, config.parallel.strategy
+    apply_ac(model, t.activation_checkpointing)
+    if t.compile:
+        apply_compile(model)
+    if strategy in ("fsdp", "hsdp"):
+        apply_fsdp(model, build_dp_mesh(config, dist_info), config.parallel.sharding)
+    materialize(model, dist_info.device, t.seed)
+    if strategy == "ddp":
+        device_ids = [dist_info.device.index] if dist_info.device.type == "cuda" else None
+        ddp = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+        return ParallelModel(ddp, model, strategy)
+    return ParallelModel(model, model, strategy)

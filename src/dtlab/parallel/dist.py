@@ -1,0 +1,85 @@
+"""Process-group set-up from the launcher's environment (torchrun / dtlab's elastic launcher)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from dtlab.config import Config
+from dtlab.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits: its ranks, its device and the backend in use."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str | None  # None: no process group (strategy single)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def is_worker_env() -> bool:
+    """True when a launcher (torchrun, dtlab's elastic launcher) started this process as a worker."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def resolve_device(config: Config, local_rank: int) -> torch.device:
+    want = config.train.device
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device = 'cuda' but no CUDA device is available; allowed here: auto, cpu")
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init_distributed(config: Config) -> DistInfo:
+    """Read the launcher's environment, pick the device and backend, and create the process group.
+
+    strategy ``single`` in one process makes no process group; any other strategy does, even with
+    one process (a local store is created when no launcher set one up).
+    """
+    env = os.environ
+    rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
+    local_rank = int(env.get("LOCAL_RANK", 0))
+    local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+    device = resolve_device(config, local_rank)
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in env:
+        # Share the cores among the processes of this node instead of oversubscribing them.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = config.parallel.backend
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError("parallel.backend = 'nccl' needs CUDA devices; allowed on CPU: auto, gloo")
+    if config.parallel.strategy == "single" and world == 1:
+        return DistInfo(0, 1, 0, 1, device, None)
+    if not dist.is_initialized():
+        init_method = None if "MASTER_ADDR" in env else f"tcp://127.0.0.1:{_free_port()}"
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timedelta(minutes=10))
+    return DistInfo(rank, world, local_rank, local_world, device, backend)
+
+
+def destroy_distributed() -> None:
+    """Destroy the process group if there is one (clean exit: no hang, no abort)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,238 @@
+"""The one training loop, for every strategy: train -> train_step -> forward_loss.
+
+Strategies differ only in how the model was wrapped (``dtlab.parallel``) and how gradient sync is
+switched off between micro-batches (``ParallelModel.grad_sync``); everything here is shared.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from dtlab.config import Config, check_world
+from dtlab.data import BatchLayout, BatchLoader, build_source
+from dtlab.data.loader import MicroBatch
+from dtlab.errors import DtlabError
+from dtlab.metrics.logging import logger, setup_logging
+from dtlab.metrics.report import peak_memory_bytes, plot_loss, summary_table
+from dtlab.metrics.sinks import JsonlSink, NullSink, ProgressSink, Sink, TensorBoardSink
+from dtlab.models.llama import build_model, count_params
+from dtlab.parallel import DistInfo, ParallelModel, destroy_distributed, init_distributed, parallelize
+from dtlab.train.optim import build_optimizer, grad_norm_
+from dtlab.train.precision import LossScaler, autocast
+from dtlab.train.schedules import build_scheduler
+
+
+@dataclass
+class TrainState:
+    """Step and token counters (part of the training state, like the model and optimizer)."""
+
+    step: int = 0
+    tokens: int = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "tokens": self.tokens}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.tokens = int(state["step"]), int(state["tokens"])
+
+
+def forward_loss(module: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, precision: str, device: torch.device) -> torch.Tensor:
+    """Mean cross-entropy over the micro-batch's tokens (computed in float32 under any precision)."""
+    with autocast(precision, device):
+        logits = module(inputs)
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def train_step(
+    pm: ParallelModel,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    scaler: LossScaler,
+    micro_batches: list[MicroBatch],
+    config: Config,
+    device: torch.device,
+) -> dict[str, Any]:
+    """One optimizer step over this rank's micro-batches; returns the step's metrics."""
+    accum = len(micro_batches)
+    loss_sum = torch.zeros((), device=device)
+    for i, (inputs, targets) in enumerate(micro_batches):
+        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        # Only the last micro-batch synchronises gradients; the others accumulate locally.
+        with pm.grad_sync(i == accum - 1):
+            # Every micro-batch has the same number of tokens, so mean/accum summed over micro-batches and
+            # averaged over ranks is the mean over every token of the global batch.
+            loss = forward_loss(pm.module, inputs, targets, config.train.precision, device) / accum
+            scaler.scale_loss(loss).backward()
+        loss_sum += loss.detach()
+
+    params = [p for p in pm.module.parameters() if p.grad is not None]
+    found_inf = scaler.unscale_(params)
+    norm = grad_norm_(params, config.train.grad_clip)
+    if not found_inf:
+        optimizer.step()
+    scaler.update(found_inf)
+    optimizer.zero_grad(set_to_none=True)
+    lr = scheduler.get_last_lr()[0]
+    scheduler.step()
+
+    if dist.is_initialized():
+        dist.all_reduce(loss_sum)
+        loss_sum /= dist.get_world_size()
+    out = {"loss": loss_sum.item(), "lr": lr, "grad_norm": norm.item()}
+    if scaler.enabled:
+        out.update(loss_scale=scaler.scale, skipped=found_inf)
+    return out
+
+
+def resolve_run_dir(config: Config, d: DistInfo) -> Path:
+    """Rank 0 picks and creates the run directory; every rank gets the same path (or the same error)."""
+    result: list[str] = [""]
+    if d.is_main:
+        path = Path(config.run.dir) if config.run.dir else Path("runs") / f"{config.run.name}-{datetime.now():%Y%m%d-%H%M%S}"
+        if not config.run.dir:
+            base, n = path, 1
+            while path.exists():
+                path, n = Path(f"{base}-{n}"), n + 1
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            result = [str(path)]
+        except OSError as e:
+            result = [f"!run.dir = {str(path)!r} cannot be created: {e.strerror or e}"]
+    if dist.is_initialized():
+        dist.broadcast_object_list(result, src=0)
+    if result[0].startswith("!"):
+        raise DtlabError(result[0][1:])
+    return Path(result[0])
+
+
+def build_sinks(config: Config, run_dir: Path, d: DistInfo) -> list[Sink]:
+    if not d.is_main:
+        return [NullSink()]
+    sinks: list[Sink] = [JsonlSink(run_dir / "metrics.jsonl")]
+    if config.run.tensorboard:
+        sinks.append(TensorBoardSink(run_dir / "tensorboard"))
+    return sinks
+
+
+def _max_over_ranks(value: int) -> int:
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def summarize(config: Config, history: list[dict[str, Any]], state: TrainState, d: DistInfo, params: int, wall: float) -> dict[str, Any]:
+    """The run's final figures. The first step (warm-up, compilation) is left out of the timing."""
+    timed = history[1:] or history
+    time_sum = sum(m["step_time_s"] for m in timed)
+    tokens_per_step = config.train.global_batch_size * config.seq_len
+    return {
+        "steps": state.step,
+        "strategy": config.parallel.strategy,
+        "world_size": d.world_size,
+        "precision": config.train.precision,
+        "params": params,
+        "global_batch_size": config.train.global_batch_size,
+        "seq_len": config.seq_len,
+        "initial_loss": history[0]["loss"],
+        "final_loss": history[-1]["loss"],
+        "tokens": state.tokens,
+        "median_step_time_s": statistics.median(m["step_time_s"] for m in timed),
+        "tokens_per_s": tokens_per_step * len(timed) / time_sum if time_sum > 0 else 0.0,
+        "train_time_s": wall,
+        "peak_memory_bytes": _max_over_ranks(peak_memory_bytes(d.device)),
+    }
+
+
+def train(config: Config) -> dict[str, Any]:
+    """Train as configured in this process (one rank of the world the launcher set up).
+
+    Returns the run summary (the same on every rank; only rank 0 writes files).
+    """
+    d = init_distributed(config)
+    try:
+        return _train(config, d)
+    finally:
+        destroy_distributed()
+
+
+def _train(config: Config, d: DistInfo) -> dict[str, Any]:
+    setup_logging(d.rank, d.world_size)
+    accum = check_world(config, d.world_size)
+    t = config.train
+    micro = t.global_batch_size // (accum * d.world_size)
+    run_dir = resolve_run_dir(config, d)
+    config = config.model_copy(deep=True)
+    config.run.dir = str(run_dir)
+    if d.is_main:
+        (run_dir / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
+
+    source = build_source(config)
+    model = build_model(config.model)  # on the meta device: nothing allocated yet
+    pm = parallelize(model, config, d)
+    optimizer = build_optimizer(pm.module, t)  # after parallelize: it must hold the sharded parameters
+    scheduler = build_scheduler(optimizer, t)
+    scaler = LossScaler(t.precision == "fp16")
+    state = TrainState()
+    layout = BatchLayout(t.global_batch_size, d.rank, d.world_size, micro)
+    loader = BatchLoader(source, layout, start_step=state.step, prefetch=config.data.prefetch, pin_memory=d.device.type == "cuda")
+    params = count_params(model)
+    logger.info(
+        "training %.2fM params | %s x %d on %s | global batch %d = %d ranks x %d micro-batches x %d | %d steps | run dir %s",
+        params / 1e6, config.parallel.strategy, d.world_size, d.device.type, t.global_batch_size,
+        d.world_size, accum, micro, t.steps, run_dir,
+    )  # fmt: skip
+
+    sinks = build_sinks(config, run_dir, d)
+    progress = ProgressSink(config.run.progress if d.is_main else "none", t.steps, config.run.log_every)
+    tokens_per_step = t.global_batch_size * config.seq_len
+    history: list[dict[str, Any]] = []
+    wall0 = time.perf_counter()
+    warned_nonfinite = False
+    try:
+        while state.step < t.steps:
+            t0 = time.perf_counter()
+            batch = next(loader)
+            m = train_step(pm, optimizer, scheduler, scaler, batch, config, d.device)
+            dt = time.perf_counter() - t0
+            state.step += 1
+            state.tokens += tokens_per_step
+            m = {"step": state.step, **m, "tokens": state.tokens, "step_time_s": dt, "tokens_per_s": tokens_per_step / dt}
+            history.append(m)
+            if not warned_nonfinite and not torch.isfinite(torch.tensor(m["loss"])):
+                logger.warning("step %d: loss is %s", state.step, m["loss"])
+                warned_nonfinite = True
+            progress.step(m)
+            if state.step % config.run.log_every == 0 or state.step == t.steps:
+                for sink in sinks:
+                    sink.log(m)
+    finally:
+        loader.close()
+        progress.close()
+        for sink in sinks:
+            sink.close()
+
+    summary = summarize(config, history, state, d, params, time.perf_counter() - wall0)
+    if d.is_main:
+        summary["run_dir"] = str(run_dir)
+        if config.run.plot:
+            summary["loss_plot"] = str(plot_loss(history, run_dir / "loss.png", f"{config.run.name}: {config.parallel.strategy} x {d.world_size}"))
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        print(f"\ndtlab run finished\n{summary_table(summary)}\n  run dir           {run_dir}", flush=True)
+        if "loss_plot" in summary:
+            print(f"  loss curve        {summary['loss_plot']}", flush=True)
+    return summary

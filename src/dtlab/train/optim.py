@@ -1,0 +1,38 @@
+"""AdamW with decoupled weight decay on matrices only, and gradient clipping that works on shards."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from dtlab.config import TrainConfig
+
+
+def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.AdamW:
+    """AdamW over the model's parameters. Build it *after* parallelism is applied: FSDP replaces the
+    parameters with sharded ones, and an optimizer holding the old ones would train nothing."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, eps=t.eps, foreach=True)
+
+
+def grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """The global L2 norm of all gradients; clips them to ``max_norm`` when it is > 0.
+
+    Sharded (DTensor) gradients: each rank holds a slice, so the norm of the local slices is not the
+    norm. ``get_total_norm`` returns a DTensor whose ``full_tensor()`` reduces across the mesh.
+    """
+    params = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return total

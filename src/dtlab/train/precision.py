@@ -1,0 +1,78 @@
+"""Autocast and dynamic loss scaling for fp16 that is correct when gradients are sharded."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """Autocast to bf16/fp16 for the forward pass; nothing for fp32. Parameters and optimizer state
+    stay fp32 in every case."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=DTYPES[precision])
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16.
+
+    ``torch.amp.GradScaler`` checks for inf/NaN in the gradients this rank holds. Under FSDP each rank
+    holds only a shard, so one rank could step while another skips; here the overflow flag is
+    all-reduced (MAX) over all ranks, so all of them skip or step together.
+    """
+
+    def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int = 200) -> None:
+        self.enabled = enabled
+        self.scale = init_scale if enabled else 1.0
+        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
+        self.good_steps = 0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale if self.enabled else loss
+
+    @torch.no_grad()
+    def unscale_(self, parameters: Iterable[nn.Parameter]) -> bool:
+        """Divide the gradients by the scale; returns True when any rank found inf/NaN."""
+        if not self.enabled:
+            return False
+        found = torch.zeros(())
+        device = None
+        for p in parameters:
+            if p.grad is None:
+                continue
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            g.mul_(1.0 / self.scale)
+            device = g.device
+            found = torch.maximum(found.to(device), (~torch.isfinite(g)).any().float())
+        if dist.is_initialized():
+            if device is not None:
+                found = found.to(device)
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        return bool(found.item())
+
+    def update(self, found_inf: bool) -> None:
+        """Back off after an overflow; grow after ``growth_interval`` clean steps."""
+        if not self.enabled:
+            return
+        if found_inf:
+            self.scale *= self.backoff_factor
+            self.good_steps = 0
+        else:
+            self.good_steps += 1
+            if self.good_steps % self.growth_interval == 0:
+                self.scale *= self.growth_factor
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale, "good_steps": self.good_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
