@@ -105,9 +105,9 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
+        # Tied: the output projection reads the embedding matrix in forward rather than sharing a Parameter
+        # object, because sharing does not survive to_empty() or wrapping.
+        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
         # Not persistent: derived from the config, so never part of a checkpoint.
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -121,7 +121,10 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, cos, sin)
-        return self.output(self.norm(h))
+        h = self.norm(h)
+        if self.output is None:
+            return F.linear(h, self.tok_embeddings.weight)
+        return self.output(h)
 
     # --- initialisation -------------------------------------------------------------------------
     def init_std(self, name: str) -> float | None:

@@ -79,7 +79,15 @@ def init_distributed(config: Config) -> DistInfo:
     return DistInfo(rank, world, local_rank, local_world, device, backend)
 
 
-def destroy_distributed() -> None:
-    """Destroy the process group if there is one (clean exit: no hang, no abort)."""
+def destroy_distributed(graceful: bool = True) -> None:
+    """Destroy the process group if there is one (clean exit: no hang, no abort).
+
+    ``graceful=False`` after an error: skip the barrier, since the other ranks may be stuck in a
+    collective this rank will never join, and this rank must exit so the launcher can stop them.
+    """
     if dist.is_available() and dist.is_initialized():
+        if graceful:
+            # Meet first: a rank that tears down its connections while a peer is still finishing its last
+        # collectives (or writing the summary) can make the peer's gloo threads abort.
+            dist.barrier()
         dist.destroy_process_group()

@@ -165,9 +165,12 @@ def train(config: Config) -> dict[str, Any]:
     """
     d = init_distributed(config)
     try:
-        return _train(config, d)
-    finally:
-        destroy_distributed()
+        summary = _train(config, d)
+    except BaseException:
+        destroy_distributed(graceful=False)
+        raise
+    destroy_distributed()
+    return summary
 
 
 def _train(config: Config, d: DistInfo) -> dict[str, Any]:
