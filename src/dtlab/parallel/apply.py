@@ -161,6 +161,7 @@ def parallelize(model: Transformer, config: Config, dist_info: DistInfo) -> Para
     materialize(model, dist_info.device, t.seed)
     if strategy == "ddp":
         device_ids = [dist_info.device.index] if dist_info.device.type == "cuda" else None
-        ddp = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+        # broadcast_buffers=False: the only buffers are the RoPE tables, derived from the config on every rank.
+        ddp = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True, broadcast_buffers=False)
         return ParallelModel(ddp, model, strategy)
     return ParallelModel(model, model, strategy)
