@@ -23,7 +23,7 @@ class CommCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func.namespace in ("c10d", "_c10d_functional"):
-            name = func.overloadpacket.__name__.rstrip("_")
+            name = func.overloadpacket.__name__.strip("_")
             self.counts[name] += 1
             self.bytes[name] += sum(t.numel() * t.element_size() for t in _tensors(args))
         return func(*args, **(kwargs or {}))

@@ -1,0 +1,52 @@
+"""Shared helpers: run the real CLI in subprocesses and read what a run wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# A run of the debug model on synthetic data: well under a second per step.
+FAST = [
+    "model.preset=debug",
+    "data.source=synthetic",
+    "data.seq_len=64",
+    "train.global_batch_size=8",
+    "train.warmup_steps=2",
+    "train.lr=3e-3",
+    "run.log_every=1",
+    "run.tensorboard=false",
+    "run.plot=false",
+    "run.progress=none",
+]
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+    """``python -m dtlab ARGS`` in a fresh process; returns the completed process (never raises on exit code)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "TORCHELASTIC_RUN_ID")}
+    env["PYTHONUNBUFFERED"] = "1"
+    return subprocess.run([sys.executable, "-m", "dtlab", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
+
+
+def train_run(run_dir: Path, *overrides: str, nproc: int = 1, steps: int = 12) -> list[dict[str, Any]]:
+    """Train with FAST + overrides on ``nproc`` processes and return the metrics it wrote."""
+    args = ["train", "--nproc", str(nproc), "--set", *FAST, f"train.steps={steps}", f"run.dir={run_dir}", *overrides]
+    proc = run_cli(*args)
+    assert proc.returncode == 0, f"dtlab {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return read_metrics(run_dir)
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """The single-process reference every strategy is compared with."""
+    return train_run(tmp_path_factory.mktemp("reference"))

@@ -1,0 +1,36 @@
+"""Run under torchrun: count the collectives of one optimizer step with 1 and with 4 micro-batches.
+
+Writes {strategy: {accum: {collective: count}}} as JSON to the path in argv[1] (rank 0).
+"""
+
+import json
+import sys
+
+import torch
+
+from dtlab.config import load_config
+from dtlab.metrics.comm import CommCounter
+from dtlab.models import build_model
+from dtlab.parallel import destroy_distributed, init_distributed, parallelize
+from dtlab.train.loop import train_step
+from dtlab.train.optim import build_optimizer
+from dtlab.train.precision import LossScaler
+from dtlab.train.schedules import build_scheduler
+
+results: dict = {}
+for strategy in ("ddp", "fsdp"):
+    cfg = load_config(overrides=["model.preset=debug", "data.seq_len=16", f"parallel.strategy={strategy}"])
+    d = init_distributed(cfg)
+    pm = parallelize(build_model(cfg.model), cfg, d)
+    opt = build_optimizer(pm.module, cfg.train)
+    sched = build_scheduler(opt, cfg.train)
+    for accum in (1, 4):
+        batches = [(torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))) for _ in range(accum)]
+        counter = CommCounter()
+        with counter:
+            train_step(pm, opt, sched, LossScaler(False), batches, cfg, d.device)
+        results.setdefault(strategy, {})[accum] = dict(counter.counts)
+if d.rank == 0:
+    with open(sys.argv[1], "w") as f:
+        json.dump(results, f)
+destroy_distributed()
