@@ -43,15 +43,15 @@ test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"
 
 bench: install
-	$(BIN)/python scripts/bench_overhead.py
+	$(BIN)/python -m dtlab.bench.overhead
 
 format: install
-	$(BIN)/ruff format src tests scripts
-	$(BIN)/ruff check --fix src tests scripts
+	$(BIN)/ruff format src tests
+	$(BIN)/ruff check --fix src tests
 
 lint: install
-	$(BIN)/ruff check src tests scripts
-	$(BIN)/ruff format --check src tests scripts
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
 
 typecheck: install
 	$(BIN)/mypy

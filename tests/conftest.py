@@ -26,18 +26,44 @@ FAST = [
 ]
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    *args: str, cwd: Path | None = None, timeout: int = 300
+) -> subprocess.CompletedProcess[str]:
     """``python -m dtlab ARGS`` in a fresh process; returns the completed process (never raises on exit code)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "TORCHELASTIC_RUN_ID")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "TORCHELASTIC_RUN_ID")
+    }
     env["PYTHONUNBUFFERED"] = "1"
-    return subprocess.run([sys.executable, "-m", "dtlab", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "dtlab", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=timeout,
+    )
 
 
-def train_run(run_dir: Path, *overrides: str, nproc: int = 1, steps: int = 12) -> list[dict[str, Any]]:
+def train_run(
+    run_dir: Path, *overrides: str, nproc: int = 1, steps: int = 12
+) -> list[dict[str, Any]]:
     """Train with FAST + overrides on ``nproc`` processes and return the metrics it wrote."""
-    args = ["train", "--nproc", str(nproc), "--set", *FAST, f"train.steps={steps}", f"run.dir={run_dir}", *overrides]
+    args = [
+        "train",
+        "--nproc",
+        str(nproc),
+        "--set",
+        *FAST,
+        f"train.steps={steps}",
+        f"run.dir={run_dir}",
+        *overrides,
+    ]
     proc = run_cli(*args)
-    assert proc.returncode == 0, f"dtlab {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    assert proc.returncode == 0, (
+        f"dtlab {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    )
     assert "Traceback" not in proc.stderr, proc.stderr
     return read_metrics(run_dir)
 

@@ -17,13 +17,30 @@ def test_help_lists_commands_and_train_flags() -> None:
     assert top.returncode == 0 and "train" in top.stdout
     train = run_cli("train", "--help")
     assert train.returncode == 0
-    for flag in ("--nproc", "--nnodes", "--node-rank", "--master-addr", "--master-port", "--max-restarts", "--set"):
+    for flag in (
+        "--nproc",
+        "--nnodes",
+        "--node-rank",
+        "--master-addr",
+        "--master-port",
+        "--max-restarts",
+        "--set",
+    ):
         assert flag in train.stdout
 
 
 def test_run_directory_has_every_output(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = run_cli("train", "--set", *FAST, "train.steps=6", f"run.dir={run_dir}", "run.tensorboard=true", "run.plot=true", "run.log_every=2")
+    proc = run_cli(
+        "train",
+        "--set",
+        *FAST,
+        "train.steps=6",
+        f"run.dir={run_dir}",
+        "run.tensorboard=true",
+        "run.plot=true",
+        "run.log_every=2",
+    )
     assert proc.returncode == 0, proc.stderr
     assert f"run dir           {run_dir}" in proc.stdout and "loss curve" in proc.stdout
     # config.yaml: the fully resolved config, loadable as is.
@@ -33,7 +50,9 @@ def test_run_directory_has_every_output(tmp_path: Path) -> None:
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [2, 4, 6]
     for m in lines:
-        assert {"step", "loss", "lr", "grad_norm", "tokens", "step_time_s", "tokens_per_s"} <= set(m)
+        assert {"step", "loss", "lr", "grad_norm", "tokens", "step_time_s", "tokens_per_s"} <= set(
+            m
+        )
         assert m["tokens"] == m["step"] * 8 * 64
         assert m["tokens_per_s"] == pytest.approx(8 * 64 / m["step_time_s"], rel=1e-6)
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -53,7 +72,16 @@ def test_python_dash_m_and_config_command(tmp_path: Path) -> None:
 
 def test_two_process_launch_writes_one_run(tmp_path: Path) -> None:
     run_dir = tmp_path / "ddp"
-    proc = run_cli("train", "--nproc", "2", "--set", *FAST, "train.steps=4", f"run.dir={run_dir}", "parallel.strategy=ddp")
+    proc = run_cli(
+        "train",
+        "--nproc",
+        "2",
+        "--set",
+        *FAST,
+        "train.steps=4",
+        f"run.dir={run_dir}",
+        "parallel.strategy=ddp",
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("dtlab run finished") == 1  # only rank 0 reports
     assert "ddp x 2" in proc.stdout
@@ -73,16 +101,38 @@ def write(path: Path, text: str) -> Path:
         (["--set", "parallel.strategy=zero"], "parallel.strategy = 'zero'"),
         (["--set", "train.steps=-5"], "train.steps = -5"),
         (["--set", "model.n_heads=5"], "model.dim = 64 must be divisible by model.n_heads = 5"),
-        (["--set", "train.global_batch_size=10", "train.micro_batch_size=4"], "train.global_batch_size = 10"),
-        (["--nproc", "3", "--set", "parallel.strategy=ddp", "train.global_batch_size=16"], "data-parallel degree 3"),
+        (
+            ["--set", "train.global_batch_size=10", "train.micro_batch_size=4"],
+            "train.global_batch_size = 10",
+        ),
+        (
+            ["--nproc", "3", "--set", "parallel.strategy=ddp", "train.global_batch_size=16"],
+            "data-parallel degree 3",
+        ),
         (["--nproc", "2"], "'single' runs one process"),
         (["--nproc", "4", "--set", "parallel.strategy=hsdp"], "needs parallel.replicate"),
         (["missing.yaml"], "config file 'missing.yaml' does not exist"),
         (["BROKEN"], "not valid YAML"),
-        (["--set", "data.source=files", "data.paths=[nowhere.txt]"], "'nowhere.txt' does not exist"),
+        (
+            ["--set", "data.source=files", "data.paths=[nowhere.txt]"],
+            "'nowhere.txt' does not exist",
+        ),
         (["--set", "data.source=files", "data.paths=[EMPTY]"], "is empty"),
-        (["--nproc", "2", "--set", "parallel.strategy=ddp", "data.source=files", "data.paths=[EMPTY]"], "is empty"),
-        (["--set", "parallel.backend=nccl", "parallel.strategy=ddp"], "parallel.backend = 'nccl' needs CUDA"),
+        (
+            [
+                "--nproc",
+                "2",
+                "--set",
+                "parallel.strategy=ddp",
+                "data.source=files",
+                "data.paths=[EMPTY]",
+            ],
+            "is empty",
+        ),
+        (
+            ["--set", "parallel.backend=nccl", "parallel.strategy=ddp"],
+            "parallel.backend = 'nccl' needs CUDA",
+        ),
         (["--set", "run.dir=FILE"], "cannot be created"),
     ],
 )
@@ -90,17 +140,32 @@ def test_bad_input_is_a_clear_error(tmp_path: Path, args: list[str], needle: str
     broken = write(tmp_path / "broken.yaml", "train: {lr: 1\n")
     empty = write(tmp_path / "empty.txt", "")
     a_file = write(tmp_path / "file", "x")
-    args = [a.replace("BROKEN", str(broken)).replace("EMPTY", str(empty)).replace("FILE", str(a_file / "sub")) for a in args]
+    args = [
+        a.replace("BROKEN", str(broken))
+        .replace("EMPTY", str(empty))
+        .replace("FILE", str(a_file / "sub"))
+        for a in args
+    ]
     positional = args[:1] if not args[0].startswith("--") else []
     # Small defaults first, so the case's own --set values come later and win.
-    proc = run_cli("train", *positional, "--set", "model.preset=debug", "train.steps=2", *args[len(positional) :], cwd=tmp_path)
+    proc = run_cli(
+        "train",
+        *positional,
+        "--set",
+        "model.preset=debug",
+        "train.steps=2",
+        *args[len(positional) :],
+        cwd=tmp_path,
+    )
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr
     assert needle in proc.stderr, proc.stderr
     assert not list(tmp_path.glob("runs/*/summary.json"))
 
 
-@pytest.mark.parametrize("args", [["--nproc", "0"], ["--nproc", "two"], ["--max-restarts", "-1"], ["--bogus"]])
+@pytest.mark.parametrize(
+    "args", [["--nproc", "0"], ["--nproc", "two"], ["--max-restarts", "-1"], ["--bogus"]]
+)
 def test_bad_flags_exit_with_usage(args: list[str]) -> None:
     proc = run_cli("train", *args)
     assert proc.returncode == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,14 @@ def test_yaml_reads_exponent_floats_as_floats() -> None:
 
 
 def test_overrides_are_parsed_as_yaml() -> None:
-    cfg = load_config(overrides=["train.lr=1e-4", "model.tie_embeddings=true", "train.betas=[0.8, 0.9]", "train.steps=7"])
+    cfg = load_config(
+        overrides=[
+            "train.lr=1e-4",
+            "model.tie_embeddings=true",
+            "train.betas=[0.8, 0.9]",
+            "train.steps=7",
+        ]
+    )
     assert cfg.train.lr == 1e-4 and isinstance(cfg.train.lr, float)
     assert cfg.model.tie_embeddings is True
     assert cfg.train.betas == (0.8, 0.9)
@@ -63,7 +71,10 @@ def test_resolved_config_round_trips(tmp_path: Path) -> None:
         (["model.dim=264", "model.n_heads=24", "model.n_kv_heads=8"], "must be even for RoPE"),
         (["data.seq_len=4096"], "data.seq_len = 4096 exceeds model.max_seq_len = 256"),
         (["model.vocab_size=100"], "model.vocab_size = 100 is smaller than"),
-        (["train.global_batch_size=10", "train.micro_batch_size=4"], "train.global_batch_size = 10 is not divisible by train.micro_batch_size = 4"),
+        (
+            ["train.global_batch_size=10", "train.micro_batch_size=4"],
+            "train.global_batch_size = 10 is not divisible by train.micro_batch_size = 4",
+        ),
         (["train.min_lr=1", "train.lr=0.1"], "train.min_lr = 1"),
         (["data.source=files"], "needs data.paths"),
         (["parallel.compression=dct"], "parallel.compression = 'dct'"),
@@ -96,21 +107,35 @@ def test_world_checks() -> None:
     cfg = load_config(overrides=["train.global_batch_size=8"])
     with pytest.raises(ConfigError, match="'single' runs one process"):
         check_world(cfg, 2)
-    ddp = load_config(overrides=["parallel.strategy=ddp", "train.global_batch_size=8", "train.micro_batch_size=2"])
+    ddp = load_config(
+        overrides=["parallel.strategy=ddp", "train.global_batch_size=8", "train.micro_batch_size=2"]
+    )
     assert check_world(ddp, 2) == 2  # 8 = 2 ranks x 2 accumulation steps x 2
-    with pytest.raises(ConfigError, match="not divisible by train.micro_batch_size = 2 x data-parallel degree 3"):
+    with pytest.raises(
+        ConfigError,
+        match=re.escape("not divisible by train.micro_batch_size = 2 x data-parallel degree 3"),
+    ):
         check_world(ddp, 3)
     hsdp = load_config(overrides=["parallel.strategy=hsdp", "train.global_batch_size=12"])
-    with pytest.raises(ConfigError, match="needs parallel.replicate"):
+    with pytest.raises(ConfigError, match=re.escape("needs parallel.replicate")):
         check_world(hsdp, 4)
     hsdp.parallel.replicate = 3
-    with pytest.raises(ConfigError, match="parallel.replicate = 3 does not divide the world size 4"):
+    with pytest.raises(
+        ConfigError, match=re.escape("parallel.replicate = 3 does not divide the world size 4")
+    ):
         check_world(hsdp, 4)
 
 
 def test_every_key_is_described() -> None:
     rows = describe_fields()
     keys = {k for k, _, _ in rows}
-    for key in ["model.preset", "data.source", "train.steps", "parallel.strategy", "checkpoint.async", "run.log_every"]:
+    for key in [
+        "model.preset",
+        "data.source",
+        "train.steps",
+        "parallel.strategy",
+        "checkpoint.async",
+        "run.log_every",
+    ]:
         assert key in keys
     assert all(desc for _, _, desc in rows)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -10,11 +11,20 @@ import pytest
 import torch
 
 from dtlab.config import load_config
-from dtlab.data import BatchLayout, BatchLoader, SyntheticSource, TokenWindows, build_source, stdlib_files
+from dtlab.data import (
+    BatchLayout,
+    BatchLoader,
+    SyntheticSource,
+    TokenWindows,
+    build_source,
+    stdlib_files,
+)
 from dtlab.errors import DataError
 
 
-def samples_of_step(layout_args: list[tuple[int, int]], step: int, global_batch: int = 12) -> list[int]:
+def samples_of_step(
+    layout_args: list[tuple[int, int]], step: int, global_batch: int = 12
+) -> list[int]:
     """All global indices trained at ``step`` by every rank, for (dp_size, micro) splits."""
     out = []
     for dp_size, micro in layout_args:
@@ -40,14 +50,18 @@ def test_ranks_read_different_samples() -> None:
 
 
 def test_synthetic_is_a_function_of_seed_and_index() -> None:
-    s1, s2, s3 = SyntheticSource(32, 256, 0), SyntheticSource(32, 256, 0), SyntheticSource(32, 256, 1)
+    s1, s2, s3 = (
+        SyntheticSource(32, 256, 0),
+        SyntheticSource(32, 256, 0),
+        SyntheticSource(32, 256, 1),
+    )
     assert np.array_equal(s1.sample(5), s2.sample(5))
     assert not np.array_equal(s1.sample(5), s1.sample(6))
     assert not np.array_equal(s1.sample(5), s3.sample(5))
     sample = s1.sample(0)
     assert sample.shape == (33,) and sample.dtype == np.int64
     # Each token is followed only by one of its 4 successors: learnable structure.
-    for a, b in zip(sample[:-1], sample[1:]):
+    for a, b in itertools.pairwise(sample):
         assert b in s1.table[a]
 
 
@@ -58,7 +72,9 @@ def test_token_windows_cover_each_window_once_per_epoch() -> None:
     starts = sorted(int(w.sample(i)[0]) for i in range(10))
     assert starts == list(range(0, 100, 10))
     assert np.array_equal(w.sample(3)[1:], w.sample(3)[:-1] + 1)  # contiguous tokens
-    assert [int(w.sample(i)[0]) for i in range(10)] != [int(w.sample(i)[0]) for i in range(10, 20)]  # reshuffled
+    assert [int(w.sample(i)[0]) for i in range(10)] != [
+        int(w.sample(i)[0]) for i in range(10, 20)
+    ]  # reshuffled
 
 
 def test_stdlib_corpus_is_found() -> None:
@@ -71,17 +87,23 @@ def test_stdlib_corpus_is_found() -> None:
 def test_files_source_reads_text_jsonl_and_parquet(tmp_path: Path) -> None:
     pytest.importorskip("datasets")
     (tmp_path / "a.txt").write_text("hello world " * 20)
-    (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"text": f"record {i} " * 5, "id": i}) for i in range(10)))
+    (tmp_path / "b.jsonl").write_text(
+        "\n".join(json.dumps({"text": f"record {i} " * 5, "id": i}) for i in range(10))
+    )
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"text": ["parquet row " * 4] * 5}), tmp_path / "c.parquet")
     for name in ("a.txt", "b.jsonl", "c.parquet"):
-        cfg = load_config(overrides=["data.source=files", f"data.paths=[{tmp_path / name}]", "data.seq_len=16"])
+        cfg = load_config(
+            overrides=["data.source=files", f"data.paths=[{tmp_path / name}]", "data.seq_len=16"]
+        )
         src = build_source(cfg)
         text = bytes(src.sample(0).astype(np.uint8))
         assert len(text) == 17
-    cfg = load_config(overrides=["data.source=files", f"data.paths=[{tmp_path}]", "data.seq_len=16"])
+    cfg = load_config(
+        overrides=["data.source=files", f"data.paths=[{tmp_path}]", "data.seq_len=16"]
+    )
     assert build_source(cfg).num_windows > 10  # type: ignore[attr-defined]
 
 
@@ -90,9 +112,18 @@ def test_files_source_reads_text_jsonl_and_parquet(tmp_path: Path) -> None:
     [
         (lambda d: None, "does not exist"),
         (lambda d: (d / "x.txt").write_text(""), "is empty"),
-        (lambda d: (d / "x.txt").write_text("short"), "has 5 tokens; data.seq_len = 16 needs at least 17"),
-        (lambda d: (d / "x.jsonl").write_text('{"text": "a"}\n{not json'), "cannot be read as json"),
-        (lambda d: (d / "x.jsonl").write_text('{"body": "some text here"}\n'), "no field data.text_key = 'text'; fields: body"),
+        (
+            lambda d: (d / "x.txt").write_text("short"),
+            "has 5 tokens; data.seq_len = 16 needs at least 17",
+        ),
+        (
+            lambda d: (d / "x.jsonl").write_text('{"text": "a"}\n{not json'),
+            "cannot be read as json",
+        ),
+        (
+            lambda d: (d / "x.jsonl").write_text('{"body": "some text here"}\n'),
+            "no field data.text_key = 'text'; fields: body",
+        ),
     ],
 )
 def test_bad_files_are_clear_errors(tmp_path: Path, setup: object, needle: str) -> None:
@@ -146,7 +177,7 @@ def test_data_errors_reach_the_training_thread() -> None:
         name = "broken"
 
         def sample(self, index: int) -> np.ndarray:
-            raise DataError("boom at %d" % index)
+            raise DataError(f"boom at {index}")
 
     loader = BatchLoader(Broken(), BatchLayout(2, 0, 1, 2), prefetch=2)
     with pytest.raises(DataError, match="boom at 0"):

@@ -16,8 +16,12 @@ TOL = 1e-4
 def assert_same_training(run: list[dict[str, Any]], ref: list[dict[str, Any]]) -> None:
     assert [m["step"] for m in run] == [m["step"] for m in ref]
     for m, r in zip(run, ref, strict=True):
-        assert m["loss"] == pytest.approx(r["loss"], abs=TOL), f"step {m['step']}: loss {m['loss']} vs reference {r['loss']}"
-        assert m["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-3, abs=TOL), f"step {m['step']}: grad_norm"
+        assert m["loss"] == pytest.approx(r["loss"], abs=TOL), (
+            f"step {m['step']}: loss {m['loss']} vs reference {r['loss']}"
+        )
+        assert m["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-3, abs=TOL), (
+            f"step {m['step']}: grad_norm"
+        )
         assert m["lr"] == pytest.approx(r["lr"], rel=1e-9)
         assert m["tokens"] == r["tokens"]
     # And it really trains: a clear fall over 12 steps on the learnable synthetic chains.
@@ -42,7 +46,9 @@ def test_reference_trains(reference_run: list[dict[str, Any]]) -> None:
         ("hsdp", 4, ["parallel.strategy=hsdp", "parallel.replicate=2"]),
     ],
 )
-def test_strategy_matches_single_process(tmp_path: Path, reference_run: list[dict[str, Any]], name: str, nproc: int, overrides: list[str]) -> None:
+def test_strategy_matches_single_process(
+    tmp_path: Path, reference_run: list[dict[str, Any]], name: str, nproc: int, overrides: list[str]
+) -> None:
     run = train_run(tmp_path / name, *overrides, nproc=nproc)
     assert_same_training(run, reference_run)
 
@@ -50,19 +56,27 @@ def test_strategy_matches_single_process(tmp_path: Path, reference_run: list[dic
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_tied_embeddings_match(tmp_path: Path, strategy: str) -> None:
     ref = train_run(tmp_path / "ref", "model.tie_embeddings=true")
-    run = train_run(tmp_path / strategy, "model.tie_embeddings=true", f"parallel.strategy={strategy}", nproc=2)
+    run = train_run(
+        tmp_path / strategy, "model.tie_embeddings=true", f"parallel.strategy={strategy}", nproc=2
+    )
     assert_same_training(run, ref)
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
-def test_activation_checkpointing_is_exact_under_fsdp(tmp_path: Path, reference_run: list[dict[str, Any]], mode: str) -> None:
-    run = train_run(tmp_path / mode, "parallel.strategy=fsdp", f"train.activation_checkpointing={mode}", nproc=2)
+def test_activation_checkpointing_is_exact_under_fsdp(
+    tmp_path: Path, reference_run: list[dict[str, Any]], mode: str
+) -> None:
+    run = train_run(
+        tmp_path / mode, "parallel.strategy=fsdp", f"train.activation_checkpointing={mode}", nproc=2
+    )
     assert_same_training(run, reference_run)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_low_precision_trains_without_nan(tmp_path: Path, precision: str) -> None:
-    run = train_run(tmp_path / precision, "parallel.strategy=fsdp", f"train.precision={precision}", nproc=2)
+    run = train_run(
+        tmp_path / precision, "parallel.strategy=fsdp", f"train.precision={precision}", nproc=2
+    )
     losses = [m["loss"] for m in run]
     assert all(loss is not None for loss in losses), losses  # null = NaN/inf in metrics.jsonl
     assert losses[-1] < losses[0] - 0.3

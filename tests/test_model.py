@@ -37,7 +37,9 @@ def test_gqa_equals_repeated_kv_heads() -> None:
     q = torch.randn(2, 4, 8, 16)
     k, v = torch.randn(2, 2, 8, 16), torch.randn(2, 2, 8, 16)
     gqa = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    full = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+    full = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True
+    )
     torch.testing.assert_close(gqa, full)
 
 

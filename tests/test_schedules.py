@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -34,7 +35,7 @@ def test_decays_end_at_min_lr() -> None:
 def test_cosine_midpoint_and_monotonic() -> None:
     t = cfg(schedule="cosine")
     lrs = [lr_at(s, t) for s in range(10, 100)]
-    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+    assert all(a >= b for a, b in itertools.pairwise(lrs))
     mid = 10 + 45 - 1  # progress = 0.5
     assert lr_at(mid, t) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
 

@@ -8,9 +8,13 @@ import sys
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dtlab import __version__
 from dtlab.errors import DtlabError
+
+if TYPE_CHECKING:
+    from dtlab.config import Config
 
 TRAIN_EPILOG = """\
 examples:
@@ -45,25 +49,74 @@ def _non_negative(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dtlab", description="Distributed Training Lab: train a Llama-style model with single, DDP, FSDP or HSDP and see what each costs.")
+    parser = argparse.ArgumentParser(
+        prog="dtlab",
+        description="Distributed Training Lab: train a Llama-style model with single, DDP, FSDP or HSDP and see what each costs.",
+    )
     parser.add_argument("--version", action="version", version=f"dtlab {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    t = sub.add_parser("train", help="train a model", description="Train a model as configured.", epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    t.add_argument("config", nargs="?", metavar="CONFIG", help="YAML config file or run directory (default: the built-in default)")
-    t.add_argument("--nproc", type=_positive, default=1, help="processes on this node (default 1); >1 starts them through torch's elastic launcher")
+    t = sub.add_parser(
+        "train",
+        help="train a model",
+        description="Train a model as configured.",
+        epilog=TRAIN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    t.add_argument(
+        "config",
+        nargs="?",
+        metavar="CONFIG",
+        help="YAML config file or run directory (default: the built-in default)",
+    )
+    t.add_argument(
+        "--nproc",
+        type=_positive,
+        default=1,
+        help="processes on this node (default 1); >1 starts them through torch's elastic launcher",
+    )
     t.add_argument("--nnodes", type=_positive, default=1, help="number of nodes (default 1)")
-    t.add_argument("--node-rank", type=_non_negative, default=0, help="this node's rank (multi-node)")
-    t.add_argument("--master-addr", default=None, help="rendezvous host (multi-node; default localhost)")
-    t.add_argument("--master-port", type=_positive, default=None, help="rendezvous port (multi-node; default 29500)")
-    t.add_argument("--max-restarts", type=_non_negative, default=0, help="restart the worker group up to K times after a failure")
-    t.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE", help="override a config key, e.g. --set train.lr=1e-4")
+    t.add_argument(
+        "--node-rank", type=_non_negative, default=0, help="this node's rank (multi-node)"
+    )
+    t.add_argument(
+        "--master-addr", default=None, help="rendezvous host (multi-node; default localhost)"
+    )
+    t.add_argument(
+        "--master-port",
+        type=_positive,
+        default=None,
+        help="rendezvous port (multi-node; default 29500)",
+    )
+    t.add_argument(
+        "--max-restarts",
+        type=_non_negative,
+        default=0,
+        help="restart the worker group up to K times after a failure",
+    )
+    t.add_argument(
+        "--set",
+        dest="overrides",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set train.lr=1e-4",
+    )
 
-    c = sub.add_parser("config", help="print the resolved config, or every key", description="Print the resolved config as YAML (CONFIG, then --set), or with --keys every key with its default.")
+    c = sub.add_parser(
+        "config",
+        help="print the resolved config, or every key",
+        description="Print the resolved config as YAML (CONFIG, then --set), or with --keys every key with its default.",
+    )
     c.add_argument("config", nargs="?", metavar="CONFIG")
-    c.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE")
-    c.add_argument("--keys", action="store_true", help="list every key with its default and meaning")
+    c.add_argument(
+        "--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE"
+    )
+    c.add_argument(
+        "--keys", action="store_true", help="list every key with its default and meaning"
+    )
     return parser
 
 
@@ -83,19 +136,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     from dtlab.parallel.dist import is_worker_env
 
     config = load_config(args.config, args.overrides)
-    if is_worker_env():
-        from dtlab.train.loop import train
-
-        train(config)
-        return 0
-
     world = args.nproc * args.nnodes
-    check_world(config, world)
-    if world == 1:
-        from dtlab.train.loop import train
-
-        train(config)
-        return 0
+    if is_worker_env() or world == 1:
+        if not is_worker_env():
+            check_world(config, world)
+        return _train_here(config)
 
     # Fail on bad data here, once, instead of in every worker after the launch.
     from dtlab.data import build_source
@@ -108,9 +153,31 @@ def cmd_train(args: argparse.Namespace) -> int:
         overrides.append(f"run.dir={run_dir}")
     from dtlab.launcher import LaunchSpec, launch
 
-    spec = LaunchSpec(args.nproc, args.nnodes, args.node_rank, args.master_addr, args.master_port, args.max_restarts)
-    worker_args = ["train", *([args.config] if args.config else []), *(["--set", *overrides] if overrides else [])]
+    spec = LaunchSpec(
+        args.nproc,
+        args.nnodes,
+        args.node_rank,
+        args.master_addr,
+        args.master_port,
+        args.max_restarts,
+    )
+    worker_args = [
+        "train",
+        *([args.config] if args.config else []),
+        *(["--set", *overrides] if overrides else []),
+    ]
     return launch(spec, worker_args)
+
+
+def _train_here(config: Config) -> int:
+    """Train in this process (alone, or as one worker of a launched world); rank 0 prints the summary."""
+    from dtlab.metrics.report import summary_table
+    from dtlab.train.loop import train
+
+    summary = train(config)
+    if "run_dir" in summary:  # only rank 0 wrote the run directory
+        print(f"\ndtlab run finished\n{summary_table(summary)}", flush=True)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -121,7 +188,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return handlers[args.command](args)
     except DtlabError as e:
         rank = os.environ.get("RANK")
-        tag = f"[rank{rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
+        tag = (
+            f"[rank{rank}] "
+            if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1"
+            else ""
+        )
         print(f"{tag}error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:

@@ -8,7 +8,7 @@ also need the world size), so there is one place to read what is allowed.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -29,17 +29,28 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     """Shape of the Llama-style decoder. A preset fills every shape key; keys given explicitly win."""
 
-    preset: str | None = Field("tiny", description="Shape preset: " + ", ".join(PRESETS) + "; null to give every shape key.")
+    preset: str | None = Field(
+        "tiny",
+        description="Shape preset: " + ", ".join(PRESETS) + "; null to give every shape key.",
+    )
     dim: int = Field(0, ge=1, description="Hidden size.")
     n_layers: int = Field(0, ge=1, description="Number of transformer blocks.")
     n_heads: int = Field(0, ge=1, description="Attention (query) heads.")
-    n_kv_heads: int | None = Field(None, ge=1, description="Key/value heads (grouped-query attention); null = n_heads.")
+    n_kv_heads: int | None = Field(
+        None, ge=1, description="Key/value heads (grouped-query attention); null = n_heads."
+    )
     vocab_size: int = Field(0, ge=1, description="Vocabulary size; must cover the tokenizer's.")
     max_seq_len: int = Field(0, ge=1, description="Longest sequence the RoPE tables are built for.")
-    ffn_dim: int | None = Field(None, ge=1, description="SwiGLU hidden size; null = Llama rule (8/3 dim, rounded up to 256).")
+    ffn_dim: int | None = Field(
+        None,
+        ge=1,
+        description="SwiGLU hidden size; null = Llama rule (8/3 dim, rounded up to 256).",
+    )
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
     norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
-    tie_embeddings: bool = Field(False, description="Share the input embedding with the output projection.")
+    tie_embeddings: bool = Field(
+        False, description="Share the input embedding with the output projection."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -48,12 +59,20 @@ class ModelConfig(_Section):
             return data
         preset = data.get("preset", "tiny")
         if preset is None:
-            missing = [k for k in ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len") if k not in data]
+            missing = [
+                k
+                for k in ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len")
+                if k not in data
+            ]
             if missing:
-                raise ValueError(f"model.preset is null, so these keys are required: {', '.join(missing)}")
+                raise ValueError(
+                    f"model.preset is null, so these keys are required: {', '.join(missing)}"
+                )
             return data
         if preset not in PRESETS:
-            raise ValueError(f"model.preset = {preset!r} is not a preset; allowed: {', '.join(PRESETS)}")
+            raise ValueError(
+                f"model.preset = {preset!r} is not a preset; allowed: {', '.join(PRESETS)}"
+            )
         return {**PRESETS[preset], **data}
 
     @property
@@ -71,44 +90,92 @@ class ModelConfig(_Section):
 class DataConfig(_Section):
     """Where training samples come from. Sample i depends only on (train.seed, source, i)."""
 
-    source: Literal["synthetic", "stdlib", "files"] = Field("stdlib", description="synthetic: seeded Markov-chain tokens; stdlib: the Python standard library's source; files: data.paths.")
-    paths: list[str] = Field(default_factory=list, description="For source=files: text (.txt, .md, ...), .jsonl or .parquet files or directories.")
+    source: Literal["synthetic", "stdlib", "files"] = Field(
+        "stdlib",
+        description="synthetic: seeded Markov-chain tokens; stdlib: the Python standard library's source; files: data.paths.",
+    )
+    paths: list[str] = Field(
+        default_factory=list,
+        description="For source=files: text (.txt, .md, ...), .jsonl or .parquet files or directories.",
+    )
     text_key: str = Field("text", description="Field that holds the text in jsonl/parquet records.")
-    seq_len: int | None = Field(None, ge=1, description="Tokens per training sample; null = model.max_seq_len.")
-    tokenizer: Literal["bytes"] = Field("bytes", description="bytes: UTF-8 bytes, vocabulary 256 (byte 0 separates documents).")
-    prefetch: int = Field(2, ge=0, description="Optimizer steps of batches prepared ahead in a background thread; 0 = inline.")
+    seq_len: int | None = Field(
+        None, ge=1, description="Tokens per training sample; null = model.max_seq_len."
+    )
+    tokenizer: Literal["bytes"] = Field(
+        "bytes", description="bytes: UTF-8 bytes, vocabulary 256 (byte 0 separates documents)."
+    )
+    prefetch: int = Field(
+        2,
+        ge=0,
+        description="Optimizer steps of batches prepared ahead in a background thread; 0 = inline.",
+    )
 
 
 class TrainConfig(_Section):
     """Optimisation: steps, batch, AdamW, schedule, precision, memory savers."""
 
     steps: int = Field(200, ge=1, description="Optimizer steps.")
-    global_batch_size: int = Field(16, ge=1, description="Samples per optimizer step, over all data-parallel ranks.")
-    micro_batch_size: int | None = Field(None, ge=1, description="Samples per forward/backward on one rank; null = no gradient accumulation.")
+    global_batch_size: int = Field(
+        16, ge=1, description="Samples per optimizer step, over all data-parallel ranks."
+    )
+    micro_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Samples per forward/backward on one rank; null = no gradient accumulation.",
+    )
     lr: float = Field(1e-3, gt=0, description="Peak learning rate.")
     min_lr: float = Field(1e-4, ge=0, description="Learning rate at the end of the decay.")
     warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps from 0 to lr.")
-    schedule: Literal["cosine", "linear", "constant", "wsd"] = Field("cosine", description="Decay after warm-up; wsd = warm-up, stable, decay.")
-    wsd_decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: fraction of the steps spent in the final linear decay.")
-    grad_clip: float = Field(1.0, ge=0, description="Max global gradient norm; 0 = no clipping (the norm is still reported).")
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = Field(
+        "cosine", description="Decay after warm-up; wsd = warm-up, stable, decay."
+    )
+    wsd_decay_fraction: float = Field(
+        0.2, gt=0, le=1, description="wsd: fraction of the steps spent in the final linear decay."
+    )
+    grad_clip: float = Field(
+        1.0,
+        ge=0,
+        description="Max global gradient norm; 0 = no clipping (the norm is still reported).",
+    )
     weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay (not applied to norms).")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     seed: int = Field(0, ge=0, description="Seed of the weights and of the data order.")
-    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Autocast dtype; fp16 adds dynamic loss scaling.")
-    activation_checkpointing: Literal["none", "full", "selective"] = Field("none", description="full: recompute each block; selective: keep matmul and attention outputs, recompute the rest.")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="Autocast dtype; fp16 adds dynamic loss scaling."
+    )
+    activation_checkpointing: Literal["none", "full", "selective"] = Field(
+        "none",
+        description="full: recompute each block; selective: keep matmul and attention outputs, recompute the rest.",
+    )
     compile: bool = Field(False, description="torch.compile each transformer block.")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto: cuda when available, else cpu."
+    )
 
 
 class ParallelConfig(_Section):
     """How the model and the batch are spread over processes."""
 
-    strategy: Literal["single", "ddp", "fsdp", "hsdp"] = Field("single", description="single process, DDP, FSDP2, or hybrid-sharded FSDP2.")
-    sharding: Literal["full", "shard_grad_op", "no_shard"] = Field("full", description="fsdp/hsdp: full (ZeRO-3), shard_grad_op (ZeRO-2), no_shard (replicated).")
-    replicate: int | None = Field(None, ge=1, description="hsdp: number of replica groups; the shard group size is world / replicate.")
-    compression: Literal["none", "fp16", "bf16", "powersgd", "dct"] = Field("none", description="Gradient compression.")
-    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto: nccl on CUDA, gloo on CPU.")
+    strategy: Literal["single", "ddp", "fsdp", "hsdp"] = Field(
+        "single", description="single process, DDP, FSDP2, or hybrid-sharded FSDP2."
+    )
+    sharding: Literal["full", "shard_grad_op", "no_shard"] = Field(
+        "full",
+        description="fsdp/hsdp: full (ZeRO-3), shard_grad_op (ZeRO-2), no_shard (replicated).",
+    )
+    replicate: int | None = Field(
+        None,
+        ge=1,
+        description="hsdp: number of replica groups; the shard group size is world / replicate.",
+    )
+    compression: Literal["none", "fp16", "bf16", "powersgd", "dct"] = Field(
+        "none", description="Gradient compression."
+    )
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="auto: nccl on CUDA, gloo on CPU."
+    )
 
 
 class CheckpointConfig(_Section):
@@ -125,9 +192,15 @@ class RunConfig(_Section):
 
     dir: str | None = Field(None, description="Run directory; null = runs/<name>-<timestamp>.")
     name: str = Field("dtlab", min_length=1, description="Run name.")
-    log_every: int = Field(10, ge=1, description="Log metrics every N steps (the last step is always logged).")
-    progress: Literal["auto", "bar", "lines", "none"] = Field("auto", description="auto: a bar on a terminal, plain lines otherwise.")
-    tensorboard: bool = Field(True, description="Write TensorBoard event files to <run dir>/tensorboard.")
+    log_every: int = Field(
+        10, ge=1, description="Log metrics every N steps (the last step is always logged)."
+    )
+    progress: Literal["auto", "bar", "lines", "none"] = Field(
+        "auto", description="auto: a bar on a terminal, plain lines otherwise."
+    )
+    tensorboard: bool = Field(
+        True, description="Write TensorBoard event files to <run dir>/tensorboard."
+    )
     plot: bool = Field(True, description="Write <run dir>/loss.png at the end.")
 
 
@@ -145,29 +218,47 @@ class Config(_Section):
     def _cross_checks(self) -> Config:
         m, d, t, p = self.model, self.data, self.train, self.parallel
         if m.dim % m.n_heads:
-            raise ValueError(f"model.dim = {m.dim} must be divisible by model.n_heads = {m.n_heads}")
+            raise ValueError(
+                f"model.dim = {m.dim} must be divisible by model.n_heads = {m.n_heads}"
+            )
         if (m.dim // m.n_heads) % 2:
-            raise ValueError(f"head dim model.dim / model.n_heads = {m.dim // m.n_heads} must be even for RoPE")
+            raise ValueError(
+                f"head dim model.dim / model.n_heads = {m.dim // m.n_heads} must be even for RoPE"
+            )
         if m.n_heads % m.kv_heads:
-            raise ValueError(f"model.n_heads = {m.n_heads} must be divisible by model.n_kv_heads = {m.kv_heads}")
+            raise ValueError(
+                f"model.n_heads = {m.n_heads} must be divisible by model.n_kv_heads = {m.kv_heads}"
+            )
         if d.seq_len is None:
             d.seq_len = m.max_seq_len
         if d.seq_len > m.max_seq_len:
-            raise ValueError(f"data.seq_len = {d.seq_len} exceeds model.max_seq_len = {m.max_seq_len}")
+            raise ValueError(
+                f"data.seq_len = {d.seq_len} exceeds model.max_seq_len = {m.max_seq_len}"
+            )
         if m.vocab_size < TOKENIZER_VOCAB[d.tokenizer]:
-            raise ValueError(f"model.vocab_size = {m.vocab_size} is smaller than the {d.tokenizer!r} tokenizer's {TOKENIZER_VOCAB[d.tokenizer]}")
+            raise ValueError(
+                f"model.vocab_size = {m.vocab_size} is smaller than the {d.tokenizer!r} tokenizer's {TOKENIZER_VOCAB[d.tokenizer]}"
+            )
         if d.source == "files" and not d.paths:
-            raise ValueError("data.source = 'files' needs data.paths (a list of files or directories)")
+            raise ValueError(
+                "data.source = 'files' needs data.paths (a list of files or directories)"
+            )
         if t.micro_batch_size is not None and t.global_batch_size % t.micro_batch_size:
-            raise ValueError(f"train.global_batch_size = {t.global_batch_size} is not divisible by train.micro_batch_size = {t.micro_batch_size}")
+            raise ValueError(
+                f"train.global_batch_size = {t.global_batch_size} is not divisible by train.micro_batch_size = {t.micro_batch_size}"
+            )
         if t.min_lr > t.lr:
             raise ValueError(f"train.min_lr = {t.min_lr} is larger than train.lr = {t.lr}")
         if not all(0 <= b < 1 for b in t.betas):
             raise ValueError(f"train.betas = {list(t.betas)} must each be in [0, 1)")
         if p.compression != "none":
-            raise ValueError(f"parallel.compression = {p.compression!r} is not available in this version; allowed: 'none'")
+            raise ValueError(
+                f"parallel.compression = {p.compression!r} is not available in this version; allowed: 'none'"
+            )
         if self.checkpoint.every:
-            raise ValueError(f"checkpoint.every = {self.checkpoint.every}: checkpointing is not available in this version; allowed: 0")
+            raise ValueError(
+                f"checkpoint.every = {self.checkpoint.every}: checkpointing is not available in this version; allowed: 0"
+            )
         return self
 
     @property
@@ -187,12 +278,18 @@ def check_world(config: Config, world_size: int) -> int:
     """Checks that need the world size; returns the gradient accumulation steps."""
     p, t = config.parallel, config.train
     if p.strategy == "single" and world_size > 1:
-        raise ConfigError(f"parallel.strategy = 'single' runs one process, but {world_size} were started; use ddp, fsdp or hsdp")
+        raise ConfigError(
+            f"parallel.strategy = 'single' runs one process, but {world_size} were started; use ddp, fsdp or hsdp"
+        )
     if p.strategy == "hsdp":
         if p.replicate is None:
-            raise ConfigError("parallel.strategy = 'hsdp' needs parallel.replicate (the number of replica groups, e.g. the number of nodes)")
+            raise ConfigError(
+                "parallel.strategy = 'hsdp' needs parallel.replicate (the number of replica groups, e.g. the number of nodes)"
+            )
         if world_size % p.replicate:
-            raise ConfigError(f"parallel.replicate = {p.replicate} does not divide the world size {world_size}")
+            raise ConfigError(
+                f"parallel.replicate = {p.replicate} does not divide the world size {world_size}"
+            )
     micro = t.micro_batch_size or t.global_batch_size // world_size
     if micro == 0 or t.global_batch_size % (micro * world_size):
         raise ConfigError(
@@ -207,10 +304,14 @@ class _Loader(yaml.SafeLoader):
     """PyYAML follows YAML 1.1, where ``1e-4`` is a string; we read floats the YAML 1.2 way."""
 
 
-_Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.yaml_implicit_resolvers = {
+    k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)(?:[eE][-+]?[0-9]+)?$|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"),
+    re.compile(
+        r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)(?:[eE][-+]?[0-9]+)?$|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"
+    ),
     list("-+0123456789."),
 )
 
@@ -218,7 +319,7 @@ _Loader.add_implicit_resolver(
 def parse_yaml(text: str, source: str = "<string>") -> Any:
     """Parse YAML text with YAML 1.2 floats; errors name the source and line."""
     try:
-        return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+        return yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as e:
         where = ""
         mark = getattr(e, "problem_mark", None)
@@ -242,7 +343,9 @@ def _read_file(path: str | Path) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{p}: the top level must be a mapping of sections (model, data, train, ...), got {type(data).__name__}")
+        raise ConfigError(
+            f"{p}: the top level must be a mapping of sections (model, data, train, ...), got {type(data).__name__}"
+        )
     return data
 
 
@@ -270,7 +373,9 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
             section_cls: type[BaseModel] = Config
             for part in e["loc"][:-1]:
                 ann = section_cls.model_fields[str(part)].annotation
-                section_cls = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else section_cls
+                section_cls = (
+                    ann if isinstance(ann, type) and issubclass(ann, BaseModel) else section_cls
+                )
             valid = [f.alias or n for n, f in section_cls.model_fields.items()]
             where = ".".join(str(x) for x in e["loc"][:-1]) or "the top level"
             lines.append(f"unknown key {loc!r}; valid keys in {where}: {', '.join(valid)}")
@@ -314,4 +419,3 @@ def describe_fields() -> list[tuple[str, str, str]]:
             key = f.alias or name
             rows.append((f"{section}.{key}", repr(defaults[section][key]), f.description or ""))
     return rows
-

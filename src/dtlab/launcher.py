@@ -33,10 +33,17 @@ def launch(spec: LaunchSpec, worker_args: list[str]) -> int:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     if spec.nnodes == 1 and spec.master_addr is None:
         # Single node: a c10d store on a free local port, like `torchrun --standalone`.
-        endpoint, run_id, rdzv_configs = "localhost:0", f"dtlab-{uuid.uuid4().hex[:8]}", {"is_host": True}
+        endpoint, run_id, rdzv_configs = (
+            "localhost:0",
+            f"dtlab-{uuid.uuid4().hex[:8]}",
+            {"is_host": True},
+        )
     else:
         endpoint = f"{spec.master_addr or 'localhost'}:{spec.master_port or 29500}"
-        run_id, rdzv_configs = f"dtlab-{spec.master_port or 29500}", {"is_host": spec.node_rank == 0}
+        run_id, rdzv_configs = (
+            f"dtlab-{spec.master_port or 29500}",
+            {"is_host": spec.node_rank == 0},
+        )
     config = LaunchConfig(
         min_nodes=spec.nnodes,
         max_nodes=spec.nnodes,
@@ -52,7 +59,9 @@ def launch(spec: LaunchSpec, worker_args: list[str]) -> int:
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "dtlab", *worker_args)
     except ChildFailedError as e:
-        failures = ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in sorted(e.failures.items()))
+        failures = ", ".join(
+            f"rank {r} (exit code {f.exitcode})" for r, f in sorted(e.failures.items())
+        )
         print(f"error: training failed on {failures}; see the messages above", file=sys.stderr)
         return 1
     return 0

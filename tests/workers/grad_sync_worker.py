@@ -19,13 +19,17 @@ from dtlab.train.schedules import build_scheduler
 
 results: dict = {}
 for strategy in ("ddp", "fsdp"):
-    cfg = load_config(overrides=["model.preset=debug", "data.seq_len=16", f"parallel.strategy={strategy}"])
+    cfg = load_config(
+        overrides=["model.preset=debug", "data.seq_len=16", f"parallel.strategy={strategy}"]
+    )
     d = init_distributed(cfg)
     pm = parallelize(build_model(cfg.model), cfg, d)
     opt = build_optimizer(pm.module, cfg.train)
     sched = build_scheduler(opt, cfg.train)
     for accum in (1, 4):
-        batches = [(torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))) for _ in range(accum)]
+        batches = [
+            (torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))) for _ in range(accum)
+        ]
         counter = CommCounter()
         with counter:
             train_step(pm, opt, sched, LossScaler(False), batches, cfg, d.device)

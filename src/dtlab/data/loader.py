@@ -46,8 +46,20 @@ class BatchLoader:
     With ``prefetch`` > 0 a daemon thread prepares that many steps ahead, off the critical path.
     """
 
-    def __init__(self, source: SampleSource, layout: BatchLayout, start_step: int = 0, prefetch: int = 2, pin_memory: bool = False) -> None:
-        self.source, self.layout, self.prefetch, self.pin_memory = source, layout, prefetch, pin_memory
+    def __init__(
+        self,
+        source: SampleSource,
+        layout: BatchLayout,
+        start_step: int = 0,
+        prefetch: int = 2,
+        pin_memory: bool = False,
+    ) -> None:
+        self.source, self.layout, self.prefetch, self.pin_memory = (
+            source,
+            layout,
+            prefetch,
+            pin_memory,
+        )
         self.next_step = start_step
         self._queue: queue.Queue[tuple[int, list[MicroBatch] | BaseException]] | None = None
         self._thread: threading.Thread | None = None
@@ -88,11 +100,15 @@ class BatchLoader:
         else:
             if self._thread is None:
                 self._queue = queue.Queue(maxsize=self.prefetch)
-                self._thread = threading.Thread(target=self._worker, args=(self.next_step,), name="dtlab-data", daemon=True)
+                self._thread = threading.Thread(
+                    target=self._worker, args=(self.next_step,), name="dtlab-data", daemon=True
+                )
                 self._thread.start()
             assert self._queue is not None
             step, item = self._queue.get()
-            assert step == self.next_step, f"data thread produced step {step}, expected {self.next_step}"
+            assert step == self.next_step, (
+                f"data thread produced step {step}, expected {self.next_step}"
+            )
             if isinstance(item, BaseException):
                 raise item
             batch = item
@@ -107,10 +123,16 @@ class BatchLoader:
             self._thread = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"next_step": self.next_step, "global_batch": self.layout.global_batch, "source": self.source.name}
+        return {
+            "next_step": self.next_step,
+            "global_batch": self.layout.global_batch,
+            "source": self.source.name,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self._thread is not None:
             raise RuntimeError("load_state_dict must be called before iterating")
         # Samples are indexed globally, so the position survives a change of world size or micro-batch.
-        self.next_step = int(state["next_step"]) * int(state["global_batch"]) // self.layout.global_batch
+        self.next_step = (
+            int(state["next_step"]) * int(state["global_batch"]) // self.layout.global_batch
+        )

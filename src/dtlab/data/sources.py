@@ -64,13 +64,17 @@ class TokenWindows:
         # Windows share their boundary token, so N windows need N * seq_len + 1 tokens.
         self.num_windows = (len(tokens) - 1) // seq_len
         if self.num_windows < 1:
-            raise DataError(f"data source {name!r} has {len(tokens)} tokens; data.seq_len = {seq_len} needs at least {seq_len + 1}")
+            raise DataError(
+                f"data source {name!r} has {len(tokens)} tokens; data.seq_len = {seq_len} needs at least {seq_len + 1}"
+            )
         self._epoch = -1
         self._perm = np.empty(0, dtype=np.int64)
 
     def _permutation(self, epoch: int) -> np.ndarray:
         if epoch != self._epoch:
-            self._perm = np.random.default_rng([self.seed, epoch, 0xE90C]).permutation(self.num_windows)
+            self._perm = np.random.default_rng([self.seed, epoch, 0xE90C]).permutation(
+                self.num_windows
+            )
             self._epoch = epoch
         return self._perm
 
@@ -123,7 +127,9 @@ def _records_text(path: Path, text_key: str) -> Iterator[bytes]:
     try:
         import datasets
     except ImportError:
-        raise DataError(f"reading {str(path)!r} needs Hugging Face datasets: pip install 'dtlab[data]'") from None
+        raise DataError(
+            f"reading {str(path)!r} needs Hugging Face datasets: pip install 'dtlab[data]'"
+        ) from None
     builder = "parquet" if path.suffix == ".parquet" else "json"
     datasets.disable_progress_bars()
     try:
@@ -132,7 +138,9 @@ def _records_text(path: Path, text_key: str) -> Iterator[bytes]:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DataError(f"data file {str(path)!r} cannot be read as {builder}: {msg}") from None
     if text_key not in ds.column_names:
-        raise DataError(f"data file {str(path)!r} has no field data.text_key = {text_key!r}; fields: {', '.join(ds.column_names) or 'none'}")
+        raise DataError(
+            f"data file {str(path)!r} has no field data.text_key = {text_key!r}; fields: {', '.join(ds.column_names) or 'none'}"
+        )
     for text in ds[text_key]:
         if text:
             yield str(text).encode("utf-8")
@@ -159,7 +167,9 @@ def build_source(config: Config) -> SampleSource:
     if d.source == "stdlib":
         files = stdlib_files()
         if not files:
-            raise DataError(f"no standard-library sources found under {sysconfig.get_paths()['stdlib']!r}; use data.source = synthetic or files")
+            raise DataError(
+                f"no standard-library sources found under {sysconfig.get_paths()['stdlib']!r}; use data.source = synthetic or files"
+            )
         return TokenWindows("stdlib", encode_bytes([_read_bytes(f) for f in files]), seq_len, seed)
     docs: list[bytes] = []
     for path in _expand_paths(d.paths):

@@ -57,5 +57,9 @@ def summary_table(s: dict[str, Any]) -> str:
         ("peak memory", f"{_human_bytes(s['peak_memory_bytes'])} per rank (max)"),
         ("wall time", f"{s['train_time_s']:.1f} s"),
     ]
+    if "run_dir" in s:
+        rows.append(("run dir", s["run_dir"]))
+    if "loss_plot" in s:
+        rows.append(("loss curve", s["loss_plot"]))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

@@ -93,8 +93,14 @@ class ProgressSink:
         """Called every step (cheap); prints a line only on logged steps."""
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_s']:,.0f}", refresh=False)
-        elif self.mode == "lines" and (metrics["step"] % self.log_every == 0 or metrics["step"] == self.total):
+            self.bar.set_postfix(
+                loss=f"{metrics['loss']:.4f}",
+                tok_s=f"{metrics['tokens_per_s']:,.0f}",
+                refresh=False,
+            )
+        elif self.mode == "lines" and (
+            metrics["step"] % self.log_every == 0 or metrics["step"] == self.total
+        ):
             logger.info(format_step(metrics, self.total))
 
     def close(self) -> None:

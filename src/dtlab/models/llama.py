@@ -32,9 +32,13 @@ class RMSNorm(nn.Module):
         return out.type_as(x) * self.weight
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotary angles, each [max_seq_len, head_dim // 2]."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    )
     angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
 
@@ -99,6 +103,9 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """tokens [B, T] int64 -> logits [B, T, vocab_size]."""
 
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -115,7 +122,7 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         T = tokens.shape[1]
-        if T > self.cfg.max_seq_len:
+        if self.cfg.max_seq_len < T:
             raise ValueError(f"sequence length {T} exceeds max_seq_len {self.cfg.max_seq_len}")
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         h = self.tok_embeddings(tokens)
@@ -139,7 +146,9 @@ class Transformer(nn.Module):
             return 0.02 / math.sqrt(2 * self.cfg.n_layers)
         return 0.02
 
-    def initial_value(self, name: str, shape: torch.Size | tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    def initial_value(
+        self, name: str, shape: torch.Size | tuple[int, ...], seed: int = 0
+    ) -> torch.Tensor:
         """The full initial value of parameter ``name`` on CPU, in float32.
 
         Drawn from a generator seeded by (seed, name) alone, so every rank and every parallel layout
@@ -154,7 +163,12 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_buffers(self) -> None:
         """Recompute the RoPE tables (needed after ``to_empty``)."""
-        cos, sin = rope_tables(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta, self.rope_cos.device)
+        cos, sin = rope_tables(
+            self.cfg.dim // self.cfg.n_heads,
+            self.cfg.max_seq_len,
+            self.cfg.rope_theta,
+            self.rope_cos.device,
+        )
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 

@@ -46,7 +46,9 @@ def _saved_ops() -> set[object]:
     return {getattr(aten, n).default for n in names if hasattr(aten, n)}
 
 
-def _selective_policy(saved: set[object], ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+def _selective_policy(
+    saved: set[object], ctx: object, op: object, *args: object, **kwargs: object
+) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
@@ -58,12 +60,16 @@ def apply_ac(model: Transformer, mode: str) -> None:
     """
     if mode == "none":
         return
-    context_fn = functools.partial(create_selective_checkpoint_contexts, functools.partial(_selective_policy, _saved_ops()))
+    context_fn = functools.partial(
+        create_selective_checkpoint_contexts, functools.partial(_selective_policy, _saved_ops())
+    )
     for i, block in enumerate(model.layers):
         if mode == "full":
             model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
         else:
-            model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=context_fn)
+            model.layers[i] = checkpoint_wrapper(
+                block, preserve_rng_state=False, context_fn=context_fn
+            )
 
 
 def apply_compile(model: Transformer) -> None:
@@ -78,10 +84,16 @@ def build_dp_mesh(config: Config, dist_info: DistInfo) -> DeviceMesh:
     world, p = dist_info.world_size, config.parallel
     device_type = dist_info.device.type
     if p.sharding == "no_shard":
-        return init_device_mesh(device_type, (world, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
+        return init_device_mesh(
+            device_type, (world, 1), mesh_dim_names=("dp_replicate", "dp_shard")
+        )
     if p.strategy == "hsdp":
         assert p.replicate is not None  # checked by check_world
-        return init_device_mesh(device_type, (p.replicate, world // p.replicate), mesh_dim_names=("dp_replicate", "dp_shard"))
+        return init_device_mesh(
+            device_type,
+            (p.replicate, world // p.replicate),
+            mesh_dim_names=("dp_replicate", "dp_shard"),
+        )
     return init_device_mesh(device_type, (world,), mesh_dim_names=("dp_shard",))
 
 
@@ -111,7 +123,9 @@ def materialize(model: Transformer, device: torch.device, seed: int) -> None:
         full = model.initial_value(plain_name(name), param.shape, seed).to(device)
         if isinstance(param, DTensor):
             # src_data_rank=None: every rank holds the same full value, so each slices locally (no comm).
-            local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+            local = distribute_tensor(
+                full, param.device_mesh, param.placements, src_data_rank=None
+            ).to_local()
             param.to_local().copy_(local)
         else:
             param.copy_(full)
@@ -162,6 +176,8 @@ def parallelize(model: Transformer, config: Config, dist_info: DistInfo) -> Para
     if strategy == "ddp":
         device_ids = [dist_info.device.index] if dist_info.device.type == "cuda" else None
         # broadcast_buffers=False: the only buffers are the RoPE tables, derived from the config on every rank.
-        ddp = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True, broadcast_buffers=False)
+        ddp = DistributedDataParallel(
+            model, device_ids=device_ids, gradient_as_bucket_view=True, broadcast_buffers=False
+        )
         return ParallelModel(ddp, model, strategy)
     return ParallelModel(model, model, strategy)

@@ -32,7 +32,9 @@ class DistInfo:
 
 def is_worker_env() -> bool:
     """True when a launcher (torchrun, dtlab's elastic launcher) started this process as a worker."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ)
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+    )
 
 
 def _free_port() -> int:
@@ -44,7 +46,9 @@ def _free_port() -> int:
 def resolve_device(config: Config, local_rank: int) -> torch.device:
     want = config.train.device
     if want == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device = 'cuda' but no CUDA device is available; allowed here: auto, cpu")
+        raise ConfigError(
+            "train.device = 'cuda' but no CUDA device is available; allowed here: auto, cpu"
+        )
     if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
@@ -70,12 +74,20 @@ def init_distributed(config: Config) -> DistInfo:
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
     if backend == "nccl" and device.type != "cuda":
-        raise ConfigError("parallel.backend = 'nccl' needs CUDA devices; allowed on CPU: auto, gloo")
+        raise ConfigError(
+            "parallel.backend = 'nccl' needs CUDA devices; allowed on CPU: auto, gloo"
+        )
     if config.parallel.strategy == "single" and world == 1:
         return DistInfo(0, 1, 0, 1, device, None)
     if not dist.is_initialized():
         init_method = None if "MASTER_ADDR" in env else f"tcp://127.0.0.1:{_free_port()}"
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timedelta(minutes=10))
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(minutes=10),
+        )
     return DistInfo(rank, world, local_rank, local_world, device, backend)
 
 
@@ -88,6 +100,6 @@ def destroy_distributed(graceful: bool = True) -> None:
     if dist.is_available() and dist.is_initialized():
         if graceful:
             # Meet first: a rank that tears down its connections while a peer is still finishing its last
-        # collectives (or writing the summary) can make the peer's gloo threads abort.
+            # collectives (or writing the summary) can make the peer's gloo threads abort.
             dist.barrier()
         dist.destroy_process_group()

@@ -24,10 +24,16 @@ from dtlab.data import BatchLayout, BatchLoader, build_source
 from dtlab.data.loader import MicroBatch
 from dtlab.errors import DtlabError
 from dtlab.metrics.logging import logger, setup_logging
-from dtlab.metrics.report import peak_memory_bytes, plot_loss, summary_table
+from dtlab.metrics.report import peak_memory_bytes, plot_loss
 from dtlab.metrics.sinks import JsonlSink, NullSink, ProgressSink, Sink, TensorBoardSink
 from dtlab.models.llama import build_model, count_params
-from dtlab.parallel import DistInfo, ParallelModel, destroy_distributed, init_distributed, parallelize
+from dtlab.parallel import (
+    DistInfo,
+    ParallelModel,
+    destroy_distributed,
+    init_distributed,
+    parallelize,
+)
 from dtlab.train.optim import build_optimizer, grad_norm_
 from dtlab.train.precision import LossScaler, autocast
 from dtlab.train.schedules import build_scheduler
@@ -47,7 +53,13 @@ class TrainState:
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
 
 
-def forward_loss(module: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, precision: str, device: torch.device) -> torch.Tensor:
+def forward_loss(
+    module: nn.Module,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    precision: str,
+    device: torch.device,
+) -> torch.Tensor:
     """Mean cross-entropy over the micro-batch's tokens (computed in float32 under any precision)."""
     with autocast(precision, device):
         logits = module(inputs)
@@ -67,7 +79,10 @@ def train_step(
     accum = len(micro_batches)
     loss_sum = torch.zeros((), device=device)
     for i, (inputs, targets) in enumerate(micro_batches):
-        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        inputs, targets = (
+            inputs.to(device, non_blocking=True),
+            targets.to(device, non_blocking=True),
+        )
         # Only the last micro-batch synchronises gradients; the others accumulate locally.
         with pm.grad_sync(i == accum - 1):
             # Every micro-batch has the same number of tokens, so mean/accum summed over micro-batches and
@@ -99,7 +114,11 @@ def resolve_run_dir(config: Config, d: DistInfo) -> Path:
     """Rank 0 picks and creates the run directory; every rank gets the same path (or the same error)."""
     result: list[str] = [""]
     if d.is_main:
-        path = Path(config.run.dir) if config.run.dir else Path("runs") / f"{config.run.name}-{datetime.now():%Y%m%d-%H%M%S}"
+        path = (
+            Path(config.run.dir)
+            if config.run.dir
+            else Path("runs") / f"{config.run.name}-{datetime.now():%Y%m%d-%H%M%S}"
+        )
         if not config.run.dir:
             base, n = path, 1
             while path.exists():
@@ -135,7 +154,14 @@ def _max_over_ranks(value: int) -> int:
     return int(t.item())
 
 
-def summarize(config: Config, history: list[dict[str, Any]], state: TrainState, d: DistInfo, params: int, wall: float) -> dict[str, Any]:
+def summarize(
+    config: Config,
+    history: list[dict[str, Any]],
+    state: TrainState,
+    d: DistInfo,
+    params: int,
+    wall: float,
+) -> dict[str, Any]:
     """The run's final figures. The first step (warm-up, compilation) is left out of the timing."""
     timed = history[1:] or history
     time_sum = sum(m["step_time_s"] for m in timed)
@@ -187,12 +213,20 @@ def _train(config: Config, d: DistInfo) -> dict[str, Any]:
     source = build_source(config)
     model = build_model(config.model)  # on the meta device: nothing allocated yet
     pm = parallelize(model, config, d)
-    optimizer = build_optimizer(pm.module, t)  # after parallelize: it must hold the sharded parameters
+    optimizer = build_optimizer(
+        pm.module, t
+    )  # after parallelize: it must hold the sharded parameters
     scheduler = build_scheduler(optimizer, t)
     scaler = LossScaler(t.precision == "fp16")
     state = TrainState()
     layout = BatchLayout(t.global_batch_size, d.rank, d.world_size, micro)
-    loader = BatchLoader(source, layout, start_step=state.step, prefetch=config.data.prefetch, pin_memory=d.device.type == "cuda")
+    loader = BatchLoader(
+        source,
+        layout,
+        start_step=state.step,
+        prefetch=config.data.prefetch,
+        pin_memory=d.device.type == "cuda",
+    )
     params = count_params(model)
     logger.info(
         "training %.2fM params | %s x %d on %s | global batch %d = %d ranks x %d micro-batches x %d | %d steps | run dir %s",
@@ -201,7 +235,9 @@ def _train(config: Config, d: DistInfo) -> dict[str, Any]:
     )  # fmt: skip
 
     sinks = build_sinks(config, run_dir, d)
-    progress = ProgressSink(config.run.progress if d.is_main else "none", t.steps, config.run.log_every)
+    progress = ProgressSink(
+        config.run.progress if d.is_main else "none", t.steps, config.run.log_every
+    )
     tokens_per_step = t.global_batch_size * config.seq_len
     history: list[dict[str, Any]] = []
     wall0 = time.perf_counter()
@@ -214,7 +250,13 @@ def _train(config: Config, d: DistInfo) -> dict[str, Any]:
             dt = time.perf_counter() - t0
             state.step += 1
             state.tokens += tokens_per_step
-            m = {"step": state.step, **m, "tokens": state.tokens, "step_time_s": dt, "tokens_per_s": tokens_per_step / dt}
+            m = {
+                "step": state.step,
+                **m,
+                "tokens": state.tokens,
+                "step_time_s": dt,
+                "tokens_per_s": tokens_per_step / dt,
+            }
             history.append(m)
             if not warned_nonfinite and not torch.isfinite(torch.tensor(m["loss"])):
                 logger.warning("step %d: loss is %s", state.step, m["loss"])
@@ -233,9 +275,14 @@ def _train(config: Config, d: DistInfo) -> dict[str, Any]:
     if d.is_main:
         summary["run_dir"] = str(run_dir)
         if config.run.plot:
-            summary["loss_plot"] = str(plot_loss(history, run_dir / "loss.png", f"{config.run.name}: {config.parallel.strategy} x {d.world_size}"))
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-        print(f"\ndtlab run finished\n{summary_table(summary)}\n  run dir           {run_dir}", flush=True)
-        if "loss_plot" in summary:
-            print(f"  loss curve        {summary['loss_plot']}", flush=True)
+            summary["loss_plot"] = str(
+                plot_loss(
+                    history,
+                    run_dir / "loss.png",
+                    f"{config.run.name}: {config.parallel.strategy} x {d.world_size}",
+                )
+            )
+        (run_dir / "summary.json").write_text(
+            json.dumps(summary, indent=2) + "\n", encoding="utf-8"
+        )
     return summary

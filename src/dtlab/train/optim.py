@@ -14,11 +14,15 @@ from dtlab.config import TrainConfig
 def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.AdamW:
     """AdamW over the model's parameters. Build it *after* parallelism is applied: FSDP replaces the
     parameters with sharded ones, and an optimizer holding the old ones would train nothing."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "weight_decay": t.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
     return torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, eps=t.eps, foreach=True)
 
 

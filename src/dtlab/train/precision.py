@@ -30,10 +30,21 @@ class LossScaler:
     all-reduced (MAX) over all ranks, so all of them skip or step together.
     """
 
-    def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int = 200) -> None:
+    def __init__(
+        self,
+        enabled: bool,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 200,
+    ) -> None:
         self.enabled = enabled
         self.scale = init_scale if enabled else 1.0
-        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
+        self.growth_factor, self.backoff_factor, self.growth_interval = (
+            growth_factor,
+            backoff_factor,
+            growth_interval,
+        )
         self.good_steps = 0
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
