@@ -8,6 +8,7 @@ FSDP must shard before memory is allocated; DDP needs real weights to broadcast.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -175,9 +176,13 @@ def parallelize(model: Transformer, config: Config, dist_info: DistInfo) -> Para
     materialize(model, dist_info.device, t.seed)
     if strategy == "ddp":
         device_ids = [dist_info.device.index] if dist_info.device.type == "cuda" else None
-        # broadcast_buffers=False: the only buffers are the RoPE tables, derived from the config on every rank.
-        ddp = DistributedDataParallel(
-            model, device_ids=device_ids, gradient_as_bucket_view=True, broadcast_buffers=False
+        # The only buffers are the RoPE tables, derived from the config on every rank: never re-broadcast
+        # them before each forward (the keyword was renamed in newer torch).
+        no_buffer_sync = (
+            {"forward_sync_buffers": False}
+            if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+            else {"broadcast_buffers": False}
         )
+        ddp = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True, **no_buffer_sync)
         return ParallelModel(ddp, model, strategy)
     return ParallelModel(model, model, strategy)
