@@ -109,6 +109,10 @@ def write(path: Path, text: str) -> Path:
             ["--nproc", "3", "--set", "parallel.strategy=ddp", "train.global_batch_size=16"],
             "data-parallel degree 3",
         ),
+        (
+            ["--nproc", "4", "--set", "parallel.strategy=ddp", "train.global_batch_size=2"],
+            "smaller than the data-parallel degree 4",
+        ),
         (["--nproc", "2"], "'single' runs one process"),
         (["--nproc", "4", "--set", "parallel.strategy=hsdp"], "needs parallel.replicate"),
         (["missing.yaml"], "config file 'missing.yaml' does not exist"),
@@ -170,3 +174,37 @@ def test_bad_flags_exit_with_usage(args: list[str]) -> None:
     proc = run_cli("train", *args)
     assert proc.returncode == 2
     assert "usage:" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_busy_master_port_is_a_clear_error(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        # Someone else's server on the port: the rendezvous cannot start there.
+        proc = run_cli(
+            "train",
+            "--nproc",
+            "2",
+            "--master-port",
+            str(port),
+            "--set",
+            *FAST,
+            "parallel.strategy=ddp",
+            "train.steps=1",
+            f"run.dir={tmp_path / 'run'}",
+            timeout=240,
+        )
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"localhost:{port}" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_json_safe_replaces_non_finite_floats() -> None:
+    from dtlab.metrics.sinks import json_safe
+
+    value = {"loss": float("nan"), "rows": [1.5, float("inf"), {"x": -float("inf")}], "n": 3}
+    text = json.dumps(json_safe(value), allow_nan=False)
+    assert json.loads(text) == {"loss": None, "rows": [1.5, None, {"x": None}], "n": 3}

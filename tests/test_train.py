@@ -12,10 +12,10 @@ from conftest import train_run
 
 def test_stdlib_corpus_trains(tmp_path: Path) -> None:
     run = train_run(tmp_path / "stdlib", "data.source=stdlib", "train.lr=1e-2", steps=15)
-    assert run[-1]["loss"] < run[0]["loss"] - 1.0  # bytes of Python source: whitespace alone is easy
+    # Bytes of Python source: whitespace and keywords alone are easy to learn.
+    assert run[-1]["loss"] < run[0]["loss"] - 1.0
 
 
-@pytest.mark.slow
 def test_compile_matches_eager(tmp_path: Path, reference_run: list[dict[str, Any]]) -> None:
     run = train_run(tmp_path / "compiled", "train.compile=true")
     for m, r in zip(run, reference_run, strict=True):

@@ -290,8 +290,13 @@ def check_world(config: Config, world_size: int) -> int:
             raise ConfigError(
                 f"parallel.replicate = {p.replicate} does not divide the world size {world_size}"
             )
+    if t.global_batch_size < world_size:
+        raise ConfigError(
+            f"train.global_batch_size = {t.global_batch_size} is smaller than the data-parallel degree "
+            f"{world_size}; every rank needs at least one sample; allowed: a multiple of {world_size}"
+        )
     micro = t.micro_batch_size or t.global_batch_size // world_size
-    if micro == 0 or t.global_batch_size % (micro * world_size):
+    if t.global_batch_size % (micro * world_size):
         raise ConfigError(
             f"train.global_batch_size = {t.global_batch_size} is not divisible by train.micro_batch_size = {micro} "
             f"x data-parallel degree {world_size}; allowed: a multiple of {micro * world_size}"

@@ -27,11 +27,12 @@ class LaunchSpec:
 def launch(spec: LaunchSpec, worker_args: list[str]) -> int:
     """Run ``python -m dtlab <worker_args>`` in ``spec.nproc`` local processes; returns an exit code."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     # The elastic agent logs every restart and failure at length; the workers print their own errors.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    if spec.nnodes == 1 and spec.master_addr is None:
+    if spec.nnodes == 1 and spec.master_addr is None and spec.master_port is None:
         # Single node: a c10d store on a free local port, like `torchrun --standalone`.
         endpoint, run_id, rdzv_configs = (
             "localhost:0",
@@ -63,5 +64,13 @@ def launch(spec: LaunchSpec, worker_args: list[str]) -> int:
             f"rank {r} (exit code {f.exitcode})" for r, f in sorted(e.failures.items())
         )
         print(f"error: training failed on {failures}; see the messages above", file=sys.stderr)
+        return 1
+    except RendezvousError as e:
+        # e.g. the port is taken, or the other nodes never arrived: a setup problem, not a crash.
+        print(
+            f"error: could not start the process group at {endpoint} "
+            f"(--master-addr/--master-port): {type(e).__name__}: {e}",
+            file=sys.stderr,
+        )
         return 1
     return 0

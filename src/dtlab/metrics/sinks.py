@@ -15,10 +15,17 @@ from typing import Any, Protocol
 from dtlab.metrics.logging import logger
 
 
-def _clean(value: Any) -> Any:
-    # JSON has no inf/NaN; write null so every line stays valid JSON.
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float (also inside dicts and lists) replaced by None.
+
+    Strict JSON has no inf/NaN; writing null keeps every file readable by any JSON parser.
+    """
     if isinstance(value, float) and not math.isfinite(value):
         return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
     return value
 
 
@@ -44,7 +51,7 @@ class JsonlSink:
         self.file = path.open("w", encoding="utf-8")
 
     def log(self, metrics: dict[str, Any]) -> None:
-        self.file.write(json.dumps({k: _clean(v) for k, v in metrics.items()}) + "\n")
+        self.file.write(json.dumps(json_safe(metrics)) + "\n")
         self.file.flush()
 
     def close(self) -> None:

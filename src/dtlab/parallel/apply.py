@@ -12,6 +12,7 @@ import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -178,11 +179,13 @@ def parallelize(model: Transformer, config: Config, dist_info: DistInfo) -> Para
         device_ids = [dist_info.device.index] if dist_info.device.type == "cuda" else None
         # The only buffers are the RoPE tables, derived from the config on every rank: never re-broadcast
         # them before each forward (the keyword was renamed in newer torch).
-        no_buffer_sync = (
+        no_buffer_sync: dict[str, Any] = (
             {"forward_sync_buffers": False}
             if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
             else {"broadcast_buffers": False}
         )
-        ddp = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True, **no_buffer_sync)
+        ddp = DistributedDataParallel(
+            model, device_ids=device_ids, gradient_as_bucket_view=True, **no_buffer_sync
+        )
         return ParallelModel(ddp, model, strategy)
     return ParallelModel(model, model, strategy)

@@ -25,7 +25,14 @@ from dtlab.data.loader import MicroBatch
 from dtlab.errors import DtlabError
 from dtlab.metrics.logging import logger, setup_logging
 from dtlab.metrics.report import peak_memory_bytes, plot_loss
-from dtlab.metrics.sinks import JsonlSink, NullSink, ProgressSink, Sink, TensorBoardSink
+from dtlab.metrics.sinks import (
+    JsonlSink,
+    NullSink,
+    ProgressSink,
+    Sink,
+    TensorBoardSink,
+    json_safe,
+)
 from dtlab.models.llama import build_model, count_params
 from dtlab.parallel import (
     DistInfo,
@@ -283,6 +290,6 @@ def _train(config: Config, d: DistInfo) -> dict[str, Any]:
                 )
             )
         (run_dir / "summary.json").write_text(
-            json.dumps(summary, indent=2) + "\n", encoding="utf-8"
+            json.dumps(json_safe(summary), indent=2) + "\n", encoding="utf-8"
         )
     return summary
