@@ -6,12 +6,10 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from datetime import datetime
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dtlab import __version__
-from dtlab.errors import DtlabError
+from dtlab.errors import DtlabError, Preempted
 
 if TYPE_CHECKING:
     from dtlab.config import Config
@@ -148,9 +146,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     build_source(config)
     overrides = list(args.overrides)
     if config.run.dir is None:
-        # Resolve the run directory once so the launcher can say where the run is.
-        run_dir = Path("runs") / f"{config.run.name}-{datetime.now():%Y%m%d-%H%M%S}"
-        overrides.append(f"run.dir={run_dir}")
+        # Resolve the run directory once, so that every worker (and every restart) uses the same one.
+        from dtlab.train.loop import default_run_dir
+
+        overrides.append(f"run.dir={default_run_dir(config)}")
     from dtlab.launcher import LaunchSpec, launch
 
     spec = LaunchSpec(
@@ -186,6 +185,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     handlers = {"train": cmd_train, "config": cmd_config}
     try:
         return handlers[args.command](args)
+    except Preempted as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"preempted: {e}", file=sys.stderr)
+        return e.exit_code
     except DtlabError as e:
         rank = os.environ.get("RANK")
         tag = (

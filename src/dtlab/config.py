@@ -139,6 +139,12 @@ class TrainConfig(_Section):
         description="Max global gradient norm; 0 = no clipping (the norm is still reported).",
     )
     weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay (not applied to norms).")
+    max_bad_steps: int = Field(
+        3,
+        ge=1,
+        description="A step whose loss or gradients are not finite is skipped; after this many in a row "
+        "the run rolls back to the last checkpoint, or stops if there is none.",
+    )
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     seed: int = Field(0, ge=0, description="Seed of the weights and of the data order.")
@@ -184,7 +190,22 @@ class CheckpointConfig(_Section):
     every: int = Field(0, ge=0, description="Save every N optimizer steps; 0 = off.")
     keep: int = Field(3, ge=1, description="Checkpoints kept.")
     async_: bool = Field(False, alias="async", description="Write in the background.")
-    resume: str = Field("auto", description="auto | never | a checkpoint path.")
+    resume: str = Field(
+        "auto",
+        min_length=1,
+        description="auto: the newest complete checkpoint of this run (local or durable tier); never; "
+        "or the path of a checkpoint or of a run directory.",
+    )
+    durable_dir: str | None = Field(
+        None,
+        description="Durable tier: a path or fsspec URL that also receives checkpoints; null = off.",
+    )
+    durable_every: int = Field(
+        0,
+        ge=0,
+        description="Copy every N-th step's checkpoint to the durable tier (a multiple of every); "
+        "0 = each one. The final checkpoint is always copied.",
+    )
 
 
 class RunConfig(_Section):
@@ -255,9 +276,10 @@ class Config(_Section):
             raise ValueError(
                 f"parallel.compression = {p.compression!r} is not available in this version; allowed: 'none'"
             )
-        if self.checkpoint.every:
+        c = self.checkpoint
+        if c.durable_every and c.every and c.durable_every % c.every:
             raise ValueError(
-                f"checkpoint.every = {self.checkpoint.every}: checkpointing is not available in this version; allowed: 0"
+                f"checkpoint.durable_every = {c.durable_every} is not a multiple of checkpoint.every = {c.every}"
             )
         return self
 

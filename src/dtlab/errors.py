@@ -13,3 +13,13 @@ class ConfigError(DtlabError):
 
 class DataError(DtlabError):
     """A data source is missing, unreadable, empty or too short."""
+
+
+class CheckpointError(DtlabError):
+    """A checkpoint is missing, incomplete, corrupt, or does not fit the run that loads it."""
+
+
+class Preempted(DtlabError):
+    """Training stopped on a signal after saving a checkpoint; the same command resumes it."""
+
+    exit_code = 75  # EX_TEMPFAIL from sysexits.h: temporary failure, try again

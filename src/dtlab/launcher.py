@@ -11,6 +11,8 @@ import sys
 import uuid
 from dataclasses import dataclass
 
+from dtlab.errors import Preempted
+
 
 @dataclass(frozen=True)
 class LaunchSpec:
@@ -26,6 +28,7 @@ class LaunchSpec:
 
 def launch(spec: LaunchSpec, worker_args: list[str]) -> int:
     """Run ``python -m dtlab <worker_args>`` in ``spec.nproc`` local processes; returns an exit code."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -56,15 +59,28 @@ def launch(spec: LaunchSpec, worker_args: list[str]) -> int:
         max_restarts=spec.max_restarts,
         monitor_interval=0.2,
         start_method="spawn",
+        # The agent passes the signals it handles on to the workers (which save a checkpoint and stop);
+        # SIGUSR1, which Slurm can send ahead of a time limit, is not among torch's defaults.
+        signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
     )
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "dtlab", *worker_args)
     except ChildFailedError as e:
+        if all(f.exitcode == Preempted.exit_code for f in e.failures.values()):
+            return Preempted.exit_code  # the workers said where they saved
         failures = ", ".join(
             f"rank {r} (exit code {f.exitcode})" for r, f in sorted(e.failures.items())
         )
         print(f"error: training failed on {failures}; see the messages above", file=sys.stderr)
         return 1
+    except SignalException as e:
+        # The launcher itself was signalled: the agent passed the signal on and waited for the workers.
+        print(
+            f"stopped by {e.sigval.name}: the workers saved a checkpoint if they could (see above); "
+            "run the same command to resume",
+            file=sys.stderr,
+        )
+        return Preempted.exit_code
     except RendezvousError as e:
         # e.g. the port is taken, or the other nodes never arrived: a setup problem, not a crash.
         print(

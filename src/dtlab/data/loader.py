@@ -130,8 +130,9 @@ class BatchLoader:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self._thread is not None:
-            raise RuntimeError("load_state_dict must be called before iterating")
+        if self._thread is not None:  # prefetched batches belong to the old position: drop them
+            self.close()
+            self._stop = threading.Event()
         # Samples are indexed globally, so the position survives a change of world size or micro-batch.
         self.next_step = (
             int(state["next_step"]) * int(state["global_batch"]) // self.layout.global_batch

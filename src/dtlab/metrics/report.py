@@ -47,16 +47,26 @@ def _human_bytes(n: float) -> str:
 
 def summary_table(s: dict[str, Any]) -> str:
     """A short human-readable table of a run's summary."""
+
+    def num(key: str, fmt: str) -> str:
+        return "-" if s.get(key) is None else format(s[key], fmt)
+
     rows = [
         ("strategy", f"{s['strategy']} x {s['world_size']} ({s['precision']})"),
         ("model", f"{s['params'] / 1e6:.2f}M params"),
         ("steps", f"{s['steps']} x {s['global_batch_size']} samples x {s['seq_len']} tokens"),
-        ("loss", f"{s['initial_loss']:.4f} -> {s['final_loss']:.4f}"),
-        ("median step time", f"{s['median_step_time_s']:.3f} s"),
+        ("loss", f"{num('initial_loss', '.4f')} -> {num('final_loss', '.4f')}"),
+        ("median step time", f"{num('median_step_time_s', '.3f')} s"),
         ("throughput", f"{s['tokens_per_s']:,.0f} tokens/s (all ranks)"),
         ("peak memory", f"{_human_bytes(s['peak_memory_bytes'])} per rank (max)"),
         ("wall time", f"{s['train_time_s']:.1f} s"),
     ]
+    if s.get("resumed_from"):
+        rows.append(("resumed from", s["resumed_from"]))
+    if s.get("bad_steps"):
+        rows.append(("bad steps", f"{s['bad_steps']} skipped, {s.get('rollbacks', 0)} rollbacks"))
+    if s.get("checkpoint_failures"):
+        rows.append(("checkpoint failures", str(s["checkpoint_failures"])))
     if "run_dir" in s:
         rows.append(("run dir", s["run_dir"]))
     if "loss_plot" in s:

@@ -47,8 +47,19 @@ class NullSink:
 class JsonlSink:
     """One JSON object per logged optimizer step."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, resume_step: int = 0) -> None:
+        kept = []
+        if resume_step and path.exists():
+            # A resumed run continues the file: keep the lines up to the checkpoint, drop the ones after
+            # it (they are trained again).
+            for line in path.read_text(encoding="utf-8").splitlines():
+                try:
+                    if json.loads(line)["step"] <= resume_step:
+                        kept.append(line + "\n")
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line torn by a crash
         self.file = path.open("w", encoding="utf-8")
+        self.file.writelines(kept)
 
     def log(self, metrics: dict[str, Any]) -> None:
         self.file.write(json.dumps(json_safe(metrics)) + "\n")
@@ -61,10 +72,13 @@ class JsonlSink:
 class TensorBoardSink:
     """Scalars under ``train/`` in ``<run dir>/tensorboard``."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, resume_step: int = 0) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(log_dir))
+        # purge_step hides events after the checkpoint that an interrupted attempt wrote.
+        self.writer = SummaryWriter(
+            log_dir=str(log_dir), purge_step=resume_step + 1 if resume_step else None
+        )
 
     def log(self, metrics: dict[str, Any]) -> None:
         step = metrics["step"]
@@ -86,7 +100,7 @@ def format_step(m: dict[str, Any], total: int) -> str:
 class ProgressSink:
     """A tqdm bar on a terminal; plain log lines otherwise (logs, CI, Slurm output files)."""
 
-    def __init__(self, mode: str, total: int, log_every: int) -> None:
+    def __init__(self, mode: str, total: int, log_every: int, initial: int = 0) -> None:
         use_bar = mode == "bar" or (mode == "auto" and sys.stderr.isatty())
         self.mode = "none" if mode == "none" else ("bar" if use_bar else "lines")
         self.total, self.log_every = total, log_every
@@ -94,12 +108,14 @@ class ProgressSink:
         if self.mode == "bar":
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr)
+            self.bar = tqdm(
+                total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr
+            )
 
     def step(self, metrics: dict[str, Any]) -> None:
         """Called every step (cheap); prints a line only on logged steps."""
         if self.bar is not None:
-            self.bar.update(1)
+            self.bar.update(metrics["step"] - self.bar.n)  # also right after a rollback
             self.bar.set_postfix(
                 loss=f"{metrics['loss']:.4f}",
                 tok_s=f"{metrics['tokens_per_s']:,.0f}",

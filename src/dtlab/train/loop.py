@@ -7,6 +7,7 @@ switched off between micro-batches (``ParallelModel.grad_sync``); everything her
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -19,6 +20,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from dtlab.checkpoint.manager import Checkpointer
+from dtlab.checkpoint.state import Health, TrainingParts
+from dtlab.checkpoint.store import find_resumable_run
 from dtlab.config import Config, check_world
 from dtlab.data import BatchLayout, BatchLoader, build_source
 from dtlab.data.loader import MicroBatch
@@ -41,6 +45,7 @@ from dtlab.parallel import (
     init_distributed,
     parallelize,
 )
+from dtlab.train.faults import Faults, Preempted, StopSignals
 from dtlab.train.optim import build_optimizer, grad_norm_
 from dtlab.train.precision import LossScaler, autocast
 from dtlab.train.schedules import build_scheduler
@@ -81,8 +86,13 @@ def train_step(
     micro_batches: list[MicroBatch],
     config: Config,
     device: torch.device,
+    inject_nan: bool = False,
 ) -> dict[str, Any]:
-    """One optimizer step over this rank's micro-batches; returns the step's metrics."""
+    """One optimizer step over this rank's micro-batches; returns the step's metrics.
+
+    A step whose global loss or gradient norm is not finite changes no parameter (``bad`` in the
+    metrics); under fp16 an overflow only lowers the loss scale (``skipped``), as loss scaling intends.
+    """
     accum = len(micro_batches)
     loss_sum = torch.zeros((), device=device)
     for i, (inputs, targets) in enumerate(micro_batches):
@@ -95,41 +105,53 @@ def train_step(
             # Every micro-batch has the same number of tokens, so mean/accum summed over micro-batches and
             # averaged over ranks is the mean over every token of the global batch.
             loss = forward_loss(pm.module, inputs, targets, config.train.precision, device) / accum
+            if inject_nan:
+                loss = loss * float("nan")
             scaler.scale_loss(loss).backward()
         loss_sum += loss.detach()
+    if dist.is_initialized():
+        dist.all_reduce(loss_sum)
+        loss_sum /= dist.get_world_size()
+    global_loss = loss_sum.item()
 
     params = [p for p in pm.module.parameters() if p.grad is not None]
     found_inf = scaler.unscale_(params)
-    norm = grad_norm_(params, config.train.grad_clip)
-    if not found_inf:
+    norm = grad_norm_(params, config.train.grad_clip).item()
+    # Loss and norm are global (all-reduced), so every rank takes the same decision.
+    bad = not math.isfinite(global_loss) or (not scaler.enabled and not math.isfinite(norm))
+    if not found_inf and not bad:
         optimizer.step()
     scaler.update(found_inf)
     optimizer.zero_grad(set_to_none=True)
     lr = scheduler.get_last_lr()[0]
     scheduler.step()
 
-    if dist.is_initialized():
-        dist.all_reduce(loss_sum)
-        loss_sum /= dist.get_world_size()
-    out = {"loss": loss_sum.item(), "lr": lr, "grad_norm": norm.item()}
+    out: dict[str, Any] = {"loss": global_loss, "lr": lr, "grad_norm": norm}
     if scaler.enabled:
         out.update(loss_scale=scaler.scale, skipped=found_inf)
+    if bad:
+        out["bad"] = True
     return out
+
+
+def default_run_dir(config: Config) -> Path:
+    """Where a run without ``run.dir`` writes: the unfinished run it resumes, or a new timestamped directory."""
+    if config.checkpoint.resume == "auto":
+        found = find_resumable_run(config)
+        if found is not None:
+            return found
+    base = Path("runs") / f"{config.run.name}-{datetime.now():%Y%m%d-%H%M%S}"
+    path, n = base, 1
+    while path.exists():
+        path, n = Path(f"{base}-{n}"), n + 1
+    return path
 
 
 def resolve_run_dir(config: Config, d: DistInfo) -> Path:
     """Rank 0 picks and creates the run directory; every rank gets the same path (or the same error)."""
     result: list[str] = [""]
     if d.is_main:
-        path = (
-            Path(config.run.dir)
-            if config.run.dir
-            else Path("runs") / f"{config.run.name}-{datetime.now():%Y%m%d-%H%M%S}"
-        )
-        if not config.run.dir:
-            base, n = path, 1
-            while path.exists():
-                path, n = Path(f"{base}-{n}"), n + 1
+        path = Path(config.run.dir) if config.run.dir else default_run_dir(config)
         try:
             path.mkdir(parents=True, exist_ok=True)
             result = [str(path)]
@@ -142,12 +164,12 @@ def resolve_run_dir(config: Config, d: DistInfo) -> Path:
     return Path(result[0])
 
 
-def build_sinks(config: Config, run_dir: Path, d: DistInfo) -> list[Sink]:
+def build_sinks(config: Config, run_dir: Path, d: DistInfo, resume_step: int = 0) -> list[Sink]:
     if not d.is_main:
         return [NullSink()]
-    sinks: list[Sink] = [JsonlSink(run_dir / "metrics.jsonl")]
+    sinks: list[Sink] = [JsonlSink(run_dir / "metrics.jsonl", resume_step)]
     if config.run.tensorboard:
-        sinks.append(TensorBoardSink(run_dir / "tensorboard"))
+        sinks.append(TensorBoardSink(run_dir / "tensorboard", resume_step))
     return sinks
 
 
@@ -181,10 +203,11 @@ def summarize(
         "params": params,
         "global_batch_size": config.train.global_batch_size,
         "seq_len": config.seq_len,
-        "initial_loss": history[0]["loss"],
-        "final_loss": history[-1]["loss"],
+        # A run resumed from its final checkpoint trains no step here: no losses or timings to report.
+        "initial_loss": history[0]["loss"] if history else None,
+        "final_loss": history[-1]["loss"] if history else None,
         "tokens": state.tokens,
-        "median_step_time_s": statistics.median(m["step_time_s"] for m in timed),
+        "median_step_time_s": statistics.median(m["step_time_s"] for m in timed) if timed else None,
         "tokens_per_s": tokens_per_step * len(timed) / time_sum if time_sum > 0 else 0.0,
         "train_time_s": wall,
         "peak_memory_bytes": _max_over_ranks(peak_memory_bytes(d.device)),
@@ -199,6 +222,9 @@ def train(config: Config) -> dict[str, Any]:
     d = init_distributed(config)
     try:
         summary = _train(config, d)
+    except Preempted:
+        destroy_distributed()  # every rank saved and stops together: a clean exit
+        raise
     except BaseException:
         destroy_distributed(graceful=False)
         raise
@@ -208,6 +234,7 @@ def train(config: Config) -> dict[str, Any]:
 
 def _train(config: Config, d: DistInfo) -> dict[str, Any]:
     setup_logging(d.rank, d.world_size)
+    faults = Faults.from_env(d.rank)
     accum = check_world(config, d.world_size)
     t = config.train
     micro = t.global_batch_size // (accum * d.world_size)
@@ -220,20 +247,33 @@ def _train(config: Config, d: DistInfo) -> dict[str, Any]:
     source = build_source(config)
     model = build_model(config.model)  # on the meta device: nothing allocated yet
     pm = parallelize(model, config, d)
-    optimizer = build_optimizer(
-        pm.module, t
-    )  # after parallelize: it must hold the sharded parameters
+    # Built after parallelize: the optimizer must hold the parameters training updates (FSDP's shards).
+    optimizer = build_optimizer(pm.module, t)
     scheduler = build_scheduler(optimizer, t)
     scaler = LossScaler(t.precision == "fp16")
-    state = TrainState()
+    state, health = TrainState(), Health()
     layout = BatchLayout(t.global_batch_size, d.rank, d.world_size, micro)
     loader = BatchLoader(
         source,
         layout,
-        start_step=state.step,
         prefetch=config.data.prefetch,
         pin_memory=d.device.type == "cuda",
     )
+    parts = TrainingParts(
+        pm.module,
+        optimizer,
+        {
+            "train": state,
+            "data": loader,
+            "scheduler": scheduler,
+            "scaler": scaler,
+            "health": health,
+        },
+    )
+    ckpt = Checkpointer(config, run_dir, d, faults)
+    resumed = ckpt.restore(parts)
+    if resumed is not None:
+        logger.info("resumed from %s (step %d)", ckpt.resumed_from, resumed)
     params = count_params(model)
     logger.info(
         "training %.2fM params | %s x %d on %s | global batch %d = %d ranks x %d micro-batches x %d | %d steps | run dir %s",
@@ -241,10 +281,11 @@ def _train(config: Config, d: DistInfo) -> dict[str, Any]:
         d.world_size, accum, micro, t.steps, run_dir,
     )  # fmt: skip
 
-    sinks = build_sinks(config, run_dir, d)
+    sinks = build_sinks(config, run_dir, d, resumed or 0)
     progress = ProgressSink(
-        config.run.progress if d.is_main else "none", t.steps, config.run.log_every
+        config.run.progress if d.is_main else "none", t.steps, config.run.log_every, state.step
     )
+    signals = StopSignals()
     tokens_per_step = t.global_batch_size * config.seq_len
     history: list[dict[str, Any]] = []
     wall0 = time.perf_counter()
@@ -253,7 +294,10 @@ def _train(config: Config, d: DistInfo) -> dict[str, Any]:
         while state.step < t.steps:
             t0 = time.perf_counter()
             batch = next(loader)
-            m = train_step(pm, optimizer, scheduler, scaler, batch, config, d.device)
+            m = train_step(
+                pm, optimizer, scheduler, scaler, batch, config, d.device,
+                inject_nan=faults.nan_loss(state.step + 1),
+            )  # fmt: skip
             dt = time.perf_counter() - t0
             state.step += 1
             state.tokens += tokens_per_step
@@ -265,23 +309,54 @@ def _train(config: Config, d: DistInfo) -> dict[str, Any]:
                 "tokens_per_s": tokens_per_step / dt,
             }
             history.append(m)
-            if not warned_nonfinite and not torch.isfinite(torch.tensor(m["loss"])):
+            if not warned_nonfinite and not math.isfinite(m["loss"]):
                 logger.warning("step %d: loss is %s", state.step, m["loss"])
                 warned_nonfinite = True
             progress.step(m)
-            if state.step % config.run.log_every == 0 or state.step == t.steps:
+            if state.step % config.run.log_every == 0 or state.step == t.steps or "bad" in m:
                 for sink in sinks:
                     sink.log(m)
+            faults.after_step(state.step)
+
+            if "bad" in m:
+                health.bad_steps += 1
+                health.bad_in_a_row += 1
+                if health.bad_in_a_row >= t.max_bad_steps:
+                    _roll_back(ckpt, parts, health, state.step, t.max_bad_steps)
+                    continue
+            else:
+                health.bad_in_a_row = 0
+
+            stop = signals.agreed(d.device)
+            if stop is not None:
+                ckpt.save(state.step, parts, blocking=True)
+                if dist.is_initialized():
+                    dist.barrier()  # nobody exits before rank 0 has committed
+                raise Preempted(
+                    f"stopped by {stop} after step {state.step}: checkpoint saved in "
+                    f"{run_dir / 'checkpoints'}; run the same command to resume"
+                )
+            if ckpt.due(state.step) or (state.step == t.steps and config.checkpoint.every):
+                ckpt.save(state.step, parts)
     finally:
+        signals.close()
+        ckpt.close()
         loader.close()
         progress.close()
         for sink in sinks:
             sink.close()
 
     summary = summarize(config, history, state, d, params, time.perf_counter() - wall0)
+    summary.update(
+        resumed_from=ckpt.resumed_from,
+        bad_steps=health.bad_steps,
+        rollbacks=health.rollbacks,
+        checkpoints_saved=len(ckpt.saved_steps),
+        checkpoint_failures=ckpt.failures,
+    )
     if d.is_main:
         summary["run_dir"] = str(run_dir)
-        if config.run.plot:
+        if config.run.plot and history:
             summary["loss_plot"] = str(
                 plot_loss(
                     history,
@@ -293,3 +368,27 @@ def _train(config: Config, d: DistInfo) -> dict[str, Any]:
             json.dumps(json_safe(summary), indent=2) + "\n", encoding="utf-8"
         )
     return summary
+
+
+def _roll_back(
+    ckpt: Checkpointer, parts: TrainingParts, health: Health, step: int, limit: int
+) -> None:
+    """After ``limit`` bad steps in a row: reload the last checkpoint, or stop if that cannot help."""
+    latest = ckpt.latest()
+    if latest is None:
+        raise DtlabError(
+            f"{limit} steps in a row up to step {step} had a non-finite loss or gradient "
+            f"(train.max_bad_steps = {limit}) and there is no checkpoint to roll back to; "
+            "lower train.lr, raise train.grad_clip protection, or use fp32/bf16"
+        )
+    rollbacks, bad = health.rollbacks, health.bad_steps
+    ckpt.load(latest, parts)
+    # Counters survive the rollback: they count what happened, not what the checkpoint remembers.
+    health.rollbacks, health.bad_steps, health.bad_in_a_row = rollbacks + 1, bad, 0
+    if health.rollbacks > 1 and ckpt.last_rollback == latest:
+        raise DtlabError(
+            f"steps after {latest.name} had non-finite losses or gradients again after rolling back to it; "
+            "stopping (lower train.lr or check the data)"
+        )
+    ckpt.last_rollback = latest
+    logger.warning("%d bad steps in a row up to step %d: rolled back to %s", limit, step, latest)

@@ -1,0 +1,1 @@
+"""Checkpoints of the whole training state: sharded, atomic, verified, async, tiered, exportable."""

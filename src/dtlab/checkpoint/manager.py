@@ -1,0 +1,269 @@
+"""Saving and resuming the whole training state: sharded, atomic, verified, async, tiered.
+
+A save writes ``<run dir>/checkpoints/.tmp-step-NNNNNNNN/`` (DCP shards from every rank, ``state.json`` and
+``config.yaml`` from rank 0); rank 0 then writes the manifest and renames the directory to
+``step-NNNNNNNN``. With ``checkpoint.async`` the training thread only stages a copy of the tensors;
+writing and committing go on in a background thread, and the next save first waits for the previous one.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import yaml
+
+from dtlab.checkpoint.manifest import MANIFEST, _fsync_dir, verify_checkpoint, write_manifest
+from dtlab.checkpoint.state import TrainingParts, load_rng_state, rng_state
+from dtlab.checkpoint.store import (
+    Tier,
+    resume_conflicts,
+    resume_fingerprint,
+    step_name,
+)
+from dtlab.config import Config
+from dtlab.errors import CheckpointError
+from dtlab.metrics.logging import logger
+from dtlab.parallel.dist import DistInfo
+from dtlab.train.faults import Faults
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+class Checkpointer:
+    """Saves and restores ``TrainingParts`` in the run directory (and the durable tier, if set)."""
+
+    def __init__(
+        self, config: Config, run_dir: Path, d: DistInfo, faults: Faults | None = None
+    ) -> None:
+        c = config.checkpoint
+        self.config, self.d, self.faults = config, d, faults or Faults()
+        self.local = Tier(run_dir / "checkpoints", "local")
+        self.durable = Tier(c.durable_dir, "durable") if c.durable_dir else None
+        # DCP's async write runs collectives from a background thread: give them their own group, so they
+        # never interleave with the training step's collectives on the default group.
+        self.group = dist.new_group(backend="gloo") if c.async_ and dist.is_initialized() else None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._error_step = 0
+        self.resumed_from: str | None = None
+        self.last_rollback: Path | None = None
+        self.saved_steps: list[int] = []
+        self.failures = 0
+        self.blocked_s: list[float] = []  # time each save kept the training thread
+
+    # --- saving ------------------------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        every = self.config.checkpoint.every
+        return every > 0 and step % every == 0
+
+    def save(self, step: int, parts: TrainingParts, *, blocking: bool = False) -> None:
+        """Save the state after optimizer step ``step``; with async and not ``blocking``, in the background."""
+        self.wait()
+        t0 = time.perf_counter()
+        tmp = self.local.local_root / f".tmp-{step_name(step)}"  # type: ignore[operator]
+        tensors, groups = parts.tensor_state()
+        state = {"step": step, **parts.json_state(groups), "rng": self._gather_rng()}
+        if self.d.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
+            tmp.mkdir(parents=True)
+            (tmp / "state.json").write_text(json.dumps(state), encoding="utf-8")
+            (tmp / "config.yaml").write_text(self.config.to_yaml(), encoding="utf-8")
+        # Other ranks write only after DCP's planning collective, which rank 0 joins after the lines above.
+        if self.config.checkpoint.async_ and not blocking:
+            future = dcp.async_save(tensors, checkpoint_id=str(tmp), process_group=self.group)
+            wait_on: Any = getattr(future, "upload_completion", future)
+            self._thread = threading.Thread(
+                target=self._finish, args=(step, tmp, wait_on, t0), name="dtlab-ckpt", daemon=True
+            )
+            self._thread.start()
+        else:
+            try:
+                dcp.save(tensors, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+                self._finish(step, tmp, None, t0)
+            finally:
+                self._report()
+        self.blocked_s.append(time.perf_counter() - t0)
+
+    def _gather_rng(self) -> list[dict[str, Any]]:
+        mine = rng_state()
+        if not dist.is_initialized():
+            return [mine]
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, mine)
+        return out
+
+    def _finish(self, step: int, tmp: Path, future: Any, t0: float) -> None:
+        """Wait for the write, then (rank 0) commit: manifest, rename, retention, durable copy."""
+        try:
+            if future is not None:
+                future.result()
+            if self.d.is_main:
+                self._commit(step, tmp, t0)
+            self.saved_steps.append(step)
+        except BaseException as e:  # reported by wait(): a failed save must not go unnoticed
+            self._error, self._error_step = e, step
+
+    def _commit(self, step: int, tmp: Path, t0: float) -> None:
+        self.faults.before_commit(step)
+        write_manifest(
+            tmp,
+            step=step,
+            world_size=self.d.world_size,
+            strategy=self.config.parallel.strategy,
+            resume_fingerprint=resume_fingerprint(self.config),
+        )
+        final = tmp.parent / step_name(step)
+        if final.exists():  # a checkpoint of the same step from an earlier attempt
+            shutil.rmtree(final)
+        tmp.rename(final)
+        _fsync_dir(final.parent)
+        size = _dir_bytes(final)
+        dt = time.perf_counter() - t0
+        logger.info(
+            "checkpoint step %d saved: %s (%.1f MiB in %.2f s, %.0f MiB/s)",
+            step, final, size / 2**20, dt, size / 2**20 / max(dt, 1e-9),
+        )  # fmt: skip
+        c = self.config.checkpoint
+        if self.durable is not None and (
+            not c.durable_every or step % c.durable_every == 0 or step == self.config.train.steps
+        ):
+            self.durable.put(final, step)
+            self.durable.prune(c.keep)
+            logger.info("checkpoint step %d copied to the durable tier %s", step, self.durable.root)
+        self.local.prune(c.keep)
+
+    def _report(self) -> None:
+        if self._error is not None:
+            e, self._error = self._error, None
+            self.failures += 1
+            logger.error(
+                "checkpoint of step %d failed: %s: %s", self._error_step, type(e).__name__, e
+            )
+
+    def wait(self) -> None:
+        """Wait for the background save, if any; report its failure."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._report()
+
+    def close(self) -> None:
+        self.wait()
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
+
+    # --- resuming ----------------------------------------------------------------------------------
+    def _pick(self) -> Path | None:
+        """Rank 0: the checkpoint to resume from, verified, or None."""
+        resume = self.config.checkpoint.resume
+        if resume == "never":
+            return None
+        if resume != "auto":
+            path = Path(resume)
+            if not (path / MANIFEST).exists() and (path / "checkpoints").is_dir():
+                steps = Tier(path / "checkpoints", "local").committed()
+                if not steps:
+                    raise CheckpointError(
+                        f"checkpoint.resume = '{resume}': the run has no complete checkpoint"
+                    )
+                path = path / "checkpoints" / step_name(steps[-1])
+            verify_checkpoint(path)
+            return path
+        tiers = [self.local, *([self.durable] if self.durable else [])]
+        candidates = sorted(
+            ((s, i) for i, t in enumerate(tiers) for s in t.committed()), reverse=True
+        )
+        for step, i in candidates:
+            tier = tiers[i]
+            try:
+                if tier is self.local:
+                    path = self.local.local_root / step_name(step)  # type: ignore[operator]
+                else:
+                    path = self._fetch(tier, step)
+                verify_checkpoint(path)
+                return path
+            except CheckpointError as e:
+                logger.warning("skipping checkpoint step %d (%s tier): %s", step, tier.name, e)
+        return None
+
+    def _fetch(self, tier: Tier, step: int) -> Path:
+        """Bring a durable checkpoint into the local tier (verified before it is renamed into place)."""
+        final = self.local.local_root / step_name(step)  # type: ignore[operator]
+        if final.exists():
+            return final
+        if tier.local_root is not None:
+            return tier.local_root / step_name(step)
+        tmp = final.parent / f".fetch-{step_name(step)}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tier.fetch(step, tmp)
+        verify_checkpoint(tmp)
+        tmp.rename(final)
+        return final
+
+    def restore(self, parts: TrainingParts) -> int | None:
+        """Load the checkpoint ``checkpoint.resume`` selects into ``parts``; returns its step, or None."""
+        picked: list[str] = [""]
+        if self.d.is_main:
+            try:
+                path = self._pick()
+                if path is not None:
+                    manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+                    conflicts = resume_conflicts(
+                        manifest["resume_fingerprint"], resume_fingerprint(self.config)
+                    )
+                    if conflicts:
+                        raise CheckpointError(
+                            f"cannot resume from '{path}': "
+                            + "; ".join(conflicts)
+                            + ". Start a new run (checkpoint.resume=never or another run.dir) instead"
+                        )
+                    picked = [str(path)]
+            except CheckpointError as e:
+                picked = [f"!{e}"]
+        if dist.is_initialized():
+            dist.broadcast_object_list(picked, src=0)
+        if picked[0].startswith("!"):
+            raise CheckpointError(picked[0][1:])
+        if not picked[0]:
+            return None
+        path = Path(picked[0])
+        self.load(path, parts)
+        self.resumed_from = str(path)
+        return int(json.loads((path / "state.json").read_text(encoding="utf-8"))["step"])
+
+    def load(self, path: Path, parts: TrainingParts) -> None:
+        """Load checkpoint ``path`` into ``parts`` (every rank; DCP reshards to this run's layout)."""
+        from dtlab.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner
+
+        state = json.loads((path / "state.json").read_text(encoding="utf-8"))
+        tensors, _ = parts.tensor_state()
+        dcp.load(
+            tensors,
+            storage_reader=SafeFileSystemReader(str(path)),
+            planner=SafeLoadPlanner(),
+            no_dist=not dist.is_initialized(),
+        )
+        parts.load(tensors, state)
+        rngs = state["rng"]
+        load_rng_state(rngs[self.d.rank] if self.d.rank < len(rngs) else rngs[0])
+
+    def latest(self) -> Path | None:
+        """The newest committed local checkpoint (for rolling back)."""
+        self.wait()
+        steps = self.local.committed()
+        return self.local.local_root / step_name(steps[-1]) if steps else None  # type: ignore[operator]
+
+
+def saved_config(path: Path) -> dict[str, Any]:
+    """The resolved config stored in a checkpoint."""
+    return yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8"))

@@ -1,0 +1,183 @@
+"""Where checkpoints live: step directories in tiers, retention, and which run to resume.
+
+A tier is a directory (a local path, or any fsspec URL for the durable tier) holding
+``step-NNNNNNNN/`` checkpoint directories. Only names of that form that contain a manifest count; the
+temporary directories a save writes into start with a dot and are never picked.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dtlab.checkpoint.manifest import MANIFEST
+from dtlab.config import Config
+
+STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+# Config keys whose change makes a checkpoint unusable (other shapes) or silently wrong (other samples).
+RESUME_KEYS = (
+    "model.dim",
+    "model.n_layers",
+    "model.n_heads",
+    "model.n_kv_heads",
+    "model.vocab_size",
+    "model.ffn_dim",
+    "model.tie_embeddings",
+    "model.rope_theta",
+    "model.norm_eps",
+    "data.source",
+    "data.paths",
+    "data.seq_len",
+    "data.tokenizer",
+    "train.global_batch_size",
+    "train.seed",
+)
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def _lookup(tree: dict[str, Any], key: str) -> Any:
+    value: Any = tree
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def resume_fingerprint(config: Config | dict[str, Any]) -> dict[str, Any]:
+    """The values of RESUME_KEYS: two configs with equal fingerprints can resume each other."""
+    tree = config if isinstance(config, dict) else config.model_dump(by_alias=True, mode="json")
+    return {k: _lookup(tree, k) for k in RESUME_KEYS}
+
+
+def resume_conflicts(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """``key: saved -> current`` for every key of the fingerprint that differs."""
+    return [
+        f"{k} = {saved.get(k)!r} in the checkpoint, {current.get(k)!r} now"
+        for k in RESUME_KEYS
+        if saved.get(k) != current.get(k)
+    ]
+
+
+class Tier:
+    """One place checkpoints are kept: ``root`` is a local directory or an fsspec URL."""
+
+    def __init__(self, root: str | Path, name: str) -> None:
+        self.root, self.name = str(root), name
+        self.is_local = "://" not in self.root or self.root.startswith("file://")
+        self.local_root = Path(self.root.removeprefix("file://")) if self.is_local else None
+
+    def _fs(self) -> Any:
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(self.root)
+        return fs, path.rstrip("/")
+
+    def committed(self) -> list[int]:
+        """Steps of the checkpoints in this tier that have a manifest, oldest first."""
+        steps = []
+        if self.local_root is not None:
+            if not self.local_root.is_dir():
+                return []
+            for p in self.local_root.iterdir():
+                m = STEP_DIR.match(p.name)
+                if m and (p / MANIFEST).is_file():
+                    steps.append(int(m.group(1)))
+        else:
+            fs, root = self._fs()
+            if not fs.exists(root):
+                return []
+            for entry in fs.ls(root, detail=False):
+                m = STEP_DIR.match(entry.rstrip("/").rsplit("/", 1)[-1])
+                if m and fs.exists(f"{entry.rstrip('/')}/{MANIFEST}"):
+                    steps.append(int(m.group(1)))
+        return sorted(steps)
+
+    def location(self, step: int) -> str:
+        return f"{self.root.rstrip('/')}/{step_name(step)}"
+
+    def put(self, local_dir: Path, step: int) -> None:
+        """Copy a committed local checkpoint here: the files first, the manifest last."""
+        if self.local_root is not None:
+            final = self.local_root / step_name(step)
+            if final.exists():
+                return
+            tmp = self.local_root / f".tmp-{step_name(step)}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(local_dir, tmp, ignore=shutil.ignore_patterns(MANIFEST))
+            shutil.copy2(local_dir / MANIFEST, tmp / MANIFEST)
+            tmp.rename(final)
+            return
+        fs, root = self._fs()
+        dest = f"{root}/{step_name(step)}"
+        files = sorted(p for p in local_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
+        for p in [*files, local_dir / MANIFEST]:  # an object store has no rename: manifest last
+            fs.put_file(str(p), f"{dest}/{p.relative_to(local_dir).as_posix()}")
+
+    def fetch(self, step: int, local_dir: Path) -> None:
+        """Copy checkpoint ``step`` of this (remote) tier into ``local_dir``."""
+        fs, root = self._fs()
+        src = f"{root}/{step_name(step)}"
+        for entry in fs.find(src):
+            rel = entry[len(src) :].lstrip("/")
+            target = local_dir / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fs.get_file(entry, str(target))
+
+    def delete(self, step: int) -> None:
+        if self.local_root is not None:
+            # Drop the manifest first: a half-deleted checkpoint must not look complete.
+            d = self.local_root / step_name(step)
+            (d / MANIFEST).unlink(missing_ok=True)
+            shutil.rmtree(d, ignore_errors=True)
+        else:
+            fs, root = self._fs()
+            fs.rm(f"{root}/{step_name(step)}/{MANIFEST}")
+            fs.rm(f"{root}/{step_name(step)}", recursive=True)
+
+    def prune(self, keep: int, protect: Iterable[int] = ()) -> list[int]:
+        """Delete all but the newest ``keep`` checkpoints (never one in ``protect``); returns the deleted steps."""
+        steps = self.committed()
+        doomed = [s for s in steps[: max(0, len(steps) - keep)] if s not in set(protect)]
+        for s in doomed:
+            self.delete(s)
+        return doomed
+
+
+def find_resumable_run(config: Config) -> Path | None:
+    """The newest unfinished ``runs/<name>-*`` directory this config can resume, if any.
+
+    With ``run.dir`` unset every start gets a new timestamped directory; for ``checkpoint.resume: auto``
+    "the same command again" must find the run it continues: one with the same name, no summary.json
+    (it did not finish), a committed checkpoint, and a config with the same resume fingerprint.
+    """
+    runs = Path("runs")
+    if not runs.is_dir():
+        return None
+    want = resume_fingerprint(config)
+    candidates = sorted(
+        (p for p in runs.glob(f"{glob_escape(config.run.name)}-*") if p.is_dir()),
+        key=lambda p: p.stat().st_mtime,
+        reverse=True,
+    )
+    for run in candidates:
+        if (run / "summary.json").exists() or not Tier(run / "checkpoints", "local").committed():
+            continue
+        try:
+            saved = yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError):
+            continue
+        if isinstance(saved, dict) and not resume_conflicts(resume_fingerprint(saved), want):
+            return run
+    return None
+
+
+def glob_escape(text: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", text)

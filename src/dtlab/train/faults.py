@@ -1,0 +1,126 @@
+"""Preemption signals and fault injection.
+
+Preemption: SIGTERM or SIGUSR1 (what Slurm and Kubernetes send before they stop a job) only sets a flag;
+at the next step boundary the ranks agree (one tiny all-reduce), all save a checkpoint and exit.
+
+Fault injection, for testing a setup end to end: ``DTLAB_FAULTS`` holds comma-separated items
+``KIND@STEP[-LAST][:rRANK]``, for example ``DTLAB_FAULTS="nan@5-7,kill@12:r1"``. Kinds:
+
+- ``nan``: the loss of those optimizer steps becomes NaN (so do the gradients);
+- ``kill``: after the step, the process kills itself with SIGKILL (like ``kill -9``);
+- ``sigterm`` / ``sigusr1``: after the step, the process sends itself that signal (preemption);
+- ``error``: after the step, the process raises an exception (a crash with a traceback);
+- ``killsave``: while saving the checkpoint of that step, after the data files are written and before
+  the manifest commits it, the process kills itself (a torn checkpoint).
+
+Without ``:rRANK`` a fault hits every rank. Faults fire in a launcher's first attempt only
+(``TORCHELASTIC_RESTART_COUNT`` 0), so that a restart after an injected crash can recover, and each
+``nan`` step fires once per process, so that a rollback past it can recover.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dtlab.errors import DtlabError, Preempted
+
+__all__ = ["Faults", "InjectedError", "Preempted", "StopSignals"]
+
+FAULTS_ENV = "DTLAB_FAULTS"
+KINDS = ("nan", "kill", "sigterm", "sigusr1", "error", "killsave")
+_ITEM = re.compile(r"^(?P<kind>[a-z]+)@(?P<first>\d+)(?:-(?P<last>\d+))?(?::r(?P<rank>\d+))?$")
+
+
+class InjectedError(RuntimeError):
+    """The crash that ``error@STEP`` asks for."""
+
+
+@dataclass
+class Faults:
+    """The faults of ``DTLAB_FAULTS`` that concern this rank."""
+
+    items: list[tuple[str, int, int]] = field(default_factory=list)
+    fired: set[tuple[str, int]] = field(default_factory=set)
+
+    @classmethod
+    def from_env(cls, rank: int, env: dict[str, str] | None = None) -> Faults:
+        env = dict(os.environ) if env is None else env
+        spec = env.get(FAULTS_ENV, "").strip()
+        if not spec or env.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+            return cls()
+        items = []
+        for raw in spec.split(","):
+            m = _ITEM.match(raw.strip())
+            if not m or m["kind"] not in KINDS:
+                raise DtlabError(
+                    f"{FAULTS_ENV} item {raw.strip()!r} is not KIND@STEP[-LAST][:rRANK] "
+                    f"with KIND one of {', '.join(KINDS)}"
+                )
+            if m["rank"] is None or int(m["rank"]) == rank:
+                first = int(m["first"])
+                items.append((m["kind"], first, int(m["last"] or first)))
+        return cls(items)
+
+    def _due(self, kind: str, step: int) -> bool:
+        if (kind, step) in self.fired:
+            return False
+        if any(k == kind and a <= step <= b for k, a, b in self.items):
+            self.fired.add((kind, step))
+            return True
+        return False
+
+    def nan_loss(self, step: int) -> bool:
+        """Whether optimizer step ``step`` (1-based) gets a NaN loss."""
+        return self._due("nan", step)
+
+    def after_step(self, step: int) -> None:
+        if self._due("kill", step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        for kind, sig in (("sigterm", signal.SIGTERM), ("sigusr1", signal.SIGUSR1)):
+            if self._due(kind, step):
+                os.kill(os.getpid(), sig)
+        if self._due("error", step):
+            raise InjectedError(f"{FAULTS_ENV}: injected error after step {step}")
+
+    def before_commit(self, step: int) -> None:
+        if self._due("killsave", step):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class StopSignals:
+    """Catches SIGTERM and SIGUSR1 during training; ``agreed()`` tells every rank whether to stop."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self) -> None:
+        self.received = 0
+        self._previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                self._previous[s] = signal.signal(s, self._handle)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.received = signum
+
+    def agreed(self, device: torch.device) -> str | None:
+        """The signal any rank received (one all-reduce when distributed), as a name, or None."""
+        value = self.received
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            t = torch.tensor([value], dtype=torch.int32, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            value = int(t.item())
+        return signal.Signals(value).name if value else None
+
+    def close(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous.clear()
