@@ -26,16 +26,23 @@ FAST = [
 ]
 
 
-def run_cli(
-    *args: str, cwd: Path | None = None, timeout: int = 300
-) -> subprocess.CompletedProcess[str]:
-    """``python -m dtlab ARGS`` in a fresh process; returns the completed process (never raises on exit code)."""
+def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This environment without a launcher's variables (so the CLI launches), plus ``extra``."""
     env = {
         k: v
         for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "TORCHELASTIC_RUN_ID")
+        if k
+        not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "TORCHELASTIC_RUN_ID", "DTLAB_FAULTS")
     }
     env["PYTHONUNBUFFERED"] = "1"
+    return {**env, **(extra or {})}
+
+
+def run_cli(
+    *args: str, cwd: Path | None = None, timeout: int = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python -m dtlab ARGS`` in a fresh process; returns the completed process (never raises on exit code)."""
+    env = cli_env(env)
     return subprocess.run(
         [sys.executable, "-m", "dtlab", *args],
         capture_output=True,

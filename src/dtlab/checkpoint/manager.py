@@ -12,6 +12,7 @@ import json
 import shutil
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,10 @@ from dtlab.errors import CheckpointError
 from dtlab.metrics.logging import logger
 from dtlab.parallel.dist import DistInfo
 from dtlab.train.faults import Faults
+
+
+# DCP says so each time a single process saves or loads without a process group, which is intended here.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 def _dir_bytes(path: Path) -> int:
