@@ -84,7 +84,12 @@ class Checkpointer:
             (tmp / "config.yaml").write_text(self.config.to_yaml(), encoding="utf-8")
         # Other ranks write only after DCP's planning collective, which rank 0 joins after the lines above.
         if self.config.checkpoint.async_ and not blocking:
-            future = dcp.async_save(tensors, checkpoint_id=str(tmp), process_group=self.group)
+            future = dcp.async_save(
+                tensors,
+                checkpoint_id=str(tmp),
+                process_group=self.group,
+                no_dist=not dist.is_initialized(),
+            )
             wait_on: Any = getattr(future, "upload_completion", future)
             self._thread = threading.Thread(
                 target=self._finish, args=(step, tmp, wait_on, t0), name="dtlab-ckpt", daemon=True

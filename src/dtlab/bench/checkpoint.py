@@ -1,0 +1,129 @@
+"""How fast does dtlab checkpoint, against what this disk can do, and how long does async saving block?
+
+    python -m dtlab.bench.checkpoint [--preset small] [--repeats 3] [--dir DIR] [--set KEY=VALUE ...]
+
+One process builds the model and an AdamW state (one real step), then, side by side in one run:
+- the disk's sequential write bandwidth (a file of the checkpoint's size, written and fsynced);
+- synchronous saves through dtlab's Checkpointer (DCP write + manifest checksums + atomic rename);
+- asynchronous saves: the time the training thread is blocked (staging) and the time until committed.
+Figures are medians over the repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from dtlab.checkpoint.manager import Checkpointer, _dir_bytes
+from dtlab.checkpoint.state import TrainingParts
+from dtlab.config import load_config
+from dtlab.models.llama import build_model, count_params
+from dtlab.parallel.dist import DistInfo
+from dtlab.train.loop import TrainState
+from dtlab.train.optim import build_optimizer
+
+
+def disk_write_bandwidth(directory: Path, nbytes: int, repeats: int) -> float:
+    """Median bytes/s of writing ``nbytes`` to a new file in ``directory`` and fsyncing it."""
+    block = os.urandom(64 << 20)
+    rates = []
+    for r in range(repeats):
+        path = directory / f"bandwidth-{r}.bin"
+        t0 = time.perf_counter()
+        with path.open("wb") as f:
+            left = nbytes
+            while left > 0:
+                n = min(left, len(block))
+                f.write(block[:n])
+                left -= n
+            f.flush()
+            os.fsync(f.fileno())
+        rates.append(nbytes / (time.perf_counter() - t0))
+        path.unlink()
+    return statistics.median(rates)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m dtlab.bench.checkpoint",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--preset", default="small")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary dir)")
+    p.add_argument(
+        "--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE"
+    )
+    args = p.parse_args(argv)
+    root = Path(tempfile.mkdtemp(prefix="dtlab-ckpt-bench-", dir=args.dir))
+    try:
+        config = load_config(
+            overrides=[
+                f"model.preset={args.preset}",
+                "data.source=synthetic",
+                "checkpoint.every=1",
+                f"checkpoint.keep={args.repeats * 2 + 1}",
+                f"run.dir={root}",
+                *args.overrides,
+            ]
+        )
+        model = build_model(config.model, "cpu")
+        optimizer = build_optimizer(model, config.train)
+        tokens = torch.randint(0, config.model.vocab_size, (2, 65))
+        F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        optimizer.step()  # the AdamW moments exist, as in any real checkpoint
+        d = DistInfo(0, 1, 0, 1, torch.device("cpu"), None)
+        parts = TrainingParts(model, optimizer, {"train": TrainState()})
+
+        sync_cfg = config.model_copy(deep=True)
+        sync_cfg.checkpoint.async_ = False
+        ckpt = Checkpointer(sync_cfg, root, d)
+        sync_s = []
+        for r in range(args.repeats):
+            t0 = time.perf_counter()
+            ckpt.save(r + 1, parts)
+            sync_s.append(time.perf_counter() - t0)
+        size = _dir_bytes(root / "checkpoints" / f"step-{1:08d}")
+
+        async_cfg = config.model_copy(deep=True)
+        async_cfg.checkpoint.async_ = True
+        ackpt = Checkpointer(async_cfg, root, d)
+        blocked, total = [], []
+        for r in range(args.repeats):
+            t0 = time.perf_counter()
+            ackpt.save(100 + r, parts)
+            blocked.append(time.perf_counter() - t0)
+            ackpt.wait()
+            total.append(time.perf_counter() - t0)
+        ackpt.close()
+        bandwidth = disk_write_bandwidth(root, size, args.repeats)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    mib = 2**20
+    sync_med = statistics.median(sync_s)
+    print(f"checkpoint of {args.preset}: {count_params(model) / 1e6:.1f}M params, {size / mib:,.0f} MiB")
+    print(f"disk sequential write (fsync)  {bandwidth / mib:8,.0f} MiB/s")
+    print(
+        f"sync save (write+manifest)     {sync_med:8.2f} s  = {size / sync_med / mib:,.0f} MiB/s "
+        f"({size / sync_med / bandwidth:.0%} of the disk)"
+    )
+    print(
+        f"async save: step blocked       {statistics.median(blocked):8.2f} s  "
+        f"({statistics.median(blocked) / sync_med:.0%} of a sync save); "
+        f"committed after {statistics.median(total):.2f} s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
