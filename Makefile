@@ -44,6 +44,7 @@ test-fast: install
 
 bench: install
 	$(BIN)/python -m dtlab.bench.overhead
+	$(BIN)/python -m dtlab.bench.checkpoint --preset small
 
 format: install
 	$(BIN)/ruff format src tests
