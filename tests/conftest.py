@@ -32,7 +32,14 @@ def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
         k: v
         for k, v in os.environ.items()
         if k
-        not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "TORCHELASTIC_RUN_ID", "DTLAB_FAULTS")
+        not in (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "MASTER_ADDR",
+            "TORCHELASTIC_RUN_ID",
+            "DTLAB_FAULTS",
+        )
     }
     env["PYTHONUNBUFFERED"] = "1"
     return {**env, **(extra or {})}

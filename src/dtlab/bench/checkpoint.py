@@ -59,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--preset", default="small")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary dir)")
+    p.add_argument(
+        "--dir", type=Path, default=None, help="where to write (default: a temporary dir)"
+    )
     p.add_argument(
         "--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE"
     )
@@ -111,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
 
     mib = 2**20
     sync_med = statistics.median(sync_s)
-    print(f"checkpoint of {args.preset}: {count_params(model) / 1e6:.1f}M params, {size / mib:,.0f} MiB")
+    print(
+        f"checkpoint of {args.preset}: {count_params(model) / 1e6:.1f}M params, {size / mib:,.0f} MiB"
+    )
     print(f"disk sequential write (fsync)  {bandwidth / mib:8,.0f} MiB/s")
     print(
         f"sync save (write+manifest)     {sync_med:8.2f} s  = {size / sync_med / mib:,.0f} MiB/s "

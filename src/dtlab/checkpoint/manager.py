@@ -36,7 +36,9 @@ from dtlab.train.faults import Faults
 
 
 # DCP says so each time a single process saves or loads without a process group, which is intended here.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+warnings.filterwarnings(
+    "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+)
 
 
 def _dir_bytes(path: Path) -> int:
@@ -150,6 +152,9 @@ class Checkpointer:
             self.durable.prune(c.keep)
             logger.info("checkpoint step %d copied to the durable tier %s", step, self.durable.root)
         self.local.prune(c.keep)
+        for stale in final.parent.glob(".tmp-step-*"):  # left by saves that failed or were killed
+            if stale.name < tmp.name:
+                shutil.rmtree(stale, ignore_errors=True)
 
     def _report(self) -> None:
         if self._error is not None:

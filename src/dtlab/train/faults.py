@@ -11,7 +11,8 @@ Fault injection, for testing a setup end to end: ``DTLAB_FAULTS`` holds comma-se
 - ``sigterm`` / ``sigusr1``: after the step, the process sends itself that signal (preemption);
 - ``error``: after the step, the process raises an exception (a crash with a traceback);
 - ``killsave``: while saving the checkpoint of that step, after the data files are written and before
-  the manifest commits it, the process kills itself (a torn checkpoint).
+  the manifest commits it, the process kills itself (a torn checkpoint);
+- ``failsave``: the same moment, an OSError instead (a failed write: reported, training goes on).
 
 Without ``:rRANK`` a fault hits every rank. Faults fire in a launcher's first attempt only
 (``TORCHELASTIC_RESTART_COUNT`` 0), so that a restart after an injected crash can recover, and each
@@ -36,7 +37,7 @@ from dtlab.errors import DtlabError, Preempted
 __all__ = ["Faults", "InjectedError", "Preempted", "StopSignals"]
 
 FAULTS_ENV = "DTLAB_FAULTS"
-KINDS = ("nan", "kill", "sigterm", "sigusr1", "error", "killsave")
+KINDS = ("nan", "kill", "sigterm", "sigusr1", "error", "killsave", "failsave")
 _ITEM = re.compile(r"^(?P<kind>[a-z]+)@(?P<first>\d+)(?:-(?P<last>\d+))?(?::r(?P<rank>\d+))?$")
 
 
@@ -94,6 +95,8 @@ class Faults:
     def before_commit(self, step: int) -> None:
         if self._due("killsave", step):
             os.kill(os.getpid(), signal.SIGKILL)
+        if self._due("failsave", step):
+            raise OSError(f"{FAULTS_ENV}: injected write failure of the checkpoint of step {step}")
 
 
 class StopSignals:
