@@ -316,12 +316,12 @@ def test_manifest_detects_every_kind_of_damage(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (ckpt / "a.bin").write_bytes(b"x" * 1000)
-    with pytest.raises(CheckpointError, match="no manifest.json"):
+    with pytest.raises(CheckpointError, match=r"no manifest\.json"):
         verify_checkpoint(ckpt)
     write_manifest(ckpt, step=1)
     assert verify_checkpoint(ckpt)["step"] == 1
     (ckpt / "a.bin").write_bytes(b"x" * 999)
-    with pytest.raises(CheckpointError, match="a.bin' has 999 bytes"):
+    with pytest.raises(CheckpointError, match=r"a\.bin' has 999 bytes"):
         verify_checkpoint(ckpt)
     (ckpt / "a.bin").write_bytes(b"y" * 1000)
     with pytest.raises(CheckpointError, match="SHA-256"):

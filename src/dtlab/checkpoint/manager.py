@@ -34,7 +34,6 @@ from dtlab.metrics.logging import logger
 from dtlab.parallel.dist import DistInfo
 from dtlab.train.faults import Faults
 
-
 # DCP says so each time a single process saves or loads without a process group, which is intended here.
 warnings.filterwarnings(
     "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
