@@ -209,7 +209,8 @@ def test_sigterm_saves_and_exits_then_resumes(tmp_path: Path, references: dict[s
     assert_same_run(run, references["ddp"])
 
 
-def test_sigterm_to_the_launcher(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_signal_to_the_launcher(tmp_path: Path, sig: signal.Signals) -> None:
     run = tmp_path / "run"
     args = [sys.executable, "-m", "dtlab", *train_args(run, 2, "parallel.strategy=ddp", steps=400)]
     proc = subprocess.Popen(
@@ -220,11 +221,11 @@ def test_sigterm_to_the_launcher(tmp_path: Path) -> None:
         assert proc.poll() is None and time.monotonic() < deadline, "the run did not get going"
         time.sleep(0.02)
     t0 = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 75, err
     assert time.monotonic() - t0 < 30  # within the launcher's grace period
-    assert "stopped by SIGTERM" in err
+    assert f"stopped by {sig.name}" in err
     newest = sorted((run / "checkpoints").glob("step-*"))[-1]
     manifest = verify_checkpoint(newest)  # complete, committed
     assert 3 <= manifest["step"] < 400
