@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -42,18 +43,26 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_manifest(ckpt_dir: Path, **fields: Any) -> dict[str, Any]:
-    """Checksum every file under ``ckpt_dir`` and write ``manifest.json`` atomically; returns it."""
+def write_manifest(ckpt_dir: Path, threads: int = 1, **fields: Any) -> dict[str, Any]:
+    """Checksum every file under ``ckpt_dir`` and write ``manifest.json`` atomically; returns it.
+
+    ``threads`` files are hashed at a time (hashlib releases the GIL on large buffers).
+    """
     import torch
 
     import dtlab
 
-    files = {}
-    for path in sorted(p for p in ckpt_dir.rglob("*") if p.is_file()):
-        rel = path.relative_to(ckpt_dir).as_posix()
-        if rel in (MANIFEST, MANIFEST + ".tmp"):
-            continue
-        files[rel] = {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
+    paths = sorted(
+        p
+        for p in ckpt_dir.rglob("*")
+        if p.is_file() and p.relative_to(ckpt_dir).as_posix() not in (MANIFEST, MANIFEST + ".tmp")
+    )
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        digests = list(pool.map(file_sha256, paths))
+    files = {
+        p.relative_to(ckpt_dir).as_posix(): {"bytes": p.stat().st_size, "sha256": h}
+        for p, h in zip(paths, digests, strict=True)
+    }
     manifest = {
         "format": FORMAT_VERSION,
         **fields,
