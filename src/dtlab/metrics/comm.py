@@ -8,12 +8,36 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+# Dispatcher op names (c10d and functional collectives) -> the collective they are.
+_NAMES = {
+    "allreduce": "all_reduce",
+    "allreduce_coalesced": "all_reduce",
+    "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "allgather": "all_gather",
+    "allgather_base": "all_gather",
+    "allgather_into_tensor_coalesced": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter": "reduce_scatter",
+    "reduce_scatter_base": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "broadcast": "broadcast",
+    "alltoall": "all_to_all",
+    "alltoall_base": "all_to_all",
+    "all_to_all_single": "all_to_all",
+}
+
 
 class CommCounter(TorchDispatchMode):
-    """Counts c10d collectives (and the bytes of their tensors) issued while active, on this rank.
+    """Counts the collectives issued on this rank while active, with the bytes each one moves.
 
-    Works for DDP's reducer, FSDP2's all-gathers and reduce-scatters and plain ``torch.distributed``
-    calls, because all of them go through the ``c10d`` operators of the dispatcher.
+    Works for DDP's reducer, FSDP2's all-gathers and reduce-scatters, DTensor redistributions and
+    plain ``torch.distributed`` calls, because all of them go through the dispatcher's ``c10d`` (or
+    functional collective) operators. Bytes follow one convention: the size of the whole buffer the
+    collective operates on (the all-reduced tensor, the all-gather's output, the reduce-scatter's input),
+    which is what ``dtlab.analysis`` predicts.
     """
 
     def __init__(self) -> None:
@@ -22,11 +46,30 @@ class CommCounter(TorchDispatchMode):
         self.bytes: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
         if func.namespace in ("c10d", "_c10d_functional"):
-            name = func.overloadpacket.__name__.strip("_")
+            op = func.overloadpacket.__name__.strip("_")
+            if op in ("barrier", "monitored_barrier") or op.startswith("wait"):
+                return out
+            name = _NAMES.get(op, op)
             self.counts[name] += 1
-            self.bytes[name] += sum(t.numel() * t.element_size() for t in _tensors(args))
-        return func(*args, **(kwargs or {}))
+            self.bytes[name] += _payload(name, func.namespace, args, out)
+        return out
+
+    def reset(self) -> None:
+        self.counts.clear()
+        self.bytes.clear()
+
+
+def _payload(name: str, namespace: str, args: Any, out: Any) -> int:
+    if namespace == "_c10d_functional":
+        # Functional ops return their output: the gathered buffer, or the reduced shard.
+        src = out if name == "all_gather" else args[0]
+    elif name == "reduce_scatter":
+        src = args[1]  # (output, input, ...): the full input buffer
+    else:
+        src = args[0]  # all_reduce / broadcast: the tensors; all_gather: the full outputs
+    return sum(t.numel() * t.element_size() for t in _tensors(src))
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:

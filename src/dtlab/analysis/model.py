@@ -1,0 +1,207 @@
+"""Analytic cost model of a training step: parameters, FLOPs, per-rank state, activations, collectives.
+
+Everything here is computed from the config and the model's parameter shapes (taken from the model
+built on the meta device, so nothing is allocated and a 70B model is analysed in milliseconds). The
+measured counterparts live in ``dtlab.bench``; reports show both side by side.
+
+Bytes of a collective follow one convention, the one ``CommCounter`` measures: the size of the whole
+(unsharded) buffer the collective operates on — the tensor of an all-reduce, the output of an all-gather,
+the input of a reduce-scatter — summed over the calls one rank issues in one optimizer step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from dtlab.config import Config, ModelConfig
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class ParamShape:
+    name: str
+    shape: tuple[int, ...]
+    group: str  # "layers.N" for a transformer block, "root" for embeddings, final norm and output
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def shard_numel(self, shards: int) -> int:
+        """Elements one rank holds when dim 0 is split in ``shards`` equal padded chunks (FSDP2)."""
+        if shards == 1:
+            return self.numel
+        rest = self.numel // self.shape[0]
+        return math.ceil(self.shape[0] / shards) * rest
+
+    def padded_numel(self, shards: int) -> int:
+        """Elements of the gathered buffer: dim 0 padded to a multiple of ``shards``."""
+        return self.shard_numel(shards) * shards
+
+
+def param_shapes(model_cfg: ModelConfig) -> list[ParamShape]:
+    """Every parameter of the model, from the model itself built on the meta device."""
+    from dtlab.models.llama import build_model
+
+    model = build_model(model_cfg)  # meta: no memory
+    out = []
+    for name, p in model.named_parameters():
+        group = ".".join(name.split(".")[:2]) if name.startswith("layers.") else "root"
+        out.append(ParamShape(name, tuple(p.shape), group))
+    return out
+
+
+def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x matmul parameters + attention scores (12 x layers x dim x seq_len).
+
+    The embedding lookup is no matmul; the output projection is one (also when tied). Attention is
+    counted over the full T x T score matrix (the usual convention for MFU, also with a causal mask).
+    """
+    m = model_cfg
+    kv = m.kv_heads * (m.dim // m.n_heads)
+    per_layer = m.dim * m.dim * 2 + m.dim * kv * 2 + 3 * m.dim * m.hidden_dim
+    matmul = m.n_layers * per_layer + m.dim * m.vocab_size
+    return 6.0 * matmul + 12.0 * m.n_layers * m.dim * seq_len
+
+
+def activation_bytes(
+    model_cfg: ModelConfig, tokens: int, seq_len: int, precision: str, ac: str
+) -> int:
+    """Bytes autograd keeps from forward to backward for ``tokens`` tokens of one micro-batch.
+
+    Counted from what dtlab's model saves (checked against saved-tensor accounting in the tests), per
+    token and layer in float32: RMSNorm 3 x dim + 1 (twice), attention q, k, v, output and log-sum-exp,
+    SwiGLU 4 x ffn; plus the final norm, the token ids, the RoPE tables and the loss's log-softmax over the
+    vocabulary. Under bf16/fp16 autocast the matmul inputs and outputs are half size. ``full``
+    activation checkpointing keeps each block's input and one block's activations during its
+    recomputation; ``selective`` keeps the matmul and attention outputs of each block.
+    """
+    m = model_cfg
+    hd = m.dim // m.n_heads
+    kv = m.kv_heads * hd
+    half = precision in ("bf16", "fp16")
+    low = 2 if half else FP32
+    norm = 3 * m.dim * FP32 + FP32  # input, normalised, scaled output (fp32 math) + rsqrt
+    attn = (2 * m.dim + 2 * kv) * low + m.n_heads * FP32  # q, out, k, v + log-sum-exp
+    ffn = 4 * m.hidden_dim * low  # w1 out, w3 out, silu(w1 x), product
+    layer = 2 * norm + attn + ffn
+    if ac == "full":
+        per_token = m.n_layers * m.dim * FP32 + layer  # block inputs + one block being recomputed
+    elif ac == "selective":
+        matmul_out = (m.dim + 2 * kv + m.dim + 2 * m.hidden_dim + m.dim) * low
+        sdpa = m.dim * low + m.n_heads * FP32
+        per_token = m.n_layers * (m.dim * FP32 + matmul_out + sdpa) + layer
+    else:
+        per_token = m.n_layers * layer
+    final = norm + m.vocab_size * FP32 + 8  # final norm, log-softmax of the logits, token ids
+    rope = 2 * seq_len * (hd // 2) * FP32
+    return int(tokens * (per_token + final) + rope)
+
+
+@dataclass
+class StepPlan:
+    """Predicted per-rank memory and per-step communication of one strategy."""
+
+    strategy: str
+    sharding: str
+    world_size: int
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int
+    comm_bytes: dict[str, int] = field(
+        default_factory=dict
+    )  # collective -> bytes per step (one rank)
+    comm_bus_bytes: dict[str, float] = field(
+        default_factory=dict
+    )  # bytes each rank sends, ring algorithms
+    comm_groups: dict[str, int] = field(
+        default_factory=dict
+    )  # collective -> size of its process group
+
+    @property
+    def state_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.state_bytes + self.activations_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "strategy": self.strategy,
+            "sharding": self.sharding,
+            "world_size": self.world_size,
+            "per_rank": {
+                "params_bytes": self.params_bytes,
+                "grads_bytes": self.grads_bytes,
+                "optimizer_bytes": self.optimizer_bytes,
+                "activations_bytes": self.activations_bytes,
+                "total_bytes": self.total_bytes,
+            },
+            "comm": {
+                "bytes_per_step": dict(self.comm_bytes),
+                "bus_bytes_per_step": dict(self.comm_bus_bytes),
+            },
+        }
+
+
+def _ring(kind: str, size: int, n: int) -> float:
+    """Bytes each rank sends for a ring collective on a buffer of ``size`` bytes over ``n`` ranks."""
+    if n <= 1:
+        return 0.0
+    return size * (2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n)
+
+
+def plan_step(config: Config, world_size: int, shapes: list[ParamShape] | None = None) -> StepPlan:
+    """Predict one rank's memory and one optimizer step's collectives for ``config`` on ``world_size`` ranks."""
+    shapes = shapes if shapes is not None else param_shapes(config.model)
+    p, t = config.parallel, config.train
+    strategy = p.strategy
+    micro = t.micro_batch_size or max(1, t.global_batch_size // world_size)
+    accum = max(1, t.global_batch_size // (micro * world_size))
+    seq = config.seq_len
+
+    # FSDP shards over the shard group; no_shard and ddp replicate; hsdp shards within a replica group.
+    if strategy in ("fsdp", "hsdp") and p.sharding != "no_shard":
+        replicate = (p.replicate or 1) if strategy == "hsdp" else 1
+        shard = world_size // replicate
+    else:
+        replicate, shard = (world_size, 1) if strategy != "single" else (1, 1)
+    held = sum(s.shard_numel(shard) for s in shapes)
+    # AdamW: exp_avg and exp_avg_sq like the parameter, plus a float32 step counter per tensor.
+    opt = 2 * held * FP32 + len(shapes) * FP32
+    plan = StepPlan(
+        strategy=strategy,
+        sharding=p.sharding if strategy in ("fsdp", "hsdp") else "-",
+        world_size=world_size,
+        params_bytes=held * FP32,
+        grads_bytes=held * FP32,
+        optimizer_bytes=opt,
+        activations_bytes=activation_bytes(
+            config.model, micro * seq, seq, t.precision, t.activation_checkpointing
+        ),
+    )
+    total = sum(s.numel for s in shapes) * FP32
+    comm: dict[str, int] = {}
+    groups: dict[str, int] = {}
+    if strategy == "ddp":
+        comm["all_reduce"], groups["all_reduce"] = total, world_size
+    elif strategy in ("fsdp", "hsdp"):
+        gathered = sum(s.padded_numel(shard) for s in shapes) * FP32
+        if shard > 1:
+            # Per micro-batch every FSDP unit is gathered for forward and, when resharded after forward
+            # (full), again for backward; gradients are reduce-scattered once, on the last micro-batch.
+            comm["all_gather"] = accum * (2 if p.sharding == "full" else 1) * gathered
+            comm["reduce_scatter"] = gathered
+            groups["all_gather"] = groups["reduce_scatter"] = shard
+        if replicate > 1:
+            # Across replica groups each rank all-reduces its gradient shard.
+            comm["all_reduce"], groups["all_reduce"] = gathered // shard, replicate
+    plan.comm_bytes = comm
+    plan.comm_groups = groups
+    plan.comm_bus_bytes = {k: _ring(k, v, groups[k]) for k, v in comm.items()}
+    return plan

@@ -1,0 +1,60 @@
+"""Run under torchrun: measure the collectives of one optimizer step for several strategies and write
+them, with dtlab's prediction, as JSON to argv[1] (rank 0). argv[2:] are "strategy:sharding:accum" items.
+"""
+
+import json
+import sys
+
+import torch
+
+from dtlab.analysis.model import plan_step
+from dtlab.config import load_config
+from dtlab.metrics.comm import CommCounter
+from dtlab.models import build_model
+from dtlab.parallel import destroy_distributed, init_distributed, parallelize
+from dtlab.train.loop import train_step
+from dtlab.train.optim import build_optimizer
+from dtlab.train.precision import LossScaler
+from dtlab.train.schedules import build_scheduler
+
+results = []
+d = None
+for item in sys.argv[2:]:
+    strategy, sharding, accum = item.split(":")
+    world = int(__import__("os").environ["WORLD_SIZE"])
+    overrides = [
+        "model.preset=debug",
+        "data.seq_len=16",
+        f"parallel.strategy={strategy}",
+        f"parallel.sharding={sharding}",
+        f"train.global_batch_size={2 * world * int(accum)}",
+        "train.micro_batch_size=2",
+    ]
+    if strategy == "hsdp":
+        overrides.append("parallel.replicate=2")
+    cfg = load_config(overrides=overrides)
+    d = init_distributed(cfg)
+    pm = parallelize(build_model(cfg.model), cfg, d)
+    opt = build_optimizer(pm.module, cfg.train)
+    sched = build_scheduler(opt, cfg.train)
+    batches = [
+        (torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))) for _ in range(int(accum))
+    ]
+    train_step(pm, opt, sched, LossScaler(False), batches, cfg, d.device)  # warm-up (lazy init)
+    counter = CommCounter()
+    with counter:
+        train_step(pm, opt, sched, LossScaler(False), batches, cfg, d.device)
+    plan = plan_step(cfg, world)
+    results.append(
+        {
+            "item": item,
+            "counts": dict(counter.counts),
+            "bytes": dict(counter.bytes),
+            "predicted": plan.comm_bytes,
+            "params": sum(p.numel() for p in build_model(cfg.model).parameters()),
+        }
+    )
+if d is not None and d.rank == 0:
+    with open(sys.argv[1], "w") as f:
+        json.dump(results, f, indent=1)
+destroy_distributed()
