@@ -24,6 +24,9 @@ for item in sys.argv[2:]:
     world = int(__import__("os").environ["WORLD_SIZE"])
     overrides = [
         "model.preset=debug",
+        # Odd sizes, so that FSDP pads dim 0 and the prediction has to know it.
+        "model.vocab_size=259",
+        "model.ffn_dim=190",
         "data.seq_len=16",
         f"parallel.strategy={strategy}",
         f"parallel.sharding={sharding}",

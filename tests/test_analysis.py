@@ -1,0 +1,63 @@
+"""The analytic model against measurement: collectives counted in real gloo processes, state bytes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dtlab.analysis.model import param_shapes, plan_step
+from dtlab.config import load_config
+
+
+def measure(tmp_path: Path, nproc: int, *items: str) -> dict[str, dict[str, Any]]:
+    out = tmp_path / f"comm-{nproc}.json"
+    worker = Path(__file__).parent / "workers" / "comm_worker.py"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), str(worker), str(out), *items],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {r["item"]: r for r in json.loads(out.read_text())}
+
+
+def test_measured_collective_bytes_match_the_prediction(tmp_path: Path) -> None:
+    two = measure(
+        tmp_path,
+        2,
+        "ddp:full:1",
+        "fsdp:full:1",
+        "fsdp:shard_grad_op:1",
+        "fsdp:full:3",
+        "fsdp:no_shard:1",
+    )
+    params = two["ddp:full:1"]["params"]
+    # DDP, fp32: the gradients are all-reduced once, 4 bytes per parameter (+ 4 for the reported loss).
+    assert two["ddp:full:1"]["bytes"]["all_reduce"] == 4 * params + 4
+    for item, r in {**two, **measure(tmp_path, 4, "hsdp:full:1", "fsdp:full:1")}.items():
+        for collective, predicted in r["predicted"].items():
+            measured = r["bytes"][collective]
+            # The model's collectives exactly; the only extra is the scalar loss all-reduce (4 bytes).
+            assert abs(measured - predicted) <= 8, (item, collective, measured, predicted)
+        assert set(r["bytes"]) <= set(r["predicted"]) | {"all_reduce", "broadcast"}, (item, r)
+
+
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_state_bytes_per_parameter(world: int) -> None:
+    cfg = load_config(overrides=["model.preset=tiny", "parallel.strategy=ddp"])
+    shapes = param_shapes(cfg.model)
+    n = sum(s.numel for s in shapes)
+    ddp = plan_step(cfg, world, shapes)
+    # fp32 AdamW: 4 (param) + 4 (grad) + 8 (two moments) = 16 bytes per parameter (+ a step counter per tensor).
+    assert ddp.state_bytes - 4 * len(shapes) == 16 * n
+    fsdp = plan_step(
+        load_config(overrides=["model.preset=tiny", "parallel.strategy=fsdp"]), world, shapes
+    )
+    per_rank = (fsdp.state_bytes - 4 * len(shapes)) / 16
+    assert (
+        n / world <= per_rank <= n / world * 1.01
+    )  # 16/N bytes per parameter, up to dim-0 padding
