@@ -46,6 +46,10 @@ def _non_negative(text: str) -> int:
     return value
 
 
+# Kept here so that --help needs no torch import; dtlab.analysis.devices.PROFILES has the same keys.
+DEVICE_KEYS = ("h100", "h200", "a100-80gb", "a100-40gb", "l4", "rtx4090")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dtlab",
@@ -115,7 +119,57 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--keys", action="store_true", help="list every key with its default and meaning"
     )
+
+    pl = sub.add_parser(
+        "plan",
+        help="predict memory, communication and step time of each strategy",
+        description="Predict, without allocating the model, the per-rank memory (parameters, gradients, "
+        "optimizer, activations), the bytes each collective moves per step, and an estimated step time "
+        "of every data-parallel strategy; say which fit and recommend one.",
+    )
+    pl.add_argument("config", nargs="?", metavar="CONFIG")
+    pl.add_argument("--nproc", type=_positive, default=1, help="processes (GPUs) per node")
+    pl.add_argument("--nnodes", type=_positive, default=1, help="number of nodes")
+    pl.add_argument(
+        "--device",
+        default="h100",
+        help="device profile: " + ", ".join(DEVICE_KEYS) + ", or 'this' (this machine, measured)",
+    )
+    pl.add_argument(
+        "--device-memory",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="override the device memory",
+    )
+    pl.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    pl.add_argument(
+        "--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE"
+    )
     return parser
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from dtlab.analysis.devices import PROFILES, this_machine
+    from dtlab.analysis.plan import format_plan, plan
+    from dtlab.config import load_config
+
+    config = load_config(args.config, args.overrides)
+    if args.device == "this":
+        device = this_machine(config.train.precision)
+    elif args.device in PROFILES:
+        device = PROFILES[args.device]
+    else:
+        raise DtlabError(
+            f"--device {args.device!r} is not known; allowed: {', '.join(DEVICE_KEYS)}, this"
+        )
+    if args.device_memory is not None and args.device_memory <= 0:
+        raise DtlabError(f"--device-memory {args.device_memory} must be > 0 (GiB)")
+    result = plan(config, args.nproc, args.nnodes, device, args.device_memory)
+    print(json.dumps(result, indent=2) if args.json else format_plan(result))
+    return 0
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -182,7 +236,7 @@ def _train_here(config: Config) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``dtlab`` console script; returns the exit code."""
     args = build_parser().parse_args(argv)
-    handlers = {"train": cmd_train, "config": cmd_config}
+    handlers = {"train": cmd_train, "config": cmd_config, "plan": cmd_plan}
     try:
         return handlers[args.command](args)
     except Preempted as e:

@@ -112,6 +112,7 @@ class StepPlan:
     grads_bytes: int
     optimizer_bytes: int
     activations_bytes: int
+    gathered_bytes: int = 0  # unsharded parameters held at the peak (FSDP all-gather buffers)
     comm_bytes: dict[str, int] = field(
         default_factory=dict
     )  # collective -> bytes per step (one rank)
@@ -128,7 +129,7 @@ class StepPlan:
 
     @property
     def total_bytes(self) -> int:
-        return self.state_bytes + self.activations_bytes
+        return self.state_bytes + self.activations_bytes + self.gathered_bytes
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -140,6 +141,7 @@ class StepPlan:
                 "grads_bytes": self.grads_bytes,
                 "optimizer_bytes": self.optimizer_bytes,
                 "activations_bytes": self.activations_bytes,
+                "gathered_bytes": self.gathered_bytes,
                 "total_bytes": self.total_bytes,
             },
             "comm": {
@@ -193,6 +195,13 @@ def plan_step(config: Config, world_size: int, shapes: list[ParamShape] | None =
     elif strategy in ("fsdp", "hsdp"):
         gathered = sum(s.padded_numel(shard) for s in shapes) * FP32
         if shard > 1:
+            units: dict[str, int] = {}
+            for s in shapes:
+                units[s.group] = units.get(s.group, 0) + s.padded_numel(shard) * FP32
+            largest = sorted(units.values(), reverse=True)
+            # full: the unit in use plus the one prefetched; shard_grad_op: every unit stays gathered from
+            # its forward to its backward, so at the peak the whole model is unsharded.
+            plan.gathered_bytes = sum(largest[:2]) if p.sharding == "full" else sum(largest)
             # Per micro-batch every FSDP unit is gathered for forward and, when resharded after forward
             # (full), again for backward; gradients are reduce-scattered once, on the last micro-batch.
             comm["all_gather"] = accum * (2 if p.sharding == "full" else 1) * gathered
