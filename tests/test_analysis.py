@@ -61,3 +61,37 @@ def test_state_bytes_per_parameter(world: int) -> None:
     assert (
         n / world <= per_rank <= n / world * 1.01
     )  # 16/N bytes per parameter, up to dim-0 padding
+
+
+def test_plan_llama2_7b_on_8_ranks_without_allocating(tmp_path: Path) -> None:
+    code = (
+        "import json, resource, sys; from dtlab.cli import main; "
+        "rc = main(['plan', '--nproc', '8', '--json', '--set', 'model.preset=llama2-7b', "
+        "'data.seq_len=4096', 'train.global_batch_size=64']); "
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr); sys.exit(rc)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    peak_kib = int(proc.stderr.strip().splitlines()[-1])
+    assert (
+        peak_kib < 2 * 2**20
+    )  # < 2 GiB, while the fp32 weights alone are 25 GiB: nothing was allocated
+    plan = json.loads(proc.stdout)
+    n = plan["model"]["params"]
+    assert 6.7e9 < n < 6.8e9
+    rows = {r["label"]: r for r in plan["strategies"]}
+    ddp, fsdp = rows["ddp"]["per_rank"], rows["fsdp full"]["per_rank"]
+    n_tensors = 32 * 9 + 3
+    state = lambda r: r["params_bytes"] + r["grads_bytes"] + r["optimizer_bytes"] - 4 * n_tensors  # noqa: E731
+    assert state(ddp) == 16 * n
+    assert state(fsdp) == pytest.approx(16 * n / 8, rel=1e-4)
+    assert rows["ddp"]["comm"]["bytes_per_step"] == {"all_reduce": 4 * n}
+    assert plan["recommendation"]
+
+
+def test_plan_bad_device_is_a_clear_error() -> None:
+    from conftest import run_cli
+
+    proc = run_cli("plan", "--device", "tpu9000")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "--device 'tpu9000' is not known" in proc.stderr
