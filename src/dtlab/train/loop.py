@@ -214,6 +214,42 @@ def summarize(
     }
 
 
+@dataclass
+class Training:
+    """What one rank trains with: the parallelised model, optimizer, schedule, loss scaler and data."""
+
+    model: nn.Module  # the plain model (for names and parameter counts)
+    pm: ParallelModel
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: LossScaler
+    loader: BatchLoader
+    accum: int
+    micro: int
+
+
+def build_training(config: Config, d: DistInfo) -> Training:
+    """Build every part of training for this rank, in the order that matters."""
+    t = config.train
+    accum = check_world(config, d.world_size)
+    micro = t.global_batch_size // (accum * d.world_size)
+    source = build_source(config)
+    model = build_model(config.model)  # on the meta device: nothing allocated yet
+    pm = parallelize(model, config, d)
+    # Built after parallelize: the optimizer must hold the parameters training updates (FSDP's shards).
+    optimizer = build_optimizer(pm.module, t)
+    loader = BatchLoader(
+        source,
+        BatchLayout(t.global_batch_size, d.rank, d.world_size, micro),
+        prefetch=config.data.prefetch,
+        pin_memory=d.device.type == "cuda",
+    )
+    return Training(
+        model, pm, optimizer, build_scheduler(optimizer, t), LossScaler(t.precision == "fp16"),
+        loader, accum, micro,
+    )  # fmt: skip
+
+
 def train(config: Config) -> dict[str, Any]:
     """Train as configured in this process (one rank of the world the launcher set up).
 
@@ -235,30 +271,19 @@ def train(config: Config) -> dict[str, Any]:
 def _train(config: Config, d: DistInfo) -> dict[str, Any]:
     setup_logging(d.rank, d.world_size)
     faults = Faults.from_env(d.rank)
-    accum = check_world(config, d.world_size)
+    check_world(config, d.world_size)  # before the run directory is created
     t = config.train
-    micro = t.global_batch_size // (accum * d.world_size)
     run_dir = resolve_run_dir(config, d)
     config = config.model_copy(deep=True)
     config.run.dir = str(run_dir)
     if d.is_main:
         (run_dir / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
 
-    source = build_source(config)
-    model = build_model(config.model)  # on the meta device: nothing allocated yet
-    pm = parallelize(model, config, d)
-    # Built after parallelize: the optimizer must hold the parameters training updates (FSDP's shards).
-    optimizer = build_optimizer(pm.module, t)
-    scheduler = build_scheduler(optimizer, t)
-    scaler = LossScaler(t.precision == "fp16")
+    tr = build_training(config, d)
+    model, pm, optimizer, scheduler, scaler, loader = (
+        tr.model, tr.pm, tr.optimizer, tr.scheduler, tr.scaler, tr.loader
+    )  # fmt: skip
     state, health = TrainState(), Health()
-    layout = BatchLayout(t.global_batch_size, d.rank, d.world_size, micro)
-    loader = BatchLoader(
-        source,
-        layout,
-        prefetch=config.data.prefetch,
-        pin_memory=d.device.type == "cuda",
-    )
     parts = TrainingParts(
         pm.module,
         optimizer,
@@ -278,7 +303,7 @@ def _train(config: Config, d: DistInfo) -> dict[str, Any]:
     logger.info(
         "training %.2fM params | %s x %d on %s | global batch %d = %d ranks x %d micro-batches x %d | %d steps | run dir %s",
         params / 1e6, config.parallel.strategy, d.world_size, d.device.type, t.global_batch_size,
-        d.world_size, accum, micro, t.steps, run_dir,
+        d.world_size, tr.accum, tr.micro, t.steps, run_dir,
     )  # fmt: skip
 
     sinks = build_sinks(config, run_dir, d, resumed or 0)
