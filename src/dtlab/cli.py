@@ -25,6 +25,21 @@ examples:
 true a bool, [a, b] a list). Precedence: --set > CONFIG > defaults. `dtlab config --keys` lists every key.
 """
 
+EXPORT_EPILOG = """\
+formats:
+  safetensors   DIR/model.safetensors with dtlab's parameter names, and DIR/config.yaml (the run's config)
+  hf            a Hugging Face Llama directory (config.json, model.safetensors) that
+                transformers.LlamaForCausalLM.from_pretrained(DIR) loads
+
+examples:
+  dtlab export runs/dtlab-20250101-120000 --format hf --out exports/llama
+  dtlab export runs/r1/checkpoints/step-00000200 --format safetensors --out exports/r1-200
+
+A run directory exports its newest checkpoint that passes verification against its manifest (sizes and
+SHA-256); newer ones that fail are skipped with a warning. The export is written to a temporary directory
+next to DIR and renamed into place at the end, so a failed export leaves nothing behind.
+"""
+
 
 def _positive(text: str) -> int:
     try:
@@ -120,6 +135,32 @@ def build_parser() -> argparse.ArgumentParser:
         "--keys", action="store_true", help="list every key with its default and meaning"
     )
 
+    b = sub.add_parser(
+        "bench",
+        help="measure strategies side by side: throughput, MFU, memory, communication",
+        description="Run each combination of --strategies, --nproc, --compression and --precision in its "
+        "own processes (warm-up, then timed steps) and write DIR/results.json, results.csv, report.md and "
+        "PNG plots. Measured figures sit next to dtlab's predictions.",
+    )
+    b.add_argument("config", nargs="?", metavar="CONFIG")
+    b.add_argument(
+        "--strategies", default="single,ddp,fsdp", help="comma-separated (default single,ddp,fsdp)"
+    )
+    b.add_argument("--nproc", default="1,2", help="comma-separated process counts (default 1,2)")
+    b.add_argument("--compression", default="none", help="comma-separated (default none)")
+    b.add_argument("--precision", default=None, help="comma-separated (default: the config's)")
+    b.add_argument("--steps", type=_positive, default=10, help="timed steps per run (default 10)")
+    b.add_argument(
+        "--warmup", type=_non_negative, default=2, help="untimed steps first (default 2)"
+    )
+    b.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
+    b.add_argument(
+        "--profile", action="store_true", help="record torch.profiler traces of 2 steps per run"
+    )
+    b.add_argument(
+        "--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE"
+    )
+
     pl = sub.add_parser(
         "plan",
         help="predict memory, communication and step time of each strategy",
@@ -146,7 +187,75 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument(
         "--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE"
     )
+
+    e = sub.add_parser(
+        "export",
+        help="export a checkpoint's model to safetensors or a Hugging Face Llama directory",
+        description="Export the model weights of a checkpoint (or of a run directory's newest verified "
+        "checkpoint), in one process, without a process group.",
+        epilog=EXPORT_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    e.add_argument(
+        "source",
+        metavar="RUN_DIR_OR_CHECKPOINT",
+        help="a run directory or a checkpoint directory (RUN_DIR/checkpoints/step-NNNNNNNN)",
+    )
+    e.add_argument(
+        "--format",
+        dest="fmt",
+        choices=("safetensors", "hf"),
+        required=True,
+        help="safetensors: dtlab's names + config.yaml; hf: Hugging Face Llama (config.json + model.safetensors)",
+    )
+    e.add_argument(
+        "--out", required=True, metavar="DIR", help="output directory (must not exist or be empty)"
+    )
+    e.add_argument("--force", action="store_true", help="replace DIR if it exists and is not empty")
     return parser
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dtlab.bench.sweep import combinations, run_sweep
+    from dtlab.config import load_config
+
+    config = load_config(args.config, args.overrides)  # fail here on a bad config, not in every run
+
+    def split(text: str, what: str, allowed: tuple[str, ...] | None = None) -> list[str]:
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [x for x in items if allowed is not None and x not in allowed]
+        if not items or bad:
+            raise DtlabError(f"--{what} {text!r}: allowed: {', '.join(allowed or ())}")
+        return items
+
+    strategies = split(args.strategies, "strategies", ("single", "ddp", "fsdp", "hsdp"))
+    compressions = split(
+        args.compression, "compression", ("none", "fp16", "bf16", "powersgd", "dct")
+    )
+    precisions = split(
+        args.precision or config.train.precision, "precision", ("fp32", "bf16", "fp16")
+    )
+    try:
+        nprocs = [int(x) for x in split(args.nproc, "nproc")]
+    except ValueError:
+        raise DtlabError(
+            f"--nproc {args.nproc!r}: expected comma-separated integers >= 1"
+        ) from None
+    if any(n < 1 for n in nprocs):
+        raise DtlabError(f"--nproc {args.nproc!r}: expected comma-separated integers >= 1")
+    for c in compressions:
+        load_config(args.config, [*args.overrides, f"parallel.compression={c}"])
+    combos = combinations(strategies, nprocs, compressions, precisions)
+    out = Path(args.out)
+    results = run_sweep(
+        args.config, args.overrides, combos, args.steps, args.warmup, out, args.profile
+    )
+    print(
+        f"\n{len(results['rows'])} run(s) measured, {len(results['failed'])} failed: {out / 'report.md'}"
+    )
+    return 1 if results["failed"] and not results["rows"] else 0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -222,6 +331,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     return launch(spec, worker_args)
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from dtlab.checkpoint.export import export_checkpoint
+
+    def warn(message: str) -> None:
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+    ckpt, out = export_checkpoint(args.source, args.out, args.fmt, force=args.force, warn=warn)
+    print(f"exported checkpoint '{ckpt}' as {args.fmt}", file=sys.stderr)
+    print(out)
+    return 0
+
+
 def _train_here(config: Config) -> int:
     """Train in this process (alone, or as one worker of a launched world); rank 0 prints the summary."""
     from dtlab.metrics.report import summary_table
@@ -236,7 +357,13 @@ def _train_here(config: Config) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``dtlab`` console script; returns the exit code."""
     args = build_parser().parse_args(argv)
-    handlers = {"train": cmd_train, "config": cmd_config, "plan": cmd_plan}
+    handlers = {
+        "train": cmd_train,
+        "config": cmd_config,
+        "plan": cmd_plan,
+        "bench": cmd_bench,
+        "export": cmd_export,
+    }
     try:
         return handlers[args.command](args)
     except Preempted as e:

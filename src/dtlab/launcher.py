@@ -26,8 +26,8 @@ class LaunchSpec:
     max_restarts: int = 0
 
 
-def launch(spec: LaunchSpec, worker_args: list[str]) -> int:
-    """Run ``python -m dtlab <worker_args>`` in ``spec.nproc`` local processes; returns an exit code."""
+def launch(spec: LaunchSpec, worker_args: list[str], module: str = "dtlab") -> int:
+    """Run ``python -m <module> <worker_args>`` in ``spec.nproc`` local processes; returns an exit code."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
@@ -64,7 +64,7 @@ def launch(spec: LaunchSpec, worker_args: list[str]) -> int:
         signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
     )
     try:
-        elastic_launch(config, entrypoint=sys.executable)("-m", "dtlab", *worker_args)
+        elastic_launch(config, entrypoint=sys.executable)("-m", module, *worker_args)
     except ChildFailedError as e:
         if all(f.exitcode == Preempted.exit_code for f in e.failures.values()):
             return Preempted.exit_code  # the workers said where they saved
