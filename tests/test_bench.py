@@ -1,0 +1,77 @@
+"""dtlab bench: every output file exists and parses; measured figures sit next to the predicted ones."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from conftest import run_cli
+from dtlab.analysis.devices import lookup_cuda
+
+SMALL = [
+    "model.preset=debug",
+    "data.source=synthetic",
+    "data.seq_len=64",
+    "train.global_batch_size=8",
+]
+
+
+def test_bench_writes_results_report_and_plots(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    proc = run_cli(
+        "bench", "--strategies", "single,ddp,fsdp", "--nproc", "1,2", "--steps", "3",
+        "--warmup", "1", "--out", str(out), "--set", *SMALL, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads((out / "results.json").read_text())
+    rows = {r["strategy"]: r for r in results["rows"]}
+    assert set(rows) == {"single", "ddp", "fsdp"} and not results["failed"]
+    for r in rows.values():
+        for key in (
+            "step_time_s",
+            "tokens_per_s",
+            "samples_per_s",
+            "peak_memory_bytes",
+            "cpu_util",
+            "loss_final",
+        ):
+            assert r[key] > 0, (key, r[key])
+        assert r["step_time_min_s"] <= r["step_time_s"] <= r["step_time_max_s"]
+        assert r["tokens_per_s"] == r["global_batch_size"] * r["seq_len"] / r["step_time_s"]
+        # The peak is measured here and says so; MFU is against it.
+        assert r["peak_flops_source"].startswith("measured fp32 GEMM") and 0 < r["mfu"] < 1
+        assert r["state_bytes"] == r["state_bytes_predicted"]
+        assert (
+            abs(r["activation_bytes_predicted"] - r["activation_bytes"])
+            < 0.15 * r["activation_bytes"]
+        )
+    ddp = rows["ddp"]
+    # fp32 DDP: the gradients' all-reduce is 4 bytes per parameter (+ 4 for the reported loss).
+    assert ddp["comm_by_collective"]["all_reduce"]["bytes"] == 4 * ddp["params"] + 4
+    fsdp = rows["fsdp"]
+    assert abs(fsdp["comm_bytes_per_step"] - fsdp["comm_bytes_per_step_predicted"]) <= 8
+    assert fsdp["state_bytes"]["params_bytes"] * 2 == ddp["state_bytes"]["params_bytes"]
+    with (out / "results.csv").open() as f:
+        table = list(csv.DictReader(f))
+    assert [t["strategy"] for t in table] == ["single", "ddp", "fsdp"]
+    report = (out / "report.md").read_text()
+    assert "| ddp x2 fp32 |" in report and "## What it says" in report
+    for png in ("throughput", "memory", "communication", "loss"):
+        assert (out / f"{png}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_mfu_peak_is_never_a_silent_default() -> None:
+    assert lookup_cuda("NVIDIA H100 80GB HBM3") is not None
+    assert lookup_cuda("Some Future GPU") is None  # unknown: the bench reports MFU as unknown
+
+
+def test_bench_bad_arguments_are_clear_errors(tmp_path: Path) -> None:
+    for args, needle in (
+        (["--strategies", "zero"], "--strategies 'zero'"),
+        (["--nproc", "two"], "--nproc 'two'"),
+        (["--strategies", "single", "--nproc", "2"], "gives nothing to run"),
+    ):
+        proc = run_cli("bench", *args, "--out", str(tmp_path / "b"), "--set", *SMALL)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert needle in proc.stderr, proc.stderr
