@@ -75,3 +75,16 @@ def test_bench_bad_arguments_are_clear_errors(tmp_path: Path) -> None:
         proc = run_cli("bench", *args, "--out", str(tmp_path / "b"), "--set", *SMALL)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
         assert needle in proc.stderr, proc.stderr
+
+
+def test_train_profile_writes_a_chrome_trace(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = run_cli(
+        "train", "--profile", "--set", *SMALL, "train.steps=6", f"run.dir={run}", "run.progress=none",
+        "run.tensorboard=false", "run.plot=false",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    traces = list((run / "profile").glob("rank0.*.pt.trace.json"))
+    assert len(traces) == 1
+    events = json.loads(traces[0].read_text())["traceEvents"]
+    assert any("aten::mm" in e.get("name", "") for e in events)  # the step's matmuls were recorded

@@ -107,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="rendezvous port (multi-node; default 29500)",
     )
     t.add_argument(
+        "--profile",
+        action="store_true",
+        help="record a torch.profiler trace of a few steps in <run dir>/profile (same as --set run.profile=true)",
+    )
+    t.add_argument(
         "--max-restarts",
         type=_non_negative,
         default=0,
@@ -296,6 +301,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from dtlab.config import check_world, load_config
     from dtlab.parallel.dist import is_worker_env
 
+    if args.profile:
+        args.overrides = [*args.overrides, "run.profile=true"]
     config = load_config(args.config, args.overrides)
     world = args.nproc * args.nnodes
     if is_worker_env() or world == 1:

@@ -223,6 +223,11 @@ class RunConfig(_Section):
         True, description="Write TensorBoard event files to <run dir>/tensorboard."
     )
     plot: bool = Field(True, description="Write <run dir>/loss.png at the end.")
+    profile: bool = Field(
+        False,
+        description="Record a torch.profiler trace of steps 3-4 (Chrome trace / TensorBoard) and, on CUDA, "
+        "a memory snapshot, under <run dir>/profile.",
+    )
 
 
 class Config(_Section):

@@ -30,6 +30,7 @@ from dtlab.config import Config, load_config
 from dtlab.errors import DtlabError
 from dtlab.metrics.comm import CommCounter
 from dtlab.metrics.logging import setup_logging
+from dtlab.metrics.profiling import StepProfiler
 from dtlab.metrics.report import peak_memory_bytes
 from dtlab.parallel import destroy_distributed, init_distributed
 from dtlab.parallel.dist import DistInfo, is_worker_env
@@ -144,7 +145,7 @@ def _bench(
         losses.append(step()["loss"])
     times = []
     cpu0, wall0 = os.times(), time.perf_counter()
-    profiler = _profiler(profile_dir, d) if profile_dir else None
+    profiler = StepProfiler(profile_dir, d.rank, d.device) if profile_dir else None
     for _ in range(t.steps):
         t0 = time.perf_counter()
         losses.append(step()["loss"])
@@ -152,7 +153,7 @@ def _bench(
         if profiler is not None:
             profiler.step()
     if profiler is not None:
-        profiler.stop()
+        profiler.close()
     cpu1, wall1 = os.times(), time.perf_counter()
     cpu_util = ((cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)) / (wall1 - wall0)
     counter = CommCounter()
@@ -253,25 +254,6 @@ def _replay_collectives(counter: CommCounter, d: DistInfo) -> float | None:
             continue
         elapsed += time.perf_counter() - t0
     return _max_over_ranks(elapsed, d.device)
-
-
-def _profiler(directory: Path, d: DistInfo) -> Any:
-    """A torch.profiler recording a few steps as Chrome traces (one per rank) under ``directory``."""
-    from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
-
-    activities = [ProfilerActivity.CPU] + (
-        [ProfilerActivity.CUDA] if d.device.type == "cuda" else []
-    )
-    directory.mkdir(parents=True, exist_ok=True)
-    prof = profile(
-        activities=activities,
-        schedule=schedule(wait=0, warmup=1, active=2, repeat=1),
-        on_trace_ready=tensorboard_trace_handler(str(directory), worker_name=f"rank{d.rank}"),
-        record_shapes=True,
-        profile_memory=True,
-    )
-    prof.start()
-    return prof
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,6 +28,7 @@ from dtlab.data import BatchLayout, BatchLoader, build_source
 from dtlab.data.loader import MicroBatch
 from dtlab.errors import DtlabError
 from dtlab.metrics.logging import logger, setup_logging
+from dtlab.metrics.profiling import StepProfiler
 from dtlab.metrics.report import peak_memory_bytes, plot_loss
 from dtlab.metrics.sinks import (
     JsonlSink,
@@ -311,6 +312,7 @@ def _train(config: Config, d: DistInfo) -> dict[str, Any]:
         config.run.progress if d.is_main else "none", t.steps, config.run.log_every, state.step
     )
     signals = StopSignals()
+    profiler = StepProfiler(run_dir / "profile", d.rank, d.device) if config.run.profile else None
     tokens_per_step = t.global_batch_size * config.seq_len
     history: list[dict[str, Any]] = []
     wall0 = time.perf_counter()
@@ -342,6 +344,8 @@ def _train(config: Config, d: DistInfo) -> dict[str, Any]:
                 for sink in sinks:
                     sink.log(m)
             faults.after_step(state.step)
+            if profiler is not None:
+                profiler.step()
 
             if "bad" in m:
                 health.bad_steps += 1
@@ -364,6 +368,8 @@ def _train(config: Config, d: DistInfo) -> dict[str, Any]:
             if ckpt.due(state.step) or (state.step == t.steps and config.checkpoint.every):
                 ckpt.save(state.step, parts)
     finally:
+        if profiler is not None:
+            profiler.close()
         signals.close()
         ckpt.close()
         loader.close()
