@@ -45,6 +45,8 @@ test-fast: install
 bench: install
 	$(BIN)/python -m dtlab.bench.overhead
 	$(BIN)/python -m dtlab.bench.checkpoint --preset small
+	$(BIN)/dtlab bench --strategies single,ddp,fsdp,hsdp --nproc 1,2,4 --steps 8 --out bench-out \
+		--set model.preset=tiny data.source=stdlib parallel.replicate=2
 
 format: install
 	$(BIN)/ruff format src tests
