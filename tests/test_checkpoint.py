@@ -199,6 +199,35 @@ def test_explicit_resume_of_a_corrupt_checkpoint_is_an_error(tmp_path: Path) -> 
     assert "does not match its SHA-256" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_a_crafted_checkpoint_runs_no_code_on_resume(tmp_path: Path) -> None:
+    import pickle
+
+    run = tmp_path / "run"
+    train(run, 1, steps=3)
+    ckpt = run / "checkpoints" / "step-00000003"
+    marker = tmp_path / "pwned"
+
+    class RunsCommand:
+        def __reduce__(self) -> tuple[object, tuple[str]]:
+            return (os.system, (f"touch '{marker}'",))
+
+    (ckpt / ".metadata").write_bytes(pickle.dumps(RunsCommand()))
+    write_manifest(ckpt, **{k: v for k, v in verify_checkpoint_fields(ckpt).items()})
+    proc = train(run, 1, steps=6, expect=2)
+    assert not marker.exists()
+    assert "Traceback" not in proc.stderr and "posix.system" in proc.stderr, proc.stderr
+
+
+def verify_checkpoint_fields(ckpt: Path) -> dict[str, object]:
+    """The manifest's own fields (not files or versions), to write a manifest that matches new files."""
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    return {
+        k: v
+        for k, v in manifest.items()
+        if k not in ("files", "format", "torch_version", "dtlab_version")
+    }
+
+
 def test_sigterm_saves_and_exits_then_resumes(tmp_path: Path, references: dict[str, Path]) -> None:
     run = tmp_path / "run"
     # Only rank 1 is signalled; the ranks agree at the step boundary and all stop after step 5.

@@ -266,16 +266,30 @@ class Checkpointer:
 
     def load(self, path: Path, parts: TrainingParts) -> None:
         """Load checkpoint ``path`` into ``parts`` (every rank; DCP reshards to this run's layout)."""
-        from dtlab.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from dtlab.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner, dcp_error_cause
 
         state = json.loads((path / "state.json").read_text(encoding="utf-8"))
         tensors, _ = parts.tensor_state()
-        dcp.load(
-            tensors,
-            storage_reader=SafeFileSystemReader(str(path)),
-            planner=SafeLoadPlanner(),
-            no_dist=not dist.is_initialized(),
-        )
+        # Read the index through the restricted unpickler first: a refused file is a clear error here,
+        # not a traceback DCP prints on the way to its own fallback.
+        SafeFileSystemReader(str(path)).read_metadata()
+        try:
+            dcp.load(
+                tensors,
+                storage_reader=SafeFileSystemReader(str(path)),
+                planner=SafeLoadPlanner(),
+                no_dist=not dist.is_initialized(),
+            )
+        except (Exception, CheckpointException) as e:
+            cause = dcp_error_cause(e)
+            if isinstance(cause, CheckpointError):
+                raise cause from None
+            raise CheckpointError(
+                f"checkpoint '{path}' cannot be loaded: {type(cause).__name__}: "
+                + (str(cause).strip().splitlines() or [""])[0]
+            ) from None
         parts.load(tensors, state)
         rngs = state["rng"]
         load_rng_state(rngs[self.d.rank] if self.d.rank < len(rngs) else rngs[0])
