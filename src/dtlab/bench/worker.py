@@ -75,10 +75,18 @@ def measured_activation_bytes(tr: Training, config: Config, device: torch.device
             seen[ptr] = max(seen.get(ptr, 0), storage.nbytes())
         return t
 
+    inputs, targets = inputs.to(device), targets.to(device)
+    if device.type == "cuda":
+        # On CUDA the allocator knows: what forward leaves allocated until backward frees it.
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        loss = forward_loss(tr.pm.module, inputs, targets, config.train.precision, device)
+        torch.cuda.synchronize(device)
+        used = torch.cuda.memory_allocated(device) - before
+        del loss
+        return int(used)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = forward_loss(
-            tr.pm.module, inputs.to(device), targets.to(device), config.train.precision, device
-        )
+        loss = forward_loss(tr.pm.module, inputs, targets, config.train.precision, device)
     del loss
     return sum(seen.values())
 
@@ -99,23 +107,33 @@ def _max_over_ranks(value: float, device: torch.device) -> float:
     return float(t.item())
 
 
-def peak_flops(config: Config, d: DistInfo) -> tuple[float | None, str]:
-    """The peak FLOP/s of all ranks together, and where it comes from (never a silent default)."""
+def peak_flops(config: Config, d: DistInfo) -> tuple[float | None, str, float]:
+    """The peak FLOP/s of all ranks together, where it comes from (never a silent default), and the
+    measured GEMM rate of all ranks together.
+
+    CPU: every rank measures a GEMM at the same time on its own threads (the sum is what the ranks can do
+    together on this machine's shared cores), and that is the peak. CUDA: the datasheet peak of the
+    exact device name (unknown if the name is not in the table), with the measured GEMM beside it.
+    """
     precision = config.train.precision
+    if dist.is_initialized():
+        dist.barrier()
+    size = 8192 if d.device.type == "cuda" else 1024
+    measured = _sum_over_ranks(
+        measure_matmul_tflops(_DTYPES[precision], d.device, size=size, repeats=5) * 1e12, d.device
+    )
     if d.device.type == "cuda":
         name = torch.cuda.get_device_name(d.device)
         profile = lookup_cuda(name)
         if profile is None or precision not in profile.peak_tflops:
-            return None, f"unknown: {name!r} is not in dtlab's device table"
-        return profile.peak_tflops[precision] * 1e12 * d.world_size, f"{name} datasheet"
-    # CPU: every rank measures a GEMM at the same time, on its own threads: the sum is what the ranks
-    # can do together on this machine's shared cores.
-    if dist.is_initialized():
-        dist.barrier()
-    mine = measure_matmul_tflops(_DTYPES[precision], d.device, size=1024, repeats=5) * 1e12
+            return None, f"unknown: {name!r} is not in dtlab's device table", measured
+        return profile.peak_tflops[precision] * 1e12 * d.world_size, f"{name} datasheet", measured
     threads = torch.get_num_threads()
-    total = _sum_over_ranks(mine, d.device)
-    return total, f"measured {precision} GEMM, {d.world_size} rank(s) x {threads} thread(s)"
+    return (
+        measured,
+        f"measured {precision} GEMM, {d.world_size} rank(s) x {threads} thread(s)",
+        measured,
+    )
 
 
 def bench(config: Config, warmup: int, profile_dir: Path | None) -> dict[str, Any] | None:
@@ -132,7 +150,7 @@ def _bench(
     setup_logging(d.rank, d.world_size)
     tr = build_training(config, d)
     t = config.train
-    peak, peak_source = peak_flops(config, d)
+    peak, peak_source, gemm = peak_flops(config, d)
     act = measured_activation_bytes(tr, config, d.device)
 
     def step() -> dict[str, Any]:
@@ -192,6 +210,7 @@ def _bench(
         "peak_flops": peak,
         "peak_flops_source": peak_source,
         "mfu": flops * tokens_per_s / peak if peak else None,
+        "gemm_flops_measured": gemm,
         "peak_memory_bytes": int(_max_over_ranks(peak_memory_bytes(d.device), d.device)),
         "state_bytes": states,
         "state_bytes_predicted": {
