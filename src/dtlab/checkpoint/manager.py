@@ -79,13 +79,14 @@ class Checkpointer:
         t0 = time.perf_counter()
         tmp = self.local.local_root / f".tmp-{step_name(step)}"  # type: ignore[operator]
         tensors, groups = parts.tensor_state()
-        state = {"step": step, **parts.json_state(groups), "rng": self._gather_rng()}
         if self.d.is_main:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
-            tmp.mkdir(parents=True)
+            tmp.mkdir(parents=True, exist_ok=True)
+        # A collective: no rank goes on to write (or create the directory) before the stale one is gone.
+        state = {"step": step, **parts.json_state(groups), "rng": self._gather_rng()}
+        if self.d.is_main:
             (tmp / "state.json").write_text(json.dumps(state), encoding="utf-8")
             (tmp / "config.yaml").write_text(self.config.to_yaml(), encoding="utf-8")
-        # Other ranks write only after DCP's planning collective, which rank 0 joins after the lines above.
         if self.config.checkpoint.async_ and not blocking:
             future = dcp.async_save(
                 tensors,
