@@ -78,7 +78,7 @@ def test_resolved_config_round_trips(tmp_path: Path) -> None:
         (["train.min_lr=1", "train.lr=0.1"], "train.min_lr = 1"),
         (["data.source=files"], "needs data.paths"),
         (["parallel.compression=dct"], "parallel.compression = 'dct'"),
-        (["checkpoint.every=10"], "checkpoint.every = 10"),
+        (["checkpoint.durable_every=5", "checkpoint.every=3"], "checkpoint.durable_every = 5"),
         (["train"], "expected KEY=VALUE"),
         (["train.lr.x=1"], "train.lr = {'x': 1}"),
         (["train=5", "train.lr=1"], "train is not a section"),

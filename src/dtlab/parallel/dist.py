@@ -80,14 +80,29 @@ def init_distributed(config: Config) -> DistInfo:
     if config.parallel.strategy == "single" and world == 1:
         return DistInfo(0, 1, 0, 1, device, None)
     if not dist.is_initialized():
-        init_method = None if "MASTER_ADDR" in env else f"tcp://127.0.0.1:{_free_port()}"
-        dist.init_process_group(
-            backend,
-            init_method=init_method,
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(minutes=10),
-        )
+        timeout = timedelta(minutes=10)
+        if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # The elastic agent's store outlives a restart of the workers, and the keys the process
+            # group exchanges addresses under do not name the attempt: a restarted rank could read a dead
+            # rank's address. A prefix per attempt keeps every attempt to itself.
+            store = dist.PrefixStore(
+                f"dtlab/attempt-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/",
+                dist.TCPStore(
+                    env["MASTER_ADDR"],
+                    int(env["MASTER_PORT"]),
+                    world,
+                    is_master=False,
+                    timeout=timeout,
+                ),
+            )
+            dist.init_process_group(
+                backend, store=store, rank=rank, world_size=world, timeout=timeout
+            )
+        else:
+            init_method = None if "MASTER_ADDR" in env else f"tcp://127.0.0.1:{_free_port()}"
+            dist.init_process_group(
+                backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout
+            )
     return DistInfo(rank, world, local_rank, local_world, device, backend)
 
 
