@@ -23,12 +23,10 @@ from types import ModuleType
 from typing import Any, Literal
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dtlab.checkpoint.manifest import MANIFEST, verify_checkpoint
-from dtlab.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner, dcp_error_cause
+from dtlab.checkpoint.safe_io import SafeFileSystemReader, safe_load
 from dtlab.config import Config, load_config
 from dtlab.errors import CheckpointError, DtlabError
 
@@ -144,32 +142,11 @@ def load_model_state(ckpt_dir: str | Path, *, verify: bool = True) -> dict[str, 
     if not template:
         raise CheckpointError(f"checkpoint '{ckpt_dir}' holds no model tensors ('model.*' keys)")
     state = {MODEL_PREFIX: template}
-    try:
-        with warnings.catch_warnings():
-            # DCP warns that it loads in a single process; that is the intent.
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(
-                state,
-                storage_reader=SafeFileSystemReader(str(ckpt_dir)),
-                planner=SafeLoadPlanner(),
-                no_dist=True,
-            )
-    except DtlabError:
-        raise
-    except (Exception, CheckpointException) as e:
-        # DCP reports a failed read as a CheckpointException (a BaseException) wrapping the cause.
-        cause = dcp_error_cause(e)
-        if isinstance(cause, DtlabError):
-            raise cause from None
-        raise CheckpointError(
-            f"checkpoint '{ckpt_dir}' cannot be read: {type(cause).__name__}: {_first_line(cause)}"
-        ) from None
+    with warnings.catch_warnings():
+        # DCP warns that it loads in a single process; that is the intent.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        safe_load(state, ckpt_dir, no_dist=True)
     return state[MODEL_PREFIX]
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else ""
 
 
 def checkpoint_config(ckpt_dir: Path) -> Config:

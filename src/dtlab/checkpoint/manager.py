@@ -32,7 +32,7 @@ from dtlab.checkpoint.store import (
 from dtlab.config import Config
 from dtlab.errors import CheckpointError
 from dtlab.metrics.logging import logger
-from dtlab.parallel.dist import DistInfo
+from dtlab.parallel.dist import DistInfo, decide_on_rank0
 from dtlab.train.faults import Faults
 
 # DCP says so each time a single process saves or loads without a process group, which is intended here.
@@ -236,61 +236,36 @@ class Checkpointer:
 
     def restore(self, parts: TrainingParts) -> int | None:
         """Load the checkpoint ``checkpoint.resume`` selects into ``parts``; returns its step, or None."""
-        picked: list[str] = [""]
-        if self.d.is_main:
-            try:
-                path = self._pick()
-                if path is not None:
-                    manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
-                    conflicts = resume_conflicts(
-                        manifest["resume_fingerprint"], resume_fingerprint(self.config)
+
+        def pick() -> Path | None:
+            path = self._pick()
+            if path is not None:
+                manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+                conflicts = resume_conflicts(
+                    manifest["resume_fingerprint"], resume_fingerprint(self.config)
+                )
+                if conflicts:
+                    raise CheckpointError(
+                        f"cannot resume from '{path}': "
+                        + "; ".join(conflicts)
+                        + ". Start a new run (checkpoint.resume=never or another run.dir) instead"
                     )
-                    if conflicts:
-                        raise CheckpointError(
-                            f"cannot resume from '{path}': "
-                            + "; ".join(conflicts)
-                            + ". Start a new run (checkpoint.resume=never or another run.dir) instead"
-                        )
-                    picked = [str(path)]
-            except CheckpointError as e:
-                picked = [f"!{e}"]
-        if dist.is_initialized():
-            dist.broadcast_object_list(picked, src=0)
-        if picked[0].startswith("!"):
-            raise CheckpointError(picked[0][1:])
-        if not picked[0]:
+            return path
+
+        path = decide_on_rank0(pick, self.d)
+        if path is None:
             return None
-        path = Path(picked[0])
         self.load(path, parts)
         self.resumed_from = str(path)
         return int(json.loads((path / "state.json").read_text(encoding="utf-8"))["step"])
 
     def load(self, path: Path, parts: TrainingParts) -> None:
         """Load checkpoint ``path`` into ``parts`` (every rank; DCP reshards to this run's layout)."""
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        from dtlab.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner, dcp_error_cause
+        from dtlab.checkpoint.safe_io import safe_load
 
         state = json.loads((path / "state.json").read_text(encoding="utf-8"))
         tensors, _ = parts.tensor_state()
-        # Read the index through the restricted unpickler first: a refused file is a clear error here,
-        # not a traceback DCP prints on the way to its own fallback.
-        SafeFileSystemReader(str(path)).read_metadata()
-        try:
-            dcp.load(
-                tensors,
-                storage_reader=SafeFileSystemReader(str(path)),
-                planner=SafeLoadPlanner(),
-                no_dist=not dist.is_initialized(),
-            )
-        except (Exception, CheckpointException) as e:
-            cause = dcp_error_cause(e)
-            if isinstance(cause, CheckpointError):
-                raise cause from None
-            raise CheckpointError(
-                f"checkpoint '{path}' cannot be loaded: {type(cause).__name__}: "
-                + (str(cause).strip().splitlines() or [""])[0]
-            ) from None
+        safe_load(tensors, path, no_dist=not dist.is_initialized())
         parts.load(tensors, state)
         rngs = state["rng"]
         load_rng_state(rngs[self.d.rank] if self.d.rank < len(rngs) else rngs[0])

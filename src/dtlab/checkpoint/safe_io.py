@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import pickle
+from pathlib import Path
 from typing import IO, Any, cast
 
 import torch
@@ -30,6 +31,7 @@ __all__ = [
     "SafeFileSystemReader",
     "SafeLoadPlanner",
     "dcp_error_cause",
+    "safe_load",
 ]
 
 # Every global a DCP ``.metadata`` file refers to (torch 2.6 to 2.13), as (module, name). Calling any
@@ -153,3 +155,31 @@ def dcp_error_cause(e: BaseException) -> BaseException:
     if isinstance(e, CheckpointException) and e.failures:
         return next(iter(e.failures.values()))[0]
     return e
+
+
+def safe_load(state: dict[str, Any], path: Path, no_dist: bool) -> None:
+    """``dcp.load`` of checkpoint ``path`` into ``state`` through the safe reader and planner.
+
+    The index is read through the restricted unpickler first, so a refused or corrupt file is a clear
+    CheckpointError here rather than a traceback DCP prints on the way to its fallback; any failure
+    inside DCP comes out as a CheckpointError naming the checkpoint and the cause.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    SafeFileSystemReader(str(path)).read_metadata()
+    try:
+        dcp.load(
+            state,
+            storage_reader=SafeFileSystemReader(str(path)),
+            planner=SafeLoadPlanner(),
+            no_dist=no_dist,
+        )
+    except (Exception, CheckpointException) as e:
+        cause = dcp_error_cause(e)
+        if isinstance(cause, CheckpointError):
+            raise cause from None
+        first = (str(cause).strip().splitlines() or [""])[0]
+        raise CheckpointError(
+            f"checkpoint '{path}' cannot be read: {type(cause).__name__}: {first}"
+        ) from None

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 
 from dtlab.config import Config
-from dtlab.errors import ConfigError
+from dtlab.errors import ConfigError, DtlabError
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -118,3 +122,21 @@ def destroy_distributed(graceful: bool = True) -> None:
             # collectives (or writing the summary) can make the peer's gloo threads abort.
             dist.barrier()
         dist.destroy_process_group()
+
+
+def decide_on_rank0(decide: Callable[[], T], d: DistInfo) -> T:
+    """Run ``decide`` on rank 0 only and give every rank its result, or raise its DtlabError on every rank.
+
+    For choices that must be made once (a directory to create, a checkpoint to verify) and agreed on.
+    """
+    box: list[Any] = [None]
+    if d.is_main:
+        try:
+            box = [decide()]
+        except DtlabError as e:
+            box = [e]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], DtlabError):
+        raise box[0]
+    return cast(T, box[0])

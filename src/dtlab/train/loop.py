@@ -46,6 +46,7 @@ from dtlab.parallel import (
     init_distributed,
     parallelize,
 )
+from dtlab.parallel.dist import decide_on_rank0
 from dtlab.train.faults import Faults, Preempted, StopSignals
 from dtlab.train.optim import build_optimizer, grad_norm_
 from dtlab.train.precision import LossScaler, autocast
@@ -150,19 +151,18 @@ def default_run_dir(config: Config) -> Path:
 
 def resolve_run_dir(config: Config, d: DistInfo) -> Path:
     """Rank 0 picks and creates the run directory; every rank gets the same path (or the same error)."""
-    result: list[str] = [""]
-    if d.is_main:
+
+    def create() -> Path:
         path = Path(config.run.dir) if config.run.dir else default_run_dir(config)
         try:
             path.mkdir(parents=True, exist_ok=True)
-            result = [str(path)]
         except OSError as e:
-            result = [f"!run.dir = {str(path)!r} cannot be created: {e.strerror or e}"]
-    if dist.is_initialized():
-        dist.broadcast_object_list(result, src=0)
-    if result[0].startswith("!"):
-        raise DtlabError(result[0][1:])
-    return Path(result[0])
+            raise DtlabError(
+                f"run.dir = {str(path)!r} cannot be created: {e.strerror or e}"
+            ) from None
+        return path
+
+    return decide_on_rank0(create, d)
 
 
 def build_sinks(config: Config, run_dir: Path, d: DistInfo, resume_step: int = 0) -> list[Sink]:
