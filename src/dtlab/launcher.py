@@ -66,7 +66,10 @@ def launch(spec: LaunchSpec, worker_args: list[str], module: str = "dtlab") -> i
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", module, *worker_args)
     except ChildFailedError as e:
-        if all(f.exitcode == Preempted.exit_code for f in e.failures.values()):
+        codes = [f.exitcode for f in e.failures.values()]
+        # Preempted: every rank saved before any exited (they meet after the commit), so ranks the agent
+        # then terminated on its way out (negative codes: killed by a signal) lost nothing.
+        if Preempted.exit_code in codes and all(c == Preempted.exit_code or c < 0 for c in codes):
             return Preempted.exit_code  # the workers said where they saved
         failures = ", ".join(
             f"rank {r} (exit code {f.exitcode})" for r, f in sorted(e.failures.items())
