@@ -161,6 +161,28 @@ class TrainConfig(_Section):
     )
 
 
+class CompressionOptions(_Section):
+    """Options of parallel.compression = powersgd / dct."""
+
+    rank: int = Field(4, ge=1, description="powersgd: rank of the low-rank approximation.")
+    start_step: int = Field(
+        10, ge=2, description="powersgd: plain all-reduce for the first N steps, then compress."
+    )
+    warm_start: bool = Field(
+        True, description="powersgd: reuse last step's Q as the starting point."
+    )
+    chunk_size: int = Field(
+        64, ge=2, description="dct: length of the chunks the bucket is cut into."
+    )
+    topk: int = Field(
+        4, ge=1, description="dct: DCT coefficients sent per chunk (largest magnitudes)."
+    )
+    error_feedback: bool = Field(
+        True,
+        description="powersgd/dct: keep what was not sent and add it to the next step's gradient.",
+    )
+
+
 class ParallelConfig(_Section):
     """How the model and the batch are spread over processes."""
 
@@ -177,8 +199,11 @@ class ParallelConfig(_Section):
         description="hsdp: number of replica groups; the shard group size is world / replicate.",
     )
     compression: Literal["none", "fp16", "bf16", "powersgd", "dct"] = Field(
-        "none", description="Gradient compression."
+        "none",
+        description="Gradient compression: fp16/bf16 reduce in half precision (ddp, fsdp, hsdp); "
+        "powersgd and dct compress DDP's gradient buckets.",
     )
+    compression_options: CompressionOptions = Field(default_factory=CompressionOptions)  # type: ignore[arg-type]
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="auto: nccl on CUDA, gloo on CPU."
     )
@@ -277,9 +302,20 @@ class Config(_Section):
             raise ValueError(f"train.min_lr = {t.min_lr} is larger than train.lr = {t.lr}")
         if not all(0 <= b < 1 for b in t.betas):
             raise ValueError(f"train.betas = {list(t.betas)} must each be in [0, 1)")
-        if p.compression != "none":
+        if p.compression != "none" and p.strategy == "single":
             raise ValueError(
-                f"parallel.compression = {p.compression!r} is not available in this version; allowed: 'none'"
+                f"parallel.compression = {p.compression!r} compresses communication; "
+                "parallel.strategy = 'single' has none (allowed: none)"
+            )
+        if p.compression in ("powersgd", "dct") and p.strategy != "ddp":
+            raise ValueError(
+                f"parallel.compression = {p.compression!r} compresses DDP's gradient buckets; "
+                f"parallel.strategy = {p.strategy!r} allows: none, fp16, bf16"
+            )
+        o = p.compression_options
+        if p.compression == "dct" and o.topk > o.chunk_size:
+            raise ValueError(
+                f"parallel.compression_options.topk = {o.topk} is larger than chunk_size = {o.chunk_size}"
             )
         c = self.checkpoint
         if c.durable_every and c.every and c.durable_every % c.every:

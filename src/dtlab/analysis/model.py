@@ -158,6 +158,35 @@ def _ring(kind: str, size: int, n: int) -> float:
     return size * (2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n)
 
 
+def ddp_comm_bytes(shapes: list[ParamShape], config: Config, world: int) -> dict[str, int]:
+    """DDP's collectives per optimizer step (after PowerSGD's start step), by compression."""
+    p = config.parallel
+    o = p.compression_options
+    total = sum(s.numel for s in shapes)
+    if p.compression in ("fp16", "bf16"):
+        return {"all_reduce": 2 * total}
+    if p.compression == "powersgd":
+        # torch's PowerSGD: 1-D tensors, and matrices that rank r would not shrink at least 2x, are
+        # all-reduced as they are; every other n x m matrix as P (n x r) and Q (m x r).
+        out = 0
+        for s in shapes:
+            n, m = s.shape[0], s.numel // s.shape[0]
+            r = min(o.rank, n, m)
+            small = len(s.shape) < 2 or n * m < 2 * (n + m) * r
+            out += s.numel if small else (n + m) * r
+        return {"all_reduce": out * FP32}
+    if p.compression == "dct":
+        # Every rank's (int32 index, fp32 value) pairs of top-k per chunk, gathered by all ranks.
+        chunks = math.ceil(total / o.chunk_size)
+        return {"all_gather": world * chunks * o.topk * (4 + FP32)}
+    return {"all_reduce": total * FP32}
+
+
+def bus_bytes(comm: dict[str, int], groups: dict[str, int], world: int) -> float:
+    """Bytes one rank sends for ``comm`` (collective -> whole-buffer bytes), with ring algorithms."""
+    return sum(_ring(k, v, groups.get(k, world)) for k, v in comm.items())
+
+
 def plan_step(config: Config, world_size: int, shapes: list[ParamShape] | None = None) -> StepPlan:
     """Predict one rank's memory and one optimizer step's collectives for ``config`` on ``world_size`` ranks."""
     shapes = shapes if shapes is not None else param_shapes(config.model)
@@ -187,12 +216,15 @@ def plan_step(config: Config, world_size: int, shapes: list[ParamShape] | None =
             config.model, micro * seq, seq, t.precision, t.activation_checkpointing
         ),
     )
-    total = sum(s.numel for s in shapes) * FP32
     comm: dict[str, int] = {}
     groups: dict[str, int] = {}
+    compression = p.compression
     if strategy == "ddp":
-        comm["all_reduce"], groups["all_reduce"] = total, world_size
+        comm.update(ddp_comm_bytes(shapes, config, world_size))
+        groups.update({k: world_size for k in comm})
     elif strategy in ("fsdp", "hsdp"):
+        # fp16/bf16 compression reduces gradients in half precision; parameters are gathered in fp32.
+        grad_bytes = 2 if compression in ("fp16", "bf16") else FP32
         gathered = sum(s.padded_numel(shard) for s in shapes) * FP32
         if shard > 1:
             units: dict[str, int] = {}
@@ -205,11 +237,12 @@ def plan_step(config: Config, world_size: int, shapes: list[ParamShape] | None =
             # Per micro-batch every FSDP unit is gathered for forward and, when resharded after forward
             # (full), again for backward; gradients are reduce-scattered once, on the last micro-batch.
             comm["all_gather"] = accum * (2 if p.sharding == "full" else 1) * gathered
-            comm["reduce_scatter"] = gathered
+            comm["reduce_scatter"] = gathered // FP32 * grad_bytes
             groups["all_gather"] = groups["reduce_scatter"] = shard
         if replicate > 1:
             # Across replica groups each rank all-reduces its gradient shard.
-            comm["all_reduce"], groups["all_reduce"] = gathered // shard, replicate
+            comm["all_reduce"] = gathered // shard // FP32 * grad_bytes
+            groups["all_reduce"] = replicate
     plan.comm_bytes = comm
     plan.comm_groups = groups
     plan.comm_bus_bytes = {k: _ring(k, v, groups[k]) for k, v in comm.items()}

@@ -25,7 +25,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from dtlab.analysis.devices import lookup_cuda, measure_matmul_tflops
-from dtlab.analysis.model import activation_bytes, flops_per_token, param_shapes, plan_step
+from dtlab.analysis.model import (
+    activation_bytes,
+    bus_bytes,
+    flops_per_token,
+    param_shapes,
+    plan_step,
+)
 from dtlab.config import Config, load_config
 from dtlab.errors import DtlabError
 from dtlab.metrics.comm import CommCounter
@@ -228,6 +234,11 @@ def _bench(
         ),
         "comm_bytes_per_step": sum(counter.bytes.values()),
         "comm_bytes_per_step_predicted": sum(predicted.comm_bytes.values()),
+        # What one rank sends (ring algorithms): the figure to compare an all-gather with an all-reduce.
+        "comm_bus_bytes_per_step": bus_bytes(
+            dict(counter.bytes), predicted.comm_groups, d.world_size
+        ),
+        "comm_bus_bytes_per_step_predicted": sum(predicted.comm_bus_bytes.values()),
         "comm_by_collective": {
             k: {"count": counter.counts[k], "bytes": counter.bytes[k]}
             for k in sorted(counter.counts)

@@ -265,6 +265,16 @@ class Checkpointer:
 
         state = json.loads((path / "state.json").read_text(encoding="utf-8"))
         tensors, _ = parts.tensor_state()
+        tensors = {k: v for k, v in tensors.items() if not k.startswith("comm.")}
+        if parts.comm is not None:
+            saved_world = json.loads((path / MANIFEST).read_text(encoding="utf-8"))["world_size"]
+            if saved_world == self.d.world_size:
+                tensors |= _comm_template(path, parts.comm_prefix)
+            else:
+                logger.warning(
+                    "compression state of %d ranks cannot map onto %d: starting it afresh",
+                    saved_world, self.d.world_size,
+                )  # fmt: skip
         safe_load(tensors, path, no_dist=not dist.is_initialized())
         parts.load(tensors, state)
         rngs = state["rng"]
@@ -275,6 +285,21 @@ class Checkpointer:
         self.wait()
         steps = self.local.committed()
         return self.local.local_root / step_name(steps[-1]) if steps else None  # type: ignore[operator]
+
+
+def _comm_template(path: Path, prefix: str) -> dict[str, Any]:
+    """Empty tensors for this rank's saved compression state, shaped as the checkpoint's index says."""
+    import torch
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from dtlab.checkpoint.safe_io import SafeFileSystemReader
+
+    meta = SafeFileSystemReader(str(path)).read_metadata()
+    return {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in meta.state_dict_metadata.items()
+        if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)
+    }
 
 
 def saved_config(path: Path) -> dict[str, Any]:

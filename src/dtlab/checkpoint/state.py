@@ -51,12 +51,23 @@ class TrainingParts:
     module: torch.nn.Module
     optimizer: torch.optim.Optimizer
     others: dict[str, Stateful] = field(default_factory=dict)
+    # Gradient compression state (error feedback residuals, PowerSGD memories): each rank's own, saved
+    # under "comm.rank<R>.<name>" and restored only on the same world size.
+    comm: Any = None
+    rank: int = 0
+
+    @property
+    def comm_prefix(self) -> str:
+        return f"comm.rank{self.rank}."
 
     def tensor_state(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        """``({"model": ..., "optim": {"state": ...}}, optimizer param_groups)``, keyed by plain-model names."""
+        """``({"model": ..., "optim": {"state": ...}, "comm.rank<R>.*": ...}, optimizer param_groups)``."""
         msd, osd = get_state_dict(self.module, self.optimizer)
         groups: list[dict[str, Any]] = osd["param_groups"]  # type: ignore[assignment]
-        return {"model": msd, "optim": {"state": osd["state"]}}, groups
+        out: dict[str, Any] = {"model": msd, "optim": {"state": osd["state"]}}
+        if self.comm is not None:
+            out |= {self.comm_prefix + k: v for k, v in self.comm.state_dict().items()}
+        return out, groups
 
     def json_state(self, param_groups: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -77,6 +88,11 @@ class TrainingParts:
         )
         for name, part in self.others.items():
             part.load_state_dict(state[name])
+        if self.comm is not None:
+            n = len(self.comm_prefix)
+            self.comm.load_state_dict(
+                {k[n:]: v for k, v in tensors.items() if k.startswith(self.comm_prefix)}
+            )
 
 
 def rng_state() -> dict[str, Any]:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections import Counter
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # Dispatcher op names (c10d and functional collectives) -> the collective they are.
@@ -30,6 +33,16 @@ _NAMES = {
 }
 
 
+# torch.distributed functions -> (collective, index of the argument whose bytes count).
+_PY_API = {
+    "all_reduce": ("all_reduce", 0),
+    "all_gather_into_tensor": ("all_gather", 0),
+    "all_gather": ("all_gather", 0),
+    "reduce_scatter_tensor": ("reduce_scatter", 1),
+    "broadcast": ("broadcast", 0),
+}
+
+
 class CommCounter(TorchDispatchMode):
     """Counts the collectives issued on this rank while active, with the bytes each one moves.
 
@@ -44,6 +57,35 @@ class CommCounter(TorchDispatchMode):
         super().__init__()
         self.counts: Counter[str] = Counter()
         self.bytes: Counter[str] = Counter()
+        self._owner = threading.current_thread()
+        self._patched: dict[str, Any] = {}
+
+    def __enter__(self) -> CommCounter:
+        # A dispatch mode sees only its own thread. Communication hooks (PowerSGD) issue collectives from
+        # future callbacks, which run on the backend's threads: count those at the Python API instead.
+        self._owner = threading.current_thread()
+        for fn, (name, arg) in _PY_API.items():
+            original = getattr(dist, fn)
+            self._patched[fn] = original
+            setattr(dist, fn, self._wrap(original, name, arg))
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        for fn, original in self._patched.items():
+            setattr(dist, fn, original)
+        self._patched.clear()
+
+    def _wrap(self, original: Any, name: str, arg: int) -> Any:
+        @functools.wraps(original)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if threading.current_thread() is not self._owner:
+                self.counts[name] += 1
+                self.bytes[name] += sum(t.numel() * t.element_size() for t in _tensors(args[arg]))
+            return original(*args, **kwargs)
+
+        return counted
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))

@@ -18,13 +18,14 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from dtlab.config import Config
 from dtlab.models.llama import Transformer
+from dtlab.parallel.compression import CompressionState, apply_ddp_compression, reduce_dtype
 from dtlab.parallel.dist import DistInfo
 
 # Prefixes that wrappers add to parameter names; stripped to get the plain model's names.
@@ -99,16 +100,20 @@ def build_dp_mesh(config: Config, dist_info: DistInfo) -> DeviceMesh:
     return init_device_mesh(device_type, (world,), mesh_dim_names=("dp_shard",))
 
 
-def apply_fsdp(model: Transformer, mesh: DeviceMesh, sharding: str) -> None:
+def apply_fsdp(
+    model: Transformer, mesh: DeviceMesh, sharding: str, reduce_dtype: torch.dtype | None = None
+) -> None:
     """FSDP2 ``fully_shard`` on each block, then on the root (embeddings, final norm, output).
 
     ``full`` frees the gathered parameters after forward (ZeRO-3); ``shard_grad_op`` keeps them until
     backward is done (ZeRO-2: one all-gather per step instead of two).
     """
     reshard = sharding == "full"
+    # Compression fp16/bf16: gradients are reduce-scattered (and all-reduced across replicas) in that dtype.
+    mp = MixedPrecisionPolicy(reduce_dtype=reduce_dtype) if reduce_dtype else MixedPrecisionPolicy()
     for block in model.layers:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
 
 
 # --- materialisation -------------------------------------------------------------------------------
@@ -142,6 +147,7 @@ class ParallelModel:
     module: nn.Module  # what forward is called on (the DDP wrapper, or the FSDP-sharded model)
     model: Transformer  # the underlying model (same object as module except under DDP)
     strategy: str
+    compression: CompressionState  # the hook's state between steps (part of the checkpoint)
 
     @contextmanager
     def grad_sync(self, enabled: bool) -> Iterator[None]:
@@ -173,7 +179,12 @@ def parallelize(model: Transformer, config: Config, dist_info: DistInfo) -> Para
     if t.compile:
         apply_compile(model)
     if strategy in ("fsdp", "hsdp"):
-        apply_fsdp(model, build_dp_mesh(config, dist_info), config.parallel.sharding)
+        apply_fsdp(
+            model,
+            build_dp_mesh(config, dist_info),
+            config.parallel.sharding,
+            reduce_dtype(config),
+        )
     materialize(model, dist_info.device, t.seed)
     if strategy == "ddp":
         device_ids = [dist_info.device.index] if dist_info.device.type == "cuda" else None
@@ -187,5 +198,5 @@ def parallelize(model: Transformer, config: Config, dist_info: DistInfo) -> Para
         ddp = DistributedDataParallel(
             model, device_ids=device_ids, gradient_as_bucket_view=True, **no_buffer_sync
         )
-        return ParallelModel(ddp, model, strategy)
-    return ParallelModel(model, model, strategy)
+        return ParallelModel(ddp, model, strategy, apply_ddp_compression(ddp, config))
+    return ParallelModel(model, model, strategy, CompressionState(config.parallel.compression))

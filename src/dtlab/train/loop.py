@@ -295,6 +295,8 @@ def _train(config: Config, d: DistInfo) -> dict[str, Any]:
             "scaler": scaler,
             "health": health,
         },
+        comm=pm.compression,
+        rank=d.rank,
     )
     ckpt = Checkpointer(config, run_dir, d, faults)
     resumed = ckpt.restore(parts)
