@@ -34,11 +34,21 @@ def test_measured_collective_bytes_match_the_prediction(tmp_path: Path) -> None:
         "fsdp:shard_grad_op:1",
         "fsdp:full:3",
         "fsdp:no_shard:1",
+        "ddp:full:1:fp16",
+        "ddp:full:1:powersgd",
+        "ddp:full:1:dct",
+        "fsdp:full:1:bf16",
     )
     params = two["ddp:full:1"]["params"]
     # DDP, fp32: the gradients are all-reduced once, 4 bytes per parameter (+ 4 for the reported loss).
     assert two["ddp:full:1"]["bytes"]["all_reduce"] == 4 * params + 4
-    for item, r in {**two, **measure(tmp_path, 4, "hsdp:full:1", "fsdp:full:1")}.items():
+    # Compression hooks really fire: fewer bytes than plain DDP (and exactly as predicted, below).
+    plain = two["ddp:full:1"]["bytes"]["all_reduce"]
+    assert two["ddp:full:1:fp16"]["bytes"]["all_reduce"] == (plain - 4) // 2 + 4
+    assert sum(two["ddp:full:1:powersgd"]["bytes"].values()) < plain / 5
+    assert two["ddp:full:1:dct"]["bytes"]["all_gather"] < plain / 3
+    four = measure(tmp_path, 4, "hsdp:full:1", "fsdp:full:1", "hsdp:full:1:fp16")
+    for item, r in {**two, **four}.items():
         for collective, predicted in r["predicted"].items():
             measured = r["bytes"][collective]
             # The model's collectives exactly; the only extra is the scalar loss all-reduce (4 bytes).

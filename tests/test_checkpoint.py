@@ -123,6 +123,21 @@ def test_kill9_then_same_command_ends_like_uninterrupted(
     assert summary["resumed_from"].endswith("step-00000006")
 
 
+@pytest.mark.parametrize("compression", ["powersgd", "dct"])
+def test_compressed_runs_resume_exactly(tmp_path: Path, compression: str) -> None:
+    """Error-feedback residuals and PowerSGD's memories are in the checkpoint: resume stays exact."""
+    opts = [
+        "parallel.strategy=ddp",
+        f"parallel.compression={compression}",
+        "parallel.compression_options.start_step=2",
+    ]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    train(ref, 2, *opts)
+    train(run, 2, *opts, faults="kill@7", expect=1)
+    train(run, 2, *opts)
+    assert_same_run(run, ref)
+
+
 def test_kill9_from_outside_at_any_moment(tmp_path: Path, references: dict[str, Path]) -> None:
     """SIGKILL to the launcher and its workers at a moment the test does not choose (maybe mid-save)."""
     run = tmp_path / "run"

@@ -20,7 +20,8 @@ from dtlab.train.schedules import build_scheduler
 results = []
 d = None
 for item in sys.argv[2:]:
-    strategy, sharding, accum = item.split(":")
+    strategy, sharding, accum, *rest = item.split(":")
+    compression = rest[0] if rest else "none"
     world = int(__import__("os").environ["WORLD_SIZE"])
     overrides = [
         "model.preset=debug",
@@ -32,6 +33,8 @@ for item in sys.argv[2:]:
         f"parallel.sharding={sharding}",
         f"train.global_batch_size={2 * world * int(accum)}",
         "train.micro_batch_size=2",
+        f"parallel.compression={compression}",
+        "parallel.compression_options.start_step=2",
     ]
     if strategy == "hsdp":
         overrides.append("parallel.replicate=2")
@@ -43,7 +46,8 @@ for item in sys.argv[2:]:
     batches = [
         (torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))) for _ in range(int(accum))
     ]
-    train_step(pm, opt, sched, LossScaler(False), batches, cfg, d.device)  # warm-up (lazy init)
+    for _ in range(2):  # warm-up: lazy init; PowerSGD compresses from its start step (2) on
+        train_step(pm, opt, sched, LossScaler(False), batches, cfg, d.device)
     counter = CommCounter()
     with counter:
         train_step(pm, opt, sched, LossScaler(False), batches, cfg, d.device)

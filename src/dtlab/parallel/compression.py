@@ -1,6 +1,7 @@
 """Gradient compression for DDP (communication hooks) and FSDP/HSDP (reduce dtype).
 
-- ``fp16`` / ``bf16``: DDP all-reduces each bucket in half precision (torch's compress hooks); FSDP and HSDP
+- ``fp16`` / ``bf16``: DDP all-reduces each bucket in half precision (a hook that, unlike torch's bf16
+  one, works on gloo too); FSDP and HSDP
   reduce-scatter (and all-reduce) gradients in that dtype (``MixedPrecisionPolicy.reduce_dtype``).
 - ``powersgd``: torch's PowerSGD hook (Vogels et al. 2019): each gradient matrix is approximated by
   ``P Q^T`` of rank r; only P and Q are all-reduced; error feedback keeps what the approximation missed.
@@ -20,7 +21,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.nn.parallel import DistributedDataParallel
 
@@ -120,6 +120,33 @@ def dct_hook(state: DCTState, bucket: dist.GradBucket) -> torch.futures.Future[t
 
 
 @dataclass
+class LowPrecisionState:
+    """The dtype a bucket is all-reduced in."""
+
+    dtype: torch.dtype
+    group: Any = None
+
+
+def low_precision_hook(
+    state: LowPrecisionState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: all-reduce the bucket in ``state.dtype`` (half the bytes), return the mean.
+
+    torch's own bf16 hook is NCCL-only; this one works on any backend that sums the dtype.
+    """
+    buf = bucket.buffer()
+    world = dist.get_world_size(state.group)
+    low = buf.to(state.dtype).div_(world)
+    fut = dist.all_reduce(low, group=state.group, async_op=True).get_future()  # type: ignore[union-attr]
+
+    def back(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        buf.copy_(f.value()[0])
+        return buf
+
+    return fut.then(back)
+
+
+@dataclass
 class CompressionState:
     """What a compression hook keeps between steps (part of the checkpoint), or nothing."""
 
@@ -163,10 +190,9 @@ class CompressionState:
 def apply_ddp_compression(ddp: DistributedDataParallel, config: Config) -> CompressionState:
     """Register the configured communication hook on a DDP module."""
     kind, o = config.parallel.compression, config.parallel.compression_options
-    if kind == "fp16":
-        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif kind == "bf16":
-        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    if kind in ("fp16", "bf16"):
+        dtype = torch.float16 if kind == "fp16" else torch.bfloat16
+        ddp.register_comm_hook(LowPrecisionState(dtype), low_precision_hook)
     elif kind == "powersgd":
         state = powersgd.PowerSGDState(
             process_group=None,
@@ -176,12 +202,39 @@ def apply_ddp_compression(ddp: DistributedDataParallel, config: Config) -> Compr
             warm_start=o.warm_start,
         )
         ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+        _keep_bucket_layout(ddp)
         return CompressionState(kind, state)
     elif kind == "dct":
         dstate = DCTState(o.chunk_size, o.topk, o.error_feedback)
         ddp.register_comm_hook(dstate, dct_hook)
+        _keep_bucket_layout(ddp)
         return CompressionState(kind, dstate)
     return CompressionState(kind)
+
+
+class _NoRebuildReducer:
+    """DDP's reducer, except that it never rebuilds its buckets."""
+
+    def __init__(self, reducer: Any) -> None:
+        self._reducer = reducer
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reducer, name)
+
+
+def _keep_bucket_layout(ddp: DistributedDataParallel) -> None:
+    """Keep DDP's first bucket layout for the whole run.
+
+    DDP re-orders its buckets once, after the first step, by the order gradients became ready. A
+    compression hook's state (error feedback, PowerSGD memories) is per bucket and its chunks follow
+    the bucket's layout, so a run resumed from a checkpoint would compress its first step with the
+    initial layout where the uninterrupted run used the rebuilt one. With one layout throughout, a
+    resumed run stays exact.
+    """
+    ddp.reducer = _NoRebuildReducer(ddp.reducer)  # type: ignore[assignment]
 
 
 def reduce_dtype(config: Config) -> torch.dtype | None:
