@@ -88,3 +88,25 @@ def test_train_profile_writes_a_chrome_trace(tmp_path: Path) -> None:
     assert len(traces) == 1
     events = json.loads(traces[0].read_text())["traceEvents"]
     assert any("aten::mm" in e.get("name", "") for e in events)  # the step's matmuls were recorded
+
+
+def test_bench_compares_compressions(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    proc = run_cli(
+        "bench", "--strategies", "ddp", "--nproc", "2", "--compression", "none,powersgd,dct",
+        "--steps", "3", "--warmup", "1", "--out", str(out), "--set", *SMALL,
+        "parallel.compression_options.start_step=2", timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {r["compression"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+    plain = rows["none"]["comm_bus_bytes_per_step"]
+    for c in ("powersgd", "dct"):
+        assert rows[c]["comm_bus_bytes_per_step"] < plain / 4, (
+            c,
+            rows[c]["comm_bus_bytes_per_step"],
+            plain,
+        )
+        assert abs(rows[c]["comm_bytes_per_step"] - rows[c]["comm_bytes_per_step_predicted"]) <= 8
+    report = (out / "report.md").read_text()
+    assert "## Compression" in report and "| ddp x2 fp32 dct |" in report
+    assert (out / "loss_vs_bytes.png").read_bytes()[:4] == b"\x89PNG"

@@ -250,9 +250,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
         ) from None
     if any(n < 1 for n in nprocs):
         raise DtlabError(f"--nproc {args.nproc!r}: expected comma-separated integers >= 1")
-    for c in compressions:
-        load_config(args.config, [*args.overrides, f"parallel.compression={c}"])
     combos = combinations(strategies, nprocs, compressions, precisions)
+    for (
+        strategy,
+        _,
+        compression,
+        precision,
+    ) in combos:  # every run's config is valid before any runs
+        load_config(
+            args.config,
+            [
+                *args.overrides,
+                f"parallel.strategy={strategy}",
+                f"parallel.compression={compression}",
+                f"train.precision={precision}",
+            ],
+        )
     out = Path(args.out)
     results = run_sweep(
         args.config, args.overrides, combos, args.steps, args.warmup, out, args.profile

@@ -91,7 +91,38 @@ def plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     paths.append(out / "loss.png")
     fig.savefig(paths[-1])
     plt.close(fig)
+
+    if len({r["compression"] for r in rows}) > 1:
+        fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+        for r, name in zip(rows, names, strict=True):
+            if r["nproc"] > 1:
+                ax.plot(cumulative_bus_bytes(r), r["losses"], label=name, lw=1.2)
+        ax.set_xscale("log")
+        ax.set_xlabel("bytes sent by one rank, cumulative (log)")
+        ax.set_ylabel("loss")
+        ax.set_title("Loss against communication")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        paths.append(out / "loss_vs_bytes.png")
+        fig.savefig(paths[-1])
+        plt.close(fig)
     return paths
+
+
+def cumulative_bus_bytes(r: dict[str, Any]) -> list[float]:
+    """Bytes one rank has sent after each step of the run.
+
+    Every step sends what the counted step sent, except PowerSGD's first ``start_step - 1`` steps,
+    which all-reduce uncompressed (``comm_bus_bytes_uncompressed``, the plain DDP figure).
+    """
+    per_step, plain = r["comm_bus_bytes_per_step"], r.get("comm_bus_bytes_uncompressed", 0)
+    start = r.get("compression_start_step", 1) if r["compression"] == "powersgd" else 1
+    out, total = [], 0.0
+    for step in range(1, len(r["losses"]) + 1):
+        total += plain if step < start else per_step
+        out.append(total)
+    return out
 
 
 def _pct(a: float, b: float) -> str:
@@ -147,6 +178,8 @@ def report_markdown(results: dict[str, Any], plot_paths: list[Path]) -> str:
                     f"| {label(r)} | {name} | {c['count']} | {c['bytes'] / MIB:.3f} "
                     f"| {'-' if pred is None else f'{pred / MIB:.3f}'} |"
                 )
+        if len({r["compression"] for r in rows}) > 1:
+            lines += compression_table(rows)
         lines += ["", "## What it says", "", *interpretation(rows)]
     if results["failed"]:
         lines += ["", "## Failed runs", ""] + [
@@ -194,3 +227,35 @@ def interpretation(rows: list[dict[str, Any]]) -> list[str]:
             "compute, so scaling here measures overheads (communication, synchronisation), not speed-up."
         )
     return out
+
+
+def compression_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Bytes and final loss of each compression against plain DDP with the same processes and precision."""
+    lines = [
+        "",
+        "## Compression",
+        "",
+        "| run | bytes sent / step / rank | less than plain | final loss | vs plain |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r["nproc"] == 1:
+            continue
+        base = next(
+            (b for b in rows if b["compression"] == "none" and b["strategy"] == r["strategy"]
+             and b["nproc"] == r["nproc"] and b["precision"] == r["precision"]),
+            None,
+        )  # fmt: skip
+        ratio = (
+            f"{base['comm_bus_bytes_per_step'] / r['comm_bus_bytes_per_step']:.1f}x"
+            if base
+            else "-"
+        )
+        dloss = (
+            f"{(r['loss_final'] - base['loss_final']) / base['loss_final']:+.2%}" if base else "-"
+        )
+        lines.append(
+            f"| {label(r)} | {r['comm_bus_bytes_per_step'] / MIB:.3f} MiB | {ratio} "
+            f"| {r['loss_final']:.4f} | {dloss} |"
+        )
+    return lines

@@ -17,7 +17,8 @@ CSV_COLUMNS = [
     "strategy", "sharding", "nproc", "compression", "precision", "step_time_s", "step_time_min_s",
     "step_time_max_s", "tokens_per_s", "samples_per_s", "mfu", "peak_memory_bytes", "params_bytes",
     "grads_bytes", "optimizer_bytes", "activation_bytes", "activation_bytes_predicted",
-    "comm_bytes_per_step", "comm_bytes_per_step_predicted", "comm_time_s", "cpu_util", "loss_final",
+    "comm_bytes_per_step", "comm_bytes_per_step_predicted", "comm_bus_bytes_per_step", "comm_time_s",
+    "cpu_util", "loss_final",
 ]  # fmt: skip
 
 

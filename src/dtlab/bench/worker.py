@@ -239,6 +239,10 @@ def _bench(
             dict(counter.bytes), predicted.comm_groups, d.world_size
         ),
         "comm_bus_bytes_per_step_predicted": sum(predicted.comm_bus_bytes.values()),
+        "comm_bus_bytes_uncompressed": sum(
+            plan_step(uncompressed(config), d.world_size).comm_bus_bytes.values()
+        ),
+        "compression_start_step": config.parallel.compression_options.start_step,
         "comm_by_collective": {
             k: {"count": counter.counts[k], "bytes": counter.bytes[k]}
             for k in sorted(counter.counts)
@@ -251,6 +255,12 @@ def _bench(
         "losses": losses,
     }
     return row if d.is_main else None
+
+
+def uncompressed(config: Config) -> Config:
+    out = config.model_copy(deep=True)
+    out.parallel.compression = "none"
+    return out
 
 
 def _replay_collectives(counter: CommCounter, d: DistInfo) -> float | None:
