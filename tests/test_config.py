@@ -79,6 +79,20 @@ def test_resolved_config_round_trips(tmp_path: Path) -> None:
         (["data.source=files"], "needs data.paths"),
         (["parallel.compression=dct"], "parallel.compression = 'dct'"),
         (["checkpoint.durable_every=5", "checkpoint.every=3"], "checkpoint.durable_every = 5"),
+        (["parallel.strategy=fsdp", "parallel.compression=dct"], "allows: none, fp16, bf16"),
+        (["parallel.compression=fp16"], "parallel.strategy = 'single' has none"),
+        (
+            [
+                "parallel.strategy=ddp",
+                "parallel.compression=dct",
+                "parallel.compression_options.topk=80",
+            ],
+            "topk = 80 is larger than chunk_size = 64",
+        ),
+        (
+            ["parallel.compression_options.rnak=2"],
+            "unknown key 'parallel.compression_options.rnak'",
+        ),
         (["train"], "expected KEY=VALUE"),
         (["train.lr.x=1"], "train.lr = {'x': 1}"),
         (["train=5", "train.lr=1"], "train is not a section"),

@@ -304,7 +304,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
     if args.keys:
         for key, default, desc in describe_fields():
-            print(f"{key:<36} {default:<14} {desc}")
+            print(f"{key:<44} {default:<14} {desc}")
         return 0
     print(load_config(args.config, args.overrides).to_yaml(), end="")
     return 0

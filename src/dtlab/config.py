@@ -485,5 +485,16 @@ def describe_fields() -> list[tuple[str, str, str]]:
         assert isinstance(cls, type) and issubclass(cls, BaseModel)
         for name, f in cls.model_fields.items():
             key = f.alias or name
+            sub = f.annotation
+            if isinstance(sub, type) and issubclass(sub, BaseModel):  # a nested group of options
+                for sub_name, sf in sub.model_fields.items():
+                    rows.append(
+                        (
+                            f"{section}.{key}.{sub_name}",
+                            repr(defaults[section][key][sub_name]),
+                            sf.description or "",
+                        )
+                    )
+                continue
             rows.append((f"{section}.{key}", repr(defaults[section][key]), f.description or ""))
     return rows
