@@ -39,7 +39,7 @@ from dtlab.metrics.logging import setup_logging
 from dtlab.metrics.profiling import StepProfiler
 from dtlab.metrics.report import peak_memory_bytes
 from dtlab.parallel import destroy_distributed, init_distributed
-from dtlab.parallel.dist import DistInfo, is_worker_env
+from dtlab.parallel.dist import DistInfo, is_worker_env, reduce_scalar
 from dtlab.train.loop import Training, build_training, forward_loss, train_step
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -97,22 +97,6 @@ def measured_activation_bytes(tr: Training, config: Config, device: torch.device
     return sum(seen.values())
 
 
-def _sum_over_ranks(value: float, device: torch.device) -> float:
-    if not dist.is_initialized():
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return float(t.item())
-
-
-def _max_over_ranks(value: float, device: torch.device) -> float:
-    if not dist.is_initialized():
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
 def peak_flops(config: Config, d: DistInfo) -> tuple[float | None, str, float]:
     """The peak FLOP/s of all ranks together, where it comes from (never a silent default), and the
     measured GEMM rate of all ranks together.
@@ -125,8 +109,8 @@ def peak_flops(config: Config, d: DistInfo) -> tuple[float | None, str, float]:
     if dist.is_initialized():
         dist.barrier()
     size = 8192 if d.device.type == "cuda" else 1024
-    measured = _sum_over_ranks(
-        measure_matmul_tflops(_DTYPES[precision], d.device, size=size, repeats=5) * 1e12, d.device
+    measured = reduce_scalar(
+        measure_matmul_tflops(_DTYPES[precision], d.device, size=size, repeats=5) * 1e12
     )
     if d.device.type == "cuda":
         name = torch.cuda.get_device_name(d.device)
@@ -217,7 +201,7 @@ def _bench(
         "peak_flops_source": peak_source,
         "mfu": flops * tokens_per_s / peak if peak else None,
         "gemm_flops_measured": gemm,
-        "peak_memory_bytes": int(_max_over_ranks(peak_memory_bytes(d.device), d.device)),
+        "peak_memory_bytes": int(reduce_scalar(peak_memory_bytes(d.device), "max")),
         "state_bytes": states,
         "state_bytes_predicted": {
             "params_bytes": predicted.params_bytes,
@@ -293,7 +277,7 @@ def _replay_collectives(counter: CommCounter, d: DistInfo) -> float | None:
         else:
             continue
         elapsed += time.perf_counter() - t0
-    return _max_over_ranks(elapsed, d.device)
+    return reduce_scalar(elapsed, "max")
 
 
 def main(argv: list[str] | None = None) -> int:

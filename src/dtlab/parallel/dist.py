@@ -140,3 +140,14 @@ def decide_on_rank0(decide: Callable[[], T], d: DistInfo) -> T:
     if isinstance(box[0], DtlabError):
         raise box[0]
     return cast(T, box[0])
+
+
+def reduce_scalar(value: float, op: str = "sum") -> float:
+    """``value`` summed (``op="sum"``) or maximised (``"max"``) over all ranks; itself without a process group."""
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return float(t.item())

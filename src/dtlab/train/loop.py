@@ -46,7 +46,7 @@ from dtlab.parallel import (
     init_distributed,
     parallelize,
 )
-from dtlab.parallel.dist import decide_on_rank0
+from dtlab.parallel.dist import decide_on_rank0, reduce_scalar
 from dtlab.train.faults import Faults, Preempted, StopSignals
 from dtlab.train.optim import build_optimizer, grad_norm_
 from dtlab.train.precision import LossScaler, autocast
@@ -174,16 +174,6 @@ def build_sinks(config: Config, run_dir: Path, d: DistInfo, resume_step: int = 0
     return sinks
 
 
-def _max_over_ranks(value: int) -> int:
-    if not dist.is_initialized():
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
-
-
 def summarize(
     config: Config,
     history: list[dict[str, Any]],
@@ -211,7 +201,7 @@ def summarize(
         "median_step_time_s": statistics.median(m["step_time_s"] for m in timed) if timed else None,
         "tokens_per_s": tokens_per_step * len(timed) / time_sum if time_sum > 0 else 0.0,
         "train_time_s": wall,
-        "peak_memory_bytes": _max_over_ranks(peak_memory_bytes(d.device)),
+        "peak_memory_bytes": int(reduce_scalar(peak_memory_bytes(d.device), "max")),
     }
 
 
