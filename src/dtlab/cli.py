@@ -166,6 +166,86 @@ def build_parser() -> argparse.ArgumentParser:
         "--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE"
     )
 
+    la = sub.add_parser(
+        "launch",
+        help="write (and submit) a Slurm or Kubernetes job that runs dtlab train",
+        description="Write a job file for a scheduler, with the resolved config beside it (or inside it).",
+    )
+    lsub = la.add_subparsers(dest="scheduler", metavar="SCHEDULER")
+    lsub.required = True
+    ls = lsub.add_parser(
+        "slurm",
+        help="an sbatch script: srun starts dtlab's launcher on every node (c10d rendezvous)",
+        description="Write an sbatch script and CONFIG's resolved form beside it (OUT.config.yaml). One "
+        "task per node starts `dtlab train --nproc P --nnodes N` with a c10d rendezvous on the first "
+        "node. Before the time limit Slurm sends SIGUSR1: the workers save a checkpoint, the script "
+        "requeues the job, and the requeued job resumes from the run directory.",
+    )
+    lk = lsub.add_parser(
+        "k8s",
+        help="a Kubeflow PyTorchJob (elastic, c10d) with the config as a ConfigMap",
+        description="Write a Kubernetes manifest: a ConfigMap with the resolved config, a "
+        "PersistentVolumeClaim for the run directory (unless --pvc names one), and a kubeflow.org/v1 "
+        "PyTorchJob whose containers run dtlab under torchrun. Apply with kubectl apply -f OUT.",
+    )
+    for p in (ls, lk):
+        p.add_argument("config", nargs="?", metavar="CONFIG")
+        p.add_argument("--nodes", type=_positive, default=1, help="number of nodes (default 1)")
+        p.add_argument(
+            "--nproc-per-node",
+            type=_positive,
+            default=1,
+            help="processes (GPUs) per node (default 1)",
+        )
+        p.add_argument(
+            "--gpus-per-node", type=_non_negative, default=0, help="GPUs to request per node"
+        )
+        p.add_argument(
+            "--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE"
+        )
+    ls.add_argument("--partition", default=None, help="Slurm partition")
+    ls.add_argument("--time", default=None, help="time limit, e.g. 4:00:00 or 2-00:00:00")
+    ls.add_argument("--account", default=None, help="Slurm account to charge")
+    ls.add_argument("--cpus-per-task", type=_positive, default=None, help="CPUs per node's task")
+    ls.add_argument(
+        "--signal-seconds",
+        type=_positive,
+        default=120,
+        help="send SIGUSR1 this long before the time limit, to checkpoint and requeue (default 120)",
+    )
+    ls.add_argument(
+        "--python",
+        default=None,
+        help="the Python that runs dtlab on the nodes (default: the one running this command)",
+    )
+    ls.add_argument(
+        "--master-port",
+        type=_positive,
+        default=None,
+        help="rendezvous port (default: from the job id)",
+    )
+    ls.add_argument(
+        "--out", default=None, help="script path (default <run.name>.sbatch in this directory)"
+    )
+    ls.add_argument("--submit", action="store_true", help="run sbatch and print the job id")
+    lk.add_argument("--image", required=True, help="container image with dtlab installed")
+    lk.add_argument("--name", default=None, help="job name (default: from run.name)")
+    lk.add_argument("--namespace", default=None, help="Kubernetes namespace")
+    lk.add_argument(
+        "--pvc",
+        default=None,
+        help="existing PersistentVolumeClaim for the run directory (default: create <name>-runs)",
+    )
+    lk.add_argument("--storage", default="20Gi", help="size of the created claim (default 20Gi)")
+    lk.add_argument("--cpu", default=None, help="CPU request per pod, e.g. 8")
+    lk.add_argument("--memory", default=None, help="memory request per pod, e.g. 64Gi")
+    lk.add_argument(
+        "--max-restarts", type=_non_negative, default=3, help="elastic restarts (default 3)"
+    )
+    lk.add_argument(
+        "--out", default=None, help="manifest path (default <name>.yaml in this directory)"
+    )
+
     pl = sub.add_parser(
         "plan",
         help="predict memory, communication and step time of each strategy",
@@ -351,6 +431,53 @@ def cmd_train(args: argparse.Namespace) -> int:
     return launch(spec, worker_args)
 
 
+def cmd_launch(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dtlab.config import check_world, load_config
+    from dtlab.deploy import K8sJob, SlurmJob, slug, submit, write_k8s, write_slurm
+
+    config = load_config(args.config, args.overrides)
+    check_world(config, args.nodes * args.nproc_per_node)
+    if args.scheduler == "slurm":
+        job = SlurmJob(
+            nodes=args.nodes,
+            nproc_per_node=args.nproc_per_node,
+            gpus_per_node=args.gpus_per_node,
+            partition=args.partition,
+            time=args.time,
+            account=args.account,
+            cpus_per_task=args.cpus_per_task,
+            signal_seconds=args.signal_seconds,
+            python=args.python or sys.executable,
+            port=args.master_port,
+        )
+        out = Path(args.out or f"{slug(config.run.name)}.sbatch")
+        script, resolved = write_slurm(config, job, out)
+        print(f"wrote {script}\nwrote {resolved}", file=sys.stderr)
+        if args.submit:
+            print(submit(script))
+        else:
+            print(f"submit with: sbatch {script}", file=sys.stderr)
+        return 0
+    k8s = K8sJob(
+        nodes=args.nodes,
+        nproc_per_node=args.nproc_per_node,
+        image=args.image,
+        gpus_per_node=args.gpus_per_node,
+        namespace=args.namespace,
+        pvc=args.pvc,
+        storage=args.storage,
+        cpu=args.cpu,
+        memory=args.memory,
+        max_restarts=args.max_restarts,
+    )
+    name = args.name or slug(config.run.name, 50)
+    path = write_k8s(config, k8s, Path(args.out or f"{name}.yaml"), name)
+    print(f"wrote {path}\napply with: kubectl apply -f {path}", file=sys.stderr)
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from dtlab.checkpoint.export import export_checkpoint
 
@@ -383,6 +510,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "plan": cmd_plan,
         "bench": cmd_bench,
         "export": cmd_export,
+        "launch": cmd_launch,
     }
     try:
         return handlers[args.command](args)

@@ -1,0 +1,332 @@
+"""``dtlab launch``: job files for the schedulers users already have (Slurm, Kubernetes).
+
+Each generator takes a validated config and writes the *resolved* config next to the job (so the job
+trains exactly what was checked here, whatever the defaults are when it starts), with a fixed run
+directory so that a requeued or restarted job finds its own checkpoints and resumes.
+
+Every user value that reaches a shell is quoted with :func:`shlex.quote`; values that land in
+``#SBATCH`` lines (which sbatch parses, not the shell) are checked against what Slurm accepts.
+Kubernetes commands are argument lists, never a shell string.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import shlex
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dtlab import __version__
+from dtlab.config import Config
+from dtlab.errors import ConfigError
+
+# Exit code of a worker that saved a checkpoint after SIGTERM/SIGUSR1 (dtlab.errors.Preempted).
+PREEMPTED_EXIT = 75
+
+_SLURM_WORD = re.compile(r"^[A-Za-z0-9_.,:@+=/-]+$")
+_SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
+_K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_K8S_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$")
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    """What ``dtlab launch slurm`` puts in the sbatch script."""
+
+    nodes: int
+    nproc_per_node: int
+    gpus_per_node: int = 0
+    partition: str | None = None
+    time: str | None = None
+    account: str | None = None
+    cpus_per_task: int | None = None
+    signal_seconds: int = 120
+    python: str = "python3"
+    port: int | None = None
+
+
+@dataclass(frozen=True)
+class K8sJob:
+    """What ``dtlab launch k8s`` puts in the PyTorchJob manifest."""
+
+    nodes: int
+    nproc_per_node: int
+    image: str
+    gpus_per_node: int = 0
+    namespace: str | None = None
+    pvc: str | None = None
+    storage: str = "20Gi"
+    cpu: str | None = None
+    memory: str | None = None
+    max_restarts: int = 3
+    grace_seconds: int = 300
+
+
+def _check(value: str | None, pattern: re.Pattern[str], what: str, allowed: str) -> None:
+    if value is not None and not pattern.match(value):
+        raise ConfigError(f"{what}: {value!r} is not valid; allowed: {allowed}")
+
+
+def slug(name: str, limit: int = 63) -> str:
+    """``name`` as a Slurm job / Kubernetes object name: lowercase letters, digits and '-'."""
+    s = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:limit].strip("-")
+    return s or "dtlab"
+
+
+def companion_paths(out: Path) -> tuple[Path, Path]:
+    """(job file, resolved config beside it): ``job.sbatch`` -> ``job.config.yaml``."""
+    out = out.resolve()
+    return out, out.with_name(out.stem + ".config.yaml")
+
+
+def slurm_config(config: Config, run_root: Path) -> Config:
+    """The config the job runs: a fixed, absolute run directory (requeued jobs resume from it)."""
+    resolved = config.model_copy(deep=True)
+    if resolved.run.dir is None:
+        resolved.run.dir = str((run_root / slug(config.run.name)).resolve())
+    else:
+        resolved.run.dir = str(Path(resolved.run.dir).expanduser().resolve())
+    return resolved
+
+
+def slurm_script(script_path: Path, config_path: Path, job: SlurmJob, name: str) -> str:
+    """An sbatch script: one task per node, each starting dtlab's launcher with a c10d rendezvous on
+    the first node; preemption (``--signal``) saves a checkpoint and requeues the job, which resumes."""
+    _check(job.partition, _SLURM_WORD, "--partition", "a Slurm partition name")
+    _check(job.account, _SLURM_WORD, "--account", "a Slurm account name")
+    _check(
+        job.time,
+        _SLURM_TIME,
+        "--time",
+        "minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS",
+    )
+    if job.signal_seconds < 1 or job.signal_seconds > 65535:
+        raise ConfigError(
+            f"--signal-seconds: {job.signal_seconds} is not valid; allowed: 1 to 65535"
+        )
+    directives = [
+        f"--job-name={slug(name)}",
+        f"--nodes={job.nodes}",
+        "--ntasks-per-node=1",
+        f"--output={script_path.parent / (slug(name) + '-%j.out')}",
+        "--open-mode=append",
+        "--requeue",
+        # SIGUSR1 to every task (our launchers) this many seconds before the time limit: they pass it to
+        # the workers, which save a checkpoint and exit with PREEMPTED_EXIT.
+        f"--signal=USR1@{job.signal_seconds}",
+    ]
+    if job.gpus_per_node:
+        directives.append(f"--gpus-per-node={job.gpus_per_node}")
+    if job.cpus_per_task:
+        directives.append(f"--cpus-per-task={job.cpus_per_task}")
+    for flag, value in (
+        ("--partition", job.partition),
+        ("--time", job.time),
+        ("--account", job.account),
+    ):
+        if value:
+            directives.append(f"{flag}={value}")
+    for d in directives:
+        # sbatch reads a directive up to the end of the line, and the shell never sees it.
+        if any(ch.isspace() for ch in d):
+            raise ConfigError(
+                f"Slurm directive {d!r} contains whitespace; use a path without spaces"
+            )
+    port = (
+        str(job.port)
+        if job.port
+        else "$((20000 + SLURM_JOB_ID % 20000))  # one per job: jobs may share a first node"
+    )
+    q = shlex.quote
+    lines = [
+        "#!/bin/bash",
+        f"# Written by `dtlab launch slurm` (dtlab {__version__}). Submit: sbatch {q(str(script_path))}",
+        *(f"#SBATCH {d}" for d in directives),
+        "set -uo pipefail",
+        "",
+        f"PYTHON={q(job.python)}",
+        f"CONFIG={q(str(config_path))}",
+        f"NPROC_PER_NODE={job.nproc_per_node}",
+        'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        f"MASTER_PORT={port}",
+        'echo "dtlab: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NUM_NODES node(s),'
+        ' rendezvous $MASTER_ADDR:$MASTER_PORT"',
+        "",
+        "# One task per node starts dtlab's launcher, which starts NPROC_PER_NODE workers. The node rank is",
+        "# read inside each task; every other value is passed as an argument, never spliced into code.",
+        "srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c \\",
+        '    \'exec "$0" -m dtlab train "$1" --nproc "$2" --nnodes "$SLURM_JOB_NUM_NODES" \\',
+        '         --node-rank "$SLURM_NODEID" --master-addr "$3" --master-port "$4"\' \\',
+        '    "$PYTHON" "$CONFIG" "$NPROC_PER_NODE" "$MASTER_ADDR" "$MASTER_PORT"',
+        "rc=$?",
+        f"if [[ $rc -eq {PREEMPTED_EXIT} ]]; then",
+        '    echo "dtlab: checkpoint saved before the time limit or preemption; requeueing job $SLURM_JOB_ID"',
+        '    scontrol requeue "$SLURM_JOB_ID"',
+        "fi",
+        "exit $rc",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_slurm(config: Config, job: SlurmJob, out: Path) -> tuple[Path, Path]:
+    """Write the sbatch script and its resolved config; returns their paths."""
+    script_path, config_path = companion_paths(out)
+    resolved = slurm_config(config, script_path.parent / "runs")
+    text = slurm_script(script_path, config_path, job, config.run.name)
+    script_path.parent.mkdir(parents=True, exist_ok=True)
+    config_path.write_text(resolved.to_yaml())
+    script_path.write_text(text)
+    script_path.chmod(0o755)
+    return script_path, config_path
+
+
+def submit(script: Path) -> str:
+    """``sbatch`` the script; returns the job id."""
+    try:
+        res = subprocess.run(
+            ["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=False
+        )
+    except FileNotFoundError:
+        raise ConfigError(
+            "--submit: sbatch not found; run this on a Slurm login node, or submit the script there"
+        ) from None
+    if res.returncode != 0:
+        raise ConfigError(f"sbatch failed (exit {res.returncode}): {res.stderr.strip()}")
+    return res.stdout.strip().split(";")[0]
+
+
+CONFIG_MOUNT = "/etc/dtlab"
+RUNS_MOUNT = "/runs"
+
+
+def k8s_manifest(config: Config, job: K8sJob, name: str) -> str:
+    """A ConfigMap with the resolved config, a PersistentVolumeClaim for the run directory (unless
+    ``job.pvc`` names an existing one) and a Kubeflow ``PyTorchJob`` whose containers run dtlab."""
+    _check(name, _K8S_NAME, "--name", "lowercase letters, digits and '-' (RFC 1123)")
+    if len(name) > 50:  # pods are named <name>-worker-<i>, and names are at most 63 characters
+        raise ConfigError(f"--name: {name!r} is {len(name)} characters; allowed: at most 50")
+    _check(job.namespace, _K8S_NAME, "--namespace", "lowercase letters, digits and '-'")
+    _check(job.pvc, _K8S_NAME, "--pvc", "lowercase letters, digits and '-'")
+    for flag, value in (("--cpu", job.cpu), ("--memory", job.memory), ("--storage", job.storage)):
+        _check(value, _K8S_QUANTITY, flag, "a Kubernetes quantity such as 4, 500m, 16Gi")
+    if not job.image or any(ch.isspace() for ch in job.image):
+        raise ConfigError(f"--image: {job.image!r} is not valid; allowed: an image reference")
+
+    resolved = config.model_copy(deep=True)
+    resolved.run.dir = f"{RUNS_MOUNT}/{name}"
+    meta: dict[str, Any] = {"name": name, "labels": {"app.kubernetes.io/managed-by": "dtlab"}}
+    if job.namespace:
+        meta["namespace"] = job.namespace
+
+    def named(suffix: str) -> dict[str, Any]:
+        return {**meta, "name": f"{name}-{suffix}"}
+
+    docs: list[dict[str, Any]] = [
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": named("config"),
+            "data": {"config.yaml": resolved.to_yaml()},
+        }
+    ]
+    claim = job.pvc or f"{name}-runs"
+    if job.pvc is None:
+        docs.append(
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolumeClaim",
+                "metadata": named("runs"),
+                "spec": {
+                    # Every node writes its checkpoint shards to the same run directory.
+                    "accessModes": ["ReadWriteMany" if job.nodes > 1 else "ReadWriteOnce"],
+                    "resources": {"requests": {"storage": job.storage}},
+                },
+            }
+        )
+    resources: dict[str, Any] = {}
+    if job.gpus_per_node:
+        resources["limits"] = {"nvidia.com/gpu": job.gpus_per_node}
+    requests = {k: v for k, v in (("cpu", job.cpu), ("memory", job.memory)) if v}
+    if requests:
+        resources["requests"] = requests
+    container: dict[str, Any] = {
+        "name": "pytorch",  # the training operator looks for this container name
+        "image": job.image,
+        "imagePullPolicy": "IfNotPresent",
+        # torchrun takes the node count, processes per node and rendezvous endpoint from the PET_*
+        # variables the operator sets from elasticPolicy and nprocPerNode; dtlab runs as its worker.
+        "command": [
+            "python",
+            "-m",
+            "torch.distributed.run",
+            "--rdzv-backend=c10d",
+            "--module",
+            "dtlab",
+            "train",
+            f"{CONFIG_MOUNT}/config.yaml",
+        ],
+        "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}],
+        "resources": resources,
+        "volumeMounts": [
+            {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
+            {"name": "runs", "mountPath": RUNS_MOUNT},
+            {"name": "shm", "mountPath": "/dev/shm"},
+        ],
+    }
+    pod = {
+        "spec": {
+            # On eviction the kubelet sends SIGTERM: the workers save a checkpoint before they exit,
+            # and the restarted pod resumes from it. Give them time to write it.
+            "terminationGracePeriodSeconds": job.grace_seconds,
+            "containers": [container],
+            "volumes": [
+                {"name": "config", "configMap": {"name": f"{name}-config"}},
+                {"name": "runs", "persistentVolumeClaim": {"claimName": claim}},
+                {"name": "shm", "emptyDir": {"medium": "Memory"}},
+            ],
+        }
+    }
+    replicas: dict[str, Any] = {
+        "Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": pod}
+    }
+    if job.nodes > 1:
+        replicas["Worker"] = {
+            "replicas": job.nodes - 1,
+            "restartPolicy": "OnFailure",
+            "template": copy.deepcopy(pod),
+        }
+    docs.append(
+        {
+            "apiVersion": "kubeflow.org/v1",
+            "kind": "PyTorchJob",
+            "metadata": meta,
+            "spec": {
+                "nprocPerNode": str(job.nproc_per_node),
+                "elasticPolicy": {
+                    "rdzvBackend": "c10d",
+                    "minReplicas": job.nodes,
+                    "maxReplicas": job.nodes,
+                    "maxRestarts": job.max_restarts,
+                },
+                "runPolicy": {"cleanPodPolicy": "None"},
+                "pytorchReplicaSpecs": replicas,
+            },
+        }
+    )
+    header = f"# Written by `dtlab launch k8s` (dtlab {__version__}). Apply: kubectl apply -f <this file>\n"
+    return header + yaml.safe_dump_all(docs, sort_keys=False)
+
+
+def write_k8s(config: Config, job: K8sJob, out: Path, name: str | None = None) -> Path:
+    """Write the manifest; returns its path."""
+    text = k8s_manifest(config, job, name or slug(config.run.name, 50))
+    out = out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    return out
