@@ -37,6 +37,7 @@ def test_measured_collective_bytes_match_the_prediction(tmp_path: Path) -> None:
         "ddp:full:1:fp16",
         "ddp:full:1:powersgd",
         "ddp:full:1:dct",
+        "ddp:full:1:demo",
         "fsdp:full:1:bf16",
     )
     params = two["ddp:full:1"]["params"]
@@ -47,6 +48,9 @@ def test_measured_collective_bytes_match_the_prediction(tmp_path: Path) -> None:
     assert two["ddp:full:1:fp16"]["bytes"]["all_reduce"] == (plain - 4) // 2 + 4
     assert sum(two["ddp:full:1:powersgd"]["bytes"].values()) < plain / 5
     assert two["ddp:full:1:dct"]["bytes"]["all_gather"] < plain / 3
+    # DeMo: no gradient all-reduce at all (only the loss and the agreed norm), packed pairs gathered.
+    assert two["ddp:full:1:demo"]["bytes"]["all_reduce"] == 8
+    assert two["ddp:full:1:demo"]["bytes"]["all_gather"] < plain / 3  # both ranks' pairs
     four = measure(tmp_path, 4, "hsdp:full:1", "fsdp:full:1", "hsdp:full:1:fp16")
     for item, r in {**two, **four}.items():
         for collective, predicted in r["predicted"].items():

@@ -123,12 +123,17 @@ def test_kill9_then_same_command_ends_like_uninterrupted(
     assert summary["resumed_from"].endswith("step-00000006")
 
 
-@pytest.mark.parametrize("compression", ["powersgd", "dct"])
+@pytest.mark.parametrize("compression", ["powersgd", "dct", "demo"])
 def test_compressed_runs_resume_exactly(tmp_path: Path, compression: str) -> None:
-    """Error-feedback residuals and PowerSGD's memories are in the checkpoint: resume stays exact."""
+    """Error-feedback residuals, PowerSGD's memories and DeMo's per-rank momenta are in the
+    checkpoint: resume stays exact."""
     opts = [
         "parallel.strategy=ddp",
-        f"parallel.compression={compression}",
+        *(
+            ["train.optimizer=demo"]
+            if compression == "demo"
+            else [f"parallel.compression={compression}"]
+        ),
         "parallel.compression_options.start_step=2",
     ]
     ref, run = tmp_path / "ref", tmp_path / "run"

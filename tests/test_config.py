@@ -90,6 +90,16 @@ def test_resolved_config_round_trips(tmp_path: Path) -> None:
             "topk = 80 is larger than chunk_size = 64",
         ),
         (
+            ["train.optimizer=demo", "parallel.strategy=fsdp"],
+            "parallel.strategy = 'fsdp' is not allowed (allowed: single, ddp)",
+        ),
+        (
+            ["train.optimizer=demo", "parallel.strategy=ddp", "parallel.compression=dct"],
+            "parallel.compression = 'dct' is not allowed with it",
+        ),
+        (["train.optimizer=demo", "train.demo.topk=65"], "train.demo.topk = 65 is larger"),
+        (["train.optimizer=adam"], "train.optimizer"),
+        (
             ["parallel.compression_options.rnak=2"],
             "unknown key 'parallel.compression_options.rnak'",
         ),

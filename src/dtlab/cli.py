@@ -303,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from dtlab.bench.sweep import combinations, run_sweep
+    from dtlab.bench.sweep import combinations, compression_overrides, run_sweep
     from dtlab.config import load_config
 
     config = load_config(args.config, args.overrides)  # fail here on a bad config, not in every run
@@ -317,7 +317,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     strategies = split(args.strategies, "strategies", ("single", "ddp", "fsdp", "hsdp"))
     compressions = split(
-        args.compression, "compression", ("none", "fp16", "bf16", "powersgd", "dct")
+        args.compression, "compression", ("none", "fp16", "bf16", "powersgd", "dct", "demo")
     )
     precisions = split(
         args.precision or config.train.precision, "precision", ("fp32", "bf16", "fp16")
@@ -342,7 +342,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             [
                 *args.overrides,
                 f"parallel.strategy={strategy}",
-                f"parallel.compression={compression}",
+                *compression_overrides(compression),
                 f"train.precision={precision}",
             ],
         )

@@ -112,6 +112,26 @@ class DataConfig(_Section):
     )
 
 
+class DemoOptions(_Section):
+    """Options of train.optimizer = demo (decoupled momentum: compressed momentum, sign step)."""
+
+    chunk_size: int = Field(
+        64,
+        ge=2,
+        le=65536,
+        description="Length of the chunks each parameter's momentum is cut into.",
+    )
+    topk: int = Field(
+        8, ge=1, description="DCT coefficients of each chunk sent per step (the largest)."
+    )
+    decay: float = Field(
+        0.9,
+        ge=0,
+        lt=1,
+        description="How much of the momentum not yet sent is kept from one step to the next.",
+    )
+
+
 class TrainConfig(_Section):
     """Optimisation: steps, batch, AdamW, schedule, precision, memory savers."""
 
@@ -145,6 +165,13 @@ class TrainConfig(_Section):
         description="A step whose loss or gradients are not finite is skipped; after this many in a row "
         "the run rolls back to the last checkpoint, or stops if there is none.",
     )
+    optimizer: Literal["adamw", "demo"] = Field(
+        "adamw",
+        description="adamw; demo: DeMo (arXiv 2411.19870), each rank keeps its own momentum and sends "
+        "only its top-k DCT coefficients per chunk; the step is the sign of their average (no "
+        "gradient all-reduce). single or ddp only.",
+    )
+    demo: DemoOptions = Field(default_factory=DemoOptions)  # type: ignore[arg-type]
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     seed: int = Field(0, ge=0, description="Seed of the weights and of the data order.")
@@ -312,6 +339,21 @@ class Config(_Section):
                 f"parallel.compression = {p.compression!r} compresses DDP's gradient buckets; "
                 f"parallel.strategy = {p.strategy!r} allows: none, fp16, bf16"
             )
+        if t.optimizer == "demo":
+            if p.strategy not in ("single", "ddp"):
+                raise ValueError(
+                    f"train.optimizer = 'demo' replaces DDP's gradient all-reduce; parallel.strategy = "
+                    f"{p.strategy!r} is not allowed (allowed: single, ddp)"
+                )
+            if p.compression != "none":
+                raise ValueError(
+                    f"train.optimizer = 'demo' compresses its own momentum; parallel.compression = "
+                    f"{p.compression!r} is not allowed with it (allowed: none)"
+                )
+            if t.demo.topk > t.demo.chunk_size:
+                raise ValueError(
+                    f"train.demo.topk = {t.demo.topk} is larger than train.demo.chunk_size = {t.demo.chunk_size}"
+                )
         o = p.compression_options
         if p.compression == "dct" and o.topk > o.chunk_size:
             raise ValueError(

@@ -8,6 +8,7 @@ import sys
 import torch
 
 from dtlab.analysis.model import plan_step
+from dtlab.bench.sweep import compression_overrides
 from dtlab.config import load_config
 from dtlab.metrics.comm import CommCounter
 from dtlab.models import build_model
@@ -33,7 +34,7 @@ for item in sys.argv[2:]:
         f"parallel.sharding={sharding}",
         f"train.global_batch_size={2 * world * int(accum)}",
         "train.micro_batch_size=2",
-        f"parallel.compression={compression}",
+        *compression_overrides(compression),
         "parallel.compression_options.start_step=2",
     ]
     if strategy == "hsdp":

@@ -163,6 +163,12 @@ def ddp_comm_bytes(shapes: list[ParamShape], config: Config, world: int) -> dict
     p = config.parallel
     o = p.compression_options
     total = sum(s.numel for s in shapes)
+    if config.train.optimizer == "demo":
+        # No gradient all-reduce: every rank's packed (index, bf16 value) int32 pairs, top-k per chunk of
+        # each parameter, gathered by all ranks; plus the gradient norm the ranks agree on.
+        d = config.train.demo
+        pairs = sum(math.ceil(s.numel / d.chunk_size) * d.topk for s in shapes)
+        return {"all_gather": world * pairs * 4, "all_reduce": FP32}
     if p.compression in ("fp16", "bf16"):
         return {"all_reduce": 2 * total}
     if p.compression == "powersgd":
@@ -203,8 +209,13 @@ def plan_step(config: Config, world_size: int, shapes: list[ParamShape] | None =
     else:
         replicate, shard = (world_size, 1) if strategy != "single" else (1, 1)
     held = sum(s.shard_numel(shard) for s in shapes)
-    # AdamW: exp_avg and exp_avg_sq like the parameter, plus a float32 step counter per tensor.
-    opt = 2 * held * FP32 + len(shapes) * FP32
+    # AdamW: exp_avg and exp_avg_sq like the parameter, plus a float32 step counter per tensor. DeMo:
+    # one momentum (padded to whole chunks) and the same counter.
+    if t.optimizer == "demo":
+        c = t.demo.chunk_size
+        opt = sum(math.ceil(s.numel / c) * c for s in shapes) * FP32 + len(shapes) * FP32
+    else:
+        opt = 2 * held * FP32 + len(shapes) * FP32
     plan = StepPlan(
         strategy=strategy,
         sharding=p.sharding if strategy in ("fsdp", "hsdp") else "-",

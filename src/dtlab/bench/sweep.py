@@ -22,6 +22,13 @@ CSV_COLUMNS = [
 ]  # fmt: skip
 
 
+def compression_overrides(compression: str) -> list[str]:
+    """Config overrides for a ``--compression`` name; ``demo`` is the DeMo optimizer (no all-reduce)."""
+    if compression == "demo":
+        return ["parallel.compression=none", "train.optimizer=demo"]
+    return [f"parallel.compression={compression}"]
+
+
 def combinations(
     strategies: list[str], nprocs: list[int], compressions: list[str], precisions: list[str]
 ) -> list[tuple[str, int, str, str]]:
@@ -61,7 +68,7 @@ def run_sweep(
             sys.executable, "-m", "dtlab.bench.worker", *([config_path] if config_path else []),
             "--out", str(row_path), "--nproc", str(nproc), "--warmup", str(warmup),
             *(["--profile", str(out / "profile" / row_path.stem)] if profile else []),
-            "--set", *overrides, f"parallel.strategy={strategy}", f"parallel.compression={compression}",
+            "--set", *overrides, f"parallel.strategy={strategy}", *compression_overrides(compression),
             f"train.precision={precision}", f"train.steps={steps}", "run.progress=none",
         ]  # fmt: skip
         proc = subprocess.run(args, capture_output=True, text=True)

@@ -183,7 +183,7 @@ def _bench(
         if config.parallel.strategy in ("fsdp", "hsdp")
         else "-",
         "nproc": d.world_size,
-        "compression": config.parallel.compression,
+        "compression": "demo" if t.optimizer == "demo" else config.parallel.compression,
         "precision": t.precision,
         "activation_checkpointing": t.activation_checkpointing,
         "device": torch.cuda.get_device_name(d.device) if d.device.type == "cuda" else "cpu",
@@ -244,6 +244,7 @@ def _bench(
 def uncompressed(config: Config) -> Config:
     out = config.model_copy(deep=True)
     out.parallel.compression = "none"
+    out.train.optimizer = "adamw"
     return out
 
 

@@ -119,6 +119,14 @@ def dct_hook(state: DCTState, bucket: dist.GradBucket) -> torch.futures.Future[t
     return fut
 
 
+def local_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook that communicates nothing: every rank keeps its own gradients, for an
+    optimizer that exchanges something smaller itself (``train.optimizer: demo``)."""
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
 @dataclass
 class LowPrecisionState:
     """The dtype a bucket is all-reduced in."""
@@ -190,6 +198,9 @@ class CompressionState:
 def apply_ddp_compression(ddp: DistributedDataParallel, config: Config) -> CompressionState:
     """Register the configured communication hook on a DDP module."""
     kind, o = config.parallel.compression, config.parallel.compression_options
+    if config.train.optimizer == "demo":
+        ddp.register_comm_hook(None, local_hook)
+        return CompressionState(kind)
     if kind in ("fp16", "bf16"):
         dtype = torch.float16 if kind == "fp16" else torch.bfloat16
         ddp.register_comm_hook(LowPrecisionState(dtype), low_precision_hook)

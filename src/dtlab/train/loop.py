@@ -118,7 +118,11 @@ def train_step(
 
     params = [p for p in pm.module.parameters() if p.grad is not None]
     found_inf = scaler.unscale_(params)
-    norm = grad_norm_(params, config.train.grad_clip).item()
+    norm_t = grad_norm_(params, config.train.grad_clip)
+    if getattr(optimizer, "local_gradients", False) and dist.is_initialized():
+        # Each rank's own gradients (DeMo): agree on the largest norm, so all skip a bad step together.
+        dist.all_reduce(norm_t, op=dist.ReduceOp.MAX)
+    norm = norm_t.item()
     # Loss and norm are global (all-reduced), so every rank takes the same decision.
     bad = not math.isfinite(global_loss) or (not scaler.enabled and not math.isfinite(norm))
     if not found_inf and not bad:
@@ -285,7 +289,7 @@ def _train(config: Config, d: DistInfo) -> dict[str, Any]:
             "scaler": scaler,
             "health": health,
         },
-        comm=pm.compression,
+        comm=getattr(optimizer, "local", None) or pm.compression,
         rank=d.rank,
     )
     ckpt = Checkpointer(config, run_dir, d, faults)

@@ -11,9 +11,9 @@ from torch.distributed.tensor import DTensor
 from dtlab.config import TrainConfig
 
 
-def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.AdamW:
-    """AdamW over the model's parameters. Build it *after* parallelism is applied: FSDP replaces the
-    parameters with sharded ones, and an optimizer holding the old ones would train nothing."""
+def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW (or DeMo) over the model's parameters. Build it *after* parallelism is applied: FSDP
+    replaces the parameters with sharded ones, and an optimizer holding the old ones would train nothing."""
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
     for p in model.parameters():
@@ -23,6 +23,10 @@ def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.AdamW:
         {"params": decay, "weight_decay": t.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    if t.optimizer == "demo":
+        from dtlab.train.demo import DeMo
+
+        return DeMo(groups, t.lr, t.demo.chunk_size, t.demo.topk, t.demo.decay)
     return torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, eps=t.eps, foreach=True)
 
 
