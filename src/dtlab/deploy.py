@@ -23,10 +23,7 @@ import yaml
 
 from dtlab import __version__
 from dtlab.config import Config
-from dtlab.errors import ConfigError
-
-# Exit code of a worker that saved a checkpoint after SIGTERM/SIGUSR1 (dtlab.errors.Preempted).
-PREEMPTED_EXIT = 75
+from dtlab.errors import ConfigError, Preempted
 
 _SLURM_WORD = re.compile(r"^[A-Za-z0-9_.,:@+=/-]+$")
 _SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
@@ -117,7 +114,7 @@ def slurm_script(script_path: Path, config_path: Path, job: SlurmJob, name: str)
         "--open-mode=append",
         "--requeue",
         # SIGUSR1 to every task (our launchers) this many seconds before the time limit: they pass it to
-        # the workers, which save a checkpoint and exit with PREEMPTED_EXIT.
+        # the workers, which save a checkpoint and exit with Preempted.exit_code.
         f"--signal=USR1@{job.signal_seconds}",
     ]
     if job.gpus_per_node:
@@ -164,7 +161,7 @@ def slurm_script(script_path: Path, config_path: Path, job: SlurmJob, name: str)
         '         --node-rank "$SLURM_NODEID" --master-addr "$3" --master-port "$4"\' \\',
         '    "$PYTHON" "$CONFIG" "$NPROC_PER_NODE" "$MASTER_ADDR" "$MASTER_PORT"',
         "rc=$?",
-        f"if [[ $rc -eq {PREEMPTED_EXIT} ]]; then",
+        f"if [[ $rc -eq {Preempted.exit_code} ]]; then",
         '    echo "dtlab: checkpoint saved before the time limit or preemption; requeueing job $SLURM_JOB_ID"',
         '    scontrol requeue "$SLURM_JOB_ID"',
         "fi",
