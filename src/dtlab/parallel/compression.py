@@ -15,6 +15,7 @@ Every hook returns the *average* over ranks, like DDP's own all-reduce.
 
 # No `from __future__ import annotations` here: DDP checks a hook's annotations against the real
 # dist.GradBucket and torch.futures.Future types, not their names.
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,12 @@ def dct_basis(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return d.to(dtype)
 
 
+@functools.lru_cache(maxsize=16)
+def dct_basis_on(n: int, device: torch.device) -> torch.Tensor:
+    """The float32 ``dct_basis(n)`` on ``device``, built once (read-only: callers never modify it)."""
+    return dct_basis(n).to(device)
+
+
 @dataclass
 class DCTState:
     """The dct hook's settings and its error-feedback residuals (one per DDP bucket)."""
@@ -45,12 +52,9 @@ class DCTState:
     error_feedback: bool
     group: Any = None
     residuals: dict[int, torch.Tensor] = field(default_factory=dict)
-    _basis: dict[torch.device, torch.Tensor] = field(default_factory=dict)
 
     def basis(self, device: torch.device) -> torch.Tensor:
-        if device not in self._basis:
-            self._basis[device] = dct_basis(self.chunk_size).to(device)
-        return self._basis[device]
+        return dct_basis_on(self.chunk_size, device)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {f"residual.{i}": r for i, r in sorted(self.residuals.items())}

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dtlab.parallel.compression import dct_basis
+from dtlab.parallel.compression import dct_basis_on
 
 
 def pack(idx: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
@@ -75,7 +75,6 @@ class DeMo(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
         self.chunk_size, self.topk, self.decay, self.group = chunk_size, topk, decay, group
         self.local = DeMoState()
-        self._basis: dict[torch.device, torch.Tensor] = {}
         # A step counter in the (replicated) optimizer state: a non-empty state also keeps
         # torch.distributed.checkpoint from running a dummy step to create one when it saves.
         for p in self._params():
@@ -83,11 +82,6 @@ class DeMo(torch.optim.Optimizer):
 
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
-
-    def basis(self, device: torch.device) -> torch.Tensor:
-        if device not in self._basis:
-            self._basis[device] = dct_basis(self.chunk_size).to(device)
-        return self._basis[device]
 
     def sent_bytes_per_rank(self) -> int:
         """Bytes of packed pairs one rank contributes per step."""
@@ -108,7 +102,7 @@ class DeMo(torch.optim.Optimizer):
                 m.mul_(self.decay)
                 if p.grad is not None:
                     m[:n].add_(p.grad.flatten().float(), alpha=group["lr"])
-                basis = self.basis(p.device)
+                basis = dct_basis_on(c, p.device)
                 coeffs = m.view(chunks, c) @ basis.T
                 idx = coeffs.abs().topk(k, dim=1).indices
                 # Remove what is sent, as the receivers will see it (bfloat16), from the momentum.
@@ -135,7 +129,7 @@ class DeMo(torch.optim.Optimizer):
             coeffs = torch.zeros(chunks, c, device=p.device)
             for r in range(world):
                 coeffs.scatter_add_(1, idx[r], vals[r])
-            update = (coeffs @ self.basis(p.device)).flatten()[: p.numel()].view_as(p).sign()
+            update = (coeffs @ dct_basis_on(c, p.device)).flatten()[: p.numel()].view_as(p).sign()
             lr = group["lr"]
             if group["weight_decay"]:
                 p.mul_(1 - lr * group["weight_decay"])
