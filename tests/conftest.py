@@ -82,6 +82,16 @@ def train_run(
     return read_metrics(run_dir)
 
 
+def run_worker(name: str, nproc: int, *args: str, timeout: int = 300) -> None:
+    """Run ``tests/workers/<name>`` under torchrun on ``nproc`` local gloo processes; fail on a non-zero exit."""
+    worker = Path(__file__).parent / "workers" / name
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), str(worker), *args],
+        capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -10,18 +10,14 @@ from typing import Any
 
 import pytest
 
+from conftest import run_worker
 from dtlab.analysis.model import param_shapes, plan_step
 from dtlab.config import load_config
 
 
 def measure(tmp_path: Path, nproc: int, *items: str) -> dict[str, dict[str, Any]]:
     out = tmp_path / f"comm-{nproc}.json"
-    worker = Path(__file__).parent / "workers" / "comm_worker.py"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), str(worker), str(out), *items],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_worker("comm_worker.py", nproc, str(out), *items, timeout=600)
     return {r["item"]: r for r in json.loads(out.read_text())}
 
 

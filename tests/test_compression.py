@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import train_run
+from conftest import run_worker, train_run
 from dtlab.parallel.compression import DCTState, dct_basis, dct_compress, dct_decompress
 
 
@@ -124,16 +124,8 @@ def _demo_reference(world: int, steps: int) -> dict[str, torch.Tensor]:
 
 
 def test_demo_optimizer_on_two_gloo_ranks_matches_its_definition(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
     out = tmp_path / "demo.pt"
-    worker = Path(__file__).parent / "workers" / "demo_worker.py"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(worker), str(out)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_worker("demo_worker.py", 2, str(out))
     got = torch.load(out)
     ref = _demo_reference(world=2, steps=3)
     torch.testing.assert_close(got["w"], ref["w"], atol=1e-6, rtol=0)

@@ -6,19 +6,14 @@ The collectives are counted from the dispatcher in real gloo processes (no mock 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from conftest import run_worker
 
 
 def test_gradients_sync_once_per_step(tmp_path: Path) -> None:
     out = tmp_path / "counts.json"
-    worker = Path(__file__).parent / "workers" / "grad_sync_worker.py"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(worker), str(out)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_worker("grad_sync_worker.py", 2, str(out))
     counts = json.loads(out.read_text())
     ddp1, ddp4 = counts["ddp"]["1"], counts["ddp"]["4"]
     # One bucketed all-reduce of the gradients (plus one for the reported loss, one for the fp16 flag: none here).
