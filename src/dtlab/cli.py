@@ -95,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--nnodes", type=_positive, default=1, help="number of nodes (default 1)")
     t.add_argument(
+        "--engine",
+        choices=("torch", "mlx"),
+        default=None,
+        help="torch or mlx (same as --set train.engine=...; mlx ranks start through mlx.launch)",
+    )
+    t.add_argument(
         "--node-rank", type=_non_negative, default=0, help="this node's rank (multi-node)"
     )
     t.add_argument(
@@ -396,7 +402,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if args.profile:
         args.overrides = [*args.overrides, "run.profile=true"]
+    if args.engine:
+        args.overrides = [*args.overrides, f"train.engine={args.engine}"]
     config = load_config(args.config, args.overrides)
+    if config.train.engine == "mlx":
+        return _train_mlx(args, config)
     world = args.nproc * args.nnodes
     if is_worker_env() or world == 1:
         if not is_worker_env():
@@ -429,6 +439,48 @@ def cmd_train(args: argparse.Namespace) -> int:
         *(["--set", *overrides] if overrides else []),
     ]
     return launch(spec, worker_args)
+
+
+def _train_mlx(args: argparse.Namespace, config: Config) -> int:
+    """``train.engine: mlx``: train here (one process, or one rank mlx.launch started), or launch ranks."""
+    from dtlab.config import check_world
+    from dtlab.mlx import require_mlx
+    from dtlab.mlx.launch import is_mlx_worker, launch_mlx, record_pid
+
+    require_mlx()
+    if args.nnodes > 1:
+        raise DtlabError(
+            f"--nnodes {args.nnodes} with train.engine = 'mlx': start the ranks of several machines with "
+            "mlx.launch --hostfile (see docs/mlx.md); --nproc starts ranks on this machine"
+        )
+    world = args.nproc
+    if is_mlx_worker() or world == 1:
+        if is_mlx_worker():
+            record_pid()
+        else:
+            check_world(config, world)
+        from dtlab.metrics.report import summary_table
+        from dtlab.mlx.train import train_mlx
+
+        summary = train_mlx(config)
+        if "run_dir" in summary:
+            print(f"\ndtlab run finished\n{summary_table(summary)}", flush=True)
+        return 0
+    check_world(config, world)
+    from dtlab.data import build_source
+
+    build_source(config)
+    overrides = list(args.overrides)
+    if config.run.dir is None:
+        from dtlab.train.loop import default_run_dir
+
+        overrides.append(f"run.dir={default_run_dir(config)}")
+    worker_args = [
+        "train",
+        *([args.config] if args.config else []),
+        *(["--set", *overrides] if overrides else []),
+    ]
+    return launch_mlx(args.nproc, config.parallel.backend, worker_args)
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -503,6 +555,22 @@ def _train_here(config: Config) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``dtlab`` console script; returns the exit code."""
+    from dtlab.mlx.launch import STATUS_ENV, record_exit
+
+    if not os.environ.get(STATUS_ENV):
+        return _main(argv)
+    code = 1  # an exception that escapes is a failure
+    try:
+        code = _main(argv)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        raise
+    finally:
+        record_exit(code)  # a rank started by launch_mlx tells the launcher how it ended
+    return code
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {
         "train": cmd_train,

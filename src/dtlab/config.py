@@ -182,7 +182,14 @@ class TrainConfig(_Section):
         "none",
         description="full: recompute each block; selective: keep matmul and attention outputs, recompute the rest.",
     )
-    compile: bool = Field(False, description="torch.compile each transformer block.")
+    compile: bool = Field(
+        False, description="torch.compile each transformer block (mlx: mx.compile the step)."
+    )
+    engine: Literal["torch", "mlx"] = Field(
+        "torch",
+        description="torch; mlx: the same model and training on Apple's MLX (single or ddp, "
+        "pip install 'dtlab[mlx]').",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: cuda when available, else cpu."
     )
@@ -231,8 +238,15 @@ class ParallelConfig(_Section):
         "powersgd and dct compress DDP's gradient buckets.",
     )
     compression_options: CompressionOptions = Field(default_factory=CompressionOptions)  # type: ignore[arg-type]
-    backend: Literal["auto", "gloo", "nccl"] = Field(
-        "auto", description="auto: nccl on CUDA, gloo on CPU."
+    backend: Literal["auto", "gloo", "nccl", "ring", "mpi"] = Field(
+        "auto",
+        description="auto: nccl on CUDA, gloo on CPU; engine mlx: ring (auto) or mpi.",
+    )
+    collective_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="A collective that takes longer fails the run naming the rank (a dead peer or a "
+        "hung ring) instead of hanging it.",
     )
 
 
@@ -354,6 +368,13 @@ class Config(_Section):
                 raise ValueError(
                     f"train.demo.topk = {t.demo.topk} is larger than train.demo.chunk_size = {t.demo.chunk_size}"
                 )
+        if t.engine == "mlx":
+            _check_mlx(self)
+        elif p.backend in ("ring", "mpi"):
+            raise ValueError(
+                f"parallel.backend = {p.backend!r} is an MLX backend; train.engine = 'torch' "
+                "allows: auto, gloo, nccl"
+            )
         o = p.compression_options
         if p.compression == "dct" and o.topk > o.chunk_size:
             raise ValueError(
@@ -377,6 +398,26 @@ class Config(_Section):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _check_mlx(c: Config) -> None:
+    """What the MLX engine does not do (yet): say so instead of silently training something else."""
+    t, p = c.train, c.parallel
+    allowed = {
+        "parallel.strategy": (p.strategy, ("single", "ddp")),
+        "parallel.compression": (p.compression, ("none",)),
+        "parallel.backend": (p.backend, ("auto", "ring", "mpi")),
+        "train.optimizer": (t.optimizer, ("adamw",)),
+        "train.precision": (t.precision, ("fp32", "bf16")),
+        "train.activation_checkpointing": (t.activation_checkpointing, ("none", "full")),
+        "train.device": (t.device, ("auto", "cpu")),
+    }
+    for key, (value, ok) in allowed.items():
+        if value not in ok:
+            raise ValueError(
+                f"{key} = {value!r} is not supported with train.engine = 'mlx' "
+                f"(allowed: {', '.join(ok)})"
+            )
 
 
 def check_world(config: Config, world_size: int) -> int:

@@ -140,6 +140,7 @@ class Checkpointer:
             step=step,
             world_size=self.d.world_size,
             strategy=self.config.parallel.strategy,
+            engine=self.config.train.engine,
             resume_fingerprint=resume_fingerprint(self.config),
         )
         final = tmp.parent / step_name(step)

@@ -37,7 +37,10 @@ RESUME_KEYS = (
     "data.tokenizer",
     "train.global_batch_size",
     "train.seed",
+    "train.engine",
 )
+# Keys added after checkpoints were first written: a checkpoint without one had this value.
+RESUME_DEFAULTS = {"train.engine": "torch"}
 
 
 def step_name(step: int) -> str:
@@ -59,10 +62,15 @@ def resume_fingerprint(config: Config | dict[str, Any]) -> dict[str, Any]:
 
 def resume_conflicts(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """``key: saved -> current`` for every key of the fingerprint that differs."""
+
+    def get(tree: dict[str, Any], k: str) -> Any:
+        value = tree.get(k)
+        return RESUME_DEFAULTS.get(k) if value is None else value
+
     return [
-        f"{k} = {saved.get(k)!r} in the checkpoint, {current.get(k)!r} now"
+        f"{k} = {get(saved, k)!r} in the checkpoint, {get(current, k)!r} now"
         for k in RESUME_KEYS
-        if saved.get(k) != current.get(k)
+        if get(saved, k) != get(current, k)
     ]
 
 

@@ -52,7 +52,10 @@ def summary_table(s: dict[str, Any]) -> str:
         return "-" if s.get(key) is None else format(s[key], fmt)
 
     rows = [
-        ("strategy", f"{s['strategy']} x {s['world_size']} ({s['precision']})"),
+        (
+            "strategy",
+            f"{'mlx ' if s.get('engine') == 'mlx' else ''}{s['strategy']} x {s['world_size']} ({s['precision']})",
+        ),
         ("model", f"{s['params'] / 1e6:.2f}M params"),
         ("steps", f"{s['steps']} x {s['global_batch_size']} samples x {s['seq_len']} tokens"),
         ("loss", f"{num('initial_loss', '.4f')} -> {num('final_loss', '.4f')}"),

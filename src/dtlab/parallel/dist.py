@@ -84,7 +84,7 @@ def init_distributed(config: Config) -> DistInfo:
     if config.parallel.strategy == "single" and world == 1:
         return DistInfo(0, 1, 0, 1, device, None)
     if not dist.is_initialized():
-        timeout = timedelta(minutes=10)
+        timeout = timedelta(seconds=config.parallel.collective_timeout_s)
         if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             # The elastic agent's store outlives a restart of the workers, and the keys the process
             # group exchanges addresses under do not name the attempt: a restarted rank could read a dead

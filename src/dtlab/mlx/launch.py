@@ -1,0 +1,134 @@
+"""``dtlab train --engine mlx --nproc N``: start N ranks on this machine through ``mlx.launch``.
+
+``mlx.launch`` runs ``python -m dtlab train ...`` once per rank with the ring backend's host file (or under
+``mpirun`` with ``parallel.backend: mpi``), relays their output, and stops the others when one fails. It
+does not report the ranks' exit codes, so each rank writes its own into a status directory that this
+launcher reads at the end (a rank that leaves none was killed). Signals sent to ``dtlab train`` (Ctrl-C,
+a scheduler's SIGTERM/SIGUSR1) are passed to the ranks, which save a checkpoint and exit together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from types import FrameType
+
+from dtlab.errors import DtlabError, Preempted
+
+STATUS_ENV = "DTLAB_MLX_STATUS_DIR"
+WORKER_ENVS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+
+
+def is_mlx_worker() -> bool:
+    """True in a process that ``mlx.launch`` (ring) or ``mpirun`` started as one rank."""
+    return any(k in os.environ for k in WORKER_ENVS)
+
+
+def worker_rank() -> int:
+    for k in WORKER_ENVS:
+        if k in os.environ:
+            return int(os.environ[k])
+    return 0
+
+
+def record_exit(code: int) -> None:
+    """In a rank started by :func:`launch_mlx`: leave this rank's exit code for the launcher."""
+    status = os.environ.get(STATUS_ENV)
+    if status and is_mlx_worker():
+        Path(status, f"rank{worker_rank()}.exit").write_text(str(code), encoding="utf-8")
+
+
+def record_pid() -> None:
+    """In a rank started by :func:`launch_mlx`: leave this rank's pid, so signals can reach it."""
+    status = os.environ.get(STATUS_ENV)
+    if status and is_mlx_worker():
+        Path(status, f"rank{worker_rank()}.pid").write_text(str(os.getpid()), encoding="utf-8")
+
+
+def _free_ports(n: int) -> int:
+    """A first port p such that p .. p+n-1 are free on 127.0.0.1 (the ring listens on one per rank)."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 60000 - n)
+        try:
+            socks = []
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+        return base
+    raise DtlabError(f"could not find {n} consecutive free ports on 127.0.0.1 for the ring backend")
+
+
+def _mlx_launch() -> list[str]:
+    beside = Path(sys.executable).with_name("mlx.launch")
+    if beside.is_file():
+        return [str(beside)]
+    found = shutil.which("mlx.launch")
+    if found:
+        return [found]
+    return [sys.executable, "-c", "from mlx._distributed_utils.launch import main; main()"]
+
+
+def launch_mlx(nproc: int, backend: str, worker_args: list[str]) -> int:
+    """Run ``python -m dtlab <worker_args>`` as ``nproc`` MLX ranks; returns an exit code."""
+    if backend == "auto":
+        backend = "mpi" if shutil.which("mpirun") else "ring"
+    status = Path(tempfile.mkdtemp(prefix="dtlab-mlx-"))
+    cmd = [
+        *_mlx_launch(), "-n", str(nproc), "--backend", backend, "--python", sys.executable,
+        *(["--starting-port", str(_free_ports(nproc))] if backend == "ring" else []),
+        "--", "-m", "dtlab", *worker_args,
+    ]  # fmt: skip
+    env = {**os.environ, STATUS_ENV: str(status)}
+    # Its own session: a Ctrl-C reaches this launcher only, which passes it on as a stop request.
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    received: list[int] = []
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        received.append(signum)
+        sig = signal.SIGUSR1 if signum == signal.SIGUSR1 else signal.SIGTERM
+        for pid_file in status.glob("rank*.pid"):
+            with contextlib.suppress(OSError, ValueError):
+                os.kill(int(pid_file.read_text()), sig)
+
+    handled = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
+    previous = {s: signal.signal(s, forward) for s in handled}
+    try:
+        proc.wait()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    codes: dict[int, int | None] = {}
+    for r in range(nproc):
+        f = status / f"rank{r}.exit"
+        codes[r] = int(f.read_text()) if f.is_file() else None
+    shutil.rmtree(status, ignore_errors=True)
+    if all(c == 0 for c in codes.values()):
+        return 0
+    if Preempted.exit_code in codes.values() and all(
+        c in (Preempted.exit_code, None) for c in codes.values()
+    ):
+        return Preempted.exit_code
+    failed = ", ".join(
+        f"rank {r} ({'killed' if c is None else f'exit code {c}'})"
+        for r, c in codes.items()
+        if c != 0
+    )
+    print(f"error: MLX training failed on {failed}; see the messages above", file=sys.stderr)
+    if received:
+        return Preempted.exit_code if all(c in (75, 0, None) for c in codes.values()) else 1
+    return 1

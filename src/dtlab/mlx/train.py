@@ -1,0 +1,513 @@
+"""The training loop of the MLX engine: the torch loop's semantics, step for step, in MLX.
+
+Same samples per rank and step (:class:`dtlab.data.BatchLoader`), same schedule (:func:`lr_at`), AdamW
+with torch's update rule and decay on matrices only, clipping by the global norm, gradient accumulation,
+non-finite steps skipped, the same run directory and checkpoint rules. Data parallelism is one
+flattened ``all_sum`` per optimizer step, which carries every gradient, the loss and the stop flag.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_unflatten
+
+from dtlab.checkpoint.manager import Checkpointer
+from dtlab.checkpoint.manifest import MANIFEST
+from dtlab.checkpoint.store import step_name
+from dtlab.config import Config, check_world
+from dtlab.data import BatchLayout, BatchLoader, build_source
+from dtlab.errors import CheckpointError, DtlabError, Preempted
+from dtlab.metrics.logging import logger, setup_logging
+from dtlab.metrics.report import plot_loss
+from dtlab.metrics.sinks import JsonlSink, NullSink, ProgressSink, Sink, TensorBoardSink, json_safe
+from dtlab.mlx.model import Transformer, build_mlx_model, flat_parameters
+from dtlab.train.faults import Faults
+from dtlab.train.schedules import lr_at
+
+Params = dict[str, mx.array]
+
+
+# --- distributed -----------------------------------------------------------------------------------
+def init_group(config: Config) -> Any:
+    """The global group: the one ``mlx.launch`` set up (ring or MPI), or a group of one."""
+    if config.train.device == "cpu":
+        mx.set_default_device(mx.cpu)
+    launched = "MLX_RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ
+    if not launched:
+        return mx.distributed.init(strict=False, backend="ring")
+    backend: str = config.parallel.backend
+    try:
+        return mx.distributed.init(strict=True, backend="any" if backend == "auto" else backend)
+    except RuntimeError as e:
+        raise DtlabError(
+            f"could not join the MLX process group (parallel.backend = {config.parallel.backend!r}): {e}"
+        ) from None
+
+
+class Watchdog:
+    """Turns a collective that never returns into an error that names the rank, and an exit.
+
+    A rank whose peer died (or a ring ``all_sum`` that deadlocked) blocks inside MLX, where no Python
+    signal handler runs; a daemon thread watches the deadline and ends the process.
+    """
+
+    def __init__(self, rank: int, timeout_s: float) -> None:
+        self.rank, self.timeout_s = rank, timeout_s
+        self._deadline: float | None = None
+        self._what = ""
+        self._cv = threading.Condition()
+        threading.Thread(target=self._watch, name="dtlab-watchdog", daemon=True).start()
+
+    def _watch(self) -> None:
+        with self._cv:
+            while True:
+                if self._deadline is None:
+                    self._cv.wait()
+                    continue
+                left = self._deadline - time.monotonic()
+                if left > 0:
+                    self._cv.wait(left)
+                    continue
+                print(
+                    f"[rank{self.rank}] error: {self._what} did not finish within "
+                    f"{self.timeout_s:g} s (parallel.collective_timeout_s): another rank died or the "
+                    "collective hung; stopping this rank",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os._exit(1)
+
+    def run(self, what: str, fn: Callable[[], Any]) -> Any:
+        """``fn()`` (which waits on a collective), ended by the watchdog if it takes too long."""
+        with self._cv:
+            self._deadline, self._what = time.monotonic() + self.timeout_s, what
+            self._cv.notify()
+        try:
+            return fn()
+        finally:
+            with self._cv:
+                self._deadline = None
+
+
+class Signals:
+    """SIGTERM / SIGUSR1 (a scheduler's notice) only set a flag; the ranks agree at the step's all_sum."""
+
+    def __init__(self) -> None:
+        self.received = 0
+        self._previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGTERM, signal.SIGUSR1):
+                self._previous[s] = signal.signal(s, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.received = signum
+
+    def close(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
+# --- the step --------------------------------------------------------------------------------------
+class Trainer:
+    """The model, optimizer state and step functions of one rank."""
+
+    def __init__(self, config: Config, group: Any) -> None:
+        t = self.t = config.train
+        self.config, self.group = config, group
+        self.world = group.size()
+        self.model: Transformer = build_mlx_model(
+            config.model, t.seed, t.precision, t.activation_checkpointing != "none"
+        )
+        self.params: Params = flat_parameters(self.model)
+        self.names = sorted(self.params)
+        self.m: Params = {k: mx.zeros_like(v) for k, v in self.params.items()}
+        self.v: Params = {k: mx.zeros_like(v) for k, v in self.params.items()}
+        self.opt_steps = 0  # AdamW's step count (bias correction): skipped steps do not count
+        self.decay = {k: t.weight_decay if v.ndim >= 2 else 0.0 for k, v in self.params.items()}
+        grad_fn = mx.value_and_grad(self._loss)
+        update = self._adamw
+        if t.compile:
+            grad_fn, update = mx.compile(grad_fn), mx.compile(update)
+        self._grad_fn, self._update = grad_fn, update
+
+    def _loss(self, params: Params, inputs: mx.array, targets: mx.array) -> mx.array:
+        self.model.update(tree_unflatten(list(params.items())))
+        logits = self.model(inputs)
+        # Mean cross-entropy over the micro-batch's tokens, in float32 (logsumexp - target logit).
+        logz = mx.logsumexp(logits, axis=-1)
+        target = mx.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+        return mx.mean(logz - target)
+
+    def _adamw(
+        self, params: Params, grads: Params, m: Params, v: Params, hyper: mx.array
+    ) -> tuple[Params, Params, Params]:
+        """torch.optim.AdamW's update, with the gradients scaled by the clip coefficient first.
+
+        ``hyper`` = [lr, clip coefficient, 1 - beta1^t, 1 - beta2^t] as one array, so that a compiled
+        update is traced once, not once per learning rate.
+        """
+        b1, b2 = self.t.betas
+        lr, coef, bc1, bc2 = hyper[0], hyper[1], hyper[2], hyper[3]
+        new_p, new_m, new_v = {}, {}, {}
+        for k in self.names:
+            g = grads[k] * coef
+            mk = b1 * m[k] + (1 - b1) * g
+            vk = b2 * v[k] + (1 - b2) * g * g
+            p = params[k] * (1 - lr * self.decay[k]) if self.decay[k] else params[k]
+            new_p[k] = p - (lr / bc1) * mk / (mx.sqrt(vk) / mx.sqrt(bc2) + self.t.eps)
+            new_m[k], new_v[k] = mk, vk
+        return new_p, new_m, new_v
+
+    def step(
+        self,
+        micro_batches: list[tuple[np.ndarray, np.ndarray]],
+        lr: float,
+        watchdog: Watchdog,
+        stop_flag: int = 0,
+        inject_nan: bool = False,
+    ) -> tuple[dict[str, Any], int]:
+        """One optimizer step over this rank's micro-batches; returns (metrics, agreed stop signal)."""
+        accum = len(micro_batches)
+        loss_sum: mx.array = mx.array(0.0)
+        grads: Params | None = None
+        for inputs, targets in micro_batches:
+            loss, g = self._grad_fn(self.params, mx.array(inputs), mx.array(targets))
+            loss_sum = loss_sum + loss / accum
+            grads = g if grads is None else {k: grads[k] + g[k] for k in self.names}
+            if accum > 1:
+                mx.eval(loss_sum, grads)  # keep one micro-batch's graph alive at a time
+        assert grads is not None
+        grads = {k: grads[k] / accum for k in self.names}
+        if inject_nan:
+            loss_sum = loss_sum * float("nan")
+            grads = {k: g * float("nan") for k, g in grads.items()}
+        stop = stop_flag
+        if self.world > 1:
+            # One flattened all_sum: every gradient, the loss and each rank's stop flag (a signal number;
+            # the sum is non-zero when any rank was signalled).
+            flat = mx.concatenate(
+                [grads[k].reshape(-1) for k in self.names]
+                + [loss_sum.reshape(1)]
+                + [mx.array([float(stop_flag)])]
+            )
+            total = mx.distributed.all_sum(flat, group=self.group)
+            watchdog.run("the gradient all_sum", lambda: mx.eval(total))
+            stop = int(_scalar(total[-1]))
+            total = total[:-1] / self.world
+            offsets = np.cumsum([0] + [self.params[k].size for k in self.names])
+            grads = {
+                k: total[int(offsets[i]) : int(offsets[i + 1])].reshape(self.params[k].shape)
+                for i, k in enumerate(self.names)
+            }
+            loss_sum = total[-1]
+        norm_sq = sum((mx.sum(g * g) for g in grads.values()), start=mx.array(0.0))
+        norm_arr = mx.sqrt(norm_sq)
+        mx.eval(loss_sum, norm_arr)
+        loss_f, norm = _scalar(loss_sum), _scalar(norm_arr)
+        bad = not (math.isfinite(loss_f) and math.isfinite(norm))
+        if not bad:
+            clip = self.t.grad_clip
+            coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
+            self.opt_steps += 1
+            b1, b2 = self.t.betas
+            hyper = mx.array([lr, coef, 1 - b1**self.opt_steps, 1 - b2**self.opt_steps])
+            self.params, self.m, self.v = self._update(self.params, grads, self.m, self.v, hyper)
+            mx.eval(self.params, self.m, self.v)
+        out: dict[str, Any] = {"loss": loss_f, "lr": lr, "grad_norm": norm}
+        if bad:
+            out["bad"] = True
+        return out, stop
+
+    def barrier(self, watchdog: Watchdog, what: str) -> None:
+        if self.world > 1:
+            x = mx.distributed.all_sum(mx.array([1.0]), group=self.group)
+            watchdog.run(what, lambda: mx.eval(x))
+
+    # --- state -----------------------------------------------------------------------------------
+    def save(self, tmp: Path) -> None:
+        mx.save_safetensors(str(tmp / "model.safetensors"), self.params)
+        opt = {f"m.{k}": self.m[k] for k in self.names} | {f"v.{k}": self.v[k] for k in self.names}
+        mx.save_safetensors(str(tmp / "optimizer.safetensors"), opt)
+
+    def load(self, path: Path, opt_steps: int) -> None:
+        model = _read_safetensors(path / "model.safetensors")
+        opt = _read_safetensors(path / "optimizer.safetensors")
+        for name, want in (("model", set(self.names)), ("optimizer", None)):
+            have = set(model) if name == "model" else {k[2:] for k in opt}
+            if want is not None and have != want:
+                raise CheckpointError(
+                    f"checkpoint '{path}': {name}.safetensors does not fit the model"
+                )
+        self.params = {k: model[k].astype(mx.float32) for k in self.names}
+        self.m = {k: opt[f"m.{k}"] for k in self.names}
+        self.v = {k: opt[f"v.{k}"] for k in self.names}
+        self.opt_steps = opt_steps
+        mx.eval(self.params, self.m, self.v)
+
+
+def _scalar(x: mx.array) -> float:
+    value = x.item()
+    assert isinstance(value, (int, float))
+    return float(value)
+
+
+def _read_safetensors(path: Path) -> dict[str, mx.array]:
+    if not path.is_file():
+        raise CheckpointError(
+            f"checkpoint file '{path}' is missing: this checkpoint was not written by the MLX engine"
+        )
+    loaded = mx.load(str(path))
+    assert isinstance(loaded, dict)
+    return loaded
+
+
+# --- the loop ----------------------------------------------------------------------------------------
+def _numpy_batches(batch: list[Any]) -> list[tuple[np.ndarray, np.ndarray]]:
+    return [(x.numpy(), y.numpy()) for x, y in batch]
+
+
+def peak_memory_bytes() -> int:
+    """MLX's own counter of the peak memory its allocator held (this process)."""
+    return int(mx.get_peak_memory())
+
+
+def train_mlx(config: Config) -> dict[str, Any]:
+    """Train as configured with the MLX engine (one rank of the group ``mlx.launch`` started)."""
+    from dtlab.parallel.dist import DistInfo
+    from dtlab.train.loop import TrainState, default_run_dir
+
+    group = init_group(config)
+    rank, world = group.rank(), group.size()
+    setup_logging(rank, world)
+    t = config.train
+    accum = check_world(config, world)
+    micro = t.global_batch_size // (accum * world)
+    faults = Faults.from_env(rank)
+    if config.run.dir is None and world > 1:
+        raise DtlabError(
+            "run.dir must be set when MLX ranks are started by mlx.launch directly: every rank must "
+            "write to the same run directory (dtlab train --engine mlx --nproc N sets it)"
+        )
+    run_dir = Path(config.run.dir) if config.run.dir else default_run_dir(config)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DtlabError(
+            f"run.dir = {str(run_dir)!r} cannot be created: {e.strerror or e}"
+        ) from None
+    config = config.model_copy(deep=True)
+    config.run.dir = str(run_dir)
+    is_main = rank == 0
+    if is_main:
+        (run_dir / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
+
+    watchdog = Watchdog(rank, config.parallel.collective_timeout_s)
+    trainer = Trainer(config, group)
+    loader = BatchLoader(
+        build_source(config), BatchLayout(t.global_batch_size, rank, world, micro),
+        prefetch=config.data.prefetch,
+    )  # fmt: skip
+    state = TrainState()
+    import torch  # the Checkpointer's DistInfo names a device; nothing of torch runs here
+
+    d = DistInfo(rank, world, rank, world, torch.device("cpu"), None)
+    ckpt = Checkpointer(config, run_dir, d, faults)
+    health = {"bad_steps": 0, "bad_in_a_row": 0}
+    resumed = _restore(ckpt, trainer, loader, state, health)
+    params = sum(v.size for v in trainer.params.values())
+    logger.info(
+        "training %.2fM params | mlx %s x %d on %s | global batch %d = %d ranks x %d micro-batches x %d | %d steps | run dir %s",
+        params / 1e6, config.parallel.strategy, world, mx.default_device(), t.global_batch_size,
+        world, accum, micro, t.steps, run_dir,
+    )  # fmt: skip
+    sinks: list[Sink] = [NullSink()]
+    if is_main:
+        sinks = [JsonlSink(run_dir / "metrics.jsonl", resumed or 0)]
+        if config.run.tensorboard:
+            sinks.append(TensorBoardSink(run_dir / "tensorboard", resumed or 0))
+    progress = ProgressSink(
+        config.run.progress if is_main else "none", t.steps, config.run.log_every, state.step
+    )
+    signals = Signals()
+    tokens_per_step = t.global_batch_size * config.seq_len
+    history: list[dict[str, Any]] = []
+    wall0 = time.perf_counter()
+    try:
+        while state.step < t.steps:
+            t0 = time.perf_counter()
+            batch = _numpy_batches(next(loader))
+            m, stop = trainer.step(
+                batch, lr_at(state.step, t), watchdog, signals.received,
+                inject_nan=faults.nan_loss(state.step + 1),
+            )  # fmt: skip
+            if world == 1:
+                stop = signals.received
+            dt = time.perf_counter() - t0
+            state.step += 1
+            state.tokens += tokens_per_step
+            m = {
+                "step": state.step,
+                **m,
+                "tokens": state.tokens,
+                "step_time_s": dt,
+                "tokens_per_s": tokens_per_step / dt,
+                "memory_active_bytes": int(mx.get_active_memory()),
+            }
+            history.append(m)
+            progress.step(m)
+            if state.step % config.run.log_every == 0 or state.step == t.steps or "bad" in m:
+                for sink in sinks:
+                    sink.log(m)
+            faults.after_step(state.step)
+            if "bad" in m:
+                health["bad_steps"] += 1
+                health["bad_in_a_row"] += 1
+                if health["bad_in_a_row"] >= t.max_bad_steps:
+                    raise DtlabError(
+                        f"{t.max_bad_steps} steps in a row up to step {state.step} had a non-finite loss "
+                        f"or gradient (train.max_bad_steps = {t.max_bad_steps}); lower train.lr or check the data"
+                    )
+            else:
+                health["bad_in_a_row"] = 0
+            if stop:
+                name = (
+                    signal.Signals(stop).name
+                    if stop in signal.Signals._value2member_map_
+                    else "a signal"
+                )
+                _save(ckpt, trainer, loader, state, health, config, is_main)
+                trainer.barrier(watchdog, "the barrier after the preemption checkpoint")
+                raise Preempted(
+                    f"stopped by {name} after step {state.step}: checkpoint saved in "
+                    f"{run_dir / 'checkpoints'}; run the same command to resume"
+                )
+            if ckpt.due(state.step) or (state.step == t.steps and config.checkpoint.every):
+                _save(ckpt, trainer, loader, state, health, config, is_main)
+    finally:
+        signals.close()
+        loader.close()
+        progress.close()
+        for sink in sinks:
+            sink.close()
+
+    wall = time.perf_counter() - wall0
+    peak = peak_memory_bytes()
+    if world > 1:
+        x = mx.distributed.all_max(mx.array([float(peak)]), group=group)
+        peak = int(watchdog.run("the final all_max", lambda: _scalar(x)))
+    timed = history[1:] or history
+    time_sum = sum(h["step_time_s"] for h in timed)
+    summary: dict[str, Any] = {
+        "steps": state.step,
+        "engine": "mlx",
+        "strategy": config.parallel.strategy,
+        "world_size": world,
+        "precision": t.precision,
+        "params": params,
+        "global_batch_size": t.global_batch_size,
+        "seq_len": config.seq_len,
+        "initial_loss": history[0]["loss"] if history else None,
+        "final_loss": history[-1]["loss"] if history else None,
+        "tokens": state.tokens,
+        "median_step_time_s": statistics.median(h["step_time_s"] for h in timed) if timed else None,
+        "tokens_per_s": tokens_per_step * len(timed) / time_sum if time_sum > 0 else 0.0,
+        "train_time_s": wall,
+        "peak_memory_bytes": peak,
+        "resumed_from": ckpt.resumed_from,
+        "bad_steps": health["bad_steps"],
+        "rollbacks": 0,
+        "checkpoints_saved": len(ckpt.saved_steps),
+        "checkpoint_failures": ckpt.failures,
+    }
+    if is_main:
+        summary["run_dir"] = str(run_dir)
+        if config.run.plot and history:
+            title = f"{config.run.name}: mlx {config.parallel.strategy} x {world}"
+            summary["loss_plot"] = str(plot_loss(history, run_dir / "loss.png", title))
+        (run_dir / "summary.json").write_text(
+            json.dumps(json_safe(summary), indent=2) + "\n", encoding="utf-8"
+        )
+    return summary
+
+
+def _save(
+    ckpt: Checkpointer,
+    trainer: Trainer,
+    loader: BatchLoader,
+    state: Any,
+    health: dict[str, int],
+    config: Config,
+    is_main: bool,
+) -> None:
+    """Rank 0 writes the checkpoint (every rank holds the same replica): files, manifest, rename."""
+    if not is_main:
+        return
+    t0 = time.perf_counter()
+    tmp = ckpt.local.local_root / f".tmp-{step_name(state.step)}"  # type: ignore[operator]
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
+    tmp.mkdir(parents=True)
+    try:
+        trainer.save(tmp)
+        doc = {
+            "step": state.step,
+            "engine": "mlx",
+            "train": state.state_dict(),
+            "data": loader.state_dict(),
+            "optimizer": {"steps": trainer.opt_steps},
+            "health": health,
+        }
+        (tmp / "state.json").write_text(json.dumps(doc), encoding="utf-8")
+        (tmp / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
+        ckpt._commit(state.step, tmp, t0)
+        ckpt.saved_steps.append(state.step)
+    except OSError as e:  # a failed save is reported and training goes on, as with torch
+        ckpt.failures += 1
+        logger.error("checkpoint of step %d failed: %s: %s", state.step, type(e).__name__, e)
+
+
+def _restore(
+    ckpt: Checkpointer,
+    trainer: Trainer,
+    loader: BatchLoader,
+    state: Any,
+    health: dict[str, int],
+) -> int | None:
+    """Load the checkpoint ``checkpoint.resume`` selects (verified; same rules as the torch engine)."""
+    from dtlab.checkpoint.manifest import read_manifest
+    from dtlab.checkpoint.store import resume_conflicts, resume_fingerprint
+
+    path = ckpt._pick()
+    if path is None:
+        return None
+    manifest = read_manifest(path)
+    conflicts = resume_conflicts(manifest["resume_fingerprint"], resume_fingerprint(ckpt.config))
+    if conflicts:
+        raise CheckpointError(
+            f"cannot resume from '{path}': " + "; ".join(conflicts)
+            + ". Start a new run (checkpoint.resume=never or another run.dir) instead"
+        )  # fmt: skip
+    doc = json.loads((path / "state.json").read_text(encoding="utf-8"))
+    if doc.get("engine") != "mlx":
+        raise CheckpointError(f"cannot resume from '{path}': it was not written by the MLX engine")
+    trainer.load(path, int(doc["optimizer"]["steps"]))
+    state.load_state_dict(doc["train"])
+    loader.load_state_dict(doc["data"])
+    health.update({k: int(v) for k, v in doc.get("health", {}).items()})
+    ckpt.resumed_from = str(path)
+    logger.info("resumed from %s (step %d)", path, state.step)
+    assert (path / MANIFEST).is_file()
+    return int(doc["step"])
