@@ -445,7 +445,7 @@ def _train_mlx(args: argparse.Namespace, config: Config) -> int:
     """``train.engine: mlx``: train here (one process, or one rank mlx.launch started), or launch ranks."""
     from dtlab.config import check_world
     from dtlab.mlx import require_mlx
-    from dtlab.mlx.launch import is_mlx_worker, launch_mlx, record_pid
+    from dtlab.mlx.launch import is_mlx_worker, launch_mlx
 
     require_mlx()
     if args.nnodes > 1:
@@ -455,9 +455,7 @@ def _train_mlx(args: argparse.Namespace, config: Config) -> int:
         )
     world = args.nproc
     if is_mlx_worker() or world == 1:
-        if is_mlx_worker():
-            record_pid()
-        else:
+        if not is_mlx_worker():
             check_world(config, world)
         from dtlab.metrics.report import summary_table
         from dtlab.mlx.train import train_mlx

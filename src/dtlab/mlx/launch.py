@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from types import FrameType
 
@@ -97,18 +98,27 @@ def launch_mlx(nproc: int, backend: str, worker_args: list[str]) -> int:
     # Its own session: a Ctrl-C reaches this launcher only, which passes it on as a stop request.
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     received: list[int] = []
+    delivered: dict[Path, int] = {}  # pid file -> how many of the received signals it was sent
 
-    def forward(signum: int, frame: FrameType | None) -> None:
+    def note(signum: int, frame: FrameType | None) -> None:
         received.append(signum)
-        sig = signal.SIGUSR1 if signum == signal.SIGUSR1 else signal.SIGTERM
-        for pid_file in status.glob("rank*.pid"):
-            with contextlib.suppress(OSError, ValueError):
-                os.kill(int(pid_file.read_text()), sig)
+
+    def deliver() -> None:
+        # A rank gets every signal received so far, also one that came before the rank had started.
+        for pid_file in sorted(status.glob("rank*.pid")):
+            for signum in received[delivered.get(pid_file, 0) :]:
+                sig = signal.SIGUSR1 if signum == signal.SIGUSR1 else signal.SIGTERM
+                with contextlib.suppress(OSError, ValueError):
+                    os.kill(int(pid_file.read_text()), sig)
+            delivered[pid_file] = len(received)
 
     handled = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
-    previous = {s: signal.signal(s, forward) for s in handled}
+    previous = {s: signal.signal(s, note) for s in handled}
     try:
-        proc.wait()
+        while proc.poll() is None:
+            if received:
+                deliver()
+            time.sleep(0.1)
     finally:
         for s, h in previous.items():
             signal.signal(s, h)

@@ -34,6 +34,7 @@ from dtlab.errors import CheckpointError, DtlabError, Preempted
 from dtlab.metrics.logging import logger, setup_logging
 from dtlab.metrics.report import plot_loss
 from dtlab.metrics.sinks import JsonlSink, NullSink, ProgressSink, Sink, TensorBoardSink, json_safe
+from dtlab.mlx.launch import record_exit, record_pid
 from dtlab.mlx.model import Transformer, build_mlx_model, flat_parameters
 from dtlab.train.faults import Faults
 from dtlab.train.schedules import lr_at
@@ -58,6 +59,12 @@ def init_group(config: Config) -> Any:
         ) from None
 
 
+class CollectiveError(DtlabError):
+    """A collective failed because a peer went away: a failure of the run, not of its input."""
+
+    exit_code = 1
+
+
 class Watchdog:
     """Turns a collective that never returns into an error that names the rank, and an exit.
 
@@ -67,6 +74,7 @@ class Watchdog:
 
     def __init__(self, rank: int, timeout_s: float) -> None:
         self.rank, self.timeout_s = rank, timeout_s
+        self.step = 0  # the optimizer step under way, for the message
         self._deadline: float | None = None
         self._what = ""
         self._cv = threading.Condition()
@@ -83,12 +91,13 @@ class Watchdog:
                     self._cv.wait(left)
                     continue
                 print(
-                    f"[rank{self.rank}] error: {self._what} did not finish within "
+                    f"[rank{self.rank}] error: {self._what} of step {self.step} did not finish within "
                     f"{self.timeout_s:g} s (parallel.collective_timeout_s): another rank died or the "
                     "collective hung; stopping this rank",
                     file=sys.stderr,
                     flush=True,
                 )
+                record_exit(1)
                 os._exit(1)
 
     def run(self, what: str, fn: Callable[[], Any]) -> Any:
@@ -98,6 +107,10 @@ class Watchdog:
             self._cv.notify()
         try:
             return fn()
+        except RuntimeError as e:  # e.g. "[ring] connection to a peer was lost"
+            raise CollectiveError(
+                f"{self._what} failed on rank {self.rank}: {e} (another rank died or left)"
+            ) from None
         finally:
             with self._cv:
                 self._deadline = None
@@ -108,17 +121,12 @@ class Signals:
 
     def __init__(self) -> None:
         self.received = 0
-        self._previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
             for s in (signal.SIGTERM, signal.SIGUSR1):
-                self._previous[s] = signal.signal(s, self._handle)
+                signal.signal(s, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.received = signum
-
-    def close(self) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
 
 
 # --- the step --------------------------------------------------------------------------------------
@@ -290,7 +298,11 @@ def train_mlx(config: Config) -> dict[str, Any]:
     from dtlab.parallel.dist import DistInfo
     from dtlab.train.loop import TrainState, default_run_dir
 
+    signals = Signals()
     group = init_group(config)
+    # Only now may the launcher pass signals on: the handler is in place, and a signal that interrupted
+    # the ring's connection set-up would fail it.
+    record_pid()
     rank, world = group.rank(), group.size()
     setup_logging(rank, world)
     t = config.train
@@ -342,13 +354,13 @@ def train_mlx(config: Config) -> dict[str, Any]:
     progress = ProgressSink(
         config.run.progress if is_main else "none", t.steps, config.run.log_every, state.step
     )
-    signals = Signals()
     tokens_per_step = t.global_batch_size * config.seq_len
     history: list[dict[str, Any]] = []
     wall0 = time.perf_counter()
     try:
         while state.step < t.steps:
             t0 = time.perf_counter()
+            watchdog.step = state.step + 1
             batch = _numpy_batches(next(loader))
             m, stop = trainer.step(
                 batch, lr_at(state.step, t), watchdog, signals.received,
@@ -398,7 +410,8 @@ def train_mlx(config: Config) -> dict[str, Any]:
             if ckpt.due(state.step) or (state.step == t.steps and config.checkpoint.every):
                 _save(ckpt, trainer, loader, state, health, config, is_main)
     finally:
-        signals.close()
+        # The handlers stay: a launcher that stops the other ranks once one has left (mlx.launch does)
+        # must not kill a rank that is finishing after it saved.
         loader.close()
         progress.close()
         for sink in sinks:

@@ -10,6 +10,8 @@ Fault injection, for testing a setup end to end: ``DTLAB_FAULTS`` holds comma-se
 - ``kill``: after the step, the process kills itself with SIGKILL (like ``kill -9``);
 - ``sigterm`` / ``sigusr1``: after the step, the process sends itself that signal (preemption);
 - ``error``: after the step, the process raises an exception (a crash with a traceback);
+- ``hang``: after the step, the process stops taking part (a stuck node): the other ranks' next
+  collective never completes; it leaves (exit 1) only when a launcher signals it to stop;
 - ``killsave``: while saving the checkpoint of that step, after the data files are written and before
   the manifest commits it, the process kills itself (a torn checkpoint);
 - ``failsave``: the same moment, an OSError instead (a failed write: reported, training goes on).
@@ -37,7 +39,7 @@ from dtlab.errors import DtlabError, Preempted
 __all__ = ["Faults", "InjectedError", "Preempted", "StopSignals"]
 
 FAULTS_ENV = "DTLAB_FAULTS"
-KINDS = ("nan", "kill", "sigterm", "sigusr1", "error", "killsave", "failsave")
+KINDS = ("nan", "kill", "sigterm", "sigusr1", "error", "hang", "killsave", "failsave")
 _ITEM = re.compile(r"^(?P<kind>[a-z]+)@(?P<first>\d+)(?:-(?P<last>\d+))?(?::r(?P<rank>\d+))?$")
 
 
@@ -89,6 +91,14 @@ class Faults:
         for kind, sig in (("sigterm", signal.SIGTERM), ("sigusr1", signal.SIGUSR1)):
             if self._due(kind, step):
                 os.kill(os.getpid(), sig)
+        if self._due("hang", step):
+            stops = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1}
+            signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+            signal.sigwait(stops)
+            from dtlab.mlx.launch import record_exit
+
+            record_exit(1)  # for dtlab's MLX launcher; nothing without it
+            os._exit(1)
         if self._due("error", step):
             raise InjectedError(f"{FAULTS_ENV}: injected error after step {step}")
 
