@@ -39,6 +39,9 @@ def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
             "MASTER_ADDR",
             "TORCHELASTIC_RUN_ID",
             "DTLAB_FAULTS",
+            "MLX_RANK",
+            "MLX_HOSTFILE",
+            "DTLAB_MLX_STATUS_DIR",
         )
     }
     env["PYTHONUNBUFFERED"] = "1"
