@@ -146,6 +146,10 @@ def test_mlx_kill_9_then_same_command_resumes_to_same_end(tmp_path: Path, mlx_tw
     np.testing.assert_allclose(column(m, "loss"), column(mlx_two, "loss"), rtol=0, atol=1e-6)
     manifest = (run / "checkpoints" / "step-00000012" / "manifest.json").read_text()
     assert '"engine": "mlx"' in manifest and "model.safetensors" in manifest
+    # dtlab export reads an MLX checkpoint as it reads a torch one.
+    exported = run_cli("export", str(run), "--format", "hf", "--out", str(tmp_path / "hf"))
+    assert exported.returncode == 0, exported.stderr
+    assert (tmp_path / "hf" / "model.safetensors").stat().st_size > 100_000
 
 
 def test_mlx_sigterm_saves_and_resumes(tmp_path: Path, mlx_two) -> None:

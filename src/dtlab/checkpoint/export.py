@@ -123,6 +123,8 @@ def load_model_state(ckpt_dir: str | Path, *, verify: bool = True) -> dict[str, 
     ckpt_dir = Path(ckpt_dir)
     if verify:
         verify_checkpoint(ckpt_dir)
+    if (ckpt_dir / "model.safetensors").is_file():  # written by the MLX engine: one plain file
+        return dict(_safetensors_torch().load_file(str(ckpt_dir / "model.safetensors")))
     metadata = SafeFileSystemReader(str(ckpt_dir)).read_metadata()
     mappings: dict[str, Any] = metadata.planner_data or {}
     template: dict[str, torch.Tensor] = {}
