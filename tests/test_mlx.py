@@ -217,3 +217,19 @@ def test_mlx_unsupported_settings_are_named(args: list[str], message: str) -> No
 def test_mlx_backend_names_are_refused_by_torch() -> None:
     proc = run_cli("train", "--set", "parallel.backend=ring")
     assert proc.returncode == 2 and "parallel.backend = 'ring' is an MLX backend" in proc.stderr
+
+
+def test_bench_engines_side_by_side(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    proc = run_cli("bench", "--engine", "torch,mlx", "--strategies", "single", "--nproc", "1",
+                   "--steps", "3", "--warmup", "1", "--out", str(out), "--set", *FAST, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    import json
+
+    rows = json.loads((out / "results.json").read_text())["engine_rows"]
+    assert [r["engine"] for r in rows] == ["torch", "mlx"]
+    assert all(r["timed_steps"] == 3 and r["tokens_per_s"] > 0 for r in rows)
+    # Same training: the two engines' losses agree.
+    np.testing.assert_allclose(rows[0]["losses"], rows[1]["losses"], rtol=0, atol=1e-3)
+    report = (out / "report.md").read_text()
+    assert "| mlx | single x1 fp32 |" in report and (out / "engines.png").stat().st_size > 0

@@ -159,6 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--nproc", default="1,2", help="comma-separated process counts (default 1,2)")
     b.add_argument("--compression", default="none", help="comma-separated (default none)")
+    b.add_argument(
+        "--engine",
+        default="torch",
+        help="comma-separated engines (default torch); with mlx, each engine trains the same config "
+        "and the report puts them side by side",
+    )
     b.add_argument("--precision", default=None, help="comma-separated (default: the config's)")
     b.add_argument("--steps", type=_positive, default=10, help="timed steps per run (default 10)")
     b.add_argument(
@@ -336,6 +342,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         ) from None
     if any(n < 1 for n in nprocs):
         raise DtlabError(f"--nproc {args.nproc!r}: expected comma-separated integers >= 1")
+    engines = split(args.engine, "engine", ("torch", "mlx"))
+    if engines != ["torch"]:
+        return _bench_engines(args, engines, strategies, nprocs, compressions, precisions)
     combos = combinations(strategies, nprocs, compressions, precisions)
     for (
         strategy,
@@ -360,6 +369,49 @@ def cmd_bench(args: argparse.Namespace) -> int:
         f"\n{len(results['rows'])} run(s) measured, {len(results['failed'])} failed: {out / 'report.md'}"
     )
     return 1 if results["failed"] and not results["rows"] else 0
+
+
+def _bench_engines(
+    args: argparse.Namespace,
+    engines: list[str],
+    strategies: list[str],
+    nprocs: list[int],
+    compressions: list[str],
+    precisions: list[str],
+) -> int:
+    from pathlib import Path
+
+    from dtlab.bench.engines import check_engines, run_engines
+    from dtlab.bench.sweep import combinations
+    from dtlab.config import load_config
+
+    check_engines(engines)
+    if compressions != ["none"]:
+        raise DtlabError(
+            f"--compression {args.compression!r} with --engine {args.engine!r}: engines are compared "
+            "without compression (allowed: none)"
+        )
+    combos = [(s, n, p) for s, n, _, p in combinations(strategies, nprocs, ["none"], precisions)]
+    combos = [c for c in combos if c[0] in ("single", "ddp")]
+    if not combos:
+        raise DtlabError(
+            "--engine with mlx compares single and ddp runs; --strategies names neither"
+        )
+    for strategy, _, precision in combos:
+        for engine in engines:  # every run's config is valid before any runs
+            load_config(
+                args.config,
+                [*args.overrides, f"parallel.strategy={strategy}", f"train.precision={precision}",
+                 f"train.engine={engine}"],
+            )  # fmt: skip
+    out = Path(args.out)
+    results = run_engines(
+        args.config, args.overrides, engines, combos, args.steps, args.warmup, out
+    )
+    print(
+        f"\n{len(results['engine_rows'])} run(s) measured, {len(results['failed'])} failed: {out / 'report.md'}"
+    )
+    return 1 if results["failed"] and not results["engine_rows"] else 0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
