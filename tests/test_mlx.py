@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import FAST, cli_env, read_metrics, run_cli
 
+from conftest import FAST, cli_env, read_metrics, run_cli
 from dtlab.mlx import mlx_available
 
 pytestmark = pytest.mark.skipif(
