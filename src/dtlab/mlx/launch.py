@@ -95,6 +95,10 @@ def launch_mlx(nproc: int, backend: str, worker_args: list[str]) -> int:
         "--", "-m", "dtlab", *worker_args,
     ]  # fmt: skip
     env = {**os.environ, STATUS_ENV: str(status)}
+    # Share the cores among the ranks (as the torch engine does) when the BLAS MLX calls is threaded.
+    threads = str(max(1, (os.cpu_count() or 1) // nproc))
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        env.setdefault(var, threads)
     # Its own session: a Ctrl-C reaches this launcher only, which passes it on as a stop request.
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     received: list[int] = []
