@@ -93,14 +93,14 @@ def test_train_profile_writes_a_chrome_trace(tmp_path: Path) -> None:
 def test_bench_compares_compressions(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     proc = run_cli(
-        "bench", "--strategies", "ddp", "--nproc", "2", "--compression", "none,powersgd,dct,demo",
+        "bench", "--strategies", "ddp", "--nproc", "2", "--compression", "none,powersgd,dct,dct-quant,demo",
         "--steps", "3", "--warmup", "1", "--out", str(out), "--set", *SMALL,
         "parallel.compression_options.start_step=2", timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = {r["compression"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
     plain = rows["none"]["comm_bus_bytes_per_step"]
-    for c in ("powersgd", "dct", "demo"):
+    for c in ("powersgd", "dct", "dct-quant", "demo"):
         assert rows[c]["comm_bus_bytes_per_step"] < plain / 4, (
             c,
             rows[c]["comm_bus_bytes_per_step"],

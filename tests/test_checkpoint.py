@@ -123,17 +123,15 @@ def test_kill9_then_same_command_ends_like_uninterrupted(
     assert summary["resumed_from"].endswith("step-00000006")
 
 
-@pytest.mark.parametrize("compression", ["powersgd", "dct", "demo"])
+@pytest.mark.parametrize("compression", ["powersgd", "dct", "dct-quant", "demo"])
 def test_compressed_runs_resume_exactly(tmp_path: Path, compression: str) -> None:
-    """Error-feedback residuals, PowerSGD's memories and DeMo's per-rank momenta are in the
-    checkpoint: resume stays exact."""
+    """Error-feedback residuals, EF21 estimates, PowerSGD's memories and DeMo's per-rank momenta are
+    in the checkpoint: resume stays exact."""
+    from dtlab.bench.sweep import compression_overrides
+
     opts = [
         "parallel.strategy=ddp",
-        *(
-            ["train.optimizer=demo"]
-            if compression == "demo"
-            else [f"parallel.compression={compression}"]
-        ),
+        *compression_overrides(compression),
         "parallel.compression_options.start_step=2",
     ]
     ref, run = tmp_path / "ref", tmp_path / "run"

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import run_worker, train_run
-from dtlab.parallel.compression import DCTState, dct_basis, dct_compress, dct_decompress
+from dtlab.parallel.compression import (
+    DCTState,
+    dct_basis,
+    dct_compress,
+    dct_decompress,
+    dequantize,
+    pack_codes,
+    quantize,
+    unpack_codes,
+)
 
 
 @pytest.mark.parametrize("n", [2, 8, 64, 100])
@@ -67,17 +77,48 @@ def test_dct_hook_with_every_coefficient_trains_like_plain_ddp(
         assert m["loss"] == pytest.approx(r["loss"], abs=1e-5)
 
 
-@pytest.mark.parametrize("compression", ["fp16", "bf16", "powersgd", "dct"])
+@pytest.mark.parametrize("compression", ["fp16", "bf16", "powersgd", "dct", "dct-quant"])
 def test_compressed_runs_train(tmp_path: Path, compression: str) -> None:
+    from dtlab.bench.sweep import compression_overrides
+
     run = train_run(
         tmp_path / compression,
         "parallel.strategy=ddp",
-        f"parallel.compression={compression}",
+        *compression_overrides(compression),
         "parallel.compression_options.start_step=2",
         nproc=2,
     )
     assert run[-1]["loss"] < run[0]["loss"] - 0.3
     assert all(m["loss"] == m["loss"] for m in run)  # no NaN
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_quantised_codes_pack_and_unpack_exactly(bits: int) -> None:
+    d = torch.randn(5, 64)
+    codes, step = quantize(d, bits)
+    payload = pack_codes(codes, step, bits)
+    assert payload.dtype == torch.uint8 and payload.numel() == 5 * (bits * 64 // 8 + 2)
+    back, back_step = unpack_codes(payload, 5, 64, bits)
+    assert torch.equal(back, codes) and torch.equal(back_step, step)
+    assert int(codes.max()) == 2**bits - 1 and int(codes.min()) == 0  # every level is used
+    # More bits, smaller error; 3 bits keeps the error of a Gaussian chunk to a few percent.
+    rel = (dequantize(codes, step, bits) - d).pow(2).sum() / d.pow(2).sum()
+    assert rel < {2: 0.2, 3: 0.05, 4: 0.02}[bits]
+
+
+def test_ef21_estimate_converges_to_a_repeated_gradient() -> None:
+    """EF21: what is not sent now is sent later; sending the change makes the estimate converge."""
+    g = torch.randn(4, 64) * torch.linspace(
+        3, 0.01, 64
+    )  # energy in the first coefficients, as in DCT
+    own = torch.zeros_like(g)
+    errors = []
+    for _ in range(10):
+        own += dequantize(*quantize(g - own, 3), 3)
+        errors.append(float((own - g).norm() / g.norm()))
+    assert errors[0] > 0.1  # one 3-bit message is far from the gradient ...
+    assert errors[-1] < errors[0] / 10  # ... the tracked estimate gets close
+    assert all(b < a for a, b in itertools.pairwise(errors))
 
 
 def test_demo_pairs_pack_into_int32_and_back() -> None:

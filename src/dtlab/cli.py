@@ -329,7 +329,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     strategies = split(args.strategies, "strategies", ("single", "ddp", "fsdp", "hsdp"))
     compressions = split(
-        args.compression, "compression", ("none", "fp16", "bf16", "powersgd", "dct", "demo")
+        args.compression,
+        "compression",
+        ("none", "fp16", "bf16", "powersgd", "dct", "dct-quant", "demo"),
     )
     precisions = split(
         args.precision or config.train.precision, "precision", ("fp32", "bf16", "fp16")

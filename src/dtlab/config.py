@@ -215,6 +215,13 @@ class CompressionOptions(_Section):
         True,
         description="powersgd/dct: keep what was not sent and add it to the next step's gradient.",
     )
+    coding: Literal["topk", "quant"] = Field(
+        "topk",
+        description="dct: topk sends the topk largest coefficients of each chunk as (index, value) "
+        "pairs; quant sends every coefficient in `bits` bits with one bf16 step per chunk, with EF21 "
+        "error feedback (each rank tracks its gradient and sends the quantised change).",
+    )
+    bits: int = Field(3, ge=2, le=4, description="dct coding quant: bits per coefficient.")
 
 
 class ParallelConfig(_Section):
@@ -376,7 +383,12 @@ class Config(_Section):
                 "allows: auto, gloo, nccl"
             )
         o = p.compression_options
-        if p.compression == "dct" and o.topk > o.chunk_size:
+        if p.compression == "dct" and o.coding == "quant" and o.chunk_size % 8:
+            raise ValueError(
+                f"parallel.compression_options.chunk_size = {o.chunk_size} must be a multiple of 8 "
+                "with coding = 'quant' (codes are packed 8 at a time)"
+            )
+        if p.compression == "dct" and o.coding == "topk" and o.topk > o.chunk_size:
             raise ValueError(
                 f"parallel.compression_options.topk = {o.topk} is larger than chunk_size = {o.chunk_size}"
             )

@@ -23,9 +23,12 @@ CSV_COLUMNS = [
 
 
 def compression_overrides(compression: str) -> list[str]:
-    """Config overrides for a ``--compression`` name; ``demo`` is the DeMo optimizer (no all-reduce)."""
+    """Config overrides for a ``--compression`` name; ``demo`` is the DeMo optimizer (no all-reduce),
+    ``dct-quant`` the dct hook with quantised coefficients."""
     if compression == "demo":
         return ["parallel.compression=none", "train.optimizer=demo"]
+    if compression == "dct-quant":
+        return ["parallel.compression=dct", "parallel.compression_options.coding=quant"]
     return [f"parallel.compression={compression}"]
 
 

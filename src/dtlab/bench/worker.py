@@ -183,7 +183,7 @@ def _bench(
         if config.parallel.strategy in ("fsdp", "hsdp")
         else "-",
         "nproc": d.world_size,
-        "compression": "demo" if t.optimizer == "demo" else config.parallel.compression,
+        "compression": compression_name(config),
         "precision": t.precision,
         "activation_checkpointing": t.activation_checkpointing,
         "device": torch.cuda.get_device_name(d.device) if d.device.type == "cuda" else "cpu",
@@ -239,6 +239,16 @@ def _bench(
         "losses": losses,
     }
     return row if d.is_main else None
+
+
+def compression_name(config: Config) -> str:
+    """The ``--compression`` name of a run's config (the inverse of ``compression_overrides``)."""
+    p = config.parallel
+    if config.train.optimizer == "demo":
+        return "demo"
+    if p.compression == "dct" and p.compression_options.coding == "quant":
+        return "dct-quant"
+    return p.compression
 
 
 def uncompressed(config: Config) -> Config:

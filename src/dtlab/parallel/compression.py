@@ -9,6 +9,11 @@
   goes through an orthonormal DCT-II, the ``topk`` largest coefficients of each chunk are exchanged as
   (index, value) pairs with an all-gather, averaged, and transformed back. With error feedback the
   coefficients not sent stay in a per-bucket residual and are added to the next step's gradient.
+  With ``coding: quant`` every coefficient is sent instead, quantised to ``bits`` bits with one bfloat16
+  step per chunk, and error feedback is EF21 (Richtarik et al. 2021): each rank keeps an estimate ``h`` of
+  its own (transformed) gradient and sends the quantised difference ``g - h``; all ranks keep the same
+  estimate ``H`` of the mean, and the hook returns ``H``. The optimizer sees a dense, smoothly tracked
+  gradient rather than the bursts of top-k error feedback, which AdamW's second moment handles badly.
 
 Every hook returns the *average* over ranks, like DDP's own all-reduce.
 """
@@ -123,6 +128,101 @@ def dct_hook(state: DCTState, bucket: dist.GradBucket) -> torch.futures.Future[t
     return fut
 
 
+# Quantised DCT coefficients: a chunk's step is this many chunk RMS over 2^bits levels (+-2.4 RMS).
+QUANT_RANGE = 4.8
+
+
+@dataclass
+class QuantDCTState:
+    """The dct hook with ``coding: quant``: its settings and the EF21 estimates (per DDP bucket)."""
+
+    chunk_size: int
+    bits: int
+    error_feedback: bool
+    group: Any = None
+    own: dict[int, torch.Tensor] = field(default_factory=dict)  # h: this rank's gradient estimate
+    mean: dict[int, torch.Tensor] = field(default_factory=dict)  # H: the ranks' mean (same on all)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        out = {f"own.{i}": t for i, t in sorted(self.own.items())}
+        return out | {f"mean.{i}": t for i, t in sorted(self.mean.items())}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for prefix, d in (("own.", self.own), ("mean.", self.mean)):
+            d.clear()
+            d.update(
+                {int(k[len(prefix) :]): v.clone() for k, v in state.items() if k.startswith(prefix)}
+            )
+
+
+def quantize(d: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Midrise quantisation of each row of ``d`` [chunks, c]: (codes in 0 .. 2^bits - 1, bf16 steps [chunks, 1])."""
+    half = 2 ** (bits - 1)
+    step = (QUANT_RANGE / 2**bits * d.pow(2).mean(dim=1, keepdim=True).sqrt()).to(torch.bfloat16)
+    codes = (d / (step.float() + 1e-30)).floor().clamp(-half, half - 1) + half
+    return codes.to(torch.uint8), step
+
+
+def dequantize(codes: torch.Tensor, step: torch.Tensor, bits: int) -> torch.Tensor:
+    return (codes.float() - 2 ** (bits - 1) + 0.5) * step.float()
+
+
+def pack_codes(codes: torch.Tensor, step: torch.Tensor, bits: int) -> torch.Tensor:
+    """(codes [chunks, c], bf16 step [chunks, 1]) -> uint8 [chunks * (bits c / 8 + 2)]: 8 codes in ``bits`` bytes."""
+    chunks, c = codes.shape
+    shifts = bits * torch.arange(8, dtype=torch.int32, device=codes.device)
+    word = (codes.view(chunks, c // 8, 8).to(torch.int32) << shifts).sum(dim=2)
+    packed = torch.stack([(word >> (8 * b)) & 0xFF for b in range(bits)], dim=2).to(torch.uint8)
+    steps = step.contiguous().view(torch.uint8).view(chunks, 2)
+    return torch.cat([packed.view(chunks, -1), steps], dim=1).flatten()
+
+
+def unpack_codes(
+    payload: torch.Tensor, chunks: int, c: int, bits: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`pack_codes`."""
+    p = payload.view(chunks, bits * c // 8 + 2)
+    b = p[:, : bits * c // 8].view(chunks, c // 8, bits).to(torch.int32)
+    word = b[..., 0].clone()
+    for i in range(1, bits):
+        word |= b[..., i] << (8 * i)
+    shifts = bits * torch.arange(8, dtype=torch.int32, device=payload.device)
+    codes = (word[..., None] >> shifts) & (2**bits - 1)
+    step = p[:, bits * c // 8 :].contiguous().view(torch.bfloat16).view(chunks, 1)
+    return codes.view(chunks, c).to(torch.uint8), step
+
+
+def quant_dct_hook(
+    state: QuantDCTState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: every DCT coefficient in ``bits`` bits (EF21), all-gathered, averaged."""
+    buf = bucket.buffer()
+    i, world = bucket.index(), dist.get_world_size(state.group)
+    n, c, bits = buf.numel(), state.chunk_size, state.bits
+    chunks = math.ceil(n / c)
+    padded = torch.zeros(chunks * c, device=buf.device)
+    padded[:n] = buf.float()
+    basis = dct_basis_on(c, buf.device)
+    x = padded.view(chunks, c) @ basis.T
+    if state.error_feedback:
+        own = state.own.setdefault(i, torch.zeros_like(x))
+        mean = state.mean.setdefault(i, torch.zeros_like(x))
+    else:
+        own, mean = torch.zeros_like(x), torch.zeros_like(x)
+    payload = pack_codes(*quantize(x - own, bits), bits)
+    gathered = torch.empty(world * payload.numel(), dtype=torch.uint8, device=buf.device)
+    dist.all_gather_into_tensor(gathered, payload, group=state.group)
+    total = torch.zeros_like(x)
+    for r in range(world):  # every rank decodes the same payloads: the means stay equal everywhere
+        total += dequantize(*unpack_codes(gathered.view(world, -1)[r], chunks, c, bits), bits)
+    own += dequantize(*unpack_codes(payload, chunks, c, bits), bits)
+    mean += total / world
+    buf.copy_((mean @ basis).flatten()[:n].to(buf.dtype))
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(buf)
+    return fut
+
+
 def local_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook that communicates nothing: every rank keeps its own gradients, for an
     optimizer that exchanges something smaller itself (``train.optimizer: demo``)."""
@@ -168,7 +268,7 @@ class CompressionState:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Tensors of this rank's compression state (error feedback residuals, PowerSGD's memories)."""
         s = self.hook_state
-        if isinstance(s, DCTState):
+        if isinstance(s, (DCTState, QuantDCTState)):
             return s.state_dict()
         if isinstance(s, powersgd.PowerSGDState):
             out = {f"error.{k}": v for k, v in s.error_dict.items()}
@@ -180,7 +280,7 @@ class CompressionState:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         s = self.hook_state
-        if isinstance(s, DCTState):
+        if isinstance(s, (DCTState, QuantDCTState)):
             s.load_state_dict(state)
         elif isinstance(s, powersgd.PowerSGDState):
             for prefix, d in (
@@ -219,6 +319,11 @@ def apply_ddp_compression(ddp: DistributedDataParallel, config: Config) -> Compr
         ddp.register_comm_hook(state, powersgd.powerSGD_hook)
         _keep_bucket_layout(ddp)
         return CompressionState(kind, state)
+    elif kind == "dct" and o.coding == "quant":
+        qstate = QuantDCTState(o.chunk_size, o.bits, o.error_feedback)
+        ddp.register_comm_hook(qstate, quant_dct_hook)
+        _keep_bucket_layout(ddp)
+        return CompressionState(kind, qstate)
     elif kind == "dct":
         dstate = DCTState(o.chunk_size, o.topk, o.error_feedback)
         ddp.register_comm_hook(dstate, dct_hook)
