@@ -233,3 +233,12 @@ def test_bench_engines_side_by_side(tmp_path: Path) -> None:
     np.testing.assert_allclose(rows[0]["losses"], rows[1]["losses"], rtol=0, atol=1e-3)
     report = (out / "report.md").read_text()
     assert "| mlx | single x1 fp32 |" in report and (out / "engines.png").stat().st_size > 0
+
+
+def test_bench_preloads_the_mlx_blas_into_mlx_runs_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dtlab.bench.engines import BLAS_ENV, engine_env
+
+    monkeypatch.setenv(BLAS_ENV, "/opt/blas/libopenblas.so.0")
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    assert engine_env("mlx")["LD_PRELOAD"] == "/opt/blas/libopenblas.so.0"
+    assert "LD_PRELOAD" not in engine_env("torch")

@@ -7,6 +7,7 @@ per step; the figures are medians over the steps after the warm-up, taken from t
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -16,6 +17,22 @@ from typing import Any
 from dtlab.errors import DtlabError
 
 MIB = 2**20
+
+
+BLAS_ENV = "DTLAB_MLX_BLAS"
+
+
+def engine_env(engine: str) -> dict[str, str]:
+    """The environment of one engine's runs: ``$DTLAB_MLX_BLAS`` (a BLAS library) preloaded for MLX only.
+
+    MLX's Linux CPU wheel calls a reference BLAS; preloading an optimised one (OpenBLAS) speeds its matrix
+    products up many times, but preloaded into torch it competes with torch's own threads.
+    """
+    env = dict(os.environ)
+    blas = env.get(BLAS_ENV)
+    if blas and engine == "mlx":
+        env["LD_PRELOAD"] = f"{blas} {env['LD_PRELOAD']}" if env.get("LD_PRELOAD") else blas
+    return env
 
 
 def engine_row(run_dir: Path, engine: str, nproc: int, warmup: int) -> dict[str, Any]:
@@ -69,7 +86,7 @@ def run_engines(
             "run.plot=false", "run.tensorboard=false", "checkpoint.every=0",
             "checkpoint.resume=never", f"run.dir={run_dir}",
         ]  # fmt: skip
-        proc = subprocess.run(args, capture_output=True, text=True)
+        proc = subprocess.run(args, capture_output=True, text=True, env=engine_env(engine))
         if proc.returncode != 0 or not (run_dir / "summary.json").exists():
             tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
             print(f"  failed: {tail}", flush=True)
