@@ -26,7 +26,6 @@ import numpy as np
 from mlx.utils import tree_unflatten
 
 from dtlab.checkpoint.manager import Checkpointer
-from dtlab.checkpoint.manifest import MANIFEST
 from dtlab.checkpoint.store import step_name
 from dtlab.config import Config, check_world
 from dtlab.data import BatchLayout, BatchLoader, build_source
@@ -254,11 +253,15 @@ class Trainer:
     def load(self, path: Path, opt_steps: int) -> None:
         model = _read_safetensors(path / "model.safetensors")
         opt = _read_safetensors(path / "optimizer.safetensors")
-        for name, want in (("model", set(self.names)), ("optimizer", None)):
-            have = set(model) if name == "model" else {k[2:] for k in opt}
-            if want is not None and have != want:
+        want_opt = {f"{s}.{k}" for s in ("m", "v") for k in self.names}
+        for name, have, want in (
+            ("model", set(model), set(self.names)),
+            ("optimizer", set(opt), want_opt),
+        ):
+            if have != want:
                 raise CheckpointError(
-                    f"checkpoint '{path}': {name}.safetensors does not fit the model"
+                    f"checkpoint '{path}': {name}.safetensors does not fit the model "
+                    f"(missing {sorted(want - have)[:3]}, unexpected {sorted(have - want)[:3]})"
                 )
         self.params = {k: model[k].astype(mx.float32) for k in self.names}
         self.m = {k: opt[f"m.{k}"] for k in self.names}
@@ -522,5 +525,4 @@ def _restore(
     health.update({k: int(v) for k, v in doc.get("health", {}).items()})
     ckpt.resumed_from = str(path)
     logger.info("resumed from %s (step %d)", path, state.step)
-    assert (path / MANIFEST).is_file()
     return int(doc["step"])
