@@ -49,7 +49,7 @@ from dtlab.parallel import (
 from dtlab.parallel.dist import decide_on_rank0, reduce_scalar
 from dtlab.train.faults import Faults, Preempted, StopSignals
 from dtlab.train.optim import build_optimizer, grad_norm_
-from dtlab.train.precision import LossScaler, autocast
+from dtlab.train.precision import LossScaler, autocast, check_cpu_half_precision
 from dtlab.train.schedules import build_scheduler
 
 
@@ -302,6 +302,11 @@ def _train(config: Config, d: DistInfo) -> dict[str, Any]:
         params / 1e6, config.parallel.strategy, d.world_size, d.device.type, t.global_batch_size,
         d.world_size, tr.accum, tr.micro, t.steps, run_dir,
     )  # fmt: skip
+
+    if d.is_main and d.device.type == "cpu":
+        advice = check_cpu_half_precision(t.precision)
+        if advice:
+            logger.warning(advice)
 
     sinks = build_sinks(config, run_dir, d, resumed or 0)
     progress = ProgressSink(

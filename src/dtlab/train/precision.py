@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -20,6 +21,44 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
     if precision == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=DTYPES[precision])
+
+
+def gemm_gflops(dtype: torch.dtype, size: int = 256, repeats: int = 3) -> float:
+    """GFLOP/s of the fastest of ``repeats`` size^3 CPU matmuls at ``dtype`` (after one warm-up)."""
+    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+    best = float("inf")
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        a @ b
+        if i:
+            best = min(best, time.perf_counter() - t0)
+    return 2 * size**3 / best / 1e9
+
+
+def half_precision_advice(precision: str, fp32_gflops: float, half_gflops: float) -> str | None:
+    """A warning when a half-precision run's matmuls are slower than fp32 on this CPU, else None.
+
+    CPUs without native bf16/fp16 arithmetic (e.g. AVX2 only: no AVX512-BF16, AMX or ARM bf16)
+    run half-precision matmuls through a slow conversion path, tens to thousands of times slower
+    than fp32; autocast then makes every step slower, not faster.
+    """
+    if precision == "fp32" or half_gflops >= fp32_gflops:
+        return None
+    return (
+        f"train.precision = {precision!r} is slower than fp32 on this CPU: a matmul runs at "
+        f"{half_gflops:,.1f} GFLOP/s in {precision}, {fp32_gflops:,.1f} GFLOP/s in fp32 "
+        f"({fp32_gflops / max(half_gflops, 1e-9):,.0f}x slower: no fast {precision} matmul on this "
+        "CPU); train.precision=fp32 trains faster here"
+    )
+
+
+def check_cpu_half_precision(precision: str) -> str | None:
+    """Measure a small matmul in fp32 and in ``precision`` on this CPU; the advice for that pair."""
+    if precision == "fp32":
+        return None
+    return half_precision_advice(
+        precision, gemm_gflops(torch.float32), gemm_gflops(DTYPES[precision])
+    )
 
 
 class LossScaler:
