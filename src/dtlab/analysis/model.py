@@ -181,13 +181,12 @@ def ddp_comm_bytes(shapes: list[ParamShape], config: Config, world: int) -> dict
             small = len(s.shape) < 2 or n * m < 2 * (n + m) * r
             out += s.numel if small else (n + m) * r
         return {"all_reduce": out * FP32}
-    if p.compression == "dct" and o.coding == "quant":
-        # Every rank's packed codes (bits per coefficient) and one bf16 step per chunk, gathered by all.
-        chunks = math.ceil(total / o.chunk_size)
-        return {"all_gather": world * chunks * (o.bits * o.chunk_size // 8 + 2)}
     if p.compression == "dct":
-        # Every rank's (int32 index, fp32 value) pairs of top-k per chunk, gathered by all ranks.
         chunks = math.ceil(total / o.chunk_size)
+        if o.coding == "quant":
+            # Every rank's packed codes (bits per coefficient) and one bf16 step per chunk, gathered by all.
+            return {"all_gather": world * chunks * (o.bits * o.chunk_size // 8 + 2)}
+        # Every rank's (int32 index, fp32 value) pairs of top-k per chunk, gathered by all ranks.
         return {"all_gather": world * chunks * o.topk * (4 + FP32)}
     return {"all_reduce": total * FP32}
 

@@ -212,11 +212,12 @@ def quant_dct_hook(
     payload = pack_codes(*quantize(x - own, bits), bits)
     gathered = torch.empty(world * payload.numel(), dtype=torch.uint8, device=buf.device)
     dist.all_gather_into_tensor(gathered, payload, group=state.group)
-    total = torch.zeros_like(x)
-    for r in range(world):  # every rank decodes the same payloads: the means stay equal everywhere
-        total += dequantize(*unpack_codes(gathered.view(world, -1)[r], chunks, c, bits), bits)
-    own += dequantize(*unpack_codes(payload, chunks, c, bits), bits)
-    mean += total / world
+    # Every rank decodes the same payloads (its own among them): the means stay equal everywhere.
+    decoded = [
+        dequantize(*unpack_codes(row, chunks, c, bits), bits) for row in gathered.view(world, -1)
+    ]
+    own += decoded[dist.get_rank(state.group)]
+    mean += torch.stack(decoded).sum(dim=0) / world
     buf.copy_((mean @ basis).flatten()[:n].to(buf.dtype))
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(buf)

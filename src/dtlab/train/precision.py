@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -11,6 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from dtlab.analysis.devices import measure_matmul_tflops
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -25,14 +26,7 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
 
 def gemm_gflops(dtype: torch.dtype, size: int = 256, repeats: int = 3) -> float:
     """GFLOP/s of the fastest of ``repeats`` size^3 CPU matmuls at ``dtype`` (after one warm-up)."""
-    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
-    best = float("inf")
-    for i in range(repeats + 1):
-        t0 = time.perf_counter()
-        a @ b
-        if i:
-            best = min(best, time.perf_counter() - t0)
-    return 2 * size**3 / best / 1e9
+    return 1e3 * measure_matmul_tflops(dtype, torch.device("cpu"), size, repeats, best=True)
 
 
 def half_precision_advice(precision: str, fp32_gflops: float, half_gflops: float) -> str | None:
