@@ -95,6 +95,25 @@ def run_worker(name: str, nproc: int, *args: str, timeout: int = 300) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+def checkpoint_tensors(path: Path) -> dict[str, Any]:
+    """Every tensor of a committed checkpoint (parameters, optimizer and compression state), unsharded."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from dtlab.checkpoint.manifest import verify_checkpoint
+
+    verify_checkpoint(path)
+    meta = dcp.FileSystemReader(str(path)).read_metadata()
+    tensors = {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in meta.state_dict_metadata.items()
+        if isinstance(m, TensorStorageMetadata)
+    }
+    dcp.load(tensors, checkpoint_id=str(path), no_dist=True)
+    return tensors
+
+
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -36,6 +36,7 @@ def test_topk_equal_to_chunk_size_is_lossless() -> None:
     state = DCTState(chunk_size=16, topk=16, error_feedback=True)
     g = torch.randn(100)  # not a multiple of the chunk: padding
     idx, vals, chunks = dct_compress(g, state, 0)
+    state.commit()
     out = dct_decompress(idx[None], vals[None], chunks, g.numel(), state, g.device)
     torch.testing.assert_close(out, g, atol=1e-5, rtol=0)
     assert state.residuals[0].abs().max() < 1e-5
@@ -45,6 +46,7 @@ def test_error_feedback_carries_what_was_not_sent() -> None:
     state = DCTState(chunk_size=16, topk=2, error_feedback=True)
     g = torch.randn(64)
     idx, vals, chunks = dct_compress(g, state, 3)
+    state.commit()
     sent = dct_decompress(idx[None], vals[None], chunks, g.numel(), state, g.device)
     # Sent plus residual is exactly the gradient: nothing is lost, only delayed.
     torch.testing.assert_close(sent + state.residuals[3], g, atol=1e-5, rtol=0)
@@ -53,12 +55,35 @@ def test_error_feedback_carries_what_was_not_sent() -> None:
     g2 = torch.randn(64)
     residual = state.residuals[3].clone()
     idx2, vals2, _ = dct_compress(g2, state, 3)
+    assert torch.equal(state.residuals[3], residual)  # not kept before the step is committed
+    state.commit()
     sent2 = dct_decompress(idx2[None], vals2[None], chunks, g.numel(), state, g.device)
     torch.testing.assert_close(sent2 + state.residuals[3], g2 + residual, atol=1e-5, rtol=0)
+    # A skipped step (rolled back) keeps nothing of its gradient, even a non-finite one.
+    kept = state.residuals[3].clone()
+    dct_compress(torch.full((64,), float("nan")), state, 3)
+    state.rollback()
+    assert torch.equal(state.residuals[3], kept)
+    # Under fp16 the hook sees scaled gradients; the residual is kept unscaled.
+    scaled = DCTState(chunk_size=16, topk=2, error_feedback=True, scale=1024.0)
+    dct_compress(g * 1024.0, scaled, 3)
+    scaled.commit()
+    torch.testing.assert_close(
+        scaled.residuals[3], kept_unscaled := state_after(g), atol=1e-5, rtol=0
+    )
+    assert kept_unscaled.norm() > 0
     # Without error feedback nothing is kept.
     plain = DCTState(chunk_size=16, topk=2, error_feedback=False)
     dct_compress(g, plain, 0)
     assert not plain.residuals
+
+
+def state_after(g: torch.Tensor) -> torch.Tensor:
+    """The residual one unscaled step of ``g`` leaves (chunk 16, top 2)."""
+    state = DCTState(chunk_size=16, topk=2, error_feedback=True)
+    dct_compress(g, state, 0)
+    state.commit()
+    return state.residuals[0]
 
 
 def test_dct_hook_with_every_coefficient_trains_like_plain_ddp(

@@ -16,6 +16,12 @@
   gradient rather than the bursts of top-k error feedback, which AdamW's second moment handles badly.
 
 Every hook returns the *average* over ranks, like DDP's own all-reduce.
+
+A hook runs during backward, before the step is judged (finite loss and gradients, no fp16 overflow). So
+no hook folds a step into its state directly: the new state waits in ``pending`` (PowerSGD: the old one
+in a backup) until the training step calls :meth:`CompressionState.commit` for a step it takes or
+:meth:`CompressionState.rollback` for one it skips. State is kept in unscaled gradient units (under fp16
+a hook sees gradients multiplied by the loss scale, which changes over the run).
 """
 
 # No `from __future__ import annotations` here: DDP checks a hook's annotations against the real
@@ -48,6 +54,11 @@ def dct_basis_on(n: int, device: torch.device) -> torch.Tensor:
     return dct_basis(n).to(device)
 
 
+def _scaled(t: torch.Tensor, scale: float) -> torch.Tensor:
+    """``t * scale`` as a new tensor; ``t`` itself when the scale is 1 (no work, bit-exact)."""
+    return t if scale == 1.0 else t * scale
+
+
 @dataclass
 class DCTState:
     """The dct hook's settings and its error-feedback residuals (one per DDP bucket)."""
@@ -57,15 +68,25 @@ class DCTState:
     error_feedback: bool
     group: Any = None
     residuals: dict[int, torch.Tensor] = field(default_factory=dict)
+    pending: dict[int, torch.Tensor] = field(default_factory=dict)  # this step's, until committed
+    scale: float = 1.0  # the loss scale of the gradients the hook sees (fp16)
 
     def basis(self, device: torch.device) -> torch.Tensor:
         return dct_basis_on(self.chunk_size, device)
+
+    def commit(self) -> None:
+        self.residuals.update(self.pending)
+        self.pending.clear()
+
+    def rollback(self) -> None:
+        self.pending.clear()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {f"residual.{i}": r for i, r in sorted(self.residuals.items())}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.residuals = {int(k.split(".")[1]): v.clone() for k, v in state.items()}
+        self.pending.clear()
 
 
 def dct_compress(
@@ -73,13 +94,13 @@ def dct_compress(
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Top-k DCT coefficients of each chunk of ``grad`` (flat): (indices [chunks, k], values, chunk count).
 
-    Updates the bucket's residual with what is not sent (error feedback).
+    What is not sent becomes the bucket's pending residual (error feedback), kept once the step commits.
     """
     n, c = grad.numel(), state.chunk_size
     chunks = math.ceil(n / c)
     x = grad.float()
     if state.error_feedback and bucket_index in state.residuals:
-        x = x + state.residuals[bucket_index]
+        x = x + _scaled(state.residuals[bucket_index], state.scale)
     padded = torch.zeros(chunks * c, device=grad.device)
     padded[:n] = x
     basis = state.basis(grad.device)
@@ -88,7 +109,8 @@ def dct_compress(
     vals = coeffs.gather(1, idx)
     if state.error_feedback:
         kept = torch.zeros_like(coeffs).scatter_(1, idx, vals)
-        state.residuals[bucket_index] = ((coeffs - kept) @ basis).flatten()[:n].clone()
+        residual = ((coeffs - kept) @ basis).flatten()[:n].clone()
+        state.pending[bucket_index] = _scaled(residual, 1.0 / state.scale)
     return idx, vals, chunks
 
 
@@ -142,6 +164,17 @@ class QuantDCTState:
     group: Any = None
     own: dict[int, torch.Tensor] = field(default_factory=dict)  # h: this rank's gradient estimate
     mean: dict[int, torch.Tensor] = field(default_factory=dict)  # H: the ranks' mean (same on all)
+    # This step's new (own, mean) per bucket, until the step is committed.
+    pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    scale: float = 1.0  # the loss scale of the gradients the hook sees (fp16)
+
+    def commit(self) -> None:
+        for i, (own, mean) in self.pending.items():
+            self.own[i], self.mean[i] = own, mean
+        self.pending.clear()
+
+    def rollback(self) -> None:
+        self.pending.clear()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         out = {f"own.{i}": t for i, t in sorted(self.own.items())}
@@ -153,6 +186,7 @@ class QuantDCTState:
             d.update(
                 {int(k[len(prefix) :]): v.clone() for k, v in state.items() if k.startswith(prefix)}
             )
+        self.pending.clear()
 
 
 def quantize(d: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,11 +238,12 @@ def quant_dct_hook(
     padded[:n] = buf.float()
     basis = dct_basis_on(c, buf.device)
     x = padded.view(chunks, c) @ basis.T
-    if state.error_feedback:
-        own = state.own.setdefault(i, torch.zeros_like(x))
-        mean = state.mean.setdefault(i, torch.zeros_like(x))
+    zero = torch.zeros_like(x)
+    if state.error_feedback:  # the estimates, in the units of this step's (scaled) gradients
+        own = _scaled(state.own.get(i, zero), state.scale)
+        mean = _scaled(state.mean.get(i, zero), state.scale)
     else:
-        own, mean = torch.zeros_like(x), torch.zeros_like(x)
+        own, mean = zero, zero
     payload = pack_codes(*quantize(x - own, bits), bits)
     gathered = torch.empty(world * payload.numel(), dtype=torch.uint8, device=buf.device)
     dist.all_gather_into_tensor(gathered, payload, group=state.group)
@@ -216,8 +251,10 @@ def quant_dct_hook(
     decoded = [
         dequantize(*unpack_codes(row, chunks, c, bits), bits) for row in gathered.view(world, -1)
     ]
-    own += decoded[dist.get_rank(state.group)]
-    mean += torch.stack(decoded).sum(dim=0) / world
+    own = own + decoded[dist.get_rank(state.group)]
+    mean = mean + torch.stack(decoded).sum(dim=0) / world
+    if state.error_feedback:
+        state.pending[i] = (_scaled(own, 1.0 / state.scale), _scaled(mean, 1.0 / state.scale))
     buf.copy_((mean @ basis).flatten()[:n].to(buf.dtype))
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(buf)
@@ -230,6 +267,70 @@ def local_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torc
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(bucket.buffer())
     return fut
+
+
+@dataclass
+class PowerSGDGuard:
+    """torch's PowerSGD state, with what the current step replaced kept aside until it is judged.
+
+    torch's hook updates its state in place during backward: a new error per bucket (a new tensor),
+    P and Q written into their memories, the iteration counter and its random generator. The guard
+    keeps the previous values of all of them for the step in flight, so a skipped step restores them.
+    """
+
+    state: powersgd.PowerSGDState
+    scale: float = 1.0  # the loss scale of the gradients the hook sees (fp16)
+    backup: dict[int, tuple[Any, Any, Any]] = field(default_factory=dict)
+    before: tuple[int, Any] | None = None  # (iter, rng state) before this step's first bucket
+
+    def commit(self) -> None:
+        self.backup.clear()
+        self.before = None
+
+    def rollback(self) -> None:
+        s = self.state
+        for i, saved in self.backup.items():
+            for d, value in zip(
+                (s.error_dict, s.p_memory_dict, s.q_memory_dict), saved, strict=True
+            ):
+                if value is None:
+                    d.pop(i, None)
+                else:
+                    d[i] = value
+        if self.before is not None:
+            s.iter = self.before[0]
+            s.rng.set_state(self.before[1])
+        self.commit()
+
+
+def guarded_powersgd_hook(
+    guard: PowerSGDGuard, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """torch's PowerSGD hook, keeping what it replaces (see :class:`PowerSGDGuard`); the error memory
+    is kept in unscaled units, so a change of the fp16 loss scale does not change its meaning."""
+    s, i = guard.state, bucket.index()
+    if guard.before is None:
+        guard.before = (s.iter, s.rng.get_state())
+    if i not in guard.backup:
+        p, q = s.p_memory_dict.get(i), s.q_memory_dict.get(i)
+        # The error is replaced by a new tensor (the old one is never written); P and Q are written in place.
+        guard.backup[i] = (
+            s.error_dict.get(i),
+            None if p is None else p.clone(),
+            None if q is None else q.clone(),
+        )
+    scale = guard.scale
+    if scale == 1.0:
+        return powersgd.powerSGD_hook(s, bucket)
+    if i in s.error_dict:
+        s.error_dict[i] = s.error_dict[i] * scale
+
+    def unscale(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        if i in s.error_dict:
+            s.error_dict[i] = s.error_dict[i] / scale
+        return fut.value()
+
+    return powersgd.powerSGD_hook(s, bucket).then(unscale)
 
 
 @dataclass
@@ -266,12 +367,28 @@ class CompressionState:
     kind: str
     hook_state: Any = None
 
+    def set_scale(self, scale: float) -> None:
+        """The loss scale the next backward's gradients carry (fp16), so that state stays unscaled."""
+        if isinstance(self.hook_state, (DCTState, QuantDCTState, PowerSGDGuard)):
+            self.hook_state.scale = scale
+
+    def commit(self) -> None:
+        """Keep what the hook computed for the step just taken."""
+        if isinstance(self.hook_state, (DCTState, QuantDCTState, PowerSGDGuard)):
+            self.hook_state.commit()
+
+    def rollback(self) -> None:
+        """Forget what the hook computed for a step that is skipped: the state is as before it."""
+        if isinstance(self.hook_state, (DCTState, QuantDCTState, PowerSGDGuard)):
+            self.hook_state.rollback()
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Tensors of this rank's compression state (error feedback residuals, PowerSGD's memories)."""
         s = self.hook_state
         if isinstance(s, (DCTState, QuantDCTState)):
             return s.state_dict()
-        if isinstance(s, powersgd.PowerSGDState):
+        if isinstance(s, PowerSGDGuard):
+            s = s.state
             out = {f"error.{k}": v for k, v in s.error_dict.items()}
             out |= {f"p.{k}": v for k, v in s.p_memory_dict.items()}
             out |= {f"q.{k}": v for k, v in s.q_memory_dict.items()}
@@ -283,7 +400,9 @@ class CompressionState:
         s = self.hook_state
         if isinstance(s, (DCTState, QuantDCTState)):
             s.load_state_dict(state)
-        elif isinstance(s, powersgd.PowerSGDState):
+        elif isinstance(s, PowerSGDGuard):
+            s.commit()
+            s = s.state
             for prefix, d in (
                 ("error.", s.error_dict),
                 ("p.", s.p_memory_dict),
@@ -317,9 +436,10 @@ def apply_ddp_compression(ddp: DistributedDataParallel, config: Config) -> Compr
             use_error_feedback=o.error_feedback,
             warm_start=o.warm_start,
         )
-        ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+        guard = PowerSGDGuard(state)
+        ddp.register_comm_hook(guard, guarded_powersgd_hook)
         _keep_bucket_layout(ddp)
-        return CompressionState(kind, state)
+        return CompressionState(kind, guard)
     elif kind == "dct" and o.coding == "quant":
         qstate = QuantDCTState(o.chunk_size, o.bits, o.error_feedback)
         ddp.register_comm_hook(qstate, quant_dct_hook)

@@ -97,6 +97,8 @@ def train_step(
     """
     accum = len(micro_batches)
     loss_sum = torch.zeros((), device=device)
+    if scaler.enabled:
+        pm.compression.set_scale(scaler.scale)  # hooks keep their state in unscaled units
     for i, (inputs, targets) in enumerate(micro_batches):
         inputs, targets = (
             inputs.to(device, non_blocking=True),
@@ -119,14 +121,23 @@ def train_step(
     params = [p for p in pm.module.parameters() if p.grad is not None]
     found_inf = scaler.unscale_(params)
     norm_t = grad_norm_(params, config.train.grad_clip)
+    nonfinite = not math.isfinite(norm_t.item())
     if getattr(optimizer, "local_gradients", False) and dist.is_initialized():
-        # Each rank's own gradients (DeMo): agree on the largest norm, so all skip a bad step together.
-        dist.all_reduce(norm_t, op=dist.ReduceOp.MAX)
+        # Each rank's own gradients (DeMo): the reported norm is the root mean square of the ranks'
+        # norms, and a step is bad when any rank's is not finite (counted: a MAX can drop a NaN).
+        t = torch.stack([norm_t.detach().float() ** 2, norm_t.new_tensor(float(nonfinite))])
+        dist.all_reduce(t)
+        norm_t, nonfinite = (t[0] / dist.get_world_size()).sqrt(), bool(t[1] > 0)
     norm = norm_t.item()
     # Loss and norm are global (all-reduced), so every rank takes the same decision.
-    bad = not math.isfinite(global_loss) or (not scaler.enabled and not math.isfinite(norm))
+    bad = not math.isfinite(global_loss) or (not scaler.enabled and nonfinite)
+    # Judged before anything is folded in: a skipped step leaves the optimizer and compression
+    # state exactly as they were (the hooks' new state waits until it is committed).
     if not found_inf and not bad:
         optimizer.step()
+        pm.compression.commit()
+    else:
+        pm.compression.rollback()
     scaler.update(found_inf)
     optimizer.zero_grad(set_to_none=True)
     lr = scheduler.get_last_lr()[0]
