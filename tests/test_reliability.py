@@ -5,6 +5,7 @@ Every run is the real CLI in fresh processes (gloo on CPU); faults are injected 
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 from pathlib import Path
@@ -99,3 +100,31 @@ def test_fault1_fp16_overflow_under_compression_recovers_like_plain_ddp(
 ) -> None:
     """One overflowed step is skipped, the scale halves once and training goes on, as in plain DDP."""
     assert fp16_run(tmp_path / "run", compression) == fp16_plain
+
+
+# --- 2. a resumed run takes the hyper-parameters given now ------------------------------------------
+def test_fault2_resume_takes_the_new_learning_rate_and_optimizer_settings(tmp_path: Path) -> None:
+    from dtlab.config import load_config
+    from dtlab.train.schedules import lr_at
+
+    run = tmp_path / "run"
+    train(run, "checkpoint.every=3", nproc=1, steps=12, faults="kill@7", expect=-9)
+    new = ["train.lr=1e-3", "train.min_lr=2e-4", "train.warmup_steps=8", "train.schedule=linear",
+           "train.weight_decay=0.05", "train.betas=[0.8, 0.9]", "train.eps=1e-6"]  # fmt: skip
+    proc = train(run, "checkpoint.every=3", *new, nproc=1, steps=12)
+    assert (
+        "train.lr: 0.003 -> 0.001" in proc.stderr
+        and "train.schedule: 'cosine' -> 'linear'" in proc.stderr
+    )
+    t = load_config(None, [*FAST, "train.steps=12", *new]).train
+    lrs = {m["step"]: m["lr"] for m in read_metrics(run)}
+    # The new schedule, continued at the resumed step (step k uses lr_at(k - 1)).
+    assert [lrs[k] for k in range(7, 13)] == pytest.approx([lr_at(k - 1, t) for k in range(7, 13)])
+    groups = json.loads((run / "checkpoints" / "step-00000009" / "state.json").read_text())[
+        "optim_param_groups"
+    ]
+    assert [g["weight_decay"] for g in groups] == [0.05, 0.0]
+    assert all(g["betas"] == [0.8, 0.9] and g["eps"] == 1e-6 for g in groups)
+    assert all(g["lr"] == pytest.approx(lr_at(9, t)) for g in groups)
+    # The config of the run directory records what was trained with.
+    assert "lr: 0.001" in (run / "config.yaml").read_text()

@@ -25,6 +25,7 @@ from dtlab.checkpoint.manifest import MANIFEST, _fsync_dir, verify_checkpoint, w
 from dtlab.checkpoint.state import TrainingParts, load_rng_state, rng_state
 from dtlab.checkpoint.store import (
     Tier,
+    config_changes,
     resume_conflicts,
     resume_fingerprint,
     step_name,
@@ -258,6 +259,11 @@ class Checkpointer:
             return None
         self.load(path, parts)
         self.resumed_from = str(path)
+        if self.d.is_main:
+            changes = config_changes(saved_config(path), self.config)
+            if changes:
+                # The config given now wins (learning rate, schedule, optimizer settings, ...).
+                logger.info("settings changed since the checkpoint: %s", "; ".join(changes))
         return int(json.loads((path / "state.json").read_text(encoding="utf-8"))["step"])
 
     def load(self, path: Path, parts: TrainingParts) -> None:

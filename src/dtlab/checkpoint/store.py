@@ -74,6 +74,29 @@ def resume_conflicts(saved: dict[str, Any], current: dict[str, Any]) -> list[str
     ]
 
 
+# Keys whose change says nothing about the training itself (where it runs, how it reports).
+_NOT_TRAINING = ("run.", "checkpoint.resume")
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out |= _flatten(v, f"{prefix}{k}.")
+        return out
+    return {prefix.rstrip("."): list(tree) if isinstance(tree, tuple) else tree}
+
+
+def config_changes(saved: dict[str, Any], current: Config) -> list[str]:
+    """``key: old -> new`` for every training setting that differs between a checkpoint's config and now."""
+    old, new = _flatten(saved), _flatten(current.to_dict())
+    return [
+        f"{k}: {old.get(k)!r} -> {new.get(k)!r}"
+        for k in sorted(old.keys() | new.keys())
+        if old.get(k) != new.get(k) and not k.startswith(_NOT_TRAINING)
+    ]
+
+
 class Tier:
     """One place checkpoints are kept: ``root`` is a local directory or an fsspec URL."""
 

@@ -48,7 +48,7 @@ from dtlab.parallel import (
 )
 from dtlab.parallel.dist import decide_on_rank0, reduce_scalar
 from dtlab.train.faults import Faults, Preempted, StopSignals
-from dtlab.train.optim import build_optimizer, grad_norm_
+from dtlab.train.optim import apply_hyperparameters, build_optimizer, grad_norm_
 from dtlab.train.precision import LossScaler, autocast, check_cpu_half_precision
 from dtlab.train.schedules import build_scheduler
 
@@ -307,6 +307,7 @@ def _train(config: Config, d: DistInfo) -> dict[str, Any]:
     resumed = ckpt.restore(parts)
     if resumed is not None:
         logger.info("resumed from %s (step %d)", ckpt.resumed_from, resumed)
+        apply_hyperparameters(optimizer, scheduler, t)
     params = count_params(model)
     logger.info(
         "training %.2fM params | %s x %d on %s | global batch %d = %d ranks x %d micro-batches x %d | %d steps | run dir %s",
@@ -364,6 +365,7 @@ def _train(config: Config, d: DistInfo) -> dict[str, Any]:
                 health.bad_in_a_row += 1
                 if health.bad_in_a_row >= t.max_bad_steps:
                     _roll_back(ckpt, parts, health, state.step, t.max_bad_steps)
+                    apply_hyperparameters(optimizer, scheduler, t)
                     continue
             else:
                 health.bad_in_a_row = 0

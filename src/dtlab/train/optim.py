@@ -9,6 +9,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from dtlab.config import TrainConfig
+from dtlab.train.schedules import lr_at
 
 
 def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
@@ -20,14 +21,40 @@ def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [
-        {"params": decay, "weight_decay": t.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": params, **hyper}
+        for params, hyper in zip((decay, no_decay), group_hyperparameters(t), strict=True)
     ]
     if t.optimizer == "demo":
         from dtlab.train.demo import DeMo
 
         return DeMo(groups, t.lr, t.demo.chunk_size, t.demo.topk, t.demo.decay)
-    return torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, eps=t.eps, foreach=True)
+    return torch.optim.AdamW(groups, lr=t.lr, foreach=True)
+
+
+def group_hyperparameters(t: TrainConfig) -> list[dict[str, object]]:
+    """The config's hyper-parameters of the two parameter groups: matrices (decayed), then the rest."""
+    common: dict[str, object] = {} if t.optimizer == "demo" else {"betas": t.betas, "eps": t.eps}
+    return [{"weight_decay": t.weight_decay, **common}, {"weight_decay": 0.0, **common}]
+
+
+def apply_hyperparameters(
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    t: TrainConfig,
+) -> None:
+    """Make a resumed optimizer and schedule follow the config given now, not the checkpoint's.
+
+    Loading a checkpoint restores the param groups (lr, betas, eps, weight decay) and the scheduler's
+    base learning rates it was saved with; the user's latest word wins. The schedule continues at the
+    resumed step: the next step's learning rate is ``lr_at(step)`` of the new config.
+    """
+    step = scheduler.last_epoch
+    for group, hyper in zip(optimizer.param_groups, group_hyperparameters(t), strict=True):
+        group.update(hyper)
+        group["initial_lr"] = t.lr
+        group["lr"] = lr_at(step, t)
+    scheduler.base_lrs = [t.lr] * len(optimizer.param_groups)
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]  # type: ignore[attr-defined]
 
 
 def grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
