@@ -48,7 +48,7 @@ def test_run_directory_has_every_output(tmp_path: Path) -> None:
     assert cfg.run.dir == str(run_dir) and cfg.data.seq_len == 64
     # metrics.jsonl: logged steps with the promised fields; tokens count every rank's tokens.
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in lines] == [2, 4, 6]
+    assert [m["step"] for m in lines] == [1, 2, 4, 6]
     for m in lines:
         assert {"step", "loss", "lr", "grad_norm", "tokens", "step_time_s", "tokens_per_s"} <= set(
             m

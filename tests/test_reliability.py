@@ -128,3 +128,171 @@ def test_fault2_resume_takes_the_new_learning_rate_and_optimizer_settings(tmp_pa
     assert all(g["lr"] == pytest.approx(lr_at(9, t)) for g in groups)
     # The config of the run directory records what was trained with.
     assert "lr: 0.001" in (run / "config.yaml").read_text()
+
+
+# --- 3. the durable tier keeps each run apart -------------------------------------------------------
+def test_fault3_same_command_twice_is_two_runs_each_with_its_own_durable_checkpoints(
+    tmp_path: Path,
+) -> None:
+    durable = tmp_path / "durable"
+    args = ["train", "--set", *FAST, "train.steps=6", "checkpoint.every=3", "checkpoint.keep=1",
+            f"checkpoint.durable_dir={durable}", "run.name=twice"]  # fmt: skip
+    for _ in range(2):
+        proc = run_cli(*args, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        assert "resumed from" not in proc.stderr, proc.stderr  # a finished run is not continued
+    runs = sorted((tmp_path / "runs").iterdir())
+    assert len(runs) == 2
+    for run in runs:
+        assert [m["step"] for m in read_metrics(run)] == list(range(1, 7))  # trained, not 0 steps
+        # Each run's durable checkpoints are its own, and one run's retention left the other's alone.
+        tier = durable / run.name
+        assert sorted(p.name for p in tier.glob("step-*")) == ["step-00000006"]
+        assert json.loads((tier / "owner.json").read_text())["run_dir"] == str(run.resolve())
+        manifest = json.loads((tier / "step-00000006" / "manifest.json").read_text())
+        assert manifest["run_dir"] == str(run.resolve())
+
+
+def test_fault3_a_durable_tier_of_another_run_is_refused(tmp_path: Path) -> None:
+    durable = tmp_path / "durable"
+    common = ["checkpoint.every=3", f"checkpoint.durable_dir={durable}"]
+    train(tmp_path / "a" / "exp", *common, nproc=1)
+    # Another run directory with the same name: its durable directory would be the first run's.
+    proc = train(tmp_path / "b" / "exp", *common, nproc=1, expect=2)
+    assert "belongs to the run in" in proc.stderr and str(tmp_path / "a" / "exp") in proc.stderr
+    assert not (tmp_path / "b" / "exp" / "metrics.jsonl").exists()
+
+
+def test_fault3_a_copy_that_exists_is_not_copied_again(tmp_path: Path) -> None:
+    from dtlab.checkpoint.manifest import write_manifest
+    from dtlab.checkpoint.store import Tier
+
+    ckpt = tmp_path / "step-00000003"
+    ckpt.mkdir()
+    (ckpt / "data").write_bytes(b"x" * 10)
+    write_manifest(ckpt, step=3)
+    tier = Tier(tmp_path / "durable", "durable")
+    assert tier.put(ckpt, 3) is True
+    (tier.local_root / "step-00000003" / "data").write_bytes(b"y" * 10)  # type: ignore[operator]
+    assert tier.put(ckpt, 3) is False  # already there: nothing copied (and logged as such)
+    assert (tier.local_root / "step-00000003" / "data").read_bytes() == b"y" * 10  # type: ignore[operator]
+
+
+# --- 4. rollback: every rank loads the same checkpoint ----------------------------------------------
+def test_fault4_async_rollback_loads_the_same_checkpoint_on_every_rank(tmp_path: Path) -> None:
+    """Rank 0 commits step 6 late (a slow file system) while rank 1's own write is long done: the
+    rollback after the bad steps 7-9 must load step 6 on both ranks, as the synchronous run does."""
+    common = ["parallel.strategy=ddp", "checkpoint.every=3", "train.max_bad_steps=3"]
+    faults = "slowsave@6,nan@7-9"
+    sync, async_ = tmp_path / "sync", tmp_path / "async"
+    train(sync, *common, steps=12, faults=faults)
+    proc = train(async_, *common, "checkpoint.async=true", steps=12, faults=faults)
+    assert "rolled back to" in proc.stderr and "step-00000006" in proc.stderr, proc.stderr
+    assert [m["loss"] for m in read_metrics(async_)] == [m["loss"] for m in read_metrics(sync)]
+    assert_same_tensors(ckpt(async_, 12), ckpt(sync, 12))
+
+
+# --- 5. retention never deletes what this run just wrote; no silent mix of two runs -----------------
+def test_fault5_retention_keeps_the_checkpoint_just_committed(tmp_path: Path) -> None:
+    from dtlab.checkpoint.manager import Checkpointer
+    from dtlab.checkpoint.manifest import write_manifest
+    from dtlab.config import load_config
+    from dtlab.parallel.dist import DistInfo
+
+    run = tmp_path / "run"
+    config = load_config(None, [*FAST, "checkpoint.keep=3", f"run.dir={run}"])
+    ckpt_ = Checkpointer(config, run, DistInfo(0, 1, 0, 1, torch.device("cpu"), None))
+    for step in (200, 250, 300, 110):
+        d = run / "checkpoints" / (f".tmp-step-{step:08d}" if step == 110 else f"step-{step:08d}")
+        d.mkdir(parents=True)
+        (d / "data").write_bytes(b"x")
+        if step != 110:
+            write_manifest(d, step=step)
+    ckpt_._commit(110, run / "checkpoints" / ".tmp-step-00000110", 0.0)
+    assert (run / "checkpoints" / "step-00000110" / "manifest.json").is_file()
+    assert ckpt_.local.committed() == [110, 250, 300]
+
+
+def test_fault5_a_new_run_in_a_run_directory_that_holds_one_is_refused(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    train(run, "checkpoint.every=3", nproc=1, steps=9)
+    before = {p.name for p in (run / "checkpoints").iterdir()}
+    metrics = (run / "metrics.jsonl").read_bytes()
+    for option in ("checkpoint.resume=never", f"checkpoint.resume={run}/checkpoints/step-00000003"):
+        proc = train(run, "checkpoint.every=1", option, nproc=1, steps=2, expect=2)
+        assert "already holds a run" in proc.stderr or "went on to step 9" in proc.stderr, (
+            proc.stderr
+        )
+        assert {p.name for p in (run / "checkpoints").iterdir()} == before
+        assert (run / "metrics.jsonl").read_bytes() == metrics
+
+
+# --- 6. a run directory belongs to one run at a time and keeps its whole history -------------------
+def test_fault6_a_second_run_in_a_busy_run_directory_is_refused(tmp_path: Path) -> None:
+    import os
+    import signal
+    import sys
+    import time
+
+    from conftest import cli_env
+
+    run = tmp_path / "run"
+    args = [sys.executable, "-m", "dtlab", "train", "--set", *FAST, "train.steps=100000",
+            f"run.dir={run}"]  # fmt: skip
+    first = subprocess.Popen(args, env=cli_env(), stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "metrics.jsonl").is_file() or not (run / "metrics.jsonl").read_bytes():
+            assert first.poll() is None and time.monotonic() < deadline, (
+                "the first run did not start"
+            )
+            time.sleep(0.05)
+        config = (run / "config.yaml").read_bytes()
+        for nproc in (1, 2):
+            opts = ["parallel.strategy=ddp"] if nproc == 2 else []
+            proc = train(run, *opts, nproc=nproc, expect=2)
+            assert "is in use by another run" in proc.stderr and f"pid {first.pid}" in proc.stderr
+        assert (run / "config.yaml").read_bytes() == config
+        assert first.poll() is None  # the first run was not disturbed
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    # The kernel released the lock of the killed run: the same command resumes it.
+    train(run, nproc=1, steps=3)
+
+
+def test_fault6_a_refused_resume_leaves_the_run_directory_as_it_was(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    train(run, "checkpoint.every=3", nproc=1, steps=6, faults="kill@4", expect=-9)
+
+    def files() -> dict[str, bytes]:  # all but the lock, which names the latest holder
+        return {p.name: p.read_bytes() for p in run.iterdir() if p.is_file() and p.name != ".lock"}
+
+    before = files()
+    assert "config.yaml" in before and "metrics.jsonl" in before
+    proc = train(run, "checkpoint.every=3", "model.n_layers=3", nproc=1, expect=2)
+    assert "model.n_layers" in proc.stderr
+    assert files() == before
+
+
+def test_fault6_a_finished_or_resumed_run_keeps_its_whole_history(tmp_path: Path) -> None:
+    run, ref = tmp_path / "run", tmp_path / "ref"
+    opts = ["checkpoint.every=3", "run.plot=true", "run.log_every=4"]
+    train(ref, *opts, nproc=1, steps=9)
+    train(run, *opts, nproc=1, steps=9, faults="kill@7", expect=-9)
+    train(run, *opts, nproc=1, steps=9)
+    want = json.loads((ref / "summary.json").read_text())
+    got = json.loads((run / "summary.json").read_text())
+    assert (got["initial_loss"], got["final_loss"], got["steps"]) == (
+        want["initial_loss"], want["final_loss"], want["steps"],
+    )  # fmt: skip
+    assert got["initial_loss"] == read_metrics(run)[0]["loss"] and read_metrics(run)[0]["step"] == 1
+    # The same command once more (what a requeue does): nothing to train, nothing lost.
+    (run / "loss.png").unlink()
+    train(run, *opts, nproc=1, steps=9)
+    again = json.loads((run / "summary.json").read_text())
+    assert (again["initial_loss"], again["final_loss"], again["steps"]) == (
+        want["initial_loss"], want["final_loss"], 9,
+    )  # fmt: skip
+    assert again["median_step_time_s"] is not None and again["tokens_per_s"] > 0
+    assert (run / "loss.png").stat().st_size > 0  # drawn again from the logged history

@@ -471,12 +471,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     from dtlab.data import build_source
 
     build_source(config)
-    overrides = list(args.overrides)
-    if config.run.dir is None:
-        # Resolve the run directory once, so that every worker (and every restart) uses the same one.
-        from dtlab.train.loop import default_run_dir
+    from pathlib import Path
 
-        overrides.append(f"run.dir={default_run_dir(config)}")
+    from dtlab.train.rundir import check_free, default_run_dir
+
+    overrides = list(args.overrides)
+    # Resolve the run directory once, so that every worker (and every restart) uses the same one.
+    run_dir = Path(config.run.dir) if config.run.dir else default_run_dir(config)
+    if config.run.dir is None:
+        overrides.append(f"run.dir={run_dir}")
+    check_free(run_dir)  # a run already training there: say so before starting any process
     from dtlab.launcher import LaunchSpec, launch
 
     spec = LaunchSpec(
@@ -492,7 +496,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         *([args.config] if args.config else []),
         *(["--set", *overrides] if overrides else []),
     ]
-    return launch(spec, worker_args)
+    return launch(spec, worker_args, run_dir)
 
 
 def _train_mlx(args: argparse.Namespace, config: Config) -> int:
@@ -524,7 +528,7 @@ def _train_mlx(args: argparse.Namespace, config: Config) -> int:
     build_source(config)
     overrides = list(args.overrides)
     if config.run.dir is None:
-        from dtlab.train.loop import default_run_dir
+        from dtlab.train.rundir import default_run_dir
 
         overrides.append(f"run.dir={default_run_dir(config)}")
     worker_args = [
@@ -648,7 +652,8 @@ def _main(argv: Sequence[str] | None) -> int:
         print(f"{tag}error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        # Ctrl-C pressed twice during training (the first one saves and stops), or once before it began.
+        print("aborted by Ctrl-C: stopped at once, without saving", file=sys.stderr)
         return 130
 
 

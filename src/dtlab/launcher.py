@@ -6,12 +6,20 @@ WORLD_SIZE, TORCHELASTIC_RUN_ID, ...) and runs as a worker instead of launching.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
+import subprocess
 import sys
+import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from dtlab.errors import Preempted
+from dtlab.train.rundir import stopped_with_checkpoint
 
 
 @dataclass(frozen=True)
@@ -26,8 +34,21 @@ class LaunchSpec:
     max_restarts: int = 0
 
 
-def launch(spec: LaunchSpec, worker_args: list[str], module: str = "dtlab") -> int:
-    """Run ``python -m <module> <worker_args>`` in ``spec.nproc`` local processes; returns an exit code."""
+def launch(
+    spec: LaunchSpec, worker_args: list[str], run_dir: Path | None = None, module: str = "dtlab"
+) -> int:
+    """Run ``python -m <module> <worker_args>`` in ``spec.nproc`` local processes; returns an exit code.
+
+    75 only when the workers stopped on a signal *and* committed a checkpoint (their stop marker in
+    ``run_dir``; without one, the workers' exit codes); a signal that left nothing saved gives
+    128 + the signal's number.
+    """
+
+    def saved() -> dict[str, Any] | None:
+        if run_dir is None:
+            return None
+        return stopped_with_checkpoint(run_dir, run_id, since)
+
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
@@ -48,6 +69,7 @@ def launch(spec: LaunchSpec, worker_args: list[str], module: str = "dtlab") -> i
             f"dtlab-{spec.master_port or 29500}",
             {"is_host": spec.node_rank == 0},
         )
+    since = time.time()
     config = LaunchConfig(
         min_nodes=spec.nnodes,
         max_nodes=spec.nnodes,
@@ -67,9 +89,12 @@ def launch(spec: LaunchSpec, worker_args: list[str], module: str = "dtlab") -> i
         elastic_launch(config, entrypoint=sys.executable)("-m", module, *worker_args)
     except ChildFailedError as e:
         codes = [f.exitcode for f in e.failures.values()]
-        # Preempted: every rank saved before any exited (they meet after the commit), so ranks the agent
-        # then terminated on its way out (negative codes: killed by a signal) lost nothing.
-        if Preempted.exit_code in codes and all(c == Preempted.exit_code or c < 0 for c in codes):
+        # Preempted: every rank agreed the checkpoint was committed before any exited, so ranks the
+        # agent then terminated on its way out (negative codes: killed by a signal) lost nothing.
+        stopped = Preempted.exit_code in codes and all(
+            c == Preempted.exit_code or c < 0 for c in codes
+        )
+        if stopped and (run_dir is None or saved() is not None):
             return Preempted.exit_code  # the workers said where they saved
         failures = ", ".join(
             f"rank {r} (exit code {f.exitcode})" for r, f in sorted(e.failures.items())
@@ -77,10 +102,25 @@ def launch(spec: LaunchSpec, worker_args: list[str], module: str = "dtlab") -> i
         print(f"error: training failed on {failures}; see the messages above", file=sys.stderr)
         return 1
     except SignalException as e:
-        # The launcher itself was signalled: the agent passed the signal on and waited for the workers.
+        # The launcher itself was signalled: the agent passed the signal on and waited for the workers
+        # to save. A second signal (Ctrl-C again) interrupts that wait: stop them at once.
+        if _kill_children():
+            print(
+                f"aborted by a second {e.sigval.name}: the workers were stopped without saving",
+                file=sys.stderr,
+            )
+            return 128 + int(e.sigval)
+        marker = saved()
+        if marker is None:
+            print(
+                f"stopped by {e.sigval.name}: the workers did not commit a checkpoint (see the "
+                "messages above); nothing since the last checkpoint was kept",
+                file=sys.stderr,
+            )
+            return 128 + int(e.sigval)
         print(
-            f"stopped by {e.sigval.name}: the workers saved a checkpoint if they could (see above); "
-            "run the same command to resume",
+            f"stopped by {e.sigval.name} after step {marker['step']}: checkpoint saved in "
+            f"{marker['checkpoint']}; run the same command to resume",
             file=sys.stderr,
         )
         return Preempted.exit_code
@@ -93,3 +133,27 @@ def launch(spec: LaunchSpec, worker_args: list[str], module: str = "dtlab") -> i
         )
         return 1
     return 0
+
+
+def _kill_children() -> bool:
+    """SIGKILL this process's child processes (the workers); True if any was still running."""
+    pids = []
+    proc = Path("/proc")
+    if proc.is_dir():
+        for stat in proc.glob("[0-9]*/stat"):
+            try:
+                # The field after the parenthesised command name: state, then the parent's pid.
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[1]) == os.getpid() and fields[0] != "Z":  # a zombie has already exited
+                pids.append(int(stat.parent.name))
+    else:  # macOS: no /proc
+        out = subprocess.run(
+            ["pgrep", "-P", str(os.getpid())], capture_output=True, text=True, check=False
+        )
+        pids = [int(p) for p in out.stdout.split()]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return bool(pids)

@@ -24,6 +24,7 @@ import yaml
 from dtlab.checkpoint.manifest import MANIFEST, _fsync_dir, verify_checkpoint, write_manifest
 from dtlab.checkpoint.state import TrainingParts, load_rng_state, rng_state
 from dtlab.checkpoint.store import (
+    STEP_DIR,
     Tier,
     config_changes,
     resume_conflicts,
@@ -54,8 +55,15 @@ class Checkpointer:
     ) -> None:
         c = config.checkpoint
         self.config, self.d, self.faults = config, d, faults or Faults()
+        self.run_dir = run_dir
+        # The run's identity: its directory. The durable tier keeps each run in a directory of its own.
+        self.identity = str(run_dir.resolve())
         self.local = Tier(run_dir / "checkpoints", "local")
-        self.durable = Tier(c.durable_dir, "durable") if c.durable_dir else None
+        self.durable = (
+            Tier(f"{c.durable_dir.rstrip('/')}/{run_dir.resolve().name}", "durable")
+            if c.durable_dir
+            else None
+        )
         # DCP's async write runs collectives from a background thread: give them their own group, so they
         # never interleave with the training step's collectives on the default group.
         self.group = dist.new_group(backend="gloo") if c.async_ and dist.is_initialized() else None
@@ -143,6 +151,7 @@ class Checkpointer:
             strategy=self.config.parallel.strategy,
             engine=self.config.train.engine,
             resume_fingerprint=resume_fingerprint(self.config),
+            run_dir=self.identity,
         )
         final = tmp.parent / step_name(step)
         if final.exists():  # a checkpoint of the same step from an earlier attempt
@@ -159,10 +168,16 @@ class Checkpointer:
         if self.durable is not None and (
             not c.durable_every or step % c.durable_every == 0 or step == self.config.train.steps
         ):
-            self.durable.put(final, step)
-            self.durable.prune(c.keep)
-            logger.info("checkpoint step %d copied to the durable tier %s", step, self.durable.root)
-        self.local.prune(c.keep)
+            self.durable.claim(self.identity)
+            if self.durable.put(final, step):
+                logger.info("checkpoint step %d copied to %s", step, self.durable.location(step))
+            else:
+                logger.info(
+                    "checkpoint step %d is already in %s", step, self.durable.location(step)
+                )
+            self.durable.prune(c.keep, protect=[step])
+        # Never the checkpoint just committed, whatever else the directory holds.
+        self.local.prune(c.keep, protect=[step])
         for stale in final.parent.glob(".tmp-step-*"):  # left by saves that failed or were killed
             if stale.name < tmp.name:
                 shutil.rmtree(stale, ignore_errors=True)
@@ -216,7 +231,10 @@ class Checkpointer:
                     path = self.local.local_root / step_name(step)  # type: ignore[operator]
                 else:
                     path = self._fetch(tier, step)
-                verify_checkpoint(path)
+                manifest = verify_checkpoint(path)
+                owner = manifest.get("run_dir")
+                if tier is not self.local and owner is not None and owner != self.identity:
+                    raise CheckpointError(f"it belongs to the run in '{owner}'")
                 return path
             except CheckpointError as e:
                 logger.warning("skipping checkpoint step %d (%s tier): %s", step, tier.name, e)
@@ -236,10 +254,13 @@ class Checkpointer:
         tmp.rename(final)
         return final
 
-    def restore(self, parts: TrainingParts) -> int | None:
-        """Load the checkpoint ``checkpoint.resume`` selects into ``parts``; returns its step, or None."""
+    def choose(self) -> Path | None:
+        """The checkpoint ``checkpoint.resume`` selects, verified and checked against the config on
+        rank 0; every rank gets the same answer (or the same error)."""
 
         def pick() -> Path | None:
+            if self.durable is not None:
+                self.durable.check_owner(self.identity)
             path = self._pick()
             if path is not None:
                 manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
@@ -254,7 +275,20 @@ class Checkpointer:
                     )
             return path
 
-        path = decide_on_rank0(pick, self.d)
+        return decide_on_rank0(pick, self.d)
+
+    def own_step(self, path: Path | None) -> int | None:
+        """The step of ``path`` when it is one of this run's own checkpoints (either tier), else None."""
+        if path is None:
+            return None
+        roots = [self.local.local_root, *([self.durable.local_root] if self.durable else [])]
+        if not any(r is not None and path.parent.resolve() == r.resolve() for r in roots):
+            return None
+        m = STEP_DIR.match(path.name)
+        return int(m.group(1)) if m else None
+
+    def restore(self, parts: TrainingParts, path: Path | None) -> int | None:
+        """Load checkpoint ``path`` (from :meth:`choose`) into ``parts``; returns its step, or None."""
         if path is None:
             return None
         self.load(path, parts)
@@ -288,10 +322,15 @@ class Checkpointer:
         load_rng_state(rngs[self.d.rank] if self.d.rank < len(rngs) else rngs[0])
 
     def latest(self) -> Path | None:
-        """The newest committed local checkpoint (for rolling back)."""
+        """The newest committed local checkpoint (for rolling back), as rank 0 sees it once its own
+        background save has committed; every rank gets the same one."""
         self.wait()
-        steps = self.local.committed()
-        return self.local.local_root / step_name(steps[-1]) if steps else None  # type: ignore[operator]
+
+        def newest() -> Path | None:
+            steps = self.local.committed()
+            return self.local.local_root / step_name(steps[-1]) if steps else None  # type: ignore[operator]
+
+        return decide_on_rank0(newest, self.d)
 
 
 def _comm_template(path: Path, prefix: str) -> dict[str, Any]:

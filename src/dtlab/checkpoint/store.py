@@ -7,6 +7,7 @@ temporary directories a save writes into start with a dot and are never picked.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from collections.abc import Iterable
@@ -17,8 +18,10 @@ import yaml
 
 from dtlab.checkpoint.manifest import MANIFEST
 from dtlab.config import Config
+from dtlab.errors import CheckpointError
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
+OWNER = "owner.json"  # at the root of a durable tier: the run directory it belongs to
 
 # Config keys whose change makes a checkpoint unusable (other shapes) or silently wrong (other samples).
 RESUME_KEYS = (
@@ -134,23 +137,64 @@ class Tier:
     def location(self, step: int) -> str:
         return f"{self.root.rstrip('/')}/{step_name(step)}"
 
-    def put(self, local_dir: Path, step: int) -> None:
-        """Copy a committed local checkpoint here: the files first, the manifest last."""
+    def owner(self) -> str | None:
+        """The run directory this tier belongs to (``OWNER`` at its root), or None if unclaimed."""
+        try:
+            if self.local_root is not None:
+                text = (self.local_root / OWNER).read_text(encoding="utf-8")
+            else:
+                fs, root = self._fs()
+                text = fs.cat_file(f"{root}/{OWNER}").decode("utf-8")
+        except (FileNotFoundError, OSError):
+            return None
+        try:
+            return str(json.loads(text)["run_dir"])
+        except (ValueError, KeyError, TypeError):
+            return f"<unreadable {OWNER}>"
+
+    def check_owner(self, identity: str) -> None:
+        """Refuse a tier that belongs to another run (a run directory elsewhere with the same name)."""
+        owner = self.owner()
+        if owner is not None and owner != identity:
+            raise CheckpointError(
+                f"the durable tier '{self.root}' belongs to the run in '{owner}', not to this run "
+                f"('{identity}'); give this run another run.dir name or checkpoint.durable_dir"
+            )
+
+    def claim(self, identity: str) -> None:
+        """Mark this tier as the run ``identity``'s (once; see :meth:`check_owner`)."""
+        if self.owner() is not None:
+            return
+        text = json.dumps({"run_dir": identity})
+        if self.local_root is not None:
+            self.local_root.mkdir(parents=True, exist_ok=True)
+            (self.local_root / OWNER).write_text(text, encoding="utf-8")
+        else:
+            fs, root = self._fs()
+            fs.pipe_file(f"{root}/{OWNER}", text.encode("utf-8"))
+
+    def put(self, local_dir: Path, step: int) -> bool:
+        """Copy a committed local checkpoint here: the files first, the manifest last.
+
+        Returns False (and copies nothing) when this tier already holds that step's checkpoint.
+        """
+        if step in self.committed():
+            return False
         if self.local_root is not None:
             final = self.local_root / step_name(step)
-            if final.exists():
-                return
+            shutil.rmtree(final, ignore_errors=True)  # an incomplete copy (no manifest)
             tmp = self.local_root / f".tmp-{step_name(step)}"
             shutil.rmtree(tmp, ignore_errors=True)
             shutil.copytree(local_dir, tmp, ignore=shutil.ignore_patterns(MANIFEST))
             shutil.copy2(local_dir / MANIFEST, tmp / MANIFEST)
             tmp.rename(final)
-            return
+            return True
         fs, root = self._fs()
         dest = f"{root}/{step_name(step)}"
         files = sorted(p for p in local_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
         for p in [*files, local_dir / MANIFEST]:  # an object store has no rename: manifest last
             fs.put_file(str(p), f"{dest}/{p.relative_to(local_dir).as_posix()}")
+        return True
 
     def fetch(self, step: int, local_dir: Path) -> None:
         """Copy checkpoint ``step`` of this (remote) tier into ``local_dir``."""
@@ -158,6 +202,12 @@ class Tier:
         src = f"{root}/{step_name(step)}"
         for entry in fs.find(src):
             rel = entry[len(src) :].lstrip("/")
+            # Keys come from the remote store: none may name a place outside the checkpoint.
+            if not entry.startswith(f"{src}/") or not rel or ".." in Path(rel).parts:
+                raise CheckpointError(
+                    f"durable checkpoint '{self.location(step)}' holds the key '{entry}', which "
+                    "would be written outside the checkpoint directory; refusing to fetch it"
+                )
             target = local_dir / rel
             target.parent.mkdir(parents=True, exist_ok=True)
             fs.get_file(entry, str(target))
@@ -174,9 +224,14 @@ class Tier:
             fs.rm(f"{root}/{step_name(step)}", recursive=True)
 
     def prune(self, keep: int, protect: Iterable[int] = ()) -> list[int]:
-        """Delete all but the newest ``keep`` checkpoints (never one in ``protect``); returns the deleted steps."""
+        """Keep ``keep`` checkpoints: those in ``protect``, then the newest of the others; delete the rest.
+
+        Returns the deleted steps.
+        """
         steps = self.committed()
-        doomed = [s for s in steps[: max(0, len(steps) - keep)] if s not in set(protect)]
+        kept = [s for s in steps if s in set(protect)]
+        others = [s for s in steps if s not in set(protect)]
+        doomed = others[: max(0, len(others) - max(0, keep - len(kept)))]
         for s in doomed:
             self.delete(s)
         return doomed

@@ -299,7 +299,8 @@ def peak_memory_bytes() -> int:
 def train_mlx(config: Config) -> dict[str, Any]:
     """Train as configured with the MLX engine (one rank of the group ``mlx.launch`` started)."""
     from dtlab.parallel.dist import DistInfo
-    from dtlab.train.loop import TrainState, default_run_dir
+    from dtlab.train.loop import TrainState
+    from dtlab.train.rundir import default_run_dir
 
     signals = Signals()
     group = init_group(config)

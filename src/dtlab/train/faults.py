@@ -8,13 +8,15 @@ Fault injection, for testing a setup end to end: ``DTLAB_FAULTS`` holds comma-se
 
 - ``nan``: the loss of those optimizer steps becomes NaN (so do the gradients);
 - ``kill``: after the step, the process kills itself with SIGKILL (like ``kill -9``);
-- ``sigterm`` / ``sigusr1``: after the step, the process sends itself that signal (preemption);
+- ``sigterm`` / ``sigusr1`` / ``sigint``: after the step, the process sends itself that signal
+  (preemption; ``sigint`` is a Ctrl-C);
 - ``error``: after the step, the process raises an exception (a crash with a traceback);
 - ``hang``: after the step, the process stops taking part (a stuck node): the other ranks' next
   collective never completes; it leaves (exit 1) only when a launcher signals it to stop;
 - ``killsave``: while saving the checkpoint of that step, after the data files are written and before
   the manifest commits it, the process kills itself (a torn checkpoint);
-- ``failsave``: the same moment, an OSError instead (a failed write: reported, training goes on).
+- ``failsave``: the same moment, an OSError instead (a failed write: reported, training goes on);
+- ``slowsave``: the same moment, a 3-second stall (a slow file system: rank 0 commits late).
 
 Without ``:rRANK`` a fault hits every rank. Faults fire in a launcher's first attempt only
 (``TORCHELASTIC_RESTART_COUNT`` 0), so that a restart after an injected crash can recover, and each
@@ -26,7 +28,9 @@ from __future__ import annotations
 import os
 import re
 import signal
+import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
@@ -39,7 +43,10 @@ from dtlab.errors import DtlabError, Preempted
 __all__ = ["Faults", "InjectedError", "Preempted", "StopSignals"]
 
 FAULTS_ENV = "DTLAB_FAULTS"
-KINDS = ("nan", "kill", "sigterm", "sigusr1", "error", "hang", "killsave", "failsave")
+KINDS = (
+    "nan", "kill", "sigterm", "sigusr1", "sigint", "error", "hang", "killsave", "failsave", "slowsave",
+)  # fmt: skip
+SLOW_SAVE_S = 3.0
 _ITEM = re.compile(r"^(?P<kind>[a-z]+)@(?P<first>\d+)(?:-(?P<last>\d+))?(?::r(?P<rank>\d+))?$")
 
 
@@ -88,7 +95,9 @@ class Faults:
     def after_step(self, step: int) -> None:
         if self._due("kill", step):
             os.kill(os.getpid(), signal.SIGKILL)
-        for kind, sig in (("sigterm", signal.SIGTERM), ("sigusr1", signal.SIGUSR1)):
+        for kind, sig in (
+            ("sigterm", signal.SIGTERM), ("sigusr1", signal.SIGUSR1), ("sigint", signal.SIGINT),
+        ):  # fmt: skip
             if self._due(kind, step):
                 os.kill(os.getpid(), sig)
         if self._due("hang", step):
@@ -107,22 +116,45 @@ class Faults:
             os.kill(os.getpid(), signal.SIGKILL)
         if self._due("failsave", step):
             raise OSError(f"{FAULTS_ENV}: injected write failure of the checkpoint of step {step}")
+        if self._due("slowsave", step):
+            time.sleep(SLOW_SAVE_S)
 
 
 class StopSignals:
-    """Catches SIGTERM and SIGUSR1 during training; ``agreed()`` tells every rank whether to stop."""
+    """Catches SIGTERM, SIGUSR1 and SIGINT during training; ``agreed()`` tells every rank whether to stop.
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    A signal only sets a flag: at the next step boundary every rank saves a checkpoint and stops. A
+    second SIGINT (Ctrl-C pressed again) stops at once, without saving (KeyboardInterrupt).
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
     def __init__(self) -> None:
         self.received = 0
+        self.interrupts = 0
         self._previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
             for s in self.SIGNALS:
                 self._previous[s] = signal.signal(s, self._handle)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.received = signum
+        if signum == signal.SIGINT:
+            self.interrupts += 1
+            if self.interrupts > 1:
+                raise KeyboardInterrupt
+            if os.environ.get("RANK", "0") != "0":
+                return self._set(signum)
+            # Straight to the terminal: the logger may be in the middle of a line.
+            print(
+                "\nCtrl-C: saving a checkpoint after this step, then stopping "
+                "(Ctrl-C again to stop at once without saving)",
+                file=sys.stderr,
+                flush=True,
+            )
+        self._set(signum)
+
+    def _set(self, signum: int) -> None:
+        self.received = self.received or signum
 
     def agreed(self, device: torch.device) -> str | None:
         """The signal any rank received (one all-reduce when distributed), as a name, or None."""
@@ -135,5 +167,6 @@ class StopSignals:
 
     def close(self) -> None:
         for s, handler in self._previous.items():
-            signal.signal(s, handler)
+            # A stop is under way (saved, now exiting): a late signal must not turn it into a crash.
+            signal.signal(s, signal.SIG_IGN if self.received else handler)
         self._previous.clear()

@@ -11,7 +11,6 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ from torch import nn
 
 from dtlab.checkpoint.manager import Checkpointer
 from dtlab.checkpoint.state import Health, TrainingParts
-from dtlab.checkpoint.store import find_resumable_run
+from dtlab.checkpoint.store import step_name
 from dtlab.config import Config, check_world
 from dtlab.data import BatchLayout, BatchLoader, build_source
 from dtlab.data.loader import MicroBatch
@@ -50,6 +49,13 @@ from dtlab.parallel.dist import decide_on_rank0, reduce_scalar
 from dtlab.train.faults import Faults, Preempted, StopSignals
 from dtlab.train.optim import apply_hyperparameters, build_optimizer, grad_norm_
 from dtlab.train.precision import LossScaler, autocast, check_cpu_half_precision
+from dtlab.train.rundir import (
+    RunDirLock,
+    check_start,
+    default_run_dir,
+    logged_steps,
+    record_stop,
+)
 from dtlab.train.schedules import build_scheduler
 
 
@@ -151,21 +157,10 @@ def train_step(
     return out
 
 
-def default_run_dir(config: Config) -> Path:
-    """Where a run without ``run.dir`` writes: the unfinished run it resumes, or a new timestamped directory."""
-    if config.checkpoint.resume == "auto":
-        found = find_resumable_run(config)
-        if found is not None:
-            return found
-    base = Path("runs") / f"{config.run.name}-{datetime.now():%Y%m%d-%H%M%S}"
-    path, n = base, 1
-    while path.exists():
-        path, n = Path(f"{base}-{n}"), n + 1
-    return path
-
-
-def resolve_run_dir(config: Config, d: DistInfo) -> Path:
-    """Rank 0 picks and creates the run directory; every rank gets the same path (or the same error)."""
+def resolve_run_dir(config: Config, d: DistInfo) -> tuple[Path, RunDirLock | None]:
+    """Rank 0 picks, creates and locks the run directory; every rank gets the same path (or the same
+    error). Returns the path and, on rank 0, the lock it holds until the run ends."""
+    held: list[RunDirLock] = []
 
     def create() -> Path:
         path = Path(config.run.dir) if config.run.dir else default_run_dir(config)
@@ -175,9 +170,12 @@ def resolve_run_dir(config: Config, d: DistInfo) -> Path:
             raise DtlabError(
                 f"run.dir = {str(path)!r} cannot be created: {e.strerror or e}"
             ) from None
+        lock = RunDirLock(path)
+        lock.acquire()
+        held.append(lock)
         return path
 
-    return decide_on_rank0(create, d)
+    return decide_on_rank0(create, d), (held[0] if held else None)
 
 
 def build_sinks(config: Config, run_dir: Path, d: DistInfo, resume_step: int = 0) -> list[Sink]:
@@ -196,10 +194,16 @@ def summarize(
     d: DistInfo,
     params: int,
     wall: float,
+    earlier: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The run's final figures. The first step (warm-up, compilation) is left out of the timing."""
-    timed = history[1:] or history
+    """The run's final figures, over its whole history: ``earlier`` holds what earlier starts of a
+    resumed run logged. The first step of this start (warm-up, compilation) is left out of the timing;
+    ``train_time_s`` is this start's wall time."""
+    earlier = earlier or []
+    timed = [m for m in earlier if m["step"] > 1] + (history[1:] or history)
+    timed = [m for m in timed if isinstance(m.get("step_time_s"), (int, float))]
     time_sum = sum(m["step_time_s"] for m in timed)
+    curve = loss_curve(earlier + history)
     tokens_per_step = config.train.global_batch_size * config.seq_len
     return {
         "steps": state.step,
@@ -209,15 +213,20 @@ def summarize(
         "params": params,
         "global_batch_size": config.train.global_batch_size,
         "seq_len": config.seq_len,
-        # A run resumed from its final checkpoint trains no step here: no losses or timings to report.
-        "initial_loss": history[0]["loss"] if history else None,
-        "final_loss": history[-1]["loss"] if history else None,
+        "initial_loss": curve[0]["loss"] if curve else None,
+        "final_loss": curve[-1]["loss"] if curve else None,
         "tokens": state.tokens,
         "median_step_time_s": statistics.median(m["step_time_s"] for m in timed) if timed else None,
         "tokens_per_s": tokens_per_step * len(timed) / time_sum if time_sum > 0 else 0.0,
         "train_time_s": wall,
         "peak_memory_bytes": int(reduce_scalar(peak_memory_bytes(d.device), "max")),
     }
+
+
+def loss_curve(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per step, the last one written for it (a rollback trains steps again), in order."""
+    last = {m["step"]: m for m in records}
+    return [last[k] for k in sorted(last)]
 
 
 @dataclass
@@ -259,7 +268,7 @@ def build_training(config: Config, d: DistInfo) -> Training:
 def train(config: Config) -> dict[str, Any]:
     """Train as configured in this process (one rank of the world the launcher set up).
 
-    Returns the run summary (the same on every rank; only rank 0 writes files).
+    Returns the run summary (only rank 0 writes files; its summary covers the run's whole history).
     """
     d = init_distributed(config)
     try:
@@ -276,15 +285,20 @@ def train(config: Config) -> dict[str, Any]:
 
 def _train(config: Config, d: DistInfo) -> dict[str, Any]:
     setup_logging(d.rank, d.world_size)
-    faults = Faults.from_env(d.rank)
     check_world(config, d.world_size)  # before the run directory is created
-    t = config.train
-    run_dir = resolve_run_dir(config, d)
-    config = config.model_copy(deep=True)
-    config.run.dir = str(run_dir)
-    if d.is_main:
-        (run_dir / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
+    run_dir, lock = resolve_run_dir(config, d)
+    try:
+        config = config.model_copy(deep=True)
+        config.run.dir = str(run_dir)
+        return _run(config, d, run_dir)
+    finally:
+        if lock is not None:
+            lock.release()
 
+
+def _run(config: Config, d: DistInfo, run_dir: Path) -> dict[str, Any]:
+    faults = Faults.from_env(d.rank)
+    t = config.train
     tr = build_training(config, d)
     model, pm, optimizer, scheduler, scaler, loader = (
         tr.model, tr.pm, tr.optimizer, tr.scheduler, tr.scaler, tr.loader
@@ -304,10 +318,19 @@ def _train(config: Config, d: DistInfo) -> dict[str, Any]:
         rank=d.rank,
     )
     ckpt = Checkpointer(config, run_dir, d, faults)
-    resumed = ckpt.restore(parts)
+    chosen = ckpt.choose()
+    own = ckpt.own_step(chosen)
+    decide_on_rank0(lambda: check_start(run_dir, chosen, own, config), d)
+    resumed = ckpt.restore(parts, chosen)
     if resumed is not None:
         logger.info("resumed from %s (step %d)", ckpt.resumed_from, resumed)
         apply_hyperparameters(optimizer, scheduler, t)
+    # Only now, with the resume checks passed, does the run directory record this run's config.
+    earlier: list[dict[str, Any]] = []
+    if d.is_main:
+        (run_dir / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
+        if resumed is not None and own is not None:
+            earlier = [m for m in logged_steps(run_dir) if m["step"] <= resumed]
     params = count_params(model)
     logger.info(
         "training %.2fM params | %s x %d on %s | global batch %d = %d ranks x %d micro-batches x %d | %d steps | run dir %s",
@@ -348,12 +371,18 @@ def _train(config: Config, d: DistInfo) -> dict[str, Any]:
                 "step_time_s": dt,
                 "tokens_per_s": tokens_per_step / dt,
             }
+            if health.rollbacks:
+                m["rollback"] = health.rollbacks  # this step number was logged before the rollback
             history.append(m)
             if not warned_nonfinite and not math.isfinite(m["loss"]):
                 logger.warning("step %d: loss is %s", state.step, m["loss"])
                 warned_nonfinite = True
             progress.step(m)
-            if state.step % config.run.log_every == 0 or state.step == t.steps or "bad" in m:
+            if (
+                state.step % config.run.log_every == 0
+                or state.step in (1, t.steps)  # the first and last steps: the whole curve's ends
+                or "bad" in m
+            ):
                 for sink in sinks:
                     sink.log(m)
             faults.after_step(state.step)
@@ -372,13 +401,7 @@ def _train(config: Config, d: DistInfo) -> dict[str, Any]:
 
             stop = signals.agreed(d.device)
             if stop is not None:
-                ckpt.save(state.step, parts, blocking=True)
-                if dist.is_initialized():
-                    dist.barrier()  # nobody exits before rank 0 has committed
-                raise Preempted(
-                    f"stopped by {stop} after step {state.step}: checkpoint saved in "
-                    f"{run_dir / 'checkpoints'}; run the same command to resume"
-                )
+                _stop(ckpt, parts, state.step, stop, run_dir, d)
             if ckpt.due(state.step) or (state.step == t.steps and config.checkpoint.every):
                 ckpt.save(state.step, parts)
     finally:
@@ -391,7 +414,7 @@ def _train(config: Config, d: DistInfo) -> dict[str, Any]:
         for sink in sinks:
             sink.close()
 
-    summary = summarize(config, history, state, d, params, time.perf_counter() - wall0)
+    summary = summarize(config, history, state, d, params, time.perf_counter() - wall0, earlier)
     summary.update(
         resumed_from=ckpt.resumed_from,
         bad_steps=health.bad_steps,
@@ -401,10 +424,11 @@ def _train(config: Config, d: DistInfo) -> dict[str, Any]:
     )
     if d.is_main:
         summary["run_dir"] = str(run_dir)
-        if config.run.plot and history:
+        curve = loss_curve(earlier + history)
+        if config.run.plot and curve:
             summary["loss_plot"] = str(
                 plot_loss(
-                    history,
+                    curve,
                     run_dir / "loss.png",
                     f"{config.run.name}: {config.parallel.strategy} x {d.world_size}",
                 )
@@ -413,6 +437,33 @@ def _train(config: Config, d: DistInfo) -> dict[str, Any]:
             json.dumps(json_safe(summary), indent=2) + "\n", encoding="utf-8"
         )
     return summary
+
+
+def _stop(
+    ckpt: Checkpointer,
+    parts: TrainingParts,
+    step: int,
+    signal_name: str,
+    run_dir: Path,
+    d: DistInfo,
+) -> None:
+    """Every rank saves the state after ``step`` and stops: Preempted (exit 75) only once the
+    checkpoint is committed; otherwise an error that says nothing was saved."""
+    ckpt.save(step, parts, blocking=True)
+    # Rank 0 commits; every rank learns whether it did. Nobody exits before that.
+    committed = decide_on_rank0(lambda: step in ckpt.saved_steps, d)
+    path = run_dir / "checkpoints" / step_name(step)
+    if not committed:
+        raise DtlabError(
+            f"stopped by {signal_name} after step {step}, but its checkpoint could not be saved "
+            "(see the error above); nothing of the steps since the last checkpoint was kept"
+        )
+    if d.is_main:
+        record_stop(run_dir, step, signal_name, path)
+    raise Preempted(
+        f"stopped by {signal_name} after step {step}: checkpoint saved in {path}; "
+        "run the same command to resume"
+    )
 
 
 def _roll_back(
