@@ -314,14 +314,18 @@ def test_retention_async_and_durable_tier(tmp_path: Path, references: dict[str, 
         ["step-00000006", "step-00000009"],
         ["step-00000003", "step-00000006", "step-00000009"],
     ), local
-    assert sorted(p.name for p in durable.glob("step-*")) == ["step-00000006"]
+    # The durable tier keeps this run's checkpoints in a directory of its own (named after run.dir).
+    assert sorted(p.name for p in (durable / "run").glob("step-*")) == ["step-00000006"]
     # The node and its local disk are gone: resume from the durable tier.
     for p in (run / "checkpoints").iterdir():
         subprocess.run(["rm", "-rf", str(p)], check=True)
     proc = train(run, 2, "parallel.strategy=ddp", *common)
     assert "step-00000006" in proc.stderr
     assert_same_run(run, references["ddp"])
-    assert sorted(p.name for p in durable.glob("step-*")) == ["step-00000006", "step-00000012"]
+    assert sorted(p.name for p in (durable / "run").glob("step-*")) == [
+        "step-00000006",
+        "step-00000012",
+    ]
 
 
 def test_a_failed_background_save_is_reported_not_lost(tmp_path: Path) -> None:

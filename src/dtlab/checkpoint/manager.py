@@ -238,6 +238,13 @@ class Checkpointer:
                 return path
             except CheckpointError as e:
                 logger.warning("skipping checkpoint step %d (%s tier): %s", step, tier.name, e)
+                if tier is self.local:
+                    # Out of the way (kept for inspection): never picked, never counted by retention.
+                    bad = self.local.local_root / step_name(step)  # type: ignore[operator]
+                    aside = bad.parent / f".unusable-{step_name(step)}"
+                    shutil.rmtree(aside, ignore_errors=True)
+                    bad.rename(aside)
+                    logger.warning("moved it to %s", aside)
         return None
 
     def _fetch(self, tier: Tier, step: int) -> Path:
