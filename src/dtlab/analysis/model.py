@@ -87,7 +87,8 @@ def activation_bytes(model_cfg: ModelConfig, tokens: int, precision: str, ac: st
     ``selective`` keeps the block's input plus what its policy saves: every matmul output and the
     attention output and log-sum-exp. Outside the blocks the final norm, the output projection (and
     its weight copy under autocast), the float32 log-softmax over the vocabulary and the targets
-    (int64; the loader's targets are a view that the loss copies) are kept in every case.
+    (int64; the loader's targets are a view that the loss copies) are kept in every case, and the loss
+    itself with the weight total of its mean (8 bytes per micro-batch).
     Recomputing a block in backward needs its activations again for a moment: see ``recompute_bytes``.
     """
     m = model_cfg
@@ -113,7 +114,7 @@ def activation_bytes(model_cfg: ModelConfig, tokens: int, precision: str, ac: st
     if half:
         output = m.dim * m.vocab_size
         weight_copies = 2 * (output + (m.n_layers * _block_matmul_params(m) if ac == "none" else 0))
-    return tokens * (m.n_layers * per_layer + final) + weight_copies
+    return tokens * (m.n_layers * per_layer + final) + weight_copies + 2 * FP32
 
 
 def _block_matmul_params(m: ModelConfig) -> int:

@@ -170,8 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         f"activations of one micro-batch ({args.batch} x {args.seq_len} tokens, preset "
         f"{args.preset}): measured (storages alive after forward) vs predicted\n"
     )
-    print("| precision | checkpointing | measured MiB | predicted MiB | error |")
-    print("|---|---|---|---|---|")
+    print(
+        "| precision | checkpointing | measured MiB | predicted MiB | predicted - measured | error |"
+    )
+    print("|---|---|---|---|---|---|")
     for precision in ("fp32", "bf16"):
         for ac in ("none", "full", "selective"):
             config = load_config(
@@ -187,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
             r = activation_case(config, args.batch)
             print(
                 f"| {precision} | {ac} | {r['measured'] / 2**20:.3f} | "
-                f"{r['predicted'] / 2**20:.3f} | {r['error']:+.2%} |"
+                f"{r['predicted'] / 2**20:.3f} | {r['predicted'] - r['measured']:+,} B | "
+                f"{r['error']:+.5%} |"
             )
     return 0
 
