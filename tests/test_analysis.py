@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import run_cli, run_worker
-from dtlab.analysis.devices import loopback_link
+from dtlab.analysis.devices import PROFILES, loopback_link
 from dtlab.analysis.model import flops_per_token, plan_step
+from dtlab.analysis.plan import format_plan, plan
 from dtlab.config import load_config
 from dtlab.models.llama import build_model
 
@@ -152,20 +153,11 @@ def test_plan_bad_device_is_a_clear_error() -> None:
 
 
 def test_plan_this_device_says_what_is_measured_and_what_is_assumed() -> None:
-    args = [
-        "plan",
-        "--device",
-        "this",
-        "--nproc",
-        "2",
-        "--nnodes",
-        "2",
-        "--set",
-        "model.preset=debug",
-    ]
-    proc = run_cli(*args, "--json")
+    args = ["--device", "this", "--nproc", "2", "--nnodes", "2", "--set", "model.preset=debug"]
+    proc = run_cli("plan", *args, "--json")
     assert proc.returncode == 0, proc.stderr
-    dev = json.loads(proc.stdout)["device"]
+    result = json.loads(proc.stdout)
+    dev = result["device"]
     # The link within this machine is a gloo all-reduce between two local processes, measured now.
     assert dev["intra_node_source"].startswith("measured: gloo all-reduce"), dev
     assert dev["intra_node_gbps"] > 0
@@ -173,16 +165,13 @@ def test_plan_this_device_says_what_is_measured_and_what_is_assumed() -> None:
     assert dev["memory_source"].startswith("looked up: physical memory")
     # Across nodes nothing can be measured from here: it says so.
     assert dev["inter_node_source"].startswith("assumed"), dev
-    table = run_cli(*args).stdout
+    table = format_plan(result)
     assert "(measured: gloo all-reduce of 4 MiB between 2 local processes" in table
     assert "(assumed: the same as within this machine)" in table and "assumed: compute at" in table
     # A looked-up device says so, and its network figure is an assumption.
-    h100 = json.loads(run_cli("plan", "--device", "h100", "--nproc", "8", "--json").stdout)[
-        "device"
-    ]
-    assert h100["source"].startswith("looked up") and h100["inter_node_source"].startswith(
-        "assumed"
-    )
+    h100 = plan(load_config(overrides=["model.preset=debug"]), 8, 1, PROFILES["h100"], None)
+    assert h100["device"]["source"].startswith("looked up")
+    assert h100["device"]["inter_node_source"].startswith("assumed")
 
 
 def test_link_that_cannot_be_measured_is_labelled_assumed() -> None:
