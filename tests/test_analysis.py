@@ -9,10 +9,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
 
-from conftest import run_worker
-from dtlab.analysis.model import param_shapes, plan_step
+from conftest import run_cli, run_worker
+from dtlab.analysis.devices import PROFILES, loopback_link
+from dtlab.analysis.model import flops_per_token, plan_step
+from dtlab.analysis.plan import format_plan, plan
 from dtlab.config import load_config
+from dtlab.models.llama import build_model
 
 
 def measure(tmp_path: Path, nproc: int, *items: str) -> dict[str, dict[str, Any]]:
@@ -56,21 +62,62 @@ def test_measured_collective_bytes_match_the_prediction(tmp_path: Path) -> None:
         assert set(r["bytes"]) <= set(r["predicted"]) | {"all_reduce", "broadcast"}, (item, r)
 
 
-@pytest.mark.parametrize("world", [2, 3, 8])
-def test_state_bytes_per_parameter(world: int) -> None:
-    cfg = load_config(overrides=["model.preset=tiny", "parallel.strategy=ddp"])
-    shapes = param_shapes(cfg.model)
-    n = sum(s.numel for s in shapes)
-    ddp = plan_step(cfg, world, shapes)
-    # fp32 AdamW: 4 (param) + 4 (grad) + 8 (two moments) = 16 bytes per parameter (+ a step counter per tensor).
-    assert ddp.state_bytes - 4 * len(shapes) == 16 * n
-    fsdp = plan_step(
-        load_config(overrides=["model.preset=tiny", "parallel.strategy=fsdp"]), world, shapes
-    )
-    per_rank = (fsdp.state_bytes - 4 * len(shapes)) / 16
-    assert (
-        n / world <= per_rank <= n / world * 1.01
-    )  # 16/N bytes per parameter, up to dim-0 padding
+# The debug preset by hand: (dim 0, other elements) of each parameter, in model order.
+DEBUG_BLOCK = [
+    (64, 1),
+    (64, 64),
+    (32, 64),
+    (32, 64),
+    (64, 64),
+    (64, 1),
+    (192, 64),
+    (64, 192),
+    (192, 64),
+]
+DEBUG_SHAPES = [
+    (256, 64),
+    *DEBUG_BLOCK,
+    *DEBUG_BLOCK,
+    (64, 1),
+    (256, 64),
+]  # + embedding, norm, output
+
+
+@pytest.mark.parametrize(
+    "strategy, world, held",
+    [
+        ("ddp", 2, 131392),  # every element of the debug model
+        ("ddp", 3, 131392),
+        ("fsdp", 2, 65696),  # every dim 0 is even: exactly half
+        (
+            "fsdp",
+            3,
+            44398,
+        ),  # dim 0 padded to a multiple of 3: ceil(dim0 / 3) x rest, summed by hand
+    ],
+)
+def test_state_bytes_of_the_debug_model(strategy: str, world: int, held: int) -> None:
+    assert sum(a * b for a, b in DEBUG_SHAPES) == 131392
+    cfg = load_config(overrides=["model.preset=debug", f"parallel.strategy={strategy}"])
+    plan = plan_step(cfg, world)
+    # fp32 AdamW: 4 (param) + 4 (grad) + 8 (two moments) bytes per held element, 4 per tensor (step).
+    assert (plan.params_bytes, plan.grads_bytes) == (4 * held, 4 * held)
+    assert plan.optimizer_bytes == 8 * held + 4 * len(DEBUG_SHAPES)
+
+
+def test_flops_per_token_against_counted_matmuls() -> None:
+    """The matmul FLOPs torch's FLOP counter sees in a forward and backward of the debug model, plus the
+    attention scores by hand (the counter does not know CPU attention kernels)."""
+    cfg = load_config(overrides=["model.preset=debug", "data.seq_len=64"])
+    model = build_model(cfg.model, "cpu")
+    batch, seq = 2, 64
+    tokens = torch.randint(0, cfg.model.vocab_size, (batch, seq))
+    with FlopCounterMode(display=False) as counter:
+        F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+    assert set(counter.get_flop_counts()["Global"]) == {torch.ops.aten.mm}
+    # Q K^T and A V: 2 x 2 x T x T x dim per sequence and layer forward, twice that backward.
+    attention = 3 * 4 * batch * seq * seq * cfg.model.dim * cfg.model.n_layers
+    assert flops_per_token(cfg.model, seq) * batch * seq == counter.get_total_flops() + attention
 
 
 def test_plan_llama2_7b_on_8_ranks_without_allocating(tmp_path: Path) -> None:
@@ -88,7 +135,7 @@ def test_plan_llama2_7b_on_8_ranks_without_allocating(tmp_path: Path) -> None:
     )  # < 2 GiB, while the fp32 weights alone are 25 GiB: nothing was allocated
     plan = json.loads(proc.stdout)
     n = plan["model"]["params"]
-    assert 6.7e9 < n < 6.8e9
+    assert n == 6_738_415_616  # Llama 2 7B as published
     rows = {r["label"]: r for r in plan["strategies"]}
     ddp, fsdp = rows["ddp"]["per_rank"], rows["fsdp full"]["per_rank"]
     n_tensors = 32 * 9 + 3
@@ -100,8 +147,34 @@ def test_plan_llama2_7b_on_8_ranks_without_allocating(tmp_path: Path) -> None:
 
 
 def test_plan_bad_device_is_a_clear_error() -> None:
-    from conftest import run_cli
-
     proc = run_cli("plan", "--device", "tpu9000")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "--device 'tpu9000' is not known" in proc.stderr
+
+
+def test_plan_this_device_says_what_is_measured_and_what_is_assumed() -> None:
+    args = ["--device", "this", "--nproc", "2", "--nnodes", "2", "--set", "model.preset=debug"]
+    proc = run_cli("plan", *args, "--json")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    dev = result["device"]
+    # The link within this machine is a gloo all-reduce between two local processes, measured now.
+    assert dev["intra_node_source"].startswith("measured: gloo all-reduce"), dev
+    assert dev["intra_node_gbps"] > 0
+    assert dev["source"].startswith("measured: fp32 GEMM") and dev["peak_tflops"] > 0
+    assert dev["memory_source"].startswith("looked up: physical memory")
+    # Across nodes nothing can be measured from here: it says so.
+    assert dev["inter_node_source"].startswith("assumed"), dev
+    table = format_plan(result)
+    assert "(measured: gloo all-reduce of 4 MiB between 2 local processes" in table
+    assert "(assumed: the same as within this machine)" in table and "assumed: compute at" in table
+    # A looked-up device says so, and its network figure is an assumption.
+    h100 = plan(load_config(overrides=["model.preset=debug"]), 8, 1, PROFILES["h100"], None)
+    assert h100["device"]["source"].startswith("looked up")
+    assert h100["device"]["inter_node_source"].startswith("assumed")
+
+
+def test_link_that_cannot_be_measured_is_labelled_assumed() -> None:
+    gbps, source = loopback_link(python="/bin/false")  # the second process dies at once
+    assert gbps > 0 and source.startswith("assumed: could not be measured"), source
+    assert "exited with 1" in source

@@ -67,38 +67,77 @@ def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
     return 6.0 * matmul + 12.0 * m.n_layers * m.dim * seq_len
 
 
-def activation_bytes(
-    model_cfg: ModelConfig, tokens: int, seq_len: int, precision: str, ac: str
-) -> int:
-    """Bytes autograd keeps from forward to backward for ``tokens`` tokens of one micro-batch.
+def activation_bytes(model_cfg: ModelConfig, tokens: int, precision: str, ac: str) -> int:
+    """Bytes one micro-batch's forward keeps for backward (``tokens`` tokens), as
+    ``dtlab.bench.memory`` measures them: what is still allocated when forward returns.
 
-    Counted from what dtlab's model saves (checked against saved-tensor accounting in the tests), per
-    token and layer in float32: RMSNorm 3 x dim + 1 (twice), attention q, k, v, output and log-sum-exp,
-    SwiGLU 4 x ffn; plus the final norm, the token ids, the RoPE tables and the loss's log-softmax over the
-    vocabulary. Under bf16/fp16 autocast the matmul inputs and outputs are half size. ``full``
-    activation checkpointing keeps each block's input and one block's activations during its
-    recomputation; ``selective`` keeps the matmul and attention outputs of each block.
+    Counted from what dtlab's model saves, per token and layer. The residual stream and RMSNorm's
+    math are float32 under every precision; matmuls, RoPE'd q/k, attention and SwiGLU are in the
+    autocast dtype (2 bytes) under bf16/fp16.
+
+    - RMSNorm: its input, x * rsqrt and the rsqrt (float32); then what the matmuls reading it keep: in
+      fp32 the scaled output once, under autocast one half-precision copy per matmul (autocast casts
+      an activation at every call: 3 for q/k/v, 2 for w1/w3, 1 for the output projection).
+    - Attention: q and k after RoPE, v, the output, and the log-sum-exp (float32, one per head).
+    - SwiGLU: w1 x, w3 x, silu(w1 x) and the product.
+    - Under autocast without checkpointing, every matmul keeps its half-precision weight copy: 2 bytes
+      per matmul parameter, once per forward (not per token).
+
+    ``full`` checkpointing keeps each block's input (float32) and nothing else of the block;
+    ``selective`` keeps the block's input plus what its policy saves: every matmul output and the
+    attention output and log-sum-exp. Outside the blocks the final norm, the output projection (and
+    its weight copy under autocast), the float32 log-softmax over the vocabulary and the targets
+    (int64; the loader's targets are a view that the loss copies) are kept in every case, and the loss
+    itself with the weight total of its mean (8 bytes per micro-batch).
+    Recomputing a block in backward needs its activations again for a moment: see ``recompute_bytes``.
     """
     m = model_cfg
-    hd = m.dim // m.n_heads
-    kv = m.kv_heads * hd
+    kv = m.kv_heads * (m.dim // m.n_heads)
     half = precision in ("bf16", "fp16")
-    low = 2 if half else FP32
-    norm = 3 * m.dim * FP32 + FP32  # input, normalised, scaled output (fp32 math) + rsqrt
-    attn = (2 * m.dim + 2 * kv) * low + m.n_heads * FP32  # q, out, k, v + log-sum-exp
-    ffn = 4 * m.hidden_dim * low  # w1 out, w3 out, silu(w1 x), product
-    layer = 2 * norm + attn + ffn
+    a = 2 if half else FP32  # bytes of a matmul / attention activation
+
+    def norm(readers: int) -> int:
+        return 2 * m.dim * FP32 + FP32 + (readers * m.dim * 2 if half else m.dim * FP32)
+
+    attn = (m.dim + kv) * a + kv * a + m.dim * a + m.n_heads * FP32
+    ffn = 4 * m.hidden_dim * a
+    block_input = m.dim * FP32
     if ac == "full":
-        per_token = m.n_layers * m.dim * FP32 + layer  # block inputs + one block being recomputed
+        per_layer = block_input
     elif ac == "selective":
-        matmul_out = (m.dim + 2 * kv + m.dim + 2 * m.hidden_dim + m.dim) * low
-        sdpa = m.dim * low + m.n_heads * FP32
-        per_token = m.n_layers * (m.dim * FP32 + matmul_out + sdpa) + layer
+        matmul_out = (3 * m.dim + 2 * kv + 2 * m.hidden_dim) * a  # wq, wk, wv, wo, w1, w3, w2
+        per_layer = block_input + matmul_out + m.dim * a + m.n_heads * FP32
     else:
-        per_token = m.n_layers * layer
-    final = norm + m.vocab_size * FP32 + 8  # final norm, log-softmax of the logits, token ids
-    rope = 2 * seq_len * (hd // 2) * FP32
-    return int(tokens * (per_token + final) + rope)
+        per_layer = norm(3) + attn + norm(2) + ffn
+    final = norm(1) + m.vocab_size * FP32 + 8
+    weight_copies = 0
+    if half:
+        output = m.dim * m.vocab_size
+        weight_copies = 2 * (output + (m.n_layers * _block_matmul_params(m) if ac == "none" else 0))
+    return tokens * (m.n_layers * per_layer + final) + weight_copies + 2 * FP32
+
+
+def _block_matmul_params(m: ModelConfig) -> int:
+    kv = m.kv_heads * (m.dim // m.n_heads)
+    return 2 * m.dim * m.dim + 2 * m.dim * kv + 3 * m.dim * m.hidden_dim
+
+
+def recompute_bytes(model_cfg: ModelConfig, tokens: int, precision: str, ac: str) -> int:
+    """What recomputing one checkpointed block in backward holds on top of ``activation_bytes``: that
+    block's activations (with its half-precision weight copies under autocast) under ``full``, the
+    part that ``selective`` did not keep; 0 without checkpointing. An upper bound for that moment: by
+    then the loss's own activations are already freed."""
+    if ac == "none":
+        return 0
+    one = model_cfg.model_copy(update={"n_layers": 1})
+    block = activation_bytes(one, tokens, precision, "none") - activation_bytes(
+        one, tokens, precision, "full"
+    )
+    if ac == "selective":
+        block -= activation_bytes(one, tokens, precision, "selective") - activation_bytes(
+            one, tokens, precision, "full"
+        )
+    return block
 
 
 @dataclass
@@ -226,9 +265,11 @@ def plan_step(config: Config, world_size: int, shapes: list[ParamShape] | None =
         params_bytes=held * FP32,
         grads_bytes=held * FP32,
         optimizer_bytes=opt,
+        # The peak: what forward keeps, plus one block being recomputed under checkpointing.
         activations_bytes=activation_bytes(
-            config.model, micro * seq, seq, t.precision, t.activation_checkpointing
-        ),
+            config.model, micro * seq, t.precision, t.activation_checkpointing
+        )
+        + recompute_bytes(config.model, micro * seq, t.precision, t.activation_checkpointing),
     )
     comm: dict[str, int] = {}
     groups: dict[str, int] = {}

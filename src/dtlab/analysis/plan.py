@@ -10,8 +10,9 @@ from dtlab.analysis.model import StepPlan, flops_per_token, param_shapes, plan_s
 from dtlab.config import Config, check_world
 from dtlab.errors import ConfigError
 
-# What fraction of a device's peak a well-tuned training step reaches (GPU), used for the estimate only.
-ACHIEVABLE_FRACTION = {"cuda": 0.45, "cpu": 1.0}  # the CPU profile is already a measured GEMM rate
+# Assumptions of the estimate (the plan prints them as such). What fraction of a device's peak a
+# well-tuned training step reaches on a GPU; the CPU profile is already a measured GEMM rate.
+ACHIEVABLE_FRACTION = {"cuda": 0.45, "cpu": 1.0}
 HEADROOM = 0.9  # of device memory usable for tensors (allocator fragmentation, workspaces, context)
 
 
@@ -77,6 +78,7 @@ def plan(
     shapes = param_shapes(config.model)
     params = sum(s.numel for s in shapes)
     memory = (memory_gib if memory_gib is not None else device.memory_gib) * 2**30
+    memory_source = "given: --device-memory" if memory_gib is not None else device.memory_source
     precision = config.train.precision
     peak = device.peak_tflops.get(precision)
     kind = "cpu" if device.key == "this" else "cuda"
@@ -135,11 +137,22 @@ def plan(
         "world_size": world,
         "nproc": nproc,
         "nnodes": nnodes,
+        # Each figure with where it comes from: measured, looked up, given or assumed.
         "device": {
             "name": device.name,
             "memory_gib": memory / 2**30,
+            "memory_source": memory_source,
             "peak_tflops": peak,
             "source": device.source,
+            "intra_node_gbps": device.intra_node_gbps,
+            "intra_node_source": device.intra_node_source,
+            "inter_node_gbps": device.inter_node_gbps,
+            "inter_node_source": device.inter_node_source,
+        },
+        "assumptions": {
+            "achievable_fraction_of_peak": ACHIEVABLE_FRACTION[kind],
+            "usable_memory_fraction": HEADROOM,
+            "step_time": "compute + communication, no overlap (an upper bound)",
         },
         "precision": precision,
         "global_batch_size": config.train.global_batch_size,
@@ -152,12 +165,20 @@ def plan(
 def format_plan(p: dict[str, Any]) -> str:
     """The plan as a table for a terminal."""
     gib = 2**30
+    dev, a = p["device"], p["assumptions"]
+    peak = dev["peak_tflops"]
     lines = [
         f"model {p['model']['preset'] or 'custom'}: {p['model']['params'] / 1e9:.3f}B params, "
         f"{p['model']['flops_per_token'] / 1e9:.2f} GFLOP/token | {p['world_size']} ranks "
-        f"({p['nnodes']} node(s) x {p['nproc']}) | {p['device']['name']}, {p['device']['memory_gib']:.0f} GiB, "
-        f"peak {p['device']['peak_tflops'] or 'unknown'} TFLOP/s {p['precision']} ({p['device']['source']})",
-        f"global batch {p['global_batch_size']} x {p['seq_len']} tokens",
+        f"({p['nnodes']} node(s) x {p['nproc']}) | global batch {p['global_batch_size']} x "
+        f"{p['seq_len']} tokens",
+        f"device {dev['name']}:",
+        f"  peak     {f'{peak:.4g}' if peak else 'unknown'} TFLOP/s {p['precision']} ({dev['source']})",
+        f"  memory   {dev['memory_gib']:.0f} GiB ({dev['memory_source']})",
+        f"  in node  {dev['intra_node_gbps']:.3g} GB/s per rank ({dev['intra_node_source']})",
+        f"  across   {dev['inter_node_gbps']:.3g} GB/s per rank ({dev['inter_node_source']})",
+        f"assumed: compute at {a['achievable_fraction_of_peak']:.0%} of the peak, "
+        f"{a['usable_memory_fraction']:.0%} of memory usable, step s = {a['step_time']}",
         "",
         f"{'strategy':<20} {'params':>9} {'grads':>9} {'optim':>9} {'activ':>9} {'total':>9}  {'fits':<4} "
         f"{'comm/step':>10} {'comm s':>8} {'step s':>8}",

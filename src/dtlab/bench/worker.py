@@ -4,9 +4,10 @@
 
 With ``--nproc`` > 1 it starts itself in N processes through torch's elastic launcher (like ``dtlab
 train``). Rank 0 writes one JSON object: timings (median/min/max over the timed steps), throughput over
-all ranks, MFU against a GEMM peak measured on these ranks at the run's precision, exact per-rank state
-bytes, activation bytes from saved-tensor accounting, the collectives of one step (counted from the
-dispatcher) next to dtlab's prediction, peak memory, CPU utilisation and the losses.
+all ranks, MFU against a GEMM peak measured on these ranks at the run's precision, per-rank state
+bytes (gradients as held after a backward), the bytes forward keeps for backward (storages still
+allocated when it returns, so what checkpointing keeps is seen), the collectives of one step (counted
+from the dispatcher) next to dtlab's prediction, peak memory, CPU utilisation and the losses.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from dtlab.analysis.model import (
     param_shapes,
     plan_step,
 )
+from dtlab.bench.memory import gradient_bytes, kept_activation_bytes
 from dtlab.config import Config, load_config
 from dtlab.errors import DtlabError
 from dtlab.metrics.comm import CommCounter
@@ -50,51 +52,41 @@ def _local_bytes(t: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def state_bytes(tr: Training) -> dict[str, int]:
-    """Exactly what this rank holds: its parameters, their gradients (float32, like the parameters) and
-    the optimizer state."""
-    params = [p for p in tr.pm.module.parameters()]
+def state_bytes(tr: Training, config: Config, device: torch.device) -> dict[str, int]:
+    """What this rank holds: its parameters, the optimizer state, and the gradients as they are held
+    right after a backward (measured: one more micro-batch's forward and backward, with gradient sync,
+    then the gradients are dropped again)."""
+    module = tr.pm.module
     opt = sum(
         _local_bytes(v)
         for s in tr.optimizer.state.values()
         for v in s.values()
         if isinstance(v, torch.Tensor)
     )
-    p_bytes = sum(_local_bytes(p) for p in params)
-    return {"params_bytes": p_bytes, "grads_bytes": p_bytes, "optimizer_bytes": opt}
+    inputs, targets = tr.loader.build_step(0)[0]
+    loss = forward_loss(
+        module, inputs.to(device), targets.to(device), config.train.precision, device
+    )
+    loss.backward()
+    grads = gradient_bytes(module)
+    tr.optimizer.zero_grad(set_to_none=True)
+    return {
+        "params_bytes": sum(_local_bytes(p) for p in module.parameters()),
+        "grads_bytes": grads,
+        "optimizer_bytes": opt,
+    }
 
 
 def measured_activation_bytes(tr: Training, config: Config, device: torch.device) -> int:
-    """Bytes autograd saves in one micro-batch's forward (unique storages, parameters excluded)."""
+    """Bytes one micro-batch's forward leaves allocated for backward (``dtlab.bench.memory``: every
+    storage the forward's operators allocated that is still alive when it returns; parameters,
+    buffers and the batch excluded). Sees what activation checkpointing keeps."""
     inputs, targets = tr.loader.build_step(0)[0]
-    param_ptrs = {
-        (p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr()
-        for p in tr.pm.module.parameters()
-    }
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        local = t.to_local() if isinstance(t, DTensor) else t
-        storage = local.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in param_ptrs and ptr != 0:
-            seen[ptr] = max(seen.get(ptr, 0), storage.nbytes())
-        return t
-
     inputs, targets = inputs.to(device), targets.to(device)
-    if device.type == "cuda":
-        # On CUDA the allocator knows: what forward leaves allocated until backward frees it.
-        torch.cuda.synchronize(device)
-        before = torch.cuda.memory_allocated(device)
-        loss = forward_loss(tr.pm.module, inputs, targets, config.train.precision, device)
-        torch.cuda.synchronize(device)
-        used = torch.cuda.memory_allocated(device) - before
-        del loss
-        return int(used)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = forward_loss(tr.pm.module, inputs, targets, config.train.precision, device)
-    del loss
-    return sum(seen.values())
+    module = tr.pm.module
+    return kept_activation_bytes(
+        module, lambda: forward_loss(module, inputs, targets, config.train.precision, device)
+    )
 
 
 def peak_flops(config: Config, d: DistInfo) -> tuple[float | None, str, float]:
@@ -174,7 +166,7 @@ def _bench(
     with counter:  # one more step, counted (the counter's own overhead stays out of the timings)
         losses.append(step()["loss"])
     comm_time = _replay_collectives(counter, d)
-    states = state_bytes(tr)
+    states = state_bytes(tr, config, d.device)
     tr.loader.close()
 
     step_time = statistics.median(times)
@@ -218,7 +210,6 @@ def _bench(
         "activation_bytes_predicted": activation_bytes(
             config.model,
             tr.micro * config.seq_len,
-            config.seq_len,
             t.precision,
             t.activation_checkpointing,
         ),

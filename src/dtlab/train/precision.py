@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -46,13 +46,14 @@ def half_precision_advice(precision: str, fp32_gflops: float, half_gflops: float
     )
 
 
-def check_cpu_half_precision(precision: str) -> str | None:
-    """Measure a small matmul in fp32 and in ``precision`` on this CPU; the advice for that pair."""
+def check_cpu_half_precision(
+    precision: str, rate: Callable[[torch.dtype], float] = gemm_gflops
+) -> str | None:
+    """The advice for ``precision`` from ``rate`` (GFLOP/s of a matmul at a dtype; by default a small
+    matmul measured on this CPU) in fp32 and in ``precision``. Nothing is measured for fp32."""
     if precision == "fp32":
         return None
-    return half_precision_advice(
-        precision, gemm_gflops(torch.float32), gemm_gflops(DTYPES[precision])
-    )
+    return half_precision_advice(precision, rate(torch.float32), rate(DTYPES[precision]))
 
 
 class LossScaler:
