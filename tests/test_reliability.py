@@ -296,3 +296,114 @@ def test_fault6_a_finished_or_resumed_run_keeps_its_whole_history(tmp_path: Path
     )  # fmt: skip
     assert again["median_step_time_s"] is not None and again["tokens_per_s"] > 0
     assert (run / "loss.png").stat().st_size > 0  # drawn again from the logged history
+
+
+# --- 7. Ctrl-C: the first saves and exits 75, a second aborts; 75 only with a checkpoint ------------
+class Watched:
+    """A CLI process whose stderr is collected line by line while it runs."""
+
+    def __init__(self, *args: str, faults: str | None = None) -> None:
+        import sys
+        import threading
+
+        from conftest import cli_env
+
+        env = cli_env({"DTLAB_FAULTS": faults} if faults else None)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dtlab", *args],
+            env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+        )  # fmt: skip
+        self.lines: list[str] = []
+        assert self.proc.stderr is not None
+        stream = self.proc.stderr
+        self.reader = threading.Thread(target=lambda: self.lines.extend(stream), daemon=True)
+        self.reader.start()
+
+    def wait_for(self, text: str, timeout: float = 120) -> None:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in list(self.lines)):
+            assert self.proc.poll() is None, f"exited {self.proc.returncode}:\n{self.err}"
+            assert time.monotonic() < deadline, f"no {text!r} in:\n{self.err}"
+            time.sleep(0.02)
+
+    def wait_for_file(self, path: Path, timeout: float = 120) -> None:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while not path.is_file() or not path.read_bytes():
+            assert self.proc.poll() is None, f"exited {self.proc.returncode}:\n{self.err}"
+            assert time.monotonic() < deadline, f"no {path} from:\n{self.err}"
+            time.sleep(0.02)
+
+    def finish(self, timeout: float = 120) -> int:
+        code = self.proc.wait(timeout)
+        self.reader.join(10)
+        return code
+
+    @property
+    def err(self) -> str:
+        return "".join(self.lines)
+
+
+def ctrl_c_args(run: Path, nproc: int, *overrides: str) -> list[str]:
+    strategy = ["parallel.strategy=ddp"] if nproc > 1 else []
+    return ["train", "--nproc", str(nproc), "--set", *FAST, "train.steps=100000",
+            f"run.dir={run}", *strategy, *overrides]  # fmt: skip
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_fault7_ctrl_c_saves_then_exits_75(tmp_path: Path, nproc: int) -> None:
+    import signal
+
+    run = tmp_path / "run"
+    w = Watched(*ctrl_c_args(run, nproc, "checkpoint.every=5"))
+    w.wait_for("checkpoint step 5 saved")
+    w.proc.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C sends the foreground process
+    assert w.finish() == 75, w.err
+    assert "Traceback" not in w.err and "Ctrl-C: saving a checkpoint" in w.err, w.err
+    stop = json.loads((run / "stopped.json").read_text())
+    assert f"stopped by SIGINT after step {stop['step']}" in w.err
+    checkpoint_tensors(Path(stop["checkpoint"]))  # committed and verified
+    assert not list((run / "checkpoints").glob(".tmp-*"))  # nothing left half-written
+    # The same command resumes from it.
+    proc = train(run, *(["parallel.strategy=ddp"] if nproc > 1 else []), nproc=nproc,
+                 steps=stop["step"] + 2)  # fmt: skip
+    assert f"step-{stop['step']:08d}" in proc.stderr
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_fault7_second_ctrl_c_aborts_at_once(tmp_path: Path, nproc: int) -> None:
+    import signal
+
+    run = tmp_path / "run"
+    # The stop's save stalls (a slow disk) long enough for the second Ctrl-C to land in it.
+    w = Watched(*ctrl_c_args(run, nproc), faults="slowsave@1-100000")
+    w.wait_for_file(run / "metrics.jsonl")  # training has begun
+    w.proc.send_signal(signal.SIGINT)
+    w.wait_for("Ctrl-C: saving a checkpoint")
+    w.proc.send_signal(signal.SIGINT)
+    code = w.finish(timeout=60)
+    assert code == 130, w.err
+    assert "aborted by" in w.err and "without saving" in w.err and "Traceback" not in w.err, w.err
+    assert not list((run / "checkpoints").glob("step-*"))  # nothing was committed
+    assert not (run / "stopped.json").exists()
+    leftover = subprocess.run(["pgrep", "-f", f"run.dir={run}"], capture_output=True, text=True)
+    assert leftover.stdout.strip() == "", "workers outlived the abort"
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_fault7_a_stop_without_a_saved_checkpoint_does_not_exit_75(
+    tmp_path: Path, nproc: int
+) -> None:
+    import signal
+
+    run = tmp_path / "run"
+    w = Watched(*ctrl_c_args(run, nproc), faults="failsave@1-100000")
+    w.wait_for_file(run / "metrics.jsonl")  # training has begun
+    w.proc.send_signal(signal.SIGINT)
+    code = w.finish()
+    assert code not in (0, 75), w.err
+    assert "could not be saved" in w.err and "Traceback" not in w.err, w.err
+    assert not (run / "stopped.json").exists()

@@ -82,11 +82,22 @@ def launch(
         monitor_interval=0.2,
         start_method="spawn",
         # The agent passes the signals it handles on to the workers (which save a checkpoint and stop);
-        # SIGUSR1, which Slurm can send ahead of a time limit, is not among torch's defaults.
-        signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+        # SIGUSR1, which Slurm can send ahead of a time limit, is not among torch's defaults. SIGINT
+        # (Ctrl-C) is dtlab's own: see _CtrlC.
+        signals_to_handle="SIGTERM,SIGHUP,SIGQUIT,SIGUSR1",
     )
+    ctrl_c = _CtrlC()
     try:
-        elastic_launch(config, entrypoint=sys.executable)("-m", module, *worker_args)
+        with ctrl_c:
+            elastic_launch(config, entrypoint=sys.executable)("-m", module, *worker_args)
+    except _Interrupted as e:
+        if e.aborted:
+            print(
+                "aborted by a second Ctrl-C: the workers were stopped without saving",
+                file=sys.stderr,
+            )
+            return 128 + signal.SIGINT
+        return _after_signal(signal.SIGINT, saved())
     except ChildFailedError as e:
         codes = [f.exitcode for f in e.failures.values()]
         # Preempted: every rank agreed the checkpoint was committed before any exited, so ranks the
@@ -102,28 +113,8 @@ def launch(
         print(f"error: training failed on {failures}; see the messages above", file=sys.stderr)
         return 1
     except SignalException as e:
-        # The launcher itself was signalled: the agent passed the signal on and waited for the workers
-        # to save. A second signal (Ctrl-C again) interrupts that wait: stop them at once.
-        if _kill_children():
-            print(
-                f"aborted by a second {e.sigval.name}: the workers were stopped without saving",
-                file=sys.stderr,
-            )
-            return 128 + int(e.sigval)
-        marker = saved()
-        if marker is None:
-            print(
-                f"stopped by {e.sigval.name}: the workers did not commit a checkpoint (see the "
-                "messages above); nothing since the last checkpoint was kept",
-                file=sys.stderr,
-            )
-            return 128 + int(e.sigval)
-        print(
-            f"stopped by {e.sigval.name} after step {marker['step']}: checkpoint saved in "
-            f"{marker['checkpoint']}; run the same command to resume",
-            file=sys.stderr,
-        )
-        return Preempted.exit_code
+        # The launcher itself was signalled: the agent passed the signal on and waited for the workers.
+        return _after_signal(e.sigval, saved())
     except RendezvousError as e:
         # e.g. the port is taken, or the other nodes never arrived: a setup problem, not a crash.
         print(
@@ -135,25 +126,83 @@ def launch(
     return 0
 
 
-def _kill_children() -> bool:
-    """SIGKILL this process's child processes (the workers); True if any was still running."""
-    pids = []
+def _after_signal(sig: signal.Signals, marker: dict[str, Any] | None) -> int:
+    """The exit code and message of a launcher that was signalled: 75 only with a committed checkpoint."""
+    if marker is None:
+        print(
+            f"stopped by {sig.name}: the workers did not commit a checkpoint (see the messages "
+            "above); nothing since the last checkpoint was kept",
+            file=sys.stderr,
+        )
+        return 128 + int(sig)
+    print(
+        f"stopped by {sig.name} after step {marker['step']}: checkpoint saved in "
+        f"{marker['checkpoint']}; run the same command to resume",
+        file=sys.stderr,
+    )
+    return Preempted.exit_code
+
+
+class _Interrupted(Exception):
+    """Ends the launch after Ctrl-C: the workers have exited (``aborted``: killed without saving)."""
+
+    def __init__(self, aborted: bool) -> None:
+        super().__init__("interrupted")
+        self.aborted = aborted
+
+
+class _CtrlC:
+    """The launcher's Ctrl-C: the first passes SIGINT on to the workers (which save and stop) and waits
+    for them to exit; a second, during that wait, kills them at once. Either way the launch then ends:
+    the agent must not restart workers that were asked to stop."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.previous: Any = None
+
+    def __enter__(self) -> _CtrlC:
+        self.previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGINT, self.previous)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.count += 1
+        if self.count > 1:  # runs inside the first call's wait below, which it ends
+            _kill_children()
+            raise _Interrupted(aborted=True)
+        for pid in _children():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGINT)
+        while _children():
+            time.sleep(0.05)
+        raise _Interrupted(aborted=False)
+
+
+def _children() -> list[int]:
+    """This process's running child processes (the workers; an exited one that is not yet reaped
+    does not count)."""
     proc = Path("/proc")
-    if proc.is_dir():
-        for stat in proc.glob("[0-9]*/stat"):
-            try:
-                # The field after the parenthesised command name: state, then the parent's pid.
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            if int(fields[1]) == os.getpid() and fields[0] != "Z":  # a zombie has already exited
-                pids.append(int(stat.parent.name))
-    else:  # macOS: no /proc
+    if not proc.is_dir():  # macOS: no /proc
         out = subprocess.run(
             ["pgrep", "-P", str(os.getpid())], capture_output=True, text=True, check=False
         )
-        pids = [int(p) for p in out.stdout.split()]
-    for pid in pids:
+        return [int(p) for p in out.stdout.split()]
+    pids = []
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            # After the parenthesised command name: the state, then the parent's pid.
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z":
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def _kill_children() -> None:
+    """SIGKILL this process's child processes (the workers)."""
+    for pid in _children():
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-    return bool(pids)
