@@ -104,8 +104,18 @@ def launch_mlx(nproc: int, backend: str, worker_args: list[str]) -> int:
     received: list[int] = []
     delivered: dict[Path, int] = {}  # pid file -> how many of the received signals it was sent
 
+    aborted: list[bool] = []
+
     def note(signum: int, frame: FrameType | None) -> None:
         received.append(signum)
+        if received.count(signal.SIGINT) > 1 and not aborted:
+            # Ctrl-C again: stop every rank at once, without saving.
+            aborted.append(True)
+            for pid_file in status.glob("rank*.pid"):
+                with contextlib.suppress(OSError, ValueError):
+                    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, signal.SIGKILL)
 
     def deliver() -> None:
         # A rank gets every signal received so far, also one that came before the rank had started.
@@ -131,9 +141,13 @@ def launch_mlx(nproc: int, backend: str, worker_args: list[str]) -> int:
         f = status / f"rank{r}.exit"
         codes[r] = int(f.read_text()) if f.is_file() else None
     shutil.rmtree(status, ignore_errors=True)
+    if aborted:
+        print("aborted by a second Ctrl-C: the ranks were stopped without saving", file=sys.stderr)
+        return 128 + signal.SIGINT
     if all(c == 0 for c in codes.values()):
         return 0
-    if Preempted.exit_code in codes.values() and all(
+    # Rank 0 writes the checkpoint and exits 75 only once it is committed; the others follow it.
+    if codes.get(0) == Preempted.exit_code and all(
         c in (Preempted.exit_code, None) for c in codes.values()
     ):
         return Preempted.exit_code
@@ -144,5 +158,6 @@ def launch_mlx(nproc: int, backend: str, worker_args: list[str]) -> int:
     )
     print(f"error: MLX training failed on {failed}; see the messages above", file=sys.stderr)
     if received:
-        return Preempted.exit_code if all(c in (75, 0, None) for c in codes.values()) else 1
+        # Signalled, and no checkpoint was committed at the stop: not "saved, start me again".
+        return 128 + received[0]
     return 1

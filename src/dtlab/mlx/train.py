@@ -13,7 +13,6 @@ import math
 import os
 import shutil
 import signal
-import statistics
 import sys
 import threading
 import time
@@ -35,7 +34,14 @@ from dtlab.metrics.report import plot_loss
 from dtlab.metrics.sinks import JsonlSink, NullSink, ProgressSink, Sink, TensorBoardSink, json_safe
 from dtlab.mlx.launch import record_exit, record_pid
 from dtlab.mlx.model import Transformer, build_mlx_model, flat_parameters
-from dtlab.train.faults import Faults
+from dtlab.train.faults import Faults, StopSignals
+from dtlab.train.rundir import (
+    RunDirLock,
+    check_start,
+    default_run_dir,
+    logged_steps,
+    record_stop,
+)
 from dtlab.train.schedules import lr_at
 
 Params = dict[str, mx.array]
@@ -113,19 +119,6 @@ class Watchdog:
         finally:
             with self._cv:
                 self._deadline = None
-
-
-class Signals:
-    """SIGTERM / SIGUSR1 (a scheduler's notice) only set a flag; the ranks agree at the step's all_sum."""
-
-    def __init__(self) -> None:
-        self.received = 0
-        if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGTERM, signal.SIGUSR1):
-                signal.signal(s, self._handle)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.received = signum
 
 
 # --- the step --------------------------------------------------------------------------------------
@@ -286,6 +279,40 @@ def _read_safetensors(path: Path) -> dict[str, mx.array]:
     return loaded
 
 
+def _from_rank0(
+    group: Any, watchdog: Watchdog, what: str, decide: Callable[[], str | None]
+) -> str | None:
+    """``decide()`` on rank 0 only; every rank gets its result (text or None) or its DtlabError.
+
+    For choices made once and agreed on (the run directory, the checkpoint to resume from), like the
+    torch engine's ``decide_on_rank0``: the text travels in one all_sum, zeros from the other ranks.
+    """
+    result: str | None = None
+    error: DtlabError | None = None
+    if group.rank() == 0:
+        try:
+            result = decide()
+        except DtlabError as e:
+            error = e
+    if group.size() > 1:
+        limit = 8192
+        code = np.zeros(limit + 1, dtype=np.int32)
+        if group.rank() == 0:
+            payload = (f"E{error}" if error else "N" if result is None else f"T{result}").encode()
+            data = np.frombuffer(payload[:limit], dtype=np.uint8)
+            code[0], code[1 : 1 + len(data)] = len(data), data
+        total = mx.distributed.all_sum(mx.array(code), group=group)
+        watchdog.run(what, lambda: mx.eval(total))
+        got = np.array(total)
+        text = bytes(got[1 : 1 + int(got[0])].astype(np.uint8)).decode()
+        kind, body = text[:1], text[1:]
+        error = DtlabError(body) if kind == "E" else None
+        result = body if kind == "T" else None
+    if error is not None:
+        raise error
+    return result
+
+
 # --- the loop ----------------------------------------------------------------------------------------
 def _numpy_batches(batch: list[Any]) -> list[tuple[np.ndarray, np.ndarray]]:
     return [(x.numpy(), y.numpy()) for x, y in batch]
@@ -298,11 +325,7 @@ def peak_memory_bytes() -> int:
 
 def train_mlx(config: Config) -> dict[str, Any]:
     """Train as configured with the MLX engine (one rank of the group ``mlx.launch`` started)."""
-    from dtlab.parallel.dist import DistInfo
-    from dtlab.train.loop import TrainState
-    from dtlab.train.rundir import default_run_dir
-
-    signals = Signals()
+    signals = StopSignals()  # SIGTERM, SIGUSR1, Ctrl-C: save and stop; a second Ctrl-C: abort
     group = init_group(config)
     # Only now may the launcher pass signals on: the handler is in place, and a signal that interrupted
     # the ring's connection set-up would fail it.
@@ -318,20 +341,47 @@ def train_mlx(config: Config) -> dict[str, Any]:
             "run.dir must be set when MLX ranks are started by mlx.launch directly: every rank must "
             "write to the same run directory (dtlab train --engine mlx --nproc N sets it)"
         )
-    run_dir = Path(config.run.dir) if config.run.dir else default_run_dir(config)
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise DtlabError(
-            f"run.dir = {str(run_dir)!r} cannot be created: {e.strerror or e}"
-        ) from None
-    config = config.model_copy(deep=True)
-    config.run.dir = str(run_dir)
-    is_main = rank == 0
-    if is_main:
-        (run_dir / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
-
     watchdog = Watchdog(rank, config.parallel.collective_timeout_s)
+    held: list[RunDirLock] = []
+
+    def create() -> str:
+        path = Path(config.run.dir) if config.run.dir else default_run_dir(config)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise DtlabError(
+                f"run.dir = {str(path)!r} cannot be created: {e.strerror or e}"
+            ) from None
+        lock = RunDirLock(path)
+        lock.acquire()
+        held.append(lock)
+        return str(path)
+
+    run_dir = Path(str(_from_rank0(group, watchdog, "the run directory broadcast", create)))
+    try:
+        config = config.model_copy(deep=True)
+        config.run.dir = str(run_dir)
+        return _train_in(config, group, watchdog, signals, faults, run_dir, accum, micro)
+    finally:
+        for lock in held:
+            lock.release()
+
+
+def _train_in(
+    config: Config,
+    group: Any,
+    watchdog: Watchdog,
+    signals: StopSignals,
+    faults: Faults,
+    run_dir: Path,
+    accum: int,
+    micro: int,
+) -> dict[str, Any]:
+    from dtlab.parallel.dist import DistInfo
+    from dtlab.train.loop import TrainState, history_figures, logged, loss_curve
+
+    rank, world, t = group.rank(), group.size(), config.train
+    is_main = rank == 0
     trainer = Trainer(config, group)
     loader = BatchLoader(
         build_source(config), BatchLayout(t.global_batch_size, rank, world, micro),
@@ -343,7 +393,26 @@ def train_mlx(config: Config) -> dict[str, Any]:
     d = DistInfo(rank, world, rank, world, torch.device("cpu"), None)
     ckpt = Checkpointer(config, run_dir, d, faults)
     health = {"bad_steps": 0, "bad_in_a_row": 0}
-    resumed = _restore(ckpt, trainer, loader, state, health)
+
+    def choose() -> str | None:
+        path = ckpt.choose()  # verification (and a durable fetch) happen on rank 0 only
+        if path is not None and _engine_of(path) != "mlx":
+            raise CheckpointError(
+                f"cannot resume from '{path}': it was not written by the MLX engine"
+            )
+        check_start(run_dir, path, ckpt.own_step(path), config)
+        return None if path is None else str(path)
+
+    chosen = _from_rank0(group, watchdog, "the resume broadcast", choose)
+    resumed = _restore(
+        ckpt, trainer, loader, state, health, None if chosen is None else Path(chosen)
+    )
+    # Only now, with the resume checks passed, does the run directory record this run's config.
+    earlier: list[dict[str, Any]] = []
+    if is_main:
+        (run_dir / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
+        if resumed is not None and ckpt.own_step(Path(str(chosen))) is not None:
+            earlier = [m for m in logged_steps(run_dir) if m["step"] <= resumed]
     params = sum(v.size for v in trainer.params.values())
     logger.info(
         "training %.2fM params | mlx %s x %d on %s | global batch %d = %d ranks x %d micro-batches x %d | %d steps | run dir %s",
@@ -385,7 +454,7 @@ def train_mlx(config: Config) -> dict[str, Any]:
             }
             history.append(m)
             progress.step(m)
-            if state.step % config.run.log_every == 0 or state.step == t.steps or "bad" in m:
+            if logged(m, config):
                 for sink in sinks:
                     sink.log(m)
             faults.after_step(state.step)
@@ -406,10 +475,24 @@ def train_mlx(config: Config) -> dict[str, Any]:
                     else "a signal"
                 )
                 _save(ckpt, trainer, loader, state, health, config, is_main)
-                trainer.barrier(watchdog, "the barrier after the preemption checkpoint")
+                # Rank 0 wrote it; every rank learns whether it was committed. Nobody exits before.
+                step_ = state.step
+                path = run_dir / "checkpoints" / step_name(step_)
+                saved = _from_rank0(
+                    group, watchdog, "the barrier after the preemption checkpoint",
+                    lambda s=step_: "saved" if s in ckpt.saved_steps else None,  # type: ignore[misc]
+                )  # fmt: skip
+                if saved is None:
+                    raise DtlabError(
+                        f"stopped by {name} after step {step_}, but its checkpoint could not be "
+                        "saved (see the error above); nothing of the steps since the last "
+                        "checkpoint was kept"
+                    )
+                if is_main:
+                    record_stop(run_dir, step_, name, path)
                 raise Preempted(
-                    f"stopped by {name} after step {state.step}: checkpoint saved in "
-                    f"{run_dir / 'checkpoints'}; run the same command to resume"
+                    f"stopped by {name} after step {step_}: checkpoint saved in {path}; "
+                    "run the same command to resume"
                 )
             if ckpt.due(state.step) or (state.step == t.steps and config.checkpoint.every):
                 _save(ckpt, trainer, loader, state, health, config, is_main)
@@ -426,8 +509,6 @@ def train_mlx(config: Config) -> dict[str, Any]:
     if world > 1:
         x = mx.distributed.all_max(mx.array([float(peak)]), group=group)
         peak = int(watchdog.run("the final all_max", lambda: _scalar(x)))
-    timed = history[1:] or history
-    time_sum = sum(h["step_time_s"] for h in timed)
     summary: dict[str, Any] = {
         "steps": state.step,
         "engine": "mlx",
@@ -437,11 +518,8 @@ def train_mlx(config: Config) -> dict[str, Any]:
         "params": params,
         "global_batch_size": t.global_batch_size,
         "seq_len": config.seq_len,
-        "initial_loss": history[0]["loss"] if history else None,
-        "final_loss": history[-1]["loss"] if history else None,
+        **history_figures(config, history, earlier),
         "tokens": state.tokens,
-        "median_step_time_s": statistics.median(h["step_time_s"] for h in timed) if timed else None,
-        "tokens_per_s": tokens_per_step * len(timed) / time_sum if time_sum > 0 else 0.0,
         "train_time_s": wall,
         "peak_memory_bytes": peak,
         "resumed_from": ckpt.resumed_from,
@@ -452,9 +530,10 @@ def train_mlx(config: Config) -> dict[str, Any]:
     }
     if is_main:
         summary["run_dir"] = str(run_dir)
-        if config.run.plot and history:
+        curve = loss_curve(earlier + history)
+        if config.run.plot and curve:
             title = f"{config.run.name}: mlx {config.parallel.strategy} x {world}"
-            summary["loss_plot"] = str(plot_loss(history, run_dir / "loss.png", title))
+            summary["loss_plot"] = str(plot_loss(curve, run_dir / "loss.png", title))
         (run_dir / "summary.json").write_text(
             json.dumps(json_safe(summary), indent=2) + "\n", encoding="utf-8"
         )
@@ -496,30 +575,22 @@ def _save(
         logger.error("checkpoint of step %d failed: %s: %s", state.step, type(e).__name__, e)
 
 
+def _engine_of(path: Path) -> Any:
+    return json.loads((path / "state.json").read_text(encoding="utf-8")).get("engine")
+
+
 def _restore(
     ckpt: Checkpointer,
     trainer: Trainer,
     loader: BatchLoader,
     state: Any,
     health: dict[str, int],
+    path: Path | None,
 ) -> int | None:
-    """Load the checkpoint ``checkpoint.resume`` selects (verified; same rules as the torch engine)."""
-    from dtlab.checkpoint.manifest import read_manifest
-    from dtlab.checkpoint.store import resume_conflicts, resume_fingerprint
-
-    path = ckpt._pick()
+    """Load checkpoint ``path`` (chosen, verified and checked on rank 0) into this rank's state."""
     if path is None:
         return None
-    manifest = read_manifest(path)
-    conflicts = resume_conflicts(manifest["resume_fingerprint"], resume_fingerprint(ckpt.config))
-    if conflicts:
-        raise CheckpointError(
-            f"cannot resume from '{path}': " + "; ".join(conflicts)
-            + ". Start a new run (checkpoint.resume=never or another run.dir) instead"
-        )  # fmt: skip
     doc = json.loads((path / "state.json").read_text(encoding="utf-8"))
-    if doc.get("engine") != "mlx":
-        raise CheckpointError(f"cannot resume from '{path}': it was not written by the MLX engine")
     trainer.load(path, int(doc["optimizer"]["steps"]))
     state.load_state_dict(doc["train"])
     loader.load_state_dict(doc["data"])

@@ -196,15 +196,8 @@ def summarize(
     wall: float,
     earlier: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The run's final figures, over its whole history: ``earlier`` holds what earlier starts of a
-    resumed run logged. The first step of this start (warm-up, compilation) is left out of the timing;
+    """The run's final figures, over its whole history (see :func:`history_figures`);
     ``train_time_s`` is this start's wall time."""
-    earlier = earlier or []
-    timed = [m for m in earlier if m["step"] > 1] + (history[1:] or history)
-    timed = [m for m in timed if isinstance(m.get("step_time_s"), (int, float))]
-    time_sum = sum(m["step_time_s"] for m in timed)
-    curve = loss_curve(earlier + history)
-    tokens_per_step = config.train.global_batch_size * config.seq_len
     return {
         "steps": state.step,
         "strategy": config.parallel.strategy,
@@ -213,14 +206,37 @@ def summarize(
         "params": params,
         "global_batch_size": config.train.global_batch_size,
         "seq_len": config.seq_len,
-        "initial_loss": curve[0]["loss"] if curve else None,
-        "final_loss": curve[-1]["loss"] if curve else None,
+        **history_figures(config, history, earlier or []),
         "tokens": state.tokens,
-        "median_step_time_s": statistics.median(m["step_time_s"] for m in timed) if timed else None,
-        "tokens_per_s": tokens_per_step * len(timed) / time_sum if time_sum > 0 else 0.0,
         "train_time_s": wall,
         "peak_memory_bytes": int(reduce_scalar(peak_memory_bytes(d.device), "max")),
     }
+
+
+def history_figures(
+    config: Config, history: list[dict[str, Any]], earlier: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Initial and final loss, median step time and tokens/s over a run's whole history: ``earlier``
+    holds what earlier starts of a resumed run logged, ``history`` every step of this start. The first
+    step of this start (warm-up, compilation) and step 1 are left out of the timing."""
+    timed = [m for m in earlier if m["step"] > 1] + (history[1:] or history)
+    timed = [m for m in timed if isinstance(m.get("step_time_s"), (int, float))]
+    time_sum = sum(m["step_time_s"] for m in timed)
+    curve = loss_curve(earlier + history)
+    tokens_per_step = config.train.global_batch_size * config.seq_len
+    return {
+        "initial_loss": curve[0]["loss"] if curve else None,
+        "final_loss": curve[-1]["loss"] if curve else None,
+        "median_step_time_s": statistics.median(m["step_time_s"] for m in timed) if timed else None,
+        "tokens_per_s": tokens_per_step * len(timed) / time_sum if time_sum > 0 else 0.0,
+    }
+
+
+def logged(m: dict[str, Any], config: Config) -> bool:
+    """Whether step metrics ``m`` go to metrics.jsonl: every ``run.log_every`` steps, the first and
+    the last step (the ends of the curve), and every bad step."""
+    step = m["step"]
+    return step % config.run.log_every == 0 or step in (1, config.train.steps) or "bad" in m
 
 
 def loss_curve(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -378,11 +394,7 @@ def _run(config: Config, d: DistInfo, run_dir: Path) -> dict[str, Any]:
                 logger.warning("step %d: loss is %s", state.step, m["loss"])
                 warned_nonfinite = True
             progress.step(m)
-            if (
-                state.step % config.run.log_every == 0
-                or state.step in (1, t.steps)  # the first and last steps: the whole curve's ends
-                or "bad" in m
-            ):
+            if logged(m, config):
                 for sink in sinks:
                     sink.log(m)
             faults.after_step(state.step)
