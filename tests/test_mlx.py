@@ -242,3 +242,17 @@ def test_bench_preloads_the_mlx_blas_into_mlx_runs_only(monkeypatch: pytest.Monk
     monkeypatch.delenv("LD_PRELOAD", raising=False)
     assert engine_env("mlx")["LD_PRELOAD"] == "/opt/blas/libopenblas.so.0"
     assert "LD_PRELOAD" not in engine_env("torch")
+
+
+def test_fault10_mlx_rank0_alone_picks_and_verifies_the_checkpoint(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = mlx_train(run, "checkpoint.every=3", nproc=2, steps=9, env={"DTLAB_FAULTS": "kill@8:r1"})
+    assert proc.returncode != 0
+    shard = run / "checkpoints" / "step-00000006" / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-10])  # torn: the newest checkpoint fails verification
+    proc = mlx_train(run, "checkpoint.every=3", nproc=2, steps=9)
+    ok_metrics(proc, run)
+    # One rank verified it (and moved it aside), not each rank on its own.
+    assert proc.stderr.count("skipping checkpoint step 6") == 1, proc.stderr
+    assert "resumed from" in proc.stderr and "step-00000003" in proc.stderr
+    assert (run / "checkpoints" / ".unusable-step-00000006").is_dir()

@@ -407,3 +407,107 @@ def test_fault7_a_stop_without_a_saved_checkpoint_does_not_exit_75(
     assert code not in (0, 75), w.err
     assert "could not be saved" in w.err and "Traceback" not in w.err, w.err
     assert not (run / "stopped.json").exists()
+
+
+# --- 10. smaller ones ---------------------------------------------------------------------------------
+def test_fault10_single_node_launch_listens_on_loopback_only(tmp_path: Path) -> None:
+    """Every socket the launcher and its workers listen on (stores, gloo) is bound to 127.0.0.1."""
+    import signal
+
+    if not Path("/proc/net/tcp").exists():
+        pytest.skip("needs Linux /proc")
+    run = tmp_path / "run"
+    w = Watched(*ctrl_c_args(run, 2))
+    try:
+        w.wait_for_file(run / "metrics.jsonl")
+        pids = subprocess.run(["pgrep", "-f", f"run.dir={run}"], capture_output=True, text=True)
+        inodes = set()
+        for pid in pids.stdout.split():
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                try:
+                    target = fd.readlink().as_posix()
+                except OSError:
+                    continue
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        listening = []
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            for line in Path(table).read_text().splitlines()[1:]:
+                f = line.split()
+                if f[3] == "0A" and f[9] in inodes:  # LISTEN
+                    listening.append(f[1].split(":")[0])
+        assert listening, "found no listening socket of the run"
+        loopback = ("0100007F", "00000000000000000000000001000000")
+        assert all(addr in loopback for addr in listening), listening
+    finally:
+        w.proc.send_signal(signal.SIGINT)
+        w.finish()
+
+
+def test_fault10_a_stopped_prefetch_thread_never_feeds_the_new_position() -> None:
+    import threading
+
+    from dtlab.data import BatchLayout, BatchLoader, SyntheticSource
+
+    gate = threading.Event()
+
+    class Slow(SyntheticSource):
+        def sample(self, index: int) -> Any:
+            if index >= 8:  # step 1 onwards: held until the test lets it go
+                gate.wait(30)
+            return super().sample(index)
+
+    loader = BatchLoader(Slow(16, 256, 0), BatchLayout(8, 0, 1, 8), prefetch=2)
+    reference = BatchLoader(SyntheticSource(16, 256, 0), BatchLayout(8, 0, 1, 8), prefetch=0)
+    next(loader)  # step 0; the thread is now building step 1
+    old = loader._thread
+    assert old is not None
+    loader.load_state_dict({"next_step": 5, "global_batch": 8, "source": "synthetic"})  # a rollback
+    gate.set()
+    old.join(10)
+    assert not old.is_alive()  # it stopped after the batch it was building, which went nowhere
+    for step in (5, 6, 7):
+        got = next(loader)
+        want = reference.build_step(step)
+        assert all(torch.equal(a[0], b[0]) for a, b in zip(got, want, strict=True)), step
+    loader.close()
+
+
+def test_fault10_demo_grad_norm_is_agreed_over_all_ranks() -> None:
+    from conftest import run_worker
+
+    run_worker("norm_worker.py", 2)
+
+
+def test_fault10_resume_fingerprint_covers_what_the_data_is(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the same paths, other text. " * 400)
+    run = tmp_path / "run"
+    opts = ["data.source=files", f"data.paths=[{corpus}]", "checkpoint.every=3"]
+    train(run, *opts, nproc=1, steps=6, faults="kill@4", expect=-9)
+    corpus.write_text("changed under the same name! " * 400)
+    proc = train(run, *opts, nproc=1, steps=6, expect=2)
+    assert "data.identity" in proc.stderr and "cannot resume" in proc.stderr, proc.stderr
+
+
+def test_fault10_fetch_refuses_keys_outside_the_checkpoint(tmp_path: Path) -> None:
+    import fsspec
+
+    from dtlab.checkpoint.store import Tier
+    from dtlab.errors import CheckpointError
+
+    fs = fsspec.filesystem("memory")
+    fs.pipe_file("/tier-fetch/step-00000001/data", b"x")
+    fs.pipe_file("/tier-fetch/step-00000001/../../escape", b"x")
+    with pytest.raises(CheckpointError, match="outside the checkpoint"):
+        Tier("memory://tier-fetch", "durable").fetch(1, tmp_path / "into")
+    assert not (tmp_path / "escape").exists() and not (tmp_path.parent / "escape").exists()
+
+
+def test_fault10_metrics_say_when_a_step_is_trained_again(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    train(run, "checkpoint.every=3", "train.max_bad_steps=3", nproc=1, steps=10, faults="nan@7-9")
+    metrics = read_metrics(run)
+    steps = [m["step"] for m in metrics]
+    assert steps == [1, 2, 3, 4, 5, 6, 7, 8, 9, 7, 8, 9, 10]
+    assert [m.get("rollback") for m in metrics] == [None] * 9 + [1] * 4

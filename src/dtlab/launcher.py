@@ -10,11 +10,13 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 import uuid
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -56,10 +58,16 @@ def launch(
 
     # The elastic agent logs every restart and failure at length; the workers print their own errors.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    if spec.nnodes == 1 and spec.master_addr is None and spec.master_port is None:
-        # Single node: a c10d store on a free local port, like `torchrun --standalone`.
+    single_node = spec.nnodes == 1 and spec.master_addr is None and spec.master_port is None
+    backend, local_addr = "c10d", None
+    if single_node:
+        # Single node: like `torchrun --standalone`, but nothing listens beyond this machine: the
+        # stores on loopback, and gloo's sockets too unless the user chose an interface.
+        backend, local_addr = _register_loopback_rendezvous(), "127.0.0.1"
+        if Path("/sys/class/net/lo").exists():
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         endpoint, run_id, rdzv_configs = (
-            "localhost:0",
+            "127.0.0.1:0",
             f"dtlab-{uuid.uuid4().hex[:8]}",
             {"is_host": True},
         )
@@ -75,8 +83,9 @@ def launch(
         max_nodes=spec.nnodes,
         nproc_per_node=spec.nproc,
         run_id=run_id,
-        rdzv_backend="c10d",
+        rdzv_backend=backend,
         rdzv_endpoint=endpoint,
+        local_addr=local_addr,
         rdzv_configs=rdzv_configs,
         max_restarts=spec.max_restarts,
         monitor_interval=0.2,
@@ -124,6 +133,63 @@ def launch(
         )
         return 1
     return 0
+
+
+LOOPBACK_RENDEZVOUS = "dtlab-loopback"
+
+
+def _loopback_store() -> Any:
+    """A TCPStore server that listens on 127.0.0.1 only (TCPStore itself binds every interface)."""
+    import torch.distributed as dist
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1024)
+    port = sock.getsockname()[1]
+    return dist.TCPStore(
+        "127.0.0.1", port, is_master=True, multi_tenant=True, master_listen_fd=sock.detach()
+    )
+
+
+def _register_loopback_rendezvous() -> str:
+    """Register (once) the rendezvous of a single-node launch: torch's dynamic c10d rendezvous, with
+    its store and the store it shares with the workers on loopback."""
+    from torch.distributed.elastic.rendezvous import (
+        RendezvousParameters,
+        rendezvous_handler_registry,
+    )
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+        C10dRendezvousBackend,
+    )
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        DynamicRendezvousHandler,
+        RendezvousTimeout,
+    )
+
+    class LoopbackBackend(C10dRendezvousBackend):
+        @property
+        def name(self) -> str:
+            return LOOPBACK_RENDEZVOUS
+
+    class LoopbackHandler(DynamicRendezvousHandler):
+        def _create_tcp_store_server(self, master_addr: Any, master_port: Any) -> Any:
+            return _loopback_store()
+
+    def create(params: RendezvousParameters) -> LoopbackHandler:
+        store = _loopback_store()
+        return LoopbackHandler.from_backend(
+            run_id=params.run_id,
+            store=store,
+            backend=LoopbackBackend(store, params.run_id),
+            min_nodes=params.min_nodes,
+            max_nodes=params.max_nodes,
+            local_addr=params.local_addr,
+            timeout=RendezvousTimeout(join=timedelta(seconds=600)),
+        )
+
+    with contextlib.suppress(ValueError):  # already registered in this process
+        rendezvous_handler_registry.register(LOOPBACK_RENDEZVOUS, create)  # type: ignore[arg-type]
+    return LOOPBACK_RENDEZVOUS
 
 
 def _after_signal(sig: signal.Signals, marker: dict[str, Any] | None) -> int:

@@ -51,11 +51,21 @@ class Checkpointer:
     """Saves and restores ``TrainingParts`` in the run directory (and the durable tier, if set)."""
 
     def __init__(
-        self, config: Config, run_dir: Path, d: DistInfo, faults: Faults | None = None
+        self,
+        config: Config,
+        run_dir: Path,
+        d: DistInfo,
+        faults: Faults | None = None,
+        data_identity: str | None = None,
     ) -> None:
         c = config.checkpoint
         self.config, self.d, self.faults = config, d, faults or Faults()
         self.run_dir = run_dir
+        # What the samples are made of: part of the resume fingerprint (another Python's stdlib,
+        # changed files under the same paths: other samples).
+        self.fingerprint = resume_fingerprint(config) | (
+            {"data.identity": data_identity} if data_identity else {}
+        )
         # The run's identity: its directory. The durable tier keeps each run in a directory of its own.
         self.identity = str(run_dir.resolve())
         self.local = Tier(run_dir / "checkpoints", "local")
@@ -150,7 +160,7 @@ class Checkpointer:
             world_size=self.d.world_size,
             strategy=self.config.parallel.strategy,
             engine=self.config.train.engine,
-            resume_fingerprint=resume_fingerprint(self.config),
+            resume_fingerprint=self.fingerprint,
             run_dir=self.identity,
         )
         final = tmp.parent / step_name(step)
@@ -271,9 +281,7 @@ class Checkpointer:
             path = self._pick()
             if path is not None:
                 manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
-                conflicts = resume_conflicts(
-                    manifest["resume_fingerprint"], resume_fingerprint(self.config)
-                )
+                conflicts = resume_conflicts(manifest["resume_fingerprint"], self.fingerprint)
                 if conflicts:
                     raise CheckpointError(
                         f"cannot resume from '{path}': "

@@ -42,6 +42,8 @@ RESUME_KEYS = (
     "train.seed",
     "train.engine",
 )
+# Fingerprint entries that are not config keys: what the data source's samples are made of.
+DERIVED_KEYS = ("data.identity",)
 # Keys added after checkpoints were first written: a checkpoint without one had this value.
 RESUME_DEFAULTS = {"train.engine": "torch"}
 
@@ -70,9 +72,12 @@ def resume_conflicts(saved: dict[str, Any], current: dict[str, Any]) -> list[str
         value = tree.get(k)
         return RESUME_DEFAULTS.get(k) if value is None else value
 
+    # Derived entries (not config keys) count only where both sides have them: an older checkpoint
+    # that did not record one cannot be checked on it.
+    derived = [k for k in DERIVED_KEYS if k in saved and k in current]
     return [
         f"{k} = {get(saved, k)!r} in the checkpoint, {get(current, k)!r} now"
-        for k in RESUME_KEYS
+        for k in (*RESUME_KEYS, *derived)
         if get(saved, k) != get(current, k)
     ]
 

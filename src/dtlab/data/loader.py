@@ -75,17 +75,23 @@ class BatchLoader:
             out.append((t[:, :-1], t[:, 1:]))
         return out
 
-    def _worker(self, first: int) -> None:
-        assert self._queue is not None
+    def _worker(
+        self,
+        first: int,
+        out: queue.Queue[tuple[int, list[MicroBatch] | BaseException]],
+        stop: threading.Event,
+    ) -> None:
+        # Its own queue and stop flag, never the loader's current ones: a thread that was told to stop
+        # while it built a batch can never hand that batch to the thread that replaced it.
         step = first
-        while not self._stop.is_set():
+        while not stop.is_set():
             try:
                 item: list[MicroBatch] | BaseException = self.build_step(step)
             except BaseException as e:  # handed to the training thread, which re-raises it
                 item = e
-            while not self._stop.is_set():
+            while not stop.is_set():
                 try:
-                    self._queue.put((step, item), timeout=0.1)
+                    out.put((step, item), timeout=0.1)
                     break
                 except queue.Full:
                     continue
@@ -99,9 +105,12 @@ class BatchLoader:
             batch = self.build_step(self.next_step)
         else:
             if self._thread is None:
-                self._queue = queue.Queue(maxsize=self.prefetch)
+                self._queue, self._stop = queue.Queue(maxsize=self.prefetch), threading.Event()
                 self._thread = threading.Thread(
-                    target=self._worker, args=(self.next_step,), name="dtlab-data", daemon=True
+                    target=self._worker,
+                    args=(self.next_step, self._queue, self._stop),
+                    name="dtlab-data",
+                    daemon=True,
                 )
                 self._thread.start()
             assert self._queue is not None
@@ -130,9 +139,11 @@ class BatchLoader:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self._thread is not None:  # prefetched batches belong to the old position: drop them
-            self.close()
-            self._stop = threading.Event()
+        if self._thread is not None:
+            # Prefetched batches belong to the old position: drop them. The old thread may be in the
+            # middle of a batch; it stops after it, into its own queue (no need to wait for it).
+            self._stop.set()
+            self._thread, self._queue = None, None
         # Samples are indexed globally, so the position survives a change of world size or micro-batch.
         self.next_step = (
             int(state["next_step"]) * int(state["global_batch"]) // self.layout.global_batch

@@ -4,6 +4,7 @@ same samples, and a resumed run continue exactly where it stopped."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sysconfig
@@ -24,6 +25,12 @@ class SampleSource(Protocol):
 
     name: str
 
+    @property
+    def identity(self) -> str:
+        """What the samples are made of (for the resume check): two sources with the same identity
+        give the same samples."""
+        ...
+
     def sample(self, index: int) -> np.ndarray:
         """Tokens of sample ``index``: int64, shape [seq_len + 1] (inputs are [:-1], targets [1:])."""
         ...
@@ -37,6 +44,7 @@ class SyntheticSource:
     """
 
     name = "synthetic"
+    identity = "synthetic v1"
     branching = 4
 
     def __init__(self, seq_len: int, vocab_size: int, seed: int) -> None:
@@ -69,6 +77,16 @@ class TokenWindows:
             )
         self._epoch = -1
         self._perm = np.empty(0, dtype=np.int64)
+        self._identity: str | None = None
+
+    @property
+    def identity(self) -> str:
+        """The token stream's length and SHA-256: the stdlib corpus differs between Python versions,
+        and files can change under the same paths."""
+        if self._identity is None:
+            digest = hashlib.sha256(self.tokens.tobytes()).hexdigest()[:16]
+            self._identity = f"{self.name}: {len(self.tokens)} tokens, sha256 {digest}"
+        return self._identity
 
     def _permutation(self, epoch: int) -> np.ndarray:
         if epoch != self._epoch:

@@ -391,7 +391,7 @@ def _train_in(
     import torch  # the Checkpointer's DistInfo names a device; nothing of torch runs here
 
     d = DistInfo(rank, world, rank, world, torch.device("cpu"), None)
-    ckpt = Checkpointer(config, run_dir, d, faults)
+    ckpt = Checkpointer(config, run_dir, d, faults, data_identity=loader.source.identity)
     health = {"bad_steps": 0, "bad_in_a_row": 0}
 
     def choose() -> str | None:

@@ -47,7 +47,12 @@ from dtlab.parallel import (
 )
 from dtlab.parallel.dist import decide_on_rank0, reduce_scalar
 from dtlab.train.faults import Faults, Preempted, StopSignals
-from dtlab.train.optim import apply_hyperparameters, build_optimizer, grad_norm_
+from dtlab.train.optim import (
+    agree_local_norm,
+    apply_hyperparameters,
+    build_optimizer,
+    grad_norm_,
+)
 from dtlab.train.precision import LossScaler, autocast, check_cpu_half_precision
 from dtlab.train.rundir import (
     RunDirLock,
@@ -127,13 +132,10 @@ def train_step(
     params = [p for p in pm.module.parameters() if p.grad is not None]
     found_inf = scaler.unscale_(params)
     norm_t = grad_norm_(params, config.train.grad_clip)
-    nonfinite = not math.isfinite(norm_t.item())
-    if getattr(optimizer, "local_gradients", False) and dist.is_initialized():
-        # Each rank's own gradients (DeMo): the reported norm is the root mean square of the ranks'
-        # norms, and a step is bad when any rank's is not finite (counted: a MAX can drop a NaN).
-        t = torch.stack([norm_t.detach().float() ** 2, norm_t.new_tensor(float(nonfinite))])
-        dist.all_reduce(t)
-        norm_t, nonfinite = (t[0] / dist.get_world_size()).sqrt(), bool(t[1] > 0)
+    if getattr(optimizer, "local_gradients", False):
+        norm_t, nonfinite = agree_local_norm(norm_t)  # each rank's own gradients (DeMo)
+    else:
+        nonfinite = not math.isfinite(norm_t.item())
     norm = norm_t.item()
     # Loss and norm are global (all-reduced), so every rank takes the same decision.
     bad = not math.isfinite(global_loss) or (not scaler.enabled and nonfinite)
@@ -333,7 +335,7 @@ def _run(config: Config, d: DistInfo, run_dir: Path) -> dict[str, Any]:
         comm=getattr(optimizer, "local", None) or pm.compression,
         rank=d.rank,
     )
-    ckpt = Checkpointer(config, run_dir, d, faults)
+    ckpt = Checkpointer(config, run_dir, d, faults, data_identity=loader.source.identity)
     chosen = ckpt.choose()
     own = ckpt.own_step(chosen)
     decide_on_rank0(lambda: check_start(run_dir, chosen, own, config), d)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
@@ -55,6 +56,19 @@ def apply_hyperparameters(
         group["lr"] = lr_at(step, t)
     scheduler.base_lrs = [t.lr] * len(optimizer.param_groups)
     scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]  # type: ignore[attr-defined]
+
+
+def agree_local_norm(norm: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """For gradients that are each rank's own (DeMo): the root mean square of the ranks' norms (the
+    same on every rank) and whether any rank's norm is not finite (counted: a MAX can drop a NaN)."""
+    import torch.distributed as dist
+
+    nonfinite = not math.isfinite(norm.item())
+    if not dist.is_initialized():
+        return norm, nonfinite
+    t = torch.stack([norm.detach().float() ** 2, norm.new_tensor(float(nonfinite))])
+    dist.all_reduce(t)
+    return (t[0] / dist.get_world_size()).sqrt(), bool(t[1] > 0)
 
 
 def grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
