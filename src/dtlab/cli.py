@@ -241,7 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ls.add_argument("--submit", action="store_true", help="run sbatch and print the job id")
     lk.add_argument("--image", required=True, help="container image with dtlab installed")
-    lk.add_argument("--name", default=None, help="job name (default: from run.name)")
+    lk.add_argument(
+        "--name", default=None, help="job name, a DNS-1035 label (default: from run.name)"
+    )
     lk.add_argument("--namespace", default=None, help="Kubernetes namespace")
     lk.add_argument(
         "--pvc",
@@ -539,7 +541,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from dtlab.config import check_world, load_config
-    from dtlab.deploy import K8sJob, SlurmJob, slug, submit, write_k8s, write_slurm
+    from dtlab.deploy import K8sJob, SlurmJob, k8s_job_name, slug, submit, write_k8s, write_slurm
 
     config = load_config(args.config, args.overrides)
     check_world(config, args.nodes * args.nproc_per_node)
@@ -576,7 +578,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         memory=args.memory,
         max_restarts=args.max_restarts,
     )
-    name = args.name or slug(config.run.name, 50)
+    name = args.name or k8s_job_name(config.run.name, args.nodes)
     path = write_k8s(config, k8s, Path(args.out or f"{name}.yaml"), name)
     print(f"wrote {path}\napply with: kubectl apply -f {path}", file=sys.stderr)
     return 0
