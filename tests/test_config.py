@@ -139,6 +139,16 @@ def test_missing_and_broken_files(tmp_path: Path) -> None:
         load_config(scalar)
 
 
+def test_paths_the_os_refuses_are_config_errors(tmp_path: Path) -> None:
+    """Found by fuzzing: a 300-character CONFIG path raised OSError (File name too long)."""
+    with pytest.raises(ConfigError, match=r"config file 'x{50}.* cannot be read: .*too long"):
+        load_config("x" * 300)
+    with pytest.raises(ConfigError, match=r"has no config\.yaml"):
+        load_config(tmp_path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("a\0b.yaml")
+
+
 def test_world_checks() -> None:
     cfg = load_config(overrides=["train.global_batch_size=8"])
     with pytest.raises(ConfigError, match="'single' runs one process"):
@@ -289,6 +299,8 @@ def test_whole_floats_are_integers_and_integers_are_floats() -> None:
         ("checkpoint.durable_dir=''", "checkpoint.durable_dir = ''"),
         ("parallel.collective_timeout_s=1e12", "parallel.collective_timeout_s = 1000000000000.0"),
         ("model.preset=[a]", "model.preset = ['a'] is not a preset; allowed: debug"),
+        ("model.preset=[]", "model.preset = [] is not a preset"),  # fuzzing: TypeError unhashable
+        ("model.preset={}", "model.preset = {} is not a preset"),
         ("train=[1]", "train = [1]: not a section"),
     ],
 )  # fmt: skip
@@ -329,7 +341,23 @@ def test_duplicate_keys_are_errors(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["!!timestamp x", "!!bool maybe", "!!float abc", "!!int 1.5", "!!omap 5", "[" * 5000],
+    # Found by fuzzing: PyYAML's own constructors raised IndexError, ValueError, KeyError and
+    # AttributeError for these (empty or malformed tagged scalars), and RecursionError for deep nesting.
+    [
+        "!!int",
+        "!!float",
+        "!!bool",
+        "!!timestamp",
+        "!!int ;",
+        "!!float A",
+        "!!int :0",
+        "!!timestamp x",
+        "!!bool maybe",
+        "!!float abc",
+        "!!int 1.5",
+        "!!omap 5",
+        "[" * 5000,
+    ],
 )
 def test_unreadable_yaml_values_are_config_errors(text: str) -> None:
     with pytest.raises(ConfigError, match=r"--set train.lr: not valid YAML"):

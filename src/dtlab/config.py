@@ -753,15 +753,13 @@ def _construct_int(loader: _Loader, node: yaml.Node) -> int:
     base = {"0x": 16, "0o": 8}.get(digits[:2], 10)
     if base != 10:
         digits = digits[2:]
-    if not digits or len(digits) > 64:  # also keeps int() away from its 4300-digit limit
-        value = None
-    else:
-        try:
-            value = sign * int(digits, base)
-        except ValueError:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"{show(text)} is not an integer", node.start_mark
-            ) from None
+    try:
+        # The length check keeps int() away from its 4300-digit limit (a ValueError of its own).
+        value = sign * int(digits, base) if len(digits) <= 64 else None
+    except ValueError:
+        raise yaml.constructor.ConstructorError(
+            None, None, f"{show(text)} is not an integer", node.start_mark
+        ) from None
     if value is None or not -INT64_MAX - 1 <= value <= INT64_MAX:
         raise ValueRangeError(
             None,
@@ -812,6 +810,17 @@ def _construct_bool(loader: _Loader, node: yaml.Node) -> bool:
     return text.lower() == "true"
 
 
+def _construct_timestamp(loader: _Loader, node: yaml.Node) -> Any:
+    # Only an explicit `!!timestamp` gets here; PyYAML's constructor fails on a malformed one with an
+    # AttributeError.
+    try:
+        return loader.construct_yaml_timestamp(node)  # type: ignore[arg-type]
+    except (AttributeError, ValueError, TypeError):
+        raise yaml.constructor.ConstructorError(
+            None, None, f"{show(_scalar(loader, node))} is not a timestamp", node.start_mark
+        ) from None
+
+
 _Loader.yaml_implicit_resolvers = {}
 for _tag, _pattern, _first in (
     ("bool", _BOOL, "tTfF"),
@@ -824,6 +833,7 @@ for _tag, _pattern, _first in (
 _Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
 _Loader.add_constructor("tag:yaml.org,2002:float", _construct_float)
 _Loader.add_constructor("tag:yaml.org,2002:bool", _construct_bool)
+_Loader.add_constructor("tag:yaml.org,2002:timestamp", _construct_timestamp)
 
 
 class _Dumper(yaml.SafeDumper):

@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from dtlab import __version__
-from dtlab.config import Config
+from dtlab.config import Config, show
 from dtlab.errors import ConfigError, Preempted
 
 _SLURM_WORD = re.compile(r"^[A-Za-z0-9_.,:@+=/-]+$")
@@ -170,15 +170,26 @@ def slurm_script(script_path: Path, config_path: Path, job: SlurmJob, name: str)
     return "\n".join(lines)
 
 
+def _cannot_write(out: Path, e: OSError | ValueError) -> ConfigError:
+    reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+    return ConfigError(f"--out {show(str(out))}: cannot write the job file there: {reason}")
+
+
 def write_slurm(config: Config, job: SlurmJob, out: Path) -> tuple[Path, Path]:
     """Write the sbatch script and its resolved config; returns their paths."""
-    script_path, config_path = companion_paths(out)
+    try:
+        script_path, config_path = companion_paths(out)
+    except (OSError, ValueError) as e:  # a NUL in the path, a loop of links
+        raise _cannot_write(out, e) from None
     resolved = slurm_config(config, script_path.parent / "runs")
     text = slurm_script(script_path, config_path, job, config.run.name)
-    script_path.parent.mkdir(parents=True, exist_ok=True)
-    config_path.write_text(resolved.to_yaml())
-    script_path.write_text(text)
-    script_path.chmod(0o755)
+    try:
+        script_path.parent.mkdir(parents=True, exist_ok=True)
+        config_path.write_text(resolved.to_yaml())
+        script_path.write_text(text)
+        script_path.chmod(0o755)
+    except OSError as e:
+        raise _cannot_write(out, e) from None
     return script_path, config_path
 
 
@@ -364,7 +375,10 @@ def k8s_manifest(config: Config, job: K8sJob, name: str) -> str:
 def write_k8s(config: Config, job: K8sJob, out: Path, name: str | None = None) -> Path:
     """Write the manifest; returns its path."""
     text = k8s_manifest(config, job, name or k8s_job_name(config.run.name, job.nodes))
-    out = out.resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    return out
+    try:
+        path = out.resolve()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except (OSError, ValueError) as e:
+        raise _cannot_write(out, e) from None
+    return path
