@@ -279,7 +279,7 @@ def test_whole_floats_are_integers_and_integers_are_floats() -> None:
     assert cfg.train.global_batch_size == 16 and type(cfg.train.global_batch_size) is int
     assert cfg.train.lr == 1.0 and type(cfg.train.lr) is float
     assert load_config(overrides=["train.steps=1e6"]).train.steps == 1_000_000
-    with pytest.raises(ConfigError, match=r"train.seed = 1e\+20: a float above 2\*\*53"):
+    with pytest.raises(ConfigError, match=r"train.seed = 1e\+20: a float beyond 2\*\*53"):
         load_config(overrides=["train.seed=1e20"])  # 1e20 as a float is not exactly 10**20
 
 

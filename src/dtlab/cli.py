@@ -637,14 +637,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Parse the command line. ``--set`` takes every following word, so in ``dtlab train --set
     train.steps=3 configs/ddp.yaml`` it takes CONFIG too: a word without ``=`` is never an override,
-    so one such word is CONFIG when CONFIG was not given before ``--set``; anything else is an error."""
+    so one such word that names a file or directory is CONFIG when CONFIG was not given before
+    ``--set``; anything else is an error."""
     parser = build_parser()
     args = parser.parse_args(argv)
     overrides = getattr(args, "overrides", None) or []
     words = [i for i, word in enumerate(overrides) if "=" not in word]
     if words and hasattr(args, "config"):
         if args.config is None and len(words) == 1:
-            args.config = overrides[words[0]]
+            word = overrides[words[0]]
+            if not os.path.exists(word):
+                parser.error(
+                    f"--set {word!r}: expected KEY=VALUE, e.g. train.lr=1e-4 (nor is there a file "
+                    f"{word!r} to read as CONFIG)"
+                )
+            args.config = word
             args.overrides = [w for i, w in enumerate(overrides) if i != words[0]]
         else:
             given = ", ".join(repr(overrides[i]) for i in words)

@@ -12,6 +12,7 @@ import re
 import types
 import unicodedata
 from collections.abc import Iterable
+from itertools import islice
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
@@ -128,12 +129,12 @@ def _coerce(value: Any, annotation: Any, allowed: str) -> Any:
                 raise _bad(f"not a whole number; allowed: {allowed}")
             if abs(value) > EXACT_FLOAT_INT:
                 raise _bad(
-                    f"a float above 2**53 does not hold every integer; allowed: {allowed}, "
+                    f"a float beyond 2**53 does not hold every integer; allowed: {allowed}, "
                     "written with digits only"
                 )
             value = int(value)
         if abs(value) > INT64_MAX:
-            raise _bad(f"outside the 64-bit range; allowed: {allowed} and < 2**63")
+            raise _bad(f"outside the 64-bit range (-2**63 < value < 2**63); allowed: {allowed}")
         return value
     if annotation is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
@@ -190,7 +191,7 @@ def show(value: Any, depth: int = 0) -> str:
         items = [show(x, depth + 1) for x in value[:6]]
         return "[" + ", ".join(items) + (", ..." if len(value) > 6 else "") + "]"
     if isinstance(value, dict):
-        pairs = [f"{show(k, depth + 1)}: {show(v, depth + 1)}" for k, v in list(value.items())[:6]]
+        pairs = [f"{show(k, depth + 1)}: {show(v, depth + 1)}" for k, v in islice(value.items(), 6)]
         return "{" + ", ".join(pairs) + (", ..." if len(value) > 6 else "") + "}"
     return f"<{type(value).__name__}>"
 
@@ -282,14 +283,6 @@ class DataConfig(_Section):
         description="For source=files: text (.txt, .md, ...), .jsonl or .parquet files or directories.",
     )
 
-    @field_validator("paths")
-    @classmethod
-    def _paths_not_empty(cls, paths: list[str]) -> list[str]:
-        for i, path in enumerate(paths):
-            if not path:
-                raise _bad(f"item {i} is an empty string; allowed: paths of files or directories")
-        return paths
-
     text_key: str = Field(
         "text", min_length=1, description="Field that holds the text in jsonl/parquet records."
     )
@@ -304,6 +297,14 @@ class DataConfig(_Section):
         ge=0,
         description="Optimizer steps of batches prepared ahead in a background thread; 0 = inline.",
     )
+
+    @field_validator("paths")
+    @classmethod
+    def _paths_not_empty(cls, paths: list[str]) -> list[str]:
+        for i, path in enumerate(paths):
+            if not path:
+                raise _bad(f"item {i} is an empty string; allowed: paths of files or directories")
+        return paths
 
 
 class DemoOptions(_Section):
