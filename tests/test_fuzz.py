@@ -458,6 +458,7 @@ def test_config_after_set_is_config(tmp_path: Path, capsys: pytest.CaptureFixtur
         (["launch", "k8s", "--image", "x", "--out", "/proc/nope/j.yaml"], "cannot write the job"),
         (["launch", "slurm", "--out", "x" * 300], "File name too long"),
         (["export", "x" * 300, "--format", "hf", "--out", "o"], "File name too long"),
+        (["export", "a\0b", "--format", "hf", "--out", "o"], "cannot hold a NUL character"),
         (["config", "x" * 300], "cannot be read"),
         (["plan", "--device-memory", "nan"], "allowed: a finite number > 0"),
         (["plan", "--device-memory", "inf"], "allowed: a finite number > 0"),

@@ -596,11 +596,15 @@ def cmd_export(args: argparse.Namespace) -> int:
     def warn(message: str) -> None:
         print(f"warning: {message}", file=sys.stderr, flush=True)
 
+    for flag, path in (("RUN_DIR_OR_CHECKPOINT", args.source), ("--out", args.out)):
+        if "\0" in path:
+            raise DtlabError(f"{flag} {show(path)}: a path cannot hold a NUL character")
     try:
         ckpt, out = export_checkpoint(args.source, args.out, args.fmt, force=args.force, warn=warn)
-    except (OSError, ValueError) as e:  # a path the OS refuses: too long, a NUL, no permission
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        raise DtlabError(f"export {show(args.source)} to {show(args.out)}: {reason}") from None
+    except OSError as e:  # a path the OS refuses: too long, no permission, a file where a dir goes
+        raise DtlabError(
+            f"export {show(args.source)} to {show(args.out)}: {e.strerror or e}"
+        ) from None
     print(f"exported checkpoint '{ckpt}' as {args.fmt}", file=sys.stderr)
     print(out)
     return 0
