@@ -6,8 +6,10 @@ one on localhost; CI does). With DTLAB_REQUIRE_SLURM=1 a missing cluster fails i
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import re
 import shutil
 import socket
 import stat
@@ -21,6 +23,9 @@ import pytest
 import yaml
 
 from conftest import FAST, cli_env, read_metrics, run_cli, train_run
+from dtlab.cli import main as cli_main
+from dtlab.config import check_world, config_from_dict
+from pytorchjob_rules import Rejected, check_job
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_SH = ROOT / "deploy" / "run.sh"
@@ -124,6 +129,13 @@ def _k8s(tmp_path: Path, *args: str) -> list[dict[str, Any]]:
     return list(yaml.safe_load_all(out.read_text()))
 
 
+def _k8s_here(tmp_path: Path, *args: str) -> list[dict[str, Any]]:
+    """``dtlab launch k8s`` in this process (the same parser and checks, without a Python start)."""
+    out = tmp_path / "job.yaml"
+    assert cli_main(["launch", "k8s", *args, "--out", str(out)]) == 0
+    return list(yaml.safe_load_all(out.read_text()))
+
+
 def test_k8s_manifest_structure(tmp_path: Path) -> None:
     docs = _k8s(
         tmp_path, "--nodes", "3", "--nproc-per-node", "8", "--gpus-per-node", "8",
@@ -143,20 +155,93 @@ def test_k8s_manifest_structure(tmp_path: Path) -> None:
         "rdzvBackend": "c10d", "minReplicas": 3, "maxReplicas": 3, "maxRestarts": 3,
     }  # fmt: skip
     replicas = spec["pytorchReplicaSpecs"]
-    assert replicas["Master"]["replicas"] == 1 and replicas["Worker"]["replicas"] == 2
-    for r in replicas.values():
-        pod = r["template"]["spec"]
-        (c,) = pod["containers"]
-        assert c["name"] == "pytorch" and c["image"] == "registry.example/dtlab:1"
-        assert c["command"][:3] == ["python", "-m", "torch.distributed.run"]
-        assert c["command"][-3:] == ["dtlab", "train", "/etc/dtlab/config.yaml"]
-        assert c["resources"]["limits"] == {"nvidia.com/gpu": 8}
-        assert c["resources"]["requests"] == {"memory": "64Gi"}
-        volumes = {v["name"]: v for v in pod["volumes"]}
-        assert volumes["config"]["configMap"]["name"] == "big-run-config"
-        assert volumes["runs"]["persistentVolumeClaim"]["claimName"] == "big-run-runs"
-        mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
-        assert mounts["config"] == "/etc/dtlab" and mounts["runs"] == "/runs"
+    assert list(replicas) == ["Worker"] and replicas["Worker"]["replicas"] == 3
+    pod = replicas["Worker"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["name"] == "pytorch" and c["image"] == "registry.example/dtlab:1"
+    assert c["command"][:3] == ["python", "-m", "torch.distributed.run"]
+    assert c["command"][-3:] == ["dtlab", "train", "/etc/dtlab/config.yaml"]
+    assert c["ports"] == [{"name": "pytorchjob-port", "containerPort": 23456}]
+    assert c["resources"]["limits"] == {"nvidia.com/gpu": 8}
+    assert c["resources"]["requests"] == {"memory": "64Gi"}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["config"]["configMap"]["name"] == "big-run-config"
+    assert volumes["runs"]["persistentVolumeClaim"]["claimName"] == "big-run-runs"
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert mounts["config"] == "/etc/dtlab" and mounts["runs"] == "/runs"
+
+
+@pytest.mark.parametrize(
+    ("nodes", "nproc"), [(1, 1), (1, 4), (2, 1), (2, 8), (3, 2), (8, 8), (100, 1)]
+)
+def test_k8s_manifests_meet_the_operators_rules(tmp_path: Path, nodes: int, nproc: int) -> None:
+    """For every node count, the operator admits the job, and every pod's torchrun meets the others at
+    one c10d rendezvous on a pod that exists, with the world size the config was checked for."""
+    world = nodes * nproc
+    docs = _k8s_here(
+        tmp_path, "--nodes", str(nodes), "--nproc-per-node", str(nproc), "--image", "dtlab:cpu",
+        "--set", "parallel.strategy=ddp", f"train.global_batch_size={world * 2}",
+    )  # fmt: skip
+    pods = check_job(docs, nodes, nproc)
+    assert [p.name for p in pods] == [f"dtlab-worker-{i}" for i in range(nodes)]
+    assert {p.torchrun["rdzv_endpoint"] for p in pods} == {"dtlab-worker-0:23456"}
+    assert all(p.torchrun["nnodes"] == f"{nodes}:{nodes}" for p in pods)
+    assert all(
+        "MASTER_ADDR" not in p.env and "RANK" not in p.env for p in pods
+    )  # c10d numbers ranks
+    config = config_from_dict(yaml.safe_load(docs[0]["data"]["config.yaml"]))
+    check_world(config, world)
+
+
+def test_the_rules_reject_what_the_operator_rejects(tmp_path: Path) -> None:
+    """The model of the operator fails where the operator (or torchrun) does: each change below to a
+    good manifest is refused for the reason the operator gives."""
+    good = _k8s_here(
+        tmp_path, "--nodes", "2", "--image", "dtlab:cpu", "--set", "parallel.strategy=ddp"
+    )
+    check_job(good, 2, 1)
+
+    def broken(change: Any) -> list[dict[str, Any]]:
+        docs = copy.deepcopy(good)
+        change(docs[-1])
+        return docs
+
+    def worker(job: dict[str, Any]) -> dict[str, Any]:
+        return job["spec"]["pytorchReplicaSpecs"]["Worker"]
+
+    def container(job: dict[str, Any]) -> dict[str, Any]:
+        return worker(job)["template"]["spec"]["containers"][0]
+
+    def flag_then_value(job: dict[str, Any]) -> None:
+        container(job)["command"][3:3] = ["--nproc-per-node", "auto"]
+
+    def master_only(job: dict[str, Any]) -> None:  # what dtlab wrote for one node before
+        job["spec"]["pytorchReplicaSpecs"] = {"Master": {**worker(job), "replicas": 1}}
+
+    cases = [
+        (master_only, "Worker] must be configured if elastic policy is used"),
+        (lambda j: worker(j).update(replicas=3), "nnodes 2:2 for 3 pods"),
+        (flag_then_value, "nproc_per_node 'auto'"),
+        (lambda j: j["spec"].pop("nprocPerNode"), "nproc_per_node 'auto'"),
+        (lambda j: container(j).update(name="main"), "container named 'pytorch'"),
+        (lambda j: container(j)["command"].insert(3, "--nnodes=1"), "nnodes 1 for 2 pods"),
+        (
+            lambda j: container(j)["command"].insert(3, "--rdzv-backend=c10d"),
+            None,
+        ),  # the same value
+        (lambda j: container(j).setdefault("args", []).extend(["--nproc-per-node", "9"]), None),
+        (lambda j: j["spec"]["elasticPolicy"].update(rdzvHost="head"), "'head' is not a pod"),
+        (lambda j: j["spec"]["elasticPolicy"].update(rdzvPort=29400), "port 29400 is not a port"),
+        (lambda j: j["spec"]["elasticPolicy"].update(rdzvBackend="etcd"), "backend 'etcd'"),
+        (lambda j: j["metadata"].update(name="2024-run"), "not a DNS-1035 label"),
+        (lambda j: j["metadata"].update(name="r" * 55), "is not a DNS-1035 label"),
+    ]
+    for change, reason in cases:
+        if reason is None:  # harmless changes pass
+            check_job(broken(change), 2, 1)
+            continue
+        with pytest.raises(Rejected, match=re.escape(reason)):
+            check_job(broken(change), 2, 1)
 
 
 def test_k8s_single_node_existing_claim(tmp_path: Path) -> None:
@@ -164,27 +249,101 @@ def test_k8s_single_node_existing_claim(tmp_path: Path) -> None:
     assert [d["kind"] for d in docs] == ["ConfigMap", "PyTorchJob"]
     job = docs[-1]
     assert job["metadata"]["namespace"] == "ml"
-    assert list(job["spec"]["pytorchReplicaSpecs"]) == ["Master"]
-    pod = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    assert list(job["spec"]["pytorchReplicaSpecs"]) == ["Worker"]  # elastic jobs need a Worker
+    pod = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
     claims = [
         v["persistentVolumeClaim"]["claimName"]
         for v in pod["volumes"]
         if "persistentVolumeClaim" in v
     ]
     assert claims == ["shared-runs"]
+    check_job(docs, 1, 1)
+
+
+@pytest.mark.parametrize(
+    ("run_name", "nodes", "job_name"),
+    [
+        ("2024 sweep", 1, "dtlab-2024-sweep"),  # a DNS-1035 label starts with a letter
+        ("Big_Run!", 1, "big-run"),
+        ("x" * 100, 1, "x" * 54),  # <name>-worker-0 is at most 63 characters
+        ("x" * 100, 10, "x" * 54),
+        ("x" * 100, 11, "x" * 53),  # ... and <name>-worker-10 too
+        ('"---"', 1, "dtlab"),  # quoted: a bare --- is a YAML document marker
+    ],
+)
+def test_k8s_default_name_is_a_valid_job_name(
+    tmp_path: Path, run_name: str, nodes: int, job_name: str
+) -> None:
+    docs = _k8s_here(
+        tmp_path, "--nodes", str(nodes), "--image", "dtlab:cpu",
+        "--set", f"run.name={run_name}", "parallel.strategy=ddp", "train.global_batch_size=660",
+    )  # fmt: skip
+    assert docs[-1]["metadata"]["name"] == job_name
+    check_job(docs, nodes, 1)
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_k8s_pods_rendezvous_and_train_with_the_operators_env(tmp_path: Path, nodes: int) -> None:
+    """Run each pod's command as written, with the environment the operator would give it and the
+    rendezvous host mapped to loopback (there is no cluster DNS here): the pods meet and train."""
+    docs = _k8s_here(
+        tmp_path, "--nodes", str(nodes), "--image", "dtlab:cpu",
+        "--set", *FAST, "parallel.strategy=ddp", "train.steps=3",
+    )  # fmt: skip
+    pods = check_job(docs, nodes, 1)
+    config = yaml.safe_load(docs[0]["data"]["config.yaml"])
+    run_dir = tmp_path / "runs" / "dtlab"
+    config["run"]["dir"] = str(run_dir)
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump(config))
+    port = str(_free_port())
+    procs = []
+    for pod in pods:
+        command = [sys.executable, *pod.container["command"][1:]]
+        assert command[-1] == "/etc/dtlab/config.yaml"
+        command[-1] = str(config_file)
+        env = {**pod.env, "PET_RDZV_ENDPOINT": f"127.0.0.1:{port}"}
+        procs.append(
+            subprocess.Popen(
+                command,
+                env=cli_env(env),
+                cwd=tmp_path,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+        )
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0] * nodes, "\n".join(outs)
+    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3]
+    assert json.loads((run_dir / "summary.json").read_text())["world_size"] == nodes
 
 
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
         (["--image", "dtlab", "--name", "Bad_Name"], "--name: 'Bad_Name' is not valid"),
+        (["--image", "dtlab", "--name", "1job"], "starting with a letter (a DNS-1035 label)"),
+        (
+            [
+                "--image",
+                "dtlab",
+                "--nodes",
+                "11",
+                "--name",
+                "n" * 54,
+                "--set",
+                "train.global_batch_size=66",
+            ],
+            "is 54 characters; allowed: at most 53 with --nodes 11",
+        ),
         (["--image", "dtlab x"], "--image: 'dtlab x' is not valid"),
         (["--image", "dtlab", "--memory", "lots"], "--memory: 'lots' is not valid"),
         ([], "--image"),
     ],
 )
 def test_bad_k8s_values_are_clear_errors(tmp_path: Path, args: list[str], needle: str) -> None:
-    proc = run_cli("launch", "k8s", *args, cwd=tmp_path)
+    proc = run_cli("launch", "k8s", *args, "--set", "parallel.strategy=ddp", cwd=tmp_path)
     assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
     assert not list(tmp_path.iterdir())
@@ -341,7 +500,7 @@ def test_checked_in_examples_are_valid() -> None:
     )
     docs = list(yaml.safe_load_all((ROOT / "deploy" / "k8s" / "demo.yaml").read_text()))
     assert [d["kind"] for d in docs] == ["ConfigMap", "PersistentVolumeClaim", "PyTorchJob"]
-    from dtlab.config import config_from_dict
+    check_job(docs, nodes=2, nproc=2)  # what its header says it was written for
 
     # The configs inside validate against today's schema.
     config_from_dict(yaml.safe_load(docs[0]["data"]["config.yaml"]))

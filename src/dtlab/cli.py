@@ -41,24 +41,27 @@ next to DIR and renamed into place at the end, so a failed export leaves nothing
 """
 
 
-def _positive(text: str) -> int:
+# Counts, ranks and steps on the command line fit 32 bits, as they do in torch's launcher; a product of
+# two of them (the world size) then still fits the config's 64-bit integers.
+_INT_FLAG_MAX = 2**31 - 1
+
+
+def _int_flag(text: str, low: int, allowed: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {allowed}, got {text!r}") from None
+    if not low <= value <= _INT_FLAG_MAX:
+        raise argparse.ArgumentTypeError(f"expected {allowed}, got {value}")
     return value
+
+
+def _positive(text: str) -> int:
+    return _int_flag(text, 1, f"an integer from 1 to {_INT_FLAG_MAX}")
 
 
 def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+    return _int_flag(text, 0, f"an integer from 0 to {_INT_FLAG_MAX}")
 
 
 # Kept here so that --help needs no torch import; dtlab.analysis.devices.PROFILES has the same keys.
@@ -241,7 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ls.add_argument("--submit", action="store_true", help="run sbatch and print the job id")
     lk.add_argument("--image", required=True, help="container image with dtlab installed")
-    lk.add_argument("--name", default=None, help="job name (default: from run.name)")
+    lk.add_argument(
+        "--name", default=None, help="job name, a DNS-1035 label (default: from run.name)"
+    )
     lk.add_argument("--namespace", default=None, help="Kubernetes namespace")
     lk.add_argument(
         "--pvc",
@@ -432,8 +437,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise DtlabError(
             f"--device {args.device!r} is not known; allowed: {', '.join(DEVICE_KEYS)}, this"
         )
-    if args.device_memory is not None and args.device_memory <= 0:
-        raise DtlabError(f"--device-memory {args.device_memory} must be > 0 (GiB)")
+    if args.device_memory is not None and not 0 < args.device_memory < float("inf"):
+        raise DtlabError(
+            f"--device-memory {args.device_memory}: allowed: a finite number > 0 (GiB)"
+        )
     result = plan(config, args.nproc, args.nnodes, device, args.device_memory)
     print(json.dumps(result, indent=2) if args.json else format_plan(result))
     return 0
@@ -543,7 +550,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from dtlab.config import check_world, load_config
-    from dtlab.deploy import K8sJob, SlurmJob, slug, submit, write_k8s, write_slurm
+    from dtlab.deploy import K8sJob, SlurmJob, k8s_job_name, slug, submit, write_k8s, write_slurm
 
     config = load_config(args.config, args.overrides)
     check_world(config, args.nodes * args.nproc_per_node)
@@ -580,7 +587,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         memory=args.memory,
         max_restarts=args.max_restarts,
     )
-    name = args.name or slug(config.run.name, 50)
+    name = args.name or k8s_job_name(config.run.name, args.nodes)
     path = write_k8s(config, k8s, Path(args.out or f"{name}.yaml"), name)
     print(f"wrote {path}\napply with: kubectl apply -f {path}", file=sys.stderr)
     return 0
@@ -588,11 +595,20 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from dtlab.checkpoint.export import export_checkpoint
+    from dtlab.config import show
 
     def warn(message: str) -> None:
         print(f"warning: {message}", file=sys.stderr, flush=True)
 
-    ckpt, out = export_checkpoint(args.source, args.out, args.fmt, force=args.force, warn=warn)
+    for flag, path in (("RUN_DIR_OR_CHECKPOINT", args.source), ("--out", args.out)):
+        if "\0" in path:
+            raise DtlabError(f"{flag} {show(path)}: a path cannot hold a NUL character")
+    try:
+        ckpt, out = export_checkpoint(args.source, args.out, args.fmt, force=args.force, warn=warn)
+    except OSError as e:  # a path the OS refuses: too long, no permission, a file where a dir goes
+        raise DtlabError(
+            f"export {show(args.source)} to {show(args.out)}: {e.strerror or e}"
+        ) from None
     print(f"exported checkpoint '{ckpt}' as {args.fmt}", file=sys.stderr)
     print(out)
     return 0
@@ -626,8 +642,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse the command line. ``--set`` takes every following word, so in ``dtlab train --set
+    train.steps=3 configs/ddp.yaml`` it takes CONFIG too: a word without ``=`` is never an override,
+    so one such word that names a file or directory is CONFIG when CONFIG was not given before
+    ``--set``; anything else is an error."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    overrides = getattr(args, "overrides", None) or []
+    words = [i for i, word in enumerate(overrides) if "=" not in word]
+    if words and hasattr(args, "config"):
+        if args.config is None and len(words) == 1:
+            word = overrides[words[0]]
+            if not os.path.exists(word):
+                parser.error(
+                    f"--set {word!r}: expected KEY=VALUE, e.g. train.lr=1e-4 (nor is there a file "
+                    f"{word!r} to read as CONFIG)"
+                )
+            args.config = word
+            args.overrides = [w for i, w in enumerate(overrides) if i != words[0]]
+        else:
+            given = ", ".join(repr(overrides[i]) for i in words)
+            if args.config is not None:
+                why = f"{given} is not one, and CONFIG is already {args.config!r}"
+            else:
+                why = f"{given} are not, and only one CONFIG may follow the --set list"
+            parser.error(f"--set takes KEY=VALUE words; {why}")
+    return args
+
+
 def _main(argv: Sequence[str] | None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     handlers = {
         "train": cmd_train,
         "config": cmd_config,

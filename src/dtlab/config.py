@@ -7,13 +7,27 @@ also need the world size), so there is one place to read what is allowed.
 
 from __future__ import annotations
 
+import math
 import re
+import types
+import unicodedata
 from collections.abc import Iterable
+from itertools import islice
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Union, get_args, get_origin
 
+import annotated_types
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from dtlab.errors import ConfigError
 from dtlab.models.presets import PRESETS
@@ -21,9 +35,178 @@ from dtlab.models.presets import PRESETS
 # Vocabulary size of each tokenizer; the model's vocab_size must cover it.
 TOKENIZER_VOCAB = {"bytes": 256}
 
+# Integers are 64-bit wherever they end up (torch tensors, seeds, step counters).
+INT64_MAX = 2**63 - 1
+# A float stands for an integer only up to 2**53: above it, neighbouring integers share one float.
+EXACT_FLOAT_INT = 2**53
+# run.name becomes runs/<name>-<YYYYmmdd-HHMMSS>[-<n>]: 200 bytes leave room for the 16-byte timestamp
+# and a suffix under NAME_MAX (255 bytes on Linux, macOS and Windows file systems).
+RUN_NAME_MAX_BYTES = 200
+NAME_MAX_BYTES = 255
+
+
+def _bad(message: str) -> PydanticCustomError:
+    # The message travels as context so that braces in it are never read as a template.
+    return PydanticCustomError("dtlab_value", "{message}", {"message": message})
+
+
+def _kind(value: Any) -> str:
+    """What a YAML value is, in YAML's words."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list | tuple):
+        return "a list"
+    if isinstance(value, dict):
+        return "a mapping"
+    return f"a {type(value).__name__}"
+
+
+def _allowed(annotation: Any, metadata: list[Any]) -> str:
+    """What a field accepts, in words: 'an integer >= 1', 'true or false', ..."""
+    args = get_args(annotation)
+    if get_origin(annotation) in (Union, types.UnionType) and type(None) in args:
+        (inner,) = [a for a in args if a is not type(None)]
+        return f"{_allowed(inner, metadata)}, or null"
+    bounds = []
+    for m in metadata:
+        for attr, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+            if getattr(m, attr, None) is not None:
+                bounds.append(f"{op} {getattr(m, attr)}")
+    bound = (" " + " and ".join(bounds)) if bounds else ""
+    if annotation is int:
+        return f"an integer{bound}"
+    if annotation is float:
+        return f"a finite number{bound}"
+    if annotation is bool:
+        return "true or false"
+    if annotation is str:
+        return (
+            "a non-empty string"
+            if any(isinstance(m, annotated_types.MinLen) for m in metadata)
+            else "a string"
+        )
+    if get_origin(annotation) is list:
+        return "a list of strings, e.g. [a.txt, data/]"
+    if get_origin(annotation) is tuple:
+        return f"a list of {len(args)} numbers, e.g. [0.9, 0.95]"
+    return "see dtlab config --keys"
+
+
+def _check_text(value: str, allowed: str) -> str:
+    if "\0" in value:
+        raise _bad(f"a NUL character is not allowed; allowed: {allowed} without NUL characters")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _bad(f"not valid Unicode text; allowed: {allowed}") from None
+    return value
+
+
+def _coerce(value: Any, annotation: Any, allowed: str) -> Any:
+    """Check the kind of ``value`` against a field's type: a bool is not a number, a number is not a
+    bool or a string, a float is an integer only when it is a whole number. Returns the value to keep."""
+    args = get_args(annotation)
+    if get_origin(annotation) in (Union, types.UnionType) and type(None) in args:
+        if value is None:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(value, inner, allowed)
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        raise _bad(f"{_kind(value)} is not a boolean; allowed: {allowed}")
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise _bad(f"{_kind(value)} is not an integer; allowed: {allowed}")
+        if isinstance(value, float):
+            if not math.isfinite(value) or not value.is_integer():
+                raise _bad(f"not a whole number; allowed: {allowed}")
+            if abs(value) > EXACT_FLOAT_INT:
+                raise _bad(
+                    f"a float beyond 2**53 does not hold every integer; allowed: {allowed}, "
+                    "written with digits only"
+                )
+            value = int(value)
+        if abs(value) > INT64_MAX:
+            raise _bad(f"outside the 64-bit range (-2**63 < value < 2**63); allowed: {allowed}")
+        return value
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise _bad(f"{_kind(value)} is not a number; allowed: {allowed}")
+        try:
+            number = float(value)
+        except OverflowError:
+            number = math.inf
+        if not math.isfinite(number):
+            raise _bad(f"not a finite number; allowed: {allowed}")
+        return number
+    if annotation is str:
+        if not isinstance(value, str):
+            scalar = isinstance(value, bool | int | float)
+            hint = f' (in quotes it stays text: "{show(value)}")' if scalar else ""
+            raise _bad(f"{_kind(value)} is not a string; allowed: {allowed}{hint}")
+        return _check_text(value, allowed)
+    if get_origin(annotation) is list:
+        if not isinstance(value, list):
+            raise _bad(f"{_kind(value)} is not a list; allowed: {allowed}")
+        return [_item(i, x, args[0], allowed) for i, x in enumerate(value)]
+    if get_origin(annotation) is tuple:
+        if not isinstance(value, list | tuple) or len(value) != len(args):
+            what = f"{len(value)} items" if isinstance(value, list | tuple) else _kind(value)
+            raise _bad(f"{what}; allowed: {allowed}")
+        return tuple(
+            _item(i, x, t, allowed) for i, (x, t) in enumerate(zip(value, args, strict=True))
+        )
+    return value
+
+
+def _item(index: int, value: Any, annotation: Any, allowed: str) -> Any:
+    try:
+        return _coerce(value, annotation, allowed)
+    except PydanticCustomError as e:
+        raise _bad(f"item {index}: {e.context['message'] if e.context else e}") from None
+
+
+def show(value: Any, depth: int = 0) -> str:
+    """A short YAML-like rendering of a value for error messages (bounded for any input)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return repr(value) if value.bit_length() <= 256 else f"<a {value.bit_length()}-bit integer>"
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, str):
+        return repr(value) if len(value) <= 60 else repr(value[:57]) + "..."
+    if depth >= 2:
+        return "..."
+    if isinstance(value, list | tuple):
+        items = [show(x, depth + 1) for x in value[:6]]
+        return "[" + ", ".join(items) + (", ..." if len(value) > 6 else "") + "]"
+    if isinstance(value, dict):
+        pairs = [f"{show(k, depth + 1)}: {show(v, depth + 1)}" for k, v in islice(value.items(), 6)]
+        return "{" + ", ".join(pairs) + (", ..." if len(value) > 6 else "") + "}"
+    return f"<{type(value).__name__}>"
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _strict_kinds(cls, value: Any, info: ValidationInfo) -> Any:
+        # Pydantic's lax mode reads true as 1, 1 as true, "5" as 5 and 1e-400 (= 0.0) as the integer 0;
+        # a config that says something else than the user meant must fail instead.
+        assert info.field_name is not None
+        field = cls.model_fields[info.field_name]
+        return _coerce(value, field.annotation, _allowed(field.annotation, field.metadata))
 
 
 class ModelConfig(_Section):
@@ -69,9 +252,10 @@ class ModelConfig(_Section):
                     f"model.preset is null, so these keys are required: {', '.join(missing)}"
                 )
             return data
-        if preset not in PRESETS:
+        if not isinstance(preset, str) or preset not in PRESETS:
             raise ValueError(
-                f"model.preset = {preset!r} is not a preset; allowed: {', '.join(PRESETS)}"
+                f"model.preset = {show(preset)} is not a preset; allowed: {', '.join(PRESETS)}, "
+                "or null"
             )
         return {**PRESETS[preset], **data}
 
@@ -98,7 +282,10 @@ class DataConfig(_Section):
         default_factory=list,
         description="For source=files: text (.txt, .md, ...), .jsonl or .parquet files or directories.",
     )
-    text_key: str = Field("text", description="Field that holds the text in jsonl/parquet records.")
+
+    text_key: str = Field(
+        "text", min_length=1, description="Field that holds the text in jsonl/parquet records."
+    )
     seq_len: int | None = Field(
         None, ge=1, description="Tokens per training sample; null = model.max_seq_len."
     )
@@ -110,6 +297,14 @@ class DataConfig(_Section):
         ge=0,
         description="Optimizer steps of batches prepared ahead in a background thread; 0 = inline.",
     )
+
+    @field_validator("paths")
+    @classmethod
+    def _paths_not_empty(cls, paths: list[str]) -> list[str]:
+        for i, path in enumerate(paths):
+            if not path:
+                raise _bad(f"item {i} is an empty string; allowed: paths of files or directories")
+        return paths
 
 
 class DemoOptions(_Section):
@@ -252,6 +447,7 @@ class ParallelConfig(_Section):
     collective_timeout_s: float = Field(
         600.0,
         gt=0,
+        le=365 * 86400,
         description="A collective that takes longer fails the run naming the rank (a dead peer or a "
         "hung ring) instead of hanging it.",
     )
@@ -271,6 +467,7 @@ class CheckpointConfig(_Section):
     )
     durable_dir: str | None = Field(
         None,
+        min_length=1,
         description="Durable tier: a path or fsspec URL that also receives checkpoints; null = off.",
     )
     durable_every: int = Field(
@@ -284,8 +481,15 @@ class CheckpointConfig(_Section):
 class RunConfig(_Section):
     """Where a run writes and how it reports."""
 
-    dir: str | None = Field(None, description="Run directory; null = runs/<name>-<timestamp>.")
-    name: str = Field("dtlab", min_length=1, description="Run name.")
+    dir: str | None = Field(
+        None, min_length=1, description="Run directory; null = runs/<name>-<timestamp>."
+    )
+    name: str = Field(
+        "dtlab",
+        min_length=1,
+        description=f"Run name: one directory name (no '/' or '\\', not '.' or '..', no control "
+        f"characters), at most {RUN_NAME_MAX_BYTES} bytes in UTF-8.",
+    )
     log_every: int = Field(
         10, ge=1, description="Log metrics every N steps (the last step is always logged)."
     )
@@ -301,6 +505,38 @@ class RunConfig(_Section):
         description="Record a torch.profiler trace of steps 3-4 (Chrome trace / TensorBoard) and, on CUDA, "
         "a memory snapshot, under <run dir>/profile.",
     )
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_one_component(cls, name: str) -> str:
+        # The name becomes a directory under runs/: it must stay one path component there, and short
+        # enough that runs/<name>-<timestamp> is a legal file name.
+        allowed = (
+            f"one directory name: no '/' or '\\', not '.' or '..', no control characters, at most "
+            f"{RUN_NAME_MAX_BYTES} bytes"
+        )
+        if name in (".", ".."):
+            raise _bad(f"not a directory name of its own; allowed: {allowed}")
+        bad = sorted({c for c in name if c in "/\\" or unicodedata.category(c) == "Cc"})
+        if bad:
+            raise _bad(f"contains {', '.join(map(repr, bad))}; allowed: {allowed}")
+        size = len(name.encode("utf-8"))
+        if size > RUN_NAME_MAX_BYTES:
+            raise _bad(f"{size} bytes long; allowed: {allowed}")
+        return name
+
+    @field_validator("dir")
+    @classmethod
+    def _dir_fits_the_file_system(cls, path: str | None) -> str | None:
+        if path is None:
+            return None
+        for part in path.split("/"):
+            if len(part.encode("utf-8")) > NAME_MAX_BYTES:
+                raise _bad(
+                    f"the path component {show(part)} is {len(part.encode())} bytes long; allowed: "
+                    f"components of at most {NAME_MAX_BYTES} bytes"
+                )
+        return path
 
 
 class Config(_Section):
@@ -409,7 +645,7 @@ class Config(_Section):
         return self.model_dump(mode="json", by_alias=True)
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+        return dump_yaml(self.to_dict())
 
 
 def _check_mlx(c: Config) -> None:
@@ -463,24 +699,163 @@ def check_world(config: Config, world_size: int) -> int:
 
 
 # --- YAML --------------------------------------------------------------------------------------
-class _Loader(yaml.SafeLoader):
-    """PyYAML follows YAML 1.1, where ``1e-4`` is a string; we read floats the YAML 1.2 way."""
-
-
-_Loader.yaml_implicit_resolvers = {
-    k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(
-        r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)(?:[eE][-+]?[0-9]+)?$|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"
-    ),
-    list("-+0123456789."),
+# Plain scalars are read by YAML 1.2's core schema, not PyYAML's YAML 1.1: `1e-4` is a float (1.1: a
+# string), only true/false are booleans (1.1: also yes/no/on/off, so `run.name=no` became false), `010`
+# is ten (1.1: octal eight), and `1:30` and `2024-01-01` are strings (1.1: 90 and a date). Underscores
+# between digits are kept (`10_000`).
+_BOOL = r"^(?:true|True|TRUE|false|False|FALSE)$"
+_INT = r"^(?:[-+]?[0-9][0-9_]*|0o[0-7][0-7_]*|0x[0-9a-fA-F][0-9a-fA-F_]*)$"
+_FLOAT = (
+    r"^(?:[-+]?(?:\.[0-9][0-9_]*|[0-9][0-9_]*(?:\.[0-9_]*)?)(?:[eE][-+]?[0-9]+)?"
+    r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
 )
+_NULL = r"^(?:~|null|Null|NULL|)$"
+
+
+class ValueRangeError(yaml.constructor.ConstructorError):
+    """A number YAML can write but a 64-bit value cannot hold (1e-400, 1e400, 2**64)."""
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.2 core scalars, numbers checked for range, duplicate keys refused."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        # PyYAML keeps the last of two equal keys: a second `train:` section would silently replace
+        # the first one. Keys that a merge (`<<: *base`) brings in may be overridden; written ones not.
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, yaml.Node] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.setdefault(key, key_node)
+                except TypeError:  # an unhashable key: the base class says so
+                    continue
+                if first is not key_node:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping",
+                        node.start_mark,
+                        f"found the key {show(key)} twice (first on line {first.start_mark.line + 1})",
+                        key_node.start_mark,
+                    )
+        return super().construct_mapping(node, deep=deep)  # type: ignore[no-untyped-call]
+
+
+def _scalar(loader: _Loader, node: yaml.Node) -> str:
+    return str(loader.construct_scalar(node))  # type: ignore[arg-type]
+
+
+def _construct_int(loader: _Loader, node: yaml.Node) -> int:
+    text = _scalar(loader, node)
+    digits = text.replace("_", "")
+    sign = -1 if digits.startswith("-") else 1
+    digits = digits.lstrip("+-")
+    base = {"0x": 16, "0o": 8}.get(digits[:2], 10)
+    if base != 10:
+        digits = digits[2:]
+    try:
+        # The length check keeps int() away from its 4300-digit limit (a ValueError of its own).
+        value = sign * int(digits, base) if len(digits) <= 64 else None
+    except ValueError:
+        raise yaml.constructor.ConstructorError(
+            None, None, f"{show(text)} is not an integer", node.start_mark
+        ) from None
+    if value is None or not -INT64_MAX - 1 <= value <= INT64_MAX:
+        raise ValueRangeError(
+            None,
+            None,
+            f"{show(text)} is outside the 64-bit integer range; allowed: -2**63 to 2**63 - 1",
+            node.start_mark,
+        )
+    return value
+
+
+def _construct_float(loader: _Loader, node: yaml.Node) -> float:
+    text = _scalar(loader, node)
+    plain = text.replace("_", "").lower()
+    if plain.lstrip("+-") in (".inf", ".nan"):
+        value = math.nan if "nan" in plain else math.inf
+        return -value if plain.startswith("-") else value
+    try:
+        value = float(plain)
+    except ValueError:
+        raise yaml.constructor.ConstructorError(
+            None, None, f"{show(text)} is not a number", node.start_mark
+        ) from None
+    # float() rounds 1e400 to inf and 1e-400 to 0 without a word; a config must not.
+    if math.isinf(value):
+        raise ValueRangeError(
+            None,
+            None,
+            f"{show(text)} is too large for a 64-bit float; allowed: magnitudes up to about 1.8e308",
+            node.start_mark,
+        )
+    if value == 0 and any(c in "123456789" for c in plain.split("e")[0]):
+        raise ValueRangeError(
+            None,
+            None,
+            f"{show(text)} is too small for a 64-bit float (it would be read as 0); allowed: 0, "
+            "or magnitudes from about 5e-324",
+            node.start_mark,
+        )
+    return value
+
+
+def _construct_bool(loader: _Loader, node: yaml.Node) -> bool:
+    text = _scalar(loader, node)
+    if text.lower() not in ("true", "false"):
+        raise yaml.constructor.ConstructorError(
+            None, None, f"{show(text)} is not a boolean; allowed: true, false", node.start_mark
+        )
+    return text.lower() == "true"
+
+
+def _construct_timestamp(loader: _Loader, node: yaml.Node) -> Any:
+    # Only an explicit `!!timestamp` gets here; PyYAML's constructor fails on a malformed one with an
+    # AttributeError.
+    try:
+        return loader.construct_yaml_timestamp(node)  # type: ignore[arg-type]
+    except (AttributeError, ValueError, TypeError):
+        raise yaml.constructor.ConstructorError(
+            None, None, f"{show(_scalar(loader, node))} is not a timestamp", node.start_mark
+        ) from None
+
+
+_Loader.yaml_implicit_resolvers = {}
+for _tag, _pattern, _first in (
+    ("bool", _BOOL, "tTfF"),
+    ("int", _INT, "-+0123456789"),
+    ("float", _FLOAT, "-+0123456789."),
+    ("null", _NULL, ["~", "n", "N", ""]),
+    ("merge", r"^(?:<<)$", "<"),
+):
+    _Loader.add_implicit_resolver(f"tag:yaml.org,2002:{_tag}", re.compile(_pattern), list(_first))
+_Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+_Loader.add_constructor("tag:yaml.org,2002:float", _construct_float)
+_Loader.add_constructor("tag:yaml.org,2002:bool", _construct_bool)
+_Loader.add_constructor("tag:yaml.org,2002:timestamp", _construct_timestamp)
+
+
+class _Dumper(yaml.SafeDumper):
+    """Quotes every string that _Loader or a plain YAML 1.1 reader would take for something else
+    (`1e3`, `no`, `010`), so a written config.yaml reads back the same with either."""
+
+
+_Dumper.yaml_implicit_resolvers = {
+    first: list(yaml.SafeDumper.yaml_implicit_resolvers.get(first, []))
+    + list(_Loader.yaml_implicit_resolvers.get(first, []))
+    for first in {*yaml.SafeDumper.yaml_implicit_resolvers, *_Loader.yaml_implicit_resolvers}
+}
+
+
+def dump_yaml(data: Any) -> str:
+    """YAML text that :func:`parse_yaml` (and ``yaml.safe_load``) read back as ``data``."""
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False)
 
 
 def parse_yaml(text: str, source: str = "<string>") -> Any:
-    """Parse YAML text with YAML 1.2 floats; errors name the source and line."""
+    """Parse YAML text (YAML 1.2 core scalars); errors name the source, line and what is allowed."""
     try:
         return yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as e:
@@ -489,16 +864,28 @@ def parse_yaml(text: str, source: str = "<string>") -> Any:
         if mark is not None:
             where = f" (line {mark.line + 1}, column {mark.column + 1})"
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        if isinstance(e, ValueRangeError):
+            where = where if "\n" in text.strip() else ""  # a --set value is one line
+            raise ConfigError(f"{source}{where}: {problem}") from None
         raise ConfigError(f"{source}: not valid YAML{where}: {problem}") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: not valid YAML: nested too deeply") from None
+    except (ValueError, TypeError, AttributeError, KeyError, IndexError, OverflowError) as e:
+        # PyYAML's constructors for explicitly tagged scalars (`!!timestamp x`) fail this way.
+        raise ConfigError(
+            f"{source}: not valid YAML: a tagged value cannot be read ({type(e).__name__}: {e})"
+        ) from None
 
 
 def _read_file(path: str | Path) -> dict[str, Any]:
     p = Path(path)
-    if p.is_dir():
-        p = p / "config.yaml"
-    if not p.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
+        if p.is_dir():
+            p = p / "config.yaml"
+            if not p.is_file():
+                raise ConfigError(f"config directory {str(path)!r} has no config.yaml")
+        if not p.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist (or is not a file)")
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {str(p)!r} cannot be read: {e}") from None
@@ -517,15 +904,16 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     key, sep, raw = override.partition("=")
     key = key.strip()
     if not sep or not key:
-        raise ConfigError(f"--set {override!r}: expected KEY=VALUE, e.g. train.lr=1e-4")
+        raise ConfigError(f"--set {show(override)}: expected KEY=VALUE, e.g. train.lr=1e-4")
     parts = key.split(".")
     node = data
     for i, part in enumerate(parts[:-1]):
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"--set {override!r}: {'.'.join(parts[: i + 1])} is not a section")
+            where = ".".join(parts[: i + 1])
+            raise ConfigError(f"--set {show(override)}: {show(where)[1:-1]} is not a section")
         node = child
-    node[parts[-1]] = parse_yaml(raw, f"--set {key}") if raw.strip() else None
+    node[parts[-1]] = parse_yaml(raw, f"--set {show(key)[1:-1]}") if raw.strip() else None
 
 
 def _format_validation_error(err: ValidationError, source: str) -> str:
@@ -535,18 +923,21 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
         if e["type"] == "extra_forbidden":
             section_cls: type[BaseModel] = Config
             for part in e["loc"][:-1]:
-                ann = section_cls.model_fields[str(part)].annotation
-                section_cls = (
-                    ann if isinstance(ann, type) and issubclass(ann, BaseModel) else section_cls
-                )
+                field = section_cls.model_fields.get(str(part))
+                ann = field.annotation if field is not None else None
+                if isinstance(ann, type) and issubclass(ann, BaseModel):
+                    section_cls = ann
             valid = [f.alias or n for n, f in section_cls.model_fields.items()]
             where = ".".join(str(x) for x in e["loc"][:-1]) or "the top level"
-            lines.append(f"unknown key {loc!r}; valid keys in {where}: {', '.join(valid)}")
+            lines.append(f"unknown key {show(loc)}; valid keys in {where}: {', '.join(valid)}")
         elif e["type"] in ("value_error", "assertion_error"):
             msg = str(e["msg"]).removeprefix("Value error, ")
             lines.append(msg if not loc or msg.startswith(loc) else f"{loc}: {msg}")
         else:
-            lines.append(f"{loc} = {e.get('input')!r}: {e['msg']}")
+            msg = e["msg"]
+            if e["type"] in ("model_type", "model_attributes_type", "dict_type"):
+                msg = "not a section; allowed: a mapping of its keys (`dtlab config --keys` lists them)"
+            lines.append(f"{loc or 'the config'} = {show(e.get('input'))}: {msg}")
     return f"{source}: " + "; ".join(lines)
 
 

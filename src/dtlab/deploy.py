@@ -11,7 +11,6 @@ Kubernetes commands are argument lists, never a shell string.
 
 from __future__ import annotations
 
-import copy
 import re
 import shlex
 import subprocess
@@ -22,7 +21,7 @@ from typing import Any
 import yaml
 
 from dtlab import __version__
-from dtlab.config import Config
+from dtlab.config import Config, show
 from dtlab.errors import ConfigError, Preempted
 
 _SLURM_WORD = re.compile(r"^[A-Za-z0-9_.,:@+=/-]+$")
@@ -171,15 +170,26 @@ def slurm_script(script_path: Path, config_path: Path, job: SlurmJob, name: str)
     return "\n".join(lines)
 
 
+def _cannot_write(out: Path, e: OSError | ValueError) -> ConfigError:
+    reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+    return ConfigError(f"--out {show(str(out))}: cannot write the job file there: {reason}")
+
+
 def write_slurm(config: Config, job: SlurmJob, out: Path) -> tuple[Path, Path]:
     """Write the sbatch script and its resolved config; returns their paths."""
-    script_path, config_path = companion_paths(out)
+    try:
+        script_path, config_path = companion_paths(out)
+    except (OSError, ValueError) as e:  # a NUL in the path, a loop of links
+        raise _cannot_write(out, e) from None
     resolved = slurm_config(config, script_path.parent / "runs")
     text = slurm_script(script_path, config_path, job, config.run.name)
-    script_path.parent.mkdir(parents=True, exist_ok=True)
-    config_path.write_text(resolved.to_yaml())
-    script_path.write_text(text)
-    script_path.chmod(0o755)
+    try:
+        script_path.parent.mkdir(parents=True, exist_ok=True)
+        config_path.write_text(resolved.to_yaml())
+        script_path.write_text(text)
+        script_path.chmod(0o755)
+    except OSError as e:
+        raise _cannot_write(out, e) from None
     return script_path, config_path
 
 
@@ -201,13 +211,52 @@ def submit(script: Path) -> str:
 CONFIG_MOUNT = "/etc/dtlab"
 RUNS_MOUNT = "/runs"
 
+# What the Kubeflow training operator (kubeflow.org/v1 PyTorchJob) expects; see docs/deploy.md.
+K8S_CONTAINER = (
+    "pytorch"  # the operator reads ports from, and sets PET_* variables in, this container
+)
+K8S_PORT_NAME = "pytorchjob-port"  # the port it takes the rendezvous port from
+K8S_PORT = 23456  # the operator's default for that port
+K8S_LABEL_MAX = 63  # a Service name (one per pod: <name>-worker-<index>) is a DNS-1035 label
+_K8S_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def _worker_suffix(nodes: int) -> str:
+    return f"-worker-{nodes - 1}"
+
+
+def k8s_job_name(run_name: str, nodes: int) -> str:
+    """A PyTorchJob name from ``run.name``: a DNS-1035 label (it starts with a letter) short enough
+    that the operator's pod and Service names, ``<name>-worker-<index>``, stay valid labels."""
+    base = slug(run_name, K8S_LABEL_MAX)
+    if not base[0].isalpha():
+        base = f"dtlab-{base}"
+    limit = K8S_LABEL_MAX - len(_worker_suffix(nodes))
+    return base[:limit].rstrip("-")
+
 
 def k8s_manifest(config: Config, job: K8sJob, name: str) -> str:
     """A ConfigMap with the resolved config, a PersistentVolumeClaim for the run directory (unless
-    ``job.pvc`` names an existing one) and a Kubeflow ``PyTorchJob`` whose containers run dtlab."""
-    _check(name, _K8S_NAME, "--name", "lowercase letters, digits and '-' (RFC 1123)")
-    if len(name) > 50:  # pods are named <name>-worker-<i>, and names are at most 63 characters
-        raise ConfigError(f"--name: {name!r} is {len(name)} characters; allowed: at most 50")
+    ``job.pvc`` names an existing one) and a Kubeflow ``PyTorchJob`` whose containers run dtlab.
+
+    The job has ``job.nodes`` Worker replicas and no Master, for every node count. With an
+    ``elasticPolicy`` the operator only admits jobs with a Worker replica, and it points every pod's
+    rendezvous (``PET_RDZV_ENDPOINT``) at ``<name>-worker-0`` on the Worker's ``pytorchjob-port``;
+    torchrun's c10d rendezvous then numbers the nodes, so no replica needs to be special.
+    """
+    _check(
+        name,
+        _K8S_DNS1035,
+        "--name",
+        "lowercase letters, digits and '-', starting with a letter (a DNS-1035 label)",
+    )
+    limit = K8S_LABEL_MAX - len(_worker_suffix(job.nodes))
+    if len(name) > limit:
+        raise ConfigError(
+            f"--name: {name!r} is {len(name)} characters; allowed: at most {limit} with --nodes "
+            f"{job.nodes} (pods and their Services are named {name[:8]}...{_worker_suffix(job.nodes)}, "
+            f"at most {K8S_LABEL_MAX} characters)"
+        )
     _check(job.namespace, _K8S_NAME, "--namespace", "lowercase letters, digits and '-'")
     _check(job.pvc, _K8S_NAME, "--pvc", "lowercase letters, digits and '-'")
     for flag, value in (("--cpu", job.cpu), ("--memory", job.memory), ("--storage", job.storage)):
@@ -253,21 +302,23 @@ def k8s_manifest(config: Config, job: K8sJob, name: str) -> str:
     if requests:
         resources["requests"] = requests
     container: dict[str, Any] = {
-        "name": "pytorch",  # the training operator looks for this container name
+        "name": K8S_CONTAINER,
         "image": job.image,
         "imagePullPolicy": "IfNotPresent",
-        # torchrun takes the node count, processes per node and rendezvous endpoint from the PET_*
-        # variables the operator sets from elasticPolicy and nprocPerNode; dtlab runs as its worker.
+        # torchrun takes the node count, processes per node, rendezvous backend and endpoint and the
+        # restart budget from the PET_* variables the operator derives from elasticPolicy and
+        # nprocPerNode; a flag here would override them, so there is none. dtlab runs as its worker.
         "command": [
             "python",
             "-m",
             "torch.distributed.run",
-            "--rdzv-backend=c10d",
             "--module",
             "dtlab",
             "train",
             f"{CONFIG_MOUNT}/config.yaml",
         ],
+        # Declared, not left to the operator's defaulting: worker 0 serves the rendezvous on it.
+        "ports": [{"name": K8S_PORT_NAME, "containerPort": K8S_PORT}],
         "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}],
         "resources": resources,
         "volumeMounts": [
@@ -289,30 +340,31 @@ def k8s_manifest(config: Config, job: K8sJob, name: str) -> str:
             ],
         }
     }
-    replicas: dict[str, Any] = {
-        "Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": pod}
-    }
-    if job.nodes > 1:
-        replicas["Worker"] = {
-            "replicas": job.nodes - 1,
-            "restartPolicy": "OnFailure",
-            "template": copy.deepcopy(pod),
-        }
     docs.append(
         {
             "apiVersion": "kubeflow.org/v1",
             "kind": "PyTorchJob",
             "metadata": meta,
             "spec": {
+                # A number, never the default "auto": torchrun reads auto as one process per GPU, or
+                # per CPU core on a CPU node, and the config was checked for nodes x nproc ranks.
                 "nprocPerNode": str(job.nproc_per_node),
                 "elasticPolicy": {
                     "rdzvBackend": "c10d",
+                    # min = max = the Worker replicas: the rendezvous waits for every node, and the
+                    # world size is the one the config was checked for.
                     "minReplicas": job.nodes,
                     "maxReplicas": job.nodes,
                     "maxRestarts": job.max_restarts,
                 },
                 "runPolicy": {"cleanPodPolicy": "None"},
-                "pytorchReplicaSpecs": replicas,
+                "pytorchReplicaSpecs": {
+                    "Worker": {
+                        "replicas": job.nodes,
+                        "restartPolicy": "OnFailure",
+                        "template": pod,
+                    }
+                },
             },
         }
     )
@@ -322,8 +374,11 @@ def k8s_manifest(config: Config, job: K8sJob, name: str) -> str:
 
 def write_k8s(config: Config, job: K8sJob, out: Path, name: str | None = None) -> Path:
     """Write the manifest; returns its path."""
-    text = k8s_manifest(config, job, name or slug(config.run.name, 50))
-    out = out.resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    return out
+    text = k8s_manifest(config, job, name or k8s_job_name(config.run.name, job.nodes))
+    try:
+        path = out.resolve()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except (OSError, ValueError) as e:
+        raise _cannot_write(out, e) from None
+    return path
