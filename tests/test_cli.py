@@ -58,7 +58,15 @@ def test_run_directory_has_every_output(tmp_path: Path) -> None:
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["final_loss"] == lines[-1]["loss"]
     assert summary["peak_memory_bytes"] > 0 and summary["tokens_per_s"] > 0
-    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    # TensorBoard holds the same curve as metrics.jsonl (scalars are stored as float32).
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    for key in ("loss", "lr", "grad_norm"):
+        scalars = events.Scalars(f"train/{key}")
+        assert [e.step for e in scalars] == [m["step"] for m in lines]
+        assert [e.value for e in scalars] == pytest.approx([m[key] for m in lines], rel=1e-6)
     assert (run_dir / "loss.png").read_bytes()[:4] == b"\x89PNG"
 
 

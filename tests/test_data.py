@@ -94,13 +94,22 @@ def test_files_source_reads_text_jsonl_and_parquet(tmp_path: Path) -> None:
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"text": ["parquet row " * 4] * 5}), tmp_path / "c.parquet")
-    for name in ("a.txt", "b.jsonl", "c.parquet"):
+    # What each file's documents are, joined by the separator byte 0 as the byte tokenizer does.
+    streams = {
+        "a.txt": b"hello world " * 20,
+        "b.jsonl": b"\0".join((f"record {i} " * 5).encode() for i in range(10)),
+        "c.parquet": b"\0".join([b"parquet row " * 4] * 5),
+    }
+    for name, stream in streams.items():
         cfg = load_config(
             overrides=["data.source=files", f"data.paths=[{tmp_path / name}]", "data.seq_len=16"]
         )
         src = build_source(cfg)
-        text = bytes(src.sample(0).astype(np.uint8))
-        assert len(text) == 17
+        for i in range(3):
+            text = bytes(src.sample(i).astype(np.uint8))
+            # seq_len + 1 tokens, cut from the file's text (the field named by text_key only).
+            assert len(text) == 17 and text in stream, (name, text)
+        assert b"id" not in bytes(src.tokens)  # type: ignore[attr-defined]
     cfg = load_config(
         overrides=["data.source=files", f"data.paths=[{tmp_path}]", "data.seq_len=16"]
     )

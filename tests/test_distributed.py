@@ -53,6 +53,41 @@ def test_strategy_matches_single_process(
     assert_same_training(run, reference_run)
 
 
+@pytest.fixture(scope="module")
+def clipped_reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """One process with a clip below every step's gradient norm: clipping is active on every step."""
+    run = train_run(tmp_path_factory.mktemp("clipped"), f"train.grad_clip={CLIP}")
+    assert all(m["grad_norm"] > CLIP for m in run), [m["grad_norm"] for m in run]
+    return run
+
+
+CLIP = 0.1
+
+
+@pytest.mark.parametrize(
+    ("name", "nproc", "overrides"),
+    [
+        ("ddp", 2, ["parallel.strategy=ddp"]),
+        ("fsdp", 2, ["parallel.strategy=fsdp", "train.micro_batch_size=2"]),
+        ("hsdp", 4, ["parallel.strategy=hsdp", "parallel.replicate=2"]),
+    ],
+)
+def test_clipping_is_exact_where_it_clips(
+    tmp_path: Path,
+    clipped_reference: list[dict[str, Any]],
+    reference_run: list[dict[str, Any]],
+    name: str,
+    nproc: int,
+    overrides: list[str],
+) -> None:
+    """The global norm is taken over every rank's (sharded) gradients, and the clipped step equals one
+    process's: a norm taken over one shard would clip by another factor and drift from the reference."""
+    run = train_run(tmp_path / name, f"train.grad_clip={CLIP}", *overrides, nproc=nproc)
+    assert_same_training(run, clipped_reference)
+    # Clipping changed the training (so this test sees it): the unclipped run differs.
+    assert abs(run[-1]["loss"] - reference_run[-1]["loss"]) > 10 * TOL
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_tied_embeddings_match(tmp_path: Path, strategy: str) -> None:
     ref = train_run(tmp_path / "ref", "model.tie_embeddings=true")
@@ -81,4 +116,8 @@ def test_low_precision_trains_without_nan(tmp_path: Path, precision: str) -> Non
     assert all(loss is not None for loss in losses), losses  # null = NaN/inf in metrics.jsonl
     assert losses[-1] < losses[0] - 0.3
     if precision == "fp16":
-        assert all(m["loss_scale"] > 0 for m in run)
+        # The scale starts at 2^16 and halves exactly on the steps that overflowed (and were skipped).
+        scales = [2.0**16] + [m["loss_scale"] for m in run]
+        for prev, m in zip(scales, run, strict=False):
+            assert m["loss_scale"] == (prev / 2 if m["skipped"] else prev), (m, prev)
+        assert sum(not m["skipped"] for m in run) >= 10
