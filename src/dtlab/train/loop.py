@@ -47,6 +47,7 @@ from dtlab.parallel import (
     parallelize,
 )
 from dtlab.parallel.dist import decide_on_rank0, reduce_scalar
+from dtlab.parallel.ledger import all_reduce, collective_failure, note_step, recorded, start_ledger
 from dtlab.train.faults import Faults, Preempted, StopSignals
 from dtlab.train.optim import build_optimizer, grad_norm_
 from dtlab.train.precision import LossScaler, autocast, check_cpu_half_precision
@@ -112,7 +113,7 @@ def train_step(
             scaler.scale_loss(loss).backward()
         loss_sum += loss.detach()
     if dist.is_initialized():
-        dist.all_reduce(loss_sum)
+        all_reduce("train_step loss all_reduce", loss_sum, faultable=True)
         loss_sum /= dist.get_world_size()
     global_loss = loss_sum.item()
 
@@ -121,7 +122,7 @@ def train_step(
     norm_t = grad_norm_(params, config.train.grad_clip)
     if getattr(optimizer, "local_gradients", False) and dist.is_initialized():
         # Each rank's own gradients (DeMo): agree on the largest norm, so all skip a bad step together.
-        dist.all_reduce(norm_t, op=dist.ReduceOp.MAX)
+        all_reduce("train_step grad-norm all_reduce", norm_t, dist.ReduceOp.MAX)
     norm = norm_t.item()
     # Loss and norm are global (all-reduced), so every rank takes the same decision.
     bad = not math.isfinite(global_loss) or (not scaler.enabled and not math.isfinite(norm))
@@ -256,8 +257,13 @@ def train(config: Config) -> dict[str, Any]:
     except Preempted:
         destroy_distributed()  # every rank saved and stops together: a clean exit
         raise
-    except BaseException:
+    except BaseException as e:
+        failure = collective_failure(
+            e
+        )  # a collective failed: who is behind, from the ranks' ledgers
         destroy_distributed(graceful=False)
+        if failure is not None:
+            raise failure from None
         raise
     destroy_distributed()
     return summary
@@ -269,6 +275,7 @@ def _train(config: Config, d: DistInfo) -> dict[str, Any]:
     check_world(config, d.world_size)  # before the run directory is created
     t = config.train
     run_dir = resolve_run_dir(config, d)
+    start_ledger(d, run_dir, faults, config.parallel.collective_timeout_s)
     config = config.model_copy(deep=True)
     config.run.dir = str(run_dir)
     if d.is_main:
@@ -321,6 +328,7 @@ def _train(config: Config, d: DistInfo) -> dict[str, Any]:
     try:
         while state.step < t.steps:
             t0 = time.perf_counter()
+            note_step(state.step + 1)
             batch = next(loader)
             m = train_step(
                 pm, optimizer, scheduler, scaler, batch, config, d.device,
@@ -359,15 +367,18 @@ def _train(config: Config, d: DistInfo) -> dict[str, Any]:
 
             stop = signals.agreed(d.device)
             if stop is not None:
-                ckpt.save(state.step, parts, blocking=True)
+                with recorded("preemption checkpoint save", "checkpoint"):
+                    ckpt.save(state.step, parts, blocking=True)
                 if dist.is_initialized():
-                    dist.barrier()  # nobody exits before rank 0 has committed
+                    with recorded("preemption barrier", "barrier"):
+                        dist.barrier()  # nobody exits before rank 0 has committed
                 raise Preempted(
                     f"stopped by {stop} after step {state.step}: checkpoint saved in "
                     f"{run_dir / 'checkpoints'}; run the same command to resume"
                 )
             if ckpt.due(state.step) or (state.step == t.steps and config.checkpoint.every):
-                ckpt.save(state.step, parts)
+                with recorded("checkpoint save", "checkpoint"):
+                    ckpt.save(state.step, parts)
     finally:
         if profiler is not None:
             profiler.close()
