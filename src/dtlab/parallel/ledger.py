@@ -618,10 +618,9 @@ def in_flight(fr: dict[str, Any] | None, after: int | None, most: int = 3) -> st
 # Like a logger, the ledger is per process; call sites record into it without it being passed around.
 _active: Ledger | None = None
 
-# What gloo, NCCL and c10d say when a collective fails or times out.
+# What gloo and NCCL say when a collective fails or times out (NCCL's errors are also DistErrors).
 _FAILURE = re.compile(
-    r"gloo|nccl|Timed out waiting|timed out|Connection (reset|closed) by peer|ProcessGroup|c10d",
-    re.IGNORECASE,
+    r"gloo|nccl|Timed out waiting|Connection (reset|closed) by peer", re.IGNORECASE
 )
 
 
