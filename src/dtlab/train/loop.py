@@ -258,9 +258,8 @@ def train(config: Config) -> dict[str, Any]:
         destroy_distributed()  # every rank saved and stops together: a clean exit
         raise
     except BaseException as e:
-        failure = collective_failure(
-            e
-        )  # a collective failed: who is behind, from the ranks' ledgers
+        # A collective failed: say who is behind, from the ranks' ledgers (None for other errors).
+        failure = collective_failure(e)
         destroy_distributed(graceful=False)
         if failure is not None:
             raise failure from None
