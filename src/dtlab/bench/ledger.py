@@ -1,90 +1,153 @@
 """What does the ledger of collectives cost a training step? Measured side by side in one run.
 
-    python -m dtlab.bench.ledger [--preset tiny] [--nproc 2] [--steps 20] [--repeats 3] [--set KEY=VALUE ...]
+    python -m dtlab.bench.ledger [--preset tiny] [--nproc 2] [--blocks 8] [--block-steps 5] [--set KEY=VALUE ...]
 
-Each repeat trains the same DDP run twice through the CLI, with the ledger and without it
-(``DTLAB_LEDGER=0``), alternating which goes first; a run's figure is its median step time
-(``summary.json``, first step left out). Printed: both medians of each repeat, the median and spread of their
-ratio, and what recording one entry costs the training thread (timed in this process, publisher running).
+One DDP run on ``--nproc`` local gloo ranks trains blocks of steps with the ledger recording and publishing,
+and blocks without it, alternately (ABBA order), so that both see the same machine load. A step is what the
+loop does for one optimizer step: ``train_step`` and the stop-signal agreement. Printed: the median step
+time of each, their ratio, and what recording one entry costs the training thread.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
+import logging
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from dtlab.parallel.ledger import LEDGER_ENV, FileChannel, Ledger
-
-
-def run_once(preset: str, nproc: int, steps: int, overrides: list[str], ledger: bool) -> float:
-    """One ``dtlab train`` run; its median step time in seconds."""
-    with tempfile.TemporaryDirectory() as tmp:
-        env = {**os.environ, LEDGER_ENV: "1" if ledger else "0"}
-        cmd = [
-            sys.executable, "-m", "dtlab", "train", "--nproc", str(nproc), "--set",
-            f"model.preset={preset}", "parallel.strategy=ddp", f"train.steps={steps}",
-            f"run.dir={tmp}", "run.progress=none", "run.plot=false", "run.tensorboard=false",
-            *overrides,
-        ]  # fmt: skip
-        subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
-        summary = json.loads((Path(tmp) / "summary.json").read_text(encoding="utf-8"))
-        return float(summary["median_step_time_s"])
+from dtlab.parallel import ledger as ledger_module
 
 
 def record_cost(n: int = 20000) -> float:
     """Microseconds the training thread spends recording one entry (begin and end of a collective)."""
+    led = ledger_module.Ledger(0, 2)
+    t = torch.zeros(())
+    t0 = time.perf_counter()
+    for _ in range(n):
+        with led.record("train_step loss all_reduce", "all_reduce", t):
+            pass
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def publish_cost(store: Any, n: int = 1000) -> float:
+    """CPU microseconds of one publication (the newest entries as JSON, into the c10d store)."""
+    led = ledger_module.Ledger(0, 2)
+    for _ in range(ledger_module.PUBLISHED):
+        with led.record("train_step loss all_reduce", "all_reduce", torch.zeros(())):
+            pass
+    channel = ledger_module.StoreChannel(store)
+    c0 = time.process_time()
+    for _ in range(n):
+        channel.publish(0, json.dumps(led.snapshot()))
+    return (time.process_time() - c0) / n * 1e6
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank: alternate blocks of steps with and without the ledger; rank 0 prints the figures."""
+    import torch.distributed as dist
+
+    from dtlab.config import load_config
+    from dtlab.parallel import destroy_distributed, init_distributed
+    from dtlab.train.faults import StopSignals
+    from dtlab.train.loop import build_training, train_step
+
+    logging.getLogger("dtlab").disabled = True
+    config = load_config(
+        overrides=[f"model.preset={args.preset}", "parallel.strategy=ddp", *args.overrides]
+    )
+    d = init_distributed(config)
+    tr = build_training(config, d)
+    signals = StopSignals()
+    # (ledger on, median wall time, median CPU time of this process) of each timed block's steps
+    blocks: list[tuple[bool, float, float]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        led = Ledger(0, 2, FileChannel(Path(tmp), 0), Path(tmp) / "dump")
-        t = torch.zeros(())
-        try:
-            t0 = time.perf_counter()
-            for _ in range(n):
-                with led.record("train_step loss all_reduce", "all_reduce", t):
-                    pass
-            return (time.perf_counter() - t0) / n * 1e6
-        finally:
-            led.close()
+        led = ledger_module.start_ledger(d, Path(tmp), None, config.parallel.collective_timeout_s)
+        assert led is not None, "the ledger is off (DTLAB_LEDGER)"
+        step = 0
+        # Block 0 warms up; then ABBA: on, off, off, on, ...
+        for b in range(args.blocks + 1):
+            on = b == 0 or (b - 1) % 4 in (0, 3)
+            ledger_module._active = led if on else None
+            times, cpu = [], []
+            for _ in range(args.block_steps):
+                step += 1
+                batch = next(tr.loader)
+                dist.barrier()  # start every timed step together
+                t0, c0 = time.perf_counter(), time.process_time()
+                ledger_module.note_step(step)
+                train_step(tr.pm, tr.optimizer, tr.scheduler, tr.scaler, batch, config, d.device)
+                signals.agreed(d.device)
+                times.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
+            if b > 0:
+                blocks.append((on, statistics.median(times), statistics.median(cpu)))
+        ledger_module._active = led
+    signals.close()
+    tr.loader.close()
+    destroy_distributed()
+    if d.is_main:
+        print(
+            f"{args.preset}, ddp x {d.world_size}, {len(blocks)} blocks of {args.block_steps} steps, "
+            "alternating with and without the ledger (rank 0's figures):"
+        )
+        for k, what in ((1, "wall time"), (2, "CPU time (all threads of the process)")):
+            # Each block against its neighbour of the other kind (ABBA pairs): drifts of the load cancel.
+            ratios = [
+                (a[k] if a[0] else b[k]) / (b[k] if a[0] else a[k])
+                for a, b in zip(blocks[0::2], blocks[1::2], strict=False)
+            ]
+            with_l = statistics.median(x[k] for x in blocks if x[0])
+            without = statistics.median(x[k] for x in blocks if not x[0])
+            med = statistics.median(ratios)
+            print(
+                f"  step {what}: median {with_l * 1e3:.2f} ms with, {without * 1e3:.2f} ms without; "
+                f"with / without per pair of blocks: median {med:.3f} (min {min(ratios):.3f}, "
+                f"max {max(ratios):.3f}) -> {100 * (med - 1):+.1f}%"
+            )
+        publish = publish_cost(dist.TCPStore("127.0.0.1", 0, 1, is_master=True))
+        print(
+            f"  recording one entry: {record_cost():.1f} us in the training thread; one publication: "
+            f"{publish:.0f} us of CPU in the publisher thread, at most every "
+            f"{ledger_module.PUBLISH_S:g} s ({publish / ledger_module.PUBLISH_S / 1e4:.2f}% of a core)",
+            flush=True,
+        )
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m dtlab.bench.ledger", description=__doc__.split("\n")[0]
+        prog="python -m dtlab.bench.ledger",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--preset", default="tiny")
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--set", nargs="*", default=[], dest="overrides", metavar="KEY=VALUE")
-    args = p.parse_args(argv)
-    ratios = []
-    for i in range(args.repeats):
-        order = (True, False) if i % 2 == 0 else (False, True)
-        times = {
-            on: run_once(args.preset, args.nproc, args.steps, args.overrides, on) for on in order
-        }
-        ratios.append(times[True] / times[False])
-        print(
-            f"repeat {i + 1}: median step {times[True] * 1e3:.1f} ms with the ledger, "
-            f"{times[False] * 1e3:.1f} ms without (ratio {ratios[-1]:.3f})",
-            flush=True,
-        )
-    med = statistics.median(ratios)
-    print(
-        f"with / without the ledger, median step time: median {med:.3f} (min {min(ratios):.3f}, "
-        f"max {max(ratios):.3f}) -> {100 * (med - 1):+.1f}% over {args.repeats} repeats "
-        f"({args.preset}, ddp x {args.nproc}, {args.steps} steps)"
+    p.add_argument(
+        "--blocks", type=int, default=8, help="timed blocks, half of them with the ledger"
     )
-    print(f"recording one entry: {record_cost():.1f} us in the training thread")
+    p.add_argument("--block-steps", type=int, default=5)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE"
+    )
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    from dtlab.launcher import LaunchSpec, launch
+
+    forwarded = [
+        "--worker", "--preset", args.preset, "--blocks", str(args.blocks),
+        "--block-steps", str(args.block_steps), *(["--set", *args.overrides] if args.overrides else []),
+    ]  # fmt: skip
+    return launch(LaunchSpec(args.nproc), forwarded, module="dtlab.bench.ledger")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -58,7 +58,8 @@ __all__ = [
 LEDGER_ENV = "DTLAB_LEDGER"  # "0" turns the ledger off (to measure what it costs)
 LEDGER_SIZE = 1024  # entries each rank keeps
 PUBLISHED = 16  # newest entries each rank publishes for the others
-POLL_S = 0.25  # how often the publisher looks for another rank's failure
+PUBLISH_S = 0.1  # how often the publisher looks for new entries (a hang is diagnosed seconds later)
+POLL_S = 0.25  # how often it looks for another rank's failure
 SETTLE_S = 1.0  # how long a failing rank waits for the others' newest entries to arrive
 ACK_S = 3.0  # how long it waits for the others to dump their ledgers
 
@@ -217,8 +218,10 @@ class Ledger:
         self.step = 0  # the optimizer step under way (0: before the first)
         self.dumped: Path | None = None
         self._torch_seq, self._flight_recorder = torch_seq, flight_recorder
-        self._changed = threading.Event()
-        self._closed = False
+        self._changes = (
+            0  # bumped by the training thread, read by the publisher: no lock, no wake-up
+        )
+        self._closing = threading.Event()
         self._dump_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         if channel is not None:
@@ -227,7 +230,7 @@ class Ledger:
             )
             self._thread.start()
 
-    # The training thread's side: append, mark done, wake the publisher. Nothing here blocks.
+    # The training thread's side: append and mark done. No lock, no system call beyond the clock.
     def begin(self, name: str, op: str = "", tensors: Sequence[Any] = ()) -> Entry:
         self.seq += 1
         entry = Entry(
@@ -236,13 +239,13 @@ class Ledger:
             self._torch_seq() if self._torch_seq else None,
         )  # fmt: skip
         self.entries.append(entry)
-        self._changed.set()
+        self._changes += 1
         return entry
 
     def end(self, entry: Entry) -> None:
         entry.torch_end = self._torch_seq() if self._torch_seq else None
         entry.end = time.time()
-        self._changed.set()
+        self._changes += 1
 
     @contextlib.contextmanager
     def record(self, name: str, op: str = "", *tensors: Any) -> Iterator[Entry]:
@@ -267,18 +270,16 @@ class Ledger:
             "entries": [e.as_dict() for e in entries],
         }
 
-    # The publisher thread.
+    # The publisher thread: at most one publication per PUBLISH_S, whatever the step rate.
     def _publish_loop(self) -> None:
         assert self.channel is not None
-        checked = 0.0
-        while not self._closed:
-            changed = self._changed.wait(POLL_S)
-            if self._closed:
-                return
+        published, checked = 0, 0.0
+        while not self._closing.wait(PUBLISH_S):
             try:
-                if changed:
-                    self._changed.clear()
+                changes = self._changes
+                if changes != published:
                     self.channel.publish(self.rank, json.dumps(self.snapshot()))
+                    published = changes
                 now = time.monotonic()
                 if self.dumped is None and now - checked >= POLL_S:
                     checked = now
@@ -289,8 +290,7 @@ class Ledger:
                 return
 
     def close(self) -> None:
-        self._closed = True
-        self._changed.set()
+        self._closing.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2)
 
