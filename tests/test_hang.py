@@ -177,6 +177,22 @@ def test_ledgers_publish_and_the_failing_rank_reports_and_dumps(tmp_path: Path) 
     assert mine["entries"][-1]["end"] is None and theirs["entries"][-1]["end"] is not None
 
 
+def test_a_file_channel_ignores_what_an_earlier_launch_left(tmp_path: Path) -> None:
+    import os
+
+    (tmp_path / "failed").write_text("1")
+    (tmp_path / "rank1.dumped").touch()
+    (tmp_path / "rank0.live.json").write_text("{}")
+    for name in ("failed", "rank1.dumped"):
+        os.utime(tmp_path / name, (NOW, NOW))  # long ago
+    channel = FileChannel(tmp_path, 0)
+    assert not channel.failed() and channel.acked([1]) == set()
+    assert not (tmp_path / "rank0.live.json").exists()  # this rank's own leftover is gone
+    channel.flag_failure(1)
+    channel.ack(1)
+    assert channel.failed() and channel.acked([1]) == {1}
+
+
 def test_collective_faults_parse_and_fire_once_on_their_rank() -> None:
     env = {"DTLAB_FAULTS": "skipcoll@3:r1,badshape@5"}
     f0 = Faults.from_env(0, env)

@@ -114,6 +114,7 @@ class Channel(Protocol):
     def failed(self) -> bool: ...
     def ack(self, rank: int) -> None: ...
     def acked(self, ranks: Sequence[int]) -> set[int]: ...
+    def close(self, rank: int) -> None: ...
 
 
 class StoreChannel:
@@ -148,6 +149,9 @@ class StoreChannel:
 
     def acked(self, ranks: Sequence[int]) -> set[int]:
         return {r for r in ranks if self._has(f"dumped{r}")}
+
+    def close(self, rank: int) -> None:
+        pass  # the store goes away with the launcher
 
 
 class FileChannel:
@@ -191,6 +195,10 @@ class FileChannel:
 
     def acked(self, ranks: Sequence[int]) -> set[int]:
         return {r for r in ranks if self._new(f"rank{r}.dumped")}
+
+    def close(self, rank: int) -> None:
+        with contextlib.suppress(OSError):
+            (self.dir / f"rank{rank}.live.json").unlink()
 
 
 # --- the ledger ---------------------------------------------------------------------------------------
@@ -290,9 +298,13 @@ class Ledger:
                 return
 
     def close(self) -> None:
+        """Stop publishing (after the last collective of a run that ended without a failure)."""
         self._closing.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2)
+        if self.channel is not None:
+            with contextlib.suppress(Exception):
+                self.channel.close(self.rank)
 
     def dump(
         self, diagnosis: str | None = None, flight_recorder: dict[str, Any] | None = None
