@@ -85,6 +85,20 @@ def test_the_failing_rank_can_be_the_one_behind() -> None:
     assert "rank 1 went on to step 3 #9 'stop signal agreement'" in text
 
 
+def test_a_collective_completed_anywhere_had_every_rank_in_it() -> None:
+    # Rank 1 died after #5; its last publication was #2. Rank 0 completed #5, so rank 1 took part in it.
+    rank1 = pend(steps(1, 1)[:2])
+    text = diagnose(0, 2, {0: pend(steps(1, 2)), 1: rank1}, NOW)
+    assert text.startswith(
+        "rank 1 is behind: its last collective was step 2 #5 'train_step loss all_reduce' (all_reduce "
+        "float32[]; rank 0 completed it 4.0 s ago, so rank 1 took part; its last publication was #2); "
+        "rank 0 waits at step 2 #6 'stop signal agreement'"
+    )
+    # ... and when this rank failed after its last entry, nobody is behind.
+    text = diagnose(0, 2, {0: steps(1, 2), 1: rank1}, NOW)
+    assert text.startswith("no rank is behind: every rank that published completed step 2 #6")
+
+
 def test_a_skipped_collective_is_a_mismatch_at_its_sequence_number() -> None:
     rank0 = pend(steps(1, 3))
     rank1 = steps(1, 3, skip=(3, "train_step loss all_reduce"))
@@ -270,6 +284,21 @@ def test_a_collective_of_another_shape_is_named(tmp_path: Path) -> None:
             r"shapes: rank 0 float32\[\], rank 1 float32\[2\]",
             line,
         ), line
+
+
+def test_a_killed_rank_is_named_and_the_launchers_sigterm_waits_for_the_report(
+    tmp_path: Path,
+) -> None:
+    # Rank 1 dies; the launcher then sends SIGTERM to rank 0, which must still finish its report.
+    proc = _train_with_fault(tmp_path, "kill@2:r1")
+    (line,) = _collective_errors(proc.stderr)
+    assert re.match(
+        r"\[rank0\] error: a collective failed on rank 0: .*Connection (closed|reset) by peer.*\. Rank 1 "
+        r"\(pid \d+ on .+?\) is behind: its last collective was step 2 #\d+ 'train_step loss all_reduce'"
+        r".*rank 0 waits at step 2 #\d+ 'stop signal agreement'.* \(none from rank 1, which did not answer\)$",
+        line,
+    ), line
+    assert "rank 0 (exit code 1), rank 1 (exit code -9)" in proc.stderr
 
 
 @pytest.mark.skipif(not mlx_available(), reason="MLX is not installed (pip install 'dtlab[mlx]')")

@@ -422,10 +422,12 @@ def _what(e: dict[str, Any]) -> str:
     return " ".join(x for x in (e["op"], e["shapes"]) if x)
 
 
-def _state(e: dict[str, Any], now: float) -> str:
+def _state(e: dict[str, Any], now: float, mine: bool = False) -> str:
     if e.get("end") is not None:
         return f"completed {max(0.0, now - e['end']):.1f} s ago"
-    return f"issued {max(0.0, now - e['start']):.1f} s ago, not completed"
+    # Another rank's entry is as it last published it (at most PUBLISH_S old while it ran).
+    done = "not completed" if mine else "not completed when it last published"
+    return f"issued {max(0.0, now - e['start']):.1f} s ago, {done}"
 
 
 def _signature(e: dict[str, Any]) -> tuple[Any, ...]:
@@ -511,14 +513,27 @@ def diagnose(
     last = {r: es[-1] for r, es in ledgers.items() if es}
     if not last:
         return "; ".join(notes) or "no rank recorded a collective"
-    front = max(e["seq"] for e in last.values())
-    behind = sorted(r for r, e in last.items() if e["seq"] < front)
+    # A collective that completed on one rank had every rank in it, whatever the others last published
+    # (a rank publishes at most every PUBLISH_S, and one that died may not have published its last ones).
+    completed = [
+        (e["seq"], r == me, r, e)
+        for r, es in ledgers.items()
+        for e in es
+        if e.get("end") is not None
+    ]
+    frontier = max(completed, key=lambda c: c[:2]) if completed else None
+    stale = {  # this rank's own ledger is never stale
+        r for r, e in last.items() if r != me and frontier is not None and e["seq"] < frontier[0]
+    }
+    reached = {r: frontier[0] if r in stale and frontier else e["seq"] for r, e in last.items()}
+    front = max(reached.values())
+    behind = sorted(r for r in last if reached[r] < front)
     parts = []
     # Ranks behind, grouped by where they stopped.
     stops: dict[tuple[Any, ...], list[int]] = {}
     for r in behind:
         e = last[r]
-        stops.setdefault((e["seq"], e.get("end") is None), []).append(r)
+        stops.setdefault((reached[r], r in stale, e["seq"], e.get("end") is None), []).append(r)
     for ranks in stops.values():
         e = last[ranks[0]]
         who = _ranks_text(ranks)
@@ -527,15 +542,24 @@ def diagnose(
         if len(ranks) == 1 and ranks[0] in published:
             p = published[ranks[0]]
             where = f" (pid {p.get('pid')} on {p.get('host')})"
+        if ranks[0] in stale and frontier is not None:
+            _, _, by, f = frontier
+            state = (
+                f"{_what(f)}; rank {by} completed it {max(0.0, now - f['end']):.1f} s ago, so "
+                f"{who} took part; {'its' if len(ranks) == 1 else 'their'} last publication was #{e['seq']}"
+            )
+            e = f
+        else:
+            state = f"{_what(e)}, {_state(e, now, ranks == [me])}"
         parts.append(
             f"{who}{where} {verb} behind: {'its' if len(ranks) == 1 else 'their'} last collective was "
-            f"{_where(e)} ({_what(e)}, {_state(e, now)})"
+            f"{_where(e)} ({state})"
         )
     ahead = sorted(r for r in last if r not in behind)
     if my_last is not None and me in ahead:
         verb = "waits at" if my_last.get("end") is None else "last completed"
         parts.append(
-            f"rank {me} {verb} {_where(my_last)} ({_what(my_last)}, {_state(my_last, now)})"
+            f"rank {me} {verb} {_where(my_last)} ({_what(my_last)}, {_state(my_last, now, True)})"
         )
         others = [r for r in ahead if r != me]
         if others:
@@ -546,7 +570,7 @@ def diagnose(
     if not behind:
         # Every rank that published stopped at the same entry.
         e = last[me] if me in last else next(iter(last.values()))
-        done = sorted(r for r, x in last.items() if x.get("end") is not None)
+        done = sorted(r for r, x in last.items() if x.get("end") is not None or r in stale)
         waiting = sorted(r for r in last if r not in done)
         if not done:
             parts = [
@@ -680,7 +704,12 @@ def recorded(name: str, op: str = "", *tensors: torch.Tensor) -> Iterator[None]:
         yield
         return
     entry = led.begin(name, op, tensors)
-    yield  # an exception leaves the entry open: it names the collective that failed
+    try:
+        yield
+    except BaseException as e:  # the entry stays open: it names the collective that failed
+        if is_collective_failure(e):
+            _keep_reporting()
+        raise
     led.end(entry)
 
 
@@ -723,17 +752,22 @@ def is_collective_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and bool(_FAILURE.search(str(exc)))
 
 
-def collective_failure(exc: BaseException) -> CollectiveError | None:
-    """For a collective failure while the ledger runs: the error to show (who is behind); else None.
+def _keep_reporting() -> None:
+    """Ignore stop signals from now on: this process reports a failed collective, then exits.
 
-    Also keeps a launcher's SIGTERM, sent once another rank has exited, from cutting the report short.
+    A launcher sends SIGTERM to every rank once one has exited; it must not cut the report short.
     """
-    led = _active
-    if led is None or not is_collective_failure(exc):
-        return None
     if threading.current_thread() is threading.main_thread():
         for s in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(s, signal.SIG_IGN)
+
+
+def collective_failure(exc: BaseException) -> CollectiveError | None:
+    """For a collective failure while the ledger runs: the error to show (who is behind); else None."""
+    led = _active
+    if led is None or not is_collective_failure(exc):
+        return None
+    _keep_reporting()
     cause = f"a collective failed on rank {led.rank}: {_cause(exc)}"
     if led.timeout_s is not None and "timed out" in cause.lower():
         cause += f" (parallel.collective_timeout_s = {led.timeout_s:g})"

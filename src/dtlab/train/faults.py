@@ -160,5 +160,7 @@ class StopSignals:
 
     def close(self) -> None:
         for s, handler in self._previous.items():
-            signal.signal(s, handler)
+            # Restore only our own: a rank reporting a failed collective has set its signals aside.
+            if signal.getsignal(s) == self._handle:
+                signal.signal(s, handler)
         self._previous.clear()
