@@ -13,7 +13,7 @@ Fault injection, for testing a setup end to end: ``DTLAB_FAULTS`` holds comma-se
 - ``hang``: after the step, the process stops taking part (a stuck node): the other ranks' next
   collective never completes; it leaves (exit 1) only when a launcher signals it to stop;
 - ``skipcoll``: the process skips the loss all-reduce of that step (the MLX engine: the gradient
-  all_sum), so its collectives are one behind the others' from there on;
+  all_sum), so its collectives are out of step with the others' from there on;
 - ``badshape``: the process issues that same collective with one element more than the others;
 - ``killsave``: while saving the checkpoint of that step, after the data files are written and before
   the manifest commits it, the process kills itself (a torn checkpoint);
