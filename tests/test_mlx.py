@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -178,6 +179,15 @@ def test_mlx_watchdog_names_the_rank_of_a_hung_collective(tmp_path: Path) -> Non
     assert proc.returncode == 1
     assert "[rank0] error: the gradient all_sum of step 4 did not finish within 5 s" in proc.stderr
     assert "Traceback" not in proc.stderr
+    # The ranks' ledgers say who is behind, and both ranks dumped theirs.
+    assert re.search(
+        r"Rank 1 \(pid \d+ on .+?\) is behind: its last collective was step 3 #3 'gradient all_sum' "
+        r"\(all_sum float32\[\d+\], completed [\d.]+ s ago\); rank 0 waits at step 4 #4 'gradient "
+        r"all_sum' \(all_sum float32\[\d+\], issued [\d.]+ s ago, not completed\)",
+        proc.stderr,
+    ), proc.stderr
+    dumps = tmp_path / "run" / "ledger"
+    assert {p.name for p in dumps.glob("rank*.json")} == {"rank0.json", "rank1.json"}
 
 
 def test_missing_mlx_is_a_clear_error(tmp_path: Path) -> None:

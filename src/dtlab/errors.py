@@ -19,6 +19,16 @@ class CheckpointError(DtlabError):
     """A checkpoint is missing, incomplete, corrupt, or does not fit the run that loads it."""
 
 
+class CollectiveError(DtlabError):
+    """A collective failed or timed out (a rank died, hung, or issued another collective).
+
+    A failure of the run, not of its input; the message says which rank is behind, or how the ranks'
+    collectives differ (see ``dtlab.parallel.ledger``).
+    """
+
+    exit_code = 1
+
+
 class Preempted(DtlabError):
     """Training stopped on a signal after saving a checkpoint; the same command resumes it."""
 

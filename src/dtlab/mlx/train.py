@@ -28,12 +28,13 @@ from dtlab.checkpoint.manager import Checkpointer
 from dtlab.checkpoint.store import step_name
 from dtlab.config import Config, check_world
 from dtlab.data import BatchLayout, BatchLoader, build_source
-from dtlab.errors import CheckpointError, DtlabError, Preempted
+from dtlab.errors import CheckpointError, CollectiveError, DtlabError, Preempted
 from dtlab.metrics.logging import logger, setup_logging
 from dtlab.metrics.report import plot_loss
 from dtlab.metrics.sinks import JsonlSink, NullSink, ProgressSink, Sink, TensorBoardSink, json_safe
-from dtlab.mlx.launch import record_exit, record_pid
+from dtlab.mlx.launch import STATUS_ENV, record_exit, record_pid
 from dtlab.mlx.model import Transformer, build_mlx_model, flat_parameters
+from dtlab.parallel.ledger import LEDGER_ENV, FileChannel, Ledger
 from dtlab.train.faults import Faults, StopSignals
 from dtlab.train.rundir import (
     RunDirLock,
@@ -64,26 +65,41 @@ def init_group(config: Config) -> Any:
         ) from None
 
 
-class CollectiveError(DtlabError):
-    """A collective failed because a peer went away: a failure of the run, not of its input."""
-
-    exit_code = 1
+__all__ = ["CollectiveError", "Trainer", "Watchdog", "train_mlx"]
 
 
 class Watchdog:
     """Turns a collective that never returns into an error that names the rank, and an exit.
 
     A rank whose peer died (or a ring ``all_sum`` that deadlocked) blocks inside MLX, where no Python
-    signal handler runs; a daemon thread watches the deadline and ends the process.
+    signal handler runs; a daemon thread watches the deadline and ends the process. With a ledger,
+    every collective is recorded, and the message says which rank is behind or how the ranks differ.
     """
 
-    def __init__(self, rank: int, timeout_s: float) -> None:
-        self.rank, self.timeout_s = rank, timeout_s
-        self.step = 0  # the optimizer step under way, for the message
+    def __init__(self, rank: int, timeout_s: float, ledger: Ledger | None = None) -> None:
+        self.rank, self.timeout_s, self.ledger = rank, timeout_s, ledger
+        self._step = 0
         self._deadline: float | None = None
         self._what = ""
         self._cv = threading.Condition()
         threading.Thread(target=self._watch, name="dtlab-watchdog", daemon=True).start()
+
+    @property
+    def step(self) -> int:
+        """The optimizer step under way, for the message and the ledger."""
+        return self._step
+
+    @step.setter
+    def step(self, step: int) -> None:
+        self._step = step
+        if self.ledger is not None:
+            self.ledger.step = step
+
+    def _explain(self, cause: str, fallback: str) -> str:
+        """``cause``, and what the ranks' ledgers say about it (or ``fallback`` without a ledger)."""
+        if self.ledger is None:
+            return f"{cause}: {fallback}"
+        return self.ledger.report(cause)
 
     def _watch(self) -> None:
         with self._cv:
@@ -95,30 +111,46 @@ class Watchdog:
                 if left > 0:
                     self._cv.wait(left)
                     continue
+                message = self._explain(
+                    f"{self._what} of step {self.step} did not finish within {self.timeout_s:g} s "
+                    "(parallel.collective_timeout_s)",
+                    "another rank died or the collective hung",
+                )
                 print(
-                    f"[rank{self.rank}] error: {self._what} of step {self.step} did not finish within "
-                    f"{self.timeout_s:g} s (parallel.collective_timeout_s): another rank died or the "
-                    "collective hung; stopping this rank",
+                    f"[rank{self.rank}] error: {message}; stopping this rank",
                     file=sys.stderr,
                     flush=True,
                 )
                 record_exit(1)
                 os._exit(1)
 
-    def run(self, what: str, fn: Callable[[], Any]) -> Any:
-        """``fn()`` (which waits on a collective), ended by the watchdog if it takes too long."""
+    def run(self, what: str, fn: Callable[[], Any], op: str = "", *arrays: mx.array) -> Any:
+        """``fn()`` (which waits on a collective), ended by the watchdog if it takes too long.
+
+        ``op`` and ``arrays`` (what the collective sends) are for the ledger.
+        """
+        entry = self.ledger.begin(what.removeprefix("the "), op, arrays) if self.ledger else None
         with self._cv:
             self._deadline, self._what = time.monotonic() + self.timeout_s, what
             self._cv.notify()
         try:
-            return fn()
+            result = fn()
         except RuntimeError as e:  # e.g. "[ring] connection to a peer was lost"
-            raise CollectiveError(
-                f"{self._what} failed on rank {self.rank}: {e} (another rank died or left)"
-            ) from None
+            failed: RuntimeError | None = e
+        else:
+            failed = None
         finally:
             with self._cv:
                 self._deadline = None
+        if failed is not None:
+            raise CollectiveError(
+                self._explain(
+                    f"{what} failed on rank {self.rank}: {failed}", "another rank died or left"
+                )
+            ) from None
+        if self.ledger is not None and entry is not None:
+            self.ledger.end(entry)
+        return result
 
 
 # --- the step --------------------------------------------------------------------------------------
@@ -179,8 +211,13 @@ class Trainer:
         watchdog: Watchdog,
         stop_flag: int = 0,
         inject_nan: bool = False,
+        collective_fault: str | None = None,
     ) -> tuple[dict[str, Any], int]:
-        """One optimizer step over this rank's micro-batches; returns (metrics, agreed stop signal)."""
+        """One optimizer step over this rank's micro-batches; returns (metrics, agreed stop signal).
+
+        ``collective_fault`` (fault injection): ``"skip"`` leaves out the gradient all_sum, ``"badshape"``
+        sends one element more.
+        """
         accum = len(micro_batches)
         loss_sum: mx.array = mx.array(0.0)
         grads: Params | None = None
@@ -196,16 +233,19 @@ class Trainer:
             loss_sum = loss_sum * float("nan")
             grads = {k: g * float("nan") for k, g in grads.items()}
         stop = stop_flag
-        if self.world > 1:
+        if self.world > 1 and collective_fault != "skip":
             # One flattened all_sum: every gradient, the loss and each rank's stop flag (a signal number;
             # the sum is non-zero when any rank was signalled).
             flat = mx.concatenate(
                 [grads[k].reshape(-1) for k in self.names]
                 + [loss_sum.reshape(1)]
                 + [mx.array([float(stop_flag)])]
+                + ([mx.array([0.0])] if collective_fault == "badshape" else [])
             )
             total = mx.distributed.all_sum(flat, group=self.group)
-            watchdog.run("the gradient all_sum", lambda: mx.eval(total))
+            watchdog.run("the gradient all_sum", lambda: mx.eval(total), "all_sum", flat)
+            if collective_fault == "badshape":
+                total = total[:-1]
             stop = int(_scalar(total[-1]))
             total = total[:-1] / self.world
             offsets = np.cumsum([0] + [self.params[k].size for k in self.names])
@@ -234,8 +274,9 @@ class Trainer:
 
     def barrier(self, watchdog: Watchdog, what: str) -> None:
         if self.world > 1:
-            x = mx.distributed.all_sum(mx.array([1.0]), group=self.group)
-            watchdog.run(what, lambda: mx.eval(x))
+            one = mx.array([1.0])
+            x = mx.distributed.all_sum(one, group=self.group)
+            watchdog.run(what, lambda: mx.eval(x), "all_sum", one)
 
     # --- state -----------------------------------------------------------------------------------
     def save(self, tmp: Path) -> None:
@@ -382,6 +423,15 @@ def _train_in(
 
     rank, world, t = group.rank(), group.size(), config.train
     is_main = rank == 0
+    ledger = None
+    if world > 1 and os.environ.get(LEDGER_ENV, "1").lower() not in ("0", "off", "false", "no"):
+        # The ranks publish their newest entries as files: in the launcher's status directory (new for
+        # each launch) or, when mlx.launch started the ranks directly, in the run directory.
+        status = os.environ.get(STATUS_ENV)
+        live = Path(status) if status else run_dir / "ledger" / "live"
+        ledger = Ledger(rank, world, FileChannel(live, rank), run_dir / "ledger", faults=faults,
+                        timeout_s=config.parallel.collective_timeout_s)  # fmt: skip
+    watchdog.ledger = ledger
     trainer = Trainer(config, group)
     loader = BatchLoader(
         build_source(config), BatchLayout(t.global_batch_size, rank, world, micro),
@@ -438,6 +488,7 @@ def _train_in(
             m, stop = trainer.step(
                 batch, lr_at(state.step, t), watchdog, signals.received,
                 inject_nan=faults.nan_loss(state.step + 1),
+                collective_fault=faults.collective_fault(state.step + 1),
             )  # fmt: skip
             if world == 1:
                 stop = signals.received
@@ -507,8 +558,11 @@ def _train_in(
     wall = time.perf_counter() - wall0
     peak = peak_memory_bytes()
     if world > 1:
-        x = mx.distributed.all_max(mx.array([float(peak)]), group=group)
-        peak = int(watchdog.run("the final all_max", lambda: _scalar(x)))
+        mine = mx.array([float(peak)])
+        x = mx.distributed.all_max(mine, group=group)
+        peak = int(watchdog.run("the final all_max", lambda: _scalar(x), "all_max", mine))
+    if ledger is not None:
+        ledger.close()  # the last collective is done
     summary: dict[str, Any] = {
         "steps": state.step,
         "engine": "mlx",

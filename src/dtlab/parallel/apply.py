@@ -27,6 +27,7 @@ from dtlab.config import Config
 from dtlab.models.llama import Transformer
 from dtlab.parallel.compression import CompressionState, apply_ddp_compression, reduce_dtype
 from dtlab.parallel.dist import DistInfo
+from dtlab.parallel.ledger import recorded
 
 # Prefixes that wrappers add to parameter names; stripped to get the plain model's names.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
@@ -149,6 +150,17 @@ class ParallelModel:
     strategy: str
     compression: CompressionState  # the hook's state between steps (part of the checkpoint)
 
+    def _ledger_name(self, enabled: bool) -> tuple[str, str]:
+        """The ledger's name for the collectives torch issues in a micro-batch ('' records nothing)."""
+        if isinstance(self.module, DistributedDataParallel):
+            # Without sync, DDP issues nothing in backward: no entry.
+            return ("ddp gradient buckets", "backward") if enabled else ("", "")
+        if isinstance(self.module, FSDPModule):
+            if enabled:
+                return ("fsdp all-gathers and reduce-scatters", "forward/backward")
+            return ("fsdp all-gathers (no gradient sync)", "forward/backward")
+        return ("", "")
+
     @contextmanager
     def grad_sync(self, enabled: bool) -> Iterator[None]:
         """Within this context, backward synchronises gradients only if ``enabled``.
@@ -156,20 +168,22 @@ class ParallelModel:
         Gradient accumulation runs all micro-batches but the last with ``enabled=False``: DDP's
         ``no_sync`` and FSDP2's ``set_requires_gradient_sync`` keep the gradients local until then.
         """
-        if enabled:
-            yield
-        elif isinstance(self.module, DistributedDataParallel):
-            with self.module.no_sync():
+        name, op = self._ledger_name(enabled)
+        with recorded(name, op):
+            if enabled:
                 yield
-        elif isinstance(self.module, FSDPModule):
-            self.module.set_requires_gradient_sync(False)
-            try:
-                yield
-            finally:
-                self.module.set_requires_gradient_sync(True)
-        else:
-            with nullcontext():
-                yield
+            elif isinstance(self.module, DistributedDataParallel):
+                with self.module.no_sync():
+                    yield
+            elif isinstance(self.module, FSDPModule):
+                self.module.set_requires_gradient_sync(False)
+                try:
+                    yield
+                finally:
+                    self.module.set_requires_gradient_sync(True)
+            else:
+                with nullcontext():
+                    yield
 
 
 def parallelize(model: Transformer, config: Config, dist_info: DistInfo) -> ParallelModel:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from dtlab.config import Config
 from dtlab.errors import ConfigError, DtlabError
+from dtlab.parallel.ledger import recorded, stop_ledger
 
 T = TypeVar("T")
 
@@ -120,8 +121,10 @@ def destroy_distributed(graceful: bool = True) -> None:
         if graceful:
             # Meet first: a rank that tears down its connections while a peer is still finishing its last
             # collectives (or writing the summary) can make the peer's gloo threads abort.
-            dist.barrier()
+            with recorded("final barrier", "barrier"):
+                dist.barrier()
         dist.destroy_process_group()
+    stop_ledger()
 
 
 def decide_on_rank0(decide: Callable[[], T], d: DistInfo) -> T:
@@ -136,7 +139,8 @@ def decide_on_rank0(decide: Callable[[], T], d: DistInfo) -> T:
         except DtlabError as e:
             box = [e]
     if dist.is_initialized():
-        dist.broadcast_object_list(box, src=0)
+        with recorded("decide_on_rank0 broadcast", "broadcast_object_list"):
+            dist.broadcast_object_list(box, src=0)
     if isinstance(box[0], DtlabError):
         raise box[0]
     return cast(T, box[0])
@@ -149,5 +153,6 @@ def reduce_scalar(value: float, op: str = "sum") -> float:
     t = torch.tensor([value], dtype=torch.float64)
     if dist.get_backend() == "nccl":
         t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    with recorded(f"reduce_scalar ({op})", "all_reduce", t):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
     return float(t.item())

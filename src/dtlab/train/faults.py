@@ -13,10 +13,16 @@ Fault injection, for testing a setup end to end: ``DTLAB_FAULTS`` holds comma-se
 - ``error``: after the step, the process raises an exception (a crash with a traceback);
 - ``hang``: after the step, the process stops taking part (a stuck node): the other ranks' next
   collective never completes; it leaves (exit 1) only when a launcher signals it to stop;
+- ``skipcoll``: the process skips the loss all-reduce of that step (the MLX engine: the gradient
+  all_sum), so its collectives are out of step with the others' from there on;
+- ``badshape``: the process issues that same collective with one element more than the others;
 - ``killsave``: while saving the checkpoint of that step, after the data files are written and before
   the manifest commits it, the process kills itself (a torn checkpoint);
 - ``failsave``: the same moment, an OSError instead (a failed write: reported, training goes on);
 - ``slowsave``: the same moment, a 3-second stall (a slow file system: rank 0 commits late).
+
+A collective that fails or times out (``hang``, ``skipcoll``, ``badshape``) is reported with the
+ranks' ledgers of collectives (:mod:`dtlab.parallel.ledger`): who is behind, or how the ranks differ.
 
 Without ``:rRANK`` a fault hits every rank. Faults fire in a launcher's first attempt only
 (``TORCHELASTIC_RESTART_COUNT`` 0), so that a restart after an injected crash can recover, and each
@@ -38,13 +44,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dtlab.errors import DtlabError, Preempted
+from dtlab.errors import CollectiveError, DtlabError, Preempted
+from dtlab.parallel.ledger import recorded
 
 __all__ = ["Faults", "InjectedError", "Preempted", "StopSignals"]
 
 FAULTS_ENV = "DTLAB_FAULTS"
 KINDS = (
-    "nan", "kill", "sigterm", "sigusr1", "sigint", "error", "hang", "killsave", "failsave", "slowsave",
+    "nan", "kill", "sigterm", "sigusr1", "sigint", "error", "hang", "killsave", "failsave",
+    "slowsave", "skipcoll", "badshape",
 )  # fmt: skip
 SLOW_SAVE_S = 3.0
 _ITEM = re.compile(r"^(?P<kind>[a-z]+)@(?P<first>\d+)(?:-(?P<last>\d+))?(?::r(?P<rank>\d+))?$")
@@ -91,6 +99,14 @@ class Faults:
     def nan_loss(self, step: int) -> bool:
         """Whether optimizer step ``step`` (1-based) gets a NaN loss."""
         return self._due("nan", step)
+
+    def collective_fault(self, step: int) -> str | None:
+        """What happens to step ``step``'s faultable collective: ``"skip"``, ``"badshape"`` or None."""
+        if self._due("skipcoll", step):
+            return "skip"
+        if self._due("badshape", step):
+            return "badshape"
+        return None
 
     def after_step(self, step: int) -> None:
         if self._due("kill", step):
@@ -161,12 +177,22 @@ class StopSignals:
         value = self.received
         if dist.is_initialized() and dist.get_world_size() > 1:
             t = torch.tensor([value], dtype=torch.int32, device=device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            with recorded("stop signal agreement", "all_reduce", t):
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
             value = int(t.item())
+            if value and value not in signal.Signals._value2member_map_:
+                # Another rank's collective of the same size met this one (gloo matches bytes, not
+                # meanings): the ranks' collectives are out of step.
+                raise CollectiveError(
+                    f"the stop signal agreement returned {value}, which is no signal number: "
+                    "another rank issued a different collective"
+                )
         return signal.Signals(value).name if value else None
 
     def close(self) -> None:
         for s, handler in self._previous.items():
-            # A stop is under way (saved, now exiting): a late signal must not turn it into a crash.
-            signal.signal(s, signal.SIG_IGN if self.received else handler)
+            # Restore only our own: a rank reporting a failed collective has set its signals aside.
+            if signal.getsignal(s) == self._handle:
+                # A stop is under way (saved, now exiting): a late signal must not turn it into a crash.
+                signal.signal(s, signal.SIG_IGN if self.received else handler)
         self._previous.clear()

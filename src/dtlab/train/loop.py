@@ -46,6 +46,7 @@ from dtlab.parallel import (
     parallelize,
 )
 from dtlab.parallel.dist import decide_on_rank0, reduce_scalar
+from dtlab.parallel.ledger import all_reduce, collective_failure, note_step, recorded, start_ledger
 from dtlab.train.faults import Faults, Preempted, StopSignals
 from dtlab.train.optim import (
     agree_local_norm,
@@ -125,7 +126,7 @@ def train_step(
             scaler.scale_loss(loss).backward()
         loss_sum += loss.detach()
     if dist.is_initialized():
-        dist.all_reduce(loss_sum)
+        all_reduce("train_step loss all_reduce", loss_sum, faultable=True)
         loss_sum /= dist.get_world_size()
     global_loss = loss_sum.item()
 
@@ -294,8 +295,12 @@ def train(config: Config) -> dict[str, Any]:
     except Preempted:
         destroy_distributed()  # every rank saved and stops together: a clean exit
         raise
-    except BaseException:
+    except BaseException as e:
+        # A collective failed: say who is behind, from the ranks' ledgers (None for other errors).
+        failure = collective_failure(e)
         destroy_distributed(graceful=False)
+        if failure is not None:
+            raise failure from None
         raise
     destroy_distributed()
     return summary
@@ -304,18 +309,19 @@ def train(config: Config) -> dict[str, Any]:
 def _train(config: Config, d: DistInfo) -> dict[str, Any]:
     setup_logging(d.rank, d.world_size)
     check_world(config, d.world_size)  # before the run directory is created
+    faults = Faults.from_env(d.rank)
     run_dir, lock = resolve_run_dir(config, d)
     try:
+        start_ledger(d, run_dir, faults, config.parallel.collective_timeout_s)
         config = config.model_copy(deep=True)
         config.run.dir = str(run_dir)
-        return _run(config, d, run_dir)
+        return _run(config, d, run_dir, faults)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _run(config: Config, d: DistInfo, run_dir: Path) -> dict[str, Any]:
-    faults = Faults.from_env(d.rank)
+def _run(config: Config, d: DistInfo, run_dir: Path, faults: Faults) -> dict[str, Any]:
     t = config.train
     tr = build_training(config, d)
     model, pm, optimizer, scheduler, scaler, loader = (
@@ -374,6 +380,7 @@ def _run(config: Config, d: DistInfo, run_dir: Path) -> dict[str, Any]:
     try:
         while state.step < t.steps:
             t0 = time.perf_counter()
+            note_step(state.step + 1)
             batch = next(loader)
             m = train_step(
                 pm, optimizer, scheduler, scaler, batch, config, d.device,
@@ -417,7 +424,8 @@ def _run(config: Config, d: DistInfo, run_dir: Path) -> dict[str, Any]:
             if stop is not None:
                 _stop(ckpt, parts, state.step, stop, run_dir, d)
             if ckpt.due(state.step) or (state.step == t.steps and config.checkpoint.every):
-                ckpt.save(state.step, parts)
+                with recorded("checkpoint save", "checkpoint"):
+                    ckpt.save(state.step, parts)
     finally:
         if profiler is not None:
             profiler.close()
@@ -463,9 +471,11 @@ def _stop(
 ) -> None:
     """Every rank saves the state after ``step`` and stops: Preempted (exit 75) only once the
     checkpoint is committed; otherwise an error that says nothing was saved."""
-    ckpt.save(step, parts, blocking=True)
+    with recorded("preemption checkpoint save", "checkpoint"):
+        ckpt.save(step, parts, blocking=True)
     # Rank 0 commits; every rank learns whether it did. Nobody exits before that.
-    committed = decide_on_rank0(lambda: step in ckpt.saved_steps, d)
+    with recorded("preemption commit agreement", "broadcast"):
+        committed = decide_on_rank0(lambda: step in ckpt.saved_steps, d)
     path = run_dir / "checkpoints" / step_name(step)
     if not committed:
         raise DtlabError(

@@ -66,8 +66,10 @@ def agree_local_norm(norm: torch.Tensor) -> tuple[torch.Tensor, bool]:
     nonfinite = not math.isfinite(norm.item())
     if not dist.is_initialized():
         return norm, nonfinite
+    from dtlab.parallel.ledger import all_reduce
+
     t = torch.stack([norm.detach().float() ** 2, norm.new_tensor(float(nonfinite))])
-    dist.all_reduce(t)
+    all_reduce("train_step grad-norm all_reduce", t)
     return (t[0] / dist.get_world_size()).sqrt(), bool(t[1] > 0)
 
 

@@ -1,0 +1,153 @@
+"""What does the ledger of collectives cost a training step? Measured side by side in one run.
+
+    python -m dtlab.bench.ledger [--preset tiny] [--nproc 2] [--blocks 8] [--block-steps 5] [--set KEY=VALUE ...]
+
+One DDP run on ``--nproc`` local gloo ranks trains blocks of steps with the ledger recording and publishing,
+and blocks without it, alternately (ABBA order), so that both see the same machine load. A step is what the
+loop does for one optimizer step: ``train_step`` and the stop-signal agreement. Printed: the median step
+time of each, their ratio, and what recording one entry costs the training thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dtlab.parallel import ledger as ledger_module
+
+
+def record_cost(n: int = 20000) -> float:
+    """Microseconds the training thread spends recording one entry (begin and end of a collective)."""
+    led = ledger_module.Ledger(0, 2)
+    t = torch.zeros(())
+    t0 = time.perf_counter()
+    for _ in range(n):
+        with led.record("train_step loss all_reduce", "all_reduce", t):
+            pass
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def publish_cost(store: Any, n: int = 1000) -> float:
+    """CPU microseconds of one publication (the newest entries as JSON, into the c10d store)."""
+    led = ledger_module.Ledger(0, 2)
+    for _ in range(ledger_module.PUBLISHED):
+        with led.record("train_step loss all_reduce", "all_reduce", torch.zeros(())):
+            pass
+    channel = ledger_module.StoreChannel(store)
+    c0 = time.process_time()
+    for _ in range(n):
+        channel.publish(0, json.dumps(led.snapshot()))
+    return (time.process_time() - c0) / n * 1e6
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank: alternate blocks of steps with and without the ledger; rank 0 prints the figures."""
+    import torch.distributed as dist
+
+    from dtlab.config import load_config
+    from dtlab.parallel import destroy_distributed, init_distributed
+    from dtlab.train.faults import StopSignals
+    from dtlab.train.loop import build_training, train_step
+
+    logging.getLogger("dtlab").disabled = True
+    config = load_config(
+        overrides=[f"model.preset={args.preset}", "parallel.strategy=ddp", *args.overrides]
+    )
+    d = init_distributed(config)
+    tr = build_training(config, d)
+    signals = StopSignals()
+    # (ledger on, median wall time, median CPU time of this process) of each timed block's steps
+    blocks: list[tuple[bool, float, float]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        led = ledger_module.start_ledger(d, Path(tmp), None, config.parallel.collective_timeout_s)
+        assert led is not None, "the ledger is off (DTLAB_LEDGER)"
+        step = 0
+        # Block 0 warms up; then ABBA: on, off, off, on, ...
+        for b in range(args.blocks + 1):
+            on = b == 0 or (b - 1) % 4 in (0, 3)
+            ledger_module._active = led if on else None
+            times, cpu = [], []
+            for _ in range(args.block_steps):
+                step += 1
+                batch = next(tr.loader)
+                dist.barrier()  # start every timed step together
+                t0, c0 = time.perf_counter(), time.process_time()
+                ledger_module.note_step(step)
+                train_step(tr.pm, tr.optimizer, tr.scheduler, tr.scaler, batch, config, d.device)
+                signals.agreed(d.device)
+                times.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
+            if b > 0:
+                blocks.append((on, statistics.median(times), statistics.median(cpu)))
+        ledger_module._active = led
+    signals.close()
+    tr.loader.close()
+    destroy_distributed()
+    if d.is_main:
+        print(
+            f"{args.preset}, ddp x {d.world_size}, {len(blocks)} blocks of {args.block_steps} steps, "
+            "alternating with and without the ledger (rank 0's figures):"
+        )
+        for k, what in ((1, "wall time"), (2, "CPU time (all threads of the process)")):
+            # Each block against its neighbour of the other kind (ABBA pairs): drifts of the load cancel.
+            ratios = [
+                (a[k] if a[0] else b[k]) / (b[k] if a[0] else a[k])
+                for a, b in zip(blocks[0::2], blocks[1::2], strict=False)
+            ]
+            with_l = statistics.median(x[k] for x in blocks if x[0])
+            without = statistics.median(x[k] for x in blocks if not x[0])
+            med = statistics.median(ratios)
+            print(
+                f"  step {what}: median {with_l * 1e3:.2f} ms with, {without * 1e3:.2f} ms without; "
+                f"with / without per pair of blocks: median {med:.3f} (min {min(ratios):.3f}, "
+                f"max {max(ratios):.3f}) -> {100 * (med - 1):+.1f}%"
+            )
+        publish = publish_cost(dist.TCPStore("127.0.0.1", 0, 1, is_master=True))
+        print(
+            f"  recording one entry: {record_cost():.1f} us in the training thread; one publication: "
+            f"{publish:.0f} us of CPU in the publisher thread, at most every "
+            f"{ledger_module.PUBLISH_S:g} s ({publish / ledger_module.PUBLISH_S / 1e4:.2f}% of a core)",
+            flush=True,
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m dtlab.bench.ledger",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument(
+        "--blocks", type=int, default=8, help="timed blocks, half of them with the ledger"
+    )
+    p.add_argument("--block-steps", type=int, default=5)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE"
+    )
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    from dtlab.launcher import LaunchSpec, launch
+
+    forwarded = [
+        "--worker", "--preset", args.preset, "--blocks", str(args.blocks),
+        "--block-steps", str(args.block_steps), *(["--set", *args.overrides] if args.overrides else []),
+    ]  # fmt: skip
+    return launch(LaunchSpec(args.nproc), forwarded, module="dtlab.bench.ledger")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
