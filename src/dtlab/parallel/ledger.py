@@ -50,6 +50,7 @@ __all__ = [
     "collective_failure",
     "diagnose",
     "note_step",
+    "publish_ledger",
     "recorded",
     "start_ledger",
     "stop_ledger",
@@ -231,6 +232,7 @@ class Ledger:
         )
         self._closing = threading.Event()
         self._dump_lock = threading.Lock()
+        self._publish_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         if channel is not None:
             self._thread = threading.Thread(
@@ -278,6 +280,12 @@ class Ledger:
             "entries": [e.as_dict() for e in entries],
         }
 
+    def publish_now(self) -> None:
+        """Publish the newest entries at once, from the calling thread (before a deliberate exit)."""
+        if self.channel is not None:
+            with self._publish_lock, contextlib.suppress(Exception):
+                self.channel.publish(self.rank, json.dumps(self.snapshot()))
+
     # The publisher thread: at most one publication per PUBLISH_S, whatever the step rate.
     def _publish_loop(self) -> None:
         assert self.channel is not None
@@ -286,7 +294,8 @@ class Ledger:
             try:
                 changes = self._changes
                 if changes != published:
-                    self.channel.publish(self.rank, json.dumps(self.snapshot()))
+                    with self._publish_lock:
+                        self.channel.publish(self.rank, json.dumps(self.snapshot()))
                     published = changes
                 now = time.monotonic()
                 if self.dumped is None and now - checked >= POLL_S:
@@ -688,6 +697,12 @@ def stop_ledger() -> None:
     if _active is not None:
         _active.close()
         _active = None
+
+
+def publish_ledger() -> None:
+    """Publish this rank's newest ledger entries now (the ``kill`` fault does, before it strikes)."""
+    if _active is not None:
+        _active.publish_now()
 
 
 def note_step(step: int) -> None:

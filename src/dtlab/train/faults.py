@@ -110,6 +110,10 @@ class Faults:
 
     def after_step(self, step: int) -> None:
         if self._due("kill", step):
+            from dtlab.parallel.ledger import publish_ledger
+
+            # What it did last is known to the others (a real kill -9 may lag one publication).
+            publish_ledger()
             os.kill(os.getpid(), signal.SIGKILL)
         for kind, sig in (
             ("sigterm", signal.SIGTERM), ("sigusr1", signal.SIGUSR1), ("sigint", signal.SIGINT),
