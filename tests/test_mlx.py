@@ -181,8 +181,8 @@ def test_mlx_watchdog_names_the_rank_of_a_hung_collective(tmp_path: Path) -> Non
     assert "Traceback" not in proc.stderr
     # The ranks' ledgers say who is behind, and both ranks dumped theirs.
     assert re.search(
-        r"Rank 1 \(pid \d+ on .+?\) is behind: its last collective was step 3 #3 'gradient all_sum' "
-        r"\(all_sum float32\[\d+\], completed [\d.]+ s ago\); rank 0 waits at step 4 #4 'gradient "
+        r"Rank 1 \(pid \d+ on .+?\) is behind: its last collective was step 3 #4 'gradient all_sum' "
+        r"\(all_sum float32\[\d+\], completed [\d.]+ s ago\); rank 0 waits at step 4 #5 'gradient "
         r"all_sum' \(all_sum float32\[\d+\], issued [\d.]+ s ago, not completed\)",
         proc.stderr,
     ), proc.stderr

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import yaml
+from torch.distributed.checkpoint.api import CheckpointException
 
 from dtlab.checkpoint.manifest import MANIFEST, _fsync_dir, verify_checkpoint, write_manifest
 from dtlab.checkpoint.state import TrainingParts, load_rng_state, rng_state
@@ -93,38 +94,50 @@ class Checkpointer:
         return every > 0 and step % every == 0
 
     def save(self, step: int, parts: TrainingParts, *, blocking: bool = False) -> None:
-        """Save the state after optimizer step ``step``; with async and not ``blocking``, in the background."""
+        """Save the state after optimizer step ``step``; with async and not ``blocking``, in the background.
+
+        A save that fails (a full disk, no permission) is reported and counted, and training goes on:
+        nothing of it is committed. Check ``step in saved_steps`` (rank 0) to know it was.
+        """
         self.wait()
         t0 = time.perf_counter()
         tmp = self.local.local_root / f".tmp-{step_name(step)}"  # type: ignore[operator]
         tensors, groups = parts.tensor_state()
         if self.d.is_main:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
-            tmp.mkdir(parents=True, exist_ok=True)
-        # A collective: no rank goes on to write (or create the directory) before the stale one is gone.
+        # A collective: no rank goes on to write (DCP creates the directory) before the stale one is
+        # gone. The JSON state is written by rank 0 when it commits, after the tensors.
         state = {"step": step, **parts.json_state(groups), "rng": self._gather_rng()}
-        if self.d.is_main:
-            (tmp / "state.json").write_text(json.dumps(state), encoding="utf-8")
-            (tmp / "config.yaml").write_text(self.config.to_yaml(), encoding="utf-8")
-        if self.config.checkpoint.async_ and not blocking:
-            future = dcp.async_save(
-                tensors,
-                storage_writer=self._writer(tmp),
-                process_group=self.group,
-                no_dist=not dist.is_initialized(),
-            )
-            wait_on: Any = getattr(future, "upload_completion", future)
-            self._thread = threading.Thread(
-                target=self._finish, args=(step, tmp, wait_on, t0), name="dtlab-ckpt", daemon=True
-            )
-            self._thread.start()
-        else:
-            try:
+        try:
+            if self.config.checkpoint.async_ and not blocking:
+                future = dcp.async_save(
+                    tensors,
+                    storage_writer=self._writer(tmp),
+                    process_group=self.group,
+                    no_dist=not dist.is_initialized(),
+                )
+                wait_on: Any = getattr(future, "upload_completion", future)
+                self._thread = threading.Thread(
+                    target=self._finish,
+                    args=(step, tmp, wait_on, t0, state),
+                    name="dtlab-ckpt",
+                    daemon=True,
+                )
+                self._thread.start()
+            else:
                 dcp.save(
                     tensors, storage_writer=self._writer(tmp), no_dist=not dist.is_initialized()
                 )
-                self._finish(step, tmp, None, t0)
-            finally:
+                self._finish(step, tmp, None, t0, state)
+        except CheckpointException as e:
+            # DCP gathered every rank's failure, so all ranks get here together.
+            causes = [exc for exc, _ in e.failures.values()]
+            if any(isinstance(c, KeyboardInterrupt) for c in causes):
+                raise KeyboardInterrupt from None  # Ctrl-C pressed again during the save
+            self._error, self._error_step = _first_cause(e), step
+            self._discard(tmp)
+        finally:
+            if self._thread is None:
                 self._report()
         self.blocked_s.append(time.perf_counter() - t0)
 
@@ -140,16 +153,29 @@ class Checkpointer:
         dist.all_gather_object(out, mine)
         return out
 
-    def _finish(self, step: int, tmp: Path, future: Any, t0: float) -> None:
-        """Wait for the write, then (rank 0) commit: manifest, rename, retention, durable copy."""
+    def _finish(
+        self, step: int, tmp: Path, future: Any, t0: float, state: dict[str, Any] | None = None
+    ) -> None:
+        """Wait for the write, then (rank 0) commit: JSON state, manifest, rename, retention, durable copy."""
         try:
             if future is not None:
                 future.result()
             if self.d.is_main:
+                if state is not None:
+                    (tmp / "state.json").write_text(json.dumps(state), encoding="utf-8")
+                    (tmp / "config.yaml").write_text(self.config.to_yaml(), encoding="utf-8")
                 self._commit(step, tmp, t0)
             self.saved_steps.append(step)
         except BaseException as e:  # reported by wait(): a failed save must not go unnoticed
-            self._error, self._error_step = e, step
+            self._error = _first_cause(e) if isinstance(e, CheckpointException) else e
+            self._error_step = step
+            self._discard(tmp)
+
+    def _discard(self, tmp: Path) -> None:
+        """Rank 0 removes what a failed save wrote (every rank is done with it): on a full disk the
+        space is needed, and nothing there was committed."""
+        if self.d.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def _commit(self, step: int, tmp: Path, t0: float) -> None:
         self.faults.before_commit(step)
@@ -197,8 +223,10 @@ class Checkpointer:
             e, self._error = self._error, None
             self.failures += 1
             logger.error(
-                "checkpoint of step %d failed: %s: %s", self._error_step, type(e).__name__, e
-            )
+                "checkpoint of step %d failed: %s: %s (nothing of it was committed; the previous "
+                "checkpoint stays the one to resume from)",
+                self._error_step, type(e).__name__, e,
+            )  # fmt: skip
 
     def wait(self) -> None:
         """Wait for the background save, if any; report its failure."""
@@ -346,6 +374,13 @@ class Checkpointer:
             return self.local.local_root / step_name(steps[-1]) if steps else None  # type: ignore[operator]
 
         return decide_on_rank0(newest, self.d)
+
+
+def _first_cause(e: CheckpointException) -> BaseException:
+    """The first rank's own error inside DCP's wrapper (e.g. the OSError of a full disk)."""
+    for _, (exc, _trace) in sorted(e.failures.items()):
+        return exc
+    return e
 
 
 def _comm_template(path: Path, prefix: str) -> dict[str, Any]:
