@@ -144,7 +144,7 @@ class StopSignals:
     """Catches SIGTERM, SIGUSR1 and SIGINT during training; ``agreed()`` tells every rank whether to stop.
 
     A signal only sets a flag: at the next step boundary every rank saves a checkpoint and stops. A
-    second SIGINT (Ctrl-C pressed again) stops at once, without saving (KeyboardInterrupt).
+    second SIGINT (Ctrl-C pressed again) stops the process at once, without saving (exit 130).
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -161,7 +161,14 @@ class StopSignals:
         if signum == signal.SIGINT:
             self.interrupts += 1
             if self.interrupts > 1:
-                raise KeyboardInterrupt
+                # At once: an exception raised here could land inside a write and be reported as a
+                # failed save. What is half-written is never committed; the kernel drops the locks.
+                print(
+                    "aborted by Ctrl-C: stopped at once, without saving",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os._exit(130)
             if os.environ.get("RANK", "0") != "0":
                 return self._set(signum)
             # Straight to the terminal: the logger may be in the middle of a line.
