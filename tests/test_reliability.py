@@ -5,9 +5,11 @@ Every run is the real CLI in fresh processes (gloo on CPU); faults are injected 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -511,3 +513,56 @@ def test_fault10_metrics_say_when_a_step_is_trained_again(tmp_path: Path) -> Non
     steps = [m["step"] for m in metrics]
     assert steps == [1, 2, 3, 4, 5, 6, 7, 8, 9, 7, 8, 9, 10]
     assert [m.get("rollback") for m in metrics] == [None] * 9 + [1] * 4
+
+
+# --- attacks: a full disk, a read-only durable tier, a storm of kills -------------------------------
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str, read_only: bool = False) -> Iterator[Path]:
+    """A small file system of its own at ``path`` (root only: mount)."""
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    path.mkdir(parents=True, exist_ok=True)
+    opts = f"size={size}" + (",ro" if read_only else "")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], check=False)
+    if done.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_attack_disk_full_during_checkpoint_writes(tmp_path: Path) -> None:
+    """Room for one checkpoint only: later saves fail with ENOSPC. Each failure is reported, nothing
+    half-written stays or is ever picked, the first checkpoint stays loadable, and a run that ends
+    without its final checkpoint does not exit 0."""
+    run = tmp_path / "run"
+    with tmpfs(run / "checkpoints", "3m"):
+        proc = train(run, "checkpoint.every=3", "checkpoint.keep=1", nproc=1, steps=9, expect=1)
+        assert (
+            "No space left on device" in proc.stderr
+            and "nothing of it was committed" in proc.stderr
+        )
+        assert "its final checkpoint could not be saved" in proc.stderr
+        assert "the newest committed checkpoint is step 3" in proc.stderr, proc.stderr
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["checkpoint_failures"] == 2 and summary["checkpoints_saved"] == 1
+        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000003"]
+        checkpoint_tensors(run / "checkpoints" / "step-00000003")  # verified and loadable
+        # The same command resumes from it (and fails the same way to save more).
+        proc = train(run, "checkpoint.every=3", "checkpoint.keep=1", nproc=1, steps=9, expect=1)
+        assert "resumed from" in proc.stderr and "step-00000003" in proc.stderr
+
+
+def test_attack_read_only_durable_tier(tmp_path: Path) -> None:
+    run, durable = tmp_path / "run", tmp_path / "durable"
+    with tmpfs(durable, "1m", read_only=True):
+        proc = train(run, "checkpoint.every=3", f"checkpoint.durable_dir={durable}", nproc=1)
+        assert "to the durable tier" not in proc.stderr  # no copy is claimed
+        assert proc.stderr.count("failed: OSError") == 2 and "Read-only file system" in proc.stderr
+        assert "the local checkpoint is committed" in proc.stderr
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["durable_copy_failures"] == 2 and summary["checkpoints_saved"] == 2
+        checkpoint_tensors(run / "checkpoints" / "step-00000006")

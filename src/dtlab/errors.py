@@ -29,6 +29,13 @@ class CollectiveError(DtlabError):
     exit_code = 1
 
 
+class OutputError(DtlabError):
+    """The run trained, but what it promised to leave behind (its final checkpoint, its summary) could
+    not be written: a full disk, a file system gone read-only. Not a mistake in the input."""
+
+    exit_code = 1
+
+
 class Preempted(DtlabError):
     """Training stopped on a signal after saving a checkpoint; the same command resumes it."""
 

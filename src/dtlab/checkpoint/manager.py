@@ -8,6 +8,7 @@ writing and committing go on in a background thread, and the next save first wai
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 import threading
@@ -42,6 +43,39 @@ from dtlab.train.faults import Faults
 warnings.filterwarnings(
     "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
 )
+
+
+# DCP writes a rank's files from several threads; a thread that fails (a full disk) dies with a
+# traceback on stderr while DCP goes on with the results of the others, as if its items had been
+# written. _CheckedWriter turns that into a failed save; the traceback becomes one recorded error.
+_writer_errors: list[BaseException] = []
+_previous_excepthook = threading.excepthook
+
+
+def _writer_thread_hook(args: threading.ExceptHookArgs) -> None:
+    if args.thread is not None and "_write_files_from_queue" in args.thread.name:
+        _writer_errors.append(args.exc_value or RuntimeError("a writer thread failed"))
+        return
+    _previous_excepthook(args)
+
+
+threading.excepthook = _writer_thread_hook
+
+
+class _CheckedWriter(dcp.FileSystemWriter):
+    """DCP's file writer, except that a save whose items were not all written fails."""
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        future = super().write_data(plan, planner)
+        written, wanted = len(future.value()), len(plan.items)
+        if written != wanted:
+            cause = _writer_errors[-1] if _writer_errors else None
+            raise OSError(
+                getattr(cause, "errno", None) or errno.EIO,
+                f"{wanted - written} of {wanted} items of this rank were not written "
+                f"(a writer thread failed: {cause})",
+            )
+        return future
 
 
 def _dir_bytes(path: Path) -> int:
@@ -85,6 +119,7 @@ class Checkpointer:
         self.last_rollback: Path | None = None
         self.saved_steps: list[int] = []
         self.failures = 0
+        self.durable_failures = 0  # copies to the durable tier that failed (the local commit stood)
         self.blocked_s: list[float] = []  # time each save kept the training thread
         self.threads = max(1, min(4, torch.get_num_threads()))
 
@@ -134,7 +169,7 @@ class Checkpointer:
             causes = [exc for exc, _ in e.failures.values()]
             if any(isinstance(c, KeyboardInterrupt) for c in causes):
                 raise KeyboardInterrupt from None  # Ctrl-C pressed again during the save
-            self._error, self._error_step = _first_cause(e), step
+            self._error, self._error_step = _first_cause(e, self.d.rank), step
             self._discard(tmp)
         finally:
             if self._thread is None:
@@ -143,7 +178,7 @@ class Checkpointer:
 
     def _writer(self, path: Path) -> dcp.FileSystemWriter:
         # Several files per rank, written by parallel threads: one thread leaves most of the disk idle.
-        return dcp.FileSystemWriter(str(path), thread_count=self.threads)
+        return _CheckedWriter(str(path), thread_count=self.threads)
 
     def _gather_rng(self) -> list[dict[str, Any]]:
         mine = rng_state()
@@ -167,7 +202,7 @@ class Checkpointer:
                 self._commit(step, tmp, t0)
             self.saved_steps.append(step)
         except BaseException as e:  # reported by wait(): a failed save must not go unnoticed
-            self._error = _first_cause(e) if isinstance(e, CheckpointException) else e
+            self._error = _first_cause(e, self.d.rank) if isinstance(e, CheckpointException) else e
             self._error_step = step
             self._discard(tmp)
 
@@ -201,22 +236,35 @@ class Checkpointer:
             step, final, size / 2**20, dt, size / 2**20 / max(dt, 1e-9),
         )  # fmt: skip
         c = self.config.checkpoint
-        if self.durable is not None and (
-            not c.durable_every or step % c.durable_every == 0 or step == self.config.train.steps
-        ):
-            self.durable.claim(self.identity)
-            if self.durable.put(final, step):
-                logger.info("checkpoint step %d copied to %s", step, self.durable.location(step))
-            else:
-                logger.info(
-                    "checkpoint step %d is already in %s", step, self.durable.location(step)
-                )
-            self.durable.prune(c.keep, protect=[step])
         # Never the checkpoint just committed, whatever else the directory holds.
         self.local.prune(c.keep, protect=[step])
         for stale in final.parent.glob(".tmp-step-*"):  # left by saves that failed or were killed
             if stale.name < tmp.name:
                 shutil.rmtree(stale, ignore_errors=True)
+        if self.durable is not None and (
+            not c.durable_every or step % c.durable_every == 0 or step == self.config.train.steps
+        ):
+            self._copy_to_durable(final, step)
+
+    def _copy_to_durable(self, final: Path, step: int) -> None:
+        """Copy a committed checkpoint to the durable tier. A failure there (read-only, full, gone) is
+        reported and counted; the local checkpoint stays committed and training goes on."""
+        assert self.durable is not None
+        where = self.durable.location(step)
+        try:
+            self.durable.claim(self.identity)
+            if self.durable.put(final, step):
+                logger.info("checkpoint step %d copied to %s", step, where)
+            else:
+                logger.info("checkpoint step %d is already in %s", step, where)
+            self.durable.prune(self.config.checkpoint.keep, protect=[step])
+        except Exception as e:  # any file system's error (fsspec backends raise their own kinds)
+            self.durable_failures += 1
+            logger.error(
+                "copy of checkpoint step %d to %s failed: %s: %s (the local checkpoint is committed; "
+                "the durable tier keeps what it had)",
+                step, where, type(e).__name__, e,
+            )  # fmt: skip
 
     def _report(self) -> None:
         if self._error is not None:
@@ -376,11 +424,17 @@ class Checkpointer:
         return decide_on_rank0(newest, self.d)
 
 
-def _first_cause(e: CheckpointException) -> BaseException:
-    """The first rank's own error inside DCP's wrapper (e.g. the OSError of a full disk)."""
-    for _, (exc, _trace) in sorted(e.failures.items()):
-        return exc
-    return e
+def _first_cause(e: CheckpointException, rank: int = 0) -> BaseException:
+    """The error inside DCP's wrapper (this rank's, else the first failing rank's), or the OSError
+    behind it: torch's writer reports a full disk as a RuntimeError raised while handling it."""
+    failures = dict(sorted(e.failures.items()))
+    if not failures:
+        return e
+    first: BaseException = failures.get(rank, next(iter(failures.values())))[0]
+    exc: BaseException | None = first
+    while exc is not None and not isinstance(exc, OSError):
+        exc = exc.__cause__ or exc.__context__
+    return exc or first
 
 
 def _comm_template(path: Path, prefix: str) -> dict[str, Any]:

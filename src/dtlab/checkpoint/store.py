@@ -190,9 +190,13 @@ class Tier:
             shutil.rmtree(final, ignore_errors=True)  # an incomplete copy (no manifest)
             tmp = self.local_root / f".tmp-{step_name(step)}"
             shutil.rmtree(tmp, ignore_errors=True)
-            shutil.copytree(local_dir, tmp, ignore=shutil.ignore_patterns(MANIFEST))
-            shutil.copy2(local_dir / MANIFEST, tmp / MANIFEST)
-            tmp.rename(final)
+            try:
+                shutil.copytree(local_dir, tmp, ignore=shutil.ignore_patterns(MANIFEST))
+                shutil.copy2(local_dir / MANIFEST, tmp / MANIFEST)
+                tmp.rename(final)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)  # never half a copy (a full disk needs room)
+                raise
             return True
         fs, root = self._fs()
         dest = f"{root}/{step_name(step)}"

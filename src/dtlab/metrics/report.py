@@ -70,6 +70,10 @@ def summary_table(s: dict[str, Any]) -> str:
         rows.append(("bad steps", f"{s['bad_steps']} skipped, {s.get('rollbacks', 0)} rollbacks"))
     if s.get("checkpoint_failures"):
         rows.append(("checkpoint failures", str(s["checkpoint_failures"])))
+    if s.get("durable_copy_failures"):
+        rows.append(("durable copy failures", str(s["durable_copy_failures"])))
+    if s.get("metrics_lost"):
+        rows.append(("metrics not written", f"{s['metrics_lost']} records (see the error above)"))
     if "run_dir" in s:
         rows.append(("run dir", s["run_dir"]))
     if "loss_plot" in s:

@@ -6,6 +6,7 @@ same methods everywhere.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -58,15 +59,26 @@ class JsonlSink:
                         kept.append(line + "\n")
                 except (ValueError, KeyError, TypeError):
                     continue  # a line torn by a crash
+        self.lost = 0  # records that could not be written (a full disk)
         self.file = path.open("w", encoding="utf-8")
         self.file.writelines(kept)
 
     def log(self, metrics: dict[str, Any]) -> None:
-        self.file.write(json.dumps(json_safe(metrics)) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps(json_safe(metrics)) + "\n")
+            self.file.flush()
+        except OSError as e:  # a full disk: say so once, count what is lost, keep training
+            self.lost += 1
+            if self.lost == 1:
+                logger.error(
+                    "metrics.jsonl: the record of step %s could not be written (%s); training goes "
+                    "on, the records lost are counted in the summary (metrics_lost)",
+                    metrics.get("step"), e.strerror or e,
+                )  # fmt: skip
 
     def close(self) -> None:
-        self.file.close()
+        with contextlib.suppress(OSError):
+            self.file.close()
 
 
 class TensorBoardSink:

@@ -30,18 +30,19 @@ from dtlab.config import Config, check_world
 from dtlab.data import BatchLayout, BatchLoader, build_source
 from dtlab.errors import CheckpointError, CollectiveError, DtlabError, Preempted
 from dtlab.metrics.logging import logger, setup_logging
-from dtlab.metrics.report import plot_loss
-from dtlab.metrics.sinks import JsonlSink, NullSink, ProgressSink, Sink, TensorBoardSink, json_safe
+from dtlab.metrics.sinks import JsonlSink, NullSink, ProgressSink, Sink, TensorBoardSink
 from dtlab.mlx.launch import STATUS_ENV, record_exit, record_pid
 from dtlab.mlx.model import Transformer, build_mlx_model, flat_parameters
 from dtlab.parallel.ledger import LEDGER_ENV, FileChannel, Ledger
 from dtlab.train.faults import Faults, StopSignals
 from dtlab.train.rundir import (
     RunDirLock,
+    check_final_checkpoint,
     check_start,
     default_run_dir,
     logged_steps,
     record_stop,
+    write_outputs,
 )
 from dtlab.train.schedules import lr_at
 
@@ -581,16 +582,18 @@ def _train_in(
         "rollbacks": 0,
         "checkpoints_saved": len(ckpt.saved_steps),
         "checkpoint_failures": ckpt.failures,
+        "durable_copy_failures": ckpt.durable_failures,
     }
-    if is_main:
-        summary["run_dir"] = str(run_dir)
-        curve = loss_curve(earlier + history)
-        if config.run.plot and curve:
-            title = f"{config.run.name}: mlx {config.parallel.strategy} x {world}"
-            summary["loss_plot"] = str(plot_loss(curve, run_dir / "loss.png", title))
-        (run_dir / "summary.json").write_text(
-            json.dumps(json_safe(summary), indent=2) + "\n", encoding="utf-8"
-        )
+
+    def outputs() -> None:
+        summary["metrics_lost"] = sum(getattr(sink, "lost", 0) for sink in sinks)
+        title = f"{config.run.name}: mlx {config.parallel.strategy} x {world}"
+        write_outputs(run_dir, summary, loss_curve(earlier + history), title, config.run.plot)
+        check_final_checkpoint(run_dir, config, state.step)
+        return None
+
+    # Decided on rank 0 and shared, so that every rank ends the same way.
+    _from_rank0(group, watchdog, "the end of the run", outputs)
     return summary
 
 

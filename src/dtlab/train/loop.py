@@ -6,7 +6,6 @@ switched off between micro-batches (``ParallelModel.grad_sync``); everything her
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import time
@@ -28,14 +27,13 @@ from dtlab.data.loader import MicroBatch
 from dtlab.errors import DtlabError
 from dtlab.metrics.logging import logger, setup_logging
 from dtlab.metrics.profiling import StepProfiler
-from dtlab.metrics.report import peak_memory_bytes, plot_loss
+from dtlab.metrics.report import peak_memory_bytes
 from dtlab.metrics.sinks import (
     JsonlSink,
     NullSink,
     ProgressSink,
     Sink,
     TensorBoardSink,
-    json_safe,
 )
 from dtlab.models.llama import build_model, count_params
 from dtlab.parallel import (
@@ -57,10 +55,12 @@ from dtlab.train.optim import (
 from dtlab.train.precision import LossScaler, autocast, check_cpu_half_precision
 from dtlab.train.rundir import (
     RunDirLock,
+    check_final_checkpoint,
     check_start,
     default_run_dir,
     logged_steps,
     record_stop,
+    write_outputs,
 )
 from dtlab.train.schedules import build_scheduler
 
@@ -443,21 +443,19 @@ def _run(config: Config, d: DistInfo, run_dir: Path, faults: Faults) -> dict[str
         rollbacks=health.rollbacks,
         checkpoints_saved=len(ckpt.saved_steps),
         checkpoint_failures=ckpt.failures,
+        durable_copy_failures=ckpt.durable_failures,
     )
     if d.is_main:
-        summary["run_dir"] = str(run_dir)
+        summary["metrics_lost"] = sum(getattr(sink, "lost", 0) for sink in sinks)
+        title = f"{config.run.name}: {config.parallel.strategy} x {d.world_size}"
         curve = loss_curve(earlier + history)
-        if config.run.plot and curve:
-            summary["loss_plot"] = str(
-                plot_loss(
-                    curve,
-                    run_dir / "loss.png",
-                    f"{config.run.name}: {config.parallel.strategy} x {d.world_size}",
-                )
-            )
-        (run_dir / "summary.json").write_text(
-            json.dumps(json_safe(summary), indent=2) + "\n", encoding="utf-8"
-        )
+
+        def outputs() -> None:
+            write_outputs(run_dir, summary, curve, title, config.run.plot)
+            check_final_checkpoint(run_dir, config, state.step)
+
+    # Decided on rank 0 and shared, so that every rank ends the same way (and none waits for another).
+    decide_on_rank0(outputs if d.is_main else lambda: None, d)
     return summary
 
 

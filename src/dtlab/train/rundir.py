@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -25,7 +26,7 @@ from typing import Any
 
 from dtlab.checkpoint.store import Tier, find_resumable_run
 from dtlab.config import Config
-from dtlab.errors import DtlabError
+from dtlab.errors import DtlabError, OutputError
 from dtlab.metrics.logging import logger
 
 LOCK = ".lock"
@@ -196,3 +197,48 @@ def stopped_with_checkpoint(run_dir: Path, run_id: str, since: float) -> dict[st
     ):
         return None
     return marker
+
+
+def write_outputs(
+    run_dir: Path, summary: dict[str, Any], curve: list[dict[str, Any]], title: str, plot: bool
+) -> None:
+    """Rank 0 at the end of a run: the loss plot (when asked for) and ``summary.json`` (atomically).
+
+    A plot that cannot be drawn is reported and left out; a summary that cannot be written is an
+    OutputError (exit 1): a finished run without its record is not a success.
+    """
+    from dtlab.metrics.report import plot_loss
+    from dtlab.metrics.sinks import json_safe
+
+    summary["run_dir"] = str(run_dir)
+    if plot and curve:
+        try:
+            summary["loss_plot"] = str(plot_loss(curve, run_dir / "loss.png", title))
+        except OSError as e:
+            logger.error("loss.png could not be written: %s", e.strerror or e)
+    path = run_dir / "summary.json"
+    tmp = path.with_name(".summary.json.tmp")
+    try:
+        tmp.write_text(json.dumps(json_safe(summary), indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise OutputError(
+            f"training finished (step {summary.get('steps')}), but {path} could not be written: "
+            f"{e.strerror or e}"
+        ) from None
+
+
+def check_final_checkpoint(run_dir: Path, config: Config, step: int) -> None:
+    """A run that checkpoints must end with its final checkpoint committed (what export and a
+    restart use); otherwise an OutputError naming the newest one it has."""
+    if not config.checkpoint.every or step != config.train.steps:
+        return
+    committed = Tier(run_dir / "checkpoints", "local").committed()
+    if step not in committed:
+        newest = f"step {committed[-1]}" if committed else "none"
+        raise OutputError(
+            f"training finished at step {step}, but its final checkpoint could not be saved (see "
+            f"the errors above); the newest committed checkpoint is {newest}"
+        )
