@@ -566,3 +566,84 @@ def test_attack_read_only_durable_tier(tmp_path: Path) -> None:
         summary = json.loads((run / "summary.json").read_text())
         assert summary["durable_copy_failures"] == 2 and summary["checkpoints_saved"] == 2
         checkpoint_tensors(run / "checkpoints" / "step-00000006")
+
+
+def _children(pid: int) -> set[int]:
+    """The running child processes of ``pid`` (the launcher's workers)."""
+    out = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.add(int(stat.parent.name))
+    return out
+
+
+def _last_step(run: Path) -> int:
+    try:
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return 0
+    steps = []
+    for line in lines:
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            steps.append(int(json.loads(line)["step"]))
+    return max(steps, default=0)
+
+
+def test_attack_kill_storm_ends_with_the_losses_of_an_uninterrupted_run(tmp_path: Path) -> None:
+    """Random ranks are killed (-9) or SIGTERMed at random steps, again and again; the launcher
+    restarts the workers each time and they resume. The run ends with exactly the losses and the
+    final state of a run that was never touched."""
+    import os
+    import random
+    import re
+    import signal
+    import time
+
+    if not Path("/proc").is_dir():
+        pytest.skip("needs /proc to find the workers")
+    steps, attacks = 40, 6
+    common = ["parallel.strategy=ddp", "checkpoint.every=2", "checkpoint.keep=2"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    train(ref, *common, steps=steps)
+    args = ["train", "--nproc", "2", "--max-restarts", str(attacks + 2), "--set", *FAST,
+            f"train.steps={steps}", f"run.dir={run}", *common]  # fmt: skip
+    w = Watched(*args)
+    rng = random.Random(14)
+    done: list[tuple[str, int, int]] = []  # (signal, rank hit, step it came after)
+    deadline = time.monotonic() + 400
+    for generation in range(attacks):
+        # This generation of workers is training (its rank 0 said so, and where it resumed).
+        w.wait_for("INFO training", timeout=120)
+        while w.err.count("INFO training") <= generation:
+            assert time.monotonic() < deadline and w.proc.poll() is None, w.err
+            time.sleep(0.01)
+        resumed = [int(x) for x in re.findall(r"resumed from \S+ \(step (\d+)\)", w.err)]
+        start = resumed[-1] if resumed else 0
+        target = min(steps - 2, start + rng.randint(1, 5))
+        while _last_step(run) < target or len(_children(w.proc.pid)) < 2:
+            assert w.proc.poll() is None, w.err
+            assert time.monotonic() < deadline, "the storm did not get through"
+            time.sleep(0.01)
+        workers = sorted(_children(w.proc.pid))
+        sig = rng.choice([signal.SIGKILL, signal.SIGTERM])
+        victim = rng.choice(workers)
+        step = _last_step(run)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, sig)
+        done.append((sig.name, workers.index(victim), step))
+        while set(workers) & _children(w.proc.pid):  # the launcher replaces both workers
+            assert time.monotonic() < deadline and w.proc.poll() is None, w.err
+            time.sleep(0.02)
+    assert w.finish(timeout=300) == 0, w.err
+    assert "Traceback" not in w.err, w.err
+    assert w.err.count("INFO training") == attacks + 1  # one start, one restart per attack
+    got, want = read_metrics(run), read_metrics(ref)
+    assert [m["step"] for m in got] == list(range(1, steps + 1))
+    diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(got, want, strict=True))
+    print(f"kill storm: {done}; max |loss diff| vs uninterrupted = {diff}")
+    assert diff == 0.0
+    assert_same_tensors(ckpt(run, steps), ckpt(ref, steps))
