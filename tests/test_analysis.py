@@ -50,8 +50,9 @@ def test_measured_collective_bytes_match_the_prediction(tmp_path: Path) -> None:
     assert two["ddp:full:1:fp16"]["bytes"]["all_reduce"] == (plain - 4) // 2 + 4
     assert sum(two["ddp:full:1:powersgd"]["bytes"].values()) < plain / 5
     assert two["ddp:full:1:dct"]["bytes"]["all_gather"] < plain / 3
-    # DeMo: no gradient all-reduce at all (only the loss and the agreed norm), packed pairs gathered.
-    assert two["ddp:full:1:demo"]["bytes"]["all_reduce"] == 8
+    # DeMo: no gradient all-reduce at all (only the loss, 4 bytes, and the agreed norm: squared norm
+    # and non-finite flag, 8 bytes), packed pairs gathered.
+    assert two["ddp:full:1:demo"]["bytes"]["all_reduce"] == 12
     assert two["ddp:full:1:demo"]["bytes"]["all_gather"] < plain / 3  # both ranks' pairs
     four = measure(tmp_path, 4, "hsdp:full:1", "fsdp:full:1", "hsdp:full:1:fp16")
     for item, r in {**two, **four}.items():

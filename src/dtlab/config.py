@@ -462,13 +462,14 @@ class CheckpointConfig(_Section):
     resume: str = Field(
         "auto",
         min_length=1,
-        description="auto: the newest complete checkpoint of this run (local or durable tier); never; "
-        "or the path of a checkpoint or of a run directory.",
+        description="auto: the newest complete checkpoint of this run (local or durable tier); never: "
+        "a new run (in a run.dir that holds none); or the path of a checkpoint or of a run directory.",
     )
     durable_dir: str | None = Field(
         None,
         min_length=1,
-        description="Durable tier: a path or fsspec URL that also receives checkpoints; null = off.",
+        description="Durable tier: a path or fsspec URL that also receives checkpoints, each run in "
+        "<durable_dir>/<run dir name>/; null = off.",
     )
     durable_every: int = Field(
         0,

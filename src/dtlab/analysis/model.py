@@ -204,10 +204,11 @@ def ddp_comm_bytes(shapes: list[ParamShape], config: Config, world: int) -> dict
     total = sum(s.numel for s in shapes)
     if config.train.optimizer == "demo":
         # No gradient all-reduce: every rank's packed (index, bf16 value) int32 pairs, top-k per chunk of
-        # each parameter, gathered by all ranks; plus the gradient norm the ranks agree on.
+        # each parameter, gathered by all ranks; plus the gradient norm the ranks agree on (the squared
+        # norm and a non-finite flag).
         d = config.train.demo
         pairs = sum(math.ceil(s.numel / d.chunk_size) * d.topk for s in shapes)
-        return {"all_gather": world * pairs * 4, "all_reduce": FP32}
+        return {"all_gather": world * pairs * 4, "all_reduce": 2 * FP32}
     if p.compression in ("fp16", "bf16"):
         return {"all_reduce": 2 * total}
     if p.compression == "powersgd":
