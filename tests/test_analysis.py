@@ -153,7 +153,7 @@ def test_plan_bad_device_is_a_clear_error() -> None:
     assert "--device 'tpu9000' is not known" in proc.stderr
 
 
-def test_plan_this_device_says_what_is_measured_and_what_is_assumed() -> None:
+def test_fault8_plan_this_device_says_what_is_measured_and_what_is_assumed() -> None:
     args = ["--device", "this", "--nproc", "2", "--nnodes", "2", "--set", "model.preset=debug"]
     proc = run_cli("plan", *args, "--json")
     assert proc.returncode == 0, proc.stderr
@@ -175,7 +175,7 @@ def test_plan_this_device_says_what_is_measured_and_what_is_assumed() -> None:
     assert h100["device"]["inter_node_source"].startswith("assumed")
 
 
-def test_link_that_cannot_be_measured_is_labelled_assumed() -> None:
+def test_fault8_a_link_that_cannot_be_measured_is_labelled_assumed() -> None:
     gbps, source = loopback_link(python="/bin/false")  # the second process dies at once
     assert gbps > 0 and source.startswith("assumed: could not be measured"), source
     assert "exited with 1" in source

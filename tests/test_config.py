@@ -231,7 +231,7 @@ def test_every_field_has_a_kind_checked_here() -> None:
 
 @pytest.mark.parametrize("key", INT_KEYS + FLOAT_KEYS)
 @pytest.mark.parametrize("value", ["true", "false"])
-def test_a_boolean_is_not_a_number(key: str, value: str) -> None:
+def test_fault10_a_boolean_is_not_a_number(key: str, value: str) -> None:
     with pytest.raises(ConfigError) as exc:
         load_config(overrides=[f"{key}={value}"])
     msg = str(exc.value)
@@ -240,7 +240,7 @@ def test_a_boolean_is_not_a_number(key: str, value: str) -> None:
 
 @pytest.mark.parametrize("key", BOOL_KEYS)
 @pytest.mark.parametrize("value", ["1", "0", "1.0", "yes", "on", "'true'"])
-def test_a_number_or_a_string_is_not_a_boolean(key: str, value: str) -> None:
+def test_fault10_a_number_or_a_string_is_not_a_boolean(key: str, value: str) -> None:
     with pytest.raises(ConfigError) as exc:
         load_config(overrides=[f"{key}={value}"])
     assert f"{key} = " in str(exc.value) and "allowed: true or false" in str(exc.value)
@@ -248,7 +248,7 @@ def test_a_number_or_a_string_is_not_a_boolean(key: str, value: str) -> None:
 
 @pytest.mark.parametrize("key", INT_KEYS)
 @pytest.mark.parametrize("value", ["2.5", "1e-300", "'5'", ".inf", ".nan", "[1]"])
-def test_integer_keys_take_whole_numbers_only(key: str, value: str) -> None:
+def test_fault10_integer_keys_take_whole_numbers_only(key: str, value: str) -> None:
     with pytest.raises(ConfigError) as exc:
         load_config(overrides=[f"{key}={value}"])
     assert f"{key} = " in str(exc.value) and "allowed: an integer" in str(exc.value)
@@ -394,7 +394,7 @@ def test_strings_that_look_like_other_values_round_trip(tmp_path: Path, name: st
         ("é" * 101, "202 bytes long"),
     ],
 )
-def test_run_name_is_one_short_path_component(name: str, needle: str) -> None:
+def test_fault10_run_name_is_one_short_path_component(name: str, needle: str) -> None:
     with pytest.raises(ConfigError) as exc:
         load_config(overrides=[f'run.name="{name}"'])
     msg = str(exc.value)

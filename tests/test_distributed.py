@@ -72,7 +72,7 @@ CLIP = 0.1
         ("hsdp", 4, ["parallel.strategy=hsdp", "parallel.replicate=2"]),
     ],
 )
-def test_clipping_is_exact_where_it_clips(
+def test_fault11_clipping_is_exact_where_it_clips(
     tmp_path: Path,
     clipped_reference: list[dict[str, Any]],
     reference_run: list[dict[str, Any]],

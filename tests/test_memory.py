@@ -136,7 +136,7 @@ SHAPES = {
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_activation_prediction_matches_the_measurement(precision: str, shape: str) -> None:
+def test_fault8_activation_prediction_matches_the_measurement(precision: str, shape: str) -> None:
     cases = {ac: _debug(precision, ac, *SHAPES[shape]) for ac in ("none", "full", "selective")}
     measured = {ac: r["measured"] for ac, r in cases.items()}
     # Checkpointing keeps really different amounts, and the measurement sees it.
@@ -173,7 +173,7 @@ def _training(ac: str) -> Training:
     return build_training(cfg, DistInfo(0, 1, 0, 1, torch.device("cpu"), None))
 
 
-def test_bench_worker_activations_differ_with_checkpointing() -> None:
+def test_fault8_measured_activations_see_checkpointing() -> None:
     cfg = load_config(overrides=["model.preset=debug", "data.seq_len=32"])
     cpu = torch.device("cpu")
     measured = {}
@@ -184,7 +184,7 @@ def test_bench_worker_activations_differ_with_checkpointing() -> None:
     assert measured["full"] < measured["selective"] < measured["none"], measured
 
 
-def test_bench_worker_gradient_bytes_are_measured_not_assumed() -> None:
+def test_fault8_gradient_bytes_are_measured_not_assumed() -> None:
     tr = _training("none")
     cfg = load_config(overrides=["model.preset=debug", "data.seq_len=32"])
     tr.model.tok_embeddings.weight.requires_grad_(

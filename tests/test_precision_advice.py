@@ -20,7 +20,7 @@ def test_advice_only_when_half_precision_is_slower() -> None:
     assert "70.2 GFLOP/s in fp32" in msg and "50x slower" in msg and "fp32" in msg
 
 
-def test_gemm_rate_agrees_with_an_independent_timing() -> None:
+def test_fault11_gemm_rate_agrees_with_an_independent_timing() -> None:
     # Independently: the CPU time this thread spends in one of the same products, 2 n^3 FLOPs; the
     # fastest of 50, taken in turns with the measurement (on a shared machine both see the same spells).
     n = 256
@@ -44,7 +44,7 @@ def test_gemm_rate_agrees_with_an_independent_timing() -> None:
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_check_advises_from_the_rates_it_is_given(precision: str) -> None:
+def test_fault11_check_advises_from_the_rates_it_is_given(precision: str) -> None:
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     asked: list[torch.dtype] = []
 
