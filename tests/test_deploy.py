@@ -174,7 +174,9 @@ def test_k8s_manifest_structure(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("nodes", "nproc"), [(1, 1), (1, 4), (2, 1), (2, 8), (3, 2), (8, 8), (100, 1)]
 )
-def test_fault9_k8s_manifests_meet_the_operators_rules(tmp_path: Path, nodes: int, nproc: int) -> None:
+def test_fault9_k8s_manifests_meet_the_operators_rules(
+    tmp_path: Path, nodes: int, nproc: int
+) -> None:
     """For every node count, the operator admits the job, and every pod's torchrun meets the others at
     one c10d rendezvous on a pod that exists, with the world size the config was checked for."""
     world = nodes * nproc
@@ -283,7 +285,9 @@ def test_k8s_default_name_is_a_valid_job_name(
 
 
 @pytest.mark.parametrize("nodes", [1, 2])
-def test_fault9_k8s_pods_rendezvous_and_train_with_the_operators_env(tmp_path: Path, nodes: int) -> None:
+def test_fault9_k8s_pods_rendezvous_and_train_with_the_operators_env(
+    tmp_path: Path, nodes: int
+) -> None:
     """Run each pod's command as written, with the environment the operator would give it and the
     rendezvous host mapped to loopback (there is no cluster DNS here): the pods meet and train."""
     docs = _k8s_here(
