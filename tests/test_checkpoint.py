@@ -17,10 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from conftest import FAST, cli_env, read_metrics, run_cli
+from conftest import FAST, checkpoint_tensors, cli_env, read_metrics, run_cli
 from dtlab.checkpoint.manifest import verify_checkpoint, write_manifest
 from dtlab.errors import CheckpointError
 
@@ -64,16 +62,7 @@ def train(
 
 def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the final checkpoint (parameters and AdamW state), unsharded."""
-    path = run_dir / "checkpoints" / f"step-{STEPS:08d}"
-    verify_checkpoint(path)
-    meta = dcp.FileSystemReader(str(path)).read_metadata()
-    tensors = {
-        k: torch.empty(m.size, dtype=m.properties.dtype)
-        for k, m in meta.state_dict_metadata.items()
-        if isinstance(m, TensorStorageMetadata)
-    }
-    dcp.load(tensors, checkpoint_id=str(path), no_dist=True)
-    return tensors
+    return checkpoint_tensors(run_dir / "checkpoints" / f"step-{STEPS:08d}")
 
 
 def losses(run_dir: Path) -> list[float]:

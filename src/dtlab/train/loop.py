@@ -57,7 +57,7 @@ from dtlab.train.rundir import (
     RunDirLock,
     check_final_checkpoint,
     check_start,
-    default_run_dir,
+    create_run_dir,
     logged_steps,
     record_stop,
     write_outputs,
@@ -166,15 +166,7 @@ def resolve_run_dir(config: Config, d: DistInfo) -> tuple[Path, RunDirLock | Non
     held: list[RunDirLock] = []
 
     def create() -> Path:
-        path = Path(config.run.dir) if config.run.dir else default_run_dir(config)
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise DtlabError(
-                f"run.dir = {str(path)!r} cannot be created: {e.strerror or e}"
-            ) from None
-        lock = RunDirLock(path)
-        lock.acquire()
+        path, lock = create_run_dir(config)
         held.append(lock)
         return path
 

@@ -46,6 +46,18 @@ def default_run_dir(config: Config) -> Path:
     return path
 
 
+def create_run_dir(config: Config) -> tuple[Path, RunDirLock]:
+    """Rank 0: pick the run directory (``run.dir`` or :func:`default_run_dir`), create it and lock it."""
+    path = Path(config.run.dir) if config.run.dir else default_run_dir(config)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DtlabError(f"run.dir = {str(path)!r} cannot be created: {e.strerror or e}") from None
+    lock = RunDirLock(path)
+    lock.acquire()
+    return path, lock
+
+
 class RunDirLock:
     """An exclusive, advisory lock on a run directory, held by the process that trains in it."""
 
