@@ -135,9 +135,10 @@ def train_step(
     norm_t = grad_norm_(params, config.train.grad_clip)
     if getattr(optimizer, "local_gradients", False):
         norm_t, nonfinite = agree_local_norm(norm_t)  # each rank's own gradients (DeMo)
+        norm = norm_t.item()
     else:
-        nonfinite = not math.isfinite(norm_t.item())
-    norm = norm_t.item()
+        norm = norm_t.item()  # one device sync
+        nonfinite = not math.isfinite(norm)
     # Loss and norm are global (all-reduced), so every rank takes the same decision.
     bad = not math.isfinite(global_loss) or (not scaler.enabled and nonfinite)
     # Judged before anything is folded in: a skipped step leaves the optimizer and compression
