@@ -51,6 +51,8 @@ ClusterName=dtlab-local
 SlurmctldHost=$host
 SlurmUser=root
 AuthType=auth/munge
+# A requeued job waits for its old credential to expire (default 120 s) before it may start again.
+AuthInfo=cred_expire=30
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SwitchType=switch/none
