@@ -115,11 +115,11 @@ def write(path: Path, text: str) -> Path:
         ),
         (
             ["--nproc", "3", "--set", "parallel.strategy=ddp", "train.global_batch_size=16"],
-            "data-parallel degree 3",
+            "16 samples cannot be split over 3 ranks",
         ),
         (
             ["--nproc", "4", "--set", "parallel.strategy=ddp", "train.global_batch_size=2"],
-            "smaller than the data-parallel degree 4",
+            "2 samples cannot be split over 4 ranks",
         ),
         (["--nproc", "2"], "'single' runs one process"),
         (["--nproc", "4", "--set", "parallel.strategy=hsdp"], "needs parallel.replicate"),

@@ -426,9 +426,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from dtlab.analysis.devices import PROFILES, this_machine
     from dtlab.analysis.plan import format_plan, plan
-    from dtlab.config import load_config
+    from dtlab.config import check_batch_split, load_config
 
     config = load_config(args.config, args.overrides)
+    # The batch must split over the ranks whatever the strategy: say so, not "nothing fits".
+    check_batch_split(config, args.nproc * args.nnodes)
     if args.device == "this":
         device = this_machine(config.train.precision)
     elif args.device in PROFILES:
@@ -469,9 +471,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if config.train.engine == "mlx":
         return _train_mlx(args, config)
     world = args.nproc * args.nnodes
+    if not is_worker_env():
+        check_world(config, world)  # once, here, before any process starts
     if is_worker_env() or world == 1:
-        if not is_worker_env():
-            check_world(config, world)
         return _train_here(config)
 
     # Fail on bad data here, once, instead of in every worker after the launch.

@@ -669,12 +669,33 @@ def _check_mlx(c: Config) -> None:
             )
 
 
+def config_warnings(config: Config) -> list[str]:
+    """Settings that are allowed but probably not meant: said once at the start of a run."""
+    t, d = config.train, config.data
+    out = []
+    if t.warmup_steps >= t.steps:
+        out.append(
+            f"train.warmup_steps = {t.warmup_steps} >= train.steps = {t.steps}: the whole run is "
+            f"warm-up, and the learning rate never reaches train.lr = {t.lr:g}"
+        )
+    if d.paths and d.source != "files":
+        out.append(
+            f"data.paths is set but data.source = {d.source!r}: the paths are not read "
+            "(data.source=files trains on them)"
+        )
+    return out
+
+
 def check_world(config: Config, world_size: int) -> int:
-    """Checks that need the world size; returns the gradient accumulation steps."""
-    p, t = config.parallel, config.train
+    """Checks that need the world size; returns the gradient accumulation steps.
+
+    Run once, in the process that launches (before any worker starts), and again by each worker.
+    """
+    p = config.parallel
     if p.strategy == "single" and world_size > 1:
         raise ConfigError(
-            f"parallel.strategy = 'single' runs one process, but {world_size} were started; use ddp, fsdp or hsdp"
+            f"parallel.strategy = 'single' runs one process, but {world_size} were asked for; use "
+            "--set parallel.strategy=ddp (or fsdp, hsdp) for several, or --nproc 1"
         )
     if p.strategy == "hsdp":
         if p.replicate is None:
@@ -685,18 +706,41 @@ def check_world(config: Config, world_size: int) -> int:
             raise ConfigError(
                 f"parallel.replicate = {p.replicate} does not divide the world size {world_size}"
             )
-    if t.global_batch_size < world_size:
-        raise ConfigError(
-            f"train.global_batch_size = {t.global_batch_size} is smaller than the data-parallel degree "
-            f"{world_size}; every rank needs at least one sample; allowed: a multiple of {world_size}"
+    return check_batch_split(config, world_size)
+
+
+def check_batch_split(config: Config, world_size: int) -> int:
+    """That the global batch splits over ``world_size`` data-parallel ranks (and into micro-batches of
+    ``train.micro_batch_size`` when it is set); returns the accumulation steps. The error says what
+    would work: process counts, global batch sizes (and micro-batch sizes)."""
+    t = config.train
+    g, micro = t.global_batch_size, t.micro_batch_size
+    unit = (micro or 1) * world_size  # what the global batch must be a multiple of
+    if g % unit == 0:
+        return 1 if micro is None else g // unit  # without micro_batch_size: no accumulation
+    worlds = [n for n in range(1, g + 1) if g % ((micro or 1) * n) == 0]
+    near = sorted(worlds, key=lambda n: (abs(n - world_size), n))[:4]
+    lower, upper = g // unit * unit, (g // unit + 1) * unit
+    sizes = " or ".join(str(x) for x in (lower, upper) if x > 0)
+    if micro is None:
+        msg = f"train.global_batch_size = {g} samples cannot be split over {world_size} ranks"
+    else:
+        msg = (
+            f"train.global_batch_size = {g} samples cannot be split into micro-batches of "
+            f"train.micro_batch_size = {micro} on {world_size} ranks ({g} is not a multiple of "
+            f"{micro} x {world_size})"
         )
-    micro = t.micro_batch_size or t.global_batch_size // world_size
-    if t.global_batch_size % (micro * world_size):
-        raise ConfigError(
-            f"train.global_batch_size = {t.global_batch_size} is not divisible by train.micro_batch_size = {micro} "
-            f"x data-parallel degree {world_size}; allowed: a multiple of {micro * world_size}"
-        )
-    return t.global_batch_size // (micro * world_size)
+    hint = f"use {_or(sorted(near))} processes, or train.global_batch_size {sizes}"
+    if micro is not None:
+        micros = [m for m in range(1, g // world_size + 1) if g % (m * world_size) == 0]
+        if micros:
+            hint += f", or train.micro_batch_size {_or(micros[-3:])}"
+    raise ConfigError(f"{msg}: {hint}")
+
+
+def _or(items: list[int]) -> str:
+    text = [str(x) for x in items]
+    return text[0] if len(text) == 1 else ", ".join(text[:-1]) + " or " + text[-1]
 
 
 # --- YAML --------------------------------------------------------------------------------------
@@ -884,7 +928,13 @@ def _read_file(path: str | Path) -> dict[str, Any]:
         if p.is_dir():
             p = p / "config.yaml"
             if not p.is_file():
-                raise ConfigError(f"config directory {str(path)!r} has no config.yaml")
+                found = sorted(str(f) for f in Path(path).glob("*.y*ml"))[:6]
+                raise ConfigError(
+                    f"{str(path)!r} is a directory without a config.yaml (not a run directory); "
+                    "give a YAML file"
+                    + (f", e.g. {', '.join(found)}" if found else "")
+                    + ", or a run directory"
+                )
         if not p.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist (or is not a file)")
         text = p.read_text(encoding="utf-8")
@@ -917,10 +967,20 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     node[parts[-1]] = parse_yaml(raw, f"--set {show(key)[1:-1]}") if raw.strip() else None
 
 
-def _format_validation_error(err: ValidationError, source: str) -> str:
-    lines = []
+def _format_validation_error(
+    err: ValidationError, source: str, overridden: dict[str, str] | None = None
+) -> str:
+    """One message for all of ``err``'s errors, each blamed on where its value came from: the
+    ``--set`` that gave it (``overridden``: dotted key -> the override as typed), else ``source``."""
+    overridden = overridden or {}
+    lines: list[tuple[str, str]] = []
     for e in err.errors():
         loc = ".".join(str(x) for x in e["loc"])
+        given = next(
+            (ov for k, ov in overridden.items() if loc and (loc == k or loc.startswith(k + "."))),
+            None,
+        )
+        where = f"--set {show(given)}" if given is not None else source
         if e["type"] == "extra_forbidden":
             section_cls: type[BaseModel] = Config
             for part in e["loc"][:-1]:
@@ -929,17 +989,28 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
                 if isinstance(ann, type) and issubclass(ann, BaseModel):
                     section_cls = ann
             valid = [f.alias or n for n, f in section_cls.model_fields.items()]
-            where = ".".join(str(x) for x in e["loc"][:-1]) or "the top level"
-            lines.append(f"unknown key {show(loc)}; valid keys in {where}: {', '.join(valid)}")
+            section = ".".join(str(x) for x in e["loc"][:-1]) or "the top level"
+            text = f"unknown key {show(loc)}; valid keys in {section}: {', '.join(valid)}"
         elif e["type"] in ("value_error", "assertion_error"):
             msg = str(e["msg"]).removeprefix("Value error, ")
-            lines.append(msg if not loc or msg.startswith(loc) else f"{loc}: {msg}")
+            text = msg if not loc or msg.startswith(loc) else f"{loc}: {msg}"
         else:
             msg = e["msg"]
             if e["type"] in ("model_type", "model_attributes_type", "dict_type"):
                 msg = "not a section; allowed: a mapping of its keys (`dtlab config --keys` lists them)"
-            lines.append(f"{loc or 'the config'} = {show(e.get('input'))}: {msg}")
-    return f"{source}: " + "; ".join(lines)
+            text = f"{loc or 'the config'} = {show(e.get('input'))}: {msg}"
+            if given is not None and isinstance(e.get("input"), (dict, list)):
+                # YAML read "a: b" as a mapping and "[a]" as a list: the text needs quotes.
+                key, _, raw = given.partition("=")
+                text += (
+                    f" (--set values are YAML, and {show(raw)} reads as a "
+                    f"{'mapping' if isinstance(e.get('input'), dict) else 'list'}; to pass it as "
+                    f"text, quote it: --set '{key}=\"{raw}\"')"
+                )
+        lines.append((where, text))
+    if len({w for w, _ in lines}) == 1:
+        return f"{lines[0][0]}: " + "; ".join(t for _, t in lines)
+    return "; ".join(f"{w}: {t}" for w, t in lines)
 
 
 def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> Config:
@@ -950,17 +1021,28 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
     names the key, the value received and what is allowed.
     """
     data = _read_file(path) if path is not None else {}
+    overridden: dict[str, str] = {}
     for ov in overrides:
         apply_override(data, ov)
-    return config_from_dict(data, str(path) if path is not None else "config")
+        overridden[ov.partition("=")[0].strip()] = ov  # a later --set of the key wins, here too
+    return config_from_dict(data, str(path) if path is not None else "config", overridden)
 
 
-def config_from_dict(data: dict[str, Any], source: str = "config") -> Config:
-    """Validate plain data as a :class:`Config`."""
+def config_from_dict(
+    data: dict[str, Any], source: str = "config", overridden: dict[str, str] | None = None
+) -> Config:
+    """Validate plain data as a :class:`Config`; errors name ``source`` (or the ``--set`` in
+    ``overridden`` that gave the value)."""
     try:
         return Config.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_format_validation_error(e, source)) from None
+        raise ConfigError(_format_validation_error(e, source, overridden)) from None
+
+
+def yaml_scalar(value: Any) -> str:
+    """``value`` as it is written in a YAML config (``tiny``, ``false``, ``null``, ``[0.9, 0.95]``)."""
+    text = yaml.dump(value, Dumper=_Dumper, default_flow_style=True, width=1000)
+    return text.removesuffix("\n...\n").strip()
 
 
 def describe_fields() -> list[tuple[str, str, str]]:
@@ -978,10 +1060,12 @@ def describe_fields() -> list[tuple[str, str, str]]:
                     rows.append(
                         (
                             f"{section}.{key}.{sub_name}",
-                            repr(defaults[section][key][sub_name]),
+                            yaml_scalar(defaults[section][key][sub_name]),
                             sf.description or "",
                         )
                     )
                 continue
-            rows.append((f"{section}.{key}", repr(defaults[section][key]), f.description or ""))
+            rows.append(
+                (f"{section}.{key}", yaml_scalar(defaults[section][key]), f.description or "")
+            )
     return rows
