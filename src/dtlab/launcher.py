@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -57,7 +58,8 @@ def launch(
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     # The elastic agent logs every restart and failure at length; the workers print their own errors.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # Of its records dtlab keeps two, said in one line: which rank died how, and the restart.
+    _report_restarts(spec)
     single_node = spec.nnodes == 1 and spec.master_addr is None and spec.master_port is None
     backend, local_addr = "c10d", None
     if single_node:
@@ -133,6 +135,51 @@ def launch(
         )
         return 1
     return 0
+
+
+class _RestartReporter(logging.Handler):
+    """Turns the elastic agent's records of a failed worker and of the restart that follows into one
+    line: ``rank 1 died (SIGKILL); restarting the workers (restart 1 of 2)``."""
+
+    FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
+    RESTART = re.compile(r"(\d+)/(\d+) attempts left; will restart")
+
+    def __init__(self, spec: LaunchSpec) -> None:
+        super().__init__(logging.INFO)
+        self.spec = spec
+        self.failure = "a worker failed"
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage()
+        except Exception:
+            return
+        if m := self.FAILED.search(text):
+            code, local = int(m[1]), int(m[2])
+            rank = self.spec.node_rank * self.spec.nproc + local
+            how = (
+                f"died ({signal.Signals(-code).name})"
+                if code < 0 and -code in signal.Signals._value2member_map_
+                else f"exited with code {code}"
+            )
+            self.failure = f"rank {rank} {how}"
+        elif m := self.RESTART.search(text):
+            left, most = int(m[1]), int(m[2])
+            print(
+                f"{self.failure}; restarting the workers (restart {most - left + 1} of {most})",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+def _report_restarts(spec: LaunchSpec) -> None:
+    elastic = logging.getLogger("torch.distributed.elastic")
+    elastic.handlers[:] = [_RestartReporter(spec)]
+    elastic.propagate = False  # nothing else of the agent's reaches the terminal
+    elastic.setLevel(logging.INFO)
+    # Each module's logger has a level of its own (torch sets WARNING): let the two records through.
+    for name in ("agent.server.api", "multiprocessing.api"):
+        logging.getLogger(f"torch.distributed.elastic.{name}").setLevel(logging.INFO)
 
 
 LOOPBACK_RENDEZVOUS = "dtlab-loopback"
