@@ -18,6 +18,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shutil
 import socket
 import time
 from datetime import datetime
@@ -49,11 +50,12 @@ def default_run_dir(config: Config) -> Path:
 def create_run_dir(config: Config) -> tuple[Path, RunDirLock]:
     """Rank 0: pick the run directory (``run.dir`` or :func:`default_run_dir`), create it and lock it."""
     path = Path(config.run.dir) if config.run.dir else default_run_dir(config)
+    created = not path.exists()
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise DtlabError(f"run.dir = {str(path)!r} cannot be created: {e.strerror or e}") from None
-    lock = RunDirLock(path)
+    lock = RunDirLock(path, created)
     lock.acquire()
     return path, lock
 
@@ -61,8 +63,9 @@ def create_run_dir(config: Config) -> tuple[Path, RunDirLock]:
 class RunDirLock:
     """An exclusive, advisory lock on a run directory, held by the process that trains in it."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, created: bool = False) -> None:
         self.run_dir = run_dir
+        self.created = created  # this run made the directory (so may remove it when it stays empty)
         self.fd: int | None = None
 
     def acquire(self) -> None:
@@ -87,7 +90,16 @@ class RunDirLock:
         self.fd = fd
 
     def release(self) -> None:
-        if self.fd is not None:
+        """Unlock; a directory this run created and left with nothing in it (it failed before writing
+        anything, e.g. on bad data) is removed, so that failed starts leave no empty run directories."""
+        if self.fd is None:
+            return
+        try:
+            if self.created and not any(
+                p.is_file() and p.name != LOCK for p in self.run_dir.rglob("*")
+            ):
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+        finally:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None
