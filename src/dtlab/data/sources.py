@@ -102,6 +102,22 @@ class TokenWindows:
         return self.tokens[start : start + self.seq_len + 1].astype(np.int64)
 
 
+def describe_data(source: SampleSource, seq_len: int, samples: int) -> str:
+    """One line on what a run will see: the corpus in tokens and samples, and how many epochs
+    ``samples`` (steps x global batch) cover."""
+    windows = getattr(source, "num_windows", None)
+    tokens = getattr(source, "tokens", None)
+    if windows is None or tokens is None:
+        return (
+            f"data: {source.name}, samples generated from their index (no end); this run trains on "
+            f"{samples:,} samples of {seq_len} tokens"
+        )
+    return (
+        f"data: {source.name}, {len(tokens):,} tokens = {windows:,} samples of {seq_len} tokens; "
+        f"this run trains on {samples:,} samples = {samples / windows:.3g} epochs"
+    )
+
+
 def encode_bytes(docs: Sequence[bytes]) -> np.ndarray:
     """The byte tokenizer: UTF-8 bytes, documents separated by byte 0."""
     return np.frombuffer(bytes([DOC_SEPARATOR]).join(docs), dtype=np.uint8)

@@ -117,22 +117,29 @@ class ProgressSink:
         self.mode = "none" if mode == "none" else ("bar" if use_bar else "lines")
         self.total, self.log_every = total, log_every
         self.bar = None
+        self._redirect: contextlib.AbstractContextManager[Any] | None = None
         if self.mode == "bar":
             from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
 
             self.bar = tqdm(
                 total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr
             )
+            # Log lines go through the bar's own writer: it clears the bar, prints the line and
+            # draws the bar again below it, instead of appending to the bar's line.
+            self._redirect = logging_redirect_tqdm(loggers=[logger], tqdm_class=tqdm)
+            self._redirect.__enter__()
 
     def step(self, metrics: dict[str, Any]) -> None:
         """Called every step (cheap); prints a line only on logged steps."""
         if self.bar is not None:
-            self.bar.update(metrics["step"] - self.bar.n)  # also right after a rollback
+            # The figures first, then the move: the bar is drawn once per step, with this step's loss.
             self.bar.set_postfix(
                 loss=f"{metrics['loss']:.4f}",
                 tok_s=f"{metrics['tokens_per_s']:,.0f}",
                 refresh=False,
             )
+            self.bar.update(metrics["step"] - self.bar.n)  # also right after a rollback
         elif self.mode == "lines" and (
             metrics["step"] % self.log_every == 0 or metrics["step"] == self.total
         ):
@@ -141,3 +148,7 @@ class ProgressSink:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
+        if self._redirect is not None:
+            self._redirect.__exit__(None, None, None)
+            self._redirect = None

@@ -26,8 +26,9 @@ from mlx.utils import tree_unflatten
 
 from dtlab.checkpoint.manager import Checkpointer
 from dtlab.checkpoint.store import step_name
-from dtlab.config import Config, check_world
+from dtlab.config import Config, check_world, config_warnings
 from dtlab.data import BatchLayout, BatchLoader, build_source
+from dtlab.data.sources import describe_data
 from dtlab.errors import CheckpointError, CollectiveError, DtlabError, Preempted
 from dtlab.metrics.logging import logger, setup_logging
 from dtlab.metrics.sinks import JsonlSink, NullSink, ProgressSink, Sink, TensorBoardSink
@@ -462,6 +463,10 @@ def _train_in(
         params / 1e6, config.parallel.strategy, world, mx.default_device(), t.global_batch_size,
         world, accum, micro, t.steps, run_dir,
     )  # fmt: skip
+    if is_main:
+        logger.info(describe_data(loader.source, config.seq_len, t.steps * t.global_batch_size))
+        for warning in config_warnings(config):
+            logger.warning(warning)
     sinks: list[Sink] = [NullSink()]
     if is_main:
         sinks = [JsonlSink(run_dir / "metrics.jsonl", resumed or 0)]

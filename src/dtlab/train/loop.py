@@ -21,9 +21,10 @@ from torch import nn
 from dtlab.checkpoint.manager import Checkpointer
 from dtlab.checkpoint.state import Health, TrainingParts
 from dtlab.checkpoint.store import step_name
-from dtlab.config import Config, check_world
+from dtlab.config import Config, check_world, config_warnings
 from dtlab.data import BatchLayout, BatchLoader, build_source
 from dtlab.data.loader import MicroBatch
+from dtlab.data.sources import describe_data
 from dtlab.errors import DtlabError
 from dtlab.metrics.logging import logger, setup_logging
 from dtlab.metrics.profiling import StepProfiler
@@ -355,6 +356,10 @@ def _run(config: Config, d: DistInfo, run_dir: Path, faults: Faults) -> dict[str
         d.world_size, tr.accum, tr.micro, t.steps, run_dir,
     )  # fmt: skip
 
+    if d.is_main:
+        logger.info(describe_data(loader.source, config.seq_len, t.steps * t.global_batch_size))
+        for warning in config_warnings(config):
+            logger.warning(warning)
     if d.is_main and d.device.type == "cpu":
         advice = check_cpu_half_precision(t.precision)
         if advice:
