@@ -7,6 +7,7 @@ also need the world size), so there is one place to read what is allowed.
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 import types
@@ -990,7 +991,12 @@ def _format_validation_error(
                     section_cls = ann
             valid = [f.alias or n for n, f in section_cls.model_fields.items()]
             section = ".".join(str(x) for x in e["loc"][:-1]) or "the top level"
-            text = f"unknown key {show(loc)}; valid keys in {section}: {', '.join(valid)}"
+            text = f"unknown key {show(loc)}"
+            close = difflib.get_close_matches(str(e["loc"][-1]), valid, n=1, cutoff=0.7)
+            if close:
+                prefix = ".".join(str(x) for x in e["loc"][:-1])
+                text += f" (did you mean {prefix + '.' if prefix else ''}{close[0]}?)"
+            text += f"; valid keys in {section}: {', '.join(valid)}"
         elif e["type"] in ("value_error", "assertion_error"):
             msg = str(e["msg"]).removeprefix("Value error, ")
             text = msg if not loc or msg.startswith(loc) else f"{loc}: {msg}"
