@@ -68,7 +68,10 @@ def test_resolved_config_round_trips(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("overrides", "needle"),
     [
-        (["train.stpes=3"], "unknown key 'train.stpes'; valid keys in train: steps"),
+        (
+            ["train.stpes=3"],
+            "unknown key 'train.stpes' (did you mean train.steps?); valid keys in train: steps",
+        ),
         (["trian.steps=3"], "unknown key 'trian'"),
         (["train.lr=abc"], "train.lr = 'abc'"),
         (["train.steps=-1"], "train.steps = -1"),
