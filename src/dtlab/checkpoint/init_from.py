@@ -65,13 +65,31 @@ class InitSource:
     notes: tuple[str, ...] = ()  # what differs from dtlab without changing any shape
 
 
-def _safe_open(path: Path) -> Any:
-    from safetensors import safe_open
+def _read_file(path: Path, tensors: bool) -> dict[str, Any]:
+    """Every tensor of one weights file: its shape (``tensors=False``, read from the header of a
+    safetensors file) or the tensor itself on the CPU. A ``.bin``/``.pt`` file is read with
+    ``torch.load(weights_only=True)``, which unpickles tensors and plain containers only."""
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
 
+        try:
+            with safe_open(str(path), framework="pt") as st:
+                if tensors:
+                    return {k: st.get_tensor(k) for k in st.keys()}  # noqa: SIM118
+                return {k: tuple(st.get_slice(k).get_shape()) for k in st.keys()}  # noqa: SIM118
+        except Exception as e:  # safetensors raises its own error types for a torn or foreign file
+            raise CheckpointError(
+                f"{KEY}: '{path}' is not a readable safetensors file: {e}"
+            ) from None
     try:
-        return safe_open(str(path), framework="pt")
-    except Exception as e:  # safetensors raises its own error types for a torn or foreign file
-        raise CheckpointError(f"{KEY}: '{path}' is not a readable safetensors file: {e}") from None
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # a torn file, a pickle with code in it, or not a torch file at all
+        raise CheckpointError(
+            f"{KEY}: '{path}' is not a readable torch weights file (read with weights_only=True): {e}"
+        ) from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(f"{KEY}: '{path}' does not hold a dict of tensors (a state dict)")
+    return {k: (v if tensors else tuple(v.shape)) for k, v in state.items()}
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -84,34 +102,37 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
+def _sharded(path: Path, index: Path) -> tuple[Path, ...]:
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{KEY}: '{index}' has no weight_map")
+    files = tuple(path / name for name in sorted(set(map(str, weight_map.values()))))
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise CheckpointError(
+            f"{KEY}: '{index}' names shards that are not there: {', '.join(missing)}"
+        )
+    return files
+
+
 def _hf_files(path: Path) -> tuple[Path, ...]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError(f"{KEY}: '{index}' has no weight_map")
-        files = tuple(path / name for name in sorted(set(map(str, weight_map.values()))))
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise CheckpointError(
-                f"{KEY}: '{index}' names shards that are not there: {', '.join(missing)}"
-            )
-        return files
-    if (path / "model.safetensors").is_file():
-        return (path / "model.safetensors",)
-    files = tuple(sorted(path.glob("*.safetensors")))
-    if files:
-        return files
-    pickled = sorted(p.name for p in path.glob("*.bin")) + sorted(
-        p.name for p in path.glob("*.pt*")
+    """The weight files of a Hugging Face directory, as ``save_pretrained`` names them: safetensors
+    when there are any (one file or an index of shards), else PyTorch's ``pytorch_model*.bin``."""
+    for index, single, pattern in (
+        ("model.safetensors.index.json", "model.safetensors", "*.safetensors"),
+        ("pytorch_model.bin.index.json", "pytorch_model.bin", "pytorch_model*.bin"),
+    ):
+        if (path / index).is_file():
+            return _sharded(path, path / index)
+        if (path / single).is_file():
+            return (path / single,)
+        files = tuple(sorted(path.glob(pattern)))
+        if files:
+            return files
+    raise CheckpointError(
+        f"{KEY}: '{path}' has config.json but no weights; allowed: model.safetensors (or shards "
+        "with model.safetensors.index.json) or pytorch_model.bin (or its shards)"
     )
-    hint = (
-        f" (only {', '.join(pickled[:3])}: dtlab reads safetensors, never pickles; convert with "
-        "transformers: LlamaForCausalLM.from_pretrained(DIR).save_pretrained(OUT))"
-        if pickled
-        else ""
-    )
-    raise CheckpointError(f"{KEY}: '{path}' has config.json but no *.safetensors{hint}")
 
 
 def _read_hf(path: Path) -> InitSource:
@@ -233,19 +254,32 @@ def _expected_tensors(m: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in build_model(m).state_dict().items()}  # on meta: free
 
 
-def _tensor_names(src: InitSource) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the source, in dtlab's names, with its shape (read from the file headers)."""
-    from dtlab.checkpoint.export import dtlab_name
+def _source_names(
+    src: InitSource, found: dict[str, Any], m: ModelConfig, tensors: bool
+) -> dict[str, Any]:
+    """``found`` (a source's tensors, or their shapes) under dtlab's names and in dtlab's layout,
+    without what dtlab derives: the rotary frequencies that older Hugging Face files kept, and a tied
+    model's lm_head copy."""
+    if src.kind == "dtlab":
+        return found
+    from dtlab.checkpoint.export import dtlab_name, dtlab_state_dict
 
-    shapes: dict[str, tuple[int, ...]] = {}
+    found = {k: v for k, v in found.items() if not k.endswith(ROTARY_BUFFER)}
+    if tensors:
+        out = dtlab_state_dict(found, m.n_heads, m.kv_heads)  # q/k rows back to rotary pairs
+    else:
+        out = {dtlab_name(k): v for k, v in found.items()}
+    if m.tie_embeddings:
+        out.pop("output.weight", None)
+    return out
+
+
+def _tensor_shapes(src: InitSource, m: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the source, in dtlab's names, with its shape (from the file headers)."""
+    shapes: dict[str, Any] = {}
     for f in src.files:
-        with _safe_open(f) as st:
-            for k in st.keys():  # noqa: SIM118
-                shapes[k] = tuple(st.get_slice(k).get_shape())
-    if src.kind == "hf":
-        # Rotary frequencies that older exports kept as tensors are derived from the config: skipped.
-        return {dtlab_name(k): v for k, v in shapes.items() if not k.endswith(ROTARY_BUFFER)}
-    return shapes
+        shapes |= _read_file(f, tensors=False)
+    return _source_names(src, shapes, m, tensors=False)
 
 
 def check_init_from(config: Config, warn: bool = True) -> InitSource:
@@ -270,7 +304,7 @@ def check_init_from(config: Config, warn: bool = True) -> InitSource:
             + f". Give the run that shape (e.g. --set {fix}) or start from other weights"
         )
     expected = _expected_tensors(m)
-    found = _tensor_names(src)
+    found = _tensor_shapes(src, m)
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(set(found) - set(expected))
     shapes = sorted(k for k in set(expected) & set(found) if found[k] != expected[k])
@@ -280,9 +314,9 @@ def check_init_from(config: Config, warn: bool = True) -> InitSource:
     if unexpected:
         problems.append(f"unexpected {_some(unexpected)}")
     if shapes:
-        problems.append(
-            "wrong shape "
-            + ", ".join(f"{k} {list(found[k])} != {list(expected[k])}" for k in shapes[:3])
+        problems.extend(
+            f"{k} has shape {list(found[k])}, the config makes {list(expected[k])}"
+            for k in shapes[:3]
         )
     if problems:
         raise CheckpointError(
@@ -316,20 +350,13 @@ def _some(names: list[str], n: int = 5) -> str:
 def load_init_state(config: Config, src: InitSource | None = None) -> dict[str, torch.Tensor]:
     """The full tensors of ``model.init_from`` on the CPU, in dtlab's names and layout, checked
     against the config (``src``: the result of :func:`check_init_from`, when already checked)."""
-    from dtlab.checkpoint.export import dtlab_state_dict
-
     src = src or check_init_from(config)
-    expected = _expected_tensors(config.model)
+    m = config.model
     state: dict[str, torch.Tensor] = {}
     for f in src.files:
-        with _safe_open(f) as st:
-            for k in st.keys():  # noqa: SIM118
-                if not k.endswith(ROTARY_BUFFER):
-                    state[k] = st.get_tensor(k)
-    if src.kind == "hf":
-        m = config.model
-        state = dtlab_state_dict(state, m.n_heads, m.kv_heads)
-    return {k: state[k] for k in expected}
+        state |= _read_file(f, tensors=True)
+    state = _source_names(src, state, m, tensors=True)
+    return {k: state[k] for k in _expected_tensors(m)}
 
 
 def apply_init_from(model: nn.Module, config: Config, d: DistInfo) -> str:
