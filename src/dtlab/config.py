@@ -237,10 +237,10 @@ class ModelConfig(_Section):
     init_from: str | None = Field(
         None,
         min_length=1,
-        description="Start from these weights instead of a random init: a dtlab export directory "
-        "(model.safetensors + config.yaml) or a local Hugging Face Llama directory (config.json + "
-        "*.safetensors); its shape must match the keys above. A run that resumes from a checkpoint "
-        "takes the checkpoint's weights instead.",
+        description="Start from these weights instead of a random init (fine-tuning): a local Hugging "
+        "Face Llama directory (config.json + model.safetensors or pytorch_model.bin, or their shards) "
+        "or a dtlab export directory (model.safetensors + config.yaml); its shape must match the keys "
+        "above. A run that resumes from a checkpoint takes the checkpoint's weights instead.",
     )
 
     @model_validator(mode="before")

@@ -6,8 +6,10 @@ Two kinds of source directory:
   names and the run's ``config.yaml``;
 - a Hugging Face Llama directory (``dtlab export --format hf``, or ``save_pretrained`` of a
   ``LlamaForCausalLM``): ``config.json`` and ``model.safetensors``, or shards named by
-  ``model.safetensors.index.json``. Its q/k rows are in Hugging Face's half-split rotary layout and are
-  permuted back to dtlab's interleaved pairs (the inverse of what the export does).
+  ``model.safetensors.index.json``, or PyTorch's ``pytorch_model.bin`` (read with
+  ``torch.load(weights_only=True)``, which unpickles tensors only). Its q/k rows are in Hugging
+  Face's half-split rotary layout and are permuted back to dtlab's interleaved pairs (the inverse of
+  what the export does).
 
 The source's shape is checked against ``config.model`` first, from its config file and the tensor headers
 (nothing is loaded), with an error that names each key that differs. Every rank then reads the full
@@ -36,7 +38,8 @@ __all__ = ["InitSource", "apply_init_from", "check_init_from", "load_init_state"
 KEY = "model.init_from"
 EXPECTED = (
     "a dtlab export directory (model.safetensors + config.yaml, from `dtlab export --format "
-    "safetensors`) or a local Hugging Face Llama directory (config.json + *.safetensors)"
+    "safetensors`) or a local Hugging Face Llama directory (config.json + *.safetensors or "
+    "pytorch_model*.bin)"
 )
 # dtlab's shape keys and the name each has in a Hugging Face Llama config.json.
 HF_NAMES = {
