@@ -86,12 +86,15 @@ def test_init_from_an_export_gives_the_exported_models_logits(
     assert torch.equal(loaded_logits(config), expected)
 
 
-def test_init_from_is_the_same_on_fsdp(exported: SimpleNamespace, tmp_path: Path) -> None:
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_init_from_is_the_same_on_two_processes(
+    exported: SimpleNamespace, tmp_path: Path, strategy: str
+) -> None:
     config = load_config(overrides=[*MODEL, f"model.init_from={exported.hf}"])
     with torch.no_grad():
         expected = reference_model(exported.state, config)(TOKENS)
     out = tmp_path / "logits.pt"
-    overrides = [*MODEL, f"model.init_from={exported.hf}", "parallel.strategy=fsdp"]
+    overrides = [*MODEL, f"model.init_from={exported.hf}", f"parallel.strategy={strategy}"]
     run_worker("init_from_worker.py", 2, str(out), *overrides)
     torch.testing.assert_close(torch.load(out), expected, rtol=1e-6, atol=1e-6)
 
@@ -123,6 +126,21 @@ def test_a_run_with_init_from_starts_from_the_exported_model(
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["init_from"] == str(exported.hf)
     assert read_metrics(run_dir)[-1]["step"] == 2
+
+
+def test_a_resumed_run_takes_its_checkpoint_not_init_from(
+    exported: SimpleNamespace, tmp_path: Path
+) -> None:
+    source = tmp_path / "source"
+    shutil.copytree(exported.hf, source)
+    run_dir = tmp_path / "run"
+    first = train_run(run_dir, f"model.init_from={source}", "checkpoint.every=2", steps=2)
+    shutil.rmtree(source)  # not needed any more: the checkpoint holds the weights
+    resumed = train_run(run_dir, f"model.init_from={source}", "checkpoint.every=2", steps=3)
+    assert [m["step"] for m in resumed] == [1, 2, 3]
+    assert [m["loss"] for m in resumed[:2]] == [m["loss"] for m in first]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from"] and summary["init_from"] is None
 
 
 def test_init_from_a_transformers_llama(tmp_path: Path) -> None:
