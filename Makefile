@@ -6,23 +6,33 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 NPROC ?= 2
 
-.PHONY: help install demo test test-fast train train-ddp train-fsdp bench format lint typecheck check clean
+.PHONY: help install install-dev demo test test-fast train train-ddp train-fsdp bench format lint typecheck check clean
 
 help:
-	@echo "make demo        train the default model with DDP on $(NPROC) processes and plot the loss"
-	@echo "make test        run the whole test suite (real gloo processes on CPU)"
+	@echo "make demo        train the tiny model on the stdlib corpus with DDP on $(NPROC) processes and plot the loss"
+	@echo "make train       train the built-in default (1 process)"
 	@echo "make train-ddp   train configs/ddp.yaml;  make train-fsdp: configs/fsdp.yaml"
-	@echo "make bench       loop-overhead benchmark (dtlab step vs a hand-written loop)"
+	@echo "make test        run the whole test suite (real gloo processes on CPU); make test-fast: not the slow ones"
+	@echo "make bench       loop overhead, checkpoint save throughput, then the strategy sweep (report in bench-out/)"
 	@echo "make check       lint + format check + type check"
+	@echo "make install     torch (CPU) and dtlab, what demo/train/bench use;  make install-dev: + the dev extra"
 
+# Two layers: the package alone (what demo, train and bench run), then the dev extra on top (tests,
+# linters, type checker, and what the tests compare against: transformers, datasets, mlx).
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+$(BIN)/.installed-dev: $(BIN)/.installed
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $@
 
 install: $(BIN)/.installed
+
+install-dev: $(BIN)/.installed-dev
 
 demo: install
 	$(BIN)/dtlab train configs/demo.yaml --nproc $(NPROC)
@@ -36,10 +46,10 @@ train-ddp: install
 train-fsdp: install
 	$(BIN)/dtlab train configs/fsdp.yaml --nproc $(NPROC)
 
-test: install
+test: install-dev
 	$(BIN)/python -m pytest -q
 
-test-fast: install
+test-fast: install-dev
 	$(BIN)/python -m pytest -q -m "not slow"
 
 bench: install
@@ -48,15 +58,15 @@ bench: install
 	$(BIN)/dtlab bench --strategies single,ddp,fsdp,hsdp --nproc 1,2,4 --steps 8 --out bench-out \
 		--set model.preset=tiny data.source=stdlib parallel.replicate=2
 
-format: install
+format: install-dev
 	$(BIN)/ruff format src tests
 	$(BIN)/ruff check --fix src tests
 
-lint: install
+lint: install-dev
 	$(BIN)/ruff check src tests
 	$(BIN)/ruff format --check src tests
 
-typecheck: install
+typecheck: install-dev
 	$(BIN)/mypy
 
 check: lint typecheck

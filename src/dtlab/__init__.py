@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     from dtlab.config import Config, load_config
     from dtlab.models.llama import build_model
 
-__all__ = ["Config", "__version__", "build_model", "load_config"]
+__all__ = ["Config", "__version__", "build_model", "load_config", "train"]
 
 
 def __getattr__(name: str) -> Any:
@@ -23,4 +23,9 @@ def __getattr__(name: str) -> Any:
         from dtlab.models.llama import build_model
 
         return build_model
+    if name == "train":
+        # The package dtlab.train, which is callable: dtlab.train(config) -> summary.
+        import importlib
+
+        return importlib.import_module("dtlab.train")
     raise AttributeError(f"module 'dtlab' has no attribute {name!r}")

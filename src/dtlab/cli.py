@@ -470,10 +470,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     if config.train.engine == "mlx":
         return _train_mlx(args, config)
+    from dtlab.checkpoint.init_from import check_before_launch
+
     world = args.nproc * args.nnodes
     if not is_worker_env():
         check_world(config, world)  # once, here, before any process starts
     if is_worker_env() or world == 1:
+        if not is_worker_env():
+            check_before_launch(config, None)
         return _train_here(config)
 
     # Fail on bad data here, once, instead of in every worker after the launch.
@@ -490,6 +494,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if config.run.dir is None:
         overrides.append(f"run.dir={run_dir}")
     check_free(run_dir)  # a run already training there: say so before starting any process
+    check_before_launch(config, run_dir)
     from dtlab.launcher import LaunchSpec, launch
 
     spec = LaunchSpec(

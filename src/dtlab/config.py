@@ -235,6 +235,14 @@ class ModelConfig(_Section):
     tie_embeddings: bool = Field(
         False, description="Share the input embedding with the output projection."
     )
+    init_from: str | None = Field(
+        None,
+        min_length=1,
+        description="Start from these weights instead of a random init (fine-tuning): a local Hugging "
+        "Face Llama directory (config.json + model.safetensors or pytorch_model.bin, or their shards) "
+        "or a dtlab export directory (model.safetensors + config.yaml); its shape must match the keys "
+        "above. A run that resumes from a checkpoint takes the checkpoint's weights instead.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -668,6 +676,11 @@ def _check_mlx(c: Config) -> None:
                 f"{key} = {value!r} is not supported with train.engine = 'mlx' "
                 f"(allowed: {', '.join(ok)})"
             )
+    if c.model.init_from is not None:
+        raise ValueError(
+            f"model.init_from = {c.model.init_from!r} is not supported with train.engine = 'mlx' "
+            "(allowed: null); train.engine = 'torch' starts from it"
+        )
 
 
 def config_warnings(config: Config) -> list[str]:

@@ -32,6 +32,8 @@ from dtlab.errors import CheckpointError, DtlabError
 
 __all__ = [
     "FORMATS",
+    "dtlab_name",
+    "dtlab_state_dict",
     "export_checkpoint",
     "export_hf",
     "export_safetensors",
@@ -201,6 +203,14 @@ def _permute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.view(n_heads, head_dim // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
 
 
+def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The inverse of :func:`_permute_rope`: rows of a Hugging Face q/k projection back to
+    interleaved rotary pairs."""
+    out_dim, in_dim = w.shape
+    head_dim = out_dim // n_heads
+    return w.view(n_heads, 2, head_dim // 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+
+
 # dtlab name (inside layers.N.) -> Hugging Face name (inside model.layers.N.)
 _HF_LAYER_NAMES = {
     "attention_norm.weight": "input_layernorm.weight",
@@ -236,6 +246,42 @@ def hf_state_dict(state: dict[str, torch.Tensor], config: Config) -> dict[str, t
             out[f"model.layers.{layer}.{_HF_LAYER_NAMES[name]}"] = value
         else:
             raise CheckpointError(f"model tensor '{key}' has no Hugging Face Llama counterpart")
+    return out
+
+
+_HF_TOP_NAMES = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_DTLAB_LAYER_NAMES = {hf: ours for ours, hf in _HF_LAYER_NAMES.items()}
+_HF_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def dtlab_name(hf_name: str) -> str:
+    """dtlab's name for the tensor a Hugging Face Llama state dict calls ``hf_name`` (the name itself
+    when dtlab has no such tensor, for the caller to report)."""
+    if hf_name in _HF_TOP_NAMES:
+        return _HF_TOP_NAMES[hf_name]
+    match = _HF_LAYER_KEY.match(hf_name)
+    if match and match.group(2) in _DTLAB_LAYER_NAMES:
+        return f"layers.{match.group(1)}.{_DTLAB_LAYER_NAMES[match.group(2)]}"
+    return hf_name
+
+
+def dtlab_state_dict(
+    state: dict[str, torch.Tensor], n_heads: int, n_kv_heads: int
+) -> dict[str, torch.Tensor]:
+    """A Hugging Face Llama state dict in dtlab's names, the q/k rows back in interleaved rotary
+    pairs: the inverse of :func:`hf_state_dict`."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        name = dtlab_name(key)
+        if name.endswith("attention.wq.weight"):
+            value = _unpermute_rope(value, n_heads)
+        elif name.endswith("attention.wk.weight"):
+            value = _unpermute_rope(value, n_kv_heads)
+        out[name] = value
     return out
 
 

@@ -64,6 +64,8 @@ def summary_table(s: dict[str, Any]) -> str:
         ("peak memory", f"{_human_bytes(s['peak_memory_bytes'])} per rank (max)"),
         ("wall time", f"{s['train_time_s']:.1f} s"),
     ]
+    if s.get("init_from"):
+        rows.append(("started from", s["init_from"]))
     if s.get("resumed_from"):
         rows.append(("resumed from", s["resumed_from"]))
     if s.get("bad_steps"):

@@ -128,16 +128,31 @@ def materialize(model: Transformer, device: torch.device, seed: int) -> None:
     """
     model.to_empty(device=device)
     for name, param in model.named_parameters():
-        full = model.initial_value(plain_name(name), param.shape, seed).to(device)
-        if isinstance(param, DTensor):
-            # src_data_rank=None: every rank holds the same full value, so each slices locally (no comm).
-            local = distribute_tensor(
-                full, param.device_mesh, param.placements, src_data_rank=None
-            ).to_local()
-            param.to_local().copy_(local)
-        else:
-            param.copy_(full)
+        copy_full_(param, model.initial_value(plain_name(name), param.shape, seed))
     model.init_buffers()
+
+
+@torch.no_grad()
+def copy_full_(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Set ``param`` to the full (unsharded) value ``full``, on any layout: a sharded parameter
+    (a DTensor: FSDP, HSDP, tensor parallel) keeps only its own slice of it."""
+    full = full.to(device=param.device, dtype=param.dtype)
+    if isinstance(param, DTensor):
+        # src_data_rank=None: every rank holds the same full value, so each slices locally (no comm).
+        local = distribute_tensor(
+            full, param.device_mesh, param.placements, src_data_rank=None
+        ).to_local()
+        param.to_local().copy_(local)
+    else:
+        param.copy_(full)
+
+
+@torch.no_grad()
+def load_full_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load full tensors keyed by the plain model's parameter names into a materialised model,
+    however it was wrapped or sharded. Every parameter must be in ``state`` (checked by the caller)."""
+    for name, param in model.named_parameters():
+        copy_full_(param, state[plain_name(name)])
 
 
 # --- the result --------------------------------------------------------------------------------------

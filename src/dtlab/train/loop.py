@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from dtlab.checkpoint.init_from import apply_init_from
 from dtlab.checkpoint.manager import Checkpointer
 from dtlab.checkpoint.state import Health, TrainingParts
 from dtlab.checkpoint.store import step_name
@@ -343,6 +344,10 @@ def _run(config: Config, d: DistInfo, run_dir: Path, faults: Faults) -> dict[str
     if resumed is not None:
         logger.info("resumed from %s (step %d)", ckpt.resumed_from, resumed)
         apply_hyperparameters(optimizer, scheduler, t)
+    # A run that starts at step 0 takes model.init_from's weights; a resumed one has its checkpoint's.
+    init_from = None
+    if resumed is None and config.model.init_from is not None:
+        init_from = apply_init_from(pm.model, config, d)
     # Only now, with the resume checks passed, does the run directory record this run's config.
     earlier: list[dict[str, Any]] = []
     if d.is_main:
@@ -437,6 +442,7 @@ def _run(config: Config, d: DistInfo, run_dir: Path, faults: Faults) -> dict[str
     summary = summarize(config, history, state, d, params, time.perf_counter() - wall0, earlier)
     summary.update(
         resumed_from=ckpt.resumed_from,
+        init_from=init_from,
         bad_steps=health.bad_steps,
         rollbacks=health.rollbacks,
         checkpoints_saved=len(ckpt.saved_steps),

@@ -1,0 +1,398 @@
+"""``model.init_from``: start a run from the weights of a dtlab export or a Hugging Face Llama directory.
+
+Two kinds of source directory:
+
+- a dtlab export (``dtlab export --format safetensors``): ``model.safetensors`` with dtlab's parameter
+  names and the run's ``config.yaml``;
+- a Hugging Face Llama directory (``dtlab export --format hf``, or ``save_pretrained`` of a
+  ``LlamaForCausalLM``): ``config.json`` and ``model.safetensors``, or shards named by
+  ``model.safetensors.index.json``, or PyTorch's ``pytorch_model.bin`` (read with
+  ``torch.load(weights_only=True)``, which unpickles tensors only). Its q/k rows are in Hugging
+  Face's half-split rotary layout and are permuted back to dtlab's interleaved pairs (the inverse of
+  what the export does).
+
+The source's shape is checked against ``config.model`` first, from its config file and the tensor headers
+(nothing is loaded), with an error that names each key that differs. Every rank then reads the full
+tensors on the CPU and keeps its own slice of each (:func:`dtlab.parallel.apply.load_full_state`), so
+the same source starts every strategy and world size from the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import nn
+
+from dtlab.config import Config, ModelConfig, parse_yaml
+from dtlab.errors import CheckpointError, ConfigError
+
+if TYPE_CHECKING:
+    from dtlab.parallel.dist import DistInfo
+
+__all__ = ["InitSource", "apply_init_from", "check_init_from", "load_init_state", "read_source"]
+
+KEY = "model.init_from"
+EXPECTED = (
+    "a dtlab export directory (model.safetensors + config.yaml, from `dtlab export --format "
+    "safetensors`) or a local Hugging Face Llama directory (config.json + *.safetensors or "
+    "pytorch_model*.bin)"
+)
+# dtlab's shape keys and the name each has in a Hugging Face Llama config.json.
+HF_NAMES = {
+    "dim": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "vocab_size": "vocab_size",
+    "ffn_dim": "intermediate_size",
+    "tie_embeddings": "tie_word_embeddings",
+}
+# Keys that shape no tensor but change what the model computes: a difference is worth a warning.
+NUMERIC = {"rope_theta": "rope_theta", "norm_eps": "rms_norm_eps"}
+ROTARY_BUFFER = "rotary_emb.inv_freq"
+
+
+@dataclass(frozen=True)
+class InitSource:
+    """A source directory, read: its kind, tensor files, and shape in dtlab's keys."""
+
+    path: Path
+    kind: Literal["dtlab", "hf"]
+    files: tuple[Path, ...]  # the safetensors files that hold the tensors
+    shape: dict[str, Any]  # dtlab key (dim, n_layers, ...) -> the source's value
+    names: dict[str, str]  # dtlab key -> what the source calls it (for messages)
+    notes: tuple[str, ...] = ()  # what differs from dtlab without changing any shape
+
+
+def _read_file(path: Path, tensors: bool) -> dict[str, Any]:
+    """Every tensor of one weights file: its shape (``tensors=False``, read from the header of a
+    safetensors file) or the tensor itself on the CPU. A ``.bin``/``.pt`` file is read with
+    ``torch.load(weights_only=True)``, which unpickles tensors and plain containers only."""
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as st:
+                if tensors:
+                    return {k: st.get_tensor(k) for k in st.keys()}  # noqa: SIM118
+                return {k: tuple(st.get_slice(k).get_shape()) for k in st.keys()}  # noqa: SIM118
+        except Exception as e:  # safetensors raises its own error types for a torn or foreign file
+            raise CheckpointError(
+                f"{KEY}: '{path}' is not a readable safetensors file: {e}"
+            ) from None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # a torn file, a pickle with code in it, or not a torch file at all
+        raise CheckpointError(
+            f"{KEY}: '{path}' is not a readable torch weights file (read with weights_only=True): {e}"
+        ) from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(f"{KEY}: '{path}' does not hold a dict of tensors (a state dict)")
+    return {k: (v if tensors else tuple(v.shape)) for k, v in state.items()}
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{KEY}: '{path}' cannot be read as JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{KEY}: '{path}' holds {type(data).__name__}, not a JSON object")
+    return data
+
+
+def _sharded(path: Path, index: Path) -> tuple[Path, ...]:
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{KEY}: '{index}' has no weight_map")
+    files = tuple(path / name for name in sorted(set(map(str, weight_map.values()))))
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise CheckpointError(
+            f"{KEY}: '{index}' names shards that are not there: {', '.join(missing)}"
+        )
+    return files
+
+
+def _hf_files(path: Path) -> tuple[Path, ...]:
+    """The weight files of a Hugging Face directory, as ``save_pretrained`` names them: safetensors
+    when there are any (one file or an index of shards), else PyTorch's ``pytorch_model*.bin``."""
+    for index, single, pattern in (
+        ("model.safetensors.index.json", "model.safetensors", "*.safetensors"),
+        ("pytorch_model.bin.index.json", "pytorch_model.bin", "pytorch_model*.bin"),
+    ):
+        if (path / index).is_file():
+            return _sharded(path, path / index)
+        if (path / single).is_file():
+            return (path / single,)
+        files = tuple(sorted(path.glob(pattern)))
+        if files:
+            return files
+    raise CheckpointError(
+        f"{KEY}: '{path}' has config.json but no weights; allowed: model.safetensors (or shards "
+        "with model.safetensors.index.json) or pytorch_model.bin (or its shards)"
+    )
+
+
+def _read_hf(path: Path) -> InitSource:
+    cfg = _read_json(path / "config.json")
+    where = f"'{path / 'config.json'}'"
+    model_type = cfg.get("model_type")
+    if model_type != "llama":
+        raise ConfigError(
+            f"{KEY} = '{path}': {where} has model_type {model_type!r}; allowed: 'llama' "
+            "(a Llama-architecture model)"
+        )
+    for flag in ("attention_bias", "mlp_bias"):
+        if cfg.get(flag):
+            raise ConfigError(
+                f"{KEY} = '{path}': {where} has {flag} = true; dtlab's Llama has no biases"
+            )
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(
+            f"{KEY} = '{path}': {where} has hidden_act {act!r}; dtlab's SwiGLU uses 'silu'"
+        )
+    missing = [
+        HF_NAMES[k]
+        for k in ("dim", "n_layers", "n_heads", "vocab_size", "ffn_dim")
+        if HF_NAMES[k] not in cfg
+    ]
+    if missing:
+        raise ConfigError(f"{KEY} = '{path}': {where} lacks {', '.join(missing)}")
+    shape = {k: cfg.get(hf) for k, hf in HF_NAMES.items()}
+    if shape["n_kv_heads"] is None:
+        shape["n_kv_heads"] = shape["n_heads"]
+    shape["tie_embeddings"] = bool(cfg.get("tie_word_embeddings", False))
+    names = dict(HF_NAMES)
+    head_dim = cfg.get("head_dim")
+    if head_dim is not None and shape["n_heads"] and head_dim * shape["n_heads"] != shape["dim"]:
+        raise ConfigError(
+            f"{KEY} = '{path}': {where} has head_dim {head_dim} x num_attention_heads "
+            f"{shape['n_heads']} != hidden_size {shape['dim']}; dtlab's heads are hidden_size / n_heads"
+        )
+    # transformers < 5 writes rope_theta and rope_scaling; 5 writes rope_parameters (either may be null).
+    rope = cfg.get("rope_parameters")
+    rope = rope if isinstance(rope, dict) else {}
+    shape["rope_theta"] = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
+    shape["norm_eps"] = cfg.get("rms_norm_eps") or 1e-6
+    names |= NUMERIC
+    notes = []
+    scaling = cfg.get("rope_scaling") or rope
+    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+    if kind not in (None, "default"):
+        notes.append(
+            f"{where} has rope scaling {kind!r}, which dtlab's RoPE does not apply: the model "
+            "computes other logits than the original"
+        )
+    return InitSource(path, "hf", _hf_files(path), shape, names, tuple(notes))
+
+
+def _read_dtlab(path: Path) -> InitSource:
+    cfg_path = path / "config.yaml"
+    try:
+        text = cfg_path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{KEY}: '{cfg_path}' cannot be read: {e}") from None
+    data = parse_yaml(text, str(cfg_path))
+    section = data.get("model") if isinstance(data, dict) else None
+    if not isinstance(section, dict):
+        raise CheckpointError(f"{KEY}: '{cfg_path}' has no model section")
+    known = {k: v for k, v in section.items() if k in ModelConfig.model_fields and k != "init_from"}
+    try:
+        m = ModelConfig.model_validate(known)
+    except ValueError as e:
+        raise CheckpointError(
+            f"{KEY}: the model section of '{cfg_path}' is not valid: {e}"
+        ) from None
+    shape = {k: getattr(m, k) for k in HF_NAMES}
+    shape["n_kv_heads"], shape["ffn_dim"] = m.kv_heads, m.hidden_dim
+    shape["rope_theta"], shape["norm_eps"] = m.rope_theta, m.norm_eps
+    names = {k: k for k in shape}
+    return InitSource(path, "dtlab", (path / "model.safetensors",), shape, names)
+
+
+def read_source(path: str | Path) -> InitSource:
+    """What directory ``path`` holds (a dtlab export or a Hugging Face Llama directory), read from its
+    config file; raises a ConfigError or CheckpointError that names the path and what is allowed."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"{KEY} = '{path}' does not exist; allowed: {EXPECTED}")
+    if not p.is_dir():
+        raise ConfigError(f"{KEY} = '{path}' is not a directory; allowed: {EXPECTED}")
+    if (p / "config.json").is_file():
+        return _read_hf(p)
+    if (p / "config.yaml").is_file() and (p / "model.safetensors").is_file():
+        return _read_dtlab(p)
+    if (p / "checkpoints").is_dir() or (p / ".metadata").is_file():
+        hint = (
+            "; it is a dtlab run or checkpoint: export it first (dtlab export "
+            f"{path} --format safetensors --out DIR) and start from DIR, or continue it with "
+            "checkpoint.resume"
+        )
+    else:
+        hint = ""
+    raise ConfigError(f"{KEY} = '{path}' is neither; allowed: {EXPECTED}{hint}")
+
+
+def _model_shape(m: ModelConfig) -> dict[str, Any]:
+    return {
+        "dim": m.dim,
+        "n_layers": m.n_layers,
+        "n_heads": m.n_heads,
+        "n_kv_heads": m.kv_heads,
+        "vocab_size": m.vocab_size,
+        "ffn_dim": m.hidden_dim,
+        "tie_embeddings": m.tie_embeddings,
+    }
+
+
+def _expected_tensors(m: ModelConfig) -> dict[str, tuple[int, ...]]:
+    from dtlab.models.llama import build_model
+
+    return {k: tuple(v.shape) for k, v in build_model(m).state_dict().items()}  # on meta: free
+
+
+def _source_names(
+    src: InitSource, found: dict[str, Any], m: ModelConfig, tensors: bool
+) -> dict[str, Any]:
+    """``found`` (a source's tensors, or their shapes) under dtlab's names and in dtlab's layout,
+    without what dtlab derives: the rotary frequencies that older Hugging Face files kept, and a tied
+    model's lm_head copy."""
+    if src.kind == "dtlab":
+        return found
+    from dtlab.checkpoint.export import dtlab_name, dtlab_state_dict
+
+    found = {k: v for k, v in found.items() if not k.endswith(ROTARY_BUFFER)}
+    if tensors:
+        out = dtlab_state_dict(found, m.n_heads, m.kv_heads)  # q/k rows back to rotary pairs
+    else:
+        out = {dtlab_name(k): v for k, v in found.items()}
+    if m.tie_embeddings:
+        out.pop("output.weight", None)
+    return out
+
+
+def _tensor_shapes(src: InitSource, m: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the source, in dtlab's names, with its shape (from the file headers)."""
+    shapes: dict[str, Any] = {}
+    for f in src.files:
+        shapes |= _read_file(f, tensors=False)
+    return _source_names(src, shapes, m, tensors=False)
+
+
+def check_init_from(config: Config, warn: bool = True) -> InitSource:
+    """Read the source ``model.init_from`` names and check it against ``config.model``: the shape keys
+    first (a ConfigError that names each key that differs, as the config and as the source say it),
+    then every tensor's name and shape from the file headers. Loads no tensor."""
+    m = config.model
+    assert m.init_from is not None
+    src = read_source(m.init_from)
+    ours = _model_shape(m)
+    where = "config.json" if src.kind == "hf" else "config.yaml"
+    wrong = [k for k in ours if src.shape.get(k) != ours[k]]
+    if wrong:
+        parts = [
+            f"model.{k} = {_show(ours[k])} but '{src.path}' has {src.names[k]} {_show(src.shape[k])}"
+            for k in wrong
+        ]
+        fix = " ".join(f"model.{k}={_show(src.shape[k])}" for k in wrong)
+        raise ConfigError(
+            f"{KEY}: the model does not have the shape of the weights ({where}): "
+            + "; ".join(parts)
+            + f". Give the run that shape (e.g. --set {fix}) or start from other weights"
+        )
+    expected = _expected_tensors(m)
+    found = _tensor_shapes(src, m)
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    shapes = sorted(k for k in set(expected) & set(found) if found[k] != expected[k])
+    problems = []
+    if missing:
+        problems.append(f"missing {_some(missing)}")
+    if unexpected:
+        problems.append(f"unexpected {_some(unexpected)}")
+    if shapes:
+        problems.extend(
+            f"{k} has shape {list(found[k])}, the config makes {list(expected[k])}"
+            for k in shapes[:3]
+        )
+    if problems:
+        raise CheckpointError(
+            f"{KEY}: the tensors in '{src.path}' do not match its {where}: " + "; ".join(problems)
+        )
+    if warn:
+        from dtlab.metrics.logging import logger
+
+        for k, source_name in NUMERIC.items():
+            theirs, mine = src.shape.get(k), getattr(m, k)
+            if theirs is not None and theirs != mine:
+                logger.warning(
+                    "model.%s = %s but '%s' has %s %s: the model computes other logits than the "
+                    "one it starts from (set model.%s=%s to keep them)",
+                    k, mine, src.path, src.names.get(k, source_name), theirs, k, theirs,
+                )  # fmt: skip
+        for note in src.notes:
+            logger.warning("%s: %s", KEY, note)
+    return src
+
+
+def _show(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _some(names: list[str], n: int = 5) -> str:
+    more = f" and {len(names) - n} more" if len(names) > n else ""
+    return ", ".join(names[:n]) + more
+
+
+def load_init_state(config: Config, src: InitSource | None = None) -> dict[str, torch.Tensor]:
+    """The full tensors of ``model.init_from`` on the CPU, in dtlab's names and layout, checked
+    against the config (``src``: the result of :func:`check_init_from`, when already checked)."""
+    src = src or check_init_from(config)
+    m = config.model
+    state: dict[str, torch.Tensor] = {}
+    for f in src.files:
+        state |= _read_file(f, tensors=True)
+    state = _source_names(src, state, m, tensors=True)
+    return {k: state[k] for k in _expected_tensors(m)}
+
+
+def apply_init_from(model: nn.Module, config: Config, d: DistInfo) -> str:
+    """Every rank: load ``model.init_from`` into the materialised (and wrapped or sharded) ``model``;
+    returns the path. Rank 0 checks the source first and every rank gets its answer (or its error)."""
+    from dtlab.metrics.logging import logger
+    from dtlab.parallel.apply import load_full_state
+    from dtlab.parallel.dist import decide_on_rank0
+
+    src = decide_on_rank0(lambda: check_init_from(config), d)
+    load_full_state(model, load_init_state(config, src))
+    logger.info(
+        "weights from %s (%s)",
+        src.path,
+        "Hugging Face Llama" if src.kind == "hf" else "dtlab export",
+    )
+    return str(src.path)
+
+
+def check_before_launch(config: Config, run_dir: Path | None) -> None:
+    """In the process that starts the workers: check ``model.init_from`` once, before any worker
+    starts, unless the run may resume from a checkpoint (which brings its own weights, so the source
+    is not needed then; the workers check it when they do use it)."""
+    if config.model.init_from is None:
+        return
+    c = config.checkpoint
+    if c.resume != "never":
+        if c.resume != "auto" or c.durable_dir is not None:
+            return
+        from dtlab.checkpoint.store import Tier, find_resumable_run
+
+        if run_dir is None:
+            run_dir = Path(config.run.dir) if config.run.dir else find_resumable_run(config)
+        if run_dir is not None and Tier(run_dir / "checkpoints", "local").committed():
+            return
+    check_init_from(config, warn=False)
