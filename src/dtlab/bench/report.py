@@ -152,7 +152,7 @@ def plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     fig.savefig(paths[-1])
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows)), 4), dpi=100)
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows)) + 2.5, 4), dpi=100)
     bottom = [0.0] * len(rows)
     colors = [c for _, _, c in MEMORY_PARTS] + ["#bbbbbb"]
     for (name, vals), color in zip(memory_segments(rows), colors, strict=True):
@@ -170,9 +170,9 @@ def plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     ax.bar_label(top, peaks, fontsize=7)
     ax.set_xticks(list(x), names, rotation=30, ha="right")
     ax.set_ylabel("MiB per rank")
-    ax.set_title("Memory per rank (measured): its parts and the rest of the peak")
+    ax.set_title("Memory per rank (measured): its parts and the rest of the peak", fontsize=10)
     ax.margins(y=0.12)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside: the bars are tall
     fig.tight_layout()
     paths.append(out / "memory.png")
     fig.savefig(paths[-1])
