@@ -94,7 +94,10 @@ def plot_loss_curves(ax: Any, curves: dict[str, list[float]], title: str) -> lis
             fillstyle="none",
         )
     groups = coinciding(curves)
-    ax.set_title(title + coincide_note(groups), fontsize=9 if groups else None)
+    if groups:
+        ax.set_title(title + coincide_note(groups), fontsize=9)  # a longer title
+    else:
+        ax.set_title(title)
     ax.set_xlabel("optimizer step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     ax.legend(fontsize=7)
