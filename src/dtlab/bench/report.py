@@ -354,7 +354,7 @@ def interpretation(rows: list[dict[str, Any]]) -> list[str]:
         if r["mfu"] is not None and r["mfu"] > 1:
             out.append(f"- {label(r)}: MFU {format_mfu(r['mfu'], r['peak_flops_source'])}.")
     rest = dict(memory_segments(rows))[UNMODELLED]
-    share = [o * MIB / r["peak_memory_bytes"] for o, r in zip(rest, rows, strict=True)]
+    share = [o * MIB / (r["peak_memory_bytes"] or 1) for o, r in zip(rest, rows, strict=True)]
     out.append(
         f"- Not modelled (runtime, allocator, buffers): {min(rest):,.0f}-{max(rest):,.0f} MiB per rank, "
         f"{min(share):.0%}-{max(share):.0%} of the peak; the grey segment of memory.png."
