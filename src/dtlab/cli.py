@@ -275,8 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--nnodes", type=_positive, default=1, help="number of nodes")
     pl.add_argument(
         "--device",
-        default="h100",
-        help="device profile: " + ", ".join(DEVICE_KEYS) + ", or 'this' (this machine, measured)",
+        default=None,
+        help="device profile: "
+        + ", ".join(DEVICE_KEYS)
+        + ", or 'this' (this machine, measured); without it h100 is assumed, and the output says so",
     )
     pl.add_argument(
         "--device-memory",
@@ -425,13 +427,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import json
 
     from dtlab.analysis.devices import PROFILES, this_machine
-    from dtlab.analysis.plan import format_plan, plan
+    from dtlab.analysis.plan import DEFAULT_DEVICE, format_plan, plan
     from dtlab.config import check_batch_split, load_config
 
     config = load_config(args.config, args.overrides)
     # The batch must split over the ranks whatever the strategy: say so, not "nothing fits".
     check_batch_split(config, args.nproc * args.nnodes)
-    if args.device == "this":
+    if args.device is None:
+        device = PROFILES[DEFAULT_DEVICE]
+    elif args.device == "this":
         device = this_machine(config.train.precision)
     elif args.device in PROFILES:
         device = PROFILES[args.device]
@@ -443,7 +447,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise DtlabError(
             f"--device-memory {args.device_memory}: allowed: a finite number > 0 (GiB)"
         )
-    result = plan(config, args.nproc, args.nnodes, device, args.device_memory)
+    result = plan(config, args.nproc, args.nnodes, device, args.device_memory, args.device is None)
     print(json.dumps(result, indent=2) if args.json else format_plan(result))
     return 0
 

@@ -85,6 +85,9 @@ def measure_matmul_tflops(
     return 2 * size**3 / (min(timed) if best else statistics.median(timed)) / 1e12
 
 
+# GEMMs timed for a CPU peak (its fastest is the peak): ``dtlab plan --device this`` and ``dtlab bench``.
+CPU_PEAK_REPEATS = 20
+
 # The loopback figure used when it cannot be measured (labelled assumed wherever it is shown).
 ASSUMED_LOOPBACK_GBPS = 1.0
 
@@ -183,7 +186,9 @@ def this_machine(precision: str, threads: int | None = None) -> DeviceProfile:
     if threads:
         torch.set_num_threads(threads)
     try:
-        repeats = 5
+        # The fastest of 20, as ``dtlab bench`` measures it: a few slow runs in a neighbour's busy
+        # spell do not lower the peak (with 5 one spell could cover them all).
+        repeats = CPU_PEAK_REPEATS
         tflops = measure_matmul_tflops(
             dtype, torch.device("cpu"), size=1024, repeats=repeats, best=True
         )

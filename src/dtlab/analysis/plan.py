@@ -6,37 +6,60 @@ from dataclasses import dataclass
 from typing import Any
 
 from dtlab.analysis.devices import DeviceProfile
-from dtlab.analysis.model import StepPlan, flops_per_token, param_shapes, plan_step
+from dtlab.analysis.model import (
+    StepPlan,
+    flops_per_token,
+    param_shapes,
+    plan_step,
+    recompute_flops_per_token,
+)
 from dtlab.config import Config, check_world
 from dtlab.errors import ConfigError
 
 # Assumptions of the estimate (the plan prints them as such). What fraction of a device's peak a
 # well-tuned training step reaches on a GPU; the CPU profile is already a measured GEMM rate.
 ACHIEVABLE_FRACTION = {"cuda": 0.45, "cpu": 1.0}
+DEFAULT_DEVICE = "h100"  # the profile ``dtlab plan`` assumes without --device (and says so)
 HEADROOM = 0.9  # of device memory usable for tensors (allocator fragmentation, workspaces, context)
+# Estimated step times this close to the fastest are a tie: the estimate is coarser than that, and the
+# simpler strategy of the tied ones is recommended.
+TIE_MARGIN = 0.10
+# From the simplest to the most involved: what a user has to understand, tune and debug. DDP keeps whole
+# parameters on every rank and issues one gradient all-reduce per step; FSDP adds parameter all-gathers
+# (their prefetch and overlap), sharded optimizer state and checkpoints; HSDP adds a second mesh dimension.
+SIMPLICITY = ["single", "ddp", "fsdp no_shard", "fsdp shard_grad_op", "fsdp full", "hsdp"]
+RECOMPUTE = {
+    "none": "none (no activation checkpointing)",
+    "full": "one more forward of every block in backward, but for its last matmul (w2), whose output "
+    "backward does not need",
+    "selective": "the blocks' element-wise ops again in backward (RMSNorm, RoPE, SiLU, gate, residual "
+    "adds), counted as FLOPs at the matmul rate: a lower bound, as these ops are memory-bound",
+}
 
 
 @dataclass
 class PlanRow:
     label: str
     step: StepPlan
-    compute_s: float
+    compute_s: float  # forward and backward, once
+    recompute_s: float  # what activation checkpointing runs again in backward
     comm_s: float
     fits: bool
     error: str | None = None
 
     @property
     def step_time_s(self) -> float:
-        """Compute plus communication, assuming no overlap (an upper bound)."""
-        return self.compute_s + self.comm_s
+        """Compute, recompute and communication, assuming no overlap (an upper bound)."""
+        return self.compute_s + self.recompute_s + self.comm_s
 
     def as_dict(self) -> dict[str, Any]:
         d = self.step.as_dict()
         d["label"] = self.label
         d["comm"]["time_s"] = self.comm_s
         d["compute_time_s"] = self.compute_s
+        d["recompute_time_s"] = self.recompute_s
         d["step_time_s"] = self.step_time_s
-        d["step_time_overlapped_s"] = max(self.compute_s, self.comm_s)
+        d["step_time_overlapped_s"] = max(self.compute_s + self.recompute_s, self.comm_s)
         d["fits"] = self.fits
         if self.error:
             d["error"] = self.error
@@ -70,18 +93,104 @@ def candidates(config: Config, world: int, nnodes: int) -> list[tuple[str, Confi
     return out
 
 
+def _simplicity(label: str) -> int:
+    return next(i for i, name in enumerate(SIMPLICITY) if label.startswith(name))
+
+
+def recommend(rows: list[dict[str, Any]]) -> str | None:
+    """The strategy to use among ``rows`` that fit, with why; None when none fits.
+
+    The fastest estimated step wins; steps within ``TIE_MARGIN`` of it are a tie, and the simplest of
+    the tied strategies (``SIMPLICITY``) is recommended. With an unknown peak (NaN compute time) the
+    least communication decides instead.
+    """
+    ok = [r for r in rows if "error" not in r and r["fits"]]
+    if not ok:
+        return None
+
+    def cost(r: dict[str, Any]) -> float:
+        t = r["step_time_s"]
+        return float(t if t == t else r["comm"]["time_s"])
+
+    fastest = min(ok, key=lambda r: (cost(r), r["per_rank"]["total_bytes"]))
+    tied = [r for r in ok if cost(r) <= cost(fastest) * (1 + TIE_MARGIN)]
+    best = min(tied, key=lambda r: (_simplicity(r["label"]), cost(r)))
+    what = "step" if fastest["step_time_s"] == fastest["step_time_s"] else "communication"
+    figures = (
+        f"{format_bytes(best['per_rank']['total_bytes'])} per rank, "
+        f"{format_seconds(best['step_time_s'])} per step"
+    )
+    if len(tied) == 1:
+        return f"{best['label']}: the fastest estimated {what} among the strategies that fit ({figures})"
+    why = "the simplest of them"
+    if best["label"] == "ddp":
+        why = (
+            "the simplest: whole parameters on every rank, one gradient all-reduce per step, no "
+            "parameter all-gathers to overlap, plain checkpoints"
+        )
+    elif best["label"] == "single":
+        why = "the simplest: one process, no collectives"
+    others = ", ".join(r["label"] for r in tied if r is not best)
+    return (
+        f"{best['label']} ({figures}): a tie with {others} (estimated {what}s within "
+        f"{TIE_MARGIN:.0%} of the fastest, {format_seconds(cost(fastest))}: closer than this "
+        f"estimate can tell apart), and it is {why}"
+    )
+
+
+def advice(config: Config, world: int, rows: list[dict[str, Any]], usable_bytes: float) -> str:
+    """What to change when no strategy fits: only settings that are not already in use."""
+    t = config.train
+    tips = []
+    if t.activation_checkpointing != "full":
+        tips.append("activation checkpointing (train.activation_checkpointing=full)")
+    if t.precision == "fp32":
+        tips.append("bf16 (train.precision=bf16: half-size activations)")
+    micro = t.micro_batch_size or max(1, t.global_batch_size // world)
+    tips.append(
+        "a shorter sequence (data.seq_len)"
+        if micro == 1
+        else "a smaller micro-batch (train.micro_batch_size) or a shorter sequence (data.seq_len)"
+    )
+    tips.append("more ranks (--nproc, --nnodes: FSDP shards the state over them)")
+    states = [
+        r["per_rank"]["params_bytes"]
+        + r["per_rank"]["grads_bytes"]
+        + r["per_rank"]["optimizer_bytes"]
+        for r in rows
+        if "error" not in r
+    ]
+    if states and min(states) > usable_bytes:
+        return (
+            f"nothing fits: the parameters, gradients and optimizer state alone need at least "
+            f"{format_bytes(min(states))} per rank, more than the {format_bytes(usable_bytes)} usable; "
+            "only more ranks (--nproc, --nnodes) with FSDP shrink them"
+        )
+    return "nothing fits: try " + ", ".join(tips[:-1]) + " or " + tips[-1]
+
+
 def plan(
-    config: Config, nproc: int, nnodes: int, device: DeviceProfile, memory_gib: float | None
+    config: Config,
+    nproc: int,
+    nnodes: int,
+    device: DeviceProfile,
+    memory_gib: float | None,
+    device_assumed: bool = False,
 ) -> dict[str, Any]:
-    """The plan as a JSON-ready dict: one row per strategy, and a recommendation."""
+    """The plan as a JSON-ready dict: one row per strategy, and a recommendation.
+
+    ``device_assumed``: the profile was not asked for (the CLI's default); the output says so.
+    """
     world = nproc * nnodes
     shapes = param_shapes(config.model)
     params = sum(s.numel for s in shapes)
     memory = (memory_gib if memory_gib is not None else device.memory_gib) * 2**30
     memory_source = "given: --device-memory" if memory_gib is not None else device.memory_source
     precision = config.train.precision
+    ac = config.train.activation_checkpointing
     peak = device.peak_tflops.get(precision)
     kind = "cpu" if device.key == "this" else "cuda"
+    rate = peak * 1e12 * ACHIEVABLE_FRACTION[kind] if peak else float("nan")
     rows: list[dict[str, Any]] = []
     for label, cfg in candidates(config, world, nnodes):
         try:
@@ -91,13 +200,8 @@ def plan(
             continue
         step = plan_step(cfg, world, shapes)
         tokens_per_rank = cfg.train.global_batch_size * cfg.seq_len / world
-        compute = (
-            flops_per_token(cfg.model, cfg.seq_len)
-            * tokens_per_rank
-            / (peak * 1e12 * ACHIEVABLE_FRACTION[kind])
-            if peak
-            else float("nan")
-        )
+        compute = flops_per_token(cfg.model, cfg.seq_len) * tokens_per_rank / rate
+        recompute = recompute_flops_per_token(cfg.model, cfg.seq_len, ac) * tokens_per_rank / rate
         comm = 0.0
         for collective, bus in step.comm_bus_bytes.items():
             group = step.comm_groups[collective]
@@ -107,38 +211,25 @@ def plan(
                 group > nproc or (cfg.parallel.strategy == "hsdp" and collective == "all_reduce")
             )
             comm += bus / ((device.inter_node_gbps if across else device.intra_node_gbps) * 1e9)
-        row = PlanRow(label, step, compute, comm, step.total_bytes <= memory * HEADROOM)
+        row = PlanRow(label, step, compute, recompute, comm, step.total_bytes <= memory * HEADROOM)
         rows.append(row.as_dict())
-    ok = [r for r in rows if "error" not in r and r["fits"]]
-    if ok:
-        # Fastest estimated step; with an unknown peak (NaN compute time) the least communication.
-        best = min(
-            ok,
-            key=lambda r: (
-                r["step_time_s"] if r["step_time_s"] == r["step_time_s"] else r["comm"]["time_s"],
-                r["per_rank"]["total_bytes"],
-            ),
-        )
-        recommendation = (
-            f"{best['label']}: the fastest estimated step among the strategies that fit "
-            f"({best['per_rank']['total_bytes'] / 2**30:.1f} GiB per rank, {best['step_time_s']:.3f} s per step)"
-        )
-    else:
-        recommendation = (
-            "nothing fits: use activation checkpointing (train.activation_checkpointing=full), a smaller "
-            "micro-batch or sequence, more ranks, or bf16"
-        )
+    recommendation = recommend(rows) or advice(config, world, rows, memory * HEADROOM)
     return {
         "model": {
             "params": params,
             "preset": config.model.preset,
             "flops_per_token": flops_per_token(config.model, config.seq_len),
+            "recompute_flops_per_token": recompute_flops_per_token(
+                config.model, config.seq_len, ac
+            ),
         },
         "world_size": world,
         "nproc": nproc,
         "nnodes": nnodes,
         # Each figure with where it comes from: measured, looked up, given or assumed.
         "device": {
+            "key": device.key,
+            "assumed": device_assumed,
             "name": device.name,
             "memory_gib": memory / 2**30,
             "memory_source": memory_source,
@@ -152,9 +243,12 @@ def plan(
         "assumptions": {
             "achievable_fraction_of_peak": ACHIEVABLE_FRACTION[kind],
             "usable_memory_fraction": HEADROOM,
-            "step_time": "compute + communication, no overlap (an upper bound)",
+            "step_time": "compute + recompute + communication, no overlap (an upper bound)",
+            "recompute": RECOMPUTE[ac],
+            "tie_margin": TIE_MARGIN,
         },
         "precision": precision,
+        "activation_checkpointing": ac,
         "global_batch_size": config.train.global_batch_size,
         "seq_len": config.seq_len,
         "strategies": rows,
@@ -162,26 +256,80 @@ def plan(
     }
 
 
+def format_tflops(x: float) -> str:
+    """A peak for people: 989.4, 66.9, 1.23, 0.207 (1 to 3 decimals, 3 significant below 1)."""
+    if x >= 10:
+        return f"{x:.1f}"
+    if x >= 1:
+        return f"{x:.2f}"
+    return f"{x:.3g}"
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in the largest binary unit that keeps a figure >= 1: 25.1 GiB, 512.0 MiB, 6.0 KiB."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def format_seconds(s: float) -> str:
+    """A duration with 3 significant digits: 6.78 s, 5.12 ms, 40.1 µs; '?' when unknown (NaN)."""
+    if s != s:
+        return "?"
+    if s == 0:
+        return "0 s"
+    for unit, size in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if s >= size:
+            return f"{_sig3(s / size)} {unit}"
+    return f"{_sig3(s / 1e-9)} ns"
+
+
+def format_count(n: float, unit: str = "") -> str:
+    """A count with a decimal prefix and 3 significant digits: 6.74B params, 46.1 GFLOP, 131K."""
+    prefixes = (("T", 1e12), ("G" if unit else "B", 1e9), ("M", 1e6), ("K", 1e3))
+    for prefix, size in prefixes:
+        if n >= size:
+            return f"{_sig3(n / size)}{' ' if unit else ''}{prefix}{unit}"
+    return f"{_sig3(n)}{' ' if unit else ''}{unit}"
+
+
+def _sig3(v: float) -> str:
+    # 3 significant digits without an exponent (999.7 would otherwise print as 1e+03).
+    return f"{v:.3g}" if v < 999.5 else f"{v:.0f}"
+
+
 def format_plan(p: dict[str, Any]) -> str:
     """The plan as a table for a terminal."""
-    gib = 2**30
     dev, a = p["device"], p["assumptions"]
     peak = dev["peak_tflops"]
+    name = dev["name"]
+    if dev.get("assumed"):
+        name += f" (assumed: the default profile {dev['key']}; pass --device KEY or --device this)"
+    model = p["model"]
     lines = [
-        f"model {p['model']['preset'] or 'custom'}: {p['model']['params'] / 1e9:.3f}B params, "
-        f"{p['model']['flops_per_token'] / 1e9:.2f} GFLOP/token | {p['world_size']} ranks "
+        f"model {model['preset'] or 'custom'}: {format_count(model['params'])} params, "
+        f"{format_count(model['flops_per_token'], 'FLOP')}/token | {p['world_size']} ranks "
         f"({p['nnodes']} node(s) x {p['nproc']}) | global batch {p['global_batch_size']} x "
         f"{p['seq_len']} tokens",
-        f"device {dev['name']}:",
-        f"  peak     {f'{peak:.4g}' if peak else 'unknown'} TFLOP/s {p['precision']} ({dev['source']})",
-        f"  memory   {dev['memory_gib']:.0f} GiB ({dev['memory_source']})",
+        f"device {name}:",
+        f"  peak     {format_tflops(peak) if peak else 'unknown'} TFLOP/s {p['precision']} ({dev['source']})",
+        f"  memory   {dev['memory_gib']:.3g} GiB ({dev['memory_source']})",
         f"  in node  {dev['intra_node_gbps']:.3g} GB/s per rank ({dev['intra_node_source']})",
         f"  across   {dev['inter_node_gbps']:.3g} GB/s per rank ({dev['inter_node_source']})",
         f"assumed: compute at {a['achievable_fraction_of_peak']:.0%} of the peak, "
-        f"{a['usable_memory_fraction']:.0%} of memory usable, step s = {a['step_time']}",
+        f"{a['usable_memory_fraction']:.0%} of memory usable, step = {a['step_time']}",
+        f"activation checkpointing {p['activation_checkpointing']}: recompute = {a['recompute']}"
+        + (
+            f" (+{format_count(model['recompute_flops_per_token'], 'FLOP')}/token)"
+            if model["recompute_flops_per_token"]
+            else ""
+        ),
         "",
-        f"{'strategy':<20} {'params':>9} {'grads':>9} {'optim':>9} {'activ':>9} {'total':>9}  {'fits':<4} "
-        f"{'comm/step':>10} {'comm s':>8} {'step s':>8}",
+        f"{'strategy':<20}"
+        + "".join(f"{h:>11}" for h in ("params", "grads", "optim", "activ", "total"))
+        + f"  {'fits':<4}"
+        + "".join(f"{h:>11}" for h in ("comm/step", "comm", "compute", "recompute", "step")),
     ]
     for r in p["strategies"]:
         if "error" in r:
@@ -189,19 +337,19 @@ def format_plan(p: dict[str, Any]) -> str:
             continue
         pr = r["per_rank"]
         comm = sum(r["comm"]["bytes_per_step"].values())
+        keys = (
+            "params_bytes",
+            "grads_bytes",
+            "optimizer_bytes",
+            "activations_bytes",
+            "total_bytes",
+        )
+        times = (r["comm"]["time_s"], r["compute_time_s"], r["recompute_time_s"], r["step_time_s"])
         lines.append(
-            f"{r['label']:<20} "
-            + " ".join(
-                f"{pr[k] / gib:8.2f}G"
-                for k in (
-                    "params_bytes",
-                    "grads_bytes",
-                    "optimizer_bytes",
-                    "activations_bytes",
-                    "total_bytes",
-                )
-            )
-            + f"  {'yes' if r['fits'] else 'NO':<4} {comm / gib:9.2f}G {r['comm']['time_s']:8.3f} {r['step_time_s']:8.3f}"
+            f"{r['label']:<20}"
+            + "".join(f"{format_bytes(pr[k]):>11}" for k in keys)
+            + f"  {'yes' if r['fits'] else 'NO':<4}{format_bytes(comm):>11}"
+            + "".join(f"{format_seconds(t):>11}" for t in times)
         )
     lines += ["", f"recommendation: {p['recommendation']}"]
     return "\n".join(lines)

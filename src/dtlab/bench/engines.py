@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dtlab.bench.report import plot_loss_curves, tail_phrase, tail_steps
 from dtlab.errors import DtlabError
 
 MIB = 2**20
@@ -55,7 +56,8 @@ def engine_row(run_dir: Path, engine: str, nproc: int, warmup: int) -> dict[str,
         "step_time_max_s": max(times),
         "tokens_per_s": tokens_per_step / median,
         "peak_memory_bytes": summary["peak_memory_bytes"],
-        "loss_final": statistics.fmean(losses[-10:]),
+        "loss_final": statistics.fmean(losses[-tail_steps(losses) :]),
+        "loss_final_steps": tail_steps(losses),
         "losses": losses,
         "timed_steps": len(timed),
     }
@@ -114,7 +116,8 @@ def engine_report(results: dict[str, Any], plot: Path | None) -> str:
         f"Each row trains the same config with `dtlab train --engine E`: {results['warmup']} warm-up + "
         f"{results['steps']} timed steps; step time is the median (min-max) of the timed steps, tokens/s "
         "counts all ranks, peak memory is per rank (torch: peak RSS on CPU or the CUDA allocator's "
-        "peak; mlx: MLX's allocator peak, mx.get_peak_memory), final loss the mean of the last 10 steps.",
+        "peak; mlx: MLX's allocator peak, mx.get_peak_memory), final loss "
+        f"{tail_phrase([r.get('loss_final_steps', tail_steps(r['losses'])) for r in rows])}.",
         "",
         "| engine | run | step s (min-max) | tokens/s | vs torch | peak mem MiB | final loss |",
         "|---|---|---|---|---|---|---|",
@@ -150,24 +153,35 @@ def _plot(rows: list[dict[str, Any]], out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4), dpi=100)
-    names = [f"{r['engine']}\n{r['strategy']} x{r['nproc']} {r['precision']}" for r in rows]
-    colors = ["#4477aa" if r["engine"] == "torch" else "#ee6677" for r in rows]
-    a.bar(range(len(rows)), [r["tokens_per_s"] for r in rows], color=colors)
-    a.set_xticks(range(len(rows)), names, fontsize=8)
-    a.set_ylabel("tokens/s (all ranks)")
-    a.set_title("throughput, median of the timed steps")
-    for r, name in zip(rows, names, strict=True):
-        b.plot(range(1, len(r["losses"]) + 1), r["losses"], label=name.replace("\n", " "), lw=1.2)
-    b.set_xlabel("optimizer step")
-    b.set_ylabel("loss")
-    b.set_title("loss curves")
-    b.legend(fontsize=7)
-    fig.tight_layout()
+    fig = engines_figure(rows)
     path = out / "engines.png"
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def engines_figure(rows: list[dict[str, Any]]) -> Any:
+    """Throughput bars (each with its value) and the loss curves (integer steps; curves that coincide
+    named in the title and drawn in their own line styles)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4), dpi=100)
+    names = [f"{r['engine']}\n{r['strategy']} x{r['nproc']} {r['precision']}" for r in rows]
+    colors = ["#4477aa" if r["engine"] == "torch" else "#ee6677" for r in rows]
+    bars = a.bar(range(len(rows)), [r["tokens_per_s"] for r in rows], color=colors)
+    a.bar_label(bars, [f"{r['tokens_per_s']:,.0f}" for r in rows], fontsize=8)
+    a.margins(y=0.12)  # room for the labels above the bars
+    a.set_xticks(range(len(rows)), names, fontsize=8)
+    a.set_ylabel("tokens/s (all ranks)")
+    a.set_title("throughput, median of the timed steps")
+    curves = {name.replace("\n", " "): r["losses"] for name, r in zip(names, rows, strict=True)}
+    plot_loss_curves(b, curves, "loss curves")
+    b.set_ylabel("loss")
+    fig.tight_layout()
+    return fig
 
 
 def check_engines(engines: list[str]) -> None:

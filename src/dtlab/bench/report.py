@@ -7,6 +7,23 @@ from typing import Any
 
 MIB = 2**20
 
+# The part of a run's measured peak that the per-rank breakdown does not account for: on CPU the peak
+# RSS also holds the Python interpreter, torch's libraries and the allocator's cached blocks; on CUDA
+# the allocator's workspaces, communication buffers and temporaries.
+UNMODELLED = "not modelled (runtime, allocator, buffers)"
+MEMORY_PARTS = (
+    ("params_bytes", "params", "#4477aa"),
+    ("grads_bytes", "grads", "#66ccee"),
+    ("optimizer_bytes", "optimizer", "#228833"),
+    ("activation_bytes", "activations", "#ccbb44"),
+)
+# Two loss curves closer than this fraction of the plotted loss range everywhere draw as one line.
+COINCIDE = 0.005
+LINE_STYLES = ("-", "--", ":", "-.")
+MARKERS = ("o", "s", "^", "v", "D", "x")
+PEAK_NOTE = "peak RSS on CPU (the whole process), the CUDA allocator's peak on GPU"
+TAIL = 10  # steps the final loss is averaged over: one batch's loss is noisy
+
 
 def label(r: dict[str, Any]) -> str:
     s = r["strategy"] + (f"/{r['sharding']}" if r.get("sharding", "-") != "-" else "")
@@ -14,7 +31,109 @@ def label(r: dict[str, Any]) -> str:
     return f"{s} x{r['nproc']} {r['precision']}{extra}"
 
 
+def memory_segments(rows: list[dict[str, Any]]) -> list[tuple[str, list[float]]]:
+    """The stacked segments of ``memory.png`` in MiB per rank, bottom to top: the measured parts, then
+    what of the measured peak they leave unexplained (peak - their sum; 0 when the parts, which need
+    not all be live at once, add up to more than the peak)."""
+    segments = []
+    for key, name, _ in MEMORY_PARTS:
+        segments.append(
+            (
+                name,
+                [
+                    (r["state_bytes"][key] if key in r["state_bytes"] else r[key]) / MIB
+                    for r in rows
+                ],
+            )
+        )
+    modelled = [sum(vals) for vals in zip(*(v for _, v in segments), strict=True)]
+    peaks = [r["peak_memory_bytes"] / MIB for r in rows]
+    segments.append((UNMODELLED, [max(0.0, p - m) for p, m in zip(peaks, modelled, strict=True)]))
+    return segments
+
+
+def coinciding(curves: dict[str, list[float]]) -> list[list[str]]:
+    """Groups (of two or more names) of curves that would draw as one line: the same number of points,
+    each within ``COINCIDE`` of the loss range of all curves."""
+    values = [v for c in curves.values() for v in c]
+    if not values:
+        return []
+    tol = COINCIDE * (max(values) - min(values)) or 1e-12 * max(abs(v) for v in values)
+    groups: list[list[str]] = []
+    for name, c in curves.items():
+        for g in groups:
+            ref = curves[g[0]]
+            if len(ref) == len(c) and all(abs(a - b) <= tol for a, b in zip(ref, c, strict=True)):
+                g.append(name)
+                break
+        else:
+            groups.append([name])
+    return [g for g in groups if len(g) > 1]
+
+
+def coincide_note(groups: list[list[str]]) -> str:
+    """'' or what the title adds about curves drawn on top of each other: '(ddp, fsdp coincide)'."""
+    return "".join(f" ({', '.join(g)} coincide)" for g in groups)
+
+
+def plot_loss_curves(ax: Any, curves: dict[str, list[float]], title: str) -> list[list[str]]:
+    """Each curve against its optimizer step, in its own line style and marker so that curves on top
+    of each other still all show; the title names those that coincide. Returns those groups."""
+    from matplotlib.ticker import MaxNLocator
+
+    for i, (name, losses) in enumerate(curves.items()):
+        ax.plot(
+            range(1, len(losses) + 1),
+            losses,
+            label=name,
+            lw=1.2,
+            ls=LINE_STYLES[i % len(LINE_STYLES)],
+            marker=MARKERS[i % len(MARKERS)],
+            markevery=max(1, len(losses) // 10),
+            ms=4,
+            fillstyle="none",
+        )
+    groups = coinciding(curves)
+    if groups:
+        ax.set_title(title + coincide_note(groups), fontsize=9)  # a longer title
+    else:
+        ax.set_title(title)
+    ax.set_xlabel("optimizer step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    return groups
+
+
+def format_mfu(mfu: float | None, source: str = "measured") -> str:
+    """MFU as a percentage; one above 100% says what that means rather than standing as a figure."""
+    if mfu is None:
+        return "unknown"
+    if mfu <= 1:
+        return f"{mfu:.1%}"
+    if source.startswith("measured"):
+        return f"{mfu:.1%} (exceeds the measured peak: the peak measurement is low)"
+    return f"{mfu:.1%} (exceeds the {source} peak: check the FLOP count and the device)"
+
+
+def tail_steps(losses: list[float]) -> int:
+    """How many steps ``final_loss`` averages: the last ``TAIL``, or all of a shorter run."""
+    return min(TAIL, len(losses))
+
+
+def tail_phrase(counts: list[int]) -> str:
+    """'the mean of the last 5 steps' for the steps the final losses really averaged."""
+    n = sorted(set(counts))
+    if n == [1]:
+        return "the loss of the last step"
+    if len(n) == 1:
+        return f"the mean of the last {n[0]} steps"
+    return f"the mean of the last {n[-1]} steps ({', '.join(map(str, n[:-1]))} in shorter runs)"
+
+
 def plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
+    """throughput.png, memory.png, communication.png, loss.png (and loss_vs_bytes.png when the runs
+    compare compressions) under ``out``; every bar carries its value."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -25,30 +144,38 @@ def plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     paths = []
 
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows)), 4), dpi=100)
-    ax.bar(x, [r["tokens_per_s"] for r in rows], color="#4477aa")
+    bars = ax.bar(x, [r["tokens_per_s"] for r in rows], color="#4477aa")
+    ax.bar_label(bars, [f"{r['tokens_per_s']:,.0f}" for r in rows], fontsize=7)
     ax.set_xticks(list(x), names, rotation=30, ha="right")
     ax.set_ylabel("tokens/s (all ranks)")
     ax.set_title("Throughput (median step)")
+    ax.margins(y=0.12)  # room for the labels above the bars
     fig.tight_layout()
     paths.append(out / "throughput.png")
     fig.savefig(paths[-1])
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows)), 4), dpi=100)
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows)) + 2.5, 4), dpi=100)
     bottom = [0.0] * len(rows)
-    for key, color in (
-        ("params_bytes", "#4477aa"),
-        ("grads_bytes", "#66ccee"),
-        ("optimizer_bytes", "#228833"),
-        ("activation_bytes", "#ccbb44"),
-    ):
-        vals = [(r["state_bytes"][key] if key in r["state_bytes"] else r[key]) / MIB for r in rows]
-        ax.bar(x, vals, bottom=bottom, label=key.removesuffix("_bytes"), color=color)
+    colors = [c for _, _, c in MEMORY_PARTS] + ["#bbbbbb"]
+    for (name, vals), color in zip(memory_segments(rows), colors, strict=True):
+        top = ax.bar(
+            x,
+            vals,
+            bottom=bottom,
+            label=name,
+            color=color,
+            hatch="//" if name == UNMODELLED else None,
+        )
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    # The top of each stack is the measured peak (or the parts' sum, where that is more).
+    peaks = [f"peak {r['peak_memory_bytes'] / MIB:,.0f}" for r in rows]
+    ax.bar_label(top, peaks, fontsize=7)
     ax.set_xticks(list(x), names, rotation=30, ha="right")
     ax.set_ylabel("MiB per rank")
-    ax.set_title("Memory per rank (measured)")
-    ax.legend()
+    ax.set_title("Memory per rank (measured): its parts and the rest of the peak", fontsize=10)
+    ax.margins(y=0.12)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside: the bars are tall
     fig.tight_layout()
     paths.append(out / "memory.png")
     fig.savefig(paths[-1])
@@ -56,23 +183,17 @@ def plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows)), 4), dpi=100)
     w = 0.4
-    ax.bar(
-        [i - w / 2 for i in x],
-        [r["comm_bytes_per_step"] / MIB for r in rows],
-        w,
-        label="measured",
-        color="#4477aa",
-    )
-    ax.bar(
-        [i + w / 2 for i in x],
-        [r["comm_bytes_per_step_predicted"] / MIB for r in rows],
-        w,
-        label="predicted",
-        color="#ee6677",
-    )
+    for offset, key, name, color in (
+        (-w / 2, "comm_bytes_per_step", "measured", "#4477aa"),
+        (w / 2, "comm_bytes_per_step_predicted", "predicted", "#ee6677"),
+    ):
+        vals = [r[key] / MIB for r in rows]
+        bars = ax.bar([i + offset for i in x], vals, w, label=name, color=color)
+        ax.bar_label(bars, [f"{v:.2f}" for v in vals], fontsize=6)
     ax.set_xticks(list(x), names, rotation=30, ha="right")
     ax.set_ylabel("MiB per step (one rank's collectives)")
     ax.set_title("Communication: measured vs predicted")
+    ax.margins(y=0.12)
     ax.legend()
     fig.tight_layout()
     paths.append(out / "communication.png")
@@ -80,13 +201,8 @@ def plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    for r, name in zip(rows, names, strict=True):
-        ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=name, lw=1.2)
-    ax.set_xlabel("optimizer step")
+    plot_loss_curves(ax, loss_curves(rows), "Loss curves")
     ax.set_ylabel("loss")
-    ax.set_title("Loss curves")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
     fig.tight_layout()
     paths.append(out / "loss.png")
     fig.savefig(paths[-1])
@@ -108,6 +224,15 @@ def plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
         fig.savefig(paths[-1])
         plt.close(fig)
     return paths
+
+
+def loss_curves(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Each run's losses under its label (a repeated label gets its position: two curves, two names)."""
+    curves: dict[str, list[float]] = {}
+    for i, r in enumerate(rows):
+        name = label(r)
+        curves[name if name not in curves else f"{name} ({i + 1})"] = r["losses"]
+    return curves
 
 
 def cumulative_bus_bytes(r: dict[str, Any]) -> list[float]:
@@ -144,7 +269,7 @@ def report_markdown(results: dict[str, Any], plot_paths: list[Path]) -> str:
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in rows:
-            mfu = "unknown" if r["mfu"] is None else f"{r['mfu']:.1%}"
+            mfu = format_mfu(r["mfu"], r["peak_flops_source"])
             comm_t = "-" if r["comm_time_s"] is None else f"{r['comm_time_s']:.3f}"
             lines.append(
                 f"| {label(r)} | {r['step_time_s']:.3f} ({r['step_time_min_s']:.3f}-{r['step_time_max_s']:.3f}) "
@@ -156,15 +281,20 @@ def report_markdown(results: dict[str, Any], plot_paths: list[Path]) -> str:
             "",
             "## Memory per rank (measured, with the prediction's error)",
             "",
-            "| run | params MiB | grads MiB | optimizer MiB | activations MiB (pred. error) |",
-            "|---|---|---|---|---|",
+            f"The peak is {PEAK_NOTE}; `{UNMODELLED}` is the peak less the four parts.",
+            "",
+            "| run | params MiB | grads MiB | optimizer MiB | activations MiB (pred. error) "
+            f"| {UNMODELLED} MiB | peak MiB |",
+            "|---|---|---|---|---|---|---|",
         ]
-        for r in rows:
+        rest = dict(memory_segments(rows))[UNMODELLED]
+        for r, other in zip(rows, rest, strict=True):
             s = r["state_bytes"]
             lines.append(
                 f"| {label(r)} | {s['params_bytes'] / MIB:.2f} | {s['grads_bytes'] / MIB:.2f} "
                 f"| {s['optimizer_bytes'] / MIB:.2f} | {r['activation_bytes'] / MIB:.2f} "
-                f"({_pct(r['activation_bytes_predicted'], r['activation_bytes'])}) |"
+                f"({_pct(r['activation_bytes_predicted'], r['activation_bytes'])}) "
+                f"| {other:,.2f} | {r['peak_memory_bytes'] / MIB:,.0f} |"
             )
         lines += ["", "## Collectives per step (one rank; measured vs predicted bytes)", ""]
         lines += [
@@ -220,6 +350,20 @@ def interpretation(rows: list[dict[str, Any]]) -> list[str]:
         out.append(
             f"- Communication prediction: largest error {max(errs):.2%} over the distributed runs."
         )
+    for r in rows:
+        if r["mfu"] is not None and r["mfu"] > 1:
+            out.append(f"- {label(r)}: MFU {format_mfu(r['mfu'], r['peak_flops_source'])}.")
+    rest = dict(memory_segments(rows))[UNMODELLED]
+    share = [o * MIB / (r["peak_memory_bytes"] or 1) for o, r in zip(rest, rows, strict=True)]
+    out.append(
+        f"- Not modelled (runtime, allocator, buffers): {min(rest):,.0f}-{max(rest):,.0f} MiB per rank, "
+        f"{min(share):.0%}-{max(share):.0%} of the peak; the grey segment of memory.png."
+    )
+    for group in coinciding(loss_curves(rows)):
+        out.append(
+            f"- The loss curves of {', '.join(group)} coincide (loss.png draws each in its own "
+            "line style)."
+        )
     cpu_bound = [r for r in rows if r["device"] == "cpu"]
     if cpu_bound:
         out.append(
@@ -229,22 +373,20 @@ def interpretation(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-TAIL = 10  # steps the final loss is averaged over: one batch's loss is noisy
-
-
 def final_loss(row: dict[str, Any]) -> float:
-    """The mean loss of a run's last TAIL steps."""
-    tail = row["losses"][-TAIL:]
+    """The mean loss of a run's last ``TAIL`` steps (all of them in a shorter run)."""
+    tail = row["losses"][-tail_steps(row["losses"]) :]
     return float(sum(tail) / len(tail))
 
 
 def compression_table(rows: list[dict[str, Any]]) -> list[str]:
     """Bytes and final loss of each compression against plain DDP with the same processes and precision."""
+    tail = tail_phrase([tail_steps(r["losses"]) for r in rows if r["nproc"] > 1])
     lines = [
         "",
         "## Compression",
         "",
-        f"| run | bytes sent / step / rank | less than plain | final loss (mean of last {TAIL} steps) | vs plain |",
+        f"| run | bytes sent / step / rank | less than plain | final loss ({tail}) | vs plain |",
         "|---|---|---|---|---|",
     ]
     for r in rows:

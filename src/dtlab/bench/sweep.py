@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dtlab.bench.report import format_mfu
 from dtlab.errors import DtlabError
 
 CSV_COLUMNS = [
@@ -84,7 +85,8 @@ def run_sweep(
         rows.append(row)
         print(
             f"  {row['step_time_s']:.3f} s/step, {row['tokens_per_s']:,.0f} tokens/s, "
-            f"MFU {row['mfu'] or float('nan'):.1%}, comm {row['comm_bytes_per_step'] / 2**20:.1f} MiB/step",
+            f"MFU {format_mfu(row['mfu'], row['peak_flops_source'])}, "
+            f"comm {row['comm_bytes_per_step'] / 2**20:.1f} MiB/step",
             flush=True,
         )
     results = {"rows": rows, "failed": failed, "steps": steps, "warmup": warmup}

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from dtlab.analysis.devices import lookup_cuda, measure_matmul_tflops
+from dtlab.analysis.devices import CPU_PEAK_REPEATS, lookup_cuda, measure_matmul_tflops
 from dtlab.analysis.model import (
     activation_bytes,
     bus_bytes,
@@ -106,7 +106,11 @@ def peak_flops(config: Config, d: DistInfo) -> tuple[float | None, str, float]:
     # machine halve the peak and show an MFU over 100%).
     measured = reduce_scalar(
         measure_matmul_tflops(
-            _DTYPES[precision], d.device, size=size, repeats=5 if cuda else 20, best=not cuda
+            _DTYPES[precision],
+            d.device,
+            size=size,
+            repeats=5 if cuda else CPU_PEAK_REPEATS,
+            best=not cuda,
         )
         * 1e12
     )

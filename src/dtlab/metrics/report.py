@@ -24,10 +24,12 @@ def plot_loss(metrics: list[dict[str, Any]], path: Path, title: str) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     ax.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], lw=1.5)
     ax.set_xlabel("optimizer step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     ax.set_ylabel("loss (mean over the global batch)")
     ax.set_title(title)
     ax.grid(alpha=0.3)

@@ -1,0 +1,170 @@
+"""The bench's report and plots, from rows written by hand: what they say, and the data each plot draws."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from dtlab.bench.engines import engine_report, engine_row, engines_figure
+from dtlab.bench.report import (
+    UNMODELLED,
+    coinciding,
+    format_mfu,
+    memory_segments,
+    plot_loss_curves,
+    plots,
+    report_markdown,
+)
+
+MIB = 2**20
+LOSSES = [5.5, 5.2, 4.9, 4.7, 4.6]
+
+
+def bench_row(strategy: str, losses: list[float], **changes: Any) -> dict[str, Any]:
+    """A row as ``dtlab.bench.worker`` writes it, with round figures."""
+    row = {
+        "strategy": strategy,
+        "sharding": "full" if strategy == "fsdp" else "-",
+        "nproc": 2,
+        "compression": "none",
+        "precision": "fp32",
+        "device": "cpu",
+        "params": 131392,
+        "global_batch_size": 8,
+        "seq_len": 64,
+        "step_time_s": 0.1,
+        "step_time_min_s": 0.09,
+        "step_time_max_s": 0.12,
+        "tokens_per_s": 5120.0,
+        "mfu": 0.4,
+        "peak_flops_source": "measured fp32 GEMM (1024^3, fastest of 20)",
+        "peak_memory_bytes": 1237 * MIB,
+        "state_bytes": {
+            "params_bytes": 100 * MIB,
+            "grads_bytes": 100 * MIB,
+            "optimizer_bytes": 120 * MIB,
+        },
+        "activation_bytes": 63 * MIB,
+        "activation_bytes_predicted": 63 * MIB,
+        "comm_bytes_per_step": 1 * MIB,
+        "comm_bytes_per_step_predicted": 1 * MIB,
+        "comm_bus_bytes_per_step": 1 * MIB,
+        "comm_by_collective": {"all_reduce": {"count": 1, "bytes": 1 * MIB}},
+        "comm_by_collective_predicted": {"all_reduce": 1 * MIB},
+        "comm_time_s": 0.01,
+        "cpu_util": 1.5,
+        "loss_final": losses[-1],
+        "losses": losses,
+    }
+    row.update(changes)
+    return row
+
+
+def test_memory_plot_stacks_the_unmodelled_rest_of_the_peak() -> None:
+    # The parts add up to 383 MiB of a 1,237 MiB peak: the rest is its own segment, up to the peak.
+    rows = [bench_row("ddp", LOSSES), bench_row("fsdp", LOSSES, peak_memory_bytes=300 * MIB)]
+    segments = dict(memory_segments(rows))
+    assert list(segments) == ["params", "grads", "optimizer", "activations", UNMODELLED]
+    assert segments[UNMODELLED][0] == 1237 - 383
+    assert sum(v[0] for v in segments.values()) == 1237
+    # Parts that add up to more than the peak (not all live at once) leave no negative segment.
+    assert segments[UNMODELLED][1] == 0
+    report = report_markdown({"rows": rows, "failed": [], "warmup": 1, "steps": 3}, [])
+    assert f"| {UNMODELLED} MiB | peak MiB |" in report
+    assert "| 854.00 | 1,237 |" in report
+
+
+def test_coinciding_loss_curves_are_named_and_drawn_apart() -> None:
+    curves = {
+        "ddp x2 fp32": LOSSES,
+        "fsdp/full x2 fp32": list(LOSSES),
+        "single x1 fp32": [5.5, 5.0, 4.0, 3.5, 3.0],
+    }
+    assert coinciding(curves) == [["ddp x2 fp32", "fsdp/full x2 fp32"]]
+    assert coinciding({k: v for k, v in curves.items() if k != "fsdp/full x2 fp32"}) == []
+    fig, ax = plt.subplots()
+    plot_loss_curves(ax, curves, "Loss curves")
+    assert ax.get_title() == "Loss curves (ddp x2 fp32, fsdp/full x2 fp32 coincide)"
+    lines = ax.get_lines()
+    assert len({(line.get_linestyle(), line.get_marker()) for line in lines}) == len(lines) == 3
+    plt.close(fig)
+    report = report_markdown(
+        {
+            "rows": [bench_row("ddp", LOSSES), bench_row("fsdp", list(LOSSES))],
+            "failed": [],
+            "warmup": 1,
+            "steps": 3,
+        },
+        [],
+    )
+    assert "The loss curves of ddp x2 fp32, fsdp/full x2 fp32 coincide" in report
+
+
+def test_bench_plots_label_their_bars(tmp_path: Path) -> None:
+    rows = [bench_row("ddp", LOSSES), bench_row("fsdp", LOSSES, tokens_per_s=4321.0)]
+    paths = plots(rows, tmp_path)
+    assert [p.name for p in paths] == [
+        "throughput.png",
+        "memory.png",
+        "communication.png",
+        "loss.png",
+    ]
+    for p in paths:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_mfu_above_the_peak_is_flagged() -> None:
+    assert format_mfu(0.42) == "42.0%"
+    assert format_mfu(None) == "unknown"
+    flagged = format_mfu(1.234, "measured fp32 GEMM")
+    assert flagged == "123.4% (exceeds the measured peak: the peak measurement is low)"
+    assert "exceeds the H100 datasheet peak" in format_mfu(1.1, "H100 datasheet")
+    rows = [bench_row("ddp", LOSSES, mfu=1.234), bench_row("fsdp", LOSSES)]
+    report = report_markdown({"rows": rows, "failed": [], "warmup": 1, "steps": 3}, [])
+    table = next(line for line in report.splitlines() if line.startswith("| ddp x2 fp32 | 0.100"))
+    assert "| 123.4% (exceeds the measured peak: the peak measurement is low) |" in table
+    assert "| 40.0% |" in report and "- ddp x2 fp32: MFU 123.4% (exceeds" in report
+
+
+def test_compression_table_says_how_many_steps_the_final_loss_averages() -> None:
+    rows = [
+        bench_row("ddp", LOSSES),
+        bench_row("ddp", [5.0, 4.0, 3.0, 2.0, 1.0], compression="powersgd"),
+    ]
+    report = report_markdown({"rows": rows, "failed": [], "warmup": 1, "steps": 3}, [])
+    assert "final loss (the mean of the last 5 steps)" in report and "last 10" not in report
+    assert "| ddp x2 fp32 powersgd | 1.000 MiB | 1.0x | 3.0000 | -39.76% |" in report
+
+
+def engine_run(tmp_path: Path, engine: str, losses: list[float]) -> dict[str, Any]:
+    run = tmp_path / engine
+    run.mkdir()
+    lines = [
+        json.dumps({"step": i + 1, "loss": v, "step_time_s": 0.1}) for i, v in enumerate(losses)
+    ]
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    summary = {"strategy": "single", "precision": "fp32", "params": 131392, "global_batch_size": 8,
+               "seq_len": 64, "peak_memory_bytes": 100 * MIB}  # fmt: skip
+    (run / "summary.json").write_text(json.dumps(summary))
+    return engine_row(run, engine, 1, warmup=1)
+
+
+def test_engines_report_and_plot(tmp_path: Path) -> None:
+    rows = [engine_run(tmp_path, "torch", LOSSES), engine_run(tmp_path, "mlx", LOSSES)]
+    assert rows[0]["loss_final_steps"] == 5 and rows[0]["loss_final"] == sum(LOSSES) / 5
+    report = engine_report({"engine_rows": rows, "failed": [], "warmup": 1, "steps": 4}, None)
+    assert "final loss the mean of the last 5 steps" in report and "last 10" not in report
+    fig = engines_figure(rows)
+    bars, curves = fig.axes
+    # Every bar carries its value; steps are whole numbers; the identical curves say so.
+    assert [t.get_text() for t in bars.texts] == ["5,120", "5,120"]
+    ticks = [t for t in curves.get_xticks() if 1 <= t <= len(LOSSES)]
+    assert ticks and all(t == int(t) for t in ticks), ticks
+    assert "torch single x1 fp32, mlx single x1 fp32 coincide" in curves.get_title()
+    plt.close(fig)

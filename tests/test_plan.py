@@ -1,0 +1,132 @@
+"""``dtlab plan``: its advice, its step time with activation checkpointing, its header and its choice."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from conftest import run_cli
+from dtlab.analysis.devices import PROFILES
+from dtlab.analysis.model import elementwise_flops_per_token, recompute_flops_per_token
+from dtlab.analysis.plan import format_plan, format_tflops, plan, recommend
+from dtlab.config import load_config
+from dtlab.models.llama import build_model
+from dtlab.parallel.apply import apply_ac
+
+DEBUG = ["model.preset=debug", "data.seq_len=64"]
+
+
+def run_plan(*overrides: str, nproc: int = 2, memory_gib: float | None = None) -> dict[str, Any]:
+    return plan(load_config(overrides=[*DEBUG, *overrides]), nproc, 1, PROFILES["h100"], memory_gib)
+
+
+def test_advice_skips_what_is_already_set() -> None:
+    # 4 MiB per rank: nothing fits, so the plan advises.
+    bare = run_plan("train.precision=fp32", "train.activation_checkpointing=none", memory_gib=0.004)
+    assert bare["recommendation"].startswith("nothing fits")
+    assert "train.activation_checkpointing=full" in bare["recommendation"]
+    assert "train.precision=bf16" in bare["recommendation"]
+    set_ = run_plan("train.precision=bf16", "train.activation_checkpointing=full", memory_gib=0.004)
+    assert set_["recommendation"].startswith("nothing fits")
+    assert "activation_checkpointing" not in set_["recommendation"]
+    assert "precision" not in set_["recommendation"]
+    assert "micro_batch_size" in set_["recommendation"] and "--nproc" in set_["recommendation"]
+
+
+def test_activation_checkpointing_adds_its_recompute_to_the_step_time() -> None:
+    steps = {}
+    for ac in ("none", "selective", "full"):
+        rows = run_plan(f"train.activation_checkpointing={ac}")["strategies"]
+        steps[ac] = {r["label"]: r for r in rows}
+    for label, none in steps["none"].items():
+        full, selective = steps["full"][label], steps["selective"][label]
+        assert none["recompute_time_s"] == 0
+        assert full["compute_time_s"] == none["compute_time_s"]
+        assert none["step_time_s"] < selective["step_time_s"] < full["step_time_s"]
+        # A full recompute is nearly one more forward: about a third of forward + backward.
+        ratio = full["recompute_time_s"] / full["compute_time_s"]
+        assert 0.15 < ratio < 1 / 3, ratio
+
+
+def test_full_recompute_flops_against_counted_matmuls() -> None:
+    """The extra matmul FLOPs torch's counter sees with ``full`` checkpointing, plus the recomputed
+    attention scores by hand (the counter does not see CPU attention kernels), are the predicted
+    recompute less its element-wise ops."""
+    cfg = load_config(overrides=DEBUG)
+    batch, seq = 2, 64
+    counted = {}
+    for ac in ("none", "full"):
+        model = build_model(cfg.model, "cpu")
+        apply_ac(model, ac)
+        tokens = torch.randint(0, cfg.model.vocab_size, (batch, seq))
+        with FlopCounterMode(display=False) as counter:
+            F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+        counted[ac] = counter.get_total_flops()
+    attention = 4 * batch * seq * seq * cfg.model.dim * cfg.model.n_layers
+    predicted = recompute_flops_per_token(cfg.model, seq, "full") - elementwise_flops_per_token(
+        cfg.model
+    )
+    assert counted["full"] > counted["none"]
+    assert counted["full"] - counted["none"] + attention == pytest.approx(
+        predicted * batch * seq, abs=cfg.model.n_layers * cfg.model.dim * batch * seq
+    )
+
+
+@pytest.mark.parametrize(
+    ("peak", "shown"), [(0.20688964109557004, "0.207"), (1.2345, "1.23"), (989.4, "989.4")]
+)
+def test_the_header_formats_the_peak(peak: float, shown: str) -> None:
+    assert format_tflops(peak) == shown
+    result = run_plan()
+    result["device"]["peak_tflops"] = peak
+    header = format_plan(result).splitlines()
+    assert any(f"peak     {shown} TFLOP/s" in line for line in header)
+    assert str(peak) not in "\n".join(header) or str(peak) == shown
+
+
+def test_the_default_device_is_labelled_as_assumed() -> None:
+    default = run_cli("plan", "--set", *DEBUG)
+    assert default.returncode == 0, default.stderr
+    assert "assumed: the default profile h100; pass --device" in default.stdout
+    given = run_cli("plan", "--device", "h100", "--set", *DEBUG)
+    assert given.returncode == 0, given.stderr
+    assert "default profile" not in given.stdout and "H100" in given.stdout
+
+
+def test_a_tie_recommends_ddp() -> None:
+    result = run_plan(nproc=2)
+    rows = {r["label"]: r for r in result["strategies"]}
+    # The debug model's steps are tied (compute dominates); FSDP would hold less memory.
+    assert rows["fsdp full"]["per_rank"]["total_bytes"] < rows["ddp"]["per_rank"]["total_bytes"]
+    assert rows["ddp"]["step_time_s"] == pytest.approx(rows["fsdp shard_grad_op"]["step_time_s"])
+    assert result["recommendation"].startswith("ddp ")
+    assert "a tie with" in result["recommendation"]
+
+
+def test_a_clearly_faster_strategy_still_wins_a_tie_break() -> None:
+    rows = [
+        row("ddp", step_s=2.0, total=100),
+        row("fsdp full", step_s=1.0, total=50),
+        row("fsdp shard_grad_op", step_s=1.05, total=60),
+    ]
+    # fsdp full is the fastest, shard_grad_op is within the margin and simpler: it wins; ddp is far off.
+    assert str(recommend(rows)).startswith("fsdp shard_grad_op ")
+    rows[0]["step_time_s"] = 1.0
+    assert str(recommend(rows)).startswith("ddp ")
+    for r in rows:
+        r["fits"] = False
+    assert recommend(rows) is None
+
+
+def row(label: str, step_s: float, total: int) -> dict[str, Any]:
+    return {
+        "label": label,
+        "fits": True,
+        "step_time_s": step_s,
+        "comm": {"time_s": 0.0},
+        "per_rank": {"total_bytes": total},
+    }
