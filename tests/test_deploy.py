@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -25,6 +26,7 @@ import yaml
 from conftest import FAST, cli_env, read_metrics, run_cli, train_run
 from dtlab.cli import main as cli_main
 from dtlab.config import check_world, config_from_dict
+from dtlab.deploy import launch_checkpoint_every
 from pytorchjob_rules import Rejected, check_job
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,6 +122,97 @@ def test_bad_slurm_values_are_clear_errors(tmp_path: Path, args: list[str], need
     assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+def _launched_checkpoint(tmp_path: Path, scheduler: str, *args: str) -> tuple[int, str]:
+    """``dtlab launch SCHEDULER ARGS`` with FAST: the job config's ``checkpoint.every`` and stderr."""
+    out = tmp_path / ("job.sbatch" if scheduler == "slurm" else "job.yaml")
+    extra = ["--image", "dtlab:cpu"] if scheduler == "k8s" else []
+    proc = run_cli(
+        "launch", scheduler, *extra, "--out", str(out), *args, "--set", *FAST, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr
+    if scheduler == "slurm":
+        text = (tmp_path / "job.config.yaml").read_text()
+    else:
+        text = next(yaml.safe_load_all(out.read_text()))["data"]["config.yaml"]
+    config = config_from_dict(yaml.safe_load(text))  # the job's config is a valid one
+    return config.checkpoint.every, proc.stderr
+
+
+@pytest.mark.parametrize("scheduler", ["slurm", "k8s"])
+@pytest.mark.parametrize(("steps", "every"), [(200, 10), (20000, 100), (5, 1)])
+def test_launch_gives_checkpoint_every_0_a_default(
+    tmp_path: Path, scheduler: str, steps: int, every: int
+) -> None:
+    """A job from a config without periodic checkpoints gets them (a killed, requeued job would
+    otherwise restart from step 0), and the command says so and how to override it."""
+    got, stderr = _launched_checkpoint(tmp_path, scheduler, "--set", f"train.steps={steps}")
+    assert got == every
+    assert (
+        f"checkpoint.every is 0: the job saves every {every} steps so that a requeued job resumes; "
+        "set --set checkpoint.every=N to choose"
+    ) in stderr
+    assert "--no-checkpoint" in stderr
+
+
+@pytest.mark.parametrize("scheduler", ["slurm", "k8s"])
+def test_launch_keeps_an_explicit_checkpoint_every(tmp_path: Path, scheduler: str) -> None:
+    got, stderr = _launched_checkpoint(tmp_path, scheduler, "--set", "checkpoint.every=7")
+    assert got == 7 and "checkpoint.every" not in stderr
+
+
+@pytest.mark.parametrize("scheduler", ["slurm", "k8s"])
+def test_launch_no_checkpoint_keeps_them_off(tmp_path: Path, scheduler: str) -> None:
+    got, stderr = _launched_checkpoint(tmp_path, scheduler, "--no-checkpoint")
+    assert got == 0 and "checkpoint.every" not in stderr
+    # The command line wins over the config file, and says what it changed.
+    got, stderr = _launched_checkpoint(
+        tmp_path, scheduler, "--no-checkpoint", "--set", "checkpoint.every=50"
+    )
+    assert got == 0 and "checkpoint.every is 50: --no-checkpoint sets it to 0" in stderr
+
+
+@pytest.mark.parametrize(
+    ("steps", "durable_every", "every"),
+    [
+        (20000, 0, 100),
+        (20000, 1000, 100),
+        (20000, 250, 50),  # the largest divisor of 250 not above 100
+        (20000, 101, 101),  # a prime: its only divisor below 100 is 1, not every step
+        (200, 30, 10),
+        (200, 4, 4),
+        (10, 0, 1),
+    ],
+)
+def test_launch_checkpoint_every_divides_durable_every(
+    steps: int, durable_every: int, every: int
+) -> None:
+    got = launch_checkpoint_every(steps, durable_every)
+    assert got == every
+    assert durable_every == 0 or durable_every % got == 0
+
+
+def test_launch_default_checkpoint_is_valid_with_durable_every(tmp_path: Path) -> None:
+    got, _ = _launched_checkpoint(
+        tmp_path, "slurm", "--set", "train.steps=20000", "checkpoint.durable_every=250"
+    )
+    assert got == 50  # a multiple of it is what the config check asks for
+
+
+def test_launched_job_killed_mid_run_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    """What the default is for: the job's config, killed (SIGKILL, no chance to save) after step 5,
+    then started again (a requeue), resumes from step 4 instead of step 0."""
+    _launched_checkpoint(tmp_path, "slurm", "--set", "train.steps=40")  # every 2 steps
+    config = str(tmp_path / "job.config.yaml")
+    first = run_cli("train", config, cwd=tmp_path, env={"DTLAB_FAULTS": "kill@5"})
+    assert first.returncode == -signal.SIGKILL, first.stderr
+    second = run_cli("train", config, cwd=tmp_path)
+    assert second.returncode == 0, second.stderr
+    run_dir = Path(yaml.safe_load(Path(config).read_text())["run"]["dir"])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["resumed_from"] or "").endswith("step-00000004"), summary["resumed_from"]
+    assert [m["step"] for m in read_metrics(run_dir)] == list(range(1, 41))
 
 
 def _k8s(tmp_path: Path, *args: str) -> list[dict[str, Any]]:

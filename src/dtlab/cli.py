@@ -216,6 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
             "--gpus-per-node", type=_non_negative, default=0, help="GPUs to request per node"
         )
         p.add_argument(
+            "--no-checkpoint",
+            action="store_true",
+            help="no periodic checkpoints (checkpoint.every = 0); without it, a config with "
+            "checkpoint.every = 0 gets max(1, min(steps // 20, 100)) so that a restarted job resumes",
+        )
+        p.add_argument(
             "--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE"
         )
     ls.add_argument("--partition", default=None, help="Slurm partition")
@@ -561,10 +567,22 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from dtlab.config import check_world, load_config
-    from dtlab.deploy import K8sJob, SlurmJob, k8s_job_name, slug, submit, write_k8s, write_slurm
+    from dtlab.deploy import (
+        K8sJob,
+        SlurmJob,
+        k8s_job_name,
+        launch_checkpointing,
+        slug,
+        submit,
+        write_k8s,
+        write_slurm,
+    )
 
     config = load_config(args.config, args.overrides)
     check_world(config, args.nodes * args.nproc_per_node)
+    config, note = launch_checkpointing(config, args.no_checkpoint)
+    if note:
+        print(note, file=sys.stderr)
     if args.scheduler == "slurm":
         job = SlurmJob(
             nodes=args.nodes,

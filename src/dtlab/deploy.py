@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from dtlab import __version__
-from dtlab.config import Config, show
+from dtlab.config import Config, config_from_dict, show
 from dtlab.errors import ConfigError, Preempted
 
 _SLURM_WORD = re.compile(r"^[A-Za-z0-9_.,:@+=/-]+$")
@@ -61,6 +61,57 @@ class K8sJob:
     memory: str | None = None
     max_restarts: int = 3
     grace_seconds: int = 300
+
+
+# A job that a scheduler may kill (preemption without warning, a node failure, an out-of-memory kill)
+# restarts from its last periodic checkpoint: the signal-time save only happens when there is a signal.
+# At most 1/20 of the run is lost, and at most this many steps in a long one.
+LAUNCH_CHECKPOINT_EVERY_MAX = 100
+
+
+def launch_checkpoint_every(steps: int, durable_every: int = 0) -> int:
+    """The ``checkpoint.every`` a launched job gets when the config has none (0).
+
+    ``max(1, min(steps // 20, 100))``: a killed job repeats at most 5% of its steps, and at most 100
+    steps of a long run. With ``durable_every`` set the value must divide it: the largest divisor of
+    ``durable_every`` not above that, or ``durable_every`` itself when that divisor is less than half
+    of it (a prime, say), so that a job never saves every step for the sake of a divisor.
+    """
+    every = max(1, min(steps // 20, LAUNCH_CHECKPOINT_EVERY_MAX))
+    if durable_every:
+        divisor = max(d for d in range(1, min(every, durable_every) + 1) if durable_every % d == 0)
+        every = divisor if 2 * divisor >= every else durable_every
+    return every
+
+
+def launch_checkpointing(config: Config, no_checkpoint: bool = False) -> tuple[Config, str | None]:
+    """The config a launched job runs, as far as checkpoints go, and a line that says what changed.
+
+    ``checkpoint.every: 0`` (the default) becomes :func:`launch_checkpoint_every`, so that a requeued or
+    restarted job resumes near where it stopped instead of from step 0; a non-zero value is kept.
+    ``no_checkpoint`` (``--no-checkpoint``) keeps or sets 0: no periodic checkpoints (a stop by a
+    signal still saves one).
+    """
+    c = config.checkpoint
+    if no_checkpoint:
+        if c.every == 0:
+            return config, None
+        every = 0
+        note = (
+            f"checkpoint.every is {c.every}: --no-checkpoint sets it to 0, so the job saves no periodic "
+            "checkpoints (a stop by a signal still saves one); a job killed without one restarts from step 0"
+        )
+    elif c.every == 0:
+        every = launch_checkpoint_every(config.train.steps, c.durable_every)
+        note = (
+            f"checkpoint.every is 0: the job saves every {every} steps so that a requeued job resumes; "
+            "set --set checkpoint.every=N to choose, or pass --no-checkpoint to keep them off"
+        )
+    else:
+        return config, None
+    data = config.to_dict()
+    data["checkpoint"]["every"] = every
+    return config_from_dict(data), note
 
 
 def _check(value: str | None, pattern: re.Pattern[str], what: str, allowed: str) -> None:
