@@ -118,6 +118,11 @@ def test_an_unknown_key_from_set_is_blamed_on_set_not_the_file() -> None:
     assert proc.stderr.startswith("error: --set 'train.stpes=3': "), proc.stderr
     assert "debug.yaml" not in proc.stderr, proc.stderr
     assert "unknown key 'train.stpes' (did you mean train.steps?)" in proc.stderr, proc.stderr
+    # A section that does not exist, introduced by --set, is blamed on that --set too.
+    section = run_cli("config", "--set", "trian.steps=3")
+    assert section.stderr.startswith(
+        "error: --set 'trian.steps=3': unknown key 'trian' (did you mean train?)"
+    ), section.stderr
 
 
 def test_a_set_value_that_reads_as_a_mapping_says_how_to_quote_it() -> None:

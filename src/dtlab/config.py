@@ -991,7 +991,12 @@ def _format_validation_error(
     for e in err.errors():
         loc = ".".join(str(x) for x in e["loc"])
         given = next(
-            (ov for k, ov in overridden.items() if loc and (loc == k or loc.startswith(k + "."))),
+            (
+                ov
+                for k, ov in overridden.items()
+                # the key itself, a key inside a mapping it set, or a section it introduced
+                if loc and (loc == k or loc.startswith(k + ".") or k.startswith(loc + "."))
+            ),
             None,
         )
         where = f"--set {show(given)}" if given is not None else source
