@@ -6,9 +6,13 @@ import sys
 import torch
 import torch.distributed as dist
 
+from dtlab.config import load_config
+from dtlab.parallel import destroy_distributed, init_distributed
 from dtlab.train.demo import DeMo
 
-dist.init_process_group("gloo")
+# dtlab's own set-up and teardown, as a run does: with a bare init_process_group/destroy_process_group
+# the ranks of this short worker aborted at interpreter exit in a few percent of launches (gloo threads).
+init_distributed(load_config(overrides=["parallel.strategy=ddp"]))
 rank = dist.get_rank()
 torch.manual_seed(0)
 w = torch.nn.Parameter(torch.randn(7, 9))  # 63 elements: a partial last chunk
@@ -24,4 +28,4 @@ for step in range(3):
     opt.step()
 if rank == 0:
     torch.save({"w": w.detach(), "b": b.detach(), "momenta": opt.local.state_dict()}, sys.argv[1])
-dist.destroy_process_group()
+destroy_distributed()
