@@ -166,14 +166,7 @@ def _check_against_config(state: dict[str, torch.Tensor], config: Config, ckpt_d
     from dtlab.models.llama import build_model
 
     expected = {k: tuple(v.shape) for k, v in build_model(config.model).state_dict().items()}
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    wrong = sorted(k for k in set(expected) & set(state) if tuple(state[k].shape) != expected[k])
-    problems = []
-    if missing:
-        problems.append(f"missing {_some(missing)}")
-    if unexpected:
-        problems.append(f"unexpected {_some(unexpected)}")
+    problems, wrong = compare_tensors(expected, {k: tuple(v.shape) for k, v in state.items()})
     if wrong:
         problems.append(
             "wrong shape "
@@ -186,7 +179,23 @@ def _check_against_config(state: dict[str, torch.Tensor], config: Config, ckpt_d
         )
 
 
-def _some(names: list[str], n: int = 5) -> str:
+def compare_tensors(
+    expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]]
+) -> tuple[list[str], list[str]]:
+    """What is wrong with the names of ``found`` against ``expected`` (missing, unexpected: phrases
+    for an error message), and the names whose shapes differ, sorted."""
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    problems = []
+    if missing:
+        problems.append(f"missing {some_names(missing)}")
+    if unexpected:
+        problems.append(f"unexpected {some_names(unexpected)}")
+    return problems, sorted(k for k in set(expected) & set(found) if found[k] != expected[k])
+
+
+def some_names(names: list[str], n: int = 5) -> str:
+    """The first ``n`` names, and how many more there are."""
     more = f" and {len(names) - n} more" if len(names) > n else ""
     return ", ".join(names[:n]) + more
 

@@ -306,16 +306,11 @@ def check_init_from(config: Config, warn: bool = True) -> InitSource:
             + "; ".join(parts)
             + f". Give the run that shape (e.g. --set {fix}) or start from other weights"
         )
+    from dtlab.checkpoint.export import compare_tensors
+
     expected = _expected_tensors(m)
     found = _tensor_shapes(src, m)
-    missing = sorted(set(expected) - set(found))
-    unexpected = sorted(set(found) - set(expected))
-    shapes = sorted(k for k in set(expected) & set(found) if found[k] != expected[k])
-    problems = []
-    if missing:
-        problems.append(f"missing {_some(missing)}")
-    if unexpected:
-        problems.append(f"unexpected {_some(unexpected)}")
+    problems, shapes = compare_tensors(expected, found)
     if shapes:
         problems.extend(
             f"{k} has shape {list(found[k])}, the config makes {list(expected[k])}"
@@ -343,11 +338,6 @@ def check_init_from(config: Config, warn: bool = True) -> InitSource:
 
 def _show(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
-
-
-def _some(names: list[str], n: int = 5) -> str:
-    more = f" and {len(names) - n} more" if len(names) > n else ""
-    return ", ".join(names[:n]) + more
 
 
 def load_init_state(config: Config, src: InitSource | None = None) -> dict[str, torch.Tensor]:
