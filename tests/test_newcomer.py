@@ -155,13 +155,15 @@ def test_config_keys_prints_yaml_values() -> None:
 
 def test_a_run_that_fails_before_writing_leaves_no_run_directory(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-corpus.txt"
-    proc = run_cli(
-        "train", "--set", *FAST, "data.source=files", f"data.paths=[{missing}]", "run.name=bad-data",
-        cwd=tmp_path,
-    )  # fmt: skip
-    assert proc.returncode == 2, proc.stderr
-    assert str(missing) in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
-    assert not (tmp_path / "runs" / "bad-data").exists()
+    bad = ["data.source=files", f"data.paths=[{missing}]"]
+    # A default run directory (runs/bad-data-<timestamp>) and one given as run.dir.
+    for where in (["run.name=bad-data"], [f"run.dir={tmp_path / 'explicit'}"]):
+        proc = run_cli("train", "--set", *FAST, *bad, *where, cwd=tmp_path)
+        assert proc.returncode == 2, proc.stderr
+        assert str(missing) in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    runs = tmp_path / "runs"
+    assert not (runs.exists() and list(runs.iterdir())), list(runs.iterdir())
+    assert not (tmp_path / "explicit").exists()
 
 
 def test_the_run_says_what_it_will_see_and_what_it_warns_about(tmp_path: Path) -> None:
