@@ -1008,13 +1008,12 @@ def _format_validation_error(
                 if isinstance(ann, type) and issubclass(ann, BaseModel):
                     section_cls = ann
             valid = [f.alias or n for n, f in section_cls.model_fields.items()]
-            section = ".".join(str(x) for x in e["loc"][:-1]) or "the top level"
+            section = ".".join(str(x) for x in e["loc"][:-1])
             text = f"unknown key {show(loc)}"
             close = difflib.get_close_matches(str(e["loc"][-1]), valid, n=1, cutoff=0.7)
             if close:
-                prefix = ".".join(str(x) for x in e["loc"][:-1])
-                text += f" (did you mean {prefix + '.' if prefix else ''}{close[0]}?)"
-            text += f"; valid keys in {section}: {', '.join(valid)}"
+                text += f" (did you mean {section + '.' if section else ''}{close[0]}?)"
+            text += f"; valid keys in {section or 'the top level'}: {', '.join(valid)}"
         elif e["type"] in ("value_error", "assertion_error"):
             msg = str(e["msg"]).removeprefix("Value error, ")
             text = msg if not loc or msg.startswith(loc) else f"{loc}: {msg}"
