@@ -475,7 +475,7 @@ def test_fault10_a_stopped_prefetch_thread_never_feeds_the_new_position() -> Non
     loader.close()
 
 
-def test_fault10_demo_grad_norm_is_agreed_over_all_ranks() -> None:
+def test_fault10_demo_grad_norm_and_the_step_flags_are_agreed_in_one_reduction() -> None:
     from conftest import run_worker
 
     run_worker("norm_worker.py", 2)

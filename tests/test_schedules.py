@@ -62,13 +62,13 @@ def test_loss_scaler_backs_off_on_overflow_and_grows() -> None:
     scaler = LossScaler(True, init_scale=1024.0, growth_interval=2)
     p = torch.nn.Parameter(torch.ones(3))
     p.grad = torch.tensor([1024.0, 2048.0, 4096.0])
-    assert scaler.unscale_([p]) is False
+    assert scaler.unscale_([p]).item() == 0.0
     torch.testing.assert_close(p.grad, torch.tensor([1.0, 2.0, 4.0]))
     scaler.update(False)
     scaler.update(False)
     assert scaler.scale == 2048.0
     p.grad = torch.tensor([1.0, float("inf"), 0.0])
-    assert scaler.unscale_([p]) is True
+    assert scaler.unscale_([p]).item() == 1.0
     scaler.update(True)
     assert scaler.scale == 1024.0
     restored = LossScaler(True)
@@ -80,4 +80,4 @@ def test_disabled_scaler_is_identity() -> None:
     scaler = LossScaler(False)
     loss = torch.tensor(3.0)
     assert scaler.scale_loss(loss) is loss
-    assert scaler.unscale_([]) is False
+    assert scaler.unscale_([]).item() == 0.0

@@ -37,7 +37,7 @@ from dtlab.config import Config
 from dtlab.errors import CheckpointError
 from dtlab.metrics.logging import logger
 from dtlab.parallel.dist import DistInfo, decide_on_rank0
-from dtlab.train.faults import Faults
+from dtlab.runtime.faults import Faults
 
 # DCP says so each time a single process saves or loads without a process group, which is intended here.
 warnings.filterwarnings(

@@ -23,35 +23,11 @@ from pathlib import Path
 from types import FrameType
 
 from dtlab.errors import DtlabError, Preempted
+from dtlab.runtime.status import STATUS_ENV, is_mlx_worker, record_exit, record_pid, worker_rank
 
-STATUS_ENV = "DTLAB_MLX_STATUS_DIR"
-WORKER_ENVS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
-
-
-def is_mlx_worker() -> bool:
-    """True in a process that ``mlx.launch`` (ring) or ``mpirun`` started as one rank."""
-    return any(k in os.environ for k in WORKER_ENVS)
-
-
-def worker_rank() -> int:
-    for k in WORKER_ENVS:
-        if k in os.environ:
-            return int(os.environ[k])
-    return 0
-
-
-def record_exit(code: int) -> None:
-    """In a rank started by :func:`launch_mlx`: leave this rank's exit code for the launcher."""
-    status = os.environ.get(STATUS_ENV)
-    if status and is_mlx_worker():
-        Path(status, f"rank{worker_rank()}.exit").write_text(str(code), encoding="utf-8")
-
-
-def record_pid() -> None:
-    """In a rank started by :func:`launch_mlx`: leave this rank's pid, so signals can reach it."""
-    status = os.environ.get(STATUS_ENV)
-    if status and is_mlx_worker():
-        Path(status, f"rank{worker_rank()}.pid").write_text(str(os.getpid()), encoding="utf-8")
+__all__ = [
+    "STATUS_ENV", "is_mlx_worker", "launch_mlx", "record_exit", "record_pid", "worker_rank",
+]  # fmt: skip
 
 
 def _free_ports(n: int) -> int:

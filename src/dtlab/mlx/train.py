@@ -12,7 +12,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import sys
 import threading
 import time
@@ -32,10 +31,11 @@ from dtlab.data.sources import describe_data
 from dtlab.errors import CheckpointError, CollectiveError, DtlabError, Preempted
 from dtlab.metrics.logging import logger, setup_logging
 from dtlab.metrics.sinks import JsonlSink, NullSink, ProgressSink, Sink, TensorBoardSink
-from dtlab.mlx.launch import STATUS_ENV, record_exit, record_pid
 from dtlab.mlx.model import Transformer, build_mlx_model, flat_parameters
 from dtlab.parallel.ledger import LEDGER_ENV, FileChannel, Ledger
-from dtlab.train.faults import Faults, StopSignals
+from dtlab.runtime.faults import Faults
+from dtlab.runtime.signals import StopSignals, agreed_stop, stop_votes
+from dtlab.runtime.status import STATUS_ENV, record_exit, record_pid
 from dtlab.train.rundir import (
     RunDirLock,
     check_final_checkpoint,
@@ -214,8 +214,9 @@ class Trainer:
         stop_flag: int = 0,
         inject_nan: bool = False,
         collective_fault: str | None = None,
-    ) -> tuple[dict[str, Any], int]:
-        """One optimizer step over this rank's micro-batches; returns (metrics, agreed stop signal).
+    ) -> tuple[dict[str, Any], str | None]:
+        """One optimizer step over this rank's micro-batches; returns (metrics, the agreed stop signal's
+        name or None). ``stop_flag`` is the signal this rank caught (0: none).
 
         ``collective_fault`` (fault injection): ``"skip"`` leaves out the gradient all_sum, ``"badshape"``
         sends one element more.
@@ -234,22 +235,22 @@ class Trainer:
         if inject_nan:
             loss_sum = loss_sum * float("nan")
             grads = {k: g * float("nan") for k, g in grads.items()}
-        stop = stop_flag
+        votes = stop_votes(stop_flag)
+        n_votes = len(votes)
         if self.world > 1 and collective_fault != "skip":
-            # One flattened all_sum: every gradient, the loss and each rank's stop flag (a signal number;
-            # the sum is non-zero when any rank was signalled).
+            # One flattened all_sum: every gradient, the loss and each rank's stop votes.
             flat = mx.concatenate(
                 [grads[k].reshape(-1) for k in self.names]
                 + [loss_sum.reshape(1)]
-                + [mx.array([float(stop_flag)])]
+                + [mx.array(votes)]
                 + ([mx.array([0.0])] if collective_fault == "badshape" else [])
             )
             total = mx.distributed.all_sum(flat, group=self.group)
             watchdog.run("the gradient all_sum", lambda: mx.eval(total), "all_sum", flat)
             if collective_fault == "badshape":
                 total = total[:-1]
-            stop = int(_scalar(total[-1]))
-            total = total[:-1] / self.world
+            votes = [_scalar(x) for x in total[-n_votes:]]
+            total = total[:-n_votes] / self.world
             offsets = np.cumsum([0] + [self.params[k].size for k in self.names])
             grads = {
                 k: total[int(offsets[i]) : int(offsets[i + 1])].reshape(self.params[k].shape)
@@ -272,7 +273,7 @@ class Trainer:
         out: dict[str, Any] = {"loss": loss_f, "lr": lr, "grad_norm": norm}
         if bad:
             out["bad"] = True
-        return out, stop
+        return out, agreed_stop(votes, self.world)
 
     def barrier(self, watchdog: Watchdog, what: str) -> None:
         if self.world > 1:
@@ -483,13 +484,12 @@ def _train_in(
             t0 = time.perf_counter()
             watchdog.step = state.step + 1
             batch = _numpy_batches(next(loader))
+            faults.during_step(state.step + 1)
             m, stop = trainer.step(
                 batch, lr_at(state.step, t), watchdog, signals.received,
                 inject_nan=faults.nan_loss(state.step + 1),
                 collective_fault=faults.collective_fault(state.step + 1),
             )  # fmt: skip
-            if world == 1:
-                stop = signals.received
             dt = time.perf_counter() - t0
             state.step += 1
             state.tokens += tokens_per_step
@@ -517,12 +517,8 @@ def _train_in(
                     )
             else:
                 health["bad_in_a_row"] = 0
-            if stop:
-                name = (
-                    signal.Signals(stop).name
-                    if stop in signal.Signals._value2member_map_
-                    else "a signal"
-                )
+            if stop is not None:
+                name = stop
                 _save(ckpt, trainer, loader, state, health, config, is_main)
                 # Rank 0 wrote it; every rank learns whether it was committed. Nobody exits before.
                 step_ = state.step

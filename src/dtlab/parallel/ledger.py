@@ -40,7 +40,7 @@ from dtlab.errors import CollectiveError
 
 if TYPE_CHECKING:
     from dtlab.parallel.dist import DistInfo
-    from dtlab.train.faults import Faults
+    from dtlab.runtime.faults import Faults
 
 __all__ = [
     "FileChannel",
@@ -683,6 +683,8 @@ def start_ledger(
 
     # A connection of its own: the publisher never waits behind the process group's store traffic.
     channel = StoreChannel(cast(Any, _get_default_store()).clone())
+    if faults is not None and publish_ledger not in faults.before_kill:
+        faults.before_kill.append(publish_ledger)  # what it did last is known to the others
     _active = Ledger(
         d.rank, d.world_size, channel, run_dir / "ledger",
         torch_seq=cast(Any, _get_default_group())._get_sequence_number_for_group,
@@ -737,7 +739,8 @@ def all_reduce(
 ) -> torch.Tensor:
     """``dist.all_reduce(tensor, op)`` in place, recorded as ``name``; returns ``tensor``.
 
-    ``faultable``: the collective the ``skipcoll`` and ``badshape`` faults act on (``DTLAB_FAULTS``).
+    ``faultable``: the step's one reduction, which the ``skipcoll`` and ``badshape`` faults act on
+    (``DTLAB_FAULTS``); its entry is published before it is issued.
     """
     led = _active
     fault = led.faults.collective_fault(led.step) if faultable and led and led.faults else None
@@ -745,6 +748,11 @@ def all_reduce(
         return tensor  # this rank never issues it
     sent = torch.cat([tensor.reshape(-1), tensor.new_zeros(1)]) if fault == "badshape" else tensor
     with recorded(name, "all_reduce", sent):
+        if faultable and led is not None:
+            # The step's reduction is where ranks whose code paths diverged first meet something else,
+            # and gloo aborts a rank that receives more than it posted before any thread can publish:
+            # publish up to this entry first, so that the others can say what this rank waited in.
+            led.publish_now()
         dist.all_reduce(sent, op=op)
     if sent is not tensor:
         tensor.copy_(sent[: tensor.numel()].view_as(tensor))

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from dtlab.checkpoint.init_from import apply_init_from
 from dtlab.checkpoint.manager import Checkpointer
@@ -26,7 +27,7 @@ from dtlab.config import Config, check_world, config_warnings
 from dtlab.data import BatchLayout, BatchLoader, build_source
 from dtlab.data.loader import MicroBatch
 from dtlab.data.sources import describe_data
-from dtlab.errors import DtlabError
+from dtlab.errors import DtlabError, Preempted
 from dtlab.metrics.logging import logger, setup_logging
 from dtlab.metrics.profiling import StepProfiler
 from dtlab.metrics.report import peak_memory_bytes
@@ -47,13 +48,9 @@ from dtlab.parallel import (
 )
 from dtlab.parallel.dist import decide_on_rank0, reduce_scalar
 from dtlab.parallel.ledger import all_reduce, collective_failure, note_step, recorded, start_ledger
-from dtlab.train.faults import Faults, Preempted, StopSignals
-from dtlab.train.optim import (
-    agree_local_norm,
-    apply_hyperparameters,
-    build_optimizer,
-    grad_norm_,
-)
+from dtlab.runtime.faults import Faults
+from dtlab.runtime.signals import StopSignals, agreed_stop, stop_votes
+from dtlab.train.optim import apply_hyperparameters, build_optimizer
 from dtlab.train.precision import LossScaler, autocast, check_cpu_half_precision
 from dtlab.train.rundir import (
     RunDirLock,
@@ -103,11 +100,14 @@ def train_step(
     config: Config,
     device: torch.device,
     inject_nan: bool = False,
+    stop_signal: int = 0,
 ) -> dict[str, Any]:
     """One optimizer step over this rank's micro-batches; returns the step's metrics.
 
-    A step whose global loss or gradient norm is not finite changes no parameter (``bad`` in the
-    metrics); under fp16 an overflow only lowers the loss scale (``skipped``), as loss scaling intends.
+    ``stop_signal`` is the stop signal this rank caught (0: none); the ranks agree on it in the step's
+    one reduction, and ``"stop"`` in the metrics names the agreed signal. A step whose global loss or
+    gradient norm is not finite changes no parameter (``bad`` in the metrics); under fp16 an overflow
+    only lowers the loss scale (``skipped``), as loss scaling intends.
     """
     accum = len(micro_batches)
     loss_sum = torch.zeros((), device=device)
@@ -127,22 +127,18 @@ def train_step(
                 loss = loss * float("nan")
             scaler.scale_loss(loss).backward()
         loss_sum += loss.detach()
-    if dist.is_initialized():
-        all_reduce("train_step loss all_reduce", loss_sum, faultable=True)
-        loss_sum /= dist.get_world_size()
-    global_loss = loss_sum.item()
 
     params = [p for p in pm.module.parameters() if p.grad is not None]
-    found_inf = scaler.unscale_(params)
-    norm_t = grad_norm_(params, config.train.grad_clip)
-    if getattr(optimizer, "local_gradients", False):
-        norm_t, nonfinite = agree_local_norm(norm_t)  # each rank's own gradients (DeMo)
-        norm = norm_t.item()
-    else:
-        norm = norm_t.item()  # one device sync
-        nonfinite = not math.isfinite(norm)
-    # Loss and norm are global (all-reduced), so every rank takes the same decision.
-    bad = not math.isfinite(global_loss) or (not scaler.enabled and nonfinite)
+    found = scaler.unscale_(params)  # this rank's overflow flag (fp16), no collective
+    local = bool(getattr(optimizer, "local_gradients", False))  # each rank's own gradients (DeMo)
+    grads = [g for p in params if (g := p.grad) is not None]
+    r = reduce_step(loss_sum, found, stop_signal, grads, local)
+    if config.train.grad_clip > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, config.train.grad_clip, r.norm_t, foreach=True)
+    # Loss, norm and flags are agreed by every rank, so every rank takes the same decision.
+    found_inf = scaler.enabled and r.flagged
+    nonfinite = r.flagged if local else not math.isfinite(r.norm)
+    bad = not math.isfinite(r.loss) or (not scaler.enabled and nonfinite)
     # Judged before anything is folded in: a skipped step leaves the optimizer and compression
     # state exactly as they were (the hooks' new state waits until it is committed).
     if not found_inf and not bad:
@@ -155,12 +151,98 @@ def train_step(
     lr = scheduler.get_last_lr()[0]
     scheduler.step()
 
-    out: dict[str, Any] = {"loss": global_loss, "lr": lr, "grad_norm": norm}
+    out: dict[str, Any] = {"loss": r.loss, "lr": lr, "grad_norm": r.norm}
     if scaler.enabled:
         out.update(loss_scale=scaler.scale, skipped=found_inf)
     if bad:
         out["bad"] = True
+    if r.stop is not None:
+        out["stop"] = r.stop
     return out
+
+
+@dataclass
+class StepValues:
+    """What the ranks agree on after a step's backward, from one small reduction."""
+
+    loss: float  # the mean loss over the global batch
+    norm: float  # the gradient norm (the root mean square of the ranks' norms for local gradients)
+    norm_t: torch.Tensor  # the same, as a tensor on the device (for clipping)
+    flagged: (
+        bool  # some rank's gradients overflowed (fp16) or, for local gradients, were not finite
+    )
+    stop: str | None  # the stop signal some rank caught
+
+
+def reduce_step(
+    loss_sum: torch.Tensor,
+    found: torch.Tensor,
+    stop_signal: int,
+    grads: list[torch.Tensor],
+    local_gradients: bool = False,
+) -> StepValues:
+    """Agree on the step's loss, flags, stop signal and gradient norm in one all-reduce of a few floats
+    (nothing without a process group), read back in one device sync.
+
+    One vector carries: the loss summed over this rank's micro-batches, this rank's flag (an overflow,
+    or a non-finite norm of local gradients; counted, since a MAX can drop a NaN), one stop vote per
+    signal, and the squared norm of the gradients this rank holds when others hold the rest (sharded
+    DTensors, each shard counted once over its replicas) or when each rank's gradients are its own.
+    Replicated plain gradients (DDP, one process) are already the same everywhere: their norm is local.
+    """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    own_sq, shared_sq = _norm_parts(grads, world)
+    norm_sq = own_sq if local_gradients else shared_sq
+    flag = found.float().reshape(1)
+    if local_gradients:
+        flag = torch.maximum(flag, (~torch.isfinite(own_sq)).float().reshape(1))
+    parts = [loss_sum.float().reshape(1), flag, torch.tensor(stop_votes(stop_signal))]
+    if norm_sq is not None:
+        parts.append(norm_sq.float().reshape(1))
+    v = torch.cat([t.to(loss_sum.device) for t in parts])
+    if world > 1:
+        all_reduce("train_step reduction", v, faultable=True)
+        v[0] /= world
+    if local_gradients:
+        norm_t = (v[-1] / world).sqrt()  # the root mean square of the ranks' norms
+    elif norm_sq is not None:
+        norm_t = v[-1].sqrt()
+    else:
+        norm_t = own_sq.sqrt().to(v.device)
+    values = torch.cat([v, norm_t.reshape(1).to(v.dtype)]).tolist()  # the step's one device sync
+    return StepValues(
+        loss=values[0],
+        norm=values[-1],
+        norm_t=norm_t,
+        flagged=values[1] > 0,
+        stop=agreed_stop(values[2:5], world),
+    )
+
+
+def _norm_parts(grads: list[torch.Tensor], world: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the sum of squares of the gradients as this rank holds them; this rank's part of the global
+    sum of squares when some gradients are sharded DTensors, else None: summed over the ranks, it
+    counts every shard once, dividing by the copies its replicas hold)."""
+    plain = [g for g in grads if not isinstance(g, DTensor)]
+    sharded = [g for g in grads if isinstance(g, DTensor)]
+    plain_sq = _sum_sq(plain)
+    if not sharded:
+        return plain_sq, None
+    shard_norms = torch._foreach_norm([g.to_local() for g in sharded])
+    own_sq, shared_sq = plain_sq, plain_sq / world  # plain gradients beside DTensors: replicated
+    for g, n in zip(sharded, shard_norms, strict=True):
+        copies = math.prod(
+            g.device_mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_replicate()
+        )
+        own_sq = own_sq + n.float() ** 2
+        shared_sq = shared_sq + n.float() ** 2 / copies
+    return own_sq, shared_sq
+
+
+def _sum_sq(tensors: list[torch.Tensor]) -> torch.Tensor:
+    if not tensors:
+        return torch.zeros(())
+    return torch.stack([n.float() ** 2 for n in torch._foreach_norm(tensors)]).sum()
 
 
 def resolve_run_dir(config: Config, d: DistInfo) -> tuple[Path, RunDirLock | None]:
@@ -385,10 +467,12 @@ def _run(config: Config, d: DistInfo, run_dir: Path, faults: Faults) -> dict[str
             t0 = time.perf_counter()
             note_step(state.step + 1)
             batch = next(loader)
+            faults.during_step(state.step + 1)
             m = train_step(
                 pm, optimizer, scheduler, scaler, batch, config, d.device,
-                inject_nan=faults.nan_loss(state.step + 1),
+                inject_nan=faults.nan_loss(state.step + 1), stop_signal=signals.received,
             )  # fmt: skip
+            stop = m.pop("stop", None)
             dt = time.perf_counter() - t0
             state.step += 1
             state.tokens += tokens_per_step
@@ -423,7 +507,6 @@ def _run(config: Config, d: DistInfo, run_dir: Path, faults: Faults) -> dict[str
             else:
                 health.bad_in_a_row = 0
 
-            stop = signals.agreed(d.device)
             if stop is not None:
                 _stop(ckpt, parts, state.step, stop, run_dir, d)
             if ckpt.due(state.step) or (state.step == t.steps and config.checkpoint.every):

@@ -1,13 +1,9 @@
-"""AdamW with decoupled weight decay on matrices only, and gradient clipping that works on shards."""
+"""AdamW (or DeMo) with decoupled weight decay on matrices only, and the config's hyper-parameters."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable
-
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from dtlab.config import TrainConfig
 from dtlab.train.schedules import lr_at
@@ -56,34 +52,3 @@ def apply_hyperparameters(
         group["lr"] = lr_at(step, t)
     scheduler.base_lrs = [t.lr] * len(optimizer.param_groups)
     scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]  # type: ignore[attr-defined]
-
-
-def agree_local_norm(norm: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """For gradients that are each rank's own (DeMo): the root mean square of the ranks' norms (the
-    same on every rank) and whether any rank's norm is not finite (counted: a MAX can drop a NaN)."""
-    import torch.distributed as dist
-
-    nonfinite = not math.isfinite(norm.item())
-    if not dist.is_initialized():
-        return norm, nonfinite
-    from dtlab.parallel.ledger import all_reduce
-
-    t = torch.stack([norm.detach().float() ** 2, norm.new_tensor(float(nonfinite))])
-    all_reduce("train_step grad-norm all_reduce", t)
-    return (t[0] / dist.get_world_size()).sqrt(), bool(t[1] > 0)
-
-
-def grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """The global L2 norm of all gradients; clips them to ``max_norm`` when it is > 0.
-
-    Sharded (DTensor) gradients: each rank holds a slice, so the norm of the local slices is not the
-    norm. ``get_total_norm`` returns a DTensor whose ``full_tensor()`` reduces across the mesh.
-    """
-    params = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in params if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
-    return total

@@ -7,7 +7,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -60,8 +59,9 @@ class LossScaler:
     """Dynamic loss scaling for fp16.
 
     ``torch.amp.GradScaler`` checks for inf/NaN in the gradients this rank holds. Under FSDP each rank
-    holds only a shard, so one rank could step while another skips; here the overflow flag is
-    all-reduced (MAX) over all ranks, so all of them skip or step together.
+    holds only a shard, so one rank could step while another skips; here each rank's overflow flag is
+    summed over all ranks in the step's reduction (:func:`dtlab.train.loop.reduce_step`), so all of
+    them skip or step together.
     """
 
     def __init__(
@@ -85,24 +85,19 @@ class LossScaler:
         return loss * self.scale if self.enabled else loss
 
     @torch.no_grad()
-    def unscale_(self, parameters: Iterable[nn.Parameter]) -> bool:
-        """Divide the gradients by the scale; returns True when any rank found inf/NaN."""
-        if not self.enabled:
-            return False
+    def unscale_(self, parameters: Iterable[nn.Parameter]) -> torch.Tensor:
+        """Divide the gradients by the scale; returns this rank's overflow flag (1.0 when a gradient
+        it holds is inf/NaN) as a tensor, for the step's reduction to agree on over all ranks."""
         found = torch.zeros(())
-        device = None
+        if not self.enabled:
+            return found
         for p in parameters:
             if p.grad is None:
                 continue
             g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             g.mul_(1.0 / self.scale)
-            device = g.device
-            found = torch.maximum(found.to(device), (~torch.isfinite(g)).any().float())
-        if dist.is_initialized():
-            if device is not None:
-                found = found.to(device)
-            dist.all_reduce(found, op=dist.ReduceOp.MAX)
-        return bool(found.item())
+            found = torch.maximum(found.to(g.device), (~torch.isfinite(g)).any().float())
+        return found
 
     def update(self, found_inf: bool) -> None:
         """Back off after an overflow; grow after ``growth_interval`` clean steps."""

@@ -1,15 +1,10 @@
-"""Preemption signals and fault injection.
-
-Preemption: SIGTERM or SIGUSR1 (what Slurm and Kubernetes send before they stop a job) only sets a flag;
-at the next step boundary the ranks agree (one tiny all-reduce), all save a checkpoint and exit.
-
-Fault injection, for testing a setup end to end: ``DTLAB_FAULTS`` holds comma-separated items
+"""Fault injection, for testing a setup end to end: ``DTLAB_FAULTS`` holds comma-separated items
 ``KIND@STEP[-LAST][:rRANK]``, for example ``DTLAB_FAULTS="nan@5-7,kill@12:r1"``. Kinds:
 
 - ``nan``: the loss of those optimizer steps becomes NaN (so do the gradients);
 - ``kill``: after the step, the process kills itself with SIGKILL (like ``kill -9``);
-- ``sigterm`` / ``sigusr1`` / ``sigint``: after the step, the process sends itself that signal
-  (preemption; ``sigint`` is a Ctrl-C);
+- ``sigterm`` / ``sigusr1`` / ``sigint``: during the step, the process sends itself that signal
+  (preemption; ``sigint`` is a Ctrl-C): the ranks agree on it in that step and stop after it;
 - ``error``: after the step, the process raises an exception (a crash with a traceback);
 - ``hang``: after the step, the process stops taking part (a stuck node): the other ranks' next
   collective never completes; it leaves (exit 1) only when a launcher signals it to stop;
@@ -34,20 +29,14 @@ from __future__ import annotations
 import os
 import re
 import signal
-import sys
-import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import FrameType
-from typing import Any
 
-import torch
-import torch.distributed as dist
+from dtlab.errors import DtlabError
+from dtlab.runtime.status import record_exit
 
-from dtlab.errors import CollectiveError, DtlabError, Preempted
-from dtlab.parallel.ledger import recorded
-
-__all__ = ["Faults", "InjectedError", "Preempted", "StopSignals"]
+__all__ = ["FAULTS_ENV", "KINDS", "Faults", "InjectedError"]
 
 FAULTS_ENV = "DTLAB_FAULTS"
 KINDS = (
@@ -68,6 +57,9 @@ class Faults:
 
     items: list[tuple[str, int, int]] = field(default_factory=list)
     fired: set[tuple[str, int]] = field(default_factory=set)
+    # Called before ``kill`` strikes (the ledger publishes its newest entries there, so that the
+    # others know what this rank did last; a real kill -9 may lag one publication).
+    before_kill: list[Callable[[], None]] = field(default_factory=list)
 
     @classmethod
     def from_env(cls, rank: int, env: dict[str, str] | None = None) -> Faults:
@@ -108,24 +100,23 @@ class Faults:
             return "badshape"
         return None
 
-    def after_step(self, step: int) -> None:
-        if self._due("kill", step):
-            from dtlab.parallel.ledger import publish_ledger
-
-            # What it did last is known to the others (a real kill -9 may lag one publication).
-            publish_ledger()
-            os.kill(os.getpid(), signal.SIGKILL)
+    def during_step(self, step: int) -> None:
+        """Before step ``step``'s reduction: the stop signals (the ranks agree on them in it)."""
         for kind, sig in (
             ("sigterm", signal.SIGTERM), ("sigusr1", signal.SIGUSR1), ("sigint", signal.SIGINT),
         ):  # fmt: skip
             if self._due(kind, step):
                 os.kill(os.getpid(), sig)
+
+    def after_step(self, step: int) -> None:
+        if self._due("kill", step):
+            for hook in self.before_kill:
+                hook()
+            os.kill(os.getpid(), signal.SIGKILL)
         if self._due("hang", step):
             stops = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1}
             signal.pthread_sigmask(signal.SIG_BLOCK, stops)
             signal.sigwait(stops)
-            from dtlab.mlx.launch import record_exit
-
             record_exit(1)  # for dtlab's MLX launcher; nothing without it
             os._exit(1)
         if self._due("error", step):
@@ -138,72 +129,3 @@ class Faults:
             raise OSError(f"{FAULTS_ENV}: injected write failure of the checkpoint of step {step}")
         if self._due("slowsave", step):
             time.sleep(SLOW_SAVE_S)
-
-
-class StopSignals:
-    """Catches SIGTERM, SIGUSR1 and SIGINT during training; ``agreed()`` tells every rank whether to stop.
-
-    A signal only sets a flag: at the next step boundary every rank saves a checkpoint and stops. A
-    second SIGINT (Ctrl-C pressed again) stops the process at once, without saving (exit 130).
-    """
-
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-
-    def __init__(self) -> None:
-        self.received = 0
-        self.interrupts = 0
-        self._previous: dict[int, Any] = {}
-        if threading.current_thread() is threading.main_thread():
-            for s in self.SIGNALS:
-                self._previous[s] = signal.signal(s, self._handle)
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if signum == signal.SIGINT:
-            self.interrupts += 1
-            if self.interrupts > 1:
-                # At once: an exception raised here could land inside a write and be reported as a
-                # failed save. What is half-written is never committed; the kernel drops the locks.
-                print(
-                    "aborted by Ctrl-C: stopped at once, without saving",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                os._exit(130)
-            if os.environ.get("RANK", "0") != "0":
-                return self._set(signum)
-            # Straight to the terminal: the logger may be in the middle of a line.
-            print(
-                "\nCtrl-C: saving a checkpoint after this step, then stopping "
-                "(Ctrl-C again to stop at once without saving)",
-                file=sys.stderr,
-                flush=True,
-            )
-        self._set(signum)
-
-    def _set(self, signum: int) -> None:
-        self.received = self.received or signum
-
-    def agreed(self, device: torch.device) -> str | None:
-        """The signal any rank received (one all-reduce when distributed), as a name, or None."""
-        value = self.received
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            t = torch.tensor([value], dtype=torch.int32, device=device)
-            with recorded("stop signal agreement", "all_reduce", t):
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            value = int(t.item())
-            if value and value not in signal.Signals._value2member_map_:
-                # Another rank's collective of the same size met this one (gloo matches bytes, not
-                # meanings): the ranks' collectives are out of step.
-                raise CollectiveError(
-                    f"the stop signal agreement returned {value}, which is no signal number: "
-                    "another rank issued a different collective"
-                )
-        return signal.Signals(value).name if value else None
-
-    def close(self) -> None:
-        for s, handler in self._previous.items():
-            # Restore only our own: a rank reporting a failed collective has set its signals aside.
-            if signal.getsignal(s) == self._handle:
-                # A stop is under way (saved, now exiting): a late signal must not turn it into a crash.
-                signal.signal(s, signal.SIG_IGN if self.received else handler)
-        self._previous.clear()

@@ -1,0 +1,40 @@
+"""Status files a rank leaves for the launcher that started it (dtlab's MLX launcher).
+
+``mlx.launch`` does not report the ranks' exit codes, so each rank writes its own (and its pid, so that
+signals can reach it) into the status directory the launcher names in ``DTLAB_MLX_STATUS_DIR``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+STATUS_ENV = "DTLAB_MLX_STATUS_DIR"
+WORKER_ENVS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+
+
+def is_mlx_worker() -> bool:
+    """True in a process that ``mlx.launch`` (ring) or ``mpirun`` started as one rank."""
+    return any(k in os.environ for k in WORKER_ENVS)
+
+
+def worker_rank() -> int:
+    """This rank's number as ``mlx.launch`` or ``mpirun`` gave it (0 outside them)."""
+    for k in WORKER_ENVS:
+        if k in os.environ:
+            return int(os.environ[k])
+    return 0
+
+
+def record_exit(code: int) -> None:
+    """In a rank started by dtlab's MLX launcher: leave this rank's exit code for the launcher."""
+    status = os.environ.get(STATUS_ENV)
+    if status and is_mlx_worker():
+        Path(status, f"rank{worker_rank()}.exit").write_text(str(code), encoding="utf-8")
+
+
+def record_pid() -> None:
+    """In a rank started by dtlab's MLX launcher: leave this rank's pid, so signals can reach it."""
+    status = os.environ.get(STATUS_ENV)
+    if status and is_mlx_worker():
+        Path(status, f"rank{worker_rank()}.pid").write_text(str(os.getpid()), encoding="utf-8")
