@@ -25,6 +25,7 @@ from dtlab.checkpoint.export import (
 from dtlab.checkpoint.manifest import MANIFEST, write_manifest
 from dtlab.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner
 from dtlab.errors import CheckpointError, DtlabError
+from dtlab.models import hf_adapter
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -146,7 +147,7 @@ def test_hf_permutation_is_needed(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     """Guards the test above: without the q/k row permutation the logits differ."""
     transformers = pytest.importorskip("transformers")
     model, _ = make_checkpoint(tmp_path / "ckpt", seed=1)
-    monkeypatch.setattr(export_mod, "_permute_rope", lambda w, n_heads: w)
+    monkeypatch.setattr(hf_adapter, "_permute_rope", lambda w, n_heads: w)
     out = export_hf(tmp_path / "ckpt", tmp_path / "hf")
     hf = transformers.LlamaForCausalLM.from_pretrained(str(out)).to(torch.float32).eval()
     tokens = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(2))
