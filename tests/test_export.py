@@ -25,6 +25,8 @@ from dtlab.checkpoint.export import (
 from dtlab.checkpoint.manifest import MANIFEST, write_manifest
 from dtlab.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner
 from dtlab.errors import CheckpointError, DtlabError
+from dtlab.fsutil import NotEmptyError, StagingError, write_dir_atomically
+from dtlab.models import hf_adapter
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -146,7 +148,7 @@ def test_hf_permutation_is_needed(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     """Guards the test above: without the q/k row permutation the logits differ."""
     transformers = pytest.importorskip("transformers")
     model, _ = make_checkpoint(tmp_path / "ckpt", seed=1)
-    monkeypatch.setattr(export_mod, "_permute_rope", lambda w, n_heads: w)
+    monkeypatch.setattr(hf_adapter, "_permute_rope", lambda w, n_heads: w)
     out = export_hf(tmp_path / "ckpt", tmp_path / "hf")
     hf = transformers.LlamaForCausalLM.from_pretrained(str(out)).to(torch.float32).eval()
     tokens = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(2))
@@ -277,6 +279,50 @@ def test_failed_export_leaves_nothing_behind(
     with pytest.raises(DtlabError, match="No space left"):
         export_hf(ckpt, base / "hf")
     assert sorted(p.name for p in base.iterdir()) == ["run"]
+
+
+def test_writing_a_directory_atomically(tmp_path: Path) -> None:
+    """dtlab.fsutil.write_dir_atomically, which export writes through: all or nothing, usual modes."""
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "old.txt").write_text("old")
+
+    def fail(tmp: Path) -> None:
+        (tmp / "half.bin").write_bytes(b"x")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        write_dir_atomically(target, fail, replace=True)
+    assert [p.name for p in target.iterdir()] == ["old.txt"]  # the old contents, untouched
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # and nothing beside them
+
+    def filled_meanwhile(tmp: Path) -> None:
+        (tmp / "mine.txt").write_text("mine")
+        (target / "theirs.txt").write_text("theirs")
+
+    shutil.rmtree(target)
+    target.mkdir()
+    with pytest.raises(NotEmptyError):
+        write_dir_atomically(target, filled_meanwhile)
+    assert [p.name for p in target.iterdir()] == ["theirs.txt"]
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+    def private(tmp: Path) -> None:
+        (tmp / "sub").mkdir(mode=0o700)
+        os.close(os.open(tmp / "sub" / "f.bin", os.O_CREAT | os.O_WRONLY, 0o600))
+
+    write_dir_atomically(target, private, replace=True)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert sorted(p.name for p in target.iterdir()) == ["sub"]
+    assert (target.stat().st_mode & 0o777) == (target / "sub").stat().st_mode & 0o777
+    assert (target / "sub").stat().st_mode & 0o777 == 0o777 & ~mask
+    assert (target / "sub" / "f.bin").stat().st_mode & 0o777 == 0o666 & ~mask
+
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    with pytest.raises(StagingError):
+        write_dir_atomically(blocked / "out", private)
 
 
 def test_checkpoint_that_does_not_match_its_config(tmp_path: Path) -> None:

@@ -17,7 +17,6 @@ from dtlab.checkpoint.export import (
     export_hf,
     export_safetensors,
     find_checkpoint,
-    hf_config,
     load_model_state,
 )
 from dtlab.checkpoint.init_from import apply_init_from, check_init_from
@@ -26,6 +25,7 @@ from dtlab.data import build_source
 from dtlab.data.loader import BatchLayout, BatchLoader
 from dtlab.errors import CheckpointError, ConfigError
 from dtlab.models import build_model
+from dtlab.models.hf_adapter import hf_config
 from dtlab.parallel import destroy_distributed, init_distributed, parallelize
 
 # The model and data keys of FAST (a config, not a run): what init_from must match.
@@ -147,7 +147,7 @@ def test_init_from_a_transformers_llama(tmp_path: Path) -> None:
     """A checkpoint written by transformers itself (not by dtlab's export) gives its logits."""
     transformers = pytest.importorskip("transformers")
     config = load_config(overrides=MODEL)
-    hf_cfg = transformers.LlamaConfig(**hf_config(config))
+    hf_cfg = transformers.LlamaConfig(**hf_config(config.model.args()))
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(hf_cfg).eval()
     hf.save_pretrained(str(tmp_path / "llama"))

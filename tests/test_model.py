@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+import dtlab.models
 from dtlab.config import ModelConfig
 from dtlab.models import PRESETS, build_model, count_params
+from dtlab.models.args import llama_ffn_dim
+from dtlab.models.hf_adapter import from_hf, from_hf_shapes, to_hf
 from dtlab.models.llama import apply_rope, rope_tables
 
 
@@ -105,3 +111,67 @@ def test_tied_embeddings_share_the_matrix() -> None:
 def test_sequence_longer_than_max_is_rejected() -> None:
     with pytest.raises(ValueError, match="exceeds max_seq_len"):
         debug_model()(torch.zeros(1, 129, dtype=torch.long))
+
+
+# --- the model's own arguments and format conversion -----------------------------------------
+def _imported_modules(path: Path) -> set[str]:
+    """Every module ``path`` imports, wherever the import is (functions, TYPE_CHECKING blocks)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return found
+
+
+def test_models_do_not_import_the_config() -> None:
+    """The config builds the model's arguments; the model never reaches up to the config."""
+    files = sorted((Path(dtlab.models.__file__).parent).rglob("*.py"))
+    assert len(files) >= 4  # __init__, args, llama, presets, ...
+    offenders = {
+        str(f.name): sorted(m for m in _imported_modules(f) if m.startswith("dtlab.config"))
+        for f in files
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_model_args_resolve_the_config_nulls() -> None:
+    m = ModelConfig(preset=None, dim=256, n_layers=1, n_heads=4, vocab_size=256, max_seq_len=16)
+    args = m.args()
+    assert (args.n_kv_heads, args.ffn_dim, args.head_dim) == (4, 768, 64)  # 8/3 * 256 -> 768
+    assert (args.n_kv_heads, args.ffn_dim) == (m.kv_heads, m.hidden_dim)
+    assert llama_ffn_dim(4096) == 11008  # Llama 2 7B's published size
+    # The model built from the arguments is the one built from the config section.
+    shapes = {k: v.shape for k, v in build_model(args).state_dict().items()}
+    assert shapes == {k: v.shape for k, v in build_model(m).state_dict().items()}
+    assert shapes["layers.0.feed_forward.w1.weight"] == (768, 256)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"tie_embeddings": True, "n_kv_heads": 1}, {"n_kv_heads": 4}],
+    ids=["gqa", "tied-mqa", "mha"],
+)
+def test_hf_adapter_round_trip_is_exact(kw: dict[str, object]) -> None:
+    args = ModelConfig(preset="debug", **kw).args()  # type: ignore[arg-type]
+    model = build_model(args, "cpu")
+    gen = torch.Generator().manual_seed(0)
+    state = {k: torch.randn(v.shape, generator=gen) for k, v in model.state_dict().items()}
+    hf = to_hf(state, args)
+    assert "model.layers.1.self_attn.q_proj.weight" in hf
+    assert ("lm_head.weight" in hf) is not args.tie_embeddings
+    # The q/k rows really move (a round trip through two identities would pass too).
+    wq = state["layers.0.attention.wq.weight"]
+    assert not torch.equal(hf["model.layers.0.self_attn.q_proj.weight"], wq)
+    back = from_hf(hf, args)
+    assert list(back) == list(state)
+    assert all(torch.equal(back[k], v) for k, v in state.items())
+    shapes = from_hf_shapes({k: tuple(v.shape) for k, v in hf.items()}, args)
+    assert shapes == {k: tuple(v.shape) for k, v in state.items()}
+    # What the model derives is dropped: rotary frequencies older files kept, a tied lm_head copy.
+    extra = {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}
+    if args.tie_embeddings:
+        extra["lm_head.weight"] = hf["model.embed_tokens.weight"]
+    assert list(from_hf({**hf, **extra}, args)) == list(state)

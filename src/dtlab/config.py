@@ -31,6 +31,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from dtlab.errors import ConfigError
+from dtlab.models.args import ModelArgs, llama_ffn_dim
 from dtlab.models.presets import PRESETS
 
 # Vocabulary size of each tokenizer; the model's vocab_size must cover it.
@@ -274,10 +275,22 @@ class ModelConfig(_Section):
 
     @property
     def hidden_dim(self) -> int:
-        if self.ffn_dim is not None:
-            return self.ffn_dim
-        multiple = 256
-        return multiple * ((int(8 * self.dim / 3) + multiple - 1) // multiple)
+        return self.ffn_dim if self.ffn_dim is not None else llama_ffn_dim(self.dim)
+
+    def args(self) -> ModelArgs:
+        """The arguments the model is built from (every null resolved)."""
+        return ModelArgs(
+            dim=self.dim,
+            n_layers=self.n_layers,
+            n_heads=self.n_heads,
+            n_kv_heads=self.kv_heads,
+            vocab_size=self.vocab_size,
+            max_seq_len=self.max_seq_len,
+            ffn_dim=self.hidden_dim,
+            rope_theta=self.rope_theta,
+            norm_eps=self.norm_eps,
+            tie_embeddings=self.tie_embeddings,
+        )
 
 
 class DataConfig(_Section):

@@ -2,20 +2,15 @@
 
 Reads the model tensors of a sharded DCP checkpoint into full CPU tensors in one process, without a
 process group (DCP reshards whatever layout the run saved), through the restricted reader of
-:mod:`dtlab.checkpoint.safe_io`. The checkpoint is verified against its manifest first.
-
-Hugging Face's Llama applies rotary embeddings to the two halves of each head (``rotate_half``) while
-dtlab rotates interleaved pairs ``(x[2i], x[2i+1])``; the rows of the query and key projections are
-permuted per head so that the exported model computes the same logits.
+:mod:`dtlab.checkpoint.safe_io`. The checkpoint is verified against its manifest first; a run
+directory's checkpoints are found through :mod:`dtlab.checkpoint.store`. The conversion to Hugging
+Face's names and rotary layout is the model's own (:mod:`dtlab.models.hf_adapter`).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import re
 import shutil
-import tempfile
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -27,19 +22,18 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dtlab.checkpoint.manifest import MANIFEST, verify_checkpoint
 from dtlab.checkpoint.safe_io import SafeFileSystemReader, safe_load
+from dtlab.checkpoint.store import STEP_DIR, Tier, newest_verified
 from dtlab.config import Config, load_config
 from dtlab.errors import CheckpointError, DtlabError
+from dtlab.fsutil import NotEmptyError, StagingError, write_dir_atomically
+from dtlab.models.hf_adapter import hf_config, to_hf
 
 __all__ = [
     "FORMATS",
-    "dtlab_name",
-    "dtlab_state_dict",
     "export_checkpoint",
     "export_hf",
     "export_safetensors",
     "find_checkpoint",
-    "hf_config",
-    "hf_state_dict",
     "load_model_state",
 ]
 
@@ -47,7 +41,6 @@ FORMATS = ("safetensors", "hf")
 Format = Literal["safetensors", "hf"]
 Warn = Callable[[str], None]
 
-STEP_DIR = re.compile(r"^step-(\d{8})$")
 MODEL_PREFIX = "model"
 
 
@@ -69,9 +62,9 @@ def _is_checkpoint_dir(path: Path) -> bool:
 def find_checkpoint(path: str | Path, warn: Warn | None = None) -> Path:
     """The verified checkpoint ``path`` names: itself, or the newest verified one of a run directory.
 
-    In a run directory, checkpoints are ``checkpoints/step-NNNNNNNN`` (``path`` may also be that
-    ``checkpoints`` directory); one that fails verification is skipped with a warning (through ``warn``)
-    and the next older one is tried. Names starting with ``.`` (uncommitted saves) are ignored.
+    In a run directory, checkpoints are the committed ``checkpoints/step-NNNNNNNN`` of its local tier
+    (``path`` may also be that ``checkpoints`` directory); one that fails verification is skipped with
+    a warning (through ``warn``) and the next older one is tried.
     """
     warn = warn or _default_warn
     path = Path(path)
@@ -87,33 +80,22 @@ def find_checkpoint(path: str | Path, warn: Warn | None = None) -> Path:
     root = path / "checkpoints"
     try:
         if not root.is_dir():
-            if not any(STEP_DIR.match(p.name) for p in path.iterdir()):
+            if not Tier(path, "local").committed():
                 raise CheckpointError(
                     f"'{path}' is neither a checkpoint (no {MANIFEST}) nor a run directory (no checkpoints/)"
                 )
             root = path  # RUN_DIR/checkpoints itself
-        steps = sorted(
-            (
-                (int(m.group(1)), p)
-                for p in root.iterdir()
-                if not p.name.startswith(".") and (m := STEP_DIR.match(p.name)) and p.is_dir()
-            ),
-            reverse=True,
-        )
+        count = len(Tier(root, "local").committed())
+        if not count:
+            raise CheckpointError(f"run directory '{path}' has no checkpoint in '{root}'")
+        ckpt = newest_verified(root, warn)
     except OSError as e:
         raise CheckpointError(f"cannot list '{path}': {e.strerror or e}") from None
-    if not steps:
-        raise CheckpointError(f"run directory '{path}' has no checkpoint in '{root}'")
-    for _, ckpt in steps:
-        try:
-            verify_checkpoint(ckpt)
-        except CheckpointError as e:
-            warn(f"skipping checkpoint '{ckpt}': {e}")
-            continue
-        return ckpt
-    raise CheckpointError(
-        f"run directory '{path}' has no complete checkpoint: all {len(steps)} in '{root}' failed verification"
-    )
+    if ckpt is None:
+        raise CheckpointError(
+            f"run directory '{path}' has no complete checkpoint: all {count} in '{root}' failed verification"
+        )
+    return ckpt
 
 
 def load_model_state(ckpt_dir: str | Path, *, verify: bool = True) -> dict[str, torch.Tensor]:
@@ -200,137 +182,6 @@ def some_names(names: list[str], n: int = 5) -> str:
     return ", ".join(names[:n]) + more
 
 
-# --- Hugging Face Llama ------------------------------------------------------------------------
-def _permute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Rows of a q/k projection from interleaved rotary pairs to the half-split (rotate_half) layout.
-
-    Within each head, output row ``2i`` becomes row ``i`` and row ``2i + 1`` becomes row
-    ``head_dim / 2 + i``.
-    """
-    out_dim, in_dim = w.shape
-    head_dim = out_dim // n_heads
-    return w.view(n_heads, head_dim // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
-
-
-def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """The inverse of :func:`_permute_rope`: rows of a Hugging Face q/k projection back to
-    interleaved rotary pairs."""
-    out_dim, in_dim = w.shape
-    head_dim = out_dim // n_heads
-    return w.view(n_heads, 2, head_dim // 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
-
-
-# dtlab name (inside layers.N.) -> Hugging Face name (inside model.layers.N.)
-_HF_LAYER_NAMES = {
-    "attention_norm.weight": "input_layernorm.weight",
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-}
-_LAYER_KEY = re.compile(r"^layers\.(\d+)\.(.+)$")
-
-
-def hf_state_dict(state: dict[str, torch.Tensor], config: Config) -> dict[str, torch.Tensor]:
-    """dtlab's model state renamed (and q/k permuted) for ``transformers.LlamaForCausalLM``."""
-    m = config.model
-    out: dict[str, torch.Tensor] = {}
-    for key, value in state.items():
-        if key == "tok_embeddings.weight":
-            out["model.embed_tokens.weight"] = value
-        elif key == "norm.weight":
-            out["model.norm.weight"] = value
-        elif key == "output.weight":
-            out["lm_head.weight"] = value
-        elif (match := _LAYER_KEY.match(key)) and match.group(2) in _HF_LAYER_NAMES:
-            layer, name = match.groups()
-            if name == "attention.wq.weight":
-                value = _permute_rope(value, m.n_heads)
-            elif name == "attention.wk.weight":
-                value = _permute_rope(value, m.kv_heads)
-            out[f"model.layers.{layer}.{_HF_LAYER_NAMES[name]}"] = value
-        else:
-            raise CheckpointError(f"model tensor '{key}' has no Hugging Face Llama counterpart")
-    return out
-
-
-_HF_TOP_NAMES = {
-    "model.embed_tokens.weight": "tok_embeddings.weight",
-    "model.norm.weight": "norm.weight",
-    "lm_head.weight": "output.weight",
-}
-_DTLAB_LAYER_NAMES = {hf: ours for ours, hf in _HF_LAYER_NAMES.items()}
-_HF_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-
-
-def dtlab_name(hf_name: str) -> str:
-    """dtlab's name for the tensor a Hugging Face Llama state dict calls ``hf_name`` (the name itself
-    when dtlab has no such tensor, for the caller to report)."""
-    if hf_name in _HF_TOP_NAMES:
-        return _HF_TOP_NAMES[hf_name]
-    match = _HF_LAYER_KEY.match(hf_name)
-    if match and match.group(2) in _DTLAB_LAYER_NAMES:
-        return f"layers.{match.group(1)}.{_DTLAB_LAYER_NAMES[match.group(2)]}"
-    return hf_name
-
-
-def dtlab_state_dict(
-    state: dict[str, torch.Tensor], n_heads: int, n_kv_heads: int
-) -> dict[str, torch.Tensor]:
-    """A Hugging Face Llama state dict in dtlab's names, the q/k rows back in interleaved rotary
-    pairs: the inverse of :func:`hf_state_dict`."""
-    out: dict[str, torch.Tensor] = {}
-    for key, value in state.items():
-        name = dtlab_name(key)
-        if name.endswith("attention.wq.weight"):
-            value = _unpermute_rope(value, n_heads)
-        elif name.endswith("attention.wk.weight"):
-            value = _unpermute_rope(value, n_kv_heads)
-        out[name] = value
-    return out
-
-
-def hf_config(config: Config, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """``config.json`` of the Hugging Face Llama model equivalent to ``config.model``."""
-    m = config.model
-    dtype_name = str(dtype).removeprefix("torch.")
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": m.dim,
-        "intermediate_size": m.hidden_dim,
-        "num_hidden_layers": m.n_layers,
-        "num_attention_heads": m.n_heads,
-        "num_key_value_heads": m.kv_heads,
-        "head_dim": m.dim // m.n_heads,
-        "vocab_size": m.vocab_size,
-        "max_position_embeddings": m.max_seq_len,
-        "hidden_act": "silu",
-        "rms_norm_eps": m.norm_eps,
-        # transformers < 5 reads rope_theta; 5 reads rope_parameters (and converts rope_theta).
-        "rope_theta": m.rope_theta,
-        "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "pretraining_tp": 1,
-        "tie_word_embeddings": m.tie_embeddings,
-        "initializer_range": 0.02,
-        "use_cache": True,
-        # dtlab's byte tokenizer has no special tokens (byte 0 separates documents).
-        "bos_token_id": None,
-        "eos_token_id": None,
-        "pad_token_id": None,
-        "torch_dtype": dtype_name,
-        "dtype": dtype_name,
-    }
-
-
 # --- writing -----------------------------------------------------------------------------------
 def _safetensors_torch() -> ModuleType:
     try:
@@ -365,58 +216,19 @@ def _check_out(out_dir: Path, force: bool, source: Path) -> None:
             )
 
 
-def _umask() -> int:
-    try:  # Linux reports it without changing it
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def _write_atomically(out_dir: Path, force: bool, write: Callable[[Path], None]) -> None:
-    """Run ``write(tmp)`` on a new directory next to ``out_dir``, then rename it to ``out_dir``.
-
-    On failure nothing is left behind and an existing ``out_dir`` is untouched.
-    """
-    parent = out_dir.parent
+def _write(out_dir: Path, force: bool, write: Callable[[Path], None]) -> None:
+    """``write`` the export into a new directory that then replaces ``out_dir`` (see
+    :func:`dtlab.fsutil.write_dir_atomically`), with errors that name ``--out``."""
     try:
-        parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=parent))
+        write_dir_atomically(out_dir, write, replace=force)
+    except StagingError as e:
+        raise DtlabError(
+            f"cannot create a directory in '{out_dir.parent}': {e.strerror or e}"
+        ) from None
+    except NotEmptyError:  # appeared while we were writing
+        raise DtlabError(f"--out '{out_dir}' exists and is not empty") from None
     except OSError as e:
-        raise DtlabError(f"cannot create a directory in '{parent}': {e.strerror or e}") from None
-    old: Path | None = None
-    try:
-        write(tmp)
-        # mkdtemp (and safetensors) create private modes; give the export the usual ones.
-        mask = _umask()
-        tmp.chmod(0o777 & ~mask)
-        for f in tmp.iterdir():
-            f.chmod(0o666 & ~mask)
-        if out_dir.exists():
-            if not force and any(out_dir.iterdir()):  # appeared while we were writing
-                raise DtlabError(f"--out '{out_dir}' exists and is not empty")
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=parent))
-            os.replace(out_dir, old / out_dir.name)
-        try:
-            os.replace(tmp, out_dir)
-        except OSError:
-            if old is not None:  # put the previous output back
-                os.replace(old / out_dir.name, out_dir)
-                shutil.rmtree(old, ignore_errors=True)
-                old = None
-            raise
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
         raise DtlabError(f"cannot write export '{out_dir}': {e.strerror or e}") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def export_checkpoint(
@@ -449,11 +261,12 @@ def export_checkpoint(
             shutil.copyfile(ckpt / "config.yaml", tmp / "config.yaml")
         else:
             dtype = state["tok_embeddings.weight"].dtype
-            _save_safetensors(hf_state_dict(state, config), tmp / "model.safetensors")
-            text = json.dumps(hf_config(config, dtype), indent=2) + "\n"
+            args = config.model.args()
+            _save_safetensors(to_hf(state, args), tmp / "model.safetensors")
+            text = json.dumps(hf_config(args, dtype), indent=2) + "\n"
             (tmp / "config.json").write_text(text, encoding="utf-8")
 
-    _write_atomically(out_dir, force, write)
+    _write(out_dir, force, write)
     return ckpt, out_dir
 
 

@@ -29,6 +29,8 @@ from torch import nn
 
 from dtlab.config import Config, ModelConfig, parse_yaml
 from dtlab.errors import CheckpointError, ConfigError
+from dtlab.models.args import ModelArgs
+from dtlab.models.hf_adapter import HF_NUMERIC_NAMES, HF_SHAPE_NAMES, from_hf, from_hf_shapes
 
 if TYPE_CHECKING:
     from dtlab.parallel.dist import DistInfo
@@ -42,18 +44,9 @@ EXPECTED = (
     "pytorch_model*.bin)"
 )
 # dtlab's shape keys and the name each has in a Hugging Face Llama config.json.
-HF_NAMES = {
-    "dim": "hidden_size",
-    "n_layers": "num_hidden_layers",
-    "n_heads": "num_attention_heads",
-    "n_kv_heads": "num_key_value_heads",
-    "vocab_size": "vocab_size",
-    "ffn_dim": "intermediate_size",
-    "tie_embeddings": "tie_word_embeddings",
-}
+HF_NAMES = HF_SHAPE_NAMES
 # Keys that shape no tensor but change what the model computes: a difference is worth a warning.
-NUMERIC = {"rope_theta": "rope_theta", "norm_eps": "rms_norm_eps"}
-ROTARY_BUFFER = "rotary_emb.inv_freq"
+NUMERIC = HF_NUMERIC_NAMES
 
 
 @dataclass(frozen=True)
@@ -209,9 +202,8 @@ def _read_dtlab(path: Path) -> InitSource:
         raise CheckpointError(
             f"{KEY}: the model section of '{cfg_path}' is not valid: {e}"
         ) from None
-    shape = {k: getattr(m, k) for k in HF_NAMES}
-    shape["n_kv_heads"], shape["ffn_dim"] = m.kv_heads, m.hidden_dim
-    shape["rope_theta"], shape["norm_eps"] = m.rope_theta, m.norm_eps
+    args = m.args()
+    shape = {k: getattr(args, k) for k in (*HF_NAMES, *NUMERIC)}
     names = {k: k for k in shape}
     return InitSource(path, "dtlab", (path / "model.safetensors",), shape, names)
 
@@ -239,50 +231,22 @@ def read_source(path: str | Path) -> InitSource:
     raise ConfigError(f"{KEY} = '{path}' is neither; allowed: {EXPECTED}{hint}")
 
 
-def _model_shape(m: ModelConfig) -> dict[str, Any]:
-    return {
-        "dim": m.dim,
-        "n_layers": m.n_layers,
-        "n_heads": m.n_heads,
-        "n_kv_heads": m.kv_heads,
-        "vocab_size": m.vocab_size,
-        "ffn_dim": m.hidden_dim,
-        "tie_embeddings": m.tie_embeddings,
-    }
+def _model_shape(args: ModelArgs) -> dict[str, Any]:
+    return {k: getattr(args, k) for k in HF_NAMES}
 
 
-def _expected_tensors(m: ModelConfig) -> dict[str, tuple[int, ...]]:
+def _expected_tensors(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     from dtlab.models.llama import build_model
 
-    return {k: tuple(v.shape) for k, v in build_model(m).state_dict().items()}  # on meta: free
+    return {k: tuple(v.shape) for k, v in build_model(args).state_dict().items()}  # on meta: free
 
 
-def _source_names(
-    src: InitSource, found: dict[str, Any], m: ModelConfig, tensors: bool
-) -> dict[str, Any]:
-    """``found`` (a source's tensors, or their shapes) under dtlab's names and in dtlab's layout,
-    without what dtlab derives: the rotary frequencies that older Hugging Face files kept, and a tied
-    model's lm_head copy."""
-    if src.kind == "dtlab":
-        return found
-    from dtlab.checkpoint.export import dtlab_name, dtlab_state_dict
-
-    found = {k: v for k, v in found.items() if not k.endswith(ROTARY_BUFFER)}
-    if tensors:
-        out = dtlab_state_dict(found, m.n_heads, m.kv_heads)  # q/k rows back to rotary pairs
-    else:
-        out = {dtlab_name(k): v for k, v in found.items()}
-    if m.tie_embeddings:
-        out.pop("output.weight", None)
-    return out
-
-
-def _tensor_shapes(src: InitSource, m: ModelConfig) -> dict[str, tuple[int, ...]]:
+def _tensor_shapes(src: InitSource, args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """Every tensor of the source, in dtlab's names, with its shape (from the file headers)."""
     shapes: dict[str, Any] = {}
     for f in src.files:
         shapes |= _read_file(f, tensors=False)
-    return _source_names(src, shapes, m, tensors=False)
+    return shapes if src.kind == "dtlab" else from_hf_shapes(shapes, args)
 
 
 def check_init_from(config: Config, warn: bool = True) -> InitSource:
@@ -292,7 +256,8 @@ def check_init_from(config: Config, warn: bool = True) -> InitSource:
     m = config.model
     assert m.init_from is not None
     src = read_source(m.init_from)
-    ours = _model_shape(m)
+    args = m.args()
+    ours = _model_shape(args)
     where = "config.json" if src.kind == "hf" else "config.yaml"
     wrong = [k for k in ours if src.shape.get(k) != ours[k]]
     if wrong:
@@ -308,8 +273,8 @@ def check_init_from(config: Config, warn: bool = True) -> InitSource:
         )
     from dtlab.checkpoint.export import compare_tensors
 
-    expected = _expected_tensors(m)
-    found = _tensor_shapes(src, m)
+    expected = _expected_tensors(args)
+    found = _tensor_shapes(src, args)
     problems, shapes = compare_tensors(expected, found)
     if shapes:
         problems.extend(
@@ -344,12 +309,13 @@ def load_init_state(config: Config, src: InitSource | None = None) -> dict[str, 
     """The full tensors of ``model.init_from`` on the CPU, in dtlab's names and layout, checked
     against the config (``src``: the result of :func:`check_init_from`, when already checked)."""
     src = src or check_init_from(config)
-    m = config.model
+    args = config.model.args()
     state: dict[str, torch.Tensor] = {}
     for f in src.files:
         state |= _read_file(f, tensors=True)
-    state = _source_names(src, state, m, tensors=True)
-    return {k: state[k] for k in _expected_tensors(m)}
+    if src.kind == "hf":
+        state = from_hf(state, args)  # q/k rows back to rotary pairs
+    return {k: state[k] for k in _expected_tensors(args)}
 
 
 def apply_init_from(model: nn.Module, config: Config, d: DistInfo) -> str:

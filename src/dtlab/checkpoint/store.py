@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from dtlab.checkpoint.manifest import MANIFEST
+from dtlab.checkpoint.manifest import MANIFEST, verify_checkpoint
 from dtlab.config import Config
 from dtlab.errors import CheckpointError
 
@@ -244,6 +244,23 @@ class Tier:
         for s in doomed:
             self.delete(s)
         return doomed
+
+
+def newest_verified(root: Path, warn: Callable[[str], None]) -> Path | None:
+    """The newest checkpoint of the local tier ``root`` that verifies against its manifest, or None.
+
+    Each newer one that fails verification is skipped with a warning (through ``warn``) that names
+    it and what is wrong.
+    """
+    for step in reversed(Tier(root, "local").committed()):
+        ckpt = root / step_name(step)
+        try:
+            verify_checkpoint(ckpt)
+        except CheckpointError as e:
+            warn(f"skipping checkpoint '{ckpt}': {e}")
+            continue
+        return ckpt
+    return None
 
 
 def find_resumable_run(config: Config) -> Path | None:

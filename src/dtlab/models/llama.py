@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:  # config imports the presets from this package
-    from dtlab.config import ModelConfig
+from dtlab.models.args import HasModelArgs, ModelArgs, model_args
 
 
 class RMSNorm(nn.Module):
@@ -52,14 +50,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.kv_heads
-        self.head_dim = cfg.dim // cfg.n_heads
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        self.n_heads, self.n_kv_heads = args.n_heads, args.n_kv_heads
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -88,12 +86,12 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.hidden_dim)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
@@ -106,24 +104,26 @@ class Transformer(nn.Module):
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
         # Tied: the output projection reads the embedding matrix in forward rather than sharing a Parameter
         # object, because sharing does not survive to_empty() or wrapping.
-        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
-        # Not persistent: derived from the config, so never part of a checkpoint.
+        self.output = (
+            None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        )
+        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
+        # Not persistent: derived from the arguments, so never part of a checkpoint.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         T = tokens.shape[1]
-        if self.cfg.max_seq_len < T:
-            raise ValueError(f"sequence length {T} exceeds max_seq_len {self.cfg.max_seq_len}")
+        if self.args.max_seq_len < T:
+            raise ValueError(f"sequence length {T} exceeds max_seq_len {self.args.max_seq_len}")
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
@@ -143,7 +143,7 @@ class Transformer(nn.Module):
         if name.endswith("norm.weight"):
             return None
         if name.endswith(("wo.weight", "w2.weight")):
-            return 0.02 / math.sqrt(2 * self.cfg.n_layers)
+            return 0.02 / math.sqrt(2 * self.args.n_layers)
         return 0.02
 
     def initial_value(
@@ -163,12 +163,8 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_buffers(self) -> None:
         """Recompute the RoPE tables (needed after ``to_empty``)."""
-        cos, sin = rope_tables(
-            self.cfg.dim // self.cfg.n_heads,
-            self.cfg.max_seq_len,
-            self.cfg.rope_theta,
-            self.rope_cos.device,
-        )
+        a = self.args
+        cos, sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
@@ -180,10 +176,13 @@ class Transformer(nn.Module):
         self.init_buffers()
 
 
-def build_model(cfg: ModelConfig, device: str | torch.device = "meta") -> Transformer:
-    """Build the model. On ``meta`` (the default) nothing is allocated; on a real device it is initialised."""
+def build_model(args: ModelArgs | HasModelArgs, device: str | torch.device = "meta") -> Transformer:
+    """Build the model from its arguments (or ``config.model``, which gives them).
+
+    On ``meta`` (the default) nothing is allocated; on a real device it is initialised.
+    """
     with torch.device(device):
-        model = Transformer(cfg)
+        model = Transformer(model_args(args))
     if str(device) != "meta":
         model.init_weights()
     return model
