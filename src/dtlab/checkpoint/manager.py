@@ -14,8 +14,9 @@ import shutil
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -36,8 +37,6 @@ from dtlab.checkpoint.store import (
 from dtlab.config import Config
 from dtlab.errors import CheckpointError
 from dtlab.metrics.logging import logger
-from dtlab.parallel.dist import DistInfo, decide_on_rank0
-from dtlab.runtime.faults import Faults
 
 # DCP says so each time a single process saves or loads without a process group, which is intended here.
 warnings.filterwarnings(
@@ -82,19 +81,48 @@ def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+class Coordinator(Protocol):
+    """How the ranks of a run work together on a checkpoint: who they are, and one choice rank 0 makes
+    for all of them (the torch engine's :class:`~dtlab.parallel.dist.DistInfo`, the MLX engine's group)."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def is_main(self) -> bool: ...
+    def decide(self, fn: Callable[[], str | None]) -> str | None:
+        """``fn()`` on rank 0; every rank gets its result, or its DtlabError raised."""
+        ...
+
+
+def _path(text: str | None) -> Path | None:
+    return None if text is None else Path(text)
+
+
+def _text(path: Path | None) -> str | None:
+    return None if path is None else str(path)
+
+
 class Checkpointer:
-    """Saves and restores ``TrainingParts`` in the run directory (and the durable tier, if set)."""
+    """Saves and restores ``TrainingParts`` in the run directory (and the durable tier, if set).
+
+    The commit (manifest, rename, retention, durable copy), the choice of a checkpoint to resume from
+    and the staging directories are public: an engine that writes its own files (the MLX engine)
+    stages them in :meth:`staging_dir` and calls :meth:`commit`. ``before_commit(step)`` is called
+    between the written files and the manifest (fault injection: a torn or failed save).
+    """
 
     def __init__(
         self,
         config: Config,
         run_dir: Path,
-        d: DistInfo,
-        faults: Faults | None = None,
+        coord: Coordinator,
+        before_commit: Callable[[int], None] | None = None,
         data_identity: str | None = None,
     ) -> None:
         c = config.checkpoint
-        self.config, self.d, self.faults = config, d, faults or Faults()
+        self.config, self.d, self.before_commit = config, coord, before_commit
         self.run_dir = run_dir
         # What the samples are made of: part of the resume fingerprint (another Python's stdlib,
         # changed files under the same paths: other samples).
@@ -136,7 +164,7 @@ class Checkpointer:
         """
         self.wait()
         t0 = time.perf_counter()
-        tmp = self.local.local_root / f".tmp-{step_name(step)}"  # type: ignore[operator]
+        tmp = self.staging_dir(step)
         tensors, groups = parts.tensor_state()
         if self.d.is_main:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
@@ -212,8 +240,25 @@ class Checkpointer:
         if self.d.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
 
+    def staging_dir(self, step: int) -> Path:
+        """Where the files of step ``step``'s checkpoint are written before :meth:`commit`."""
+        assert self.local.local_root is not None  # the local tier is a directory
+        return self.local.local_root / f".tmp-{step_name(step)}"
+
+    def commit(self, step: int, tmp: Path, t0: float) -> None:
+        """Rank 0: make the checkpoint staged in ``tmp`` step ``step``'s (manifest, rename, retention,
+        durable copy) and count it saved; ``t0`` is when its save began (for the logged rate)."""
+        self._commit(step, tmp, t0)
+        self.saved_steps.append(step)
+
+    def record_failure(self, step: int, error: BaseException) -> None:
+        """Report a save that failed: counted, logged, nothing committed; training goes on."""
+        self._error, self._error_step = error, step
+        self._report()
+
     def _commit(self, step: int, tmp: Path, t0: float) -> None:
-        self.faults.before_commit(step)
+        if self.before_commit is not None:
+            self.before_commit(step)
         write_manifest(
             tmp,
             threads=self.threads,
@@ -347,9 +392,10 @@ class Checkpointer:
         tmp.rename(final)
         return final
 
-    def choose(self) -> Path | None:
+    def choose(self, check: Callable[[Path | None], None] | None = None) -> Path | None:
         """The checkpoint ``checkpoint.resume`` selects, verified and checked against the config on
-        rank 0; every rank gets the same answer (or the same error)."""
+        rank 0; every rank gets the same answer (or the same error). ``check(path)`` runs on rank 0
+        after the choice (the caller's own conditions), within the same agreement."""
 
         def pick() -> Path | None:
             if self.durable is not None:
@@ -364,9 +410,11 @@ class Checkpointer:
                         + "; ".join(conflicts)
                         + ". Start a new run (checkpoint.resume=never or another run.dir) instead"
                     )
+            if check is not None:
+                check(path)
             return path
 
-        return decide_on_rank0(pick, self.d)
+        return _path(self.d.decide(lambda: _text(pick())))
 
     def own_step(self, path: Path | None) -> int | None:
         """The step of ``path`` when it is one of this run's own checkpoints (either tier), else None."""
@@ -421,7 +469,7 @@ class Checkpointer:
             steps = self.local.committed()
             return self.local.local_root / step_name(steps[-1]) if steps else None  # type: ignore[operator]
 
-        return decide_on_rank0(newest, self.d)
+        return _path(self.d.decide(lambda: _text(newest())))
 
 
 def _first_cause(e: CheckpointException, rank: int = 0) -> BaseException:

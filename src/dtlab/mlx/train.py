@@ -357,6 +357,22 @@ def _from_rank0(
     return result
 
 
+class MlxGroup:
+    """The MLX group as a checkpoint :class:`~dtlab.checkpoint.manager.Coordinator`: its ranks, and
+    choices made on rank 0 and shared with one all_sum (:func:`_from_rank0`)."""
+
+    def __init__(self, group: Any, watchdog: Watchdog) -> None:
+        self.group, self.watchdog = group, watchdog
+        self.rank, self.world_size = group.rank(), group.size()
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def decide(self, fn: Callable[[], str | None]) -> str | None:
+        return _from_rank0(self.group, self.watchdog, "the decision of rank 0", fn)
+
+
 # --- the loop ----------------------------------------------------------------------------------------
 def _numpy_batches(batch: list[Any]) -> list[tuple[np.ndarray, np.ndarray]]:
     return [(x.numpy(), y.numpy()) for x, y in batch]
@@ -413,7 +429,6 @@ def _train_in(
     accum: int,
     micro: int,
 ) -> dict[str, Any]:
-    from dtlab.parallel.dist import DistInfo
     from dtlab.train.loop import TrainState, history_figures, logged, loss_curve
 
     rank, world, t = group.rank(), group.size(), config.train
@@ -433,30 +448,26 @@ def _train_in(
         prefetch=config.data.prefetch,
     )  # fmt: skip
     state = TrainState()
-    import torch  # the Checkpointer's DistInfo names a device; nothing of torch runs here
-
-    d = DistInfo(rank, world, rank, world, torch.device("cpu"), None)
-    ckpt = Checkpointer(config, run_dir, d, faults, data_identity=loader.source.identity)
+    coord = MlxGroup(group, watchdog)
+    ckpt = Checkpointer(
+        config, run_dir, coord, faults.before_commit, data_identity=loader.source.identity
+    )
     health = {"bad_steps": 0, "bad_in_a_row": 0}
 
-    def choose() -> str | None:
-        path = ckpt.choose()  # verification (and a durable fetch) happen on rank 0 only
+    def check(path: Path | None) -> None:
         if path is not None and _engine_of(path) != "mlx":
             raise CheckpointError(
                 f"cannot resume from '{path}': it was not written by the MLX engine"
             )
         check_start(run_dir, path, ckpt.own_step(path), config)
-        return None if path is None else str(path)
 
-    chosen = _from_rank0(group, watchdog, "the resume broadcast", choose)
-    resumed = _restore(
-        ckpt, trainer, loader, state, health, None if chosen is None else Path(chosen)
-    )
+    chosen = ckpt.choose(check)  # verified (and fetched from the durable tier) on rank 0, agreed
+    resumed = _restore(ckpt, trainer, loader, state, health, chosen)
     # Only now, with the resume checks passed, does the run directory record this run's config.
     earlier: list[dict[str, Any]] = []
     if is_main:
         (run_dir / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
-        if resumed is not None and ckpt.own_step(Path(str(chosen))) is not None:
+        if resumed is not None and ckpt.own_step(chosen) is not None:
             earlier = [m for m in logged_steps(run_dir) if m["step"] <= resumed]
     params = sum(v.size for v in trainer.params.values())
     logger.info(
@@ -603,7 +614,7 @@ def _save(
     if not is_main:
         return
     t0 = time.perf_counter()
-    tmp = ckpt.local.local_root / f".tmp-{step_name(state.step)}"  # type: ignore[operator]
+    tmp = ckpt.staging_dir(state.step)
     shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
     tmp.mkdir(parents=True)
     try:
@@ -618,11 +629,10 @@ def _save(
         }
         (tmp / "state.json").write_text(json.dumps(doc), encoding="utf-8")
         (tmp / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
-        ckpt._commit(state.step, tmp, t0)
-        ckpt.saved_steps.append(state.step)
+        ckpt.commit(state.step, tmp, t0)
     except OSError as e:  # a failed save is reported and training goes on, as with torch
-        ckpt.failures += 1
-        logger.error("checkpoint of step %d failed: %s: %s", state.step, type(e).__name__, e)
+        shutil.rmtree(tmp, ignore_errors=True)
+        ckpt.record_failure(state.step, e)
 
 
 def _engine_of(path: Path) -> Any:

@@ -34,6 +34,11 @@ class DistInfo:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def decide(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on rank 0; every rank gets its result, or its DtlabError raised (see
+        :func:`decide_on_rank0`)."""
+        return decide_on_rank0(fn, self)
+
 
 def is_worker_env() -> bool:
     """True when a launcher (torchrun, dtlab's elastic launcher) started this process as a worker."""

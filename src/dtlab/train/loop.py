@@ -418,10 +418,11 @@ def _run(config: Config, d: DistInfo, run_dir: Path, faults: Faults) -> dict[str
         comm=getattr(optimizer, "local", None) or pm.compression,
         rank=d.rank,
     )
-    ckpt = Checkpointer(config, run_dir, d, faults, data_identity=loader.source.identity)
-    chosen = ckpt.choose()
+    ckpt = Checkpointer(
+        config, run_dir, d, faults.before_commit, data_identity=loader.source.identity
+    )
+    chosen = ckpt.choose(lambda path: check_start(run_dir, path, ckpt.own_step(path), config))
     own = ckpt.own_step(chosen)
-    decide_on_rank0(lambda: check_start(run_dir, chosen, own, config), d)
     resumed = ckpt.restore(parts, chosen)
     if resumed is not None:
         logger.info("resumed from %s (step %d)", ckpt.resumed_from, resumed)
