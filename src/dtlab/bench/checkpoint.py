@@ -27,8 +27,8 @@ from dtlab.checkpoint.state import TrainingParts
 from dtlab.config import load_config
 from dtlab.models.llama import build_model, count_params
 from dtlab.parallel.dist import DistInfo
-from dtlab.train.loop import TrainState
 from dtlab.train.optim import build_optimizer
+from dtlab.train.run import TrainState
 
 
 def disk_write_bandwidth(directory: Path, nbytes: int, repeats: int) -> float:

@@ -426,11 +426,9 @@ class Checkpointer:
         m = STEP_DIR.match(path.name)
         return int(m.group(1)) if m else None
 
-    def restore(self, parts: TrainingParts, path: Path | None) -> int | None:
-        """Load checkpoint ``path`` (from :meth:`choose`) into ``parts``; returns its step, or None."""
-        if path is None:
-            return None
-        self.load(path, parts)
+    def restored(self, path: Path) -> int:
+        """Note that this run resumed from checkpoint ``path`` (loaded by its engine): logs the settings
+        changed since it was saved (rank 0); returns its step."""
         self.resumed_from = str(path)
         if self.d.is_main:
             changes = config_changes(saved_config(path), self.config)

@@ -23,28 +23,19 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_unflatten
 
-from dtlab.checkpoint.manager import Checkpointer
-from dtlab.checkpoint.store import step_name
-from dtlab.config import Config, check_world, config_warnings
+from dtlab.checkpoint.manager import Checkpointer, Coordinator
+from dtlab.checkpoint.state import Stateful
+from dtlab.config import Config, check_world
 from dtlab.data import BatchLayout, BatchLoader, build_source
-from dtlab.data.sources import describe_data
-from dtlab.errors import CheckpointError, CollectiveError, DtlabError, Preempted
-from dtlab.metrics.logging import logger, setup_logging
-from dtlab.metrics.sinks import JsonlSink, NullSink, ProgressSink, Sink, TensorBoardSink
+from dtlab.errors import CheckpointError, CollectiveError, DtlabError
+from dtlab.metrics.logging import setup_logging
 from dtlab.mlx.model import Transformer, build_mlx_model, flat_parameters
 from dtlab.parallel.ledger import LEDGER_ENV, FileChannel, Ledger
 from dtlab.runtime.faults import Faults
 from dtlab.runtime.signals import StopSignals, agreed_stop, stop_votes
 from dtlab.runtime.status import STATUS_ENV, record_exit, record_pid
-from dtlab.train.rundir import (
-    RunDirLock,
-    check_final_checkpoint,
-    check_start,
-    create_run_dir,
-    logged_steps,
-    record_stop,
-    write_outputs,
-)
+from dtlab.train.run import run
+from dtlab.train.rundir import RunDirLock, create_run_dir
 from dtlab.train.schedules import lr_at
 
 Params = dict[str, mx.array]
@@ -67,7 +58,7 @@ def init_group(config: Config) -> Any:
         ) from None
 
 
-__all__ = ["CollectiveError", "Trainer", "Watchdog", "train_mlx"]
+__all__ = ["CollectiveError", "MlxEngine", "Trainer", "Watchdog", "train_mlx"]
 
 
 class Watchdog:
@@ -370,7 +361,7 @@ class MlxGroup:
         return self.rank == 0
 
     def decide(self, fn: Callable[[], str | None]) -> str | None:
-        return _from_rank0(self.group, self.watchdog, "the decision of rank 0", fn)
+        return _from_rank0(self.group, self.watchdog, "rank 0's decision", fn)
 
 
 # --- the loop ----------------------------------------------------------------------------------------
@@ -392,9 +383,7 @@ def train_mlx(config: Config) -> dict[str, Any]:
     record_pid()
     rank, world = group.rank(), group.size()
     setup_logging(rank, world)
-    t = config.train
     accum = check_world(config, world)
-    micro = t.global_batch_size // (accum * world)
     faults = Faults.from_env(rank)
     if config.run.dir is None and world > 1:
         raise DtlabError(
@@ -413,248 +402,128 @@ def train_mlx(config: Config) -> dict[str, Any]:
     try:
         config = config.model_copy(deep=True)
         config.run.dir = str(run_dir)
-        return _train_in(config, group, watchdog, signals, faults, run_dir, accum, micro)
+        engine = MlxEngine(config, group, watchdog, faults, run_dir, accum)
+        # The signal handlers stay after the run: a launcher that stops the other ranks once one has
+        # left (mlx.launch does) must not kill a rank that is finishing after it saved.
+        summary = run(config, engine, run_dir, faults, signals)
+        engine.close()  # the last collective is done
+        return summary
     finally:
         for lock in held:
             lock.release()
 
 
-def _train_in(
-    config: Config,
-    group: Any,
-    watchdog: Watchdog,
-    signals: StopSignals,
-    faults: Faults,
-    run_dir: Path,
-    accum: int,
-    micro: int,
-) -> dict[str, Any]:
-    from dtlab.train.loop import TrainState, history_figures, logged, loss_curve
+class MlxEngine:
+    """The MLX engine for the run shell (:func:`dtlab.train.run.run`): one rank's :class:`Trainer` and
+    data. Rank 0 writes checkpoints (every rank holds the same replica) as safetensors files."""
 
-    rank, world, t = group.rank(), group.size(), config.train
-    is_main = rank == 0
-    ledger = None
-    if world > 1 and os.environ.get(LEDGER_ENV, "1").lower() not in ("0", "off", "false", "no"):
-        # The ranks publish their newest entries as files: in the launcher's status directory (new for
-        # each launch) or, when mlx.launch started the ranks directly, in the run directory.
-        status = os.environ.get(STATUS_ENV)
-        live = Path(status) if status else run_dir / "ledger" / "live"
-        ledger = Ledger(rank, world, FileChannel(live, rank), run_dir / "ledger", faults=faults,
-                        timeout_s=config.parallel.collective_timeout_s)  # fmt: skip
-    watchdog.ledger = ledger
-    trainer = Trainer(config, group)
-    loader = BatchLoader(
-        build_source(config), BatchLayout(t.global_batch_size, rank, world, micro),
-        prefetch=config.data.prefetch,
-    )  # fmt: skip
-    state = TrainState()
-    coord = MlxGroup(group, watchdog)
-    ckpt = Checkpointer(
-        config, run_dir, coord, faults.before_commit, data_identity=loader.source.identity
-    )
-    health = {"bad_steps": 0, "bad_in_a_row": 0}
+    def __init__(
+        self,
+        config: Config,
+        group: Any,
+        watchdog: Watchdog,
+        faults: Faults,
+        run_dir: Path,
+        accum: int,
+    ) -> None:
+        rank, world, t = group.rank(), group.size(), config.train
+        self.config, self.watchdog, self.faults = config, watchdog, faults
+        self.ledger: Ledger | None = None
+        if world > 1 and os.environ.get(LEDGER_ENV, "1").lower() not in ("0", "off", "false", "no"):
+            # The ranks publish their newest entries as files: in the launcher's status directory (new
+            # for each launch) or, when mlx.launch started the ranks directly, in the run directory.
+            status = os.environ.get(STATUS_ENV)
+            live = Path(status) if status else run_dir / "ledger" / "live"
+            self.ledger = Ledger(rank, world, FileChannel(live, rank), run_dir / "ledger",
+                                 faults=faults, timeout_s=config.parallel.collective_timeout_s)  # fmt: skip
+        watchdog.ledger = self.ledger
+        self.trainer = Trainer(config, group)
+        self.accum, self.micro = accum, t.global_batch_size // (accum * world)
+        self.loader = BatchLoader(
+            build_source(config), BatchLayout(t.global_batch_size, rank, world, self.micro),
+            prefetch=config.data.prefetch,
+        )  # fmt: skip
+        self.coord: Coordinator = MlxGroup(group, watchdog)
+        self.params = sum(v.size for v in self.trainer.params.values())
+        self.layout = f"mlx {config.parallel.strategy} x {world}"
+        self.device = str(mx.default_device())
+        self.states: dict[str, Stateful] = {}
 
-    def check(path: Path | None) -> None:
-        if path is not None and _engine_of(path) != "mlx":
+    def attach(self, states: dict[str, Stateful]) -> None:
+        self.states = states
+
+    def check_resume(self, path: Path) -> None:
+        engine = json.loads((path / "state.json").read_text(encoding="utf-8")).get("engine")
+        if engine != "mlx":
             raise CheckpointError(
                 f"cannot resume from '{path}': it was not written by the MLX engine"
             )
-        check_start(run_dir, path, ckpt.own_step(path), config)
 
-    chosen = ckpt.choose(check)  # verified (and fetched from the durable tier) on rank 0, agreed
-    resumed = _restore(ckpt, trainer, loader, state, health, chosen)
-    # Only now, with the resume checks passed, does the run directory record this run's config.
-    earlier: list[dict[str, Any]] = []
-    if is_main:
-        (run_dir / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
-        if resumed is not None and ckpt.own_step(chosen) is not None:
-            earlier = [m for m in logged_steps(run_dir) if m["step"] <= resumed]
-    params = sum(v.size for v in trainer.params.values())
-    logger.info(
-        "training %.2fM params | mlx %s x %d on %s | global batch %d = %d ranks x %d micro-batches x %d | %d steps | run dir %s",
-        params / 1e6, config.parallel.strategy, world, mx.default_device(), t.global_batch_size,
-        world, accum, micro, t.steps, run_dir,
-    )  # fmt: skip
-    if is_main:
-        logger.info(describe_data(loader.source, config.seq_len, t.steps * t.global_batch_size))
-        for warning in config_warnings(config):
-            logger.warning(warning)
-    sinks: list[Sink] = [NullSink()]
-    if is_main:
-        sinks = [JsonlSink(run_dir / "metrics.jsonl", resumed or 0)]
-        if config.run.tensorboard:
-            sinks.append(TensorBoardSink(run_dir / "tensorboard", resumed or 0))
-    progress = ProgressSink(
-        config.run.progress if is_main else "none", t.steps, config.run.log_every, state.step
-    )
-    tokens_per_step = t.global_batch_size * config.seq_len
-    history: list[dict[str, Any]] = []
-    wall0 = time.perf_counter()
-    try:
-        while state.step < t.steps:
-            t0 = time.perf_counter()
-            watchdog.step = state.step + 1
-            batch = _numpy_batches(next(loader))
-            faults.during_step(state.step + 1)
-            m, stop = trainer.step(
-                batch, lr_at(state.step, t), watchdog, signals.received,
-                inject_nan=faults.nan_loss(state.step + 1),
-                collective_fault=faults.collective_fault(state.step + 1),
-            )  # fmt: skip
-            dt = time.perf_counter() - t0
-            state.step += 1
-            state.tokens += tokens_per_step
-            m = {
-                "step": state.step,
-                **m,
-                "tokens": state.tokens,
-                "step_time_s": dt,
-                "tokens_per_s": tokens_per_step / dt,
-                "memory_active_bytes": int(mx.get_active_memory()),
+    def load(self, ckpt: Checkpointer, path: Path) -> None:
+        doc = json.loads((path / "state.json").read_text(encoding="utf-8"))
+        self.trainer.load(path, int(doc["optimizer"]["steps"]))
+        for name, part in self.states.items():
+            part.load_state_dict(doc[name])
+
+    def save(self, ckpt: Checkpointer, step: int, *, blocking: bool) -> None:
+        """Rank 0 writes the checkpoint: files, then the checkpointer's commit (manifest, rename)."""
+        if not self.coord.is_main:
+            return
+        t0 = time.perf_counter()
+        tmp = ckpt.staging_dir(step)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
+        tmp.mkdir(parents=True)
+        try:
+            self.trainer.save(tmp)
+            doc = {
+                "step": step,
+                "engine": "mlx",
+                **{name: part.state_dict() for name, part in self.states.items()},
+                "optimizer": {"steps": self.trainer.opt_steps},
             }
-            history.append(m)
-            progress.step(m)
-            if logged(m, config):
-                for sink in sinks:
-                    sink.log(m)
-            faults.after_step(state.step)
-            if "bad" in m:
-                health["bad_steps"] += 1
-                health["bad_in_a_row"] += 1
-                if health["bad_in_a_row"] >= t.max_bad_steps:
-                    raise DtlabError(
-                        f"{t.max_bad_steps} steps in a row up to step {state.step} had a non-finite loss "
-                        f"or gradient (train.max_bad_steps = {t.max_bad_steps}); lower train.lr or check the data"
-                    )
-            else:
-                health["bad_in_a_row"] = 0
-            if stop is not None:
-                name = stop
-                _save(ckpt, trainer, loader, state, health, config, is_main)
-                # Rank 0 wrote it; every rank learns whether it was committed. Nobody exits before.
-                step_ = state.step
-                path = run_dir / "checkpoints" / step_name(step_)
-                saved = _from_rank0(
-                    group, watchdog, "the barrier after the preemption checkpoint",
-                    lambda s=step_: "saved" if s in ckpt.saved_steps else None,  # type: ignore[misc]
-                )  # fmt: skip
-                if saved is None:
-                    raise DtlabError(
-                        f"stopped by {name} after step {step_}, but its checkpoint could not be "
-                        "saved (see the error above); nothing of the steps since the last "
-                        "checkpoint was kept"
-                    )
-                if is_main:
-                    record_stop(run_dir, step_, name, path)
-                raise Preempted(
-                    f"stopped by {name} after step {step_}: checkpoint saved in {path}; "
-                    "run the same command to resume"
-                )
-            if ckpt.due(state.step) or (state.step == t.steps and config.checkpoint.every):
-                _save(ckpt, trainer, loader, state, health, config, is_main)
-    finally:
-        # The handlers stay: a launcher that stops the other ranks once one has left (mlx.launch does)
-        # must not kill a rank that is finishing after it saved.
-        loader.close()
-        progress.close()
-        for sink in sinks:
-            sink.close()
+            (tmp / "state.json").write_text(json.dumps(doc), encoding="utf-8")
+            (tmp / "config.yaml").write_text(self.config.to_yaml(), encoding="utf-8")
+            ckpt.commit(step, tmp, t0)
+        except OSError as e:  # a failed save is reported and training goes on, as with torch
+            shutil.rmtree(tmp, ignore_errors=True)
+            ckpt.record_failure(step, e)
 
-    wall = time.perf_counter() - wall0
-    peak = peak_memory_bytes()
-    if world > 1:
-        mine = mx.array([float(peak)])
-        x = mx.distributed.all_max(mine, group=group)
-        peak = int(watchdog.run("the final all_max", lambda: _scalar(x), "all_max", mine))
-    if ledger is not None:
-        ledger.close()  # the last collective is done
-    summary: dict[str, Any] = {
-        "steps": state.step,
-        "engine": "mlx",
-        "strategy": config.parallel.strategy,
-        "world_size": world,
-        "precision": t.precision,
-        "params": params,
-        "global_batch_size": t.global_batch_size,
-        "seq_len": config.seq_len,
-        **history_figures(config, history, earlier),
-        "tokens": state.tokens,
-        "train_time_s": wall,
-        "peak_memory_bytes": peak,
-        "resumed_from": ckpt.resumed_from,
-        "bad_steps": health["bad_steps"],
-        "rollbacks": 0,
-        "checkpoints_saved": len(ckpt.saved_steps),
-        "checkpoint_failures": ckpt.failures,
-        "durable_copy_failures": ckpt.durable_failures,
-    }
+    def start_fresh(self) -> str | None:
+        return None  # model.init_from is refused for this engine by the config
 
-    def outputs() -> None:
-        summary["metrics_lost"] = sum(getattr(sink, "lost", 0) for sink in sinks)
-        title = f"{config.run.name}: mlx {config.parallel.strategy} x {world}"
-        write_outputs(run_dir, summary, loss_curve(earlier + history), title, config.run.plot)
-        check_final_checkpoint(run_dir, config, state.step)
+    def warnings(self) -> list[str]:
+        return []
+
+    def step(
+        self, batch: list[Any], step: int, stop_signal: int, inject_nan: bool
+    ) -> dict[str, Any]:
+        self.watchdog.step = step
+        m, stop = self.trainer.step(
+            _numpy_batches(batch), lr_at(step - 1, self.config.train), self.watchdog, stop_signal,
+            inject_nan=inject_nan, collective_fault=self.faults.collective_fault(step),
+        )  # fmt: skip
+        m["memory_active_bytes"] = int(mx.get_active_memory())
+        if stop is not None:
+            m["stop"] = stop
+        return m
+
+    def after_step(self) -> None:
         return None
 
-    # Decided on rank 0 and shared, so that every rank ends the same way.
-    _from_rank0(group, watchdog, "the end of the run", outputs)
-    return summary
+    def peak_memory_bytes(self) -> int:
+        peak = peak_memory_bytes()
+        if self.coord.world_size > 1:
+            mine = mx.array([float(peak)])
+            x = mx.distributed.all_max(mine, group=self.trainer.group)
+            peak = int(self.watchdog.run("the final all_max", lambda: _scalar(x), "all_max", mine))
+        return peak
 
+    def summary(self) -> dict[str, Any]:
+        return {"engine": "mlx"}
 
-def _save(
-    ckpt: Checkpointer,
-    trainer: Trainer,
-    loader: BatchLoader,
-    state: Any,
-    health: dict[str, int],
-    config: Config,
-    is_main: bool,
-) -> None:
-    """Rank 0 writes the checkpoint (every rank holds the same replica): files, manifest, rename."""
-    if not is_main:
-        return
-    t0 = time.perf_counter()
-    tmp = ckpt.staging_dir(state.step)
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
-    tmp.mkdir(parents=True)
-    try:
-        trainer.save(tmp)
-        doc = {
-            "step": state.step,
-            "engine": "mlx",
-            "train": state.state_dict(),
-            "data": loader.state_dict(),
-            "optimizer": {"steps": trainer.opt_steps},
-            "health": health,
-        }
-        (tmp / "state.json").write_text(json.dumps(doc), encoding="utf-8")
-        (tmp / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
-        ckpt.commit(state.step, tmp, t0)
-    except OSError as e:  # a failed save is reported and training goes on, as with torch
-        shutil.rmtree(tmp, ignore_errors=True)
-        ckpt.record_failure(state.step, e)
-
-
-def _engine_of(path: Path) -> Any:
-    return json.loads((path / "state.json").read_text(encoding="utf-8")).get("engine")
-
-
-def _restore(
-    ckpt: Checkpointer,
-    trainer: Trainer,
-    loader: BatchLoader,
-    state: Any,
-    health: dict[str, int],
-    path: Path | None,
-) -> int | None:
-    """Load checkpoint ``path`` (chosen, verified and checked on rank 0) into this rank's state."""
-    if path is None:
+    def end(self) -> None:
         return None
-    doc = json.loads((path / "state.json").read_text(encoding="utf-8"))
-    trainer.load(path, int(doc["optimizer"]["steps"]))
-    state.load_state_dict(doc["train"])
-    loader.load_state_dict(doc["data"])
-    health.update({k: int(v) for k, v in doc.get("health", {}).items()})
-    ckpt.resumed_from = str(path)
-    logger.info("resumed from %s (step %d)", path, state.step)
-    return int(doc["step"])
+
+    def close(self) -> None:
+        if self.ledger is not None:
+            self.ledger.close()

@@ -1,0 +1,393 @@
+"""The run shell: everything a training run does around its optimizer steps, for every engine.
+
+An engine (the torch engine in :mod:`dtlab.train.loop`, the MLX engine in :mod:`dtlab.mlx.train`) builds
+the model, optimizer and data loader of one rank and takes optimizer steps. The shell owns the rest, the
+same for both: the resume choice, ``config.yaml``, the metrics record and its sinks, the progress bar,
+logging cadence, bad steps and rollback, preemption, checkpoint cadence, teardown and the summary.
+
+    run(config, engine, run_dir, faults, signals)
+      choose a checkpoint (rank 0) -> engine.load -> config.yaml -> start lines
+      loop: batch -> engine.step -> record -> sinks/progress -> faults -> bad steps / rollback
+            -> stop signal: save, agree, exit 75 -> checkpoint cadence
+      summary (engine.peak_memory_bytes) -> outputs on rank 0, agreed by all
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from dtlab.checkpoint.manager import Checkpointer, Coordinator
+from dtlab.checkpoint.state import Health, Stateful
+from dtlab.checkpoint.store import step_name
+from dtlab.config import Config, config_warnings
+from dtlab.data import BatchLoader
+from dtlab.data.sources import describe_data
+from dtlab.errors import DtlabError, Preempted
+from dtlab.metrics.logging import logger
+from dtlab.metrics.sinks import JsonlSink, NullSink, ProgressSink, Sink, TensorBoardSink
+from dtlab.parallel.ledger import recorded
+from dtlab.runtime.faults import Faults
+from dtlab.runtime.signals import StopSignals
+from dtlab.train.rundir import (
+    check_final_checkpoint,
+    check_start,
+    logged_steps,
+    record_stop,
+    write_outputs,
+)
+
+__all__ = ["Engine", "TrainState", "history_figures", "logged", "loss_curve", "run"]
+
+
+@dataclass
+class TrainState:
+    """Step and token counters (part of the training state, like the model and optimizer)."""
+
+    step: int = 0
+    tokens: int = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "tokens": self.tokens}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.tokens = int(state["step"]), int(state["tokens"])
+
+
+class Engine(Protocol):
+    """What an engine gives the run shell: one rank's model, optimizer, data and steps."""
+
+    coord: Coordinator  # the ranks, and choices rank 0 makes for all
+    loader: BatchLoader  # this rank's micro-batches (its position is part of the checkpoint)
+    params: int  # parameter count of the whole model
+    layout: str  # how the start line and the plot title name the layout, e.g. "ddp x 2"
+    device: str  # where it runs, for the start line, e.g. "cpu"
+    accum: int  # micro-batches per optimizer step
+    micro: int  # samples per micro-batch
+
+    def attach(self, states: dict[str, Stateful]) -> None:
+        """The shell's own stateful parts (counters, data position, health), saved and loaded with
+        the engine's in every checkpoint."""
+        ...
+
+    def check_resume(self, path: Path) -> None:
+        """Rank 0: refuse checkpoint ``path`` if this engine cannot load it (a DtlabError)."""
+        ...
+
+    def load(self, ckpt: Checkpointer, path: Path) -> None:
+        """Load checkpoint ``path`` into every stateful part (every rank), and make the optimizer follow
+        the config given now (a resumed or rolled-back run keeps the user's latest settings)."""
+        ...
+
+    def save(self, ckpt: Checkpointer, step: int, *, blocking: bool) -> None:
+        """Save the state after ``step`` (in the background where the engine can and not ``blocking``)."""
+        ...
+
+    def start_fresh(self) -> str | None:
+        """A run that starts at step 0: take ``model.init_from``'s weights; returns what was loaded."""
+        ...
+
+    def warnings(self) -> list[str]:
+        """What rank 0 warns about at the start, beside the config's own warnings."""
+        ...
+
+    def step(
+        self, batch: list[Any], step: int, stop_signal: int, inject_nan: bool
+    ) -> dict[str, Any]:
+        """Optimizer step ``step`` over this rank's micro-batches: its metrics (agreed by all ranks),
+        with ``"stop"`` naming the stop signal the ranks agreed on, if any."""
+        ...
+
+    def after_step(self) -> None:
+        """After the shell recorded the step (the profiler's tick)."""
+        ...
+
+    def peak_memory_bytes(self) -> int:
+        """The largest peak memory of any rank (a collective)."""
+        ...
+
+    def summary(self) -> dict[str, Any]:
+        """What the engine adds to the run's summary."""
+        ...
+
+    def end(self) -> None:
+        """The run's last step is done (success or not): stop what runs beside the steps."""
+        ...
+
+
+def history_figures(
+    config: Config, history: list[dict[str, Any]], earlier: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Initial and final loss, median step time and tokens/s over a run's whole history: ``earlier``
+    holds what earlier starts of a resumed run logged, ``history`` every step of this start. The first
+    step of this start (warm-up, compilation) and step 1 are left out of the timing."""
+    timed = [m for m in earlier if m["step"] > 1] + (history[1:] or history)
+    timed = [m for m in timed if isinstance(m.get("step_time_s"), (int, float))]
+    time_sum = sum(m["step_time_s"] for m in timed)
+    curve = loss_curve(earlier + history)
+    tokens_per_step = config.train.global_batch_size * config.seq_len
+    return {
+        "initial_loss": curve[0]["loss"] if curve else None,
+        "final_loss": curve[-1]["loss"] if curve else None,
+        "median_step_time_s": statistics.median(m["step_time_s"] for m in timed) if timed else None,
+        "tokens_per_s": tokens_per_step * len(timed) / time_sum if time_sum > 0 else 0.0,
+    }
+
+
+def logged(m: dict[str, Any], config: Config) -> bool:
+    """Whether step metrics ``m`` go to metrics.jsonl: every ``run.log_every`` steps, the first and
+    the last step (the ends of the curve), and every bad step."""
+    step = m["step"]
+    return step % config.run.log_every == 0 or step in (1, config.train.steps) or "bad" in m
+
+
+def loss_curve(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per step, the last one written for it (a rollback trains steps again), in order."""
+    last = {m["step"]: m for m in records}
+    return [last[k] for k in sorted(last)]
+
+
+def build_sinks(config: Config, run_dir: Path, is_main: bool, resume_step: int = 0) -> list[Sink]:
+    """Where step metrics go: metrics.jsonl and TensorBoard, on rank 0 only."""
+    if not is_main:
+        return [NullSink()]
+    sinks: list[Sink] = [JsonlSink(run_dir / "metrics.jsonl", resume_step)]
+    if config.run.tensorboard:
+        sinks.append(TensorBoardSink(run_dir / "tensorboard", resume_step))
+    return sinks
+
+
+@dataclass
+class _Run:
+    """One start of a run, as the shell tracks it."""
+
+    config: Config
+    engine: Engine
+    run_dir: Path
+    ckpt: Checkpointer
+    state: TrainState
+    health: Health
+
+
+def run(
+    config: Config, engine: Engine, run_dir: Path, faults: Faults, signals: StopSignals
+) -> dict[str, Any]:
+    """Train ``engine`` in ``run_dir`` as configured; returns the summary (rank 0's covers the run's
+    whole history; only rank 0 writes files)."""
+    t, coord = config.train, engine.coord
+    state, health = TrainState(), Health()
+    engine.attach({"train": state, "data": engine.loader, "health": health})
+    ckpt = Checkpointer(
+        config, run_dir, coord, faults.before_commit, data_identity=engine.loader.source.identity
+    )
+    r = _Run(config, engine, run_dir, ckpt, state, health)
+    resumed, earlier = _start(r)
+    init_from = engine.start_fresh() if resumed is None else None
+    _announce(r)
+
+    sinks = build_sinks(config, run_dir, coord.is_main, resumed or 0)
+    progress = ProgressSink(
+        config.run.progress if coord.is_main else "none", t.steps, config.run.log_every, state.step
+    )
+    history: list[dict[str, Any]] = []
+    wall0 = time.perf_counter()
+    try:
+        _loop(r, faults, signals, sinks, progress, history)
+    finally:
+        engine.end()
+        ckpt.close()
+        engine.loader.close()
+        progress.close()
+        for sink in sinks:
+            sink.close()
+    return _finish(r, history, earlier, sinks, time.perf_counter() - wall0, init_from)
+
+
+def _start(r: _Run) -> tuple[int | None, list[dict[str, Any]]]:
+    """Choose and load the checkpoint to resume from; then write config.yaml. Returns the resumed step
+    (None for a fresh start) and what earlier starts of this run logged."""
+    ckpt, engine, run_dir, config = r.ckpt, r.engine, r.run_dir, r.config
+
+    def check(path: Path | None) -> None:
+        if path is not None:
+            engine.check_resume(path)
+        check_start(run_dir, path, ckpt.own_step(path), config)
+
+    chosen = ckpt.choose(check)
+    resumed = None
+    if chosen is not None:
+        engine.load(ckpt, chosen)
+        resumed = ckpt.restored(chosen)
+        logger.info("resumed from %s (step %d)", chosen, resumed)
+    # Only now, with the resume checks passed, does the run directory record this run's config.
+    earlier: list[dict[str, Any]] = []
+    if engine.coord.is_main:
+        (run_dir / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
+        if resumed is not None and ckpt.own_step(chosen) is not None:
+            earlier = [m for m in logged_steps(run_dir) if m["step"] <= resumed]
+    return resumed, earlier
+
+
+def _announce(r: _Run) -> None:
+    """The start lines: what trains where, the data it will see, and the warnings (rank 0)."""
+    config, engine, t = r.config, r.engine, r.config.train
+    world = engine.coord.world_size
+    logger.info(
+        "training %.2fM params | %s on %s | global batch %d = %d ranks x %d micro-batches x %d | %d steps | run dir %s",
+        engine.params / 1e6, engine.layout, engine.device, t.global_batch_size, world, engine.accum, engine.micro,
+        t.steps, r.run_dir,
+    )  # fmt: skip
+    if engine.coord.is_main:
+        logger.info(
+            describe_data(engine.loader.source, config.seq_len, t.steps * t.global_batch_size)
+        )
+        for warning in config_warnings(config) + engine.warnings():
+            logger.warning(warning)
+
+
+def _loop(
+    r: _Run,
+    faults: Faults,
+    signals: StopSignals,
+    sinks: list[Sink],
+    progress: ProgressSink,
+    history: list[dict[str, Any]],
+) -> None:
+    config, engine, state, health, t = r.config, r.engine, r.state, r.health, r.config.train
+    tokens_per_step = t.global_batch_size * config.seq_len
+    warned_nonfinite = False
+    while state.step < t.steps:
+        t0 = time.perf_counter()
+        n = state.step + 1
+        batch = next(engine.loader)
+        faults.during_step(n)
+        m = engine.step(batch, n, signals.received, faults.nan_loss(n))
+        stop = m.pop("stop", None)
+        dt = time.perf_counter() - t0
+        state.step, state.tokens = n, state.tokens + tokens_per_step
+        m = {
+            "step": n, **m, "tokens": state.tokens, "step_time_s": dt,
+            "tokens_per_s": tokens_per_step / dt,
+        }  # fmt: skip
+        if health.rollbacks:
+            m["rollback"] = health.rollbacks  # this step number was logged before the rollback
+        history.append(m)
+        if not warned_nonfinite and not math.isfinite(m["loss"]):
+            logger.warning("step %d: loss is %s", n, m["loss"])
+            warned_nonfinite = True
+        progress.step(m)
+        if logged(m, config):
+            for sink in sinks:
+                sink.log(m)
+        faults.after_step(n)
+        engine.after_step()
+
+        if "bad" in m:
+            health.bad_steps += 1
+            health.bad_in_a_row += 1
+            if health.bad_in_a_row >= t.max_bad_steps:
+                _roll_back(r, n)
+                continue
+        else:
+            health.bad_in_a_row = 0
+        if stop is not None:
+            _stop(r, stop)
+        if r.ckpt.due(n) or (n == t.steps and config.checkpoint.every):
+            with recorded("checkpoint save", "checkpoint"):
+                engine.save(r.ckpt, n, blocking=False)
+
+
+def _stop(r: _Run, signal_name: str) -> None:
+    """Every rank saves the state after this step and stops: Preempted (exit 75) only once the
+    checkpoint is committed; otherwise an error that says nothing was saved."""
+    step, ckpt = r.state.step, r.ckpt
+    with recorded("preemption checkpoint save", "checkpoint"):
+        r.engine.save(ckpt, step, blocking=True)
+    # Rank 0 commits; every rank learns whether it did. Nobody exits before that.
+    with recorded("preemption commit agreement", "broadcast"):
+        committed = r.engine.coord.decide(lambda: "yes" if step in ckpt.saved_steps else None)
+    path = r.run_dir / "checkpoints" / step_name(step)
+    if committed is None:
+        raise DtlabError(
+            f"stopped by {signal_name} after step {step}, but its checkpoint could not be saved "
+            "(see the error above); nothing of the steps since the last checkpoint was kept"
+        )
+    if r.engine.coord.is_main:
+        record_stop(r.run_dir, step, signal_name, path)
+    raise Preempted(
+        f"stopped by {signal_name} after step {step}: checkpoint saved in {path}; "
+        "run the same command to resume"
+    )
+
+
+def _roll_back(r: _Run, step: int) -> None:
+    """After ``train.max_bad_steps`` bad steps in a row: reload the last checkpoint, or stop if that
+    cannot help."""
+    ckpt, health, limit = r.ckpt, r.health, r.config.train.max_bad_steps
+    latest = ckpt.latest()
+    if latest is None:
+        raise DtlabError(
+            f"{limit} steps in a row up to step {step} had a non-finite loss or gradient "
+            f"(train.max_bad_steps = {limit}) and there is no checkpoint to roll back to; "
+            "lower train.lr, raise train.grad_clip protection, or use fp32/bf16"
+        )
+    rollbacks, bad = health.rollbacks, health.bad_steps
+    r.engine.load(ckpt, latest)
+    # Counters survive the rollback: they count what happened, not what the checkpoint remembers.
+    health.rollbacks, health.bad_steps, health.bad_in_a_row = rollbacks + 1, bad, 0
+    if health.rollbacks > 1 and ckpt.last_rollback == latest:
+        raise DtlabError(
+            f"steps after {latest.name} had non-finite losses or gradients again after rolling back to it; "
+            "stopping (lower train.lr or check the data)"
+        )
+    ckpt.last_rollback = latest
+    logger.warning("%d bad steps in a row up to step %d: rolled back to %s", limit, step, latest)
+
+
+def _finish(
+    r: _Run,
+    history: list[dict[str, Any]],
+    earlier: list[dict[str, Any]],
+    sinks: list[Sink],
+    wall: float,
+    init_from: str | None,
+) -> dict[str, Any]:
+    """The summary; rank 0 writes it with the loss curve, and every rank learns how that went."""
+    config, engine, ckpt, t = r.config, r.engine, r.ckpt, r.config.train
+    world = engine.coord.world_size
+    peak = engine.peak_memory_bytes()
+    summary: dict[str, Any] = {
+        "steps": r.state.step,
+        **engine.summary(),
+        "strategy": config.parallel.strategy,
+        "world_size": world,
+        "precision": t.precision,
+        "params": engine.params,
+        "global_batch_size": t.global_batch_size,
+        "seq_len": config.seq_len,
+        **history_figures(config, history, earlier),
+        "tokens": r.state.tokens,
+        "train_time_s": wall,
+        "peak_memory_bytes": peak,
+        "resumed_from": ckpt.resumed_from,
+        "init_from": init_from,
+        "bad_steps": r.health.bad_steps,
+        "rollbacks": r.health.rollbacks,
+        "checkpoints_saved": len(ckpt.saved_steps),
+        "checkpoint_failures": ckpt.failures,
+        "durable_copy_failures": ckpt.durable_failures,
+    }
+
+    def outputs() -> None:  # on rank 0
+        summary["metrics_lost"] = sum(getattr(sink, "lost", 0) for sink in sinks)
+        title = f"{config.run.name}: {engine.layout}"
+        write_outputs(r.run_dir, summary, loss_curve(earlier + history), title, config.run.plot)
+        check_final_checkpoint(r.run_dir, config, r.state.step)
+
+    # Decided on rank 0 and shared, so that every rank ends the same way (and none waits for another).
+    engine.coord.decide(outputs)
+    return summary
