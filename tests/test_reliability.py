@@ -123,8 +123,8 @@ def test_fault2_resume_takes_the_new_learning_rate_and_optimizer_settings(tmp_pa
     # The new schedule, continued at the resumed step (step k uses lr_at(k - 1)).
     assert [lrs[k] for k in range(7, 13)] == pytest.approx([lr_at(k - 1, t) for k in range(7, 13)])
     groups = json.loads((run / "checkpoints" / "step-00000009" / "state.json").read_text())[
-        "optim_param_groups"
-    ]
+        "optim"
+    ]["param_groups"]
     assert [g["weight_decay"] for g in groups] == [0.05, 0.0]
     assert all(g["betas"] == [0.8, 0.9] and g["eps"] == 1e-6 for g in groups)
     assert all(g["lr"] == pytest.approx(lr_at(9, t)) for g in groups)

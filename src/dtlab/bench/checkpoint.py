@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from dtlab.checkpoint.manager import Checkpointer, _dir_bytes
-from dtlab.checkpoint.state import TrainingParts
+from dtlab.checkpoint.state import ModelState, OptimizerState, Stateful
 from dtlab.config import load_config
 from dtlab.models.llama import build_model, count_params
 from dtlab.parallel.dist import DistInfo
@@ -84,7 +84,11 @@ def main(argv: list[str] | None = None) -> int:
         F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
         optimizer.step()  # the AdamW moments exist, as in any real checkpoint
         d = DistInfo(0, 1, 0, 1, torch.device("cpu"), None)
-        parts = TrainingParts(model, optimizer, {"train": TrainState()})
+        parts: dict[str, Stateful] = {
+            "model": ModelState(model),
+            "optim": OptimizerState(model, optimizer),
+            "train": TrainState(),
+        }
 
         sync_cfg = config.model_copy(deep=True)
         sync_cfg.checkpoint.async_ = False

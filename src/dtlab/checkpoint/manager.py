@@ -14,7 +14,7 @@ import shutil
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -25,7 +25,13 @@ import yaml
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dtlab.checkpoint.manifest import MANIFEST, _fsync_dir, verify_checkpoint, write_manifest
-from dtlab.checkpoint.state import TrainingParts, load_rng_state, rng_state
+from dtlab.checkpoint.state import (
+    Stateful,
+    load_rng_state,
+    merge_tensors,
+    rng_state,
+    split_tensors,
+)
 from dtlab.checkpoint.store import (
     STEP_DIR,
     Tier,
@@ -105,7 +111,12 @@ def _text(path: Path | None) -> str | None:
 
 
 class Checkpointer:
-    """Saves and restores ``TrainingParts`` in the run directory (and the durable tier, if set).
+    """Saves and restores named stateful parts in the run directory (and the durable tier, if set).
+
+    ``states`` maps a name to anything with ``state_dict``/``load_state_dict``: the tensors of every
+    state dict go through DCP under ``<name>.<key>``, the rest into ``state.json`` under ``<name>``. A
+    part named in ``per_rank`` is each rank's own (gradient compression state): it is saved by every
+    rank under its own name and restored only on the same world size.
 
     The commit (manifest, rename, retention, durable copy), the choice of a checkpoint to resume from
     and the staging directories are public: an engine that writes its own files (the MLX engine)
@@ -156,7 +167,14 @@ class Checkpointer:
         every = self.config.checkpoint.every
         return every > 0 and step % every == 0
 
-    def save(self, step: int, parts: TrainingParts, *, blocking: bool = False) -> None:
+    def save(
+        self,
+        step: int,
+        states: dict[str, Stateful],
+        *,
+        per_rank: Collection[str] = (),
+        blocking: bool = False,
+    ) -> None:
         """Save the state after optimizer step ``step``; with async and not ``blocking``, in the background.
 
         A save that fails (a full disk, no permission) is reported and counted, and training goes on:
@@ -165,12 +183,13 @@ class Checkpointer:
         self.wait()
         t0 = time.perf_counter()
         tmp = self.staging_dir(step)
-        tensors, groups = parts.tensor_state()
+        tensors, rest = split_tensors({k: v.state_dict() for k, v in states.items()})
+        rest = {k: v for k, v in rest.items() if k not in per_rank}  # rank 0 writes the JSON
         if self.d.is_main:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
         # A collective: no rank goes on to write (DCP creates the directory) before the stale one is
         # gone. The JSON state is written by rank 0 when it commits, after the tensors.
-        state = {"step": step, **parts.json_state(groups), "rng": self._gather_rng()}
+        state = {"step": step, **rest, "rng": self._gather_rng()}
         try:
             if self.config.checkpoint.async_ and not blocking:
                 future = dcp.async_save(
@@ -437,24 +456,32 @@ class Checkpointer:
                 logger.info("settings changed since the checkpoint: %s", "; ".join(changes))
         return int(json.loads((path / "state.json").read_text(encoding="utf-8"))["step"])
 
-    def load(self, path: Path, parts: TrainingParts) -> None:
-        """Load checkpoint ``path`` into ``parts`` (every rank; DCP reshards to this run's layout)."""
+    def load(
+        self, path: Path, states: dict[str, Stateful], *, per_rank: Collection[str] = ()
+    ) -> None:
+        """Load checkpoint ``path`` into ``states`` (every rank; DCP reshards to this run's layout)."""
         from dtlab.checkpoint.safe_io import safe_load
 
         state = json.loads((path / "state.json").read_text(encoding="utf-8"))
-        tensors, _ = parts.tensor_state()
-        tensors = {k: v for k, v in tensors.items() if not k.startswith("comm.")}
-        if parts.comm is not None:
-            saved_world = json.loads((path / MANIFEST).read_text(encoding="utf-8"))["world_size"]
-            if saved_world == self.d.world_size:
-                tensors |= _comm_template(path, parts.comm_prefix)
-            else:
-                logger.warning(
-                    "compression state of %d ranks cannot map onto %d: starting it afresh",
-                    saved_world, self.d.world_size,
-                )  # fmt: skip
+        if "optim_param_groups" in state:  # written before the optimizer was a part like the others
+            state["optim"] = {"param_groups": state.pop("optim_param_groups")}
+        names = [k for k in states if k not in per_rank]
+        tensors, _ = split_tensors({k: states[k].state_dict() for k in names})
+        saved_world = json.loads((path / MANIFEST).read_text(encoding="utf-8"))["world_size"]
+        own = {name: _per_rank_template(path, name) for name in per_rank}
+        if saved_world == self.d.world_size:
+            tensors |= {name: t for name, t in own.items() if t}
+        elif any(own.values()):
+            logger.warning(
+                "compression state of %d ranks cannot map onto %d: starting it afresh",
+                saved_world, self.d.world_size,
+            )  # fmt: skip
         safe_load(tensors, path, no_dist=not dist.is_initialized())
-        parts.load(tensors, state)
+        for name in names:
+            states[name].load_state_dict(merge_tensors(tensors.get(name, {}), state.get(name, {})))
+        for name in per_rank:
+            if name in tensors:
+                states[name].load_state_dict(tensors[name])
         rngs = state["rng"]
         load_rng_state(rngs[self.d.rank] if self.d.rank < len(rngs) else rngs[0])
 
@@ -483,16 +510,18 @@ def _first_cause(e: CheckpointException, rank: int = 0) -> BaseException:
     return exc or first
 
 
-def _comm_template(path: Path, prefix: str) -> dict[str, Any]:
-    """Empty tensors for this rank's saved compression state, shaped as the checkpoint's index says."""
+def _per_rank_template(path: Path, name: str) -> dict[str, Any]:
+    """Empty tensors for the saved state of the per-rank part ``name``, shaped as the checkpoint's
+    index says (its shapes need not be this run's)."""
     import torch
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from dtlab.checkpoint.safe_io import SafeFileSystemReader
 
+    prefix = name + "."
     meta = SafeFileSystemReader(str(path)).read_metadata()
     return {
-        k: torch.empty(m.size, dtype=m.properties.dtype)
+        k[len(prefix) :]: torch.empty(m.size, dtype=m.properties.dtype)
         for k, m in meta.state_dict_metadata.items()
         if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)
     }

@@ -1,21 +1,27 @@
-"""What a checkpoint holds: every stateful part of training, split into tensors and JSON.
+"""What a checkpoint holds: named stateful parts (anything with ``state_dict``/``load_state_dict``),
+each state dict split into tensors and JSON.
 
 Tensors (model parameters, optimizer moments) go through ``torch.distributed.checkpoint`` under the
 keys ``model.<fqn>`` and ``optim.state.<fqn>.<name>``, with fully qualified names of the plain model, so
 a checkpoint saved under one strategy and world size loads under any other (DCP reshards). Everything
-else (counters, data position, scheduler, loss scaler, optimizer hyper-parameters) is JSON, so loading
-a checkpoint never unpickles anything.
+else (counters, data position, scheduler, loss scaler, optimizer param groups) is JSON, so loading a
+checkpoint never unpickles anything.
 """
 
 from __future__ import annotations
 
 import base64
 import random
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol, cast
 
 import torch
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 
 class Stateful(Protocol):
@@ -44,55 +50,59 @@ class Health:
         self.rollbacks = int(state["rollbacks"])
 
 
-@dataclass
-class TrainingParts:
-    """The model and optimizer (tensors) and the named JSON-stateful parts of one run."""
+class ModelState:
+    """The model's parameters as one stateful part: full state dict keys of the plain model, whatever
+    wraps it (DDP, FSDP's DTensor shards)."""
 
-    module: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    others: dict[str, Stateful] = field(default_factory=dict)
-    # Gradient compression state (error feedback residuals, PowerSGD memories): each rank's own, saved
-    # under "comm.rank<R>.<name>" and restored only on the same world size.
-    comm: Any = None
-    rank: int = 0
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
 
-    @property
-    def comm_prefix(self) -> str:
-        return f"comm.rank{self.rank}."
+    def state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.module)
 
-    def tensor_state(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        """``({"model": ..., "optim": {"state": ...}, "comm.rank<R>.*": ...}, optimizer param_groups)``."""
-        msd, osd = get_state_dict(self.module, self.optimizer)
-        groups: list[dict[str, Any]] = osd["param_groups"]  # type: ignore[assignment]
-        out: dict[str, Any] = {"model": msd, "optim": {"state": osd["state"]}}
-        if self.comm is not None:
-            out |= {self.comm_prefix + k: v for k, v in self.comm.state_dict().items()}
-        return out, groups
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_model_state_dict(self.module, state)
 
-    def json_state(self, param_groups: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            **{name: part.state_dict() for name, part in self.others.items()},
-            "optim_param_groups": param_groups,
-        }
 
-    def load(self, tensors: dict[str, Any], state: dict[str, Any]) -> None:
-        """Load what ``dcp.load`` filled into ``tensors`` and the JSON ``state`` into every part."""
-        set_state_dict(
-            self.module,
-            self.optimizer,
-            model_state_dict=tensors["model"],
-            optim_state_dict={
-                "state": tensors["optim"]["state"],
-                "param_groups": state["optim_param_groups"],
-            },
-        )
-        for name, part in self.others.items():
-            part.load_state_dict(state[name])
-        if self.comm is not None:
-            n = len(self.comm_prefix)
-            self.comm.load_state_dict(
-                {k[n:]: v for k, v in tensors.items() if k.startswith(self.comm_prefix)}
-            )
+class OptimizerState:
+    """The optimizer as one stateful part: its per-parameter state (tensors) keyed by the plain
+    model's parameter names, and its param groups (JSON)."""
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.module, self.optimizer = module, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(get_optimizer_state_dict(self.module, self.optimizer))
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.module, self.optimizer, cast(Any, state))
+
+
+def split_tensors(tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``tree`` as (its tensors, everything else), both nested as in ``tree``; dicts left empty by the
+    split are dropped. Tensors go through DCP, the rest is JSON."""
+    tensors: dict[str, Any] = {}
+    rest: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            t, r = split_tensors(v)
+            if t:
+                tensors[k] = t
+            if r:
+                rest[k] = r
+        elif isinstance(v, torch.Tensor):
+            tensors[k] = v
+        else:
+            rest[k] = v
+    return tensors, rest
+
+
+def merge_tensors(tensors: dict[str, Any], rest: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`split_tensors`."""
+    out = dict(rest)
+    for k, v in tensors.items():
+        out[k] = merge_tensors(v, rest.get(k, {})) if isinstance(v, dict) else v
+    return out
 
 
 def rng_state() -> dict[str, Any]:

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from dtlab.checkpoint.init_from import apply_init_from
 from dtlab.checkpoint.manager import Checkpointer, Coordinator
-from dtlab.checkpoint.state import Stateful, TrainingParts
+from dtlab.checkpoint.state import ModelState, OptimizerState, Stateful
 from dtlab.config import Config, check_world
 from dtlab.data import BatchLayout, BatchLoader, build_source
 from dtlab.data.loader import MicroBatch
@@ -316,32 +316,34 @@ class TorchEngine:
         self.params = count_params(self.tr.model)
         self.layout = f"{config.parallel.strategy} x {d.world_size}"
         self.device = d.device.type
-        self.parts: TrainingParts | None = None
+        self.states: dict[str, Stateful] = {}
+        self.per_rank: tuple[str, ...] = ()
         self.profiler = (
             StepProfiler(run_dir / "profile", d.rank, d.device) if config.run.profile else None
         )
 
     def attach(self, states: dict[str, Stateful]) -> None:
         tr = self.tr
-        self.parts = TrainingParts(
-            tr.pm.module,
-            tr.optimizer,
-            {**states, "scheduler": tr.scheduler, "scaler": tr.scaler},
-            comm=getattr(tr.optimizer, "local", None) or tr.pm.compression,
-            rank=self.d.rank,
-        )
+        comm = getattr(tr.optimizer, "local", None) or tr.pm.compression
+        self.per_rank = (f"comm.rank{self.d.rank}",)  # each rank's own compression state
+        self.states = {
+            "model": ModelState(tr.pm.module),
+            "optim": OptimizerState(tr.pm.module, tr.optimizer),
+            **states,
+            "scheduler": tr.scheduler,
+            "scaler": tr.scaler,
+            self.per_rank[0]: comm,
+        }
 
     def check_resume(self, path: Path) -> None:
         return None  # any layout's torch checkpoint loads (DCP reshards)
 
     def load(self, ckpt: Checkpointer, path: Path) -> None:
-        assert self.parts is not None, "attach() first"
-        ckpt.load(path, self.parts)
+        ckpt.load(path, self.states, per_rank=self.per_rank)
         apply_hyperparameters(self.tr.optimizer, self.tr.scheduler, self.config.train)
 
     def save(self, ckpt: Checkpointer, step: int, *, blocking: bool) -> None:
-        assert self.parts is not None, "attach() first"
-        ckpt.save(step, self.parts, blocking=blocking)
+        ckpt.save(step, self.states, per_rank=self.per_rank, blocking=blocking)
 
     def start_fresh(self) -> str | None:
         if self.config.model.init_from is None:
