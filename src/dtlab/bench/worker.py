@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -42,7 +45,10 @@ from dtlab.metrics.profiling import StepProfiler
 from dtlab.metrics.report import peak_memory_bytes
 from dtlab.parallel import destroy_distributed, init_distributed
 from dtlab.parallel.dist import DistInfo, is_worker_env, reduce_scalar
-from dtlab.train.loop import Training, build_training, forward_loss, train_step
+from dtlab.runtime.faults import Faults
+from dtlab.runtime.signals import StopSignals
+from dtlab.train.loop import TorchEngine, Training, forward_loss, resolve_run_dir
+from dtlab.train.run import run
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -136,42 +142,84 @@ def bench(config: Config, warmup: int, profile_dir: Path | None) -> dict[str, An
         destroy_distributed()
 
 
+class TimingSink:
+    """Every step's metrics, with the wall and CPU time of this process when the step was recorded."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+        self.clock: list[tuple[float, float]] = []  # (wall, CPU time of the process)
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        self.records.append(metrics)
+        cpu = os.times()
+        self.clock.append((time.perf_counter(), cpu.user + cpu.system))
+
+    def close(self) -> None:
+        return None
+
+
+class BenchEngine(TorchEngine):
+    """The torch engine, with the collectives of one step counted and the timed steps profiled."""
+
+    def __init__(
+        self, config: Config, d: DistInfo, run_dir: Path, timed: range, profile_dir: Path | None
+    ) -> None:
+        super().__init__(config, d, run_dir)
+        self.timed, self.profile_dir = timed, profile_dir
+        self.counter = CommCounter()
+
+    def step(
+        self, batch: list[Any], step: int, stop_signal: int, inject_nan: bool
+    ) -> dict[str, Any]:
+        if step == self.timed.start and self.profile_dir is not None:
+            self.profiler = StepProfiler(self.profile_dir, self.d.rank, self.d.device)
+        if step == self.timed.stop:
+            self.end()  # the profiler covers the timed steps only
+            with (
+                self.counter
+            ):  # one more step, counted (the counter's overhead stays out of the timings)
+                return super().step(batch, step, stop_signal, inject_nan)
+        return super().step(batch, step, stop_signal, inject_nan)
+
+
 def _bench(
     config: Config, d: DistInfo, warmup: int, profile_dir: Path | None
 ) -> dict[str, Any] | None:
     setup_logging(d.rank, d.world_size)
-    tr = build_training(config, d)
+    logging.getLogger("dtlab").setLevel(
+        logging.ERROR
+    )  # the row is the output; the run's lines are not
     t = config.train
+    timed = range(warmup + 1, warmup + t.steps + 1)
+    run_config = config.model_copy(deep=True)
+    run_config.train.steps = timed.stop  # the warm-up steps, the timed ones, and one counted step
+    run_config.run.dir = d.decide(lambda: tempfile.mkdtemp(prefix="dtlab-bench-"))
+    run_config.run.progress, run_config.run.log_every = "none", 1
+    run_config.run.plot = run_config.run.tensorboard = run_config.run.profile = False
+    run_config.checkpoint.every, run_config.checkpoint.resume = 0, "never"
+    run_dir, lock = resolve_run_dir(run_config, d)
+    engine = BenchEngine(run_config, d, run_dir, timed, profile_dir)
+    tr = engine.tr
     peak, peak_source, gemm = peak_flops(config, d)
     act = measured_activation_bytes(tr, config, d.device)
-
-    def step() -> dict[str, Any]:
-        return train_step(
-            tr.pm, tr.optimizer, tr.scheduler, tr.scaler, next(tr.loader), config, d.device
-        )
-
-    losses = []
-    for _ in range(warmup):
-        losses.append(step()["loss"])
-    times = []
-    cpu0, wall0 = os.times(), time.perf_counter()
-    profiler = StepProfiler(profile_dir, d.rank, d.device) if profile_dir else None
-    for _ in range(t.steps):
-        t0 = time.perf_counter()
-        losses.append(step()["loss"])
-        times.append(time.perf_counter() - t0)
-        if profiler is not None:
-            profiler.step()
-    if profiler is not None:
-        profiler.close()
-    cpu1, wall1 = os.times(), time.perf_counter()
-    cpu_util = ((cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)) / (wall1 - wall0)
-    counter = CommCounter()
-    with counter:  # one more step, counted (the counter's own overhead stays out of the timings)
-        losses.append(step()["loss"])
+    timing = TimingSink()
+    signals = StopSignals()
+    try:
+        run(run_config, engine, run_dir, Faults(), signals, extra_sinks=[timing])
+    finally:
+        signals.close()
+        if lock is not None:
+            lock.release()
+        if d.is_main:
+            shutil.rmtree(run_dir, ignore_errors=True)
+    counter = engine.counter
     comm_time = _replay_collectives(counter, d)
     states = state_bytes(tr, config, d.device)
-    tr.loader.close()
+    losses = [m["loss"] for m in timing.records]
+    times = [m["step_time_s"] for m in timing.records[timed.start - 1 : timed.stop - 1]]
+    # From the end of the last warm-up step (the first step, without one) to the end of the last timed one.
+    (wall0, cpu0), (wall1, cpu1) = timing.clock[max(timed.start - 2, 0)], timing.clock[timed.stop - 2]
+    cpu_util = (cpu1 - cpu0) / (wall1 - wall0)
 
     step_time = statistics.median(times)
     tokens = t.global_batch_size * config.seq_len

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -174,10 +175,16 @@ class _Run:
 
 
 def run(
-    config: Config, engine: Engine, run_dir: Path, faults: Faults, signals: StopSignals
+    config: Config,
+    engine: Engine,
+    run_dir: Path,
+    faults: Faults,
+    signals: StopSignals,
+    extra_sinks: Sequence[Sink] = (),
 ) -> dict[str, Any]:
     """Train ``engine`` in ``run_dir`` as configured; returns the summary (rank 0's covers the run's
-    whole history; only rank 0 writes files)."""
+    whole history; only rank 0 writes files). ``extra_sinks`` get every logged step on every rank
+    (the benchmark's timing)."""
     t, coord = config.train, engine.coord
     state, health = TrainState(), Health()
     engine.attach({"train": state, "data": engine.loader, "health": health})
@@ -189,7 +196,7 @@ def run(
     init_from = engine.start_fresh() if resumed is None else None
     _announce(r)
 
-    sinks = build_sinks(config, run_dir, coord.is_main, resumed or 0)
+    sinks = build_sinks(config, run_dir, coord.is_main, resumed or 0) + list(extra_sinks)
     progress = ProgressSink(
         config.run.progress if coord.is_main else "none", t.steps, config.run.log_every, state.step
     )
