@@ -181,9 +181,7 @@ def _bench(
     cores = os.cpu_count() or 1
     row = {
         "strategy": config.parallel.strategy,
-        "sharding": config.parallel.sharding
-        if config.parallel.strategy in ("fsdp", "hsdp")
-        else "-",
+        "sharding": config.parallel.sharding if d.dims.fsdp_enabled else "-",
         "nproc": d.world_size,
         "compression": compression_name(config),
         "precision": t.precision,

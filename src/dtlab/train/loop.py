@@ -22,7 +22,7 @@ from dtlab.checkpoint.init_from import apply_init_from
 from dtlab.checkpoint.manager import Checkpointer
 from dtlab.checkpoint.state import Health, TrainingParts
 from dtlab.checkpoint.store import step_name
-from dtlab.config import Config, check_world, config_warnings
+from dtlab.config import Config, check_batch_split, config_warnings
 from dtlab.data import BatchLayout, BatchLoader, build_source
 from dtlab.data.loader import MicroBatch
 from dtlab.data.sources import describe_data
@@ -260,7 +260,7 @@ class Training:
 def build_training(config: Config, d: DistInfo) -> Training:
     """Build every part of training for this rank, in the order that matters."""
     t = config.train
-    accum = check_world(config, d.world_size)
+    accum = check_batch_split(config, d.world_size)
     micro = t.global_batch_size // (accum * d.world_size)
     source = build_source(config)
     model = build_model(config.model)  # on the meta device: nothing allocated yet
@@ -303,7 +303,7 @@ def train(config: Config) -> dict[str, Any]:
 
 def _train(config: Config, d: DistInfo) -> dict[str, Any]:
     setup_logging(d.rank, d.world_size)
-    check_world(config, d.world_size)  # before the run directory is created
+    check_batch_split(config, d.world_size)  # before the run directory is created; degrees: d.dims
     faults = Faults.from_env(d.rank)
     run_dir, lock = resolve_run_dir(config, d)
     try:
