@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import ast
 import json
+import socket
 from pathlib import Path
 from typing import get_args
 
 import pytest
 
-from conftest import run_worker
+import dtlab
+from conftest import FAST, run_worker
 from dtlab.config import ParallelConfig, check_world, load_config
 from dtlab.dims import DPWrapper, ParallelDims, strategies_with
 from dtlab.errors import ConfigError
@@ -227,6 +229,31 @@ def test_the_model_lands_on_the_mesh_of_its_degrees(tmp_path: Path) -> None:
         "hsdp-4": sharded([4, 1], list(HYBRID)),
         "hsdp-2-no_shard": sharded([4, 1], list(HYBRID)),
     }
+
+
+def test_a_worker_builds_its_degrees_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank that a launcher started (here: this process, as rank 0 of a world of one) checks its
+    degrees once, in init_distributed, and everything after asks them."""
+    calls: list[int] = []
+    build = ParallelDims.from_config.__func__  # type: ignore[attr-defined]
+
+    def counted(cls: type[ParallelDims], config: object, world_size: int) -> ParallelDims:
+        calls.append(world_size)
+        return build(cls, config, world_size)
+
+    monkeypatch.setattr(ParallelDims, "from_config", classmethod(counted))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}  # fmt: skip
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    summary = dtlab.train(
+        None, [*FAST, "parallel.strategy=fsdp", "train.steps=2", f"run.dir={tmp_path / 'run'}"]
+    )
+    assert summary["steps"] == 2 and summary["strategy"] == "fsdp"
+    assert calls == [1]
 
 
 # --- no strategy names compared outside dtlab.dims ------------------------------------------------
