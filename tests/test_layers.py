@@ -14,7 +14,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "dtlab"
 # Bottom to top. A module belongs to the longest prefix listed.
 LAYERS: list[tuple[str, ...]] = [
     ("dtlab.errors", "dtlab.runtime", "dtlab.fsutil", "dtlab.metrics.logging"),
-    ("dtlab.models",),
+    ("dtlab.models", "dtlab.dims"),
     ("dtlab.config",),
     ("dtlab.data", "dtlab.metrics", "dtlab.analysis.devices"),
     ("dtlab.parallel",),

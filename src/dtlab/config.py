@@ -2,7 +2,8 @@
 
 Precedence: ``--set key=value`` > the YAML file > the defaults below. Every cross-field rule lives in
 :meth:`Config._cross_checks` (rules that need only the config) or :func:`check_world` (rules that
-also need the world size), so there is one place to read what is allowed.
+also need the world size), so there is one place to read what is allowed. ``parallel.strategy`` maps
+onto parallel degrees in :mod:`dtlab.dims`, which both ask.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from dtlab.dims import DPWrapper, ParallelDims, strategies_with
 from dtlab.errors import ConfigError
 from dtlab.models.args import ModelArgs, llama_ffn_dim
 from dtlab.models.presets import PRESETS
@@ -609,21 +611,23 @@ class Config(_Section):
             raise ValueError(f"train.min_lr = {t.min_lr} is larger than train.lr = {t.lr}")
         if not all(0 <= b < 1 for b in t.betas):
             raise ValueError(f"train.betas = {list(t.betas)} must each be in [0, 1)")
-        if p.compression != "none" and p.strategy == "single":
+        wrapper = DPWrapper.of(p.strategy)
+        if p.compression != "none" and wrapper is DPWrapper.NONE:
             raise ValueError(
                 f"parallel.compression = {p.compression!r} compresses communication; "
-                "parallel.strategy = 'single' has none (allowed: none)"
+                f"parallel.strategy = {p.strategy!r} has none (allowed: none)"
             )
-        if p.compression in ("powersgd", "dct") and p.strategy != "ddp":
+        if p.compression in ("powersgd", "dct") and wrapper is not DPWrapper.DDP:
             raise ValueError(
                 f"parallel.compression = {p.compression!r} compresses DDP's gradient buckets; "
                 f"parallel.strategy = {p.strategy!r} allows: none, fp16, bf16"
             )
         if t.optimizer == "demo":
-            if p.strategy not in ("single", "ddp"):
+            if wrapper is DPWrapper.FSDP:
                 raise ValueError(
                     f"train.optimizer = 'demo' replaces DDP's gradient all-reduce; parallel.strategy = "
-                    f"{p.strategy!r} is not allowed (allowed: single, ddp)"
+                    f"{p.strategy!r} is not allowed (allowed: "
+                    f"{', '.join(strategies_with(DPWrapper.NONE, DPWrapper.DDP))})"
                 )
             if p.compression != "none":
                 raise ValueError(
@@ -674,8 +678,12 @@ class Config(_Section):
 def _check_mlx(c: Config) -> None:
     """What the MLX engine does not do (yet): say so instead of silently training something else."""
     t, p = c.train, c.parallel
+    if DPWrapper.of(p.strategy) is DPWrapper.FSDP:  # the engine all-reduces whole gradients
+        raise ValueError(
+            f"parallel.strategy = {p.strategy!r} is not supported with train.engine = 'mlx' "
+            f"(allowed: {', '.join(strategies_with(DPWrapper.NONE, DPWrapper.DDP))})"
+        )
     allowed = {
-        "parallel.strategy": (p.strategy, ("single", "ddp")),
         "parallel.compression": (p.compression, ("none",)),
         "parallel.backend": (p.backend, ("auto", "ring", "mpi")),
         "train.optimizer": (t.optimizer, ("adamw",)),
@@ -714,26 +722,14 @@ def config_warnings(config: Config) -> list[str]:
 
 
 def check_world(config: Config, world_size: int) -> int:
-    """Checks that need the world size; returns the gradient accumulation steps.
+    """Checks that need the world size: the parallel degrees (:meth:`ParallelDims.from_config`) and the
+    batch split over the data-parallel ranks; returns the gradient accumulation steps.
 
-    Run once, in the process that launches (before any worker starts), and again by each worker.
+    Run once, in the process that launches, before any worker starts; a worker builds its degrees once
+    (``init_distributed``).
     """
-    p = config.parallel
-    if p.strategy == "single" and world_size > 1:
-        raise ConfigError(
-            f"parallel.strategy = 'single' runs one process, but {world_size} were asked for; use "
-            "--set parallel.strategy=ddp (or fsdp, hsdp) for several, or --nproc 1"
-        )
-    if p.strategy == "hsdp":
-        if p.replicate is None:
-            raise ConfigError(
-                "parallel.strategy = 'hsdp' needs parallel.replicate (the number of replica groups, e.g. the number of nodes)"
-            )
-        if world_size % p.replicate:
-            raise ConfigError(
-                f"parallel.replicate = {p.replicate} does not divide the world size {world_size}"
-            )
-    return check_batch_split(config, world_size)
+    dims = ParallelDims.from_config(config, world_size)
+    return check_batch_split(config, dims.dp)
 
 
 def check_batch_split(config: Config, world_size: int) -> int:

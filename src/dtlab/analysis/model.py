@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dtlab.config import Config, ModelConfig
+from dtlab.dims import ParallelDims
 
 FP32 = 4
 
@@ -275,20 +276,17 @@ def bus_bytes(comm: dict[str, int], groups: dict[str, int], world: int) -> float
 
 
 def plan_step(config: Config, world_size: int, shapes: list[ParamShape] | None = None) -> StepPlan:
-    """Predict one rank's memory and one optimizer step's collectives for ``config`` on ``world_size`` ranks."""
+    """Predict one rank's memory and one optimizer step's collectives for ``config`` on ``world_size`` ranks
+    (a ConfigError when that world cannot run it: see :meth:`ParallelDims.from_config`)."""
     shapes = shapes if shapes is not None else param_shapes(config.model)
     p, t = config.parallel, config.train
-    strategy = p.strategy
+    dims = ParallelDims.from_config(config, world_size)
     micro = t.micro_batch_size or max(1, t.global_batch_size // world_size)
     accum = max(1, t.global_batch_size // (micro * world_size))
     seq = config.seq_len
 
     # FSDP shards over the shard group; no_shard and ddp replicate; hsdp shards within a replica group.
-    if strategy in ("fsdp", "hsdp") and p.sharding != "no_shard":
-        replicate = (p.replicate or 1) if strategy == "hsdp" else 1
-        shard = world_size // replicate
-    else:
-        replicate, shard = (world_size, 1) if strategy != "single" else (1, 1)
+    replicate, shard = dims.dp_replicate, dims.dp_shard
     held = sum(s.shard_numel(shard) for s in shapes)
     # AdamW: exp_avg and exp_avg_sq like the parameter, plus a float32 step counter per tensor. DeMo:
     # one momentum (padded to whole chunks) and the same counter.
@@ -298,8 +296,8 @@ def plan_step(config: Config, world_size: int, shapes: list[ParamShape] | None =
     else:
         opt = 2 * held * FP32 + len(shapes) * FP32
     plan = StepPlan(
-        strategy=strategy,
-        sharding=p.sharding if strategy in ("fsdp", "hsdp") else "-",
+        strategy=p.strategy,
+        sharding=p.sharding if dims.fsdp_enabled else "-",
         world_size=world_size,
         params_bytes=held * FP32,
         grads_bytes=held * FP32,
@@ -313,10 +311,10 @@ def plan_step(config: Config, world_size: int, shapes: list[ParamShape] | None =
     comm: dict[str, int] = {}
     groups: dict[str, int] = {}
     compression = p.compression
-    if strategy == "ddp":
+    if dims.ddp_enabled:
         comm.update(ddp_comm_bytes(shapes, config, world_size))
         groups.update({k: world_size for k in comm})
-    elif strategy in ("fsdp", "hsdp"):
+    elif dims.fsdp_enabled:
         # fp16/bf16 compression reduces gradients in half precision; parameters are gathered in fp32.
         grad_bytes = 2 if compression in ("fp16", "bf16") else FP32
         gathered = sum(s.padded_numel(shard) for s in shapes) * FP32

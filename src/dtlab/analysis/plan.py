@@ -14,6 +14,7 @@ from dtlab.analysis.model import (
     recompute_flops_per_token,
 )
 from dtlab.config import Config, check_world
+from dtlab.dims import ParallelDims
 from dtlab.errors import ConfigError
 
 # Assumptions of the estimate (the plan prints them as such). What fraction of a device's peak a
@@ -28,6 +29,12 @@ TIE_MARGIN = 0.10
 # parameters on every rank and issues one gradient all-reduce per step; FSDP adds parameter all-gathers
 # (their prefetch and overlap), sharded optimizer state and checkpoints; HSDP adds a second mesh dimension.
 SIMPLICITY = ["single", "ddp", "fsdp no_shard", "fsdp shard_grad_op", "fsdp full", "hsdp"]
+# Why the recommended one of tied options is simpler, by label (the others: "the simplest of them").
+WHY_SIMPLEST = {
+    "single": "the simplest: one process, no collectives",
+    "ddp": "the simplest: whole parameters on every rank, one gradient all-reduce per step, no "
+    "parameter all-gathers to overlap, plain checkpoints",
+}
 RECOMPUTE = {
     "none": "none (no activation checkpointing)",
     "full": "one more forward of every block in backward, but for its last matmul (w2), whose output "
@@ -122,14 +129,7 @@ def recommend(rows: list[dict[str, Any]]) -> str | None:
     )
     if len(tied) == 1:
         return f"{best['label']}: the fastest estimated {what} among the strategies that fit ({figures})"
-    why = "the simplest of them"
-    if best["label"] == "ddp":
-        why = (
-            "the simplest: whole parameters on every rank, one gradient all-reduce per step, no "
-            "parameter all-gathers to overlap, plain checkpoints"
-        )
-    elif best["label"] == "single":
-        why = "the simplest: one process, no collectives"
+    why = WHY_SIMPLEST.get(best["label"], "the simplest of them")
     others = ", ".join(r["label"] for r in tied if r is not best)
     return (
         f"{best['label']} ({figures}): a tie with {others} (estimated {what}s within "
@@ -198,6 +198,7 @@ def plan(
         except ConfigError as e:
             rows.append({"label": label, "error": str(e)})
             continue
+        dims = ParallelDims.from_config(cfg, world)  # valid: check_world passed
         step = plan_step(cfg, world, shapes)
         tokens_per_rank = cfg.train.global_batch_size * cfg.seq_len / world
         compute = flops_per_token(cfg.model, cfg.seq_len) * tokens_per_rank / rate
@@ -205,10 +206,12 @@ def plan(
         comm = 0.0
         for collective, bus in step.comm_bus_bytes.items():
             group = step.comm_groups[collective]
-            # A group spread over nodes (HSDP's replicate groups; anything when it spans all nodes) is
-            # limited by the network; a group inside one node by the intra-node links.
+            # A group spread over nodes (HSDP's replicate groups, one rank of each shard group; anything
+            # when it spans all nodes) is limited by the network; a group inside one node by the
+            # intra-node links.
             across = nnodes > 1 and (
-                group > nproc or (cfg.parallel.strategy == "hsdp" and collective == "all_reduce")
+                group > nproc
+                or (dims.fsdp_enabled and dims.replicate_enabled and collective == "all_reduce")
             )
             comm += bus / ((device.inter_node_gbps if across else device.intra_node_gbps) * 1e9)
         row = PlanRow(label, step, compute, recompute, comm, step.total_bytes <= memory * HEADROOM)

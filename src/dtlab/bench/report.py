@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from dtlab.dims import DPWrapper
+
 MIB = 2**20
 
 # The part of a run's measured peak that the per-rank breakdown does not account for: on CPU the peak
@@ -325,7 +327,7 @@ def interpretation(rows: list[dict[str, Any]]) -> list[str]:
     out = []
     fastest = max(rows, key=lambda r: r["tokens_per_s"])
     out.append(f"- Fastest: {label(fastest)} at {fastest['tokens_per_s']:,.0f} tokens/s.")
-    single = next((r for r in rows if r["strategy"] == "single"), None)
+    single = next((r for r in rows if DPWrapper.of(r["strategy"]) is DPWrapper.NONE), None)
     if single:
         for r in rows:
             if r is single or r["precision"] != single["precision"]:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from dtlab.bench.report import format_mfu
+from dtlab.dims import DPWrapper
 from dtlab.errors import DtlabError
 
 CSV_COLUMNS = [
@@ -39,9 +40,10 @@ def combinations(
     """Every (strategy, nproc, compression, precision) worth running: ``single`` only on one process."""
     out = []
     for s, n, c, p in itertools.product(strategies, nprocs, compressions, precisions):
-        if (s == "single") != (n == 1):
+        alone = DPWrapper.of(s) is DPWrapper.NONE  # one process, no process group
+        if alone != (n == 1):
             continue
-        if s == "single" and c != "none":
+        if alone and c != "none":
             continue
         out.append((s, n, c, p))
     if not out:

@@ -218,7 +218,10 @@ def _bench(
     losses = [m["loss"] for m in timing.records]
     times = [m["step_time_s"] for m in timing.records[timed.start - 1 : timed.stop - 1]]
     # From the end of the last warm-up step (the first step, without one) to the end of the last timed one.
-    (wall0, cpu0), (wall1, cpu1) = timing.clock[max(timed.start - 2, 0)], timing.clock[timed.stop - 2]
+    (wall0, cpu0), (wall1, cpu1) = (
+        timing.clock[max(timed.start - 2, 0)],
+        timing.clock[timed.stop - 2],
+    )
     cpu_util = (cpu1 - cpu0) / (wall1 - wall0)
 
     step_time = statistics.median(times)
@@ -229,9 +232,7 @@ def _bench(
     cores = os.cpu_count() or 1
     row = {
         "strategy": config.parallel.strategy,
-        "sharding": config.parallel.sharding
-        if config.parallel.strategy in ("fsdp", "hsdp")
-        else "-",
+        "sharding": config.parallel.sharding if d.dims.fsdp_enabled else "-",
         "nproc": d.world_size,
         "compression": compression_name(config),
         "precision": t.precision,

@@ -17,13 +17,14 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from dtlab.config import Config
+from dtlab.dims import ParallelDims
 from dtlab.models.llama import Transformer
 from dtlab.parallel.compression import CompressionState, apply_ddp_compression, reduce_dtype
 from dtlab.parallel.dist import DistInfo
@@ -82,25 +83,7 @@ def apply_compile(model: Transformer) -> None:
         block.compile()
 
 
-# --- FSDP / HSDP ------------------------------------------------------------------------------------
-def build_dp_mesh(config: Config, dist_info: DistInfo) -> DeviceMesh:
-    """1-D mesh for fsdp; 2-D (replicate, shard) for hsdp and for no_shard (shard size 1)."""
-    world, p = dist_info.world_size, config.parallel
-    device_type = dist_info.device.type
-    if p.sharding == "no_shard":
-        return init_device_mesh(
-            device_type, (world, 1), mesh_dim_names=("dp_replicate", "dp_shard")
-        )
-    if p.strategy == "hsdp":
-        assert p.replicate is not None  # checked by check_world
-        return init_device_mesh(
-            device_type,
-            (p.replicate, world // p.replicate),
-            mesh_dim_names=("dp_replicate", "dp_shard"),
-        )
-    return init_device_mesh(device_type, (world,), mesh_dim_names=("dp_shard",))
-
-
+# --- FSDP / HSDP (on the mesh of dtlab.dims.ParallelDims) -------------------------------------------
 def apply_fsdp(
     model: Transformer, mesh: DeviceMesh, sharding: str, reduce_dtype: torch.dtype | None = None
 ) -> None:
@@ -162,7 +145,7 @@ class ParallelModel:
 
     module: nn.Module  # what forward is called on (the DDP wrapper, or the FSDP-sharded model)
     model: Transformer  # the underlying model (same object as module except under DDP)
-    strategy: str
+    dims: ParallelDims  # how it was wrapped
     compression: CompressionState  # the hook's state between steps (part of the checkpoint)
 
     def _ledger_name(self, enabled: bool) -> tuple[str, str]:
@@ -202,20 +185,20 @@ class ParallelModel:
 
 
 def parallelize(model: Transformer, config: Config, dist_info: DistInfo) -> ParallelModel:
-    """Apply the configured strategy to a meta-device model and materialise it."""
-    t, strategy = config.train, config.parallel.strategy
+    """Apply this world's parallel degrees (``dist_info.dims``) to a meta-device model and materialise it."""
+    t, dims = config.train, dist_info.dims
     apply_ac(model, t.activation_checkpointing)
     if t.compile:
         apply_compile(model)
-    if strategy in ("fsdp", "hsdp"):
+    if dims.fsdp_enabled:
         apply_fsdp(
             model,
-            build_dp_mesh(config, dist_info),
+            dims.build_mesh(dist_info.device.type),
             config.parallel.sharding,
             reduce_dtype(config),
         )
     materialize(model, dist_info.device, t.seed)
-    if strategy == "ddp":
+    if dims.ddp_enabled:
         device_ids = [dist_info.device.index] if dist_info.device.type == "cuda" else None
         # The only buffers are the RoPE tables, derived from the config on every rank: never re-broadcast
         # them before each forward (the keyword was renamed in newer torch).
@@ -227,5 +210,5 @@ def parallelize(model: Transformer, config: Config, dist_info: DistInfo) -> Para
         ddp = DistributedDataParallel(
             model, device_ids=device_ids, gradient_as_bucket_view=True, **no_buffer_sync
         )
-        return ParallelModel(ddp, model, strategy, apply_ddp_compression(ddp, config))
-    return ParallelModel(model, model, strategy, CompressionState(config.parallel.compression))
+        return ParallelModel(ddp, model, dims, apply_ddp_compression(ddp, config))
+    return ParallelModel(model, model, dims, CompressionState(config.parallel.compression))

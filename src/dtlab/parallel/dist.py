@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar, cast
 
@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from dtlab.config import Config
+from dtlab.dims import ParallelDims
 from dtlab.errors import ConfigError, DtlabError
 from dtlab.parallel.ledger import recorded, stop_ledger
 
@@ -29,6 +30,7 @@ class DistInfo:
     local_world_size: int
     device: torch.device
     backend: str | None  # None: no process group (strategy single)
+    dims: ParallelDims = field(default_factory=ParallelDims)  # built once, by init_distributed
 
     @property
     def is_main(self) -> bool:
@@ -65,7 +67,8 @@ def resolve_device(config: Config, local_rank: int) -> torch.device:
 
 
 def init_distributed(config: Config) -> DistInfo:
-    """Read the launcher's environment, pick the device and backend, and create the process group.
+    """Read the launcher's environment, pick the device and backend, build this world's parallel
+    degrees (the one place a worker checks them) and create the process group.
 
     strategy ``single`` in one process makes no process group; any other strategy does, even with
     one process (a local store is created when no launcher set one up).
@@ -87,8 +90,9 @@ def init_distributed(config: Config) -> DistInfo:
         raise ConfigError(
             "parallel.backend = 'nccl' needs CUDA devices; allowed on CPU: auto, gloo"
         )
-    if config.parallel.strategy == "single" and world == 1:
-        return DistInfo(0, 1, 0, 1, device, None)
+    dims = ParallelDims.from_config(config, world)
+    if not dims.distributed:
+        return DistInfo(0, 1, 0, 1, device, None, dims)
     if not dist.is_initialized():
         timeout = timedelta(seconds=config.parallel.collective_timeout_s)
         if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
@@ -113,7 +117,7 @@ def init_distributed(config: Config) -> DistInfo:
             dist.init_process_group(
                 backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout
             )
-    return DistInfo(rank, world, local_rank, local_world, device, backend)
+    return DistInfo(rank, world, local_rank, local_world, device, backend, dims)
 
 
 def destroy_distributed(graceful: bool = True) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dtlab.config import Config, apply_override, check_world, config_from_dict, load_config
+from dtlab.dims import ParallelDims
 from dtlab.errors import ConfigError
 
 __all__ = ["resolve_config", "train"]
@@ -90,8 +91,8 @@ def check_one_process(cfg: Config) -> None:
     try:
         check_world(cfg, 1)
     except ConfigError as e:
-        p = cfg.parallel
-        nproc = p.replicate if p.strategy == "hsdp" and p.replicate else "N"
+        fewest = ParallelDims.min_world_size(cfg)
+        nproc = fewest if fewest > 1 else "N"
         raise ConfigError(
             f"{e}. dtlab.train runs one process (world size 1); this config needs more: run it "
             f"with `dtlab train CONFIG --nproc {nproc}`"

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from dtlab.checkpoint.init_from import apply_init_from
 from dtlab.checkpoint.manager import Checkpointer, Coordinator
 from dtlab.checkpoint.state import ModelState, OptimizerState, Stateful
-from dtlab.config import Config, check_world
+from dtlab.config import Config, check_batch_split
 from dtlab.data import BatchLayout, BatchLoader, build_source
 from dtlab.data.loader import MicroBatch
 from dtlab.errors import Preempted
@@ -245,7 +245,7 @@ class Training:
 def build_training(config: Config, d: DistInfo) -> Training:
     """Build every part of training for this rank, in the order that matters."""
     t = config.train
-    accum = check_world(config, d.world_size)
+    accum = check_batch_split(config, d.world_size)
     micro = t.global_batch_size // (accum * d.world_size)
     source = build_source(config)
     model = build_model(config.model)  # on the meta device: nothing allocated yet
@@ -288,7 +288,7 @@ def train(config: Config) -> dict[str, Any]:
 
 def _train(config: Config, d: DistInfo) -> dict[str, Any]:
     setup_logging(d.rank, d.world_size)
-    check_world(config, d.world_size)  # before the run directory is created
+    check_batch_split(config, d.world_size)  # before the run directory is created; degrees: d.dims
     faults = Faults.from_env(d.rank)
     run_dir, lock = resolve_run_dir(config, d)
     signals = StopSignals()

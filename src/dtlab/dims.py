@@ -1,0 +1,231 @@
+"""Parallel degrees: how the world's ranks share the model, validated once, and the device mesh they make.
+
+``parallel.strategy`` is the user's shorthand. :meth:`ParallelDims.from_config` maps it, with
+``parallel.sharding`` and ``parallel.replicate``, onto degrees here and nowhere else; the rest of dtlab
+asks the degrees (``fsdp_enabled``, ``replicate_enabled``, ``distributed``, ...) instead of comparing
+strategy names::
+
+    strategy  sharding             dp_replicate  dp_shard         wrapper  mesh dims
+    single    (any)                1             1                none     none: no process group
+    ddp       (any)                world         1                ddp      (dp_replicate,)
+    fsdp      full, shard_grad_op  1             world            fsdp     (dp_shard,)
+    fsdp      no_shard             world         1                fsdp     (dp_replicate, dp_shard)
+    hsdp      full, shard_grad_op  replicate     world/replicate  fsdp     (dp_replicate, dp_shard)
+    hsdp      no_shard             world         1                fsdp     (dp_replicate, dp_shard)
+
+FSDP2 replicates over a mesh's first dimension and shards over its second, so sharding ``no_shard`` is
+``fully_shard`` on a (world, 1) mesh: the same degrees as DDP, another wrapper. DDP all-reduces over the
+default process group; its mesh is there for what needs one.
+
+This module imports neither the config (the config's own checks use it) nor, until a mesh is built, torch.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from dtlab.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+class DPWrapper(enum.Enum):
+    """What wraps the model for data parallelism."""
+
+    NONE = "none"  # the plain model, one process, no process group
+    DDP = "ddp"  # DistributedDataParallel: whole parameters everywhere, gradients all-reduced in buckets
+    FSDP = "fsdp"  # FSDP2 ``fully_shard`` on the data-parallel mesh
+
+    @classmethod
+    def of(cls, strategy: str) -> DPWrapper:
+        """The wrapper that ``parallel.strategy = strategy`` uses."""
+        try:
+            return _WRAPPERS[strategy]
+        except KeyError:
+            raise ValueError(
+                f"parallel.strategy = {strategy!r} is not a strategy (allowed: {', '.join(_WRAPPERS)})"
+            ) from None
+
+
+# Each strategy's wrapper, in the schema's order; the degrees follow in ParallelDims.from_config.
+_WRAPPERS = {
+    "single": DPWrapper.NONE,
+    "ddp": DPWrapper.DDP,
+    "fsdp": DPWrapper.FSDP,
+    "hsdp": DPWrapper.FSDP,
+}
+
+
+def strategies_with(*wrappers: DPWrapper) -> list[str]:
+    """The ``parallel.strategy`` names whose wrapper is one of ``wrappers``, in the schema's order."""
+    return [s for s, w in _WRAPPERS.items() if w in wrappers]
+
+
+class _ParallelSection(Protocol):
+    @property
+    def strategy(self) -> str: ...
+    @property
+    def sharding(self) -> str: ...
+    @property
+    def replicate(self) -> int | None: ...
+
+
+class _HasParallel(Protocol):
+    """A config (``dtlab.config.Config``): only its ``parallel`` section is read here."""
+
+    @property
+    def parallel(self) -> _ParallelSection: ...
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The parallel degrees of one world; their product is the world size.
+
+    Built by :meth:`from_config`, once per process (the launching process checks before it spawns;
+    a worker builds it in ``init_distributed`` and finds it in ``DistInfo.dims``). The default is one
+    process without a process group.
+    """
+
+    dp_replicate: int = 1  # data-parallel replicas (DDP's ranks, HSDP's replica groups)
+    dp_shard: int = 1  # ranks each data-parallel replica's parameters are sharded over (FSDP)
+    tp: int = 1  # tensor parallel; 1: not configurable yet
+    pp: int = 1  # pipeline stages; 1: not configurable yet
+    wrapper: DPWrapper = DPWrapper.NONE
+    # The mesh's dimensions, outermost first. A dimension of degree 1 may be one (HSDP with one replica
+    # group, no_shard's shard dimension); every degree above 1 must be.
+    mesh_dims: tuple[str, ...] = ()
+    _meshes: dict[str, DeviceMesh] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        degrees = self.degrees
+        if any(n < 1 for n in degrees.values()):
+            raise ValueError(f"parallel degrees must be at least 1, got {degrees}")
+        if set(self.mesh_dims) - set(degrees) or len(set(self.mesh_dims)) != len(self.mesh_dims):
+            raise ValueError(
+                f"mesh_dims = {self.mesh_dims} must be distinct names of {list(degrees)}"
+            )
+        left_out = [n for n, k in degrees.items() if k > 1 and n not in self.mesh_dims]
+        if left_out:
+            raise ValueError(
+                f"degrees {left_out} are above 1 but not dimensions of {self.mesh_dims}"
+            )
+        if (self.wrapper is DPWrapper.NONE) != (not self.mesh_dims):
+            raise ValueError(
+                f"wrapper {self.wrapper.value} with mesh_dims = {self.mesh_dims}: only a run without "
+                "a process group (wrapper none, one process) has no mesh"
+            )
+        if self.wrapper is DPWrapper.DDP and self.dp_shard > 1:
+            raise ValueError(f"DDP replicates whole parameters; dp_shard = {self.dp_shard}")
+
+    @classmethod
+    def from_config(cls, config: _HasParallel, world_size: int) -> ParallelDims:
+        """Map ``parallel.strategy`` (with ``sharding`` and ``replicate``) onto the degrees of a world of
+        ``world_size`` processes; a ConfigError when that world cannot run it."""
+        if world_size < 1:
+            raise ValueError(f"world_size must be at least 1, got {world_size}")
+        p = config.parallel
+        wrapper = DPWrapper.of(p.strategy)
+        if wrapper is DPWrapper.NONE:
+            if world_size > 1:
+                raise ConfigError(
+                    f"parallel.strategy = 'single' runs one process, but {world_size} were asked for; "
+                    "use --set parallel.strategy=ddp (or fsdp, hsdp) for several, or --nproc 1"
+                )
+            return cls()
+        if wrapper is DPWrapper.DDP:
+            return cls(dp_replicate=world_size, wrapper=wrapper, mesh_dims=("dp_replicate",))
+        replicate = 1
+        if p.strategy == "hsdp":
+            if p.replicate is None:
+                raise ConfigError(
+                    "parallel.strategy = 'hsdp' needs parallel.replicate (the number of replica "
+                    "groups, e.g. the number of nodes)"
+                )
+            if world_size % p.replicate:
+                raise ConfigError(
+                    f"parallel.replicate = {p.replicate} does not divide the world size {world_size}"
+                )
+            replicate = p.replicate
+        hybrid = ("dp_replicate", "dp_shard")
+        if p.sharding == "no_shard":  # every rank holds everything: shard groups of one rank
+            return cls(dp_replicate=world_size, wrapper=wrapper, mesh_dims=hybrid)
+        if p.strategy == "hsdp":
+            return cls(replicate, world_size // replicate, wrapper=wrapper, mesh_dims=hybrid)
+        return cls(dp_shard=world_size, wrapper=wrapper, mesh_dims=("dp_shard",))
+
+    @staticmethod
+    def min_world_size(config: _HasParallel) -> int:
+        """The fewest processes ``config``'s degrees can run on: one per replica group for hsdp."""
+        p = config.parallel
+        return (p.replicate or 1) if p.strategy == "hsdp" else 1
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        """Each dimension's degree, outermost first."""
+        return {
+            "pp": self.pp,
+            "dp_replicate": self.dp_replicate,
+            "dp_shard": self.dp_shard,
+            "tp": self.tp,
+        }
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: the global batch is split over them."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def distributed(self) -> bool:
+        """A process group is needed (DDP and FSDP make one even on one process)."""
+        return self.wrapper is not DPWrapper.NONE
+
+    @property
+    def ddp_enabled(self) -> bool:
+        """The model is wrapped in DistributedDataParallel."""
+        return self.wrapper is DPWrapper.DDP
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        """The model is wrapped by FSDP2's ``fully_shard`` (also with sharding no_shard, or on one rank)."""
+        return self.wrapper is DPWrapper.FSDP
+
+    @property
+    def replicate_enabled(self) -> bool:
+        """More than one replica: gradients are all-reduced across replicas."""
+        return self.dp_replicate > 1
+
+    @property
+    def shard_enabled(self) -> bool:
+        """Parameters, gradients and optimizer state are sharded over more than one rank."""
+        return self.dp_shard > 1
+
+    @property
+    def dp_enabled(self) -> bool:
+        """More than one data-parallel rank."""
+        return self.dp > 1
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return tuple(self.degrees[n] for n in self.mesh_dims)
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """The device mesh over ``mesh_dims`` (built on first use, then the same object). Needs the
+        process group; every rank must call it, in the same order as its other collectives."""
+        if not self.mesh_dims:
+            raise RuntimeError("a run without a process group (strategy single) has no device mesh")
+        if device_type not in self._meshes:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._meshes[device_type] = init_device_mesh(
+                device_type, self.mesh_shape, mesh_dim_names=self.mesh_dims
+            )
+        return self._meshes[device_type]
