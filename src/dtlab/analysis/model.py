@@ -17,6 +17,7 @@ from typing import Any
 
 from dtlab.config import Config, ModelConfig
 from dtlab.dims import ParallelDims
+from dtlab.runtime.signals import STOP_SIGNALS
 
 FP32 = 4
 
@@ -243,11 +244,10 @@ def ddp_comm_bytes(shapes: list[ParamShape], config: Config, world: int) -> dict
     total = sum(s.numel for s in shapes)
     if config.train.optimizer == "demo":
         # No gradient all-reduce: every rank's packed (index, bf16 value) int32 pairs, top-k per chunk of
-        # each parameter, gathered by all ranks; plus the gradient norm the ranks agree on (the squared
-        # norm and a non-finite flag).
+        # each parameter, gathered by all ranks (the norm the ranks agree on is in the step's reduction).
         d = config.train.demo
         pairs = sum(math.ceil(s.numel / d.chunk_size) * d.topk for s in shapes)
-        return {"all_gather": world * pairs * 4, "all_reduce": 2 * FP32}
+        return {"all_gather": world * pairs * 4}
     if p.compression in ("fp16", "bf16"):
         return {"all_reduce": 2 * total}
     if p.compression == "powersgd":
@@ -335,7 +335,19 @@ def plan_step(config: Config, world_size: int, shapes: list[ParamShape] | None =
             # Across replica groups each rank all-reduces its gradient shard.
             comm["all_reduce"] = gathered // shard // FP32 * grad_bytes
             groups["all_reduce"] = replicate
+    if dims.distributed and world_size > 1:
+        # The step's one small reduction (loss, flags, stop votes, and a norm where gradients are DTensors
+        # or each rank's own), over all ranks; under HSDP it is counted in the replicas' all-reduce group.
+        comm["all_reduce"] = comm.get("all_reduce", 0) + step_reduction_bytes(config, dims)
+        groups.setdefault("all_reduce", world_size)
     plan.comm_bytes = comm
     plan.comm_groups = groups
     plan.comm_bus_bytes = {k: _ring(k, v, groups[k]) for k, v in comm.items()}
     return plan
+
+
+def step_reduction_bytes(config: Config, dims: ParallelDims) -> int:
+    """Bytes of the step's reduction (:func:`dtlab.train.loop.reduce_step`): the loss, one flag, a vote
+    per stop signal, and the squared gradient norm when gradients are sharded or each rank's own."""
+    norm = dims.fsdp_enabled or config.train.optimizer == "demo"
+    return FP32 * (2 + len(STOP_SIGNALS) + (1 if norm else 0))
