@@ -1,4 +1,5 @@
-"""The training loop of the MLX engine: the torch loop's semantics, step for step, in MLX.
+"""The MLX engine: the torch engine's semantics, step for step, in MLX, driven by the same run shell
+(:mod:`dtlab.train.run`).
 
 Same samples per rank and step (:class:`dtlab.data.BatchLoader`), same schedule (:func:`lr_at`), AdamW
 with torch's update rule and decay on matrices only, clipping by the global norm, gradient accumulation,
@@ -12,10 +13,7 @@ import json
 import math
 import os
 import shutil
-import sys
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +25,14 @@ from dtlab.checkpoint.manager import Checkpointer, Coordinator
 from dtlab.checkpoint.state import Stateful
 from dtlab.config import Config, check_world
 from dtlab.data import BatchLayout, BatchLoader, build_source
-from dtlab.errors import CheckpointError, CollectiveError, DtlabError
+from dtlab.errors import CheckpointError, DtlabError
 from dtlab.metrics.logging import setup_logging
+from dtlab.mlx.dist import MlxGroup, Watchdog, from_rank0, init_group, scalar
 from dtlab.mlx.model import Transformer, build_mlx_model, flat_parameters
 from dtlab.parallel.ledger import LEDGER_ENV, FileChannel, Ledger
 from dtlab.runtime.faults import Faults
 from dtlab.runtime.signals import StopSignals, agreed_stop, stop_votes
-from dtlab.runtime.status import STATUS_ENV, record_exit, record_pid
+from dtlab.runtime.status import STATUS_ENV, record_pid
 from dtlab.train.run import run
 from dtlab.train.rundir import RunDirLock, create_run_dir
 from dtlab.train.schedules import lr_at
@@ -41,109 +40,7 @@ from dtlab.train.schedules import lr_at
 Params = dict[str, mx.array]
 
 
-# --- distributed -----------------------------------------------------------------------------------
-def init_group(config: Config) -> Any:
-    """The global group: the one ``mlx.launch`` set up (ring or MPI), or a group of one."""
-    if config.train.device == "cpu":
-        mx.set_default_device(mx.cpu)
-    launched = "MLX_RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ
-    if not launched:
-        return mx.distributed.init(strict=False, backend="ring")
-    backend: str = config.parallel.backend
-    try:
-        return mx.distributed.init(strict=True, backend="any" if backend == "auto" else backend)
-    except RuntimeError as e:
-        raise DtlabError(
-            f"could not join the MLX process group (parallel.backend = {config.parallel.backend!r}): {e}"
-        ) from None
-
-
-__all__ = ["CollectiveError", "MlxEngine", "Trainer", "Watchdog", "train_mlx"]
-
-
-class Watchdog:
-    """Turns a collective that never returns into an error that names the rank, and an exit.
-
-    A rank whose peer died (or a ring ``all_sum`` that deadlocked) blocks inside MLX, where no Python
-    signal handler runs; a daemon thread watches the deadline and ends the process. With a ledger,
-    every collective is recorded, and the message says which rank is behind or how the ranks differ.
-    """
-
-    def __init__(self, rank: int, timeout_s: float, ledger: Ledger | None = None) -> None:
-        self.rank, self.timeout_s, self.ledger = rank, timeout_s, ledger
-        self._step = 0
-        self._deadline: float | None = None
-        self._what = ""
-        self._cv = threading.Condition()
-        threading.Thread(target=self._watch, name="dtlab-watchdog", daemon=True).start()
-
-    @property
-    def step(self) -> int:
-        """The optimizer step under way, for the message and the ledger."""
-        return self._step
-
-    @step.setter
-    def step(self, step: int) -> None:
-        self._step = step
-        if self.ledger is not None:
-            self.ledger.step = step
-
-    def _explain(self, cause: str, fallback: str) -> str:
-        """``cause``, and what the ranks' ledgers say about it (or ``fallback`` without a ledger)."""
-        if self.ledger is None:
-            return f"{cause}: {fallback}"
-        return self.ledger.report(cause)
-
-    def _watch(self) -> None:
-        with self._cv:
-            while True:
-                if self._deadline is None:
-                    self._cv.wait()
-                    continue
-                left = self._deadline - time.monotonic()
-                if left > 0:
-                    self._cv.wait(left)
-                    continue
-                message = self._explain(
-                    f"{self._what} of step {self.step} did not finish within {self.timeout_s:g} s "
-                    "(parallel.collective_timeout_s)",
-                    "another rank died or the collective hung",
-                )
-                print(
-                    f"[rank{self.rank}] error: {message}; stopping this rank",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                record_exit(1)
-                os._exit(1)
-
-    def run(self, what: str, fn: Callable[[], Any], op: str = "", *arrays: mx.array) -> Any:
-        """``fn()`` (which waits on a collective), ended by the watchdog if it takes too long.
-
-        ``op`` and ``arrays`` (what the collective sends) are for the ledger.
-        """
-        entry = self.ledger.begin(what.removeprefix("the "), op, arrays) if self.ledger else None
-        with self._cv:
-            self._deadline, self._what = time.monotonic() + self.timeout_s, what
-            self._cv.notify()
-        try:
-            result = fn()
-        except RuntimeError as e:  # e.g. "[ring] connection to a peer was lost"
-            failed: RuntimeError | None = e
-        else:
-            failed = None
-        finally:
-            with self._cv:
-                self._deadline = None
-        if failed is not None:
-            raise CollectiveError(
-                self._explain(
-                    f"{what} failed on rank {self.rank}: {failed}", "another rank died or left"
-                )
-            ) from None
-        if self.ledger is not None and entry is not None:
-            self.ledger.end(entry)
-        return result
+__all__ = ["MlxEngine", "Trainer", "train_mlx"]
 
 
 # --- the step --------------------------------------------------------------------------------------
@@ -240,7 +137,7 @@ class Trainer:
             watchdog.run("the gradient all_sum", lambda: mx.eval(total), "all_sum", flat)
             if collective_fault == "badshape":
                 total = total[:-1]
-            votes = [_scalar(x) for x in total[-n_votes:]]
+            votes = [scalar(x) for x in total[-n_votes:]]
             total = total[:-n_votes] / self.world
             offsets = np.cumsum([0] + [self.params[k].size for k in self.names])
             grads = {
@@ -251,7 +148,7 @@ class Trainer:
         norm_sq = sum((mx.sum(g * g) for g in grads.values()), start=mx.array(0.0))
         norm_arr = mx.sqrt(norm_sq)
         mx.eval(loss_sum, norm_arr)
-        loss_f, norm = _scalar(loss_sum), _scalar(norm_arr)
+        loss_f, norm = scalar(loss_sum), scalar(norm_arr)
         bad = not (math.isfinite(loss_f) and math.isfinite(norm))
         if not bad:
             clip = self.t.grad_clip
@@ -298,12 +195,6 @@ class Trainer:
         mx.eval(self.params, self.m, self.v)
 
 
-def _scalar(x: mx.array) -> float:
-    value = x.item()
-    assert isinstance(value, (int, float))
-    return float(value)
-
-
 def _read_safetensors(path: Path) -> dict[str, mx.array]:
     if not path.is_file():
         raise CheckpointError(
@@ -312,56 +203,6 @@ def _read_safetensors(path: Path) -> dict[str, mx.array]:
     loaded = mx.load(str(path))
     assert isinstance(loaded, dict)
     return loaded
-
-
-def _from_rank0(
-    group: Any, watchdog: Watchdog, what: str, decide: Callable[[], str | None]
-) -> str | None:
-    """``decide()`` on rank 0 only; every rank gets its result (text or None) or its DtlabError.
-
-    For choices made once and agreed on (the run directory, the checkpoint to resume from), like the
-    torch engine's ``decide_on_rank0``: the text travels in one all_sum, zeros from the other ranks.
-    """
-    result: str | None = None
-    error: DtlabError | None = None
-    if group.rank() == 0:
-        try:
-            result = decide()
-        except DtlabError as e:
-            error = e
-    if group.size() > 1:
-        limit = 8192
-        code = np.zeros(limit + 1, dtype=np.int32)
-        if group.rank() == 0:
-            payload = (f"E{error}" if error else "N" if result is None else f"T{result}").encode()
-            data = np.frombuffer(payload[:limit], dtype=np.uint8)
-            code[0], code[1 : 1 + len(data)] = len(data), data
-        total = mx.distributed.all_sum(mx.array(code), group=group)
-        watchdog.run(what, lambda: mx.eval(total))
-        got = np.array(total)
-        text = bytes(got[1 : 1 + int(got[0])].astype(np.uint8)).decode()
-        kind, body = text[:1], text[1:]
-        error = DtlabError(body) if kind == "E" else None
-        result = body if kind == "T" else None
-    if error is not None:
-        raise error
-    return result
-
-
-class MlxGroup:
-    """The MLX group as a checkpoint :class:`~dtlab.checkpoint.manager.Coordinator`: its ranks, and
-    choices made on rank 0 and shared with one all_sum (:func:`_from_rank0`)."""
-
-    def __init__(self, group: Any, watchdog: Watchdog) -> None:
-        self.group, self.watchdog = group, watchdog
-        self.rank, self.world_size = group.rank(), group.size()
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    def decide(self, fn: Callable[[], str | None]) -> str | None:
-        return _from_rank0(self.group, self.watchdog, "rank 0's decision", fn)
 
 
 # --- the loop ----------------------------------------------------------------------------------------
@@ -398,7 +239,7 @@ def train_mlx(config: Config) -> dict[str, Any]:
         held.append(lock)
         return str(path)
 
-    run_dir = Path(str(_from_rank0(group, watchdog, "the run directory broadcast", create)))
+    run_dir = Path(str(from_rank0(group, watchdog, "the run directory broadcast", create)))
     try:
         config = config.model_copy(deep=True)
         config.run.dir = str(run_dir)
@@ -515,7 +356,7 @@ class MlxEngine:
         if self.coord.world_size > 1:
             mine = mx.array([float(peak)])
             x = mx.distributed.all_max(mine, group=self.trainer.group)
-            peak = int(self.watchdog.run("the final all_max", lambda: _scalar(x), "all_max", mine))
+            peak = int(self.watchdog.run("the final all_max", lambda: scalar(x), "all_max", mine))
         return peak
 
     def summary(self) -> dict[str, Any]:

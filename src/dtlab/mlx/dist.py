@@ -1,0 +1,178 @@
+"""The MLX engine's distributed plumbing: the group, a watchdog for collectives that never return,
+and choices rank 0 makes for every rank (the checkpoint coordinator)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from dtlab.config import Config
+from dtlab.errors import CollectiveError, DtlabError
+from dtlab.parallel.ledger import Ledger
+from dtlab.runtime.status import record_exit
+
+__all__ = ["MlxGroup", "Watchdog", "from_rank0", "init_group", "scalar"]
+
+
+def init_group(config: Config) -> Any:
+    """The global group: the one ``mlx.launch`` set up (ring or MPI), or a group of one."""
+    if config.train.device == "cpu":
+        mx.set_default_device(mx.cpu)
+    launched = "MLX_RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ
+    if not launched:
+        return mx.distributed.init(strict=False, backend="ring")
+    backend: str = config.parallel.backend
+    try:
+        return mx.distributed.init(strict=True, backend="any" if backend == "auto" else backend)
+    except RuntimeError as e:
+        raise DtlabError(
+            f"could not join the MLX process group (parallel.backend = {config.parallel.backend!r}): {e}"
+        ) from None
+
+
+class Watchdog:
+    """Turns a collective that never returns into an error that names the rank, and an exit.
+
+    A rank whose peer died (or a ring ``all_sum`` that deadlocked) blocks inside MLX, where no Python
+    signal handler runs; a daemon thread watches the deadline and ends the process. With a ledger,
+    every collective is recorded, and the message says which rank is behind or how the ranks differ.
+    """
+
+    def __init__(self, rank: int, timeout_s: float, ledger: Ledger | None = None) -> None:
+        self.rank, self.timeout_s, self.ledger = rank, timeout_s, ledger
+        self._step = 0
+        self._deadline: float | None = None
+        self._what = ""
+        self._cv = threading.Condition()
+        threading.Thread(target=self._watch, name="dtlab-watchdog", daemon=True).start()
+
+    @property
+    def step(self) -> int:
+        """The optimizer step under way, for the message and the ledger."""
+        return self._step
+
+    @step.setter
+    def step(self, step: int) -> None:
+        self._step = step
+        if self.ledger is not None:
+            self.ledger.step = step
+
+    def _explain(self, cause: str, fallback: str) -> str:
+        """``cause``, and what the ranks' ledgers say about it (or ``fallback`` without a ledger)."""
+        if self.ledger is None:
+            return f"{cause}: {fallback}"
+        return self.ledger.report(cause)
+
+    def _watch(self) -> None:
+        with self._cv:
+            while True:
+                if self._deadline is None:
+                    self._cv.wait()
+                    continue
+                left = self._deadline - time.monotonic()
+                if left > 0:
+                    self._cv.wait(left)
+                    continue
+                message = self._explain(
+                    f"{self._what} of step {self.step} did not finish within {self.timeout_s:g} s "
+                    "(parallel.collective_timeout_s)",
+                    "another rank died or the collective hung",
+                )
+                print(
+                    f"[rank{self.rank}] error: {message}; stopping this rank",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                record_exit(1)
+                os._exit(1)
+
+    def run(self, what: str, fn: Callable[[], Any], op: str = "", *arrays: mx.array) -> Any:
+        """``fn()`` (which waits on a collective), ended by the watchdog if it takes too long.
+
+        ``op`` and ``arrays`` (what the collective sends) are for the ledger.
+        """
+        entry = self.ledger.begin(what.removeprefix("the "), op, arrays) if self.ledger else None
+        with self._cv:
+            self._deadline, self._what = time.monotonic() + self.timeout_s, what
+            self._cv.notify()
+        try:
+            result = fn()
+        except RuntimeError as e:  # e.g. "[ring] connection to a peer was lost"
+            failed: RuntimeError | None = e
+        else:
+            failed = None
+        finally:
+            with self._cv:
+                self._deadline = None
+        if failed is not None:
+            raise CollectiveError(
+                self._explain(
+                    f"{what} failed on rank {self.rank}: {failed}", "another rank died or left"
+                )
+            ) from None
+        if self.ledger is not None and entry is not None:
+            self.ledger.end(entry)
+        return result
+
+
+def scalar(x: mx.array) -> float:
+    value = x.item()
+    assert isinstance(value, (int, float))
+    return float(value)
+
+
+def from_rank0(
+    group: Any, watchdog: Watchdog, what: str, decide: Callable[[], str | None]
+) -> str | None:
+    """``decide()`` on rank 0 only; every rank gets its result (text or None) or its DtlabError.
+
+    For choices made once and agreed on (the run directory, the checkpoint to resume from), like the
+    torch engine's ``decide_on_rank0``: the text travels in one all_sum, zeros from the other ranks.
+    """
+    result: str | None = None
+    error: DtlabError | None = None
+    if group.rank() == 0:
+        try:
+            result = decide()
+        except DtlabError as e:
+            error = e
+    if group.size() > 1:
+        limit = 8192
+        code = np.zeros(limit + 1, dtype=np.int32)
+        if group.rank() == 0:
+            payload = (f"E{error}" if error else "N" if result is None else f"T{result}").encode()
+            data = np.frombuffer(payload[:limit], dtype=np.uint8)
+            code[0], code[1 : 1 + len(data)] = len(data), data
+        total = mx.distributed.all_sum(mx.array(code), group=group)
+        watchdog.run(what, lambda: mx.eval(total))
+        got = np.array(total)
+        text = bytes(got[1 : 1 + int(got[0])].astype(np.uint8)).decode()
+        kind, body = text[:1], text[1:]
+        error = DtlabError(body) if kind == "E" else None
+        result = body if kind == "T" else None
+    if error is not None:
+        raise error
+    return result
+
+
+class MlxGroup:
+    """The MLX group as a checkpoint :class:`~dtlab.checkpoint.manager.Coordinator`: its ranks, and
+    choices made on rank 0 and shared with one all_sum (:func:`from_rank0`)."""
+
+    def __init__(self, group: Any, watchdog: Watchdog) -> None:
+        self.group, self.watchdog = group, watchdog
+        self.rank, self.world_size = group.rank(), group.size()
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def decide(self, fn: Callable[[], str | None]) -> str | None:
+        return from_rank0(self.group, self.watchdog, "rank 0's decision", fn)
