@@ -109,42 +109,12 @@ class Trainer:
         ``collective_fault`` (fault injection): ``"skip"`` leaves out the gradient all_sum, ``"badshape"``
         sends one element more.
         """
-        accum = len(micro_batches)
-        loss_sum: mx.array = mx.array(0.0)
-        grads: Params | None = None
-        for inputs, targets in micro_batches:
-            loss, g = self._grad_fn(self.params, mx.array(inputs), mx.array(targets))
-            loss_sum = loss_sum + loss / accum
-            grads = g if grads is None else {k: grads[k] + g[k] for k in self.names}
-            if accum > 1:
-                mx.eval(loss_sum, grads)  # keep one micro-batch's graph alive at a time
-        assert grads is not None
-        grads = {k: grads[k] / accum for k in self.names}
-        if inject_nan:
-            loss_sum = loss_sum * float("nan")
-            grads = {k: g * float("nan") for k, g in grads.items()}
+        loss_sum, grads = self._gradients(micro_batches, inject_nan)
         votes = stop_votes(stop_flag)
-        n_votes = len(votes)
         if self.world > 1 and collective_fault != "skip":
-            # One flattened all_sum: every gradient, the loss and each rank's stop votes.
-            flat = mx.concatenate(
-                [grads[k].reshape(-1) for k in self.names]
-                + [loss_sum.reshape(1)]
-                + [mx.array(votes)]
-                + ([mx.array([0.0])] if collective_fault == "badshape" else [])
+            loss_sum, grads, votes = self._all_sum(
+                loss_sum, grads, votes, watchdog, collective_fault
             )
-            total = mx.distributed.all_sum(flat, group=self.group)
-            watchdog.run("the gradient all_sum", lambda: mx.eval(total), "all_sum", flat)
-            if collective_fault == "badshape":
-                total = total[:-1]
-            votes = [scalar(x) for x in total[-n_votes:]]
-            total = total[:-n_votes] / self.world
-            offsets = np.cumsum([0] + [self.params[k].size for k in self.names])
-            grads = {
-                k: total[int(offsets[i]) : int(offsets[i + 1])].reshape(self.params[k].shape)
-                for i, k in enumerate(self.names)
-            }
-            loss_sum = total[-1]
         norm_sq = sum((mx.sum(g * g) for g in grads.values()), start=mx.array(0.0))
         norm_arr = mx.sqrt(norm_sq)
         mx.eval(loss_sum, norm_arr)
@@ -162,6 +132,56 @@ class Trainer:
         if bad:
             out["bad"] = True
         return out, agreed_stop(votes, self.world)
+
+    def _gradients(
+        self, micro_batches: list[tuple[np.ndarray, np.ndarray]], inject_nan: bool
+    ) -> tuple[mx.array, Params]:
+        """This rank's loss and gradients, averaged over its micro-batches."""
+        accum = len(micro_batches)
+        loss_sum: mx.array = mx.array(0.0)
+        grads: Params | None = None
+        for inputs, targets in micro_batches:
+            loss, g = self._grad_fn(self.params, mx.array(inputs), mx.array(targets))
+            loss_sum = loss_sum + loss / accum
+            grads = g if grads is None else {k: grads[k] + g[k] for k in self.names}
+            if accum > 1:
+                mx.eval(loss_sum, grads)  # keep one micro-batch's graph alive at a time
+        assert grads is not None
+        grads = {k: grads[k] / accum for k in self.names}
+        if inject_nan:
+            loss_sum = loss_sum * float("nan")
+            grads = {k: g * float("nan") for k, g in grads.items()}
+        return loss_sum, grads
+
+    def _all_sum(
+        self,
+        loss_sum: mx.array,
+        grads: Params,
+        votes: list[float],
+        watchdog: Watchdog,
+        collective_fault: str | None,
+    ) -> tuple[mx.array, Params, list[float]]:
+        """One flattened all_sum of every gradient, the loss and each rank's stop votes; returns the
+        ranks' mean loss and gradients and the summed votes."""
+        n_votes = len(votes)
+        flat = mx.concatenate(
+            [grads[k].reshape(-1) for k in self.names]
+            + [loss_sum.reshape(1)]
+            + [mx.array(votes)]
+            + ([mx.array([0.0])] if collective_fault == "badshape" else [])
+        )
+        total = mx.distributed.all_sum(flat, group=self.group)
+        watchdog.run("the gradient all_sum", lambda: mx.eval(total), "all_sum", flat)
+        if collective_fault == "badshape":
+            total = total[:-1]
+        votes = [scalar(x) for x in total[-n_votes:]]
+        total = total[:-n_votes] / self.world
+        offsets = np.cumsum([0] + [self.params[k].size for k in self.names])
+        grads = {
+            k: total[int(offsets[i]) : int(offsets[i + 1])].reshape(self.params[k].shape)
+            for i, k in enumerate(self.names)
+        }
+        return total[-1], grads, votes
 
     def barrier(self, watchdog: Watchdog, what: str) -> None:
         if self.world > 1:

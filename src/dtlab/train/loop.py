@@ -79,25 +79,9 @@ def train_step(
     gradient norm is not finite changes no parameter (``bad`` in the metrics); under fp16 an overflow
     only lowers the loss scale (``skipped``), as loss scaling intends.
     """
-    accum = len(micro_batches)
-    loss_sum = torch.zeros((), device=device)
     if scaler.enabled:
         pm.compression.set_scale(scaler.scale)  # hooks keep their state in unscaled units
-    for i, (inputs, targets) in enumerate(micro_batches):
-        inputs, targets = (
-            inputs.to(device, non_blocking=True),
-            targets.to(device, non_blocking=True),
-        )
-        # Only the last micro-batch synchronises gradients; the others accumulate locally.
-        with pm.grad_sync(i == accum - 1):
-            # Every micro-batch has the same number of tokens, so mean/accum summed over micro-batches and
-            # averaged over ranks is the mean over every token of the global batch.
-            loss = forward_loss(pm.module, inputs, targets, config.train.precision, device) / accum
-            if inject_nan:
-                loss = loss * float("nan")
-            scaler.scale_loss(loss).backward()
-        loss_sum += loss.detach()
-
+    loss_sum = accumulate_gradients(pm, scaler, micro_batches, config, device, inject_nan)
     params = [p for p in pm.module.parameters() if p.grad is not None]
     found = scaler.unscale_(params)  # this rank's overflow flag (fp16), no collective
     local = bool(getattr(optimizer, "local_gradients", False))  # each rank's own gradients (DeMo)
@@ -129,6 +113,35 @@ def train_step(
     if r.stop is not None:
         out["stop"] = r.stop
     return out
+
+
+def accumulate_gradients(
+    pm: ParallelModel,
+    scaler: LossScaler,
+    micro_batches: list[MicroBatch],
+    config: Config,
+    device: torch.device,
+    inject_nan: bool = False,
+) -> torch.Tensor:
+    """Forward and backward of every micro-batch, gradients synchronised on the last one only;
+    returns this rank's loss, summed over its micro-batches (each divided by their number)."""
+    accum = len(micro_batches)
+    loss_sum = torch.zeros((), device=device)
+    for i, (inputs, targets) in enumerate(micro_batches):
+        inputs, targets = (
+            inputs.to(device, non_blocking=True),
+            targets.to(device, non_blocking=True),
+        )
+        # Only the last micro-batch synchronises gradients; the others accumulate locally.
+        with pm.grad_sync(i == accum - 1):
+            # Every micro-batch has the same number of tokens, so mean/accum summed over micro-batches and
+            # averaged over ranks is the mean over every token of the global batch.
+            loss = forward_loss(pm.module, inputs, targets, config.train.precision, device) / accum
+            if inject_nan:
+                loss = loss * float("nan")
+            scaler.scale_loss(loss).backward()
+        loss_sum += loss.detach()
+    return loss_sum
 
 
 @dataclass
