@@ -183,12 +183,6 @@ class Trainer:
         }
         return total[-1], grads, votes
 
-    def barrier(self, watchdog: Watchdog, what: str) -> None:
-        if self.world > 1:
-            one = mx.array([1.0])
-            x = mx.distributed.all_sum(one, group=self.group)
-            watchdog.run(what, lambda: mx.eval(x), "all_sum", one)
-
     # --- state -----------------------------------------------------------------------------------
     def save(self, tmp: Path) -> None:
         mx.save_safetensors(str(tmp / "model.safetensors"), self.params)
