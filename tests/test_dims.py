@@ -293,18 +293,7 @@ def test_the_scan_finds_comparisons(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "path",
-    [
-        pytest.param(
-            p.relative_to(SRC).as_posix(),
-            marks=[
-                pytest.mark.xfail(strict=True, reason="picks the MLX engine's strategies by name")
-            ]
-            if p.name == "cli.py"
-            else [],
-        )
-        for p in sorted(SRC.rglob("*.py"))
-        if p.name != "dims.py"
-    ],
+    [p.relative_to(SRC).as_posix() for p in sorted(SRC.rglob("*.py")) if p.name != "dims.py"],
 )
 def test_no_strategy_names_compared_outside_dims(path: str) -> None:
     assert strategy_comparisons(SRC / path) == []

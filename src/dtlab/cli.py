@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from dtlab import __version__
+from dtlab.dims import DPWrapper, strategies_with
 from dtlab.errors import DtlabError, Preempted
 
 if TYPE_CHECKING:
@@ -340,7 +341,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise DtlabError(f"--{what} {text!r}: allowed: {', '.join(allowed or ())}")
         return items
 
-    strategies = split(args.strategies, "strategies", ("single", "ddp", "fsdp", "hsdp"))
+    strategies = split(args.strategies, "strategies", tuple(strategies_with(*DPWrapper)))
     compressions = split(
         args.compression,
         "compression",
@@ -407,7 +408,9 @@ def _bench_engines(
             "without compression (allowed: none)"
         )
     combos = [(s, n, p) for s, n, _, p in combinations(strategies, nprocs, ["none"], precisions)]
-    combos = [c for c in combos if c[0] in ("single", "ddp")]
+    # The MLX engine has no sharding: the layouts without FSDP.
+    unsharded = strategies_with(DPWrapper.NONE, DPWrapper.DDP)
+    combos = [c for c in combos if c[0] in unsharded]
     if not combos:
         raise DtlabError(
             "--engine with mlx compares single and ddp runs; --strategies names neither"
