@@ -168,6 +168,29 @@ def test_prefetch_yields_what_inline_loading_yields() -> None:
         threaded.close()
 
 
+def test_close_wakes_a_prefetch_thread_waiting_for_room() -> None:
+    # A thread that has filled the queue waits for room; close() must stop it at once, not at its next
+    # poll (with a poll this long, a close that only waited for it would leave it running).
+    loader = BatchLoader(SyntheticSource(16, 256, 0), BatchLayout(8, 0, 1, 4), prefetch=1)
+    loader.PUT_POLL_S = 3600.0
+    next(loader)
+    assert loader._queue is not None and loader._thread is not None
+    thread = loader._thread
+    for _ in range(1000):  # the thread builds the next step and waits to hand it over
+        if loader._queue.full():
+            break
+        thread.join(timeout=0.01)
+    assert loader._queue.full()
+    loader.close()
+    assert not thread.is_alive()
+    # The loader is where it was: the next step is the one after the step it returned.
+    first_after = next(loader)
+    loader.close()
+    inline = BatchLoader(SyntheticSource(16, 256, 0), BatchLayout(8, 0, 1, 4), prefetch=0)
+    next(inline)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(first_after, next(inline), strict=True))
+
+
 def test_loader_position_survives_a_change_of_global_split() -> None:
     src = SyntheticSource(16, 256, 0)
     loader = BatchLoader(src, BatchLayout(8, 0, 1, 8), prefetch=0)

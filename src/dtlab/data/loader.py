@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from dataclasses import dataclass
@@ -45,6 +46,9 @@ class BatchLoader:
     Its position (the next step) is part of the training state: ``state_dict`` / ``load_state_dict``.
     With ``prefetch`` > 0 a daemon thread prepares that many steps ahead, off the critical path.
     """
+
+    # How often a data thread waiting for room in the queue looks at its stop flag (close() wakes it).
+    PUT_POLL_S = 0.1
 
     def __init__(
         self,
@@ -91,7 +95,7 @@ class BatchLoader:
                 item = e
             while not stop.is_set():
                 try:
-                    out.put((step, item), timeout=0.1)
+                    out.put((step, item), timeout=self.PUT_POLL_S)
                     break
                 except queue.Full:
                     continue
@@ -128,6 +132,12 @@ class BatchLoader:
         """Stop the prefetch thread (safe to call more than once)."""
         self._stop.set()
         if self._thread is not None:
+            # Take what it prepared: a thread waiting for room in the queue wakes at once and sees the
+            # stop flag, instead of at its next poll (which every run waited for at its end).
+            if self._queue is not None:
+                with contextlib.suppress(queue.Empty):
+                    while True:
+                        self._queue.get_nowait()
             self._thread.join(timeout=5)
             self._thread = None
 

@@ -1,0 +1,140 @@
+"""The training loops anyone would write by hand, for ``dtlab.bench.overhead`` to hold dtlab's loop against.
+
+    python -m dtlab.bench.handloop CONFIG.yaml --out TIMES.json [--nproc N]
+
+Plain torch, nothing else: the model, AdamW with one parameter group, cross-entropy, gradient
+clipping, and with ``--nproc`` > 1 torch's DDP (started through the same launcher as ``dtlab
+train``). The batches are dtlab's - the same samples, split into the same micro-batches per rank -
+and are all prepared before the clock starts: the hand loop pays nothing for data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from dtlab.config import Config, load_config
+from dtlab.data import BatchLayout, BatchLoader, build_source
+from dtlab.data.loader import MicroBatch
+from dtlab.models.llama import build_model
+
+
+@dataclass
+class LoopTimes:
+    """What one run of a loop measured (rank 0's clock).
+
+    ``step_s``: the median step time, the first step left out as warm-up. ``loop_s``: the loop's wall
+    time per step over the steps after the first, with everything it does between steps (for dtlab
+    also the end of the run: closing the data thread and the sinks).
+    """
+
+    step_s: float
+    loop_s: float
+    steps: int
+    threads: int
+
+    @classmethod
+    def from_steps(cls, times: list[float], wall: float, threads: int) -> LoopTimes:
+        """From every step's time and the wall time of the whole loop (at least two steps)."""
+        return cls(statistics.median(times[1:]), (wall - times[0]) / (len(times) - 1), len(times), threads)  # fmt: skip
+
+
+def micro_batch_size(config: Config, world: int) -> int:
+    """Samples per micro-batch on each of ``world`` ranks: ``train.micro_batch_size``, or the rank's
+    whole share of the global batch (no accumulation)."""
+    t = config.train
+    return t.micro_batch_size or t.global_batch_size // world
+
+
+def batches(config: Config, rank: int, world: int) -> list[list[MicroBatch]]:
+    """Every step's micro-batches of this rank, built before any timing."""
+    t = config.train
+    layout = BatchLayout(t.global_batch_size, rank, world, micro_batch_size(config, world))
+    loader = BatchLoader(build_source(config), layout, prefetch=0)
+    return [next(loader) for _ in range(t.steps)]
+
+
+def hand_loop(config: Config, rank: int = 0, world: int = 1) -> LoopTimes:
+    """Train ``train.steps`` steps by hand on rank ``rank`` of ``world`` (DDP when ``world`` > 1)."""
+    t = config.train
+    torch.manual_seed(t.seed)
+    model = build_model(config.model, "cpu")
+    # The RoPE tables are constants: no careful DDP loop broadcasts them before every forward.
+    ddp = DistributedDataParallel(model, broadcast_buffers=False) if world > 1 else None
+    net: nn.Module = model if ddp is None else ddp
+    opt = torch.optim.AdamW(
+        net.parameters(), lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay
+    )
+    data = batches(config, rank, world)
+    times = []
+    start = time.perf_counter()
+    for micro_batches in data:
+        t0 = time.perf_counter()
+        accum = len(micro_batches)
+        for i, (inputs, targets) in enumerate(micro_batches):
+            # Gradients are all-reduced in the last micro-batch's backward only.
+            with ddp.no_sync() if ddp is not None and i < accum - 1 else nullcontext():
+                logits = net(inputs)
+                loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / accum
+                loss.backward()
+        if t.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), t.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss.item()
+        times.append(time.perf_counter() - t0)
+    wall = time.perf_counter() - start
+    return LoopTimes.from_steps(times, wall, torch.get_num_threads())
+
+
+def _worker(config: Config, out: Path) -> None:
+    """One rank of the hand-written DDP loop; rank 0 writes the times."""
+    dist.init_process_group("gloo")
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        times = hand_loop(config, rank, world)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        out.write_text(json.dumps(asdict(times)) + "\n", encoding="utf-8")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dtlab.bench.handloop", description=__doc__)
+    p.add_argument("config")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--nproc", type=int, default=1)
+    args = p.parse_args(argv)
+    config = load_config(args.config)
+    from dtlab.parallel.dist import is_worker_env
+
+    if args.nproc > 1 and not is_worker_env():
+        from dtlab.launcher import LaunchSpec, launch
+
+        return launch(
+            LaunchSpec(args.nproc),
+            sys.argv[1:] if argv is None else argv,
+            module="dtlab.bench.handloop",
+        )
+    if is_worker_env():
+        _worker(config, args.out)
+    else:
+        args.out.write_text(json.dumps(asdict(hand_loop(config))) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
