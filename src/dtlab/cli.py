@@ -6,14 +6,20 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dtlab import __version__
 from dtlab.dims import DPWrapper, strategies_with
+from dtlab.cliargs import SchemaChoices, add_config_args, config_choices, parse_config_args
 from dtlab.errors import DtlabError, Preempted
 
 if TYPE_CHECKING:
     from dtlab.config import Config
+
+    # What add_subparsers returns (argparse does not export the name).
+    _Commands = argparse._SubParsersAction[argparse.ArgumentParser]
 
 TRAIN_EPILOG = """\
 examples:
@@ -70,6 +76,7 @@ DEVICE_KEYS = ("h100", "h200", "a100-80gb", "a100-40gb", "l4", "rtx4090")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``dtlab`` parser: one small builder per command."""
     parser = argparse.ArgumentParser(
         prog="dtlab",
         description="Distributed Training Lab: train a Llama-style model with single, DDP, FSDP or HSDP and see what each costs.",
@@ -77,19 +84,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"dtlab {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    _add_train(sub)
+    _add_config(sub)
+    _add_bench(sub)
+    _add_launch(sub)
+    _add_plan(sub)
+    _add_export(sub)
+    return parser
 
+
+def _add_train(sub: _Commands) -> None:
     t = sub.add_parser(
         "train",
         help="train a model",
         description="Train a model as configured.",
         epilog=TRAIN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    t.add_argument(
-        "config",
-        nargs="?",
-        metavar="CONFIG",
-        help="YAML config file or run directory (default: the built-in default)",
     )
     t.add_argument(
         "--nproc",
@@ -100,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--nnodes", type=_positive, default=1, help="number of nodes (default 1)")
     t.add_argument(
         "--engine",
-        choices=("torch", "mlx"),
+        choices=SchemaChoices("train.engine"),
+        metavar="ENGINE",  # argparse would list the choices, importing the config (and torch) for --help
         default=None,
         help="torch or mlx (same as --set train.engine=...; mlx ranks start through mlx.launch)",
     )
@@ -127,29 +138,23 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="restart the worker group up to K times after a failure",
     )
-    t.add_argument(
-        "--set",
-        dest="overrides",
-        action="extend",
-        nargs="+",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key, e.g. --set train.lr=1e-4",
-    )
+    add_config_args(t)
 
+
+def _add_config(sub: _Commands) -> None:
     c = sub.add_parser(
         "config",
         help="print the resolved config, or every key",
         description="Print the resolved config as YAML (CONFIG, then --set), or with --keys every key with its default.",
     )
-    c.add_argument("config", nargs="?", metavar="CONFIG")
-    c.add_argument(
-        "--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE"
-    )
+    add_config_args(c)
     c.add_argument(
         "--keys", action="store_true", help="list every key with its default and meaning"
     )
 
+
+def _add_bench(sub: _Commands) -> None:
+    # The comma-separated lists are checked against the config schema in cmd_bench.
     b = sub.add_parser(
         "bench",
         help="measure strategies side by side: throughput, MFU, memory, communication",
@@ -157,7 +162,6 @@ def build_parser() -> argparse.ArgumentParser:
         "own processes (warm-up, then timed steps) and write DIR/results.json, results.csv, report.md and "
         "PNG plots. Measured figures sit next to dtlab's predictions.",
     )
-    b.add_argument("config", nargs="?", metavar="CONFIG")
     b.add_argument(
         "--strategies", default="single,ddp,fsdp", help="comma-separated (default single,ddp,fsdp)"
     )
@@ -178,10 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--profile", action="store_true", help="record torch.profiler traces of 2 steps per run"
     )
-    b.add_argument(
-        "--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE"
-    )
+    add_config_args(b)
 
+
+def _add_launch(sub: _Commands) -> None:
     la = sub.add_parser(
         "launch",
         help="write (and submit) a Slurm or Kubernetes job that runs dtlab train",
@@ -189,6 +193,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     lsub = la.add_subparsers(dest="scheduler", metavar="SCHEDULER")
     lsub.required = True
+    _add_slurm(lsub)
+    _add_k8s(lsub)
+
+
+def _add_job_args(p: argparse.ArgumentParser) -> None:
+    """What a Slurm script and a Kubernetes job both take: the world's shape, checkpoints, the config."""
+    p.add_argument("--nodes", type=_positive, default=1, help="number of nodes (default 1)")
+    p.add_argument(
+        "--nproc-per-node",
+        type=_positive,
+        default=1,
+        help="processes (GPUs) per node (default 1)",
+    )
+    p.add_argument(
+        "--gpus-per-node", type=_non_negative, default=0, help="GPUs to request per node"
+    )
+    p.add_argument(
+        "--no-checkpoint",
+        action="store_true",
+        help="no periodic checkpoints (checkpoint.every = 0); without it, a config with "
+        "checkpoint.every = 0 gets max(1, min(steps // 20, 100)) so that a restarted job resumes",
+    )
+    add_config_args(p)
+
+
+def _add_slurm(lsub: _Commands) -> None:
     ls = lsub.add_parser(
         "slurm",
         help="an sbatch script: srun starts dtlab's launcher on every node (c10d rendezvous)",
@@ -197,34 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
         "node. Before the time limit Slurm sends SIGUSR1: the workers save a checkpoint, the script "
         "requeues the job, and the requeued job resumes from the run directory.",
     )
-    lk = lsub.add_parser(
-        "k8s",
-        help="a Kubeflow PyTorchJob (elastic, c10d) with the config as a ConfigMap",
-        description="Write a Kubernetes manifest: a ConfigMap with the resolved config, a "
-        "PersistentVolumeClaim for the run directory (unless --pvc names one), and a kubeflow.org/v1 "
-        "PyTorchJob whose containers run dtlab under torchrun. Apply with kubectl apply -f OUT.",
-    )
-    for p in (ls, lk):
-        p.add_argument("config", nargs="?", metavar="CONFIG")
-        p.add_argument("--nodes", type=_positive, default=1, help="number of nodes (default 1)")
-        p.add_argument(
-            "--nproc-per-node",
-            type=_positive,
-            default=1,
-            help="processes (GPUs) per node (default 1)",
-        )
-        p.add_argument(
-            "--gpus-per-node", type=_non_negative, default=0, help="GPUs to request per node"
-        )
-        p.add_argument(
-            "--no-checkpoint",
-            action="store_true",
-            help="no periodic checkpoints (checkpoint.every = 0); without it, a config with "
-            "checkpoint.every = 0 gets max(1, min(steps // 20, 100)) so that a restarted job resumes",
-        )
-        p.add_argument(
-            "--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE"
-        )
+    _add_job_args(ls)
     ls.add_argument("--partition", default=None, help="Slurm partition")
     ls.add_argument("--time", default=None, help="time limit, e.g. 4:00:00 or 2-00:00:00")
     ls.add_argument("--account", default=None, help="Slurm account to charge")
@@ -250,6 +253,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", default=None, help="script path (default <run.name>.sbatch in this directory)"
     )
     ls.add_argument("--submit", action="store_true", help="run sbatch and print the job id")
+
+
+def _add_k8s(lsub: _Commands) -> None:
+    lk = lsub.add_parser(
+        "k8s",
+        help="a Kubeflow PyTorchJob (elastic, c10d) with the config as a ConfigMap",
+        description="Write a Kubernetes manifest: a ConfigMap with the resolved config, a "
+        "PersistentVolumeClaim for the run directory (unless --pvc names one), and a kubeflow.org/v1 "
+        "PyTorchJob whose containers run dtlab under torchrun. Apply with kubectl apply -f OUT.",
+    )
+    _add_job_args(lk)
     lk.add_argument("--image", required=True, help="container image with dtlab installed")
     lk.add_argument(
         "--name", default=None, help="job name, a DNS-1035 label (default: from run.name)"
@@ -270,6 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", default=None, help="manifest path (default <name>.yaml in this directory)"
     )
 
+
+def _add_plan(sub: _Commands) -> None:
     pl = sub.add_parser(
         "plan",
         help="predict memory, communication and step time of each strategy",
@@ -277,7 +293,6 @@ def build_parser() -> argparse.ArgumentParser:
         "optimizer, activations), the bytes each collective moves per step, and an estimated step time "
         "of every data-parallel strategy; say which fit and recommend one.",
     )
-    pl.add_argument("config", nargs="?", metavar="CONFIG")
     pl.add_argument("--nproc", type=_positive, default=1, help="processes (GPUs) per node")
     pl.add_argument("--nnodes", type=_positive, default=1, help="number of nodes")
     pl.add_argument(
@@ -295,10 +310,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="override the device memory",
     )
     pl.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    pl.add_argument(
-        "--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE"
-    )
+    add_config_args(pl)
 
+
+def _add_export(sub: _Commands) -> None:
     e = sub.add_parser(
         "export",
         help="export a checkpoint's model to safetensors or a Hugging Face Llama directory",
@@ -323,51 +338,62 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", required=True, metavar="DIR", help="output directory (must not exist or be empty)"
     )
     e.add_argument("--force", action="store_true", help="replace DIR if it exists and is not empty")
-    return parser
+
+
+# `dtlab bench --compression` names beside the config's parallel.compression values; each maps to its
+# overrides in dtlab.bench.sweep.compression_overrides.
+BENCH_COMPRESSIONS = ("dct-quant", "demo")
+
+
+@dataclass
+class _BenchAxes:
+    """The comma-separated lists of ``dtlab bench``, checked."""
+
+    strategies: list[str]
+    nprocs: list[int]
+    compressions: list[str]
+    precisions: list[str]
+    engines: list[str]
+
+
+def _split(text: str, flag: str, allowed: Sequence[str]) -> list[str]:
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items or any(x not in allowed for x in items):
+        raise DtlabError(f"--{flag} {text!r}: allowed: {', '.join(allowed)}")
+    return items
+
+
+def _bench_axes(args: argparse.Namespace, config: Config) -> _BenchAxes:
+    """Check each list against the config schema's values, before any run starts."""
+    try:
+        nprocs = [int(x) for x in args.nproc.split(",") if x.strip()]
+    except ValueError:
+        nprocs = []
+    if not nprocs or any(n < 1 for n in nprocs):
+        raise DtlabError(f"--nproc {args.nproc!r}: expected comma-separated integers >= 1")
+    compressions = (*config_choices("parallel.compression"), *BENCH_COMPRESSIONS)
+    return _BenchAxes(
+        strategies=_split(args.strategies, "strategies", config_choices("parallel.strategy")),
+        nprocs=nprocs,
+        compressions=_split(args.compression, "compression", compressions),
+        precisions=_split(
+            args.precision or config.train.precision, "precision", config_choices("train.precision")
+        ),
+        engines=_split(args.engine, "engine", config_choices("train.engine")),
+    )
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from dtlab.bench.sweep import combinations, compression_overrides, run_sweep
     from dtlab.config import load_config
 
     config = load_config(args.config, args.overrides)  # fail here on a bad config, not in every run
-
-    def split(text: str, what: str, allowed: tuple[str, ...] | None = None) -> list[str]:
-        items = [x.strip() for x in text.split(",") if x.strip()]
-        bad = [x for x in items if allowed is not None and x not in allowed]
-        if not items or bad:
-            raise DtlabError(f"--{what} {text!r}: allowed: {', '.join(allowed or ())}")
-        return items
-
-    strategies = split(args.strategies, "strategies", tuple(strategies_with(*DPWrapper)))
-    compressions = split(
-        args.compression,
-        "compression",
-        ("none", "fp16", "bf16", "powersgd", "dct", "dct-quant", "demo"),
-    )
-    precisions = split(
-        args.precision or config.train.precision, "precision", ("fp32", "bf16", "fp16")
-    )
-    try:
-        nprocs = [int(x) for x in split(args.nproc, "nproc")]
-    except ValueError:
-        raise DtlabError(
-            f"--nproc {args.nproc!r}: expected comma-separated integers >= 1"
-        ) from None
-    if any(n < 1 for n in nprocs):
-        raise DtlabError(f"--nproc {args.nproc!r}: expected comma-separated integers >= 1")
-    engines = split(args.engine, "engine", ("torch", "mlx"))
-    if engines != ["torch"]:
-        return _bench_engines(args, engines, strategies, nprocs, compressions, precisions)
-    combos = combinations(strategies, nprocs, compressions, precisions)
-    for (
-        strategy,
-        _,
-        compression,
-        precision,
-    ) in combos:  # every run's config is valid before any runs
+    axes = _bench_axes(args, config)
+    if axes.engines != ["torch"]:
+        return _bench_engines(args, axes)
+    combos = combinations(axes.strategies, axes.nprocs, axes.compressions, axes.precisions)
+    # Every run's config is valid before any runs.
+    for strategy, _, compression, precision in combos:
         load_config(
             args.config,
             [
@@ -387,27 +413,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 1 if results["failed"] and not results["rows"] else 0
 
 
-def _bench_engines(
-    args: argparse.Namespace,
-    engines: list[str],
-    strategies: list[str],
-    nprocs: list[int],
-    compressions: list[str],
-    precisions: list[str],
-) -> int:
-    from pathlib import Path
-
+def _bench_engines(args: argparse.Namespace, axes: _BenchAxes) -> int:
+    """``dtlab bench --engine torch,mlx``: the same config on each engine, single and ddp runs."""
     from dtlab.bench.engines import check_engines, run_engines
     from dtlab.bench.sweep import combinations
     from dtlab.config import load_config
 
-    check_engines(engines)
-    if compressions != ["none"]:
+    check_engines(axes.engines)
+    if axes.compressions != ["none"]:
         raise DtlabError(
             f"--compression {args.compression!r} with --engine {args.engine!r}: engines are compared "
             "without compression (allowed: none)"
         )
-    combos = [(s, n, p) for s, n, _, p in combinations(strategies, nprocs, ["none"], precisions)]
+    combos = [
+        (s, n, p)
+        for s, n, _, p in combinations(axes.strategies, axes.nprocs, ["none"], axes.precisions)
+    ]
     # The MLX engine has no sharding: the layouts without FSDP.
     unsharded = strategies_with(DPWrapper.NONE, DPWrapper.DDP)
     combos = [c for c in combos if c[0] in unsharded]
@@ -416,7 +437,7 @@ def _bench_engines(
             "--engine with mlx compares single and ddp runs; --strategies names neither"
         )
     for strategy, _, precision in combos:
-        for engine in engines:  # every run's config is valid before any runs
+        for engine in axes.engines:  # every run's config is valid before any runs
             load_config(
                 args.config,
                 [*args.overrides, f"parallel.strategy={strategy}", f"train.precision={precision}",
@@ -424,7 +445,7 @@ def _bench_engines(
             )  # fmt: skip
     out = Path(args.out)
     results = run_engines(
-        args.config, args.overrides, engines, combos, args.steps, args.warmup, out
+        args.config, args.overrides, axes.engines, combos, args.steps, args.warmup, out
     )
     print(
         f"\n{len(results['engine_rows'])} run(s) measured, {len(results['failed'])} failed: {out / 'report.md'}"
@@ -474,7 +495,6 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from dtlab.config import check_world, load_config
-    from dtlab.parallel.dist import is_worker_env
 
     if args.profile:
         args.overrides = [*args.overrides, "run.profile=true"]
@@ -484,32 +504,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     if config.train.engine == "mlx":
         return _train_mlx(args, config)
     from dtlab.checkpoint.init_from import check_before_launch
+    from dtlab.parallel.dist import is_worker_env
 
     world = args.nproc * args.nnodes
-    if not is_worker_env():
-        check_world(config, world)  # once, here, before any process starts
-    if is_worker_env() or world == 1:
-        if not is_worker_env():
-            check_before_launch(config, None)
+    if is_worker_env():  # torchrun (or dtlab's launcher) started this process
         return _train_here(config)
+    check_world(config, world)  # once, here, before any process starts
+    if world == 1:
+        check_before_launch(config, None)
+        return _train_here(config)
+    from dtlab.launcher import LaunchSpec, launch
+    from dtlab.train.rundir import check_free
 
-    # Fail on bad data here, once, instead of in every worker after the launch.
-    from dtlab.data import build_source
-
-    build_source(config)
-    from pathlib import Path
-
-    from dtlab.train.rundir import check_free, default_run_dir
-
-    overrides = list(args.overrides)
-    # Resolve the run directory once, so that every worker (and every restart) uses the same one.
-    run_dir = Path(config.run.dir) if config.run.dir else default_run_dir(config)
-    if config.run.dir is None:
-        overrides.append(f"run.dir={run_dir}")
+    run_dir, worker_args = _prepare_launch(args, config)
     check_free(run_dir)  # a run already training there: say so before starting any process
     check_before_launch(config, run_dir)
-    from dtlab.launcher import LaunchSpec, launch
-
     spec = LaunchSpec(
         args.nproc,
         args.nnodes,
@@ -518,11 +527,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         args.master_port,
         args.max_restarts,
     )
-    worker_args = [
-        "train",
-        *([args.config] if args.config else []),
-        *(["--set", *overrides] if overrides else []),
-    ]
     return launch(spec, worker_args, run_dir)
 
 
@@ -538,48 +542,38 @@ def _train_mlx(args: argparse.Namespace, config: Config) -> int:
             f"--nnodes {args.nnodes} with train.engine = 'mlx': start the ranks of several machines with "
             "mlx.launch --hostfile (see docs/mlx.md); --nproc starts ranks on this machine"
         )
-    world = args.nproc
-    if is_mlx_worker() or world == 1:
-        if not is_mlx_worker():
-            check_world(config, world)
-        from dtlab.metrics.report import summary_table
-        from dtlab.mlx.train import train_mlx
+    if is_mlx_worker():
+        return _train_here(config)
+    check_world(config, args.nproc)
+    if args.nproc == 1:
+        return _train_here(config)
+    _, worker_args = _prepare_launch(args, config)
+    return launch_mlx(args.nproc, config.parallel.backend, worker_args)
 
-        summary = train_mlx(config)
-        if "run_dir" in summary:
-            print(f"\ndtlab run finished\n{summary_table(summary)}", flush=True)
-        return 0
-    check_world(config, world)
+
+def _prepare_launch(args: argparse.Namespace, config: Config) -> tuple[Path, list[str]]:
+    """Before either engine launches its workers: check the data once, fix the run directory, and say
+    what each worker runs. Returns (run directory, the worker's ``dtlab`` arguments)."""
     from dtlab.data import build_source
+    from dtlab.train.rundir import default_run_dir
 
-    build_source(config)
+    build_source(config)  # fail on bad data here, once, instead of in every worker after the launch
     overrides = list(args.overrides)
+    # Resolve the run directory once, so that every worker (and every restart) uses the same one.
+    run_dir = Path(config.run.dir) if config.run.dir else default_run_dir(config)
     if config.run.dir is None:
-        from dtlab.train.rundir import default_run_dir
-
-        overrides.append(f"run.dir={default_run_dir(config)}")
+        overrides.append(f"run.dir={run_dir}")
     worker_args = [
         "train",
         *([args.config] if args.config else []),
         *(["--set", *overrides] if overrides else []),
     ]
-    return launch_mlx(args.nproc, config.parallel.backend, worker_args)
+    return run_dir, worker_args
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from dtlab.config import check_world, load_config
-    from dtlab.deploy import (
-        K8sJob,
-        SlurmJob,
-        k8s_job_name,
-        launch_checkpointing,
-        slug,
-        submit,
-        write_k8s,
-        write_slurm,
-    )
+    from dtlab.deploy import launch_checkpointing
 
     config = load_config(args.config, args.overrides)
     check_world(config, args.nodes * args.nproc_per_node)
@@ -587,26 +581,38 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if note:
         print(note, file=sys.stderr)
     if args.scheduler == "slurm":
-        job = SlurmJob(
-            nodes=args.nodes,
-            nproc_per_node=args.nproc_per_node,
-            gpus_per_node=args.gpus_per_node,
-            partition=args.partition,
-            time=args.time,
-            account=args.account,
-            cpus_per_task=args.cpus_per_task,
-            signal_seconds=args.signal_seconds,
-            python=args.python or sys.executable,
-            port=args.master_port,
-        )
-        out = Path(args.out or f"{slug(config.run.name)}.sbatch")
-        script, resolved = write_slurm(config, job, out)
-        print(f"wrote {script}\nwrote {resolved}", file=sys.stderr)
-        if args.submit:
-            print(submit(script))
-        else:
-            print(f"submit with: sbatch {script}", file=sys.stderr)
-        return 0
+        return _launch_slurm(args, config)
+    return _launch_k8s(args, config)
+
+
+def _launch_slurm(args: argparse.Namespace, config: Config) -> int:
+    from dtlab.deploy import SlurmJob, slug, submit, write_slurm
+
+    job = SlurmJob(
+        nodes=args.nodes,
+        nproc_per_node=args.nproc_per_node,
+        gpus_per_node=args.gpus_per_node,
+        partition=args.partition,
+        time=args.time,
+        account=args.account,
+        cpus_per_task=args.cpus_per_task,
+        signal_seconds=args.signal_seconds,
+        python=args.python or sys.executable,
+        port=args.master_port,
+    )
+    out = Path(args.out or f"{slug(config.run.name)}.sbatch")
+    script, resolved = write_slurm(config, job, out)
+    print(f"wrote {script}\nwrote {resolved}", file=sys.stderr)
+    if args.submit:
+        print(submit(script))
+    else:
+        print(f"submit with: sbatch {script}", file=sys.stderr)
+    return 0
+
+
+def _launch_k8s(args: argparse.Namespace, config: Config) -> int:
+    from dtlab.deploy import K8sJob, k8s_job_name, write_k8s
+
     k8s = K8sJob(
         nodes=args.nodes,
         nproc_per_node=args.nproc_per_node,
@@ -649,8 +655,11 @@ def cmd_export(args: argparse.Namespace) -> int:
 def _train_here(config: Config) -> int:
     """Train in this process (alone, or as one worker of a launched world); rank 0 prints the summary."""
     from dtlab.metrics.report import summary_table
-    from dtlab.train.loop import train
 
+    if config.train.engine == "mlx":
+        from dtlab.mlx.train import train_mlx as train
+    else:
+        from dtlab.train.loop import train
     summary = train(config)
     if "run_dir" in summary:  # only rank 0 wrote the run directory
         print(f"\ndtlab run finished\n{summary_table(summary)}", flush=True)
@@ -675,32 +684,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    """Parse the command line. ``--set`` takes every following word, so in ``dtlab train --set
-    train.steps=3 configs/ddp.yaml`` it takes CONFIG too: a word without ``=`` is never an override,
-    so one such word that names a file or directory is CONFIG when CONFIG was not given before
-    ``--set``; anything else is an error."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    overrides = getattr(args, "overrides", None) or []
-    words = [i for i, word in enumerate(overrides) if "=" not in word]
-    if words and hasattr(args, "config"):
-        if args.config is None and len(words) == 1:
-            word = overrides[words[0]]
-            if not os.path.exists(word):
-                parser.error(
-                    f"--set {word!r}: expected KEY=VALUE, e.g. train.lr=1e-4 (nor is there a file "
-                    f"{word!r} to read as CONFIG)"
-                )
-            args.config = word
-            args.overrides = [w for i, w in enumerate(overrides) if i != words[0]]
-        else:
-            given = ", ".join(repr(overrides[i]) for i in words)
-            if args.config is not None:
-                why = f"{given} is not one, and CONFIG is already {args.config!r}"
-            else:
-                why = f"{given} are not, and only one CONFIG may follow the --set list"
-            parser.error(f"--set takes KEY=VALUE words; {why}")
-    return args
+    """Parse the command line; a CONFIG typed after the ``--set`` list is CONFIG (see
+    :func:`dtlab.cliargs.take_config_from_set`)."""
+    return parse_config_args(build_parser(), argv)
 
 
 def _main(argv: Sequence[str] | None) -> int:

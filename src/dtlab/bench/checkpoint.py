@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from dtlab.checkpoint.manager import Checkpointer, _dir_bytes
 from dtlab.checkpoint.state import ModelState, OptimizerState, Stateful
+from dtlab.cliargs import add_config_args, parse_config_args
 from dtlab.config import load_config
 from dtlab.models.llama import build_model, count_params
 from dtlab.parallel.dist import DistInfo
@@ -62,10 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--dir", type=Path, default=None, help="where to write (default: a temporary dir)"
     )
-    p.add_argument(
-        "--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE"
-    )
-    args = p.parse_args(argv)
+    add_config_args(p, config=False)
+    args = parse_config_args(p, argv)
     root = Path(tempfile.mkdtemp(prefix="dtlab-ckpt-bench-", dir=args.dir))
     try:
         config = load_config(

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from dtlab.cliargs import add_config_args, parse_config_args
 from dtlab.parallel import ledger as ledger_module
 
 
@@ -133,10 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--block-steps", type=int, default=5)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument(
-        "--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE"
-    )
-    args = p.parse_args(argv)
+    add_config_args(p, config=False)
+    args = parse_config_args(p, argv)
     if args.worker:
         worker(args)
         return 0

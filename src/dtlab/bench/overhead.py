@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from dtlab.bench.handloop import LoopTimes, hand_loop
+from dtlab.cliargs import add_config_args, parse_config_args
 from dtlab.config import Config, load_config
 from dtlab.train.loop import train
 
@@ -163,15 +164,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="tiny")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument(
-        "--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE"
-    )
-    args = p.parse_args(argv)
+    add_config_args(p, config=False)
+    args = parse_config_args(p, argv)
     if args.steps < 2 or args.repeats < 1:
         p.error(
             f"--steps {args.steps} --repeats {args.repeats}: need at least 2 steps (the first is "
             "left out as warm-up) and 1 repeat"
         )
+    add_config_args(p, config=False)
+    args = parse_config_args(p, argv)
     config = load_config(
         overrides=[
             f"model.preset={args.preset}",

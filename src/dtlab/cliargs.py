@@ -1,0 +1,103 @@
+"""Command-line pieces shared by ``dtlab`` and the benchmark scripts: CONFIG and ``--set`` declared once,
+and the choices of a flag read from the config schema, so that neither can drift from the config."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Iterator, Sequence
+from functools import cache
+from typing import Any, Literal, NoReturn, get_args, get_origin
+
+CONFIG_HELP = "YAML config file or run directory (default: the built-in default)"
+SET_HELP = "override a config key, e.g. --set train.lr=1e-4"
+
+
+def add_config_args(parser: argparse.ArgumentParser, *, config: bool = True) -> None:
+    """Add the CONFIG positional (unless ``config`` is False) and ``--set KEY=VALUE ...`` (repeatable).
+
+    Parse with :func:`parse_config_args`, which finds a CONFIG typed after the ``--set`` list."""
+    if config:
+        parser.add_argument("config", nargs="?", metavar="CONFIG", help=CONFIG_HELP)
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help=SET_HELP,
+    )
+
+
+def parse_config_args(
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None
+) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, then :func:`take_config_from_set`; a mistake exits with usage (2)."""
+    args = parser.parse_args(argv)
+    take_config_from_set(args, parser.error)
+    return args
+
+
+def take_config_from_set(args: argparse.Namespace, error: Callable[[str], NoReturn]) -> None:
+    """Move a CONFIG that ``--set`` swallowed back to ``args.config``, or call ``error``.
+
+    ``--set`` takes every following word, so in ``dtlab train --set train.steps=3 configs/ddp.yaml`` it
+    takes CONFIG too. A word without ``=`` is never an override: one such word that names a file or
+    directory is CONFIG when the command takes one and CONFIG was not given before ``--set``."""
+    overrides: list[str] = getattr(args, "overrides", None) or []
+    words = [word for word in overrides if "=" not in word]
+    if not words:
+        return
+    given = ", ".join(repr(word) for word in words)
+    if not hasattr(args, "config"):  # a command without CONFIG (the benchmark scripts)
+        error(f"--set {given}: expected KEY=VALUE, e.g. train.lr=1e-4")
+    if args.config is not None:
+        error(
+            f"--set takes KEY=VALUE words; {given} is not one, and CONFIG is already {args.config!r}"
+        )
+    if len(words) > 1:
+        error(
+            f"--set takes KEY=VALUE words; {given} are not, and only one CONFIG may follow the --set list"
+        )
+    word = words[0]
+    if not os.path.exists(word):
+        if word.endswith((".yaml", ".yml")):  # meant as CONFIG: say so, not "expected KEY=VALUE"
+            error(f"config file {word!r} (given after --set) does not exist")
+        error(
+            f"--set {word!r}: expected KEY=VALUE, e.g. train.lr=1e-4 (nor is there a file {word!r} "
+            "to read as CONFIG)"
+        )
+    args.config = word
+    args.overrides = [w for w in overrides if w != word]
+
+
+@cache
+def config_choices(key: str) -> tuple[str, ...]:
+    """The values a ``Literal`` config key allows, e.g. ``config_choices("parallel.strategy")``."""
+    from dtlab.config import Config  # here: building a parser imports neither the config nor torch
+
+    annotation: Any = Config
+    for part in key.split("."):
+        fields = annotation.model_fields
+        name = next((n for n, f in fields.items() if part in (n, f.alias)), None)
+        if name is None:
+            raise KeyError(f"no config key {key!r}")
+        annotation = fields[name].annotation
+    if get_origin(annotation) is not Literal:
+        raise TypeError(f"config key {key!r} is not a choice of values: {annotation!r}")
+    return tuple(str(value) for value in get_args(annotation))
+
+
+class SchemaChoices:
+    """A config key's values as argparse ``choices``, read from the schema when first needed: a parser
+    that offers them is built without importing the config (and torch), so ``dtlab --help`` is quick."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(config_choices(self.key))
+
+    def __contains__(self, value: object) -> bool:
+        return value in config_choices(self.key)
