@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dtlab import __version__
-from dtlab.dims import DPWrapper, strategies_with
 from dtlab.cliargs import SchemaChoices, add_config_args, config_choices, parse_config_args
+from dtlab.dims import DPWrapper, strategies_with
 from dtlab.errors import DtlabError, Preempted
 
 if TYPE_CHECKING:

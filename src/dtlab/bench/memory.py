@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from dtlab.analysis.model import activation_bytes
+from dtlab.cliargs import add_config_args, parse_config_args
 from dtlab.config import Config, load_config
 
 
@@ -164,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="tiny")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch", type=int, default=8, help="sequences in the micro-batch")
-    p.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[])
-    args = p.parse_args(argv)
+    add_config_args(p, config=False)
+    args = parse_config_args(p, argv)
     print(
         f"activations of one micro-batch ({args.batch} x {args.seq_len} tokens, preset "
         f"{args.preset}): measured (storages alive after forward) vs predicted\n"

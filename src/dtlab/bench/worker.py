@@ -37,6 +37,7 @@ from dtlab.analysis.model import (
     plan_step,
 )
 from dtlab.bench.memory import gradient_bytes, kept_activation_bytes
+from dtlab.cliargs import add_config_args, parse_config_args
 from dtlab.config import Config, load_config
 from dtlab.errors import DtlabError
 from dtlab.metrics.comm import CommCounter
@@ -343,13 +344,12 @@ def _replay_collectives(counter: CommCounter, d: DistInfo) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dtlab.bench.worker", description=__doc__)
-    p.add_argument("config", nargs="?")
+    add_config_args(p)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--profile", type=Path, default=None)
-    p.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[])
-    args = p.parse_args(argv)
+    args = parse_config_args(p, argv)
     try:
         config = load_config(args.config, args.overrides)
         if args.nproc > 1 and not is_worker_env():
