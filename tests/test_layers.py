@@ -15,7 +15,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "dtlab"
 LAYERS: list[tuple[str, ...]] = [
     ("dtlab.errors", "dtlab.runtime", "dtlab.fsutil", "dtlab.metrics.logging"),
     ("dtlab.models", "dtlab.dims"),
-    ("dtlab.config",),
+    ("dtlab.config", "dtlab.cliargs"),
     ("dtlab.data", "dtlab.metrics", "dtlab.analysis.devices"),
     ("dtlab.parallel",),
     ("dtlab.checkpoint",),
