@@ -6,14 +6,16 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from dtlab import __version__
 from dtlab.cliargs import SchemaChoices, add_config_args, config_choices, parse_config_args
 from dtlab.dims import DPWrapper, strategies_with
 from dtlab.errors import DtlabError, Preempted
+
+_Job = TypeVar("_Job")
 
 if TYPE_CHECKING:
     from dtlab.config import Config
@@ -585,20 +587,19 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return _launch_k8s(args, config)
 
 
+def _job_from_flags(cls: type[_Job], args: argparse.Namespace, **given: object) -> _Job:
+    """A scheduler job's description from the flags of the same names (``--nproc-per-node`` is
+    ``nproc_per_node``), with ``given`` for the fields whose flag is named otherwise."""
+    names = [f.name for f in fields(cls)]  # type: ignore[arg-type]  # a dataclass, by the callers
+    flags = {name: getattr(args, name) for name in names if hasattr(args, name)}
+    return cls(**(flags | given))
+
+
 def _launch_slurm(args: argparse.Namespace, config: Config) -> int:
     from dtlab.deploy import SlurmJob, slug, submit, write_slurm
 
-    job = SlurmJob(
-        nodes=args.nodes,
-        nproc_per_node=args.nproc_per_node,
-        gpus_per_node=args.gpus_per_node,
-        partition=args.partition,
-        time=args.time,
-        account=args.account,
-        cpus_per_task=args.cpus_per_task,
-        signal_seconds=args.signal_seconds,
-        python=args.python or sys.executable,
-        port=args.master_port,
+    job = _job_from_flags(
+        SlurmJob, args, python=args.python or sys.executable, port=args.master_port
     )
     out = Path(args.out or f"{slug(config.run.name)}.sbatch")
     script, resolved = write_slurm(config, job, out)
@@ -613,18 +614,7 @@ def _launch_slurm(args: argparse.Namespace, config: Config) -> int:
 def _launch_k8s(args: argparse.Namespace, config: Config) -> int:
     from dtlab.deploy import K8sJob, k8s_job_name, write_k8s
 
-    k8s = K8sJob(
-        nodes=args.nodes,
-        nproc_per_node=args.nproc_per_node,
-        image=args.image,
-        gpus_per_node=args.gpus_per_node,
-        namespace=args.namespace,
-        pvc=args.pvc,
-        storage=args.storage,
-        cpu=args.cpu,
-        memory=args.memory,
-        max_restarts=args.max_restarts,
-    )
+    k8s = _job_from_flags(K8sJob, args)
     name = args.name or k8s_job_name(config.run.name, args.nodes)
     path = write_k8s(config, k8s, Path(args.out or f"{name}.yaml"), name)
     print(f"wrote {path}\napply with: kubectl apply -f {path}", file=sys.stderr)
