@@ -151,9 +151,8 @@ class StepValues:
     loss: float  # the mean loss over the global batch
     norm: float  # the gradient norm (the root mean square of the ranks' norms for local gradients)
     norm_t: torch.Tensor  # the same, as a tensor on the device (for clipping)
-    flagged: (
-        bool  # some rank's gradients overflowed (fp16) or, for local gradients, were not finite
-    )
+    # Some rank's gradients overflowed (fp16) or, for local gradients, were not finite.
+    flagged: bool
     stop: str | None  # the stop signal some rank caught
 
 
@@ -206,26 +205,26 @@ def _norm_parts(grads: list[torch.Tensor], world: int) -> tuple[torch.Tensor, to
     """(the sum of squares of the gradients as this rank holds them; this rank's part of the global
     sum of squares when some gradients are sharded DTensors, else None: summed over the ranks, it
     counts every shard once, dividing by the copies its replicas hold)."""
-    plain = [g for g in grads if not isinstance(g, DTensor)]
-    sharded = [g for g in grads if isinstance(g, DTensor)]
-    plain_sq = _sum_sq(plain)
-    if not sharded:
-        return plain_sq, None
-    shard_norms = torch._foreach_norm([g.to_local() for g in sharded])
-    own_sq, shared_sq = plain_sq, plain_sq / world  # plain gradients beside DTensors: replicated
-    for g, n in zip(sharded, shard_norms, strict=True):
-        copies = math.prod(
-            g.device_mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_replicate()
-        )
-        own_sq = own_sq + n.float() ** 2
-        shared_sq = shared_sq + n.float() ** 2 / copies
-    return own_sq, shared_sq
+    if not any(isinstance(g, DTensor) for g in grads):
+        return _sum_sq(grads), None
+    sq = _squares([g.to_local() if isinstance(g, DTensor) else g for g in grads])
+    # Plain gradients beside DTensors are replicated on every rank; a shard on its replicas' ranks.
+    copies = [
+        math.prod(g.device_mesh.size(i) for i, p in enumerate(g.placements) if p.is_replicate())
+        if isinstance(g, DTensor)
+        else world
+        for g in grads
+    ]
+    return sq.sum(), (sq / torch.tensor(copies, dtype=sq.dtype, device=sq.device)).sum()
+
+
+def _squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Each tensor's squared norm, in float32, as one vector (two kernels, whatever the count)."""
+    return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square()
 
 
 def _sum_sq(tensors: list[torch.Tensor]) -> torch.Tensor:
-    if not tensors:
-        return torch.zeros(())
-    return torch.stack([n.float() ** 2 for n in torch._foreach_norm(tensors)]).sum()
+    return _squares(tensors).sum() if tensors else torch.zeros(())
 
 
 def resolve_run_dir(config: Config, d: DistInfo) -> tuple[Path, RunDirLock | None]:
