@@ -171,8 +171,6 @@ def main(argv: list[str] | None = None) -> int:
             f"--steps {args.steps} --repeats {args.repeats}: need at least 2 steps (the first is "
             "left out as warm-up) and 1 repeat"
         )
-    add_config_args(p, config=False)
-    args = parse_config_args(p, argv)
     config = load_config(
         overrides=[
             f"model.preset={args.preset}",
