@@ -29,6 +29,7 @@ from dtlab.errors import CheckpointError, DtlabError
 from dtlab.metrics.logging import setup_logging
 from dtlab.mlx.dist import MlxGroup, Watchdog, from_rank0, init_group, scalar
 from dtlab.mlx.model import Transformer, build_mlx_model, flat_parameters
+from dtlab.mlx.optim import AdamW, Params
 from dtlab.parallel.ledger import LEDGER_ENV, FileChannel, Ledger
 from dtlab.runtime.faults import Faults
 from dtlab.runtime.signals import StopSignals, agreed_stop, stop_votes
@@ -37,15 +38,12 @@ from dtlab.train.run import run
 from dtlab.train.rundir import RunDirLock, create_run_dir
 from dtlab.train.schedules import lr_at
 
-Params = dict[str, mx.array]
-
-
 __all__ = ["MlxEngine", "Trainer", "train_mlx"]
 
 
 # --- the step --------------------------------------------------------------------------------------
 class Trainer:
-    """The model, optimizer state and step functions of one rank."""
+    """The model, optimizer and step functions of one rank."""
 
     def __init__(self, config: Config, group: Any) -> None:
         t = self.t = config.train
@@ -56,15 +54,9 @@ class Trainer:
         )
         self.params: Params = flat_parameters(self.model)
         self.names = sorted(self.params)
-        self.m: Params = {k: mx.zeros_like(v) for k, v in self.params.items()}
-        self.v: Params = {k: mx.zeros_like(v) for k, v in self.params.items()}
-        self.opt_steps = 0  # AdamW's step count (bias correction): skipped steps do not count
-        self.decay = {k: t.weight_decay if v.ndim >= 2 else 0.0 for k, v in self.params.items()}
+        self.optimizer = AdamW(self.params, t)
         grad_fn = mx.value_and_grad(self._loss)
-        update = self._adamw
-        if t.compile:
-            grad_fn, update = mx.compile(grad_fn), mx.compile(update)
-        self._grad_fn, self._update = grad_fn, update
+        self._grad_fn = mx.compile(grad_fn) if t.compile else grad_fn
 
     def _loss(self, params: Params, inputs: mx.array, targets: mx.array) -> mx.array:
         self.model.update(tree_unflatten(list(params.items())))
@@ -73,26 +65,6 @@ class Trainer:
         logz = mx.logsumexp(logits, axis=-1)
         target = mx.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
         return mx.mean(logz - target)
-
-    def _adamw(
-        self, params: Params, grads: Params, m: Params, v: Params, hyper: mx.array
-    ) -> tuple[Params, Params, Params]:
-        """torch.optim.AdamW's update, with the gradients scaled by the clip coefficient first.
-
-        ``hyper`` = [lr, clip coefficient, 1 - beta1^t, 1 - beta2^t] as one array, so that a compiled
-        update is traced once, not once per learning rate.
-        """
-        b1, b2 = self.t.betas
-        lr, coef, bc1, bc2 = hyper[0], hyper[1], hyper[2], hyper[3]
-        new_p, new_m, new_v = {}, {}, {}
-        for k in self.names:
-            g = grads[k] * coef
-            mk = b1 * m[k] + (1 - b1) * g
-            vk = b2 * v[k] + (1 - b2) * g * g
-            p = params[k] * (1 - lr * self.decay[k]) if self.decay[k] else params[k]
-            new_p[k] = p - (lr / bc1) * mk / (mx.sqrt(vk) / mx.sqrt(bc2) + self.t.eps)
-            new_m[k], new_v[k] = mk, vk
-        return new_p, new_m, new_v
 
     def step(
         self,
@@ -119,17 +91,12 @@ class Trainer:
         norm_arr = mx.sqrt(norm_sq)
         mx.eval(loss_sum, norm_arr)
         loss_f, norm = scalar(loss_sum), scalar(norm_arr)
-        bad = not (math.isfinite(loss_f) and math.isfinite(norm))
-        if not bad:
+        out: dict[str, Any] = {"loss": loss_f, "lr": lr, "grad_norm": norm}
+        if math.isfinite(loss_f) and math.isfinite(norm):
             clip = self.t.grad_clip
             coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
-            self.opt_steps += 1
-            b1, b2 = self.t.betas
-            hyper = mx.array([lr, coef, 1 - b1**self.opt_steps, 1 - b2**self.opt_steps])
-            self.params, self.m, self.v = self._update(self.params, grads, self.m, self.v, hyper)
-            mx.eval(self.params, self.m, self.v)
-        out: dict[str, Any] = {"loss": loss_f, "lr": lr, "grad_norm": norm}
-        if bad:
+            self.params = self.optimizer.update(self.params, grads, lr, coef)
+        else:
             out["bad"] = True
         return out, agreed_stop(votes, self.world)
 
@@ -186,27 +153,19 @@ class Trainer:
     # --- state -----------------------------------------------------------------------------------
     def save(self, tmp: Path) -> None:
         mx.save_safetensors(str(tmp / "model.safetensors"), self.params)
-        opt = {f"m.{k}": self.m[k] for k in self.names} | {f"v.{k}": self.v[k] for k in self.names}
-        mx.save_safetensors(str(tmp / "optimizer.safetensors"), opt)
+        mx.save_safetensors(str(tmp / "optimizer.safetensors"), self.optimizer.arrays())
 
     def load(self, path: Path, opt_steps: int) -> None:
         model = _read_safetensors(path / "model.safetensors")
+        if set(model) != set(self.names):
+            raise CheckpointError(
+                f"checkpoint '{path}': model.safetensors does not fit the model (missing "
+                f"{sorted(set(self.names) - set(model))[:3]}, unexpected {sorted(set(model) - set(self.names))[:3]})"
+            )
         opt = _read_safetensors(path / "optimizer.safetensors")
-        want_opt = {f"{s}.{k}" for s in ("m", "v") for k in self.names}
-        for name, have, want in (
-            ("model", set(model), set(self.names)),
-            ("optimizer", set(opt), want_opt),
-        ):
-            if have != want:
-                raise CheckpointError(
-                    f"checkpoint '{path}': {name}.safetensors does not fit the model "
-                    f"(missing {sorted(want - have)[:3]}, unexpected {sorted(have - want)[:3]})"
-                )
+        self.optimizer.load(opt, opt_steps, f"checkpoint '{path}': optimizer.safetensors")
         self.params = {k: model[k].astype(mx.float32) for k in self.names}
-        self.m = {k: opt[f"m.{k}"] for k in self.names}
-        self.v = {k: opt[f"v.{k}"] for k in self.names}
-        self.opt_steps = opt_steps
-        mx.eval(self.params, self.m, self.v)
+        mx.eval(self.params)
 
 
 def _read_safetensors(path: Path) -> dict[str, mx.array]:
@@ -334,7 +293,7 @@ class MlxEngine:
                 "step": step,
                 "engine": "mlx",
                 **{name: part.state_dict() for name, part in self.states.items()},
-                "optimizer": {"steps": self.trainer.opt_steps},
+                "optimizer": {"steps": self.trainer.optimizer.steps},
             }
             (tmp / "state.json").write_text(json.dumps(doc), encoding="utf-8")
             (tmp / "config.yaml").write_text(self.config.to_yaml(), encoding="utf-8")
