@@ -34,7 +34,7 @@ from dtlab.parallel.ledger import LEDGER_ENV, FileChannel, Ledger
 from dtlab.runtime.faults import Faults
 from dtlab.runtime.signals import StopSignals, agreed_stop, stop_votes
 from dtlab.runtime.status import STATUS_ENV, record_pid
-from dtlab.train.run import run
+from dtlab.train.run import Engine, run
 from dtlab.train.rundir import RunDirLock, create_run_dir
 from dtlab.train.schedules import lr_at
 
@@ -227,9 +227,10 @@ def train_mlx(config: Config) -> dict[str, Any]:
             lock.release()
 
 
-class MlxEngine:
+class MlxEngine(Engine):
     """The MLX engine for the run shell (:func:`dtlab.train.run.run`): one rank's :class:`Trainer` and
-    data. Rank 0 writes checkpoints (every rank holds the same replica) as safetensors files."""
+    data. Rank 0 writes checkpoints (every rank holds the same replica) as safetensors files. No
+    ``model.init_from`` (the config refuses it for this engine), no profiler."""
 
     def __init__(
         self,
@@ -302,12 +303,6 @@ class MlxEngine:
             shutil.rmtree(tmp, ignore_errors=True)
             ckpt.record_failure(step, e)
 
-    def start_fresh(self) -> str | None:
-        return None  # model.init_from is refused for this engine by the config
-
-    def warnings(self) -> list[str]:
-        return []
-
     def step(
         self, batch: list[Any], step: int, stop_signal: int, inject_nan: bool
     ) -> dict[str, Any]:
@@ -321,9 +316,6 @@ class MlxEngine:
             m["stop"] = stop
         return m
 
-    def after_step(self) -> None:
-        return None
-
     def peak_memory_bytes(self) -> int:
         peak = peak_memory_bytes()
         if self.coord.world_size > 1:
@@ -334,9 +326,6 @@ class MlxEngine:
 
     def summary(self) -> dict[str, Any]:
         return {"engine": "mlx"}
-
-    def end(self) -> None:
-        return None
 
     def close(self) -> None:
         if self.ledger is not None:

@@ -60,7 +60,8 @@ class TrainState:
 
 
 class Engine(Protocol):
-    """What an engine gives the run shell: one rank's model, optimizer, data and steps."""
+    """What an engine gives the run shell: one rank's model, optimizer, data and steps. An engine that
+    subclasses it explicitly inherits the methods with a body, which do nothing."""
 
     coord: Coordinator  # the ranks, and choices rank 0 makes for all
     loader: BatchLoader  # this rank's micro-batches (its position is part of the checkpoint)
@@ -90,11 +91,11 @@ class Engine(Protocol):
 
     def start_fresh(self) -> str | None:
         """A run that starts at step 0: take ``model.init_from``'s weights; returns what was loaded."""
-        ...
+        return None
 
     def warnings(self) -> list[str]:
         """What rank 0 warns about at the start, beside the config's own warnings."""
-        ...
+        return []
 
     def step(
         self, batch: list[Any], step: int, stop_signal: int, inject_nan: bool
@@ -105,7 +106,7 @@ class Engine(Protocol):
 
     def after_step(self) -> None:
         """After the shell recorded the step (the profiler's tick)."""
-        ...
+        return None
 
     def peak_memory_bytes(self) -> int:
         """The largest peak memory of any rank (a collective)."""
@@ -113,11 +114,11 @@ class Engine(Protocol):
 
     def summary(self) -> dict[str, Any]:
         """What the engine adds to the run's summary."""
-        ...
+        return {}
 
     def end(self) -> None:
         """The run's last step is done (success or not): stop what runs beside the steps."""
-        ...
+        return None
 
 
 def history_figures(
