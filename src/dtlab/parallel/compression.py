@@ -366,6 +366,9 @@ class CompressionState:
 
     kind: str
     hook_state: Any = None
+    # The hook leaves each rank its own gradients (DeMo's optimizer exchanges them itself): norms differ
+    # between ranks, so the step agrees on them and on a non-finite one.
+    local_gradients: bool = False
 
     def set_scale(self, scale: float) -> None:
         """The loss scale the next backward's gradients carry (fp16), so that state stays unscaled."""
@@ -424,7 +427,7 @@ def apply_ddp_compression(ddp: DistributedDataParallel, config: Config) -> Compr
     kind, o = config.parallel.compression, config.parallel.compression_options
     if config.train.optimizer == "demo":
         ddp.register_comm_hook(None, local_hook)
-        return CompressionState(kind)
+        return CompressionState(kind, local_gradients=True)
     if kind in ("fp16", "bf16"):
         dtype = torch.float16 if kind == "fp16" else torch.bfloat16
         ddp.register_comm_hook(LowPrecisionState(dtype), low_precision_hook)

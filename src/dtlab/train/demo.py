@@ -59,9 +59,6 @@ class DeMoState:
 class DeMo(torch.optim.Optimizer):
     """The DeMo optimizer. Gradients must be each rank's own (DDP with :func:`local_hook`)."""
 
-    # train_step reads this: gradient norms differ between ranks, so the non-finite check is agreed on.
-    local_gradients = True
-
     def __init__(
         self,
         params: Iterable[Any],

@@ -84,7 +84,7 @@ def train_step(
     loss_sum = accumulate_gradients(pm, scaler, micro_batches, config, device, inject_nan)
     params = [p for p in pm.module.parameters() if p.grad is not None]
     found = scaler.unscale_(params)  # this rank's overflow flag (fp16), no collective
-    local = bool(getattr(optimizer, "local_gradients", False))  # each rank's own gradients (DeMo)
+    local = pm.compression.local_gradients  # each rank's own gradients (DeMo)
     grads = [g for p in params if (g := p.grad) is not None]
     r = reduce_step(loss_sum, found, stop_signal, grads, local)
     if config.train.grad_clip > 0:
