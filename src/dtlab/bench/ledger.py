@@ -4,7 +4,7 @@
 
 One DDP run on ``--nproc`` local gloo ranks trains blocks of steps with the ledger recording and publishing,
 and blocks without it, alternately (ABBA order), so that both see the same machine load. A step is what the
-loop does for one optimizer step: ``train_step`` and the stop-signal agreement. Printed: the median step
+loop does for one optimizer step: ``train_step``, whose one reduction carries the stop votes. Printed: the median step
 time of each, their ratio, and what recording one entry costs the training thread.
 """
 
@@ -56,7 +56,6 @@ def worker(args: argparse.Namespace) -> None:
 
     from dtlab.config import load_config
     from dtlab.parallel import destroy_distributed, init_distributed
-    from dtlab.train.faults import StopSignals
     from dtlab.train.loop import build_training, train_step
 
     logging.getLogger("dtlab").disabled = True
@@ -65,7 +64,6 @@ def worker(args: argparse.Namespace) -> None:
     )
     d = init_distributed(config)
     tr = build_training(config, d)
-    signals = StopSignals()
     # (ledger on, median wall time, median CPU time of this process) of each timed block's steps
     blocks: list[tuple[bool, float, float]] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -84,13 +82,11 @@ def worker(args: argparse.Namespace) -> None:
                 t0, c0 = time.perf_counter(), time.process_time()
                 ledger_module.note_step(step)
                 train_step(tr.pm, tr.optimizer, tr.scheduler, tr.scaler, batch, config, d.device)
-                signals.agreed(d.device)
                 times.append(time.perf_counter() - t0)
                 cpu.append(time.process_time() - c0)
             if b > 0:
                 blocks.append((on, statistics.median(times), statistics.median(cpu)))
         ledger_module._active = led
-    signals.close()
     tr.loader.close()
     destroy_distributed()
     if d.is_main:
