@@ -4,8 +4,8 @@
 
 One DDP run on ``--nproc`` local gloo ranks trains blocks of steps with the ledger recording and publishing,
 and blocks without it, alternately (ABBA order), so that both see the same machine load. A step is what the
-loop does for one optimizer step: ``train_step``, whose one reduction carries the stop votes. Printed: the median step
-time of each, their ratio, and what recording one entry costs the training thread.
+loop does for one optimizer step: ``train_step``, whose one reduction carries the stop votes. Printed:
+the median step time of each, their ratio, and what recording one entry costs the training thread.
 """
 
 from __future__ import annotations
