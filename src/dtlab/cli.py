@@ -11,9 +11,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from dtlab import __version__
-from dtlab.cliargs import SchemaChoices, add_config_args, config_choices, parse_config_args
+from dtlab.cliargs import (
+    SchemaChoices,
+    add_config_args,
+    config_choices,
+    parse_config_args,
+    run_command,
+)
 from dtlab.dims import DPWrapper, strategies_with
-from dtlab.errors import DtlabError, Preempted
+from dtlab.errors import DtlabError
 
 _Job = TypeVar("_Job")
 
@@ -689,25 +695,7 @@ def _main(argv: Sequence[str] | None) -> int:
         "export": cmd_export,
         "launch": cmd_launch,
     }
-    try:
-        return handlers[args.command](args)
-    except Preempted as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"preempted: {e}", file=sys.stderr)
-        return e.exit_code
-    except DtlabError as e:
-        rank = os.environ.get("RANK")
-        tag = (
-            f"[rank{rank}] "
-            if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1"
-            else ""
-        )
-        print(f"{tag}error: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        # Ctrl-C pressed twice during training (the first one saves and stops), or once before it began.
-        print("aborted by Ctrl-C: stopped at once, without saving", file=sys.stderr)
-        return 130
+    return run_command(lambda: handlers[args.command](args))
 
 
 if __name__ == "__main__":

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from functools import cache
 from typing import Any, Literal, NoReturn, get_args, get_origin
+
+from dtlab.errors import DtlabError, Preempted
 
 CONFIG_HELP = "YAML config file or run directory (default: the built-in default)"
 SET_HELP = "override a config key, e.g. --set train.lr=1e-4"
@@ -101,3 +104,24 @@ class SchemaChoices:
 
     def __contains__(self, value: object) -> bool:
         return value in config_choices(self.key)
+
+
+def run_command(body: Callable[[], int]) -> int:
+    """Run a command (``dtlab``'s or a benchmark script's) and return its exit code. A ``DtlabError``
+    (a mistake in the input, a refused checkpoint, a failed collective) is one line on stderr, prefixed
+    ``[rankN]`` in a world of several processes, and its exit code: never a traceback."""
+    try:
+        return body()
+    except Preempted as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"preempted: {e}", file=sys.stderr)
+        return e.exit_code
+    except DtlabError as e:
+        rank = os.environ.get("RANK")
+        several = rank is not None and os.environ.get("WORLD_SIZE", "1") != "1"
+        print(f"{f'[rank{rank}] ' if several else ''}error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        # Ctrl-C pressed twice during training (the first one saves and stops), or once before it began.
+        print("aborted by Ctrl-C: stopped at once, without saving", file=sys.stderr)
+        return 130

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from dtlab.checkpoint.manager import Checkpointer, _dir_bytes
 from dtlab.checkpoint.state import ModelState, OptimizerState, Stateful
-from dtlab.cliargs import add_config_args, parse_config_args
+from dtlab.cliargs import add_config_args, parse_config_args, run_command
 from dtlab.config import load_config
 from dtlab.models.llama import build_model, count_params
 from dtlab.parallel.dist import DistInfo
@@ -133,4 +133,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_command(main))

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from dtlab.cliargs import run_command
 from dtlab.config import Config, load_config
 from dtlab.data import BatchLayout, BatchLoader, build_source
 from dtlab.data.loader import MicroBatch
@@ -137,4 +138,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_command(main))

@@ -14,7 +14,6 @@ import argparse
 import json
 import logging
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,7 +21,8 @@ from typing import Any
 
 import torch
 
-from dtlab.cliargs import add_config_args, parse_config_args
+from dtlab.cliargs import add_config_args, parse_config_args, run_command
+from dtlab.config import Config, load_config
 from dtlab.parallel import ledger as ledger_module
 
 
@@ -50,18 +50,21 @@ def publish_cost(store: Any, n: int = 1000) -> float:
     return (time.process_time() - c0) / n * 1e6
 
 
+def _config(args: argparse.Namespace) -> Config:
+    return load_config(
+        overrides=[f"model.preset={args.preset}", "parallel.strategy=ddp", *args.overrides]
+    )
+
+
 def worker(args: argparse.Namespace) -> None:
     """One rank: alternate blocks of steps with and without the ledger; rank 0 prints the figures."""
     import torch.distributed as dist
 
-    from dtlab.config import load_config
     from dtlab.parallel import destroy_distributed, init_distributed
     from dtlab.train.loop import build_training, train_step
 
     logging.getLogger("dtlab").disabled = True
-    config = load_config(
-        overrides=[f"model.preset={args.preset}", "parallel.strategy=ddp", *args.overrides]
-    )
+    config = _config(args)
     d = init_distributed(config)
     tr = build_training(config, d)
     # (ledger on, median wall time, median CPU time of this process) of each timed block's steps
@@ -135,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args)
         return 0
+    _config(args)  # a mistake is said once, here, not by every rank
     from dtlab.launcher import LaunchSpec, launch
 
     forwarded = [
@@ -145,4 +149,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(run_command(main))

@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from dtlab.analysis.model import activation_bytes
-from dtlab.cliargs import add_config_args, parse_config_args
+from dtlab.cliargs import add_config_args, parse_config_args, run_command
 from dtlab.config import Config, load_config
 
 
@@ -167,6 +167,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8, help="sequences in the micro-batch")
     add_config_args(p, config=False)
     args = parse_config_args(p, argv)
+    configs = {
+        (precision, ac): load_config(
+            overrides=[
+                f"model.preset={args.preset}",
+                "data.source=synthetic",
+                f"data.seq_len={args.seq_len}",
+                f"train.precision={precision}",
+                f"train.activation_checkpointing={ac}",
+                *args.overrides,
+            ]
+        )
+        for precision in ("fp32", "bf16")
+        for ac in ("none", "full", "selective")
+    }  # every one valid before anything is printed
     print(
         f"activations of one micro-batch ({args.batch} x {args.seq_len} tokens, preset "
         f"{args.preset}): measured (storages alive after forward) vs predicted\n"
@@ -175,26 +189,15 @@ def main(argv: list[str] | None = None) -> int:
         "| precision | checkpointing | measured MiB | predicted MiB | predicted - measured | error |"
     )
     print("|---|---|---|---|---|---|")
-    for precision in ("fp32", "bf16"):
-        for ac in ("none", "full", "selective"):
-            config = load_config(
-                overrides=[
-                    f"model.preset={args.preset}",
-                    "data.source=synthetic",
-                    f"data.seq_len={args.seq_len}",
-                    f"train.precision={precision}",
-                    f"train.activation_checkpointing={ac}",
-                    *args.overrides,
-                ]
-            )
-            r = activation_case(config, args.batch)
-            print(
-                f"| {precision} | {ac} | {r['measured'] / 2**20:.3f} | "
-                f"{r['predicted'] / 2**20:.3f} | {r['predicted'] - r['measured']:+,} B | "
-                f"{r['error']:+.5%} |"
-            )
+    for (precision, ac), config in configs.items():
+        r = activation_case(config, args.batch)
+        print(
+            f"| {precision} | {ac} | {r['measured'] / 2**20:.3f} | "
+            f"{r['predicted'] / 2**20:.3f} | {r['predicted'] - r['measured']:+,} B | "
+            f"{r['error']:+.5%} |"
+        )
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_command(main))

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from dtlab.bench.handloop import LoopTimes, hand_loop
-from dtlab.cliargs import add_config_args, parse_config_args
+from dtlab.cliargs import add_config_args, parse_config_args, run_command
 from dtlab.config import Config, load_config
 from dtlab.train.loop import train
 
@@ -207,4 +207,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_command(main))

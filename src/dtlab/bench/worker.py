@@ -37,7 +37,7 @@ from dtlab.analysis.model import (
     plan_step,
 )
 from dtlab.bench.memory import gradient_bytes, kept_activation_bytes
-from dtlab.cliargs import add_config_args, parse_config_args
+from dtlab.cliargs import add_config_args, parse_config_args, run_command
 from dtlab.config import Config, load_config
 from dtlab.errors import DtlabError
 from dtlab.metrics.comm import CommCounter
@@ -373,4 +373,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_command(main))
