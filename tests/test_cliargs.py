@@ -179,3 +179,11 @@ def test_bench_scripts_refuse_a_word_that_is_not_an_override(
         script.main(["--set", *FAST, "configs/debug.yaml"])
     assert exc.value.code == 2
     assert "--set 'configs/debug.yaml': expected KEY=VALUE" in capsys.readouterr().err
+
+
+def test_plan_device_keys_are_the_profiles() -> None:
+    """`dtlab plan --device` lists its keys without importing torch: they are the profile table's."""
+    from dtlab.analysis.devices import PROFILES
+    from dtlab.cli import DEVICE_KEYS
+
+    assert DEVICE_KEYS == tuple(PROFILES)
