@@ -33,6 +33,19 @@ def add_config_args(parser: argparse.ArgumentParser, *, config: bool = True) -> 
     )
 
 
+def script_parser(module: str, doc: str | None, preset: str) -> argparse.ArgumentParser:
+    """The parser of a benchmark script ``python -m module``: its docstring as the help text, ``--preset``
+    (default ``preset``) and ``--set``; the script adds its own flags."""
+    p = argparse.ArgumentParser(
+        prog=f"python -m {module}",
+        description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--preset", default=preset, help=f"model preset (default {preset})")
+    add_config_args(p, config=False)
+    return p
+
+
 def parse_config_args(
     parser: argparse.ArgumentParser, argv: Sequence[str] | None
 ) -> argparse.Namespace:

@@ -11,7 +11,6 @@ Figures are medians over the repeats.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import statistics
@@ -24,7 +23,7 @@ import torch.nn.functional as F
 
 from dtlab.checkpoint.manager import Checkpointer, _dir_bytes
 from dtlab.checkpoint.state import ModelState, OptimizerState, Stateful
-from dtlab.cliargs import add_config_args, parse_config_args, run_command
+from dtlab.cliargs import parse_config_args, run_command, script_parser
 from dtlab.config import load_config
 from dtlab.models.llama import build_model, count_params
 from dtlab.parallel.dist import DistInfo
@@ -53,17 +52,11 @@ def disk_write_bandwidth(directory: Path, nbytes: int, repeats: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m dtlab.bench.checkpoint",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--preset", default="small")
+    p = script_parser("dtlab.bench.checkpoint", __doc__, "small")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument(
         "--dir", type=Path, default=None, help="where to write (default: a temporary dir)"
     )
-    add_config_args(p, config=False)
     args = parse_config_args(p, argv)
     root = Path(tempfile.mkdtemp(prefix="dtlab-ckpt-bench-", dir=args.dir))
     try:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from dtlab.cliargs import add_config_args, parse_config_args, run_command
+from dtlab.cliargs import parse_config_args, run_command, script_parser
 from dtlab.config import Config, load_config
 from dtlab.parallel import ledger as ledger_module
 
@@ -121,19 +121,13 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m dtlab.bench.ledger",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--preset", default="tiny")
+    p = script_parser("dtlab.bench.ledger", __doc__, "tiny")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument(
         "--blocks", type=int, default=8, help="timed blocks, half of them with the ledger"
     )
     p.add_argument("--block-steps", type=int, default=5)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    add_config_args(p, config=False)
     args = parse_config_args(p, argv)
     if args.worker:
         worker(args)

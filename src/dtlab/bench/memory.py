@@ -16,7 +16,6 @@ keeps for backward. Parameters and buffers are model state and not counted, nor 
 
 from __future__ import annotations
 
-import argparse
 import gc
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -30,7 +29,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from dtlab.analysis.model import activation_bytes
-from dtlab.cliargs import add_config_args, parse_config_args, run_command
+from dtlab.cliargs import parse_config_args, run_command, script_parser
 from dtlab.config import Config, load_config
 
 
@@ -161,11 +160,9 @@ def activation_case(config: Config, micro_batch: int, seed: int = 0) -> dict[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dtlab.bench.memory", description=__doc__)
-    p.add_argument("--preset", default="tiny")
+    p = script_parser("dtlab.bench.memory", __doc__, "tiny")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch", type=int, default=8, help="sequences in the micro-batch")
-    add_config_args(p, config=False)
     args = parse_config_args(p, argv)
     configs = {
         (precision, ac): load_config(

@@ -14,7 +14,6 @@ repeats and their spread.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -29,7 +28,7 @@ from typing import Any
 import torch
 
 from dtlab.bench.handloop import LoopTimes, hand_loop
-from dtlab.cliargs import add_config_args, parse_config_args, run_command
+from dtlab.cliargs import parse_config_args, run_command, script_parser
 from dtlab.config import Config, load_config
 from dtlab.train.loop import train
 
@@ -156,15 +155,9 @@ def compare(config: Config, repeats: int, report: Callable[[str], None] = print)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m dtlab.bench.overhead",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--preset", default="tiny")
+    p = script_parser("dtlab.bench.overhead", __doc__, "tiny")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--repeats", type=int, default=3)
-    add_config_args(p, config=False)
     args = parse_config_args(p, argv)
     if args.steps < 2 or args.repeats < 1:
         p.error(
