@@ -80,6 +80,11 @@ class _HasParallel(Protocol):
     def parallel(self) -> _ParallelSection: ...
 
 
+# The dimensions a mesh can have, outermost first: pipeline stages exchange the least, tensor-parallel
+# ranks the most (innermost, so that they are neighbours on a node).
+DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     """The parallel degrees of one world; their product is the world size.
@@ -167,12 +172,7 @@ class ParallelDims:
     @property
     def degrees(self) -> dict[str, int]:
         """Each dimension's degree, outermost first."""
-        return {
-            "pp": self.pp,
-            "dp_replicate": self.dp_replicate,
-            "dp_shard": self.dp_shard,
-            "tp": self.tp,
-        }
+        return {name: getattr(self, name) for name in DIM_NAMES}
 
     @property
     def dp(self) -> int:
