@@ -283,58 +283,29 @@ def plan_step(config: Config, world_size: int, shapes: list[ParamShape] | None =
     dims = ParallelDims.from_config(config, world_size)
     micro = t.micro_batch_size or max(1, t.global_batch_size // world_size)
     accum = max(1, t.global_batch_size // (micro * world_size))
-    seq = config.seq_len
-
+    tokens = micro * config.seq_len
     # FSDP shards over the shard group; no_shard and ddp replicate; hsdp shards within a replica group.
-    replicate, shard = dims.dp_replicate, dims.dp_shard
-    held = sum(s.shard_numel(shard) for s in shapes)
-    # AdamW: exp_avg and exp_avg_sq like the parameter, plus a float32 step counter per tensor. DeMo:
-    # one momentum (padded to whole chunks) and the same counter.
-    if t.optimizer == "demo":
-        c = t.demo.chunk_size
-        opt = sum(math.ceil(s.numel / c) * c for s in shapes) * FP32 + len(shapes) * FP32
-    else:
-        opt = 2 * held * FP32 + len(shapes) * FP32
+    held = sum(s.shard_numel(dims.dp_shard) for s in shapes)
     plan = StepPlan(
         strategy=p.strategy,
         sharding=p.sharding if dims.fsdp_enabled else "-",
         world_size=world_size,
         params_bytes=held * FP32,
         grads_bytes=held * FP32,
-        optimizer_bytes=opt,
+        optimizer_bytes=_optimizer_bytes(config, shapes, held),
         # The peak: what forward keeps, plus one block being recomputed under checkpointing.
         activations_bytes=activation_bytes(
-            config.model, micro * seq, t.precision, t.activation_checkpointing
+            config.model, tokens, t.precision, t.activation_checkpointing
         )
-        + recompute_bytes(config.model, micro * seq, t.precision, t.activation_checkpointing),
+        + recompute_bytes(config.model, tokens, t.precision, t.activation_checkpointing),
     )
     comm: dict[str, int] = {}
     groups: dict[str, int] = {}
-    compression = p.compression
     if dims.ddp_enabled:
         comm.update(ddp_comm_bytes(shapes, config, world_size))
         groups.update({k: world_size for k in comm})
     elif dims.fsdp_enabled:
-        # fp16/bf16 compression reduces gradients in half precision; parameters are gathered in fp32.
-        grad_bytes = 2 if compression in ("fp16", "bf16") else FP32
-        gathered = sum(s.padded_numel(shard) for s in shapes) * FP32
-        if shard > 1:
-            units: dict[str, int] = {}
-            for s in shapes:
-                units[s.group] = units.get(s.group, 0) + s.padded_numel(shard) * FP32
-            largest = sorted(units.values(), reverse=True)
-            # full: the unit in use plus the one prefetched; shard_grad_op: every unit stays gathered from
-            # its forward to its backward, so at the peak the whole model is unsharded.
-            plan.gathered_bytes = sum(largest[:2]) if p.sharding == "full" else sum(largest)
-            # Per micro-batch every FSDP unit is gathered for forward and, when resharded after forward
-            # (full), again for backward; gradients are reduce-scattered once, on the last micro-batch.
-            comm["all_gather"] = accum * (2 if p.sharding == "full" else 1) * gathered
-            comm["reduce_scatter"] = gathered // FP32 * grad_bytes
-            groups["all_gather"] = groups["reduce_scatter"] = shard
-        if replicate > 1:
-            # Across replica groups each rank all-reduces its gradient shard.
-            comm["all_reduce"] = gathered // shard // FP32 * grad_bytes
-            groups["all_reduce"] = replicate
+        plan.gathered_bytes = _fsdp_comm(config, dims, shapes, accum, comm, groups)
     if dims.distributed and world_size > 1:
         # The step's one small reduction (loss, flags, stop votes, and a norm where gradients are DTensors
         # or each rank's own), over all ranks; under HSDP it is counted in the replicas' all-reduce group.
@@ -344,6 +315,52 @@ def plan_step(config: Config, world_size: int, shapes: list[ParamShape] | None =
     plan.comm_groups = groups
     plan.comm_bus_bytes = {k: _ring(k, v, groups[k]) for k, v in comm.items()}
     return plan
+
+
+def _optimizer_bytes(config: Config, shapes: list[ParamShape], held: int) -> int:
+    """AdamW: exp_avg and exp_avg_sq like the ``held`` parameter elements, plus a float32 step counter
+    per tensor. DeMo: one momentum (padded to whole chunks) and the same counter."""
+    t = config.train
+    if t.optimizer == "demo":
+        c = t.demo.chunk_size
+        return sum(math.ceil(s.numel / c) * c for s in shapes) * FP32 + len(shapes) * FP32
+    return 2 * held * FP32 + len(shapes) * FP32
+
+
+def _fsdp_comm(
+    config: Config,
+    dims: ParallelDims,
+    shapes: list[ParamShape],
+    accum: int,
+    comm: dict[str, int],
+    groups: dict[str, int],
+) -> int:
+    """FSDP's collectives per step into ``comm`` (bytes) and ``groups`` (ranks in each); returns the
+    bytes of parameters gathered at the peak (0 without sharding)."""
+    p = config.parallel
+    replicate, shard = dims.dp_replicate, dims.dp_shard
+    # fp16/bf16 compression reduces gradients in half precision; parameters are gathered in fp32.
+    grad_bytes = 2 if p.compression in ("fp16", "bf16") else FP32
+    gathered = sum(s.padded_numel(shard) for s in shapes) * FP32
+    peak = 0
+    if shard > 1:
+        units: dict[str, int] = {}
+        for s in shapes:
+            units[s.group] = units.get(s.group, 0) + s.padded_numel(shard) * FP32
+        largest = sorted(units.values(), reverse=True)
+        # full: the unit in use plus the one prefetched; shard_grad_op: every unit stays gathered from
+        # its forward to its backward, so at the peak the whole model is unsharded.
+        peak = sum(largest[:2]) if p.sharding == "full" else sum(largest)
+        # Per micro-batch every FSDP unit is gathered for forward and, when resharded after forward
+        # (full), again for backward; gradients are reduce-scattered once, on the last micro-batch.
+        comm["all_gather"] = accum * (2 if p.sharding == "full" else 1) * gathered
+        comm["reduce_scatter"] = gathered // FP32 * grad_bytes
+        groups["all_gather"] = groups["reduce_scatter"] = shard
+    if replicate > 1:
+        # Across replica groups each rank all-reduces its gradient shard.
+        comm["all_reduce"] = gathered // shard // FP32 * grad_bytes
+        groups["all_reduce"] = replicate
+    return peak
 
 
 def step_reduction_bytes(config: Config, dims: ParallelDims) -> int:
