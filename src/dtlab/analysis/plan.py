@@ -7,6 +7,7 @@ from typing import Any
 
 from dtlab.analysis.devices import DeviceProfile
 from dtlab.analysis.model import (
+    ParamShape,
     StepPlan,
     flops_per_token,
     param_shapes,
@@ -182,15 +183,13 @@ def plan(
     ``device_assumed``: the profile was not asked for (the CLI's default); the output says so.
     """
     world = nproc * nnodes
-    shapes = param_shapes(config.model)
-    params = sum(s.numel for s in shapes)
     memory = (memory_gib if memory_gib is not None else device.memory_gib) * 2**30
-    memory_source = "given: --device-memory" if memory_gib is not None else device.memory_source
     precision = config.train.precision
     ac = config.train.activation_checkpointing
     peak = device.peak_tflops.get(precision)
     kind = "cpu" if device.key == "this" else "cuda"
     rate = peak * 1e12 * ACHIEVABLE_FRACTION[kind] if peak else float("nan")
+    shapes = param_shapes(config.model)
     rows: list[dict[str, Any]] = []
     for label, cfg in candidates(config, world, nnodes):
         try:
@@ -198,28 +197,10 @@ def plan(
         except ConfigError as e:
             rows.append({"label": label, "error": str(e)})
             continue
-        dims = ParallelDims.from_config(cfg, world)  # valid: check_world passed
-        step = plan_step(cfg, world, shapes)
-        tokens_per_rank = cfg.train.global_batch_size * cfg.seq_len / world
-        compute = flops_per_token(cfg.model, cfg.seq_len) * tokens_per_rank / rate
-        recompute = recompute_flops_per_token(cfg.model, cfg.seq_len, ac) * tokens_per_rank / rate
-        comm = 0.0
-        for collective, bus in step.comm_bus_bytes.items():
-            group = step.comm_groups[collective]
-            # A group spread over nodes (HSDP's replicate groups, one rank of each shard group; anything
-            # when it spans all nodes) is limited by the network; a group inside one node by the
-            # intra-node links.
-            across = nnodes > 1 and (
-                group > nproc
-                or (dims.fsdp_enabled and dims.replicate_enabled and collective == "all_reduce")
-            )
-            comm += bus / ((device.inter_node_gbps if across else device.intra_node_gbps) * 1e9)
-        row = PlanRow(label, step, compute, recompute, comm, step.total_bytes <= memory * HEADROOM)
-        rows.append(row.as_dict())
-    recommendation = recommend(rows) or advice(config, world, rows, memory * HEADROOM)
+        rows.append(_row(label, cfg, nproc, nnodes, device, rate, shapes, memory).as_dict())
     return {
         "model": {
-            "params": params,
+            "params": sum(s.numel for s in shapes),
             "preset": config.model.preset,
             "flops_per_token": flops_per_token(config.model, config.seq_len),
             "recompute_flops_per_token": recompute_flops_per_token(
@@ -229,20 +210,7 @@ def plan(
         "world_size": world,
         "nproc": nproc,
         "nnodes": nnodes,
-        # Each figure with where it comes from: measured, looked up, given or assumed.
-        "device": {
-            "key": device.key,
-            "assumed": device_assumed,
-            "name": device.name,
-            "memory_gib": memory / 2**30,
-            "memory_source": memory_source,
-            "peak_tflops": peak,
-            "source": device.source,
-            "intra_node_gbps": device.intra_node_gbps,
-            "intra_node_source": device.intra_node_source,
-            "inter_node_gbps": device.inter_node_gbps,
-            "inter_node_source": device.inter_node_source,
-        },
+        "device": _device_figures(device, device_assumed, memory, memory_gib is not None, peak),
         "assumptions": {
             "achievable_fraction_of_peak": ACHIEVABLE_FRACTION[kind],
             "usable_memory_fraction": HEADROOM,
@@ -255,7 +223,59 @@ def plan(
         "global_batch_size": config.train.global_batch_size,
         "seq_len": config.seq_len,
         "strategies": rows,
-        "recommendation": recommendation,
+        "recommendation": recommend(rows) or advice(config, world, rows, memory * HEADROOM),
+    }
+
+
+def _row(
+    label: str,
+    cfg: Config,
+    nproc: int,
+    nnodes: int,
+    device: DeviceProfile,
+    rate: float,
+    shapes: list[ParamShape],
+    memory: float,
+) -> PlanRow:
+    """One candidate's row (its world already checked): memory, and compute, recompute and
+    communication time at ``rate`` FLOP/s and the device's link bandwidths."""
+    world = nproc * nnodes
+    dims = ParallelDims.from_config(cfg, world)
+    step = plan_step(cfg, world, shapes)
+    tokens_per_rank = cfg.train.global_batch_size * cfg.seq_len / world
+    compute = flops_per_token(cfg.model, cfg.seq_len) * tokens_per_rank / rate
+    ac = cfg.train.activation_checkpointing
+    recompute = recompute_flops_per_token(cfg.model, cfg.seq_len, ac) * tokens_per_rank / rate
+    comm = 0.0
+    for collective, bus in step.comm_bus_bytes.items():
+        group = step.comm_groups[collective]
+        # A group spread over nodes (HSDP's replicate groups, one rank of each shard group; anything
+        # when it spans all nodes) is limited by the network; a group inside one node by the
+        # intra-node links.
+        across = nnodes > 1 and (
+            group > nproc
+            or (dims.fsdp_enabled and dims.replicate_enabled and collective == "all_reduce")
+        )
+        comm += bus / ((device.inter_node_gbps if across else device.intra_node_gbps) * 1e9)
+    return PlanRow(label, step, compute, recompute, comm, step.total_bytes <= memory * HEADROOM)
+
+
+def _device_figures(
+    device: DeviceProfile, assumed: bool, memory: float, memory_given: bool, peak: float | None
+) -> dict[str, Any]:
+    """The device's figures, each with where it comes from: measured, looked up, given or assumed."""
+    return {
+        "key": device.key,
+        "assumed": assumed,
+        "name": device.name,
+        "memory_gib": memory / 2**30,
+        "memory_source": "given: --device-memory" if memory_given else device.memory_source,
+        "peak_tflops": peak,
+        "source": device.source,
+        "intra_node_gbps": device.intra_node_gbps,
+        "intra_node_source": device.intra_node_source,
+        "inter_node_gbps": device.inter_node_gbps,
+        "inter_node_source": device.inter_node_source,
     }
 
 
