@@ -504,7 +504,6 @@ def diagnose(
     ``ledgers`` maps a rank to its entries (``Entry.as_dict``), oldest first; ``me`` is the rank whose
     collective failed; ``published`` (optional) has each other rank's pid and host, for the message.
     """
-    published = published or {}
     by_rank = {r: {e["seq"]: e for e in es} for r, es in ledgers.items() if es}
     silent = [r for r in range(world) if r not in by_rank]
     notes = []
@@ -514,14 +513,32 @@ def diagnose(
             "records, or could not reach the store)"
         )
     mismatch = _mismatch(by_rank)
-    mine = ledgers.get(me) or []
-    my_last = mine[-1] if mine else None
     if mismatch is not None:
         return "; ".join([mismatch, *notes])
-
     last = {r: es[-1] for r, es in ledgers.items() if es}
     if not last:
         return "; ".join(notes) or "no rank recorded a collective"
+    frontier, stale, reached = _progress(me, ledgers, last)
+    front = max(reached.values())
+    behind = sorted(r for r in last if reached[r] < front)
+    parts = _behind(me, behind, last, reached, stale, frontier, published or {}, now)
+    mine = ledgers.get(me) or []
+    if mine:
+        parts += _ahead(me, mine[-1], sorted(r for r in last if r not in behind), last, now)
+    if not behind:
+        parts = [_all_at_one_entry(me, last, stale)]
+    return "; ".join(parts + notes)
+
+
+# A collective that completed on one rank: (its seq, whether that rank is me, the rank, the entry).
+_Completed = tuple[int, bool, int, dict[str, Any]]
+
+
+def _progress(
+    me: int, ledgers: dict[int, list[dict[str, Any]]], last: dict[int, dict[str, Any]]
+) -> tuple[_Completed | None, set[int], dict[int, int]]:
+    """(the furthest completed collective, the ranks whose publication is older than it, and the
+    entry each rank reached)."""
     # A collective that completed on one rank had every rank in it, whatever the others last published
     # (a rank publishes at most every PUBLISH_S, and one that died may not have published its last ones).
     completed = [
@@ -535,14 +552,25 @@ def diagnose(
         r for r, e in last.items() if r != me and frontier is not None and e["seq"] < frontier[0]
     }
     reached = {r: frontier[0] if r in stale and frontier else e["seq"] for r, e in last.items()}
-    front = max(reached.values())
-    behind = sorted(r for r in last if reached[r] < front)
-    parts = []
-    # Ranks behind, grouped by where they stopped.
+    return frontier, stale, reached
+
+
+def _behind(
+    me: int,
+    behind: list[int],
+    last: dict[int, dict[str, Any]],
+    reached: dict[int, int],
+    stale: set[int],
+    frontier: _Completed | None,
+    published: dict[int, dict[str, Any]],
+    now: float,
+) -> list[str]:
+    """One sentence per group of ranks behind, grouped by where they stopped."""
     stops: dict[tuple[Any, ...], list[int]] = {}
     for r in behind:
         e = last[r]
         stops.setdefault((reached[r], r in stale, e["seq"], e.get("end") is None), []).append(r)
+    parts = []
     for ranks in stops.values():
         e = last[ranks[0]]
         who = _ranks_text(ranks)
@@ -564,39 +592,49 @@ def diagnose(
             f"{who}{where} {verb} behind: {'its' if len(ranks) == 1 else 'their'} last collective was "
             f"{_where(e)} ({state})"
         )
-    ahead = sorted(r for r in last if r not in behind)
-    if my_last is not None and me in ahead:
+    return parts
+
+
+def _ahead(
+    me: int,
+    my_last: dict[str, Any],
+    ahead: list[int],
+    last: dict[int, dict[str, Any]],
+    now: float,
+) -> list[str]:
+    """Where this rank waits (when it is ahead), or where the ranks ahead went on to."""
+    if me in ahead:
         verb = "waits at" if my_last.get("end") is None else "last completed"
-        parts.append(
+        parts = [
             f"rank {me} {verb} {_where(my_last)} ({_what(my_last)}, {_state(my_last, now, True)})"
-        )
+        ]
         others = [r for r in ahead if r != me]
         if others:
             parts.append(f"{_ranks_text(others)} reached it too")
-    elif my_last is not None:
-        e = last[ahead[0]]
-        parts.append(f"{_ranks_text(ahead)} went on to {_where(e)} ({_what(e)}, {_state(e, now)})")
-    if not behind:
-        # Every rank that published stopped at the same entry.
-        e = last[me] if me in last else next(iter(last.values()))
-        done = sorted(r for r, x in last.items() if x.get("end") is not None or r in stale)
-        waiting = sorted(r for r in last if r not in done)
-        if not done:
-            parts = [
-                f"no rank is behind: every rank that published waits at {_where(e)} ({_what(e)}); "
-                "the collective itself failed (a rank died inside it, or the network)"
-            ]
-        elif not waiting:
-            parts = [
-                f"no rank is behind: every rank that published completed {_where(e)} ({_what(e)}); "
-                "the collective that failed came after it, outside dtlab's named call sites"
-            ]
-        else:
-            parts = [
-                f"{_ranks_text(done)} completed {_where(e)} ({_what(e)}) and went on, "
-                f"{_ranks_text(waiting)} did not: the ranks' collectives inside it differ"
-            ]
-    return "; ".join(parts + notes)
+        return parts
+    e = last[ahead[0]]
+    return [f"{_ranks_text(ahead)} went on to {_where(e)} ({_what(e)}, {_state(e, now)})"]
+
+
+def _all_at_one_entry(me: int, last: dict[int, dict[str, Any]], stale: set[int]) -> str:
+    """No rank is behind: every rank that published stopped at the same entry."""
+    e = last[me] if me in last else next(iter(last.values()))
+    done = sorted(r for r, x in last.items() if x.get("end") is not None or r in stale)
+    waiting = sorted(r for r in last if r not in done)
+    if not done:
+        return (
+            f"no rank is behind: every rank that published waits at {_where(e)} ({_what(e)}); "
+            "the collective itself failed (a rank died inside it, or the network)"
+        )
+    if not waiting:
+        return (
+            f"no rank is behind: every rank that published completed {_where(e)} ({_what(e)}); "
+            "the collective that failed came after it, outside dtlab's named call sites"
+        )
+    return (
+        f"{_ranks_text(done)} completed {_where(e)} ({_what(e)}) and went on, "
+        f"{_ranks_text(waiting)} did not: the ranks' collectives inside it differ"
+    )
 
 
 # --- torch's flight recorder -------------------------------------------------------------------------
