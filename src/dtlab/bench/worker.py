@@ -190,19 +190,12 @@ def _bench(
     logging.getLogger("dtlab").setLevel(
         logging.ERROR
     )  # the row is the output; the run's lines are not
-    t = config.train
-    timed = range(warmup + 1, warmup + t.steps + 1)
-    run_config = config.model_copy(deep=True)
-    run_config.train.steps = timed.stop  # the warm-up steps, the timed ones, and one counted step
-    run_config.run.dir = d.decide(lambda: tempfile.mkdtemp(prefix="dtlab-bench-"))
-    run_config.run.progress, run_config.run.log_every = "none", 1
-    run_config.run.plot = run_config.run.tensorboard = run_config.run.profile = False
-    run_config.checkpoint.every, run_config.checkpoint.resume = 0, "never"
+    timed = range(warmup + 1, warmup + config.train.steps + 1)
+    run_config = _run_config(config, d, timed)
     run_dir, lock = resolve_run_dir(run_config, d)
     engine = BenchEngine(run_config, d, run_dir, timed, profile_dir)
-    tr = engine.tr
-    peak, peak_source, gemm = peak_flops(config, d)
-    act = measured_activation_bytes(tr, config, d.device)
+    peak = peak_flops(config, d)
+    act = measured_activation_bytes(engine.tr, config, d.device)
     timing = TimingSink()
     signals = StopSignals()
     try:
@@ -213,25 +206,36 @@ def _bench(
             lock.release()
         if d.is_main:
             shutil.rmtree(run_dir, ignore_errors=True)
-    counter = engine.counter
-    comm_time = _replay_collectives(counter, d)
-    states = state_bytes(tr, config, d.device)
+    comm_time = _replay_collectives(engine.counter, d)
     losses = [m["loss"] for m in timing.records]
-    times = [m["step_time_s"] for m in timing.records[timed.start - 1 : timed.stop - 1]]
-    # From the end of the last warm-up step (the first step, without one) to the end of the last timed one.
-    (wall0, cpu0), (wall1, cpu1) = (
-        timing.clock[max(timed.start - 2, 0)],
-        timing.clock[timed.stop - 2],
-    )
-    cpu_util = (cpu1 - cpu0) / (wall1 - wall0)
-
-    step_time = statistics.median(times)
-    tokens = t.global_batch_size * config.seq_len
-    tokens_per_s = tokens / step_time
-    flops = flops_per_token(config.model, config.seq_len)
-    predicted = plan_step(config, d.world_size)
-    cores = os.cpu_count() or 1
     row = {
+        **_layout_figures(config, d),
+        **_speed_figures(config, timing, timed, *peak),
+        **_memory_figures(config, d, engine.tr, act),
+        **_comm_figures(config, d, engine.counter, comm_time),
+        "cpu_util": _cpu_util(timing, timed) / (os.cpu_count() or 1),
+        "loss_initial": losses[0],
+        "loss_final": losses[-1],
+        "losses": losses,
+    }
+    return row if d.is_main else None
+
+
+def _run_config(config: Config, d: DistInfo, timed: range) -> Config:
+    """The config the benchmark trains: the warm-up steps, the timed ones and one counted step, in a
+    temporary run directory, without checkpoints, plots or progress."""
+    cfg = config.model_copy(deep=True)
+    cfg.train.steps = timed.stop
+    cfg.run.dir = d.decide(lambda: tempfile.mkdtemp(prefix="dtlab-bench-"))
+    cfg.run.progress, cfg.run.log_every = "none", 1
+    cfg.run.plot = cfg.run.tensorboard = cfg.run.profile = False
+    cfg.checkpoint.every, cfg.checkpoint.resume = 0, "never"
+    return cfg
+
+
+def _layout_figures(config: Config, d: DistInfo) -> dict[str, Any]:
+    t = config.train
+    return {
         "strategy": config.parallel.strategy,
         "sharding": config.parallel.sharding if d.dims.fsdp_enabled else "-",
         "nproc": d.world_size,
@@ -242,6 +246,24 @@ def _bench(
         "params": sum(s.numel for s in param_shapes(config.model)),
         "global_batch_size": t.global_batch_size,
         "seq_len": config.seq_len,
+    }
+
+
+def _speed_figures(
+    config: Config,
+    timing: TimingSink,
+    timed: range,
+    peak: float | None,
+    peak_source: str,
+    gemm: float,
+) -> dict[str, Any]:
+    """Step time over the timed steps, throughput, and MFU against ``peak`` FLOP/s."""
+    t = config.train
+    times = [m["step_time_s"] for m in timing.records[timed.start - 1 : timed.stop - 1]]
+    step_time = statistics.median(times)
+    tokens_per_s = t.global_batch_size * config.seq_len / step_time
+    flops = flops_per_token(config.model, config.seq_len)
+    return {
         "steps_timed": t.steps,
         "step_time_s": step_time,
         "step_time_min_s": min(times),
@@ -253,8 +275,16 @@ def _bench(
         "peak_flops_source": peak_source,
         "mfu": flops * tokens_per_s / peak if peak else None,
         "gemm_flops_measured": gemm,
+    }
+
+
+def _memory_figures(config: Config, d: DistInfo, tr: Training, act: int) -> dict[str, Any]:
+    """Peak memory (the largest rank's: a collective), state and activation bytes, next to predicted."""
+    t = config.train
+    predicted = plan_step(config, d.world_size)
+    return {
         "peak_memory_bytes": int(reduce_scalar(peak_memory_bytes(d.device), "max")),
-        "state_bytes": states,
+        "state_bytes": state_bytes(tr, config, d.device),
         "state_bytes_predicted": {
             "params_bytes": predicted.params_bytes,
             "grads_bytes": predicted.grads_bytes,
@@ -262,11 +292,17 @@ def _bench(
         },
         "activation_bytes": act,
         "activation_bytes_predicted": activation_bytes(
-            config.model,
-            tr.micro * config.seq_len,
-            t.precision,
-            t.activation_checkpointing,
+            config.model, tr.micro * config.seq_len, t.precision, t.activation_checkpointing
         ),
+    }
+
+
+def _comm_figures(
+    config: Config, d: DistInfo, counter: CommCounter, comm_time: float | None
+) -> dict[str, Any]:
+    """One step's collectives as counted, next to predicted (and uncompressed)."""
+    predicted = plan_step(config, d.world_size)
+    return {
         "comm_bytes_per_step": sum(counter.bytes.values()),
         "comm_bytes_per_step_predicted": sum(predicted.comm_bytes.values()),
         # What one rank sends (ring algorithms): the figure to compare an all-gather with an all-reduce.
@@ -284,12 +320,17 @@ def _bench(
         },
         "comm_by_collective_predicted": dict(predicted.comm_bytes),
         "comm_time_s": comm_time,
-        "cpu_util": cpu_util / cores,
-        "loss_initial": losses[0],
-        "loss_final": losses[-1],
-        "losses": losses,
     }
-    return row if d.is_main else None
+
+
+def _cpu_util(timing: TimingSink, timed: range) -> float:
+    """CPU time over wall time, from the end of the last warm-up step (the first step, without one) to
+    the end of the last timed one: cores' worth of CPU this process used."""
+    (wall0, cpu0), (wall1, cpu1) = (
+        timing.clock[max(timed.start - 2, 0)],
+        timing.clock[timed.stop - 2],
+    )
+    return (cpu1 - cpu0) / (wall1 - wall0)
 
 
 def compression_name(config: Config) -> str:
