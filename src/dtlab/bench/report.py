@@ -142,22 +142,38 @@ def plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     names = [label(r) for r in rows]
-    x = range(len(rows))
+    width = max(6, 1.2 * len(rows))
+    figures = [
+        ("throughput.png", (width, 4), _throughput_plot),
+        ("memory.png", (width + 2.5, 4), _memory_plot),
+        ("communication.png", (width, 4), _communication_plot),
+        ("loss.png", (7, 4), _loss_plot),
+    ]
+    if len({r["compression"] for r in rows}) > 1:
+        figures.append(("loss_vs_bytes.png", (7, 4), _loss_vs_bytes_plot))
     paths = []
+    for name, size, draw in figures:
+        fig, ax = plt.subplots(figsize=size, dpi=100)
+        draw(ax, rows, names)
+        fig.tight_layout()
+        paths.append(out / name)
+        fig.savefig(paths[-1])
+        plt.close(fig)
+    return paths
 
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows)), 4), dpi=100)
+
+def _throughput_plot(ax: Any, rows: list[dict[str, Any]], names: list[str]) -> None:
+    x = range(len(rows))
     bars = ax.bar(x, [r["tokens_per_s"] for r in rows], color="#4477aa")
     ax.bar_label(bars, [f"{r['tokens_per_s']:,.0f}" for r in rows], fontsize=7)
     ax.set_xticks(list(x), names, rotation=30, ha="right")
     ax.set_ylabel("tokens/s (all ranks)")
     ax.set_title("Throughput (median step)")
     ax.margins(y=0.12)  # room for the labels above the bars
-    fig.tight_layout()
-    paths.append(out / "throughput.png")
-    fig.savefig(paths[-1])
-    plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows)) + 2.5, 4), dpi=100)
+
+def _memory_plot(ax: Any, rows: list[dict[str, Any]], names: list[str]) -> None:
+    x = range(len(rows))
     bottom = [0.0] * len(rows)
     colors = [c for _, _, c in MEMORY_PARTS] + ["#bbbbbb"]
     for (name, vals), color in zip(memory_segments(rows), colors, strict=True):
@@ -178,12 +194,10 @@ def plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     ax.set_title("Memory per rank (measured): its parts and the rest of the peak", fontsize=10)
     ax.margins(y=0.12)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside: the bars are tall
-    fig.tight_layout()
-    paths.append(out / "memory.png")
-    fig.savefig(paths[-1])
-    plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows)), 4), dpi=100)
+
+def _communication_plot(ax: Any, rows: list[dict[str, Any]], names: list[str]) -> None:
+    x = range(len(rows))
     w = 0.4
     for offset, key, name, color in (
         (-w / 2, "comm_bytes_per_step", "measured", "#4477aa"),
@@ -197,35 +211,23 @@ def plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     ax.set_title("Communication: measured vs predicted")
     ax.margins(y=0.12)
     ax.legend()
-    fig.tight_layout()
-    paths.append(out / "communication.png")
-    fig.savefig(paths[-1])
-    plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+
+def _loss_plot(ax: Any, rows: list[dict[str, Any]], names: list[str]) -> None:
     plot_loss_curves(ax, loss_curves(rows), "Loss curves")
     ax.set_ylabel("loss")
-    fig.tight_layout()
-    paths.append(out / "loss.png")
-    fig.savefig(paths[-1])
-    plt.close(fig)
 
-    if len({r["compression"] for r in rows}) > 1:
-        fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-        for r, name in zip(rows, names, strict=True):
-            if r["nproc"] > 1:
-                ax.plot(cumulative_bus_bytes(r), r["losses"], label=name, lw=1.2)
-        ax.set_xscale("log")
-        ax.set_xlabel("bytes sent by one rank, cumulative (log)")
-        ax.set_ylabel("loss")
-        ax.set_title("Loss against communication")
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        paths.append(out / "loss_vs_bytes.png")
-        fig.savefig(paths[-1])
-        plt.close(fig)
-    return paths
+
+def _loss_vs_bytes_plot(ax: Any, rows: list[dict[str, Any]], names: list[str]) -> None:
+    for r, name in zip(rows, names, strict=True):
+        if r["nproc"] > 1:
+            ax.plot(cumulative_bus_bytes(r), r["losses"], label=name, lw=1.2)
+    ax.set_xscale("log")
+    ax.set_xlabel("bytes sent by one rank, cumulative (log)")
+    ax.set_ylabel("loss")
+    ax.set_title("Loss against communication")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
 
 
 def loss_curves(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
@@ -260,56 +262,9 @@ def report_markdown(results: dict[str, Any], plot_paths: list[Path]) -> str:
     rows = results["rows"]
     lines = ["# dtlab bench report", ""]
     if rows:
-        r0 = rows[0]
-        lines += [
-            f"Model: {r0['params'] / 1e6:.2f}M parameters, global batch {r0['global_batch_size']} x "
-            f"{r0['seq_len']} tokens, {results['warmup']} warm-up + {results['steps']} timed steps per row, "
-            f"device {r0['device']}. Times are medians (min-max) over the timed steps; tokens/s counts all ranks; "
-            "MFU is against the peak named in the last column.",
-            "",
-            "| run | step s (min-max) | tokens/s | MFU | peak mem MiB | comm MiB/step (pred.) | comm s | CPU util | final loss | peak source |",
-            "|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for r in rows:
-            mfu = format_mfu(r["mfu"], r["peak_flops_source"])
-            comm_t = "-" if r["comm_time_s"] is None else f"{r['comm_time_s']:.3f}"
-            lines.append(
-                f"| {label(r)} | {r['step_time_s']:.3f} ({r['step_time_min_s']:.3f}-{r['step_time_max_s']:.3f}) "
-                f"| {r['tokens_per_s']:,.0f} | {mfu} | {r['peak_memory_bytes'] / MIB:,.0f} "
-                f"| {r['comm_bytes_per_step'] / MIB:.2f} ({r['comm_bytes_per_step_predicted'] / MIB:.2f}) "
-                f"| {comm_t} | {r['cpu_util']:.0%} | {r['loss_final']:.4f} | {r['peak_flops_source']} |"
-            )
-        lines += [
-            "",
-            "## Memory per rank (measured, with the prediction's error)",
-            "",
-            f"The peak is {PEAK_NOTE}; `{UNMODELLED}` is the peak less the four parts.",
-            "",
-            "| run | params MiB | grads MiB | optimizer MiB | activations MiB (pred. error) "
-            f"| {UNMODELLED} MiB | peak MiB |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        rest = dict(memory_segments(rows))[UNMODELLED]
-        for r, other in zip(rows, rest, strict=True):
-            s = r["state_bytes"]
-            lines.append(
-                f"| {label(r)} | {s['params_bytes'] / MIB:.2f} | {s['grads_bytes'] / MIB:.2f} "
-                f"| {s['optimizer_bytes'] / MIB:.2f} | {r['activation_bytes'] / MIB:.2f} "
-                f"({_pct(r['activation_bytes_predicted'], r['activation_bytes'])}) "
-                f"| {other:,.2f} | {r['peak_memory_bytes'] / MIB:,.0f} |"
-            )
-        lines += ["", "## Collectives per step (one rank; measured vs predicted bytes)", ""]
-        lines += [
-            "| run | collective | calls | measured MiB | predicted MiB |",
-            "|---|---|---|---|---|",
-        ]
-        for r in rows:
-            for name, c in r["comm_by_collective"].items():
-                pred = r["comm_by_collective_predicted"].get(name)
-                lines.append(
-                    f"| {label(r)} | {name} | {c['count']} | {c['bytes'] / MIB:.3f} "
-                    f"| {'-' if pred is None else f'{pred / MIB:.3f}'} |"
-                )
+        lines += _runs_table(results)
+        lines += _memory_table(rows)
+        lines += _collectives_table(rows)
         if len({r["compression"] for r in rows}) > 1:
             lines += compression_table(rows)
         lines += ["", "## What it says", "", *interpretation(rows)]
@@ -320,6 +275,69 @@ def report_markdown(results: dict[str, Any], plot_paths: list[Path]) -> str:
     if plot_paths:
         lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plot_paths]
     return "\n".join(lines) + "\n"
+
+
+def _runs_table(results: dict[str, Any]) -> list[str]:
+    rows = results["rows"]
+    r0 = rows[0]
+    lines = [
+        f"Model: {r0['params'] / 1e6:.2f}M parameters, global batch {r0['global_batch_size']} x "
+        f"{r0['seq_len']} tokens, {results['warmup']} warm-up + {results['steps']} timed steps per row, "
+        f"device {r0['device']}. Times are medians (min-max) over the timed steps; tokens/s counts all ranks; "
+        "MFU is against the peak named in the last column.",
+        "",
+        "| run | step s (min-max) | tokens/s | MFU | peak mem MiB | comm MiB/step (pred.) | comm s | CPU util | final loss | peak source |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        mfu = format_mfu(r["mfu"], r["peak_flops_source"])
+        comm_t = "-" if r["comm_time_s"] is None else f"{r['comm_time_s']:.3f}"
+        lines.append(
+            f"| {label(r)} | {r['step_time_s']:.3f} ({r['step_time_min_s']:.3f}-{r['step_time_max_s']:.3f}) "
+            f"| {r['tokens_per_s']:,.0f} | {mfu} | {r['peak_memory_bytes'] / MIB:,.0f} "
+            f"| {r['comm_bytes_per_step'] / MIB:.2f} ({r['comm_bytes_per_step_predicted'] / MIB:.2f}) "
+            f"| {comm_t} | {r['cpu_util']:.0%} | {r['loss_final']:.4f} | {r['peak_flops_source']} |"
+        )
+    return lines
+
+
+def _memory_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "",
+        "## Memory per rank (measured, with the prediction's error)",
+        "",
+        f"The peak is {PEAK_NOTE}; `{UNMODELLED}` is the peak less the four parts.",
+        "",
+        "| run | params MiB | grads MiB | optimizer MiB | activations MiB (pred. error) "
+        f"| {UNMODELLED} MiB | peak MiB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    rest = dict(memory_segments(rows))[UNMODELLED]
+    for r, other in zip(rows, rest, strict=True):
+        s = r["state_bytes"]
+        lines.append(
+            f"| {label(r)} | {s['params_bytes'] / MIB:.2f} | {s['grads_bytes'] / MIB:.2f} "
+            f"| {s['optimizer_bytes'] / MIB:.2f} | {r['activation_bytes'] / MIB:.2f} "
+            f"({_pct(r['activation_bytes_predicted'], r['activation_bytes'])}) "
+            f"| {other:,.2f} | {r['peak_memory_bytes'] / MIB:,.0f} |"
+        )
+    return lines
+
+
+def _collectives_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = ["", "## Collectives per step (one rank; measured vs predicted bytes)", ""]
+    lines += [
+        "| run | collective | calls | measured MiB | predicted MiB |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        for name, c in r["comm_by_collective"].items():
+            pred = r["comm_by_collective_predicted"].get(name)
+            lines.append(
+                f"| {label(r)} | {name} | {c['count']} | {c['bytes'] / MIB:.3f} "
+                f"| {'-' if pred is None else f'{pred / MIB:.3f}'} |"
+            )
+    return lines
 
 
 def interpretation(rows: list[dict[str, Any]]) -> list[str]:
