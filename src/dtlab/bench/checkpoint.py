@@ -20,11 +20,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from dtlab.checkpoint.manager import Checkpointer, _dir_bytes
 from dtlab.checkpoint.state import ModelState, OptimizerState, Stateful
 from dtlab.cliargs import parse_config_args, run_command, script_parser
-from dtlab.config import load_config
+from dtlab.config import Config, load_config
 from dtlab.models.llama import build_model, count_params
 from dtlab.parallel.dist import DistInfo
 from dtlab.train.optim import build_optimizer
@@ -70,45 +71,19 @@ def main(argv: list[str] | None = None) -> int:
                 *args.overrides,
             ]
         )
-        model = build_model(config.model, "cpu")
-        optimizer = build_optimizer(model, config.train)
-        tokens = torch.randint(0, config.model.vocab_size, (2, 65))
-        F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
-        optimizer.step()  # the AdamW moments exist, as in any real checkpoint
-        d = DistInfo(0, 1, 0, 1, torch.device("cpu"), None)
-        parts: dict[str, Stateful] = {
-            "model": ModelState(model),
-            "optim": OptimizerState(model, optimizer),
-            "train": TrainState(),
-        }
-
-        sync_cfg = config.model_copy(deep=True)
-        sync_cfg.checkpoint.async_ = False
-        ckpt = Checkpointer(sync_cfg, root, d)
-        sync_s = []
-        for r in range(args.repeats):
-            t0 = time.perf_counter()
-            ckpt.save(r + 1, parts)
-            sync_s.append(time.perf_counter() - t0)
+        model, parts = _trained_state(config)
+        sync_s = _saves(config, root, parts, range(1, args.repeats + 1), asynchronous=False)
         size = _dir_bytes(root / "checkpoints" / f"step-{1:08d}")
-
-        async_cfg = config.model_copy(deep=True)
-        async_cfg.checkpoint.async_ = True
-        ackpt = Checkpointer(async_cfg, root, d)
-        blocked, total = [], []
-        for r in range(args.repeats):
-            t0 = time.perf_counter()
-            ackpt.save(100 + r, parts)
-            blocked.append(time.perf_counter() - t0)
-            ackpt.wait()
-            total.append(time.perf_counter() - t0)
-        ackpt.close()
+        blocked, total = zip(
+            *_saves(config, root, parts, range(100, 100 + args.repeats), asynchronous=True),
+            strict=True,
+        )
         bandwidth = disk_write_bandwidth(root, size, args.repeats)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
     mib = 2**20
-    sync_med = statistics.median(sync_s)
+    sync_med = statistics.median(s for s, _ in sync_s)
     print(
         f"checkpoint of {args.preset}: {count_params(model) / 1e6:.1f}M params, {size / mib:,.0f} MiB"
     )
@@ -123,6 +98,41 @@ def main(argv: list[str] | None = None) -> int:
         f"committed after {statistics.median(total):.2f} s"
     )
     return 0
+
+
+def _trained_state(config: Config) -> tuple[nn.Module, dict[str, Stateful]]:
+    """The model and its parts to checkpoint, after one real step: the AdamW moments exist, as in any
+    real checkpoint."""
+    model = build_model(config.model, "cpu")
+    optimizer = build_optimizer(model, config.train)
+    tokens = torch.randint(0, config.model.vocab_size, (2, 65))
+    F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    optimizer.step()
+    parts: dict[str, Stateful] = {
+        "model": ModelState(model),
+        "optim": OptimizerState(model, optimizer),
+        "train": TrainState(),
+    }
+    return model, parts
+
+
+def _saves(
+    config: Config, root: Path, parts: dict[str, Stateful], steps: range, asynchronous: bool
+) -> list[tuple[float, float]]:
+    """Save ``parts`` at each of ``steps`` through a Checkpointer; each save's (time the caller was
+    blocked, time until committed), in seconds (the same for a synchronous save)."""
+    cfg = config.model_copy(deep=True)
+    cfg.checkpoint.async_ = asynchronous
+    ckpt = Checkpointer(cfg, root, DistInfo(0, 1, 0, 1, torch.device("cpu"), None))
+    times = []
+    for step in steps:
+        t0 = time.perf_counter()
+        ckpt.save(step, parts)
+        blocked = time.perf_counter() - t0
+        ckpt.wait()
+        times.append((blocked, time.perf_counter() - t0))
+    ckpt.close()
+    return times
 
 
 if __name__ == "__main__":
