@@ -17,13 +17,17 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dtlab.cliargs import parse_config_args, run_command, script_parser
 from dtlab.config import Config, load_config
 from dtlab.parallel import ledger as ledger_module
+
+if TYPE_CHECKING:
+    from dtlab.parallel.dist import DistInfo
+    from dtlab.train.loop import Training
 
 
 def record_cost(n: int = 20000) -> float:
@@ -58,66 +62,88 @@ def _config(args: argparse.Namespace) -> Config:
 
 def worker(args: argparse.Namespace) -> None:
     """One rank: alternate blocks of steps with and without the ledger; rank 0 prints the figures."""
-    import torch.distributed as dist
-
     from dtlab.parallel import destroy_distributed, init_distributed
-    from dtlab.train.loop import build_training, train_step
+    from dtlab.train.loop import build_training
 
     logging.getLogger("dtlab").disabled = True
     config = _config(args)
     d = init_distributed(config)
     tr = build_training(config, d)
-    # (ledger on, median wall time, median CPU time of this process) of each timed block's steps
-    blocks: list[tuple[bool, float, float]] = []
     with tempfile.TemporaryDirectory() as tmp:
         led = ledger_module.start_ledger(d, Path(tmp), None, config.parallel.collective_timeout_s)
         assert led is not None, "the ledger is off (DTLAB_LEDGER)"
-        step = 0
-        # Block 0 warms up; then ABBA: on, off, off, on, ...
-        for b in range(args.blocks + 1):
-            on = b == 0 or (b - 1) % 4 in (0, 3)
-            ledger_module._active = led if on else None
-            times, cpu = [], []
-            for _ in range(args.block_steps):
-                step += 1
-                batch = next(tr.loader)
-                dist.barrier()  # start every timed step together
-                t0, c0 = time.perf_counter(), time.process_time()
-                ledger_module.note_step(step)
-                train_step(tr.pm, tr.optimizer, tr.scheduler, tr.scaler, batch, config, d.device)
-                times.append(time.perf_counter() - t0)
-                cpu.append(time.process_time() - c0)
-            if b > 0:
-                blocks.append((on, statistics.median(times), statistics.median(cpu)))
-        ledger_module._active = led
+        blocks = _timed_blocks(args, config, d, tr, led)
     tr.loader.close()
     destroy_distributed()
     if d.is_main:
+        _report(args, d.world_size, blocks)
+
+
+# (ledger on, median wall time, median CPU time of this process) of a timed block's steps
+_Block = tuple[bool, float, float]
+
+
+def _timed_blocks(
+    args: argparse.Namespace,
+    config: Config,
+    d: DistInfo,
+    tr: Training,
+    led: ledger_module.Ledger,
+) -> list[_Block]:
+    """Block 0 warms up; then the timed blocks in ABBA order: on, off, off, on, ..."""
+    import torch.distributed as dist
+
+    from dtlab.train.loop import train_step
+
+    blocks: list[_Block] = []
+    step = 0
+    for b in range(args.blocks + 1):
+        on = b == 0 or (b - 1) % 4 in (0, 3)
+        ledger_module._active = led if on else None
+        times, cpu = [], []
+        for _ in range(args.block_steps):
+            step += 1
+            batch = next(tr.loader)
+            dist.barrier()  # start every timed step together
+            t0, c0 = time.perf_counter(), time.process_time()
+            ledger_module.note_step(step)
+            train_step(tr.pm, tr.optimizer, tr.scheduler, tr.scaler, batch, config, d.device)
+            times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+        if b > 0:
+            blocks.append((on, statistics.median(times), statistics.median(cpu)))
+    ledger_module._active = led
+    return blocks
+
+
+def _report(args: argparse.Namespace, world: int, blocks: list[_Block]) -> None:
+    import torch.distributed as dist
+
+    print(
+        f"{args.preset}, ddp x {world}, {len(blocks)} blocks of {args.block_steps} steps, "
+        "alternating with and without the ledger (rank 0's figures):"
+    )
+    for k, what in ((1, "wall time"), (2, "CPU time (all threads of the process)")):
+        # Each block against its neighbour of the other kind (ABBA pairs): drifts of the load cancel.
+        ratios = [
+            (a[k] if a[0] else b[k]) / (b[k] if a[0] else a[k])
+            for a, b in zip(blocks[0::2], blocks[1::2], strict=False)
+        ]
+        with_l = statistics.median(x[k] for x in blocks if x[0])
+        without = statistics.median(x[k] for x in blocks if not x[0])
+        med = statistics.median(ratios)
         print(
-            f"{args.preset}, ddp x {d.world_size}, {len(blocks)} blocks of {args.block_steps} steps, "
-            "alternating with and without the ledger (rank 0's figures):"
+            f"  step {what}: median {with_l * 1e3:.2f} ms with, {without * 1e3:.2f} ms without; "
+            f"with / without per pair of blocks: median {med:.3f} (min {min(ratios):.3f}, "
+            f"max {max(ratios):.3f}) -> {100 * (med - 1):+.1f}%"
         )
-        for k, what in ((1, "wall time"), (2, "CPU time (all threads of the process)")):
-            # Each block against its neighbour of the other kind (ABBA pairs): drifts of the load cancel.
-            ratios = [
-                (a[k] if a[0] else b[k]) / (b[k] if a[0] else a[k])
-                for a, b in zip(blocks[0::2], blocks[1::2], strict=False)
-            ]
-            with_l = statistics.median(x[k] for x in blocks if x[0])
-            without = statistics.median(x[k] for x in blocks if not x[0])
-            med = statistics.median(ratios)
-            print(
-                f"  step {what}: median {with_l * 1e3:.2f} ms with, {without * 1e3:.2f} ms without; "
-                f"with / without per pair of blocks: median {med:.3f} (min {min(ratios):.3f}, "
-                f"max {max(ratios):.3f}) -> {100 * (med - 1):+.1f}%"
-            )
-        publish = publish_cost(dist.TCPStore("127.0.0.1", 0, 1, is_master=True))
-        print(
-            f"  recording one entry: {record_cost():.1f} us in the training thread; one publication: "
-            f"{publish:.0f} us of CPU in the publisher thread, at most every "
-            f"{ledger_module.PUBLISH_S:g} s ({publish / ledger_module.PUBLISH_S / 1e4:.2f}% of a core)",
-            flush=True,
-        )
+    publish = publish_cost(dist.TCPStore("127.0.0.1", 0, 1, is_master=True))
+    print(
+        f"  recording one entry: {record_cost():.1f} us in the training thread; one publication: "
+        f"{publish:.0f} us of CPU in the publisher thread, at most every "
+        f"{ledger_module.PUBLISH_S:g} s ({publish / ledger_module.PUBLISH_S / 1e4:.2f}% of a core)",
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
