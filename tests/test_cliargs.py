@@ -186,4 +186,4 @@ def test_plan_device_keys_are_the_profiles() -> None:
     from dtlab.analysis.devices import PROFILES
     from dtlab.cli import DEVICE_KEYS
 
-    assert DEVICE_KEYS == tuple(PROFILES)
+    assert tuple(PROFILES) == DEVICE_KEYS

@@ -16,13 +16,17 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dtlab.errors import Preempted
 from dtlab.train.rundir import stopped_with_checkpoint
+
+if TYPE_CHECKING:
+    from torch.distributed.launcher.api import LaunchConfig
 
 
 @dataclass(frozen=True)
@@ -46,20 +50,54 @@ def launch(
     ``run_dir``; without one, the workers' exit codes); a signal that left nothing saved gives
     128 + the signal's number.
     """
-
-    def saved() -> dict[str, Any] | None:
-        if run_dir is None:
-            return None
-        return stopped_with_checkpoint(run_dir, run_id, since)
-
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
     # The elastic agent logs every restart and failure at length; the workers print their own errors.
     # Of its records dtlab keeps two, said in one line: which rank died how, and the restart.
     _report_restarts(spec)
+    config = _launch_config(spec)
+    since = time.time()
+
+    def saved() -> dict[str, Any] | None:
+        if run_dir is None:
+            return None
+        return stopped_with_checkpoint(run_dir, config.run_id, since)
+
+    ctrl_c = _CtrlC()
+    try:
+        with ctrl_c:
+            elastic_launch(config, entrypoint=sys.executable)("-m", module, *worker_args)
+    except _Interrupted as e:
+        if e.aborted:
+            print(
+                "aborted by a second Ctrl-C: the workers were stopped without saving",
+                file=sys.stderr,
+            )
+            return 128 + signal.SIGINT
+        return _after_signal(signal.SIGINT, saved())
+    except ChildFailedError as e:
+        return _after_failure({r: f.exitcode for r, f in e.failures.items()}, run_dir, saved)
+    except SignalException as e:
+        # The launcher itself was signalled: the agent passed the signal on and waited for the workers.
+        return _after_signal(e.sigval, saved())
+    except RendezvousError as e:
+        # e.g. the port is taken, or the other nodes never arrived: a setup problem, not a crash.
+        print(
+            f"error: could not start the process group at {config.rdzv_endpoint} "
+            f"(--master-addr/--master-port): {type(e).__name__}: {e}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def _launch_config(spec: LaunchSpec) -> LaunchConfig:
+    """The elastic agent's settings: the rendezvous (on loopback for one node), restarts, signals."""
+    from torch.distributed.launcher.api import LaunchConfig
+
     single_node = spec.nnodes == 1 and spec.master_addr is None and spec.master_port is None
     backend, local_addr = "c10d", None
     if single_node:
@@ -79,8 +117,7 @@ def launch(
             f"dtlab-{spec.master_port or 29500}",
             {"is_host": spec.node_rank == 0},
         )
-    since = time.time()
-    config = LaunchConfig(
+    return LaunchConfig(
         min_nodes=spec.nnodes,
         max_nodes=spec.nnodes,
         nproc_per_node=spec.nproc,
@@ -97,44 +134,22 @@ def launch(
         # (Ctrl-C) is dtlab's own: see _CtrlC.
         signals_to_handle="SIGTERM,SIGHUP,SIGQUIT,SIGUSR1",
     )
-    ctrl_c = _CtrlC()
-    try:
-        with ctrl_c:
-            elastic_launch(config, entrypoint=sys.executable)("-m", module, *worker_args)
-    except _Interrupted as e:
-        if e.aborted:
-            print(
-                "aborted by a second Ctrl-C: the workers were stopped without saving",
-                file=sys.stderr,
-            )
-            return 128 + signal.SIGINT
-        return _after_signal(signal.SIGINT, saved())
-    except ChildFailedError as e:
-        codes = [f.exitcode for f in e.failures.values()]
-        # Preempted: every rank agreed the checkpoint was committed before any exited, so ranks the
-        # agent then terminated on its way out (negative codes: killed by a signal) lost nothing.
-        stopped = Preempted.exit_code in codes and all(
-            c == Preempted.exit_code or c < 0 for c in codes
-        )
-        if stopped and (run_dir is None or saved() is not None):
-            return Preempted.exit_code  # the workers said where they saved
-        failures = ", ".join(
-            f"rank {r} (exit code {f.exitcode})" for r, f in sorted(e.failures.items())
-        )
-        print(f"error: training failed on {failures}; see the messages above", file=sys.stderr)
-        return 1
-    except SignalException as e:
-        # The launcher itself was signalled: the agent passed the signal on and waited for the workers.
-        return _after_signal(e.sigval, saved())
-    except RendezvousError as e:
-        # e.g. the port is taken, or the other nodes never arrived: a setup problem, not a crash.
-        print(
-            f"error: could not start the process group at {endpoint} "
-            f"(--master-addr/--master-port): {type(e).__name__}: {e}",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
+
+
+def _after_failure(
+    codes: dict[int, int], run_dir: Path | None, saved: Callable[[], dict[str, Any] | None]
+) -> int:
+    """The exit code when workers failed, from each failed rank's exit code."""
+    # Preempted: every rank agreed the checkpoint was committed before any exited, so ranks the
+    # agent then terminated on its way out (negative codes: killed by a signal) lost nothing.
+    stopped = Preempted.exit_code in codes.values() and all(
+        c == Preempted.exit_code or c < 0 for c in codes.values()
+    )
+    if stopped and (run_dir is None or saved() is not None):
+        return Preempted.exit_code  # the workers said where they saved
+    failures = ", ".join(f"rank {r} (exit code {c})" for r, c in sorted(codes.items()))
+    print(f"error: training failed on {failures}; see the messages above", file=sys.stderr)
+    return 1
 
 
 class _RestartReporter(logging.Handler):
