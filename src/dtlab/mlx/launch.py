@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from dtlab.errors import DtlabError, Preempted
 from dtlab.runtime.status import STATUS_ENV, is_mlx_worker, record_exit, record_pid, worker_rank
@@ -77,47 +78,69 @@ def launch_mlx(nproc: int, backend: str, worker_args: list[str]) -> int:
         env.setdefault(var, threads)
     # Its own session: a Ctrl-C reaches this launcher only, which passes it on as a stop request.
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-    received: list[int] = []
-    delivered: dict[Path, int] = {}  # pid file -> how many of the received signals it was sent
-
-    aborted: list[bool] = []
-
-    def note(signum: int, frame: FrameType | None) -> None:
-        received.append(signum)
-        if received.count(signal.SIGINT) > 1 and not aborted:
-            # Ctrl-C again: stop every rank at once, without saving.
-            aborted.append(True)
-            for pid_file in status.glob("rank*.pid"):
-                with contextlib.suppress(OSError, ValueError):
-                    os.kill(int(pid_file.read_text()), signal.SIGKILL)
-            with contextlib.suppress(OSError):
-                os.killpg(proc.pid, signal.SIGKILL)
-
-    def deliver() -> None:
-        # A rank gets every signal received so far, also one that came before the rank had started.
-        for pid_file in sorted(status.glob("rank*.pid")):
-            for signum in received[delivered.get(pid_file, 0) :]:
-                sig = signal.SIGUSR1 if signum == signal.SIGUSR1 else signal.SIGTERM
-                with contextlib.suppress(OSError, ValueError):
-                    os.kill(int(pid_file.read_text()), sig)
-            delivered[pid_file] = len(received)
-
-    handled = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
-    previous = {s: signal.signal(s, note) for s in handled}
-    try:
+    relay = _SignalRelay(status, proc.pid)
+    with relay:
         while proc.poll() is None:
-            if received:
-                deliver()
+            relay.deliver()
             time.sleep(0.1)
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
     codes: dict[int, int | None] = {}
     for r in range(nproc):
         f = status / f"rank{r}.exit"
         codes[r] = int(f.read_text()) if f.is_file() else None
     shutil.rmtree(status, ignore_errors=True)
-    if aborted:
+    return _outcome(codes, relay)
+
+
+class _SignalRelay:
+    """Passes the signals this launcher receives on to the ranks, which run in a session of their own.
+
+    A rank gets every signal received so far, also one that came before the rank had started (its pid
+    file appears in ``status`` once it runs); SIGUSR1 stays SIGUSR1, any other signal asks for a stop
+    (SIGTERM). A second Ctrl-C kills every rank at once, without saving.
+    """
+
+    HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
+
+    def __init__(self, status: Path, group: int) -> None:
+        self.status, self.group = status, group
+        self.received: list[int] = []
+        self.delivered: dict[Path, int] = {}  # pid file -> how many of the received signals it got
+        self.aborted = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _SignalRelay:
+        self._previous = {s: signal.signal(s, self._note) for s in self.HANDLED}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+
+    def _note(self, signum: int, frame: FrameType | None) -> None:
+        self.received.append(signum)
+        if self.received.count(signal.SIGINT) > 1 and not self.aborted:
+            self.aborted = True
+            for pid_file in self.status.glob("rank*.pid"):
+                with contextlib.suppress(OSError, ValueError):
+                    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            with contextlib.suppress(OSError):
+                os.killpg(self.group, signal.SIGKILL)
+
+    def deliver(self) -> None:
+        """Send each rank the signals received since it was last sent any."""
+        if not self.received:
+            return
+        for pid_file in sorted(self.status.glob("rank*.pid")):
+            for signum in self.received[self.delivered.get(pid_file, 0) :]:
+                sig = signal.SIGUSR1 if signum == signal.SIGUSR1 else signal.SIGTERM
+                with contextlib.suppress(OSError, ValueError):
+                    os.kill(int(pid_file.read_text()), sig)
+            self.delivered[pid_file] = len(self.received)
+
+
+def _outcome(codes: dict[int, int | None], relay: _SignalRelay) -> int:
+    """The launcher's exit code from each rank's (``None``: killed before it could say)."""
+    if relay.aborted:
         print("aborted by a second Ctrl-C: the ranks were stopped without saving", file=sys.stderr)
         return 128 + signal.SIGINT
     if all(c == 0 for c in codes.values()):
@@ -133,7 +156,7 @@ def launch_mlx(nproc: int, backend: str, worker_args: list[str]) -> int:
         if c != 0
     )
     print(f"error: MLX training failed on {failed}; see the messages above", file=sys.stderr)
-    if received:
+    if relay.received:
         # Signalled, and no checkpoint was committed at the stop: not "saved, start me again".
-        return 128 + received[0]
+        return 128 + relay.received[0]
     return 1
