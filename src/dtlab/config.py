@@ -458,6 +458,19 @@ class ParallelConfig(_Section):
         ge=1,
         description="hsdp: number of replica groups; the shard group size is world / replicate.",
     )
+    tp: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Tensor-parallel degree: each block's attention heads and feed-forward columns, "
+        "and the vocabulary, split over this many ranks; the strategy spreads the batch over the "
+        "world / tp others.",
+    )
+    sequence_parallel: bool = Field(
+        False,
+        description="With tp > 1: norms and residual adds on sequence shards, all-gather and "
+        "reduce-scatter at the tensor-parallel boundaries instead of all-reduce.",
+    )
     compression: Literal["none", "fp16", "bf16", "powersgd", "dct"] = Field(
         "none",
         description="Gradient compression: fp16/bf16 reduce in half precision (ddp, fsdp, hsdp); "
@@ -638,6 +651,7 @@ class Config(_Section):
                 raise ValueError(
                     f"train.demo.topk = {t.demo.topk} is larger than train.demo.chunk_size = {t.demo.chunk_size}"
                 )
+        _check_tp(self)
         if t.engine == "mlx":
             _check_mlx(self)
         elif p.backend in ("ring", "mpi"):
@@ -673,6 +687,50 @@ class Config(_Section):
 
     def to_yaml(self) -> str:
         return dump_yaml(self.to_dict())
+
+
+def _check_tp(c: Config) -> None:
+    """What tensor parallelism needs of the model and the rest of the config."""
+    m, p, t = c.model, c.parallel, c.train
+    tp = p.tp
+    if tp == 1:
+        if p.sequence_parallel:
+            raise ValueError(
+                "parallel.sequence_parallel = true splits the sequence over the tensor-parallel ranks; "
+                "it needs parallel.tp > 1 (got 1)"
+            )
+        return
+    splits = {
+        "model.n_heads": m.n_heads,
+        "model.n_kv_heads": m.kv_heads,
+        "model.ffn_dim": m.hidden_dim,
+        "model.vocab_size": m.vocab_size,
+    }
+    if p.sequence_parallel:
+        splits["data.seq_len"] = c.seq_len
+    for key, value in splits.items():
+        if value % tp:
+            fits = [k for k in range(1, value + 1) if value % k == 0 and k <= 64]
+            raise ValueError(
+                f"{key} = {value} is not divisible by parallel.tp = {tp}: each tensor-parallel rank "
+                f"takes an equal part (tp values that divide it: {', '.join(map(str, fits[-6:]))})"
+            )
+    # key: (refused, the value as written, what is allowed)
+    refused: dict[str, tuple[bool, str, str]] = {
+        "model.tie_embeddings": (m.tie_embeddings, "true", "false"),
+        "parallel.compression": (
+            p.compression in ("powersgd", "dct"),
+            repr(p.compression),
+            "none, fp16, bf16",
+        ),
+        "train.optimizer": (t.optimizer == "demo", "'demo'", "adamw"),
+        "train.engine": (t.engine == "mlx", "'mlx'", "torch"),
+    }
+    for key, (bad, shown, allowed) in refused.items():
+        if bad:
+            raise ValueError(
+                f"{key} = {shown} is not supported with parallel.tp = {tp} (allowed: {allowed})"
+            )
 
 
 def _check_mlx(c: Config) -> None:

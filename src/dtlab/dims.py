@@ -17,6 +17,12 @@ FSDP2 replicates over a mesh's first dimension and shards over its second, so sh
 ``fully_shard`` on a (world, 1) mesh: the same degrees as DDP, another wrapper. DDP all-reduces over the
 default process group; its mesh is there for what needs one.
 
+``parallel.tp`` (tensor parallelism) splits each block's matrices over ``tp`` ranks; the strategy then
+maps the remaining ``world / tp`` ranks onto the data-parallel degrees as above, and the mesh gains an
+innermost ``tp`` dimension. DistributedDataParallel does not take tensor-parallel (DTensor) parameters,
+so ``ddp`` with ``tp`` > 1 replicates through FSDP2 on a (replicas, 1) data-parallel mesh: the same
+training, FSDP's wrapper. ``single`` with ``tp`` > 1 is tensor parallelism alone.
+
 This module imports neither the config (the config's own checks use it) nor, until a mesh is built, torch.
 """
 
@@ -71,6 +77,8 @@ class _ParallelSection(Protocol):
     def sharding(self) -> str: ...
     @property
     def replicate(self) -> int | None: ...
+    @property
+    def tp(self) -> int: ...
 
 
 class _HasParallel(Protocol):
@@ -96,7 +104,7 @@ class ParallelDims:
 
     dp_replicate: int = 1  # data-parallel replicas (DDP's ranks, HSDP's replica groups)
     dp_shard: int = 1  # ranks each data-parallel replica's parameters are sharded over (FSDP)
-    tp: int = 1  # tensor parallel; 1: not configurable yet
+    tp: int = 1  # tensor parallel: each block's matrices split over this many ranks
     pp: int = 1  # pipeline stages; 1: not configurable yet
     wrapper: DPWrapper = DPWrapper.NONE
     # The mesh's dimensions, outermost first. A dimension of degree 1 may be one (HSDP with one replica
@@ -119,11 +127,13 @@ class ParallelDims:
             raise ValueError(
                 f"degrees {left_out} are above 1 but not dimensions of {self.mesh_dims}"
             )
-        if (self.wrapper is DPWrapper.NONE) != (not self.mesh_dims):
+        if (self.wrapper is DPWrapper.NONE and self.world_size == 1) != (not self.mesh_dims):
             raise ValueError(
                 f"wrapper {self.wrapper.value} with mesh_dims = {self.mesh_dims}: only a run without "
                 "a process group (wrapper none, one process) has no mesh"
             )
+        if self.wrapper is DPWrapper.NONE and self.dp > 1:
+            raise ValueError(f"{self.dp} data-parallel ranks need a wrapper (ddp or fsdp)")
         if self.wrapper is DPWrapper.DDP and self.dp_shard > 1:
             raise ValueError(f"DDP replicates whole parameters; dp_shard = {self.dp_shard}")
 
@@ -134,12 +144,39 @@ class ParallelDims:
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
         p = config.parallel
+        tp = p.tp
+        if world_size % tp:
+            raise ConfigError(
+                f"parallel.tp = {tp} does not divide the world size {world_size}: use a multiple of "
+                f"{tp} processes, or a tp that divides {world_size}"
+            )
+        dp = cls._data_parallel(config, world_size // tp)
+        if tp == 1:
+            return dp
+        # Tensor parallelism: an innermost tp dimension; DDP replicates through FSDP2 (see above).
+        dp_dims = ("dp_replicate", "dp_shard") if dp.wrapper is DPWrapper.DDP else dp.mesh_dims
+        return cls(
+            dp.dp_replicate, dp.dp_shard, tp=tp,
+            wrapper=DPWrapper.FSDP if dp.wrapper is DPWrapper.DDP else dp.wrapper,
+            mesh_dims=(*dp_dims, "tp"),
+        )  # fmt: skip
+
+    @classmethod
+    def _data_parallel(cls, config: _HasParallel, world_size: int) -> ParallelDims:
+        """The data-parallel degrees of ``world_size`` data-parallel ranks (tp = 1)."""
+        p = config.parallel
         wrapper = DPWrapper.of(p.strategy)
         if wrapper is DPWrapper.NONE:
-            if world_size > 1:
+            if world_size > 1 and p.tp == 1:
                 raise ConfigError(
                     f"parallel.strategy = 'single' runs one process, but {world_size} were asked for; "
                     "use --set parallel.strategy=ddp (or fsdp, hsdp) for several, or --nproc 1"
+                )
+            if world_size > 1:
+                raise ConfigError(
+                    f"parallel.strategy = 'single' has no data parallelism, but {world_size * p.tp} "
+                    f"processes with parallel.tp = {p.tp} make {world_size} data-parallel ranks; use "
+                    f"--set parallel.strategy=ddp (or fsdp, hsdp) for those, or --nproc {p.tp}"
                 )
             return cls()
         if wrapper is DPWrapper.DDP:
@@ -167,7 +204,7 @@ class ParallelDims:
     def min_world_size(config: _HasParallel) -> int:
         """The fewest processes ``config``'s degrees can run on: one per replica group for hsdp."""
         p = config.parallel
-        return (p.replicate or 1) if p.strategy == "hsdp" else 1
+        return ((p.replicate or 1) if p.strategy == "hsdp" else 1) * p.tp
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -186,7 +223,31 @@ class ParallelDims:
     @property
     def distributed(self) -> bool:
         """A process group is needed (DDP and FSDP make one even on one process)."""
-        return self.wrapper is not DPWrapper.NONE
+        return self.wrapper is not DPWrapper.NONE or self.world_size > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        """The blocks' matrices are split over more than one rank (tensor parallelism)."""
+        return self.tp > 1
+
+    @property
+    def dp_mesh_dims(self) -> tuple[str, ...]:
+        """The mesh dimensions data parallelism spans (FSDP's mesh), outermost first."""
+        return tuple(n for n in self.mesh_dims if n in ("dp_replicate", "dp_shard"))
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Where global rank ``rank`` sits along each dimension (ranks fill the mesh row-major over
+        :data:`DIM_NAMES`, as ``init_device_mesh`` lays them out)."""
+        out: dict[str, int] = {}
+        for name in reversed(DIM_NAMES):
+            k = self.degrees[name]
+            out[name], rank = rank % k, rank // k
+        return {n: out[n] for n in DIM_NAMES}
+
+    def dp_rank(self, rank: int) -> int:
+        """Global rank ``rank``'s index among the data-parallel ranks: which share of the batch it reads."""
+        c = self.coordinates(rank)
+        return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
 
     @property
     def ddp_enabled(self) -> bool:
@@ -216,6 +277,11 @@ class ParallelDims:
     @property
     def mesh_shape(self) -> tuple[int, ...]:
         return tuple(self.degrees[n] for n in self.mesh_dims)
+
+    def mesh(self, device_type: str, *dims: str) -> DeviceMesh:
+        """The submesh over ``dims`` (the whole mesh without any)."""
+        mesh = self.build_mesh(device_type)
+        return mesh if not dims or dims == self.mesh_dims else mesh[dims]
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The device mesh over ``mesh_dims`` (built on first use, then the same object). Needs the

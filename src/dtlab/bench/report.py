@@ -277,6 +277,16 @@ def report_markdown(results: dict[str, Any], plot_paths: list[Path]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _table_head(*columns: str) -> list[str]:
+    """A Markdown table's header row and its separator."""
+    return [_table_row(*columns), "|" + "---|" * len(columns)]
+
+
+def _table_row(*cells: str) -> str:
+    """One Markdown table row."""
+    return "| " + " | ".join(cells) + " |"
+
+
 def _runs_table(results: dict[str, Any]) -> list[str]:
     rows = results["rows"]
     r0 = rows[0]
@@ -286,18 +296,25 @@ def _runs_table(results: dict[str, Any]) -> list[str]:
         f"device {r0['device']}. Times are medians (min-max) over the timed steps; tokens/s counts all ranks; "
         "MFU is against the peak named in the last column.",
         "",
-        "| run | step s (min-max) | tokens/s | MFU | peak mem MiB | comm MiB/step (pred.) | comm s | CPU util | final loss | peak source |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+        *_table_head(
+            "run", "step s (min-max)", "tokens/s", "MFU", "peak mem MiB", "comm MiB/step (pred.)",
+            "comm s", "CPU util", "final loss", "peak source",
+        ),
+    ]  # fmt: skip
     for r in rows:
         mfu = format_mfu(r["mfu"], r["peak_flops_source"])
         comm_t = "-" if r["comm_time_s"] is None else f"{r['comm_time_s']:.3f}"
-        lines.append(
-            f"| {label(r)} | {r['step_time_s']:.3f} ({r['step_time_min_s']:.3f}-{r['step_time_max_s']:.3f}) "
-            f"| {r['tokens_per_s']:,.0f} | {mfu} | {r['peak_memory_bytes'] / MIB:,.0f} "
-            f"| {r['comm_bytes_per_step'] / MIB:.2f} ({r['comm_bytes_per_step_predicted'] / MIB:.2f}) "
-            f"| {comm_t} | {r['cpu_util']:.0%} | {r['loss_final']:.4f} | {r['peak_flops_source']} |"
+        step = f"{r['step_time_s']:.3f} ({r['step_time_min_s']:.3f}-{r['step_time_max_s']:.3f})"
+        comm = (
+            f"{r['comm_bytes_per_step'] / MIB:.2f} ({r['comm_bytes_per_step_predicted'] / MIB:.2f})"
         )
+        lines.append(
+            _table_row(
+                label(r), step, f"{r['tokens_per_s']:,.0f}", mfu,
+                f"{r['peak_memory_bytes'] / MIB:,.0f}", comm, comm_t, f"{r['cpu_util']:.0%}",
+                f"{r['loss_final']:.4f}", r["peak_flops_source"],
+            )
+        )  # fmt: skip
     return lines
 
 
@@ -308,28 +325,31 @@ def _memory_table(rows: list[dict[str, Any]]) -> list[str]:
         "",
         f"The peak is {PEAK_NOTE}; `{UNMODELLED}` is the peak less the four parts.",
         "",
-        "| run | params MiB | grads MiB | optimizer MiB | activations MiB (pred. error) "
-        f"| {UNMODELLED} MiB | peak MiB |",
-        "|---|---|---|---|---|---|---|",
-    ]
+        *_table_head(
+            "run", "params MiB", "grads MiB", "optimizer MiB", "activations MiB (pred. error)",
+            f"{UNMODELLED} MiB", "peak MiB",
+        ),
+    ]  # fmt: skip
     rest = dict(memory_segments(rows))[UNMODELLED]
     for r, other in zip(rows, rest, strict=True):
         s = r["state_bytes"]
-        lines.append(
-            f"| {label(r)} | {s['params_bytes'] / MIB:.2f} | {s['grads_bytes'] / MIB:.2f} "
-            f"| {s['optimizer_bytes'] / MIB:.2f} | {r['activation_bytes'] / MIB:.2f} "
-            f"({_pct(r['activation_bytes_predicted'], r['activation_bytes'])}) "
-            f"| {other:,.2f} | {r['peak_memory_bytes'] / MIB:,.0f} |"
+        act = (
+            f"{r['activation_bytes'] / MIB:.2f} "
+            f"({_pct(r['activation_bytes_predicted'], r['activation_bytes'])})"
         )
+        state = [s[k] / MIB for k in ("params_bytes", "grads_bytes", "optimizer_bytes")]
+        lines.append(
+            _table_row(
+                label(r), *(f"{b:.2f}" for b in state), act, f"{other:,.2f}",
+                f"{r['peak_memory_bytes'] / MIB:,.0f}",
+            )
+        )  # fmt: skip
     return lines
 
 
 def _collectives_table(rows: list[dict[str, Any]]) -> list[str]:
     lines = ["", "## Collectives per step (one rank; measured vs predicted bytes)", ""]
-    lines += [
-        "| run | collective | calls | measured MiB | predicted MiB |",
-        "|---|---|---|---|---|",
-    ]
+    lines += _table_head("run", "collective", "calls", "measured MiB", "predicted MiB")
     for r in rows:
         for name, c in r["comm_by_collective"].items():
             pred = r["comm_by_collective_predicted"].get(name)
@@ -406,8 +426,9 @@ def compression_table(rows: list[dict[str, Any]]) -> list[str]:
         "",
         "## Compression",
         "",
-        f"| run | bytes sent / step / rank | less than plain | final loss ({tail}) | vs plain |",
-        "|---|---|---|---|---|",
+        *_table_head(
+            "run", "bytes sent / step / rank", "less than plain", f"final loss ({tail})", "vs plain"
+        ),
     ]
     for r in rows:
         if r["nproc"] == 1:

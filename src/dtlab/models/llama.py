@@ -61,9 +61,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        q = apply_rope(self.wq(x).view(B, T, self.n_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.wk(x).view(B, T, self.n_kv_heads, self.head_dim), cos, sin)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        # -1 heads: under tensor parallelism each rank computes its share of the (kv) heads.
+        q = apply_rope(self.wq(x).view(B, T, -1, self.head_dim), cos, sin)
+        k = apply_rope(self.wk(x).view(B, T, -1, self.head_dim), cos, sin)
+        v = self.wv(x).view(B, T, -1, self.head_dim)
         # [B, H, T, D]; enable_gqa lets each group of query heads share one key/value head without a copy.
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),

@@ -1,8 +1,9 @@
 """Parallelism applied to a plain model by functions.
 
-Order (see :func:`parallelize`): activation checkpointing, then compile, then FSDP on the meta model,
-then materialisation, then DDP. AC and compile wrap single blocks and must see the unsharded block;
-FSDP must shard before memory is allocated; DDP needs real weights to broadcast.
+Order (see :func:`parallelize`): tensor parallelism, activation checkpointing, then compile, then FSDP
+on the meta model, then materialisation, then DDP. TP splits the plain modules by their names; AC and
+compile wrap single blocks (already split) and must see the unsharded block; FSDP must shard before
+memory is allocated; DDP needs real weights to broadcast.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,16 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
@@ -39,6 +49,83 @@ def plain_name(name: str) -> str:
     for prefix in _WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
     return name
+
+
+# --- tensor and sequence parallelism ----------------------------------------------------------------
+class _Replicated(ParallelStyle):
+    """A module whose parameters every tensor-parallel rank holds whole (the norms without sequence
+    parallelism): parameters become replicated DTensors, so that the optimizer and the gradient norm
+    see one kind of tensor, and the module's plain input and output stay plain."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def to_dtensor(
+            mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh
+        ) -> tuple[Any, ...]:
+            return tuple(
+                DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+                else x
+                for x in inputs
+            )
+
+        def to_local(mod: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
+            return output.to_local() if isinstance(output, DTensor) else output
+
+        # torch's annotation says None, but a pre-hook's return value replaces the inputs.
+        return distribute_module(
+            module,
+            device_mesh,
+            input_fn=to_dtensor,  # type: ignore[arg-type]
+            output_fn=to_local,
+        )
+
+
+def apply_tp(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Split the model over the tensor-parallel ``mesh`` (Megatron's layout, with DTensor).
+
+    Column-wise (output features split): wq, wk, wv, w1, w3, and the output projection, whose logits
+    stay split over the vocabulary for :func:`loss_parallel`. Row-wise (input features split, the
+    partial results summed): wo and w2, and the embedding (split over the vocabulary). Attention and
+    grouped kv heads follow the column split, so each rank computes ``n_heads / tp`` heads. With
+    ``sequence_parallel`` the norms and residual adds run on sequence shards: the row-wise outputs are
+    reduce-scattered over the sequence and gathered again before the next column-wise layer, instead
+    of all-reduced.
+    """
+    seq = Shard(1) if sequence_parallel else Replicate()
+    norm: ParallelStyle = SequenceParallel() if sequence_parallel else _Replicated()
+    parallelize_module(
+        model,
+        mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+            "norm": norm,
+            "output": ColwiseParallel(
+                input_layouts=seq, output_layouts=Shard(-1), use_local_output=False
+            ),
+        },
+    )
+    for block in model.layers:
+        plan: dict[str, ParallelStyle] = {
+            "attention_norm": norm,
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=seq),
+            "ffn_norm": norm,
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+            "feed_forward.w3": ColwiseParallel(),
+        }
+        if sequence_parallel:
+            # The norms hand on sequence shards; attention and the feed-forward need the whole sequence.
+            plan["attention"] = PrepareModuleInput(
+                input_layouts=(Shard(1), None, None),
+                desired_input_layouts=(Replicate(), None, None),
+            )
+            plan["feed_forward"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            )
+        parallelize_module(block, mesh, plan)  # type: ignore[arg-type]
 
 
 # --- activation checkpointing ----------------------------------------------------------------------
@@ -148,6 +235,11 @@ class ParallelModel:
     dims: ParallelDims  # how it was wrapped
     compression: CompressionState  # the hook's state between steps (part of the checkpoint)
 
+    def loss_context(self) -> AbstractContextManager[Any]:
+        """Where the loss is computed and back-propagated: with tensor parallelism, the logits are
+        split over the vocabulary and the cross-entropy is computed without gathering them."""
+        return loss_parallel() if self.dims.tp_enabled else nullcontext()
+
     def _ledger_name(self, enabled: bool) -> tuple[str, str]:
         """The ledger's name for the collectives torch issues in a micro-batch ('' records nothing)."""
         if isinstance(self.module, DistributedDataParallel):
@@ -183,17 +275,49 @@ class ParallelModel:
                 with nullcontext():
                     yield
 
+    def settle_gradients(self) -> None:
+        """Sum the gradients backward left as partial sums over ranks, in one all-reduce per mesh
+        dimension.
+
+        Sequence parallelism leaves them on its norms' weights (each rank's sequence shard gives a part
+        of the sum). FSDP settles its own in its reduce-scatter; without it, this does, so that the
+        gradient norm and the optimizer see whole gradients.
+        """
+        groups: dict[tuple[int, int], list[nn.Parameter]] = {}
+        for p in self.module.parameters():
+            g = p.grad
+            if isinstance(g, DTensor):
+                for dim, placement in enumerate(g.placements):
+                    if placement.is_partial():
+                        groups.setdefault((id(g.device_mesh), dim), []).append(p)
+        for (_, dim), params in groups.items():
+            grads = [p.grad for p in params if isinstance(p.grad, DTensor)]
+            mesh = grads[0].device_mesh
+            flat = torch.cat([g.to_local().flatten() for g in grads])
+            with recorded("partial gradients all_reduce", "all_reduce", flat):
+                torch.distributed.all_reduce(flat, group=mesh.get_group(dim))
+            for p, g, part in zip(
+                params, grads, flat.split([g.to_local().numel() for g in grads]), strict=True
+            ):
+                placements = [Replicate() if i == dim else q for i, q in enumerate(g.placements)]
+                p.grad = DTensor.from_local(
+                    part.view_as(g.to_local()), mesh, placements, run_check=False
+                )
+
 
 def parallelize(model: Transformer, config: Config, dist_info: DistInfo) -> ParallelModel:
     """Apply this world's parallel degrees (``dist_info.dims``) to a meta-device model and materialise it."""
     t, dims = config.train, dist_info.dims
+    device_type = dist_info.device.type
+    if dims.tp_enabled:
+        apply_tp(model, dims.mesh(device_type, "tp"), config.parallel.sequence_parallel)
     apply_ac(model, t.activation_checkpointing)
     if t.compile:
         apply_compile(model)
     if dims.fsdp_enabled:
         apply_fsdp(
             model,
-            dims.build_mesh(dist_info.device.type),
+            dims.mesh(device_type, *dims.dp_mesh_dims),
             config.parallel.sharding,
             reduce_dtype(config),
         )

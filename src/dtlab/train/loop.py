@@ -82,6 +82,7 @@ def train_step(
     if scaler.enabled:
         pm.compression.set_scale(scaler.scale)  # hooks keep their state in unscaled units
     loss_sum = accumulate_gradients(pm, scaler, micro_batches, config, device, inject_nan)
+    pm.settle_gradients()
     params = [p for p in pm.module.parameters() if p.grad is not None]
     found = scaler.unscale_(params)  # this rank's overflow flag (fp16), no collective
     local = pm.compression.local_gradients  # each rank's own gradients (DeMo)
@@ -133,14 +134,15 @@ def accumulate_gradients(
             targets.to(device, non_blocking=True),
         )
         # Only the last micro-batch synchronises gradients; the others accumulate locally.
-        with pm.grad_sync(i == accum - 1):
+        with pm.grad_sync(i == accum - 1), pm.loss_context():
             # Every micro-batch has the same number of tokens, so mean/accum summed over micro-batches and
             # averaged over ranks is the mean over every token of the global batch.
             loss = forward_loss(pm.module, inputs, targets, config.train.precision, device) / accum
             if inject_nan:
                 loss = loss * float("nan")
             scaler.scale_loss(loss).backward()
-        loss_sum += loss.detach()
+        # Tensor parallel: the loss is a replicated DTensor, the same on every rank of the group.
+        loss_sum += loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach()  # type: ignore[attr-defined]
     return loss_sum
 
 
@@ -208,9 +210,12 @@ def _norm_parts(grads: list[torch.Tensor], world: int) -> tuple[torch.Tensor, to
     if not any(isinstance(g, DTensor) for g in grads):
         return _sum_sq(grads), None
     sq = _squares([g.to_local() if isinstance(g, DTensor) else g for g in grads])
-    # Plain gradients beside DTensors are replicated on every rank; a shard on its replicas' ranks.
+    # Plain gradients beside DTensors are replicated on every rank; a shard on its replicas' ranks
+    # (those of its mesh, and every rank outside it: a tensor-parallel mesh spans a part of the world).
     copies = [
-        math.prod(g.device_mesh.size(i) for i, p in enumerate(g.placements) if p.is_replicate())
+        world
+        // g.device_mesh.size()
+        * math.prod(g.device_mesh.size(i) for i, p in enumerate(g.placements) if p.is_replicate())
         if isinstance(g, DTensor)
         else world
         for g in grads
@@ -256,9 +261,9 @@ class Training:
 
 def build_training(config: Config, d: DistInfo) -> Training:
     """Build every part of training for this rank, in the order that matters."""
-    t = config.train
-    accum = check_batch_split(config, d.world_size)
-    micro = t.global_batch_size // (accum * d.world_size)
+    t, dp = config.train, d.dims.dp  # the batch is split over the data-parallel ranks only
+    accum = check_batch_split(config, dp)
+    micro = t.global_batch_size // (accum * dp)
     source = build_source(config)
     model = build_model(config.model)  # on the meta device: nothing allocated yet
     pm = parallelize(model, config, d)
@@ -266,7 +271,7 @@ def build_training(config: Config, d: DistInfo) -> Training:
     optimizer = build_optimizer(pm.module, t)
     loader = BatchLoader(
         source,
-        BatchLayout(t.global_batch_size, d.rank, d.world_size, micro),
+        BatchLayout(t.global_batch_size, d.dims.dp_rank(d.rank), dp, micro),
         prefetch=config.data.prefetch,
         pin_memory=d.device.type == "cuda",
     )
@@ -300,7 +305,7 @@ def train(config: Config) -> dict[str, Any]:
 
 def _train(config: Config, d: DistInfo) -> dict[str, Any]:
     setup_logging(d.rank, d.world_size)
-    check_batch_split(config, d.world_size)  # before the run directory is created; degrees: d.dims
+    check_batch_split(config, d.dims.dp)  # before the run directory is created; degrees: d.dims
     faults = Faults.from_env(d.rank)
     run_dir, lock = resolve_run_dir(config, d)
     signals = StopSignals()
@@ -326,7 +331,9 @@ class TorchEngine:
         self.tr = build_training(config, d)
         self.loader, self.accum, self.micro = self.tr.loader, self.tr.accum, self.tr.micro
         self.params = count_params(self.tr.model)
-        self.layout = f"{config.parallel.strategy} x {d.world_size}"
+        self.layout = f"{config.parallel.strategy} x {d.world_size}" + (
+            f" (tp {d.dims.tp})" if d.dims.tp_enabled else ""
+        )
         self.device = d.device.type
         self.states: dict[str, Stateful] = {}
         self.per_rank: tuple[str, ...] = ()

@@ -243,10 +243,11 @@ def _start(r: _Run) -> tuple[int | None, list[dict[str, Any]]]:
 def _announce(r: _Run) -> None:
     """The start lines: what trains where, the data it will see, and the warnings (rank 0)."""
     config, engine, t = r.config, r.engine, r.config.train
-    world = engine.coord.world_size
+    # The ranks the batch is split over: all of them, less tensor parallelism's (they share samples).
+    dp = t.global_batch_size // (engine.accum * engine.micro)
     logger.info(
         "training %.2fM params | %s on %s | global batch %d = %d ranks x %d micro-batches x %d | %d steps | run dir %s",
-        engine.params / 1e6, engine.layout, engine.device, t.global_batch_size, world, engine.accum, engine.micro,
+        engine.params / 1e6, engine.layout, engine.device, t.global_batch_size, dp, engine.accum, engine.micro,
         t.steps, r.run_dir,
     )  # fmt: skip
     if engine.coord.is_main:
