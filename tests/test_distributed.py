@@ -7,25 +7,7 @@ from typing import Any
 
 import pytest
 
-from conftest import train_run
-
-# float32 reduction-order noise over 12 steps stays far below this.
-TOL = 1e-4
-
-
-def assert_same_training(run: list[dict[str, Any]], ref: list[dict[str, Any]]) -> None:
-    assert [m["step"] for m in run] == [m["step"] for m in ref]
-    for m, r in zip(run, ref, strict=True):
-        assert m["loss"] == pytest.approx(r["loss"], abs=TOL), (
-            f"step {m['step']}: loss {m['loss']} vs reference {r['loss']}"
-        )
-        assert m["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-3, abs=TOL), (
-            f"step {m['step']}: grad_norm"
-        )
-        assert m["lr"] == pytest.approx(r["lr"], rel=1e-9)
-        assert m["tokens"] == r["tokens"]
-    # And it really trains: a clear fall over 12 steps on the learnable synthetic chains.
-    assert run[-1]["loss"] < run[0]["loss"] - 0.3
+from conftest import CLIP, TOL, assert_same_training, train_run
 
 
 def test_reference_trains(reference_run: list[dict[str, Any]]) -> None:
@@ -51,17 +33,6 @@ def test_strategy_matches_single_process(
 ) -> None:
     run = train_run(tmp_path / name, *overrides, nproc=nproc)
     assert_same_training(run, reference_run)
-
-
-@pytest.fixture(scope="module")
-def clipped_reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """One process with a clip below every step's gradient norm: clipping is active on every step."""
-    run = train_run(tmp_path_factory.mktemp("clipped"), f"train.grad_clip={CLIP}")
-    assert all(m["grad_norm"] > CLIP for m in run), [m["grad_norm"] for m in run]
-    return run
-
-
-CLIP = 0.1
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,12 @@ from dtlab.config import Config
 from dtlab.dims import ParallelDims
 from dtlab.errors import ConfigError, DtlabError
 from dtlab.parallel.ledger import recorded, stop_ledger
+from dtlab.runtime.status import is_worker_env
+
+__all__ = [
+    "DistInfo", "decide_on_rank0", "destroy_distributed", "init_distributed", "is_worker_env",
+    "reduce_scalar", "resolve_device",
+]  # fmt: skip
 
 T = TypeVar("T")
 
@@ -40,13 +46,6 @@ class DistInfo:
         """``fn()`` on rank 0; every rank gets its result, or its DtlabError raised (see
         :func:`decide_on_rank0`)."""
         return decide_on_rank0(fn, self)
-
-
-def is_worker_env() -> bool:
-    """True when a launcher (torchrun, dtlab's elastic launcher) started this process as a worker."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or (
-        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
-    )
 
 
 def _free_port() -> int:

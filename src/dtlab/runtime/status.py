@@ -13,6 +13,13 @@ STATUS_ENV = "DTLAB_MLX_STATUS_DIR"
 WORKER_ENVS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 
 
+def is_worker_env() -> bool:
+    """True when a launcher (torchrun, dtlab's elastic launcher) started this process as a torch worker."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+    )
+
+
 def is_mlx_worker() -> bool:
     """True in a process that ``mlx.launch`` (ring) or ``mpirun`` started as one rank."""
     return any(k in os.environ for k in WORKER_ENVS)
