@@ -83,7 +83,7 @@ def test_init_is_deterministic_and_really_runs() -> None:
     for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
         torch.testing.assert_close(pa, pb)
         assert torch.isfinite(pa).all(), name
-    assert a.layers[0].attention.wq.weight.std().item() == pytest.approx(0.02, rel=0.1)
+    assert a.layers["0"].attention.wq.weight.std().item() == pytest.approx(0.02, rel=0.1)
     assert torch.equal(a.norm.weight, torch.ones_like(a.norm.weight))
 
 

@@ -101,5 +101,5 @@ def test_tp_must_divide_the_world(tmp_path: Path) -> None:
     proc = run_cli("train", "--nproc", "3", "--set", *FAST, "parallel.tp=2",
                    "parallel.strategy=ddp", f"run.dir={tmp_path / 'r'}", env=cli_env())  # fmt: skip
     assert proc.returncode == 2
-    assert "parallel.tp = 2 does not divide the world size 3" in proc.stderr
+    assert "parallel.tp = 2 x parallel.pp = 1 does not divide the world size 3" in proc.stderr
     assert not (tmp_path / "r").exists()

@@ -466,6 +466,33 @@ class ParallelConfig(_Section):
         "and the vocabulary, split over this many ranks; the strategy spreads the batch over the "
         "world / tp others.",
     )
+    pp: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Pipeline-parallel degree: the blocks split into stages over this many ranks "
+        "(the embedding in the first stage, the norm, output and loss in the last).",
+    )
+    pp_schedule: Literal[
+        "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"
+    ] = Field(
+        "1f1b",
+        description="Pipeline schedule (torch.distributed.pipelining): gpipe and 1f1b run one stage "
+        "per rank; interleaved_1f1b, looped_bfs and interleaved_zb (zero bubble) several "
+        "(pp_stages_per_rank); zbv and dualpipev two per rank in a V.",
+    )
+    pp_microbatches: int | None = Field(
+        None,
+        ge=1,
+        description="Pipeline micro-batches per step on each data-parallel rank; null = the "
+        "accumulation steps (train.micro_batch_size) if set, else pp. Must divide the rank's batch.",
+    )
+    pp_stages_per_rank: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description="Stages each pipeline rank holds; null = 1 for gpipe/1f1b, 2 for the others.",
+    )
     sequence_parallel: bool = Field(
         False,
         description="With tp > 1: norms and residual adds on sequence shards, all-gather and "
@@ -477,6 +504,14 @@ class ParallelConfig(_Section):
         "powersgd and dct compress DDP's gradient buckets.",
     )
     compression_options: CompressionOptions = Field(default_factory=CompressionOptions)  # type: ignore[arg-type]
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Pipeline stages on each pipeline rank (``pp_stages_per_rank`` resolved)."""
+        if self.pp_stages_per_rank is not None:
+            return self.pp_stages_per_rank
+        return 1 if self.pp_schedule in SINGLE_STAGE_SCHEDULES else 2
+
     backend: Literal["auto", "gloo", "nccl", "ring", "mpi"] = Field(
         "auto",
         description="auto: nccl on CUDA, gloo on CPU; engine mlx: ring (auto) or mpi.",
@@ -652,6 +687,7 @@ class Config(_Section):
                     f"train.demo.topk = {t.demo.topk} is larger than train.demo.chunk_size = {t.demo.chunk_size}"
                 )
         _check_tp(self)
+        _check_pp(self)
         if t.engine == "mlx":
             _check_mlx(self)
         elif p.backend in ("ring", "mpi"):
@@ -687,6 +723,67 @@ class Config(_Section):
 
     def to_yaml(self) -> str:
         return dump_yaml(self.to_dict())
+
+
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # one stage per rank
+V_SCHEDULES = ("zbv", "dualpipev")  # two stages per rank, placed in a V
+
+
+def _check_pp(c: Config) -> None:
+    """What pipeline parallelism needs of the model and the rest of the config."""
+    m, p, t = c.model, c.parallel, c.train
+    if p.pp == 1:
+        return
+    v = p.stages_per_rank
+    if p.pp_schedule in SINGLE_STAGE_SCHEDULES and v != 1:
+        raise ValueError(
+            f"parallel.pp_schedule = {p.pp_schedule!r} runs one stage per rank; "
+            f"parallel.pp_stages_per_rank = {v} (allowed: 1, or a schedule for several: "
+            "interleaved_1f1b, looped_bfs, interleaved_zb)"
+        )
+    if p.pp_schedule in V_SCHEDULES and v != 2:
+        raise ValueError(
+            f"parallel.pp_schedule = {p.pp_schedule!r} places two stages per rank in a V; "
+            f"parallel.pp_stages_per_rank = {v} (allowed: 2)"
+        )
+    if p.pp * v > m.n_layers:
+        raise ValueError(
+            f"parallel.pp = {p.pp} x {v} stages per rank = {p.pp * v} stages, but model.n_layers = "
+            f"{m.n_layers}: each stage needs at least one block"
+        )
+    refused: dict[str, tuple[bool, str, str]] = {
+        "model.tie_embeddings": (m.tie_embeddings, "true", "false"),
+        "train.precision": (t.precision == "fp16", "'fp16'", "fp32, bf16"),
+        "train.optimizer": (t.optimizer == "demo", "'demo'", "adamw"),
+        "parallel.compression": (p.compression != "none", repr(p.compression), "none"),
+        "parallel.tp": (p.tp > 1, str(p.tp), "1"),
+        "train.engine": (t.engine == "mlx", "'mlx'", "torch"),
+    }
+    for key, (bad, shown, allowed) in refused.items():
+        if bad:
+            raise ValueError(
+                f"{key} = {shown} is not supported with parallel.pp = {p.pp} (allowed: {allowed})"
+            )
+
+
+def pipeline_microbatches(config: Config, dp: int) -> int:
+    """Pipeline micro-batches per step on each of ``dp`` data-parallel ranks (``parallel.pp`` > 1);
+    a ConfigError when they do not split the rank's share of the batch."""
+    p, t = config.parallel, config.train
+    share = t.global_batch_size // dp
+    if p.pp_microbatches is not None:
+        n, key = p.pp_microbatches, f"parallel.pp_microbatches = {p.pp_microbatches}"
+    elif t.micro_batch_size is not None:
+        n, key = share // t.micro_batch_size, f"train.micro_batch_size = {t.micro_batch_size}"
+    else:
+        n, key = p.pp, f"parallel.pp = {p.pp} (the default micro-batch count)"
+    if n < 1 or share % n:
+        raise ConfigError(
+            f"{key}: {n} pipeline micro-batches do not split each data-parallel rank's {share} "
+            f"samples (train.global_batch_size = {t.global_batch_size} over {dp} ranks); use "
+            "parallel.pp_microbatches that divides it"
+        )
+    return n
 
 
 def _check_tp(c: Config) -> None:
@@ -787,7 +884,10 @@ def check_world(config: Config, world_size: int) -> int:
     (``init_distributed``).
     """
     dims = ParallelDims.from_config(config, world_size)
-    return check_batch_split(config, dims.dp)
+    accum = check_batch_split(config, dims.dp)
+    if dims.pp_enabled:
+        pipeline_microbatches(config, dims.dp)
+    return accum
 
 
 def check_batch_split(config: Config, world_size: int) -> int:

@@ -17,9 +17,10 @@ FSDP2 replicates over a mesh's first dimension and shards over its second, so sh
 ``fully_shard`` on a (world, 1) mesh: the same degrees as DDP, another wrapper. DDP all-reduces over the
 default process group; its mesh is there for what needs one.
 
-``parallel.tp`` (tensor parallelism) splits each block's matrices over ``tp`` ranks; the strategy then
-maps the remaining ``world / tp`` ranks onto the data-parallel degrees as above, and the mesh gains an
-innermost ``tp`` dimension. DistributedDataParallel does not take tensor-parallel (DTensor) parameters,
+``parallel.tp`` (tensor parallelism) splits each block's matrices over ``tp`` ranks and ``parallel.pp``
+(pipeline parallelism) the blocks into ``pp`` groups of stages; the strategy then maps the remaining
+``world / (tp * pp)`` ranks onto the data-parallel degrees as above, and the mesh gains an innermost
+``tp`` and an outermost ``pp`` dimension. DistributedDataParallel does not take tensor-parallel (DTensor) parameters,
 so ``ddp`` with ``tp`` > 1 replicates through FSDP2 on a (replicas, 1) data-parallel mesh: the same
 training, FSDP's wrapper. ``single`` with ``tp`` > 1 is tensor parallelism alone.
 
@@ -79,6 +80,8 @@ class _ParallelSection(Protocol):
     def replicate(self) -> int | None: ...
     @property
     def tp(self) -> int: ...
+    @property
+    def pp(self) -> int: ...
 
 
 class _HasParallel(Protocol):
@@ -105,7 +108,7 @@ class ParallelDims:
     dp_replicate: int = 1  # data-parallel replicas (DDP's ranks, HSDP's replica groups)
     dp_shard: int = 1  # ranks each data-parallel replica's parameters are sharded over (FSDP)
     tp: int = 1  # tensor parallel: each block's matrices split over this many ranks
-    pp: int = 1  # pipeline stages; 1: not configurable yet
+    pp: int = 1  # pipeline parallel: ranks the blocks are split over, in stages
     wrapper: DPWrapper = DPWrapper.NONE
     # The mesh's dimensions, outermost first. A dimension of degree 1 may be one (HSDP with one replica
     # group, no_shard's shard dimension); every degree above 1 must be.
@@ -144,21 +147,23 @@ class ParallelDims:
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
         p = config.parallel
-        tp = p.tp
-        if world_size % tp:
+        tp, pp = p.tp, p.pp
+        if world_size % (tp * pp):
             raise ConfigError(
-                f"parallel.tp = {tp} does not divide the world size {world_size}: use a multiple of "
-                f"{tp} processes, or a tp that divides {world_size}"
+                f"parallel.tp = {tp} x parallel.pp = {pp} does not divide the world size "
+                f"{world_size}: use a multiple of {tp * pp} processes"
             )
-        dp = cls._data_parallel(config, world_size // tp)
-        if tp == 1:
+        dp = cls._data_parallel(config, world_size // (tp * pp))
+        if tp == 1 and pp == 1:
             return dp
-        # Tensor parallelism: an innermost tp dimension; DDP replicates through FSDP2 (see above).
-        dp_dims = ("dp_replicate", "dp_shard") if dp.wrapper is DPWrapper.DDP else dp.mesh_dims
+        wrapper, dp_dims = dp.wrapper, dp.mesh_dims
+        if (
+            tp > 1 and wrapper is DPWrapper.DDP
+        ):  # DDP takes no DTensor: FSDP2 replicates (see above)
+            wrapper, dp_dims = DPWrapper.FSDP, ("dp_replicate", "dp_shard")
         return cls(
-            dp.dp_replicate, dp.dp_shard, tp=tp,
-            wrapper=DPWrapper.FSDP if dp.wrapper is DPWrapper.DDP else dp.wrapper,
-            mesh_dims=(*dp_dims, "tp"),
+            dp.dp_replicate, dp.dp_shard, tp=tp, pp=pp, wrapper=wrapper,
+            mesh_dims=(*(("pp",) if pp > 1 else ()), *dp_dims, *(("tp",) if tp > 1 else ())),
         )  # fmt: skip
 
     @classmethod
@@ -167,16 +172,18 @@ class ParallelDims:
         p = config.parallel
         wrapper = DPWrapper.of(p.strategy)
         if wrapper is DPWrapper.NONE:
-            if world_size > 1 and p.tp == 1:
+            if world_size > 1 and p.tp == 1 and p.pp == 1:
                 raise ConfigError(
                     f"parallel.strategy = 'single' runs one process, but {world_size} were asked for; "
                     "use --set parallel.strategy=ddp (or fsdp, hsdp) for several, or --nproc 1"
                 )
             if world_size > 1:
+                model = p.tp * p.pp
                 raise ConfigError(
-                    f"parallel.strategy = 'single' has no data parallelism, but {world_size * p.tp} "
-                    f"processes with parallel.tp = {p.tp} make {world_size} data-parallel ranks; use "
-                    f"--set parallel.strategy=ddp (or fsdp, hsdp) for those, or --nproc {p.tp}"
+                    f"parallel.strategy = 'single' has no data parallelism, but {world_size * model} "
+                    f"processes with parallel.tp = {p.tp} and parallel.pp = {p.pp} make {world_size} "
+                    "data-parallel ranks; use --set parallel.strategy=ddp (or fsdp, hsdp) for those, "
+                    f"or --nproc {model}"
                 )
             return cls()
         if wrapper is DPWrapper.DDP:
@@ -204,7 +211,7 @@ class ParallelDims:
     def min_world_size(config: _HasParallel) -> int:
         """The fewest processes ``config``'s degrees can run on: one per replica group for hsdp."""
         p = config.parallel
-        return ((p.replicate or 1) if p.strategy == "hsdp" else 1) * p.tp
+        return ((p.replicate or 1) if p.strategy == "hsdp" else 1) * p.tp * p.pp
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -229,6 +236,11 @@ class ParallelDims:
     def tp_enabled(self) -> bool:
         """The blocks' matrices are split over more than one rank (tensor parallelism)."""
         return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        """The blocks are split into pipeline stages over more than one rank."""
+        return self.pp > 1
 
     @property
     def dp_mesh_dims(self) -> tuple[str, ...]:

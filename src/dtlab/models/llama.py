@@ -100,16 +100,23 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """tokens [B, T] int64 -> logits [B, T, vocab_size]."""
+    """tokens [B, T] int64 -> logits [B, T, vocab_size].
+
+    The blocks are a ``ModuleDict`` keyed by their index, so that a pipeline stage that keeps some of
+    them (:meth:`keep_only`) names each parameter as the whole model does. A stage without the
+    embedding takes hidden states [B, T, dim]; one without the output returns them.
+    """
 
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
+    tok_embeddings: nn.Embedding | None
+    norm: RMSNorm | None
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         # Tied: the output projection reads the embedding matrix in forward rather than sharing a Parameter
         # object, because sharing does not survive to_empty() or wrapping.
@@ -126,13 +133,30 @@ class Transformer(nn.Module):
         if self.args.max_seq_len < T:
             raise ValueError(f"sequence length {T} exceeds max_seq_len {self.args.max_seq_len}")
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
+        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
+        for layer in self.layers.values():
             h = layer(h, cos, sin)
+        if self.norm is None:  # a pipeline stage before the last
+            return h
         h = self.norm(h)
         if self.output is None:
+            assert self.tok_embeddings is not None  # tied: keep_only keeps both or refuses
             return F.linear(h, self.tok_embeddings.weight)
         return self.output(h)
+
+    def keep_only(self, layers: list[int], first: bool, last: bool) -> None:
+        """Make this model a pipeline stage: the blocks ``layers``, the embedding if ``first``, the
+        final norm and output if ``last``; the rest is dropped (on the meta device, before
+        allocation). Parameter names stay the whole model's."""
+        if self.args.tie_embeddings and first != last:
+            raise ValueError("tied embeddings need the embedding and the output in one stage")
+        keep = {str(i) for i in layers}
+        for name in [n for n in self.layers if n not in keep]:
+            del self.layers[name]
+        if not first:
+            self.tok_embeddings = None
+        if not last:
+            self.norm, self.output = None, None
 
     # --- initialisation -------------------------------------------------------------------------
     def init_std(self, name: str) -> float | None:
@@ -192,6 +216,6 @@ def build_model(args: ModelArgs | HasModelArgs, device: str | torch.device = "me
 def count_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
     """Number of parameters (tied weights counted once)."""
     n = sum(p.numel() for p in model.parameters())
-    if exclude_embeddings and isinstance(model, Transformer):
+    if exclude_embeddings and isinstance(model, Transformer) and model.tok_embeddings is not None:
         n -= model.tok_embeddings.weight.numel()
     return n

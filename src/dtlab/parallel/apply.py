@@ -13,7 +13,7 @@ import inspect
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -39,6 +39,9 @@ from dtlab.models.llama import Transformer
 from dtlab.parallel.compression import CompressionState, apply_ddp_compression, reduce_dtype
 from dtlab.parallel.dist import DistInfo
 from dtlab.parallel.ledger import recorded
+
+if TYPE_CHECKING:
+    from dtlab.parallel.pipeline import Pipeline
 
 # Prefixes that wrappers add to parameter names; stripped to get the plain model's names.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
@@ -104,7 +107,7 @@ def apply_tp(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool) -> N
             ),
         },
     )
-    for block in model.layers:
+    for block in model.layers.values():
         plan: dict[str, ParallelStyle] = {
             "attention_norm": norm,
             "attention.wq": ColwiseParallel(),
@@ -155,7 +158,7 @@ def apply_ac(model: Transformer, mode: str) -> None:
     context_fn = functools.partial(
         create_selective_checkpoint_contexts, functools.partial(_selective_policy, _saved_ops())
     )
-    for i, block in enumerate(model.layers):
+    for i, block in model.layers.items():
         if mode == "full":
             model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
         else:
@@ -166,7 +169,7 @@ def apply_ac(model: Transformer, mode: str) -> None:
 
 def apply_compile(model: Transformer) -> None:
     """Compile each block in place (keeps parameter names; blocks share one compiled graph)."""
-    for block in model.layers:
+    for block in model.layers.values():
         block.compile()
 
 
@@ -182,7 +185,7 @@ def apply_fsdp(
     reshard = sharding == "full"
     # Compression fp16/bf16: gradients are reduce-scattered (and all-reduced across replicas) in that dtype.
     mp = MixedPrecisionPolicy(reduce_dtype=reduce_dtype) if reduce_dtype else MixedPrecisionPolicy()
-    for block in model.layers:
+    for block in model.layers.values():
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
 
@@ -234,6 +237,9 @@ class ParallelModel:
     model: Transformer  # the underlying model (same object as module except under DDP)
     dims: ParallelDims  # how it was wrapped
     compression: CompressionState  # the hook's state between steps (part of the checkpoint)
+    # Pipeline parallel: this rank's stages and their schedule (``module`` then only gathers their
+    # parameters under the whole model's names; the schedule runs the stages).
+    pipeline: Pipeline | None = None
 
     def loss_context(self) -> AbstractContextManager[Any]:
         """Where the loss is computed and back-propagated: with tensor parallelism, the logits are
@@ -306,7 +312,22 @@ class ParallelModel:
 
 
 def parallelize(model: Transformer, config: Config, dist_info: DistInfo) -> ParallelModel:
-    """Apply this world's parallel degrees (``dist_info.dims``) to a meta-device model and materialise it."""
+    """Apply this world's parallel degrees (``dist_info.dims``) to a meta-device model and materialise it.
+
+    With pipeline parallelism the model is split into this rank's stages first (``model`` gives only
+    the shape); each stage is parallelised as a model of its own.
+    """
+    dims = dist_info.dims
+    if dims.pp_enabled:
+        return _parallelize_pipeline(model, config, dist_info)
+    module, compression = _parallelize_one(model, config, dist_info)
+    return ParallelModel(module, model, dims, compression)
+
+
+def _parallelize_one(
+    model: Transformer, config: Config, dist_info: DistInfo
+) -> tuple[nn.Module, CompressionState]:
+    """TP, AC, compile, FSDP, materialisation, DDP, in that order, on one (stage's) model."""
     t, dims = config.train, dist_info.dims
     device_type = dist_info.device.type
     if dims.tp_enabled:
@@ -322,17 +343,41 @@ def parallelize(model: Transformer, config: Config, dist_info: DistInfo) -> Para
             reduce_dtype(config),
         )
     materialize(model, dist_info.device, t.seed)
-    if dims.ddp_enabled:
-        device_ids = [dist_info.device.index] if dist_info.device.type == "cuda" else None
-        # The only buffers are the RoPE tables, derived from the config on every rank: never re-broadcast
-        # them before each forward (the keyword was renamed in newer torch).
-        no_buffer_sync: dict[str, Any] = (
-            {"forward_sync_buffers": False}
-            if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-            else {"broadcast_buffers": False}
-        )
-        ddp = DistributedDataParallel(
-            model, device_ids=device_ids, gradient_as_bucket_view=True, **no_buffer_sync
-        )
-        return ParallelModel(ddp, model, dims, apply_ddp_compression(ddp, config))
-    return ParallelModel(model, model, dims, CompressionState(config.parallel.compression))
+    if not dims.ddp_enabled:
+        return model, CompressionState(config.parallel.compression)
+    device_ids = [dist_info.device.index] if dist_info.device.type == "cuda" else None
+    # The only buffers are the RoPE tables, derived from the config on every rank: never re-broadcast
+    # them before each forward (the keyword was renamed in newer torch).
+    no_buffer_sync: dict[str, Any] = (
+        {"forward_sync_buffers": False}
+        if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+        else {"broadcast_buffers": False}
+    )
+    # Under pipeline parallelism DDP spans the stage's replicas only, not the default group.
+    group = dims.mesh(device_type, "dp_replicate").get_group() if dims.pp_enabled else None
+    ddp = DistributedDataParallel(
+        model,
+        device_ids=device_ids,
+        gradient_as_bucket_view=True,
+        process_group=group,
+        **no_buffer_sync,
+    )
+    return ddp, apply_ddp_compression(ddp, config)
+
+
+def _parallelize_pipeline(model: Transformer, config: Config, d: DistInfo) -> ParallelModel:
+    """This rank's pipeline stages, each parallelised, gathered into one model, and their schedule."""
+    from dtlab.config import pipeline_microbatches
+    from dtlab.parallel.pipeline import build_pipeline, rank_model, split_model, stage_ids
+
+    dims, p = d.dims, config.parallel
+    n_stages = dims.pp * p.stages_per_rank
+    ids = stage_ids(dims.coordinates(d.rank)["pp"], dims.pp, p.stages_per_rank, p.pp_schedule)
+    stages = split_model(model.args, ids, n_stages)
+    wrapped = [_parallelize_one(stage, config, d)[0] for stage in stages]
+    pipeline = build_pipeline(
+        wrapped, ids, n_stages, p.pp_schedule, pipeline_microbatches(config, dims.dp),
+        dims.mesh(d.device.type, "pp"), d.device,
+    )  # fmt: skip
+    whole = rank_model(model.args, stages)
+    return ParallelModel(whole, whole, dims, CompressionState(p.compression), pipeline)

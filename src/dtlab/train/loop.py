@@ -38,7 +38,13 @@ from dtlab.parallel import (
     parallelize,
 )
 from dtlab.parallel.dist import decide_on_rank0, reduce_scalar
-from dtlab.parallel.ledger import all_reduce, collective_failure, note_step, start_ledger
+from dtlab.parallel.ledger import (
+    all_reduce,
+    collective_failure,
+    note_step,
+    recorded,
+    start_ledger,
+)
 from dtlab.runtime.faults import Faults
 from dtlab.runtime.signals import StopSignals, agreed_stop, stop_votes
 from dtlab.train.optim import apply_hyperparameters, build_optimizer
@@ -87,7 +93,7 @@ def train_step(
     found = scaler.unscale_(params)  # this rank's overflow flag (fp16), no collective
     local = pm.compression.local_gradients  # each rank's own gradients (DeMo)
     grads = [g for p in params if (g := p.grad) is not None]
-    r = reduce_step(loss_sum, found, stop_signal, grads, local)
+    r = reduce_step(loss_sum, found, stop_signal, grads, local, pp=pm.dims.pp)
     if config.train.grad_clip > 0:
         torch.nn.utils.clip_grads_with_norm_(params, config.train.grad_clip, r.norm_t, foreach=True)
     # Loss, norm and flags are agreed by every rank, so every rank takes the same decision.
@@ -125,7 +131,17 @@ def accumulate_gradients(
     inject_nan: bool = False,
 ) -> torch.Tensor:
     """Forward and backward of every micro-batch, gradients synchronised on the last one only;
-    returns this rank's loss, summed over its micro-batches (each divided by their number)."""
+    returns this rank's loss, summed over its micro-batches (each divided by their number).
+
+    Pipeline parallel: the rank's micro-batches together are its batch, which the schedule splits into
+    its own micro-batches; the loss is the last stage's (0 on the other stages).
+    """
+    if pm.pipeline is not None:
+        inputs = torch.cat([x for x, _ in micro_batches]).to(device, non_blocking=True)
+        targets = torch.cat([y for _, y in micro_batches]).to(device, non_blocking=True)
+        pm.pipeline.inject_nan = inject_nan
+        with autocast(config.train.precision, device), recorded("pipeline schedule", "send/recv"):
+            return pm.pipeline.step(inputs, targets)
     accum = len(micro_batches)
     loss_sum = torch.zeros((), device=device)
     for i, (inputs, targets) in enumerate(micro_batches):
@@ -164,6 +180,7 @@ def reduce_step(
     stop_signal: int,
     grads: list[torch.Tensor],
     local_gradients: bool = False,
+    pp: int = 1,
 ) -> StepValues:
     """Agree on the step's loss, flags, stop signal and gradient norm in one all-reduce of a few floats
     (nothing without a process group), read back in one device sync.
@@ -173,9 +190,10 @@ def reduce_step(
     signal, and the squared norm of the gradients this rank holds when others hold the rest (sharded
     DTensors, each shard counted once over its replicas) or when each rank's gradients are its own.
     Replicated plain gradients (DDP, one process) are already the same everywhere: their norm is local.
+    With ``pp`` pipeline ranks, each holds its stages' gradients and only the last stage a loss.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
-    own_sq, shared_sq = _norm_parts(grads, world)
+    own_sq, shared_sq = _norm_parts(grads, world, pp)
     norm_sq = own_sq if local_gradients else shared_sq
     flag = found.float().reshape(1)
     if local_gradients:
@@ -186,7 +204,7 @@ def reduce_step(
     v = torch.cat([t.to(loss_sum.device) for t in parts])
     if world > 1:
         all_reduce("train_step reduction", v, faultable=True)
-        v[0] /= world
+        v[0] /= world // pp  # the ranks that hold a loss
     if local_gradients:
         norm_t = (v[-1] / world).sqrt()  # the root mean square of the ranks' norms
     elif norm_sq is not None:
@@ -203,21 +221,27 @@ def reduce_step(
     )
 
 
-def _norm_parts(grads: list[torch.Tensor], world: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _norm_parts(
+    grads: list[torch.Tensor], world: int, pp: int = 1
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(the sum of squares of the gradients as this rank holds them; this rank's part of the global
-    sum of squares when some gradients are sharded DTensors, else None: summed over the ranks, it
-    counts every shard once, dividing by the copies its replicas hold)."""
-    if not any(isinstance(g, DTensor) for g in grads):
+    sum of squares when some gradients are sharded DTensors or split into pipeline stages, else None:
+    summed over the ranks, it counts every shard once, dividing by the copies its replicas hold)."""
+    if pp == 1 and not any(isinstance(g, DTensor) for g in grads):
         return _sum_sq(grads), None
+    if not grads:
+        return torch.zeros(()), torch.zeros(())
     sq = _squares([g.to_local() if isinstance(g, DTensor) else g for g in grads])
-    # Plain gradients beside DTensors are replicated on every rank; a shard on its replicas' ranks
-    # (those of its mesh, and every rank outside it: a tensor-parallel mesh spans a part of the world).
+    # A stage's gradients are held by the world / pp ranks of its stage. Plain ones are replicated on
+    # all of them; a shard on its replicas' ranks (those of its mesh, and every rank of the stage
+    # outside it: a tensor-parallel mesh spans a part of the world).
+    holders = world // pp
     copies = [
-        world
+        holders
         // g.device_mesh.size()
         * math.prod(g.device_mesh.size(i) for i, p in enumerate(g.placements) if p.is_replicate())
         if isinstance(g, DTensor)
-        else world
+        else holders
         for g in grads
     ]
     return sq.sum(), (sq / torch.tensor(copies, dtype=sq.dtype, device=sq.device)).sum()

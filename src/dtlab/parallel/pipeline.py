@@ -1,0 +1,159 @@
+"""Pipeline parallelism: the model split into stages by blocks, run by a ``torch.distributed.pipelining``
+schedule.
+
+With ``pp`` pipeline ranks and ``v`` stages per rank there are ``pp * v`` stages; the blocks are dealt
+out in order, as evenly as they go (earlier stages take one more when they do not divide). The first
+stage also holds the embedding, the last the final norm, the output and the loss. Rank ``r`` holds
+stages ``r, r + pp, ...`` (looped schedules), or ``r`` and ``2 pp - 1 - r`` (the V schedules, which
+keep the first and last stage on rank 0).
+
+Each stage is a :class:`~dtlab.models.llama.Transformer` that kept only its parts
+(:meth:`~dtlab.models.llama.Transformer.keep_only`), so every parameter keeps the whole model's name:
+checkpoints from every stage together are a whole-model checkpoint, and load into any other layout.
+A rank's stages are gathered into one model for its state and parameters (:func:`rank_model`); the
+schedule runs the stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+from dtlab.models.args import ModelArgs
+from dtlab.models.llama import Transformer, build_model
+
+SCHEDULES: dict[str, type[_PipelineSchedule]] = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "looped_bfs": ScheduleLoopedBFS,
+    "interleaved_zb": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+}
+V_SHAPED = ("zbv", "dualpipev")
+
+
+def stage_layers(n_layers: int, n_stages: int) -> list[list[int]]:
+    """The blocks of each stage, in order; earlier stages take one more when they do not divide."""
+    base, extra = divmod(n_layers, n_stages)
+    out, start = [], 0
+    for s in range(n_stages):
+        k = base + (s < extra)
+        out.append(list(range(start, start + k)))
+        start += k
+    return out
+
+
+def stage_ids(pp_rank: int, pp: int, per_rank: int, schedule: str) -> list[int]:
+    """The stages pipeline rank ``pp_rank`` holds, in the order the schedule expects them."""
+    if schedule in V_SHAPED:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + i * pp for i in range(per_rank)]
+
+
+def split_model(args: ModelArgs, ids: list[int], n_stages: int) -> list[Transformer]:
+    """One meta-device model per stage in ``ids``, each keeping only its blocks (and the embedding,
+    norm and output where they belong)."""
+    layers = stage_layers(args.n_layers, n_stages)
+    stages = []
+    for sid in ids:
+        stage = build_model(args)
+        stage.keep_only(layers[sid], first=sid == 0, last=sid == n_stages - 1)
+        stages.append(stage)
+    return stages
+
+
+def rank_model(args: ModelArgs, stages: list[Transformer]) -> Transformer:
+    """One model over this rank's stages (their modules, shared, under the whole model's names): what
+    the optimizer and the checkpoint see. It is never called; the stages are."""
+    model = build_model(args)  # meta: only a frame for the stages' modules
+    layers = sorted(int(k) for stage in stages for k in stage.layers)
+    model.keep_only(
+        layers,
+        first=any(s.tok_embeddings is not None for s in stages),
+        last=any(s.norm is not None for s in stages),
+    )
+    for stage in stages:
+        for k, block in stage.layers.items():
+            model.layers[k] = block
+        if stage.tok_embeddings is not None:
+            model.tok_embeddings = stage.tok_embeddings
+        if stage.norm is not None:
+            model.norm, model.output = stage.norm, stage.output
+    return model
+
+
+@dataclass
+class Pipeline:
+    """This rank's stages and the schedule that runs them over a step's micro-batches."""
+
+    schedule: _PipelineSchedule
+    first: bool  # holds stage 0 (feeds the inputs)
+    last: bool  # holds the last stage (computes the loss)
+    n_microbatches: int
+    inject_nan: bool = False  # the loss of the running step becomes NaN (fault injection)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's mean cross-entropy (float32), as every other layout computes it."""
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return loss * float("nan") if self.inject_nan else loss
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of this rank's batch; returns the mean loss over its micro-batches on
+        the rank with the last stage (0 elsewhere). The schedule divides the gradients by the
+        micro-batch count, so they are those of that mean."""
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.first else ()
+        self.schedule.step(*args, target=targets if self.last else None, losses=losses)
+        if not self.last:
+            return torch.zeros((), device=inputs.device)
+        return torch.stack([x.detach() for x in losses]).mean()
+
+
+def build_pipeline(
+    stages: list[nn.Module],
+    ids: list[int],
+    n_stages: int,
+    schedule: str,
+    n_microbatches: int,
+    mesh: DeviceMesh,
+    device: torch.device,
+) -> Pipeline:
+    """The schedule over this rank's (wrapped) stage modules ``stages``, numbered ``ids``, on the
+    pipeline dimension ``mesh``."""
+    group = mesh.get_group()
+    pipeline_stages = [
+        PipelineStage(module, sid, n_stages, device, group=group)
+        for module, sid in zip(stages, ids, strict=True)
+    ]
+    cls: Any = SCHEDULES[schedule]
+    pipeline = Pipeline(
+        schedule=None,  # type: ignore[arg-type]  # set below: the schedule calls back into it
+        first=0 in ids,
+        last=n_stages - 1 in ids,
+        n_microbatches=n_microbatches,
+    )
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = pipeline.loss
+    if schedule in ("gpipe", "1f1b"):
+        pipeline.schedule = cls(pipeline_stages[0], n_microbatches, loss_fn=loss_fn)
+    else:
+        pipeline.schedule = cls(pipeline_stages, n_microbatches, loss_fn=loss_fn)
+    return pipeline
