@@ -727,6 +727,11 @@ class Config(_Section):
 
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # one stage per rank
 V_SCHEDULES = ("zbv", "dualpipev")  # two stages per rank, placed in a V
+ZERO_BUBBLE_SCHEDULES = (
+    "interleaved_zb",
+    "zbv",
+    "dualpipev",
+)  # backward split into input and weight
 
 
 def _check_pp(c: Config) -> None:
@@ -745,6 +750,14 @@ def _check_pp(c: Config) -> None:
         raise ValueError(
             f"parallel.pp_schedule = {p.pp_schedule!r} places two stages per rank in a V; "
             f"parallel.pp_stages_per_rank = {v} (allowed: 2)"
+        )
+    if p.pp_schedule in ZERO_BUBBLE_SCHEDULES and p.strategy != "single":
+        # Their split backward (input gradients first, weight gradients later) leaves FSDP's gradient
+        # reduction with partial weight gradients: measured, the training differs from one process's.
+        raise ValueError(
+            f"parallel.pp_schedule = {p.pp_schedule!r} (zero bubble) is not supported with data "
+            f"parallelism (parallel.strategy = {p.strategy!r}); allowed with it: gpipe, 1f1b, "
+            "interleaved_1f1b, looped_bfs; or parallel.strategy = 'single'"
         )
     if p.pp * v > m.n_layers:
         raise ValueError(

@@ -20,9 +20,11 @@ default process group; its mesh is there for what needs one.
 ``parallel.tp`` (tensor parallelism) splits each block's matrices over ``tp`` ranks and ``parallel.pp``
 (pipeline parallelism) the blocks into ``pp`` groups of stages; the strategy then maps the remaining
 ``world / (tp * pp)`` ranks onto the data-parallel degrees as above, and the mesh gains an innermost
-``tp`` and an outermost ``pp`` dimension. DistributedDataParallel does not take tensor-parallel (DTensor) parameters,
-so ``ddp`` with ``tp`` > 1 replicates through FSDP2 on a (replicas, 1) data-parallel mesh: the same
-training, FSDP's wrapper. ``single`` with ``tp`` > 1 is tensor parallelism alone.
+``tp`` and an outermost ``pp`` dimension. DistributedDataParallel does not take tensor-parallel
+(DTensor) parameters, so ``ddp`` with ``tp`` > 1 replicates through FSDP2 on a (replicas, 1)
+data-parallel mesh: the same training, FSDP's wrapper. So does ``ddp`` with ``pp`` > 1: a pipeline
+stage runs backward once per micro-batch, which DDP's reducer does not take from the pipeline
+schedules. ``single`` with ``tp`` or ``pp`` > 1 is model parallelism alone.
 
 This module imports neither the config (the config's own checks use it) nor, until a mesh is built, torch.
 """
@@ -157,9 +159,7 @@ class ParallelDims:
         if tp == 1 and pp == 1:
             return dp
         wrapper, dp_dims = dp.wrapper, dp.mesh_dims
-        if (
-            tp > 1 and wrapper is DPWrapper.DDP
-        ):  # DDP takes no DTensor: FSDP2 replicates (see above)
+        if wrapper is DPWrapper.DDP:  # FSDP2 replicates instead (see above)
             wrapper, dp_dims = DPWrapper.FSDP, ("dp_replicate", "dp_shard")
         return cls(
             dp.dp_replicate, dp.dp_shard, tp=tp, pp=pp, wrapper=wrapper,

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import torch
-from torch.distributed.checkpoint.state_dict import (
+from torch.distributed.checkpoint.state_dict import (  # the private two: see StagedOptimizerState
+    _get_fqns,
+    _init_optim_state,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -76,6 +78,54 @@ class OptimizerState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         set_optimizer_state_dict(self.module, self.optimizer, cast(Any, state))
+
+
+class StagedOptimizerState:
+    """The optimizer of a pipeline rank as one stateful part, in :class:`OptimizerState`'s format.
+
+    Each rank holds the state of its stages' parameters only, keyed by the whole model's names, so the
+    ranks' parts together are a whole-model optimizer state that any layout loads. The param groups
+    list every parameter of the whole model (``group_names``), as a one-process run's would.
+    (``get_optimizer_state_dict`` is not used: it loses the state of all but one of several FSDP roots
+    on one rank, which is what a rank with several stages has.)
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        group_names: list[list[str]],
+    ) -> None:
+        self.module, self.optimizer, self.group_names = module, optimizer, group_names
+
+    def _params(self) -> dict[str, torch.nn.Parameter]:
+        out = {}
+        for name, p in self.module.named_parameters():
+            (fqn,) = _get_fqns(self.module, name)
+            out[fqn] = p
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        _init_optim_state(self.optimizer)  # the tensors must exist for DCP to load into them
+        state = {name: dict(self.optimizer.state[p]) for name, p in self._params().items()}
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": list(names)}
+            for g, names in zip(self.optimizer.param_groups, self.group_names, strict=True)
+        ]
+        return {"state": state, "param_groups": groups}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, p in self._params().items():
+            mine = self.optimizer.state[p]
+            for k, v in state["state"][name].items():
+                held = mine.get(k)
+                if isinstance(held, torch.Tensor) and held is not v:
+                    held.copy_(v)  # DCP loads in place; a tensor given otherwise is copied
+                elif not isinstance(held, torch.Tensor):
+                    mine[k] = v
+        for g, saved in zip(self.optimizer.param_groups, state["param_groups"], strict=True):
+            g.update({k: v for k, v in saved.items() if k != "params"})
 
 
 def split_tensors(tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -36,6 +36,7 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
+from dtlab.errors import ConfigError
 from dtlab.models.args import ModelArgs
 from dtlab.models.llama import Transformer, build_model
 
@@ -152,8 +153,16 @@ def build_pipeline(
         n_microbatches=n_microbatches,
     )
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = pipeline.loss
-    if schedule in ("gpipe", "1f1b"):
-        pipeline.schedule = cls(pipeline_stages[0], n_microbatches, loss_fn=loss_fn)
-    else:
-        pipeline.schedule = cls(pipeline_stages, n_microbatches, loss_fn=loss_fn)
+    try:
+        if schedule in ("gpipe", "1f1b"):
+            pipeline.schedule = cls(pipeline_stages[0], n_microbatches, loss_fn=loss_fn)
+        else:
+            pipeline.schedule = cls(pipeline_stages, n_microbatches, loss_fn=loss_fn)
+    except (
+        ValueError
+    ) as e:  # the schedule's own rules, e.g. at least as many micro-batches as stages
+        raise ConfigError(
+            f"parallel.pp_schedule = {schedule!r} with {n_microbatches} micro-batches and {n_stages} "
+            f"stages: {e} (parallel.pp_microbatches sets the micro-batches)"
+        ) from None
     return pipeline

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from dtlab.checkpoint.init_from import apply_init_from
 from dtlab.checkpoint.manager import Checkpointer, Coordinator
-from dtlab.checkpoint.state import ModelState, OptimizerState, Stateful
+from dtlab.checkpoint.state import ModelState, OptimizerState, StagedOptimizerState, Stateful
 from dtlab.config import Config, check_batch_split
 from dtlab.data import BatchLayout, BatchLoader, build_source
 from dtlab.data.loader import MicroBatch
@@ -47,7 +47,7 @@ from dtlab.parallel.ledger import (
 )
 from dtlab.runtime.faults import Faults
 from dtlab.runtime.signals import StopSignals, agreed_stop, stop_votes
-from dtlab.train.optim import apply_hyperparameters, build_optimizer
+from dtlab.train.optim import apply_hyperparameters, build_optimizer, optimizer_groups
 from dtlab.train.precision import LossScaler, autocast, check_cpu_half_precision
 from dtlab.train.run import run
 from dtlab.train.rundir import RunDirLock, create_run_dir
@@ -369,9 +369,12 @@ class TorchEngine:
         tr = self.tr
         comm = getattr(tr.optimizer, "local", None) or tr.pm.compression
         self.per_rank = (f"comm.rank{self.d.rank}",)  # each rank's own compression state
+        optim: Stateful = OptimizerState(tr.pm.module, tr.optimizer)
+        if tr.pm.pipeline is not None:
+            optim = StagedOptimizerState(tr.pm.module, tr.optimizer, optimizer_groups(tr.model))
         self.states = {
             "model": ModelState(tr.pm.module),
-            "optim": OptimizerState(tr.pm.module, tr.optimizer),
+            "optim": optim,
             **states,
             "scheduler": tr.scheduler,
             "scaler": tr.scaler,

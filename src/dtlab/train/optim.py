@@ -9,6 +9,20 @@ from dtlab.config import TrainConfig
 from dtlab.train.schedules import lr_at
 
 
+def _decayed(p: nn.Parameter) -> bool:
+    """Weight decay applies to matrices only (not to norm gains)."""
+    return p.ndim >= 2
+
+
+def optimizer_groups(model: nn.Module) -> list[list[str]]:
+    """The names of the parameters in each of the optimizer's groups (decayed, then the rest)."""
+    names: list[list[str]] = [[], []]
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            names[0 if _decayed(p) else 1].append(name)
+    return names
+
+
 def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
     """AdamW (or DeMo) over the model's parameters. Build it *after* parallelism is applied: FSDP
     replaces the parameters with sharded ones, and an optimizer holding the old ones would train nothing."""
@@ -16,7 +30,7 @@ def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
     no_decay: list[nn.Parameter] = []
     for p in model.parameters():
         if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
+            (decay if _decayed(p) else no_decay).append(p)
     groups = [
         {"params": params, **hyper}
         for params, hyper in zip((decay, no_decay), group_hyperparameters(t), strict=True)
