@@ -154,3 +154,13 @@ def assert_same_training(run: list[dict[str, Any]], ref: list[dict[str, Any]]) -
         assert m["tokens"] == r["tokens"]
     # And it really trains: a clear fall over 12 steps on the learnable synthetic chains.
     assert run[-1]["loss"] < run[0]["loss"] - 0.3
+
+
+MODEL_PARALLEL_TOL = 1e-5  # tensor and pipeline layouts: the loss of every step within this
+
+
+def assert_close_losses(run: list[dict[str, Any]], ref: list[dict[str, Any]]) -> None:
+    """:func:`assert_same_training`, and the loss within MODEL_PARALLEL_TOL on every step."""
+    assert_same_training(run, ref)
+    worst = max(abs(m["loss"] - r["loss"]) for m, r in zip(run, ref, strict=True))
+    assert worst <= MODEL_PARALLEL_TOL, worst

@@ -13,16 +13,7 @@ from typing import Any
 
 import pytest
 
-from conftest import CLIP, FAST, assert_same_training, cli_env, run_cli, train_run
-
-TP_TOL = 1e-5
-
-
-def assert_close_losses(run: list[dict[str, Any]], ref: list[dict[str, Any]]) -> None:
-    """The step-by-step comparison, and the loss within TP_TOL on every step."""
-    assert_same_training(run, ref)
-    worst = max(abs(m["loss"] - r["loss"]) for m, r in zip(run, ref, strict=True))
-    assert worst <= TP_TOL, worst
+from conftest import CLIP, FAST, assert_close_losses, cli_env, run_cli, train_run
 
 
 @pytest.mark.parametrize(

@@ -355,8 +355,11 @@ class TorchEngine:
         self.tr = build_training(config, d)
         self.loader, self.accum, self.micro = self.tr.loader, self.tr.accum, self.tr.micro
         self.params = count_params(self.tr.model)
+        model_parallel = [f"tp {d.dims.tp}"] if d.dims.tp_enabled else []
+        if d.dims.pp_enabled:
+            model_parallel.append(f"pp {d.dims.pp} {config.parallel.pp_schedule}")
         self.layout = f"{config.parallel.strategy} x {d.world_size}" + (
-            f" (tp {d.dims.tp})" if d.dims.tp_enabled else ""
+            f" ({', '.join(model_parallel)})" if model_parallel else ""
         )
         self.device = d.device.type
         self.states: dict[str, Stateful] = {}
