@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("dtlab.checkpoint",),
     ("dtlab.train", "dtlab.analysis"),
     ("dtlab.mlx",),
-    ("dtlab.bench", "dtlab.launcher", "dtlab.deploy", "dtlab.train.api"),
+    ("dtlab.bench", "dtlab.launcher", "dtlab.deploy", "dtlab.train.api", "dtlab.verify"),
     ("dtlab.cli", "dtlab.__main__", "dtlab"),
 ]
 

@@ -40,6 +40,17 @@ examples:
 true a bool, [a, b] a list). Precedence: --set > CONFIG > defaults. `dtlab config --keys` lists every key.
 """
 
+VERIFY_EPILOG = """\
+layouts (NAME:DEGREE joined by x; processes: the product of the degrees):
+  single                  one process
+  ddp:N  fsdp:N  hsdp:N   data parallel over N ranks (hsdp: two replica groups)
+  tp:N   sp:N             tensor parallel over N ranks (sp: with sequence parallelism)
+  pp:N[:SCHEDULE]         pipeline parallel over N ranks, e.g. pp:2:interleaved_1f1b
+
+example:
+  dtlab verify configs/tiny.yaml --layouts single,ddp:2,fsdp:2xtp:2,pp:2 --steps 10
+"""
+
 EXPORT_EPILOG = """\
 formats:
   safetensors   DIR/model.safetensors with dtlab's parameter names, and DIR/config.yaml (the run's config)
@@ -98,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_launch(sub)
     _add_plan(sub)
     _add_export(sub)
+    _add_verify(sub)
     return parser
 
 
@@ -319,6 +331,37 @@ def _add_plan(sub: _Commands) -> None:
     )
     pl.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_config_args(pl)
+
+
+def _add_verify(sub: _Commands) -> None:
+    v = sub.add_parser(
+        "verify",
+        help="prove that parallel layouts train the same: loss, gradient norm and parameters",
+        description="Train CONFIG with each layout of --layouts on the same global batch for --steps "
+        "steps and compare each with the first, step by step: the largest loss and gradient-norm "
+        "differences, and the largest parameter difference after the last step. Exit 0 only when "
+        "every layout is within tolerance; for one that is not, say the first step that differs and "
+        "the parameter that differs most.",
+        epilog=VERIFY_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    v.add_argument(
+        "--layouts",
+        required=True,
+        help="comma-separated layouts, the first the reference, e.g. single,ddp:2,fsdp:2xtp:2,pp:2",
+    )
+    v.add_argument("--steps", type=_positive, default=10, help="steps per layout (default 10)")
+    v.add_argument(
+        "--out", default="verify-out", help="where the layouts' runs go (default verify-out)"
+    )
+    v.add_argument("--loss-tol", type=float, default=1e-4, help="absolute (default 1e-4)")
+    v.add_argument(
+        "--grad-tol", type=float, default=1e-3, help="relative, gradient norm (default 1e-3)"
+    )
+    v.add_argument(
+        "--param-tol", type=float, default=1e-4, help="absolute, parameters (default 1e-4)"
+    )
+    add_config_args(v)
 
 
 def _add_export(sub: _Commands) -> None:
@@ -627,6 +670,26 @@ def _launch_k8s(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dtlab.config import load_config
+    from dtlab.verify import Tolerances, parse_layouts, table, verify
+
+    tols = {"--loss-tol": args.loss_tol, "--grad-tol": args.grad_tol, "--param-tol": args.param_tol}
+    for flag, value in tols.items():
+        if not 0 <= value < float("inf"):
+            raise DtlabError(f"{flag} {value}: allowed: a finite number >= 0")
+    layouts = parse_layouts(args.layouts)
+    load_config(args.config, args.overrides)  # a bad config is said once, before any layout runs
+    result = verify(
+        layouts, args.config, args.overrides, args.steps, Path(args.out),
+        Tolerances(args.loss_tol, args.grad_tol, args.param_tol),
+    )  # fmt: skip
+    print(table(result))
+    return 0 if result.ok else 1
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from dtlab.checkpoint.export import export_checkpoint
     from dtlab.config import show
@@ -694,6 +757,7 @@ def _main(argv: Sequence[str] | None) -> int:
         "bench": cmd_bench,
         "export": cmd_export,
         "launch": cmd_launch,
+        "verify": cmd_verify,
     }
     return run_command(lambda: handlers[args.command](args))
 

@@ -769,7 +769,6 @@ def _check_pp(c: Config) -> None:
         "train.precision": (t.precision == "fp16", "'fp16'", "fp32, bf16"),
         "train.optimizer": (t.optimizer == "demo", "'demo'", "adamw"),
         "parallel.compression": (p.compression != "none", repr(p.compression), "none"),
-        "parallel.tp": (p.tp > 1, str(p.tp), "1"),
         "train.engine": (t.engine == "mlx", "'mlx'", "torch"),
     }
     for key, (bad, shown, allowed) in refused.items():

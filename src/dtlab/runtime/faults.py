@@ -11,6 +11,9 @@
 - ``skipcoll``: the process skips the loss all-reduce of that step (the MLX engine: the gradient
   all_sum), so its collectives are out of step with the others' from there on;
 - ``badshape``: the process issues that same collective with one element more than the others;
+- ``skipsync``: the gradients of that step are not synchronised over the data-parallel ranks (DDP,
+  FSDP): each rank steps with its own, a broken layout for ``dtlab verify`` to catch (give it to every
+  rank: one rank alone would leave the others waiting in the gradient sync);
 - ``killsave``: while saving the checkpoint of that step, after the data files are written and before
   the manifest commits it, the process kills itself (a torn checkpoint);
 - ``failsave``: the same moment, an OSError instead (a failed write: reported, training goes on);
@@ -41,7 +44,7 @@ __all__ = ["FAULTS_ENV", "KINDS", "Faults", "InjectedError"]
 FAULTS_ENV = "DTLAB_FAULTS"
 KINDS = (
     "nan", "kill", "sigterm", "sigusr1", "sigint", "error", "hang", "killsave", "failsave",
-    "slowsave", "skipcoll", "badshape",
+    "slowsave", "skipcoll", "badshape", "skipsync",
 )  # fmt: skip
 SLOW_SAVE_S = 3.0
 _ITEM = re.compile(r"^(?P<kind>[a-z]+)@(?P<first>\d+)(?:-(?P<last>\d+))?(?::r(?P<rank>\d+))?$")
@@ -91,6 +94,10 @@ class Faults:
     def nan_loss(self, step: int) -> bool:
         """Whether optimizer step ``step`` (1-based) gets a NaN loss."""
         return self._due("nan", step)
+
+    def skip_sync(self, step: int) -> bool:
+        """Whether step ``step``'s gradients stay unsynchronised (``skipsync``)."""
+        return self._due("skipsync", step)
 
     def collective_fault(self, step: int) -> str | None:
         """What happens to step ``step``'s faultable collective: ``"skip"``, ``"badshape"`` or None."""

@@ -77,6 +77,7 @@ def train_step(
     device: torch.device,
     inject_nan: bool = False,
     stop_signal: int = 0,
+    skip_sync: bool = False,
 ) -> dict[str, Any]:
     """One optimizer step over this rank's micro-batches; returns the step's metrics.
 
@@ -87,7 +88,9 @@ def train_step(
     """
     if scaler.enabled:
         pm.compression.set_scale(scaler.scale)  # hooks keep their state in unscaled units
-    loss_sum = accumulate_gradients(pm, scaler, micro_batches, config, device, inject_nan)
+    loss_sum = accumulate_gradients(
+        pm, scaler, micro_batches, config, device, inject_nan, skip_sync
+    )
     pm.settle_gradients()
     params = [p for p in pm.module.parameters() if p.grad is not None]
     found = scaler.unscale_(params)  # this rank's overflow flag (fp16), no collective
@@ -129,6 +132,7 @@ def accumulate_gradients(
     config: Config,
     device: torch.device,
     inject_nan: bool = False,
+    skip_sync: bool = False,
 ) -> torch.Tensor:
     """Forward and backward of every micro-batch, gradients synchronised on the last one only;
     returns this rank's loss, summed over its micro-batches (each divided by their number).
@@ -140,7 +144,11 @@ def accumulate_gradients(
         inputs = torch.cat([x for x, _ in micro_batches]).to(device, non_blocking=True)
         targets = torch.cat([y for _, y in micro_batches]).to(device, non_blocking=True)
         pm.pipeline.inject_nan = inject_nan
-        with autocast(config.train.precision, device), recorded("pipeline schedule", "send/recv"):
+        with (
+            autocast(config.train.precision, device),
+            pm.loss_context(),
+            recorded("pipeline schedule", "send/recv"),
+        ):
             return pm.pipeline.step(inputs, targets)
     accum = len(micro_batches)
     loss_sum = torch.zeros((), device=device)
@@ -150,7 +158,7 @@ def accumulate_gradients(
             targets.to(device, non_blocking=True),
         )
         # Only the last micro-batch synchronises gradients; the others accumulate locally.
-        with pm.grad_sync(i == accum - 1), pm.loss_context():
+        with pm.grad_sync(i == accum - 1 and not skip_sync), pm.loss_context():
             # Every micro-batch has the same number of tokens, so mean/accum summed over micro-batches and
             # averaged over ranks is the mean over every token of the global batch.
             loss = forward_loss(pm.module, inputs, targets, config.train.precision, device) / accum
@@ -337,7 +345,7 @@ def _train(config: Config, d: DistInfo) -> dict[str, Any]:
         start_ledger(d, run_dir, faults, config.parallel.collective_timeout_s)
         config = config.model_copy(deep=True)
         config.run.dir = str(run_dir)
-        engine = TorchEngine(config, d, run_dir)
+        engine = TorchEngine(config, d, run_dir, faults)
         return run(config, engine, run_dir, faults, signals)
     finally:
         signals.close()
@@ -349,8 +357,11 @@ class TorchEngine:
     """The torch engine for the run shell (:func:`dtlab.train.run.run`): one rank's parallelised model,
     optimizer, schedule, loss scaler and data, and its steps (:func:`train_step`)."""
 
-    def __init__(self, config: Config, d: DistInfo, run_dir: Path) -> None:
+    def __init__(
+        self, config: Config, d: DistInfo, run_dir: Path, faults: Faults | None = None
+    ) -> None:
         self.config, self.d = config, d
+        self.faults = faults or Faults()
         self.coord: Coordinator = d
         self.tr = build_training(config, d)
         self.loader, self.accum, self.micro = self.tr.loader, self.tr.accum, self.tr.micro
@@ -413,6 +424,7 @@ class TorchEngine:
         return train_step(
             tr.pm, tr.optimizer, tr.scheduler, tr.scaler, batch, self.config, self.d.device,
             inject_nan=inject_nan, stop_signal=stop_signal,
+            skip_sync=self.faults.skip_sync(step),
         )  # fmt: skip
 
     def after_step(self) -> None:
