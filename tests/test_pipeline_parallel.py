@@ -93,3 +93,14 @@ def test_pipeline_micro_batches_must_split_the_batch(tmp_path: Path) -> None:
         "3 pipeline micro-batches do not split each data-parallel rank's 8 samples" in proc.stderr
     )
     assert not (tmp_path / "r").exists()
+
+
+def test_three_dimensions_match_single_process(
+    tmp_path: Path, pipe_reference: list[dict[str, Any]]
+) -> None:
+    """PP2 x FSDP2 x TP2 with sequence parallelism: 8 processes on one 3-D mesh."""
+    run = train_run(
+        tmp_path / "3d", *PIPE, "parallel.pp=2", "parallel.strategy=fsdp", "parallel.tp=2",
+        "parallel.sequence_parallel=true", "parallel.pp_microbatches=2", nproc=8,
+    )  # fmt: skip
+    assert_close_losses(run, pipe_reference)

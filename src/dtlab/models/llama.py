@@ -61,6 +61,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
+        cos, sin = cos[:T], sin[:T]
         # -1 heads: under tensor parallelism each rank computes its share of the (kv) heads.
         q = apply_rope(self.wq(x).view(B, T, -1, self.head_dim), cos, sin)
         k = apply_rope(self.wk(x).view(B, T, -1, self.head_dim), cos, sin)
@@ -132,7 +133,9 @@ class Transformer(nn.Module):
         T = tokens.shape[1]
         if self.args.max_seq_len < T:
             raise ValueError(f"sequence length {T} exceeds max_seq_len {self.args.max_seq_len}")
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        # The whole tables: attention takes the rows of its sequence length (under sequence
+        # parallelism a later pipeline stage receives a sequence shard, not the sequence).
+        cos, sin = self.rope_cos, self.rope_sin
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, cos, sin)

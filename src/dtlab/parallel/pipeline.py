@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -126,7 +127,9 @@ class Pipeline:
         self.schedule.step(*args, target=targets if self.last else None, losses=losses)
         if not self.last:
             return torch.zeros((), device=inputs.device)
-        return torch.stack([x.detach() for x in losses]).mean()
+        # Tensor parallel: each loss is a replicated DTensor, the same on every rank of the group.
+        local = [x.detach().to_local() if isinstance(x, DTensor) else x.detach() for x in losses]  # type: ignore[attr-defined]
+        return torch.stack(local).mean()
 
 
 def build_pipeline(

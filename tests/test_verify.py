@@ -1,0 +1,77 @@
+"""``dtlab verify``: its layout syntax, a passing verification, and a broken layout caught and named."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import FAST, run_cli
+from dtlab.errors import ConfigError
+from dtlab.verify import Layout, parse_layouts
+
+
+def test_layouts_parse_into_processes_and_overrides() -> None:
+    layouts = parse_layouts("single, fsdp:2xtp:2, sp:2, pp:2:gpipe, hsdp:4xpp:2")
+    assert layouts == [
+        Layout("single", 1, ("parallel.strategy=single",)),
+        Layout("fsdp:2xtp:2", 4, ("parallel.strategy=fsdp", "parallel.tp=2")),
+        Layout("sp:2", 2, ("parallel.strategy=single", "parallel.tp=2",
+                           "parallel.sequence_parallel=true")),
+        Layout("pp:2:gpipe", 2, ("parallel.strategy=single", "parallel.pp=2",
+                                 "parallel.pp_schedule=gpipe")),
+        Layout("hsdp:4xpp:2", 8, ("parallel.strategy=hsdp", "parallel.replicate=2",
+                                  "parallel.pp=2")),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("single", "give at least two layouts"),
+        ("single,zp:2", "'zp:2' in 'zp:2' is not NAME:DEGREE"),
+        ("single,tp:2xsp:2", "gives tp parallelism twice"),
+        ("single,ddp:2xfsdp:2", "gives data parallelism twice"),
+        ("single,tp:2:gpipe", "only pp takes an option"),
+        ("single,hsdp:3", "its degree must be even"),
+        ("single,ddp:2,ddp:2", "names a layout twice"),
+    ],
+)
+def test_bad_layouts_are_named(text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_layouts(text)
+
+
+def test_verify_passes_equal_layouts(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = run_cli("verify", "--layouts", "single,sp:2,pp:2:gpipe", "--steps", "6",
+                   "--out", str(out), "--set", *FAST, "model.n_layers=4",
+                   "train.micro_batch_size=2", "train.grad_clip=0.1")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    result = json.loads((out / "verify.json").read_text())
+    assert result["ok"] and [r["layout"] for r in result["rows"]] == ["sp:2", "pp:2:gpipe"]
+    for row in result["rows"]:
+        assert row["max_loss_diff"] <= 1e-5 and row["max_param_diff"] <= 1e-4, row
+    assert re.search(r"^sp:2 +2 +\S+ +\S+ +\S+ +ok$", proc.stdout, re.M), proc.stdout
+
+
+def test_verify_catches_a_skipped_gradient_sync(tmp_path: Path) -> None:
+    """Every DDP rank skips the gradient all-reduce of step 3 (one process has none to skip): verify
+    exits 1, names step 3 as the first that differs, and the parameter that differs most."""
+    proc = run_cli("verify", "--layouts", "single,ddp:2", "--steps", "6", "--out",
+                   str(tmp_path / "out"), "--set", *FAST, env={"DTLAB_FAULTS": "skipsync@3"})  # fmt: skip
+    assert proc.returncode == 1, proc.stderr + proc.stdout
+    assert re.search(r"^ddp:2 +2 .+ DIFFERS$", proc.stdout, re.M), proc.stdout
+    m = re.search(
+        r"^ddp:2: the training first differs beyond tolerance at step (\d+); the parameter that "
+        r"differs most at the end is (\S+) \(by ([\d.e+-]+)\)$",
+        proc.stdout,
+        re.M,
+    )
+    assert m, proc.stdout
+    assert m[1] == "3" and re.fullmatch(
+        r"(layers\.\d+\.\S+|tok_embeddings|output|norm)\.weight", m[2]
+    )
+    assert float(m[3]) > 1e-4
