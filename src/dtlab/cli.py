@@ -439,6 +439,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from dtlab.config import load_config
 
     config = load_config(args.config, args.overrides)  # fail here on a bad config, not in every run
+    _data_parallel_only(config, "dtlab bench measures and predicts")
     axes = _bench_axes(args, config)
     if axes.engines != ["torch"]:
         return _bench_engines(args, axes)
@@ -512,6 +513,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from dtlab.config import check_batch_split, load_config
 
     config = load_config(args.config, args.overrides)
+    _data_parallel_only(config, "dtlab plan predicts")
     # The batch must split over the ranks whatever the strategy: say so, not "nothing fits".
     check_batch_split(config, args.nproc * args.nnodes)
     if args.device is None:
@@ -531,6 +533,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     result = plan(config, args.nproc, args.nnodes, device, args.device_memory, args.device is None)
     print(json.dumps(result, indent=2) if args.json else format_plan(result))
     return 0
+
+
+def _data_parallel_only(config: Config, what: str) -> None:
+    """Refuse tensor and pipeline layouts where a command would give figures that ignore them."""
+    p = config.parallel
+    if p.tp > 1 or p.pp > 1:
+        raise DtlabError(
+            f"{what} data-parallel layouts only so far; parallel.tp = {p.tp}, parallel.pp = {p.pp} "
+            "(allowed: 1). To check a tensor or pipeline layout, run dtlab verify; to time it, "
+            "dtlab train (its summary has the step time and peak memory)"
+        )
 
 
 def cmd_config(args: argparse.Namespace) -> int:
