@@ -55,6 +55,7 @@ test-fast: install-dev
 bench: install
 	$(BIN)/python -m dtlab.bench.overhead
 	$(BIN)/python -m dtlab.bench.checkpoint --preset small
+	$(BIN)/python -m dtlab.bench.pipeline --out bench-out/pipeline
 	$(BIN)/dtlab bench --strategies single,ddp,fsdp,hsdp --nproc 1,2,4 --steps 8 --out bench-out \
 		--set model.preset=tiny data.source=stdlib parallel.replicate=2
 

@@ -6,6 +6,7 @@ Structure only: no figure's size is asserted (speed belongs to the benchmarks, n
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -58,3 +59,24 @@ def test_a_bad_override_is_one_line_before_anything_runs(module: str) -> None:
     # Said once, by the script, before it launches ranks or prints a table.
     assert proc.stderr.count("error:") == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stdout == "", proc.stdout
+
+
+def test_pipeline_bubble_is_measured_and_drawn(tmp_path: Path) -> None:
+    """The pipeline benchmark times every block of one schedule and reports the bubble next to
+    (p - 1) / (m + p - 1)."""
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "dtlab.bench.pipeline", "--preset", "debug", "--schedules", "1f1b",
+         "--microbatches", "2", "--steps", "3", "--warmup", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    (row,) = json.loads((out / "results.json").read_text())
+    assert row["schedule"] == "1f1b" and row["predicted"] == pytest.approx(1 / 3)
+    assert 0 < row["bubble"] < 1 and len(row["bubble_per_rank"]) == 2
+    timeline = json.loads((out / "1f1b-2.json").read_text())
+    # Rank 0 holds the first stage: 2 forwards and 2 backwards per timed step, inside the schedule.
+    step = timeline[0]["steps"][-1]
+    assert sorted(b["kind"] for b in step["blocks"]) == ["B", "B", "F", "F"]
+    assert all(step["start"] <= b["start"] <= b["end"] <= step["end"] for b in step["blocks"])
+    assert (out / "pipeline-schedules.png").stat().st_size > 10_000

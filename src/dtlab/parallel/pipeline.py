@@ -16,6 +16,7 @@ schedule runs the stages.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -108,6 +109,7 @@ class Pipeline:
     """This rank's stages and the schedule that runs them over a step's micro-batches."""
 
     schedule: _PipelineSchedule
+    stages: list[PipelineStage]  # this rank's, in the schedule's order
     first: bool  # holds stage 0 (feeds the inputs)
     last: bool  # holds the last stage (computes the loss)
     n_microbatches: int
@@ -151,6 +153,7 @@ def build_pipeline(
     cls: Any = SCHEDULES[schedule]
     pipeline = Pipeline(
         schedule=None,  # type: ignore[arg-type]  # set below: the schedule calls back into it
+        stages=pipeline_stages,
         first=0 in ids,
         last=n_stages - 1 in ids,
         n_microbatches=n_microbatches,
@@ -169,3 +172,60 @@ def build_pipeline(
             f"stages: {e} (parallel.pp_microbatches sets the micro-batches)"
         ) from None
     return pipeline
+
+
+@dataclass
+class Block:
+    """One piece of work a stage did: ``kind`` F (forward), B (backward; input gradients only under
+    the zero-bubble schedules) or W (weight gradients), on micro-batch ``microbatch``, from ``start``
+    to ``end`` (``time.perf_counter`` seconds)."""
+
+    kind: str
+    stage: int
+    microbatch: int
+    start: float
+    end: float
+
+
+def record_timeline(pipeline: Pipeline) -> list[Block]:
+    """Time every forward, backward and weight-gradient computation of this rank's stages from now on,
+    into the returned list (the schedule calls the stages' methods; sends and receives are outside
+    them, so the gaps between blocks are the rank's idle time)."""
+    blocks: list[Block] = []
+    methods = {
+        "F": "forward_one_chunk",
+        "B": "backward_one_chunk",
+        "W": "backward_weight_one_chunk",
+    }
+    for stage in pipeline.stages:
+        for kind, name in methods.items():
+            original = getattr(stage, name)
+
+            def timed(
+                mb: int,
+                *args: Any,
+                _f: Any = original,
+                _k: str = kind,
+                _s: int = stage.stage_index,
+                **kwargs: Any,
+            ) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return _f(mb, *args, **kwargs)
+                finally:
+                    blocks.append(Block(_k, _s, mb, t0, time.perf_counter()))
+
+            setattr(stage, name, timed)
+    return blocks
+
+
+def predicted_bubble(schedule: str, pp: int, microbatches: int, per_rank: int) -> float | None:
+    """The idle fraction of a step that the textbook analysis gives (equal stage times, no
+    communication cost): (p - 1) / (m + p - 1) for GPipe and 1F1B, (p - 1) / (v m + p - 1) for
+    interleaved 1F1B with v stages per rank; None for the others (looped BFS, and the zero-bubble
+    schedules, whose figure depends on how backward splits into input and weight gradients)."""
+    if schedule in ("gpipe", "1f1b"):
+        return (pp - 1) / (microbatches + pp - 1)
+    if schedule == "interleaved_1f1b":
+        return (pp - 1) / (per_rank * microbatches + pp - 1)
+    return None

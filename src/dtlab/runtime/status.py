@@ -6,8 +6,11 @@ signals can reach it) into the status directory the launcher names in ``DTLAB_ML
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from pathlib import Path
+from typing import NoReturn
 
 STATUS_ENV = "DTLAB_MLX_STATUS_DIR"
 WORKER_ENVS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
@@ -18,6 +21,17 @@ def is_worker_env() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or (
         "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
     )
+
+
+def leave_worker(code: int) -> NoReturn:
+    """End a torch worker that finished (its process group destroyed, its files closed) without the
+    interpreter's teardown: destroying torch's C++ objects there (gloo's threads, pending pipeline
+    receives) can abort the process ("terminate called without an active exception", SIGABRT) after a
+    run that succeeded, and the launcher would report a failure that did not happen."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def is_mlx_worker() -> bool:
