@@ -13,7 +13,7 @@ help:
 	@echo "make train       train the built-in default (1 process)"
 	@echo "make train-ddp   train configs/ddp.yaml;  make train-fsdp: configs/fsdp.yaml"
 	@echo "make test        run the whole test suite (real gloo processes on CPU); make test-fast: not the slow ones"
-	@echo "make bench       loop overhead, checkpoint save throughput, then the strategy sweep (report in bench-out/)"
+	@echo "make bench       loop overhead, checkpoint save throughput, the pipeline bubble, then the strategy sweep (report in bench-out/)"
 	@echo "make check       lint + format check + type check"
 	@echo "make install     torch (CPU) and dtlab, what demo/train/bench use;  make install-dev: + the dev extra"
 

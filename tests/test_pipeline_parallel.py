@@ -104,3 +104,14 @@ def test_three_dimensions_match_single_process(
         "parallel.sequence_parallel=true", "parallel.pp_microbatches=2", nproc=8,
     )  # fmt: skip
     assert_close_losses(run, pipe_reference)
+
+
+def test_a_stage_killed_mid_run_is_named_without_a_traceback(tmp_path: Path) -> None:
+    """Rank 1 (the last stage) is killed after step 3: rank 0's pipeline receive fails, and it says
+    which rank is behind from the ledgers, as for any other collective."""
+    proc = run_cli("train", "--nproc", "2", "--set", *FAST, *PIPE, "parallel.pp=2", "train.steps=8",
+                   f"run.dir={tmp_path / 'run'}", env={"DTLAB_FAULTS": "kill@3:r1"})  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "[rank0] error: a collective failed on rank 0" in proc.stderr
+    assert "Rank 1 (pid" in proc.stderr and "is behind" in proc.stderr, proc.stderr

@@ -806,11 +806,28 @@ def _cause(exc: BaseException) -> str:
     return text.split(". This is typically")[0].rstrip(". ")
 
 
-def is_collective_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` says a collective failed or timed out (rather than a bug or a bad input)."""
+def _says_collective_failed(exc: BaseException) -> bool:
     if isinstance(exc, (CollectiveError, dist.DistError)):
         return True
     return isinstance(exc, RuntimeError) and bool(_FAILURE.search(str(exc)))
+
+
+def _failed_collective(exc: BaseException) -> BaseException | None:
+    """``exc``, or the exception it was raised from, that says a collective failed; None if none does.
+    (The pipeline schedules re-raise a failed send or receive as a RuntimeError of their own.)"""
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        if _says_collective_failed(link):
+            return link
+        seen.add(id(link))
+        link = link.__cause__ or link.__context__
+    return None
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` says a collective failed or timed out (rather than a bug or a bad input)."""
+    return _failed_collective(exc) is not None
 
 
 def _keep_reporting() -> None:
@@ -826,10 +843,11 @@ def _keep_reporting() -> None:
 def collective_failure(exc: BaseException) -> CollectiveError | None:
     """For a collective failure while the ledger runs: the error to show (who is behind); else None."""
     led = _active
-    if led is None or not is_collective_failure(exc):
+    failed = _failed_collective(exc)
+    if led is None or failed is None:
         return None
     _keep_reporting()
-    cause = f"a collective failed on rank {led.rank}: {_cause(exc)}"
+    cause = f"a collective failed on rank {led.rank}: {_cause(failed)}"
     if led.timeout_s is not None and "timed out" in cause.lower():
         cause += f" (parallel.collective_timeout_s = {led.timeout_s:g})"
     return CollectiveError(led.report(cause))
