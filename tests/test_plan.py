@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from conftest import run_cli
+from conftest import run_cli, run_worker
 from dtlab.analysis.devices import PROFILES
 from dtlab.analysis.model import elementwise_flops_per_token, recompute_flops_per_token
 from dtlab.analysis.plan import format_plan, format_tflops, plan, recommend
@@ -130,3 +130,60 @@ def row(label: str, step_s: float, total: int) -> dict[str, Any]:
         "comm": {"time_s": 0.0},
         "per_rank": {"total_bytes": total},
     }
+
+
+def _rank_params(overrides: list[str], world: int) -> int:
+    from dtlab.analysis.model import plan_step
+
+    return plan_step(load_config(overrides=["model.preset=tiny", *overrides]), world).params_bytes
+
+
+def test_plan_splits_the_model_over_tensor_and_pipeline_ranks() -> None:
+    """Tensor parallelism halves every matrix (the norms stay whole); pipeline parallelism holds a
+    stage's blocks, and the plan reports the rank that needs the most: here the last stage of the
+    tiny model (2 of 4 blocks + final norm + output; the first has the embedding, of the output's size,
+    and no norm)."""
+    model = build_model(load_config(overrides=["model.preset=tiny"]).model)
+    total = sum(p.numel() for p in model.parameters())
+    norms = sum(p.numel() for p in model.parameters() if p.ndim == 1)
+    assert _rank_params([], 1) == 4 * total
+    assert _rank_params(["parallel.tp=2"], 2) == 4 * ((total - norms) // 2 + norms)
+    last = sum(
+        p.numel() for n, p in model.named_parameters()
+        if n.startswith(("layers.2.", "layers.3.", "norm.", "output."))
+    )  # fmt: skip
+    assert _rank_params(["parallel.pp=2"], 2) == 4 * last
+
+
+def test_plan_counts_tensor_and_pipeline_traffic() -> None:
+    """TP: 7 activation all-reduces per block and micro-batch (2 forward, 5 backward), +1 for the
+    embedding and +1 for the output, + the vocabulary-parallel loss's 3 floats per token; with SP 4
+    all-gathers and 4 reduce-scatters per block, +1 of each at the ends. PP (1F1B): the first stage
+    sends each micro-batch's activations. (The counts are what CommDebugMode sees in a step.)"""
+    from dtlab.analysis.model import plan_step
+
+    base = ["model.preset=tiny", "data.seq_len=64", "train.global_batch_size=8"]
+    tokens, dim = 8 * 64, 256
+    tp = plan_step(load_config(overrides=[*base, "parallel.tp=2"]), 2).comm_bytes
+    assert tp["tp all_reduce"] == (7 * 4 + 2) * tokens * dim * 4 + 3 * tokens * 4
+    sp = plan_step(
+        load_config(overrides=[*base, "parallel.tp=2", "parallel.sequence_parallel=true"]), 2
+    ).comm_bytes
+    assert sp["tp all_gather"] == sp["tp reduce_scatter"] == (4 * 4 + 2) * tokens * dim * 4
+    pp = plan_step(
+        load_config(overrides=[*base, "parallel.pp=2", "parallel.pp_microbatches=4"]), 2
+    ).comm_bytes
+    assert pp["pp send/recv"] == 4 * (tokens // 4) * dim * 4  # 4 micro-batches of 2 samples
+
+
+def test_plan_command_runs_a_three_dimensional_layout() -> None:
+    proc = run_cli("plan", "--nproc", "8", "--set", "model.preset=tiny", "parallel.tp=2",
+                   "parallel.pp=2", "parallel.sequence_parallel=true", "train.global_batch_size=16")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "fsdp full tp2 pp2 1f1b" in proc.stdout and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("layout", ["tp", "sp"])
+def test_plan_predicts_the_collectives_tensor_parallelism_issues(layout: str) -> None:
+    """Measured by torch's CommDebugMode in a real two-rank step, predicted by the plan."""
+    run_worker("tp_comm_worker.py", 2, layout)

@@ -96,9 +96,8 @@ def test_tp_must_divide_the_world(tmp_path: Path) -> None:
     assert not (tmp_path / "r").exists()
 
 
-@pytest.mark.parametrize("command", ["plan", "bench"])
-def test_plan_and_bench_say_they_do_not_model_tensor_parallelism(command: str) -> None:
+def test_bench_says_it_does_not_measure_tensor_parallelism() -> None:
     """Rather than figures that ignore the layout: a clear refusal that points at verify and train."""
-    proc = run_cli(command, "--set", *FAST, "parallel.tp=2")
+    proc = run_cli("bench", "--set", *FAST, "parallel.tp=2")
     assert proc.returncode == 2, proc.stdout
     assert "data-parallel layouts only so far; parallel.tp = 2" in proc.stderr

@@ -513,9 +513,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from dtlab.config import check_batch_split, load_config
 
     config = load_config(args.config, args.overrides)
-    _data_parallel_only(config, "dtlab plan predicts")
-    # The batch must split over the ranks whatever the strategy: say so, not "nothing fits".
-    check_batch_split(config, args.nproc * args.nnodes)
+    # The batch must split over the data-parallel ranks whatever the strategy: say so, not "nothing
+    # fits" (tensor and pipeline parallelism, when set, take their ranks first).
+    p = config.parallel
+    world = args.nproc * args.nnodes
+    check_batch_split(config, world // (p.tp * p.pp) if world % (p.tp * p.pp) == 0 else world)
     if args.device is None:
         device = PROFILES[DEFAULT_DEVICE]
     elif args.device == "this":
@@ -541,8 +543,9 @@ def _data_parallel_only(config: Config, what: str) -> None:
     if p.tp > 1 or p.pp > 1:
         raise DtlabError(
             f"{what} data-parallel layouts only so far; parallel.tp = {p.tp}, parallel.pp = {p.pp} "
-            "(allowed: 1). To check a tensor or pipeline layout, run dtlab verify; to time it, "
-            "dtlab train (its summary has the step time and peak memory)"
+            "(allowed: 1). To check a tensor or pipeline layout, run dtlab verify; to predict it, "
+            "dtlab plan; to time it, dtlab train (its summary has the step time and peak memory) "
+            "and python -m dtlab.bench.pipeline (the pipeline bubble)"
         )
 
 

@@ -307,3 +307,21 @@ class ParallelDims:
                 device_type, self.mesh_shape, mesh_dim_names=self.mesh_dims
             )
         return self._meshes[device_type]
+
+
+def stage_layers(n_layers: int, n_stages: int) -> list[list[int]]:
+    """The blocks of each stage, in order; earlier stages take one more when they do not divide."""
+    base, extra = divmod(n_layers, n_stages)
+    out, start = [], 0
+    for s in range(n_stages):
+        k = base + (s < extra)
+        out.append(list(range(start, start + k)))
+        start += k
+    return out
+
+
+def stage_ids(pp_rank: int, pp: int, per_rank: int, schedule: str) -> list[int]:
+    """The stages pipeline rank ``pp_rank`` holds, in the order the schedule expects them."""
+    if schedule in ("zbv", "dualpipev"):  # a V: the first and the last stage on rank 0
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + i * pp for i in range(per_rank)]

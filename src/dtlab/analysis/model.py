@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dtlab.config import Config, ModelConfig
-from dtlab.dims import ParallelDims
+from dtlab.dims import ParallelDims, stage_ids, stage_layers
 from dtlab.runtime.signals import STOP_SIGNALS
 
 FP32 = 4
@@ -107,7 +107,15 @@ def recompute_flops_per_token(model_cfg: ModelConfig, seq_len: int, ac: str) -> 
     )
 
 
-def activation_bytes(model_cfg: ModelConfig, tokens: int, precision: str, ac: str) -> int:
+def activation_bytes(
+    model_cfg: ModelConfig,
+    tokens: int,
+    precision: str,
+    ac: str,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    final_part: bool = True,
+) -> int:
     """Bytes one micro-batch's forward keeps for backward (``tokens`` tokens), as
     ``dtlab.bench.memory`` measures them: what is still allocated when forward returns.
 
@@ -130,8 +138,14 @@ def activation_bytes(model_cfg: ModelConfig, tokens: int, precision: str, ac: st
     (int64; the loader's targets are a view that the loss copies) are kept in every case, and the loss
     itself with the weight total of its mean (8 bytes per micro-batch).
     Recomputing a block in backward needs its activations again for a moment: see ``recompute_bytes``.
+
+    Tensor parallelism (``tp``) splits the attention and feed-forward activations (heads and columns)
+    and the logits (vocabulary) over the group; the norms' and the block inputs' only with
+    ``sequence_parallel``. ``final_part``: the final norm, output and loss are on this rank (a pipeline
+    stage before the last has none of them).
     """
     m = model_cfg
+    seq = tp if sequence_parallel else 1
     kv = m.kv_heads * (m.dim // m.n_heads)
     half = precision in ("bf16", "fp16")
     a = 2 if half else FP32  # bytes of a matmul / attention activation
@@ -139,22 +153,23 @@ def activation_bytes(model_cfg: ModelConfig, tokens: int, precision: str, ac: st
     def norm(readers: int) -> int:
         return 2 * m.dim * FP32 + FP32 + (readers * m.dim * 2 if half else m.dim * FP32)
 
-    attn = (m.dim + kv) * a + kv * a + m.dim * a + m.n_heads * FP32
-    ffn = 4 * m.hidden_dim * a
-    block_input = m.dim * FP32
+    attn = ((m.dim + kv) * a + kv * a + m.dim * a + m.n_heads * FP32) / tp
+    ffn = 4 * m.hidden_dim * a / tp
+    block_input = m.dim * FP32 / seq
     if ac == "full":
         per_layer = block_input
     elif ac == "selective":
-        matmul_out = (3 * m.dim + 2 * kv + 2 * m.hidden_dim) * a  # wq, wk, wv, wo, w1, w3, w2
-        per_layer = block_input + matmul_out + m.dim * a + m.n_heads * FP32
+        matmul_out = (3 * m.dim + 2 * kv + 2 * m.hidden_dim) * a / tp  # wq, wk, wv, wo, w1, w3, w2
+        per_layer = block_input + matmul_out + (m.dim * a + m.n_heads * FP32) / tp
     else:
-        per_layer = norm(3) + attn + norm(2) + ffn
-    final = norm(1) + m.vocab_size * FP32 + 8
-    weight_copies = 0
+        per_layer = (norm(3) + norm(2)) / seq + attn + ffn
+    final = (norm(1) / seq + m.vocab_size * FP32 / tp + 8) if final_part else 0
+    weight_copies = 0.0
     if half:
-        output = m.dim * m.vocab_size
-        weight_copies = 2 * (output + (m.n_layers * _block_matmul_params(m) if ac == "none" else 0))
-    return tokens * (m.n_layers * per_layer + final) + weight_copies + 2 * FP32
+        output = m.dim * m.vocab_size if final_part else 0
+        blocks = m.n_layers * _block_matmul_params(m) if ac == "none" else 0
+        weight_copies = 2 * (output + blocks) / tp
+    return int(tokens * (m.n_layers * per_layer + final) + weight_copies + 2 * FP32)
 
 
 def _block_matmul_params(m: ModelConfig) -> int:
@@ -162,7 +177,14 @@ def _block_matmul_params(m: ModelConfig) -> int:
     return 2 * m.dim * m.dim + 2 * m.dim * kv + 3 * m.dim * m.hidden_dim
 
 
-def recompute_bytes(model_cfg: ModelConfig, tokens: int, precision: str, ac: str) -> int:
+def recompute_bytes(
+    model_cfg: ModelConfig,
+    tokens: int,
+    precision: str,
+    ac: str,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+) -> int:
     """What recomputing one checkpointed block in backward holds on top of ``activation_bytes``: that
     block's activations (with its half-precision weight copies under autocast) under ``full``, the
     part that ``selective`` did not keep; 0 without checkpointing. An upper bound for that moment: by
@@ -170,13 +192,13 @@ def recompute_bytes(model_cfg: ModelConfig, tokens: int, precision: str, ac: str
     if ac == "none":
         return 0
     one = model_cfg.model_copy(update={"n_layers": 1})
-    block = activation_bytes(one, tokens, precision, "none") - activation_bytes(
-        one, tokens, precision, "full"
-    )
+
+    def act(mode: str) -> int:
+        return activation_bytes(one, tokens, precision, mode, tp, sequence_parallel)
+
+    block = act("none") - act("full")
     if ac == "selective":
-        block -= activation_bytes(one, tokens, precision, "selective") - activation_bytes(
-            one, tokens, precision, "full"
-        )
+        block -= act("selective") - act("full")
     return block
 
 
@@ -231,10 +253,14 @@ class StepPlan:
 
 
 def _ring(kind: str, size: int, n: int) -> float:
-    """Bytes each rank sends for a ring collective on a buffer of ``size`` bytes over ``n`` ranks."""
+    """Bytes each rank sends for a ring collective on a buffer of ``size`` bytes over ``n`` ranks
+    (``kind`` may name its dimension first: "tp all_reduce"); a pipeline's send/recv sends it all."""
+    op = kind.split(" ")[-1]
+    if op == "send/recv":
+        return float(size)
     if n <= 1:
         return 0.0
-    return size * (2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n)
+    return size * (2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n)
 
 
 def ddp_comm_bytes(shapes: list[ParamShape], config: Config, world: int) -> dict[str, int]:
@@ -277,15 +303,96 @@ def bus_bytes(comm: dict[str, int], groups: dict[str, int], world: int) -> float
 
 def plan_step(config: Config, world_size: int, shapes: list[ParamShape] | None = None) -> StepPlan:
     """Predict one rank's memory and one optimizer step's collectives for ``config`` on ``world_size`` ranks
-    (a ConfigError when that world cannot run it: see :meth:`ParallelDims.from_config`)."""
+    (a ConfigError when that world cannot run it: see :meth:`ParallelDims.from_config`).
+
+    With pipeline parallelism the ranks differ (their stages); the plan is the pipeline rank that needs
+    the most memory."""
     shapes = shapes if shapes is not None else param_shapes(config.model)
-    p, t = config.parallel, config.train
     dims = ParallelDims.from_config(config, world_size)
-    micro = t.micro_batch_size or max(1, t.global_batch_size // world_size)
-    accum = max(1, t.global_batch_size // (micro * world_size))
+    t = config.train
+    micro = t.micro_batch_size or max(1, t.global_batch_size // dims.dp)
+    accum = max(1, t.global_batch_size // (micro * dims.dp))
+    if dims.pp_enabled:
+        from dtlab.config import pipeline_microbatches
+
+        accum = pipeline_microbatches(config, dims.dp)  # the schedule's micro-batches
+        micro = t.global_batch_size // dims.dp // accum
+    plans = [_plan_rank(config, dims, world_size, shapes, micro, accum, r) for r in range(dims.pp)]
+    return max(plans, key=lambda x: x.total_bytes)
+
+
+# Tensor parallelism splits these matrices by their output features (dim 0; the embedding by its
+# vocabulary rows), the rest (wo, w2) by their input features (dim 1); 1-D norms stay whole.
+_ROWWISE = ("attention.wo.weight", "feed_forward.w2.weight")
+
+
+def _tp_local(s: ParamShape, tp: int) -> ParamShape:
+    if tp == 1 or len(s.shape) < 2:
+        return s
+    shape = list(s.shape)
+    dim = 1 if s.name.endswith(_ROWWISE) else 0
+    shape[dim] //= tp
+    return ParamShape(s.name, tuple(shape), s.group)
+
+
+@dataclass(frozen=True)
+class RankPart:
+    """What one pipeline rank holds: its pipeline stages (of ``n_stages``) and their blocks."""
+
+    stages: list[int]
+    n_stages: int
+    n_layers: int
+
+    @property
+    def first(self) -> bool:
+        return 0 in self.stages
+
+    @property
+    def last(self) -> bool:
+        return self.n_stages - 1 in self.stages
+
+
+def rank_shapes(
+    config: Config, dims: ParallelDims, shapes: list[ParamShape], pp_rank: int
+) -> tuple[list[ParamShape], RankPart]:
+    """What pipeline rank ``pp_rank`` holds of each parameter (its tensor-parallel part, before FSDP
+    shards it), and its stages."""
+    n_layers, p = config.model.n_layers, config.parallel
+    layers, part = set(range(n_layers)), RankPart([0], 1, n_layers)
+    if dims.pp_enabled:
+        n_stages = dims.pp * p.stages_per_rank
+        ids = stage_ids(pp_rank, dims.pp, p.stages_per_rank, p.pp_schedule)
+        split = stage_layers(n_layers, n_stages)
+        layers = {i for sid in ids for i in split[sid]}
+        part = RankPart(ids, n_stages, len(layers))
+
+    def held(s: ParamShape) -> bool:
+        if s.group != "root":
+            return int(s.group.split(".")[1]) in layers
+        return part.first if s.name.startswith("tok_embeddings") else part.last
+
+    return [_tp_local(s, dims.tp) for s in shapes if held(s)], part
+
+
+def _plan_rank(
+    config: Config,
+    dims: ParallelDims,
+    world_size: int,
+    all_shapes: list[ParamShape],
+    micro: int,
+    accum: int,
+    pp_rank: int,
+) -> StepPlan:
+    p, t = config.parallel, config.train
+    shapes, part = rank_shapes(config, dims, all_shapes, pp_rank)
     tokens = micro * config.seq_len
     # FSDP shards over the shard group; no_shard and ddp replicate; hsdp shards within a replica group.
     held = sum(s.shard_numel(dims.dp_shard) for s in shapes)
+    sp = p.sequence_parallel
+    rank_model = config.model.model_copy(update={"n_layers": part.n_layers})
+    act = activation_bytes(
+        rank_model, tokens, t.precision, t.activation_checkpointing, dims.tp, sp, part.last
+    )
     plan = StepPlan(
         strategy=p.strategy,
         sharding=p.sharding if dims.fsdp_enabled else "-",
@@ -293,11 +400,12 @@ def plan_step(config: Config, world_size: int, shapes: list[ParamShape] | None =
         params_bytes=held * FP32,
         grads_bytes=held * FP32,
         optimizer_bytes=_optimizer_bytes(config, shapes, held),
-        # The peak: what forward keeps, plus one block being recomputed under checkpointing.
-        activations_bytes=activation_bytes(
-            config.model, tokens, t.precision, t.activation_checkpointing
-        )
-        + recompute_bytes(config.model, tokens, t.precision, t.activation_checkpointing),
+        # The peak: what forward keeps (for every micro-batch a pipeline stage holds at once), plus one
+        # block being recomputed under checkpointing.
+        activations_bytes=act * _in_flight(config, dims, accum)
+        + recompute_bytes(
+            config.model, tokens, t.precision, t.activation_checkpointing, dims.tp, sp
+        ),
     )
     comm: dict[str, int] = {}
     groups: dict[str, int] = {}
@@ -306,6 +414,7 @@ def plan_step(config: Config, world_size: int, shapes: list[ParamShape] | None =
         groups.update({k: world_size for k in comm})
     elif dims.fsdp_enabled:
         plan.gathered_bytes = _fsdp_comm(config, dims, shapes, accum, comm, groups)
+    _model_parallel_comm(config, dims, part, tokens, accum, comm, groups)
     if dims.distributed and world_size > 1:
         # The step's one small reduction (loss, flags, stop votes, and a norm where gradients are DTensors
         # or each rank's own), over all ranks; under HSDP it is counted in the replicas' all-reduce group.
@@ -315,6 +424,61 @@ def plan_step(config: Config, world_size: int, shapes: list[ParamShape] | None =
     plan.comm_groups = groups
     plan.comm_bus_bytes = {k: _ring(k, v, groups[k]) for k, v in comm.items()}
     return plan
+
+
+def _in_flight(config: Config, dims: ParallelDims, microbatches: int) -> int:
+    """Micro-batches whose activations a pipeline rank holds at once: all of them under GPipe and
+    looped BFS (every forward before any backward), at most ``pp`` under the 1F1B family; 1 without
+    pipeline parallelism (accumulation frees each micro-batch's activations in its backward)."""
+    if not dims.pp_enabled:
+        return 1
+    if config.parallel.pp_schedule in ("gpipe", "looped_bfs"):
+        return microbatches
+    return min(microbatches, dims.pp)
+
+
+def _model_parallel_comm(
+    config: Config,
+    dims: ParallelDims,
+    part: RankPart,
+    tokens: int,
+    microbatches: int,
+    comm: dict[str, int],
+    groups: dict[str, int],
+) -> None:
+    """Tensor and pipeline parallelism's collectives per step into ``comm`` and ``groups``.
+
+    TP, per block and micro-batch, of the activations [tokens, dim]: two all-reduces in forward (after
+    wo and w2) and five in backward (the input gradient of each column-wise layer: q, k, v, w1, w3,
+    reduced one by one); one more for the embedding (forward) and the output (backward). With sequence
+    parallelism: four all-gathers and four reduce-scatters per block (the norms' outputs gathered once
+    for attention and once for the feed-forward, and their backward), one of each for the embedding and
+    the output. The vocabulary-parallel loss adds three all-reduces of a float per token. (Counted
+    with torch's CommDebugMode on the tiny model: 33 all-reduces per micro-batch without sequence
+    parallelism, 18 all-gathers + 18 reduce-scatters + 3 all-reduces with it.) PP: each micro-batch's activations sent forward by every stage but the last and
+    their gradients sent backward by every stage but the first (a sequence shard under sequence
+    parallelism).
+    """
+    m = config.model
+    act = 2 if config.train.precision in ("bf16", "fp16") else FP32
+    buffer = tokens * m.dim * act
+    if dims.tp_enabled:
+        ends = part.first + part.last
+        if config.parallel.sequence_parallel:
+            n = microbatches * (4 * part.n_layers + ends)
+            comm["tp all_gather"] = comm["tp reduce_scatter"] = n * buffer
+            groups["tp all_gather"] = groups["tp reduce_scatter"] = dims.tp
+        else:
+            comm["tp all_reduce"] = microbatches * (7 * part.n_layers + ends) * buffer
+        comm["tp all_reduce"] = comm.get("tp all_reduce", 0) + (
+            3 * microbatches * tokens * FP32 if part.last else 0
+        )
+        groups["tp all_reduce"] = dims.tp
+    if dims.pp_enabled:
+        shard = dims.tp if config.parallel.sequence_parallel else 1
+        sends = sum((sid != part.n_stages - 1) + (sid != 0) for sid in part.stages)
+        comm["pp send/recv"] = sends * microbatches * buffer // shard
+        groups["pp send/recv"] = 2
 
 
 def _optimizer_bytes(config: Config, shapes: list[ParamShape], held: int) -> int:
@@ -368,3 +532,15 @@ def step_reduction_bytes(config: Config, dims: ParallelDims) -> int:
     per stop signal, and the squared gradient norm when gradients are sharded or each rank's own."""
     norm = dims.fsdp_enabled or config.train.optimizer == "demo"
     return FP32 * (2 + len(STOP_SIGNALS) + (1 if norm else 0))
+
+
+def predicted_bubble(schedule: str, pp: int, microbatches: int, per_rank: int) -> float | None:
+    """The idle fraction of a step that the textbook analysis gives (equal stage times, no
+    communication cost): (p - 1) / (m + p - 1) for GPipe and 1F1B, (p - 1) / (v m + p - 1) for
+    interleaved 1F1B with v stages per rank; None for the others (looped BFS, and the zero-bubble
+    schedules, whose figure depends on how backward splits into input and weight gradients)."""
+    if schedule in ("gpipe", "1f1b"):
+        return (pp - 1) / (microbatches + pp - 1)
+    if schedule == "interleaved_1f1b":
+        return (pp - 1) / (per_rank * microbatches + pp - 1)
+    return None

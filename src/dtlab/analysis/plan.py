@@ -12,6 +12,7 @@ from dtlab.analysis.model import (
     flops_per_token,
     param_shapes,
     plan_step,
+    predicted_bubble,
     recompute_flops_per_token,
 )
 from dtlab.config import Config, check_world
@@ -77,6 +78,13 @@ class PlanRow:
 def candidates(config: Config, world: int, nnodes: int) -> list[tuple[str, Config]]:
     """The strategies worth comparing for this world: each as a label and a config."""
     out = []
+    p = config.parallel
+    model_parallel = p.tp * p.pp
+    # The strategies share the data-parallel ranks: those that tensor and pipeline parallelism leave.
+    suffix = (f" tp{p.tp}" if p.tp > 1 else "") + (f" pp{p.pp} {p.pp_schedule}" if p.pp > 1 else "")
+    if model_parallel > 1 and world % model_parallel == 0:
+        world = world // model_parallel
+        nnodes = nnodes if world % nnodes == 0 else 1
     options: list[tuple[str, dict[str, Any]]] = [("single", {"strategy": "single"})]
     if world > 1:
         options = [
@@ -97,7 +105,7 @@ def candidates(config: Config, world: int, nnodes: int) -> list[tuple[str, Confi
         cfg = config.model_copy(deep=True)
         for k, v in values.items():
             setattr(cfg.parallel, k, v)
-        out.append((label, cfg))
+        out.append((label + suffix, cfg))
     return out
 
 
@@ -243,9 +251,16 @@ def _row(
     dims = ParallelDims.from_config(cfg, world)
     step = plan_step(cfg, world, shapes)
     tokens_per_rank = cfg.train.global_batch_size * cfg.seq_len / world
-    compute = flops_per_token(cfg.model, cfg.seq_len) * tokens_per_rank / rate
+    # Tensor and pipeline parallelism split the model's FLOPs over their ranks as data parallelism
+    # splits the batch: per rank, the same share of the step's work. A pipeline rank also idles in the
+    # bubble: (p - 1) / (m + p - 1) of its time under 1F1B (the figure also taken, as an upper bound,
+    # for the schedules without a closed form here).
+    idle = pipeline_bubble(cfg, dims)
+    compute = flops_per_token(cfg.model, cfg.seq_len) * tokens_per_rank / rate / (1 - idle)
     ac = cfg.train.activation_checkpointing
-    recompute = recompute_flops_per_token(cfg.model, cfg.seq_len, ac) * tokens_per_rank / rate
+    recompute = (
+        recompute_flops_per_token(cfg.model, cfg.seq_len, ac) * tokens_per_rank / rate / (1 - idle)
+    )
     comm = 0.0
     for collective, bus in step.comm_bus_bytes.items():
         group = step.comm_groups[collective]
@@ -258,6 +273,18 @@ def _row(
         )
         comm += bus / ((device.inter_node_gbps if across else device.intra_node_gbps) * 1e9)
     return PlanRow(label, step, compute, recompute, comm, step.total_bytes <= memory * HEADROOM)
+
+
+def pipeline_bubble(config: Config, dims: ParallelDims) -> float:
+    """The idle fraction of a pipeline rank's step the plan assumes (0 without pipeline parallelism)."""
+    if not dims.pp_enabled:
+        return 0.0
+    from dtlab.config import pipeline_microbatches
+
+    p = config.parallel
+    m = pipeline_microbatches(config, dims.dp)
+    bubble = predicted_bubble(p.pp_schedule, dims.pp, m, p.stages_per_rank)
+    return bubble if bubble is not None else (dims.pp - 1) / (m + dims.pp - 1)
 
 
 def _device_figures(
@@ -330,6 +357,7 @@ def format_plan(p: dict[str, Any]) -> str:
     if dev.get("assumed"):
         name += f" (assumed: the default profile {dev['key']}; pass --device KEY or --device this)"
     model = p["model"]
+    w = max([20] + [len(r["label"]) + 1 for r in p["strategies"]])  # the label column
     lines = [
         f"model {model['preset'] or 'custom'}: {format_count(model['params'])} params, "
         f"{format_count(model['flops_per_token'], 'FLOP')}/token | {p['world_size']} ranks "
@@ -349,14 +377,14 @@ def format_plan(p: dict[str, Any]) -> str:
             else ""
         ),
         "",
-        f"{'strategy':<20}"
+        f"{'strategy':<{w}}"
         + "".join(f"{h:>11}" for h in ("params", "grads", "optim", "activ", "total"))
         + f"  {'fits':<4}"
         + "".join(f"{h:>11}" for h in ("comm/step", "comm", "compute", "recompute", "step")),
     ]
     for r in p["strategies"]:
         if "error" in r:
-            lines.append(f"{r['label']:<20} {r['error']}")
+            lines.append(f"{r['label']:<{w}} {r['error']}")
             continue
         pr = r["per_rank"]
         comm = sum(r["comm"]["bytes_per_step"].values())
@@ -369,7 +397,7 @@ def format_plan(p: dict[str, Any]) -> str:
         )
         times = (r["comm"]["time_s"], r["compute_time_s"], r["recompute_time_s"], r["step_time_s"])
         lines.append(
-            f"{r['label']:<20}"
+            f"{r['label']:<{w}}"
             + "".join(f"{format_bytes(pr[k]):>11}" for k in keys)
             + f"  {'yes' if r['fits'] else 'NO':<4}{format_bytes(comm):>11}"
             + "".join(f"{format_seconds(t):>11}" for t in times)

@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"parallel.pp={args.pp}", f"parallel.pp_schedule={schedule}", f"parallel.pp_microbatches={m}",
                 *args.overrides,
             ])  # fmt: skip
-            from dtlab.parallel.pipeline import predicted_bubble
+            from dtlab.analysis.model import predicted_bubble
 
             per_rank = 1 if schedule in SINGLE_STAGE_SCHEDULES else config.parallel.stages_per_rank
             timeline = _run_one(config, args.pp, out / f"{schedule}-{m}.json", args.warmup)

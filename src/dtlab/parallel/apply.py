@@ -368,7 +368,8 @@ def _parallelize_one(
 def _parallelize_pipeline(model: Transformer, config: Config, d: DistInfo) -> ParallelModel:
     """This rank's pipeline stages, each parallelised, gathered into one model, and their schedule."""
     from dtlab.config import pipeline_microbatches
-    from dtlab.parallel.pipeline import build_pipeline, rank_model, split_model, stage_ids
+    from dtlab.dims import stage_ids
+    from dtlab.parallel.pipeline import build_pipeline, rank_model, split_model
 
     dims, p = d.dims, config.parallel
     n_stages = dims.pp * p.stages_per_rank

@@ -38,6 +38,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.tensor import DTensor
 
+from dtlab.dims import stage_layers
 from dtlab.errors import ConfigError
 from dtlab.models.args import ModelArgs
 from dtlab.models.llama import Transformer, build_model
@@ -51,25 +52,6 @@ SCHEDULES: dict[str, type[_PipelineSchedule]] = {
     "zbv": ScheduleZBVZeroBubble,
     "dualpipev": ScheduleDualPipeV,
 }
-V_SHAPED = ("zbv", "dualpipev")
-
-
-def stage_layers(n_layers: int, n_stages: int) -> list[list[int]]:
-    """The blocks of each stage, in order; earlier stages take one more when they do not divide."""
-    base, extra = divmod(n_layers, n_stages)
-    out, start = [], 0
-    for s in range(n_stages):
-        k = base + (s < extra)
-        out.append(list(range(start, start + k)))
-        start += k
-    return out
-
-
-def stage_ids(pp_rank: int, pp: int, per_rank: int, schedule: str) -> list[int]:
-    """The stages pipeline rank ``pp_rank`` holds, in the order the schedule expects them."""
-    if schedule in V_SHAPED:
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + i * pp for i in range(per_rank)]
 
 
 def split_model(args: ModelArgs, ids: list[int], n_stages: int) -> list[Transformer]:
@@ -217,15 +199,3 @@ def record_timeline(pipeline: Pipeline) -> list[Block]:
 
             setattr(stage, name, timed)
     return blocks
-
-
-def predicted_bubble(schedule: str, pp: int, microbatches: int, per_rank: int) -> float | None:
-    """The idle fraction of a step that the textbook analysis gives (equal stage times, no
-    communication cost): (p - 1) / (m + p - 1) for GPipe and 1F1B, (p - 1) / (v m + p - 1) for
-    interleaved 1F1B with v stages per rank; None for the others (looped BFS, and the zero-bubble
-    schedules, whose figure depends on how backward splits into input and weight gradients)."""
-    if schedule in ("gpipe", "1f1b"):
-        return (pp - 1) / (microbatches + pp - 1)
-    if schedule == "interleaved_1f1b":
-        return (pp - 1) / (per_rank * microbatches + pp - 1)
-    return None
