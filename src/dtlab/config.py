@@ -751,7 +751,7 @@ def _check_pp(c: Config) -> None:
             f"parallel.pp_schedule = {p.pp_schedule!r} places two stages per rank in a V; "
             f"parallel.pp_stages_per_rank = {v} (allowed: 2)"
         )
-    if p.pp_schedule in ZERO_BUBBLE_SCHEDULES and p.strategy != "single":
+    if p.pp_schedule in ZERO_BUBBLE_SCHEDULES and DPWrapper.of(p.strategy) is not DPWrapper.NONE:
         # Their split backward (input gradients first, weight gradients later) leaves FSDP's gradient
         # reduction with partial weight gradients: measured, the training differs from one process's.
         raise ValueError(

@@ -68,6 +68,11 @@ _WRAPPERS = {
 }
 
 
+def needs_replica_groups(strategy: str) -> bool:
+    """Whether ``parallel.strategy = strategy`` needs ``parallel.replicate`` (hybrid sharding)."""
+    return strategy == "hsdp"
+
+
 def strategies_with(*wrappers: DPWrapper) -> list[str]:
     """The ``parallel.strategy`` names whose wrapper is one of ``wrappers``, in the schema's order."""
     return [s for s, w in _WRAPPERS.items() if w in wrappers]
@@ -189,7 +194,7 @@ class ParallelDims:
         if wrapper is DPWrapper.DDP:
             return cls(dp_replicate=world_size, wrapper=wrapper, mesh_dims=("dp_replicate",))
         replicate = 1
-        if p.strategy == "hsdp":
+        if needs_replica_groups(p.strategy):
             if p.replicate is None:
                 raise ConfigError(
                     "parallel.strategy = 'hsdp' needs parallel.replicate (the number of replica "
@@ -203,7 +208,7 @@ class ParallelDims:
         hybrid = ("dp_replicate", "dp_shard")
         if p.sharding == "no_shard":  # every rank holds everything: shard groups of one rank
             return cls(dp_replicate=world_size, wrapper=wrapper, mesh_dims=hybrid)
-        if p.strategy == "hsdp":
+        if needs_replica_groups(p.strategy):
             return cls(replicate, world_size // replicate, wrapper=wrapper, mesh_dims=hybrid)
         return cls(dp_shard=world_size, wrapper=wrapper, mesh_dims=("dp_shard",))
 
@@ -211,7 +216,7 @@ class ParallelDims:
     def min_world_size(config: _HasParallel) -> int:
         """The fewest processes ``config``'s degrees can run on: one per replica group for hsdp."""
         p = config.parallel
-        return ((p.replicate or 1) if p.strategy == "hsdp" else 1) * p.tp * p.pp
+        return ((p.replicate or 1) if needs_replica_groups(p.strategy) else 1) * p.tp * p.pp
 
     @property
     def degrees(self) -> dict[str, int]:

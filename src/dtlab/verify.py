@@ -30,10 +30,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dtlab.dims import DPWrapper, needs_replica_groups, strategies_with
 from dtlab.errors import ConfigError, DtlabError
 
 _DIM = re.compile(r"^(?P<name>[a-z]+)(?::(?P<degree>\d+))?(?::(?P<option>[a-z0-9_]+))?$")
-_DATA = ("single", "ddp", "fsdp", "hsdp")
+_DATA = tuple(strategies_with(*DPWrapper))  # parallel.strategy's names
 _NAMES = (*_DATA, "tp", "sp", "pp")
 
 
@@ -62,7 +63,7 @@ def parse_layouts(text: str) -> list[Layout]:
 
 
 def _parse_layout(item: str) -> Layout:
-    strategy, dp = "single", 1
+    strategy, dp = strategies_with(DPWrapper.NONE)[0], 1
     overrides: list[str] = []
     seen: set[str] = set()
     degrees = {"tp": 1, "pp": 1}
@@ -79,7 +80,8 @@ def _parse_layout(item: str) -> Layout:
         if kind in seen:
             raise ConfigError(f"--layouts: {item!r} gives {kind} parallelism twice")
         seen.add(kind)
-        if degree < 1 or (name == "single" and m["degree"] and degree != 1):
+        alone = kind == "data" and DPWrapper.of(name) is DPWrapper.NONE  # one process
+        if degree < 1 or (alone and m["degree"] and degree != 1):
             raise ConfigError(f"--layouts: {part!r} in {item!r}: the degree must be at least 1")
         if option is not None and name != "pp":
             raise ConfigError(
@@ -87,7 +89,7 @@ def _parse_layout(item: str) -> Layout:
             )
         if kind == "data":
             strategy, dp = name, degree
-            if name == "hsdp":
+            if needs_replica_groups(name):
                 if degree % 2:
                     raise ConfigError(
                         f"--layouts: {part!r}: hsdp runs two replica groups, so its degree must be even"
