@@ -65,6 +65,20 @@ def test_tensor_parallel_checkpoint_resumes_as_one_process(
     first = run_cli(*args, env={"DTLAB_FAULTS": "sigterm@6"})
     assert first.returncode == 75, first.stderr
     assert [p.name for p in (run_dir / "checkpoints").glob("step-*")] == ["step-00000006"]
+    # The tensor-parallel checkpoint exports whole tensors, the plain model's names and shapes.
+    export = run_cli("export", str(run_dir / "checkpoints" / "step-00000006"), "--format",
+                     "safetensors", "--out", str(tmp_path / "export"))  # fmt: skip
+    assert export.returncode == 0, export.stderr
+    from safetensors.torch import load_file
+
+    from dtlab.config import load_config
+    from dtlab.models.llama import build_model
+
+    exported = load_file(str(tmp_path / "export" / "model.safetensors"))
+    whole = build_model(load_config(overrides=FAST).model)
+    assert {k: tuple(v.shape) for k, v in exported.items()} == {
+        k: tuple(v.shape) for k, v in whole.named_parameters()
+    }
     run = train_run(run_dir)  # the same run directory, one process: resumes
     assert_close_losses(run, reference_run)
     summary = json.loads((run_dir / "summary.json").read_text())
