@@ -75,3 +75,11 @@ def test_verify_catches_a_skipped_gradient_sync(tmp_path: Path) -> None:
         r"(layers\.\d+\.\S+|tok_embeddings|output|norm)\.weight", m[2]
     )
     assert float(m[3]) > 1e-4
+
+
+def test_a_layout_the_config_cannot_run_is_refused_before_any_trains(tmp_path: Path) -> None:
+    proc = run_cli("verify", "--layouts", "single,ddp:2,tp:4", "--out", str(tmp_path / "out"),
+                   "--set", *FAST)  # fmt: skip
+    assert proc.returncode == 2, proc.stdout
+    assert "layout tp:4: model.n_kv_heads = 2 is not divisible by parallel.tp = 4" in proc.stderr
+    assert not (tmp_path / "out").exists() and "Traceback" not in proc.stderr

@@ -19,7 +19,7 @@ from dtlab.cliargs import (
     run_command,
 )
 from dtlab.dims import DPWrapper, strategies_with
-from dtlab.errors import DtlabError
+from dtlab.errors import ConfigError, DtlabError
 
 _Job = TypeVar("_Job")
 
@@ -689,7 +689,7 @@ def _launch_k8s(args: argparse.Namespace, config: Config) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from dtlab.config import load_config
+    from dtlab.config import check_world, load_config
     from dtlab.verify import Tolerances, parse_layouts, table, verify
 
     tols = {"--loss-tol": args.loss_tol, "--grad-tol": args.grad_tol, "--param-tol": args.param_tol}
@@ -698,6 +698,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
             raise DtlabError(f"{flag} {value}: allowed: a finite number >= 0")
     layouts = parse_layouts(args.layouts)
     load_config(args.config, args.overrides)  # a bad config is said once, before any layout runs
+    for layout in layouts:  # and a layout its config or world cannot run, before any trains
+        try:
+            check_world(
+                load_config(args.config, [*args.overrides, *layout.overrides]), layout.nproc
+            )
+        except DtlabError as e:
+            raise ConfigError(f"layout {layout.name}: {e}") from None
     result = verify(
         layouts, args.config, args.overrides, args.steps, Path(args.out),
         Tolerances(args.loss_tol, args.grad_tol, args.param_tol),

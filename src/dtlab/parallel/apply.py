@@ -289,6 +289,8 @@ class ParallelModel:
         of the sum). FSDP settles its own in its reduce-scatter; without it, this does, so that the
         gradient norm and the optimizer see whole gradients.
         """
+        if not self.dims.tp_enabled:
+            return  # only tensor parallelism leaves partial sums (checked without a pass per step)
         groups: dict[tuple[int, int], list[nn.Parameter]] = {}
         for p in self.module.parameters():
             g = p.grad
