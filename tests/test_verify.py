@@ -81,5 +81,8 @@ def test_a_layout_the_config_cannot_run_is_refused_before_any_trains(tmp_path: P
     proc = run_cli("verify", "--layouts", "single,ddp:2,tp:4", "--out", str(tmp_path / "out"),
                    "--set", *FAST)  # fmt: skip
     assert proc.returncode == 2, proc.stdout
-    assert "layout tp:4: model.n_kv_heads = 2 is not divisible by parallel.tp = 4" in proc.stderr
+    assert (
+        "layout tp:4: config: model.n_kv_heads = 2 is not divisible by parallel.tp = 4"
+        in proc.stderr
+    )
     assert not (tmp_path / "out").exists() and "Traceback" not in proc.stderr
