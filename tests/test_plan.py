@@ -173,7 +173,7 @@ def test_plan_counts_tensor_and_pipeline_traffic() -> None:
     pp = plan_step(
         load_config(overrides=[*base, "parallel.pp=2", "parallel.pp_microbatches=4"]), 2
     ).comm_bytes
-    assert pp["pp send/recv"] == 4 * (tokens // 4) * dim * 4  # 4 micro-batches of 2 samples
+    assert pp["send/recv"] == 4 * (tokens // 4) * dim * 4  # 4 micro-batches of 2 samples
 
 
 def test_plan_command_runs_a_three_dimensional_layout() -> None:

@@ -439,11 +439,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from dtlab.config import load_config
 
     config = load_config(args.config, args.overrides)  # fail here on a bad config, not in every run
-    _data_parallel_only(config, "dtlab bench measures and predicts")
     axes = _bench_axes(args, config)
     if axes.engines != ["torch"]:
         return _bench_engines(args, axes)
-    combos = combinations(axes.strategies, axes.nprocs, axes.compressions, axes.precisions)
+    model_parallel = config.parallel.tp * config.parallel.pp
+    combos = combinations(
+        axes.strategies, axes.nprocs, axes.compressions, axes.precisions, model_parallel
+    )
     # Every run's config is valid before any runs.
     for strategy, _, compression, precision in combos:
         load_config(
@@ -535,18 +537,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     result = plan(config, args.nproc, args.nnodes, device, args.device_memory, args.device is None)
     print(json.dumps(result, indent=2) if args.json else format_plan(result))
     return 0
-
-
-def _data_parallel_only(config: Config, what: str) -> None:
-    """Refuse tensor and pipeline layouts where a command would give figures that ignore them."""
-    p = config.parallel
-    if p.tp > 1 or p.pp > 1:
-        raise DtlabError(
-            f"{what} data-parallel layouts only so far; parallel.tp = {p.tp}, parallel.pp = {p.pp} "
-            "(allowed: 1). To check a tensor or pipeline layout, run dtlab verify; to predict it, "
-            "dtlab plan; to time it, dtlab train (its summary has the step time and peak memory) "
-            "and python -m dtlab.bench.pipeline (the pipeline bubble)"
-        )
 
 
 def cmd_config(args: argparse.Namespace) -> int:

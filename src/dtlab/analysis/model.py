@@ -301,12 +301,17 @@ def bus_bytes(comm: dict[str, int], groups: dict[str, int], world: int) -> float
     return sum(_ring(k, v, groups.get(k, world)) for k, v in comm.items())
 
 
-def plan_step(config: Config, world_size: int, shapes: list[ParamShape] | None = None) -> StepPlan:
+def plan_step(
+    config: Config,
+    world_size: int,
+    shapes: list[ParamShape] | None = None,
+    pp_rank: int | None = None,
+) -> StepPlan:
     """Predict one rank's memory and one optimizer step's collectives for ``config`` on ``world_size`` ranks
     (a ConfigError when that world cannot run it: see :meth:`ParallelDims.from_config`).
 
-    With pipeline parallelism the ranks differ (their stages); the plan is the pipeline rank that needs
-    the most memory."""
+    With pipeline parallelism the ranks differ (their stages); the plan is pipeline rank ``pp_rank``'s,
+    by default the one that needs the most memory."""
     shapes = shapes if shapes is not None else param_shapes(config.model)
     dims = ParallelDims.from_config(config, world_size)
     t = config.train
@@ -317,7 +322,8 @@ def plan_step(config: Config, world_size: int, shapes: list[ParamShape] | None =
 
         accum = pipeline_microbatches(config, dims.dp)  # the schedule's micro-batches
         micro = t.global_batch_size // dims.dp // accum
-    plans = [_plan_rank(config, dims, world_size, shapes, micro, accum, r) for r in range(dims.pp)]
+    ranks = range(dims.pp) if pp_rank is None else [pp_rank]
+    plans = [_plan_rank(config, dims, world_size, shapes, micro, accum, r) for r in ranks]
     return max(plans, key=lambda x: x.total_bytes)
 
 
@@ -477,8 +483,8 @@ def _model_parallel_comm(
     if dims.pp_enabled:
         shard = dims.tp if config.parallel.sequence_parallel else 1
         sends = sum((sid != part.n_stages - 1) + (sid != 0) for sid in part.stages)
-        comm["pp send/recv"] = sends * microbatches * buffer // shard
-        groups["pp send/recv"] = 2
+        comm["send/recv"] = sends * microbatches * buffer // shard  # only pipelines send
+        groups["send/recv"] = 2
 
 
 def _optimizer_bytes(config: Config, shapes: list[ParamShape], held: int) -> int:
@@ -517,7 +523,12 @@ def _fsdp_comm(
         peak = sum(largest[:2]) if p.sharding == "full" else sum(largest)
         # Per micro-batch every FSDP unit is gathered for forward and, when resharded after forward
         # (full), again for backward; gradients are reduce-scattered once, on the last micro-batch.
-        comm["all_gather"] = accum * (2 if p.sharding == "full" else 1) * gathered
+        # A pipeline stage keeps its units gathered from its first backward to its last (the
+        # schedule turns resharding after backward off): one backward gather per step.
+        per_step = accum * (2 if p.sharding == "full" else 1)
+        if dims.pp_enabled:
+            per_step = accum + 1 if p.sharding == "full" else 1
+        comm["all_gather"] = per_step * gathered
         comm["reduce_scatter"] = gathered // FP32 * grad_bytes
         groups["all_gather"] = groups["reduce_scatter"] = shard
     if replicate > 1:

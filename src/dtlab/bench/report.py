@@ -30,6 +30,10 @@ TAIL = 10  # steps the final loss is averaged over: one batch's loss is noisy
 def label(r: dict[str, Any]) -> str:
     s = r["strategy"] + (f"/{r['sharding']}" if r.get("sharding", "-") != "-" else "")
     extra = "" if r["compression"] == "none" else f" {r['compression']}"
+    if r.get("tp", 1) > 1:
+        extra += f" tp{r['tp']}"
+    if r.get("pp", 1) > 1:
+        extra += f" pp{r['pp']} {r['pp_schedule']}"
     return f"{s} x{r['nproc']} {r['precision']}{extra}"
 
 
@@ -43,7 +47,8 @@ def memory_segments(rows: list[dict[str, Any]]) -> list[tuple[str, list[float]]]
             (
                 name,
                 [
-                    (r["state_bytes"][key] if key in r["state_bytes"] else r[key]) / MIB
+                    # None: not measured (a pipeline's activations), left to the unmodelled rest.
+                    ((r["state_bytes"][key] if key in r["state_bytes"] else r[key]) or 0) / MIB
                     for r in rows
                 ],
             )
@@ -334,7 +339,9 @@ def _memory_table(rows: list[dict[str, Any]]) -> list[str]:
     for r, other in zip(rows, rest, strict=True):
         s = r["state_bytes"]
         act = (
-            f"{r['activation_bytes'] / MIB:.2f} "
+            "- (not measured under a pipeline)"
+            if r["activation_bytes"] is None
+            else f"{r['activation_bytes'] / MIB:.2f} "
             f"({_pct(r['activation_bytes_predicted'], r['activation_bytes'])})"
         )
         state = [s[k] / MIB for k in ("params_bytes", "grads_bytes", "optimizer_bytes")]

@@ -35,21 +35,27 @@ def compression_overrides(compression: str) -> list[str]:
 
 
 def combinations(
-    strategies: list[str], nprocs: list[int], compressions: list[str], precisions: list[str]
+    strategies: list[str],
+    nprocs: list[int],
+    compressions: list[str],
+    precisions: list[str],
+    model_parallel: int = 1,
 ) -> list[tuple[str, int, str, str]]:
-    """Every (strategy, nproc, compression, precision) worth running: ``single`` only on one process."""
+    """Every (strategy, nproc, compression, precision) worth running: ``single`` only without data
+    parallelism (on ``model_parallel`` = tp x pp processes), the others with it."""
     out = []
     for s, n, c, p in itertools.product(strategies, nprocs, compressions, precisions):
-        alone = DPWrapper.of(s) is DPWrapper.NONE  # one process, no process group
-        if alone != (n == 1):
+        alone = DPWrapper.of(s) is DPWrapper.NONE  # no data parallelism
+        if n % model_parallel or alone != (n == model_parallel):
             continue
         if alone and c != "none":
             continue
         out.append((s, n, c, p))
     if not out:
+        each = "" if model_parallel == 1 else f" (tp x pp = {model_parallel} of them per model)"
         raise DtlabError(
             f"--strategies {','.join(strategies)} with --nproc {','.join(map(str, nprocs))} gives nothing "
-            "to run: 'single' runs on 1 process, the others on more than 1"
+            f"to run: 'single' runs on {model_parallel} process(es), the others on more{each}"
         )
     return list(dict.fromkeys(out))
 

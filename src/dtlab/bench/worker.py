@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from dtlab.analysis.devices import CPU_PEAK_REPEATS, lookup_cuda, measure_matmul_tflops
 from dtlab.analysis.model import (
+    StepPlan,
     activation_bytes,
     bus_bytes,
     flops_per_token,
@@ -48,7 +49,13 @@ from dtlab.parallel import destroy_distributed, init_distributed
 from dtlab.parallel.dist import DistInfo, is_worker_env, reduce_scalar
 from dtlab.runtime.faults import Faults
 from dtlab.runtime.signals import StopSignals
-from dtlab.train.loop import TorchEngine, Training, forward_loss, resolve_run_dir
+from dtlab.train.loop import (
+    TorchEngine,
+    Training,
+    accumulate_gradients,
+    forward_loss,
+    resolve_run_dir,
+)
 from dtlab.train.run import run
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -70,11 +77,9 @@ def state_bytes(tr: Training, config: Config, device: torch.device) -> dict[str,
         for v in s.values()
         if isinstance(v, torch.Tensor)
     )
-    inputs, targets = tr.loader.build_step(0)[0]
-    loss = forward_loss(
-        module, inputs.to(device), targets.to(device), config.train.precision, device
-    )
-    loss.backward()
+    # A whole step's forward and backward, as training runs it (every layout: a pipeline's schedule,
+    # tensor parallelism's loss).
+    accumulate_gradients(tr.pm, tr.scaler, tr.loader.build_step(0), config, device)
     grads = gradient_bytes(module)
     tr.optimizer.zero_grad(set_to_none=True)
     return {
@@ -84,16 +89,22 @@ def state_bytes(tr: Training, config: Config, device: torch.device) -> dict[str,
     }
 
 
-def measured_activation_bytes(tr: Training, config: Config, device: torch.device) -> int:
+def measured_activation_bytes(tr: Training, config: Config, device: torch.device) -> int | None:
     """Bytes one micro-batch's forward leaves allocated for backward (``dtlab.bench.memory``: every
     storage the forward's operators allocated that is still alive when it returns; parameters,
-    buffers and the batch excluded). Sees what activation checkpointing keeps."""
+    buffers and the batch excluded). Sees what activation checkpointing keeps. None under pipeline
+    parallelism, whose schedule runs forward and backward together."""
+    if tr.pm.pipeline is not None:
+        return None
     inputs, targets = tr.loader.build_step(0)[0]
     inputs, targets = inputs.to(device), targets.to(device)
     module = tr.pm.module
-    return kept_activation_bytes(
-        module, lambda: forward_loss(module, inputs, targets, config.train.precision, device)
-    )
+
+    def forward() -> torch.Tensor:
+        with tr.pm.loss_context():
+            return forward_loss(module, inputs, targets, config.train.precision, device)
+
+    return kept_activation_bytes(module, forward)
 
 
 def peak_flops(config: Config, d: DistInfo) -> tuple[float | None, str, float]:
@@ -167,7 +178,19 @@ class BenchEngine(TorchEngine):
     ) -> None:
         super().__init__(config, d, run_dir)
         self.timed, self.profile_dir = timed, profile_dir
-        self.counter = CommCounter()
+        # Tensor and pipeline parallelism's collectives are counted under their dimension's name.
+        dims = d.dims
+        # A dimension over the whole world is the default group, which the step's reduction uses too:
+        # its collectives keep their plain names (and the prediction's are merged to match).
+        world = dist.group.WORLD
+        labels = {
+            str(group.group_name): name
+            for name in ("tp",)
+            if dims.degrees[name] > 1
+            and (group := dims.mesh(d.device.type, name).get_group()) is not world
+            and group.size() < d.world_size
+        }
+        self.counter = CommCounter(labels)
 
     def step(
         self, batch: list[Any], step: int, stop_signal: int, inject_nan: bool
@@ -237,6 +260,9 @@ def _layout_figures(config: Config, d: DistInfo) -> dict[str, Any]:
     t = config.train
     return {
         "strategy": config.parallel.strategy,
+        "tp": d.dims.tp,
+        "pp": d.dims.pp,
+        "pp_schedule": config.parallel.pp_schedule if d.dims.pp_enabled else None,
         "sharding": config.parallel.sharding if d.dims.fsdp_enabled else "-",
         "nproc": d.world_size,
         "compression": compression_name(config),
@@ -278,10 +304,10 @@ def _speed_figures(
     }
 
 
-def _memory_figures(config: Config, d: DistInfo, tr: Training, act: int) -> dict[str, Any]:
+def _memory_figures(config: Config, d: DistInfo, tr: Training, act: int | None) -> dict[str, Any]:
     """Peak memory (the largest rank's: a collective), state and activation bytes, next to predicted."""
     t = config.train
-    predicted = plan_step(config, d.world_size)
+    predicted = plan_step(config, d.world_size, pp_rank=0)
     return {
         "peak_memory_bytes": int(reduce_scalar(peak_memory_bytes(d.device), "max")),
         "state_bytes": state_bytes(tr, config, d.device),
@@ -291,17 +317,40 @@ def _memory_figures(config: Config, d: DistInfo, tr: Training, act: int) -> dict
             "optimizer_bytes": predicted.optimizer_bytes,
         },
         "activation_bytes": act,
-        "activation_bytes_predicted": activation_bytes(
-            config.model, tr.micro * config.seq_len, t.precision, t.activation_checkpointing
+        "activation_bytes_predicted": None
+        if act is None
+        else activation_bytes(
+            config.model,
+            tr.micro * config.seq_len,
+            t.precision,
+            t.activation_checkpointing,
+            d.dims.tp,
+            config.parallel.sequence_parallel,
         ),
     }
+
+
+def _as_counted(plan: StepPlan, d: DistInfo) -> StepPlan:
+    """The plan's collectives under the names the counter gives them: tensor parallelism over the
+    whole world runs on the default group, so its collectives are counted with the others there."""
+    if d.dims.tp < d.world_size:
+        return plan
+    comm: dict[str, int] = {}
+    groups: dict[str, int] = {}
+    for key, value in plan.comm_bytes.items():
+        name = key.removeprefix("tp ")
+        comm[name] = comm.get(name, 0) + value
+        groups[name] = max(groups.get(name, 0), plan.comm_groups[key])
+    merged = StepPlan(**{**plan.__dict__, "comm_bytes": comm, "comm_groups": groups})
+    merged.comm_bus_bytes = {k: v for k, v in plan.comm_bus_bytes.items()}
+    return merged
 
 
 def _comm_figures(
     config: Config, d: DistInfo, counter: CommCounter, comm_time: float | None
 ) -> dict[str, Any]:
     """One step's collectives as counted, next to predicted (and uncompressed)."""
-    predicted = plan_step(config, d.world_size)
+    predicted = _as_counted(plan_step(config, d.world_size, pp_rank=0), d)
     return {
         "comm_bytes_per_step": sum(counter.bytes.values()),
         "comm_bytes_per_step_predicted": sum(predicted.comm_bytes.values()),
@@ -311,7 +360,7 @@ def _comm_figures(
         ),
         "comm_bus_bytes_per_step_predicted": sum(predicted.comm_bus_bytes.values()),
         "comm_bus_bytes_uncompressed": sum(
-            plan_step(uncompressed(config), d.world_size).comm_bus_bytes.values()
+            plan_step(uncompressed(config), d.world_size, pp_rank=0).comm_bus_bytes.values()
         ),
         "compression_start_step": config.parallel.compression_options.start_step,
         "comm_by_collective": {
@@ -357,6 +406,10 @@ def _replay_collectives(counter: CommCounter, d: DistInfo) -> float | None:
     the communication cost the step had to absorb.
     """
     if not dist.is_initialized() or d.world_size == 1 or not counter.bytes:
+        return None
+    if d.dims.tp_enabled or d.dims.pp_enabled:
+        # Their collectives run on sub-groups, and pipeline ranks' differ: a replay over the whole
+        # world would time something else (or, with unequal sizes, fail).
         return None
     world = d.world_size
     elapsed = 0.0
@@ -414,4 +467,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_command(main))
+    code = run_command(main)
+    if is_worker_env():
+        from dtlab.runtime.status import leave_worker
+
+        leave_worker(code)  # see there: the interpreter's teardown can abort a finished worker
+    raise SystemExit(code)

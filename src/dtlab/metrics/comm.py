@@ -30,8 +30,13 @@ _NAMES = {
     "alltoall": "all_to_all",
     "alltoall_base": "all_to_all",
     "all_to_all_single": "all_to_all",
+    "send": "send/recv",
 }
 
+
+# Dispatched but not collectives of their own: a functional collective's autograd wrapper, and a
+# pipeline's receive (its send counts the bytes).
+_NOT_COUNTED = ("barrier", "monitored_barrier", "wrap_tensor_autograd", "recv", "recv_any_source")
 
 # torch.distributed functions -> (collective, index of the argument whose bytes count).
 _PY_API = {
@@ -53,8 +58,11 @@ class CommCounter(TorchDispatchMode):
     which is what ``dtlab.analysis`` predicts.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, labels: dict[str, str] | None = None) -> None:
         super().__init__()
+        # Process group name -> the dimension its collectives are counted under ("tp all_reduce"),
+        # so that a tensor-parallel all-reduce is told apart from a data-parallel one.
+        self.labels = labels or {}
         self.counts: Counter[str] = Counter()
         self.bytes: Counter[str] = Counter()
         self._owner = threading.current_thread()
@@ -91,16 +99,33 @@ class CommCounter(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func.namespace in ("c10d", "_c10d_functional"):
             op = func.overloadpacket.__name__.strip("_")
-            if op in ("barrier", "monitored_barrier") or op.startswith("wait"):
+            if op in _NOT_COUNTED or op.startswith("wait"):
                 return out
             name = _NAMES.get(op, op)
+            label = self.labels.get(_group_name(func.namespace, args) or "")
+            if label:
+                name = f"{label} {name}"
             self.counts[name] += 1
-            self.bytes[name] += _payload(name, func.namespace, args, out)
+            self.bytes[name] += _payload(name.split(" ")[-1], func.namespace, args, out)
         return out
 
     def reset(self) -> None:
         self.counts.clear()
         self.bytes.clear()
+
+
+def _group_name(namespace: str, args: Any) -> str | None:
+    """The name of the process group a dispatched collective runs on: a functional collective's last
+    argument, or the c10d operator's ProcessGroup."""
+    if namespace == "_c10d_functional":
+        return args[-1] if args and isinstance(args[-1], str) else None
+    for a in args:
+        if isinstance(a, torch.ScriptObject):
+            try:
+                return str(dist.ProcessGroup.unbox(a).group_name)
+            except (RuntimeError, AttributeError):
+                return None
+    return None
 
 
 def _payload(name: str, namespace: str, args: Any, out: Any) -> int:

@@ -96,16 +96,16 @@ def apply_tp(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool) -> N
     """
     seq = Shard(1) if sequence_parallel else Replicate()
     norm: ParallelStyle = SequenceParallel() if sequence_parallel else _Replicated()
+    ends: dict[str, ParallelStyle] = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "norm": norm,
+        "output": ColwiseParallel(
+            input_layouts=seq, output_layouts=Shard(-1), use_local_output=False
+        ),
+    }
+    # A pipeline stage has only some of them (and torch warns of plan entries without a module).
     parallelize_module(
-        model,
-        mesh,
-        {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-            "norm": norm,
-            "output": ColwiseParallel(
-                input_layouts=seq, output_layouts=Shard(-1), use_local_output=False
-            ),
-        },
+        model, mesh, {k: v for k, v in ends.items() if getattr(model, k) is not None}
     )
     for block in model.layers.values():
         plan: dict[str, ParallelStyle] = {
