@@ -107,13 +107,26 @@ def recompute_flops_per_token(model_cfg: ModelConfig, seq_len: int, ac: str) -> 
     )
 
 
+@dataclass(frozen=True)
+class TPSplit:
+    """How tensor parallelism splits the activations: heads and columns over ``tp`` ranks, and with
+    ``sequence_parallel`` the norms' and the residual stream's too."""
+
+    tp: int = 1
+    sequence_parallel: bool = False
+
+    @property
+    def seq(self) -> int:
+        """What the sequence-wise activations are divided by."""
+        return self.tp if self.sequence_parallel else 1
+
+
 def activation_bytes(
     model_cfg: ModelConfig,
     tokens: int,
     precision: str,
     ac: str,
-    tp: int = 1,
-    sequence_parallel: bool = False,
+    split: TPSplit = TPSplit(),
     final_part: bool = True,
 ) -> int:
     """Bytes one micro-batch's forward keeps for backward (``tokens`` tokens), as
@@ -139,31 +152,15 @@ def activation_bytes(
     itself with the weight total of its mean (8 bytes per micro-batch).
     Recomputing a block in backward needs its activations again for a moment: see ``recompute_bytes``.
 
-    Tensor parallelism (``tp``) splits the attention and feed-forward activations (heads and columns)
-    and the logits (vocabulary) over the group; the norms' and the block inputs' only with
-    ``sequence_parallel``. ``final_part``: the final norm, output and loss are on this rank (a pipeline
+    Tensor parallelism (``split``) splits the attention and feed-forward activations (heads and
+    columns) and the logits (vocabulary) over the group; the norms' and the block inputs' only with
+    sequence parallelism. ``final_part``: the final norm, output and loss are on this rank (a pipeline
     stage before the last has none of them).
     """
-    m = model_cfg
-    seq = tp if sequence_parallel else 1
-    kv = m.kv_heads * (m.dim // m.n_heads)
+    m, tp, seq = model_cfg, split.tp, split.seq
     half = precision in ("bf16", "fp16")
-    a = 2 if half else FP32  # bytes of a matmul / attention activation
-
-    def norm(readers: int) -> int:
-        return 2 * m.dim * FP32 + FP32 + (readers * m.dim * 2 if half else m.dim * FP32)
-
-    attn = ((m.dim + kv) * a + kv * a + m.dim * a + m.n_heads * FP32) / tp
-    ffn = 4 * m.hidden_dim * a / tp
-    block_input = m.dim * FP32 / seq
-    if ac == "full":
-        per_layer = block_input
-    elif ac == "selective":
-        matmul_out = (3 * m.dim + 2 * kv + 2 * m.hidden_dim) * a / tp  # wq, wk, wv, wo, w1, w3, w2
-        per_layer = block_input + matmul_out + (m.dim * a + m.n_heads * FP32) / tp
-    else:
-        per_layer = (norm(3) + norm(2)) / seq + attn + ffn
-    final = (norm(1) / seq + m.vocab_size * FP32 / tp + 8) if final_part else 0
+    per_layer = _layer_bytes(m, half, ac, split)
+    final = (_norm_bytes(m, half, 1) / seq + m.vocab_size * FP32 / tp + 8) if final_part else 0
     weight_copies = 0.0
     if half:
         output = m.dim * m.vocab_size if final_part else 0
@@ -172,18 +169,34 @@ def activation_bytes(
     return int(tokens * (m.n_layers * per_layer + final) + weight_copies + 2 * FP32)
 
 
+def _norm_bytes(m: ModelConfig, half: bool, readers: int) -> int:
+    """Per token, what an RMSNorm and the ``readers`` matmuls reading its output keep."""
+    return 2 * m.dim * FP32 + FP32 + (readers * m.dim * 2 if half else m.dim * FP32)
+
+
+def _layer_bytes(m: ModelConfig, half: bool, ac: str, split: TPSplit) -> float:
+    """Per token, what one block keeps for backward (see :func:`activation_bytes`)."""
+    tp, seq = split.tp, split.seq
+    kv = m.kv_heads * (m.dim // m.n_heads)
+    a = 2 if half else FP32  # bytes of a matmul / attention activation
+    block_input = m.dim * FP32 / seq
+    if ac == "full":
+        return block_input
+    if ac == "selective":
+        matmul_out = (3 * m.dim + 2 * kv + 2 * m.hidden_dim) * a / tp  # wq, wk, wv, wo, w1, w3, w2
+        return block_input + matmul_out + (m.dim * a + m.n_heads * FP32) / tp
+    attn = ((m.dim + kv) * a + kv * a + m.dim * a + m.n_heads * FP32) / tp
+    ffn = 4 * m.hidden_dim * a / tp
+    return (_norm_bytes(m, half, 3) + _norm_bytes(m, half, 2)) / seq + attn + ffn
+
+
 def _block_matmul_params(m: ModelConfig) -> int:
     kv = m.kv_heads * (m.dim // m.n_heads)
     return 2 * m.dim * m.dim + 2 * m.dim * kv + 3 * m.dim * m.hidden_dim
 
 
 def recompute_bytes(
-    model_cfg: ModelConfig,
-    tokens: int,
-    precision: str,
-    ac: str,
-    tp: int = 1,
-    sequence_parallel: bool = False,
+    model_cfg: ModelConfig, tokens: int, precision: str, ac: str, split: TPSplit = TPSplit()
 ) -> int:
     """What recomputing one checkpointed block in backward holds on top of ``activation_bytes``: that
     block's activations (with its half-precision weight copies under autocast) under ``full``, the
@@ -194,7 +207,7 @@ def recompute_bytes(
     one = model_cfg.model_copy(update={"n_layers": 1})
 
     def act(mode: str) -> int:
-        return activation_bytes(one, tokens, precision, mode, tp, sequence_parallel)
+        return activation_bytes(one, tokens, precision, mode, split)
 
     block = act("none") - act("full")
     if ac == "selective":
@@ -394,10 +407,10 @@ def _plan_rank(
     tokens = micro * config.seq_len
     # FSDP shards over the shard group; no_shard and ddp replicate; hsdp shards within a replica group.
     held = sum(s.shard_numel(dims.dp_shard) for s in shapes)
-    sp = p.sequence_parallel
     rank_model = config.model.model_copy(update={"n_layers": part.n_layers})
+    split = TPSplit(dims.tp, p.sequence_parallel)
     act = activation_bytes(
-        rank_model, tokens, t.precision, t.activation_checkpointing, dims.tp, sp, part.last
+        rank_model, tokens, t.precision, t.activation_checkpointing, split, part.last
     )
     plan = StepPlan(
         strategy=p.strategy,
@@ -409,9 +422,7 @@ def _plan_rank(
         # The peak: what forward keeps (for every micro-batch a pipeline stage holds at once), plus one
         # block being recomputed under checkpointing.
         activations_bytes=act * _in_flight(config, dims, accum)
-        + recompute_bytes(
-            config.model, tokens, t.precision, t.activation_checkpointing, dims.tp, sp
-        ),
+        + recompute_bytes(config.model, tokens, t.precision, t.activation_checkpointing, split),
     )
     comm: dict[str, int] = {}
     groups: dict[str, int] = {}

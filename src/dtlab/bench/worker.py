@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from dtlab.analysis.devices import CPU_PEAK_REPEATS, lookup_cuda, measure_matmul_tflops
 from dtlab.analysis.model import (
     StepPlan,
+    TPSplit,
     activation_bytes,
     bus_bytes,
     flops_per_token,
@@ -324,8 +325,7 @@ def _memory_figures(config: Config, d: DistInfo, tr: Training, act: int | None) 
             tr.micro * config.seq_len,
             t.precision,
             t.activation_checkpointing,
-            d.dims.tp,
-            config.parallel.sequence_parallel,
+            TPSplit(d.dims.tp, config.parallel.sequence_parallel),
         ),
     }
 
