@@ -552,7 +552,9 @@ def test_slurm_job_completes_with_metrics(tmp_path: Path, slurm: None) -> None:
 def test_slurm_preemption_requeues_and_resumes(tmp_path: Path, slurm: None) -> None:
     """SIGUSR1 to the job's tasks (what `--signal` sends before the time limit): the workers save a
     checkpoint, the script requeues the job, and the requeued job resumes to the same end."""
-    steps = 30
+    # Enough steps that the signal (sent once 3 steps are logged) finds the run training: 30 steps of
+    # the debug model took 0.4 s, and a signal after the end stops nothing.
+    steps = 300
     job_id, run_dir = _submit(tmp_path, f"train.steps={steps}", "checkpoint.every=1000")
     metrics_file = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 300

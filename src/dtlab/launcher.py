@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dtlab.errors import Preempted
-from dtlab.train.rundir import stopped_with_checkpoint
+from dtlab.train.rundir import finished_since, stopped_with_checkpoint
 
 if TYPE_CHECKING:
     from torch.distributed.launcher.api import LaunchConfig
@@ -66,6 +66,15 @@ def launch(
             return None
         return stopped_with_checkpoint(run_dir, config.run_id, since)
 
+    def after_signal(sig: signal.Signals) -> int:
+        if run_dir is not None and finished_since(run_dir, since):
+            # The signal came while the finished workers were leaving: nothing was stopped.
+            print(
+                f"{sig.name} arrived after the run had finished; nothing to save", file=sys.stderr
+            )
+            return 0
+        return _after_signal(sig, saved())
+
     ctrl_c = _CtrlC()
     try:
         with ctrl_c:
@@ -77,12 +86,12 @@ def launch(
                 file=sys.stderr,
             )
             return 128 + signal.SIGINT
-        return _after_signal(signal.SIGINT, saved())
+        return after_signal(signal.SIGINT)
     except ChildFailedError as e:
         return _after_failure({r: f.exitcode for r, f in e.failures.items()}, run_dir, saved)
     except SignalException as e:
         # The launcher itself was signalled: the agent passed the signal on and waited for the workers.
-        return _after_signal(e.sigval, saved())
+        return after_signal(e.sigval)
     except RendezvousError as e:
         # e.g. the port is taken, or the other nodes never arrived: a setup problem, not a crash.
         print(

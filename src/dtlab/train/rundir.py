@@ -32,6 +32,7 @@ from dtlab.metrics.logging import logger
 
 LOCK = ".lock"
 STOPPED = "stopped.json"
+SUMMARY = "summary.json"  # written by rank 0 when a run reaches its end, and only then
 
 
 def default_run_dir(config: Config) -> Path:
@@ -161,7 +162,7 @@ def check_start(run_dir: Path, chosen: Path | None, own_step: int | None, config
     logged = logged_steps(run_dir)
     if logged:
         held.append(f"metrics up to step {logged[-1]['step']}")
-    if (run_dir / "summary.json").is_file():
+    if (run_dir / SUMMARY).is_file():
         held.append("a summary (it finished)")
     if not held:
         return
@@ -207,6 +208,15 @@ def record_stop(run_dir: Path, step: int, signal_name: str, checkpoint: Path) ->
     os.replace(tmp, run_dir / STOPPED)
 
 
+def finished_since(run_dir: Path, since: float) -> bool:
+    """Whether a run in ``run_dir`` reached its end after ``since``: rank 0 writes ``summary.json``
+    only then (a stopped or failed run writes none)."""
+    try:
+        return (run_dir / SUMMARY).stat().st_mtime >= since
+    except OSError:
+        return False
+
+
 def stopped_with_checkpoint(run_dir: Path, run_id: str, since: float) -> dict[str, Any] | None:
     """The stop marker that workers of the launch ``run_id`` wrote in ``run_dir`` after ``since``."""
     try:
@@ -240,7 +250,7 @@ def write_outputs(
             summary["loss_plot"] = str(plot_loss(curve, run_dir / "loss.png", title))
         except OSError as e:
             logger.error("loss.png could not be written: %s", e.strerror or e)
-    path = run_dir / "summary.json"
+    path = run_dir / SUMMARY
     tmp = path.with_name(".summary.json.tmp")
     try:
         tmp.write_text(json.dumps(json_safe(summary), indent=2) + "\n", encoding="utf-8")
