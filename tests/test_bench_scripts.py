@@ -63,7 +63,7 @@ def test_a_bad_override_is_one_line_before_anything_runs(module: str) -> None:
 
 def test_pipeline_bubble_is_measured_and_drawn(tmp_path: Path) -> None:
     """The pipeline benchmark times every block of one schedule and reports the bubble next to
-    (p - 1) / (m + p - 1)."""
+    (p - 1) / (m + p - 1) and to the schedule's own order of work played out."""
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, "-m", "dtlab.bench.pipeline", "--preset", "debug", "--schedules", "1f1b",
@@ -74,7 +74,10 @@ def test_pipeline_bubble_is_measured_and_drawn(tmp_path: Path) -> None:
     (row,) = json.loads((out / "results.json").read_text())
     assert row["schedule"] == "1f1b" and row["predicted"] == pytest.approx(1 / 3)
     assert 0 < row["bubble"] < 1 and len(row["bubble_per_rank"]) == 2
-    timeline = json.loads((out / "1f1b-2.json").read_text())
+    # The order of work as it ran, played out with F = 1, B = 2, is 1F1B's: the textbook figure.
+    assert row["table"] == pytest.approx(1 / 3)
+    assert 0 < row["table_at_measured"] < 1 and set(row["action_ms"]) == {"F", "B"}
+    timeline = json.loads((out / "1f1b-2.json").read_text())["timeline"]
     # Rank 0 holds the first stage: 2 forwards and 2 backwards per timed step, inside the schedule.
     step = timeline[0]["steps"][-1]
     assert sorted(b["kind"] for b in step["blocks"]) == ["B", "B", "F", "F"]

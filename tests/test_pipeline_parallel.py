@@ -62,6 +62,20 @@ def test_pipeline_checkpoint_resumes_as_tensor_parallel(
             "parallel.pp=2", "parallel.strategy=fsdp", "parallel.pp_schedule=interleaved_1f1b"]  # fmt: skip
     first = run_cli(*args, env={"DTLAB_FAULTS": "sigterm@6"})
     assert first.returncode == 75, first.stderr
+    # The stages' checkpoint exports as one model: every block, the plain model's names and shapes.
+    export = run_cli("export", str(run_dir / "checkpoints" / "step-00000006"), "--format", "hf",
+                     "--out", str(tmp_path / "export"))  # fmt: skip
+    assert export.returncode == 0, export.stderr
+    from safetensors.torch import load_file
+
+    from dtlab.config import load_config
+    from dtlab.models.llama import build_model
+
+    exported = load_file(str(tmp_path / "export" / "model.safetensors"))
+    whole = build_model(load_config(overrides=[*FAST, LAYERS]).model)
+    assert len(exported) == len(dict(whole.named_parameters()))
+    assert sum(v.numel() for v in exported.values()) == sum(p.numel() for p in whole.parameters())
+    assert sum(k.startswith("model.layers.3.") for k in exported) == 9  # the last stage's block
     run = train_run(run_dir, *PIPE, "parallel.tp=2", nproc=2)
     assert_close_losses(run, pipe_reference)
 

@@ -1,16 +1,26 @@
-"""The pipeline bubble, measured: each schedule's idle time per rank, next to the textbook figure.
+"""The pipeline bubble, measured: each schedule's idle time per rank, next to the textbook figure and
+to the schedule's own order of work played out.
 
     python -m dtlab.bench.pipeline [--preset tiny] [--pp 2] [--schedules gpipe,1f1b,...]
         [--microbatches 4,8] [--steps 6] [--warmup 2] [--out bench-out/pipeline] [--set KEY=VALUE ...]
 
 Each (schedule, micro-batch count) trains in ``--pp`` processes of its own (pipeline parallelism alone,
-four blocks per stage at most as the preset has them). Every forward, backward and weight-gradient
-computation of every stage is timed (:func:`dtlab.parallel.pipeline.record_timeline`); a rank's bubble
-is the part of the schedule's wall time (one ``schedule.step``) in which it computed nothing: waiting for a
-neighbour, and sending and receiving, which on CPU with gloo are copies. Reported: the median over the
-timed steps of the mean over ranks, next to (p - 1) / (m + p - 1) for GPipe and 1F1B and (p - 1) /
-(v m + p - 1) for interleaved 1F1B. ``pipeline-schedules.png`` draws the last timed step of each
-schedule as it ran: one row per rank, forward / backward / weight-gradient blocks over time.
+four blocks per stage at most as the preset has them). Every forward, backward, input-gradient and
+weight-gradient computation of every stage is timed (:func:`dtlab.parallel.pipeline.record_timeline`);
+a rank's bubble is the part of the schedule's wall time (one ``schedule.step``) in which it computed
+nothing: waiting for a neighbour, and sending and receiving, which on CPU with gloo are copies.
+Reported: the median over the timed steps of the mean over ranks, next to
+
+- ``textbook``: (p - 1) / (m + p - 1) for GPipe and 1F1B, (p - 1) / (v m + p - 1) for interleaved 1F1B;
+- ``table``: each rank's computations in the order they ran, played out with equal forward,
+  input-gradient and weight-gradient times and free communication
+  (:func:`dtlab.analysis.schedule.simulate_schedule`): the figure the schedule itself promises, for
+  every schedule, the zero-bubble ones included;
+- ``table@t``: the same order played out with the median time measured for each kind of computation:
+  the bubble that would be left if sends and receives cost nothing.
+
+``pipeline-schedules.png`` draws the last timed step of each schedule as it ran: one row per rank,
+F / B / I / W blocks over time.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from dtlab.analysis.model import predicted_bubble
 from dtlab.cliargs import parse_config_args, run_command, script_parser
 from dtlab.config import SINGLE_STAGE_SCHEDULES, Config, load_config
 from dtlab.errors import DtlabError
@@ -69,11 +80,13 @@ def _worker(config: Config, out: Path, warmup: int) -> None:
         mine = {"rank": d.rank, "steps": steps}
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
+        n_stages = pipeline.stages[0].num_stages
         tr.loader.close()
     finally:
         destroy_distributed()
     if d.rank == 0:
-        out.write_text(json.dumps(everyone) + "\n", encoding="utf-8")
+        run = {"timeline": everyone, "n_stages": n_stages}
+        out.write_text(json.dumps(run) + "\n", encoding="utf-8")
 
 
 def bubble_figures(ranks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -96,8 +109,9 @@ def bubble_figures(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _run_one(config: Config, pp: int, out: Path, warmup: int) -> list[dict[str, Any]]:
-    """One schedule in ``pp`` fresh processes; returns every rank's timeline."""
+def _run_one(config: Config, pp: int, out: Path, warmup: int) -> dict[str, Any]:
+    """One schedule in ``pp`` fresh processes; returns every rank's timeline
+    (``timeline``) and the number of stages (``n_stages``)."""
     with tempfile.TemporaryDirectory(prefix="dtlab-pipeline-") as tmp:
         path = Path(tmp) / "config.yaml"
         path.write_text(config.to_yaml(), encoding="utf-8")
@@ -109,8 +123,43 @@ def _run_one(config: Config, pp: int, out: Path, warmup: int) -> list[dict[str, 
         if proc.returncode != 0:
             tail = "\n".join(proc.stderr.strip().splitlines()[-8:])
             raise DtlabError(f"the pipeline run failed (exit code {proc.returncode}):\n{tail}")
-    data: list[dict[str, Any]] = json.loads(out.read_text(encoding="utf-8"))
+    data: dict[str, Any] = json.loads(out.read_text(encoding="utf-8"))
     return data
+
+
+def table_figures(run: dict[str, Any]) -> dict[str, Any]:
+    """The bubble of the schedule's own order of work (each rank's computations as they ran, in
+    order) played out with free communication: with equal action times (``table``: F = I = W,
+    B = 2 F), and with the median time this run measured for each kind (``table_at_measured``: the
+    bubble that would be left if sends and receives cost nothing)."""
+    from dtlab.analysis.schedule import UNIT_COSTS, Action, simulate_schedule
+
+    order: dict[int, list[Action]] = {}
+    durations: dict[str, list[float]] = {}
+    for r, rank in enumerate(run["timeline"]):
+        blocks = sorted(rank["steps"][-1]["blocks"], key=lambda b: b["start"])
+        order[r] = [Action(b["stage"], b["kind"], b["microbatch"]) for b in blocks]
+        for step in rank["steps"]:
+            for b in step["blocks"]:
+                durations.setdefault(b["kind"], []).append(b["end"] - b["start"])
+    costs = dict(UNIT_COSTS)
+    costs.update({k: statistics.median(v) for k, v in durations.items()})
+    return {
+        "table": statistics.mean(simulate_schedule(order, run["n_stages"])),
+        "table_at_measured": statistics.mean(simulate_schedule(order, run["n_stages"], costs)),
+        "action_ms": {k: round(v * 1e3, 3) for k, v in costs.items() if k in durations},
+    }
+
+
+def _row(schedule: str, m: int, figures: dict[str, Any], predicted: float | None) -> str:
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{x:.1%}"
+
+    ranks = " ".join(f"{b:.0%}" for b in figures["bubble_per_rank"])
+    return (
+        f"{schedule:<18} {m:>13} {figures['schedule_s']:>10.3f} {figures['bubble']:>7.1%} "
+        f"{pct(predicted):>8} {pct(figures['table']):>6} {pct(figures['table_at_measured']):>7}  {ranks}"
+    )
 
 
 def plot_timelines(runs: list[dict[str, Any]], path: Path) -> None:
@@ -120,7 +169,7 @@ def plot_timelines(runs: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
+    colors = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#55a868"}
     fig, axes = plt.subplots(len(runs), 1, figsize=(11, 1.1 + 0.9 * len(runs)), squeeze=False)
     for ax, run in zip(axes[:, 0], runs, strict=True):
         for row, rank in enumerate(run["timeline"]):
@@ -137,12 +186,13 @@ def plot_timelines(runs: list[dict[str, Any]], path: Path) -> None:
         ax.set_title(
             f"{run['schedule']}, {run['microbatches']} micro-batches: bubble {run['bubble']:.0%} "
             "measured"
-            + (f", {run['predicted']:.0%} predicted" if run["predicted"] is not None else ""),
+            + (f", {run['predicted']:.0%} textbook" if run["predicted"] is not None else "")
+            + (f", {run['table']:.0%} schedule table" if run["table"] is not None else ""),
             fontsize=8,
             loc="left",
         )
     axes[-1, 0].set_xlabel(
-        "ms since the schedule started (F forward, B backward, W weight gradients)"
+        "ms since the schedule started (F forward, B backward, I input gradients, W weight gradients)"
     )
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
     fig.legend(handles, list(colors), loc="upper right", fontsize=7)
@@ -176,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     runs = []
     print(
-        f"{'schedule':<18} {'micro-batches':>13} {'schedule s':>10} {'bubble':>7} {'predicted':>9}  per rank"
+        f"{'schedule':<18} {'micro-batches':>13} {'schedule s':>10} {'bubble':>7} {'textbook':>8} "
+        f"{'table':>6} {'table@t':>7}  per rank"
     )
     for schedule in schedules:
         for m in counts:
@@ -186,17 +237,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"parallel.pp={args.pp}", f"parallel.pp_schedule={schedule}", f"parallel.pp_microbatches={m}",
                 *args.overrides,
             ])  # fmt: skip
-            from dtlab.analysis.model import predicted_bubble
-
             per_rank = 1 if schedule in SINGLE_STAGE_SCHEDULES else config.parallel.stages_per_rank
-            timeline = _run_one(config, args.pp, out / f"{schedule}-{m}.json", args.warmup)
-            figures = bubble_figures(timeline)
+            run = _run_one(config, args.pp, out / f"{schedule}-{m}.json", args.warmup)
+            figures = {**bubble_figures(run["timeline"]), **table_figures(run)}
             predicted = predicted_bubble(schedule, args.pp, m, per_rank)
             runs.append({"schedule": schedule, "microbatches": m, "pp": args.pp, **figures,
-                         "predicted": predicted, "timeline": timeline})  # fmt: skip
-            pred = "-" if predicted is None else f"{predicted:.1%}"
-            ranks = " ".join(f"{b:.0%}" for b in figures["bubble_per_rank"])
-            print(f"{schedule:<18} {m:>13} {figures['schedule_s']:>10.3f} {figures['bubble']:>7.1%} {pred:>9}  {ranks}", flush=True)  # fmt: skip
+                         "predicted": predicted, "timeline": run["timeline"]})  # fmt: skip
+            print(_row(schedule, m, figures, predicted), flush=True)
     summary = [{k: v for k, v in r.items() if k != "timeline"} for r in runs]
     (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     plot_timelines(

@@ -158,9 +158,9 @@ def build_pipeline(
 
 @dataclass
 class Block:
-    """One piece of work a stage did: ``kind`` F (forward), B (backward; input gradients only under
-    the zero-bubble schedules) or W (weight gradients), on micro-batch ``microbatch``, from ``start``
-    to ``end`` (``time.perf_counter`` seconds)."""
+    """One piece of work a stage did: ``kind`` F (forward), B (full backward), I (input gradients
+    only, the zero-bubble schedules' first half of a backward) or W (weight gradients), on
+    micro-batch ``microbatch``, from ``start`` to ``end`` (``time.perf_counter`` seconds)."""
 
     kind: str
     stage: int
@@ -191,11 +191,15 @@ def record_timeline(pipeline: Pipeline) -> list[Block]:
                 _s: int = stage.stage_index,
                 **kwargs: Any,
             ) -> Any:
+                # A backward that leaves the weight gradients for later is the zero-bubble
+                # schedules' input-gradient half.
+                full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
+                k = "I" if _k == "B" and not full else _k
                 t0 = time.perf_counter()
                 try:
                     return _f(mb, *args, **kwargs)
                 finally:
-                    blocks.append(Block(_k, _s, mb, t0, time.perf_counter()))
+                    blocks.append(Block(k, _s, mb, t0, time.perf_counter()))
 
             setattr(stage, name, timed)
     return blocks
