@@ -13,7 +13,7 @@ help:
 	@echo "make train       train the built-in default (1 process)"
 	@echo "make train-ddp   train configs/ddp.yaml;  make train-fsdp: configs/fsdp.yaml"
 	@echo "make test        run the whole test suite (real gloo processes on CPU); make test-fast: not the slow ones"
-	@echo "make bench       loop overhead, checkpoint save throughput, the pipeline bubble, then the strategy sweep (report in bench-out/)"
+	@echo "make bench       loop overhead, the optimizer step, checkpoint save throughput, the pipeline bubble, then the strategy sweep (report in bench-out/)"
 	@echo "make check       lint + format check + type check"
 	@echo "make install     torch (CPU) and dtlab, what demo/train/bench use;  make install-dev: + the dev extra"
 
@@ -54,6 +54,7 @@ test-fast: install-dev
 
 bench: install
 	$(BIN)/python -m dtlab.bench.overhead
+	$(BIN)/python -m dtlab.bench.optimizer
 	$(BIN)/python -m dtlab.bench.checkpoint --preset small
 	$(BIN)/python -m dtlab.bench.pipeline --out bench-out/pipeline
 	$(BIN)/dtlab bench --strategies single,ddp,fsdp,hsdp --nproc 1,2,4 --steps 8 --out bench-out \

@@ -33,6 +33,10 @@ SMALLEST = {
         ["--preset", "debug", "--blocks", "2", "--block-steps", "2", "--set", *FAST[1:]],
         r"step wall time: median [\d.]+ ms with, [\d.]+ ms without",
     ),
+    "optimizer": (
+        ["--presets", "debug", "--threads", "1", "--steps", "3"],
+        r"debug\s+1(\s+[\d.]+){3}\s+[\d.]+x\s+[\d.]+x",
+    ),
     "memory": (
         ["--preset", "debug", "--seq-len", "16", "--batch", "2"],
         r"\| bf16 \| selective \| [\d.]+ \| [\d.]+ \|",

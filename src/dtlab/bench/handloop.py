@@ -2,8 +2,8 @@
 
     python -m dtlab.bench.handloop CONFIG.yaml --out TIMES.json [--nproc N]
 
-Plain torch, nothing else: the model, AdamW with one parameter group, cross-entropy, gradient
-clipping, and with ``--nproc`` > 1 torch's DDP (started through the same launcher as ``dtlab
+Plain torch, nothing else: the model, AdamW with one parameter group (torch's fused implementation,
+as dtlab's), cross-entropy, gradient clipping, and with ``--nproc`` > 1 torch's DDP (started through the same launcher as ``dtlab
 train``). The batches are dtlab's - the same samples, split into the same micro-batches per rank -
 and are all prepared before the clock starts: the hand loop pays nothing for data.
 """
@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +32,7 @@ from dtlab.config import Config, load_config
 from dtlab.data import BatchLayout, BatchLoader, build_source
 from dtlab.data.loader import MicroBatch
 from dtlab.models.llama import build_model
+from dtlab.parallel.apply import NO_BUFFER_SYNC
 
 
 @dataclass
@@ -67,34 +70,49 @@ def batches(config: Config, rank: int, world: int) -> list[list[MicroBatch]]:
     return [next(loader) for _ in range(t.steps)]
 
 
+class HandStep:
+    """The hand-written step: the model (under DDP when ``world`` > 1), AdamW, and one optimizer step
+    over a rank's micro-batches."""
+
+    def __init__(self, config: Config, world: int = 1) -> None:
+        t = self.t = config.train
+        torch.manual_seed(t.seed)
+        model = build_model(config.model, "cpu")
+        # The RoPE tables are constants: no careful DDP loop broadcasts them before every forward.
+        self.ddp = DistributedDataParallel(model, **NO_BUFFER_SYNC) if world > 1 else None
+        self.net: nn.Module = model if self.ddp is None else self.ddp
+        # The same AdamW implementation as dtlab's (fused): what is measured is the loop around it.
+        self.opt = torch.optim.AdamW(
+            self.net.parameters(), lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay,
+            fused=True,
+        )  # fmt: skip
+
+    def __call__(self, micro_batches: list[MicroBatch]) -> float:
+        """One optimizer step; returns this rank's last micro-batch loss (its ``.item()`` is the
+        step's one host sync, as a loop that prints its loss has)."""
+        accum = len(micro_batches)
+        for i, (inputs, targets) in enumerate(micro_batches):
+            # Gradients are all-reduced in the last micro-batch's backward only.
+            with self.ddp.no_sync() if self.ddp is not None and i < accum - 1 else nullcontext():
+                logits = self.net(inputs)
+                loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / accum
+                loss.backward()
+        if self.t.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.net.parameters(), self.t.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return float(loss.item())
+
+
 def hand_loop(config: Config, rank: int = 0, world: int = 1) -> LoopTimes:
     """Train ``train.steps`` steps by hand on rank ``rank`` of ``world`` (DDP when ``world`` > 1)."""
-    t = config.train
-    torch.manual_seed(t.seed)
-    model = build_model(config.model, "cpu")
-    # The RoPE tables are constants: no careful DDP loop broadcasts them before every forward.
-    ddp = DistributedDataParallel(model, broadcast_buffers=False) if world > 1 else None
-    net: nn.Module = model if ddp is None else ddp
-    opt = torch.optim.AdamW(
-        net.parameters(), lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay
-    )
+    step = HandStep(config, world)
     data = batches(config, rank, world)
     times = []
     start = time.perf_counter()
     for micro_batches in data:
         t0 = time.perf_counter()
-        accum = len(micro_batches)
-        for i, (inputs, targets) in enumerate(micro_batches):
-            # Gradients are all-reduced in the last micro-batch's backward only.
-            with ddp.no_sync() if ddp is not None and i < accum - 1 else nullcontext():
-                logits = net(inputs)
-                loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / accum
-                loss.backward()
-        if t.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(net.parameters(), t.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss.item()
+        step(micro_batches)
         times.append(time.perf_counter() - t0)
     wall = time.perf_counter() - start
     return LoopTimes.from_steps(times, wall, torch.get_num_threads())
@@ -113,11 +131,55 @@ def _worker(config: Config, out: Path) -> None:
         out.write_text(json.dumps(asdict(times)) + "\n", encoding="utf-8")
 
 
+def interleaved(config: Config) -> dict[str, list[float]]:
+    """dtlab's step (:func:`dtlab.train.loop.train_step` on its own parallel model, optimizer and
+    schedule) and the hand-written step, taken in turn on the same micro-batches in the same processes:
+    whatever slows the machine slows both alike. The order alternates every step (ABBA), so neither
+    always runs on the other's warm caches. Returns this rank's step times, ``{"hand": [...],
+    "dtlab": [...]}``, the first step of each left out."""
+    from dtlab.parallel import init_distributed
+    from dtlab.train.loop import build_training, train_step
+
+    d = init_distributed(config)
+    tr = build_training(config, d)
+    tr.loader.close()  # the batches below are built ahead, as the hand loop's are
+    hand = HandStep(config, d.world_size)
+    times: dict[str, list[float]] = {"hand": [], "dtlab": []}
+
+    def ours(mb: list[MicroBatch]) -> None:
+        train_step(tr.pm, tr.optimizer, tr.scheduler, tr.scaler, mb, config, d.device)
+
+    runs: list[tuple[str, Any]] = [("hand", hand), ("dtlab", ours)]
+    for i, mb in enumerate(batches(config, d.dims.dp_rank(d.rank), d.dims.dp)):
+        for name, fn in runs if i % 2 == 0 else runs[::-1]:
+            t0 = time.perf_counter()
+            fn(mb)
+            if i > 0:
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def _interleaved_worker(config: Config, out: Path) -> None:
+    from dtlab.parallel import destroy_distributed
+
+    try:
+        times = interleaved(config)
+    finally:
+        destroy_distributed()
+    if int(os.environ.get("RANK", "0")) == 0:
+        out.write_text(json.dumps(times) + "\n", encoding="utf-8")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dtlab.bench.handloop", description=__doc__)
     p.add_argument("config")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--nproc", type=int, default=1)
+    p.add_argument(
+        "--interleaved", action="store_true",
+        help="take dtlab's step and the hand-written one in turn in the same processes; "
+        "writes both step times",
+    )  # fmt: skip
     args = p.parse_args(argv)
     config = load_config(args.config)
     from dtlab.parallel.dist import is_worker_env
@@ -130,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
             sys.argv[1:] if argv is None else argv,
             module="dtlab.bench.handloop",
         )
-    if is_worker_env():
+    if args.interleaved:
+        _interleaved_worker(config, args.out)
+    elif is_worker_env():
         _worker(config, args.out)
     else:
         args.out.write_text(json.dumps(asdict(hand_loop(config))) + "\n", encoding="utf-8")

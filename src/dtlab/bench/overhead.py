@@ -10,6 +10,12 @@ DDP started by the same launcher, with ``OMP_NUM_THREADS`` = cores / 2 for both.
 ``step``, the median step time (first step left out as warm-up), and ``loop``, the loop's wall time per
 step after the first, with everything done between steps. The ratios are reported as the median over
 repeats and their spread.
+
+Separate runs drift apart on a shared machine (the same loop's step time moves by 10-20% from one run
+to the next), so each repeat also takes dtlab's step and the hand-written one in turn in the same
+processes (``dtlab.bench.handloop --interleaved``): ``step in turn`` is the median over steps of each
+step's ratio; ``loop in turn`` multiplies it by what each loop adds between its steps, relative to its
+own step time, as measured within each loop's own run.
 """
 
 from __future__ import annotations
@@ -34,7 +40,9 @@ from dtlab.train.loop import train
 
 DDP_NPROC = 2
 MODES = ("single", f"ddp x{DDP_NPROC}")
+STRATEGY = {MODES[0]: "single", MODES[1]: "ddp"}
 FIGURES = ("step", "loop")
+IN_TURN = ("step in turn", "loop in turn")
 
 
 def _dtlab_times(run_dir: Path, threads: int) -> LoopTimes:
@@ -105,6 +113,21 @@ def hand_ddp(config: Config, tmp: Path) -> LoopTimes:
     return LoopTimes(**json.loads(out.read_text(encoding="utf-8")))
 
 
+def interleaved_ratio(config: Config, tmp: Path, strategy: str) -> float:
+    """dtlab's step over the hand-written one, taken in turn in the same processes
+    (``dtlab.bench.handloop --interleaved``): the median over steps of each step's ratio."""
+    nproc = DDP_NPROC if strategy == "ddp" else 1
+    path, out = tmp / "interleaved.yaml", tmp / "interleaved.json"
+    path.write_text(_bench_config(config, tmp / "unused", strategy).to_yaml(), encoding="utf-8")
+    _run(
+        [sys.executable, "-m", "dtlab.bench.handloop", str(path), "--out", str(out),
+         "--nproc", str(nproc), "--interleaved"],
+        "the interleaved steps",
+    )  # fmt: skip
+    times = json.loads(out.read_text(encoding="utf-8"))
+    return statistics.median(o / h for h, o in zip(times["hand"], times["dtlab"], strict=True))
+
+
 Runner = Callable[[Config, Path], LoopTimes]
 PAIRS: dict[str, tuple[Runner, Runner]] = {
     MODES[0]: (hand_single, dtlab_single),
@@ -119,6 +142,7 @@ def compare(config: Config, repeats: int, report: Callable[[str], None] = print)
     "dtlab": {figure: median s}, "ratio": {figure: {"median", "min", "max"}}}}``, dtlab / hand.
     """
     rows: dict[str, list[dict[str, LoopTimes]]] = {mode: [] for mode in PAIRS}
+    paired: dict[str, list[float]] = {mode: [] for mode in PAIRS}
     for r in range(repeats):
         for mode, (hand, ours) in PAIRS.items():
             order = [("hand", hand), ("dtlab", ours)]
@@ -129,11 +153,14 @@ def compare(config: Config, repeats: int, report: Callable[[str], None] = print)
                 with tempfile.TemporaryDirectory(prefix="dtlab-overhead-") as tmp:
                     res[name] = fn(config, Path(tmp))
             rows[mode].append(res)
+            with tempfile.TemporaryDirectory(prefix="dtlab-overhead-") as tmp:
+                paired[mode].append(interleaved_ratio(config, Path(tmp), STRATEGY[mode]))
             h, d = res["hand"], res["dtlab"]
             report(
                 f"  repeat {r + 1} {mode:<8} hand {h.step_s * 1e3:7.1f} ms/step   dtlab "
                 f"{d.step_s * 1e3:7.1f} ms/step   ratio {d.step_s / h.step_s:.3f}   "
-                f"(loop {h.loop_s * 1e3:.1f} vs {d.loop_s * 1e3:.1f} ms/step, ratio {d.loop_s / h.loop_s:.3f})"
+                f"(loop {h.loop_s * 1e3:.1f} vs {d.loop_s * 1e3:.1f} ms/step, ratio {d.loop_s / h.loop_s:.3f}; "
+                f"steps in turn {paired[mode][-1]:.3f})"
             )
     out: dict[str, Any] = {}
     for mode, results in rows.items():
@@ -149,6 +176,19 @@ def compare(config: Config, repeats: int, report: Callable[[str], None] = print)
             ratios = [getattr(x["dtlab"], f"{f}_s") / getattr(x["hand"], f"{f}_s") for x in results]
             figures["ratio"][f] = {
                 "median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)
+            }  # fmt: skip
+        # The loop in turn: the step ratio in turn, times what each loop adds between steps relative to
+        # its own step (both measured within one run, so the machine's drift between runs cancels).
+        around = [
+            (x["dtlab"].loop_s / x["dtlab"].step_s) / (x["hand"].loop_s / x["hand"].step_s)
+            for x in results
+        ]
+        for name, values in (
+            ("step in turn", paired[mode]),
+            ("loop in turn", [p * a for p, a in zip(paired[mode], around, strict=True)]),
+        ):
+            figures["ratio"][name] = {
+                "median": statistics.median(values), "min": min(values), "max": max(values)
             }  # fmt: skip
         out[mode] = figures
     return out
@@ -195,6 +235,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"  {mode:<8} {f:<4}  hand {res['hand'][f] * 1e3:7.1f} ms/step   dtlab "
                 f"{res['dtlab'][f] * 1e3:7.1f} ms/step   ratio {r['median']:.3f} "
                 f"({r['min']:.3f}-{r['max']:.3f}) -> overhead {100 * (r['median'] - 1):+.1f}%"
+            )
+        for f in IN_TURN:
+            r = res["ratio"][f]
+            print(
+                f"  {mode:<8} {f:<12}  ratio {r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f}) "
+                f"-> overhead {100 * (r['median'] - 1):+.1f}%"
             )
     return 0
 

@@ -47,6 +47,15 @@ if TYPE_CHECKING:
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
 
 
+# The only buffers are the RoPE tables, derived from the config on every rank: DDP never re-broadcasts
+# them before each forward (the keyword was renamed in newer torch).
+NO_BUFFER_SYNC: dict[str, Any] = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+    else {"broadcast_buffers": False}
+)
+
+
 def plain_name(name: str) -> str:
     """The parameter's name in the unwrapped model."""
     for prefix in _WRAPPER_PREFIXES:
@@ -348,13 +357,6 @@ def _parallelize_one(
     if not dims.ddp_enabled:
         return model, CompressionState(config.parallel.compression)
     device_ids = [dist_info.device.index] if dist_info.device.type == "cuda" else None
-    # The only buffers are the RoPE tables, derived from the config on every rank: never re-broadcast
-    # them before each forward (the keyword was renamed in newer torch).
-    no_buffer_sync: dict[str, Any] = (
-        {"forward_sync_buffers": False}
-        if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-        else {"broadcast_buffers": False}
-    )
     # Under pipeline parallelism DDP spans the stage's replicas only, not the default group.
     group = dims.mesh(device_type, "dp_replicate").get_group() if dims.pp_enabled else None
     ddp = DistributedDataParallel(
@@ -362,7 +364,7 @@ def _parallelize_one(
         device_ids=device_ids,
         gradient_as_bucket_view=True,
         process_group=group,
-        **no_buffer_sync,
+        **NO_BUFFER_SYNC,
     )
     return ddp, apply_ddp_compression(ddp, config)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -39,7 +41,14 @@ def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
         from dtlab.train.demo import DeMo
 
         return DeMo(groups, t.lr, t.demo.chunk_size, t.demo.topk, t.demo.decay)
-    return torch.optim.AdamW(groups, lr=t.lr, foreach=True)
+    return torch.optim.AdamW(groups, lr=t.lr, **_implementation([*decay, *no_decay]))
+
+
+def _implementation(params: list[nn.Parameter]) -> dict[str, Any]:
+    """torch's fused AdamW wherever it has one (CPU and CUDA, DTensor shards included): one kernel
+    per tensor instead of a chain of foreach operations, measured 6x faster than foreach and 3x faster
+    than the per-tensor loop on CPU (``docs/performance.md``); torch's own choice elsewhere."""
+    return {"fused": True} if {p.device.type for p in params} <= {"cpu", "cuda"} else {}
 
 
 def group_hyperparameters(t: TrainConfig) -> list[dict[str, object]]:
