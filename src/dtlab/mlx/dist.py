@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -15,8 +16,9 @@ import numpy as np
 
 from dtlab.config import Config
 from dtlab.errors import CollectiveError, DtlabError
-from dtlab.parallel.ledger import Ledger
-from dtlab.runtime.status import record_exit
+from dtlab.parallel.ledger import LEDGER_ENV, FileChannel, Ledger
+from dtlab.runtime.faults import Faults
+from dtlab.runtime.status import STATUS_ENV, record_exit
 
 __all__ = ["MlxGroup", "Watchdog", "from_rank0", "init_group", "scalar"]
 
@@ -176,3 +178,17 @@ class MlxGroup:
 
     def decide(self, fn: Callable[[], str | None]) -> str | None:
         return from_rank0(self.group, self.watchdog, "rank 0's decision", fn)
+
+
+def start_ledger(
+    rank: int, world: int, run_dir: Path, faults: Faults, timeout_s: float
+) -> Ledger | None:
+    """This rank's ledger of collectives (several ranks; ``DTLAB_LEDGER=0`` turns it off). The ranks
+    publish their newest entries as files: in the launcher's status directory (new for each launch)
+    or, when mlx.launch started the ranks directly, in the run directory."""
+    if world == 1 or os.environ.get(LEDGER_ENV, "1").lower() in ("0", "off", "false", "no"):
+        return None
+    status = os.environ.get(STATUS_ENV)
+    live = Path(status) if status else run_dir / "ledger" / "live"
+    return Ledger(rank, world, FileChannel(live, rank), run_dir / "ledger", faults=faults,
+                  timeout_s=timeout_s)  # fmt: skip

@@ -9,11 +9,7 @@ flattened ``all_sum`` per optimizer step, which carries every gradient, the loss
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,15 +21,15 @@ from dtlab.checkpoint.manager import Checkpointer, Coordinator
 from dtlab.checkpoint.state import Stateful
 from dtlab.config import Config, check_world
 from dtlab.data import BatchLayout, BatchLoader, build_source
-from dtlab.errors import CheckpointError, DtlabError
+from dtlab.errors import DtlabError
 from dtlab.metrics.logging import setup_logging
-from dtlab.mlx.dist import MlxGroup, Watchdog, from_rank0, init_group, scalar
+from dtlab.mlx import checkpoint as mlx_checkpoint
+from dtlab.mlx.dist import MlxGroup, Watchdog, from_rank0, init_group, scalar, start_ledger
 from dtlab.mlx.model import Transformer, build_mlx_model, flat_parameters
 from dtlab.mlx.optim import AdamW, Params
-from dtlab.parallel.ledger import LEDGER_ENV, FileChannel, Ledger
 from dtlab.runtime.faults import Faults
 from dtlab.runtime.signals import StopSignals, agreed_stop, stop_votes
-from dtlab.runtime.status import STATUS_ENV, record_pid
+from dtlab.runtime.status import record_pid
 from dtlab.train.run import Engine, run
 from dtlab.train.rundir import RunDirLock, create_run_dir
 from dtlab.train.schedules import lr_at
@@ -150,33 +146,6 @@ class Trainer:
         }
         return total[-1], grads, votes
 
-    # --- state -----------------------------------------------------------------------------------
-    def save(self, tmp: Path) -> None:
-        mx.save_safetensors(str(tmp / "model.safetensors"), self.params)
-        mx.save_safetensors(str(tmp / "optimizer.safetensors"), self.optimizer.arrays())
-
-    def load(self, path: Path, opt_steps: int) -> None:
-        model = _read_safetensors(path / "model.safetensors")
-        if set(model) != set(self.names):
-            raise CheckpointError(
-                f"checkpoint '{path}': model.safetensors does not fit the model (missing "
-                f"{sorted(set(self.names) - set(model))[:3]}, unexpected {sorted(set(model) - set(self.names))[:3]})"
-            )
-        opt = _read_safetensors(path / "optimizer.safetensors")
-        self.optimizer.load(opt, opt_steps, f"checkpoint '{path}': optimizer.safetensors")
-        self.params = {k: model[k].astype(mx.float32) for k in self.names}
-        mx.eval(self.params)
-
-
-def _read_safetensors(path: Path) -> dict[str, mx.array]:
-    if not path.is_file():
-        raise CheckpointError(
-            f"checkpoint file '{path}' is missing: this checkpoint was not written by the MLX engine"
-        )
-    loaded = mx.load(str(path))
-    assert isinstance(loaded, dict)
-    return loaded
-
 
 # --- the loop ----------------------------------------------------------------------------------------
 def _numpy_batches(batch: list[Any]) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -229,8 +198,8 @@ def train_mlx(config: Config) -> dict[str, Any]:
 
 class MlxEngine(Engine):
     """The MLX engine for the run shell (:func:`dtlab.train.run.run`): one rank's :class:`Trainer` and
-    data. Rank 0 writes checkpoints (every rank holds the same replica) as safetensors files. No
-    ``model.init_from`` (the config refuses it for this engine), no profiler."""
+    data; checkpoints in :mod:`dtlab.mlx.checkpoint`. No ``model.init_from`` (the config refuses it
+    for this engine), no profiler."""
 
     def __init__(
         self,
@@ -243,14 +212,9 @@ class MlxEngine(Engine):
     ) -> None:
         rank, world, t = group.rank(), group.size(), config.train
         self.config, self.watchdog, self.faults = config, watchdog, faults
-        self.ledger: Ledger | None = None
-        if world > 1 and os.environ.get(LEDGER_ENV, "1").lower() not in ("0", "off", "false", "no"):
-            # The ranks publish their newest entries as files: in the launcher's status directory (new
-            # for each launch) or, when mlx.launch started the ranks directly, in the run directory.
-            status = os.environ.get(STATUS_ENV)
-            live = Path(status) if status else run_dir / "ledger" / "live"
-            self.ledger = Ledger(rank, world, FileChannel(live, rank), run_dir / "ledger",
-                                 faults=faults, timeout_s=config.parallel.collective_timeout_s)  # fmt: skip
+        self.ledger = start_ledger(
+            rank, world, run_dir, faults, config.parallel.collective_timeout_s
+        )
         watchdog.ledger = self.ledger
         self.trainer = Trainer(config, group)
         self.accum, self.micro = accum, t.global_batch_size // (accum * world)
@@ -268,40 +232,19 @@ class MlxEngine(Engine):
         self.states = states
 
     def check_resume(self, path: Path) -> None:
-        engine = json.loads((path / "state.json").read_text(encoding="utf-8")).get("engine")
-        if engine != "mlx":
-            raise CheckpointError(
-                f"cannot resume from '{path}': it was not written by the MLX engine"
-            )
+        mlx_checkpoint.check_engine(path)
 
     def load(self, ckpt: Checkpointer, path: Path) -> None:
-        doc = json.loads((path / "state.json").read_text(encoding="utf-8"))
-        self.trainer.load(path, int(doc["optimizer"]["steps"]))
-        for name, part in self.states.items():
-            part.load_state_dict(doc[name])
+        tr = self.trainer
+        tr.params = mlx_checkpoint.load(path, tr.names, tr.optimizer, self.states)
 
     def save(self, ckpt: Checkpointer, step: int, *, blocking: bool) -> None:
         """Rank 0 writes the checkpoint: files, then the checkpointer's commit (manifest, rename)."""
-        if not self.coord.is_main:
-            return
-        t0 = time.perf_counter()
-        tmp = ckpt.staging_dir(step)
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
-        tmp.mkdir(parents=True)
-        try:
-            self.trainer.save(tmp)
-            doc = {
-                "step": step,
-                "engine": "mlx",
-                **{name: part.state_dict() for name, part in self.states.items()},
-                "optimizer": {"steps": self.trainer.optimizer.steps},
-            }
-            (tmp / "state.json").write_text(json.dumps(doc), encoding="utf-8")
-            (tmp / "config.yaml").write_text(self.config.to_yaml(), encoding="utf-8")
-            ckpt.commit(step, tmp, t0)
-        except OSError as e:  # a failed save is reported and training goes on, as with torch
-            shutil.rmtree(tmp, ignore_errors=True)
-            ckpt.record_failure(step, e)
+        if self.coord.is_main:
+            tr = self.trainer
+            mlx_checkpoint.save(
+                ckpt, step, tr.params, tr.optimizer, self.states, self.config.to_yaml()
+            )
 
     def step(
         self, batch: list[Any], step: int, stop_signal: int, inject_nan: bool

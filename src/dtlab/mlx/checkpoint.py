@@ -1,0 +1,90 @@
+"""The MLX engine's checkpoints: the parameters and AdamW's moments as safetensors files, the run's
+stateful parts in ``state.json``, written by rank 0 (every rank holds the same replica) and committed by
+the shared :class:`~dtlab.checkpoint.manager.Checkpointer` (manifest, atomic rename), like the torch
+engine's."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from dtlab.checkpoint.manager import Checkpointer
+from dtlab.checkpoint.state import Stateful
+from dtlab.errors import CheckpointError
+from dtlab.mlx.optim import AdamW, Params
+
+MODEL, OPTIMIZER = "model.safetensors", "optimizer.safetensors"
+
+
+def check_engine(path: Path) -> None:
+    """Refuse a checkpoint another engine wrote, before anything is loaded."""
+    engine = json.loads((path / "state.json").read_text(encoding="utf-8")).get("engine")
+    if engine != "mlx":
+        raise CheckpointError(f"cannot resume from '{path}': it was not written by the MLX engine")
+
+
+def save(
+    ckpt: Checkpointer,
+    step: int,
+    params: Params,
+    optimizer: AdamW,
+    states: Mapping[str, Stateful],
+    config_yaml: str,
+) -> None:
+    """Write the checkpoint of ``step`` into the checkpointer's staging directory and commit it. A
+    failed write is reported by the checkpointer and training goes on, as with torch."""
+    t0 = time.perf_counter()
+    tmp = ckpt.staging_dir(step)
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
+    tmp.mkdir(parents=True)
+    try:
+        mx.save_safetensors(str(tmp / MODEL), params)
+        mx.save_safetensors(str(tmp / OPTIMIZER), optimizer.arrays())
+        doc: dict[str, Any] = {
+            "step": step,
+            "engine": "mlx",
+            **{name: part.state_dict() for name, part in states.items()},
+            "optimizer": {"steps": optimizer.steps},
+        }
+        (tmp / "state.json").write_text(json.dumps(doc), encoding="utf-8")
+        (tmp / "config.yaml").write_text(config_yaml, encoding="utf-8")
+        ckpt.commit(step, tmp, t0)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        ckpt.record_failure(step, e)
+
+
+def load(path: Path, names: list[str], optimizer: AdamW, states: Mapping[str, Stateful]) -> Params:
+    """Restore the optimizer and every stateful part from ``path``; returns the parameters (float32),
+    checked to be exactly ``names``."""
+    doc = json.loads((path / "state.json").read_text(encoding="utf-8"))
+    model = _read(path / MODEL)
+    if set(model) != set(names):
+        raise CheckpointError(
+            f"checkpoint '{path}': {MODEL} does not fit the model (missing "
+            f"{sorted(set(names) - set(model))[:3]}, unexpected {sorted(set(model) - set(names))[:3]})"
+        )
+    optimizer.load(
+        _read(path / OPTIMIZER), int(doc["optimizer"]["steps"]), f"checkpoint '{path}': {OPTIMIZER}"
+    )
+    for name, part in states.items():
+        part.load_state_dict(doc[name])
+    params = {k: model[k].astype(mx.float32) for k in names}
+    mx.eval(params)
+    return params
+
+
+def _read(path: Path) -> dict[str, mx.array]:
+    if not path.is_file():
+        raise CheckpointError(
+            f"checkpoint file '{path}' is missing: this checkpoint was not written by the MLX engine"
+        )
+    loaded = mx.load(str(path))
+    assert isinstance(loaded, dict)
+    return loaded
