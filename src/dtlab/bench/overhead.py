@@ -40,7 +40,7 @@ from dtlab.train.loop import train
 
 DDP_NPROC = 2
 MODES = ("single", f"ddp x{DDP_NPROC}")
-STRATEGY = {MODES[0]: "single", MODES[1]: "ddp"}
+LAYOUT = {MODES[0]: ("single", 1), MODES[1]: ("ddp", DDP_NPROC)}  # strategy, processes
 FIGURES = ("step", "loop")
 IN_TURN = ("step in turn", "loop in turn")
 
@@ -113,10 +113,9 @@ def hand_ddp(config: Config, tmp: Path) -> LoopTimes:
     return LoopTimes(**json.loads(out.read_text(encoding="utf-8")))
 
 
-def interleaved_ratio(config: Config, tmp: Path, strategy: str) -> float:
-    """dtlab's step over the hand-written one, taken in turn in the same processes
+def interleaved_ratio(config: Config, tmp: Path, strategy: str, nproc: int) -> float:
+    """dtlab's step over the hand-written one, taken in turn in ``nproc`` processes
     (``dtlab.bench.handloop --interleaved``): the median over steps of each step's ratio."""
-    nproc = DDP_NPROC if strategy == "ddp" else 1
     path, out = tmp / "interleaved.yaml", tmp / "interleaved.json"
     path.write_text(_bench_config(config, tmp / "unused", strategy).to_yaml(), encoding="utf-8")
     _run(
@@ -154,7 +153,7 @@ def compare(config: Config, repeats: int, report: Callable[[str], None] = print)
                     res[name] = fn(config, Path(tmp))
             rows[mode].append(res)
             with tempfile.TemporaryDirectory(prefix="dtlab-overhead-") as tmp:
-                paired[mode].append(interleaved_ratio(config, Path(tmp), STRATEGY[mode]))
+                paired[mode].append(interleaved_ratio(config, Path(tmp), *LAYOUT[mode]))
             h, d = res["hand"], res["dtlab"]
             report(
                 f"  repeat {r + 1} {mode:<8} hand {h.step_s * 1e3:7.1f} ms/step   dtlab "
