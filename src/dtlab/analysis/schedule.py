@@ -39,9 +39,9 @@ def simulate_schedule(
 
     Raises ValueError when the table cannot run (an action waits on one that never comes before it).
     """
-    done: dict[
-        tuple[str, int, int], float
-    ] = {}  # ("fwd" | "grad" | "input", stage, mb) -> end time
+    # When each (what, stage, micro-batch) became available: "fwd" its forward output, "grad" the
+    # gradient of its input (from a full backward or an input-gradient step).
+    done: dict[tuple[str, int, int], float] = {}
     free = dict.fromkeys(order, 0.0)
     busy = dict.fromkeys(order, 0.0)
     position = dict.fromkeys(order, 0)

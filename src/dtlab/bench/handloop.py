@@ -3,9 +3,10 @@
     python -m dtlab.bench.handloop CONFIG.yaml --out TIMES.json [--nproc N]
 
 Plain torch, nothing else: the model, AdamW with one parameter group (torch's fused implementation,
-as dtlab's), cross-entropy, gradient clipping, and with ``--nproc`` > 1 torch's DDP (started through the same launcher as ``dtlab
-train``). The batches are dtlab's - the same samples, split into the same micro-batches per rank -
-and are all prepared before the clock starts: the hand loop pays nothing for data.
+as dtlab's), cross-entropy, gradient clipping, and with ``--nproc`` > 1 torch's DDP (started through
+the same launcher as ``dtlab train``). The batches are dtlab's - the same samples, split into the
+same micro-batches per rank - and are all prepared before the clock starts: the hand loop pays nothing
+for data.
 """
 
 from __future__ import annotations

@@ -187,7 +187,7 @@ def plot_timelines(runs: list[dict[str, Any]], path: Path) -> None:
             f"{run['schedule']}, {run['microbatches']} micro-batches: bubble {run['bubble']:.0%} "
             "measured"
             + (f", {run['predicted']:.0%} textbook" if run["predicted"] is not None else "")
-            + (f", {run['table']:.0%} schedule table" if run["table"] is not None else ""),
+            + f", {run['table']:.0%} schedule table",
             fontsize=8,
             loc="left",
         )

@@ -17,6 +17,7 @@ import mlx.core as mx
 from dtlab.checkpoint.manager import Checkpointer
 from dtlab.checkpoint.state import Stateful
 from dtlab.errors import CheckpointError
+from dtlab.mlx.model import load_safetensors
 from dtlab.mlx.optim import AdamW, Params
 
 MODEL, OPTIMIZER = "model.safetensors", "optimizer.safetensors"
@@ -85,6 +86,4 @@ def _read(path: Path) -> dict[str, mx.array]:
         raise CheckpointError(
             f"checkpoint file '{path}' is missing: this checkpoint was not written by the MLX engine"
         )
-    loaded = mx.load(str(path))
-    assert isinstance(loaded, dict)
-    return loaded
+    return load_safetensors(path)
