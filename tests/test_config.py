@@ -230,7 +230,7 @@ def test_every_field_has_a_kind_checked_here() -> None:
     covered = {*INT_KEYS, *FLOAT_KEYS, *BOOL_KEYS, *STR_KEYS}
     others = {k: a for k, a in LEAVES if k not in covered}
     literals = {k for k, a in others.items() if get_origin(_base(a)) is Literal}
-    assert set(others) - literals == {"train.betas", "data.paths"}
+    assert set(others) - literals == {"train.betas", "data.paths", "data.val_paths", "run.trackers"}
     assert {"model.rope_theta", "train.warmup_steps", "checkpoint.durable_every"} <= covered
 
 

@@ -38,6 +38,8 @@ from dtlab.models.presets import PRESETS
 
 # Vocabulary size of each tokenizer; the model's vocab_size must cover it.
 TOKENIZER_VOCAB = {"bytes": 256}
+# Tokenizers named in data.tokenizer (anything else is a tokenizer.json path).
+TOKENIZERS = ("bytes", "bpe")
 
 # Integers are 64-bit wherever they end up (torch tensors, seeds, step counters).
 INT64_MAX = 2**63 - 1
@@ -313,8 +315,40 @@ class DataConfig(_Section):
     seq_len: int | None = Field(
         None, ge=1, description="Tokens per training sample; null = model.max_seq_len."
     )
-    tokenizer: Literal["bytes"] = Field(
-        "bytes", description="bytes: UTF-8 bytes, vocabulary 256 (byte 0 separates documents)."
+    tokenizer: str = Field(
+        "bytes",
+        min_length=1,
+        description="bytes: UTF-8 bytes, vocabulary 256 (byte 0 separates documents); bpe: a byte-level "
+        "BPE trained locally on the configured corpus (cached); or the path of a tokenizer.json "
+        "(or of a directory holding one, e.g. a run directory or an export).",
+    )
+    tokenizer_vocab_size: int | None = Field(
+        None,
+        ge=260,
+        le=1 << 20,
+        description="Vocabulary size of a trained bpe tokenizer; null = model.vocab_size.",
+    )
+    val_fraction: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Fraction of the corpus's samples held out for validation (disjoint from training "
+        "by construction); 0 = none. Changes the training samples, not eval.every.",
+    )
+    val_paths: list[str] = Field(
+        default_factory=list,
+        description="Validation files or directories (text, jsonl, parquet), instead of val_fraction.",
+    )
+    streaming: bool = Field(
+        False,
+        description="Read data.paths (or the stdlib corpus) without loading it: tokenized once into a "
+        "memory-mapped token file under data.cache_dir; each rank reads only its samples.",
+    )
+    cache_dir: str | None = Field(
+        None,
+        min_length=1,
+        description="Where trained tokenizers and streaming token files are cached; null = "
+        "$DTLAB_CACHE, else $XDG_CACHE_HOME/dtlab, else ~/.cache/dtlab.",
     )
     prefetch: int = Field(
         2,
@@ -322,13 +356,42 @@ class DataConfig(_Section):
         description="Optimizer steps of batches prepared ahead in a background thread; 0 = inline.",
     )
 
-    @field_validator("paths")
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_kind(cls, value: str) -> str:
+        if value in TOKENIZERS:
+            return value
+        path = Path(value).expanduser()
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        if not path.is_file():
+            raise _bad(
+                f"{show(value)} is neither a tokenizer nor an existing tokenizer.json (or a directory "
+                f"holding one); allowed: {', '.join(TOKENIZERS)}, or such a path"
+            )
+        return value
+
+    @field_validator("paths", "val_paths")
     @classmethod
     def _paths_not_empty(cls, paths: list[str]) -> list[str]:
         for i, path in enumerate(paths):
             if not path:
                 raise _bad(f"item {i} is an empty string; allowed: paths of files or directories")
         return paths
+
+
+class EvalConfig(_Section):
+    """Validation during training: the loss on held-out samples (data.val_fraction or data.val_paths)."""
+
+    every: int = Field(
+        0, ge=0, description="Evaluate every N optimizer steps and at the last; 0 = off."
+    )
+    batches: int = Field(
+        4,
+        ge=1,
+        description="Validation batches of train.global_batch_size samples each evaluation: the "
+        "same samples every time.",
+    )
 
 
 class DemoOptions(_Section):
@@ -570,7 +633,20 @@ class RunConfig(_Section):
         "auto", description="auto: a bar on a terminal, plain lines otherwise."
     )
     tensorboard: bool = Field(
-        True, description="Write TensorBoard event files to <run dir>/tensorboard."
+        True,
+        description="Write TensorBoard event files to <run dir>/tensorboard when run.trackers lists "
+        "tensorboard (false turns it off whatever the list says).",
+    )
+    trackers: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(
+        default_factory=lambda: ["tensorboard"],
+        description="Experiment trackers that receive params, metrics and artifacts (rank 0): "
+        "tensorboard, mlflow (pip install 'dtlab[mlflow]'), wandb (offline; 'dtlab[wandb]').",
+    )
+    mlflow_uri: str | None = Field(
+        None,
+        min_length=1,
+        description="MLflow tracking URI (a file store path or sqlite:///...); null = a file store "
+        "in <run dir>/mlruns.",
     )
     plot: bool = Field(True, description="Write <run dir>/loss.png at the end.")
     profile: bool = Field(
@@ -617,6 +693,7 @@ class Config(_Section):
 
     model: ModelConfig = Field(default_factory=ModelConfig)  # type: ignore[arg-type]
     data: DataConfig = Field(default_factory=DataConfig)  # type: ignore[arg-type]
+    eval: EvalConfig = Field(default_factory=EvalConfig)  # type: ignore[arg-type]
     train: TrainConfig = Field(default_factory=TrainConfig)  # type: ignore[arg-type]
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)  # type: ignore[arg-type]
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)  # type: ignore[arg-type]
@@ -643,9 +720,33 @@ class Config(_Section):
             raise ValueError(
                 f"data.seq_len = {d.seq_len} exceeds model.max_seq_len = {m.max_seq_len}"
             )
-        if m.vocab_size < TOKENIZER_VOCAB[d.tokenizer]:
+        if d.tokenizer in TOKENIZER_VOCAB and m.vocab_size < TOKENIZER_VOCAB[d.tokenizer]:
             raise ValueError(
                 f"model.vocab_size = {m.vocab_size} is smaller than the {d.tokenizer!r} tokenizer's {TOKENIZER_VOCAB[d.tokenizer]}"
+            )
+        if d.tokenizer_vocab_size is not None and d.tokenizer_vocab_size > m.vocab_size:
+            raise ValueError(
+                f"data.tokenizer_vocab_size = {d.tokenizer_vocab_size} is larger than model.vocab_size "
+                f"= {m.vocab_size}: the model must cover every token id"
+            )
+        if d.val_fraction and d.val_paths:
+            raise ValueError(
+                "data.val_fraction and data.val_paths both name a validation split; set one of them"
+            )
+        if self.eval.every and not (d.val_fraction or d.val_paths):
+            raise ValueError(
+                f"eval.every = {self.eval.every} needs a validation split: data.val_fraction > 0 or "
+                "data.val_paths"
+            )
+        if d.source == "synthetic" and d.tokenizer != "bytes":
+            raise ValueError(
+                f"data.tokenizer = {d.tokenizer!r} tokenizes a corpus; data.source = 'synthetic' "
+                "generates token ids (allowed with it: bytes)"
+            )
+        if d.streaming and d.source == "synthetic":
+            raise ValueError(
+                "data.streaming = true reads a corpus; data.source = 'synthetic' has none "
+                "(allowed with it: false)"
             )
         if d.source == "files" and not d.paths:
             raise ValueError(
