@@ -614,6 +614,13 @@ class CheckpointConfig(_Section):
     )
 
 
+Tracker = Literal["tensorboard", "mlflow", "wandb"]
+
+
+def _default_trackers() -> list[Tracker]:
+    return ["tensorboard"]
+
+
 class RunConfig(_Section):
     """Where a run writes and how it reports."""
 
@@ -637,8 +644,8 @@ class RunConfig(_Section):
         description="Write TensorBoard event files to <run dir>/tensorboard when run.trackers lists "
         "tensorboard (false turns it off whatever the list says).",
     )
-    trackers: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(
-        default_factory=lambda: ["tensorboard"],
+    trackers: list[Tracker] = Field(
+        default_factory=_default_trackers,
         description="Experiment trackers that receive params, metrics and artifacts (rank 0): "
         "tensorboard, mlflow (pip install 'dtlab[mlflow]'), wandb (offline; 'dtlab[wandb]').",
     )
