@@ -41,6 +41,7 @@ from dtlab.checkpoint.store import (
     step_name,
 )
 from dtlab.config import Config
+from dtlab.data.tokenizer import Tokenizer
 from dtlab.errors import CheckpointError
 from dtlab.metrics.logging import logger
 
@@ -131,9 +132,11 @@ class Checkpointer:
         coord: Coordinator,
         before_commit: Callable[[int], None] | None = None,
         data_identity: str | None = None,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         c = config.checkpoint
         self.config, self.d, self.before_commit = config, coord, before_commit
+        self.tokenizer = tokenizer  # saved in every checkpoint: generation and export read it there
         self.run_dir = run_dir
         # What the samples are made of: part of the resume fingerprint (another Python's stdlib,
         # changed files under the same paths: other samples).
@@ -276,6 +279,8 @@ class Checkpointer:
         self._report()
 
     def _commit(self, step: int, tmp: Path, t0: float) -> None:
+        if self.tokenizer is not None:
+            self.tokenizer.save(tmp)
         if self.before_commit is not None:
             self.before_commit(step)
         write_manifest(

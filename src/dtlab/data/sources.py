@@ -5,19 +5,20 @@ same samples, and a resumed run continue exactly where it stopped."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import sysconfig
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
 from dtlab.config import TOKENIZER_VOCAB, Config
+from dtlab.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer, cache_root
 from dtlab.errors import DataError
-
-DOC_SEPARATOR = 0  # the byte tokenizer's document separator: NUL never appears in text
 
 
 class SampleSource(Protocol):
@@ -47,13 +48,18 @@ class SyntheticSource:
     identity = "synthetic v1"
     branching = 4
 
-    def __init__(self, seq_len: int, vocab_size: int, seed: int) -> None:
-        self.seq_len, self.vocab_size, self.seed = seq_len, vocab_size, seed
+    def __init__(self, seq_len: int, vocab_size: int, seed: int, split: str = "train") -> None:
+        self.seq_len, self.vocab_size, self.seed, self.split = seq_len, vocab_size, seed, split
         rng = np.random.default_rng([seed, 0xDA7A])
         self.table = rng.integers(0, vocab_size, size=(vocab_size, self.branching))
+        # Validation samples come from a seed stream of their own: disjoint from training's by
+        # construction, drawn from the same chains.
+        self._key = [seed] if split == "train" else [seed, 0x7A1]
+        if split != "train":
+            self.name = "synthetic (validation)"
 
     def sample(self, index: int) -> np.ndarray:
-        rng = np.random.default_rng([self.seed, index])
+        rng = np.random.default_rng([*self._key, index])
         choices = rng.integers(0, self.branching, size=self.seq_len)
         out = np.empty(self.seq_len + 1, dtype=np.int64)
         out[0] = rng.integers(0, self.vocab_size)
@@ -65,10 +71,24 @@ class SyntheticSource:
 
 class TokenWindows:
     """A token stream cut into non-overlapping windows of seq_len + 1, visited in a seeded
-    permutation per epoch: sample i is window perm_e[i mod N] with e = i // N."""
+    permutation per epoch: sample i is window perm_e[i mod N] with e = i // N (in stream order
+    without ``shuffle``: the validation split, the same samples in the same order every time).
 
-    def __init__(self, name: str, tokens: np.ndarray, seq_len: int, seed: int) -> None:
+    ``tokens`` may be a memory-mapped file (streaming): a sample reads only its own window.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        tokens: np.ndarray,
+        seq_len: int,
+        seed: int,
+        *,
+        shuffle: bool = True,
+        identity: str | None = None,
+    ) -> None:
         self.name, self.tokens, self.seq_len, self.seed = name, tokens, seq_len, seed
+        self.shuffle = shuffle
         # Windows share their boundary token, so N windows need N * seq_len + 1 tokens.
         self.num_windows = (len(tokens) - 1) // seq_len
         if self.num_windows < 1:
@@ -77,7 +97,7 @@ class TokenWindows:
             )
         self._epoch = -1
         self._perm = np.empty(0, dtype=np.int64)
-        self._identity: str | None = None
+        self._identity = identity
 
     @property
     def identity(self) -> str:
@@ -98,7 +118,8 @@ class TokenWindows:
 
     def sample(self, index: int) -> np.ndarray:
         epoch, pos = divmod(index, self.num_windows)
-        start = int(self._permutation(epoch)[pos]) * self.seq_len
+        window = int(self._permutation(epoch)[pos]) if self.shuffle else pos
+        start = window * self.seq_len
         return self.tokens[start : start + self.seq_len + 1].astype(np.int64)
 
 
@@ -116,11 +137,6 @@ def describe_data(source: SampleSource, seq_len: int, samples: int) -> str:
         f"data: {source.name}, {len(tokens):,} tokens = {windows:,} samples of {seq_len} tokens; "
         f"this run trains on {samples:,} samples = {samples / windows:.3g} epochs"
     )
-
-
-def encode_bytes(docs: Sequence[bytes]) -> np.ndarray:
-    """The byte tokenizer: UTF-8 bytes, documents separated by byte 0."""
-    return np.frombuffer(bytes([DOC_SEPARATOR]).join(docs), dtype=np.uint8)
 
 
 def stdlib_files() -> list[Path]:
@@ -155,7 +171,8 @@ def _expand_paths(paths: Sequence[str]) -> list[Path]:
 
 
 def _records_text(path: Path, text_key: str) -> Iterator[bytes]:
-    """Texts of a jsonl or parquet file, read through Hugging Face ``datasets`` (offline)."""
+    """Texts of a jsonl or parquet file, record by record, through Hugging Face ``datasets`` in
+    streaming mode (offline; nothing of the file is held beyond the record being read)."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
@@ -167,48 +184,172 @@ def _records_text(path: Path, text_key: str) -> Iterator[bytes]:
     builder = "parquet" if path.suffix == ".parquet" else "json"
     datasets.disable_progress_bars()
     try:
-        ds = datasets.load_dataset(builder, data_files=str(path), split="train")
+        ds = datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True)
+        records = iter(ds)
+        first = next(records, None)
     except Exception as e:  # datasets raises many types for a malformed file
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DataError(f"data file {str(path)!r} cannot be read as {builder}: {msg}") from None
-    if text_key not in ds.column_names:
         raise DataError(
-            f"data file {str(path)!r} has no field data.text_key = {text_key!r}; fields: {', '.join(ds.column_names) or 'none'}"
+            f"data file {str(path)!r} cannot be read as {builder}: {_first_line(e)}"
+        ) from None
+    if first is None:
+        return
+    if text_key not in first:
+        raise DataError(
+            f"data file {str(path)!r} has no field data.text_key = {text_key!r}; fields: {', '.join(first) or 'none'}"
         )
-    for text in ds[text_key]:
-        if text:
-            yield str(text).encode("utf-8")
+    try:
+        for record in itertools.chain([first], records):
+            text = record.get(text_key)
+            if text:
+                yield str(text).encode("utf-8")
+    except DataError:
+        raise
+    except Exception as e:
+        raise DataError(
+            f"data file {str(path)!r} cannot be read as {builder}: {_first_line(e)}"
+        ) from None
 
 
-def _file_docs(path: Path, text_key: str) -> list[bytes]:
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _file_docs(path: Path, text_key: str) -> Iterator[bytes]:
     if path.suffix in (".jsonl", ".parquet"):
-        return list(_records_text(path, text_key))
+        yield from _records_text(path, text_key)
+        return
     if path.suffix == ".json":
         try:
             data = json.loads(_read_bytes(path))
         except ValueError as e:
             raise DataError(f"data file {str(path)!r} is not valid JSON: {e}") from None
         items = data if isinstance(data, list) else [data]
-        return [str(r[text_key]).encode() for r in items if isinstance(r, dict) and r.get(text_key)]
-    return [_read_bytes(path)]
+        yield from (
+            str(r[text_key]).encode() for r in items if isinstance(r, dict) and r.get(text_key)
+        )
+        return
+    yield _read_bytes(path)
 
 
-def build_source(config: Config) -> SampleSource:
-    """The sample source that ``config.data`` describes. Raises :class:`DataError` for bad data."""
-    d, seq_len, seed = config.data, config.seq_len, config.train.seed
-    if d.source == "synthetic":
-        return SyntheticSource(seq_len, TOKENIZER_VOCAB[d.tokenizer], seed)
-    if d.source == "stdlib":
+@dataclass
+class Corpus:
+    """The documents of a text corpus, in a fixed order: the stdlib's sources or data files."""
+
+    name: str
+    files: list[Path]
+    text_key: str = "text"
+
+    @classmethod
+    def stdlib(cls) -> Corpus:
         files = stdlib_files()
         if not files:
             raise DataError(
                 f"no standard-library sources found under {sysconfig.get_paths()['stdlib']!r}; use data.source = synthetic or files"
             )
-        return TokenWindows("stdlib", encode_bytes([_read_bytes(f) for f in files]), seq_len, seed)
-    docs: list[bytes] = []
-    for path in _expand_paths(d.paths):
-        file_docs = _file_docs(path, d.text_key)
-        if not any(file_docs):
-            raise DataError(f"data file {str(path)!r} is empty (no text)")
-        docs.extend(file_docs)
-    return TokenWindows("files", encode_bytes(docs), seq_len, seed)
+        return cls("stdlib", files)
+
+    @classmethod
+    def from_paths(cls, name: str, paths: Sequence[str], text_key: str) -> Corpus:
+        return cls(name, _expand_paths(paths), text_key)
+
+    def docs(self) -> Iterator[bytes]:
+        """Every document, one file at a time (a file of records is read record by record)."""
+        for path in self.files:
+            empty = True
+            for doc in _file_docs(path, self.text_key):
+                empty = empty and not doc
+                yield doc
+            if empty and self.name != "stdlib":
+                raise DataError(f"data file {str(path)!r} is empty (no text)")
+
+    @property
+    def identity(self) -> str:
+        """The files' names, sizes and modification times (read without reading the files): what
+        keys the caches of tokenizers and token files."""
+        h = hashlib.sha256(self.text_key.encode())
+        for f in self.files:
+            st = f.stat()
+            h.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+        return f"{self.name}: {len(self.files)} files, {h.hexdigest()[:16]}"
+
+
+@dataclass
+class DataSources:
+    """What a run reads: the training samples, the validation samples (None: no split), and the
+    tokenizer that made both."""
+
+    train: SampleSource
+    val: SampleSource | None
+    tokenizer: Tokenizer
+
+
+def _tokens(corpus: Corpus, tokenizer: Tokenizer, config: Config) -> tuple[np.ndarray, str]:
+    """The corpus's token stream (memory-mapped from the token cache when streaming) and its digest."""
+    if config.data.streaming:
+        from dtlab.data.cache import cached_tokens
+
+        return cached_tokens(corpus, tokenizer, cache_root(config.data.cache_dir))
+    tokens = tokenizer.encode_docs(corpus.docs())
+    return tokens, hashlib.sha256(tokens.tobytes()).hexdigest()[:16]
+
+
+def _windows(
+    corpus: Corpus, tokenizer: Tokenizer, config: Config, val_fraction: float = 0.0
+) -> tuple[TokenWindows, TokenWindows | None]:
+    """Training windows of the corpus and, with ``val_fraction``, validation windows over its tail:
+    the last windows of the stream, from the token after the last training window's end, so that
+    not one token of validation is a training input or target."""
+    seq_len, seed = config.seq_len, config.train.seed
+    tokens, digest = _tokens(corpus, tokenizer, config)
+    identity = f"{corpus.name}: {len(tokens)} tokens, sha256 {digest}"
+    if not val_fraction:
+        return TokenWindows(corpus.name, tokens, seq_len, seed, identity=identity), None
+    total = (len(tokens) - 1) // seq_len
+    n_val = int(total * val_fraction)
+    n_train = total - n_val - 1  # one window's worth of tokens is given up at the boundary
+    if n_val < 1 or n_train < 1:
+        raise DataError(
+            f"data.val_fraction = {val_fraction:g} of {corpus.name!r}'s {total:,} samples of "
+            f"{seq_len} tokens leaves {max(n_val, 0)} for validation and {max(n_train, 0)} for "
+            "training; both need at least 1 (raise or lower data.val_fraction, or use data.val_paths)"
+        )
+    cut = n_train * seq_len + 1
+    train = TokenWindows(
+        corpus.name, tokens[:cut], seq_len, seed,
+        identity=f"{identity}, validation fraction {val_fraction:g}",
+    )  # fmt: skip
+    val_tokens = tokens[cut : cut + n_val * seq_len + 1]
+    val = TokenWindows(f"{corpus.name} (validation)", val_tokens, seq_len, seed, shuffle=False)
+    return train, val
+
+
+def build_data(config: Config) -> DataSources:
+    """The training and validation sources and the tokenizer that ``config.data`` describes.
+    Raises :class:`DataError` for bad data (before anything is written)."""
+    d, seq_len, seed = config.data, config.seq_len, config.train.seed
+    if d.source == "synthetic":
+        tokenizer: Tokenizer = ByteTokenizer()
+        train: SampleSource = SyntheticSource(seq_len, TOKENIZER_VOCAB[d.tokenizer], seed)
+        val: SampleSource | None = None
+        if d.val_fraction:
+            val = SyntheticSource(seq_len, TOKENIZER_VOCAB[d.tokenizer], seed, split="validation")
+    else:
+        corpus = (
+            Corpus.stdlib()
+            if d.source == "stdlib"
+            else Corpus.from_paths("files", d.paths, d.text_key)
+        )
+        tokenizer = build_tokenizer(
+            config, corpus.docs() if d.tokenizer == "bpe" else None, corpus.identity
+        )
+        train, val = _windows(corpus, tokenizer, config, d.val_fraction)
+    if d.val_paths:
+        val_corpus = Corpus.from_paths("validation files", d.val_paths, d.text_key)
+        val, _ = _windows(val_corpus, tokenizer, config)
+        val.shuffle = False
+    return DataSources(train, val, tokenizer)
+
+
+def build_source(config: Config) -> SampleSource:
+    """The training source that ``config.data`` describes. Raises :class:`DataError` for bad data."""
+    return build_data(config).train

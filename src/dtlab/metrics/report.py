@@ -27,7 +27,14 @@ def plot_loss(metrics: list[dict[str, Any]], path: Path, title: str) -> Path:
     from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    ax.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], lw=1.5)
+    ax.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], lw=1.5, label="training")
+    val = [m for m in metrics if m.get("val_loss") is not None]
+    if val:
+        ax.plot(
+            [m["step"] for m in val], [m["val_loss"] for m in val], "o-", ms=3, lw=1.2,
+            label="validation",
+        )  # fmt: skip
+        ax.legend()
     ax.set_xlabel("optimizer step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     ax.set_ylabel("loss (mean over the global batch)")
@@ -61,6 +68,16 @@ def summary_table(s: dict[str, Any]) -> str:
         ("model", f"{s['params'] / 1e6:.2f}M params"),
         ("steps", f"{s['steps']} x {s['global_batch_size']} samples x {s['seq_len']} tokens"),
         ("loss", f"{num('initial_loss', '.4f')} -> {num('final_loss', '.4f')}"),
+        *(
+            [
+                (
+                    "validation",
+                    f"loss {num('final_val_loss', '.4f')}, perplexity {num('final_val_ppl', '.2f')}",
+                )
+            ]
+            if s.get("final_val_loss") is not None
+            else []
+        ),
         ("median step time", f"{num('median_step_time_s', '.3f')} s"),
         ("throughput", f"{s['tokens_per_s']:,.0f} tokens/s (all ranks)"),
         ("peak memory", f"{_human_bytes(s['peak_memory_bytes'])} per rank (max)"),

@@ -20,7 +20,8 @@ from mlx.utils import tree_unflatten
 from dtlab.checkpoint.manager import Checkpointer, Coordinator
 from dtlab.checkpoint.state import Stateful
 from dtlab.config import Config, check_world
-from dtlab.data import BatchLayout, BatchLoader, build_source
+from dtlab.data import BatchLayout, BatchLoader
+from dtlab.data.sources import build_data
 from dtlab.errors import DtlabError
 from dtlab.metrics.logging import setup_logging
 from dtlab.mlx import checkpoint as mlx_checkpoint
@@ -95,6 +96,23 @@ class Trainer:
         else:
             out["bad"] = True
         return out, agreed_stop(votes, self.world)
+
+    def evaluate(
+        self, batches: list[list[tuple[np.ndarray, np.ndarray]]], watchdog: Watchdog
+    ) -> float:
+        """The mean loss over every token of ``batches`` (this rank's validation micro-batches of each
+        evaluation batch), summed over the ranks in one all_sum: a forward only."""
+        total = mx.array(0.0)
+        for micro_batches in batches:
+            for inputs, targets in micro_batches:
+                loss = self._loss(self.params, mx.array(inputs), mx.array(targets))
+                total = total + loss / len(micro_batches)
+            mx.eval(total)
+        if self.world > 1:
+            summed = mx.distributed.all_sum(total.reshape(1), group=self.group)
+            watchdog.run("the validation all_sum", lambda: mx.eval(summed), "all_sum", total)
+            total = summed[0] / self.world
+        return scalar(total) / len(batches)
 
     def _gradients(
         self, micro_batches: list[tuple[np.ndarray, np.ndarray]], inject_nan: bool
@@ -218,10 +236,11 @@ class MlxEngine(Engine):
         watchdog.ledger = self.ledger
         self.trainer = Trainer(config, group)
         self.accum, self.micro = accum, t.global_batch_size // (accum * world)
-        self.loader = BatchLoader(
-            build_source(config), BatchLayout(t.global_batch_size, rank, world, self.micro),
-            prefetch=config.data.prefetch,
-        )  # fmt: skip
+        data = build_data(config)
+        layout = BatchLayout(t.global_batch_size, rank, world, self.micro)
+        self.loader = BatchLoader(data.train, layout, prefetch=config.data.prefetch)
+        self.val_loader = BatchLoader(data.val, layout, prefetch=0) if data.val else None
+        self.tokenizer = data.tokenizer
         self.coord: Coordinator = MlxGroup(group, watchdog)
         self.params = sum(v.size for v in self.trainer.params.values())
         self.layout = f"mlx {config.parallel.strategy} x {world}"
@@ -258,6 +277,9 @@ class MlxEngine(Engine):
         if stop is not None:
             m["stop"] = stop
         return m
+
+    def evaluate(self, batches: list[list[Any]]) -> float:
+        return self.trainer.evaluate([_numpy_batches(b) for b in batches], self.watchdog)
 
     def peak_memory_bytes(self) -> int:
         peak = peak_memory_bytes()

@@ -115,6 +115,17 @@ class Pipeline:
         local = [x.detach().to_local() if isinstance(x, DTensor) else x.detach() for x in losses]  # type: ignore[attr-defined]
         return torch.stack(local).mean()
 
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward only of this rank's batch: the mean loss over its micro-batches on the rank with
+        the last stage (0 elsewhere)."""
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.first else ()
+        self.schedule.eval(*args, target=targets if self.last else None, losses=losses)
+        if not self.last:
+            return torch.zeros((), device=inputs.device)
+        local = [x.detach().to_local() if isinstance(x, DTensor) else x.detach() for x in losses]  # type: ignore[attr-defined]
+        return torch.stack(local).mean()
+
 
 def build_pipeline(
     stages: list[nn.Module],

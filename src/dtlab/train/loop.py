@@ -9,7 +9,7 @@ does around its steps (run directory, metrics, checkpoints, preemption) is the r
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +23,10 @@ from dtlab.checkpoint.init_from import apply_init_from
 from dtlab.checkpoint.manager import Checkpointer, Coordinator
 from dtlab.checkpoint.state import ModelState, OptimizerState, StagedOptimizerState, Stateful
 from dtlab.config import Config, check_batch_split
-from dtlab.data import BatchLayout, BatchLoader, build_source
+from dtlab.data import BatchLayout, BatchLoader
 from dtlab.data.loader import MicroBatch
+from dtlab.data.sources import build_data
+from dtlab.data.tokenizer import ByteTokenizer, Tokenizer
 from dtlab.errors import Preempted
 from dtlab.metrics.logging import setup_logging
 from dtlab.metrics.profiling import StepProfiler
@@ -170,6 +172,38 @@ def accumulate_gradients(
     return loss_sum
 
 
+def evaluate(
+    pm: ParallelModel, batches: list[list[MicroBatch]], config: Config, device: torch.device
+) -> float:
+    """The mean validation loss over every token of ``batches`` (each one step's worth of this rank's
+    micro-batches), agreed by every rank in one all-reduce: a forward without gradients, under the
+    training precision. It changes no state: the model has no dropout, and the random number
+    generators are restored in case a layer draws from them."""
+    total = torch.zeros((), device=device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+        for micro_batches in batches:
+            if pm.pipeline is not None:
+                inputs = torch.cat([x for x, _ in micro_batches]).to(device)
+                targets = torch.cat([y for _, y in micro_batches]).to(device)
+                with autocast(config.train.precision, device), pm.loss_context():
+                    total += pm.pipeline.evaluate(inputs, targets)
+                continue
+            for inputs, targets in micro_batches:
+                with pm.loss_context():
+                    loss = forward_loss(
+                        pm.module, inputs.to(device), targets.to(device), config.train.precision,
+                        device,
+                    ) / len(micro_batches)  # fmt: skip
+                total += loss.to_local() if isinstance(loss, DTensor) else loss  # type: ignore[attr-defined]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > 1:
+        dist.all_reduce(total)  # recorded by the caller, with the forward's collectives
+        # Every rank holding a loss (the last pipeline stage's) summed its own; tensor-parallel ranks
+        # hold the same loss, as in the training step's reduction.
+        total /= world // pm.dims.pp
+    return float(total) / len(batches)
+
+
 @dataclass
 class StepValues:
     """What the ranks agree on after a step's backward, from one small reduction."""
@@ -289,6 +323,8 @@ class Training:
     loader: BatchLoader
     accum: int
     micro: int
+    val_loader: BatchLoader | None = None
+    tokenizer: Tokenizer = field(default_factory=ByteTokenizer)
 
 
 def build_training(config: Config, d: DistInfo) -> Training:
@@ -296,20 +332,20 @@ def build_training(config: Config, d: DistInfo) -> Training:
     t, dp = config.train, d.dims.dp  # the batch is split over the data-parallel ranks only
     accum = check_batch_split(config, dp)
     micro = t.global_batch_size // (accum * dp)
-    source = build_source(config)
+    data = build_data(config)
     model = build_model(config.model)  # on the meta device: nothing allocated yet
     pm = parallelize(model, config, d)
     # Built after parallelize: the optimizer must hold the parameters training updates (FSDP's shards).
     optimizer = build_optimizer(pm.module, t)
+    layout = BatchLayout(t.global_batch_size, d.dims.dp_rank(d.rank), dp, micro)
     loader = BatchLoader(
-        source,
-        BatchLayout(t.global_batch_size, d.dims.dp_rank(d.rank), dp, micro),
-        prefetch=config.data.prefetch,
-        pin_memory=d.device.type == "cuda",
+        data.train, layout, prefetch=config.data.prefetch, pin_memory=d.device.type == "cuda"
     )
+    # Validation batches are split like training's: the same samples on every layout.
+    val_loader = BatchLoader(data.val, layout, prefetch=0) if data.val is not None else None
     return Training(
         model, pm, optimizer, build_scheduler(optimizer, t), LossScaler(t.precision == "fp16"),
-        loader, accum, micro,
+        loader, accum, micro, val_loader, data.tokenizer,
     )  # fmt: skip
 
 
@@ -365,6 +401,7 @@ class TorchEngine:
         self.coord: Coordinator = d
         self.tr = build_training(config, d)
         self.loader, self.accum, self.micro = self.tr.loader, self.tr.accum, self.tr.micro
+        self.val_loader, self.tokenizer = self.tr.val_loader, self.tr.tokenizer
         self.params = count_params(self.tr.model)
         model_parallel = [f"tp {d.dims.tp}"] if d.dims.tp_enabled else []
         if d.dims.pp_enabled:
@@ -426,6 +463,9 @@ class TorchEngine:
             inject_nan=inject_nan, stop_signal=stop_signal,
             skip_sync=self.faults.skip_sync(step),
         )  # fmt: skip
+
+    def evaluate(self, batches: list[list[Any]]) -> float:
+        return evaluate(self.tr.pm, batches, self.config, self.d.device)
 
     def after_step(self) -> None:
         if self.profiler is not None:

@@ -28,6 +28,7 @@ from dtlab.checkpoint.store import step_name
 from dtlab.config import Config, config_warnings
 from dtlab.data import BatchLoader
 from dtlab.data.sources import describe_data
+from dtlab.data.tokenizer import Tokenizer
 from dtlab.errors import DtlabError, Preempted
 from dtlab.metrics.logging import logger
 from dtlab.metrics.sinks import JsonlSink, NullSink, ProgressSink, Sink, TensorBoardSink
@@ -42,7 +43,7 @@ from dtlab.train.rundir import (
     write_outputs,
 )
 
-__all__ = ["Engine", "TrainState", "history_figures", "logged", "loss_curve", "run"]
+__all__ = ["Engine", "TrainState", "eval_due", "history_figures", "logged", "loss_curve", "run"]
 
 
 @dataclass
@@ -65,6 +66,8 @@ class Engine(Protocol):
 
     coord: Coordinator  # the ranks, and choices rank 0 makes for all
     loader: BatchLoader  # this rank's micro-batches (its position is part of the checkpoint)
+    val_loader: BatchLoader | None  # this rank's validation micro-batches (None: no split)
+    tokenizer: Tokenizer  # what made the tokens (saved in the run directory and checkpoints)
     params: int  # parameter count of the whole model
     layout: str  # how the start line and the plot title name the layout, e.g. "ddp x 2"
     device: str  # where it runs, for the start line, e.g. "cpu"
@@ -104,6 +107,11 @@ class Engine(Protocol):
         with ``"stop"`` naming the stop signal the ranks agreed on, if any."""
         ...
 
+    def evaluate(self, batches: list[list[Any]]) -> float:
+        """The mean loss over every token of ``batches`` (each a step's worth of this rank's
+        validation micro-batches), agreed by every rank; a forward only, that changes no state."""
+        ...
+
     def after_step(self) -> None:
         """After the shell recorded the step (the profiler's tick)."""
         return None
@@ -132,9 +140,12 @@ def history_figures(
     time_sum = sum(m["step_time_s"] for m in timed)
     curve = loss_curve(earlier + history)
     tokens_per_step = config.train.global_batch_size * config.seq_len
+    evaluated = [m for m in curve if m.get("val_loss") is not None]
     return {
         "initial_loss": curve[0]["loss"] if curve else None,
         "final_loss": curve[-1]["loss"] if curve else None,
+        "final_val_loss": evaluated[-1]["val_loss"] if evaluated else None,
+        "final_val_ppl": evaluated[-1]["val_ppl"] if evaluated else None,
         "median_step_time_s": statistics.median(m["step_time_s"] for m in timed) if timed else None,
         "tokens_per_s": tokens_per_step * len(timed) / time_sum if time_sum > 0 else 0.0,
     }
@@ -144,7 +155,18 @@ def logged(m: dict[str, Any], config: Config) -> bool:
     """Whether step metrics ``m`` go to metrics.jsonl: every ``run.log_every`` steps, the first and
     the last step (the ends of the curve), and every bad step."""
     step = m["step"]
-    return step % config.run.log_every == 0 or step in (1, config.train.steps) or "bad" in m
+    return (
+        step % config.run.log_every == 0
+        or step in (1, config.train.steps)
+        or "bad" in m
+        or "val_loss" in m
+    )
+
+
+def eval_due(config: Config, step: int) -> bool:
+    """Whether step ``step`` is followed by an evaluation: every ``eval.every`` steps and the last."""
+    every = config.eval.every
+    return every > 0 and (step % every == 0 or step == config.train.steps)
 
 
 def loss_curve(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -173,6 +195,7 @@ class _Run:
     ckpt: Checkpointer
     state: TrainState
     health: Health
+    val_batches: list[list[Any]] | None = None  # built at the first evaluation, the same every time
 
 
 def run(
@@ -190,8 +213,9 @@ def run(
     state, health = TrainState(), Health()
     engine.attach({"train": state, "data": engine.loader, "health": health})
     ckpt = Checkpointer(
-        config, run_dir, coord, faults.before_commit, data_identity=engine.loader.source.identity
-    )
+        config, run_dir, coord, faults.before_commit, data_identity=engine.loader.source.identity,
+        tokenizer=engine.tokenizer,
+    )  # fmt: skip
     r = _Run(config, engine, run_dir, ckpt, state, health)
     resumed, earlier = _start(r)
     init_from = engine.start_fresh() if resumed is None else None
@@ -235,6 +259,7 @@ def _start(r: _Run) -> tuple[int | None, list[dict[str, Any]]]:
     earlier: list[dict[str, Any]] = []
     if engine.coord.is_main:
         (run_dir / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
+        engine.tokenizer.save(run_dir)
         if resumed is not None and ckpt.own_step(chosen) is not None:
             earlier = [m for m in logged_steps(run_dir) if m["step"] <= resumed]
     return resumed, earlier
@@ -284,6 +309,8 @@ def _loop(
         }  # fmt: skip
         if health.rollbacks:
             m["rollback"] = health.rollbacks  # this step number was logged before the rollback
+        if eval_due(config, n):
+            m.update(_evaluate(r, n))
         history.append(m)
         if not warned_nonfinite and not math.isfinite(m["loss"]):
             logger.warning("step %d: loss is %s", n, m["loss"])
@@ -308,6 +335,21 @@ def _loop(
         if r.ckpt.due(n) or (n == t.steps and config.checkpoint.every):
             with recorded("checkpoint save", "checkpoint"):
                 engine.save(r.ckpt, n, blocking=False)
+
+
+def _evaluate(r: _Run, step: int) -> dict[str, Any]:
+    """The validation loss and perplexity after ``step`` (outside the step's timing)."""
+    loader = r.engine.val_loader
+    assert loader is not None  # eval.every needs a validation split (a config rule)
+    t0 = time.perf_counter()
+    if r.val_batches is None:
+        r.val_batches = [loader.build_step(k) for k in range(r.config.eval.batches)]
+    with recorded("validation", "forward + all_reduce"):
+        loss = r.engine.evaluate(r.val_batches)
+    ppl = math.exp(loss) if loss < 700 else math.inf  # exp overflows a float above ~709
+    if r.engine.coord.is_main:
+        logger.info("step %d: val_loss %.4f | val_ppl %.3f", step, loss, ppl)
+    return {"val_loss": loss, "val_ppl": ppl, "eval_time_s": time.perf_counter() - t0}
 
 
 def _stop(r: _Run, signal_name: str) -> None:
