@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
 
 from conftest import MODEL_PARALLEL_TOL, assert_same_training, run_cli, train_run
 from dtlab.config import load_config
-from dtlab.data.sources import Corpus, build_data
+from dtlab.data.sources import Corpus, TokenWindows, build_data
 from dtlab.data.tokenizer import ByteTokenizer
 from dtlab.errors import DataError
 
@@ -90,18 +90,18 @@ def test_the_split_is_disjoint_by_construction(tmp_path: Path) -> None:
     base = ["model.preset=debug", "data.source=files", f"data.paths=[{path}]", "data.seq_len=32"]
     config = load_config(overrides=[*base, "data.val_fraction=0.2"])
     data = build_data(config)
-    train, val = data.train, data.val
+    train, val = cast(TokenWindows, data.train), cast(TokenWindows, data.val)
     full = ByteTokenizer().encode_docs(Corpus.from_paths("files", [str(path)], "text").docs())
     # Two slices of the one token stream, back to back: no token is in both.
-    assert not np.shares_memory(train.tokens, val.tokens)  # type: ignore[union-attr]
-    n = len(train.tokens)  # type: ignore[attr-defined]
-    assert np.array_equal(train.tokens, full[:n])  # type: ignore[attr-defined]
-    assert np.array_equal(val.tokens, full[n : n + len(val.tokens)])  # type: ignore[union-attr]
-    assert val.num_windows == int(((len(full) - 1) // 32) * 0.2)  # type: ignore[union-attr]
+    assert not np.shares_memory(train.tokens, val.tokens)
+    n = len(train.tokens)
+    assert np.array_equal(train.tokens, full[:n])
+    assert np.array_equal(val.tokens, full[n : n + len(val.tokens)])
+    assert val.num_windows == int(((len(full) - 1) // 32) * 0.2)
     # Training windows stay inside their slice; validation samples come in stream order.
-    assert max(int(w) for w in train._permutation(0)) < train.num_windows  # type: ignore[attr-defined]
-    assert np.array_equal(val.sample(3), val.tokens[96:129])  # type: ignore[union-attr]
-    assert np.array_equal(val.sample(val.num_windows), val.sample(0))  # type: ignore[union-attr]
+    assert max(int(w) for w in train._permutation(0)) < train.num_windows
+    assert np.array_equal(val.sample(3), val.tokens[96:129])
+    assert np.array_equal(val.sample(val.num_windows), val.sample(0))
     # The split belongs to the data, not to eval.every: evaluation on or off trains on the same samples.
     on = build_data(load_config(overrides=[*base, "data.val_fraction=0.2", "eval.every=5"]))
     assert on.train.identity == train.identity
@@ -122,7 +122,7 @@ def test_validation_files_are_a_split_of_their_own(tmp_path: Path) -> None:
     data = build_data(config)
     assert data.val is not None and data.val.sample(0).tobytes() != b""
     assert bytes(data.val.sample(0).astype(np.uint8)) == (b"held out text " * 3)[:33]
-    assert data.train.num_windows == (5_000 - 1) // 32  # type: ignore[attr-defined]
+    assert cast(TokenWindows, data.train).num_windows == (5_000 - 1) // 32
 
 
 def test_an_empty_split_is_a_clear_error(tmp_path: Path) -> None:
