@@ -24,6 +24,7 @@ from dtlab.checkpoint.manifest import MANIFEST, verify_checkpoint
 from dtlab.checkpoint.safe_io import SafeFileSystemReader, safe_load
 from dtlab.checkpoint.store import STEP_DIR, Tier, newest_verified
 from dtlab.config import Config, load_config
+from dtlab.data.tokenizer import TOKENIZER_FILE, ByteTokenizer, load_tokenizer
 from dtlab.errors import CheckpointError, DtlabError
 from dtlab.fsutil import NotEmptyError, StagingError, write_dir_atomically
 from dtlab.models.hf_adapter import hf_config, to_hf
@@ -266,8 +267,26 @@ def export_checkpoint(
             text = json.dumps(hf_config(args, dtype), indent=2) + "\n"
             (tmp / "config.json").write_text(text, encoding="utf-8")
 
-    _write(out_dir, force, write)
+    def write_all(tmp: Path) -> None:
+        write(tmp)
+        _write_tokenizer(ckpt, config, tmp, warn or _default_warn)
+
+    _write(out_dir, force, write_all)
     return ckpt, out_dir
+
+
+def _write_tokenizer(ckpt: Path, config: Config, out: Path, warn: Warn) -> None:
+    """The tokenizer the model was trained with, beside the weights (``AutoTokenizer`` reads it): the
+    checkpoint's own, or the bytes tokenizer for a checkpoint from before tokenizers were saved."""
+    if (ckpt / TOKENIZER_FILE).is_file():
+        load_tokenizer(ckpt).save(out)
+    elif config.data.tokenizer == "bytes":
+        ByteTokenizer().save(out)
+    else:
+        warn(
+            f"checkpoint '{ckpt}' holds no {TOKENIZER_FILE} (data.tokenizer = "
+            f"{config.data.tokenizer!r}): the export has none; copy the run's tokenizer.json beside it"
+        )
 
 
 def export_safetensors(

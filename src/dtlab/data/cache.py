@@ -89,6 +89,8 @@ def cached_tokens(corpus: object, tokenizer: Tokenizer, root: Path) -> tuple[np.
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
                 if not path.exists():
+                    for torn in path.parent.glob(".tmp-*"):  # a build that was killed
+                        torn.unlink()
                     _build(corpus.docs(), tokenizer, path)  # type: ignore[attr-defined]
                 meta = json.loads(path.with_name("meta.json").read_text(encoding="utf-8"))
             finally:
