@@ -83,7 +83,7 @@ def test_the_token_cache_follows_the_files_and_ignores_a_torn_build(
     torn = first.with_name(".tmp-1-tokens.bin")
     torn.write_bytes(b"\x01" * 100)
     data = build_data(_config(copy, cache, "data.streaming=true"))
-    assert Path(cast(np.memmap, cast(TokenWindows, data.train).tokens).filename) == first
+    assert Path(str(cast(np.memmap, cast(TokenWindows, data.train).tokens).filename)) == first
     assert not torn.exists()  # cleared by the build that found it (under the lock)
     # Changed files are another corpus: another token file, never the stale one.
     with copy.open("a") as f:
