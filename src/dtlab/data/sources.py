@@ -123,20 +123,28 @@ class TokenWindows:
         return self.tokens[start : start + self.seq_len + 1].astype(np.int64)
 
 
-def describe_data(source: SampleSource, seq_len: int, samples: int) -> str:
-    """One line on what a run will see: the corpus in tokens and samples, and how many epochs
-    ``samples`` (steps x global batch) cover."""
+def describe_data(
+    source: SampleSource, seq_len: int, samples: int, val: SampleSource | None = None
+) -> str:
+    """One line on what a run will see: the corpus in tokens and samples, how many epochs
+    ``samples`` (steps x global batch) cover, and the validation split."""
     windows = getattr(source, "num_windows", None)
     tokens = getattr(source, "tokens", None)
     if windows is None or tokens is None:
-        return (
+        line = (
             f"data: {source.name}, samples generated from their index (no end); this run trains on "
             f"{samples:,} samples of {seq_len} tokens"
         )
-    return (
-        f"data: {source.name}, {len(tokens):,} tokens = {windows:,} samples of {seq_len} tokens; "
-        f"this run trains on {samples:,} samples = {samples / windows:.3g} epochs"
-    )
+    else:
+        streamed = f" (streamed from {tokens.filename})" if isinstance(tokens, np.memmap) else ""
+        line = (
+            f"data: {source.name}{streamed}, {len(tokens):,} tokens = {windows:,} samples of "
+            f"{seq_len} tokens; this run trains on {samples:,} samples = {samples / windows:.3g} epochs"
+        )
+    if val is not None:
+        held = getattr(val, "num_windows", None)
+        line += f"; validation: {f'{held:,} samples' if held else 'samples'} held out ({val.name})"
+    return line
 
 
 def stdlib_files() -> list[Path]:

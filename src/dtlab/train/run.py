@@ -277,7 +277,10 @@ def _announce(r: _Run) -> None:
     )  # fmt: skip
     if engine.coord.is_main:
         logger.info(
-            describe_data(engine.loader.source, config.seq_len, t.steps * t.global_batch_size)
+            describe_data(
+                engine.loader.source, config.seq_len, t.steps * t.global_batch_size,
+                engine.val_loader.source if engine.val_loader is not None else None,
+            )  # fmt: skip
         )
         for warning in config_warnings(config) + engine.warnings():
             logger.warning(warning)
