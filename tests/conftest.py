@@ -6,10 +6,15 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+# Trained tokenizers and streaming token files go to a cache of this test session's own (subprocesses
+# inherit it): no test reads what another session left, and nothing is written to the home directory.
+os.environ["DTLAB_CACHE"] = tempfile.mkdtemp(prefix="dtlab-test-cache-")
 
 # A run of the debug model on synthetic data: well under a second per step.
 FAST = [
