@@ -129,6 +129,16 @@ def reference_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, An
     return train_run(tmp_path_factory.mktemp("reference"))
 
 
+# Validation on: 10% held out (on synthetic data, a seed stream of its own), evaluated every 4 steps.
+EVAL = ["data.val_fraction=0.1", "eval.every=4", "eval.batches=2"]
+
+
+@pytest.fixture(scope="session")
+def eval_reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """The reference run, evaluating: the validation loss every layout and engine is compared with."""
+    return train_run(tmp_path_factory.mktemp("eval-reference"), *EVAL)
+
+
 CLIP = (
     0.1  # below every step's gradient norm in the reference run: clipping is active on every step
 )

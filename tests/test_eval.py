@@ -10,19 +10,11 @@ from typing import Any, cast
 import numpy as np
 import pytest
 
-from conftest import MODEL_PARALLEL_TOL, assert_same_training, run_cli, train_run
+from conftest import EVAL, MODEL_PARALLEL_TOL, assert_same_training, run_cli, train_run
 from dtlab.config import load_config
 from dtlab.data.sources import Corpus, TokenWindows, build_data
 from dtlab.data.tokenizer import ByteTokenizer
 from dtlab.errors import DataError
-
-EVAL = ["data.val_fraction=0.1", "eval.every=4", "eval.batches=2"]
-
-
-@pytest.fixture(scope="module")
-def eval_reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """One process, evaluating every 4 steps: the validation reference."""
-    return train_run(tmp_path_factory.mktemp("eval-reference"), *EVAL)
 
 
 def test_evaluation_changes_no_training_state(

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conftest import FAST, cli_env, read_metrics, run_cli
+from conftest import EVAL, FAST, cli_env, read_metrics, run_cli
 from dtlab.mlx import mlx_available
 
 pytestmark = pytest.mark.skipif(
@@ -48,7 +48,7 @@ def mlx_one(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def mlx_two(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     d = tmp_path_factory.mktemp("mlx2")
-    return ok_metrics(mlx_train(d, "checkpoint.every=3", nproc=2), d)
+    return ok_metrics(mlx_train(d, "checkpoint.every=3", *EVAL, nproc=2), d)
 
 
 def test_mlx_logits_match_torch_from_exported_weights(tmp_path: Path) -> None:
@@ -109,6 +109,14 @@ def test_mlx_two_ranks_match_one(mlx_one, mlx_two) -> None:
     np.testing.assert_allclose(
         column(mlx_two, "grad_norm"), column(mlx_one, "grad_norm"), rtol=1e-4
     )
+
+
+def test_mlx_validation_matches_torch(mlx_two, eval_reference) -> None:
+    """The MLX engine's validation loss on two ranks: torch's on one, to float32 noise."""
+    got = {m["step"]: m["val_loss"] for m in mlx_two if "val_loss" in m}
+    want = {m["step"]: m["val_loss"] for m in eval_reference if "val_loss" in m}
+    assert got.keys() == want.keys() == {4, 8, 12}
+    assert max(abs(got[k] - want[k]) for k in want) < 1e-3, (got, want)
 
 
 def test_mlx_accumulation_checkpointing_compile_change_nothing(tmp_path: Path, mlx_one) -> None:
