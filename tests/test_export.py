@@ -30,6 +30,9 @@ from dtlab.models import hf_adapter
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
+# The tokenizer the model was trained with travels with every export (AutoTokenizer reads it).
+TOKENIZER = ["tokenizer.json", "tokenizer_config.json"]
+
 
 def make_checkpoint(
     ckpt_dir: Path, *overrides: str, seed: int = 0
@@ -62,7 +65,7 @@ def test_safetensors_round_trip_is_exact(checkpoint: tuple[Path, torch.nn.Module
     ckpt, model = checkpoint
     out = ckpt.parents[2] / "export"
     assert export_safetensors(ckpt, out) == out
-    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "model.safetensors", *TOKENIZER]
     assert (out / "config.yaml").read_bytes() == (ckpt / "config.yaml").read_bytes()
     loaded = safetensors_torch.load_file(str(out / "model.safetensors"))
     expected = model.state_dict()
@@ -109,7 +112,7 @@ def test_hf_export_gives_the_same_logits(tmp_path: Path, overrides: list[str]) -
     model, config = make_checkpoint(ckpt, *overrides, seed=1)
     m = config.model
     out = export_hf(ckpt, tmp_path / "hf")
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", *TOKENIZER]
 
     names = set(safetensors_torch.load_file(str(out / "model.safetensors")))
     per_layer = [
@@ -192,7 +195,7 @@ def test_cli_hf_export_of_a_checkpoint(checkpoint: tuple[Path, torch.nn.Module])
     proc = run_cli("export", str(ckpt), "--format", "hf", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == str(out)
-    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors"}
+    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", *TOKENIZER}
 
 
 # --- (d) bad inputs ----------------------------------------------------------------------------
@@ -256,7 +259,7 @@ def test_force_replaces_but_never_the_source(checkpoint: tuple[Path, torch.nn.Mo
     out.mkdir()
     (out / "old.txt").write_text("old")
     export_safetensors(ckpt, out, force=True)
-    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "model.safetensors", *TOKENIZER]
     run = ckpt.parents[1]
     with pytest.raises(DtlabError, match="contains the checkpoint"):
         export_safetensors(ckpt, run, force=True)

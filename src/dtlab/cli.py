@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import sys
 from collections.abc import Sequence
@@ -66,6 +67,22 @@ SHA-256); newer ones that fail are skipped with a warning. The export is written
 next to DIR and renamed into place at the end, so a failed export leaves nothing behind.
 """
 
+GENERATE_EPILOG = """\
+RUN_DIR_OR_CHECKPOINT_OR_EXPORT is one of:
+  a run directory            its newest checkpoint that passes verification
+  a checkpoint directory     RUN_DIR/checkpoints/step-NNNNNNNN (torch or MLX engine)
+  a dtlab export             model.safetensors + config.yaml (dtlab export --format safetensors)
+  a Hugging Face export      config.json + model.safetensors (dtlab export --format hf)
+
+Only the generated text goes to stdout, token by token as it is produced; messages go to stderr.
+The tokenizer is the tokenizer.json of the checkpoint, its run directory or the export; without one,
+UTF-8 bytes (refused when the run's config names another tokenizer).
+
+examples:
+  dtlab generate runs/demo --prompt "def main(" --temperature 0
+  dtlab generate exports/llama --prompt "import " --max-new-tokens 200 --top-p 0.9 --seed 1 > out.txt
+"""
+
 
 # Counts, ranks and steps on the command line fit 32 bits, as they do in torch's launcher; a product of
 # two of them (the world size) then still fits the config's 64-bit integers.
@@ -110,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan(sub)
     _add_export(sub)
     _add_verify(sub)
+    _add_generate(sub)
     return parser
 
 
@@ -389,6 +407,67 @@ def _add_export(sub: _Commands) -> None:
         "--out", required=True, metavar="DIR", help="output directory (must not exist or be empty)"
     )
     e.add_argument("--force", action="store_true", help="replace DIR if it exists and is not empty")
+
+
+def _add_generate(sub: _Commands) -> None:
+    g = sub.add_parser(
+        "generate",
+        help="generate text with a trained model (a run, a checkpoint or an export)",
+        description="Continue --prompt with the model, one token at a time (with a KV cache), and "
+        "print the generated text. Stops after --max-new-tokens, or earlier at the document "
+        "separator (id 0) unless --ignore-separator. Prompt and generated tokens must fit the "
+        "model's context (model.max_seq_len).",
+        epilog=GENERATE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    g.add_argument(
+        "source",
+        metavar="RUN_DIR_OR_CHECKPOINT_OR_EXPORT",
+        help="a run directory, a checkpoint directory, or a dtlab or Hugging Face export (see below)",
+    )
+    g.add_argument("--prompt", required=True, help="the text to continue (not empty)")
+    g.add_argument(
+        "--max-new-tokens",
+        type=_non_negative,
+        default=100,
+        metavar="N",
+        help="generate at most N tokens (default 100)",
+    )
+    g.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        metavar="T",
+        help="divide the logits by T before sampling; 0 = greedy (argmax, --seed unused) (default 1.0)",
+    )
+    g.add_argument(
+        "--top-k",
+        type=int,
+        default=0,
+        metavar="K",
+        help="sample among the K most likely tokens only; 0 = all (default 0)",
+    )
+    g.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        metavar="P",
+        help="nucleus sampling: among the fewest tokens whose probability reaches P, in (0, 1]; "
+        "1 = all (default 1.0)",
+    )
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        metavar="S",
+        help="seed of the sampling: the same seed gives the same text (default 0)",
+    )
+    g.add_argument(
+        "--ignore-separator",
+        action="store_true",
+        help="do not stop at the document separator (id 0): always generate --max-new-tokens",
+    )
+    g.add_argument("--device", default="cpu", help="torch device to run on (default cpu)")
 
 
 # `dtlab bench --compression` names beside the config's parallel.compression values; each maps to its
@@ -724,6 +803,43 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    from dtlab.generate import check_options, load_generator
+
+    if not args.prompt:
+        raise DtlabError("--prompt '': allowed: a non-empty text")
+    # Options out of range fail before the model is read.
+    check_options(
+        args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, flags=True
+    )
+
+    def warn(message: str) -> None:
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+    def write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()  # token by token, also into a pipe
+
+    gen = load_generator(args.source, args.device, warn=warn)
+    print(f"generating with '{gen.source}'", file=sys.stderr, flush=True)
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        # A terminal whose encoding lacks a generated character shows '?' rather than failing.
+        sys.stdout.reconfigure(errors="replace")
+    try:
+        gen.generate(
+            args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
+            stop_at_separator=not args.ignore_separator, on_text=write,
+        )  # fmt: skip
+        # End the line on a terminal; a pipe gets exactly the generated text.
+        if sys.stdout.isatty():
+            sys.stdout.write("\n")
+    except BrokenPipeError:
+        # The reader stopped reading (`| head -c 20`): that is all it wanted. Point stdout at
+        # /dev/null so that the flush at exit does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
 def _train_here(config: Config) -> int:
     """Train in this process (alone, or as one worker of a launched world); rank 0 prints the summary."""
     from dtlab.metrics.report import summary_table
@@ -771,6 +887,7 @@ def _main(argv: Sequence[str] | None) -> int:
         "export": cmd_export,
         "launch": cmd_launch,
         "verify": cmd_verify,
+        "generate": cmd_generate,
     }
     return run_command(lambda: handlers[args.command](args))
 

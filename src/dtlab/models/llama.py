@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +50,36 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.type_as(x)
 
 
+@dataclass
+class KVCache:
+    """Keys and values of the tokens seen so far, for generating one token at a time.
+
+    ``pos`` tokens are cached; the next call of :meth:`Transformer.forward` with this cache places its
+    tokens at positions ``pos, pos + 1, ...`` (their RoPE angles) and attends to everything cached.
+    Each layer's buffers, [B, kv_heads, max_len, head_dim], are allocated on its first call, with the
+    dtype and device of its keys (and the kv heads a tensor-parallel rank holds).
+    """
+
+    max_len: int
+    pos: int = 0
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``k``, ``v`` [B, H, T, D] of ``layer`` at positions pos..pos+T-1; return the keys
+        and values of positions 0..pos+T-1."""
+        if layer == len(self.keys):
+            B, H, _, D = k.shape
+            self.keys.append(k.new_zeros(B, H, self.max_len, D))
+            self.values.append(v.new_zeros(B, H, self.max_len, D))
+        end = self.pos + k.shape[2]
+        self.keys[layer][:, :, self.pos : end] = k
+        self.values[layer][:, :, self.pos : end] = v
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -59,18 +90,41 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache | None = None,
+        layer: int = 0,
+    ) -> torch.Tensor:
         B, T, _ = x.shape
-        cos, sin = cos[:T], sin[:T]
+        if cache is None:
+            cos, sin = cos[:T], sin[:T]
+        else:  # the new tokens sit after the cached ones
+            cos, sin = cos[cache.pos : cache.pos + T], sin[cache.pos : cache.pos + T]
         # -1 heads: under tensor parallelism each rank computes its share of the (kv) heads.
         q = apply_rope(self.wq(x).view(B, T, -1, self.head_dim), cos, sin)
         k = apply_rope(self.wk(x).view(B, T, -1, self.head_dim), cos, sin)
         v = self.wv(x).view(B, T, -1, self.head_dim)
-        # [B, H, T, D]; enable_gqa lets each group of query heads share one key/value head without a copy.
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads,
-        )  # fmt: skip
+        gqa = self.n_kv_heads != self.n_heads
+        if cache is None:
+            # [B, H, T, D]; enable_gqa lets each group of query heads share one key/value head without a copy.
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                is_causal=True, enable_gqa=gqa,
+            )  # fmt: skip
+        else:
+            keys, values = cache.update(layer, k.transpose(1, 2), v.transpose(1, 2))
+            # New token i (at position pos + i) sees the cached tokens and the new ones up to itself;
+            # a single new token sees everything, so it needs no mask.
+            mask = None
+            if T > 1:
+                mask = torch.ones(T, keys.shape[2], dtype=torch.bool, device=x.device)
+                mask = mask.tril(keys.shape[2] - T)
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=gqa
+            )
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -95,13 +149,27 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache | None = None,
+        layer: int = 0,
+    ) -> torch.Tensor:
+        if cache is None:
+            # Exactly the training call: tensor parallelism's input plan expects (x, cos, sin).
+            h = x + self.attention(self.attention_norm(x), cos, sin)
+        else:
+            h = x + self.attention(self.attention_norm(x), cos, sin, cache=cache, layer=layer)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
 class Transformer(nn.Module):
     """tokens [B, T] int64 -> logits [B, T, vocab_size].
+
+    With a :class:`KVCache` (inference), the tokens continue the cached ones: their positions start at
+    ``cache.pos``, they attend to the cached keys and values, and the cache grows by T.
 
     The blocks are a ``ModuleDict`` keyed by their index, so that a pipeline stage that keeps some of
     them (:meth:`keep_only`) names each parameter as the whole model does. A stage without the
@@ -129,7 +197,9 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        if cache is not None:
+            return self._forward_cached(tokens, cache)
         T = tokens.shape[1]
         if self.args.max_seq_len < T:
             raise ValueError(f"sequence length {T} exceeds max_seq_len {self.args.max_seq_len}")
@@ -139,6 +209,23 @@ class Transformer(nn.Module):
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, cos, sin)
+        return self._head(h)
+
+    def _forward_cached(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        end = cache.pos + tokens.shape[1]
+        if end > min(self.args.max_seq_len, cache.max_len):
+            raise ValueError(
+                f"position {end} exceeds max_seq_len {self.args.max_seq_len} or the cache's "
+                f"max_len {cache.max_len}"
+            )
+        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
+        for i, layer in enumerate(self.layers.values()):
+            h = layer(h, self.rope_cos, self.rope_sin, cache=cache, layer=i)
+        cache.pos = end
+        return self._head(h)
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        """The final norm and output projection (or ``h`` itself in a pipeline stage before the last)."""
         if self.norm is None:  # a pipeline stage before the last
             return h
         h = self.norm(h)
