@@ -9,7 +9,7 @@ NPROC ?= 2
 .PHONY: help install install-dev demo test test-fast train train-ddp train-fsdp bench format lint typecheck check clean
 
 help:
-	@echo "make demo        train the tiny model on the stdlib corpus with DDP on $(NPROC) processes and plot the loss"
+	@echo "make demo        train the tiny model on the stdlib corpus with DDP on $(NPROC) processes, plot the loss, print the validation perplexity and a sample"
 	@echo "make train       train the built-in default (1 process)"
 	@echo "make train-ddp   train configs/ddp.yaml;  make train-fsdp: configs/fsdp.yaml"
 	@echo "make test        run the whole test suite (real gloo processes on CPU); make test-fast: not the slow ones"
@@ -34,8 +34,17 @@ install: $(BIN)/.installed
 
 install-dev: $(BIN)/.installed-dev
 
+# One timestamp per make invocation: the run directory the demo trains in and then samples from.
+DEMO_STAMP := $(shell date +%Y%m%d-%H%M%S)
+DEMO_DIR ?= runs/demo-$(DEMO_STAMP)
+DEMO_PROMPT ?= class
 demo: install
-	$(BIN)/dtlab train configs/demo.yaml --nproc $(NPROC)
+	$(BIN)/dtlab train configs/demo.yaml --nproc $(NPROC) --set run.dir=$(DEMO_DIR)
+	@$(BIN)/python -c "import json, sys; s = json.load(open(sys.argv[1])); print(f\"\nvalidation (the corpus's held-out 2%): loss {s['final_val_loss']:.4f}, perplexity {s['final_val_ppl']:.3f}\")" $(DEMO_DIR)/summary.json
+	@printf '\nsample (200 tokens, temperature 0.7, top-k 20, seed 0):\n%s ' "$(DEMO_PROMPT)"
+	@$(BIN)/dtlab generate $(DEMO_DIR) --prompt "$(DEMO_PROMPT) " --max-new-tokens 200 --temperature 0.7 --top-k 20 --seed 0 \
+		2> $(DEMO_DIR)/generate.log || { cat $(DEMO_DIR)/generate.log; exit 1; }
+	@echo
 
 train: install
 	$(BIN)/dtlab train
