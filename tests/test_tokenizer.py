@@ -147,3 +147,16 @@ def test_an_existing_tokenizer_file_is_used_as_is(bpe_run: Path, tmp_path: Path)
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (run_dir / TOKENIZER_FILE).read_text() == (bpe_run / TOKENIZER_FILE).read_text()
+
+
+def test_generation_decodes_with_the_run_tokenizer(bpe_run: Path) -> None:
+    """A BPE run samples BPE ids and streams their text: the pieces are the decoded ids."""
+    from dtlab.generate import load_generator
+
+    gen = load_generator(bpe_run)
+    assert isinstance(gen.tokenizer, BpeTokenizer)
+    pieces: list[str] = []
+    out = gen.generate("def ", max_new_tokens=16, temperature=0.8, seed=3, on_text=pieces.append)
+    assert out.prompt_ids == load_tokenizer(bpe_run).encode("def ")
+    assert "".join(pieces) == out.text == gen.tokenizer.decode(out.ids)
+    assert out.ids and max(out.ids) < 512
