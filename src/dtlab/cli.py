@@ -637,6 +637,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.engine:
         args.overrides = [*args.overrides, f"train.engine={args.engine}"]
     config = load_config(args.config, args.overrides)
+    from dtlab.metrics.trackers import check_trackers
+
+    check_trackers(config)  # a tracker's missing package: before a run directory or process exists
     if config.train.engine == "mlx":
         return _train_mlx(args, config)
     from dtlab.checkpoint.init_from import check_before_launch

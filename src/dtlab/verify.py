@@ -154,7 +154,7 @@ def train_layout(
         "--nproc", str(layout.nproc), "--set", *overrides, *layout.overrides,
         f"train.steps={steps}", f"run.dir={run_dir}", "run.log_every=1", f"checkpoint.every={steps}",
         "checkpoint.keep=1", "checkpoint.resume=never", "run.progress=none", "run.plot=false",
-        "run.tensorboard=false",
+        "run.tensorboard=false", "run.trackers=[]",
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:

@@ -85,7 +85,7 @@ def run_engines(
             "--engine", engine, "--nproc", str(nproc), "--set", *overrides,
             f"parallel.strategy={strategy}", f"train.precision={precision}",
             f"train.steps={warmup + steps}", "run.log_every=1", "run.progress=none",
-            "run.plot=false", "run.tensorboard=false", "checkpoint.every=0",
+            "run.plot=false", "run.tensorboard=false", "run.trackers=[]", "checkpoint.every=0",
             "checkpoint.resume=never", f"run.dir={run_dir}",
         ]  # fmt: skip
         proc = subprocess.run(args, capture_output=True, text=True, env=engine_env(engine))

@@ -253,6 +253,7 @@ def _run_config(config: Config, d: DistInfo, timed: range) -> Config:
     cfg.run.dir = d.decide(lambda: tempfile.mkdtemp(prefix="dtlab-bench-"))
     cfg.run.progress, cfg.run.log_every = "none", 1
     cfg.run.plot = cfg.run.tensorboard = cfg.run.profile = False
+    cfg.run.trackers = []  # a measurement is not an experiment: no tracker runs
     cfg.checkpoint.every, cfg.checkpoint.resume = 0, "never"
     return cfg
 

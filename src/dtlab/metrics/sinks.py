@@ -1,4 +1,5 @@
-"""Where step metrics go: metrics.jsonl, TensorBoard, and the terminal (progress bar or plain lines).
+"""Where step metrics go: metrics.jsonl, TensorBoard, and the terminal (progress bar or plain lines);
+MLflow and W&B in :mod:`dtlab.metrics.trackers`.
 
 Only global rank 0 creates real sinks; the other ranks get :class:`NullSink`, so the loop can call the
 same methods everywhere.
@@ -81,8 +82,14 @@ class JsonlSink:
             self.file.close()
 
 
+def tensorboard_tag(key: str) -> str:
+    """A record's key as a TensorBoard tag: validation figures under ``val/`` (``val_loss`` ->
+    ``val/loss``), the rest under ``train/``, so that each group gets a section of its own."""
+    return f"val/{key[4:]}" if key.startswith("val_") else f"train/{key}"
+
+
 class TensorBoardSink:
-    """Scalars under ``train/`` in ``<run dir>/tensorboard``."""
+    """Scalars in ``<run dir>/tensorboard``, tagged by :func:`tensorboard_tag`."""
 
     def __init__(self, log_dir: Path, resume_step: int = 0) -> None:
         from torch.utils.tensorboard import SummaryWriter
@@ -96,7 +103,7 @@ class TensorBoardSink:
         step = metrics["step"]
         for key, value in metrics.items():
             if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                self.writer.add_scalar(f"train/{key}", value, step)
+                self.writer.add_scalar(tensorboard_tag(key), value, step)
 
     def close(self) -> None:
         self.writer.close()

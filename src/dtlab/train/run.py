@@ -32,6 +32,7 @@ from dtlab.data.tokenizer import Tokenizer
 from dtlab.errors import DtlabError, Preempted
 from dtlab.metrics.logging import logger
 from dtlab.metrics.sinks import JsonlSink, NullSink, ProgressSink, Sink, TensorBoardSink
+from dtlab.metrics.trackers import open_trackers
 from dtlab.parallel.ledger import recorded
 from dtlab.runtime.faults import Faults
 from dtlab.runtime.signals import StopSignals
@@ -176,12 +177,32 @@ def loss_curve(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def build_sinks(config: Config, run_dir: Path, is_main: bool, resume_step: int = 0) -> list[Sink]:
-    """Where step metrics go: metrics.jsonl and TensorBoard, on rank 0 only."""
+    """Where step metrics go, on rank 0 only: metrics.jsonl, TensorBoard and the trackers that
+    ``run.trackers`` lists (MLflow, W&B; a DtlabError if one cannot start)."""
     if not is_main:
         return [NullSink()]
-    sinks: list[Sink] = [JsonlSink(run_dir / "metrics.jsonl", resume_step)]
-    if config.run.tensorboard:
-        sinks.append(TensorBoardSink(run_dir / "tensorboard", resume_step))
+    # The trackers first: one that cannot start leaves metrics.jsonl as it was.
+    trackers = open_trackers(config, run_dir, resume_step)
+    try:
+        sinks: list[Sink] = [JsonlSink(run_dir / "metrics.jsonl", resume_step)]
+        if config.run.tensorboard and "tensorboard" in config.run.trackers:
+            sinks.append(TensorBoardSink(run_dir / "tensorboard", resume_step))
+    except BaseException:
+        for tracker in trackers:
+            tracker.close()
+        raise
+    return sinks + trackers
+
+
+def _open_sinks(config: Config, run_dir: Path, coord: Coordinator, resume_step: int) -> list[Sink]:
+    """:func:`build_sinks`, agreed by every rank: a tracker that cannot start (its package missing, a
+    bad URI) stops every rank with its error before the first step, and leaves none waiting."""
+    sinks: list[Sink] = [NullSink()]
+
+    def open_on_rank0() -> None:
+        sinks[:] = build_sinks(config, run_dir, True, resume_step)
+
+    coord.decide(open_on_rank0)
     return sinks
 
 
@@ -221,22 +242,26 @@ def run(
     init_from = engine.start_fresh() if resumed is None else None
     _announce(r)
 
-    sinks = build_sinks(config, run_dir, coord.is_main, resumed or 0) + list(extra_sinks)
+    sinks = _open_sinks(config, run_dir, coord, resumed or 0) + list(extra_sinks)
     progress = ProgressSink(
         config.run.progress if coord.is_main else "none", t.steps, config.run.log_every, state.step
     )
     history: list[dict[str, Any]] = []
     wall0 = time.perf_counter()
     try:
-        _loop(r, faults, signals, sinks, progress, history)
+        try:
+            _loop(r, faults, signals, sinks, progress, history)
+        finally:
+            engine.end()
+            ckpt.close()
+            engine.loader.close()
+            progress.close()
+        return _finish(r, history, earlier, sinks, time.perf_counter() - wall0, init_from)
     finally:
-        engine.end()
-        ckpt.close()
-        engine.loader.close()
-        progress.close()
+        # After the outputs: a tracker ends its run with summary.json and loss.png (finish), or,
+        # without them, as stopped early.
         for sink in sinks:
             sink.close()
-    return _finish(r, history, earlier, sinks, time.perf_counter() - wall0, init_from)
 
 
 def _start(r: _Run) -> tuple[int | None, list[dict[str, Any]]]:
@@ -276,12 +301,9 @@ def _announce(r: _Run) -> None:
         t.steps, r.run_dir,
     )  # fmt: skip
     if engine.coord.is_main:
-        logger.info(
-            describe_data(
-                engine.loader.source, config.seq_len, t.steps * t.global_batch_size,
-                engine.val_loader.source if engine.val_loader is not None else None,
-            )  # fmt: skip
-        )
+        val = engine.val_loader.source if engine.val_loader is not None else None
+        samples = t.steps * t.global_batch_size
+        logger.info(describe_data(engine.loader.source, config.seq_len, samples, val))
         for warning in config_warnings(config) + engine.warnings():
             logger.warning(warning)
 
@@ -441,6 +463,10 @@ def _finish(
         title = f"{config.run.name}: {engine.layout}"
         write_outputs(r.run_dir, summary, loss_curve(earlier + history), title, config.run.plot)
         check_final_checkpoint(r.run_dir, config, r.state.step)
+        for sink in sinks:  # the trackers take summary.json and loss.png as artifacts
+            finish = getattr(sink, "finish", None)
+            if finish is not None:
+                finish(summary, r.run_dir)
 
     # Decided on rank 0 and shared, so that every rank ends the same way (and none waits for another).
     engine.coord.decide(outputs)
