@@ -447,9 +447,9 @@ class TrainConfig(_Section):
         description="A step whose loss or gradients are not finite is skipped; after this many in a row "
         "the run rolls back to the last checkpoint, or stops if there is none.",
     )
-    optimizer: Literal["adamw", "demo"] = Field(
+    optimizer: Literal["adamw", "demo", "sgd"] = Field(
         "adamw",
-        description="adamw; demo: DeMo (arXiv 2411.19870), each rank keeps its own momentum and sends "
+        description="adamw; sgd: plain SGD (no momentum; weight decay added to the gradient); demo: DeMo (arXiv 2411.19870), each rank keeps its own momentum and sends "
         "only its top-k DCT coefficients per chunk; the step is the sign of their average (no "
         "gradient all-reduce). single or ddp only.",
     )
@@ -504,6 +504,43 @@ class CompressionOptions(_Section):
         "error feedback (each rank tracks its gradient and sends the quantised change).",
     )
     bits: int = Field(3, ge=2, le=4, description="dct coding quant: bits per coefficient.")
+
+
+class DiLoCoOptions(_Section):
+    """DiLoCo: each replica trains alone for inner_steps, then the replicas average their pseudo-
+    gradients (the change since the last sync) and an outer Nesterov step updates the shared weights;
+    Streaming DiLoCo syncs fragments of the model at staggered steps, overlapped with the next ones."""
+
+    inner_steps: int = Field(
+        0, ge=0, description="H: inner optimizer steps between syncs of each fragment; 0 = off."
+    )
+    outer_lr: float = Field(0.7, gt=0, description="Outer learning rate (1 = take the average).")
+    outer_momentum: float = Field(
+        0.9, ge=0, lt=1, description="Outer Nesterov momentum; 0 = plain outer SGD."
+    )
+    replicas: int | None = Field(
+        None,
+        ge=1,
+        description="Replica groups DiLoCo averages over; null = one per data-parallel rank "
+        "(the only layout today).",
+    )
+    fragments: int = Field(
+        1,
+        ge=1,
+        description="Streaming DiLoCo: the blocks in this many contiguous fragments, each synced at "
+        "its own step of the H-step cycle; 1 = the whole model at once.",
+    )
+    delay: int = Field(
+        0,
+        ge=0,
+        description="Streaming DiLoCo: inner steps the outer all-reduce of a fragment overlaps with; "
+        "its result is applied that many steps later (0 = at once). Less than inner_steps.",
+    )
+    quantize: Literal["none", "int8", "int4"] = Field(
+        "none",
+        description="Outer gradients sent in 8 or 4 bits per value (one float32 scale per 64 values), "
+        "with error feedback (what rounding lost is added to the next sync).",
+    )
 
 
 class ParallelConfig(_Section):
@@ -567,6 +604,7 @@ class ParallelConfig(_Section):
         "powersgd and dct compress DDP's gradient buckets.",
     )
     compression_options: CompressionOptions = Field(default_factory=CompressionOptions)  # type: ignore[arg-type]
+    diloco: DiLoCoOptions = Field(default_factory=DiLoCoOptions)  # type: ignore[arg-type]
 
     @property
     def stages_per_rank(self) -> int:
@@ -794,6 +832,7 @@ class Config(_Section):
                 raise ValueError(
                     f"train.demo.topk = {t.demo.topk} is larger than train.demo.chunk_size = {t.demo.chunk_size}"
                 )
+        _check_diloco(self)
         _check_tp(self)
         _check_pp(self)
         if t.engine == "mlx":
@@ -904,6 +943,54 @@ def pipeline_microbatches(config: Config, dp: int) -> int:
             "parallel.pp_microbatches that divides it"
         )
     return n
+
+
+def _check_diloco(c: Config) -> None:
+    """DiLoCo's rules: a replica is one DDP rank training alone between syncs."""
+    o, p, t = c.parallel.diloco, c.parallel, c.train
+    if not o.inner_steps:
+        return
+    allowed = strategies_with(DPWrapper.NONE, DPWrapper.DDP)
+    if p.strategy not in allowed:
+        raise ValueError(
+            f"parallel.diloco.inner_steps = {o.inner_steps}: each replica trains alone between syncs; "
+            f"parallel.strategy = {p.strategy!r} is not allowed with it (allowed: {', '.join(allowed)})"
+        )
+    for key, value, off in (
+        ("parallel.compression", p.compression, "none"),
+        ("train.optimizer", t.optimizer, None),
+        ("train.engine", t.engine, "torch"),
+    ):
+        if key == "train.optimizer" and value == "demo":
+            raise ValueError(
+                "parallel.diloco replaces the gradient all-reduce, and so does train.optimizer = 'demo' "
+                "(allowed with DiLoCo: adamw, sgd)"
+            )
+        if off is not None and value != off:
+            raise ValueError(
+                f"parallel.diloco.inner_steps = {o.inner_steps} with {key} = {value!r}: "
+                f"allowed with DiLoCo: {off}"
+            )
+    if p.tp > 1 or p.pp > 1:
+        raise ValueError(
+            f"parallel.diloco with parallel.tp = {p.tp}, parallel.pp = {p.pp}: DiLoCo runs over "
+            "data-parallel replicas only (allowed: tp = pp = 1)"
+        )
+    if o.fragments > c.model.n_layers:
+        raise ValueError(
+            f"parallel.diloco.fragments = {o.fragments} is more than the model's "
+            f"{c.model.n_layers} layers (each fragment holds at least one block)"
+        )
+    if o.fragments > o.inner_steps:
+        raise ValueError(
+            f"parallel.diloco.fragments = {o.fragments} is more than inner_steps = {o.inner_steps}: "
+            "each fragment syncs at its own step of the H-step cycle"
+        )
+    if o.delay >= o.inner_steps:
+        raise ValueError(
+            f"parallel.diloco.delay = {o.delay} must be less than inner_steps = {o.inner_steps}: a "
+            "fragment's sync must land before its next one starts"
+        )
 
 
 def _check_tp(c: Config) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 from dtlab.config import Config, ModelConfig
 from dtlab.dims import ParallelDims, stage_ids, stage_layers
 from dtlab.runtime.signals import STOP_SIGNALS
+from dtlab.train.diloco import fragment_of, sync_bytes
 
 FP32 = 4
 
@@ -276,11 +277,25 @@ def _ring(kind: str, size: int, n: int) -> float:
     return size * (2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n)
 
 
+def diloco_sync_bytes(shapes: list[ParamShape], config: Config, world: int) -> list[int]:
+    """Bytes of each DiLoCo fragment's outer sync, as the collective counter counts them: a float32
+    all-reduce of the fragment, or the all-gather of every replica's quantised payload."""
+    o = config.parallel.diloco
+    numel = [0] * o.fragments
+    for s in shapes:
+        numel[fragment_of(s.name, config.model.n_layers, o.fragments)] += s.numel
+    return [sync_bytes(n, o.quantize, world) for n in numel]
+
+
 def ddp_comm_bytes(shapes: list[ParamShape], config: Config, world: int) -> dict[str, int]:
-    """DDP's collectives per optimizer step (after PowerSGD's start step), by compression."""
+    """DDP's collectives per optimizer step (after PowerSGD's start step), by compression; DiLoCo's
+    outer syncs averaged over the H steps of a cycle (each fragment syncs once per cycle)."""
     p = config.parallel
     o = p.compression_options
     total = sum(s.numel for s in shapes)
+    if p.diloco.inner_steps:
+        kind = "all_reduce" if p.diloco.quantize == "none" else "all_gather"
+        return {kind: round(sum(diloco_sync_bytes(shapes, config, world)) / p.diloco.inner_steps)}
     if config.train.optimizer == "demo":
         # No gradient all-reduce: every rank's packed (index, bf16 value) int32 pairs, top-k per chunk of
         # each parameter, gathered by all ranks (the norm the ranks agree on is in the step's reduction).
@@ -552,7 +567,11 @@ def _fsdp_comm(
 def step_reduction_bytes(config: Config, dims: ParallelDims) -> int:
     """Bytes of the step's reduction (:func:`dtlab.train.loop.reduce_step`): the loss, one flag, a vote
     per stop signal, and the squared gradient norm when gradients are sharded or each rank's own."""
-    norm = dims.fsdp_enabled or config.train.optimizer == "demo"
+    norm = (
+        dims.fsdp_enabled
+        or config.train.optimizer == "demo"
+        or config.parallel.diloco.inner_steps > 0
+    )
     return FP32 * (2 + len(STOP_SIGNALS) + (1 if norm else 0))
 
 

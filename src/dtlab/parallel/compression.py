@@ -425,8 +425,11 @@ class CompressionState:
 def apply_ddp_compression(ddp: DistributedDataParallel, config: Config) -> CompressionState:
     """Register the configured communication hook on a DDP module."""
     kind, o = config.parallel.compression, config.parallel.compression_options
-    if config.train.optimizer == "demo":
+    if config.train.optimizer == "demo" or config.parallel.diloco.inner_steps:
+        # Each rank keeps its own gradients: DeMo and DiLoCo exchange something else themselves. The
+        # bucket layout then matters to nobody: no rebuild (two broadcasts on the second step).
         ddp.register_comm_hook(None, local_hook)
+        _keep_bucket_layout(ddp)
         return CompressionState(kind, local_gradients=True)
     if kind in ("fp16", "bf16"):
         dtype = torch.float16 if kind == "fp16" else torch.bfloat16

@@ -8,6 +8,7 @@ does around its steps (run directory, metrics, checkpoints, preemption) is the r
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,13 +22,14 @@ from torch.distributed.tensor import DTensor
 
 from dtlab.checkpoint.init_from import apply_init_from
 from dtlab.checkpoint.manager import Checkpointer, Coordinator
+from dtlab.checkpoint.manifest import MANIFEST
 from dtlab.checkpoint.state import ModelState, OptimizerState, StagedOptimizerState, Stateful
 from dtlab.config import Config, check_batch_split
 from dtlab.data import BatchLayout, BatchLoader
 from dtlab.data.loader import MicroBatch
 from dtlab.data.sources import build_data
 from dtlab.data.tokenizer import ByteTokenizer, Tokenizer
-from dtlab.errors import Preempted
+from dtlab.errors import CheckpointError, Preempted
 from dtlab.metrics.logging import setup_logging
 from dtlab.metrics.profiling import StepProfiler
 from dtlab.metrics.report import peak_memory_bytes
@@ -49,6 +51,7 @@ from dtlab.parallel.ledger import (
 )
 from dtlab.runtime.faults import Faults
 from dtlab.runtime.signals import StopSignals, agreed_stop, stop_votes
+from dtlab.train.diloco import DiLoCo
 from dtlab.train.optim import apply_hyperparameters, build_optimizer, optimizer_groups
 from dtlab.train.precision import LossScaler, autocast, check_cpu_half_precision
 from dtlab.train.run import run
@@ -325,6 +328,7 @@ class Training:
     micro: int
     val_loader: BatchLoader | None = None
     tokenizer: Tokenizer = field(default_factory=ByteTokenizer)
+    diloco: DiLoCo | None = None  # the outer loop over the replicas (parallel.diloco)
 
 
 def build_training(config: Config, d: DistInfo) -> Training:
@@ -343,9 +347,14 @@ def build_training(config: Config, d: DistInfo) -> Training:
     )
     # Validation batches are split like training's: the same samples on every layout.
     val_loader = BatchLoader(data.val, layout, prefetch=0) if data.val is not None else None
+    diloco = None
+    if config.parallel.diloco.inner_steps:
+        # The outer syncs that overlap with inner steps run on a group of their own, beside the step's.
+        group = dist.new_group() if dist.is_initialized() and config.parallel.diloco.delay else None
+        diloco = DiLoCo(pm.model, optimizer, config.parallel.diloco, config.model.n_layers, group)
     return Training(
         model, pm, optimizer, build_scheduler(optimizer, t), LossScaler(t.precision == "fp16"),
-        loader, accum, micro, val_loader, data.tokenizer,
+        loader, accum, micro, val_loader, data.tokenizer, diloco,
     )  # fmt: skip
 
 
@@ -418,7 +427,7 @@ class TorchEngine:
 
     def attach(self, states: dict[str, Stateful]) -> None:
         tr = self.tr
-        comm = getattr(tr.optimizer, "local", None) or tr.pm.compression
+        comm = tr.diloco or getattr(tr.optimizer, "local", None) or tr.pm.compression
         self.per_rank = (f"comm.rank{self.d.rank}",)  # each rank's own compression state
         optim: Stateful = OptimizerState(tr.pm.module, tr.optimizer)
         if tr.pm.pipeline is not None:
@@ -433,7 +442,16 @@ class TorchEngine:
         }
 
     def check_resume(self, path: Path) -> None:
-        return None  # any layout's torch checkpoint loads (DCP reshards)
+        # Any layout's torch checkpoint loads (DCP reshards), except DiLoCo's: its replicas each hold
+        # their own weights and inner optimizer state.
+        if self.tr.diloco is None:
+            return
+        saved = json.loads((path / MANIFEST).read_text(encoding="utf-8"))["world_size"]
+        if saved != self.d.world_size:
+            raise CheckpointError(
+                f"checkpoint '{path}' was saved by {saved} DiLoCo replicas, each with its own weights "
+                f"and optimizer state; resume it on {saved} processes (this run has {self.d.world_size})"
+            )
 
     def load(self, ckpt: Checkpointer, path: Path) -> None:
         ckpt.load(path, self.states, per_rank=self.per_rank)
@@ -445,7 +463,10 @@ class TorchEngine:
     def start_fresh(self) -> str | None:
         if self.config.model.init_from is None:
             return None
-        return apply_init_from(self.tr.pm.model, self.config, self.d)
+        loaded = apply_init_from(self.tr.pm.model, self.config, self.d)
+        if self.tr.diloco is not None:
+            self.tr.diloco.reset()  # the replicas start from the loaded weights
+        return loaded
 
     def warnings(self) -> list[str]:
         if self.d.device.type != "cpu":
@@ -458,11 +479,15 @@ class TorchEngine:
     ) -> dict[str, Any]:
         note_step(step)
         tr = self.tr
-        return train_step(
+        m = train_step(
             tr.pm, tr.optimizer, tr.scheduler, tr.scaler, batch, self.config, self.d.device,
             inject_nan=inject_nan, stop_signal=stop_signal,
             skip_sync=self.faults.skip_sync(step),
         )  # fmt: skip
+        if tr.diloco is not None:
+            with recorded("diloco outer sync", "all_reduce"):
+                tr.diloco.after_step(step)
+        return m
 
     def evaluate(self, batches: list[list[Any]]) -> float:
         return evaluate(self.tr.pm, batches, self.config, self.d.device)

@@ -1,4 +1,4 @@
-"""AdamW (or DeMo) with decoupled weight decay on matrices only, and the config's hyper-parameters."""
+"""AdamW (or DeMo, or plain SGD) with weight decay on matrices only, and the config's hyper-parameters."""
 
 from __future__ import annotations
 
@@ -41,6 +41,8 @@ def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
         from dtlab.train.demo import DeMo
 
         return DeMo(groups, t.lr, t.demo.chunk_size, t.demo.topk, t.demo.decay)
+    if t.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=t.lr, foreach=True)
     return torch.optim.AdamW(groups, lr=t.lr, **_implementation([*decay, *no_decay]))
 
 
@@ -53,7 +55,7 @@ def _implementation(params: list[nn.Parameter]) -> dict[str, Any]:
 
 def group_hyperparameters(t: TrainConfig) -> list[dict[str, object]]:
     """The config's hyper-parameters of the two parameter groups: matrices (decayed), then the rest."""
-    common: dict[str, object] = {} if t.optimizer == "demo" else {"betas": t.betas, "eps": t.eps}
+    common: dict[str, object] = {"betas": t.betas, "eps": t.eps} if t.optimizer == "adamw" else {}
     return [{"weight_decay": t.weight_decay, **common}, {"weight_decay": 0.0, **common}]
 
 

@@ -1,0 +1,316 @@
+"""DiLoCo and Streaming DiLoCo: data-parallel replicas that talk every H steps instead of every step.
+
+DiLoCo (Douillard et al., arXiv 2311.08105): each replica trains alone with the inner optimizer; every
+``inner_steps`` (H) steps the replicas average their *pseudo-gradients*, the change of their weights since
+the last sync (Δ = θ_global - θ_replica), and an outer optimizer (SGD with Nesterov momentum) steps the
+shared weights θ_global by that average; every replica then continues from θ_global.
+
+Streaming DiLoCo (Douillard et al., arXiv 2501.18512): the blocks are cut into ``fragments`` contiguous
+groups, each synced at its own step of the H-step cycle (fragment f at steps ≡ ⌊(f+1)H/F⌋ mod H), so that
+the traffic of a cycle is spread over it; with ``delay`` τ the all-reduce of a fragment runs in the
+background while the replica takes τ more inner steps, and its result lands then, on top of the progress
+those steps made (θ ← θ_global + (θ_now - θ_at_send)). Outer gradients may travel in 8 or 4 bits per value
+(one float32 scale per 64 values) with error feedback: what rounding lost is added to the next sync.
+
+Degenerate cases (tested): H = 1, an inner plain-SGD step, outer SGD with lr 1 and no momentum is DDP with
+that SGD; one fragment without delay is DiLoCo; ``quantize: none`` sends the exact float32 values.
+
+Every replica's weights, inner optimizer state, the outer state and syncs in flight are each rank's own:
+:meth:`DiLoCo.state_dict` carries them into every checkpoint, so a killed run resumes exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dtlab.config import DiLoCoOptions
+
+__all__ = ["QUANT_BLOCK", "DiLoCo", "fragment_of", "sync_bytes"]
+
+QUANT_BLOCK = 64  # values per float32 scale of a quantised outer gradient
+BITS = {"int8": 8, "int4": 4}
+
+
+def fragment_of(name: str, n_layers: int, fragments: int) -> int:
+    """The fragment parameter ``name`` belongs to: blocks in contiguous groups (block i in fragment
+    ⌊i F / L⌋), the embedding with the first blocks, the final norm and output with the last."""
+    if name.startswith("layers."):
+        return int(name.split(".")[1]) * fragments // n_layers
+    return 0 if name.startswith("tok_embeddings") else fragments - 1
+
+
+def payload_bytes(numel: int, quantize: str) -> int:
+    """Bytes one replica sends for an outer gradient of ``numel`` values."""
+    if quantize == "none":
+        return 4 * numel
+    blocks = math.ceil(numel / QUANT_BLOCK)
+    return blocks * (QUANT_BLOCK * BITS[quantize] // 8 + 4)
+
+
+def sync_bytes(numel: int, quantize: str, world: int) -> int:
+    """Bytes of the collective that syncs ``numel`` values, as the collective counter counts them (the
+    whole buffer: the all-reduced tensor, or the all-gather's output)."""
+    if quantize == "none":
+        return 4 * numel
+    return world * payload_bytes(numel, quantize)
+
+
+def _quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric absmax quantisation per block of QUANT_BLOCK values: (the payload, the dequantised
+    values). The payload is uint8: the codes (two per byte at 4 bits), then the float32 scales."""
+    n = x.numel()
+    blocks = math.ceil(n / QUANT_BLOCK)
+    padded = torch.zeros(blocks * QUANT_BLOCK, dtype=torch.float32, device=x.device)
+    padded[:n] = x
+    rows = padded.view(blocks, QUANT_BLOCK)
+    qmax = 2 ** (bits - 1) - 1
+    scale = rows.abs().amax(dim=1, keepdim=True) / qmax
+    codes = torch.where(scale > 0, rows / scale, torch.zeros_like(rows)).round().clamp(-qmax, qmax)
+    values = (codes * scale).flatten()[:n]
+    c = (codes + qmax).to(torch.uint8)  # 0 .. 2 qmax
+    if bits == 4:
+        c = c[:, 0::2] | (c[:, 1::2] << 4)
+    payload = torch.cat([c.flatten(), scale.flatten().view(torch.uint8)])
+    return payload, values
+
+
+def _dequantize(payload: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+    """The values a payload of :func:`_quantize` carries (``n`` of them)."""
+    blocks = math.ceil(n / QUANT_BLOCK)
+    code_bytes = blocks * QUANT_BLOCK * bits // 8
+    c = payload[:code_bytes].view(blocks, -1)
+    if bits == 4:
+        c = torch.stack([c & 0x0F, c >> 4], dim=2).view(blocks, QUANT_BLOCK)
+    qmax = 2 ** (bits - 1) - 1
+    scale = payload[code_bytes:].clone().view(torch.float32).view(blocks, 1)
+    return ((c.float() - qmax) * scale).flatten()[:n]
+
+
+@dataclass
+class _Sync:
+    """A fragment's sync in flight: sent after step ``sent``, applied after step ``due``."""
+
+    fragment: int
+    sent: int
+    due: int
+    snapshot: list[torch.Tensor]  # the fragment's replica weights when it was sent
+    buffer: torch.Tensor  # what the collective fills (the sum, or every replica's payload)
+    work: Any = None  # the collective's handle while it runs
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
+
+class DiLoCo:
+    """The outer loop of DiLoCo over this rank's replica ``model`` (its plain module: names as the
+    model's) and inner ``optimizer``. Call :meth:`after_step` after every inner optimizer step."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        options: DiLoCoOptions,
+        n_layers: int,
+        group: Any = None,
+    ) -> None:
+        self.o, self.optimizer, self.group = options, optimizer, group
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.params = [p for _, p in model.named_parameters()]
+        self.names = [n for n, _ in model.named_parameters()]
+        frags = [fragment_of(n, n_layers, options.fragments) for n in self.names]
+        self.fragments = [
+            [i for i, f in enumerate(frags) if f == k] for k in range(options.fragments)
+        ]
+        h, n = options.inner_steps, options.fragments
+        self.offsets = [((k + 1) * h // n) % h for k in range(n)]
+        # θ_global: the weights every replica agreed on at the fragment's last sync (float32).
+        self.global_ = [p.detach().float().clone() for p in self.params]
+        self.momentum: list[torch.Tensor | None] = [None] * len(self.params)
+        self.error: list[torch.Tensor | None] = [None] * len(self.params)
+        self.pending: list[_Sync] = []
+
+    def reset(self) -> None:
+        """θ_global = the replica's weights now (after weights were loaded into a fresh run)."""
+        self.global_ = [p.detach().float().clone() for p in self.params]
+
+    # --- the schedule ----------------------------------------------------------------------------
+    def due(self, step: int) -> list[int]:
+        """The fragments whose sync is sent after inner step ``step`` (1-based)."""
+        h = self.o.inner_steps
+        return [k for k, off in enumerate(self.offsets) if step % h == off]
+
+    def after_step(self, step: int) -> None:
+        """After inner step ``step``: land the syncs due now, then send the fragments due now."""
+        for sync in [s for s in self.pending if s.due == step]:
+            self._land(sync)
+            self.pending.remove(sync)
+        for k in self.due(step):
+            sync = self._send(k, step)
+            if self.o.delay == 0:
+                self._land(sync)
+            else:
+                self.pending.append(sync)
+
+    # --- one fragment's sync ---------------------------------------------------------------------
+    def _send(self, k: int, step: int) -> _Sync:
+        idx = self.fragments[k]
+        snapshot = [self.params[i].detach().float().clone() for i in idx]
+        delta = torch.cat(
+            [(self.global_[i] - s).flatten() for i, s in zip(idx, snapshot, strict=True)]
+        )
+        if self.o.quantize == "none":
+            buffer = delta
+            work = self._collective(dist.all_reduce, buffer)
+        else:
+            bits = BITS[self.o.quantize]
+            error = self._flat_error(idx, delta)
+            target = delta + error
+            payload, sent = _quantize(target, bits)
+            self._store_error(idx, target - sent)  # what rounding lost goes into the next sync
+            buffer = torch.empty(
+                self.world * payload.numel(), dtype=torch.uint8, device=delta.device
+            )
+            work = self._collective(dist.all_gather_into_tensor, buffer, payload)
+        return _Sync(k, step, step + self.o.delay, snapshot, buffer, work)
+
+    def _collective(self, fn: Any, *args: torch.Tensor) -> Any:
+        if self.world == 1:
+            if len(args) == 2:  # an all-gather of one rank: its own payload
+                args[0].copy_(args[1])
+            return None
+        return fn(*args, group=self.group, async_op=self.o.delay > 0)
+
+    def _mean(self, sync: _Sync, numel: int) -> torch.Tensor:
+        """The replicas' mean outer gradient, the same on every rank."""
+        if self.o.quantize == "none":
+            return sync.buffer / self.world
+        bits = BITS[self.o.quantize]
+        parts = sync.buffer.view(self.world, -1)
+        total = _dequantize(parts[0], numel, bits)
+        for r in range(1, self.world):  # in rank order: every rank sums alike
+            total += _dequantize(parts[r], numel, bits)
+        return total / self.world
+
+    def _land(self, sync: _Sync) -> None:
+        """The outer step of the fragment, then the replica continues from the new θ_global plus what
+        it learnt since the send."""
+        sync.wait()
+        idx = self.fragments[sync.fragment]
+        mean = self._mean(sync, sum(self.global_[i].numel() for i in idx))
+        lr, mu = self.o.outer_lr, self.o.outer_momentum
+        offset = 0
+        with torch.no_grad():
+            for i, snap in zip(idx, sync.snapshot, strict=True):
+                g = mean[offset : offset + snap.numel()].view_as(snap)
+                offset += snap.numel()
+                if mu > 0:
+                    buf = self.momentum[i]
+                    buf = g.clone() if buf is None else buf.mul_(mu).add_(g)
+                    self.momentum[i] = buf
+                    g = g.add(buf, alpha=mu)  # Nesterov
+                self.global_[i].sub_(g, alpha=lr)
+                p = self.params[i]
+                p.copy_(self.global_[i] + (p.detach().float() - snap))
+
+    def _flat_error(self, idx: list[int], like: torch.Tensor) -> torch.Tensor:
+        parts = [
+            e.flatten()
+            if (e := self.error[i]) is not None
+            else torch.zeros(self.global_[i].numel())
+            for i in idx
+        ]
+        return torch.cat(parts).to(like.device)
+
+    def _store_error(self, idx: list[int], flat: torch.Tensor) -> None:
+        offset = 0
+        for i in idx:
+            n = self.global_[i].numel()
+            self.error[i] = flat[offset : offset + n].view_as(self.global_[i]).clone()
+            offset += n
+
+    # --- state (each rank's own) -----------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This replica's weights and inner optimizer state, θ_global, the outer momentum, the error
+        feedback and the syncs in flight (waited for: their results are saved, not the sends)."""
+        out: dict[str, torch.Tensor] = {}
+        for i, p in enumerate(self.params):
+            out[f"replica.{i}"] = p.detach().clone()
+            out[f"global.{i}"] = self.global_[i]
+            if (m := self.momentum[i]) is not None:
+                out[f"momentum.{i}"] = m
+            if (e := self.error[i]) is not None:
+                out[f"error.{i}"] = e
+        for k, v in _optimizer_tensors(self.optimizer).items():
+            out[f"inner.{k}"] = v
+        for j, sync in enumerate(self.pending):
+            sync.wait()
+            out[f"pending.{j}.meta"] = torch.tensor([sync.fragment, sync.sent, sync.due])
+            out[f"pending.{j}.buffer"] = sync.buffer
+            for n, s in enumerate(sync.snapshot):
+                out[f"pending.{j}.snapshot.{n}"] = s
+        return out
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                p.copy_(state[f"replica.{i}"])
+                self.global_[i] = state[f"global.{i}"].clone()
+                self.momentum[i] = _get(state, f"momentum.{i}")
+                self.error[i] = _get(state, f"error.{i}")
+        _load_optimizer_tensors(
+            self.optimizer, {k[6:]: v for k, v in state.items() if k.startswith("inner.")}
+        )
+        self.pending = []
+        j = 0
+        while f"pending.{j}.meta" in state:
+            k, sent, due = (int(x) for x in state[f"pending.{j}.meta"].tolist())
+            snaps = [
+                state[f"pending.{j}.snapshot.{n}"].clone() for n in range(len(self.fragments[k]))
+            ]
+            self.pending.append(_Sync(k, sent, due, snaps, state[f"pending.{j}.buffer"].clone()))
+            j += 1
+
+    # What the engine's step asks of every per-rank state (DiLoCo has nothing to commit or roll back:
+    # it acts after the inner step, on the weights the step left).
+    def set_scale(self, scale: float) -> None:
+        pass
+
+    def commit(self) -> None:
+        pass
+
+    def rollback(self) -> None:
+        pass
+
+
+def _get(state: dict[str, torch.Tensor], key: str) -> torch.Tensor | None:
+    return state[key].clone() if key in state else None
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The inner optimizer's per-parameter state as flat ``<param index>.<name>`` tensors."""
+    return {
+        f"{i}.{name}": v.detach().clone()
+        for i, s in optimizer.state_dict()["state"].items()
+        for name, v in s.items()
+        if isinstance(v, torch.Tensor)
+    }
+
+
+def _load_optimizer_tensors(
+    optimizer: torch.optim.Optimizer, flat: dict[str, torch.Tensor]
+) -> None:
+    sd = optimizer.state_dict()
+    state: dict[int, dict[str, Any]] = {}
+    for key, v in flat.items():
+        i, name = key.split(".", 1)
+        state.setdefault(int(i), {})[name] = v.clone()
+    sd["state"] = state
+    optimizer.load_state_dict(sd)

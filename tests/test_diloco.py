@@ -1,0 +1,277 @@
+"""DiLoCo and Streaming DiLoCo against their degenerate cases and references: the outer loop's
+arithmetic against a hand-written one, H = 1 with SGD against DDP on real gloo processes, quantisation,
+bytes per step against the prediction, and kill -9 resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import FAST, TOL, cli_env, read_metrics, run_cli, run_worker, train_run
+from dtlab.config import DiLoCoOptions, load_config
+from dtlab.train.diloco import (
+    QUANT_BLOCK,
+    DiLoCo,
+    _dequantize,
+    _quantize,
+    fragment_of,
+    payload_bytes,
+)
+
+
+class Toy(nn.Module):
+    """Parameters named like the model's: an embedding, four blocks, an output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.tok_embeddings = nn.Parameter(torch.randn(3, 2, generator=g))
+        self.layers = nn.ParameterDict(
+            {str(i): nn.Parameter(torch.randn(5, generator=g)) for i in range(4)}
+        )
+        self.output = nn.Parameter(torch.randn(2, 3, generator=g))
+
+
+def _inner(model: nn.Module, step: int) -> None:
+    """A deterministic stand-in for an inner optimizer step."""
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.sub_(
+                0.01
+                * (step + i)
+                * torch.cos(torch.arange(p.numel(), dtype=torch.float32) + step).view_as(p)
+            )
+
+
+def _frag(name: str, fragments: int) -> int:
+    return fragment_of(name, 4, fragments)
+
+
+def _reference(
+    steps: int, h: int, fragments: int, delay: int, lr: float, mu: float
+) -> list[torch.Tensor]:
+    """Streaming DiLoCo written out for one replica: fragment f sends at steps = ⌊(f+1)H/F⌋ mod H,
+    lands ``delay`` steps later: θ_g ← θ_g - lr (Δ + μ buf) (Nesterov), θ ← θ_g + (θ_now - θ_sent)."""
+    model = Toy()
+    names = [n for n, _ in model.named_parameters()]
+    params = list(model.parameters())
+    glob = [p.detach().clone() for p in params]
+    buf = [torch.zeros_like(p) for p in params]
+    offsets = [((f + 1) * h // fragments) % h for f in range(fragments)]
+    inflight: dict[int, tuple[int, list[torch.Tensor]]] = {}
+    for step in range(1, steps + 1):
+        _inner(model, step)
+        for f, (due, sent) in list(inflight.items()):
+            if due != step:
+                continue
+            del inflight[f]
+            with torch.no_grad():
+                for i, n in enumerate(names):
+                    if _frag(n, fragments) != f:
+                        continue
+                    delta = glob[i] - sent[i]
+                    buf[i] = mu * buf[i] + delta
+                    glob[i] = glob[i] - lr * (delta + mu * buf[i])
+                    params[i].copy_(glob[i] + (params[i] - sent[i]))
+        for f in range(fragments):
+            if step % h == offsets[f]:
+                inflight[f] = (step + delay, [p.detach().clone() for p in params])
+                if delay == 0:  # lands at once: run the landing above for this step again
+                    due, sent = inflight.pop(f)
+                    with torch.no_grad():
+                        for i, n in enumerate(names):
+                            if _frag(n, fragments) == f:
+                                delta = glob[i] - sent[i]
+                                buf[i] = mu * buf[i] + delta
+                                glob[i] = glob[i] - lr * (delta + mu * buf[i])
+                                params[i].copy_(glob[i] + (params[i] - sent[i]))
+    return [p.detach() for p in params]
+
+
+@pytest.mark.parametrize(
+    ("h", "fragments", "delay"), [(4, 1, 0), (1, 1, 0), (4, 2, 1), (6, 3, 2), (4, 4, 3)]
+)
+def test_the_outer_loop_is_the_written_out_algorithm(h: int, fragments: int, delay: int) -> None:
+    """One replica (no process group): DiLoCo's schedule and arithmetic, fragment by fragment."""
+    model = Toy()
+    opts = DiLoCoOptions(
+        inner_steps=h, fragments=fragments, delay=delay, outer_lr=0.7, outer_momentum=0.9
+    )
+    diloco = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), opts, n_layers=4)
+    steps = 3 * h + 2
+    for step in range(1, steps + 1):
+        _inner(model, step)
+        diloco.after_step(step)
+    want = _reference(steps, h, fragments, delay, 0.7, 0.9)
+    for got, ref in zip(model.parameters(), want, strict=True):
+        torch.testing.assert_close(got.detach(), ref, rtol=0, atol=1e-6)
+    # And it did something: the weights are not where the inner steps alone would have left them.
+    plain = Toy()
+    for step in range(1, steps + 1):
+        _inner(plain, step)
+    assert any(
+        not torch.allclose(a, b)
+        for a, b in zip(model.parameters(), plain.parameters(), strict=True)
+    )
+
+
+def test_one_fragment_without_delay_is_diloco() -> None:
+    """Streaming's machinery with F = 1, τ = 0 is DiLoCo's whole-model sync, step for step."""
+    a, b = Toy(), Toy()
+    plain = DiLoCo(a, torch.optim.SGD(a.parameters(), lr=0.1), DiLoCoOptions(inner_steps=3), 4)
+    streaming = DiLoCo(
+        b,
+        torch.optim.SGD(b.parameters(), lr=0.1),
+        DiLoCoOptions(inner_steps=3, fragments=1, delay=0),
+        4,
+    )
+    for step in range(1, 11):
+        _inner(a, step)
+        _inner(b, step)
+        plain.after_step(step)
+        streaming.after_step(step)
+        assert plain.due(step) == streaming.due(step) == ([0] if step % 3 == 0 else [])
+    for x, y in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(x, y)
+
+
+def test_fragments_split_the_blocks_in_order() -> None:
+    names = [
+        "tok_embeddings.weight",
+        *(f"layers.{i}.w" for i in range(6)),
+        "norm.weight",
+        "output.weight",
+    ]
+    assert [fragment_of(n, 6, 3) for n in names] == [0, 0, 0, 1, 1, 2, 2, 2, 2]
+    assert {fragment_of(n, 6, 1) for n in names} == {0}
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantisation_is_bounded_and_error_feedback_catches_up(bits: int) -> None:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1000, generator=g) * torch.linspace(0.01, 3, 1000)
+    payload, sent = _quantize(x, bits)
+    assert payload.numel() == payload_bytes(1000, f"int{bits}")
+    assert torch.equal(_dequantize(payload, 1000, bits), sent)
+    qmax = 2 ** (bits - 1) - 1
+    blocks = torch.nn.functional.pad(x, (0, 24)).view(-1, QUANT_BLOCK).abs().amax(dim=1)
+    bound = (blocks / qmax / 2).repeat_interleave(QUANT_BLOCK)[:1000]
+    assert torch.all((sent - x).abs() <= bound + 1e-6)
+    # Values on the grid pass exactly.
+    codes = torch.randint(-qmax, qmax + 1, (4, QUANT_BLOCK), generator=g).float()
+    codes[:, 0] = qmax  # each block's largest value sets its scale: 0.25 exactly
+    grid = (codes * 0.25).flatten()
+    assert torch.equal(_dequantize(_quantize(grid, bits)[0], grid.numel(), bits), grid)
+    # Error feedback: what K syncs of the same value sent adds up to K times it, within one step.
+    error, total = torch.zeros(1000), torch.zeros(1000)
+    for _ in range(50):
+        target = x + error
+        _, out = _quantize(target, bits)
+        error, total = target - out, total + out
+    assert torch.all((total - 50 * x).abs() <= bound * 2 + 1e-4)
+
+
+DILOCO = ["parallel.strategy=ddp", "train.grad_clip=0"]
+
+
+def test_h1_inner_sgd_outer_sgd_lr1_is_ddp(tmp_path: Path) -> None:
+    """The outer step of H = 1 with outer SGD at lr 1 and no momentum averages one inner SGD step
+    of each replica: DDP's step with the averaged gradient, to float32 noise."""
+    common = [*DILOCO, "train.optimizer=sgd", "train.lr=0.1"]
+    ddp = train_run(tmp_path / "ddp", *common, nproc=2)
+    outer = [
+        "parallel.diloco.inner_steps=1",
+        "parallel.diloco.outer_lr=1",
+        "parallel.diloco.outer_momentum=0",
+    ]
+    diloco = train_run(tmp_path / "diloco", *common, *outer, nproc=2)
+    assert [m["step"] for m in diloco] == [m["step"] for m in ddp]
+    worst = max(abs(a["loss"] - b["loss"]) for a, b in zip(diloco, ddp, strict=True))
+    assert worst < TOL, worst
+    assert diloco[-1]["loss"] < diloco[0]["loss"] - 0.02  # it trains
+    # Unquantised means exact floats: the same run with quantisation set to none explicitly.
+    none = train_run(tmp_path / "none", *common, *outer, "parallel.diloco.quantize=none", nproc=2)
+    assert [m["loss"] for m in none] == [m["loss"] for m in diloco]
+
+
+def _per_step_bytes(tmp_path: Path, *overrides: str) -> dict[str, Any]:
+    out = tmp_path / "bytes.json"
+    run_worker("diloco_worker.py", 2, str(out), *overrides)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("quantize", ["none", "int8", "int4"])
+def test_bytes_per_step_are_predicted_to_the_byte(tmp_path: Path, quantize: str) -> None:
+    result = _per_step_bytes(
+        tmp_path, "parallel.diloco.inner_steps=4", "parallel.diloco.fragments=2",
+        f"parallel.diloco.quantize={quantize}", "parallel.diloco.delay=1",
+    )  # fmt: skip
+    assert result["measured"] == result["predicted"], result
+    syncs = [b for b in result["measured"] if b > result["measured"][0]]
+    assert len(syncs) >= 4  # the fragments' syncs are in there
+
+
+@pytest.mark.parametrize(
+    "outer",
+    [
+        ["parallel.diloco.inner_steps=4"],
+        [
+            "parallel.diloco.inner_steps=4",
+            "parallel.diloco.fragments=2",
+            "parallel.diloco.delay=1",
+            "parallel.diloco.quantize=int4",
+        ],
+    ],
+    ids=["diloco", "streaming-int4"],
+)
+def test_kill_9_resumes_exactly(tmp_path: Path, outer: list[str]) -> None:
+    """Killed after step 8, resumed from step 6's checkpoint (a streaming sync in flight there):
+    the losses of the run that was never killed."""
+    common = [*DILOCO, *outer, "checkpoint.every=3"]
+    ref = train_run(tmp_path / "ref", *common, nproc=2)
+    run_dir = tmp_path / "run"
+    args = [
+        "train",
+        "--nproc",
+        "2",
+        "--set",
+        *FAST,
+        "train.steps=12",
+        f"run.dir={run_dir}",
+        *common,
+    ]
+    proc = run_cli(*args, env={**cli_env(), "DTLAB_FAULTS": "kill@8:r1"})
+    assert proc.returncode != 0
+    proc = run_cli(*args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "(step 6)" in proc.stderr
+    got = read_metrics(run_dir)
+    assert [m["step"] for m in got] == [m["step"] for m in ref]
+    assert [m["loss"] for m in got] == pytest.approx([m["loss"] for m in ref], abs=1e-6)
+    # A replica's state is its own: another world size is refused, not silently mixed.
+    proc = run_cli(
+        "train", "--nproc", "1", "--set", *FAST, "train.steps=14", f"run.dir={run_dir}", *common
+    )
+    assert proc.returncode != 0 and "saved by 2 DiLoCo replicas" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("parallel.diloco.inner_steps=-1", "greater than or equal to 0"),
+        ("parallel.diloco.fragments=5", "fragments = 5 is more than the model's 2 layers"),
+        ("parallel.diloco.delay=4", "delay = 4 must be less than inner_steps = 4"),
+        ("parallel.strategy=fsdp", "parallel.strategy = 'fsdp' is not allowed"),
+    ],
+)
+def test_bad_settings_are_named(override: str, message: str) -> None:
+    from dtlab.errors import ConfigError
+
+    base = ["model.preset=debug", "parallel.strategy=ddp", "parallel.diloco.inner_steps=4"]
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(overrides=[*base, override])
