@@ -103,6 +103,29 @@ def test_dct_hook_with_every_coefficient_trains_like_plain_ddp(
         assert m["loss"] == pytest.approx(r["loss"], abs=1e-5)
 
 
+def test_powersgd_at_full_rank_trains_like_plain_ddp(
+    tmp_path: Path, reference_run: list[dict[str, float]]
+) -> None:
+    """Rank 64 on the debug model (dim 64): no matrix is worth compressing at that rank, so every
+    gradient goes through PowerSGD's hook uncompressed, from its start step on: plain DDP."""
+    run = train_run(
+        tmp_path / "powersgd",
+        "parallel.strategy=ddp",
+        "parallel.compression=powersgd",
+        "parallel.compression_options.rank=64",
+        "parallel.compression_options.start_step=2",
+        nproc=2,
+    )
+    for m, r in zip(run, reference_run, strict=True):
+        assert m["loss"] == pytest.approx(r["loss"], abs=1e-5)
+    # At rank 4 it does compress, and the training differs.
+    low = train_run(
+        tmp_path / "rank4", "parallel.strategy=ddp", "parallel.compression=powersgd",
+        "parallel.compression_options.start_step=2", nproc=2,
+    )  # fmt: skip
+    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(low, reference_run, strict=True)) > 1e-4
+
+
 @pytest.mark.parametrize("compression", ["fp16", "bf16", "powersgd", "dct", "dct-quant"])
 def test_compressed_runs_train(tmp_path: Path, compression: str) -> None:
     from dtlab.bench.sweep import compression_overrides
