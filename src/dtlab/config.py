@@ -694,6 +694,12 @@ class RunConfig(_Section):
         "in <run dir>/mlruns.",
     )
     plot: bool = Field(True, description="Write <run dir>/loss.png at the end.")
+    comm_bytes: bool = Field(
+        False,
+        description="Count every collective of each step from the dispatcher into metrics.jsonl: "
+        "comm_bytes (whole buffers) and wire_bytes (what one rank sends, ring algorithms over the "
+        "world); for measurements (dtlab.bench.lowcomm).",
+    )
     profile: bool = Field(
         False,
         description="Record a torch.profiler trace of steps 3-4 (Chrome trace / TensorBoard) and, on CUDA, "

@@ -8,6 +8,7 @@ does around its steps (run directory, metrics, checkpoints, preemption) is the r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from dtlab.analysis.model import bus_bytes
 from dtlab.checkpoint.init_from import apply_init_from
 from dtlab.checkpoint.manager import Checkpointer, Coordinator
 from dtlab.checkpoint.manifest import MANIFEST
@@ -30,6 +32,7 @@ from dtlab.data.loader import MicroBatch
 from dtlab.data.sources import build_data
 from dtlab.data.tokenizer import ByteTokenizer, Tokenizer
 from dtlab.errors import CheckpointError, Preempted
+from dtlab.metrics.comm import CommCounter
 from dtlab.metrics.logging import setup_logging
 from dtlab.metrics.profiling import StepProfiler
 from dtlab.metrics.report import peak_memory_bytes
@@ -478,6 +481,18 @@ class TorchEngine:
         self, batch: list[Any], step: int, stop_signal: int, inject_nan: bool
     ) -> dict[str, Any]:
         note_step(step)
+        counter = CommCounter() if self.config.run.comm_bytes else contextlib.nullcontext()
+        with counter:
+            m = self._step(batch, step, stop_signal, inject_nan)
+        if isinstance(counter, CommCounter):
+            m["comm_bytes"] = sum(counter.bytes.values())
+            # Every collective of a data-parallel layout spans the world.
+            m["wire_bytes"] = round(bus_bytes(dict(counter.bytes), {}, self.d.world_size))
+        return m
+
+    def _step(
+        self, batch: list[Any], step: int, stop_signal: int, inject_nan: bool
+    ) -> dict[str, Any]:
         tr = self.tr
         m = train_step(
             tr.pm, tr.optimizer, tr.scheduler, tr.scaler, batch, self.config, self.d.device,
