@@ -275,3 +275,13 @@ def test_bad_settings_are_named(override: str, message: str) -> None:
     base = ["model.preset=debug", "parallel.strategy=ddp", "parallel.diloco.inner_steps=4"]
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_config(overrides=[*base, override])
+
+
+def test_replicas_must_be_the_data_parallel_ranks(tmp_path: Path) -> None:
+    proc = run_cli(
+        "train", "--nproc", "2", "--set", *FAST, *DILOCO, "parallel.diloco.inner_steps=4",
+        "parallel.diloco.replicas=1", f"run.dir={tmp_path / 'run'}",
+    )  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "parallel.diloco.replicas = 1 with 2 data-parallel ranks" in proc.stderr
+    assert not (tmp_path / "run").exists()

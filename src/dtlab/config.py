@@ -1099,6 +1099,12 @@ def check_world(config: Config, world_size: int) -> int:
     (``init_distributed``).
     """
     dims = ParallelDims.from_config(config, world_size)
+    o = config.parallel.diloco
+    if o.inner_steps and o.replicas is not None and o.replicas != dims.dp:
+        raise ConfigError(
+            f"parallel.diloco.replicas = {o.replicas} with {dims.dp} data-parallel ranks: each "
+            f"replica is one data-parallel rank (allowed: {dims.dp}, or null)"
+        )
     accum = check_batch_split(config, dims.dp)
     if dims.pp_enabled:
         pipeline_microbatches(config, dims.dp)
