@@ -304,9 +304,10 @@ def test_mlx_a_skipped_all_sum_is_named(tmp_path: Path) -> None:
     assert lines, proc.stderr
     for line in lines:
         assert (
-            # #1 is the broadcast of the checkpoint to resume from; step k's all_sum is #k + 1.
-            "The ranks issued #3 'gradient all_sum' at different steps: rank 0 at step 2, rank 1 at "
-            "step 3; rank 1 skipped step 2 #3 'gradient all_sum', which rank 0 issued" in line
+            # #1 is the broadcast of the checkpoint to resume from, #2 the agreement that the
+            # metrics sinks opened; step k's all_sum is #k + 2.
+            "The ranks issued #4 'gradient all_sum' at different steps: rank 0 at step 2, rank 1 at "
+            "step 3; rank 1 skipped step 2 #4 'gradient all_sum', which rank 0 issued" in line
         ), line
     assert sorted(p.name for p in (tmp_path / "run" / "ledger").glob("rank*.json")) == [
         "rank0.json", "rank1.json",

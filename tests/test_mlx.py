@@ -189,8 +189,10 @@ def test_mlx_watchdog_names_the_rank_of_a_hung_collective(tmp_path: Path) -> Non
     assert "Traceback" not in proc.stderr
     # The ranks' ledgers say who is behind, and both ranks dumped theirs.
     assert re.search(
-        r"Rank 1 \(pid \d+ on .+?\) is behind: its last collective was step 3 #4 'gradient all_sum' "
-        r"\(all_sum float32\[\d+\], completed [\d.]+ s ago\); rank 0 waits at step 4 #5 'gradient "
+        # #1 is the broadcast of the checkpoint to resume from, #2 the agreement that the metrics
+        # sinks opened; step k's all_sum is #k + 2.
+        r"Rank 1 \(pid \d+ on .+?\) is behind: its last collective was step 3 #5 'gradient all_sum' "
+        r"\(all_sum float32\[\d+\], completed [\d.]+ s ago\); rank 0 waits at step 4 #6 'gradient "
         r"all_sum' \(all_sum float32\[\d+\], issued [\d.]+ s ago, not completed\)",
         proc.stderr,
     ), proc.stderr
