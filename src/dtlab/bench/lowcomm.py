@@ -58,6 +58,7 @@ COMMON = [
     "parallel.strategy=ddp", "run.comm_bytes=true", "run.log_every=1", "run.progress=none",
     "run.plot=false", "run.trackers=[]", "checkpoint.every=0",
 ]  # fmt: skip
+BASELINE = "ddp"  # the method every other one is measured against: plain DDP, no compression
 SMOOTH = 10  # steps in the moving average the target is judged on (a step's loss is noisy)
 
 
@@ -135,11 +136,11 @@ def figures(rows: list[dict[str, Any]], target: float | None = None) -> float:
     smoothed loss DDP reaches at 3/4 of its steps on the first link (all methods train the same
     tokens, so each is timed to the same point)."""
     if target is None:
-        ddp = next((r for r in rows if r["method"] == "ddp"), rows[0])
+        ddp = next((r for r in rows if r["method"] == BASELINE), rows[0])
         curve = smoothed(ddp["losses"])
         target = curve[(3 * len(curve)) // 4]
-    ddp_bytes = {r["link"]: r["wire_bytes_per_step"] for r in rows if r["method"] == "ddp"}
-    ddp_loss = {r["link"]: r["final_val_loss"] for r in rows if r["method"] == "ddp"}
+    ddp_bytes = {r["link"]: r["wire_bytes_per_step"] for r in rows if r["method"] == BASELINE}
+    ddp_loss = {r["link"]: r["final_val_loss"] for r in rows if r["method"] == BASELINE}
     for r in rows:
         records = [
             {"loss": x, "step_time_s": t} for x, t in zip(r["losses"], r["step_times"], strict=True)
