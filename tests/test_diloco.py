@@ -12,7 +12,17 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import FAST, TOL, cli_env, read_metrics, run_cli, run_worker, train_run
+from conftest import (
+    FAST,
+    TOL,
+    assert_same_training,
+    cli_env,
+    read_metrics,
+    run_cli,
+    run_worker,
+    train_run,
+)
+from dtlab.analysis.model import diloco_sync_bytes, param_shapes
 from dtlab.config import DiLoCoOptions, load_config
 from dtlab.train.diloco import (
     QUANT_BLOCK,
@@ -199,21 +209,49 @@ def test_h1_inner_sgd_outer_sgd_lr1_is_ddp(tmp_path: Path) -> None:
     assert [m["loss"] for m in none] == [m["loss"] for m in diloco]
 
 
-def _per_step_bytes(tmp_path: Path, *overrides: str) -> dict[str, Any]:
+def _per_step_bytes(tmp_path: Path, nproc: int, *overrides: str) -> dict[str, Any]:
     out = tmp_path / "bytes.json"
-    run_worker("diloco_worker.py", 2, str(out), *overrides)
+    run_worker("diloco_worker.py", nproc, str(out), *overrides)
     return json.loads(out.read_text())
+
+
+STREAMING = [
+    "parallel.diloco.inner_steps=4", "parallel.diloco.fragments=2", "parallel.diloco.delay=1",
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("quantize", ["none", "int8", "int4"])
 def test_bytes_per_step_are_predicted_to_the_byte(tmp_path: Path, quantize: str) -> None:
-    result = _per_step_bytes(
-        tmp_path, "parallel.diloco.inner_steps=4", "parallel.diloco.fragments=2",
-        f"parallel.diloco.quantize={quantize}", "parallel.diloco.delay=1",
-    )  # fmt: skip
+    result = _per_step_bytes(tmp_path, 2, *STREAMING, f"parallel.diloco.quantize={quantize}")
     assert result["measured"] == result["predicted"], result
+    assert result["measured_wire"] == result["predicted_wire"], result
     syncs = [b for b in result["measured"] if b > result["measured"][0]]
     assert len(syncs) >= 4  # the fragments' syncs are in there
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_bytes_inside_and_between_replicas_are_predicted_to_the_byte(
+    tmp_path: Path, strategy: str
+) -> None:
+    """Two replicas of two ranks: every step the replica's own DDP all-reduce or FSDP gathers and
+    reduce-scatters, and the outer syncs of each rank's part of the model with its peer's."""
+    result = _per_step_bytes(
+        tmp_path, 4, *STREAMING, "parallel.diloco.quantize=int4", "parallel.diloco.replicas=2",
+        f"parallel.strategy={strategy}",
+    )  # fmt: skip
+    assert result["measured"] == result["predicted"], result
+    assert result["measured_wire"] == result["predicted_wire"], result
+    first = result["measured"][0]  # a step without an outer sync: the replica's own collectives
+    assert first > 1000
+    cycle = sum(b - first for b in result["measured"][:4])  # both fragments' syncs, measured
+    config = load_config(
+        overrides=["model.preset=debug", *STREAMING, "parallel.diloco.quantize=int4"]
+    )
+    whole = sum(diloco_sync_bytes(param_shapes(config.model), config, 2))
+    if strategy == "ddp":  # every rank of a replica syncs the whole model with its peer
+        assert cycle == whole
+    else:  # each rank syncs its shard with its peer's: about half
+        assert 0.45 * whole < cycle < 0.55 * whole
 
 
 @pytest.mark.parametrize(
@@ -260,13 +298,85 @@ def test_kill_9_resumes_exactly(tmp_path: Path, outer: list[str]) -> None:
     assert proc.returncode != 0 and "saved by 2 DiLoCo replicas" in proc.stderr
 
 
+def test_kill_9_resumes_exactly_with_sharded_replicas(tmp_path: Path) -> None:
+    """2 replicas of 2 FSDP ranks, killed after step 8 with a sync in flight at step 6's checkpoint:
+    each rank's shard of its replica's weights, moments and outer state comes back; the layout is
+    the checkpoint's own."""
+    common = [
+        *REPLICATED, "parallel.diloco.quantize=int4", "parallel.diloco.replicas=2",
+        "parallel.strategy=fsdp", "checkpoint.every=3",
+    ]  # fmt: skip
+    ref = train_run(tmp_path / "ref", *common, nproc=4)
+    run_dir = tmp_path / "run"
+    args = [
+        "train",
+        "--nproc",
+        "4",
+        "--set",
+        *FAST,
+        "train.steps=12",
+        f"run.dir={run_dir}",
+        *common,
+    ]
+    proc = run_cli(*args, env={**cli_env(), "DTLAB_FAULTS": "kill@8:r1"})
+    assert proc.returncode != 0
+    proc = run_cli(*args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "(step 6)" in proc.stderr
+    got = read_metrics(run_dir)
+    assert [m["loss"] for m in got] == pytest.approx([m["loss"] for m in ref], abs=1e-6)
+    proc = run_cli(*args[:-1], "parallel.diloco.replicas=1", "train.steps=14")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert (
+        "saved by 2 DiLoCo replicas of 2 ranks (sharded over 2) on 4 processes" in proc.stderr
+        and "this run: 1 DiLoCo replica of 4 ranks (sharded over 4)" in proc.stderr
+    ), proc.stderr[-2000:]
+
+
+REPLICATED = ["parallel.strategy=ddp", *STREAMING, "train.grad_clip=0.5"]
+
+
+@pytest.mark.parametrize(
+    ("strategy", "quantize"),
+    # With FSDP inside, each rank quantises its own shards: other blocks of 64 values than a whole
+    # replica's, so int4 is not the same rounding there; unquantised, it is the same training.
+    [("ddp", "int4"), ("fsdp", "none")],
+)
+def test_replicas_of_two_ranks_train_like_replicas_of_one(
+    tmp_path: Path, strategy: str, quantize: str
+) -> None:
+    """Streaming DiLoCo (Nesterov, clipping active) over 2 replicas of 2 DDP or FSDP ranks each (4
+    processes) is the training of 2 one-rank replicas: a replica reads the samples of one rank of 2,
+    averages its ranks' gradients (DDP) or shards its weights, moments and outer state over them
+    (FSDP), and syncs with the other replica."""
+    common = [*REPLICATED, f"parallel.diloco.quantize={quantize}"]
+    two = train_run(tmp_path / "two", *common, nproc=2)
+    four = train_run(
+        tmp_path / strategy, *common, "parallel.diloco.replicas=2",
+        f"parallel.strategy={strategy}", nproc=4,
+    )  # fmt: skip
+    assert_same_training(four, two)
+    assert max(m["grad_norm"] for m in four) > 0.5  # clipping was active
+
+
+def test_one_replica_of_every_rank_with_outer_lr_1_is_ddp(tmp_path: Path) -> None:
+    """One replica: the outer step at lr 1 without momentum sets the weights to the replica's own, so
+    the training is DDP's over all ranks."""
+    ddp = train_run(tmp_path / "ddp", "parallel.strategy=ddp", nproc=2)
+    one = train_run(
+        tmp_path / "one", "parallel.strategy=ddp", "parallel.diloco.inner_steps=4",
+        "parallel.diloco.replicas=1", "parallel.diloco.outer_lr=1",
+        "parallel.diloco.outer_momentum=0", nproc=2,
+    )  # fmt: skip
+    assert_same_training(one, ddp)
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [
         ("parallel.diloco.inner_steps=-1", "greater than or equal to 0"),
         ("parallel.diloco.fragments=5", "fragments = 5 is more than the model's 2 layers"),
         ("parallel.diloco.delay=4", "delay = 4 must be less than inner_steps = 4"),
-        ("parallel.strategy=fsdp", "parallel.strategy = 'fsdp' is not allowed"),
     ],
 )
 def test_bad_settings_are_named(override: str, message: str) -> None:
@@ -277,11 +387,46 @@ def test_bad_settings_are_named(override: str, message: str) -> None:
         load_config(overrides=[*base, override])
 
 
-def test_replicas_must_be_the_data_parallel_ranks(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("world", "overrides", "message"),
+    [
+        (
+            4,
+            ["parallel.diloco.replicas=3"],
+            "parallel.diloco.replicas = 3 does not divide the 4 data-parallel ranks (allowed: 1, 2, "
+            "4, or null: one per rank)",
+        ),
+        (
+            2,
+            ["parallel.strategy=fsdp"],
+            "parallel.diloco.replicas = 2 with 2 data-parallel ranks leaves one rank per replica, "
+            "which parallel.strategy = 'fsdp' has nothing to shard over",
+        ),
+        (
+            4,
+            ["parallel.strategy=hsdp", "parallel.replicate=2", "parallel.diloco.replicas=4"],
+            "parallel.diloco.replicas = 4 with 4 data-parallel ranks leaves one rank per replica",
+        ),
+    ],
+)
+def test_replica_layouts_a_world_cannot_run_are_named(
+    world: int, overrides: list[str], message: str
+) -> None:
+    from dtlab.config import check_world
+    from dtlab.errors import ConfigError
+
+    config = load_config(
+        overrides=["parallel.strategy=ddp", "parallel.diloco.inner_steps=4", *overrides]
+    )
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_world(config, world)
+
+
+def test_a_replica_count_that_does_not_divide_is_refused_before_launch(tmp_path: Path) -> None:
     proc = run_cli(
         "train", "--nproc", "2", "--set", *FAST, *DILOCO, "parallel.diloco.inner_steps=4",
-        "parallel.diloco.replicas=1", f"run.dir={tmp_path / 'run'}",
+        "parallel.diloco.replicas=3", f"run.dir={tmp_path / 'run'}",
     )  # fmt: skip
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "parallel.diloco.replicas = 1 with 2 data-parallel ranks" in proc.stderr
+    assert "parallel.diloco.replicas = 3 does not divide the 2 data-parallel ranks" in proc.stderr
     assert not (tmp_path / "run").exists()

@@ -521,8 +521,9 @@ class DiLoCoOptions(_Section):
     replicas: int | None = Field(
         None,
         ge=1,
-        description="Replica groups DiLoCo averages over; null = one per data-parallel rank "
-        "(the only layout today).",
+        description="Replica groups DiLoCo averages over, each of world / replicas contiguous "
+        "data-parallel ranks laid out by parallel.strategy (ddp, fsdp or hsdp inside a replica); "
+        "null = one per data-parallel rank.",
     )
     fragments: int = Field(
         1,
@@ -952,16 +953,11 @@ def pipeline_microbatches(config: Config, dp: int) -> int:
 
 
 def _check_diloco(c: Config) -> None:
-    """DiLoCo's rules: a replica is one DDP rank training alone between syncs."""
+    """DiLoCo's rules: replicas of data-parallel ranks that train alone between syncs (how many ranks
+    a replica has, and that the strategy can lay them out, is checked with the world size)."""
     o, p, t = c.parallel.diloco, c.parallel, c.train
     if not o.inner_steps:
         return
-    allowed = strategies_with(DPWrapper.NONE, DPWrapper.DDP)
-    if p.strategy not in allowed:
-        raise ValueError(
-            f"parallel.diloco.inner_steps = {o.inner_steps}: each replica trains alone between syncs; "
-            f"parallel.strategy = {p.strategy!r} is not allowed with it (allowed: {', '.join(allowed)})"
-        )
     for key, value, off in (
         ("parallel.compression", p.compression, "none"),
         ("train.optimizer", t.optimizer, None),
@@ -1099,12 +1095,6 @@ def check_world(config: Config, world_size: int) -> int:
     (``init_distributed``).
     """
     dims = ParallelDims.from_config(config, world_size)
-    o = config.parallel.diloco
-    if o.inner_steps and o.replicas is not None and o.replicas != dims.dp:
-        raise ConfigError(
-            f"parallel.diloco.replicas = {o.replicas} with {dims.dp} data-parallel ranks: each "
-            f"replica is one data-parallel rank (allowed: {dims.dp}, or null)"
-        )
     accum = check_batch_split(config, dims.dp)
     if dims.pp_enabled:
         pipeline_microbatches(config, dims.dp)

@@ -26,6 +26,12 @@ data-parallel mesh: the same training, FSDP's wrapper. So does ``ddp`` with ``pp
 stage runs backward once per micro-batch, which DDP's reducer does not take from the pipeline
 schedules. ``single`` with ``tp`` or ``pp`` > 1 is model parallelism alone.
 
+``parallel.diloco`` (DiLoCo, ``inner_steps`` > 0) groups the data-parallel ranks into ``replicas``
+(``diloco``, one per rank by default) of contiguous ranks that train alone between outer syncs; the
+strategy lays out each replica's ``world / replicas`` ranks as above (DDP or FSDP inside a replica), and
+the mesh gains a ``diloco`` dimension outside them: the outer syncs run along it, each rank with the
+ranks that hold the same part of the model in the other replicas.
+
 This module imports neither the config (the config's own checks use it) nor, until a mesh is built, torch.
 """
 
@@ -78,6 +84,13 @@ def strategies_with(*wrappers: DPWrapper) -> list[str]:
     return [s for s, w in _WRAPPERS.items() if w in wrappers]
 
 
+class _DiLoCoSection(Protocol):
+    @property
+    def inner_steps(self) -> int: ...
+    @property
+    def replicas(self) -> int | None: ...
+
+
 class _ParallelSection(Protocol):
     @property
     def strategy(self) -> str: ...
@@ -89,6 +102,8 @@ class _ParallelSection(Protocol):
     def tp(self) -> int: ...
     @property
     def pp(self) -> int: ...
+    @property
+    def diloco(self) -> _DiLoCoSection: ...
 
 
 class _HasParallel(Protocol):
@@ -100,7 +115,9 @@ class _HasParallel(Protocol):
 
 # The dimensions a mesh can have, outermost first: pipeline stages exchange the least, tensor-parallel
 # ranks the most (innermost, so that they are neighbours on a node).
-DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
+# DiLoCo's replicas sit outside the data-parallel dimensions of each replica: they talk the least of all
+# data-parallel ranks (every H steps).
+DIM_NAMES = ("pp", "diloco", "dp_replicate", "dp_shard", "tp")
 
 
 @dataclass(frozen=True)
@@ -116,6 +133,9 @@ class ParallelDims:
     dp_shard: int = 1  # ranks each data-parallel replica's parameters are sharded over (FSDP)
     tp: int = 1  # tensor parallel: each block's matrices split over this many ranks
     pp: int = 1  # pipeline parallel: ranks the blocks are split over, in stages
+    # DiLoCo replicas (parallel.diloco): groups of data-parallel ranks that train alone between outer
+    # syncs; within a replica, dp_replicate and dp_shard as the strategy says.
+    diloco: int = 1
     wrapper: DPWrapper = DPWrapper.NONE
     # The mesh's dimensions, outermost first. A dimension of degree 1 may be one (HSDP with one replica
     # group, no_shard's shard dimension); every degree above 1 must be.
@@ -160,6 +180,8 @@ class ParallelDims:
                 f"parallel.tp = {tp} x parallel.pp = {pp} does not divide the world size "
                 f"{world_size}: use a multiple of {tp * pp} processes"
             )
+        if p.diloco.inner_steps and tp == 1 and pp == 1:
+            return cls._diloco(config, world_size)
         dp = cls._data_parallel(config, world_size // (tp * pp))
         if tp == 1 and pp == 1:
             return dp
@@ -212,6 +234,33 @@ class ParallelDims:
             return cls(replicate, world_size // replicate, wrapper=wrapper, mesh_dims=hybrid)
         return cls(dp_shard=world_size, wrapper=wrapper, mesh_dims=("dp_shard",))
 
+    @classmethod
+    def _diloco(cls, config: _HasParallel, world_size: int) -> ParallelDims:
+        """DiLoCo's replicas, each laid out by the strategy over its share of the ranks (contiguous
+        ranks: a replica reads the samples one rank of ``replicas`` ranks would)."""
+        p = config.parallel
+        if DPWrapper.of(p.strategy) is DPWrapper.NONE:  # one process: DiLoCo over itself
+            return cls._data_parallel(config, world_size)
+        replicas = p.diloco.replicas or world_size
+        if world_size % replicas:
+            allowed = [str(n) for n in range(1, world_size + 1) if world_size % n == 0]
+            raise ConfigError(
+                f"parallel.diloco.replicas = {replicas} does not divide the {world_size} "
+                f"data-parallel ranks (allowed: {', '.join(allowed)}, or null: one per rank)"
+            )
+        if DPWrapper.of(p.strategy) is DPWrapper.FSDP and world_size == replicas:
+            raise ConfigError(
+                f"parallel.diloco.replicas = {replicas} with {world_size} data-parallel ranks leaves "
+                f"one rank per replica, which parallel.strategy = {p.strategy!r} has nothing to shard "
+                f"over; use parallel.strategy = 'ddp', or fewer replicas (a divisor of {world_size} "
+                f"below {world_size})"
+            )
+        inner = cls._data_parallel(config, world_size // replicas)
+        return cls(
+            inner.dp_replicate, inner.dp_shard, wrapper=inner.wrapper, diloco=replicas,
+            mesh_dims=("diloco", *inner.mesh_dims),
+        )  # fmt: skip
+
     @staticmethod
     def min_world_size(config: _HasParallel) -> int:
         """The fewest processes ``config``'s degrees can run on: one per replica group for hsdp."""
@@ -226,7 +275,7 @@ class ParallelDims:
     @property
     def dp(self) -> int:
         """Data-parallel ranks: the global batch is split over them."""
-        return self.dp_replicate * self.dp_shard
+        return self.diloco * self.dp_replicate * self.dp_shard
 
     @property
     def world_size(self) -> int:
@@ -248,8 +297,19 @@ class ParallelDims:
         return self.pp > 1
 
     @property
+    def diloco_enabled(self) -> bool:
+        """DiLoCo's replicas are a dimension of the mesh (a process group; one process alone has none)."""
+        return "diloco" in self.mesh_dims
+
+    @property
+    def diloco_inner(self) -> int:
+        """The data-parallel ranks of one DiLoCo replica (all of them without DiLoCo)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
     def dp_mesh_dims(self) -> tuple[str, ...]:
-        """The mesh dimensions data parallelism spans (FSDP's mesh), outermost first."""
+        """The mesh dimensions data parallelism spans within a DiLoCo replica (FSDP's mesh; DiLoCo's
+        replicas each train alone), outermost first."""
         return tuple(n for n in self.mesh_dims if n in ("dp_replicate", "dp_shard"))
 
     def coordinates(self, rank: int) -> dict[str, int]:
@@ -264,7 +324,7 @@ class ParallelDims:
     def dp_rank(self, rank: int) -> int:
         """Global rank ``rank``'s index among the data-parallel ranks: which share of the batch it reads."""
         c = self.coordinates(rank)
-        return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
+        return (c["diloco"] * self.dp_replicate + c["dp_replicate"]) * self.dp_shard + c["dp_shard"]
 
     @property
     def ddp_enabled(self) -> bool:

@@ -277,25 +277,44 @@ def _ring(kind: str, size: int, n: int) -> float:
     return size * (2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n)
 
 
-def diloco_sync_bytes(shapes: list[ParamShape], config: Config, world: int) -> list[int]:
-    """Bytes of each DiLoCo fragment's outer sync, as the collective counter counts them: a float32
-    all-reduce of the fragment, or the all-gather of every replica's quantised payload."""
+def diloco_sync_bytes(
+    shapes: list[ParamShape], config: Config, replicas: int, shard: int = 1
+) -> list[int]:
+    """Bytes of each DiLoCo fragment's outer sync over ``replicas`` replicas, as the collective counter
+    counts them on rank 0: a float32 all-reduce of the fragment, or the all-gather of every replica's
+    quantised payload. A replica sharded over ``shard`` ranks (FSDP) syncs each rank's shard."""
     o = config.parallel.diloco
     numel = [0] * o.fragments
     for s in shapes:
-        numel[fragment_of(s.name, config.model.n_layers, o.fragments)] += s.numel
-    return [sync_bytes(n, o.quantize, world) for n in numel]
+        numel[fragment_of(s.name, config.model.n_layers, o.fragments)] += s.shard_numel(shard)
+    return [sync_bytes(n, o.quantize, replicas) for n in numel]
+
+
+def _diloco_comm(
+    config: Config,
+    dims: ParallelDims,
+    shapes: list[ParamShape],
+    comm: dict[str, int],
+    groups: dict[str, int],
+) -> None:
+    """DiLoCo's collectives per step into ``comm`` and ``groups``: the outer syncs averaged over the H
+    steps of a cycle (each fragment syncs once per cycle) along the replicas; inside a replica of
+    several DDP ranks, DDP's gradient all-reduce (FSDP's collectives: :func:`_fsdp_comm`)."""
+    o = config.parallel.diloco
+    if dims.diloco > 1:
+        kind = "diloco " + ("all_reduce" if o.quantize == "none" else "all_gather")
+        syncs = diloco_sync_bytes(shapes, config, dims.diloco, dims.dp_shard)
+        comm[kind], groups[kind] = round(sum(syncs) / o.inner_steps), dims.diloco
+    if dims.ddp_enabled and dims.dp_replicate > 1:
+        kind = "dp_replicate all_reduce"
+        comm[kind], groups[kind] = sum(s.numel for s in shapes) * FP32, dims.dp_replicate
 
 
 def ddp_comm_bytes(shapes: list[ParamShape], config: Config, world: int) -> dict[str, int]:
-    """DDP's collectives per optimizer step (after PowerSGD's start step), by compression; DiLoCo's
-    outer syncs averaged over the H steps of a cycle (each fragment syncs once per cycle)."""
+    """DDP's collectives per optimizer step (after PowerSGD's start step), by compression."""
     p = config.parallel
     o = p.compression_options
     total = sum(s.numel for s in shapes)
-    if p.diloco.inner_steps:
-        kind = "all_reduce" if p.diloco.quantize == "none" else "all_gather"
-        return {kind: round(sum(diloco_sync_bytes(shapes, config, world)) / p.diloco.inner_steps)}
     if config.train.optimizer == "demo":
         # No gradient all-reduce: every rank's packed (index, bf16 value) int32 pairs, top-k per chunk of
         # each parameter, gathered by all ranks (the norm the ranks agree on is in the step's reduction).
@@ -441,11 +460,13 @@ def _plan_rank(
     )
     comm: dict[str, int] = {}
     groups: dict[str, int] = {}
-    if dims.ddp_enabled:
+    if dims.fsdp_enabled:  # within each replica of DiLoCo's
+        plan.gathered_bytes = _fsdp_comm(config, dims, shapes, accum, comm, groups)
+    if p.diloco.inner_steps:
+        _diloco_comm(config, dims, shapes, comm, groups)
+    elif dims.ddp_enabled:
         comm.update(ddp_comm_bytes(shapes, config, world_size))
         groups.update({k: world_size for k in comm})
-    elif dims.fsdp_enabled:
-        plan.gathered_bytes = _fsdp_comm(config, dims, shapes, accum, comm, groups)
     _model_parallel_comm(config, dims, part, tokens, accum, comm, groups)
     if dims.distributed and world_size > 1:
         # The step's one small reduction (loss, flags, stop votes, and a norm where gradients are DTensors

@@ -355,10 +355,14 @@ def _parallelize_one(
         )
     materialize(model, dist_info.device, t.seed)
     if not dims.ddp_enabled:
-        return model, CompressionState(config.parallel.compression)
+        # A DiLoCo replica's gradients are its own (the replicas exchange pseudo-gradients).
+        local = config.parallel.diloco.inner_steps > 0
+        return model, CompressionState(config.parallel.compression, local_gradients=local)
     device_ids = [dist_info.device.index] if dist_info.device.type == "cuda" else None
-    # Under pipeline parallelism DDP spans the stage's replicas only, not the default group.
-    group = dims.mesh(device_type, "dp_replicate").get_group() if dims.pp_enabled else None
+    # Under pipeline parallelism DDP spans the stage's replicas only, and under DiLoCo one replica's
+    # ranks, not the default group.
+    within = dims.pp_enabled or dims.diloco_enabled
+    group = dims.mesh(device_type, "dp_replicate").get_group() if within else None
     ddp = DistributedDataParallel(
         model,
         device_ids=device_ids,

@@ -425,6 +425,13 @@ class CompressionState:
 def apply_ddp_compression(ddp: DistributedDataParallel, config: Config) -> CompressionState:
     """Register the configured communication hook on a DDP module."""
     kind, o = config.parallel.compression, config.parallel.compression_options
+    if config.parallel.diloco.inner_steps and dist.get_world_size(ddp.process_group) > 1:
+        # DiLoCo replicas of several DDP ranks: plain DDP inside a replica, whose gradients are its
+        # own (the replicas exchange pseudo-gradients every H steps). Its first bucket layout is kept,
+        # as under a hook: a resumed run all-reduces in the same chunks as an uninterrupted one, and
+        # no step carries the rebuild's broadcasts.
+        _keep_bucket_layout(ddp)
+        return CompressionState(kind, local_gradients=True)
     if config.train.optimizer == "demo" or config.parallel.diloco.inner_steps:
         # Each rank keeps its own gradients: DeMo and DiLoCo exchange something else themselves. The
         # bucket layout then matters to nobody: no rebuild (two broadcasts on the second step).

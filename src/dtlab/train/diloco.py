@@ -28,10 +28,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from dtlab.config import DiLoCoOptions
+from dtlab.dims import ParallelDims
+from dtlab.errors import CheckpointError
 
-__all__ = ["QUANT_BLOCK", "DiLoCo", "fragment_of", "sync_bytes"]
+__all__ = ["QUANT_BLOCK", "DiLoCo", "fragment_of", "outer_group", "sync_bytes"]
 
 QUANT_BLOCK = 64  # values per float32 scale of a quantised outer gradient
 BITS = {"int8": 8, "int4": 4}
@@ -92,6 +95,18 @@ def _dequantize(payload: torch.Tensor, n: int, bits: int) -> torch.Tensor:
     return ((c.float() - qmax) * scale).flatten()[:n]
 
 
+def outer_group(dims: ParallelDims, device_type: str) -> Any:
+    """The process group of this rank and its peers in the other replicas (the ranks along the mesh's
+    ``diloco`` dimension), made for DiLoCo alone: its syncs, in the background with a delay, never
+    share a group with the step's collectives. None without a process group. Every rank must call it."""
+    if not dims.diloco_enabled:
+        return None
+    ranks = dims.mesh(device_type).mesh
+    peers = ranks.movedim(dims.mesh_dims.index("diloco"), -1).reshape(-1, dims.diloco).tolist()
+    group, _ = dist.new_subgroups_by_enumeration(peers)
+    return group
+
+
 @dataclass
 class _Sync:
     """A fragment's sync in flight: sent after step ``sent``, applied after step ``due``."""
@@ -111,7 +126,11 @@ class _Sync:
 
 class DiLoCo:
     """The outer loop of DiLoCo over this rank's replica ``model`` (its plain module: names as the
-    model's) and inner ``optimizer``. Call :meth:`after_step` after every inner optimizer step."""
+    model's) and inner ``optimizer``. Call :meth:`after_step` after every inner optimizer step.
+
+    ``group`` holds this rank and the ranks that hold the same part of the model in the other replicas
+    (None: the default group, one replica per rank). A replica sharded over its ranks (FSDP) syncs
+    each rank's shards with theirs: the pseudo-gradients of the rank's local tensors."""
 
     def __init__(
         self,
@@ -123,7 +142,7 @@ class DiLoCo:
     ) -> None:
         self.o, self.optimizer, self.group = options, optimizer, group
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
-        self.params = [p for _, p in model.named_parameters()]
+        self._params = [p for _, p in model.named_parameters()]
         self.names = [n for n, _ in model.named_parameters()]
         frags = [fragment_of(n, n_layers, options.fragments) for n in self.names]
         self.fragments = [
@@ -136,6 +155,13 @@ class DiLoCo:
         self.momentum: list[torch.Tensor | None] = [None] * len(self.params)
         self.error: list[torch.Tensor | None] = [None] * len(self.params)
         self.pending: list[_Sync] = []
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """The replica's weights as this rank holds them: the local shard of a sharded parameter
+        (a view: writing it writes the parameter)."""
+        with torch.no_grad():
+            return [p.to_local() if isinstance(p, DTensor) else p for p in self._params]
 
     def reset(self) -> None:
         """θ_global = the replica's weights now (after weights were loaded into a fresh run)."""
@@ -162,7 +188,8 @@ class DiLoCo:
     # --- one fragment's sync ---------------------------------------------------------------------
     def _send(self, k: int, step: int) -> _Sync:
         idx = self.fragments[k]
-        snapshot = [self.params[i].detach().float().clone() for i in idx]
+        params = self.params
+        snapshot = [params[i].detach().float().clone() for i in idx]
         delta = torch.cat(
             [(self.global_[i] - s).flatten() for i, s in zip(idx, snapshot, strict=True)]
         )
@@ -206,7 +233,7 @@ class DiLoCo:
         idx = self.fragments[sync.fragment]
         mean = self._mean(sync, sum(self.global_[i].numel() for i in idx))
         lr, mu = self.o.outer_lr, self.o.outer_momentum
-        offset = 0
+        offset, params = 0, self.params
         with torch.no_grad():
             for i, snap in zip(idx, sync.snapshot, strict=True):
                 g = mean[offset : offset + snap.numel()].view_as(snap)
@@ -217,7 +244,7 @@ class DiLoCo:
                     self.momentum[i] = buf
                     g = g.add(buf, alpha=mu)  # Nesterov
                 self.global_[i].sub_(g, alpha=lr)
-                p = self.params[i]
+                p = params[i]
                 p.copy_(self.global_[i] + (p.detach().float() - snap))
 
     def _flat_error(self, idx: list[int], like: torch.Tensor) -> torch.Tensor:
@@ -261,6 +288,11 @@ class DiLoCo:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
             for i, p in enumerate(self.params):
+                if p.shape != state[f"replica.{i}"].shape:
+                    raise CheckpointError(
+                        f"DiLoCo state of {self.names[i]}: saved as {tuple(state[f'replica.{i}'].shape)} "
+                        f"on this rank, held here as {tuple(p.shape)}: resume on the layout that saved it"
+                    )
                 p.copy_(state[f"replica.{i}"])
                 self.global_[i] = state[f"global.{i}"].clone()
                 self.momentum[i] = _get(state, f"momentum.{i}")
@@ -295,9 +327,10 @@ def _get(state: dict[str, torch.Tensor], key: str) -> torch.Tensor | None:
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """The inner optimizer's per-parameter state as flat ``<param index>.<name>`` tensors."""
+    """The inner optimizer's per-parameter state as flat ``<param index>.<name>`` tensors (this rank's
+    shard of a sharded one)."""
     return {
-        f"{i}.{name}": v.detach().clone()
+        f"{i}.{name}": (v.to_local() if isinstance(v, DTensor) else v).detach().clone()
         for i, s in optimizer.state_dict()["state"].items()
         for name, v in s.items()
         if isinstance(v, torch.Tensor)
@@ -308,9 +341,14 @@ def _load_optimizer_tensors(
     optimizer: torch.optim.Optimizer, flat: dict[str, torch.Tensor]
 ) -> None:
     sd = optimizer.state_dict()
+    params = [p for g in optimizer.param_groups for p in g["params"]]  # state_dict's numbering
     state: dict[int, dict[str, Any]] = {}
     for key, v in flat.items():
         i, name = key.split(".", 1)
+        p = params[int(i)]
+        if isinstance(p, DTensor) and v.shape == p.to_local().shape and v.dim() > 0:
+            # A sharded parameter's moments are sharded like it (the step counter is not).
+            v = DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
         state.setdefault(int(i), {})[name] = v.clone()
     sd["state"] = state
     optimizer.load_state_dict(sd)

@@ -26,11 +26,12 @@ from dtlab.checkpoint.init_from import apply_init_from
 from dtlab.checkpoint.manager import Checkpointer, Coordinator
 from dtlab.checkpoint.manifest import MANIFEST
 from dtlab.checkpoint.state import ModelState, OptimizerState, StagedOptimizerState, Stateful
-from dtlab.config import Config, check_batch_split
+from dtlab.config import Config, check_batch_split, load_config
 from dtlab.data import BatchLayout, BatchLoader
 from dtlab.data.loader import MicroBatch
 from dtlab.data.sources import build_data
 from dtlab.data.tokenizer import ByteTokenizer, Tokenizer
+from dtlab.dims import ParallelDims
 from dtlab.errors import CheckpointError, Preempted
 from dtlab.metrics.comm import CommCounter
 from dtlab.metrics.logging import setup_logging
@@ -54,7 +55,7 @@ from dtlab.parallel.ledger import (
 )
 from dtlab.runtime.faults import Faults
 from dtlab.runtime.signals import StopSignals, agreed_stop, stop_votes
-from dtlab.train.diloco import DiLoCo
+from dtlab.train.diloco import DiLoCo, outer_group
 from dtlab.train.optim import apply_hyperparameters, build_optimizer, optimizer_groups
 from dtlab.train.precision import LossScaler, autocast, check_cpu_half_precision
 from dtlab.train.run import run
@@ -242,7 +243,11 @@ def reduce_step(
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     own_sq, shared_sq = _norm_parts(grads, world, pp)
-    norm_sq = own_sq if local_gradients else shared_sq
+    norm_sq = shared_sq
+    if local_gradients:
+        # The mean of the squared norms of the ranks' own gradients: each rank's own whole norm over
+        # the world, or, sharded (FSDP inside DiLoCo replicas), each shard once per replica.
+        norm_sq = shared_sq if shared_sq is not None else own_sq / world
     flag = found.float().reshape(1)
     if local_gradients:
         flag = torch.maximum(flag, (~torch.isfinite(own_sq)).float().reshape(1))
@@ -253,12 +258,8 @@ def reduce_step(
     if world > 1:
         all_reduce("train_step reduction", v, faultable=True)
         v[0] /= world // pp  # the ranks that hold a loss
-    if local_gradients:
-        norm_t = (v[-1] / world).sqrt()  # the root mean square of the ranks' norms
-    elif norm_sq is not None:
-        norm_t = v[-1].sqrt()
-    else:
-        norm_t = own_sq.sqrt().to(v.device)
+    # Local gradients: the root mean square of the replicas' norms. Replicated plain ones: local.
+    norm_t = v[-1].sqrt() if norm_sq is not None else own_sq.sqrt().to(v.device)
     values = torch.cat([v, norm_t.reshape(1).to(v.dtype)]).tolist()  # the step's one device sync
     return StepValues(
         loss=values[0],
@@ -302,6 +303,13 @@ def _squares(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def _sum_sq(tensors: list[torch.Tensor]) -> torch.Tensor:
     return _squares(tensors).sum() if tensors else torch.zeros(())
+
+
+def _replicas(dims: ParallelDims) -> str:
+    """'2 DiLoCo replicas of 2 ranks (sharded over 2)'."""
+    n, inner = dims.diloco, dims.diloco_inner
+    what = f"{n} DiLoCo replica{'s' * (n != 1)} of {inner} rank{'s' * (inner != 1)}"
+    return what + (f" (sharded over {dims.dp_shard})" if dims.shard_enabled else "")
 
 
 def resolve_run_dir(config: Config, d: DistInfo) -> tuple[Path, RunDirLock | None]:
@@ -352,8 +360,7 @@ def build_training(config: Config, d: DistInfo) -> Training:
     val_loader = BatchLoader(data.val, layout, prefetch=0) if data.val is not None else None
     diloco = None
     if config.parallel.diloco.inner_steps:
-        # The outer syncs that overlap with inner steps run on a group of their own, beside the step's.
-        group = dist.new_group() if dist.is_initialized() and config.parallel.diloco.delay else None
+        group = outer_group(d.dims, d.device.type)
         diloco = DiLoCo(pm.model, optimizer, config.parallel.diloco, config.model.n_layers, group)
     return Training(
         model, pm, optimizer, build_scheduler(optimizer, t), LossScaler(t.precision == "fp16"),
@@ -401,6 +408,22 @@ def _train(config: Config, d: DistInfo) -> dict[str, Any]:
             lock.release()
 
 
+def comm_labels(d: DistInfo, diloco: DiLoCo | None) -> tuple[dict[str, str], dict[str, int]]:
+    """The process groups whose collectives are counted under a name of their own (group name ->
+    label), and each label's group size: DiLoCo's outer syncs, and the data-parallel groups inside
+    its replicas. Every other collective spans the world."""
+    labels: dict[str, str] = {}
+    sizes: dict[str, int] = {}
+    if diloco is not None and diloco.group is not None:
+        labels[str(diloco.group.group_name)], sizes["diloco"] = "diloco", diloco.world
+    if d.dims.diloco_enabled:
+        for name in d.dims.dp_mesh_dims:
+            group = d.dims.mesh(d.device.type, name).get_group()
+            if group.size() > 1:
+                labels[str(group.group_name)], sizes[name] = name, group.size()
+    return labels, sizes
+
+
 class TorchEngine:
     """The torch engine for the run shell (:func:`dtlab.train.run.run`): one rank's parallelised model,
     optimizer, schedule, loss scaler and data, and its steps (:func:`train_step`)."""
@@ -422,6 +445,7 @@ class TorchEngine:
             f" ({', '.join(model_parallel)})" if model_parallel else ""
         )
         self.device = d.device.type
+        self.comm_labels, self.comm_sizes = comm_labels(d, self.tr.diloco)
         self.states: dict[str, Stateful] = {}
         self.per_rank: tuple[str, ...] = ()
         self.profiler = (
@@ -446,14 +470,18 @@ class TorchEngine:
 
     def check_resume(self, path: Path) -> None:
         # Any layout's torch checkpoint loads (DCP reshards), except DiLoCo's: its replicas each hold
-        # their own weights and inner optimizer state.
+        # their own weights and inner optimizer state, each rank its part of them.
         if self.tr.diloco is None:
             return
-        saved = json.loads((path / MANIFEST).read_text(encoding="utf-8"))["world_size"]
-        if saved != self.d.world_size:
+        world = json.loads((path / MANIFEST).read_text(encoding="utf-8"))["world_size"]
+        saved = ParallelDims.from_config(load_config(path / "config.yaml"), world)
+        layout = (world, saved.diloco, saved.dp_replicate, saved.dp_shard)
+        dims = self.d.dims
+        if layout != (self.d.world_size, dims.diloco, dims.dp_replicate, dims.dp_shard):
             raise CheckpointError(
-                f"checkpoint '{path}' was saved by {saved} DiLoCo replicas, each with its own weights "
-                f"and optimizer state; resume it on {saved} processes (this run has {self.d.world_size})"
+                f"checkpoint '{path}' was saved by {_replicas(saved)} on {world} processes, each "
+                "replica with its own weights and optimizer state; resume it on that layout (this "
+                f"run: {_replicas(dims)} on {self.d.world_size} processes)"
             )
 
     def load(self, ckpt: Checkpointer, path: Path) -> None:
@@ -481,13 +509,15 @@ class TorchEngine:
         self, batch: list[Any], step: int, stop_signal: int, inject_nan: bool
     ) -> dict[str, Any]:
         note_step(step)
-        counter = CommCounter() if self.config.run.comm_bytes else contextlib.nullcontext()
+        counting = self.config.run.comm_bytes
+        counter = CommCounter(self.comm_labels) if counting else contextlib.nullcontext()
         with counter:
             m = self._step(batch, step, stop_signal, inject_nan)
         if isinstance(counter, CommCounter):
             m["comm_bytes"] = sum(counter.bytes.values())
-            # Every collective of a data-parallel layout spans the world.
-            m["wire_bytes"] = round(bus_bytes(dict(counter.bytes), {}, self.d.world_size))
+            # A collective on a labelled group spans that group, any other the world.
+            sizes = {k: self.comm_sizes[k.split(" ")[0]] for k in counter.bytes if " " in k}
+            m["wire_bytes"] = round(bus_bytes(dict(counter.bytes), sizes, self.d.world_size))
         return m
 
     def _step(
