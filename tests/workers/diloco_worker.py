@@ -44,7 +44,7 @@ for step in range(1, STEPS + 1):
     measured_wire.append(round(bus_bytes(dict(counter.bytes), groups, d.world_size)))
     syncs_wire = sum(bus_bytes({outer: b}, {outer: d.dims.diloco}, d.world_size) for b in due)
     predicted_wire.append(round(base_wire + syncs_wire))
-tr.diloco.state_dict()  # waits for what is still in flight
+tr.diloco.close()  # waits for what is still in flight, destroys its group
 tr.loader.close()
 if d.rank == 0:
     with open(sys.argv[1], "w") as f:

@@ -310,6 +310,20 @@ class DiLoCo:
             self.pending.append(_Sync(k, sent, due, snaps, state[f"pending.{j}.buffer"].clone()))
             j += 1
 
+    def close(self) -> None:
+        """Let the syncs in flight finish (all ranks sent them; on a failed run they fail at once) and
+        destroy DiLoCo's own process group, as the object that made it: a group left to the
+        interpreter's exit tears down its threads at the worst time."""
+        for sync in self.pending:
+            try:
+                sync.wait()
+            except Exception:  # a peer is gone: the run is failing already
+                sync.work = None
+        self.pending = []
+        if self.group is not None and dist.is_initialized():
+            dist.destroy_process_group(self.group)
+        self.group = None
+
     # What the engine's step asks of every per-rank state (DiLoCo has nothing to commit or roll back:
     # it acts after the inner step, on the weights the step left).
     def set_scale(self, scale: float) -> None:

@@ -551,3 +551,5 @@ class TorchEngine:
         if self.profiler is not None:
             self.profiler.close()
             self.profiler = None
+        if self.tr.diloco is not None:
+            self.tr.diloco.close()
