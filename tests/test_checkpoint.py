@@ -207,7 +207,7 @@ def test_explicit_resume_of_a_corrupt_checkpoint_is_an_error(tmp_path: Path) -> 
     data[len(data) // 2] ^= 0xFF  # same size, one flipped byte
     shard.write_bytes(bytes(data))
     proc = train(tmp_path / "other", 1, f"checkpoint.resume={ckpt}", expect=2)
-    assert "does not match its SHA-256" in proc.stderr and "Traceback" not in proc.stderr
+    assert "does not match its CRC-32 checksum" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_a_crafted_checkpoint_runs_no_code_on_resume(tmp_path: Path) -> None:
@@ -227,6 +227,25 @@ def test_a_crafted_checkpoint_runs_no_code_on_resume(tmp_path: Path) -> None:
     proc = train(run, 1, steps=6, expect=2)
     assert not marker.exists()
     assert "Traceback" not in proc.stderr and "posix.system" in proc.stderr, proc.stderr
+
+
+def test_a_format_1_manifest_is_still_verified(tmp_path: Path) -> None:
+    """Checkpoints written before the CRC-32 manifest (SHA-256, format 1) load and are checked."""
+    import hashlib
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    data = b"z" * 3000
+    (ckpt / "a.bin").write_bytes(data)
+    files = {"a.bin": {"bytes": 3000, "sha256": hashlib.sha256(data).hexdigest()}}
+    (ckpt / "manifest.json").write_text(json.dumps({"format": 1, "step": 4, "files": files}))
+    assert verify_checkpoint(ckpt)["step"] == 4
+    (ckpt / "a.bin").write_bytes(b"y" + data[1:])
+    with pytest.raises(CheckpointError, match="does not match its SHA-256 checksum"):
+        verify_checkpoint(ckpt)
+    (ckpt / "manifest.json").write_text(json.dumps({"format": 3, "step": 4, "files": files}))
+    with pytest.raises(CheckpointError, match="has format 3; this dtlab reads formats 1, 2"):
+        verify_checkpoint(ckpt)
 
 
 def verify_checkpoint_fields(ckpt: Path) -> dict[str, object]:
@@ -375,8 +394,8 @@ def test_manifest_detects_every_kind_of_damage(tmp_path: Path) -> None:
     (ckpt / "a.bin").write_bytes(b"x" * 999)
     with pytest.raises(CheckpointError, match=r"a\.bin' has 999 bytes"):
         verify_checkpoint(ckpt)
-    (ckpt / "a.bin").write_bytes(b"y" * 1000)
-    with pytest.raises(CheckpointError, match="SHA-256"):
+    (ckpt / "a.bin").write_bytes(b"x" * 500 + b"\x78\x79" + b"x" * 498)  # one bit flipped
+    with pytest.raises(CheckpointError, match="does not match its CRC-32 checksum"):
         verify_checkpoint(ckpt)
     (ckpt / "a.bin").unlink()
     with pytest.raises(CheckpointError, match="is missing"):

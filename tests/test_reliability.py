@@ -194,6 +194,21 @@ def test_fault4_async_rollback_loads_the_same_checkpoint_on_every_rank(tmp_path:
     assert_same_tensors(ckpt(async_, 12), ckpt(sync, 12))
 
 
+def test_an_async_save_holds_the_state_of_its_step_while_training_goes_on(tmp_path: Path) -> None:
+    """The copy of step 3's tensors is slow (3 s): step 4's optimizer update waits for it, so every
+    async checkpoint holds exactly what the synchronous run's does, and so does the training."""
+    common = ["parallel.strategy=ddp", "checkpoint.every=3", "checkpoint.keep=4"]
+    sync, async_ = tmp_path / "sync", tmp_path / "async"
+    train(sync, *common, steps=9)
+    train(async_, *common, "checkpoint.async=true", steps=9, faults="slowstage@3,slowstage@6")
+    assert [m["loss"] for m in read_metrics(async_)] == [m["loss"] for m in read_metrics(sync)]
+    for step in (3, 6, 9):
+        assert_same_tensors(ckpt(async_, step), ckpt(sync, step))
+    summary = json.loads((async_ / "summary.json").read_text())
+    # The stalls were waited for, and counted as time the saves blocked training.
+    assert summary["checkpoint_blocked_s"] >= 2 * 3.0, summary
+
+
 # --- 5. retention never deletes what this run just wrote; no silent mix of two runs -----------------
 def test_fault5_retention_keeps_the_checkpoint_just_committed(tmp_path: Path) -> None:
     from dtlab.checkpoint.manager import Checkpointer

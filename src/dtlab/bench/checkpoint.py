@@ -1,40 +1,56 @@
-"""How fast does dtlab checkpoint, against what this disk can do, and how long does async saving block?
+"""How fast does dtlab checkpoint and resume, against what this disk can do, and how long does an async
+save block training?
 
-    python -m dtlab.bench.checkpoint [--preset small] [--repeats 3] [--dir DIR] [--set KEY=VALUE ...]
+    python -m dtlab.bench.checkpoint [--preset small] [--repeats 5] [--dir DIR] [--no-reshard]
+                                     [--set KEY=VALUE ...]
 
 One process builds the model and an AdamW state (one real step), then, side by side in one run:
-- the disk's sequential write bandwidth (a file of the checkpoint's size, written and fsynced);
-- synchronous saves through dtlab's Checkpointer (DCP write + manifest checksums + atomic rename);
-- asynchronous saves: the time the training thread is blocked (staging) and the time until committed.
-Figures are medians over the repeats.
+- the disk: sequential write of a file of the checkpoint's size, fsynced; sequential read of it from
+  the disk (its pages dropped from the page cache first: cold) and again from the cache (warm);
+- synchronous saves through dtlab's Checkpointer (DCP write + fsync, manifest checksums, atomic
+  rename), with the time of each phase;
+- asynchronous saves: the time the training thread is blocked (the call, and the wait for the copy
+  before the next optimizer step, with the next step's forward and backward run in between, as in
+  training), that step's time next to the same step without a save, and the time until committed;
+- resuming: verifying the checksums and loading into a fresh model and optimizer, cold and warm;
+  and (unless ``--no-reshard``) a checkpoint written by 2 FSDP processes loaded by this one.
+Figures are medians over the repeats, with the range.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import socket
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dtlab.checkpoint.manager import Checkpointer, _dir_bytes
+from dtlab.checkpoint.manifest import verify_checkpoint
 from dtlab.checkpoint.state import ModelState, OptimizerState, Stateful
 from dtlab.cliargs import parse_config_args, run_command, script_parser
 from dtlab.config import Config, load_config
+from dtlab.errors import DtlabError
 from dtlab.models.llama import build_model, count_params
 from dtlab.parallel.dist import DistInfo
 from dtlab.train.optim import build_optimizer
 from dtlab.train.run import TrainState
 
+MIB = 2**20
+BLOCK = 64 << 20
 
-def disk_write_bandwidth(directory: Path, nbytes: int, repeats: int) -> float:
-    """Median bytes/s of writing ``nbytes`` to a new file in ``directory`` and fsyncing it."""
-    block = os.urandom(64 << 20)
+
+def disk_write_bandwidth(directory: Path, nbytes: int, repeats: int) -> list[float]:
+    """Bytes/s of writing ``nbytes`` to a new file in ``directory`` and fsyncing it, per repeat."""
+    block = os.urandom(BLOCK)
     rates = []
     for r in range(repeats):
         path = directory / f"bandwidth-{r}.bin"
@@ -49,16 +65,78 @@ def disk_write_bandwidth(directory: Path, nbytes: int, repeats: int) -> float:
             os.fsync(f.fileno())
         rates.append(nbytes / (time.perf_counter() - t0))
         path.unlink()
-    return statistics.median(rates)
+    return rates
+
+
+def drop_cache(paths: list[Path]) -> None:
+    """Evict ``paths`` from the page cache (written back first), so the next read comes from the disk.
+    Works without root: clean pages of a file may always be dropped."""
+    os.sync()
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def read_bytes(paths: list[Path]) -> int:
+    """Read every file through (as the disk delivers it); returns the bytes read."""
+    total, buf = 0, bytearray(BLOCK)
+    for path in paths:
+        with path.open("rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                total += n
+    return total
+
+
+def disk_read_bandwidth(
+    directory: Path, nbytes: int, repeats: int
+) -> tuple[list[float], list[float]]:
+    """Bytes/s of reading a file of ``nbytes``: (from the disk, from the page cache), per repeat."""
+    path = directory / "read-bandwidth.bin"
+    block = os.urandom(BLOCK)
+    with path.open("wb") as f:
+        for _ in range(max(1, nbytes // BLOCK)):
+            f.write(block)
+    size = path.stat().st_size
+    cold, warm = [], []
+    for _ in range(repeats):
+        drop_cache([path])
+        cold.append(size / _timed(lambda: read_bytes([path])))
+        warm.append(size / _timed(lambda: read_bytes([path])))
+    path.unlink()
+    return cold, warm
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def main(argv: list[str] | None = None) -> int:
     p = script_parser("dtlab.bench.checkpoint", __doc__, "small")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5, help="repeats of each figure (default 5)")
     p.add_argument(
-        "--dir", type=Path, default=None, help="where to write (default: a temporary dir)"
+        "--dir",
+        type=Path,
+        default=None,
+        help="where to write (created if missing; default: a temp dir)",
+    )
+    p.add_argument(
+        "--no-reshard",
+        action="store_true",
+        help="skip the load of a checkpoint of 2 FSDP processes",
     )
     args = parse_config_args(p, argv)
+    if args.repeats < 1:
+        p.error(f"--repeats {args.repeats}: at least 1")
+    if args.dir is not None:
+        try:
+            args.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise DtlabError(f"--dir '{args.dir}' cannot be created: {e.strerror}") from None
     root = Path(tempfile.mkdtemp(prefix="dtlab-ckpt-bench-", dir=args.dir))
     try:
         config = load_config(
@@ -66,73 +144,233 @@ def main(argv: list[str] | None = None) -> int:
                 f"model.preset={args.preset}",
                 "data.source=synthetic",
                 "checkpoint.every=1",
-                f"checkpoint.keep={args.repeats * 2 + 1}",
+                "checkpoint.keep=1",
                 f"run.dir={root}",
                 *args.overrides,
             ]
         )
-        model, parts = _trained_state(config)
-        sync_s = _saves(config, root, parts, range(1, args.repeats + 1), asynchronous=False)
-        size = _dir_bytes(root / "checkpoints" / f"step-{1:08d}")
-        blocked, total = zip(
-            *_saves(config, root, parts, range(100, 100 + args.repeats), asynchronous=True),
-            strict=True,
-        )
-        bandwidth = disk_write_bandwidth(root, size, args.repeats)
+        results = _measure(config, root, args.repeats, not args.no_reshard)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-
-    mib = 2**20
-    sync_med = statistics.median(s for s, _ in sync_s)
-    print(
-        f"checkpoint of {args.preset}: {count_params(model) / 1e6:.1f}M params, {size / mib:,.0f} MiB"
-    )
-    print(f"disk sequential write (fsync)  {bandwidth / mib:8,.0f} MiB/s")
-    print(
-        f"sync save (write+manifest)     {sync_med:8.2f} s  = {size / sync_med / mib:,.0f} MiB/s "
-        f"({size / sync_med / bandwidth:.0%} of the disk)"
-    )
-    print(
-        f"async save: step blocked       {statistics.median(blocked):8.2f} s  "
-        f"({statistics.median(blocked) / sync_med:.0%} of a sync save); "
-        f"committed after {statistics.median(total):.2f} s"
-    )
+    print(report(results))
     return 0
 
 
-def _trained_state(config: Config) -> tuple[nn.Module, dict[str, Stateful]]:
-    """The model and its parts to checkpoint, after one real step: the AdamW moments exist, as in any
-    real checkpoint."""
+def _measure(config: Config, root: Path, repeats: int, reshard: bool) -> dict[str, Any]:
+    model, parts, step = _trained_state(config)
+    out: dict[str, Any] = {"preset": config.model.preset, "params": count_params(model)}
+
+    # Synchronous saves, each phase timed.
+    sync, phases = [], []
+    ckpt = Checkpointer(_with_async(config, False), root, _one_process())
+    for s in range(1, repeats + 1):
+        t0 = time.perf_counter()
+        ckpt.save(s, parts)
+        sync.append(time.perf_counter() - t0)
+        phases.append(dict(ckpt.phases))
+    ckpt.close()
+    newest = root / "checkpoints" / f"step-{repeats:08d}"
+    out["bytes"] = size = _dir_bytes(newest)
+    out["sync_s"] = sync
+    out["phases"] = {k: statistics.median(p[k] for p in phases) for k in phases[0]}
+
+    out["disk_write_bps"] = disk_write_bandwidth(root, size, repeats)
+    out["disk_read_cold_bps"], out["disk_read_warm_bps"] = disk_read_bandwidth(root, size, repeats)
+
+    # Resuming: checksums verified, then loaded into a fresh model and optimizer (what a resume does).
+    files = sorted(f for f in newest.rglob("*") if f.is_file())
+    fresh = _fresh_parts(config)
+    reader = Checkpointer(config, root, _one_process())
+    cold, warm = [], []
+    for _ in range(repeats):
+        drop_cache(files)
+        cold.append(_timed(lambda: _resume(reader, newest, fresh)))
+        warm.append(_timed(lambda: _resume(reader, newest, fresh)))
+    out["load_cold_s"], out["load_warm_s"] = cold, warm
+    _check_loaded(parts, fresh)
+
+    # Async saves: the call, the next step's forward and backward, the wait for the copy before its
+    # optimizer step; side by side with the same forward and backward without a save.
+    ckpt = Checkpointer(_with_async(config, True), root, _one_process())
+    blocked, committed, during, alone = [], [], [], []
+    for s in range(100, 101 + repeats):
+        alone.append(_timed(step))
+        t0 = time.perf_counter()
+        ckpt.save(s, parts)
+        call = time.perf_counter() - t0
+        during.append(_timed(step))
+        t1 = time.perf_counter()
+        ckpt.staged()
+        blocked.append(call + time.perf_counter() - t1)
+        ckpt.wait()
+        committed.append(time.perf_counter() - t0)
+    ckpt.close()
+    # The first save allocates the buffers the later ones reuse: its figure is kept apart.
+    out["async_first_blocked_s"] = blocked.pop(0) if len(blocked) > 1 else blocked[0]
+    out |= {"async_blocked_s": blocked, "async_committed_s": committed}
+    out |= {"step_during_s": during, "step_alone_s": alone}
+
+    if reshard:
+        saved = _fsdp_checkpoint(config, root / "fsdp")
+        files = sorted(f for f in saved.rglob("*") if f.is_file())
+        fresh = _fresh_parts(config)
+        cold, warm = [], []
+        for _ in range(repeats):
+            drop_cache(files)
+            cold.append(_timed(lambda: _resume(reader, saved, fresh)))
+            warm.append(_timed(lambda: _resume(reader, saved, fresh)))
+        out["reshard_bytes"] = _dir_bytes(saved)
+        out["reshard_cold_s"], out["reshard_warm_s"] = cold, warm
+    reader.close()
+    return out
+
+
+def report(r: dict[str, Any]) -> str:
+    """The figures as lines of text: medians, the range in brackets."""
+    size = r["bytes"]
+    write, cold_bw, warm_bw = (
+        statistics.median(r[k])
+        for k in ("disk_write_bps", "disk_read_cold_bps", "disk_read_warm_bps")
+    )
+    sync = statistics.median(r["sync_s"])
+    blocked = statistics.median(r["async_blocked_s"])
+    lines = [
+        f"checkpoint of {r['preset']}: {r['params'] / 1e6:.1f}M params, {size / MIB:,.0f} MiB "
+        f"(medians of {len(r['sync_s'])}, range in brackets)",
+        f"disk sequential write (fsync)  {write / MIB:8,.0f} MiB/s {_range(r['disk_write_bps'], MIB)}",
+        f"disk sequential read           {cold_bw / MIB:8,.0f} MiB/s cold {_range(r['disk_read_cold_bps'], MIB)}, "
+        f"{warm_bw / MIB:,.0f} MiB/s warm (page cache)",
+        f"sync save                      {sync:8.2f} s {_range(r['sync_s'])} = {size / sync / MIB:,.0f} MiB/s "
+        f"({size / sync / write:.0%} of the disk's write)",
+        "  phases: " + ", ".join(f"{k} {v:.3f} s" for k, v in r["phases"].items()),
+        f"async save: step blocked       {blocked:8.3f} s {_range(r['async_blocked_s'])} "
+        f"({blocked / sync:.1%} of a sync save); committed after "
+        f"{statistics.median(r['async_committed_s']):.2f} s",
+        f"  the next step's forward+backward: {statistics.median(r['step_during_s']):.2f} s while "
+        f"copying, {statistics.median(r['step_alone_s']):.2f} s alone; the first save (which "
+        f"allocates the reused buffers) blocked {r['async_first_blocked_s']:.3f} s",
+    ]
+    for label, key, nbytes in (
+        ("load", "load", size),
+        ("load resharded", "reshard", r.get("reshard_bytes")),
+    ):
+        if f"{key}_cold_s" not in r:
+            continue
+        cold, warm = statistics.median(r[f"{key}_cold_s"]), statistics.median(r[f"{key}_warm_s"])
+        lines.append(
+            f"{label + ' (verify + load)':<30} {cold:8.2f} s cold = {nbytes / cold / MIB:,.0f} MiB/s "
+            f"({nbytes / cold / cold_bw:.0%} of the disk's read); {warm:.2f} s warm = "
+            f"{nbytes / warm / MIB:,.0f} MiB/s"
+        )
+    if "reshard_bytes" in r:
+        lines[-1] += " (written by 2 FSDP processes, loaded by 1)"
+    return "\n".join(lines)
+
+
+def _range(values: list[float], unit: float = 1.0) -> str:
+    lo, hi = min(values) / unit, max(values) / unit
+    fmt = ",.0f" if unit > 1 else ".3f"
+    return f"[{lo:{fmt}}-{hi:{fmt}}]"
+
+
+def _one_process() -> DistInfo:
+    return DistInfo(0, 1, 0, 1, torch.device("cpu"), None)
+
+
+def _with_async(config: Config, asynchronous: bool) -> Config:
+    cfg = config.model_copy(deep=True)
+    cfg.checkpoint.async_ = asynchronous
+    return cfg
+
+
+def _trained_state(
+    config: Config,
+) -> tuple[nn.Module, dict[str, Stateful], Callable[[], None]]:
+    """The model and its parts to checkpoint, after one real step (the AdamW moments exist, as in any
+    real checkpoint), and a forward and backward of the next step."""
     model = build_model(config.model, "cpu")
     optimizer = build_optimizer(model, config.train)
-    tokens = torch.randint(0, config.model.vocab_size, (2, 65))
-    F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    tokens = torch.randint(0, config.model.vocab_size, (2, 129))
+
+    def forward_backward() -> None:
+        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+
+    forward_backward()
     optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
     parts: dict[str, Stateful] = {
         "model": ModelState(model),
         "optim": OptimizerState(model, optimizer),
         "train": TrainState(),
     }
-    return model, parts
+    return model, parts, forward_backward
 
 
-def _saves(
-    config: Config, root: Path, parts: dict[str, Stateful], steps: range, asynchronous: bool
-) -> list[tuple[float, float]]:
-    """Save ``parts`` at each of ``steps`` through a Checkpointer; each save's (time the caller was
-    blocked, time until committed), in seconds (the same for a synchronous save)."""
+def _fresh_parts(config: Config) -> dict[str, Stateful]:
+    """A model and optimizer of the same shapes to load into (other weights, moments allocated)."""
+    model = build_model(config.model, "cpu")
+    optimizer = build_optimizer(model, config.train)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {
+        "model": ModelState(model),
+        "optim": OptimizerState(model, optimizer),
+        "train": TrainState(),
+    }
+
+
+def _resume(reader: Checkpointer, path: Path, parts: dict[str, Stateful]) -> None:
+    verify_checkpoint(path, threads=reader.threads)
+    reader.load(path, parts)
+
+
+def _check_loaded(saved: dict[str, Stateful], loaded: dict[str, Stateful]) -> None:
+    """The loaded parameters are the saved ones (a bench that measured a load that did nothing lies)."""
+    a, b = saved["model"].state_dict(), loaded["model"].state_dict()
+    bad = [k for k in a if not torch.equal(a[k], b[k])]
+    if bad:
+        raise DtlabError(f"the loaded checkpoint differs from the saved state: {bad[:3]}")
+
+
+def _fsdp_checkpoint(config: Config, root: Path) -> Path:
+    """A checkpoint of ``config``'s model written by 2 FSDP processes (gloo on this machine)."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_fsdp_save, args=(config, root, port), nprocs=2, join=True)
+    return root / "checkpoints" / f"step-{1:08d}"
+
+
+def _fsdp_save(rank: int, config: Config, root: Path, port: int) -> None:
+    from dtlab.parallel import destroy_distributed, init_distributed, parallelize
+
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )  # fmt: skip
     cfg = config.model_copy(deep=True)
-    cfg.checkpoint.async_ = asynchronous
-    ckpt = Checkpointer(cfg, root, DistInfo(0, 1, 0, 1, torch.device("cpu"), None))
-    times = []
-    for step in steps:
-        t0 = time.perf_counter()
-        ckpt.save(step, parts)
-        blocked = time.perf_counter() - t0
-        ckpt.wait()
-        times.append((blocked, time.perf_counter() - t0))
+    cfg.parallel.strategy = "fsdp"
+    d = init_distributed(cfg)
+    model = build_model(cfg.model)
+    pm = parallelize(model, cfg, d)
+    optimizer = build_optimizer(pm.module, cfg.train)
+    tokens = torch.randint(0, cfg.model.vocab_size, (1, 129))
+    F.cross_entropy(pm.module(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    optimizer.step()
+    parts: dict[str, Stateful] = {
+        "model": ModelState(pm.module),
+        "optim": OptimizerState(pm.module, optimizer),
+        "train": TrainState(),
+    }
+    ckpt = Checkpointer(cfg, root, d)
+    ckpt.save(1, parts)
     ckpt.close()
-    return times
+    destroy_distributed()
 
 
 if __name__ == "__main__":

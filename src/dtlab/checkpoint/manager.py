@@ -8,6 +8,7 @@ writing and committing go on in a background thread, and the next save first wai
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import shutil
@@ -23,6 +24,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import yaml
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from dtlab.checkpoint.manifest import MANIFEST, _fsync_dir, verify_checkpoint, write_manifest
 from dtlab.checkpoint.state import (
@@ -84,6 +87,29 @@ class _CheckedWriter(dcp.FileSystemWriter):
         return future
 
 
+class _Stager(DefaultStager):
+    """DCP's stager for async saves, made once per run: the copies of the tensors go into buffers it
+    allocates at the first save and reuses (pinned memory on CUDA, for fast device-to-host copies), in
+    a thread of its own. ``before(step)`` runs in that thread before it copies."""
+
+    def __init__(self, before: Callable[[int], None] | None = None) -> None:
+        cuda = torch.cuda.is_available()
+        super().__init__(
+            StagingOptions(
+                use_pinned_memory=cuda,
+                use_shared_memory=False,  # the writer is a thread of this process
+                use_async_staging=True,
+                use_non_blocking_copy=cuda,
+            )
+        )
+        self.before, self.step = before, 0
+
+    def _stage(self, state_dict: Any, **kwargs: Any) -> Any:
+        if self.before is not None:
+            self.before(self.step)
+        return super()._stage(state_dict, **kwargs)
+
+
 def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
@@ -122,7 +148,13 @@ class Checkpointer:
     The commit (manifest, rename, retention, durable copy), the choice of a checkpoint to resume from
     and the staging directories are public: an engine that writes its own files (the MLX engine)
     stages them in :meth:`staging_dir` and calls :meth:`commit`. ``before_commit(step)`` is called
-    between the written files and the manifest (fault injection: a torn or failed save).
+    between the written files and the manifest (fault injection: a torn or failed save), and
+    ``before_stage(step)`` in the staging thread of an async save before it copies (a slow copy).
+
+    An async save copies the tensors into buffers allocated once and reused from save to save, in a
+    thread of its own: training goes on meanwhile, and must call :meth:`staged` before it next
+    changes a saved tensor in place (the optimizer step), so the checkpoint holds the state of the
+    step it was asked for.
     """
 
     def __init__(
@@ -133,6 +165,7 @@ class Checkpointer:
         before_commit: Callable[[int], None] | None = None,
         data_identity: str | None = None,
         tokenizer: Tokenizer | None = None,
+        before_stage: Callable[[int], None] | None = None,
     ) -> None:
         c = config.checkpoint
         self.config, self.d, self.before_commit = config, coord, before_commit
@@ -154,6 +187,10 @@ class Checkpointer:
         # DCP's async write runs collectives from a background thread: give them their own group, so they
         # never interleave with the training step's collectives on the default group.
         self.group = dist.new_group(backend="gloo") if c.async_ and dist.is_initialized() else None
+        self.stager = _Stager(before_stage) if c.async_ else None
+        self._staging: Any = (
+            None  # the running save's staging (a Future), until staged() waited for it
+        )
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._error_step = 0
@@ -163,6 +200,9 @@ class Checkpointer:
         self.failures = 0
         self.durable_failures = 0  # copies to the durable tier that failed (the local commit stood)
         self.blocked_s: list[float] = []  # time each save kept the training thread
+        # Seconds of the last save's phases (rank 0): gathering the state, writing the tensors (fsynced),
+        # checksumming into the manifest, renaming into place.
+        self.phases: dict[str, float] = {}
         self.threads = max(1, min(4, torch.get_num_threads()))
 
     # --- saving ------------------------------------------------------------------------------------
@@ -193,15 +233,20 @@ class Checkpointer:
         # A collective: no rank goes on to write (DCP creates the directory) before the stale one is
         # gone. The JSON state is written by rank 0 when it commits, after the tensors.
         state = {"step": step, **rest, "rng": self._gather_rng()}
+        self.phases = {"prepare": time.perf_counter() - t0}
         try:
-            if self.config.checkpoint.async_ and not blocking:
-                future = dcp.async_save(
+            if self.stager is not None and not blocking:
+                self.stager.step = step
+                response = dcp.async_save(
                     tensors,
                     storage_writer=self._writer(tmp),
                     process_group=self.group,
+                    async_stager=self.stager,
                     no_dist=not dist.is_initialized(),
                 )
-                wait_on: Any = getattr(future, "upload_completion", future)
+                assert isinstance(response, AsyncSaveResponse)  # an async stager: both futures
+                self._staging = response.staging_completion
+                wait_on: Any = response.upload_completion
                 self._thread = threading.Thread(
                     target=self._finish,
                     args=(step, tmp, wait_on, t0, state),
@@ -213,6 +258,7 @@ class Checkpointer:
                 dcp.save(
                     tensors, storage_writer=self._writer(tmp), no_dist=not dist.is_initialized()
                 )
+                self.phases["write"] = time.perf_counter() - t0 - self.phases["prepare"]
                 self._finish(step, tmp, None, t0, state)
         except CheckpointException as e:
             # DCP gathered every rank's failure, so all ranks get here together.
@@ -245,6 +291,7 @@ class Checkpointer:
         try:
             if future is not None:
                 future.result()
+                self.phases["write"] = time.perf_counter() - t0 - self.phases["prepare"]
             if self.d.is_main:
                 if state is not None:
                     (tmp / "state.json").write_text(json.dumps(state), encoding="utf-8")
@@ -283,6 +330,7 @@ class Checkpointer:
             self.tokenizer.save(tmp)
         if self.before_commit is not None:
             self.before_commit(step)
+        t1 = time.perf_counter()
         write_manifest(
             tmp,
             threads=self.threads,
@@ -296,10 +344,12 @@ class Checkpointer:
         final = tmp.parent / step_name(step)
         if final.exists():  # a checkpoint of the same step from an earlier attempt
             shutil.rmtree(final)
+        t2 = time.perf_counter()
         tmp.rename(final)
         _fsync_dir(final.parent)
         size = _dir_bytes(final)
         dt = time.perf_counter() - t0
+        self.phases |= {"manifest": t2 - t1, "rename": time.perf_counter() - t2}
         logger.info(
             "checkpoint step %d saved: %s (%.1f MiB in %.2f s, %.0f MiB/s)",
             step, final, size / 2**20, dt, size / 2**20 / max(dt, 1e-9),
@@ -345,8 +395,22 @@ class Checkpointer:
                 self._error_step, type(e).__name__, e,
             )  # fmt: skip
 
+    def staged(self) -> None:
+        """Wait until the running async save has copied the tensors (at once if it has, or there is
+        none); the wait counts as time the save blocked training. Call it before changing a saved
+        tensor in place. A staging that failed is reported with the save."""
+        if self._staging is None:
+            return
+        t0 = time.perf_counter()
+        with contextlib.suppress(Exception):  # the save fails with it, and says so when waited for
+            self._staging.result()
+        self._staging = None
+        if self.blocked_s:
+            self.blocked_s[-1] += time.perf_counter() - t0
+
     def wait(self) -> None:
         """Wait for the background save, if any; report its failure."""
+        self.staged()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -354,6 +418,9 @@ class Checkpointer:
 
     def close(self) -> None:
         self.wait()
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None
         if self.group is not None:
             dist.destroy_process_group(self.group)
             self.group = None

@@ -6,9 +6,11 @@ engine's."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +47,14 @@ def save(
     shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
     tmp.mkdir(parents=True)
     try:
-        mx.save_safetensors(str(tmp / MODEL), params)
-        mx.save_safetensors(str(tmp / OPTIMIZER), optimizer.arrays())
+        # Both files at once (the disk takes more than one writer), each fsynced before the commit.
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            written = [
+                pool.submit(_write, tmp / MODEL, params),
+                pool.submit(_write, tmp / OPTIMIZER, optimizer.arrays()),
+            ]
+            for w in written:
+                w.result()
         doc: dict[str, Any] = {
             "step": step,
             "engine": "mlx",
@@ -59,6 +67,15 @@ def save(
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         ckpt.record_failure(step, e)
+
+
+def _write(path: Path, arrays: Params) -> None:
+    mx.save_safetensors(str(path), arrays)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def load(path: Path, names: list[str], optimizer: AdamW, states: Mapping[str, Stateful]) -> Params:

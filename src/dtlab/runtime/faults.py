@@ -17,7 +17,9 @@
 - ``killsave``: while saving the checkpoint of that step, after the data files are written and before
   the manifest commits it, the process kills itself (a torn checkpoint);
 - ``failsave``: the same moment, an OSError instead (a failed write: reported, training goes on);
-- ``slowsave``: the same moment, a 3-second stall (a slow file system: rank 0 commits late).
+- ``slowsave``: the same moment, a 3-second stall (a slow file system: rank 0 commits late);
+- ``slowstage``: an async save of that step stalls 3 seconds before it copies the tensors (a slow copy:
+  training must wait for it before it changes them).
 
 A collective that fails or times out (``hang``, ``skipcoll``, ``badshape``) is reported with the
 ranks' ledgers of collectives (:mod:`dtlab.parallel.ledger`): who is behind, or how the ranks differ.
@@ -44,7 +46,7 @@ __all__ = ["FAULTS_ENV", "KINDS", "Faults", "InjectedError"]
 FAULTS_ENV = "DTLAB_FAULTS"
 KINDS = (
     "nan", "kill", "sigterm", "sigusr1", "sigint", "error", "hang", "killsave", "failsave",
-    "slowsave", "skipcoll", "badshape", "skipsync",
+    "slowsave", "slowstage", "skipcoll", "badshape", "skipsync",
 )  # fmt: skip
 SLOW_SAVE_S = 3.0
 _ITEM = re.compile(r"^(?P<kind>[a-z]+)@(?P<first>\d+)(?:-(?P<last>\d+))?(?::r(?P<rank>\d+))?$")
@@ -135,4 +137,8 @@ class Faults:
         if self._due("failsave", step):
             raise OSError(f"{FAULTS_ENV}: injected write failure of the checkpoint of step {step}")
         if self._due("slowsave", step):
+            time.sleep(SLOW_SAVE_S)
+
+    def before_stage(self, step: int) -> None:
+        if self._due("slowstage", step):
             time.sleep(SLOW_SAVE_S)

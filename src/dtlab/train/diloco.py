@@ -129,7 +129,7 @@ class DiLoCo:
     model's) and inner ``optimizer``. Call :meth:`after_step` after every inner optimizer step.
 
     ``group`` holds this rank and the ranks that hold the same part of the model in the other replicas
-    (None: the default group, one replica per rank). A replica sharded over its ranks (FSDP) syncs
+    (:func:`outer_group`; None: one process, no process group). A replica sharded over its ranks (FSDP) syncs
     each rank's shards with theirs: the pseudo-gradients of the rank's local tensors."""
 
     def __init__(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,8 +88,13 @@ def train_step(
     inject_nan: bool = False,
     stop_signal: int = 0,
     skip_sync: bool = False,
+    before_update: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """One optimizer step over this rank's micro-batches; returns the step's metrics.
+
+    ``before_update()`` runs before the step first changes a tensor a checkpoint holds in place: an
+    async save still copying them (:meth:`Checkpointer.staged`) finishes first. That is the optimizer
+    step, or with a compression hook the backward (the hooks fold their state in there).
 
     ``stop_signal`` is the stop signal this rank caught (0: none); the ranks agree on it in the step's
     one reduction, and ``"stop"`` in the metrics names the agreed signal. A step whose global loss or
@@ -97,6 +103,9 @@ def train_step(
     """
     if scaler.enabled:
         pm.compression.set_scale(scaler.scale)  # hooks keep their state in unscaled units
+    hooked = pm.compression.hook_state is not None
+    if before_update is not None and hooked:
+        before_update()
     loss_sum = accumulate_gradients(
         pm, scaler, micro_batches, config, device, inject_nan, skip_sync
     )
@@ -114,6 +123,8 @@ def train_step(
     bad = not math.isfinite(r.loss) or (not scaler.enabled and nonfinite)
     # Judged before anything is folded in: a skipped step leaves the optimizer and compression
     # state exactly as they were (the hooks' new state waits until it is committed).
+    if before_update is not None and not hooked:
+        before_update()
     if not found_inf and not bad:
         optimizer.step()
         pm.compression.commit()
@@ -448,6 +459,7 @@ class TorchEngine:
         self.comm_labels, self.comm_sizes = comm_labels(d, self.tr.diloco)
         self.states: dict[str, Stateful] = {}
         self.per_rank: tuple[str, ...] = ()
+        self._staged: Callable[[], None] | None = None
         self.profiler = (
             StepProfiler(run_dir / "profile", d.rank, d.device) if config.run.profile else None
         )
@@ -490,6 +502,7 @@ class TorchEngine:
 
     def save(self, ckpt: Checkpointer, step: int, *, blocking: bool) -> None:
         ckpt.save(step, self.states, per_rank=self.per_rank, blocking=blocking)
+        self._staged = ckpt.staged  # the next step waits for an async save's copy before it updates
 
     def start_fresh(self) -> str | None:
         if self.config.model.init_from is None:
@@ -527,7 +540,7 @@ class TorchEngine:
         m = train_step(
             tr.pm, tr.optimizer, tr.scheduler, tr.scaler, batch, self.config, self.d.device,
             inject_nan=inject_nan, stop_signal=stop_signal,
-            skip_sync=self.faults.skip_sync(step),
+            skip_sync=self.faults.skip_sync(step), before_update=self._staged,
         )  # fmt: skip
         if tr.diloco is not None:
             with recorded("diloco outer sync", "all_reduce"):

@@ -235,7 +235,7 @@ def run(
     engine.attach({"train": state, "data": engine.loader, "health": health})
     ckpt = Checkpointer(
         config, run_dir, coord, faults.before_commit, data_identity=engine.loader.source.identity,
-        tokenizer=engine.tokenizer,
+        tokenizer=engine.tokenizer, before_stage=faults.before_stage,
     )  # fmt: skip
     r = _Run(config, engine, run_dir, ckpt, state, health)
     resumed, earlier = _start(r)
@@ -455,6 +455,8 @@ def _finish(
         "rollbacks": r.health.rollbacks,
         "checkpoints_saved": len(ckpt.saved_steps),
         "checkpoint_failures": ckpt.failures,
+        # Seconds this rank's training thread waited for saves (an async one: the call and the copy).
+        "checkpoint_blocked_s": round(sum(ckpt.blocked_s), 3),
         "durable_copy_failures": ckpt.durable_failures,
     }
 
