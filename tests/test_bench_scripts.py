@@ -27,8 +27,10 @@ def run_script(module: str, *args: str) -> subprocess.CompletedProcess[str]:
 SMALLEST = {
     "checkpoint": (
         ["--preset", "debug", "--repeats", "1"],
-        r"sync save\s+[\d.]+ s \[[\d.-]+\] = [\d,]+ MiB/s \(\d+% of the disk's write\)\n"
-        r"  phases: prepare [\d.]+ s, write [\d.]+ s, manifest [\d.]+ s, rename [\d.]+ s\n"
+        r"sync save\s+[\d.]+ s \[[\d.-]+\] = [\d,]+ MiB/s; \d+% \[\d+%-\d+%\] of the disk's write "
+        r"beside it\n"
+        r"  phases: prepare [\d.]+ s, write [\d.]+ s, manifest [\d.]+ s, rename [\d.]+ s, "
+        r"retention \(background\) [\d.]+ s\n"
         r"async save: step blocked\s+[\d.]+ s .*\n.*\nload \(verify \+ load\)\s+[\d.]+ s cold.*\n"
         r"load resharded \(verify \+ load\)\s+[\d.]+ s cold .* \(written by 2 FSDP processes",
     ),

@@ -205,8 +205,9 @@ def test_an_async_save_holds_the_state_of_its_step_while_training_goes_on(tmp_pa
     for step in (3, 6, 9):
         assert_same_tensors(ckpt(async_, step), ckpt(sync, step))
     summary = json.loads((async_ / "summary.json").read_text())
-    # The stalls were waited for, and counted as time the saves blocked training.
-    assert summary["checkpoint_blocked_s"] >= 2 * 3.0, summary
+    # The stalls were waited for (less the next step's forward and backward, which overlapped them:
+    # well under half a second here), and counted as time the saves blocked training.
+    assert summary["checkpoint_blocked_s"] >= 2 * (3.0 - 0.5), summary
 
 
 # --- 5. retention never deletes what this run just wrote; no silent mix of two runs -----------------
@@ -227,6 +228,7 @@ def test_fault5_retention_keeps_the_checkpoint_just_committed(tmp_path: Path) ->
             write_manifest(d, step=step)
     ckpt_._commit(110, run / "checkpoints" / ".tmp-step-00000110", 0.0)
     assert (run / "checkpoints" / "step-00000110" / "manifest.json").is_file()
+    ckpt_.wait()  # retention runs in the background after the commit
     assert ckpt_.local.committed() == [110, 250, 300]
 
 

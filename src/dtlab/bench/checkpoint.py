@@ -160,21 +160,29 @@ def _measure(config: Config, root: Path, repeats: int, reshard: bool) -> dict[st
     model, parts, step = _trained_state(config)
     out: dict[str, Any] = {"preset": config.model.preset, "params": count_params(model)}
 
-    # Synchronous saves, each phase timed.
-    sync, phases = [], []
+    # Synchronous saves, each phase timed, each right after a plain write of as many bytes: this disk's
+    # speed drifts from second to second, so each save is judged against the write beside it.
+    sync, phases, write_bps = [], [], []
     ckpt = Checkpointer(_with_async(config, False), root, _one_process())
-    for s in range(1, repeats + 1):
+    size = 0
+    for s in range(0, repeats + 1):
+        if size:
+            write_bps += disk_write_bandwidth(root, size, 1)
         t0 = time.perf_counter()
-        ckpt.save(s, parts)
-        sync.append(time.perf_counter() - t0)
-        phases.append(dict(ckpt.phases))
+        ckpt.save(s + 1, parts)
+        elapsed = time.perf_counter() - t0
+        # Retention deletes the checkpoint before in the background, while training takes its steps.
+        timed = {**ckpt.phases, "retention (background)": _timed(ckpt.wait)}
+        if size:
+            sync.append(elapsed)
+            phases.append(timed)
+        size = _dir_bytes(root / "checkpoints" / f"step-{s + 1:08d}")  # the first save: its size
     ckpt.close()
-    newest = root / "checkpoints" / f"step-{repeats:08d}"
-    out["bytes"] = size = _dir_bytes(newest)
-    out["sync_s"] = sync
+    newest = root / "checkpoints" / f"step-{repeats + 1:08d}"
+    out["bytes"] = size
+    out["sync_s"], out["disk_write_bps"] = sync, write_bps
+    out["sync_fraction"] = [size / t / w for t, w in zip(sync, write_bps, strict=True)]
     out["phases"] = {k: statistics.median(p[k] for p in phases) for k in phases[0]}
-
-    out["disk_write_bps"] = disk_write_bandwidth(root, size, repeats)
     out["disk_read_cold_bps"], out["disk_read_warm_bps"] = disk_read_bandwidth(root, size, repeats)
 
     # Resuming: checksums verified, then loaded into a fresh model and optimizer (what a resume does).
@@ -193,7 +201,7 @@ def _measure(config: Config, root: Path, repeats: int, reshard: bool) -> dict[st
     # optimizer step; side by side with the same forward and backward without a save.
     ckpt = Checkpointer(_with_async(config, True), root, _one_process())
     blocked, committed, during, alone = [], [], [], []
-    for s in range(100, 101 + repeats):
+    for s in range(100, 101 + repeats):  # the first save allocates the buffers: kept apart
         alone.append(_timed(step))
         t0 = time.perf_counter()
         ckpt.save(s, parts)
@@ -240,8 +248,9 @@ def report(r: dict[str, Any]) -> str:
         f"disk sequential write (fsync)  {write / MIB:8,.0f} MiB/s {_range(r['disk_write_bps'], MIB)}",
         f"disk sequential read           {cold_bw / MIB:8,.0f} MiB/s cold {_range(r['disk_read_cold_bps'], MIB)}, "
         f"{warm_bw / MIB:,.0f} MiB/s warm (page cache)",
-        f"sync save                      {sync:8.2f} s {_range(r['sync_s'])} = {size / sync / MIB:,.0f} MiB/s "
-        f"({size / sync / write:.0%} of the disk's write)",
+        f"sync save                      {sync:8.2f} s {_range(r['sync_s'])} = {size / sync / MIB:,.0f} MiB/s; "
+        f"{statistics.median(r['sync_fraction']):.0%} {_range(r['sync_fraction'], pct=True)} of the "
+        "disk's write beside it",
         "  phases: " + ", ".join(f"{k} {v:.3f} s" for k, v in r["phases"].items()),
         f"async save: step blocked       {blocked:8.3f} s {_range(r['async_blocked_s'])} "
         f"({blocked / sync:.1%} of a sync save); committed after "
@@ -267,9 +276,9 @@ def report(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _range(values: list[float], unit: float = 1.0) -> str:
+def _range(values: list[float], unit: float = 1.0, pct: bool = False) -> str:
     lo, hi = min(values) / unit, max(values) / unit
-    fmt = ",.0f" if unit > 1 else ".3f"
+    fmt = ".0%" if pct else ",.0f" if unit > 1 else ".3f"
     return f"[{lo:{fmt}}-{hi:{fmt}}]"
 
 

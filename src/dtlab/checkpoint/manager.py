@@ -11,11 +11,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import os
 import shutil
 import threading
 import time
 import warnings
-from collections.abc import Callable, Collection
+import zlib
+from collections.abc import Callable, Collection, Generator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,8 +27,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import yaml
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+from torch.distributed.tensor import DTensor
 
 from dtlab.checkpoint.manifest import MANIFEST, _fsync_dir, verify_checkpoint, write_manifest
 from dtlab.checkpoint.state import (
@@ -71,8 +76,55 @@ def _writer_thread_hook(args: threading.ExceptHookArgs) -> None:
 threading.excepthook = _writer_thread_hook
 
 
+class _ChecksummedStream:
+    """A file being written, whose bytes are CRC-32'd as they go by (zlib holds no interpreter lock
+    on large buffers), so that the manifest need not read the file again."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw, self.crc, self.size = raw, 0, 0
+
+    def write(self, b: Any) -> int:
+        self.crc = zlib.crc32(b, self.crc)
+        self.size += memoryview(b).nbytes
+        return int(self.raw.write(b))
+
+    def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, close: the file's own
+        return getattr(self.raw, name)
+
+
+class _ChecksummingFileSystem(FileSystem):
+    """DCP's local file system, recording the CRC-32 and size of every file written through it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checksums: dict[str, tuple[str, int]] = {}
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[Any, None, None]:
+        with super().create_stream(path, mode) as raw:
+            if "w" not in mode:
+                yield raw
+                return
+            stream = _ChecksummedStream(raw)
+            yield stream
+        with self._lock:
+            self.checksums[Path(path).name] = (f"{stream.crc:08x}", stream.size)
+
+
+CHECKSUMS = ".crc32-rank{rank}.json"  # each rank's data files' checksums, for rank 0's manifest
+
+
 class _CheckedWriter(dcp.FileSystemWriter):
-    """DCP's file writer, except that a save whose items were not all written fails."""
+    """DCP's file writer, except that a save whose items were not all written fails, and that it
+    checksums the files as it writes them: each rank leaves its files' CRC-32s in ``CHECKSUMS`` for
+    rank 0, which puts them in the manifest (:func:`collect_checksums`) instead of reading every
+    byte again."""
+
+    def __init__(self, path: str, thread_count: int, rank: int) -> None:
+        super().__init__(path, thread_count=thread_count)
+        self.fs = _ChecksummingFileSystem()
+        self.rank = rank
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         future = super().write_data(plan, planner)
@@ -84,30 +136,101 @@ class _CheckedWriter(dcp.FileSystemWriter):
                 f"{wanted - written} of {wanted} items of this rank were not written "
                 f"(a writer thread failed: {cause})",
             )
+        sums = self.fs.checksums  # type: ignore[attr-defined]
+        (Path(self.path) / CHECKSUMS.format(rank=self.rank)).write_text(json.dumps(sums))
         return future
 
 
-class _Stager(DefaultStager):
-    """DCP's stager for async saves, made once per run: the copies of the tensors go into buffers it
-    allocates at the first save and reuses (pinned memory on CUDA, for fast device-to-host copies), in
-    a thread of its own. ``before(step)`` runs in that thread before it copies."""
+def collect_checksums(ckpt_dir: Path) -> dict[str, tuple[str, int]]:
+    """The checksums the ranks' writers recorded (file name -> (CRC-32, bytes)); their files are
+    removed: the manifest holds them from here on."""
+    out: dict[str, tuple[str, int]] = {}
+    for path in ckpt_dir.glob(CHECKSUMS.format(rank="*")):
+        out |= {k: (str(v[0]), int(v[1])) for k, v in json.loads(path.read_text()).items()}
+        path.unlink()
+    return out
+
+
+class _Stager(AsyncStager):
+    """Copies the tensors of an async save into buffers allocated at the first save and reused by every
+    later one (pinned memory on CUDA, for fast device-to-host copies), in a thread of its own, in one
+    call that holds no interpreter lock while it copies: the training thread's forward and backward go
+    on meanwhile. ``before(step)`` runs in that thread before it copies (fault injection).
+
+    torch's DefaultStager does the same copies tensor by tensor through ``deepcopy``, in Python; on a
+    busy CPU that took longer than the step it overlapped with (measured: a 1.1 GiB state, 0.06 s
+    alone, over 1 s beside a forward and backward)."""
+
+    _synchronize_after_execute = False
 
     def __init__(self, before: Callable[[int], None] | None = None) -> None:
-        cuda = torch.cuda.is_available()
-        super().__init__(
-            StagingOptions(
-                use_pinned_memory=cuda,
-                use_shared_memory=False,  # the writer is a thread of this process
-                use_async_staging=True,
-                use_non_blocking_copy=cuda,
-            )
-        )
         self.before, self.step = before, 0
+        self._pinned = torch.cuda.is_available()
+        self._buffers: dict[tuple[str, ...], torch.Tensor] = {}
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtlab-stage")
 
-    def _stage(self, state_dict: Any, **kwargs: Any) -> Any:
+    def stage(self, state_dict: dict[str, Any], **kwargs: Any) -> Any:
+        return self._executor.submit(self._stage, state_dict)
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+        self._buffers.clear()
+
+    def _stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         if self.before is not None:
             self.before(self.step)
-        return super()._stage(state_dict, **kwargs)
+        leaves = list(_leaves(state_dict))
+        sources = [_local(t) for _, t in leaves]
+        targets = [self._buffer(path, src) for (path, _), src in zip(leaves, sources, strict=True)]
+        with torch.no_grad():
+            torch._foreach_copy_(targets, sources, non_blocking=self._pinned)
+        if self._pinned:
+            torch.cuda.synchronize()
+        staged: dict[str, Any] = {}
+        for (path, t), buf in zip(leaves, targets, strict=True):
+            if isinstance(t, DTensor):  # the shard, as the DTensor DCP plans the save with
+                buf = DTensor.from_local(
+                    buf,
+                    t.device_mesh,
+                    t.placements,
+                    run_check=False,
+                    shape=t.shape,
+                    stride=t.stride(),
+                )
+            _set(staged, path, buf)
+        return staged
+
+    def _buffer(self, path: tuple[str, ...], src: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers.get(path)
+        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+            buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=self._pinned)
+            self._buffers[path] = buf
+        return buf
+
+
+def _leaves(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> Any:
+    """(path, tensor) of every tensor in a nested dict of tensors."""
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            yield from _leaves(v, (*prefix, k))
+        else:
+            yield (*prefix, k), v
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _set(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    for k in path[:-1]:
+        tree = tree.setdefault(k, {})
+    tree[path[-1]] = value
+
+
+WRITERS = 8  # DCP writer threads (files) per rank
 
 
 def _dir_bytes(path: Path) -> int:
@@ -203,7 +326,11 @@ class Checkpointer:
         # Seconds of the last save's phases (rank 0): gathering the state, writing the tensors (fsynced),
         # checksumming into the manifest, renaming into place.
         self.phases: dict[str, float] = {}
+        # Checksums are CPU work: one thread per core, up to 4. Writing is I/O: more writers than
+        # cores keep a fast disk busy (measured here: 2 writers 0.72 s, 8 writers 0.55 s for 1.1 GiB).
         self.threads = max(1, min(4, torch.get_num_threads()))
+        self.writers = WRITERS
+        self._retention: threading.Thread | None = None
 
     # --- saving ------------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -274,7 +401,7 @@ class Checkpointer:
 
     def _writer(self, path: Path) -> dcp.FileSystemWriter:
         # Several files per rank, written by parallel threads: one thread leaves most of the disk idle.
-        return _CheckedWriter(str(path), thread_count=self.threads)
+        return _CheckedWriter(str(path), thread_count=self.writers, rank=self.d.rank)
 
     def _gather_rng(self) -> list[dict[str, Any]]:
         mine = rng_state()
@@ -334,6 +461,7 @@ class Checkpointer:
         write_manifest(
             tmp,
             threads=self.threads,
+            known=collect_checksums(tmp),
             step=step,
             world_size=self.d.world_size,
             strategy=self.config.parallel.strategy,
@@ -354,16 +482,24 @@ class Checkpointer:
             "checkpoint step %d saved: %s (%.1f MiB in %.2f s, %.0f MiB/s)",
             step, final, size / 2**20, dt, size / 2**20 / max(dt, 1e-9),
         )  # fmt: skip
+        # Deleting old checkpoints is not part of the commit: in the background (a second of a
+        # large checkpoint's unlinking), joined before the next save, rollback or the end.
+        self._retention = threading.Thread(
+            target=self._prune, args=(step, tmp.name), name="dtlab-ckpt-retention", daemon=True
+        )
+        self._retention.start()
         c = self.config.checkpoint
-        # Never the checkpoint just committed, whatever else the directory holds.
-        self.local.prune(c.keep, protect=[step])
-        for stale in final.parent.glob(".tmp-step-*"):  # left by saves that failed or were killed
-            if stale.name < tmp.name:
-                shutil.rmtree(stale, ignore_errors=True)
         if self.durable is not None and (
             not c.durable_every or step % c.durable_every == 0 or step == self.config.train.steps
         ):
             self._copy_to_durable(final, step)
+
+    def _prune(self, step: int, staged: str) -> None:
+        # Never the checkpoint just committed, whatever else the directory holds.
+        self.local.prune(self.config.checkpoint.keep, protect=[step])
+        for stale in self.local.local_root.glob(".tmp-step-*"):  # type: ignore[union-attr]
+            if stale.name < staged:  # left by saves that failed or were killed
+                shutil.rmtree(stale, ignore_errors=True)
 
     def _copy_to_durable(self, final: Path, step: int) -> None:
         """Copy a committed checkpoint to the durable tier. A failure there (read-only, full, gone) is
@@ -409,11 +545,14 @@ class Checkpointer:
             self.blocked_s[-1] += time.perf_counter() - t0
 
     def wait(self) -> None:
-        """Wait for the background save, if any; report its failure."""
+        """Wait for the background save, if any, and for retention; report a failed save."""
         self.staged()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self._retention is not None:
+            self._retention.join()
+            self._retention = None
         self._report()
 
     def close(self) -> None:

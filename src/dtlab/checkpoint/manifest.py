@@ -72,11 +72,18 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_manifest(ckpt_dir: Path, threads: int = 1, **fields: Any) -> dict[str, Any]:
+def write_manifest(
+    ckpt_dir: Path,
+    threads: int = 1,
+    known: dict[str, tuple[str, int]] | None = None,
+    **fields: Any,
+) -> dict[str, Any]:
     """Checksum every file under ``ckpt_dir`` and write ``manifest.json`` atomically; returns it.
 
-    ``threads`` files are checksummed at a time (zlib releases the GIL on large buffers). Called right
-    after the files were written, it reads them from the page cache.
+    ``known`` has the CRC-32 and size of files checksummed as they were written (by name, under the
+    top directory); a file whose size differs from it is read again. The others are read,
+    ``threads`` at a time (zlib releases the GIL on large buffers), from the page cache when they
+    were just written.
     """
     import torch
 
@@ -88,7 +95,14 @@ def write_manifest(ckpt_dir: Path, threads: int = 1, **fields: Any) -> dict[str,
         if p.is_file() and p.relative_to(ckpt_dir).as_posix() not in (MANIFEST, MANIFEST + ".tmp")
     )
     key, checksum, _ = _CHECKSUMS[FORMAT_VERSION]
-    digests = _map(checksum, paths, threads)
+    known = known or {}
+
+    def rel(p: Path) -> str:
+        return p.relative_to(ckpt_dir).as_posix()
+
+    fresh = [p for p in paths if rel(p) not in known or known[rel(p)][1] != p.stat().st_size]
+    computed = dict(zip(fresh, _map(checksum, fresh, threads), strict=True))
+    digests = [computed[p] if p in computed else known[rel(p)][0] for p in paths]
     files = {
         p.relative_to(ckpt_dir).as_posix(): {"bytes": p.stat().st_size, key: h}
         for p, h in zip(paths, digests, strict=True)
