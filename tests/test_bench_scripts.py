@@ -28,7 +28,7 @@ SMALLEST = {
     "checkpoint": (
         ["--preset", "debug", "--repeats", "1"],
         r"sync save\s+[\d.]+ s \[[\d.-]+\] = [\d,]+ MiB/s; \d+% \[\d+%-\d+%\] of the disk's write "
-        r"beside it\n"
+        r"beside it, \d+% best against best\n"
         r"  phases: prepare [\d.]+ s, write [\d.]+ s, manifest [\d.]+ s, rename [\d.]+ s, "
         r"retention \(background\) [\d.]+ s\n"
         r"async save: step blocked\s+[\d.]+ s .*\n.*\nload \(verify \+ load\)\s+[\d.]+ s cold.*\n"

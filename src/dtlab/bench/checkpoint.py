@@ -250,7 +250,8 @@ def report(r: dict[str, Any]) -> str:
         f"{warm_bw / MIB:,.0f} MiB/s warm (page cache)",
         f"sync save                      {sync:8.2f} s {_range(r['sync_s'])} = {size / sync / MIB:,.0f} MiB/s; "
         f"{statistics.median(r['sync_fraction']):.0%} {_range(r['sync_fraction'], pct=True)} of the "
-        "disk's write beside it",
+        f"disk's write beside it, {size / min(r['sync_s']) / max(r['disk_write_bps']):.0%} best "
+        "against best",
         "  phases: " + ", ".join(f"{k} {v:.3f} s" for k, v in r["phases"].items()),
         f"async save: step blocked       {blocked:8.3f} s {_range(r['async_blocked_s'])} "
         f"({blocked / sync:.1%} of a sync save); committed after "
