@@ -161,7 +161,7 @@ def test_fragments_split_the_blocks_in_order() -> None:
     assert {fragment_of(n, 6, 1) for n in names} == {0}
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 4, 2])
 def test_quantisation_is_bounded_and_error_feedback_catches_up(bits: int) -> None:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1000, generator=g) * torch.linspace(0.01, 3, 1000)
@@ -220,7 +220,7 @@ STREAMING = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("quantize", ["none", "int8", "int4"])
+@pytest.mark.parametrize("quantize", ["none", "int8", "int4", "int2"])
 def test_bytes_per_step_are_predicted_to_the_byte(tmp_path: Path, quantize: str) -> None:
     result = _per_step_bytes(tmp_path, 2, *STREAMING, f"parallel.diloco.quantize={quantize}")
     assert result["measured"] == result["predicted"], result

@@ -537,10 +537,11 @@ class DiLoCoOptions(_Section):
         description="Streaming DiLoCo: inner steps the outer all-reduce of a fragment overlaps with; "
         "its result is applied that many steps later (0 = at once). Less than inner_steps.",
     )
-    quantize: Literal["none", "int8", "int4"] = Field(
+    quantize: Literal["none", "int8", "int4", "int2"] = Field(
         "none",
-        description="Outer gradients sent in 8 or 4 bits per value (one float32 scale per 64 values), "
-        "with error feedback (what rounding lost is added to the next sync).",
+        description="Outer gradients sent in 8, 4 or 2 bits per value (symmetric: int2 is ternary, "
+        "-s, 0, s; one float32 scale per 64 values), with error feedback (what rounding lost is added "
+        "to the next sync).",
     )
 
 

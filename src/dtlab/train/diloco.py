@@ -37,7 +37,7 @@ from dtlab.errors import CheckpointError
 __all__ = ["QUANT_BLOCK", "DiLoCo", "fragment_of", "outer_group", "sync_bytes"]
 
 QUANT_BLOCK = 64  # values per float32 scale of a quantised outer gradient
-BITS = {"int8": 8, "int4": 4}
+BITS = {"int8": 8, "int4": 4, "int2": 2}
 
 
 def fragment_of(name: str, n_layers: int, fragments: int) -> int:
@@ -76,10 +76,12 @@ def _quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     scale = rows.abs().amax(dim=1, keepdim=True) / qmax
     codes = torch.where(scale > 0, rows / scale, torch.zeros_like(rows)).round().clamp(-qmax, qmax)
     values = (codes * scale).flatten()[:n]
-    c = (codes + qmax).to(torch.uint8)  # 0 .. 2 qmax
-    if bits == 4:
-        c = c[:, 0::2] | (c[:, 1::2] << 4)
-    payload = torch.cat([c.flatten(), scale.flatten().view(torch.uint8)])
+    c = (codes + qmax).to(torch.uint8)  # 0 .. 2 qmax, in `bits` bits
+    per = 8 // bits  # codes per byte, the first in the lowest bits
+    packed = c[:, 0::per].clone()
+    for j in range(1, per):
+        packed |= c[:, j::per] << (bits * j)
+    payload = torch.cat([packed.flatten(), scale.flatten().view(torch.uint8)])
     return payload, values
 
 
@@ -87,9 +89,10 @@ def _dequantize(payload: torch.Tensor, n: int, bits: int) -> torch.Tensor:
     """The values a payload of :func:`_quantize` carries (``n`` of them)."""
     blocks = math.ceil(n / QUANT_BLOCK)
     code_bytes = blocks * QUANT_BLOCK * bits // 8
-    c = payload[:code_bytes].view(blocks, -1)
-    if bits == 4:
-        c = torch.stack([c & 0x0F, c >> 4], dim=2).view(blocks, QUANT_BLOCK)
+    packed = payload[:code_bytes].view(blocks, -1)
+    per, mask = 8 // bits, (1 << bits) - 1
+    parts = [(packed >> (bits * j)) & mask for j in range(per)]
+    c = torch.stack(parts, dim=2).view(blocks, QUANT_BLOCK)
     qmax = 2 ** (bits - 1) - 1
     scale = payload[code_bytes:].clone().view(torch.float32).view(blocks, 1)
     return ((c.float() - qmax) * scale).flatten()[:n]
