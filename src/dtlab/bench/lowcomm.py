@@ -44,6 +44,9 @@ METHODS: dict[str, list[str]] = {
     ],
     "demo": ["train.optimizer=demo"],
     "diloco": [*_AVG, "parallel.diloco.inner_steps=4"],
+    # H = 1: every step, the replicas' AdamW updates in 2 bits (12.8x fewer bytes than DDP).
+    "diloco-h1-int2": [*_AVG, "parallel.diloco.inner_steps=1", "parallel.diloco.quantize=int2"],
+    "diloco-int2": [*_AVG, "parallel.diloco.inner_steps=4", "parallel.diloco.quantize=int2"],
     "diloco-int4": [*_AVG, "parallel.diloco.inner_steps=8", "parallel.diloco.quantize=int4"],
     "streaming-int4": [
         *_AVG, "parallel.diloco.inner_steps=8", "parallel.diloco.fragments=2",
