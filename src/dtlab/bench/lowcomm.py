@@ -47,7 +47,11 @@ METHODS: dict[str, list[str]] = {
     # H = 1: every step, the replicas' AdamW updates in 2 bits (12.8x fewer bytes than DDP).
     "diloco-h1-int2": [*_AVG, "parallel.diloco.inner_steps=1", "parallel.diloco.quantize=int2"],
     "diloco-int2": [*_AVG, "parallel.diloco.inner_steps=4", "parallel.diloco.quantize=int2"],
-    "diloco-int4": [*_AVG, "parallel.diloco.inner_steps=8", "parallel.diloco.quantize=int4"],
+    # Streaming: one fragment per block of the tiny model, each synced once per 4 steps, staggered.
+    "streaming-int2": [
+        *_AVG, "parallel.diloco.inner_steps=4", "parallel.diloco.fragments=4",
+        "parallel.diloco.quantize=int2",
+    ],
     "streaming-int4": [
         *_AVG, "parallel.diloco.inner_steps=8", "parallel.diloco.fragments=2",
         "parallel.diloco.delay=2", "parallel.diloco.quantize=int4",
