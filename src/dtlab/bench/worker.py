@@ -198,9 +198,10 @@ class BenchEngine(TorchEngine):
     ) -> dict[str, Any]:
         if step == self.timed.start and self.profile_dir is not None:
             self.profiler = StepProfiler(self.profile_dir, self.d.rank, self.d.device)
-        if step == self.timed.stop and self.profiler is not None:
-            self.profiler.close()  # the profiler covers the timed steps only
-            self.profiler = None
+        if step == self.timed.stop:
+            if self.profiler is not None:  # the profiler covers the timed steps only
+                self.profiler.close()
+                self.profiler = None
             with (
                 self.counter
             ):  # one more step, counted (the counter's overhead stays out of the timings)
