@@ -561,7 +561,7 @@ def test_attack_disk_full_during_checkpoint_writes(tmp_path: Path) -> None:
         assert (
             "No space left on device" in proc.stderr
             and "nothing of it was committed" in proc.stderr
-        )
+        ), proc.stderr
         assert "its final checkpoint could not be saved" in proc.stderr
         assert "the newest committed checkpoint is step 3" in proc.stderr, proc.stderr
         summary = json.loads((run / "summary.json").read_text())

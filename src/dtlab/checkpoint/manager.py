@@ -127,10 +127,15 @@ class _CheckedWriter(dcp.FileSystemWriter):
         self.rank = rank
 
     def write_data(self, plan: Any, planner: Any) -> Any:
+        before = len(_writer_errors)
         future = super().write_data(plan, planner)
         written, wanted = len(future.value()), len(plan.items)
         if written != wanted:
-            cause = _writer_errors[-1] if _writer_errors else None
+            # The root cause: an OSError (a full disk) if a thread had one; the threads that failed
+            # after it fail on what it left (a zip writer's position check).
+            errors = _writer_errors[before:]
+            oserrors = [e for e in errors if isinstance(e, OSError)]
+            cause = (oserrors or errors or [None])[0]
             raise OSError(
                 getattr(cause, "errno", None) or errno.EIO,
                 f"{wanted - written} of {wanted} items of this rank were not written "
