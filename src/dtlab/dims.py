@@ -8,6 +8,7 @@ strategy names::
     strategy  sharding             dp_replicate  dp_shard         wrapper  mesh dims
     single    (any)                1             1                none     none: no process group
     ddp       (any)                world         1                ddp      (dp_replicate,)
+              optimizer: the same, and ``shard_optimizer`` (ZeRO-1)
     fsdp      full, shard_grad_op  1             world            fsdp     (dp_shard,)
     fsdp      no_shard             world         1                fsdp     (dp_replicate, dp_shard)
     hsdp      full, shard_grad_op  replicate     world/replicate  fsdp     (dp_replicate, dp_shard)
@@ -137,6 +138,9 @@ class ParallelDims:
     # syncs; within a replica, dp_replicate and dp_shard as the strategy says.
     diloco: int = 1
     wrapper: DPWrapper = DPWrapper.NONE
+    # ZeRO-1 (ddp with sharding optimizer): each of the dp_replicate ranks keeps and steps the
+    # optimizer state of its share of the parameters.
+    shard_optimizer: bool = False
     # The mesh's dimensions, outermost first. A dimension of degree 1 may be one (HSDP with one replica
     # group, no_shard's shard dimension); every degree above 1 must be.
     mesh_dims: tuple[str, ...] = ()
@@ -166,6 +170,13 @@ class ParallelDims:
             raise ValueError(f"{self.dp} data-parallel ranks need a wrapper (ddp or fsdp)")
         if self.wrapper is DPWrapper.DDP and self.dp_shard > 1:
             raise ValueError(f"DDP replicates whole parameters; dp_shard = {self.dp_shard}")
+        if self.shard_optimizer and (
+            self.wrapper is not DPWrapper.DDP or self.mesh_dims != ("dp_replicate",)
+        ):
+            raise ValueError(
+                f"ZeRO-1 shards plain DDP's optimizer state; wrapper {self.wrapper.value} with "
+                f"mesh_dims = {self.mesh_dims}"
+            )
 
     @classmethod
     def from_config(cls, config: _HasParallel, world_size: int) -> ParallelDims:
@@ -214,7 +225,10 @@ class ParallelDims:
                 )
             return cls()
         if wrapper is DPWrapper.DDP:
-            return cls(dp_replicate=world_size, wrapper=wrapper, mesh_dims=("dp_replicate",))
+            return cls(
+                dp_replicate=world_size, wrapper=wrapper, mesh_dims=("dp_replicate",),
+                shard_optimizer=p.sharding == "optimizer",
+            )  # fmt: skip
         replicate = 1
         if needs_replica_groups(p.strategy):
             if p.replicate is None:

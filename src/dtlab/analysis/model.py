@@ -17,6 +17,7 @@ from typing import Any
 
 from dtlab.config import Config, ModelConfig
 from dtlab.dims import ParallelDims, stage_ids, stage_layers
+from dtlab.parallel.zero import owners
 from dtlab.runtime.signals import STOP_SIGNALS
 from dtlab.train.diloco import fragment_of, sync_bytes
 
@@ -448,11 +449,13 @@ def _plan_rank(
     )
     plan = StepPlan(
         strategy=p.strategy,
-        sharding=p.sharding if dims.fsdp_enabled else "-",
+        sharding=p.sharding if dims.fsdp_enabled or dims.shard_optimizer else "-",
         world_size=world_size,
         params_bytes=held * FP32,
         grads_bytes=held * FP32,
-        optimizer_bytes=_optimizer_bytes(config, shapes, held),
+        optimizer_bytes=_optimizer_bytes(config, shapes, held)
+        if not dims.shard_optimizer
+        else _zero1_optimizer_bytes(config, shapes, dims.dp),
         # The peak: what forward keeps (for every micro-batch a pipeline stage holds at once), plus one
         # block being recomputed under checkpointing.
         activations_bytes=act * _in_flight(config, dims, accum)
@@ -466,12 +469,17 @@ def _plan_rank(
         _diloco_comm(config, dims, shapes, comm, groups)
     elif dims.ddp_enabled:
         comm.update(ddp_comm_bytes(shapes, config, world_size))
+        if dims.shard_optimizer and dims.dp > 1:
+            # ZeRO-1: every owner broadcasts the parameters it updated (float32), once per step.
+            comm["broadcast"] = sum(s.numel for s in shapes) * FP32
         groups.update({k: world_size for k in comm})
     _model_parallel_comm(config, dims, part, tokens, accum, comm, groups)
     if dims.distributed and world_size > 1:
         # The step's one small reduction (loss, flags, stop votes, and a norm where gradients are DTensors
         # or each rank's own), over all ranks; under HSDP it is counted in the replicas' all-reduce group.
         comm["all_reduce"] = comm.get("all_reduce", 0) + step_reduction_bytes(config, dims)
+        if t.oom_retry:  # the ranks' out-of-memory agreement: a float per rank
+            comm["all_reduce"] += FP32 * world_size
         groups.setdefault("all_reduce", world_size)
     plan.comm_bytes = comm
     plan.comm_groups = groups
@@ -542,6 +550,16 @@ def _optimizer_bytes(config: Config, shapes: list[ParamShape], held: int) -> int
         c = t.demo.chunk_size
         return sum(math.ceil(s.numel / c) * c for s in shapes) * FP32 + len(shapes) * FP32
     return 2 * held * FP32 + len(shapes) * FP32
+
+
+def _zero1_optimizer_bytes(config: Config, shapes: list[ParamShape], ranks: int) -> int:
+    """ZeRO-1: the optimizer state of the rank that owns the most (:func:`owners`' split)."""
+    owner = owners([s.numel for s in shapes], ranks)
+    per_rank = []
+    for r in range(ranks):
+        mine = [s for s, o in zip(shapes, owner, strict=True) if o == r]
+        per_rank.append(_optimizer_bytes(config, mine, sum(s.numel for s in mine)))
+    return max(per_rank)
 
 
 def _fsdp_comm(

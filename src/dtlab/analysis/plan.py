@@ -30,7 +30,15 @@ TIE_MARGIN = 0.10
 # From the simplest to the most involved: what a user has to understand, tune and debug. DDP keeps whole
 # parameters on every rank and issues one gradient all-reduce per step; FSDP adds parameter all-gathers
 # (their prefetch and overlap), sharded optimizer state and checkpoints; HSDP adds a second mesh dimension.
-SIMPLICITY = ["single", "ddp", "fsdp no_shard", "fsdp shard_grad_op", "fsdp full", "hsdp"]
+SIMPLICITY = [
+    "single",
+    "ddp",
+    "ddp zero-1",
+    "fsdp no_shard",
+    "fsdp shard_grad_op",
+    "fsdp full",
+    "hsdp",
+]
 # Why the recommended one of tied options is simpler, by label (the others: "the simplest of them").
 WHY_SIMPLEST = {
     "single": "the simplest: one process, no collectives",
@@ -89,6 +97,11 @@ def candidates(config: Config, world: int, nnodes: int) -> list[tuple[str, Confi
     if world > 1:
         options = [
             ("ddp", {"strategy": "ddp"}),
+            *(
+                [("ddp zero-1", {"strategy": "ddp", "sharding": "optimizer"})]
+                if model_parallel == 1
+                else []
+            ),
             ("fsdp full", {"strategy": "fsdp", "sharding": "full"}),
             ("fsdp shard_grad_op", {"strategy": "fsdp", "sharding": "shard_grad_op"}),
             ("fsdp no_shard", {"strategy": "fsdp", "sharding": "no_shard"}),
@@ -110,7 +123,11 @@ def candidates(config: Config, world: int, nnodes: int) -> list[tuple[str, Confi
 
 
 def _simplicity(label: str) -> int:
-    return next(i for i, name in enumerate(SIMPLICITY) if label.startswith(name))
+    # The longest name the label starts with: "ddp zero-1 ..." is ZeRO-1, not plain DDP.
+    return max(
+        (i for i, name in enumerate(SIMPLICITY) if label.startswith(name)),
+        key=lambda i: len(SIMPLICITY[i]),
+    )
 
 
 def recommend(rows: list[dict[str, Any]]) -> str | None:

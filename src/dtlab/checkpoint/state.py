@@ -81,9 +81,11 @@ class OptimizerState:
 
 
 class StagedOptimizerState:
-    """The optimizer of a pipeline rank as one stateful part, in :class:`OptimizerState`'s format.
+    """The optimizer of a pipeline rank (or of a ZeRO-1 rank) as one stateful part, in
+    :class:`OptimizerState`'s format.
 
-    Each rank holds the state of its stages' parameters only, keyed by the whole model's names, so the
+    Each rank holds the state of its stages' parameters only (ZeRO-1: of the parameters it owns),
+    keyed by the whole model's names, so the
     ranks' parts together are a whole-model optimizer state that any layout loads. The param groups
     list every parameter of the whole model (``group_names``), as a one-process run's would.
     (``get_optimizer_state_dict`` is not used: it loses the state of all but one of several FSDP roots
@@ -99,10 +101,13 @@ class StagedOptimizerState:
         self.module, self.optimizer, self.group_names = module, optimizer, group_names
 
     def _params(self) -> dict[str, torch.nn.Parameter]:
+        """The parameters the optimizer holds, by the whole model's names."""
+        held = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
         out = {}
         for name, p in self.module.named_parameters():
-            (fqn,) = _get_fqns(self.module, name)
-            out[fqn] = p
+            if id(p) in held:
+                (fqn,) = _get_fqns(self.module, name)
+                out[fqn] = p
         return out
 
     def state_dict(self) -> dict[str, Any]:

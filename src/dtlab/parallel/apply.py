@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -39,6 +40,7 @@ from dtlab.models.llama import Transformer
 from dtlab.parallel.compression import CompressionState, apply_ddp_compression, reduce_dtype
 from dtlab.parallel.dist import DistInfo
 from dtlab.parallel.ledger import recorded
+from dtlab.parallel.zero import OptimizerShards
 
 if TYPE_CHECKING:
     from dtlab.parallel.pipeline import Pipeline
@@ -249,6 +251,17 @@ class ParallelModel:
     # Pipeline parallel: this rank's stages and their schedule (``module`` then only gathers their
     # parameters under the whole model's names; the schedule runs the stages).
     pipeline: Pipeline | None = None
+    # ZeRO-1: which rank steps which parameters, and their broadcast after the step.
+    zero: OptimizerShards | None = None
+
+    def owns(self, p: nn.Parameter) -> bool:
+        """Whether this rank's optimizer holds ``p`` (all of them, except under ZeRO-1)."""
+        return self.zero is None or self.zero.owns(p)
+
+    def after_update(self) -> None:
+        """After the optimizer step: ZeRO-1's owners broadcast the parameters they updated."""
+        if self.zero is not None:
+            self.zero.broadcast()
 
     def loss_context(self) -> AbstractContextManager[Any]:
         """Where the loss is computed and back-propagated: with tensor parallelism, the logits are
@@ -290,6 +303,26 @@ class ParallelModel:
                 with nullcontext():
                     yield
 
+    @torch.no_grad()
+    def sync_gradients(self, dtype: torch.dtype | None = None) -> None:
+        """Average the gradients over the data-parallel ranks after backward, in buckets of
+        ``SYNC_BUCKET_BYTES`` (what DDP's reducer does during the last backward; in ``dtype`` like
+        the fp16/bf16 hooks): for steps whose micro-batches all ran without sync, so that the ranks
+        could agree on something first (``train.oom_retry``). Nothing without DDP."""
+        if not isinstance(self.module, DistributedDataParallel):
+            return
+        group = self.module.process_group
+        world = torch.distributed.get_world_size(group)
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        for bucket in _buckets(grads, SYNC_BUCKET_BYTES):
+            flat = _flatten_dense_tensors(bucket)
+            sent = flat.to(dtype) if dtype is not None else flat
+            sent.div_(world)
+            with recorded("gradient all_reduce (after the step's agreement)", "all_reduce", sent):
+                torch.distributed.all_reduce(sent, group=group)
+            for g, v in zip(bucket, _unflatten_dense_tensors(sent, bucket), strict=True):
+                g.copy_(v)
+
     def settle_gradients(self) -> None:
         """Sum the gradients backward left as partial sums over ranks, in one all-reduce per mesh
         dimension.
@@ -322,6 +355,24 @@ class ParallelModel:
                 )
 
 
+SYNC_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket: the extra memory a deferred sync needs
+
+
+def _buckets(tensors: list[torch.Tensor], limit: int) -> Iterator[list[torch.Tensor]]:
+    """``tensors`` in consecutive groups of at most ``limit`` bytes (a larger tensor alone)."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        if bucket and size + n > limit:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(t)
+        size += n
+    if bucket:
+        yield bucket
+
+
 def parallelize(model: Transformer, config: Config, dist_info: DistInfo) -> ParallelModel:
     """Apply this world's parallel degrees (``dist_info.dims``) to a meta-device model and materialise it.
 
@@ -332,7 +383,11 @@ def parallelize(model: Transformer, config: Config, dist_info: DistInfo) -> Para
     if dims.pp_enabled:
         return _parallelize_pipeline(model, config, dist_info)
     module, compression = _parallelize_one(model, config, dist_info)
-    return ParallelModel(module, model, dims, compression)
+    zero = None
+    if dims.shard_optimizer:
+        params = [p for p in model.parameters() if p.requires_grad]
+        zero = OptimizerShards(params, dims.dp_rank(dist_info.rank), dims.dp)
+    return ParallelModel(module, model, dims, compression, zero=zero)
 
 
 def _parallelize_one(
