@@ -394,6 +394,63 @@ class EvalConfig(_Section):
     )
 
 
+class AlertsConfig(_Section):
+    """Thresholds that raise an alert: a warning with the figure and the threshold, counted in
+    metrics.jsonl ("alerts") and the summary, and with action = stop the end of the run (after a
+    checkpoint). Each threshold is off while null. The ranks agree on every figure, so they all
+    decide alike."""
+
+    memory_fraction: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="A rank's memory use above this fraction of its device's memory (CUDA: the "
+        "allocator's peak in the step; CPU and MLX: the process's resident memory, of the machine's).",
+    )
+    throughput_drop: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="A step's tokens/s (the slowest rank's) below this fraction of the median of the "
+        "last `window` steps.",
+    )
+    loss_spike: float | None = Field(
+        None,
+        gt=1,
+        description="A step's loss above this factor times the median loss of the last `window` steps.",
+    )
+    grad_norm_spike: float | None = Field(
+        None,
+        gt=1,
+        description="A step's gradient norm above this factor times the median of the last `window` "
+        "steps.",
+    )
+    nonfinite: int | None = Field(
+        None,
+        ge=1,
+        description="This many steps with a non-finite loss or gradient within the last `window` steps.",
+    )
+    window: int = Field(
+        50, ge=2, description="Steps the medians and the non-finite count are taken over."
+    )
+    action: Literal["warn", "stop"] = Field(
+        "warn",
+        description="warn: log and count; stop: also save a checkpoint and end the run with an error "
+        "that names the alert.",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        """Some threshold is set."""
+        return any(
+            v is not None
+            for v in (
+                self.memory_fraction, self.throughput_drop, self.loss_spike,
+                self.grad_norm_spike, self.nonfinite,
+            )
+        )  # fmt: skip
+
+
 class DemoOptions(_Section):
     """Options of train.optimizer = demo (decoupled momentum: compressed momentum, sign step)."""
 
@@ -475,6 +532,13 @@ class TrainConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: cuda when available, else cpu."
     )
+    oom_retry: bool = Field(
+        False,
+        description="A step that runs out of memory on any rank is taken again on every rank with "
+        "micro-batches half the size (more accumulation steps, the same global batch: the same "
+        "training), down to one sample; the smaller size is kept. single and ddp; the gradient sync "
+        "then waits for the ranks' agreement after backward instead of overlapping it.",
+    )
 
 
 class CompressionOptions(_Section):
@@ -551,9 +615,11 @@ class ParallelConfig(_Section):
     strategy: Literal["single", "ddp", "fsdp", "hsdp"] = Field(
         "single", description="single process, DDP, FSDP2, or hybrid-sharded FSDP2."
     )
-    sharding: Literal["full", "shard_grad_op", "no_shard"] = Field(
+    sharding: Literal["full", "shard_grad_op", "no_shard", "optimizer"] = Field(
         "full",
-        description="fsdp/hsdp: full (ZeRO-3), shard_grad_op (ZeRO-2), no_shard (replicated).",
+        description="fsdp/hsdp: full (ZeRO-3), shard_grad_op (ZeRO-2), no_shard (replicated); "
+        "ddp: optimizer (ZeRO-1: each rank keeps and steps the optimizer state of its share of the "
+        "parameters, then broadcasts them; gradients all-reduced as DDP does).",
     )
     replicate: int | None = Field(
         None,
@@ -751,6 +817,7 @@ class Config(_Section):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)  # type: ignore[arg-type]
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)  # type: ignore[arg-type]
     run: RunConfig = Field(default_factory=RunConfig)  # type: ignore[arg-type]
+    alerts: AlertsConfig = Field(default_factory=AlertsConfig)  # type: ignore[arg-type]
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
@@ -840,6 +907,8 @@ class Config(_Section):
                 raise ValueError(
                     f"train.demo.topk = {t.demo.topk} is larger than train.demo.chunk_size = {t.demo.chunk_size}"
                 )
+        _check_zero1(self)
+        _check_oom_retry(self)
         _check_diloco(self)
         _check_tp(self)
         _check_pp(self)
@@ -951,6 +1020,64 @@ def pipeline_microbatches(config: Config, dp: int) -> int:
             "parallel.pp_microbatches that divides it"
         )
     return n
+
+
+def _check_zero1(c: Config) -> None:
+    """ZeRO-1 (parallel.sharding = 'optimizer') shards DDP's optimizer state, and only that."""
+    p, t = c.parallel, c.train
+    if p.sharding != "optimizer":
+        return
+    wrapper = DPWrapper.of(p.strategy)
+    if wrapper is DPWrapper.FSDP:
+        raise ValueError(
+            f"parallel.sharding = 'optimizer' (ZeRO-1) shards DDP's optimizer state; parallel.strategy "
+            f"= {p.strategy!r} allows: full, shard_grad_op, no_shard (or use parallel.strategy = 'ddp')"
+        )
+    refused: dict[str, tuple[bool, str, str]] = {
+        "train.optimizer": (t.optimizer == "demo", "'demo'", "adamw, sgd"),
+        "parallel.diloco.inner_steps": (p.diloco.inner_steps > 0, str(p.diloco.inner_steps), "0"),
+        "parallel.tp": (p.tp > 1, str(p.tp), "1"),
+        "parallel.pp": (p.pp > 1, str(p.pp), "1"),
+        "train.engine": (t.engine == "mlx", "'mlx'", "torch"),
+    }
+    for key, (bad, shown, allowed) in refused.items():
+        if bad:
+            raise ValueError(
+                f"{key} = {shown} is not supported with parallel.sharding = 'optimizer' (ZeRO-1 "
+                f"over DDP's ranks; allowed: {allowed})"
+            )
+
+
+def _check_oom_retry(c: Config) -> None:
+    """OOM retry agrees on the step before the gradient sync: layouts whose only collectives in
+    forward and backward are that sync (one process, DDP)."""
+    p, t = c.parallel, c.train
+    if not t.oom_retry:
+        return
+    refused: dict[str, tuple[bool, str, str]] = {
+        "parallel.strategy": (
+            DPWrapper.of(p.strategy) is DPWrapper.FSDP,
+            repr(p.strategy),
+            "single, ddp",
+        ),
+        "parallel.compression": (
+            p.compression not in ("none", "fp16", "bf16"),
+            repr(p.compression),
+            "none, fp16, bf16",
+        ),
+        "train.optimizer": (t.optimizer == "demo", "'demo'", "adamw, sgd"),
+        "parallel.diloco.inner_steps": (p.diloco.inner_steps > 0, str(p.diloco.inner_steps), "0"),
+        "parallel.tp": (p.tp > 1, str(p.tp), "1"),
+        "parallel.pp": (p.pp > 1, str(p.pp), "1"),
+        "train.engine": (t.engine == "mlx", "'mlx'", "torch"),
+    }
+    for key, (bad, shown, allowed) in refused.items():
+        if bad:
+            raise ValueError(
+                f"train.oom_retry = true with {key} = {shown}: a step is taken again only where the "
+                "ranks meet nowhere before the gradient sync (a rank out of memory in FSDP's "
+                f"all-gathers or a pipeline would leave the others waiting); allowed: {allowed}"
+            )
 
 
 def _check_diloco(c: Config) -> None:

@@ -23,6 +23,7 @@ from dtlab.config import Config, check_world
 from dtlab.data import BatchLayout, BatchLoader
 from dtlab.data.sources import build_data
 from dtlab.errors import DtlabError
+from dtlab.metrics.alerts import memory_use
 from dtlab.metrics.logging import setup_logging
 from dtlab.mlx import checkpoint as mlx_checkpoint
 from dtlab.mlx.dist import MlxGroup, Watchdog, from_rank0, init_group, scalar, start_ledger
@@ -288,6 +289,17 @@ class MlxEngine(Engine):
             x = mx.distributed.all_max(mine, group=self.trainer.group)
             peak = int(self.watchdog.run("the final all_max", lambda: scalar(x), "all_max", mine))
         return peak
+
+    def memory_use(self) -> tuple[int, int]:
+        return memory_use("mlx")  # unified memory: the process's share of the machine's
+
+    def agreed_max(self, values: list[float]) -> list[float]:
+        if self.coord.world_size == 1:
+            return values
+        mine = mx.array(values)
+        x = mx.distributed.all_max(mine, group=self.trainer.group)
+        out = self.watchdog.run("the alerts' all_max", lambda: x.tolist(), "all_max", mine)
+        return [float(v) for v in out]
 
     def summary(self) -> dict[str, Any]:
         return {"engine": "mlx"}

@@ -19,7 +19,17 @@
 - ``failsave``: the same moment, an OSError instead (a failed write: reported, training goes on);
 - ``slowsave``: the same moment, a 3-second stall (a slow file system: rank 0 commits late);
 - ``slowstage``: an async save of that step stalls 3 seconds before it copies the tensors (a slow copy:
-  training must wait for it before it changes them).
+  training must wait for it before it changes them);
+- ``oom``: the step's first micro-batch raises torch.OutOfMemoryError after its backward (once: a
+  retry of the step, ``train.oom_retry``, goes through);
+- ``spike``: the loss of that step, and so its gradients, is multiplied by 100 (a loss and gradient
+  norm spike; the torch engine);
+- ``slow``: the step takes a second longer (a slow node or a throttled device);
+- ``hog``: before the step, the process takes ``DTLAB_HOG_MB`` (default 1024) MiB of memory and
+  holds it for the rest of its life (a leak);
+- ``memlimit``: before the step, the process caps its address space (``RLIMIT_AS``) at what it uses
+  now plus ``DTLAB_MEMLIMIT_MB`` (default 256) MiB, for the rest of its life: a real allocation failure
+  for whatever needs more.
 
 A collective that fails or times out (``hang``, ``skipcoll``, ``badshape``) is reported with the
 ranks' ledgers of collectives (:mod:`dtlab.parallel.ledger`): who is behind, or how the ranks differ.
@@ -46,8 +56,12 @@ __all__ = ["FAULTS_ENV", "KINDS", "Faults", "InjectedError"]
 FAULTS_ENV = "DTLAB_FAULTS"
 KINDS = (
     "nan", "kill", "sigterm", "sigusr1", "sigint", "error", "hang", "killsave", "failsave",
-    "slowsave", "slowstage", "skipcoll", "badshape", "skipsync",
+    "slowsave", "slowstage", "skipcoll", "badshape", "skipsync", "oom", "memlimit", "spike", "slow", "hog",
 )  # fmt: skip
+MEMLIMIT_ENV = "DTLAB_MEMLIMIT_MB"
+HOG_ENV = "DTLAB_HOG_MB"
+SPIKE_FACTOR = 100.0
+SLOW_STEP_S = 1.0
 SLOW_SAVE_S = 3.0
 _ITEM = re.compile(r"^(?P<kind>[a-z]+)@(?P<first>\d+)(?:-(?P<last>\d+))?(?::r(?P<rank>\d+))?$")
 
@@ -62,6 +76,7 @@ class Faults:
 
     items: list[tuple[str, int, int]] = field(default_factory=list)
     fired: set[tuple[str, int]] = field(default_factory=set)
+    held: list[bytearray] = field(default_factory=list)  # what ``hog`` took
     # Called before ``kill`` strikes (the ledger publishes its newest entries there, so that the
     # others know what this rank did last; a real kill -9 may lag one publication).
     before_kill: list[Callable[[], None]] = field(default_factory=list)
@@ -109,6 +124,24 @@ class Faults:
             return "badshape"
         return None
 
+    def out_of_memory(self, step: int) -> bool:
+        """Whether step ``step`` gets an injected out-of-memory error (``oom``)."""
+        return self._due("oom", step)
+
+    def loss_factor(self, step: int) -> float:
+        """What step ``step``'s loss is multiplied by (``spike``: 100; else 1)."""
+        return SPIKE_FACTOR if self._due("spike", step) else 1.0
+
+    def before_step(self, step: int) -> None:
+        """Before step ``step`` starts: ``hog``, ``memlimit``, ``slow``."""
+        if self._due("hog", step):
+            # Filled, not only reserved: the pages are resident.
+            self.held.append(bytearray(b"\x01") * (int(os.environ.get(HOG_ENV, "1024")) * 2**20))
+        if self._due("memlimit", step):
+            cap_address_space(int(os.environ.get(MEMLIMIT_ENV, "256")) * 2**20)
+        if self._due("slow", step):
+            time.sleep(SLOW_STEP_S)
+
     def during_step(self, step: int) -> None:
         """Before step ``step``'s reduction: the stop signals (the ranks agree on them in it)."""
         for kind, sig in (
@@ -142,3 +175,14 @@ class Faults:
     def before_stage(self, step: int) -> None:
         if self._due("slowstage", step):
             time.sleep(SLOW_SAVE_S)
+
+
+def cap_address_space(headroom: int) -> None:
+    """Limit this process's address space to its current size plus ``headroom`` bytes (Linux)."""
+    import resource
+
+    with open("/proc/self/status", encoding="ascii") as f:
+        size = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+    soft = size + headroom if hard == resource.RLIM_INFINITY else min(size + headroom, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))

@@ -33,9 +33,10 @@ from dtlab.data.loader import MicroBatch
 from dtlab.data.sources import build_data
 from dtlab.data.tokenizer import ByteTokenizer, Tokenizer
 from dtlab.dims import ParallelDims
-from dtlab.errors import CheckpointError, Preempted
+from dtlab.errors import CheckpointError, DtlabError, Preempted
+from dtlab.metrics.alerts import memory_use
 from dtlab.metrics.comm import CommCounter
-from dtlab.metrics.logging import setup_logging
+from dtlab.metrics.logging import logger, setup_logging
 from dtlab.metrics.profiling import StepProfiler
 from dtlab.metrics.report import peak_memory_bytes
 from dtlab.models.llama import build_model, count_params
@@ -46,6 +47,7 @@ from dtlab.parallel import (
     init_distributed,
     parallelize,
 )
+from dtlab.parallel.compression import reduce_dtype
 from dtlab.parallel.dist import decide_on_rank0, reduce_scalar
 from dtlab.parallel.ledger import (
     all_reduce,
@@ -54,9 +56,16 @@ from dtlab.parallel.ledger import (
     recorded,
     start_ledger,
 )
-from dtlab.runtime.faults import Faults
+from dtlab.runtime.faults import FAULTS_ENV, Faults
 from dtlab.runtime.signals import StopSignals, agreed_stop, stop_votes
 from dtlab.train.diloco import DiLoCo, outer_group
+from dtlab.train.oom import (
+    StepOutOfMemory,
+    agree_out_of_memory,
+    is_out_of_memory,
+    smaller_micro_batch,
+    split_micro_batches,
+)
 from dtlab.train.optim import apply_hyperparameters, build_optimizer, optimizer_groups
 from dtlab.train.precision import LossScaler, autocast, check_cpu_half_precision
 from dtlab.train.run import run
@@ -89,6 +98,9 @@ def train_step(
     stop_signal: int = 0,
     skip_sync: bool = False,
     before_update: Callable[[], None] | None = None,
+    oom_retry: bool = False,
+    inject_oom: bool = False,
+    loss_factor: float = 1.0,
 ) -> dict[str, Any]:
     """One optimizer step over this rank's micro-batches; returns the step's metrics.
 
@@ -100,15 +112,28 @@ def train_step(
     one reduction, and ``"stop"`` in the metrics names the agreed signal. A step whose global loss or
     gradient norm is not finite changes no parameter (``bad`` in the metrics); under fp16 an overflow
     only lowers the loss scale (``skipped``), as loss scaling intends.
+
+    ``oom_retry``: the ranks agree, before any gradient is synchronised, whether one ran out of memory
+    (:mod:`dtlab.train.oom`); if one did, every rank raises StepOutOfMemory with nothing changed, for
+    the caller to take the step again with smaller micro-batches. ``inject_oom``: this rank's first
+    micro-batch raises an out-of-memory error (the ``oom`` fault). ``loss_factor``: the loss (and
+    so the gradients) multiplied by it (the ``spike`` fault).
     """
     if scaler.enabled:
         pm.compression.set_scale(scaler.scale)  # hooks keep their state in unscaled units
     hooked = pm.compression.hook_state is not None
     if before_update is not None and hooked:
         before_update()
-    loss_sum = accumulate_gradients(
-        pm, scaler, micro_batches, config, device, inject_nan, skip_sync
-    )
+    if oom_retry:
+        loss_sum = _accumulate_agreed(
+            pm, scaler, micro_batches, config, device, inject_nan, skip_sync, inject_oom,
+            loss_factor,
+        )  # fmt: skip
+    else:
+        loss_sum = accumulate_gradients(
+            pm, scaler, micro_batches, config, device, inject_nan, skip_sync, inject_oom,
+            loss_factor,
+        )  # fmt: skip
     pm.settle_gradients()
     params = [p for p in pm.module.parameters() if p.grad is not None]
     found = scaler.unscale_(params)  # this rank's overflow flag (fp16), no collective
@@ -127,11 +152,14 @@ def train_step(
         before_update()
     if not found_inf and not bad:
         optimizer.step()
+        pm.after_update()
         pm.compression.commit()
     else:
         pm.compression.rollback()
     scaler.update(found_inf)
     optimizer.zero_grad(set_to_none=True)
+    if pm.zero is not None:  # ZeRO-1: the optimizer holds only this rank's share of the parameters
+        pm.module.zero_grad(set_to_none=True)
     lr = scheduler.get_last_lr()[0]
     scheduler.step()
 
@@ -145,6 +173,37 @@ def train_step(
     return out
 
 
+def _accumulate_agreed(
+    pm: ParallelModel,
+    scaler: LossScaler,
+    micro_batches: list[MicroBatch],
+    config: Config,
+    device: torch.device,
+    inject_nan: bool,
+    skip_sync: bool,
+    inject_oom: bool,
+    loss_factor: float = 1.0,
+) -> torch.Tensor:
+    """:func:`accumulate_gradients` with every micro-batch unsynchronised, then the ranks' agreement on
+    an out-of-memory error, then the gradient sync: StepOutOfMemory on every rank if any ran out."""
+    failed = ""
+    try:
+        loss_sum = accumulate_gradients(
+            pm, scaler, micro_batches, config, device, inject_nan, True, inject_oom, loss_factor
+        )
+    except Exception as e:  # only an allocation failure; the frames holding tensors go with ``e``
+        if not is_out_of_memory(e):
+            raise
+        failed = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    ranks = agree_out_of_memory(bool(failed))
+    if ranks:
+        pm.module.zero_grad(set_to_none=True)
+        raise StepOutOfMemory(ranks, int(micro_batches[0][0].shape[0]), failed)
+    if not skip_sync:
+        pm.sync_gradients(reduce_dtype(config))
+    return loss_sum
+
+
 def accumulate_gradients(
     pm: ParallelModel,
     scaler: LossScaler,
@@ -153,6 +212,8 @@ def accumulate_gradients(
     device: torch.device,
     inject_nan: bool = False,
     skip_sync: bool = False,
+    inject_oom: bool = False,
+    loss_factor: float = 1.0,
 ) -> torch.Tensor:
     """Forward and backward of every micro-batch, gradients synchronised on the last one only;
     returns this rank's loss, summed over its micro-batches (each divided by their number).
@@ -184,7 +245,13 @@ def accumulate_gradients(
             loss = forward_loss(pm.module, inputs, targets, config.train.precision, device) / accum
             if inject_nan:
                 loss = loss * float("nan")
+            if loss_factor != 1.0:
+                loss = loss * loss_factor
             scaler.scale_loss(loss).backward()
+        if inject_oom and i == 0:
+            raise torch.OutOfMemoryError(
+                f"{FAULTS_ENV}: injected out of memory after the first micro-batch's backward"
+            )
         # Tensor parallel: the loss is a replicated DTensor, the same on every rank of the group.
         loss_sum += loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach()  # type: ignore[attr-defined]
     return loss_sum
@@ -362,7 +429,7 @@ def build_training(config: Config, d: DistInfo) -> Training:
     model = build_model(config.model)  # on the meta device: nothing allocated yet
     pm = parallelize(model, config, d)
     # Built after parallelize: the optimizer must hold the parameters training updates (FSDP's shards).
-    optimizer = build_optimizer(pm.module, t)
+    optimizer = build_optimizer(pm.module, t, pm.owns)
     layout = BatchLayout(t.global_batch_size, d.dims.dp_rank(d.rank), dp, micro)
     loader = BatchLoader(
         data.train, layout, prefetch=config.data.prefetch, pin_memory=d.device.type == "cuda"
@@ -447,6 +514,8 @@ class TorchEngine:
         self.coord: Coordinator = d
         self.tr = build_training(config, d)
         self.loader, self.accum, self.micro = self.tr.loader, self.tr.accum, self.tr.micro
+        self.micro_now = self.micro  # smaller after a step ran out of memory (train.oom_retry)
+        self.oom_retries = 0
         self.val_loader, self.tokenizer = self.tr.val_loader, self.tr.tokenizer
         self.params = count_params(self.tr.model)
         model_parallel = [f"tp {d.dims.tp}"] if d.dims.tp_enabled else []
@@ -469,7 +538,8 @@ class TorchEngine:
         comm = tr.diloco or getattr(tr.optimizer, "local", None) or tr.pm.compression
         self.per_rank = (f"comm.rank{self.d.rank}",)  # each rank's own compression state
         optim: Stateful = OptimizerState(tr.pm.module, tr.optimizer)
-        if tr.pm.pipeline is not None:
+        if tr.pm.pipeline is not None or tr.pm.zero is not None:
+            # A pipeline rank's stages, or ZeRO-1's share: the state of some of the parameters.
             optim = StagedOptimizerState(tr.pm.module, tr.optimizer, optimizer_groups(tr.model))
         self.states = {
             "model": ModelState(tr.pm.module),
@@ -536,19 +606,70 @@ class TorchEngine:
     def _step(
         self, batch: list[Any], step: int, stop_signal: int, inject_nan: bool
     ) -> dict[str, Any]:
-        tr = self.tr
-        m = train_step(
-            tr.pm, tr.optimizer, tr.scheduler, tr.scaler, batch, self.config, self.d.device,
-            inject_nan=inject_nan, stop_signal=stop_signal,
-            skip_sync=self.faults.skip_sync(step), before_update=self._staged,
-        )  # fmt: skip
+        tr, retries = self.tr, 0
+        skip_sync, loss_factor = self.faults.skip_sync(step), self.faults.loss_factor(step)
+        while True:
+            micro_batches = batch
+            if self.micro_now != self.micro:
+                micro_batches = split_micro_batches(batch, self.micro_now)
+            try:
+                m = train_step(
+                    tr.pm, tr.optimizer, tr.scheduler, tr.scaler, micro_batches, self.config,
+                    self.d.device, inject_nan=inject_nan, stop_signal=stop_signal,
+                    skip_sync=skip_sync, before_update=self._staged,
+                    oom_retry=self.config.train.oom_retry,
+                    inject_oom=self.faults.out_of_memory(step), loss_factor=loss_factor,
+                )  # fmt: skip
+                break
+            except StepOutOfMemory as e:
+                self._smaller_micro_batches(step, e)
+                retries += 1
+        if retries:
+            self.oom_retries += retries
+            m.update(oom_retries=retries, micro_batch_size=self.micro_now)
         if tr.diloco is not None:
             with recorded("diloco outer sync", "all_reduce"):
                 tr.diloco.after_step(step)
         return m
 
+    def _smaller_micro_batches(self, step: int, e: StepOutOfMemory) -> None:
+        """After step ``step`` ran out of memory: smaller micro-batches from now on (and said so), or
+        an error when they are one sample already."""
+        smaller = smaller_micro_batch(self.micro_now)
+        ranks = f"rank{'s' * (len(e.ranks) > 1)} {', '.join(str(r) for r in e.ranks)}"
+        if self.d.rank in e.ranks:  # what the allocator said, where it said it
+            logger.warning("step %d: %s", step, e.detail)
+        if smaller is None:
+            raise DtlabError(
+                f"step {step} ran out of memory on {ranks} even with micro-batches of one "
+                f"sample; this layout needs less memory per rank: shard it "
+                "(parallel.strategy = 'fsdp'), recompute activations "
+                "(train.activation_checkpointing = 'full'), or shorten data.seq_len"
+            )
+        accum = self.accum * self.micro // smaller
+        if self.d.rank == 0:
+            logger.warning(
+                "step %d ran out of memory on %s with micro-batches of %d; taking it again on "
+                "every rank with micro-batches of %d: %d accumulation steps, the same global "
+                "batch of %d (train.oom_retry)",
+                step, ranks, self.micro_now, smaller, accum,
+                self.config.train.global_batch_size,
+            )  # fmt: skip
+        self.micro_now = smaller
+
     def evaluate(self, batches: list[list[Any]]) -> float:
         return evaluate(self.tr.pm, batches, self.config, self.d.device)
+
+    def memory_use(self) -> tuple[int, int]:
+        return memory_use(self.d.device)
+
+    def agreed_max(self, values: list[float]) -> list[float]:
+        if not dist.is_initialized():
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.d.device)
+        with recorded("alerts: the ranks' largest figures", "all_reduce", t):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [float(v) for v in t.tolist()]
 
     def after_step(self) -> None:
         if self.profiler is not None:
@@ -558,7 +679,19 @@ class TorchEngine:
         return int(reduce_scalar(peak_memory_bytes(self.d.device), "max"))
 
     def summary(self) -> dict[str, Any]:
-        return {}
+        # Measured, not predicted: the bytes of the optimizer state tensors the largest rank holds
+        # (ZeRO-1 and FSDP hold a share; DDP all of it).
+        tensors = [
+            v.to_local() if isinstance(v, DTensor) else v
+            for state in self.tr.optimizer.state.values()
+            for v in state.values()
+            if isinstance(v, torch.Tensor)
+        ]
+        held = sum(v.numel() * v.element_size() for v in tensors)
+        out: dict[str, Any] = {"optimizer_state_bytes": int(reduce_scalar(float(held), "max"))}
+        if self.config.train.oom_retry:
+            out.update(oom_retries=self.oom_retries, micro_batch_size=self.micro_now)
+        return out
 
     def end(self) -> None:
         if self.profiler is not None:

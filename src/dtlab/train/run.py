@@ -30,6 +30,7 @@ from dtlab.data import BatchLoader
 from dtlab.data.sources import describe_data
 from dtlab.data.tokenizer import Tokenizer
 from dtlab.errors import DtlabError, Preempted
+from dtlab.metrics.alerts import AlertMonitor, count_alerts
 from dtlab.metrics.logging import logger
 from dtlab.metrics.sinks import JsonlSink, NullSink, ProgressSink, Sink, TensorBoardSink
 from dtlab.metrics.trackers import open_trackers
@@ -121,6 +122,14 @@ class Engine(Protocol):
         """The largest peak memory of any rank (a collective)."""
         ...
 
+    def memory_use(self) -> tuple[int, int]:
+        """(bytes in use, bytes there are) on this rank's device (:func:`dtlab.metrics.alerts.memory_use`)."""
+        ...
+
+    def agreed_max(self, values: list[float]) -> list[float]:
+        """Each of ``values``, maximised over the ranks (a collective)."""
+        ...
+
     def summary(self) -> dict[str, Any]:
         """What the engine adds to the run's summary."""
         return {}
@@ -161,6 +170,8 @@ def logged(m: dict[str, Any], config: Config) -> bool:
         or step in (1, config.train.steps)
         or "bad" in m
         or "val_loss" in m
+        or "oom_retries" in m
+        or "alerts" in m
     )
 
 
@@ -319,10 +330,12 @@ def _loop(
     config, engine, state, health, t = r.config, r.engine, r.state, r.health, r.config.train
     tokens_per_step = t.global_batch_size * config.seq_len
     warned_nonfinite = False
+    monitor = AlertMonitor(config.alerts, tokens_per_step) if config.alerts.enabled else None
     while state.step < t.steps:
         t0 = time.perf_counter()
         n = state.step + 1
         batch = next(engine.loader)
+        faults.before_step(n)
         faults.during_step(n)
         m = engine.step(batch, n, signals.received, faults.nan_loss(n))
         stop = m.pop("stop", None)
@@ -336,6 +349,7 @@ def _loop(
             m["rollback"] = health.rollbacks  # this step number was logged before the rollback
         if eval_due(config, n):
             m.update(_evaluate(r, n))
+        fired = _alerts(r, monitor, m, dt)
         history.append(m)
         if not warned_nonfinite and not math.isfinite(m["loss"]):
             logger.warning("step %d: loss is %s", n, m["loss"])
@@ -357,6 +371,8 @@ def _loop(
             health.bad_in_a_row = 0
         if stop is not None:
             _stop(r, stop)
+        if fired and config.alerts.action == "stop":
+            _stop(r, "alert", [msg for _, msg in fired])
         if r.ckpt.due(n) or (n == t.steps and config.checkpoint.every):
             with recorded("checkpoint save", "checkpoint"):
                 engine.save(r.ckpt, n, blocking=False)
@@ -377,9 +393,27 @@ def _evaluate(r: _Run, step: int) -> dict[str, Any]:
     return {"val_loss": loss, "val_ppl": ppl, "eval_time_s": time.perf_counter() - t0}
 
 
-def _stop(r: _Run, signal_name: str) -> None:
+def _alerts(
+    r: _Run, monitor: AlertMonitor | None, m: dict[str, Any], step_time_s: float
+) -> list[tuple[str, str]]:
+    """The alerts step ``m`` raises (every rank alike), named in its record and warned by rank 0."""
+    if monitor is None:
+        return []
+    used, total = r.engine.memory_use()
+    fraction, slowest = r.engine.agreed_max([used / total if total else 0.0, step_time_s])
+    fired = monitor.check(m, fraction, slowest)
+    if fired:
+        m["alerts"] = [kind for kind, _ in fired]
+        if r.engine.coord.is_main:
+            for kind, message in fired:
+                logger.warning("alert %s: %s", kind, message)
+    return fired
+
+
+def _stop(r: _Run, signal_name: str, alerts: list[str] | None = None) -> None:
     """Every rank saves the state after this step and stops: Preempted (exit 75) only once the
-    checkpoint is committed; otherwise an error that says nothing was saved."""
+    checkpoint is committed; otherwise an error that says nothing was saved. Stopped by ``alerts``
+    (``alerts.action: stop``), an error that names them once the checkpoint is committed."""
     step, ckpt = r.state.step, r.ckpt
     with recorded("preemption checkpoint save", "checkpoint"):
         r.engine.save(ckpt, step, blocking=True)
@@ -391,6 +425,11 @@ def _stop(r: _Run, signal_name: str) -> None:
         raise DtlabError(
             f"stopped by {signal_name} after step {step}, but its checkpoint could not be saved "
             "(see the error above); nothing of the steps since the last checkpoint was kept"
+        )
+    if alerts:
+        raise DtlabError(
+            f"stopped by an alert after step {step} (alerts.action = stop): {'; '.join(alerts)}. "
+            f"Checkpoint saved in {path}: the same command resumes once the cause is dealt with"
         )
     if r.engine.coord.is_main:
         record_stop(r.run_dir, step, signal_name, path)
@@ -459,6 +498,8 @@ def _finish(
         "checkpoint_blocked_s": round(sum(ckpt.blocked_s), 3),
         "durable_copy_failures": ckpt.durable_failures,
     }
+    if config.alerts.enabled:  # every alert of the run's whole history
+        summary["alerts"] = count_alerts(loss_curve(earlier + history))
 
     def outputs() -> None:  # on rank 0
         summary["metrics_lost"] = sum(getattr(sink, "lost", 0) for sink in sinks)

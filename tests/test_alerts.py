@@ -1,0 +1,125 @@
+"""Alerts: thresholds on memory, throughput, loss and gradient-norm spikes and non-finite steps, each
+tripped by a fault in a real run; warned with the figure and the threshold, counted, and with
+``action: stop`` the end of the run after a checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import FAST, read_metrics, run_cli
+from dtlab.config import AlertsConfig
+from dtlab.metrics.alerts import AlertMonitor
+
+
+def _monitor(**thresholds: float) -> AlertMonitor:
+    return AlertMonitor(AlertsConfig(**thresholds, window=10), tokens_per_step=1000)
+
+
+def _steady(monitor: AlertMonitor, steps: int) -> None:
+    for step in range(1, steps + 1):
+        assert monitor.check({"step": step, "loss": 2.0, "grad_norm": 1.0}, 0.1, 0.01) == []
+
+
+def test_each_threshold_fires_when_crossed_and_once_while_it_stays_crossed() -> None:
+    m = _monitor(loss_spike=2.0, grad_norm_spike=3.0, throughput_drop=0.5, memory_fraction=0.5)
+    _steady(m, 5)
+    fired = m.check({"step": 6, "loss": 4.5, "grad_norm": 2.9}, 0.1, 0.01)
+    assert [k for k, _ in fired] == ["loss_spike"]
+    assert "loss 4.5 is 2.25x the median 2 of the last 5 steps, above alerts.loss_spike = 2" in fired[0][1]
+    fired = m.check({"step": 7, "loss": 2.0, "grad_norm": 3.5}, 0.6, 0.03)
+    assert sorted(k for k, _ in fired) == ["grad_norm_spike", "memory", "throughput"]
+    # Still above the memory threshold: no second alert until it came back under.
+    assert m.check({"step": 8, "loss": 2.0, "grad_norm": 1.0}, 0.7, 0.01) == []
+    assert m.check({"step": 9, "loss": 2.0, "grad_norm": 1.0}, 0.2, 0.01) == []
+    assert [k for k, _ in m.check({"step": 10, "loss": 2.0, "grad_norm": 1.0}, 0.8, 0.01)] == [
+        "memory"
+    ]
+
+
+def test_nonfinite_steps_are_counted_over_the_window() -> None:
+    m = _monitor(nonfinite=2)
+    _steady(m, 3)
+    nan = float("nan")
+    assert m.check({"step": 4, "loss": nan, "grad_norm": nan, "bad": True}, 0.1, 0.01) == []
+    fired = m.check({"step": 5, "loss": nan, "grad_norm": nan, "bad": True}, 0.1, 0.01)
+    assert [k for k, _ in fired] == ["nonfinite"]
+    # NaN figures stay out of the medians: a later spike is still judged against 2.0.
+    m2 = _monitor(loss_spike=2.0)
+    _steady(m2, 3)
+    m2.check({"step": 4, "loss": nan, "grad_norm": nan, "bad": True}, 0.1, 0.01)
+    assert [k for k, _ in m2.check({"step": 5, "loss": 4.1, "grad_norm": 1.0}, 0.1, 0.01)] == [
+        "loss_spike"
+    ]
+
+
+def _memory_threshold() -> float:
+    """A fraction of this machine's memory above a debug run's resident size (a few hundred MiB)
+    and below it with the ``hog`` fault's 1 GiB more."""
+    total = next(
+        int(line.split()[1]) * 1024
+        for line in Path("/proc/meminfo").read_text().splitlines()
+        if line.startswith("MemTotal:")
+    )
+    return round(900 * 2**20 / total, 6)
+
+
+ALERTS = [
+    "alerts.loss_spike=3",
+    "alerts.grad_norm_spike=3",
+    "alerts.throughput_drop=0.5",
+    "alerts.nonfinite=2",
+]
+
+
+def test_faults_trip_every_alert_in_a_run(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = run_cli(
+        "train", "--nproc", "2", "--set", *FAST, "train.steps=12", "parallel.strategy=ddp",
+        f"run.dir={run_dir}", *ALERTS, f"alerts.memory_fraction={_memory_threshold()}",
+        env={"DTLAB_FAULTS": "hog@4:r1,spike@7,slow@9,nan@10-11"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    by_step = {m["step"]: set(m.get("alerts", ())) for m in read_metrics(run_dir)}
+    assert "memory" in by_step[4]  # rank 1's memory: the ranks' largest figure is judged
+    assert {"loss_spike", "grad_norm_spike"} <= by_step[7]
+    assert "throughput" in by_step[9]
+    assert by_step[11] == {"nonfinite"}
+    assert all(not by_step[s] for s in (1, 2, 3, 5, 6, 8, 12)), by_step
+    assert "alert loss_spike: step 7: loss" in proc.stderr
+    assert "above alerts.loss_spike = 3" in proc.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    counts = summary["alerts"]
+    assert counts["loss_spike"] == counts["grad_norm_spike"] == counts["nonfinite"] == 1
+    assert counts["memory"] == 1 and counts["throughput"] >= 1
+
+
+def test_an_alert_can_stop_the_run_after_a_checkpoint(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = [
+        "train", "--set", *FAST, "train.steps=12", f"run.dir={run_dir}", "alerts.loss_spike=3",
+        "alerts.action=stop",
+    ]  # fmt: skip
+    proc = run_cli(*args, env={"DTLAB_FAULTS": "spike@7"})
+    assert proc.returncode not in (0, 75), proc.stderr
+    assert "stopped by an alert after step 7 (alerts.action = stop): step 7: loss" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert (run_dir / "checkpoints" / "step-00000007").is_dir()
+    assert not (run_dir / "summary.json").exists()
+    # The same command resumes from the alert's checkpoint.
+    proc = run_cli(*args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step-00000007" in proc.stderr
+    assert [m["step"] for m in read_metrics(run_dir)] == list(range(1, 13))
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("alerts.memory_fraction", "1.5"), ("alerts.loss_spike", "0.5"), ("alerts.action", "page")],
+)
+def test_bad_thresholds_are_refused(tmp_path: Path, key: str, value: str) -> None:
+    proc = run_cli("train", "--set", *FAST, f"run.dir={tmp_path / 'run'}", f"{key}={value}")
+    assert proc.returncode != 0 and key in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()
