@@ -28,7 +28,10 @@ def test_each_threshold_fires_when_crossed_and_once_while_it_stays_crossed() -> 
     _steady(m, 5)
     fired = m.check({"step": 6, "loss": 4.5, "grad_norm": 2.9}, 0.1, 0.01)
     assert [k for k, _ in fired] == ["loss_spike"]
-    assert "loss 4.5 is 2.25x the median 2 of the last 5 steps, above alerts.loss_spike = 2" in fired[0][1]
+    assert (
+        "loss 4.5 is 2.25x the median 2 of the last 5 steps, above alerts.loss_spike = 2"
+        in fired[0][1]
+    )
     fired = m.check({"step": 7, "loss": 2.0, "grad_norm": 3.5}, 0.6, 0.03)
     assert sorted(k for k, _ in fired) == ["grad_norm_spike", "memory", "throughput"]
     # Still above the memory threshold: no second alert until it came back under.

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import pytest
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -111,6 +112,7 @@ def test_bench_plots_label_their_bars(tmp_path: Path) -> None:
     paths = plots(rows, tmp_path)
     assert [p.name for p in paths] == [
         "throughput.png",
+        "overlap.png",
         "memory.png",
         "communication.png",
         "loss.png",
@@ -168,3 +170,13 @@ def test_engines_report_and_plot(tmp_path: Path) -> None:
     assert ticks and all(t == int(t) for t in ticks), ticks
     assert "torch single x1 fp32, mlx single x1 fp32 coincide" in curves.get_title()
     plt.close(fig)
+
+
+def test_overlap_is_the_hidden_share_of_the_collectives() -> None:
+    from dtlab.bench.worker import _overlap_figures
+
+    # 80 ms of compute and 40 ms of collectives in a 100 ms step: 20 ms of them were hidden.
+    assert _overlap_figures(0.1, 0.08, 0.04)["overlap_fraction"] == pytest.approx(0.5)
+    assert _overlap_figures(0.13, 0.08, 0.04)["overlap_fraction"] == 0.0  # slower than both
+    assert _overlap_figures(0.07, 0.08, 0.04)["overlap_fraction"] == 1.0  # capped
+    assert _overlap_figures(0.1, None, 0.04)["overlap_fraction"] is None

@@ -26,6 +26,9 @@ def test_reference_trains(reference_run: list[dict[str, Any]]) -> None:
         ("fsdp-no_shard", 2, ["parallel.strategy=fsdp", "parallel.sharding=no_shard"]),
         ("fsdp-accumulation", 2, ["parallel.strategy=fsdp", "train.micro_batch_size=1"]),
         ("hsdp", 4, ["parallel.strategy=hsdp", "parallel.replicate=2"]),
+        # The tuning options change when collectives run, not what they compute.
+        ("ddp-small-buckets", 2, ["parallel.strategy=ddp", "parallel.bucket_mb=0.05"]),
+        ("fsdp-prefetch-2", 2, ["parallel.strategy=fsdp", "parallel.fsdp_prefetch=2"]),
     ],
 )
 def test_strategy_matches_single_process(

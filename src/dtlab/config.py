@@ -626,6 +626,20 @@ class ParallelConfig(_Section):
         ge=1,
         description="hsdp: number of replica groups; the shard group size is world / replicate.",
     )
+    bucket_mb: float = Field(
+        25.0,
+        gt=0,
+        le=4096,
+        description="ddp: MiB of gradients per all-reduce bucket (DDP's bucket_cap_mb): smaller "
+        "buckets start communicating earlier in backward, larger ones issue fewer collectives.",
+    )
+    fsdp_prefetch: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="fsdp/hsdp: blocks whose parameters each block's forward and backward explicitly "
+        "prefetch (all-gather ahead of their use); 0 = FSDP2's implicit prefetch of the next one.",
+    )
     tp: int = Field(
         1,
         ge=1,

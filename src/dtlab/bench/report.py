@@ -150,6 +150,7 @@ def plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     width = max(6, 1.2 * len(rows))
     figures = [
         ("throughput.png", (width, 4), _throughput_plot),
+        ("overlap.png", (width, 4), _overlap_plot),
         ("memory.png", (width + 2.5, 4), _memory_plot),
         ("communication.png", (width, 4), _communication_plot),
         ("loss.png", (7, 4), _loss_plot),
@@ -175,6 +176,31 @@ def _throughput_plot(ax: Any, rows: list[dict[str, Any]], names: list[str]) -> N
     ax.set_ylabel("tokens/s (all ranks)")
     ax.set_title("Throughput (median step)")
     ax.margins(y=0.12)  # room for the labels above the bars
+
+
+def _overlap_plot(ax: Any, rows: list[dict[str, Any]], names: list[str]) -> None:
+    """Each run's step next to its compute-only step and its collectives replayed alone, labelled
+    with the share of the communication that hid behind computation."""
+    x = range(len(rows))
+    w = 0.27
+    for offset, key, name, color in (
+        (-w, "step_time_s", "step", "#4477aa"),
+        (0.0, "compute_time_s", "compute only", "#228833"),
+        (w, "comm_time_s", "collectives alone", "#ee6677"),
+    ):
+        vals = [r.get(key) or 0.0 for r in rows]
+        bars = ax.bar([i + offset for i in x], vals, w, label=name, color=color)
+        if key == "step_time_s":
+            labels = [
+                "" if r.get("overlap_fraction") is None else f"{r['overlap_fraction']:.0%} hidden"
+                for r in rows
+            ]
+            ax.bar_label(bars, labels, fontsize=7)
+    ax.set_xticks(list(x), names, rotation=30, ha="right")
+    ax.set_ylabel("seconds (median)")
+    ax.set_title("Overlap: step vs compute only and collectives alone", fontsize=10)
+    ax.margins(y=0.15)
+    ax.legend(fontsize=7)
 
 
 def _memory_plot(ax: Any, rows: list[dict[str, Any]], names: list[str]) -> None:
@@ -303,12 +329,14 @@ def _runs_table(results: dict[str, Any]) -> list[str]:
         "",
         *_table_head(
             "run", "step s (min-max)", "tokens/s", "MFU", "peak mem MiB", "comm MiB/step (pred.)",
-            "comm s", "CPU util", "final loss", "peak source",
+            "comm s", "compute s", "overlap", "CPU util", "final loss", "peak source",
         ),
     ]  # fmt: skip
     for r in rows:
         mfu = format_mfu(r["mfu"], r["peak_flops_source"])
         comm_t = "-" if r["comm_time_s"] is None else f"{r['comm_time_s']:.3f}"
+        compute_t = "-" if r.get("compute_time_s") is None else f"{r['compute_time_s']:.3f}"
+        overlap = "-" if r.get("overlap_fraction") is None else f"{r['overlap_fraction']:.0%}"
         step = f"{r['step_time_s']:.3f} ({r['step_time_min_s']:.3f}-{r['step_time_max_s']:.3f})"
         comm = (
             f"{r['comm_bytes_per_step'] / MIB:.2f} ({r['comm_bytes_per_step_predicted'] / MIB:.2f})"
@@ -316,7 +344,8 @@ def _runs_table(results: dict[str, Any]) -> list[str]:
         lines.append(
             _table_row(
                 label(r), step, f"{r['tokens_per_s']:,.0f}", mfu,
-                f"{r['peak_memory_bytes'] / MIB:,.0f}", comm, comm_t, f"{r['cpu_util']:.0%}",
+                f"{r['peak_memory_bytes'] / MIB:,.0f}", comm, comm_t, compute_t, overlap,
+                f"{r['cpu_util']:.0%}",
                 f"{r['loss_final']:.4f}", r["peak_flops_source"],
             )
         )  # fmt: skip

@@ -233,12 +233,15 @@ def _bench(
         if d.is_main:
             shutil.rmtree(run_dir, ignore_errors=True)
     comm_time = _replay_collectives(engine.counter, d)
+    compute_time = _compute_only(config, d, engine.tr) if comm_time is not None else None
     losses = [m["loss"] for m in timing.records]
+    speed = _speed_figures(config, timing, timed, *peak)
     row = {
         **_layout_figures(config, d),
-        **_speed_figures(config, timing, timed, *peak),
+        **speed,
         **_memory_figures(config, d, engine.tr, act),
         **_comm_figures(config, d, engine.counter, comm_time),
+        **_overlap_figures(speed["step_time_s"], compute_time, comm_time),
         "cpu_util": _cpu_util(timing, timed) / (os.cpu_count() or 1),
         "loss_initial": losses[0],
         "loss_final": losses[-1],
@@ -437,6 +440,58 @@ def _replay_collectives(counter: CommCounter, d: DistInfo) -> float | None:
             continue
         elapsed += time.perf_counter() - t0
     return reduce_scalar(elapsed, "max")
+
+
+COMPUTE_REPEATS = 5  # compute-only steps timed (the median counts), after one untimed
+
+
+def _compute_only(config: Config, d: DistInfo, tr: Training) -> float | None:
+    """The step without a collective, timed on every rank at once (the longest median counts): this
+    rank's forward and backward over its micro-batches on a plain copy of the model (no wrapper, the
+    same activation checkpointing), and a fused AdamW step over as many elements as the rank's
+    optimizer holds (all of them under DDP, its shard under FSDP)."""
+    if not dist.is_initialized() or d.dims.tp_enabled or d.dims.pp_enabled:
+        return None
+    from dtlab.models.llama import build_model
+    from dtlab.parallel.apply import apply_ac, apply_compile
+
+    t = config.train
+    model = build_model(config.model, device=d.device)
+    apply_ac(model, t.activation_checkpointing)
+    if t.compile:
+        apply_compile(model)
+    held = sum(
+        _local_bytes(p) // p.element_size() for g in tr.optimizer.param_groups for p in g["params"]
+    )
+    flat = torch.nn.Parameter(torch.zeros(max(held, 1), device=d.device))
+    flat.grad = torch.zeros_like(flat)
+    optimizer = torch.optim.AdamW([flat], fused=d.device.type in ("cpu", "cuda"))
+    micro_batches = [(x.to(d.device), y.to(d.device)) for x, y in tr.loader.build_step(0)]
+    times = []
+    for _ in range(COMPUTE_REPEATS + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for x, y in micro_batches:
+            (forward_loss(model, x, y, t.precision, d.device) / len(micro_batches)).backward()
+        optimizer.step()
+        model.zero_grad(set_to_none=True)
+        if d.device.type == "cuda":
+            torch.cuda.synchronize(d.device)
+        times.append(time.perf_counter() - t0)
+    return reduce_scalar(statistics.median(times[1:]), "max")
+
+
+def _overlap_figures(
+    step_time: float, compute_time: float | None, comm_time: float | None
+) -> dict[str, Any]:
+    """How much of the step's communication hid behind its computation: the compute-only step plus
+    the collectives replayed alone, less the real step, as a fraction of the collectives' time (0:
+    none hidden, or communication slowed the computation down; 1: all of it)."""
+    overlap = None
+    if compute_time is not None and comm_time:
+        hidden = compute_time + comm_time - step_time
+        overlap = min(1.0, max(0.0, hidden / comm_time))
+    return {"compute_time_s": compute_time, "overlap_fraction": overlap}
 
 
 def main(argv: list[str] | None = None) -> int:

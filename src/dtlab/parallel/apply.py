@@ -186,12 +186,18 @@ def apply_compile(model: Transformer) -> None:
 
 # --- FSDP / HSDP (on the mesh of dtlab.dims.ParallelDims) -------------------------------------------
 def apply_fsdp(
-    model: Transformer, mesh: DeviceMesh, sharding: str, reduce_dtype: torch.dtype | None = None
+    model: Transformer,
+    mesh: DeviceMesh,
+    sharding: str,
+    reduce_dtype: torch.dtype | None = None,
+    prefetch: int = 0,
 ) -> None:
     """FSDP2 ``fully_shard`` on each block, then on the root (embeddings, final norm, output).
 
     ``full`` frees the gathered parameters after forward (ZeRO-3); ``shard_grad_op`` keeps them until
-    backward is done (ZeRO-2: one all-gather per step instead of two).
+    backward is done (ZeRO-2: one all-gather per step instead of two). ``prefetch`` > 0: each block's
+    forward issues the all-gathers of the next ``prefetch`` blocks, and its backward those of the
+    ``prefetch`` blocks before it, instead of FSDP2's implicit one-ahead.
     """
     reshard = sharding == "full"
     # Compression fp16/bf16: gradients are reduce-scattered (and all-reduced across replicas) in that dtype.
@@ -199,6 +205,13 @@ def apply_fsdp(
     for block in model.layers.values():
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+    if prefetch:
+        blocks = [b for b in model.layers.values() if isinstance(b, FSDPModule)]
+        for i, block in enumerate(blocks):
+            if ahead := blocks[i + 1 : i + 1 + prefetch]:
+                block.set_modules_to_forward_prefetch(ahead)  # type: ignore[arg-type]
+            if behind := blocks[max(0, i - prefetch) : i][::-1]:
+                block.set_modules_to_backward_prefetch(behind)  # type: ignore[arg-type]
 
 
 # --- materialisation -------------------------------------------------------------------------------
@@ -407,6 +420,7 @@ def _parallelize_one(
             dims.mesh(device_type, *dims.dp_mesh_dims),
             config.parallel.sharding,
             reduce_dtype(config),
+            config.parallel.fsdp_prefetch,
         )
     materialize(model, dist_info.device, t.seed)
     if not dims.ddp_enabled:
@@ -423,6 +437,7 @@ def _parallelize_one(
         device_ids=device_ids,
         gradient_as_bucket_view=True,
         process_group=group,
+        bucket_cap_mb=config.parallel.bucket_mb,
         **NO_BUFFER_SYNC,
     )
     return ddp, apply_ddp_compression(ddp, config)
