@@ -72,7 +72,7 @@ def _memory_threshold() -> float:
 ALERTS = [
     "alerts.loss_spike=3",
     "alerts.grad_norm_spike=3",
-    "alerts.throughput_drop=0.5",
+    "alerts.throughput_drop=0.2",  # the slow step is ~3% of the median; noise stays far above
     "alerts.nonfinite=2",
 ]
 
@@ -90,7 +90,8 @@ def test_faults_trip_every_alert_in_a_run(tmp_path: Path) -> None:
     assert {"loss_spike", "grad_norm_spike"} <= by_step[7]
     assert "throughput" in by_step[9]
     assert by_step[11] == {"nonfinite"}
-    assert all(not by_step[s] for s in (1, 2, 3, 5, 6, 8, 12)), by_step
+    quiet = {s: by_step[s] for s in (1, 2, 3, 5, 6, 8, 12)}
+    assert not any(quiet.values()), str(quiet)
     assert "alert loss_spike: step 7: loss" in proc.stderr
     assert "above alerts.loss_spike = 3" in proc.stderr
     summary = json.loads((run_dir / "summary.json").read_text())

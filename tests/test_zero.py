@@ -52,8 +52,10 @@ def test_zero1_matches_single_process_with_a_share_of_the_state(
     assert measured == zero.optimizer_bytes
     assert measured < ddp.optimizer_bytes / nproc * 1.2, (measured, ddp.optimizer_bytes)
     # And the bytes each step moves are predicted to the byte: DDP's all-reduce, the owners'
-    # broadcasts and the step's reduction.
-    assert {m["comm_bytes"] for m in run} == {sum(zero.comm_bytes.values())}
+    # broadcasts and the step's reduction (but in step 2, where DDP broadcasts the bucket layout it
+    # rebuilt after the first backward, once).
+    counted = {m["step"]: m["comm_bytes"] for m in run}
+    assert {v for step, v in counted.items() if step != 2} == {sum(zero.comm_bytes.values())}
     assert zero.comm_bytes["broadcast"] == 4 * summary["params"]
 
 
