@@ -70,3 +70,20 @@ def test_without_permission_it_is_a_clear_error_and_nothing_is_created() -> None
     assert proc.returncode != 0
     assert "needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN)" in proc.stderr
     assert _namespaces() == before
+
+
+def test_the_time_to_loss_model_shares_the_link_between_the_ranks() -> None:
+    """Every rank sends its wire bytes through the namespace's one rate-limited loopback at once: the
+    prediction counts all of them (DDP at 100 Mbit/s measured 2.08 s of communication a step, twice
+    what one rank's bytes alone would take)."""
+    from dtlab.bench.lowcomm import NPROC, predict
+
+    common = {"method": "ddp", "wire_bytes_per_step": 1e6}
+    rows = [
+        {**common, "link": "none", "link_measured_bps": 1e12, "mean_step_time_s": 0.5},
+        {**common, "link": "100mbit", "link_measured_bps": 1e8, "mean_step_time_s": 0.7},
+    ]
+    predict(rows)
+    compute = 0.5 - 8 * NPROC * 1e6 / 1e12
+    assert rows[0]["compute_time_s"] == rows[1]["compute_time_s"] == pytest.approx(compute)
+    assert rows[1]["predicted_step_time_s"] == pytest.approx(compute + 8 * NPROC * 1e6 / 1e8)
