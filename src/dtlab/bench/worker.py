@@ -270,7 +270,9 @@ def _layout_figures(config: Config, d: DistInfo) -> dict[str, Any]:
         "tp": d.dims.tp,
         "pp": d.dims.pp,
         "pp_schedule": config.parallel.pp_schedule if d.dims.pp_enabled else None,
-        "sharding": config.parallel.sharding if d.dims.fsdp_enabled or d.dims.shard_optimizer else "-",
+        "sharding": config.parallel.sharding
+        if d.dims.fsdp_enabled or d.dims.shard_optimizer
+        else "-",
         "nproc": d.world_size,
         "compression": compression_name(config),
         "precision": t.precision,
