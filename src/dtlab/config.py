@@ -1036,9 +1036,23 @@ def pipeline_microbatches(config: Config, dp: int) -> int:
     return n
 
 
+def _plain_data_parallel(c: Config) -> dict[str, tuple[bool, str, str]]:
+    """What ZeRO-1 and OOM retry both refuse, as key -> (refused, value shown, allowed): anything but
+    the torch engine's plain data parallelism with a gradient all-reduce (DeMo and DiLoCo exchange
+    something else; tensor and pipeline parallelism meet inside forward and backward)."""
+    p, t = c.parallel, c.train
+    return {
+        "train.optimizer": (t.optimizer == "demo", "'demo'", "adamw, sgd"),
+        "parallel.diloco.inner_steps": (p.diloco.inner_steps > 0, str(p.diloco.inner_steps), "0"),
+        "parallel.tp": (p.tp > 1, str(p.tp), "1"),
+        "parallel.pp": (p.pp > 1, str(p.pp), "1"),
+        "train.engine": (t.engine == "mlx", "'mlx'", "torch"),
+    }
+
+
 def _check_zero1(c: Config) -> None:
     """ZeRO-1 (parallel.sharding = 'optimizer') shards DDP's optimizer state, and only that."""
-    p, t = c.parallel, c.train
+    p = c.parallel
     if p.sharding != "optimizer":
         return
     wrapper = DPWrapper.of(p.strategy)
@@ -1048,11 +1062,7 @@ def _check_zero1(c: Config) -> None:
             f"= {p.strategy!r} allows: full, shard_grad_op, no_shard (or use parallel.strategy = 'ddp')"
         )
     refused: dict[str, tuple[bool, str, str]] = {
-        "train.optimizer": (t.optimizer == "demo", "'demo'", "adamw, sgd"),
-        "parallel.diloco.inner_steps": (p.diloco.inner_steps > 0, str(p.diloco.inner_steps), "0"),
-        "parallel.tp": (p.tp > 1, str(p.tp), "1"),
-        "parallel.pp": (p.pp > 1, str(p.pp), "1"),
-        "train.engine": (t.engine == "mlx", "'mlx'", "torch"),
+        **_plain_data_parallel(c),
     }
     for key, (bad, shown, allowed) in refused.items():
         if bad:
@@ -1079,11 +1089,7 @@ def _check_oom_retry(c: Config) -> None:
             repr(p.compression),
             "none, fp16, bf16",
         ),
-        "train.optimizer": (t.optimizer == "demo", "'demo'", "adamw, sgd"),
-        "parallel.diloco.inner_steps": (p.diloco.inner_steps > 0, str(p.diloco.inner_steps), "0"),
-        "parallel.tp": (p.tp > 1, str(p.tp), "1"),
-        "parallel.pp": (p.pp > 1, str(p.pp), "1"),
-        "train.engine": (t.engine == "mlx", "'mlx'", "torch"),
+        **_plain_data_parallel(c),
     }
     for key, (bad, shown, allowed) in refused.items():
         if bad:
