@@ -1,0 +1,462 @@
+"""The ``dtlab`` command line's parser: every command, its flags and its help."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING, TypeVar
+
+from dtlab import __version__
+from dtlab.cliargs import (
+    SchemaChoices,
+    add_config_args,
+)
+
+_Job = TypeVar("_Job")
+
+if TYPE_CHECKING:
+    # What add_subparsers returns (argparse does not export the name).
+    _Commands = argparse._SubParsersAction[argparse.ArgumentParser]
+
+
+TRAIN_EPILOG = """\
+examples:
+  dtlab train                                   # built-in default: tiny model, stdlib corpus, 1 process
+  dtlab train configs/ddp.yaml --nproc 2        # DDP on 2 local processes
+  dtlab train --nproc 2 --set parallel.strategy=fsdp train.lr=3e-4
+  torchrun --nproc-per-node 2 -m dtlab train configs/fsdp.yaml   # under torchrun: runs as a worker
+
+--set KEY=VALUE overrides one config key (repeatable; values are YAML: 1e-4 is a float,
+true a bool, [a, b] a list). Precedence: --set > CONFIG > defaults. `dtlab config --keys` lists every key.
+"""
+
+VERIFY_EPILOG = """\
+layouts (NAME:DEGREE joined by x; processes: the product of the degrees):
+  single                  one process
+  ddp:N  fsdp:N  hsdp:N   data parallel over N ranks (hsdp: two replica groups)
+  tp:N   sp:N             tensor parallel over N ranks (sp: with sequence parallelism)
+  pp:N[:SCHEDULE]         pipeline parallel over N ranks, e.g. pp:2:interleaved_1f1b
+
+example:
+  dtlab verify configs/tiny.yaml --layouts single,ddp:2,fsdp:2xtp:2,pp:2 --steps 10
+"""
+
+EXPORT_EPILOG = """\
+formats:
+  safetensors   DIR/model.safetensors with dtlab's parameter names, and DIR/config.yaml (the run's config)
+  hf            a Hugging Face Llama directory (config.json, model.safetensors) that
+                transformers.LlamaForCausalLM.from_pretrained(DIR) loads
+
+examples:
+  dtlab export runs/dtlab-20250101-120000 --format hf --out exports/llama
+  dtlab export runs/r1/checkpoints/step-00000200 --format safetensors --out exports/r1-200
+
+A run directory exports its newest checkpoint that passes verification against its manifest (sizes and
+SHA-256); newer ones that fail are skipped with a warning. The export is written to a temporary directory
+next to DIR and renamed into place at the end, so a failed export leaves nothing behind.
+"""
+
+GENERATE_EPILOG = """\
+RUN_DIR_OR_CHECKPOINT_OR_EXPORT is one of:
+  a run directory            its newest checkpoint that passes verification
+  a checkpoint directory     RUN_DIR/checkpoints/step-NNNNNNNN (torch or MLX engine)
+  a dtlab export             model.safetensors + config.yaml (dtlab export --format safetensors)
+  a Hugging Face export      config.json + model.safetensors (dtlab export --format hf)
+
+Only the generated text goes to stdout, token by token as it is produced; messages go to stderr.
+The tokenizer is the tokenizer.json of the checkpoint, its run directory or the export; without one,
+UTF-8 bytes (refused when the run's config names another tokenizer).
+
+examples:
+  dtlab generate runs/demo --prompt "def main(" --temperature 0
+  dtlab generate exports/llama --prompt "import " --max-new-tokens 200 --top-p 0.9 --seed 1 > out.txt
+"""
+
+
+# Counts, ranks and steps on the command line fit 32 bits, as they do in torch's launcher; a product of
+# two of them (the world size) then still fits the config's 64-bit integers.
+_INT_FLAG_MAX = 2**31 - 1
+
+
+def _int_flag(text: str, low: int, allowed: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {allowed}, got {text!r}") from None
+    if not low <= value <= _INT_FLAG_MAX:
+        raise argparse.ArgumentTypeError(f"expected {allowed}, got {value}")
+    return value
+
+
+def _positive(text: str) -> int:
+    return _int_flag(text, 1, f"an integer from 1 to {_INT_FLAG_MAX}")
+
+
+def _non_negative(text: str) -> int:
+    return _int_flag(text, 0, f"an integer from 0 to {_INT_FLAG_MAX}")
+
+
+# Kept here so that --help needs no torch import; dtlab.analysis.devices.PROFILES has the same keys.
+DEVICE_KEYS = ("h100", "h200", "a100-80gb", "a100-40gb", "l4", "rtx4090")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``dtlab`` parser: one small builder per command."""
+    parser = argparse.ArgumentParser(
+        prog="dtlab",
+        description="Distributed Training Lab: train a Llama-style model with single, DDP, FSDP or HSDP and see what each costs.",
+    )
+    parser.add_argument("--version", action="version", version=f"dtlab {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    _add_train(sub)
+    _add_config(sub)
+    _add_bench(sub)
+    _add_launch(sub)
+    _add_plan(sub)
+    _add_export(sub)
+    _add_verify(sub)
+    _add_generate(sub)
+    return parser
+
+
+def _add_train(sub: _Commands) -> None:
+    t = sub.add_parser(
+        "train",
+        help="train a model",
+        description="Train a model as configured.",
+        epilog=TRAIN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    t.add_argument(
+        "--nproc",
+        type=_positive,
+        default=1,
+        help="processes on this node (default 1); >1 starts them through torch's elastic launcher",
+    )
+    t.add_argument("--nnodes", type=_positive, default=1, help="number of nodes (default 1)")
+    t.add_argument(
+        "--engine",
+        choices=SchemaChoices("train.engine"),
+        metavar="ENGINE",  # argparse would list the choices, importing the config (and torch) for --help
+        default=None,
+        help="torch or mlx (same as --set train.engine=...; mlx ranks start through mlx.launch)",
+    )
+    t.add_argument(
+        "--node-rank", type=_non_negative, default=0, help="this node's rank (multi-node)"
+    )
+    t.add_argument(
+        "--master-addr", default=None, help="rendezvous host (multi-node; default localhost)"
+    )
+    t.add_argument(
+        "--master-port",
+        type=_positive,
+        default=None,
+        help="rendezvous port (multi-node; default 29500)",
+    )
+    t.add_argument(
+        "--profile",
+        action="store_true",
+        help="record a torch.profiler trace of a few steps in <run dir>/profile (same as --set run.profile=true)",
+    )
+    t.add_argument(
+        "--max-restarts",
+        type=_non_negative,
+        default=0,
+        help="restart the worker group up to K times after a failure",
+    )
+    add_config_args(t)
+
+
+def _add_config(sub: _Commands) -> None:
+    c = sub.add_parser(
+        "config",
+        help="print the resolved config, or every key",
+        description="Print the resolved config as YAML (CONFIG, then --set), or with --keys every key with its default.",
+    )
+    add_config_args(c)
+    c.add_argument(
+        "--keys", action="store_true", help="list every key with its default and meaning"
+    )
+
+
+def _add_bench(sub: _Commands) -> None:
+    # The comma-separated lists are checked against the config schema in cmd_bench.
+    b = sub.add_parser(
+        "bench",
+        help="measure strategies side by side: throughput, MFU, memory, communication",
+        description="Run each combination of --strategies, --nproc, --compression and --precision in its "
+        "own processes (warm-up, then timed steps) and write DIR/results.json, results.csv, report.md and "
+        "PNG plots. Measured figures sit next to dtlab's predictions.",
+    )
+    b.add_argument(
+        "--strategies", default="single,ddp,fsdp", help="comma-separated (default single,ddp,fsdp)"
+    )
+    b.add_argument("--nproc", default="1,2", help="comma-separated process counts (default 1,2)")
+    b.add_argument("--compression", default="none", help="comma-separated (default none)")
+    b.add_argument(
+        "--engine",
+        default="torch",
+        help="comma-separated engines (default torch); with mlx, each engine trains the same config "
+        "and the report puts them side by side",
+    )
+    b.add_argument("--precision", default=None, help="comma-separated (default: the config's)")
+    b.add_argument("--steps", type=_positive, default=10, help="timed steps per run (default 10)")
+    b.add_argument(
+        "--warmup", type=_non_negative, default=2, help="untimed steps first (default 2)"
+    )
+    b.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
+    b.add_argument(
+        "--profile", action="store_true", help="record torch.profiler traces of 2 steps per run"
+    )
+    add_config_args(b)
+
+
+def _add_launch(sub: _Commands) -> None:
+    la = sub.add_parser(
+        "launch",
+        help="write (and submit) a Slurm or Kubernetes job that runs dtlab train",
+        description="Write a job file for a scheduler, with the resolved config beside it (or inside it).",
+    )
+    lsub = la.add_subparsers(dest="scheduler", metavar="SCHEDULER")
+    lsub.required = True
+    _add_slurm(lsub)
+    _add_k8s(lsub)
+
+
+def _add_job_args(p: argparse.ArgumentParser) -> None:
+    """What a Slurm script and a Kubernetes job both take: the world's shape, checkpoints, the config."""
+    p.add_argument("--nodes", type=_positive, default=1, help="number of nodes (default 1)")
+    p.add_argument(
+        "--nproc-per-node",
+        type=_positive,
+        default=1,
+        help="processes (GPUs) per node (default 1)",
+    )
+    p.add_argument(
+        "--gpus-per-node", type=_non_negative, default=0, help="GPUs to request per node"
+    )
+    p.add_argument(
+        "--no-checkpoint",
+        action="store_true",
+        help="no periodic checkpoints (checkpoint.every = 0); without it, a config with "
+        "checkpoint.every = 0 gets max(1, min(steps // 20, 100)) so that a restarted job resumes",
+    )
+    add_config_args(p)
+
+
+def _add_slurm(lsub: _Commands) -> None:
+    ls = lsub.add_parser(
+        "slurm",
+        help="an sbatch script: srun starts dtlab's launcher on every node (c10d rendezvous)",
+        description="Write an sbatch script and CONFIG's resolved form beside it (OUT.config.yaml). One "
+        "task per node starts `dtlab train --nproc P --nnodes N` with a c10d rendezvous on the first "
+        "node. Before the time limit Slurm sends SIGUSR1: the workers save a checkpoint, the script "
+        "requeues the job, and the requeued job resumes from the run directory.",
+    )
+    _add_job_args(ls)
+    ls.add_argument("--partition", default=None, help="Slurm partition")
+    ls.add_argument("--time", default=None, help="time limit, e.g. 4:00:00 or 2-00:00:00")
+    ls.add_argument("--account", default=None, help="Slurm account to charge")
+    ls.add_argument("--cpus-per-task", type=_positive, default=None, help="CPUs per node's task")
+    ls.add_argument(
+        "--signal-seconds",
+        type=_positive,
+        default=120,
+        help="send SIGUSR1 this long before the time limit, to checkpoint and requeue (default 120)",
+    )
+    ls.add_argument(
+        "--python",
+        default=None,
+        help="the Python that runs dtlab on the nodes (default: the one running this command)",
+    )
+    ls.add_argument(
+        "--master-port",
+        type=_positive,
+        default=None,
+        help="rendezvous port (default: from the job id)",
+    )
+    ls.add_argument(
+        "--out", default=None, help="script path (default <run.name>.sbatch in this directory)"
+    )
+    ls.add_argument("--submit", action="store_true", help="run sbatch and print the job id")
+
+
+def _add_k8s(lsub: _Commands) -> None:
+    lk = lsub.add_parser(
+        "k8s",
+        help="a Kubeflow PyTorchJob (elastic, c10d) with the config as a ConfigMap",
+        description="Write a Kubernetes manifest: a ConfigMap with the resolved config, a "
+        "PersistentVolumeClaim for the run directory (unless --pvc names one), and a kubeflow.org/v1 "
+        "PyTorchJob whose containers run dtlab under torchrun. Apply with kubectl apply -f OUT.",
+    )
+    _add_job_args(lk)
+    lk.add_argument("--image", required=True, help="container image with dtlab installed")
+    lk.add_argument(
+        "--name", default=None, help="job name, a DNS-1035 label (default: from run.name)"
+    )
+    lk.add_argument("--namespace", default=None, help="Kubernetes namespace")
+    lk.add_argument(
+        "--pvc",
+        default=None,
+        help="existing PersistentVolumeClaim for the run directory (default: create <name>-runs)",
+    )
+    lk.add_argument("--storage", default="20Gi", help="size of the created claim (default 20Gi)")
+    lk.add_argument("--cpu", default=None, help="CPU request per pod, e.g. 8")
+    lk.add_argument("--memory", default=None, help="memory request per pod, e.g. 64Gi")
+    lk.add_argument(
+        "--max-restarts", type=_non_negative, default=3, help="elastic restarts (default 3)"
+    )
+    lk.add_argument(
+        "--out", default=None, help="manifest path (default <name>.yaml in this directory)"
+    )
+
+
+def _add_plan(sub: _Commands) -> None:
+    pl = sub.add_parser(
+        "plan",
+        help="predict memory, communication and step time of each strategy",
+        description="Predict, without allocating the model, the per-rank memory (parameters, gradients, "
+        "optimizer, activations), the bytes each collective moves per step, and an estimated step time "
+        "of every data-parallel strategy; say which fit and recommend one.",
+    )
+    pl.add_argument("--nproc", type=_positive, default=1, help="processes (GPUs) per node")
+    pl.add_argument("--nnodes", type=_positive, default=1, help="number of nodes")
+    pl.add_argument(
+        "--device",
+        default=None,
+        help="device profile: "
+        + ", ".join(DEVICE_KEYS)
+        + ", or 'this' (this machine, measured); without it h100 is assumed, and the output says so",
+    )
+    pl.add_argument(
+        "--device-memory",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="override the device memory",
+    )
+    pl.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_config_args(pl)
+
+
+def _add_verify(sub: _Commands) -> None:
+    v = sub.add_parser(
+        "verify",
+        help="prove that parallel layouts train the same: loss, gradient norm and parameters",
+        description="Train CONFIG with each layout of --layouts on the same global batch for --steps "
+        "steps and compare each with the first, step by step: the largest loss and gradient-norm "
+        "differences, and the largest parameter difference after the last step. Exit 0 only when "
+        "every layout is within tolerance; for one that is not, say the first step that differs and "
+        "the parameter that differs most.",
+        epilog=VERIFY_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    v.add_argument(
+        "--layouts",
+        required=True,
+        help="comma-separated layouts, the first the reference, e.g. single,ddp:2,fsdp:2xtp:2,pp:2",
+    )
+    v.add_argument("--steps", type=_positive, default=10, help="steps per layout (default 10)")
+    v.add_argument(
+        "--out", default="verify-out", help="where the layouts' runs go (default verify-out)"
+    )
+    v.add_argument("--loss-tol", type=float, default=1e-4, help="absolute (default 1e-4)")
+    v.add_argument(
+        "--grad-tol", type=float, default=1e-3, help="relative, gradient norm (default 1e-3)"
+    )
+    v.add_argument(
+        "--param-tol", type=float, default=1e-4, help="absolute, parameters (default 1e-4)"
+    )
+    add_config_args(v)
+
+
+def _add_export(sub: _Commands) -> None:
+    e = sub.add_parser(
+        "export",
+        help="export a checkpoint's model to safetensors or a Hugging Face Llama directory",
+        description="Export the model weights of a checkpoint (or of a run directory's newest verified "
+        "checkpoint), in one process, without a process group.",
+        epilog=EXPORT_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    e.add_argument(
+        "source",
+        metavar="RUN_DIR_OR_CHECKPOINT",
+        help="a run directory or a checkpoint directory (RUN_DIR/checkpoints/step-NNNNNNNN)",
+    )
+    e.add_argument(
+        "--format",
+        dest="fmt",
+        choices=("safetensors", "hf"),
+        required=True,
+        help="safetensors: dtlab's names + config.yaml; hf: Hugging Face Llama (config.json + model.safetensors)",
+    )
+    e.add_argument(
+        "--out", required=True, metavar="DIR", help="output directory (must not exist or be empty)"
+    )
+    e.add_argument("--force", action="store_true", help="replace DIR if it exists and is not empty")
+
+
+def _add_generate(sub: _Commands) -> None:
+    g = sub.add_parser(
+        "generate",
+        help="generate text with a trained model (a run, a checkpoint or an export)",
+        description="Continue --prompt with the model, one token at a time (with a KV cache), and "
+        "print the generated text. Stops after --max-new-tokens, or earlier at the document "
+        "separator (id 0) unless --ignore-separator. Prompt and generated tokens must fit the "
+        "model's context (model.max_seq_len).",
+        epilog=GENERATE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    g.add_argument(
+        "source",
+        metavar="RUN_DIR_OR_CHECKPOINT_OR_EXPORT",
+        help="a run directory, a checkpoint directory, or a dtlab or Hugging Face export (see below)",
+    )
+    g.add_argument("--prompt", required=True, help="the text to continue (not empty)")
+    g.add_argument(
+        "--max-new-tokens",
+        type=_non_negative,
+        default=100,
+        metavar="N",
+        help="generate at most N tokens (default 100)",
+    )
+    g.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        metavar="T",
+        help="divide the logits by T before sampling; 0 = greedy (argmax, --seed unused) (default 1.0)",
+    )
+    g.add_argument(
+        "--top-k",
+        type=int,
+        default=0,
+        metavar="K",
+        help="sample among the K most likely tokens only; 0 = all (default 0)",
+    )
+    g.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        metavar="P",
+        help="nucleus sampling: among the fewest tokens whose probability reaches P, in (0, 1]; "
+        "1 = all (default 1.0)",
+    )
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        metavar="S",
+        help="seed of the sampling: the same seed gives the same text (default 0)",
+    )
+    g.add_argument(
+        "--ignore-separator",
+        action="store_true",
+        help="do not stop at the document separator (id 0): always generate --max-new-tokens",
+    )
+    g.add_argument("--device", default="cpu", help="torch device to run on (default cpu)")
+
+
+# `dtlab bench --compression` names beside the config's parallel.compression values; each maps to its
+# overrides in dtlab.bench.sweep.compression_overrides.

@@ -1,0 +1,332 @@
+"""Cross-field rules kept apart from the schema: pipeline, ZeRO-1, OOM retry, DiLoCo, TP, MLX, and the
+rules that also need the world size."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dtlab.dims import DPWrapper, ParallelDims, strategies_with
+from dtlab.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dtlab.config.schema import Config
+
+
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # one stage per rank
+V_SCHEDULES = ("zbv", "dualpipev")  # two stages per rank, placed in a V
+ZERO_BUBBLE_SCHEDULES = (
+    "interleaved_zb",
+    "zbv",
+    "dualpipev",
+)  # backward split into input and weight
+
+
+def _check_pp(c: Config) -> None:
+    """What pipeline parallelism needs of the model and the rest of the config."""
+    m, p, t = c.model, c.parallel, c.train
+    if p.pp == 1:
+        return
+    v = p.stages_per_rank
+    if p.pp_schedule in SINGLE_STAGE_SCHEDULES and v != 1:
+        raise ValueError(
+            f"parallel.pp_schedule = {p.pp_schedule!r} runs one stage per rank; "
+            f"parallel.pp_stages_per_rank = {v} (allowed: 1, or a schedule for several: "
+            "interleaved_1f1b, looped_bfs, interleaved_zb)"
+        )
+    if p.pp_schedule in V_SCHEDULES and v != 2:
+        raise ValueError(
+            f"parallel.pp_schedule = {p.pp_schedule!r} places two stages per rank in a V; "
+            f"parallel.pp_stages_per_rank = {v} (allowed: 2)"
+        )
+    if p.pp_schedule in ZERO_BUBBLE_SCHEDULES and DPWrapper.of(p.strategy) is not DPWrapper.NONE:
+        # Their split backward (input gradients first, weight gradients later) leaves FSDP's gradient
+        # reduction with partial weight gradients: measured, the training differs from one process's.
+        raise ValueError(
+            f"parallel.pp_schedule = {p.pp_schedule!r} (zero bubble) is not supported with data "
+            f"parallelism (parallel.strategy = {p.strategy!r}); allowed with it: gpipe, 1f1b, "
+            "interleaved_1f1b, looped_bfs; or parallel.strategy = 'single'"
+        )
+    if p.pp * v > m.n_layers:
+        raise ValueError(
+            f"parallel.pp = {p.pp} x {v} stages per rank = {p.pp * v} stages, but model.n_layers = "
+            f"{m.n_layers}: each stage needs at least one block"
+        )
+    refused: dict[str, tuple[bool, str, str]] = {
+        "model.tie_embeddings": (m.tie_embeddings, "true", "false"),
+        "train.precision": (t.precision == "fp16", "'fp16'", "fp32, bf16"),
+        "train.optimizer": (t.optimizer == "demo", "'demo'", "adamw"),
+        "parallel.compression": (p.compression != "none", repr(p.compression), "none"),
+        "train.engine": (t.engine == "mlx", "'mlx'", "torch"),
+    }
+    for key, (bad, shown, allowed) in refused.items():
+        if bad:
+            raise ValueError(
+                f"{key} = {shown} is not supported with parallel.pp = {p.pp} (allowed: {allowed})"
+            )
+
+
+def pipeline_microbatches(config: Config, dp: int) -> int:
+    """Pipeline micro-batches per step on each of ``dp`` data-parallel ranks (``parallel.pp`` > 1);
+    a ConfigError when they do not split the rank's share of the batch."""
+    p, t = config.parallel, config.train
+    share = t.global_batch_size // dp
+    if p.pp_microbatches is not None:
+        n, key = p.pp_microbatches, f"parallel.pp_microbatches = {p.pp_microbatches}"
+    elif t.micro_batch_size is not None:
+        n, key = share // t.micro_batch_size, f"train.micro_batch_size = {t.micro_batch_size}"
+    else:
+        n, key = p.pp, f"parallel.pp = {p.pp} (the default micro-batch count)"
+    if n < 1 or share % n:
+        raise ConfigError(
+            f"{key}: {n} pipeline micro-batches do not split each data-parallel rank's {share} "
+            f"samples (train.global_batch_size = {t.global_batch_size} over {dp} ranks); use "
+            "parallel.pp_microbatches that divides it"
+        )
+    return n
+
+
+def _plain_data_parallel(c: Config) -> dict[str, tuple[bool, str, str]]:
+    """What ZeRO-1 and OOM retry both refuse, as key -> (refused, value shown, allowed): anything but
+    the torch engine's plain data parallelism with a gradient all-reduce (DeMo and DiLoCo exchange
+    something else; tensor and pipeline parallelism meet inside forward and backward)."""
+    p, t = c.parallel, c.train
+    return {
+        "train.optimizer": (t.optimizer == "demo", "'demo'", "adamw, sgd"),
+        "parallel.diloco.inner_steps": (p.diloco.inner_steps > 0, str(p.diloco.inner_steps), "0"),
+        "parallel.tp": (p.tp > 1, str(p.tp), "1"),
+        "parallel.pp": (p.pp > 1, str(p.pp), "1"),
+        "train.engine": (t.engine == "mlx", "'mlx'", "torch"),
+    }
+
+
+def _check_zero1(c: Config) -> None:
+    """ZeRO-1 (parallel.sharding = 'optimizer') shards DDP's optimizer state, and only that."""
+    p = c.parallel
+    if p.sharding != "optimizer":
+        return
+    wrapper = DPWrapper.of(p.strategy)
+    if wrapper is DPWrapper.FSDP:
+        raise ValueError(
+            f"parallel.sharding = 'optimizer' (ZeRO-1) shards DDP's optimizer state; parallel.strategy "
+            f"= {p.strategy!r} allows: full, shard_grad_op, no_shard (or use parallel.strategy = 'ddp')"
+        )
+    refused: dict[str, tuple[bool, str, str]] = {
+        **_plain_data_parallel(c),
+    }
+    for key, (bad, shown, allowed) in refused.items():
+        if bad:
+            raise ValueError(
+                f"{key} = {shown} is not supported with parallel.sharding = 'optimizer' (ZeRO-1 "
+                f"over DDP's ranks; allowed: {allowed})"
+            )
+
+
+def _check_oom_retry(c: Config) -> None:
+    """OOM retry agrees on the step before the gradient sync: layouts whose only collectives in
+    forward and backward are that sync (one process, DDP)."""
+    p, t = c.parallel, c.train
+    if not t.oom_retry:
+        return
+    refused: dict[str, tuple[bool, str, str]] = {
+        "parallel.strategy": (
+            DPWrapper.of(p.strategy) is DPWrapper.FSDP,
+            repr(p.strategy),
+            "single, ddp",
+        ),
+        "parallel.compression": (
+            p.compression not in ("none", "fp16", "bf16"),
+            repr(p.compression),
+            "none, fp16, bf16",
+        ),
+        **_plain_data_parallel(c),
+    }
+    for key, (bad, shown, allowed) in refused.items():
+        if bad:
+            raise ValueError(
+                f"train.oom_retry = true with {key} = {shown}: a step is taken again only where the "
+                "ranks meet nowhere before the gradient sync (a rank out of memory in FSDP's "
+                f"all-gathers or a pipeline would leave the others waiting); allowed: {allowed}"
+            )
+
+
+def _check_diloco(c: Config) -> None:
+    """DiLoCo's rules: replicas of data-parallel ranks that train alone between syncs (how many ranks
+    a replica has, and that the strategy can lay them out, is checked with the world size)."""
+    o, p, t = c.parallel.diloco, c.parallel, c.train
+    if not o.inner_steps:
+        return
+    for key, value, off in (
+        ("parallel.compression", p.compression, "none"),
+        ("train.optimizer", t.optimizer, None),
+        ("train.engine", t.engine, "torch"),
+    ):
+        if key == "train.optimizer" and value == "demo":
+            raise ValueError(
+                "parallel.diloco replaces the gradient all-reduce, and so does train.optimizer = 'demo' "
+                "(allowed with DiLoCo: adamw, sgd)"
+            )
+        if off is not None and value != off:
+            raise ValueError(
+                f"parallel.diloco.inner_steps = {o.inner_steps} with {key} = {value!r}: "
+                f"allowed with DiLoCo: {off}"
+            )
+    if p.tp > 1 or p.pp > 1:
+        raise ValueError(
+            f"parallel.diloco with parallel.tp = {p.tp}, parallel.pp = {p.pp}: DiLoCo runs over "
+            "data-parallel replicas only (allowed: tp = pp = 1)"
+        )
+    if o.fragments > c.model.n_layers:
+        raise ValueError(
+            f"parallel.diloco.fragments = {o.fragments} is more than the model's "
+            f"{c.model.n_layers} layers (each fragment holds at least one block)"
+        )
+    if o.fragments > o.inner_steps:
+        raise ValueError(
+            f"parallel.diloco.fragments = {o.fragments} is more than inner_steps = {o.inner_steps}: "
+            "each fragment syncs at its own step of the H-step cycle"
+        )
+    if o.delay >= o.inner_steps:
+        raise ValueError(
+            f"parallel.diloco.delay = {o.delay} must be less than inner_steps = {o.inner_steps}: a "
+            "fragment's sync must land before its next one starts"
+        )
+
+
+def _check_tp(c: Config) -> None:
+    """What tensor parallelism needs of the model and the rest of the config."""
+    m, p, t = c.model, c.parallel, c.train
+    tp = p.tp
+    if tp == 1:
+        if p.sequence_parallel:
+            raise ValueError(
+                "parallel.sequence_parallel = true splits the sequence over the tensor-parallel ranks; "
+                "it needs parallel.tp > 1 (got 1)"
+            )
+        return
+    splits = {
+        "model.n_heads": m.n_heads,
+        "model.n_kv_heads": m.kv_heads,
+        "model.ffn_dim": m.hidden_dim,
+        "model.vocab_size": m.vocab_size,
+    }
+    if p.sequence_parallel:
+        splits["data.seq_len"] = c.seq_len
+    for key, value in splits.items():
+        if value % tp:
+            fits = [k for k in range(1, value + 1) if value % k == 0 and k <= 64]
+            raise ValueError(
+                f"{key} = {value} is not divisible by parallel.tp = {tp}: each tensor-parallel rank "
+                f"takes an equal part (tp values that divide it: {', '.join(map(str, fits[-6:]))})"
+            )
+    # key: (refused, the value as written, what is allowed)
+    refused: dict[str, tuple[bool, str, str]] = {
+        "model.tie_embeddings": (m.tie_embeddings, "true", "false"),
+        "parallel.compression": (
+            p.compression in ("powersgd", "dct"),
+            repr(p.compression),
+            "none, fp16, bf16",
+        ),
+        "train.optimizer": (t.optimizer == "demo", "'demo'", "adamw"),
+        "train.engine": (t.engine == "mlx", "'mlx'", "torch"),
+        # Measured: the compiled split blocks fail in backward (torch 2.13, CPU).
+        "train.compile": (t.compile, "true", "false"),
+    }
+    for key, (bad, shown, allowed) in refused.items():
+        if bad:
+            raise ValueError(
+                f"{key} = {shown} is not supported with parallel.tp = {tp} (allowed: {allowed})"
+            )
+
+
+def _check_mlx(c: Config) -> None:
+    """What the MLX engine does not do (yet): say so instead of silently training something else."""
+    t, p = c.train, c.parallel
+    if DPWrapper.of(p.strategy) is DPWrapper.FSDP:  # the engine all-reduces whole gradients
+        raise ValueError(
+            f"parallel.strategy = {p.strategy!r} is not supported with train.engine = 'mlx' "
+            f"(allowed: {', '.join(strategies_with(DPWrapper.NONE, DPWrapper.DDP))})"
+        )
+    allowed = {
+        "parallel.compression": (p.compression, ("none",)),
+        "parallel.backend": (p.backend, ("auto", "ring", "mpi")),
+        "train.optimizer": (t.optimizer, ("adamw",)),
+        "train.precision": (t.precision, ("fp32", "bf16")),
+        "train.activation_checkpointing": (t.activation_checkpointing, ("none", "full")),
+        "train.device": (t.device, ("auto", "cpu")),
+    }
+    for key, (value, ok) in allowed.items():
+        if value not in ok:
+            raise ValueError(
+                f"{key} = {value!r} is not supported with train.engine = 'mlx' "
+                f"(allowed: {', '.join(ok)})"
+            )
+    if c.model.init_from is not None:
+        raise ValueError(
+            f"model.init_from = {c.model.init_from!r} is not supported with train.engine = 'mlx' "
+            "(allowed: null); train.engine = 'torch' starts from it"
+        )
+
+
+def config_warnings(config: Config) -> list[str]:
+    """Settings that are allowed but probably not meant: said once at the start of a run."""
+    t, d = config.train, config.data
+    out = []
+    if t.warmup_steps >= t.steps:
+        out.append(
+            f"train.warmup_steps = {t.warmup_steps} >= train.steps = {t.steps}: the whole run is "
+            f"warm-up, and the learning rate never reaches train.lr = {t.lr:g}"
+        )
+    if d.paths and d.source != "files":
+        out.append(
+            f"data.paths is set but data.source = {d.source!r}: the paths are not read "
+            "(data.source=files trains on them)"
+        )
+    return out
+
+
+def check_world(config: Config, world_size: int) -> int:
+    """Checks that need the world size: the parallel degrees (:meth:`ParallelDims.from_config`) and the
+    batch split over the data-parallel ranks; returns the gradient accumulation steps.
+
+    Run once, in the process that launches, before any worker starts; a worker builds its degrees once
+    (``init_distributed``).
+    """
+    dims = ParallelDims.from_config(config, world_size)
+    accum = check_batch_split(config, dims.dp)
+    if dims.pp_enabled:
+        pipeline_microbatches(config, dims.dp)
+    return accum
+
+
+def check_batch_split(config: Config, world_size: int) -> int:
+    """That the global batch splits over ``world_size`` data-parallel ranks (and into micro-batches of
+    ``train.micro_batch_size`` when it is set); returns the accumulation steps. The error says what
+    would work: process counts, global batch sizes (and micro-batch sizes)."""
+    t = config.train
+    g, micro = t.global_batch_size, t.micro_batch_size
+    unit = (micro or 1) * world_size  # what the global batch must be a multiple of
+    if g % unit == 0:
+        return 1 if micro is None else g // unit  # without micro_batch_size: no accumulation
+    worlds = [n for n in range(1, g + 1) if g % ((micro or 1) * n) == 0]
+    near = sorted(worlds, key=lambda n: (abs(n - world_size), n))[:4]
+    lower, upper = g // unit * unit, (g // unit + 1) * unit
+    sizes = " or ".join(str(x) for x in (lower, upper) if x > 0)
+    if micro is None:
+        msg = f"train.global_batch_size = {g} samples cannot be split over {world_size} ranks"
+    else:
+        msg = (
+            f"train.global_batch_size = {g} samples cannot be split into micro-batches of "
+            f"train.micro_batch_size = {micro} on {world_size} ranks ({g} is not a multiple of "
+            f"{micro} x {world_size})"
+        )
+    hint = f"use {_or(sorted(near))} processes, or train.global_batch_size {sizes}"
+    if micro is not None:
+        micros = [m for m in range(1, g // world_size + 1) if g % (m * world_size) == 0]
+        if micros:
+            hint += f", or train.micro_batch_size {_or(micros[-3:])}"
+    raise ConfigError(f"{msg}: {hint}")
+
+
+def _or(items: list[int]) -> str:
+    text = [str(x) for x in items]
+    return text[0] if len(text) == 1 else ", ".join(text[:-1]) + " or " + text[-1]

@@ -1,0 +1,174 @@
+"""The whole config: its sections and the cross-field rules that need only the config."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import (
+    Field,
+    model_validator,
+)
+
+from dtlab.config.checks import (
+    _check_diloco,
+    _check_mlx,
+    _check_oom_retry,
+    _check_pp,
+    _check_tp,
+    _check_zero1,
+)
+from dtlab.config.sections import (
+    AlertsConfig,
+    CheckpointConfig,
+    DataConfig,
+    EvalConfig,
+    ModelConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainConfig,
+)
+from dtlab.config.values import TOKENIZER_VOCAB, _Section
+from dtlab.config.yamlio import dump_yaml
+from dtlab.dims import DPWrapper, strategies_with
+
+
+class Config(_Section):
+    """The whole configuration of a run."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)  # type: ignore[arg-type]
+    data: DataConfig = Field(default_factory=DataConfig)  # type: ignore[arg-type]
+    eval: EvalConfig = Field(default_factory=EvalConfig)  # type: ignore[arg-type]
+    train: TrainConfig = Field(default_factory=TrainConfig)  # type: ignore[arg-type]
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)  # type: ignore[arg-type]
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)  # type: ignore[arg-type]
+    run: RunConfig = Field(default_factory=RunConfig)  # type: ignore[arg-type]
+    alerts: AlertsConfig = Field(default_factory=AlertsConfig)  # type: ignore[arg-type]
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Config:
+        m, d, t, p = self.model, self.data, self.train, self.parallel
+        if m.dim % m.n_heads:
+            raise ValueError(
+                f"model.dim = {m.dim} must be divisible by model.n_heads = {m.n_heads}"
+            )
+        if (m.dim // m.n_heads) % 2:
+            raise ValueError(
+                f"head dim model.dim / model.n_heads = {m.dim // m.n_heads} must be even for RoPE"
+            )
+        if m.n_heads % m.kv_heads:
+            raise ValueError(
+                f"model.n_heads = {m.n_heads} must be divisible by model.n_kv_heads = {m.kv_heads}"
+            )
+        if d.seq_len is None:
+            d.seq_len = m.max_seq_len
+        if d.seq_len > m.max_seq_len:
+            raise ValueError(
+                f"data.seq_len = {d.seq_len} exceeds model.max_seq_len = {m.max_seq_len}"
+            )
+        if d.tokenizer in TOKENIZER_VOCAB and m.vocab_size < TOKENIZER_VOCAB[d.tokenizer]:
+            raise ValueError(
+                f"model.vocab_size = {m.vocab_size} is smaller than the {d.tokenizer!r} tokenizer's {TOKENIZER_VOCAB[d.tokenizer]}"
+            )
+        if d.tokenizer_vocab_size is not None and d.tokenizer_vocab_size > m.vocab_size:
+            raise ValueError(
+                f"data.tokenizer_vocab_size = {d.tokenizer_vocab_size} is larger than model.vocab_size "
+                f"= {m.vocab_size}: the model must cover every token id"
+            )
+        if d.val_fraction and d.val_paths:
+            raise ValueError(
+                "data.val_fraction and data.val_paths both name a validation split; set one of them"
+            )
+        if self.eval.every and not (d.val_fraction or d.val_paths):
+            raise ValueError(
+                f"eval.every = {self.eval.every} needs a validation split: data.val_fraction > 0 or "
+                "data.val_paths"
+            )
+        if d.source == "synthetic" and d.tokenizer != "bytes":
+            raise ValueError(
+                f"data.tokenizer = {d.tokenizer!r} tokenizes a corpus; data.source = 'synthetic' "
+                "generates token ids (allowed with it: bytes)"
+            )
+        if d.streaming and d.source == "synthetic":
+            raise ValueError(
+                "data.streaming = true reads a corpus; data.source = 'synthetic' has none "
+                "(allowed with it: false)"
+            )
+        if d.source == "files" and not d.paths:
+            raise ValueError(
+                "data.source = 'files' needs data.paths (a list of files or directories)"
+            )
+        if t.micro_batch_size is not None and t.global_batch_size % t.micro_batch_size:
+            raise ValueError(
+                f"train.global_batch_size = {t.global_batch_size} is not divisible by train.micro_batch_size = {t.micro_batch_size}"
+            )
+        if t.min_lr > t.lr:
+            raise ValueError(f"train.min_lr = {t.min_lr} is larger than train.lr = {t.lr}")
+        if not all(0 <= b < 1 for b in t.betas):
+            raise ValueError(f"train.betas = {list(t.betas)} must each be in [0, 1)")
+        wrapper = DPWrapper.of(p.strategy)
+        if p.compression != "none" and wrapper is DPWrapper.NONE:
+            raise ValueError(
+                f"parallel.compression = {p.compression!r} compresses communication; "
+                f"parallel.strategy = {p.strategy!r} has none (allowed: none)"
+            )
+        if p.compression in ("powersgd", "dct") and wrapper is not DPWrapper.DDP:
+            raise ValueError(
+                f"parallel.compression = {p.compression!r} compresses DDP's gradient buckets; "
+                f"parallel.strategy = {p.strategy!r} allows: none, fp16, bf16"
+            )
+        if t.optimizer == "demo":
+            if wrapper is DPWrapper.FSDP:
+                raise ValueError(
+                    f"train.optimizer = 'demo' replaces DDP's gradient all-reduce; parallel.strategy = "
+                    f"{p.strategy!r} is not allowed (allowed: "
+                    f"{', '.join(strategies_with(DPWrapper.NONE, DPWrapper.DDP))})"
+                )
+            if p.compression != "none":
+                raise ValueError(
+                    f"train.optimizer = 'demo' compresses its own momentum; parallel.compression = "
+                    f"{p.compression!r} is not allowed with it (allowed: none)"
+                )
+            if t.demo.topk > t.demo.chunk_size:
+                raise ValueError(
+                    f"train.demo.topk = {t.demo.topk} is larger than train.demo.chunk_size = {t.demo.chunk_size}"
+                )
+        _check_zero1(self)
+        _check_oom_retry(self)
+        _check_diloco(self)
+        _check_tp(self)
+        _check_pp(self)
+        if t.engine == "mlx":
+            _check_mlx(self)
+        elif p.backend in ("ring", "mpi"):
+            raise ValueError(
+                f"parallel.backend = {p.backend!r} is an MLX backend; train.engine = 'torch' "
+                "allows: auto, gloo, nccl"
+            )
+        o = p.compression_options
+        if p.compression == "dct" and o.coding == "quant" and o.chunk_size % 8:
+            raise ValueError(
+                f"parallel.compression_options.chunk_size = {o.chunk_size} must be a multiple of 8 "
+                "with coding = 'quant' (codes are packed 8 at a time)"
+            )
+        if p.compression == "dct" and o.coding == "topk" and o.topk > o.chunk_size:
+            raise ValueError(
+                f"parallel.compression_options.topk = {o.topk} is larger than chunk_size = {o.chunk_size}"
+            )
+        c = self.checkpoint
+        if c.durable_every and c.every and c.durable_every % c.every:
+            raise ValueError(
+                f"checkpoint.durable_every = {c.durable_every} is not a multiple of checkpoint.every = {c.every}"
+            )
+        return self
+
+    @property
+    def seq_len(self) -> int:
+        assert self.data.seq_len is not None  # filled in by _cross_checks
+        return self.data.seq_len
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fully resolved config as plain data (what ``config.yaml`` holds)."""
+        return self.model_dump(mode="json", by_alias=True)
+
+    def to_yaml(self) -> str:
+        return dump_yaml(self.to_dict())

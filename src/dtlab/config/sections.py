@@ -1,0 +1,624 @@
+"""The config's sections: one pydantic model per YAML section, each field with its description."""
+
+from __future__ import annotations
+
+import unicodedata
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import (
+    Field,
+    field_validator,
+    model_validator,
+)
+
+from dtlab.config.checks import SINGLE_STAGE_SCHEDULES
+from dtlab.config.values import NAME_MAX_BYTES, RUN_NAME_MAX_BYTES, TOKENIZERS, _bad, _Section, show
+from dtlab.models.args import ModelArgs, llama_ffn_dim
+from dtlab.models.presets import PRESETS
+
+
+class ModelConfig(_Section):
+    """Shape of the Llama-style decoder. A preset fills every shape key; keys given explicitly win."""
+
+    preset: str | None = Field(
+        "tiny",
+        description="Shape preset: " + ", ".join(PRESETS) + "; null to give every shape key.",
+    )
+    dim: int = Field(0, ge=1, description="Hidden size.")
+    n_layers: int = Field(0, ge=1, description="Number of transformer blocks.")
+    n_heads: int = Field(0, ge=1, description="Attention (query) heads.")
+    n_kv_heads: int | None = Field(
+        None, ge=1, description="Key/value heads (grouped-query attention); null = n_heads."
+    )
+    vocab_size: int = Field(0, ge=1, description="Vocabulary size; must cover the tokenizer's.")
+    max_seq_len: int = Field(0, ge=1, description="Longest sequence the RoPE tables are built for.")
+    ffn_dim: int | None = Field(
+        None,
+        ge=1,
+        description="SwiGLU hidden size; null = Llama rule (8/3 dim, rounded up to 256).",
+    )
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
+    norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
+    tie_embeddings: bool = Field(
+        False, description="Share the input embedding with the output projection."
+    )
+    init_from: str | None = Field(
+        None,
+        min_length=1,
+        description="Start from these weights instead of a random init (fine-tuning): a local Hugging "
+        "Face Llama directory (config.json + model.safetensors or pytorch_model.bin, or their shards) "
+        "or a dtlab export directory (model.safetensors + config.yaml); its shape must match the keys "
+        "above. A run that resumes from a checkpoint takes the checkpoint's weights instead.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        preset = data.get("preset", "tiny")
+        if preset is None:
+            missing = [
+                k
+                for k in ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len")
+                if k not in data
+            ]
+            if missing:
+                raise ValueError(
+                    f"model.preset is null, so these keys are required: {', '.join(missing)}"
+                )
+            return data
+        if not isinstance(preset, str) or preset not in PRESETS:
+            raise ValueError(
+                f"model.preset = {show(preset)} is not a preset; allowed: {', '.join(PRESETS)}, "
+                "or null"
+            )
+        return {**PRESETS[preset], **data}
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        return self.ffn_dim if self.ffn_dim is not None else llama_ffn_dim(self.dim)
+
+    def args(self) -> ModelArgs:
+        """The arguments the model is built from (every null resolved)."""
+        return ModelArgs(
+            dim=self.dim,
+            n_layers=self.n_layers,
+            n_heads=self.n_heads,
+            n_kv_heads=self.kv_heads,
+            vocab_size=self.vocab_size,
+            max_seq_len=self.max_seq_len,
+            ffn_dim=self.hidden_dim,
+            rope_theta=self.rope_theta,
+            norm_eps=self.norm_eps,
+            tie_embeddings=self.tie_embeddings,
+        )
+
+
+class DataConfig(_Section):
+    """Where training samples come from. Sample i depends only on (train.seed, source, i)."""
+
+    source: Literal["synthetic", "stdlib", "files"] = Field(
+        "stdlib",
+        description="synthetic: seeded Markov-chain tokens; stdlib: the Python standard library's source; files: data.paths.",
+    )
+    paths: list[str] = Field(
+        default_factory=list,
+        description="For source=files: text (.txt, .md, ...), .jsonl or .parquet files or directories.",
+    )
+
+    text_key: str = Field(
+        "text", min_length=1, description="Field that holds the text in jsonl/parquet records."
+    )
+    seq_len: int | None = Field(
+        None, ge=1, description="Tokens per training sample; null = model.max_seq_len."
+    )
+    tokenizer: str = Field(
+        "bytes",
+        min_length=1,
+        description="bytes: UTF-8 bytes, vocabulary 256 (byte 0 separates documents); bpe: a byte-level "
+        "BPE trained locally on the configured corpus (cached); or the path of a tokenizer.json "
+        "(or of a directory holding one, e.g. a run directory or an export).",
+    )
+    tokenizer_vocab_size: int | None = Field(
+        None,
+        ge=260,
+        le=1 << 20,
+        description="Vocabulary size of a trained bpe tokenizer; null = model.vocab_size.",
+    )
+    val_fraction: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Fraction of the corpus's samples held out for validation (disjoint from training "
+        "by construction); 0 = none. Changes the training samples, not eval.every.",
+    )
+    val_paths: list[str] = Field(
+        default_factory=list,
+        description="Validation files or directories (text, jsonl, parquet), instead of val_fraction.",
+    )
+    streaming: bool = Field(
+        False,
+        description="Read data.paths (or the stdlib corpus) without loading it: tokenized once into a "
+        "memory-mapped token file under data.cache_dir; each rank reads only its samples.",
+    )
+    cache_dir: str | None = Field(
+        None,
+        min_length=1,
+        description="Where trained tokenizers and streaming token files are cached; null = "
+        "$DTLAB_CACHE, else $XDG_CACHE_HOME/dtlab, else ~/.cache/dtlab.",
+    )
+    prefetch: int = Field(
+        2,
+        ge=0,
+        description="Optimizer steps of batches prepared ahead in a background thread; 0 = inline.",
+    )
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_kind(cls, value: str) -> str:
+        if value in TOKENIZERS:
+            return value
+        path = Path(value).expanduser()
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        if not path.is_file():
+            raise _bad(
+                f"{show(value)} is neither a tokenizer nor an existing tokenizer.json (or a directory "
+                f"holding one); allowed: {', '.join(TOKENIZERS)}, or such a path"
+            )
+        return value
+
+    @field_validator("paths", "val_paths")
+    @classmethod
+    def _paths_not_empty(cls, paths: list[str]) -> list[str]:
+        for i, path in enumerate(paths):
+            if not path:
+                raise _bad(f"item {i} is an empty string; allowed: paths of files or directories")
+        return paths
+
+
+class EvalConfig(_Section):
+    """Validation during training: the loss on held-out samples (data.val_fraction or data.val_paths)."""
+
+    every: int = Field(
+        0, ge=0, description="Evaluate every N optimizer steps and at the last; 0 = off."
+    )
+    batches: int = Field(
+        4,
+        ge=1,
+        description="Validation batches of train.global_batch_size samples each evaluation: the "
+        "same samples every time.",
+    )
+
+
+class AlertsConfig(_Section):
+    """Thresholds that raise an alert: a warning with the figure and the threshold, counted in
+    metrics.jsonl ("alerts") and the summary, and with action = stop the end of the run (after a
+    checkpoint). Each threshold is off while null. The ranks agree on every figure, so they all
+    decide alike."""
+
+    memory_fraction: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="A rank's memory use above this fraction of its device's memory (CUDA: the "
+        "allocator's peak in the step; CPU and MLX: the process's resident memory, of the machine's).",
+    )
+    throughput_drop: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="A step's tokens/s (the slowest rank's) below this fraction of the median of the "
+        "last `window` steps.",
+    )
+    loss_spike: float | None = Field(
+        None,
+        gt=1,
+        description="A step's loss above this factor times the median loss of the last `window` steps.",
+    )
+    grad_norm_spike: float | None = Field(
+        None,
+        gt=1,
+        description="A step's gradient norm above this factor times the median of the last `window` "
+        "steps.",
+    )
+    nonfinite: int | None = Field(
+        None,
+        ge=1,
+        description="This many steps with a non-finite loss or gradient within the last `window` steps.",
+    )
+    window: int = Field(
+        50, ge=2, description="Steps the medians and the non-finite count are taken over."
+    )
+    action: Literal["warn", "stop"] = Field(
+        "warn",
+        description="warn: log and count; stop: also save a checkpoint and end the run with an error "
+        "that names the alert.",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        """Some threshold is set."""
+        return any(
+            v is not None
+            for v in (
+                self.memory_fraction, self.throughput_drop, self.loss_spike,
+                self.grad_norm_spike, self.nonfinite,
+            )
+        )  # fmt: skip
+
+
+class DemoOptions(_Section):
+    """Options of train.optimizer = demo (decoupled momentum: compressed momentum, sign step)."""
+
+    chunk_size: int = Field(
+        64,
+        ge=2,
+        le=65536,
+        description="Length of the chunks each parameter's momentum is cut into.",
+    )
+    topk: int = Field(
+        8, ge=1, description="DCT coefficients of each chunk sent per step (the largest)."
+    )
+    decay: float = Field(
+        0.9,
+        ge=0,
+        lt=1,
+        description="How much of the momentum not yet sent is kept from one step to the next.",
+    )
+
+
+class TrainConfig(_Section):
+    """Optimisation: steps, batch, AdamW, schedule, precision, memory savers."""
+
+    steps: int = Field(200, ge=1, description="Optimizer steps.")
+    global_batch_size: int = Field(
+        16, ge=1, description="Samples per optimizer step, over all data-parallel ranks."
+    )
+    micro_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Samples per forward/backward on one rank; null = no gradient accumulation.",
+    )
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate.")
+    min_lr: float = Field(1e-4, ge=0, description="Learning rate at the end of the decay.")
+    warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps from 0 to lr.")
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = Field(
+        "cosine", description="Decay after warm-up; wsd = warm-up, stable, decay."
+    )
+    wsd_decay_fraction: float = Field(
+        0.2, gt=0, le=1, description="wsd: fraction of the steps spent in the final linear decay."
+    )
+    grad_clip: float = Field(
+        1.0,
+        ge=0,
+        description="Max global gradient norm; 0 = no clipping (the norm is still reported).",
+    )
+    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay (not applied to norms).")
+    max_bad_steps: int = Field(
+        3,
+        ge=1,
+        description="A step whose loss or gradients are not finite is skipped; after this many in a row "
+        "the run rolls back to the last checkpoint, or stops if there is none.",
+    )
+    optimizer: Literal["adamw", "demo", "sgd"] = Field(
+        "adamw",
+        description="adamw; sgd: plain SGD (no momentum; weight decay added to the gradient); demo: DeMo (arXiv 2411.19870), each rank keeps its own momentum and sends "
+        "only its top-k DCT coefficients per chunk; the step is the sign of their average (no "
+        "gradient all-reduce). single or ddp only.",
+    )
+    demo: DemoOptions = Field(default_factory=DemoOptions)  # type: ignore[arg-type]
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    seed: int = Field(0, ge=0, description="Seed of the weights and of the data order.")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="Autocast dtype; fp16 adds dynamic loss scaling."
+    )
+    activation_checkpointing: Literal["none", "full", "selective"] = Field(
+        "none",
+        description="full: recompute each block; selective: keep matmul and attention outputs, recompute the rest.",
+    )
+    compile: bool = Field(
+        False, description="torch.compile each transformer block (mlx: mx.compile the step)."
+    )
+    engine: Literal["torch", "mlx"] = Field(
+        "torch",
+        description="torch; mlx: the same model and training on Apple's MLX (single or ddp, "
+        "pip install 'dtlab[mlx]').",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto: cuda when available, else cpu."
+    )
+    oom_retry: bool = Field(
+        False,
+        description="A step that runs out of memory on any rank is taken again on every rank with "
+        "micro-batches half the size (more accumulation steps, the same global batch: the same "
+        "training), down to one sample; the smaller size is kept. single and ddp; the gradient sync "
+        "then waits for the ranks' agreement after backward instead of overlapping it.",
+    )
+
+
+class CompressionOptions(_Section):
+    """Options of parallel.compression = powersgd / dct."""
+
+    rank: int = Field(4, ge=1, description="powersgd: rank of the low-rank approximation.")
+    start_step: int = Field(
+        10, ge=2, description="powersgd: plain all-reduce for the first N steps, then compress."
+    )
+    warm_start: bool = Field(
+        True, description="powersgd: reuse last step's Q as the starting point."
+    )
+    chunk_size: int = Field(
+        64, ge=2, description="dct: length of the chunks the bucket is cut into."
+    )
+    topk: int = Field(
+        4, ge=1, description="dct: DCT coefficients sent per chunk (largest magnitudes)."
+    )
+    error_feedback: bool = Field(
+        True,
+        description="powersgd/dct: keep what was not sent and add it to the next step's gradient.",
+    )
+    coding: Literal["topk", "quant"] = Field(
+        "topk",
+        description="dct: topk sends the topk largest coefficients of each chunk as (index, value) "
+        "pairs; quant sends every coefficient in `bits` bits with one bf16 step per chunk, with EF21 "
+        "error feedback (each rank tracks its gradient and sends the quantised change).",
+    )
+    bits: int = Field(3, ge=2, le=4, description="dct coding quant: bits per coefficient.")
+
+
+class DiLoCoOptions(_Section):
+    """DiLoCo: each replica trains alone for inner_steps, then the replicas average their pseudo-
+    gradients (the change since the last sync) and an outer Nesterov step updates the shared weights;
+    Streaming DiLoCo syncs fragments of the model at staggered steps, overlapped with the next ones."""
+
+    inner_steps: int = Field(
+        0, ge=0, description="H: inner optimizer steps between syncs of each fragment; 0 = off."
+    )
+    outer_lr: float = Field(0.7, gt=0, description="Outer learning rate (1 = take the average).")
+    outer_momentum: float = Field(
+        0.9, ge=0, lt=1, description="Outer Nesterov momentum; 0 = plain outer SGD."
+    )
+    replicas: int | None = Field(
+        None,
+        ge=1,
+        description="Replica groups DiLoCo averages over, each of world / replicas contiguous "
+        "data-parallel ranks laid out by parallel.strategy (ddp, fsdp or hsdp inside a replica); "
+        "null = one per data-parallel rank.",
+    )
+    fragments: int = Field(
+        1,
+        ge=1,
+        description="Streaming DiLoCo: the blocks in this many contiguous fragments, each synced at "
+        "its own step of the H-step cycle; 1 = the whole model at once.",
+    )
+    delay: int = Field(
+        0,
+        ge=0,
+        description="Streaming DiLoCo: inner steps the outer all-reduce of a fragment overlaps with; "
+        "its result is applied that many steps later (0 = at once). Less than inner_steps.",
+    )
+    quantize: Literal["none", "int8", "int4", "int2"] = Field(
+        "none",
+        description="Outer gradients sent in 8, 4 or 2 bits per value (symmetric: int2 is ternary, "
+        "-s, 0, s; one float32 scale per 64 values), with error feedback (what rounding lost is added "
+        "to the next sync).",
+    )
+
+
+class ParallelConfig(_Section):
+    """How the model and the batch are spread over processes."""
+
+    strategy: Literal["single", "ddp", "fsdp", "hsdp"] = Field(
+        "single", description="single process, DDP, FSDP2, or hybrid-sharded FSDP2."
+    )
+    sharding: Literal["full", "shard_grad_op", "no_shard", "optimizer"] = Field(
+        "full",
+        description="fsdp/hsdp: full (ZeRO-3), shard_grad_op (ZeRO-2), no_shard (replicated); "
+        "ddp: optimizer (ZeRO-1: each rank keeps and steps the optimizer state of its share of the "
+        "parameters, then broadcasts them; gradients all-reduced as DDP does).",
+    )
+    replicate: int | None = Field(
+        None,
+        ge=1,
+        description="hsdp: number of replica groups; the shard group size is world / replicate.",
+    )
+    bucket_mb: float = Field(
+        25.0,
+        gt=0,
+        le=4096,
+        description="ddp: MiB of gradients per all-reduce bucket (DDP's bucket_cap_mb): smaller "
+        "buckets start communicating earlier in backward, larger ones issue fewer collectives.",
+    )
+    fsdp_prefetch: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="fsdp/hsdp: blocks whose parameters each block's forward and backward explicitly "
+        "prefetch (all-gather ahead of their use); 0 = FSDP2's implicit prefetch of the next one.",
+    )
+    tp: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Tensor-parallel degree: each block's attention heads and feed-forward columns, "
+        "and the vocabulary, split over this many ranks; the strategy spreads the batch over the "
+        "world / tp others.",
+    )
+    pp: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Pipeline-parallel degree: the blocks split into stages over this many ranks "
+        "(the embedding in the first stage, the norm, output and loss in the last).",
+    )
+    pp_schedule: Literal[
+        "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"
+    ] = Field(
+        "1f1b",
+        description="Pipeline schedule (torch.distributed.pipelining): gpipe and 1f1b run one stage "
+        "per rank; interleaved_1f1b, looped_bfs and interleaved_zb (zero bubble) several "
+        "(pp_stages_per_rank); zbv and dualpipev two per rank in a V.",
+    )
+    pp_microbatches: int | None = Field(
+        None,
+        ge=1,
+        description="Pipeline micro-batches per step on each data-parallel rank; null = the "
+        "accumulation steps (train.micro_batch_size) if set, else pp. Must divide the rank's batch.",
+    )
+    pp_stages_per_rank: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description="Stages each pipeline rank holds; null = 1 for gpipe/1f1b, 2 for the others.",
+    )
+    sequence_parallel: bool = Field(
+        False,
+        description="With tp > 1: norms and residual adds on sequence shards, all-gather and "
+        "reduce-scatter at the tensor-parallel boundaries instead of all-reduce.",
+    )
+    compression: Literal["none", "fp16", "bf16", "powersgd", "dct"] = Field(
+        "none",
+        description="Gradient compression: fp16/bf16 reduce in half precision (ddp, fsdp, hsdp); "
+        "powersgd and dct compress DDP's gradient buckets.",
+    )
+    compression_options: CompressionOptions = Field(default_factory=CompressionOptions)  # type: ignore[arg-type]
+    diloco: DiLoCoOptions = Field(default_factory=DiLoCoOptions)  # type: ignore[arg-type]
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Pipeline stages on each pipeline rank (``pp_stages_per_rank`` resolved)."""
+        if self.pp_stages_per_rank is not None:
+            return self.pp_stages_per_rank
+        return 1 if self.pp_schedule in SINGLE_STAGE_SCHEDULES else 2
+
+    backend: Literal["auto", "gloo", "nccl", "ring", "mpi"] = Field(
+        "auto",
+        description="auto: nccl on CUDA, gloo on CPU; engine mlx: ring (auto) or mpi.",
+    )
+    collective_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        le=365 * 86400,
+        description="A collective that takes longer fails the run naming the rank (a dead peer or a "
+        "hung ring) instead of hanging it.",
+    )
+
+
+class CheckpointConfig(_Section):
+    """Checkpointing of the whole training state."""
+
+    every: int = Field(0, ge=0, description="Save every N optimizer steps; 0 = off.")
+    keep: int = Field(3, ge=1, description="Checkpoints kept.")
+    async_: bool = Field(False, alias="async", description="Write in the background.")
+    resume: str = Field(
+        "auto",
+        min_length=1,
+        description="auto: the newest complete checkpoint of this run (local or durable tier); never: "
+        "a new run (in a run.dir that holds none); or the path of a checkpoint or of a run directory.",
+    )
+    durable_dir: str | None = Field(
+        None,
+        min_length=1,
+        description="Durable tier: a path or fsspec URL that also receives checkpoints, each run in "
+        "<durable_dir>/<run dir name>/; null = off.",
+    )
+    durable_every: int = Field(
+        0,
+        ge=0,
+        description="Copy every N-th step's checkpoint to the durable tier (a multiple of every); "
+        "0 = each one. The final checkpoint is always copied.",
+    )
+
+
+Tracker = Literal["tensorboard", "mlflow", "wandb"]
+
+
+def _default_trackers() -> list[Tracker]:
+    return ["tensorboard"]
+
+
+class RunConfig(_Section):
+    """Where a run writes and how it reports."""
+
+    dir: str | None = Field(
+        None, min_length=1, description="Run directory; null = runs/<name>-<timestamp>."
+    )
+    name: str = Field(
+        "dtlab",
+        min_length=1,
+        description=f"Run name: one directory name (no '/' or '\\', not '.' or '..', no control "
+        f"characters), at most {RUN_NAME_MAX_BYTES} bytes in UTF-8.",
+    )
+    log_every: int = Field(
+        10, ge=1, description="Log metrics every N steps (the last step is always logged)."
+    )
+    progress: Literal["auto", "bar", "lines", "none"] = Field(
+        "auto", description="auto: a bar on a terminal, plain lines otherwise."
+    )
+    tensorboard: bool = Field(
+        True,
+        description="Write TensorBoard event files to <run dir>/tensorboard when run.trackers lists "
+        "tensorboard (false turns it off whatever the list says).",
+    )
+    trackers: list[Tracker] = Field(
+        default_factory=_default_trackers,
+        description="Experiment trackers that receive params, metrics and artifacts (rank 0): "
+        "tensorboard, mlflow (pip install 'dtlab[mlflow]'), wandb (offline; 'dtlab[wandb]').",
+    )
+    mlflow_uri: str | None = Field(
+        None,
+        min_length=1,
+        description="MLflow tracking URI (a file store path or sqlite:///...); null = a file store "
+        "in <run dir>/mlruns.",
+    )
+    plot: bool = Field(True, description="Write <run dir>/loss.png at the end.")
+    comm_bytes: bool = Field(
+        False,
+        description="Count every collective of each step from the dispatcher into metrics.jsonl: "
+        "comm_bytes (whole buffers) and wire_bytes (what one rank sends, ring algorithms over the "
+        "world); for measurements (dtlab.bench.lowcomm).",
+    )
+    profile: bool = Field(
+        False,
+        description="Record a torch.profiler trace of steps 3-4 (Chrome trace / TensorBoard) and, on CUDA, "
+        "a memory snapshot, under <run dir>/profile.",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_one_component(cls, name: str) -> str:
+        # The name becomes a directory under runs/: it must stay one path component there, and short
+        # enough that runs/<name>-<timestamp> is a legal file name.
+        allowed = (
+            f"one directory name: no '/' or '\\', not '.' or '..', no control characters, at most "
+            f"{RUN_NAME_MAX_BYTES} bytes"
+        )
+        if name in (".", ".."):
+            raise _bad(f"not a directory name of its own; allowed: {allowed}")
+        bad = sorted({c for c in name if c in "/\\" or unicodedata.category(c) == "Cc"})
+        if bad:
+            raise _bad(f"contains {', '.join(map(repr, bad))}; allowed: {allowed}")
+        size = len(name.encode("utf-8"))
+        if size > RUN_NAME_MAX_BYTES:
+            raise _bad(f"{size} bytes long; allowed: {allowed}")
+        return name
+
+    @field_validator("dir")
+    @classmethod
+    def _dir_fits_the_file_system(cls, path: str | None) -> str | None:
+        if path is None:
+            return None
+        for part in path.split("/"):
+            if len(part.encode("utf-8")) > NAME_MAX_BYTES:
+                raise _bad(
+                    f"the path component {show(part)} is {len(part.encode())} bytes long; allowed: "
+                    f"components of at most {NAME_MAX_BYTES} bytes"
+                )
+        return path
