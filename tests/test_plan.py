@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import Any, get_args
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from conftest import run_cli, run_worker
+import dtlab
+from conftest import FAST, run_cli, run_worker
 from dtlab.analysis.devices import PROFILES
-from dtlab.analysis.model import elementwise_flops_per_token, recompute_flops_per_token
+from dtlab.analysis.model import (
+    elementwise_flops_per_token,
+    plan_step,
+    recompute_flops_per_token,
+)
 from dtlab.analysis.plan import format_plan, format_tflops, plan, recommend
-from dtlab.config import load_config
+from dtlab.config import TrainConfig, load_config
 from dtlab.models.llama import build_model
 from dtlab.parallel.apply import apply_ac
 
@@ -187,3 +193,15 @@ def test_plan_command_runs_a_three_dimensional_layout() -> None:
 def test_plan_predicts_the_collectives_tensor_parallelism_issues(layout: str) -> None:
     """Measured by torch's CommDebugMode in a real two-rank step, predicted by the plan."""
     run_worker("tp_comm_worker.py", 2, layout)
+
+
+@pytest.mark.parametrize("optimizer", get_args(TrainConfig.model_fields["optimizer"].annotation))
+def test_plan_predicts_every_optimizers_state_as_measured(tmp_path: Path, optimizer: str) -> None:
+    """The plan's optimizer bytes are what the run holds (summary.json), for each train.optimizer:
+    AdamW's two moments, DeMo's chunk-padded momentum, nothing for dtlab's momentum-free SGD."""
+    overrides = [*FAST, "train.steps=1", f"train.optimizer={optimizer}", f"run.dir={tmp_path}"]
+    measured = dtlab.train(None, overrides)["optimizer_state_bytes"]
+    predicted = plan_step(load_config(overrides=overrides), 1).optimizer_bytes
+    assert predicted == measured, (optimizer, predicted, measured)
+    if optimizer != "sgd":
+        assert measured > 0

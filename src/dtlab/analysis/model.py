@@ -544,8 +544,11 @@ def _model_parallel_comm(
 
 def _optimizer_bytes(config: Config, shapes: list[ParamShape], held: int) -> int:
     """AdamW: exp_avg and exp_avg_sq like the ``held`` parameter elements, plus a float32 step counter
-    per tensor. DeMo: one momentum (padded to whole chunks) and the same counter."""
+    per tensor. DeMo: one momentum (padded to whole chunks) and the same counter. SGD: nothing (dtlab's
+    has no momentum, and torch keeps no state for it)."""
     t = config.train
+    if t.optimizer == "sgd":
+        return 0
     if t.optimizer == "demo":
         c = t.demo.chunk_size
         return sum(math.ceil(s.numel / c) * c for s in shapes) * FP32 + len(shapes) * FP32

@@ -66,7 +66,12 @@ from dtlab.train.oom import (
     smaller_micro_batch,
     split_micro_batches,
 )
-from dtlab.train.optim import apply_hyperparameters, build_optimizer, optimizer_groups
+from dtlab.train.optim import (
+    apply_hyperparameters,
+    build_optimizer,
+    optimizer_groups,
+    state_bytes,
+)
 from dtlab.train.precision import LossScaler, autocast, check_cpu_half_precision
 from dtlab.train.run import run
 from dtlab.train.rundir import RunDirLock, create_run_dir
@@ -681,13 +686,7 @@ class TorchEngine:
     def summary(self) -> dict[str, Any]:
         # Measured, not predicted: the bytes of the optimizer state tensors the largest rank holds
         # (ZeRO-1 and FSDP hold a share; DDP all of it).
-        tensors = [
-            v.to_local() if isinstance(v, DTensor) else v
-            for state in self.tr.optimizer.state.values()
-            for v in state.values()
-            if isinstance(v, torch.Tensor)
-        ]
-        held = sum(v.numel() * v.element_size() for v in tensors)
+        held = state_bytes(self.tr.optimizer)
         out: dict[str, Any] = {"optimizer_state_bytes": int(reduce_scalar(float(held), "max"))}
         if self.config.train.oom_retry:
             out.update(oom_retries=self.oom_retries, micro_batch_size=self.micro_now)

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from dtlab.config import TrainConfig
 from dtlab.train.schedules import lr_at
@@ -48,6 +49,18 @@ def build_optimizer(
     if t.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=t.lr, foreach=True)
     return torch.optim.AdamW(groups, lr=t.lr, **_implementation([*decay, *no_decay]))
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the optimizer state tensors this rank holds (the local shard of a DTensor), DeMo's
+    own momenta included: they live beside ``optimizer.state`` because each rank saves its own."""
+    from dtlab.train.demo import DeMo
+
+    tensors = [v for state in optimizer.state.values() for v in state.values()]
+    if isinstance(optimizer, DeMo):
+        tensors += list(optimizer.local.state_dict().values())
+    held = [v.to_local() if isinstance(v, DTensor) else v for v in tensors]
+    return sum(v.numel() * v.element_size() for v in held if isinstance(v, torch.Tensor))
 
 
 def _implementation(params: list[nn.Parameter]) -> dict[str, Any]:
