@@ -109,6 +109,7 @@ def test_kill9_resume_reshards_the_optimizer_state(
     ("overrides", "message"),
     [
         (["parallel.strategy=fsdp"], "parallel.strategy = 'fsdp' allows: full, shard_grad_op"),
+        (["parallel.strategy=single"], "'single' has none .allowed: parallel.strategy = 'ddp'"),
         (["parallel.strategy=ddp", "train.optimizer=demo"], "train.optimizer = 'demo' is not"),
         (["parallel.strategy=ddp", "parallel.tp=2"], "parallel.tp = 2 is not supported"),
         (

@@ -110,6 +110,13 @@ def _check_zero1(c: Config) -> None:
             f"parallel.sharding = 'optimizer' (ZeRO-1) shards DDP's optimizer state; parallel.strategy "
             f"= {p.strategy!r} allows: full, shard_grad_op, no_shard (or use parallel.strategy = 'ddp')"
         )
+    if wrapper is DPWrapper.NONE:
+        # One process (or only model-parallel ranks) holds the whole optimizer state: nothing to shard.
+        raise ValueError(
+            f"parallel.sharding = 'optimizer' (ZeRO-1) shards DDP's optimizer state over its ranks; "
+            f"parallel.strategy = {p.strategy!r} has none (allowed: parallel.strategy = 'ddp', or "
+            "leave parallel.sharding unset)"
+        )
     refused: dict[str, tuple[bool, str, str]] = {
         **_plain_data_parallel(c),
     }
