@@ -13,7 +13,7 @@ import torch
 from conftest import cli_env, run_cli, train_run
 from dtlab.checkpoint.export import export_hf, export_safetensors, find_checkpoint
 from dtlab.errors import DtlabError
-from dtlab.generate import Generator, load_generator, sample_next
+from dtlab.generate import SEED_MAX, Generator, load_generator, sample_next
 from dtlab.models.llama import KVCache
 
 # Ids the trained debug model continues with a varied (not constant) greedy sequence.
@@ -117,6 +117,42 @@ def test_temperature_0_ignores_the_seed_and_top_k_1_is_greedy(gen: Generator) ->
             gen.generate_ids(PROMPT_IDS, 16, 1.0, top_p=1e-6, seed=seed, stop_at_separator=False)
             == want
         )
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"temperature": 1e-40},
+        {"temperature": 5e-324},  # the smallest positive float
+        {"top_p": 1e-300},
+        {"temperature": 1e-40, "top_k": 3, "top_p": 5e-324},
+    ],
+)
+def test_the_smallest_temperature_and_top_p_allowed_are_greedy(
+    gen: Generator, options: dict[str, float]
+) -> None:
+    """Accepted options at the edge of their range: only the most likely id is left to draw."""
+    drawn = gen.generate_ids(
+        PROMPT_IDS, 16, **{"temperature": 1.0, **options}, seed=3, stop_at_separator=False
+    )
+    assert drawn == greedy(gen, 16)
+
+
+def test_the_largest_temperature_and_seed_allowed_sample(gen: Generator) -> None:
+    """A temperature of 1e300 flattens the distribution to uniform: many different ids come up."""
+    drawn = gen.generate_ids(PROMPT_IDS, 32, 1e300, seed=SEED_MAX, stop_at_separator=False)
+    assert len(set(drawn)) > 16, drawn
+
+
+def test_cli_generates_at_a_tiny_temperature(
+    run: Path, gen: Generator, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dtlab.cli import main
+
+    args = ["generate", str(run), "--prompt", "ab", "--max-new-tokens", "8", "--temperature"]
+    assert main([*args, "1e-40"]) == 0
+    out, _ = capsys.readouterr()
+    assert out == gen.generate("ab", 8, temperature=0).text
 
 
 def test_top_k_and_top_p_draw_only_from_their_set() -> None:

@@ -88,7 +88,11 @@ def sample_next(
     the ``top_k`` most likely ids (0: all), then over the fewest whose probability reaches ``top_p``."""
     if temperature == 0:
         return int(logits.argmax())
-    logits = logits.float() / temperature
+    # Relative to the largest logit, so that any temperature the options allow (down to the smallest
+    # positive float, which float32 rounds to 0) scores every id in [-inf, 0] and the most likely
+    # exactly 0, never inf or 0 / 0: a tiny temperature draws the most likely id.
+    scores = logits.float() - logits.float().max()
+    logits = torch.where(scores == 0, 0.0, scores / temperature)
     if 0 < top_k < logits.numel():
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, -math.inf)
@@ -97,6 +101,7 @@ def sample_next(
         probs = sorted_logits.softmax(-1)
         # Drop an id once the more likely ones already reach top_p (the most likely always stays).
         drop = probs.cumsum(-1) - probs >= top_p
+        drop[0] = False  # also when float32 rounds a tiny top_p to 0
         logits = logits.masked_fill(drop.scatter(0, order, drop), -math.inf)
     return int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
 
