@@ -4,11 +4,13 @@ corpus), saved with the run and its checkpoints, and read back by ``AutoTokenize
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import FAST, run_cli
+from conftest import FAST, cli_env, run_cli
 from dtlab.checkpoint.export import export_hf, export_safetensors
 from dtlab.data.sources import Corpus, stdlib_files
 from dtlab.data.tokenizer import (
@@ -160,3 +162,20 @@ def test_generation_decodes_with_the_run_tokenizer(bpe_run: Path) -> None:
     assert out.prompt_ids == load_tokenizer(bpe_run).encode("def ")
     assert "".join(pieces) == out.text == gen.tokenizer.decode(out.ids)
     assert out.ids and max(out.ids) < 512
+
+
+def test_bpe_is_trained_once_by_processes_that_start_together(tmp_path: Path) -> None:
+    """Three processes (a node's ranks) ask the same cache for the same BPE at the same moment: one
+    reads the corpus to train, the others wait for its lock and read the tokenizer it wrote."""
+    count, out = tmp_path / "trainings", tmp_path / "out"
+    out.mkdir()
+    worker = Path(__file__).parent / "workers" / "bpe_worker.py"
+    proc = subprocess.run(
+        [sys.executable, str(worker), str(tmp_path / "cache"), str(count), str(out), "3"],
+        capture_output=True, text=True, env=cli_env(), timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert len(count.read_text().splitlines()) == 1, count.read_text()
+    results = {p.read_text() for p in out.glob("*.json")}
+    assert len(list(out.glob("*.json"))) == 3 and len(results) == 1
+    assert len(list((tmp_path / "cache" / "tokenizers").rglob(TOKENIZER_FILE))) == 1

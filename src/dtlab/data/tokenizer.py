@@ -10,6 +10,7 @@ dtlab encodes. Document separator: id 0 (``<|endoftext|>`` for BPE, byte 0 for b
 from __future__ import annotations
 
 import codecs
+import fcntl
 import hashlib
 import json
 import os
@@ -292,13 +293,44 @@ def train_bpe(
 ) -> BpeTokenizer:
     """A byte-level BPE of ``vocab_size`` ids trained on ``docs``, or the cached one trained on the
     same corpus (``corpus_identity``) with the same settings. Training is deterministic: the same
-    corpus and settings give the same tokenizer.json."""
-    tk = _tokenizers()
-    path = None
-    if cache is not None:
-        path = cache / "tokenizers" / _bpe_key(corpus_identity, vocab_size) / TOKENIZER_FILE
-        if path.is_file():
+    corpus and settings give the same tokenizer.json. With a ``cache``, one process trains under a
+    lock and the others (every rank of a node) wait and read what it wrote."""
+    if cache is None:
+        return _train_bpe(docs, vocab_size)
+    path = cache / "tokenizers" / _bpe_key(corpus_identity, vocab_size) / TOKENIZER_FILE
+    if path.is_file():  # written whole (renamed into place): no lock needed to read it
+        return BpeTokenizer.from_file(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = (path.parent / "lock").open("a")
+    except OSError as e:
+        raise _cache_error(path, e) from None
+    with lock:
+        # One trainer per cache directory (per machine by default); the flock goes with the file.
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.is_file():  # trained by the process that held the lock before us
             return BpeTokenizer.from_file(path)
+        out = _train_bpe(docs, vocab_size)
+        try:
+            # Written whole, then renamed: a process reading without the lock sees all or nothing.
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(out.to_json())
+            os.replace(tmp, path)
+        except OSError as e:
+            raise _cache_error(path, e) from None
+    return out
+
+
+def _cache_error(path: Path, e: OSError) -> DataError:
+    return DataError(
+        f"data.tokenizer = bpe: cannot write the tokenizer cache in '{path.parent}': "
+        f"{e.strerror or e} (set data.cache_dir or $DTLAB_CACHE to a writable directory)"
+    )
+
+
+def _train_bpe(docs: Iterable[bytes], vocab_size: int) -> BpeTokenizer:
+    tk = _tokenizers()
     tok = tk.Tokenizer(tk.models.BPE())
     tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tk.decoders.ByteLevel()
@@ -310,15 +342,7 @@ def train_bpe(
         show_progress=False,
     )
     tok.train_from_iterator((d.decode("utf-8", errors="replace") for d in docs), trainer=trainer)
-    out = BpeTokenizer(tok)
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # Written whole, then renamed: a second process reading the cache sees all of it or nothing.
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(out.to_json())
-        os.replace(tmp, path)
-    return out
+    return BpeTokenizer(tok)
 
 
 class StreamDecoder:
