@@ -21,6 +21,7 @@ from dtlab.data.tokenizer import (
     load_tokenizer,
     train_bpe,
 )
+from dtlab.errors import DataError
 
 TEXTS = [
     "def f(x):\n    return x ** 2  # squared\n",
@@ -179,3 +180,12 @@ def test_bpe_is_trained_once_by_processes_that_start_together(tmp_path: Path) ->
     results = {p.read_text() for p in out.glob("*.json")}
     assert len(list(out.glob("*.json"))) == 3 and len(results) == 1
     assert len(list((tmp_path / "cache" / "tokenizers").rglob(TOKENIZER_FILE))) == 1
+
+
+def test_an_unwritable_bpe_cache_is_named(tmp_path: Path) -> None:
+    cache = tmp_path / "a file"
+    cache.write_text("not a directory")
+    with pytest.raises(
+        DataError, match=r"cannot write the tokenizer cache in .*a file.*data.cache_dir"
+    ):
+        train_bpe([b"ab ab ab"], 300, "tiny", cache)
