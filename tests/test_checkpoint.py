@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FAST, checkpoint_tensors, cli_env, read_metrics, run_cli
+from conftest import FAST, checkpoint_tensors, cli_env, read_metrics, run_cli, run_worker
 from dtlab.checkpoint.manifest import verify_checkpoint, write_manifest
 from dtlab.errors import CheckpointError
 
@@ -403,3 +403,19 @@ def test_manifest_detects_every_kind_of_damage(tmp_path: Path) -> None:
     (ckpt / "manifest.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="cannot be read"):
         verify_checkpoint(ckpt)
+
+
+def test_async_staging_stages_each_shard_into_its_own_host_buffer(tmp_path: Path) -> None:
+    """FSDP on 2 gloo processes: a staged DTensor's local tensor is the stager's CPU buffer itself
+    under the live spec (no copy, no move to the mesh's device), equal to the live shard; the stager
+    copied on the rank's own device; the async save loads back as saved."""
+    run_worker("stager_worker.py", 2, str(tmp_path / "run"), "cpu")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (one per rank)")
+def test_async_staging_on_two_gpus_copies_on_each_ranks_own_gpu(tmp_path: Path) -> None:
+    """FSDP on 2 GPUs over NCCL: each rank stages on a side stream of its own GPU, after the kernels
+    that wrote the tensors (a long kernel still runs when the save is asked for): the staged data
+    equals the live tensors, and nothing is allocated, nor a CUDA context opened, on the other
+    rank's GPU; the async save loads back as saved."""
+    run_worker("stager_worker.py", 2, str(tmp_path / "run"), "cuda")
