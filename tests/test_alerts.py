@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import FAST, read_metrics, run_cli
 from dtlab.config import AlertsConfig
@@ -127,3 +128,63 @@ def test_bad_thresholds_are_refused(tmp_path: Path, key: str, value: str) -> Non
     proc = run_cli("train", "--set", *FAST, f"run.dir={tmp_path / 'run'}", f"{key}={value}")
     assert proc.returncode != 0 and key in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+class _Allocator:
+    """An allocator's bookkeeping as the CUDA caching allocator keeps it: bytes in use, and the
+    largest since its peak counter was last reset."""
+
+    def __init__(self) -> None:
+        self.in_use = self.peak = 0
+
+    def alloc(self, n: int) -> None:
+        self.in_use += n
+        self.peak = max(self.peak, self.in_use)
+
+    def free(self, n: int) -> None:
+        self.in_use -= n
+
+    def reset(self) -> None:
+        self.peak = self.in_use
+
+
+def test_the_run_peak_survives_the_alerts_window_resets() -> None:
+    """The memory alert reads each step's peak and resets the counter; the run's peak still holds
+    the largest step's, also while a window is open (the summary reads it after the last step)."""
+    from dtlab.metrics.peaks import PeakMemory
+
+    allocator = _Allocator()
+    peaks = PeakMemory(lambda: allocator.peak, allocator.reset)
+    steps = [
+        (100, 10),
+        (700, 10),
+        (200, 10),
+    ]  # (transient bytes of the step's backward, kept bytes)
+    windows = []
+    for transient, kept in steps:
+        allocator.alloc(kept)
+        allocator.alloc(transient)
+        allocator.free(transient)
+        windows.append(peaks.window())
+    assert windows == [110, 720, 230]  # each step's own peak: the alert's figure
+    assert peaks.run() == 720  # the run's: not the last window's 230
+    allocator.alloc(1000)  # a window still open when the run ends
+    assert peaks.run() == 1030
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_peak_memory_holds_every_steps_peak_with_the_memory_alert_on() -> None:
+    """What the memory alert and the run's summary read on a GPU: the alert's window resets the
+    allocator's peak counter, the summary's peak still holds a step before it."""
+    from dtlab.metrics.alerts import memory_use
+    from dtlab.metrics.report import peak_memory_bytes
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    big = 256 << 20
+    x = torch.empty(big, dtype=torch.uint8, device=device)  # a step's transient peak
+    del x
+    assert memory_use(device)[0] >= big  # that step's window
+    y = torch.empty(1 << 20, dtype=torch.uint8, device=device)
+    assert memory_use(device)[0] < big  # the next step's window: its own peak only
+    del y
+    assert peak_memory_bytes(device) >= big  # the run's peak

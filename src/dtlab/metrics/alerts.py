@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dtlab.config import AlertsConfig
+from dtlab.metrics.peaks import cuda_peaks
 
 __all__ = ["AlertMonitor", "memory_use"]
 
@@ -26,13 +27,12 @@ MIN_HISTORY = 3  # steps a median needs before a spike or a drop is judged again
 
 def memory_use(device: Any) -> tuple[int, int]:
     """(bytes in use, bytes there are) for this process on ``device`` (a torch device, or "cpu"/"mlx"):
-    CUDA: the allocator's peak since the last call (then reset) of the device's memory; elsewhere the
-    process's resident memory of the machine's."""
+    CUDA: the allocator's peak since the last call of the device's memory (the run's peak is kept:
+    :func:`dtlab.metrics.peaks.cuda_peaks`); elsewhere the process's resident memory of the machine's."""
     if getattr(device, "type", device) == "cuda":
         import torch
 
-        used = int(torch.cuda.max_memory_allocated(device))
-        torch.cuda.reset_peak_memory_stats(device)
+        used = cuda_peaks(device).window()
         return used, int(torch.cuda.get_device_properties(device).total_memory)
     page = os.sysconf("SC_PAGE_SIZE")
     try:

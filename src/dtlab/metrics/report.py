@@ -9,11 +9,14 @@ from typing import Any
 
 import torch
 
+from dtlab.metrics.peaks import cuda_peaks
+
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory of this process: CUDA allocator peak on GPU, peak resident set size on CPU."""
+    """Peak memory of this process: CUDA allocator peak on GPU (of the whole run, whatever the memory
+    alert reset), peak resident set size on CPU."""
     if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
+        return cuda_peaks(device).run()
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)  # bytes on macOS, KiB on Linux
 
