@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import cli_env, run_cli, train_run
+from conftest import FAST, cli_env, run_cli, train_run
 from dtlab.checkpoint.export import export_hf, export_safetensors, find_checkpoint
 from dtlab.errors import DtlabError
 from dtlab.generate import SEED_MAX, Generator, load_generator, sample_next
@@ -22,9 +22,10 @@ PROMPT_IDS = [5, 17, 200, 3]
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The debug model trained 12 steps on the synthetic chains, with a checkpoint at the end."""
+    """The debug model trained 12 steps on the synthetic chains, with the defaults: the run keeps its
+    final weights in a checkpoint of step 12 (checkpoint.final)."""
     d = tmp_path_factory.mktemp("gen") / "run"
-    train_run(d, "checkpoint.every=12")
+    train_run(d)
     return d
 
 
@@ -196,7 +197,35 @@ def test_cli_prints_exactly_the_generated_text(run: Path, gen: Generator) -> Non
     # Bytes, not text mode: a generated '\r' must come through as it is.
     assert proc.stdout.decode("utf-8") == want
     assert len(want) > 0
+    # stderr names the step of the run the weights are from: its last, so no warning.
+    assert f"generating with '{run / 'checkpoints' / 'step-00000012'}' (step 12 of 12)" in stderr
+    assert "warning" not in stderr
     assert sorted(str(p) for p in run.rglob("*")) == before  # it writes nothing
+
+
+def test_weights_that_are_not_the_runs_last_step_are_named_and_warned(tmp_path: Path) -> None:
+    """A run stopped by Ctrl-C at step 2 and resumed to its end without a final checkpoint
+    (checkpoint.final=false) keeps only step 2's weights: generate and export name the step they
+    read and warn that the run went on; the generated text stays alone on stdout."""
+    run = tmp_path / "run"
+    args = ["train", "--set", *FAST, "train.steps=6", f"run.dir={run}"]
+    assert run_cli(*args, env={"DTLAB_FAULTS": "sigint@2"}).returncode == 75
+    proc = run_cli(*args, "checkpoint.final=false")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ckpt = run / "checkpoints" / "step-00000002"
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == [ckpt.name]
+    warning = (
+        f"'{ckpt}' holds the weights of step 2, not the run's last step: the run went on to step 6"
+    )
+    proc = run_cli("generate", str(run), "--prompt", "ab", "--max-new-tokens", "6",
+                   "--temperature", "0", timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert f"generating with '{ckpt}' (step 2 of 6)" in proc.stderr
+    assert f"warning: {warning} (no later checkpoint)" in proc.stderr
+    assert proc.stdout == load_generator(ckpt).generate("ab", 6, temperature=0).text
+    warned: list[str] = []
+    export_safetensors(run, tmp_path / "st", warn=warned.append)
+    assert [w for w in warned if warning in w], warned
 
 
 def test_cli_help_describes_every_option() -> None:

@@ -338,7 +338,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from dtlab.checkpoint.export import export_checkpoint
+    from dtlab.checkpoint.export import export_checkpoint, weights_position
     from dtlab.config import show
 
     def warn(message: str) -> None:
@@ -353,7 +353,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise DtlabError(
             f"export {show(args.source)} to {show(args.out)}: {e.strerror or e}"
         ) from None
-    print(f"exported checkpoint '{ckpt}' as {args.fmt}", file=sys.stderr)
+    position = weights_position(ckpt)[0]
+    print(f"exported checkpoint '{ckpt}' ({position}) as {args.fmt}", file=sys.stderr)
     print(out)
     return 0
 
@@ -376,7 +377,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()  # token by token, also into a pipe
 
     gen = load_generator(args.source, args.device, warn=warn)
-    print(f"generating with '{gen.source}'", file=sys.stderr, flush=True)
+    position = f" ({gen.position})" if gen.position else ""
+    print(f"generating with '{gen.source}'{position}", file=sys.stderr, flush=True)
     if isinstance(sys.stdout, io.TextIOWrapper):
         # A terminal whose encoding lacks a generated character shows '?' rather than failing.
         sys.stdout.reconfigure(errors="replace")

@@ -27,7 +27,13 @@ from typing import Any, Literal
 
 import torch
 
-from dtlab.checkpoint.export import compare_tensors, find_checkpoint, load_model_state, some_names
+from dtlab.checkpoint.export import (
+    compare_tensors,
+    find_checkpoint,
+    load_model_state,
+    some_names,
+    weights_position,
+)
 from dtlab.checkpoint.manifest import MANIFEST
 from dtlab.checkpoint.store import STEP_DIR
 from dtlab.config import ModelConfig, parse_yaml, show
@@ -144,12 +150,18 @@ class Generator:
     """A model and its tokenizer, ready to generate (see :func:`load_generator`)."""
 
     def __init__(
-        self, model: Transformer, tokenizer: Tokenizer, source: Path, device: torch.device
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        source: Path,
+        device: torch.device,
+        position: str | None = None,
     ) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.source = source  # the checkpoint or export the weights came from
         self.device = device
+        self.position = position  # a checkpoint's step in its run, "step 9 of 30" (None: export)
 
     @property
     def max_seq_len(self) -> int:
@@ -438,6 +450,7 @@ def load_generator(
         raise DtlabError(f"'{path}' is not a directory; allowed: {EXPECTED}")
     dev = _device(device)
     kind = _kind(p)
+    position = None
     if kind == "hf":
         args, state = _read_hf(p)
         source, dirs, configured = p, [p], None
@@ -447,9 +460,12 @@ def load_generator(
         source, dirs, configured = p, [p], tok_kind
     else:
         source = find_checkpoint(p, warn)
+        position, warning = weights_position(source)
+        if warning:
+            warn(warning)
         args, tok_kind = _read_config(source / "config.yaml")
         state = load_model_state(source, verify=False)  # find_checkpoint verified it
         run_dir = source.parent.parent  # RUN_DIR/checkpoints/step-NNNNNNNN
         dirs, configured = [source, run_dir], tok_kind
     tokenizer = _find_tokenizer(dirs, configured, args.vocab_size, warn)
-    return Generator(_build(args, state, source, dev), tokenizer, source, dev)
+    return Generator(_build(args, state, source, dev), tokenizer, source, dev, position)

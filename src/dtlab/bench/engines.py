@@ -86,7 +86,7 @@ def run_engines(
             f"parallel.strategy={strategy}", f"train.precision={precision}",
             f"train.steps={warmup + steps}", "run.log_every=1", "run.progress=none",
             "run.plot=false", "run.tensorboard=false", "run.trackers=[]", "checkpoint.every=0",
-            "checkpoint.resume=never", f"run.dir={run_dir}",
+            "checkpoint.final=false", "checkpoint.resume=never", f"run.dir={run_dir}",
         ]  # fmt: skip
         proc = subprocess.run(args, capture_output=True, text=True, env=engine_env(engine))
         if proc.returncode != 0 or not (run_dir / "summary.json").exists():

@@ -63,7 +63,7 @@ COMMON = [
     "model.preset=tiny", "data.source=stdlib", "data.seq_len=256", "data.val_fraction=0.02",
     "train.global_batch_size=16", "train.lr=2e-3", "train.min_lr=2e-4", "train.warmup_steps=20",
     "parallel.strategy=ddp", "run.comm_bytes=true", "run.log_every=1", "run.progress=none",
-    "run.plot=false", "run.trackers=[]", "checkpoint.every=0",
+    "run.plot=false", "run.trackers=[]", "checkpoint.every=0", "checkpoint.final=false",
 ]  # fmt: skip
 NPROC = 2  # processes of every run, sharing the link
 BASELINE = "ddp"  # the method every other one is measured against: plain DDP, no compression

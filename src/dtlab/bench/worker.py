@@ -259,7 +259,7 @@ def _run_config(config: Config, d: DistInfo, timed: range) -> Config:
     cfg.run.progress, cfg.run.log_every = "none", 1
     cfg.run.plot = cfg.run.tensorboard = cfg.run.profile = False
     cfg.run.trackers = []  # a measurement is not an experiment: no tracker runs
-    cfg.checkpoint.every, cfg.checkpoint.resume = 0, "never"
+    cfg.checkpoint.every, cfg.checkpoint.final, cfg.checkpoint.resume = 0, False, "never"
     return cfg
 
 

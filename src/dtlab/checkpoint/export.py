@@ -36,6 +36,7 @@ __all__ = [
     "export_safetensors",
     "find_checkpoint",
     "load_model_state",
+    "weights_position",
 ]
 
 FORMATS = ("safetensors", "hf")
@@ -97,6 +98,81 @@ def find_checkpoint(path: str | Path, warn: Warn | None = None) -> Path:
             f"run directory '{path}' has no complete checkpoint: all {count} in '{root}' failed verification"
         )
     return ckpt
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _planned_steps(config_yaml: Path) -> int | None:
+    """``train.steps`` of a run's or a checkpoint's ``config.yaml``, if it can be read."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(config_yaml.read_text(encoding="utf-8"))
+        steps = data["train"]["steps"]
+    except (OSError, ValueError, yaml.YAMLError, KeyError, TypeError):
+        return None
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
+
+
+def _furthest_logged(metrics: Path) -> int:
+    """The largest step in a run's ``metrics.jsonl`` (0 when none; a torn line is skipped)."""
+    furthest = 0
+    try:
+        lines = metrics.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return 0
+    for line in lines:
+        try:
+            step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(step, int) and not isinstance(step, bool):
+            furthest = max(furthest, step)
+    return furthest
+
+
+def weights_position(ckpt: Path) -> tuple[str, str | None]:
+    """Which step of its run checkpoint ``ckpt`` holds, as a phrase for the user ("step 9 of 30"),
+    and a warning when those are not the run's last weights: the run went on past that step (its
+    metrics, summary or a newer checkpoint say so), or it has not reached its ``train.steps``."""
+    manifest = _read_json(ckpt / MANIFEST)
+    step = manifest.get("step") if isinstance(manifest, dict) else None
+    if not isinstance(step, int):
+        return "step unknown", None
+    run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else None
+    planned = None
+    if run_dir is not None:  # the latest start's config: its train.steps is what the run aims at
+        planned = _planned_steps(run_dir / "config.yaml")
+    planned = planned or _planned_steps(ckpt / "config.yaml")
+    phrase = f"step {step}" + (f" of {planned}" if planned else "")
+    alert = manifest.get("alert") if isinstance(manifest, dict) else None
+    if alert:
+        phrase += ", saved when an alert stopped the run"
+    not_last = f"'{ckpt}' holds the weights of step {step}, not the run's last step"
+    if run_dir is None:
+        return (
+            phrase,
+            f"{not_last} (train.steps = {planned})" if planned and step < planned else None,
+        )
+    summary = _read_json(run_dir / "summary.json")
+    finished = summary.get("steps") if isinstance(summary, dict) else None
+    finished = finished if isinstance(finished, int) else None
+    newer = [s for s in Tier(run_dir / "checkpoints", "local").committed() if s > step]
+    reached = max(step, finished or 0, _furthest_logged(run_dir / "metrics.jsonl"), *newer)
+    if reached > step:
+        kept = f"its newest checkpoint is step {newer[-1]}" if newer else "no later checkpoint"
+        return phrase, f"{not_last}: the run went on to step {reached} ({kept})"
+    if finished is None and planned and step < planned:
+        return phrase, (
+            f"{not_last}: the run has not finished (train.steps = {planned}; it stopped, or is "
+            "still running)"
+        )
+    return phrase, None
 
 
 def load_model_state(ckpt_dir: str | Path, *, verify: bool = True) -> dict[str, torch.Tensor]:
@@ -252,6 +328,9 @@ def export_checkpoint(
     _check_out(out_dir, force, source)
     _safetensors_torch()  # fail before reading the checkpoint
     ckpt = find_checkpoint(source, warn)
+    warning = weights_position(ckpt)[1]
+    if warning:
+        (warn or _default_warn)(warning)
     config = checkpoint_config(ckpt)
     state = load_model_state(ckpt, verify=False)
     _check_against_config(state, config, ckpt)

@@ -515,6 +515,11 @@ class CheckpointConfig(_Section):
     """Checkpointing of the whole training state."""
 
     every: int = Field(0, ge=0, description="Save every N optimizer steps; 0 = off.")
+    final: bool = Field(
+        True,
+        description="Save a checkpoint after the last step (the weights generate and export read); "
+        "false: only every's saves and a stop's.",
+    )
     keep: int = Field(3, ge=1, description="Checkpoints kept.")
     async_: bool = Field(False, alias="async", description="Write in the background.")
     resume: str = Field(

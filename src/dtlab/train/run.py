@@ -373,7 +373,8 @@ def _loop(
             _stop(r, stop)
         if fired and config.alerts.action == "stop":
             _stop(r, "alert", [msg for _, msg in fired])
-        if r.ckpt.due(n) or (n == t.steps and config.checkpoint.every):
+        # The final weights are kept unless opted out: generate and export read them.
+        if r.ckpt.due(n) or (n == t.steps and config.checkpoint.final):
             with recorded("checkpoint save", "checkpoint"):
                 engine.save(r.ckpt, n, blocking=False)
 

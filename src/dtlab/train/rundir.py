@@ -265,9 +265,11 @@ def write_outputs(
 
 
 def check_final_checkpoint(run_dir: Path, config: Config, step: int) -> None:
-    """A run that checkpoints must end with its final checkpoint committed (what export and a
-    restart use); otherwise an OutputError naming the newest one it has."""
-    if not config.checkpoint.every or step != config.train.steps:
+    """A run that keeps its final weights (``checkpoint.final``, or an ``every`` that falls on the
+    last step) must end with that checkpoint committed (what generate, export and a restart use);
+    otherwise an OutputError naming the newest one it has."""
+    c = config.checkpoint
+    if step != config.train.steps or not (c.final or (c.every and step % c.every == 0)):
         return
     committed = Tier(run_dir / "checkpoints", "local").committed()
     if step not in committed:
