@@ -17,7 +17,6 @@ from typing import Any
 
 from dtlab.config import Config, ModelConfig
 from dtlab.dims import ParallelDims, stage_ids, stage_layers
-from dtlab.parallel.zero import owners
 from dtlab.runtime.signals import STOP_SIGNALS
 from dtlab.train.diloco import fragment_of, sync_bytes
 
@@ -467,11 +466,11 @@ def _plan_rank(
         plan.gathered_bytes = _fsdp_comm(config, dims, shapes, accum, comm, groups)
     if p.diloco.inner_steps:
         _diloco_comm(config, dims, shapes, comm, groups)
+    elif dims.shard_optimizer:
+        comm.update(zero1_comm_bytes(shapes, config, dims.dp))
+        groups.update({k: world_size for k in comm})
     elif dims.ddp_enabled:
         comm.update(ddp_comm_bytes(shapes, config, world_size))
-        if dims.shard_optimizer and dims.dp > 1:
-            # ZeRO-1: every owner broadcasts the parameters it updated (float32), once per step.
-            comm["broadcast"] = sum(s.numel for s in shapes) * FP32
         groups.update({k: world_size for k in comm})
     _model_parallel_comm(config, dims, part, tokens, accum, comm, groups)
     if dims.distributed and world_size > 1:
@@ -556,13 +555,25 @@ def _optimizer_bytes(config: Config, shapes: list[ParamShape], held: int) -> int
 
 
 def _zero1_optimizer_bytes(config: Config, shapes: list[ParamShape], ranks: int) -> int:
-    """ZeRO-1: the optimizer state of the rank that owns the most (:func:`owners`' split)."""
-    owner = owners([s.numel for s in shapes], ranks)
-    per_rank = []
-    for r in range(ranks):
-        mine = [s for s, o in zip(shapes, owner, strict=True) if o == r]
-        per_rank.append(_optimizer_bytes(config, mine, sum(s.numel for s in mine)))
-    return max(per_rank)
+    """ZeRO-1: the optimizer state of the fullest rank, the first (:func:`dtlab.parallel.zero.rows_of`:
+    ``ceil(rows / ranks)`` rows of every parameter, and a step counter for each)."""
+    return _optimizer_bytes(config, shapes, sum(s.shard_numel(ranks) for s in shapes))
+
+
+def zero1_comm_bytes(shapes: list[ParamShape], config: Config, ranks: int) -> dict[str, int]:
+    """ZeRO-1's collectives per optimizer step (nothing on one rank): the gradients reduce-scattered
+    (in half precision under fp16/bf16 compression) and the updated parameters all-gathered
+    (float32), each on the flat buffer of every rank's ``ceil(rows / ranks)`` rows of every parameter.
+
+    Without padding (every dim 0 divisible by ``ranks``) the buffer is the model, and a ring
+    reduce-scatter plus a ring all-gather send what DDP's ring all-reduce sends: ``2 (N - 1) / N``
+    times the model's bytes per rank (:func:`bus_bytes`). The counted bytes (each collective's whole
+    buffer) are twice DDP's all-reduce: two collectives on the same buffer."""
+    if ranks == 1:
+        return {}
+    padded = sum(s.padded_numel(ranks) for s in shapes)
+    grad = 2 if config.parallel.compression in ("fp16", "bf16") else FP32
+    return {"reduce_scatter": padded * grad, "all_gather": padded * FP32}
 
 
 def _fsdp_comm(
@@ -611,6 +622,7 @@ def step_reduction_bytes(config: Config, dims: ParallelDims) -> int:
     per stop signal, and the squared gradient norm when gradients are sharded or each rank's own."""
     norm = (
         dims.fsdp_enabled
+        or dims.shard_optimizer
         or config.train.optimizer == "demo"
         or config.parallel.diloco.inner_steps > 0
     )

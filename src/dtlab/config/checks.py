@@ -119,6 +119,12 @@ def _check_zero1(c: Config) -> None:
         )
     refused: dict[str, tuple[bool, str, str]] = {
         **_plain_data_parallel(c),
+        # Its gradients are reduce-scattered, not all-reduced through DDP's communication hooks.
+        "parallel.compression": (
+            p.compression in ("powersgd", "dct"),
+            repr(p.compression),
+            "none, fp16, bf16",
+        ),
     }
     for key, (bad, shown, allowed) in refused.items():
         if bad:

@@ -421,8 +421,8 @@ class ParallelConfig(_Section):
     sharding: Literal["full", "shard_grad_op", "no_shard", "optimizer"] = Field(
         "full",
         description="fsdp/hsdp: full (ZeRO-3), shard_grad_op (ZeRO-2), no_shard (replicated); "
-        "ddp: optimizer (ZeRO-1: each rank keeps and steps the optimizer state of its share of the "
-        "parameters, then broadcasts them; gradients all-reduced as DDP does).",
+        "ddp: optimizer (ZeRO-1: gradients reduce-scattered, each rank keeps and steps the "
+        "optimizer state of its rows of every parameter, the updated rows all-gathered).",
     )
     replicate: int | None = Field(
         None,

@@ -264,17 +264,19 @@ class ParallelModel:
     # Pipeline parallel: this rank's stages and their schedule (``module`` then only gathers their
     # parameters under the whole model's names; the schedule runs the stages).
     pipeline: Pipeline | None = None
-    # ZeRO-1: which rank steps which parameters, and their broadcast after the step.
+    # ZeRO-1: this rank's rows of the parameters, their gradients' reduce-scatter and their all-gather.
     zero: OptimizerShards | None = None
 
-    def owns(self, p: nn.Parameter) -> bool:
-        """Whether this rank's optimizer holds ``p`` (all of them, except under ZeRO-1)."""
-        return self.zero is None or self.zero.owns(p)
+    @property
+    def optimized(self) -> nn.Module:
+        """What the optimizer holds, with the gradients it steps with: the module's parameters, or
+        under ZeRO-1 this rank's rows of them (under the whole model's names)."""
+        return self.zero.module if self.zero is not None else self.module
 
     def after_update(self) -> None:
-        """After the optimizer step: ZeRO-1's owners broadcast the parameters they updated."""
+        """After the optimizer step: ZeRO-1 all-gathers the rows each rank updated."""
         if self.zero is not None:
-            self.zero.broadcast()
+            self.zero.all_gather()
 
     def loss_context(self) -> AbstractContextManager[Any]:
         """Where the loss is computed and back-propagated: with tensor parallelism, the logits are
@@ -303,6 +305,8 @@ class ParallelModel:
         with recorded(name, op):
             if enabled:
                 yield
+                if self.zero is not None:  # ZeRO-1 synchronises once backward is over
+                    self.zero.reduce_scatter()
             elif isinstance(self.module, DistributedDataParallel):
                 with self.module.no_sync():
                     yield
@@ -321,7 +325,11 @@ class ParallelModel:
         """Average the gradients over the data-parallel ranks after backward, in buckets of
         ``SYNC_BUCKET_BYTES`` (what DDP's reducer does during the last backward; in ``dtype`` like
         the fp16/bf16 hooks): for steps whose micro-batches all ran without sync, so that the ranks
-        could agree on something first (``train.oom_retry``). Nothing without DDP."""
+        could agree on something first (``train.oom_retry``). ZeRO-1: its reduce-scatter. Nothing
+        without DDP."""
+        if self.zero is not None:
+            self.zero.reduce_scatter()
+            return
         if not isinstance(self.module, DistributedDataParallel):
             return
         group = self.module.process_group
@@ -342,8 +350,11 @@ class ParallelModel:
 
         Sequence parallelism leaves them on its norms' weights (each rank's sequence shard gives a part
         of the sum). FSDP settles its own in its reduce-scatter; without it, this does, so that the
-        gradient norm and the optimizer see whole gradients.
+        gradient norm and the optimizer see whole gradients. ZeRO-1: the shards' gradients, also
+        after a step that did not synchronise (see :meth:`OptimizerShards.settle`).
         """
+        if self.zero is not None:
+            self.zero.settle()
         if not self.dims.tp_enabled:
             return  # only tensor parallelism leaves partial sums (checked without a pass per step)
         groups: dict[tuple[int, int], list[nn.Parameter]] = {}
@@ -398,8 +409,9 @@ def parallelize(model: Transformer, config: Config, dist_info: DistInfo) -> Para
     module, compression = _parallelize_one(model, config, dist_info)
     zero = None
     if dims.shard_optimizer:
-        params = [p for p in model.parameters() if p.requires_grad]
-        zero = OptimizerShards(params, dims.dp_rank(dist_info.rank), dims.dp)
+        named = [(plain_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
+        mesh = dims.mesh(dist_info.device.type, "dp_replicate")
+        zero = OptimizerShards(named, mesh, reduce_dtype(config))
     return ParallelModel(module, model, dims, compression, zero=zero)
 
 
@@ -427,6 +439,9 @@ def _parallelize_one(
         # A DiLoCo replica's gradients are its own (the replicas exchange pseudo-gradients).
         local = config.parallel.diloco.inner_steps > 0
         return model, CompressionState(config.parallel.compression, local_gradients=local)
+    if dims.shard_optimizer:
+        # ZeRO-1 reduce-scatters the gradients itself (parallel.zero) instead of DDP's all-reduce.
+        return model, CompressionState(config.parallel.compression)
     device_ids = [dist_info.device.index] if dist_info.device.type == "cuda" else None
     # Under pipeline parallelism DDP spans the stage's replicas only, and under DiLoCo one replica's
     # ranks, not the default group.

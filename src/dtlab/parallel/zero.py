@@ -1,73 +1,229 @@
-"""ZeRO-1: the optimizer state sharded over the data-parallel ranks, parameters and gradients replicated.
+"""ZeRO-1: the optimizer state sharded over the data-parallel ranks, parameters replicated.
 
-DDP all-reduces the gradients as usual, so every rank holds the whole averaged gradient (the norm and
-clipping see it whole). Each parameter belongs to one rank (:func:`owners`), whose optimizer alone
-holds its state and steps it; after the step each rank broadcasts the parameters it updated to the
-others, one flat buffer per owner. The update of a parameter is the same computation on its owner as
-on one process, so the training is the same; the state each rank keeps is about 1/N of it.
+Every rank holds whole parameters, runs forward and backward on its micro-batches and accumulates
+whole local gradients, as DDP does. Instead of DDP's all-reduce, the gradients are reduce-scattered:
+each rank receives the average of its rows of every parameter, steps them with its optimizer (which
+holds only their state), and the updated rows are all-gathered back into every rank's parameters. A
+ring reduce-scatter and all-gather send the bytes of one ring all-reduce, so ZeRO-1 moves what DDP
+moves, and each rank keeps 1/N of the optimizer state.
 
-The optimizer state a rank checkpoints is its own parameters' state under the whole model's names
-(:class:`dtlab.checkpoint.state.StagedOptimizerState`, as a pipeline rank's), so the ranks' parts
-together are a one-process optimizer state that any layout and world size loads.
+The split (:func:`rows_of`) is FSDP2's and DTensor's ``Shard(0)``: each parameter's dim 0 in
+``torch.chunk`` pieces, ``ceil(rows / N)`` rows per rank, the last ranks fewer or none. A rank's rows
+of a parameter are a view of that parameter, wrapped as a ``Shard(0)`` DTensor of the whole
+parameter, which is what the optimizer holds; its state is then ``Shard(0)`` DTensors too, which DCP
+saves as regions of the whole-named tensors and reshards for any other layout on load. (An exactly
+even split of one flat buffer would give a rank ranges of flattened elements, which are not regions
+of a tensor.)
+
+On the wire, each collective carries one flat buffer in rank-major order: rank r's slot holds its rows
+of every parameter, each padded to ``ceil(rows / N)`` rows, so that the slots are the same size. When
+every parameter's dim 0 divides by N there is no padding, and the collectives carry exactly the
+model's elements.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from dtlab.parallel.ledger import recorded
 
-__all__ = ["OptimizerShards", "owners"]
+__all__ = ["OptimizerShards", "rows_of", "slot_numel"]
+
+# The largest flat buffer one collective carries (DDP's default bucket): the extra memory the
+# gradients' reduce-scatter and the parameters' all-gather take at once.
+BUCKET_BYTES = 25 * 2**20
+
+# torch 2.13 renamed the flat collectives (the old names warn); torch >= 2.6 is supported.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def owners(numels: Sequence[int], ranks: int) -> list[int]:
-    """The rank that owns each parameter (of ``numels`` elements each, in the model's order): largest
-    first, each to the rank that holds the fewest elements so far (the lowest such rank on a tie), so
-    that the ranks' shares of the optimizer state are as even as whole tensors allow. The same on every
-    rank, and what ``dtlab plan`` predicts from."""
-    held = [0] * ranks
-    out = [0] * len(numels)
-    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
-        r = min(range(ranks), key=lambda r: (held[r], r))
-        out[i], held[r] = r, held[r] + numels[i]
-    return out
+def rows_of(rows: int, ranks: int, rank: int) -> tuple[int, int]:
+    """The rows ``[start, stop)`` of a dim 0 of ``rows`` that ``rank`` of ``ranks`` holds:
+    ``torch.chunk``'s split (FSDP2's, DTensor's ``Shard(0)``), ``ceil(rows / ranks)`` each, the last
+    ranks fewer or none."""
+    chunk = -(-rows // ranks)
+    start = min(rank * chunk, rows)
+    return start, min(start + chunk, rows)
+
+
+def slot_numel(shapes: Sequence[Sequence[int]], ranks: int) -> int:
+    """Elements of one rank's slot in the collectives' flat buffers: each parameter's
+    ``ceil(rows / ranks)`` rows. The buffers are ``ranks`` slots; the fullest rank's optimizer holds
+    the state of exactly this many elements (what ``dtlab plan`` predicts)."""
+    return sum(-(-s[0] // ranks) * math.prod(s[1:]) for s in shapes)
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One parameter in the flat layout: its slot offset and width (padded rows x row length), and
+    the rows this rank holds."""
+
+    offset: int
+    width: int
+    start: int
+    stop: int
+    row: int  # elements per row
+
+    @property
+    def numel(self) -> int:
+        """Elements of the rows this rank holds (``width`` or fewer)."""
+        return (self.stop - self.start) * self.row
 
 
 class OptimizerShards:
-    """Which data-parallel rank steps which parameters, and the broadcast that hands every rank the
-    parameters the others updated."""
+    """This rank's rows of every parameter (what its optimizer holds), the gradients' reduce-scatter
+    that fills their gradients, and the all-gather that hands every rank the rows the others updated.
 
-    def __init__(self, params: Sequence[nn.Parameter], rank: int, ranks: int) -> None:
-        self.params, self.rank, self.ranks = list(params), rank, ranks
-        self.owner = owners([p.numel() for p in self.params], ranks)
-        self._owned_ids = {id(p) for p, r in zip(self.params, self.owner, strict=True) if r == rank}
+    ``named``: the plain model's trainable parameters with their names, materialised; ``mesh``: the
+    one-dimensional data-parallel mesh; ``dtype``: the dtype gradients are reduced in (None: their
+    own), as DDP's fp16/bf16 compression hooks do.
+    """
 
-    def owns(self, p: nn.Parameter) -> bool:
-        """Whether this rank's optimizer holds and steps ``p``."""
-        return id(p) in self._owned_ids
+    def __init__(
+        self,
+        named: Sequence[tuple[str, nn.Parameter]],
+        mesh: DeviceMesh,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        if any(p.ndim == 0 for p in self.params):
+            raise ValueError("ZeRO-1 splits parameters along dim 0; a 0-dim parameter has none")
+        self.mesh, self.dtype = mesh, dtype
+        self.ranks, self.rank = mesh.size(), mesh.get_local_rank()
+        self.group = mesh.get_group()
+        self.buckets = list(_buckets([tuple(p.shape) for p in self.params], self.ranks))
+        self.pieces: list[_Piece] = []
+        for bucket in self.buckets:
+            offset = 0
+            for i in bucket:
+                p = self.params[i]
+                row = p.numel() // p.shape[0] if p.shape[0] else 0
+                start, stop = rows_of(p.shape[0], self.ranks, self.rank)
+                width = -(-p.shape[0] // self.ranks) * row
+                self.pieces.append(_Piece(offset, width, start, stop, row))
+                offset += width
+        # What the optimizer holds: this rank's rows of each parameter (views of it), as Shard(0)
+        # DTensors of the whole parameter; and the same under the whole model's names, as a module,
+        # which the optimizer is built from and the checkpoint names their state by.
+        self.shards = [
+            nn.Parameter(self._dtensor(p.detach()[pc.start : pc.stop], p)) for p, pc in self._each()
+        ]
+        self.module = _named_module(list(zip(self.names, self.shards, strict=True)))
+        self._reduced = False
 
-    def owned_numel(self, rank: int) -> int:
-        """Elements of the parameters ``rank`` owns."""
-        return sum(p.numel() for p, r in zip(self.params, self.owner, strict=True) if r == rank)
+    def _each(self) -> Iterator[tuple[nn.Parameter, _Piece]]:
+        yield from zip(self.params, self.pieces, strict=True)
+
+    def _dtensor(self, local: torch.Tensor, like: torch.Tensor) -> DTensor:
+        """``local`` (this rank's rows of ``like``) as a ``Shard(0)`` DTensor of the whole tensor."""
+        return DTensor.from_local(
+            local, self.mesh, [Shard(0)], run_check=False, shape=like.shape, stride=like.stride()
+        )
+
+    def _slot(self, bucket: list[int]) -> int:
+        return sum(self.pieces[i].width for i in bucket)
 
     @torch.no_grad()
-    def broadcast(self) -> None:
-        """Every rank's updated parameters to every other rank: one flat broadcast per owner (the
-        default process group: ZeRO-1 runs on plain DDP over the world)."""
+    def reduce_scatter(self) -> None:
+        """Average the gradients over the ranks, each rank receiving its rows only: one reduce-scatter
+        per bucket of the rank-major flat layout. The whole local gradients are freed."""
         if self.ranks == 1:
-            return
-        for src in range(self.ranks):
-            mine = [p for p, r in zip(self.params, self.owner, strict=True) if r == src]
-            if not mine:
-                continue
-            flat = _flatten_dense_tensors([p.detach() for p in mine])
-            with recorded("zero-1 parameter broadcast", "broadcast", flat):
-                dist.broadcast(flat, src=src)
-            if src != self.rank:
-                for p, value in zip(mine, _unflatten_dense_tensors(flat, mine), strict=True):
-                    p.copy_(value)
+            return  # nothing to average: :meth:`settle` hands the shards the whole gradients
+        n = self.ranks
+        for bucket in self.buckets:
+            slot = self._slot(bucket)
+            flat = torch.zeros(n, slot, device=self.params[bucket[0]].device)
+            for i in bucket:
+                p, pc = self.params[i], self.pieces[i]
+                if p.grad is None:
+                    continue  # an unused parameter: a zero gradient
+                # Rank r's rows go to slot r; the zeros after the gradient are the last slots' padding.
+                g = p.grad.reshape(-1)
+                if g.numel() < n * pc.width:
+                    g = torch.cat([g, g.new_zeros(n * pc.width - g.numel())])
+                flat[:, pc.offset : pc.offset + pc.width] = g.view(n, pc.width)
+                p.grad = None
+            # Averaged as DDP does (and its fp16/bf16 hooks: cast, then divided).
+            sent = flat.div_(n) if self.dtype is None else flat.to(self.dtype).div_(n)
+            mine = sent.new_empty(slot)
+            with recorded("zero-1 gradient reduce_scatter", "reduce_scatter", sent):
+                _reduce_scatter(mine, sent.view(-1), group=self.group)
+            mine = mine.float()
+            for i in bucket:
+                p, pc = self.params[i], self.pieces[i]
+                rows = mine[pc.offset : pc.offset + pc.numel]
+                self.shards[i].grad = self._dtensor(rows.view(pc.stop - pc.start, *p.shape[1:]), p)
+        self._reduced = True
+
+    def settle(self) -> None:
+        """Make sure the shards have their gradients: on one rank, or after a step whose gradients
+        were not synchronised (the ``skipsync`` fault), this rank's rows of its own gradients."""
+        if not self._reduced:
+            for p, pc, shard in zip(self.params, self.pieces, self.shards, strict=True):
+                if p.grad is not None:
+                    shard.grad = self._dtensor(p.grad[pc.start : pc.stop], p)
+                    p.grad = None
+        self._reduced = False
+
+    @torch.no_grad()
+    def all_gather(self) -> None:
+        """After the optimizer stepped this rank's rows: every rank's updated rows into every rank's
+        parameters, one all-gather per bucket of the rank-major flat layout."""
+        if self.ranks == 1:
+            return  # the shards are the whole parameters, updated in place
+        for bucket in self.buckets:
+            slot, n = self._slot(bucket), self.ranks
+            mine = torch.zeros(slot, device=self.params[bucket[0]].device)
+            for i in bucket:
+                p, pc = self.params[i], self.pieces[i]
+                mine[pc.offset : pc.offset + pc.numel] = p[pc.start : pc.stop].reshape(-1)
+            gathered = mine.new_empty(n * slot)
+            with recorded("zero-1 parameter all_gather", "all_gather", gathered):
+                _all_gather(gathered, mine, group=self.group)
+            slots = gathered.view(n, slot)
+            for i in bucket:
+                p, pc = self.params[i], self.pieces[i]
+                whole = slots[:, pc.offset : pc.offset + pc.width].reshape(-1)
+                p.copy_(whole[: p.numel()].view_as(p))
+
+
+def _buckets(shapes: list[tuple[int, ...]], ranks: int) -> Iterator[list[int]]:
+    """Consecutive parameters whose padded flat buffer fits in ``BUCKET_BYTES`` (a larger one alone),
+    as lists of indices."""
+    bucket: list[int] = []
+    size = 0
+    for i, shape in enumerate(shapes):
+        n = slot_numel([shape], ranks) * ranks * 4
+        if bucket and size + n > BUCKET_BYTES:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(i)
+        size += n
+    if bucket:
+        yield bucket
+
+
+def _named_module(named: list[tuple[str, nn.Parameter]]) -> nn.Module:
+    """A module whose ``named_parameters()`` are ``named``, in order (dotted names become submodules)."""
+    root = nn.Module()
+    for name, param in named:
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            child = module._modules.get(part)
+            if child is None:
+                child = nn.Module()
+                module.add_module(part, child)
+            module = child
+        module.register_parameter(leaf, param)
+    return root

@@ -140,7 +140,7 @@ def train_step(
             loss_factor,
         )  # fmt: skip
     pm.settle_gradients()
-    params = [p for p in pm.module.parameters() if p.grad is not None]
+    params = [p for p in pm.optimized.parameters() if p.grad is not None]
     found = scaler.unscale_(params)  # this rank's overflow flag (fp16), no collective
     local = pm.compression.local_gradients  # each rank's own gradients (DeMo)
     grads = [g for p in params if (g := p.grad) is not None]
@@ -434,7 +434,7 @@ def build_training(config: Config, d: DistInfo) -> Training:
     model = build_model(config.model)  # on the meta device: nothing allocated yet
     pm = parallelize(model, config, d)
     # Built after parallelize: the optimizer must hold the parameters training updates (FSDP's shards).
-    optimizer = build_optimizer(pm.module, t, pm.owns)
+    optimizer = build_optimizer(pm.optimized, t)
     layout = BatchLayout(t.global_batch_size, d.dims.dp_rank(d.rank), dp, micro)
     loader = BatchLoader(
         data.train, layout, prefetch=config.data.prefetch, pin_memory=d.device.type == "cuda"
@@ -545,7 +545,7 @@ class TorchEngine:
         optim: Stateful = OptimizerState(tr.pm.module, tr.optimizer)
         if tr.pm.pipeline is not None or tr.pm.zero is not None:
             # A pipeline rank's stages, or ZeRO-1's share: the state of some of the parameters.
-            optim = StagedOptimizerState(tr.pm.module, tr.optimizer, optimizer_groups(tr.model))
+            optim = StagedOptimizerState(tr.pm.optimized, tr.optimizer, optimizer_groups(tr.model))
         self.states = {
             "model": ModelState(tr.pm.module),
             "optim": optim,

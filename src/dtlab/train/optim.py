@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,16 +26,14 @@ def optimizer_groups(model: nn.Module) -> list[list[str]]:
     return names
 
 
-def build_optimizer(
-    model: nn.Module, t: TrainConfig, owns: Callable[[nn.Parameter], bool] | None = None
-) -> torch.optim.Optimizer:
-    """AdamW (or DeMo) over the model's parameters (those ``owns`` accepts: ZeRO-1's share). Build it
-    *after* parallelism is applied: FSDP replaces the parameters with sharded ones, and an optimizer
-    holding the old ones would train nothing."""
+def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW (or DeMo) over the model's parameters (ZeRO-1: its shards' module). Build it *after*
+    parallelism is applied: FSDP replaces the parameters with sharded ones, and an optimizer holding
+    the old ones would train nothing."""
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
     for p in model.parameters():
-        if p.requires_grad and (owns is None or owns(p)):
+        if p.requires_grad:
             (decay if _decayed(p) else no_decay).append(p)
     groups = [
         {"params": params, **hyper}
