@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import FAST, read_metrics, run_cli
+from dtlab.checkpoint.export import weights_position
 from dtlab.config import AlertsConfig
 from dtlab.metrics.alerts import AlertMonitor
 
@@ -101,23 +102,50 @@ def test_faults_trip_every_alert_in_a_run(tmp_path: Path) -> None:
     assert counts["memory"] == 1 and counts["throughput"] >= 1
 
 
-def test_an_alert_can_stop_the_run_after_a_checkpoint(tmp_path: Path) -> None:
+def test_an_alert_stop_keeps_the_last_checkpoint_before_it_and_resumes_from_there(
+    tmp_path: Path,
+) -> None:
+    """``action: stop`` saves the state after the alerting step aside (alert-step-N), out of
+    retention: with ``keep: 1`` and two stop/resume cycles, the last checkpoint from before the
+    alerts (step 5) is still there, each error says the resume takes it, and the same command
+    resumes from it and finishes."""
     run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
     args = [
         "train", "--set", *FAST, "train.steps=12", f"run.dir={run_dir}", "alerts.loss_spike=3",
-        "alerts.action=stop",
+        "alerts.action=stop", "checkpoint.every=5", "checkpoint.keep=1",
     ]  # fmt: skip
+    resumes = (
+        f"the same command resumes from {ckpts / 'step-00000005'}, the last checkpoint from before"
+    )
     proc = run_cli(*args, env={"DTLAB_FAULTS": "spike@7"})
     assert proc.returncode not in (0, 75), proc.stderr
     assert "stopped by an alert after step 7 (alerts.action = stop): step 7: loss" in proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert (run_dir / "checkpoints" / "step-00000007").is_dir()
+    assert f"kept for inspection in {ckpts / 'alert-step-00000007'}" in proc.stderr
+    assert resumes in proc.stderr and "Traceback" not in proc.stderr
+    assert sorted(p.name for p in ckpts.iterdir()) == ["alert-step-00000007", "step-00000005"]
     assert not (run_dir / "summary.json").exists()
-    # The same command resumes from the alert's checkpoint.
+    manifest = json.loads((ckpts / "alert-step-00000007" / "manifest.json").read_text())
+    assert manifest["step"] == 7 and "step 7: loss" in manifest["alert"][0]
+    # The alert's state is named as such by generate and export.
+    assert weights_position(ckpts / "alert-step-00000007")[0] == (
+        "step 7 of 12, saved when an alert stopped the run"
+    )
+    # A second cycle: resumed from step 5, the spike comes back at step 9; step 5 stays.
+    proc = run_cli(*args, env={"DTLAB_FAULTS": "spike@9"})
+    assert f"resumed from {ckpts / 'step-00000005'} (step 5)" in proc.stderr, proc.stderr
+    assert "stopped by an alert after step 9" in proc.stderr and resumes in proc.stderr
+    assert sorted(p.name for p in ckpts.iterdir()) == [
+        "alert-step-00000007", "alert-step-00000009", "step-00000005",
+    ]  # fmt: skip
+    # The cause dealt with, the same command resumes from step 5 and finishes; the run is past the
+    # alerts, and retention keeps its one newest checkpoint.
     proc = run_cli(*args)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "step-00000007" in proc.stderr
+    assert f"resumed from {ckpts / 'step-00000005'} (step 5)" in proc.stderr
+    assert "an alert stopped this run after step 9" in proc.stderr
     assert [m["step"] for m in read_metrics(run_dir)] == list(range(1, 13))
+    assert sorted(p.name for p in ckpts.glob("step-*")) == ["step-00000012"]
 
 
 @pytest.mark.parametrize(

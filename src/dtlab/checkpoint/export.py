@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dtlab.checkpoint.manifest import MANIFEST, verify_checkpoint
 from dtlab.checkpoint.safe_io import SafeFileSystemReader, safe_load
-from dtlab.checkpoint.store import STEP_DIR, Tier, newest_verified
+from dtlab.checkpoint.store import STEP_DIR, Tier, alert_name, alert_steps, newest_verified
 from dtlab.config import Config, load_config
 from dtlab.data.tokenizer import TOKENIZER_FILE, ByteTokenizer, load_tokenizer
 from dtlab.errors import CheckpointError, DtlabError
@@ -89,7 +89,14 @@ def find_checkpoint(path: str | Path, warn: Warn | None = None) -> Path:
             root = path  # RUN_DIR/checkpoints itself
         count = len(Tier(root, "local").committed())
         if not count:
-            raise CheckpointError(f"run directory '{path}' has no checkpoint in '{root}'")
+            alerted = alert_steps(root)
+            aside = (
+                f" (only the state an alert stopped it at, kept aside: name it to read it, "
+                f"'{root / alert_name(alerted[-1])}')"
+                if alerted
+                else ""
+            )
+            raise CheckpointError(f"run directory '{path}' has no checkpoint in '{root}'{aside}")
         ckpt = newest_verified(root, warn)
     except OSError as e:
         raise CheckpointError(f"cannot list '{path}': {e.strerror or e}") from None

@@ -41,8 +41,10 @@ from dtlab.checkpoint.state import (
     split_tensors,
 )
 from dtlab.checkpoint.store import (
+    ALERT_DIR,
     STEP_DIR,
     Tier,
+    alert_name,
     config_changes,
     resume_conflicts,
     resume_fingerprint,
@@ -355,6 +357,9 @@ class Checkpointer:
         self._error_step = 0
         self.resumed_from: str | None = None
         self.last_rollback: Path | None = None
+        # Set by an alert stop before its save: what the alerts said. That save is committed as
+        # alert-step-N (see store.ALERT_DIR), outside retention and the durable tier.
+        self.alert: list[str] | None = None
         self.saved_steps: list[int] = []
         self.failures = 0
         self.durable_failures = 0  # copies to the durable tier that failed (the local commit stood)
@@ -504,8 +509,9 @@ class Checkpointer:
             engine=self.config.train.engine,
             resume_fingerprint=self.fingerprint,
             run_dir=self.identity,
+            **({"alert": self.alert} if self.alert else {}),
         )
-        final = tmp.parent / step_name(step)
+        final = tmp.parent / (alert_name(step) if self.alert else step_name(step))
         if final.exists():  # a checkpoint of the same step from an earlier attempt
             shutil.rmtree(final)
         t2 = time.perf_counter()
@@ -518,6 +524,10 @@ class Checkpointer:
             "checkpoint step %d saved: %s (%.1f MiB in %.2f s, %.0f MiB/s)",
             step, final, size / 2**20, dt, size / 2**20 / max(dt, 1e-9),
         )  # fmt: skip
+        if self.alert:
+            # Saved after the step that raised the alert: kept aside, it deletes nothing, so the last
+            # checkpoint from before the alert stays (and stays the one `resume: auto` takes).
+            return
         # Deleting old checkpoints is not part of the commit: in the background (a second of a
         # large checkpoint's unlinking), joined before the next save, rollback or the end.
         self._retention = threading.Thread(
@@ -689,7 +699,7 @@ class Checkpointer:
         roots = [self.local.local_root, *([self.durable.local_root] if self.durable else [])]
         if not any(r is not None and path.parent.resolve() == r.resolve() for r in roots):
             return None
-        m = STEP_DIR.match(path.name)
+        m = STEP_DIR.match(path.name) or ALERT_DIR.match(path.name)
         return int(m.group(1)) if m else None
 
     def restored(self, path: Path) -> int:

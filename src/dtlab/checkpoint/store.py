@@ -21,6 +21,10 @@ from dtlab.config import Config
 from dtlab.errors import CheckpointError
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
+# The checkpoint an alert stop saves (``alerts.action: stop``), kept aside for inspection: never what
+# ``resume: auto`` takes, never counted or deleted by retention, so the last checkpoint from before the
+# alert stays the one to resume from.
+ALERT_DIR = re.compile(r"^alert-step-(\d{8})$")
 OWNER = "owner.json"  # at the root of a durable tier: the run directory it belongs to
 
 # Config keys whose change makes a checkpoint unusable (other shapes) or silently wrong (other samples).
@@ -50,6 +54,19 @@ RESUME_DEFAULTS = {"train.engine": "torch"}
 
 def step_name(step: int) -> str:
     return f"step-{step:08d}"
+
+
+def alert_name(step: int) -> str:
+    """The directory of the checkpoint an alert stop saved after ``step`` (see ``ALERT_DIR``)."""
+    return f"alert-{step_name(step)}"
+
+
+def alert_steps(root: Path) -> list[int]:
+    """Steps of the alert checkpoints (with a manifest) in the local tier ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    found = (ALERT_DIR.match(p.name) for p in root.iterdir())
+    return sorted(int(m.group(1)) for m in found if m and (root / m.group(0) / MANIFEST).is_file())
 
 
 def _lookup(tree: dict[str, Any], key: str) -> Any:

@@ -238,8 +238,9 @@ class AlertsConfig(_Section):
     )
     action: Literal["warn", "stop"] = Field(
         "warn",
-        description="warn: log and count; stop: also save a checkpoint and end the run with an error "
-        "that names the alert.",
+        description="warn: log and count; stop: also save the state after the step aside "
+        "(checkpoints/alert-step-N, for inspection) and end the run with an error that names the "
+        "alert; the same command resumes from the last checkpoint from before it.",
     )
 
     @property

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from dtlab.checkpoint.manager import Checkpointer, Coordinator
 from dtlab.checkpoint.state import Health, Stateful
-from dtlab.checkpoint.store import step_name
+from dtlab.checkpoint.store import alert_name, alert_steps, step_name
 from dtlab.config import Config, config_warnings
 from dtlab.data import BatchLoader
 from dtlab.data.sources import describe_data
@@ -291,6 +291,16 @@ def _start(r: _Run) -> tuple[int | None, list[dict[str, Any]]]:
         engine.load(ckpt, chosen)
         resumed = ckpt.restored(chosen)
         logger.info("resumed from %s (step %d)", chosen, resumed)
+    alerted = [s for s in alert_steps(run_dir / "checkpoints") if s > (resumed or 0)]
+    if alerted and engine.coord.is_main:
+        logger.info(
+            "an alert stopped this run after step %d: its checkpoint %s is kept for inspection, and "
+            "the run %s",
+            alerted[-1], run_dir / "checkpoints" / alert_name(alerted[-1]),
+            f"goes on from step {resumed}, the last checkpoint from before the alert"
+            if resumed is not None
+            else "starts over from step 0: it has no checkpoint from before the alert",
+        )  # fmt: skip
     # Only now, with the resume checks passed, does the run directory record this run's config.
     earlier: list[dict[str, Any]] = []
     if engine.coord.is_main:
@@ -369,10 +379,12 @@ def _loop(
                 continue
         else:
             health.bad_in_a_row = 0
-        if stop is not None:
-            _stop(r, stop)
+        # An alert first: a signal at the same step would save the state after the alert as the
+        # checkpoint to resume from.
         if fired and config.alerts.action == "stop":
             _stop(r, "alert", [msg for _, msg in fired])
+        if stop is not None:
+            _stop(r, stop)
         # The final weights are kept unless opted out: generate and export read them.
         if r.ckpt.due(n) or (n == t.steps and config.checkpoint.final):
             with recorded("checkpoint save", "checkpoint"):
@@ -414,23 +426,40 @@ def _alerts(
 def _stop(r: _Run, signal_name: str, alerts: list[str] | None = None) -> None:
     """Every rank saves the state after this step and stops: Preempted (exit 75) only once the
     checkpoint is committed; otherwise an error that says nothing was saved. Stopped by ``alerts``
-    (``alerts.action: stop``), an error that names them once the checkpoint is committed."""
+    (``alerts.action: stop``), an error that names them once the checkpoint is committed: that one
+    is kept aside (``alert-step-N``) and the resume takes the last checkpoint from before the alert."""
     step, ckpt = r.state.step, r.ckpt
-    with recorded("preemption checkpoint save", "checkpoint"):
-        r.engine.save(ckpt, step, blocking=True)
+    ckpt.alert = alerts or None
+    try:
+        with recorded("preemption checkpoint save", "checkpoint"):
+            r.engine.save(ckpt, step, blocking=True)
+    finally:
+        ckpt.alert = None
     # Rank 0 commits; every rank learns whether it did. Nobody exits before that.
     with recorded("preemption commit agreement", "broadcast"):
         committed = r.engine.coord.decide(lambda: "yes" if step in ckpt.saved_steps else None)
-    path = r.run_dir / "checkpoints" / step_name(step)
+    path = r.run_dir / "checkpoints" / (alert_name(step) if alerts else step_name(step))
     if committed is None:
         raise DtlabError(
             f"stopped by {signal_name} after step {step}, but its checkpoint could not be saved "
             "(see the error above); nothing of the steps since the last checkpoint was kept"
         )
     if alerts:
+        # The weights after the alert may be what went wrong: the resume takes the newest checkpoint
+        # saved before it (or starts over), and the alert's own stays for inspection.
+        before = ckpt.latest()
+        again = "the same command" + (
+            "" if r.config.checkpoint.resume == "auto" else " with checkpoint.resume=auto"
+        )
+        then = (
+            f"{again} resumes from {before}, the last checkpoint from before the alert"
+            if before is not None
+            else f"{again} starts over from step 0 (no checkpoint from before the alert)"
+        )
         raise DtlabError(
             f"stopped by an alert after step {step} (alerts.action = stop): {'; '.join(alerts)}. "
-            f"Checkpoint saved in {path}: the same command resumes once the cause is dealt with"
+            f"The state after step {step} is kept for inspection in {path} (never resumed from "
+            f"unless named in checkpoint.resume); once the cause is dealt with, {then}"
         )
     if r.engine.coord.is_main:
         record_stop(r.run_dir, step, signal_name, path)

@@ -172,8 +172,8 @@ def check_start(run_dir: Path, chosen: Path | None, own_step: int | None, config
     )
     if restart:
         logger.warning(
-            "run.dir = '%s' holds %s of an earlier start that saved no checkpoint: starting over "
-            "from step 0",
+            "run.dir = '%s' holds %s of an earlier start that left no checkpoint to resume from: "
+            "starting over from step 0",
             run_dir,
             " and ".join(held),
         )
