@@ -45,6 +45,11 @@ def saved_ids(run_dir: Path) -> dict[str, str]:
 # MLflow, through its client
 
 
+def default_store(run_dir: Path) -> str:
+    """Where a run's MLflow data goes by default (``run.mlflow_uri: null``), as docs/tracking.md says."""
+    return f"sqlite:///{run_dir / 'mlflow.db'}"
+
+
 def mlflow_client(uri: str) -> Any:
     from mlflow.tracking import MlflowClient
 
@@ -142,7 +147,7 @@ def test_every_tracker_holds_what_metrics_jsonl_holds(
     err = capfd.readouterr().err
     assert not [line for line in err.splitlines() if "wandb:" in line or "INFO mlflow" in line]
 
-    client = mlflow_client((run_dir / "mlruns").as_uri())
+    client = mlflow_client(default_store(run_dir))
     run = client.get_run(ids["mlflow"])
     assert run.info.status == "FINISHED" and run.info.run_name == "run"
     assert client.get_experiment(run.info.experiment_id).name == "dtlab"  # run.name
@@ -192,7 +197,7 @@ def test_a_resumed_run_continues_the_same_tracker_runs(
     with pytest.raises(InjectedError):
         train(run_dir, *both, steps=6)
     ids = saved_ids(run_dir)
-    client = mlflow_client((run_dir / "mlruns").as_uri())
+    client = mlflow_client(default_store(run_dir))
     assert client.get_run(ids["mlflow"]).info.status == "KILLED"  # stopped before its end
     monkeypatch.delenv("DTLAB_FAULTS")
 
@@ -220,6 +225,43 @@ def test_a_resumed_run_continues_the_same_tracker_runs(
     assert sorted(wandb_history([second])) == [4, 5, 6, 7, 8]
     assert_same(wandb_history([first, second]), want)
     assert [e.exit_code for e in of_type(first, "exit") + of_type(second, "exit")] == [1, 0]
+
+
+def test_the_default_mlflow_store_opens_without_any_setting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default store is the one MLflow recommends: MLflow's own client reads it back at the URI
+    docs/tracking.md gives, with no MLFLOW_ALLOW_FILE_STORE (which dtlab did not set either)."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    run_dir = tmp_path / "run"
+    train(run_dir, "run.trackers=[mlflow]", "run.plot=true", steps=2)
+    assert "MLFLOW_ALLOW_FILE_STORE" not in os.environ
+    client = MlflowClient(default_store(run_dir))
+    run = client.get_run(saved_ids(run_dir)["mlflow"])
+    assert run.info.status == "FINISHED"
+    assert_same(mlflow_history(client, run.info.run_id), expected(run_dir))
+    # Everything stays in the run directory: the artifacts beside the database.
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"loss.png", "summary.json"}
+    assert run_dir / "mlartifacts" in Path(run.info.artifact_uri.removeprefix("file://")).parents
+    assert not (run_dir / "mlruns").exists()
+
+
+def test_a_run_with_a_file_store_keeps_it_when_resumed(tmp_path: Path) -> None:
+    """A run directory an older dtlab started (its default was a file store in <run dir>/mlruns)
+    resumes into the same MLflow run there."""
+    run_dir = tmp_path / "run"
+    (run_dir / "mlruns").mkdir(parents=True)  # as such a run leaves it
+    train(run_dir, "run.trackers=[mlflow]", "checkpoint.every=2", steps=2)
+    ids = saved_ids(run_dir)
+    train(run_dir, "run.trackers=[mlflow]", "checkpoint.every=2", steps=3)
+    assert saved_ids(run_dir) == ids
+    client = mlflow_client((run_dir / "mlruns").as_uri())
+    assert client.get_run(ids["mlflow"]).info.status == "FINISHED"
+    assert_same(mlflow_history(client, ids["mlflow"]), expected(run_dir))
+    assert sorted(expected(run_dir)) == [1, 2, 3]
+    assert not (run_dir / "mlflow.db").exists()
 
 
 def test_mlflow_takes_a_sqlite_uri(tmp_path: Path) -> None:
@@ -259,7 +301,7 @@ def test_a_missing_package_stops_the_run_before_its_first_step(
         train(run_dir, "run.trackers=[mlflow, wandb]", steps=2)
     assert str(e.value) == "run.trackers lists wandb: pip install 'dtlab[wandb]'"
     # Refused before any tracker or the metrics file started.
-    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "mlruns").exists()
+    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "mlflow.db").exists()
 
 
 def test_a_bad_mlflow_uri_stops_the_run_before_its_first_step(tmp_path: Path) -> None:
@@ -290,5 +332,5 @@ def test_a_tracker_that_fails_after_its_start_never_stops_training(
     err = capfd.readouterr().err
     assert err.count("MLflow: logging step") == 1, err  # said once
     assert "No space left on device" in err
-    run = mlflow_client((run_dir / "mlruns").as_uri()).get_run(saved_ids(run_dir)["mlflow"])
+    run = mlflow_client(default_store(run_dir)).get_run(saved_ids(run_dir)["mlflow"])
     assert run.info.status == "FINISHED" and run.data.params["train.lr"] == "0.003"

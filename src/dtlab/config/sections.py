@@ -581,8 +581,8 @@ class RunConfig(_Section):
     mlflow_uri: str | None = Field(
         None,
         min_length=1,
-        description="MLflow tracking URI (a file store path or sqlite:///...); null = a file store "
-        "in <run dir>/mlruns.",
+        description="MLflow tracking URI (sqlite:///..., a file store path, or a server); null = a "
+        "SQLite database <run dir>/mlflow.db (a run directory that already has mlruns/ keeps it).",
     )
     plot: bool = Field(True, description="Write <run dir>/loss.png at the end.")
     comm_bytes: bool = Field(

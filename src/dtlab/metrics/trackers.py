@@ -129,10 +129,14 @@ def _quiet(name: str) -> Iterator[None]:
 
 
 def mlflow_tracking_uri(config: Config, run_dir: Path) -> str:
-    """``run.mlflow_uri``, or (null) a file store in ``<run dir>/mlruns``."""
+    """``run.mlflow_uri``, or (null) a SQLite database ``<run dir>/mlflow.db``, the local store MLflow
+    recommends (its file store needs an opt-in since MLflow 3); a run directory that already has a file
+    store in ``<run dir>/mlruns`` (a run started before this default) keeps it."""
     if config.run.mlflow_uri is not None:
         return config.run.mlflow_uri
-    return (run_dir / "mlruns").resolve().as_uri()
+    if (run_dir / "mlruns").is_dir():
+        return (run_dir / "mlruns").resolve().as_uri()
+    return f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
 
 
 class TrackerSink:
@@ -216,8 +220,8 @@ class MLflowSink(TrackerSink):
         self.uri = mlflow_tracking_uri(config, run_dir)
         scheme = self.uri.split(":", 1)[0] if re.match(r"^[A-Za-z][\w+.-]*:", self.uri) else ""
         if scheme in ("", "file"):
-            # MLflow 3 keeps its file store behind an opt-in; the default store is one, so opt in
-            # (a user's own MLFLOW_ALLOW_FILE_STORE still wins).
+            # MLflow 3 keeps its file store behind an opt-in: a store the user names, or an older
+            # run's default, is one, so opt in (a user's own MLFLOW_ALLOW_FILE_STORE still wins).
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         # Without a location a SQL store would put artifacts in ./mlruns of whatever directory
         # training started in: a sqlite database keeps them beside itself.
