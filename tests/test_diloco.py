@@ -16,14 +16,16 @@ from conftest import (
     FAST,
     TOL,
     assert_same_training,
+    checkpoint_tensors,
     cli_env,
     read_metrics,
     run_cli,
     run_worker,
     train_run,
 )
-from dtlab.analysis.model import diloco_sync_bytes, param_shapes
+from dtlab.analysis.model import diloco_agreement_bytes, diloco_sync_bytes, param_shapes
 from dtlab.config import DiLoCoOptions, load_config
+from dtlab.models.llama import build_model
 from dtlab.train.diloco import (
     QUANT_BLOCK,
     DiLoCo,
@@ -227,6 +229,10 @@ def test_bytes_per_step_are_predicted_to_the_byte(tmp_path: Path, quantize: str)
     assert result["measured_wire"] == result["predicted_wire"], result
     syncs = [b for b in result["measured"] if b > result["measured"][0]]
     assert len(syncs) >= 4  # the fragments' syncs are in there
+    # Between syncs, replicas of one rank talk to nobody: not a byte (loss, norm, clipping, stop
+    # votes and alerts are each replica's own until the next sync).
+    between = [b for s, b in enumerate(result["measured"], 1) if s not in result["sync_steps"]]
+    assert between and all(b == 0 for b in between), result
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -243,11 +249,18 @@ def test_bytes_inside_and_between_replicas_are_predicted_to_the_byte(
     assert result["measured_wire"] == result["predicted_wire"], result
     first = result["measured"][0]  # a step without an outer sync: the replica's own collectives
     assert first > 1000
+    # Between syncs, every collective stays inside the replica: its step reduction ("replica"), its
+    # DDP all-reduce or FSDP's collectives; none along the replicas ("diloco") or over the world.
+    inside = ("replica", "dp_replicate", "dp_shard")
+    for step, kinds in enumerate(result["by_kind"], 1):
+        if step not in result["sync_steps"]:
+            assert kinds and all(k.split(" ")[0] in inside for k in kinds), (step, kinds)
     cycle = sum(b - first for b in result["measured"][:4])  # both fragments' syncs, measured
     config = load_config(
         overrides=["model.preset=debug", *STREAMING, "parallel.diloco.quantize=int4"]
     )
     whole = sum(diloco_sync_bytes(param_shapes(config.model), config, 2))
+    whole += 2 * diloco_agreement_bytes(2)  # the replicas' agreement with each of the two syncs
     if strategy == "ddp":  # every rank of a replica syncs the whole model with its peer
         assert cycle == whole
     else:  # each rank syncs its shard with its peer's: about half
@@ -430,3 +443,70 @@ def test_a_replica_count_that_does_not_divide_is_refused_before_launch(tmp_path:
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "parallel.diloco.replicas = 3 does not divide the 2 data-parallel ranks" in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["parallel.diloco.inner_steps=4", "train.optimizer=adamw"],
+        ["train.optimizer=demo"],
+    ],
+    ids=["diloco", "demo"],
+)
+def test_each_replica_clips_by_its_own_gradient_norm(tmp_path: Path, overrides: list[str]) -> None:
+    """DiLoCo's replicas and DeMo's ranks each clip their own gradients by their own norm, as the
+    algorithms do, not by a norm agreed across ranks; a DiLoCo step logs its replica's own norm."""
+    out = tmp_path / "clip.json"
+    run_worker("clip_worker.py", 2, str(out), "parallel.strategy=ddp", *overrides)
+    ranks = json.loads(out.read_text())
+    for rank in ranks:
+        assert len(rank["clipped"]) == 3
+        for r in rank["clipped"]:
+            assert r["given"] == pytest.approx(r["own"], rel=1e-5), rank
+            assert r["own"] > 0.05  # clipping is active
+    # The ranks' gradients differ, so a shared norm could not pass for both.
+    own = [[r["own"] for r in rank["clipped"]] for rank in ranks]
+    assert all(abs(a - b) > 1e-3 * a for a, b in zip(*own, strict=True)), own
+    if "train.optimizer=adamw" in overrides:
+        for rank, norms in zip(ranks, own, strict=True):
+            assert rank["logged"] == pytest.approx(norms, rel=1e-5)
+
+
+def test_the_checkpoint_model_is_the_global_model_whichever_rank_saved_it(tmp_path: Path) -> None:
+    """Streaming DiLoCo ending between syncs (fragment 1 last synced at step 4 of 6): the replicas'
+    weights differ, and what the checkpoint calls the model is θ_global, each fragment's at its last
+    sync, identical to every rank's own θ_global; the run says which model that is, and a run
+    without DiLoCo refuses to resume it."""
+    run_dir = tmp_path / "run"
+    common = [
+        *DILOCO, "parallel.diloco.inner_steps=4", "parallel.diloco.fragments=2",
+        "checkpoint.every=6", f"run.dir={run_dir}",
+    ]  # fmt: skip
+    proc = run_cli("train", "--nproc", "2", "--set", *FAST, "train.steps=6", *common)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (
+        "model.* in its checkpoints, what export, generate and model.init_from read) is the global "
+        "model of each fragment's last outer sync, after steps 6 (fragment 0), 4 (fragment 1)"
+    ) in proc.stderr, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["diloco_model_synced_after"] == [6, 4]
+    tensors = checkpoint_tensors(run_dir / "checkpoints" / "step-00000006")
+    config = load_config(overrides=[*FAST, *common])
+    names = [n for n, _ in build_model(config.model).named_parameters()]
+    replicas_differ = False
+    for i, name in enumerate(names):
+        model = tensors[f"model.{name}"]
+        for rank in (0, 1):
+            assert torch.equal(model, tensors[f"comm.rank{rank}.global.{i}"]), (name, rank)
+        own = [tensors[f"comm.rank{rank}.replica.{i}"] for rank in (0, 1)]
+        replicas_differ |= not torch.equal(own[0], own[1])
+        if name.startswith("layers.1."):  # fragment 1: both replicas trained on since step 4
+            assert not torch.equal(own[0], model), name
+    assert replicas_differ
+    proc = run_cli(
+        "train", "--nproc", "2", "--set", *FAST, "train.steps=8", *DILOCO, f"run.dir={run_dir}"
+    )
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "was saved by a DiLoCo run (parallel.diloco.inner_steps = 4)" in proc.stderr, (
+        proc.stderr[-2000:]
+    )

@@ -5,12 +5,20 @@ argv[2:] are --set items."""
 
 import json
 import sys
+import tempfile
+from pathlib import Path
 
-from dtlab.analysis.model import bus_bytes, diloco_sync_bytes, param_shapes, plan_step
+from dtlab.analysis.model import (
+    bus_bytes,
+    diloco_agreement_bytes,
+    diloco_sync_bytes,
+    param_shapes,
+    plan_step,
+)
 from dtlab.config import load_config
 from dtlab.metrics.comm import CommCounter
 from dtlab.parallel import destroy_distributed, init_distributed
-from dtlab.train.loop import build_training, comm_labels, train_step
+from dtlab.train.loop import TorchEngine, comm_labels
 
 STEPS = 9
 config = load_config(
@@ -20,29 +28,35 @@ config = load_config(
     ]
 )  # fmt: skip
 d = init_distributed(config)
-tr = build_training(config, d)
+# The engine's own step: the inner step, then the outer syncs and the replicas' agreement with them.
+engine = TorchEngine(config, d, Path(tempfile.mkdtemp()))
+tr = engine.tr
 assert tr.diloco is not None
 shapes = param_shapes(config.model)
 syncs = diloco_sync_bytes(shapes, config, d.dims.diloco, d.dims.dp_shard)
-# Every step's collectives but the outer syncs: the step's reduction, and within a replica of several
-# ranks its DDP all-reduce or FSDP's gathers and reduce-scatters.
+# Every step's collectives but the outer syncs and the replicas' agreement that goes with them: within a
+# replica of several ranks, the step's reduction and its DDP all-reduce or FSDP's gathers and
+# reduce-scatters (one-rank replicas: nothing at all).
 plan = plan_step(config, d.world_size, shapes)
 base = sum(v for k, v in plan.comm_bytes.items() if not k.startswith("diloco"))
 base_wire = sum(v for k, v in plan.comm_bus_bytes.items() if not k.startswith("diloco"))
 outer = "all_reduce" if config.parallel.diloco.quantize == "none" else "all_gather"
 labels, sizes = comm_labels(d, tr.diloco)
 measured, predicted, measured_wire, predicted_wire = [], [], [], []
+by_kind: list[dict[str, int]] = []  # each step's bytes by collective and group label
 for step in range(1, STEPS + 1):
     batch = next(tr.loader)
     with CommCounter(labels) as counter:
-        train_step(tr.pm, tr.optimizer, tr.scheduler, tr.scaler, batch, config, d.device)
-        tr.diloco.after_step(step)
+        engine.step(batch, step, 0, False)
     measured.append(sum(counter.bytes.values()))
+    by_kind.append(dict(counter.bytes))
     due = [syncs[f] for f in tr.diloco.due(step)]
-    predicted.append(base + sum(due))
+    agreement = diloco_agreement_bytes(d.dims.diloco) if due else 0
+    predicted.append(base + sum(due) + agreement)
     groups = {k: sizes[k.split(" ")[0]] for k in counter.bytes if " " in k}
     measured_wire.append(round(bus_bytes(dict(counter.bytes), groups, d.world_size)))
     syncs_wire = sum(bus_bytes({outer: b}, {outer: d.dims.diloco}, d.world_size) for b in due)
+    syncs_wire += bus_bytes({"all_gather": agreement}, {"all_gather": d.dims.diloco}, d.world_size)
     predicted_wire.append(round(base_wire + syncs_wire))
 tr.diloco.close()  # waits for what is still in flight, destroys its group
 tr.loader.close()
@@ -52,6 +66,7 @@ if d.rank == 0:
             {
                 "measured": measured, "predicted": predicted, "syncs": syncs,
                 "measured_wire": measured_wire, "predicted_wire": predicted_wire,
+                "by_kind": by_kind, "sync_steps": [s for s in range(1, STEPS + 1) if tr.diloco.due(s)],
             },
             f,
         )  # fmt: skip

@@ -305,9 +305,33 @@ def _diloco_comm(
         kind = "diloco " + ("all_reduce" if o.quantize == "none" else "all_gather")
         syncs = diloco_sync_bytes(shapes, config, dims.diloco, dims.dp_shard)
         comm[kind], groups[kind] = round(sum(syncs) / o.inner_steps), dims.diloco
+        # The replicas' agreement, once per step that sends a sync.
+        agreement = diloco_agreement_bytes(dims.diloco) * diloco_sync_steps(config)
+        comm["diloco all_gather"] = comm.get("diloco all_gather", 0) + round(
+            agreement / o.inner_steps
+        )
+        groups["diloco all_gather"] = dims.diloco
     if dims.ddp_enabled and dims.dp_replicate > 1:
         kind = "dp_replicate all_reduce"
         comm[kind], groups[kind] = sum(s.numel for s in shapes) * FP32, dims.dp_replicate
+    if dims.diloco_inner > 1:  # the step's reduction, within the replica only
+        comm["replica all_reduce"] = step_reduction_bytes(config, dims)
+        groups["replica all_reduce"] = dims.diloco_inner
+
+
+def diloco_agreement_bytes(replicas: int) -> int:
+    """Bytes of the replicas' agreement with an outer sync (:meth:`dtlab.train.diloco.DiLoCo.agree`),
+    as counted: the all-gather's output, six float64 per replica (loss, three stop votes, the steps
+    skipped since the last sync and in a row)."""
+    return replicas * 6 * 8 if replicas > 1 else 0
+
+
+def diloco_sync_steps(config: Config) -> int:
+    """Steps of an H-step cycle that send at least one fragment's outer sync."""
+    o = config.parallel.diloco
+    return len(
+        {((k + 1) * o.inner_steps // o.fragments) % o.inner_steps for k in range(o.fragments)}
+    )
 
 
 def ddp_comm_bytes(shapes: list[ParamShape], config: Config, world: int) -> dict[str, int]:
@@ -473,9 +497,10 @@ def _plan_rank(
         comm.update(ddp_comm_bytes(shapes, config, world_size))
         groups.update({k: world_size for k in comm})
     _model_parallel_comm(config, dims, part, tokens, accum, comm, groups)
-    if dims.distributed and world_size > 1:
+    if dims.distributed and world_size > 1 and not p.diloco.inner_steps:
         # The step's one small reduction (loss, flags, stop votes, and a norm where gradients are DTensors
         # or each rank's own), over all ranks; under HSDP it is counted in the replicas' all-reduce group.
+        # (DiLoCo's is within each replica: _diloco_comm.)
         comm["all_reduce"] = comm.get("all_reduce", 0) + step_reduction_bytes(config, dims)
         if t.oom_retry:  # the ranks' out-of-memory agreement: a float per rank
             comm["all_reduce"] += FP32 * world_size
@@ -624,7 +649,6 @@ def step_reduction_bytes(config: Config, dims: ParallelDims) -> int:
         dims.fsdp_enabled
         or dims.shard_optimizer
         or config.train.optimizer == "demo"
-        or config.parallel.diloco.inner_steps > 0
     )
     return FP32 * (2 + len(STOP_SIGNALS) + (1 if norm else 0))
 

@@ -436,9 +436,9 @@ def _parallelize_one(
         )
     materialize(model, dist_info.device, t.seed)
     if not dims.ddp_enabled:
-        # A DiLoCo replica's gradients are its own (the replicas exchange pseudo-gradients).
-        local = config.parallel.diloco.inner_steps > 0
-        return model, CompressionState(config.parallel.compression, local_gradients=local)
+        # A DiLoCo replica's gradients are its own (the replicas exchange pseudo-gradients): the step
+        # agrees on them within the replica only (TorchEngine's step group), like a world of its own.
+        return model, CompressionState(config.parallel.compression)
     if dims.shard_optimizer:
         # ZeRO-1 reduce-scatters the gradients itself (parallel.zero) instead of DDP's all-reduce.
         return model, CompressionState(config.parallel.compression)

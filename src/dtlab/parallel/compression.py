@@ -367,7 +367,8 @@ class CompressionState:
     kind: str
     hook_state: Any = None
     # The hook leaves each rank its own gradients (DeMo's optimizer exchanges them itself): norms differ
-    # between ranks, so the step agrees on them and on a non-finite one.
+    # between ranks, so the step agrees on a non-finite one, reports their root mean square, and each
+    # rank clips by its own.
     local_gradients: bool = False
 
     def set_scale(self, scale: float) -> None:
@@ -431,13 +432,14 @@ def apply_ddp_compression(ddp: DistributedDataParallel, config: Config) -> Compr
         # as under a hook: a resumed run all-reduces in the same chunks as an uninterrupted one, and
         # no step carries the rebuild's broadcasts.
         _keep_bucket_layout(ddp)
-        return CompressionState(kind, local_gradients=True)
+        return CompressionState(kind)
     if config.train.optimizer == "demo" or config.parallel.diloco.inner_steps:
         # Each rank keeps its own gradients: DeMo and DiLoCo exchange something else themselves. The
-        # bucket layout then matters to nobody: no rebuild (two broadcasts on the second step).
+        # bucket layout then matters to nobody: no rebuild (two broadcasts on the second step). A
+        # one-rank DiLoCo replica's gradients are the replica's, agreed on by no one else.
         ddp.register_comm_hook(None, local_hook)
         _keep_bucket_layout(ddp)
-        return CompressionState(kind, local_gradients=True)
+        return CompressionState(kind, local_gradients=config.train.optimizer == "demo")
     if kind in ("fp16", "bf16"):
         dtype = torch.float16 if kind == "fp16" else torch.bfloat16
         ddp.register_comm_hook(LowPrecisionState(dtype), low_precision_hook)

@@ -774,11 +774,13 @@ def all_reduce(
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     *,
     faultable: bool = False,
+    group: Any = None,
 ) -> torch.Tensor:
-    """``dist.all_reduce(tensor, op)`` in place, recorded as ``name``; returns ``tensor``.
+    """``dist.all_reduce(tensor, op, group)`` in place, recorded as ``name``; returns ``tensor``.
 
     ``faultable``: the step's one reduction, which the ``skipcoll`` and ``badshape`` faults act on
-    (``DTLAB_FAULTS``); its entry is published before it is issued.
+    (``DTLAB_FAULTS``); its entry is published before it is issued. ``group``: the process group
+    (None: every rank).
     """
     led = _active
     fault = led.faults.collective_fault(led.step) if faultable and led and led.faults else None
@@ -791,7 +793,7 @@ def all_reduce(
             # and gloo aborts a rank that receives more than it posted before any thread can publish:
             # publish up to this entry first, so that the others can say what this rank waited in.
             led.publish_now()
-        dist.all_reduce(sent, op=op)
+        dist.all_reduce(sent, op=op, group=group)
     if sent is not tensor:
         tensor.copy_(sent[: tensor.numel()].view_as(tensor))
     return tensor

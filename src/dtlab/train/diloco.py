@@ -16,7 +16,15 @@ Degenerate cases (tested): H = 1, an inner plain-SGD step, outer SGD with lr 1 a
 that SGD; one fragment without delay is DiLoCo; ``quantize: none`` sends the exact float32 values.
 
 Every replica's weights, inner optimizer state, the outer state and syncs in flight are each rank's own:
-:meth:`DiLoCo.state_dict` carries them into every checkpoint, so a killed run resumes exactly.
+:meth:`DiLoCo.state_dict` carries them into every checkpoint under per-rank names, so a killed run
+resumes exactly. What a checkpoint calls the model (``model.*``, which export, generate and
+``model.init_from`` read) is θ_global, each fragment's at its last sync (:class:`GlobalModelState`):
+the same on every rank, whichever rank's files are read.
+
+Between outer syncs no collective crosses replicas: a step's loss, gradient norm, flags and stop votes
+are agreed within the replica (:func:`replica_group`), and the replicas agree on what concerns the whole
+run (the mean loss, a stop signal, skipped steps) with each sync, in one small all-gather
+(:meth:`DiLoCo.agree`).
 """
 
 from __future__ import annotations
@@ -28,13 +36,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from dtlab.config import DiLoCoOptions
 from dtlab.dims import ParallelDims
 from dtlab.errors import CheckpointError
+from dtlab.parallel.ledger import recorded
 
-__all__ = ["QUANT_BLOCK", "DiLoCo", "fragment_of", "outer_group", "sync_bytes"]
+__all__ = [
+    "QUANT_BLOCK",
+    "DiLoCo",
+    "GlobalModelState",
+    "fragment_of",
+    "outer_group",
+    "replica_group",
+    "sync_bytes",
+]
 
 QUANT_BLOCK = 64  # values per float32 scale of a quantised outer gradient
 BITS = {"int8": 8, "int4": 4, "int2": 2}
@@ -110,6 +128,17 @@ def outer_group(dims: ParallelDims, device_type: str) -> Any:
     return group
 
 
+def replica_group(dims: ParallelDims, device_type: str) -> tuple[Any, int]:
+    """(process group, size) of this rank's DiLoCo replica: the ranks that agree on a step's figures
+    between outer syncs, made for that alone. (None, 1) for a replica of one rank (nothing to agree
+    with) or without a process group. Every rank must call it."""
+    if not dims.diloco_enabled or dims.diloco_inner == 1:
+        return None, 1
+    replicas = dims.mesh(device_type).mesh.reshape(dims.diloco, -1).tolist()
+    group, _ = dist.new_subgroups_by_enumeration(replicas)
+    return group, dims.diloco_inner
+
+
 @dataclass
 class _Sync:
     """A fragment's sync in flight: sent after step ``sent``, applied after step ``due``."""
@@ -142,9 +171,12 @@ class DiLoCo:
         options: DiLoCoOptions,
         n_layers: int,
         group: Any = None,
+        replica: tuple[Any, int] = (None, 1),
     ) -> None:
         self.o, self.optimizer, self.group = options, optimizer, group
-        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.world = dist.get_world_size(group) if dist.is_initialized() and group else 1
+        # This rank's replica (process group, size): its steps' agreement between syncs.
+        self.replica = replica
         self._params = [p for _, p in model.named_parameters()]
         self.names = [n for n, _ in model.named_parameters()]
         frags = [fragment_of(n, n_layers, options.fragments) for n in self.names]
@@ -158,6 +190,9 @@ class DiLoCo:
         self.momentum: list[torch.Tensor | None] = [None] * len(self.params)
         self.error: list[torch.Tensor | None] = [None] * len(self.params)
         self.pending: list[_Sync] = []
+        # Each fragment's last sync to land: the inner step after which it was sent (0: none yet,
+        # θ_global is the initial weights). The checkpoint's model is θ_global as of these steps.
+        self.synced_after = [0] * options.fragments
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -249,6 +284,35 @@ class DiLoCo:
                 self.global_[i].sub_(g, alpha=lr)
                 p = params[i]
                 p.copy_(self.global_[i] + (p.detach().float() - snap))
+        self.synced_after[sync.fragment] = sync.sent
+
+    # --- what the replicas agree on ----------------------------------------------------------------
+    def agree(self, values: list[float]) -> torch.Tensor:
+        """Every replica's ``values`` (the same on each rank of a replica), one row per replica in
+        replica order, on every rank: a small all-gather along the outer group, issued with an outer
+        sync (the only time replicas talk)."""
+        mine = torch.tensor(values, dtype=torch.float64, device=self.global_[0].device)
+        if self.world == 1:
+            return mine.reshape(1, -1).cpu()
+        out = torch.empty(self.world * mine.numel(), dtype=mine.dtype, device=mine.device)
+        with recorded("diloco agreement", "all_gather", mine):
+            dist.all_gather_into_tensor(out, mine, group=self.group)
+        return out.view(self.world, -1).cpu()
+
+    def model_state(self, module: nn.Module) -> GlobalModelState:
+        """The model part of this run's checkpoints: θ_global in ``module``'s state dict format."""
+        return GlobalModelState(module, self)
+
+    def describe_model(self) -> str:
+        """Which model a checkpoint of this run holds, e.g. 'the global model of the outer syncs sent
+        after step 8 (fragment 0) and 6 (fragment 1)'."""
+        steps = self.synced_after
+        if not any(steps):
+            return "the initial weights (no outer sync has landed yet)"
+        if len(steps) == 1:
+            return f"the global model of the outer sync after step {steps[0]}"
+        parts = ", ".join(f"{s} (fragment {k})" for k, s in enumerate(steps))
+        return f"the global model of each fragment's last outer sync, after steps {parts}"
 
     def _flat_error(self, idx: list[int], like: torch.Tensor) -> torch.Tensor:
         parts = [
@@ -280,6 +344,7 @@ class DiLoCo:
                 out[f"error.{i}"] = e
         for k, v in _optimizer_tensors(self.optimizer).items():
             out[f"inner.{k}"] = v
+        out["synced_after"] = torch.tensor(self.synced_after)
         for j, sync in enumerate(self.pending):
             sync.wait()
             out[f"pending.{j}.meta"] = torch.tensor([sync.fragment, sync.sent, sync.due])
@@ -303,6 +368,8 @@ class DiLoCo:
         _load_optimizer_tensors(
             self.optimizer, {k[6:]: v for k, v in state.items() if k.startswith("inner.")}
         )
+        if "synced_after" in state:  # saved since the checkpoint's model is θ_global
+            self.synced_after = [int(s) for s in state["synced_after"].tolist()]
         self.pending = []
         j = 0
         while f"pending.{j}.meta" in state:
@@ -323,9 +390,11 @@ class DiLoCo:
             except Exception:  # a peer is gone: the run is failing already
                 sync.work = None
         self.pending = []
-        if self.group is not None and dist.is_initialized():
-            dist.destroy_process_group(self.group)
-        self.group = None
+        if dist.is_initialized():
+            for group in (self.group, self.replica[0]):
+                if group is not None:
+                    dist.destroy_process_group(group)
+        self.group, self.replica = None, (None, 1)
 
     # What the engine's step asks of every per-rank state (DiLoCo has nothing to commit or roll back:
     # it acts after the inner step, on the weights the step left).
@@ -337,6 +406,37 @@ class DiLoCo:
 
     def rollback(self) -> None:
         pass
+
+
+class GlobalModelState:
+    """The model of a DiLoCo run's checkpoint: θ_global (each fragment's at its last sync) under the
+    model's parameter names, as the DiLoCo papers evaluate it. Every replica holds the same θ_global,
+    so DCP's choice of one rank's copy of a duplicated name cannot mix replicas. The replicas' own
+    weights since the sync are each rank's (:meth:`DiLoCo.state_dict`); loading this part writes
+    θ_global into the parameters, which a resume then overwrites with the replica's own."""
+
+    def __init__(self, module: nn.Module, diloco: DiLoCo) -> None:
+        self.module, self.diloco = module, diloco
+
+    def state_dict(self) -> dict[str, Any]:
+        sd: dict[str, Any] = dict(get_model_state_dict(self.module))
+        for name, g in zip(self.diloco.names, self.diloco.global_, strict=True):
+            held = sd[name]
+            assert isinstance(held, torch.Tensor)
+            value = g.to(held.dtype)
+            if isinstance(held, DTensor):  # this rank's shard of θ_global, placed as the parameter
+                value = DTensor.from_local(
+                    value, held.device_mesh, held.placements, run_check=False,
+                    shape=held.shape, stride=held.stride(),
+                )  # fmt: skip
+            sd[name] = value
+        # JSON beside the tensors (state.json): which syncs the model is made of.
+        return {**sd, "diloco_synced_after": list(self.diloco.synced_after)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_model_state_dict(
+            self.module, {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+        )
 
 
 def _get(state: dict[str, torch.Tensor], key: str) -> torch.Tensor | None:

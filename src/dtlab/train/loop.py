@@ -57,8 +57,8 @@ from dtlab.parallel.ledger import (
     start_ledger,
 )
 from dtlab.runtime.faults import FAULTS_ENV, Faults
-from dtlab.runtime.signals import StopSignals, agreed_stop, stop_votes
-from dtlab.train.diloco import DiLoCo, outer_group
+from dtlab.runtime.signals import STOP_SIGNALS, StopSignals, agreed_stop, stop_votes
+from dtlab.train.diloco import DiLoCo, outer_group, replica_group
 from dtlab.train.oom import (
     StepOutOfMemory,
     agree_out_of_memory,
@@ -106,6 +106,7 @@ def train_step(
     oom_retry: bool = False,
     inject_oom: bool = False,
     loss_factor: float = 1.0,
+    step_group: tuple[Any, int] | None = None,
 ) -> dict[str, Any]:
     """One optimizer step over this rank's micro-batches; returns the step's metrics.
 
@@ -122,7 +123,8 @@ def train_step(
     (:mod:`dtlab.train.oom`); if one did, every rank raises StepOutOfMemory with nothing changed, for
     the caller to take the step again with smaller micro-batches. ``inject_oom``: this rank's first
     micro-batch raises an out-of-memory error (the ``oom`` fault). ``loss_factor``: the loss (and
-    so the gradients) multiplied by it (the ``spike`` fault).
+    so the gradients) multiplied by it (the ``spike`` fault). ``step_group``: (process group, size)
+    of the ranks that agree on the step's figures (a DiLoCo replica's), instead of every rank.
     """
     if scaler.enabled:
         pm.compression.set_scale(scaler.scale)  # hooks keep their state in unscaled units
@@ -144,9 +146,13 @@ def train_step(
     found = scaler.unscale_(params)  # this rank's overflow flag (fp16), no collective
     local = pm.compression.local_gradients  # each rank's own gradients (DeMo)
     grads = [g for p in params if (g := p.grad) is not None]
-    r = reduce_step(loss_sum, found, stop_signal, grads, local, pp=pm.dims.pp)
+    group, size = step_group if step_group is not None else (None, None)
+    r = reduce_step(
+        loss_sum, found, stop_signal, grads, local, pp=pm.dims.pp, group=group, group_size=size
+    )
     if config.train.grad_clip > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, config.train.grad_clip, r.norm_t, foreach=True)
+        clip = r.clip_norm_t
+        torch.nn.utils.clip_grads_with_norm_(params, config.train.grad_clip, clip, foreach=True)
     # Loss, norm and flags are agreed by every rank, so every rank takes the same decision.
     found_inf = scaler.enabled and r.flagged
     nonfinite = r.flagged if local else not math.isfinite(r.norm)
@@ -298,9 +304,11 @@ def evaluate(
 class StepValues:
     """What the ranks agree on after a step's backward, from one small reduction."""
 
-    loss: float  # the mean loss over the global batch
+    loss: float  # the mean loss over the global batch (over a DiLoCo replica's share of it)
     norm: float  # the gradient norm (the root mean square of the ranks' norms for local gradients)
-    norm_t: torch.Tensor  # the same, as a tensor on the device (for clipping)
+    norm_t: torch.Tensor  # the same, as a tensor on the device
+    # The norm a rank clips by: the gradient norm, or for local gradients (DeMo) the rank's own.
+    clip_norm_t: torch.Tensor
     # Some rank's gradients overflowed (fp16) or, for local gradients, were not finite.
     flagged: bool
     stop: str | None  # the stop signal some rank caught
@@ -313,9 +321,14 @@ def reduce_step(
     grads: list[torch.Tensor],
     local_gradients: bool = False,
     pp: int = 1,
+    group: Any = None,
+    group_size: int | None = None,
 ) -> StepValues:
     """Agree on the step's loss, flags, stop signal and gradient norm in one all-reduce of a few floats
     (nothing without a process group), read back in one device sync.
+
+    The ranks that agree are every rank, or ``group`` of ``group_size`` ranks (a DiLoCo replica,
+    whose steps between outer syncs involve no other replica; ``group_size`` 1: no collective).
 
     One vector carries: the loss summed over this rank's micro-batches, this rank's flag (an overflow,
     or a non-finite norm of local gradients; counted, since a MAX can drop a NaN), one stop vote per
@@ -325,6 +338,8 @@ def reduce_step(
     With ``pp`` pipeline ranks, each holds its stages' gradients and only the last stage a loss.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
+    if group_size is not None:
+        world = group_size
     own_sq, shared_sq = _norm_parts(grads, world, pp)
     norm_sq = shared_sq
     if local_gradients:
@@ -339,7 +354,7 @@ def reduce_step(
         parts.append(norm_sq.float().reshape(1))
     v = torch.cat([t.to(loss_sum.device) for t in parts])
     if world > 1:
-        all_reduce("train_step reduction", v, faultable=True)
+        all_reduce("train_step reduction", v, faultable=True, group=group)
         v[0] /= world // pp  # the ranks that hold a loss
     # Local gradients: the root mean square of the replicas' norms. Replicated plain ones: local.
     norm_t = v[-1].sqrt() if norm_sq is not None else own_sq.sqrt().to(v.device)
@@ -348,6 +363,8 @@ def reduce_step(
         loss=values[0],
         norm=values[-1],
         norm_t=norm_t,
+        # DeMo clips each rank's own gradients by their own norm, as the algorithm does.
+        clip_norm_t=own_sq.sqrt().to(v.device) if local_gradients else norm_t,
         flagged=values[1] > 0,
         stop=agreed_stop(values[2:5], world),
     )
@@ -444,7 +461,10 @@ def build_training(config: Config, d: DistInfo) -> Training:
     diloco = None
     if config.parallel.diloco.inner_steps:
         group = outer_group(d.dims, d.device.type)
-        diloco = DiLoCo(pm.model, optimizer, config.parallel.diloco, config.model.n_layers, group)
+        replica = replica_group(d.dims, d.device.type)
+        diloco = DiLoCo(
+            pm.model, optimizer, config.parallel.diloco, config.model.n_layers, group, replica
+        )
     return Training(
         model, pm, optimizer, build_scheduler(optimizer, t), LossScaler(t.precision == "fp16"),
         loader, accum, micro, val_loader, data.tokenizer, diloco,
@@ -499,6 +519,9 @@ def comm_labels(d: DistInfo, diloco: DiLoCo | None) -> tuple[dict[str, str], dic
     sizes: dict[str, int] = {}
     if diloco is not None and diloco.group is not None:
         labels[str(diloco.group.group_name)], sizes["diloco"] = "diloco", diloco.world
+    if diloco is not None and diloco.replica[0] is not None:  # the step's agreement in a replica
+        group, size = diloco.replica
+        labels[str(group.group_name)], sizes["replica"] = "replica", size
     if d.dims.diloco_enabled:
         for name in d.dims.dp_mesh_dims:
             group = d.dims.mesh(d.device.type, name).get_group()
@@ -533,6 +556,10 @@ class TorchEngine:
         self.comm_labels, self.comm_sizes = comm_labels(d, self.tr.diloco)
         self.states: dict[str, Stateful] = {}
         self.per_rank: tuple[str, ...] = ()
+        # DiLoCo: a step's figures are agreed within the replica; the replicas agree with each sync.
+        self.step_group = self.tr.diloco.replica if self.tr.diloco is not None else None
+        self.replica_skipped = 0  # steps this replica skipped since the last outer sync
+        self.replica_streak = 0  # ... in a row, up to now
         self._staged: Callable[[], None] | None = None
         self.profiler = (
             StepProfiler(run_dir / "profile", d.rank, d.device) if config.run.profile else None
@@ -546,9 +573,13 @@ class TorchEngine:
         if tr.pm.pipeline is not None or tr.pm.zero is not None:
             # A pipeline rank's stages, or ZeRO-1's share: the state of some of the parameters.
             optim = StagedOptimizerState(tr.pm.optimized, tr.optimizer, optimizer_groups(tr.model))
+        shared: dict[str, Stateful] = {"model": ModelState(tr.pm.module), "optim": optim}
+        if tr.diloco is not None:
+            # The model is θ_global, the same on every rank; each replica's own weights and inner
+            # optimizer state differ between replicas and are saved per rank only (in comm.rank<r>).
+            shared = {"model": tr.diloco.model_state(tr.pm.module)}
         self.states = {
-            "model": ModelState(tr.pm.module),
-            "optim": optim,
+            **shared,
             **states,
             "scheduler": tr.scheduler,
             "scaler": tr.scaler,
@@ -558,10 +589,19 @@ class TorchEngine:
     def check_resume(self, path: Path) -> None:
         # Any layout's torch checkpoint loads (DCP reshards), except DiLoCo's: its replicas each hold
         # their own weights and inner optimizer state, each rank its part of them.
+        saved_config = load_config(path / "config.yaml")
         if self.tr.diloco is None:
+            if saved_config.parallel.diloco.inner_steps:
+                raise CheckpointError(
+                    f"checkpoint '{path}' was saved by a DiLoCo run (parallel.diloco.inner_steps = "
+                    f"{saved_config.parallel.diloco.inner_steps}): its replicas' own weights and "
+                    "optimizer states resume only under DiLoCo on the same layout. To train on from "
+                    f"its model (the global model of its last outer syncs) without DiLoCo, export it "
+                    f"(dtlab export {path} OUT) and start a new run with model.init_from=OUT"
+                )
             return
         world = json.loads((path / MANIFEST).read_text(encoding="utf-8"))["world_size"]
-        saved = ParallelDims.from_config(load_config(path / "config.yaml"), world)
+        saved = ParallelDims.from_config(saved_config, world)
         layout = (world, saved.diloco, saved.dp_replicate, saved.dp_shard)
         dims = self.d.dims
         if layout != (self.d.world_size, dims.diloco, dims.dp_replicate, dims.dp_shard):
@@ -624,6 +664,7 @@ class TorchEngine:
                     skip_sync=skip_sync, before_update=self._staged,
                     oom_retry=self.config.train.oom_retry,
                     inject_oom=self.faults.out_of_memory(step), loss_factor=loss_factor,
+                    step_group=self.step_group,
                 )  # fmt: skip
                 break
             except StepOutOfMemory as e:
@@ -633,8 +674,41 @@ class TorchEngine:
             self.oom_retries += retries
             m.update(oom_retries=retries, micro_batch_size=self.micro_now)
         if tr.diloco is not None:
-            with recorded("diloco outer sync", "all_reduce"):
-                tr.diloco.after_step(step)
+            m = self._outer_step(step, m, tr.diloco)
+        return m
+
+    def _outer_step(self, step: int, m: dict[str, Any], diloco: DiLoCo) -> dict[str, Any]:
+        """DiLoCo after inner step ``step``, whose figures ``m`` are this replica's: the outer syncs
+        due now and, with them, the replicas' agreement on what concerns the whole run. Between syncs
+        the record says it is one replica's (``scope``), a skipped step is the replica's own
+        (``replica_bad``), and a stop signal waits for the next sync, where every replica learns of
+        it; there, ``loss`` is the mean over every replica (the whole global batch), and ``bad``
+        (with ``bad_steps`` and ``bad_in_a_row``) counts the steps any replica skipped since."""
+        stop, bad = m.pop("stop", None), bool(m.pop("bad", False))
+        self.replica_skipped += bad
+        self.replica_streak = self.replica_streak + 1 if bad else 0
+        if bad:
+            m["replica_bad"] = True
+        due = diloco.due(step)
+        with recorded("diloco outer sync", "all_reduce"):
+            diloco.after_step(step)
+        if not due:
+            m["scope"] = "replica"
+            return m
+        votes = [1.0 if stop == s.name else 0.0 for s in STOP_SIGNALS]
+        rows = diloco.agree(
+            [m["loss"], *votes, float(self.replica_skipped), float(self.replica_streak)]
+        )
+        replicas = rows.shape[0]
+        m["loss"] = float(rows[:, 0].sum()) / replicas  # each replica's loss is over an equal share
+        m["outer_sync"] = due
+        agreed = agreed_stop(rows[:, 1:4].sum(0).tolist(), replicas)
+        if agreed is not None:
+            m["stop"] = agreed
+        skipped = int(rows[:, 4].sum())
+        if skipped:
+            m.update(bad=True, bad_steps=skipped, bad_in_a_row=int(rows[:, 5].max()))
+        self.replica_skipped = 0
         return m
 
     def _smaller_micro_batches(self, step: int, e: StepOutOfMemory) -> None:
@@ -690,6 +764,17 @@ class TorchEngine:
         out: dict[str, Any] = {"optimizer_state_bytes": int(reduce_scalar(float(held), "max"))}
         if self.config.train.oom_retry:
             out.update(oom_retries=self.oom_retries, micro_batch_size=self.micro_now)
+        if self.tr.diloco is not None:
+            # A run that ends between outer syncs: its model is θ_global of the last syncs, not
+            # any replica's weights of its last step.
+            diloco = self.tr.diloco
+            out["diloco_model_synced_after"] = list(diloco.synced_after)
+            if self.d.rank == 0:
+                logger.info(
+                    "DiLoCo: this run's model (model.* in its checkpoints, what export, generate and "
+                    "model.init_from read) is %s; each replica's own weights since are kept per rank "
+                    "for resuming", diloco.describe_model(),
+                )  # fmt: skip
         return out
 
     def end(self) -> None:

@@ -169,6 +169,7 @@ def logged(m: dict[str, Any], config: Config) -> bool:
         step % config.run.log_every == 0
         or step in (1, config.train.steps)
         or "bad" in m
+        or "replica_bad" in m
         or "val_loss" in m
         or "oom_retries" in m
         or "alerts" in m
@@ -359,7 +360,9 @@ def _loop(
             m["rollback"] = health.rollbacks  # this step number was logged before the rollback
         if eval_due(config, n):
             m.update(_evaluate(r, n))
-        fired = _alerts(r, monitor, m, dt)
+        # A DiLoCo step between outer syncs has one replica's figures, agreed with no other: the run's
+        # decisions (alerts, bad steps, stops) wait for the next sync, where the replicas agree.
+        fired = _alerts(r, monitor, m, dt) if m.get("scope") != "replica" else []
         history.append(m)
         if not warned_nonfinite and not math.isfinite(m["loss"]):
             logger.warning("step %d: loss is %s", n, m["loss"])
@@ -372,8 +375,9 @@ def _loop(
         engine.after_step()
 
         if "bad" in m:
-            health.bad_steps += 1
-            health.bad_in_a_row += 1
+            # Agreed by every rank; a DiLoCo sync gives the counts of every replica since the last.
+            health.bad_steps += m.get("bad_steps", 1)
+            health.bad_in_a_row = m.get("bad_in_a_row", health.bad_in_a_row + 1)
             if health.bad_in_a_row >= t.max_bad_steps:
                 _roll_back(r, n)
                 continue
