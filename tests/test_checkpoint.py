@@ -131,6 +131,17 @@ def test_compressed_runs_resume_exactly(tmp_path: Path, compression: str) -> Non
     assert_same_run(run, ref)
 
 
+def test_an_optimizer_without_state_resumes(tmp_path: Path) -> None:
+    """Plain SGD keeps no per-parameter state, so its checkpoint holds no optimizer tensors: a resume
+    still loads (it crashed reading the param groups as a flattened state dict) and ends exactly."""
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    train(ref, 1, "train.optimizer=sgd")
+    train(run, 1, "train.optimizer=sgd", faults="kill@7", expect=-signal.SIGKILL)
+    proc = train(run, 1, "train.optimizer=sgd")
+    assert "step-00000006" in proc.stderr
+    assert_same_run(run, ref)
+
+
 def test_kill9_from_outside_at_any_moment(tmp_path: Path, references: dict[str, Path]) -> None:
     """SIGKILL to the launcher and its workers at a moment the test does not choose (maybe mid-save)."""
     run = tmp_path / "run"

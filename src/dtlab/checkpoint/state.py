@@ -77,6 +77,9 @@ class OptimizerState:
         return dict(get_optimizer_state_dict(self.module, self.optimizer))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        # An optimizer without per-parameter state (plain SGD) saves no tensors, so its "state" comes
+        # back missing, and torch would read what is left as a flattened state dict.
+        state = {"state": {}, **state}
         set_optimizer_state_dict(self.module, self.optimizer, cast(Any, state))
 
 
