@@ -450,7 +450,7 @@ def load_generator(
         raise DtlabError(f"'{path}' is not a directory; allowed: {EXPECTED}")
     dev = _device(device)
     kind = _kind(p)
-    position = None
+    position = warning = None
     if kind == "hf":
         args, state = _read_hf(p)
         source, dirs, configured = p, [p], None
@@ -461,11 +461,12 @@ def load_generator(
     else:
         source = find_checkpoint(p, warn)
         position, warning = weights_position(source)
-        if warning:
-            warn(warning)
         args, tok_kind = _read_config(source / "config.yaml")
         state = load_model_state(source, verify=False)  # find_checkpoint verified it
         run_dir = source.parent.parent  # RUN_DIR/checkpoints/step-NNNNNNNN
         dirs, configured = [source, run_dir], tok_kind
     tokenizer = _find_tokenizer(dirs, configured, args.vocab_size, warn)
-    return Generator(_build(args, state, source, dev), tokenizer, source, dev, position)
+    model = _build(args, state, source, dev)
+    if warning:  # about weights that were read: after the checks
+        warn(warning)
+    return Generator(model, tokenizer, source, dev, position)

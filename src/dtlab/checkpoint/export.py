@@ -335,12 +335,12 @@ def export_checkpoint(
     _check_out(out_dir, force, source)
     _safetensors_torch()  # fail before reading the checkpoint
     ckpt = find_checkpoint(source, warn)
-    warning = weights_position(ckpt)[1]
-    if warning:
-        (warn or _default_warn)(warning)
     config = checkpoint_config(ckpt)
     state = load_model_state(ckpt, verify=False)
     _check_against_config(state, config, ckpt)
+    warning = weights_position(ckpt)[1]  # about weights that were read: after the checks
+    if warning:
+        (warn or _default_warn)(warning)
 
     def write(tmp: Path) -> None:
         if fmt == "safetensors":
