@@ -10,7 +10,8 @@ import pytest
 
 from conftest import FAST, run_cli
 from dtlab.errors import ConfigError
-from dtlab.verify import Layout, parse_layouts
+from dtlab.verify import Layout, parse_checks, parse_layouts
+from dtlab.verify_state import CHECKS, compare_exports
 
 
 def test_layouts_parse_into_processes_and_overrides() -> None:
@@ -25,6 +26,13 @@ def test_layouts_parse_into_processes_and_overrides() -> None:
         Layout("hsdp:4xpp:2", 8, ("parallel.strategy=hsdp", "parallel.replicate=2",
                                   "parallel.pp=2")),
     ]  # fmt: skip
+    zero, diloco, h4 = parse_layouts("zero:2,diloco:2,diloco:4:4")
+    assert zero == Layout("zero:2", 2, ("parallel.strategy=ddp", "parallel.sharding=optimizer"))
+    assert diloco == Layout("diloco:2", 2, ("parallel.strategy=ddp",
+                                            "parallel.diloco.inner_steps=1"))  # fmt: skip
+    assert h4.nproc == 4 and "parallel.diloco.inner_steps=4" in h4.overrides
+    assert diloco.diloco and not zero.diloco
+    assert parse_checks("resume") == ("loss", "resume") and parse_checks("all") == CHECKS
 
 
 @pytest.mark.parametrize(
@@ -34,9 +42,11 @@ def test_layouts_parse_into_processes_and_overrides() -> None:
         ("single,zp:2", "'zp:2' in 'zp:2' is not NAME:DEGREE"),
         ("single,tp:2xsp:2", "gives tp parallelism twice"),
         ("single,ddp:2xfsdp:2", "gives data parallelism twice"),
-        ("single,tp:2:gpipe", "only pp takes an option"),
+        ("single,tp:2:gpipe", "only pp (its schedule) and diloco (its H) take an option"),
         ("single,hsdp:3", "its degree must be even"),
         ("single,ddp:2,ddp:2", "names a layout twice"),
+        ("single,diloco:2:0", "diloco's option is H"),
+        ("single,zero:2xddp:2", "gives data parallelism twice"),
     ],
 )
 def test_bad_layouts_are_named(text: str, message: str) -> None:
@@ -86,3 +96,54 @@ def test_a_layout_the_config_cannot_run_is_refused_before_any_trains(tmp_path: P
         in proc.stderr
     )
     assert not (tmp_path / "out").exists() and "Traceback" not in proc.stderr
+
+
+def test_unknown_checks_are_named() -> None:
+    with pytest.raises(
+        ConfigError,
+        match=re.escape("allowed: a comma-separated list of loss, resume, export, or all"),
+    ):
+        parse_checks("resume,exports")
+
+
+def test_resume_and_export_checks_pass_and_catch_a_wrong_resume(tmp_path: Path) -> None:
+    """Every layout saves at step 2 of 4; resumed there on itself and on the reference, it must
+    continue as the uninterrupted run, and its export must give the reference's tensors. Rank 1 gets
+    wrong weights whenever it loads the step-2 checkpoint (``badload``): the one resume that runs
+    a rank 1 (ddp:2 on itself) is caught; the others, and the exports, pass."""
+    out = tmp_path / "out"
+    proc = run_cli("verify", "--layouts", "single,ddp:2", "--steps", "4", "--checks", "all",
+                   "--out", str(out), "--set", *FAST, "train.grad_clip=0.1",
+                   env={"DTLAB_FAULTS": "badload@2:r1"})  # fmt: skip
+    assert proc.returncode == 1, proc.stderr + proc.stdout
+    result = json.loads((out / "verify.json").read_text())
+    assert result["rows"][0]["ok"]  # the uninterrupted runs agree
+    checks = {(s["layout"], c["check"]): c for s in result["state"] for c in s["checks"]}
+    assert set(checks) == {
+        ("single", "resume"), ("single", "export (the reference)"), ("ddp:2", "resume"),
+        ("ddp:2", "resume on single"), ("ddp:2", "export"),
+    }  # fmt: skip
+    for key, c in checks.items():
+        assert c["ok"] == (key != ("ddp:2", "resume")), (key, c)
+    assert checks["ddp:2", "resume"]["max_loss_diff"] > 1e-4
+    assert checks["ddp:2", "resume on single"]["max_param_diff"] <= 1e-4
+    assert checks["ddp:2", "export"]["max_param_diff"] <= 1e-4
+    assert re.search(r"^ddp:2 +resume +\S+ +\S+ +\S+ +DIFFERS$", proc.stdout, re.M), proc.stdout
+    assert "ddp:2 resume: first differs at step 3" in proc.stdout, proc.stdout
+
+
+def test_an_export_that_differs_is_named(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    for d in (a, b, c):
+        d.mkdir()
+    x = torch.zeros(4, 3)
+    save_file({"w": x, "v": torch.ones(2)}, str(a / "model.safetensors"))
+    save_file({"w": x + 0.5, "v": torch.ones(2)}, str(b / "model.safetensors"))
+    save_file({"w": x}, str(c / "model.safetensors"))
+    assert compare_exports(a, a) == (0.0, "-", "")
+    assert compare_exports(a, b)[:2] == (0.5, "w")
+    worst, name, note = compare_exports(a, c)
+    assert worst == float("inf") and name == "v" and "v only in the reference export" in note

@@ -33,11 +33,22 @@ VERIFY_EPILOG = """\
 layouts (NAME:DEGREE joined by x; processes: the product of the degrees):
   single                  one process
   ddp:N  fsdp:N  hsdp:N   data parallel over N ranks (hsdp: two replica groups)
+  zero:N                  DDP over N ranks with ZeRO-1 (parallel.sharding = optimizer)
+  diloco:N[:H]            N DiLoCo replicas of one rank, syncing every H steps (default 1); the same
+                          training as DDP with train.optimizer=sgd train.grad_clip=0
+                          parallel.diloco.outer_lr=1 parallel.diloco.outer_momentum=0 and H = 1
   tp:N   sp:N             tensor parallel over N ranks (sp: with sequence parallelism)
   pp:N[:SCHEDULE]         pipeline parallel over N ranks, e.g. pp:2:interleaved_1f1b
 
-example:
-  dtlab verify configs/tiny.yaml --layouts single,ddp:2,fsdp:2xtp:2,pp:2 --steps 10
+checks (--checks, the loss always):
+  resume                  each layout saves at the middle step; a run resumed from it on the same
+                          layout, and on the first layout, must continue as the uninterrupted run
+  export                  dtlab export --format hf of each layout's final checkpoint must give the
+                          first layout's tensors
+
+examples:
+  dtlab verify configs/debug.yaml --layouts single,ddp:2,fsdp:2xtp:2,pp:2 --steps 10
+  dtlab verify configs/debug.yaml --layouts single,ddp:2,zero:2,tp:2 --checks all
 """
 
 EXPORT_EPILOG = """\
@@ -366,6 +377,11 @@ def _add_verify(sub: _Commands) -> None:
     )
     v.add_argument(
         "--param-tol", type=float, default=1e-4, help="absolute, parameters (default 1e-4)"
+    )
+    v.add_argument(
+        "--checks",
+        default="loss",
+        help="what to check besides the loss: resume, export, or all (default: loss only)",
     )
     add_config_args(v)
 

@@ -12,11 +12,21 @@ Layout syntax: layouts separated by commas; a layout is dimensions joined by ``x
 
     single                  one process (also the default when a layout names no data parallelism)
     ddp:N  fsdp:N  hsdp:N   data parallel over N ranks (hsdp: two replica groups)
+    zero:N                  DDP over N ranks with ZeRO-1 (parallel.sharding = optimizer)
+    diloco:N[:H]            N DiLoCo replicas of one rank, syncing every H steps (default 1)
     tp:N   sp:N             tensor parallel over N ranks (sp: with sequence parallelism)
     pp:N[:SCHEDULE]         pipeline parallel over N ranks (schedule: parallel.pp_schedule's values)
 
 e.g. ``single,ddp:2,fsdp:2xtp:2,pp:2:interleaved_1f1b,fsdp:2xpp:2``. Processes: the product of the
 degrees.
+
+A DiLoCo layout is the same training as DDP only in its degenerate case: H = 1, plain SGD inside
+(``train.optimizer=sgd``), the outer step at lr 1 without momentum (``parallel.diloco.outer_lr=1
+parallel.diloco.outer_momentum=0``), no clipping (``train.grad_clip=0``: each replica clips by its own
+norm). Its gradient norm is its replica's own, so it is not compared.
+
+``--checks resume,export`` adds, for every layout, the checks of :mod:`dtlab.verify_state`: a resume
+from the middle step on the same layout and on the first one, and the exported model.
 """
 
 from __future__ import annotations
@@ -32,10 +42,20 @@ from typing import Any
 
 from dtlab.dims import DPWrapper, needs_replica_groups, strategies_with
 from dtlab.errors import ConfigError, DtlabError
+from dtlab.verify_state import (
+    CHECKS,
+    StateCheck,
+    compare_exports,
+    export_run,
+    read_metrics,
+    resume_metrics,
+    steps_after,
+)
 
 _DIM = re.compile(r"^(?P<name>[a-z]+)(?::(?P<degree>\d+))?(?::(?P<option>[a-z0-9_]+))?$")
 _DATA = tuple(strategies_with(*DPWrapper))  # parallel.strategy's names
-_NAMES = (*_DATA, "tp", "sp", "pp")
+_EXTRA_DATA = ("zero", "diloco")  # DDP with ZeRO-1; DiLoCo replicas of one DDP rank
+_NAMES = (*_DATA, *_EXTRA_DATA, "tp", "sp", "pp")
 
 
 @dataclass(frozen=True)
@@ -45,6 +65,12 @@ class Layout:
     name: str
     nproc: int
     overrides: tuple[str, ...]
+
+    @property
+    def diloco(self) -> bool:
+        """DiLoCo replicas: each replica's gradient norm is its own, and its checkpoint resumes on its
+        own layout only."""
+        return any(o.startswith("parallel.diloco.inner_steps=") for o in self.overrides)
 
 
 def parse_layouts(text: str) -> list[Layout]:
@@ -76,18 +102,31 @@ def _parse_layout(item: str) -> Layout:
             )
         name, option = m["name"], m["option"]
         degree = int(m["degree"]) if m["degree"] else 1
-        kind = "data" if name in _DATA else ("tp" if name == "sp" else name)
+        kind = "data" if name in (*_DATA, *_EXTRA_DATA) else ("tp" if name == "sp" else name)
         if kind in seen:
             raise ConfigError(f"--layouts: {item!r} gives {kind} parallelism twice")
         seen.add(kind)
-        alone = kind == "data" and DPWrapper.of(name) is DPWrapper.NONE  # one process
+        alone = name in _DATA and DPWrapper.of(name) is DPWrapper.NONE  # one process
         if degree < 1 or (alone and m["degree"] and degree != 1):
             raise ConfigError(f"--layouts: {part!r} in {item!r}: the degree must be at least 1")
-        if option is not None and name != "pp":
+        if option is not None and name not in ("pp", "diloco"):
             raise ConfigError(
-                f"--layouts: {part!r} in {item!r}: only pp takes an option (its schedule)"
+                f"--layouts: {part!r} in {item!r}: only pp (its schedule) and diloco (its H) take "
+                "an option"
             )
-        if kind == "data":
+        if name == "diloco":
+            h = option or "1"
+            if not h.isdigit() or int(h) < 1:
+                raise ConfigError(
+                    f"--layouts: {part!r} in {item!r}: diloco's option is H, the inner steps "
+                    "between syncs (an integer >= 1, e.g. diloco:2:4)"
+                )
+            strategy, dp = "ddp", degree
+            overrides.append(f"parallel.diloco.inner_steps={h}")
+        elif name == "zero":
+            strategy, dp = "ddp", degree
+            overrides.append("parallel.sharding=optimizer")
+        elif kind == "data":
             strategy, dp = name, degree
             if needs_replica_groups(name):
                 if degree % 2:
@@ -114,7 +153,7 @@ class Comparison:
     nproc: int
     steps: int
     max_loss_diff: float
-    max_grad_norm_rel_diff: float
+    max_grad_norm_rel_diff: float | None  # None: not compared (a DiLoCo replica's own norm)
     max_param_diff: float
     worst_param: str
     first_divergent_step: int | None  # the first step whose loss or gradient norm differs beyond it
@@ -123,7 +162,8 @@ class Comparison:
 
 @dataclass
 class Tolerances:
-    """What ``verify`` accepts as the same training (float32 reduction-order noise is far below)."""
+    """What ``verify`` accepts as the same training (float32 reduction-order noise is far below).
+    The resume and export checks use the same figures."""
 
     loss: float = 1e-4  # absolute, on every step
     grad_norm: float = 1e-3  # relative, on every step
@@ -131,30 +171,72 @@ class Tolerances:
 
 
 @dataclass
+class LayoutChecks:
+    """A layout's resume and export checks (``--checks``)."""
+
+    layout: str
+    checks: list[StateCheck] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+
+@dataclass
 class Verification:
-    """Every layout's comparison with the reference layout."""
+    """Every layout's comparison with the reference layout, and each layout's resume and export
+    checks when asked for."""
 
     reference: str
     steps: int
     tolerances: Tolerances
     rows: list[Comparison] = field(default_factory=list)
+    checks: tuple[str, ...] = ("loss",)
+    middle: int | None = None  # the step the resume checks start from
+    state: list[LayoutChecks] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return all(r.ok for r in self.rows)
+        return all(r.ok for r in self.rows) and all(s.ok for s in self.state)
+
+
+def parse_checks(text: str) -> tuple[str, ...]:
+    """``--checks``: comma-separated names of :data:`dtlab.verify_state.CHECKS` (``all``: every one);
+    the loss is always compared."""
+    names = [c.strip() for c in text.split(",") if c.strip()]
+    if names == ["all"]:
+        return CHECKS
+    unknown = [c for c in names if c not in CHECKS]
+    if unknown or not names:
+        raise ConfigError(
+            f"--checks {text!r}: allowed: a comma-separated list of {', '.join(CHECKS)}, or all"
+        )
+    return tuple(c for c in CHECKS if c == "loss" or c in names)
+
+
+def middle_step(steps: int) -> int:
+    """The step the resume checks resume from: the middle of the run."""
+    return max(1, steps // 2)
 
 
 def train_layout(
-    layout: Layout, config: str | None, overrides: list[str], steps: int, run_dir: Path
+    layout: Layout,
+    config: str | None,
+    overrides: list[str],
+    steps: int,
+    run_dir: Path,
+    middle: int | None = None,
 ) -> None:
     """Train ``layout`` for ``steps`` steps into ``run_dir`` (which must not exist) with ``dtlab train``,
-    checkpointing the last step; a DtlabError with the output's tail when it fails."""
+    checkpointing the last step (and step ``middle``, for the resume checks); a DtlabError with the
+    output's tail when it fails."""
+    every = middle if middle is not None else steps
     cmd = [
         sys.executable, "-m", "dtlab", "train", *([config] if config else []),
         "--nproc", str(layout.nproc), "--set", *overrides, *layout.overrides,
-        f"train.steps={steps}", f"run.dir={run_dir}", "run.log_every=1", f"checkpoint.every={steps}",
-        "checkpoint.keep=1", "checkpoint.resume=never", "run.progress=none", "run.plot=false",
-        "run.tensorboard=false", "run.trackers=[]",
+        f"train.steps={steps}", f"run.dir={run_dir}", "run.log_every=1", f"checkpoint.every={every}",
+        f"checkpoint.keep={steps // every + 1}", "checkpoint.resume=never", "run.progress=none",
+        "run.plot=false", "run.tensorboard=false", "run.trackers=[]",
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -165,33 +247,50 @@ def train_layout(
 
 
 def _metrics(run_dir: Path) -> list[dict[str, Any]]:
-    lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
-    return [m for m in map(json.loads, lines) if "loss" in m]
+    return read_metrics(run_dir)
 
 
-def compare_runs(
-    name: str, nproc: int, ref_dir: Path, run_dir: Path, tol: Tolerances
-) -> Comparison:
-    """``run_dir``'s training against ``ref_dir``'s: losses and gradient norms per step, parameters at
-    the end."""
-    from dtlab.checkpoint.export import find_checkpoint, load_model_state
+@dataclass
+class _Diffs:
+    loss: list[float]
+    grad: list[float] | None
+    first: int | None
 
-    ref, run = _metrics(ref_dir), _metrics(run_dir)
+
+def _trajectory(
+    run: list[dict[str, Any]],
+    ref: list[dict[str, Any]],
+    tol: Tolerances,
+    grad_norm: bool,
+    name: str,
+) -> _Diffs:
+    """Loss and gradient-norm differences of ``run`` against ``ref``, step by step."""
     if [m["step"] for m in ref] != [m["step"] for m in run]:
-        raise DtlabError(f"layout {name} logged other steps than the reference")
-    loss_diffs = [_diff(m["loss"], r["loss"]) for m, r in zip(run, ref, strict=True)]
-    grad_diffs = [
-        _diff(m["grad_norm"], r["grad_norm"]) / max(abs(r["grad_norm"] or 0.0), 1e-12)
-        for m, r in zip(run, ref, strict=True)
-    ]
+        raise DtlabError(f"{name} logged other steps than the run it is compared with")
+    loss = [_diff(m["loss"], r["loss"]) for m, r in zip(run, ref, strict=True)]
+    grad = (
+        [
+            _diff(m["grad_norm"], r["grad_norm"]) / max(abs(r["grad_norm"] or 0.0), 1e-12)
+            for m, r in zip(run, ref, strict=True)
+        ]
+        if grad_norm
+        else None
+    )
     first = next(
         (
             m["step"]
-            for m, dl, dg in zip(run, loss_diffs, grad_diffs, strict=True)
-            if dl > tol.loss or dg > tol.grad_norm
+            for k, m in enumerate(run)
+            if loss[k] > tol.loss or (grad is not None and grad[k] > tol.grad_norm)
         ),
         None,
     )
+    return _Diffs(loss, grad, first)
+
+
+def _param_diff(ref_dir: Path, run_dir: Path) -> tuple[float, str]:
+    """The largest element difference of the final checkpoints' parameters, and its parameter."""
+    from dtlab.checkpoint.export import find_checkpoint, load_model_state
+
     ref_state = load_model_state(find_checkpoint(ref_dir, warn=lambda _: None))
     state = load_model_state(find_checkpoint(run_dir, warn=lambda _: None))
     worst, worst_name = 0.0, "-"
@@ -199,10 +298,26 @@ def compare_runs(
         d = float((state[key].float() - value.float()).abs().max()) if key in state else math.inf
         if not d <= worst:  # NaN counts as the worst
             worst, worst_name = d, key
-    max_loss, max_grad = max(loss_diffs), max(grad_diffs)
-    ok = max_loss <= tol.loss and max_grad <= tol.grad_norm and worst <= tol.param
+    return worst, worst_name
+
+
+def compare_runs(
+    name: str, nproc: int, ref_dir: Path, run_dir: Path, tol: Tolerances, grad_norm: bool = True
+) -> Comparison:
+    """``run_dir``'s training against ``ref_dir``'s: losses and gradient norms per step (not the
+    norms with ``grad_norm`` False), parameters at the end."""
+    run = _metrics(run_dir)
+    d = _trajectory(run, _metrics(ref_dir), tol, grad_norm, f"layout {name}")
+    worst, worst_name = _param_diff(ref_dir, run_dir)
+    max_loss = max(d.loss)
+    max_grad = max(d.grad) if d.grad is not None else None
+    ok = (
+        max_loss <= tol.loss
+        and (max_grad is None or max_grad <= tol.grad_norm)
+        and worst <= tol.param
+    )
     return Comparison(
-        name, nproc, len(run), max_loss, max_grad, worst, worst_name, first, ok
+        name, nproc, len(run), max_loss, max_grad, worst, worst_name, d.first, ok
     )  # fmt: skip
 
 
@@ -213,6 +328,10 @@ def _diff(a: float | None, b: float | None) -> float:
     return abs(a - b)
 
 
+def _dir_name(i: int, layout: Layout) -> str:
+    return f"{i}-{re.sub(r'[^a-z0-9_]+', '-', layout.name)}"
+
+
 def verify(
     layouts: list[Layout],
     config: str | None,
@@ -221,32 +340,117 @@ def verify(
     out: Path,
     tol: Tolerances | None = None,
     report: Any = print,
+    checks: tuple[str, ...] = ("loss",),
 ) -> Verification:
-    """Train every layout into ``out/<n>-<layout>`` and compare each with the first."""
+    """Train every layout into ``out/<n>-<layout>`` and compare each with the first; with ``resume``
+    or ``export`` in ``checks``, check each layout's resume and export paths too."""
     tol = tol or Tolerances()
     out.mkdir(parents=True, exist_ok=True)
+    middle = middle_step(steps) if "resume" in checks else None
     dirs = []
     for i, layout in enumerate(layouts):
-        run_dir = out / f"{i}-{re.sub(r'[^a-z0-9_]+', '-', layout.name)}"
+        run_dir = out / _dir_name(i, layout)
         if run_dir.exists():
             raise ConfigError(
                 f"{run_dir} exists: verify trains every layout from scratch; give --out a new "
                 "directory (or delete it)"
             )
         report(f"training {layout.name} ({layout.nproc} process{'es' if layout.nproc > 1 else ''})")
-        train_layout(layout, config, overrides, steps, run_dir)
+        train_layout(layout, config, overrides, steps, run_dir, middle)
         dirs.append(run_dir)
-    result = Verification(layouts[0].name, steps, tol)
+    result = Verification(layouts[0].name, steps, tol, checks=checks, middle=middle)
+    ref = layouts[0]
     for layout, run_dir in zip(layouts[1:], dirs[1:], strict=True):
-        result.rows.append(compare_runs(layout.name, layout.nproc, dirs[0], run_dir, tol))
+        grad_norm = not (layout.diloco or ref.diloco)
+        result.rows.append(
+            compare_runs(layout.name, layout.nproc, dirs[0], run_dir, tol, grad_norm)
+        )
+    if "resume" in checks or "export" in checks:
+        for i, (layout, run_dir) in enumerate(zip(layouts, dirs, strict=True)):
+            result.state.append(
+                _state_checks(i, layout, run_dir, layouts[0], dirs[0], config, overrides, steps,
+                              out, tol, checks, report)
+            )  # fmt: skip
     (out / "verify.json").write_text(
         json.dumps({**asdict(result), "ok": result.ok}, indent=2) + "\n", encoding="utf-8"
     )
     return result
 
 
+def _state_checks(
+    i: int,
+    layout: Layout,
+    run_dir: Path,
+    ref: Layout,
+    ref_dir: Path,
+    config: str | None,
+    overrides: list[str],
+    steps: int,
+    out: Path,
+    tol: Tolerances,
+    checks: tuple[str, ...],
+    report: Any,
+) -> LayoutChecks:
+    """Layout ``i``'s resume checks (from its middle checkpoint: on itself, and on the reference's
+    layout) and its export check (against the reference's export)."""
+    from dtlab.checkpoint.store import step_name
+
+    got = LayoutChecks(layout.name)
+    base = out / _dir_name(i, layout)
+    if "resume" in checks:
+        middle = middle_step(steps)
+        ckpt = run_dir / "checkpoints" / step_name(middle)
+        targets = [(layout, run_dir, "resume")]
+        if i > 0:
+            targets.append((ref, ref_dir, f"resume on {ref.name}"))
+        for target, expected_dir, what in targets:
+            if target is not layout and layout.diloco:
+                got.checks.append(StateCheck(
+                    what, None, None, 0.0, "-", True,
+                    "not run: a DiLoCo checkpoint holds each replica's own state and resumes only "
+                    "on its own layout",
+                ))  # fmt: skip
+                continue
+            resumed = Path(f"{base}-{what.replace(' ', '-').replace(':', '-')}")
+            report(f"{layout.name}: {what} from step {middle}")
+            resume_metrics(
+                target.nproc, config, overrides, target.overrides, steps, ckpt, resumed,
+                f"{layout.name}: {what} from {ckpt}",
+            )  # fmt: skip
+            run = steps_after(_metrics(resumed), middle)
+            expected = steps_after(_metrics(expected_dir), middle)
+            grad_norm = not (target.diloco or layout.diloco)
+            d = _trajectory(run, expected, tol, grad_norm, f"{layout.name} ({what})")
+            worst, worst_name = _param_diff(expected_dir, resumed)
+            max_loss = max(d.loss) if d.loss else 0.0
+            max_grad = max(d.grad) if d.grad else None
+            ok = (
+                max_loss <= tol.loss
+                and (max_grad is None or max_grad <= tol.grad_norm)
+                and worst <= tol.param
+            )
+            note = "" if d.first is None else f"first differs at step {d.first}"
+            got.checks.append(StateCheck(what, max_loss, max_grad, worst, worst_name, ok, note))
+    if "export" in checks:
+        exported = Path(f"{base}-export")
+        report(f"{layout.name}: export")
+        export_run(run_dir, exported)
+        ref_export = out / f"{_dir_name(0, ref)}-export"
+        worst, worst_name, note = compare_exports(ref_export, exported)
+        got.checks.append(StateCheck(
+            "export" if i else "export (the reference)", None, None, worst, worst_name,
+            worst <= tol.param, note,
+        ))  # fmt: skip
+    return got
+
+
+def _num(x: float | None, width: int) -> str:
+    return f"{'n/a':>{width}}" if x is None else f"{x:>{width}.3e}"
+
+
 def table(result: Verification) -> str:
-    """The comparison as a text table, then one line per layout beyond tolerance."""
+    """The comparison as a text table, then one line per layout beyond tolerance; with resume and
+    export checks, a second table of them."""
     t = result.tolerances
     lines = [
         f"against {result.reference}, {result.steps} steps (tolerances: loss {t.loss:g}, grad norm "
@@ -256,8 +460,9 @@ def table(result: Verification) -> str:
     ]
     for r in result.rows:
         lines.append(
-            f"{r.layout:<28} {r.nproc:>5} {r.max_loss_diff:>16.3e} {r.max_grad_norm_rel_diff:>19.3e} "
-            f"{r.max_param_diff:>17.3e}  {'ok' if r.ok else 'DIFFERS'}"
+            f"{r.layout:<28} {r.nproc:>5} {r.max_loss_diff:>16.3e} "
+            f"{_num(r.max_grad_norm_rel_diff, 19)} {r.max_param_diff:>17.3e}  "
+            f"{'ok' if r.ok else 'DIFFERS'}"
         )
     for r in result.rows:
         if not r.ok:
@@ -270,4 +475,27 @@ def table(result: Verification) -> str:
                 f"{r.layout}: {step}; the parameter that differs most at the end is "
                 f"{r.worst_param} (by {r.max_param_diff:.3e})"
             )
+    if result.state:
+        lines += [
+            "",
+            f"checkpoint, resume (from step {result.middle}) and export, each against what it must "
+            "equal (a resume: the uninterrupted run of the layout it resumes on; an export: the "
+            f"reference's, {result.reference})",
+            f"{'layout':<28} {'check':<24} {'max |loss diff|':>16} {'max grad-norm diff':>19} "
+            f"{'max |param diff|':>17}  result",
+        ]
+        for s in result.state:
+            for c in s.checks:
+                verdict = "ok" if c.ok else "DIFFERS"
+                if c.note.startswith("not run"):
+                    verdict = "-"
+                lines.append(
+                    f"{s.layout:<28} {c.check:<24} {_num(c.max_loss_diff, 16)} "
+                    f"{_num(c.max_grad_norm_rel_diff, 19)} {c.max_param_diff:>17.3e}  {verdict}"
+                )
+        for s in result.state:
+            for c in s.checks:
+                if not c.ok or c.note:
+                    where = f"; the tensor that differs most is {c.worst_param}" if not c.ok else ""
+                    lines.append(f"{s.layout} {c.check}: {c.note or 'differs'}{where}")
     return "\n".join(lines)

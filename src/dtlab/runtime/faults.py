@@ -29,7 +29,10 @@
   holds it for the rest of its life (a leak);
 - ``memlimit``: before the step, the process caps its address space (``RLIMIT_AS``) at what it uses
   now plus ``DTLAB_MEMLIMIT_MB`` (default 256) MiB, for the rest of its life: a real allocation failure
-  for whatever needs more.
+  for whatever needs more;
+- ``badload``: when the process loads the checkpoint of that step (a resume or a rollback), it adds
+  1e-3 to every parameter after loading it: a resume that is quietly wrong, for ``dtlab verify --checks
+  resume`` to catch (the torch engine).
 
 A collective that fails or times out (``hang``, ``skipcoll``, ``badshape``) is reported with the
 ranks' ledgers of collectives (:mod:`dtlab.parallel.ledger`): who is behind, or how the ranks differ.
@@ -57,6 +60,7 @@ FAULTS_ENV = "DTLAB_FAULTS"
 KINDS = (
     "nan", "kill", "sigterm", "sigusr1", "sigint", "error", "hang", "killsave", "failsave",
     "slowsave", "slowstage", "skipcoll", "badshape", "skipsync", "oom", "memlimit", "spike", "slow", "hog",
+    "badload",
 )  # fmt: skip
 MEMLIMIT_ENV = "DTLAB_MEMLIMIT_MB"
 HOG_ENV = "DTLAB_HOG_MB"
@@ -127,6 +131,10 @@ class Faults:
     def out_of_memory(self, step: int) -> bool:
         """Whether step ``step`` gets an injected out-of-memory error (``oom``)."""
         return self._due("oom", step)
+
+    def bad_load(self, step: int) -> bool:
+        """Whether the checkpoint of step ``step``, just loaded, is to be made wrong (``badload``)."""
+        return self._due("badload", step)
 
     def loss_factor(self, step: int) -> float:
         """What step ``step``'s loss is multiplied by (``spike``: 100; else 1)."""

@@ -597,7 +597,8 @@ class TorchEngine:
                     f"{saved_config.parallel.diloco.inner_steps}): its replicas' own weights and "
                     "optimizer states resume only under DiLoCo on the same layout. To train on from "
                     f"its model (the global model of its last outer syncs) without DiLoCo, export it "
-                    f"(dtlab export {path} OUT) and start a new run with model.init_from=OUT"
+                    f"(dtlab export {path} --format hf --out OUT) and start a new run with "
+                    "model.init_from=OUT"
                 )
             return
         world = json.loads((path / MANIFEST).read_text(encoding="utf-8"))["world_size"]
@@ -614,6 +615,11 @@ class TorchEngine:
     def load(self, ckpt: Checkpointer, path: Path) -> None:
         ckpt.load(path, self.states, per_rank=self.per_rank)
         apply_hyperparameters(self.tr.optimizer, self.tr.scheduler, self.config.train)
+        train = self.states.get("train")
+        if train is not None and self.faults.bad_load(int(train.state_dict()["step"])):
+            with torch.no_grad():  # the badload fault: a resume that is quietly wrong
+                for p in self.tr.pm.module.parameters():
+                    (p.to_local() if isinstance(p, DTensor) else p).add_(1e-3)
 
     def save(self, ckpt: Checkpointer, step: int, *, blocking: bool) -> None:
         ckpt.save(step, self.states, per_rank=self.per_rank, blocking=blocking)
