@@ -47,7 +47,7 @@ def test_rows_split_as_torch_chunk_and_the_plan_shares_evenly() -> None:
     assert zero.optimizer_bytes == 2 * 4 * params // 8 + 4 * len(shapes)
     assert round(zero.optimizer_bytes / 2**30, 2) == 1.15
     gradients = bus_bytes(ddp_comm_bytes(shapes, config, 8), {}, 8)  # DDP's ring all-reduce
-    assert zero.comm_bus_bytes["reduce_scatter"] + zero.comm_bus_bytes["all_gather"] == gradients
+    assert zero.comm_bus_bytes["all_to_all"] + zero.comm_bus_bytes["all_gather"] == gradients
 
 
 @pytest.mark.parametrize(
@@ -81,10 +81,11 @@ def test_zero1_matches_single_process_with_an_even_share_and_ddp_bytes(
     measured, counters = summary["optimizer_state_bytes"], 4 * len(shapes)
     assert measured == zero.optimizer_bytes
     assert measured - counters <= (ddp.optimizer_bytes - counters) / nproc, measured
-    # The bytes each step moves are predicted to the byte, on every step: a reduce-scatter, an
-    # all-gather and the step's reduction. On the wire (ring algorithms, per rank) that is DDP's
-    # gradient all-reduce of the same model plus the reduction.
-    assert set(zero.comm_bytes) == {"reduce_scatter", "all_gather", "all_reduce"}
+    # The bytes each step moves are predicted to the byte, on every step: the reduce-scatter (an
+    # all-to-all of the ranks' slots), the all-gather and the step's reduction. On the wire (what
+    # one rank sends, (N - 1) / N of each buffer) that is DDP's ring all-reduce of the same model's
+    # gradients, plus the reduction.
+    assert set(zero.comm_bytes) == {"all_to_all", "all_gather", "all_reduce"}
     assert {m["comm_bytes"] for m in run} == {sum(zero.comm_bytes.values())}
     assert {m["wire_bytes"] for m in run} == {round(sum(zero.comm_bus_bytes.values()))}
     ddp_wire = bus_bytes(ddp_comm_bytes(shapes, config, nproc), {}, nproc)
@@ -126,7 +127,7 @@ def test_zero1_bad_step_changes_nothing(tmp_path: Path) -> None:
         assert torch.equal(before[k], after[k]), k
     # Predicted to the byte, with half-precision gradients; the bad step gathers nothing.
     plan = plan_step(load_config(overrides=[*FAST, *overrides]), 2).comm_bytes
-    assert plan["reduce_scatter"] * 2 == plan["all_gather"]
+    assert plan["all_to_all"] * 2 == plan["all_gather"]
     counted = [m["comm_bytes"] for m in run]
     whole = sum(plan.values())
     assert counted == [whole, whole - plan["all_gather"], whole]

@@ -586,19 +586,20 @@ def _zero1_optimizer_bytes(config: Config, shapes: list[ParamShape], ranks: int)
 
 
 def zero1_comm_bytes(shapes: list[ParamShape], config: Config, ranks: int) -> dict[str, int]:
-    """ZeRO-1's collectives per optimizer step (nothing on one rank): the gradients reduce-scattered
-    (in half precision under fp16/bf16 compression) and the updated parameters all-gathered
-    (float32), each on the flat buffer of every rank's ``ceil(rows / ranks)`` rows of every parameter.
+    """ZeRO-1's collectives per optimizer step (nothing on one rank), each on the flat buffer of every
+    rank's ``ceil(rows / ranks)`` rows of every parameter: the gradients' reduce-scatter, an
+    all-to-all of the ranks' slots (in half precision under fp16/bf16 compression), and the updated
+    parameters' all-gather (float32).
 
-    Without padding (every dim 0 divisible by ``ranks``) the buffer is the model, and a ring
-    reduce-scatter plus a ring all-gather send what DDP's ring all-reduce sends: ``2 (N - 1) / N``
-    times the model's bytes per rank (:func:`bus_bytes`). The counted bytes (each collective's whole
-    buffer) are twice DDP's all-reduce: two collectives on the same buffer."""
+    Without padding (every dim 0 divisible by ``ranks``) the buffer is the model, and the two send
+    what DDP's ring all-reduce sends: ``2 (N - 1) / N`` times the model's bytes per rank
+    (:func:`bus_bytes`). The counted bytes (each collective's whole buffer) are twice DDP's
+    all-reduce: two collectives on a buffer the size of the model."""
     if ranks == 1:
         return {}
     padded = sum(s.padded_numel(ranks) for s in shapes)
     grad = 2 if config.parallel.compression in ("fp16", "bf16") else FP32
-    return {"reduce_scatter": padded * grad, "all_gather": padded * FP32}
+    return {"all_to_all": padded * grad, "all_gather": padded * FP32}
 
 
 def _fsdp_comm(
@@ -645,11 +646,7 @@ def _fsdp_comm(
 def step_reduction_bytes(config: Config, dims: ParallelDims) -> int:
     """Bytes of the step's reduction (:func:`dtlab.train.loop.reduce_step`): the loss, one flag, a vote
     per stop signal, and the squared gradient norm when gradients are sharded or each rank's own."""
-    norm = (
-        dims.fsdp_enabled
-        or dims.shard_optimizer
-        or config.train.optimizer == "demo"
-    )
+    norm = dims.fsdp_enabled or dims.shard_optimizer or config.train.optimizer == "demo"
     return FP32 * (2 + len(STOP_SIGNALS) + (1 if norm else 0))
 
 

@@ -79,10 +79,13 @@ def state_bytes(tr: Training, config: Config, device: torch.device) -> dict[str,
         if isinstance(v, torch.Tensor)
     )
     # A whole step's forward and backward, as training runs it (every layout: a pipeline's schedule,
-    # tensor parallelism's loss).
-    accumulate_gradients(tr.pm, tr.scaler, tr.loader.build_step(0), config, device)
+    # tensor parallelism's loss). ZeRO-1 holds whole gradients until its reduce-scatter after
+    # backward leaves each rank its rows: measured before it, at their peak.
+    zero = tr.pm.zero is not None
+    accumulate_gradients(tr.pm, tr.scaler, tr.loader.build_step(0), config, device, skip_sync=zero)
     grads = gradient_bytes(module)
     tr.optimizer.zero_grad(set_to_none=True)
+    module.zero_grad(set_to_none=True)
     return {
         "params_bytes": sum(_local_bytes(p) for p in module.parameters()),
         "grads_bytes": grads,
@@ -436,6 +439,9 @@ def _replay_collectives(counter: CommCounter, d: DistInfo) -> float | None:
             dist.reduce_scatter_tensor(
                 torch.zeros(m, device=d.device), torch.zeros(m * world, device=d.device)
             )
+        elif name == "all_to_all":  # ZeRO-1's reduce-scatter
+            m = max(1, n // world) * world
+            dist.all_to_all_single(torch.zeros(m, device=d.device), torch.zeros(m, device=d.device))
         elif name == "broadcast":
             dist.broadcast(buf, src=0)
         else:

@@ -3,9 +3,13 @@
 Every rank holds whole parameters, runs forward and backward on its micro-batches and accumulates
 whole local gradients, as DDP does. Instead of DDP's all-reduce, the gradients are reduce-scattered:
 each rank receives the average of its rows of every parameter, steps them with its optimizer (which
-holds only their state), and the updated rows are all-gathered back into every rank's parameters. A
-ring reduce-scatter and all-gather send the bytes of one ring all-reduce, so ZeRO-1 moves what DDP
-moves, and each rank keeps 1/N of the optimizer state.
+holds only their state), and the updated rows are all-gathered back into every rank's parameters. The
+reduce-scatter and the all-gather each send ``(N - 1) / N`` of the model per rank, together what a
+ring all-reduce sends: ZeRO-1 moves DDP's bytes, and each rank keeps 1/N of the optimizer state.
+
+The reduce-scatter is an all-to-all of the ranks' slots followed by a local sum: gloo's
+``reduce_scatter_tensor`` is an all-reduce of the whole buffer (it sends what an all-reduce sends),
+where an all-to-all sends a ring reduce-scatter's bytes on every backend.
 
 The split (:func:`rows_of`) is FSDP2's and DTensor's ``Shard(0)``: each parameter's dim 0 in
 ``torch.chunk`` pieces, ``ceil(rows / N)`` rows per rank, the last ranks fewer or none. A rank's rows
@@ -41,8 +45,7 @@ __all__ = ["OptimizerShards", "rows_of", "slot_numel"]
 # gradients' reduce-scatter and the parameters' all-gather take at once.
 BUCKET_BYTES = 25 * 2**20
 
-# torch 2.13 renamed the flat collectives (the old names warn); torch >= 2.6 is supported.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch 2.13 renamed the flat all-gather (the old name warns); torch >= 2.6 is supported.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
@@ -155,10 +158,14 @@ class OptimizerShards:
                 p.grad = None
             # Averaged as DDP does (and its fp16/bf16 hooks: cast, then divided).
             sent = flat.div_(n) if self.dtype is None else flat.to(self.dtype).div_(n)
-            mine = sent.new_empty(slot)
-            with recorded("zero-1 gradient reduce_scatter", "reduce_scatter", sent):
-                _reduce_scatter(mine, sent.view(-1), group=self.group)
-            mine = mine.float()
+            # The reduce-scatter as an all-to-all of the slots (each rank receives every rank's slot
+            # of its own rows) and a sum here, in float32: gloo's reduce_scatter_tensor all-reduces
+            # the whole buffer (measured: it sends what an all-reduce sends), where an all-to-all
+            # sends (N - 1) / N of it per rank, a ring reduce-scatter's bytes, on any backend.
+            received = torch.empty_like(sent)
+            with recorded("zero-1 gradient reduce-scatter (all_to_all)", "all_to_all", sent):
+                dist.all_to_all_single(received, sent, group=self.group)
+            mine = received.float().sum(0)
             for i in bucket:
                 p, pc = self.params[i], self.pieces[i]
                 rows = mine[pc.offset : pc.offset + pc.numel]
