@@ -56,6 +56,19 @@ def test_measured_collective_bytes_match_the_prediction(tmp_path: Path) -> None:
     assert two["ddp:full:1:demo"]["bytes"]["all_reduce"] == 24
     assert two["ddp:full:1:demo"]["bytes"]["all_gather"] < plain / 3  # both ranks' pairs
     four = measure(tmp_path, 4, "hsdp:full:1", "fsdp:full:1", "hsdp:full:1:fp16")
+    # The bench replays each collective on the group it ran on, with the bytes it moved there: HSDP
+    # 2 x 2 gathers and reduce-scatters within a replica (2 ranks) and all-reduces the gradients
+    # across the 2 replicas; only the step's reduction spans all 4 (a replay over the whole world
+    # moved half as much again per rank).
+    hsdp = four["hsdp:full:1"]
+    assert sorted((name, size) for name, size, _ in hsdp["replay"]) == [
+        ("all_gather", 2), ("all_reduce", 2), ("all_reduce", 4), ("reduce_scatter", 2),
+    ], hsdp["replay"]  # fmt: skip
+    for r in (*two.values(), *four.values()):
+        replayed: dict[str, int] = {}
+        for name, _, n in r["replay"]:
+            replayed[name] = replayed.get(name, 0) + n
+        assert replayed == {k: v for k, v in r["bytes"].items() if k in replayed}, r["item"]
     for item, r in {**two, **four}.items():
         for collective, predicted in r["predicted"].items():
             measured = r["bytes"][collective]

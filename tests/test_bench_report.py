@@ -176,7 +176,38 @@ def test_overlap_is_the_hidden_share_of_the_collectives() -> None:
     from dtlab.bench.worker import _overlap_figures
 
     # 80 ms of compute and 40 ms of collectives in a 100 ms step: 20 ms of them were hidden.
-    assert _overlap_figures(0.1, 0.08, 0.04)["overlap_fraction"] == pytest.approx(0.5)
+    fig = _overlap_figures(0.1, 0.08, 0.04)
+    assert fig["overlap_fraction"] == pytest.approx(0.5) and fig["overlap_disturbed"] is None
     assert _overlap_figures(0.13, 0.08, 0.04)["overlap_fraction"] == 0.0  # slower than both
-    assert _overlap_figures(0.07, 0.08, 0.04)["overlap_fraction"] == 1.0  # capped
+    all_hidden = _overlap_figures(0.08, 0.08, 0.04)["overlap_fraction"]
+    assert all_hidden == pytest.approx(1.0)
     assert _overlap_figures(0.1, None, 0.04)["overlap_fraction"] is None
+
+
+@pytest.mark.parametrize(
+    ("step", "compute", "comm", "longer"),
+    [
+        # HSDP in docs/performance.md before: collectives replayed alone longer than the step.
+        (1.430, 0.565, 1.551, "the collectives alone (1.551 s)"),
+        (0.07, 0.08, 0.04, "the compute-only step (0.080 s)"),
+    ],
+)
+def test_a_baseline_longer_than_the_step_gives_no_overlap_but_a_flag(
+    step: float, compute: float, comm: float, longer: str
+) -> None:
+    from dtlab.bench.worker import _overlap_figures
+
+    fig = _overlap_figures(step, compute, comm)
+    assert fig["overlap_fraction"] is None
+    assert fig["overlap_disturbed"] == (
+        f"{longer} took longer than the whole step ({step:.3f} s): not a baseline, no overlap computed"
+    )
+    rows = [
+        bench_row("ddp", LOSSES, step_time_s=step, comm_time_s=comm, **fig),
+        bench_row("fsdp", LOSSES, compute_time_s=0.08, comm_time_s=0.04, overlap_fraction=0.5),
+    ]
+    report = report_markdown({"rows": rows, "failed": [], "warmup": 1, "steps": 3}, [])
+    ddp = next(line for line in report.splitlines() if line.startswith("| ddp x2 fp32 |"))
+    assert "| disturbed |" in ddp
+    assert "| 50% |" in next(line for line in report.splitlines() if line.startswith("| fsdp/"))
+    assert f"- ddp x2 fp32: {longer} took longer than the whole step" in report

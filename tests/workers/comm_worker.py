@@ -6,9 +6,11 @@ import json
 import sys
 
 import torch
+import torch.distributed as dist
 
 from dtlab.analysis.model import plan_step
 from dtlab.bench.sweep import compression_overrides
+from dtlab.bench.worker import _replay_once, _replay_plan
 from dtlab.config import load_config
 from dtlab.metrics.comm import CommCounter
 from dtlab.models import build_model
@@ -53,11 +55,16 @@ for item in sys.argv[2:]:
     with counter:
         train_step(pm, opt, sched, LossScaler(False), batches, cfg, d.device)
     plan = plan_step(cfg, world)
+    # The bench's replay of these collectives: on the groups they ran on, in an order every rank
+    # shares (a replay that fails to match its peers' would hang here).
+    replay = _replay_plan(counter)
+    _replay_once(replay, d)
     results.append(
         {
             "item": item,
             "counts": dict(counter.counts),
             "bytes": dict(counter.bytes),
+            "replay": [[name, dist.get_world_size(group), n] for name, group, n in replay],
             "predicted": plan.comm_bytes,
             "params": sum(p.numel() for p in build_model(cfg.model).parameters()),
         }

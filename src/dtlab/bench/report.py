@@ -178,6 +178,14 @@ def _throughput_plot(ax: Any, rows: list[dict[str, Any]], names: list[str]) -> N
     ax.margins(y=0.12)  # room for the labels above the bars
 
 
+def overlap_cell(r: dict[str, Any], fmt: str, missing: str) -> str:
+    """A row's overlap as ``fmt`` formats the fraction; "disturbed" where a baseline took longer
+    than the step (see ``overlap_disturbed``); ``missing`` where there is none."""
+    if r.get("overlap_disturbed"):
+        return "disturbed"
+    return missing if r.get("overlap_fraction") is None else fmt.format(r["overlap_fraction"])
+
+
 def _overlap_plot(ax: Any, rows: list[dict[str, Any]], names: list[str]) -> None:
     """Each run's step next to its compute-only step and its collectives replayed alone, labelled
     with the share of the communication that hid behind computation."""
@@ -191,11 +199,7 @@ def _overlap_plot(ax: Any, rows: list[dict[str, Any]], names: list[str]) -> None
         vals = [r.get(key) or 0.0 for r in rows]
         bars = ax.bar([i + offset for i in x], vals, w, label=name, color=color)
         if key == "step_time_s":
-            labels = [
-                "" if r.get("overlap_fraction") is None else f"{r['overlap_fraction']:.0%} hidden"
-                for r in rows
-            ]
-            ax.bar_label(bars, labels, fontsize=7)
+            ax.bar_label(bars, [overlap_cell(r, "{:.0%} hidden", "") for r in rows], fontsize=7)
     ax.set_xticks(list(x), names, rotation=30, ha="right")
     ax.set_ylabel("seconds (median)")
     ax.set_title("Overlap: step vs compute only and collectives alone", fontsize=10)
@@ -336,7 +340,7 @@ def _runs_table(results: dict[str, Any]) -> list[str]:
         mfu = format_mfu(r["mfu"], r["peak_flops_source"])
         comm_t = "-" if r["comm_time_s"] is None else f"{r['comm_time_s']:.3f}"
         compute_t = "-" if r.get("compute_time_s") is None else f"{r['compute_time_s']:.3f}"
-        overlap = "-" if r.get("overlap_fraction") is None else f"{r['overlap_fraction']:.0%}"
+        overlap = overlap_cell(r, "{:.0%}", "-")
         step = f"{r['step_time_s']:.3f} ({r['step_time_min_s']:.3f}-{r['step_time_max_s']:.3f})"
         comm = (
             f"{r['comm_bytes_per_step'] / MIB:.2f} ({r['comm_bytes_per_step_predicted'] / MIB:.2f})"
@@ -349,6 +353,10 @@ def _runs_table(results: dict[str, Any]) -> list[str]:
                 f"{r['loss_final']:.4f}", r["peak_flops_source"],
             )
         )  # fmt: skip
+    disturbed = [r for r in rows if r.get("overlap_disturbed")]
+    if disturbed:
+        lines += ["", "Overlap not computed (a part alone took longer than the whole step):"]
+        lines += [f"- {label(r)}: {r['overlap_disturbed']}" for r in disturbed]
     return lines
 
 

@@ -20,7 +20,7 @@ CSV_COLUMNS = [
     "step_time_max_s", "tokens_per_s", "samples_per_s", "mfu", "peak_memory_bytes", "params_bytes",
     "grads_bytes", "optimizer_bytes", "activation_bytes", "activation_bytes_predicted",
     "comm_bytes_per_step", "comm_bytes_per_step_predicted", "comm_bus_bytes_per_step", "comm_time_s",
-    "cpu_util", "loss_final",
+    "compute_time_s", "overlap_fraction", "overlap_disturbed", "cpu_util", "loss_final",
 ]  # fmt: skip
 
 

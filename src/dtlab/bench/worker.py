@@ -410,8 +410,63 @@ def uncompressed(config: Config) -> Config:
     return out
 
 
+REPLAYED = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+REPLAYS = 3  # timed replays of the step's collectives (the median counts), after one untimed
+
+
+def _replay_plan(counter: CommCounter) -> list[tuple[str, Any, int]]:
+    """(collective, process group, bytes) of the counted step, one entry per kind and group, in an
+    order every rank shares: by kind, then the largest groups first, then by the stride of the
+    group's ranks (a mesh dimension's groups all share one), so that peers meet in the same entry."""
+    from torch.distributed.distributed_c10d import GroupName, _resolve_process_group
+
+    world = dist.group.WORLD
+    merged: dict[tuple[str, Any], int] = {}
+    for (name, group_name), nbytes in counter.by_group.items():
+        if name in REPLAYED:
+            group = world if group_name is None else _resolve_process_group(GroupName(group_name))
+            merged[(name, group)] = merged.get((name, group), 0) + nbytes
+
+    def order(item: tuple[tuple[str, Any], int]) -> tuple[str, int, int, str]:
+        (name, group), _ = item
+        ranks = sorted(dist.get_process_group_ranks(group))
+        stride = ranks[1] - ranks[0] if len(ranks) > 1 else 0
+        return name, -len(ranks), stride, str(group.group_name)
+
+    return [(name, group, n) for (name, group), n in sorted(merged.items(), key=order)]
+
+
+def _replay_once(plan: list[tuple[str, Any, int]], d: DistInfo) -> float:
+    """Seconds this rank spent in one replay of ``plan``, each collective started by all at once."""
+    elapsed = 0.0
+    for name, group, nbytes in plan:
+        n, size = max(1, nbytes // 4), dist.get_world_size(group)
+        part = max(1, n // size)  # an all-gather's input, a reduce-scatter's output
+        buf = torch.zeros(n, device=d.device)
+        big, small = torch.zeros(part * size, device=d.device), torch.zeros(part, device=d.device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        if name == "all_reduce":
+            dist.all_reduce(buf, group=group)
+        elif name == "all_gather":
+            dist.all_gather_into_tensor(big, small, group=group)
+        elif name == "reduce_scatter":
+            dist.reduce_scatter_tensor(small, big, group=group)
+        elif name == "all_to_all":  # ZeRO-1's reduce-scatter
+            dist.all_to_all_single(big, big.clone(), group=group)
+        else:
+            dist.broadcast(buf, src=dist.get_global_rank(group, 0), group=group)
+        if d.device.type == "cuda":
+            torch.cuda.synchronize(d.device)  # NCCL returns once the collective is queued
+        elapsed += time.perf_counter() - t0
+    return elapsed
+
+
 def _replay_collectives(counter: CommCounter, d: DistInfo) -> float | None:
-    """Time of the step's collectives replayed alone (same kind and bytes, on all ranks), in seconds.
+    """Time of the step's collectives replayed alone, in seconds: each kind on the process group it
+    ran on in the step (HSDP's all-gathers within a replica, its all-reduce across replicas), with
+    the bytes it moved there, back to back; one untimed replay, then the median of ``REPLAYS``, the
+    slowest rank's.
 
     Inside the step they overlap with compute and hide in its timings; replayed back to back they give
     the communication cost the step had to absorb.
@@ -419,35 +474,14 @@ def _replay_collectives(counter: CommCounter, d: DistInfo) -> float | None:
     if not dist.is_initialized() or d.world_size == 1 or not counter.bytes:
         return None
     if d.dims.tp_enabled or d.dims.pp_enabled:
-        # Their collectives run on sub-groups, and pipeline ranks' differ: a replay over the whole
-        # world would time something else (or, with unequal sizes, fail).
+        # Pipeline ranks issue different collectives (and tensor parallelism's live inside the
+        # computation): no replay of one rank's list stands for the others'.
         return None
-    world = d.world_size
-    elapsed = 0.0
-    for name, nbytes in counter.bytes.items():
-        n = max(1, nbytes // 4)
-        buf = torch.zeros(n, device=d.device)
-        dist.barrier()
-        t0 = time.perf_counter()
-        if name == "all_reduce":
-            dist.all_reduce(buf)
-        elif name == "all_gather":
-            shard = torch.zeros(max(1, n // world), device=d.device)
-            dist.all_gather_into_tensor(torch.zeros(shard.numel() * world, device=d.device), shard)
-        elif name == "reduce_scatter":
-            m = max(1, n // world)
-            dist.reduce_scatter_tensor(
-                torch.zeros(m, device=d.device), torch.zeros(m * world, device=d.device)
-            )
-        elif name == "all_to_all":  # ZeRO-1's reduce-scatter
-            m = max(1, n // world) * world
-            dist.all_to_all_single(torch.zeros(m, device=d.device), torch.zeros(m, device=d.device))
-        elif name == "broadcast":
-            dist.broadcast(buf, src=0)
-        else:
-            continue
-        elapsed += time.perf_counter() - t0
-    return reduce_scalar(elapsed, "max")
+    plan = _replay_plan(counter)
+    if not plan:
+        return None
+    times = [_replay_once(plan, d) for _ in range(REPLAYS + 1)]
+    return reduce_scalar(statistics.median(times[1:]), "max")
 
 
 COMPUTE_REPEATS = 5  # compute-only steps timed (the median counts), after one untimed
@@ -494,12 +528,30 @@ def _overlap_figures(
 ) -> dict[str, Any]:
     """How much of the step's communication hid behind its computation: the compute-only step plus
     the collectives replayed alone, less the real step, as a fraction of the collectives' time (0:
-    none hidden, or communication slowed the computation down; 1: all of it)."""
-    overlap = None
+    none hidden, or communication slowed the computation down; 1: all of it).
+
+    Each part alone is a baseline only while it is no longer than the whole step it was taken from;
+    a part that took longer was disturbed (another load on the machine, or a replay that is not what
+    the step did): then no fraction, and ``overlap_disturbed`` says which part and by how much."""
+    overlap, disturbed = None, None
     if compute_time is not None and comm_time:
-        hidden = compute_time + comm_time - step_time
-        overlap = min(1.0, max(0.0, hidden / comm_time))
-    return {"compute_time_s": compute_time, "overlap_fraction": overlap}
+        longer = [
+            f"the {what} ({t:.3f} s)"
+            for what, t in (("compute-only step", compute_time), ("collectives alone", comm_time))
+            if t > step_time
+        ]
+        if longer:
+            disturbed = (
+                f"{' and '.join(longer)} took longer than the whole step ({step_time:.3f} s): "
+                "not a baseline, no overlap computed"
+            )
+        else:
+            overlap = max(0.0, (compute_time + comm_time - step_time) / comm_time)
+    return {
+        "compute_time_s": compute_time,
+        "overlap_fraction": overlap,
+        "overlap_disturbed": disturbed,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

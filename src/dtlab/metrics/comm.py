@@ -65,6 +65,9 @@ class CommCounter(TorchDispatchMode):
         self.labels = labels or {}
         self.counts: Counter[str] = Counter()
         self.bytes: Counter[str] = Counter()
+        # The same bytes by (collective, name of the process group it ran on; None: not known, the
+        # default group), for a replay on the groups the step used.
+        self.by_group: Counter[tuple[str, str | None]] = Counter()
         self._owner = threading.current_thread()
         self._patched: dict[str, Any] = {}
 
@@ -89,8 +92,10 @@ class CommCounter(TorchDispatchMode):
         @functools.wraps(original)
         def counted(*args: Any, **kwargs: Any) -> Any:
             if threading.current_thread() is not self._owner:
+                nbytes = sum(t.numel() * t.element_size() for t in _tensors(args[arg]))
                 self.counts[name] += 1
-                self.bytes[name] += sum(t.numel() * t.element_size() for t in _tensors(args[arg]))
+                self.bytes[name] += nbytes
+                self.by_group[(name, None)] += nbytes
             return original(*args, **kwargs)
 
         return counted
@@ -102,16 +107,20 @@ class CommCounter(TorchDispatchMode):
             if op in _NOT_COUNTED or op.startswith("wait"):
                 return out
             name = _NAMES.get(op, op)
-            label = self.labels.get(_group_name(func.namespace, args) or "")
+            group = _group_name(func.namespace, args)
+            label = self.labels.get(group or "")
             if label:
                 name = f"{label} {name}"
+            nbytes = _payload(name.split(" ")[-1], func.namespace, args, out)
             self.counts[name] += 1
-            self.bytes[name] += _payload(name.split(" ")[-1], func.namespace, args, out)
+            self.bytes[name] += nbytes
+            self.by_group[(name, group)] += nbytes
         return out
 
     def reset(self) -> None:
         self.counts.clear()
         self.bytes.clear()
+        self.by_group.clear()
 
 
 def _group_name(namespace: str, args: Any) -> str | None:
