@@ -342,7 +342,9 @@ class ParallelDims:
 
     @property
     def ddp_enabled(self) -> bool:
-        """The model is wrapped in DistributedDataParallel."""
+        """Whole parameters on every data-parallel rank, their gradients averaged over the ranks: the
+        model is wrapped in DistributedDataParallel, or under ZeRO-1 (``shard_optimizer``) left plain,
+        its gradients reduce-scattered by :mod:`dtlab.parallel.zero`."""
         return self.wrapper is DPWrapper.DDP
 
     @property
