@@ -430,3 +430,34 @@ def test_async_staging_on_two_gpus_copies_on_each_ranks_own_gpu(tmp_path: Path) 
     equals the live tensors, and nothing is allocated, nor a CUDA context opened, on the other
     rank's GPU; the async save loads back as saved."""
     run_worker("stager_worker.py", 2, str(tmp_path / "run"), "cuda")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
+@pytest.mark.parametrize("background", [False, True])
+def test_a_background_save_writes_at_the_lowest_priority_and_checksums_once(
+    tmp_path: Path, background: bool
+) -> None:
+    """Each file DCP writes is written by a thread that (in a background save only) gives way to
+    training, and without torch.save's own CRC-32 of each record (the manifest's covers the bytes);
+    the thread's CRC option is restored after the file."""
+    import threading
+
+    from dtlab.checkpoint.manager import _ChecksummingFileSystem
+
+    fs = _ChecksummingFileSystem(background)
+    seen: dict[str, object] = {}
+
+    def write() -> None:
+        tid = threading.get_native_id()
+        with fs.create_stream(tmp_path / "f.distcp", "wb") as stream:
+            seen["nice"] = os.getpriority(os.PRIO_PROCESS, tid)
+            seen["crc"] = torch.serialization.get_crc32_options()
+            torch.save(torch.arange(10), stream)
+        seen["crc_after"] = torch.serialization.get_crc32_options()
+
+    thread = threading.Thread(target=write)
+    thread.start()
+    thread.join()
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())  # a new thread's
+    assert seen == {"nice": 19 if background else base, "crc": False, "crc_after": True}
+    assert fs.checksums["f.distcp"][1] == (tmp_path / "f.distcp").stat().st_size

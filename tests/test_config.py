@@ -230,7 +230,9 @@ def test_every_field_has_a_kind_checked_here() -> None:
     covered = {*INT_KEYS, *FLOAT_KEYS, *BOOL_KEYS, *STR_KEYS}
     others = {k: a for k, a in LEAVES if k not in covered}
     literals = {k for k, a in others.items() if get_origin(_base(a)) is Literal}
-    assert set(others) - literals == {"train.betas", "data.paths", "data.val_paths", "run.trackers"}
+    assert set(others) - literals == {
+        "train.betas", "data.paths", "data.val_paths", "run.trackers", "checkpoint.async"
+    }  # fmt: skip
     assert {"model.rope_theta", "train.warmup_steps", "checkpoint.durable_every"} <= covered
 
 
@@ -249,6 +251,16 @@ def test_fault10_a_number_or_a_string_is_not_a_boolean(key: str, value: str) -> 
     with pytest.raises(ConfigError) as exc:
         load_config(overrides=[f"{key}={value}"])
     assert f"{key} = " in str(exc.value) and "allowed: true or false" in str(exc.value)
+
+
+@pytest.mark.parametrize("value", ["1", "0", "yes", "'true'", "Auto", "[auto]"])
+def test_checkpoint_async_takes_a_boolean_or_auto_and_nothing_else(value: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        load_config(overrides=[f"checkpoint.async={value}"])
+    msg = str(exc.value)
+    assert "checkpoint.async = " in msg and "allowed: true, false or 'auto'" in msg, msg
+    for given, kept in (("true", True), ("false", False), ("auto", "auto")):
+        assert load_config(overrides=[f"checkpoint.async={given}"]).checkpoint.async_ == kept
 
 
 @pytest.mark.parametrize("key", INT_KEYS)

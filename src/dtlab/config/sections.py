@@ -522,7 +522,13 @@ class CheckpointConfig(_Section):
         "false: only every's saves and a stop's.",
     )
     keep: int = Field(3, ge=1, description="Checkpoints kept.")
-    async_: bool = Field(False, alias="async", description="Write in the background.")
+    async_: bool | Literal["auto"] = Field(
+        False,
+        alias="async",
+        description="Write in the background (true), in the foreground (false), or auto: the first "
+        "save in the foreground and the next two in the background, then whichever way cost training "
+        "less time (blocked + slower steps), said in the log.",
+    )
     resume: str = Field(
         "auto",
         min_length=1,

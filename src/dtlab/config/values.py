@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import types
 from itertools import islice
-from typing import Any, Union, get_args, get_origin
+from typing import Any, Literal, Union, get_args, get_origin
 
 import annotated_types
 from pydantic import (
@@ -53,8 +53,21 @@ def _kind(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
+def _bool_or_words(annotation: Any) -> tuple[str, ...]:
+    """The words a ``bool | Literal[...]`` field takes besides true and false (else none)."""
+    args = get_args(annotation)
+    if get_origin(annotation) not in (Union, types.UnionType) or bool not in args:
+        return ()
+    literals = [a for a in args if get_origin(a) is Literal]
+    if len(args) != 2 or not literals:
+        return ()
+    return tuple(str(w) for w in get_args(literals[0]))
+
+
 def _allowed(annotation: Any, metadata: list[Any]) -> str:
     """What a field accepts, in words: 'an integer >= 1', 'true or false', ..."""
+    if words := _bool_or_words(annotation):
+        return "true, false or " + " or ".join(repr(w) for w in words)
     args = get_args(annotation)
     if get_origin(annotation) in (Union, types.UnionType) and type(None) in args:
         (inner,) = [a for a in args if a is not type(None)]
@@ -97,6 +110,11 @@ def _check_text(value: str, allowed: str) -> str:
 def _coerce(value: Any, annotation: Any, allowed: str) -> Any:
     """Check the kind of ``value`` against a field's type: a bool is not a number, a number is not a
     bool or a string, a float is an integer only when it is a whole number. Returns the value to keep."""
+    if words := _bool_or_words(annotation):  # true, false or one of the words, nothing else
+        if isinstance(value, bool) or (isinstance(value, str) and value in words):
+            return value
+        either = " nor ".join(repr(w) for w in words)
+        raise _bad(f"neither a boolean nor {either}; allowed: {allowed}")
     args = get_args(annotation)
     if get_origin(annotation) in (Union, types.UnionType) and type(None) in args:
         if value is None:

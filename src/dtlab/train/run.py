@@ -351,6 +351,7 @@ def _loop(
         m = engine.step(batch, n, signals.received, faults.nan_loss(n))
         stop = m.pop("stop", None)
         dt = time.perf_counter() - t0
+        r.ckpt.step_done(dt)  # checkpoint.async: auto judges a save by the steps it slows
         state.step, state.tokens = n, state.tokens + tokens_per_step
         m = {
             "step": n, **m, "tokens": state.tokens, "step_time_s": dt,
