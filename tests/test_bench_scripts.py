@@ -27,11 +27,17 @@ def run_script(module: str, *args: str) -> subprocess.CompletedProcess[str]:
 SMALLEST = {
     "checkpoint": (
         ["--preset", "debug", "--repeats", "1"],
-        r"sync save\s+[\d.]+ s \[[\d.-]+\] = [\d,]+ MiB/s; \d+% \[\d+%-\d+%\] of the disk's write "
-        r"beside it, \d+% best against best\n"
+        r"disk write, 8 files \(fsync\)\s+[\d,]+ MiB/s .*: the limit at the writer's parallelism "
+        r"\(1 file: [\d,]+ MiB/s .*\)\n(.*\n)"
+        r"sync save\s+[\d.]+ s \[[\d.-]+\] = [\d,]+ MiB/s; \d+% \[\d+%-\d+%\] of the disk's "
+        r"8-file write beside it, \d+% best against best\n"
         r"  phases: prepare [\d.]+ s, write [\d.]+ s, manifest [\d.]+ s, rename [\d.]+ s, "
         r"retention \(background\) [\d.]+ s\n"
-        r"async save: step blocked\s+[\d.]+ s .*\n.*\nload \(verify \+ load\)\s+[\d.]+ s cold.*\n"
+        r"training time a save costs \(blocked \+ slower steps; .*\):\n"
+        r"  sync +-?[\d.]+ s \[.*\]: blocked [\d.]+ s, steps slower by -?[\d.]+ s over .*\n"
+        r"  async +-?[\d.]+ s .*\n  auto +-?[\d.]+ s .*\n  auto picks (sync|async) here .*\n"
+        r"  the first async save .*\n"
+        r"load \(verify \+ load\)\s+[\d.]+ s cold.*\n"
         r"load resharded \(verify \+ load\)\s+[\d.]+ s cold .* \(written by 2 FSDP processes",
     ),
     "ledger": (
