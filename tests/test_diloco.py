@@ -503,6 +503,16 @@ def test_the_checkpoint_model_is_the_global_model_whichever_rank_saved_it(tmp_pa
         if name.startswith("layers.1."):  # fragment 1: both replicas trained on since step 4
             assert not torch.equal(own[0], model), name
     assert replicas_differ
+    # Export reads that model, and says which it is.
+    proc = run_cli(
+        "export", str(run_dir), "--out", str(tmp_path / "export"), "--format", "safetensors"
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "DiLoCo's global model of the outer syncs after steps 6, 4" in proc.stderr, proc.stderr
+    from safetensors.torch import load_file
+
+    exported = load_file(str(tmp_path / "export" / "model.safetensors"))
+    assert all(torch.equal(exported[n], tensors[f"model.{n}"]) for n in names)
     proc = run_cli(
         "train", "--nproc", "2", "--set", *FAST, "train.steps=8", *DILOCO, f"run.dir={run_dir}"
     )

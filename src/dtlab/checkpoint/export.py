@@ -160,6 +160,12 @@ def weights_position(ckpt: Path) -> tuple[str, str | None]:
     alert = manifest.get("alert") if isinstance(manifest, dict) else None
     if alert:
         phrase += ", saved when an alert stopped the run"
+    state = _read_json(ckpt / "state.json")
+    model = state.get("model") if isinstance(state, dict) else None
+    synced = model.get("diloco_synced_after") if isinstance(model, dict) else None
+    if isinstance(synced, list) and synced:  # a DiLoCo checkpoint's model is θ_global
+        steps = ", ".join(str(s) for s in synced)
+        phrase += f": DiLoCo's global model of the outer syncs after step{'s' * (len(synced) > 1)} {steps}"
     not_last = f"'{ckpt}' holds the weights of step {step}, not the run's last step"
     if run_dir is None:
         return (
