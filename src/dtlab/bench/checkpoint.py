@@ -14,8 +14,8 @@ One process builds the model and an AdamW state (one real step), then, side by s
 - the training time a save costs, for each kind: training steps (forward, backward, the wait for an
   async save's copy, optimizer step) with a save after some of them; a save costs what the training
   thread waited for it (blocked) plus how much longer the steps it overlapped took than the steps
-  without a save between them (slowed). ``auto`` runs its trial (a sync save, two async) and
-  decides as in training; its cost is that of its saves after the decision;
+  without a save between them (slowed). ``auto`` runs its trial (sync, async, async, sync, async)
+  and decides as in training; its cost is that of its saves after the decision;
 - (unless ``--no-reshard``) a checkpoint written by 2 FSDP processes loaded by this one.
 Figures are medians over the repeats, with the range.
 """
@@ -381,7 +381,7 @@ def _cost_lines(r: dict[str, Any]) -> list[str]:
             if choice.usual_step_s is not None
             else "no step without a save to judge by"
         )
-        lines.append(f"  auto picks {kind} here (its trial: {trial})")
+        lines.append(f"  auto picks {kind} here (its trial, means: {trial})")
     first = r["async_first"]
     lines.append(
         f"  the first async save (it allocates the staging buffers the later ones reuse) cost "

@@ -6,22 +6,24 @@ overlapped took than a usual step (the median of the steps that overlapped no sa
 step left out: it carries the warm-up). A sync save overlaps no step; an async one overlaps the steps
 that began before its background write ended.
 
-The first save of a run is synchronous and the next two asynchronous: the first of those allocates the
-staging buffers the later ones reuse, a one-off, so the second is the one judged. At the fourth save the
-two costs are compared and the cheaper kind is kept for the rest of the run (a tie goes to sync, which
-holds no staging buffers); the log says which, and the figures it was decided on.
+The first five saves of a run take turns: sync, async, async, sync, async. The first async save
+allocates the staging buffers the later ones reuse, a one-off, so it is not judged; the two sync saves
+and the two other async ones are (one save of each would be at the mercy of one noisy moment). At the
+sixth save the mean costs are compared and the cheaper kind is kept for the rest of the run (a tie goes
+to sync, which holds no staging buffers); the log says which, and the figures it was decided on.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 __all__ = ["TRIAL", "AutoAsync", "Choice", "SaveCost", "choose"]
 
-TRIAL = (False, True, True)  # whether each of the first saves is async
-JUDGED = (0, 2)  # the saves compared: the sync one, and the async one after the one that allocated
+TRIAL = (False, True, True, False, True)  # whether each of the first saves is async
+JUDGED_SYNC, JUDGED_ASYNC = (0, 3), (2, 4)  # the saves compared (not the async one that allocated)
 
 
 @dataclass
@@ -40,14 +42,14 @@ class Choice:
     """The decision of ``checkpoint.async: auto`` and the figures it was made on."""
 
     use_async: bool
-    sync_s: float  # training time the sync save cost
-    async_s: float  # training time the judged async save cost: blocked + slowed
+    sync_s: float  # training time a sync save cost (the mean of the judged ones)
+    async_s: float  # training time an async save cost: blocked + slowed (mean)
     async_blocked_s: float
-    async_slowed_s: float  # its overlapped steps' time beyond as many usual steps
-    overlapped: int  # steps it overlapped
+    async_slowed_s: float  # its overlapped steps' time beyond as many usual steps (mean)
+    overlapped: int  # steps the judged async saves overlapped, in all
     usual_step_s: float | None  # None: no step without a save to compare with
-    sync_step: int = 0
-    async_step: int = 0
+    sync_steps: tuple[int, ...] = ()  # the steps of the judged saves
+    async_steps: tuple[int, ...] = ()
 
     def message(self) -> str:
         """The log line: the choice, then the figures."""
@@ -58,30 +60,36 @@ class Choice:
                 "in flight to judge the async save by)"
             )
         return (
-            f"checkpoint.async auto: {kind} saves from here on; training time a save cost: "
-            f"sync {self.sync_s:.3f} s (step {self.sync_step}), async {self.async_s:.3f} s "
-            f"(step {self.async_step}: blocked {self.async_blocked_s:.3f} s + steps slower by "
-            f"{self.async_slowed_s:.3f} s, {self.overlapped} overlapped; a usual step "
-            f"{self.usual_step_s:.3f} s)"
+            f"checkpoint.async auto: {kind} saves from here on; training time a save cost "
+            f"(mean): sync {self.sync_s:.3f} s (steps {_steps(self.sync_steps)}), async "
+            f"{self.async_s:.3f} s (steps {_steps(self.async_steps)}: blocked "
+            f"{self.async_blocked_s:.3f} s + steps slower by {self.async_slowed_s:.3f} s, "
+            f"{self.overlapped} overlapped; a usual step {self.usual_step_s:.3f} s)"
         )
 
 
+def _steps(steps: Sequence[int]) -> str:
+    return ", ".join(str(s) for s in steps)
+
+
 def choose(
-    sync_s: float,
-    async_blocked_s: float,
-    async_steps_s: Sequence[float],
+    sync_s: Sequence[float],
+    async_blocked_s: Sequence[float],
+    async_steps_s: Sequence[Sequence[float]],
     usual_step_s: float | None,
 ) -> Choice:
-    """Whether to keep async saves, from what a sync save cost training (``sync_s``) and what an async
-    one did: ``async_blocked_s`` waited for, and the steps it overlapped (``async_steps_s``) against a
-    usual step. Async only when it cost less; without a usual step to compare with, sync."""
+    """Whether to keep async saves, from what sync saves cost training (``sync_s``, one figure per
+    save) and what async ones did: what each blocked (``async_blocked_s``) and the times of the steps
+    each overlapped (``async_steps_s``), against a usual step. Async only when its mean cost is less
+    than sync's; without a usual step to compare with, sync."""
+    sync = statistics.fmean(sync_s)
+    blocked = statistics.fmean(async_blocked_s)
+    overlapped = sum(len(steps) for steps in async_steps_s)
     if usual_step_s is None:
-        return Choice(False, sync_s, float("nan"), async_blocked_s, float("nan"), 0, None)
-    slowed = sum(async_steps_s) - len(async_steps_s) * usual_step_s
-    async_s = async_blocked_s + slowed
-    return Choice(
-        async_s < sync_s, sync_s, async_s, async_blocked_s, slowed, len(async_steps_s), usual_step_s
-    )
+        return Choice(False, sync, math.nan, blocked, math.nan, overlapped, None)
+    slowed = statistics.fmean(sum(steps) - len(steps) * usual_step_s for steps in async_steps_s)
+    cost = blocked + slowed
+    return Choice(cost < sync, sync, cost, blocked, slowed, overlapped, usual_step_s)
 
 
 class AutoAsync:
@@ -105,25 +113,31 @@ class AutoAsync:
 
     def decide(self) -> Choice:
         """The choice by this rank's figures (the caller makes it everyone's and records it)."""
-        sync, judged = (self.saves[i] for i in JUDGED)
+        syncs = [self.saves[i] for i in JUDGED_SYNC]
+        asyncs = [self.saves[i] for i in JUDGED_ASYNC]
         usual = statistics.median(self.usual) if self.usual else None
-        c = choose(sync.blocked_s, judged.blocked_s, judged.overlapped_s, usual)
-        return replace(c, sync_step=sync.step, async_step=judged.step)
+        c = choose(
+            [s.blocked_s for s in syncs],
+            [s.blocked_s for s in asyncs],
+            [s.overlapped_s for s in asyncs],
+            usual,
+        )
+        return replace(
+            c, sync_steps=tuple(s.step for s in syncs), async_steps=tuple(s.step for s in asyncs)
+        )
 
-    def saved(self, step: int, use_async: bool, blocked_s: float) -> None:
-        """A save of the trial returned to the training thread after ``blocked_s``."""
-        if self.choice is None:
-            self.saves.append(SaveCost(step, use_async, blocked_s))
+    def started(self, step: int, use_async: bool) -> SaveCost | None:
+        """A save begins: its record while the trial runs (the caller adds the time it blocked, and
+        its background thread sets ``finished_at``), else None."""
+        if self.choice is not None:
+            return None
+        self.saves.append(SaveCost(step, use_async))
+        return self.saves[-1]
 
     def waited(self, seconds: float) -> None:
         """The training thread waited ``seconds`` for the last save's background write."""
         if self.choice is None and self.saves and self.saves[-1].use_async:
             self.saves[-1].blocked_s += seconds
-
-    def finished(self, when: float) -> None:
-        """The last save's background write ended at ``when`` (from its own thread)."""
-        if self.saves:
-            self.saves[-1].finished_at = when
 
     def step_done(self, seconds: float, end: float) -> None:
         """A training step took ``seconds`` and ended at ``end``: it overlapped the last save if that

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.tensor import DTensor
 
-from dtlab.checkpoint.autoasync import AutoAsync
+from dtlab.checkpoint.autoasync import AutoAsync, SaveCost
 from dtlab.checkpoint.manifest import MANIFEST, _fsync_dir, verify_checkpoint, write_manifest
 from dtlab.checkpoint.state import (
     Stateful,
@@ -440,6 +440,10 @@ class Checkpointer:
         use_async = self.stager is not None and not blocking
         if use_async and self.auto is not None:
             use_async = self._auto_async()
+        # What checkpoint.async: auto measures of this save (made before its thread can finish).
+        record = (
+            self.auto.started(step, use_async) if self.auto is not None and not blocking else None
+        )
         tmp = self.staging_dir(step)
         tensors, rest = split_tensors({k: v.state_dict() for k, v in states.items()})
         rest = {k: v for k, v in rest.items() if k not in per_rank}  # rank 0 writes the JSON
@@ -465,7 +469,7 @@ class Checkpointer:
                 wait_on: Any = response.upload_completion
                 self._thread = threading.Thread(
                     target=self._finish,
-                    args=(step, tmp, wait_on, t0, state),
+                    args=(step, tmp, wait_on, t0, state, record),
                     name="dtlab-ckpt",
                     daemon=True,
                 )
@@ -488,8 +492,8 @@ class Checkpointer:
                 self._report()
         blocked = time.perf_counter() - t0
         self.blocked_s.append(blocked)
-        if self.auto is not None and not blocking:
-            self.auto.saved(step, use_async, blocked)
+        if record is not None:
+            record.blocked_s += blocked
 
     def _auto_async(self) -> bool:
         """Whether this save of ``checkpoint.async: auto`` is async: the trial's kind, then the choice
@@ -540,7 +544,13 @@ class Checkpointer:
         return out
 
     def _finish(
-        self, step: int, tmp: Path, future: Any, t0: float, state: dict[str, Any] | None = None
+        self,
+        step: int,
+        tmp: Path,
+        future: Any,
+        t0: float,
+        state: dict[str, Any] | None = None,
+        record: SaveCost | None = None,
     ) -> None:
         """Wait for the write, then (rank 0) commit: JSON state, manifest, rename, retention, durable copy."""
         if future is not None:  # the background thread of an async save
@@ -560,8 +570,8 @@ class Checkpointer:
             self._error_step = step
             self._discard(tmp)
         finally:
-            if future is not None and self.auto is not None:
-                self.auto.finished(time.perf_counter())
+            if record is not None:
+                record.finished_at = time.perf_counter()
 
     def _discard(self, tmp: Path) -> None:
         """Rank 0 removes what a failed save wrote (every rank is done with it): on a full disk the

@@ -526,8 +526,8 @@ class CheckpointConfig(_Section):
         False,
         alias="async",
         description="Write in the background (true), in the foreground (false), or auto: the first "
-        "save in the foreground and the next two in the background, then whichever way cost training "
-        "less time (blocked + slower steps), said in the log.",
+        "five saves take turns (sync, async, async, sync, async), then whichever kind cost training "
+        "less time (blocked + slower steps) is kept, said in the log.",
     )
     resume: str = Field(
         "auto",
