@@ -15,10 +15,11 @@ import io
 import json
 import os
 import re
+import types
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, get_args, get_origin
+from typing import Any, Union, get_args, get_origin
 
 import pytest
 import yaml
@@ -133,6 +134,8 @@ def _typed(annotation: Any, valid: bool = False) -> st.SearchStrategy[Any]:
         if valid:
             return st.lists(st.floats(min_value=0, max_value=0.99), min_size=2, max_size=2)
         return st.lists(st.floats(min_value=-0.5, max_value=1.5), min_size=1, max_size=3)
+    if get_origin(annotation) in (Union, types.UnionType):  # e.g. bool | Literal["auto"]
+        return st.one_of(*(_typed(a, valid) for a in args))
     return st.sampled_from(get_args(annotation))  # a Literal: its choices
 
 

@@ -21,7 +21,14 @@ LAYERS: list[tuple[str, ...]] = [
     ("dtlab.checkpoint",),
     ("dtlab.train", "dtlab.analysis"),
     ("dtlab.mlx",),
-    ("dtlab.bench", "dtlab.launcher", "dtlab.deploy", "dtlab.train.api", "dtlab.verify"),
+    (
+        "dtlab.bench",
+        "dtlab.launcher",
+        "dtlab.deploy",
+        "dtlab.train.api",
+        "dtlab.verify",
+        "dtlab.verify_state",
+    ),
     ("dtlab.cli", "dtlab.__main__", "dtlab"),
 ]
 
