@@ -37,6 +37,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from dtlab.config import Config
 from dtlab.dims import ParallelDims
 from dtlab.models.llama import Transformer
+from dtlab.parallel.buckets import buckets
 from dtlab.parallel.compression import CompressionState, apply_ddp_compression, reduce_dtype
 from dtlab.parallel.dist import DistInfo
 from dtlab.parallel.ledger import recorded
@@ -335,7 +336,9 @@ class ParallelModel:
         group = self.module.process_group
         world = torch.distributed.get_world_size(group)
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        for bucket in _buckets(grads, SYNC_BUCKET_BYTES):
+        sizes = [g.numel() * g.element_size() for g in grads]
+        for indices in buckets(sizes, SYNC_BUCKET_BYTES):
+            bucket = [grads[i] for i in indices]
             flat = _flatten_dense_tensors(bucket)
             sent = flat.to(dtype) if dtype is not None else flat
             sent.div_(world)
@@ -380,21 +383,6 @@ class ParallelModel:
 
 
 SYNC_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket: the extra memory a deferred sync needs
-
-
-def _buckets(tensors: list[torch.Tensor], limit: int) -> Iterator[list[torch.Tensor]]:
-    """``tensors`` in consecutive groups of at most ``limit`` bytes (a larger tensor alone)."""
-    bucket: list[torch.Tensor] = []
-    size = 0
-    for t in tensors:
-        n = t.numel() * t.element_size()
-        if bucket and size + n > limit:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(t)
-        size += n
-    if bucket:
-        yield bucket
 
 
 def parallelize(model: Transformer, config: Config, dist_info: DistInfo) -> ParallelModel:

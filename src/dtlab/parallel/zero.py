@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from dtlab.parallel.buckets import buckets
 from dtlab.parallel.ledger import recorded
 
 __all__ = ["OptimizerShards", "rows_of", "slot_numel"]
@@ -104,7 +105,9 @@ class OptimizerShards:
         self.mesh, self.dtype = mesh, dtype
         self.ranks, self.rank = mesh.size(), mesh.get_local_rank()
         self.group = mesh.get_group()
-        self.buckets = list(_buckets([tuple(p.shape) for p in self.params], self.ranks))
+        # Consecutive parameters whose padded flat buffer (float32) fits in BUCKET_BYTES.
+        padded = [slot_numel([tuple(p.shape)], self.ranks) * self.ranks * 4 for p in self.params]
+        self.buckets = list(buckets(padded, BUCKET_BYTES))
         self.pieces: list[_Piece] = []
         for bucket in self.buckets:
             offset = 0
@@ -202,22 +205,6 @@ class OptimizerShards:
                 p, pc = self.params[i], self.pieces[i]
                 whole = slots[:, pc.offset : pc.offset + pc.width].reshape(-1)
                 p.copy_(whole[: p.numel()].view_as(p))
-
-
-def _buckets(shapes: list[tuple[int, ...]], ranks: int) -> Iterator[list[int]]:
-    """Consecutive parameters whose padded flat buffer fits in ``BUCKET_BYTES`` (a larger one alone),
-    as lists of indices."""
-    bucket: list[int] = []
-    size = 0
-    for i, shape in enumerate(shapes):
-        n = slot_numel([shape], ranks) * ranks * 4
-        if bucket and size + n > BUCKET_BYTES:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(i)
-        size += n
-    if bucket:
-        yield bucket
 
 
 def _named_module(named: list[tuple[str, nn.Parameter]]) -> nn.Module:
