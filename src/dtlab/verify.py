@@ -47,9 +47,7 @@ from dtlab.verify_state import (
     StateCheck,
     compare_exports,
     export_run,
-    read_metrics,
     resume_metrics,
-    steps_after,
 )
 
 _DIM = re.compile(r"^(?P<name>[a-z]+)(?::(?P<degree>\d+))?(?::(?P<option>[a-z0-9_]+))?$")
@@ -246,8 +244,17 @@ def train_layout(
         )
 
 
-def _metrics(run_dir: Path) -> list[dict[str, Any]]:
-    return read_metrics(run_dir)
+def _metrics(run_dir: Path, after: int | None = None) -> list[dict[str, Any]]:
+    """The step records of ``run_dir``'s metrics.jsonl, as logged; ``after`` a step: the last record of
+    each later step (a rollback logs a step again), in order."""
+    from dtlab.train.rundir import logged_steps
+
+    records = [m for m in logged_steps(run_dir) if "loss" in m]
+    if after is None:
+        return records
+    from dtlab.train.run import loss_curve
+
+    return [m for m in loss_curve(records) if m["step"] > after]
 
 
 @dataclass
@@ -417,8 +424,8 @@ def _state_checks(
                 target.nproc, config, overrides, target.overrides, steps, ckpt, resumed,
                 f"{layout.name}: {what} from {ckpt}",
             )  # fmt: skip
-            run = steps_after(_metrics(resumed), middle)
-            expected = steps_after(_metrics(expected_dir), middle)
+            run = _metrics(resumed, after=middle)
+            expected = _metrics(expected_dir, after=middle)
             grad_norm = not (target.diloco or layout.diloco)
             d = _trajectory(run, expected, tol, grad_norm, f"{layout.name} ({what})")
             worst, worst_name = _param_diff(expected_dir, resumed)

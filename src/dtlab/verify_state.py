@@ -17,13 +17,11 @@ Each check runs as a user runs it: ``dtlab train`` and ``dtlab export`` in proce
 
 from __future__ import annotations
 
-import json
 import math
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from dtlab.errors import DtlabError
 
@@ -114,14 +112,3 @@ def compare_exports(ref: Path, got: Path) -> tuple[float, str, str]:
         if not d <= worst:  # NaN counts as the worst
             worst, worst_name = d, name
     return worst, worst_name, "; ".join(notes)
-
-
-def steps_after(metrics: list[dict[str, Any]], step: int) -> list[dict[str, Any]]:
-    """The last record of every step after ``step``, in order (a rollback logs a step twice)."""
-    last = {m["step"]: m for m in metrics if m["step"] > step}
-    return [last[k] for k in sorted(last)]
-
-
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
-    return [m for m in map(json.loads, lines) if "loss" in m]
