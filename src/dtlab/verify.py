@@ -47,7 +47,6 @@ from dtlab.verify_state import (
     StateCheck,
     compare_exports,
     export_run,
-    resume_metrics,
 )
 
 _DIM = re.compile(r"^(?P<name>[a-z]+)(?::(?P<degree>\d+))?(?::(?P<option>[a-z0-9_]+))?$")
@@ -224,24 +223,26 @@ def train_layout(
     steps: int,
     run_dir: Path,
     middle: int | None = None,
+    resume: Path | None = None,
+    what: str | None = None,
 ) -> None:
     """Train ``layout`` for ``steps`` steps into ``run_dir`` (which must not exist) with ``dtlab train``,
-    checkpointing the last step (and step ``middle``, for the resume checks); a DtlabError with the
-    output's tail when it fails."""
+    checkpointing the last step (and step ``middle``, for the resume checks), from scratch or from
+    checkpoint ``resume`` (another run's); a DtlabError saying ``what`` failed (default: the layout's
+    training), with the output's tail, when it fails."""
     every = middle if middle is not None else steps
     cmd = [
         sys.executable, "-m", "dtlab", "train", *([config] if config else []),
         "--nproc", str(layout.nproc), "--set", *overrides, *layout.overrides,
         f"train.steps={steps}", f"run.dir={run_dir}", "run.log_every=1", f"checkpoint.every={every}",
-        f"checkpoint.keep={steps // every + 1}", "checkpoint.resume=never", "run.progress=none",
-        "run.plot=false", "run.tensorboard=false", "run.trackers=[]",
+        f"checkpoint.keep={steps // every + 1}", f"checkpoint.resume={resume or 'never'}",
+        "run.progress=none", "run.plot=false", "run.tensorboard=false", "run.trackers=[]",
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.strip().splitlines()[-12:])
-        raise DtlabError(
-            f"layout {layout.name} failed to train (exit code {proc.returncode}):\n{tail}"
-        )
+        failed = what or f"layout {layout.name} failed to train"
+        raise DtlabError(f"{failed} (exit code {proc.returncode}):\n{tail}")
 
 
 def _metrics(run_dir: Path, after: int | None = None) -> list[dict[str, Any]]:
@@ -420,9 +421,9 @@ def _state_checks(
                 continue
             resumed = Path(f"{base}-{what.replace(' ', '-').replace(':', '-')}")
             report(f"{layout.name}: {what} from step {middle}")
-            resume_metrics(
-                target.nproc, config, overrides, target.overrides, steps, ckpt, resumed,
-                f"{layout.name}: {what} from {ckpt}",
+            train_layout(
+                target, config, overrides, steps, resumed, resume=ckpt,
+                what=f"{layout.name}: {what} from {ckpt} failed",
             )  # fmt: skip
             run = _metrics(resumed, after=middle)
             expected = _metrics(expected_dir, after=middle)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from dtlab.errors import DtlabError
 
-__all__ = ["CHECKS", "StateCheck", "compare_exports", "export_run", "resume_metrics"]
+__all__ = ["CHECKS", "StateCheck", "compare_exports", "export_run"]
 
 CHECKS = ("loss", "resume", "export")
 
@@ -43,39 +43,9 @@ class StateCheck:
     note: str = ""  # why a check did not run, or what differs
 
 
-def _run(cmd: list[str], what: str) -> None:
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-12:])
-        raise DtlabError(f"{what} failed (exit code {proc.returncode}):\n{tail}")
-
-
-def resume_metrics(
-    nproc: int,
-    config: str | None,
-    overrides: list[str],
-    layout_overrides: tuple[str, ...],
-    steps: int,
-    checkpoint: Path,
-    run_dir: Path,
-    what: str,
-) -> None:
-    """Train ``steps`` steps in all with ``dtlab train`` into ``run_dir`` (which must not exist),
-    starting from ``checkpoint`` (another run's), on ``nproc`` processes with ``layout_overrides``;
-    the last step is checkpointed, as in the uninterrupted runs."""
-    cmd = [
-        sys.executable, "-m", "dtlab", "train", *([config] if config else []),
-        "--nproc", str(nproc), "--set", *overrides, *layout_overrides,
-        f"train.steps={steps}", f"run.dir={run_dir}", "run.log_every=1", f"checkpoint.every={steps}",
-        "checkpoint.keep=1", f"checkpoint.resume={checkpoint}", "run.progress=none",
-        "run.plot=false", "run.tensorboard=false", "run.trackers=[]",
-    ]  # fmt: skip
-    _run(cmd, what)
-
-
 def export_run(run_dir: Path, out: Path) -> None:
     """``dtlab export RUN_DIR --out OUT --format hf``: the run's newest checkpoint as a Hugging Face Llama
-    directory, as a user exports it."""
+    directory, as a user exports it; a DtlabError with the output's tail when it fails."""
     cmd = [
         sys.executable,
         "-m",
@@ -87,7 +57,10 @@ def export_run(run_dir: Path, out: Path) -> None:
         "--format",
         "hf",
     ]
-    _run(cmd, f"dtlab export {run_dir}")
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-12:])
+        raise DtlabError(f"dtlab export {run_dir} failed (exit code {proc.returncode}):\n{tail}")
 
 
 def compare_exports(ref: Path, got: Path) -> tuple[float, str, str]:
