@@ -200,6 +200,7 @@ def test_the_run_peak_survives_the_alerts_window_resets() -> None:
     assert peaks.run() == 1030
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_peak_memory_holds_every_steps_peak_with_the_memory_alert_on() -> None:
     """What the memory alert and the run's summary read on a GPU: the alert's window resets the

@@ -423,6 +423,7 @@ def test_async_staging_stages_each_shard_into_its_own_host_buffer(tmp_path: Path
     run_worker("stager_worker.py", 2, str(tmp_path / "run"), "cpu")
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (one per rank)")
 def test_async_staging_on_two_gpus_copies_on_each_ranks_own_gpu(tmp_path: Path) -> None:
     """FSDP on 2 GPUs over NCCL: each rank stages on a side stream of its own GPU, after the kernels
