@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import functools
-import threading
 from collections import Counter
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 # Dispatcher op names (c10d and functional collectives) -> the collective they are.
 _NAMES = {
@@ -68,13 +67,15 @@ class CommCounter(TorchDispatchMode):
         # The same bytes by (collective, name of the process group it ran on; None: not known, the
         # default group), for a replay on the groups the step used.
         self.by_group: Counter[tuple[str, str | None]] = Counter()
-        self._owner = threading.current_thread()
         self._patched: dict[str, Any] = {}
 
     def __enter__(self) -> CommCounter:
-        # A dispatch mode sees only its own thread. Communication hooks (PowerSGD) issue collectives from
-        # future callbacks, which run on the backend's threads: count those at the Python API instead.
-        self._owner = threading.current_thread()
+        # A dispatch mode sees only the threads whose dispatch mode stack holds it: the thread that
+        # entered it, and threads that inherit its thread-local state, as the autograd engine's
+        # device threads do (where a CUDA backward runs DDP's communication hooks). Collectives
+        # issued elsewhere, from future callbacks on the backend's threads (PowerSGD's second
+        # all-reduce, the low-precision hook's), are counted at the Python API instead; each
+        # collective is counted in exactly one of the two places (:meth:`_seen_by_dispatch`).
         for fn, (name, arg) in _PY_API.items():
             original = getattr(dist, fn)
             self._patched[fn] = original
@@ -91,7 +92,7 @@ class CommCounter(TorchDispatchMode):
     def _wrap(self, original: Any, name: str, arg: int) -> Any:
         @functools.wraps(original)
         def counted(*args: Any, **kwargs: Any) -> Any:
-            if threading.current_thread() is not self._owner:
+            if not self._seen_by_dispatch():
                 nbytes = sum(t.numel() * t.element_size() for t in _tensors(args[arg]))
                 self.counts[name] += 1
                 self.bytes[name] += nbytes
@@ -99,6 +100,11 @@ class CommCounter(TorchDispatchMode):
             return original(*args, **kwargs)
 
         return counted
+
+    def _seen_by_dispatch(self) -> bool:
+        """Whether a collective issued on this thread now reaches :meth:`__torch_dispatch__`: this
+        mode is on the thread's dispatch mode stack (its own, or one the thread inherited)."""
+        return any(mode is self for mode in _get_current_dispatch_mode_stack())
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))

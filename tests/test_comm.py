@@ -1,0 +1,30 @@
+"""CommCounter counts every collective once, with its bytes, whichever thread issues it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import run_worker
+
+
+def test_a_collective_is_counted_once_on_every_kind_of_thread() -> None:
+    """The thread that entered the counter, a thread that inherited its dispatch mode (the autograd
+    engine's device threads, where a CUDA backward runs DDP's hooks), and a backend's thread."""
+    run_worker("comm_threads_worker.py", 2, "threads", "cpu")
+
+
+@pytest.mark.parametrize("compression", ["fp16", "powersgd"])
+def test_ddp_hooks_are_counted_to_the_byte(compression: str) -> None:
+    """A DDP step's hooks on two gloo ranks (PowerSGD's second all-reduce from a future callback):
+    the bytes counted are the hook's analytic bytes and the step's reduction, exactly."""
+    run_worker("comm_threads_worker.py", 2, compression, "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", ["threads", "fp16", "powersgd"])
+def test_cuda_ddp_hooks_run_on_the_autograd_thread_and_are_counted_once(case: str) -> None:
+    """On CUDA the hooks run on the autograd engine's device thread, which inherits the counter's
+    dispatch mode: counted there once (not also by the Python API's count), to the byte."""
+    run_worker("comm_threads_worker.py", 1, case, "cuda")
