@@ -205,8 +205,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         check_before_launch(config, None)
         return _train_here(config)
     from dtlab.launcher import LaunchSpec, launch
+    from dtlab.parallel.devices import check_node_gpus
     from dtlab.train.rundir import check_free
 
+    check_node_gpus(config.train.device, args.nproc)  # one GPU per process, before any starts
     run_dir, worker_args = _prepare_launch(args, config)
     check_free(run_dir)  # a run already training there: say so before starting any process
     check_before_launch(config, run_dir)
@@ -265,9 +267,11 @@ def _prepare_launch(args: argparse.Namespace, config: Config) -> tuple[Path, lis
 def cmd_launch(args: argparse.Namespace) -> int:
     from dtlab.config import check_world, load_config
     from dtlab.deploy import launch_checkpointing
+    from dtlab.parallel.devices import check_job_gpus
 
     config = load_config(args.config, args.overrides)
     check_world(config, args.nodes * args.nproc_per_node)
+    check_job_gpus(config.train.device, args.nproc_per_node, args.gpus_per_node)
     config, note = launch_checkpointing(config, args.no_checkpoint)
     if note:
         print(note, file=sys.stderr)

@@ -1,0 +1,50 @@
+"""Which GPU each process of a node trains on: one GPU per process, never two processes on one.
+
+Pure arithmetic (no CUDA needed), so that the launching process can refuse a world its node's GPUs
+cannot hold before any worker starts, and every worker checks the same rule again at start-up.
+"""
+
+from __future__ import annotations
+
+from dtlab.errors import DtlabError
+
+__all__ = ["check_gpus", "gpu_for"]
+
+
+def check_gpus(nproc: int, gpus: int, where: str) -> None:
+    """Refuse ``nproc`` processes on a node of ``gpus`` GPUs when there are more processes than GPUs.
+
+    Two ranks on one GPU is what ``local_rank % device_count`` would give; NCCL refuses it (a duplicate
+    GPU), and even where it did not, the ranks would share one GPU's memory and time. ``where`` says
+    where ``nproc`` and ``gpus`` came from, for the message.
+    """
+    if nproc > gpus:
+        raise DtlabError(
+            f"{nproc} processes per node but {gpus} GPU{'s' if gpus != 1 else ''} {where}: "
+            f"each process needs a GPU of its own (NCCL refuses two ranks on one GPU); allowed: at "
+            f"most {gpus} process{'es' if gpus != 1 else ''} per node, or train.device=cpu (gloo)"
+        )
+
+
+def gpu_for(local_rank: int, local_world: int, gpus: int) -> int:
+    """The GPU of local rank ``local_rank`` among ``local_world`` processes on a node with ``gpus``
+    visible GPUs: its own index (a DtlabError when the node has fewer GPUs than processes)."""
+    check_gpus(local_world, gpus, "visible to this node's workers (torch.cuda.device_count())")
+    return local_rank
+
+
+def check_node_gpus(device: str, nproc: int) -> None:
+    """Before ``dtlab train --nproc N`` starts its workers: refuse more processes than this node's GPUs
+    when they would train on CUDA (``train.device`` ``cuda``, or ``auto`` where CUDA is available)."""
+    import torch
+
+    if device == "cpu" or not torch.cuda.is_available():
+        return  # on the CPU (a cuda request without CUDA is refused by the workers' device choice)
+    check_gpus(nproc, torch.cuda.device_count(), "visible on this node (torch.cuda.device_count())")
+
+
+def check_job_gpus(device: str, nproc_per_node: int, gpus_per_node: int) -> None:
+    """Before ``dtlab launch`` writes a job: refuse more processes per node than the GPUs it requests
+    per node (``--gpus-per-node``; 0 requests none and is not checked), unless it trains on the CPU."""
+    if device != "cpu" and gpus_per_node > 0:
+        check_gpus(nproc_per_node, gpus_per_node, "requested per node (--gpus-per-node)")
