@@ -266,7 +266,8 @@ def _row(
     communication time at ``rate`` FLOP/s and the device's link bandwidths."""
     world = nproc * nnodes
     dims = ParallelDims.from_config(cfg, world)
-    step = plan_step(cfg, world, shapes)
+    # The devices' kind decides the attention kernel, and so part of the activations.
+    step = plan_step(cfg, world, shapes, device_type="cpu" if device.key == "this" else "cuda")
     tokens_per_rank = cfg.train.global_batch_size * cfg.seq_len / world
     # Tensor and pipeline parallelism split the model's FLOPs over their ranks as data parallelism
     # splits the batch: per rank, the same share of the step's work. A pipeline rank also idles in the
@@ -419,5 +420,16 @@ def format_plan(p: dict[str, Any]) -> str:
             + f"  {'yes' if r['fits'] else 'NO':<4}{format_bytes(comm):>11}"
             + "".join(f"{format_seconds(t):>11}" for t in times)
         )
+    host = max(
+        (r["per_rank"].get("host_bytes", 0) for r in p["strategies"] if "error" not in r), default=0
+    )
+    if host:
+        # Not in the table's totals: host memory, not the device's.
+        lines += [
+            "",
+            f"host memory per rank, beside the device's: DiLoCo's outer state, up to "
+            f"{format_bytes(host)} (pinned on a GPU, where torch reserves each tensor's block "
+            "rounded up to a power of two)",
+        ]
     lines += ["", f"recommendation: {p['recommendation']}"]
     return "\n".join(lines)

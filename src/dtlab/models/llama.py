@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtlab.models.args import HasModelArgs, ModelArgs, model_args
+from dtlab.models.attention import attend
 
 
 class RMSNorm(nn.Module):
@@ -107,13 +108,10 @@ class Attention(nn.Module):
         q = apply_rope(self.wq(x).view(B, T, -1, self.head_dim), cos, sin)
         k = apply_rope(self.wk(x).view(B, T, -1, self.head_dim), cos, sin)
         v = self.wv(x).view(B, T, -1, self.head_dim)
-        gqa = self.n_kv_heads != self.n_heads
         if cache is None:
-            # [B, H, T, D]; enable_gqa lets each group of query heads share one key/value head without a copy.
-            out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                is_causal=True, enable_gqa=gqa,
-            )  # fmt: skip
+            # [B, H, T, D]; grouped key/value heads are shared by their query heads without a copy
+            # wherever the kernel allows it (dtlab.models.attention says where it does not).
+            out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         else:
             keys, values = cache.update(layer, k.transpose(1, 2), v.transpose(1, 2))
             # New token i (at position pos + i) sees the cached tokens and the new ones up to itself;
@@ -122,9 +120,7 @@ class Attention(nn.Module):
             if T > 1:
                 mask = torch.ones(T, keys.shape[2], dtype=torch.bool, device=x.device)
                 mask = mask.tril(keys.shape[2] - T)
-            out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=gqa
-            )
+            out = attend(q.transpose(1, 2), keys, values, attn_mask=mask)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 

@@ -39,6 +39,7 @@ from dtlab.metrics.comm import CommCounter
 from dtlab.metrics.logging import logger, setup_logging
 from dtlab.metrics.profiling import StepProfiler
 from dtlab.metrics.report import peak_memory_bytes
+from dtlab.models.attention import describe_attention
 from dtlab.models.llama import build_model, count_params
 from dtlab.parallel import (
     DistInfo,
@@ -72,7 +73,7 @@ from dtlab.train.optim import (
     optimizer_groups,
     state_bytes,
 )
-from dtlab.train.precision import LossScaler, autocast, check_cpu_half_precision
+from dtlab.train.precision import DTYPES, LossScaler, autocast, check_cpu_half_precision
 from dtlab.train.run import run
 from dtlab.train.rundir import RunDirLock, create_run_dir
 from dtlab.train.schedules import build_scheduler
@@ -564,6 +565,10 @@ class TorchEngine:
         self.profiler = (
             StepProfiler(run_dir / "profile", d.rank, d.device) if config.run.profile else None
         )
+        if d.is_main and d.device.type == "cuda":  # which attention kernel runs, and why (once)
+            m = config.model
+            dtype = DTYPES[config.train.precision]
+            logger.info(describe_attention(d.device, dtype, m.kv_heads != m.n_heads))
 
     def attach(self, states: dict[str, Stateful]) -> None:
         tr = self.tr
