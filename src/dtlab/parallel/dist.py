@@ -1,10 +1,12 @@
-"""Process-group set-up from the launcher's environment (torchrun / dtlab's elastic launcher)."""
+"""Process-group set-up from the launcher's environment (torchrun / dtlab's elastic launcher), and
+its teardown: destroyed after a clean run, aborted after a failed one on NCCL."""
 
 from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar, cast
@@ -15,13 +17,18 @@ import torch.distributed as dist
 from dtlab.config import Config
 from dtlab.dims import ParallelDims
 from dtlab.errors import ConfigError, DtlabError
+from dtlab.parallel.devices import gpu_for
 from dtlab.parallel.ledger import recorded, stop_ledger
 from dtlab.runtime.status import is_worker_env
 
 __all__ = [
-    "DistInfo", "decide_on_rank0", "destroy_distributed", "init_distributed", "is_worker_env",
-    "reduce_scalar", "resolve_device",
+    "DistInfo", "abort_distributed", "decide_on_rank0", "destroy_distributed", "init_distributed",
+    "is_worker_env", "nccl_env", "reduce_scalar", "release_group", "resolve_device", "teardown_action",
 ]  # fmt: skip
+
+# NCCL's own watchdog fires this long after parallel.collective_timeout_s: a backstop behind the
+# ledger's, which reports the collective that timed out and aborts the process groups first.
+NCCL_BACKSTOP_S = 30.0
 
 T = TypeVar("T")
 
@@ -54,15 +61,45 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def resolve_device(config: Config, local_rank: int) -> torch.device:
+def resolve_device(config: Config, local_rank: int, local_world: int = 1) -> torch.device:
+    """This process's device: its own GPU (local rank ``local_rank`` of ``local_world`` on the node;
+    a DtlabError when the node has fewer GPUs than processes), or the CPU."""
     want = config.train.device
     if want == "cuda" and not torch.cuda.is_available():
         raise ConfigError(
             "train.device = 'cuda' but no CUDA device is available; allowed here: auto, cpu"
         )
     if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
+        return torch.device("cuda", gpu_for(local_rank, local_world, torch.cuda.device_count()))
     return torch.device("cpu")
+
+
+def nccl_env(env: Mapping[str, str], dump_dir: str | None) -> dict[str, str]:
+    """The NCCL settings this process sets before its process group exists (NCCL reads them then),
+    where ``env`` has none of its own:
+
+    - ``TORCH_FR_BUFFER_SIZE`` (formerly ``TORCH_NCCL_TRACE_BUFFER_SIZE``): NCCL's flight recorder keeps
+      the last 2000 collectives, which the ledger reads into its report and dump;
+    - ``TORCH_NCCL_DUMP_ON_TIMEOUT`` and ``TORCH_FR_DUMP_TEMP_FILE``: when NCCL's own watchdog times a
+      collective out, it writes that record to ``<dump_dir>/nccl_trace_rank_<R>`` (with a run directory);
+    - ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (abort the communicators, keep the process) instead of the
+      elastic agent's 1 (abort and kill the process): the rank lives to report what failed. An explicit
+      0 or 3 is kept.
+    """
+    out = {}
+    if "TORCH_FR_BUFFER_SIZE" not in env and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env:
+        out["TORCH_FR_BUFFER_SIZE"] = "2000"
+    if "TORCH_NCCL_DUMP_ON_TIMEOUT" not in env:
+        out["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
+    if (
+        dump_dir is not None
+        and "TORCH_FR_DUMP_TEMP_FILE" not in env
+        and "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in env
+    ):
+        out["TORCH_FR_DUMP_TEMP_FILE"] = os.path.join(dump_dir, "nccl_trace_rank_")
+    if env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1") == "1":
+        out["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+    return out
 
 
 def init_distributed(config: Config) -> DistInfo:
@@ -76,7 +113,7 @@ def init_distributed(config: Config) -> DistInfo:
     rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
     local_rank = int(env.get("LOCAL_RANK", 0))
     local_world = int(env.get("LOCAL_WORLD_SIZE", world))
-    device = resolve_device(config, local_rank)
+    device = resolve_device(config, local_rank, local_world)
     if device.type == "cpu" and "OMP_NUM_THREADS" not in env:
         # Share the cores among the processes of this node instead of oversubscribing them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
@@ -94,6 +131,16 @@ def init_distributed(config: Config) -> DistInfo:
         return DistInfo(0, 1, 0, 1, device, None, dims)
     if not dist.is_initialized():
         timeout = timedelta(seconds=config.parallel.collective_timeout_s)
+        # On CUDA, the process group is bound to this rank's GPU: NCCL's communicator is made at once,
+        # and the groups made from it later (meshes, DiLoCo) are split from it, not built anew.
+        bound: dict[str, Any] = {}
+        if backend == "nccl":
+            dump_dir = (
+                os.path.join(config.run.dir, "ledger") if config.run.dir is not None else None
+            )
+            os.environ.update(nccl_env(env, dump_dir))
+            timeout += timedelta(seconds=NCCL_BACKSTOP_S)
+            bound["device_id"] = device
         if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             # The elastic agent's store outlives a restart of the workers, and the keys the process
             # group exchanges addresses under do not name the attempt: a restarted rank could read a dead
@@ -109,21 +156,56 @@ def init_distributed(config: Config) -> DistInfo:
                 ),
             )
             dist.init_process_group(
-                backend, store=store, rank=rank, world_size=world, timeout=timeout
+                backend, store=store, rank=rank, world_size=world, timeout=timeout, **bound
             )
         else:
             init_method = None if "MASTER_ADDR" in env else f"tcp://127.0.0.1:{_free_port()}"
             dist.init_process_group(
-                backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout
+                backend,
+                init_method=init_method,
+                rank=rank,
+                world_size=world,
+                timeout=timeout,
+                **bound,
             )
     return DistInfo(rank, world, local_rank, local_world, device, backend, dims)
 
 
+def teardown_action(backend: str | None, failing: bool) -> str:
+    """How a process group of ``backend`` is ended: ``"abort"`` on NCCL while a failure propagates
+    (a destroy waits for its kernels, and those that wait on a dead or hung peer never finish), else
+    ``"destroy"``."""
+    return "abort" if failing and backend == "nccl" else "destroy"
+
+
+def abort_distributed() -> None:
+    """Abort every process group of this process (NCCL: its kernels end at once, without the peers)."""
+    if dist.is_available() and dist.is_initialized():
+        from torch.distributed.distributed_c10d import _abort_process_group
+
+        _abort_process_group()
+
+
+def release_group(group: Any) -> None:
+    """End ``group``, a process group this process made besides the default one: destroyed, or aborted
+    while an exception propagates through the caller on NCCL (see :func:`teardown_action`)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    failing = sys.exc_info()[1] is not None
+    if teardown_action(dist.get_backend(group), failing) == "abort":
+        from torch.distributed.distributed_c10d import _abort_process_group
+
+        _abort_process_group(group)
+    else:
+        dist.destroy_process_group(group)
+
+
 def destroy_distributed(graceful: bool = True) -> None:
-    """Destroy the process group if there is one (clean exit: no hang, no abort).
+    """End the process group if there is one (clean exit: no hang).
 
     ``graceful=False`` after an error: skip the barrier, since the other ranks may be stuck in a
-    collective this rank will never join, and this rank must exit so the launcher can stop them.
+    collective this rank will never join, and this rank must exit so the launcher can stop them; on
+    NCCL, abort instead of destroying (see :func:`teardown_action`).
     """
     if dist.is_available() and dist.is_initialized():
         if graceful:
@@ -131,7 +213,10 @@ def destroy_distributed(graceful: bool = True) -> None:
             # collectives (or writing the summary) can make the peer's gloo threads abort.
             with recorded("final barrier", "barrier"):
                 dist.barrier()
-        dist.destroy_process_group()
+        if teardown_action(dist.get_backend(), not graceful) == "abort":
+            abort_distributed()
+        else:
+            dist.destroy_process_group()
     stop_ledger()
 
 

@@ -84,6 +84,9 @@ class Faults:
     # Called before ``kill`` strikes (the ledger publishes its newest entries there, so that the
     # others know what this rank did last; a real kill -9 may lag one publication).
     before_kill: list[Callable[[], None]] = field(default_factory=list)
+    # The steps (first, last) at which some rank, this one or another, faults its step's reduction
+    # (``skipcoll``, ``badshape``): the ranks publish their ledgers before it there.
+    collective_steps: list[tuple[int, int]] = field(default_factory=list)
 
     @classmethod
     def from_env(cls, rank: int, env: dict[str, str] | None = None) -> Faults:
@@ -91,7 +94,7 @@ class Faults:
         spec = env.get(FAULTS_ENV, "").strip()
         if not spec or env.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
             return cls()
-        items = []
+        items, collective_steps = [], []
         for raw in spec.split(","):
             m = _ITEM.match(raw.strip())
             if not m or m["kind"] not in KINDS:
@@ -99,10 +102,13 @@ class Faults:
                     f"{FAULTS_ENV} item {raw.strip()!r} is not KIND@STEP[-LAST][:rRANK] "
                     f"with KIND one of {', '.join(KINDS)}"
                 )
+            first = int(m["first"])
+            last = int(m["last"] or first)
+            if m["kind"] in ("skipcoll", "badshape"):
+                collective_steps.append((first, last))
             if m["rank"] is None or int(m["rank"]) == rank:
-                first = int(m["first"])
-                items.append((m["kind"], first, int(m["last"] or first)))
-        return cls(items)
+                items.append((m["kind"], first, last))
+        return cls(items, collective_steps=collective_steps)
 
     def _due(self, kind: str, step: int) -> bool:
         if (kind, step) in self.fired:
@@ -127,6 +133,10 @@ class Faults:
         if self._due("badshape", step):
             return "badshape"
         return None
+
+    def collective_fault_anywhere(self, step: int) -> bool:
+        """Whether some rank (this one or another) faults step ``step``'s reduction."""
+        return any(a <= step <= b for a, b in self.collective_steps)
 
     def out_of_memory(self, step: int) -> bool:
         """Whether step ``step`` gets an injected out-of-memory error (``oom``)."""

@@ -391,9 +391,13 @@ class DiLoCo:
                 sync.work = None
         self.pending = []
         if dist.is_initialized():
+            # Destroyed, or aborted on NCCL when the run is failing (a destroy would wait for kernels
+            # that wait on a dead peer).
+            from dtlab.parallel.dist import release_group
+
             for group in (self.group, self.replica[0]):
                 if group is not None:
-                    dist.destroy_process_group(group)
+                    release_group(group)
         self.group, self.replica = None, (None, 1)
 
     # What the engine's step asks of every per-rank state (DiLoCo has nothing to commit or roll back:

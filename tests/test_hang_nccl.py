@@ -1,0 +1,306 @@
+"""The NCCL failure path and device selection: what NCCL does not do for dtlab (say when a collective
+completed, time one out with an error, compare element counts, end a failed group without waiting), the
+ledger's store traffic, and one GPU per process. The logic runs on CPU here; the end-to-end NCCL runs
+need CUDA GPUs."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import FAST, run_cli, run_worker
+from dtlab.errors import CollectiveError, DtlabError
+from dtlab.parallel.devices import check_gpus, check_job_gpus, gpu_for
+from dtlab.parallel.dist import nccl_env, teardown_action
+from dtlab.parallel.forensics.record import cuda_completion
+from dtlab.parallel.ledger import (
+    FileChannel,
+    Ledger,
+    completion_for,
+    counts_unchecked,
+    diagnose,
+)
+from dtlab.runtime.faults import Faults
+
+
+class Marker:
+    """What a CUDA event is to the ledger: something whose ``query()`` says the stream got past it.
+    (torch 2.13's ``torch.Event("cpu")`` cannot be recorded: "cpu backend doesn't support events".)"""
+
+    def __init__(self) -> None:
+        self.passed = False
+
+    def query(self) -> bool:
+        return self.passed
+
+
+# --- completion: marked when the event has passed, not when the call returned ----------------------
+def test_a_queued_collective_is_pending_until_its_event_has_passed() -> None:
+    markers: list[Marker] = []
+
+    def completion() -> Marker:
+        markers.append(Marker())
+        return markers[-1]
+
+    led = Ledger(0, 2, completion=completion)
+    try:
+        with led.record("train_step reduction", "all_reduce", torch.zeros(5)) as first:
+            pass
+        with led.record("ddp gradient buckets", "backward") as second:
+            pass
+        assert first.end is None and led.pending() is first  # returned, but queued: not completed
+        markers[1].passed = True
+        led.settle()
+        assert first.end is None and second.end is None  # stream order: the first holds the second
+        markers[0].passed = True
+        led.settle()
+        assert first.end is not None and second.end is not None and led.pending() is None
+    finally:
+        led.close()
+
+
+def test_without_a_completion_function_an_entry_completes_when_its_block_returns() -> None:
+    led = Ledger(0, 2)
+    with led.record("train_step reduction", "all_reduce") as entry:
+        assert led.pending() is entry
+    assert entry.end is not None and led.pending() is None
+
+
+def test_the_device_decides_how_completion_is_marked() -> None:
+    assert completion_for(torch.device("cpu")) is None
+    assert completion_for(torch.device("cuda", 1)) is cuda_completion
+    assert counts_unchecked("nccl") and not counts_unchecked("gloo")
+
+
+def test_a_collective_queued_past_the_deadline_is_reported_and_the_group_ended(
+    tmp_path: Path,
+) -> None:
+    live, dumps = tmp_path / "live", tmp_path / "ledger"
+    ended: list[CollectiveError] = []
+    never = Marker()
+    # Rank 1 (gloo-like) completed step 1's reduction and stopped; rank 0's step-2 reduction was queued
+    # and never ran, and step 2's buckets were queued behind it.
+    peer = Ledger(1, 2, FileChannel(live, 1), dumps)
+    led = Ledger(
+        0, 2, FileChannel(live, 0), dumps,
+        timeout_s=0.5, completion=lambda: never, on_failure=ended.append,
+    )  # fmt: skip
+    try:
+        done = Marker()
+        done.passed = True
+        peer.step = led.step = 1
+        with peer.record("train_step reduction", "all_reduce", torch.zeros(5)):
+            pass
+        led._completion = lambda: done  # step 1 ran
+        with led.record("train_step reduction", "all_reduce", torch.zeros(5)):
+            pass
+        led._completion = lambda: never  # then the GPU waits for rank 1
+        led.step = 2
+        with led.record("train_step reduction", "all_reduce", torch.zeros(5)):
+            pass
+        with led.record("ddp gradient buckets", "backward"):
+            pass
+        deadline = time.monotonic() + 15
+        while not ended and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        led.close()
+        peer.close()
+    assert ended, "the watcher never timed the queued collective out"
+    text = str(ended[0])
+    assert led.failure is ended[0]
+    assert text.startswith(
+        "a collective failed on rank 0: 'train_step reduction' (all_reduce) did not complete within "
+        "0.5 s (parallel.collective_timeout_s). Rank 1 (pid "
+    ), text
+    assert "is behind: its last collective was step 1 #1 'train_step reduction'" in text
+    # Where rank 0 waits is the oldest collective that has not run, not the newest it queued.
+    assert "rank 0 waits at step 2 #2 'train_step reduction'" in text, text
+    assert text.startswith(json.loads((dumps / "rank0.json").read_text())["diagnosis"])
+
+
+def test_the_diagnosis_takes_the_oldest_collective_not_completed_as_where_a_rank_waits() -> None:
+    def e(seq: int, name: str, done: bool) -> dict[str, Any]:
+        return {
+            "seq": seq, "step": 2, "name": name, "op": "all_reduce", "shapes": "float32[5]",
+            "start": 990.0 + seq, "end": 991.0 + seq if done else None,
+            "torch_seq": None, "torch_end": None,
+        }  # fmt: skip
+
+    queued = [e(1, "a", True), e(2, "b", False), e(3, "c", False)]  # NCCL: c queued behind b
+    text = diagnose(0, 2, {0: queued, 1: [e(1, "a", True)]}, 1000.0)
+    assert "rank 1 is behind: its last collective was step 2 #1 'a'" in text
+    assert "rank 0 waits at step 2 #2 'b'" in text, text
+
+
+# --- element counts: NCCL reduces whatever it finds -----------------------------------------------
+def test_a_reduction_whose_counts_differ_fails_before_the_next_collective() -> None:
+    led = Ledger(0, 2)
+    with led.record("train_step reduction", "all_reduce", torch.zeros(5)) as ok:
+        led.expect_count(ok, torch.tensor([10.0]), 10.0)  # both ranks sent 5
+    with led.record("ddp gradient buckets", "backward"):
+        pass
+    with led.record("train_step reduction", "all_reduce", torch.zeros(5)) as bad:
+        led.expect_count(bad, torch.tensor([5.0]), 10.0)  # the other rank's count landed elsewhere
+    with pytest.raises(CollectiveError) as caught:
+        led.begin("ddp gradient buckets", "backward")
+    assert str(caught.value).startswith(
+        "a collective failed on rank 0: the ranks sent 'train_step reduction' (all_reduce) with "
+        "different element counts (their counts combine to 5, not 10)"
+    ), caught.value
+    assert led.failure is caught.value
+
+
+# --- teardown and NCCL's settings -------------------------------------------------------------------
+def test_a_failing_nccl_group_is_aborted_and_every_other_destroyed() -> None:
+    assert teardown_action("nccl", failing=True) == "abort"
+    assert teardown_action("nccl", failing=False) == "destroy"
+    assert teardown_action("gloo", failing=True) == "destroy"
+
+
+def test_nccls_flight_recorder_and_dump_are_on_and_its_watchdog_leaves_the_process() -> None:
+    assert nccl_env({}, "/runs/a/ledger") == {
+        "TORCH_FR_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": "/runs/a/ledger/nccl_trace_rank_",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+    }
+    # The elastic agent's 1 (abort and kill) becomes 2; the user's own settings stay.
+    assert nccl_env({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}, None) == {
+        "TORCH_FR_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+    }
+    mine = {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "50", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/tmp/x", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+    }  # fmt: skip
+    assert nccl_env(mine, "/runs/a/ledger") == {}
+
+
+def test_a_collective_fault_on_any_rank_is_known_to_every_rank() -> None:
+    env = {"DTLAB_FAULTS": "badshape@3:r1,skipcoll@5-6:r0,nan@4"}
+    f0 = Faults.from_env(0, env)
+    assert [s for s in range(1, 8) if f0.collective_fault_anywhere(s)] == [3, 5, 6]
+    assert f0.collective_fault(3) is None  # rank 1's fault, not rank 0's
+
+
+# --- the ledger's store traffic -------------------------------------------------------------------
+def test_the_training_thread_makes_no_store_round_trip_per_step(tmp_path: Path) -> None:
+    counts = tmp_path / "counts.json"
+    run_worker("ledger_store_worker.py", 2, str(tmp_path / "run"), str(counts))
+    c = json.loads(counts.read_text())
+    assert c["training_thread"] == 0, c  # it was one publication per step
+    # The publisher's: at most one publication per PUBLISH_S and one failure poll per POLL_S.
+    assert 0 < c["publisher"] <= c["seconds"] * (1 / 0.1 + 1 / 0.25) + 4, c
+
+
+# --- one GPU per process ----------------------------------------------------------------------------
+def test_more_processes_than_gpus_are_refused_naming_both() -> None:
+    with pytest.raises(
+        DtlabError, match=r"^4 processes per node but 2 GPUs visible here: .*at most 2"
+    ):
+        check_gpus(4, 2, "visible here")
+    with pytest.raises(DtlabError, match=r"^2 processes per node but 1 GPU "):
+        gpu_for(0, 2, 1)
+    assert [gpu_for(r, 2, 4) for r in (0, 1)] == [0, 1]  # each its own, never local_rank % count
+    with pytest.raises(DtlabError, match=r"8 processes per node but 4 GPUs requested per node"):
+        check_job_gpus("auto", 8, 4)
+    check_job_gpus("cpu", 8, 4)  # gloo on the CPU: GPUs requested for something else
+    check_job_gpus("auto", 8, 0)  # none requested: nothing to check
+
+
+def test_launch_refuses_a_job_with_more_processes_than_gpus_per_node(tmp_path: Path) -> None:
+    proc = run_cli(
+        "launch", "slurm", "--nodes", "2", "--nproc-per-node", "8", "--gpus-per-node", "4",
+        "--set", *FAST, "parallel.strategy=ddp", "train.global_batch_size=16", cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "8 processes per node but 4 GPUs requested per node (--gpus-per-node)" in proc.stderr
+    assert not list(tmp_path.glob("*.sbatch"))
+
+
+# --- on CUDA GPUs -----------------------------------------------------------------------------------
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_an_entry_completes_when_the_gpu_ran_it_not_when_it_was_queued() -> None:
+    led = Ledger(0, 1, completion=cuda_completion)
+    try:
+        with led.record("queued work", "all_reduce") as entry:
+            torch.cuda._sleep(2_000_000_000)  # about a second of GPU time, queued at once
+        assert entry.end is None and led.pending() is entry
+        torch.cuda.synchronize()
+        led.settle()
+        assert entry.end is not None and led.pending() is None
+    finally:
+        led.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_train_refuses_more_processes_than_gpus(tmp_path: Path) -> None:
+    n = torch.cuda.device_count() + 1
+    proc = run_cli(
+        "train", "--nproc", str(n), "--set", *FAST, "train.steps=1", "train.device=cuda",
+        f"run.dir={tmp_path / 'run'}", "parallel.strategy=ddp", f"train.global_batch_size={8 * n}",
+    )  # fmt: skip
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"{n} processes per node but {n - 1} GPU" in proc.stderr, proc.stderr
+    assert not (tmp_path / "run").exists()  # refused before any worker started
+
+
+def _nccl_fault(tmp_path: Path, fault: str) -> tuple[list[str], float, Any]:
+    args = ["train", "--nproc", "2", "--set", *FAST, "train.steps=4", f"run.dir={tmp_path / 'run'}",
+            "parallel.strategy=ddp", "train.device=cuda", "parallel.backend=nccl",
+            "parallel.collective_timeout_s=10"]  # fmt: skip
+    t0 = time.monotonic()
+    proc = run_cli(*args, env={"DTLAB_FAULTS": fault}, timeout=240)
+    seconds = time.monotonic() - t0
+    assert proc.returncode == 1, f"exit {proc.returncode}\n{proc.stderr}"
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [x for x in proc.stderr.splitlines() if re.match(r"\[rank\d\] error: ", x)]
+    return lines, seconds, proc
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_cuda_a_killed_rank_on_nccl_ends_in_a_collective_error_within_the_timeout(
+    tmp_path: Path,
+) -> None:
+    lines, seconds, _ = _nccl_fault(tmp_path, "kill@2:r1")
+    assert lines, "no rank reported the failed collective"
+    assert re.match(
+        r"\[rank0\] error: a collective failed on rank 0: .*Rank 1 .*is behind", lines[0]
+    )
+    # The timeout (10 s) and the report's few seconds, well before NCCL's own watchdog (30 s more).
+    assert seconds < 10 + 30, seconds
+    assert (tmp_path / "run" / "ledger" / "rank0.json").exists()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_cuda_a_hung_rank_on_nccl_is_named_as_behind(tmp_path: Path) -> None:
+    lines, seconds, _ = _nccl_fault(tmp_path, "hang@2:r1")
+    (line,) = [x for x in lines if x.startswith("[rank0]")]
+    assert "did not complete within 10 s (parallel.collective_timeout_s)" in line, line
+    assert re.search(r"Rank 1 \(pid \d+ on .+?\) is behind: its last collective was step 2", line)
+    assert "In torch's flight recorder, rank 0's collectives" in line  # NCCL's recorder, read
+    assert seconds < 10 + 30, seconds
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_cuda_a_reduction_of_another_shape_on_nccl_is_named(tmp_path: Path) -> None:
+    lines, _, proc = _nccl_fault(tmp_path, "badshape@2:r1")
+    assert lines, proc.stderr
+    for line in lines:  # whichever rank reports it (a count check or a timeout) names the shapes
+        assert re.search(
+            r"rank 0 float32\[5\], rank 1 float32\[6\]|different element counts", line
+        ), line
