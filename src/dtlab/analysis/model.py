@@ -216,6 +216,76 @@ def recompute_bytes(
     return block
 
 
+# train.precision -> the dtype attention's q, k and v have (autocast's under bf16/fp16).
+_ATTENTION_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def attention_kernel(model_cfg: ModelConfig, precision: str, device_type: str) -> str:
+    """The attention kernel training runs for ``model_cfg`` in ``precision`` on a ``device_type``
+    device (:func:`dtlab.models.attention.choose_kernel`, an sm80+ GPU assumed): flash, efficient or
+    math."""
+    import torch
+
+    from dtlab.models.attention import choose_kernel
+
+    dtype = getattr(torch, _ATTENTION_DTYPE[precision])
+    gqa = model_cfg.kv_heads != model_cfg.n_heads
+    return choose_kernel(device_type, dtype, gqa).name
+
+
+def kernel_bytes(
+    model_cfg: ModelConfig,
+    tokens: int,
+    seq_len: int,
+    precision: str,
+    ac: str,
+    kernel: str,
+    split: TPSplit = TPSplit(),
+) -> int:
+    """What attention kernel ``kernel`` keeps for backward beyond what :func:`activation_bytes`
+    counts (the fused kernel's: q and k after RoPE, v, the output, the log-sum-exp), for one micro-batch
+    of ``tokens`` tokens in sequences of ``seq_len``.
+
+    - ``flash``: nothing more.
+    - ``efficient``: k and v expanded to the query heads (grouped-query attention in fp32 on a GPU,
+      :mod:`dtlab.models.attention`): 2 x (dim - kv dim) more per token without checkpointing.
+    - ``math``: q, the expanded k and v in float32 (math computes in float32 under autocast), the
+      output in the activation dtype and the B x H x T x T softmax in float32, in place of the fused
+      kernel's set; under ``selective`` checkpointing the scores and the float32 output its matmuls
+      keep, in place of the fused kernel's output and log-sum-exp.
+    """
+    m = model_cfg
+    a = 2 if precision in ("bf16", "fp16") else FP32
+    kv = m.kv_heads * (m.dim // m.n_heads)
+    fused = (2 * m.dim + 2 * kv) * a + m.n_heads * FP32  # q, k, v, output, log-sum-exp
+    per_token = 0
+    if kernel == "efficient" and ac == "none":
+        per_token = 2 * (m.dim - kv) * a
+    elif kernel == "math" and ac == "none":
+        per_token = 3 * m.dim * FP32 + m.dim * a + m.n_heads * seq_len * FP32 - fused
+    elif kernel == "math" and ac == "selective":
+        per_token = m.n_heads * seq_len * FP32 + m.dim * FP32 - (m.dim * a + m.n_heads * FP32)
+    return int(tokens * m.n_layers * per_token / split.tp)
+
+
+def kernel_recompute_bytes(
+    model_cfg: ModelConfig,
+    tokens: int,
+    seq_len: int,
+    precision: str,
+    ac: str,
+    kernel: str,
+    split: TPSplit = TPSplit(),
+) -> int:
+    """What ``kernel`` adds to :func:`recompute_bytes`: the part of one block's
+    :func:`kernel_bytes` that checkpointing did not keep (0 without checkpointing)."""
+    if ac == "none":
+        return 0
+    one = model_cfg.model_copy(update={"n_layers": 1})
+    everything = kernel_bytes(one, tokens, seq_len, precision, "none", kernel, split)
+    return everything - kernel_bytes(one, tokens, seq_len, precision, ac, kernel, split)
+
+
 @dataclass
 class StepPlan:
     """Predicted per-rank memory and per-step communication of one strategy."""
@@ -377,12 +447,14 @@ def plan_step(
     world_size: int,
     shapes: list[ParamShape] | None = None,
     pp_rank: int | None = None,
+    device_type: str = "cpu",
 ) -> StepPlan:
     """Predict one rank's memory and one optimizer step's collectives for ``config`` on ``world_size`` ranks
     (a ConfigError when that world cannot run it: see :meth:`ParallelDims.from_config`).
 
     With pipeline parallelism the ranks differ (their stages); the plan is pipeline rank ``pp_rank``'s,
-    by default the one that needs the most memory."""
+    by default the one that needs the most memory. ``device_type``: the ranks' devices ("cpu" or
+    "cuda"), which decide the attention kernel and so part of the activations (:func:`kernel_bytes`)."""
     shapes = shapes if shapes is not None else param_shapes(config.model)
     dims = ParallelDims.from_config(config, world_size)
     t = config.train
@@ -394,7 +466,9 @@ def plan_step(
         accum = pipeline_microbatches(config, dims.dp)  # the schedule's micro-batches
         micro = t.global_batch_size // dims.dp // accum
     ranks = range(dims.pp) if pp_rank is None else [pp_rank]
-    plans = [_plan_rank(config, dims, world_size, shapes, micro, accum, r) for r in ranks]
+    plans = [
+        _plan_rank(config, dims, world_size, shapes, micro, accum, r, device_type) for r in ranks
+    ]
     return max(plans, key=lambda x: x.total_bytes)
 
 
@@ -459,6 +533,7 @@ def _plan_rank(
     micro: int,
     accum: int,
     pp_rank: int,
+    device_type: str = "cpu",
 ) -> StepPlan:
     p, t = config.parallel, config.train
     shapes, part = rank_shapes(config, dims, all_shapes, pp_rank)
@@ -483,6 +558,14 @@ def _plan_rank(
         # block being recomputed under checkpointing.
         activations_bytes=act * _in_flight(config, dims, accum)
         + recompute_bytes(config.model, tokens, t.precision, t.activation_checkpointing, split),
+    )
+    # What the attention kernel that runs on this device keeps beyond the fused kernel's figure above.
+    kernel = attention_kernel(config.model, t.precision, device_type)
+    ac, seq_len = t.activation_checkpointing, config.seq_len
+    plan.activations_bytes += kernel_bytes(
+        rank_model, tokens, seq_len, t.precision, ac, kernel, split
+    ) * _in_flight(config, dims, accum) + kernel_recompute_bytes(
+        config.model, tokens, seq_len, t.precision, ac, kernel, split
     )
     comm: dict[str, int] = {}
     groups: dict[str, int] = {}
