@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 NPROC ?= 2
 
-.PHONY: help install install-dev demo test test-fast train train-ddp train-fsdp bench format lint typecheck check clean
+.PHONY: help install install-dev demo test test-fast train train-ddp train-fsdp bench gpu-check format lint typecheck check clean
 
 help:
 	@echo "make demo        train the tiny model on the stdlib corpus with DDP on $(NPROC) processes, plot the loss, print the validation perplexity and a sample"
@@ -14,6 +14,7 @@ help:
 	@echo "make train-ddp   train configs/ddp.yaml;  make train-fsdp: configs/fsdp.yaml"
 	@echo "make test        run the whole test suite (real gloo processes on CPU); make test-fast: not the slow ones"
 	@echo "make bench       loop overhead, the optimizer step, checkpoint save throughput, the pipeline bubble, then the strategy sweep (report in bench-out/)"
+	@echo "make gpu-check   prove a GPU machine in under 10 minutes: every CUDA test, a 1B bf16 + compile training, memory, async saves, resume, layouts (report in runs/gpu-check-*; on CPU a smoke of the same)"
 	@echo "make check       lint + format check + type check"
 	@echo "make install     torch (CPU) and dtlab, what demo/train/bench use;  make install-dev: + the dev extra"
 
@@ -68,6 +69,13 @@ bench: install
 	$(BIN)/python -m dtlab.bench.pipeline --out bench-out/pipeline
 	$(BIN)/dtlab bench --strategies single,ddp,fsdp,hsdp --nproc 1,2,4 --steps 8 --out bench-out \
 		--set model.preset=tiny data.source=stdlib parallel.replicate=2
+
+# Every CUDA test, a llama3.2-1b training (tokens/s, MFU, peak memory against dtlab plan), async saves,
+# a resume, and with 2 GPUs the layouts and a killed rank; report.md and report.json name the card
+# (docs/gpu.md). GPU_CHECK_ARGS passes options, e.g. GPU_CHECK_ARGS="--out runs/gpu-check --skip cuda-tests".
+GPU_CHECK_ARGS ?=
+gpu-check: install-dev
+	$(BIN)/python -m dtlab.gpucheck $(GPU_CHECK_ARGS)
 
 format: install-dev
 	$(BIN)/ruff format src tests

@@ -1,0 +1,369 @@
+"""The checks of ``make gpu-check``, one function each: it runs its commands through the context (each
+under its timeout, logged), judges what they left, and records figures and a verdict in its
+:class:`Check`."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dtlab.gpucheck import cudatests
+from dtlab.gpucheck.pytest_plugin import TESTS_ENV
+from dtlab.gpucheck.runner import Check, Deadline, Proc, python, run_logged
+from dtlab.gpucheck.settings import QUIET, Settings
+
+__all__ = ["CHECK_FUNCTIONS", "MEMORY_TOLERANCE", "Context"]
+
+MIN_STEP_S = 15.0  # a step with less of the budget left is not started
+MEMORY_TOLERANCE = 0.3  # the measured peak within 30% of dtlab plan's prediction
+GIB = 2**30
+
+
+@dataclass
+class Context:
+    """What every check reads and writes: the output directory, the machine, the settings, the
+    budget, and the checks already run (memory reads train's figures)."""
+
+    out: Path
+    machine: dict[str, Any]
+    settings: Settings
+    deadline: Deadline
+    done: dict[str, Check] = field(default_factory=dict)
+    tests: Path | None = None
+
+    @property
+    def gpus(self) -> int:
+        return int(self.machine.get("device_count", 0))
+
+    def run(
+        self, check: Check, cmd: list[str], log: str, env: dict[str, str] | None = None
+    ) -> Proc:
+        """``cmd`` under what is left of the check's timeout (and of the whole budget), logged in
+        ``out/<check>/<log>.log``."""
+        own = math.inf if check.timeout_s is None else check.timeout_s - check.wall_s
+        left = min(own, self.deadline.left())
+        shown = [c if c != python() else "python" for c in cmd]
+        check.commands.append(" ".join(shown))
+        path = self.out / check.name / f"{log}.log"
+        check.logs.append(str(path.relative_to(self.out)))
+        proc = run_logged(cmd, left, path, env)
+        check.wall_s += proc.wall_s
+        return proc
+
+
+def _tail(proc: Proc, lines: int = 6) -> str:
+    text = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
+    return " | ".join(text[-lines:]) if text else "(no output)"
+
+
+def _smoke(s: Settings, said: str) -> str:
+    return f"{s.smoke}: {said}" if s.smoke else said
+
+
+def dtlab(*args: str) -> list[str]:
+    return [python(), "-m", "dtlab", *args]
+
+
+# ---------------------------------------------------------------- every CUDA test
+
+
+def cuda_tests(ctx: Context, check: Check) -> None:
+    if not cudatests.has_pytest():
+        return check.skipped("pytest is not installed (make install-dev installs it)")
+    if ctx.tests is None:
+        return check.skipped("no test suite here: run it from a dtlab checkout")
+    results = ctx.out / check.name / "tests.json"
+    results.parent.mkdir(parents=True, exist_ok=True)
+    proc = ctx.run(check, cudatests.pytest_command(ctx.tests), "pytest", {TESTS_ENV: str(results)})
+    tests = json.loads(results.read_text(encoding="utf-8")) if results.exists() else []
+    check.figures["tests"] = tests
+    counts: dict[str, int] = {}
+    for t in tests:
+        counts[t["outcome"] or "not run"] = counts.get(t["outcome"] or "not run", 0) + 1
+    check.figures["counts"] = counts
+    shown = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+    if proc.returncode == 5 or not tests:
+        return check.skipped("the suite has no CUDA test")
+    bad = [t for t in tests if t["outcome"] in ("failed", "error", None)]
+    if proc.returncode != 0 or bad:
+        names = ", ".join(t["id"] for t in bad[:5]) or _tail(proc)
+        return check.failed(f"{len(tests)} CUDA tests: {shown}; not passed: {names}")
+    if counts.get("passed", 0) == 0:
+        reasons = sorted({t["reason"] for t in tests})
+        return check.skipped(
+            f"{len(tests)} CUDA tests collected, all skipped: " + "; ".join(reasons)
+        )
+    check.passed(f"{len(tests)} CUDA tests: {shown}")
+
+
+# ---------------------------------------------------------------- training speed
+
+
+def train(ctx: Context, check: Check) -> None:
+    s = ctx.settings
+    out = ctx.out / check.name / "bench"
+    cmd = dtlab(
+        "bench", "--strategies", "single", "--nproc", "1", "--steps", str(s.train_steps),
+        "--warmup", str(s.train_warmup), "--out", str(out), "--set", *s.train,
+    )  # fmt: skip
+    proc = ctx.run(check, cmd, "bench")
+    rows = _rows(out / "results.json")
+    if proc.returncode != 0 or not rows:
+        return check.failed(f"dtlab bench failed (exit code {proc.returncode}): {_tail(proc)}")
+    row = rows[0]
+    tokens_per_s, flops = row["tokens_per_s"], row["flops_per_token"]
+    gemm = row.get("gemm_flops_measured")
+    mfu = flops * tokens_per_s / gemm if gemm else None
+    losses = row.get("losses") or [row.get("loss_initial"), row.get("loss_final")]
+    check.figures.update({
+        "device": row.get("device"), "params": row.get("params"), "precision": row.get("precision"),
+        "config": s.train, "steps_timed": s.train_steps, "warmup_steps": s.train_warmup,
+        "step_time_s": row["step_time_s"], "step_time_min_s": row.get("step_time_min_s"),
+        "step_time_max_s": row.get("step_time_max_s"), "tokens_per_s": tokens_per_s,
+        "flops_per_token": flops, "gemm_tflops_measured": gemm / 1e12 if gemm else None,
+        "mfu_vs_measured_gemm": mfu,
+        "mfu_vs_datasheet": row.get("mfu") if "datasheet" in str(row.get("peak_flops_source")) else None,
+        "peak_flops_source": row.get("peak_flops_source"),
+        "peak_memory_bytes": row.get("peak_memory_bytes"),
+        "loss_first": losses[0], "loss_last": losses[-1],
+    })  # fmt: skip
+    if not all(isinstance(x, float) and math.isfinite(x) for x in losses):
+        return check.failed(f"a loss is not finite: {losses}")
+    if not losses[-1] < losses[0]:
+        return check.failed(f"the loss did not fall: {losses[0]:.4f} then {losses[-1]:.4f}")
+    if not gemm or mfu is None or not 0 < mfu < 1:
+        # Above 100% of a GEMM measured on the same card, the FLOP count or the timing is wrong.
+        return check.failed(f"MFU against the measured GEMM peak is {mfu}: expected in (0, 1)")
+    check.passed(_smoke(s, (
+        f"{tokens_per_s:,.0f} tokens/s, {row['step_time_s'] * 1e3:.1f} ms a step, MFU {mfu:.1%} "
+        f"of the measured {gemm / 1e12:,.2f} TFLOP/s GEMM"
+    )))  # fmt: skip
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8")).get("rows", [])
+    except (OSError, ValueError):
+        return []
+    return rows if isinstance(rows, list) else []
+
+
+# ---------------------------------------------------------------- memory against the plan
+
+
+def memory(ctx: Context, check: Check) -> None:
+    s = ctx.settings
+    trained = ctx.done.get("train")
+    measured = trained.figures.get("peak_memory_bytes") if trained else None
+    if measured is None:
+        return check.failed("no measured peak: the train check did not run to its end")
+    proc = ctx.run(check, dtlab("plan", "--json", "--nproc", "1", "--set", *s.train), "plan")
+    try:
+        plan = json.loads(proc.stdout)
+        (single,) = [x for x in plan["strategies"] if x["strategy"] == "single"]
+        predicted = int(single["per_rank"]["total_bytes"])
+    except (ValueError, KeyError, TypeError):
+        return check.failed(f"dtlab plan --json gave no single-process figure: {_tail(proc)}")
+    ratio = measured / predicted
+    check.figures.update({
+        "measured_bytes": measured, "predicted_bytes": predicted, "ratio": ratio,
+        "predicted_components": single["per_rank"], "tolerance": MEMORY_TOLERANCE,
+    })  # fmt: skip
+    said = (
+        f"peak {measured / GIB:.2f} GiB measured, {predicted / GIB:.2f} GiB predicted "
+        f"({ratio:.0%} of it)"
+    )
+    if not s.gpu:
+        return check.skipped(
+            f"{said}; not judged on CPU: the peak there is the process's resident memory (the "
+            "interpreter, torch and the data loader included), not a device allocator's"
+        )
+    if abs(ratio - 1) > MEMORY_TOLERANCE:
+        return check.failed(f"{said}: off by more than {MEMORY_TOLERANCE:.0%}")
+    check.passed(said)
+
+
+# ---------------------------------------------------------------- what a save costs
+
+
+SAVE_KINDS = {"none": None, "sync": "false", "async": "true"}  # checkpoint.async of each run
+
+
+def checkpoint(ctx: Context, check: Check) -> None:
+    s = ctx.settings
+    runs: dict[str, dict[str, Any]] = {}
+    for kind in s.save_kinds:
+        value = SAVE_KINDS[kind]
+        run_dir = ctx.out / check.name / kind
+        saves = (
+            ["checkpoint.every=0"] if value is None
+            else [f"checkpoint.every={s.checkpoint_every}", f"checkpoint.async={value}",
+                  f"checkpoint.keep={s.checkpoint_steps}"]
+        )  # fmt: skip
+        cmd = dtlab(
+            "train", "--set", *s.checkpoint, *QUIET, f"train.steps={s.checkpoint_steps}",
+            f"run.dir={run_dir}", "run.log_every=1", "checkpoint.final=false", *saves,
+        )  # fmt: skip
+        proc = ctx.run(check, cmd, kind)
+        summary = _summary(run_dir)
+        if proc.returncode != 0 or summary is None:
+            return check.failed(
+                f"the {kind} run failed (exit code {proc.returncode}): {_tail(proc)}"
+            )
+        runs[kind] = summary
+    expected = s.checkpoint_steps // s.checkpoint_every
+    base = runs["none"]["train_time_s"]
+    for kind in [k for k in s.save_kinds if k != "none"]:
+        r = runs[kind]
+        saved = r.get("checkpoints_saved", 0)
+        check.figures[kind] = {
+            "saves": saved,
+            "blocked_s": r["checkpoint_blocked_s"],
+            "blocked_per_save_s": r["checkpoint_blocked_s"] / saved if saved else None,
+            "train_time_s": r["train_time_s"],
+            "lost_s": r["train_time_s"] - base,
+            "lost_per_save_s": (r["train_time_s"] - base) / saved if saved else None,
+            "median_step_time_s": r.get("median_step_time_s"),
+        }
+        if saved != expected or r.get("checkpoint_failures"):
+            return check.failed(
+                f"{kind}: {saved} checkpoints saved, {r.get('checkpoint_failures')} failed; "
+                f"expected {expected} saved"
+            )
+    check.figures["none"] = {
+        "train_time_s": base,
+        "median_step_time_s": runs["none"].get("median_step_time_s"),
+    }
+    check.figures["config"] = s.checkpoint
+    said = (
+        f"{expected} saves a run; per save, "
+        + ", ".join(
+            f"{kind} blocked {f['blocked_per_save_s']:.3f} s and cost {f['lost_per_save_s']:.3f} s of "
+            "training"
+            for kind, f in check.figures.items()
+            if kind in SAVE_KINDS and kind != "none"
+        )
+        + f" (against {base:.2f} s without saves)"
+    )
+    a, y = check.figures.get("async"), check.figures.get("sync")
+    if s.gpu and a and y and a["blocked_per_save_s"] >= y["blocked_per_save_s"]:
+        # On a GPU the copy to pinned memory is far quicker than a write: a save that blocks as
+        # long as a sync one is not overlapped at all.
+        return check.failed(f"{said}: an async save blocked as long as a sync one")
+    check.passed(_smoke(s, said))
+
+
+def _summary(run_dir: Path) -> dict[str, Any] | None:
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) else None
+
+
+# ---------------------------------------------------------------- resuming and layouts
+
+
+def resume(ctx: Context, check: Check) -> None:
+    s = ctx.settings
+    out = ctx.out / check.name / "verify"
+    cmd = [
+        python(), "-m", "dtlab.gpucheck.resume", "--steps", str(s.resume_steps), "--out", str(out),
+        "--set", *s.resume, *QUIET,
+    ]  # fmt: skip
+    proc = ctx.run(check, cmd, "verify")
+    result = _verify_json(out)
+    if result is None:
+        return check.failed(
+            f"the resume check did not run (exit code {proc.returncode}): {_tail(proc)}"
+        )
+    rows = [c for layout in result["state"] for c in layout["checks"]]
+    check.figures.update({"checks": rows, "middle_step": result.get("middle"), "config": s.resume})
+    bad = [c for c in rows if not c["ok"]]
+    worst = max((c["max_loss_diff"] or 0.0) for c in rows) if rows else None
+    if proc.returncode != 0 or bad or not rows:
+        notes = "; ".join(f"{c['check']}: loss {c['max_loss_diff']}, params {c['max_param_diff']} "
+                          f"{c.get('note', '')}" for c in bad)  # fmt: skip
+        return check.failed(
+            f"the resumed run differs from the uninterrupted one: {notes or _tail(proc)}"
+        )
+    check.passed(_smoke(s,
+        f"resumed at step {result.get('middle')} of {s.resume_steps}: largest loss difference "
+        f"{worst:.1e}, parameters {max(c['max_param_diff'] for c in rows):.1e}"
+    ))  # fmt: skip
+
+
+def equivalence(ctx: Context, check: Check) -> None:
+    s = ctx.settings
+    out = ctx.out / check.name / "verify"
+    cmd = dtlab(
+        "verify", "--layouts", s.layouts, "--steps", str(s.equivalence_steps), "--out", str(out),
+        "--set", *s.equivalence, *QUIET,
+    )  # fmt: skip
+    proc = ctx.run(check, cmd, "verify")
+    result = _verify_json(out)
+    if result is None:
+        return check.failed(
+            f"dtlab verify did not finish (exit code {proc.returncode}): {_tail(proc)}"
+        )
+    rows = result["rows"]
+    check.figures.update({"rows": rows, "config": s.equivalence, "layouts": s.layouts})
+    bad = [r["layout"] for r in rows if not r["ok"]]
+    if proc.returncode != 0 or bad:
+        return check.failed(
+            f"not within tolerance of {s.layouts.split(',')[0]}: {', '.join(bad) or _tail(proc)}"
+        )
+    worst = max(r["max_loss_diff"] for r in rows)
+    check.passed(f"{s.layouts}: every layout within tolerance, largest loss difference {worst:.1e}")
+
+
+def _verify_json(out: Path) -> dict[str, Any] | None:
+    try:
+        result = json.loads((out / "verify.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return result if isinstance(result, dict) else None
+
+
+# ---------------------------------------------------------------- a killed rank
+
+
+def killed_rank(ctx: Context, check: Check) -> None:
+    s = ctx.settings
+    limit = s.killed_collective_timeout_s
+    cmd = dtlab(
+        "train", "--nproc", "2", "--set", *s.killed, *QUIET, "train.steps=8",
+        f"run.dir={ctx.out / check.name / 'run'}", f"parallel.collective_timeout_s={limit:g}",
+    )  # fmt: skip
+    proc = ctx.run(check, cmd, "train", {"DTLAB_FAULTS": "kill@3:r1"})
+    errors = [line for line in proc.stderr.splitlines() if re.search(r"\berror\b", line, re.I)]
+    named = [line for line in errors if re.search(r"\brank ?1\b", line, re.I)]
+    check.figures.update(
+        {"exit_code": proc.returncode, "wall_s": proc.wall_s, "error_lines": errors[:5]}
+    )
+    if proc.returncode == 0:
+        return check.failed("the run with rank 1 killed at step 3 exited 0")
+    if "Traceback" in proc.stderr:
+        return check.failed("the run ended in a Python traceback, not a clear error")
+    if not named:
+        return check.failed(f"no error line names rank 1: {_tail(proc)}")
+    check.passed(
+        f"exit code {proc.returncode} after {proc.wall_s:.1f} s (collective timeout {limit:g} s): "
+        f"{named[0].strip()[:240]}"
+    )
+
+
+CHECK_FUNCTIONS: dict[str, Callable[[Context, Check], None]] = {
+    "cuda-tests": cuda_tests,
+    "train": train,
+    "memory": memory,
+    "checkpoint": checkpoint,
+    "resume": resume,
+    "equivalence": equivalence,
+    "killed-rank": killed_rank,
+}

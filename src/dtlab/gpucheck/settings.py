@@ -1,0 +1,115 @@
+"""What a GPU check runs on a machine with ``gpus`` CUDA GPUs: the configs, step counts and timeouts
+of each check, and which checks this machine cannot run (and why). A function of the GPU count
+alone, so that what a GPU machine runs can be read (and tested) on any machine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["BUDGET_S", "CHECKS", "Settings", "settings_for", "skip_reason"]
+
+BUDGET_S = 570.0  # the whole check, every step included: under 10 minutes with make's own start
+
+# name: what it proves (the report's titles), in the order they run.
+CHECKS: dict[str, str] = {
+    "cuda-tests": "every CUDA test of the suite (pytest -m cuda)",
+    "train": "a bf16 + torch.compile training of llama3.2-1b: tokens/s, and MFU against this "
+    "card's measured bf16 GEMM peak",
+    "memory": "the training's peak memory against dtlab plan's prediction",
+    "checkpoint": "async and sync saves: the time each blocked training and the training time it "
+    "cost, against a run without saves",
+    "resume": "a resume from an async save continues as the uninterrupted run (dtlab verify "
+    "--checks resume)",
+    "equivalence": "DDP, FSDP and TP train as one process on the same global batch (dtlab verify)",
+    "killed-rank": "a rank killed mid-run ends the run in a clear error naming it, within the "
+    "collective timeout",
+}
+MULTI_GPU = ("equivalence", "killed-rank")
+
+# Every dtlab run of the check: no plot, no trackers, no progress bar.
+QUIET = ["run.tensorboard=false", "run.plot=false", "run.progress=none", "run.trackers=[]"]
+# The debug model on synthetic data: what the test suite trains (well under a second a step on CPU).
+DEBUG = [
+    "model.preset=debug", "data.source=synthetic", "data.seq_len=64", "train.global_batch_size=8",
+    "train.warmup_steps=2", "train.lr=3e-3", "train.precision=fp32",
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The configs (``--set`` overrides), step counts and timeouts of each check."""
+
+    gpu: bool  # a GPU run: speed and memory judged; otherwise a smoke of the pipeline, shown only
+    smoke: str  # on CPU, what the figures are (said before each figure-giving check's verdict)
+    timeouts: dict[str, float]
+    train: list[str]
+    train_steps: int
+    train_warmup: int
+    checkpoint: list[str]
+    checkpoint_steps: int
+    checkpoint_every: int
+    save_kinds: tuple[str, ...]  # runs of the checkpoint check: none (no saves), sync, async
+    resume: list[str]
+    resume_steps: int
+    equivalence: list[str]
+    equivalence_steps: int
+    layouts: str
+    killed: list[str]
+    killed_collective_timeout_s: float
+
+
+def settings_for(gpus: int) -> Settings:
+    """What each check runs with ``gpus`` CUDA GPUs (0: a CPU smoke of the same pipeline)."""
+    timeouts = {
+        "cuda-tests": 180.0, "train": 140.0, "memory": 30.0, "checkpoint": 75.0,
+        "resume": 45.0, "equivalence": 60.0, "killed-rank": 75.0,
+    }  # fmt: skip
+    if gpus == 0:
+        return Settings(
+            gpu=False, timeouts=timeouts,
+            smoke="CPU smoke of the pipeline (the debug model in fp32, no compile, a few steps; not "
+            "a measurement of a GPU)",
+            train=DEBUG, train_steps=2, train_warmup=1,
+            checkpoint=DEBUG, checkpoint_steps=6, checkpoint_every=2, save_kinds=("none", "async"),
+            resume=[*DEBUG, "checkpoint.async=true"], resume_steps=4,
+            equivalence=DEBUG, equivalence_steps=4, layouts="single,ddp:2,fsdp:2,tp:2",
+            killed=[*DEBUG, "parallel.strategy=ddp"], killed_collective_timeout_s=10.0,
+        )  # fmt: skip
+    synthetic = ["data.source=synthetic", "train.warmup_steps=5"]
+    # ~1.2B parameters, 8,192 tokens a step: 43.5 GiB by dtlab plan (fits an 80 GB card unsharded).
+    big = [
+        "model.preset=llama3.2-1b", "train.precision=bf16", "train.compile=true",
+        "data.seq_len=2048", "train.global_batch_size=4", *synthetic,
+    ]  # fmt: skip
+    # ~100M parameters: a checkpoint of ~1.2 GB, saved three times in a minute.
+    small = [
+        "model.preset=small", "train.precision=bf16", "data.seq_len=512",
+        "train.global_batch_size=8", *synthetic,
+    ]  # fmt: skip
+    # fp32: the layouts and the resumed run are compared at float32 reduction noise.
+    tiny = [
+        "model.preset=tiny", "train.precision=fp32", "data.seq_len=128",
+        "train.global_batch_size=8", "train.lr=3e-3", *synthetic,
+    ]  # fmt: skip
+    return Settings(
+        gpu=True, timeouts=timeouts, smoke="",
+        train=big, train_steps=30, train_warmup=5,
+        checkpoint=small, checkpoint_steps=30, checkpoint_every=8,
+        save_kinds=("none", "sync", "async"),
+        resume=[*tiny, "checkpoint.async=true"], resume_steps=10,
+        equivalence=[*tiny, "train.grad_clip=0.1"], equivalence_steps=8,
+        layouts="single,ddp:2,fsdp:2,tp:2",
+        killed=[*DEBUG, "parallel.strategy=ddp"], killed_collective_timeout_s=20.0,
+    )  # fmt: skip
+
+
+def skip_reason(name: str, gpus: int) -> str | None:
+    """Why this machine cannot run check ``name`` (None: it can)."""
+    if name in MULTI_GPU and gpus < 2:
+        return f"needs 2 CUDA GPUs, this machine has {gpus}" + (
+            " (on CPU, make test runs these layouts and the killed rank on gloo: "
+            "tests/test_verify.py, tests/test_hang.py)"
+            if gpus == 0
+            else ""
+        )
+    return None
