@@ -206,8 +206,11 @@ class Ledger:
     def check_counts(self) -> None:
         """Raise the CollectiveError of a completed reduction whose ranks sent different element counts
         (from the training thread, before its next collective; one not completed yet waits its turn)."""
-        while self.unchecked and self.unchecked[0].end is not None:
-            entry = self.unchecked.popleft()
+        while self.unchecked:
+            entry, done = self.unchecked[0], self.unchecked[0].done  # done: None once settled
+            if entry.end is None and (done is None or not done.query()):
+                break  # not run yet (a query does not wait for the GPU)
+            self.unchecked.popleft()
             assert entry.check is not None
             got, expected = float(entry.check[0].item()), entry.check[1]
             entry.check = None
