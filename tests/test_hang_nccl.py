@@ -182,6 +182,8 @@ def test_nccls_flight_recorder_and_dump_are_on_and_its_watchdog_leaves_the_proce
         "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/tmp/x", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
     }  # fmt: skip
     assert nccl_env(mine, "/runs/a/ledger") == {}
+    # Without the ledger nothing would report a timeout: NCCL's watchdog keeps ending the process.
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in nccl_env({"DTLAB_LEDGER": "0"}, None)
 
 
 def test_a_collective_fault_on_any_rank_is_known_to_every_rank() -> None:

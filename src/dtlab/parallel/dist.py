@@ -18,7 +18,7 @@ from dtlab.config import Config
 from dtlab.dims import ParallelDims
 from dtlab.errors import ConfigError, DtlabError
 from dtlab.parallel.devices import gpu_for
-from dtlab.parallel.ledger import recorded, stop_ledger
+from dtlab.parallel.ledger import ledger_enabled, recorded, stop_ledger
 from dtlab.runtime.status import is_worker_env
 
 __all__ = [
@@ -83,8 +83,9 @@ def nccl_env(env: Mapping[str, str], dump_dir: str | None) -> dict[str, str]:
     - ``TORCH_NCCL_DUMP_ON_TIMEOUT`` and ``TORCH_FR_DUMP_TEMP_FILE``: when NCCL's own watchdog times a
       collective out, it writes that record to ``<dump_dir>/nccl_trace_rank_<R>`` (with a run directory);
     - ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (abort the communicators, keep the process) instead of the
-      elastic agent's 1 (abort and kill the process): the rank lives to report what failed. An explicit
-      0 or 3 is kept.
+      elastic agent's 1 (abort and kill the process): the rank lives to report what failed (with the
+      ledger on: without it, nothing would report, and NCCL's watchdog ends the process). An explicit 0
+      or 3 is kept.
     """
     out = {}
     if "TORCH_FR_BUFFER_SIZE" not in env and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env:
@@ -97,7 +98,7 @@ def nccl_env(env: Mapping[str, str], dump_dir: str | None) -> dict[str, str]:
         and "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in env
     ):
         out["TORCH_FR_DUMP_TEMP_FILE"] = os.path.join(dump_dir, "nccl_trace_rank_")
-    if env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1") == "1":
+    if ledger_enabled(env) and env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1") == "1":
         out["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
     return out
 

@@ -28,7 +28,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -61,7 +61,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ACK_S", "LEDGER_ENV", "LEDGER_SIZE", "POLL_S", "PUBLISHED", "PUBLISH_S", "SETTLE_S", "Channel",
     "Completion", "Entry", "FileChannel", "Ledger", "StoreChannel", "all_reduce", "collective_failure",
-    "completion_for", "counts_unchecked", "diagnose", "is_collective_failure", "note_step",
+    "completion_for", "counts_unchecked", "diagnose", "is_collective_failure", "ledger_enabled", "note_step",
     "publish_ledger", "recorded", "shapes_text", "start_ledger", "stop_ledger",
 ]  # fmt: skip
 
@@ -94,6 +94,11 @@ def counts_unchecked(backend: str | None) -> bool:
     return backend == "nccl"
 
 
+def ledger_enabled(env: Mapping[str, str]) -> bool:
+    """Whether the ledger runs (``DTLAB_LEDGER`` is not ``0``/``off``/``false``/``no``)."""
+    return env.get(LEDGER_ENV, "1").lower() not in ("0", "off", "false", "no")
+
+
 def start_ledger(
     d: DistInfo, run_dir: Path, faults: Faults | None = None, timeout_s: float | None = None
 ) -> Ledger | None:
@@ -102,7 +107,7 @@ def start_ledger(
     stop_ledger()
     if d.backend is None or not dist.is_initialized():
         return None
-    if os.environ.get(LEDGER_ENV, "1").lower() in ("0", "off", "false", "no"):
+    if not ledger_enabled(os.environ):
         return None
     from torch.distributed.distributed_c10d import _get_default_group, _get_default_store
 
