@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -14,10 +16,11 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import FAST, run_cli, run_worker
+from conftest import FAST, cli_env, run_cli, run_worker
 from dtlab.errors import CollectiveError, DtlabError
 from dtlab.parallel.devices import check_gpus, check_job_gpus, gpu_for
 from dtlab.parallel.dist import nccl_env, teardown_action
+from dtlab.parallel.forensics.flight import dump_names, flight_recorder
 from dtlab.parallel.forensics.record import cuda_completion
 from dtlab.parallel.ledger import (
     FileChannel,
@@ -137,6 +140,42 @@ def test_the_diagnosis_takes_the_oldest_collective_not_completed_as_where_a_rank
     text = diagnose(0, 2, {0: queued, 1: [e(1, "a", True)]}, 1000.0)
     assert "rank 1 is behind: its last collective was step 2 #1 'a'" in text
     assert "rank 0 waits at step 2 #2 'b'" in text, text
+
+
+_STUCK = """
+import time, torch
+from dtlab.parallel import ledger
+ledger.ABORT_GRACE_S = 0.5
+
+class Never:
+    def query(self):
+        return False
+
+led = ledger.Ledger(0, 1, timeout_s=0.3, completion=Never, on_failure=ledger._abandon)
+with led.record("train_step reduction", "all_reduce", torch.zeros(5)):
+    pass
+time.sleep(120)  # the training thread, in a wait that nothing ends
+"""
+
+
+def test_a_rank_whose_training_thread_never_returns_says_the_error_and_exits() -> None:
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", _STUCK], capture_output=True, text=True, timeout=60, env=cli_env()
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert time.monotonic() - t0 < 30  # not the 120 s the thread sleeps
+    assert proc.stderr.startswith(
+        "error: a collective failed on rank 0: 'train_step reduction' (all_reduce) did not complete "
+        "within 0.3 s (parallel.collective_timeout_s). "
+    ), proc.stderr
+
+
+def test_an_nccl_rank_reads_nccls_flight_recorder_not_the_generic_one() -> None:
+    assert dump_names("nccl") == ("_dump_nccl_trace", "_dump_nccl_trace_json")
+    assert dump_names("gloo") == ("_dump_fr_trace", "_dump_fr_trace_json")
+    if not torch.cuda.is_available():  # a CPU build has no NCCL recorder: nothing, not gloo's
+        assert flight_recorder(None, backend="nccl") is None
 
 
 # --- element counts: NCCL reduces whatever it finds -----------------------------------------------

@@ -160,7 +160,7 @@ def recorded(name: str, op: str = "", *tensors: torch.Tensor) -> Iterator[Entry 
     except BaseException as e:
         if is_collective_failure(e):  # the entry stays open: it names the collective that failed
             _keep_reporting()
-        else:
+        elif led.failure is None:  # (after a reported failure, torch's groups may be aborted)
             # Not a collective's failure (an out-of-memory error that is retried, a bad input): closed,
             # so that it is never taken for a collective this rank waits in.
             led.end(entry, queued=False)
