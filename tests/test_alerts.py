@@ -159,30 +159,39 @@ def test_bad_thresholds_are_refused(tmp_path: Path, key: str, value: str) -> Non
 
 
 class _Allocator:
-    """An allocator's bookkeeping as the CUDA caching allocator keeps it: bytes in use, and the
-    largest since its peak counter was last reset."""
+    """An allocator's bookkeeping as the CUDA caching allocator keeps it: bytes allocated to tensors
+    and bytes reserved (a freed block stays cached), and the largest of each since its peak counters
+    were last reset (together, as torch.cuda.reset_peak_memory_stats does)."""
 
     def __init__(self) -> None:
-        self.in_use = self.peak = 0
+        self.in_use = self.cached = 0
+        self.peaks = {"allocated": 0, "reserved": 0}
 
     def alloc(self, n: int) -> None:
         self.in_use += n
-        self.peak = max(self.peak, self.in_use)
+        self.cached = max(self.cached, self.in_use)
+        self._note()
 
     def free(self, n: int) -> None:
-        self.in_use -= n
+        self.in_use -= n  # the block stays reserved
+
+    def _note(self) -> None:
+        now = {"allocated": self.in_use, "reserved": self.cached}
+        self.peaks = {k: max(v, now[k]) for k, v in self.peaks.items()}
 
     def reset(self) -> None:
-        self.peak = self.in_use
+        self.peaks = {"allocated": self.in_use, "reserved": self.cached}
 
 
 def test_the_run_peak_survives_the_alerts_window_resets() -> None:
-    """The memory alert reads each step's peak and resets the counter; the run's peak still holds
-    the largest step's, also while a window is open (the summary reads it after the last step)."""
+    """The memory alert reads each step's peaks and resets the counters; the run's peaks still hold
+    the largest step's, also while a window is open (the summary reads them after the last step).
+    Both counters are folded before their one reset: the reserved one for the alert must not cost
+    the allocated one the summary reports."""
     from dtlab.metrics.peaks import PeakMemory
 
     allocator = _Allocator()
-    peaks = PeakMemory(lambda: allocator.peak, allocator.reset)
+    peaks = PeakMemory(lambda: dict(allocator.peaks), allocator.reset)
     steps = [
         (100, 10),
         (700, 10),
@@ -194,26 +203,50 @@ def test_the_run_peak_survives_the_alerts_window_resets() -> None:
         allocator.alloc(transient)
         allocator.free(transient)
         windows.append(peaks.window())
-    assert windows == [110, 720, 230]  # each step's own peak: the alert's figure
-    assert peaks.run() == 720  # the run's: not the last window's 230
+    # Each step's own peak of tensors; the reserved figure keeps the cache the transients left.
+    assert [w["allocated"] for w in windows] == [110, 720, 230]
+    assert [w["reserved"] for w in windows] == [110, 720, 720]
+    assert peaks.run() == {"allocated": 720, "reserved": 720}  # the run's: not the last window's
     allocator.alloc(1000)  # a window still open when the run ends
-    assert peaks.run() == 1030
+    assert peaks.run() == {"allocated": 1030, "reserved": 1030}
+    allocator.free(1000)
+    peaks.restart()  # a probe before the measured part, freed, is forgotten
+    assert peaks.run() == {"allocated": 30, "reserved": 1030}  # (its block stays cached)
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_peak_memory_holds_every_steps_peak_with_the_memory_alert_on() -> None:
-    """What the memory alert and the run's summary read on a GPU: the alert's window resets the
-    allocator's peak counter, the summary's peak still holds a step before it."""
+    """What the memory alert and the run's summary read on a GPU: the alert judges the allocator's
+    reserved peak plus what is used outside it (at least the CUDA context), and its window resets
+    the peak counters; the summary's allocated peak still holds a step before it."""
     from dtlab.metrics.alerts import memory_use
-    from dtlab.metrics.report import peak_memory_bytes
+    from dtlab.metrics.report import peak_memory_bytes, peak_reserved_bytes
 
     device = torch.device("cuda", torch.cuda.current_device())
     big = 256 << 20
     x = torch.empty(big, dtype=torch.uint8, device=device)  # a step's transient peak
     del x
-    assert memory_use(device)[0] >= big  # that step's window
+    used, total = memory_use(device)  # that step's window
+    assert used > big + (1 << 20)  # the cached block and the context (hundreds of MiB)
+    free, _ = torch.cuda.mem_get_info(device)
+    assert used >= total - free  # nothing the device lost is left out
+    torch.cuda.empty_cache()  # the cache given back: the next window is its own
     y = torch.empty(1 << 20, dtype=torch.uint8, device=device)
-    assert memory_use(device)[0] < big  # the next step's window: its own peak only
+    assert memory_use(device)[0] < used
     del y
-    assert peak_memory_bytes(device) >= big  # the run's peak
+    assert peak_memory_bytes(device) >= big  # the run's peak of tensors
+    reserved = peak_reserved_bytes(device)
+    assert reserved is not None and reserved >= big
+
+
+def test_the_summary_names_its_peak_memory_figures() -> None:
+    """On a GPU the summary's peak says it is the tensors' (allocated) and gives the reserved one
+    beside it; elsewhere it is the engine's one figure."""
+    from dtlab.metrics.report import _peak_row
+
+    gpu = _peak_row({"peak_memory_bytes": 3 << 30, "peak_memory_reserved_bytes": 5 << 30})
+    assert (
+        gpu == "3.0 GiB per rank (max) allocated to tensors, 5.0 GiB reserved by the CUDA allocator"
+    )
+    assert _peak_row({"peak_memory_bytes": 3 << 30}) == "3.0 GiB per rank (max)"

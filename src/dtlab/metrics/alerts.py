@@ -26,14 +26,21 @@ MIN_HISTORY = 3  # steps a median needs before a spike or a drop is judged again
 
 
 def memory_use(device: Any) -> tuple[int, int]:
-    """(bytes in use, bytes there are) for this process on ``device`` (a torch device, or "cpu"/"mlx"):
-    CUDA: the allocator's peak since the last call of the device's memory (the run's peak is kept:
-    :func:`dtlab.metrics.peaks.cuda_peaks`); elsewhere the process's resident memory of the machine's."""
+    """(bytes in use, bytes there are) for this process on ``device`` (a torch device, or "cpu"/"mlx").
+
+    CUDA: what is gone from the device at this step's peak: the caching allocator's reserved peak
+    since the last call (not the allocated one: the cache's free blocks and their fragmentation are
+    memory the next allocation may not get) plus what the device holds outside the allocator now
+    (the CUDA context, NCCL's buffers, other processes), from ``cudaMemGetInfo``. The run's peaks
+    are kept across the calls (:func:`dtlab.metrics.peaks.cuda_peaks`). Elsewhere: the process's
+    resident memory of the machine's."""
     if getattr(device, "type", device) == "cuda":
         import torch
 
-        used = cuda_peaks(device).window()
-        return used, int(torch.cuda.get_device_properties(device).total_memory)
+        reserved = cuda_peaks(device).window()["reserved"]
+        free, total = torch.cuda.mem_get_info(device)
+        outside = max(0, total - free - torch.cuda.memory_reserved(device))
+        return reserved + outside, int(total)
     page = os.sysconf("SC_PAGE_SIZE")
     try:
         with open("/proc/self/statm", encoding="ascii") as f:
@@ -76,7 +83,9 @@ class AlertMonitor:
         if c.memory_fraction is not None and memory_fraction > c.memory_fraction:
             raised["memory"] = (
                 f"step {step}: the fullest rank uses {memory_fraction:.1%} of its device's memory "
-                f"(the machine's on CPU), above alerts.memory_fraction = {c.memory_fraction:g}"
+                "(on a GPU: the allocator's reserved peak plus the CUDA context, NCCL and other "
+                "processes; on CPU: resident of the machine's), above alerts.memory_fraction = "
+                f"{c.memory_fraction:g}"
             )
         rate = self.tokens_per_step / step_time_s if step_time_s > 0 else math.inf
         if c.throughput_drop is not None and len(self.rates) >= MIN_HISTORY:

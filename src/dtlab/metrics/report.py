@@ -13,12 +13,18 @@ from dtlab.metrics.peaks import cuda_peaks
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory of this process: CUDA allocator peak on GPU (of the whole run, whatever the memory
-    alert reset), peak resident set size on CPU."""
+    """Peak memory of this process: on GPU the bytes the CUDA allocator allocated to tensors at the
+    run's peak (whatever the memory alert reset; the figure dtlab's predictions model), on CPU the
+    peak resident set size."""
     if device.type == "cuda":
-        return cuda_peaks(device).run()
+        return cuda_peaks(device).run()["allocated"]
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)  # bytes on macOS, KiB on Linux
+
+
+def peak_reserved_bytes(device: torch.device) -> int | None:
+    """The CUDA allocator's reserved peak of the run (tensors plus its cache); None off a GPU."""
+    return cuda_peaks(device).run()["reserved"] if device.type == "cuda" else None
 
 
 def plot_loss(metrics: list[dict[str, Any]], path: Path, title: str) -> Path:
@@ -57,6 +63,17 @@ def _human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def _peak_row(s: dict[str, Any]) -> str:
+    """The summary's peak memory, saying which figure it is: on a GPU the bytes allocated to tensors
+    and, beside them, what the allocator reserved; elsewhere the engine's own figure (the process's
+    resident set on CPU)."""
+    peak = f"{_human_bytes(s['peak_memory_bytes'])} per rank (max)"
+    reserved = s.get("peak_memory_reserved_bytes")
+    if reserved is None:
+        return peak
+    return f"{peak} allocated to tensors, {_human_bytes(reserved)} reserved by the CUDA allocator"
+
+
 def summary_table(s: dict[str, Any]) -> str:
     """A short human-readable table of a run's summary."""
 
@@ -83,7 +100,7 @@ def summary_table(s: dict[str, Any]) -> str:
         ),
         ("median step time", f"{num('median_step_time_s', '.3f')} s"),
         ("throughput", f"{s['tokens_per_s']:,.0f} tokens/s (all ranks)"),
-        ("peak memory", f"{_human_bytes(s['peak_memory_bytes'])} per rank (max)"),
+        ("peak memory", _peak_row(s)),
         ("wall time", f"{s['train_time_s']:.1f} s"),
     ]
     if s.get("init_from"):

@@ -38,7 +38,7 @@ from dtlab.metrics.alerts import memory_use
 from dtlab.metrics.comm import CommCounter
 from dtlab.metrics.logging import logger, setup_logging
 from dtlab.metrics.profiling import StepProfiler
-from dtlab.metrics.report import peak_memory_bytes
+from dtlab.metrics.report import peak_memory_bytes, peak_reserved_bytes
 from dtlab.models.attention import describe_attention
 from dtlab.models.llama import build_model, count_params
 from dtlab.parallel import (
@@ -768,11 +768,18 @@ class TorchEngine:
     def peak_memory_bytes(self) -> int:
         return int(reduce_scalar(peak_memory_bytes(self.d.device), "max"))
 
+    def peak_memory_reserved_bytes(self) -> int | None:
+        """The largest rank's reserved peak (CUDA's allocator: tensors and its cache); None off a GPU."""
+        reserved = peak_reserved_bytes(self.d.device)
+        return None if reserved is None else int(reduce_scalar(reserved, "max"))
+
     def summary(self) -> dict[str, Any]:
         # Measured, not predicted: the bytes of the optimizer state tensors the largest rank holds
         # (ZeRO-1 and FSDP hold a share; DDP all of it).
         held = state_bytes(self.tr.optimizer)
         out: dict[str, Any] = {"optimizer_state_bytes": int(reduce_scalar(float(held), "max"))}
+        if self.d.device.type == "cuda":  # beside peak_memory_bytes, the tensors' peak
+            out["peak_memory_reserved_bytes"] = self.peak_memory_reserved_bytes()
         if self.config.train.oom_retry:
             out.update(oom_retries=self.oom_retries, micro_batch_size=self.micro_now)
         if self.tr.diloco is not None:
