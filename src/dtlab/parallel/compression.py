@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.nn.parallel import DistributedDataParallel
 
+from dtlab.checkpoint.state import placed_state
 from dtlab.config import Config
 
 
@@ -84,8 +85,13 @@ class DCTState:
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {f"residual.{i}": r for i, r in sorted(self.residuals.items())}
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.residuals = {int(k.split(".")[1]): v.clone() for k, v in state.items()}
+    def load_state_dict(
+        self, state: dict[str, torch.Tensor], device: torch.device | None = None
+    ) -> None:
+        """The residuals of ``state``, each a copy of its own on ``device`` (the device of the buckets
+        they are added to; None: where ``state`` holds them)."""
+        placed = placed_state(state, device)
+        self.residuals = {int(k.split(".")[1]): v for k, v in placed.items()}
         self.pending.clear()
 
 
@@ -180,12 +186,15 @@ class QuantDCTState:
         out = {f"own.{i}": t for i, t in sorted(self.own.items())}
         return out | {f"mean.{i}": t for i, t in sorted(self.mean.items())}
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(
+        self, state: dict[str, torch.Tensor], device: torch.device | None = None
+    ) -> None:
+        """The estimates of ``state``, each a copy of its own on ``device`` (the device of the buckets
+        they are used with; None: where ``state`` holds them)."""
+        placed = placed_state(state, device)
         for prefix, d in (("own.", self.own), ("mean.", self.mean)):
             d.clear()
-            d.update(
-                {int(k[len(prefix) :]): v.clone() for k, v in state.items() if k.startswith(prefix)}
-            )
+            d.update({int(k[len(prefix) :]): v for k, v in placed.items() if k.startswith(prefix)})
         self.pending.clear()
 
 
@@ -370,6 +379,9 @@ class CompressionState:
     # between ranks, so the step agrees on a non-finite one, reports their root mean square, and each
     # rank clips by its own.
     local_gradients: bool = False
+    # The device of the model's parameters, hence of the buckets the hook sees: where a loaded
+    # state goes (a checkpoint loads it into CPU templates). None: where it was loaded.
+    device: torch.device | None = None
 
     def set_scale(self, scale: float) -> None:
         """The loss scale the next backward's gradients carry (fp16), so that state stays unscaled."""
@@ -401,12 +413,15 @@ class CompressionState:
         return {}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """This rank's compression state from ``state``, on :attr:`device`, where the hook uses it."""
         s = self.hook_state
         if isinstance(s, (DCTState, QuantDCTState)):
-            s.load_state_dict(state)
+            s.load_state_dict(state, self.device)
         elif isinstance(s, PowerSGDGuard):
             s.commit()
             s = s.state
+            iters = state.get("iter")
+            placed = placed_state({k: v for k, v in state.items() if k != "iter"}, self.device)
             for prefix, d in (
                 ("error.", s.error_dict),
                 ("p.", s.p_memory_dict),
@@ -414,18 +429,16 @@ class CompressionState:
             ):
                 d.clear()
                 d.update(
-                    {
-                        int(k[len(prefix) :]): v.clone()
-                        for k, v in state.items()
-                        if k.startswith(prefix)
-                    }
+                    {int(k[len(prefix) :]): v for k, v in placed.items() if k.startswith(prefix)}
                 )
-            s.iter = int(state["iter"].item()) if "iter" in state else s.iter
+            s.iter = int(iters.item()) if iters is not None else s.iter
 
 
 def apply_ddp_compression(ddp: DistributedDataParallel, config: Config) -> CompressionState:
     """Register the configured communication hook on a DDP module."""
     kind, o = config.parallel.compression, config.parallel.compression_options
+    # DDP's module lives on one device (the rank's): its buckets, and any state of the hook's.
+    device = next(ddp.module.parameters()).device
     if config.parallel.diloco.inner_steps and dist.get_world_size(ddp.process_group) > 1:
         # DiLoCo replicas of several DDP ranks: plain DDP inside a replica, whose gradients are its
         # own (the replicas exchange pseudo-gradients every H steps). Its first bucket layout is kept,
@@ -454,17 +467,17 @@ def apply_ddp_compression(ddp: DistributedDataParallel, config: Config) -> Compr
         guard = PowerSGDGuard(state)
         ddp.register_comm_hook(guard, guarded_powersgd_hook)
         _keep_bucket_layout(ddp)
-        return CompressionState(kind, guard)
+        return CompressionState(kind, guard, device=device)
     elif kind == "dct" and o.coding == "quant":
         qstate = QuantDCTState(o.chunk_size, o.bits, o.error_feedback)
         ddp.register_comm_hook(qstate, quant_dct_hook)
         _keep_bucket_layout(ddp)
-        return CompressionState(kind, qstate)
+        return CompressionState(kind, qstate, device=device)
     elif kind == "dct":
         dstate = DCTState(o.chunk_size, o.topk, o.error_feedback)
         ddp.register_comm_hook(dstate, dct_hook)
         _keep_bucket_layout(ddp)
-        return CompressionState(kind, dstate)
+        return CompressionState(kind, dstate, device=device)
     return CompressionState(kind)
 
 

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtlab.checkpoint.state import placed
 from dtlab.parallel.compression import dct_basis_on
 
 
@@ -44,16 +45,24 @@ def unpack(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class DeMoState:
-    """Each rank's own momentum, one flat float32 tensor per parameter (saved per rank)."""
+    """Each rank's own momentum, one flat float32 tensor per parameter (saved per rank), on the
+    device of its parameter (``devices``, in the optimizer's parameter order; empty: where a loaded
+    state holds it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, devices: list[torch.device] | None = None) -> None:
         self.momenta: dict[int, torch.Tensor] = {}
+        self.devices = devices or []
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {f"momentum.{i}": m for i, m in sorted(self.momenta.items())}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.momenta = {int(k.split(".")[1]): v.clone() for k, v in state.items()}
+        # A checkpoint loads into CPU templates: each momentum goes where its parameter is.
+        self.momenta = {}
+        for k, v in state.items():
+            i = int(k.split(".")[1])
+            device = self.devices[i] if i < len(self.devices) else v.device
+            self.momenta[i] = placed(v, device, torch.float32)
 
 
 class DeMo(torch.optim.Optimizer):
@@ -71,7 +80,7 @@ class DeMo(torch.optim.Optimizer):
     ) -> None:
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
         self.chunk_size, self.topk, self.decay, self.group = chunk_size, topk, decay, group
-        self.local = DeMoState()
+        self.local = DeMoState([p.device for p in self._params()])
         # A step counter in the (replicated) optimizer state: a non-empty state also keeps
         # torch.distributed.checkpoint from running a dummy step to create one when it saves.
         for p in self._params():
