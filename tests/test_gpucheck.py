@@ -1,0 +1,169 @@
+"""``make gpu-check`` (python -m dtlab.gpucheck): on this CPU machine it runs the pipeline of checks as a
+smoke, exits 0 and says what it skipped and why; a failing check fails the run; the report names the
+machine; docs/gpu.md's list of CUDA tests is the suite's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import cli_env
+from dtlab.config import load_config
+from dtlab.errors import DtlabError
+from dtlab.gpucheck import cudatests
+from dtlab.gpucheck.runner import StepTimeout, run_logged
+from dtlab.gpucheck.settings import BUDGET_S, CHECKS, MULTI_GPU, settings_for, skip_reason
+
+ROOT = Path(__file__).resolve().parents[1]
+NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}  # the CPU path, on any machine
+
+
+def gpucheck(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dtlab.gpucheck", *args],
+        capture_output=True, text=True, cwd=ROOT, env=cli_env({**NO_GPU, **(env or {})}),
+        timeout=300,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, dict[str, Any], str]:
+    """The whole check, as ``make gpu-check`` runs it, on this machine's CPU."""
+    out = tmp_path_factory.mktemp("gpu-check") / "report"
+    proc = gpucheck("--out", str(out))
+    report = json.loads((out / "report.json").read_text())
+    return proc, report, (out / "report.md").read_text()
+
+
+def test_on_cpu_it_runs_what_it_can_exits_0_and_says_what_it_skipped(
+    cpu_run: tuple[Any, dict[str, Any], str],
+) -> None:
+    proc, report, md = cpu_run
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    checks = {c["name"]: c for c in report["checks"]}
+    assert list(checks) == ["machine", *CHECKS]
+    status = {name: c["status"] for name, c in checks.items()}
+    assert status == {
+        "machine": "passed", "cuda-tests": "skipped", "train": "passed", "memory": "skipped",
+        "checkpoint": "passed", "resume": "passed", "equivalence": "skipped",
+        "killed-rank": "skipped",
+    }, {n: (c["status"], c["reason"]) for n, c in checks.items()}  # fmt: skip
+    assert report["ok"] and report["failed"] == []
+    assert set(report["skipped"]) == {"cuda-tests", "memory", "equivalence", "killed-rank"}
+    # Every CUDA test collected, each skipped with its reason.
+    tests = checks["cuda-tests"]["figures"]["tests"]
+    assert tests and all(t["outcome"] == "skipped" and "CUDA" in t["reason"] for t in tests)
+    assert f"{len(tests)} CUDA tests collected, all skipped" in checks["cuda-tests"]["reason"]
+    assert "not judged on CPU" in checks["memory"]["reason"]
+    assert checks["memory"]["figures"]["predicted_bytes"] > 0
+    for name in MULTI_GPU:
+        assert checks[name]["reason"].startswith("needs 2 CUDA GPUs, this machine has 0")
+    # The figures of the smoke are there, and labelled as a CPU smoke.
+    train = checks["train"]["figures"]
+    assert train["tokens_per_s"] > 0 and 0 < train["mfu_vs_measured_gemm"] < 1
+    assert train["loss_last"] < train["loss_first"]
+    assert checks["train"]["reason"].startswith("CPU smoke")
+    ckpt = checks["checkpoint"]["figures"]["async"]
+    assert ckpt["saves"] == 3 and ckpt["blocked_s"] >= 0
+    assert checks["resume"]["figures"]["checks"][0]["max_loss_diff"] == 0.0
+    # Each step's wall time, within its timeout; the markdown says what was skipped and why.
+    for name in ("train", "checkpoint", "resume"):
+        assert 0 < checks[name]["wall_s"] <= checks[name]["timeout_s"]
+    assert md.startswith("# dtlab GPU check: PASSED")
+    skipped = md.split("## Skipped")[1]
+    for name in report["skipped"]:
+        assert f"- {name}: {checks[name]['reason']}" in skipped
+    assert "| train | passed |" in md
+
+
+def test_the_report_names_the_machine(cpu_run: tuple[Any, dict[str, Any], str]) -> None:
+    _, report, md = cpu_run
+    m = report["machine"]
+    assert m["torch"] == torch.__version__
+    assert m["device_count"] == 0 and m["devices"] == [] and m["cuda_available"] is False
+    for key in ("nvidia_driver", "cuda_runtime", "cuda_driver_api", "nccl", "python", "platform",
+                "hostname", "cpu", "cpu_count", "host_memory_bytes"):  # fmt: skip
+        assert key in m, key
+    assert m["cpu_count"] >= 1 and m["host_memory_bytes"] > 0
+    assert f"- card: no CUDA GPU: {m['cpu']}" in md
+    assert f"torch {m['torch']}" in md
+
+
+def test_the_docs_list_every_cuda_test(cpu_run: tuple[Any, dict[str, Any], str]) -> None:
+    """docs/gpu.md's list is what `python -m dtlab.gpucheck --update-docs docs/gpu.md` writes now."""
+    _, report, _ = cpu_run
+    (check,) = [c for c in report["checks"] if c["name"] == "cuda-tests"]
+    found = [{"id": t["id"], "doc": t["doc"]} for t in check["figures"]["tests"]]
+    documented = cudatests.documented((ROOT / "docs" / "gpu.md").read_text())
+    assert documented == cudatests.render(found), (
+        "docs/gpu.md's CUDA tests are stale: run python -m dtlab.gpucheck --update-docs docs/gpu.md"
+    )
+
+
+def test_a_failing_check_fails_the_run_and_is_named(tmp_path: Path) -> None:
+    # Every parameter is off by 1e-3 once loaded from the step-2 checkpoint: the resume differs.
+    out = tmp_path / "report"
+    proc = gpucheck("--out", str(out), "--only", "resume", env={"DTLAB_FAULTS": "badload@2"})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert not report["ok"] and report["failed"] == ["resume"]
+    (resume,) = [c for c in report["checks"] if c["name"] == "resume"]
+    assert resume["reason"].startswith("the resumed run differs from the uninterrupted one")
+    assert (out / "report.md").read_text().startswith("# dtlab GPU check: FAILED: resume")
+    assert "FAILED: resume" in proc.stdout
+
+
+def test_a_wrong_check_name_or_a_used_directory_is_refused(tmp_path: Path) -> None:
+    proc = gpucheck("--only", "train,nope")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "--only 'train,nope': nope is not a check; allowed: cuda-tests, train" in proc.stderr
+    (tmp_path / "x").write_text("")
+    proc = gpucheck("--out", str(tmp_path), "--only", "memory")
+    assert proc.returncode == 2
+    assert f"--out {tmp_path}: exists and is not an empty directory" in proc.stderr
+
+
+def test_what_a_gpu_machine_runs() -> None:
+    """The device decision, read without a GPU: one GPU runs every check but the 2-GPU ones; the
+    configs of every check are valid; the timeouts fit the 10 minutes."""
+    assert skip_reason("train", 0) is None and skip_reason("equivalence", 2) is None
+    assert skip_reason("killed-rank", 1) == "needs 2 CUDA GPUs, this machine has 1"
+    gpu = settings_for(1)
+    assert gpu.gpu and not settings_for(0).gpu
+    for key in ("model.preset=llama3.2-1b", "train.precision=bf16", "train.compile=true"):
+        assert key in gpu.train
+    assert gpu.save_kinds == ("none", "sync", "async") and "checkpoint.async=true" in gpu.resume
+    for s in (gpu, settings_for(0)):
+        for overrides in (s.train, s.checkpoint, s.resume, s.equivalence, s.killed):
+            load_config(overrides=overrides)
+    assert BUDGET_S < 600 and set(gpu.timeouts) == set(CHECKS)
+
+
+def test_a_step_past_its_timeout_is_stopped(tmp_path: Path) -> None:
+    log = tmp_path / "slow.log"
+    with pytest.raises(StepTimeout, match="timed out after 1 s"):
+        run_logged([sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"],
+                   1.0, log)  # fmt: skip
+    assert "# timed out" in log.read_text() and "started" in log.read_text()
+
+
+def test_the_docs_list_is_rewritten_between_its_markers(tmp_path: Path) -> None:
+    doc = tmp_path / "gpu.md"
+    doc.write_text(f"intro\n\n{cudatests.BEGIN}\n\n- old\n\n{cudatests.END}\nafter\n")
+    tests = [{"id": "tests/t.py::test_b[x]", "doc": "B."}, {"id": "tests/t.py::test_b[y]", "doc": "B."},
+             {"id": "tests/t.py::test_a", "doc": "A."}]  # fmt: skip
+    assert cudatests.update_docs(doc, tests)
+    assert doc.read_text() == (
+        f"intro\n\n{cudatests.BEGIN}\n\n- `tests/t.py::test_a`: A.\n- `tests/t.py::test_b[x, y]`: B."
+        f"\n\n{cudatests.END}\nafter\n"
+    )
+    assert not cudatests.update_docs(doc, tests)
+    doc.write_text("no list here\n")
+    with pytest.raises(DtlabError, match="has no generated list"):
+        cudatests.update_docs(doc, tests)
