@@ -341,8 +341,10 @@ def killed_rank(ctx: Context, check: Check) -> None:
         f"run.dir={ctx.out / check.name / 'run'}", f"parallel.collective_timeout_s={limit:g}",
     )  # fmt: skip
     proc = ctx.run(check, cmd, "train", {"DTLAB_FAULTS": "kill@3:r1"})
-    errors = [line for line in proc.stderr.splitlines() if re.search(r"\berror\b", line, re.I)]
-    named = [line for line in errors if re.search(r"\brank ?1\b", line, re.I)]
+    errors = [line for line in proc.stderr.splitlines() if re.search(r"\berror\b", line)]
+    # Rank 0's own report of the failed collective, naming the dead rank (the launcher's summary
+    # line names every failed rank whatever happened: not enough).
+    named = [line for line in errors if re.match(r"\[rank0\] error: .*\bRank 1\b", line)]
     check.figures.update(
         {"exit_code": proc.returncode, "wall_s": proc.wall_s, "error_lines": errors[:5]}
     )
@@ -351,7 +353,7 @@ def killed_rank(ctx: Context, check: Check) -> None:
     if "Traceback" in proc.stderr:
         return check.failed("the run ended in a Python traceback, not a clear error")
     if not named:
-        return check.failed(f"no error line names rank 1: {_tail(proc)}")
+        return check.failed(f"rank 0 reported no error naming rank 1: {_tail(proc)}")
     check.passed(
         f"exit code {proc.returncode} after {proc.wall_s:.1f} s (collective timeout {limit:g} s): "
         f"{named[0].strip()[:240]}"

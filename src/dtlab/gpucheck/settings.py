@@ -61,7 +61,7 @@ class Settings:
 def settings_for(gpus: int) -> Settings:
     """What each check runs with ``gpus`` CUDA GPUs (0: a CPU smoke of the same pipeline)."""
     timeouts = {
-        "cuda-tests": 180.0, "train": 140.0, "memory": 30.0, "checkpoint": 75.0,
+        "cuda-tests": 180.0, "train": 140.0, "memory": 30.0, "checkpoint": 90.0,
         "resume": 45.0, "equivalence": 60.0, "killed-rank": 75.0,
     }  # fmt: skip
     if gpus == 0:
@@ -81,7 +81,8 @@ def settings_for(gpus: int) -> Settings:
         "model.preset=llama3.2-1b", "train.precision=bf16", "train.compile=true",
         "data.seq_len=2048", "train.global_batch_size=4", *synthetic,
     ]  # fmt: skip
-    # ~100M parameters: a checkpoint of ~1.2 GB, saved three times in a minute.
+    # ~85M parameters: a checkpoint of ~1 GB, saved at steps 7, 14 and 21 (each overlapped with
+    # steps after it; none at the last step, whose save only the run's end would wait for).
     small = [
         "model.preset=small", "train.precision=bf16", "data.seq_len=512",
         "train.global_batch_size=8", *synthetic,
@@ -94,7 +95,7 @@ def settings_for(gpus: int) -> Settings:
     return Settings(
         gpu=True, timeouts=timeouts, smoke="",
         train=big, train_steps=30, train_warmup=5,
-        checkpoint=small, checkpoint_steps=30, checkpoint_every=8,
+        checkpoint=small, checkpoint_steps=24, checkpoint_every=7,
         save_kinds=("none", "sync", "async"),
         resume=[*tiny, "checkpoint.async=true"], resume_steps=10,
         equivalence=[*tiny, "train.grad_clip=0.1"], equivalence_steps=8,
