@@ -5,6 +5,7 @@ machine; docs/gpu.md's list of CUDA tests is the suite's."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,8 @@ from conftest import cli_env
 from dtlab.config import load_config
 from dtlab.errors import DtlabError
 from dtlab.gpucheck import cudatests
-from dtlab.gpucheck.runner import StepTimeout, run_logged
+from dtlab.gpucheck.checks import Context, killed_rank
+from dtlab.gpucheck.runner import Check, Deadline, StepTimeout, run_logged
 from dtlab.gpucheck.settings import BUDGET_S, CHECKS, MULTI_GPU, settings_for, skip_reason
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -167,3 +169,17 @@ def test_the_docs_list_is_rewritten_between_its_markers(tmp_path: Path) -> None:
     doc.write_text("no list here\n")
     with pytest.raises(DtlabError, match="has no generated list"):
         cudatests.update_docs(doc, tests)
+
+
+def test_the_killed_rank_check_reads_rank_0s_error_on_gloo(tmp_path: Path) -> None:
+    """What the 2-GPU check runs, on 2 gloo processes: rank 1 killed after step 3, rank 0's error
+    naming it is found (and the launcher's line alone would not do)."""
+    ctx = Context(tmp_path, {"device_count": 0}, settings_for(0), Deadline(120.0))
+    check = Check("killed-rank", CHECKS["killed-rank"], timeout_s=120.0)
+    killed_rank(ctx, check)
+    assert check.status == "passed", (check.reason, check.figures)
+    assert check.figures["exit_code"] == 1
+    assert re.match(r"exit code 1 after [\d.]+ s \(collective timeout 10 s\): \[rank0\] error: "
+                    r"a collective failed on rank 0: .*Rank 1 \(pid \d+", check.reason)  # fmt: skip
+    launcher = [x for x in check.figures["error_lines"] if x.startswith("error: training failed")]
+    assert launcher and "rank 1 (exit code -9)" in launcher[0]
