@@ -18,7 +18,7 @@ from conftest import cli_env
 from dtlab.config import load_config
 from dtlab.errors import DtlabError
 from dtlab.gpucheck import cudatests
-from dtlab.gpucheck.checks import Context, killed_rank
+from dtlab.gpucheck.checks import Context, cuda_tests, killed_rank
 from dtlab.gpucheck.runner import Check, Deadline, StepTimeout, run_logged
 from dtlab.gpucheck.settings import BUDGET_S, CHECKS, MULTI_GPU, settings_for, skip_reason
 
@@ -155,6 +155,15 @@ def test_a_step_past_its_timeout_is_stopped(tmp_path: Path) -> None:
     assert "# timed out" in log.read_text() and "started" in log.read_text()
 
 
+def test_cuda_tests_past_their_timeout_fail_the_check(tmp_path: Path) -> None:
+    ctx = Context(tmp_path, {"device_count": 0}, settings_for(0), Deadline(60.0),
+                  tests=ROOT / "tests", env=NO_GPU)  # fmt: skip
+    check = Check("cuda-tests", CHECKS["cuda-tests"], timeout_s=1.0)
+    cuda_tests(ctx, check)
+    assert check.status == "failed" and check.reason.startswith("timed out after 1 s"), check.reason
+    assert (tmp_path / "cuda-tests" / "pytest.log").read_text().count("# timed out") == 1
+
+
 def test_the_docs_list_is_rewritten_between_its_markers(tmp_path: Path) -> None:
     doc = tmp_path / "gpu.md"
     doc.write_text(f"intro\n\n{cudatests.BEGIN}\n\n- old\n\n{cudatests.END}\nafter\n")
@@ -174,7 +183,7 @@ def test_the_docs_list_is_rewritten_between_its_markers(tmp_path: Path) -> None:
 def test_the_killed_rank_check_reads_rank_0s_error_on_gloo(tmp_path: Path) -> None:
     """What the 2-GPU check runs, on 2 gloo processes: rank 1 killed after step 3, rank 0's error
     naming it is found (and the launcher's line alone would not do)."""
-    ctx = Context(tmp_path, {"device_count": 0}, settings_for(0), Deadline(120.0))
+    ctx = Context(tmp_path, {"device_count": 0}, settings_for(0), Deadline(120.0), env=NO_GPU)
     check = Check("killed-rank", CHECKS["killed-rank"], timeout_s=120.0)
     killed_rank(ctx, check)
     assert check.status == "passed", (check.reason, check.figures)
