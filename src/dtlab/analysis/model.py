@@ -298,6 +298,8 @@ class StepPlan:
     optimizer_bytes: int
     activations_bytes: int
     gathered_bytes: int = 0  # unsharded parameters held at the peak (FSDP all-gather buffers)
+    # Host memory, not in total_bytes: DiLoCo's outer state (pinned with a GPU).
+    host_bytes: int = 0
     comm_bytes: dict[str, int] = field(
         default_factory=dict
     )  # collective -> bytes per step (one rank)
@@ -327,6 +329,7 @@ class StepPlan:
                 "optimizer_bytes": self.optimizer_bytes,
                 "activations_bytes": self.activations_bytes,
                 "gathered_bytes": self.gathered_bytes,
+                "host_bytes": self.host_bytes,
                 "total_bytes": self.total_bytes,
             },
             "comm": {
@@ -387,6 +390,29 @@ def _diloco_comm(
     if dims.diloco_inner > 1:  # the step's reduction, within the replica only
         comm["replica all_reduce"] = step_reduction_bytes(config, dims)
         groups["replica all_reduce"] = dims.diloco_inner
+
+
+def diloco_host_bytes(config: Config, dims: ParallelDims, shapes: list[ParamShape]) -> int:
+    """DiLoCo's outer state on one rank (:class:`dtlab.train.diloco.DiLoCo`), in host memory (pinned
+    with a GPU), at its peak: float32 θ_global of the rank's parameter elements, the outer momentum
+    (``outer_momentum`` > 0) and the error feedback (``quantize``) as large, and the float32
+    snapshots of the fragments whose sync is in flight at once (with ``delay``; without, the one
+    fragment being synced, for the moment of its sync)."""
+    o = config.parallel.diloco
+    held = [s.shard_numel(dims.dp_shard) for s in shapes]
+    per_value = 1 + (o.outer_momentum > 0) + (o.quantize != "none")
+    frags = [0] * o.fragments
+    for s, n in zip(shapes, held, strict=True):
+        frags[fragment_of(s.name, config.model.n_layers, o.fragments)] += n
+    h = o.inner_steps
+    offsets = [((k + 1) * h // o.fragments) % h for k in range(o.fragments)]
+    # After step s, fragment k's sync is in flight while (s - offset) mod H < delay (sent at its
+    # offset, landed ``delay`` steps later).
+    in_flight = max(
+        sum(n for n, off in zip(frags, offsets, strict=True) if (s - off) % h < max(o.delay, 1))
+        for s in range(h)
+    )
+    return FP32 * (per_value * sum(held) + in_flight)
 
 
 def diloco_agreement_bytes(replicas: int) -> int:
@@ -573,6 +599,7 @@ def _plan_rank(
         plan.gathered_bytes = _fsdp_comm(config, dims, shapes, accum, comm, groups)
     if p.diloco.inner_steps:
         _diloco_comm(config, dims, shapes, comm, groups)
+        plan.host_bytes = diloco_host_bytes(config, dims, shapes)
     elif dims.shard_optimizer:
         comm.update(zero1_comm_bytes(shapes, config, dims.dp))
         groups.update({k: world_size for k in comm})

@@ -420,5 +420,16 @@ def format_plan(p: dict[str, Any]) -> str:
             + f"  {'yes' if r['fits'] else 'NO':<4}{format_bytes(comm):>11}"
             + "".join(f"{format_seconds(t):>11}" for t in times)
         )
+    host = max(
+        (r["per_rank"].get("host_bytes", 0) for r in p["strategies"] if "error" not in r), default=0
+    )
+    if host:
+        # Not in the table's totals: host memory, not the device's.
+        lines += [
+            "",
+            f"host memory per rank, beside the device's: DiLoCo's outer state, up to "
+            f"{format_bytes(host)} (pinned on a GPU, where torch reserves each tensor's block "
+            "rounded up to a power of two)",
+        ]
     lines += ["", f"recommendation: {p['recommendation']}"]
     return "\n".join(lines)

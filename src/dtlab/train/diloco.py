@@ -21,6 +21,12 @@ resumes exactly. What a checkpoint calls the model (``model.*``, which export, g
 ``model.init_from`` read) is θ_global, each fragment's at its last sync (:class:`GlobalModelState`):
 the same on every rank, whichever rank's files are read.
 
+The outer state (θ_global, the outer momentum, the error feedback, the snapshots of syncs in flight:
+up to 16 bytes per parameter) is touched only once per fragment and cycle, so it lives in host memory,
+pinned when the replica is on a GPU (:func:`outer_state_pinned`): the GPU keeps its memory for
+training. An outer step brings a parameter's outer state to the GPU, updates it there, and copies it
+back asynchronously (:meth:`DiLoCo._land`).
+
 Between outer syncs no collective crosses replicas: a step's loss, gradient norm, flags and stop votes
 are agreed within the replica (:func:`replica_group`), and the replicas agree on what concerns the whole
 run (the mean loss, a stop signal, skipped steps) with each sync, in one small all-gather
@@ -31,7 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import torch
 import torch.distributed as dist
@@ -39,6 +45,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from dtlab.checkpoint.state import placed
 from dtlab.config import DiLoCoOptions
 from dtlab.dims import ParallelDims
 from dtlab.errors import CheckpointError
@@ -50,6 +57,7 @@ __all__ = [
     "GlobalModelState",
     "fragment_of",
     "outer_group",
+    "outer_state_pinned",
     "replica_group",
     "sync_bytes",
 ]
@@ -116,6 +124,13 @@ def _dequantize(payload: torch.Tensor, n: int, bits: int) -> torch.Tensor:
     return ((c.float() - qmax) * scale).flatten()[:n]
 
 
+def outer_state_pinned(device: torch.device) -> bool:
+    """Whether DiLoCo's outer state, always in host memory, is pinned for a replica on ``device``:
+    on a CUDA device, so that copies to and from it run asynchronously at full bandwidth; nowhere
+    else (on the CPU there is nothing to copy, and pinning needs CUDA)."""
+    return device.type == "cuda"
+
+
 def outer_group(dims: ParallelDims, device_type: str) -> Any:
     """The process group of this rank and its peers in the other replicas (the ranks along the mesh's
     ``diloco`` dimension), made for DiLoCo alone: its syncs, in the background with a delay, never
@@ -146,8 +161,8 @@ class _Sync:
     fragment: int
     sent: int
     due: int
-    snapshot: list[torch.Tensor]  # the fragment's replica weights when it was sent
-    buffer: torch.Tensor  # what the collective fills (the sum, or every replica's payload)
+    snapshot: list[torch.Tensor]  # the fragment's replica weights when it was sent (host memory)
+    buffer: torch.Tensor  # what the collective fills, on the replica's device (sum or payloads)
     work: Any = None  # the collective's handle while it runs
 
     def wait(self) -> None:
@@ -185,8 +200,15 @@ class DiLoCo:
         ]
         h, n = options.inner_steps, options.fragments
         self.offsets = [((k + 1) * h // n) % h for k in range(n)]
+        # Where the replica computes (its weights, the collectives' buffers), and whether the outer
+        # state's host memory is pinned (a replica on a GPU).
+        params = self.params
+        self.device = params[0].device if params else torch.device("cpu")
+        self.pin = outer_state_pinned(self.device)
+        self._copied: Any = None  # a CUDA event after the last copies into the outer state
         # θ_global: the weights every replica agreed on at the fragment's last sync (float32).
-        self.global_ = [p.detach().float().clone() for p in self.params]
+        self.global_ = [self._host(p.detach().float()) for p in params]
+        self._mark_copied()
         self.momentum: list[torch.Tensor | None] = [None] * len(self.params)
         self.error: list[torch.Tensor | None] = [None] * len(self.params)
         self.pending: list[_Sync] = []
@@ -203,7 +225,42 @@ class DiLoCo:
 
     def reset(self) -> None:
         """θ_global = the replica's weights now (after weights were loaded into a fresh run)."""
-        self.global_ = [p.detach().float().clone() for p in self.params]
+        self.global_ = [self._host(p.detach().float()) for p in self.params]
+        self._mark_copied()
+
+    # --- where the outer state lives -------------------------------------------------------------
+    def _host(self, t: torch.Tensor, copy: bool = True) -> torch.Tensor:
+        """``t`` in the outer state's host memory, a tensor of its own (``copy=False``: ``t`` itself
+        when it is there already). From a GPU into pinned memory the copy is asynchronous: the CPU
+        reads it only after :meth:`host_ready` (the operation that copies calls :meth:`_mark_copied`
+        once it issued its copies); the GPU's later reads are ordered behind them on its stream."""
+        if not self.pin:
+            return t.to("cpu", copy=copy)
+        out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+        return out.copy_(t, non_blocking=True)
+
+    def _dev(self, t: torch.Tensor) -> torch.Tensor:
+        """Outer state ``t`` on the replica's device to compute with: ``t`` itself on the CPU (so an
+        in-place update there is the update), else an asynchronous copy from pinned memory."""
+        return t.to(self.device, non_blocking=True)
+
+    def _put(self, host: torch.Tensor, value: torch.Tensor) -> None:
+        """Write ``value`` (computed by :meth:`_dev`'s copy) back into the outer state ``host``."""
+        if value is not host:
+            host.copy_(value, non_blocking=True)
+
+    def _mark_copied(self) -> None:
+        """After an operation's copies into the outer state: what :meth:`host_ready` waits for."""
+        if self.pin:
+            self._copied = torch.cuda.Event()
+            self._copied.record(torch.cuda.current_stream(self.device))
+
+    def host_ready(self) -> None:
+        """Wait for the copies into the outer state issued so far (before the CPU reads it: a save).
+        The GPU's own copies back to the device need no wait: they queue behind on its stream."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
 
     # --- the schedule ----------------------------------------------------------------------------
     def due(self, step: int) -> list[int]:
@@ -225,12 +282,16 @@ class DiLoCo:
 
     # --- one fragment's sync ---------------------------------------------------------------------
     def _send(self, k: int, step: int) -> _Sync:
+        # The pseudo-gradient is computed on the replica's device, parameter by parameter, from its
+        # weights and a copy of θ_global brought from the host: the GPU does the arithmetic, and the
+        # collective's buffer must be there anyway (NCCL). The snapshot goes to the host.
         idx = self.fragments[k]
         params = self.params
-        snapshot = [params[i].detach().float().clone() for i in idx]
-        delta = torch.cat(
-            [(self.global_[i] - s).flatten() for i, s in zip(idx, snapshot, strict=True)]
-        )
+        with torch.no_grad():
+            snapshot = [self._host(params[i].detach().float()) for i in idx]
+            delta = torch.cat(
+                [(self._dev(self.global_[i]) - params[i].detach().float()).flatten() for i in idx]
+            )
         if self.o.quantize == "none":
             buffer = delta
             work = self._collective(dist.all_reduce, buffer)
@@ -244,6 +305,7 @@ class DiLoCo:
                 self.world * payload.numel(), dtype=torch.uint8, device=delta.device
             )
             work = self._collective(dist.all_gather_into_tensor, buffer, payload)
+        self._mark_copied()
         return _Sync(k, step, step + self.o.delay, snapshot, buffer, work)
 
     def _collective(self, fn: Any, *args: torch.Tensor) -> Any:
@@ -272,26 +334,35 @@ class DiLoCo:
         mean = self._mean(sync, sum(self.global_[i].numel() for i in idx))
         lr, mu = self.o.outer_lr, self.o.outer_momentum
         offset, params = 0, self.params
+        # On the replica's device, one parameter at a time (its outer state copied over from the
+        # host and back, asynchronously: the GPU holds one parameter's outer state at a time).
         with torch.no_grad():
             for i, snap in zip(idx, sync.snapshot, strict=True):
                 g = mean[offset : offset + snap.numel()].view_as(snap)
                 offset += snap.numel()
                 if mu > 0:
-                    buf = self.momentum[i]
-                    buf = g.clone() if buf is None else buf.mul_(mu).add_(g)
-                    self.momentum[i] = buf
+                    held = self.momentum[i]
+                    if held is None:
+                        buf = g.clone()
+                        self.momentum[i] = self._host(buf, copy=False)
+                    else:
+                        buf = self._dev(held).mul_(mu).add_(g)
+                        self._put(held, buf)
                     g = g.add(buf, alpha=mu)  # Nesterov
-                self.global_[i].sub_(g, alpha=lr)
+                glob = self._dev(self.global_[i]).sub_(g, alpha=lr)
+                self._put(self.global_[i], glob)
                 p = params[i]
-                p.copy_(self.global_[i] + (p.detach().float() - snap))
+                p.copy_(glob + (p.detach().float() - self._dev(snap)))
+        self._mark_copied()
         self.synced_after[sync.fragment] = sync.sent
+        sync.snapshot = []  # landed: its host memory is free before the next send
 
     # --- what the replicas agree on ----------------------------------------------------------------
     def agree(self, values: list[float]) -> torch.Tensor:
         """Every replica's ``values`` (the same on each rank of a replica), one row per replica in
         replica order, on every rank: a small all-gather along the outer group, issued with an outer
         sync (the only time replicas talk)."""
-        mine = torch.tensor(values, dtype=torch.float64, device=self.global_[0].device)
+        mine = torch.tensor(values, dtype=torch.float64, device=self.device)
         if self.world == 1:
             return mine.reshape(1, -1).cpu()
         out = torch.empty(self.world * mine.numel(), dtype=mine.dtype, device=mine.device)
@@ -316,27 +387,33 @@ class DiLoCo:
 
     def _flat_error(self, idx: list[int], like: torch.Tensor) -> torch.Tensor:
         parts = [
-            e.flatten()
+            self._dev(e).flatten()
             if (e := self.error[i]) is not None
-            else torch.zeros(self.global_[i].numel())
+            else torch.zeros(self.global_[i].numel(), device=like.device)
             for i in idx
         ]
-        return torch.cat(parts).to(like.device)
+        return torch.cat(parts)
 
     def _store_error(self, idx: list[int], flat: torch.Tensor) -> None:
         offset = 0
         for i in idx:
             n = self.global_[i].numel()
-            self.error[i] = flat[offset : offset + n].view_as(self.global_[i]).clone()
+            self.error[i] = self._host(flat[offset : offset + n].view_as(self.global_[i]))
             offset += n
 
     # --- state (each rank's own) -----------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This replica's weights and inner optimizer state, θ_global, the outer momentum, the error
-        feedback and the syncs in flight (waited for: their results are saved, not the sends)."""
+        feedback and the syncs in flight (waited for: their results are saved, not the sends).
+
+        Every tensor is the live one (a view, never a copy): the checkpoint copies them anyway (a sync
+        save writes them before training goes on, an async one stages a copy before the next update)."""
+        for sync in self.pending:
+            sync.wait()
+        self.host_ready()
         out: dict[str, torch.Tensor] = {}
         for i, p in enumerate(self.params):
-            out[f"replica.{i}"] = p.detach().clone()
+            out[f"replica.{i}"] = p.detach()
             out[f"global.{i}"] = self.global_[i]
             if (m := self.momentum[i]) is not None:
                 out[f"momentum.{i}"] = m
@@ -346,7 +423,6 @@ class DiLoCo:
             out[f"inner.{k}"] = v
         out["synced_after"] = torch.tensor(self.synced_after)
         for j, sync in enumerate(self.pending):
-            sync.wait()
             out[f"pending.{j}.meta"] = torch.tensor([sync.fragment, sync.sent, sync.due])
             out[f"pending.{j}.buffer"] = sync.buffer
             for n, s in enumerate(sync.snapshot):
@@ -354,6 +430,10 @@ class DiLoCo:
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load this rank's state (a checkpoint reads it into CPU templates, of the saved dtypes): the
+        replica's weights into its parameters, the outer state into host memory (float32, pinned with
+        a GPU), a sync in flight's buffer onto the replica's device, where its collective ran."""
+        self.host_ready()  # no copy into the state being replaced is still running
         with torch.no_grad():
             for i, p in enumerate(self.params):
                 if p.shape != state[f"replica.{i}"].shape:
@@ -362,9 +442,9 @@ class DiLoCo:
                         f"on this rank, held here as {tuple(p.shape)}: resume on the layout that saved it"
                     )
                 p.copy_(state[f"replica.{i}"])
-                self.global_[i] = state[f"global.{i}"].clone()
-                self.momentum[i] = _get(state, f"momentum.{i}")
-                self.error[i] = _get(state, f"error.{i}")
+                self.global_[i] = self._outer(state[f"global.{i}"])
+                self.momentum[i] = self._outer(state.get(f"momentum.{i}"))
+                self.error[i] = self._outer(state.get(f"error.{i}"))
         _load_optimizer_tensors(
             self.optimizer, {k[6:]: v for k, v in state.items() if k.startswith("inner.")}
         )
@@ -375,10 +455,24 @@ class DiLoCo:
         while f"pending.{j}.meta" in state:
             k, sent, due = (int(x) for x in state[f"pending.{j}.meta"].tolist())
             snaps = [
-                state[f"pending.{j}.snapshot.{n}"].clone() for n in range(len(self.fragments[k]))
+                self._outer(state[f"pending.{j}.snapshot.{n}"])
+                for n in range(len(self.fragments[k]))
             ]
-            self.pending.append(_Sync(k, sent, due, snaps, state[f"pending.{j}.buffer"].clone()))
+            kind = torch.float32 if self.o.quantize == "none" else torch.uint8  # sum or payloads
+            buffer = placed(state[f"pending.{j}.buffer"], self.device, kind)
+            self.pending.append(_Sync(k, sent, due, snaps, buffer))
             j += 1
+
+    @overload
+    def _outer(self, t: torch.Tensor) -> torch.Tensor: ...
+    @overload
+    def _outer(self, t: None) -> None: ...
+    def _outer(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """A loaded outer-state tensor as the outer state keeps it: float32, in host memory (pinned
+        for a replica on a GPU), a tensor of its own."""
+        if t is None:
+            return None
+        return placed(t, torch.device("cpu"), torch.float32, pin=self.pin)
 
     def close(self) -> None:
         """Let the syncs in flight finish (all ranks sent them; on a failed run they fail at once) and
@@ -423,35 +517,41 @@ class GlobalModelState:
         self.module, self.diloco = module, diloco
 
     def state_dict(self) -> dict[str, Any]:
+        """θ_global as it is (host memory, no copy where the parameters are float32)."""
+        self.diloco.host_ready()
         sd: dict[str, Any] = dict(get_model_state_dict(self.module))
         for name, g in zip(self.diloco.names, self.diloco.global_, strict=True):
             held = sd[name]
             assert isinstance(held, torch.Tensor)
             value = g.to(held.dtype)
-            if isinstance(held, DTensor):  # this rank's shard of θ_global, placed as the parameter
-                value = DTensor.from_local(
-                    value, held.device_mesh, held.placements, run_check=False,
-                    shape=held.shape, stride=held.stride(),
-                )  # fmt: skip
+            if isinstance(held, DTensor):
+                # This rank's shard of θ_global under the parameter's spec (mesh, placements, global
+                # shape), left in host memory: DTensor.from_local would copy it to the mesh's device.
+                value = DTensor(value, held._spec, requires_grad=False)  # type: ignore[call-arg]
             sd[name] = value
         # JSON beside the tensors (state.json): which syncs the model is made of.
         return {**sd, "diloco_synced_after": list(self.diloco.synced_after)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_model_state_dict(
-            self.module, {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
-        )
-
-
-def _get(state: dict[str, torch.Tensor], key: str) -> torch.Tensor | None:
-    return state[key].clone() if key in state else None
+        tensors: dict[str, Any] = {}
+        for k, v in state.items():
+            if isinstance(v, DTensor) and v.to_local().device.type != v.device_mesh.device_type:
+                # Read into host memory (the templates of state_dict): the parameter's shard, on
+                # the mesh's device, as the parameters' own load expects it.
+                v = DTensor.from_local(
+                    v.to_local(), v.device_mesh, v.placements, run_check=False,
+                    shape=v.shape, stride=v.stride(),
+                )  # fmt: skip
+            if isinstance(v, torch.Tensor):
+                tensors[k] = v
+        set_model_state_dict(self.module, tensors)
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """The inner optimizer's per-parameter state as flat ``<param index>.<name>`` tensors (this rank's
     shard of a sharded one)."""
     return {
-        f"{i}.{name}": (v.to_local() if isinstance(v, DTensor) else v).detach().clone()
+        f"{i}.{name}": (v.to_local() if isinstance(v, DTensor) else v).detach()
         for i, s in optimizer.state_dict()["state"].items()
         for name, v in s.items()
         if isinstance(v, torch.Tensor)
