@@ -251,6 +251,8 @@ def test_more_processes_than_gpus_are_refused_naming_both() -> None:
     with pytest.raises(DtlabError, match=r"^2 processes per node but 1 GPU "):
         gpu_for(0, 2, 1)
     assert [gpu_for(r, 2, 4) for r in (0, 1)] == [0, 1]  # each its own, never local_rank % count
+    with pytest.raises(DtlabError, match=r"^4 processes per node but 2 GPUs "):
+        gpu_for(3, 1, 2)  # local rank 3 needs a fourth GPU, whatever the node's size says
     with pytest.raises(DtlabError, match=r"8 processes per node but 4 GPUs requested per node"):
         check_job_gpus("auto", 8, 4)
     check_job_gpus("cpu", 8, 4)  # gloo on the CPU: GPUs requested for something else

@@ -29,7 +29,9 @@ def check_gpus(nproc: int, gpus: int, where: str) -> None:
 def gpu_for(local_rank: int, local_world: int, gpus: int) -> int:
     """The GPU of local rank ``local_rank`` among ``local_world`` processes on a node with ``gpus``
     visible GPUs: its own index (a DtlabError when the node has fewer GPUs than processes)."""
-    check_gpus(local_world, gpus, "visible to this node's workers (torch.cuda.device_count())")
+    # A local rank beyond the node's size (a launcher's odd numbering) needs as many GPUs as well.
+    nproc = max(local_world, local_rank + 1)
+    check_gpus(nproc, gpus, "visible to this node's workers (torch.cuda.device_count())")
     return local_rank
 
 
