@@ -85,6 +85,15 @@ class DeMo(torch.optim.Optimizer):
         # torch.distributed.checkpoint from running a dummy step to create one when it saves.
         for p in self._params():
             self.state[p]["step"] = torch.zeros((), dtype=torch.float32)
+        # The momenta exist from the start, as the plan counts them: the first step allocates no
+        # state (one numbered per parameter, in the order step() walks them).
+        for i, p in enumerate(self._params()):
+            self.local.momenta[i] = torch.zeros(self._padded(p), device=p.device)
+            dct_basis_on(chunk_size, p.device)  # and the transform's basis, built once per device
+
+    def _padded(self, p: torch.Tensor) -> int:
+        """Elements of ``p``'s momentum: its elements padded to whole chunks."""
+        return math.ceil(p.numel() / self.chunk_size) * self.chunk_size
 
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
@@ -103,7 +112,7 @@ class DeMo(torch.optim.Optimizer):
             for p in group["params"]:
                 n, chunks = p.numel(), math.ceil(p.numel() / c)
                 m = self.local.momenta.get(i)
-                if m is None:
+                if m is None:  # a checkpoint saved without it
                     m = self.local.momenta[i] = torch.zeros(chunks * c, device=p.device)
                 m.mul_(self.decay)
                 if p.grad is not None:

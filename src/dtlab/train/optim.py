@@ -1,4 +1,10 @@
-"""AdamW (or DeMo, or plain SGD) with weight decay on matrices only, and the config's hyper-parameters."""
+"""AdamW (or DeMo, or plain SGD) with weight decay on matrices only, and the config's hyper-parameters.
+
+The optimizer state is allocated when the optimizer is built (:func:`init_state`), not in its first
+step: that step's memory is then what ``dtlab plan`` predicts from the start, and an out-of-memory
+error while allocating it cannot strike one rank outside the ranks' agreement (``train.oom_retry``
+agrees on forward and backward only) while the others wait in the step's collectives.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import _device_dtype_check_for_fused, _get_scalar_dtype
 
 from dtlab.config import TrainConfig
 from dtlab.train.schedules import lr_at
@@ -39,13 +46,59 @@ def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
         {"params": params, **hyper}
         for params, hyper in zip((decay, no_decay), group_hyperparameters(t), strict=True)
     ]
+    optimizer: torch.optim.Optimizer
     if t.optimizer == "demo":
         from dtlab.train.demo import DeMo
 
-        return DeMo(groups, t.lr, t.demo.chunk_size, t.demo.topk, t.demo.decay)
-    if t.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=t.lr, foreach=True)
-    return torch.optim.AdamW(groups, lr=t.lr, **_implementation([*decay, *no_decay]))
+        optimizer = DeMo(groups, t.lr, t.demo.chunk_size, t.demo.topk, t.demo.decay)
+    elif t.optimizer == "sgd":
+        optimizer = torch.optim.SGD(groups, lr=t.lr, foreach=True)
+    else:
+        optimizer = torch.optim.AdamW(groups, lr=t.lr, **_implementation([*decay, *no_decay]))
+    init_state(optimizer)
+    return optimizer
+
+
+def init_state(optimizer: torch.optim.Optimizer) -> None:
+    """Allocate the per-parameter state the optimizer's first ``step()`` would create, exactly as it
+    would create it, so that the first step computes the same bits.
+
+    - Adam/AdamW: ``step``, ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` with amsgrad), as
+      torch's ``Adam._init_group`` makes them (torch 2.13): zeros like the parameter (a DTensor for
+      a DTensor parameter: FSDP's and ZeRO-1's shards), and a float32 ``step`` on the parameter's
+      device when fused or capturable, else a CPU one of the default float dtype.
+    - DeMo: creates its momenta itself, in its constructor.
+    - SGD: none is needed. dtlab's SGD has no momentum, and so no state; with momentum, torch's
+      first step makes the buffer a copy of the gradient, which zeros would not reproduce bit for
+      bit (``0 * m + (1 - dampening) * g``), so it is left to that step.
+
+    Parameters that already have state (a loaded optimizer) keep it.
+    """
+    if not isinstance(optimizer, torch.optim.Adam):  # AdamW is an Adam
+        return
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                state = optimizer.state[p]
+                if len(state) > 0:
+                    continue
+                if group["fused"]:
+                    _device_dtype_check_for_fused(p)
+                # torch keeps ``step`` on the host unless fused or capturable ("special device
+                # hosting for step"): a kernel launch per step counter costs more there.
+                state["step"] = (
+                    torch.zeros(
+                        (), dtype=_get_scalar_dtype(is_fused=group["fused"]), device=p.device
+                    )
+                    if group["capturable"] or group["fused"]
+                    else torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu")
+                )
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if group["amsgrad"]:
+                    state["max_exp_avg_sq"] = torch.zeros_like(
+                        p, memory_format=torch.preserve_format
+                    )
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
