@@ -318,15 +318,28 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from dtlab.config import check_world, load_config
-    from dtlab.verify import Tolerances, parse_checks, parse_layouts, table, verify
+    from dtlab.verify import (
+        Tolerances,
+        default_tolerances,
+        parse_checks,
+        parse_layouts,
+        table,
+        verify,
+    )
 
     tols = {"--loss-tol": args.loss_tol, "--grad-tol": args.grad_tol, "--param-tol": args.param_tol}
     for flag, value in tols.items():
-        if not 0 <= value < float("inf"):
+        if value is not None and not 0 <= value < float("inf"):
             raise DtlabError(f"{flag} {value}: allowed: a finite number >= 0")
     layouts = parse_layouts(args.layouts)
     checks = parse_checks(args.checks)
-    load_config(args.config, args.overrides)  # a bad config is said once, before any layout runs
+    # A bad config is said once, before any layout runs; its precision sets the default tolerances.
+    base = default_tolerances(load_config(args.config, args.overrides).train.precision)
+    tol = Tolerances(
+        base.loss if args.loss_tol is None else args.loss_tol,
+        base.grad_norm if args.grad_tol is None else args.grad_tol,
+        base.param if args.param_tol is None else args.param_tol,
+    )
     for layout in layouts:  # and a layout its config or world cannot run, before any trains
         try:
             check_world(
@@ -336,7 +349,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             raise ConfigError(f"layout {layout.name}: {e}") from None
     result = verify(
         layouts, args.config, args.overrides, args.steps, Path(args.out),
-        Tolerances(args.loss_tol, args.grad_tol, args.param_tol), checks=checks,
+        tol, checks=checks,
     )  # fmt: skip
     print(table(result))
     return 0 if result.ok else 1

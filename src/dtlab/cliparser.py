@@ -371,12 +371,19 @@ def _add_verify(sub: _Commands) -> None:
     v.add_argument(
         "--out", default="verify-out", help="where the layouts' runs go (default verify-out)"
     )
-    v.add_argument("--loss-tol", type=float, default=1e-4, help="absolute (default 1e-4)")
+    # None: the default for the config's train.precision (dtlab.verify.default_tolerances).
     v.add_argument(
-        "--grad-tol", type=float, default=1e-3, help="relative, gradient norm (default 1e-3)"
+        "--loss-tol", type=float, help="absolute (default 1e-4; train.precision bf16/fp16: 5e-3)"
     )
     v.add_argument(
-        "--param-tol", type=float, default=1e-4, help="absolute, parameters (default 1e-4)"
+        "--grad-tol",
+        type=float,
+        help="relative, gradient norm (default 1e-3; train.precision bf16/fp16: 1e-2)",
+    )
+    v.add_argument(
+        "--param-tol",
+        type=float,
+        help="absolute, parameters (default 1e-4; train.precision bf16/fp16: 5e-2)",
     )
     v.add_argument(
         "--checks",

@@ -167,6 +167,22 @@ class Tolerances:
     param: float = 1e-4  # absolute, any element after the last step
 
 
+# bf16/fp16: layouts round differently, not only sum in another order. bf16 keeps 8 significant bits
+# (a relative rounding of 2^-9 = 2e-3 per value); autocast rounds every matmul's output, and FSDP also
+# gathers the weights in bf16 and keeps the residual stream in bf16 (docs/parallelism.md, "Precision
+# under FSDP"). Measured on the debug model over 20 clipped steps against one bf16 process: the loss
+# differs by up to 1.5e-4 (ddp:2) and 1.2e-3 (fsdp:2, hsdp:4, fsdp:2xtp:2, fsdp:2xpp:2), the gradient
+# norm by 1.9e-3 relative, a parameter by 1.2e-2. Each tolerance is about 4x that; a skipped gradient
+# sync moves the loss by 1.5e-2 and the norm by 0.27 (caught). The parameters, which drift apart with
+# the steps, catch less than the step-wise figures do.
+HALF_PRECISION_TOLERANCES = Tolerances(loss=5e-3, grad_norm=1e-2, param=5e-2)
+
+
+def default_tolerances(precision: str) -> Tolerances:
+    """What ``verify`` accepts by default for a config of ``train.precision`` ``precision``."""
+    return HALF_PRECISION_TOLERANCES if precision in ("bf16", "fp16") else Tolerances()
+
+
 @dataclass
 class LayoutChecks:
     """A layout's resume and export checks (``--checks``)."""

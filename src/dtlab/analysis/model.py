@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dtlab.config import Config, ModelConfig
-from dtlab.dims import ParallelDims, stage_ids, stage_layers
+from dtlab.dims import DPWrapper, ParallelDims, stage_ids, stage_layers
 from dtlab.runtime.signals import STOP_SIGNALS
 from dtlab.train.diloco import fragment_of, sync_bytes
 
@@ -129,6 +129,7 @@ def activation_bytes(
     ac: str,
     split: TPSplit = TPSplit(),
     final_part: bool = True,
+    half_params: bool = False,
 ) -> int:
     """Bytes one micro-batch's forward keeps for backward (``tokens`` tokens), as
     ``dtlab.bench.memory`` measures them: what is still allocated when forward returns.
@@ -157,30 +158,45 @@ def activation_bytes(
     columns) and the logits (vocabulary) over the group; the norms' and the block inputs' only with
     sequence parallelism. ``final_part``: the final norm, output and loss are on this rank (a pipeline
     stage before the last has none of them).
+
+    ``half_params``: the parameters themselves are in half precision when forward runs (FSDP under
+    bf16/fp16 gathers them so): no weight copies, and the residual stream is in half precision (the
+    embedding's output is), so a checkpointed block keeps a half-precision input and each RMSNorm
+    keeps a float32 copy of its input, the rsqrt, its scaled output in half precision and the product
+    with the weight, which the matmuls reading it share.
     """
     m, tp, seq = model_cfg, split.tp, split.seq
     half = precision in ("bf16", "fp16")
-    per_layer = _layer_bytes(m, half, ac, split)
-    final = (_norm_bytes(m, half, 1) / seq + m.vocab_size * FP32 / tp + 8) if final_part else 0
+    half_params = half_params and half
+    per_layer = _layer_bytes(m, half, ac, split, half_params)
+    final = (
+        (_norm_bytes(m, half, 1, half_params) / seq + m.vocab_size * FP32 / tp + 8)
+        if final_part
+        else 0
+    )
     weight_copies = 0.0
-    if half:
+    if half and not half_params:
         output = m.dim * m.vocab_size if final_part else 0
         blocks = m.n_layers * _block_matmul_params(m) if ac == "none" else 0
         weight_copies = 2 * (output + blocks) / tp
     return int(tokens * (m.n_layers * per_layer + final) + weight_copies + 2 * FP32)
 
 
-def _norm_bytes(m: ModelConfig, half: bool, readers: int) -> int:
+def _norm_bytes(m: ModelConfig, half: bool, readers: int, half_params: bool = False) -> int:
     """Per token, what an RMSNorm and the ``readers`` matmuls reading its output keep."""
+    if half_params:
+        return m.dim * FP32 + FP32 + 2 * m.dim * 2
     return 2 * m.dim * FP32 + FP32 + (readers * m.dim * 2 if half else m.dim * FP32)
 
 
-def _layer_bytes(m: ModelConfig, half: bool, ac: str, split: TPSplit) -> float:
+def _layer_bytes(
+    m: ModelConfig, half: bool, ac: str, split: TPSplit, half_params: bool = False
+) -> float:
     """Per token, what one block keeps for backward (see :func:`activation_bytes`)."""
     tp, seq = split.tp, split.seq
     kv = m.kv_heads * (m.dim // m.n_heads)
     a = 2 if half else FP32  # bytes of a matmul / attention activation
-    block_input = m.dim * FP32 / seq
+    block_input = m.dim * (2 if half_params else FP32) / seq
     if ac == "full":
         return block_input
     if ac == "selective":
@@ -188,7 +204,8 @@ def _layer_bytes(m: ModelConfig, half: bool, ac: str, split: TPSplit) -> float:
         return block_input + matmul_out + (m.dim * a + m.n_heads * FP32) / tp
     attn = ((m.dim + kv) * a + kv * a + m.dim * a + m.n_heads * FP32) / tp
     ffn = 4 * m.hidden_dim * a / tp
-    return (_norm_bytes(m, half, 3) + _norm_bytes(m, half, 2)) / seq + attn + ffn
+    norms = _norm_bytes(m, half, 3, half_params) + _norm_bytes(m, half, 2, half_params)
+    return norms / seq + attn + ffn
 
 
 def _block_matmul_params(m: ModelConfig) -> int:
@@ -197,7 +214,12 @@ def _block_matmul_params(m: ModelConfig) -> int:
 
 
 def recompute_bytes(
-    model_cfg: ModelConfig, tokens: int, precision: str, ac: str, split: TPSplit = TPSplit()
+    model_cfg: ModelConfig,
+    tokens: int,
+    precision: str,
+    ac: str,
+    split: TPSplit = TPSplit(),
+    half_params: bool = False,
 ) -> int:
     """What recomputing one checkpointed block in backward holds on top of ``activation_bytes``: that
     block's activations (with its half-precision weight copies under autocast) under ``full``, the
@@ -208,7 +230,7 @@ def recompute_bytes(
     one = model_cfg.model_copy(update={"n_layers": 1})
 
     def act(mode: str) -> int:
-        return activation_bytes(one, tokens, precision, mode, split)
+        return activation_bytes(one, tokens, precision, mode, split, half_params=half_params)
 
     block = act("none") - act("full")
     if ac == "selective":
@@ -568,8 +590,9 @@ def _plan_rank(
     held = sum(s.shard_numel(dims.dp_shard) for s in shapes)
     rank_model = config.model.model_copy(update={"n_layers": part.n_layers})
     split = TPSplit(dims.tp, p.sequence_parallel)
+    half_params = fsdp_half_params(config, dims)
     act = activation_bytes(
-        rank_model, tokens, t.precision, t.activation_checkpointing, split, part.last
+        rank_model, tokens, t.precision, t.activation_checkpointing, split, part.last, half_params
     )
     plan = StepPlan(
         strategy=p.strategy,
@@ -583,7 +606,9 @@ def _plan_rank(
         # The peak: what forward keeps (for every micro-batch a pipeline stage holds at once), plus one
         # block being recomputed under checkpointing.
         activations_bytes=act * _in_flight(config, dims, accum)
-        + recompute_bytes(config.model, tokens, t.precision, t.activation_checkpointing, split),
+        + recompute_bytes(
+            config.model, tokens, t.precision, t.activation_checkpointing, split, half_params
+        ),
     )
     # What the attention kernel that runs on this device keeps beyond the fused kernel's figure above.
     kernel = attention_kernel(config.model, t.precision, device_type)
@@ -619,6 +644,15 @@ def _plan_rank(
     plan.comm_groups = groups
     plan.comm_bus_bytes = {k: _ring(k, v, groups[k]) for k, v in comm.items()}
     return plan
+
+
+def fsdp_half_params(config: Config, dims: ParallelDims) -> bool:
+    """Forward and backward run on half-precision parameters: FSDP and HSDP gather them in bf16/fp16
+    under ``train.precision`` bf16/fp16 (:func:`dtlab.parallel.apply.fsdp_param_dtype`); every other
+    strategy (also DDP that FSDP2 replicates for, with tp or pp) keeps float32 parameters and autocast
+    copies the weights."""
+    sharded = DPWrapper.of(config.parallel.strategy) is DPWrapper.FSDP
+    return dims.fsdp_enabled and sharded and config.train.precision in ("bf16", "fp16")
 
 
 def _in_flight(config: Config, dims: ParallelDims, microbatches: int) -> int:
@@ -724,14 +758,18 @@ def _fsdp_comm(
     bytes of parameters gathered at the peak (0 without sharding)."""
     p = config.parallel
     replicate, shard = dims.dp_replicate, dims.dp_shard
-    # fp16/bf16 compression reduces gradients in half precision; parameters are gathered in fp32.
+    # Parameters are gathered in the training precision: under bf16/fp16 each rank casts its float32
+    # shard before the all-gather (FSDP's param_dtype), which so moves half the bytes of fp32's.
+    # Gradients are reduced in float32, or in half precision under fp16/bf16 compression.
+    param_bytes = 2 if fsdp_half_params(config, dims) else FP32
     grad_bytes = 2 if p.compression in ("fp16", "bf16") else FP32
-    gathered = sum(s.padded_numel(shard) for s in shapes) * FP32
+    elements = sum(s.padded_numel(shard) for s in shapes)
+    gathered = elements * param_bytes
     peak = 0
     if shard > 1:
         units: dict[str, int] = {}
         for s in shapes:
-            units[s.group] = units.get(s.group, 0) + s.padded_numel(shard) * FP32
+            units[s.group] = units.get(s.group, 0) + s.padded_numel(shard) * param_bytes
         largest = sorted(units.values(), reverse=True)
         # full: the unit in use plus the one prefetched; shard_grad_op: every unit stays gathered from
         # its forward to its backward, so at the peak the whole model is unsharded.
@@ -744,11 +782,11 @@ def _fsdp_comm(
         if dims.pp_enabled:
             per_step = accum + 1 if p.sharding == "full" else 1
         comm["all_gather"] = per_step * gathered
-        comm["reduce_scatter"] = gathered // FP32 * grad_bytes
+        comm["reduce_scatter"] = elements * grad_bytes
         groups["all_gather"] = groups["reduce_scatter"] = shard
     if replicate > 1:
         # Across replica groups each rank all-reduces its gradient shard.
-        comm["all_reduce"] = gathered // shard // FP32 * grad_bytes
+        comm["all_reduce"] = elements // shard * grad_bytes
         groups["all_reduce"] = replicate
     return peak
 

@@ -35,6 +35,7 @@ from dtlab.analysis.model import (
     activation_bytes,
     bus_bytes,
     flops_per_token,
+    fsdp_half_params,
     param_shapes,
     plan_step,
 )
@@ -337,6 +338,7 @@ def _memory_figures(config: Config, d: DistInfo, tr: Training, act: int | None) 
             t.precision,
             t.activation_checkpointing,
             TPSplit(d.dims.tp, config.parallel.sequence_parallel),
+            half_params=fsdp_half_params(config, d.dims),
         ),
     }
 

@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from dtlab.config import Config
-from dtlab.dims import ParallelDims
+from dtlab.dims import DPWrapper, ParallelDims
 from dtlab.models.llama import Transformer
 from dtlab.parallel.buckets import buckets
 from dtlab.parallel.compression import CompressionState, apply_ddp_compression, reduce_dtype
@@ -186,23 +186,64 @@ def apply_compile(model: Transformer) -> None:
 
 
 # --- FSDP / HSDP (on the mesh of dtlab.dims.ParallelDims) -------------------------------------------
+# train.precision -> the dtype FSDP gathers parameters in and computes with (float32 otherwise).
+HALF_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def fsdp_param_dtype(config: Config) -> torch.dtype | None:
+    """The dtype FSDP gathers parameters in: bf16/fp16 under ``train.precision`` bf16/fp16 with
+    ``parallel.strategy`` fsdp or hsdp; None (float32, autocast alone) otherwise, also where FSDP2
+    only replicates for DDP (with tp or pp), so that DDP trains as it does without them."""
+    if DPWrapper.of(config.parallel.strategy) is not DPWrapper.FSDP:
+        return None
+    return HALF_PRECISION.get(config.train.precision)
+
+
+def mixed_precision_policy(
+    param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None
+) -> MixedPrecisionPolicy:
+    """FSDP2's mixed precision for ``param_dtype`` (None: float32 training) and gradients reduced in
+    ``reduce_dtype`` (None: float32; fp16/bf16 under gradient compression).
+
+    In half precision the float32 parameters stay sharded (the master weights the optimizer, the
+    gradient norm and checkpoints see); each all-gather casts its shard to ``param_dtype`` first, so
+    it moves half the bytes, and forward and backward compute with the gathered half-precision
+    weights. ``reduce_dtype`` must then be given explicitly: FSDP2 reduces in ``param_dtype`` when
+    it is None, and a bf16 sum over many ranks loses the gradient's low bits. The reduced shard is
+    cast back to float32 before it is accumulated.
+    """
+    if param_dtype is None or param_dtype == torch.float32:
+        # Compression fp16/bf16: gradients are reduce-scattered (and all-reduced across replicas)
+        # in that dtype; parameters are gathered in float32.
+        return MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+    # cast_forward_inputs=False: a block's floating inputs are the residual stream (already in
+    # ``param_dtype``: the embedding's weight is) and the RoPE tables, which stay float32 as under
+    # autocast (cast to half precision, the rotation angles of late positions lose their accuracy).
+    return MixedPrecisionPolicy(
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype or torch.float32,
+        cast_forward_inputs=False,
+    )
+
+
 def apply_fsdp(
     model: Transformer,
     mesh: DeviceMesh,
     sharding: str,
     reduce_dtype: torch.dtype | None = None,
     prefetch: int = 0,
+    param_dtype: torch.dtype | None = None,
 ) -> None:
     """FSDP2 ``fully_shard`` on each block, then on the root (embeddings, final norm, output).
 
     ``full`` frees the gathered parameters after forward (ZeRO-3); ``shard_grad_op`` keeps them until
     backward is done (ZeRO-2: one all-gather per step instead of two). ``prefetch`` > 0: each block's
     forward issues the all-gathers of the next ``prefetch`` blocks, and its backward those of the
-    ``prefetch`` blocks before it, instead of FSDP2's implicit one-ahead.
+    ``prefetch`` blocks before it, instead of FSDP2's implicit one-ahead. ``param_dtype`` and
+    ``reduce_dtype``: see :func:`mixed_precision_policy`.
     """
     reshard = sharding == "full"
-    # Compression fp16/bf16: gradients are reduce-scattered (and all-reduced across replicas) in that dtype.
-    mp = MixedPrecisionPolicy(reduce_dtype=reduce_dtype) if reduce_dtype else MixedPrecisionPolicy()
+    mp = mixed_precision_policy(param_dtype, reduce_dtype)
     for block in model.layers.values():
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
@@ -421,6 +462,7 @@ def _parallelize_one(
             config.parallel.sharding,
             reduce_dtype(config),
             config.parallel.fsdp_prefetch,
+            fsdp_param_dtype(config),
         )
     materialize(model, dist_info.device, t.seed)
     if not dims.ddp_enabled:
