@@ -152,6 +152,7 @@ class Ledger:
         self.settled = 0  # entries the watcher marked completed (its own counter: no shared +=)
         self.failure: CollectiveError | None = None  # the failure this rank reported, once it has
         self._report_lock = threading.Lock()
+        self._settle_lock = threading.Lock()  # the watcher settles, and so may a caller
         self.entries: deque[Entry] = deque(maxlen=size)
         self.seq = 0  # entries recorded so far
         self.step = 0  # the optimizer step under way (0: before the first)
@@ -241,14 +242,15 @@ class Ledger:
         """Mark the queued entries that have run as completed (in stream order: the first that has not
         stops the scan). Returns the oldest entry not completed ``timeout_s`` after it began (queued, or
         in a block that has not returned), when completion is watched; else None."""
-        while self.unsettled:
-            entry = self.unsettled[0]
-            assert entry.done is not None
-            if not entry.done.query():
-                break
-            entry.end, entry.done = time.time(), None
-            self.unsettled.popleft()
-            self.settled += 1
+        with self._settle_lock:
+            while self.unsettled:
+                entry = self.unsettled[0]
+                assert entry.done is not None
+                if not entry.done.query():
+                    break
+                entry.end, entry.done = time.time(), None
+                self.unsettled.popleft()
+                self.settled += 1
         if self._completion is None or self.timeout_s is None:
             return None
         waiting = self.pending()
