@@ -51,14 +51,13 @@ from dtlab.parallel import (
 from dtlab.parallel.compression import reduce_dtype
 from dtlab.parallel.dist import decide_on_rank0, reduce_scalar
 from dtlab.parallel.ledger import (
-    all_reduce,
     collective_failure,
     note_step,
     recorded,
     start_ledger,
 )
 from dtlab.runtime.faults import FAULTS_ENV, Faults
-from dtlab.runtime.signals import STOP_SIGNALS, StopSignals, agreed_stop, stop_votes
+from dtlab.runtime.signals import STOP_SIGNALS, StopSignals, agreed_stop
 from dtlab.train.diloco import DiLoCo, outer_group, replica_group
 from dtlab.train.oom import (
     StepOutOfMemory,
@@ -77,6 +76,7 @@ from dtlab.train.precision import DTYPES, LossScaler, autocast, check_cpu_half_p
 from dtlab.train.run import run
 from dtlab.train.rundir import RunDirLock, create_run_dir
 from dtlab.train.schedules import build_scheduler
+from dtlab.train.step import reduce_step
 
 
 def forward_loss(
@@ -144,7 +144,7 @@ def train_step(
         )  # fmt: skip
     pm.settle_gradients()
     params = [p for p in pm.optimized.parameters() if p.grad is not None]
-    found = scaler.unscale_(params)  # this rank's overflow flag (fp16), no collective
+    found = scaler.unscale_(params, device)  # this rank's overflow flag (fp16), no collective
     local = pm.compression.local_gradients  # each rank's own gradients (DeMo)
     grads = [g for p in params if (g := p.grad) is not None]
     group, size = step_group if step_group is not None else (None, None)
@@ -207,7 +207,7 @@ def _accumulate_agreed(
         if not is_out_of_memory(e):
             raise
         failed = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    ranks = agree_out_of_memory(bool(failed))
+    ranks = agree_out_of_memory(bool(failed), device)
     if ranks:
         pm.module.zero_grad(set_to_none=True)
         raise StepOutOfMemory(ranks, int(micro_batches[0][0].shape[0]), failed)
@@ -299,111 +299,6 @@ def evaluate(
         # hold the same loss, as in the training step's reduction.
         total /= world // pm.dims.pp
     return float(total) / len(batches)
-
-
-@dataclass
-class StepValues:
-    """What the ranks agree on after a step's backward, from one small reduction."""
-
-    loss: float  # the mean loss over the global batch (over a DiLoCo replica's share of it)
-    norm: float  # the gradient norm (the root mean square of the ranks' norms for local gradients)
-    norm_t: torch.Tensor  # the same, as a tensor on the device
-    # The norm a rank clips by: the gradient norm, or for local gradients (DeMo) the rank's own.
-    clip_norm_t: torch.Tensor
-    # Some rank's gradients overflowed (fp16) or, for local gradients, were not finite.
-    flagged: bool
-    stop: str | None  # the stop signal some rank caught
-
-
-def reduce_step(
-    loss_sum: torch.Tensor,
-    found: torch.Tensor,
-    stop_signal: int,
-    grads: list[torch.Tensor],
-    local_gradients: bool = False,
-    pp: int = 1,
-    group: Any = None,
-    group_size: int | None = None,
-) -> StepValues:
-    """Agree on the step's loss, flags, stop signal and gradient norm in one all-reduce of a few floats
-    (nothing without a process group), read back in one device sync.
-
-    The ranks that agree are every rank, or ``group`` of ``group_size`` ranks (a DiLoCo replica,
-    whose steps between outer syncs involve no other replica; ``group_size`` 1: no collective).
-
-    One vector carries: the loss summed over this rank's micro-batches, this rank's flag (an overflow,
-    or a non-finite norm of local gradients; counted, since a MAX can drop a NaN), one stop vote per
-    signal, and the squared norm of the gradients this rank holds when others hold the rest (sharded
-    DTensors, each shard counted once over its replicas) or when each rank's gradients are its own.
-    Replicated plain gradients (DDP, one process) are already the same everywhere: their norm is local.
-    With ``pp`` pipeline ranks, each holds its stages' gradients and only the last stage a loss.
-    """
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if group_size is not None:
-        world = group_size
-    own_sq, shared_sq = _norm_parts(grads, world, pp)
-    norm_sq = shared_sq
-    if local_gradients:
-        # The mean of the squared norms of the ranks' own gradients: each rank's own whole norm over
-        # the world, or, sharded (FSDP inside DiLoCo replicas), each shard once per replica.
-        norm_sq = shared_sq if shared_sq is not None else own_sq / world
-    flag = found.float().reshape(1)
-    if local_gradients:
-        flag = torch.maximum(flag, (~torch.isfinite(own_sq)).float().reshape(1))
-    parts = [loss_sum.float().reshape(1), flag, torch.tensor(stop_votes(stop_signal))]
-    if norm_sq is not None:
-        parts.append(norm_sq.float().reshape(1))
-    v = torch.cat([t.to(loss_sum.device) for t in parts])
-    if world > 1:
-        all_reduce("train_step reduction", v, faultable=True, group=group)
-        v[0] /= world // pp  # the ranks that hold a loss
-    # Local gradients: the root mean square of the replicas' norms. Replicated plain ones: local.
-    norm_t = v[-1].sqrt() if norm_sq is not None else own_sq.sqrt().to(v.device)
-    values = torch.cat([v, norm_t.reshape(1).to(v.dtype)]).tolist()  # the step's one device sync
-    return StepValues(
-        loss=values[0],
-        norm=values[-1],
-        norm_t=norm_t,
-        # DeMo clips each rank's own gradients by their own norm, as the algorithm does.
-        clip_norm_t=own_sq.sqrt().to(v.device) if local_gradients else norm_t,
-        flagged=values[1] > 0,
-        stop=agreed_stop(values[2:5], world),
-    )
-
-
-def _norm_parts(
-    grads: list[torch.Tensor], world: int, pp: int = 1
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(the sum of squares of the gradients as this rank holds them; this rank's part of the global
-    sum of squares when some gradients are sharded DTensors or split into pipeline stages, else None:
-    summed over the ranks, it counts every shard once, dividing by the copies its replicas hold)."""
-    if pp == 1 and not any(isinstance(g, DTensor) for g in grads):
-        return _sum_sq(grads), None
-    if not grads:
-        return torch.zeros(()), torch.zeros(())
-    sq = _squares([g.to_local() if isinstance(g, DTensor) else g for g in grads])
-    # A stage's gradients are held by the world / pp ranks of its stage. Plain ones are replicated on
-    # all of them; a shard on its replicas' ranks (those of its mesh, and every rank of the stage
-    # outside it: a tensor-parallel mesh spans a part of the world).
-    holders = world // pp
-    copies = [
-        holders
-        // g.device_mesh.size()
-        * math.prod(g.device_mesh.size(i) for i, p in enumerate(g.placements) if p.is_replicate())
-        if isinstance(g, DTensor)
-        else holders
-        for g in grads
-    ]
-    return sq.sum(), (sq / torch.tensor(copies, dtype=sq.dtype, device=sq.device)).sum()
-
-
-def _squares(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Each tensor's squared norm, in float32, as one vector (two kernels, whatever the count)."""
-    return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square()
-
-
-def _sum_sq(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return _squares(tensors).sum() if tensors else torch.zeros(())
 
 
 def _replicas(dims: ParallelDims) -> str:
@@ -756,7 +651,11 @@ class TorchEngine:
     def agreed_max(self, values: list[float]) -> list[float]:
         if not dist.is_initialized():
             return values
-        t = torch.tensor(values, dtype=torch.float64, device=self.d.device)
+        # Made on the device, each value a scalar kernel argument: a tensor of them copied to a GPU
+        # would sync the host once more; the read after the reduction is the sync it needs.
+        t = torch.empty(len(values), dtype=torch.float64, device=self.d.device)
+        for i, value in enumerate(values):
+            t[i].fill_(value)
         with recorded("alerts: the ranks' largest figures", "all_reduce", t):
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return [float(v) for v in t.tolist()]

@@ -49,16 +49,17 @@ class StepOutOfMemory(Exception):
         self.ranks, self.micro, self.detail = ranks, micro, detail
 
 
-def agree_out_of_memory(failed: bool) -> list[int]:
+def agree_out_of_memory(failed: bool, device: torch.device | None = None) -> list[int]:
     """The ranks that ran out of memory in this step, the same list on every rank (one all-reduce of a
-    float per rank; nothing without a process group)."""
+    float per rank; nothing without a process group). NCCL's votes are made on ``device`` (the GPU;
+    made there, not copied there), gloo's on the host; reading them back is the one host sync it
+    needs (every rank decides on it before any gradient is synchronised)."""
     if not dist.is_initialized():
         return [0] if failed else []
     world, rank = dist.get_world_size(), dist.get_rank()
-    votes = torch.zeros(world)
-    votes[rank] = float(failed)
-    if dist.get_backend() == "nccl":
-        votes = votes.cuda()
+    nccl = dist.get_backend() == "nccl"
+    votes = torch.zeros(world, device=device if nccl else "cpu")
+    votes[rank].fill_(float(failed))
     with recorded("out-of-memory agreement", "all_reduce", votes):
         dist.all_reduce(votes)
     return [r for r, v in enumerate(votes.tolist()) if v > 0]

@@ -85,10 +85,13 @@ class LossScaler:
         return loss * self.scale if self.enabled else loss
 
     @torch.no_grad()
-    def unscale_(self, parameters: Iterable[nn.Parameter]) -> torch.Tensor:
+    def unscale_(
+        self, parameters: Iterable[nn.Parameter], device: torch.device | None = None
+    ) -> torch.Tensor:
         """Divide the gradients by the scale; returns this rank's overflow flag (1.0 when a gradient
-        it holds is inf/NaN) as a tensor, for the step's reduction to agree on over all ranks."""
-        found = torch.zeros(())
+        it holds is inf/NaN) as a tensor on ``device`` (the gradients'), for the step's reduction to
+        agree on over all ranks. Made there, not moved there: a copy to a GPU would sync the host."""
+        found = torch.zeros((), device=device)
         if not self.enabled:
             return found
         for p in parameters:
@@ -96,7 +99,7 @@ class LossScaler:
                 continue
             g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             g.mul_(1.0 / self.scale)
-            found = torch.maximum(found.to(g.device), (~torch.isfinite(g)).any().float())
+            found = torch.maximum(found, (~torch.isfinite(g)).any().float())
         return found
 
     def update(self, found_inf: bool) -> None:

@@ -1,0 +1,116 @@
+"""A training step syncs the host with the device once: the read of the figures its ranks agreed on.
+
+Counted on the CPU by :class:`dtlab.metrics.syncs.HostSyncCounter` (what the same code would cost on a
+GPU) and, where CUDA is, by the counter on the GPU and by CUDA's own sync debug mode. Before this was
+made so, a step cost three on one process (its overflow flag made on the host, its stop votes built
+from Python values and copied, the read) and four under FSDP and ZeRO-1 (the shards' copy counts
+copied too).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from conftest import run_worker
+from dtlab.config import load_config
+from dtlab.metrics.syncs import HostSyncCounter
+from dtlab.parallel import DistInfo
+from dtlab.train.loop import build_training, train_step
+
+BASE = [
+    "model.preset=debug",
+    "data.source=synthetic",
+    "data.seq_len=32",
+    "train.global_batch_size=4",
+]
+# The one sync of a step: reading back the agreed loss, norm, flags and stop votes (reduce_step).
+ONE = {"read": 1}
+
+
+def test_the_counter_sees_each_kind_of_sync() -> None:
+    t = torch.ones(3, device="cpu")
+    counter = HostSyncCounter("cpu")
+    with counter:
+        t.sum().item()
+        float(t[0])
+        t.tolist()
+        torch.tensor([1.0, 2.0])  # host data
+        torch.zeros(2)  # host tensor: no device given
+        # None of these: made on the device, scalars passed as kernel arguments.
+        torch.zeros(2, device="cpu")
+        t[0] = 2.0
+        t[1].fill_(3.0)
+        torch.full((2,), 1.0, device="cpu")
+    assert dict(counter.counts) == {"read": 3, "host data": 1, "host tensor": 1}
+    # Each where this test caused it.
+    assert {where.rsplit(":", 1)[0] for _, where in counter.where} == {__file__}
+
+
+def _steps(device: torch.device, *overrides: str, steps: int = 3) -> list[HostSyncCounter]:
+    config = load_config(overrides=[*BASE, "train.grad_clip=0.05", *overrides])
+    tr = build_training(config, DistInfo(0, 1, 0, 1, device, None))
+    counters = []
+    for k in range(steps):
+        batch = tr.loader.build_step(k)
+        counter = HostSyncCounter(device)
+        with counter:
+            train_step(tr.pm, tr.optimizer, tr.scheduler, tr.scaler, batch, config, device)
+        counters.append(counter)
+    tr.loader.close()
+    return counters
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_one_process_step_syncs_once(precision: str) -> None:
+    for c in _steps(torch.device("cpu"), f"train.precision={precision}"):
+        assert dict(c.counts) == ONE, c.where
+
+
+@pytest.mark.parametrize(
+    "layout, expected, steps",
+    [
+        (["parallel.strategy=fsdp", "train.precision=fp16"], ONE, "all"),
+        (["parallel.strategy=ddp", "parallel.sharding=optimizer"], ONE, "all"),
+        # The out-of-memory agreement is read before any gradient is synchronised: one more.
+        (["parallel.strategy=ddp", "train.oom_retry=true"], {"read": 2}, "all"),
+        (["parallel.tp=2"], ONE, "all"),
+        # torch's pipeline stages exchange their shapes once, in the first step.
+        (["parallel.pp=2", "parallel.pp_microbatches=2"], ONE, "after-first"),
+    ],
+    ids=["fsdp-fp16", "zero1", "ddp-oom-retry", "tp", "pp"],
+)
+def test_two_rank_engine_step_syncs_once(
+    layout: list[str], expected: dict[str, int], steps: str
+) -> None:
+    run_worker("host_sync_worker.py", 2, json.dumps(expected), steps, *layout)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_cuda_step_syncs_once(precision: str) -> None:
+    """On a GPU: the counter sees one read per step, and CUDA's sync debug mode one synchronising
+    operation per step after the first (which may hold libraries' one-time work)."""
+    cuda = torch.device("cuda", 0)
+    for c in _steps(cuda, f"train.precision={precision}"):
+        assert dict(c.counts) == ONE, c.where
+    config = load_config(overrides=[*BASE, "train.grad_clip=0.05", f"train.precision={precision}"])
+    tr = build_training(config, DistInfo(0, 1, 0, 1, cuda, None))
+    syncs = []
+    for k in range(3):
+        batch = tr.loader.build_step(k)
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                train_step(tr.pm, tr.optimizer, tr.scheduler, tr.scaler, batch, config, cuda)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs.append(sum("synchronizing" in str(w.message) for w in caught))
+    tr.loader.close()
+    assert syncs[1:] == [1, 1], syncs
