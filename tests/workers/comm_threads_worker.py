@@ -75,8 +75,9 @@ else:
     counter = CommCounter()
     with counter:
         train_step(pm, opt, sched, LossScaler(False), batch, config, d.device)
-    # The step's own reduction: loss, overflow flag, one vote per stop signal (5 float32).
-    reduction = 20
+    # The step's own reduction: loss, overflow flag, one vote per stop signal (5 float32); none on
+    # one rank.
+    reduction = 20 if d.world_size > 1 else 0
     shapes = [tuple(p.shape) for p in pm.module.parameters()]
     if compression == "fp16":  # every gradient element once, in 2 bytes
         hook = 2 * sum(torch.Size(s).numel() for s in shapes)
