@@ -6,7 +6,8 @@ Plain torch, nothing else: the model, AdamW with one parameter group (torch's fu
 as dtlab's), cross-entropy, gradient clipping, and with ``--nproc`` > 1 torch's DDP (started through
 the same launcher as ``dtlab train``). The batches are dtlab's - the same samples, split into the
 same micro-batches per rank - and are all prepared before the clock starts: the hand loop pays nothing
-for data.
+for data but the copy to the rank's GPU, which dtlab's step makes too. On a GPU every step is timed
+to the end of its kernels (:mod:`dtlab.bench.timing`).
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from dtlab.bench.timing import synchronize, timed
 from dtlab.cliargs import run_command
 from dtlab.config import Config, load_config
 from dtlab.data import BatchLayout, BatchLoader, build_source
 from dtlab.data.loader import MicroBatch
 from dtlab.models.llama import build_model
 from dtlab.parallel.apply import NO_BUFFER_SYNC
+from dtlab.parallel.dist import resolve_device
 
 
 @dataclass
@@ -72,15 +75,20 @@ def batches(config: Config, rank: int, world: int) -> list[list[MicroBatch]]:
 
 
 class HandStep:
-    """The hand-written step: the model (under DDP when ``world`` > 1), AdamW, and one optimizer step
-    over a rank's micro-batches."""
+    """The hand-written step: the model on ``device`` (this rank's: under DDP when ``world`` > 1, on
+    the process group's backend, NCCL for a GPU), AdamW, and one optimizer step over a rank's
+    micro-batches."""
 
-    def __init__(self, config: Config, world: int = 1) -> None:
+    def __init__(self, config: Config, world: int = 1, device: torch.device | None = None) -> None:
         t = self.t = config.train
+        device = self.device = device if device is not None else torch.device("cpu")
         torch.manual_seed(t.seed)
-        model = build_model(config.model, "cpu")
+        model = build_model(config.model, device)
         # The RoPE tables are constants: no careful DDP loop broadcasts them before every forward.
-        self.ddp = DistributedDataParallel(model, **NO_BUFFER_SYNC) if world > 1 else None
+        ids = [device.index] if device.type == "cuda" else None
+        self.ddp = (
+            DistributedDataParallel(model, device_ids=ids, **NO_BUFFER_SYNC) if world > 1 else None
+        )
         self.net: nn.Module = model if self.ddp is None else self.ddp
         # The same AdamW implementation as dtlab's (fused): what is measured is the loop around it.
         self.opt = torch.optim.AdamW(
@@ -93,6 +101,7 @@ class HandStep:
         step's one host sync, as a loop that prints its loss has)."""
         accum = len(micro_batches)
         for i, (inputs, targets) in enumerate(micro_batches):
+            inputs, targets = inputs.to(self.device), targets.to(self.device)  # (as dtlab's step)
             # Gradients are all-reduced in the last micro-batch's backward only.
             with self.ddp.no_sync() if self.ddp is not None and i < accum - 1 else nullcontext():
                 logits = self.net(inputs)
@@ -105,26 +114,35 @@ class HandStep:
         return float(loss.item())
 
 
-def hand_loop(config: Config, rank: int = 0, world: int = 1) -> LoopTimes:
-    """Train ``train.steps`` steps by hand on rank ``rank`` of ``world`` (DDP when ``world`` > 1)."""
-    step = HandStep(config, world)
+def hand_loop(
+    config: Config, rank: int = 0, world: int = 1, device: torch.device | None = None
+) -> LoopTimes:
+    """Train ``train.steps`` steps by hand on rank ``rank`` of ``world`` (DDP when ``world`` > 1) on
+    ``device`` (the one dtlab's run would take, by default)."""
+    device = device if device is not None else resolve_device(config, 0)
+    step = HandStep(config, world, device)
     data = batches(config, rank, world)
     times = []
+    synchronize(device)
     start = time.perf_counter()
     for micro_batches in data:
-        t0 = time.perf_counter()
-        step(micro_batches)
-        times.append(time.perf_counter() - t0)
+        with timed(device) as t:
+            step(micro_batches)
+        times.append(t.seconds)
     wall = time.perf_counter() - start
     return LoopTimes.from_steps(times, wall, torch.get_num_threads())
 
 
 def _worker(config: Config, out: Path) -> None:
-    """One rank of the hand-written DDP loop; rank 0 writes the times."""
-    dist.init_process_group("gloo")
+    """One rank of the hand-written DDP loop (on this rank's GPU with NCCL where dtlab would take
+    one, else gloo on CPU); rank 0 writes the times."""
+    device = resolve_device(config, int(os.environ.get("LOCAL_RANK", "0")))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
-        times = hand_loop(config, rank, world)
+        times = hand_loop(config, rank, world, device)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -144,7 +162,7 @@ def interleaved(config: Config) -> dict[str, list[float]]:
     d = init_distributed(config)
     tr = build_training(config, d)
     tr.loader.close()  # the batches below are built ahead, as the hand loop's are
-    hand = HandStep(config, d.world_size)
+    hand = HandStep(config, d.world_size, d.device)  # the rank's device, on dtlab's process group
     times: dict[str, list[float]] = {"hand": [], "dtlab": []}
 
     def ours(mb: list[MicroBatch]) -> None:
@@ -153,10 +171,10 @@ def interleaved(config: Config) -> dict[str, list[float]]:
     runs: list[tuple[str, Any]] = [("hand", hand), ("dtlab", ours)]
     for i, mb in enumerate(batches(config, d.dims.dp_rank(d.rank), d.dims.dp)):
         for name, fn in runs if i % 2 == 0 else runs[::-1]:
-            t0 = time.perf_counter()
-            fn(mb)
+            with timed(d.device) as t:
+                fn(mb)
             if i > 0:
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(t.seconds)
     return times
 
 

@@ -30,12 +30,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from dtlab.analysis.model import predicted_bubble
+from dtlab.bench.timing import synchronize, timed
 from dtlab.cliargs import parse_config_args, run_command, script_parser
 from dtlab.config import SINGLE_STAGE_SCHEDULES, Config, load_config
 from dtlab.errors import DtlabError
@@ -56,16 +56,16 @@ def _worker(config: Config, out: Path, warmup: int) -> None:
         tr = build_training(config, d)
         pipeline = tr.pm.pipeline
         assert pipeline is not None
-        blocks = record_timeline(pipeline)
+        # On a GPU each block and the schedule are timed to the end of their kernels.
+        blocks = record_timeline(pipeline, sync=lambda: synchronize(d.device))
         spans: list[tuple[float, float]] = []
         run_schedule = pipeline.step
 
         def timed_step(*args: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return run_schedule(*args)
-            finally:
-                spans.append((t0, time.perf_counter()))
+            with timed(d.device) as clock:
+                result = run_schedule(*args)
+            spans.append((clock.start, clock.end))
+            return result
 
         pipeline.step = timed_step  # type: ignore[method-assign,assignment]
         steps = []

@@ -33,20 +33,25 @@ from dtlab.analysis.model import (
     StepPlan,
     TPSplit,
     activation_bytes,
+    attention_kernel,
     bus_bytes,
     flops_per_token,
     fsdp_half_params,
+    kernel_bytes,
     param_shapes,
     plan_step,
 )
 from dtlab.bench.memory import gradient_bytes, kept_activation_bytes
+from dtlab.bench.timing import timed
 from dtlab.cliargs import add_config_args, parse_config_args, run_command
 from dtlab.config import Config, load_config
 from dtlab.errors import DtlabError
 from dtlab.metrics.comm import CommCounter
 from dtlab.metrics.logging import setup_logging
+from dtlab.metrics.peaks import cuda_peaks
 from dtlab.metrics.profiling import StepProfiler
-from dtlab.metrics.report import peak_memory_bytes
+from dtlab.metrics.report import peak_memory_bytes, peak_reserved_bytes
+from dtlab.models.args import model_args
 from dtlab.parallel import destroy_distributed, init_distributed
 from dtlab.parallel.dist import DistInfo, is_worker_env, reduce_scalar
 from dtlab.runtime.faults import Faults
@@ -220,12 +225,17 @@ def _bench(
     logging.getLogger("dtlab").setLevel(
         logging.ERROR
     )  # the row is the output; the run's lines are not
-    timed = range(warmup + 1, warmup + config.train.steps + 1)
-    run_config = _run_config(config, d, timed)
+    steps = range(warmup + 1, warmup + config.train.steps + 1)  # the timed steps
+    run_config = _run_config(config, d, steps)
     run_dir, lock = resolve_run_dir(run_config, d)
-    engine = BenchEngine(run_config, d, run_dir, timed, profile_dir)
+    engine = BenchEngine(run_config, d, run_dir, steps, profile_dir)
     peak = peak_flops(config, d)
     act = measured_activation_bytes(engine.tr, config, d.device)
+    if d.device.type == "cuda":
+        # The GEMM probe (8192 x 8192 matrices) and the activation measurement are not training: their
+        # blocks go back to the device and the peaks start with the run.
+        torch.cuda.empty_cache()
+        cuda_peaks(d.device).restart()
     timing = TimingSink()
     signals = StopSignals()
     try:
@@ -236,17 +246,19 @@ def _bench(
             lock.release()
         if d.is_main:
             shutil.rmtree(run_dir, ignore_errors=True)
+    # The training's peaks, read before the replay's buffers and the compute-only model exist.
+    memory = _memory_figures(config, d, engine.tr, act)
     comm_time = _replay_collectives(engine.counter, d)
     compute_time = _compute_only(config, d, engine.tr) if comm_time is not None else None
     losses = [m["loss"] for m in timing.records]
-    speed = _speed_figures(config, timing, timed, *peak)
+    speed = _speed_figures(config, timing, steps, *peak)
     row = {
         **_layout_figures(config, d),
         **speed,
-        **_memory_figures(config, d, engine.tr, act),
+        **memory,
         **_comm_figures(config, d, engine.counter, comm_time),
         **_overlap_figures(speed["step_time_s"], compute_time, comm_time),
-        "cpu_util": _cpu_util(timing, timed) / (os.cpu_count() or 1),
+        "cpu_util": _cpu_util(timing, steps) / (os.cpu_count() or 1),
         "loss_initial": losses[0],
         "loss_final": losses[-1],
         "losses": losses,
@@ -318,28 +330,43 @@ def _speed_figures(
 
 
 def _memory_figures(config: Config, d: DistInfo, tr: Training, act: int | None) -> dict[str, Any]:
-    """Peak memory (the largest rank's: a collective), state and activation bytes, next to predicted."""
+    """Peak memory (the largest rank's: a collective) of the tensors and, on a GPU, reserved by the
+    allocator (the tensors plus its cache); state and activation bytes, next to predicted: the
+    activations with what the attention kernel that runs here keeps (:func:`kernel_bytes`)."""
     t = config.train
-    predicted = plan_step(config, d.world_size, pp_rank=0)
+    predicted = plan_step(config, d.world_size, pp_rank=0, device_type=d.device.type)
+    split = TPSplit(d.dims.tp, config.parallel.sequence_parallel)
+    kernel = attention_kernel(config.model, t.precision, d.device.type)
+    tokens = tr.micro * config.seq_len
+    extra = kernel_bytes(
+        config.model, tokens, config.seq_len, t.precision, t.activation_checkpointing, kernel, split
+    )
+    reserved = peak_reserved_bytes(d.device)
     return {
         "peak_memory_bytes": int(reduce_scalar(peak_memory_bytes(d.device), "max")),
+        "peak_memory_reserved_bytes": None
+        if reserved is None
+        else int(reduce_scalar(reserved, "max")),
         "state_bytes": state_bytes(tr, config, d.device),
         "state_bytes_predicted": {
             "params_bytes": predicted.params_bytes,
             "grads_bytes": predicted.grads_bytes,
             "optimizer_bytes": predicted.optimizer_bytes,
         },
+        "attention_kernel": kernel,
         "activation_bytes": act,
         "activation_bytes_predicted": None
         if act is None
         else activation_bytes(
             config.model,
-            tr.micro * config.seq_len,
+            tokens,
             t.precision,
             t.activation_checkpointing,
-            TPSplit(d.dims.tp, config.parallel.sequence_parallel),
+            split,
             half_params=fsdp_half_params(config, d.dims),
-        ),
+        )
+        + extra,
+        "activation_kernel_bytes": extra,
     }
 
 
@@ -446,21 +473,21 @@ def _replay_once(plan: list[tuple[str, Any, int]], d: DistInfo) -> float:
         part = max(1, n // size)  # an all-gather's input, a reduce-scatter's output
         buf = torch.zeros(n, device=d.device)
         big, small = torch.zeros(part * size, device=d.device), torch.zeros(part, device=d.device)
+        source = big.clone() if name == "all_to_all" else None
         dist.barrier()
-        t0 = time.perf_counter()
-        if name == "all_reduce":
-            dist.all_reduce(buf, group=group)
-        elif name == "all_gather":
-            dist.all_gather_into_tensor(big, small, group=group)
-        elif name == "reduce_scatter":
-            dist.reduce_scatter_tensor(small, big, group=group)
-        elif name == "all_to_all":  # ZeRO-1's reduce-scatter
-            dist.all_to_all_single(big, big.clone(), group=group)
-        else:
-            dist.broadcast(buf, src=dist.get_global_rank(group, 0), group=group)
-        if d.device.type == "cuda":
-            torch.cuda.synchronize(d.device)  # NCCL returns once the collective is queued
-        elapsed += time.perf_counter() - t0
+        # NCCL returns once the collective is queued: the device is waited for around it.
+        with timed(d.device) as t:
+            if name == "all_reduce":
+                dist.all_reduce(buf, group=group)
+            elif name == "all_gather":
+                dist.all_gather_into_tensor(big, small, group=group)
+            elif name == "reduce_scatter":
+                dist.reduce_scatter_tensor(small, big, group=group)
+            elif source is not None:  # all_to_all: ZeRO-1's reduce-scatter
+                dist.all_to_all_single(big, source, group=group)
+            else:
+                dist.broadcast(buf, src=dist.get_global_rank(group, 0), group=group)
+        elapsed += t.seconds
     return elapsed
 
 
@@ -489,21 +516,41 @@ def _replay_collectives(counter: CommCounter, d: DistInfo) -> float | None:
 COMPUTE_REPEATS = 5  # compute-only steps timed (the median counts), after one untimed
 
 
-def _compute_only(config: Config, d: DistInfo, tr: Training) -> float | None:
-    """The step without a collective, timed on every rank at once (the longest median counts): this
-    rank's forward and backward over its micro-batches on a plain copy of the model (no wrapper, the
-    same activation checkpointing), and a fused AdamW step over as many elements as the rank's
-    optimizer holds (all of them under DDP, its shard under FSDP)."""
-    if not dist.is_initialized() or d.dims.tp_enabled or d.dims.pp_enabled:
-        return None
+def compute_model(config: Config, device: torch.device) -> torch.nn.Module:
+    """A model that computes what ``config``'s does, block for block, holding one block's weights:
+    every layer is the same :class:`Block` (the blocks all have one shape), with the embedding, final
+    norm and output of the real model, and its activation checkpointing and compilation.
+
+    The forward and backward run the same matmuls on the same activations as the real model's (every
+    layer keeps its own activations); the gradients of the shared block add up over the layers, an
+    element-wise add per layer that a model of separate blocks does not do. What it does not need is
+    a second whole copy of the weights beside the live model's: under FSDP that copy would not fit
+    where the sharded model does."""
     from dtlab.models.llama import build_model
     from dtlab.parallel.apply import apply_ac, apply_compile
 
-    t = config.train
-    model = build_model(config.model, device=d.device)
-    apply_ac(model, t.activation_checkpointing)
-    if t.compile:
+    layers = model_args(config.model).n_layers
+    model = build_model(config.model.model_copy(update={"n_layers": 1}))  # on the meta device
+    block = model.layers["0"]
+    for i in range(1, layers):
+        model.layers[str(i)] = block
+    model.to_empty(device=device)
+    model.init_weights()
+    apply_ac(model, config.train.activation_checkpointing)
+    if config.train.compile:
         apply_compile(model)
+    return model
+
+
+def _compute_only(config: Config, d: DistInfo, tr: Training) -> float | None:
+    """The step without a collective, timed on every rank at once (the longest median counts): this
+    rank's forward and backward over its micro-batches on the model's computation alone
+    (:func:`compute_model`: no wrapper, the same activation checkpointing), and a fused AdamW step over
+    as many elements as the rank's optimizer holds (all of them under DDP, its shard under FSDP)."""
+    if not dist.is_initialized() or d.dims.tp_enabled or d.dims.pp_enabled:
+        return None
+    t = config.train
+    model = compute_model(config, d.device)
     held = sum(
         _local_bytes(p) // p.element_size() for g in tr.optimizer.param_groups for p in g["params"]
     )
@@ -514,14 +561,12 @@ def _compute_only(config: Config, d: DistInfo, tr: Training) -> float | None:
     times = []
     for _ in range(COMPUTE_REPEATS + 1):
         dist.barrier()
-        t0 = time.perf_counter()
-        for x, y in micro_batches:
-            (forward_loss(model, x, y, t.precision, d.device) / len(micro_batches)).backward()
-        optimizer.step()
-        model.zero_grad(set_to_none=True)
-        if d.device.type == "cuda":
-            torch.cuda.synchronize(d.device)
-        times.append(time.perf_counter() - t0)
+        with timed(d.device) as clock:
+            for x, y in micro_batches:
+                (forward_loss(model, x, y, t.precision, d.device) / len(micro_batches)).backward()
+            optimizer.step()
+            model.zero_grad(set_to_none=True)
+        times.append(clock.seconds)
     return reduce_scalar(statistics.median(times[1:]), "max")
 
 

@@ -180,10 +180,14 @@ class Block:
     end: float
 
 
-def record_timeline(pipeline: Pipeline) -> list[Block]:
+def record_timeline(pipeline: Pipeline, sync: Callable[[], None] = lambda: None) -> list[Block]:
     """Time every forward, backward and weight-gradient computation of this rank's stages from now on,
     into the returned list (the schedule calls the stages' methods; sends and receives are outside
-    them, so the gaps between blocks are the rank's idle time)."""
+    them, so the gaps between blocks are the rank's idle time).
+
+    ``sync`` waits for the device, before a block's clock starts and before it stops: on a GPU a
+    stage's method returns once its kernels are queued, so without it a block would time their
+    launch (``dtlab.bench.pipeline`` passes the device's synchronisation)."""
     blocks: list[Block] = []
     methods = {
         "F": "forward_one_chunk",
@@ -206,10 +210,12 @@ def record_timeline(pipeline: Pipeline) -> list[Block]:
                 # schedules' input-gradient half.
                 full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
                 k = "I" if _k == "B" and not full else _k
+                sync()
                 t0 = time.perf_counter()
                 try:
                     return _f(mb, *args, **kwargs)
                 finally:
+                    sync()
                     blocks.append(Block(k, _s, mb, t0, time.perf_counter()))
 
             setattr(stage, name, timed)
