@@ -208,7 +208,9 @@ class AlertsConfig(_Section):
         gt=0,
         le=1,
         description="A rank's memory use above this fraction of its device's memory (CUDA: the "
-        "allocator's peak in the step; CPU and MLX: the process's resident memory, of the machine's).",
+        "allocator's reserved peak in the step plus what the device holds outside it: the CUDA "
+        "context, NCCL, other processes; CPU and MLX: the process's resident memory, of the "
+        "machine's).",
     )
     throughput_drop: float | None = Field(
         None,
