@@ -347,3 +347,35 @@ def test_cuda_a_reduction_of_another_shape_on_nccl_is_named(tmp_path: Path) -> N
         assert re.search(
             r"rank 0 float32\[5\], rank 1 float32\[6\]|different element counts", line
         ), line
+
+
+_ONE_GPU_RANK = """
+import os, torch, torch.distributed as dist
+from dtlab.config import load_config
+from dtlab.parallel.dist import destroy_distributed, init_distributed
+from dtlab.parallel.forensics.flight import flight_recorder
+
+d = init_distributed(load_config(overrides=["parallel.strategy=ddp", "train.device=cuda"]))
+assert d.backend == "nccl", d.backend
+pg = dist.distributed_c10d._get_default_group()
+assert pg.bound_device_id == torch.device("cuda", 0), pg.bound_device_id
+for key in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_ASYNC_ERROR_HANDLING"):
+    assert key in os.environ, key
+t = torch.ones(3, device="cuda")
+dist.all_reduce(t)
+torch.cuda.synchronize()
+fr = flight_recorder(None, backend="nccl")
+assert fr is not None and any("all_reduce" in str(e.get("profiling_name")) for e in fr["entries"]), fr
+destroy_distributed()
+print("ok")
+"""
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_the_nccl_group_is_bound_to_its_gpu_and_its_flight_recorder_is_read() -> None:
+    env = cli_env({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-c", _ONE_GPU_RANK], capture_output=True, text=True, timeout=180, env=env
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
