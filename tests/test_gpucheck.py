@@ -30,7 +30,7 @@ def gpucheck(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
     return subprocess.run(
         [sys.executable, "-m", "dtlab.gpucheck", *args],
         capture_output=True, text=True, cwd=ROOT, env=cli_env({**NO_GPU, **(env or {})}),
-        timeout=300,
+        timeout=600,
     )  # fmt: skip
 
 

@@ -65,8 +65,10 @@ def settings_for(gpus: int) -> Settings:
         "resume": 45.0, "equivalence": 60.0, "killed-rank": 75.0,
     }  # fmt: skip
     if gpus == 0:
+        # A shared CPU's load, not the work, decides how long these take: no step of the smoke is
+        # failed for a neighbour's test run.
         return Settings(
-            gpu=False, timeouts=timeouts,
+            gpu=False, timeouts=dict.fromkeys(timeouts, 150.0),
             smoke="CPU smoke of the pipeline (the debug model in fp32, no compile, a few steps; not "
             "a measurement of a GPU)",
             train=DEBUG, train_steps=2, train_warmup=1,
