@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 __all__ = ["HostSyncCounter"]
 
@@ -95,7 +95,11 @@ class HostSyncCounter(TorchDispatchMode):
         counter = self
 
         def tolist(t: torch.Tensor) -> Any:
-            if counter._in_tolist:  # the same call, back through the factories' function mode
+            # The same call back through the factories' function mode, or another thread's (the
+            # patch is global; the modes see only the threads that hold them): not counted here.
+            if counter._in_tolist or not any(
+                m is counter for m in _get_current_dispatch_mode_stack()
+            ):
                 return original(t)
             if counter._on_device(t):
                 counter._count("read")
