@@ -253,10 +253,12 @@ def test_more_processes_than_gpus_are_refused_naming_both() -> None:
     assert [gpu_for(r, 2, 4) for r in (0, 1)] == [0, 1]  # each its own, never local_rank % count
     with pytest.raises(DtlabError, match=r"^4 processes per node but 2 GPUs "):
         gpu_for(3, 1, 2)  # local rank 3 needs a fourth GPU, whatever the node's size says
+    assert [gpu_for(r, 4, 2, share=True) for r in range(4)] == [0, 1, 0, 1]  # gloo, on purpose
     with pytest.raises(DtlabError, match=r"8 processes per node but 4 GPUs requested per node"):
-        check_job_gpus("auto", 8, 4)
-    check_job_gpus("cpu", 8, 4)  # gloo on the CPU: GPUs requested for something else
-    check_job_gpus("auto", 8, 0)  # none requested: nothing to check
+        check_job_gpus("auto", "auto", 8, 4)
+    check_job_gpus("cpu", "auto", 8, 4)  # on the CPU: GPUs requested for something else
+    check_job_gpus("cuda", "gloo", 8, 4)  # gloo's ranks may share a GPU
+    check_job_gpus("auto", "auto", 8, 0)  # none requested: nothing to check
 
 
 def test_launch_refuses_a_job_with_more_processes_than_gpus_per_node(tmp_path: Path) -> None:

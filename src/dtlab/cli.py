@@ -208,7 +208,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from dtlab.parallel.devices import check_node_gpus
     from dtlab.train.rundir import check_free
 
-    check_node_gpus(config.train.device, args.nproc)  # one GPU per process, before any starts
+    # One GPU per process, before any starts.
+    check_node_gpus(config.train.device, config.parallel.backend, args.nproc)
     run_dir, worker_args = _prepare_launch(args, config)
     check_free(run_dir)  # a run already training there: say so before starting any process
     check_before_launch(config, run_dir)
@@ -271,7 +272,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
     config = load_config(args.config, args.overrides)
     check_world(config, args.nodes * args.nproc_per_node)
-    check_job_gpus(config.train.device, args.nproc_per_node, args.gpus_per_node)
+    check_job_gpus(
+        config.train.device, config.parallel.backend, args.nproc_per_node, args.gpus_per_node
+    )
     config, note = launch_checkpointing(config, args.no_checkpoint)
     if note:
         print(note, file=sys.stderr)

@@ -1,4 +1,5 @@
-"""Which GPU each process of a node trains on: one GPU per process, never two processes on one.
+"""Which GPU each process of a node trains on: one GPU per process, never two processes on one (unless
+``parallel.backend`` is ``gloo``, chosen on purpose: gloo lets ranks share a GPU, NCCL does not).
 
 Pure arithmetic (no CUDA needed), so that the launching process can refuse a world its node's GPUs
 cannot hold before any worker starts, and every worker checks the same rule again at start-up.
@@ -22,31 +23,37 @@ def check_gpus(nproc: int, gpus: int, where: str) -> None:
         raise DtlabError(
             f"{nproc} processes per node but {gpus} GPU{'s' if gpus != 1 else ''} {where}: "
             f"each process needs a GPU of its own (NCCL refuses two ranks on one GPU); allowed: at "
-            f"most {gpus} process{'es' if gpus != 1 else ''} per node, or train.device=cpu (gloo)"
+            f"most {gpus} process{'es' if gpus != 1 else ''} per node, train.device=cpu, or "
+            "parallel.backend=gloo (ranks then share GPUs)"
         )
 
 
-def gpu_for(local_rank: int, local_world: int, gpus: int) -> int:
+def gpu_for(local_rank: int, local_world: int, gpus: int, share: bool = False) -> int:
     """The GPU of local rank ``local_rank`` among ``local_world`` processes on a node with ``gpus``
-    visible GPUs: its own index (a DtlabError when the node has fewer GPUs than processes)."""
+    visible GPUs: its own index (a DtlabError when the node has fewer GPUs than processes), or with
+    ``share`` (gloo, chosen on purpose) ``local_rank % gpus``."""
+    if share:
+        return local_rank % gpus
     # A local rank beyond the node's size (a launcher's odd numbering) needs as many GPUs as well.
     nproc = max(local_world, local_rank + 1)
     check_gpus(nproc, gpus, "visible to this node's workers (torch.cuda.device_count())")
     return local_rank
 
 
-def check_node_gpus(device: str, nproc: int) -> None:
+def check_node_gpus(device: str, backend: str, nproc: int) -> None:
     """Before ``dtlab train --nproc N`` starts its workers: refuse more processes than this node's GPUs
-    when they would train on CUDA (``train.device`` ``cuda``, or ``auto`` where CUDA is available)."""
+    when they would train on CUDA (``train.device`` ``cuda``, or ``auto`` where CUDA is available),
+    unless ``parallel.backend`` is ``gloo``."""
     import torch
 
-    if device == "cpu" or not torch.cuda.is_available():
+    if device == "cpu" or backend == "gloo" or not torch.cuda.is_available():
         return  # on the CPU (a cuda request without CUDA is refused by the workers' device choice)
     check_gpus(nproc, torch.cuda.device_count(), "visible on this node (torch.cuda.device_count())")
 
 
-def check_job_gpus(device: str, nproc_per_node: int, gpus_per_node: int) -> None:
+def check_job_gpus(device: str, backend: str, nproc_per_node: int, gpus_per_node: int) -> None:
     """Before ``dtlab launch`` writes a job: refuse more processes per node than the GPUs it requests
-    per node (``--gpus-per-node``; 0 requests none and is not checked), unless it trains on the CPU."""
-    if device != "cpu" and gpus_per_node > 0:
+    per node (``--gpus-per-node``; 0 requests none and is not checked), unless it trains on the CPU or
+    ``parallel.backend`` is ``gloo``."""
+    if device != "cpu" and backend != "gloo" and gpus_per_node > 0:
         check_gpus(nproc_per_node, gpus_per_node, "requested per node (--gpus-per-node)")

@@ -63,14 +63,17 @@ def _free_port() -> int:
 
 def resolve_device(config: Config, local_rank: int, local_world: int = 1) -> torch.device:
     """This process's device: its own GPU (local rank ``local_rank`` of ``local_world`` on the node;
-    a DtlabError when the node has fewer GPUs than processes), or the CPU."""
+    a DtlabError when the node has fewer GPUs than processes, unless ``parallel.backend`` is ``gloo``,
+    whose ranks may share one), or the CPU."""
     want = config.train.device
     if want == "cuda" and not torch.cuda.is_available():
         raise ConfigError(
             "train.device = 'cuda' but no CUDA device is available; allowed here: auto, cpu"
         )
     if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", gpu_for(local_rank, local_world, torch.cuda.device_count()))
+        share = config.parallel.backend == "gloo"
+        gpus = torch.cuda.device_count()
+        return torch.device("cuda", gpu_for(local_rank, local_world, gpus, share))
     return torch.device("cpu")
 
 
@@ -139,6 +142,8 @@ def init_distributed(config: Config) -> DistInfo:
             dump_dir = (
                 os.path.join(config.run.dir, "ledger") if config.run.dir is not None else None
             )
+            # (NCCL's own dump on timeout lands in the ledger's directory, which exists by then: the
+            # ledger dumps there when it times the collective out, 30 s before NCCL's watchdog does.)
             os.environ.update(nccl_env(env, dump_dir))
             timeout += timedelta(seconds=NCCL_BACKSTOP_S)
             bound["device_id"] = device
