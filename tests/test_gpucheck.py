@@ -192,3 +192,21 @@ def test_the_killed_rank_check_reads_rank_0s_error_on_gloo(tmp_path: Path) -> No
                     r"a collective failed on rank 0: .*Rank 1 \(pid \d+", check.reason)  # fmt: skip
     launcher = [x for x in check.figures["error_lines"] if x.startswith("error: training failed")]
     assert launcher and "rank 1 (exit code -9)" in launcher[0]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_report_names_the_card_and_its_versions() -> None:
+    """The card's name, memory and capability as torch sees them, the NVIDIA driver (nvidia-smi), the
+    CUDA version the driver supports (libcuda) and NCCL's version, read in a process of its own."""
+    proc = subprocess.run([sys.executable, "-m", "dtlab.gpucheck.machine"], capture_output=True,
+                          text=True, timeout=120, check=True)  # fmt: skip
+    m = json.loads(proc.stdout)
+    assert m["cuda_available"] and m["device_count"] == torch.cuda.device_count()
+    first = torch.cuda.get_device_properties(0)
+    assert m["devices"][0]["name"] == first.name
+    assert m["devices"][0]["memory_bytes"] == first.total_memory
+    assert m["cuda_runtime"] == torch.version.cuda
+    assert re.fullmatch(r"\d+\.\d+", m["cuda_driver_api"]), m["cuda_driver_api"]
+    assert re.fullmatch(r"\d+\.\d+(\.\d+)*", m["nvidia_driver"] or ""), m["nvidia_driver"]
+    assert re.fullmatch(r"\d+\.\d+\.\d+.*", m["nccl"] or ""), m["nccl"]

@@ -8,6 +8,7 @@ GPU 0 from the runs it starts).
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import platform
@@ -16,7 +17,7 @@ import socket
 import subprocess
 from typing import Any
 
-__all__ = ["describe", "nvidia_driver"]
+__all__ = ["cuda_driver_api", "describe", "nvidia_driver"]
 
 
 def nvidia_driver() -> str | None:
@@ -33,6 +34,31 @@ def nvidia_driver() -> str | None:
         return None
     lines = proc.stdout.strip().splitlines()
     return lines[0].strip() if proc.returncode == 0 and lines else None
+
+
+def cuda_driver_api() -> str | None:
+    """The newest CUDA version the installed driver supports (``cuDriverGetVersion``, e.g. "12.4"),
+    or None without a CUDA driver. Read from libcuda itself: torch has no public call for it."""
+    for name in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError:
+            continue
+        version = ctypes.c_int()
+        if lib.cuDriverGetVersion(ctypes.byref(version)) == 0:  # CUDA_SUCCESS; needs no cuInit
+            return f"{version.value // 1000}.{version.value % 1000 // 10}"
+    return None
+
+
+def _nccl() -> str | None:
+    import torch
+
+    try:
+        version = torch.cuda.nccl.version()
+    except (RuntimeError, AttributeError):
+        return None
+    # A tuple (major, minor, patch[, suffix]) in torch 2.x; an int in older releases.
+    return ".".join(str(x) for x in version) if isinstance(version, tuple) else str(version)
 
 
 def _cpu_model() -> str:
@@ -65,13 +91,6 @@ def describe() -> dict[str, Any]:
             "index": i, "name": p.name, "memory_bytes": int(p.total_memory),
             "capability": f"{p.major}.{p.minor}", "multiprocessors": p.multi_processor_count,
         })  # fmt: skip
-    nccl = None
-    if cuda:
-        try:
-            nccl = ".".join(str(x) for x in torch.cuda.nccl.version())
-        except (RuntimeError, AttributeError, TypeError):
-            nccl = None
-    driver_api = getattr(torch._C, "_cuda_getDriverVersion", None)
     return {
         "hostname": socket.gethostname(),
         "platform": platform.platform(),
@@ -83,8 +102,8 @@ def describe() -> dict[str, Any]:
         "nvidia_driver": nvidia_driver() if cuda else None,
         # The CUDA version torch was built with, and the newest the driver supports (e.g. 12040).
         "cuda_runtime": torch.version.cuda,
-        "cuda_driver_api": driver_api() if cuda and driver_api is not None else None,
-        "nccl": nccl,
+        "cuda_driver_api": cuda_driver_api() if cuda else None,
+        "nccl": _nccl() if cuda else None,
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),
         "host_memory_bytes": _host_memory(),

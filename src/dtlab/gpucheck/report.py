@@ -58,7 +58,7 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"- card: {_card(m)}",
         f"- NVIDIA driver {m.get('nvidia_driver') or '-'}, CUDA {m.get('cuda_runtime') or '-'} "
-        f"(torch's build; the driver supports {m.get('cuda_driver_api') or '-'}), NCCL "
+        f"(torch's build; the driver supports up to {m.get('cuda_driver_api') or '-'}), NCCL "
         f"{m.get('nccl') or '-'}",
         f"- torch {m.get('torch')}, Python {m.get('python')}, {m.get('platform')}",
         f"- host {m.get('hostname')}: {m.get('cpu')}, {m.get('cpu_count')} cores, "
