@@ -128,6 +128,20 @@ def test_a_collective_queued_past_the_deadline_is_reported_and_the_group_ended(
     assert text.startswith(json.loads((dumps / "rank0.json").read_text())["diagnosis"])
 
 
+def test_a_block_that_has_not_returned_is_not_timed_by_the_ledger() -> None:
+    # It may be computing (a first step's compile); a collective it waits in is NCCL's watchdog's.
+    led = Ledger(0, 2, timeout_s=0.2, completion=Marker)
+    try:
+        led.begin("ddp gradient buckets", "backward")
+        time.sleep(0.4)
+        assert led.settle() is None and led.failure is None
+        led.end(led.entries[-1])  # returned: queued now, and timed from here
+        assert led.settle() is None
+        assert led.settle(now=time.time() + 0.3) is led.entries[-1]
+    finally:
+        led.close()
+
+
 def test_the_diagnosis_takes_the_oldest_collective_not_completed_as_where_a_rank_waits() -> None:
     def e(seq: int, name: str, done: bool) -> dict[str, Any]:
         return {

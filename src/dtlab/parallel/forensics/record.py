@@ -17,7 +17,7 @@ When a collective has completed depends on the backend. Gloo's (on CPU tensors) 
 NCCL's return when they are queued on the GPU: there the ledger is given a ``completion`` function
 that records an event on the current stream after the block (:func:`cuda_completion`), and the
 background thread marks the entry completed once the event has passed. It also watches the deadline:
-an entry that has not completed ``timeout_s`` after it began is a collective that failed, reported
+an entry that has not completed ``timeout_s`` after it was queued is a collective that failed, reported
 like one (NCCL itself raises nothing then), and ``on_failure`` is called with the error (the torch
 engine aborts the process group there, so that the training thread's wait ends).
 
@@ -80,8 +80,8 @@ class Entry:
     """One collective (or one group of collectives torch issues at one call site)."""
 
     __slots__ = (
-        "check", "done", "end", "name", "op", "seq", "start", "step", "tensors", "torch_end",
-        "torch_seq",
+        "check", "done", "end", "name", "op", "queued", "seq", "start", "step", "tensors",
+        "torch_end", "torch_seq",
     )  # fmt: skip
 
     def __init__(
@@ -97,6 +97,7 @@ class Entry:
         self.start, self.end = time.time(), None  # type: float, float | None
         self.torch_seq, self.torch_end = torch_seq, None  # type: int | None, int | None
         self.done: Completion | None = None  # queued, not yet known to have run (NCCL)
+        self.queued: float | None = None  # when its block returned with its collectives queued
         # (a host copy of the element count the ranks' reduction summed, what it must be), or None
         self.check: tuple[torch.Tensor, float] | None = None
 
@@ -191,7 +192,7 @@ class Ledger:
         function, and ``queued``) were queued behind what the stream runs, to complete later."""
         entry.torch_end = self._torch_seq() if self._torch_seq else None
         if self._completion is not None and queued:
-            entry.done = self._completion()
+            entry.done, entry.queued = self._completion(), time.time()
             self.unsettled.append(entry)
         else:
             entry.end = time.time()
@@ -240,8 +241,12 @@ class Ledger:
 
     def settle(self, now: float | None = None) -> Entry | None:
         """Mark the queued entries that have run as completed (in stream order: the first that has not
-        stops the scan). Returns the oldest entry not completed ``timeout_s`` after it began (queued, or
-        in a block that has not returned), when completion is watched; else None."""
+        stops the scan). Returns the oldest queued entry not completed ``timeout_s`` after it was
+        queued, when completion is watched; else None.
+
+        A block that has not returned is not timed here: it may be computing (a first step's compile),
+        and a collective it waits in is NCCL's watchdog's to time out (it then raises in that block).
+        """
         with self._settle_lock:
             while self.unsettled:
                 entry = self.unsettled[0]
@@ -253,11 +258,13 @@ class Ledger:
                 self.settled += 1
         if self._completion is None or self.timeout_s is None:
             return None
-        waiting = self.pending()
+        try:
+            waiting = self.unsettled[0]
+        except IndexError:
+            return None
         now = time.time() if now is None else now
-        if waiting is not None and now - waiting.start > self.timeout_s:
-            return waiting
-        return None
+        assert waiting.queued is not None
+        return waiting if now - waiting.queued > self.timeout_s else None
 
     def fail(self, cause: str) -> CollectiveError:
         """This rank's report of a failed collective, made once (by whichever thread sees it first)."""
