@@ -36,7 +36,8 @@ def test_advice_skips_what_is_already_set() -> None:
     assert bare["recommendation"].startswith("nothing fits")
     assert "train.activation_checkpointing=full" in bare["recommendation"]
     assert "train.precision=bf16" in bare["recommendation"]
-    set_ = run_plan("train.precision=bf16", "train.activation_checkpointing=full", memory_gib=0.004)
+    # 3 MiB: FSDP under bf16 gathers half the bytes, and its 3.5 MiB would fit 4 MiB.
+    set_ = run_plan("train.precision=bf16", "train.activation_checkpointing=full", memory_gib=0.003)
     assert set_["recommendation"].startswith("nothing fits")
     assert "activation_checkpointing" not in set_["recommendation"]
     assert "precision" not in set_["recommendation"]
