@@ -263,7 +263,7 @@ def test_the_plan_predicts_the_outer_state_in_host_memory(outer: list[str]) -> N
 def test_on_a_gpu_the_outer_state_is_in_pinned_host_memory_and_trains_as_on_the_cpu() -> None:
     """A replica on the GPU: θ_global, momentum, error feedback and snapshots in pinned host memory,
     the sync in flight's buffer on the GPU, the state dict views of the live tensors; the weights
-    follow the CPU run's (the same arithmetic, on the GPU)."""
+    follow the CPU run's (the same arithmetic, on the GPU, to float32 noise)."""
     cpu = _setup()
     gpu = _setup("cuda")
     _train(*cpu, range(1, 7))
@@ -277,7 +277,7 @@ def test_on_a_gpu_the_outer_state_is_in_pinned_host_memory_and_trains_as_on_the_
     for i, p in enumerate(model.parameters()):
         assert _shares(sd[f"replica.{i}"], p) and sd[f"global.{i}"] is diloco.global_[i]
     for a, b in zip(gpu[0].parameters(), cpu[0].parameters(), strict=True):
-        torch.testing.assert_close(a.cpu(), b, rtol=0, atol=1e-5)
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-4, atol=1e-4)
     # A load from CPU templates (a resume) keeps it so, and the next steps run.
     diloco.load_state_dict(_to_templates(sd))
     assert all(t.is_pinned() for t in _outer_tensors(diloco))
@@ -285,7 +285,7 @@ def test_on_a_gpu_the_outer_state_is_in_pinned_host_memory_and_trains_as_on_the_
     _train(*gpu, range(7, 13))
     _train(*cpu, range(7, 13))
     for a, b in zip(gpu[0].parameters(), cpu[0].parameters(), strict=True):
-        torch.testing.assert_close(a.cpu(), b, rtol=0, atol=1e-5)
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-4, atol=1e-4)
 
 
 GPU_METHODS = {
@@ -311,8 +311,9 @@ GPU_METHODS = {
 @pytest.mark.parametrize("method", list(GPU_METHODS))
 def test_a_one_gpu_run_resumes_and_rolls_back_with_each_method(tmp_path: Path, method: str) -> None:
     """1 GPU: killed after step 7 and resumed from step 6's checkpoint, the run ends as the one never
-    killed; and three bad steps in a row roll it back to step 6, whose state loads onto the GPU and
-    trains on (the per-rank state of each method: loaded into CPU templates, used on the GPU)."""
+    killed; and bad steps in a row roll it back to its last checkpoint, whose state loads onto the
+    GPU and trains on (the per-rank state of each method: loaded into CPU templates, used on the
+    GPU)."""
     opts = [
         *FAST, *GPU_METHODS[method], "train.device=cuda", "train.steps=10", "checkpoint.every=3",
         "parallel.compression_options.start_step=2",
