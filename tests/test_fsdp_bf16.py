@@ -228,3 +228,25 @@ def test_bf16_tolerances_still_catch_a_skipped_gradient_sync(tmp_path: Path) -> 
     assert proc.returncode == 1, proc.stderr + proc.stdout
     assert "(tolerances: loss 0.005, grad norm 0.01 relative, parameters 0.05)" in proc.stdout
     assert "ddp:2: the training first differs beyond tolerance at step 3" in proc.stdout
+
+
+def test_fsdp_fp16_overflow_skips_the_step_on_every_rank(tmp_path: Path) -> None:
+    """fp16 takes the same policy as bf16: the loss scaler unscales FSDP's float32 gradient shards,
+    and a step whose gradients overflow (a NaN loss at step 4) changes no float32 state and halves
+    the scale."""
+    run = tmp_path / "run"
+    proc = run_cli(
+        "train", "--nproc", "2", "--set", *FAST, "train.steps=6", f"run.dir={run}",
+        "parallel.strategy=fsdp", "train.precision=fp16", "checkpoint.every=1", "checkpoint.keep=10",
+        env={"DTLAB_FAULTS": "nan@4"},
+    )  # fmt: skip
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    metrics = read_metrics(run)
+    assert [m["step"] for m in metrics if m["skipped"]] == [4], metrics
+    scales = {m["step"]: m["loss_scale"] for m in metrics}
+    assert scales[4] == scales[3] / 2 == scales[6], scales
+    before, after = (checkpoint_tensors(run / "checkpoints" / f"step-{s:08d}") for s in (3, 4))
+    floating = [k for k, t in before.items() if t.is_floating_point()]
+    assert floating and all(before[k].dtype == torch.float32 for k in floating)
+    for k in floating:
+        assert torch.equal(before[k], after[k]), k
