@@ -16,23 +16,25 @@ from dtlab.bench.memory import activation_case
 from dtlab.config import Config, load_config
 from dtlab.models import build_model
 from dtlab.models.attention import AttentionKernel, choose_kernel, describe_attention
+from dtlab.models.llama import KVCache
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 
 
 @pytest.mark.parametrize(
-    ("device", "dtype", "gqa", "capability", "name", "expand"),
+    ("device", "dtype", "gqa", "capability", "masked", "name", "expand"),
     [
-        ("cpu", F32, True, None, "flash", False),  # torch's CPU flash kernel takes grouped heads
-        ("cpu", BF16, True, None, "flash", False),
-        ("cuda", BF16, True, (9, 0), "flash", False),  # flash / cuDNN take grouped heads
-        ("cuda", F16, True, (8, 0), "flash", False),
-        ("cuda", F32, True, (9, 0), "efficient", True),  # math otherwise: expand k/v
-        ("cuda", F32, False, (9, 0), "efficient", False),  # nothing to expand
-        ("cuda", F32, True, None, "efficient", True),  # sm80+ assumed
-        ("cuda", F16, True, (7, 0), "efficient", True),  # no flash before sm80
-        ("cuda", BF16, True, (7, 5), "math", False),  # no fused bf16 kernel before sm80
-        ("meta", F32, True, None, "math", False),
+        ("cpu", F32, True, None, False, "flash", False),  # torch's CPU kernel takes grouped heads
+        ("cpu", BF16, True, None, True, "flash", False),
+        ("cuda", BF16, True, (9, 0), False, "flash", False),  # flash / cuDNN take grouped heads
+        ("cuda", F16, True, (8, 0), False, "flash", False),
+        ("cuda", F32, True, (9, 0), False, "efficient", True),  # math otherwise: expand k/v
+        ("cuda", F32, False, (9, 0), False, "efficient", False),  # nothing to expand
+        ("cuda", F32, True, None, False, "efficient", True),  # sm80+ assumed
+        ("cuda", BF16, True, (9, 0), True, "efficient", True),  # generation's mask: no flash
+        ("cuda", F16, True, (7, 0), False, "efficient", True),  # no flash before sm80
+        ("cuda", BF16, True, (7, 5), False, "math", False),  # no fused bf16 kernel before sm80
+        ("meta", F32, True, None, False, "math", False),
     ],
 )
 def test_the_kernel_is_chosen_per_device_dtype_and_heads(
@@ -40,10 +42,11 @@ def test_the_kernel_is_chosen_per_device_dtype_and_heads(
     dtype: torch.dtype,
     gqa: bool,
     capability: tuple[int, int] | None,
+    masked: bool,
     name: str,
     expand: bool,
 ) -> None:
-    kernel = choose_kernel(device, dtype, gqa, capability)
+    kernel = choose_kernel(device, dtype, gqa, capability, masked)
     assert (kernel.name, kernel.expand_kv) == (name, expand), kernel
     assert kernel.name in kernel.describe() and kernel.why
 
@@ -54,9 +57,17 @@ def forced(kernel: str) -> Iterator[None]:
     heads (what a GPU does in fp32), ``math`` restricts torch to its unfused kernel."""
     original = attention.choose_kernel
     if kernel == "efficient":
-        attention.choose_kernel = lambda device_type, dtype, gqa, capability=None: AttentionKernel(  # type: ignore[assignment]
-            "efficient", gqa, "forced"
-        )
+
+        def expanded(
+            device_type: str,
+            dtype: torch.dtype,
+            gqa: bool,
+            capability: tuple[int, int] | None = None,
+            masked: bool = False,
+        ) -> AttentionKernel:
+            return AttentionKernel("efficient", gqa, "forced")
+
+        attention.choose_kernel = expanded
     try:
         with sdpa_kernel(SDPBackend.MATH) if kernel == "math" else contextlib.nullcontext():
             yield
@@ -83,6 +94,15 @@ def test_expanded_key_value_heads_give_the_grouped_attention() -> None:
     assert ga.keys() == gb.keys() and len(ga) > 0
     for name in ga:
         torch.testing.assert_close(ga[name], gb[name], msg=name)
+    # Generation: cached keys and an explicit mask (several new tokens at once), the same attention.
+    cached = []
+    for kernel in ("flash", "efficient"):
+        cache = KVCache(max_len=32)
+        with torch.no_grad(), forced(kernel):
+            model(tokens[:, :10], cache=cache)
+            cached.append(model(tokens[:, 10:], cache=cache))
+    torch.testing.assert_close(cached[0], cached[1])
+    torch.testing.assert_close(cached[0], a[:, 10:])  # and what the whole sequence gives
 
 
 def _config(precision: str, ac: str) -> Config:

@@ -60,10 +60,12 @@ def choose_kernel(
     dtype: torch.dtype,
     gqa: bool,
     capability: tuple[int, int] | None = None,
+    masked: bool = False,
 ) -> AttentionKernel:
     """The attention kernel for tensors of ``dtype`` on a ``device_type`` device, with grouped
     key/value heads (``gqa``) or not; ``capability``: the CUDA device's (major, minor), sm80 assumed
-    when None (every GPU in dtlab's device table is sm80 or newer)."""
+    when None (every GPU in dtlab's device table is sm80 or newer). ``masked``: an explicit mask
+    (generation's cached keys), which flash does not take; training's causal attention has none."""
     if device_type == "cpu":
         return AttentionKernel(
             "flash", False, "torch's fused CPU kernel: every dtype, grouped heads"
@@ -71,11 +73,15 @@ def choose_kernel(
     if device_type != "cuda":  # meta, mps, ...: torch's own choice, not modelled
         return AttentionKernel("math", False, f"no fused kernel modelled on {device_type}")
     sm80 = (capability or (8, 0)) >= (8, 0)
-    if dtype in HALF and sm80:
+    if dtype in HALF and sm80 and not masked:
         return AttentionKernel("flash", False, f"{_name(dtype)}: flash/cuDNN take grouped heads")
-    if dtype in (torch.float32, torch.float16):  # (fp16 here: before sm80)
+    if dtype in (torch.float32, torch.float16) or (dtype == torch.bfloat16 and sm80):
         why = f"{_name(dtype)}: " + (
-            "flash and cuDNN need fp16/bf16" if dtype == torch.float32 else "no flash before sm80"
+            "flash and cuDNN need fp16/bf16"
+            if dtype == torch.float32
+            else "flash takes no mask"
+            if masked and sm80
+            else "no flash before sm80"
         )
         if gqa:  # the memory-efficient kernel has no grouped-query path: give it full heads
             why += "; the memory-efficient kernel has no grouped-query path"
@@ -113,7 +119,8 @@ def attend(
     """Scaled dot-product attention of q [B, Hq, T, D] over k, v [B, Hkv, S, D] (Hkv divides Hq),
     on the kernel :func:`choose_kernel` picks for q's device and dtype."""
     gqa = k.shape[1] != q.shape[1]
-    kernel = choose_kernel(q.device.type, q.dtype, gqa, cuda_capability(q.device))
+    capability = cuda_capability(q.device)
+    kernel = choose_kernel(q.device.type, q.dtype, gqa, capability, attn_mask is not None)
     if kernel.expand_kv:
         # Query head h reads key/value head h // group, as enable_gqa does.
         group = q.shape[1] // k.shape[1]
