@@ -104,7 +104,9 @@ def test_fsdp_keeps_float32_master_weights_and_gradients(
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_fsdp_keeps_float32_master_weights_on_cuda(tmp_path: Path) -> None:
-    """The same step on CUDA over NCCL (one rank per GPU, two where there are two)."""
+    """FSDP under bf16/fp16 on CUDA over NCCL (one rank per GPU, two where there are two): every unit
+    gathers in the half dtype and reduces in float32 (or the compression's dtype), and the parameters,
+    the clipped gradients and AdamW's moments stay float32 shards."""
     out = tmp_path / "step.json"
     run_worker("fsdp_bf16_worker.py", min(2, torch.cuda.device_count()), str(out))
     result = json.loads(out.read_text())
@@ -161,8 +163,8 @@ def test_fsdp_bf16_all_gather_bytes_halve_as_the_plan_says(tmp_path: Path) -> No
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_fsdp_bf16_all_gather_bytes_halve_on_two_gpus(tmp_path: Path) -> None:
-    """The same over NCCL, one rank per GPU (the activations differ with CUDA's attention kernels:
-    not compared here)."""
+    """FSDP on 2 GPUs over NCCL: the all-gathers counted under bf16 move half of fp32's bytes, equal
+    to the plan's to the byte; gradients are reduce-scattered in float32 in both."""
     rows = bench_fp32_and_bf16(tmp_path / "bench")
     assert {r["device"] for r in rows.values()} != {"cpu"}, rows
 
