@@ -2,7 +2,9 @@
 
 - ``fp16`` / ``bf16``: DDP all-reduces each bucket in half precision (a hook that, unlike torch's bf16
   one, works on gloo too); FSDP and HSDP
-  reduce-scatter (and all-reduce) gradients in that dtype (``MixedPrecisionPolicy.reduce_dtype``).
+  reduce-scatter (and all-reduce) gradients in that dtype (``MixedPrecisionPolicy.reduce_dtype``), and
+  otherwise in float32, also when ``train.precision`` bf16/fp16 has them gather and compute in half
+  precision.
 - ``powersgd``: torch's PowerSGD hook (Vogels et al. 2019): each gradient matrix is approximated by
   ``P Q^T`` of rank r; only P and Q are all-reduced; error feedback keeps what the approximation missed.
 - ``dct``: dtlab's hook in the spirit of DeMo (arXiv 2411.19870): the bucket is cut into chunks, each chunk
@@ -507,5 +509,8 @@ def _keep_bucket_layout(ddp: DistributedDataParallel) -> None:
 
 
 def reduce_dtype(config: Config) -> torch.dtype | None:
-    """FSDP/HSDP: the dtype gradients are reduced in (None: their own, float32)."""
+    """The dtype gradients are reduced in under fp16/bf16 compression (FSDP/HSDP's reduce-scatter and
+    all-reduce, ZeRO-1's, the deferred DDP sync's); None: float32, the gradients' own. Under
+    ``train.precision`` bf16/fp16 FSDP computes the gradients in half precision, and None still means
+    float32 there (:func:`dtlab.parallel.apply.mixed_precision_policy` says so explicitly)."""
     return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.parallel.compression)
