@@ -171,6 +171,8 @@ def memory(ctx: Context, check: Check) -> None:
     s = ctx.settings
     trained = ctx.done.get("train")
     measured = trained.figures.get("peak_memory_bytes") if trained else None
+    if trained is None or trained.status == "skipped":
+        return check.skipped("it judges the train check's run, which did not run")
     if measured is None:
         return check.failed("no measured peak: the train check did not run to its end")
     proc = ctx.run(check, dtlab("plan", "--json", "--nproc", "1", "--set", *s.train), "plan")

@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True, help="where the runs go (must not exist)")
     p.add_argument("--set", dest="overrides", nargs="*", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
+    # The parser wants a reference and a layout to compare with it; only the reference is trained.
     single = parse_layouts("single,ddp:2")[:1]
     result = verify(single, None, args.overrides, args.steps, args.out, checks=("resume",))
     print(table(result))
