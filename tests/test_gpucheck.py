@@ -131,6 +131,16 @@ def test_a_wrong_check_name_or_a_used_directory_is_refused(tmp_path: Path) -> No
     assert f"--out {tmp_path}: exists and is not an empty directory" in proc.stderr
 
 
+def test_memory_without_the_train_check_is_skipped(tmp_path: Path) -> None:
+    proc = gpucheck("--out", str(tmp_path / "report"), "--only", "memory")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    (memory,) = [c for c in report["checks"] if c["name"] == "memory"]
+    assert (
+        memory["status"] == "skipped" and "train check's run, which did not run" in memory["reason"]
+    )
+
+
 def test_what_a_gpu_machine_runs() -> None:
     """The device decision, read without a GPU: one GPU runs every check but the 2-GPU ones; the
     configs of every check are valid; the timeouts fit the 10 minutes."""

@@ -63,7 +63,7 @@ def settings_for(gpus: int) -> Settings:
     """What each check runs with ``gpus`` CUDA GPUs (0: a CPU smoke of the same pipeline)."""
     timeouts = {
         "cuda-tests": 420.0, "train": 140.0, "memory": 30.0, "checkpoint": 90.0,
-        "resume": 45.0, "equivalence": 60.0, "killed-rank": 75.0,
+        "resume": 60.0, "equivalence": 90.0, "killed-rank": 75.0,
     }  # fmt: skip
     if gpus == 0:
         # A shared CPU's load, not the work, decides how long these take: no step of the smoke is
