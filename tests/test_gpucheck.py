@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from conftest import cli_env
+from dtlab.analysis.devices import PROFILES
+from dtlab.analysis.plan import plan
 from dtlab.config import load_config
 from dtlab.errors import DtlabError
 from dtlab.gpucheck import cudatests
@@ -154,6 +156,11 @@ def test_what_a_gpu_machine_runs() -> None:
     for s in (gpu, settings_for(0)):
         for overrides in (s.train, s.checkpoint, s.resume, s.equivalence, s.killed):
             load_config(overrides=overrides)
+    # The 1B training fits an 80 GB card unsharded, as dtlab plan predicts it.
+    (single,) = plan(load_config(overrides=gpu.train), 1, 1, PROFILES["h100"], None, False)[
+        "strategies"
+    ]
+    assert single["fits"] and single["per_rank"]["total_bytes"] < 60 * 2**30
     assert BUDGET_S < 600 and set(gpu.timeouts) == set(CHECKS)
 
 
