@@ -161,6 +161,13 @@ def test_what_a_gpu_machine_runs() -> None:
         "strategies"
     ]
     assert single["fits"] and single["per_rank"]["total_bytes"] < 60 * 2**30
+    # A 40 GB card takes one sample a step, which fits it.
+    small = settings_for(1, 40 * 2**30)
+    assert "train.global_batch_size=1" in small.train and "train.global_batch_size=4" in gpu.train
+    (single,) = plan(load_config(overrides=small.train), 1, 1, PROFILES["a100-40gb"], None, False)[
+        "strategies"
+    ]
+    assert single["fits"], single
     assert BUDGET_S < 600 and set(gpu.timeouts) == set(CHECKS)
 
 

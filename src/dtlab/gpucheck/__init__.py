@@ -130,7 +130,8 @@ def run_checks(
     machine_check = Check("machine", "name the card: GPUs, memory, driver, CUDA, NCCL, torch")
     machine = _machine(out, machine_check)
     gpus = int(machine.get("device_count", 0))
-    ctx = Context(out, machine, settings_for(gpus), deadline, tests=tests)
+    memory = min((d["memory_bytes"] for d in machine.get("devices", [])), default=None)
+    ctx = Context(out, machine, settings_for(gpus, memory), deadline, tests=tests)
     checks = [machine_check]
     for i, (name, title) in enumerate(CHECKS.items()):
         check = Check(name, title, timeout_s=ctx.settings.timeouts[name])

@@ -59,8 +59,13 @@ class Settings:
     killed_collective_timeout_s: float
 
 
-def settings_for(gpus: int) -> Settings:
-    """What each check runs with ``gpus`` CUDA GPUs (0: a CPU smoke of the same pipeline)."""
+GIB = 2**30
+BIG_CARD = 64 * GIB  # the 1B training's 4 samples a step take about 41 GiB (dtlab plan)
+
+
+def settings_for(gpus: int, memory_bytes: int | None = None) -> Settings:
+    """What each check runs with ``gpus`` CUDA GPUs of ``memory_bytes`` each (0 GPUs: a CPU smoke of
+    the same pipeline)."""
     timeouts = {
         "cuda-tests": 420.0, "train": 140.0, "memory": 30.0, "checkpoint": 90.0,
         "resume": 60.0, "equivalence": 90.0, "killed-rank": 75.0,
@@ -79,10 +84,13 @@ def settings_for(gpus: int) -> Settings:
             killed=[*DEBUG, "parallel.strategy=ddp"], killed_collective_timeout_s=10.0,
         )  # fmt: skip
     synthetic = ["data.source=synthetic", "train.warmup_steps=5"]
-    # ~1.2B parameters, 8,192 tokens a step: 43.5 GiB by dtlab plan (fits an 80 GB card unsharded).
+    # ~1.2B parameters, 8,192 tokens a step (2,048 on a card under 64 GiB), unsharded.
+    # On a smaller card, one sample a step: about 26 GiB (the parameters, gradients and AdamW state
+    # alone take 18.4 GiB), so a 32 GB card still runs it.
+    batch = 4 if memory_bytes is None or memory_bytes >= BIG_CARD else 1
     big = [
         "model.preset=llama3.2-1b", "train.precision=bf16", "train.compile=true",
-        "data.seq_len=2048", "train.global_batch_size=4", *synthetic,
+        "data.seq_len=2048", f"train.global_batch_size={batch}", *synthetic,
     ]  # fmt: skip
     # ~85M parameters: a checkpoint of ~1 GB, saved at steps 7, 14 and 21 (each overlapped with
     # steps after it; none at the last step, whose save only the run's end would wait for).
