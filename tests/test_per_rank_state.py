@@ -16,7 +16,6 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersg
 
 from conftest import FAST, read_metrics, run_cli
 from dtlab.analysis.model import plan_step
-from dtlab.checkpoint.state import placed
 from dtlab.config import DiLoCoOptions, load_config
 from dtlab.models.llama import build_model
 from dtlab.parallel.compression import (
@@ -25,6 +24,7 @@ from dtlab.parallel.compression import (
     PowerSGDGuard,
     QuantDCTState,
 )
+from dtlab.runtime.placement import placed
 from dtlab.train.demo import DeMoState
 from dtlab.train.diloco import DiLoCo, outer_state_pinned
 

@@ -136,31 +136,6 @@ class StagedOptimizerState:
             g.update({k: v for k, v in saved.items() if k != "params"})
 
 
-def placed(
-    t: torch.Tensor,
-    device: torch.device,
-    dtype: torch.dtype | None = None,
-    pin: bool = False,
-) -> torch.Tensor:
-    """A new tensor holding ``t``'s values on ``device`` (as ``dtype``, else ``t``'s own), in pinned
-    host memory with ``pin`` (``device`` the CPU; pinning needs CUDA). It never shares storage with
-    ``t``: a checkpoint loads a rank's own state into CPU templates, and the state must be where its
-    hooks use it (the rank's GPU, or pinned host memory they copy from asynchronously), and its own."""
-    dtype = dtype or t.dtype
-    if pin:
-        out = torch.empty(t.shape, dtype=dtype, device="cpu", pin_memory=True)
-        return out.copy_(t)
-    return t.to(device=device, dtype=dtype, copy=True)
-
-
-def placed_state(
-    state: dict[str, torch.Tensor], device: torch.device | None
-) -> dict[str, torch.Tensor]:
-    """:func:`placed` for every tensor of a flat per-rank state dict (``device`` None: each tensor's
-    own)."""
-    return {k: placed(v, device if device is not None else v.device) for k, v in state.items()}
-
-
 def split_tensors(tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """``tree`` as (its tensors, everything else), both nested as in ``tree``; dicts left empty by the
     split are dropped. Tensors go through DCP, the rest is JSON."""

@@ -38,8 +38,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.nn.parallel import DistributedDataParallel
 
-from dtlab.checkpoint.state import placed_state
 from dtlab.config import Config
+from dtlab.runtime.placement import placed_state
 
 
 def dct_basis(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dtlab.checkpoint.state import placed
 from dtlab.parallel.compression import dct_basis_on
+from dtlab.runtime.placement import placed
 
 
 def pack(idx: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:

@@ -45,11 +45,11 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from dtlab.checkpoint.state import placed
 from dtlab.config import DiLoCoOptions
 from dtlab.dims import ParallelDims
 from dtlab.errors import CheckpointError
 from dtlab.parallel.ledger import recorded
+from dtlab.runtime.placement import placed
 
 __all__ = [
     "QUANT_BLOCK",
