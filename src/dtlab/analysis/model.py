@@ -2,7 +2,8 @@
 
 Everything here is computed from the config and the model's parameter shapes (taken from the model
 built on the meta device, so nothing is allocated and a 70B model is analysed in milliseconds). The
-measured counterparts live in ``dtlab.bench``; reports show both side by side.
+measured counterparts live in ``dtlab.bench``; reports show both side by side. What forward keeps for
+backward is predicted in :mod:`dtlab.analysis.activations`.
 
 Bytes of a collective follow one convention, the one ``CommCounter`` measures: the size of the whole
 (unsharded) buffer the collective operates on — the tensor of an all-reduce, the output of an all-gather,
@@ -15,12 +16,20 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from dtlab.analysis.activations import (
+    FP32,
+    TPSplit,
+    activation_bytes,
+    attention_kernel,
+    block_matmul_params,
+    kernel_bytes,
+    kernel_recompute_bytes,
+    recompute_bytes,
+)
 from dtlab.config import Config, ModelConfig
 from dtlab.dims import DPWrapper, ParallelDims, stage_ids, stage_layers
 from dtlab.runtime.signals import STOP_SIGNALS
 from dtlab.train.diloco import fragment_of, sync_bytes
-
-FP32 = 4
 
 
 @dataclass(frozen=True)
@@ -101,211 +110,11 @@ def recompute_flops_per_token(model_cfg: ModelConfig, seq_len: int, ac: str) -> 
     if ac == "selective":
         return elementwise
     return (
-        2.0 * m.n_layers * (_block_matmul_params(m) - m.dim * m.hidden_dim)
+        2.0 * m.n_layers * (block_matmul_params(m) - m.dim * m.hidden_dim)
         + 4.0 * m.n_layers * m.dim * seq_len
         + elementwise
         - m.n_layers * m.dim
     )
-
-
-@dataclass(frozen=True)
-class TPSplit:
-    """How tensor parallelism splits the activations: heads and columns over ``tp`` ranks, and with
-    ``sequence_parallel`` the norms' and the residual stream's too."""
-
-    tp: int = 1
-    sequence_parallel: bool = False
-
-    @property
-    def seq(self) -> int:
-        """What the sequence-wise activations are divided by."""
-        return self.tp if self.sequence_parallel else 1
-
-
-def activation_bytes(
-    model_cfg: ModelConfig,
-    tokens: int,
-    precision: str,
-    ac: str,
-    split: TPSplit = TPSplit(),
-    final_part: bool = True,
-    half_params: bool = False,
-) -> int:
-    """Bytes one micro-batch's forward keeps for backward (``tokens`` tokens), as
-    ``dtlab.bench.memory`` measures them: what is still allocated when forward returns.
-
-    Counted from what dtlab's model saves, per token and layer. The residual stream and RMSNorm's
-    math are float32 under every precision; matmuls, RoPE'd q/k, attention and SwiGLU are in the
-    autocast dtype (2 bytes) under bf16/fp16.
-
-    - RMSNorm: its input, x * rsqrt and the rsqrt (float32); then what the matmuls reading it keep: in
-      fp32 the scaled output once, under autocast one half-precision copy per matmul (autocast casts
-      an activation at every call: 3 for q/k/v, 2 for w1/w3, 1 for the output projection).
-    - Attention: q and k after RoPE, v, the output, and the log-sum-exp (float32, one per head).
-    - SwiGLU: w1 x, w3 x, silu(w1 x) and the product.
-    - Under autocast without checkpointing, every matmul keeps its half-precision weight copy: 2 bytes
-      per matmul parameter, once per forward (not per token).
-
-    ``full`` checkpointing keeps each block's input (float32) and nothing else of the block;
-    ``selective`` keeps the block's input plus what its policy saves: every matmul output and the
-    attention output and log-sum-exp. Outside the blocks the final norm, the output projection (and
-    its weight copy under autocast), the float32 log-softmax over the vocabulary and the targets
-    (int64; the loader's targets are a view that the loss copies) are kept in every case, and the loss
-    itself with the weight total of its mean (8 bytes per micro-batch).
-    Recomputing a block in backward needs its activations again for a moment: see ``recompute_bytes``.
-
-    Tensor parallelism (``split``) splits the attention and feed-forward activations (heads and
-    columns) and the logits (vocabulary) over the group; the norms' and the block inputs' only with
-    sequence parallelism. ``final_part``: the final norm, output and loss are on this rank (a pipeline
-    stage before the last has none of them).
-
-    ``half_params``: the parameters themselves are in half precision when forward runs (FSDP under
-    bf16/fp16 gathers them so): no weight copies, and the residual stream is in half precision (the
-    embedding's output is), so a checkpointed block keeps a half-precision input and each RMSNorm
-    keeps a float32 copy of its input, the rsqrt, its scaled output in half precision and the product
-    with the weight, which the matmuls reading it share.
-    """
-    m, tp, seq = model_cfg, split.tp, split.seq
-    half = precision in ("bf16", "fp16")
-    half_params = half_params and half
-    per_layer = _layer_bytes(m, half, ac, split, half_params)
-    final = (
-        (_norm_bytes(m, half, 1, half_params) / seq + m.vocab_size * FP32 / tp + 8)
-        if final_part
-        else 0
-    )
-    weight_copies = 0.0
-    if half and not half_params:
-        output = m.dim * m.vocab_size if final_part else 0
-        blocks = m.n_layers * _block_matmul_params(m) if ac == "none" else 0
-        weight_copies = 2 * (output + blocks) / tp
-    return int(tokens * (m.n_layers * per_layer + final) + weight_copies + 2 * FP32)
-
-
-def _norm_bytes(m: ModelConfig, half: bool, readers: int, half_params: bool = False) -> int:
-    """Per token, what an RMSNorm and the ``readers`` matmuls reading its output keep."""
-    if half_params:
-        return m.dim * FP32 + FP32 + 2 * m.dim * 2
-    return 2 * m.dim * FP32 + FP32 + (readers * m.dim * 2 if half else m.dim * FP32)
-
-
-def _layer_bytes(
-    m: ModelConfig, half: bool, ac: str, split: TPSplit, half_params: bool = False
-) -> float:
-    """Per token, what one block keeps for backward (see :func:`activation_bytes`)."""
-    tp, seq = split.tp, split.seq
-    kv = m.kv_heads * (m.dim // m.n_heads)
-    a = 2 if half else FP32  # bytes of a matmul / attention activation
-    block_input = m.dim * (2 if half_params else FP32) / seq
-    if ac == "full":
-        return block_input
-    if ac == "selective":
-        matmul_out = (3 * m.dim + 2 * kv + 2 * m.hidden_dim) * a / tp  # wq, wk, wv, wo, w1, w3, w2
-        return block_input + matmul_out + (m.dim * a + m.n_heads * FP32) / tp
-    attn = ((m.dim + kv) * a + kv * a + m.dim * a + m.n_heads * FP32) / tp
-    ffn = 4 * m.hidden_dim * a / tp
-    norms = _norm_bytes(m, half, 3, half_params) + _norm_bytes(m, half, 2, half_params)
-    return norms / seq + attn + ffn
-
-
-def _block_matmul_params(m: ModelConfig) -> int:
-    kv = m.kv_heads * (m.dim // m.n_heads)
-    return 2 * m.dim * m.dim + 2 * m.dim * kv + 3 * m.dim * m.hidden_dim
-
-
-def recompute_bytes(
-    model_cfg: ModelConfig,
-    tokens: int,
-    precision: str,
-    ac: str,
-    split: TPSplit = TPSplit(),
-    half_params: bool = False,
-) -> int:
-    """What recomputing one checkpointed block in backward holds on top of ``activation_bytes``: that
-    block's activations (with its half-precision weight copies under autocast) under ``full``, the
-    part that ``selective`` did not keep; 0 without checkpointing. An upper bound for that moment: by
-    then the loss's own activations are already freed."""
-    if ac == "none":
-        return 0
-    one = model_cfg.model_copy(update={"n_layers": 1})
-
-    def act(mode: str) -> int:
-        return activation_bytes(one, tokens, precision, mode, split, half_params=half_params)
-
-    block = act("none") - act("full")
-    if ac == "selective":
-        block -= act("selective") - act("full")
-    return block
-
-
-# train.precision -> the dtype attention's q, k and v have (autocast's under bf16/fp16).
-_ATTENTION_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-
-
-def attention_kernel(model_cfg: ModelConfig, precision: str, device_type: str) -> str:
-    """The attention kernel training runs for ``model_cfg`` in ``precision`` on a ``device_type``
-    device (:func:`dtlab.models.attention.choose_kernel`, an sm80+ GPU assumed): flash, efficient or
-    math."""
-    import torch
-
-    from dtlab.models.attention import choose_kernel
-
-    dtype = getattr(torch, _ATTENTION_DTYPE[precision])
-    gqa = model_cfg.kv_heads != model_cfg.n_heads
-    return choose_kernel(device_type, dtype, gqa).name
-
-
-def kernel_bytes(
-    model_cfg: ModelConfig,
-    tokens: int,
-    seq_len: int,
-    precision: str,
-    ac: str,
-    kernel: str,
-    split: TPSplit = TPSplit(),
-) -> int:
-    """What attention kernel ``kernel`` keeps for backward beyond what :func:`activation_bytes`
-    counts (the fused kernel's: q and k after RoPE, v, the output, the log-sum-exp), for one micro-batch
-    of ``tokens`` tokens in sequences of ``seq_len``.
-
-    - ``flash``: nothing more.
-    - ``efficient``: k and v expanded to the query heads (grouped-query attention in fp32 on a GPU,
-      :mod:`dtlab.models.attention`): 2 x (dim - kv dim) more per token without checkpointing.
-    - ``math``: q, the expanded k and v in float32 (math computes in float32 under autocast), the
-      output in the activation dtype and the B x H x T x T softmax in float32, in place of the fused
-      kernel's set; under ``selective`` checkpointing the scores and the float32 output its matmuls
-      keep, in place of the fused kernel's output and log-sum-exp.
-    """
-    m = model_cfg
-    a = 2 if precision in ("bf16", "fp16") else FP32
-    kv = m.kv_heads * (m.dim // m.n_heads)
-    fused = (2 * m.dim + 2 * kv) * a + m.n_heads * FP32  # q, k, v, output, log-sum-exp
-    per_token = 0
-    if kernel == "efficient" and ac == "none":
-        per_token = 2 * (m.dim - kv) * a
-    elif kernel == "math" and ac == "none":
-        per_token = 3 * m.dim * FP32 + m.dim * a + m.n_heads * seq_len * FP32 - fused
-    elif kernel == "math" and ac == "selective":
-        per_token = m.n_heads * seq_len * FP32 + m.dim * FP32 - (m.dim * a + m.n_heads * FP32)
-    return int(tokens * m.n_layers * per_token / split.tp)
-
-
-def kernel_recompute_bytes(
-    model_cfg: ModelConfig,
-    tokens: int,
-    seq_len: int,
-    precision: str,
-    ac: str,
-    kernel: str,
-    split: TPSplit = TPSplit(),
-) -> int:
-    """What ``kernel`` adds to :func:`recompute_bytes`: the part of one block's
-    :func:`kernel_bytes` that checkpointing did not keep (0 without checkpointing)."""
-    if ac == "none":
-        return 0
-    one = model_cfg.model_copy(update={"n_layers": 1})
-    everything = kernel_bytes(one, tokens, seq_len, precision, "none", kernel, split)
-    return everything - kernel_bytes(one, tokens, seq_len, precision, ac, kernel, split)
 
 
 @dataclass
