@@ -49,6 +49,7 @@ from dtlab.checkpoint.store import (
     Tier,
     alert_name,
     config_changes,
+    refuse_resume_advice,
     resume_conflicts,
     resume_fingerprint,
     step_name,
@@ -789,12 +790,19 @@ class Checkpointer:
             path = self._pick()
             if path is not None:
                 manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
-                conflicts = resume_conflicts(manifest["resume_fingerprint"], self.fingerprint)
+                saved = manifest["resume_fingerprint"]
+                conflicts = resume_conflicts(saved, self.fingerprint)
                 if conflicts:
+                    # What holds a run in a directory: see dtlab.train.rundir.check_start.
+                    holds_run = bool(self.local.committed()) or any(
+                        (self.run_dir / f).is_file() for f in ("metrics.jsonl", "summary.json")
+                    )
+                    advice = refuse_resume_advice(
+                        saved, self.fingerprint, self.config.checkpoint.resume,
+                        self.own_step(path) is not None, self.run_dir, holds_run,
+                    )  # fmt: skip
                     raise CheckpointError(
-                        f"cannot resume from '{path}': "
-                        + "; ".join(conflicts)
-                        + ". Start a new run (checkpoint.resume=never or another run.dir) instead"
+                        f"cannot resume from '{path}': {'; '.join(conflicts)}. {advice}"
                     )
             if check is not None:
                 check(path)

@@ -18,6 +18,7 @@ import yaml
 
 from dtlab.checkpoint.manifest import MANIFEST, verify_checkpoint
 from dtlab.config import Config
+from dtlab.config.loading import yaml_scalar
 from dtlab.errors import CheckpointError
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -82,21 +83,56 @@ def resume_fingerprint(config: Config | dict[str, Any]) -> dict[str, Any]:
     return {k: _lookup(tree, k) for k in RESUME_KEYS}
 
 
-def resume_conflicts(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """``key: saved -> current`` for every key of the fingerprint that differs."""
+def _resume_value(tree: dict[str, Any], k: str) -> Any:
+    value = tree.get(k)
+    return RESUME_DEFAULTS.get(k) if value is None else value
 
-    def get(tree: dict[str, Any], k: str) -> Any:
-        value = tree.get(k)
-        return RESUME_DEFAULTS.get(k) if value is None else value
 
-    # Derived entries (not config keys) count only where both sides have them: an older checkpoint
-    # that did not record one cannot be checked on it.
+def _differing(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """The fingerprint's keys whose values differ. Derived entries (not config keys) count only where
+    both sides have them: an older checkpoint that did not record one cannot be checked on it."""
     derived = [k for k in DERIVED_KEYS if k in saved and k in current]
     return [
-        f"{k} = {get(saved, k)!r} in the checkpoint, {get(current, k)!r} now"
-        for k in (*RESUME_KEYS, *derived)
-        if get(saved, k) != get(current, k)
+        k for k in (*RESUME_KEYS, *derived) if _resume_value(saved, k) != _resume_value(current, k)
     ]
+
+
+def resume_conflicts(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """``key: saved -> current`` for every key of the fingerprint that differs."""
+    return [
+        f"{k} = {_resume_value(saved, k)!r} in the checkpoint, {_resume_value(current, k)!r} now"
+        for k in _differing(saved, current)
+    ]
+
+
+def refuse_resume_advice(
+    saved: dict[str, Any],
+    current: dict[str, Any],
+    resume: str,
+    own: bool,
+    run_dir: Path,
+    holds_run: bool,
+) -> str:
+    """What a run refused for ``resume_conflicts(saved, current)`` can do instead; each fix works when
+    followed. ``resume``: ``checkpoint.resume``; ``own``: the checkpoint is one of ``run_dir``'s own;
+    ``holds_run``: ``run_dir`` holds a run (then a new run there is refused, resume=never or not).
+    """
+    differing = _differing(saved, current)
+    # Other samples (data.identity: the files or the stdlib changed) cannot be set back by a key.
+    keep = (
+        " ".join(f"{k}={yaml_scalar(_resume_value(saved, k))}" for k in differing)
+        if differing and all(k in RESUME_KEYS for k in differing)
+        else ""
+    )
+    fresh = []
+    if resume != "auto":  # "auto" in a directory of its own finds nothing: the run starts at step 0
+        fresh.append("set checkpoint.resume=never")
+    if own or holds_run or not fresh:
+        fresh.append(f"give this run a run.dir of its own (or delete '{run_dir}')")
+    start = "to start a new run from step 0, " + " and ".join(fresh)
+    if not keep:
+        return start[0].upper() + start[1:]
+    return f"To resume, keep the settings the checkpoint was saved with (--set {keep}); {start}"
 
 
 # Keys whose change says nothing about the training itself (where it runs, how it reports).
