@@ -14,6 +14,13 @@ from pydantic import (
 )
 
 from dtlab.config.schema import Config
+from dtlab.config.suggest import (
+    key_note,
+    literal_choices,
+    suggest_key,
+    suggest_section,
+    suggest_value,
+)
 from dtlab.config.values import show
 from dtlab.config.yamlio import _Dumper, parse_yaml
 from dtlab.errors import ConfigError
@@ -64,6 +71,60 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     node[parts[-1]] = parse_yaml(raw, f"--set {show(key)[1:-1]}") if raw.strip() else None
 
 
+def _sections() -> dict[str, list[str]]:
+    """Each section's keys (as written in YAML)."""
+    out = {}
+    for name, field in Config.model_fields.items():
+        cls = field.annotation
+        assert isinstance(cls, type) and issubclass(cls, BaseModel)
+        out[field.alias or name] = [f.alias or n for n, f in cls.model_fields.items()]
+    return out
+
+
+def _key_hint(section: str, key: str, valid: list[str], error: Any) -> str:
+    """`` (did you mean ...?)`` for the unknown ``key`` of ``section`` ('' for the top level), or ''."""
+    if not section:
+        meant = suggest_section(key, error.get("input"), _sections())
+        if meant:
+            return f" (did you mean {', '.join(meant)}?)"
+        close = difflib.get_close_matches(key, valid, n=1, cutoff=0.7)
+        return f" (did you mean {close[0]}?)" if close else ""
+    dotted = f"{section}.{key}"
+    found = suggest_key(dotted, [f"{section}.{v}" for v in valid])
+    if found is None:
+        return ""
+    note = key_note(dotted)
+    return f" (did you mean {found}?{f' {note}' if note else ''})"
+
+
+def _field_annotation(loc: tuple[int | str, ...]) -> Any:
+    """The type of the field at ``loc`` (list indices skipped), or None where there is none."""
+    cls: type[BaseModel] = Config
+    annotation: Any = None
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if annotation is not None:  # a part below a plain field
+            return None
+        field = next((f for n, f in cls.model_fields.items() if part in (n, f.alias)), None)
+        if field is None:
+            return None
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            cls = field.annotation
+        else:
+            annotation = field.annotation
+    return annotation
+
+
+def _value_hint(loc: tuple[int | str, ...], value: Any) -> str:
+    """`` (did you mean 'fsdp'?)`` for a value outside a field's fixed set of words, or ''."""
+    allowed = literal_choices(_field_annotation(loc))
+    if value in allowed:
+        return ""
+    meant = suggest_value(value, allowed)
+    return f" (did you mean {meant!r}?)" if meant is not None else ""
+
+
 def _format_validation_error(
     err: ValidationError, source: str, overridden: dict[str, str] | None = None
 ) -> str:
@@ -92,10 +153,7 @@ def _format_validation_error(
                     section_cls = ann
             valid = [f.alias or n for n, f in section_cls.model_fields.items()]
             section = ".".join(str(x) for x in e["loc"][:-1])
-            text = f"unknown key {show(loc)}"
-            close = difflib.get_close_matches(str(e["loc"][-1]), valid, n=1, cutoff=0.7)
-            if close:
-                text += f" (did you mean {section + '.' if section else ''}{close[0]}?)"
+            text = f"unknown key {show(loc)}" + _key_hint(section, str(e["loc"][-1]), valid, e)
             text += f"; valid keys in {section or 'the top level'}: {', '.join(valid)}"
         elif e["type"] in ("value_error", "assertion_error"):
             msg = str(e["msg"]).removeprefix("Value error, ")
@@ -105,6 +163,7 @@ def _format_validation_error(
             if e["type"] in ("model_type", "model_attributes_type", "dict_type"):
                 msg = "not a section; allowed: a mapping of its keys (`dtlab config --keys` lists them)"
             text = f"{loc or 'the config'} = {show(e.get('input'))}: {msg}"
+            text += _value_hint(e["loc"], e.get("input"))
             if given is not None and isinstance(e.get("input"), (dict, list)):
                 # YAML read "a: b" as a mapping and "[a]" as a list: the text needs quotes.
                 key, _, raw = given.partition("=")

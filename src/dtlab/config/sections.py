@@ -13,6 +13,7 @@ from pydantic import (
 )
 
 from dtlab.config.checks import SINGLE_STAGE_SCHEDULES
+from dtlab.config.suggest import suggest_value
 from dtlab.config.values import NAME_MAX_BYTES, RUN_NAME_MAX_BYTES, TOKENIZERS, _bad, _Section, show
 from dtlab.models.args import ModelArgs, llama_ffn_dim
 from dtlab.models.presets import PRESETS
@@ -70,9 +71,11 @@ class ModelConfig(_Section):
                 )
             return data
         if not isinstance(preset, str) or preset not in PRESETS:
+            meant = suggest_value(preset, list(PRESETS))
             raise ValueError(
-                f"model.preset = {show(preset)} is not a preset; allowed: {', '.join(PRESETS)}, "
-                "or null"
+                f"model.preset = {show(preset)} is not a preset"
+                + (f" (did you mean {meant!r}?)" if meant else "")
+                + f"; allowed: {', '.join(PRESETS)}, or null"
             )
         return {**PRESETS[preset], **data}
 
