@@ -71,7 +71,7 @@ def test_bench_writes_results_report_and_plots(tmp_path: Path) -> None:
         table = list(csv.DictReader(f))
     assert [t["strategy"] for t in table] == ["single", "ddp", "fsdp"]
     report = (out / "report.md").read_text()
-    assert "| ddp x2 fp32 |" in report and "## What it says" in report
+    assert "| ddp 2 fp32 |" in report and "## What it says" in report
     for png in ("throughput", "memory", "communication", "loss"):
         assert (out / f"{png}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -123,5 +123,5 @@ def test_bench_compares_compressions(tmp_path: Path) -> None:
         )
         assert abs(rows[c]["comm_bytes_per_step"] - rows[c]["comm_bytes_per_step_predicted"]) <= 8
     report = (out / "report.md").read_text()
-    assert "## Compression" in report and "| ddp x2 fp32 dct |" in report
+    assert "## Compression" in report and "| ddp 2 fp32 dct |" in report
     assert (out / "loss_vs_bytes.png").read_bytes()[:4] == b"\x89PNG"

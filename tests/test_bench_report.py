@@ -29,10 +29,12 @@ LOSSES = [5.5, 5.2, 4.9, 4.7, 4.6]
 
 def bench_row(strategy: str, losses: list[float], **changes: Any) -> dict[str, Any]:
     """A row as ``dtlab.bench.worker`` writes it, with round figures."""
+    nproc = changes.get("nproc", 2)
     row = {
         "strategy": strategy,
+        "layout": "single" if strategy == "single" else f"{strategy} {nproc}",
         "sharding": "full" if strategy == "fsdp" else "-",
-        "nproc": 2,
+        "nproc": nproc,
         "compression": "none",
         "precision": "fp32",
         "device": "cpu",
@@ -83,15 +85,15 @@ def test_memory_plot_stacks_the_unmodelled_rest_of_the_peak() -> None:
 
 def test_coinciding_loss_curves_are_named_and_drawn_apart() -> None:
     curves = {
-        "ddp x2 fp32": LOSSES,
-        "fsdp/full x2 fp32": list(LOSSES),
-        "single x1 fp32": [5.5, 5.0, 4.0, 3.5, 3.0],
+        "ddp 2 fp32": LOSSES,
+        "fsdp 2 fp32": list(LOSSES),
+        "single fp32": [5.5, 5.0, 4.0, 3.5, 3.0],
     }
-    assert coinciding(curves) == [["ddp x2 fp32", "fsdp/full x2 fp32"]]
-    assert coinciding({k: v for k, v in curves.items() if k != "fsdp/full x2 fp32"}) == []
+    assert coinciding(curves) == [["ddp 2 fp32", "fsdp 2 fp32"]]
+    assert coinciding({k: v for k, v in curves.items() if k != "fsdp 2 fp32"}) == []
     fig, ax = plt.subplots()
     plot_loss_curves(ax, curves, "Loss curves")
-    assert ax.get_title() == "Loss curves (ddp x2 fp32, fsdp/full x2 fp32 coincide)"
+    assert ax.get_title() == "Loss curves (ddp 2 fp32, fsdp 2 fp32 coincide)"
     lines = ax.get_lines()
     assert len({(line.get_linestyle(), line.get_marker()) for line in lines}) == len(lines) == 3
     plt.close(fig)
@@ -104,7 +106,7 @@ def test_coinciding_loss_curves_are_named_and_drawn_apart() -> None:
         },
         [],
     )
-    assert "The loss curves of ddp x2 fp32, fsdp/full x2 fp32 coincide" in report
+    assert "The loss curves of ddp 2 fp32, fsdp 2 fp32 coincide" in report
 
 
 def test_bench_plots_label_their_bars(tmp_path: Path) -> None:
@@ -129,9 +131,9 @@ def test_mfu_above_the_peak_is_flagged() -> None:
     assert "exceeds the H100 datasheet peak" in format_mfu(1.1, "H100 datasheet")
     rows = [bench_row("ddp", LOSSES, mfu=1.234), bench_row("fsdp", LOSSES)]
     report = report_markdown({"rows": rows, "failed": [], "warmup": 1, "steps": 3}, [])
-    table = next(line for line in report.splitlines() if line.startswith("| ddp x2 fp32 | 0.100"))
+    table = next(line for line in report.splitlines() if line.startswith("| ddp 2 fp32 | 0.100"))
     assert "| 123.4% (exceeds the measured peak: the peak measurement is low) |" in table
-    assert "| 40.0% |" in report and "- ddp x2 fp32: MFU 123.4% (exceeds" in report
+    assert "| 40.0% |" in report and "- ddp 2 fp32: MFU 123.4% (exceeds" in report
 
 
 def test_compression_table_says_how_many_steps_the_final_loss_averages() -> None:
@@ -141,7 +143,7 @@ def test_compression_table_says_how_many_steps_the_final_loss_averages() -> None
     ]
     report = report_markdown({"rows": rows, "failed": [], "warmup": 1, "steps": 3}, [])
     assert "final loss (the mean of the last 5 steps)" in report and "last 10" not in report
-    assert "| ddp x2 fp32 powersgd | 1.000 MiB | 1.0x | 3.0000 | -39.76% |" in report
+    assert "| ddp 2 fp32 powersgd | 1.000 MiB | 1.0x | 3.0000 | -39.76% |" in report
 
 
 def engine_run(tmp_path: Path, engine: str, losses: list[float]) -> dict[str, Any]:
@@ -207,7 +209,7 @@ def test_a_baseline_longer_than_the_step_gives_no_overlap_but_a_flag(
         bench_row("fsdp", LOSSES, compute_time_s=0.08, comm_time_s=0.04, overlap_fraction=0.5),
     ]
     report = report_markdown({"rows": rows, "failed": [], "warmup": 1, "steps": 3}, [])
-    ddp = next(line for line in report.splitlines() if line.startswith("| ddp x2 fp32 |"))
+    ddp = next(line for line in report.splitlines() if line.startswith("| ddp 2 fp32 |"))
     assert "| disturbed |" in ddp
-    assert "| 50% |" in next(line for line in report.splitlines() if line.startswith("| fsdp/"))
-    assert f"- ddp x2 fp32: {longer} took longer than the whole step" in report
+    assert "| 50% |" in next(line for line in report.splitlines() if line.startswith("| fsdp 2 "))
+    assert f"- ddp 2 fp32: {longer} took longer than the whole step" in report

@@ -92,7 +92,7 @@ def test_two_process_launch_writes_one_run(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("dtlab run finished") == 1  # only rank 0 reports
-    assert "ddp x 2" in proc.stdout
+    assert "ddp 2 on 2 processes (fp32)" in proc.stdout
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 4
 
 

@@ -107,6 +107,15 @@ class _ParallelSection(Protocol):
     def diloco(self) -> _DiLoCoSection: ...
 
 
+class _NamedSection(_ParallelSection, Protocol):
+    """What :func:`layout_name` reads beside the degrees (``dtlab.config.ParallelConfig``)."""
+
+    @property
+    def sequence_parallel(self) -> bool: ...
+    @property
+    def pp_schedule(self) -> str: ...
+
+
 class _HasParallel(Protocol):
     """A config (``dtlab.config.Config``): only its ``parallel`` section is read here."""
 
@@ -388,6 +397,49 @@ class ParallelDims:
                 device_type, self.mesh_shape, mesh_dim_names=self.mesh_dims
             )
         return self._meshes[device_type]
+
+
+def layout_name(dims: ParallelDims, parallel: _NamedSection) -> str:
+    """How a layout is named to people, everywhere (start line, summary, plot title, bench rows): each
+    dimension of parallelism with its degree, joined by `` x ``, e.g. ``fsdp 1 x tp 2``, ``ddp 2 x pp 2
+    (1f1b)``, ``hsdp 2x2 x tp 2 (sp)`` (HSDP: replica groups x ranks per group). The same dimensions,
+    in the same order, as ``dtlab verify --layouts`` writes them (``fsdp:2xtp:2``): data parallelism
+    by its strategy's name (left out for ``single``), then ``tp`` and ``pp``; DiLoCo's replicas first.
+    A choice that changes what a rank holds follows its dimension in parentheses: the sharding when
+    it is not ``full`` (ZeRO-1 for ``ddp``), sequence parallelism, the pipeline schedule."""
+    parts = []
+    wrapper = DPWrapper.of(parallel.strategy)
+    if wrapper is not DPWrapper.NONE:
+        inner = dims.diloco_inner
+        degree = (
+            f"{dims.dp_replicate}x{dims.dp_shard}"
+            if needs_replica_groups(parallel.strategy)
+            else str(inner)
+        )
+        data = f"{parallel.strategy} {degree}"
+        if dims.shard_optimizer:
+            data += " (zero-1)"
+        elif wrapper is DPWrapper.FSDP and parallel.sharding != "full":
+            data += f" ({parallel.sharding})"
+        if dims.diloco > 1:
+            parts.append(f"diloco {dims.diloco}")
+        parts.append(data)
+    if dims.tp_enabled:
+        parts.append(f"tp {dims.tp}" + (" (sp)" if parallel.sequence_parallel else ""))
+    if dims.pp_enabled:
+        parts.append(f"pp {dims.pp} ({parallel.pp_schedule})")
+    return " x ".join(parts) or "single"
+
+
+def layout_fields(dims: ParallelDims) -> dict[str, int]:
+    """The degrees of a layout as ``summary.json`` gives them: ``dp`` data-parallel ranks in all (the
+    global batch is split over them), within a DiLoCo replica ``dp_replicate`` replicas of ``dp_shard``
+    ranks each, ``diloco`` replicas, ``tp``, ``pp``, ``ep`` (expert parallelism: 1, not implemented)
+    and their product, ``world_size``."""
+    return {
+        "dp": dims.dp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
+        "diloco": dims.diloco, "tp": dims.tp, "pp": dims.pp, "ep": 1, "world_size": dims.world_size,
+    }  # fmt: skip
 
 
 def stage_layers(n_layers: int, n_stages: int) -> list[list[int]]:

@@ -28,13 +28,10 @@ TAIL = 10  # steps the final loss is averaged over: one batch's loss is noisy
 
 
 def label(r: dict[str, Any]) -> str:
-    s = r["strategy"] + (f"/{r['sharding']}" if r.get("sharding", "-") != "-" else "")
+    """A row's name: its layout as a run names it (:func:`dtlab.dims.layout_name`, e.g. ``fsdp 1 x tp
+    2``), the precision and the compression."""
     extra = "" if r["compression"] == "none" else f" {r['compression']}"
-    if r.get("tp", 1) > 1:
-        extra += f" tp{r['tp']}"
-    if r.get("pp", 1) > 1:
-        extra += f" pp{r['pp']} {r['pp_schedule']}"
-    return f"{s} x{r['nproc']} {r['precision']}{extra}"
+    return f"{r['layout']} {r['precision']}{extra}"
 
 
 def memory_segments(rows: list[dict[str, Any]]) -> list[tuple[str, list[float]]]:

@@ -45,6 +45,7 @@ from dtlab.bench.memory import gradient_bytes, kept_activation_bytes
 from dtlab.bench.timing import timed
 from dtlab.cliargs import add_config_args, parse_config_args, run_command
 from dtlab.config import Config, load_config
+from dtlab.dims import layout_name
 from dtlab.errors import DtlabError
 from dtlab.metrics.comm import CommCounter
 from dtlab.metrics.logging import setup_logging
@@ -283,6 +284,7 @@ def _layout_figures(config: Config, d: DistInfo) -> dict[str, Any]:
     t = config.train
     return {
         "strategy": config.parallel.strategy,
+        "layout": layout_name(d.dims, config.parallel),  # the row's name in the report
         "tp": d.dims.tp,
         "pp": d.dims.pp,
         "pp_schedule": config.parallel.pp_schedule if d.dims.pp_enabled else None,

@@ -74,6 +74,15 @@ def _peak_row(s: dict[str, Any]) -> str:
     return f"{peak} allocated to tensors, {_human_bytes(reserved)} reserved by the CUDA allocator"
 
 
+def _layout_row(s: dict[str, Any]) -> str:
+    """The layout by its degrees (:func:`dtlab.dims.layout_name`), the processes it ran on and the
+    precision, e.g. ``fsdp 1 x tp 2 on 2 processes (fp32)``."""
+    world = s["world_size"]
+    engine = "mlx " if s.get("engine") == "mlx" else ""
+    processes = f"{world} process{'es' if world > 1 else ''}"
+    return f"{engine}{s['layout']} on {processes} ({s['precision']})"
+
+
 def summary_table(s: dict[str, Any]) -> str:
     """A short human-readable table of a run's summary."""
 
@@ -81,10 +90,7 @@ def summary_table(s: dict[str, Any]) -> str:
         return "-" if s.get(key) is None else format(s[key], fmt)
 
     rows = [
-        (
-            "strategy",
-            f"{'mlx ' if s.get('engine') == 'mlx' else ''}{s['strategy']} x {s['world_size']} ({s['precision']})",
-        ),
+        ("layout", _layout_row(s)),
         ("model", f"{s['params'] / 1e6:.2f}M params"),
         ("steps", f"{s['steps']} x {s['global_batch_size']} samples x {s['seq_len']} tokens"),
         ("loss", f"{num('initial_loss', '.4f')} -> {num('final_loss', '.4f')}"),

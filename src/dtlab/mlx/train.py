@@ -22,6 +22,7 @@ from dtlab.checkpoint.state import Stateful
 from dtlab.config import Config, check_world
 from dtlab.data import BatchLayout, BatchLoader
 from dtlab.data.sources import build_data
+from dtlab.dims import ParallelDims, layout_name
 from dtlab.errors import DtlabError
 from dtlab.metrics.alerts import memory_use
 from dtlab.metrics.logging import setup_logging
@@ -244,7 +245,8 @@ class MlxEngine(Engine):
         self.tokenizer = data.tokenizer
         self.coord: Coordinator = MlxGroup(group, watchdog)
         self.params = sum(v.size for v in self.trainer.params.values())
-        self.layout = f"mlx {config.parallel.strategy} x {world}"
+        self.dims = ParallelDims.from_config(config, world)  # data parallelism only (check_world)
+        self.layout = f"mlx {layout_name(self.dims, config.parallel)}"
         self.device = str(mx.default_device())
         self.states: dict[str, Stateful] = {}
 

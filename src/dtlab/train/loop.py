@@ -32,7 +32,7 @@ from dtlab.data import BatchLayout, BatchLoader
 from dtlab.data.loader import MicroBatch
 from dtlab.data.sources import build_data
 from dtlab.data.tokenizer import ByteTokenizer, Tokenizer
-from dtlab.dims import ParallelDims
+from dtlab.dims import ParallelDims, layout_name
 from dtlab.errors import CheckpointError, DtlabError, Preempted
 from dtlab.metrics.alerts import memory_use
 from dtlab.metrics.comm import CommCounter
@@ -442,12 +442,8 @@ class TorchEngine:
         self.oom_retries = 0
         self.val_loader, self.tokenizer = self.tr.val_loader, self.tr.tokenizer
         self.params = count_params(self.tr.model)
-        model_parallel = [f"tp {d.dims.tp}"] if d.dims.tp_enabled else []
-        if d.dims.pp_enabled:
-            model_parallel.append(f"pp {d.dims.pp} {config.parallel.pp_schedule}")
-        self.layout = f"{config.parallel.strategy} x {d.world_size}" + (
-            f" ({', '.join(model_parallel)})" if model_parallel else ""
-        )
+        self.dims = d.dims
+        self.layout = layout_name(d.dims, config.parallel)
         self.device = d.device.type
         self.comm_labels, self.comm_sizes = comm_labels(d, self.tr.diloco)
         self.states: dict[str, Stateful] = {}

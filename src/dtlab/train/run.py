@@ -29,6 +29,7 @@ from dtlab.config import Config, config_warnings
 from dtlab.data import BatchLoader
 from dtlab.data.sources import describe_data
 from dtlab.data.tokenizer import Tokenizer
+from dtlab.dims import ParallelDims, layout_fields, layout_name
 from dtlab.errors import DtlabError, Preempted
 from dtlab.metrics.alerts import AlertMonitor, count_alerts
 from dtlab.metrics.logging import logger
@@ -71,7 +72,8 @@ class Engine(Protocol):
     val_loader: BatchLoader | None  # this rank's validation micro-batches (None: no split)
     tokenizer: Tokenizer  # what made the tokens (saved in the run directory and checkpoints)
     params: int  # parameter count of the whole model
-    layout: str  # how the start line and the plot title name the layout, e.g. "ddp x 2"
+    dims: ParallelDims  # the parallel degrees of this world
+    layout: str  # how the start line and the plot title name the layout (dtlab.dims.layout_name)
     device: str  # where it runs, for the start line, e.g. "cpu"
     accum: int  # micro-batches per optimizer step
     micro: int  # samples per micro-batch
@@ -315,12 +317,13 @@ def _start(r: _Run) -> tuple[int | None, list[dict[str, Any]]]:
 def _announce(r: _Run) -> None:
     """The start lines: what trains where, the data it will see, and the warnings (rank 0)."""
     config, engine, t = r.config, r.engine, r.config.train
-    # The ranks the batch is split over: all of them, less tensor parallelism's (they share samples).
-    dp = t.global_batch_size // (engine.accum * engine.micro)
+    # The ranks the batch is split over: the data-parallel ones (tensor- and pipeline-parallel ranks
+    # share their samples).
+    dp, accum = engine.dims.dp, engine.accum
     logger.info(
-        "training %.2fM params | %s on %s | global batch %d = %d ranks x %d micro-batches x %d | %d steps | run dir %s",
-        engine.params / 1e6, engine.layout, engine.device, t.global_batch_size, dp, engine.accum, engine.micro,
-        t.steps, r.run_dir,
+        "training %.2fM params | %s on %s | global batch %d = %d data-parallel rank%s x %d micro-batch%s x %d | %d steps | run dir %s",
+        engine.params / 1e6, engine.layout, engine.device, t.global_batch_size, dp, "s" if dp > 1 else "",
+        accum, "es" if accum > 1 else "", engine.micro, t.steps, r.run_dir,
     )  # fmt: skip
     if engine.coord.is_main:
         val = engine.val_loader.source if engine.val_loader is not None else None
@@ -508,13 +511,13 @@ def _finish(
 ) -> dict[str, Any]:
     """The summary; rank 0 writes it with the loss curve, and every rank learns how that went."""
     config, engine, ckpt, t = r.config, r.engine, r.ckpt, r.config.train
-    world = engine.coord.world_size
     peak = engine.peak_memory_bytes()
     summary: dict[str, Any] = {
         "steps": r.state.step,
         **engine.summary(),
         "strategy": config.parallel.strategy,
-        "world_size": world,
+        "layout": layout_name(engine.dims, config.parallel),
+        **layout_fields(engine.dims),  # the degrees, world_size among them
         "precision": t.precision,
         "params": engine.params,
         "global_batch_size": t.global_batch_size,
