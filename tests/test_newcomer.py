@@ -18,6 +18,7 @@ import pytest
 
 from conftest import FAST, cli_env, read_metrics, run_cli
 from dtlab.config import ConfigError, check_batch_split, check_world, config_warnings, load_config
+from dtlab.train.schedules import lr_at
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,9 +100,14 @@ def test_config_warnings_name_the_setting_and_its_effect() -> None:
     assert config_warnings(load_config(overrides=[*FAST, "train.steps=10"])) == []
     warm = config_warnings(load_config(overrides=[*FAST, "train.steps=3", "train.warmup_steps=5"]))
     assert warm == [
-        "train.warmup_steps = 5 >= train.steps = 3: the whole run is warm-up, and the learning rate "
-        "never reaches train.lr = 0.003"
+        "train.warmup_steps = 5 > train.steps = 3: the whole run is warm-up, and the learning rate "
+        "never reaches train.lr = 0.003 (the last step's is 0.0018)"
     ]
+    # Warm-up step k (1-based) trains at train.lr x k / warmup_steps: as many warm-up steps as steps
+    # reach train.lr on the last step, which is no reason to warn.
+    reached = load_config(overrides=[*FAST, "train.steps=20", "train.warmup_steps=20"])
+    assert config_warnings(reached) == []
+    assert lr_at(reached.train.steps - 1, reached.train) == reached.train.lr
     paths = config_warnings(load_config(overrides=[*FAST, "data.paths=[a.txt]"]))
     assert paths == [
         "data.paths is set but data.source = 'synthetic': the paths are not read "
@@ -172,7 +178,7 @@ def test_the_run_says_what_it_will_see_and_what_it_warns_about(tmp_path: Path) -
     run = tmp_path / "run"
     proc = run_cli(
         "train", "--set", *FAST, "data.source=files", f"data.paths=[{corpus}]", "data.seq_len=32",
-        "train.steps=3", "train.warmup_steps=3", f"run.dir={run}",
+        "train.steps=3", "train.warmup_steps=4", f"run.dir={run}",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     line = next(s for s in proc.stderr.splitlines() if " data: " in s)

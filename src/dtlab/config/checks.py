@@ -284,10 +284,13 @@ def config_warnings(config: Config) -> list[str]:
     """Settings that are allowed but probably not meant: said once at the start of a run."""
     t, d = config.train, config.data
     out = []
-    if t.warmup_steps >= t.steps:
+    # Warm-up step k (1-based) trains at lr x k / warmup_steps (dtlab.train.schedules.lr_at): with as
+    # many warm-up steps as steps, the last one reaches train.lr; only more never do.
+    if t.warmup_steps > t.steps:
         out.append(
-            f"train.warmup_steps = {t.warmup_steps} >= train.steps = {t.steps}: the whole run is "
-            f"warm-up, and the learning rate never reaches train.lr = {t.lr:g}"
+            f"train.warmup_steps = {t.warmup_steps} > train.steps = {t.steps}: the whole run is "
+            f"warm-up, and the learning rate never reaches train.lr = {t.lr:g} (the last step's is "
+            f"{t.lr * t.steps / t.warmup_steps:.3g})"
         )
     if d.paths and d.source != "files":
         out.append(
