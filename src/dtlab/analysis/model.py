@@ -532,6 +532,17 @@ def _optimizer_bytes(config: Config, shapes: list[ParamShape], held: int) -> int
     return 2 * held * FP32 + len(shapes) * FP32
 
 
+def checkpoint_bytes(config: Config, shapes: list[ParamShape] | None = None) -> int:
+    """Bytes of the tensors one checkpoint writes, all ranks together: every parameter once, in float32,
+    and the optimizer's state of every parameter (:func:`_optimizer_bytes`). DCP writes a tensor that
+    several ranks hold (DDP's replicas) once, so neither the strategy nor the world size changes it.
+    The counters, data position and RNG are JSON beside them: too small to count. DiLoCo's per-replica
+    state is not counted (a lower bound with ``parallel.diloco``)."""
+    shapes = shapes if shapes is not None else param_shapes(config.model)
+    numel = sum(s.numel for s in shapes)
+    return numel * FP32 + _optimizer_bytes(config, shapes, numel)
+
+
 def _zero1_optimizer_bytes(config: Config, shapes: list[ParamShape], ranks: int) -> int:
     """ZeRO-1: the optimizer state of the fullest rank, the first (:func:`dtlab.parallel.zero.rows_of`:
     ``ceil(rows / ranks)`` rows of every parameter, and a step counter for each)."""

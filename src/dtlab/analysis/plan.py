@@ -213,7 +213,7 @@ def plan(
     ac = config.train.activation_checkpointing
     peak = device.peak_tflops.get(precision)
     kind = "cpu" if device.key == "this" else "cuda"
-    rate = peak * 1e12 * ACHIEVABLE_FRACTION[kind] if peak else float("nan")
+    rate = achievable_flops(device, precision)
     shapes = param_shapes(config.model)
     rows: list[dict[str, Any]] = []
     for label, cfg in candidates(config, world, nnodes):
@@ -250,6 +250,25 @@ def plan(
         "strategies": rows,
         "recommendation": recommend(rows) or advice(config, world, rows, memory * HEADROOM),
     }
+
+
+def achievable_flops(device: DeviceProfile, precision: str) -> float:
+    """FLOP/s a training step reaches on ``device`` at ``precision``: ``ACHIEVABLE_FRACTION`` of its
+    peak; NaN when the peak is unknown."""
+    peak = device.peak_tflops.get(precision)
+    kind = "cpu" if device.key == "this" else "cuda"
+    return peak * 1e12 * ACHIEVABLE_FRACTION[kind] if peak else float("nan")
+
+
+def predict_step(config: Config, nproc: int, nnodes: int, device: DeviceProfile) -> PlanRow:
+    """The plan's row for ``config`` as it is (its own strategy, not the candidates): memory, and
+    compute, recompute and communication time of one step. A ConfigError when the world cannot run it."""
+    world = nproc * nnodes
+    check_world(config, world)
+    rate = achievable_flops(device, config.train.precision)
+    memory = device.memory_gib * 2**30
+    label = config.parallel.strategy
+    return _row(label, config, nproc, nnodes, device, rate, param_shapes(config.model), memory)
 
 
 def _row(
