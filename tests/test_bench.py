@@ -10,6 +10,9 @@ import pytest
 
 from conftest import run_cli
 from dtlab.analysis.devices import lookup_cuda
+from dtlab.analysis.model import plan_step
+from dtlab.bench.sweep import plan_combinations, train_refusal
+from dtlab.config import load_config
 
 SMALL = [
     "model.preset=debug",
@@ -85,7 +88,8 @@ def test_bench_bad_arguments_are_clear_errors(tmp_path: Path) -> None:
     for args, needle in (
         (["--strategies", "zero"], "--strategies 'zero'"),
         (["--nproc", "two"], "--nproc 'two'"),
-        (["--strategies", "single", "--nproc", "2"], "gives nothing to run"),
+        # What train refuses, bench refuses with train's reason.
+        (["--strategies", "ddp", "--nproc", "3"], "cannot be split over 3 ranks"),
     ):
         proc = run_cli("bench", *args, "--out", str(tmp_path / "b"), "--set", *SMALL)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
@@ -125,3 +129,53 @@ def test_bench_compares_compressions(tmp_path: Path) -> None:
     report = (out / "report.md").read_text()
     assert "## Compression" in report and "| ddp 2 fp32 dct |" in report
     assert (out / "loss_vs_bytes.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_single_runs_as_the_baseline_whatever_nproc_lists() -> None:
+    combos, notes = plan_combinations(["single", "ddp", "fsdp"], [2], ["none"], ["fp32"])
+    assert combos == [("single", 1, "none", "fp32"), ("ddp", 2, "none", "fp32"),
+                      ("fsdp", 2, "none", "fp32")]  # fmt: skip
+    assert notes == ["single runs on 1 process (the baseline), whatever --nproc lists"]
+    # Data parallelism of degree 1 is single's layout with a wrapper: said, not run twice.
+    combos, notes = plan_combinations(["single", "ddp"], [1, 2], ["none"], ["fp32"])
+    assert combos == [("single", 1, "none", "fp32"), ("ddp", 2, "none", "fp32")]
+    assert notes == [
+        "ddp x1 not run: one data-parallel rank is single's layout, run as the baseline"
+    ]
+
+
+def test_bench_runs_the_layouts_train_runs() -> None:
+    # Pipeline parallelism over both processes with DDP's (one-rank) data parallelism: train runs it.
+    combos, notes = plan_combinations(["ddp"], [2], ["none"], ["fp32"], model_parallel=2)
+    assert combos == [("ddp", 2, "none", "fp32")] and notes == []
+    assert train_refusal(None, [*SMALL, "parallel.pp=2", "parallel.strategy=ddp"], 2) is None
+    # What train refuses is refused with train's own reason.
+    reason = train_refusal(None, [*SMALL, "parallel.strategy=ddp"], 3)
+    assert reason is not None and "train.global_batch_size = 8 samples cannot be split" in reason
+
+
+def test_bench_rows_share_one_peak_and_count_whole_diloco_periods(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    diloco = ["parallel.diloco.inner_steps=4", "parallel.diloco.outer_lr=1"]
+    proc = run_cli(
+        "bench", "--strategies", "single,ddp", "--nproc", "2", "--steps", "3", "--warmup", "1",
+        "--out", str(out), "--set", *SMALL, *diloco, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads((out / "results.json").read_text())
+    rows = {r["strategy"]: r for r in results["rows"]}
+    # single ran on one process as the baseline though --nproc says 2.
+    assert rows["single"]["nproc"] == 1 and rows["ddp"]["nproc"] == 2
+    # One peak, measured once before the first row, for every row's MFU.
+    peak = results["peaks"]["fp32"]
+    assert {r["peak_flops"] for r in rows.values()} == {peak["flops"]}
+    assert peak["min"] <= peak["median"] <= peak["max"] == peak["flops"]
+    report = (out / "report.md").read_text()
+    assert "GEMM runs before the first row" in report and "min-median-max" in report
+    # DiLoCo's bytes over whole outer periods: the plan's average per step (its syncs once per 4).
+    ddp = rows["ddp"]
+    plan = plan_step(load_config(None, [*SMALL, *diloco, "parallel.strategy=ddp"]), 2, pp_rank=0)
+    assert "diloco all_reduce" in ddp["comm_by_collective"]
+    assert ddp["comm_bytes_per_step"] == pytest.approx(sum(plan.comm_bytes.values()), abs=2)
+    # One float32 all-reduce of every parameter per 4 steps: a parameter's byte per step, and more.
+    assert ddp["comm_bytes_per_step"] > ddp["params"]

@@ -16,7 +16,9 @@ from dtlab.bench.engines import engine_report, engine_row, engines_figure
 from dtlab.bench.report import (
     UNMODELLED,
     coinciding,
+    disturbances,
     format_mfu,
+    label,
     memory_segments,
     plot_loss_curves,
     plots,
@@ -213,3 +215,57 @@ def test_a_baseline_longer_than_the_step_gives_no_overlap_but_a_flag(
     assert "| disturbed |" in ddp
     assert "| 50% |" in next(line for line in report.splitlines() if line.startswith("| fsdp 2 "))
     assert f"- ddp 2 fp32: {longer} took longer than the whole step" in report
+
+
+def test_figures_outside_the_possible_are_flagged_in_the_table_and_the_report(
+    tmp_path: Path,
+) -> None:
+    from dtlab.bench.sweep import write_outputs
+
+    single = bench_row("single", LOSSES, nproc=1, tokens_per_s=1000.0, comm_time_s=None)
+    # 3.70x the single process on 2 processes: 185% scaling efficiency, more than the cores give.
+    ddp = bench_row("ddp", LOSSES, tokens_per_s=3700.0, compute_time_s=0.05)
+    # A compute-only step longer than the whole step; collectives replayed alone longer still.
+    fsdp = bench_row("fsdp", LOSSES, tokens_per_s=1800.0, compute_time_s=0.15, comm_time_s=0.2)
+    fine = bench_row("ddp", LOSSES, nproc=4, tokens_per_s=3000.0, compute_time_s=0.08)
+    assert disturbances(single, single) == [] and disturbances(fine, single) == []
+    assert disturbances(ddp, single) == ["scaling efficiency 185% (over 100%)"]
+    assert disturbances(fsdp, single) == [
+        "compute-only step 0.150 s longer than the step 0.100 s",
+        "collectives alone 0.200 s longer than the step 0.100 s",
+    ]
+    assert disturbances(ddp, None) == []  # no baseline, no scaling to judge
+    rows = [single, ddp, fsdp, fine]
+    results = {"rows": rows, "failed": [], "warmup": 1, "steps": 3, "peaks": {}, "notes": []}
+    report = report_markdown(results, [])
+    table: dict[str, str] = {}
+    for line in report.splitlines():  # each run's first row: the runs table's
+        if line.startswith("| "):
+            table.setdefault(line.split(" | ")[0], line)
+    assert table[f"| {label(ddp)}"].endswith("| disturbed: scaling efficiency 185% (over 100%) |")
+    assert "| disturbed: compute-only step 0.150 s longer" in table[f"| {label(fsdp)}"]
+    assert table[f"| {label(fine)}"].endswith("| - |")
+    assert (
+        f"- {label(ddp)}: 3.70x the single-process throughput on 2 processes (185% scaling "
+        "efficiency): not physically possible, a measurement disturbed by other load on a shared "
+        "machine." in report
+    )
+    # The CSV carries the same flags.
+    write_outputs(results, tmp_path)
+    csv_rows = (tmp_path / "results.csv").read_text().splitlines()
+    assert csv_rows[0].endswith(",disturbed")
+    assert csv_rows[2].endswith(",scaling efficiency 185% (over 100%)")
+
+
+def test_the_report_prints_the_benchs_one_peak_and_its_spread() -> None:
+    peak = {"flops": 40e9, "runs": [30e9, 38e9, 40e9], "min": 30e9, "median": 38e9, "max": 40e9,
+            "threads": 2, "source": "measured fp32 GEMM once for the bench, 2 thread(s)"}  # fmt: skip
+    rows = [bench_row("ddp", LOSSES, peak_flops=40e9, peak_flops_source=peak["source"])]
+    results = {"rows": rows, "failed": [], "warmup": 1, "steps": 3, "peaks": {"fp32": peak},
+               "notes": ["single runs on 1 process (the baseline), whatever --nproc lists"]}  # fmt: skip
+    report = report_markdown(results, [])
+    assert (
+        "- fp32: 40.0 GFLOP/s, the fastest of 3 GEMM runs before the first row on 2 thread(s); "
+        "min-median-max 30.0-38.0-40.0 GFLOP/s (every row's MFU is against it)" in report
+    )
+    assert "- single runs on 1 process (the baseline), whatever --nproc lists" in report

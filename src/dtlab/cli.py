@@ -66,7 +66,7 @@ def _bench_axes(args: argparse.Namespace, config: Config) -> _BenchAxes:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from dtlab.bench.sweep import combinations, compression_overrides, run_sweep
+    from dtlab.bench.sweep import combinations, plan_combinations, run_sweep, runnable
     from dtlab.config import load_config
 
     config = load_config(args.config, args.overrides)  # fail here on a bad config, not in every run
@@ -77,20 +77,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     combos = combinations(
         axes.strategies, axes.nprocs, axes.compressions, axes.precisions, model_parallel
     )
-    # Every run's config is valid before any runs.
-    for strategy, _, compression, precision in combos:
-        load_config(
-            args.config,
-            [
-                *args.overrides,
-                f"parallel.strategy={strategy}",
-                *compression_overrides(compression),
-                f"train.precision={precision}",
-            ],
-        )
+    _, notes = plan_combinations(
+        axes.strategies, axes.nprocs, axes.compressions, axes.precisions, model_parallel
+    )
+    # Every run is one dtlab train runs, judged before any runs; the others are said, with why.
+    combos, refused = runnable(args.config, args.overrides, combos)
+    notes += refused
+    for note in notes:
+        print(f"note: {note}", flush=True)
     out = Path(args.out)
     results = run_sweep(
-        args.config, args.overrides, combos, args.steps, args.warmup, out, args.profile
+        args.config, args.overrides, combos, args.steps, args.warmup, out, args.profile, notes
     )
     print(
         f"\n{len(results['rows'])} run(s) measured, {len(results['failed'])} failed: {out / 'report.md'}"

@@ -286,6 +286,54 @@ def cumulative_bus_bytes(r: dict[str, Any]) -> list[float]:
     return out
 
 
+def scaling_baseline(r: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The row ``r``'s scaling is judged against: the bench's ``single`` run (no data parallelism)
+    at ``r``'s precision; None without one."""
+    return next(
+        (
+            b
+            for b in rows
+            if DPWrapper.of(b["strategy"]) is DPWrapper.NONE and b["precision"] == r["precision"]
+        ),
+        None,
+    )
+
+
+def scaling(r: dict[str, Any], base: dict[str, Any] | None) -> tuple[float, float] | None:
+    """``r``'s throughput as a multiple of ``base``'s and that multiple per added process (the
+    scaling efficiency); None where there is nothing to compare (no baseline, no more processes)."""
+    if base is None or r is base or r["nproc"] <= base["nproc"] or not base["tokens_per_s"]:
+        return None
+    speedup = r["tokens_per_s"] / base["tokens_per_s"]
+    return speedup, speedup / (r["nproc"] / base["nproc"])
+
+
+DISTURBED = (
+    "outside what is physically possible: other load on a shared machine disturbed the "
+    "measurement (rerun where the machine is quiet)"
+)
+
+
+def disturbances(r: dict[str, Any], base: dict[str, Any] | None) -> list[str]:
+    """The figures of a row that no undisturbed measurement can give, each as a short flag: a
+    scaling efficiency over 100% against ``base`` (more processes on the same cores cannot do more
+    than their share), and a compute-only step or a replay of the step's collectives that took
+    longer than the whole step they are parts of. The one judge behind the report and the table."""
+    flags = []
+    scaled = scaling(r, base)
+    if scaled is not None and scaled[1] > 1:
+        flags.append(f"scaling efficiency {scaled[1]:.0%} (over 100%)")
+    step = r["step_time_s"]
+    for key, what in (
+        ("compute_time_s", "compute-only step"),
+        ("comm_time_s", "collectives alone"),
+    ):
+        part = r.get(key)
+        if part is not None and part > step:
+            flags.append(f"{what} {part:.3f} s longer than the step {step:.3f} s")
+    return flags
+
+
 def _pct(a: float, b: float) -> str:
     return "-" if not b else f"{(a - b) / b:+.1%}"
 
@@ -294,12 +342,15 @@ def report_markdown(results: dict[str, Any], plot_paths: list[Path]) -> str:
     rows = results["rows"]
     lines = ["# dtlab bench report", ""]
     if rows:
+        lines += _peaks_lines(results)
         lines += _runs_table(results)
         lines += _memory_table(rows)
         lines += _collectives_table(rows)
         if len({r["compression"] for r in rows}) > 1:
             lines += compression_table(rows)
         lines += ["", "## What it says", "", *interpretation(rows)]
+    if results.get("notes"):
+        lines += ["", "## Not run as listed", ""] + [f"- {n}" for n in results["notes"]]
     if results["failed"]:
         lines += ["", "## Failed runs", ""] + [
             f"- {f['label']}: {f['error']}" for f in results["failed"]
@@ -319,6 +370,22 @@ def _table_row(*cells: str) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def _peaks_lines(results: dict[str, Any]) -> list[str]:
+    """The bench's one peak per precision and the spread of the GEMM runs that measured it."""
+    peaks = results.get("peaks") or {}
+    if not peaks:
+        return []
+    lines = ["Peak FLOP/s, measured once for the whole bench:", ""]
+    for precision, p in peaks.items():
+        lines.append(
+            f"- {precision}: {p['flops'] / 1e9:,.1f} GFLOP/s, the fastest of {len(p['runs'])} GEMM "
+            f"runs before the first row on {p['threads']} thread(s); min-median-max "
+            f"{p['min'] / 1e9:,.1f}-{p['median'] / 1e9:,.1f}-{p['max'] / 1e9:,.1f} GFLOP/s (every "
+            "row's MFU is against it)"
+        )
+    return [*lines, ""]
+
+
 def _runs_table(results: dict[str, Any]) -> list[str]:
     rows = results["rows"]
     r0 = rows[0]
@@ -330,10 +397,14 @@ def _runs_table(results: dict[str, Any]) -> list[str]:
         "",
         *_table_head(
             "run", "step s (min-max)", "tokens/s", "MFU", "peak mem MiB", "comm MiB/step (pred.)",
-            "comm s", "compute s", "overlap", "CPU util", "final loss", "peak source",
+            "comm s", "compute s", "overlap", "CPU util", "final loss", "peak source", "disturbed",
         ),
     ]  # fmt: skip
+    flagged = []
     for r in rows:
+        flags = disturbances(r, scaling_baseline(r, rows))
+        if flags:
+            flagged.append(f"- {label(r)}: {'; '.join(flags)}")
         mfu = format_mfu(r["mfu"], r["peak_flops_source"])
         comm_t = "-" if r["comm_time_s"] is None else f"{r['comm_time_s']:.3f}"
         compute_t = "-" if r.get("compute_time_s") is None else f"{r['compute_time_s']:.3f}"
@@ -348,8 +419,11 @@ def _runs_table(results: dict[str, Any]) -> list[str]:
                 f"{r['peak_memory_bytes'] / MIB:,.0f}", comm, comm_t, compute_t, overlap,
                 f"{r['cpu_util']:.0%}",
                 f"{r['loss_final']:.4f}", r["peak_flops_source"],
+                f"disturbed: {'; '.join(flags)}" if flags else "-",
             )
         )  # fmt: skip
+    if flagged:
+        lines += ["", f"Disturbed figures, {DISTURBED}:", *flagged]
     disturbed = [r for r in rows if r.get("overlap_disturbed")]
     if disturbed:
         lines += ["", "Overlap not computed (a part alone took longer than the whole step):"]
@@ -406,16 +480,20 @@ def interpretation(rows: list[dict[str, Any]]) -> list[str]:
     out = []
     fastest = max(rows, key=lambda r: r["tokens_per_s"])
     out.append(f"- Fastest: {label(fastest)} at {fastest['tokens_per_s']:,.0f} tokens/s.")
-    single = next((r for r in rows if DPWrapper.of(r["strategy"]) is DPWrapper.NONE), None)
-    if single:
-        for r in rows:
-            if r is single or r["precision"] != single["precision"]:
-                continue
-            scale = r["tokens_per_s"] / single["tokens_per_s"]
-            out.append(
-                f"- {label(r)}: {scale:.2f}x the single-process throughput on {r['nproc']} processes "
-                f"({scale / r['nproc']:.0%} scaling efficiency)."
-            )
+    for r in rows:
+        scaled = scaling(r, scaling_baseline(r, rows))
+        if scaled is None:
+            continue
+        speedup, efficiency = scaled
+        judged = (
+            ": not physically possible, a measurement disturbed by other load on a shared machine."
+            if efficiency > 1
+            else "."
+        )
+        out.append(
+            f"- {label(r)}: {speedup:.2f}x the single-process throughput on {r['nproc']} processes "
+            f"({efficiency:.0%} scaling efficiency){judged}"
+        )
     lean = min(rows, key=lambda r: sum(r["state_bytes"].values()))
     out.append(
         f"- Least state per rank: {label(lean)} ({sum(lean['state_bytes'].values()) / MIB:.2f} MiB of "

@@ -6,12 +6,13 @@ from __future__ import annotations
 import csv
 import itertools
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from dtlab.bench.report import format_mfu
+from dtlab.bench.report import disturbances, format_mfu, scaling_baseline
 from dtlab.dims import DPWrapper
 from dtlab.errors import DtlabError
 
@@ -20,7 +21,7 @@ CSV_COLUMNS = [
     "step_time_max_s", "tokens_per_s", "samples_per_s", "mfu", "peak_memory_bytes", "params_bytes",
     "grads_bytes", "optimizer_bytes", "activation_bytes", "activation_bytes_predicted",
     "comm_bytes_per_step", "comm_bytes_per_step_predicted", "comm_bus_bytes_per_step", "comm_time_s",
-    "compute_time_s", "overlap_fraction", "overlap_disturbed", "cpu_util", "loss_final",
+    "compute_time_s", "overlap_fraction", "overlap_disturbed", "cpu_util", "loss_final", "disturbed",
 ]  # fmt: skip
 
 
@@ -34,30 +35,155 @@ def compression_overrides(compression: str) -> list[str]:
     return [f"parallel.compression={compression}"]
 
 
+Combo = tuple[str, int, str, str]  # (strategy, nproc, compression, precision)
+
+
+def plan_combinations(
+    strategies: list[str],
+    nprocs: list[int],
+    compressions: list[str],
+    precisions: list[str],
+    model_parallel: int = 1,
+) -> tuple[list[Combo], list[str]]:
+    """Every (strategy, nproc, compression, precision) to run, and a note for each one not run or
+    run elsewhere than ``--nproc`` says.
+
+    ``single`` is the baseline: it runs once per precision, on ``model_parallel`` = tp x pp processes
+    (one model, no data parallelism), whatever ``--nproc`` lists. The other strategies run on every
+    listed count that ``model_parallel`` divides; the one whose data-parallel degree is 1 is single's
+    layout with a wrapper, left out only where single runs as the baseline beside it. What train
+    refuses (:func:`train_refusal`) is judged later, with each run's whole config."""
+    out: list[Combo] = []
+    notes: list[str] = []
+    baseline = any(DPWrapper.of(s) is DPWrapper.NONE for s in strategies)
+    for s, n, c, p in itertools.product(strategies, nprocs, compressions, precisions):
+        if DPWrapper.of(s) is DPWrapper.NONE:
+            if c == "none":  # nothing to compress without data parallelism
+                out.append((s, model_parallel, c, p))
+                if model_parallel not in nprocs:
+                    noun = "process" if model_parallel == 1 else "processes"
+                    notes.append(
+                        f"{s} runs on {model_parallel} {noun} (the baseline), whatever --nproc lists"
+                    )
+            elif "none" not in compressions:
+                notes.append(f"{s} not run: it has no data parallelism to compress")
+            continue
+        if n == model_parallel and baseline:
+            notes.append(
+                f"{s} x{n} not run: one data-parallel rank is single's layout, run as the baseline"
+            )
+            continue
+        out.append((s, n, c, p))
+    return list(dict.fromkeys(out)), list(dict.fromkeys(notes))
+
+
 def combinations(
     strategies: list[str],
     nprocs: list[int],
     compressions: list[str],
     precisions: list[str],
     model_parallel: int = 1,
-) -> list[tuple[str, int, str, str]]:
-    """Every (strategy, nproc, compression, precision) worth running: ``single`` only without data
-    parallelism (on ``model_parallel`` = tp x pp processes), the others with it."""
-    out = []
-    for s, n, c, p in itertools.product(strategies, nprocs, compressions, precisions):
-        alone = DPWrapper.of(s) is DPWrapper.NONE  # no data parallelism
-        if n % model_parallel or alone != (n == model_parallel):
-            continue
-        if alone and c != "none":
-            continue
-        out.append((s, n, c, p))
-    if not out:
-        each = "" if model_parallel == 1 else f" (tp x pp = {model_parallel} of them per model)"
+) -> list[Combo]:
+    """:func:`plan_combinations`'s runs; a DtlabError when there are none."""
+    combos, _ = plan_combinations(strategies, nprocs, compressions, precisions, model_parallel)
+    if not combos:
         raise DtlabError(
-            f"--strategies {','.join(strategies)} with --nproc {','.join(map(str, nprocs))} gives nothing "
-            f"to run: 'single' runs on {model_parallel} process(es), the others on more{each}"
+            f"--strategies {','.join(strategies)} with --nproc {','.join(map(str, nprocs))} and "
+            f"--compression {','.join(compressions)} gives nothing to run: 'single' runs without "
+            "compression"
         )
-    return list(dict.fromkeys(out))
+    return combos
+
+
+def run_overrides(strategy: str, compression: str, precision: str) -> list[str]:
+    """The config overrides of one run of the sweep, after the user's own."""
+    return [
+        f"parallel.strategy={strategy}",
+        *compression_overrides(compression),
+        f"train.precision={precision}",
+    ]
+
+
+def train_refusal(config_path: str | None, overrides: list[str], nproc: int) -> str | None:
+    """Why ``dtlab train`` would refuse this config on ``nproc`` processes (its own message), or None
+    when it runs it: the same loading and world checks train makes before it launches."""
+    from dtlab.config import check_world, load_config
+
+    try:
+        check_world(load_config(config_path, overrides), nproc)
+    except DtlabError as e:
+        return str(e)
+    return None
+
+
+def runnable(
+    config_path: str | None, overrides: list[str], combos: list[Combo]
+) -> tuple[list[Combo], list[str]]:
+    """The combinations train would run, and a note for each it refuses, with train's reason; a
+    DtlabError naming every reason when it refuses them all."""
+    keep, notes = [], []
+    for s, n, c, p in combos:
+        reason = train_refusal(config_path, [*overrides, *run_overrides(s, c, p)], n)
+        if reason is None:
+            keep.append((s, n, c, p))
+        else:
+            notes.append(f"{s} x{n} {c} {p} not run: dtlab train refuses it: {reason}")
+    if not keep:
+        raise DtlabError("nothing to run:\n" + "\n".join(f"  {note}" for note in notes))
+    return keep, notes
+
+
+# The bench's one peak per precision (CPU): GEMM runs timed before the first row, each the fastest of
+# PEAK_INNER matmuls of PEAK_SIZE^3; the fastest run is the peak (another load slows a run, never
+# speeds it up) and the spread of the runs is printed with it.
+PEAK_RUNS = 5
+PEAK_INNER = 4
+PEAK_SIZE = 1024
+
+
+def measure_peaks(
+    config_path: str | None, overrides: list[str], precisions: list[str]
+) -> dict[str, Any]:
+    """The peak FLOP/s every row's MFU is computed against, per precision, measured once in this
+    process on all its threads (the cores the rows' ranks share): ``{precision: {"flops", "runs",
+    "min", "median", "max", "threads", "source"}}``. Empty on a GPU, whose peak is the datasheet's
+    figure for the exact device (the same for every row)."""
+    import torch
+
+    from dtlab.analysis.devices import measure_matmul_tflops
+    from dtlab.config import load_config
+    from dtlab.parallel.dist import resolve_device
+
+    if resolve_device(load_config(config_path, overrides), 0).type != "cpu":
+        return {}
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    threads = torch.get_num_threads()
+    peaks = {}
+    for precision in precisions:
+        runs = [
+            measure_matmul_tflops(
+                dtypes[precision], torch.device("cpu"), PEAK_SIZE, PEAK_INNER, best=True
+            )
+            * 1e12
+            for _ in range(PEAK_RUNS)
+        ]
+        peaks[precision] = {
+            "flops": max(runs),
+            "runs": runs,
+            "min": min(runs),
+            "median": statistics.median(runs),
+            "max": max(runs),
+            "threads": threads,
+            "source": f"measured {precision} GEMM once for the bench, {threads} thread(s)",
+        }
+    return peaks
+
+
+def peak_args(peak: dict[str, Any] | None) -> list[str]:
+    """The worker's arguments that hand it the bench's peak (none: it finds its own)."""
+    if peak is None:
+        return []
+    return ["--peak-flops", repr(peak["flops"]), "--peak-source", peak["source"]]
 
 
 def run_sweep(
@@ -68,10 +194,21 @@ def run_sweep(
     warmup: int,
     out: Path,
     profile: bool = False,
+    notes: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Run each combination in fresh processes; returns ``{"rows": [...], "failed": [...]}``."""
+    """Run each combination in fresh processes, every row's MFU against one peak measured first
+    (:func:`measure_peaks`); returns ``{"rows": [...], "failed": [...], "peaks": {...}, ...}``, with
+    ``notes`` (what was not run, and why) for the report."""
     out.mkdir(parents=True, exist_ok=True)
     rows, failed = [], []
+    peaks = measure_peaks(config_path, overrides, list(dict.fromkeys(c[3] for c in combos)))
+    for precision, peak in peaks.items():
+        print(
+            f"peak {precision}: {peak['max'] / 1e9:,.1f} GFLOP/s (fastest of {PEAK_RUNS} GEMM runs; "
+            f"min-median-max {peak['min'] / 1e9:,.1f}-{peak['median'] / 1e9:,.1f}-"
+            f"{peak['max'] / 1e9:,.1f})",
+            flush=True,
+        )
     for i, (strategy, nproc, compression, precision) in enumerate(combos):
         label = f"{strategy} x{nproc} {compression} {precision}"
         print(f"[{i + 1}/{len(combos)}] {label}", flush=True)
@@ -80,8 +217,9 @@ def run_sweep(
             sys.executable, "-m", "dtlab.bench.worker", *([config_path] if config_path else []),
             "--out", str(row_path), "--nproc", str(nproc), "--warmup", str(warmup),
             *(["--profile", str(out / "profile" / row_path.stem)] if profile else []),
-            "--set", *overrides, f"parallel.strategy={strategy}", *compression_overrides(compression),
-            f"train.precision={precision}", f"train.steps={steps}", "run.progress=none",
+            *peak_args(peaks.get(precision)),
+            "--set", *overrides, *run_overrides(strategy, compression, precision),
+            f"train.steps={steps}", "run.progress=none",
         ]  # fmt: skip
         proc = subprocess.run(args, capture_output=True, text=True)
         if proc.returncode != 0 or not row_path.exists():
@@ -97,7 +235,10 @@ def run_sweep(
             f"comm {row['comm_bytes_per_step'] / 2**20:.1f} MiB/step",
             flush=True,
         )
-    results = {"rows": rows, "failed": failed, "steps": steps, "warmup": warmup}
+    results = {
+        "rows": rows, "failed": failed, "steps": steps, "warmup": warmup, "peaks": peaks,
+        "notes": notes or [],
+    }  # fmt: skip
     write_outputs(results, out)
     return results
 
@@ -109,7 +250,10 @@ def write_outputs(results: dict[str, Any], out: Path) -> None:
         w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
         w.writeheader()
         for r in results["rows"]:
-            w.writerow({k: r.get(k, r.get("state_bytes", {}).get(k)) for k in CSV_COLUMNS})
+            cells = {k: r.get(k, r.get("state_bytes", {}).get(k)) for k in CSV_COLUMNS}
+            # The report's judge of figures no undisturbed measurement gives, on the same rows.
+            flags = disturbances(r, scaling_baseline(r, results["rows"]))
+            w.writerow({**cells, "disturbed": "; ".join(flags)})
     from dtlab.bench.report import plots, report_markdown
 
     paths = plots(results["rows"], out) if results["rows"] else []

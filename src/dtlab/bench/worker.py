@@ -157,10 +157,17 @@ def peak_flops(config: Config, d: DistInfo) -> tuple[float | None, str, float]:
     )
 
 
-def bench(config: Config, warmup: int, profile_dir: Path | None) -> dict[str, Any] | None:
+def bench(
+    config: Config,
+    warmup: int,
+    profile_dir: Path | None,
+    given_peak: tuple[float, str] | None = None,
+) -> dict[str, Any] | None:
+    """One row (on rank 0; None on the others). ``given_peak``: the (FLOP/s, source) MFU is computed
+    against, measured once for the whole bench; without it the ranks measure their own."""
     d = init_distributed(config)
     try:
-        return _bench(config, d, warmup, profile_dir)
+        return _bench(config, d, warmup, profile_dir, given_peak)
     finally:
         destroy_distributed()
 
@@ -181,14 +188,23 @@ class TimingSink:
         return None
 
 
+def counted_steps(config: Config) -> int:
+    """Steps whose collectives are counted, after the timed ones: one, or DiLoCo's whole outer period
+    (H steps, in which every fragment syncs once, wherever the period starts), so that bytes per step
+    are the period's average rather than one step's, which may hold every sync or none."""
+    return config.parallel.diloco.inner_steps or 1
+
+
 class BenchEngine(TorchEngine):
-    """The torch engine, with the collectives of one step counted and the timed steps profiled."""
+    """The torch engine, with the collectives of the counted steps counted and the timed steps
+    profiled."""
 
     def __init__(
         self, config: Config, d: DistInfo, run_dir: Path, timed: range, profile_dir: Path | None
     ) -> None:
         super().__init__(config, d, run_dir)
         self.timed, self.profile_dir = timed, profile_dir
+        self.counted = range(timed.stop, timed.stop + counted_steps(config))
         # Tensor and pipeline parallelism's collectives are counted under their dimension's name.
         dims = d.dims
         # A dimension over the whole world is the default group, which the step's reduction uses too:
@@ -201,26 +217,31 @@ class BenchEngine(TorchEngine):
             and (group := dims.mesh(d.device.type, name).get_group()) is not world
             and group.size() < d.world_size
         }
-        self.counter = CommCounter(labels)
+        # DiLoCo's outer group and the groups inside its replicas keep train's names.
+        self.counter = CommCounter({**self.comm_labels, **labels})
 
     def step(
         self, batch: list[Any], step: int, stop_signal: int, inject_nan: bool
     ) -> dict[str, Any]:
         if step == self.timed.start and self.profile_dir is not None:
             self.profiler = StepProfiler(self.profile_dir, self.d.rank, self.d.device)
-        if step == self.timed.stop:
+        if step in self.counted:
             if self.profiler is not None:  # the profiler covers the timed steps only
                 self.profiler.close()
                 self.profiler = None
-            with (
-                self.counter
-            ):  # one more step, counted (the counter's overhead stays out of the timings)
+            # Steps after the timed ones, counted (the counter's overhead stays out of the timings);
+            # the counter adds up over them.
+            with self.counter:
                 return super().step(batch, step, stop_signal, inject_nan)
         return super().step(batch, step, stop_signal, inject_nan)
 
 
 def _bench(
-    config: Config, d: DistInfo, warmup: int, profile_dir: Path | None
+    config: Config,
+    d: DistInfo,
+    warmup: int,
+    profile_dir: Path | None,
+    given_peak: tuple[float, str] | None = None,
 ) -> dict[str, Any] | None:
     setup_logging(d.rank, d.world_size)
     logging.getLogger("dtlab").setLevel(
@@ -230,7 +251,7 @@ def _bench(
     run_config = _run_config(config, d, steps)
     run_dir, lock = resolve_run_dir(run_config, d)
     engine = BenchEngine(run_config, d, run_dir, steps, profile_dir)
-    peak = peak_flops(config, d)
+    peak = peak_flops(config, d) if given_peak is None else (*given_peak, given_peak[0])
     act = measured_activation_bytes(engine.tr, config, d.device)
     if d.device.type == "cuda":
         # The GEMM probe (8192 x 8192 matrices) and the activation measurement are not training: their
@@ -249,7 +270,8 @@ def _bench(
             shutil.rmtree(run_dir, ignore_errors=True)
     # The training's peaks, read before the replay's buffers and the compute-only model exist.
     memory = _memory_figures(config, d, engine.tr, act)
-    comm_time = _replay_collectives(engine.counter, d)
+    period = counted_steps(config)
+    comm_time = _replay_collectives(engine.counter, d, period)
     compute_time = _compute_only(config, d, engine.tr) if comm_time is not None else None
     losses = [m["loss"] for m in timing.records]
     speed = _speed_figures(config, timing, steps, *peak)
@@ -257,7 +279,7 @@ def _bench(
         **_layout_figures(config, d),
         **speed,
         **memory,
-        **_comm_figures(config, d, engine.counter, comm_time),
+        **_comm_figures(config, d, engine.counter, comm_time, period),
         **_overlap_figures(speed["step_time_s"], compute_time, comm_time),
         "cpu_util": _cpu_util(timing, steps) / (os.cpu_count() or 1),
         "loss_initial": losses[0],
@@ -268,10 +290,10 @@ def _bench(
 
 
 def _run_config(config: Config, d: DistInfo, timed: range) -> Config:
-    """The config the benchmark trains: the warm-up steps, the timed ones and one counted step, in a
-    temporary run directory, without checkpoints, plots or progress."""
+    """The config the benchmark trains: the warm-up steps, the timed ones and the counted ones
+    (:func:`counted_steps`), in a temporary run directory, without checkpoints, plots or progress."""
     cfg = config.model_copy(deep=True)
-    cfg.train.steps = timed.stop
+    cfg.train.steps = timed.stop + counted_steps(config) - 1
     cfg.run.dir = d.decide(lambda: tempfile.mkdtemp(prefix="dtlab-bench-"))
     cfg.run.progress, cfg.run.log_every = "none", 1
     cfg.run.plot = cfg.run.tensorboard = cfg.run.profile = False
@@ -388,25 +410,32 @@ def _as_counted(plan: StepPlan, d: DistInfo) -> StepPlan:
     return merged
 
 
+def _per_step(value: int, period: int) -> float:
+    """A count over ``period`` counted steps, per step (the whole number itself over one step)."""
+    return value if period == 1 else value / period
+
+
 def _comm_figures(
-    config: Config, d: DistInfo, counter: CommCounter, comm_time: float | None
+    config: Config, d: DistInfo, counter: CommCounter, comm_time: float | None, period: int = 1
 ) -> dict[str, Any]:
-    """One step's collectives as counted, next to predicted (and uncompressed)."""
+    """The counted steps' collectives per step (over ``period`` steps: their average), next to
+    predicted (and uncompressed)."""
     predicted = _as_counted(plan_step(config, d.world_size, pp_rank=0), d)
+    per_step = {k: _per_step(v, period) for k, v in counter.bytes.items()}
     return {
-        "comm_bytes_per_step": sum(counter.bytes.values()),
+        "comm_counted_steps": period,
+        "comm_bytes_per_step": sum(per_step.values()),
         "comm_bytes_per_step_predicted": sum(predicted.comm_bytes.values()),
         # What one rank sends (ring algorithms): the figure to compare an all-gather with an all-reduce.
-        "comm_bus_bytes_per_step": bus_bytes(
-            dict(counter.bytes), predicted.comm_groups, d.world_size
-        ),
+        "comm_bus_bytes_per_step": _per_step(1, period)
+        * bus_bytes(dict(counter.bytes), predicted.comm_groups, d.world_size),
         "comm_bus_bytes_per_step_predicted": sum(predicted.comm_bus_bytes.values()),
         "comm_bus_bytes_uncompressed": sum(
             plan_step(uncompressed(config), d.world_size, pp_rank=0).comm_bus_bytes.values()
         ),
         "compression_start_step": config.parallel.compression_options.start_step,
         "comm_by_collective": {
-            k: {"count": counter.counts[k], "bytes": counter.bytes[k]}
+            k: {"count": _per_step(counter.counts[k], period), "bytes": per_step[k]}
             for k in sorted(counter.counts)
         },
         "comm_by_collective_predicted": dict(predicted.comm_bytes),
@@ -445,8 +474,9 @@ REPLAYED = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadca
 REPLAYS = 3  # timed replays of the step's collectives (the median counts), after one untimed
 
 
-def _replay_plan(counter: CommCounter) -> list[tuple[str, Any, int]]:
-    """(collective, process group, bytes) of the counted step, one entry per kind and group, in an
+def _replay_plan(counter: CommCounter, period: int = 1) -> list[tuple[str, Any, int]]:
+    """(collective, process group, bytes per step over the ``period`` counted steps) of the counted
+    steps, one entry per kind and group, in an
     order every rank shares: by kind, then the largest groups first, then by the stride of the
     group's ranks (a mesh dimension's groups all share one), so that peers meet in the same entry."""
     from torch.distributed.distributed_c10d import GroupName, _resolve_process_group
@@ -464,7 +494,7 @@ def _replay_plan(counter: CommCounter) -> list[tuple[str, Any, int]]:
         stride = ranks[1] - ranks[0] if len(ranks) > 1 else 0
         return name, -len(ranks), stride, str(group.group_name)
 
-    return [(name, group, n) for (name, group), n in sorted(merged.items(), key=order)]
+    return [(name, group, n // period) for (name, group), n in sorted(merged.items(), key=order)]
 
 
 def _replay_once(plan: list[tuple[str, Any, int]], d: DistInfo) -> float:
@@ -493,7 +523,7 @@ def _replay_once(plan: list[tuple[str, Any, int]], d: DistInfo) -> float:
     return elapsed
 
 
-def _replay_collectives(counter: CommCounter, d: DistInfo) -> float | None:
+def _replay_collectives(counter: CommCounter, d: DistInfo, period: int = 1) -> float | None:
     """Time of the step's collectives replayed alone, in seconds: each kind on the process group it
     ran on in the step (HSDP's all-gathers within a replica, its all-reduce across replicas), with
     the bytes it moved there, back to back; one untimed replay, then the median of ``REPLAYS``, the
@@ -508,7 +538,7 @@ def _replay_collectives(counter: CommCounter, d: DistInfo) -> float | None:
         # Pipeline ranks issue different collectives (and tensor parallelism's live inside the
         # computation): no replay of one rank's list stands for the others'.
         return None
-    plan = _replay_plan(counter)
+    plan = _replay_plan(counter, period)
     if not plan:
         return None
     times = [_replay_once(plan, d) for _ in range(REPLAYS + 1)]
@@ -610,6 +640,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--profile", type=Path, default=None)
+    p.add_argument("--peak-flops", type=float, default=None, help="the bench's peak (FLOP/s)")
+    p.add_argument("--peak-source", default="measured", help="where --peak-flops comes from")
     args = parse_config_args(p, argv)
     try:
         config = load_config(args.config, args.overrides)
@@ -623,7 +655,8 @@ def main(argv: list[str] | None = None) -> int:
                 sys.argv[1:] if argv is None else argv,
                 module="dtlab.bench.worker",
             )
-        row = bench(config, args.warmup, args.profile)
+        given = None if args.peak_flops is None else (args.peak_flops, args.peak_source)
+        row = bench(config, args.warmup, args.profile, given)
     except DtlabError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
