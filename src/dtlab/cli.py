@@ -264,7 +264,7 @@ def _prepare_launch(args: argparse.Namespace, config: Config) -> tuple[Path, lis
 
 def cmd_launch(args: argparse.Namespace) -> int:
     from dtlab.config import check_world, load_config
-    from dtlab.deploy import launch_checkpointing
+    from dtlab.deploy import JobShape, launch_checkpointing
     from dtlab.parallel.devices import check_job_gpus
 
     config = load_config(args.config, args.overrides)
@@ -272,7 +272,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
     check_job_gpus(
         config.train.device, config.parallel.backend, args.nproc_per_node, args.gpus_per_node
     )
-    config, note = launch_checkpointing(config, args.no_checkpoint)
+    shape = JobShape(
+        args.nodes, args.nproc_per_node, args.gpus_per_node, args.device, args.save_bandwidth_gbps
+    )
+    config, note = launch_checkpointing(config, args.no_checkpoint, shape)
     if note:
         print(note, file=sys.stderr)
     if args.scheduler == "slurm":

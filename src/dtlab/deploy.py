@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 import shlex
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -65,34 +65,96 @@ class K8sJob:
 
 # A job that a scheduler may kill (preemption without warning, a node failure, an out-of-memory kill)
 # restarts from its last periodic checkpoint: the signal-time save only happens when there is a signal.
-# At most 1/20 of the run is lost, and at most this many steps in a long one.
+# Where the step time cannot be predicted (CPU nodes: no looked-up peak), at most 1/20 of the run is
+# lost, and at most this many steps in a long one.
 LAUNCH_CHECKPOINT_EVERY_MAX = 100
 
 
+@dataclass(frozen=True)
+class JobShape:
+    """What a launch knows of where its job runs, for the checkpoint interval: the world's shape, the
+    nodes' GPU (a key of :data:`dtlab.analysis.devices.PROFILES`; None: the plan's default, assumed)
+    and the write bandwidth of each node to the run directory (GB/s; None: assumed)."""
+
+    nodes: int = 1
+    nproc_per_node: int = 1
+    gpus_per_node: int = 0
+    device: str | None = None
+    save_gbps: float | None = None
+
+
+def _divisor_of(every: int, durable_every: int) -> int:
+    """``every``, or with ``durable_every`` set a value that divides it: the largest divisor of
+    ``durable_every`` not above ``every``, or ``durable_every`` itself when that divisor is less than
+    half of ``every`` (a prime, say), so that a job never saves every step for the sake of a divisor."""
+    if not durable_every:
+        return every
+    divisor = max(d for d in range(1, min(every, durable_every) + 1) if durable_every % d == 0)
+    return divisor if 2 * divisor >= every else durable_every
+
+
 def launch_checkpoint_every(steps: int, durable_every: int = 0) -> int:
-    """The ``checkpoint.every`` a launched job gets when the config has none (0).
+    """The ``checkpoint.every`` a launched job on CPU nodes gets when the config has none (0).
 
     ``max(1, min(steps // 20, 100))``: a killed job repeats at most 5% of its steps, and at most 100
-    steps of a long run. With ``durable_every`` set the value must divide it: the largest divisor of
-    ``durable_every`` not above that, or ``durable_every`` itself when that divisor is less than half
-    of it (a prime, say), so that a job never saves every step for the sake of a divisor.
+    steps of a long run; with ``durable_every`` set, a value that divides it (:func:`_divisor_of`).
     """
-    every = max(1, min(steps // 20, LAUNCH_CHECKPOINT_EVERY_MAX))
-    if durable_every:
-        divisor = max(d for d in range(1, min(every, durable_every) + 1) if durable_every % d == 0)
-        every = divisor if 2 * divisor >= every else durable_every
-    return every
+    return _divisor_of(max(1, min(steps // 20, LAUNCH_CHECKPOINT_EVERY_MAX)), durable_every)
 
 
-def launch_checkpointing(config: Config, no_checkpoint: bool = False) -> tuple[Config, str | None]:
-    """The config a launched job runs, as far as checkpoints go, and a line that says what changed.
+def runs_on_gpus(config: Config, shape: JobShape) -> bool:
+    """Whether the job's ranks train on GPUs: ``train.device: cuda``, or ``auto`` with GPUs requested."""
+    device = config.train.device
+    return device == "cuda" or (device == "auto" and shape.gpus_per_node > 0)
 
-    ``checkpoint.every: 0`` (the default) becomes :func:`launch_checkpoint_every`, so that a requeued or
-    restarted job resumes near where it stopped instead of from step 0; a non-zero value is kept.
-    ``no_checkpoint`` (``--no-checkpoint``) keeps or sets 0: no periodic checkpoints (a stop by a
-    signal still saves one).
+
+def _save_interval(config: Config, shape: JobShape) -> tuple[int, str]:
+    """(the interval, its reasoning) for a GPU job: :mod:`dtlab.analysis.save_interval`."""
+    from dtlab.analysis.devices import PROFILES
+    from dtlab.analysis.plan import DEFAULT_DEVICE
+    from dtlab.analysis.save_interval import ASSUMED_SAVE_GBPS, describe, predict_interval
+
+    key = shape.device or DEFAULT_DEVICE
+    if key not in PROFILES:
+        raise ConfigError(f"--device {key!r} is not known; allowed: {', '.join(PROFILES)}")
+    gbps = shape.save_gbps
+    if gbps is not None and not 0 < gbps < float("inf"):
+        raise ConfigError(
+            f"--save-bandwidth-gbps {gbps}: allowed: a finite number > 0 (GB/s each node writes)"
+        )
+    profile = PROFILES[key]
+    choice = predict_interval(
+        config, shape.nodes, shape.nproc_per_node, profile, gbps or ASSUMED_SAVE_GBPS
+    )
+    device = f"{key}, " + ("given: --device" if shape.device else "assumed: pass --device KEY")
+    per_node = gbps or ASSUMED_SAVE_GBPS
+    bandwidth = f"{per_node:.3g} GB/s per node x {shape.nodes} node(s), " + (
+        "given: --save-bandwidth-gbps"
+        if gbps
+        else "assumed: a parallel filesystem; pass --save-bandwidth-gbps"
+    )
+    if config.checkpoint.every:
+        return config.checkpoint.every, describe(
+            choice, device, bandwidth, every=config.checkpoint.every
+        )
+    every = _divisor_of(choice.every, config.checkpoint.durable_every)
+    return every, describe(replace(choice, every=every), device, bandwidth)
+
+
+def launch_checkpointing(
+    config: Config, no_checkpoint: bool = False, shape: JobShape | None = None
+) -> tuple[Config, str | None]:
+    """The config a launched job runs, as far as checkpoints go, and what to tell the user about it.
+
+    ``checkpoint.every: 0`` (the default) becomes an interval chosen so that a requeued or restarted
+    job resumes near where it stopped instead of from step 0. On GPUs it comes from the predicted save
+    and step times (:mod:`dtlab.analysis.save_interval`), and the note shows them; on CPU nodes, whose
+    step time is not predicted, it is :func:`launch_checkpoint_every`. A non-zero value is kept (on
+    GPUs the note shows what it costs). ``no_checkpoint`` (``--no-checkpoint``) keeps or sets 0: no
+    periodic checkpoints (a stop by a signal still saves one).
     """
     c = config.checkpoint
+    shape = shape or JobShape()
     if no_checkpoint:
         if c.every == 0:
             return config, None
@@ -101,14 +163,24 @@ def launch_checkpointing(config: Config, no_checkpoint: bool = False) -> tuple[C
             f"checkpoint.every is {c.every}: --no-checkpoint sets it to 0, so the job saves no periodic "
             "checkpoints (a stop by a signal still saves one); a job killed without one restarts from step 0"
         )
-    elif c.every == 0:
+    elif not runs_on_gpus(config, shape):
+        if c.every:
+            return config, None
         every = launch_checkpoint_every(config.train.steps, c.durable_every)
         note = (
             f"checkpoint.every is 0: the job saves every {every} steps so that a requeued job resumes; "
-            "set --set checkpoint.every=N to choose, or pass --no-checkpoint to keep them off"
+            "set --set checkpoint.every=N to choose, or pass --no-checkpoint to keep them off "
+            "(1/20 of the run, at most 100 steps: the step time of CPU nodes is not predicted)"
         )
     else:
-        return config, None
+        every, why = _save_interval(config, shape)
+        if c.every:
+            return config, f"checkpoint.every is {c.every}, as given (the config or --set):\n{why}"
+        note = (
+            f"checkpoint.every is 0: the job saves every {every} steps so that a requeued job resumes; "
+            "set --set checkpoint.every=N to choose, or pass --no-checkpoint to keep them off\n"
+            + why
+        )
     data = config.to_dict()
     data["checkpoint"]["every"] = every
     return config_from_dict(data), note

@@ -1,0 +1,196 @@
+"""The checkpoint interval ``dtlab launch`` gives a job: from the predicted save and step times.
+
+The jobs are written, never submitted: these tests need no Slurm and no Kubernetes. They run the
+command in this process (the same parser and checks; a 70B model is only shaped, on the meta device).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dtlab.analysis.save_interval import MAX_LOSS_S, MAX_SAVE_FRACTION, choose_every
+from dtlab.cli import main as cli_main
+from dtlab.config import config_from_dict
+
+# A 70B run on 16 nodes of 8 GPUs: a checkpoint is ~800 GiB (float32 weights and AdamW's moments).
+BIG = [
+    "model.preset=llama3.1-70b",
+    "data.source=synthetic",
+    "data.seq_len=4096",
+    "train.precision=bf16",
+    "parallel.strategy=fsdp",
+    "train.global_batch_size=512",
+    "train.micro_batch_size=1",
+    "train.activation_checkpointing=full",
+    "train.steps=100",  # what steps // 20 made a checkpoint every 5 steps
+]
+BIG_JOB = ["--nodes", "16", "--nproc-per-node", "8", "--gpus-per-node", "8"]
+TINY = [
+    "model.preset=tiny",
+    "data.source=synthetic",
+    "data.seq_len=64",
+    "train.global_batch_size=8",
+]
+GPU1 = ["--nodes", "1", "--nproc-per-node", "1", "--gpus-per-node", "1"]
+# "every 27 steps: saving costs 2.0% of training time (...), a kill without warning loses at most
+# 21.9 min of work"
+COST = re.compile(
+    r"every (\d+) steps: saving costs ([\d.]+)% of training time .*loses at most ([\d.]+) "
+    r"(min|s|ms) of work"
+)
+
+
+def _launch(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], scheduler: str, *args: str
+) -> tuple[int, str]:
+    """``dtlab launch SCHEDULER ARGS`` (without submitting): the job config's ``checkpoint.every``
+    and what the command printed."""
+    out = tmp_path / ("job.sbatch" if scheduler == "slurm" else "job.yaml")
+    extra = ["--image", "dtlab:cuda"] if scheduler == "k8s" else []
+    code = cli_main(["launch", scheduler, *extra, "--out", str(out), *args])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    if scheduler == "slurm":
+        text = (tmp_path / "job.config.yaml").read_text()
+    else:
+        text = next(yaml.safe_load_all(out.read_text()))["data"]["config.yaml"]
+    return config_from_dict(yaml.safe_load(text)).checkpoint.every, err
+
+
+def _cost(stderr: str) -> tuple[int, float, float]:
+    """(interval, % of training time saving, minutes a kill loses) as the command printed them."""
+    m = COST.search(stderr)
+    assert m, stderr
+    scale = {"min": 1.0, "s": 1 / 60, "ms": 1 / 60000}[m[4]]
+    return int(m[1]), float(m[2]), float(m[3]) * scale
+
+
+@pytest.mark.parametrize("scheduler", ["slurm", "k8s"])
+def test_a_70b_job_saves_as_often_as_its_save_time_allows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], scheduler: str
+) -> None:
+    """Not every 5 steps: a ~800 GiB checkpoint at 2 GB/s per node takes ~26 s on 16 nodes, so saving
+    costs at most 2% of training time only every ~27 steps of ~49 s; and the command shows why."""
+    every, err = _launch(tmp_path, capsys, scheduler, *BIG_JOB, "--set", *BIG)
+    assert every >= 20, err
+    assert "predicted: checkpoint 788.5 GiB (parameters and optimizer state)" in err
+    assert "2 GB/s per node x 16 node(s), assumed: a parallel filesystem" in err
+    assert "h100, assumed: pass --device KEY" in err
+    shown, percent, loss_min = _cost(err)
+    assert shown == every
+    assert percent <= MAX_SAVE_FRACTION * 100 and loss_min <= MAX_LOSS_S / 60
+    # The smallest such interval: one step fewer would cost more than the target.
+    save_s = float(re.search(r"saved in ([\d.]+) s", err)[1])  # type: ignore[index]
+    step_s = float(re.search(r"a step ([\d.]+) s", err)[1])  # type: ignore[index]
+    assert save_s / ((every - 1) * step_s + save_s) > MAX_SAVE_FRACTION
+    assert "set --set checkpoint.every=N to choose" in err
+
+
+def test_the_same_job_on_more_nodes_saves_faster_and_steps_faster(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """64 nodes write 4x the bytes per second and take a quarter of the batch each: a shorter
+    interval in time, and the given bandwidth is used and named."""
+    every16, err16 = _launch(tmp_path, capsys, "slurm", *BIG_JOB, "--set", *BIG)
+    big = ["--nodes", "64", "--nproc-per-node", "8", "--gpus-per-node", "8"]
+    every64, err64 = _launch(
+        tmp_path, capsys, "slurm", *big, "--save-bandwidth-gbps", "8", "--set", *BIG
+    )
+    assert "8 GB/s per node x 64 node(s), given: --save-bandwidth-gbps" in err64
+    assert _cost(err64)[2] < _cost(err16)[2]
+    assert every64 < every16
+
+
+def test_when_saving_is_too_slow_the_loss_bound_wins_and_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """At 0.05 GB/s per node a save takes ~18 min: 2% of training time would mean a checkpoint every
+    ~15 hours. The job still saves at least every 30 minutes of work, and the command says what that
+    costs."""
+    every, err = _launch(
+        tmp_path, capsys, "slurm", *BIG_JOB, "--save-bandwidth-gbps", "0.05", "--set", *BIG
+    )
+    _, percent, loss_min = _cost(err)
+    assert loss_min <= MAX_LOSS_S / 60 and percent > MAX_SAVE_FRACTION * 100
+    assert "both targets cannot hold" in err and "the loss bound wins" in err
+    assert 1 < every < 100
+
+
+def test_a_tiny_model_saves_every_few_thousand_steps(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A 35 MiB checkpoint (a second at least) against steps of milliseconds: thousands of steps
+    apart, not steps // 20 capped at 100; a short run saves at its end only."""
+    every, err = _launch(tmp_path, capsys, "slurm", *GPU1, "--set", *TINY, "train.steps=1000000")
+    assert 1000 < every < 1_000_000
+    _, percent, loss_min = _cost(err)
+    assert percent <= MAX_SAVE_FRACTION * 100 and loss_min <= MAX_LOSS_S / 60
+    every, err = _launch(tmp_path, capsys, "k8s", *GPU1, "--set", *TINY, "train.steps=1000")
+    assert every == 1000
+    assert "the job saves at its last step only" in err
+
+
+@pytest.mark.parametrize("scheduler", ["slurm", "k8s"])
+def test_an_explicit_checkpoint_every_wins_and_its_cost_is_shown(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], scheduler: str
+) -> None:
+    every, err = _launch(tmp_path, capsys, scheduler, *BIG_JOB, "--set", *BIG, "checkpoint.every=5")
+    assert every == 5
+    assert "checkpoint.every is 5, as given (the config or --set)" in err
+    shown, percent, _ = _cost(err)
+    assert shown == 5 and percent > MAX_SAVE_FRACTION * 100  # what every 5 steps costs
+    chosen = int(re.search(r"without it the launch would choose (\d+)", err)[1])  # type: ignore[index]
+    assert chosen >= 20
+
+
+def test_the_chosen_interval_divides_durable_every(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    every, err = _launch(
+        tmp_path, capsys, "slurm", *BIG_JOB, "--set", *BIG, "checkpoint.durable_every=50"
+    )
+    assert 50 % every == 0 and every >= 20, err
+    assert _cost(err)[0] == every  # the figures shown are the interval's the job gets
+
+
+def test_cpu_nodes_keep_the_fraction_of_the_run_and_say_why(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    every, err = _launch(tmp_path, capsys, "slurm", "--set", *TINY, "train.steps=200")
+    assert every == 10
+    assert "the step time of CPU nodes is not predicted" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--save-bandwidth-gbps", "0"], "--save-bandwidth-gbps 0.0: allowed: a finite number > 0"),
+        (["--save-bandwidth-gbps", "nan"], "--save-bandwidth-gbps nan: allowed"),
+        (["--device", "tpu-v5"], "--device 'tpu-v5' is not known; allowed: h100, h200"),
+    ],
+)
+def test_bad_interval_flags_are_clear_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], needle: str
+) -> None:
+    out = tmp_path / "job.sbatch"
+    code = cli_main(["launch", "slurm", *GPU1, *args, "--out", str(out), "--set", *TINY])
+    err = capsys.readouterr().err
+    assert code == 2 and needle in err, err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("save_s", "step_s", "steps", "every", "both"),
+    [
+        (10.0, 1.0, 10**6, 490, True),  # 10 / (490 + 10) = 2%
+        (100.0, 10.0, 10**6, 180, False),  # 2% needs 490 steps, 30 minutes allow 180
+        (10.0, 3600.0, 10**6, 1, True),  # a step longer than 30 minutes: save after each
+        (10.0, 1.0, 100, 100, True),  # a run shorter than the interval: its last step only
+    ],
+)
+def test_choose_every(save_s: float, step_s: float, steps: int, every: int, both: bool) -> None:
+    assert choose_every(save_s, step_s, steps) == (every, both)
