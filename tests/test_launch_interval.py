@@ -194,3 +194,17 @@ def test_bad_interval_flags_are_clear_errors(
 )
 def test_choose_every(save_s: float, step_s: float, steps: int, every: int, both: bool) -> None:
     assert choose_every(save_s, step_s, steps) == (every, both)
+
+
+def test_the_docs_show_what_the_command_prints(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/deploy.md quotes the 70B example's reasoning: it is what the command prints today."""
+    _, err = _launch(tmp_path, capsys, "slurm", *BIG_JOB, "--set", *BIG)
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "deploy.md").read_text()
+    lines = [
+        ln for ln in err.splitlines() if ln.startswith(("checkpoint.every", "predicted", "every"))
+    ]
+    assert len(lines) == 3
+    for line in lines:
+        assert line in docs, line
