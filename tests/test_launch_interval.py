@@ -147,6 +147,18 @@ def test_an_explicit_checkpoint_every_wins_and_its_cost_is_shown(
     assert chosen >= 20
 
 
+def test_a_named_gpu_is_a_gpu_job_and_its_peak_sets_the_step_time(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--device`` without ``--gpus-per-node`` (a partition that gives GPUs by itself): the A100's
+    lower peak predicts longer steps than the H100's, so fewer steps make the same save cost."""
+    nodes = ["--nodes", "16", "--nproc-per-node", "8"]
+    a100, err = _launch(tmp_path, capsys, "slurm", *nodes, "--device", "a100-80gb", "--set", *BIG)
+    assert "a100-80gb, given: --device" in err
+    h100, _ = _launch(tmp_path, capsys, "slurm", *nodes, "--device", "h100", "--set", *BIG)
+    assert a100 < h100
+
+
 def test_the_chosen_interval_divides_durable_every(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -173,11 +185,17 @@ def test_cpu_nodes_keep_the_fraction_of_the_run_and_say_why(
         (["--device", "tpu-v5"], "--device 'tpu-v5' is not known; allowed: h100, h200"),
     ],
 )
+@pytest.mark.parametrize("job", [GPU1, []], ids=["gpu", "cpu"])
 def test_bad_interval_flags_are_clear_errors(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], needle: str
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    args: list[str],
+    needle: str,
+    job: list[str],
 ) -> None:
+    """Also for a job on CPU nodes, which does not use them: a typo is never ignored."""
     out = tmp_path / "job.sbatch"
-    code = cli_main(["launch", "slurm", *GPU1, *args, "--out", str(out), "--set", *TINY])
+    code = cli_main(["launch", "slurm", *job, *args, "--out", str(out), "--set", *TINY])
     err = capsys.readouterr().err
     assert code == 2 and needle in err, err
     assert not out.exists()

@@ -103,9 +103,25 @@ def launch_checkpoint_every(steps: int, durable_every: int = 0) -> int:
 
 
 def runs_on_gpus(config: Config, shape: JobShape) -> bool:
-    """Whether the job's ranks train on GPUs: ``train.device: cuda``, or ``auto`` with GPUs requested."""
+    """Whether the job's ranks train on GPUs: ``train.device: cuda``, or ``auto`` with GPUs requested
+    or named (``--device``: a partition may give GPUs without ``--gpus-per-node``)."""
     device = config.train.device
-    return device == "cuda" or (device == "auto" and shape.gpus_per_node > 0)
+    return device == "cuda" or (
+        device == "auto" and (shape.gpus_per_node > 0 or shape.device is not None)
+    )
+
+
+def _check_shape(shape: JobShape) -> None:
+    """The interval's flags, checked whether or not the job runs on GPUs (a typo is never ignored)."""
+    from dtlab.analysis.devices import PROFILES
+
+    if shape.device is not None and shape.device not in PROFILES:
+        raise ConfigError(f"--device {shape.device!r} is not known; allowed: {', '.join(PROFILES)}")
+    gbps = shape.save_gbps
+    if gbps is not None and not 0 < gbps < float("inf"):
+        raise ConfigError(
+            f"--save-bandwidth-gbps {gbps}: allowed: a finite number > 0 (GB/s each node writes)"
+        )
 
 
 def _save_interval(config: Config, shape: JobShape) -> tuple[int, str]:
@@ -115,13 +131,7 @@ def _save_interval(config: Config, shape: JobShape) -> tuple[int, str]:
     from dtlab.analysis.save_interval import ASSUMED_SAVE_GBPS, describe, predict_interval
 
     key = shape.device or DEFAULT_DEVICE
-    if key not in PROFILES:
-        raise ConfigError(f"--device {key!r} is not known; allowed: {', '.join(PROFILES)}")
     gbps = shape.save_gbps
-    if gbps is not None and not 0 < gbps < float("inf"):
-        raise ConfigError(
-            f"--save-bandwidth-gbps {gbps}: allowed: a finite number > 0 (GB/s each node writes)"
-        )
     profile = PROFILES[key]
     choice = predict_interval(
         config, shape.nodes, shape.nproc_per_node, profile, gbps or ASSUMED_SAVE_GBPS
@@ -155,6 +165,7 @@ def launch_checkpointing(
     """
     c = config.checkpoint
     shape = shape or JobShape()
+    _check_shape(shape)
     if no_checkpoint:
         if c.every == 0:
             return config, None
