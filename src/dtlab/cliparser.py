@@ -62,8 +62,9 @@ examples:
   dtlab export runs/r1/checkpoints/step-00000200 --format safetensors --out exports/r1-200
 
 A run directory exports its newest checkpoint that passes verification against its manifest (sizes and
-SHA-256); newer ones that fail are skipped with a warning. The export is written to a temporary directory
-next to DIR and renamed into place at the end, so a failed export leaves nothing behind.
+CRC-32 checksums, manifest format 2; format 1's SHA-256 ones are verified too); newer ones that fail are
+skipped with a warning. The export is written to a temporary directory next to DIR and renamed into place
+at the end, so a failed export leaves nothing behind.
 """
 
 GENERATE_EPILOG = """\
@@ -78,7 +79,7 @@ The tokenizer is the tokenizer.json of the checkpoint, its run directory or the 
 UTF-8 bytes (refused when the run's config names another tokenizer).
 
 examples:
-  dtlab generate runs/demo --prompt "def main(" --temperature 0
+  dtlab generate runs/demo-20250101-120000 --prompt "def main(" --temperature 0
   dtlab generate exports/llama --prompt "import " --max-new-tokens 200 --top-p 0.9 --seed 1 > out.txt
 """
 
@@ -114,7 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``dtlab`` parser: one small builder per command."""
     parser = argparse.ArgumentParser(
         prog="dtlab",
-        description="Distributed Training Lab: train a Llama-style model with single, DDP, FSDP or HSDP and see what each costs.",
+        description="Distributed Training Lab: train a Llama-style model on one process or many - data "
+        "parallel (DDP, ZeRO-1, FSDP, HSDP), tensor and sequence parallel, pipeline parallel, and "
+        "low-communication training (compressed gradients, DiLoCo, the DeMo optimizer) - and see what "
+        "each costs (bench, plan) and that each trains the same (verify).",
     )
     parser.add_argument("--version", action="version", version=f"dtlab {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -277,9 +281,9 @@ def _add_slurm(lsub: _Commands) -> None:
     ls = lsub.add_parser(
         "slurm",
         help="an sbatch script: srun starts dtlab's launcher on every node (c10d rendezvous)",
-        description="Write an sbatch script and CONFIG's resolved form beside it (OUT.config.yaml). One "
-        "task per node starts `dtlab train --nproc P --nnodes N` with a c10d rendezvous on the first "
-        "node. Before the time limit Slurm sends SIGUSR1: the workers save a checkpoint, the script "
+        description="Write an sbatch script (--out) and, beside it, CONFIG's resolved form named after "
+        "it (fsdp.sbatch -> fsdp.config.yaml). One task per node starts `dtlab train --nproc P "
+        "--nnodes N` with a c10d rendezvous on the first node. Before the time limit Slurm sends SIGUSR1: the workers save a checkpoint, the script "
         "requeues the job, and the requeued job resumes from the run directory.",
     )
     _add_job_args(ls)
