@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import run_cli
 from dtlab.analysis.devices import lookup_cuda
@@ -179,3 +180,51 @@ def test_bench_rows_share_one_peak_and_count_whole_diloco_periods(tmp_path: Path
     assert ddp["comm_bytes_per_step"] == pytest.approx(sum(plan.comm_bytes.values()), abs=2)
     # One float32 all-reduce of every parameter per 4 steps: a parameter's byte per step, and more.
     assert ddp["comm_bytes_per_step"] > ddp["params"]
+
+
+def test_bench_runs_a_pipeline_layout_train_runs(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    proc = run_cli(
+        "bench", "--strategies", "ddp", "--nproc", "2", "--steps", "2", "--warmup", "1",
+        "--out", str(out), "--set", *SMALL, "parallel.pp=2", timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [row] = json.loads((out / "results.json").read_text())["rows"]
+    assert (row["strategy"], row["nproc"], row["pp"]) == ("ddp", 2, 2)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bench_on_a_gpu_takes_every_rows_peak_from_the_datasheet(tmp_path: Path) -> None:
+    """No GEMM is timed for the peak on a GPU: every row's MFU is against the exact device's
+    datasheet figure, which the report names once."""
+    out = tmp_path / "bench"
+    proc = run_cli(
+        "bench", "--strategies", "single", "--nproc", "1", "--steps", "2", "--warmup", "1",
+        "--out", str(out), "--set", *SMALL, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads((out / "results.json").read_text())
+    [row] = results["rows"]
+    assert results["peaks"] == {} and row["device"] != "cpu"
+    source = row["peak_flops_source"]
+    assert source == f"{row['device']} datasheet" or source.startswith("unknown"), source
+    assert "Peak FLOP/s, the same for every row:" in (out / "report.md").read_text()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_bench_counts_whole_diloco_periods_over_nccl(tmp_path: Path) -> None:
+    """DiLoCo on 2 GPUs over NCCL: the bytes per step are the plan's average over an outer period
+    (the outer all-reduce once per 4 steps), counted on NCCL's collectives as on gloo's."""
+    out = tmp_path / "bench"
+    diloco = ["parallel.diloco.inner_steps=4", "parallel.diloco.outer_lr=1"]
+    proc = run_cli(
+        "bench", "--strategies", "ddp", "--nproc", "2", "--steps", "3", "--warmup", "1",
+        "--out", str(out), "--set", *SMALL, *diloco, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [row] = json.loads((out / "results.json").read_text())["rows"]
+    plan = plan_step(load_config(None, [*SMALL, *diloco, "parallel.strategy=ddp"]), 2, pp_rank=0)
+    assert row["comm_bytes_per_step"] == pytest.approx(sum(plan.comm_bytes.values()), abs=2)
+    assert row["comm_bytes_per_step"] > row["params"]

@@ -269,3 +269,13 @@ def test_the_report_prints_the_benchs_one_peak_and_its_spread() -> None:
         "min-median-max 30.0-38.0-40.0 GFLOP/s (every row's MFU is against it)" in report
     )
     assert "- single runs on 1 process (the baseline), whatever --nproc lists" in report
+
+
+def test_on_a_gpu_the_report_names_the_datasheet_peak_every_row_shares() -> None:
+    source = "NVIDIA H100 80GB HBM3 datasheet"
+    rows = [
+        bench_row(s, LOSSES, device="NVIDIA H100 80GB HBM3", peak_flops_source=source)
+        for s in ("ddp", "fsdp")
+    ]
+    report = report_markdown({"rows": rows, "failed": [], "warmup": 1, "steps": 3, "peaks": {}}, [])
+    assert f"Peak FLOP/s, the same for every row: {source} (per GPU)." in report

@@ -374,7 +374,13 @@ def _peaks_lines(results: dict[str, Any]) -> list[str]:
     """The bench's one peak per precision and the spread of the GEMM runs that measured it."""
     peaks = results.get("peaks") or {}
     if not peaks:
-        return []
+        # On a GPU every row's peak is the datasheet figure of the exact device, times its GPUs.
+        sources = sorted({r["peak_flops_source"] for r in results["rows"] if r["device"] != "cpu"})
+        return (
+            [f"Peak FLOP/s, the same for every row: {', '.join(sources)} (per GPU).", ""]
+            if sources
+            else []
+        )
     lines = ["Peak FLOP/s, measured once for the whole bench:", ""]
     for precision, p in peaks.items():
         lines.append(

@@ -4,10 +4,11 @@
 
 With ``--nproc`` > 1 it starts itself in N processes through torch's elastic launcher (like ``dtlab
 train``). Rank 0 writes one JSON object: timings (median/min/max over the timed steps), throughput over
-all ranks, MFU against a GEMM peak measured on these ranks at the run's precision, per-rank state
-bytes (gradients as held after a backward), the bytes forward keeps for backward (storages still
-allocated when it returns, so what checkpointing keeps is seen), the collectives of one step (counted
-from the dispatcher) next to dtlab's prediction, peak memory, CPU utilisation and the losses.
+all ranks, MFU against a GEMM peak measured on these ranks at the run's precision (or the bench's one
+peak, ``--peak-flops``), per-rank state bytes (gradients as held after a backward), the bytes forward
+keeps for backward (storages still allocated when it returns, so what checkpointing keeps is seen), the
+collectives of one step (counted from the dispatcher; DiLoCo's averaged over a whole outer period) next
+to dtlab's prediction, peak memory, CPU utilisation and the losses.
 """
 
 from __future__ import annotations
