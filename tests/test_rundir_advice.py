@@ -121,3 +121,28 @@ def test_run_dir_in_use_advice_works(tmp_path: Path) -> None:
         assert _train(tmp_path / "free")["steps"] == 2
     finally:
         lock.release()
+
+
+def test_own_checkpoint_named_in_resume_advice_works(finished: Path, tmp_path: Path) -> None:
+    """checkpoint.resume names the directory's own newest checkpoint, with other shapes: a new run
+    needs both checkpoint.resume=never and a run.dir of its own, and the message says both."""
+    run_dir = _copy(finished, tmp_path / "x")
+    newest = run_dir / "checkpoints" / "step-00000004"
+    message = _refused(run_dir, "model.n_layers=1", f"checkpoint.resume={newest}", steps=6)
+    assert "set checkpoint.resume=never and give this run a run.dir of its own" in message
+    summary = _train(tmp_path / "own", "model.n_layers=1", "checkpoint.resume=never")
+    assert summary["steps"] == 2 and summary.get("resumed_from") is None
+    resumed = _train(run_dir, f"checkpoint.resume={newest}", *_suggested_sets(message), steps=6)
+    assert resumed["resumed_from"] == str(newest)
+
+
+def test_durable_tier_of_another_run_advice_works(tmp_path: Path) -> None:
+    """Two run directories of the same name share a durable directory: another run.dir name, or
+    another checkpoint.durable_dir, trains."""
+    durable = f"checkpoint.durable_dir={tmp_path / 'durable'}"
+    _train(tmp_path / "a" / "exp", durable, "checkpoint.every=2")
+    message = _refused(tmp_path / "b" / "exp", durable, "checkpoint.every=2")
+    assert "give this run another run.dir name or checkpoint.durable_dir" in message
+    assert _train(tmp_path / "b" / "exp2", durable, "checkpoint.every=2")["steps"] == 2
+    other = f"checkpoint.durable_dir={tmp_path / 'durable2'}"
+    assert _train(tmp_path / "b" / "exp", other, "checkpoint.every=2")["steps"] == 2
