@@ -310,3 +310,34 @@ def test_troubleshooting_defines_d_as_the_data_parallel_degree() -> None:
     text = " ".join((ROOT / "docs" / "troubleshooting.md").read_text(encoding="utf-8").split())
     assert "world size for every strategy" not in text
     assert "D is the data-parallel degree: world size / (`parallel.tp` x `parallel.pp`)" in text
+
+
+TABLE_ROW = re.compile(r"^\| `dtlab train ([^`]*)` \| `([^`]*)` \|", re.M)
+
+
+def _troubleshooting_rows() -> list[tuple[str, str]]:
+    text = (ROOT / "docs" / "troubleshooting.md").read_text(encoding="utf-8")
+    return [(a, m) for a, m in TABLE_ROW.findall(text) if "--nproc" not in shlex.split(a)]
+
+
+def test_troubleshooting_table_is_found() -> None:
+    assert len(_troubleshooting_rows()) >= 15
+
+
+@pytest.mark.parametrize(("args", "quoted"), _troubleshooting_rows())
+def test_troubleshooting_messages_are_what_dtlab_prints(
+    args: str, quoted: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each config mistake of the table gives the message quoted (``...`` stands for the rest); the
+    config is checked by ``dtlab config``, which loads it as ``dtlab train`` does but trains nothing."""
+    monkeypatch.chdir(ROOT)
+    try:
+        code = cli_main(["config", *shlex.split(args)])
+    except SystemExit as e:  # a mistake on the command line itself: argparse's exit 2
+        code = e.code
+    assert code != 0
+    printed = capsys.readouterr().err.strip().splitlines()[-1]
+    pattern = ".*".join(re.escape(part) for part in quoted.split("..."))
+    assert re.fullmatch(pattern, printed), (
+        f"docs/troubleshooting.md quotes {quoted!r}; printed {printed!r}"
+    )
