@@ -279,3 +279,23 @@ def test_on_a_gpu_the_report_names_the_datasheet_peak_every_row_shares() -> None
     ]
     report = report_markdown({"rows": rows, "failed": [], "warmup": 1, "steps": 3, "peaks": {}}, [])
     assert f"Peak FLOP/s, the same for every row: {source} (per GPU)." in report
+
+
+def test_lowcomm_averages_diloco_bytes_over_whole_outer_periods() -> None:
+    from dtlab.bench.link import Link
+    from dtlab.bench.lowcomm import METHODS, _row, inner_steps
+
+    # H = 4 over 10 steps: the outer sync (1000 bytes) after steps 4 and 8, 10 bytes on the others.
+    records = [
+        {"loss": 5.0, "step_time_s": 0.1, "comm_bytes": 1000 if s % 4 == 0 else 10,
+         "wire_bytes": 500 if s % 4 == 0 else 5}
+        for s in range(1, 11)
+    ]  # fmt: skip
+    assert inner_steps(METHODS["diloco"]) == 4
+    assert inner_steps([*METHODS["diloco"], "parallel.diloco.inner_steps=8"]) == 8
+    row = _row("diloco", Link("none", None), 0.0, records, inner_steps(METHODS["diloco"]))
+    # Two whole periods, steps 1-8: a period's bytes / 4, not steps 2-10's (two syncs in 9 steps).
+    assert row["comm_bytes_per_step"] == (1000 + 3 * 10) / 4
+    assert row["wire_bytes_per_step"] == (500 + 3 * 5) / 4
+    # Without DiLoCo every step after the first counts, as before.
+    assert _row("ddp", Link("none", None), 0.0, records)["comm_bytes_per_step"] == 2070 / 9

@@ -103,17 +103,37 @@ def _run(
     return [json.loads(line) for line in lines]
 
 
+def inner_steps(overrides: list[str]) -> int:
+    """DiLoCo's H in a run's overrides (the last one given wins); 0 without DiLoCo."""
+    values = [o.split("=", 1)[1] for o in overrides if o.startswith("parallel.diloco.inner_steps=")]
+    return int(values[-1]) if values else 0
+
+
+def counted_records(records: list[dict[str, Any]], period: int) -> list[dict[str, Any]]:
+    """The steps whose bytes are averaged: with DiLoCo's outer period ``period`` > 1, all steps of
+    the run's whole periods (each holds every fragment's sync once; a window of other steps reads
+    more or fewer syncs than a period has); otherwise every step after the first."""
+    if period > 1 and len(records) >= period:
+        return records[: len(records) // period * period]
+    return records[1:]
+
+
 def _row(
-    method: str, link: Link, measured_bps: float, records: list[dict[str, Any]]
+    method: str,
+    link: Link,
+    measured_bps: float,
+    records: list[dict[str, Any]],
+    period: int = 0,
 ) -> dict[str, Any]:
     steps = records[1:]  # the first step compiles and warms up
+    counted = counted_records(records, period)
     return {
         "method": method,
         "link": link.name,
         "link_rate_bps": link.rate_bps,
         "link_measured_bps": measured_bps,
-        "comm_bytes_per_step": statistics.fmean(m["comm_bytes"] for m in steps),
-        "wire_bytes_per_step": statistics.fmean(m["wire_bytes"] for m in steps),
+        "comm_bytes_per_step": statistics.fmean(m["comm_bytes"] for m in counted),
+        "wire_bytes_per_step": statistics.fmean(m["wire_bytes"] for m in counted),
         "step_time_s": statistics.median(m["step_time_s"] for m in steps),
         "mean_step_time_s": statistics.fmean(m["step_time_s"] for m in steps),
         "final_loss": records[-1]["loss"],
@@ -295,8 +315,9 @@ def main(argv: list[str] | None = None) -> int:
                         import shutil
 
                         shutil.rmtree(run_dir)
-                    records = _run(prefix, run_dir, args.steps, [*METHODS[method], *args.overrides])
-                    rows.append(_row(method, link, rate, records))
+                    overrides = [*METHODS[method], *args.overrides]
+                    records = _run(prefix, run_dir, args.steps, overrides)
+                    rows.append(_row(method, link, rate, records, inner_steps(overrides)))
                     r = rows[-1]
                     print(
                         f"{link.name:>8} {method:<15} {r['wire_bytes_per_step'] / 2**20:8.3f} MiB/step "
