@@ -235,6 +235,9 @@ def run_sweep(
             f"comm {row['comm_bytes_per_step'] / 2**20:.1f} MiB/step",
             flush=True,
         )
+        flags = disturbances(row, scaling_baseline(row, rows))
+        if flags:  # the report's judge, on the rows so far
+            print(f"  disturbed: {'; '.join(flags)}", flush=True)
     results = {
         "rows": rows, "failed": failed, "steps": steps, "warmup": warmup, "peaks": peaks,
         "notes": notes or [],
