@@ -15,7 +15,13 @@ import torch
 import yaml
 
 from conftest import run_cli
-from dtlab.analysis.save_interval import MAX_LOSS_S, MAX_SAVE_FRACTION, choose_every
+from dtlab.analysis.save_interval import (
+    MAX_LOSS_S,
+    MAX_SAVE_FRACTION,
+    SaveInterval,
+    choose_every,
+    describe,
+)
 from dtlab.cli import main as cli_main
 from dtlab.config import config_from_dict
 
@@ -170,6 +176,27 @@ def test_the_chosen_interval_divides_durable_every(
     )
     assert 50 % every == 0 and every >= 20, err
     assert _cost(err)[0] == every  # the figures shown are the interval's the job gets
+    # A durable_every below the best interval forces a short one: what it costs is said, and why.
+    every, err = _launch(
+        tmp_path, capsys, "slurm", *GPU1, "--set", *TINY, "train.steps=100000",
+        "checkpoint.durable_every=7",
+    )  # fmt: skip
+    assert every == 7
+    shown, percent, _ = _cost(err)
+    assert shown == 7 and percent > MAX_SAVE_FRACTION * 100
+    assert "checkpoint.durable_every = 7 must be a multiple of it (without that, every " in err
+
+
+def test_a_run_shorter_than_one_save_and_a_step_longer_than_the_loss_bound_are_said(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    every, err = _launch(tmp_path, capsys, "slurm", *GPU1, "--set", *TINY, "train.steps=2")
+    assert every == 2
+    assert "one save takes longer than the whole run (2 steps, 20 ms)" in err
+    hour = SaveInterval(1, 10**12, 2.0, 500.0, 3600.0, 100, True)
+    text = describe(hour, "h100", "2 GB/s")
+    assert "every 1 steps:" in text
+    assert "one step alone takes longer than 30 min: it saves after each" in text
 
 
 def test_cpu_nodes_keep_the_fraction_of_the_run_and_say_why(

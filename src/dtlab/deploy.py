@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 import shlex
 import subprocess
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -147,8 +147,15 @@ def _save_interval(config: Config, shape: JobShape) -> tuple[int, str]:
         return config.checkpoint.every, describe(
             choice, device, bandwidth, every=config.checkpoint.every
         )
-    every = _divisor_of(choice.every, config.checkpoint.durable_every)
-    return every, describe(replace(choice, every=every), device, bandwidth)
+    durable = config.checkpoint.durable_every
+    every = _divisor_of(choice.every, durable)
+    if every == choice.every:
+        return every, describe(choice, device, bandwidth)
+    why = (
+        f"checkpoint.durable_every = {durable} must be a multiple of it (without that, "
+        f"every {choice.every} steps)"
+    )
+    return every, describe(choice, device, bandwidth, every=every, why=why)
 
 
 def launch_checkpointing(

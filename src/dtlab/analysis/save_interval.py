@@ -105,10 +105,17 @@ def _minutes(s: float) -> str:
     return f"{s / 60:.3g} min" if s >= 60 else format_seconds(s)
 
 
-def describe(choice: SaveInterval, device: str, bandwidth: str, every: int | None = None) -> str:
+def describe(
+    choice: SaveInterval,
+    device: str,
+    bandwidth: str,
+    every: int | None = None,
+    why: str | None = None,
+) -> str:
     """The reasoning in two lines: the predictions (``device`` and ``bandwidth`` say where the step
     time and the write bandwidth come from), then what the interval costs and risks. With ``every``
-    (a value the user gave) the figures are that value's, and the chosen one is named beside it."""
+    (a value the user gave, or one a rule forced) the figures are that value's, followed by ``why``
+    (by default: the interval chosen without it)."""
     shown = choice if every is None else replace(choice, every=every)
     floor = (
         f"; at least {format_seconds(MIN_STEP_S)}, for kernel launches"
@@ -132,17 +139,22 @@ def describe(choice: SaveInterval, device: str, bandwidth: str, every: int | Non
     if every is None and choice.every >= choice.steps and choice.both_hold:
         # The final save happens anyway (checkpoint.final): no periodic one is worth its cost.
         run_s = choice.steps * choice.step_s
-        return (
-            f"{predicted}\nthe job saves at its last step only: one save costs "
-            f"{choice.save_s / run_s:.1%} of the whole run ({choice.steps} steps, "
-            f"{_minutes(run_s)}), more than the {MAX_SAVE_FRACTION:.0%} target; {loss}"
+        run = f"the whole run ({choice.steps} steps, {_minutes(run_s)})"
+        share = (
+            f"takes longer than {run}"
+            if choice.save_s >= run_s
+            else f"costs {choice.save_s / run_s:.1%} of {run}, more than the "
+            f"{MAX_SAVE_FRACTION:.0%} target"
         )
+        return f"{predicted}\nthe job saves at its last step only: one save {share}; {loss}"
     cost = (
         f"every {shown.every} steps: saving costs {shown.fraction:.1%} of training time "
         f"(target at most {MAX_SAVE_FRACTION:.0%}), {loss}"
     )
     if every is not None:
-        cost += f"; without it the launch would choose {choice.every}"
+        cost += f"; {why or f'without it the launch would choose {choice.every}'}"
+    elif choice.step_s > MAX_LOSS_S:
+        cost += f"; one step alone takes longer than {_minutes(MAX_LOSS_S)}: it saves after each"
     elif not choice.both_hold:
         cost += (
             f"; both targets cannot hold (one save takes {format_seconds(choice.save_s)}), so the "
