@@ -41,7 +41,6 @@ DEMO_DIR ?= runs/demo-$(DEMO_STAMP)
 DEMO_PROMPT ?= class
 demo: install
 	$(BIN)/dtlab train configs/demo.yaml --nproc $(NPROC) --set run.dir=$(DEMO_DIR)
-	@$(BIN)/python -c "import json, sys; s = json.load(open(sys.argv[1])); print(f\"\nvalidation (the corpus's held-out 2%): loss {s['final_val_loss']:.4f}, perplexity {s['final_val_ppl']:.3f}\")" $(DEMO_DIR)/summary.json
 	@printf '\nsample (200 tokens, temperature 0.7, top-k 20, seed 0):\n%s ' "$(DEMO_PROMPT)"
 	@$(BIN)/dtlab generate $(DEMO_DIR) --prompt "$(DEMO_PROMPT) " --max-new-tokens 200 --temperature 0.7 --top-k 20 --seed 0 \
 		2> $(DEMO_DIR)/generate.log || { cat $(DEMO_DIR)/generate.log; exit 1; }

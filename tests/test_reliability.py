@@ -383,7 +383,8 @@ def test_fault7_ctrl_c_saves_then_exits_75(tmp_path: Path, nproc: int) -> None:
     assert w.finish() == 75, w.err
     assert "Traceback" not in w.err and "Ctrl-C: saving a checkpoint" in w.err, w.err
     stop = json.loads((run / "stopped.json").read_text())
-    assert f"stopped by SIGINT after step {stop['step']}" in w.err
+    # Said once, by the launcher with several processes (not again by rank 0).
+    assert w.err.count(f"stopped by SIGINT after step {stop['step']}") == 1, w.err
     checkpoint_tensors(Path(stop["checkpoint"]))  # committed and verified
     assert not list((run / "checkpoints").glob(".tmp-*"))  # nothing left half-written
     # The same command resumes from it.

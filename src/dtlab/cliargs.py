@@ -123,16 +123,20 @@ def run_command(body: Callable[[], int]) -> int:
     """Run a command (``dtlab``'s or a benchmark script's) and return its exit code. A ``DtlabError``
     (a mistake in the input, a refused checkpoint, a failed collective) is one line on stderr, prefixed
     ``[rankN]`` in a world of several processes, and its exit code: never a traceback."""
+    from dtlab.runtime.messages import leave_message
+
+    # Under dtlab's launcher a worker leaves its last word to the launcher, which says each once.
     try:
         return body()
     except Preempted as e:
-        if os.environ.get("RANK", "0") == "0":
+        if os.environ.get("RANK", "0") == "0" and not leave_message("preempted", str(e)):
             print(f"preempted: {e}", file=sys.stderr)
         return e.exit_code
     except DtlabError as e:
-        rank = os.environ.get("RANK")
-        several = rank is not None and os.environ.get("WORLD_SIZE", "1") != "1"
-        print(f"{f'[rank{rank}] ' if several else ''}error: {e}", file=sys.stderr)
+        if not leave_message("error", str(e)):
+            rank = os.environ.get("RANK")
+            several = rank is not None and os.environ.get("WORLD_SIZE", "1") != "1"
+            print(f"{f'[rank{rank}] ' if several else ''}error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         # Ctrl-C pressed twice during training (the first one saves and stops), or once before it began.

@@ -10,19 +10,22 @@ import contextlib
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dtlab.errors import Preempted
+from dtlab.runtime.messages import MESSAGES_ENV, take_messages
 from dtlab.train.rundir import finished_since, stopped_with_checkpoint
 
 if TYPE_CHECKING:
@@ -48,16 +51,35 @@ def launch(
 
     75 only when the workers stopped on a signal *and* committed a checkpoint (their stop marker in
     ``run_dir``; without one, the workers' exit codes); a signal that left nothing saved gives
-    128 + the signal's number.
+    128 + the signal's number. What the workers leave to say (:mod:`dtlab.runtime.messages`) is said
+    once, before the launcher's own last line.
     """
+    with _worker_messages() as messages:
+        return _launch(spec, worker_args, run_dir, module, messages)
+
+
+def _launch(
+    spec: LaunchSpec,
+    worker_args: list[str],
+    run_dir: Path | None,
+    module: str,
+    messages: Path,
+) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
 
-    # The elastic agent logs every restart and failure at length; the workers print their own errors.
-    # Of its records dtlab keeps two, said in one line: which rank died how, and the restart.
-    _report_restarts(spec)
+    def say(stop_said: bool = False) -> None:
+        """What the workers left to say (each message once); ``stop_said``: but for the stop, which
+        the launcher says itself."""
+        for line in said_once(take_messages(messages), spec.nproc, stop_said=stop_said):
+            print(line, file=sys.stderr, flush=True)
+
+    # The elastic agent logs every restart and failure at length; the workers leave their own errors
+    # to say (above). Of its records dtlab keeps two, said in one line: which rank died how, and the
+    # restart.
+    _report_restarts(spec, say)
     config = _launch_config(spec)
     since = time.time()
 
@@ -67,6 +89,7 @@ def launch(
         return stopped_with_checkpoint(run_dir, config.run_id, since)
 
     def after_signal(sig: signal.Signals) -> int:
+        say(stop_said=True)
         if run_dir is not None and finished_since(run_dir, since):
             # The signal came while the finished workers were leaving: nothing was stopped.
             print(
@@ -81,6 +104,7 @@ def launch(
             elastic_launch(config, entrypoint=sys.executable)("-m", module, *worker_args)
     except _Interrupted as e:
         if e.aborted:
+            say(stop_said=True)
             print(
                 "aborted by a second Ctrl-C: the workers were stopped without saving",
                 file=sys.stderr,
@@ -88,19 +112,59 @@ def launch(
             return 128 + signal.SIGINT
         return after_signal(signal.SIGINT)
     except ChildFailedError as e:
+        say()
         return _after_failure({r: f.exitcode for r, f in e.failures.items()}, run_dir, saved)
     except SignalException as e:
         # The launcher itself was signalled: the agent passed the signal on and waited for the workers.
         return after_signal(e.sigval)
     except RendezvousError as e:
         # e.g. the port is taken, or the other nodes never arrived: a setup problem, not a crash.
+        say()
         print(
             f"error: could not start the process group at {config.rdzv_endpoint} "
             f"(--master-addr/--master-port): {type(e).__name__}: {e}",
             file=sys.stderr,
         )
         return 1
+    say()
     return 0
+
+
+@contextlib.contextmanager
+def _worker_messages() -> Iterator[Path]:
+    """A directory for the workers' last words (:mod:`dtlab.runtime.messages`), named in the
+    environment they inherit while they run."""
+    directory = Path(tempfile.mkdtemp(prefix="dtlab-messages-"))
+    before = os.environ.get(MESSAGES_ENV)
+    os.environ[MESSAGES_ENV] = str(directory)
+    try:
+        yield directory
+    finally:
+        if before is None:
+            os.environ.pop(MESSAGES_ENV, None)
+        else:
+            os.environ[MESSAGES_ENV] = before
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def said_once(messages: list[dict[str, Any]], ranks: int, stop_said: bool = False) -> list[str]:
+    """The lines that say the workers' ``messages`` (:func:`dtlab.runtime.messages.take_messages`),
+    each distinct one once, in the order of the first rank that said it: an error said by all
+    ``ranks`` workers as one process would say it, else prefixed with the ranks that said it
+    (``[rank0,2] error: ...``); a stop (``preempted``) unless ``stop_said`` (the launcher says it)."""
+    said: dict[tuple[str, str], list[int]] = {}
+    for m in sorted(messages, key=lambda m: m["rank"]):
+        said.setdefault((m["kind"], m["text"]), []).append(m["rank"])
+    lines = []
+    for (kind, text), who in said.items():
+        if kind == "preempted":
+            if not stop_said:
+                lines.append(f"preempted: {text}")
+            continue
+        everyone = ranks > 1 and len(who) == ranks
+        prefix = "" if everyone or ranks == 1 else f"[rank{','.join(map(str, who))}] "
+        lines.append(f"{prefix}error: {text}")
+    return lines
 
 
 def _launch_config(spec: LaunchSpec) -> LaunchConfig:
@@ -168,9 +232,9 @@ class _RestartReporter(logging.Handler):
     FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
     RESTART = re.compile(r"(\d+)/(\d+) attempts left; will restart")
 
-    def __init__(self, spec: LaunchSpec) -> None:
+    def __init__(self, spec: LaunchSpec, say: Callable[[], None]) -> None:
         super().__init__(logging.INFO)
-        self.spec = spec
+        self.spec, self.say = spec, say
         self.failure = "a worker failed"
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -189,6 +253,7 @@ class _RestartReporter(logging.Handler):
             self.failure = f"rank {rank} {how}"
         elif m := self.RESTART.search(text):
             left, most = int(m[1]), int(m[2])
+            self.say()  # why the workers stopped, before they start again
             print(
                 f"{self.failure}; restarting the workers (restart {most - left + 1} of {most})",
                 file=sys.stderr,
@@ -196,9 +261,9 @@ class _RestartReporter(logging.Handler):
             )
 
 
-def _report_restarts(spec: LaunchSpec) -> None:
+def _report_restarts(spec: LaunchSpec, say: Callable[[], None]) -> None:
     elastic = logging.getLogger("torch.distributed.elastic")
-    elastic.handlers[:] = [_RestartReporter(spec)]
+    elastic.handlers[:] = [_RestartReporter(spec, say)]
     elastic.propagate = False  # nothing else of the agent's reaches the terminal
     elastic.setLevel(logging.INFO)
     # Each module's logger has a level of its own (torch sets WARNING): let the two records through.
