@@ -443,7 +443,7 @@ def test_a_background_save_writes_at_the_lowest_priority_and_checksums_once(
     the thread's CRC option is restored after the file."""
     import threading
 
-    from dtlab.checkpoint.manager import _ChecksummingFileSystem
+    from dtlab.checkpoint.writer import _ChecksummingFileSystem
 
     fs = _ChecksummingFileSystem(background)
     seen: dict[str, object] = {}

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from dtlab.checkpoint.manager import Checkpointer, _leaves, _local
+from dtlab.checkpoint.manager import Checkpointer
+from dtlab.checkpoint.staging import _leaves, _local
 from dtlab.checkpoint.state import ModelState, OptimizerState, split_tensors
 from dtlab.config import load_config
 from dtlab.models import build_model

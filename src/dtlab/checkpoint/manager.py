@@ -9,17 +9,12 @@ writing and committing go on in a background thread, and the next save first wai
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
-import os
 import shutil
-import sys
 import threading
 import time
 import warnings
-import zlib
-from collections.abc import Callable, Collection, Generator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Collection
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -29,13 +24,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import yaml
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
-from torch.distributed.tensor import DTensor
 
 from dtlab.checkpoint.autoasync import AutoAsync, SaveCost
 from dtlab.checkpoint.manifest import MANIFEST, _fsync_dir, verify_checkpoint, write_manifest
+from dtlab.checkpoint.staging import _Stager
 from dtlab.checkpoint.state import (
     Stateful,
     load_rng_state,
@@ -54,6 +47,11 @@ from dtlab.checkpoint.store import (
     resume_fingerprint,
     step_name,
 )
+from dtlab.checkpoint.writer import (
+    _CheckedWriter,
+    collect_checksums,
+    yield_to_training,
+)
 from dtlab.config import Config
 from dtlab.data.tokenizer import Tokenizer
 from dtlab.errors import CheckpointError
@@ -63,243 +61,6 @@ from dtlab.metrics.logging import logger
 warnings.filterwarnings(
     "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
 )
-
-
-# DCP writes a rank's files from several threads; a thread that fails (a full disk) dies with a
-# traceback on stderr while DCP goes on with the results of the others, as if its items had been
-# written. _CheckedWriter turns that into a failed save; the traceback becomes one recorded error.
-_writer_errors: list[BaseException] = []
-_previous_excepthook = threading.excepthook
-
-
-def _writer_thread_hook(args: threading.ExceptHookArgs) -> None:
-    if args.thread is not None and "_write_files_from_queue" in args.thread.name:
-        _writer_errors.append(args.exc_value or RuntimeError("a writer thread failed"))
-        return
-    _previous_excepthook(args)
-
-
-threading.excepthook = _writer_thread_hook
-
-
-class _ChecksummedStream:
-    """A file being written, whose bytes are CRC-32'd as they go by (zlib holds no interpreter lock
-    on large buffers), so that the manifest need not read the file again."""
-
-    def __init__(self, raw: Any) -> None:
-        self.raw, self.crc, self.size = raw, 0, 0
-
-    def write(self, b: Any) -> int:
-        self.crc = zlib.crc32(b, self.crc)
-        self.size += memoryview(b).nbytes
-        return int(self.raw.write(b))
-
-    def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, close: the file's own
-        return getattr(self.raw, name)
-
-
-def yield_to_training() -> None:
-    """Give the calling thread the lowest CPU priority, niceness 19 (Linux keeps one per thread;
-    elsewhere nothing changes). A background save's threads then take what training leaves idle rather
-    than a fair share of the cores: 8 writer threads beside 2 training threads would get 4/5 of them.
-    Not SCHED_IDLE: a thread that holds the interpreter lock must still get a turn on a busy machine, or
-    the training thread waits for the lock behind it."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-
-
-@contextlib.contextmanager
-def _without_record_crc32() -> Generator[None, None, None]:
-    """torch.save (DCP writes each tensor with it) CRC-32s every record it writes: a second pass over
-    the bytes that the manifest's CRC-32 already covers, taken as they are written (a quarter of a
-    save's CPU time, measured). Off in the calling thread while it writes a file: torch keeps the
-    option per thread, so nothing else is touched (and torch.load reads either)."""
-    get = getattr(torch.serialization, "get_crc32_options", None)
-    if get is None:  # a torch without the option
-        yield
-        return
-    before = get()
-    torch.serialization.set_crc32_options(False)
-    try:
-        yield
-    finally:
-        torch.serialization.set_crc32_options(before)
-
-
-class _ChecksummingFileSystem(FileSystem):
-    """DCP's local file system, recording the CRC-32 and size of every file written through it; in
-    a background save, its writer threads yield to training (:func:`yield_to_training`)."""
-
-    def __init__(self, background: bool = False) -> None:
-        super().__init__()
-        self.checksums: dict[str, tuple[str, int]] = {}
-        self.background = background
-        self._lock = threading.Lock()
-
-    @contextlib.contextmanager
-    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[Any, None, None]:
-        with super().create_stream(path, mode) as raw:
-            if "w" not in mode:
-                yield raw
-                return
-            if self.background:  # a writer thread of DCP's, or the thread DCP's async save runs in
-                yield_to_training()
-            stream = _ChecksummedStream(raw)
-            with _without_record_crc32():
-                yield stream
-        with self._lock:
-            self.checksums[Path(path).name] = (f"{stream.crc:08x}", stream.size)
-
-
-CHECKSUMS = ".crc32-rank{rank}.json"  # each rank's data files' checksums, for rank 0's manifest
-
-
-class _CheckedWriter(dcp.FileSystemWriter):
-    """DCP's file writer, except that a save whose items were not all written fails, and that it
-    checksums the files as it writes them: each rank leaves its files' CRC-32s in ``CHECKSUMS`` for
-    rank 0, which puts them in the manifest (:func:`collect_checksums`) instead of reading every
-    byte again."""
-
-    def __init__(self, path: str, thread_count: int, rank: int, background: bool = False) -> None:
-        super().__init__(path, thread_count=thread_count)
-        self.fs = _ChecksummingFileSystem(background)
-        self.rank = rank
-
-    def write_data(self, plan: Any, planner: Any) -> Any:
-        before = len(_writer_errors)
-        future = super().write_data(plan, planner)
-        written, wanted = len(future.value()), len(plan.items)
-        if written != wanted:
-            # The root cause: an OSError (a full disk) if a thread had one; the threads that failed
-            # after it fail on what it left (a zip writer's position check).
-            errors = _writer_errors[before:]
-            oserrors = [e for e in errors if isinstance(e, OSError)]
-            cause = (oserrors or errors or [None])[0]
-            raise OSError(
-                getattr(cause, "errno", None) or errno.EIO,
-                f"{wanted - written} of {wanted} items of this rank were not written "
-                f"(a writer thread failed: {cause})",
-            )
-        sums = self.fs.checksums  # type: ignore[attr-defined]
-        (Path(self.path) / CHECKSUMS.format(rank=self.rank)).write_text(json.dumps(sums))
-        return future
-
-
-def collect_checksums(ckpt_dir: Path) -> dict[str, tuple[str, int]]:
-    """The checksums the ranks' writers recorded (file name -> (CRC-32, bytes)); their files are
-    removed: the manifest holds them from here on."""
-    out: dict[str, tuple[str, int]] = {}
-    for path in ckpt_dir.glob(CHECKSUMS.format(rank="*")):
-        out |= {k: (str(v[0]), int(v[1])) for k, v in json.loads(path.read_text()).items()}
-        path.unlink()
-    return out
-
-
-class _Stager(AsyncStager):
-    """Copies the tensors of an async save into buffers allocated at the first save and reused by every
-    later one (pinned memory on CUDA, for fast device-to-host copies), in a thread of its own, in one
-    call that holds no interpreter lock while it copies: the training thread's forward and backward go
-    on meanwhile. ``before(step)`` runs in that thread before it copies (fault injection).
-
-    On CUDA the copies run on a stream of the rank's own ``device``, made on the training thread (a
-    helper thread's current device is GPU 0, whatever the rank's is): the stream first waits for an
-    event recorded on the training thread's stream when the save was asked for (the kernels that wrote
-    the tensors), and the staging thread waits for an event recorded after the copies, never for a
-    whole device. A staged DTensor is the CPU buffer under the live tensor's spec, never moved back
-    to the mesh's device (as torch's own CPU state-dict staging does). ``used`` records the device and
-    stream the last copies ran on, as the staging thread saw them.
-
-    torch's DefaultStager does the same copies tensor by tensor through ``deepcopy``, in Python; on a
-    busy CPU that took longer than the step it overlapped with (measured: a 1.1 GiB state, 0.06 s
-    alone, over 1 s beside a forward and backward)."""
-
-    _synchronize_after_execute = False
-
-    def __init__(self, device: torch.device, before: Callable[[int], None] | None = None) -> None:
-        self.before, self.step, self.device = before, 0, device
-        self._pinned = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self._pinned else None
-        self.used: tuple[torch.device, Any] | None = None
-        self._buffers: dict[tuple[str, ...], torch.Tensor] = {}
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtlab-stage")
-
-    def stage(self, state_dict: dict[str, Any], **kwargs: Any) -> Any:
-        # Called on the training thread (by dcp.async_save): what its stream has queued so far wrote
-        # the tensors to be copied.
-        ready = None
-        if self.stream is not None:
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))
-        return self._executor.submit(self._stage, state_dict, ready)
-
-    def synchronize_staging(self) -> None:
-        pass
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=True)
-        self._buffers.clear()
-
-    def _stage(self, state_dict: dict[str, Any], ready: Any) -> dict[str, Any]:
-        if self.before is not None:
-            self.before(self.step)
-        leaves = list(_leaves(state_dict))
-        sources = [_local(t) for _, t in leaves]
-        if self.stream is None:
-            targets = [self._buffer(path, s) for (path, _), s in zip(leaves, sources, strict=True)]
-            self.used = (self.device, None)
-            with torch.no_grad():
-                torch._foreach_copy_(targets, sources)
-        else:
-            # On the rank's device (pinned buffers too are allocated in its context), on its stream.
-            with torch.cuda.device(self.device), torch.cuda.stream(self.stream), torch.no_grad():
-                targets = [
-                    self._buffer(path, s) for (path, _), s in zip(leaves, sources, strict=True)
-                ]
-                self.used = (
-                    torch.device("cuda", torch.cuda.current_device()),
-                    torch.cuda.current_stream(),
-                )
-                self.stream.wait_event(ready)
-                torch._foreach_copy_(targets, sources, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(self.stream)
-            done.synchronize()
-        staged: dict[str, Any] = {}
-        for (path, t), buf in zip(leaves, targets, strict=True):
-            if isinstance(t, DTensor):
-                # The shard under the live tensor's spec (mesh, placements, global shape and stride),
-                # as the DTensor DCP plans the save with. DTensor.from_local would move it to the
-                # mesh's device: a copy onto the staging thread's current GPU.
-                buf = DTensor(buf, t._spec, requires_grad=False)  # type: ignore[call-arg]
-            _set(staged, path, buf)
-        return staged
-
-    def _buffer(self, path: tuple[str, ...], src: torch.Tensor) -> torch.Tensor:
-        buf = self._buffers.get(path)
-        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-            buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=self._pinned)
-            self._buffers[path] = buf
-        return buf
-
-
-def _leaves(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> Any:
-    """(path, tensor) of every tensor in a nested dict of tensors."""
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            yield from _leaves(v, (*prefix, k))
-        else:
-            yield (*prefix, k), v
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _set(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
-    for k in path[:-1]:
-        tree = tree.setdefault(k, {})
-    tree[path[-1]] = value
 
 
 WRITERS = 8  # DCP writer threads (files) per rank
