@@ -344,3 +344,32 @@ def test_troubleshooting_messages_are_what_dtlab_prints(
     assert re.fullmatch(pattern, printed), (
         f"docs/troubleshooting.md quotes {quoted!r}; printed {printed!r}"
     )
+
+
+def test_quoted_modules_and_make_targets_exist() -> None:
+    """``python -m dtlab.X`` names a module that runs, ``make X`` a target of the Makefile."""
+    import importlib.util
+
+    targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(encoding="utf-8"), re.M))
+    missing, checked = [], 0
+    for where, i, line, code in _lines():
+        for found in re.findall(r"python -m (dtlab[\w.*]*)", line):
+            module = found.rstrip(".")
+            if "*" in module:
+                continue  # dtlab.bench.*: every benchmark script
+            spec = importlib.util.find_spec(module)
+            runs = spec is not None and (
+                spec.submodule_search_locations is None
+                or importlib.util.find_spec(f"{module}.__main__") is not None
+            )
+            checked += 1
+            if not runs:
+                missing.append(f"{where}:{i}: python -m {module}")
+        for target in (
+            re.findall(r"(?:^\s*|`)make ([\w-]+)", line) if code or "`make" in line else []
+        ):
+            checked += 1
+            if target not in targets:
+                missing.append(f"{where}:{i}: make {target}")
+    assert not missing, "quoted modules or make targets that do not exist:\n" + "\n".join(missing)
+    assert checked >= 30  # the docs quote dozens: finding none would check nothing
