@@ -49,6 +49,9 @@ def _help_texts() -> Iterator[tuple[str, str]]:
     """(``dtlab ... --help``, its text) for the top parser and every command and subcommand."""
 
     def walk(parser: argparse.ArgumentParser, name: str) -> Iterator[tuple[str, str]]:
+        # Unwrapped (whatever the terminal's width): a quote is never split over two lines.
+        formatter = parser.formatter_class(prog=parser.prog, width=100_000)  # type: ignore[call-arg]
+        parser._get_formatter = lambda: formatter  # type: ignore[method-assign]
         yield f"`{name} --help`", parser.format_help()
         for action in parser._actions:
             if isinstance(action, argparse._SubParsersAction):
