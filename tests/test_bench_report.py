@@ -155,7 +155,7 @@ def engine_run(tmp_path: Path, engine: str, losses: list[float]) -> dict[str, An
         json.dumps({"step": i + 1, "loss": v, "step_time_s": 0.1}) for i, v in enumerate(losses)
     ]
     (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    summary = {"strategy": "single", "precision": "fp32", "params": 131392, "global_batch_size": 8,
+    summary = {"strategy": "single", "layout": "single", "precision": "fp32", "params": 131392, "global_batch_size": 8,
                "seq_len": 64, "peak_memory_bytes": 100 * MIB}  # fmt: skip
     (run / "summary.json").write_text(json.dumps(summary))
     return engine_row(run, engine, 1, warmup=1)
@@ -172,7 +172,7 @@ def test_engines_report_and_plot(tmp_path: Path) -> None:
     assert [t.get_text() for t in bars.texts] == ["5,120", "5,120"]
     ticks = [t for t in curves.get_xticks() if 1 <= t <= len(LOSSES)]
     assert ticks and all(t == int(t) for t in ticks), ticks
-    assert "torch single x1 fp32, mlx single x1 fp32 coincide" in curves.get_title()
+    assert "torch single fp32, mlx single fp32 coincide" in curves.get_title()
     plt.close(fig)
 
 

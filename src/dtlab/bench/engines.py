@@ -48,6 +48,7 @@ def engine_row(run_dir: Path, engine: str, nproc: int, warmup: int) -> dict[str,
     return {
         "engine": engine,
         "strategy": summary["strategy"],
+        "layout": summary["layout"],  # as the run named it (dtlab.dims.layout_name)
         "nproc": nproc,
         "precision": summary["precision"],
         "params": summary["params"],
@@ -129,7 +130,7 @@ def engine_report(results: dict[str, Any], plot: Path | None) -> str:
         )
         ratio = f"{r['tokens_per_s'] / torch_row['tokens_per_s']:.2f}x" if torch_row else "-"
         lines.append(
-            f"| {r['engine']} | {r['strategy']} x{r['nproc']} {r['precision']} "
+            f"| {r['engine']} | {r['layout']} {r['precision']} "
             f"| {r['step_time_s']:.3f} ({r['step_time_min_s']:.3f}-{r['step_time_max_s']:.3f}) "
             f"| {r['tokens_per_s']:,.0f} | {ratio} | {r['peak_memory_bytes'] / MIB:,.0f} "
             f"| {r['loss_final']:.4f} |"
@@ -169,7 +170,7 @@ def engines_figure(rows: list[dict[str, Any]]) -> Any:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4), dpi=100)
-    names = [f"{r['engine']}\n{r['strategy']} x{r['nproc']} {r['precision']}" for r in rows]
+    names = [f"{r['engine']}\n{r['layout']} {r['precision']}" for r in rows]
     colors = ["#4477aa" if r["engine"] == "torch" else "#ee6677" for r in rows]
     bars = a.bar(range(len(rows)), [r["tokens_per_s"] for r in rows], color=colors)
     a.bar_label(bars, [f"{r['tokens_per_s']:,.0f}" for r in rows], fontsize=8)
