@@ -180,6 +180,9 @@ def test_bench_rows_share_one_peak_and_count_whole_diloco_periods(tmp_path: Path
     assert ddp["comm_bytes_per_step"] == pytest.approx(sum(plan.comm_bytes.values()), abs=2)
     # One float32 all-reduce of every parameter per 4 steps: a parameter's byte per step, and more.
     assert ddp["comm_bytes_per_step"] > ddp["params"]
+    # The outer syncs (on DiLoCo's own group, gone when the run ends) are replayed on the default
+    # group, which has the same ranks here.
+    assert ddp["comm_time_s"] is not None and ddp["comm_time_s"] > 0
 
 
 def test_bench_runs_a_pipeline_layout_train_runs(tmp_path: Path) -> None:

@@ -206,6 +206,7 @@ class BenchEngine(TorchEngine):
         super().__init__(config, d, run_dir)
         self.timed, self.profile_dir = timed, profile_dir
         self.counted = range(timed.stop, timed.stop + counted_steps(config))
+        self.group_ranks: dict[str, list[int]] = {}  # see _note_groups
         # Tensor and pipeline parallelism's collectives are counted under their dimension's name.
         dims = d.dims
         # A dimension over the whole world is the default group, which the step's reduction uses too:
@@ -233,8 +234,20 @@ class BenchEngine(TorchEngine):
             # Steps after the timed ones, counted (the counter's overhead stays out of the timings);
             # the counter adds up over them.
             with self.counter:
-                return super().step(batch, step, stop_signal, inject_nan)
+                m = super().step(batch, step, stop_signal, inject_nan)
+            self._note_groups()
+            return m
         return super().step(batch, step, stop_signal, inject_nan)
+
+    def _note_groups(self) -> None:
+        """The ranks of every process group a counted collective ran on, while the groups live: a
+        group the run owns (DiLoCo's) is destroyed when the run ends, before the replay."""
+        from torch.distributed.distributed_c10d import GroupName, _resolve_process_group
+
+        for _, name in self.counter.by_group:
+            if name is not None and name not in self.group_ranks:
+                group = _resolve_process_group(GroupName(name))
+                self.group_ranks[name] = sorted(dist.get_process_group_ranks(group))
 
 
 def _bench(
@@ -272,7 +285,7 @@ def _bench(
     # The training's peaks, read before the replay's buffers and the compute-only model exist.
     memory = _memory_figures(config, d, engine.tr, act)
     period = counted_steps(config)
-    comm_time = _replay_collectives(engine.counter, d, period)
+    comm_time = _replay_collectives(engine.counter, d, period, engine.group_ranks)
     compute_time = _compute_only(config, d, engine.tr) if comm_time is not None else None
     losses = [m["loss"] for m in timing.records]
     speed = _speed_figures(config, timing, steps, *peak)
@@ -475,18 +488,38 @@ REPLAYED = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadca
 REPLAYS = 3  # timed replays of the step's collectives (the median counts), after one untimed
 
 
-def _replay_plan(counter: CommCounter, period: int = 1) -> list[tuple[str, Any, int]]:
-    """(collective, process group, bytes per step over the ``period`` counted steps) of the counted
-    steps, one entry per kind and group, in an
-    order every rank shares: by kind, then the largest groups first, then by the stride of the
-    group's ranks (a mesh dimension's groups all share one), so that peers meet in the same entry."""
+class _GroupGone(Exception):
+    """A counted collective's process group is gone and no live group stands for it."""
+
+
+def _replay_group(name: str | None, group_ranks: dict[str, list[int]]) -> Any:
+    """The live process group to replay on for the counted group ``name``: the group itself, or,
+    for one the run destroyed (DiLoCo's), the default group when it spanned every rank."""
     from torch.distributed.distributed_c10d import GroupName, _resolve_process_group
 
-    world = dist.group.WORLD
+    if name is None:
+        return dist.group.WORLD
+    try:
+        return _resolve_process_group(GroupName(name))
+    except RuntimeError:
+        if group_ranks.get(name) == list(range(dist.get_world_size())):
+            return dist.group.WORLD
+        raise _GroupGone(name) from None
+
+
+def _replay_plan(
+    counter: CommCounter, period: int = 1, group_ranks: dict[str, list[int]] | None = None
+) -> list[tuple[str, Any, int]]:
+    """(collective, process group, bytes per step over the ``period`` counted steps) of the counted
+    steps, one entry per kind and group, in an order every rank shares: by kind, then the largest
+    groups first, then by the stride of the group's ranks (a mesh dimension's groups all share one),
+    so that peers meet in the same entry. ``_GroupGone`` when a group is gone (every rank alike: the
+    groups of one kind have one size on every rank)."""
     merged: dict[tuple[str, Any], int] = {}
-    for (name, group_name), nbytes in counter.by_group.items():
+    for (counted, group_name), nbytes in counter.by_group.items():
+        name = counted.split(" ")[-1]  # a labelled group's ("diloco all_reduce") is still a kind
         if name in REPLAYED:
-            group = world if group_name is None else _resolve_process_group(GroupName(group_name))
+            group = _replay_group(group_name, group_ranks or {})
             merged[(name, group)] = merged.get((name, group), 0) + nbytes
 
     def order(item: tuple[tuple[str, Any], int]) -> tuple[str, int, int, str]:
@@ -524,7 +557,12 @@ def _replay_once(plan: list[tuple[str, Any, int]], d: DistInfo) -> float:
     return elapsed
 
 
-def _replay_collectives(counter: CommCounter, d: DistInfo, period: int = 1) -> float | None:
+def _replay_collectives(
+    counter: CommCounter,
+    d: DistInfo,
+    period: int = 1,
+    group_ranks: dict[str, list[int]] | None = None,
+) -> float | None:
     """Time of the step's collectives replayed alone, in seconds: each kind on the process group it
     ran on in the step (HSDP's all-gathers within a replica, its all-reduce across replicas), with
     the bytes it moved there, back to back; one untimed replay, then the median of ``REPLAYS``, the
@@ -539,7 +577,10 @@ def _replay_collectives(counter: CommCounter, d: DistInfo, period: int = 1) -> f
         # Pipeline ranks issue different collectives (and tensor parallelism's live inside the
         # computation): no replay of one rank's list stands for the others'.
         return None
-    plan = _replay_plan(counter, period)
+    try:
+        plan = _replay_plan(counter, period, group_ranks)
+    except _GroupGone:  # a group the run destroyed, over some of the ranks: nothing to replay on
+        return None
     if not plan:
         return None
     times = [_replay_once(plan, d) for _ in range(REPLAYS + 1)]
