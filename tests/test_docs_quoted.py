@@ -1,5 +1,8 @@
 """What the docs and every ``--help`` quote exists: paths, config keys and ``dtlab`` command lines.
 
+The help texts: ``dtlab``'s, each command's and subcommand's, and the benchmark and GPU-check scripts'
+(their module docstrings).
+
 Every path under configs/, docs/ and deploy/ (and every relative Markdown link) names a file; every
 ``section.key`` names a config key; every quoted ``dtlab ...`` line parses with dtlab's own parser, and
 the cheap ones (``dtlab config``, ``dtlab plan`` without ``--check``) run and succeed.
@@ -8,6 +11,7 @@ the cheap ones (``dtlab config``, ``dtlab plan`` without ``--check``) run and su
 from __future__ import annotations
 
 import argparse
+import ast
 import re
 import shlex
 from collections.abc import Iterator
@@ -61,10 +65,23 @@ def _help_texts() -> Iterator[tuple[str, str]]:
     yield from walk(build_parser(), "dtlab")
 
 
+def _script_docs() -> Iterator[tuple[str, str]]:
+    """The module docstrings that ``python -m dtlab.X --help`` prints (the scripts' parsers take their
+    module's docstring as the description), read without importing them."""
+    for path in sorted((ROOT / "src" / "dtlab").rglob("*.py")):
+        source = path.read_text(encoding="utf-8")
+        if "script_parser(" in source or "argparse.ArgumentParser(" in source:
+            doc = ast.get_docstring(ast.parse(source), clean=False)
+            if doc and path.name not in ("cliparser.py", "cliargs.py"):
+                yield str(path.relative_to(ROOT)), doc
+
+
 def _sources() -> list[tuple[str, str]]:
-    return [(str(p.relative_to(ROOT)), p.read_text(encoding="utf-8")) for p in DOCS] + list(
-        _help_texts()
-    )
+    return [
+        *((str(p.relative_to(ROOT)), p.read_text(encoding="utf-8")) for p in DOCS),
+        *_help_texts(),
+        *_script_docs(),
+    ]
 
 
 def _lines() -> Iterator[tuple[str, int, str, bool]]:
