@@ -146,3 +146,22 @@ def test_durable_tier_of_another_run_advice_works(tmp_path: Path) -> None:
     assert _train(tmp_path / "b" / "exp2", durable, "checkpoint.every=2")["steps"] == 2
     other = f"checkpoint.durable_dir={tmp_path / 'durable2'}"
     assert _train(tmp_path / "b" / "exp", other, "checkpoint.every=2")["steps"] == 2
+
+
+def test_advice_quotes_values_for_the_shell_and_offers_no_settings_for_other_data(
+    tmp_path: Path,
+) -> None:
+    """A list's --set is one shell word; other samples behind the same keys (data.identity) cannot be
+    set back, so only a new run is offered."""
+    from dtlab.checkpoint.store import refuse_resume_advice
+
+    saved = {"data.paths": ["a.txt", "b.txt"], "model.n_layers": 2}
+    advice = refuse_resume_advice(
+        saved, {**saved, "data.paths": ["c.txt"]}, "auto", True, tmp_path, True
+    )
+    assert "(--set 'data.paths=[a.txt, b.txt]')" in advice
+    other_data = refuse_resume_advice(
+        {"data.identity": "x", "model.n_layers": 2}, {"data.identity": "y", "model.n_layers": 1},
+        str(tmp_path / "elsewhere"), False, tmp_path, False,
+    )  # fmt: skip
+    assert other_data == "To start a new run from step 0, set checkpoint.resume=never"

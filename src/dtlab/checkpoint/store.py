@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -120,7 +121,8 @@ def refuse_resume_advice(
     differing = _differing(saved, current)
     # Other samples (data.identity: the files or the stdlib changed) cannot be set back by a key.
     keep = (
-        " ".join(f"{k}={yaml_scalar(_resume_value(saved, k))}" for k in differing)
+        # Quoted for a shell where needed (a list's YAML has spaces).
+        " ".join(shlex.quote(f"{k}={yaml_scalar(_resume_value(saved, k))}") for k in differing)
         if differing and all(k in RESUME_KEYS for k in differing)
         else ""
     )
