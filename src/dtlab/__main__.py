@@ -4,6 +4,9 @@ from dtlab.cli import main
 from dtlab.runtime.status import is_worker_env, leave_worker
 
 code = main()
-if is_worker_env():
-    leave_worker(code)  # see there: the interpreter's teardown can abort a finished worker
+# A process that ran a process group ends without the interpreter's teardown: destroying torch's C++
+# objects there (gloo's threads, pending pipeline receives) can abort or hang a run that succeeded.
+dist_module = sys.modules.get("dtlab.parallel.dist")
+if is_worker_env() or (dist_module is not None and dist_module._RETIRED_GROUPS):
+    leave_worker(code)  # see there
 sys.exit(code)

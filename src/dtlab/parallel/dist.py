@@ -106,6 +106,10 @@ def nccl_env(env: Mapping[str, str], dump_dir: str | None) -> dict[str, str]:
     return out
 
 
+# Process groups of finished runs in this process (see destroy_distributed).
+_RETIRED_GROUPS: list[Any] = []
+
+
 def init_distributed(config: Config) -> DistInfo:
     """Read the launcher's environment, pick the device and backend, build this world's parallel
     degrees (the one place a worker checks them) and create the process group.
@@ -134,6 +138,7 @@ def init_distributed(config: Config) -> DistInfo:
     if not dims.distributed:
         return DistInfo(0, 1, 0, 1, device, None, dims)
     if not dist.is_initialized():
+        _RETIRED_GROUPS.clear()  # a finished run's groups, idle since (see destroy_distributed)
         timeout = timedelta(seconds=config.parallel.collective_timeout_s)
         # On CUDA, the process group is bound to this rank's GPU: NCCL's communicator is made at once,
         # and the groups made from it later (meshes, DiLoCo) are split from it, not built anew.
@@ -219,6 +224,13 @@ def destroy_distributed(graceful: bool = True) -> None:
             # collectives (or writing the summary) can make the peer's gloo threads abort.
             with recorded("final barrier", "barrier"):
                 dist.barrier()
+        # Keep the groups: gloo's destructor joins its worker threads while holding the GIL, and a
+        # worker thread still releasing its last work (whose tensors have Python objects) waits for the
+        # GIL: a deadlock whenever the last reference drops from Python code (a DDP reducer freed with
+        # the frames of an exception, seen hanging a preempted run). Retired here, the groups are
+        # released by the next run in this process (their threads long idle) or never: dtlab's
+        # workers end without the interpreter's teardown (runtime.status.leave_worker).
+        _RETIRED_GROUPS.extend(dist.distributed_c10d._world.pg_map)
         if teardown_action(dist.get_backend(), not graceful) == "abort":
             abort_distributed()
         else:
