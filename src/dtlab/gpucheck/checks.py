@@ -178,7 +178,7 @@ def memory(ctx: Context, check: Check) -> None:
     proc = ctx.run(check, dtlab("plan", "--json", "--nproc", "1", "--set", *s.train), "plan")
     try:
         plan = json.loads(proc.stdout)
-        (single,) = [x for x in plan["strategies"] if x["strategy"] == "single"]
+        single = {x["strategy"]: x for x in plan["strategies"]}["single"]  # plan's row by its name
         predicted = int(single["per_rank"]["total_bytes"])
     except (ValueError, KeyError, TypeError):
         return check.failed(f"dtlab plan --json gave no single-process figure: {_tail(proc)}")
