@@ -1,12 +1,13 @@
 import sys
 
 from dtlab.cli import main
-from dtlab.runtime.status import is_worker_env, leave_worker
+from dtlab.runtime import status
 
+status.ENDS_WITHOUT_TEARDOWN = True
 code = main()
 # A process that ran a process group ends without the interpreter's teardown: destroying torch's C++
 # objects there (gloo's threads, pending pipeline receives) can abort or hang a run that succeeded.
 dist_module = sys.modules.get("dtlab.parallel.dist")
-if is_worker_env() or (dist_module is not None and dist_module._RETIRED_GROUPS):
-    leave_worker(code)  # see there
+if status.is_worker_env() or (dist_module is not None and dist_module._RETIRED_GROUPS):
+    status.leave_worker(code)  # see there
 sys.exit(code)

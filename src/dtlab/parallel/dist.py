@@ -19,6 +19,7 @@ from dtlab.dims import ParallelDims
 from dtlab.errors import ConfigError, DtlabError
 from dtlab.parallel.devices import gpu_for
 from dtlab.parallel.ledger import ledger_enabled, recorded, stop_ledger
+from dtlab.runtime import status
 from dtlab.runtime.status import is_worker_env
 
 __all__ = [
@@ -224,13 +225,14 @@ def destroy_distributed(graceful: bool = True) -> None:
             # collectives (or writing the summary) can make the peer's gloo threads abort.
             with recorded("final barrier", "barrier"):
                 dist.barrier()
-        # Keep the groups: gloo's destructor joins its worker threads while holding the GIL, and a
-        # worker thread still releasing its last work (whose tensors have Python objects) waits for the
-        # GIL: a deadlock whenever the last reference drops from Python code (a DDP reducer freed with
-        # the frames of an exception, seen hanging a preempted run). Retired here, the groups are
-        # released by the next run in this process (their threads long idle) or never: dtlab's
-        # workers end without the interpreter's teardown (runtime.status.leave_worker).
-        _RETIRED_GROUPS.extend(dist.distributed_c10d._world.pg_map)
+        # Keep the groups where the process ends without the interpreter's teardown: gloo's destructor
+        # joins its worker threads while holding the GIL, and a worker thread still releasing its last
+        # work (whose tensors have Python objects) waits for the GIL: a deadlock whenever the last
+        # reference drops from Python code (a DDP reducer freed with the frames of an exception, seen
+        # hanging a preempted run). Kept, the groups are released by the next run in this process
+        # (their threads long idle) or never (runtime.status.leave_worker).
+        if status.ENDS_WITHOUT_TEARDOWN:
+            _RETIRED_GROUPS.extend(dist.distributed_c10d._world.pg_map)
         if teardown_action(dist.get_backend(), not graceful) == "abort":
             abort_distributed()
         else:

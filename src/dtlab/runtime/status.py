@@ -13,6 +13,10 @@ from pathlib import Path
 from typing import NoReturn
 
 STATUS_ENV = "DTLAB_MLX_STATUS_DIR"
+
+# True in a process that ends with :func:`leave_worker` (``python -m dtlab`` sets it): one whose
+# finished process groups may be kept to the end (see ``parallel.dist.destroy_distributed``).
+ENDS_WITHOUT_TEARDOWN = False
 WORKER_ENVS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 
 
