@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from dtlab.config import load_config
 from dtlab.parallel import destroy_distributed, init_distributed
+from dtlab.runtime.status import leave_worker
 from dtlab.train.loop import TorchEngine
 
 config = load_config(
@@ -46,3 +47,4 @@ dist.all_gather_object(out, {"clipped": records, "logged": logged})
 if d.rank == 0:
     Path(sys.argv[1]).write_text(json.dumps(out))
 destroy_distributed()
+leave_worker(0)  # no interpreter teardown: see dtlab.runtime.status.leave_worker

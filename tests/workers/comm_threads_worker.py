@@ -19,6 +19,7 @@ from dtlab.config import load_config
 from dtlab.metrics.comm import CommCounter
 from dtlab.models import build_model
 from dtlab.parallel import destroy_distributed, init_distributed, parallelize
+from dtlab.runtime.status import leave_worker
 from dtlab.train.loop import train_step
 from dtlab.train.optim import build_optimizer
 from dtlab.train.precision import LossScaler
@@ -92,3 +93,4 @@ else:
     assert counted == hook + reduction, (compression, dict(counter.bytes), hook + reduction)
 dist.barrier()
 destroy_distributed()
+leave_worker(0)  # no interpreter teardown: see dtlab.runtime.status.leave_worker

@@ -15,6 +15,7 @@ from dtlab.config import load_config
 from dtlab.metrics.comm import CommCounter
 from dtlab.models import build_model
 from dtlab.parallel import destroy_distributed, init_distributed, parallelize
+from dtlab.runtime.status import leave_worker
 from dtlab.train.loop import train_step
 from dtlab.train.optim import build_optimizer
 from dtlab.train.precision import LossScaler
@@ -73,3 +74,4 @@ if d is not None and d.rank == 0:
     with open(sys.argv[1], "w") as f:
         json.dump(results, f, indent=1)
 destroy_distributed()
+leave_worker(0)  # no interpreter teardown: see dtlab.runtime.status.leave_worker

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from dtlab.config import load_config
 from dtlab.parallel import destroy_distributed, init_distributed
+from dtlab.runtime.status import leave_worker
 from dtlab.train.demo import DeMo
 
 # dtlab's own set-up and teardown, as a run does: with a bare init_process_group/destroy_process_group
@@ -29,3 +30,4 @@ for step in range(3):
 if rank == 0:
     torch.save({"w": w.detach(), "b": b.detach(), "momenta": opt.local.state_dict()}, sys.argv[1])
 destroy_distributed()
+leave_worker(0)  # no interpreter teardown: see dtlab.runtime.status.leave_worker

@@ -18,6 +18,7 @@ from dtlab.analysis.model import (
 from dtlab.config import load_config
 from dtlab.metrics.comm import CommCounter
 from dtlab.parallel import destroy_distributed, init_distributed
+from dtlab.runtime.status import leave_worker
 from dtlab.train.loop import TorchEngine, comm_labels
 
 STEPS = 9
@@ -71,3 +72,4 @@ if d.rank == 0:
             f,
         )  # fmt: skip
 destroy_distributed()
+leave_worker(0)  # no interpreter teardown: see dtlab.runtime.status.leave_worker

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from dtlab.config import load_config
 from dtlab.models import build_model
 from dtlab.parallel import destroy_distributed, init_distributed, parallelize
+from dtlab.runtime.status import leave_worker
 from dtlab.train.loop import train_step
 from dtlab.train.optim import build_optimizer
 from dtlab.train.precision import LossScaler
@@ -94,3 +95,4 @@ if d.rank == 0:
     with open(sys.argv[1], "w") as f:
         json.dump(results, f)
 destroy_distributed()
+leave_worker(0)  # no interpreter teardown: see dtlab.runtime.status.leave_worker

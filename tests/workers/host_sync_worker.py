@@ -13,6 +13,7 @@ import torch.distributed as dist
 from dtlab.config import load_config
 from dtlab.metrics.syncs import HostSyncCounter
 from dtlab.parallel import destroy_distributed, init_distributed
+from dtlab.runtime.status import leave_worker
 from dtlab.train.loop import TorchEngine
 
 expected = json.loads(sys.argv[1])
@@ -37,3 +38,4 @@ engine.end()
 engine.tr.loader.close()
 dist.barrier()
 destroy_distributed()
+leave_worker(0)  # no interpreter teardown: see dtlab.runtime.status.leave_worker

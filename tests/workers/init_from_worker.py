@@ -10,6 +10,7 @@ from dtlab.checkpoint.init_from import apply_init_from
 from dtlab.config import load_config
 from dtlab.models import build_model
 from dtlab.parallel import destroy_distributed, init_distributed, parallelize
+from dtlab.runtime.status import leave_worker
 
 cfg = load_config(overrides=sys.argv[2:])
 d = init_distributed(cfg)
@@ -21,3 +22,4 @@ with torch.no_grad():
 if d.rank == 0:
     torch.save(logits, sys.argv[1])
 destroy_distributed()
+leave_worker(0)  # no interpreter teardown: see dtlab.runtime.status.leave_worker

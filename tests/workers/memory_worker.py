@@ -13,6 +13,7 @@ from dtlab.bench.memory import gradient_bytes
 from dtlab.config import load_config
 from dtlab.models import build_model
 from dtlab.parallel import destroy_distributed, init_distributed, parallelize
+from dtlab.runtime.status import leave_worker
 
 result = {}
 d = None
@@ -37,3 +38,4 @@ if d is not None and d.rank == 0:
     with open(sys.argv[1], "w") as f:
         json.dump(result, f)
 destroy_distributed()
+leave_worker(0)  # no interpreter teardown: see dtlab.runtime.status.leave_worker

@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from dtlab.config import load_config
 from dtlab.models import build_model
 from dtlab.parallel import destroy_distributed, init_distributed, parallelize
+from dtlab.runtime.status import leave_worker
 
 LAYOUTS = {
     "ddp": ["parallel.strategy=ddp"],
@@ -62,3 +63,4 @@ if d is not None and d.rank == 0:
     with open(sys.argv[1], "w") as f:
         json.dump(results, f)
 destroy_distributed()
+leave_worker(0)  # no interpreter teardown: see dtlab.runtime.status.leave_worker

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from dtlab.config import load_config
 from dtlab.metrics.comm import CommCounter
 from dtlab.parallel import destroy_distributed, init_distributed
+from dtlab.runtime.status import leave_worker
 from dtlab.train.loop import reduce_step
 
 # dtlab's own set-up and teardown, as a run does: with a bare init_process_group/destroy_process_group
@@ -42,3 +43,4 @@ assert agree(1.0, 1.0, stop=signal.SIGTERM if rank == 1 else 0).stop == "SIGTERM
 assert agree(1.0, 1.0, stop=signal.SIGTERM).stop == "SIGTERM"
 assert agree(1.0, 1.0, stop=[signal.SIGUSR1, signal.SIGINT][rank]).stop == "SIGUSR1"
 destroy_distributed()
+leave_worker(0)  # no interpreter teardown: see dtlab.runtime.status.leave_worker

@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 from dtlab.analysis.model import plan_step
 from dtlab.config import load_config
 from dtlab.parallel import destroy_distributed, init_distributed
+from dtlab.runtime.status import leave_worker
 from dtlab.train.loop import build_training, train_step
 from dtlab.train.optim import state_bytes
 
@@ -59,3 +60,4 @@ for tr in (eager, lazy):
     tr.loader.close()
 dist.barrier()
 destroy_distributed()
+leave_worker(0)  # no interpreter teardown: see dtlab.runtime.status.leave_worker

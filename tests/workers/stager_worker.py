@@ -20,6 +20,7 @@ from dtlab.checkpoint.state import ModelState, OptimizerState, split_tensors
 from dtlab.config import load_config
 from dtlab.models import build_model
 from dtlab.parallel import destroy_distributed, init_distributed, parallelize
+from dtlab.runtime.status import leave_worker
 from dtlab.train.optim import build_optimizer
 
 run_dir, device = Path(sys.argv[1]), sys.argv[2]
@@ -102,3 +103,4 @@ for k, v in pm.module.state_dict().items():
 nothing_on_other_gpus("after an async save and its load")
 ckpt.close()
 destroy_distributed()
+leave_worker(0)  # no interpreter teardown: see dtlab.runtime.status.leave_worker

@@ -12,6 +12,7 @@ from dtlab.config import load_config
 from dtlab.data import BatchLayout, BatchLoader
 from dtlab.data.sources import build_data
 from dtlab.parallel import destroy_distributed, init_distributed
+from dtlab.runtime.status import leave_worker
 
 corpus, cache, tokenizer = sys.argv[1:4]
 STEPS, G, MICRO = 5, 8, 1
@@ -50,3 +51,4 @@ if rank == 0:
         assert digest == hashlib.sha256(want.tobytes()).hexdigest(), f"sample {i} differs"
     print(f"streaming on {world} ranks: {len(merged)} samples equal to the in-memory source")
 destroy_distributed()
+leave_worker(0)  # no interpreter teardown: see dtlab.runtime.status.leave_worker
