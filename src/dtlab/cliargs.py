@@ -11,6 +11,7 @@ from functools import cache
 from typing import Any, Literal, NoReturn, get_args, get_origin
 
 from dtlab.errors import DtlabError, Preempted
+from dtlab.runtime.status import worker_rank
 
 CONFIG_HELP = "YAML config file or run directory (default: the built-in default)"
 SET_HELP = "override a config key, e.g. --set train.lr=1e-4"
@@ -129,7 +130,9 @@ def run_command(body: Callable[[], int]) -> int:
     try:
         return body()
     except Preempted as e:
-        if os.environ.get("RANK", "0") == "0" and not leave_message("preempted", str(e)):
+        # RANK under torch's launchers; MLX's name the rank otherwise (MLX_RANK, ...).
+        this_rank = os.environ.get("RANK") or str(worker_rank())
+        if this_rank == "0" and not leave_message("preempted", str(e)):
             print(f"preempted: {e}", file=sys.stderr)
         return e.exit_code
     except DtlabError as e:
