@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -91,23 +90,13 @@ def train_run(
     return read_metrics(run_dir)
 
 
-# What a rank prints when a C++ thread is torn down unjoined: seen once in CI from a test worker, with
-# no Python traceback and not reproducible in isolation (20 runs), so it is taken as torch's teardown.
-CXX_TERMINATE = "terminate called without an active exception"
-
-
 def run_worker(name: str, nproc: int, *args: str, timeout: int = 300) -> None:
-    """Run ``tests/workers/<name>`` under torchrun on ``nproc`` local gloo processes; fail on a non-zero exit.
-
-    A run whose only failure is a rank aborted by :data:`CXX_TERMINATE` (no Python traceback from the
-    worker) runs once more, with a warning that names it in the test summary; a second failure fails."""
+    """Run ``tests/workers/<name>`` under torchrun on ``nproc`` local gloo processes; fail on a non-zero exit."""
     worker = Path(__file__).parent / "workers" / name
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), str(worker), *args]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    worker_traceback = f'File "{worker}"' in proc.stderr
-    if proc.returncode != 0 and CXX_TERMINATE in proc.stderr and not worker_traceback:
-        warnings.warn(f"{name}: a rank aborted ({CXX_TERMINATE}); ran it again", stacklevel=2)
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), str(worker), *args],
+        capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
