@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
 import subprocess
@@ -15,6 +17,39 @@ import pytest
 # Trained tokenizers and streaming token files go to a cache of this test session's own (subprocesses
 # inherit it): no test reads what another session left, and nothing is written to the home directory.
 os.environ["DTLAB_CACHE"] = tempfile.mkdtemp(prefix="dtlab-test-cache-")
+
+
+def _start_forkserver() -> str:
+    """Start the fork server (forkserver.py) and return the interpreter the tests start processes
+    with: its shim, or this interpreter when DTLAB_TEST_FORK=0. The server imports torch in the
+    background; until it is ready, the shim runs fresh interpreters."""
+    if os.environ.get("DTLAB_TEST_FORK", "1") == "0" or not hasattr(os, "fork"):
+        return sys.executable
+    here = Path(__file__).resolve().parent
+    home = Path(tempfile.mkdtemp(prefix="dtlab-fork-"))
+    shim = home / "python"
+    shim.write_text(f"#!{sys.executable} -S\n" + (here / "forkshim.py").read_text())
+    shim.chmod(0o755)
+    sock = home / "server.sock"
+    server = subprocess.Popen(
+        [sys.executable, str(here / "forkserver.py"), str(sock), str(shim)],
+        start_new_session=True,  # a Ctrl-C of the test session reaches it through atexit only
+    )
+    os.environ["DTLAB_FORKSERVER"] = str(sock)
+    atexit.register(_stop_forkserver, server)
+    return str(shim)
+
+
+def _stop_forkserver(server: subprocess.Popen[bytes]) -> None:
+    server.terminate()
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+
+
+# The interpreter the tests start Python processes with (python -m dtlab ..., the test workers).
+PYTHON = _start_forkserver()
 
 # A run of the debug model on synthetic data: well under a second per step.
 FAST = [
@@ -59,7 +94,7 @@ def run_cli(
     """``python -m dtlab ARGS`` in a fresh process; returns the completed process (never raises on exit code)."""
     env = cli_env(env)
     return subprocess.run(
-        [sys.executable, "-m", "dtlab", *args],
+        [PYTHON, "-m", "dtlab", *args],
         capture_output=True,
         text=True,
         cwd=cwd,
@@ -94,10 +129,52 @@ def run_worker(name: str, nproc: int, *args: str, timeout: int = 300) -> None:
     """Run ``tests/workers/<name>`` under torchrun on ``nproc`` local gloo processes; fail on a non-zero exit."""
     worker = Path(__file__).parent / "workers" / name
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), str(worker), *args],
+        [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), str(worker), *args],
         capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def kill_job(proc: subprocess.Popen[Any], run_dir: Path | None = None) -> None:
+    """SIGKILL a launcher started with ``start_new_session`` and every process under it, as a machine
+    going down would: torch starts each worker in a session of its own, out of the launcher's process
+    group. Returns once they are gone (with ``run_dir``: once the kernel released its lock, which the
+    last of them, a fork server's child, may hold a moment longer than its shim)."""
+    import fcntl
+    import signal
+    import time
+
+    tree, parents = {proc.pid}, {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    grew = True
+    while grew:
+        below = {pid for pid, parent in parents.items() if parent in tree} - tree
+        tree |= below
+        grew = bool(below)
+    for pid in sorted(tree, key=lambda p: p != proc.pid):  # the launcher first: it spawns no more
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    if run_dir is None or not (run_dir / ".lock").exists():
+        return
+    fd = os.open(run_dir / ".lock", os.O_RDONLY)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                return
+            except OSError:
+                assert time.monotonic() < deadline, f"{run_dir} is still locked 30 s after the kill"
+                time.sleep(0.01)
+    finally:
+        os.close(fd)
 
 
 def checkpoint_tensors(path: Path) -> dict[str, Any]:
@@ -179,3 +256,32 @@ def assert_close_losses(run: list[dict[str, Any]], ref: list[dict[str, Any]]) ->
     assert_same_training(run, ref)
     worst = max(abs(m["loss"] - r["loss"]) for m, r in zip(run, ref, strict=True))
     assert worst <= MODEL_PARALLEL_TOL, worst
+
+
+# --- make test-fast: a few quick tests of every test module, for the edit loop ---------------------
+FAST_LIST = Path(__file__).parent / "fast.txt"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--fast",
+        action="store_true",
+        help="only the tests in tests/fast.txt (written by tests/pick_fast.py from measured "
+        "durations), and the first test of any test module it does not name",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.getoption("--fast"):
+        return
+    chosen = {line.strip() for line in FAST_LIST.read_text().splitlines() if line.strip()}
+    named = {nodeid.split("::")[0] for nodeid in chosen}
+    keep, drop, seen = [], [], set()
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        first_of_unnamed = module not in named and module not in seen
+        seen.add(module)
+        (keep if item.nodeid in chosen or first_of_unnamed else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+    items[:] = keep

@@ -18,7 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FAST, checkpoint_tensors, cli_env, read_metrics, run_cli, run_worker
+from conftest import (
+    FAST,
+    checkpoint_tensors,
+    cli_env,
+    kill_job,
+    read_metrics,
+    run_cli,
+    run_worker,
+)
 from dtlab.checkpoint.manifest import verify_checkpoint, write_manifest
 from dtlab.errors import CheckpointError
 
@@ -158,8 +166,7 @@ def test_kill9_from_outside_at_any_moment(tmp_path: Path, references: dict[str, 
     while not (run / "checkpoints" / "step-00000006").exists() and proc.poll() is None:
         assert time.monotonic() < deadline, "no checkpoint appeared"
         time.sleep(0.02)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_job(proc, run)
     if (run / "summary.json").exists():
         pytest.skip("the run finished before the kill arrived")
     train(run, nproc, *overrides)

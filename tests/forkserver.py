@@ -1,0 +1,271 @@
+"""A fork server for the test suite: Python processes that start with torch and dtlab already imported.
+
+Most of a test's time went to starting interpreters: every ``python -m dtlab ...`` the tests run, and
+every rank its launcher starts, imported torch, its distributed packages and dtlab again (about 2 s of
+a 3 s single-process run). This server imports them once and forks a child for each such process. A
+small shim (``forkshim.py``) stands where the interpreter would: it sends its arguments, working
+directory, environment and standard streams here, and mirrors the child: it passes on the signals it
+gets and ends as the child ended (the same exit code, or killed by the same signal). When the shim
+dies (SIGKILL), its child kills itself, so a killed process is a killed process either way.
+
+A child is what a fresh ``python [-u] -m MODULE ARGS`` or ``python [-u] SCRIPT ARGS`` would be: its own
+``sys.argv``, environment, working directory, streams, process group, random state and module
+``__main__``, and it ends through the interpreter's own teardown. What differs: modules imported here
+were imported with this server's environment (the suite sets nothing that torch reads at import time),
+and ``sys.executable`` is the shim, so that the processes a child starts come here too.
+
+``DTLAB_TEST_FORK=0`` turns it off (every process a fresh interpreter): the tests pass either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import selectors
+import signal
+import socket
+import struct
+import sys
+import threading
+from typing import Any
+
+# What every child needs: imported once here. They start no thread (checked before serving).
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.run",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "torch.distributed.tensor.parallel",
+    "torch.distributed.pipelining",
+    "torch._dynamo",
+    "dtlab.cli",
+    "dtlab.launcher",
+    "dtlab.train.loop",
+    "dtlab.parallel.apply",
+)
+FORWARDED = (
+    signal.SIGINT,
+    signal.SIGTERM,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+)
+
+
+def _threads() -> int:
+    try:
+        return len(os.listdir(f"/proc/{os.getpid()}/task"))
+    except OSError:
+        return threading.active_count()
+
+
+def _streams(unbuffered: bool) -> None:
+    """Standard streams on the descriptors 0-2 the shim sent, buffered as a fresh interpreter's."""
+    for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
+        mode = "rb" if fd == 0 else "wb"
+        try:
+            raw = io.open(fd, mode, buffering=0, closefd=False)  # noqa: UP020, SIM115
+        except OSError:
+            setattr(sys, name, None)
+            setattr(sys, f"__{name}__", None)
+            continue
+        tty = raw.isatty()
+        binary: Any = raw
+        if not (unbuffered and fd != 0):
+            binary = (io.BufferedReader if fd == 0 else io.BufferedWriter)(raw)
+        text = io.TextIOWrapper(
+            binary,
+            encoding="utf-8",
+            errors="backslashreplace" if fd == 2 else "strict",
+            line_buffering=tty or fd == 2,
+            write_through=unbuffered or fd == 2,
+        )
+        setattr(sys, name, text)
+        setattr(sys, f"__{name}__", text)
+
+
+def _watch(conn: socket.socket) -> None:
+    """Die as the shim died: its end of the connection closes only when it ends, and it ends before
+    the child only when it was killed."""
+    try:
+        while conn.recv(64):
+            pass
+    except OSError:
+        pass
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _become(request: dict[str, Any], conn: socket.socket, shim: str) -> int:
+    """In the forked child: turn into the process the shim stands for, run it, return its exit code."""
+    import random
+    import runpy
+    import traceback
+
+    os.setpgid(0, 0)
+    for sig in (*FORWARDED, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    unbuffered = request["unbuffered"] or bool(os.environ.get("PYTHONUNBUFFERED"))
+    _streams(unbuffered)
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:  # OpenMP read it when torch was imported here
+        import torch
+
+        torch.set_num_threads(int(threads))
+    random.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    sys.executable = shim
+    sys.orig_argv = [shim, *request["orig_args"]]
+    threading.Thread(target=_watch, args=(conn,), daemon=True, name="forkserver-watch").start()
+    module, script, args = request["module"], request["script"], request["args"]
+    try:
+        if module is not None:
+            sys.argv = [module, *args]  # runpy puts the module's path here, as -m does
+            sys.path[0] = os.getcwd()
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [script, *args]
+            sys.path[0] = os.path.dirname(os.path.abspath(script))
+            runpy.run_path(script, run_name="__main__")
+        return 0
+    except SystemExit as e:
+        if e.code is None:
+            return 0
+        if isinstance(e.code, int):
+            return e.code
+        print(e.code, file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)  # as a fresh interpreter ends on an uncaught Ctrl-C
+        return 130
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        return 1
+
+
+def serve(path: str, shim: str) -> int | None:
+    """Accept the shims' requests until told to stop; in a forked child, returns its exit code."""
+    import torch  # noqa: F401  # loading its library starts an idle native thread, as in any process
+
+    baseline = _threads()  # forking after `import torch` is how DataLoader workers start: supported
+    for name in PRELOAD:
+        __import__(name)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path + ".tmp")
+    listener.listen(64)
+    if _threads() != baseline:  # threads started by an import would be missing in the children
+        listener.close()
+        os.unlink(path + ".tmp")
+        print(f"forkserver: {_threads()} threads after the imports; not serving", file=sys.stderr)
+        return None
+    os.rename(path + ".tmp", path)  # the shims connect only once everything is imported
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    stop = False
+
+    def _stop(*_: Any) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    children: dict[int, socket.socket] = {}
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ)
+    selector.register(wake_r, selectors.EVENT_READ)
+    while not stop:
+        for key, _ in selector.select(timeout=1.0):
+            if key.fileobj is wake_r:
+                os.read(wake_r, 4096)
+                continue
+            conn, _ = listener.accept()
+            try:
+                request, fds = _receive(conn)
+            except (OSError, ValueError):
+                conn.close()
+                continue
+            pid = os.fork()
+            if pid == 0:
+                signal.set_wakeup_fd(-1)
+                selector.close()
+                listener.close()
+                os.close(wake_r)
+                os.close(wake_w)
+                for other in children.values():
+                    other.close()
+                for target, fd in enumerate(fds):
+                    os.dup2(fd, target)
+                    os.close(fd)
+                return _become(request, conn, shim)
+            for fd in fds:
+                os.close(fd)
+            children[pid] = conn
+            conn.sendall(struct.pack("!q", pid))
+        while children:  # reap: tell each shim how its child ended
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            conn = children.pop(pid, None)
+            if conn is not None:
+                with contextlib.suppress(OSError):
+                    conn.sendall(struct.pack("!q", status))
+                conn.close()
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    os.unlink(path)
+    return None
+
+
+def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+    (size,) = struct.unpack("!I", data[:4])
+    data = data[4:]
+    while len(data) < size:
+        more = conn.recv(size - len(data))
+        if not more:
+            raise ValueError("short request")
+        data += more
+    if len(fds) != 3:
+        raise ValueError(f"expected 3 descriptors, got {len(fds)}")
+    return json.loads(data), list(fds)
+
+
+def _leave(code: int) -> None:
+    """End a child as the interpreter ends: wait for its threads, run its exit functions, flush its
+    streams; but without freeing every object, which here would copy most of the server's memory
+    page by page (a second or more per process)."""
+    import atexit
+
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code & 0xFF)
+
+
+if __name__ == "__main__":
+    os.environ.pop("OMP_NUM_THREADS", None)  # the children set their own (read at import)
+    code = serve(sys.argv[1], sys.argv[2])
+    if code is not None:
+        _leave(code)

@@ -1,0 +1,99 @@
+"""Stands where the Python interpreter would (see forkserver.py): ``python [-u] -m MODULE ARGS`` and
+``python [-u] SCRIPT ARGS`` become a child of the fork server; anything else, or no server, runs the
+real interpreter. Started with ``python -S``: it imports only the standard library's built-ins."""
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+
+REAL = sys.executable  # the shebang's interpreter: the one this shim stands for
+
+
+def _passthrough() -> None:
+    os.execv(REAL, [REAL, *sys.argv[1:]])
+
+
+def _parse(args: list[str]) -> dict | None:
+    unbuffered = False
+    while args and args[0] == "-u":
+        unbuffered, args = True, args[1:]
+    if len(args) >= 2 and args[0] == "-m":
+        return {"unbuffered": unbuffered, "module": args[1], "script": None, "args": args[2:]}
+    if args and not args[0].startswith("-") and args[0].endswith(".py"):
+        return {"unbuffered": unbuffered, "module": None, "script": args[0], "args": args[1:]}
+    return None
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        more = sock.recv(n - len(data))
+        if not more:
+            return b""
+        data += more
+    return data
+
+
+def main() -> None:
+    path = os.environ.get("DTLAB_FORKSERVER")
+    request = _parse(sys.argv[1:])
+    # Slurm tracks a job's processes itself: a job's interpreters are its own.
+    if not path or request is None or "SLURM_JOB_ID" in os.environ:
+        _passthrough()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+    except OSError:
+        _passthrough()
+    request.update(cwd=os.getcwd(), env=dict(os.environ), orig_args=sys.argv[1:])
+    fds, opened = [], []
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+            fds.append(fd)
+        except OSError:  # a closed stream: the child gets /dev/null there
+            null = os.open(os.devnull, os.O_RDWR)
+            fds.append(null)
+            opened.append(null)
+    body = json.dumps(request).encode()
+    socket.send_fds(sock, [struct.pack("!I", len(body)) + body], fds)
+    for fd in opened:
+        os.close(fd)
+    reply = _recv_exact(sock, 8)
+    if not reply:
+        print("forkshim: the fork server refused the request", file=sys.stderr)
+        os._exit(1)
+    (pid,) = struct.unpack("!q", reply)
+
+    def forward(sig: int, _frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+    for sig in (
+        signal.SIGINT,
+        signal.SIGTERM,
+        signal.SIGHUP,
+        signal.SIGQUIT,
+        signal.SIGUSR1,
+        signal.SIGUSR2,
+    ):
+        signal.signal(sig, forward)
+    reply = _recv_exact(sock, 8)
+    if not reply:
+        print("forkshim: the fork server ended before the child", file=sys.stderr)
+        os._exit(1)
+    (status,) = struct.unpack("!q", reply)
+    code = os.waitstatus_to_exitcode(status)
+    if code < 0:  # killed by a signal: so is this process
+        if -code != signal.SIGKILL:
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+        signal.pthread_kill(signal.pthread_self(), -code)
+    os._exit(code)
+
+
+main()
