@@ -12,7 +12,7 @@ help:
 	@echo "make demo        train the tiny model on the stdlib corpus with DDP on $(NPROC) processes, plot the loss, print the validation perplexity and a sample"
 	@echo "make train       train the built-in default (1 process)"
 	@echo "make train-ddp   train configs/ddp.yaml;  make train-fsdp: configs/fsdp.yaml"
-	@echo "make test        run the whole test suite (real gloo processes on CPU); make test-fast: not the slow ones"
+	@echo "make test        run the whole test suite (real gloo processes on CPU); make test-fast: a quick part of every test module (~2 min)"
 	@echo "make bench       loop overhead, the optimizer step, checkpoint save throughput, the pipeline bubble, then the strategy sweep (report in bench-out/)"
 	@echo "make gpu-check   prove a GPU machine in under 10 minutes: every CUDA test, a 1B bf16 + compile training, memory, async saves, resume, layouts (report in runs/gpu-check-*; on CPU a smoke of the same)"
 	@echo "make check       lint + format check + type check"
@@ -58,8 +58,10 @@ train-fsdp: install
 test: install-dev
 	$(BIN)/python -m pytest -q
 
+# A quick test or more of every test module (tests/fast.txt, chosen by tests/pick_fast.py from the
+# measured durations): about 2 minutes, for the edit loop. make test runs everything.
 test-fast: install-dev
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q --fast
 
 bench: install
 	$(BIN)/python -m dtlab.bench.overhead

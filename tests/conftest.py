@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +22,12 @@ os.environ["DTLAB_CACHE"] = tempfile.mkdtemp(prefix="dtlab-test-cache-")
 
 def _start_forkserver() -> str:
     """Start the fork server (forkserver.py) and return the interpreter the tests start processes
-    with: its shim, or this interpreter when DTLAB_TEST_FORK=0. The server imports torch in the
-    background; until it is ready, the shim runs fresh interpreters."""
+    with: its shim, or this interpreter when DTLAB_TEST_FORK=0 (or when it did not start)."""
     if os.environ.get("DTLAB_TEST_FORK", "1") == "0" or not hasattr(os, "fork"):
         return sys.executable
+    running = os.environ.get("DTLAB_FORKSERVER"), os.environ.get("DTLAB_TEST_PYTHON")
+    if running[0] and running[1] and Path(running[0]).exists():  # a test's own pytest: share it
+        return running[1]
     here = Path(__file__).resolve().parent
     home = Path(tempfile.mkdtemp(prefix="dtlab-fork-"))
     shim = home / "python"
@@ -35,8 +38,15 @@ def _start_forkserver() -> str:
         [sys.executable, str(here / "forkserver.py"), str(sock), str(shim)],
         start_new_session=True,  # a Ctrl-C of the test session reaches it through atexit only
     )
-    os.environ["DTLAB_FORKSERVER"] = str(sock)
     atexit.register(_stop_forkserver, server)
+    deadline = time.monotonic() + 120
+    while not sock.exists():  # its imports take a few seconds; every test after gets the same
+        if server.poll() is not None or time.monotonic() > deadline:
+            print("fork server did not start: every process starts fresh", file=sys.stderr)
+            return sys.executable
+        time.sleep(0.05)
+    os.environ["DTLAB_FORKSERVER"] = str(sock)
+    os.environ["DTLAB_TEST_PYTHON"] = str(shim)
     return str(shim)
 
 
@@ -142,7 +152,6 @@ def kill_job(proc: subprocess.Popen[Any], run_dir: Path | None = None) -> None:
     last of them, a fork server's child, may hold a moment longer than its shim)."""
     import fcntl
     import signal
-    import time
 
     tree, parents = {proc.pid}, {}
     for stat in Path("/proc").glob("[0-9]*/stat"):

@@ -15,7 +15,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-LINE = re.compile(r"^\s*([0-9.]+)s (setup|call|teardown)\s+(\S+)")
+LINE = re.compile(r"^\s*([0-9.]+)s (setup|call|teardown)\s+(.+?)\s*$")
 
 
 def main() -> None:

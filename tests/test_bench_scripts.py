@@ -9,17 +9,16 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import FAST, cli_env
+from conftest import FAST, PYTHON, cli_env
 
 
 def run_script(module: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", f"dtlab.bench.{module}", *args],
+        [PYTHON, "-m", f"dtlab.bench.{module}", *args],
         capture_output=True, text=True, env=cli_env(), timeout=300,
     )  # fmt: skip
 
@@ -81,7 +80,7 @@ def test_pipeline_bubble_is_measured_and_drawn(tmp_path: Path) -> None:
     (p - 1) / (m + p - 1) and to the schedule's own order of work played out."""
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "dtlab.bench.pipeline", "--preset", "debug", "--schedules", "1f1b",
+        [PYTHON, "-m", "dtlab.bench.pipeline", "--preset", "debug", "--schedules", "1f1b",
          "--microbatches", "2", "--steps", "3", "--warmup", "1", "--out", str(out)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip

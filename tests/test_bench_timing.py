@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from conftest import cli_env
+from conftest import PYTHON, cli_env
 from dtlab.bench.timing import synchronize, timed
 from dtlab.bench.worker import compute_model
 from dtlab.config import load_config
@@ -84,7 +83,7 @@ def _bench_row(tmp_path: Path, nproc: int, *overrides: str) -> dict[str, Any]:
     out = tmp_path / "row.json"
     proc = subprocess.run(
         [
-            sys.executable, "-m", "dtlab.bench.worker", "--out", str(out), "--nproc", str(nproc),
+            PYTHON, "-m", "dtlab.bench.worker", "--out", str(out), "--nproc", str(nproc),
             "--warmup", "1", "--set", "model.preset=debug", "data.source=synthetic",
             "data.seq_len=64", "train.global_batch_size=8", "train.steps=3", *overrides,
         ],
@@ -126,7 +125,7 @@ def test_the_bench_gpu_replay_compute_only_and_hand_loop_run_on_nccl(tmp_path: P
     out = tmp_path / "interleaved.json"
     proc = subprocess.run(
         [
-            sys.executable, "-m", "dtlab.bench.handloop", str(config), "--out", str(out),
+            PYTHON, "-m", "dtlab.bench.handloop", str(config), "--out", str(out),
             "--nproc", "2", "--interleaved",
         ],
         capture_output=True, text=True, env=cli_env(), timeout=600,

@@ -4,13 +4,12 @@ rules, every source kind (run, checkpoint, exports, MLX checkpoint), the CLI's o
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import FAST, cli_env, run_cli, train_run
+from conftest import FAST, PYTHON, cli_env, run_cli, train_run
 from dtlab.checkpoint.export import export_hf, export_safetensors, find_checkpoint
 from dtlab.errors import DtlabError
 from dtlab.generate import SEED_MAX, Generator, load_generator, sample_next
@@ -187,7 +186,7 @@ def test_cli_prints_exactly_the_generated_text(run: Path, gen: Generator) -> Non
     want = gen.generate(prompt, 8, temperature=0).text
     before = sorted(str(p) for p in run.rglob("*"))
     proc = subprocess.run(
-        [sys.executable, "-m", "dtlab", "generate", str(run), "--prompt", prompt,
+        [PYTHON, "-m", "dtlab", "generate", str(run), "--prompt", prompt,
          "--max-new-tokens", "8", "--temperature", "0"],
         capture_output=True, env=cli_env(), timeout=120,
     )  # fmt: skip

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import cli_env
+from conftest import PYTHON, cli_env
 from dtlab.analysis.devices import PROFILES
 from dtlab.analysis.plan import plan
 from dtlab.config import load_config
@@ -30,7 +30,7 @@ NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}  # the CPU path, on any machine
 
 def gpucheck(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "dtlab.gpucheck", *args],
+        [PYTHON, "-m", "dtlab.gpucheck", *args],
         capture_output=True, text=True, cwd=ROOT, env=cli_env({**NO_GPU, **(env or {})}),
         timeout=600,
     )  # fmt: skip

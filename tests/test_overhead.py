@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 
 import pytest
 
-from conftest import cli_env
+from conftest import PYTHON, cli_env
 
 FIGURE = re.compile(
     r"^\s+(single|ddp x2)\s+(step|loop)\s+hand\s+([\d.]+) ms/step\s+dtlab\s+([\d.]+) ms/step\s+"
@@ -25,7 +24,7 @@ FIGURE = re.compile(
 def test_overhead_compares_single_and_ddp_x2_and_reports_times_and_ratios() -> None:
     proc = subprocess.run(
         [
-            sys.executable, "-m", "dtlab.bench.overhead", "--preset", "debug", "--steps", "3",
+            PYTHON, "-m", "dtlab.bench.overhead", "--preset", "debug", "--steps", "3",
             "--repeats", "1", "--set", "data.source=synthetic", "train.global_batch_size=8",
             "train.micro_batch_size=2",
         ],
@@ -50,7 +49,7 @@ def test_overhead_compares_single_and_ddp_x2_and_reports_times_and_ratios() -> N
 
 def test_overhead_needs_two_steps() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "dtlab.bench.overhead", "--steps", "1"],
+        [PYTHON, "-m", "dtlab.bench.overhead", "--steps", "1"],
         capture_output=True, text=True, env=cli_env(), timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import FAST, cli_env, run_cli
+from conftest import FAST, PYTHON, cli_env, run_cli
 from dtlab.checkpoint.export import export_hf, export_safetensors
 from dtlab.data.sources import Corpus, stdlib_files
 from dtlab.data.tokenizer import (
@@ -172,7 +171,7 @@ def test_bpe_is_trained_once_by_processes_that_start_together(tmp_path: Path) ->
     out.mkdir()
     worker = Path(__file__).parent / "workers" / "bpe_worker.py"
     proc = subprocess.run(
-        [sys.executable, str(worker), str(tmp_path / "cache"), str(count), str(out), "3"],
+        [PYTHON, str(worker), str(tmp_path / "cache"), str(count), str(out), "3"],
         capture_output=True, text=True, env=cli_env(), timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
