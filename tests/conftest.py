@@ -33,6 +33,7 @@ def _start_forkserver() -> str:
     shim = home / "python"
     shim.write_text(f"#!{sys.executable} -S\n" + (here / "forkshim.py").read_text())
     shim.chmod(0o755)
+    (home / "pids").mkdir()
     sock = home / "server.sock"
     server = subprocess.Popen(
         [sys.executable, str(here / "forkserver.py"), str(sock), str(shim)],
@@ -143,6 +144,16 @@ def run_worker(name: str, nproc: int, *args: str, timeout: int = 300) -> None:
         capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def real_pid(pid: int) -> int:
+    """The process that does the work of process ``pid``: the fork server's child when ``pid`` is a
+    shim (forkserver.py), else ``pid`` itself. A shim has no children of its own."""
+    marker = Path(PYTHON).parent / "pids" / str(pid)
+    try:
+        return int(marker.read_text())
+    except (OSError, ValueError):
+        return pid
 
 
 def kill_job(proc: subprocess.Popen[Any], run_dir: Path | None = None) -> None:

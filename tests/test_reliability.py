@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import FAST, checkpoint_tensors, read_metrics, run_cli
+from conftest import FAST, checkpoint_tensors, read_metrics, real_pid, run_cli
 from dtlab.bench.sweep import compression_overrides
 
 COMPRESSIONS = ["powersgd", "dct", "dct-quant", "demo"]
@@ -322,14 +322,13 @@ class Watched:
     """A CLI process whose stderr is collected line by line while it runs."""
 
     def __init__(self, *args: str, faults: str | None = None) -> None:
-        import sys
         import threading
 
-        from conftest import cli_env
+        from conftest import PYTHON, cli_env
 
         env = cli_env({"DTLAB_FAULTS": faults} if faults else None)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dtlab", *args],
+            [PYTHON, "-m", "dtlab", *args],
             env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
         )  # fmt: skip
         self.lines: list[str] = []
@@ -442,7 +441,7 @@ def test_fault10_single_node_launch_listens_on_loopback_only(tmp_path: Path) -> 
         w.wait_for_file(run / "metrics.jsonl")
         pids = subprocess.run(["pgrep", "-f", f"run.dir={run}"], capture_output=True, text=True)
         inodes = set()
-        for pid in pids.stdout.split():
+        for pid in {real_pid(int(p)) for p in pids.stdout.split()}:
             for fd in Path(f"/proc/{pid}/fd").iterdir():
                 try:
                     target = fd.readlink().as_posix()
@@ -623,7 +622,7 @@ def test_attack_kill_storm_ends_with_the_losses_of_an_uninterrupted_run(tmp_path
 
     if not Path("/proc").is_dir():
         pytest.skip("needs /proc to find the workers")
-    steps, attacks = 40, 6
+    steps, attacks = 80, 6  # at most ~7 steps a generation: the attacks land well before the end
     common = ["parallel.strategy=ddp", "checkpoint.every=2", "checkpoint.keep=2"]
     ref, run = tmp_path / "ref", tmp_path / "run"
     train(ref, *common, steps=steps)
@@ -642,18 +641,18 @@ def test_attack_kill_storm_ends_with_the_losses_of_an_uninterrupted_run(tmp_path
         resumed = [int(x) for x in re.findall(r"resumed from \S+ \(step (\d+)\)", w.err)]
         start = resumed[-1] if resumed else 0
         target = min(steps - 2, start + rng.randint(1, 5))
-        while _last_step(run) < target or len(_children(w.proc.pid)) < 2:
+        while _last_step(run) < target or len(_children(real_pid(w.proc.pid))) < 2:
             assert w.proc.poll() is None, w.err
             assert time.monotonic() < deadline, "the storm did not get through"
             time.sleep(0.01)
-        workers = sorted(_children(w.proc.pid))
+        workers = sorted(_children(real_pid(w.proc.pid)))
         sig = rng.choice([signal.SIGKILL, signal.SIGTERM])
         victim = rng.choice(workers)
         step = _last_step(run)
         with contextlib.suppress(ProcessLookupError):
             os.kill(victim, sig)
         done.append((sig.name, workers.index(victim), step))
-        while set(workers) & _children(w.proc.pid):  # the launcher replaces both workers
+        while set(workers) & _children(real_pid(w.proc.pid)):  # the launcher replaces both workers
             assert time.monotonic() < deadline and w.proc.poll() is None, w.err
             time.sleep(0.02)
     assert w.finish(timeout=300) == 0, w.err
