@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,10 @@ def test_bench_writes_results_report_and_plots(tmp_path: Path) -> None:
     results = json.loads((out / "results.json").read_text())
     rows = {r["strategy"]: r for r in results["rows"]}
     assert set(rows) == {"single", "ddp", "fsdp"} and not results["failed"]
+    # The console names each row's layout by its degrees before it runs, as the row itself does.
+    started = re.findall(r"^\[\d/3\] (.+)$", proc.stdout, re.MULTILINE)
+    assert started == [f"{rows[s]['layout']} fp32" for s in ("single", "ddp", "fsdp")], proc.stdout
+    assert started == ["single fp32", "ddp 2 fp32", "fsdp 2 fp32"]
     for r in rows.values():
         for key in (
             "step_time_s",

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dtlab.bench.report import plot_loss_curves, tail_phrase, tail_steps
+from dtlab.bench.sweep import layout_of
 from dtlab.errors import DtlabError
 
 MIB = 2**20
@@ -78,7 +79,12 @@ def run_engines(
     rows, failed = [], []
     jobs = [(e, *c) for c in combos for e in engines]
     for i, (engine, strategy, nproc, precision) in enumerate(jobs):
-        label = f"{engine} {strategy} x{nproc} {precision}"
+        layout = layout_of(
+            config_path,
+            [*overrides, f"parallel.strategy={strategy}", f"train.precision={precision}"],
+            nproc,
+        )
+        label = f"{engine} {layout} {precision}"
         print(f"[{i + 1}/{len(jobs)}] {label}", flush=True)
         run_dir = out / "runs" / f"{i:02d}-{engine}-{strategy}-{nproc}-{precision}"
         args = [

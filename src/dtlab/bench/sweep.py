@@ -179,6 +179,24 @@ def measure_peaks(
     return peaks
 
 
+def layout_of(config_path: str | None, overrides: list[str], nproc: int) -> str:
+    """The layout ``dtlab train`` would run on ``nproc`` processes, named by its degrees as the run
+    names it (:func:`dtlab.dims.layout_name`), e.g. ``ddp 2`` or ``fsdp 1 x tp 2``: what the console
+    says before a row runs. A config train refuses gets its strategy and process count."""
+    from dtlab.config import load_config
+    from dtlab.dims import ParallelDims, layout_name
+
+    try:
+        config = load_config(config_path, overrides)
+        return layout_name(ParallelDims.from_config(config, nproc), config.parallel)
+    except (DtlabError, ValueError):
+        strategy = next(
+            (o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("parallel.strategy=")),
+            "?",
+        )
+        return f"{strategy} x{nproc}"
+
+
 def peak_args(peak: dict[str, Any] | None) -> list[str]:
     """The worker's arguments that hand it the bench's peak (none: it finds its own)."""
     if peak is None:
@@ -210,7 +228,10 @@ def run_sweep(
             flush=True,
         )
     for i, (strategy, nproc, compression, precision) in enumerate(combos):
-        label = f"{strategy} x{nproc} {compression} {precision}"
+        layout = layout_of(
+            config_path, [*overrides, *run_overrides(strategy, compression, precision)], nproc
+        )
+        label = " ".join([layout, *([compression] if compression != "none" else []), precision])
         print(f"[{i + 1}/{len(combos)}] {label}", flush=True)
         row_path = out / "rows" / f"{i:02d}-{strategy}-{nproc}-{compression}-{precision}.json"
         args = [
