@@ -186,7 +186,10 @@ def serve(path: str, shim: str) -> int | None:
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
     selector.register(wake_r, selectors.EVENT_READ)
-    while not stop:
+    parent = os.getppid()
+    while (
+        not stop and os.getppid() == parent
+    ):  # the test session ended, even by SIGKILL: so does this
         for key, _ in selector.select(timeout=1.0):
             if key.fileobj is wake_r:
                 os.read(wake_r, 4096)
