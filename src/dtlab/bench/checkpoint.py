@@ -473,7 +473,12 @@ def _fsdp_checkpoint(config: Config, root: Path) -> Path:
 
 def _fsdp_save(rank: int, config: Config, root: Path, port: int) -> None:
     from dtlab.parallel import destroy_distributed, init_distributed, parallelize
+    from dtlab.runtime import status
 
+    # A rank that ran a process group ends without the interpreter's teardown (see leave_worker):
+    # there, torch's C++ objects could abort a rank that saved ("terminate called without an
+    # active exception", SIGABRT) and fail the bench after its work was done.
+    status.ENDS_WITHOUT_TEARDOWN = True
     os.environ.update(
         RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -496,6 +501,7 @@ def _fsdp_save(rank: int, config: Config, root: Path, port: int) -> None:
     ckpt.save(1, parts)
     ckpt.close()
     destroy_distributed()
+    status.leave_worker(0)
 
 
 if __name__ == "__main__":
