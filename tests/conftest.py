@@ -220,10 +220,31 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+Metrics = list[dict[str, Any]]
+
+
 @pytest.fixture(scope="session")
-def reference_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def single_reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``single_reference(*overrides, steps=12)``: the single-process run of FAST + ``overrides``,
+    trained once per test session whichever tests ask for it (keyed by the overrides and steps).
+    Each caller gets its own copy of the metrics."""
+    import copy
+
+    runs: dict[tuple[tuple[str, ...], int], Metrics] = {}
+
+    def get(*overrides: str, steps: int = 12) -> Metrics:
+        key = (overrides, steps)
+        if key not in runs:
+            runs[key] = train_run(tmp_path_factory.mktemp("single"), *overrides, steps=steps)
+        return copy.deepcopy(runs[key])
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def reference_run(single_reference: Any) -> Metrics:
     """The single-process reference every strategy is compared with."""
-    return train_run(tmp_path_factory.mktemp("reference"))
+    return single_reference()
 
 
 # Validation on: 10% held out (on synthetic data, a seed stream of its own), evaluated every 4 steps.
@@ -231,9 +252,9 @@ EVAL = ["data.val_fraction=0.1", "eval.every=4", "eval.batches=2"]
 
 
 @pytest.fixture(scope="session")
-def eval_reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def eval_reference(single_reference: Any) -> Metrics:
     """The reference run, evaluating: the validation loss every layout and engine is compared with."""
-    return train_run(tmp_path_factory.mktemp("eval-reference"), *EVAL)
+    return single_reference(*EVAL)
 
 
 CLIP = (
@@ -242,9 +263,9 @@ CLIP = (
 
 
 @pytest.fixture(scope="session")
-def clipped_reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def clipped_reference(single_reference: Any) -> Metrics:
     """One process with a clip below every step's gradient norm: clipping is active on every step."""
-    run = train_run(tmp_path_factory.mktemp("clipped"), f"train.grad_clip={CLIP}")
+    run = single_reference(f"train.grad_clip={CLIP}")
     assert all(m["grad_norm"] > CLIP for m in run), [m["grad_norm"] for m in run]
     return run
 

@@ -63,8 +63,8 @@ def test_fault11_clipping_is_exact_where_it_clips(
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_tied_embeddings_match(tmp_path: Path, strategy: str) -> None:
-    ref = train_run(tmp_path / "ref", "model.tie_embeddings=true")
+def test_tied_embeddings_match(tmp_path: Path, strategy: str, single_reference: Any) -> None:
+    ref = single_reference("model.tie_embeddings=true")
     run = train_run(
         tmp_path / strategy, "model.tie_embeddings=true", f"parallel.strategy={strategy}", nproc=2
     )
