@@ -266,9 +266,15 @@ def test_the_report_prints_the_benchs_one_peak_and_its_spread() -> None:
     report = report_markdown(results, [])
     assert (
         "- fp32: 40.0 GFLOP/s, the fastest of 3 GEMM runs before the first row on 2 thread(s); "
-        "min-median-max 30.0-38.0-40.0 GFLOP/s (every row's MFU is against it)" in report
+        "min-median-max 30.0-38.0-40.0 GFLOP/s (every row's MFU is against it); disturbed: its "
+        "GEMM runs differ by 33% (fastest over slowest), other load on a shared machine; every MFU "
+        "here is uncertain by as much" in report
     )
     assert "- single runs on 1 process (the baseline), whatever --nproc lists" in report
+    # Runs within a few percent of each other: nothing to flag.
+    steady = {**peak, "runs": [39e9, 40e9, 40e9], "min": 39e9, "median": 40e9}
+    report = report_markdown({**results, "peaks": {"fp32": steady}}, [])
+    assert "min-median-max 39.0-40.0-40.0 GFLOP/s (every row's MFU is against it)\n" in report
 
 
 def test_on_a_gpu_the_report_names_the_datasheet_peak_every_row_shares() -> None:

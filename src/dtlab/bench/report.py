@@ -383,13 +383,30 @@ def _peaks_lines(results: dict[str, Any]) -> list[str]:
         )
     lines = ["Peak FLOP/s, measured once for the whole bench:", ""]
     for precision, p in peaks.items():
+        spread = peak_spread_flag(p)
         lines.append(
             f"- {precision}: {p['flops'] / 1e9:,.1f} GFLOP/s, the fastest of {len(p['runs'])} GEMM "
             f"runs before the first row on {p['threads']} thread(s); min-median-max "
             f"{p['min'] / 1e9:,.1f}-{p['median'] / 1e9:,.1f}-{p['max'] / 1e9:,.1f} GFLOP/s (every "
-            "row's MFU is against it)"
+            "row's MFU is against it)" + (f"; disturbed: {spread}" if spread else "")
         )
     return [*lines, ""]
+
+
+# Back-to-back runs of one GEMM on an idle machine differ by a few percent; more is other load.
+PEAK_SPREAD_LIMIT = 1.2
+
+
+def peak_spread_flag(peak: dict[str, Any]) -> str | None:
+    """A flag when the GEMM runs that measured the bench's peak differ by more than
+    PEAK_SPREAD_LIMIT (fastest over slowest): other load took the cores while it was measured, and
+    every row's MFU, a fraction of that peak, is uncertain by as much."""
+    if not peak.get("min") or peak["max"] / peak["min"] <= PEAK_SPREAD_LIMIT:
+        return None
+    return (
+        f"its GEMM runs differ by {peak['max'] / peak['min'] - 1:.0%} (fastest over slowest), other "
+        "load on a shared machine; every MFU here is uncertain by as much"
+    )
 
 
 def _runs_table(results: dict[str, Any]) -> list[str]:

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dtlab.bench.report import disturbances, format_mfu, scaling_baseline
+from dtlab.bench.report import disturbances, format_mfu, peak_spread_flag, scaling_baseline
 from dtlab.dims import DPWrapper
 from dtlab.errors import DtlabError
 
@@ -227,6 +227,9 @@ def run_sweep(
             f"{peak['max'] / 1e9:,.1f})",
             flush=True,
         )
+        spread = peak_spread_flag(peak)
+        if spread:
+            print(f"  disturbed: {spread}", flush=True)
     for i, (strategy, nproc, compression, precision) in enumerate(combos):
         layout = layout_of(
             config_path, [*overrides, *run_overrides(strategy, compression, precision)], nproc
