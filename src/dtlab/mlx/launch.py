@@ -94,9 +94,12 @@ def launch_mlx(nproc: int, backend: str, worker_args: list[str]) -> int:
 class _SignalRelay:
     """Passes the signals this launcher receives on to the ranks, which run in a session of their own.
 
-    A rank gets every signal received so far, also one that came before the rank had started (its pid
-    file appears in ``status`` once it runs); SIGUSR1 stays SIGUSR1, any other signal asks for a stop
-    (SIGTERM). A second Ctrl-C kills every rank at once, without saving.
+    A signal is passed on from its handler, at once, as the torch engine's launcher does: the ranks
+    then read it at the same step boundary as torch's workers would. A rank whose pid file appears
+    later (it had not yet installed its handlers) gets every signal received so far from
+    :meth:`deliver`, which the launcher calls as it polls. SIGINT (Ctrl-C) and SIGUSR1 stay what they
+    are, so the ranks say what happened; SIGTERM and SIGHUP ask for a stop as SIGTERM. A second
+    Ctrl-C is the launcher's own: it kills every rank at once, without saving, and is not passed on.
     """
 
     HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
@@ -106,6 +109,7 @@ class _SignalRelay:
         self.received: list[int] = []
         self.delivered: dict[Path, int] = {}  # pid file -> how many of the received signals it got
         self.aborted = False
+        self._delivering = False
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> _SignalRelay:
@@ -125,17 +129,36 @@ class _SignalRelay:
                     os.kill(int(pid_file.read_text()), signal.SIGKILL)
             with contextlib.suppress(OSError):
                 os.killpg(self.group, signal.SIGKILL)
+        self.deliver()
 
     def deliver(self) -> None:
-        """Send each rank the signals received since it was last sent any."""
-        if not self.received:
+        """Send each rank the signals received since it was last sent any (nothing once aborted)."""
+        # This handler may interrupt a delivery under way (the poll's, or another signal's): that one
+        # sends the new signal too, since it goes round until every rank has had every signal (one
+        # that lands in the instant after its last round waits for the next poll). Two deliveries at
+        # once could send a rank the same Ctrl-C twice, which would abort it.
+        if self._delivering:
             return
-        for pid_file in sorted(self.status.glob("rank*.pid")):
-            for signum in self.received[self.delivered.get(pid_file, 0) :]:
-                sig = signal.SIGUSR1 if signum == signal.SIGUSR1 else signal.SIGTERM
-                with contextlib.suppress(OSError, ValueError):
-                    os.kill(int(pid_file.read_text()), sig)
-            self.delivered[pid_file] = len(self.received)
+        self._delivering = True
+        try:
+            behind = True
+            while behind and not self.aborted:
+                behind = False
+                for pid_file in sorted(self.status.glob("rank*.pid")):
+                    while (sent := self.delivered.get(pid_file, 0)) < len(self.received):
+                        self.delivered[pid_file] = sent + 1  # first: never twice, whatever comes
+                        with contextlib.suppress(OSError, ValueError):
+                            os.kill(int(pid_file.read_text()), _passed_on(self.received[sent]))
+                        behind = True
+        finally:
+            self._delivering = False
+
+
+def _passed_on(signum: int) -> signal.Signals:
+    """The signal a rank gets for ``signum`` received by the launcher (see :class:`_SignalRelay`)."""
+    if signum in (signal.SIGINT, signal.SIGUSR1):
+        return signal.Signals(signum)
+    return signal.SIGTERM
 
 
 def _outcome(codes: dict[int, int | None], relay: _SignalRelay) -> int:

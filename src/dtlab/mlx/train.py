@@ -23,7 +23,7 @@ from dtlab.config import Config, check_world
 from dtlab.data import BatchLayout, BatchLoader
 from dtlab.data.sources import build_data
 from dtlab.dims import ParallelDims, layout_name
-from dtlab.errors import DtlabError
+from dtlab.errors import DtlabError, Preempted
 from dtlab.metrics.alerts import memory_use
 from dtlab.metrics.logging import setup_logging
 from dtlab.mlx import checkpoint as mlx_checkpoint
@@ -206,9 +206,13 @@ def train_mlx(config: Config) -> dict[str, Any]:
         config = config.model_copy(deep=True)
         config.run.dir = str(run_dir)
         engine = MlxEngine(config, group, watchdog, faults, run_dir, accum)
-        # The signal handlers stay after the run: a launcher that stops the other ranks once one has
-        # left (mlx.launch does) must not kill a rank that is finishing after it saved.
-        summary = run(config, engine, run_dir, faults, signals)
+        try:
+            summary = run(config, engine, run_dir, faults, signals)
+        except Preempted:
+            # Saved and committed: mlx.launch sends SIGTERM to the ranks still running once one has
+            # exited 75, and this rank may be one of them, still on its way out.
+            signals.ignore_from_now()
+            raise
         engine.close()  # the last collective is done
         return summary
     finally:

@@ -16,6 +16,7 @@ from types import FrameType
 from typing import Any
 
 from dtlab.errors import CollectiveError
+from dtlab.runtime.status import worker_rank
 
 __all__ = ["STOP_SIGNALS", "StopSignals", "agreed_stop", "stop_votes"]
 
@@ -74,7 +75,8 @@ class StopSignals:
                     flush=True,
                 )
                 os._exit(130)
-            if os.environ.get("RANK", "0") != "0":
+            # RANK under torch's launchers; MLX's name the rank otherwise (MLX_RANK, ...).
+            if (os.environ.get("RANK") or str(worker_rank())) != "0":
                 return self._set(signum)
             # Straight to the terminal: the logger may be in the middle of a line.
             print(
@@ -87,6 +89,19 @@ class StopSignals:
 
     def _set(self, signum: int) -> None:
         self.received = self.received or signum
+
+    def ignore_from_now(self) -> None:
+        """After a stop whose checkpoint is committed: this process ignores the stop signals until it
+        exits. A launcher that stops the remaining ranks once one has left (mlx.launch sends them
+        SIGTERM) must not kill a rank that saved and is on its way out, also one that caught no signal
+        itself (it learned of the stop from the others' votes). A Python handler would not protect it
+        to the end: the interpreter's teardown puts the default action back before the process
+        exits; SIG_IGN stays."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for s in self.SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+        self._previous.clear()
 
     def close(self) -> None:
         for s, handler in self._previous.items():
