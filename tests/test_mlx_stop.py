@@ -247,3 +247,25 @@ def test_mlx_ctrl_c_on_rank0_only_every_rank_exits_75(tmp_path: Path) -> None:
                    timeout=600)  # fmt: skip
     assert_one_ctrl_c_stop(proc.returncode, proc.stderr, run, step=5)
     no_rank_died_by_a_signal(proc.stderr)
+
+
+def test_mlx_second_ctrl_c_kills_the_ranks_without_saving(tmp_path: Path) -> None:
+    """The second Ctrl-C is the launcher's own, during the stop's save (held by ``slowsave``): the
+    ranks are killed at once, nothing is committed, exit 130."""
+    run = tmp_path / "run"
+    job = Launched(train_args("mlx", run, steps=100000), env={"DTLAB_FAULTS": "slowsave@1-100000"})
+    job.wait_for_step(run, 2)
+    launcher = real_pid(job.proc.pid)
+    os.kill(launcher, signal.SIGINT)
+    deadline = time.monotonic() + 60
+    while CTRL_C_SAID not in job.err:  # rank 0 heard it: the save is under way
+        assert job.proc.poll() is None and time.monotonic() < deadline, job.err
+        time.sleep(0.01)
+    os.kill(launcher, signal.SIGINT)
+    code = job.finish(timeout=60)
+    assert code == 130, job.err
+    assert "aborted by a second Ctrl-C" in job.err and "Traceback" not in job.err, job.err
+    assert job.err.count(CTRL_C_SAID) == 1, job.err
+    assert not list((run / "checkpoints").glob("step-*")) and not (run / "stopped.json").exists()
+    leftover = subprocess.run(["pgrep", "-f", f"run.dir={run}"], capture_output=True, text=True)
+    assert leftover.stdout.strip() == "", "ranks outlived the abort"
