@@ -25,7 +25,10 @@ default process group; its mesh is there for what needs one.
 (DTensor) parameters, so ``ddp`` with ``tp`` > 1 replicates through FSDP2 on a (replicas, 1)
 data-parallel mesh: the same training, FSDP's wrapper. So does ``ddp`` with ``pp`` > 1: a pipeline
 stage runs backward once per micro-batch, which DDP's reducer does not take from the pipeline
-schedules. ``single`` with ``tp`` or ``pp`` > 1 is model parallelism alone.
+schedules. ``single`` with ``tp`` or ``pp`` > 1 is model parallelism alone, and so is ``ddp`` with
+one data-parallel rank (``tp * pp`` = world): nothing wraps, and no gradient is all-reduced over a
+group of one. ``fsdp`` and ``hsdp`` with one data-parallel rank keep FSDP2, for its mixed precision,
+on a ``dp_shard`` dimension of one rank, where it sends nothing.
 
 ``parallel.diloco`` (DiLoCo, ``inner_steps`` > 0) groups the data-parallel ranks into ``replicas``
 (``diloco``, one per rank by default) of contiguous ranks that train alone between outer syncs; the
@@ -206,7 +209,16 @@ class ParallelDims:
         if tp == 1 and pp == 1:
             return dp
         wrapper, dp_dims = dp.wrapper, dp.mesh_dims
-        if wrapper is DPWrapper.DDP:  # FSDP2 replicates instead (see above)
+        if dp.dp == 1 and wrapper is DPWrapper.DDP:
+            # One replica: nothing to average the gradients over, so nothing wraps (FSDP2 replicating
+            # over a group of one rank would all-reduce every gradient to itself).
+            wrapper, dp_dims = DPWrapper.NONE, ()
+        elif dp.dp == 1:
+            # FSDP of one rank stays for its mixed precision (half-precision gathers of float32
+            # master weights); on a one-dimensional mesh it sends nothing, where a replica dimension
+            # of one rank (no_shard, hsdp) would all-reduce every gradient to itself.
+            dp_dims = ("dp_shard",)
+        elif wrapper is DPWrapper.DDP:  # FSDP2 replicates instead (see above)
             wrapper, dp_dims = DPWrapper.FSDP, ("dp_replicate", "dp_shard")
         return cls(
             dp.dp_replicate, dp.dp_shard, tp=tp, pp=pp, wrapper=wrapper,

@@ -613,8 +613,10 @@ def _fsdp_comm(
 
 def step_reduction_bytes(config: Config, dims: ParallelDims) -> int:
     """Bytes of the step's reduction (:func:`dtlab.train.loop.reduce_step`): the loss, one flag, a vote
-    per stop signal, and the squared gradient norm when gradients are sharded or each rank's own."""
-    norm = dims.fsdp_enabled or dims.shard_optimizer or config.train.optimizer == "demo"
+    per stop signal, and the squared gradient norm when gradients are sharded (FSDP, ZeRO-1, tensor
+    parallel DTensors), split into pipeline stages, or each rank's own."""
+    sharded = dims.fsdp_enabled or dims.shard_optimizer or dims.tp_enabled
+    norm = sharded or dims.pp_enabled or config.train.optimizer == "demo"
     return FP32 * (2 + len(STOP_SIGNALS) + (1 if norm else 0))
 
 

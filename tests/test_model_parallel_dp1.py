@@ -1,0 +1,101 @@
+"""Tensor or pipeline parallelism with a data-parallel degree of 1 (``--nproc 2`` with ``parallel.pp=2``
+or ``parallel.tp=2`` and a data-parallel strategy): there is nothing to average gradients over, so the
+run issues no data-parallel collective, and what the bench and train count is what the plan predicts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import FAST, run_cli, train_run
+from dtlab.analysis.model import plan_step
+from dtlab.config import load_config
+from dtlab.dims import DPWrapper, ParallelDims, layout_name
+
+
+@pytest.mark.parametrize(
+    ("strategy", "overrides", "layout"),
+    [
+        ("ddp", ["parallel.pp=2"], "ddp 1 x pp 2 (1f1b)"),
+        ("fsdp", ["parallel.pp=2"], "fsdp 1 x pp 2 (1f1b)"),
+        ("fsdp", ["parallel.pp=2", "parallel.sharding=no_shard"], "fsdp 1 (no_shard) x pp 2 (1f1b)"),
+        ("hsdp", ["parallel.pp=2", "parallel.replicate=1"], "hsdp 1x1 x pp 2 (1f1b)"),
+    ],
+)  # fmt: skip
+def test_bench_of_a_pipeline_without_data_parallel_ranks_measures_the_prediction(
+    tmp_path: Path, strategy: str, overrides: list[str], layout: str
+) -> None:
+    """Every collective's bytes per step as predicted, to the byte: the stages' point-to-point
+    activations and the step's one small reduction, and no gradient all-reduce over a group of one."""
+    proc = run_cli("bench", "--strategies", strategy, "--nproc", "2", "--steps", "2", "--warmup",
+                   "1", "--out", str(tmp_path / "out"), "--set", *FAST, *overrides)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    (row,) = json.loads((tmp_path / "out" / "results.json").read_text())["rows"]
+    config = load_config(overrides=[*FAST, f"parallel.strategy={strategy}", *overrides])
+    assert row["layout"] == layout_name(ParallelDims.from_config(config, 2), config.parallel)
+    assert row["layout"] == layout
+    measured = {k: c["bytes"] for k, c in row["comm_by_collective"].items()}
+    assert measured == row["comm_by_collective_predicted"], row["comm_by_collective"]
+    assert row["comm_bytes_per_step"] == row["comm_bytes_per_step_predicted"]
+    # The report's table says the same: measured next to predicted, row for row.
+    report = (tmp_path / "out" / "report.md").read_text()
+    for name, nbytes in measured.items():
+        mib = f"{nbytes / 2**20:.3f}"
+        (line,) = [x for x in report.splitlines() if x.startswith(f"| {layout} fp32 | {name} |")]
+        assert line.endswith(f"| {mib} | {mib} |"), line
+
+
+def test_tensor_parallel_without_data_parallel_ranks_sends_no_gradients(tmp_path: Path) -> None:
+    """``ddp`` with ``tp`` = the world: the tensor-parallel all-reduces alone, within the 1% the plan's
+    vocabulary-parallel loss floats (which the counter does not see) leave; a gradient all-reduce over
+    a group of one would add half the parameters' bytes again."""
+    proc = run_cli("bench", "--strategies", "ddp", "--nproc", "2", "--steps", "2", "--warmup", "1",
+                   "--out", str(tmp_path / "out"), "--set", *FAST, "parallel.tp=2")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    (row,) = json.loads((tmp_path / "out" / "results.json").read_text())["rows"]
+    assert row["layout"] == "ddp 1 x tp 2"
+    measured, predicted = row["comm_by_collective"], row["comm_by_collective_predicted"]
+    assert set(measured) == set(predicted), (measured, predicted)
+    for name, c in measured.items():
+        assert c["bytes"] == pytest.approx(predicted[name], rel=0.01), (name, c, predicted)
+
+
+def test_train_of_a_pipeline_without_data_parallel_ranks_counts_the_prediction(
+    tmp_path: Path,
+) -> None:
+    """``dtlab train`` counts (``run.comm_bytes``) what the plan predicts for rank 0 on every step after
+    the first (which also carries the run's start-up agreement), and names the layout as the bench."""
+    overrides = ["parallel.strategy=ddp", "parallel.pp=2", "run.comm_bytes=true"]
+    metrics = train_run(tmp_path / "run", *overrides, nproc=2, steps=3)
+    config = load_config(overrides=[*FAST, *overrides])
+    predicted = sum(plan_step(config, 2, pp_rank=0).comm_bytes.values())
+    assert [m["comm_bytes"] for m in metrics[1:]] == [predicted, predicted], metrics
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["layout"] == "ddp 1 x pp 2 (1f1b)"
+
+
+@pytest.mark.parametrize(
+    ("strategy", "overrides", "wrapper", "mesh_dims"),
+    [
+        # One replica: nothing to replicate over, the stages stay plain (as with strategy single).
+        ("ddp", ["parallel.pp=2"], DPWrapper.NONE, ("pp",)),
+        ("ddp", ["parallel.tp=2"], DPWrapper.NONE, ("tp",)),
+        # FSDP of one rank stays for its mixed precision (bf16 gathers over float32 master weights);
+        # on a one-dimensional mesh of one rank it sends nothing (no all-reduce across one replica).
+        ("fsdp", ["parallel.pp=2"], DPWrapper.FSDP, ("pp", "dp_shard")),
+        ("fsdp", ["parallel.pp=2", "parallel.sharding=no_shard"], DPWrapper.FSDP, ("pp", "dp_shard")),
+        ("hsdp", ["parallel.tp=2", "parallel.replicate=1"], DPWrapper.FSDP, ("dp_shard", "tp")),
+        # Data-parallel ranks beside the pipeline: FSDP2 replicates for DDP, as before.
+        ("ddp", ["parallel.pp=2", "train.global_batch_size=8"], DPWrapper.FSDP,
+         ("pp", "dp_replicate", "dp_shard")),
+    ],
+)  # fmt: skip
+def test_a_data_parallel_degree_of_one_wraps_for_nothing_but_mixed_precision(
+    strategy: str, overrides: list[str], wrapper: DPWrapper, mesh_dims: tuple[str, ...]
+) -> None:
+    config = load_config(overrides=[*FAST, f"parallel.strategy={strategy}", *overrides])
+    world = 4 if "train.global_batch_size=8" in overrides else 2
+    dims = ParallelDims.from_config(config, world)
+    assert (dims.wrapper, dims.mesh_dims) == (wrapper, mesh_dims)
