@@ -75,7 +75,9 @@ class Trainer:
         collective_fault: str | None = None,
     ) -> tuple[dict[str, Any], str | None]:
         """One optimizer step over this rank's micro-batches; returns (metrics, the agreed stop signal's
-        name or None). ``stop_flag`` is the signal this rank caught (0: none).
+        name or None). ``stop_flag`` is the signal this rank had caught when the step began (0:
+        none): the run shell reads it there for both engines, so a signal that reaches the ranks
+        at the same moment is agreed in the same step by MLX and torch.
 
         ``collective_fault`` (fault injection): ``"skip"`` leaves out the gradient all_sum, ``"badshape"``
         sends one element more.
