@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import FAST, run_cli, train_run
 from dtlab.analysis.model import plan_step
@@ -22,6 +23,10 @@ from dtlab.dims import DPWrapper, ParallelDims, layout_name
         ("fsdp", ["parallel.pp=2"], "fsdp 1 x pp 2 (1f1b)"),
         ("fsdp", ["parallel.pp=2", "parallel.sharding=no_shard"], "fsdp 1 (no_shard) x pp 2 (1f1b)"),
         ("hsdp", ["parallel.pp=2", "parallel.replicate=1"], "hsdp 1x1 x pp 2 (1f1b)"),
+        # Under autocast the residual stream the stages send stays float32 (FSDP's bf16 gathers
+        # make it bf16): the plan must not halve it.
+        ("ddp", ["parallel.pp=2", "train.precision=bf16"], "ddp 1 x pp 2 (1f1b)"),
+        ("fsdp", ["parallel.pp=2", "train.precision=bf16"], "fsdp 1 x pp 2 (1f1b)"),
     ],
 )  # fmt: skip
 def test_bench_of_a_pipeline_without_data_parallel_ranks_measures_the_prediction(
@@ -43,7 +48,8 @@ def test_bench_of_a_pipeline_without_data_parallel_ranks_measures_the_prediction
     report = (tmp_path / "out" / "report.md").read_text()
     for name, nbytes in measured.items():
         mib = f"{nbytes / 2**20:.3f}"
-        (line,) = [x for x in report.splitlines() if x.startswith(f"| {layout} fp32 | {name} |")]
+        label = f"| {layout} {config.train.precision} | {name} |"
+        (line,) = [x for x in report.splitlines() if x.startswith(label)]
         assert line.endswith(f"| {mib} | {mib} |"), line
 
 
@@ -74,6 +80,31 @@ def test_train_of_a_pipeline_without_data_parallel_ranks_counts_the_prediction(
     assert [m["comm_bytes"] for m in metrics[1:]] == [predicted, predicted], metrics
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["layout"] == "ddp 1 x pp 2 (1f1b)"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize(
+    ("strategy", "precision"), [("ddp", "fp32"), ("fsdp", "bf16"), ("hsdp", "bf16")]
+)
+def test_pipeline_without_data_parallel_ranks_sends_no_gradients_over_nccl(
+    tmp_path: Path, strategy: str, precision: str
+) -> None:
+    """Two GPUs over NCCL, one pipeline stage each: the stages' activations as predicted, and no
+    gradient all-reduce, also where FSDP2 of one rank gathers bf16 weights. The step's reduction
+    carries one more float32 on NCCL (its element count, which NCCL does not compare across ranks)."""
+    out = tmp_path / "out"
+    proc = run_cli("bench", "--strategies", strategy, "--nproc", "2", "--steps", "2", "--warmup",
+                   "1", "--precision", precision, "--out", str(out), "--set", *FAST,
+                   "parallel.pp=2", "parallel.replicate=1", timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    (row,) = json.loads((out / "results.json").read_text())["rows"]
+    assert row["device"] != "cpu"
+    measured = {k: c["bytes"] for k, c in row["comm_by_collective"].items()}
+    predicted = row["comm_by_collective_predicted"]
+    assert set(measured) == {"send/recv", "all_reduce"} == set(predicted), (measured, predicted)
+    assert measured["send/recv"] == predicted["send/recv"]
+    assert measured["all_reduce"] in (predicted["all_reduce"], predicted["all_reduce"] + 4)
 
 
 @pytest.mark.parametrize(

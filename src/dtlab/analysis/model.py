@@ -495,7 +495,9 @@ def _model_parallel_comm(
     with torch's CommDebugMode on the tiny model: 33 all-reduces per micro-batch without sequence
     parallelism, 18 all-gathers + 18 reduce-scatters + 3 all-reduces with it.) PP: each micro-batch's activations sent forward by every stage but the last and
     their gradients sent backward by every stage but the first (a sequence shard under sequence
-    parallelism).
+    parallelism), in the residual stream's dtype: the embedding's, so half precision only where FSDP
+    gathers half-precision weights; under autocast alone the stream stays float32 (the embedding
+    is not autocast, and float32 + bf16 is float32).
     """
     m = config.model
     act = 2 if config.train.precision in ("bf16", "fp16") else FP32
@@ -515,7 +517,8 @@ def _model_parallel_comm(
     if dims.pp_enabled:
         shard = dims.tp if config.parallel.sequence_parallel else 1
         sends = sum((sid != part.n_stages - 1) + (sid != 0) for sid in part.stages)
-        comm["send/recv"] = sends * microbatches * buffer // shard  # only pipelines send
+        stream = tokens * m.dim * (2 if fsdp_half_params(config, dims) else FP32)
+        comm["send/recv"] = sends * microbatches * stream // shard  # only pipelines send
         groups["send/recv"] = 2
 
 
