@@ -46,8 +46,9 @@ def dims_of(world: int, *overrides: str) -> ParallelDims:
         ),
         # fsdp ignores replicate: only hsdp has replica groups.
         (["parallel.strategy=fsdp", "parallel.replicate=2"], 4, 1, 4, FSDP, ("dp_shard",)),
-        # no_shard: FSDP on a (world, 1) mesh, even on one rank.
-        (["parallel.strategy=fsdp", "parallel.sharding=no_shard"], 1, 1, 1, FSDP, HYBRID),
+        # no_shard: FSDP on a (world, 1) mesh; on one rank a shard dimension of one, where FSDP2
+        # sends nothing (a replica dimension of one would all-reduce every gradient to itself).
+        (["parallel.strategy=fsdp", "parallel.sharding=no_shard"], 1, 1, 1, FSDP, ("dp_shard",)),
         (["parallel.strategy=fsdp", "parallel.sharding=no_shard"], 4, 4, 1, FSDP, HYBRID),
         (["parallel.strategy=hsdp", "parallel.replicate=2"], 4, 2, 2, FSDP, HYBRID),
         (["parallel.strategy=hsdp", "parallel.replicate=2"], 6, 2, 3, FSDP, HYBRID),

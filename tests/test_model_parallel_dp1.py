@@ -53,6 +53,22 @@ def test_bench_of_a_pipeline_without_data_parallel_ranks_measures_the_prediction
         assert line.endswith(f"| {mib} | {mib} |"), line
 
 
+@pytest.mark.parametrize(
+    ("strategy", "overrides"),
+    [("fsdp", ["parallel.sharding=no_shard"]), ("hsdp", ["parallel.replicate=1"])],
+)
+def test_fsdp_of_one_process_sends_nothing(
+    tmp_path: Path, strategy: str, overrides: list[str]
+) -> None:
+    """FSDP2 of one rank, also unsharded or as one replica group of one: no all-reduce of every
+    gradient to itself, as the plan predicts (nothing)."""
+    proc = run_cli("bench", "--strategies", strategy, "--nproc", "1", "--steps", "2", "--warmup",
+                   "1", "--out", str(tmp_path / "out"), "--set", *FAST, *overrides)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    (row,) = json.loads((tmp_path / "out" / "results.json").read_text())["rows"]
+    assert row["comm_by_collective"] == row["comm_by_collective_predicted"] == {}, row
+
+
 def test_tensor_parallel_without_data_parallel_ranks_sends_no_gradients(tmp_path: Path) -> None:
     """``ddp`` with ``tp`` = the world: the tensor-parallel all-reduces alone, within the 1% the plan's
     vocabulary-parallel loss floats (which the counter does not see) leave; a gradient all-reduce over
@@ -118,6 +134,7 @@ def test_pipeline_without_data_parallel_ranks_sends_no_gradients_over_nccl(
         ("fsdp", ["parallel.pp=2"], DPWrapper.FSDP, ("pp", "dp_shard")),
         ("fsdp", ["parallel.pp=2", "parallel.sharding=no_shard"], DPWrapper.FSDP, ("pp", "dp_shard")),
         ("hsdp", ["parallel.tp=2", "parallel.replicate=1"], DPWrapper.FSDP, ("dp_shard", "tp")),
+        ("fsdp", ["parallel.sharding=no_shard"], DPWrapper.FSDP, ("dp_shard",)),
         # Data-parallel ranks beside the pipeline: FSDP2 replicates for DDP, as before.
         ("ddp", ["parallel.pp=2", "train.global_batch_size=8"], DPWrapper.FSDP,
          ("pp", "dp_replicate", "dp_shard")),
@@ -127,6 +144,7 @@ def test_a_data_parallel_degree_of_one_wraps_for_nothing_but_mixed_precision(
     strategy: str, overrides: list[str], wrapper: DPWrapper, mesh_dims: tuple[str, ...]
 ) -> None:
     config = load_config(overrides=[*FAST, f"parallel.strategy={strategy}", *overrides])
-    world = 4 if "train.global_batch_size=8" in overrides else 2
+    model_parallel = any(o.startswith(("parallel.tp=", "parallel.pp=")) for o in overrides)
+    world = 4 if "train.global_batch_size=8" in overrides else 2 if model_parallel else 1
     dims = ParallelDims.from_config(config, world)
     assert (dims.wrapper, dims.mesh_dims) == (wrapper, mesh_dims)

@@ -13,6 +13,7 @@ strategy names::
     fsdp      no_shard             world         1                fsdp     (dp_replicate, dp_shard)
     hsdp      full, shard_grad_op  replicate     world/replicate  fsdp     (dp_replicate, dp_shard)
     hsdp      no_shard             world         1                fsdp     (dp_replicate, dp_shard)
+    fsdp/hsdp on one rank (any)    1             1                fsdp     (dp_shard,)
 
 FSDP2 replicates over a mesh's first dimension and shards over its second, so sharding ``no_shard`` is
 ``fully_shard`` on a (world, 1) mesh: the same degrees as DDP, another wrapper. DDP all-reduces over the
@@ -213,11 +214,6 @@ class ParallelDims:
             # One replica: nothing to average the gradients over, so nothing wraps (FSDP2 replicating
             # over a group of one rank would all-reduce every gradient to itself).
             wrapper, dp_dims = DPWrapper.NONE, ()
-        elif dp.dp == 1:
-            # FSDP of one rank stays for its mixed precision (half-precision gathers of float32
-            # master weights); on a one-dimensional mesh it sends nothing, where a replica dimension
-            # of one rank (no_shard, hsdp) would all-reduce every gradient to itself.
-            dp_dims = ("dp_shard",)
         elif wrapper is DPWrapper.DDP:  # FSDP2 replicates instead (see above)
             wrapper, dp_dims = DPWrapper.FSDP, ("dp_replicate", "dp_shard")
         return cls(
@@ -262,6 +258,11 @@ class ParallelDims:
                     f"parallel.replicate = {p.replicate} does not divide the world size {world_size}"
                 )
             replicate = p.replicate
+        if world_size == 1:
+            # FSDP of one rank stays for its mixed precision (half-precision gathers of float32
+            # master weights); on a one-dimensional mesh it sends nothing, where a replica dimension
+            # of one rank (sharding no_shard, hsdp) would all-reduce every gradient to itself.
+            return cls(wrapper=wrapper, mesh_dims=("dp_shard",))
         hybrid = ("dp_replicate", "dp_shard")
         if p.sharding == "no_shard":  # every rank holds everything: shard groups of one rank
             return cls(dp_replicate=world_size, wrapper=wrapper, mesh_dims=hybrid)
