@@ -101,14 +101,14 @@ def test_train_of_a_pipeline_without_data_parallel_ranks_counts_the_prediction(
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 @pytest.mark.parametrize(
-    ("strategy", "precision"), [("ddp", "fp32"), ("fsdp", "bf16"), ("hsdp", "bf16")]
+    ("strategy", "precision"), [("ddp", "bf16"), ("fsdp", "bf16"), ("hsdp", "bf16")]
 )
 def test_pipeline_without_data_parallel_ranks_sends_no_gradients_over_nccl(
     tmp_path: Path, strategy: str, precision: str
 ) -> None:
-    """Two GPUs over NCCL, one pipeline stage each: the stages' activations as predicted, and no
-    gradient all-reduce, also where FSDP2 of one rank gathers bf16 weights. The step's reduction
-    carries one more float32 on NCCL (its element count, which NCCL does not compare across ranks)."""
+    """Two GPUs over NCCL, one pipeline stage each, bf16: the stages' activations as predicted (float32
+    under DDP's autocast, bf16 where FSDP2 of one rank gathers bf16 weights), and no gradient
+    all-reduce."""
     out = tmp_path / "out"
     proc = run_cli("bench", "--strategies", strategy, "--nproc", "2", "--steps", "2", "--warmup",
                    "1", "--precision", precision, "--out", str(out), "--set", *FAST,
@@ -118,9 +118,8 @@ def test_pipeline_without_data_parallel_ranks_sends_no_gradients_over_nccl(
     assert row["device"] != "cpu"
     measured = {k: c["bytes"] for k, c in row["comm_by_collective"].items()}
     predicted = row["comm_by_collective_predicted"]
-    assert set(measured) == {"send/recv", "all_reduce"} == set(predicted), (measured, predicted)
-    assert measured["send/recv"] == predicted["send/recv"]
-    assert measured["all_reduce"] in (predicted["all_reduce"], predicted["all_reduce"] + 4)
+    assert set(measured) == {"send/recv", "all_reduce"}, measured
+    assert measured == predicted
 
 
 @pytest.mark.parametrize(
