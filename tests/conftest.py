@@ -317,7 +317,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     chosen = {line.strip() for line in FAST_LIST.read_text().splitlines() if line.strip()}
     named = {nodeid.split("::")[0] for nodeid in chosen}
-    keep, drop, seen = [], [], set()
+    keep: list[pytest.Item] = []
+    drop: list[pytest.Item] = []
+    seen: set[str] = set()
     for item in items:
         module = item.nodeid.split("::")[0]
         first_of_unnamed = module not in named and module not in seen
