@@ -98,3 +98,32 @@ def test_a_tensor_parallel_run_names_its_layout_everywhere(tmp_path: Path) -> No
         "dp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 2, "pp": 1, "ep": 1,
     }  # fmt: skip
     assert summary["world_size"] == 2 and summary["strategy"] == "fsdp"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "nproc", "split"),
+    [
+        # The pipeline's schedule cuts each rank's share into its micro-batches (parallel.pp by
+        # default): 8 samples on one data-parallel rank run as 2 pipeline micro-batches of 4.
+        (
+            ["parallel.strategy=ddp", "parallel.pp=2"],
+            2,
+            "| ddp 1 x pp 2 (1f1b) on cpu | global batch 8 = 1 data-parallel rank x 2 pipeline "
+            "micro-batches x 4 |",
+        ),
+        (
+            ["parallel.strategy=ddp", "parallel.pp=2", "parallel.pp_microbatches=4"],
+            4,
+            "| ddp 2 x pp 2 (1f1b) on cpu | global batch 8 = 2 data-parallel ranks x 4 pipeline "
+            "micro-batches x 1 |",
+        ),
+    ],
+)
+def test_a_pipeline_run_splits_its_batch_as_the_schedule_does(
+    tmp_path: Path, overrides: list[str], nproc: int, split: str
+) -> None:
+    proc = run_cli("train", "--nproc", str(nproc), "--set", *FAST, "train.steps=1",
+                   f"run.dir={tmp_path / 'run'}", *overrides)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    start = next(line for line in proc.stderr.splitlines() if "training " in line)
+    assert split in start, start

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from dtlab.checkpoint.manager import Checkpointer, Coordinator
 from dtlab.checkpoint.state import Health, Stateful
 from dtlab.checkpoint.store import alert_name, alert_steps, step_name
-from dtlab.config import Config, config_warnings
+from dtlab.config import Config, config_warnings, pipeline_microbatches
 from dtlab.data import BatchLoader
 from dtlab.data.sources import describe_data
 from dtlab.data.tokenizer import Tokenizer
@@ -319,11 +319,14 @@ def _announce(r: _Run) -> None:
     config, engine, t = r.config, r.engine, r.config.train
     # The ranks the batch is split over: the data-parallel ones (tensor- and pipeline-parallel ranks
     # share their samples).
-    dp, accum = engine.dims.dp, engine.accum
+    dp, accum, micro, kind = engine.dims.dp, engine.accum, engine.micro, ""
+    if engine.dims.pp_enabled:  # the schedule, not accumulation, cuts each rank's share
+        accum = pipeline_microbatches(config, dp)
+        micro, kind = t.global_batch_size // dp // accum, "pipeline "
     logger.info(
-        "training %.2fM params | %s on %s | global batch %d = %d data-parallel rank%s x %d micro-batch%s x %d | %d steps | run dir %s",
+        "training %.2fM params | %s on %s | global batch %d = %d data-parallel rank%s x %d %smicro-batch%s x %d | %d steps | run dir %s",
         engine.params / 1e6, engine.layout, engine.device, t.global_batch_size, dp, "s" if dp > 1 else "",
-        accum, "es" if accum > 1 else "", engine.micro, t.steps, r.run_dir,
+        accum, kind, "es" if accum > 1 else "", micro, t.steps, r.run_dir,
     )  # fmt: skip
     if engine.coord.is_main:
         val = engine.val_loader.source if engine.val_loader is not None else None
