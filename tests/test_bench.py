@@ -13,7 +13,7 @@ import torch
 from conftest import run_cli
 from dtlab.analysis.devices import lookup_cuda
 from dtlab.analysis.model import plan_step
-from dtlab.bench.sweep import plan_combinations, train_refusal
+from dtlab.bench.sweep import plan_combinations, runnable, train_refusal
 from dtlab.config import load_config
 
 SMALL = [
@@ -146,7 +146,7 @@ def test_single_runs_as_the_baseline_whatever_nproc_lists() -> None:
     combos, notes = plan_combinations(["single", "ddp"], [1, 2], ["none"], ["fp32"])
     assert combos == [("single", 1, "none", "fp32"), ("ddp", 2, "none", "fp32")]
     assert notes == [
-        "ddp x1 not run: one data-parallel rank is single's layout, run as the baseline"
+        "ddp on 1 process not run: one data-parallel rank is single's layout, run as the baseline"
     ]
 
 
@@ -158,6 +158,10 @@ def test_bench_runs_the_layouts_train_runs() -> None:
     # What train refuses is refused with train's own reason.
     reason = train_refusal(None, [*SMALL, "parallel.strategy=ddp"], 3)
     assert reason is not None and "train.global_batch_size = 8 samples cannot be split" in reason
+    # A refused row is named as the console names rows, with train's reason.
+    keep, notes = runnable(None, SMALL, [("ddp", 2, "none", "fp32"), ("hsdp", 2, "none", "fp32")])
+    assert keep == [("ddp", 2, "none", "fp32")] and len(notes) == 1
+    assert notes[0].startswith("hsdp on 2 processes fp32 not run: dtlab train refuses it: "), notes
 
 
 def test_bench_rows_share_one_peak_and_count_whole_diloco_periods(tmp_path: Path) -> None:

@@ -70,7 +70,8 @@ def plan_combinations(
             continue
         if n == model_parallel and baseline:
             notes.append(
-                f"{s} x{n} not run: one data-parallel rank is single's layout, run as the baseline"
+                f"{s} on {_processes(n)} not run: one data-parallel rank is single's layout, run "
+                "as the baseline"
             )
             continue
         out.append((s, n, c, p))
@@ -127,7 +128,8 @@ def runnable(
         if reason is None:
             keep.append((s, n, c, p))
         else:
-            notes.append(f"{s} x{n} {c} {p} not run: dtlab train refuses it: {reason}")
+            what = " ".join([f"{s} on {_processes(n)}", *([c] if c != "none" else []), p])
+            notes.append(f"{what} not run: dtlab train refuses it: {reason}")
     if not keep:
         raise DtlabError("nothing to run:\n" + "\n".join(f"  {note}" for note in notes))
     return keep, notes
@@ -194,7 +196,11 @@ def layout_of(config_path: str | None, overrides: list[str], nproc: int) -> str:
             (o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("parallel.strategy=")),
             "?",
         )
-        return f"{strategy} x{nproc}"
+        return f"{strategy} on {_processes(nproc)}"
+
+
+def _processes(n: int) -> str:
+    return f"{n} process" + ("es" if n > 1 else "")
 
 
 def peak_args(peak: dict[str, Any] | None) -> list[str]:
