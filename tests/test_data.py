@@ -119,7 +119,8 @@ def test_files_source_reads_text_jsonl_and_parquet(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("setup", "needle"),
     [
-        (lambda d: None, "does not exist"),
+        (lambda d: None, "does not exist; put your text files there"),
+        (lambda d: None, "point data.paths at yours: --set data.paths=[DIR_OR_FILE,...]"),
         (lambda d: (d / "x.txt").write_text(""), "is empty"),
         (
             lambda d: (d / "x.txt").write_text("short"),

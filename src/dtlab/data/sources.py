@@ -174,7 +174,11 @@ def _expand_paths(paths: Sequence[str]) -> list[Path]:
         elif p.is_file():
             out.append(p)
         else:
-            raise DataError(f"data.paths: {raw!r} does not exist")
+            where = "" if p.is_absolute() else f" (relative to {Path.cwd()})"
+            raise DataError(
+                f"data.paths: {raw!r} does not exist{where}; put your text files there, or point "
+                "data.paths at yours: --set data.paths=[DIR_OR_FILE,...]"
+            )
     return out
 
 
