@@ -127,3 +127,16 @@ def test_a_pipeline_run_splits_its_batch_as_the_schedule_does(
     assert proc.returncode == 0, proc.stderr
     start = next(line for line in proc.stderr.splitlines() if "training " in line)
     assert split in start, start
+
+
+def test_hsdp_replica_groups_of_one_rank_are_said_to_shard_nothing(tmp_path: Path) -> None:
+    """configs/hsdp.yaml on 2 processes: 2 replica groups of 1 rank, a legal layout that shards
+    nothing: said at start; on 4 processes (2x2) nothing is said."""
+    hsdp = str(Path(__file__).resolve().parents[1] / "configs" / "hsdp.yaml")
+    for nproc, said in ((2, True), (4, False)):
+        proc = run_cli("train", hsdp, "--nproc", str(nproc), "--set", *FAST, "train.steps=1",
+                       "model.preset=debug", f"run.dir={tmp_path / str(nproc)}")  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        warned = "HSDP replica groups of 1 rank each shard nothing: hsdp 2x1 is 2 replicas"
+        assert (warned in proc.stderr) is said, proc.stderr
+        assert ("--nproc 4" in proc.stderr) is said

@@ -530,10 +530,20 @@ class TorchEngine:
         return loaded
 
     def warnings(self) -> list[str]:
-        if self.d.device.type != "cpu":
-            return []
-        advice = check_cpu_half_precision(self.config.train.precision)
-        return [advice] if advice else []
+        out = []
+        dims = self.dims
+        if self.config.parallel.strategy == "hsdp" and dims.dp_replicate > 1 and dims.dp_shard == 1:
+            # Legal, and the same training, but not what anyone picks hsdp for.
+            out.append(
+                f"{dims.dp_replicate} HSDP replica groups of 1 rank each shard nothing: "
+                f"{self.layout} is {dims.dp_replicate} replicas (ddp {dims.dp_replicate} with "
+                "FSDP2's replication); for sharded replicas run parallel.replicate x N processes, "
+                f"N > 1 (e.g. --nproc {2 * dims.dp_replicate})"
+            )
+        if self.d.device.type == "cpu":
+            advice = check_cpu_half_precision(self.config.train.precision)
+            out += [advice] if advice else []
+        return out
 
     def step(
         self, batch: list[Any], step: int, stop_signal: int, inject_nan: bool
