@@ -149,8 +149,9 @@ def test_launch_gives_checkpoint_every_0_a_default(
     otherwise restart from step 0), and the command says so and how to override it."""
     got, stderr = _launched_checkpoint(tmp_path, scheduler, "--set", f"train.steps={steps}")
     assert got == every
+    interval = "every step" if every == 1 else f"every {every} steps"
     assert (
-        f"checkpoint.every is 0: the job saves every {every} steps so that a requeued job resumes; "
+        f"checkpoint.every is 0: the job saves {interval} so that a requeued job resumes; "
         "set --set checkpoint.every=N to choose"
     ) in stderr
     assert "--no-checkpoint" in stderr

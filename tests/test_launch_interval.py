@@ -195,8 +195,103 @@ def test_a_run_shorter_than_one_save_and_a_step_longer_than_the_loss_bound_are_s
     assert "one save takes longer than the whole run (2 steps, 20 ms)" in err
     hour = SaveInterval(1, 10**12, 2.0, 500.0, 3600.0, 100, True)
     text = describe(hour, "h100", "2 GB/s")
-    assert "every 1 steps:" in text
+    assert "every step: saving costs" in text and "every 1 steps" not in text
     assert "one step alone takes longer than 30 min: it saves after each" in text
+
+
+# The README's command: the tiny preset's 100 steps on 2 nodes of 8 GPUs, where a save (1 s at least)
+# takes as long as the whole run (100 steps of 10 ms at least).
+README_JOB = ["configs/fsdp.yaml", "--nodes", "2", "--nproc-per-node", "8", "--gpus-per-node", "8"]
+# "one save takes as long as the whole run (100 steps, 1 s)"
+SHARE = re.compile(
+    r"one save takes (as long as|longer than) the whole run \((\d+) steps, ([^)]+)\)"
+)
+
+
+def _seconds(text: str) -> float:
+    """A duration as the command prints it ("1 s", "20 ms", "1.5 min") in seconds."""
+    value, unit = text.split()
+    return float(value) * {"min": 60.0, "s": 1.0, "ms": 1e-3, "µs": 1e-6}[unit]
+
+
+@pytest.mark.parametrize("scheduler", ["slurm", "k8s"])
+def test_a_run_that_saves_at_its_last_step_only_says_what_a_requeue_resumes_from(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    scheduler: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ "every 100 steps" of a 100-step run is its last step: a job requeued before the end resumes
+    only from the save a stop signal makes, and one killed without warning starts over; the lines
+    never claim more, and the save-against-run comparison agrees with the figures printed."""
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    every, err = _launch(tmp_path, capsys, scheduler, *README_JOB)
+    assert every == 100, err
+    first = err.splitlines()[0]
+    assert "so that a requeued job resumes" not in first and "every 100 steps" not in first
+    assert "the job saves at its last step only (step 100)" in first
+    assert "periodic saves are not worth it for this run: one save takes as long as" in first
+    assert "after a stop signal (SIGUSR1 or SIGTERM, as on preemption)" in first
+    assert "resumes from the checkpoint the signal saves" in first
+    assert "one killed without warning starts over from step 0" in first
+    # The figures the comparison names are the ones printed: 1 s against 1 s is "as long as".
+    save = re.search(r"saved in ([^ ]+ (?:min|s|ms))", err)
+    share = SHARE.search(err)
+    assert save and share, err
+    assert share[2] == "100" and share[3] == save[1] == "1 s"
+    assert share[1] == "as long as"
+    # The loss bound's line agrees: the whole run, 1 s, is all a kill can lose.
+    assert "a kill without warning loses at most 1 s of work" in err
+
+
+@pytest.mark.parametrize(
+    ("save_s", "step_s", "steps", "phrase", "run"),
+    [
+        (1.0, 0.01, 100, "as long as", "1 s"),  # equal
+        (1.0004, 0.01, 100, "as long as", "1 s"),  # longer, but printed alike
+        (1.0, 0.00999, 100, "longer than", "999 ms"),
+        (1.0, 0.01, 2, "longer than", "20 ms"),
+    ],
+)
+def test_the_save_against_the_run_reads_as_its_figures(
+    save_s: float, step_s: float, steps: int, phrase: str, run: str
+) -> None:
+    every, both = choose_every(save_s, step_s, steps)
+    assert every == steps and both
+    text = describe(SaveInterval(every, 10**6, 2.0, save_s, step_s, steps, both), "h100", "2 GB/s")
+    share = SHARE.search(text)
+    assert share, text
+    assert (share[1], share[3]) == (phrase, run)
+    shown = re.search(r"saved in ([^ ]+ (?:min|s|ms))", text)
+    assert shown
+    assert (_seconds(shown[1]) > _seconds(share[3])) == (phrase == "longer than")
+
+
+def test_a_short_run_whose_save_costs_under_the_target_does_not_claim_more() -> None:
+    """Two 1 s steps and a 30 ms save: one save is 1.5% of the run, under the 2% target, yet a save
+    every step would cost 2.9%: the last step only, for that reason and not a false one."""
+    every, both = choose_every(0.03, 1.0, 2)
+    assert (every, both) == (2, True)
+    text = describe(SaveInterval(every, 10**6, 2.0, 0.03, 1.0, 2, both), "h100", "2 GB/s")
+    assert "costs 1.5% of the whole run (2 steps, 2 s)" in text, text
+    assert "1.5% of the whole run (2 steps, 2 s), more than" not in text
+    assert "a save more often than every 2 steps would cost more than the 2% target" in text
+    big = describe(SaveInterval(100, 10**6, 2.0, 0.5, 0.1, 100, True), "h100", "2 GB/s")
+    assert "costs 5.0% of the whole run (100 steps, 10 s), more than the 2% target" in big, big
+
+
+@pytest.mark.parametrize("scheduler", ["slurm", "k8s"])
+def test_cpu_nodes_saving_every_step_say_every_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], scheduler: str
+) -> None:
+    """20 steps on CPU nodes: 1/20 of the run is one step, and the line reads as English."""
+    every, err = _launch(
+        tmp_path, capsys, scheduler, "--nodes", "1", "--nproc-per-node", "2",
+        "--set", *TINY, "parallel.strategy=ddp", "train.steps=20",
+    )  # fmt: skip
+    assert every == 1
+    assert "the job saves every step so that a requeued job resumes" in err, err
+    assert "every 1 steps" not in err
 
 
 def test_cpu_nodes_keep_the_fraction_of_the_run_and_say_why(

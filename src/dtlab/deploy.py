@@ -124,11 +124,17 @@ def _check_shape(shape: JobShape) -> None:
         )
 
 
-def _save_interval(config: Config, shape: JobShape) -> tuple[int, str]:
-    """(the interval, its reasoning) for a GPU job: :mod:`dtlab.analysis.save_interval`."""
+def _save_interval(config: Config, shape: JobShape) -> tuple[int, str, str | None]:
+    """(the interval, its reasoning, why it is the whole run when the chosen interval is) for a GPU
+    job: :mod:`dtlab.analysis.save_interval`."""
     from dtlab.analysis.devices import PROFILES
     from dtlab.analysis.plan import DEFAULT_DEVICE
-    from dtlab.analysis.save_interval import ASSUMED_SAVE_GBPS, describe, predict_interval
+    from dtlab.analysis.save_interval import (
+        ASSUMED_SAVE_GBPS,
+        describe,
+        last_step_reason,
+        predict_interval,
+    )
 
     key = shape.device or DEFAULT_DEVICE
     gbps = shape.save_gbps
@@ -143,19 +149,50 @@ def _save_interval(config: Config, shape: JobShape) -> tuple[int, str]:
         if gbps
         else "assumed: a parallel filesystem; pass --save-bandwidth-gbps"
     )
+    reason = last_step_reason(choice) if choice.every >= choice.steps else None
     if config.checkpoint.every:
-        return config.checkpoint.every, describe(
-            choice, device, bandwidth, every=config.checkpoint.every
+        return (
+            config.checkpoint.every,
+            describe(choice, device, bandwidth, every=config.checkpoint.every),
+            reason,
         )
     durable = config.checkpoint.durable_every
     every = _divisor_of(choice.every, durable)
     if every == choice.every:
-        return every, describe(choice, device, bandwidth)
+        return every, describe(choice, device, bandwidth), reason
     why = (
         f"checkpoint.durable_every = {durable} must be a multiple of it (without that, "
-        f"every {choice.every} steps)"
+        f"{every_steps(choice.every)})"
     )
-    return every, describe(choice, device, bandwidth, every=every, why=why)
+    return every, describe(choice, device, bandwidth, every=every, why=why), reason
+
+
+def every_steps(n: int) -> str:
+    """The words for an interval of ``n`` steps: "every step" or "every N steps" (a copy of
+    :func:`dtlab.analysis.save_interval.every_steps`: that module imports torch, and CPU jobs
+    need none of it)."""
+    return "every step" if n == 1 else f"every {n} steps"
+
+
+def _default_every_note(every: int, steps: int, reason: str | None) -> str:
+    """The first line of what the launch says about the interval it chose for ``checkpoint.every: 0``.
+
+    An interval of the whole run or more is its last step only: then no periodic save exists for a
+    requeued job to resume from, and the line says what a requeue does resume from (``reason``: why
+    periodic saves are not worth it, when the rule knows)."""
+    choose = "set --set checkpoint.every=N to choose"
+    if every < steps:
+        return (
+            f"checkpoint.every is 0: the job saves {every_steps(every)} so that a requeued job "
+            f"resumes; {choose}, or pass --no-checkpoint to keep them off"
+        )
+    why = f", as periodic saves are not worth it for this run: {reason}" if reason else ""
+    return (
+        f"checkpoint.every is 0: the job saves at its last step only (step {steps}){why}; a job "
+        "requeued after a stop signal (SIGUSR1 or SIGTERM, as on preemption) resumes from the "
+        "checkpoint the signal saves, one killed without warning starts over from step 0; "
+        f"{choose}"
+    )
 
 
 def launch_checkpointing(
@@ -185,20 +222,17 @@ def launch_checkpointing(
         if c.every:
             return config, None
         every = launch_checkpoint_every(config.train.steps, c.durable_every)
-        note = (
-            f"checkpoint.every is 0: the job saves every {every} steps so that a requeued job resumes; "
-            "set --set checkpoint.every=N to choose, or pass --no-checkpoint to keep them off "
-            "(1/20 of the run, at most 100 steps: the step time of CPU nodes is not predicted)"
-        )
+        one = "the run has one step" if config.train.steps == 1 else None
+        note = _default_every_note(every, config.train.steps, one)
+        if every < config.train.steps:
+            note += (
+                " (1/20 of the run, at most 100 steps: the step time of CPU nodes is not predicted)"
+            )
     else:
-        every, why = _save_interval(config, shape)
+        every, why, reason = _save_interval(config, shape)
         if c.every:
             return config, f"checkpoint.every is {c.every}, as given (the config or --set):\n{why}"
-        note = (
-            f"checkpoint.every is 0: the job saves every {every} steps so that a requeued job resumes; "
-            "set --set checkpoint.every=N to choose, or pass --no-checkpoint to keep them off\n"
-            + why
-        )
+        note = _default_every_note(every, config.train.steps, reason) + "\n" + why
     data = config.to_dict()
     data["checkpoint"]["every"] = every
     return config_from_dict(data), note

@@ -105,6 +105,44 @@ def _minutes(s: float) -> str:
     return f"{s / 60:.3g} min" if s >= 60 else format_seconds(s)
 
 
+def every_steps(n: int) -> str:
+    """The words for an interval of ``n`` steps: "every step" or "every N steps"."""
+    return "every step" if n == 1 else f"every {n} steps"
+
+
+def _last_step_share(choice: SaveInterval, figures: bool) -> str:
+    """Why a run that saves at its last step only saves no earlier: one save against the whole run,
+    compared as the figures are printed (1 s against 1 s is "as long as", never "longer than")."""
+    run_s = choice.steps * choice.step_s
+    run = "the whole run" + (f" ({choice.steps} steps, {_minutes(run_s)})" if figures else "")
+    often = (
+        f"a save more often than {every_steps(choice.steps)} would cost more than the "
+        f"{MAX_SAVE_FRACTION:.0%} target"
+        if choice.steps > 1
+        else "the run has one step"
+    )
+    if not choice.both_hold:
+        return often
+    if _minutes(choice.save_s) == _minutes(run_s):
+        return f"one save takes as long as {run}"
+    if choice.save_s > run_s:
+        return f"one save takes longer than {run}"
+    percent = f"{choice.save_s / run_s:.1%}"
+    if float(percent[:-1]) > MAX_SAVE_FRACTION * 100:
+        share = f"more than the {MAX_SAVE_FRACTION:.0%} target"
+        return (
+            f"one save costs {percent} of {run}, {share}" if figures else f"one save costs {share}"
+        )
+    # Under the target as one save, but a second one (any interval shorter than the run) is over it.
+    return f"one save costs {percent} of {run}, and {often}" if figures else often
+
+
+def last_step_reason(choice: SaveInterval) -> str:
+    """Why the chosen interval is the whole run (``choice.every >= choice.steps``), without figures:
+    the line that follows :func:`describe`'s predictions gives them."""
+    return _last_step_share(choice, figures=False)
+
+
 def describe(
     choice: SaveInterval,
     device: str,
@@ -138,17 +176,10 @@ def describe(
     )
     if every is None and choice.every >= choice.steps and choice.both_hold:
         # The final save happens anyway (checkpoint.final): no periodic one is worth its cost.
-        run_s = choice.steps * choice.step_s
-        run = f"the whole run ({choice.steps} steps, {_minutes(run_s)})"
-        share = (
-            f"takes longer than {run}"
-            if choice.save_s >= run_s
-            else f"costs {choice.save_s / run_s:.1%} of {run}, more than the "
-            f"{MAX_SAVE_FRACTION:.0%} target"
-        )
-        return f"{predicted}\nthe job saves at its last step only: one save {share}; {loss}"
+        share = _last_step_share(choice, figures=True)
+        return f"{predicted}\nthe job saves at its last step only: {share}; {loss}"
     cost = (
-        f"every {shown.every} steps: saving costs {shown.fraction:.1%} of training time "
+        f"{every_steps(shown.every)}: saving costs {shown.fraction:.1%} of training time "
         f"(target at most {MAX_SAVE_FRACTION:.0%}), {loss}"
     )
     if every is not None:
