@@ -305,3 +305,57 @@ def test_lowcomm_averages_diloco_bytes_over_whole_outer_periods() -> None:
     assert row["wire_bytes_per_step"] == (500 + 3 * 5) / 4
     # Without DiLoCo every step after the first counts, as before.
     assert _row("ddp", Link("none", None), 0.0, records)["comm_bytes_per_step"] == 2070 / 9
+
+
+def test_a_starved_baseline_and_an_impossible_speed_up_are_flagged() -> None:
+    # A 2-core machine: single computes on both cores' threads, each of 4 ranks on one.
+    cores = {"cpu_cores": 2}
+    single = bench_row(
+        "single", LOSSES, nproc=1, tokens_per_s=1000.0, comm_time_s=None, cpu_util=0.49,
+        cpu_threads=2, **cores,
+    )  # fmt: skip
+    # 3.79x on 4 processes (95%): under 100%, yet 2 cores cannot run anything 3.79x faster than
+    # a process that already had both of them.
+    ddp = bench_row("ddp", LOSSES, nproc=4, tokens_per_s=3790.0, cpu_threads=1, **cores)
+    starved = "CPU use 49% of its 2 thread(s): other load took the cores"
+    assert disturbances(single, single) == [starved]
+    assert disturbances(ddp, single) == [
+        "speed-up 3.79x physically impossible: 2 core(s) give a baseline on 2 thread(s) at most "
+        "1.00x (1.50x with a 1.5x margin)",
+        f"against a disturbed baseline: single fp32 ({starved})",
+    ]
+    # An undisturbed baseline (91% of its threads, as on an idle machine) and a speed-up the cores
+    # allow: nothing to flag, whatever the ranks' own CPU use (they wait for each other's collectives).
+    quiet = {**single, "cpu_util": 0.91}
+    fine = bench_row("ddp", LOSSES, tokens_per_s=1200.0, cpu_util=0.2, cpu_threads=1, **cores)
+    assert disturbances(quiet, quiet) == [] and disturbances(fine, quiet) == []
+    # Against a disturbed baseline even a plausible figure is flagged.
+    assert disturbances(fine, single) == [f"against a disturbed baseline: single fp32 ({starved})"]
+    # On a GPU cpu_util says nothing of the compute: neither rule applies.
+    gpu = {**single, "device": "cuda:0"}
+    assert disturbances(gpu, gpu) == []
+    assert disturbances({**ddp, "device": "cuda:0"}, gpu) == []
+    report = report_markdown(
+        {"rows": [single, ddp], "failed": [], "warmup": 1, "steps": 3, "peaks": {}, "notes": []}, []
+    )
+    assert (
+        "- ddp 4 fp32: 3.79x the single-process throughput on 4 processes (95% scaling efficiency): "
+        "a measurement disturbed by other load on a shared machine (speed-up 3.79x physically "
+        "impossible" in report
+    )
+    assert f"against a disturbed baseline: single fp32 ({starved}) |" in report
+    assert f"| disturbed: {starved} |" in report
+
+
+def test_the_bench_records_each_ranks_threads_as_the_workers_set_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import os
+
+    from dtlab.bench.sweep import rank_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = os.cpu_count() or 1
+    assert rank_threads(1) == cores and rank_threads(2 * cores) == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert rank_threads(1) == rank_threads(4) == 3

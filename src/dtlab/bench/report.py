@@ -314,15 +314,42 @@ DISTURBED = (
 )
 
 
-def disturbances(r: dict[str, Any], base: dict[str, Any] | None) -> list[str]:
-    """The figures of a row that no undisturbed measurement can give, each as a short flag: a
-    scaling efficiency over 100% against ``base`` (more processes on the same cores cannot do more
-    than their share), and a compute-only step or a replay of the step's collectives that took
-    longer than the whole step they are parts of. The one judge behind the report and the table."""
+# A process alone on its cores keeps its threads busy (the debug model's single run used 76-91% of its
+# 2 threads on a quiet 2-core machine, 49-51% while other work ran): under this share, load took them.
+STARVED_CPU_USE = 0.6
+# How far past cores / the baseline's threads a speed-up may go before no measurement explains it: the
+# baseline's threads need not all be busy (Python, small kernels), so a little more than the ratio.
+SPEEDUP_MARGIN = 1.5
+
+
+def cpu_capacity(r: dict[str, Any]) -> tuple[int, int] | None:
+    """A CPU row's (threads per rank, cores of the machine), as the bench recorded them; None on a GPU
+    (where ``cpu_util`` says nothing of the compute) or for rows that do not carry them."""
+    if r["device"] != "cpu" or not r.get("cpu_threads") or not r.get("cpu_cores"):
+        return None
+    return int(r["cpu_threads"]), int(r["cpu_cores"])
+
+
+def starved(r: dict[str, Any]) -> str | None:
+    """A flag when a one-process CPU row used well under what its threads could (STARVED_CPU_USE):
+    other load took the cores. Only one process: ranks that wait for their peers' collectives idle
+    their cores without any other load."""
+    capacity = cpu_capacity(r)
+    if capacity is None or r["nproc"] != 1:
+        return None
+    threads, cores = capacity
+    use = r["cpu_util"] * cores / threads  # cpu_util is cores' worth over the machine's cores
+    if use >= STARVED_CPU_USE:
+        return None
+    return f"CPU use {use:.0%} of its {threads} thread(s): other load took the cores"
+
+
+def _own_disturbances(r: dict[str, Any]) -> list[str]:
+    """The flags of a row's own figures, whatever it is compared with."""
     flags = []
-    scaled = scaling(r, base)
-    if scaled is not None and scaled[1] > 1:
-        flags.append(f"scaling efficiency {scaled[1]:.0%} (over 100%)")
+    cpu = starved(r)
+    if cpu is not None:
+        flags.append(cpu)
     step = r["step_time_s"]
     for key, what in (
         ("compute_time_s", "compute-only step"),
@@ -332,6 +359,43 @@ def disturbances(r: dict[str, Any], base: dict[str, Any] | None) -> list[str]:
         if part is not None and part > step:
             flags.append(f"{what} {part:.3f} s longer than the step {step:.3f} s")
     return flags
+
+
+def scaling_disturbances(r: dict[str, Any], base: dict[str, Any] | None) -> list[str]:
+    """The flags of ``r``'s scaling against ``base``: an efficiency over 100% (more processes on the
+    same cores cannot do more than their share), on CPU a speed-up past what the cores can give a
+    baseline on its threads (times SPEEDUP_MARGIN), and a baseline whose own figures are disturbed
+    (every ratio to it is then as disturbed). Empty where there is no scaling figure."""
+    scaled = scaling(r, base)
+    if scaled is None or base is None:
+        return []
+    speedup, efficiency = scaled
+    flags = []
+    if efficiency > 1:
+        flags.append(f"scaling efficiency {efficiency:.0%} (over 100%)")
+    capacity = cpu_capacity(base)
+    if capacity is not None:
+        threads, cores = capacity
+        bound = cores / threads * SPEEDUP_MARGIN
+        if speedup > bound:
+            flags.append(
+                f"speed-up {speedup:.2f}x physically impossible: {cores} core(s) give a baseline on "
+                f"{threads} thread(s) at most {cores / threads:.2f}x ({bound:.2f}x with a "
+                f"{SPEEDUP_MARGIN}x margin)"
+            )
+    base_flags = _own_disturbances(base)
+    if base_flags:
+        flags.append(f"against a disturbed baseline: {label(base)} ({'; '.join(base_flags)})")
+    return flags
+
+
+def disturbances(r: dict[str, Any], base: dict[str, Any] | None) -> list[str]:
+    """The figures of a row that no undisturbed measurement can give, each as a short flag: on CPU a
+    one-process row that used well under its threads' share of the cores (other load took them), a
+    compute-only step or a replay of the step's collectives that took longer than the whole step
+    they are parts of, and its scaling against ``base`` (:func:`scaling_disturbances`). The one
+    judge behind the console, the report, the table and the CSV."""
+    return _own_disturbances(r) + scaling_disturbances(r, base)
 
 
 def _pct(a: float, b: float) -> str:
@@ -508,11 +572,17 @@ def interpretation(rows: list[dict[str, Any]]) -> list[str]:
         if scaled is None:
             continue
         speedup, efficiency = scaled
-        judged = (
-            ": not physically possible, a measurement disturbed by other load on a shared machine."
-            if efficiency > 1
-            else "."
-        )
+        flags = scaling_disturbances(r, scaling_baseline(r, rows))
+        others = [f for f in flags if not f.startswith("scaling efficiency")]
+        judged = "."
+        if flags:
+            judged = (
+                ": "
+                + ("not physically possible, a" if efficiency > 1 else "a")
+                + " measurement disturbed by other load on a shared machine"
+                + (f" ({'; '.join(others)})" if others else "")
+                + "."
+            )
         out.append(
             f"- {label(r)}: {speedup:.2f}x the single-process throughput on {r['nproc']} processes "
             f"({efficiency:.0%} scaling efficiency){judged}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import itertools
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -258,6 +259,8 @@ def run_sweep(
             failed.append({"label": label, "error": tail})
             continue
         row = json.loads(row_path.read_text())
+        if row["device"] == "cpu":  # what the report judges the row's CPU use and speed-up against
+            row.update(cpu_threads=rank_threads(nproc), cpu_cores=os.cpu_count() or 1)
         rows.append(row)
         print(
             f"  {row['step_time_s']:.3f} s/step, {row['tokens_per_s']:,.0f} tokens/s, "
@@ -274,6 +277,13 @@ def run_sweep(
     }  # fmt: skip
     write_outputs(results, out)
     return results
+
+
+def rank_threads(nproc: int) -> int:
+    """The threads each of ``nproc`` CPU ranks on this machine computes on: ``$OMP_NUM_THREADS``, or
+    the cores shared among them (the rule of :func:`dtlab.parallel.dist.init_distributed`)."""
+    env = os.environ.get("OMP_NUM_THREADS")
+    return int(env) if env else max(1, (os.cpu_count() or 1) // nproc)
 
 
 def write_outputs(results: dict[str, Any], out: Path) -> None:
