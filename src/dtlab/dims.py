@@ -444,6 +444,20 @@ def layout_name(dims: ParallelDims, parallel: _NamedSection) -> str:
     return " x ".join(parts) or "single"
 
 
+def layout_warnings(dims: ParallelDims, parallel: _NamedSection) -> list[str]:
+    """Layouts that are legal and train correctly but are not what their strategy is chosen for,
+    said at start: HSDP whose replica groups hold one rank each shards nothing."""
+    out = []
+    if needs_replica_groups(parallel.strategy) and dims.dp_replicate > 1 and dims.dp_shard == 1:
+        out.append(
+            f"{dims.dp_replicate} HSDP replica groups of 1 rank each shard nothing: "
+            f"{layout_name(dims, parallel)} is {dims.dp_replicate} replicas (ddp "
+            f"{dims.dp_replicate} with FSDP2's replication); for sharded replicas run "
+            f"parallel.replicate x N processes, N > 1 (e.g. --nproc {2 * dims.dp_replicate})"
+        )
+    return out
+
+
 def layout_fields(dims: ParallelDims) -> dict[str, int]:
     """The degrees of a layout as ``summary.json`` gives them: ``dp`` data-parallel ranks in all (the
     global batch is split over them), within a DiLoCo replica ``dp_replicate`` replicas of ``dp_shard``

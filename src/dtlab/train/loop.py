@@ -32,7 +32,7 @@ from dtlab.data import BatchLayout, BatchLoader
 from dtlab.data.loader import MicroBatch
 from dtlab.data.sources import build_data
 from dtlab.data.tokenizer import ByteTokenizer, Tokenizer
-from dtlab.dims import ParallelDims, layout_name
+from dtlab.dims import ParallelDims, layout_name, layout_warnings
 from dtlab.errors import CheckpointError, DtlabError, Preempted
 from dtlab.metrics.alerts import memory_use
 from dtlab.metrics.comm import CommCounter
@@ -530,16 +530,7 @@ class TorchEngine:
         return loaded
 
     def warnings(self) -> list[str]:
-        out = []
-        dims = self.dims
-        if self.config.parallel.strategy == "hsdp" and dims.dp_replicate > 1 and dims.dp_shard == 1:
-            # Legal, and the same training, but not what anyone picks hsdp for.
-            out.append(
-                f"{dims.dp_replicate} HSDP replica groups of 1 rank each shard nothing: "
-                f"{self.layout} is {dims.dp_replicate} replicas (ddp {dims.dp_replicate} with "
-                "FSDP2's replication); for sharded replicas run parallel.replicate x N processes, "
-                f"N > 1 (e.g. --nproc {2 * dims.dp_replicate})"
-            )
+        out = layout_warnings(self.dims, self.config.parallel)
         if self.d.device.type == "cpu":
             advice = check_cpu_half_precision(self.config.train.precision)
             out += [advice] if advice else []
