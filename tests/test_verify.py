@@ -65,6 +65,11 @@ def test_verify_passes_equal_layouts(tmp_path: Path) -> None:
     for row in result["rows"]:
         assert row["max_loss_diff"] <= 1e-5 and row["max_param_diff"] <= 1e-4, row
     assert re.search(r"^sp:2 +2 +\S+ +\S+ +\S+ +ok$", proc.stdout, re.M), proc.stdout
+    # One verdict last, with where the details are.
+    last = proc.stdout.strip().splitlines()[-1]
+    assert (
+        last == f"verified: every comparison within tolerance (2); details in {out / 'verify.json'}"
+    )
 
 
 def test_verify_catches_a_skipped_gradient_sync(tmp_path: Path) -> None:
@@ -74,6 +79,9 @@ def test_verify_catches_a_skipped_gradient_sync(tmp_path: Path) -> None:
                    str(tmp_path / "out"), "--set", *FAST, env={"DTLAB_FAULTS": "skipsync@3"})  # fmt: skip
     assert proc.returncode == 1, proc.stderr + proc.stdout
     assert re.search(r"^ddp:2 +2 .+ DIFFERS$", proc.stdout, re.M), proc.stdout
+    assert (
+        proc.stdout.strip().splitlines()[-1].startswith("NOT verified: a layout or check differs")
+    )
     m = re.search(
         r"^ddp:2: the training first differs beyond tolerance at step (\d+); the parameter that "
         r"differs most at the end is (\S+) \(by ([\d.e+-]+)\)$",

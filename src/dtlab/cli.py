@@ -355,6 +355,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
         tol, checks=checks,
     )  # fmt: skip
     print(table(result))
+    compared = len(result.rows) + sum(len(s.checks) for s in result.state)
+    where = Path(args.out) / "verify.json"
+    if result.ok:
+        print(f"verified: every comparison within tolerance ({compared}); details in {where}")
+    else:
+        print(f"NOT verified: a layout or check differs (above); details in {where}")
     return 0 if result.ok else 1
 
 
