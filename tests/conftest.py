@@ -146,6 +146,57 @@ def run_worker(name: str, nproc: int, *args: str, timeout: int = 300) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+class Watched:
+    """``python -m dtlab ARGS`` started as a user starts it (through :data:`PYTHON`), its stderr
+    collected line by line while it runs; ``env`` is added to :func:`cli_env`'s."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        import threading
+
+        self.proc = subprocess.Popen(
+            [PYTHON, "-m", "dtlab", *args],
+            env=cli_env(env), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+        )  # fmt: skip
+        self.lines: list[str] = []
+        stream = self.proc.stderr
+        assert stream is not None
+        self.reader = threading.Thread(target=lambda: self.lines.extend(stream), daemon=True)
+        self.reader.start()
+
+    def _wait(self, done: Any, what: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not done():
+            assert self.proc.poll() is None, f"exited {self.proc.returncode}:\n{self.err}"
+            assert time.monotonic() < deadline, f"{what} in {timeout} s:\n{self.err}"
+            time.sleep(0.01)
+
+    def wait_for(self, text: str, timeout: float = 120) -> None:
+        """Until a line of stderr holds ``text``."""
+        self._wait(lambda: any(text in line for line in list(self.lines)), f"no {text!r}", timeout)
+
+    def wait_for_file(self, path: Path, timeout: float = 120) -> None:
+        """Until ``path`` exists and is not empty."""
+        self._wait(lambda: path.is_file() and path.read_bytes(), f"no {path}", timeout)
+
+    def wait_for_step(self, run: Path, step: int, timeout: float = 300) -> None:
+        """Until ``run``'s metrics.jsonl has logged ``step``."""
+        path = run / "metrics.jsonl"
+        self._wait(
+            lambda: path.exists() and f'"step": {step},' in path.read_text(),
+            f"no step {step}",
+            timeout,
+        )
+
+    def finish(self, timeout: float = 300) -> int:
+        code = self.proc.wait(timeout)
+        self.reader.join(10)
+        return code
+
+    @property
+    def err(self) -> str:
+        return "".join(self.lines)
+
+
 def real_pid(pid: int) -> int:
     """The process that does the work of process ``pid``: the fork server's child when ``pid`` is a
     shim (forkserver.py), else ``pid`` itself. A shim has no children of its own."""

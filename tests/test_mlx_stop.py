@@ -9,7 +9,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conftest import FAST, PYTHON, cli_env, read_metrics, real_pid, run_cli
+from conftest import FAST, Watched, read_metrics, real_pid, run_cli
 from dtlab.mlx import mlx_available
 
 pytestmark = pytest.mark.skipif(
@@ -153,41 +152,6 @@ def test_relay_passes_scheduler_signals_on(ranks: Any, sent: int, got: str) -> N
 
 
 # --- end to end -----------------------------------------------------------------------------------
-class Launched:
-    """``dtlab train`` started as a user starts it, its stderr collected while it runs."""
-
-    def __init__(self, args: list[str], env: dict[str, str]) -> None:
-        env = cli_env(env)
-        self.proc = subprocess.Popen(
-            [PYTHON, "-m", "dtlab", *args], env=env,
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        self.lines: list[str] = []
-        stream = self.proc.stderr
-        assert stream is not None
-        self.reader = threading.Thread(target=lambda: self.lines.extend(stream), daemon=True)
-        self.reader.start()
-
-    def wait_for_step(self, run: Path, step: int, timeout: float = 300) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            path = run / "metrics.jsonl"
-            if path.exists() and f'"step": {step},' in path.read_text():
-                return
-            assert self.proc.poll() is None, f"exited {self.proc.returncode}:\n{self.err}"
-            assert time.monotonic() < deadline, f"no step {step} in {timeout} s:\n{self.err}"
-            time.sleep(0.01)
-
-    def finish(self, timeout: float = 300) -> int:
-        code = self.proc.wait(timeout)
-        self.reader.join(10)
-        return code
-
-    @property
-    def err(self) -> str:
-        return "".join(self.lines)
-
-
 def assert_one_ctrl_c_stop(code: int, err: str, run: Path, step: int) -> None:
     """Exit 75; Ctrl-C named (SIGINT) and said once, SIGTERM nowhere; the stop agreed at ``step``,
     its checkpoint committed at that step and no step trained after it."""
@@ -211,7 +175,7 @@ def test_ctrl_c_to_the_launcher_stops_both_engines_alike(
     second before they read their stop flag, ``slow@4``): both engines agree on it in step 4."""
     run = tmp_path / "run"
     fresh = FRESH if engine == "mlx" else {}
-    job = Launched(train_args(engine, run), env={"DTLAB_FAULTS": "slow@4", **fresh})
+    job = Watched(*train_args(engine, run), env={"DTLAB_FAULTS": "slow@4", **fresh})
     job.wait_for_step(run, 3)  # step 3 is logged: the ranks are in step 4's second
     os.kill(real_pid(job.proc.pid), signal.SIGINT)
     code = job.finish()
@@ -253,7 +217,7 @@ def test_mlx_second_ctrl_c_kills_the_ranks_without_saving(tmp_path: Path) -> Non
     """The second Ctrl-C is the launcher's own, during the stop's save (held by ``slowsave``): the
     ranks are killed at once, nothing is committed, exit 130."""
     run = tmp_path / "run"
-    job = Launched(train_args("mlx", run, steps=100000), env={"DTLAB_FAULTS": "slowsave@1-100000"})
+    job = Watched(*train_args("mlx", run, steps=100000), env={"DTLAB_FAULTS": "slowsave@1-100000"})
     job.wait_for_step(run, 2)
     launcher = real_pid(job.proc.pid)
     os.kill(launcher, signal.SIGINT)

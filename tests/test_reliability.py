@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import FAST, checkpoint_tensors, read_metrics, real_pid, run_cli
+from conftest import FAST, Watched, checkpoint_tensors, read_metrics, real_pid, run_cli
 from dtlab.bench.sweep import compression_overrides
 
 COMPRESSIONS = ["powersgd", "dct", "dct-quant", "demo"]
@@ -318,53 +318,6 @@ def test_fault6_a_finished_or_resumed_run_keeps_its_whole_history(tmp_path: Path
 
 
 # --- 7. Ctrl-C: the first saves and exits 75, a second aborts; 75 only with a checkpoint ------------
-class Watched:
-    """A CLI process whose stderr is collected line by line while it runs."""
-
-    def __init__(self, *args: str, faults: str | None = None) -> None:
-        import threading
-
-        from conftest import PYTHON, cli_env
-
-        env = cli_env({"DTLAB_FAULTS": faults} if faults else None)
-        self.proc = subprocess.Popen(
-            [PYTHON, "-m", "dtlab", *args],
-            env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-        )  # fmt: skip
-        self.lines: list[str] = []
-        assert self.proc.stderr is not None
-        stream = self.proc.stderr
-        self.reader = threading.Thread(target=lambda: self.lines.extend(stream), daemon=True)
-        self.reader.start()
-
-    def wait_for(self, text: str, timeout: float = 120) -> None:
-        import time
-
-        deadline = time.monotonic() + timeout
-        while not any(text in line for line in list(self.lines)):
-            assert self.proc.poll() is None, f"exited {self.proc.returncode}:\n{self.err}"
-            assert time.monotonic() < deadline, f"no {text!r} in:\n{self.err}"
-            time.sleep(0.02)
-
-    def wait_for_file(self, path: Path, timeout: float = 120) -> None:
-        import time
-
-        deadline = time.monotonic() + timeout
-        while not path.is_file() or not path.read_bytes():
-            assert self.proc.poll() is None, f"exited {self.proc.returncode}:\n{self.err}"
-            assert time.monotonic() < deadline, f"no {path} from:\n{self.err}"
-            time.sleep(0.02)
-
-    def finish(self, timeout: float = 120) -> int:
-        code = self.proc.wait(timeout)
-        self.reader.join(10)
-        return code
-
-    @property
-    def err(self) -> str:
-        return "".join(self.lines)
-
-
 def ctrl_c_args(run: Path, nproc: int, *overrides: str) -> list[str]:
     strategy = ["parallel.strategy=ddp"] if nproc > 1 else []
     return ["train", "--nproc", str(nproc), "--set", *FAST, "train.steps=100000",
@@ -398,7 +351,7 @@ def test_fault7_second_ctrl_c_aborts_at_once(tmp_path: Path, nproc: int) -> None
 
     run = tmp_path / "run"
     # The stop's save stalls (a slow disk) long enough for the second Ctrl-C to land in it.
-    w = Watched(*ctrl_c_args(run, nproc), faults="slowsave@1-100000")
+    w = Watched(*ctrl_c_args(run, nproc), env={"DTLAB_FAULTS": "slowsave@1-100000"})
     w.wait_for_file(run / "metrics.jsonl")  # training has begun
     w.proc.send_signal(signal.SIGINT)
     w.wait_for("Ctrl-C: saving a checkpoint")
@@ -419,7 +372,7 @@ def test_fault7_a_stop_without_a_saved_checkpoint_does_not_exit_75(
     import signal
 
     run = tmp_path / "run"
-    w = Watched(*ctrl_c_args(run, nproc), faults="failsave@1-100000")
+    w = Watched(*ctrl_c_args(run, nproc), env={"DTLAB_FAULTS": "failsave@1-100000"})
     w.wait_for_file(run / "metrics.jsonl")  # training has begun
     w.proc.send_signal(signal.SIGINT)
     code = w.finish()
