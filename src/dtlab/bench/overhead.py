@@ -77,8 +77,9 @@ def hand_single(config: Config, tmp: Path) -> LoopTimes:
 
 def ddp_threads() -> int:
     """Threads per DDP process: ``$OMP_NUM_THREADS``, or the cores shared among the processes."""
-    env = os.environ.get("OMP_NUM_THREADS")
-    return int(env) if env else max(1, (os.cpu_count() or 1) // DDP_NPROC)
+    from dtlab.bench.sweep import rank_threads
+
+    return rank_threads(DDP_NPROC)
 
 
 def _run(cmd: list[str], what: str) -> None:
