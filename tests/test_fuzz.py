@@ -4,20 +4,26 @@ Every input either loads or fails with a DtlabError (ConfigError, ...) whose mes
 the file; nothing raises anything else, and the CLI never prints a traceback. A config that loads
 survives the trip through its own ``config.yaml``.
 
-The normal run tries 2,500 inputs in well under a minute; ``DTLAB_FUZZ_EXAMPLES=N`` sets the number
-of examples of every test here (e.g. 5000 for a long run). ``-s`` prints how many inputs each tried.
+The normal run tries 2,500 inputs in well under a minute, the same ones on every machine (hypothesis
+derandomized, as its CI profile does anyway); ``DTLAB_FUZZ_EXAMPLES=N`` sets the number of examples of
+every test here and draws them at random (e.g. 5000 for a long run). ``-s`` prints how many inputs
+each tried. An input that runs past EXAMPLE_SECONDS fails at once, naming itself, instead of hanging
+the suite while hypothesis replays it to shrink it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
 import re
+import signal
+import time
 import types
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin
 
@@ -34,12 +40,14 @@ from dtlab.errors import ConfigError
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = int(os.environ.get("DTLAB_FUZZ_EXAMPLES", "0"))
 TRIED: Counter[str] = Counter()
+EXAMPLE_SECONDS = 60  # each input takes milliseconds; a minute is a hang (a loop over 2**31 steps)
 
 
 def fuzz(default: int) -> Any:
     """hypothesis settings: ``default`` examples unless DTLAB_FUZZ_EXAMPLES says otherwise."""
     return settings(
         max_examples=EXAMPLES or default,
+        derandomize=not EXAMPLES,  # the suite sees the same inputs here as in CI
         deadline=None,  # a shared 2-core machine: timing says nothing
         database=None,
         suppress_health_check=[
@@ -49,6 +57,35 @@ def fuzz(default: int) -> Any:
             HealthCheck.filter_too_much,
         ],
     )
+
+
+class ExampleHung(BaseException):
+    """Not an Exception: hypothesis lets it through rather than replaying the input to shrink it."""
+
+
+def bounded(test: Callable[..., None]) -> Callable[..., None]:
+    """Fail an example that runs past EXAMPLE_SECONDS, with the input in the message."""
+
+    @functools.wraps(test)
+    def run(*args: Any, **kwargs: Any) -> None:
+        def hung(_sig: int, _frame: object) -> None:
+            raise ExampleHung(f"over {EXAMPLE_SECONDS} s on {kwargs!r}")
+
+        # pytest-timeout's alarm (the whole test's) is held back while the example runs, then resumed.
+        outer, _ = signal.getitimer(signal.ITIMER_REAL)
+        start = time.monotonic()
+        previous = signal.signal(signal.SIGALRM, hung)
+        signal.setitimer(signal.ITIMER_REAL, min(outer or EXAMPLE_SECONDS, EXAMPLE_SECONDS))
+        try:
+            test(*args, **kwargs)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+            if outer:
+                left = max(outer - (time.monotonic() - start), 0.001)
+                signal.setitimer(signal.ITIMER_REAL, left)
+
+    return run
 
 
 def teardown_module() -> None:
@@ -247,6 +284,7 @@ def _load(path: Path | None, overrides: list[str]) -> Config | None:
 
 @fuzz(600)
 @given(text=yaml_texts)
+@bounded
 def test_fuzz_yaml_text(tmp_path: Path, text: str) -> None:
     TRIED["yaml text"] += 1
     try:
@@ -265,6 +303,7 @@ def test_fuzz_yaml_text(tmp_path: Path, text: str) -> None:
 
 @fuzz(500)
 @given(data=config_dicts(), how=st.sampled_from(["safe_dump", "dump_yaml", "json", "flow"]))
+@bounded
 def test_fuzz_config_files(tmp_path: Path, data: Any, how: str) -> None:
     TRIED["config file"] += 1
     if how == "json":
@@ -282,6 +321,7 @@ def test_fuzz_config_files(tmp_path: Path, data: Any, how: str) -> None:
 
 @fuzz(500)
 @given(overrides=st.lists(set_strings, max_size=6) | st.lists(calm_set_strings, max_size=6))
+@bounded
 def test_fuzz_set_overrides(tmp_path: Path, overrides: list[str]) -> None:
     TRIED["--set list"] += 1
     cfg = _load(None, overrides)
@@ -291,6 +331,7 @@ def test_fuzz_set_overrides(tmp_path: Path, overrides: list[str]) -> None:
 
 @fuzz(400)
 @given(data=config_dicts())
+@bounded
 def test_fuzz_python_api(data: Any) -> None:
     TRIED["config_from_dict"] += 1
     try:
@@ -413,6 +454,7 @@ def scratch(tmp_path: Path) -> Path:
 
 @fuzz(500)
 @given(argv=argvs())
+@bounded
 def test_fuzz_cli(scratch: Path, capfd: pytest.CaptureFixture[str], argv: list[str]) -> None:
     TRIED["cli " + " ".join(argv[:2] if argv[0] == "launch" else argv[:1])] += 1
     if argv[0] == "random":

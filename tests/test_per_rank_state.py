@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
 from conftest import FAST, read_metrics, run_cli
-from dtlab.analysis.model import plan_step
+from dtlab.analysis.model import param_shapes, plan_step
 from dtlab.config import DiLoCoOptions, load_config
 from dtlab.models.llama import build_model
 from dtlab.parallel.compression import (
@@ -26,7 +26,7 @@ from dtlab.parallel.compression import (
 )
 from dtlab.runtime.placement import placed
 from dtlab.train.demo import DeMoState
-from dtlab.train.diloco import DiLoCo, outer_state_pinned
+from dtlab.train.diloco import DiLoCo, fragment_of, outer_state_pinned
 
 META = torch.device("meta")
 # Streaming DiLoCo with everything it keeps: momentum, error feedback, a sync in flight.
@@ -255,6 +255,47 @@ def test_the_plan_predicts_the_outer_state_in_host_memory(outer: list[str]) -> N
     assert plan_step(plain, 1).host_bytes == 0
     assert plan.total_bytes == plan_step(plain, 1).total_bytes
     assert plan.as_dict()["per_rank"]["host_bytes"] == plan.host_bytes
+
+
+def _in_flight_by_walking(config: Any) -> int:
+    """The most fragment elements whose sync is in flight after any inner step, step by step."""
+    o = config.parallel.diloco
+    frags = [0] * o.fragments
+    for s in param_shapes(config.model):
+        frags[fragment_of(s.name, config.model.n_layers, o.fragments)] += s.numel
+    h = o.inner_steps
+    offsets = [((k + 1) * h // o.fragments) % h for k in range(o.fragments)]
+    return max(
+        sum(n for n, off in zip(frags, offsets, strict=True) if (s - off) % h < max(o.delay, 1))
+        for s in range(h)
+    )
+
+
+@pytest.mark.parametrize(
+    ("inner_steps", "fragments", "delay"),
+    [(6, 2, 4), (7, 3, 0), (12, 4, 5), (10, 4, 9), (5, 4, 1), (9, 2, 8), (13, 3, 6), (4, 4, 3)],
+)
+def test_the_peak_in_flight_is_found_at_the_offsets(
+    inner_steps: int, fragments: int, delay: int
+) -> None:
+    """The plan looks at each fragment's offset only (`dtlab plan` walked every inner step, and hung
+    on inner_steps = 2**31 - 1): the same peak as a walk over every step."""
+    outer = [f"parallel.diloco.inner_steps={inner_steps}", f"parallel.diloco.fragments={fragments}",
+             f"parallel.diloco.delay={delay}", "parallel.diloco.outer_momentum=0"]  # fmt: skip
+    config = load_config(overrides=["model.preset=tiny", *outer])
+    held = sum(s.numel for s in param_shapes(config.model))
+    assert plan_step(config, 1).host_bytes == 4 * (held + _in_flight_by_walking(config))
+
+
+def test_the_plan_of_a_huge_inner_steps_is_immediate() -> None:
+    """2**31 - 1 inner steps in 4 fragments, delayed by nearly a period: all four overlap."""
+    h = 2**31 - 1
+    config = load_config(
+        overrides=["model.preset=tiny", f"parallel.diloco.inner_steps={h}",
+                   "parallel.diloco.fragments=4", f"parallel.diloco.delay={h - 1}"]
+    )  # fmt: skip
+    held = sum(s.numel for s in param_shapes(config.model))
+    assert plan_step(config, 1).host_bytes == 4 * (2 * held + held)  # θ_global, momentum, in flight
 
 
 # --- on a GPU ------------------------------------------------------------------------------------
