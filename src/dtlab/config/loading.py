@@ -199,9 +199,22 @@ def config_from_dict(
     """Validate plain data as a :class:`Config`; errors name ``source`` (or the ``--set`` in
     ``overridden`` that gave the value)."""
     try:
-        return Config.model_validate(data)
+        config = Config.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_format_validation_error(e, source, overridden)) from None
+    config._given = frozenset(_dotted_keys(data))
+    return config
+
+
+def _dotted_keys(data: dict[str, Any], prefix: str = "") -> list[str]:
+    """The keys of nested mappings that hold a value, dotted (``{"train": {"lr": 1}}``: ``train.lr``)."""
+    out = []
+    for k, v in data.items():
+        if isinstance(v, dict):  # a section (an empty one gives nothing)
+            out += _dotted_keys(v, f"{prefix}{k}.")
+        else:
+            out.append(prefix + str(k))
+    return out
 
 
 def yaml_scalar(value: Any) -> str:
@@ -214,6 +227,8 @@ def describe_fields() -> list[tuple[str, str, str]]:
     """(key, default, description) for every config key, for docs and ``--help``."""
     rows = []
     defaults = Config().to_dict()
+    # Filled in from another key when null: the default is null, and the description says how.
+    defaults["data"]["seq_len"] = None
     for section, field in Config.model_fields.items():
         cls = field.annotation
         assert isinstance(cls, type) and issubclass(cls, BaseModel)

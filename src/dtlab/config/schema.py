@@ -6,6 +6,7 @@ from typing import Any
 
 from pydantic import (
     Field,
+    PrivateAttr,
     model_validator,
 )
 
@@ -27,7 +28,7 @@ from dtlab.config.sections import (
     RunConfig,
     TrainConfig,
 )
-from dtlab.config.values import TOKENIZER_VOCAB, _Section
+from dtlab.config.values import DEFAULT_SEQ_LEN, TOKENIZER_VOCAB, _Section
 from dtlab.config.yamlio import dump_yaml
 from dtlab.dims import DPWrapper, strategies_with
 
@@ -43,6 +44,28 @@ class Config(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)  # type: ignore[arg-type]
     run: RunConfig = Field(default_factory=RunConfig)  # type: ignore[arg-type]
     alerts: AlertsConfig = Field(default_factory=AlertsConfig)  # type: ignore[arg-type]
+    # The dotted keys the config file or --set gave (load_config fills it in); every other key took its
+    # default. Not a setting: a copy keeps it, equality and config.yaml ignore it.
+    _given: frozenset[str] = PrivateAttr(default_factory=frozenset)
+
+    def __eq__(self, other: object) -> bool:
+        # The settings alone: a config loaded from a run's resolved config.yaml (every key given) equals
+        # the one it was resolved from.
+        return type(other) is type(self) and self.__dict__ == other.__dict__
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as every pydantic model that is not frozen
+
+    @property
+    def given(self) -> frozenset[str]:
+        """Dotted keys (``train.precision``) set in the config file or by ``--set``; every other key
+        is the default, which ``dtlab plan`` may choose for itself."""
+        return self._given
+
+    def is_given(self, key: str) -> bool:
+        """Whether ``key`` (dotted), or a key above it given a value, was set in the file or by
+        ``--set``."""
+        parts = key.split(".")
+        return any(".".join(parts[: i + 1]) in self._given for i in range(len(parts)))
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
@@ -60,7 +83,7 @@ class Config(_Section):
                 f"model.n_heads = {m.n_heads} must be divisible by model.n_kv_heads = {m.kv_heads}"
             )
         if d.seq_len is None:
-            d.seq_len = m.max_seq_len
+            d.seq_len = min(DEFAULT_SEQ_LEN, m.max_seq_len)
         if d.seq_len > m.max_seq_len:
             raise ValueError(
                 f"data.seq_len = {d.seq_len} exceeds model.max_seq_len = {m.max_seq_len}"

@@ -14,7 +14,15 @@ from pydantic import (
 
 from dtlab.config.checks import SINGLE_STAGE_SCHEDULES
 from dtlab.config.suggest import suggest_value
-from dtlab.config.values import NAME_MAX_BYTES, RUN_NAME_MAX_BYTES, TOKENIZERS, _bad, _Section, show
+from dtlab.config.values import (
+    DEFAULT_SEQ_LEN,
+    NAME_MAX_BYTES,
+    RUN_NAME_MAX_BYTES,
+    TOKENIZERS,
+    _bad,
+    _Section,
+    show,
+)
 from dtlab.models.args import ModelArgs, llama_ffn_dim
 from dtlab.models.presets import PRESETS
 
@@ -119,7 +127,10 @@ class DataConfig(_Section):
         "text", min_length=1, description="Field that holds the text in jsonl/parquet records."
     )
     seq_len: int | None = Field(
-        None, ge=1, description="Tokens per training sample; null = model.max_seq_len."
+        None,
+        ge=1,
+        description=f"Tokens per training sample; null = {DEFAULT_SEQ_LEN}, or model.max_seq_len "
+        "where that is shorter.",
     )
     tokenizer: str = Field(
         "bytes",

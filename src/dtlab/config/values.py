@@ -29,6 +29,11 @@ EXACT_FLOAT_INT = 2**53
 # and a suffix under NAME_MAX (255 bytes on Linux, macOS and Windows file systems).
 RUN_NAME_MAX_BYTES = 200
 NAME_MAX_BYTES = 255
+# Tokens per training sample when data.seq_len is not given: the pre-training length of GPT-3, Llama 1
+# and torchtitan's default, short enough that a first plan of a Llama preset fits (their whole
+# context, 4096 to 131,072 tokens, is a long-context stage one asks for). A model whose context is
+# shorter (the small presets) trains at its own max_seq_len.
+DEFAULT_SEQ_LEN = 2048
 
 
 def _bad(message: str) -> PydanticCustomError:
