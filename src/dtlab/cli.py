@@ -147,7 +147,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     # fits" (tensor and pipeline parallelism, when set, take their ranks first).
     p = config.parallel
     world = args.nproc * args.nnodes
-    check_batch_split(config, world // (p.tp * p.pp) if world % (p.tp * p.pp) == 0 else world)
+    if config.is_given("parallel.tp") and config.is_given("parallel.pp"):
+        # Otherwise the plan searches degrees that split it, and says so when none does.
+        check_batch_split(config, world // (p.tp * p.pp) if world % (p.tp * p.pp) == 0 else world)
     if args.device is None:
         device = PROFILES[DEFAULT_DEVICE]
     elif args.device == "this":
@@ -162,8 +164,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise DtlabError(
             f"--device-memory {args.device_memory}: allowed: a finite number > 0 (GiB)"
         )
-    result = plan(config, args.nproc, args.nnodes, device, args.device_memory, args.device is None)
-    print(json.dumps(result, indent=2) if args.json else format_plan(result))
+    result = plan(
+        config,
+        args.nproc,
+        args.nnodes,
+        device,
+        args.device_memory,
+        args.device is None,
+        (args.config, list(args.overrides)),
+    )
+    if args.ranks is not None and not args.check:
+        raise DtlabError("--ranks chooses the ranks of --check; add --check")
+    if args.check:
+        from dtlab.analysis.check import check, format_check, parse_ranks
+
+        ranks = parse_ranks(args.ranks, world)
+        result["check"] = check(config, args.nproc, args.nnodes, ranks)
+    text = json.dumps(result, indent=2) if args.json else format_plan(result)
+    if args.check and not args.json:
+        text += "\n" + format_check(result["check"])
+    print(text)
     return 0
 
 

@@ -368,6 +368,19 @@ def _add_plan(sub: _Commands) -> None:
         metavar="GIB",
         help="override the device memory",
     )
+    pl.add_argument(
+        "--check",
+        action="store_true",
+        help="also run the real code of --ranks at the full world size in this process (torch's fake "
+        "process group and fake tensors: nothing of the model's size is allocated) for two training "
+        "steps, and print each memory component and the bytes sent per step, predicted beside checked",
+    )
+    pl.add_argument(
+        "--ranks",
+        default=None,
+        metavar="R,...",
+        help="with --check: the ranks to check (default the first and the last)",
+    )
     pl.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_config_args(pl)
 

@@ -1,0 +1,403 @@
+"""``dtlab plan --check``: the real training code of chosen ranks, run at full world size in this
+process, measured beside the analytic plan.
+
+Each checked rank joins torch's fake process group (collectives are dispatched, counted and return at
+once) as that rank of the whole world, and builds its part of the job under fake tensors (real shapes
+and dtypes, no memory): the same mesh, parallelisation, model, optimizer and loss as a worker, then two
+optimizer steps of the configured micro-batches through :func:`dtlab.train.loop.train_step` (forward,
+backward, gradient sync, clipping, optimizer step). The second step is measured:
+
+- memory by component, with torch's ``MemTracker`` (every tensor the step makes or holds, by kind);
+- the collectives it issues, with :class:`dtlab.metrics.comm.CommCounter` (what ``dtlab bench``
+  counts on real runs).
+
+The components, per rank:
+
+``params``, ``optimizer``
+    the rank's parameters (its shards) and optimizer state, as held between steps.
+``grads``
+    the gradients the optimizer steps with (after their sync: FSDP's reduced shards).
+``activations``
+    the most activations alive in backward: what forward kept for it, and a block recomputed under
+    activation checkpointing.
+``temporaries``
+    what backward and the optimizer make and free within their phase (the most of each alive at
+    once), and forward's transients beyond what it keeps (the logits at the loss). Not predicted.
+``buffers``
+    module buffers (RoPE tables) and communication buffers: parameters and gradients held beyond
+    the rank's own shards (FSDP's gathered parameters, the unsharded gradients it reduce-scatters).
+
+The same measurement runs on a real process group with real tensors (:func:`measure_step`, what the
+tests compare the fake run with). Fake tensors carry no values: every scalar the step reads back is 0
+(a finite loss and norm), so the step takes the path a healthy step takes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed._tools.mem_tracker import MemTracker, _RefType, _State
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from dtlab.config import Config, check_batch_split
+from dtlab.errors import ConfigError
+
+COMPONENTS = ("params", "grads", "optimizer", "activations", "temporaries", "buffers")
+
+
+@dataclass
+class RankCheck:
+    """One checked rank: each component's bytes (predicted and checked), and its collectives."""
+
+    rank: int
+    components: dict[str, dict[str, int | None]] = field(default_factory=dict)
+    # Bytes this rank sends per optimizer step (ring algorithms), and each collective's buffers.
+    collectives: dict[str, float] = field(default_factory=dict)
+    by_collective: dict[str, dict[str, int]] = field(default_factory=dict)
+    peak: dict[str, int] = field(default_factory=dict)  # the step's whole peak (checked: at once)
+    seconds: float = 0.0
+    skipped: str | None = None  # why this rank was not checked
+
+    def as_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"rank": self.rank}
+        if self.skipped is not None:
+            d["skipped"] = self.skipped
+            return d
+        d.update(
+            components=self.components,
+            collectives=self.collectives,
+            by_collective=self.by_collective,
+            peak=self.peak,
+            seconds=round(self.seconds, 3),
+        )
+        return d
+
+
+class _Peaks(MemTracker):
+    """MemTracker that also keeps each kind's own peak, takes a snapshot when the optimizer steps,
+    and measures step after step (MemTracker refuses a root module's second forward otherwise)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kind_peak: dict[str, int] = {}
+        self.at_step: dict[str, int] = {}
+        self.kept = 0  # activations alive in backward: what forward kept, and recomputed blocks
+        self.peak_total = 0
+
+    def reset_peaks(self) -> None:
+        self.kind_peak = self.current()
+        self.at_step = {}
+        self.kept = 0
+        self.peak_total = self.kind_peak.get("Total", 0)
+
+    def current(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for snap in self._curr_mem_snap.values():
+            for kind, n in snap.items():
+                out[_kind(kind)] = out.get(_kind(kind), 0) + n
+        return out
+
+    def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
+        if module in self.memory_tracking and not self._mod_tracker.is_bw:
+            name = self._mod_tracker.get_known_fqn(module)
+            if set(self._mod_tracker.parents) - {name} == {"Global"}:  # the next micro-batch
+                self.reset_mod_stats()
+        super()._pre_fw_hook(module, inputs)
+
+    def _update_peak_stats(self, peak_state: _State) -> None:
+        # Not MemTracker's own: it walks every module's statistics at every op (minutes for an
+        # 80-block model); only the whole step's peaks are read here.
+        now = self.current()
+        self.peak_total = max(self.peak_total, now.get("Total", 0))
+        for kind, n in now.items():
+            if n > self.kind_peak.get(kind, 0):
+                self.kind_peak[kind] = n
+        if self._mod_tracker.is_bw:
+            self.kept = max(self.kept, now.get("Activation", 0))
+
+
+def _kind(kind: _RefType | str) -> str:
+    return str(kind.value) if isinstance(kind, _RefType) else str(kind)
+
+
+class _FakeRun(TorchDispatchMode):
+    """Above fake tensors: an op on real tensors only (a device mesh's rank map) runs for real, and a
+    fake scalar read back (``.item()``, ``.tolist()``) is 0."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+        kwargs = kwargs or {}
+        tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if tensors and not any(isinstance(a, FakeTensor) for a in tensors):
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        if func is torch.ops.aten._local_scalar_dense.default:
+            return 0.0 if args[0].dtype.is_floating_point else 0
+        return func(*args, **kwargs)
+
+
+def unsupported(config: Config, world: int) -> str | None:
+    """Why the layout of ``config`` on ``world`` ranks cannot be checked here; None when it can."""
+    from dtlab.dims import ParallelDims
+
+    dims = ParallelDims.from_config(config, world)
+    if dims.ddp_enabled and not dims.shard_optimizer:
+        return (
+            "DDP is not checked: its C++ reducer reads the parameters' data when it is built and "
+            "expects a tensor back from every gradient all-reduce, which fake tensors and the fake "
+            "process group do not give"
+        )
+    if dims.pp_enabled:
+        return (
+            "pipeline layouts are not checked: each stage learns its input shapes from its "
+            "neighbour at the first step, a message the fake process group does not carry"
+        )
+    if config.parallel.diloco.inner_steps:
+        return "DiLoCo is not checked: its outer state is in host memory, outside the step"
+    return None
+
+
+def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str, Any]:
+    """Build this rank's training as a worker does and run ``steps`` optimizer steps, measuring the
+    last: components (bytes), the whole peak, and the collectives' buffers by (name, group size).
+
+    ``d``: the rank's :class:`dtlab.parallel.dist.DistInfo`, its process group initialised (fake
+    or real). ``fake``: build under fake tensors (no memory); otherwise real tensors on ``d.device``.
+    """
+    from contextlib import ExitStack
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from dtlab.metrics.comm import CommCounter
+    from dtlab.models.llama import build_model
+    from dtlab.parallel.apply import parallelize
+    from dtlab.train.loop import train_step
+    from dtlab.train.optim import build_optimizer
+    from dtlab.train.precision import LossScaler
+    from dtlab.train.schedules import build_scheduler
+
+    dims = d.dims
+    accum = check_batch_split(config, dims.dp)
+    micro = config.train.global_batch_size // (accum * dims.dp)
+    if dims.distributed:
+        dims.mesh(d.device.type)  # outside fake tensors: the mesh's rank map is real
+    labels = {}
+    if dims.tp_enabled:
+        labels[str(dims.mesh(d.device.type, "tp").get_group().group_name)] = "tp"
+    model = build_model(config.model)  # on the meta device
+    tracker, counter = _Peaks(), CommCounter(labels)
+    with ExitStack() as stack:
+        if fake:
+            stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+            stack.enter_context(_FakeRun())
+        pm = parallelize(model, config, d)
+        optimizer = build_optimizer(pm.optimized, config.train)
+        scheduler = build_scheduler(optimizer, config.train)
+        scaler = LossScaler(config.train.precision == "fp16")
+        tokens = torch.randint(0, config.model.vocab_size, (micro, config.seq_len + 1))
+        batch = [(tokens[:, :-1], tokens[:, 1:])] * accum
+        tracker.track_external(pm.module, optimizer)
+
+        # Any optimizer's step (ZeRO-1 steps an inner one): the first of the step sees the gradients.
+        def before_step(*_: Any) -> None:
+            if not tracker.at_step:
+                tracker.at_step.update(tracker.current())
+
+        hook = register_optimizer_step_pre_hook(before_step)
+        started = time.perf_counter()
+        with tracker:
+            for step in range(steps):
+                if step == steps - 1:
+                    tracker.reset_peaks()
+                    stack.enter_context(counter)
+                train_step(pm, optimizer, scheduler, scaler, batch, config, d.device)
+            rest = tracker.current()
+        seconds = time.perf_counter() - started
+        hook.remove()
+    return {
+        "components": _components(tracker.kind_peak, tracker.at_step, rest, tracker.kept),
+        "peak": tracker.peak_total,
+        "collectives": _by_group(counter),
+        "seconds": seconds,
+    }
+
+
+def _components(
+    peak: dict[str, int], at_step: dict[str, int], rest: dict[str, int], kept: int
+) -> dict[str, int]:
+    """The components from MemTracker's kinds: each kind's peak in the step, what was held when the
+    optimizer stepped (``at_step``), after the step (``rest``), and the activations alive in
+    backward (``kept``: what forward kept for it, and blocks recomputed under checkpointing)."""
+    params, grads = rest.get("Parameter", 0), at_step.get("Gradient", 0)
+    optimizer = rest.get("Optstate", 0)
+    return {
+        "params": params,
+        "grads": grads,
+        "optimizer": optimizer,
+        "activations": kept,
+        # What backward and the optimizer make and free, and forward's own transients (the logits
+        # beside their log-softmax at the loss) beyond what it keeps.
+        "temporaries": peak.get("Temp", 0)
+        + max(0, peak.get("Optstate", 0) - optimizer)
+        + max(0, peak.get("Activation", 0) - kept),
+        "buffers": peak.get("Buffer", 0)
+        + max(0, peak.get("Parameter", 0) - params)
+        + max(0, peak.get("Gradient", 0) - grads),
+    }
+
+
+def _by_group(counter: Any) -> dict[str, Any]:
+    """Each collective's buffer bytes in the step (by name), and the bytes this rank sent for them
+    with ring algorithms, each on the size of the group it ran on."""
+    from torch.distributed.distributed_c10d import _world
+
+    from dtlab.analysis.model import _ring
+
+    sizes = {str(name): pg.size() for pg, name in _world.pg_names.items()}
+    buffers: dict[str, int] = {}
+    sent = 0.0
+    for (name, group), nbytes in counter.by_group.items():
+        buffers[name] = buffers.get(name, 0) + nbytes
+        sent += _ring(name, nbytes, sizes.get(str(group), dist.get_world_size()))
+    return {"buffers": buffers, "sent": round(sent)}
+
+
+def measure_fake(config: Config, nproc: int, nnodes: int, rank: int) -> dict[str, Any]:
+    """:func:`measure_step` of rank ``rank`` of ``nproc x nnodes`` ranks, in this process: the fake
+    process group as that rank, fake tensors on the CPU."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from dtlab.dims import ParallelDims
+    from dtlab.parallel.dist import DistInfo
+
+    world = nproc * nnodes
+    dims = ParallelDims.from_config(config, world)
+    d = DistInfo(rank, world, rank % nproc, nproc, torch.device("cpu"), "fake", dims)
+    if dims.distributed:
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        return measure_step(config, d, fake=True)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def check_rank(config: Config, nproc: int, nnodes: int, rank: int) -> RankCheck:
+    """Rank ``rank`` of ``nproc x nnodes`` ranks, checked in this process (fake group, fake tensors),
+    beside its analytic plan."""
+    from dtlab.analysis.model import plan_step
+
+    world = nproc * nnodes
+    result = RankCheck(rank)
+    reason = unsupported(config, world)
+    if reason is not None:
+        result.skipped = reason
+        return result
+    measured = measure_fake(config, nproc, nnodes, rank)
+    plan = plan_step(config, world)
+    predicted = {
+        "params": plan.params_bytes,
+        "grads": plan.grads_bytes,
+        "optimizer": plan.optimizer_bytes,
+        "activations": plan.activations_bytes,
+        "temporaries": None,  # not predicted
+        "buffers": plan.gathered_bytes,
+    }
+    result.components = {
+        k: {"predicted": predicted[k], "checked": measured["components"][k]} for k in COMPONENTS
+    }
+    checked = measured["collectives"]
+    result.collectives = {
+        "predicted": round(sum(plan.comm_bus_bytes.values())),
+        "checked": checked["sent"],
+    }
+    names = sorted(set(plan.comm_bytes) | set(checked["buffers"]))
+    result.by_collective = {
+        k: {"predicted": plan.comm_bytes.get(k, 0), "checked": checked["buffers"].get(k, 0)}
+        for k in names
+    }
+    result.peak = {"predicted": plan.total_bytes, "checked": measured["peak"]}
+    result.seconds = measured["seconds"]
+    return result
+
+
+def default_ranks(world: int) -> list[int]:
+    """The ranks checked when none are named: the first and the last."""
+    return sorted({0, world - 1})
+
+
+def parse_ranks(text: str | None, world: int) -> list[int]:
+    """``--ranks 0,7`` as a list; every rank must be in the world."""
+    if text is None:
+        return default_ranks(world)
+    ranks: list[int] = []
+    for part in text.split(","):
+        try:
+            r = int(part)
+        except ValueError:
+            raise ConfigError(
+                f"--ranks {text!r}: {part.strip()!r} is not a rank; allowed: comma-separated "
+                f"integers from 0 to {world - 1}"
+            ) from None
+        if not 0 <= r < world:
+            raise ConfigError(f"--ranks {text!r}: rank {r} is not in a world of {world}")
+        if r not in ranks:
+            ranks.append(r)
+    return ranks
+
+
+def check(config: Config, nproc: int, nnodes: int, ranks: list[int]) -> dict[str, Any]:
+    """``--check``'s JSON: the seconds it took, and each rank's figures."""
+    started = time.perf_counter()
+    rows = [check_rank(config, nproc, nnodes, r).as_dict() for r in ranks]
+    return {
+        "seconds": round(time.perf_counter() - started, 3),
+        "device": "cpu",
+        "ranks": rows,
+    }
+
+
+def _error(predicted: float | None, checked: float) -> str:
+    if predicted is None:
+        return "-"
+    if checked == 0:
+        return "exact" if predicted == 0 else "-"
+    e = (predicted - checked) / checked
+    return "exact" if predicted == checked else f"{e:+.1%}"
+
+
+def format_check(result: dict[str, Any]) -> str:
+    """The check, per rank: each component predicted, checked and the plan's error."""
+    from dtlab.analysis.plan import format_bytes
+
+    lines = [
+        "",
+        f"check: the real code of {len(result['ranks'])} rank(s) at full world size, fake process "
+        f"group and fake tensors on the CPU, in {result['seconds']:.1f} s",
+    ]
+    for r in result["ranks"]:
+        if "skipped" in r:
+            lines.append(f"  rank {r['rank']}: not checked: {r['skipped']}")
+            continue
+        lines.append(f"  rank {r['rank']}{'':<10}{'predicted':>12}{'checked':>12}{'error':>9}")
+        rows = [(k, v["predicted"], v["checked"]) for k, v in r["components"].items()]
+        rows.append(("peak", r["peak"]["predicted"], r["peak"]["checked"]))
+        for name, p, c in rows:
+            shown = "not modelled" if p is None else format_bytes(p)
+            lines.append(f"    {name:<13}{shown:>12}{format_bytes(c):>12}{_error(p, c):>9}")
+        p, c = r["collectives"]["predicted"], r["collectives"]["checked"]
+        lines.append(
+            f"    {'sent/step':<13}{format_bytes(p):>12}{format_bytes(c):>12}{_error(p, c):>9}"
+        )
+    lines.append(
+        "  the plan's peak adds each component's own peak; the checked peak is what was alive at "
+        "once. temporaries are not predicted."
+    )
+    return "\n".join(lines)

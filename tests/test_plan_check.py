@@ -1,0 +1,132 @@
+"""`dtlab plan --check`: the real code of a rank at full world size under the fake process group and
+fake tensors, beside the analytic plan; and the check against real gloo runs of the same config."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import run_cli, run_worker
+from dtlab.analysis.check import check_rank, measure_fake, parse_ranks
+from dtlab.config import load_config
+from dtlab.errors import ConfigError
+
+SMALL = ["model.preset=debug", "data.seq_len=64", "train.global_batch_size=8"]
+
+# Layouts the check runs, on the debug model: (nproc, overrides).
+CHECKED = {
+    "single": (1, []),
+    "zero-1:4": (4, ["parallel.strategy=ddp", "parallel.sharding=optimizer"]),
+    "fsdp:4": (4, ["parallel.strategy=fsdp"]),
+    "fsdp:4 shard_grad_op": (4, ["parallel.strategy=fsdp", "parallel.sharding=shard_grad_op"]),
+    "fsdp:4 no_shard": (4, ["parallel.strategy=fsdp", "parallel.sharding=no_shard"]),
+    "hsdp:2x2": (4, ["parallel.strategy=hsdp", "parallel.replicate=2"]),
+    "tp:2": (2, ["parallel.tp=2"]),
+    "tp:2 sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "fsdp:2xtp:2": (4, ["parallel.strategy=fsdp", "parallel.tp=2"]),
+}
+
+
+# Where the plan's activations are not yet the checked ones (docs/planning.md lists the differences).
+ACTIVATIONS_DIFFER = {"tp:2 sp"}
+
+
+@pytest.mark.parametrize("layout", list(CHECKED))
+def test_the_state_and_the_collectives_of_the_plan_are_the_checked_ones(layout: str) -> None:
+    """Parameters and optimizer state to the byte, activations (fp32, no checkpointing) within 1%,
+    and the bytes sent per step within 0.5%: what the plan predicts is what the real code holds and
+    sends (the 0.5%: the loss-parallel cross-entropy's all-reduces, which the counter cannot see)."""
+    nproc, overrides = CHECKED[layout]
+    config = load_config(overrides=[*SMALL, *overrides])
+    r = check_rank(config, nproc, 1, nproc - 1)
+    assert r.skipped is None
+    c = r.components
+    for name in ("params", "optimizer"):
+        assert c[name]["predicted"] == c[name]["checked"] > 0, (name, c[name])
+    act = c["activations"]
+    close = abs(act["predicted"] - act["checked"]) <= 0.01 * act["checked"]
+    assert act["checked"] > 0 and close == (layout not in ACTIVATIONS_DIFFER), act
+    assert c["temporaries"]["predicted"] is None and c["temporaries"]["checked"] > 0
+    sent = r.collectives
+    if nproc == 1:
+        assert sent == {"predicted": 0, "checked": 0}
+    else:
+        assert sent["checked"] > 0
+        assert abs(sent["predicted"] - sent["checked"]) <= 0.005 * sent["checked"], sent
+
+
+def test_layouts_the_check_cannot_run_say_why() -> None:
+    for overrides, needle in (
+        (["parallel.strategy=ddp"], "DDP is not checked"),
+        (["parallel.strategy=fsdp", "parallel.pp=2"], "pipeline layouts are not checked"),
+    ):
+        config = load_config(overrides=[*SMALL, *overrides])
+        assert needle in (
+            check_rank(config, 2 if "pp" not in str(overrides) else 4, 1, 0).skipped or ""
+        )
+
+
+def test_ranks_are_parsed_and_refused_with_what_is_allowed() -> None:
+    assert parse_ranks(None, 8) == [0, 7]
+    assert parse_ranks(None, 1) == [0]
+    assert parse_ranks("3,1,3", 8) == [3, 1]
+    for text, needle in (("8", "rank 8 is not in a world of 8"), ("a", "'a' is not a rank")):
+        with pytest.raises(ConfigError, match=needle):
+            parse_ranks(text, 8)
+
+
+def test_cli_check_json_carries_predicted_and_checked_per_component() -> None:
+    proc = run_cli(
+        "plan", "--nproc", "4", "--check", "--ranks", "0,3", "--json",
+        "--set", *SMALL, "parallel.strategy=fsdp",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    check = json.loads(proc.stdout)["check"]
+    assert check["seconds"] > 0 and [r["rank"] for r in check["ranks"]] == [0, 3]
+    for r in check["ranks"]:
+        assert set(r["components"]) == {
+            "params", "grads", "optimizer", "activations", "temporaries", "buffers"
+        }  # fmt: skip
+        assert all(set(v) == {"predicted", "checked"} for v in r["components"].values())
+        assert set(r["collectives"]) == {"predicted", "checked"}
+    text = run_cli("plan", "--nproc", "4", "--check", "--set", *SMALL, "parallel.strategy=fsdp")
+    assert text.returncode == 0 and "rank 3" in text.stdout and "sent/step" in text.stdout
+
+
+def test_cli_refuses_ranks_outside_the_world_and_ranks_without_check() -> None:
+    bad = run_cli("plan", "--nproc", "2", "--check", "--ranks", "2", "--set", *SMALL)
+    assert bad.returncode != 0 and "rank 2 is not in a world of 2" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    alone = run_cli("plan", "--nproc", "2", "--ranks", "1", "--set", *SMALL)
+    assert alone.returncode != 0 and "add --check" in alone.stderr
+
+
+# --- the check against real runs -----------------------------------------------------------------
+
+REAL = {
+    "fsdp:2": ["parallel.strategy=fsdp"],
+    "zero-1:2": ["parallel.strategy=ddp", "parallel.sharding=optimizer"],
+    "tp:2": ["parallel.tp=2"],
+}
+
+
+@pytest.mark.parametrize("layout", list(REAL))
+def test_a_checked_rank_holds_and_sends_what_a_real_rank_does(tmp_path: Path, layout: str) -> None:
+    """The same config run for real (2 gloo processes, real tensors) and checked (fake group, fake
+    tensors), both measured with MemTracker: the state and buffers to the byte, activations within
+    2%, and every collective's bytes equal. (Temporaries are not compared: under tensor parallelism
+    the fake run's are larger, see docs/planning.md.)"""
+    overrides = [*SMALL, *REAL[layout]]
+    run_worker("check_worker.py", 2, str(tmp_path), *overrides)
+    config = load_config(overrides=overrides)
+    for rank in (0, 1):
+        real: dict[str, Any] = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        fake = measure_fake(config, 2, 1, rank)
+        for name in ("params", "grads", "optimizer", "buffers"):
+            assert real["components"][name] == fake["components"][name], (rank, name)
+        r, f = real["components"]["activations"], fake["components"]["activations"]
+        assert abs(r - f) <= 0.02 * r, (rank, r, f)
+        assert fake["collectives"] == real["collectives"]

@@ -1,0 +1,19 @@
+"""One rank of a real gloo run measured as `dtlab plan --check` measures a fake one
+(:func:`dtlab.analysis.check.measure_step` with real tensors); writes OUT/rank<R>.json.
+
+Usage: check_worker.py OUT KEY=VALUE ..."""
+
+import json
+import sys
+from pathlib import Path
+
+from dtlab.analysis.check import measure_step
+from dtlab.config import load_config
+from dtlab.parallel.dist import destroy_distributed, init_distributed
+
+out, overrides = Path(sys.argv[1]), sys.argv[2:]
+config = load_config(overrides=overrides)
+d = init_distributed(config)
+measured = measure_step(config, d, fake=False)
+(out / f"rank{d.rank}.json").write_text(json.dumps(measured))
+destroy_distributed()
