@@ -15,8 +15,16 @@ from dtlab.analysis.model import (
     predicted_bubble,
     recompute_flops_per_token,
 )
-from dtlab.config import Config, check_world
-from dtlab.dims import ParallelDims
+from dtlab.analysis.search import (
+    SearchResult,
+    command,
+    overrides,
+    recommended,
+    search,
+    set_args,
+)
+from dtlab.config import Config, check_batch_split, check_world
+from dtlab.dims import ParallelDims, layout_name
 from dtlab.errors import ConfigError
 
 # Assumptions of the estimate (the plan prints them as such). What fraction of a device's peak a
@@ -164,18 +172,25 @@ def recommend(rows: list[dict[str, Any]]) -> str | None:
     )
 
 
-def advice(config: Config, world: int, rows: list[dict[str, Any]], usable_bytes: float) -> str:
-    """What to change when no strategy fits: only settings that are not already in use."""
+def advice(
+    config: Config,
+    world: int,
+    rows: list[dict[str, Any]],
+    usable_bytes: float,
+    searched: tuple[str, ...] = (),
+) -> str:
+    """What to change when no strategy fits: only settings that are not already in use, nor tried by
+    the search (``searched``: the keys it chose freely)."""
     t = config.train
     tips = []
-    if t.activation_checkpointing != "full":
+    if t.activation_checkpointing != "full" and "train.activation_checkpointing" not in searched:
         tips.append("activation checkpointing (train.activation_checkpointing=full)")
-    if t.precision == "fp32":
+    if t.precision == "fp32" and "train.precision" not in searched:
         tips.append("bf16 (train.precision=bf16: half-size activations)")
     micro = t.micro_batch_size or max(1, t.global_batch_size // world)
     tips.append(
         "a shorter sequence (data.seq_len)"
-        if micro == 1
+        if micro == 1 or "train.micro_batch_size" in searched
         else "a smaller micro-batch (train.micro_batch_size) or a shorter sequence (data.seq_len)"
     )
     tips.append("more ranks (--nproc, --nnodes: FSDP shards the state over them)")
@@ -202,10 +217,14 @@ def plan(
     device: DeviceProfile,
     memory_gib: float | None,
     device_assumed: bool = False,
+    source: tuple[str | None, list[str]] = (None, []),
 ) -> dict[str, Any]:
-    """The plan as a JSON-ready dict: one row per strategy, and a recommendation.
+    """The plan as a JSON-ready dict: one row per data-parallel strategy at the config's own settings
+    (``strategies``), the search over every layout the config leaves open (``search``), and the
+    recommendation: the search's fastest layout that fits, with the ``dtlab train`` line that runs it.
 
     ``device_assumed``: the profile was not asked for (the CLI's default); the output says so.
+    ``source``: the config file and the ``--set`` overrides it came from, for the printed command.
     """
     world = nproc * nnodes
     memory = (memory_gib if memory_gib is not None else device.memory_gib) * 2**30
@@ -223,6 +242,20 @@ def plan(
             rows.append({"label": label, "error": str(e)})
             continue
         rows.append(_row(label, cfg, nproc, nnodes, device, rate, shapes, memory).as_dict())
+
+    def cost(label: str, cfg: Config, rate: float) -> PlanRow:
+        return _row(label, cfg, nproc, nnodes, device, rate, shapes, memory)
+
+    found = search(config, nproc, nnodes, device, memory, shapes, cost, TIE_MARGIN)
+    if not found.layouts:
+        # Nothing this world can run: the config's own layout says why (first the batch's split,
+        # which decides most of them).
+        p = config.parallel
+        check_batch_split(config, world // (p.tp * p.pp) if world % (p.tp * p.pp) == 0 else world)
+        check_world(config, world)
+        raise ConfigError(f"no layout of this config runs on {world} ranks")
+    searched = _search_dict(config, found, nproc, nnodes, device, rate, shapes, memory, source)
+    best = searched["recommended"]
     return {
         "model": {
             "params": sum(s.numel for s in shapes),
@@ -247,9 +280,136 @@ def plan(
         "activation_checkpointing": ac,
         "global_batch_size": config.train.global_batch_size,
         "seq_len": config.seq_len,
+        "shape_sources": shape_sources(config),
         "strategies": rows,
-        "recommendation": recommend(rows) or advice(config, world, rows, memory * HEADROOM),
+        "search": searched,
+        "recommendation": _recommendation(found, best)
+        if best
+        else advice(
+            config,
+            world,
+            rows + searched["rows"],
+            memory * HEADROOM,
+            tuple(found.open),
+        ),
     }
+
+
+def shape_sources(config: Config) -> dict[str, str]:
+    """Where the figures of the plan's header come from: ``set`` (the file or ``--set``), the preset,
+    or the default (and what the default is)."""
+    preset = config.model.preset
+    shape = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "max_seq_len")
+    given = [k for k in shape if config.is_given(f"model.{k}")]
+    out = {
+        "model": (
+            ("preset" if preset else "default")
+            + (f", {', '.join(given)} set" if given and preset else " shape set" if given else "")
+        )
+    }
+    out["data.seq_len"] = (
+        "set"
+        if config.is_given("data.seq_len")
+        else "data.seq_len default: 2048, or model.max_seq_len where that is shorter"
+    )
+    out["train.global_batch_size"] = (
+        "set" if config.is_given("train.global_batch_size") else "train.global_batch_size default"
+    )
+    return out
+
+
+def _search_dict(
+    config: Config,
+    found: SearchResult,
+    nproc: int,
+    nnodes: int,
+    device: DeviceProfile,
+    rate: float,
+    shapes: list[ParamShape],
+    memory: float,
+    source: tuple[str | None, list[str]],
+) -> dict[str, Any]:
+    """The search's part of the plan: its rows, the config's own layout as given, the recommended one
+    with the ``--set`` overrides and the ``dtlab train`` line that run it."""
+    world = nproc * nnodes
+
+    def as_row(f: Any) -> dict[str, Any]:
+        d: dict[str, Any] = f.row.as_dict()
+        t, p = f.config.train, f.config.parallel
+        d["settings"] = {k: v for k, v in f.values.items()}
+        d["overrides"] = overrides(config, f)
+        d["micro_batch_size"] = t.micro_batch_size
+        d["pp_microbatches"] = p.pp_microbatches
+        d["activation_checkpointing"] = t.activation_checkpointing
+        d["precision"] = t.precision
+        return d
+
+    try:
+        check_world(config, world)
+        dims = ParallelDims.from_config(config, world)
+        given: dict[str, Any] = _row(
+            layout_name(dims, config.parallel), config, nproc, nnodes, device, rate, shapes, memory
+        ).as_dict()
+        given.update(
+            micro_batch_size=config.train.micro_batch_size,
+            pp_microbatches=config.parallel.pp_microbatches,
+            activation_checkpointing=config.train.activation_checkpointing,
+            precision=config.train.precision,
+        )
+    except ConfigError as e:
+        given = {"label": "as given", "error": str(e)}
+    best = recommended(found)
+    rec = None
+    if best is not None:
+        extra = set_args(overrides(config, best))
+        rec = {
+            **as_row(best),
+            "set": extra,
+            "command": command(source[0], nproc, nnodes, list(source[1]), extra),
+        }
+    return {
+        "open": found.open,
+        "fixed": found.fixed,
+        "layouts": found.layouts,
+        "costed": found.costed,
+        "seconds": found.seconds,
+        "rows": [as_row(f) for f in found.rows],
+        "as_given": given,
+        "recommended": rec,
+    }
+
+
+def _recommendation(found: SearchResult, best: dict[str, Any]) -> str:
+    """The search's choice in words: its layout, figures and why (the fastest, or a tie)."""
+    figures = (
+        f"{format_bytes(best['per_rank']['total_bytes'])} per rank, "
+        f"{format_seconds(best['step_time_s'])} per step"
+    )
+    name = f"{best['label']}, {_settings(best)}"
+    fastest = found.tied[0]
+    if len(found.tied) == 1:
+        return f"{name}: the fastest estimated step of the layouts that fit ({figures})"
+    if fastest.label == best["label"] and fastest.step_time_s == best["step_time_s"]:
+        return (
+            f"{name}: the fastest estimated step of the layouts that fit ({figures}), and the "
+            f"simplest of those within {TIE_MARGIN:.0%} of it"
+        )
+    return (
+        f"{name} ({figures}): a tie with the fastest, {fastest.label} at "
+        f"{format_seconds(fastest.step_time_s)} (within {TIE_MARGIN:.0%}: closer than this "
+        "estimate can tell apart), and the simplest of the layouts that close (fewest parallel "
+        "dimensions, then the plainest data parallelism)"
+    )
+
+
+def _settings(r: dict[str, Any]) -> str:
+    """A searched row's settings beside its layout: precision, checkpointing, micro-batches."""
+    parts = [r["precision"], f"checkpointing {r['activation_checkpointing']}"]
+    if r.get("pp_microbatches"):
+        parts.append(f"{r['pp_microbatches']} pipeline micro-batches")
+    elif r.get("micro_batch_size"):
+        parts.append(f"micro-batch {r['micro_batch_size']}")
+    return ", ".join(parts)
 
 
 def achievable_flops(device: DeviceProfile, precision: str) -> float:
@@ -395,11 +555,17 @@ def format_plan(p: dict[str, Any]) -> str:
         name += f" (assumed: the default profile {dev['key']}; pass --device KEY or --device this)"
     model = p["model"]
     w = max([20] + [len(r["label"]) + 1 for r in p["strategies"]])  # the label column
+    src = p.get("shape_sources", {})
+
+    def where(key: str) -> str:
+        return f" ({src[key]})" if key in src else ""
+
     lines = [
-        f"model {model['preset'] or 'custom'}: {format_count(model['params'])} params, "
-        f"{format_count(model['flops_per_token'], 'FLOP')}/token | {p['world_size']} ranks "
-        f"({p['nnodes']} node(s) x {p['nproc']}) | global batch {p['global_batch_size']} x "
-        f"{p['seq_len']} tokens",
+        f"model {model['preset'] or 'custom'}{where('model')}: {format_count(model['params'])} "
+        f"params, {format_count(model['flops_per_token'], 'FLOP')}/token | {p['world_size']} ranks "
+        f"({p['nnodes']} node(s) x {p['nproc']})",
+        f"global batch {p['global_batch_size']}{where('train.global_batch_size')} x seq_len "
+        f"{p['seq_len']}{where('data.seq_len')}",
         f"device {name}:",
         f"  peak     {format_tflops(peak) if peak else 'unknown'} TFLOP/s {p['precision']} ({dev['source']})",
         f"  memory   {dev['memory_gib']:.3g} GiB ({dev['memory_source']})",
@@ -419,7 +585,12 @@ def format_plan(p: dict[str, Any]) -> str:
         + f"  {'fits':<4}"
         + "".join(f"{h:>11}" for h in ("comm/step", "comm", "compute", "recompute", "step")),
     ]
-    for r in p["strategies"]:
+    errors = {r.get("error") for r in p["strategies"]}
+    alike = len(p["strategies"]) > 1 and len(errors) == 1 and None not in errors
+    if alike:
+        # Every strategy fails alike at the config's own settings (e.g. the batch's split): once.
+        lines[-1:] = [f"the data-parallel strategies at the config's own settings: {min(errors)}"]
+    for r in [] if alike else p["strategies"]:
         if "error" in r:
             lines.append(f"{r['label']:<{w}} {r['error']}")
             continue
@@ -450,5 +621,56 @@ def format_plan(p: dict[str, Any]) -> str:
             f"{format_bytes(host)} (pinned on a GPU, where torch reserves each tensor's block "
             "rounded up to a power of two)",
         ]
+    if "search" in p:
+        lines += ["", *format_search(p["search"])]
     lines += ["", f"recommendation: {p['recommendation']}"]
+    rec = p.get("search", {}).get("recommended")
+    if rec:
+        lines.append(f"run it: {rec['command']}")
     return "\n".join(lines)
+
+
+def format_search(s: dict[str, Any]) -> list[str]:
+    """The search's table: the fastest layouts that fit, and the config's own layout as given."""
+    fixed = f"; kept as given: {', '.join(s['fixed'])}" if s["fixed"] else ""
+    rows = s["rows"]
+    fit = rows and rows[0].get("fits")
+    lines = [
+        f"searched {s['layouts']} layouts ({s['costed']} rows costed, {s['seconds']:.2f} s); "
+        f"open: {', '.join(s['open']) or 'nothing'}{fixed}",
+        "the fastest that fit:" if fit else "none fits; the closest:",
+    ]
+    w = max([24] + [len(r["label"]) + 1 for r in [*rows, s["as_given"]]])
+    lines.append(
+        f"  {'layout':<{w}}{'precision':<10}{'ac':<10}{'micro':>6}"
+        + "".join(f"{h:>11}" for h in ("memory", "comm/step", "comm", "compute", "step"))
+    )
+    for r in [*rows, s["as_given"]]:
+        label = r["label"] if r is not s["as_given"] else f"as given: {r['label']}"
+        if "error" in r:
+            label = "as given"
+        if "error" in r:
+            lines.append(f"  {label:<{w}}{r['error']}")
+            continue
+        micro = (
+            f"m{r['pp_microbatches']}" if r.get("pp_microbatches") else r["micro_batch_size"] or "-"
+        )
+        comm = sum(r["comm"]["bytes_per_step"].values())
+        lines.append(
+            f"  {label:<{w}}{r['precision']:<10}{r['activation_checkpointing']:<10}{micro!s:>6}"
+            + f"{format_bytes(r['per_rank']['total_bytes']) + ('' if r['fits'] else '!'):>11}"
+            + f"{format_bytes(comm):>11}"
+            + "".join(
+                f"{format_seconds(t):>11}"
+                for t in (
+                    r["comm"]["time_s"],
+                    r["compute_time_s"] + r["recompute_time_s"],
+                    r["step_time_s"],
+                )
+            )
+        )
+    lines.append(
+        "  (memory per rank; ! = does not fit; micro: samples per micro-batch, m = pipeline"
+    )
+    lines.append("  micro-batches per step, - = no accumulation; compute includes recompute)")
+    return lines

@@ -1,0 +1,429 @@
+"""``dtlab plan``'s search: every layout dtlab can run on this world, costed by the plan's own model.
+
+The searched settings are the keys in ``SEARCHED`` that the config leaves open: not set in its file nor
+by ``--set`` (:attr:`dtlab.config.Config.given`); a key the user gave is kept as given. Each candidate
+is the user's config with the open keys chosen, validated by the config's own rules and
+:func:`check_world`, and costed by :func:`dtlab.analysis.plan._row`: the row of a recommended layout is
+the row ``dtlab plan`` gives that config with the printed ``--set`` line.
+
+What keeps it fast (a 70B model on 64 ranks in about a second): the parameter shapes are read once;
+a candidate's compute time (with its pipeline bubble and recompute) is known without its memory, and
+bounds its step time from below, so candidates are costed fastest bound first and those whose bound
+cannot reach the best rows are never costed; and per layout and activation checkpointing mode only the
+largest micro-batch that fits is costed (a binary search: memory grows with the micro-batch, and a
+larger one never communicates more).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import shlex
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, get_args
+
+from dtlab.analysis.devices import DeviceProfile
+from dtlab.analysis.model import (
+    ParamShape,
+    flops_per_token,
+    recompute_flops_per_token,
+)
+from dtlab.config import Config, ConfigError, ParallelConfig, check_world, yaml_scalar
+from dtlab.dims import (
+    DPWrapper,
+    ParallelDims,
+    layout_name,
+    needs_replica_groups,
+)
+
+# The keys the search may choose, when the config leaves them open.
+SEARCHED = (
+    "parallel.tp",
+    "parallel.pp",
+    "parallel.sequence_parallel",
+    "parallel.strategy",
+    "parallel.sharding",
+    "parallel.replicate",
+    "parallel.pp_schedule",
+    "parallel.pp_microbatches",
+    "train.micro_batch_size",
+    "train.activation_checkpointing",
+    "train.precision",
+)
+# Precisions tried where train.precision is open, where the device's peak is known. fp16 is left out:
+# the same speed and memory as bf16 in this model, with loss scaling, and refused with pipelines.
+PRECISIONS = ("bf16", "fp32")
+AC_MODES = ("none", "selective", "full")  # fastest first
+TOP = 5  # rows shown
+
+
+@dataclass
+class Found:
+    """One costed candidate: the open keys' values, its config and its plan row."""
+
+    values: dict[str, Any]
+    config: Config
+    row: Any  # PlanRow
+    label: str
+
+    @property
+    def step_time_s(self) -> float:
+        return float(self.row.step_time_s)
+
+
+@dataclass
+class SearchResult:
+    rows: list[Found]  # the fastest that fit, one per layout, fastest first (or, when none fits,
+    # the ones that come closest)
+    open: list[str]
+    fixed: list[str]
+    layouts: int  # layouts considered (valid for this world)
+    costed: int  # rows costed
+    seconds: float
+    tied: list[Found] = field(default_factory=list)  # within the tie margin of the fastest
+
+
+def open_keys(config: Config) -> list[str]:
+    """The searched keys the config leaves open (not in its file nor in ``--set``)."""
+    return [k for k in SEARCHED if not config.is_given(k)]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _pick(config: Config, key: str, options: list[Any]) -> list[Any]:
+    """``options`` when ``key`` is open, else the config's own value."""
+    if config.is_given(key):
+        section, name = key.split(".")
+        return [getattr(getattr(config, section), name)]
+    return options
+
+
+def _tp_options(config: Config, nproc: int) -> list[int]:
+    """Tensor-parallel degrees within one node (``tp`` divides ``nproc``) that split the model."""
+    m = config.model
+    splits = (m.n_heads, m.kv_heads, m.hidden_dim, m.vocab_size)
+    ok = [t for t in _divisors(nproc) if all(v % t == 0 for v in splits)]
+    return _pick(config, "parallel.tp", ok if not m.tie_embeddings else [1])
+
+
+def _data_parallel_options(config: Config, dp: int, model_parallel: bool) -> list[dict[str, Any]]:
+    """How ``dp`` data-parallel ranks share the model: strategy, sharding and replica groups."""
+    p = config.parallel
+    strategies = _pick(
+        config,
+        "parallel.strategy",
+        list(get_args(ParallelConfig.model_fields["strategy"].annotation)),
+    )
+    out: list[dict[str, Any]] = []
+    for s in strategies:
+        wrapper = DPWrapper.of(s)
+        if dp == 1:
+            # One data-parallel rank: nothing to share (the simplest way to say so, unless given).
+            if wrapper is DPWrapper.NONE or config.is_given("parallel.strategy"):
+                out.append({"parallel.strategy": s})
+            continue
+        if wrapper is DPWrapper.NONE:
+            continue
+        if wrapper is DPWrapper.DDP:
+            # Plain DDP (sharding left as it is) and ZeRO-1, which shards plain DDP's optimizer only.
+            shardings = [p.sharding] + ([] if model_parallel else ["optimizer"])
+            for sharding in _pick(config, "parallel.sharding", shardings):
+                out.append({"parallel.strategy": s, "parallel.sharding": sharding})
+            continue
+        if needs_replica_groups(s):
+            for sharding in _pick(config, "parallel.sharding", ["full", "shard_grad_op"]):
+                for r in _pick(config, "parallel.replicate", _divisors(dp)[1:-1]):
+                    out.append(
+                        {
+                            "parallel.strategy": s,
+                            "parallel.sharding": sharding,
+                            "parallel.replicate": r,
+                        }
+                    )
+            continue
+        for sharding in _pick(config, "parallel.sharding", ["full", "shard_grad_op", "no_shard"]):
+            out.append({"parallel.strategy": s, "parallel.sharding": sharding})
+    return out
+
+
+def _pipeline_options(config: Config, pp: int, share: int) -> list[dict[str, Any]]:
+    """Schedules and micro-batch counts for ``pp`` pipeline ranks, each data-parallel rank taking
+    ``share`` samples; stages split the blocks evenly."""
+    if pp == 1:
+        return [{}]
+    p = config.parallel
+    schedules = _pick(
+        config,
+        "parallel.pp_schedule",
+        list(get_args(ParallelConfig.model_fields["pp_schedule"].annotation)),
+    )
+    if config.is_given("parallel.pp_microbatches") or config.is_given("train.micro_batch_size"):
+        counts: list[int | None] = [p.pp_microbatches]  # as given (or from the micro-batch size)
+    else:
+        counts = list(_divisors(share))
+    out = []
+    for schedule in schedules:
+        stages = pp * p.model_copy(update={"pp_schedule": schedule}).stages_per_rank
+        if config.model.n_layers % stages:
+            continue
+        for m in counts:
+            out.append({"parallel.pp_schedule": schedule, "parallel.pp_microbatches": m})
+    return out
+
+
+def apply_values(config: Config, values: dict[str, Any]) -> Config:
+    """``config`` with the dotted keys of ``values`` set (no validation: :func:`_valid` checks)."""
+    sections: dict[str, dict[str, Any]] = {}
+    for key, value in values.items():
+        section, name = key.split(".")
+        sections.setdefault(section, {})[name] = value
+    update = {s: getattr(config, s).model_copy(update=v) for s, v in sections.items()}
+    return config.model_copy(update=update)
+
+
+def _valid(config: Config, world: int) -> bool:
+    """Whether dtlab runs ``config`` on ``world`` ranks: the config's own cross-field rules and
+    :func:`check_world`, as ``dtlab train`` checks them before it starts."""
+    try:
+        # The schema's cross-field rules on a copy made without validation (a few µs; a whole
+        # model_validate is 300 times that, and the search makes thousands of copies).
+        config._cross_checks()  # type: ignore[operator]
+        check_world(config, world)
+    except (ValueError, ConfigError):
+        return False
+    return True
+
+
+def layouts(
+    config: Config, nproc: int, nnodes: int, precisions: list[str]
+) -> Iterator[dict[str, Any]]:
+    """Every combination of the open keys but the micro-batch size and activation checkpointing
+    (chosen per layout by :func:`search`), as dotted key -> value; not yet validated."""
+    world = nproc * nnodes
+    g = config.train.global_batch_size
+    m = config.model
+    for tp in _tp_options(config, nproc):
+        for pp in _pick(config, "parallel.pp", _divisors(world // tp) if world % tp == 0 else []):
+            if world % (tp * pp) or (pp > 1 and m.n_layers % pp):
+                continue
+            dp = world // (tp * pp)
+            if g % dp:
+                continue
+            sp_options = [True, False] if tp > 1 and config.seq_len % tp == 0 else [False]
+            for sp in _pick(config, "parallel.sequence_parallel", sp_options):
+                for data in _data_parallel_options(config, dp, tp * pp > 1):
+                    for pipe in _pipeline_options(config, pp, g // dp):
+                        for precision in precisions:
+                            yield {
+                                "parallel.tp": tp,
+                                "parallel.pp": pp,
+                                "parallel.sequence_parallel": sp,
+                                **data,
+                                **pipe,
+                                "train.precision": precision,
+                            }
+
+
+def _micro_options(config: Config, dims: ParallelDims) -> list[int | None]:
+    """Micro-batch sizes to try, largest first: null (no accumulation) and the divisors of each
+    data-parallel rank's share below it; under pipeline parallelism the micro-batch count decides."""
+    if config.is_given("train.micro_batch_size") or dims.pp_enabled:
+        return [config.train.micro_batch_size]
+    share = config.train.global_batch_size // dims.dp
+    return [None, *reversed(_divisors(share)[:-1])]
+
+
+def search(
+    config: Config,
+    nproc: int,
+    nnodes: int,
+    device: DeviceProfile,
+    memory: float,
+    shapes: list[ParamShape],
+    cost: Any,
+    tie_margin: float,
+) -> SearchResult:
+    """The fastest layouts that fit, one row per layout (its fastest micro-batch size and activation
+    checkpointing that fit). ``cost(label, cfg, rate)`` is the plan's row of a config."""
+    from dtlab.analysis.plan import achievable_flops, pipeline_bubble
+
+    start = time.perf_counter()
+    world = nproc * nnodes
+    opened = open_keys(config)
+    precisions = _pick(
+        config,
+        "train.precision",
+        [p for p in PRECISIONS if device.peak_tflops.get(p)] or [config.train.precision],
+    )
+    acs = _pick(config, "train.activation_checkpointing", list(AC_MODES))
+    tokens_per_rank = config.train.global_batch_size * config.seq_len / world
+    fwd_bwd = flops_per_token(config.model, config.seq_len)
+    extra = {ac: recompute_flops_per_token(config.model, config.seq_len, ac) for ac in acs}
+    # (lower bound of the step time, order, values, config, dims) of every valid layout and AC mode
+    queue: list[tuple[float, int, dict[str, Any], Config, ParallelDims]] = []
+    n_layouts = 0
+    for values in layouts(config, nproc, nnodes, precisions):
+        cfg = apply_values(config, values)
+        if not _valid(cfg, world):
+            continue
+        n_layouts += 1
+        dims = ParallelDims.from_config(cfg, world)
+        rate = achievable_flops(device, cfg.train.precision)
+        busy = 1 - pipeline_bubble(cfg, dims)
+        for ac in acs:
+            bound = (fwd_bwd + extra[ac]) * tokens_per_rank / rate / busy
+            if bound != bound:  # an unknown peak: no bound, cost it
+                bound = 0.0
+            queue.append(
+                (bound, len(queue), {**values, "train.activation_checkpointing": ac}, cfg, dims)
+            )
+    queue.sort(key=lambda q: (q[0], q[1]))
+    best: dict[str, Found] = {}  # layout key -> its fastest row that fits
+    closest: list[Found] = []  # rows that do not fit, least memory first (when nothing fits)
+    times: list[float] = []  # a max-heap (negated) of the TOP fastest layouts' times
+    fastest = math.inf
+    simplest: tuple[int, ...] | None = None  # of the rows tied with the fastest so far
+    costed = 0
+
+    def worth(bound: float, cfg: Config) -> bool:
+        # A row is costed when it may be shown (among the TOP fastest), or may be recommended: tied
+        # with the fastest and not less simple than the simplest tied row found so far. (A new
+        # fastest is always among the TOP.)
+        if len(times) < TOP or bound <= -times[0]:
+            return True
+        return bound <= fastest * (1 + tie_margin) and (
+            simplest is None or _simplicity(cfg) <= simplest
+        )
+
+    done: set[str] = set()  # layouts that fit without accumulation: a slower AC mode cannot win
+    for bound, _, values, cfg, dims in queue:
+        if len(times) >= TOP and bound > max(-times[0], fastest * (1 + tie_margin)):
+            break  # sorted by bound: nothing after this is worth costing either
+        key = _key(values, "train.activation_checkpointing")
+        if key in done or not worth(bound, cfg):
+            continue
+        ac = values["train.activation_checkpointing"]
+        cfg = apply_values(cfg, {"train.activation_checkpointing": ac})
+        micros = _micro_options(cfg, dims)
+        # The largest micro-batch that fits: memory grows with it. The largest first (it usually
+        # fits, or nothing does), then a binary search over the others.
+        lo, hi, fit = 0, len(micros) - 1, None
+        first = True
+        while lo <= hi:
+            mid = lo if first else (lo + hi) // 2
+            trial = apply_values(cfg, {"train.micro_batch_size": micros[mid]})
+            label = layout_name(dims, trial.parallel)
+            row = cost(label, trial, achievable_flops(device, trial.train.precision))
+            costed += 1
+            found = Found({**values, "train.micro_batch_size": micros[mid]}, trial, row, label)
+            if row.fits:
+                fit, hi = found, mid - 1
+                if first:
+                    done.add(key)  # the fewest collectives and no recompute beyond this mode's
+            else:
+                closest.append(found)
+                lo = mid + 1
+            first = False
+        if fit is None:
+            continue
+        # One row per layout: its fastest micro-batching and checkpointing that fit.
+        layout = _key(values, "train.activation_checkpointing", "parallel.pp_microbatches")
+        if layout not in best or fit.step_time_s < best[layout].step_time_s:
+            best[layout] = fit
+            heapq.heappush(times, -fit.step_time_s)
+            if len(times) > TOP:
+                heapq.heappop(times)
+            fastest = min(fastest, fit.step_time_s)
+            near = [
+                _simplicity(f.config)
+                for f in best.values()
+                if f.step_time_s <= fastest * (1 + tie_margin)
+            ]
+            simplest = min(near)
+    rows = sorted(best.values(), key=lambda f: (f.step_time_s, f.row.step.total_bytes))
+    if not rows:
+        closest.sort(key=lambda f: f.row.step.total_bytes)
+        shown, seen = [], set()
+        for f in closest:
+            if f.label not in seen:
+                shown.append(f)
+                seen.add(f.label)
+        rows = shown[:TOP]
+        tied: list[Found] = []
+    else:
+        tied = [f for f in rows if f.step_time_s <= rows[0].step_time_s * (1 + tie_margin)]
+    return SearchResult(
+        rows[:TOP] if best else rows,
+        opened,
+        [k for k in SEARCHED if k not in opened],
+        n_layouts,
+        costed,
+        time.perf_counter() - start,
+        tied,
+    )
+
+
+def _key(values: dict[str, Any], *leave_out: str) -> str:
+    return repr(sorted((k, v) for k, v in values.items() if k not in leave_out))
+
+
+def simplicity(found: Found) -> tuple[int, ...]:
+    """:func:`_simplicity` of a found row's config."""
+    return _simplicity(found.config)
+
+
+def _simplicity(config: Config) -> tuple[int, ...]:
+    """What a user has to understand, run and debug, least first: parallel dimensions beside data
+    parallelism (each a mesh dimension, its collectives and its failure modes), then how the
+    data-parallel ranks share the model (plain replicas, ZeRO-1, FSDP's shardings, HSDP)."""
+    p = config.parallel
+    wrapper = DPWrapper.of(p.strategy)
+    if wrapper is DPWrapper.NONE:
+        sharing = 0
+    elif wrapper is DPWrapper.DDP:
+        sharing = 2 if p.sharding == "optimizer" else 1
+    else:
+        sharing = 3 + ("no_shard", "shard_grad_op", "full").index(p.sharding)
+        sharing += 1 if needs_replica_groups(p.strategy) else 0
+    return ((p.tp > 1) + (p.pp > 1), sharing)
+
+
+def recommended(result: SearchResult) -> Found | None:
+    """The fastest row that fits, or the simplest (:func:`simplicity`) of those tied with it."""
+    if not result.tied:
+        return None
+    return min(result.tied, key=lambda f: (simplicity(f), f.step_time_s))
+
+
+def overrides(config: Config, found: Found) -> dict[str, Any]:
+    """The open keys whose chosen value differs from the config's: what ``--set`` must add."""
+    out = {}
+    for key, value in found.values.items():
+        section, name = key.split(".")
+        if (
+            key in SEARCHED
+            and not config.is_given(key)
+            and getattr(getattr(config, section), name) != value
+        ):
+            out[key] = value
+    return out
+
+
+def set_args(values: dict[str, Any]) -> list[str]:
+    """``--set`` arguments for ``values``, each ``key=value`` in YAML."""
+    return [f"{k}={yaml_scalar(v)}" for k, v in values.items()]
+
+
+def command(path: str | None, nproc: int, nnodes: int, given: list[str], extra: list[str]) -> str:
+    """The ``dtlab train`` line that runs the config at ``path`` with the user's own ``--set``
+    overrides (``given``) and ``extra``."""
+    words = ["dtlab", "train", *([path] if path else []), "--nproc", str(nproc)]
+    if nnodes > 1:
+        words += ["--nnodes", str(nnodes)]
+    if given or extra:
+        words += ["--set", *given, *extra]
+    return " ".join(shlex.quote(w) for w in words)
