@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
@@ -266,8 +267,9 @@ def materialize(model: Transformer, device: torch.device, seed: int) -> None:
     process.
     """
     model.to_empty(device=device)
-    for name, param in model.named_parameters():
-        copy_full_(param, model.initial_value(plain_name(name), param.shape, seed))
+    if not any(is_fake(p) for p in model.parameters()):  # fake (dtlab plan --check): no values
+        for name, param in model.named_parameters():
+            copy_full_(param, model.initial_value(plain_name(name), param.shape, seed))
     model.init_buffers()
 
 
