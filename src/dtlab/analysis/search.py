@@ -300,6 +300,7 @@ def search(
         )
 
     done: set[str] = set()  # layouts that fit without accumulation: a slower AC mode cannot win
+    probed: dict[str, bool] = {}  # layout -> whether it fits at its lightest (while nothing fits)
     for bound, _, values, cfg, dims in queue:
         if len(times) >= TOP and bound > max(-times[0], fastest * (1 + tie_margin)):
             break  # sorted by bound: nothing after this is worth costing either
@@ -307,8 +308,31 @@ def search(
         if key in done or not worth(bound, cfg):
             continue
         ac = values["train.activation_checkpointing"]
-        cfg = apply_values(cfg, {"train.activation_checkpointing": ac})
         micros = _micro_options(cfg, dims)
+        if not best:
+            # Nothing fits yet (a model too large for the world): first see whether the layout fits
+            # at all, at its lightest (full recompute, the smallest micro-batch), once; if not, none
+            # of its settings does, and it is not costed again.
+            # bf16 holds no more than fp32 (the same float32 state, half-size activations and
+            # gathers): a layout that does not fit in bf16 does not in fp32.
+            twin = _key({**values, "train.precision": "bf16"}, "train.activation_checkpointing")
+            if key not in probed and probed.get(twin, True) is False:
+                probed[key] = False
+            if key not in probed:
+                light = {
+                    "train.activation_checkpointing": acs[-1],
+                    "train.micro_batch_size": micros[-1],
+                }
+                trial = apply_values(cfg, light)
+                label = layout_name(dims, trial.parallel)
+                row = cost(label, trial, achievable_flops(device, trial.train.precision))
+                costed += 1
+                probed[key] = row.fits
+                if not row.fits:
+                    closest.append(Found({**values, **light}, trial, row, label))
+            if not probed[key]:
+                continue
+        cfg = apply_values(cfg, {"train.activation_checkpointing": ac})
         # The largest micro-batch that fits: memory grows with it. The largest first (it usually
         # fits, or nothing does), then a binary search over the others.
         lo, hi, fit = 0, len(micros) - 1, None
