@@ -631,33 +631,38 @@ def format_plan(p: dict[str, Any]) -> str:
 
 
 def format_search(s: dict[str, Any]) -> list[str]:
-    """The search's table: the fastest layouts that fit, and the config's own layout as given."""
+    """The search's table: the fastest layouts that fit, the recommended one (``*``; added below them
+    when a tie made a simpler, slower one the choice), and the config's own layout as given."""
     fixed = f"; kept as given: {', '.join(s['fixed'])}" if s["fixed"] else ""
-    rows = s["rows"]
+    rows, rec, given = s["rows"], s["recommended"], s["as_given"]
     fit = rows and rows[0].get("fits")
     lines = [
-        f"searched {s['layouts']} layouts ({s['costed']} rows costed, {s['seconds']:.2f} s); "
+        f"searched {s['layouts']} layouts in {s['seconds']:.2f} s ({s['costed']} rows costed)",
         f"open: {', '.join(s['open']) or 'nothing'}{fixed}",
-        "the fastest that fit:" if fit else "none fits; the closest:",
+        "the fastest that fit (* = recommended):" if fit else "none fits; the closest:",
     ]
-    w = max([24] + [len(r["label"]) + 1 for r in [*rows, s["as_given"]]])
+    shown = [*rows, *([rec] if rec and all(r["settings"] != rec["settings"] for r in rows) else [])]
+
+    def name(r: dict[str, Any]) -> str:
+        if r is given:
+            return "as given" + ("" if "error" in r else f": {r['label']}")
+        return ("* " if rec and r["settings"] == rec["settings"] else "  ") + r["label"]
+
+    w = max([26] + [len(name(r)) + 1 for r in [*shown, given]])
     lines.append(
-        f"  {'layout':<{w}}{'precision':<10}{'ac':<10}{'micro':>6}"
+        f"{'layout':<{w}}{'precision':<10}{'ac':<10}{'micro':>6}"
         + "".join(f"{h:>11}" for h in ("memory", "comm/step", "comm", "compute", "step"))
     )
-    for r in [*rows, s["as_given"]]:
-        label = r["label"] if r is not s["as_given"] else f"as given: {r['label']}"
+    for r in [*shown, given]:
         if "error" in r:
-            label = "as given"
-        if "error" in r:
-            lines.append(f"  {label:<{w}}{r['error']}")
+            lines.append(f"{name(r):<{w}}{r['error']}")
             continue
         micro = (
             f"m{r['pp_microbatches']}" if r.get("pp_microbatches") else r["micro_batch_size"] or "-"
         )
         comm = sum(r["comm"]["bytes_per_step"].values())
         lines.append(
-            f"  {label:<{w}}{r['precision']:<10}{r['activation_checkpointing']:<10}{micro!s:>6}"
+            f"{name(r):<{w}}{r['precision']:<10}{r['activation_checkpointing']:<10}{micro!s:>6}"
             + f"{format_bytes(r['per_rank']['total_bytes']) + ('' if r['fits'] else '!'):>11}"
             + f"{format_bytes(comm):>11}"
             + "".join(
@@ -670,7 +675,7 @@ def format_search(s: dict[str, Any]) -> list[str]:
             )
         )
     lines.append(
-        "  (memory per rank; ! = does not fit; micro: samples per micro-batch, m = pipeline"
+        "(memory per rank, ! = does not fit; micro: samples per micro-batch, m = pipeline micro-"
     )
-    lines.append("  micro-batches per step, - = no accumulation; compute includes recompute)")
+    lines.append("batches per step, - = no accumulation; compute includes recompute)")
     return lines
