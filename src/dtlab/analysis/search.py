@@ -354,8 +354,10 @@ def search(
             first = False
         if fit is None:
             continue
-        # One row per layout: its fastest micro-batching and checkpointing that fit.
-        layout = _key(values, "train.activation_checkpointing", "parallel.pp_microbatches")
+        # One row per layout: its fastest precision, micro-batching and checkpointing that fit.
+        layout = _key(
+            values, "train.activation_checkpointing", "parallel.pp_microbatches", "train.precision"
+        )
         if layout not in best or fit.step_time_s < best[layout].step_time_s:
             best[layout] = fit
             heapq.heappush(times, -fit.step_time_s)
