@@ -90,8 +90,15 @@ def open_keys(config: Config) -> list[str]:
     return [k for k in SEARCHED if not config.is_given(k)]
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+# The largest degree, replica-group count, micro-batch size or micro-batch count tried: the schema's
+# bound on parallel.tp and parallel.pp, and far past any batch split that pays; it also keeps the search
+# of a world of 2**40 ranks (which the CLI accepts) as short as that of 64.
+LIMIT = 1024
+
+
+def _divisors(n: int, limit: int = LIMIT) -> list[int]:
+    """The divisors of ``n`` up to ``limit``, ascending."""
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
 
 def _pick(config: Config, key: str, options: list[Any]) -> list[Any]:
@@ -136,7 +143,8 @@ def _data_parallel_options(config: Config, dp: int, model_parallel: bool) -> lis
             continue
         if needs_replica_groups(s):
             for sharding in _pick(config, "parallel.sharding", ["full", "shard_grad_op"]):
-                for r in _pick(config, "parallel.replicate", _divisors(dp)[1:-1]):
+                groups = [r for r in _divisors(dp) if 1 < r < dp]
+                for r in _pick(config, "parallel.replicate", groups):
                     out.append(
                         {
                             "parallel.strategy": s,
@@ -207,7 +215,8 @@ def layouts(
     g = config.train.global_batch_size
     m = config.model
     for tp in _tp_options(config, nproc):
-        for pp in _pick(config, "parallel.pp", _divisors(world // tp) if world % tp == 0 else []):
+        stages = _divisors(math.gcd(world // tp, m.n_layers)) if world % tp == 0 else []
+        for pp in _pick(config, "parallel.pp", stages):
             if world % (tp * pp) or (pp > 1 and m.n_layers % pp):
                 continue
             dp = world // (tp * pp)
@@ -234,7 +243,7 @@ def _micro_options(config: Config, dims: ParallelDims) -> list[int | None]:
     if config.is_given("train.micro_batch_size") or dims.pp_enabled:
         return [config.train.micro_batch_size]
     share = config.train.global_batch_size // dims.dp
-    return [None, *reversed(_divisors(share)[:-1])]
+    return [None, *reversed([d for d in _divisors(share) if d < share])]
 
 
 def search(
