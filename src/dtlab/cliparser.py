@@ -347,10 +347,14 @@ def _add_k8s(lsub: _Commands) -> None:
 def _add_plan(sub: _Commands) -> None:
     pl = sub.add_parser(
         "plan",
-        help="predict memory, communication and step time of each strategy",
+        help="predict memory, communication and step time, and find the fastest layout that fits",
         description="Predict, without allocating the model, the per-rank memory (parameters, gradients, "
         "optimizer, activations), the bytes each collective moves per step, and an estimated step time "
-        "of every data-parallel strategy; say which fit and recommend one.",
+        "of every data-parallel strategy at the config's own settings; then search every layout the "
+        "config leaves open (tensor and pipeline degrees, sharding, pipeline schedule and "
+        "micro-batches, micro-batch size, activation checkpointing, precision; keys set in CONFIG or by "
+        "--set are kept), show the fastest that fit, and print the dtlab train line that runs the "
+        "recommended one.",
     )
     pl.add_argument("--nproc", type=_positive, default=1, help="processes (GPUs) per node")
     pl.add_argument("--nnodes", type=_positive, default=1, help="number of nodes")
