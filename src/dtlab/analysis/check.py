@@ -16,7 +16,8 @@ The components, per rank:
 ``params``, ``optimizer``
     the rank's parameters (its shards) and optimizer state, as held between steps.
 ``grads``
-    the gradients the optimizer steps with (after their sync: FSDP's reduced shards).
+    the gradients the optimizer steps with (after their sync: FSDP's reduced shards, ZeRO-1's
+    reduce-scattered share).
 ``activations``
     the most activations alive in backward: what forward kept for it, and a block recomputed under
     activation checkpointing.
@@ -25,7 +26,8 @@ The components, per rank:
     once), and forward's transients beyond what it keeps (the logits at the loss). Not predicted.
 ``buffers``
     module buffers (RoPE tables) and communication buffers: parameters and gradients held beyond
-    the rank's own shards (FSDP's gathered parameters, the unsharded gradients it reduce-scatters).
+    what the rank keeps and steps with (FSDP's gathered parameters, the whole gradients FSDP and
+    ZeRO-1 reduce-scatter).
 
 The same measurement runs on a real process group with real tensors (:func:`measure_step`, what the
 tests compare the fake run with). Fake tensors carry no values: every scalar the step reads back is 0
@@ -206,9 +208,9 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
         tracker.track_external(pm.module, optimizer)
 
         # Any optimizer's step (ZeRO-1 steps an inner one): the first of the step sees the gradients.
-        def before_step(*_: Any) -> None:
+        def before_step(opt: torch.optim.Optimizer, *_: Any) -> None:
             if not tracker.at_step:
-                tracker.at_step.update(tracker.current())
+                tracker.at_step.update(tracker.current(), Gradient=_grad_bytes(opt))
 
         hook = register_optimizer_step_pre_hook(before_step)
         started = time.perf_counter()
@@ -227,6 +229,22 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
         "collectives": _by_group(counter),
         "seconds": seconds,
     }
+
+
+def _grad_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the gradients ``optimizer`` steps with (each storage once; a DTensor's local part)."""
+    from torch.distributed.tensor import DTensor
+
+    seen: dict[int, int] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            g = p.grad
+            if g is None:
+                continue
+            g = g.to_local() if isinstance(g, DTensor) else g
+            st = g.untyped_storage()
+            seen[id(st)] = st.nbytes()
+    return sum(seen.values())
 
 
 def _components(

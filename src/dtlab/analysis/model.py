@@ -506,15 +506,25 @@ def _model_parallel_comm(
     buffer = tokens * m.dim * act
     if dims.tp_enabled:
         ends = part.first + part.last
+        # Checkpointed blocks run forward again in backward, up to the last activation backward
+        # needs (torch stops the recomputation there): attention's collectives and the feed-forward's
+        # gather again, not the feed-forward's output (counted by `dtlab plan --check`).
+        again = part.n_layers if config.train.activation_checkpointing != "none" else 0
         if config.parallel.sequence_parallel:
             n = microbatches * (4 * part.n_layers + ends)
-            comm["tp all_gather"] = comm["tp reduce_scatter"] = n * buffer
+            comm["tp all_gather"] = n * buffer + microbatches * 2 * again * buffer
+            comm["tp reduce_scatter"] = n * buffer + microbatches * again * buffer
             groups["tp all_gather"] = groups["tp reduce_scatter"] = dims.tp
         else:
-            comm["tp all_reduce"] = microbatches * (7 * part.n_layers + ends) * buffer
+            comm["tp all_reduce"] = microbatches * (7 * part.n_layers + ends + again) * buffer
         comm["tp all_reduce"] = comm.get("tp all_reduce", 0) + (
             3 * microbatches * tokens * FP32 if part.last else 0
         )
+        if config.parallel.sequence_parallel:
+            # The norms' weights are whole on every rank while their inputs are sequence shards:
+            # their float32 gradients are all-reduced once per step.
+            norms = 2 * part.n_layers + part.last
+            comm["tp all_reduce"] += norms * m.dim * FP32
         groups["tp all_reduce"] = dims.tp
     if dims.pp_enabled:
         shard = dims.tp if config.parallel.sequence_parallel else 1

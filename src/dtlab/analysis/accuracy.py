@@ -1,0 +1,114 @@
+"""How far the analytic plan is from the checked code: ``python -m dtlab.analysis.accuracy``.
+
+Runs ``dtlab plan --check`` (:func:`dtlab.analysis.check.check_rank`) over a grid of layouts, presets
+and world sizes and prints, per row, each component's error (predicted against checked) as a markdown
+table, the table docs/planning.md quotes. ``--json OUT`` keeps every figure; ``--quick`` runs the
+small rows only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from dtlab.analysis.check import COMPONENTS, check_rank
+from dtlab.config import load_config
+
+BASE = ["train.precision=bf16", "train.global_batch_size={gbs}", "data.seq_len={seq}"]
+
+# (preset, nproc, nnodes, layout label, overrides, seq_len, global batch, quick)
+GRID: list[tuple[str, int, int, str, list[str], int, int, bool]] = [
+    ("debug", 8, 1, "zero-1", ["parallel.strategy=ddp", "parallel.sharding=optimizer"], 64, 16, True),
+    ("debug", 8, 1, "fsdp full", ["parallel.strategy=fsdp"], 64, 16, True),
+    ("debug", 8, 1, "fsdp shard_grad_op",
+     ["parallel.strategy=fsdp", "parallel.sharding=shard_grad_op"], 64, 16, True),
+    ("debug", 8, 1, "hsdp 2x4", ["parallel.strategy=hsdp", "parallel.replicate=2"], 64, 16, True),
+    ("debug", 8, 1, "fsdp 4 x tp 2", ["parallel.strategy=fsdp", "parallel.tp=2"], 64, 16, True),
+    ("debug", 8, 1, "fsdp 4 x tp 2 sp",
+     ["parallel.strategy=fsdp", "parallel.tp=2", "parallel.sequence_parallel=true"], 64, 16, True),
+    ("llama3.2-1b", 8, 1, "fsdp full", ["parallel.strategy=fsdp"], 2048, 8, False),
+    ("llama3.2-1b", 8, 1, "zero-1", ["parallel.strategy=ddp", "parallel.sharding=optimizer"],
+     2048, 8, False),
+    ("llama3.2-1b", 8, 8, "hsdp 8x8", ["parallel.strategy=hsdp", "parallel.replicate=8"],
+     2048, 64, False),
+    ("llama3.1-8b", 8, 8, "fsdp 8 x tp 8", ["parallel.strategy=fsdp", "parallel.tp=8"],
+     4096, 8, False),
+    ("llama3.1-8b", 8, 8, "fsdp 8 x tp 8, full AC",
+     ["parallel.strategy=fsdp", "parallel.tp=8", "train.activation_checkpointing=full"],
+     4096, 8, False),
+]  # fmt: skip
+
+
+def _err(p: int | None, c: int) -> str:
+    if p is None:
+        return "-"
+    if p == c:
+        return "exact"
+    return f"{(p - c) / c:+.1%}" if c else "none held"
+
+
+def run(quick: bool) -> list[dict[str, Any]]:
+    """Check rank 0 of every row of the grid; returns the rows with their figures."""
+    rows = []
+    for preset, nproc, nnodes, label, extra, seq, gbs, small in GRID:
+        if quick and not small:
+            continue
+        base = [b.format(gbs=gbs, seq=seq) for b in BASE]
+        config = load_config(overrides=[f"model.preset={preset}", *base, *extra])
+        started = time.perf_counter()
+        r = check_rank(config, nproc, nnodes, 0)
+        rows.append(
+            {
+                "preset": preset,
+                "world": nproc * nnodes,
+                "layout": label,
+                "overrides": extra,
+                "seq_len": seq,
+                "global_batch_size": gbs,
+                "seconds": round(time.perf_counter() - started, 1),
+                **r.as_dict(),
+            }
+        )
+        print(f"  {preset} x {nproc * nnodes} {label}: {rows[-1]['seconds']} s", file=sys.stderr)
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The markdown table: each component's error, the bytes sent per step and the peaks."""
+    names = [c for c in COMPONENTS if c != "temporaries"]
+    head = ["preset", "ranks", "layout", *names, "sent/step", "temporaries (checked)", "check s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        if "skipped" in r:
+            lines.append(
+                f"| {r['preset']} | {r['world']} | {r['layout']} | not checked: {r['skipped']} |"
+            )
+            continue
+        c = r["components"]
+        cells = [r["preset"], str(r["world"]), r["layout"]]
+        cells += [_err(c[n]["predicted"], c[n]["checked"]) for n in names]
+        cells.append(_err(r["collectives"]["predicted"], r["collectives"]["checked"]))
+        cells.append(f"{c['temporaries']['checked'] / 2**20:,.1f} MiB")
+        cells.append(f"{r['seconds']:.0f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dtlab.analysis.accuracy", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="the debug-model rows only (~1 min)")
+    parser.add_argument("--json", type=Path, default=None, metavar="OUT", help="write every figure")
+    args = parser.parse_args(argv)
+    rows = run(args.quick)
+    print(table(rows))
+    if args.json is not None:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
