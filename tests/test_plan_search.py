@@ -137,3 +137,6 @@ def test_the_recommended_line_of_the_debug_model_trains(tmp_path: Path) -> None:
     metrics = train_run(tmp_path / "run", *rec["set"], nproc=4, steps=3)
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert all(m["loss"] == m["loss"] and m["loss"] > 0 for m in metrics)
+    # The run trained the recommended layout, as dtlab names layouts everywhere.
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["layout"] == rec["label"], (summary["layout"], rec["label"])
