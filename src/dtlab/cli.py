@@ -173,7 +173,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
         args.device is None,
         (args.config, list(args.overrides)),
     )
-    print(json.dumps(result, indent=2) if args.json else format_plan(result))
+    if args.ranks is not None and not args.check:
+        raise DtlabError("--ranks chooses the ranks of --check; add --check")
+    if args.check:
+        from dtlab.analysis.check import check, format_check, parse_ranks
+
+        ranks = parse_ranks(args.ranks, world)
+        result["check"] = check(config, args.nproc, args.nnodes, ranks)
+    text = json.dumps(result, indent=2) if args.json else format_plan(result)
+    if args.check and not args.json:
+        text += "\n" + format_check(result["check"])
+    print(text)
     return 0
 
 
