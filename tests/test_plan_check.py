@@ -111,24 +111,27 @@ def test_cli_refuses_ranks_outside_the_world_and_ranks_without_check() -> None:
 # --- the check against real runs -----------------------------------------------------------------
 
 REAL = {
-    "fsdp:2": ["parallel.strategy=fsdp"],
-    "zero-1:2": ["parallel.strategy=ddp", "parallel.sharding=optimizer"],
-    "tp:2": ["parallel.tp=2"],
+    "fsdp:2": (2, ["parallel.strategy=fsdp"]),
+    "zero-1:2": (2, ["parallel.strategy=ddp", "parallel.sharding=optimizer"]),
+    "tp:2": (2, ["parallel.tp=2"]),
+    "hsdp:2x2": (4, ["parallel.strategy=hsdp", "parallel.replicate=2"]),
+    "fsdp:2xtp:2": (4, ["parallel.strategy=fsdp", "parallel.tp=2"]),
 }
 
 
 @pytest.mark.parametrize("layout", list(REAL))
 def test_a_checked_rank_holds_and_sends_what_a_real_rank_does(tmp_path: Path, layout: str) -> None:
-    """The same config run for real (2 gloo processes, real tensors) and checked (fake group, fake
+    """The same config run for real (gloo processes, real tensors) and checked (fake group, fake
     tensors), both measured with MemTracker: the state and buffers to the byte, activations within
-    2%, and every collective's bytes equal. (Temporaries are not compared: under tensor parallelism
-    the fake run's are larger, see docs/planning.md.)"""
-    overrides = [*SMALL, *REAL[layout]]
-    run_worker("check_worker.py", 2, str(tmp_path), *overrides)
+    2%, and every collective's bytes equal, on every rank. (Temporaries are not compared: under
+    tensor parallelism the fake run's are larger, see docs/planning.md.)"""
+    nproc, extra = REAL[layout]
+    overrides = [*SMALL, *extra]
+    run_worker("check_worker.py", nproc, str(tmp_path), *overrides)
     config = load_config(overrides=overrides)
-    for rank in (0, 1):
+    for rank in range(nproc):
         real: dict[str, Any] = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        fake = measure_fake(config, 2, 1, rank)
+        fake = measure_fake(config, nproc, 1, rank)
         for name in ("params", "grads", "optimizer", "buffers"):
             assert real["components"][name] == fake["components"][name], (rank, name)
         r, f = real["components"]["activations"], fake["components"]["activations"]

@@ -305,6 +305,29 @@ def measure_fake(config: Config, nproc: int, nnodes: int, rank: int) -> dict[str
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        _forget_meshes()
+
+
+def _forget_meshes() -> None:
+    """Empty DTensor's caches of sharding decisions: they hold the meshes they were made on, and a
+    mesh of the next checked rank equals one of this rank's (same shape and ranks) while its process
+    groups differ, so a cached decision would send the next rank's collectives to this rank's
+    groups."""
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    caches: tuple[Any, ...] = (
+        getattr(propagator, "propagate_op_sharding", None),
+        getattr(type(propagator), "_propagate_tensor_meta_cached", None),
+        getattr(_redistribute, "_gen_transform_infos", None),
+    )
+    for cached in caches:
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+    getattr(_redistribute, "_planner_cache", {}).clear()
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if native is not None:  # the C++ fast path's own cache (torch >= 2.8)
+        native()
 
 
 def check_rank(config: Config, nproc: int, nnodes: int, rank: int) -> RankCheck:
