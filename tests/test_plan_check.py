@@ -100,6 +100,24 @@ def test_cli_check_json_carries_predicted_and_checked_per_component() -> None:
     assert text.returncode == 0 and "rank 3" in text.stdout and "sent/step" in text.stdout
 
 
+def test_check_runs_the_recommended_layout_or_says_why_not() -> None:
+    """--check verifies the layout the search recommends; one it cannot run (a pipeline) is named
+    with the reason, and the config as given is checked instead."""
+    fixed = ["parallel.pp=1", "parallel.tp=1", "parallel.strategy=fsdp"]
+    proc = run_cli("plan", "--nproc", "4", "--check", "--json", "--set", *SMALL, *fixed)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    label = result["search"]["recommended"]["label"]
+    assert result["check"]["layout"] == f"the recommended layout, {label}"
+    assert "skipped" not in result["check"]["ranks"][0]
+    piped = run_cli("plan", "--nproc", "4", "--check", "--json", "--set", *SMALL, "parallel.pp=2",
+                    "parallel.strategy=fsdp")  # fmt: skip
+    assert piped.returncode == 0, piped.stderr
+    check = json.loads(piped.stdout)["check"]
+    assert check["layout"].startswith("the config as given (the recommended")
+    assert "pipeline layouts are not checked" in check["layout"]
+
+
 def test_cli_refuses_ranks_outside_the_world_and_ranks_without_check() -> None:
     bad = run_cli("plan", "--nproc", "2", "--check", "--ranks", "2", "--set", *SMALL)
     assert bad.returncode != 0 and "rank 2 is not in a world of 2" in bad.stderr

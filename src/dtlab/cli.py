@@ -176,10 +176,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.ranks is not None and not args.check:
         raise DtlabError("--ranks chooses the ranks of --check; add --check")
     if args.check:
-        from dtlab.analysis.check import check, format_check, parse_ranks
+        from dtlab.analysis.check import check, choose_config, format_check, parse_ranks
 
         ranks = parse_ranks(args.ranks, world)
-        result["check"] = check(config, args.nproc, args.nnodes, ranks)
+        target, layout = choose_config(args.config, list(args.overrides), config, result, world)
+        result["check"] = {"layout": layout, **check(target, args.nproc, args.nnodes, ranks)}
     text = json.dumps(result, indent=2) if args.json else format_plan(result)
     if args.check and not args.json:
         text += "\n" + format_check(result["check"])

@@ -36,6 +36,7 @@ tests compare the fake run with). Fake tensors carry no values: every scalar the
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -337,7 +338,10 @@ def check_rank(config: Config, nproc: int, nnodes: int, rank: int) -> RankCheck:
 
     world = nproc * nnodes
     result = RankCheck(rank)
-    reason = unsupported(config, world)
+    try:
+        reason = unsupported(config, world)
+    except ConfigError as e:  # a layout this world cannot run at all
+        reason = str(e)
     if reason is not None:
         result.skipped = reason
         return result
@@ -367,6 +371,25 @@ def check_rank(config: Config, nproc: int, nnodes: int, rank: int) -> RankCheck:
     result.peak = {"predicted": plan.total_bytes, "checked": measured["peak"]}
     result.seconds = measured["seconds"]
     return result
+
+
+def choose_config(
+    path: str | None, overrides: list[str], config: Config, plan: dict[str, Any], world: int
+) -> tuple[Config, str]:
+    """The config ``--check`` runs and what it is: the layout the plan recommends (its settings over
+    ``overrides``), or, when the plan recommends none or the check cannot run it, the config as given."""
+    from dtlab.config import load_config
+
+    recommended = (plan.get("search") or {}).get("recommended")
+    if recommended:
+        extra = [f"{k}={json.dumps(v)}" for k, v in recommended.get("settings", {}).items()]
+        target = load_config(path, [*overrides, *extra])
+        label = recommended.get("label", "the recommended layout")
+        reason = unsupported(target, world)
+        if reason is None:
+            return target, f"the recommended layout, {label}"
+        return config, f"the config as given (the recommended {label} is not checked: {reason})"
+    return config, "the config as given"
 
 
 def default_ranks(world: int) -> list[int]:
@@ -420,8 +443,9 @@ def format_check(result: dict[str, Any]) -> str:
 
     lines = [
         "",
-        f"check: the real code of {len(result['ranks'])} rank(s) at full world size, fake process "
-        f"group and fake tensors on the CPU, in {result['seconds']:.1f} s",
+        f"check of {result.get('layout', 'the config as given')}: the real code of "
+        f"{len(result['ranks'])} rank(s) at full world size, fake process group and fake tensors on "
+        f"the CPU, in {result['seconds']:.1f} s",
     ]
     for r in result["ranks"]:
         if "skipped" in r:
