@@ -40,6 +40,9 @@ GRID: list[tuple[str, int, int, str, list[str], int, int, bool]] = [
     ("llama3.1-8b", 8, 8, "fsdp 8 x tp 8, full AC",
      ["parallel.strategy=fsdp", "parallel.tp=8", "train.activation_checkpointing=full"],
      4096, 8, False),
+    ("llama3.1-70b", 8, 128, "fsdp 128 x tp 8, full AC",
+     ["parallel.strategy=fsdp", "parallel.tp=8", "train.activation_checkpointing=full"],
+     8192, 128, False),
 ]  # fmt: skip
 
 
