@@ -1,27 +1,32 @@
 """The fit rule, measured: real training runs under a memory cap set from ``dtlab plan``'s prediction.
 
-    python -m dtlab.bench.fitrule [--quick] [--ratios 0.6,0.8,1.0] [--steps 3] [--json OUT]
+    python -m dtlab.bench.fitrule [--quick] [--malloc default,exact] [--ratios 0.5,0.8] [--json OUT]
 
-Each case of a grid (model sizes, layouts single / ddp / fsdp, activation checkpointing, micro-batch
-sizes) runs ``dtlab train`` for a few steps in a memory cgroup of its own (cgroup v2 ``memory.max``,
-or v1 ``memory.limit_in_bytes``; swap off), once for every ratio r of predicted / cap: the cap leaves
-the run's ranks ``predicted / r`` bytes each above the process baseline. A run ends ``ok``, ``out of
-memory`` (the kernel killed a process of the group for the cap, or torch said it could not allocate)
-or ``other error`` (anything else, never counted as fitting). The rule is the highest ratio at which
-no run of the grid, at that ratio or below, failed, and beside it the lowest ratio at which one ran
-out of memory.
+Each case of a grid (model sizes, layouts single / ddp / fsdp on 1 and 2 processes, activation
+checkpointing, micro-batch sizes) runs ``dtlab train`` for a few steps in a memory cgroup of its own
+(cgroup v2 ``memory.max`` or v1 ``memory.limit_in_bytes``; no swap): first without a cap (what it
+takes), then once for every ratio r of predicted / cap, the cap leaving each rank ``predicted / r``
+bytes above the launch's baseline. A run ends ``ok``, ``out of memory`` (the kernel killed a process
+of the group for the cap, or torch said it could not allocate) or ``other error`` (anything else,
+never counted as fitting). The rule: the highest ratio at and below which no run of the grid failed,
+and beside it the lowest ratio at which one ran out of memory.
 
-What is capped: the whole run (launcher and ranks) in one cgroup, resident memory and what the
+Under two mallocs (torch's CPU allocator calls glibc's): ``default``, as ``dtlab train`` runs, where
+freed memory stays in glibc's heaps (the CPU's allocator cache and fragmentation); ``exact``, where
+every allocation over 64 KiB is a mapping of its own, unmapped when freed, so that the process holds
+what its tensors hold: that grid checks the analytic model alone.
+
+What is capped: the whole launch (launcher and ranks) in one cgroup, its resident memory and what the
 kernel charges for it; page cache is reclaimed before anything is killed. The plan predicts tensors
-only, so the cap is the measured baseline plus the prediction over r: the baseline is the peak of the
-same launch (same layout, same number of ranks) with a model of a few thousand parameters, less that
-model's own prediction, measured at the start of every invocation (the interpreter, torch's
-libraries, the process group, the allocator's caches, the launcher). The ranks of a case share one
-cgroup: they are symmetric (the same prediction each), so the cap is the baseline plus world times
-the per-rank share.
+only, so the cap is the launch's baseline plus the ranks' predictions over r. The baseline is
+measured at the start, once per layout and malloc: the peak of the same launch with a model of a few
+thousand parameters, less that model's own prediction (the interpreter, torch's libraries, the
+process group, the launcher). The ranks of a case share the cgroup: they are symmetric (the same
+prediction each), so the cap is the baseline plus world times the per-rank share.
 
-Needs root and a writable memory cgroup (it creates children of this process's own cgroup and
-removes them after each run); it says so and exits 1 where it cannot.
+Needs root and a writable memory cgroup (it creates children of this process's own cgroup and removes
+them after each run); it says so and exits 1 where it cannot. The default grid takes about 10 minutes
+on 2 cores; --quick under 2.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +52,17 @@ from dtlab.config import check_world, load_config
 from dtlab.errors import ConfigError
 
 OK, OOM, OTHER = "ok", "out of memory", "other error"
-RATIOS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
-QUICK_RATIOS = (0.6, 0.8, 1.0)
+# How the C library's malloc (which torch's CPU allocator calls) runs: ``default``, as ``dtlab train``
+# runs (freed memory stays in its heaps for the next allocation: the CPU's allocator cache and
+# fragmentation); ``exact``, every allocation over 64 KiB a mapping of its own, unmapped when freed,
+# so that the process holds what its tensors hold: the analytic model alone, without the allocator.
+MALLOC: dict[str, dict[str, str]] = {
+    "default": {},
+    "exact": {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"},
+}
+# The ratios worth running under each: around where the runs start to run out of memory.
+RATIOS = {"default": (0.4, 0.5, 0.6, 0.7, 0.8), "exact": (0.9, 1.0)}
+QUICK_RATIOS = {"default": (0.6, 1.0), "exact": (1.0,)}
 # Every run: synthetic data, no files beside the metrics, no final checkpoint (a save stages its own
 # copies, which the plan's step peak does not model).
 COMMON = [
@@ -72,17 +86,18 @@ NEGLIGIBLE = [
     "data.seq_len=16",
     "train.micro_batch_size=1",
 ]
-# ~30M parameters: tiny's 256 tokens, a wider and deeper model.
-MID = ["model.preset=tiny", "model.dim=512", "model.n_layers=8", "model.ffn_dim=1408"]
+# ~12M parameters: tiny's vocabulary and sequence, a wider model.
+MID = ["model.preset=tiny", "model.dim=512", "model.n_layers=4", "model.ffn_dim=1408"]
 
 
 @dataclass(frozen=True)
 class Case:
-    """One configuration of the grid: a name, its ranks and its ``--set`` overrides."""
+    """One configuration of the grid: a name, its ranks, its ``--set`` overrides and its malloc."""
 
     name: str
     nproc: int
     overrides: tuple[str, ...]
+    malloc: str = "default"  # a key of MALLOC
 
     @property
     def layout(self) -> tuple[str, ...]:
@@ -101,15 +116,10 @@ GRID = [
           "train.activation_checkpointing=full"),
     _case("tiny ddp2 mb4", 2, *TINY, "train.global_batch_size=8", "parallel.strategy=ddp"),
     _case("tiny fsdp2 mb4", 2, *TINY, "train.global_batch_size=8", "parallel.strategy=fsdp"),
-    _case("mid single mb4", 1, *MID, "data.seq_len=256", "train.global_batch_size=4"),
-    _case("mid single mb2 ac", 1, *MID, "data.seq_len=256", "train.global_batch_size=2",
-          "train.activation_checkpointing=full"),
-    _case("mid ddp2 mb2", 2, *MID, "data.seq_len=256", "train.global_batch_size=4",
-          "parallel.strategy=ddp"),
     _case("mid fsdp2 mb2 ac", 2, *MID, "data.seq_len=256", "train.global_batch_size=4",
           "parallel.strategy=fsdp", "train.activation_checkpointing=full"),
 ]  # fmt: skip
-QUICK_GRID = [GRID[0], GRID[3]]
+QUICK_GRID = [GRID[0], GRID[3]]  # at QUICK_RATIOS, no uncapped runs: under 2 minutes
 
 
 @dataclass
@@ -119,6 +129,7 @@ class RunResult:
     case: str
     nproc: int
     overrides: list[str]
+    malloc: str
     predicted_bytes: int  # per rank, the plan's peak (plan_step's total)
     ratio: float | None  # predicted / the cap's per-rank share above the baseline; None: no cap
     baseline_bytes: int  # the launch's measured fixed cost (all its processes)
@@ -286,12 +297,13 @@ def predicted_bytes(case: Case) -> int:
     return plan_step(config, case.nproc, device_type="cpu").total_bytes
 
 
-def _env() -> dict[str, str]:
-    # Launch, not join: a launcher's variables would make the CLI run as a worker.
+def _env(malloc: str) -> dict[str, str]:
+    # Launch, not join: a launcher's variables would make the CLI run as a worker. The ranks inherit
+    # the malloc settings from the launcher.
     drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
-    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("MALLOC_")}
     env["PYTHONUNBUFFERED"] = "1"
-    return env
+    return {**env, **MALLOC[malloc]}
 
 
 def run_case(
@@ -316,7 +328,7 @@ def run_case(
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
                 text=True,
-                env=_env(),
+                env=_env(case.malloc),
                 preexec_fn=group.enter,
                 start_new_session=True,  # its ranks too are killed on a timeout
             )
@@ -339,19 +351,17 @@ def run_case(
 
 def baseline(case: Case, steps: int, timeout: float) -> int:
     """The fixed cost of ``case``'s launch (all its processes), measured: the peak of the same
-    layout with a negligible model, less that model's own prediction. The lower of two runs (the
-    first may also be charged for files read for the first time)."""
-    probe = Case(f"baseline {case.nproc}", case.nproc, (*NEGLIGIBLE, *case.layout,
-                 f"train.global_batch_size={case.nproc}"))  # fmt: skip
-    peaks = []
-    for _ in range(2):
-        outcome, rc, _, peak, _, tail = run_case(probe, None, steps, timeout)
-        if outcome != OK:
-            raise RuntimeError(
-                f"the baseline run of {case.nproc} process(es) failed ({rc}): {tail}"
-            )
-        peaks.append(peak)
-    return min(peaks) - case.nproc * predicted_bytes(probe)
+    layout under the same malloc with a negligible model, less that model's own prediction."""
+    probe = Case(
+        f"baseline {case.nproc}",
+        case.nproc,
+        (*NEGLIGIBLE, *case.layout, f"train.global_batch_size={case.nproc}"),
+        case.malloc,
+    )
+    outcome, rc, _, peak, _, tail = run_case(probe, None, steps, timeout)
+    if outcome != OK:
+        raise RuntimeError(f"the baseline run of {case.nproc} process(es) failed ({rc}): {tail}")
+    return peak - case.nproc * predicted_bytes(probe)
 
 
 def cap_for(predicted: int, ratio: float, base: int, nproc: int) -> int:
@@ -365,24 +375,25 @@ def run_grid(
     ratios: Sequence[float],
     steps: int = 3,
     timeout: float = 300,
+    uncapped: bool = True,
     log: Any = None,
 ) -> list[RunResult]:
-    """Every case at every ratio (baselines measured once per layout), printed as they finish."""
-    bases: dict[tuple[int, tuple[str, ...]], int] = {}
+    """Every case at every ratio (first without a cap, with ``uncapped``: what the case really
+    takes), the baselines measured once per layout and malloc; each run printed as it finishes."""
+    bases: dict[tuple[int, tuple[str, ...], str], int] = {}
     results = []
     for case in cases:
         predicted = predicted_bytes(case)
-        key = (case.nproc, case.layout)
+        key = (case.nproc, case.layout, case.malloc)
         if key not in bases:
             bases[key] = baseline(case, steps, timeout)
         base = bases[key]
-        # First without a cap: what the case really needs; then at every ratio.
-        for ratio in (None, *ratios):
+        for ratio in (None, *ratios) if uncapped else ratios:
             cap = None if ratio is None else cap_for(predicted, ratio, base, case.nproc)
             outcome, rc, kills, peak, seconds, tail = run_case(case, cap, steps, timeout)
             r = RunResult(
-                case.name, case.nproc, list(case.overrides), predicted, ratio, base, cap,
-                outcome, rc, kills, peak, (peak - base) // case.nproc, seconds, tail,
+                case.name, case.nproc, list(case.overrides), case.malloc, predicted, ratio, base,
+                cap, outcome, rc, kills, peak, (peak - base) // case.nproc, seconds, tail,
             )  # fmt: skip
             results.append(r)
             if log:
@@ -392,8 +403,8 @@ def run_grid(
 
 def rule(results: Sequence[RunResult]) -> dict[str, Any]:
     """The margin the capped runs support: the highest ratio at and below which every run ended ok,
-    the lowest ratio at which one ran out of memory, and the counts; per case, what the uncapped run
-    measured against the prediction."""
+    the lowest ratio at which one ran out of memory, and the counts; per case, what it took against
+    its prediction (the uncapped run, else the largest peak of a capped run that ended ok)."""
     capped = [r for r in results if r.ratio is not None]
     ratios = sorted({r.ratio for r in capped if r.ratio is not None})
     failed = {r.ratio for r in capped if r.outcome != OK}
@@ -403,15 +414,25 @@ def rule(results: Sequence[RunResult]) -> dict[str, Any]:
             break
         safe = ratio
     ooms = [r.ratio for r in capped if r.outcome == OOM and r.ratio is not None]
+    took: dict[str, RunResult] = {}
+    for r in results:
+        if r.outcome == OK and r.measured_bytes > 0:
+            best = took.get(r.case)
+            if best is None or (best.ratio is not None and r.ratio is None):
+                took[r.case] = r  # the uncapped run, if there is one, is the figure
+            elif (best.ratio is None) == (
+                r.ratio is None
+            ) and r.measured_bytes > best.measured_bytes:
+                took[r.case] = r
     cases = {
-        r.case: {
+        name: {
             "predicted_bytes": r.predicted_bytes,
             "measured_bytes": r.measured_bytes,
-            # The ratio above which this case cannot fit: predicted over what it really took.
+            "measured_uncapped": r.ratio is None,
+            # The ratio above which this case cannot fit: predicted over what it took.
             "break_even_ratio": r.predicted_bytes / r.measured_bytes,
         }
-        for r in results
-        if r.ratio is None and r.outcome == OK and r.measured_bytes > 0
+        for name, r in took.items()
     }
     return {
         "fits_up_to_ratio": safe,
@@ -425,8 +446,15 @@ def rule(results: Sequence[RunResult]) -> dict[str, Any]:
     }
 
 
+def rules(results: Sequence[RunResult]) -> dict[str, dict[str, Any]]:
+    """:func:`rule` under each malloc the runs used."""
+    mallocs = dict.fromkeys(r.malloc for r in results)
+    return {m: rule([r for r in results if r.malloc == m]) for m in mallocs}
+
+
 HEADER = (
-    f"{'case':<20} {'ratio':>5} {'predicted':>10} {'measured':>10} {'base':>9} {'cap':>10}  outcome"
+    f"{'case':<20} {'malloc':<7} {'ratio':>5} {'predicted':>10} {'measured':>10} {'base':>9} "
+    f"{'cap':>10}  outcome"
 )
 
 
@@ -440,7 +468,7 @@ def format_row(r: RunResult) -> str:
     ratio = "none" if r.ratio is None else f"{r.ratio:.2f}"
     cap = "none" if r.cap_bytes is None else _mib(r.cap_bytes)
     line = (
-        f"{r.case:<20} {ratio:>5} {_mib(r.predicted_bytes):>10} {measured:>10} "
+        f"{r.case:<20} {r.malloc:<7} {ratio:>5} {_mib(r.predicted_bytes):>10} {measured:>10} "
         f"{_mib(r.baseline_bytes):>9} {cap:>10}  {r.outcome}"
     )
     if r.outcome == OTHER:
@@ -448,26 +476,40 @@ def format_row(r: RunResult) -> str:
     return line
 
 
-def format_summary(s: dict[str, Any]) -> str:
-    """The rule, and each case's measured need against its prediction."""
+def format_summary(malloc: str, s: dict[str, Any]) -> str:
+    """The rule under one malloc, and each case's measured need against its prediction."""
     safe, low = s["fits_up_to_ratio"], s["lowest_oom_ratio"]
-    lines = [
-        f"{case}: measured {_mib(c['measured_bytes'])} per rank, predicted "
-        f"{_mib(c['predicted_bytes'])} ({c['predicted_bytes'] / c['measured_bytes'] - 1:+.0%}): "
+    lines = [f"malloc {malloc}:"]
+    lines += [
+        f"  {case:<20} took {_mib(c['measured_bytes']):>9} per rank, predicted "
+        f"{_mib(c['predicted_bytes']):>9} ({c['predicted_bytes'] / c['measured_bytes'] - 1:+.0%}): "
         f"break-even ratio {c['break_even_ratio']:.2f}"
+        + ("" if c["measured_uncapped"] else " (from a capped run)")
         for case, c in s["cases"].items()
     ]
     lines += [
-        "",
-        f"{s['runs']} capped runs: {s['ok']} ok, {s['out_of_memory']} out of memory, "
+        f"  {s['runs']} capped runs: {s['ok']} ok, {s['out_of_memory']} out of memory, "
         f"{s['other_errors']} other errors"
         + (f"; {s['uncapped_failures']} uncapped runs failed" if s["uncapped_failures"] else ""),
-        "fits up to predicted/cap = "
+        "  fits up to predicted/cap = "
         + (f"{safe:.2f}" if safe is not None else "none (a run failed at the lowest ratio)")
-        + " (no run at or below it failed); lowest ratio that ran out of memory: "
+        + " (no run at or below it failed); the lowest ratio that ran out of memory: "
         + (f"{low:.2f}" if low is not None else "none in the grid"),
     ]
     return "\n".join(lines)
+
+
+def _parse_ratios(text: str) -> list[float]:
+    """``0.8,1.0`` as numbers; a ValueError naming what is wrong."""
+    try:
+        ratios = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"--ratios {text!r}: expected comma-separated numbers, e.g. 0.8,1.0,1.2"
+        ) from None
+    if any(not r > 0 for r in ratios):
+        raise ValueError(f"--ratios {text!r}: every ratio must be a positive number")
+    return ratios
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -476,26 +518,39 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--quick", action="store_true", help="2 cases x 3 ratios (under 2 minutes)")
-    p.add_argument("--ratios", help="comma-separated predicted/cap ratios (default: "
-                   f"{','.join(map(str, RATIOS))}; --quick: {','.join(map(str, QUICK_RATIOS))})")  # fmt: skip
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="2 cases at 2 ratios (malloc default) and 1 (exact), no uncapped runs (under 2 minutes)",
+    )
+    p.add_argument(
+        "--malloc",
+        default="default,exact",
+        help="comma-separated, of default (as dtlab train runs) and exact (freed memory returned at "
+        "once: the tensors alone); default: both",
+    )
+    p.add_argument(
+        "--ratios",
+        help="comma-separated predicted/cap ratios for every malloc (default: "
+        + "; ".join(f"{m} {','.join(map(str, r))}" for m, r in RATIOS.items())
+        + ")",
+    )
     p.add_argument("--steps", type=int, default=3, help="optimizer steps per run (default 3)")
     p.add_argument("--timeout", type=float, default=300, help="seconds per run (default 300)")
     p.add_argument("--json", type=Path, help="write every run and the rule to this file")
     args = p.parse_args(argv)
-    cases = QUICK_GRID if args.quick else GRID
+    mallocs = [m.strip() for m in args.malloc.split(",") if m.strip()]
+    if not mallocs or any(m not in MALLOC for m in mallocs):
+        p.error(f"--malloc {args.malloc!r}: expected a comma-separated list of {', '.join(MALLOC)}")
     try:
-        ratios = (
-            [float(x) for x in args.ratios.split(",")]
-            if args.ratios
-            else list(QUICK_RATIOS if args.quick else RATIOS)
-        )
-    except ValueError:
-        p.error(f"--ratios {args.ratios!r}: expected comma-separated numbers, e.g. 0.8,1.0,1.2")
-    if not ratios or any(r <= 0 for r in ratios):
-        p.error(f"--ratios {args.ratios!r}: every ratio must be a positive number")
+        given = _parse_ratios(args.ratios) if args.ratios else None
+    except ValueError as e:
+        p.error(str(e))
     if args.steps < 1:
         p.error(f"--steps {args.steps}: need at least 1")
+    cases = QUICK_GRID if args.quick else GRID
+    # A kill stops the bench as Ctrl-C does: the runs in flight and their cgroups go with it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         for case in cases:
             predicted_bytes(case)  # every case valid before anything runs
@@ -504,14 +559,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dtlab.bench.fitrule: {e}", file=sys.stderr)
         return 1
     print(
-        f"{len(cases)} cases x {len(ratios)} ratios, {args.steps} steps each; bytes per rank but "
-        "base and cap (the whole launch); ratio = predicted / (cap - base) per rank\n"
+        f"{len(cases)} cases x malloc {', '.join(mallocs)}, {args.steps} steps each; bytes per rank "
+        "but base and cap (the whole launch); ratio = predicted / (cap - base) per rank\n"
     )
     print(HEADER, flush=True)
     t0 = time.perf_counter()
-    results = run_grid(cases, ratios, args.steps, args.timeout, log=sys.stdout)
-    summary = rule(results)
-    print(f"\n{format_summary(summary)} ({time.perf_counter() - t0:.0f} s)")
+    results: list[RunResult] = []
+    for malloc in mallocs:
+        ratios = given or (QUICK_RATIOS if args.quick else RATIOS)[malloc]
+        with_malloc = [replace(c, malloc=malloc) for c in cases]
+        results += run_grid(
+            with_malloc, ratios, args.steps, args.timeout, not args.quick, log=sys.stdout
+        )
+    summary = rules(results)
+    print()
+    for malloc, s in summary.items():
+        print(format_summary(malloc, s))
+    print(f"({len(results)} runs and the baselines in {time.perf_counter() - t0:.0f} s)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(
