@@ -414,21 +414,26 @@ def _plan_rank(
         optimizer_bytes=_optimizer_bytes(config, shapes, held)
         if not dims.shard_optimizer
         else _zero1_optimizer_bytes(config, shapes, dims.dp),
-        # The peak: what forward keeps (for every micro-batch a pipeline stage holds at once), plus one
-        # block being recomputed under checkpointing.
-        activations_bytes=act * _in_flight(config, dims, accum)
-        + recompute_bytes(
-            config.model, tokens, t.precision, t.activation_checkpointing, split, half_params
-        ),
+        activations_bytes=0,  # below
     )
     # What the attention kernel that runs on this device keeps beyond the fused kernel's figure above.
     kernel = attention_kernel(config.model, t.precision, device_type)
     ac, seq_len = t.activation_checkpointing, config.seq_len
-    plan.activations_bytes += kernel_bytes(
-        rank_model, tokens, seq_len, t.precision, ac, kernel, split
-    ) * _in_flight(config, dims, accum) + kernel_recompute_bytes(
-        config.model, tokens, seq_len, t.precision, ac, kernel, split
+    kept = (act + kernel_bytes(rank_model, tokens, seq_len, t.precision, ac, kernel, split)) * (
+        _in_flight(config, dims, accum)
     )
+    recompute = recompute_bytes(
+        config.model, tokens, t.precision, ac, split, half_params
+    ) + kernel_recompute_bytes(config.model, tokens, seq_len, t.precision, ac, kernel, split)
+    # The peak in backward: what forward kept (for every micro-batch a pipeline stage holds at once),
+    # or, under checkpointing, one block recomputed on top of the blocks' own: by the time a block is
+    # recomputed the loss's activations (the last stage's log-softmax, output) are freed (measured
+    # by `dtlab plan --check`).
+    loss_part = 0
+    if recompute and part.last:
+        no_blocks = rank_model.model_copy(update={"n_layers": 0})
+        loss_part = activation_bytes(no_blocks, tokens, t.precision, ac, split, True, half_params)
+    plan.activations_bytes = max(kept, kept - loss_part + recompute)
     comm: dict[str, int] = {}
     groups: dict[str, int] = {}
     if dims.fsdp_enabled:  # within each replica of DiLoCo's
