@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dtlab.analysis.devices import DeviceProfile
+from dtlab.analysis.fitrule import explain, usable_fraction
 from dtlab.analysis.model import (
     ParamShape,
     StepPlan,
@@ -31,7 +32,9 @@ from dtlab.errors import ConfigError
 # well-tuned training step reaches on a GPU; the CPU profile is already a measured GEMM rate.
 ACHIEVABLE_FRACTION = {"cuda": 0.45, "cpu": 1.0}
 DEFAULT_DEVICE = "h100"  # the profile ``dtlab plan`` assumes without --device (and says so)
-HEADROOM = 0.9  # of device memory usable for tensors (allocator fragmentation, workspaces, context)
+# The share of a GPU's memory a predicted peak may take and still fit: measured, with its source
+# (dtlab.analysis.fitrule; a CPU device has its own, usable_fraction("cpu")).
+HEADROOM = usable_fraction("cuda")
 # Estimated step times this close to the fastest are a tie: the estimate is coarser than that, and the
 # simpler strategy of the tied ones is recommended.
 TIE_MARGIN = 0.10
@@ -271,7 +274,8 @@ def plan(
         "device": _device_figures(device, device_assumed, memory, memory_gib is not None, peak),
         "assumptions": {
             "achievable_fraction_of_peak": ACHIEVABLE_FRACTION[kind],
-            "usable_memory_fraction": HEADROOM,
+            "usable_memory_fraction": usable_fraction(kind),
+            "fit_rule": explain(kind),
             "step_time": "compute + recompute + communication, no overlap (an upper bound)",
             "recompute": RECOMPUTE[ac],
             "tie_margin": TIE_MARGIN,
@@ -289,7 +293,7 @@ def plan(
             config,
             world,
             rows + searched["rows"],
-            memory * HEADROOM,
+            memory * usable_fraction(kind),
             tuple(found.open),
         ),
     }
@@ -469,7 +473,8 @@ def _row(
             or (dims.fsdp_enabled and dims.replicate_enabled and collective == "all_reduce")
         )
         comm += bus / ((device.inter_node_gbps if across else device.intra_node_gbps) * 1e9)
-    return PlanRow(label, step, compute, recompute, comm, step.total_bytes <= memory * HEADROOM)
+    usable = memory * usable_fraction("cpu" if device.key == "this" else "cuda")
+    return PlanRow(label, step, compute, recompute, comm, step.total_bytes <= usable)
 
 
 def pipeline_bubble(config: Config, dims: ParallelDims) -> float:
@@ -572,7 +577,8 @@ def format_plan(p: dict[str, Any]) -> str:
         f"  in node  {dev['intra_node_gbps']:.3g} GB/s per rank ({dev['intra_node_source']})",
         f"  across   {dev['inter_node_gbps']:.3g} GB/s per rank ({dev['inter_node_source']})",
         f"assumed: compute at {a['achievable_fraction_of_peak']:.0%} of the peak, "
-        f"{a['usable_memory_fraction']:.0%} of memory usable, step = {a['step_time']}",
+        f"step = {a['step_time']}",
+        *([a["fit_rule"]] if "fit_rule" in a else []),
         f"activation checkpointing {p['activation_checkpointing']}: recompute = {a['recompute']}"
         + (
             f" (+{format_count(model['recompute_flops_per_token'], 'FLOP')}/token)"

@@ -481,8 +481,8 @@ def format_summary(malloc: str, s: dict[str, Any]) -> str:
     safe, low = s["fits_up_to_ratio"], s["lowest_oom_ratio"]
     lines = [f"malloc {malloc}:"]
     lines += [
-        f"  {case:<20} took {_mib(c['measured_bytes']):>9} per rank, predicted "
-        f"{_mib(c['predicted_bytes']):>9} ({c['predicted_bytes'] / c['measured_bytes'] - 1:+.0%}): "
+        f"  {case:<20} predicted {_mib(c['predicted_bytes']):>9} per rank, took "
+        f"{_mib(c['measured_bytes']):>9} ({c['measured_bytes'] / c['predicted_bytes'] - 1:+.0%}): "
         f"break-even ratio {c['break_even_ratio']:.2f}"
         + ("" if c["measured_uncapped"] else " (from a capped run)")
         for case, c in s["cases"].items()
