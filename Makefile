@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 NPROC ?= 2
 
-.PHONY: help install install-dev demo test test-fast train train-ddp train-fsdp bench gpu-check format lint typecheck check clean
+.PHONY: help install install-dev demo test test-fast train train-ddp train-fsdp bench bench-fitrule gpu-check format lint typecheck check clean
 
 help:
 	@echo "make demo        train the tiny model on the stdlib corpus with DDP on $(NPROC) processes, plot the loss, print the validation perplexity and a sample"
@@ -14,6 +14,7 @@ help:
 	@echo "make train-ddp   train configs/ddp.yaml;  make train-fsdp: configs/fsdp.yaml"
 	@echo "make test        run the whole test suite (real gloo processes on CPU); make test-fast: a quick part of every test module (~2 min)"
 	@echo "make bench       loop overhead, the optimizer step, checkpoint save throughput, the pipeline bubble, then the strategy sweep (report in bench-out/)"
+	@echo "make bench-fitrule  the fit rule dtlab plan applies: short trainings under a cgroup memory cap at fractions of the prediction (root; ~10 min; bench-out/fitrule.json)"
 	@echo "make gpu-check   prove a GPU machine in under 10 minutes: every CUDA test, a 1B bf16 + compile training, memory, async saves, resume, layouts (report in runs/gpu-check-*; on CPU a smoke of the same)"
 	@echo "make check       lint + format check + type check"
 	@echo "make install     torch (CPU) and dtlab, what demo/train/bench use;  make install-dev: + the dev extra"
@@ -70,6 +71,11 @@ bench: install
 	$(BIN)/python -m dtlab.bench.pipeline --out bench-out/pipeline
 	$(BIN)/dtlab bench --strategies single,ddp,fsdp,hsdp --nproc 1,2,4 --steps 8 --out bench-out \
 		--set model.preset=tiny data.source=stdlib parallel.replicate=2
+
+# Real trainings under a cgroup memory cap set from the plan's prediction (needs root and a writable
+# memory cgroup): the margin docs/planning.md and src/dtlab/analysis/fitrule.py carry.
+bench-fitrule: install
+	$(BIN)/python -m dtlab.bench.fitrule --json bench-out/fitrule.json
 
 # Every CUDA test, a llama3.2-1b training (tokens/s, MFU, peak memory against dtlab plan), async saves,
 # a resume, and with 2 GPUs the layouts and a killed rank; report.md and report.json name the card
