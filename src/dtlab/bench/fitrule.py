@@ -62,7 +62,7 @@ MALLOC: dict[str, dict[str, str]] = {
 }
 # The ratios worth running under each: around where the runs start to run out of memory.
 RATIOS = {"default": (0.4, 0.5, 0.6, 0.7, 0.8), "exact": (0.9, 1.0)}
-QUICK_RATIOS = {"default": (0.6, 1.0), "exact": (1.0,)}
+QUICK_RATIOS = {"default": (0.6, 1.0), "exact": (0.9, 1.1)}
 # Every run: synthetic data, no files beside the metrics, no final checkpoint (a save stages its own
 # copies, which the plan's step peak does not model).
 COMMON = [
@@ -491,9 +491,12 @@ def format_summary(malloc: str, s: dict[str, Any]) -> str:
         f"  {s['runs']} capped runs: {s['ok']} ok, {s['out_of_memory']} out of memory, "
         f"{s['other_errors']} other errors"
         + (f"; {s['uncapped_failures']} uncapped runs failed" if s["uncapped_failures"] else ""),
-        "  fits up to predicted/cap = "
-        + (f"{safe:.2f}" if safe is not None else "none (a run failed at the lowest ratio)")
-        + " (no run at or below it failed); the lowest ratio that ran out of memory: "
+        (
+            f"  fits up to predicted/cap = {safe:.2f} (no run at or below it failed)"
+            if safe is not None
+            else "  fits at no ratio of the grid (a run failed at the lowest)"
+        )
+        + "; the lowest ratio that ran out of memory: "
         + (f"{low:.2f}" if low is not None else "none in the grid"),
     ]
     return "\n".join(lines)
@@ -521,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="2 cases at 2 ratios (malloc default) and 1 (exact), no uncapped runs (under 2 minutes)",
+        help="2 cases at 2 ratios under each malloc, no uncapped runs (under 2 minutes)",
     )
     p.add_argument(
         "--malloc",
