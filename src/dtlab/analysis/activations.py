@@ -77,7 +77,7 @@ def activation_bytes(
     half_params = half_params and half
     per_layer = _layer_bytes(m, half, ac, split, half_params)
     final = (
-        (_norm_bytes(m, half, 1, half_params) / seq + m.vocab_size * FP32 / tp + 8)
+        (_norm_bytes(m, half, 1, half_params, seq) + m.vocab_size * FP32 / tp + 8)
         if final_part
         else 0
     )
@@ -89,11 +89,17 @@ def activation_bytes(
     return int(tokens * (m.n_layers * per_layer + final) + weight_copies + 2 * FP32)
 
 
-def _norm_bytes(m: ModelConfig, half: bool, readers: int, half_params: bool = False) -> int:
-    """Per token, what an RMSNorm and the ``readers`` matmuls reading its output keep."""
+def _norm_bytes(
+    m: ModelConfig, half: bool, readers: int, half_params: bool = False, seq: int = 1
+) -> float:
+    """Per token, what an RMSNorm and the ``readers`` matmuls reading its output keep. Under sequence
+    parallelism (``seq`` shards) the norm keeps its shard, but the matmuls read the gathered whole
+    sequence and keep that (counted by `dtlab plan --check`)."""
     if half_params:
-        return m.dim * FP32 + FP32 + 2 * m.dim * 2
-    return 2 * m.dim * FP32 + FP32 + (readers * m.dim * 2 if half else m.dim * FP32)
+        own, read = m.dim * FP32 + FP32 + m.dim * 2, m.dim * 2
+    else:
+        own, read = 2 * m.dim * FP32 + FP32, (readers * m.dim * 2 if half else m.dim * FP32)
+    return own / seq + read
 
 
 def _layer_bytes(
@@ -111,8 +117,8 @@ def _layer_bytes(
         return block_input + matmul_out + (m.dim * a + m.n_heads * FP32) / tp
     attn = ((m.dim + kv) * a + kv * a + m.dim * a + m.n_heads * FP32) / tp
     ffn = 4 * m.hidden_dim * a / tp
-    norms = _norm_bytes(m, half, 3, half_params) + _norm_bytes(m, half, 2, half_params)
-    return norms / seq + attn + ffn
+    norms = _norm_bytes(m, half, 3, half_params, seq) + _norm_bytes(m, half, 2, half_params, seq)
+    return norms + attn + ffn
 
 
 def block_matmul_params(m: ModelConfig) -> int:
