@@ -30,9 +30,9 @@ from __future__ import annotations
 CPU_MARGIN = 0.4  # malloc default
 CPU_LOWEST_OOM = 0.5
 CPU_RUNS = 25
-MODEL_MARGIN = 0.9  # malloc exact: the analytic model alone
-MODEL_LOWEST_OOM = 1.0
-MODEL_RUNS = 10
+MODEL_MARGIN = 0.8  # malloc exact: the analytic model alone
+MODEL_LOWEST_OOM = 0.9
+MODEL_RUNS = 15
 BENCH = "python -m dtlab.bench.fitrule"
 # The published GPU rule (Fujii, Watanabe, Yokota 2024, arXiv:2411.06465).
 GPU_PUBLISHED_MARGIN = 0.8

@@ -61,7 +61,7 @@ MALLOC: dict[str, dict[str, str]] = {
     "exact": {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"},
 }
 # The ratios worth running under each: around where the runs start to run out of memory.
-RATIOS = {"default": (0.4, 0.5, 0.6, 0.7, 0.8), "exact": (0.9, 1.0)}
+RATIOS = {"default": (0.4, 0.5, 0.6, 0.7, 0.8), "exact": (0.8, 0.9, 1.0)}
 QUICK_RATIOS = {"default": (0.6, 1.0), "exact": (0.9, 1.1)}
 # Every run: synthetic data, no files beside the metrics, no final checkpoint (a save stages its own
 # copies, which the plan's step peak does not model).
