@@ -322,11 +322,8 @@ def search(
             # Nothing fits yet (a model too large for the world): first see whether the layout fits
             # at all, at its lightest (full recompute, the smallest micro-batch), once; if not, none
             # of its settings does, and it is not costed again.
-            # bf16 holds no more than fp32 (the same float32 state, half-size activations and
-            # gathers): a layout that does not fit in bf16 does not in fp32.
-            twin = _key({**values, "train.precision": "bf16"}, "train.activation_checkpointing")
-            if key not in probed and probed.get(twin, True) is False:
-                probed[key] = False
+            # (Each precision is probed on its own: bf16 can hold more than fp32, its weight copies
+            # under autocast on top of the same float32 state.)
             if key not in probed:
                 light = {
                     "train.activation_checkpointing": acs[-1],
