@@ -244,7 +244,7 @@ def _grad_bytes(optimizer: torch.optim.Optimizer) -> int:
                 continue
             g = g.to_local() if isinstance(g, DTensor) else g
             st = g.untyped_storage()
-            seen[id(st)] = st.nbytes()
+            seen[st._cdata] = st.nbytes()  # the storage itself (a new Python object each call)
     return sum(seen.values())
 
 
