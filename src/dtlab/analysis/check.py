@@ -23,11 +23,12 @@ The components, per rank:
     activation checkpointing.
 ``temporaries``
     what backward and the optimizer make and free within their phase (the most of each alive at
-    once), and forward's transients beyond what it keeps (the logits at the loss). Not predicted.
+    once), forward's transients beyond what it keeps (the logits at the loss), and gradients held
+    beyond those the optimizer steps with (the whole gradients FSDP and ZeRO-1 reduce-scatter).
+    Not predicted.
 ``buffers``
-    module buffers (RoPE tables) and communication buffers: parameters and gradients held beyond
-    what the rank keeps and steps with (FSDP's gathered parameters, the whole gradients FSDP and
-    ZeRO-1 reduce-scatter).
+    module buffers (RoPE tables) and the parameters held beyond the rank's own shards (FSDP's
+    gathered parameters).
 
 The same measurement runs on a real process group with real tensors (:func:`measure_step`, what the
 tests compare the fake run with). Fake tensors carry no values: every scalar the step reads back is 0
@@ -265,10 +266,9 @@ def _components(
         # beside their log-softmax at the loss) beyond what it keeps.
         "temporaries": peak.get("Temp", 0)
         + max(0, peak.get("Optstate", 0) - optimizer)
-        + max(0, peak.get("Activation", 0) - kept),
-        "buffers": peak.get("Buffer", 0)
-        + max(0, peak.get("Parameter", 0) - params)
+        + max(0, peak.get("Activation", 0) - kept)
         + max(0, peak.get("Gradient", 0) - grads),
+        "buffers": peak.get("Buffer", 0) + max(0, peak.get("Parameter", 0) - params),
     }
 
 
@@ -353,7 +353,7 @@ def check_rank(config: Config, nproc: int, nnodes: int, rank: int) -> RankCheck:
         "optimizer": plan.optimizer_bytes,
         "activations": plan.activations_bytes,
         "temporaries": None,  # not predicted
-        "buffers": plan.gathered_bytes,
+        "buffers": plan.gathered_bytes + plan.buffers_bytes,
     }
     result.components = {
         k: {"predicted": predicted[k], "checked": measured["components"][k]} for k in COMPONENTS

@@ -129,6 +129,7 @@ class StepPlan:
     optimizer_bytes: int
     activations_bytes: int
     gathered_bytes: int = 0  # unsharded parameters held at the peak (FSDP all-gather buffers)
+    buffers_bytes: int = 0  # module buffers: the RoPE tables of each pipeline stage the rank holds
     # Host memory, not in total_bytes: DiLoCo's outer state (pinned with a GPU).
     host_bytes: int = 0
     comm_bytes: dict[str, int] = field(
@@ -147,7 +148,7 @@ class StepPlan:
 
     @property
     def total_bytes(self) -> int:
-        return self.state_bytes + self.activations_bytes + self.gathered_bytes
+        return self.state_bytes + self.activations_bytes + self.gathered_bytes + self.buffers_bytes
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -160,6 +161,7 @@ class StepPlan:
                 "optimizer_bytes": self.optimizer_bytes,
                 "activations_bytes": self.activations_bytes,
                 "gathered_bytes": self.gathered_bytes,
+                "buffers_bytes": self.buffers_bytes,
                 "host_bytes": self.host_bytes,
                 "total_bytes": self.total_bytes,
             },
@@ -434,6 +436,9 @@ def _plan_rank(
         no_blocks = rank_model.model_copy(update={"n_layers": 0})
         loss_part = activation_bytes(no_blocks, tokens, t.precision, ac, split, True, half_params)
     plan.activations_bytes = max(kept, kept - loss_part + recompute)
+    # RoPE's cos and sin tables (float32, max_seq_len x head_dim / 2 each) in every stage's module.
+    m = config.model
+    plan.buffers_bytes = len(part.stages) * 2 * m.max_seq_len * (m.dim // m.n_heads // 2) * FP32
     comm: dict[str, int] = {}
     groups: dict[str, int] = {}
     if dims.fsdp_enabled:  # within each replica of DiLoCo's
@@ -610,10 +615,13 @@ def _fsdp_comm(
         units: dict[str, int] = {}
         for s in shapes:
             units[s.group] = units.get(s.group, 0) + s.padded_numel(shard) * param_bytes
-        largest = sorted(units.values(), reverse=True)
-        # full: the unit in use plus the one prefetched; shard_grad_op: every unit stays gathered from
-        # its forward to its backward, so at the peak the whole model is unsharded.
-        peak = sum(largest[:2]) if p.sharding == "full" else sum(largest)
+        root = units.pop("root", 0)
+        # full: the root unit (embedding, final norm, output), which stays gathered from its forward
+        # to its backward, and the largest block in use; shard_grad_op: every unit stays gathered
+        # from its forward to its backward, so at the peak the whole model is unsharded (as
+        # `dtlab plan --check` counts them; a block prefetched for backward is a temporary there).
+        blocks = sorted(units.values(), reverse=True)
+        peak = root + (blocks[0] if blocks else 0) if p.sharding == "full" else root + sum(blocks)
         # Per micro-batch every FSDP unit is gathered for forward and, when resharded after forward
         # (full), again for backward; gradients are reduce-scattered once, on the last micro-batch.
         # A pipeline stage keeps its units gathered from its first backward to its last (the
