@@ -40,7 +40,8 @@ ACTIVATIONS_DIFFER = {"tp:2 sp selective AC"}
 
 @pytest.mark.parametrize("layout", list(CHECKED))
 def test_the_state_and_the_collectives_of_the_plan_are_the_checked_ones(layout: str) -> None:
-    """Parameters and optimizer state to the byte, activations (fp32, no checkpointing) within 1%,
+    """Parameters, optimizer state and buffers (FSDP's gathered parameters, RoPE's tables) to the
+    byte, activations (fp32, no checkpointing) within 1%,
     and the bytes sent per step within 0.5%: what the plan predicts is what the real code holds and
     sends (the 0.5%: the loss-parallel cross-entropy's all-reduces, which the counter cannot see)."""
     nproc, overrides = CHECKED[layout]
@@ -48,7 +49,7 @@ def test_the_state_and_the_collectives_of_the_plan_are_the_checked_ones(layout: 
     r = check_rank(config, nproc, 1, nproc - 1)
     assert r.skipped is None
     c = r.components
-    for name in ("params", "optimizer"):
+    for name in ("params", "optimizer", "buffers"):
         assert c[name]["predicted"] == c[name]["checked"] > 0, (name, c[name])
     act = c["activations"]
     close = abs(act["predicted"] - act["checked"]) <= 0.01 * act["checked"]
@@ -130,6 +131,7 @@ def test_cli_refuses_ranks_outside_the_world_and_ranks_without_check() -> None:
 
 REAL = {
     "fsdp:2": (2, ["parallel.strategy=fsdp"]),
+    "fsdp:2 no_shard": (2, ["parallel.strategy=fsdp", "parallel.sharding=no_shard"]),
     "zero-1:2": (2, ["parallel.strategy=ddp", "parallel.sharding=optimizer"]),
     "tp:2": (2, ["parallel.tp=2"]),
     "hsdp:2x2": (4, ["parallel.strategy=hsdp", "parallel.replicate=2"]),

@@ -600,7 +600,7 @@ def _fsdp_comm(
     groups: dict[str, int],
 ) -> int:
     """FSDP's collectives per step into ``comm`` (bytes) and ``groups`` (ranks in each); returns the
-    bytes of parameters gathered at the peak (0 without sharding)."""
+    bytes of parameters gathered at the peak."""
     p = config.parallel
     replicate, shard = dims.dp_replicate, dims.dp_shard
     # Parameters are gathered in the training precision: under bf16/fp16 each rank casts its float32
@@ -610,18 +610,18 @@ def _fsdp_comm(
     grad_bytes = 2 if p.compression in ("fp16", "bf16") else FP32
     elements = sum(s.padded_numel(shard) for s in shapes)
     gathered = elements * param_bytes
-    peak = 0
+    units: dict[str, int] = {}
+    for s in shapes:
+        units[s.group] = units.get(s.group, 0) + s.padded_numel(shard) * param_bytes
+    root = units.pop("root", 0)
+    # full: the root unit (embedding, final norm, output), which stays gathered from its forward to
+    # its backward, and the largest block in use; shard_grad_op and no_shard: every unit stays
+    # gathered from its forward to its backward, so at the peak the whole model is unsharded. FSDP2
+    # gathers into buffers of its own even over one shard (no_shard: a second copy of the model).
+    # As `dtlab plan --check` counts them (a block prefetched for backward is a temporary there).
+    blocks = sorted(units.values(), reverse=True)
+    peak = root + (blocks[0] if blocks else 0) if p.sharding == "full" else root + sum(blocks)
     if shard > 1:
-        units: dict[str, int] = {}
-        for s in shapes:
-            units[s.group] = units.get(s.group, 0) + s.padded_numel(shard) * param_bytes
-        root = units.pop("root", 0)
-        # full: the root unit (embedding, final norm, output), which stays gathered from its forward
-        # to its backward, and the largest block in use; shard_grad_op: every unit stays gathered
-        # from its forward to its backward, so at the peak the whole model is unsharded (as
-        # `dtlab plan --check` counts them; a block prefetched for backward is a temporary there).
-        blocks = sorted(units.values(), reverse=True)
-        peak = root + (blocks[0] if blocks else 0) if p.sharding == "full" else root + sum(blocks)
         # Per micro-batch every FSDP unit is gathered for forward and, when resharded after forward
         # (full), again for backward; gradients are reduce-scattered once, on the last micro-batch.
         # A pipeline stage keeps its units gathered from its first backward to its last (the
