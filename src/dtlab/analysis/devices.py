@@ -35,6 +35,11 @@ class DeviceProfile:
     intra_node_source: str = "looked up: vendor datasheet (NVLink, per direction)"
     inter_node_source: str = "assumed: one 400 Gb/s NIC per GPU"
 
+    @property
+    def kind(self) -> str:
+        """The device type its ranks run on: "cpu" for this machine measured, "cuda" for a GPU."""
+        return "cpu" if self.key == "this" else "cuda"
+
 
 _NIC200 = "assumed: one 200 Gb/s NIC per GPU"
 _NIC100 = "assumed: one 100 Gb/s NIC per GPU"

@@ -234,7 +234,7 @@ def plan(
     precision = config.train.precision
     ac = config.train.activation_checkpointing
     peak = device.peak_tflops.get(precision)
-    kind = "cpu" if device.key == "this" else "cuda"
+    kind = device.kind
     rate = achievable_flops(device, precision)
     shapes = param_shapes(config.model)
     rows: list[dict[str, Any]] = []
@@ -420,7 +420,7 @@ def achievable_flops(device: DeviceProfile, precision: str) -> float:
     """FLOP/s a training step reaches on ``device`` at ``precision``: ``ACHIEVABLE_FRACTION`` of its
     peak; NaN when the peak is unknown."""
     peak = device.peak_tflops.get(precision)
-    kind = "cpu" if device.key == "this" else "cuda"
+    kind = device.kind
     return peak * 1e12 * ACHIEVABLE_FRACTION[kind] if peak else float("nan")
 
 
@@ -450,7 +450,7 @@ def _row(
     world = nproc * nnodes
     dims = ParallelDims.from_config(cfg, world)
     # The devices' kind decides the attention kernel, and so part of the activations.
-    step = plan_step(cfg, world, shapes, device_type="cpu" if device.key == "this" else "cuda")
+    step = plan_step(cfg, world, shapes, device_type=device.kind)
     tokens_per_rank = cfg.train.global_batch_size * cfg.seq_len / world
     # Tensor and pipeline parallelism split the model's FLOPs over their ranks as data parallelism
     # splits the batch: per rank, the same share of the step's work. A pipeline rank also idles in the
@@ -473,7 +473,7 @@ def _row(
             or (dims.fsdp_enabled and dims.replicate_enabled and collective == "all_reduce")
         )
         comm += bus / ((device.inter_node_gbps if across else device.intra_node_gbps) * 1e9)
-    usable = memory * usable_fraction("cpu" if device.key == "this" else "cuda")
+    usable = memory * usable_fraction(device.kind)
     return PlanRow(label, step, compute, recompute, comm, step.total_bytes <= usable)
 
 
