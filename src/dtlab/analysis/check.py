@@ -169,7 +169,8 @@ def unsupported(config: Config, world: int) -> str | None:
 
 def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str, Any]:
     """Build this rank's training as a worker does and run ``steps`` optimizer steps, measuring the
-    last: components (bytes), the whole peak, and the collectives' buffers by (name, group size).
+    last: components (bytes), the whole peak, and the collectives (each one's buffer bytes, and the
+    bytes this rank sent, see :func:`_by_group`).
 
     ``d``: the rank's :class:`dtlab.parallel.dist.DistInfo`, its process group initialised (fake
     or real). ``fake``: build under fake tensors (no memory); otherwise real tensors on ``d.device``.
