@@ -494,16 +494,29 @@ def _parallelize_pipeline(model: Transformer, config: Config, d: DistInfo) -> Pa
     """This rank's pipeline stages, each parallelised, gathered into one model, and their schedule."""
     from dtlab.config import pipeline_microbatches
     from dtlab.dims import stage_ids
-    from dtlab.parallel.pipeline import build_pipeline, rank_model, split_model
+    from dtlab.parallel.pipeline import build_pipeline, rank_model, split_model, stage_io
 
     dims, p = d.dims, config.parallel
     n_stages = dims.pp * p.stages_per_rank
     ids = stage_ids(dims.coordinates(d.rank)["pp"], dims.pp, p.stages_per_rank, p.pp_schedule)
     stages = split_model(model.args, ids, n_stages)
     wrapped = [_parallelize_one(stage, config, d)[0] for stage in stages]
+    n_micro = pipeline_microbatches(config, dims.dp)
+    # Every stage's inputs and outputs are known from the config: the residual stream is in the
+    # embedding's dtype (half precision only where FSDP gathers half-precision weights: float32 +
+    # an autocast bf16 block output is float32), a sequence shard under sequence parallelism.
+    half = HALF_PRECISION.get(config.train.precision)
+    shapes = [
+        stage_io(
+            model.args, sid, n_stages, config.train.global_batch_size // (dims.dp * n_micro),
+            config.seq_len, fsdp_param_dtype(config) or torch.float32, half or torch.float32,
+            seq_shard=dims.tp if p.sequence_parallel else 1, vocab_shard=dims.tp,
+        )
+        for sid in ids
+    ]  # fmt: skip
     pipeline = build_pipeline(
-        wrapped, ids, n_stages, p.pp_schedule, pipeline_microbatches(config, dims.dp),
-        dims.mesh(d.device.type, "pp"), d.device,
+        wrapped, ids, n_stages, p.pp_schedule, n_micro, dims.mesh(d.device.type, "pp"), d.device,
+        shapes,
     )  # fmt: skip
     whole = rank_model(model.args, stages)
     return ParallelModel(whole, whole, dims, CompressionState(p.compression), pipeline)

@@ -127,6 +127,48 @@ class Pipeline:
         return torch.stack(local).mean()
 
 
+StageIO = tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]
+
+
+def stage_io(
+    args: ModelArgs,
+    sid: int,
+    n_stages: int,
+    microbatch: int,
+    seq_len: int,
+    stream_dtype: torch.dtype,
+    logits_dtype: torch.dtype,
+    seq_shard: int = 1,
+    vocab_shard: int = 1,
+) -> StageIO:
+    """Stage ``sid``'s inputs and outputs for one micro-batch of ``microbatch`` sequences, as meta
+    tensors (shapes and dtypes): the tokens [B, T] (int64) into the first stage, the residual
+    stream [B, T / seq_shard, dim] in ``stream_dtype`` between stages (a sequence shard under
+    sequence parallelism), the logits [B, T, vocab / vocab_shard] out of the last.
+
+    Given to each :class:`PipelineStage`, they spare the first step its shape inference, a message
+    from each stage to the next (and back) before any micro-batch runs. The last stage's logits
+    are never sent (only their number matters to the schedule)."""
+    meta = torch.device("meta")
+    # requires_grad: a stage sends its input's gradient back, and receives its output's.
+    stream = torch.empty(
+        microbatch, seq_len // seq_shard, args.dim, dtype=stream_dtype, device=meta,
+        requires_grad=True,
+    )  # fmt: skip
+    if sid == 0:
+        inputs = torch.empty(microbatch, seq_len, dtype=torch.int64, device=meta)
+    else:
+        inputs = stream
+    if sid == n_stages - 1:
+        vocab = args.vocab_size // vocab_shard
+        outputs = torch.empty(
+            microbatch, seq_len, vocab, dtype=logits_dtype, device=meta, requires_grad=True
+        )
+    else:
+        outputs = stream
+    return (inputs,), (outputs,)
+
+
 def build_pipeline(
     stages: list[nn.Module],
     ids: list[int],
@@ -135,13 +177,18 @@ def build_pipeline(
     n_microbatches: int,
     mesh: DeviceMesh,
     device: torch.device,
+    shapes: list[StageIO] | None = None,
 ) -> Pipeline:
     """The schedule over this rank's (wrapped) stage modules ``stages``, numbered ``ids``, on the
-    pipeline dimension ``mesh``."""
+    pipeline dimension ``mesh``. ``shapes``: each stage's inputs and outputs (:func:`stage_io`),
+    where known; without them the stages learn them from each other at the first step."""
     group = mesh.get_group()
+    io: list[StageIO | tuple[None, None]] = list(shapes) if shapes else [(None, None)] * len(ids)
     pipeline_stages = [
-        PipelineStage(module, sid, n_stages, device, group=group)
-        for module, sid in zip(stages, ids, strict=True)
+        PipelineStage(
+            module, sid, n_stages, device, input_args=inputs, output_args=outputs, group=group
+        )
+        for module, sid, (inputs, outputs) in zip(stages, ids, io, strict=True)
     ]
     cls: Any = SCHEDULES[schedule]
     pipeline = Pipeline(
