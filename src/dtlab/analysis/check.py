@@ -33,6 +33,15 @@ The components, per rank:
 The same measurement runs on a real process group with real tensors (:func:`measure_step`, what the
 tests compare the fake run with). Fake tensors carry no values: every scalar the step reads back is 0
 (a finite loss and norm), so the step takes the path a healthy step takes.
+
+Layouts checked: single, FSDP (every sharding), HSDP, ZeRO-1, tensor and sequence parallelism, and
+pipelines (gpipe, 1f1b, interleaved_1f1b, looped_bfs; the layouts above within each stage). A pipeline rank builds its
+stages as a worker does, each with its inputs' and outputs' shapes
+(:func:`dtlab.parallel.pipeline.stage_io`), so no stage waits on a message its neighbour would send;
+its sends are counted as collectives (``send/recv``), its receives are fake tensors of the right
+shape, and the schedule's vote on those shapes, a message too, is this rank's own (every rank builds
+its stages alike). Not checked (:func:`unsupported` says why): DDP, DiLoCo and the zero-bubble
+schedules.
 """
 
 from __future__ import annotations
@@ -101,7 +110,9 @@ class _Peaks(MemTracker):
 
     def current(self) -> dict[str, int]:
         out: dict[str, int] = {}
-        for snap in self._curr_mem_snap.values():
+        for device, snap in self._curr_mem_snap.items():
+            if device.type == "meta":  # no memory: a pipeline rank's frame over its stages
+                continue
             for kind, n in snap.items():
                 out[_kind(kind)] = out.get(_kind(kind), 0) + n
         return out
@@ -112,6 +123,17 @@ class _Peaks(MemTracker):
             if set(self._mod_tracker.parents) - {name} == {"Global"}:  # the next micro-batch
                 self.reset_mod_stats()
         super()._pre_fw_hook(module, inputs)
+
+    # A module's statistics are reset at the next micro-batch's forward; under a pipeline schedule
+    # an earlier micro-batch's (or another stage's) backward can come after it. Only the step's
+    # peaks are read here, so a module without statistics is passed over.
+    def _pre_bw_hook(self, module: Any, args: Any) -> None:
+        if module in self.memory_tracking:
+            super()._pre_bw_hook(module, args)
+
+    def _post_bw_hook(self, module: Any, args: Any) -> None:
+        if module in self.memory_tracking:
+            super()._post_bw_hook(module, args)
 
     def _update_peak_stats(self, peak_state: _State) -> None:
         # Not MemTracker's own: it walks every module's statistics at every op (minutes for an
@@ -130,15 +152,18 @@ def _kind(kind: _RefType | str) -> str:
 
 
 class _FakeRun(TorchDispatchMode):
-    """Above fake tensors: an op on real tensors only (a device mesh's rank map) runs for real, and a
-    fake scalar read back (``.item()``, ``.tolist()``) is 0."""
+    """Above fake tensors: an op on real tensors only (a device mesh's rank map) or making a tensor on
+    the meta device runs for real, and a fake scalar read back (``.item()``, ``.tolist()``) is 0."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
         kwargs = kwargs or {}
         tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-        if tensors and not any(isinstance(a, FakeTensor) for a in tensors):
+        # A tensor made on the meta device (a pipeline stage's model, built in the step) is made as
+        # outside the check: a fake meta parameter cannot be moved to a device (to_empty) later.
+        made_on_meta = not tensors and str(kwargs.get("device")) == "meta"
+        if made_on_meta or (tensors and not any(isinstance(a, FakeTensor) for a in tensors)):
             with unset_fake_temporarily():
                 return func(*args, **kwargs)
         if func is torch.ops.aten._local_scalar_dense.default:
@@ -157,10 +182,11 @@ def unsupported(config: Config, world: int) -> str | None:
             "expects a tensor back from every gradient all-reduce, which fake tensors and the fake "
             "process group do not give"
         )
-    if dims.pp_enabled:
+    if dims.pp_enabled and config.parallel.pp_schedule in ("interleaved_zb", "zbv", "dualpipev"):
         return (
-            "pipeline layouts are not checked: each stage learns its input shapes from its "
-            "neighbour at the first step, a message the fake process group does not carry"
+            f"parallel.pp_schedule = {config.parallel.pp_schedule!r} is not checked: its backward "
+            "splits into input and weight gradients (torch.autograd.grad), under which torch's "
+            "MemTracker's module hooks fail; checked: gpipe, 1f1b, interleaved_1f1b, looped_bfs"
         )
     if config.parallel.diloco.inner_steps:
         return "DiLoCo is not checked: its outer state is in host memory, outside the step"
@@ -203,6 +229,8 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
             stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
             stack.enter_context(_FakeRun())
         pm = parallelize(model, config, d)
+        if fake and pm.pipeline is not None:
+            _vote_here(pm.pipeline.schedule)
         optimizer = build_optimizer(pm.optimized, config.train)
         scheduler = build_scheduler(optimizer, config.train)
         scaler = LossScaler(config.train.precision == "fp16")
@@ -232,6 +260,27 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
         "collectives": _by_group(counter),
         "seconds": seconds,
     }
+
+
+def _vote_here(schedule: Any) -> None:
+    """Let ``schedule`` settle its stages' vote without messages. At its first step every stage
+    votes whether all stages know their shapes (static) or must infer them from each other
+    (dynamic), a product passed from stage to stage and back, which the fake process group does not
+    carry (a received vote reads 0: dynamic). Every rank builds its stages as this one does, with
+    their shapes (:func:`dtlab.parallel.pipeline.stage_io`), so the outcome is this rank's own vote.
+    """
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    def vote(stages: list[Any], has_backward: bool, p2p_done: bool) -> None:
+        for stage in stages:
+            if InferenceMode.needs_dynamic(stage._user_meta, has_backward):
+                raise RuntimeError(
+                    f"pipeline stage {stage.stage_index} was built without its shapes: it would "
+                    "learn them from its neighbour, a message the fake process group does not carry"
+                )
+            stage._inference_mode = InferenceMode.STATIC
+
+    schedule._warmup_p2p = vote
 
 
 def _grad_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -336,6 +385,7 @@ def check_rank(config: Config, nproc: int, nnodes: int, rank: int) -> RankCheck:
     """Rank ``rank`` of ``nproc x nnodes`` ranks, checked in this process (fake group, fake tensors),
     beside its analytic plan."""
     from dtlab.analysis.model import plan_step
+    from dtlab.dims import ParallelDims
 
     world = nproc * nnodes
     result = RankCheck(rank)
@@ -347,7 +397,11 @@ def check_rank(config: Config, nproc: int, nnodes: int, rank: int) -> RankCheck:
         result.skipped = reason
         return result
     measured = measure_fake(config, nproc, nnodes, rank)
-    plan = plan_step(config, world)
+    dims = ParallelDims.from_config(config, world)
+    # A pipeline rank's own stages (the plan's default is the rank that needs the most memory).
+    plan = plan_step(
+        config, world, pp_rank=dims.coordinates(rank)["pp"] if dims.pp_enabled else None
+    )
     predicted = {
         "params": plan.params_bytes,
         "grads": plan.grads_bytes,
@@ -394,7 +448,8 @@ def choose_config(
 
 
 def default_ranks(world: int) -> list[int]:
-    """The ranks checked when none are named: the first and the last."""
+    """The ranks checked when none are named: the first and the last (with pipeline parallelism,
+    one of the first stage and one of the last: the pipeline is the mesh's outermost dimension)."""
     return sorted({0, world - 1})
 
 

@@ -421,8 +421,14 @@ def _plan_rank(
     # What the attention kernel that runs on this device keeps beyond the fused kernel's figure above.
     kernel = attention_kernel(config.model, t.precision, device_type)
     ac, seq_len = t.activation_checkpointing, config.seq_len
-    kept = (act + kernel_bytes(rank_model, tokens, seq_len, t.precision, ac, kernel, split)) * (
-        _in_flight(config, dims, accum)
+    flight = _in_flight(config, dims, accum, pp_rank)
+    # Autocast's half-precision weight copies are made once per autocast region: a pipeline's
+    # step runs all its micro-batches in one, so the micro-batches in flight share them.
+    copies = activation_bytes(rank_model, 0, t.precision, ac, split, part.last, half_params) - 8
+    kept = (
+        (act + kernel_bytes(rank_model, tokens, seq_len, t.precision, ac, kernel, split)) * flight
+        - copies * (flight - 1)
+        + _pipeline_bytes(config, dims, part, tokens, accum, pp_rank)
     )
     recompute = recompute_bytes(
         config.model, tokens, t.precision, ac, split, half_params
@@ -476,15 +482,52 @@ def fsdp_half_params(config: Config, dims: ParallelDims) -> bool:
     return dims.fsdp_enabled and sharded and config.train.precision in ("bf16", "fp16")
 
 
-def _in_flight(config: Config, dims: ParallelDims, microbatches: int) -> int:
+def _in_flight(config: Config, dims: ParallelDims, microbatches: int, pp_rank: int = 0) -> int:
     """Micro-batches whose activations a pipeline rank holds at once: all of them under GPipe and
-    looped BFS (every forward before any backward), at most ``pp`` under the 1F1B family; 1 without
-    pipeline parallelism (accumulation frees each micro-batch's activations in its backward)."""
+    looped BFS (every forward before any backward); under 1F1B ``pp - pp_rank`` (a stage runs that
+    many forwards before its first backward: the last stage one), at most ``pp`` under the other
+    schedules of its family; 1 without pipeline parallelism (accumulation frees each micro-batch's
+    activations in its backward)."""
     if not dims.pp_enabled:
         return 1
     if config.parallel.pp_schedule in ("gpipe", "looped_bfs"):
         return microbatches
+    if config.parallel.pp_schedule == "1f1b":
+        return min(microbatches, dims.pp - pp_rank)
     return min(microbatches, dims.pp)
+
+
+def _pipeline_bytes(
+    config: Config, dims: ParallelDims, part: RankPart, tokens: int, microbatches: int, pp_rank: int
+) -> int:
+    """What a pipeline rank holds at its backward peak beyond its stages' activations (measured by
+    ``dtlab plan --check``, the same in real gloo runs). torch's schedule keeps, per stage:
+
+    - a receive buffer for every micro-batch's input (all stages but the first) and for every
+      micro-batch's output gradient (all but the last), allocated at the first step and kept; an
+      in-flight micro-batch's input buffer is its first block's input, already counted;
+    - each in-flight micro-batch's output (all but the last stage: backward starts from it);
+    - the last stage's logits of every micro-batch, kept to the step's end (the step's merged
+      output), in the output projection's dtype, split over the vocabulary by tensor parallelism;
+
+    and the rank's whole batch, inputs and targets (int64), concatenated before the schedule splits it.
+    """
+    if not dims.pp_enabled:
+        return 0
+    m, t = config.model, config.train
+    half = t.precision in ("bf16", "fp16")
+    shard = dims.tp if config.parallel.sequence_parallel else 1
+    stream = tokens * m.dim * (2 if fsdp_half_params(config, dims) else FP32) // shard
+    flight = _in_flight(config, dims, microbatches, pp_rank)
+    held = 0
+    for sid in part.stages:
+        if sid != 0:
+            held += (microbatches - flight) * stream
+        if sid != part.n_stages - 1:
+            held += (flight + microbatches) * stream
+        else:
+            held += microbatches * tokens * (m.vocab_size // dims.tp) * (2 if half else FP32)
+    return held + 2 * microbatches * tokens * 8
 
 
 def _model_parallel_comm(
