@@ -31,6 +31,10 @@ CHECKED = {
     "tp:2 full AC": (2, ["parallel.tp=2", "train.activation_checkpointing=full"]),
     "tp:2 sp selective AC": (2, ["parallel.tp=2", "parallel.sequence_parallel=true",
                                  "train.activation_checkpointing=selective"]),
+    "pp:2 1f1b": (2, ["parallel.pp=2", "parallel.pp_schedule=1f1b"]),
+    "pp:2 gpipe": (2, ["parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.pp_microbatches=4"]),
+    "pp:2 1f1b bf16": (2, ["parallel.pp=2", "parallel.pp_schedule=1f1b", "train.precision=bf16"]),
+    "pp:2 x fsdp:2": (4, ["parallel.pp=2", "parallel.strategy=fsdp"]),
 }  # fmt: skip
 
 
@@ -66,12 +70,34 @@ def test_the_state_and_the_collectives_of_the_plan_are_the_checked_ones(layout: 
 def test_layouts_the_check_cannot_run_say_why() -> None:
     for overrides, needle in (
         (["parallel.strategy=ddp"], "DDP is not checked"),
-        (["parallel.strategy=fsdp", "parallel.pp=2"], "pipeline layouts are not checked"),
-    ):
+        (["parallel.pp=2", "parallel.pp_schedule=zbv", "model.n_layers=4"],
+         "'zbv' is not checked"),
+    ):  # fmt: skip
         config = load_config(overrides=[*SMALL, *overrides])
-        assert needle in (
-            check_rank(config, 2 if "pp" not in str(overrides) else 4, 1, 0).skipped or ""
-        )
+        assert needle in (check_rank(config, 2, 1, 0).skipped or "")
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_each_pipeline_stage_is_checked_with_its_own_plan(schedule: str) -> None:
+    """The first and the last stage of a pipeline hold different parts (the embedding; the output
+    and the logits of every micro-batch) and, under 1F1B, different micro-batches in flight: each
+    checked rank's state is its own stage's plan to the byte, its activations within 1%, and what
+    it sends (its activations forward or its gradients back) the plan's."""
+    config = load_config(
+        overrides=[*SMALL, "parallel.pp=2", f"parallel.pp_schedule={schedule}",
+                   "parallel.pp_microbatches=4"]
+    )  # fmt: skip
+    first, last = (check_rank(config, 2, 1, r) for r in (0, 1))
+    for r in (first, last):
+        assert r.skipped is None
+        for name in ("params", "grads", "optimizer", "buffers"):
+            assert r.components[name]["predicted"] == r.components[name]["checked"] > 0, name
+        act = r.components["activations"]
+        assert abs(act["predicted"] - act["checked"]) <= 0.01 * act["checked"], act
+        sends = r.by_collective["send/recv"]
+        assert sends["predicted"] == sends["checked"] > 0, sends
+    assert first.components["params"]["checked"] != last.components["params"]["checked"]
+    assert first.components["activations"]["checked"] != last.components["activations"]["checked"]
 
 
 def test_ranks_are_parsed_and_refused_with_what_is_allowed() -> None:
@@ -102,8 +128,8 @@ def test_cli_check_json_carries_predicted_and_checked_per_component() -> None:
 
 
 def test_check_runs_the_recommended_layout_or_says_why_not() -> None:
-    """--check verifies the layout the search recommends; one it cannot run (a pipeline) is named
-    with the reason, and the config as given is checked instead."""
+    """--check verifies the layout the search recommends, a pipeline too; one it cannot run (a
+    zero-bubble schedule) is named with the reason, and the config as given is checked instead."""
     fixed = ["parallel.pp=1", "parallel.tp=1", "parallel.strategy=fsdp"]
     proc = run_cli("plan", "--nproc", "4", "--check", "--json", "--set", *SMALL, *fixed)
     assert proc.returncode == 0, proc.stderr
@@ -114,9 +140,16 @@ def test_check_runs_the_recommended_layout_or_says_why_not() -> None:
     piped = run_cli("plan", "--nproc", "4", "--check", "--json", "--set", *SMALL, "parallel.pp=2",
                     "parallel.strategy=fsdp")  # fmt: skip
     assert piped.returncode == 0, piped.stderr
-    check = json.loads(piped.stdout)["check"]
+    result = json.loads(piped.stdout)
+    label = result["search"]["recommended"]["label"]
+    assert "pp 2" in label and result["check"]["layout"] == f"the recommended layout, {label}"
+    assert all("skipped" not in r for r in result["check"]["ranks"])
+    zero_bubble = run_cli("plan", "--nproc", "2", "--check", "--json", "--set", *SMALL,
+                          "parallel.pp=2", "parallel.pp_schedule=zbv", "model.n_layers=4")  # fmt: skip
+    assert zero_bubble.returncode == 0, zero_bubble.stderr
+    check = json.loads(zero_bubble.stdout)["check"]
     assert check["layout"].startswith("the config as given (the recommended")
-    assert "pipeline layouts are not checked" in check["layout"]
+    assert "'zbv' is not checked" in check["layout"]
 
 
 def test_cli_refuses_ranks_outside_the_world_and_ranks_without_check() -> None:
@@ -136,6 +169,11 @@ REAL = {
     "tp:2": (2, ["parallel.tp=2"]),
     "hsdp:2x2": (4, ["parallel.strategy=hsdp", "parallel.replicate=2"]),
     "fsdp:2xtp:2": (4, ["parallel.strategy=fsdp", "parallel.tp=2"]),
+    "pp:2 1f1b": (2, ["parallel.pp=2", "parallel.pp_schedule=1f1b"]),
+    "pp:2 gpipe": (
+        2,
+        ["parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.pp_microbatches=4"],
+    ),
 }
 
 
