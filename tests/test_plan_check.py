@@ -20,6 +20,8 @@ SMALL = ["model.preset=debug", "data.seq_len=64", "train.global_batch_size=8"]
 CHECKED = {
     "single": (1, []),
     "zero-1:4": (4, ["parallel.strategy=ddp", "parallel.sharding=optimizer"]),
+    "ddp:4": (4, ["parallel.strategy=ddp"]),
+    "ddp:4 small buckets": (4, ["parallel.strategy=ddp", "parallel.bucket_mb=0.1"]),
     "fsdp:4": (4, ["parallel.strategy=fsdp"]),
     "fsdp:4 shard_grad_op": (4, ["parallel.strategy=fsdp", "parallel.sharding=shard_grad_op"]),
     "fsdp:4 no_shard": (4, ["parallel.strategy=fsdp", "parallel.sharding=no_shard"]),
@@ -69,7 +71,8 @@ def test_the_state_and_the_collectives_of_the_plan_are_the_checked_ones(layout: 
 
 def test_layouts_the_check_cannot_run_say_why() -> None:
     for overrides, needle in (
-        (["parallel.strategy=ddp"], "DDP is not checked"),
+        (["parallel.strategy=ddp", "parallel.compression=fp16"],
+         "DDP with parallel.compression = 'fp16' is not checked"),
         (["parallel.pp=2", "parallel.pp_schedule=zbv", "model.n_layers=4"],
          "'zbv' is not checked"),
     ):  # fmt: skip
@@ -163,6 +166,7 @@ def test_cli_refuses_ranks_outside_the_world_and_ranks_without_check() -> None:
 # --- the check against real runs -----------------------------------------------------------------
 
 REAL = {
+    "ddp:2": (2, ["parallel.strategy=ddp"]),
     "fsdp:2": (2, ["parallel.strategy=fsdp"]),
     "fsdp:2 no_shard": (2, ["parallel.strategy=fsdp", "parallel.sharding=no_shard"]),
     "zero-1:2": (2, ["parallel.strategy=ddp", "parallel.sharding=optimizer"]),

@@ -34,13 +34,21 @@ The same measurement runs on a real process group with real tensors (:func:`meas
 tests compare the fake run with). Fake tensors carry no values: every scalar the step reads back is 0
 (a finite loss and norm), so the step takes the path a healthy step takes.
 
-Layouts checked: single, FSDP (every sharding), HSDP, ZeRO-1, tensor and sequence parallelism, and
-pipelines (gpipe, 1f1b, interleaved_1f1b, looped_bfs; the layouts above within each stage). A pipeline rank builds its
-stages as a worker does, each with its inputs' and outputs' shapes
-(:func:`dtlab.parallel.pipeline.stage_io`), so no stage waits on a message its neighbour would send;
-its sends are counted as collectives (``send/recv``), its receives are fake tensors of the right
-shape, and the schedule's vote on those shapes, a message too, is this rank's own (every rank builds
-its stages alike). Not checked (:func:`unsupported` says why): DDP, DiLoCo and the zero-bubble
+Layouts checked: single, DDP (without compression), ZeRO-1, FSDP (every sharding), HSDP, tensor
+and sequence parallelism, and pipelines (gpipe, 1f1b, interleaved_1f1b, looped_bfs; the layouts
+above within each stage). Where the real code waits on a message from another rank, which the fake
+process group does not carry, the check gives the answer every rank would:
+
+- a pipeline rank builds its stages as a worker does, each with its inputs' and outputs' shapes
+  (:func:`dtlab.parallel.pipeline.stage_io`), so no stage waits on its neighbour's; the schedule's
+  vote on those shapes is this rank's own (every rank builds its stages alike). Its sends are
+  counted as collectives (``send/recv``), its receives are fake tensors of the right shape;
+- DDP's check that every rank's parameters have the same shapes runs on real buffers, its buckets
+  are all-reduced as its own reducer does in a hook that hands them back at once, and their first
+  layout is kept (DDP re-orders them once, at the second step, from rank 0's order). Its buckets
+  are the gradients (``gradient_as_bucket_view``), counted once, as ``grads``.
+
+Not checked (:func:`unsupported` says why): DDP with compression, DiLoCo and the zero-bubble
 schedules.
 """
 
@@ -48,12 +56,14 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed._tools.mem_tracker import MemTracker, _RefType, _State
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _RefType, _State
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -107,6 +117,11 @@ class _Peaks(MemTracker):
         self.at_step = {}
         self.kept = 0
         self.peak_total = self.kind_peak.get("Total", 0)
+
+    def file_as_gradients(self, tensors: list[torch.Tensor]) -> None:
+        """File the storages of ``tensors`` as gradients, whatever they were filed as before."""
+        for t in tensors:
+            self._update_and_maybe_create_winfos(t, _MemRefType.GRAD)
 
     def current(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -176,11 +191,11 @@ def unsupported(config: Config, world: int) -> str | None:
     from dtlab.dims import ParallelDims
 
     dims = ParallelDims.from_config(config, world)
-    if dims.ddp_enabled and not dims.shard_optimizer:
+    if dims.ddp_enabled and not dims.shard_optimizer and config.parallel.compression != "none":
         return (
-            "DDP is not checked: its C++ reducer reads the parameters' data when it is built and "
-            "expects a tensor back from every gradient all-reduce, which fake tensors and the fake "
-            "process group do not give"
+            f"DDP with parallel.compression = {config.parallel.compression!r} is not checked: its "
+            "hook waits on the all-reduce's result, which the fake process group does not give "
+            "(DDP without compression is checked)"
         )
     if dims.pp_enabled and config.parallel.pp_schedule in ("interleaved_zb", "zbv", "dualpipev"):
         return (
@@ -201,9 +216,10 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
     ``d``: the rank's :class:`dtlab.parallel.dist.DistInfo`, its process group initialised (fake
     or real). ``fake``: build under fake tensors (no memory); otherwise real tensors on ``d.device``.
     """
-    from contextlib import ExitStack
+    from contextlib import ExitStack, nullcontext
 
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.nn.parallel import DistributedDataParallel
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     from dtlab.metrics.comm import CommCounter
@@ -228,9 +244,12 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
         if fake:
             stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
             stack.enter_context(_FakeRun())
-        pm = parallelize(model, config, d)
+        with _ddp_built_here() if fake else nullcontext():
+            pm = parallelize(model, config, d)
         if fake and pm.pipeline is not None:
             _vote_here(pm.pipeline.schedule)
+        if fake and isinstance(pm.module, DistributedDataParallel):
+            _ddp_reduced_here(pm.module)
         optimizer = build_optimizer(pm.optimized, config.train)
         scheduler = build_scheduler(optimizer, config.train)
         scaler = LossScaler(config.train.precision == "fp16")
@@ -238,16 +257,27 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
         batch = [(tokens[:, :-1], tokens[:, 1:])] * accum
         tracker.track_external(pm.module, optimizer)
 
+        # DDP's gradients are views of its buckets, which it keeps from step to step (its C++
+        # reducer holds them; the parameters' .grad is emptied between steps): filed as gradients
+        # from the measured step's start, they are counted once, as the gradients.
+        ddp = isinstance(pm.module, DistributedDataParallel)
+        buckets: list[torch.Tensor] = []
+
         # Any optimizer's step (ZeRO-1 steps an inner one): the first of the step sees the gradients.
         def before_step(opt: torch.optim.Optimizer, *_: Any) -> None:
             if not tracker.at_step:
                 tracker.at_step.update(tracker.current(), Gradient=_grad_bytes(opt))
+            if ddp:
+                grads = (p.grad for g in opt.param_groups for p in g["params"])
+                buckets[:] = [x for x in grads if x is not None]
 
         hook = register_optimizer_step_pre_hook(before_step)
         started = time.perf_counter()
         with tracker:
             for step in range(steps):
                 if step == steps - 1:
+                    tracker.file_as_gradients(buckets)
+                    buckets.clear()
                     tracker.reset_peaks()
                     stack.enter_context(counter)
                 train_step(pm, optimizer, scheduler, scaler, batch, config, d.device)
@@ -260,6 +290,50 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
         "collectives": _by_group(counter),
         "seconds": seconds,
     }
+
+
+@contextmanager
+def _ddp_built_here() -> Iterator[None]:
+    """DDP built under fake tensors. Its constructor checks that every rank's parameters have the
+    same shapes, a message whose buffer (made under the fake mode) its C++ code writes into; the
+    fake process group delivers nothing, so the check runs on real buffers here."""
+    import torch.nn.parallel.distributed as ddp_module
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    verify = ddp_module._verify_param_shape_across_processes
+
+    def on_real_buffers(*args: Any, **kwargs: Any) -> Any:
+        with unset_fake_temporarily():
+            return verify(*args, **kwargs)
+
+    ddp_module._verify_param_shape_across_processes = on_real_buffers
+    try:
+        yield
+    finally:
+        ddp_module._verify_param_shape_across_processes = verify
+
+
+def _ddp_reduced_here(ddp: Any) -> None:
+    """DDP's gradient sync under the fake process group: each bucket all-reduced as DDP's own
+    does (divided by the group's size, then summed), in a hook that hands the bucket back at once
+    (the fake group's work on a fake tensor carries no result, which DDP's C++ reducer expects); and
+    the first bucket layout kept (DDP re-orders its buckets once, at the second step, from a
+    message of rank 0's that the fake group does not carry; the layout's bytes are the same)."""
+    from dtlab.parallel.compression import _keep_bucket_layout
+
+    def allreduce(group: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer()
+        dist.all_reduce(buffer.div_(dist.get_world_size(group)), group=group)
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        done.set_result(buffer)
+        return done
+
+    # DDP checks the hook's annotations as objects (this module's are strings).
+    allreduce.__annotations__ = {
+        "group": Any, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]
+    }  # fmt: skip
+    ddp.register_comm_hook(ddp.process_group, allreduce)
+    _keep_bucket_layout(ddp)
 
 
 def _vote_here(schedule: Any) -> None:
