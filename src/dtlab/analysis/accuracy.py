@@ -22,6 +22,7 @@ BASE = ["train.precision=bf16", "train.global_batch_size={gbs}", "data.seq_len={
 
 # (preset, nproc, nnodes, layout label, overrides, seq_len, global batch, quick)
 GRID: list[tuple[str, int, int, str, list[str], int, int, bool]] = [
+    ("debug", 8, 1, "ddp", ["parallel.strategy=ddp"], 64, 16, True),
     ("debug", 8, 1, "zero-1", ["parallel.strategy=ddp", "parallel.sharding=optimizer"], 64, 16, True),
     ("debug", 8, 1, "fsdp full", ["parallel.strategy=fsdp"], 64, 16, True),
     ("debug", 8, 1, "fsdp shard_grad_op",
@@ -30,7 +31,18 @@ GRID: list[tuple[str, int, int, str, list[str], int, int, bool]] = [
     ("debug", 8, 1, "fsdp 4 x tp 2", ["parallel.strategy=fsdp", "parallel.tp=2"], 64, 16, True),
     ("debug", 8, 1, "fsdp 4 x tp 2 sp",
      ["parallel.strategy=fsdp", "parallel.tp=2", "parallel.sequence_parallel=true"], 64, 16, True),
+    ("debug", 8, 1, "fsdp 4 x pp 2 (1f1b)",
+     ["parallel.strategy=fsdp", "parallel.pp=2", "parallel.pp_schedule=1f1b"], 64, 16, True),
+    ("debug", 8, 1, "fsdp 4 x pp 2 (gpipe)",
+     ["parallel.strategy=fsdp", "parallel.pp=2", "parallel.pp_schedule=gpipe",
+      "parallel.pp_microbatches=4"], 64, 16, True),
+    ("debug", 8, 1, "fsdp 2 x tp 2 x pp 2 (1f1b)",
+     ["parallel.strategy=fsdp", "parallel.tp=2", "parallel.pp=2", "parallel.pp_schedule=1f1b"],
+     64, 16, True),
     ("llama3.2-1b", 8, 1, "fsdp full", ["parallel.strategy=fsdp"], 2048, 8, False),
+    ("llama3.2-1b", 8, 1, "ddp", ["parallel.strategy=ddp"], 2048, 8, False),
+    ("llama3.2-1b", 8, 1, "fsdp 2 x pp 4 (1f1b)",
+     ["parallel.strategy=fsdp", "parallel.pp=4", "parallel.pp_schedule=1f1b"], 2048, 8, False),
     ("llama3.2-1b", 8, 1, "zero-1", ["parallel.strategy=ddp", "parallel.sharding=optimizer"],
      2048, 8, False),
     ("llama3.2-1b", 8, 8, "hsdp 8x8", ["parallel.strategy=hsdp", "parallel.replicate=8"],
@@ -43,6 +55,9 @@ GRID: list[tuple[str, int, int, str, list[str], int, int, bool]] = [
     ("llama3.1-70b", 8, 128, "fsdp 128 x tp 8, full AC",
      ["parallel.strategy=fsdp", "parallel.tp=8", "train.activation_checkpointing=full"],
      8192, 128, False),
+    ("llama3.1-70b", 8, 128, "fsdp 32 x tp 8 x pp 4 (1f1b), full AC",
+     ["parallel.strategy=fsdp", "parallel.tp=8", "parallel.pp=4", "parallel.pp_schedule=1f1b",
+      "train.activation_checkpointing=full"], 8192, 128, False),
 ]  # fmt: skip
 
 
@@ -55,29 +70,45 @@ def _err(p: int | None, c: int) -> str:
 
 
 def run(quick: bool) -> list[dict[str, Any]]:
-    """Check rank 0 of every row of the grid; returns the rows with their figures."""
+    """Check rank 0 of every row of the grid, and of a pipeline also the last rank (the last
+    stage: the output, the logits); returns the rows with their figures."""
     rows = []
     for preset, nproc, nnodes, label, extra, seq, gbs, small in GRID:
         if quick and not small:
             continue
         base = [b.format(gbs=gbs, seq=seq) for b in BASE]
         config = load_config(overrides=[f"model.preset={preset}", *base, *extra])
-        started = time.perf_counter()
-        r = check_rank(config, nproc, nnodes, 0)
-        rows.append(
-            {
-                "preset": preset,
-                "world": nproc * nnodes,
-                "layout": label,
-                "overrides": extra,
-                "seq_len": seq,
-                "global_batch_size": gbs,
-                "seconds": round(time.perf_counter() - started, 1),
-                **r.as_dict(),
-            }
-        )
-        print(f"  {preset} x {nproc * nnodes} {label}: {rows[-1]['seconds']} s", file=sys.stderr)
+        world = nproc * nnodes
+        pipeline = config.parallel.pp > 1
+        for rank in (0, world - 1) if pipeline else (0,):
+            started = time.perf_counter()
+            r = check_rank(config, nproc, nnodes, rank)
+            named = f"{label}, rank {rank}" if pipeline else label
+            rows.append(_row(preset, world, named, extra, seq, gbs, started, r.as_dict()))
+            print(f"  {preset} x {world} {named}: {rows[-1]['seconds']} s", file=sys.stderr)
     return rows
+
+
+def _row(
+    preset: str,
+    world: int,
+    label: str,
+    extra: list[str],
+    seq: int,
+    gbs: int,
+    started: float,
+    checked: dict[str, Any],
+) -> dict[str, Any]:
+    return {
+        "preset": preset,
+        "world": world,
+        "layout": label,
+        "overrides": extra,
+        "seq_len": seq,
+        "global_batch_size": gbs,
+        "seconds": round(time.perf_counter() - started, 1),
+        **checked,
+    }
 
 
 def table(rows: list[dict[str, Any]]) -> str:

@@ -504,8 +504,9 @@ def _pipeline_bytes(
     ``dtlab plan --check``, the same in real gloo runs). torch's schedule keeps, per stage:
 
     - a receive buffer for every micro-batch's input (all stages but the first) and for every
-      micro-batch's output gradient (all but the last), allocated at the first step and kept; an
-      in-flight micro-batch's input buffer is its first block's input, already counted;
+      micro-batch's output gradient (all but the last), allocated at the first step and kept; in
+      float32 an in-flight micro-batch's input buffer is its first block's input, already counted
+      (its norm keeps it), in half precision not (the norm keeps a float32 copy);
     - each in-flight micro-batch's output (all but the last stage: backward starts from it);
     - the last stage's logits of every micro-batch, kept to the step's end (the step's merged
       output), in the output projection's dtype, split over the vocabulary by tensor parallelism;
@@ -517,12 +518,13 @@ def _pipeline_bytes(
     m, t = config.model, config.train
     half = t.precision in ("bf16", "fp16")
     shard = dims.tp if config.parallel.sequence_parallel else 1
-    stream = tokens * m.dim * (2 if fsdp_half_params(config, dims) else FP32) // shard
+    half_stream = fsdp_half_params(config, dims)
+    stream = tokens * m.dim * (2 if half_stream else FP32) // shard
     flight = _in_flight(config, dims, microbatches, pp_rank)
     held = 0
     for sid in part.stages:
         if sid != 0:
-            held += (microbatches - flight) * stream
+            held += (microbatches - (0 if half_stream else flight)) * stream
         if sid != part.n_stages - 1:
             held += (flight + microbatches) * stream
         else:
