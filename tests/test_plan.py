@@ -163,9 +163,9 @@ def _rank_params(overrides: list[str], world: int) -> int:
 
 def test_plan_splits_the_model_over_tensor_and_pipeline_ranks() -> None:
     """Tensor parallelism halves every matrix (the norms stay whole); pipeline parallelism holds a
-    stage's blocks, and the plan reports the rank that needs the most: here the last stage of the
-    tiny model (2 of 4 blocks + final norm + output; the first has the embedding, of the output's size,
-    and no norm)."""
+    stage's blocks, and the plan reports the rank that needs the most: here, under GPipe (every
+    stage holds every micro-batch), the last stage of the tiny model (2 of 4 blocks + final norm +
+    output + the logits; the first has the embedding, of the output's size, and no norm)."""
     model = build_model(load_config(overrides=["model.preset=tiny"]).model)
     total = sum(p.numel() for p in model.parameters())
     norms = sum(p.numel() for p in model.parameters() if p.ndim == 1)
@@ -175,7 +175,7 @@ def test_plan_splits_the_model_over_tensor_and_pipeline_ranks() -> None:
         p.numel() for n, p in model.named_parameters()
         if n.startswith(("layers.2.", "layers.3.", "norm.", "output."))
     )  # fmt: skip
-    assert _rank_params(["parallel.pp=2"], 2) == 4 * last
+    assert _rank_params(["parallel.pp=2", "parallel.pp_schedule=gpipe"], 2) == 4 * last
 
 
 def test_plan_counts_tensor_and_pipeline_traffic() -> None:

@@ -146,6 +146,11 @@ def recompute_bytes(
         return activation_bytes(one, tokens, precision, mode, split, half_params=half_params)
 
     block = act("none") - act("full")
+    if half_params and precision in ("bf16", "fp16"):
+        # In float32 the block's first norm keeps the block's input itself, which checkpointing
+        # kept already (subtracted above with the rest of act("full")); on half-precision
+        # parameters it keeps a float32 copy, and the recomputation holds the input beside it.
+        block += tokens * model_cfg.dim * 2 // split.seq
     if ac == "selective":
         block -= act("selective") - act("full")
     return block

@@ -666,6 +666,11 @@ def _fsdp_comm(
     # As `dtlab plan --check` counts them (a block prefetched for backward is a temporary there).
     blocks = sorted(units.values(), reverse=True)
     peak = root + (blocks[0] if blocks else 0) if p.sharding == "full" else root + sum(blocks)
+    if dims.pp_enabled and accum > 1:
+        # A pipeline schedule turns resharding after backward off for every micro-batch but the
+        # last: from its first backward each unit of the stage stays gathered, all of them at the
+        # last micro-batch's backward (the 70B's 20-block stage: 4.3 GiB, not 2 units' 0.5 GiB).
+        peak = root + sum(blocks)
     if shard > 1:
         # Per micro-batch every FSDP unit is gathered for forward and, when resharded after forward
         # (full), again for backward; gradients are reduce-scattered once, on the last micro-batch.
