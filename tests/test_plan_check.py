@@ -37,6 +37,10 @@ CHECKED = {
     "pp:2 gpipe": (2, ["parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.pp_microbatches=4"]),
     "pp:2 1f1b bf16": (2, ["parallel.pp=2", "parallel.pp_schedule=1f1b", "train.precision=bf16"]),
     "pp:2 x fsdp:2": (4, ["parallel.pp=2", "parallel.strategy=fsdp"]),
+    "pp:2 interleaved_1f1b": (2, ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
+                                  "model.n_layers=4", "parallel.pp_microbatches=4"]),
+    "pp:2 looped_bfs": (2, ["parallel.pp=2", "parallel.pp_schedule=looped_bfs", "model.n_layers=4",
+                            "parallel.pp_microbatches=4"]),
 }  # fmt: skip
 
 

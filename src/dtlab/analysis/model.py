@@ -430,6 +430,9 @@ def _plan_rank(
         - copies * (flight - 1)
         + _pipeline_bytes(config, dims, part, tokens, accum, pp_rank)
     )
+    order = schedule_order(config.parallel.pp_schedule, dims.pp, len(part.stages), accum, pp_rank)
+    if dims.pp_enabled and order is not None:
+        kept = _pipeline_kept(config, dims, part, tokens, accum, order, kernel, device_type)
     recompute = recompute_bytes(
         config.model, tokens, t.precision, ac, split, half_params
     ) + kernel_recompute_bytes(config.model, tokens, seq_len, t.precision, ac, kernel, split)
@@ -441,6 +444,14 @@ def _plan_rank(
     if recompute and part.last:
         no_blocks = rank_model.model_copy(update={"n_layers": 0})
         loss_part = activation_bytes(no_blocks, tokens, t.precision, ac, split, True, half_params)
+    if (
+        dims.pp_enabled
+        and order is not None
+        and t.precision in ("bf16", "fp16")
+        and not half_params
+    ):
+        # The recomputed block's weight copies are autocast's, kept since its forward (above).
+        recompute -= 2 * block_matmul_params(config.model) // dims.tp if ac == "full" else 0
     plan.activations_bytes = max(kept, kept - loss_part + recompute)
     # RoPE's cos and sin tables (float32, max_seq_len x head_dim / 2 each) in every stage's module.
     m = config.model
@@ -495,6 +506,99 @@ def _in_flight(config: Config, dims: ParallelDims, microbatches: int, pp_rank: i
     if config.parallel.pp_schedule == "1f1b":
         return min(microbatches, dims.pp - pp_rank)
     return min(microbatches, dims.pp)
+
+
+def schedule_order(
+    schedule: str, pp: int, per_rank: int, microbatches: int, pp_rank: int
+) -> list[tuple[str, int]] | None:
+    """Pipeline rank ``pp_rank``'s forwards and backwards in the order torch's ``schedule`` runs
+    them: ("F" or "B", the index of the rank's stage, in :func:`dtlab.dims.stage_ids`' order); None
+    for the zero-bubble schedules (their backward is split in two).
+
+    GPipe: every forward, then every backward. Looped BFS: each stage's forwards in turn, then each
+    stage's backwards in reverse. 1F1B: ``pp - 1 - pp_rank`` forwards, then a forward and a backward
+    at a time, then the remaining backwards. Interleaved 1F1B (torch's ``_get_warmup_ops``): rounds of
+    ``pp`` micro-batches per stage, ``(v - 1) x round + 2 (pp - 1 - pp_rank)`` forwards first."""
+    n, v = microbatches, per_rank
+    if schedule == "gpipe":
+        return [("F", 0)] * n + [("B", 0)] * n
+    if schedule == "looped_bfs":
+        fwd = [("F", i) for i in range(v) for _ in range(n)]
+        return fwd + [("B", i) for i in reversed(range(v)) for _ in range(n)]
+    if schedule == "1f1b":
+        warm = min(n, pp - 1 - pp_rank)
+        return [("F", 0)] * warm + [("F", 0), ("B", 0)] * (n - warm) + [("B", 0)] * warm
+    if schedule != "interleaved_1f1b":
+        return None
+    per_round = n // max(1, n // pp)
+    total = n * v
+    warm = min((v - 1) * per_round + 2 * (pp - 1 - pp_rank), total)
+    order: list[tuple[str, int]] = []
+    for op in range(total + warm):
+        if op < total:
+            order.append(("F", (op // per_round) % v))
+        if op >= warm:
+            order.append(("B", v - 1 - ((op - warm) // per_round) % v))
+    return order
+
+
+def _pipeline_kept(
+    config: Config,
+    dims: ParallelDims,
+    part: RankPart,
+    tokens: int,
+    microbatches: int,
+    order: list[tuple[str, int]],
+    kernel: str,
+    device_type: str,
+) -> int:
+    """The most a pipeline rank holds for backward, run through its schedule's ``order``: at each
+    backward, every stage's micro-batches in flight (forward done, backward not), each with its
+    stage's activations (and the output or the loss where the stage has them), beside what
+    :func:`_pipeline_bytes` lists, for the in-flight counts and last-stage logits of that moment;
+    autocast's weight copies once per stage (made at its first forward, kept through the step)."""
+    m, t = config.model, config.train
+    ac, seq_len = t.activation_checkpointing, config.seq_len
+    split = TPSplit(dims.tp, config.parallel.sequence_parallel)
+    half_params = fsdp_half_params(config, dims)
+    half = t.precision in ("bf16", "fp16")
+    layers = stage_layers(m.n_layers, part.n_stages)
+    per_mb, copies = [], []
+    for sid in part.stages:
+        last = sid == part.n_stages - 1
+        stage = m.model_copy(update={"n_layers": len(layers[sid])})
+        own = activation_bytes(stage, tokens, t.precision, ac, split, last, half_params)
+        weights = activation_bytes(stage, 0, t.precision, ac, split, last, half_params) - 8
+        per_mb.append(
+            own - weights + kernel_bytes(stage, tokens, seq_len, t.precision, ac, kernel, split)
+        )
+        # Every block's copies, checkpointed or not: autocast keeps them for its whole region, the
+        # step (a checkpointed block's forward makes them too).
+        copies.append(activation_bytes(stage, 0, t.precision, "none", split, last, half_params) - 8)
+    shard = dims.tp if config.parallel.sequence_parallel else 1
+    stream = tokens * m.dim * (2 if half_params else FP32) // shard
+    logits = tokens * (m.vocab_size // dims.tp) * (2 if half else FP32)
+    alive, started, outputs = [0] * len(per_mb), [False] * len(per_mb), 0
+    peak = 0
+    for kind, i in order:
+        sid = part.stages[i]
+        if kind == "F":
+            alive[i] += 1
+            started[i] = True
+            outputs += sid == part.n_stages - 1
+            continue
+        held = 2 * microbatches * tokens * 8  # the rank's batch, inputs and targets
+        for j, (n_j, s_j) in enumerate(zip(alive, part.stages, strict=True)):
+            held += n_j * per_mb[j] + (copies[j] if started[j] else 0)
+            if s_j != 0:  # receive buffers; in float32 an in-flight one is its block's input
+                held += (microbatches - (0 if half_params else n_j)) * stream
+            if s_j != part.n_stages - 1:  # outputs kept for backward, output-gradient buffers
+                held += (n_j + microbatches) * stream
+            else:  # the logits of every micro-batch so far, kept to the step's end
+                held += outputs * logits
+        peak = max(peak, held)
+        alive[i] -= 1
+    return peak
 
 
 def _pipeline_bytes(
