@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -184,7 +185,13 @@ def test_fault8_plan_this_device_says_what_is_measured_and_what_is_assumed() -> 
     assert dev["inter_node_source"].startswith("assumed"), dev
     table = format_plan(result)
     assert "(measured: gloo all-reduce of 4 MiB between 2 local processes" in table
-    assert "(assumed: the same as within this machine)" in table and "assumed: compute at" in table
+    assert "(assumed: the same as within this machine)" in table
+    # The model's own step, measured on this machine at the threads each of 2 ranks gets (2 at once:
+    # the ranks of a node share its memory bandwidth).
+    probe = dev["probe"]
+    assert probe["source"].startswith("measured: training steps of this model on 2 process(es)")
+    assert probe["threads"] == max(1, (os.cpu_count() or 1) // 2) and probe["seconds_per_token"] > 0
+    assert "step time: compute: this model's step measured on one process" in table
     # A looked-up device says so, and its network figure is an assumption.
     h100 = plan(load_config(overrides=["model.preset=debug"]), 8, 1, PROFILES["h100"], None)
     assert h100["device"]["source"].startswith("looked up")

@@ -16,8 +16,11 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from dtlab.analysis.probe import ComputeProbe
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,17 @@ class DeviceProfile:
     memory_source: str = "looked up: vendor datasheet"
     intra_node_source: str = "looked up: vendor datasheet (NVLink, per direction)"
     inter_node_source: str = "assumed: one 400 Gb/s NIC per GPU"
+    # GB/s a rank's own cores copy the bytes it sends at (a CPU's gloo; None: other engines do, a
+    # GPU's): that time cannot hide behind computation on busy cores (dtlab.analysis.steptime).
+    copy_gbps: float | None = None
+    probe: ComputeProbe | None = None  # this machine's step of the planned model, measured
+    # GB/s per rank of each collective kind among the planned ranks of one node, measured (this
+    # machine's gloo: its all-gathers and reduce-scatters are slower per byte than its all-reduce).
+    collective_gbps: dict[str, float] | None = None
+    collective_source: str = ""
+    # Seconds FSDP's and tensor parallelism's code adds per unit (block) and micro-batch on this
+    # machine's CPU (dtlab.analysis.wrappers): fsdp_unit_s, tp_block_s.
+    wrapper_s: dict[str, float] | None = None
 
     @property
     def kind(self) -> str:
@@ -169,6 +183,146 @@ def measure_loopback_gbps(
     return numel * 4 / statistics.median(times[1:]) / 1e9
 
 
+_GROUP_CHILD = """
+import datetime, sys, time, torch, torch.distributed as dist
+from torch._C._distributed_c10d import ProcessGroupGloo
+SYNC, SYNC_SIZE, SYNC_ITERS = sys.argv[8], int(sys.argv[9]), int(sys.argv[10])
+port, world, rank, numel, repeats, timeout, threads = (int(a) for a in sys.argv[1:8])
+t = datetime.timedelta(seconds=timeout)
+store = dist.TCPStore("127.0.0.1", port, world, False, timeout=t)
+opts = ProcessGroupGloo._Options()
+opts._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+opts._timeout = t
+pg = ProcessGroupGloo(store, rank, world, opts)
+full, part, other = torch.ones(numel), torch.ones(numel // world), torch.ones(numel)
+for _ in range(repeats + 1):
+    pg.allreduce([full]).wait()
+for _ in range(repeats + 1):
+    pg._allgather_base(full, part).wait()
+for _ in range(repeats + 1):
+    pg._reduce_scatter_base(part, full).wait()
+for _ in range(repeats + 1):
+    pg.alltoall_base(other, full, [], []).wait()
+exec(SYNC)
+pg.shutdown()
+"""
+# What a collective costs beyond its bytes while the ranks compute: every process multiplies
+# matrices (about a few ms each), alone and then each followed by a one-float all-reduce; the
+# difference per collective is the wait for the slowest to arrive and for its threads to run again.
+_SYNC = """
+torch.set_num_threads(threads)
+a, tiny = torch.randn(SYNC_SIZE, SYNC_SIZE), torch.ones(1)
+pg.allreduce([tiny]).wait()
+t0 = time.perf_counter()
+for _ in range(SYNC_ITERS):
+    a @ a
+alone = time.perf_counter() - t0
+pg.allreduce([tiny]).wait()
+t0 = time.perf_counter()
+for _ in range(SYNC_ITERS):
+    a @ a
+    pg.allreduce([tiny]).wait()
+both = time.perf_counter() - t0
+"""
+SYNC_SIZE, SYNC_ITERS = 768, 20
+# The collectives a step issues, timed by measure_group_gbps (in this order).
+GROUP_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+def measure_group_gbps(
+    world: int,
+    nbytes: int = 4 * 2**20,
+    repeats: int = 5,
+    timeout_s: float = 60.0,
+    threads: int = 1,
+) -> dict[str, float]:
+    """GB/s one rank sends in each gloo collective of ``GROUP_KINDS`` among ``world`` local
+    processes over loopback (this one and ``world - 1`` others, all at once, as ``world`` ranks of a
+    job on this machine share its cores): the bytes a ring algorithm sends per rank for an
+    ``nbytes`` buffer, over the median time of ``repeats`` after one warm-up. And ``sync_s``: the
+    seconds a collective costs beyond its bytes among ranks that compute at ``threads`` threads
+    each (see ``_SYNC``). Raises ``RuntimeError`` when it cannot be measured."""
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import ProcessGroupGloo
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=timeout, wait_for_workers=False)
+    numel = max(world, nbytes // 4 // world * world)
+    children = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                _GROUP_CHILD,
+                str(store.port),
+                str(world),
+                str(r),
+                str(numel),
+                str(repeats),
+                str(int(timeout_s)),
+                str(threads),
+                _SYNC,
+                str(SYNC_SIZE),
+                str(SYNC_ITERS),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(1, world)
+    ]
+    try:
+        deadline = time.monotonic() + timeout_s
+        while store.num_keys() < world:  # as measure_loopback_gbps: one key per other process
+            dead = [c for c in children if c.poll() is not None]
+            if dead:
+                err = (dead[0].stderr.read() if dead[0].stderr else "").strip().splitlines()
+                raise RuntimeError(
+                    f"a process of the group exited with {dead[0].returncode}"
+                    + (f": {err[-1]}" if err else "")
+                )
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the group did not connect within {timeout_s:.0f} s")
+            time.sleep(0.02)
+        opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        opts._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        opts._timeout = timeout
+        pg = ProcessGroupGloo(store, 0, world, opts)
+        full, part, other = torch.ones(numel), torch.ones(numel // world), torch.ones(numel)
+        calls = {
+            "all_reduce": lambda: pg.allreduce([full]),  # type: ignore[attr-defined]
+            "all_gather": lambda: pg._allgather_base(full, part),  # type: ignore[attr-defined]
+            "reduce_scatter": lambda: pg._reduce_scatter_base(part, full),  # type: ignore[attr-defined]
+            "all_to_all": lambda: pg.alltoall_base(other, full, [], []),  # type: ignore[attr-defined]
+        }
+        out = {}
+        for kind in GROUP_KINDS:
+            times = []
+            for _ in range(repeats + 1):
+                t0 = time.perf_counter()
+                calls[kind]().wait()
+                times.append(time.perf_counter() - t0)
+            ring = (2 if kind == "all_reduce" else 1) * (world - 1) / world
+            out[kind] = numel * 4 * ring / statistics.median(times[1:]) / 1e9
+        space: dict[str, Any] = {"torch": torch, "time": time, "pg": pg, "threads": threads}
+        space.update(SYNC_SIZE=SYNC_SIZE, SYNC_ITERS=SYNC_ITERS)
+        old = torch.get_num_threads()
+        try:
+            exec(_SYNC, space)
+        finally:
+            torch.set_num_threads(old)
+        out["sync_s"] = max(0.0, (space["both"] - space["alone"]) / SYNC_ITERS)
+        pg.shutdown()
+        for c in children:
+            c.wait(timeout=timeout_s)
+    finally:
+        for c in children:
+            if c.poll() is None:
+                c.kill()
+                c.wait()
+    return out
+
+
 def loopback_link(python: str | None = None) -> tuple[float, str]:
     """This machine's loopback link for ``dtlab plan --device this``: (GB/s, where it comes from),
     measured when possible, else ``ASSUMED_LOOPBACK_GBPS`` labelled assumed with the reason."""
@@ -212,7 +366,46 @@ def this_machine(precision: str, threads: int | None = None) -> DeviceProfile:
         memory_source="looked up: physical memory the OS reports",
         intra_node_source=link_source,
         inter_node_source="assumed: the same as within this machine",
+        # Over loopback the ranks' cores do the sending: the link is their copying.
+        copy_gbps=gbps,
     )
+
+
+def with_probe(device: DeviceProfile, config: Any, nproc: int) -> tuple[DeviceProfile, str | None]:
+    """``device`` (this machine) measured for ``config`` on ``nproc`` ranks: its step of the model
+    at the threads each rank gets (:mod:`dtlab.analysis.probe`) and each collective among ``nproc``
+    local processes (:func:`measure_group_gbps`); and None, or why the model was not probed (then
+    the step's compute comes from the GEMM peak)."""
+    from dataclasses import replace
+
+    from dtlab.analysis.probe import measure_probe, probe_refusal, rank_threads
+    from dtlab.analysis.wrappers import measure_wrappers
+
+    if nproc > 1:
+        nbytes, repeats = 4 * 2**20, 5
+        try:
+            rates = measure_group_gbps(nproc, nbytes, repeats, threads=rank_threads(nproc))
+            device = replace(
+                device,
+                collective_gbps=rates,
+                collective_source=f"measured: gloo among {nproc} local processes, "
+                f"{nbytes // 2**20} MiB, median of {repeats}",
+            )
+        except (RuntimeError, OSError, subprocess.SubprocessError):
+            pass  # the loopback figure stands for every collective
+    why = probe_refusal(config, cpu_memory_gib() * 2**30)
+    if why:
+        return device, why
+    threads = rank_threads(nproc)
+    # As many at once as the ranks that compute at once (the cores they fill): they share the
+    # memory bandwidth and the caches.
+    copies = max(1, min(nproc, (os.cpu_count() or 1) // threads))
+    probe = measure_probe(config, threads, copies)
+    try:
+        wrappers = measure_wrappers(config, nproc, threads)
+    except (RuntimeError, OSError, subprocess.SubprocessError):
+        wrappers = None  # the plan then counts the model's arithmetic alone
+    return replace(device, probe=probe, wrapper_s=wrappers), None
 
 
 def cpu_memory_gib() -> float:

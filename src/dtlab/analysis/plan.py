@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,7 @@ from dtlab.analysis.model import (
     predicted_bubble,
     recompute_flops_per_token,
 )
+from dtlab.analysis.probe import compute_seconds, rank_share, wrapper_seconds
 from dtlab.analysis.search import (
     SearchResult,
     command,
@@ -24,6 +26,7 @@ from dtlab.analysis.search import (
     search,
     set_args,
 )
+from dtlab.analysis.steptime import Link, collective_counts, exposed_comm, step_microbatches
 from dtlab.config import Config, check_batch_split, check_world
 from dtlab.dims import ParallelDims, layout_name
 from dtlab.errors import ConfigError
@@ -71,23 +74,26 @@ class PlanRow:
     step: StepPlan
     compute_s: float  # forward and backward, once
     recompute_s: float  # what activation checkpointing runs again in backward
-    comm_s: float
+    comm_s: float  # every collective, alone
     fits: bool
     error: str | None = None
+    exposed_s: float | None = None  # of comm_s, what the step waits for (None: all of it)
 
     @property
     def step_time_s(self) -> float:
-        """Compute, recompute and communication, assuming no overlap (an upper bound)."""
-        return self.compute_s + self.recompute_s + self.comm_s
+        """Compute, recompute and the communication the step does not hide
+        (:mod:`dtlab.analysis.steptime`)."""
+        exposed = self.comm_s if self.exposed_s is None else self.exposed_s
+        return self.compute_s + self.recompute_s + exposed
 
     def as_dict(self) -> dict[str, Any]:
         d = self.step.as_dict()
         d["label"] = self.label
         d["comm"]["time_s"] = self.comm_s
+        d["comm"]["exposed_s"] = self.comm_s if self.exposed_s is None else self.exposed_s
         d["compute_time_s"] = self.compute_s
         d["recompute_time_s"] = self.recompute_s
         d["step_time_s"] = self.step_time_s
-        d["step_time_overlapped_s"] = max(self.compute_s + self.recompute_s, self.comm_s)
         d["fits"] = self.fits
         if self.error:
             d["error"] = self.error
@@ -276,7 +282,7 @@ def plan(
             "achievable_fraction_of_peak": ACHIEVABLE_FRACTION[kind],
             "usable_memory_fraction": usable_fraction(kind),
             "fit_rule": explain(kind),
-            "step_time": "compute + recompute + communication, no overlap (an upper bound)",
+            "step_time": step_time_basis(device),
             "recompute": RECOMPUTE[ac],
             "tie_margin": TIE_MARGIN,
         },
@@ -457,12 +463,21 @@ def _row(
     # bubble: (p - 1) / (m + p - 1) of its time under 1F1B (the figure also taken, as an upper bound,
     # for the schedules without a closed form here).
     idle = pipeline_bubble(cfg, dims)
-    compute = flops_per_token(cfg.model, cfg.seq_len) * tokens_per_rank / rate / (1 - idle)
     ac = cfg.train.activation_checkpointing
-    recompute = (
-        recompute_flops_per_token(cfg.model, cfg.seq_len, ac) * tokens_per_rank / rate / (1 - idle)
+    again = recompute_flops_per_token(cfg.model, cfg.seq_len, ac) / flops_per_token(
+        cfg.model, cfg.seq_len
     )
-    comm = 0.0
+    if device.probe is not None:  # this machine, the model's own step measured on it
+        flops_share, params_share = rank_share(cfg, dims, shapes)
+        tokens = cfg.train.global_batch_size * cfg.seq_len / dims.dp
+        compute = compute_seconds(device.probe, tokens, flops_share, params_share, nproc, idle)
+        fixed = compute_seconds(device.probe, 0, 0, params_share, nproc)
+        recompute = (compute - fixed) * again
+        compute += wrapper_seconds(cfg, dims, device.wrapper_s or {}, nproc, device.probe)
+    else:
+        compute = flops_per_token(cfg.model, cfg.seq_len) * tokens_per_rank / rate / (1 - idle)
+        recompute = compute * again
+    times = {}
     for collective, bus in step.comm_bus_bytes.items():
         group = step.comm_groups[collective]
         # A group spread over nodes (HSDP's replicate groups, one rank of each shard group; anything
@@ -472,9 +487,26 @@ def _row(
             group > nproc
             or (dims.fsdp_enabled and dims.replicate_enabled and collective == "all_reduce")
         )
-        comm += bus / ((device.inter_node_gbps if across else device.intra_node_gbps) * 1e9)
+        gbps = device.inter_node_gbps if across else device.intra_node_gbps
+        if device.collective_gbps and not across:
+            # This machine's rate for the kind ("tp all_gather" is an all-gather; a pipeline's
+            # sends go as an all-reduce's ring steps do).
+            kind = collective.split()[-1]
+            gbps = device.collective_gbps.get(kind, device.collective_gbps["all_reduce"])
+        times[collective] = bus / (gbps * 1e9)
+    link = Link(device.intra_node_gbps, device.copy_gbps or math.inf)
+    layers = cfg.model.n_layers // dims.pp
+    exposed = exposed_comm(cfg, dims, times, compute, recompute, link, device.kind, layers)
+    sync = (device.collective_gbps or {}).get("sync_s", 0.0)
+    if sync and dims.distributed:
+        # This machine's measured wait per collective among ranks that compute (their arrival and
+        # their threads' turn on the shared cores), for each collective of the step.
+        exposed += sync * collective_counts(cfg, dims, layers, step_microbatches(cfg, dims))
     usable = memory * usable_fraction(device.kind)
-    return PlanRow(label, step, compute, recompute, comm, step.total_bytes <= usable)
+    comm = sum(times.values())
+    return PlanRow(
+        label, step, compute, recompute, comm, step.total_bytes <= usable, exposed_s=exposed
+    )
 
 
 def pipeline_bubble(config: Config, dims: ParallelDims) -> float:
@@ -487,6 +519,27 @@ def pipeline_bubble(config: Config, dims: ParallelDims) -> float:
     m = pipeline_microbatches(config, dims.dp)
     bubble = predicted_bubble(p.pp_schedule, dims.pp, m, p.stages_per_rank)
     return bubble if bubble is not None else (dims.pp - 1) / (m + dims.pp - 1)
+
+
+def step_time_basis(device: DeviceProfile) -> str:
+    """How the plan's step time is made on ``device`` (printed with the plan)."""
+    hides = (
+        "none of it hides: the ranks' cores copy the bytes (dtlab.analysis.steptime)"
+        if device.copy_gbps is not None
+        else "what hides: DDP's bucket all-reduces behind backward, FSDP's prefetched collectives "
+        "behind compute; tensor-parallel, pipeline and ZeRO-1 collectives do not"
+    )
+    if device.probe is not None:
+        compute = (
+            "compute: this model's step measured on one process, scaled to each layout's tokens, "
+            "share of the FLOPs and parameters, pipeline bubble and the cores its ranks share"
+        )
+    else:
+        compute = (
+            f"compute at {ACHIEVABLE_FRACTION[device.kind]:.0%} of the peak, plus recompute "
+            "and the pipeline bubble"
+        )
+    return f"{compute}; communication at the link rates, {hides}"
 
 
 def _device_figures(
@@ -505,6 +558,10 @@ def _device_figures(
         "intra_node_source": device.intra_node_source,
         "inter_node_gbps": device.inter_node_gbps,
         "inter_node_source": device.inter_node_source,
+        "probe": device.probe.as_dict() if device.probe else None,
+        "collective_gbps": device.collective_gbps,
+        "wrapper_s": device.wrapper_s,
+        "collective_source": device.collective_source or None,
     }
 
 
@@ -576,8 +633,38 @@ def format_plan(p: dict[str, Any]) -> str:
         f"  memory   {dev['memory_gib']:.3g} GiB ({dev['memory_source']})",
         f"  in node  {dev['intra_node_gbps']:.3g} GB/s per rank ({dev['intra_node_source']})",
         f"  across   {dev['inter_node_gbps']:.3g} GB/s per rank ({dev['inter_node_source']})",
-        f"assumed: compute at {a['achievable_fraction_of_peak']:.0%} of the peak, "
-        f"step = {a['step_time']}",
+        *(
+            [
+                "  groups   "
+                + ", ".join(
+                    f"{k} {v:.3g}" for k, v in dev["collective_gbps"].items() if k != "sync_s"
+                )
+                + f" GB/s per rank, {format_seconds(dev['collective_gbps'].get('sync_s', 0))} "
+                f"per collective beside compute ({dev['collective_source']})"
+            ]
+            if dev.get("collective_gbps")
+            else []
+        ),
+        *(
+            [
+                "  wrappers "
+                + ", ".join(f"{k} {format_seconds(v)}" for k, v in dev["wrapper_s"].items())
+                + " (measured: a rank's step under the fake process group less the plain step, "
+                "per unit or block and micro-batch)"
+            ]
+            if dev.get("wrapper_s")
+            else []
+        ),
+        *(
+            [
+                f"  step     {format_seconds(dev['probe']['seconds_per_token'] * 1e3)} per 1,000 "
+                f"tokens, {format_seconds(dev['probe']['fixed_seconds'])} per step "
+                f"({dev['probe']['source']})"
+            ]
+            if dev.get("probe")
+            else []
+        ),
+        f"step time: {a['step_time']}",
         *([a["fit_rule"]] if "fit_rule" in a else []),
         f"activation checkpointing {p['activation_checkpointing']}: recompute = {a['recompute']}"
         + (

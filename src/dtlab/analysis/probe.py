@@ -1,0 +1,295 @@
+"""This machine's compute for one model, measured: the step-time model of ``dtlab plan --device this``.
+
+A CPU's GEMM peak says little about a small model's step: its matmuls run below the peak, and its
+element-wise ops, attention kernel and optimizer are memory- or overhead-bound. So on this machine the
+plan times the model itself: real training steps (:func:`dtlab.train.loop.train_step`) of the config's
+model on one process, with the threads each rank of the planned world gets. The optimizer's step is
+timed apart (proportional to the parameters a rank steps); the rest of the step, per token, is
+forward and backward (proportional to the tokens and the share of the model's FLOPs a rank computes).
+
+:func:`compute_seconds` scales that to one rank of a layout: its tokens, its share of the model's
+FLOPs (its pipeline stage, its tensor-parallel slice), its parameters, the pipeline's bubble, and the
+cores it shares with the other ranks of the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dtlab.config import Config
+
+PROBE_TOKENS = 2048  # tokens per probed step (at least one sample)
+PROBE_REPEATS = 5  # timed steps (the median counts, as dtlab bench reports a step), after a warm-up
+# The probe builds the whole model on one process: larger ones are not probed (peak-based instead).
+PROBE_MEMORY_FRACTION = 0.25
+
+
+@dataclass(frozen=True)
+class ComputeProbe:
+    """One process's training step of a model on this machine, measured at ``threads`` threads."""
+
+    threads: int  # each rank's threads (the planned world's share of the cores)
+    cores: int  # the cores the ranks of one machine share
+    seconds_per_token: float  # forward and backward of the whole model, per token
+    fixed_seconds: float  # the rest of a step (optimizer, clipping, zeroing) for all parameters
+    params: int
+    seq_len: int
+    source: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "threads": self.threads,
+            "cores": self.cores,
+            "seconds_per_token": self.seconds_per_token,
+            "fixed_seconds": self.fixed_seconds,
+            "seq_len": self.seq_len,
+            "source": self.source,
+        }
+
+
+def rank_threads(nproc: int, cores: int | None = None) -> int:
+    """Threads each of ``nproc`` CPU ranks on this machine computes on: ``$OMP_NUM_THREADS``, or the
+    cores shared among them (the rule of :func:`dtlab.parallel.dist.init_distributed`)."""
+    env = os.environ.get("OMP_NUM_THREADS")
+    return int(env) if env else max(1, (cores or os.cpu_count() or 1) // nproc)
+
+
+def sharing(nproc: int, threads: int, cores: int) -> float:
+    """How much slower each rank computes because the machine's ranks share its cores: 1 while
+    their threads fit the cores, else threads in all over cores (the OS time-slices them)."""
+    return max(1.0, nproc * threads / cores)
+
+
+def probe_refusal(config: Config, memory_bytes: float) -> str | None:
+    """Why the model is too large to probe on this machine (None when it can be)."""
+    from dtlab.analysis.model import param_shapes
+
+    params = sum(s.numel for s in param_shapes(config.model))
+    need = params * 16  # fp32 weights, gradients and AdamW's two moments
+    if need > PROBE_MEMORY_FRACTION * memory_bytes:
+        return (
+            f"the model's state ({need / 2**30:.1f} GiB) is over {PROBE_MEMORY_FRACTION:.0%} of "
+            "this machine's memory"
+        )
+    return None
+
+
+def measure_probe(
+    config: Config, threads: int, copies: int = 1, cores: int | None = None
+) -> ComputeProbe:
+    """Time ``config``'s model training on one process at ``threads`` threads (see the module).
+
+    ``copies`` > 1: that many processes train it at once (each the same), as that many ranks of a
+    job share the machine's memory bandwidth and caches; the slowest counts (a synchronous step waits
+    for it)."""
+    from dtlab.analysis.model import param_shapes
+
+    seq = config.seq_len
+    batch = max(1, PROBE_TOKENS // seq)
+    if copies > 1:
+        runs = _probe_copies(config, threads, copies)
+    else:
+        step = _probe_step(config, threads, batch)
+        step()  # warm-up
+        runs = [step() for _ in range(PROBE_REPEATS)]
+    # The median, the statistic dtlab bench reports (a typical step, not the luckiest).
+    total = statistics.median(r[0] for r in runs)
+    optimizer = statistics.median(r[1] for r in runs)
+    return ComputeProbe(
+        threads=threads,
+        cores=cores or os.cpu_count() or 1,
+        seconds_per_token=(total - optimizer) / (batch * seq),
+        fixed_seconds=optimizer,
+        params=sum(s.numel for s in param_shapes(config.model)),
+        seq_len=seq,
+        source=(
+            f"measured: training steps of this model on {copies} process(es) at once, "
+            f"{threads} thread(s) each, {batch * seq:,} tokens, median of {PROBE_REPEATS}"
+            + (", the slowest process" if copies > 1 else "")
+        ),
+    )
+
+
+def _probe_step(config: Config, threads: int, batch: int) -> Callable[[], tuple[float, float]]:
+    """A function that trains one step of ``config``'s model on ``batch`` samples in this process
+    at ``threads`` threads and returns (seconds of the step, seconds of its optimizer step)."""
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    from dtlab.dims import ParallelDims
+    from dtlab.models.llama import build_model
+    from dtlab.parallel.apply import parallelize
+    from dtlab.parallel.dist import DistInfo
+    from dtlab.train.loop import train_step
+    from dtlab.train.optim import build_optimizer
+    from dtlab.train.precision import LossScaler
+    from dtlab.train.schedules import build_scheduler
+
+    one = _single(config, batch)
+    d = DistInfo(0, 1, 0, 1, torch.device("cpu"), None, ParallelDims.from_config(one, 1))
+    pm = parallelize(build_model(one.model), one, d)
+    optimizer = build_optimizer(pm.optimized, one.train)
+    scheduler = build_scheduler(optimizer, one.train)
+    scaler = LossScaler(one.train.precision == "fp16")
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, one.model.vocab_size, (batch, config.seq_len + 1), generator=gen)
+    micro = [(tokens[:, :-1], tokens[:, 1:])]
+    clock: list[float] = []
+
+    def step() -> tuple[float, float]:
+        old = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        clock.clear()
+        hooks = [
+            register_optimizer_step_pre_hook(lambda *_: clock.append(-time.perf_counter())),
+            register_optimizer_step_post_hook(lambda *_: clock.append(time.perf_counter())),
+        ]
+        try:
+            t0 = time.perf_counter()
+            train_step(pm, optimizer, scheduler, scaler, micro, one, d.device)
+            return time.perf_counter() - t0, sum(clock)
+        finally:
+            torch.set_num_threads(old)
+            for h in hooks:
+                h.remove()
+
+    return step
+
+
+def _probe_copies(config: Config, threads: int, copies: int) -> list[tuple[float, float]]:
+    """The runs of the slowest of ``copies`` processes training ``config``'s model at once (each
+    builds and warms up, then all start their timed steps together)."""
+    with tempfile.TemporaryDirectory(prefix="dtlab-probe-") as tmp:
+        path = Path(tmp) / "config.json"
+        path.write_text(config.model_dump_json(), encoding="utf-8")
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "dtlab.analysis.probe", str(path), str(threads)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(copies)
+        ]
+        try:
+            for p in procs:  # each says when it is ready
+                line = p.stdout.readline() if p.stdout else ""
+                if line.strip() != "ready":
+                    err = (p.stderr.read() if p.stderr else "").strip().splitlines()
+                    raise RuntimeError(f"a probe process failed: {err[-1] if err else line!r}")
+            for p in procs:
+                assert p.stdin is not None
+                p.stdin.write("go\n")
+                p.stdin.flush()
+            results = [json.loads(p.communicate(timeout=600)[0]) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    return max(results, key=lambda runs: statistics.median(r[0] for r in runs))
+
+
+def _child(path: str, threads: int) -> None:
+    """A probe process (:func:`_probe_copies`): build, warm up, say ``ready``, wait for ``go``, time
+    ``PROBE_REPEATS`` steps and print them as JSON."""
+    from dtlab.config import Config as _Config
+
+    config = _Config.model_validate_json(Path(path).read_text(encoding="utf-8"))
+    step = _probe_step(config, threads, max(1, PROBE_TOKENS // config.seq_len))
+    step()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    print(json.dumps([step() for _ in range(PROBE_REPEATS)]), flush=True)
+
+
+def _single(config: Config, batch: int) -> Config:
+    """``config`` as one process training ``batch`` samples a step, without checkpointing (the
+    plan adds recomputation by its FLOPs)."""
+
+    data = config.model_dump()
+    data["parallel"].update(
+        strategy="single", tp=1, pp=1, sequence_parallel=False, compression="none"
+    )
+    data["train"].update(
+        global_batch_size=batch, micro_batch_size=None, activation_checkpointing="none"
+    )
+    data["parallel"]["diloco"]["inner_steps"] = 0
+    return type(config).model_validate(data)
+
+
+def compute_seconds(
+    probe: ComputeProbe,
+    tokens: float,
+    flops_share: float,
+    params_share: float,
+    nproc: int,
+    bubble: float = 0.0,
+) -> float:
+    """One rank's compute in a step (forward, backward and the fixed part), from ``probe``.
+
+    ``tokens``: the tokens the rank's data-parallel group trains on; ``flops_share``: the rank's part
+    of the model's FLOPs per token (its stage's layers, its tensor-parallel slice); ``params_share``:
+    its part of the parameters it steps; ``bubble``: the pipeline's idle fraction."""
+    work = probe.seconds_per_token * tokens * flops_share / (1 - bubble)
+    return (work + probe.fixed_seconds * params_share) * sharing(nproc, probe.threads, probe.cores)
+
+
+def rank_share(config: Config, dims: Any, shapes: list[Any]) -> tuple[float, float]:
+    """(FLOPs share, parameters share) of the busiest rank of a layout: its pipeline stage's part of
+    the model's FLOPs per token (its blocks, and the output projection on the last stage) and of its
+    parameters, each split by tensor parallelism, the parameters also by the data-parallel shards the
+    optimizer steps (FSDP's, ZeRO-1's)."""
+    from dtlab.analysis.model import flops_per_token, rank_shapes
+
+    m = config.model
+    kv = m.kv_heads * (m.dim // m.n_heads)
+    block = 6.0 * (2 * m.dim * m.dim + 2 * m.dim * kv + 3 * m.dim * m.hidden_dim)
+    block += 12.0 * m.dim * config.seq_len
+    head = 6.0 * m.dim * m.vocab_size
+    total = flops_per_token(m, config.seq_len)
+    # no_shard's dp_shard is 1: it steps every parameter, as DDP does.
+    shards = dims.dp if dims.shard_optimizer else dims.dp_shard
+    flops, params = 0.0, 0.0
+    everything = sum(s.numel for s in shapes)
+    for pp_rank in range(dims.pp):
+        held, part = rank_shapes(config, dims, shapes, pp_rank)
+        flops = max(flops, part.n_layers * block + (head if part.last else 0.0))
+        params = max(params, sum(s.shard_numel(shards) for s in held))
+    return flops / total / dims.tp, params / everything
+
+
+def wrapper_seconds(
+    config: Config, dims: Any, wrapper_s: dict[str, float], nproc: int, probe: ComputeProbe
+) -> float:
+    """What FSDP's and tensor parallelism's code adds to one rank's step (measured per unit and
+    micro-batch, :mod:`dtlab.analysis.wrappers`), at the cores' sharing of ``nproc`` ranks."""
+    from dtlab.analysis.steptime import step_microbatches
+
+    layers = config.model.n_layers // dims.pp
+    m = step_microbatches(config, dims)
+    extra = 0.0
+    if dims.fsdp_enabled and dims.dp_shard > 1:
+        extra += wrapper_s.get("fsdp_unit_s", 0.0) * (layers + 1) * m
+    if dims.tp_enabled:
+        extra += wrapper_s.get("tp_block_s", 0.0) * layers * m
+    return extra * sharing(nproc, probe.threads, probe.cores)
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1], int(sys.argv[2]))

@@ -1,0 +1,187 @@
+"""A step's time: compute, recompute, and the communication the step does not hide.
+
+Which communication hides depends on who moves the bytes:
+
+- a GPU's collectives run on their own engines (NCCL's kernels, the NICs): DDP's bucket all-reduces
+  overlap the rest of backward, FSDP's prefetched all-gathers the previous block's compute;
+- on a CPU the ranks' cores move the bytes themselves (gloo's threads copy them through the loopback):
+  while the ranks' threads fill the cores, every byte sent costs the computation its time, and nothing
+  hides. Only where a slower link than the cores' copying limits the transfer (a capped link), the
+  wait beyond that copying hides, and only where the code lets it: DDP's buckets, issued while backward
+  still runs. FSDP2 on a CPU waits for each all-gather where it issued it (no side streams), measured
+  hiding nothing even at 1 Gbit/s (docs/performance.md).
+
+Tensor-parallel collectives sit inside each block's computation, which waits for them; pipeline sends
+are in the bubble's accounting; ZeRO-1's reduce-scatter and all-gather come after backward and after
+the optimizer step. None of those hide.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from dtlab.config import Config
+from dtlab.dims import ParallelDims
+
+BACKWARD_SHARE = 2 / 3  # of forward + backward FLOPs (two matmuls per forward one)
+
+
+@dataclass(frozen=True)
+class Link:
+    """Where a rank's bytes go: ``gbps`` the rate they move at (GB/s per rank); ``cpu_gbps`` the rate
+    the rank's own cores copy them at (inf on a GPU, whose engines move them). The time beyond the
+    copying can hide behind computation; the copying itself cannot while the cores are busy."""
+
+    gbps: float
+    cpu_gbps: float = math.inf
+
+    def seconds(self, nbytes: float) -> float:
+        return nbytes / (self.gbps * 1e9)
+
+    def hideable(self, nbytes: float) -> float:
+        """Of ``nbytes``' time, what another engine (or a waiting link) spends: can overlap."""
+        return max(0.0, self.seconds(nbytes) - nbytes / (self.cpu_gbps * 1e9))
+
+
+def ddp_buckets(grad_bytes: float, bucket_mb: float) -> list[float]:
+    """DDP's buckets in the order backward fills them: ``bucket_mb`` MiB each, the last holds the
+    rest. (torch gives the first bucket 1 MiB only where ``bucket_cap_mb`` is left at its default;
+    dtlab always sets it.)"""
+    cap = bucket_mb * 2**20
+    rest = grad_bytes
+    out: list[float] = []
+    while rest > 0:
+        out.append(min(cap, rest))
+        rest -= out[-1]
+    return out
+
+
+def ddp_exposed(
+    grad_bytes: float, bucket_mb: float, backward_s: float, comm_s: float, link: Link
+) -> float:
+    """Seconds of DDP's gradient all-reduce (``comm_s`` in all, over ``grad_bytes`` of gradients) the
+    step waits for after ``backward_s`` of backward.
+
+    Each bucket is ready when backward has made its share of the gradients (at a steady rate) and is
+    reduced after the ones before it; of each, the part another engine or a waiting link spends runs
+    beside backward, the part the rank's own cores spend adds to it. What finishes after backward
+    (with that added copying) is exposed."""
+    if grad_bytes <= 0 or comm_s <= 0:
+        return 0.0
+    buckets = ddp_buckets(grad_bytes, bucket_mb)
+    per_byte = comm_s / grad_bytes
+    hide = link.hideable(1.0) / link.seconds(1.0) if link.seconds(1.0) > 0 else 0.0
+    copying = comm_s * (1 - hide)  # on the cores: backward takes this much longer
+    end = backward_s + copying
+    ready, free = 0.0, 0.0
+    for b in buckets:
+        ready += backward_s * b / grad_bytes
+        free = max(ready, free) + b * per_byte
+    return max(free - end, 0.0) + copying
+
+
+def fsdp_exposed(
+    comm_s: float, compute_s: float, groups: int, link: Link, device_kind: str
+) -> float:
+    """Seconds of FSDP's data-parallel collectives (``comm_s`` in all, over ``groups`` FSDP units)
+    the step waits for: on a GPU, each unit's all-gather is prefetched behind the previous unit's
+    compute (and its reduce-scatter runs behind the next one's backward), so only the first unit's
+    and what the compute cannot cover wait; on a CPU all of it (see the module)."""
+    if device_kind != "cuda" or groups < 2:
+        return comm_s
+    first = comm_s / groups
+    rest = comm_s - first
+    hidden = min(link.hideable(1.0) / link.seconds(1.0) * rest, compute_s * (groups - 1) / groups)
+    return comm_s - hidden
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """One step's time, by part, in seconds."""
+
+    compute_s: float  # forward and backward once (and on a CPU, the optimizer step)
+    recompute_s: float  # what activation checkpointing runs again in backward
+    comm_s: float  # every collective, alone
+    exposed_s: float  # of those, what the step waits for
+
+    @property
+    def step_time_s(self) -> float:
+        return self.compute_s + self.recompute_s + self.exposed_s
+
+
+def exposed_comm(
+    config: Config,
+    dims: ParallelDims,
+    times: dict[str, float],
+    compute_s: float,
+    recompute_s: float,
+    link: Link,
+    device_kind: str,
+    n_layers: int,
+) -> float:
+    """Of the step's collectives (``times``: seconds of each, alone), what the step waits for."""
+    total = sum(times.values())
+    data = sum(t for k, t in times.items() if " " not in k and k != "send/recv")
+    if config.parallel.diloco.inner_steps or data <= 0:
+        return total
+    rest = total - data
+    if dims.ddp_enabled and not dims.shard_optimizer:
+        from dtlab.analysis.activations import FP32
+        from dtlab.analysis.model import param_shapes
+
+        numel = sum(s.numel for s in param_shapes(config.model))
+        half = config.parallel.compression in ("fp16", "bf16")
+        backward = compute_s * BACKWARD_SHARE + recompute_s
+        grads = numel * (2 if half else FP32)
+        return rest + ddp_exposed(grads, config.parallel.bucket_mb, backward, data, link)
+    if dims.fsdp_enabled:
+        return rest + fsdp_exposed(data, compute_s + recompute_s, n_layers + 1, link, device_kind)
+    return total
+
+
+def collective_counts(config: Config, dims: ParallelDims, n_layers: int, microbatches: int) -> int:
+    """The collectives one rank issues in a step (each one a wait for the slowest rank of its
+    group): the gradient buckets of DDP; ZeRO-1's reduce-scatter and all-gather; FSDP's all-gathers
+    (forward and backward of each unit and micro-batch, backward's only with ``full`` sharding...),
+    reduce-scatters (and HSDP's all-reduces) of each unit; tensor parallelism's per block and
+    micro-batch; a pipeline rank's sends and receives; and the step's one reduction.
+    ``n_layers``: the blocks the rank holds."""
+    import math as _math
+
+    from dtlab.analysis.activations import FP32
+    from dtlab.analysis.model import param_shapes
+
+    p = config.parallel
+    count = 1 if dims.distributed else 0
+    m = microbatches
+    if dims.ddp_enabled and not dims.shard_optimizer:
+        grads = sum(s.numel for s in param_shapes(config.model)) * FP32
+        count += _math.ceil(grads / (p.bucket_mb * 2**20))
+    elif dims.shard_optimizer:
+        count += 2
+    if dims.fsdp_enabled and (dims.dp_shard > 1 or dims.dp_replicate > 1):
+        units = n_layers + 1
+        gathers = 2 if dims.dp_shard > 1 and p.sharding == "full" else 1
+        count += m * gathers * units if dims.dp_shard > 1 else 0
+        count += units * (int(dims.dp_shard > 1) + int(dims.dp_replicate > 1))
+    if dims.tp_enabled:
+        if p.sequence_parallel:
+            count += m * (2 * (4 * n_layers + 2) + 3) + 2 * n_layers + 1
+        else:
+            count += m * (7 * n_layers + 2 + 3)
+    if dims.pp_enabled:
+        count += 2 * m
+    return count
+
+
+def step_microbatches(config: Config, dims: ParallelDims) -> int:
+    """Micro-batches one rank runs forward and backward in a step: the pipeline's, or the
+    accumulation steps."""
+    t = config.train
+    if dims.pp_enabled:
+        from dtlab.config import pipeline_microbatches
+
+        return int(pipeline_microbatches(config, dims.dp))
+    micro = t.micro_batch_size or max(1, t.global_batch_size // dims.dp)
+    return max(1, t.global_batch_size // (micro * dims.dp))

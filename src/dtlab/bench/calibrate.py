@@ -1,0 +1,233 @@
+"""The plan's step time against measured steps on this machine: ``python -m dtlab.bench.calibrate``.
+
+Each layout of a grid (data parallel, ZeRO-1, FSDP, HSDP, tensor and pipeline parallel, 2-D, with and
+without activation checkpointing, at 2 to 8 processes) runs as ``dtlab bench`` runs it (its own
+processes, warm-up, then timed steps: the median counts), and ``dtlab plan --device this`` predicts the
+same config on the same process count: this machine's model step measured once per thread count
+(:mod:`dtlab.analysis.probe`) and its loopback's rate. With ``--links 1gbit`` the layouts also run on a
+capped link (a network namespace of :mod:`dtlab.bench.link`), where the plan is given the link's rate:
+the part of a step's communication that DDP's buckets hide there is what the overlap model predicts.
+
+Prints one row per layout (measured, predicted, error) and the mean absolute error with its worst case;
+``--json OUT`` writes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from dtlab.errors import DtlabError
+
+BASE = [
+    "model.preset=tiny",
+    "data.source=synthetic",
+    "data.seq_len=256",
+    "train.global_batch_size=16",
+    "train.activation_checkpointing=none",
+    "train.precision=fp32",
+]
+# (name, processes, overrides): every layout dtlab runs, on 2 to 8 processes of this machine.
+GRID: list[tuple[str, int, list[str]]] = [
+    ("ddp", 2, ["parallel.strategy=ddp"]),
+    ("ddp", 4, ["parallel.strategy=ddp"]),
+    ("ddp", 8, ["parallel.strategy=ddp"]),
+    ("ddp, 1 MiB buckets", 2, ["parallel.strategy=ddp", "parallel.bucket_mb=1"]),
+    ("ddp, full AC", 2, ["parallel.strategy=ddp", "train.activation_checkpointing=full"]),
+    ("zero-1", 2, ["parallel.strategy=ddp", "parallel.sharding=optimizer"]),
+    ("zero-1", 4, ["parallel.strategy=ddp", "parallel.sharding=optimizer"]),
+    ("fsdp", 2, ["parallel.strategy=fsdp"]),
+    ("fsdp", 4, ["parallel.strategy=fsdp"]),
+    ("fsdp", 8, ["parallel.strategy=fsdp"]),
+    ("fsdp shard_grad_op", 2, ["parallel.strategy=fsdp", "parallel.sharding=shard_grad_op"]),
+    ("hsdp 2x2", 4, ["parallel.strategy=hsdp", "parallel.replicate=2"]),
+    ("tp 2", 2, ["parallel.strategy=single", "parallel.tp=2"]),
+    (
+        "tp 2 + sp",
+        2,
+        ["parallel.strategy=single", "parallel.tp=2", "parallel.sequence_parallel=true"],
+    ),
+    ("fsdp 2 x tp 2", 4, ["parallel.strategy=fsdp", "parallel.tp=2"]),
+    ("pp 2 1f1b", 2, ["parallel.strategy=single", "parallel.pp=2"]),
+    ("pp 2 gpipe", 2, ["parallel.strategy=single", "parallel.pp=2", "parallel.pp_schedule=gpipe"]),
+    ("ddp 2 x pp 2", 4, ["parallel.strategy=ddp", "parallel.pp=2"]),
+]
+QUICK = ["ddp", "fsdp"]  # the names --quick runs, at their smallest process count
+# Layouts run again on a capped link (where DDP's buckets can hide their all-reduce).
+LINKED = ["ddp", "ddp, 1 MiB buckets", "fsdp"]
+
+
+def measure(
+    overrides: list[str], nproc: int, steps: int, warmup: int, prefix: list[str], peak: float
+) -> dict[str, Any]:
+    """One bench row of ``overrides`` on ``nproc`` processes (run under ``prefix``: a namespace;
+    ``peak``: the GEMM FLOP/s its MFU is computed against)."""
+    with tempfile.TemporaryDirectory(prefix="dtlab-calibrate-") as tmp:
+        out = Path(tmp) / "row.json"
+        args = [
+            *prefix, sys.executable, "-m", "dtlab.bench.worker", "--out", str(out),
+            "--nproc", str(nproc), "--warmup", str(warmup), "--peak-flops", repr(peak),
+            "--peak-source", "measured fp32 GEMM once for the calibration", "--set", *overrides,
+            f"train.steps={steps}", "run.progress=none", f"run.dir={tmp}/run",
+        ]  # fmt: skip
+        proc = subprocess.run(args, capture_output=True, text=True)
+        if proc.returncode != 0 or not out.exists():
+            tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise DtlabError(f"the run failed: {tail}")
+        return dict(json.loads(out.read_text()))
+
+
+def predict(overrides: list[str], nproc: int, device: Any) -> dict[str, float]:
+    """The plan's step of ``overrides`` on ``nproc`` processes of ``device``."""
+    from dtlab.analysis.plan import predict_step
+    from dtlab.config import load_config
+
+    row = predict_step(load_config(None, overrides), nproc, 1, device)
+    return {
+        "step_time_s": row.step_time_s,
+        "compute_s": row.compute_s + row.recompute_s,
+        "comm_s": row.comm_s,
+        "exposed_s": row.comm_s if row.exposed_s is None else row.exposed_s,
+    }
+
+
+def run(
+    quick: bool, links: list[str], steps: int, warmup: int, sets: list[str] | None = None
+) -> dict[str, Any]:
+    """Measure and predict the grid (each layout's settings after ``BASE`` and ``sets``); returns
+    the rows and the summary."""
+    from dtlab.analysis.devices import this_machine, with_probe
+    from dtlab.bench.link import link_namespace, measure_link, parse_links
+    from dtlab.config import load_config
+
+    grid = GRID
+    if quick:
+        grid = [g for g in GRID if g[0] in QUICK]
+        grid = [g for g in grid if g[1] == min(n for name, n, _ in grid if name == g[0])]
+    common = [*BASE, *(sets or [])]
+    base = this_machine("fp32")
+    peak = base.peak_tflops["fp32"] * 1e12
+    devices: dict[int, Any] = {}
+    rows: list[dict[str, Any]] = []
+    for link in parse_links(",".join(links)):
+        with link_namespace(link) as prefix:
+            rate = measure_link(prefix) if link.rate_bps else None
+            for name, nproc, extra in grid:
+                if rate and name not in LINKED:
+                    continue
+                overrides = [*common, *extra]
+                if nproc not in devices:  # the probe: at the threads each of nproc ranks gets
+                    devices[nproc], why = with_probe(base, load_config(None, common), nproc)
+                    if why:
+                        raise DtlabError(f"the model cannot be probed: {why}")
+                device = devices[nproc]
+                if rate:
+                    # The namespace's loopback carries every rank's traffic: each gets its share.
+                    per_rank = rate / 8 / 1e9 / nproc
+                    device = replace(
+                        device, intra_node_gbps=per_rank, inter_node_gbps=per_rank,
+                        intra_node_source=f"given: a link of {link.name}, measured {rate / 1e9:.3g} "
+                        f"Gbit/s, shared by {nproc} ranks",
+                    )  # fmt: skip
+                label = f"{name} ({nproc})" + (f" at {link.name}" if rate else "")
+                print(f"{label} ...", flush=True)
+                try:
+                    got = measure(overrides, nproc, steps, warmup, prefix, peak)
+                except DtlabError as e:
+                    print(f"  failed: {e}", flush=True)
+                    rows.append({"layout": label, "error": str(e)})
+                    continue
+                want = predict(overrides, nproc, device)
+                err = want["step_time_s"] / got["step_time_s"] - 1
+                rows.append(
+                    {
+                        "layout": label,
+                        "nproc": nproc,
+                        "link": link.name,
+                        "measured_s": got["step_time_s"],
+                        "measured_min_s": got["step_time_min_s"],
+                        "measured_max_s": got["step_time_max_s"],
+                        "predicted": want,
+                        "error": err,
+                    }
+                )
+                print(
+                    f"  measured {got['step_time_s']:.3f} s, predicted {want['step_time_s']:.3f} s "
+                    f"({err:+.1%}; compute {want['compute_s']:.3f} s, communication "
+                    f"{want['comm_s']:.3f} s of which exposed {want['exposed_s']:.3f} s)",
+                    flush=True,
+                )
+    errors: list[float] = [abs(r["error"]) for r in rows if isinstance(r["error"], float)]
+    worst = max((r for r in rows if isinstance(r["error"], float)), key=lambda r: abs(r["error"]))
+    return {
+        "rows": rows,
+        "mean_abs_error": statistics.fmean(errors) if errors else None,
+        "worst": {"layout": worst["layout"], "error": worst["error"]} if errors else None,
+        "cores": os.cpu_count(),
+        "probes": {n: d.probe.as_dict() for n, d in devices.items() if d.probe},
+        "loopback_gbps": base.intra_node_gbps,
+        "peak_tflops": base.peak_tflops,
+        "base": common,
+    }
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The rows as a Markdown table, and the summary line."""
+    lines = [
+        "| layout | measured s (min-max) | predicted s | compute s | comm s (exposed) | error |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        if not isinstance(r["error"], float):
+            lines.append(f"| {r['layout']} | failed: {r['error']} | | | | |")
+            continue
+        p = r["predicted"]
+        lines.append(
+            f"| {r['layout']} | {r['measured_s']:.3f} ({r['measured_min_s']:.3f}-"
+            f"{r['measured_max_s']:.3f}) | {p['step_time_s']:.3f} | {p['compute_s']:.3f} | "
+            f"{p['comm_s']:.3f} ({p['exposed_s']:.3f}) | {r['error']:+.1%} |"
+        )
+    if result["mean_abs_error"] is not None:
+        w = result["worst"]
+        lines.append("")
+        lines.append(
+            f"mean absolute error {result['mean_abs_error']:.1%} over {len(result['rows'])} "
+            f"layouts; worst {w['layout']}: {w['error']:+.1%}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dtlab.bench.calibrate", description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="ddp and fsdp on 2 processes only")
+    ap.add_argument(
+        "--links", default="none", help="comma-separated: none and/or capped rates, e.g. none,1gbit"
+    )
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per layout (default 5)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    ap.add_argument("--json", metavar="OUT", help="also write the rows and summary here")
+    ap.add_argument(
+        "--set", nargs="+", default=[], metavar="KEY=VALUE", help="settings on top of the grid's base"
+    )
+    args = ap.parse_args(argv)
+    try:
+        result = run(args.quick, args.links.split(","), args.steps, args.warmup, args.set)
+    except DtlabError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_table(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

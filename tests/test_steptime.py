@@ -1,0 +1,183 @@
+"""The plan's step-time model: what overlaps (DDP's buckets, FSDP's prefetch) on which devices, how a
+layout's rank shares the model's work, and the measured CPU model of ``--device this``."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+
+import pytest
+import torch
+
+from dtlab.analysis.devices import PROFILES
+from dtlab.analysis.model import param_shapes
+from dtlab.analysis.plan import plan, predict_step
+from dtlab.analysis.probe import (
+    ComputeProbe,
+    compute_seconds,
+    measure_probe,
+    rank_share,
+    sharing,
+)
+from dtlab.analysis.steptime import (
+    Link,
+    collective_counts,
+    ddp_buckets,
+    ddp_exposed,
+    fsdp_exposed,
+)
+from dtlab.config import load_config
+from dtlab.dims import ParallelDims
+
+from conftest import PYTHON, cli_env, run_cli
+
+GPU = Link(100.0)  # another engine moves the bytes: all of their time can hide
+CPU = Link(1.0, cpu_gbps=1.0)  # the cores copy them: none can
+CAPPED = Link(0.125, cpu_gbps=1.0)  # a 1 Gbit/s link the cores fill in an eighth of its time
+
+
+def test_ddp_buckets_are_of_the_configured_size() -> None:
+    assert ddp_buckets(60 * 2**20, 25) == [25 * 2**20, 25 * 2**20, 10 * 2**20]
+    assert ddp_buckets(2**19, 25) == [2**19]
+
+
+def test_the_collectives_a_step_issues_are_counted_as_the_bench_counts_them() -> None:
+    # The counts dtlab bench measured on the tiny model (4 blocks): ddp 2 all-reduces (one bucket
+    # and the step's reduction), fsdp 10 all-gathers, 5 reduce-scatters and 1 all-reduce, ZeRO-1
+    # one all-to-all, one all-gather, one all-reduce; a pipeline rank of 2 micro-batches sends 2
+    # and receives 2, with the step's reduction.
+    sets = ["model.preset=tiny", "data.seq_len=256", "train.global_batch_size=16"]
+
+    def count(extra: list[str], world: int) -> int:
+        cfg = load_config(None, [*sets, *extra])
+        dims = ParallelDims.from_config(cfg, world)
+        m = 2 if dims.pp_enabled else 1
+        return collective_counts(cfg, dims, cfg.model.n_layers // dims.pp, m)
+
+    assert count(["parallel.strategy=ddp"], 2) == 2
+    assert count(["parallel.strategy=ddp", "parallel.bucket_mb=1"], 2) == 13
+    assert count(["parallel.strategy=fsdp"], 4) == 16
+    assert count(["parallel.strategy=hsdp", "parallel.replicate=2"], 4) == 21
+    assert count(["parallel.strategy=ddp", "parallel.sharding=optimizer"], 2) == 3
+    assert count(["parallel.strategy=single", "parallel.pp=2"], 2) == 5
+    # Tensor parallelism: 7 all-reduces per block, the embedding's and the output's, and the
+    # vocabulary-parallel loss's 3 (which the bench's counter does not see).
+    assert count(["parallel.strategy=single", "parallel.tp=2"], 2) == 1 + 7 * 4 + 2 + 3
+
+
+def test_one_bucket_waits_whole_and_many_hide_behind_backward() -> None:
+    grads, backward = 12 * 2**20, 0.4
+    comm = GPU.seconds(grads)
+    # One 25 MiB bucket over 12 MiB: its all-reduce starts when backward ends.
+    one = ddp_exposed(grads, 25, backward, comm, GPU)
+    assert one == pytest.approx(comm, rel=1e-6)
+    # 1 MiB buckets: each is reduced while backward makes the next; only the last one waits.
+    many = ddp_exposed(grads, 1, backward, comm, GPU)
+    assert many == pytest.approx(comm / 12, rel=1e-6)
+    # Communication longer than backward: what backward cannot cover waits, whatever the buckets.
+    slow = ddp_exposed(grads, 1, backward, 10 * backward, GPU)
+    assert slow > 9 * backward
+
+
+def test_on_a_cpu_nothing_hides_and_a_capped_link_hides_its_wait() -> None:
+    grads, backward = 12 * 2**20, 0.4
+    comm = CPU.seconds(grads)
+    assert ddp_exposed(grads, 1, backward, comm, CPU) == pytest.approx(comm)
+    # At 1 Gbit/s, 1 MiB buckets hide the link's wait but not the cores' copying (an eighth).
+    capped = CAPPED.seconds(grads)
+    exposed = ddp_exposed(grads, 1, backward, capped, CAPPED)
+    assert capped / 8 <= exposed < capped / 2
+    assert ddp_exposed(grads, 25, backward, capped, CAPPED) > 0.9 * capped
+    # FSDP2 waits for its collectives on a CPU; on a GPU its prefetch hides all but the first unit.
+    assert fsdp_exposed(1.0, 10.0, 5, CPU, "cpu") == 1.0
+    assert fsdp_exposed(1.0, 10.0, 5, GPU, "cuda") == pytest.approx(0.2)
+    assert fsdp_exposed(1.0, 0.4, 5, GPU, "cuda") == pytest.approx(1.0 - 0.4 * 4 / 5)
+
+
+def test_the_plan_hides_ddp_and_fsdp_collectives_on_a_gpu_but_not_tp() -> None:
+    h100 = PROFILES["h100"]
+    sets = ["model.preset=llama3.1-8b", "data.seq_len=2048", "train.global_batch_size=32"]
+    for strategy in ("ddp", "fsdp"):
+        row = predict_step(load_config(None, [*sets, f"parallel.strategy={strategy}"]), 8, 1, h100)
+        assert row.exposed_s is not None and 0 < row.exposed_s < row.comm_s
+        assert row.step_time_s == pytest.approx(row.compute_s + row.recompute_s + row.exposed_s)
+    tp = predict_step(load_config(None, [*sets, "parallel.strategy=single", "parallel.tp=8"]), 8, 1, h100)
+    assert tp.exposed_s == pytest.approx(tp.comm_s) and tp.comm_s > 0
+
+
+def test_a_rank_computes_its_stage_and_slice_and_steps_its_shard() -> None:
+    sets = ["model.preset=debug", "data.seq_len=64"]
+    shapes = param_shapes(load_config(None, sets).model)
+
+    def share(extra: list[str], world: int) -> tuple[float, float]:
+        cfg = load_config(None, [*sets, *extra])
+        return rank_share(cfg, ParallelDims.from_config(cfg, world), shapes)
+
+    assert share(["parallel.strategy=ddp"], 4) == (1.0, 1.0)
+    flops, params = share(["parallel.strategy=fsdp"], 4)
+    assert flops == 1.0 and params == pytest.approx(0.25, rel=0.05)  # padding of odd shapes
+    assert share(["parallel.strategy=ddp", "parallel.sharding=optimizer"], 4)[1] == pytest.approx(
+        0.25, rel=0.05
+    )
+    tp_flops, tp_params = share(["parallel.strategy=single", "parallel.tp=2"], 2)
+    assert tp_flops == pytest.approx(0.5) and tp_params < 0.6
+    # Two stages of the debug model's two blocks: the last holds the output projection too.
+    pp_flops, _ = share(["parallel.strategy=single", "parallel.pp=2"], 2)
+    assert 0.5 < pp_flops < 1.0
+
+
+def test_ranks_sharing_the_cores_compute_slower() -> None:
+    assert sharing(2, 1, 2) == 1.0 and sharing(8, 1, 2) == 4.0 and sharing(1, 2, 2) == 1.0
+    probe = ComputeProbe(1, 2, 1e-4, 0.01, 1000, 64, "test")
+    two = compute_seconds(probe, 2048, 1.0, 1.0, 2)
+    assert two == pytest.approx(2048 * 1e-4 + 0.01)
+    assert compute_seconds(probe, 2048, 1.0, 1.0, 8) == pytest.approx(4 * two)
+    assert compute_seconds(probe, 2048, 0.5, 0.25, 2, bubble=0.5) == pytest.approx(
+        2048 * 1e-4 + 0.0025
+    )
+
+
+def test_the_probe_times_the_model_and_its_optimizer_apart() -> None:
+    cfg = load_config(None, ["model.preset=debug", "data.seq_len=64", "parallel.strategy=fsdp"])
+    threads = torch.get_num_threads()
+    probe = measure_probe(cfg, 1)
+    assert torch.get_num_threads() == threads  # the probe's threads are put back
+    assert probe.threads == 1 and probe.cores == (os.cpu_count() or 1)
+    assert probe.seconds_per_token > 0 and probe.fixed_seconds > 0
+    # A step of 2,048 tokens takes seconds at most on any CPU, and more than its optimizer alone.
+    assert probe.seconds_per_token * 2048 < 10 and probe.fixed_seconds < 1
+    assert "2,048 tokens, median of 5" in probe.source
+
+
+def test_plan_this_device_prints_its_measured_collectives_and_step(tmp_path) -> None:
+    args = ["--device", "this", "--nproc", "2", "--set", "model.preset=debug", "data.seq_len=64"]
+    proc = run_cli("plan", *args, "--json")
+    assert proc.returncode == 0, proc.stderr
+    dev = json.loads(proc.stdout)["device"]
+    rates = dev["collective_gbps"]
+    assert set(rates) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "sync_s"}
+    assert all(0 < v < math.inf for v in rates.values())
+    assert dev["collective_source"].startswith("measured: gloo among 2 local processes")
+    text = run_cli("plan", *args)
+    assert "  groups   all_reduce" in text.stdout and "  step     " in text.stdout
+
+
+def test_calibration_measures_and_predicts_each_layout(tmp_path) -> None:
+    out = tmp_path / "cal.json"
+    proc = subprocess.run(
+        [PYTHON, "-m", "dtlab.bench.calibrate", "--quick", "--steps", "2", "--warmup", "1",
+         "--json", str(out), "--set", "model.preset=debug", "data.seq_len=64"],
+        capture_output=True, text=True, env=cli_env(None), timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert [r["layout"] for r in rows] == ["ddp (2)", "fsdp (2)"]
+    for r in rows:
+        assert r["measured_s"] > 0 and r["predicted"]["step_time_s"] > 0
+        assert r["error"] == pytest.approx(r["predicted"]["step_time_s"] / r["measured_s"] - 1)
+    assert result["mean_abs_error"] == pytest.approx(sum(abs(r["error"]) for r in rows) / 2)
+    assert result["worst"]["layout"] in {r["layout"] for r in rows}
+    assert "mean absolute error" in proc.stdout
