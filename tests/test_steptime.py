@@ -11,9 +11,10 @@ import subprocess
 import pytest
 import torch
 
+from conftest import PYTHON, cli_env, run_cli
 from dtlab.analysis.devices import PROFILES
 from dtlab.analysis.model import param_shapes
-from dtlab.analysis.plan import plan, predict_step
+from dtlab.analysis.plan import predict_step
 from dtlab.analysis.probe import (
     ComputeProbe,
     compute_seconds,
@@ -30,8 +31,6 @@ from dtlab.analysis.steptime import (
 )
 from dtlab.config import load_config
 from dtlab.dims import ParallelDims
-
-from conftest import PYTHON, cli_env, run_cli
 
 GPU = Link(100.0)  # another engine moves the bytes: all of their time can hide
 CPU = Link(1.0, cpu_gbps=1.0)  # the cores copy them: none can
@@ -57,7 +56,8 @@ def test_the_collectives_a_step_issues_are_counted_as_the_bench_counts_them() ->
         return collective_counts(cfg, dims, cfg.model.n_layers // dims.pp, m)
 
     assert count(["parallel.strategy=ddp"], 2) == 2
-    assert count(["parallel.strategy=ddp", "parallel.bucket_mb=1"], 2) == 13
+    # DDP's reducer issues its buckets during backward and waits once, whatever their number.
+    assert count(["parallel.strategy=ddp", "parallel.bucket_mb=1"], 2) == 2
     assert count(["parallel.strategy=fsdp"], 4) == 16
     assert count(["parallel.strategy=hsdp", "parallel.replicate=2"], 4) == 21
     assert count(["parallel.strategy=ddp", "parallel.sharding=optimizer"], 2) == 3
@@ -103,7 +103,9 @@ def test_the_plan_hides_ddp_and_fsdp_collectives_on_a_gpu_but_not_tp() -> None:
         row = predict_step(load_config(None, [*sets, f"parallel.strategy={strategy}"]), 8, 1, h100)
         assert row.exposed_s is not None and 0 < row.exposed_s < row.comm_s
         assert row.step_time_s == pytest.approx(row.compute_s + row.recompute_s + row.exposed_s)
-    tp = predict_step(load_config(None, [*sets, "parallel.strategy=single", "parallel.tp=8"]), 8, 1, h100)
+    tp = predict_step(
+        load_config(None, [*sets, "parallel.strategy=single", "parallel.tp=8"]), 8, 1, h100
+    )
     assert tp.exposed_s == pytest.approx(tp.comm_s) and tp.comm_s > 0
 
 
@@ -136,6 +138,10 @@ def test_ranks_sharing_the_cores_compute_slower() -> None:
     assert compute_seconds(probe, 2048, 1.0, 1.0, 8) == pytest.approx(4 * two)
     assert compute_seconds(probe, 2048, 0.5, 0.25, 2, bubble=0.5) == pytest.approx(
         2048 * 1e-4 + 0.0025
+    )
+    # Four ranks on two cores: a pipeline's bubble (a third) is filled by the other ranks' turns.
+    assert compute_seconds(probe, 2048, 0.5, 0.25, 4, bubble=1 / 3) == pytest.approx(
+        2 * (1024 * 1e-4 + 0.0025)
     )
 
 

@@ -224,7 +224,7 @@ for _ in range(SYNC_ITERS):
     pg.allreduce([tiny]).wait()
 both = time.perf_counter() - t0
 """
-SYNC_SIZE, SYNC_ITERS = 768, 20
+SYNC_SIZE, SYNC_ITERS = 768, 40
 # The collectives a step issues, timed by measure_group_gbps (in this order).
 GROUP_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
@@ -382,7 +382,7 @@ def with_probe(device: DeviceProfile, config: Any, nproc: int) -> tuple[DevicePr
     from dtlab.analysis.wrappers import measure_wrappers
 
     if nproc > 1:
-        nbytes, repeats = 4 * 2**20, 5
+        nbytes, repeats = 4 * 2**20, 9
         try:
             rates = measure_group_gbps(nproc, nbytes, repeats, threads=rank_threads(nproc))
             device = replace(

@@ -245,9 +245,15 @@ def compute_seconds(
 
     ``tokens``: the tokens the rank's data-parallel group trains on; ``flops_share``: the rank's part
     of the model's FLOPs per token (its stage's layers, its tensor-parallel slice); ``params_share``:
-    its part of the parameters it steps; ``bubble``: the pipeline's idle fraction."""
-    work = probe.seconds_per_token * tokens * flops_share / (1 - bubble)
-    return (work + probe.fixed_seconds * params_share) * sharing(nproc, probe.threads, probe.cores)
+    its part of the parameters it steps; ``bubble``: the pipeline's idle fraction.
+
+    Ranks that share the cores take turns: a rank's step is its own work stretched by the sharing,
+    or its own critical path with the bubble, whichever is longer (while a stage idles in the
+    bubble, another rank computes on its core)."""
+    work = probe.seconds_per_token * tokens * flops_share
+    fixed = probe.fixed_seconds * params_share
+    shared = (work + fixed) * sharing(nproc, probe.threads, probe.cores)
+    return max(shared, work / (1 - bubble) + fixed)
 
 
 def rank_share(config: Config, dims: Any, shapes: list[Any]) -> tuple[float, float]:

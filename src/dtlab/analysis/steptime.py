@@ -141,23 +141,18 @@ def exposed_comm(
 
 
 def collective_counts(config: Config, dims: ParallelDims, n_layers: int, microbatches: int) -> int:
-    """The collectives one rank issues in a step (each one a wait for the slowest rank of its
-    group): the gradient buckets of DDP; ZeRO-1's reduce-scatter and all-gather; FSDP's all-gathers
-    (forward and backward of each unit and micro-batch, backward's only with ``full`` sharding...),
-    reduce-scatters (and HSDP's all-reduces) of each unit; tensor parallelism's per block and
-    micro-batch; a pipeline rank's sends and receives; and the step's one reduction.
-    ``n_layers``: the blocks the rank holds."""
-    import math as _math
-
-    from dtlab.analysis.activations import FP32
-    from dtlab.analysis.model import param_shapes
-
+    """The collectives one rank waits for in a step (each a wait for the slowest rank of its group
+    and for its own threads' turn on the cores): DDP's buckets once (its reducer issues them while
+    backward runs and waits at the end); ZeRO-1's reduce-scatter and all-gather; FSDP's all-gathers
+    (forward and, with ``full`` sharding, backward, of each unit and micro-batch), reduce-scatters
+    (and HSDP's all-reduces) of each unit; tensor parallelism's per block and micro-batch; a pipeline
+    rank's sends and receives; and the step's one reduction. ``n_layers``: the blocks the rank
+    holds."""
     p = config.parallel
     count = 1 if dims.distributed else 0
     m = microbatches
     if dims.ddp_enabled and not dims.shard_optimizer:
-        grads = sum(s.numel for s in param_shapes(config.model)) * FP32
-        count += _math.ceil(grads / (p.bucket_mb * 2**20))
+        count += 1
     elif dims.shard_optimizer:
         count += 2
     if dims.fsdp_enabled and (dims.dp_shard > 1 or dims.dp_replicate > 1):

@@ -132,8 +132,13 @@ def run(
                 if rate:
                     # The namespace's loopback carries every rank's traffic: each gets its share.
                     per_rank = rate / 8 / 1e9 / nproc
+                    rates = {
+                        k: v if k == "sync_s" else min(v, per_rank)
+                        for k, v in (device.collective_gbps or {}).items()
+                    }
                     device = replace(
                         device, intra_node_gbps=per_rank, inter_node_gbps=per_rank,
+                        collective_gbps=rates or None,
                         intra_node_source=f"given: a link of {link.name}, measured {rate / 1e9:.3g} "
                         f"Gbit/s, shared by {nproc} ranks",
                     )  # fmt: skip

@@ -1,0 +1,215 @@
+"""``dtlab plan``'s output for a terminal: the plan and its search as tables, and the number formats
+they use."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def format_tflops(x: float) -> str:
+    """A peak for people: 989.4, 66.9, 1.23, 0.207 (1 to 3 decimals, 3 significant below 1)."""
+    if x >= 10:
+        return f"{x:.1f}"
+    if x >= 1:
+        return f"{x:.2f}"
+    return f"{x:.3g}"
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in the largest binary unit that keeps a figure >= 1: 25.1 GiB, 512.0 MiB, 6.0 KiB."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def format_seconds(s: float) -> str:
+    """A duration with 3 significant digits: 6.78 s, 5.12 ms, 40.1 µs; '?' when unknown (NaN)."""
+    if s != s:
+        return "?"
+    if s == 0:
+        return "0 s"
+    for unit, size in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if s >= size:
+            return f"{_sig3(s / size)} {unit}"
+    return f"{_sig3(s / 1e-9)} ns"
+
+
+def format_count(n: float, unit: str = "") -> str:
+    """A count with a decimal prefix and 3 significant digits: 6.74B params, 46.1 GFLOP, 131K."""
+    prefixes = (("T", 1e12), ("G" if unit else "B", 1e9), ("M", 1e6), ("K", 1e3))
+    for prefix, size in prefixes:
+        if n >= size:
+            return f"{_sig3(n / size)}{' ' if unit else ''}{prefix}{unit}"
+    return f"{_sig3(n)}{' ' if unit else ''}{unit}"
+
+
+def _sig3(v: float) -> str:
+    # 3 significant digits without an exponent (999.7 would otherwise print as 1e+03).
+    return f"{v:.3g}" if v < 999.5 else f"{v:.0f}"
+
+
+def format_plan(p: dict[str, Any]) -> str:
+    """The plan as a table for a terminal."""
+    dev, a = p["device"], p["assumptions"]
+    peak = dev["peak_tflops"]
+    name = dev["name"]
+    if dev.get("assumed"):
+        name += f" (assumed: the default profile {dev['key']}; pass --device KEY or --device this)"
+    model = p["model"]
+    w = max([20] + [len(r["label"]) + 1 for r in p["strategies"]])  # the label column
+    src = p.get("shape_sources", {})
+
+    def where(key: str) -> str:
+        return f" ({src[key]})" if key in src else ""
+
+    lines = [
+        f"model {model['preset'] or 'custom'}{where('model')}: {format_count(model['params'])} "
+        f"params, {format_count(model['flops_per_token'], 'FLOP')}/token | {p['world_size']} ranks "
+        f"({p['nnodes']} node(s) x {p['nproc']})",
+        f"global batch {p['global_batch_size']}{where('train.global_batch_size')} x seq_len "
+        f"{p['seq_len']}{where('data.seq_len')}",
+        f"device {name}:",
+        f"  peak     {format_tflops(peak) if peak else 'unknown'} TFLOP/s {p['precision']} ({dev['source']})",
+        f"  memory   {dev['memory_gib']:.3g} GiB ({dev['memory_source']})",
+        f"  in node  {dev['intra_node_gbps']:.3g} GB/s per rank ({dev['intra_node_source']})",
+        f"  across   {dev['inter_node_gbps']:.3g} GB/s per rank ({dev['inter_node_source']})",
+        *(
+            [
+                "  groups   "
+                + ", ".join(
+                    f"{k} {v:.3g}" for k, v in dev["collective_gbps"].items() if k != "sync_s"
+                )
+                + f" GB/s per rank, {format_seconds(dev['collective_gbps'].get('sync_s', 0))} "
+                f"per collective beside compute ({dev['collective_source']})"
+            ]
+            if dev.get("collective_gbps")
+            else []
+        ),
+        *(
+            [
+                "  wrappers "
+                + ", ".join(f"{k} {format_seconds(v)}" for k, v in dev["wrapper_s"].items())
+                + " (measured: a rank's step under the fake process group less the plain step, "
+                "per unit or block and micro-batch)"
+            ]
+            if dev.get("wrapper_s")
+            else []
+        ),
+        *(
+            [
+                f"  step     {format_seconds(dev['probe']['seconds_per_token'] * 1e3)} per 1,000 "
+                f"tokens, {format_seconds(dev['probe']['fixed_seconds'])} per step "
+                f"({dev['probe']['source']})"
+            ]
+            if dev.get("probe")
+            else []
+        ),
+        f"step time: {a['step_time']}",
+        *([a["fit_rule"]] if "fit_rule" in a else []),
+        f"activation checkpointing {p['activation_checkpointing']}: recompute = {a['recompute']}"
+        + (
+            f" (+{format_count(model['recompute_flops_per_token'], 'FLOP')}/token)"
+            if model["recompute_flops_per_token"]
+            else ""
+        ),
+        "",
+        f"{'strategy':<{w}}"
+        + "".join(f"{h:>11}" for h in ("params", "grads", "optim", "activ", "total"))
+        + f"  {'fits':<4}"
+        + "".join(f"{h:>11}" for h in ("comm/step", "comm", "compute", "recompute", "step")),
+    ]
+    errors = {r.get("error") for r in p["strategies"]}
+    alike = len(p["strategies"]) > 1 and len(errors) == 1 and None not in errors
+    if alike:
+        # Every strategy fails alike at the config's own settings (e.g. the batch's split): once.
+        lines[-1:] = [f"the data-parallel strategies at the config's own settings: {min(errors)}"]
+    for r in [] if alike else p["strategies"]:
+        if "error" in r:
+            lines.append(f"{r['label']:<{w}} {r['error']}")
+            continue
+        pr = r["per_rank"]
+        comm = sum(r["comm"]["bytes_per_step"].values())
+        keys = (
+            "params_bytes",
+            "grads_bytes",
+            "optimizer_bytes",
+            "activations_bytes",
+            "total_bytes",
+        )
+        times = (r["comm"]["time_s"], r["compute_time_s"], r["recompute_time_s"], r["step_time_s"])
+        lines.append(
+            f"{r['label']:<{w}}"
+            + "".join(f"{format_bytes(pr[k]):>11}" for k in keys)
+            + f"  {'yes' if r['fits'] else 'NO':<4}{format_bytes(comm):>11}"
+            + "".join(f"{format_seconds(t):>11}" for t in times)
+        )
+    host = max(
+        (r["per_rank"].get("host_bytes", 0) for r in p["strategies"] if "error" not in r), default=0
+    )
+    if host:
+        # Not in the table's totals: host memory, not the device's.
+        lines += [
+            "",
+            f"host memory per rank, beside the device's: DiLoCo's outer state, up to "
+            f"{format_bytes(host)} (pinned on a GPU, where torch reserves each tensor's block "
+            "rounded up to a power of two)",
+        ]
+    if "search" in p:
+        lines += ["", *format_search(p["search"])]
+    lines += ["", f"recommendation: {p['recommendation']}"]
+    rec = p.get("search", {}).get("recommended")
+    if rec:
+        lines.append(f"run it: {rec['command']}")
+    return "\n".join(lines)
+
+
+def format_search(s: dict[str, Any]) -> list[str]:
+    """The search's table: the fastest layouts that fit, the recommended one (``*``; added below them
+    when a tie made a simpler, slower one the choice), and the config's own layout as given."""
+    fixed = f"; kept as given: {', '.join(s['fixed'])}" if s["fixed"] else ""
+    rows, rec, given = s["rows"], s["recommended"], s["as_given"]
+    fit = rows and rows[0].get("fits")
+    lines = [
+        f"searched {s['layouts']} layouts in {s['seconds']:.2f} s ({s['costed']} rows costed)",
+        f"open: {', '.join(s['open']) or 'nothing'}{fixed}",
+        "the fastest that fit (* = recommended):" if fit else "none fits; the closest:",
+    ]
+    shown = [*rows, *([rec] if rec and all(r["settings"] != rec["settings"] for r in rows) else [])]
+
+    def name(r: dict[str, Any]) -> str:
+        if r is given:
+            return "as given" + ("" if "error" in r else f": {r['label']}")
+        return ("* " if rec and r["settings"] == rec["settings"] else "  ") + r["label"]
+
+    w = max([26] + [len(name(r)) + 1 for r in [*shown, given]])
+    lines.append(
+        f"{'layout':<{w}}{'precision':<10}{'ac':<10}{'micro':>6}"
+        + "".join(f"{h:>11}" for h in ("memory", "comm/step", "comm", "compute", "step"))
+    )
+    for r in [*shown, given]:
+        if "error" in r:
+            lines.append(f"{name(r):<{w}}{r['error']}")
+            continue
+        micro = (
+            f"m{r['pp_microbatches']}" if r.get("pp_microbatches") else r["micro_batch_size"] or "-"
+        )
+        comm = sum(r["comm"]["bytes_per_step"].values())
+        lines.append(
+            f"{name(r):<{w}}{r['precision']:<10}{r['activation_checkpointing']:<10}{micro!s:>6}"
+            + f"{format_bytes(r['per_rank']['total_bytes']) + ('' if r['fits'] else '!'):>11}"
+            + f"{format_bytes(comm):>11}"
+            + "".join(
+                f"{format_seconds(t):>11}"
+                for t in (
+                    r["comm"]["time_s"],
+                    r["compute_time_s"] + r["recompute_time_s"],
+                    r["step_time_s"],
+                )
+            )
+        )
+    lines.append(
+        "(memory per rank, ! = does not fit; micro: samples per micro-batch, m = pipeline micro-"
+    )
+    lines.append("batches per step, - = no accumulation; compute includes recompute)")
+    return lines
