@@ -14,7 +14,7 @@ import torch
 from conftest import PYTHON, cli_env, run_cli
 from dtlab.analysis.devices import PROFILES
 from dtlab.analysis.model import param_shapes
-from dtlab.analysis.plan import predict_step
+from dtlab.analysis.plan import format_plan, predict_step
 from dtlab.analysis.probe import (
     ComputeProbe,
     compute_seconds,
@@ -161,13 +161,17 @@ def test_plan_this_device_prints_its_measured_collectives_and_step(tmp_path) -> 
     args = ["--device", "this", "--nproc", "2", "--set", "model.preset=debug", "data.seq_len=64"]
     proc = run_cli("plan", *args, "--json")
     assert proc.returncode == 0, proc.stderr
-    dev = json.loads(proc.stdout)["device"]
+    result = json.loads(proc.stdout)
+    dev = result["device"]
     rates = dev["collective_gbps"]
     assert set(rates) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "sync_s"}
     assert all(0 < v < math.inf for v in rates.values())
     assert dev["collective_source"].startswith("measured: gloo among 2 local processes")
-    text = run_cli("plan", *args)
-    assert "  groups   all_reduce" in text.stdout and "  step     " in text.stdout
+    # What FSDP's and tensor parallelism's code adds per unit, measured under the fake group.
+    assert set(dev["wrapper_s"]) == {"fsdp_unit_s", "tp_block_s"}
+    assert all(0 <= v < 1 for v in dev["wrapper_s"].values())
+    text = format_plan(result)
+    assert "  groups   all_reduce" in text and "  step     " in text and "  wrappers " in text
 
 
 def test_calibration_measures_and_predicts_each_layout(tmp_path) -> None:

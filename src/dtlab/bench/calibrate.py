@@ -178,6 +178,8 @@ def run(
         "worst": {"layout": worst["layout"], "error": worst["error"]} if errors else None,
         "cores": os.cpu_count(),
         "probes": {n: d.probe.as_dict() for n, d in devices.items() if d.probe},
+        "collectives": {n: d.collective_gbps for n, d in devices.items()},
+        "wrappers": {n: d.wrapper_s for n, d in devices.items()},
         "loopback_gbps": base.intra_node_gbps,
         "peak_tflops": base.peak_tflops,
         "base": common,
