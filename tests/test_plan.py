@@ -18,7 +18,7 @@ from dtlab.analysis.model import (
     plan_step,
     recompute_flops_per_token,
 )
-from dtlab.analysis.plan import format_plan, format_tflops, plan, recommend
+from dtlab.analysis.plan import TIE_MARGIN, format_plan, format_tflops, plan, recommend
 from dtlab.config import TrainConfig, load_config
 from dtlab.models.llama import build_model
 from dtlab.parallel.apply import apply_ac
@@ -121,9 +121,12 @@ def test_the_default_device_is_labelled_as_assumed() -> None:
 def test_a_tie_recommends_ddp() -> None:
     result = run_plan(nproc=2)
     rows = {r["label"]: r for r in result["strategies"]}
-    # The debug model's steps are tied (compute dominates); FSDP would hold less memory.
+    # The debug model's steps are tied (compute dominates: FSDP's prefetch hides a little more than
+    # DDP's one bucket, within the tie margin); FSDP would hold less memory.
     assert rows["fsdp full"]["per_rank"]["total_bytes"] < rows["ddp"]["per_rank"]["total_bytes"]
-    assert rows["ddp"]["step_time_s"] == pytest.approx(rows["fsdp shard_grad_op"]["step_time_s"])
+    fastest = min(r["step_time_s"] for r in rows.values())
+    assert rows["ddp"]["step_time_s"] != fastest
+    assert rows["ddp"]["step_time_s"] <= fastest * (1 + TIE_MARGIN)
     # Among the data-parallel strategies at the config's own settings (the search's choice is
     # tests/test_plan_search.py's).
     among = str(recommend(result["strategies"]))

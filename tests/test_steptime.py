@@ -14,7 +14,7 @@ import torch
 from conftest import PYTHON, cli_env, run_cli
 from dtlab.analysis.devices import PROFILES
 from dtlab.analysis.model import param_shapes
-from dtlab.analysis.plan import format_plan, predict_step
+from dtlab.analysis.plan import format_plan, predict_step, spans_nodes
 from dtlab.analysis.probe import (
     ComputeProbe,
     compute_seconds,
@@ -191,3 +191,21 @@ def test_calibration_measures_and_predicts_each_layout(tmp_path) -> None:
     assert result["mean_abs_error"] == pytest.approx(sum(abs(r["error"]) for r in rows) / 2)
     assert result["worst"]["layout"] in {r["layout"] for r in rows}
     assert "mean absolute error" in proc.stdout
+
+
+def test_a_group_strided_by_tensor_parallelism_crosses_nodes() -> None:
+    # fsdp 8 x tp 4 on 4 nodes of 8: a tensor-parallel group sits in a node, but each FSDP group
+    # takes one rank of every tensor-parallel group: 8 ranks 4 apart, over all 4 nodes.
+    sets = ["model.preset=llama3.1-70b", "data.seq_len=4096", "train.global_batch_size=64"]
+    cfg = load_config(None, [*sets, "parallel.strategy=fsdp", "parallel.tp=4"])
+    dims = ParallelDims.from_config(cfg, 32)
+    assert spans_nodes("all_gather", 8, dims, 8) and spans_nodes("reduce_scatter", 8, dims, 8)
+    assert not spans_nodes("tp all_reduce", 4, dims, 8)
+    # Its FSDP traffic at the network's rate: slower than the same bytes at NVLink's.
+    row = predict_step(cfg, 8, 4, PROFILES["h100"])
+    step = row.step
+    dp = sum(step.comm_bus_bytes[k] for k in ("all_gather", "reduce_scatter"))
+    assert row.comm_s > dp / (PROFILES["h100"].inter_node_gbps * 1e9)
+    # A pipeline's neighbouring stages of 8-rank slices on nodes of 8 are on different nodes.
+    pp = load_config(None, [*sets, "parallel.strategy=fsdp", "parallel.tp=8", "parallel.pp=2"])
+    assert spans_nodes("send/recv", 2, ParallelDims.from_config(pp, 16), 8)

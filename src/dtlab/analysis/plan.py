@@ -488,13 +488,7 @@ def _row(
     times = {}
     for collective, bus in step.comm_bus_bytes.items():
         group = step.comm_groups[collective]
-        # A group spread over nodes (HSDP's replicate groups, one rank of each shard group; anything
-        # when it spans all nodes) is limited by the network; a group inside one node by the
-        # intra-node links.
-        across = nnodes > 1 and (
-            group > nproc
-            or (dims.fsdp_enabled and dims.replicate_enabled and collective == "all_reduce")
-        )
+        across = nnodes > 1 and spans_nodes(collective, group, dims, nproc)
         gbps = device.inter_node_gbps if across else device.intra_node_gbps
         if device.collective_gbps and not across:
             # This machine's rate for the kind ("tp all_gather" is an all-gather; a pipeline's
@@ -515,6 +509,24 @@ def _row(
     return PlanRow(
         label, step, compute, recompute, comm, step.total_bytes <= usable, exposed_s=exposed
     )
+
+
+def spans_nodes(collective: str, group: int, dims: ParallelDims, nproc: int) -> bool:
+    """Whether a ``collective`` over groups of ``group`` ranks reaches beyond one node of ``nproc``
+    (then the network limits it). The mesh lays tensor parallelism innermost, then the shard and
+    replica dimensions, then the pipeline: a group's ranks are as far apart as the dimensions inside
+    its own, so a data-parallel group under tensor parallelism spans ``group x tp`` ranks, HSDP's
+    replicas (one rank of each shard group) ``group x shard x tp``, and a pipeline's neighbouring
+    stages two data-parallel slices."""
+    if collective.startswith("tp "):
+        stride = 1
+    elif collective == "send/recv":
+        stride = dims.dp * dims.tp
+    elif dims.fsdp_enabled and dims.replicate_enabled and collective == "all_reduce":
+        stride = dims.dp_shard * dims.tp
+    else:
+        stride = dims.tp
+    return group * stride > nproc
 
 
 def pipeline_bubble(config: Config, dims: ParallelDims) -> float:

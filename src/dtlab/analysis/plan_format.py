@@ -99,7 +99,8 @@ def format_plan(p: dict[str, Any]) -> str:
         *(
             [
                 f"  step     {format_seconds(dev['probe']['seconds_per_token'] * 1e3)} per 1,000 "
-                f"tokens, {format_seconds(dev['probe']['fixed_seconds'])} per step "
+                f"tokens of forward and backward, {format_seconds(dev['probe']['fixed_seconds'])} per "
+                f"optimizer step "
                 f"({dev['probe']['source']})"
             ]
             if dev.get("probe")
