@@ -34,7 +34,13 @@ from dtlab.analysis.search import (
     search,
     set_args,
 )
-from dtlab.analysis.steptime import Link, collective_counts, exposed_comm, step_microbatches
+from dtlab.analysis.steptime import (
+    Link,
+    calibration_note,
+    collective_counts,
+    exposed_comm,
+    step_microbatches,
+)
 from dtlab.config import Config, check_batch_split, check_world
 from dtlab.dims import ParallelDims, layout_name
 from dtlab.errors import ConfigError
@@ -559,7 +565,8 @@ def step_time_basis(device: DeviceProfile) -> str:
             f"compute at {ACHIEVABLE_FRACTION[device.kind]:.0%} of the peak, plus recompute "
             "and the pipeline bubble"
         )
-    return f"{compute}; communication at the link rates, {hides}"
+    checked = calibration_note(device.probe is not None)
+    return f"{compute}; communication at the link rates, {hides}; {checked}"
 
 
 def _device_figures(

@@ -26,6 +26,26 @@ from dtlab.dims import ParallelDims
 
 BACKWARD_SHARE = 2 / 3  # of forward + backward FLOPs (two matmuls per forward one)
 
+# Measured on 2026-11-26 by ``python -m dtlab.bench.calibrate --links none,1gbit`` on a 2-core x86-64
+# Linux machine (gloo, torch 2.13 CPU build): the plan with --device this against dtlab bench's
+# median steps of every layout at 2 to 8 processes, on the loopback and on a 1 Gbit/s link (the
+# table in docs/planning.md, "Step time"). Nothing calibrates the GPU profiles.
+CALIBRATION = "python -m dtlab.bench.calibrate"
+CALIBRATED_MAE = 0.079
+CALIBRATED_ROWS = 25
+CALIBRATED_WORST = ("fsdp 2 x tp 2 on 4 processes", 0.26)
+
+
+def calibration_note(measured: bool) -> str:
+    """What the step time has been checked against: this machine's calibration, or nothing."""
+    if not measured:
+        return "an estimate, not calibrated against a GPU's measured steps"
+    worst, error = CALIBRATED_WORST
+    return (
+        f"measured against real steps by {CALIBRATION}: {CALIBRATED_MAE:.1%} mean absolute error "
+        f"over {CALIBRATED_ROWS} layouts, the worst {worst} ({error:+.0%})"
+    )
+
 
 @dataclass(frozen=True)
 class Link:
