@@ -61,6 +61,8 @@ def test_the_state_and_the_collectives_of_the_plan_are_the_checked_ones(layout: 
     c = r.components
     for name in ("params", "optimizer", "buffers"):
         assert c[name]["predicted"] == c[name]["checked"] > 0, (name, c[name])
+    if not layout.startswith("zero-1"):  # ZeRO-1's grads differ in meaning (docs/planning.md)
+        assert c["grads"]["predicted"] == c["grads"]["checked"] > 0, c["grads"]
     act = c["activations"]
     close = abs(act["predicted"] - act["checked"]) <= 0.01 * act["checked"]
     assert act["checked"] > 0 and close == (layout not in ACTIVATIONS_DIFFER), act

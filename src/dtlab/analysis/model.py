@@ -412,7 +412,7 @@ def _plan_rank(
         sharding=p.sharding if dims.fsdp_enabled or dims.shard_optimizer else "-",
         world_size=world_size,
         params_bytes=held * FP32,
-        grads_bytes=held * FP32,
+        grads_bytes=held * FP32 + _tp_embedding_grad_extra(config, dims, part),
         optimizer_bytes=_optimizer_bytes(config, shapes, held)
         if not dims.shard_optimizer
         else _zero1_optimizer_bytes(config, shapes, dims.dp),
@@ -482,6 +482,17 @@ def _plan_rank(
     plan.comm_groups = groups
     plan.comm_bus_bytes = {k: _ring(k, v, groups[k]) for k, v in comm.items()}
     return plan
+
+
+def _tp_embedding_grad_extra(config: Config, dims: ParallelDims, part: RankPart) -> int:
+    """Under tensor parallelism without FSDP the vocabulary-parallel embedding's gradient is a view
+    of a whole-vocabulary gradient (its backward scatters into every row, then keeps this rank's),
+    which its storage keeps whole until the gradients are freed (measured by ``dtlab plan
+    --check``, and in real gloo runs); FSDP reduce-scatters it into a shard of its own."""
+    if dims.tp == 1 or dims.fsdp_enabled or not part.first:
+        return 0
+    rows = config.model.vocab_size
+    return (rows - rows // dims.tp) * config.model.dim * FP32
 
 
 def fsdp_half_params(config: Config, dims: ParallelDims) -> bool:
