@@ -25,9 +25,11 @@ from dtlab.analysis.probe import (
 from dtlab.analysis.steptime import (
     Link,
     collective_counts,
+    collective_waits,
     ddp_buckets,
     ddp_exposed,
     fsdp_exposed,
+    wait_seconds,
 )
 from dtlab.config import load_config
 from dtlab.dims import ParallelDims
@@ -209,3 +211,14 @@ def test_a_group_strided_by_tensor_parallelism_crosses_nodes() -> None:
     # A pipeline's neighbouring stages of 8-rank slices on nodes of 8 are on different nodes.
     pp = load_config(None, [*sets, "parallel.strategy=fsdp", "parallel.tp=8", "parallel.pp=2"])
     assert spans_nodes("send/recv", 2, ParallelDims.from_config(pp, 16), 8)
+
+
+def test_a_smaller_group_waits_for_fewer_ranks() -> None:
+    # The wait is measured among all 4 processes: a group of 4 waits it whole, a pair a third of it.
+    assert wait_seconds({4: 10}, 0.01, 4) == pytest.approx(0.1)
+    assert wait_seconds({2: 30}, 0.01, 4) == pytest.approx(0.1)
+    assert wait_seconds({8: 1}, 0.01, 4) == pytest.approx(0.01)  # no more than measured
+    assert wait_seconds({2: 5}, 0.01, 1) == 0.0
+    cfg = load_config(None, ["model.preset=tiny", "parallel.strategy=fsdp", "parallel.tp=2"])
+    waits = collective_waits(cfg, ParallelDims.from_config(cfg, 4), 4, 1)
+    assert waits == {4: 1, 2: 15 + 33}  # the step's reduction; FSDP's pairs and TP's pairs

@@ -37,9 +37,10 @@ from dtlab.analysis.search import (
 from dtlab.analysis.steptime import (
     Link,
     calibration_note,
-    collective_counts,
+    collective_waits,
     exposed_comm,
     step_microbatches,
+    wait_seconds,
 )
 from dtlab.config import Config, check_batch_split, check_world
 from dtlab.dims import ParallelDims, layout_name
@@ -509,7 +510,8 @@ def _row(
     if sync and dims.distributed:
         # This machine's measured wait per collective among ranks that compute (their arrival and
         # their threads' turn on the shared cores), for each collective of the step.
-        exposed += sync * collective_counts(cfg, dims, layers, step_microbatches(cfg, dims))
+        waits = collective_waits(cfg, dims, layers, step_microbatches(cfg, dims))
+        exposed += wait_seconds(waits, sync, nproc)
     usable = memory * usable_fraction(device.kind)
     comm = sum(times.values())
     return PlanRow(

@@ -160,34 +160,58 @@ def exposed_comm(
     return total
 
 
-def collective_counts(config: Config, dims: ParallelDims, n_layers: int, microbatches: int) -> int:
-    """The collectives one rank waits for in a step (each a wait for the slowest rank of its group
-    and for its own threads' turn on the cores): DDP's buckets once (its reducer issues them while
-    backward runs and waits at the end); ZeRO-1's reduce-scatter and all-gather; FSDP's all-gathers
-    (forward and, with ``full`` sharding, backward, of each unit and micro-batch), reduce-scatters
-    (and HSDP's all-reduces) of each unit; tensor parallelism's per block and micro-batch; a pipeline
-    rank's sends and receives; and the step's one reduction. ``n_layers``: the blocks the rank
-    holds."""
+def collective_waits(
+    config: Config, dims: ParallelDims, n_layers: int, microbatches: int
+) -> dict[int, int]:
+    """The collectives one rank waits for in a step, by the size of their group (each a wait for
+    the slowest rank of the group and for its own threads' turn on the cores): DDP's buckets once
+    (its reducer issues them while backward runs and waits at the end); ZeRO-1's reduce-scatter and
+    all-gather; FSDP's all-gathers (forward and, with ``full`` sharding, backward, of each unit and
+    micro-batch), reduce-scatters (and HSDP's all-reduces) of each unit; tensor parallelism's per
+    block and micro-batch; a pipeline rank's sends and receives; and the step's one reduction.
+    ``n_layers``: the blocks the rank holds."""
     p = config.parallel
-    count = 1 if dims.distributed else 0
-    m = microbatches
+    waits: dict[int, int] = {}
+
+    def add(group: int, n: int) -> None:
+        if group > 1 and n:
+            waits[group] = waits.get(group, 0) + n
+
+    add(dims.world_size, 1)  # the step's reduction
     if dims.ddp_enabled and not dims.shard_optimizer:
-        count += 1
+        add(dims.dp, 1)
     elif dims.shard_optimizer:
-        count += 2
-    if dims.fsdp_enabled and (dims.dp_shard > 1 or dims.dp_replicate > 1):
+        add(dims.dp, 2)
+    if dims.fsdp_enabled:
         units = n_layers + 1
-        gathers = 2 if dims.dp_shard > 1 and p.sharding == "full" else 1
-        count += m * gathers * units if dims.dp_shard > 1 else 0
-        count += units * (int(dims.dp_shard > 1) + int(dims.dp_replicate > 1))
+        gathers = 2 if p.sharding == "full" else 1
+        add(dims.dp_shard, microbatches * gathers * units + units)  # all-gathers, reduce-scatters
+        add(dims.dp_replicate, units)
     if dims.tp_enabled:
         if p.sequence_parallel:
-            count += m * (2 * (4 * n_layers + 2) + 3) + 2 * n_layers + 1
+            add(dims.tp, microbatches * (2 * (4 * n_layers + 2) + 3) + 2 * n_layers + 1)
         else:
-            count += m * (7 * n_layers + 2 + 3)
+            add(dims.tp, microbatches * (7 * n_layers + 2 + 3))
     if dims.pp_enabled:
-        count += 2 * m
-    return count
+        add(2, 2 * microbatches)
+    return waits
+
+
+def collective_counts(config: Config, dims: ParallelDims, n_layers: int, microbatches: int) -> int:
+    """How many collectives one rank waits for in a step (:func:`collective_waits`)."""
+    return sum(collective_waits(config, dims, n_layers, microbatches).values())
+
+
+def wait_seconds(waits: dict[int, int], sync_s: float, measured_group: int) -> float:
+    """Seconds the step's collectives (``waits``: count by group size) wait beyond their bytes, from
+    ``sync_s``, the wait measured per collective among ``measured_group`` ranks computing at once.
+    A smaller group waits for fewer ranks: scaled by the other members, (g - 1) / (n - 1), a rough
+    rule (only g = n is measured)."""
+    if measured_group < 2:
+        return 0.0
+    return sum(
+        n * sync_s * (min(g, measured_group) - 1) / (measured_group - 1) for g, n in waits.items()
+    )
 
 
 def step_microbatches(config: Config, dims: ParallelDims) -> int:
