@@ -280,6 +280,52 @@ def _check_mlx(c: Config) -> None:
         )
 
 
+def _check_moe(c: Config) -> None:
+    """What a mixture-of-experts model needs, and what does not compose with it yet."""
+    m, p, t = c.model, c.parallel, c.train
+    moe = m.moe
+    if not moe.experts:
+        return
+    if moe.top_k > moe.experts:
+        raise ValueError(
+            f"model.moe.top_k = {moe.top_k} is more than model.moe.experts = {moe.experts} "
+            f"(allowed: 1 to {moe.experts})"
+        )
+    if moe.dense_layers >= m.n_layers:
+        raise ValueError(
+            f"model.moe.dense_layers = {moe.dense_layers} leaves no MoE block of model.n_layers = "
+            f"{m.n_layers} (allowed: 0 to {m.n_layers - 1}, or model.moe.experts = 0 for dense)"
+        )
+    # key: (refused, the value as written, what is allowed, why)
+    refused: dict[str, tuple[bool, str, str, str]] = {
+        "parallel.tp": (
+            p.tp > 1, str(p.tp), "1",
+            "tensor parallelism shards the dense feed-forward's w1/w2/w3, not experts",
+        ),
+        "parallel.pp": (
+            p.pp > 1, str(p.pp), "1",
+            "the routing figures and the balancing update are not gathered across stages yet",
+        ),
+        "parallel.diloco.inner_steps": (
+            p.diloco.inner_steps > 0, str(p.diloco.inner_steps), "0",
+            "the balancing bias is updated from every rank's loads, not a replica's",
+        ),
+        "train.engine": (
+            t.engine == "mlx", "'mlx'", "torch", "the MLX model has no MoE feed-forward",
+        ),
+        "model.init_from": (
+            m.init_from is not None, repr(m.init_from), "null",
+            "weights are loaded in the dense Llama layout only",
+        ),
+    }  # fmt: skip
+    for key, (bad, shown, allowed, why) in refused.items():
+        if bad:
+            raise ValueError(
+                f"{key} = {shown} is not supported with model.moe.experts = {moe.experts} "
+                f"(allowed: {allowed}): {why}"
+            )
+
+
 def config_warnings(config: Config) -> list[str]:
     """Settings that are allowed but probably not meant: said once at the start of a run."""
     t, d = config.train, config.data

@@ -13,6 +13,7 @@ from pydantic import (
 from dtlab.config.checks import (
     _check_diloco,
     _check_mlx,
+    _check_moe,
     _check_oom_retry,
     _check_pp,
     _check_tp,
@@ -160,6 +161,7 @@ class Config(_Section):
         _check_diloco(self)
         _check_tp(self)
         _check_pp(self)
+        _check_moe(self)
         if t.engine == "mlx":
             _check_mlx(self)
         elif p.backend in ("ring", "mpi"):

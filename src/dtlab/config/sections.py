@@ -23,8 +23,65 @@ from dtlab.config.values import (
     _Section,
     show,
 )
-from dtlab.models.args import ModelArgs, llama_ffn_dim
+from dtlab.models.args import ModelArgs, MoEArgs, llama_ffn_dim
 from dtlab.models.presets import PRESETS
+
+
+class MoEConfig(_Section):
+    """A mixture-of-experts feed-forward in place of the dense one (experts: 0 = dense). Token-choice
+    routing, dropless: every token goes to exactly its top_k experts."""
+
+    experts: int = Field(0, ge=0, le=65536, description="Routed experts per MoE block; 0 = dense.")
+    expert_dim: int | None = Field(
+        None, ge=1, description="Each expert's SwiGLU hidden size; null = model.ffn_dim."
+    )
+    top_k: int = Field(2, ge=1, description="Experts each token is routed to (at most experts).")
+    score: Literal["softmax", "sigmoid"] = Field(
+        "softmax",
+        description="The router's scores: softmax over the experts (Qwen3, Mixtral) or a sigmoid "
+        "per expert (DeepSeek-V3; its top-k gates are always renormalised to sum to 1).",
+    )
+    renormalize: bool = Field(
+        True,
+        description="softmax: divide the top-k gates by their sum (Qwen3's norm_topk_prob); false "
+        "keeps the raw probabilities.",
+    )
+    shared_experts: int = Field(
+        0, ge=0, description="Always-on experts of expert_dim, added to the routed output."
+    )
+    dense_layers: int = Field(
+        0, ge=0, description="The first this many blocks keep the dense feed-forward (ffn_dim)."
+    )
+    balance: Literal["bias", "aux", "bias+aux", "none"] = Field(
+        "bias",
+        description="Load balancing: bias = DeepSeek-V3's auxiliary-loss-free per-expert bias, added "
+        "to the scores for the top-k selection only and moved by bias_rate x sign(mean load - load) "
+        "after each optimizer step (a buffer, saved in checkpoints); aux = the switch-transformer "
+        "loss experts x sum_e f_e P_e times aux_coef, added to the training loss; bias+aux: both.",
+    )
+    bias_rate: float = Field(
+        1e-3, gt=0, le=1, description="balance bias: the bias's step after each optimizer step."
+    )
+    aux_coef: float = Field(
+        1e-2, gt=0, le=100, description="balance aux: the auxiliary loss's weight in the loss."
+    )
+
+    def args(self, ffn_dim: int) -> MoEArgs | None:
+        """The MoE's arguments (None when dense); ``ffn_dim`` is the default expert_dim."""
+        if not self.experts:
+            return None
+        return MoEArgs(
+            experts=self.experts,
+            expert_dim=self.expert_dim or ffn_dim,
+            top_k=self.top_k,
+            score=self.score,
+            renormalize=self.renormalize,
+            shared_experts=self.shared_experts,
+            dense_layers=self.dense_layers,
+            bias_balance="bias" in self.balance,
+            bias_rate=self.bias_rate,
+            aux_coef=self.aux_coef if "aux" in self.balance else 0.0,
+        )
 
 
 class ModelConfig(_Section):
@@ -60,6 +117,7 @@ class ModelConfig(_Section):
         "or a dtlab export directory (model.safetensors + config.yaml); its shape must match the keys "
         "above. A run that resumes from a checkpoint takes the checkpoint's weights instead.",
     )
+    moe: MoEConfig = Field(default_factory=MoEConfig)  # type: ignore[arg-type]
 
     @model_validator(mode="before")
     @classmethod
@@ -85,7 +143,11 @@ class ModelConfig(_Section):
                 + (f" (did you mean {meant!r}?)" if meant else "")
                 + f"; allowed: {', '.join(PRESETS)}, or null"
             )
-        return {**PRESETS[preset], **data}
+        merged = {**PRESETS[preset], **data}
+        # A preset's MoE keys are kept where the user gives only some of them (model.moe.top_k=1).
+        if isinstance(PRESETS[preset].get("moe"), dict) and isinstance(data.get("moe"), dict):
+            merged["moe"] = {**PRESETS[preset]["moe"], **data["moe"]}
+        return merged
 
     @property
     def kv_heads(self) -> int:
@@ -108,6 +170,7 @@ class ModelConfig(_Section):
             rope_theta=self.rope_theta,
             norm_eps=self.norm_eps,
             tie_embeddings=self.tie_embeddings,
+            moe=self.moe.args(self.hidden_dim),
         )
 
 

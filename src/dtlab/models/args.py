@@ -10,12 +10,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["HasModelArgs", "ModelArgs", "llama_ffn_dim", "model_args"]
+__all__ = ["HasModelArgs", "MoEArgs", "ModelArgs", "llama_ffn_dim", "model_args"]
 
 
 def llama_ffn_dim(dim: int, multiple: int = 256) -> int:
     """Llama's SwiGLU hidden size for hidden size ``dim``: 8/3 dim, rounded up to ``multiple``."""
     return multiple * ((int(8 * dim / 3) + multiple - 1) // multiple)
+
+
+@dataclass(frozen=True)
+class MoEArgs:
+    """A mixture-of-experts feed-forward (:class:`dtlab.models.moe.MoE`) in place of the dense one."""
+
+    experts: int  # routed experts
+    expert_dim: int  # each expert's SwiGLU hidden size
+    top_k: int  # routed experts per token
+    score: str = "softmax"  # softmax | sigmoid: the router's scores of each token
+    renormalize: bool = True  # the top-k gates divided by their sum (always with sigmoid)
+    shared_experts: int = 0  # always-on experts of expert_dim, added to the routed output
+    dense_layers: int = 0  # the first blocks keep the dense feed-forward
+    bias_balance: bool = False  # DeepSeek-V3's per-expert selection bias, updated after each step
+    bias_rate: float = 1e-3
+    aux_coef: float = 0.0  # the switch-transformer auxiliary loss's weight; 0 = off
 
 
 @dataclass(frozen=True)
@@ -32,6 +48,13 @@ class ModelArgs:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False  # the output projection reads the input embedding
+    moe: MoEArgs | None = (
+        None  # mixture-of-experts feed-forward in blocks dense_layers..; None = dense
+    )
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block ``layer`` has the mixture-of-experts feed-forward."""
+        return self.moe is not None and layer >= self.moe.dense_layers
 
     @property
     def head_dim(self) -> int:

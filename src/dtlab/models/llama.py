@@ -17,6 +17,7 @@ from torch import nn
 
 from dtlab.models.args import HasModelArgs, ModelArgs, model_args
 from dtlab.models.attention import attend
+from dtlab.models.moe import MoE, moe_layers
 
 
 class RMSNorm(nn.Module):
@@ -138,12 +139,20 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, layer: int = 0) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+        self.feed_forward: FeedForward | MoE
+        if args.moe is not None and args.is_moe_layer(layer):
+            m = args.moe
+            shared = (
+                FeedForward(args.dim, m.shared_experts * m.expert_dim) if m.shared_experts else None
+            )
+            self.feed_forward = MoE(args.dim, m, shared)
+        else:
+            self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
     def forward(
         self,
@@ -181,7 +190,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(args, i) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         # Tied: the output projection reads the embedding matrix in forward rather than sharing a Parameter
         # object, because sharing does not survive to_empty() or wrapping.
@@ -253,7 +262,7 @@ class Transformer(nn.Module):
         """
         if name.endswith("norm.weight"):
             return None
-        if name.endswith(("wo.weight", "w2.weight")):
+        if name.endswith(("wo.weight", "w2.weight", "experts.w2")):
             return 0.02 / math.sqrt(2 * self.args.n_layers)
         return 0.02
 
@@ -273,11 +282,13 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_buffers(self) -> None:
-        """Recompute the RoPE tables (needed after ``to_empty``)."""
+        """Recompute the RoPE tables and zero the MoE balancing state (needed after ``to_empty``)."""
         a = self.args
         cos, sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
+        for moe in moe_layers(self):
+            moe.init_buffers()
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:

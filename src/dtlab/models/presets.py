@@ -1,4 +1,4 @@
-"""Model shape presets. Small ones are trained here; the Llama shapes are for planning."""
+"""Model shape presets. Small ones are trained here; the Llama and MoE shapes are for planning."""
 
 from typing import Any
 
@@ -17,4 +17,23 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama3.1-70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256, max_seq_len=131072, ffn_dim=28672, rope_theta=500000.0, norm_eps=1e-5),
     "llama3.2-1b": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, max_seq_len=131072, ffn_dim=8192, rope_theta=500000.0, norm_eps=1e-5, tie_embeddings=True),
     "llama3.2-3b": dict(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, vocab_size=128256, max_seq_len=131072, ffn_dim=8192, rope_theta=500000.0, norm_eps=1e-5, tie_embeddings=True),
+    # Mixture of experts (model.moe): debug-moe's first block is dense, the second routes each token to 2 of 4
+    # experts of 64 beside one shared expert; tiny-moe likewise with 8 experts over 3 MoE blocks.
+    "debug-moe": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, max_seq_len=128, ffn_dim=192, moe=dict(experts=4, top_k=2, expert_dim=64, shared_experts=1, dense_layers=1)),
+    "tiny-moe": dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=256, max_seq_len=256, ffn_dim=704, moe=dict(experts=8, top_k=2, expert_dim=256, shared_experts=1, dense_layers=1)),
+    # Qwen3-30B-A3B: 128 experts of 768, top-8 softmax gates renormalised (norm_topk_prob), auxiliary loss
+    # 0.001. Not expressible: its 32 query heads of 128 (a 4096-wide attention on a 2048 model; dtlab's head
+    # size is dim / n_heads = 64) and the per-head q/k RMSNorm.
+    "qwen3-30b-a3b": dict(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, vocab_size=151936, max_seq_len=40960, ffn_dim=6144, rope_theta=1000000.0, norm_eps=1e-6, moe=dict(experts=128, top_k=8, expert_dim=768, score="softmax", renormalize=True, balance="aux", aux_coef=0.001)),
+    # gpt-oss-20b-like: 32 experts of 2880, top-4 (softmax over the chosen 4 = renormalised softmax). Not
+    # expressible: its 64 query heads of 64 (4096 wide on a 2880 model: dim / 64 = 45 is odd, so this has 48
+    # heads of 60), attention sinks, the sliding window on every other block, biases in attention and
+    # experts, the clamped SwiGLU (alpha 1.702, +1 on the linear half) and YaRN's RoPE scaling.
+    "gpt-oss-20b": dict(dim=2880, n_layers=24, n_heads=48, n_kv_heads=8, vocab_size=201088, max_seq_len=131072, ffn_dim=2880, rope_theta=150000.0, norm_eps=1e-5, moe=dict(experts=32, top_k=4, expert_dim=2880, score="softmax", renormalize=True, balance="aux")),
+    # DeepSeek-V3-671B-like: 3 dense blocks of 18432, then 256 routed experts of 2048 + 1 shared, top-8
+    # sigmoid gates renormalised, auxiliary-loss-free bias balancing. Not expressible: multi-head latent
+    # attention (low-rank compressed keys/values and queries, decoupled RoPE; here plain attention with 128
+    # heads, the closest), group-limited routing, the routed scaling factor 2.5, multi-token prediction
+    # and YaRN's RoPE scaling.
+    "deepseek-v3-671b": dict(dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, vocab_size=129280, max_seq_len=163840, ffn_dim=18432, rope_theta=10000.0, norm_eps=1e-6, moe=dict(experts=256, top_k=8, expert_dim=2048, shared_experts=1, dense_layers=3, score="sigmoid", balance="bias", bias_rate=0.001)),
 }  # fmt: skip

@@ -1,0 +1,165 @@
+"""A mixture-of-experts feed-forward: token-choice top-k routing over SwiGLU experts, dropless.
+
+Every token goes to exactly its ``top_k`` experts (no capacity, nothing dropped). The router scores
+each token (softmax or sigmoid), selects the top k (with DeepSeek-V3's per-expert bias added for the
+selection only, when bias balancing is on), and gates each chosen expert's output by its score,
+renormalised over the k to sum to 1 (optional for softmax, as Qwen3's ``norm_topk_prob``).
+
+Plain PyTorch, no distributed code: the balancing bias is updated from outside
+(:func:`dtlab.train.routing.routing_step` all-reduces the loads first), after each optimizer step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dtlab.models.args import MoEArgs
+
+__all__ = ["GroupedExperts", "MoE", "moe_layers", "route"]
+
+
+class GroupedExperts(nn.Module):
+    """``experts`` SwiGLU experts, their weights stacked: w1, w3 [E, hidden, dim], w2 [E, dim, hidden]."""
+
+    def __init__(self, experts: int, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(experts, hidden_dim, dim))
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """``x`` [sum(counts), dim], sorted by expert: the first counts[0] rows go to expert 0, ..."""
+        # A loop over experts (torch._grouped_mm runs on CPU in torch 2.13, but the loop is the
+        # plainest deterministic form; an empty expert multiplies zero rows).
+        outs = [
+            F.linear(F.silu(F.linear(xe, self.w1[e])) * F.linear(xe, self.w3[e]), self.w2[e])
+            for e, xe in enumerate(torch.split(x, counts))
+        ]
+        return torch.cat(outs)
+
+
+def route(
+    scores: torch.Tensor, top_k: int, bias: torch.Tensor | None, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert ids [N, k], gates [N, k]) of each token's top ``k`` experts by ``scores`` [N, E].
+
+    ``bias`` [E] is added for the selection only; the gates are the scores themselves, divided by
+    their sum over the k when ``renormalize``.
+    """
+    select = scores if bias is None else scores + bias
+    ids = select.topk(top_k, dim=-1, sorted=True).indices
+    gates = scores.gather(-1, ids)
+    if renormalize:
+        gates = gates / gates.sum(-1, keepdim=True)
+    return ids, gates
+
+
+def _in_backward() -> bool:
+    """Whether this forward is a recomputation inside backward (activation checkpointing)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class MoE(nn.Module):
+    """x [B, T, dim] -> the gated sum of each token's top-k experts' outputs (+ the shared experts).
+
+    Training forwards (gradients enabled, not a recomputation in backward) add the tokens routed to
+    each expert to ``tokens_per_expert`` and, with the auxiliary loss on, keep it in ``aux_loss``
+    (already multiplied by ``aux_coef``) for the loss, and its value in ``aux_total``.
+    """
+
+    expert_bias: torch.Tensor | None
+    tokens_per_expert: torch.Tensor
+    aux_total: torch.Tensor
+
+    def __init__(self, dim: int, args: MoEArgs, shared: nn.Module | None = None) -> None:
+        super().__init__()
+        self.args = args
+        self.router = nn.Linear(dim, args.experts, bias=False)
+        self.experts = GroupedExperts(args.experts, dim, args.expert_dim)
+        self.shared = shared
+        # Persistent: a checkpoint carries the balancing state. Not a parameter: no gradient, and the
+        # optimizer never sees it.
+        self.register_buffer(
+            "expert_bias", torch.zeros(args.experts) if args.bias_balance else None
+        )
+        # The step's routing figures, reset by whoever reads them; never part of a checkpoint.
+        self.register_buffer("tokens_per_expert", torch.zeros(args.experts), persistent=False)
+        self.register_buffer("aux_total", torch.zeros(2), persistent=False)  # (sum, forwards)
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.args
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        n = x.shape[0]
+        # Scores in float32 even under autocast: the top-k choice must not hinge on rounding.
+        logits = self.router(x).float()
+        scores = logits.softmax(-1) if a.score == "softmax" else logits.sigmoid()
+        bias = self.expert_bias.detach() if self.expert_bias is not None else None
+        ids, gates = route(scores, a.top_k, bias, a.renormalize or a.score == "sigmoid")
+
+        # Dispatch: the (token, slot) pairs sorted by expert (stable: token order within an expert).
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)
+        counts_t = torch.bincount(flat, minlength=a.experts)
+        counts = counts_t.tolist()
+        out_sorted = self.experts(x[order // a.top_k], counts)
+        # Combine: each pair back in its place (a permutation: no two writes meet, deterministic),
+        # then each token's k outputs weighted by their gates and summed.
+        routed = torch.empty_like(out_sorted)
+        routed[order] = out_sorted
+        routed = routed.view(n, a.top_k, -1)
+        out = (routed * gates.unsqueeze(-1).to(routed.dtype)).sum(1)
+        if self.shared is not None:
+            out = out + self.shared(x)
+
+        if torch.is_grad_enabled() and not _in_backward():
+            with torch.no_grad():
+                self.tokens_per_expert += counts_t.to(self.tokens_per_expert.dtype)
+            if a.aux_coef > 0:
+                aux = aux_loss(scores, counts_t, a.top_k)
+                self.aux_loss = a.aux_coef * aux
+                with torch.no_grad():
+                    self.aux_total += torch.stack([aux.detach(), aux.new_ones(())])
+        return out.view(shape)
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor, rate: float | None = None) -> None:
+        """DeepSeek-V3's auxiliary-loss-free balancing: raise the bias of experts below the mean
+        load and lower it above, by ``rate`` (``bias_rate``) times the sign of the difference."""
+        if self.expert_bias is None:
+            return
+        r = self.args.bias_rate if rate is None else rate
+        load = load.to(self.expert_bias)
+        self.expert_bias += r * torch.sign(load.mean() - load)
+
+    @torch.no_grad()
+    def reset_routing(self) -> None:
+        """Clear the step's routing figures (loads, auxiliary loss)."""
+        self.tokens_per_expert.zero_()
+        self.aux_total.zero_()
+        self.aux_loss = None
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Zero the balancing bias and the routing figures (needed after ``to_empty``)."""
+        if self.expert_bias is not None:
+            self.expert_bias.zero_()
+        self.reset_routing()
+
+
+def aux_loss(scores: torch.Tensor, counts: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The switch-transformer load-balancing loss ``E * sum_e f_e * P_e``: f_e the fraction of the
+    (token, slot) pairs routed to expert e, P_e the mean over tokens of e's score (normalised to sum
+    to 1 per token, so sigmoid scores count as softmax ones do). 1 when perfectly balanced."""
+    n, experts = scores.shape
+    f = counts.to(scores.dtype) / (n * top_k)
+    p = (scores / scores.sum(-1, keepdim=True)).mean(0)
+    return experts * (f * p).sum()
+
+
+def moe_layers(module: nn.Module) -> list[MoE]:
+    """The MoE feed-forwards in ``module`` (a model, however wrapped), in order."""
+    return [m for m in module.modules() if isinstance(m, MoE)]
