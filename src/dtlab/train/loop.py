@@ -73,6 +73,7 @@ from dtlab.train.optim import (
     state_bytes,
 )
 from dtlab.train.precision import DTYPES, LossScaler, autocast, check_cpu_half_precision
+from dtlab.train.routing import moe_aux_loss, routing_step
 from dtlab.train.run import run
 from dtlab.train.rundir import RunDirLock, create_run_dir
 from dtlab.train.schedules import build_scheduler
@@ -168,6 +169,8 @@ def train_step(
         pm.compression.commit()
     else:
         pm.compression.rollback()
+    # MoE: the step's expert loads agreed, and the balancing bias moved only by a step taken.
+    routing = routing_step(pm.module, update=not found_inf and not bad)
     scaler.update(found_inf)
     optimizer.zero_grad(set_to_none=True)
     if pm.zero is not None:  # ZeRO-1: the optimizer holds only this rank's share of the parameters
@@ -182,6 +185,7 @@ def train_step(
         out["bad"] = True
     if r.stop is not None:
         out["stop"] = r.stop
+    out.update(routing)
     return out
 
 
@@ -259,7 +263,9 @@ def accumulate_gradients(
                 loss = loss * float("nan")
             if loss_factor != 1.0:
                 loss = loss * loss_factor
-            scaler.scale_loss(loss).backward()
+            # MoE's auxiliary balancing loss is trained on but not reported in the loss.
+            objective = loss + aux / accum if (aux := moe_aux_loss(pm.module)) is not None else loss
+            scaler.scale_loss(objective).backward()
         if inject_oom and i == 0:
             raise torch.OutOfMemoryError(
                 f"{FAULTS_ENV}: injected out of memory after the first micro-batch's backward"
