@@ -225,15 +225,25 @@ def test_train_reports_routing_and_its_loss_falls(tmp_path: Path) -> None:
     assert all(0 < r["moe_bias"] <= r["step"] * 1e-3 + 1e-7 for r in m)
 
 
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_counts_each_token_once(tmp_path: Path, mode: str) -> None:
+    # A recomputed block neither counts its tokens again nor saves other tensors than its forward.
+    common = [*MOE, "model.moe.balance=bias+aux"]
+    plain = train_run(tmp_path / "plain", *common, steps=3)
+    ac = train_run(tmp_path / mode, *common, f"train.activation_checkpointing={mode}", steps=3)
+    for key in ("loss", "moe_load", "moe_aux_loss", "moe_bias"):
+        assert [r[key] for r in ac] == [r[key] for r in plain], key
+
+
 def test_layouts_train_as_one_process(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    proc = run_cli("verify", "--layouts", "single,ddp:2,fsdp:2", "--steps", "4",
+    proc = run_cli("verify", "--layouts", "single,ddp:2,fsdp:2,zero:2", "--steps", "4",
                    "--out", str(out), "--set", *FAST, *MOE, "model.moe.balance=bias+aux",
                    "model.moe.bias_rate=0.05", "train.micro_batch_size=2",
                    "train.grad_clip=0.1")  # fmt: skip
     assert proc.returncode == 0, proc.stderr + proc.stdout
     rows = json.loads((out / "verify.json").read_text())["rows"]
-    assert [r["layout"] for r in rows] == ["ddp:2", "fsdp:2"]
+    assert [r["layout"] for r in rows] == ["ddp:2", "fsdp:2", "zero:2"]
     for row in rows:
         assert row["max_loss_diff"] <= 1e-5 and row["max_param_diff"] <= 1e-5, row
 

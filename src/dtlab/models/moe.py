@@ -115,11 +115,14 @@ class MoE(nn.Module):
         if self.shared is not None:
             out = out + self.shared(x)
 
-        if torch.is_grad_enabled() and not _in_backward():
+        if not torch.is_grad_enabled():  # evaluation, generation: no figures, no loss
+            return out.view(shape)
+        # Computed in a recomputation too: activation checkpointing expects the same saved tensors.
+        aux = aux_loss(scores, counts_t, a.top_k) if a.aux_coef > 0 else None
+        if not _in_backward():  # a block recomputed in backward was counted in its forward
             with torch.no_grad():
                 self.tokens_per_expert += counts_t.to(self.tokens_per_expert.dtype)
-            if a.aux_coef > 0:
-                aux = aux_loss(scores, counts_t, a.top_k)
+            if aux is not None:
                 self.aux_loss = a.aux_coef * aux
                 with torch.no_grad():
                     self.aux_total += torch.stack([aux.detach(), aux.new_ones(())])
