@@ -267,3 +267,15 @@ def test_a_checkpoint_resumes_exactly_with_its_bias(tmp_path: Path) -> None:
     assert torch.equal(
         final[key], checkpoint_tensors(tmp_path / "whole/checkpoints/step-00000004")[key]
     )
+
+
+def test_a_skipped_step_does_not_move_the_bias(tmp_path: Path) -> None:
+    # After step 1 every bias is +-1e-3; a step taken moves each by 1e-3 again (to 0 or +-2e-3), so
+    # a largest |bias| of exactly 1e-3 after step 2 says step 2 (a NaN loss, skipped) moved nothing.
+    args = ["train", "--set", *FAST, *MOE, "train.steps=3", f"run.dir={tmp_path / 'run'}"]
+    proc = run_cli(*args, env={"DTLAB_FAULTS": "nan@2"})
+    assert proc.returncode == 0, proc.stderr
+    m = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert m[1].get("bad") and m[0]["moe_bias"] == pytest.approx(1e-3)
+    assert m[1]["moe_bias"] == pytest.approx(1e-3)
+    assert m[2]["moe_bias"] != pytest.approx(1e-3)
