@@ -279,3 +279,12 @@ def test_a_skipped_step_does_not_move_the_bias(tmp_path: Path) -> None:
     assert m[1].get("bad") and m[0]["moe_bias"] == pytest.approx(1e-3)
     assert m[1]["moe_bias"] == pytest.approx(1e-3)
     assert m[2]["moe_bias"] != pytest.approx(1e-3)
+
+
+def test_moe_keys_on_a_dense_model_are_said_to_be_unused() -> None:
+    from dtlab.config import config_warnings
+
+    dense = load_config(None, ["model.preset=debug", "model.moe.top_k=4"])
+    (warning,) = [w for w in config_warnings(dense) if "model.moe" in w]
+    assert "model.moe.top_k is set but model.moe.experts = 0" in warning
+    assert not [w for w in config_warnings(load_config(None, MOE)) if "model.moe" in w]

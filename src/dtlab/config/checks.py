@@ -338,6 +338,15 @@ def config_warnings(config: Config) -> list[str]:
             f"warm-up, and the learning rate never reaches train.lr = {t.lr:g} (the last step's is "
             f"{t.lr * t.steps / t.warmup_steps:.3g})"
         )
+    moe = config.model.moe
+    ignored = [
+        k for k in type(moe).model_fields if k != "experts" and config.is_given(f"model.moe.{k}")
+    ]
+    if ignored and not moe.experts:
+        out.append(
+            f"model.moe.{ignored[0]} is set but model.moe.experts = 0: the model is dense and the "
+            "model.moe keys are not used (model.moe.experts > 0 makes it a mixture of experts)"
+        )
     if d.paths and d.source != "files":
         out.append(
             f"data.paths is set but data.source = {d.source!r}: the paths are not read "
