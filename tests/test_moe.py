@@ -237,15 +237,25 @@ def test_activation_checkpointing_counts_each_token_once(tmp_path: Path, mode: s
 
 def test_layouts_train_as_one_process(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    proc = run_cli("verify", "--layouts", "single,ddp:2,fsdp:2,zero:2", "--steps", "4",
+    proc = run_cli("verify", "--layouts", "single,ddp:2,fsdp:2,zero:2", "--steps", "3",
                    "--out", str(out), "--set", *FAST, *MOE, "model.moe.balance=bias+aux",
                    "model.moe.bias_rate=0.05", "train.micro_batch_size=2",
-                   "train.grad_clip=0.1")  # fmt: skip
+                   "train.grad_clip=0.1", "--checks", "export")  # fmt: skip
     assert proc.returncode == 0, proc.stderr + proc.stdout
-    rows = json.loads((out / "verify.json").read_text())["rows"]
+    result = json.loads((out / "verify.json").read_text())
+    rows = result["rows"]
     assert [r["layout"] for r in rows] == ["ddp:2", "fsdp:2", "zero:2"]
     for row in rows:
         assert row["max_loss_diff"] <= 1e-5 and row["max_param_diff"] <= 1e-5, row
+    # Each layout's export (dtlab's names: an MoE model has no Llama counterpart) holds the
+    # reference's tensors, the balancing bias among them (after an odd number of steps of +-rate,
+    # no element is 0).
+    exports = [c for s in result["state"] for c in s["checks"]]
+    assert len(exports) == 4 and all(c["ok"] for c in exports), exports
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(out / "0-single-export" / "model.safetensors"))
+    assert tensors["layers.1.feed_forward.expert_bias"].abs().max() > 0
 
 
 def test_a_checkpoint_resumes_exactly_with_its_bias(tmp_path: Path) -> None:

@@ -45,7 +45,12 @@ class StateCheck:
 
 def export_run(run_dir: Path, out: Path) -> None:
     """``dtlab export RUN_DIR --out OUT --format hf``: the run's newest checkpoint as a Hugging Face Llama
-    directory, as a user exports it; a DtlabError with the output's tail when it fails."""
+    directory, as a user exports it; a DtlabError with the output's tail when it fails. A
+    mixture-of-experts model has no Llama counterpart: it is exported with dtlab's names
+    (``--format safetensors``)."""
+    from dtlab.config import load_config
+
+    moe = load_config(run_dir / "config.yaml").model.moe.experts > 0
     cmd = [
         sys.executable,
         "-m",
@@ -55,7 +60,7 @@ def export_run(run_dir: Path, out: Path) -> None:
         "--out",
         str(out),
         "--format",
-        "hf",
+        "safetensors" if moe else "hf",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
