@@ -672,21 +672,33 @@ def _model_parallel_comm(
     is not autocast, and float32 + bf16 is float32).
     """
     m = config.model
-    act = 2 if config.train.precision in ("bf16", "fp16") else FP32
-    buffer = tokens * m.dim * act
+    # Matmul outputs are in the compute dtype; the residual stream and the norms' outputs (and so
+    # the gradients flowing back into the column-wise layers' inputs) in the stream's: float32
+    # under autocast alone, half precision where FSDP gathers half-precision weights (measured by
+    # `dtlab plan --check`: tp 2 under bf16 autocast sends 12 of its 16 buffers per micro-batch in
+    # float32).
+    act = tokens * m.dim * (2 if config.train.precision in ("bf16", "fp16") else FP32)
+    stream = tokens * m.dim * (2 if fsdp_half_params(config, dims) else FP32)
     if dims.tp_enabled:
         ends = part.first + part.last
+        layers = part.n_layers
         # Checkpointed blocks run forward again in backward, up to the last activation backward
         # needs (torch stops the recomputation there): attention's collectives and the feed-forward's
         # gather again, not the feed-forward's output (counted by `dtlab plan --check`).
-        again = part.n_layers if config.train.activation_checkpointing != "none" else 0
+        again = layers if config.train.activation_checkpointing != "none" else 0
         if config.parallel.sequence_parallel:
-            n = microbatches * (4 * part.n_layers + ends)
-            comm["tp all_gather"] = n * buffer + microbatches * 2 * again * buffer
-            comm["tp reduce_scatter"] = n * buffer + microbatches * again * buffer
+            # Per block: the norms' outputs gathered (stream) and the wo and w2 outputs
+            # reduce-scattered (compute dtype) in forward; backward mirrors each in the other's.
+            per = 2 * layers * (stream + act) + ends * stream
+            comm["tp all_gather"] = microbatches * (per + 2 * again * stream)
+            comm["tp reduce_scatter"] = microbatches * (per + again * act)
             groups["tp all_gather"] = groups["tp reduce_scatter"] = dims.tp
         else:
-            comm["tp all_reduce"] = microbatches * (7 * part.n_layers + ends + again) * buffer
+            # Forward: wo's and w2's outputs (compute dtype); backward: the input gradients of q, k,
+            # v, w1, w3 and the ends' (stream).
+            comm["tp all_reduce"] = microbatches * (
+                (2 * layers + again) * act + (5 * layers + ends) * stream
+            )
         comm["tp all_reduce"] = comm.get("tp all_reduce", 0) + (
             3 * microbatches * tokens * FP32 if part.last else 0
         )
@@ -699,7 +711,6 @@ def _model_parallel_comm(
     if dims.pp_enabled:
         shard = dims.tp if config.parallel.sequence_parallel else 1
         sends = sum((sid != part.n_stages - 1) + (sid != 0) for sid in part.stages)
-        stream = tokens * m.dim * (2 if fsdp_half_params(config, dims) else FP32)
         comm["send/recv"] = sends * microbatches * stream // shard  # only pipelines send
         groups["send/recv"] = 2
 
