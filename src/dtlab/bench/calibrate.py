@@ -222,7 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     ap.add_argument("--json", metavar="OUT", help="also write the rows and summary here")
     ap.add_argument(
-        "--set", nargs="+", default=[], metavar="KEY=VALUE", help="settings on top of the grid's base"
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="settings on top of the grid's base",
     )
     args = ap.parse_args(argv)
     try:
