@@ -138,8 +138,9 @@ def _bench_engines(args: argparse.Namespace, axes: _BenchAxes) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     import json
 
-    from dtlab.analysis.devices import PROFILES, this_machine, with_probe
+    from dtlab.analysis.devices import PROFILES, this_machine
     from dtlab.analysis.plan import DEFAULT_DEVICE, format_plan, plan
+    from dtlab.analysis.probe import with_probe
     from dtlab.config import check_batch_split, load_config
 
     config = load_config(args.config, args.overrides)

@@ -20,7 +20,28 @@ from typing import Any
 
 import torch
 
-from dtlab.analysis.probe import ComputeProbe
+
+@dataclass(frozen=True)
+class ComputeProbe:
+    """One process's training step of a model on this machine, measured at ``threads`` threads."""
+
+    threads: int  # each rank's threads (the planned world's share of the cores)
+    cores: int  # the cores the ranks of one machine share
+    seconds_per_token: float  # forward and backward of the whole model, per token
+    fixed_seconds: float  # the rest of a step (optimizer, clipping, zeroing) for all parameters
+    params: int
+    seq_len: int
+    source: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "threads": self.threads,
+            "cores": self.cores,
+            "seconds_per_token": self.seconds_per_token,
+            "fixed_seconds": self.fixed_seconds,
+            "seq_len": self.seq_len,
+            "source": self.source,
+        }
 
 
 @dataclass(frozen=True)
@@ -369,43 +390,6 @@ def this_machine(precision: str, threads: int | None = None) -> DeviceProfile:
         # Over loopback the ranks' cores do the sending: the link is their copying.
         copy_gbps=gbps,
     )
-
-
-def with_probe(device: DeviceProfile, config: Any, nproc: int) -> tuple[DeviceProfile, str | None]:
-    """``device`` (this machine) measured for ``config`` on ``nproc`` ranks: its step of the model
-    at the threads each rank gets (:mod:`dtlab.analysis.probe`) and each collective among ``nproc``
-    local processes (:func:`measure_group_gbps`); and None, or why the model was not probed (then
-    the step's compute comes from the GEMM peak)."""
-    from dataclasses import replace
-
-    from dtlab.analysis.probe import measure_probe, probe_refusal, rank_threads
-    from dtlab.analysis.wrappers import measure_wrappers
-
-    if nproc > 1:
-        nbytes, repeats = 4 * 2**20, 9
-        try:
-            rates = measure_group_gbps(nproc, nbytes, repeats, threads=rank_threads(nproc))
-            device = replace(
-                device,
-                collective_gbps=rates,
-                collective_source=f"measured: gloo among {nproc} local processes, "
-                f"{nbytes // 2**20} MiB, median of {repeats}",
-            )
-        except (RuntimeError, OSError, subprocess.SubprocessError):
-            pass  # the loopback figure stands for every collective
-    why = probe_refusal(config, cpu_memory_gib() * 2**30)
-    if why:
-        return device, why
-    threads = rank_threads(nproc)
-    # As many at once as the ranks that compute at once (the cores they fill): they share the
-    # memory bandwidth and the caches.
-    copies = max(1, min(nproc, (os.cpu_count() or 1) // threads))
-    probe = measure_probe(config, threads, copies)
-    try:
-        wrappers = measure_wrappers(config, nproc, threads)
-    except (RuntimeError, OSError, subprocess.SubprocessError):
-        wrappers = None  # the plan then counts the model's arithmetic alone
-    return replace(device, probe=probe, wrapper_s=wrappers), None
 
 
 def cpu_memory_gib() -> float:

@@ -43,10 +43,10 @@ def measure_wrappers(config: Config, nproc: int, threads: int) -> dict[str, floa
         path = Path(tmp) / "config.json"
         path.write_text(config.model_dump_json(), encoding="utf-8")
         if nproc > 1:
-            plain, layout = _run(path, threads, "fsdp", nproc, batch)
+            plain, layout = _run(path, threads, "sharded", nproc, batch)
             out["fsdp_unit_s"] = max(0.0, layout - plain) / (m.n_layers + 1)
         if m.n_heads % 2 == 0 and m.kv_heads % 2 == 0 and not m.tie_embeddings:
-            plain, layout = _run(path, threads, "tp", 2, batch)
+            plain, layout = _run(path, threads, "tensor", 2, batch)
             out["tp_block_s"] = max(0.0, layout - plain / 2) / m.n_layers
     return out
 
@@ -67,13 +67,14 @@ def _run(path: Path, threads: int, kind: str, world: int, batch: int) -> tuple[f
 
 
 def _layout(config: Config, kind: str, world: int, batch: int) -> Config:
-    """``config`` as rank 0 of ``world`` ranks of ``kind`` (fsdp: each rank ``batch`` samples;
-    tp: the ranks share ``batch`` samples), without checkpointing, as the plain probe runs."""
+    """``config`` as rank 0 of ``world`` ranks of ``kind`` ("sharded": FSDP, each rank ``batch``
+    samples; "tensor": tensor parallelism, the ranks share ``batch`` samples), without
+    checkpointing, as the plain probe runs."""
     data = config.model_dump()
     p = data["parallel"]
     p.update(sequence_parallel=False, compression="none", pp=1)
     p["diloco"]["inner_steps"] = 0
-    if kind == "fsdp":
+    if kind == "sharded":
         p.update(strategy="fsdp", sharding="full", tp=1)
         gbs = batch * world
     else:

@@ -104,7 +104,8 @@ def run(
 ) -> dict[str, Any]:
     """Measure and predict the grid (each layout's settings after ``BASE`` and ``sets``); returns
     the rows and the summary."""
-    from dtlab.analysis.devices import this_machine, with_probe
+    from dtlab.analysis.devices import this_machine
+    from dtlab.analysis.probe import with_probe
     from dtlab.bench.link import link_namespace, measure_link, parse_links
     from dtlab.config import load_config
 
