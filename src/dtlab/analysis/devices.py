@@ -172,18 +172,7 @@ def measure_loopback_gbps(
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        # Wait for the other process to reach the store (or to die) before blocking in the rendezvous.
-        deadline = time.monotonic() + timeout_s
-        while store.num_keys() < 2:  # the child's connection to the store, then its gloo address
-            if child.poll() is not None:
-                err = (child.stderr.read() if child.stderr else "").strip().splitlines()
-                raise RuntimeError(
-                    f"the second process exited with {child.returncode}"
-                    + (f": {err[-1]}" if err else "")
-                )
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the second process did not connect within {timeout_s:.0f} s")
-            time.sleep(0.02)
+        _await_group(store, [child], timeout_s, "the second process")
         # A group of its own (not the default one): nothing global changes in this process.
         opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
@@ -293,18 +282,7 @@ def measure_group_gbps(
         for r in range(1, world)
     ]
     try:
-        deadline = time.monotonic() + timeout_s
-        while store.num_keys() < world:  # as measure_loopback_gbps: one key per other process
-            dead = [c for c in children if c.poll() is not None]
-            if dead:
-                err = (dead[0].stderr.read() if dead[0].stderr else "").strip().splitlines()
-                raise RuntimeError(
-                    f"a process of the group exited with {dead[0].returncode}"
-                    + (f": {err[-1]}" if err else "")
-                )
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the group did not connect within {timeout_s:.0f} s")
-            time.sleep(0.02)
+        _await_group(store, children, timeout_s, "a process of the group")
         opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
         opts._timeout = timeout
@@ -342,6 +320,25 @@ def measure_group_gbps(
                 c.kill()
                 c.wait()
     return out
+
+
+def _await_group(
+    store: Any, children: list[subprocess.Popen[str]], timeout_s: float, who: str
+) -> None:
+    """Wait until every child process has reached ``store`` (its connection, then its gloo address:
+    one key each beyond the store's own), before this process blocks in the group's rendezvous; a
+    RuntimeError naming ``who`` when one died first or the wait ran past ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while store.num_keys() < len(children) + 1:
+        dead = [c for c in children if c.poll() is not None]
+        if dead:
+            err = (dead[0].stderr.read() if dead[0].stderr else "").strip().splitlines()
+            raise RuntimeError(
+                f"{who} exited with {dead[0].returncode}" + (f": {err[-1]}" if err else "")
+            )
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{who} did not connect within {timeout_s:.0f} s")
+        time.sleep(0.02)
 
 
 def loopback_link(python: str | None = None) -> tuple[float, str]:

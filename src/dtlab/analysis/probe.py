@@ -99,6 +99,34 @@ def measure_probe(
     )
 
 
+def rank_step(config: Config, d: Any) -> Callable[[], None]:
+    """One optimizer step of this rank (``d``: its :class:`dtlab.parallel.dist.DistInfo`, its
+    process group initialised where it has one) of ``config`` as a worker builds it, on fixed random
+    tokens: what the probes time."""
+    from dtlab.config import check_batch_split
+    from dtlab.models.llama import build_model
+    from dtlab.parallel.apply import parallelize
+    from dtlab.train.loop import train_step
+    from dtlab.train.optim import build_optimizer
+    from dtlab.train.precision import LossScaler
+    from dtlab.train.schedules import build_scheduler
+
+    accum = check_batch_split(config, d.dims.dp)
+    micro = config.train.global_batch_size // (accum * d.dims.dp)
+    pm = parallelize(build_model(config.model), config, d)
+    optimizer = build_optimizer(pm.optimized, config.train)
+    scheduler = build_scheduler(optimizer, config.train)
+    scaler = LossScaler(config.train.precision == "fp16")
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, config.model.vocab_size, (micro, config.seq_len + 1), generator=gen)
+    batch = [(tokens[:, :-1], tokens[:, 1:])] * accum
+
+    def step() -> None:
+        train_step(pm, optimizer, scheduler, scaler, batch, config, d.device)
+
+    return step
+
+
 def _probe_step(config: Config, threads: int, batch: int) -> Callable[[], tuple[float, float]]:
     """A function that trains one step of ``config``'s model on ``batch`` samples in this process
     at ``threads`` threads and returns (seconds of the step, seconds of its optimizer step)."""
@@ -108,23 +136,11 @@ def _probe_step(config: Config, threads: int, batch: int) -> Callable[[], tuple[
     )
 
     from dtlab.dims import ParallelDims
-    from dtlab.models.llama import build_model
-    from dtlab.parallel.apply import parallelize
     from dtlab.parallel.dist import DistInfo
-    from dtlab.train.loop import train_step
-    from dtlab.train.optim import build_optimizer
-    from dtlab.train.precision import LossScaler
-    from dtlab.train.schedules import build_scheduler
 
     one = _single(config, batch)
     d = DistInfo(0, 1, 0, 1, torch.device("cpu"), None, ParallelDims.from_config(one, 1))
-    pm = parallelize(build_model(one.model), one, d)
-    optimizer = build_optimizer(pm.optimized, one.train)
-    scheduler = build_scheduler(optimizer, one.train)
-    scaler = LossScaler(one.train.precision == "fp16")
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, one.model.vocab_size, (batch, config.seq_len + 1), generator=gen)
-    micro = [(tokens[:, :-1], tokens[:, 1:])]
+    train = rank_step(one, d)
     clock: list[float] = []
 
     def step() -> tuple[float, float]:
@@ -137,7 +153,7 @@ def _probe_step(config: Config, threads: int, batch: int) -> Callable[[], tuple[
         ]
         try:
             t0 = time.perf_counter()
-            train_step(pm, optimizer, scheduler, scaler, micro, one, d.device)
+            train()
             return time.perf_counter() - t0, sum(clock)
         finally:
             torch.set_num_threads(old)

@@ -197,11 +197,6 @@ def collective_waits(
     return waits
 
 
-def collective_counts(config: Config, dims: ParallelDims, n_layers: int, microbatches: int) -> int:
-    """How many collectives one rank waits for in a step (:func:`collective_waits`)."""
-    return sum(collective_waits(config, dims, n_layers, microbatches).values())
-
-
 def wait_seconds(waits: dict[int, int], sync_s: float, measured_group: int) -> float:
     """Seconds the step's collectives (``waits``: count by group size) wait beyond their bytes, from
     ``sync_s``, the wait measured per collective among ``measured_group`` ranks computing at once.

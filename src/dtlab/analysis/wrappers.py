@@ -91,33 +91,19 @@ def _time_layout(config: Config, world: int, threads: int) -> float:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from dtlab.config import check_batch_split
+    from dtlab.analysis.probe import rank_step
     from dtlab.dims import ParallelDims
-    from dtlab.models.llama import build_model
-    from dtlab.parallel.apply import parallelize
     from dtlab.parallel.dist import DistInfo
-    from dtlab.train.loop import train_step
-    from dtlab.train.optim import build_optimizer
-    from dtlab.train.precision import LossScaler
-    from dtlab.train.schedules import build_scheduler
 
     torch.set_num_threads(threads)
     dims = ParallelDims.from_config(config, world)
     d = DistInfo(0, world, 0, world, torch.device("cpu"), "fake", dims)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    accum = check_batch_split(config, dims.dp)
-    micro = config.train.global_batch_size // (accum * dims.dp)
-    pm = parallelize(build_model(config.model), config, d)
-    optimizer = build_optimizer(pm.optimized, config.train)
-    scheduler = build_scheduler(optimizer, config.train)
-    scaler = LossScaler(config.train.precision == "fp16")
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, config.model.vocab_size, (micro, config.seq_len + 1), generator=gen)
-    batch = [(tokens[:, :-1], tokens[:, 1:])] * accum
+    step = rank_step(config, d)
     times = []
     for _ in range(REPEATS + 1):
         t0 = time.perf_counter()
-        train_step(pm, optimizer, scheduler, scaler, batch, config, d.device)
+        step()
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])
 
