@@ -386,6 +386,11 @@ def check_batch_split(config: Config, world_size: int) -> int:
         msg = f"train.global_batch_size = {g} samples cannot be split over {world_size} ranks"
     else:
         msg = (
+    if config.alerts.moe_imbalance is not None and not moe.experts:
+        out.append(
+            f"alerts.moe_imbalance = {config.alerts.moe_imbalance:g} is set but model.moe.experts "
+            "= 0: a dense model routes nothing, so the alert never fires"
+        )
             f"train.global_batch_size = {g} samples cannot be split into micro-batches of "
             f"train.micro_batch_size = {micro} on {world_size} ranks ({g} is not a multiple of "
             f"{micro} x {world_size})"

@@ -312,6 +312,12 @@ class AlertsConfig(_Section):
         ge=1,
         description="This many steps with a non-finite loss or gradient within the last `window` steps.",
     )
+    moe_imbalance: float | None = Field(
+        None,
+        ge=1,
+        description="Mixture of experts: a step's routing imbalance (moe_imbalance, the most loaded "
+        "expert's tokens over the mean, in the worst MoE block; 1 = even) above this.",
+    )
     window: int = Field(
         50, ge=2, description="Steps the medians and the non-finite count are taken over."
     )
@@ -329,7 +335,7 @@ class AlertsConfig(_Section):
             v is not None
             for v in (
                 self.memory_fraction, self.throughput_drop, self.loss_spike,
-                self.grad_norm_spike, self.nonfinite,
+                self.grad_norm_spike, self.nonfinite, self.moe_imbalance,
             )
         )  # fmt: skip
 

@@ -109,6 +109,16 @@ class AlertMonitor:
                     f"step {step}: {key} {value:.4g} is {value / median:.2f}x the median {median:.4g} "
                     f"of the last {len(history)} steps, above alerts.{kind} = {threshold:g}"
                 )
+        imbalance = m.get("moe_imbalance")  # absent on a dense model
+        if (
+            c.moe_imbalance is not None
+            and isinstance(imbalance, float)
+            and imbalance > c.moe_imbalance
+        ):
+            raised["moe_imbalance"] = (
+                f"step {step}: the most loaded expert has {imbalance:.3g}x the mean load (the worst "
+                f"MoE block's moe_imbalance), above alerts.moe_imbalance = {c.moe_imbalance:g}"
+            )
         self.bad.append("bad" in m)
         if c.nonfinite is not None and sum(self.bad) >= c.nonfinite:
             raised["nonfinite"] = (

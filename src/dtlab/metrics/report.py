@@ -55,6 +55,50 @@ def plot_loss(metrics: list[dict[str, Any]], path: Path, title: str) -> Path:
     return path
 
 
+def plot_routing(metrics: list[dict[str, Any]], path: Path, title: str) -> Path:
+    """A mixture-of-experts run's routing, written as a PNG: each expert's share of the routed
+    tokens per step (``moe_load``, summed over the MoE blocks, as a multiple of the mean: 1 = even)
+    as a heatmap, and the imbalance (``moe_imbalance``, the worst block's max / mean) below it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import TwoSlopeNorm
+    from matplotlib.ticker import MaxNLocator
+
+    routed = [m for m in metrics if m.get("moe_load")]
+    steps = [m["step"] for m in routed]
+    share = [
+        [x * len(m["moe_load"]) / max(sum(m["moe_load"]), 1) for x in m["moe_load"]] for m in routed
+    ]
+    experts = len(share[0])
+    fig, (top, bottom) = plt.subplots(
+        2, 1, figsize=(7, 6), dpi=100, sharex=True, gridspec_kw={"height_ratios": [2, 1]}
+    )
+    # One column per logged step (a gap in the steps logged widens a column); white = the mean
+    # load, red above it, blue below.
+    norm = TwoSlopeNorm(vcenter=1.0, vmin=0.0, vmax=max(2.0, max(max(row) for row in share)))
+    edges = [s - 0.5 for s in steps] + [steps[-1] + 0.5]
+    image = top.pcolormesh(
+        edges, [e - 0.5 for e in range(experts + 1)], [list(c) for c in zip(*share, strict=True)],
+        cmap="RdBu_r", norm=norm, shading="flat",
+    )  # fmt: skip
+    fig.colorbar(image, ax=top, label="load / mean load")
+    top.set_ylabel("expert")
+    top.yaxis.set_major_locator(MaxNLocator(integer=True))
+    top.set_title(f"{title}: tokens per expert, summed over the MoE blocks")
+    bottom.plot(steps, [m["moe_imbalance"] for m in routed], lw=1.5)
+    bottom.axhline(1.0, color="grey", lw=0.8, ls="--")
+    bottom.set_xlabel("optimizer step")
+    bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
+    bottom.set_ylabel("imbalance (max / mean)")
+    bottom.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def _human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -109,6 +153,12 @@ def summary_table(s: dict[str, Any]) -> str:
         ("peak memory", _peak_row(s)),
         ("wall time", f"{s['train_time_s']:.1f} s"),
     ]
+    if s.get("moe_final_imbalance") is not None:
+        rows.append((
+            "routing imbalance",
+            f"{s['moe_final_imbalance']:.3f} at the end, worst {s['moe_worst_imbalance']:.3f} "
+            f"(step {s['moe_worst_imbalance_step']}); 1 = even",
+        ))  # fmt: skip
     if s.get("init_from"):
         rows.append(("started from", s["init_from"]))
     if s.get("resumed_from"):
@@ -125,5 +175,7 @@ def summary_table(s: dict[str, Any]) -> str:
         rows.append(("run dir", s["run_dir"]))
     if "loss_plot" in s:
         rows.append(("loss curve", s["loss_plot"]))
+    if "routing_plot" in s:
+        rows.append(("routing", s["routing_plot"]))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

@@ -26,8 +26,9 @@ def routing_step(module: nn.Module, update: bool = True, group: Any = None) -> d
     the step was taken; a skipped step changes no bias). The layers' figures are reset.
 
     ``moe_load``: tokens routed to each expert, summed over the MoE blocks and the global batch
-    (each token counts top_k times); ``moe_imbalance``: the largest block's max / mean load (1 =
-    even); ``moe_aux_loss``: the auxiliary loss (before aux_coef), summed over the blocks and
+    (each token counts top_k times); ``moe_layer_load``: the same per MoE block, one list each, in
+    block order (all-reduced anyway: keeping them costs nothing); ``moe_imbalance``: the largest
+    block's max / mean load (1 = even); ``moe_aux_loss``: the auxiliary loss (before aux_coef), summed over the blocks and
     averaged over micro-batches and ranks; ``moe_bias``: the largest balancing bias in magnitude.
     """
     layers = moe_layers(module)
@@ -47,6 +48,7 @@ def routing_step(module: nn.Module, update: bool = True, group: Any = None) -> d
     mean = loads.mean(1).clamp_min(1e-12)
     out: dict[str, Any] = {
         "moe_load": [round(x) for x in loads.sum(0).tolist()],
+        "moe_layer_load": [[round(x) for x in row] for row in loads.tolist()],
         "moe_imbalance": (loads.amax(1) / mean).max().item(),
     }
     if layers[0].args.aux_coef > 0:

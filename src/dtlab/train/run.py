@@ -160,6 +160,22 @@ def history_figures(
         "final_val_ppl": evaluated[-1]["val_ppl"] if evaluated else None,
         "median_step_time_s": statistics.median(m["step_time_s"] for m in timed) if timed else None,
         "tokens_per_s": tokens_per_step * len(timed) / time_sum if time_sum > 0 else 0.0,
+        **routing_figures(curve),
+    }
+
+
+def routing_figures(curve: list[dict[str, Any]]) -> dict[str, Any]:
+    """A mixture-of-experts run's routing imbalance (``moe_imbalance``) at its last step and at its
+    worst, with that step; nothing for a dense run. A resumed run's earlier starts count with the
+    steps they logged."""
+    routed = [m for m in curve if isinstance(m.get("moe_imbalance"), (int, float))]
+    if not routed:
+        return {}
+    worst = max(routed, key=lambda m: m["moe_imbalance"])
+    return {
+        "moe_final_imbalance": routed[-1]["moe_imbalance"],
+        "moe_worst_imbalance": worst["moe_imbalance"],
+        "moe_worst_imbalance_step": worst["step"],
     }
 
 

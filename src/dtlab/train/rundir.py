@@ -241,7 +241,7 @@ def write_outputs(
     A plot that cannot be drawn is reported and left out; a summary that cannot be written is an
     OutputError (exit 1): a finished run without its record is not a success.
     """
-    from dtlab.metrics.report import plot_loss
+    from dtlab.metrics.report import plot_loss, plot_routing
     from dtlab.metrics.sinks import json_safe
 
     summary["run_dir"] = str(run_dir)
@@ -250,6 +250,11 @@ def write_outputs(
             summary["loss_plot"] = str(plot_loss(curve, run_dir / "loss.png", title))
         except OSError as e:
             logger.error("loss.png could not be written: %s", e.strerror or e)
+    if plot and any(m.get("moe_load") for m in curve):
+        try:
+            summary["routing_plot"] = str(plot_routing(curve, run_dir / "routing.png", title))
+        except OSError as e:
+            logger.error("routing.png could not be written: %s", e.strerror or e)
     path = run_dir / SUMMARY
     tmp = path.with_name(".summary.json.tmp")
     try:
