@@ -37,11 +37,23 @@ strategy lays out each replica's ``world / replicas`` ranks as above (DDP or FSD
 the mesh gains a ``diloco`` dimension outside them: the outer syncs run along it, each rank with the
 ranks that hold the same part of the model in the other replicas.
 
+``parallel.ep`` (expert parallelism, mixture-of-experts models) borrows its ranks from the data-parallel
+ranks, as torchtitan does, and adds no dimension to the world: each of the ``dp`` data-parallel ranks
+still trains its own share of the batch. The ``dp`` ranks (in :meth:`ParallelDims.dp_rank` order) form
+``dp / ep`` groups of ``ep`` consecutive ones; the ranks of a group split each MoE block's routed experts
+between them (expert e on the group's rank ``e // (experts / ep)``) and send each token to its experts'
+ranks. The expert shards are then data-parallel over the ``dp / ep`` ranks that hold the same experts
+(one per group, ``ep_dp``). A second mesh over the same world, ``(pp, ep_dp, ep, tp)``, holds those two
+dimensions (:meth:`ParallelDims.expert_mesh`); everything else keeps the data-parallel layout above::
+
+    dp ranks   0 1 2 3        ep 2:  EP groups {0, 1} {2, 3}; experts' data parallelism {0, 2} {1, 3}
+
 This module imports neither the config (the config's own checks use it) nor, until a mesh is built, torch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -109,6 +121,8 @@ class _ParallelSection(Protocol):
     def pp(self) -> int: ...
     @property
     def diloco(self) -> _DiLoCoSection: ...
+    @property
+    def ep(self) -> int: ...
 
 
 class _NamedSection(_ParallelSection, Protocol):
@@ -132,6 +146,9 @@ class _HasParallel(Protocol):
 # DiLoCo's replicas sit outside the data-parallel dimensions of each replica: they talk the least of all
 # data-parallel ranks (every H steps).
 DIM_NAMES = ("pp", "diloco", "dp_replicate", "dp_shard", "tp")
+# The experts' mesh (parallel.ep > 1): the same world, its data-parallel ranks split into EP groups
+# (``ep``, innermost of them) and the ranks holding the same experts (``ep_dp``).
+EXPERT_DIM_NAMES = ("pp", "ep_dp", "ep", "tp")
 
 
 @dataclass(frozen=True)
@@ -151,6 +168,9 @@ class ParallelDims:
     # syncs; within a replica, dp_replicate and dp_shard as the strategy says.
     diloco: int = 1
     wrapper: DPWrapper = DPWrapper.NONE
+    # Expert parallel (parallel.ep): each MoE block's routed experts split over groups of this many
+    # data-parallel ranks; no dimension of its own (it divides dp, see the module's docstring).
+    ep: int = 1
     # ZeRO-1 (ddp with sharding optimizer): each of the dp_replicate ranks keeps and steps the
     # optimizer state of its share of the parameters.
     shard_optimizer: bool = False
@@ -179,6 +199,11 @@ class ParallelDims:
                 f"wrapper {self.wrapper.value} with mesh_dims = {self.mesh_dims}: only a run without "
                 "a process group (wrapper none, one process) has no mesh"
             )
+        if self.ep < 1 or self.dp % self.ep or (self.ep > 1 and self.diloco > 1):
+            raise ValueError(
+                f"ep = {self.ep} must divide the {self.dp} data-parallel ranks (and DiLoCo's "
+                f"{self.diloco} replicas must be 1 with it)"
+            )
         if self.wrapper is DPWrapper.NONE and self.dp > 1:
             raise ValueError(f"{self.dp} data-parallel ranks need a wrapper (ddp or fsdp)")
         if self.wrapper is DPWrapper.DDP and self.dp_shard > 1:
@@ -195,6 +220,23 @@ class ParallelDims:
     def from_config(cls, config: _HasParallel, world_size: int) -> ParallelDims:
         """Map ``parallel.strategy`` (with ``sharding`` and ``replicate``) onto the degrees of a world of
         ``world_size`` processes; a ConfigError when that world cannot run it."""
+        dims = cls._from_config(config, world_size)
+        ep = config.parallel.ep
+        if ep == 1:
+            return dims
+        if dims.dp % ep:
+            fits = [str(k) for k in range(1, dims.dp + 1) if dims.dp % k == 0]
+            raise ConfigError(
+                f"parallel.ep = {ep} does not divide the {dims.dp} data-parallel ranks "
+                f"({world_size} processes / (parallel.tp = {config.parallel.tp} x parallel.pp = "
+                f"{config.parallel.pp})): expert parallelism borrows its ranks from data "
+                f"parallelism (allowed here: {', '.join(fits)}; or run a multiple of {ep} "
+                "data-parallel ranks)"
+            )
+        return dataclasses.replace(dims, ep=ep)
+
+    @classmethod
+    def _from_config(cls, config: _HasParallel, world_size: int) -> ParallelDims:
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
         p = config.parallel
@@ -363,6 +405,42 @@ class ParallelDims:
         return (c["diloco"] * self.dp_replicate + c["dp_replicate"]) * self.dp_shard + c["dp_shard"]
 
     @property
+    def ep_enabled(self) -> bool:
+        """Each MoE block's routed experts are split over more than one rank (expert parallelism)."""
+        return self.ep > 1
+
+    @property
+    def ep_dp(self) -> int:
+        """The data-parallel ranks that hold the same experts (one per EP group): their expert
+        shards' gradients are averaged over these."""
+        return self.dp // self.ep
+
+    def ep_rank(self, rank: int) -> int:
+        """Global rank ``rank``'s place in its EP group: it holds the experts
+        ``[ep_rank * experts / ep, (ep_rank + 1) * experts / ep)``."""
+        return self.dp_rank(rank) % self.ep
+
+    def expert_mesh(self, device_type: str, *dims: str) -> DeviceMesh:
+        """The experts' mesh over the whole world, dimensions :data:`EXPERT_DIM_NAMES` (``ep``: an EP
+        group, ``ep_dp``: the ranks holding the same experts), or its submesh over ``dims``. Built
+        on first use (every rank must call it, in the same order as its other collectives)."""
+        if not self.ep_enabled:
+            raise RuntimeError(
+                "parallel.ep = 1: the experts are not split, there is no expert mesh"
+            )
+        key = f"experts:{device_type}"
+        if key not in self._meshes:
+            import torch
+            from torch.distributed.device_mesh import DeviceMesh
+
+            # Global ranks run row-major over (pp, dp, tp) (DiLoCo is refused with ep), and the dp
+            # index splits into (ep_dp, ep): EP groups of consecutive data-parallel ranks.
+            ranks = torch.arange(self.world_size).view(self.pp, self.ep_dp, self.ep, self.tp)
+            self._meshes[key] = DeviceMesh(device_type, ranks, mesh_dim_names=EXPERT_DIM_NAMES)
+        mesh = self._meshes[key]
+        return mesh[dims] if dims else mesh
+
+    @property
     def ddp_enabled(self) -> bool:
         """Whole parameters on every data-parallel rank, their gradients averaged over the ranks: the
         model is wrapped in DistributedDataParallel, or under ZeRO-1 (``shard_optimizer``) left plain,
@@ -417,7 +495,8 @@ def layout_name(dims: ParallelDims, parallel: _NamedSection) -> str:
     dimension of parallelism with its degree, joined by `` x ``, e.g. ``fsdp 1 x tp 2``, ``ddp 2 x pp 2
     (1f1b)``, ``hsdp 2x2 x tp 2 (sp)`` (HSDP: replica groups x ranks per group). The same dimensions,
     in the same order, as ``dtlab verify --layouts`` writes them (``fsdp:2xtp:2``): data parallelism
-    by its strategy's name (left out for ``single``), then ``tp`` and ``pp``; DiLoCo's replicas first.
+    by its strategy's name (left out for ``single``), then ``ep``, ``tp`` and ``pp``; DiLoCo's replicas
+    first.
     A choice that changes what a rank holds follows its dimension in parentheses: the sharding when
     it is not ``full`` (ZeRO-1 for ``ddp``), sequence parallelism, the pipeline schedule."""
     parts = []
@@ -437,6 +516,8 @@ def layout_name(dims: ParallelDims, parallel: _NamedSection) -> str:
         if dims.diloco > 1:
             parts.append(f"diloco {dims.diloco}")
         parts.append(data)
+    if dims.ep_enabled:
+        parts.append(f"ep {dims.ep}")
     if dims.tp_enabled:
         parts.append(f"tp {dims.tp}" + (" (sp)" if parallel.sequence_parallel else ""))
     if dims.pp_enabled:
@@ -461,11 +542,11 @@ def layout_warnings(dims: ParallelDims, parallel: _NamedSection) -> list[str]:
 def layout_fields(dims: ParallelDims) -> dict[str, int]:
     """The degrees of a layout as ``summary.json`` gives them: ``dp`` data-parallel ranks in all (the
     global batch is split over them), within a DiLoCo replica ``dp_replicate`` replicas of ``dp_shard``
-    ranks each, ``diloco`` replicas, ``tp``, ``pp``, ``ep`` (expert parallelism: 1, not implemented)
-    and their product, ``world_size``."""
+    ranks each, ``diloco`` replicas, ``tp``, ``pp``, ``ep`` (expert parallelism: ranks of ``dp`` the
+    experts are split over, not a factor of the world) and ``world_size`` (``dp x tp x pp``)."""
     return {
         "dp": dims.dp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
-        "diloco": dims.diloco, "tp": dims.tp, "pp": dims.pp, "ep": 1, "world_size": dims.world_size,
+        "diloco": dims.diloco, "tp": dims.tp, "pp": dims.pp, "ep": dims.ep, "world_size": dims.world_size,
     }  # fmt: skip
 
 

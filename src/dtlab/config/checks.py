@@ -284,8 +284,20 @@ def _check_moe(c: Config) -> None:
     """What a mixture-of-experts model needs, and what does not compose with it yet."""
     m, p, t = c.model, c.parallel, c.train
     moe = m.moe
+    if p.ep > 1 and not moe.experts:
+        raise ValueError(
+            f"parallel.ep = {p.ep} splits a mixture of experts' experts over ranks, but "
+            "model.moe.experts = 0 (a dense model); allowed: parallel.ep = 1, or an MoE model "
+            "(e.g. model.preset = 'debug-moe')"
+        )
     if not moe.experts:
         return
+    if moe.experts % p.ep:
+        fits = [str(k) for k in range(1, moe.experts + 1) if moe.experts % k == 0]
+        raise ValueError(
+            f"parallel.ep = {p.ep} does not divide model.moe.experts = {moe.experts}: each "
+            f"expert-parallel rank holds an equal share (allowed: {', '.join(fits[:8])})"
+        )
     if moe.top_k > moe.experts:
         raise ValueError(
             f"model.moe.top_k = {moe.top_k} is more than model.moe.experts = {moe.experts} "
@@ -324,6 +336,33 @@ def _check_moe(c: Config) -> None:
                 f"{key} = {shown} is not supported with model.moe.experts = {moe.experts} "
                 f"(allowed: {allowed}): {why}"
             )
+    if p.ep == 1:
+        return
+    # key: (refused, the value as written, what is allowed, why)
+    with_ep: dict[str, tuple[bool, str, str, str]] = {
+        "parallel.sharding": (
+            p.sharding == "optimizer", "'optimizer'", "full, shard_grad_op, no_shard",
+            "ZeRO-1 shards whole parameters by rows, not the expert-parallel shards",
+        ),
+        "parallel.compression": (
+            p.compression != "none", repr(p.compression), "none",
+            "the expert shards' gradients are averaged outside DDP's and FSDP's reduction",
+        ),
+        "train.optimizer": (
+            t.optimizer == "demo", "'demo'", "adamw, sgd",
+            "DeMo replaces the gradient all-reduce the expert shards need",
+        ),
+        "train.oom_retry": (
+            t.oom_retry, "true", "false",
+            "a rank out of memory inside forward would leave the others in the experts' all-to-all",
+        ),
+    }  # fmt: skip
+    for key, (bad, shown, allowed, why) in with_ep.items():
+        if bad:
+            raise ValueError(
+                f"{key} = {shown} is not supported with parallel.ep = {p.ep} (allowed: {allowed}): "
+                f"{why}"
+            )
 
 
 def config_warnings(config: Config) -> list[str]:
@@ -346,6 +385,11 @@ def config_warnings(config: Config) -> list[str]:
         out.append(
             f"model.moe.{ignored[0]} is set but model.moe.experts = 0: the model is dense and the "
             "model.moe keys are not used (model.moe.experts > 0 makes it a mixture of experts)"
+        )
+    if config.alerts.moe_imbalance is not None and not moe.experts:
+        out.append(
+            f"alerts.moe_imbalance = {config.alerts.moe_imbalance:g} is set but model.moe.experts "
+            "= 0: a dense model routes nothing, so the alert never fires"
         )
     if d.paths and d.source != "files":
         out.append(
@@ -386,11 +430,6 @@ def check_batch_split(config: Config, world_size: int) -> int:
         msg = f"train.global_batch_size = {g} samples cannot be split over {world_size} ranks"
     else:
         msg = (
-    if config.alerts.moe_imbalance is not None and not moe.experts:
-        out.append(
-            f"alerts.moe_imbalance = {config.alerts.moe_imbalance:g} is set but model.moe.experts "
-            "= 0: a dense model routes nothing, so the alert never fires"
-        )
             f"train.global_batch_size = {g} samples cannot be split into micro-batches of "
             f"train.micro_batch_size = {micro} on {world_size} ranks ({g} is not a multiple of "
             f"{micro} x {world_size})"

@@ -544,6 +544,14 @@ class ParallelConfig(_Section):
         description="Pipeline-parallel degree: the blocks split into stages over this many ranks "
         "(the embedding in the first stage, the norm, output and loss in the last).",
     )
+    ep: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Expert-parallel degree (mixture of experts): each MoE block's routed experts "
+        "split over this many of the data-parallel ranks, tokens sent to their experts' ranks by "
+        "all-to-all; must divide the data-parallel degree and model.moe.experts.",
+    )
     pp_schedule: Literal[
         "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"
     ] = Field(
