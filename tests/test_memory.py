@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -195,3 +196,59 @@ def test_fault8_gradient_bytes_are_measured_not_assumed() -> None:
     assert states["params_bytes"] == 4 * 131392
     assert states["grads_bytes"] == 4 * (131392 - 256 * 64)
     assert all(p.grad is None for p in tr.model.parameters())  # dropped again after measuring
+
+
+def _saved_bytes(fn: Callable[[], torch.Tensor]) -> int:
+    """Bytes of the distinct storages autograd saves for backward while ``fn`` runs (compiled code
+    allocates outside the dispatcher, where a dispatch mode would not see it)."""
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        saved[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_compiled_loss_keeps_what_the_plan_says_and_trains_as_the_eager_one(
+    precision: str,
+) -> None:
+    """Under ``train.compile`` the loss is compiled: it keeps the logits in their own dtype and two
+    floats per token instead of the float32 log-softmax, which the plan counts; its loss and
+    gradients are the eager loss's to float32 rounding."""
+    from dtlab.analysis.model import activation_bytes
+    from dtlab.train.loss import token_loss
+
+    cfg = load_config(
+        overrides=["model.preset=debug", "data.seq_len=32", f"train.precision={precision}"]
+    )
+    cpu = torch.device("cpu")
+    pm = parallelize(build_model(cfg.model), cfg, DistInfo(0, 1, 0, 1, cpu, None))
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, cfg.model.vocab_size, (2, 33), generator=gen)
+    inputs, targets = rows[:, :-1], rows[:, 1:]
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    logits = torch.randn(2, 32, cfg.model.vocab_size, generator=gen).to(dtype).requires_grad_()
+    kept, losses, grads = {}, {}, {}
+    for compiled in (False, True):
+        kept[compiled] = _saved_bytes(lambda c=compiled: token_loss(logits, targets, c))
+        loss = forward_loss(pm.module, inputs, targets, precision, cpu, compiled)
+        loss.backward()
+        losses[compiled] = loss.item()
+        grads[compiled] = [p.grad.clone() for p in pm.module.parameters()]  # type: ignore[union-attr]
+        pm.module.zero_grad(set_to_none=True)
+    predicted = {
+        c: activation_bytes(cfg.model, 64, precision, "none", compiled_loss=c)
+        for c in (False, True)
+    }
+    # What the loss keeps changes as the plan says, to the byte (in bf16 by half the logits).
+    assert kept[False] - kept[True] == predicted[False] - predicted[True], (kept, predicted)
+    if precision == "bf16":
+        assert predicted[False] - predicted[True] > 64 * cfg.model.vocab_size  # it is measurable
+    assert losses[True] == pytest.approx(losses[False], rel=1e-6)
+    for eager, comp in zip(grads[False], grads[True], strict=True):
+        torch.testing.assert_close(comp, eager, rtol=1e-4, atol=1e-6)

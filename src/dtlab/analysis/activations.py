@@ -37,6 +37,7 @@ def activation_bytes(
     split: TPSplit = TPSplit(),
     final_part: bool = True,
     half_params: bool = False,
+    compiled_loss: bool = False,
 ) -> int:
     """Bytes one micro-batch's forward keeps for backward (``tokens`` tokens), as
     ``dtlab.bench.memory`` measures them: what is still allocated when forward returns.
@@ -58,7 +59,9 @@ def activation_bytes(
     attention output and log-sum-exp. Outside the blocks the final norm, the output projection (and
     its weight copy under autocast), the float32 log-softmax over the vocabulary and the targets
     (int64; the loader's targets are a view that the loss copies) are kept in every case, and the loss
-    itself with the weight total of its mean (8 bytes per micro-batch).
+    itself with the weight total of its mean (8 bytes per micro-batch). A ``compiled_loss``
+    (:mod:`dtlab.train.loss`) keeps the logits in their own dtype instead of the log-softmax, with
+    two floats per token (and four more scalars per micro-batch).
     Recomputing a block in backward needs its activations again for a moment: see ``recompute_bytes``.
 
     Tensor parallelism (``split``) splits the attention and feed-forward activations (heads and
@@ -77,7 +80,7 @@ def activation_bytes(
     half_params = half_params and half
     per_layer = _layer_bytes(m, half, ac, split, half_params)
     final = (
-        (_norm_bytes(m, half, 1, half_params, seq) + m.vocab_size * FP32 / tp + 8)
+        (_norm_bytes(m, half, 1, half_params, seq) + _loss_bytes(m, half, compiled_loss) / tp + 8)
         if final_part
         else 0
     )
@@ -86,7 +89,17 @@ def activation_bytes(
         output = m.dim * m.vocab_size if final_part else 0
         blocks = m.n_layers * block_matmul_params(m) if ac == "none" else 0
         weight_copies = 2 * (output + blocks) / tp
-    return int(tokens * (m.n_layers * per_layer + final) + weight_copies + 2 * FP32)
+    # The loss and the weight total of its mean; the compiled loss keeps four more scalars.
+    scalars = (6 if compiled_loss and final_part else 2) * FP32
+    return int(tokens * (m.n_layers * per_layer + final) + weight_copies + scalars)
+
+
+def _loss_bytes(m: ModelConfig, half: bool, compiled_loss: bool) -> float:
+    """Per token, what the loss keeps of the logits: the float32 log-softmax, or, compiled, the
+    logits themselves (half precision under autocast) and their maximum and log-sum-exp."""
+    if compiled_loss:
+        return m.vocab_size * (2 if half else FP32) + 2 * FP32
+    return m.vocab_size * FP32
 
 
 def _norm_bytes(

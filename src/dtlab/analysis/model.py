@@ -28,6 +28,7 @@ from dtlab.analysis.activations import (
 )
 from dtlab.config import Config, ModelConfig
 from dtlab.dims import DPWrapper, ParallelDims, stage_ids, stage_layers
+from dtlab.parallel.apply import compiles_loss
 from dtlab.runtime.signals import STOP_SIGNALS
 from dtlab.train.diloco import fragment_of, sync_bytes
 
@@ -404,9 +405,11 @@ def _plan_rank(
     rank_model = config.model.model_copy(update={"n_layers": part.n_layers})
     split = TPSplit(dims.tp, p.sequence_parallel)
     half_params = fsdp_half_params(config, dims)
+    compiled = compiles_loss(config, dims)
     act = activation_bytes(
-        rank_model, tokens, t.precision, t.activation_checkpointing, split, part.last, half_params
-    )
+        rank_model, tokens, t.precision, t.activation_checkpointing, split, part.last, half_params,
+        compiled,
+    )  # fmt: skip
     plan = StepPlan(
         strategy=p.strategy,
         sharding=p.sharding if dims.fsdp_enabled or dims.shard_optimizer else "-",
@@ -443,7 +446,9 @@ def _plan_rank(
     loss_part = 0
     if recompute and part.last:
         no_blocks = rank_model.model_copy(update={"n_layers": 0})
-        loss_part = activation_bytes(no_blocks, tokens, t.precision, ac, split, True, half_params)
+        loss_part = activation_bytes(
+            no_blocks, tokens, t.precision, ac, split, True, half_params, compiled
+        )
     if (
         dims.pp_enabled
         and order is not None

@@ -55,6 +55,7 @@ from dtlab.metrics.profiling import StepProfiler
 from dtlab.metrics.report import peak_memory_bytes, peak_reserved_bytes
 from dtlab.models.args import model_args
 from dtlab.parallel import destroy_distributed, init_distributed
+from dtlab.parallel.apply import compiles_loss
 from dtlab.parallel.dist import DistInfo, is_worker_env, reduce_scalar
 from dtlab.runtime.faults import Faults
 from dtlab.runtime.signals import StopSignals
@@ -114,7 +115,9 @@ def measured_activation_bytes(tr: Training, config: Config, device: torch.device
 
     def forward() -> torch.Tensor:
         with tr.pm.loss_context():
-            return forward_loss(module, inputs, targets, config.train.precision, device)
+            return forward_loss(
+                module, inputs, targets, config.train.precision, device, config.train.compile
+            )
 
     return kept_activation_bytes(module, forward)
 
@@ -402,6 +405,7 @@ def _memory_figures(config: Config, d: DistInfo, tr: Training, act: int | None) 
             t.activation_checkpointing,
             split,
             half_params=fsdp_half_params(config, d.dims),
+            compiled_loss=compiles_loss(config, d.dims),
         )
         + extra,
         "activation_kernel_bytes": extra,
@@ -637,7 +641,8 @@ def _compute_only(config: Config, d: DistInfo, tr: Training) -> float | None:
         dist.barrier()
         with timed(d.device) as clock:
             for x, y in micro_batches:
-                (forward_loss(model, x, y, t.precision, d.device) / len(micro_batches)).backward()
+                loss = forward_loss(model, x, y, t.precision, d.device, t.compile)
+                (loss / len(micro_batches)).backward()
             optimizer.step()
             model.zero_grad(set_to_none=True)
         times.append(clock.seconds)

@@ -186,6 +186,13 @@ def apply_compile(model: Transformer) -> None:
         block.compile()
 
 
+def compiles_loss(config: Config, dims: ParallelDims) -> bool:
+    """Whether the loss is compiled with the blocks (``dtlab.train.loss``): under ``train.compile``
+    where its logits are a plain tensor, that is without tensor parallelism's vocabulary-parallel
+    loss, and outside a pipeline, whose schedule computes its own loss."""
+    return config.train.compile and not dims.tp_enabled and not dims.pp_enabled
+
+
 # --- FSDP / HSDP (on the mesh of dtlab.dims.ParallelDims) -------------------------------------------
 # train.precision -> the dtype FSDP gathers parameters in and computes with (float32 otherwise).
 HALF_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}

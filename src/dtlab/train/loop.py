@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -59,6 +58,7 @@ from dtlab.parallel.ledger import (
 from dtlab.runtime.faults import FAULTS_ENV, Faults
 from dtlab.runtime.signals import STOP_SIGNALS, StopSignals, agreed_stop
 from dtlab.train.diloco import DiLoCo, outer_group, replica_group
+from dtlab.train.loss import token_loss
 from dtlab.train.oom import (
     StepOutOfMemory,
     agree_out_of_memory,
@@ -86,11 +86,13 @@ def forward_loss(
     targets: torch.Tensor,
     precision: str,
     device: torch.device,
+    compiled: bool = False,
 ) -> torch.Tensor:
-    """Mean cross-entropy over the micro-batch's tokens (computed in float32 under any precision)."""
+    """Mean cross-entropy over the micro-batch's tokens (computed in float32 under any precision),
+    compiled under ``train.compile`` (``compiled``: see :mod:`dtlab.train.loss`)."""
     with autocast(precision, device):
         logits = module(inputs)
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    return token_loss(logits, targets, compiled)
 
 
 def train_step(
@@ -258,7 +260,12 @@ def accumulate_gradients(
         with pm.grad_sync(i == accum - 1 and not skip_sync), pm.loss_context():
             # Every micro-batch has the same number of tokens, so mean/accum summed over micro-batches and
             # averaged over ranks is the mean over every token of the global batch.
-            loss = forward_loss(pm.module, inputs, targets, config.train.precision, device) / accum
+            loss = (
+                forward_loss(
+                    pm.module, inputs, targets, config.train.precision, device, config.train.compile
+                )
+                / accum
+            )
             if inject_nan:
                 loss = loss * float("nan")
             if loss_factor != 1.0:
@@ -295,7 +302,7 @@ def evaluate(
                 with pm.loss_context():
                     loss = forward_loss(
                         pm.module, inputs.to(device), targets.to(device), config.train.precision,
-                        device,
+                        device, config.train.compile,
                     ) / len(micro_batches)  # fmt: skip
                 total += loss.to_local() if isinstance(loss, DTensor) else loss  # type: ignore[attr-defined]
     world = dist.get_world_size() if dist.is_initialized() else 1
