@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from dtlab.models.args import MoEArgs
 
@@ -33,8 +34,13 @@ class GroupedExperts(nn.Module):
         """``x`` [sum(counts), dim], sorted by expert: the first counts[0] rows go to expert 0, ..."""
         # A loop over experts (torch._grouped_mm runs on CPU in torch 2.13, but the loop is the
         # plainest deterministic form; an empty expert multiplies zero rows).
+        # Under expert parallelism (dtlab.parallel.expert) the weights are DTensor shards of this
+        # rank's experts, ``x`` their rows and ``counts`` theirs: the local tensors are the experts.
+        w1, w2, w3 = (
+            w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3)
+        )
         outs = [
-            F.linear(F.silu(F.linear(xe, self.w1[e])) * F.linear(xe, self.w3[e]), self.w2[e])
+            F.linear(F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e])
             for e, xe in enumerate(torch.split(x, counts))
         ]
         return torch.cat(outs)

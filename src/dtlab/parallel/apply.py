@@ -41,6 +41,7 @@ from dtlab.models.llama import Transformer
 from dtlab.parallel.buckets import buckets
 from dtlab.parallel.compression import CompressionState, apply_ddp_compression, reduce_dtype
 from dtlab.parallel.dist import DistInfo
+from dtlab.parallel.expert import ExpertShards, apply_ep, expert_params
 from dtlab.parallel.ledger import recorded
 from dtlab.parallel.zero import OptimizerShards
 
@@ -241,6 +242,7 @@ def apply_fsdp(
     reduce_dtype: torch.dtype | None = None,
     prefetch: int = 0,
     param_dtype: torch.dtype | None = None,
+    ignored: set[nn.Parameter] | None = None,
 ) -> None:
     """FSDP2 ``fully_shard`` on each block, then on the root (embeddings, final norm, output).
 
@@ -248,13 +250,18 @@ def apply_fsdp(
     backward is done (ZeRO-2: one all-gather per step instead of two). ``prefetch`` > 0: each block's
     forward issues the all-gathers of the next ``prefetch`` blocks, and its backward those of the
     ``prefetch`` blocks before it, instead of FSDP2's implicit one-ahead. ``param_dtype`` and
-    ``reduce_dtype``: see :func:`mixed_precision_policy`.
+    ``reduce_dtype``: see :func:`mixed_precision_policy`. ``ignored``: parameters FSDP leaves as they
+    are (expert parallelism's shards, averaged by :class:`dtlab.parallel.expert.ExpertShards`).
     """
     reshard = sharding == "full"
     mp = mixed_precision_policy(param_dtype, reduce_dtype)
     for block in model.layers.values():
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+        fully_shard(
+            block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, ignored_params=ignored
+        )
+    fully_shard(
+        model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, ignored_params=ignored
+    )
     if prefetch:
         blocks = [b for b in model.layers.values() if isinstance(b, FSDPModule)]
         for i, block in enumerate(blocks):
@@ -317,6 +324,8 @@ class ParallelModel:
     pipeline: Pipeline | None = None
     # ZeRO-1: this rank's rows of the parameters, their gradients' reduce-scatter and their all-gather.
     zero: OptimizerShards | None = None
+    # Expert parallelism: the experts' shards, whose gradients no wrapper averages.
+    experts: ExpertShards | None = None
 
     @property
     def optimized(self) -> nn.Module:
@@ -408,6 +417,8 @@ class ParallelModel:
         """
         if self.zero is not None:
             self.zero.settle()
+        if self.experts is not None:  # expert parallelism: the shards' gradients averaged
+            self.experts.reduce_gradients()
         if not self.dims.tp_enabled:
             return  # only tensor parallelism leaves partial sums (checked without a pass per step)
         groups: dict[tuple[int, int], list[nn.Parameter]] = {}
@@ -450,7 +461,11 @@ def parallelize(model: Transformer, config: Config, dist_info: DistInfo) -> Para
         named = [(plain_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
         mesh = dims.mesh(dist_info.device.type, "dp_replicate")
         zero = OptimizerShards(named, mesh, reduce_dtype(config))
-    return ParallelModel(module, model, dims, compression, zero=zero)
+    experts = None
+    if dims.ep_enabled:
+        group = dims.expert_mesh(dist_info.device.type, "ep_dp").get_group()
+        experts = ExpertShards(expert_params(model), group, dims.dp)
+    return ParallelModel(module, model, dims, compression, zero=zero, experts=experts)
 
 
 def _parallelize_one(
@@ -461,6 +476,9 @@ def _parallelize_one(
     device_type = dist_info.device.type
     if dims.tp_enabled:
         apply_tp(model, dims.mesh(device_type, "tp"), config.parallel.sequence_parallel)
+    # Expert parallelism splits the experts before anything wraps a block; the data-parallel
+    # wrappers then leave the shards alone (ExpertShards averages their gradients).
+    ep_params = apply_ep(model, dims.expert_mesh(device_type, "ep")) if dims.ep_enabled else []
     apply_ac(model, t.activation_checkpointing)
     if t.compile:
         apply_compile(model)
@@ -472,6 +490,7 @@ def _parallelize_one(
             reduce_dtype(config),
             config.parallel.fsdp_prefetch,
             fsdp_param_dtype(config),
+            set(ep_params) or None,
         )
     materialize(model, dist_info.device, t.seed)
     if not dims.ddp_enabled:
@@ -482,6 +501,11 @@ def _parallelize_one(
         # ZeRO-1 reduce-scatters the gradients itself (parallel.zero) instead of DDP's all-reduce.
         return model, CompressionState(config.parallel.compression)
     device_ids = [dist_info.device.index] if dist_info.device.type == "cuda" else None
+    if ep_params:
+        ids = {id(p) for p in ep_params}
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, [n for n, p in model.named_parameters() if id(p) in ids]
+        )
     # Under pipeline parallelism DDP spans the stage's replicas only, and under DiLoCo one replica's
     # ranks, not the default group.
     within = dims.pp_enabled or dims.diloco_enabled

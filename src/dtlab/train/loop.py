@@ -77,7 +77,7 @@ from dtlab.train.routing import moe_aux_loss, routing_step
 from dtlab.train.run import run
 from dtlab.train.rundir import RunDirLock, create_run_dir
 from dtlab.train.schedules import build_scheduler
-from dtlab.train.step import reduce_step
+from dtlab.train.step import clip_gradients, reduce_step
 
 
 def forward_loss(
@@ -156,7 +156,7 @@ def train_step(
     )
     if config.train.grad_clip > 0:
         clip = r.clip_norm_t
-        torch.nn.utils.clip_grads_with_norm_(params, config.train.grad_clip, clip, foreach=True)
+        clip_gradients(params, config.train.grad_clip, clip)
     # Loss, norm and flags are agreed by every rank, so every rank takes the same decision.
     found_inf = scaler.enabled and r.flagged
     nonfinite = r.flagged if local else not math.isfinite(r.norm)

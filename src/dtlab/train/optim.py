@@ -24,27 +24,45 @@ def _decayed(p: nn.Parameter) -> bool:
     return p.ndim >= 2
 
 
+def _is_expert(name: str) -> bool:
+    """A routed expert's stacked weights (``...feed_forward.experts.w1``; see :func:`_group_of`)."""
+    return ".experts.w" in name
+
+
+def _group_of(name: str, p: nn.Parameter) -> int:
+    """The optimizer group of a parameter: decayed matrices (0), the rest (1), and a mixture of
+    experts' routed experts (2, decayed). The experts have a group of their own at any EP degree:
+    under expert parallelism they are DTensors of another mesh than the other parameters, which
+    torch's fused and foreach steps do not take in one call, and the same groups at every degree
+    let a checkpoint's optimizer state load across degrees."""
+    if _is_expert(name):
+        return 2
+    return 0 if _decayed(p) else 1
+
+
 def optimizer_groups(model: nn.Module) -> list[list[str]]:
-    """The names of the parameters in each of the optimizer's groups (decayed, then the rest)."""
-    names: list[list[str]] = [[], []]
+    """The names of the parameters in each of the optimizer's groups (decayed, then the rest, then
+    an MoE model's routed experts)."""
+    names: list[list[str]] = [[], [], []]
     for name, p in model.named_parameters():
         if p.requires_grad:
-            names[0 if _decayed(p) else 1].append(name)
-    return names
+            names[_group_of(name, p)].append(name)
+    return names if names[2] else names[:2]
 
 
 def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
     """AdamW (or DeMo) over the model's parameters (ZeRO-1: its shards' module). Build it *after*
     parallelism is applied: FSDP replaces the parameters with sharded ones, and an optimizer holding
     the old ones would train nothing."""
-    decay: list[nn.Parameter] = []
-    no_decay: list[nn.Parameter] = []
-    for p in model.parameters():
+    split: list[list[nn.Parameter]] = [[], [], []]
+    for name, p in model.named_parameters():
         if p.requires_grad:
-            (decay if _decayed(p) else no_decay).append(p)
+            split[_group_of(name, p)].append(p)
+    decay, no_decay, experts = split
+    kept = [decay, no_decay, *([experts] if experts else [])]
     groups = [
         {"params": params, **hyper}
-        for params, hyper in zip((decay, no_decay), group_hyperparameters(t), strict=True)
+        for params, hyper in zip(kept, group_hyperparameters(t, len(kept)), strict=True)
     ]
     optimizer: torch.optim.Optimizer
     if t.optimizer == "demo":
@@ -54,7 +72,9 @@ def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
     elif t.optimizer == "sgd":
         optimizer = torch.optim.SGD(groups, lr=t.lr, foreach=True)
     else:
-        optimizer = torch.optim.AdamW(groups, lr=t.lr, **_implementation([*decay, *no_decay]))
+        optimizer = torch.optim.AdamW(
+            groups, lr=t.lr, **_implementation([p for g in kept for p in g])
+        )
     init_state(optimizer)
     return optimizer
 
@@ -120,10 +140,12 @@ def _implementation(params: list[nn.Parameter]) -> dict[str, Any]:
     return {"fused": True} if {p.device.type for p in params} <= {"cpu", "cuda"} else {}
 
 
-def group_hyperparameters(t: TrainConfig) -> list[dict[str, object]]:
-    """The config's hyper-parameters of the two parameter groups: matrices (decayed), then the rest."""
+def group_hyperparameters(t: TrainConfig, groups: int = 2) -> list[dict[str, object]]:
+    """The config's hyper-parameters of the parameter groups: matrices (decayed), then the rest, then
+    (``groups`` = 3) a mixture of experts' routed experts (decayed)."""
     common: dict[str, object] = {"betas": t.betas, "eps": t.eps} if t.optimizer == "adamw" else {}
-    return [{"weight_decay": t.weight_decay, **common}, {"weight_decay": 0.0, **common}]
+    decayed = {"weight_decay": t.weight_decay, **common}
+    return [decayed, {"weight_decay": 0.0, **common}, decayed][:groups]
 
 
 def apply_hyperparameters(
@@ -138,7 +160,8 @@ def apply_hyperparameters(
     resumed step: the next step's learning rate is ``lr_at(step)`` of the new config.
     """
     step = scheduler.last_epoch
-    for group, hyper in zip(optimizer.param_groups, group_hyperparameters(t), strict=True):
+    hypers = group_hyperparameters(t, len(optimizer.param_groups))
+    for group, hyper in zip(optimizer.param_groups, hypers, strict=True):
         group.update(hyper)
         group["initial_lr"] = t.lr
         group["lr"] = lr_at(step, t)

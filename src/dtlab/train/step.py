@@ -9,6 +9,7 @@ in one read: on a GPU, the step's only sync (``dtlab.metrics.syncs`` counts them
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from dtlab.parallel.ledger import all_reduce
 from dtlab.runtime.signals import STOP_SIGNALS, agreed_stop
 
-__all__ = ["StepValues", "reduce_step", "stop_vector"]
+__all__ = ["StepValues", "clip_gradients", "reduce_step", "stop_vector"]
 
 
 @dataclass
@@ -141,3 +142,16 @@ def _squares(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def _sum_sq(tensors: list[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
     return _squares(tensors).sum() if tensors else torch.zeros((), device=device)
+
+
+def clip_gradients(params: Sequence[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
+    """Scale the gradients of ``params`` by ``max_norm / norm`` where ``norm`` (the agreed gradient
+    norm) is above ``max_norm``. torch's foreach kernels take plain tensors or DTensors of one mesh
+    in one call; expert parallelism's shards live on another mesh than the other parameters, so each
+    kind is scaled by a call of its own (all by the same factor)."""
+    kinds: dict[int | None, list[torch.Tensor]] = {}
+    for p in params:
+        g = p.grad
+        kinds.setdefault(id(g.device_mesh) if isinstance(g, DTensor) else None, []).append(p)
+    for same in kinds.values():
+        torch.nn.utils.clip_grads_with_norm_(same, max_norm, norm, foreach=True)
