@@ -205,13 +205,6 @@ def test_what_does_not_compose_is_refused(override: str, message: str) -> None:
         load_config(None, [*MOE, "parallel.strategy=ddp", override])
 
 
-def test_plan_refuses_an_moe_model() -> None:
-    proc = run_cli("plan", "--nproc", "2", "--set", *MOE)
-    assert proc.returncode != 0
-    assert "model.moe.experts = 4: dtlab plan does not model mixture-of-experts" in proc.stderr
-    assert "Traceback" not in proc.stderr, proc.stderr
-
-
 def test_train_reports_routing_and_its_loss_falls(tmp_path: Path) -> None:
     m = train_run(tmp_path / "run", *MOE, "model.moe.balance=bias+aux", steps=12)
     assert m[-1]["loss"] < m[0]["loss"] - 0.3, [r["loss"] for r in m]

@@ -144,13 +144,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from dtlab.config import check_batch_split, load_config
 
     config = load_config(args.config, args.overrides)
-    if config.model.moe.experts:
-        # The plan counts a dense feed-forward's parameters, FLOPs and activations in every block.
-        raise ConfigError(
-            f"model.moe.experts = {config.model.moe.experts}: dtlab plan does not model "
-            "mixture-of-experts blocks yet (their parameters, FLOPs and activations would be "
-            "counted as a dense feed-forward's); allowed: model.moe.experts = 0"
-        )
     # The batch must split over the data-parallel ranks whatever the strategy: say so, not "nothing
     # fits" (tensor and pipeline parallelism, when set, take their ranks first).
     p = config.parallel

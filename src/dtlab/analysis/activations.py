@@ -89,9 +89,16 @@ def activation_bytes(
         output = m.dim * m.vocab_size if final_part else 0
         blocks = m.n_layers * block_matmul_params(m) if ac == "none" else 0
         weight_copies = 2 * (output + blocks) / tp
+    moe = 0  # MoE feed-forwards keep other tensors than dense ones: dtlab.analysis.moe
+    if m.moe.experts:
+        from dtlab.analysis.moe import activation_delta, weight_copy_delta
+
+        moe = activation_delta(m, tokens, precision, ac, split, half_params)
+        if half and not half_params and ac == "none":
+            moe += weight_copy_delta(m) // tp
     # The loss and the weight total of its mean; the compiled loss keeps four more scalars.
     scalars = (6 if compiled_loss and final_part else 2) * FP32
-    return int(tokens * (m.n_layers * per_layer + final) + weight_copies + scalars)
+    return int(tokens * (m.n_layers * per_layer + final) + weight_copies + scalars) + moe
 
 
 def _loss_bytes(m: ModelConfig, half: bool, compiled_loss: bool) -> float:

@@ -205,6 +205,12 @@ def unsupported(config: Config, world: int) -> str | None:
         )
     if config.parallel.diloco.inner_steps:
         return "DiLoCo is not checked: its outer state is in host memory, outside the step"
+    if config.model.moe.experts:
+        return (
+            "a mixture-of-experts model is not checked: its routing reads the router's scores "
+            "(which expert gets how many tokens), which fake tensors do not have (the plan's MoE "
+            "figures are compared with real runs: docs/moe-planning.md)"
+        )
     return None
 
 

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from dtlab.analysis import moe
 from dtlab.analysis.activations import (
     FP32,
     TPSplit,
@@ -74,6 +75,8 @@ def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
     counted over the full T x T score matrix (the usual convention for MFU, also with a causal mask).
     """
     m = model_cfg
+    if m.moe.experts:  # by the active parameters, the router's included
+        return moe.flops_per_token(m, seq_len)
     kv = m.kv_heads * (m.dim // m.n_heads)
     per_layer = m.dim * m.dim * 2 + m.dim * kv * 2 + 3 * m.dim * m.hidden_dim
     matmul = m.n_layers * per_layer + m.dim * m.vocab_size
@@ -107,6 +110,8 @@ def recompute_flops_per_token(model_cfg: ModelConfig, seq_len: int, ac: str) -> 
     if ac == "none":
         return 0.0
     m = model_cfg
+    if m.moe.experts:  # MoE blocks recompute their active experts (its dense blocks come back here)
+        return moe.recompute_flops_per_token(m, seq_len, ac)
     elementwise = elementwise_flops_per_token(m)
     if ac == "selective":
         return elementwise
@@ -436,8 +441,11 @@ def _plan_rank(
     order = schedule_order(config.parallel.pp_schedule, dims.pp, len(part.stages), accum, pp_rank)
     if dims.pp_enabled and order is not None:
         kept = _pipeline_kept(config, dims, part, tokens, accum, order, kernel, device_type)
-    recompute = recompute_bytes(
-        config.model, tokens, t.precision, ac, split, half_params
+    # The largest block recomputed: an MoE model has dense blocks and MoE blocks (dtlab.analysis.moe).
+    recompute = max(
+        recompute_bytes(block, tokens, t.precision, ac, split, half_params)
+        + moe.recompute_transients(block, tokens, t.precision, ac, half_params)
+        for block in moe.block_kinds(config.model)
     ) + kernel_recompute_bytes(config.model, tokens, seq_len, t.precision, ac, kernel, split)
     # The peak in backward: what forward kept (for every micro-batch a pipeline stage holds at once),
     # or, under checkpointing, one block recomputed on top of the blocks' own: by the time a block is
@@ -461,6 +469,7 @@ def _plan_rank(
     # RoPE's cos and sin tables (float32, max_seq_len x head_dim / 2 each) in every stage's module.
     m = config.model
     plan.buffers_bytes = len(part.stages) * 2 * m.max_seq_len * (m.dim // m.n_heads // 2) * FP32
+    plan.buffers_bytes += moe.buffer_bytes(m)  # the MoE blocks' balancing bias and routing figures
     comm: dict[str, int] = {}
     groups: dict[str, int] = {}
     if dims.fsdp_enabled:  # within each replica of DiLoCo's
@@ -480,6 +489,7 @@ def _plan_rank(
         # or each rank's own), over all ranks; under HSDP it is counted in the replicas' all-reduce group.
         # (DiLoCo's is within each replica: _diloco_comm.)
         comm["all_reduce"] = comm.get("all_reduce", 0) + step_reduction_bytes(config, dims)
+        comm["all_reduce"] += moe.routing_reduce_bytes(config.model)  # the MoE routing figures
         if t.oom_retry:  # the ranks' out-of-memory agreement: a float per rank
             comm["all_reduce"] += FP32 * world_size
         groups.setdefault("all_reduce", world_size)

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from dtlab.analysis import moe
 from dtlab.analysis.devices import DeviceProfile
 from dtlab.analysis.fitrule import explain, usable_fraction
 from dtlab.analysis.model import (
@@ -283,6 +284,12 @@ def plan(
     return {
         "model": {
             "params": sum(s.numel for s in shapes),
+            # A mixture of experts: what one token's forward runs through (dtlab.analysis.moe).
+            **(
+                {"active_params": moe.param_counts(shapes, config.model).active}
+                if config.model.moe.experts
+                else {}
+            ),
             "preset": config.model.preset,
             "flops_per_token": flops_per_token(config.model, config.seq_len),
             "recompute_flops_per_token": recompute_flops_per_token(

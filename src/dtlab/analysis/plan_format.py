@@ -63,9 +63,13 @@ def format_plan(p: dict[str, Any]) -> str:
     def where(key: str) -> str:
         return f" ({src[key]})" if key in src else ""
 
+    # A mixture of experts runs a token through its active parameters only (FLOPs count those).
+    active = (
+        f" ({format_count(model['active_params'])} active)" if "active_params" in model else ""
+    )
     lines = [
         f"model {model['preset'] or 'custom'}{where('model')}: {format_count(model['params'])} "
-        f"params, {format_count(model['flops_per_token'], 'FLOP')}/token | {p['world_size']} ranks "
+        f"params{active}, {format_count(model['flops_per_token'], 'FLOP')}/token | {p['world_size']} ranks "
         f"({p['nnodes']} node(s) x {p['nproc']})",
         f"global batch {p['global_batch_size']}{where('train.global_batch_size')} x seq_len "
         f"{p['seq_len']}{where('data.seq_len')}",

@@ -1,0 +1,343 @@
+"""What a mixture-of-experts model costs, for ``dtlab plan`` and ``dtlab bench``: total and active
+parameters, FLOPs per token by the active parameters, the experts' state split over the expert-parallel
+degree, what an MoE feed-forward keeps for backward, and the all-to-all bytes of expert parallelism.
+
+The dense cost model (:mod:`dtlab.analysis.model`, :mod:`dtlab.analysis.activations`) calls in here
+where a block's feed-forward is an :class:`dtlab.models.moe.MoE`; a dense model never reaches this
+module. Every figure is counted from :mod:`dtlab.models.moe`'s forward as it runs:
+
+- the router is one matmul [dim -> experts] per token; its scores are float32 (softmax or sigmoid);
+- each token's ``top_k`` (token, slot) rows are gathered, sorted by expert, through the experts'
+  SwiGLU (w1, w3 [hidden, dim], w2 [dim, hidden] each) and scattered back, then weighted by their
+  gates and summed; the shared experts are one SwiGLU of ``shared_experts x expert_dim`` on every
+  token.
+
+So a token runs ``top_k + shared_experts`` experts' matmuls and the router's, whatever the number of
+experts: the *active* parameters. The routed experts' stacked weights are the only parameters whose
+share a rank holds depends on ``parallel.ep``: expert parallelism splits them along dim 0 (experts)
+over the ``ep`` ranks of an expert-parallel group, and they are data-parallel over the ``dp / ep``
+ranks holding the same experts; everything else keeps the data-parallel layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from dtlab.analysis.activations import FP32, TPSplit, _norm_bytes
+
+if TYPE_CHECKING:
+    from dtlab.analysis.model import ParamShape
+    from dtlab.config import Config, ModelConfig
+    from dtlab.dims import ParallelDims
+
+__all__ = [
+    "ParamCounts",
+    "a2a_bytes",
+    "activation_delta",
+    "active_matmul_params",
+    "block_kinds",
+    "buffer_bytes",
+    "ep_degree",
+    "expert_held_numel",
+    "flops_per_token",
+    "is_expert",
+    "moe_blocks",
+    "param_counts",
+    "recompute_flops_per_token",
+    "recompute_transients",
+    "routing_reduce_bytes",
+    "weight_copy_delta",
+]
+
+# The routed experts' stacked weights: model.layers.N.feed_forward.experts.w1 / w2 / w3.
+_EXPERT_PARAM = ".feed_forward.experts."
+INT64 = 8
+
+
+def is_expert(name: str) -> bool:
+    """Whether parameter ``name`` is a routed expert's stacked weight (split by expert parallelism)."""
+    return _EXPERT_PARAM in name
+
+
+def moe_blocks(m: ModelConfig) -> int:
+    """The blocks of ``m`` whose feed-forward is an MoE (0 for a dense model)."""
+    if not m.moe.experts:
+        return 0
+    return max(0, m.n_layers - m.moe.dense_layers)
+
+
+def _dense_blocks(m: ModelConfig) -> int:
+    return m.n_layers - moe_blocks(m)
+
+
+def _expert_dim(m: ModelConfig) -> int:
+    return m.moe.expert_dim or m.hidden_dim
+
+
+def block_kinds(m: ModelConfig) -> list[ModelConfig]:
+    """``m`` with every block of each kind it has: ``m`` itself for a dense model; for an MoE model,
+    its dense blocks alone (when it has any) and its MoE blocks alone. What a per-block figure (one
+    block recomputed under activation checkpointing) is the largest of."""
+    if not moe_blocks(m):
+        return [m]
+    kinds = [m.model_copy(update={"moe": m.moe.model_copy(update={"dense_layers": 0})})]
+    if m.moe.dense_layers:
+        kinds.append(m.model_copy(update={"moe": m.moe.model_copy(update={"experts": 0})}))
+    return kinds
+
+
+def ep_degree(config: Config) -> int:
+    """The expert-parallel degree of ``config`` (``parallel.ep``; 1 without the key)."""
+    return config.parallel.ep
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """A model's parameters: all of them, and those one token's forward runs through."""
+
+    total: int
+    active: int
+    routed: int  # the routed experts' stacked weights, all experts
+    routed_active: int  # the top_k of them a token runs
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "total": self.total,
+            "active": self.active,
+            "routed": self.routed,
+            "routed_active": self.routed_active,
+        }
+
+
+def param_counts(shapes: list[ParamShape], m: ModelConfig) -> ParamCounts:
+    """Total and active parameters of the model with parameter ``shapes`` (its whole set).
+
+    Active: everything but the routed experts (attention, norms, router, shared experts, dense
+    blocks, embeddings and output), plus ``top_k / experts`` of the routed experts' weights (a
+    token runs ``top_k`` of the ``experts`` stacked along dim 0)."""
+    total = sum(s.numel for s in shapes)
+    routed = sum(s.numel for s in shapes if is_expert(s.name))
+    routed_active = routed * m.moe.top_k // m.moe.experts if m.moe.experts else 0
+    return ParamCounts(total, total - routed + routed_active, routed, routed_active)
+
+
+def active_matmul_params(m: ModelConfig) -> int:
+    """Matmul parameters one token's forward multiplies by: attention's, the dense blocks'
+    SwiGLU, each MoE block's router (dim x experts) and its ``top_k + shared_experts`` experts'
+    SwiGLU, and the output projection (the embedding lookup is no matmul)."""
+    kv = m.kv_heads * (m.dim // m.n_heads)
+    attention = 2 * m.dim * m.dim + 2 * m.dim * kv
+    dense_ffn = 3 * m.dim * m.hidden_dim
+    moe_ffn = 0
+    if m.moe.experts:
+        moe_ffn = m.dim * m.moe.experts + 3 * m.dim * _expert_dim(m) * (
+            m.moe.top_k + m.moe.shared_experts
+        )
+    return (
+        m.n_layers * attention
+        + _dense_blocks(m) * dense_ffn
+        + moe_blocks(m) * moe_ffn
+        + m.dim * m.vocab_size
+    )
+
+
+def flops_per_token(m: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token of an MoE model: 6 x the active matmul parameters (forward 2,
+    backward 4, :func:`active_matmul_params`, the router's included) + attention's scores
+    (12 x layers x dim x seq_len), the convention of :func:`dtlab.analysis.model.flops_per_token`."""
+    return 6.0 * active_matmul_params(m) + 12.0 * m.n_layers * m.dim * seq_len
+
+
+def _moe_elementwise(m: ModelConfig) -> float:
+    """Forward element-wise FLOPs per token of one MoE feed-forward beyond the router's matmul:
+    SwiGLU's SiLU and gate product (5 per hidden element) on the ``top_k + shared`` experts, the
+    scores (5 per expert: exp or sigmoid, sum, divide), the gates' weighting and the sum of the
+    k rows (2 x k x dim) and the shared output's add (dim)."""
+    moe = m.moe
+    rows = moe.top_k + moe.shared_experts
+    return 5.0 * rows * _expert_dim(m) + 5.0 * moe.experts + 2.0 * moe.top_k * m.dim + m.dim
+
+
+def recompute_flops_per_token(m: ModelConfig, seq_len: int, ac: str) -> float:
+    """FLOPs per token that activation checkpointing adds by recomputing an MoE model's blocks (the
+    dense blocks as :func:`dtlab.analysis.model.recompute_flops_per_token` counts them).
+
+    ``full``: every block's forward again, but for the last matmul whose output backward never
+    reads: a dense block's w2 and, in an MoE block with shared experts, the shared w2 (the routed
+    experts' outputs are kept by their gates' product, so they run again). ``selective``: the
+    element-wise ops only."""
+    from dtlab.analysis.model import recompute_flops_per_token as dense_recompute
+
+    if ac == "none":
+        return 0.0
+    dense = m.model_copy(
+        update={"n_layers": _dense_blocks(m), "moe": m.moe.model_copy(update={"experts": 0})}
+    )
+    out = dense_recompute(dense, seq_len, ac) if dense.n_layers else 0.0
+    blocks = moe_blocks(m)
+    kv = m.kv_heads * (m.dim // m.n_heads)
+    attn_elementwise = 12 * m.dim + 3 * (m.dim + kv)
+    elementwise = blocks * (attn_elementwise + _moe_elementwise(m))
+    if ac == "selective":
+        return out + elementwise
+    moe = m.moe
+    attention = 2 * m.dim * m.dim + 2 * m.dim * kv
+    ffn = m.dim * moe.experts + 3 * m.dim * _expert_dim(m) * (moe.top_k + moe.shared_experts)
+    unread = m.dim * _expert_dim(m) * moe.shared_experts
+    return out + blocks * (2.0 * (attention + ffn - unread) + 4.0 * m.dim * seq_len) + elementwise
+
+
+def expert_held_numel(s: ParamShape, dp_shard: int, ep: int) -> int:
+    """Elements one rank holds of a routed expert's stacked weight ``s`` [experts, ...]: its
+    ``experts / ep`` experts (expert parallelism), sharded by FSDP along dim 0 over the
+    ``dp_shard / ep`` ranks that hold the same experts (``dp_shard`` 1: replicated)."""
+    from dtlab.analysis.model import ParamShape
+
+    local = ParamShape(s.name, (s.shape[0] // ep, *s.shape[1:]), s.group)
+    return local.shard_numel(max(1, dp_shard // ep) if dp_shard > 1 else 1)
+
+
+def activation_delta(
+    m: ModelConfig,
+    tokens: int,
+    precision: str,
+    ac: str,
+    split: TPSplit | None = None,
+    half_params: bool = False,
+) -> int:
+    """What the MoE blocks of ``m`` keep for backward beyond what the same blocks with the dense
+    feed-forward would (:func:`dtlab.analysis.activations.activation_bytes` counts every block
+    as dense, then adds this), for one micro-batch of ``tokens`` tokens.
+
+    Per token, an MoE feed-forward keeps (as :mod:`dtlab.models.moe`'s forward saves them):
+
+    - the router's scores [experts] in float32 (softmax and sigmoid keep their output);
+    - the top-k expert ids (int64, kept by the gates' gather), the sort order and the gathered rows'
+      source indices (int64 each, kept by the scatter back and by the gather of the rows);
+    - renormalised gates: the raw top-k scores and their sum (float32, kept by the division); the
+      gates themselves (kept by their product with the rows), copied in the activation dtype under
+      autocast;
+    - the routed rows [top_k, dim]: in float32 the gathered inputs (the experts' w1 and w3 share
+      them), under autocast a half-precision copy for each of w1 and w3; the experts' hidden
+      activations as a dense SwiGLU's (w1 x, w3 x, silu, the product: 4 x expert_dim each), and the
+      rows scattered back (kept by the gates' product), all in the activation dtype;
+    - the shared experts: a dense SwiGLU of ``shared_experts x expert_dim`` on every token;
+    - the norm before it is read by the router and the shared experts' w1 and w3: under autocast one
+      half-precision copy for each, in float32 the norm's output once.
+
+    With the auxiliary loss on, the scores' per-token sum (float32). ``full`` checkpointing keeps
+    only the block's input (as a dense block's); ``selective`` keeps every matmul's output: the
+    router's, each routed row's w1, w3 and w2 outputs and the shared experts'.
+    """
+    blocks = moe_blocks(m)
+    if not blocks or ac == "full":
+        return 0
+    split = split or TPSplit()
+    moe = m.moe
+    half = precision in ("bf16", "fp16")
+    half_params = half_params and half
+    a = 2 if half else FP32
+    k, e, h = moe.top_k, moe.experts, _expert_dim(m)
+    hs = h * moe.shared_experts
+    if ac == "selective":
+        dense = (2 * m.hidden_dim + m.dim) * a
+        routed = (e + k * (2 * h + m.dim) + (2 * hs + m.dim if hs else 0)) * a
+        return int(tokens * blocks * (routed - dense) / split.tp)
+    readers = 1 + (2 if hs else 0)
+    norm = _norm_bytes(m, half, readers, half_params, split.seq) - _norm_bytes(
+        m, half, 2, half_params, split.seq
+    )
+    renorm = moe.renormalize or moe.score == "sigmoid"
+    routing = e * FP32 + 3 * k * INT64 + (k * FP32 + FP32 if renorm else 0)
+    gates = k * a  # the gates themselves in float32, their copy under autocast
+    # Under autocast the rows are float32 (the norm's output) and w1 and w3 keep a copy each.
+    rows = (2 if half and not half_params else 1) * k * m.dim * a
+    experts = rows + 4 * k * h * a + k * m.dim * a
+    shared = 4 * hs * a
+    aux = FP32 if _aux_on(m) else 0
+    per_token = norm + routing + gates + experts + shared + aux - 4 * m.hidden_dim * a
+    return int(tokens * blocks * per_token / split.tp)
+
+
+def recompute_transients(
+    m: ModelConfig, tokens: int, precision: str, ac: str, half_params: bool = False
+) -> int:
+    """What recomputing one of ``m``'s MoE blocks in backward holds beyond the block's activations
+    (0 for a dense block, or without checkpointing): torch stops the recomputation with an
+    exception at the block's last saved tensor (the shared experts' w2 input, or without shared
+    experts the gates' product), whose traceback keeps the MoE forward's locals alive: the
+    experts' sorted outputs [tokens x top_k, dim] and the routed sum [tokens, dim] (activation
+    dtype), the router's float32 logits, and under autocast the float32 input and gates, which
+    only their half-precision copies were kept of; under ``selective`` checkpointing also the
+    shared experts' output (its matmul is saved, so the recomputation stops after it)."""
+    if ac == "none" or not moe_blocks(m):
+        return 0
+    moe = m.moe
+    half = precision in ("bf16", "fp16")
+    a = 2 if half else FP32
+    per_token = moe.top_k * m.dim * a + moe.experts * FP32
+    if moe.shared_experts:
+        # Selective checkpointing saves the shared w2's output, so its recomputation stops after it.
+        per_token += m.dim * a * (2 if ac == "selective" else 1)
+    if half:
+        per_token += moe.top_k * FP32 + (0 if half_params and half else m.dim * FP32)
+    return tokens * per_token
+
+
+def buffer_bytes(m: ModelConfig) -> int:
+    """The MoE blocks' buffers (float32): the balancing bias [experts] (with bias balancing), the
+    step's tokens per expert [experts] and the auxiliary loss's sum and count [2]."""
+    bias = m.moe.experts if "bias" in m.moe.balance else 0
+    return moe_blocks(m) * (bias + m.moe.experts + 2) * FP32
+
+
+def routing_reduce_bytes(m: ModelConfig) -> int:
+    """Bytes of the step's all-reduce of the MoE routing figures (:func:`dtlab.train.routing.
+    routing_step`): each MoE block's tokens per expert and its auxiliary loss's sum and count,
+    float32, over every rank."""
+    return moe_blocks(m) * (m.moe.experts + 2) * FP32
+
+
+def _aux_on(m: ModelConfig) -> bool:
+    return "aux" in m.moe.balance
+
+
+def weight_copy_delta(m: ModelConfig, ep: int = 1) -> int:
+    """Autocast's half-precision weight copies (kept for backward without checkpointing) of the MoE
+    blocks beyond a dense block's w1, w2, w3: the router's, the rank's ``experts / ep`` experts'
+    (every expert's weights are cast, also one that got no token) and the shared experts'."""
+    blocks = moe_blocks(m)
+    if not blocks:
+        return 0
+    moe = m.moe
+    h = _expert_dim(m)
+    moe_ffn = m.dim * moe.experts + 3 * m.dim * h * (moe.experts // ep + moe.shared_experts)
+    return 2 * blocks * (moe_ffn - 3 * m.dim * m.hidden_dim)
+
+
+def a2a_bytes(config: Config, dims: ParallelDims, tokens: int, microbatches: int) -> dict[str, Any]:
+    """The all-to-all bytes one rank's expert parallelism moves in one optimizer step, for a router
+    that spreads every rank's tokens evenly over the experts (each of the ``ep`` ranks receives
+    ``tokens x top_k / ep`` rows of each rank's micro-batch of ``tokens`` tokens).
+
+    Per MoE block and micro-batch, forward dispatches the routed rows to the experts' ranks and
+    combines them back (two all-to-alls of ``tokens x top_k`` rows of ``dim``, in the activation
+    dtype), each after an exchange of the per-expert counts (int64, ``experts`` per rank); backward
+    runs the two rows' transposes. Bytes are counted as :class:`dtlab.metrics.comm.CommCounter` counts
+    an ``all_to_all_single``: its input buffer. Returns {"bytes": ..., "sent": ...}: the buffers'
+    bytes, and the bytes leaving this rank (the other ``ep - 1`` ranks' shares of each buffer).
+    """
+    ep = ep_degree(config)
+    blocks = moe_blocks(config.model)
+    if ep <= 1 or not blocks:
+        return {"bytes": 0, "sent": 0.0}
+    m = config.model
+    a = 2 if config.train.precision in ("bf16", "fp16") else FP32
+    rows = tokens * m.moe.top_k * m.dim * a
+    counts = m.moe.experts * INT64
+    per_block = (
+        4 * rows + 2 * counts
+    )  # dispatch, combine, and their transposes; two count exchanges
+    total = microbatches * blocks * per_block
+    return {"bytes": total, "sent": total * (ep - 1) / ep}

@@ -1,0 +1,121 @@
+"""`dtlab plan` on a mixture of experts: total and active parameters, FLOPs per token by the active
+parameters (by hand), and each rank's state and activations against real runs measured with
+MemTracker (one process, and gloo processes under DDP and FSDP)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import run_cli, run_worker
+from dtlab.analysis import moe
+from dtlab.analysis.check import check_rank, measure_step
+from dtlab.analysis.model import flops_per_token, param_shapes, plan_step
+from dtlab.config import Config, load_config
+from dtlab.dims import ParallelDims
+from dtlab.models.llama import build_model
+from dtlab.parallel.dist import DistInfo
+
+SMALL = ["model.preset=debug-moe", "data.seq_len=64", "train.global_batch_size=8"]
+
+
+def _predicted(config: Config, world: int) -> dict[str, int]:
+    p = plan_step(config, world)
+    return {
+        "params": p.params_bytes,
+        "grads": p.grads_bytes,
+        "optimizer": p.optimizer_bytes,
+        "activations": p.activations_bytes,
+        "buffers": p.buffers_bytes + p.gathered_bytes,
+    }
+
+
+def _assert_plan_is_measured(predicted: dict[str, int], real: dict[str, Any]) -> None:
+    """The state and buffers to the byte, the activations within 0.1% (the measured step's few
+    scalars beside them)."""
+    for name in ("params", "grads", "optimizer", "buffers"):
+        assert predicted[name] == real[name] > 0, (name, predicted[name], real[name])
+    act, measured = predicted["activations"], real["activations"]
+    assert abs(act - measured) <= 0.001 * measured, (act, measured)
+
+
+def test_flops_per_token_count_the_active_experts_and_the_router_by_hand() -> None:
+    """debug-moe: dim 64, 4 heads of 16 (2 kv heads), vocabulary 256, block 0 dense (SwiGLU of 192),
+    block 1 an MoE of 4 experts of 64, top 2, one shared expert."""
+    config = load_config(overrides=SMALL)
+    dim, kv, seq = 64, 2 * 16, 64
+    attention = 2 * dim * dim + 2 * dim * kv  # wq, wo; wk, wv
+    dense_ffn = 3 * dim * 192
+    router = dim * 4
+    experts = 3 * dim * 64 * (2 + 1)  # top 2 routed + 1 shared, each w1, w2, w3
+    output = dim * 256
+    matmul = 2 * attention + dense_ffn + router + experts + output
+    hand = 6 * matmul + 12 * 2 * dim * seq
+    assert flops_per_token(config.model, seq) == hand
+
+
+def test_active_parameters_are_all_but_the_unchosen_experts() -> None:
+    config = load_config(overrides=SMALL)
+    counts = moe.param_counts(param_shapes(config.model), config.model)
+    model = build_model(config.model)
+    total = sum(p.numel() for p in model.parameters())
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert counts.total == total and counts.routed == routed > 0
+    # A token runs 2 of each block's 4 routed experts: half their weights.
+    assert counts.active == total - routed // 2
+    # The plan's model line says both.
+    proc = run_cli("plan", "--nproc", "2", "--set", *SMALL, "parallel.strategy=ddp", "--json")
+    assert proc.returncode == 0, proc.stderr
+    shown = json.loads(proc.stdout)["model"]
+    assert shown["params"] == total and shown["active_params"] == counts.active
+    text = run_cli("plan", "--nproc", "1", "--set", *SMALL)
+    assert text.returncode == 0 and "active)" in text.stdout, text.stderr
+
+
+# One process, real tensors, measured as `dtlab plan --check` measures: the MoE feed-forward's
+# variants that change what it keeps.
+SINGLE = {
+    "fp32": [],
+    "bf16": ["train.precision=bf16"],
+    "full AC": ["train.activation_checkpointing=full"],
+    "selective AC bf16": ["train.activation_checkpointing=selective", "train.precision=bf16"],
+    "full AC bf16, MoE first": ["train.activation_checkpointing=full", "train.precision=bf16",
+                                "model.moe.dense_layers=0"],
+    "aux loss, no shared expert": ["model.moe.balance=aux", "model.moe.shared_experts=0"],
+    "sigmoid, selective AC": ["model.moe.score=sigmoid", "train.activation_checkpointing=selective"],
+    "raw gates": ["model.moe.renormalize=false"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(SINGLE))
+def test_the_plan_of_one_process_is_what_it_holds(case: str) -> None:
+    config = load_config(overrides=[*SMALL, *SINGLE[case]])
+    dims = ParallelDims.from_config(config, 1)
+    d = DistInfo(0, 1, 0, 1, torch.device("cpu"), "gloo", dims)
+    real = measure_step(config, d, fake=False)["components"]
+    _assert_plan_is_measured(_predicted(config, 1), real)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_the_plan_of_two_gloo_ranks_is_what_they_hold_and_send(
+    tmp_path: Path, strategy: str
+) -> None:
+    """Each rank's state to the byte, activations within 0.1%, and every collective's bytes (the
+    MoE routing figures' all-reduce among them) as predicted."""
+    overrides = [*SMALL, f"parallel.strategy={strategy}"]
+    run_worker("check_worker.py", 2, str(tmp_path), *overrides)
+    config = load_config(overrides=overrides)
+    plan = plan_step(config, 2)
+    for rank in range(2):
+        real = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        _assert_plan_is_measured(_predicted(config, 2), real["components"])
+        assert real["collectives"]["buffers"] == plan.comm_bytes, rank
+
+
+def test_check_says_why_it_does_not_run_an_moe_model() -> None:
+    r = check_rank(load_config(overrides=[*SMALL, "parallel.strategy=ddp"]), 2, 1, 0)
+    assert r.skipped is not None and "mixture-of-experts" in r.skipped
