@@ -30,7 +30,7 @@ true a bool, [a, b] a list). Precedence: --set > CONFIG > defaults. `dtlab confi
 """
 
 VERIFY_EPILOG = """\
-layouts (NAME:DEGREE joined by x; processes: the product of the degrees):
+layouts (NAME:DEGREE joined by x; processes: the product of the degrees but ep's):
   single                  one process
   ddp:N  fsdp:N  hsdp:N   data parallel over N ranks (hsdp: two replica groups)
   zero:N                  DDP over N ranks with ZeRO-1 (parallel.sharding = optimizer)
@@ -39,6 +39,8 @@ layouts (NAME:DEGREE joined by x; processes: the product of the degrees):
                           parallel.diloco.outer_lr=1 parallel.diloco.outer_momentum=0 and H = 1
   tp:N   sp:N             tensor parallel over N ranks (sp: with sequence parallelism)
   pp:N[:SCHEDULE]         pipeline parallel over N ranks, e.g. pp:2:interleaved_1f1b
+  ep:N                    expert parallel (MoE) over N of the data-parallel ranks, which N must
+                          divide (fsdp:4xep:2: 4 processes); alone, ddp:N with ep N
 
 checks (--checks, the loss always):
   resume                  each layout saves at the middle step; a run resumed from it on the same
@@ -49,6 +51,7 @@ checks (--checks, the loss always):
 examples:
   dtlab verify configs/debug.yaml --layouts single,ddp:2,fsdp:2xtp:2,pp:2 --steps 10
   dtlab verify configs/debug.yaml --layouts single,ddp:2,zero:2,tp:2 --checks all
+  dtlab verify --set model.preset=debug-moe --layouts single,ep:2,fsdp:4xep:2 --steps 10
 """
 
 EXPORT_EPILOG = """\

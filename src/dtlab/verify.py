@@ -16,9 +16,12 @@ Layout syntax: layouts separated by commas; a layout is dimensions joined by ``x
     diloco:N[:H]            N DiLoCo replicas of one rank, syncing every H steps (default 1)
     tp:N   sp:N             tensor parallel over N ranks (sp: with sequence parallelism)
     pp:N[:SCHEDULE]         pipeline parallel over N ranks (schedule: parallel.pp_schedule's values)
+    ep:N                    expert parallel (an MoE model's experts) over N of the data-parallel
+                            ranks: it adds no process, N must divide the data-parallel degree;
+                            alone it means ddp:N
 
-e.g. ``single,ddp:2,fsdp:2xtp:2,pp:2:interleaved_1f1b,fsdp:2xpp:2``. Processes: the product of the
-degrees.
+e.g. ``single,ddp:2,fsdp:2xtp:2,pp:2:interleaved_1f1b,fsdp:2xpp:2,ep:2,fsdp:4xep:2``. Processes: the
+product of the degrees other than ep.
 
 A DiLoCo layout is the same training as DDP only in its degenerate case: H = 1, plain SGD inside
 (``train.optimizer=sgd``), the outer step at lr 1 without momentum (``parallel.diloco.outer_lr=1
@@ -52,7 +55,7 @@ from dtlab.verify_state import (
 _DIM = re.compile(r"^(?P<name>[a-z]+)(?::(?P<degree>\d+))?(?::(?P<option>[a-z0-9_]+))?$")
 _DATA = tuple(strategies_with(*DPWrapper))  # parallel.strategy's names
 _EXTRA_DATA = ("zero", "diloco")  # DDP with ZeRO-1; DiLoCo replicas of one DDP rank
-_NAMES = (*_DATA, *_EXTRA_DATA, "tp", "sp", "pp")
+_NAMES = (*_DATA, *_EXTRA_DATA, "tp", "sp", "pp", "ep")
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,7 @@ def _parse_layout(item: str) -> Layout:
     strategy, dp = strategies_with(DPWrapper.NONE)[0], 1
     overrides: list[str] = []
     seen: set[str] = set()
-    degrees = {"tp": 1, "pp": 1}
+    degrees = {"tp": 1, "pp": 1, "ep": 1}
     for part in item.split("x"):
         m = _DIM.match(part)
         if not m or m["name"] not in _NAMES:
@@ -138,6 +141,14 @@ def _parse_layout(item: str) -> Layout:
                 overrides.append("parallel.sequence_parallel=true")
             if option is not None:
                 overrides.append(f"parallel.pp_schedule={option}")
+    ep = degrees["ep"]
+    if ep > 1 and "data" not in seen:  # expert parallelism borrows data-parallel ranks: ddp's
+        strategy, dp = "ddp", ep
+    if dp % ep:
+        raise ConfigError(
+            f"--layouts: {item!r}: ep:{ep} must divide the data-parallel degree {dp} (expert "
+            f"parallelism borrows its ranks from data parallelism, e.g. {strategy}:{2 * ep}xep:{ep})"
+        )
     overrides.insert(0, f"parallel.strategy={strategy}")
     return Layout(item, dp * degrees["tp"] * degrees["pp"], tuple(overrides))
 
