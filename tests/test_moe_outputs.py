@@ -8,9 +8,17 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
 
-from conftest import train_run
+import dtlab
+from conftest import run_cli, train_run
+from dtlab.checkpoint.export import export_hf
+from dtlab.checkpoint.init_from import load_init_state
+from dtlab.checkpoint.manifest import write_manifest
 from dtlab.config import AlertsConfig, ConfigError, config_warnings, load_config
+from dtlab.errors import CheckpointError
 from dtlab.metrics.alerts import AlertMonitor
 
 # Two MoE blocks after one dense block, so that sums over the blocks are tested as sums.
@@ -80,3 +88,112 @@ def test_the_imbalance_alert_on_a_dense_model_is_said_to_be_unused() -> None:
     assert not any("moe_imbalance" in w for w in config_warnings(moe))
     with pytest.raises(ConfigError, match=r"alerts\.moe_imbalance = 0\.5"):
         load_config(None, ["model.preset=debug-moe", "alerts.moe_imbalance=0.5"])
+
+
+# --- the Hugging Face export (Qwen2-MoE), model.init_from back from it, dtlab generate ----------
+def make_moe_checkpoint(
+    ckpt: Path, *overrides: str, bias: list[float] | None = None
+) -> tuple[torch.nn.Module, dtlab.Config]:
+    """A debug-moe model with random weights (far from their initial values, so that a misplaced
+    or mis-scaled tensor shows in the logits) and MoE block 1's balancing ``bias``, saved the way a
+    run saves it."""
+    config = load_config(None, ["model.preset=debug-moe", *overrides])
+    model = dtlab.build_model(config.model, device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_((1.0 if p.ndim == 1 else 0.0) + 0.2 * torch.randn(p.shape, generator=gen))
+        if bias is not None:
+            model.state_dict()["layers.1.feed_forward.expert_bias"].copy_(torch.tensor(bias))
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(ckpt), no_dist=True)
+    (ckpt / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
+    write_manifest(ckpt, step=5, config_hash="x", world_size=1)
+    return model.eval(), config
+
+
+MOE_CASES = {
+    # debug-moe: a dense first block, then 4 experts (top 2, renormalised) beside a shared expert;
+    # balance = bias, its bias still zero.
+    "dense-block-shared-expert": [],
+    "all-moe-no-shared-raw-gates": [
+        "model.moe.dense_layers=0", "model.moe.shared_experts=0", "model.moe.top_k=3",
+        "model.moe.renormalize=false", "model.moe.balance=aux", "model.tie_embeddings=true",
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("overrides", MOE_CASES.values(), ids=MOE_CASES.keys())
+def test_hf_export_computes_dtlabs_logits_and_init_from_reads_it_back(
+    tmp_path: Path, overrides: list[str]
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    model, config = make_moe_checkpoint(tmp_path / "ckpt", *overrides)
+    out = export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen2MoeForCausalLM"] and cfg["model_type"] == "qwen2_moe"
+    moe = config.model.moe
+    assert (cfg["num_experts"], cfg["num_experts_per_tok"]) == (moe.experts, moe.top_k)
+    assert cfg["mlp_only_layers"] == list(range(moe.dense_layers))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out)).to(torch.float32).eval()
+    assert type(hf).__name__ == "Qwen2MoeForCausalLM"
+    tokens = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours, theirs = model(tokens), hf(tokens).logits
+    assert ours.abs().max() > 1.0  # logits far from zero: a difference would show
+    assert (ours - theirs).abs().max() < 1e-4
+    # model.init_from reads the export back: the same tensors, so the same logits exactly.
+    start = load_config(None, ["model.preset=debug-moe", *overrides, f"model.init_from={out}"])
+    fresh = dtlab.build_model(start.model, device="cpu")
+    fresh.load_state_dict(load_init_state(start), strict=True)
+    with torch.no_grad():
+        assert torch.equal(fresh.eval()(tokens), ours)
+
+
+def test_what_qwen2_moe_cannot_compute_is_refused(tmp_path: Path) -> None:
+    # A trained balancing bias changes which experts a token goes to.
+    make_moe_checkpoint(tmp_path / "biased", bias=[0.0, 0.1, 0.0, 0.0])
+    with pytest.raises(
+        CheckpointError,
+        match=r"the balancing bias 'layers\.1\.feed_forward\.expert_bias' is not zero \(largest \|bias\| 0\.1",
+    ):
+        export_hf(tmp_path / "biased", tmp_path / "out")
+    make_moe_checkpoint(tmp_path / "sigmoid", "model.moe.score=sigmoid")
+    proc = run_cli(
+        "export", str(tmp_path / "sigmoid"), "--format", "hf", "--out", str(tmp_path / "o2")
+    )
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "model.moe.score = 'sigmoid' has no Qwen2-MoE counterpart" in proc.stderr
+    assert "--format safetensors exports it as dtlab computes it" in proc.stderr
+    # A Qwen2-MoE whose shared expert is gated (as real ones are) or whose dense blocks are not the
+    # first ones has no dtlab counterpart either.
+    make_moe_checkpoint(tmp_path / "ok")
+    out = export_hf(tmp_path / "ok", tmp_path / "hf")
+    weights = load_file(str(out / "model.safetensors"))
+    weights["model.layers.1.mlp.shared_expert_gate.weight"] += 0.5
+    save_file(weights, str(out / "model.safetensors"))
+    start = load_config(None, ["model.preset=debug-moe", f"model.init_from={out}"])
+    with pytest.raises(
+        CheckpointError, match=r"shared_expert_gate\.weight' is not zero .* no shared expert's gate"
+    ):
+        load_init_state(start)
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**cfg, "mlp_only_layers": [1]}))
+    with pytest.raises(
+        ConfigError, match=r"dense blocks \[1\] .* dtlab's dense blocks are the first"
+    ):
+        load_init_state(start)
+
+
+def test_generate_on_an_moe_run_and_its_export(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    train_run(run, "model.preset=debug-moe", "model.moe.balance=aux", steps=2)
+    proc = run_cli("export", str(run), "--format", "hf", "--out", str(tmp_path / "hf"))
+    assert proc.returncode == 0, proc.stderr
+    texts = []
+    for source in (run, tmp_path / "hf"):
+        proc = run_cli("generate", str(source), "--prompt", "The ", "--max-new-tokens", "12",
+                       "--temperature", "0")  # fmt: skip
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+        texts.append(proc.stdout)
+    # Greedy: the run's checkpoint and its Qwen2-MoE export choose the same tokens.
+    assert texts[0] == texts[1] and len(texts[0].encode("utf-8", "surrogateescape")) > 0

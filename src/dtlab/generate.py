@@ -3,7 +3,7 @@
 :func:`load_generator` reads the model from any of what training and export leave behind: a run
 directory (its newest verified checkpoint), a checkpoint directory (of either engine: the MLX engine's
 ``model.safetensors`` holds the same names), a dtlab export (``model.safetensors`` + ``config.yaml``) or
-a Hugging Face Llama export (``config.json`` + weights). :meth:`Generator.generate` encodes the prompt,
+a Hugging Face Llama or Qwen2-MoE export (``config.json`` + weights). :meth:`Generator.generate` encodes the prompt,
 runs it through the model once to fill a :class:`~dtlab.models.llama.KVCache`, then feeds one token at a
 time, each drawn from the logits of the last.
 
@@ -60,7 +60,7 @@ __all__ = [
 EXPECTED = (
     "a run directory (its newest verified checkpoint), a checkpoint directory "
     "(RUN_DIR/checkpoints/step-NNNNNNNN), a dtlab export (model.safetensors + config.yaml) or a "
-    "Hugging Face Llama export (config.json + model.safetensors)"
+    "Hugging Face Llama or Qwen2-MoE export (config.json + model.safetensors)"
 )
 SEED_MAX = 2**63 - 1
 Warn = Callable[[str], None]
@@ -318,8 +318,14 @@ def _read_config(path: Path) -> tuple[ModelArgs, str]:
 
 
 def _read_hf(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
-    """A Hugging Face Llama directory, read and checked by :mod:`dtlab.checkpoint.init_from`."""
-    from dtlab.checkpoint.init_from import check_init_from, load_init_state, read_source
+    """A Hugging Face Llama or Qwen2-MoE directory, read and checked by
+    :mod:`dtlab.checkpoint.init_from`."""
+    from dtlab.checkpoint.init_from import (
+        check_init_from,
+        load_init_state,
+        model_section,
+        read_source,
+    )
     from dtlab.config import Config
 
     try:
@@ -333,8 +339,10 @@ def _read_hf(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
         raise CheckpointError(
             f"'{path / 'config.json'}' has max_position_embeddings {show(ctx)}; allowed: an integer >= 1"
         )
-    shape = read_source(path).shape
-    model = {"preset": None, **shape, "max_seq_len": ctx, "init_from": str(path)}
+    section = model_section(read_source(path))
+    if section["moe"].get("experts"):
+        section["moe"]["balance"] = "none"  # a Hugging Face model has no balancing bias
+    model = {"preset": None, **section, "max_seq_len": ctx, "init_from": str(path)}
     try:
         config = Config.model_validate({"model": model})
     except ValueError as e:

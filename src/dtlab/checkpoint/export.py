@@ -1,4 +1,5 @@
-"""Export a checkpoint's model weights: a plain safetensors file, or a Hugging Face Llama directory.
+"""Export a checkpoint's model weights: a plain safetensors file, or a Hugging Face directory (Llama;
+Qwen2-MoE for a mixture of experts).
 
 Reads the model tensors of a sharded DCP checkpoint into full CPU tensors in one process, without a
 process group (DCP reshards whatever layout the run saved), through the restricted reader of
@@ -27,7 +28,7 @@ from dtlab.config import Config, load_config
 from dtlab.data.tokenizer import TOKENIZER_FILE, ByteTokenizer, load_tokenizer
 from dtlab.errors import CheckpointError, DtlabError
 from dtlab.fsutil import NotEmptyError, StagingError, write_dir_atomically
-from dtlab.models.hf_adapter import hf_config, to_hf
+from dtlab.models.hf_adapter import hf_config, hf_export_refusal, to_hf
 
 __all__ = [
     "FORMATS",
@@ -344,6 +345,14 @@ def export_checkpoint(
     config = checkpoint_config(ckpt)
     state = load_model_state(ckpt, verify=False)
     _check_against_config(state, config, ckpt)
+    refusal = hf_export_refusal(state, config.model.args()) if fmt == "hf" else None
+    if refusal:
+        raise CheckpointError(
+            f"checkpoint '{ckpt}' cannot be exported with --format hf: {refusal}. --format "
+            "safetensors exports it as dtlab computes it (dtlab generate and model.init_from read "
+            "that)"
+            + ("; a run with model.moe.balance = aux has no bias" if "bias" in refusal else "")
+        )
     warning = weights_position(ckpt)[1]  # about weights that were read: after the checks
     if warning:
         (warn or _default_warn)(warning)
@@ -391,5 +400,6 @@ def export_safetensors(
 def export_hf(
     ckpt_dir: str | Path, out_dir: str | Path, *, force: bool = False, warn: Warn | None = None
 ) -> Path:
-    """A Hugging Face Llama directory (``config.json``, ``model.safetensors``) for ``LlamaForCausalLM``."""
+    """A Hugging Face directory (``config.json``, ``model.safetensors``) for ``LlamaForCausalLM``, or
+    ``Qwen2MoeForCausalLM`` for a mixture of experts (see :mod:`dtlab.models.hf_adapter`)."""
     return export_checkpoint(ckpt_dir, out_dir, "hf", force=force, warn=warn)[1]

@@ -1,4 +1,5 @@
-"""``model.init_from``: start a run from the weights of a dtlab export or a Hugging Face Llama directory.
+"""``model.init_from``: start a run from the weights of a dtlab export or a Hugging Face directory
+(Llama; Qwen2-MoE for a mixture of experts).
 
 Two kinds of source directory:
 
@@ -9,7 +10,9 @@ Two kinds of source directory:
   ``model.safetensors.index.json``, or PyTorch's ``pytorch_model.bin`` (read with
   ``torch.load(weights_only=True)``, which unpickles tensors only). Its q/k rows are in Hugging
   Face's half-split rotary layout and are permuted back to dtlab's interleaved pairs (the inverse of
-  what the export does).
+  what the export does). A mixture of experts reads a Qwen2-MoE directory (``dtlab export --format
+  hf`` of an MoE run), the experts one tensor each or fused as transformers 5 holds them; what
+  dtlab's model lacks (q/k/v biases, the shared expert's sigmoid gate) must be zero there.
 
 The source's shape is checked against ``config.model`` first, from its config file and the tensor headers
 (nothing is loaded), with an error that names each key that differs. Every rank then reads the full
@@ -30,18 +33,33 @@ from torch import nn
 from dtlab.config import Config, ModelConfig, parse_yaml
 from dtlab.errors import CheckpointError, ConfigError
 from dtlab.models.args import ModelArgs
-from dtlab.models.hf_adapter import HF_NUMERIC_NAMES, HF_SHAPE_NAMES, from_hf, from_hf_shapes
+from dtlab.models.hf_adapter import (
+    HF_MOE_NUMERIC_NAMES,
+    HF_MOE_SHAPE_NAMES,
+    HF_NUMERIC_NAMES,
+    HF_SHAPE_NAMES,
+    from_hf,
+    from_hf_shapes,
+    hf_moe_shape,
+)
 
 if TYPE_CHECKING:
     from dtlab.parallel.dist import DistInfo
 
-__all__ = ["InitSource", "apply_init_from", "check_init_from", "load_init_state", "read_source"]
+__all__ = [
+    "InitSource",
+    "apply_init_from",
+    "check_init_from",
+    "load_init_state",
+    "model_section",
+    "read_source",
+]
 
 KEY = "model.init_from"
 EXPECTED = (
     "a dtlab export directory (model.safetensors + config.yaml, from `dtlab export --format "
-    "safetensors`) or a local Hugging Face Llama directory (config.json + *.safetensors or "
-    "pytorch_model*.bin)"
+    "safetensors`) or a local Hugging Face Llama directory or Qwen2-MoE one (config.json + "
+    "*.safetensors or pytorch_model*.bin)"
 )
 # dtlab's shape keys and the name each has in a Hugging Face Llama config.json.
 HF_NAMES = HF_SHAPE_NAMES
@@ -135,11 +153,20 @@ def _read_hf(path: Path) -> InitSource:
     cfg = _read_json(path / "config.json")
     where = f"'{path / 'config.json'}'"
     model_type = cfg.get("model_type")
-    if model_type != "llama":
+    if model_type not in ("llama", "qwen2_moe"):
         raise ConfigError(
             f"{KEY} = '{path}': {where} has model_type {model_type!r}; allowed: 'llama' "
-            "(a Llama-architecture model)"
+            "(a Llama-architecture model) or 'qwen2_moe' (a mixture of experts, as `dtlab export "
+            "--format hf` writes one)"
         )
+    moe: dict[str, Any] = {"moe.experts": 0}
+    if model_type == "qwen2_moe":
+        moe, problems = hf_moe_shape(cfg)
+        if problems:
+            raise ConfigError(
+                f"{KEY} = '{path}': {where} describes what dtlab's mixture of experts cannot "
+                f"compute: {'; '.join(problems)}"
+            )
     for flag in ("attention_bias", "mlp_bias"):
         if cfg.get(flag):
             raise ConfigError(
@@ -161,7 +188,8 @@ def _read_hf(path: Path) -> InitSource:
     if shape["n_kv_heads"] is None:
         shape["n_kv_heads"] = shape["n_heads"]
     shape["tie_embeddings"] = bool(cfg.get("tie_word_embeddings", False))
-    names = dict(HF_NAMES)
+    shape |= moe
+    names = dict(HF_NAMES) | HF_MOE_SHAPE_NAMES | HF_MOE_NUMERIC_NAMES
     head_dim = cfg.get("head_dim")
     if head_dim is not None and shape["n_heads"] and head_dim * shape["n_heads"] != shape["dim"]:
         raise ConfigError(
@@ -203,7 +231,7 @@ def _read_dtlab(path: Path) -> InitSource:
             f"{KEY}: the model section of '{cfg_path}' is not valid: {e}"
         ) from None
     args = m.args()
-    shape = {k: getattr(args, k) for k in (*HF_NAMES, *NUMERIC)}
+    shape = {k: getattr(args, k) for k in (*HF_NAMES, *NUMERIC)} | _moe_shape(args)
     names = {k: k for k in shape}
     return InitSource(path, "dtlab", (path / "model.safetensors",), shape, names)
 
@@ -232,7 +260,30 @@ def read_source(path: str | Path) -> InitSource:
 
 
 def _model_shape(args: ModelArgs) -> dict[str, Any]:
-    return {k: getattr(args, k) for k in HF_NAMES}
+    return {k: getattr(args, k) for k in HF_NAMES} | _moe_shape(args)
+
+
+def _moe_shape(args: ModelArgs, numeric: bool = False) -> dict[str, Any]:
+    """The ``model.moe`` keys that shape tensors (``moe.<key>``; or, with ``numeric``, those that
+    change only what is computed); a dense model: ``moe.experts`` = 0 alone."""
+    m = args.moe
+    if m is None:
+        return {} if numeric else {"moe.experts": 0}
+    if numeric:
+        return {"moe.top_k": m.top_k, "moe.renormalize": m.renormalize}
+    return {
+        "moe.experts": m.experts,
+        "moe.expert_dim": m.expert_dim,
+        "moe.shared_experts": m.shared_experts,
+        "moe.dense_layers": m.dense_layers,
+    }
+
+
+def model_section(src: InitSource) -> dict[str, Any]:
+    """The source's shape as a config ``model`` section (``moe.<key>`` nested under ``moe``)."""
+    out: dict[str, Any] = {k: v for k, v in src.shape.items() if not k.startswith("moe.")}
+    out["moe"] = {k[4:]: v for k, v in src.shape.items() if k.startswith("moe.")}
+    return out
 
 
 def _expected_tensors(args: ModelArgs) -> dict[str, tuple[int, ...]]:
@@ -260,6 +311,8 @@ def check_init_from(config: Config, warn: bool = True) -> InitSource:
     ours = _model_shape(args)
     where = "config.json" if src.kind == "hf" else "config.yaml"
     wrong = [k for k in ours if src.shape.get(k) != ours[k]]
+    if "moe.experts" in wrong:  # dense against MoE: the other model.moe keys say nothing more
+        wrong = [k for k in wrong if not k.startswith("moe.") or k == "moe.experts"]
     if wrong:
         parts = [
             f"model.{k} = {_show(ours[k])} but '{src.path}' has {src.names[k]} {_show(src.shape[k])}"
@@ -296,6 +349,14 @@ def check_init_from(config: Config, warn: bool = True) -> InitSource:
                     "one it starts from (set model.%s=%s to keep them)",
                     k, mine, src.path, src.names.get(k, source_name), theirs, k, theirs,
                 )  # fmt: skip
+        for k, mine in _moe_shape(args, numeric=True).items():
+            theirs = src.shape.get(k)
+            if theirs is not None and theirs != mine:
+                logger.warning(
+                    "model.%s = %s but '%s' has %s %s: the model computes other logits than the "
+                    "one it starts from (set model.%s=%s to keep them)",
+                    k, _show(mine), src.path, src.names.get(k, k), _show(theirs), k, _show(theirs),
+                )  # fmt: skip
         for note in src.notes:
             logger.warning("%s: %s", KEY, note)
     return src
@@ -330,9 +391,15 @@ def apply_init_from(model: nn.Module, config: Config, d: DistInfo) -> str:
     logger.info(
         "weights from %s (%s)",
         src.path,
-        "Hugging Face Llama" if src.kind == "hf" else "dtlab export",
+        _kind_name(src),
     )
     return str(src.path)
+
+
+def _kind_name(src: InitSource) -> str:
+    if src.kind == "dtlab":
+        return "dtlab export"
+    return "Hugging Face Qwen2-MoE" if src.shape.get("moe.experts") else "Hugging Face Llama"
 
 
 def check_before_launch(config: Config, run_dir: Path | None) -> None:

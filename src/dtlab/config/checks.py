@@ -325,10 +325,6 @@ def _check_moe(c: Config) -> None:
         "train.engine": (
             t.engine == "mlx", "'mlx'", "torch", "the MLX model has no MoE feed-forward",
         ),
-        "model.init_from": (
-            m.init_from is not None, repr(m.init_from), "null",
-            "weights are loaded in the dense Llama layout only",
-        ),
     }  # fmt: skip
     for key, (bad, shown, allowed, why) in refused.items():
         if bad:
