@@ -58,7 +58,9 @@ EXPORT_EPILOG = """\
 formats:
   safetensors   DIR/model.safetensors with dtlab's parameter names, and DIR/config.yaml (the run's config)
   hf            a Hugging Face Llama directory (config.json, model.safetensors) that
-                transformers.LlamaForCausalLM.from_pretrained(DIR) loads
+                transformers.LlamaForCausalLM.from_pretrained(DIR) loads; a mixture of experts
+                becomes Qwen2-MoE (Qwen2MoeForCausalLM): sigmoid router scores and a balancing
+                bias that is not zero have no counterpart there and are refused
 
 examples:
   dtlab export runs/dtlab-20250101-120000 --format hf --out exports/llama
@@ -454,7 +456,8 @@ def _add_export(sub: _Commands) -> None:
         dest="fmt",
         choices=("safetensors", "hf"),
         required=True,
-        help="safetensors: dtlab's names + config.yaml; hf: Hugging Face Llama (config.json + model.safetensors)",
+        help="safetensors: dtlab's names + config.yaml; hf: Hugging Face Llama, or Qwen2-MoE for a "
+        "mixture of experts (config.json + model.safetensors)",
     )
     e.add_argument(
         "--out", required=True, metavar="DIR", help="output directory (must not exist or be empty)"
