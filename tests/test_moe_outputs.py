@@ -20,6 +20,7 @@ from dtlab.checkpoint.manifest import write_manifest
 from dtlab.config import AlertsConfig, ConfigError, config_warnings, load_config
 from dtlab.errors import CheckpointError
 from dtlab.metrics.alerts import AlertMonitor
+from dtlab.metrics.trackers import _outputs
 
 # Two MoE blocks after one dense block, so that sums over the blocks are tested as sums.
 MOE3 = ["model.preset=debug-moe", "model.n_layers=3"]
@@ -52,6 +53,8 @@ def test_a_run_logs_loads_plots_them_and_alerts_on_imbalance(tmp_path: Path) -> 
     png = run / "routing.png"
     assert summary["routing_plot"] == str(png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    # The trackers (MLflow, W&B) take it as an artifact with the loss curve and the summary.
+    assert [p.name for p in _outputs(run)] == ["loss.png", "routing.png", "summary.json"]
 
 
 def _monitor(**thresholds: float) -> AlertMonitor:

@@ -49,7 +49,8 @@ __all__ = [
 
 TRACKERS_FILE = "trackers.json"  # the tracker runs of this run directory, reopened on resume
 EXTERNAL = ("mlflow", "wandb")  # the trackers that need a package of their own (an extra)
-OUTPUTS = ("loss.png", "summary.json")  # the end-of-run files every tracker takes as artifacts
+# The end-of-run files every tracker takes as artifacts (routing.png: a mixture of experts only).
+OUTPUTS = ("loss.png", "routing.png", "summary.json")
 MLFLOW_URIS = "allowed: a directory or file: URI (a file store), sqlite:///PATH, http(s)://SERVER"
 
 
