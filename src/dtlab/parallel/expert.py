@@ -42,7 +42,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
@@ -52,6 +51,37 @@ from dtlab.models.moe import GroupedExperts
 from dtlab.parallel.ledger import recorded
 
 __all__ = ["ExpertParallel", "ExpertShards", "apply_ep", "dispatch", "expert_params"]
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` of rows with uneven splits, whose backward is the transpose: the
+    gradients sent back along the same splits, reversed."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, received: list[int], sent: list[int], group: Any, name: str
+    ) -> torch.Tensor:
+        ctx.splits, ctx.group, ctx.name = (received, sent), group, name
+        out = x.new_empty(sum(received), *x.shape[1:])
+        with recorded(name, "all_to_all", x):
+            dist.all_to_all_single(out, x.contiguous(), received, sent, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        received, sent = ctx.splits
+        out = grad.new_empty(sum(sent), *grad.shape[1:])
+        with recorded(f"{ctx.name} (backward)", "all_to_all", grad):
+            dist.all_to_all_single(out, grad.contiguous(), sent, received, group=ctx.group)
+        return out, None, None, None, None
+
+
+def _all_to_all(
+    x: torch.Tensor, received: list[int], sent: list[int], group: Any, name: str
+) -> torch.Tensor:
+    out = _AllToAll.apply(x, received, sent, group, name)
+    assert isinstance(out, torch.Tensor)
+    return out
 
 
 @dataclass
@@ -80,9 +110,7 @@ def dispatch(
     per_source = got.view(ep, local).tolist()  # [source rank][local expert]
     sent = [sum(counts[r * local : (r + 1) * local]) for r in range(ep)]
     received = [sum(row) for row in per_source]
-    out = x.new_empty(sum(received), x.shape[1])
-    with recorded("moe dispatch all_to_all", "all_to_all", x):
-        rows = dist_fn.all_to_all_single(out, x, received, sent, group=group)
+    rows = _all_to_all(x, received, sent, group, "moe dispatch all_to_all")
     # The received rows run by source rank, then local expert: regroup them by local expert.
     sizes = [n for row in per_source for n in row]
     pieces = torch.arange(sum(sizes), device=x.device).split(sizes)
@@ -95,9 +123,7 @@ def combine(y: torch.Tensor, routing: _Routing, group: Any) -> torch.Tensor:
     """The local experts' outputs ``y`` (in :func:`dispatch`'s order) back to the ranks that sent the
     rows, each in the place of its row."""
     back = torch.empty_like(y).index_copy(0, routing.order, y)  # the received order again
-    out = y.new_empty(sum(routing.sent), y.shape[1])
-    with recorded("moe combine all_to_all", "all_to_all", back):
-        return dist_fn.all_to_all_single(out, back, routing.sent, routing.received, group=group)
+    return _all_to_all(back, routing.sent, routing.received, group, "moe combine all_to_all")
 
 
 class ExpertParallel(ParallelStyle):
