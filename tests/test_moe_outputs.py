@@ -171,6 +171,16 @@ def test_what_qwen2_moe_cannot_compute_is_refused(tmp_path: Path) -> None:
     # first ones has no dtlab counterpart either.
     make_moe_checkpoint(tmp_path / "ok")
     out = export_hf(tmp_path / "ok", tmp_path / "hf")
+    # A run of another shape names every model.moe key that differs, and the fix.
+    other = load_config(None, [
+        "model.preset=debug-moe", "model.moe.experts=8", "model.moe.shared_experts=0",
+        f"model.init_from={out}",
+    ])  # fmt: skip
+    with pytest.raises(ConfigError) as e:
+        load_init_state(other)
+    assert "model.moe.experts = 8 but" in str(e.value) and "has num_experts 4" in str(e.value)
+    assert "model.moe.shared_experts = 0 but" in str(e.value)
+    assert "--set model.moe.experts=4 model.moe.shared_experts=1" in str(e.value)
     weights = load_file(str(out / "model.safetensors"))
     weights["model.layers.1.mlp.shared_expert_gate.weight"] += 0.5
     save_file(weights, str(out / "model.safetensors"))

@@ -311,7 +311,8 @@ def check_init_from(config: Config, warn: bool = True) -> InitSource:
     ours = _model_shape(args)
     where = "config.json" if src.kind == "hf" else "config.yaml"
     wrong = [k for k in ours if src.shape.get(k) != ours[k]]
-    if "moe.experts" in wrong:  # dense against MoE: the other model.moe keys say nothing more
+    if not ours["moe.experts"] or not src.shape.get("moe.experts"):
+        # Dense against MoE: the other model.moe keys say nothing more.
         wrong = [k for k in wrong if not k.startswith("moe.") or k == "moe.experts"]
     if wrong:
         parts = [
