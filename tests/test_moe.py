@@ -190,7 +190,10 @@ def test_a_preset_keeps_its_moe_keys_beside_the_given_ones() -> None:
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("parallel.tp=2", "parallel.tp = 2 is not supported with model.moe.experts = 4"),
+        (
+            "parallel.tp=2 parallel.sequence_parallel=true",
+            "parallel.sequence_parallel = true is not supported with model.moe.experts = 4",
+        ),
         ("train.engine=mlx", "train.engine = 'mlx' is not supported with model.moe.experts = 4"),
         ("parallel.pp=2", "parallel.pp = 2 is not supported with model.moe.experts = 4"),
         ("parallel.diloco.inner_steps=2", "parallel.diloco.inner_steps = 2 is not supported"),
@@ -202,7 +205,7 @@ def test_a_preset_keeps_its_moe_keys_beside_the_given_ones() -> None:
 )
 def test_what_does_not_compose_is_refused(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
-        load_config(None, [*MOE, "parallel.strategy=ddp", override])
+        load_config(None, [*MOE, "parallel.strategy=ddp", *override.split()])
 
 
 def test_train_reports_routing_and_its_loss_falls(tmp_path: Path) -> None:

@@ -38,16 +38,16 @@ def test_dispatch_equals_the_whole_layer(tmp_path: Path) -> None:
 def test_verify_ep_layouts_against_one_process(tmp_path: Path) -> None:
     out = tmp_path / "verify"
     proc = run_cli(
-        "verify", "--layouts", "single,ep:2,ddp:4xep:2", "--steps", "4", "--out", str(out),
+        "verify", "--layouts", "single,ep:2,ddp:4xep:2,ep:2xtp:2", "--steps", "4", "--out", str(out),
         "--set", *FAST, *MOE, *ACTIVE,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr + proc.stdout
     rows = json.loads((out / "verify.json").read_text())["rows"]
-    assert [r["layout"] for r in rows] == ["ep:2", "ddp:4xep:2"]
+    assert [r["layout"] for r in rows] == ["ep:2", "ddp:4xep:2", "ep:2xtp:2"]
     for row in rows:
         assert row["ok"] and row["max_loss_diff"] <= 1e-5 and row["max_param_diff"] <= 1e-5, row
     # The EP runs were EP runs, and their clipping clipped.
-    for name in ("1-ep-2", "2-ddp-4xep-2"):
+    for name in ("1-ep-2", "2-ddp-4xep-2", "3-ep-2xtp-2"):
         config = (out / name / "config.yaml").read_text()
         assert "ep: 2" in config, config
         metrics = [json.loads(x) for x in (out / name / "metrics.jsonl").read_text().splitlines()]
@@ -99,7 +99,7 @@ def test_dims_place_ep_groups_on_the_data_parallel_ranks() -> None:
         ([*MOE, "parallel.strategy=ddp", "parallel.ep=2", "parallel.sharding=optimizer"], "ZeRO-1"),
         ([*MOE, "parallel.strategy=ddp", "parallel.ep=2", "parallel.compression=bf16"], "compression"),
         ([*MOE, "parallel.strategy=ddp", "parallel.ep=2", "train.oom_retry=true"], "oom_retry"),
-        ([*MOE, "parallel.strategy=ddp", "parallel.ep=2", "parallel.tp=2"], "parallel.tp = 2"),
+        ([*MOE, "parallel.tp=2", "parallel.sequence_parallel=true"], "sequence_parallel = true"),
     ],
 )  # fmt: skip
 def test_refusals(overrides: list[str], message: str) -> None:

@@ -310,9 +310,9 @@ def _check_moe(c: Config) -> None:
         )
     # key: (refused, the value as written, what is allowed, why)
     refused: dict[str, tuple[bool, str, str, str]] = {
-        "parallel.tp": (
-            p.tp > 1, str(p.tp), "1",
-            "tensor parallelism shards the dense feed-forward's w1/w2/w3, not experts",
+        "parallel.sequence_parallel": (
+            p.sequence_parallel, "true", "false",
+            "tensor parallelism keeps an MoE block whole, on the whole sequence",
         ),
         "parallel.pp": (
             p.pp > 1, str(p.pp), "1",

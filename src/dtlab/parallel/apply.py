@@ -38,6 +38,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from dtlab.config import Config
 from dtlab.dims import DPWrapper, ParallelDims
 from dtlab.models.llama import Transformer
+from dtlab.models.moe import MoE
 from dtlab.parallel.buckets import buckets
 from dtlab.parallel.compression import CompressionState, apply_ddp_compression, reduce_dtype
 from dtlab.parallel.dist import DistInfo
@@ -129,10 +130,19 @@ def apply_tp(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool) -> N
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=seq),
             "ffn_norm": norm,
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
-            "feed_forward.w3": ColwiseParallel(),
         }
+        if isinstance(block.feed_forward, MoE):
+            # A mixture of experts stays whole on every tensor-parallel rank (each computes it on
+            # the same tokens): its router and shared experts as replicated DTensors, like the
+            # norms, so that the optimizer sees one mesh; its routed experts plain, or split over
+            # expert parallelism's own mesh (dtlab.parallel.expert).
+            plan["feed_forward.router"] = _Replicated()
+            if block.feed_forward.shared is not None:
+                plan["feed_forward.shared"] = _Replicated()
+        else:
+            plan["feed_forward.w1"] = ColwiseParallel()
+            plan["feed_forward.w2"] = RowwiseParallel(output_layouts=seq)
+            plan["feed_forward.w3"] = ColwiseParallel()
         if sequence_parallel:
             # The norms hand on sequence shards; attention and the feed-forward need the whole sequence.
             plan["attention"] = PrepareModuleInput(
