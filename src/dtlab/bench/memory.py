@@ -24,13 +24,13 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from dtlab.analysis.model import activation_bytes
 from dtlab.cliargs import parse_config_args, run_command, script_parser
 from dtlab.config import Config, load_config
+from dtlab.metrics.modes import EagerDispatchMode
 
 
 def _storages(tree: Any) -> Iterator[torch.UntypedStorage]:
@@ -48,7 +48,7 @@ def _storages(tree: Any) -> Iterator[torch.UntypedStorage]:
             continue
 
 
-class ForwardAllocations(TorchDispatchMode):
+class ForwardAllocations(EagerDispatchMode):
     """Records, weakly, every storage an operator allocates while the mode is active.
 
     A storage counts as allocated by an operator when it belongs to an output and to no input (views

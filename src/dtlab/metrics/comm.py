@@ -8,7 +8,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from dtlab.metrics.modes import EagerDispatchMode
 
 # Dispatcher op names (c10d and functional collectives) -> the collective they are.
 _NAMES = {
@@ -47,7 +49,7 @@ _PY_API = {
 }
 
 
-class CommCounter(TorchDispatchMode):
+class CommCounter(EagerDispatchMode):
     """Counts the collectives issued on this rank while active, with the bytes each one moves.
 
     Works for DDP's reducer, FSDP2's all-gathers and reduce-scatters, DTensor redistributions and

@@ -33,7 +33,9 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from dtlab.metrics.modes import EagerDispatchMode
 
 __all__ = ["HostSyncCounter"]
 
@@ -69,7 +71,7 @@ class _DefaultDevice(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class HostSyncCounter(TorchDispatchMode):
+class HostSyncCounter(EagerDispatchMode):
     """Counts the host syncs (by kind: ``read``, ``copy``, ``host data``) on ``device`` while active;
     ``where`` keeps (kind, the line of dtlab's code that caused it) for each."""
 
