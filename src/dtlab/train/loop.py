@@ -172,7 +172,7 @@ def train_step(
     else:
         pm.compression.rollback()
     # MoE: the step's expert loads agreed, and the balancing bias moved only by a step taken.
-    routing = routing_step(pm.module, update=not found_inf and not bad)
+    routing = routing_step(pm.module, update=not found_inf and not bad, copies=pm.dims.tp)
     scaler.update(found_inf)
     optimizer.zero_grad(set_to_none=True)
     if pm.zero is not None:  # ZeRO-1: the optimizer holds only this rank's share of the parameters

@@ -21,7 +21,9 @@ from dtlab.parallel.ledger import all_reduce
 __all__ = ["moe_aux_loss", "routing_step"]
 
 
-def routing_step(module: nn.Module, update: bool = True, group: Any = None) -> dict[str, Any]:
+def routing_step(
+    module: nn.Module, update: bool = True, group: Any = None, copies: int = 1
+) -> dict[str, Any]:
     """The step's routing metrics (empty for a dense model), after the bias update (``update``:
     the step was taken; a skipped step changes no bias). The layers' figures are reset.
 
@@ -30,6 +32,8 @@ def routing_step(module: nn.Module, update: bool = True, group: Any = None) -> d
     block order (all-reduced anyway: keeping them costs nothing); ``moe_imbalance``: the largest
     block's max / mean load (1 = even); ``moe_aux_loss``: the auxiliary loss (before aux_coef), summed over the blocks and
     averaged over micro-batches and ranks; ``moe_bias``: the largest balancing bias in magnitude.
+    ``copies``: the ranks that route the same tokens (tensor parallelism's, each with the whole
+    MoE block on the same tokens), each counted once.
     """
     layers = moe_layers(module)
     if not layers:
@@ -37,6 +41,8 @@ def routing_step(module: nn.Module, update: bool = True, group: Any = None) -> d
     v = torch.cat([torch.cat([m.tokens_per_expert, m.aux_total]) for m in layers])
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         all_reduce("moe routing figures", v, group=group)
+        if copies > 1:
+            v /= copies
     experts = layers[0].args.experts
     rows = v.view(len(layers), experts + 2)
     loads, aux = rows[:, :experts], rows[:, experts:]
