@@ -21,6 +21,7 @@ from dtlab.config import AlertsConfig, ConfigError, config_warnings, load_config
 from dtlab.errors import CheckpointError
 from dtlab.metrics.alerts import AlertMonitor
 from dtlab.metrics.trackers import _outputs
+from dtlab.verify_state import export_run
 
 # Two MoE blocks after one dense block, so that sums over the blocks are tested as sums.
 MOE3 = ["model.preset=debug-moe", "model.n_layers=3"]
@@ -210,3 +211,17 @@ def test_generate_on_an_moe_run_and_its_export(tmp_path: Path) -> None:
         texts.append(proc.stdout)
     # Greedy: the run's checkpoint and its Qwen2-MoE export choose the same tokens.
     assert texts[0] == texts[1] and len(texts[0].encode("utf-8", "surrogateescape")) > 0
+
+
+def test_verify_exports_an_moe_run_as_qwen2_moe_when_it_can(tmp_path: Path) -> None:
+    # dtlab verify's export check exports as a user does: Hugging Face when the routing has a
+    # Qwen2-MoE counterpart, dtlab's names when bias balancing may have moved the bias.
+    make_moe_checkpoint(tmp_path / "aux", "model.moe.balance=aux")
+    export_run(tmp_path / "aux", tmp_path / "aux-out")
+    assert (
+        json.loads((tmp_path / "aux-out" / "config.json").read_text())["model_type"] == "qwen2_moe"
+    )
+    make_moe_checkpoint(tmp_path / "bias", "model.moe.balance=bias+aux")
+    export_run(tmp_path / "bias", tmp_path / "bias-out")
+    assert (tmp_path / "bias-out" / "config.yaml").is_file()
+    assert not (tmp_path / "bias-out" / "config.json").exists()

@@ -45,12 +45,14 @@ class StateCheck:
 
 def export_run(run_dir: Path, out: Path) -> None:
     """``dtlab export RUN_DIR --out OUT --format hf``: the run's newest checkpoint as a Hugging Face Llama
-    directory, as a user exports it; a DtlabError with the output's tail when it fails. A
-    mixture-of-experts model has no Llama counterpart: it is exported with dtlab's names
+    directory (Qwen2-MoE for a mixture of experts), as a user exports it; a DtlabError with the
+    output's tail when it fails. A mixture of experts whose routing Qwen2-MoE cannot compute (bias
+    balancing: a trained bias is not zero; sigmoid scores) is exported with dtlab's names
     (``--format safetensors``)."""
     from dtlab.config import load_config
 
-    moe = load_config(run_dir / "config.yaml").model.moe.experts > 0
+    m = load_config(run_dir / "config.yaml").model.moe
+    dtlab_names = m.experts > 0 and ("bias" in m.balance or m.score == "sigmoid")
     cmd = [
         sys.executable,
         "-m",
@@ -60,7 +62,7 @@ def export_run(run_dir: Path, out: Path) -> None:
         "--out",
         str(out),
         "--format",
-        "safetensors" if moe else "hf",
+        "safetensors" if dtlab_names else "hf",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
