@@ -244,6 +244,9 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
     labels = {}
     if dims.tp_enabled:
         labels[str(dims.mesh(d.device.type, "tp").get_group().group_name)] = "tp"
+    if dims.ep_enabled:  # the expert shards' gradients, under the name the plan gives them
+        group = dims.expert_mesh(d.device.type, "ep_dp").get_group()
+        labels[str(group.group_name)] = "ep_dp"
     model = build_model(config.model)  # on the meta device
     tracker, counter = _Peaks(), CommCounter(labels)
     with ExitStack() as stack:

@@ -406,7 +406,9 @@ def _plan_rank(
     shapes, part = rank_shapes(config, dims, all_shapes, pp_rank)
     tokens = micro * config.seq_len
     # FSDP shards over the shard group; no_shard and ddp replicate; hsdp shards within a replica group.
-    held = sum(s.shard_numel(dims.dp_shard) for s in shapes)
+    # Expert parallelism: the routed experts split over the EP group instead (dtlab.analysis.moe).
+    held = sum(moe.held_numel(s, dims) for s in shapes)
+    dp_shapes = moe.data_parallel_shapes(shapes, dims)  # what DDP and FSDP reduce and gather
     rank_model = config.model.model_copy(update={"n_layers": part.n_layers})
     split = TPSplit(dims.tp, p.sequence_parallel)
     half_params = fsdp_half_params(config, dims)
@@ -414,7 +416,7 @@ def _plan_rank(
     act = activation_bytes(
         rank_model, tokens, t.precision, t.activation_checkpointing, split, part.last, half_params,
         compiled,
-    )  # fmt: skip
+    ) + moe.ep_activation_bytes(config, dims, tokens)  # fmt: skip
     plan = StepPlan(
         strategy=p.strategy,
         sharding=p.sharding if dims.fsdp_enabled or dims.shard_optimizer else "-",
@@ -473,7 +475,7 @@ def _plan_rank(
     comm: dict[str, int] = {}
     groups: dict[str, int] = {}
     if dims.fsdp_enabled:  # within each replica of DiLoCo's
-        plan.gathered_bytes = _fsdp_comm(config, dims, shapes, accum, comm, groups)
+        plan.gathered_bytes = _fsdp_comm(config, dims, dp_shapes, accum, comm, groups)
     if p.diloco.inner_steps:
         _diloco_comm(config, dims, shapes, comm, groups)
         plan.host_bytes = diloco_host_bytes(config, dims, shapes)
@@ -481,9 +483,10 @@ def _plan_rank(
         comm.update(zero1_comm_bytes(shapes, config, dims.dp))
         groups.update({k: world_size for k in comm})
     elif dims.ddp_enabled:
-        comm.update(ddp_comm_bytes(shapes, config, world_size))
+        comm.update(ddp_comm_bytes(dp_shapes, config, world_size))
         groups.update({k: world_size for k in comm})
     _model_parallel_comm(config, dims, part, tokens, accum, comm, groups)
+    moe.ep_comm(config, dims, shapes, tokens, accum, comm, groups)
     if dims.distributed and world_size > 1 and not p.diloco.inner_steps:
         # The step's one small reduction (loss, flags, stop votes, and a norm where gradients are DTensors
         # or each rank's own), over all ranks; under HSDP it is counted in the replicas' all-reduce group.
@@ -833,8 +836,8 @@ def _fsdp_comm(
 def step_reduction_bytes(config: Config, dims: ParallelDims) -> int:
     """Bytes of the step's reduction (:func:`dtlab.train.loop.reduce_step`): the loss, one flag, a vote
     per stop signal, and the squared gradient norm when gradients are sharded (FSDP, ZeRO-1, tensor
-    parallel DTensors), split into pipeline stages, or each rank's own."""
-    sharded = dims.fsdp_enabled or dims.shard_optimizer or dims.tp_enabled
+    parallel DTensors, expert-parallel shards), split into pipeline stages, or each rank's own."""
+    sharded = dims.fsdp_enabled or dims.shard_optimizer or dims.tp_enabled or dims.ep_enabled
     norm = sharded or dims.pp_enabled or config.train.optimizer == "demo"
     return FP32 * (2 + len(STOP_SIGNALS) + (1 if norm else 0))
 

@@ -22,7 +22,7 @@ ranks holding the same experts; everything else keeps the data-parallel layout.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dtlab.analysis.activations import FP32, TPSplit, _norm_bytes
 
@@ -33,14 +33,16 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ParamCounts",
-    "a2a_bytes",
     "activation_delta",
     "active_matmul_params",
     "block_kinds",
     "buffer_bytes",
+    "data_parallel_shapes",
+    "ep_activation_bytes",
+    "ep_comm",
     "ep_degree",
-    "expert_held_numel",
     "flops_per_token",
+    "held_numel",
     "is_expert",
     "moe_blocks",
     "param_counts",
@@ -88,7 +90,7 @@ def block_kinds(m: ModelConfig) -> list[ModelConfig]:
 
 
 def ep_degree(config: Config) -> int:
-    """The expert-parallel degree of ``config`` (``parallel.ep``; 1 without the key)."""
+    """The expert-parallel degree of ``config`` (``parallel.ep``)."""
     return config.parallel.ep
 
 
@@ -188,14 +190,22 @@ def recompute_flops_per_token(m: ModelConfig, seq_len: int, ac: str) -> float:
     return out + blocks * (2.0 * (attention + ffn - unread) + 4.0 * m.dim * seq_len) + elementwise
 
 
-def expert_held_numel(s: ParamShape, dp_shard: int, ep: int) -> int:
-    """Elements one rank holds of a routed expert's stacked weight ``s`` [experts, ...]: its
-    ``experts / ep`` experts (expert parallelism), sharded by FSDP along dim 0 over the
-    ``dp_shard / ep`` ranks that hold the same experts (``dp_shard`` 1: replicated)."""
-    from dtlab.analysis.model import ParamShape
+def held_numel(s: ParamShape, dims: ParallelDims) -> int:
+    """Elements one rank holds of parameter ``s``: under expert parallelism a routed expert's
+    stacked weight [experts, ...] is split along dim 0 over the EP group (``experts / ep`` experts
+    on each rank) and left whole by DDP and FSDP (:mod:`dtlab.parallel.expert`); every other
+    parameter as the data-parallel strategy shards it (FSDP: dim 0 over ``dp_shard`` ranks)."""
+    if dims.ep_enabled and is_expert(s.name):
+        return s.numel // dims.ep
+    return s.shard_numel(dims.dp_shard)
 
-    local = ParamShape(s.name, (s.shape[0] // ep, *s.shape[1:]), s.group)
-    return local.shard_numel(max(1, dp_shard // ep) if dp_shard > 1 else 1)
+
+def data_parallel_shapes(shapes: list[ParamShape], dims: ParallelDims) -> list[ParamShape]:
+    """The parameters DDP and FSDP reduce and gather: all of them, but under expert parallelism
+    not the routed experts' shards (averaged by their own all-reduce, :func:`ep_comm`)."""
+    if not dims.ep_enabled:
+        return shapes
+    return [s for s in shapes if not is_expert(s.name)]
 
 
 def activation_delta(
@@ -316,28 +326,84 @@ def weight_copy_delta(m: ModelConfig, ep: int = 1) -> int:
     return 2 * blocks * (moe_ffn - 3 * m.dim * m.hidden_dim)
 
 
-def a2a_bytes(config: Config, dims: ParallelDims, tokens: int, microbatches: int) -> dict[str, Any]:
-    """The all-to-all bytes one rank's expert parallelism moves in one optimizer step, for a router
-    that spreads every rank's tokens evenly over the experts (each of the ``ep`` ranks receives
-    ``tokens x top_k / ep`` rows of each rank's micro-batch of ``tokens`` tokens).
+def _ep_dtypes(config: Config, dims: ParallelDims) -> tuple[int, int]:
+    """Bytes per element of the rows expert parallelism dispatches (the block's input: float32, or
+    half precision where FSDP gathers half-precision weights) and of those it combines back (the
+    experts' outputs: the autocast dtype under bf16/fp16)."""
+    from dtlab.analysis.model import fsdp_half_params
 
-    Per MoE block and micro-batch, forward dispatches the routed rows to the experts' ranks and
-    combines them back (two all-to-alls of ``tokens x top_k`` rows of ``dim``, in the activation
-    dtype), each after an exchange of the per-expert counts (int64, ``experts`` per rank); backward
-    runs the two rows' transposes. Bytes are counted as :class:`dtlab.metrics.comm.CommCounter` counts
-    an ``all_to_all_single``: its input buffer. Returns {"bytes": ..., "sent": ...}: the buffers'
-    bytes, and the bytes leaving this rank (the other ``ep - 1`` ranks' shares of each buffer).
-    """
-    ep = ep_degree(config)
-    blocks = moe_blocks(config.model)
-    if ep <= 1 or not blocks:
-        return {"bytes": 0, "sent": 0.0}
+    half = config.train.precision in ("bf16", "fp16")
+    return (2 if fsdp_half_params(config, dims) else FP32), (2 if half else FP32)
+
+
+def ep_activation_bytes(config: Config, dims: ParallelDims, tokens: int) -> int:
+    """What expert parallelism adds to one micro-batch's activations (``tokens`` tokens), for a
+    router that spreads the tokens evenly (each rank receives as many rows as it sends, ``tokens x
+    top_k`` per MoE block): per MoE block, a second copy of the rows the experts computed, kept
+    by the combine, in the experts' output dtype, and the int64 order that regroups the received
+    rows by local expert (kept by the regrouping and by the combine's inverse); under autocast
+    without checkpointing, less the weight copies of the experts held on other ranks (FSDP in
+    half precision: plus the half-precision copies of the rank's float32 expert shards). Under
+    ``full`` checkpointing one block's worth, while it is recomputed.
+
+    Measured with MemTracker on gloo runs (ddp and fsdp, ep 2, fp32 and bf16, full checkpointing):
+    the mean over the ranks is this to 8 bytes, whatever the routing, as the rows received sum to
+    the rows sent. Under ``selective`` checkpointing a few % under (docs/moe-planning.md)."""
     m = config.model
-    a = 2 if config.train.precision in ("bf16", "fp16") else FP32
-    rows = tokens * m.moe.top_k * m.dim * a
+    blocks = moe_blocks(m)
+    if not dims.ep_enabled or not blocks:
+        return 0
+    _, yb = _ep_dtypes(config, dims)
+    ac = config.train.activation_checkpointing
+    out = (1 if ac == "full" else blocks) * tokens * m.moe.top_k * (m.dim * yb + INT64)
+    xb, _ = _ep_dtypes(config, dims)
+    h = _expert_dim(m)
+    if config.train.precision in ("bf16", "fp16") and xb == FP32 and ac == "none":
+        out -= 2 * blocks * 3 * m.dim * h * (m.moe.experts - m.moe.experts // dims.ep)
+    elif xb == 2 and ac == "none":
+        # FSDP gathers the other weights in half precision but leaves the expert shards float32:
+        # the rank's experts are cast like autocast's weights, their copies kept for backward.
+        out += 2 * blocks * 3 * m.dim * h * (m.moe.experts // dims.ep)
+    return out
+
+
+def ep_comm(
+    config: Config,
+    dims: ParallelDims,
+    shapes: list[ParamShape],
+    tokens: int,
+    microbatches: int,
+    comm: dict[str, int],
+    groups: dict[str, int],
+) -> None:
+    """Expert parallelism's collectives per optimizer step into ``comm`` (bytes, as
+    :class:`dtlab.metrics.comm.CommCounter` counts them) and ``groups`` (ranks in each), for a
+    router that spreads every rank's tokens evenly over the experts (each of the ``ep`` ranks
+    receives ``tokens x top_k / ep`` rows of each rank's micro-batch of ``tokens``).
+
+    ``all_to_all`` (:mod:`dtlab.parallel.expert`'s protocol, on the EP groups), per MoE block and micro-batch: the
+    counts (int64 [experts]), the dispatch (``tokens x top_k`` rows of ``dim`` in the block's input
+    dtype) and the combine (as many, in the experts' output dtype) in forward, and the two rows'
+    transposes in backward; a block recomputed under activation checkpointing runs the forward's
+    three again. CommCounter counts an all-to-all's output: the rows this rank receives, which is
+    what it sends under an even router (and, summed over the ranks, under any router). Each rank
+    sends ``(ep - 1) / ep`` of it to the others (:func:`dtlab.analysis.model._ring`).
+
+    ``ep_dp all_reduce``: once per step, the float32 gradients of the rank's expert shards summed
+    over the ``dp / ep`` ranks that hold the same experts (none when that is one rank)."""
+    m = config.model
+    blocks = moe_blocks(m)
+    if not dims.ep_enabled or not blocks:
+        return
+    xb, yb = _ep_dtypes(config, dims)
+    rows = tokens * m.moe.top_k * m.dim
     counts = m.moe.experts * INT64
-    per_block = (
-        4 * rows + 2 * counts
-    )  # dispatch, combine, and their transposes; two count exchanges
-    total = microbatches * blocks * per_block
-    return {"bytes": total, "sent": total * (ep - 1) / ep}
+    per_block = counts + 2 * rows * (xb + yb)
+    if config.train.activation_checkpointing != "none":
+        per_block += counts + rows * (xb + yb)
+    comm["all_to_all"] = comm.get("all_to_all", 0) + microbatches * blocks * per_block
+    groups["all_to_all"] = dims.ep
+    if dims.ep_dp > 1:
+        experts = sum(held_numel(s, dims) for s in shapes if is_expert(s.name))
+        comm["ep_dp all_reduce"] = experts * FP32
+        groups["ep_dp all_reduce"] = dims.ep_dp
