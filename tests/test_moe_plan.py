@@ -14,7 +14,11 @@ import torch
 from conftest import run_cli, run_worker
 from dtlab.analysis import moe
 from dtlab.analysis.check import check_rank, measure_step
+from dtlab.analysis.devices import PROFILES
 from dtlab.analysis.model import flops_per_token, param_shapes, plan_step
+from dtlab.analysis.plan import plan
+from dtlab.analysis.search import layouts, open_keys
+from dtlab.analysis.steptime import Link, collective_waits, exposed_comm
 from dtlab.config import Config, load_config
 from dtlab.dims import ParallelDims
 from dtlab.models.llama import build_model
@@ -148,3 +152,42 @@ def test_the_plan_of_gloo_ranks_is_what_they_hold_and_send(tmp_path: Path, layou
 def test_check_says_why_it_does_not_run_an_moe_model() -> None:
     r = check_rank(load_config(overrides=[*SMALL, "parallel.strategy=ddp"]), 2, 1, 0)
     assert r.skipped is not None and "mixture-of-experts" in r.skipped
+
+
+def test_the_search_tries_the_expert_parallel_degrees_that_divide_dp_and_the_experts() -> None:
+    """tiny-moe (8 experts) on 4 ranks: ep 1, 2 and 4 where all 4 ranks are data-parallel (2 of 4
+    where tp takes 2); a dense model has no ep to search, and a given ep is kept."""
+    config = load_config(overrides=["model.preset=tiny-moe", "train.global_batch_size=16"])
+    degrees = {(v["parallel.tp"], v["parallel.ep"]) for v in layouts(config, 4, 1, ["bf16"])}
+    assert {e for t, e in degrees if t == 1} == {1, 2, 4}
+    assert {e for t, e in degrees if t == 2} == {1, 2}
+    assert "parallel.ep" in open_keys(config)
+    dense = load_config(overrides=["model.preset=tiny", "train.global_batch_size=16"])
+    assert {v["parallel.ep"] for v in layouts(dense, 4, 1, ["bf16"])} == {1}
+    assert "parallel.ep" not in open_keys(dense)
+    given = load_config(
+        overrides=["model.preset=tiny-moe", "train.global_batch_size=16", "parallel.ep=2"]
+    )
+    assert {v["parallel.ep"] for v in layouts(given, 4, 1, ["bf16"])} == {2}
+    # The search's rows of an MoE model carry ep, and the printed line of each loads and plans.
+    result = plan(config, 4, 1, PROFILES["h100"], None, True, (None, []))
+    rows = result["search"]["rows"]
+    assert any("x ep " in r["label"] for r in rows), [r["label"] for r in rows]
+
+
+def test_the_experts_all_to_all_is_never_hidden_behind_backward() -> None:
+    """DDP's all-reduce hides behind backward on a GPU; the same seconds of all-to-all (inside
+    each MoE block's forward and backward) are all exposed."""
+    config = load_config(
+        overrides=[*SMALL, "parallel.strategy=ddp", "parallel.ep=2", "parallel.bucket_mb=0.1"]
+    )
+    dims = ParallelDims.from_config(config, 2)
+    link = Link(450.0)
+    hidden = exposed_comm(config, dims, {"all_reduce": 1e-3}, 1.0, 0.0, link, "cuda", 2)
+    a2a = exposed_comm(config, dims, {"all_to_all": 1e-3}, 1.0, 0.0, link, "cuda", 2)
+    assert hidden < 1e-3 and a2a == pytest.approx(1e-3)
+    # The waits count the experts' all-to-alls: five per MoE block and micro-batch, on the EP group.
+    waits = collective_waits(config, dims, 2, 1)
+    plain = load_config(overrides=[*SMALL, "parallel.strategy=ddp"])
+    dense = collective_waits(plain, ParallelDims.from_config(plain, 2), 2, 1)
+    assert waits[2] - dense[2] == 5

@@ -292,7 +292,18 @@ def recompute_transients(
         per_token += m.dim * a * (2 if ac == "selective" else 1)
     if half:
         per_token += moe.top_k * FP32 + (0 if half_params and half else m.dim * FP32)
-    return tokens * per_token
+    # recompute_bytes may count some of these for every block already (under autocast, the norm's
+    # float32 output; the last saved matmul's output): only the rest is the MoE block's own.
+    from dtlab.analysis.activations import activation_bytes, recompute_bytes
+
+    one = m.model_copy(update={"n_layers": 1})
+
+    def act(mode: str) -> int:
+        return activation_bytes(one, tokens, precision, mode, half_params=half_params)
+
+    block = act("none") - act("full") - (act("selective") - act("full") if ac == "selective" else 0)
+    generic = recompute_bytes(one, tokens, precision, ac, half_params=half_params) - block
+    return max(0, tokens * per_token - generic)
 
 
 def buffer_bytes(m: ModelConfig) -> int:

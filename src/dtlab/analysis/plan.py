@@ -539,6 +539,8 @@ def spans_nodes(collective: str, group: int, dims: ParallelDims, nproc: int) -> 
         stride = dims.dp * dims.tp
     elif dims.fsdp_enabled and dims.replicate_enabled and collective == "all_reduce":
         stride = dims.dp_shard * dims.tp
+    elif collective.startswith("ep_dp "):  # one rank of each EP group of ``ep`` consecutive ones
+        stride = dims.ep * dims.tp
     else:
         stride = dims.tp
     return group * stride > nproc

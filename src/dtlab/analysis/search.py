@@ -48,6 +48,7 @@ SEARCHED = (
     "parallel.replicate",
     "parallel.pp_schedule",
     "parallel.pp_microbatches",
+    "parallel.ep",
     "train.micro_batch_size",
     "train.activation_checkpointing",
     "train.precision",
@@ -86,8 +87,10 @@ class SearchResult:
 
 
 def open_keys(config: Config) -> list[str]:
-    """The searched keys the config leaves open (not in its file nor in ``--set``)."""
-    return [k for k in SEARCHED if not config.is_given(k)]
+    """The searched keys the config leaves open (not in its file nor in ``--set``); ``parallel.ep``
+    only for a mixture of experts (a dense model has no experts to split)."""
+    moe = bool(config.model.moe.experts)
+    return [k for k in SEARCHED if not config.is_given(k) and (moe or k != "parallel.ep")]
 
 
 # The largest degree, replica-group count, micro-batch size or micro-batch count tried: the schema's
@@ -158,6 +161,15 @@ def _data_parallel_options(config: Config, dp: int, model_parallel: bool) -> lis
     return out
 
 
+def _ep_options(config: Config, dp: int) -> list[int]:
+    """Expert-parallel degrees for ``dp`` data-parallel ranks: those dividing both ``dp`` and the
+    experts (expert parallelism borrows data-parallel ranks); 1 for a dense model."""
+    experts = config.model.moe.experts
+    return _pick(
+        config, "parallel.ep", [e for e in _divisors(dp) if experts % e == 0] if experts else [1]
+    )
+
+
 def _pipeline_options(config: Config, pp: int, share: int) -> list[dict[str, Any]]:
     """Schedules and micro-batch counts for ``pp`` pipeline ranks, each data-parallel rank taking
     ``share`` samples; stages split the blocks evenly."""
@@ -226,15 +238,17 @@ def layouts(
             for sp in _pick(config, "parallel.sequence_parallel", sp_options):
                 for data in _data_parallel_options(config, dp, tp * pp > 1):
                     for pipe in _pipeline_options(config, pp, g // dp):
-                        for precision in precisions:
-                            yield {
-                                "parallel.tp": tp,
-                                "parallel.pp": pp,
-                                "parallel.sequence_parallel": sp,
-                                **data,
-                                **pipe,
-                                "train.precision": precision,
-                            }
+                        for ep in _ep_options(config, dp):
+                            for precision in precisions:
+                                yield {
+                                    "parallel.tp": tp,
+                                    "parallel.pp": pp,
+                                    "parallel.sequence_parallel": sp,
+                                    **data,
+                                    **pipe,
+                                    "parallel.ep": ep,
+                                    "train.precision": precision,
+                                }
 
 
 def _micro_options(config: Config, dims: ParallelDims) -> list[int | None]:
@@ -391,7 +405,7 @@ def search(
     return SearchResult(
         rows[:TOP] if best else rows,
         opened,
-        [k for k in SEARCHED if k not in opened],
+        [k for k in SEARCHED if k not in opened and config.is_given(k)],
         n_layouts,
         costed,
         time.perf_counter() - start,
@@ -421,7 +435,8 @@ def _simplicity(config: Config) -> tuple[int, ...]:
     else:
         sharing = 3 + ("no_shard", "shard_grad_op", "full").index(p.sharding)
         sharing += 1 if needs_replica_groups(p.strategy) else 0
-    return ((p.tp > 1) + (p.pp > 1), sharing)
+    # Expert parallelism is a dimension of its own too (its all-to-alls, its experts' groups).
+    return ((p.tp > 1) + (p.pp > 1) + (p.ep > 1), sharing)
 
 
 def recommended(result: SearchResult) -> Found | None:

@@ -142,7 +142,9 @@ def exposed_comm(
 ) -> float:
     """Of the step's collectives (``times``: seconds of each, alone), what the step waits for."""
     total = sum(times.values())
-    data = sum(t for k, t in times.items() if " " not in k and k != "send/recv")
+    # Expert parallelism's all-to-alls sit inside each MoE block's forward and backward, which wait
+    # for them: they never hide (ZeRO-1's all-to-all, after backward, is in its total below).
+    data = sum(t for k, t in times.items() if " " not in k and k not in ("send/recv", "all_to_all"))
     if config.parallel.diloco.inner_steps or data <= 0:
         return total
     rest = total - data
@@ -168,8 +170,10 @@ def collective_waits(
     (its reducer issues them while backward runs and waits at the end); ZeRO-1's reduce-scatter and
     all-gather; FSDP's all-gathers (forward and, with ``full`` sharding, backward, of each unit and
     micro-batch), reduce-scatters (and HSDP's all-reduces) of each unit; tensor parallelism's per
-    block and micro-batch; a pipeline rank's sends and receives; and the step's one reduction.
-    ``n_layers``: the blocks the rank holds."""
+    block and micro-batch; a pipeline rank's sends and receives; expert parallelism's all-to-alls
+    (three per MoE block and micro-batch in forward, two in backward, three more where a block is
+    recomputed) and its experts' all-reduce; and the step's one reduction. ``n_layers``: the blocks
+    the rank holds."""
     p = config.parallel
     waits: dict[int, int] = {}
 
@@ -194,6 +198,12 @@ def collective_waits(
             add(dims.tp, microbatches * (7 * n_layers + 2 + 3))
     if dims.pp_enabled:
         add(2, 2 * microbatches)
+    if dims.ep_enabled:
+        from dtlab.analysis.moe import moe_blocks
+
+        per_block = 5 + (3 if config.train.activation_checkpointing != "none" else 0)
+        add(dims.ep, microbatches * moe_blocks(config.model) * per_block)
+        add(dims.ep_dp, 1)
     return waits
 
 
