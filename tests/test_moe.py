@@ -195,7 +195,10 @@ def test_a_preset_keeps_its_moe_keys_beside_the_given_ones() -> None:
             "parallel.sequence_parallel = true is not supported with model.moe.experts = 4",
         ),
         ("train.engine=mlx", "train.engine = 'mlx' is not supported with model.moe.experts = 4"),
-        ("parallel.pp=2", "parallel.pp = 2 is not supported with model.moe.experts = 4"),
+        (
+            "parallel.pp=2 model.moe.balance=aux",
+            "parallel.pp = 2 is not supported with model.moe.experts = 4",
+        ),
         ("parallel.diloco.inner_steps=2", "parallel.diloco.inner_steps = 2 is not supported"),
         ("model.moe.top_k=5", "model.moe.top_k = 5 is more than model.moe.experts = 4"),
         ("model.moe.dense_layers=2", "model.moe.dense_layers = 2 leaves no MoE block"),

@@ -38,23 +38,25 @@ def test_dispatch_equals_the_whole_layer(tmp_path: Path) -> None:
 def test_verify_ep_layouts_against_one_process(tmp_path: Path) -> None:
     out = tmp_path / "verify"
     proc = run_cli(
-        "verify", "--layouts", "single,ep:2,ddp:4xep:2,ep:2xtp:2", "--steps", "4", "--out", str(out),
+        "verify", "--layouts", "single,ep:2,ddp:4xep:2,ep:2xtp:2,ep:2xpp:2", "--steps", "4", "--out", str(out),
         "--set", *FAST, *MOE, *ACTIVE,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr + proc.stdout
     rows = json.loads((out / "verify.json").read_text())["rows"]
-    assert [r["layout"] for r in rows] == ["ep:2", "ddp:4xep:2", "ep:2xtp:2"]
+    assert [r["layout"] for r in rows] == ["ep:2", "ddp:4xep:2", "ep:2xtp:2", "ep:2xpp:2"]
     for row in rows:
         assert row["ok"] and row["max_loss_diff"] <= 1e-5 and row["max_param_diff"] <= 1e-5, row
     # The EP runs were EP runs, their clipping clipped, and they report the reference's expert
-    # loads (each token once, also where tensor-parallel ranks route the same tokens).
+    # loads (each token once, also where tensor-parallel ranks route the same tokens) and bias
+    # (also from the pipeline stage rank 0 does not hold).
     ref = [json.loads(x) for x in (out / "0-single/metrics.jsonl").read_text().splitlines()]
-    for name in ("1-ep-2", "2-ddp-4xep-2", "3-ep-2xtp-2"):
+    for name in ("1-ep-2", "2-ddp-4xep-2", "3-ep-2xtp-2", "4-ep-2xpp-2"):
         config = (out / name / "config.yaml").read_text()
         assert "ep: 2" in config, config
         metrics = [json.loads(x) for x in (out / name / "metrics.jsonl").read_text().splitlines()]
         assert all(m["grad_norm"] > 0.3 for m in metrics), metrics
         assert metrics[0]["moe_load"] == ref[0]["moe_load"], (name, metrics[0], ref[0])
+        assert metrics[-1]["moe_bias"] == ref[-1]["moe_bias"], (name, metrics[-1], ref[-1])
 
 
 def test_resume_at_the_same_and_other_ep_degrees(tmp_path: Path) -> None:

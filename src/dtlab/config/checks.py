@@ -315,8 +315,9 @@ def _check_moe(c: Config) -> None:
             "tensor parallelism keeps an MoE block whole, on the whole sequence",
         ),
         "parallel.pp": (
-            p.pp > 1, str(p.pp), "1",
-            "the routing figures and the balancing update are not gathered across stages yet",
+            p.pp > 1 and "aux" in moe.balance, str(p.pp), "1, or model.moe.balance 'bias' or 'none'",
+            f"model.moe.balance = {moe.balance!r}: the auxiliary loss of a stage's blocks does not "
+            "reach the pipeline's loss",
         ),
         "parallel.diloco.inner_steps": (
             p.diloco.inner_steps > 0, str(p.diloco.inner_steps), "0",

@@ -560,4 +560,10 @@ def _parallelize_pipeline(model: Transformer, config: Config, d: DistInfo) -> Pa
         shapes,
     )  # fmt: skip
     whole = rank_model(model.args, stages)
-    return ParallelModel(whole, whole, dims, CompressionState(p.compression), pipeline)
+    experts = None
+    if dims.ep_enabled:
+        group = dims.expert_mesh(d.device.type, "ep_dp").get_group()
+        experts = ExpertShards(expert_params(whole), group, dims.dp)
+    return ParallelModel(
+        whole, whole, dims, CompressionState(p.compression), pipeline, experts=experts
+    )

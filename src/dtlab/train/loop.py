@@ -172,7 +172,10 @@ def train_step(
     else:
         pm.compression.rollback()
     # MoE: the step's expert loads agreed, and the balancing bias moved only by a step taken.
-    routing = routing_step(pm.module, update=not found_inf and not bad, copies=pm.dims.tp)
+    routing = routing_step(
+        pm.module, update=not found_inf and not bad, copies=pm.dims.tp, args=pm.model.args,
+        stages=pm.dims.pp_enabled,
+    )  # fmt: skip
     scaler.update(found_inf)
     optimizer.zero_grad(set_to_none=True)
     if pm.zero is not None:  # ZeRO-1: the optimizer holds only this rank's share of the parameters
@@ -360,7 +363,7 @@ def build_training(config: Config, d: DistInfo) -> Training:
     model = build_model(config.model)  # on the meta device: nothing allocated yet
     pm = parallelize(model, config, d)
     # Built after parallelize: the optimizer must hold the parameters training updates (FSDP's shards).
-    optimizer = build_optimizer(pm.optimized, t)
+    optimizer = build_optimizer(pm.optimized, t, experts=config.model.moe.experts > 0)
     layout = BatchLayout(t.global_batch_size, d.dims.dp_rank(d.rank), dp, micro)
     loader = BatchLoader(
         data.train, layout, prefetch=config.data.prefetch, pin_memory=d.device.type == "cuda"

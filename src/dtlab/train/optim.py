@@ -50,16 +50,20 @@ def optimizer_groups(model: nn.Module) -> list[list[str]]:
     return names if names[2] else names[:2]
 
 
-def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, t: TrainConfig, experts: bool | None = None
+) -> torch.optim.Optimizer:
     """AdamW (or DeMo) over the model's parameters (ZeRO-1: its shards' module). Build it *after*
     parallelism is applied: FSDP replaces the parameters with sharded ones, and an optimizer holding
-    the old ones would train nothing."""
+    the old ones would train nothing. ``experts``: whether the whole model is a mixture of experts,
+    whose routed experts get a group of their own, also on a rank that holds none of them (a
+    pipeline stage's: every rank's groups are the whole model's); None: whether ``model`` has any."""
     split: list[list[nn.Parameter]] = [[], [], []]
     for name, p in model.named_parameters():
         if p.requires_grad:
             split[_group_of(name, p)].append(p)
-    decay, no_decay, experts = split
-    kept = [decay, no_decay, *([experts] if experts else [])]
+    decay, no_decay, routed = split
+    kept = [decay, no_decay, *([routed] if routed or experts else [])]
     groups = [
         {"params": params, **hyper}
         for params, hyper in zip(kept, group_hyperparameters(t, len(kept)), strict=True)

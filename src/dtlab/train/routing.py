@@ -9,20 +9,27 @@ never re-broadcasts buffers), whatever the layout.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtlab.models.moe import moe_layers
+from dtlab.models.args import ModelArgs
+from dtlab.models.moe import MoE, moe_layers
 from dtlab.parallel.ledger import all_reduce
 
 __all__ = ["moe_aux_loss", "routing_step"]
 
 
 def routing_step(
-    module: nn.Module, update: bool = True, group: Any = None, copies: int = 1
+    module: nn.Module,
+    update: bool = True,
+    group: Any = None,
+    copies: int = 1,
+    args: ModelArgs | None = None,
+    stages: bool = False,
 ) -> dict[str, Any]:
     """The step's routing metrics (empty for a dense model), after the bias update (``update``:
     the step was taken; a skipped step changes no bias). The layers' figures are reset.
@@ -33,22 +40,31 @@ def routing_step(
     block's max / mean load (1 = even); ``moe_aux_loss``: the auxiliary loss (before aux_coef), summed over the blocks and
     averaged over micro-batches and ranks; ``moe_bias``: the largest balancing bias in magnitude.
     ``copies``: the ranks that route the same tokens (tensor parallelism's, each with the whole
-    MoE block on the same tokens), each counted once.
+    MoE block on the same tokens), each counted once. ``args``: the whole model's shape, for a
+    rank that holds only some blocks (a pipeline stage's): each rank fills the rows of the MoE
+    blocks it holds, and the one all-reduce gives every rank every block's figures. ``stages``:
+    the ranks hold different blocks (pipeline parallelism): the largest bias is agreed by a second,
+    one-element all-reduce.
     """
     layers = moe_layers(module)
-    if not layers:
+    if args is not None and args.moe is not None and args.moe.experts:
+        v, layers = _block_rows(module, args), moe_layers(module)
+    elif not layers:
         return {}
-    v = torch.cat([torch.cat([m.tokens_per_expert, m.aux_total]) for m in layers])
+    else:
+        v = torch.cat([torch.cat([m.tokens_per_expert, m.aux_total]) for m in layers])
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         all_reduce("moe routing figures", v, group=group)
         if copies > 1:
             v /= copies
-    experts = layers[0].args.experts
-    rows = v.view(len(layers), experts + 2)
+    moe = args.moe if args is not None and args.moe is not None else layers[0].args
+    experts = moe.experts
+    rows = v.view(-1, experts + 2)
     loads, aux = rows[:, :experts], rows[:, experts:]
     if update:
-        for m, load in zip(layers, loads, strict=True):
-            m.update_bias(load)
+        held = _held_rows(module, args) if args is not None else list(range(len(layers)))
+        for m, row in zip(layers, held, strict=True):
+            m.update_bias(loads[row])
     for m in layers:
         m.reset_routing()
     mean = loads.mean(1).clamp_min(1e-12)
@@ -57,12 +73,51 @@ def routing_step(
         "moe_layer_load": [[round(x) for x in row] for row in loads.tolist()],
         "moe_imbalance": (loads.amax(1) / mean).max().item(),
     }
-    if layers[0].args.aux_coef > 0:
+    if moe.aux_coef > 0:
         out["moe_aux_loss"] = (aux[:, 0] / aux[:, 1].clamp_min(1)).sum().item()
     biases = [m.expert_bias for m in layers if m.expert_bias is not None]
-    if biases:
+    if stages and moe.bias_balance:
+        top = torch.stack([b.abs().max() for b in biases]).max() if biases else v.new_zeros(())
+        top = top.reshape(1).clone()
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            all_reduce("moe largest bias", top, dist.ReduceOp.MAX, group=group)
+        out["moe_bias"] = top.item()
+    elif biases:
         out["moe_bias"] = torch.stack([b.abs().max() for b in biases]).max().item()
     return out
+
+
+def _held_rows(module: nn.Module, args: ModelArgs | None) -> list[int]:
+    """The row (place among the model's MoE blocks) of each MoE layer ``module`` holds, in order."""
+    assert args is not None
+    blocks = [i for i in range(args.n_layers) if args.is_moe_layer(i)]
+    held = []
+    for name, m in module.named_modules():
+        if isinstance(m, MoE):
+            # "layers.<block>.feed_forward", whatever wrappers add around it.
+            found = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+            assert found is not None, name
+            held.append(blocks.index(int(found.group(1))))
+    return held
+
+
+def _block_rows(module: nn.Module, args: ModelArgs) -> torch.Tensor:
+    """[MoE blocks x (experts + 2)] flattened: the loads and auxiliary totals of the blocks
+    ``module`` holds in their rows, zeros in the others' (held by other pipeline ranks)."""
+    assert args.moe is not None
+    layers = moe_layers(module)
+    blocks = sum(args.is_moe_layer(i) for i in range(args.n_layers))
+    device = layers[0].tokens_per_expert.device if layers else _device(module)
+    v = torch.zeros(blocks, args.moe.experts + 2, device=device)
+    for m, row in zip(layers, _held_rows(module, args), strict=True):
+        v[row] = torch.cat([m.tokens_per_expert, m.aux_total])
+    return v.flatten()
+
+
+def _device(module: nn.Module) -> torch.device:
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")
 
 
 def moe_aux_loss(module: nn.Module) -> torch.Tensor | None:
