@@ -5,13 +5,14 @@ MemTracker (one process, and gloo processes under DDP and FSDP)."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from conftest import run_cli, run_worker
+from conftest import PYTHON, run_cli, run_worker
 from dtlab.analysis import moe
 from dtlab.analysis.check import check_rank, measure_step
 from dtlab.analysis.devices import PROFILES
@@ -108,8 +109,6 @@ def test_the_plan_of_one_process_is_what_it_holds(case: str) -> None:
 # (processes, overrides).
 GLOO = {
     "ddp:2": (2, ["parallel.strategy=ddp"]),
-    "fsdp:2": (2, ["parallel.strategy=fsdp"]),
-    "ddp:2 ep:2": (2, ["parallel.strategy=ddp", "parallel.ep=2"]),
     "ddp:2 ep:2 full AC": (2, ["parallel.strategy=ddp", "parallel.ep=2",
                                "train.activation_checkpointing=full"]),
     "fsdp:2 ep:2 bf16": (2, ["parallel.strategy=fsdp", "parallel.ep=2", "train.precision=bf16"]),
@@ -169,8 +168,12 @@ def test_the_search_tries_the_expert_parallel_degrees_that_divide_dp_and_the_exp
         overrides=["model.preset=tiny-moe", "train.global_batch_size=16", "parallel.ep=2"]
     )
     assert {v["parallel.ep"] for v in layouts(given, 4, 1, ["bf16"])} == {2}
-    # The search's rows of an MoE model carry ep, and the printed line of each loads and plans.
-    result = plan(config, 4, 1, PROFILES["h100"], None, True, (None, []))
+    # Data parallelism alone: the search's rows of an MoE model try ep.
+    flat = load_config(
+        overrides=["model.preset=tiny-moe", "train.global_batch_size=16", "parallel.tp=1",
+                   "parallel.pp=1"]
+    )  # fmt: skip
+    result = plan(flat, 4, 1, PROFILES["h100"], None, True, (None, []))
     rows = result["search"]["rows"]
     assert any("x ep " in r["label"] for r in rows), [r["label"] for r in rows]
 
@@ -191,3 +194,29 @@ def test_the_experts_all_to_all_is_never_hidden_behind_backward() -> None:
     plain = load_config(overrides=[*SMALL, "parallel.strategy=ddp"])
     dense = collective_waits(plain, ParallelDims.from_config(plain, 2), 2, 1)
     assert waits[2] - dense[2] == 5
+
+
+def test_bench_counts_moe_flops_by_the_active_experts_and_the_all_to_all_as_predicted(
+    tmp_path: Path,
+) -> None:
+    """A bench row of debug-moe over ddp 2 x ep 2: MFU from the active parameters' FLOPs, and the
+    counted all-to-all bytes beside the plan's (the mean over the ranks to the byte)."""
+    out = tmp_path / "row.json"
+    proc = subprocess.run(
+        [PYTHON, "-m", "dtlab.bench.worker", "--out", str(out), "--nproc", "2", "--warmup", "1",
+         "--peak-flops", "1e11", "--peak-source", "given", "--set", *SMALL,
+         "data.source=synthetic", "parallel.strategy=ddp", "parallel.ep=2", "train.steps=2",
+         "run.progress=none"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads(out.read_text())
+    config = load_config(overrides=[*SMALL, "parallel.strategy=ddp", "parallel.ep=2"])
+    assert row["flops_per_token"] == flops_per_token(config.model, config.seq_len)
+    assert row["mfu"] == pytest.approx(row["flops_per_token"] * row["tokens_per_s"] / 1e11)
+    assert row["ep"] == 2 and row["active_params"] < row["params"]
+    predicted = plan_step(config, 2).comm_bytes["all_to_all"]
+    assert row["comm_by_collective_predicted"]["all_to_all"] == predicted
+    assert row["all_to_all_bytes_per_step_mean"] == row["all_to_all_bytes_per_step_predicted"]
+    assert row["all_to_all_bytes_per_step_predicted"] == predicted
+    assert row["comm_by_collective"]["all_to_all"]["bytes"] == row["all_to_all_bytes_per_step"]

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from dtlab.analysis import moe
 from dtlab.analysis.devices import CPU_PEAK_REPEATS, lookup_cuda, measure_matmul_tflops
 from dtlab.analysis.model import (
     StepPlan,
@@ -221,6 +222,10 @@ class BenchEngine(TorchEngine):
             and (group := dims.mesh(d.device.type, name).get_group()) is not world
             and group.size() < d.world_size
         }
+        if (
+            dims.ep_enabled and dims.ep_dp > 1
+        ):  # the expert shards' all-reduce, as the plan names it
+            labels[str(dims.expert_mesh(d.device.type, "ep_dp").get_group().group_name)] = "ep_dp"
         # DiLoCo's outer group and the groups inside its replicas keep train's names.
         self.counter = CommCounter({**self.comm_labels, **labels})
 
@@ -325,6 +330,7 @@ def _layout_figures(config: Config, d: DistInfo) -> dict[str, Any]:
         "layout": layout_name(d.dims, config.parallel),  # the row's name in the report
         "tp": d.dims.tp,
         "pp": d.dims.pp,
+        "ep": d.dims.ep,
         "pp_schedule": config.parallel.pp_schedule if d.dims.pp_enabled else None,
         "sharding": config.parallel.sharding
         if d.dims.fsdp_enabled or d.dims.shard_optimizer
@@ -335,6 +341,8 @@ def _layout_figures(config: Config, d: DistInfo) -> dict[str, Any]:
         "activation_checkpointing": t.activation_checkpointing,
         "device": torch.cuda.get_device_name(d.device) if d.device.type == "cuda" else "cpu",
         "params": sum(s.numel for s in param_shapes(config.model)),
+        # A mixture of experts: the parameters one token runs through, which its FLOPs count.
+        "active_params": moe.param_counts(param_shapes(config.model), config.model).active,
         "global_batch_size": t.global_batch_size,
         "seq_len": config.seq_len,
     }
@@ -458,6 +466,28 @@ def _comm_figures(
         },
         "comm_by_collective_predicted": dict(predicted.comm_bytes),
         "comm_time_s": comm_time,
+        **_all_to_all_figures(config, d, per_step.get("all_to_all", 0.0), predicted),
+    }
+
+
+def _all_to_all_figures(
+    config: Config, d: DistInfo, counted: float, predicted: StepPlan
+) -> dict[str, Any]:
+    """Expert parallelism's all-to-all bytes per step: this rank's, their mean over the ranks (a
+    collective: every rank calls this), and the plan's for an even router. A rank's bytes follow the
+    rows the router sent it; the mean over the ranks does not (the rows received sum to the rows
+    sent), so it is the figure the prediction is to the byte."""
+    if not d.dims.ep_enabled:
+        return {}
+    mean = torch.tensor([counted], dtype=torch.float64)
+    if dist.is_initialized() and d.world_size > 1:
+        mean = mean.to(d.device)
+        dist.all_reduce(mean)
+        mean = mean.cpu() / d.world_size
+    return {
+        "all_to_all_bytes_per_step": counted,
+        "all_to_all_bytes_per_step_mean": mean.item(),
+        "all_to_all_bytes_per_step_predicted": predicted.comm_bytes.get("all_to_all", 0),
     }
 
 
@@ -587,6 +617,11 @@ def _replay_collectives(
         return None
     if not plan:
         return None
+    # Expert parallelism's all-to-all bytes follow the rows the router sent each rank: every rank
+    # replays the largest (the slowest rank's, which the others wait for), or sizes would not match.
+    sizes = torch.tensor([n for _, _, n in plan], dtype=torch.int64, device=d.device)
+    dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
+    plan = [(k, g, n) for (k, g, _), n in zip(plan, sizes.tolist(), strict=True)]
     times = [_replay_once(plan, d) for _ in range(REPLAYS + 1)]
     return reduce_scalar(statistics.median(times[1:]), "max")
 
