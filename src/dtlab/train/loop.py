@@ -425,8 +425,8 @@ def _train(config: Config, d: DistInfo) -> dict[str, Any]:
 
 def comm_labels(d: DistInfo, diloco: DiLoCo | None) -> tuple[dict[str, str], dict[str, int]]:
     """The process groups whose collectives are counted under a name of their own (group name ->
-    label), and each label's group size: DiLoCo's outer syncs, and the data-parallel groups inside
-    its replicas. Every other collective spans the world."""
+    label), and each label's group size: DiLoCo's outer syncs, the data-parallel groups inside
+    its replicas, expert parallelism's groups. Every other collective spans the world."""
     labels: dict[str, str] = {}
     sizes: dict[str, int] = {}
     if diloco is not None and diloco.group is not None:
@@ -437,6 +437,11 @@ def comm_labels(d: DistInfo, diloco: DiLoCo | None) -> tuple[dict[str, str], dic
     if d.dims.diloco_enabled:
         for name in d.dims.dp_mesh_dims:
             group = d.dims.mesh(d.device.type, name).get_group()
+            if group.size() > 1:
+                labels[str(group.group_name)], sizes[name] = name, group.size()
+    if d.dims.ep_enabled:  # expert parallelism's all-to-alls, and its experts' all-reduce
+        for name in ("ep", "ep_dp"):
+            group = d.dims.expert_mesh(d.device.type, name).get_group()
             if group.size() > 1:
                 labels[str(group.group_name)], sizes[name] = name, group.size()
     return labels, sizes
