@@ -95,7 +95,7 @@ def activation_bytes(
 
         moe = activation_delta(m, tokens, precision, ac, split, half_params)
         if half and not half_params and ac == "none":
-            moe += weight_copy_delta(m) // tp
+            moe += weight_copy_delta(m, tp)
     # The loss and the weight total of its mean; the compiled loss keeps four more scalars.
     scalars = (6 if compiled_loss and final_part else 2) * FP32
     return int(tokens * (m.n_layers * per_layer + final) + weight_copies + scalars) + moe

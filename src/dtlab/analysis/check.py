@@ -244,9 +244,12 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
     labels = {}
     if dims.tp_enabled:
         labels[str(dims.mesh(d.device.type, "tp").get_group().group_name)] = "tp"
-    if dims.ep_enabled:  # the expert shards' gradients, under the name the plan gives them
-        group = dims.expert_mesh(d.device.type, "ep_dp").get_group()
-        labels[str(group.group_name)] = "ep_dp"
+    if dims.ep_enabled:  # expert parallelism's groups, under the names the plan gives them
+        for name in ("ep", "ep_dp"):
+            group = dims.expert_mesh(d.device.type, name).get_group()
+            # A group over the whole world is the default one, which the step's reduction uses too.
+            if 1 < group.size() < dims.world_size:
+                labels[str(group.group_name)] = name
     model = build_model(config.model)  # on the meta device
     tracker, counter = _Peaks(), CommCounter(labels)
     with ExitStack() as stack:

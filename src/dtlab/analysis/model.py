@@ -389,7 +389,9 @@ def rank_shapes(
             return int(s.group.split(".")[1]) in layers
         return part.first if s.name.startswith("tok_embeddings") else part.last
 
-    return [_tp_local(s, dims.tp) for s in shapes if held(s)], part
+    # An MoE block's feed-forward stays whole on every tensor-parallel rank (dtlab.analysis.moe).
+    tp_split = [s if moe.whole_under_tp(s.name) else _tp_local(s, dims.tp) for s in shapes]
+    return [s for s in tp_split if held(s)], part
 
 
 def _plan_rank(
@@ -409,7 +411,7 @@ def _plan_rank(
     # Expert parallelism: the routed experts split over the EP group instead (dtlab.analysis.moe).
     held = sum(moe.held_numel(s, dims) for s in shapes)
     dp_shapes = moe.data_parallel_shapes(shapes, dims)  # what DDP and FSDP reduce and gather
-    rank_model = config.model.model_copy(update={"n_layers": part.n_layers})
+    rank_model = moe.part_model(config.model, part.n_stages, part.stages)  # its stages' blocks
     split = TPSplit(dims.tp, p.sequence_parallel)
     half_params = fsdp_half_params(config, dims)
     compiled = compiles_loss(config, dims)
@@ -471,7 +473,7 @@ def _plan_rank(
     # RoPE's cos and sin tables (float32, max_seq_len x head_dim / 2 each) in every stage's module.
     m = config.model
     plan.buffers_bytes = len(part.stages) * 2 * m.max_seq_len * (m.dim // m.n_heads // 2) * FP32
-    plan.buffers_bytes += moe.buffer_bytes(m)  # the MoE blocks' balancing bias and routing figures
+    plan.buffers_bytes += moe.buffer_bytes(rank_model)  # MoE balancing bias and routing figures
     comm: dict[str, int] = {}
     groups: dict[str, int] = {}
     if dims.fsdp_enabled:  # within each replica of DiLoCo's
@@ -492,7 +494,8 @@ def _plan_rank(
         # or each rank's own), over all ranks; under HSDP it is counted in the replicas' all-reduce group.
         # (DiLoCo's is within each replica: _diloco_comm.)
         comm["all_reduce"] = comm.get("all_reduce", 0) + step_reduction_bytes(config, dims)
-        comm["all_reduce"] += moe.routing_reduce_bytes(config.model)  # the MoE routing figures
+        # The MoE routing figures (and with pipeline stages, their largest bias).
+        comm["all_reduce"] += moe.routing_reduce_bytes(config.model, dims.pp_enabled)
         if t.oom_retry:  # the ranks' out-of-memory agreement: a float per rank
             comm["all_reduce"] += FP32 * world_size
         groups.setdefault("all_reduce", world_size)
@@ -591,11 +594,10 @@ def _pipeline_kept(
     split = TPSplit(dims.tp, config.parallel.sequence_parallel)
     half_params = fsdp_half_params(config, dims)
     half = t.precision in ("bf16", "fp16")
-    layers = stage_layers(m.n_layers, part.n_stages)
     per_mb, copies = [], []
     for sid in part.stages:
         last = sid == part.n_stages - 1
-        stage = m.model_copy(update={"n_layers": len(layers[sid])})
+        stage = moe.part_model(m, part.n_stages, [sid])
         own = activation_bytes(stage, tokens, t.precision, ac, split, last, half_params)
         weights = activation_bytes(stage, 0, t.precision, ac, split, last, half_params) - 8
         per_mb.append(
@@ -717,6 +719,10 @@ def _model_parallel_comm(
             comm["tp all_reduce"] = microbatches * (
                 (2 * layers + again) * act + (5 * layers + ends) * stream
             )
+            # An MoE block's feed-forward is whole on every rank: no w2 output to reduce in
+            # forward, no w1 and w3 input gradients in backward.
+            here = moe.moe_blocks(moe.part_model(m, part.n_stages, part.stages))
+            comm["tp all_reduce"] -= microbatches * here * (act + 2 * stream)
         comm["tp all_reduce"] = comm.get("tp all_reduce", 0) + (
             3 * microbatches * tokens * FP32 if part.last else 0
         )

@@ -77,6 +77,28 @@ def _expert_dim(m: ModelConfig) -> int:
     return m.moe.expert_dim or m.hidden_dim
 
 
+def whole_under_tp(name: str) -> bool:
+    """Whether parameter ``name`` belongs to an MoE block's feed-forward (router, routed and shared
+    experts), which tensor parallelism leaves whole on every rank (:func:`dtlab.parallel.apply.
+    apply_tp`: each rank computes it on the same tokens)."""
+    return any(f".feed_forward.{part}." in name for part in ("router", "experts", "shared"))
+
+
+def part_model(m: ModelConfig, n_stages: int, stages: list[int]) -> ModelConfig:
+    """``m`` cut to the blocks of pipeline ``stages`` (of ``n_stages``): their count, and, for a
+    mixture of experts, how many of them keep the dense feed-forward (the first ``dense_layers``
+    blocks of the whole model)."""
+    from dtlab.dims import stage_layers
+
+    split = stage_layers(m.n_layers, n_stages)
+    layers = [i for sid in stages for i in split[sid]]
+    if not m.moe.experts:
+        return m.model_copy(update={"n_layers": len(layers)})
+    dense = sum(1 for i in layers if i < m.moe.dense_layers)
+    moe = m.moe.model_copy(update={"dense_layers": dense})
+    return m.model_copy(update={"n_layers": len(layers), "moe": moe})
+
+
 def block_kinds(m: ModelConfig) -> list[ModelConfig]:
     """``m`` with every block of each kind it has: ``m`` itself for a dense model; for an MoE model,
     its dense blocks alone (when it has any) and its MoE blocks alone. What a per-block figure (one
@@ -250,10 +272,13 @@ def activation_delta(
     a = 2 if half else FP32
     k, e, h = moe.top_k, moe.experts, _expert_dim(m)
     hs = h * moe.shared_experts
+    # Tensor parallelism splits a dense feed-forward's activations, not an MoE block's (whole on
+    # every rank): the block's own figures below are whole, the dense ones they replace split.
+    tp = split.tp
     if ac == "selective":
-        dense = (2 * m.hidden_dim + m.dim) * a
+        dense = (2 * m.hidden_dim + m.dim) * a / tp
         routed = (e + k * (2 * h + m.dim) + (2 * hs + m.dim if hs else 0)) * a
-        return int(tokens * blocks * (routed - dense) / split.tp)
+        return int(tokens * blocks * (routed - dense))
     readers = 1 + (2 if hs else 0)
     norm = _norm_bytes(m, half, readers, half_params, split.seq) - _norm_bytes(
         m, half, 2, half_params, split.seq
@@ -266,8 +291,8 @@ def activation_delta(
     experts = rows + 4 * k * h * a + k * m.dim * a
     shared = 4 * hs * a
     aux = FP32 if _aux_on(m) else 0
-    per_token = norm + routing + gates + experts + shared + aux - 4 * m.hidden_dim * a
-    return int(tokens * blocks * per_token / split.tp)
+    per_token = norm + routing + gates + experts + shared + aux - 4 * m.hidden_dim * a / tp
+    return int(tokens * blocks * per_token)
 
 
 def recompute_transients(
@@ -313,28 +338,31 @@ def buffer_bytes(m: ModelConfig) -> int:
     return moe_blocks(m) * (bias + m.moe.experts + 2) * FP32
 
 
-def routing_reduce_bytes(m: ModelConfig) -> int:
-    """Bytes of the step's all-reduce of the MoE routing figures (:func:`dtlab.train.routing.
+def routing_reduce_bytes(m: ModelConfig, stages: bool = False) -> int:
+    """Bytes of the step's all-reduces of the MoE routing figures (:func:`dtlab.train.routing.
     routing_step`): each MoE block's tokens per expert and its auxiliary loss's sum and count,
-    float32, over every rank."""
-    return moe_blocks(m) * (m.moe.experts + 2) * FP32
+    float32, over every rank; with pipeline ``stages`` and bias balancing, the largest bias
+    agreed by a second (one float32)."""
+    bias = FP32 if stages and "bias" in m.moe.balance else 0
+    return moe_blocks(m) * (m.moe.experts + 2) * FP32 + bias
 
 
 def _aux_on(m: ModelConfig) -> bool:
     return "aux" in m.moe.balance
 
 
-def weight_copy_delta(m: ModelConfig, ep: int = 1) -> int:
+def weight_copy_delta(m: ModelConfig, tp: int = 1) -> int:
     """Autocast's half-precision weight copies (kept for backward without checkpointing) of the MoE
-    blocks beyond a dense block's w1, w2, w3: the router's, the rank's ``experts / ep`` experts'
-    (every expert's weights are cast, also one that got no token) and the shared experts'."""
+    blocks beyond a dense block's w1, w2, w3 (split over ``tp`` tensor-parallel ranks): the
+    router's, every expert's (each is cast, also one that got no token; expert parallelism's
+    share: :func:`ep_activation_bytes`) and the shared experts', whole on every rank."""
     blocks = moe_blocks(m)
     if not blocks:
         return 0
     moe = m.moe
     h = _expert_dim(m)
-    moe_ffn = m.dim * moe.experts + 3 * m.dim * h * (moe.experts // ep + moe.shared_experts)
-    return 2 * blocks * (moe_ffn - 3 * m.dim * m.hidden_dim)
+    moe_ffn = m.dim * moe.experts + 3 * m.dim * h * (moe.experts + moe.shared_experts)
+    return 2 * blocks * (moe_ffn - 3 * m.dim * m.hidden_dim // tp)
 
 
 def _ep_dtypes(config: Config, dims: ParallelDims) -> tuple[int, int]:
@@ -392,7 +420,7 @@ def ep_comm(
     router that spreads every rank's tokens evenly over the experts (each of the ``ep`` ranks
     receives ``tokens x top_k / ep`` rows of each rank's micro-batch of ``tokens``).
 
-    ``all_to_all`` (:mod:`dtlab.parallel.expert`'s protocol, on the EP groups), per MoE block and micro-batch: the
+    ``ep all_to_all`` (:mod:`dtlab.parallel.expert`'s protocol, on the EP groups), per MoE block and micro-batch: the
     counts (int64 [experts]), the dispatch (``tokens x top_k`` rows of ``dim`` in the block's input
     dtype) and the combine (as many, in the experts' output dtype) in forward, and the two rows'
     transposes in backward; a block recomputed under activation checkpointing runs the forward's
@@ -412,8 +440,8 @@ def ep_comm(
     per_block = counts + 2 * rows * (xb + yb)
     if config.train.activation_checkpointing != "none":
         per_block += counts + rows * (xb + yb)
-    comm["all_to_all"] = comm.get("all_to_all", 0) + microbatches * blocks * per_block
-    groups["all_to_all"] = dims.ep
+    comm["ep all_to_all"] = microbatches * blocks * per_block
+    groups["ep all_to_all"] = dims.ep
     if dims.ep_dp > 1:
         experts = sum(held_numel(s, dims) for s in shapes if is_expert(s.name))
         comm["ep_dp all_reduce"] = experts * FP32

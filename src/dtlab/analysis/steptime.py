@@ -142,9 +142,9 @@ def exposed_comm(
 ) -> float:
     """Of the step's collectives (``times``: seconds of each, alone), what the step waits for."""
     total = sum(times.values())
-    # Expert parallelism's all-to-alls sit inside each MoE block's forward and backward, which wait
-    # for them: they never hide (ZeRO-1's all-to-all, after backward, is in its total below).
-    data = sum(t for k, t in times.items() if " " not in k and k not in ("send/recv", "all_to_all"))
+    # Named by their dimension ("tp all_reduce", "ep all_to_all": inside each block's forward and
+    # backward, which wait for them), only the data-parallel collectives can hide.
+    data = sum(t for k, t in times.items() if " " not in k and k != "send/recv")
     if config.parallel.diloco.inner_steps or data <= 0:
         return total
     rest = total - data

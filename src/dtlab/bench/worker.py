@@ -226,8 +226,10 @@ class BenchEngine(TorchEngine):
             dims.ep_enabled and dims.ep_dp > 1
         ):  # the expert shards' all-reduce, as the plan names it
             labels[str(dims.expert_mesh(d.device.type, "ep_dp").get_group().group_name)] = "ep_dp"
-        # DiLoCo's outer group and the groups inside its replicas keep train's names.
-        self.counter = CommCounter({**self.comm_labels, **labels})
+        # DiLoCo's outer group and the groups inside its replicas keep train's names; expert
+        # parallelism's over the whole world is the default group, whose collectives keep theirs.
+        kept = {k: v for k, v in self.comm_labels.items() if v != "ep" or dims.ep < d.world_size}
+        self.counter = CommCounter({**kept, **labels})
 
     def step(
         self, batch: list[Any], step: int, stop_signal: int, inject_nan: bool
@@ -422,13 +424,18 @@ def _memory_figures(config: Config, d: DistInfo, tr: Training, act: int | None) 
 
 def _as_counted(plan: StepPlan, d: DistInfo) -> StepPlan:
     """The plan's collectives under the names the counter gives them: tensor parallelism over the
-    whole world runs on the default group, so its collectives are counted with the others there."""
-    if d.dims.tp < d.world_size:
+    whole world runs on the default group, so its collectives are counted with the others there;
+    so does expert parallelism over the whole world."""
+    degrees = {"tp": d.dims.tp, "ep": d.dims.ep}
+    whole = [f"{k} " for k, n in degrees.items() if n == d.world_size]
+    if not whole:
         return plan
     comm: dict[str, int] = {}
     groups: dict[str, int] = {}
     for key, value in plan.comm_bytes.items():
-        name = key.removeprefix("tp ")
+        name = key
+        for prefix in whole:
+            name = name.removeprefix(prefix)
         comm[name] = comm.get(name, 0) + value
         groups[name] = max(groups.get(name, 0), plan.comm_groups[key])
     merged = StepPlan(**{**plan.__dict__, "comm_bytes": comm, "comm_groups": groups})
@@ -466,7 +473,9 @@ def _comm_figures(
         },
         "comm_by_collective_predicted": dict(predicted.comm_bytes),
         "comm_time_s": comm_time,
-        **_all_to_all_figures(config, d, per_step.get("all_to_all", 0.0), predicted),
+        **_all_to_all_figures(
+            config, d, sum(v for k, v in per_step.items() if k.endswith("all_to_all")), predicted
+        ),
     }
 
 
@@ -487,7 +496,9 @@ def _all_to_all_figures(
     return {
         "all_to_all_bytes_per_step": counted,
         "all_to_all_bytes_per_step_mean": mean.item(),
-        "all_to_all_bytes_per_step_predicted": predicted.comm_bytes.get("all_to_all", 0),
+        "all_to_all_bytes_per_step_predicted": sum(
+            v for k, v in predicted.comm_bytes.items() if k.endswith("all_to_all")
+        ),
     }
 
 
