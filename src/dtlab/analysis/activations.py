@@ -133,7 +133,9 @@ def _layer_bytes(
     if ac == "full":
         return block_input
     if ac == "selective":
-        matmul_out = (3 * m.dim + 2 * kv + 2 * m.hidden_dim) * a / tp  # wq, wk, wv, wo, w1, w3, w2
+        # wq, wk, wv, w1, w3 split by columns; wo and w2 by rows, whose outputs (partial sums,
+        # before their all-reduce or reduce-scatter) are whole on every tensor-parallel rank.
+        matmul_out = (m.dim + 2 * kv + 2 * m.hidden_dim) * a / tp + 2 * m.dim * a
         return block_input + matmul_out + (m.dim * a + m.n_heads * FP32) / tp
     attn = ((m.dim + kv) * a + kv * a + m.dim * a + m.n_heads * FP32) / tp
     ffn = 4 * m.hidden_dim * a / tp
@@ -153,6 +155,7 @@ def recompute_bytes(
     ac: str,
     split: TPSplit = TPSplit(),
     half_params: bool = False,
+    pipelined: bool = False,
 ) -> int:
     """What recomputing one checkpointed block in backward holds on top of ``activation_bytes``: that
     block's activations (with its half-precision weight copies under autocast) under ``full``, the
@@ -171,9 +174,36 @@ def recompute_bytes(
         # kept already (subtracted above with the rest of act("full")); on half-precision
         # parameters it keeps a float32 copy, and the recomputation holds the input beside it.
         block += tokens * model_cfg.dim * 2 // split.seq
+    if not (pipelined and ac == "selective"):
+        # (A pipeline stage's peak under selective checkpointing is not a recomputation's:
+        # `dtlab plan --check` finds what forward kept for the micro-batches in flight.)
+        block += _recompute_extra(model_cfg, tokens, precision, ac, split, half_params)
     if ac == "selective":
         block -= act("selective") - act("full")
     return block
+
+
+def _recompute_extra(
+    m: ModelConfig, tokens: int, precision: str, ac: str, split: TPSplit, half_params: bool
+) -> int:
+    """What `dtlab plan --check` measured a recomputed block holding at its peak (the block's
+    backward) beyond forward's bookkeeping, exact to a few bytes on every shape, precision and
+    split tried: a norm's output [tokens, dim] in the residual stream's dtype, its sequence shard
+    (the whole without sequence parallelism; none on half-precision parameters under sequence
+    parallelism) and, in half precision under sequence parallelism, the whole sequence gathered (in
+    float32 the matmuls keep that one, counted already); under selective checkpointing a
+    [tokens, dim] more in the matmuls' dtype."""
+    half = precision in ("bf16", "fp16")
+    resid = 2 if half and half_params else FP32
+    seq, row = split.seq, tokens * m.dim
+    extra = 0
+    if half and seq > 1:
+        extra += row * resid  # gathered
+    if (half and (seq == 1 or not half_params)) or (not half and seq > 1):
+        extra += row * resid // seq  # the shard (the whole without sequence parallelism)
+    if ac == "selective":
+        extra += row * (2 if half else FP32)
+    return extra
 
 
 # train.precision -> the dtype attention's q, k and v have (autocast's under bf16/fp16).

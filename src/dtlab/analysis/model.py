@@ -447,7 +447,7 @@ def _plan_rank(
         kept = _pipeline_kept(config, dims, part, tokens, accum, order, kernel, device_type)
     # The largest block recomputed: an MoE model has dense blocks and MoE blocks (dtlab.analysis.moe).
     recompute = max(
-        recompute_bytes(block, tokens, t.precision, ac, split, half_params)
+        recompute_bytes(block, tokens, t.precision, ac, split, half_params, dims.pp_enabled)
         + moe.recompute_transients(block, tokens, t.precision, ac, half_params)
         for block in moe.block_kinds(config.model)
     ) + kernel_recompute_bytes(config.model, tokens, seq_len, t.precision, ac, kernel, split)
