@@ -64,9 +64,7 @@ def format_plan(p: dict[str, Any]) -> str:
         return f" ({src[key]})" if key in src else ""
 
     # A mixture of experts runs a token through its active parameters only (FLOPs count those).
-    active = (
-        f" ({format_count(model['active_params'])} active)" if "active_params" in model else ""
-    )
+    active = f" ({format_count(model['active_params'])} active)" if "active_params" in model else ""
     lines = [
         f"model {model['preset'] or 'custom'}{where('model')}: {format_count(model['params'])} "
         f"params{active}, {format_count(model['flops_per_token'], 'FLOP')}/token | {p['world_size']} ranks "
