@@ -417,7 +417,8 @@ def _memory_figures(config: Config, d: DistInfo, tr: Training, act: int | None) 
             split,
             half_params=fsdp_half_params(config, d.dims),
         )
-        + extra,
+        + extra
+        + moe.ep_activation_bytes(config, d.dims, tokens),  # expert parallelism's rows
         "activation_kernel_bytes": extra,
     }
 
