@@ -16,15 +16,15 @@ The components, per rank:
 ``params``, ``optimizer``
     the rank's parameters (its shards) and optimizer state, as held between steps.
 ``grads``
-    the gradients the optimizer steps with (after their sync: FSDP's reduced shards, ZeRO-1's
-    reduce-scattered share).
+    the gradients the optimizer steps with (after their sync: FSDP's reduced shards); under ZeRO-1
+    the whole gradients backward holds, whose share the optimizer steps with.
 ``activations``
     the most activations alive in backward: what forward kept for it, and a block recomputed under
     activation checkpointing.
 ``temporaries``
     what backward and the optimizer make and free within their phase (the most of each alive at
     once), forward's transients beyond what it keeps (the logits at the loss), and gradients held
-    beyond those the optimizer steps with (the whole gradients FSDP and ZeRO-1 reduce-scatter).
+    beyond those the optimizer steps with (the whole gradients FSDP reduce-scatters).
     Not predicted.
 ``buffers``
     module buffers (RoPE tables) and the parameters held beyond the rank's own shards (FSDP's
@@ -297,7 +297,9 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
         seconds = time.perf_counter() - started
         hook.remove()
     return {
-        "components": _components(tracker.kind_peak, tracker.at_step, rest, tracker.kept),
+        "components": _components(
+            tracker.kind_peak, tracker.at_step, rest, tracker.kept, whole_grads=_whole_grads(dims)
+        ),
         "peak": tracker.peak_total,
         "collectives": _by_group(counter),
         "seconds": seconds,
@@ -385,13 +387,27 @@ def _grad_bytes(optimizer: torch.optim.Optimizer) -> int:
     return sum(seen.values())
 
 
+def _whole_grads(dims: Any) -> bool:
+    """Whether the rank holds its parameters' whole gradients through backward and only the
+    optimizer steps with a share of them: ZeRO-1 (FSDP's whole gradients exist a unit at a time)."""
+    return bool(dims.shard_optimizer and not dims.fsdp_enabled)
+
+
 def _components(
-    peak: dict[str, int], at_step: dict[str, int], rest: dict[str, int], kept: int
+    peak: dict[str, int],
+    at_step: dict[str, int],
+    rest: dict[str, int],
+    kept: int,
+    whole_grads: bool = False,
 ) -> dict[str, int]:
     """The components from MemTracker's kinds: each kind's peak in the step, what was held when the
     optimizer stepped (``at_step``), after the step (``rest``), and the activations alive in
-    backward (``kept``: what forward kept for it, and blocks recomputed under checkpointing)."""
+    backward (``kept``: what forward kept for it, and blocks recomputed under checkpointing).
+    ``whole_grads`` (ZeRO-1): the gradients are the whole ones backward held, as the plan counts
+    them, not the share the optimizer steps with."""
     params, grads = rest.get("Parameter", 0), at_step.get("Gradient", 0)
+    if whole_grads:
+        grads = max(grads, peak.get("Gradient", 0))
     optimizer = rest.get("Optstate", 0)
     return {
         "params": params,
@@ -485,8 +501,9 @@ def check_rank(config: Config, nproc: int, nnodes: int, rank: int) -> RankCheck:
     measured = measure_fake(config, nproc, nnodes, rank)
     dims = ParallelDims.from_config(config, world)
     # A pipeline rank's own stages (the plan's default is the rank that needs the most memory).
+    at = dims.coordinates(rank)
     plan = plan_step(
-        config, world, pp_rank=dims.coordinates(rank)["pp"] if dims.pp_enabled else None
+        config, world, pp_rank=at["pp"] if dims.pp_enabled else None, shard_rank=at["dp_shard"]
     )
     predicted = {
         "params": plan.params_bytes,

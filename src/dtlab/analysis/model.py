@@ -51,6 +51,15 @@ class ParamShape:
         rest = self.numel // self.shape[0]
         return math.ceil(self.shape[0] / shards) * rest
 
+    def shard_numel_at(self, shards: int, index: int) -> int:
+        """Elements shard ``index`` really holds, without the padding of its chunk (the last
+        shards of an uneven split hold fewer rows, or none): what its optimizer state mirrors."""
+        if shards == 1:
+            return self.numel
+        chunk = math.ceil(self.shape[0] / shards)
+        rows = max(0, min(chunk, self.shape[0] - index * chunk))
+        return rows * (self.numel // self.shape[0])
+
     def padded_numel(self, shards: int) -> int:
         """Elements of the gathered buffer: dim 0 padded to a multiple of ``shards``."""
         return self.shard_numel(shards) * shards
@@ -315,13 +324,16 @@ def plan_step(
     shapes: list[ParamShape] | None = None,
     pp_rank: int | None = None,
     device_type: str = "cpu",
+    shard_rank: int | None = None,
 ) -> StepPlan:
     """Predict one rank's memory and one optimizer step's collectives for ``config`` on ``world_size`` ranks
     (a ConfigError when that world cannot run it: see :meth:`ParallelDims.from_config`).
 
     With pipeline parallelism the ranks differ (their stages); the plan is pipeline rank ``pp_rank``'s,
     by default the one that needs the most memory. ``device_type``: the ranks' devices ("cpu" or
-    "cuda"), which decide the attention kernel and so part of the activations (:func:`kernel_bytes`)."""
+    "cuda"), which decide the attention kernel and so part of the activations (:func:`kernel_bytes`).
+    ``shard_rank``: the rank's index in its FSDP shard group, whose optimizer state follows its own
+    shard's rows (by default the first's, the fullest)."""
     shapes = shapes if shapes is not None else param_shapes(config.model)
     dims = ParallelDims.from_config(config, world_size)
     t = config.train
@@ -334,7 +346,8 @@ def plan_step(
         micro = t.global_batch_size // dims.dp // accum
     ranks = range(dims.pp) if pp_rank is None else [pp_rank]
     plans = [
-        _plan_rank(config, dims, world_size, shapes, micro, accum, r, device_type) for r in ranks
+        _plan_rank(config, dims, world_size, shapes, micro, accum, r, device_type, shard_rank)
+        for r in ranks
     ]
     return max(plans, key=lambda x: x.total_bytes)
 
@@ -403,6 +416,7 @@ def _plan_rank(
     accum: int,
     pp_rank: int,
     device_type: str = "cpu",
+    shard_rank: int | None = None,
 ) -> StepPlan:
     p, t = config.parallel, config.train
     shapes, part = rank_shapes(config, dims, all_shapes, pp_rank)
@@ -425,7 +439,18 @@ def _plan_rank(
         world_size=world_size,
         params_bytes=held * FP32,
         grads_bytes=held * FP32 + _tp_embedding_grad_extra(config, dims, part),
-        optimizer_bytes=_optimizer_bytes(config, shapes, held)
+        optimizer_bytes=_optimizer_bytes(
+            config,
+            shapes,
+            held
+            if shard_rank is None or not dims.fsdp_enabled
+            else sum(
+                moe.held_numel(s, dims)
+                if dims.ep_enabled and moe.is_expert(s.name)
+                else s.shard_numel_at(dims.dp_shard, shard_rank)
+                for s in shapes
+            ),
+        )
         if not dims.shard_optimizer
         else _zero1_optimizer_bytes(config, shapes, dims.dp),
         activations_bytes=0,  # below
