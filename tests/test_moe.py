@@ -99,6 +99,38 @@ def test_every_token_goes_to_exactly_top_k_experts() -> None:
     assert moe.tokens_per_expert.tolist() == torch.bincount(ids.flatten(), minlength=8).tolist()
 
 
+def test_an_overridden_routing_sends_the_chosen_experts_gated_by_the_scores() -> None:
+    """routing_override chooses the experts (here expert 3 and 1 for every token) in place of the
+    scores' top k; the output is the naive reference's for those experts with the scores' gates, the
+    router still gets a gradient, and leaving the context routes by the scores again."""
+    from dtlab.models.moe import routing_override
+
+    moe = make_moe(experts=4, top_k=2)
+    x = torch.randn(3, 5, 16)
+
+    def choose(tokens: int, args: MoEArgs, device: torch.device) -> torch.Tensor:
+        return torch.tensor([[3, 1]], device=device).expand(tokens, args.top_k)
+
+    with routing_override(choose):
+        out = moe(x)
+    assert moe.tokens_per_expert.tolist() == [0, 15, 0, 15]
+    h = x.reshape(-1, 16)
+    scores = F.linear(h, moe.router.weight).softmax(-1)[:, [3, 1]]
+    gates = scores / scores.sum(-1, keepdim=True)
+    e = moe.experts
+    ref = sum(
+        gates[:, [j]] * F.linear(F.silu(F.linear(h, e.w1[i])) * F.linear(h, e.w3[i]), e.w2[i])
+        for j, i in enumerate((3, 1))
+    )
+    assert moe.shared is not None
+    torch.testing.assert_close(out.reshape(-1, 16), ref + moe.shared(h))
+    out.sum().backward()
+    assert moe.router.weight.grad is not None and moe.router.weight.grad.abs().sum() > 0
+    moe.reset_routing()
+    moe(x)
+    assert moe.tokens_per_expert.tolist() != [0, 15, 0, 15]
+
+
 def _skewed(bias_balance: bool) -> tuple[MoE, torch.Tensor]:
     """A router that sends nearly every token to expert 0 (top-1 of 4): the others' scores differ
     from token to token (random rows), expert 0's is far above them."""

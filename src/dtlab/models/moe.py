@@ -7,9 +7,16 @@ renormalised over the k to sum to 1 (optional for softmax, as Qwen3's ``norm_top
 
 Plain PyTorch, no distributed code: the balancing bias is updated from outside
 (:func:`dtlab.train.routing.routing_step` all-reduces the loads first), after each optimizer step.
+
+:func:`routing_override` lets a tool that runs the model without data (``dtlab plan --check``,
+under fake tensors whose scores hold no values to choose by) choose the experts instead of the
+scores; the gates are still the scores of the chosen experts, so the router trains as it does.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +25,27 @@ from torch.distributed.tensor import DTensor
 
 from dtlab.models.args import MoEArgs
 
-__all__ = ["GroupedExperts", "MoE", "moe_layers", "route"]
+__all__ = ["GroupedExperts", "MoE", "moe_layers", "route", "routing_override"]
+
+# (tokens, the layer's MoEArgs, device) -> expert ids [tokens, top_k] int64; None: the scores choose.
+Chooser = Callable[[int, MoEArgs, torch.device], torch.Tensor]
+_chooser: Chooser | None = None
+
+
+@contextmanager
+def routing_override(choose: Chooser) -> Iterator[None]:
+    """While active, every MoE layer's forward routes its ``tokens`` tokens to the experts
+    ``choose(tokens, args, device)`` returns ([tokens, top_k] int64, distinct experts per token)
+    instead of the top k of the scores. The gates are the scores of those experts (renormalised as
+    configured), so the router's weights get their gradients and the forward keeps what it keeps
+    when the scores choose. For tools that run the model without data (``dtlab plan --check``);
+    a training never sets it."""
+    global _chooser
+    before, _chooser = _chooser, choose
+    try:
+        yield
+    finally:
+        _chooser = before
 
 
 class GroupedExperts(nn.Module):
@@ -47,15 +74,21 @@ class GroupedExperts(nn.Module):
 
 
 def route(
-    scores: torch.Tensor, top_k: int, bias: torch.Tensor | None, renormalize: bool
+    scores: torch.Tensor,
+    top_k: int,
+    bias: torch.Tensor | None,
+    renormalize: bool,
+    ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(expert ids [N, k], gates [N, k]) of each token's top ``k`` experts by ``scores`` [N, E].
 
     ``bias`` [E] is added for the selection only; the gates are the scores themselves, divided by
-    their sum over the k when ``renormalize``.
+    their sum over the k when ``renormalize``. ``ids``: the experts already chosen (their gates
+    are still the scores'), as :func:`routing_override` chooses them.
     """
-    select = scores if bias is None else scores + bias
-    ids = select.topk(top_k, dim=-1, sorted=True).indices
+    if ids is None:
+        select = scores if bias is None else scores + bias
+        ids = select.topk(top_k, dim=-1, sorted=True).indices
     gates = scores.gather(-1, ids)
     if renormalize:
         gates = gates / gates.sum(-1, keepdim=True)
@@ -104,7 +137,8 @@ class MoE(nn.Module):
         logits = self.router(x).float()
         scores = logits.softmax(-1) if a.score == "softmax" else logits.sigmoid()
         bias = self.expert_bias.detach() if self.expert_bias is not None else None
-        ids, gates = route(scores, a.top_k, bias, a.renormalize or a.score == "sigmoid")
+        chosen = _chooser(n, a, x.device) if _chooser is not None else None
+        ids, gates = route(scores, a.top_k, bias, a.renormalize or a.score == "sigmoid", chosen)
 
         # Dispatch: the (token, slot) pairs sorted by expert (stable: token order within an expert).
         flat = ids.flatten()
