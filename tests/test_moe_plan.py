@@ -177,9 +177,52 @@ def test_the_plan_of_gloo_ranks_is_what_they_hold_and_send(tmp_path: Path, layou
         assert abs(bus - sum(plan.comm_bus_bytes.values())) <= 1, (bus, plan.comm_bus_bytes)
 
 
-def test_check_says_why_it_does_not_run_an_moe_model() -> None:
-    r = check_rank(load_config(overrides=[*SMALL, "parallel.strategy=ddp"]), 2, 1, 0)
-    assert r.skipped is not None and "mixture-of-experts" in r.skipped
+# `dtlab plan --check` of debug-moe: (processes, overrides). The check routes by the plan's even
+# router, so a rank's all-to-all bytes and activations are the plan's, not a mean over the ranks.
+CHECKED = {
+    "single": (1, []),
+    "ddp:2 bf16": (2, ["parallel.strategy=ddp", "train.precision=bf16"]),
+    "fsdp:2 full AC": (2, ["parallel.strategy=fsdp", "train.activation_checkpointing=full"]),
+    "ddp:2 ep:2": (2, ["parallel.strategy=ddp", "parallel.ep=2"]),
+    "ddp:2 ep:2 full AC": (2, ["parallel.strategy=ddp", "parallel.ep=2",
+                               "train.activation_checkpointing=full"]),
+    "fsdp:4 ep:2 bf16": (4, ["parallel.strategy=fsdp", "parallel.ep=2", "train.precision=bf16",
+                             "train.global_batch_size=16"]),
+    "hsdp:2x2 ep:2": (4, ["parallel.strategy=hsdp", "parallel.replicate=2", "parallel.ep=2",
+                          "train.global_batch_size=16"]),
+    "tp:2 bf16": (2, ["parallel.tp=2", "train.precision=bf16"]),
+    "pp:2 1f1b full AC": (2, ["parallel.pp=2", "parallel.pp_schedule=1f1b",
+                              "train.activation_checkpointing=full"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", list(CHECKED))
+def test_check_runs_an_moe_model_and_finds_the_plan(layout: str) -> None:
+    """The real code under fake tensors, routed evenly: each rank's state and buffers to the byte
+    (a pipeline's first and last stage, each its own), activations within 0.5%, and every
+    collective's bytes, the experts' all-to-all included, as planned (under tensor parallelism the
+    bytes sent within 0.5%: the loss-parallel cross-entropy's all-reduces, which the counter cannot
+    see, as for a dense model)."""
+    nproc, extra = CHECKED[layout]
+    config = load_config(overrides=[*SMALL, *extra])
+    dims = ParallelDims.from_config(config, nproc)
+    for rank in (0, nproc - 1) if dims.pp_enabled else (nproc - 1,):
+        r = check_rank(config, nproc, 1, rank)
+        assert r.skipped is None, r.skipped
+        c = r.components
+        for name in ("params", "grads", "optimizer", "buffers"):
+            assert c[name]["predicted"] == c[name]["checked"] > 0, (rank, name, c[name])
+        act = c["activations"]
+        assert abs(act["predicted"] - act["checked"]) <= 0.005 * act["checked"], (rank, act)
+        a2a = [v for k, v in r.by_collective.items() if "all_to_all" in k]
+        assert len(a2a) == dims.ep_enabled and all(v["checked"] > 0 for v in a2a), r.by_collective
+        sent = r.collectives
+        if dims.tp_enabled:
+            assert abs(sent["predicted"] - sent["checked"]) <= 0.005 * sent["checked"], sent
+            continue
+        for kind, v in r.by_collective.items():
+            assert v["predicted"] == v["checked"], (rank, kind, v)
+        assert sent["predicted"] == sent["checked"] == (nproc > 1 and sent["checked"]), sent
 
 
 def test_the_search_tries_the_expert_parallel_degrees_that_divide_dp_and_the_experts() -> None:

@@ -36,8 +36,9 @@ tests compare the fake run with). Fake tensors carry no values: every scalar the
 
 Layouts checked: single, DDP (without compression), ZeRO-1, FSDP (every sharding), HSDP, tensor
 and sequence parallelism, and pipelines (gpipe, 1f1b, interleaved_1f1b, looped_bfs; the layouts
-above within each stage). Where the real code waits on a message from another rank, which the fake
-process group does not carry, the check gives the answer every rank would:
+above within each stage); a mixture of experts in each, and expert parallelism. Where the real code
+waits on a message from another rank, which the fake process group does not carry, the check gives
+the answer every rank would:
 
 - a pipeline rank builds its stages as a worker does, each with its inputs' and outputs' shapes
   (:func:`dtlab.parallel.pipeline.stage_io`), so no stage waits on its neighbour's; the schedule's
@@ -46,7 +47,13 @@ process group does not carry, the check gives the answer every rank would:
 - DDP's check that every rank's parameters have the same shapes runs on real buffers, its buckets
   are all-reduced as its own reducer does in a hook that hands them back at once, and their first
   layout is kept (DDP re-orders them once, at the second step, from rank 0's order). Its buckets
-  are the gradients (``gradient_as_bucket_view``), counted once, as ``grads``.
+  are the gradients (``gradient_as_bucket_view``), counted once, as ``grads``;
+- a mixture of experts routes by the plan's even router (:func:`_even_router`, through
+  :func:`dtlab.models.moe.routing_override`): fake scores hold nothing to choose by, and the expert
+  counts become split sizes the step reads back. The ids are real tensors, the gates the (fake)
+  scores of those experts; expert parallelism's all-to-all of the counts receives from every rank
+  what this rank sends itself, as every rank routes alike. So each rank's all-to-all bytes and
+  activations are the even router's, which the plan predicts (a real run's follow its routing).
 
 Not checked (:func:`unsupported` says why): DDP with compression, DiLoCo and the zero-bubble
 schedules.
@@ -180,10 +187,38 @@ class _FakeRun(TorchDispatchMode):
         made_on_meta = not tensors and str(kwargs.get("device")) == "meta"
         if made_on_meta or (tensors and not any(isinstance(a, FakeTensor) for a in tensors)):
             with unset_fake_temporarily():
-                return func(*args, **kwargs)
+                out = func(*args, **kwargs)
+                if func is torch.ops.c10d.alltoall_base_.default:
+                    _as_every_rank_sends(*args[:3])
+                return out
         if func is torch.ops.aten._local_scalar_dense.default:
             return 0.0 if args[0].dtype.is_floating_point else 0
         return func(*args, **kwargs)
+
+
+def _as_every_rank_sends(output: torch.Tensor, input: torch.Tensor, group: Any) -> None:
+    """An all-to-all of real tensors (expert parallelism's counts, even splits) under the fake
+    process group, which delivers nothing: ``output`` receives from every rank of ``group`` what
+    this rank sends itself, the answer when every rank routes as this one does (the check's even
+    router, on micro-batches of the same size)."""
+    if not isinstance(group, dist.ProcessGroup):  # the dispatcher's boxed form
+        group = dist.ProcessGroup.unbox(group)
+    own = input.chunk(group.size())[group.rank()]
+    for part in output.chunk(group.size()):
+        part.copy_(own)
+
+
+def _even_router(tokens: int, args: Any, device: torch.device) -> torch.Tensor:
+    """The check's routing (:func:`dtlab.models.moe.routing_override`): the plan's even router.
+    Token i's k experts are ``(i k + j) mod experts``, j < k: distinct, and every expert gets
+    ``tokens k / experts`` rows when that divides (so every EP rank receives as many rows as it
+    sends). Real int64 (under fake tensors too), so the counts, the split sizes and their
+    ``tolist()`` are real numbers."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        pairs = torch.arange(tokens * args.top_k, dtype=torch.int64, device=device)
+        return (pairs % args.experts).view(tokens, args.top_k)
 
 
 def unsupported(config: Config, world: int) -> str | None:
@@ -205,12 +240,6 @@ def unsupported(config: Config, world: int) -> str | None:
         )
     if config.parallel.diloco.inner_steps:
         return "DiLoCo is not checked: its outer state is in host memory, outside the step"
-    if config.model.moe.experts:
-        return (
-            "a mixture-of-experts model is not checked: its routing reads the router's scores "
-            "(which expert gets how many tokens), which fake tensors do not have (the plan's MoE "
-            "figures are compared with real runs: docs/moe-planning.md)"
-        )
     return None
 
 
@@ -230,6 +259,7 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
 
     from dtlab.metrics.comm import CommCounter
     from dtlab.models.llama import build_model
+    from dtlab.models.moe import routing_override
     from dtlab.parallel.apply import parallelize
     from dtlab.train.loop import train_step
     from dtlab.train.optim import build_optimizer
@@ -256,6 +286,8 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
         if fake:
             stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
             stack.enter_context(_FakeRun())
+            # Fake scores hold nothing to route by: the MoE blocks route as the plan assumes.
+            stack.enter_context(routing_override(_even_router))
         with _ddp_built_here() if fake else nullcontext():
             pm = parallelize(model, config, d)
         if fake and pm.pipeline is not None:
@@ -521,14 +553,27 @@ def check_rank(config: Config, nproc: int, nnodes: int, rank: int) -> RankCheck:
         "predicted": round(sum(plan.comm_bus_bytes.values())),
         "checked": checked["sent"],
     }
-    names = sorted(set(plan.comm_bytes) | set(checked["buffers"]))
+    comm = _counted_names(plan.comm_bytes, dims)
+    names = sorted(set(comm) | set(checked["buffers"]))
     result.by_collective = {
-        k: {"predicted": plan.comm_bytes.get(k, 0), "checked": checked["buffers"].get(k, 0)}
-        for k in names
+        k: {"predicted": comm.get(k, 0), "checked": checked["buffers"].get(k, 0)} for k in names
     }
     result.peak = {"predicted": plan.total_bytes, "checked": measured["peak"]}
     result.seconds = measured["seconds"]
     return result
+
+
+def _counted_names(comm: dict[str, int], dims: Any) -> dict[str, int]:
+    """The plan's collectives under the names the counter gives them: expert parallelism over the
+    whole world runs on the default group, whose collectives :func:`measure_step` leaves
+    unlabelled (``all_to_all``, not ``ep all_to_all``)."""
+    if not dims.ep_enabled or dims.ep < dims.world_size:
+        return comm
+    out: dict[str, int] = {}
+    for k, v in comm.items():
+        name = k.removeprefix("ep ")
+        out[name] = out.get(name, 0) + v
+    return out
 
 
 def choose_config(
