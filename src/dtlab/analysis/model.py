@@ -474,7 +474,7 @@ def _plan_rank(
     recompute = max(
         recompute_bytes(block, tokens, t.precision, ac, split, half_params, dims.pp_enabled)
         + moe.recompute_transients(block, tokens, t.precision, ac, half_params)
-        for block in moe.block_kinds(config.model)
+        for block in moe.block_kinds(rank_model)  # this rank's blocks (a stage's own kinds)
     ) + kernel_recompute_bytes(config.model, tokens, seq_len, t.precision, ac, kernel, split)
     # The peak in backward: what forward kept (for every micro-batch a pipeline stage holds at once),
     # or, under checkpointing, one block recomputed on top of the blocks' own: by the time a block is
@@ -514,19 +514,26 @@ def _plan_rank(
         groups.update({k: world_size for k in comm})
     _model_parallel_comm(config, dims, part, tokens, accum, comm, groups)
     moe.ep_comm(config, dims, shapes, tokens, accum, comm, groups)
+    whole = 0  # bytes all-reduced over every rank, whatever group the rest of "all_reduce" uses
     if dims.distributed and world_size > 1 and not p.diloco.inner_steps:
         # The step's one small reduction (loss, flags, stop votes, and a norm where gradients are DTensors
         # or each rank's own), over all ranks; under HSDP it is counted in the replicas' all-reduce group.
         # (DiLoCo's is within each replica: _diloco_comm.)
-        comm["all_reduce"] = comm.get("all_reduce", 0) + step_reduction_bytes(config, dims)
+        whole = step_reduction_bytes(config, dims)
         # The MoE routing figures (and with pipeline stages, their largest bias).
-        comm["all_reduce"] += moe.routing_reduce_bytes(config.model, dims.pp_enabled)
+        whole += moe.routing_reduce_bytes(config.model, dims.pp_enabled)
         if t.oom_retry:  # the ranks' out-of-memory agreement: a float per rank
-            comm["all_reduce"] += FP32 * world_size
+            whole += FP32 * world_size
+        comm["all_reduce"] = comm.get("all_reduce", 0) + whole
         groups.setdefault("all_reduce", world_size)
     plan.comm_bytes = comm
     plan.comm_groups = groups
     plan.comm_bus_bytes = {k: _ring(k, v, groups[k]) for k, v in comm.items()}
+    if whole and groups["all_reduce"] != world_size:
+        # Those small reductions run over every rank, not the group the key's bulk runs on.
+        plan.comm_bus_bytes["all_reduce"] += _ring("all_reduce", whole, world_size) - _ring(
+            "all_reduce", whole, groups["all_reduce"]
+        )
     return plan
 
 
