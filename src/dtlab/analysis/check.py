@@ -175,7 +175,8 @@ def _kind(kind: _RefType | str) -> str:
 
 class _FakeRun(TorchDispatchMode):
     """Above fake tensors: an op on real tensors only (a device mesh's rank map) or making a tensor on
-    the meta device runs for real, and a fake scalar read back (``.item()``, ``.tolist()``) is 0."""
+    the meta device runs for real (but a meta tensor given a device becomes fake), and a fake scalar
+    read back (``.item()``, ``.tolist()``) is 0."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
@@ -185,7 +186,16 @@ class _FakeRun(TorchDispatchMode):
         # A tensor made on the meta device (a pipeline stage's model, built in the step) is made as
         # outside the check: a fake meta parameter cannot be moved to a device (to_empty) later.
         made_on_meta = not tensors and str(kwargs.get("device")) == "meta"
-        if made_on_meta or (tensors and not any(isinstance(a, FakeTensor) for a in tensors)):
+        # A meta tensor given a device (to_empty: the model's parameters, DTensor shards' local
+        # parts) becomes a fake one: run for real, it would take the rank's whole state in memory.
+        device = kwargs.get("device")
+        from_meta = (
+            device is not None
+            and torch.device(device).type != "meta"
+            and all(a.device.type == "meta" for a in tensors)
+        )
+        real = tensors and not from_meta and not any(isinstance(a, FakeTensor) for a in tensors)
+        if made_on_meta or real:
             with unset_fake_temporarily():
                 out = func(*args, **kwargs)
                 if func is torch.ops.c10d.alltoall_base_.default:
