@@ -471,9 +471,11 @@ def _plan_rank(
     if dims.pp_enabled and order is not None:
         kept = _pipeline_kept(config, dims, part, tokens, accum, order, kernel, device_type)
     # The largest block recomputed: an MoE model has dense blocks and MoE blocks (dtlab.analysis.moe).
+    pipelined = dims.pp_enabled and order is not None
     recompute = max(
         recompute_bytes(block, tokens, t.precision, ac, split, half_params, dims.pp_enabled)
         + moe.recompute_transients(block, tokens, t.precision, ac, half_params)
+        - moe.recompute_copies_held(block, config, dims, pipelined)
         for block in moe.block_kinds(rank_model)  # this rank's blocks (a stage's own kinds)
     ) + kernel_recompute_bytes(config.model, tokens, seq_len, t.precision, ac, kernel, split)
     # The peak in backward: what forward kept (for every micro-batch a pipeline stage holds at once),
@@ -486,14 +488,9 @@ def _plan_rank(
         loss_part = activation_bytes(
             no_blocks, tokens, t.precision, ac, split, True, half_params, compiled
         )
-    if (
-        dims.pp_enabled
-        and order is not None
-        and t.precision in ("bf16", "fp16")
-        and not half_params
-    ):
-        # The recomputed block's weight copies are autocast's, kept since its forward (above).
-        recompute -= 2 * block_matmul_params(config.model) // dims.tp if ac == "full" else 0
+    if pipelined and ac == "full":
+        # Expert parallelism's rows of the recomputed MoE block (a micro-batch's, above, without).
+        recompute += moe.ep_rows_bytes(config, dims, tokens, rank_model)
     plan.activations_bytes = max(kept, kept - loss_part + recompute)
     # RoPE's cos and sin tables (float32, max_seq_len x head_dim / 2 each) in every stage's module.
     m = config.model
@@ -513,7 +510,7 @@ def _plan_rank(
         comm.update(ddp_comm_bytes(dp_shapes, config, world_size))
         groups.update({k: world_size for k in comm})
     _model_parallel_comm(config, dims, part, tokens, accum, comm, groups)
-    moe.ep_comm(config, dims, shapes, tokens, accum, comm, groups)
+    moe.ep_comm(config, dims, shapes, tokens, accum, comm, groups, rank_model)
     whole = 0  # bytes all-reduced over every rank, whatever group the rest of "all_reduce" uses
     if dims.distributed and world_size > 1 and not p.diloco.inner_steps:
         # The step's one small reduction (loss, flags, stop votes, and a norm where gradients are DTensors
@@ -632,12 +629,22 @@ def _pipeline_kept(
         stage = moe.part_model(m, part.n_stages, [sid])
         own = activation_bytes(stage, tokens, t.precision, ac, split, last, half_params)
         weights = activation_bytes(stage, 0, t.precision, ac, split, last, half_params) - 8
+        # Expert parallelism's rows kept by each micro-batch (under full checkpointing only the
+        # recomputed block's, counted with the recomputation).
+        rows = moe.ep_rows_bytes(config, dims, tokens, stage) if ac != "full" else 0
         per_mb.append(
-            own - weights + kernel_bytes(stage, tokens, seq_len, t.precision, ac, kernel, split)
+            own
+            - weights
+            + rows
+            + kernel_bytes(stage, tokens, seq_len, t.precision, ac, kernel, split)
         )
         # Every block's copies, checkpointed or not: autocast keeps them for its whole region, the
         # step (a checkpointed block's forward makes them too).
-        copies.append(activation_bytes(stage, 0, t.precision, "none", split, last, half_params) - 8)
+        copies.append(
+            activation_bytes(stage, 0, t.precision, "none", split, last, half_params)
+            - 8
+            + moe.ep_copies_bytes(config, dims, stage, "none")
+        )
     shard = dims.tp if config.parallel.sequence_parallel else 1
     stream = tokens * m.dim * (2 if half_params else FP32) // shard
     logits = tokens * (m.vocab_size // dims.tp) * (2 if half else FP32)

@@ -40,12 +40,15 @@ __all__ = [
     "data_parallel_shapes",
     "ep_activation_bytes",
     "ep_comm",
+    "ep_copies_bytes",
     "ep_degree",
+    "ep_rows_bytes",
     "flops_per_token",
     "held_numel",
     "is_expert",
     "moe_blocks",
     "param_counts",
+    "recompute_copies_held",
     "recompute_flops_per_token",
     "recompute_transients",
     "routing_reduce_bytes",
@@ -331,6 +334,36 @@ def recompute_transients(
     return max(0, tokens * per_token - generic)
 
 
+def recompute_copies_held(
+    block: ModelConfig, config: Config, dims: ParallelDims, pipelined: bool
+) -> int:
+    """Autocast's weight copies that :func:`dtlab.analysis.activations.recompute_bytes` counts in
+    recomputing one block of kind ``block`` (:func:`block_kinds`) under ``full`` checkpointing but
+    that the recomputation does not make: in a pipeline all of the block's (autocast keeps them
+    from the block's forward to the step's end, counted with the stage's); under expert
+    parallelism those of the experts held on other ranks (never cast here). 0 in float32, on
+    FSDP's half-precision parameters, or without ``full`` checkpointing."""
+    from dtlab.analysis.activations import block_matmul_params
+    from dtlab.analysis.model import fsdp_half_params
+
+    half = config.train.precision in ("bf16", "fp16")
+    if config.train.activation_checkpointing != "full" or not half:
+        return 0
+    if fsdp_half_params(config, dims):
+        return 0
+    tp, ep = dims.tp, dims.ep if dims.ep_enabled else 1
+    if not moe_blocks(block):
+        return 2 * block_matmul_params(block) // tp if pipelined else 0
+    moe, h = block.moe, _expert_dim(block)
+    kv = block.kv_heads * (block.dim // block.n_heads)
+    attention = 2 * block.dim * block.dim + 2 * block.dim * kv
+    elsewhere = 3 * block.dim * h * (moe.experts - moe.experts // ep)
+    if not pipelined:
+        return 2 * elsewhere
+    held = block.dim * moe.experts + 3 * block.dim * h * (moe.experts // ep + moe.shared_experts)
+    return 2 * (attention // tp + held)
+
+
 def buffer_bytes(m: ModelConfig) -> int:
     """The MoE blocks' buffers (float32): the balancing bias [experts] (with bias balancing), the
     step's tokens per expert [experts] and the auxiliary loss's sum and count [2]."""
@@ -388,22 +421,46 @@ def ep_activation_bytes(config: Config, dims: ParallelDims, tokens: int) -> int:
     Measured with MemTracker on gloo runs (ddp and fsdp, ep 2, fp32 and bf16, full checkpointing):
     the mean over the ranks is this to 8 bytes, whatever the routing, as the rows received sum to
     the rows sent. Under ``selective`` checkpointing a few % under (docs/moe-planning.md)."""
-    m = config.model
+    return ep_rows_bytes(config, dims, tokens) + ep_copies_bytes(config, dims)
+
+
+def ep_rows_bytes(
+    config: Config, dims: ParallelDims, tokens: int, m: ModelConfig | None = None
+) -> int:
+    """The part of :func:`ep_activation_bytes` each micro-batch keeps: the combine's copy of the
+    rows and the regrouping order, for the MoE blocks of ``m`` (a pipeline stage's; default the
+    whole model)."""
+    m = m or config.model
     blocks = moe_blocks(m)
     if not dims.ep_enabled or not blocks:
         return 0
     _, yb = _ep_dtypes(config, dims)
     ac = config.train.activation_checkpointing
-    out = (1 if ac == "full" else blocks) * tokens * m.moe.top_k * (m.dim * yb + INT64)
+    return (1 if ac == "full" else blocks) * tokens * m.moe.top_k * (m.dim * yb + INT64)
+
+
+def ep_copies_bytes(
+    config: Config, dims: ParallelDims, m: ModelConfig | None = None, ac: str | None = None
+) -> int:
+    """The part of :func:`ep_activation_bytes` made once per autocast region (a pipeline's step
+    shares it between its micro-batches): the weight copies of the experts held elsewhere, not
+    made (negative), or of the rank's float32 expert shards under FSDP in half precision.
+    ``ac``: the checkpointing the copies are counted for (default the config's; a pipeline keeps
+    every block's copies through its step, checkpointed or not, as ``none``)."""
+    m = m or config.model
+    blocks = moe_blocks(m)
+    if not dims.ep_enabled or not blocks:
+        return 0
     xb, _ = _ep_dtypes(config, dims)
+    ac = ac or config.train.activation_checkpointing
     h = _expert_dim(m)
     if config.train.precision in ("bf16", "fp16") and xb == FP32 and ac == "none":
-        out -= 2 * blocks * 3 * m.dim * h * (m.moe.experts - m.moe.experts // dims.ep)
-    elif xb == 2 and ac == "none":
+        return -2 * blocks * 3 * m.dim * h * (m.moe.experts - m.moe.experts // dims.ep)
+    if xb == 2 and ac == "none":
         # FSDP gathers the other weights in half precision but leaves the expert shards float32:
         # the rank's experts are cast like autocast's weights, their copies kept for backward.
-        out += 2 * blocks * 3 * m.dim * h * (m.moe.experts // dims.ep)
-    return out
+        return 2 * blocks * 3 * m.dim * h * (m.moe.experts // dims.ep)
+    return 0
 
 
 def ep_comm(
@@ -414,6 +471,7 @@ def ep_comm(
     microbatches: int,
     comm: dict[str, int],
     groups: dict[str, int],
+    m: ModelConfig | None = None,
 ) -> None:
     """Expert parallelism's collectives per optimizer step into ``comm`` (bytes, as
     :class:`dtlab.metrics.comm.CommCounter` counts them) and ``groups`` (ranks in each), for a
@@ -429,8 +487,10 @@ def ep_comm(
     sends ``(ep - 1) / ep`` of it to the others (:func:`dtlab.analysis.model._ring`).
 
     ``ep_dp all_reduce``: once per step, the float32 gradients of the rank's expert shards summed
-    over the ``dp / ep`` ranks that hold the same experts (none when that is one rank)."""
-    m = config.model
+    over the ``dp / ep`` ranks that hold the same experts (none when that is one rank).
+
+    ``m``: the rank's blocks (a pipeline stage's, :func:`part_model`); default the whole model."""
+    m = m or config.model
     blocks = moe_blocks(m)
     if not dims.ep_enabled or not blocks:
         return
