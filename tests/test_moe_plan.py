@@ -202,6 +202,12 @@ CHECKED = {
                                            "train.activation_checkpointing=full"]),
     "ddp:2 ep:2 bf16 full AC": (2, ["parallel.strategy=ddp", "parallel.ep=2",
                                     "train.precision=bf16", "train.activation_checkpointing=full"]),
+    # FSDP's half-precision parameters beside float32 expert shards, recomputed.
+    "fsdp:4 ep:2 bf16 full AC": (4, ["parallel.strategy=fsdp", "parallel.ep=2",
+                                     "train.precision=bf16", "train.activation_checkpointing=full",
+                                     "train.global_batch_size=16"]),
+    "fsdp:2 bf16 selective AC": (2, ["parallel.strategy=fsdp", "train.precision=bf16",
+                                     "train.activation_checkpointing=selective"]),
 }  # fmt: skip
 
 
