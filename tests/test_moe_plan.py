@@ -242,6 +242,29 @@ def test_check_runs_an_moe_model_and_finds_the_plan(layout: str) -> None:
         assert sent["predicted"] == sent["checked"] == (nproc > 1 and sent["checked"]), sent
 
 
+def test_a_rank_of_qwen3_blocks_on_64_ranks_is_checked_against_its_plan() -> None:
+    """qwen3-30b-a3b's shape cut to 2 blocks, FSDP 64 x EP 8 over 8 nodes of 8, bf16, full
+    checkpointing: rank 0's real code at full world size, its 16 of 128 experts per block, is the
+    plan's to the byte in state, activations (the loss's peak: no block's all-to-all rows in it)
+    and every collective, the all-to-all of 1,024 tokens x top 8 included."""
+    config = load_config(
+        overrides=[
+            "model.preset=qwen3-30b-a3b", "model.n_layers=2", "parallel.strategy=fsdp",
+            "parallel.ep=8", "train.precision=bf16", "train.activation_checkpointing=full",
+            "data.seq_len=1024", "train.global_batch_size=64",
+        ]
+    )  # fmt: skip
+    r = check_rank(config, 8, 8, 0)
+    assert r.skipped is None, r.skipped
+    for name in ("params", "grads", "optimizer", "buffers", "activations"):
+        assert r.components[name]["predicted"] == pytest.approx(
+            r.components[name]["checked"], rel=1e-6
+        ), name
+    assert r.by_collective["ep all_to_all"]["checked"] > 0
+    for kind, v in r.by_collective.items():
+        assert v["predicted"] == v["checked"], (kind, v)
+
+
 def test_the_search_tries_the_expert_parallel_degrees_that_divide_dp_and_the_experts() -> None:
     """tiny-moe (8 experts) on 4 ranks: ep 1, 2 and 4 where all 4 ranks are data-parallel (2 of 4
     where tp takes 2); a dense model has no ep to search, and a given ep is kept."""

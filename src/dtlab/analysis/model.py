@@ -432,7 +432,9 @@ def _plan_rank(
     act = activation_bytes(
         rank_model, tokens, t.precision, t.activation_checkpointing, split, part.last, half_params,
         compiled,
-    ) + moe.ep_activation_bytes(config, dims, tokens)  # fmt: skip
+    ) + moe.ep_copies_bytes(config, dims, rank_model)  # fmt: skip
+    if t.activation_checkpointing != "full":  # (under full: the recomputed block's, below)
+        act += moe.ep_rows_bytes(config, dims, tokens, rank_model)
     plan = StepPlan(
         strategy=p.strategy,
         sharding=p.sharding if dims.fsdp_enabled or dims.shard_optimizer else "-",
@@ -488,8 +490,9 @@ def _plan_rank(
         loss_part = activation_bytes(
             no_blocks, tokens, t.precision, ac, split, True, half_params, compiled
         )
-    if pipelined and ac == "full":
-        # Expert parallelism's rows of the recomputed MoE block (a micro-batch's, above, without).
+    if ac == "full":
+        # Expert parallelism's rows of the recomputed MoE block, alive only while it is recomputed
+        # (not at the loss, where a long vocabulary's logits may be the peak).
         recompute += moe.ep_rows_bytes(config, dims, tokens, rank_model)
     plan.activations_bytes = max(kept, kept - loss_part + recompute)
     # RoPE's cos and sin tables (float32, max_seq_len x head_dim / 2 each) in every stage's module.
