@@ -386,7 +386,7 @@ def routing_reduce_bytes(m: ModelConfig, stages: bool = False) -> int:
     routing_step`): each MoE block's tokens per expert and its auxiliary loss's sum and count,
     float32, over every rank; with pipeline ``stages`` and bias balancing, the largest bias
     agreed by a second (one float32)."""
-    bias = FP32 if stages and "bias" in m.moe.balance else 0
+    bias = FP32 if stages and m.moe.experts and "bias" in m.moe.balance else 0
     return moe_blocks(m) * (m.moe.experts + 2) * FP32 + bias
 
 
