@@ -208,6 +208,10 @@ CHECKED = {
                                      "train.global_batch_size=16"]),
     "fsdp:2 bf16 selective AC": (2, ["parallel.strategy=fsdp", "train.precision=bf16",
                                      "train.activation_checkpointing=selective"]),
+    # A stage of a dense and an MoE block, two micro-batches in flight: each keeps its own copies
+    # of the routed experts' weights (slices, which autocast does not cache).
+    "tiny-moe pp:2 1f1b bf16": (2, ["model.preset=tiny-moe", "parallel.pp=2",
+                                    "parallel.pp_schedule=1f1b", "train.precision=bf16"]),
 }  # fmt: skip
 
 

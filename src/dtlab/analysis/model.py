@@ -635,6 +635,10 @@ def _pipeline_kept(
         # Expert parallelism's rows kept by each micro-batch (under full checkpointing only the
         # recomputed block's, counted with the recomputation).
         rows = moe.ep_rows_bytes(config, dims, tokens, stage) if ac != "full" else 0
+        # The routed experts' copies are each micro-batch's own (not cached by autocast), kept
+        # for backward unless the block is checkpointed.
+        routed = moe.routed_copy_bytes(config, dims, stage)
+        rows += routed if ac != "full" else 0
         per_mb.append(
             own
             - weights
@@ -647,6 +651,7 @@ def _pipeline_kept(
             activation_bytes(stage, 0, t.precision, "none", split, last, half_params)
             - 8
             + moe.ep_copies_bytes(config, dims, stage, "none")
+            - routed
         )
     shard = dims.tp if config.parallel.sequence_parallel else 1
     stream = tokens * m.dim * (2 if half_params else FP32) // shard

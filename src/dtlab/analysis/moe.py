@@ -51,6 +51,7 @@ __all__ = [
     "recompute_copies_held",
     "recompute_flops_per_token",
     "recompute_transients",
+    "routed_copy_bytes",
     "routing_reduce_bytes",
     "weight_copy_delta",
 ]
@@ -370,8 +371,29 @@ def recompute_copies_held(
     elsewhere = 3 * block.dim * h * (moe.experts - moe.experts // ep)
     if not pipelined:
         return 2 * elsewhere
-    held = block.dim * moe.experts + 3 * block.dim * h * (moe.experts // ep + moe.shared_experts)
+    # The routed experts' copies are not autocast's cached ones (each is a slice of the stacked
+    # weight): the recomputation makes them again (:func:`routed_copy_bytes`).
+    held = block.dim * moe.experts + 3 * block.dim * h * moe.shared_experts
     return 2 * (attention // tp + held)
+
+
+def routed_copy_bytes(config: Config, dims: ParallelDims, m: ModelConfig | None = None) -> int:
+    """Half-precision copies of the rank's routed experts that the MoE blocks of ``m`` (default
+    the whole model) make in one forward: each expert's weight is cast as a slice of the stacked
+    one, which autocast does not cache, so every micro-batch in flight keeps its own (a
+    pipeline's), unlike a plain linear layer's copy, made once per autocast region. Under autocast
+    on float32 weights, and on FSDP's half-precision parameters for the float32 expert shards that
+    expert parallelism leaves out of FSDP; 0 otherwise."""
+    from dtlab.analysis.model import fsdp_half_params
+
+    m = m or config.model
+    blocks = moe_blocks(m)
+    if not blocks or config.train.precision not in ("bf16", "fp16"):
+        return 0
+    if fsdp_half_params(config, dims) and not dims.ep_enabled:
+        return 0
+    ep = dims.ep if dims.ep_enabled else 1
+    return 2 * blocks * 3 * m.dim * _expert_dim(m) * (m.moe.experts // ep)
 
 
 def buffer_bytes(m: ModelConfig) -> int:
