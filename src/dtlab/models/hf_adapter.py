@@ -190,17 +190,11 @@ def from_hf_shapes(
     return {from_hf_name(k): v for k, v in shapes.items() if not _derived(k, args)}
 
 
-def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """``config.json`` of the Hugging Face Llama model with the shape ``args`` gives (Qwen2-MoE for
-    a mixture of experts)."""
-    dtype_name = str(dtype).removeprefix("torch.")
-    if args.moe is not None:
-        return _qwen2_moe_config(args, dtype_name)
+def _shared_config(args: ModelArgs, dtype_name: str) -> dict[str, Any]:
+    """The ``config.json`` keys the Llama and the Qwen2-MoE models share."""
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
         "hidden_size": args.dim,
-        "intermediate_size": args.ffn_dim,
+        "intermediate_size": args.ffn_dim,  # a mixture of experts: its dense blocks' MLP
         "num_hidden_layers": args.n_layers,
         "num_attention_heads": args.n_heads,
         "num_key_value_heads": args.n_kv_heads,
@@ -213,10 +207,7 @@ def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32) -> dict[str, 
         "rope_theta": args.rope_theta,
         "rope_scaling": None,
         "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
-        "attention_bias": False,
         "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "pretraining_tp": 1,
         "tie_word_embeddings": args.tie_embeddings,
         "initializer_range": 0.02,
         "use_cache": True,
@@ -226,6 +217,22 @@ def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32) -> dict[str, 
         "pad_token_id": None,
         "torch_dtype": dtype_name,
         "dtype": dtype_name,
+    }
+
+
+def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """``config.json`` of the Hugging Face Llama model with the shape ``args`` gives (Qwen2-MoE for
+    a mixture of experts)."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    if args.moe is not None:
+        return _qwen2_moe_config(args, dtype_name)
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **_shared_config(args, dtype_name),
+        "attention_bias": False,
+        "mlp_bias": False,
+        "pretraining_tp": 1,
     }
 
 
@@ -313,21 +320,8 @@ def _qwen2_moe_config(args: ModelArgs, dtype_name: str) -> dict[str, Any]:
     return {
         "architectures": ["Qwen2MoeForCausalLM"],
         "model_type": HF_MOE_TYPE,
-        "hidden_size": args.dim,
-        "intermediate_size": args.ffn_dim,  # the dense blocks' MLP
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "max_position_embeddings": args.max_seq_len,
-        "hidden_act": "silu",
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
-        "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
+        **_shared_config(args, dtype_name),
         "qkv_bias": True,  # zeros (transformers before 5 always builds the biases)
-        "attention_dropout": 0.0,
         "use_sliding_window": False,
         "sliding_window": None,
         "max_window_layers": args.n_layers,
@@ -340,14 +334,6 @@ def _qwen2_moe_config(args: ModelArgs, dtype_name: str) -> dict[str, Any]:
         "mlp_only_layers": list(range(m.dense_layers)),
         "output_router_logits": False,
         "router_aux_loss_coef": m.aux_coef,
-        "tie_word_embeddings": args.tie_embeddings,
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "bos_token_id": None,
-        "eos_token_id": None,
-        "pad_token_id": None,
-        "torch_dtype": dtype_name,
-        "dtype": dtype_name,
     }
 
 
