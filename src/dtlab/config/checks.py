@@ -327,12 +327,7 @@ def _check_moe(c: Config) -> None:
             t.engine == "mlx", "'mlx'", "torch", "the MLX model has no MoE feed-forward",
         ),
     }  # fmt: skip
-    for key, (bad, shown, allowed, why) in refused.items():
-        if bad:
-            raise ValueError(
-                f"{key} = {shown} is not supported with model.moe.experts = {moe.experts} "
-                f"(allowed: {allowed}): {why}"
-            )
+    _refuse(refused, f"model.moe.experts = {moe.experts}")
     if p.ep == 1:
         return
     # key: (refused, the value as written, what is allowed, why)
@@ -354,11 +349,16 @@ def _check_moe(c: Config) -> None:
             "a rank out of memory inside forward would leave the others in the experts' all-to-all",
         ),
     }  # fmt: skip
-    for key, (bad, shown, allowed, why) in with_ep.items():
+    _refuse(with_ep, f"parallel.ep = {p.ep}")
+
+
+def _refuse(table: dict[str, tuple[bool, str, str, str]], setting: str) -> None:
+    """The first refused key of ``table`` (key: refused, the value as written, what is allowed,
+    why) as an error naming ``setting``, the setting it does not go with."""
+    for key, (bad, shown, allowed, why) in table.items():
         if bad:
             raise ValueError(
-                f"{key} = {shown} is not supported with parallel.ep = {p.ep} (allowed: {allowed}): "
-                f"{why}"
+                f"{key} = {shown} is not supported with {setting} (allowed: {allowed}): {why}"
             )
 
 
