@@ -21,7 +21,7 @@ ranks holding the same experts; everything else keeps the data-parallel layout.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from dtlab.analysis.activations import FP32, TPSplit, _norm_bytes
@@ -41,7 +41,6 @@ __all__ = [
     "ep_activation_bytes",
     "ep_comm",
     "ep_copies_bytes",
-    "ep_degree",
     "ep_rows_bytes",
     "flops_per_token",
     "held_numel",
@@ -115,11 +114,6 @@ def block_kinds(m: ModelConfig) -> list[ModelConfig]:
     return kinds
 
 
-def ep_degree(config: Config) -> int:
-    """The expert-parallel degree of ``config`` (``parallel.ep``)."""
-    return config.parallel.ep
-
-
 @dataclass(frozen=True)
 class ParamCounts:
     """A model's parameters: all of them, and those one token's forward runs through."""
@@ -130,12 +124,7 @@ class ParamCounts:
     routed_active: int  # the top_k of them a token runs
 
     def as_dict(self) -> dict[str, int]:
-        return {
-            "total": self.total,
-            "active": self.active,
-            "routed": self.routed,
-            "routed_active": self.routed_active,
-        }
+        return asdict(self)
 
 
 def param_counts(shapes: list[ParamShape], m: ModelConfig) -> ParamCounts:
