@@ -424,6 +424,7 @@ def _plan_rank(
     # FSDP shards over the shard group; no_shard and ddp replicate; hsdp shards within a replica group.
     # Expert parallelism: the routed experts split over the EP group instead (dtlab.analysis.moe).
     held = sum(moe.held_numel(s, dims) for s in shapes)
+    own_rows = shard_rank if dims.fsdp_enabled else None
     dp_shapes = moe.data_parallel_shapes(shapes, dims)  # what DDP and FSDP reduce and gather
     rank_model = moe.part_model(config.model, part.n_stages, part.stages)  # its stages' blocks
     split = TPSplit(dims.tp, p.sequence_parallel)
@@ -441,17 +442,9 @@ def _plan_rank(
         world_size=world_size,
         params_bytes=held * FP32,
         grads_bytes=held * FP32 + _tp_embedding_grad_extra(config, dims, part),
+        # The optimizer state mirrors the shard's real rows (FSDP2 pads the parameter's chunk).
         optimizer_bytes=_optimizer_bytes(
-            config,
-            shapes,
-            held
-            if shard_rank is None or not dims.fsdp_enabled
-            else sum(
-                moe.held_numel(s, dims)
-                if dims.ep_enabled and moe.is_expert(s.name)
-                else s.shard_numel_at(dims.dp_shard, shard_rank)
-                for s in shapes
-            ),
+            config, shapes, sum(moe.held_numel(s, dims, own_rows) for s in shapes)
         )
         if not dims.shard_optimizer
         else _zero1_optimizer_bytes(config, shapes, dims.dp),

@@ -205,13 +205,16 @@ def recompute_flops_per_token(m: ModelConfig, seq_len: int, ac: str) -> float:
     return out + blocks * (2.0 * (attention + ffn - unread) + 4.0 * m.dim * seq_len) + elementwise
 
 
-def held_numel(s: ParamShape, dims: ParallelDims) -> int:
+def held_numel(s: ParamShape, dims: ParallelDims, shard: int | None = None) -> int:
     """Elements one rank holds of parameter ``s``: under expert parallelism a routed expert's
     stacked weight [experts, ...] is split along dim 0 over the EP group (``experts / ep`` experts
     on each rank) and left whole by DDP and FSDP (:mod:`dtlab.parallel.expert`); every other
-    parameter as the data-parallel strategy shards it (FSDP: dim 0 over ``dp_shard`` ranks)."""
+    parameter as the data-parallel strategy shards it (FSDP: dim 0 over ``dp_shard`` ranks, a
+    padded chunk; ``shard``: the real rows of that index's chunk instead)."""
     if dims.ep_enabled and is_expert(s.name):
         return s.numel // dims.ep
+    if shard is not None:
+        return s.shard_numel_at(dims.dp_shard, shard)
     return s.shard_numel(dims.dp_shard)
 
 
