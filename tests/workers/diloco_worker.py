@@ -19,6 +19,7 @@ from dtlab.config import load_config
 from dtlab.metrics.comm import CommCounter
 from dtlab.parallel import destroy_distributed, init_distributed
 from dtlab.runtime.status import leave_worker
+from dtlab.train.diloco import gathers
 from dtlab.train.loop import TorchEngine, comm_labels
 
 STEPS = 9
@@ -41,7 +42,7 @@ syncs = diloco_sync_bytes(shapes, config, d.dims.diloco, d.dims.dp_shard)
 plan = plan_step(config, d.world_size, shapes)
 base = sum(v for k, v in plan.comm_bytes.items() if not k.startswith("diloco"))
 base_wire = sum(v for k, v in plan.comm_bus_bytes.items() if not k.startswith("diloco"))
-outer = "all_reduce" if config.parallel.diloco.quantize == "none" else "all_gather"
+outer = "all_gather" if gathers(config.parallel.diloco) else "all_reduce"
 labels, sizes = comm_labels(d, tr.diloco)
 measured, predicted, measured_wire, predicted_wire = [], [], [], []
 by_kind: list[dict[str, int]] = []  # each step's bytes by collective and group label

@@ -31,7 +31,7 @@ from dtlab.config import Config, ModelConfig
 from dtlab.dims import DPWrapper, ParallelDims, stage_ids, stage_layers
 from dtlab.parallel.apply import compiles_loss
 from dtlab.runtime.signals import STOP_SIGNALS
-from dtlab.train.diloco import fragment_of, sync_bytes
+from dtlab.train.diloco import fragment_of, gathers, sync_bytes
 
 
 @dataclass(frozen=True)
@@ -208,7 +208,7 @@ def diloco_sync_bytes(
     numel = [0] * o.fragments
     for s in shapes:
         numel[fragment_of(s.name, config.model.n_layers, o.fragments)] += s.shard_numel(shard)
-    return [sync_bytes(n, o.quantize, replicas) for n in numel]
+    return [sync_bytes(n, o, replicas) for n in numel]
 
 
 def _diloco_comm(
@@ -223,7 +223,7 @@ def _diloco_comm(
     several DDP ranks, DDP's gradient all-reduce (FSDP's collectives: :func:`_fsdp_comm`)."""
     o = config.parallel.diloco
     if dims.diloco > 1:
-        kind = "diloco " + ("all_reduce" if o.quantize == "none" else "all_gather")
+        kind = "diloco " + ("all_gather" if gathers(o) else "all_reduce")
         syncs = diloco_sync_bytes(shapes, config, dims.diloco, dims.dp_shard)
         comm[kind], groups[kind] = round(sum(syncs) / o.inner_steps), dims.diloco
         # The replicas' agreement, once per step that sends a sync.
@@ -248,7 +248,7 @@ def diloco_host_bytes(config: Config, dims: ParallelDims, shapes: list[ParamShap
     fragment being synced, for the moment of its sync)."""
     o = config.parallel.diloco
     held = [s.shard_numel(dims.dp_shard) for s in shapes]
-    per_value = 1 + (o.outer_momentum > 0) + (o.quantize != "none")
+    per_value = 1 + (o.outer_momentum > 0) + gathers(o)
     frags = [0] * o.fragments
     for s, n in zip(shapes, held, strict=True):
         frags[fragment_of(s.name, config.model.n_layers, o.fragments)] += n

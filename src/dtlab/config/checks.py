@@ -203,6 +203,11 @@ def _check_diloco(c: Config) -> None:
             f"parallel.diloco.delay = {o.delay} must be less than inner_steps = {o.inner_steps}: a "
             "fragment's sync must land before its next one starts"
         )
+    if o.quantize == "int1" and not o.topk:
+        raise ValueError(
+            "parallel.diloco.quantize = 'int1' sends signs only, which needs a sparse outer gradient "
+            "(parallel.diloco.topk > 0); allowed without topk: none, int8, int4, int2"
+        )
 
 
 def _check_tp(c: Config) -> None:

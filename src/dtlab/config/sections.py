@@ -490,11 +490,35 @@ class DiLoCoOptions(_Section):
         description="Streaming DiLoCo: inner steps the outer all-reduce of a fragment overlaps with; "
         "its result is applied that many steps later (0 = at once). Less than inner_steps.",
     )
-    quantize: Literal["none", "int8", "int4", "int2"] = Field(
+    quantize: Literal["none", "int8", "int4", "int2", "int1"] = Field(
         "none",
         description="Outer gradients sent in 8, 4 or 2 bits per value (symmetric: int2 is ternary, "
         "-s, 0, s; one float32 scale per 64 values), with error feedback (what rounding lost is added "
-        "to the next sync).",
+        "to the next sync). With topk: the sent values' bits (sign and magnitude, one float32 scale "
+        "per chunk); int1 (the sign, times the chunk's mean magnitude) only with topk.",
+    )
+    topk: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="SparseLoCo: the fraction of each chunk's outer-gradient values sent (the "
+        "largest in magnitude, with their indices), the rest kept in the error feedback; "
+        "0 = every value (dense).",
+    )
+    chunk: int = Field(
+        4096,
+        ge=2,
+        le=1 << 24,
+        description="SparseLoCo: values per chunk the top-k is taken in (indices of "
+        "ceil(log2 chunk) bits).",
+    )
+    error_decay: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="beta of the error feedback of quantised or sparse outer gradients: "
+        "e = beta e + delta before each send (SparseLoCo's stand-in for outer momentum; 1 = "
+        "plain error feedback).",
     )
 
 

@@ -50,13 +50,16 @@ from dtlab.dims import ParallelDims
 from dtlab.errors import CheckpointError
 from dtlab.parallel.ledger import recorded
 from dtlab.runtime.placement import placed
+from dtlab.train import sparseloco
 
 __all__ = [
     "QUANT_BLOCK",
     "DiLoCo",
     "GlobalModelState",
     "fragment_of",
+    "gathers",
     "outer_group",
+    "outer_payload_bytes",
     "outer_state_pinned",
     "replica_group",
     "sync_bytes",
@@ -82,12 +85,25 @@ def payload_bytes(numel: int, quantize: str) -> int:
     return blocks * (QUANT_BLOCK * BITS[quantize] // 8 + 4)
 
 
-def sync_bytes(numel: int, quantize: str, world: int) -> int:
+def sync_bytes(numel: int, options: DiLoCoOptions, world: int) -> int:
     """Bytes of the collective that syncs ``numel`` values, as the collective counter counts them (the
     whole buffer: the all-reduced tensor, or the all-gather's output)."""
-    if quantize == "none":
+    if not gathers(options):
         return 4 * numel
-    return world * payload_bytes(numel, quantize)
+    return world * outer_payload_bytes(numel, options)
+
+
+def gathers(options: DiLoCoOptions) -> bool:
+    """Whether the outer sync all-gathers payloads (quantised or sparse) rather than all-reducing
+    float32 sums."""
+    return options.quantize != "none" or options.topk > 0
+
+
+def outer_payload_bytes(numel: int, options: DiLoCoOptions) -> int:
+    """Bytes one replica sends for an outer gradient of ``numel`` values under ``options``."""
+    if options.topk > 0:
+        return sparseloco.payload_bytes(numel, options.topk, options.chunk, options.quantize)
+    return payload_bytes(numel, options.quantize)
 
 
 def _quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -292,15 +308,19 @@ class DiLoCo:
             delta = torch.cat(
                 [(self._dev(self.global_[i]) - params[i].detach().float()).flatten() for i in idx]
             )
-        if self.o.quantize == "none":
+        if not gathers(self.o):
             buffer = delta
             work = self._collective(dist.all_reduce, buffer)
         else:
-            bits = BITS[self.o.quantize]
-            error = self._flat_error(idx, delta)
-            target = delta + error
-            payload, sent = _quantize(target, bits)
-            self._store_error(idx, target - sent)  # what rounding lost goes into the next sync
+            # What was not sent before, decayed, plus this sync's pseudo-gradient.
+            target = self._flat_error(idx, delta).mul_(self.o.error_decay).add_(delta)
+            if self.o.topk > 0:
+                payload, sent = sparseloco.encode(
+                    target, self.o.topk, self.o.chunk, self.o.quantize
+                )
+            else:
+                payload, sent = _quantize(target, BITS[self.o.quantize])
+            self._store_error(idx, target - sent)  # what was not sent goes into the next sync
             buffer = torch.empty(
                 self.world * payload.numel(), dtype=torch.uint8, device=delta.device
             )
@@ -317,14 +337,18 @@ class DiLoCo:
 
     def _mean(self, sync: _Sync, numel: int) -> torch.Tensor:
         """The replicas' mean outer gradient, the same on every rank."""
-        if self.o.quantize == "none":
+        if not gathers(self.o):
             return sync.buffer / self.world
-        bits = BITS[self.o.quantize]
         parts = sync.buffer.view(self.world, -1)
-        total = _dequantize(parts[0], numel, bits)
+        total = self._decode(parts[0], numel)
         for r in range(1, self.world):  # in rank order: every rank sums alike
-            total += _dequantize(parts[r], numel, bits)
+            total += self._decode(parts[r], numel)
         return total / self.world
+
+    def _decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
+        if self.o.topk > 0:
+            return sparseloco.decode(payload, numel, self.o.topk, self.o.chunk, self.o.quantize)
+        return _dequantize(payload, numel, BITS[self.o.quantize])
 
     def _land(self, sync: _Sync) -> None:
         """The outer step of the fragment, then the replica continues from the new θ_global plus what
@@ -458,7 +482,7 @@ class DiLoCo:
                 self._outer(state[f"pending.{j}.snapshot.{n}"])
                 for n in range(len(self.fragments[k]))
             ]
-            kind = torch.float32 if self.o.quantize == "none" else torch.uint8  # sum or payloads
+            kind = torch.uint8 if gathers(self.o) else torch.float32  # payloads or sum
             buffer = placed(state[f"pending.{j}.buffer"], self.device, kind)
             self.pending.append(_Sync(k, sent, due, snaps, buffer))
             j += 1

@@ -1,0 +1,135 @@
+"""SparseLoCo's outer gradients: the top-k of each chunk, a few bits per value, the indices packed.
+
+SparseLoCo (Sarfi et al., arXiv 2508.15706) is DiLoCo whose replicas send only a sparse part of their
+pseudo-gradients: each replica adds its pseudo-gradient Δ to an error-feedback accumulator decayed by β
+(e ← β e + Δ), sends the k largest-magnitude values of every chunk of ``chunk`` consecutive values
+(the selection is local to a chunk, so it is cheap and the indices small), quantised, and keeps what it
+did not send (e ← e - sent). The replicas' sparse parts are all-gathered; every rank decodes them in
+replica order and takes the mean. The decayed accumulator stands in for DiLoCo's outer momentum.
+
+One replica's payload for ``n`` values (:func:`payload_bytes`, exact to the byte), with C = ⌈n / chunk⌉
+chunks of k values each:
+
+- the indices within their chunk, ⌈log2 chunk⌉ bits each, packed: ⌈C k ib / 8⌉ bytes;
+- the values: float32 (``quantize: none``), or ``bits`` bits each, packed (⌈C k bits / 8⌉ bytes) with
+  one float32 scale per chunk. One bit is the sign times the chunk's mean magnitude; b >= 2 bits are
+  the sign and b - 1 bits of magnitude, uniform over [0, the chunk's largest], each code its bin's middle.
+
+The last chunk is padded with zeros to ``chunk`` values; an index into the padding decodes to nothing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["SPARSE_BITS", "decode", "encode", "index_bits", "payload_bytes", "values_per_chunk"]
+
+SPARSE_BITS = {"none": 32, "int8": 8, "int4": 4, "int2": 2, "int1": 1}
+
+
+def index_bits(chunk: int) -> int:
+    """Bits of an index within a chunk of ``chunk`` values."""
+    return max(1, math.ceil(math.log2(chunk)))
+
+
+def values_per_chunk(topk: float, chunk: int) -> int:
+    """k: the values sent of each chunk, ⌈topk x chunk⌉ (at least one, at most the chunk)."""
+    return min(chunk, max(1, math.ceil(topk * chunk - 1e-9)))
+
+
+def payload_bytes(numel: int, topk: float, chunk: int, quantize: str) -> int:
+    """Bytes one replica sends for an outer gradient of ``numel`` values."""
+    chunks = math.ceil(numel / chunk)
+    sent = chunks * values_per_chunk(topk, chunk)
+    index = math.ceil(sent * index_bits(chunk) / 8)
+    if quantize == "none":
+        return index + 4 * sent
+    return index + math.ceil(sent * SPARSE_BITS[quantize] / 8) + 4 * chunks
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Non-negative integers below 2**bits, ``bits`` bits each, little-endian into bytes."""
+    shifts = torch.arange(bits, device=codes.device)
+    flat = ((codes.reshape(-1, 1).long() >> shifts) & 1).flatten().to(torch.uint8)
+    pad = (-flat.numel()) % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    weights = (1 << torch.arange(8, device=codes.device)).to(torch.uint8)
+    return (flat.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
+
+
+def _unpack(packed: torch.Tensor, count: int, bits: int) -> torch.Tensor:
+    """The ``count`` integers of :func:`_pack` (int64)."""
+    shifts = torch.arange(8, device=packed.device)
+    flat = ((packed.reshape(-1, 1).long() >> shifts) & 1).flatten()[: count * bits]
+    weights = 1 << torch.arange(bits, device=packed.device)
+    return (flat.view(count, bits) * weights).sum(dim=1)
+
+
+def encode(
+    x: torch.Tensor, topk: float, chunk: int, quantize: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the payload, the dense values it stands for) of the flat float32 ``x``: the payload as
+    :func:`payload_bytes` counts it (uint8), the values what every replica decodes from it."""
+    n = x.numel()
+    chunks = math.ceil(n / chunk)
+    k = values_per_chunk(topk, chunk)
+    rows = torch.zeros(chunks * chunk, dtype=torch.float32, device=x.device)
+    rows[:n] = x
+    rows = rows.view(chunks, chunk)
+    idx = rows.abs().topk(k, dim=1, sorted=False).indices
+    picked = rows.gather(1, idx)
+    parts = [_pack(idx, index_bits(chunk))]
+    if quantize == "none":
+        values = picked
+        parts.append(picked.contiguous().flatten().view(torch.uint8))
+    else:
+        codes, scale, values = _quantize(picked, SPARSE_BITS[quantize])
+        parts += [_pack(codes, SPARSE_BITS[quantize]), scale.flatten().view(torch.uint8)]
+    dense = torch.zeros_like(rows).scatter_(1, idx, values).flatten()[:n]
+    return torch.cat(parts), dense
+
+
+def decode(
+    payload: torch.Tensor, numel: int, topk: float, chunk: int, quantize: str
+) -> torch.Tensor:
+    """The dense values (``numel`` of them) one payload of :func:`encode` carries."""
+    chunks = math.ceil(numel / chunk)
+    k = values_per_chunk(topk, chunk)
+    sent, ib = chunks * k, index_bits(chunk)
+    at = math.ceil(sent * ib / 8)
+    idx = _unpack(payload[:at], sent, ib).view(chunks, k)
+    if quantize == "none":
+        values = payload[at : at + 4 * sent].clone().view(torch.float32).view(chunks, k)
+    else:
+        bits = SPARSE_BITS[quantize]
+        end = at + math.ceil(sent * bits / 8)
+        codes = _unpack(payload[at:end], sent, bits).view(chunks, k)
+        scale = payload[end : end + 4 * chunks].clone().view(torch.float32).view(chunks, 1)
+        values = _dequantize(codes, scale, bits)
+    rows = torch.zeros(chunks, chunk, dtype=torch.float32, device=payload.device)
+    return rows.scatter_(1, idx, values).flatten()[:numel]
+
+
+def _quantize(v: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes, one scale per row, the dequantised values) of the rows of picked values ``v``."""
+    sign = (v < 0).long()
+    if bits == 1:
+        scale = v.abs().mean(dim=1, keepdim=True)
+        return sign, scale, _dequantize(sign, scale, bits)
+    levels = 1 << (bits - 1)
+    scale = v.abs().amax(dim=1, keepdim=True)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    mag = (v.abs() / safe * levels).floor().clamp(max=levels - 1).long()
+    codes = sign | (mag << 1)
+    return codes, scale, _dequantize(codes, scale, bits)
+
+
+def _dequantize(codes: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
+    sign = 1.0 - 2.0 * (codes & 1).float()
+    if bits == 1:
+        return sign * scale
+    levels = 1 << (bits - 1)
+    return sign * ((codes >> 1).float() + 0.5) / levels * scale
