@@ -33,6 +33,11 @@ from dtlab.errors import DtlabError
 # effective step lr / (1 - momentum) overshoots when there are many outer steps (docs/compression.md).
 _AVG = ["parallel.diloco.outer_lr=1", "parallel.diloco.outer_momentum=0"]
 
+_SPARSE = [
+    *_AVG, "parallel.diloco.topk=0.015", "parallel.diloco.quantize=int2",
+    "parallel.diloco.error_decay=0.95",
+]  # fmt: skip
+
 # Each method as config overrides on top of the common run.
 METHODS: dict[str, list[str]] = {
     "ddp": [],
@@ -56,6 +61,11 @@ METHODS: dict[str, list[str]] = {
         *_AVG, "parallel.diloco.inner_steps=8", "parallel.diloco.fragments=2",
         "parallel.diloco.delay=2", "parallel.diloco.quantize=int4",
     ],
+    # SparseLoCo: each chunk of 4,096 values sends its top 1.5% in 2 bits with 12-bit indices,
+    # the rest kept in an error feedback decayed by 0.95 (which stands in for outer momentum).
+    "sparseloco": [*_SPARSE, "parallel.diloco.inner_steps=1"],
+    "sparseloco-h2": [*_SPARSE, "parallel.diloco.inner_steps=2"],
+    "sparseloco-h4": [*_SPARSE, "parallel.diloco.inner_steps=4"],
 }  # fmt: skip
 
 # The common run: the tiny model on the stdlib corpus with a held-out split, as make demo trains it.
