@@ -489,7 +489,8 @@ class TorchEngine:
         optim: Stateful = OptimizerState(tr.pm.module, tr.optimizer)
         if tr.pm.pipeline is not None or tr.pm.zero is not None:
             # A pipeline rank's stages, or ZeRO-1's share: the state of some of the parameters.
-            optim = StagedOptimizerState(tr.pm.optimized, tr.optimizer, optimizer_groups(tr.model))
+            groups = optimizer_groups(tr.model, self.config.train.optimizer)
+            optim = StagedOptimizerState(tr.pm.optimized, tr.optimizer, groups)
         shared: dict[str, Stateful] = {"model": ModelState(tr.pm.module), "optim": optim}
         if tr.diloco is not None:
             # The model is θ_global, the same on every rank; each replica's own weights and inner

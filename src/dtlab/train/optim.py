@@ -1,4 +1,5 @@
-"""AdamW (or DeMo, or plain SGD) with weight decay on matrices only, and the config's hyper-parameters.
+"""AdamW (or DeMo, Muon, or plain SGD) with weight decay on matrices only, and the config's
+hyper-parameters.
 
 The optimizer state is allocated when the optimizer is built (:func:`init_state`), not in its first
 step: that step's memory is then what ``dtlab plan`` predicts from the start, and an out-of-memory
@@ -8,6 +9,7 @@ agrees on forward and backward only) while the others wait in the step's collect
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -29,41 +31,63 @@ def _is_expert(name: str) -> bool:
     return ".experts.w" in name
 
 
-def _group_of(name: str, p: nn.Parameter) -> int:
+_BLOCK = re.compile(r"(^|\.)layers\.\d+\.")  # a transformer block's parameter, under any wrapper
+
+
+def is_muon_matrix(name: str, p: torch.Tensor) -> bool:
+    """Whether Muon steps the parameter ``name``: a transformer block's matrix (attention, feed-forward,
+    router, shared experts) or stack of them (routed experts). The embedding, the output layer and
+    every 1-D parameter take AdamW, as in Muon's papers: their updates are lookups or per-feature
+    gains, not linear maps of a hidden state."""
+    return p.ndim >= 2 and _BLOCK.search(name) is not None
+
+
+def _group_of(name: str, p: nn.Parameter, muon: bool = False) -> int:
     """The optimizer group of a parameter: decayed matrices (0), the rest (1), and a mixture of
     experts' routed experts (2, decayed). The experts have a group of their own at any EP degree:
     under expert parallelism they are DTensors of another mesh than the other parameters, which
     torch's fused and foreach steps do not take in one call, and the same groups at every degree
-    let a checkpoint's optimizer state load across degrees."""
+    let a checkpoint's optimizer state load across degrees.
+
+    ``muon`` (train.optimizer = muon): the blocks' matrices (0, Muon), the other matrices (1,
+    AdamW, decayed), the rest (2, AdamW), the routed experts (3, Muon)."""
+    if muon:
+        if _is_expert(name):
+            return 3
+        if is_muon_matrix(name, p):
+            return 0
+        return 1 if _decayed(p) else 2
     if _is_expert(name):
         return 2
     return 0 if _decayed(p) else 1
 
 
-def optimizer_groups(model: nn.Module) -> list[list[str]]:
+def optimizer_groups(model: nn.Module, optimizer: str = "adamw") -> list[list[str]]:
     """The names of the parameters in each of the optimizer's groups (decayed, then the rest, then
-    an MoE model's routed experts)."""
-    names: list[list[str]] = [[], [], []]
+    an MoE model's routed experts; ``optimizer`` muon: see :func:`_group_of`)."""
+    muon = optimizer == "muon"
+    names: list[list[str]] = [[] for _ in range(4 if muon else 3)]
     for name, p in model.named_parameters():
         if p.requires_grad:
-            names[_group_of(name, p)].append(name)
-    return names if names[2] else names[:2]
+            names[_group_of(name, p, muon)].append(name)
+    return names if names[-1] else names[:-1]
 
 
 def build_optimizer(
     model: nn.Module, t: TrainConfig, experts: bool | None = None
 ) -> torch.optim.Optimizer:
-    """AdamW (or DeMo) over the model's parameters (ZeRO-1: its shards' module). Build it *after*
+    """AdamW (or DeMo, Muon, SGD) over the model's parameters (ZeRO-1: its shards' module). Build it *after*
     parallelism is applied: FSDP replaces the parameters with sharded ones, and an optimizer holding
     the old ones would train nothing. ``experts``: whether the whole model is a mixture of experts,
     whose routed experts get a group of their own, also on a rank that holds none of them (a
     pipeline stage's: every rank's groups are the whole model's); None: whether ``model`` has any."""
-    split: list[list[nn.Parameter]] = [[], [], []]
+    muon = t.optimizer == "muon"
+    split: list[list[nn.Parameter]] = [[] for _ in range(4 if muon else 3)]
     for name, p in model.named_parameters():
         if p.requires_grad:
-            split[_group_of(name, p)].append(p)
-    decay, no_decay, routed = split
-    kept = [decay, no_decay, *([routed] if routed or experts else [])]
+            split[_group_of(name, p, muon)].append(p)
+    *kept, routed = split
+    kept += [routed] if routed or experts else []
     groups = [
         {"params": params, **hyper}
         for params, hyper in zip(kept, group_hyperparameters(t, len(kept)), strict=True)
@@ -75,6 +99,10 @@ def build_optimizer(
         optimizer = DeMo(groups, t.lr, t.demo.chunk_size, t.demo.topk, t.demo.decay)
     elif t.optimizer == "sgd":
         optimizer = torch.optim.SGD(groups, lr=t.lr, foreach=True)
+    elif muon:
+        from dtlab.train.muon import Muon
+
+        optimizer = Muon(groups, t.lr, **_implementation([p for g in kept for p in g]))
     else:
         optimizer = torch.optim.AdamW(
             groups, lr=t.lr, **_implementation([p for g in kept for p in g])
@@ -87,6 +115,8 @@ def init_state(optimizer: torch.optim.Optimizer) -> None:
     """Allocate the per-parameter state the optimizer's first ``step()`` would create, exactly as it
     would create it, so that the first step computes the same bits.
 
+    - Muon: ``momentum_buffer`` (zeros like the parameter) for its matrices; its AdamW groups' as
+      AdamW's below.
     - Adam/AdamW: ``step``, ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` with amsgrad), as
       torch's ``Adam._init_group`` makes them (torch 2.13): zeros like the parameter (a DTensor for
       a DTensor parameter: FSDP's and ZeRO-1's shards), and a float32 ``step`` on the parameter's
@@ -98,13 +128,20 @@ def init_state(optimizer: torch.optim.Optimizer) -> None:
 
     Parameters that already have state (a loaded optimizer) keep it.
     """
-    if not isinstance(optimizer, torch.optim.Adam):  # AdamW is an Adam
+    from dtlab.train.muon import Muon
+
+    if not isinstance(optimizer, torch.optim.Adam | Muon):  # AdamW is an Adam
         return
     with torch.no_grad():
         for group in optimizer.param_groups:
             for p in group["params"]:
                 state = optimizer.state[p]
                 if len(state) > 0:
+                    continue
+                if group.get("use_muon"):
+                    state["momentum_buffer"] = torch.zeros_like(
+                        p, memory_format=torch.preserve_format
+                    )
                     continue
                 if group["fused"]:
                     _device_dtype_check_for_fused(p)
@@ -146,7 +183,18 @@ def _implementation(params: list[nn.Parameter]) -> dict[str, Any]:
 
 def group_hyperparameters(t: TrainConfig, groups: int = 2) -> list[dict[str, object]]:
     """The config's hyper-parameters of the parameter groups: matrices (decayed), then the rest, then
-    (``groups`` = 3) a mixture of experts' routed experts (decayed)."""
+    (``groups`` = 3) a mixture of experts' routed experts (decayed). Muon's groups (see
+    :func:`_group_of`): the blocks' matrices, the other matrices, the rest, the routed experts."""
+    if t.optimizer == "muon":
+        from dtlab.train.muon import MOMENTUM, NS_STEPS
+
+        orthogonal: dict[str, object] = {
+            "weight_decay": t.weight_decay, "use_muon": True, "momentum": MOMENTUM,
+            "nesterov": True, "ns_steps": NS_STEPS,
+        }  # fmt: skip
+        adam: dict[str, object] = {"betas": t.betas, "eps": t.eps, "use_muon": False}
+        adam_decayed = {"weight_decay": t.weight_decay, **adam}
+        return [orthogonal, adam_decayed, {"weight_decay": 0.0, **adam}, orthogonal][:groups]
     common: dict[str, object] = {"betas": t.betas, "eps": t.eps} if t.optimizer == "adamw" else {}
     decayed = {"weight_decay": t.weight_decay, **common}
     return [decayed, {"weight_decay": 0.0, **common}, decayed][:groups]
