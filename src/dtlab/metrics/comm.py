@@ -1,16 +1,49 @@
-"""Counting the collectives a piece of code really issues, from the dispatcher (no analytic guess)."""
+"""Counting the collectives a piece of code really issues, from the dispatcher (no analytic guess).
+
+Each collective is also told apart by whether it crosses replicas: whether its process group holds
+ranks of more than one replica (a data-parallel rank of plain DDP or FSDP, a DiLoCo replica), the
+collectives a slow link between sites pays for, one round trip each. For the benchmarks, such a
+collective can be delayed by a simulated round-trip time (:data:`RTT_ENV`, :func:`bench_rtt_s`).
+"""
 
 from __future__ import annotations
 
 import functools
+import math
+import os
+import time
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+from dtlab.errors import DtlabError
 from dtlab.metrics.modes import EagerDispatchMode
+
+# A bench-only knob (dtlab.bench.lowcomm's links with a latency): milliseconds every rank sleeps before
+# it issues each collective that crosses replicas, so that the collective completes one simulated round
+# trip later on every rank. Read by the collective counter, so it acts only while one counts
+# (run.comm_bytes; set it, and the run counts).
+RTT_ENV = "DTLAB_BENCH_RTT_MS"
+
+
+def bench_rtt_s(environ: dict[str, str] | None = None) -> float:
+    """The simulated round-trip time :data:`RTT_ENV` asks for, in seconds (0: unset); a DtlabError
+    naming the value when it is not a number of milliseconds from 0 to 10,000."""
+    raw = (os.environ if environ is None else environ).get(RTT_ENV, "").strip()
+    if not raw:
+        return 0.0
+    try:
+        ms = float(raw)
+    except ValueError:
+        ms = math.nan
+    if not 0 <= ms <= 10_000:
+        raise DtlabError(f"{RTT_ENV}={raw!r}: allowed a number of milliseconds from 0 to 10000")
+    return ms / 1000
+
 
 # Dispatcher op names (c10d and functional collectives) -> the collective they are.
 _NAMES = {
@@ -59,7 +92,12 @@ class CommCounter(EagerDispatchMode):
     which is what ``dtlab.analysis`` predicts.
     """
 
-    def __init__(self, labels: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        labels: dict[str, str] | None = None,
+        replica_of: Sequence[int] | None = None,
+        rtt_s: float = 0.0,
+    ) -> None:
         super().__init__()
         # Process group name -> the dimension its collectives are counted under ("tp all_reduce"),
         # so that a tensor-parallel all-reduce is told apart from a data-parallel one.
@@ -69,6 +107,12 @@ class CommCounter(EagerDispatchMode):
         # The same bytes by (collective, name of the process group it ran on; None: not known, the
         # default group), for a replay on the groups the step used.
         self.by_group: Counter[tuple[str, str | None]] = Counter()
+        # Global rank -> its replica (None: not told apart), and what crossed replicas: calls, bytes.
+        self.replica_of = list(replica_of) if replica_of is not None else None
+        self.rtt_s = rtt_s
+        self.cross_calls = 0
+        self.cross_bytes = 0
+        self._crosses: dict[str | None, bool] = {}
         self._patched: dict[str, Any] = {}
 
     def __enter__(self) -> CommCounter:
@@ -96,9 +140,12 @@ class CommCounter(EagerDispatchMode):
         def counted(*args: Any, **kwargs: Any) -> Any:
             if not self._seen_by_dispatch():
                 nbytes = sum(t.numel() * t.element_size() for t in _tensors(args[arg]))
+                group = kwargs.get("group")
+                name_of = str(group.group_name) if group is not None else None
                 self.counts[name] += 1
                 self.bytes[name] += nbytes
                 self.by_group[(name, None)] += nbytes
+                self._cross(name_of, nbytes)
             return original(*args, **kwargs)
 
         return counted
@@ -109,26 +156,60 @@ class CommCounter(EagerDispatchMode):
         return any(mode is self for mode in _get_current_dispatch_mode_stack())
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.namespace not in ("c10d", "_c10d_functional"):
+            return func(*args, **(kwargs or {}))
+        op = func.overloadpacket.__name__.strip("_")
+        if op in _NOT_COUNTED or op.startswith("wait"):
+            return func(*args, **(kwargs or {}))
+        group = _group_name(func.namespace, args)
+        crosses = self._crosses_replicas(group)
+        if crosses and self.rtt_s > 0:
+            time.sleep(self.rtt_s)  # the simulated round trip, before the collective starts
         out = func(*args, **(kwargs or {}))
-        if func.namespace in ("c10d", "_c10d_functional"):
-            op = func.overloadpacket.__name__.strip("_")
-            if op in _NOT_COUNTED or op.startswith("wait"):
-                return out
-            name = _NAMES.get(op, op)
-            group = _group_name(func.namespace, args)
-            label = self.labels.get(group or "")
-            if label:
-                name = f"{label} {name}"
-            nbytes = _payload(name.split(" ")[-1], func.namespace, args, out)
-            self.counts[name] += 1
-            self.bytes[name] += nbytes
-            self.by_group[(name, group)] += nbytes
+        name = _NAMES.get(op, op)
+        label = self.labels.get(group or "")
+        if label:
+            name = f"{label} {name}"
+        nbytes = _payload(name.split(" ")[-1], func.namespace, args, out)
+        self.counts[name] += 1
+        self.bytes[name] += nbytes
+        self.by_group[(name, group)] += nbytes
+        if crosses:
+            self.cross_calls += 1
+            self.cross_bytes += nbytes
         return out
+
+    def _cross(self, group: str | None, nbytes: int) -> None:
+        """Count (and delay, with a simulated round trip) a collective counted at the Python API.
+        The delay comes after the call was decided on, before it is issued, like the dispatcher's."""
+        if self._crosses_replicas(group):
+            if self.rtt_s > 0:
+                time.sleep(self.rtt_s)
+            self.cross_calls += 1
+            self.cross_bytes += nbytes
+
+    def _crosses_replicas(self, group: str | None) -> bool:
+        """Whether a collective on process group ``group`` (None: the default group, every rank)
+        spans ranks of more than one replica; False when replicas are not told apart."""
+        if self.replica_of is None:
+            return False
+        if group not in self._crosses:
+            ranks = range(len(self.replica_of)) if group is None else _group_ranks(group)
+            self._crosses[group] = len({self.replica_of[r] for r in ranks}) > 1
+        return self._crosses[group]
 
     def reset(self) -> None:
         self.counts.clear()
         self.bytes.clear()
         self.by_group.clear()
+        self.cross_calls = self.cross_bytes = 0
+
+
+def _group_ranks(name: str) -> list[int]:
+    """The global ranks of the process group named ``name``."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return list(dist.get_process_group_ranks(_resolve_process_group(name)))  # type: ignore[arg-type]
 
 
 def _group_name(namespace: str, args: Any) -> str | None:

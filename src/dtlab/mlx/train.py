@@ -301,7 +301,7 @@ class MlxEngine(Engine):
     def memory_use(self) -> tuple[int, int]:
         return memory_use("mlx")  # unified memory: the process's share of the machine's
 
-    def agreed_max(self, values: list[float]) -> list[float]:
+    def agreed_max(self, values: list[float], record: dict[str, Any] | None = None) -> list[float]:
         if self.coord.world_size == 1:
             return values
         mine = mx.array(values)

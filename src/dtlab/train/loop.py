@@ -34,7 +34,7 @@ from dtlab.data.tokenizer import ByteTokenizer, Tokenizer
 from dtlab.dims import ParallelDims, layout_name, layout_warnings
 from dtlab.errors import CheckpointError, DtlabError, Preempted
 from dtlab.metrics.alerts import memory_use
-from dtlab.metrics.comm import CommCounter
+from dtlab.metrics.comm import CommCounter, bench_rtt_s
 from dtlab.metrics.logging import logger, setup_logging
 from dtlab.metrics.profiling import StepProfiler
 from dtlab.metrics.report import peak_memory_bytes, peak_reserved_bytes
@@ -423,6 +423,14 @@ def _train(config: Config, d: DistInfo) -> dict[str, Any]:
             lock.release()
 
 
+def replica_index(dims: ParallelDims, rank: int) -> int:
+    """The replica global rank ``rank`` belongs to: its DiLoCo replica, or without DiLoCo its
+    data-parallel index (tensor- and pipeline-parallel ranks of one model copy are one replica)."""
+    if dims.diloco_enabled:
+        return dims.coordinates(rank)["diloco"]
+    return dims.dp_rank(rank)
+
+
 def comm_labels(d: DistInfo, diloco: DiLoCo | None) -> tuple[dict[str, str], dict[str, int]]:
     """The process groups whose collectives are counted under a name of their own (group name ->
     label), and each label's group size: DiLoCo's outer syncs, the data-parallel groups inside
@@ -467,6 +475,10 @@ class TorchEngine:
         self.layout = layout_name(d.dims, config.parallel)
         self.device = d.device.type
         self.comm_labels, self.comm_sizes = comm_labels(d, self.tr.diloco)
+        # Each rank's replica (DiLoCo's, else its data-parallel index): a collective whose group
+        # holds several crosses replicas. And the bench's simulated round trip on those (0: none).
+        self.replica_of = [replica_index(d.dims, r) for r in range(d.world_size)]
+        self.rtt_s = bench_rtt_s()
         self.states: dict[str, Stateful] = {}
         self.per_rank: tuple[str, ...] = ()
         # DiLoCo: a step's figures are agreed within the replica; the replicas agree with each sync.
@@ -562,16 +574,31 @@ class TorchEngine:
         self, batch: list[Any], step: int, stop_signal: int, inject_nan: bool
     ) -> dict[str, Any]:
         note_step(step)
-        counting = self.config.run.comm_bytes
-        counter = CommCounter(self.comm_labels) if counting else contextlib.nullcontext()
+        counter = self._counter()
         with counter:
             m = self._step(batch, step, stop_signal, inject_nan)
         if isinstance(counter, CommCounter):
-            m["comm_bytes"] = sum(counter.bytes.values())
-            # A collective on a labelled group spans that group, any other the world.
-            sizes = {k: self.comm_sizes[k.split(" ")[0]] for k in counter.bytes if " " in k}
-            m["wire_bytes"] = round(bus_bytes(dict(counter.bytes), sizes, self.d.world_size))
+            self._count_into(m, counter)
         return m
+
+    def _counter(self) -> CommCounter | contextlib.nullcontext[None]:
+        """A collective counter for the step (run.comm_bytes, or a simulated round trip to add)."""
+        if self.config.run.comm_bytes or self.rtt_s > 0:
+            return CommCounter(self.comm_labels, self.replica_of, self.rtt_s)
+        return contextlib.nullcontext()
+
+    def _count_into(self, m: dict[str, Any], counter: CommCounter) -> None:
+        """Add what ``counter`` counted to the step's figures ``m``."""
+        # A collective on a labelled group spans that group, any other the world.
+        sizes = {k: self.comm_sizes[k.split(" ")[0]] for k in counter.bytes if " " in k}
+        figures = {
+            "comm_bytes": sum(counter.bytes.values()),
+            "wire_bytes": round(bus_bytes(dict(counter.bytes), sizes, self.d.world_size)),
+            "cross_replica_bytes": counter.cross_bytes,
+            "cross_replica_collectives": counter.cross_calls,
+        }
+        for k, v in figures.items():
+            m[k] = m.get(k, 0) + v
 
     def _step(
         self, batch: list[Any], step: int, stop_signal: int, inject_nan: bool
@@ -667,7 +694,7 @@ class TorchEngine:
     def memory_use(self) -> tuple[int, int]:
         return memory_use(self.d.device)
 
-    def agreed_max(self, values: list[float]) -> list[float]:
+    def agreed_max(self, values: list[float], record: dict[str, Any] | None = None) -> list[float]:
         if not dist.is_initialized():
             return values
         # Made on the device, each value a scalar kernel argument: a tensor of them copied to a GPU
@@ -675,8 +702,11 @@ class TorchEngine:
         t = torch.empty(len(values), dtype=torch.float64, device=self.d.device)
         for i, value in enumerate(values):
             t[i].fill_(value)
-        with recorded("alerts: the ranks' largest figures", "all_reduce", t):
+        counter = self._counter()
+        with recorded("alerts: the ranks' largest figures", "all_reduce", t), counter:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if record is not None and isinstance(counter, CommCounter):
+            self._count_into(record, counter)  # the step's collectives include this one
         return [float(v) for v in t.tolist()]
 
     def after_step(self) -> None:

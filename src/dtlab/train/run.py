@@ -128,8 +128,9 @@ class Engine(Protocol):
         """(bytes in use, bytes there are) on this rank's device (:func:`dtlab.metrics.alerts.memory_use`)."""
         ...
 
-    def agreed_max(self, values: list[float]) -> list[float]:
-        """Each of ``values``, maximised over the ranks (a collective)."""
+    def agreed_max(self, values: list[float], record: dict[str, Any] | None = None) -> list[float]:
+        """Each of ``values``, maximised over the ranks (a collective); with ``run.comm_bytes`` the
+        collective joins the counts in step record ``record``."""
         ...
 
     def summary(self) -> dict[str, Any]:
@@ -440,7 +441,7 @@ def _alerts(
     if monitor is None:
         return []
     used, total = r.engine.memory_use()
-    fraction, slowest = r.engine.agreed_max([used / total if total else 0.0, step_time_s])
+    fraction, slowest = r.engine.agreed_max([used / total if total else 0.0, step_time_s], m)
     fired = monitor.check(m, fraction, slowest)
     if fired:
         m["alerts"] = [kind for kind, _ in fired]

@@ -1,0 +1,99 @@
+"""What crosses replicas, counted per step (``run.comm_bytes``: ``cross_replica_collectives`` and
+``cross_replica_bytes``) against the round trips the plan predicts (:mod:`dtlab.analysis.latency`),
+and the bench's simulated round trip (``DTLAB_BENCH_RTT_MS``) delaying exactly those collectives."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import FAST, read_metrics, run_cli, train_run
+from dtlab.analysis.latency import cross_replica_collectives, ddp_bucket_count
+from dtlab.analysis.model import param_shapes
+from dtlab.config import load_config
+from dtlab.errors import DtlabError
+from dtlab.metrics.comm import RTT_ENV, bench_rtt_s
+
+CLIPPED = ["train.grad_clip=0.05", "run.comm_bytes=true"]
+# An alert that fires on every step it judges: every rank's memory is above a millionth of the machine's.
+ALERT = ["alerts.memory_fraction=0.000001"]
+DILOCO = ["parallel.diloco.inner_steps=4"]
+
+
+def _predicted(overrides: list[str], nproc: int) -> float:
+    config = load_config(overrides=[*FAST, *overrides])
+    predicted = cross_replica_collectives(config, nproc)
+    assert predicted is not None
+    return predicted
+
+
+def _check_diloco(metrics: list[dict[str, Any]], overrides: list[str], nproc: int) -> None:
+    """Steps without a sync: nothing crosses replicas; a sync step: its fragment's collective, the
+    replicas' agreement and the alerts' agreement; the mean over whole cycles: the plan's."""
+    assert [m["step"] for m in metrics] == list(range(1, 9))
+    for m in metrics:
+        assert m["grad_norm"] > 0.05  # clipping is active on every step
+        if "outer_sync" in m:
+            assert m["cross_replica_collectives"] == 3, m
+        else:
+            assert m["cross_replica_collectives"] == 0, m
+            assert m["cross_replica_bytes"] == 0, m
+    # The alert is judged with the syncs only, where the replicas agree (and fires once: it stays on).
+    assert [(m["step"], m["alerts"]) for m in metrics if "alerts" in m] == [(4, ["memory"])]
+    assert [m["step"] for m in metrics if "outer_sync" in m] == [4, 8]
+    mean = statistics.fmean(m["cross_replica_collectives"] for m in metrics)
+    assert mean == _predicted(overrides, nproc) == 0.75
+
+
+def test_sharded_replicas_talk_across_only_with_the_sync(tmp_path: Path) -> None:
+    """2 replicas of 2 FSDP ranks (4 processes): every step the replica's own gathers, reduce-scatters
+    and step reduction; across replicas only the syncs (each rank's shard with its peer's)."""
+    overrides = [*DILOCO, *CLIPPED, *ALERT, "parallel.strategy=fsdp", "parallel.diloco.replicas=2"]
+    metrics = train_run(tmp_path / "run", *overrides, nproc=4, steps=8)
+    _check_diloco(metrics, overrides, 4)
+    assert all(m["comm_bytes"] > 1000 for m in metrics)  # inside the replica, every step
+    sync = next(m for m in metrics if "outer_sync" in m)
+    assert 0 < sync["cross_replica_bytes"] < sync["comm_bytes"]
+
+
+def test_replicas_of_one_rank_wait_a_simulated_round_trip_only_at_syncs(tmp_path: Path) -> None:
+    """2 replicas of one rank, with a simulated round trip of 150 ms: the sync steps wait for theirs
+    (their fragment's collective and the replicas' agreement, in the step), the others for none."""
+    overrides = [*DILOCO, *CLIPPED, *ALERT, "parallel.strategy=ddp"]
+    args = ["train", "--nproc", "2", "--set", *FAST, "train.steps=8", f"run.dir={tmp_path / 'r'}"]
+    proc = run_cli(*args, *overrides, env={RTT_ENV: "150"})
+    assert proc.returncode == 0, proc.stderr
+    metrics = read_metrics(tmp_path / "r")
+    _check_diloco(metrics, overrides, 2)
+    for m in metrics:
+        if "outer_sync" in m:
+            assert m["step_time_s"] >= 2 * 0.15, m
+        else:
+            assert m["comm_bytes"] == 0, m
+
+
+def test_ddp_crosses_every_step_as_predicted(tmp_path: Path) -> None:
+    """Plain DDP: every collective crosses replicas, one per bucket and the step's reduction; a
+    bucket of 0.1 MiB splits the debug model's 0.5 MiB of gradients into several."""
+    overrides = ["parallel.strategy=ddp", "parallel.bucket_mb=0.1", "run.comm_bytes=true"]
+    metrics = train_run(tmp_path / "run", *overrides, nproc=2, steps=4)
+    config = load_config(overrides=[*FAST, *overrides])
+    buckets = ddp_bucket_count(param_shapes(config.model), 0.1)
+    assert buckets >= 4
+    predicted = _predicted(overrides, 2)
+    assert predicted == buckets + 1
+    # Step 2 also broadcasts the buckets DDP rebuilt after step 1 (in the order gradients came).
+    for m in metrics[2:]:
+        assert m["cross_replica_collectives"] == predicted, m
+        assert m["cross_replica_bytes"] == m["comm_bytes"], m
+
+
+@pytest.mark.parametrize("raw", ["abc", "-5", "20000", "nan"])
+def test_a_bad_simulated_round_trip_is_named(raw: str) -> None:
+    with pytest.raises(DtlabError, match=f"{RTT_ENV}='{raw}'.*0 to 10000"):
+        bench_rtt_s({RTT_ENV: raw})
+    assert bench_rtt_s({RTT_ENV: "20"}) == 0.02
+    assert bench_rtt_s({}) == 0.0
