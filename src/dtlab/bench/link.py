@@ -6,6 +6,11 @@ loopback is rate-limited with ``tc`` (token bucket filter), so all their traffic
 
 Needs root (creating a namespace and a qdisc); the namespace, and with it its qdisc, is always deleted
 on the way out, whatever happened inside.
+
+A link may also have a round-trip time (``100mbit+100ms``, ``none+20ms``). This kernel's ``tc`` cannot
+add delay (no netem), so the latency is not the namespace's: the benchmark injects it, every rank
+sleeping that long before each collective that crosses replicas (:data:`dtlab.metrics.comm.RTT_ENV`),
+and its cost model counts it as one round trip per such collective.
 """
 
 from __future__ import annotations
@@ -26,18 +31,27 @@ __all__ = ["Link", "link_namespace", "measure_link", "parse_links"]
 
 _UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)(kbit|mbit|gbit)$")
+_RTT = re.compile(r"^(\d+(?:\.\d+)?)ms$")
 _ALLOWED = (
-    "comma-separated rates such as 100mbit, 1gbit, 2.5gbit, 500kbit (kbit, mbit, gbit), or none"
+    "comma-separated rates such as 100mbit, 1gbit, 2.5gbit, 500kbit (kbit, mbit, gbit), or none, "
+    "each optionally with a round-trip time: 100mbit+100ms, none+20ms (0 to 10000 ms)"
 )
 _counter = itertools.count()
 
 
 @dataclass(frozen=True)
 class Link:
-    """A link to benchmark over: its name as tc spells it, and its rate (None: plain loopback)."""
+    """A link to benchmark over: its name (``100mbit+20ms``), its rate (None: plain loopback) and
+    its round-trip time in seconds (0: none; injected, not the namespace's)."""
 
     name: str
     rate_bps: float | None
+    rtt_s: float = 0.0
+
+    @property
+    def rate_name(self) -> str:
+        """The rate as tc spells it (``100mbit``), or ``none``."""
+        return self.name.split("+")[0]
 
 
 def parse_links(text: str) -> list[Link]:
@@ -45,16 +59,25 @@ def parse_links(text: str) -> list[Link]:
     out: list[Link] = []
     for raw in text.split(","):
         item = raw.strip().lower()
-        if item == "none":
-            out.append(Link("none", None))
+        rate_part, plus, rtt_part = item.partition("+")
+        rtt_s = 0.0
+        if plus:
+            t = _RTT.match(rtt_part)
+            if t is None or float(t.group(1)) > 10_000:
+                raise DtlabError(
+                    f"--link {raw.strip()!r}: {rtt_part!r} is not a round-trip time; allowed: {_ALLOWED}"
+                )
+            rtt_s = float(t.group(1)) / 1000
+        if rate_part == "none":
+            out.append(Link(item, None, rtt_s))
             continue
-        m = _RATE.match(item)
+        m = _RATE.match(rate_part)
         if m is None:
             raise DtlabError(f"--link {raw.strip()!r} is not a rate; allowed: {_ALLOWED}")
         rate = float(m.group(1)) * _UNITS[m.group(2)]
         if not 1e3 <= rate <= 1e12:
             raise DtlabError(f"--link {raw.strip()!r}: allowed rates are 1kbit to 1000gbit")
-        out.append(Link(item, rate))
+        out.append(Link(item, rate, rtt_s))
     names = [link.name for link in out]
     if len(set(names)) != len(names):
         raise DtlabError(f"--link {text!r} names a link twice; allowed: {_ALLOWED}")
@@ -101,7 +124,7 @@ def link_namespace(link: Link) -> Iterator[list[str]]:
         burst = max(256 * 1024, int(link.rate_bps / 8 * 0.002))
         _ip(
             "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
-            "rate", link.name, "burst", str(burst), "latency", "100ms",
+            "rate", link.rate_name, "burst", str(burst), "latency", "100ms",
         )  # fmt: skip
         yield ["ip", "netns", "exec", name]
     finally:

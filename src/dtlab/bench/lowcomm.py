@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -25,8 +27,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dtlab.analysis.latency import cross_replica_collectives
 from dtlab.bench.link import Link, link_namespace, measure_link, parse_links
+from dtlab.config import load_config
 from dtlab.errors import DtlabError
+from dtlab.metrics.comm import RTT_ENV, bench_rtt_s
 
 # The outer step of the DiLoCo runs: the replicas' average (outer lr 1, no momentum). Over runs of a
 # few hundred steps with H of 4 to 16 it beat the paper's Nesterov (lr 0.7, momentum 0.9), whose
@@ -78,6 +83,14 @@ COMMON = [
 NPROC = 2  # processes of every run, sharing the link
 BASELINE = "ddp"  # the method every other one is measured against: plain DDP, no compression
 SMOOTH = 10  # steps in the moving average the target is judged on (a step's loss is noisy)
+WITHIN = 0.01  # a method is "within 1%" of DDP when its mean final validation loss is
+# What the JSON's byte figures are.
+BYTES_NOTE = (
+    "bytes_per_step: the bytes one rank puts on the wire per optimizer step (ring algorithms over the "
+    "collectives counted from the dispatcher), the mean over every step of the run, outer syncs "
+    "included; comm_bytes_per_step: the same steps' whole buffers (each collective's tensor, the "
+    "collective counter's convention); ddp_*: the DDP run of the same seed on the same link"
+)
 
 
 def smoothed(losses: list[float], n: int = SMOOTH) -> list[float]:
@@ -97,15 +110,28 @@ def time_to(records: list[dict[str, Any]], target: float) -> float | None:
     return None
 
 
+def run_env(link: Link) -> dict[str, str]:
+    """The environment of a run on ``link``: this one, with the link's round-trip time injected
+    (:data:`RTT_ENV`) or, without one, none (whatever this environment says)."""
+    env = {k: v for k, v in os.environ.items() if k != RTT_ENV}
+    if link.rtt_s:
+        env[RTT_ENV] = f"{link.rtt_s * 1000:g}"
+    return env
+
+
 def _run(
-    prefix: list[str], run_dir: Path, steps: int, overrides: list[str]
+    prefix: list[str],
+    run_dir: Path,
+    steps: int,
+    overrides: list[str],
+    env: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     cmd = [
         *prefix, sys.executable, "-m", "dtlab", "train", "--nproc", str(NPROC), "--set", *COMMON,
         f"train.steps={steps}", f"eval.every={steps}", "eval.batches=8", f"run.dir={run_dir}",
         *overrides,
     ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.strip().splitlines()[-8:])
         raise DtlabError(f"{run_dir.name}: dtlab train failed ({proc.returncode}):\n{tail}")
@@ -128,22 +154,43 @@ def counted_records(records: list[dict[str, Any]], period: int) -> list[dict[str
     return records[1:]
 
 
+def planned_round_trips(overrides: list[str], steps: int) -> float | None:
+    """The collectives across replicas per step that the plan predicts for a run with ``overrides``
+    (:func:`dtlab.analysis.latency.cross_replica_collectives`); None where it predicts none."""
+    config = load_config(overrides=[*COMMON, f"train.steps={steps}", *overrides])
+    return cross_replica_collectives(config, NPROC)
+
+
 def _row(
     method: str,
     link: Link,
     measured_bps: float,
     records: list[dict[str, Any]],
     period: int = 0,
+    seed: int | None = None,
 ) -> dict[str, Any]:
     steps = records[1:]  # the first step compiles and warms up
     counted = counted_records(records, period)
     return {
         "method": method,
+        "seed": seed,
         "link": link.name,
         "link_rate_bps": link.rate_bps,
         "link_measured_bps": measured_bps,
+        "link_rtt_s": link.rtt_s,
+        # The latency is the benchmark's own sleep before each collective across replicas.
+        "latency": "injected" if link.rtt_s else None,
         "comm_bytes_per_step": statistics.fmean(m["comm_bytes"] for m in counted),
         "wire_bytes_per_step": statistics.fmean(m["wire_bytes"] for m in counted),
+        # Over every step, outer syncs and the first step included (the JSON's bytes_per_step).
+        "bytes_per_step": statistics.fmean(m["wire_bytes"] for m in records),
+        "comm_bytes_all_steps": statistics.fmean(m["comm_bytes"] for m in records),
+        "round_trips_per_step": statistics.fmean(
+            m.get("cross_replica_collectives", 0) for m in counted
+        ),
+        "round_trips_all_steps": statistics.fmean(
+            m.get("cross_replica_collectives", 0) for m in records
+        ),
         "step_time_s": statistics.median(m["step_time_s"] for m in steps),
         "mean_step_time_s": statistics.fmean(m["step_time_s"] for m in steps),
         "final_loss": records[-1]["loss"],
@@ -154,46 +201,71 @@ def _row(
 
 
 def predict(rows: list[dict[str, Any]]) -> None:
-    """``predicted_step_time_s`` of every row: compute + wire time, the compute time from the method's
-    run on the unlimited loopback (its step less its wire time there).
+    """``predicted_step_time_s`` of every row: compute + wire time + round trips x RTT, the compute
+    time from the method's run (same seed) on the unlimited loopback: its step less its wire time
+    and injected round trips there.
 
     The wire time is every rank's wire bytes at the link's measured rate: the ranks share the
     namespace's one rate-limited loopback, like machines on one shared medium, so the NPROC ranks
     sending at once each get 1/NPROC of it (measured: plain DDP's all-reduce at 100 Mbit/s took 2.08 s
-    a step for 98.6 Mbit per rank, 47 Mbit/s each)."""
-    base = {r["method"]: r for r in rows if r["link"] == "none"}
+    a step for 98.6 Mbit per rank, 47 Mbit/s each).
+
+    The latency term is a model: each collective that crosses replicas (counted per step,
+    ``cross_replica_collectives``) costs one round trip, in series with everything else. A ring
+    all-reduce on n ranks takes more hops (2(n - 1)); with NPROC = 2 one all-reduce is about one round
+    trip. DDP issues its bucket all-reduces while backward still runs, which a real network overlaps
+    with the latency; the model does not (nor does the injected delay, a sleep before the issue)."""
+    base = {(r["method"], r.get("seed")): r for r in rows if r["link"] == "none"}
     for r in rows:
-        ref = base.get(r["method"], r)
+        ref = base.get((r["method"], r.get("seed")), r)
         compute = ref["mean_step_time_s"]
         if ref["link_measured_bps"]:
             compute -= 8 * NPROC * ref["wire_bytes_per_step"] / ref["link_measured_bps"]
+        compute -= ref.get("round_trips_per_step", 0.0) * ref.get("link_rtt_s", 0.0)
         r["compute_time_s"] = max(compute, 0.0)
         rate = r["link_measured_bps"]
-        r["predicted_step_time_s"] = r["compute_time_s"] + (
-            8 * NPROC * r["wire_bytes_per_step"] / rate if rate else 0.0
+        r["predicted_step_time_s"] = (
+            r["compute_time_s"]
+            + (8 * NPROC * r["wire_bytes_per_step"] / rate if rate else 0.0)
+            + r.get("round_trips_per_step", 0.0) * r.get("link_rtt_s", 0.0)
         )
 
 
 def figures(rows: list[dict[str, Any]], target: float | None = None) -> float:
-    """Fill in each row's time to the target loss and bytes relative to DDP; returns the target: the
-    smoothed loss DDP reaches at 3/4 of its steps on the first link (all methods train the same
-    tokens, so each is timed to the same point)."""
+    """Fill in each row's time to the target loss and bytes and loss relative to DDP's run of the
+    same seed; returns the first seed's target: the smoothed loss DDP reaches at 3/4 of its steps on
+    the first link (all methods of a seed train the same tokens, so each is timed to the same point;
+    each seed has its own, in every row's ``target``)."""
+    first: float | None = None
+    for seed in dict.fromkeys(r.get("seed") for r in rows):
+        t = _seed_figures([r for r in rows if r.get("seed") == seed], target)
+        first = t if first is None else first
+    assert first is not None, "no rows"
+    return first
+
+
+def _seed_figures(rows: list[dict[str, Any]], target: float | None) -> float:
     if target is None:
         ddp = next((r for r in rows if r["method"] == BASELINE), rows[0])
         curve = smoothed(ddp["losses"])
         target = curve[(3 * len(curve)) // 4]
-    ddp_bytes = {r["link"]: r["wire_bytes_per_step"] for r in rows if r["method"] == BASELINE}
-    ddp_loss = {r["link"]: r["final_val_loss"] for r in rows if r["method"] == BASELINE}
+    base = {r["link"]: r for r in rows if r["method"] == BASELINE}
     for r in rows:
         records = [
             {"loss": x, "step_time_s": t} for x, t in zip(r["losses"], r["step_times"], strict=True)
         ]
+        r["target"] = target
         r["time_to_target_s"] = time_to(records, target)
         r["predicted_time_to_target_s"] = _predicted_time_to(r, target)
-        if r["link"] in ddp_bytes and r["wire_bytes_per_step"]:
-            r["bytes_reduction"] = ddp_bytes[r["link"]] / r["wire_bytes_per_step"]
-        if ddp_loss.get(r["link"]) and r["final_val_loss"] is not None:
-            r["loss_cost"] = r["final_val_loss"] / ddp_loss[r["link"]] - 1
+        same = base.get(r["link"])
+        if same is None:
+            continue
+        r["ddp_bytes_per_step"] = same.get("bytes_per_step")
+        r["ddp_final_val_loss"] = same["final_val_loss"]
+        if r["wire_bytes_per_step"]:
+            r["bytes_reduction"] = same["wire_bytes_per_step"] / r["wire_bytes_per_step"]
+        if same["final_val_loss"] and r["final_val_loss"] is not None:
+            r["loss_cost"] = r["final_val_loss"] / same["final_val_loss"] - 1
     return target
 
 
@@ -204,26 +276,40 @@ def _predicted_time_to(r: dict[str, Any], target: float) -> float | None:
     return None if reached is None else reached * r["predicted_step_time_s"]
 
 
+def _link_title(r: dict[str, Any]) -> str:
+    rate, rtt = r["link_measured_bps"], r.get("link_rtt_s", 0.0)
+    parts = [f"measured {rate / 1e6:.0f} Mbit/s"] if rate else []
+    if rtt:
+        parts.append(f"round trip {rtt * 1000:g} ms, injected")
+    return f"## Link {r['link']}" + (f" ({'; '.join(parts)})" if parts else "")
+
+
+def _trips(r: dict[str, Any]) -> str:
+    return f"{r.get('round_trips_per_step', 0.0):.2f} / {_num(r.get('planned_round_trips'), '.2f')}"
+
+
 def report(rows: list[dict[str, Any]], target: float, steps: int) -> str:
-    """report.md: one table per link."""
+    """report.md: one table per link (with several seeds, each method's mean and spread)."""
+    seeds = list(dict.fromkeys(r.get("seed") for r in rows))
+    if len(seeds) > 1:
+        return _seeds_report(rows, seeds, steps)
     lines = [
         "# Time to loss over slow links",
         "",
         f"{NPROC} processes, {steps} steps of the same tokens for every method; target: smoothed training "
         f"loss {target:.4f} (DDP's at 3/4 of its steps). Bytes: what one rank puts on the wire per step "
         "(ring algorithms); x DDP: DDP's bytes over the method's. Loss cost: final validation loss over "
-        "DDP's, less 1.",
+        f"DDP's, less 1. {_TRIPS_NOTE}",
         "",
     ]
     for link in dict.fromkeys(r["link"] for r in rows):
         sub = [r for r in rows if r["link"] == link]
-        rate = sub[0]["link_measured_bps"]
         lines += [
-            f"## Link {link}" + (f" (measured {rate / 1e6:.0f} Mbit/s)" if rate else ""),
+            _link_title(sub[0]),
             "",
             "| method | wire MiB/step | x DDP | step s (measured) | step s (predicted) | time to target s "
-            "(measured) | (predicted) | final val loss | loss cost |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "(measured) | (predicted) | final val loss | loss cost | round trips/step (counted / plan) |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in sub:
             lines.append(
@@ -231,7 +317,103 @@ def report(rows: list[dict[str, Any]], target: float, steps: int) -> str:
                 f"{_num(r.get('bytes_reduction'), '.1f')} | {r['step_time_s']:.3f} | "
                 f"{r['predicted_step_time_s']:.3f} | {_num(r['time_to_target_s'], '.1f')} | "
                 f"{_num(r['predicted_time_to_target_s'], '.1f')} | {_num(r['final_val_loss'], '.4f')} | "
-                f"{_num(100 * r['loss_cost'] if 'loss_cost' in r else None, '+.2f')}% |"
+                f"{_num(100 * r['loss_cost'] if 'loss_cost' in r else None, '+.2f')}% | {_trips(r)} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+_TRIPS_NOTE = (
+    "Round trips: the collectives that cross replicas per step (counted in the runs / predicted by "
+    "the plan); the predicted step adds one round-trip time for each (a model: in series, one round "
+    "trip per collective). A link's round trip is injected: every rank sleeps that long before each "
+    "such collective."
+)
+
+
+def _spread(values: list[float], fmt: str, scale: float = 1.0) -> str:
+    """``mean (min to max)`` of ``values``."""
+    if not values:
+        return "-"
+    v = [x * scale for x in values]
+    return f"{format(statistics.fmean(v), fmt)} ({format(min(v), fmt)} to {format(max(v), fmt)})"
+
+
+def summarise(rows: list[dict[str, Any]], link: str) -> dict[str, dict[str, Any]]:
+    """Per method, over the seeds of ``link``: the mean and spread of the final validation loss and
+    of its cost against DDP, the mean time to target, and whether it is within 1% of DDP (its mean
+    loss cost is)."""
+    out: dict[str, dict[str, Any]] = {}
+    sub = [r for r in rows if r["link"] == link]
+    for method in dict.fromkeys(r["method"] for r in sub):
+        runs = [r for r in sub if r["method"] == method]
+        losses = [r["final_val_loss"] for r in runs if r["final_val_loss"] is not None]
+        costs = [r["loss_cost"] for r in runs if "loss_cost" in r]
+        reached = [r["time_to_target_s"] for r in runs if r["time_to_target_s"] is not None]
+        mean_cost = statistics.fmean(costs) if costs else None
+        out[method] = {
+            "seeds": len(runs),
+            "mean_final_val_loss": statistics.fmean(losses) if losses else None,
+            "min_final_val_loss": min(losses) if losses else None,
+            "max_final_val_loss": max(losses) if losses else None,
+            "std_final_val_loss": statistics.stdev(losses) if len(losses) > 1 else 0.0,
+            "mean_loss_cost": mean_cost,
+            "within_1_percent": mean_cost is not None and mean_cost <= WITHIN,
+            "reached_target": len(reached),
+            "mean_time_to_target_s": statistics.fmean(reached) if reached else None,
+        }
+    return out
+
+
+def _seeds_report(rows: list[dict[str, Any]], seeds: list[Any], steps: int) -> str:
+    targets = ", ".join(
+        f"{next(r['target'] for r in rows if r.get('seed') == s):.4f}" for s in seeds
+    )
+    lines = [
+        "# Time to loss over slow links",
+        "",
+        f"{NPROC} processes, {steps} steps, seeds {', '.join(str(s) for s in seeds)} (train.seed: the "
+        "initial weights and the data order); every method trains the tokens of each seed, and is "
+        f"compared with DDP's run of the same seed. Targets: each seed's DDP smoothed training loss "
+        f"at 3/4 of its steps ({targets}). Bytes: what one rank puts on the wire per step, mean over "
+        "the seeds. Final val loss and loss cost (over DDP's of the same seed, less 1): mean (min to "
+        f"max) over the seeds; within 1%: the mean loss cost is. {_TRIPS_NOTE}",
+        "",
+    ]
+    for link in dict.fromkeys(r["link"] for r in rows):
+        sub = [r for r in rows if r["link"] == link]
+        summary = summarise(rows, link)
+        lines += [
+            _link_title(sub[0]),
+            "",
+            "| method | wire MiB/step | x DDP | step s (measured) | step s (predicted) | time to target s "
+            "(measured, mean) | (predicted, mean) | final val loss | loss cost | within 1% | "
+            "round trips/step (counted / plan) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for method, s in summary.items():
+            runs = [r for r in sub if r["method"] == method]
+            reduction = [r["bytes_reduction"] for r in runs if "bytes_reduction" in r]
+            predicted = [
+                r["predicted_time_to_target_s"]
+                for r in runs
+                if r["predicted_time_to_target_s"] is not None
+            ]
+            reached = (
+                f" ({s['reached_target']} of {s['seeds']})"
+                if s["reached_target"] < s["seeds"]
+                else ""
+            )
+            lines.append(
+                f"| {method} | {statistics.fmean(r['wire_bytes_per_step'] for r in runs) / 2**20:.3f} | "
+                f"{_num(statistics.fmean(reduction) if reduction else None, '.1f')} | "
+                f"{statistics.fmean(r['step_time_s'] for r in runs):.3f} | "
+                f"{statistics.fmean(r['predicted_step_time_s'] for r in runs):.3f} | "
+                f"{_num(s['mean_time_to_target_s'], '.1f')}{reached} | "
+                f"{_num(statistics.fmean(predicted) if predicted else None, '.1f')} | "
+                f"{_spread([r['final_val_loss'] for r in runs if r['final_val_loss'] is not None], '.4f')} | "
+                f"{_spread([r['loss_cost'] for r in runs if 'loss_cost' in r], '+.2f', 100)}% | "
+                f"{'yes' if s['within_1_percent'] else 'no'} | {_trips(runs[0])} |"
             )
         lines.append("")
     return "\n".join(lines)
@@ -241,8 +423,44 @@ def _num(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def results_json(rows: list[dict[str, Any]], seeds: list[Any]) -> dict[str, Any]:
+    """What ``--json OUT`` writes: per method and seed (on the first link) the bytes per step, the
+    final validation loss and DDP's of the same seed; every run's figures on every link (``runs``);
+    and per method the mean and spread over the seeds (``summary``)."""
+    first = rows[0]["link"]
+    keep = (
+        "bytes_per_step", "ddp_bytes_per_step", "final_val_loss", "ddp_final_val_loss",
+        "comm_bytes_all_steps", "wire_bytes_per_step", "loss_cost", "round_trips_all_steps",
+        "round_trips_per_step", "planned_round_trips", "step_time_s", "predicted_step_time_s",
+        "time_to_target_s", "predicted_time_to_target_s", "target",
+    )  # fmt: skip
+    rename = {"comm_bytes_all_steps": "comm_bytes_per_step"}
+
+    def entry(r: dict[str, Any]) -> dict[str, Any]:
+        return {rename.get(k, k): r.get(k) for k in keep}
+
+    methods: dict[str, Any] = {}
+    for r in rows:
+        if r["link"] == first:
+            methods.setdefault(r["method"], {})[str(r["seed"])] = entry(r)
+    runs = [
+        {"method": r["method"], "seed": r["seed"], "link": r["link"], "link_rtt_s": r["link_rtt_s"],
+         "latency": r["latency"], "link_measured_bps": r["link_measured_bps"], **entry(r)}
+        for r in rows
+    ]  # fmt: skip
+    return {
+        "bytes": BYTES_NOTE,
+        "seeds": seeds,
+        "link": first,
+        "methods": methods,
+        "summary": {link: summarise(rows, link) for link in dict.fromkeys(r["link"] for r in rows)},
+        "runs": runs,
+    }
+
+
 def plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
-    """final loss against wire bytes per step (log), and time-to-target against link rate."""
+    """final loss against wire bytes per step (log; the mean over the seeds, bars from the lowest to
+    the highest), and the mean time-to-target against link rate."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -251,12 +469,21 @@ def plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     paths = []
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
     first = rows[0]["link"]
-    for r in (r for r in rows if r["link"] == first and r["final_val_loss"] is not None):
-        ax.scatter(r["wire_bytes_per_step"], r["final_val_loss"])
-        ax.annotate(r["method"], (r["wire_bytes_per_step"], r["final_val_loss"]), fontsize=8)
+    for method, s in summarise(rows, first).items():
+        if s["mean_final_val_loss"] is None:
+            continue
+        runs = [r for r in rows if r["link"] == first and r["method"] == method]
+        x = statistics.fmean(r["wire_bytes_per_step"] for r in runs)
+        y = s["mean_final_val_loss"]
+        err = [[y - s["min_final_val_loss"]], [s["max_final_val_loss"] - y]]
+        ax.errorbar([x], [y], yerr=err, fmt="o", capsize=3)
+        ax.annotate(method, (x, y), fontsize=8)
     ax.set_xscale("log")
     ax.set_xlabel("bytes one rank sends per step")
-    ax.set_ylabel("final validation loss (same tokens)")
+    seeds = len(dict.fromkeys(r.get("seed") for r in rows))
+    ax.set_ylabel(
+        "final validation loss (same tokens)" + (f", mean of {seeds} seeds" if seeds > 1 else "")
+    )
     ax.set_title("loss against bytes moved")
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -267,13 +494,24 @@ def plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     if capped:
         fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
         for method in dict.fromkeys(r["method"] for r in capped):
-            pts = sorted(
-                (r["link_rate_bps"], r["time_to_target_s"])
-                for r in capped
-                if r["method"] == method and r["time_to_target_s"] is not None
-            )
-            if pts:
-                ax.plot([p[0] / 1e6 for p in pts], [p[1] for p in pts], "o-", label=method)
+            for rtt in sorted({r.get("link_rtt_s", 0.0) for r in capped}):
+                pts = []
+                for link in dict.fromkeys(r["link"] for r in capped):
+                    runs = [
+                        r
+                        for r in capped
+                        if r["method"] == method
+                        and r["link"] == link
+                        and r.get("link_rtt_s", 0.0) == rtt
+                        and r["time_to_target_s"] is not None
+                    ]
+                    if runs:
+                        mean = statistics.fmean(r["time_to_target_s"] for r in runs)
+                        pts.append((runs[0]["link_rate_bps"], mean))
+                if pts:
+                    pts.sort()
+                    label = method + (f" +{rtt * 1000:g} ms" if rtt else "")
+                    ax.plot([p[0] / 1e6 for p in pts], [p[1] for p in pts], "o-", label=label)
         ax.set_xscale("log")
         ax.set_xlabel("link rate (Mbit/s)")
         ax.set_ylabel("wall time to the target loss (s)")
@@ -286,6 +524,32 @@ def plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     return paths
 
 
+def _methods(text: str) -> list[str]:
+    """``--methods``: known names, DDP first (every figure is relative to it: added if left out)."""
+    methods = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise DtlabError(
+            f"--methods: {', '.join(unknown)} not known; allowed: {', '.join(METHODS)}"
+        )
+    return [BASELINE, *(m for m in dict.fromkeys(methods) if m != BASELINE)]
+
+
+def _seeds(n: int | None, overrides: list[str]) -> list[int | None]:
+    """The seeds to run (``train.seed`` 0 to n - 1); without --seeds, the run's own (None)."""
+    if n is None:
+        return [None]
+    if n < 1:
+        raise DtlabError(f"--seeds {n}: allowed a number of seeds of 1 or more")
+    given = [o for o in overrides if o.startswith("train.seed=")]
+    if given:
+        raise DtlabError(
+            f"--set {given[-1]} and --seeds {n}: --seeds sets train.seed (0 to {n - 1}) for every "
+            "run; give one or the other"
+        )
+    return list(range(n))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m dtlab.bench.lowcomm", description=__doc__.split("\n\n")[0]
@@ -293,58 +557,100 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--links",
         default="none,1gbit,100mbit",
-        help="comma-separated links (default none,1gbit,100mbit)",
+        help="comma-separated links, each a rate or none, optionally with an injected round-trip "
+        "time: none,1gbit+20ms,100mbit+100ms (default none,1gbit,100mbit)",
     )
     ap.add_argument(
-        "--methods", default=",".join(METHODS), help=f"comma-separated, of: {', '.join(METHODS)}"
+        "--methods",
+        default=",".join(METHODS),
+        help=f"comma-separated, of: {', '.join(METHODS)} (ddp always runs: the baseline)",
     )
     ap.add_argument(
         "--steps", type=int, default=160, help="optimizer steps of every run (default 160)"
     )
+    ap.add_argument(
+        "--seeds",
+        type=int,
+        default=None,
+        help="run every method with train.seed 0 to N-1 (weights and data order), each compared "
+        "with DDP's run of the same seed; the report gives the mean and spread",
+    )
+    ap.add_argument(
+        "--json",
+        dest="json_out",
+        default=None,
+        help="also write per method and seed bytes_per_step, ddp_bytes_per_step, final_val_loss "
+        "and ddp_final_val_loss (and more) to this JSON file",
+    )
     ap.add_argument("--out", default="bench-out/lowcomm", help="output directory")
-    ap.add_argument("--set", dest="overrides", nargs="*", default=[], help="more config overrides")
+    ap.add_argument(
+        "--set",
+        dest="overrides",
+        nargs="*",
+        default=[],
+        help="more config overrides, for every run (e.g. a smaller shape: model.dim=128 "
+        "model.n_layers=2)",
+    )
     args = ap.parse_args(argv)
     try:
         links = parse_links(args.links)
-        methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-        unknown = [m for m in methods if m not in METHODS]
-        if unknown:
-            raise DtlabError(
-                f"--methods: {', '.join(unknown)} not known; allowed: {', '.join(METHODS)}"
-            )
+        methods = _methods(args.methods)
+        seeds = _seeds(args.seeds, args.overrides)
+        bench_rtt_s()  # a bad DTLAB_BENCH_RTT_MS in this environment is named before any run
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         rows = []
+        planned = {
+            m: planned_round_trips([*METHODS[m], *args.overrides], args.steps) for m in methods
+        }
         for link in links:
             with link_namespace(link) as prefix:
                 rate = measure_link(prefix, 16 << 20) if link.rate_bps else 0.0
-                for method in methods:
-                    t0 = time.perf_counter()
-                    run_dir = out / "runs" / f"{link.name}-{method}"
-                    if run_dir.exists():
-                        import shutil
-
-                        shutil.rmtree(run_dir)
-                    overrides = [*METHODS[method], *args.overrides]
-                    records = _run(prefix, run_dir, args.steps, overrides)
-                    rows.append(_row(method, link, rate, records, inner_steps(overrides)))
-                    r = rows[-1]
-                    print(
-                        f"{link.name:>8} {method:<15} {r['wire_bytes_per_step'] / 2**20:8.3f} MiB/step "
-                        f"{r['step_time_s']:.3f} s/step  val {_num(r['final_val_loss'], '.4f')}  "
-                        f"({time.perf_counter() - t0:.0f} s)",
-                        flush=True,
-                    )
+                for seed in seeds:
+                    for method in methods:
+                        rows.append(_measure(prefix, link, rate, method, seed, args, out))
+                        rows[-1]["planned_round_trips"] = planned[method]
         predict(rows)
         target = figures(rows)
         (out / "results.json").write_text(json.dumps({"target": target, "rows": rows}, indent=1))
         (out / "report.md").write_text(report(rows, target, args.steps))
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps(results_json(rows, seeds), indent=1))
         plots(rows, out)
         print(report(rows, target, args.steps))
     except DtlabError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _measure(
+    prefix: list[str],
+    link: Link,
+    rate: float,
+    method: str,
+    seed: int | None,
+    args: argparse.Namespace,
+    out: Path,
+) -> dict[str, Any]:
+    """One run of ``method`` (with ``seed``) on ``link``, as a row."""
+    t0 = time.perf_counter()
+    name = f"{link.name}-{method}" + (f"-seed{seed}" if seed is not None else "")
+    run_dir = out / "runs" / name
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    overrides = [*METHODS[method], *args.overrides]
+    overrides += [f"train.seed={seed}"] if seed is not None else []
+    records = _run(prefix, run_dir, args.steps, overrides, run_env(link))
+    r = _row(method, link, rate, records, inner_steps(overrides), seed)
+    print(
+        f"{link.name:>8} {method:<15} {'' if seed is None else f'seed {seed} '}"
+        f"{r['wire_bytes_per_step'] / 2**20:8.3f} MiB/step {r['step_time_s']:.3f} s/step  "
+        f"{r['round_trips_per_step']:.2f} round trips/step  val {_num(r['final_val_loss'], '.4f')}  "
+        f"({time.perf_counter() - t0:.0f} s)",
+        flush=True,
+    )
+    return r
 
 
 if __name__ == "__main__":
