@@ -13,6 +13,7 @@ the input of a reduce-scatter — summed over the calls one rank issues in one o
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -444,7 +445,7 @@ def _plan_rank(
         grads_bytes=held * FP32 + _tp_embedding_grad_extra(config, dims, part),
         # The optimizer state mirrors the shard's real rows (FSDP2 pads the parameter's chunk).
         optimizer_bytes=_optimizer_bytes(
-            config, shapes, sum(moe.held_numel(s, dims, own_rows) for s in shapes)
+            config, shapes, lambda s: moe.held_numel(s, dims, own_rows)
         )
         if not dims.shard_optimizer
         else _zero1_optimizer_bytes(config, shapes, dims.dp),
@@ -507,6 +508,8 @@ def _plan_rank(
         groups.update({k: world_size for k in comm})
     _model_parallel_comm(config, dims, part, tokens, accum, comm, groups)
     moe.ep_comm(config, dims, shapes, tokens, accum, comm, groups, rank_model)
+    if t.optimizer == "muon":
+        _muon_comm(dims, shapes, comm, groups)
     whole = 0  # bytes all-reduced over every rank, whatever group the rest of "all_reduce" uses
     if dims.distributed and world_size > 1 and not p.diloco.inner_steps:
         # The step's one small reduction (loss, flags, stop votes, and a norm where gradients are DTensors
@@ -779,17 +782,51 @@ def _model_parallel_comm(
         groups["send/recv"] = 2
 
 
-def _optimizer_bytes(config: Config, shapes: list[ParamShape], held: int) -> int:
-    """AdamW: exp_avg and exp_avg_sq like the ``held`` parameter elements, plus a float32 step counter
-    per tensor. DeMo: one momentum (padded to whole chunks) and the same counter. SGD: nothing (dtlab's
-    has no momentum, and torch keeps no state for it)."""
+def _optimizer_bytes(
+    config: Config, shapes: list[ParamShape], held_of: Callable[[ParamShape], int]
+) -> int:
+    """AdamW: exp_avg and exp_avg_sq like the parameter elements the rank holds (``held_of``), plus a
+    float32 step counter per tensor. DeMo: one momentum (padded to whole chunks) and the same counter.
+    SGD: nothing (dtlab's has no momentum, and torch keeps no state for it). Muon: one momentum
+    buffer like each block matrix's held elements (no counter), AdamW's state for the rest."""
     t = config.train
     if t.optimizer == "sgd":
         return 0
     if t.optimizer == "demo":
         c = t.demo.chunk_size
         return sum(math.ceil(s.numel / c) * c for s in shapes) * FP32 + len(shapes) * FP32
-    return 2 * held * FP32 + len(shapes) * FP32
+    if t.optimizer == "muon":
+        adam = [s for s in shapes if not is_muon_shape(s)]
+        momenta = sum(held_of(s) for s in shapes if is_muon_shape(s))
+        return (momenta + 2 * sum(held_of(s) for s in adam) + len(adam)) * FP32
+    return 2 * sum(held_of(s) for s in shapes) * FP32 + len(shapes) * FP32
+
+
+def is_muon_shape(s: ParamShape) -> bool:
+    """Whether Muon steps parameter ``s`` (:func:`dtlab.train.optim.is_muon_matrix`): a transformer
+    block's matrix or stack of them."""
+    return s.group != "root" and len(s.shape) >= 2
+
+
+def _muon_comm(
+    dims: ParallelDims, shapes: list[ParamShape], comm: dict[str, int], groups: dict[str, int]
+) -> None:
+    """Muon's all-gathers per step into ``comm`` and ``groups`` (:mod:`dtlab.train.muon`): the float32
+    update of every block matrix split across a matrix dimension, gathered whole once per step.
+    FSDP's and ZeRO-1's rows: over the shard group, into the matrix padded to whole chunks; tensor
+    parallelism's rows or columns: over the TP group, into the whole matrix (``shapes`` are the
+    rank's TP parts); both: the FSDP gather of the TP part, then the TP gather. A stack of routed
+    experts is split by experts only (and left whole by tensor parallelism): never gathered."""
+    shard = dims.dp_shard if dims.fsdp_enabled else dims.dp if dims.shard_optimizer else 1
+    for s in shapes:
+        if not is_muon_shape(s) or len(s.shape) > 2:
+            continue
+        if shard > 1:
+            comm["all_gather"] = comm.get("all_gather", 0) + s.padded_numel(shard) * FP32
+            groups["all_gather"] = shard
+        if dims.tp > 1 and not moe.whole_under_tp(s.name):
+            comm["tp all_gather"] = comm.get("tp all_gather", 0) + s.numel * dims.tp * FP32
+            groups["tp all_gather"] = dims.tp
 
 
 def checkpoint_bytes(config: Config, shapes: list[ParamShape] | None = None) -> int:
@@ -800,13 +837,13 @@ def checkpoint_bytes(config: Config, shapes: list[ParamShape] | None = None) -> 
     state is not counted (a lower bound with ``parallel.diloco``)."""
     shapes = shapes if shapes is not None else param_shapes(config.model)
     numel = sum(s.numel for s in shapes)
-    return numel * FP32 + _optimizer_bytes(config, shapes, numel)
+    return numel * FP32 + _optimizer_bytes(config, shapes, lambda s: s.numel)
 
 
 def _zero1_optimizer_bytes(config: Config, shapes: list[ParamShape], ranks: int) -> int:
     """ZeRO-1: the optimizer state of the fullest rank, the first (:func:`dtlab.parallel.zero.rows_of`:
     ``ceil(rows / ranks)`` rows of every parameter, and a step counter for each)."""
-    return _optimizer_bytes(config, shapes, sum(s.shard_numel(ranks) for s in shapes))
+    return _optimizer_bytes(config, shapes, lambda s: s.shard_numel(ranks))
 
 
 def zero1_comm_bytes(shapes: list[ParamShape], config: Config, ranks: int) -> dict[str, int]:

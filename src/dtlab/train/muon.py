@@ -15,7 +15,7 @@ both and switching ``train.optimizer`` needs no retuning. A routed experts' stac
 
 The orthogonalisation needs the whole matrix. A parameter that is a DTensor sharded across a matrix
 dimension (FSDP's rows, tensor parallelism's rows or columns, ZeRO-1's rows) has its update gathered
-whole (``full_tensor()``: an all-gather of the matrix on every rank that holds a shard), orthogonalised
+whole (an all-gather of the matrix over the ranks that hold its shards, one per sharded mesh dimension), orthogonalised
 by every rank of the group alike, and each rank keeps its own shard of the result. That costs, per step,
 one all-gather of every sharded block matrix (the model's matrices once, in float32, over the shard
 group: about what FSDP's parameter all-gather of one forward moves in float32) and the Newton-Schulz
@@ -29,6 +29,7 @@ differs between a sharded and a whole run, and float32 keeps ``dtlab verify`` ex
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -94,11 +95,28 @@ def orthogonalized(u: torch.Tensor, steps: int = NS_STEPS) -> torch.Tensor:
             newton_schulz(u.to_local(), steps), u.device_mesh, u.placements,
             run_check=False, shape=u.shape, stride=u.stride(),
         )  # fmt: skip
-    whole = newton_schulz(u.full_tensor(), steps)
+    whole = newton_schulz(_gathered(u), steps)
     mesh = u.device_mesh
     # Replicate -> the shard's placements is a local slice on every rank: no communication.
     replicated = DTensor.from_local(whole, mesh, [Replicate()] * mesh.ndim, run_check=False)
     return replicated.redistribute(mesh, u.placements)
+
+
+# torch's redistribution warns, on every call, that a tensor sharded over two mesh dimensions (FSDP's
+# strided rows of tensor-parallel parts) is gathered by two all-gathers it cannot merge: the two are
+# what gathering it takes (one dimension at a time fails on the strided rows), so it is silenced here.
+_REDISTRIBUTE_LOG = logging.getLogger("torch.distributed.tensor._redistribute")
+
+
+def _gathered(u: DTensor) -> torch.Tensor:
+    """The whole tensor of ``u`` (an all-gather per sharded mesh dimension), without torch's warning
+    on every call that the two all-gathers of a 2-D mesh cannot be merged."""
+    level = _REDISTRIBUTE_LOG.level
+    _REDISTRIBUTE_LOG.setLevel(logging.ERROR)
+    try:
+        return u.full_tensor()
+    finally:
+        _REDISTRIBUTE_LOG.setLevel(level)
 
 
 class Muon(torch.optim.Optimizer):
