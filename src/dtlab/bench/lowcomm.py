@@ -2,6 +2,7 @@
 measured next to the cost model.
 
     python -m dtlab.bench.lowcomm --links 100mbit,1gbit [--methods ddp,diloco-int4,...] [--steps 160]
+    python -m dtlab.bench.lowcomm --links none,none+20ms,100mbit+100ms --seeds 3 --json OUT
 
 For each link (a network namespace whose loopback is rate-limited with ``tc``: :mod:`dtlab.bench.link`)
 and each method, ``dtlab train`` runs on 2 processes inside the namespace with ``run.comm_bytes`` on, so
@@ -10,8 +11,12 @@ one rank puts on the wire), the median step time, the wall time until the smooth
 reaches the target, the final validation loss after the same tokens, and the step time the cost model
 predicts: the method's compute time plus its wire bytes at the link's measured rate. The compute time is
 the method's step time on the unlimited loopback less its wire bytes at the loopback's measured rate (or
-the method's own step time, without a ``none`` link). Writes ``results.json``, ``report.md`` and two
-plots: final loss against bytes moved (the Pareto front) and time-to-target against link rate.
+the method's own step time, without a ``none`` link). A link's round-trip time (``+20ms``) is injected
+before every collective that crosses replicas, and the model adds one round trip per such collective
+(:func:`predict`). ``--seeds N`` repeats every method with ``train.seed`` 0 to N - 1, each against DDP's
+run of the same seed. Writes ``results.json``, ``report.md`` and two plots: final loss against bytes
+moved (the Pareto front, means over the seeds) and time-to-target against link rate; ``--json OUT``
+the per-method, per-seed figures (:func:`results_json`).
 """
 
 from __future__ import annotations
