@@ -4,6 +4,7 @@ and the bench's simulated round trip (``DTLAB_BENCH_RTT_MS``) delaying exactly t
 
 from __future__ import annotations
 
+import json
 import statistics
 from pathlib import Path
 from typing import Any
@@ -97,3 +98,24 @@ def test_a_bad_simulated_round_trip_is_named(raw: str) -> None:
         bench_rtt_s({RTT_ENV: raw})
     assert bench_rtt_s({RTT_ENV: "20"}) == 0.02
     assert bench_rtt_s({}) == 0.0
+
+
+def test_fsdp_crosses_as_predicted_and_the_plan_says_so(tmp_path: Path) -> None:
+    """FSDP with 2 micro-batches: per micro-batch each unit's all-gather for forward and again for
+    backward, a reduce-scatter per unit, the step's reduction; `dtlab plan --json` gives the same
+    figure in each candidate's row."""
+    overrides = ["parallel.strategy=fsdp", "train.micro_batch_size=2", "run.comm_bytes=true"]
+    metrics = train_run(tmp_path / "run", *overrides, nproc=2, steps=3)
+    predicted = _predicted(overrides, 2)
+    assert predicted == 3 * (2 * 2 + 1) + 1  # 3 units: 2 blocks and the root
+    assert [m["cross_replica_collectives"] for m in metrics] == [predicted] * 3
+    proc = run_cli("plan", "--nproc", "2", "--json", "--set", *FAST, "parallel.bucket_mb=0.1")
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["label"]: r for r in json.loads(proc.stdout)["strategies"]}
+    ddp = load_config(overrides=[*FAST, "parallel.strategy=ddp", "parallel.bucket_mb=0.1"])
+    trips = rows["ddp"]["comm"]["cross_replica_collectives_per_step"]
+    assert (
+        trips
+        == cross_replica_collectives(ddp, 2)
+        == ddp_bucket_count(param_shapes(ddp.model), 0.1) + 1
+    )

@@ -9,6 +9,7 @@ from typing import Any
 from dtlab.analysis import moe
 from dtlab.analysis.devices import DeviceProfile
 from dtlab.analysis.fitrule import explain, usable_fraction
+from dtlab.analysis.latency import cross_replica_collectives
 from dtlab.analysis.model import (
     ParamShape,
     StepPlan,
@@ -94,6 +95,9 @@ class PlanRow:
     fits: bool
     error: str | None = None
     exposed_s: float | None = None  # of comm_s, what the step waits for (None: all of it)
+    # Collectives across replicas per step: the round trips a link between sites costs (None: not
+    # predicted for this layout; dtlab.analysis.latency).
+    round_trips: float | None = None
 
     @property
     def step_time_s(self) -> float:
@@ -107,6 +111,7 @@ class PlanRow:
         d["label"] = self.label
         d["comm"]["time_s"] = self.comm_s
         d["comm"]["exposed_s"] = self.comm_s if self.exposed_s is None else self.exposed_s
+        d["comm"]["cross_replica_collectives_per_step"] = self.round_trips
         d["compute_time_s"] = self.compute_s
         d["recompute_time_s"] = self.recompute_s
         d["step_time_s"] = self.step_time_s
@@ -522,8 +527,9 @@ def _row(
     usable = memory * usable_fraction(device.kind)
     comm = sum(times.values())
     return PlanRow(
-        label, step, compute, recompute, comm, step.total_bytes <= usable, exposed_s=exposed
-    )
+        label, step, compute, recompute, comm, step.total_bytes <= usable, exposed_s=exposed,
+        round_trips=cross_replica_collectives(cfg, world, shapes),
+    )  # fmt: skip
 
 
 def spans_nodes(collective: str, group: int, dims: ParallelDims, nproc: int) -> bool:

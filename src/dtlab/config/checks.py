@@ -210,6 +210,45 @@ def _check_diloco(c: Config) -> None:
         )
 
 
+def _check_fault_tolerance(c: Config) -> None:
+    """parallel.fault_tolerance: torchft replica groups over plain data parallelism. Each DDP rank is
+    one replica group, whose gradient average goes through torchft instead of DDP's hooks; what
+    shares a model inside a group (FSDP, TP, PP) or exchanges something else (DiLoCo, DeMo) is not
+    built on it yet."""
+    p = c.parallel
+    if not p.fault_tolerance.enabled:
+        return
+    setting = "parallel.fault_tolerance.enabled = true"
+    allowed = ", ".join(strategies_with(DPWrapper.DDP))
+    table: dict[str, tuple[bool, str, str, str]] = {
+        "parallel.strategy": (
+            DPWrapper.of(p.strategy) is not DPWrapper.DDP, repr(p.strategy), allowed,
+            "each data-parallel rank is one replica group (HSDP's shard groups are not built yet)",
+        ),
+        "parallel.sharding": (
+            p.sharding == "optimizer", "'optimizer'", "full",
+            "ZeRO-1 shards the optimizer state over the ranks a replica group would lose",
+        ),
+        "parallel.compression": (
+            p.compression != "none", repr(p.compression), "none",
+            "the gradient average goes through torchft, not DDP's communication hooks",
+        ),
+        **{
+            key: (bad, shown, ok, "fault tolerance averages plain gradients over replica groups")
+            for key, (bad, shown, ok) in _plain_data_parallel(c).items()
+        },
+        "parallel.ep": (p.ep > 1, str(p.ep), "1", "expert parallelism spans replica groups"),
+    }  # fmt: skip
+    _refuse(table, setting)
+    if p.fault_tolerance.lighthouse is not None and not p.fault_tolerance.lighthouse.startswith(
+        ("http://", "https://")
+    ):
+        raise ValueError(
+            f"parallel.fault_tolerance.lighthouse = {p.fault_tolerance.lighthouse!r} is not an "
+            "address: expected http://HOST:PORT (or null: dtlab train starts one on 127.0.0.1)"
+        )
+
+
 def _check_tp(c: Config) -> None:
     """What tensor parallelism needs of the model and the rest of the config."""
     m, p, t = c.model, c.parallel, c.train

@@ -525,6 +525,52 @@ class DiLoCoOptions(_Section):
     )
 
 
+class FaultToleranceOptions(_Section):
+    """Fault-tolerant replica groups on torchft: each data-parallel replica group is its own world,
+    restarted alone by its own elastic agent; a lighthouse forms a quorum of the live groups at every
+    step, the gradient average is over the groups that took part, and a group that comes back
+    recovers the model and optimizer state from a live peer (docs/fault-tolerance.md)."""
+
+    enabled: bool = Field(
+        False, description="Fault-tolerant replica groups (parallel.strategy ddp: one per rank)."
+    )
+    min_replicas: int = Field(
+        1,
+        ge=1,
+        description="Replica groups a step needs to commit (and the lighthouse to form a quorum).",
+    )
+    timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=86400,
+        description="A collective, commit vote or recovery across replica groups that takes longer "
+        "fails the step there; a hung group is dropped after it (and the step taken again).",
+    )
+    quorum_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        le=86400,
+        description="How long a replica group waits for a quorum (at the first step: for every "
+        "group to start) before it fails.",
+    )
+    heartbeat_timeout_s: float = Field(
+        2.0,
+        gt=0,
+        le=3600,
+        description="The lighthouse counts a replica group silent this long as gone.",
+    )
+    lighthouse: str | None = Field(
+        None,
+        description="The lighthouse's address (http://HOST:PORT) for groups started elsewhere; null = "
+        "dtlab train starts one on 127.0.0.1 (dtlab launch: one per job).",
+    )
+    max_restarts: int = Field(
+        10,
+        ge=0,
+        description="Restarts of each replica group by its own elastic agent (the others train on).",
+    )
+
+
 class ParallelConfig(_Section):
     """How the model and the batch are spread over processes."""
 
@@ -611,6 +657,7 @@ class ParallelConfig(_Section):
     )
     compression_options: CompressionOptions = Field(default_factory=CompressionOptions)  # type: ignore[arg-type]
     diloco: DiLoCoOptions = Field(default_factory=DiLoCoOptions)  # type: ignore[arg-type]
+    fault_tolerance: FaultToleranceOptions = Field(default_factory=FaultToleranceOptions)  # type: ignore[arg-type]
 
     @property
     def stages_per_rank(self) -> int:
