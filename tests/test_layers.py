@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     (
         "dtlab.bench",
         "dtlab.launcher",
+        "dtlab.fault_tolerance",
         "dtlab.deploy",
         "dtlab.train.api",
         "dtlab.verify",

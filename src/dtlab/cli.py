@@ -220,6 +220,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if is_worker_env():  # torchrun (or dtlab's launcher) started this process
         return _train_here(config)
     check_world(config, world)  # once, here, before any process starts
+    if config.parallel.fault_tolerance.enabled:
+        return _train_fault_tolerant(args, config)
     if world == 1:
         check_before_launch(config, None)
         return _train_here(config)
@@ -241,6 +243,20 @@ def cmd_train(args: argparse.Namespace) -> int:
         args.max_restarts,
     )
     return launch(spec, worker_args, run_dir)
+
+
+def _train_fault_tolerant(args: argparse.Namespace, config: Config) -> int:
+    """``parallel.fault_tolerance``: the lighthouse and one elastic agent per replica group."""
+    from dtlab.checkpoint.init_from import check_before_launch
+    from dtlab.fault_tolerance import launch_replicas
+    from dtlab.launcher import LaunchSpec
+    from dtlab.train.rundir import check_free
+
+    run_dir, worker_args = _prepare_launch(args, config)
+    check_free(run_dir)
+    check_before_launch(config, run_dir)
+    spec = LaunchSpec(args.nproc, args.nnodes, args.node_rank, max_restarts=args.max_restarts)
+    return launch_replicas(spec, config, worker_args, run_dir)
 
 
 def _train_mlx(args: argparse.Namespace, config: Config) -> int:

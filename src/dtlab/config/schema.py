@@ -12,6 +12,7 @@ from pydantic import (
 
 from dtlab.config.checks import (
     _check_diloco,
+    _check_fault_tolerance,
     _check_mlx,
     _check_moe,
     _check_oom_retry,
@@ -159,6 +160,7 @@ class Config(_Section):
         _check_zero1(self)
         _check_oom_retry(self)
         _check_diloco(self)
+        _check_fault_tolerance(self)
         _check_tp(self)
         _check_pp(self)
         _check_moe(self)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +50,7 @@ from dtlab.parallel import (
 )
 from dtlab.parallel.compression import reduce_dtype
 from dtlab.parallel.dist import decide_on_rank0, reduce_scalar
+from dtlab.parallel.ft import Replicas, data_parallel, tag_logs
 from dtlab.parallel.ledger import (
     collective_failure,
     note_step,
@@ -111,6 +113,7 @@ def train_step(
     inject_oom: bool = False,
     loss_factor: float = 1.0,
     step_group: tuple[Any, int] | None = None,
+    replicas: Replicas | None = None,
 ) -> dict[str, Any]:
     """One optimizer step over this rank's micro-batches; returns the step's metrics.
 
@@ -129,6 +132,9 @@ def train_step(
     micro-batch raises an out-of-memory error (the ``oom`` fault). ``loss_factor``: the loss (and
     so the gradients) multiplied by it (the ``spike`` fault). ``step_group``: (process group, size)
     of the ranks that agree on the step's figures (a DiLoCo replica's), instead of every rank.
+    ``replicas``: fault-tolerant replica groups (``parallel.fault_tolerance``): the gradients and loss
+    averaged over the groups in the quorum, and a step that does not commit everywhere changes
+    nothing (``{"uncommitted": True}``, for the caller to take it again).
     """
     if scaler.enabled:
         pm.compression.set_scale(scaler.scale)  # hooks keep their state in unscaled units
@@ -147,6 +153,8 @@ def train_step(
         )  # fmt: skip
     pm.settle_gradients()
     params = [p for p in pm.optimized.parameters() if p.grad is not None]
+    if replicas is not None:  # across the replica groups, before anything is judged
+        loss_sum = replicas.average([p.grad for p in params if p.grad is not None], loss_sum)
     found = scaler.unscale_(params, device)  # this rank's overflow flag (fp16), no collective
     local = pm.compression.local_gradients  # each rank's own gradients (DeMo)
     grads = [g for p in params if (g := p.grad) is not None]
@@ -154,6 +162,10 @@ def train_step(
     r = reduce_step(
         loss_sum, found, stop_signal, grads, local, pp=pm.dims.pp, group=group, group_size=size
     )
+    if replicas is not None and not replicas.should_commit():
+        pm.compression.rollback()
+        optimizer.zero_grad(set_to_none=True)
+        return {"uncommitted": True}
     if config.train.grad_clip > 0:
         clip = r.clip_norm_t
         clip_gradients(params, config.train.grad_clip, clip)
@@ -356,7 +368,9 @@ class Training:
 
 def build_training(config: Config, d: DistInfo) -> Training:
     """Build every part of training for this rank, in the order that matters."""
-    t, dp = config.train, d.dims.dp  # the batch is split over the data-parallel ranks only
+    t = config.train
+    # The batch is split over the data-parallel ranks only (with fault tolerance: every group's).
+    dp_rank, dp = data_parallel(config, d)
     accum = check_batch_split(config, dp)
     micro = t.global_batch_size // (accum * dp)
     data = build_data(config)
@@ -364,7 +378,7 @@ def build_training(config: Config, d: DistInfo) -> Training:
     pm = parallelize(model, config, d)
     # Built after parallelize: the optimizer must hold the parameters training updates (FSDP's shards).
     optimizer = build_optimizer(pm.optimized, t, experts=config.model.moe.experts > 0)
-    layout = BatchLayout(t.global_batch_size, d.dims.dp_rank(d.rank), dp, micro)
+    layout = BatchLayout(t.global_batch_size, dp_rank, dp, micro)
     loader = BatchLoader(
         data.train, layout, prefetch=config.data.prefetch, pin_memory=d.device.type == "cuda"
     )
@@ -407,7 +421,10 @@ def train(config: Config) -> dict[str, Any]:
 
 def _train(config: Config, d: DistInfo) -> dict[str, Any]:
     setup_logging(d.rank, d.world_size)
-    check_batch_split(config, d.dims.dp)  # before the run directory is created; degrees: d.dims
+    if config.parallel.fault_tolerance.enabled:
+        tag_logs(int(os.environ.get("DTLAB_FT_REPLICA", "0")))
+    # Before the run directory is created; degrees: d.dims.
+    check_batch_split(config, data_parallel(config, d)[1])
     faults = Faults.from_env(d.rank)
     run_dir, lock = resolve_run_dir(config, d)
     signals = StopSignals()
@@ -481,6 +498,8 @@ class TorchEngine:
         self.rtt_s = bench_rtt_s()
         self.states: dict[str, Stateful] = {}
         self.per_rank: tuple[str, ...] = ()
+        ft = config.parallel.fault_tolerance.enabled
+        self.replicas = Replicas(config, d) if ft else None  # parallel.fault_tolerance
         # DiLoCo: a step's figures are agreed within the replica; the replicas agree with each sync.
         self.step_group = self.tr.diloco.replica if self.tr.diloco is not None else None
         self.replica_skipped = 0  # steps this replica skipped since the last outer sync
@@ -515,6 +534,8 @@ class TorchEngine:
             "scaler": tr.scaler,
             self.per_rank[0]: comm,
         }
+        if self.replicas is not None:  # what a recovering replica group takes from a live peer
+            self.replicas.attach(dict(self.states))
 
     def check_resume(self, path: Path) -> None:
         # Any layout's torch checkpoint loads (DCP reshards), except DiLoCo's: its replicas each hold
@@ -616,18 +637,29 @@ class TorchEngine:
                     skip_sync=skip_sync, before_update=self._staged,
                     oom_retry=self.config.train.oom_retry,
                     inject_oom=self.faults.out_of_memory(step), loss_factor=loss_factor,
-                    step_group=self.step_group,
+                    step_group=self.step_group, replicas=self.replicas,
                 )  # fmt: skip
                 break
             except StepOutOfMemory as e:
                 self._smaller_micro_batches(step, e)
                 retries += 1
+        if self.replicas is not None:
+            if m.get("uncommitted"):
+                # Not committed everywhere: nothing changed; the same batch again, with the next quorum.
+                self.replicas.uncommitted += 1
+                self.loader.load_state_dict({**self.loader.state_dict(), "next_step": step - 1})
+                return m
+            m.update(self.replicas.step_figures())
         if retries:
             self.oom_retries += retries
             m.update(oom_retries=retries, micro_batch_size=self.micro_now)
         if tr.diloco is not None:
             m = self._outer_step(step, m, tr.diloco)
         return m
+
+    def join(self, step: int) -> None:
+        if self.replicas is not None:
+            self.replicas.join(step)
 
     def _outer_step(self, step: int, m: dict[str, Any], diloco: DiLoCo) -> dict[str, Any]:
         """DiLoCo after inner step ``step``, whose figures ``m`` are this replica's: the outer syncs
@@ -730,6 +762,8 @@ class TorchEngine:
             out["peak_memory_reserved_bytes"] = self.peak_memory_reserved_bytes()
         if self.config.train.oom_retry:
             out.update(oom_retries=self.oom_retries, micro_batch_size=self.micro_now)
+        if self.replicas is not None:
+            out.update(self.replicas.summary())
         if self.tr.diloco is not None:
             # A run that ends between outer syncs: its model is θ_global of the last syncs, not
             # any replica's weights of its last step.
@@ -749,3 +783,5 @@ class TorchEngine:
             self.profiler = None
         if self.tr.diloco is not None:
             self.tr.diloco.close()
+        if self.replicas is not None:
+            self.replicas.close()

@@ -104,6 +104,11 @@ class Engine(Protocol):
         """What rank 0 warns about at the start, beside the config's own warnings."""
         return []
 
+    def join(self, step: int) -> None:
+        """Before the step after ``step``: fault-tolerant replica groups meet in a quorum, where a
+        group that is behind takes a live peer's state (the counters and data position with it)."""
+        return None
+
     def step(
         self, batch: list[Any], step: int, stop_signal: int, inject_nan: bool
     ) -> dict[str, Any]:
@@ -366,12 +371,17 @@ def _loop(
     warned_nonfinite = False
     monitor = AlertMonitor(config.alerts, tokens_per_step) if config.alerts.enabled else None
     while state.step < t.steps:
+        engine.join(state.step)
+        if state.step >= t.steps:  # a replica group that recovered the state after the last step
+            break
         t0 = time.perf_counter()
         n = state.step + 1
         batch = next(engine.loader)
         faults.before_step(n)
         faults.during_step(n)
         m = engine.step(batch, n, signals.received, faults.nan_loss(n))
+        if m.pop("uncommitted", False):  # fault tolerance: not every group committed; again
+            continue
         stop = m.pop("stop", None)
         dt = time.perf_counter() - t0
         r.ckpt.step_done(dt)  # checkpoint.async: auto judges a save by the steps it slows

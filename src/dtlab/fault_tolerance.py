@@ -1,0 +1,202 @@
+"""``dtlab train --nproc N`` with ``parallel.fault_tolerance``: a lighthouse and one elastic agent per
+replica group, each group its own world that its agent restarts alone.
+
+    dtlab train (this process)      the lighthouse (torchft's, on 127.0.0.1) and a start store
+      replica 0: python -m dtlab.fault_tolerance --replica 0 ...  -> its elastic agent -> its ranks
+      replica 1: ...                                               (run.dir/replica-1, ...)
+
+Each group trains in its own run directory (``<run.dir>/replica-<i>``: its metrics, checkpoints and
+summary), and this process writes ``<run.dir>/fault_tolerance.json``, how each group ended. The groups
+meet through the lighthouse (:mod:`dtlab.parallel.ft`); when a group has finished the run, the
+others have ``timeout_s`` (plus a margin) to finish too, and are then stopped (a group still
+recovering then would otherwise train the last steps alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from dtlab.config import Config
+from dtlab.errors import DtlabError
+from dtlab.launcher import LaunchSpec, _loopback_store, launch
+from dtlab.parallel.ft import (
+    HOST_ENV,
+    LIGHTHOUSE_ENV,
+    REPLICA_ENV,
+    REPLICAS_ENV,
+    START_STORE_ENV,
+)
+
+# After the first group finishes, how long the others have beyond parallel.fault_tolerance.timeout_s.
+FINISH_MARGIN_S = 20.0
+
+
+def replica_dir(run_dir: Path, replica: int) -> Path:
+    """Replica group ``replica``'s own run directory."""
+    return run_dir / f"replica-{replica}"
+
+
+def start_lighthouse(config: Config) -> tuple[Any, str]:
+    """torchft's lighthouse on 127.0.0.1 (nothing beyond this machine reaches it): (server, address)."""
+    os.environ.setdefault("RUST_LOG", "warn")  # its Rust side logs every quorum tick at INFO
+    from torchft.coordination import LighthouseServer
+
+    o = config.parallel.fault_tolerance
+    server = LighthouseServer(
+        bind="127.0.0.1:0",
+        min_replicas=o.min_replicas,
+        # A quorum waits this long for a group it hears from that has not asked to join yet.
+        join_timeout_ms=int(o.timeout_s * 1000),
+        quorum_tick_ms=50,
+        heartbeat_timeout_ms=int(o.heartbeat_timeout_s * 1000),
+    )
+    # It names itself by this machine's host name; the groups reach it where it listens.
+    port = str(server.address()).rsplit(":", 1)[1]
+    return server, f"http://127.0.0.1:{port}"
+
+
+def _with_override(worker_args: list[str], override: str) -> list[str]:
+    """``worker_args`` (``train [CONFIG] [--set K=V ...]``) with one more ``--set`` override, last."""
+    if "--set" in worker_args:
+        return [*worker_args, override]
+    return [*worker_args, "--set", override]
+
+
+def launch_replicas(spec: LaunchSpec, config: Config, worker_args: list[str], run_dir: Path) -> int:
+    """Train with fault-tolerant replica groups on this machine; returns the exit code: 0 when a
+    group finished the run, else the groups' (75 when every group stopped with a checkpoint)."""
+    if spec.nnodes > 1:
+        raise DtlabError(
+            f"--nnodes {spec.nnodes} with parallel.fault_tolerance: dtlab train starts the replica "
+            "groups of one machine; on several, start them with dtlab launch (one lighthouse per "
+            "job, parallel.fault_tolerance.lighthouse)"
+        )
+    o = config.parallel.fault_tolerance
+    replicas, group = spec.nproc, 1  # DDP: each rank is a replica group
+    run_dir.mkdir(parents=True, exist_ok=True)
+    server, address = None, o.lighthouse
+    if address is None:
+        server, address = start_lighthouse(config)
+    store = _loopback_store()  # where the groups meet on their first start
+    env = {
+        **os.environ,
+        REPLICAS_ENV: str(replicas),
+        LIGHTHOUSE_ENV: address,
+        START_STORE_ENV: f"127.0.0.1:{store.port}",
+        HOST_ENV: "127.0.0.1",
+        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+        # torchft's Rust side logs every quorum tick at INFO.
+        "RUST_LOG": os.environ.get("RUST_LOG", "warn"),
+    }
+    print(
+        f"fault tolerance: {replicas} replica group{'s' * (replicas > 1)} of {group} rank"
+        f"{'s' * (group > 1)}, lighthouse {address}"
+        f"{' (started here, on 127.0.0.1)' if server is not None else ''}, each group restarted "
+        f"up to {o.max_restarts} times by its own agent; run dir {run_dir}",
+        file=sys.stderr,
+        flush=True,
+    )
+    procs = []
+    for i in range(replicas):
+        args = _with_override(worker_args, f"run.dir={replica_dir(run_dir, i)}")
+        cmd = [
+            sys.executable, "-m", "dtlab.fault_tolerance", "--nproc", str(group),
+            "--max-restarts", str(o.max_restarts), "--run-dir", str(replica_dir(run_dir, i)),
+            "--", *args,
+        ]  # fmt: skip
+        procs.append(subprocess.Popen(cmd, env={**env, REPLICA_ENV: str(i)}))
+    try:
+        codes = _supervise(procs, o.timeout_s + FINISH_MARGIN_S)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        if server is not None:
+            server.shutdown()
+    finished = [i for i, c in codes.items() if c == 0]
+    record = {"replicas": replicas, "lighthouse": address, "exit_codes": codes}
+    (run_dir / "fault_tolerance.json").write_text(json.dumps(record, indent=1), encoding="utf-8")
+    if finished:
+        others = {i: c for i, c in codes.items() if c != 0}
+        if others:
+            print(
+                f"fault tolerance: replica groups {finished} finished the run; "
+                + ", ".join(f"group {i} did not (exit code {c})" for i, c in others.items()),
+                file=sys.stderr,
+                flush=True,
+            )
+        return 0
+    if codes and all(c == 75 for c in codes.values()):
+        return 75
+    return 1
+
+
+def _supervise(procs: list[subprocess.Popen[bytes]], grace_s: float) -> dict[int, int]:
+    """Wait for the agents; once one group finished, the others get ``grace_s`` to finish too.
+    SIGINT and SIGTERM are passed on to every agent (which passes them to its ranks)."""
+    codes: dict[int, int] = {}
+    done_at: float | None = None
+    got: list[int] = []
+
+    def handle(signum: int, frame: Any) -> None:
+        got.append(signum)
+        for p in procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    p.send_signal(signal.SIGTERM)
+
+    previous = {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while len(codes) < len(procs):
+            for i, p in enumerate(procs):
+                if i not in codes and p.poll() is not None:
+                    codes[i] = p.returncode
+            if done_at is None and 0 in codes.values():
+                done_at = time.monotonic()
+            if done_at is not None and time.monotonic() - done_at > grace_s:
+                for i, p in enumerate(procs):
+                    if p.poll() is None:
+                        print(
+                            f"fault tolerance: replica group {i} had not finished {grace_s:.0f} s "
+                            "after another did; stopping it",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                        p.terminate()
+                done_at = time.monotonic()  # then killed by the caller if still there
+                grace_s = 10.0
+            time.sleep(0.1)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    return codes
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One replica group's elastic agent: ``python -m dtlab.fault_tolerance --nproc G
+    --max-restarts K --run-dir DIR -- train ...`` (started by :func:`launch_replicas`)."""
+    parser = argparse.ArgumentParser(prog="python -m dtlab.fault_tolerance")
+    parser.add_argument("--nproc", type=int, required=True)
+    parser.add_argument("--max-restarts", type=int, required=True)
+    parser.add_argument("--run-dir", type=Path, required=True)
+    parser.add_argument("worker_args", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    worker_args = args.worker_args
+    if worker_args[:1] == ["--"]:
+        worker_args = worker_args[1:]
+    spec = LaunchSpec(args.nproc, max_restarts=args.max_restarts)
+    return launch(spec, worker_args, args.run_dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,299 @@
+"""Fault-tolerant replica groups on torchft (``parallel.fault_tolerance``): one replica group's side.
+
+Each data-parallel replica group (one rank under DDP) is its own torch.distributed world, started and
+restarted alone by its own elastic agent (:mod:`dtlab.fault_tolerance`). What crosses the groups goes
+through torchft's :class:`~torchft.Manager` instead of the world's process group:
+
+    every step   start_quorum: the lighthouse's quorum of the live groups; a group that is behind
+                 (restarted, or dropped while it hung) loads the state of a live peer here, before
+                 the run shell picks the step's number and batch
+    backward     the gradients (and the loss) averaged over the groups in the quorum, in one buffer,
+                 through torchft's reconfigurable gloo process group
+    before the   should_commit: every group votes; a step that failed anywhere (a peer died in the
+    update       all-reduce, or hung past timeout_s) changes nothing and is taken again, with the
+                 next quorum
+
+Data order: group ``i`` of ``R`` keeps its slice of every step, data-parallel rank ``i`` of ``R``
+(INTERFACE.md's split). A step taken without some groups trains on the slices of those that took part
+only: the others' samples of that step are not trained, and each such step says how many were lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from dtlab.config import Config
+from dtlab.metrics.logging import logger
+
+if TYPE_CHECKING:
+    from torchft import Manager
+
+    from dtlab.parallel.dist import DistInfo
+
+# Set by the fault-tolerant launcher in each replica group's environment (its workers inherit it).
+REPLICA_ENV = "DTLAB_FT_REPLICA"  # this group's index, 0 .. replicas - 1
+REPLICAS_ENV = "DTLAB_FT_REPLICAS"  # how many groups the run has
+START_STORE_ENV = "DTLAB_FT_START_STORE"  # HOST:PORT of the store the first start meets at
+HOST_ENV = "DTLAB_FT_HOST"  # the address a group's manager gives its peers
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own name for the lighthouse's address
+
+class Stateful(Protocol):
+    """What a checkpoint holds (``dtlab.checkpoint.state.Stateful``, a layer up)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+# The replica id the lighthouse knows a group by: torchft reads the group's index from its digits.
+REPLICA_ID = "dtlab_replica_{}"
+
+
+@dataclass(frozen=True)
+class ReplicaPlace:
+    """Which replica group this process belongs to, of how many."""
+
+    replica: int
+    replicas: int
+
+    @classmethod
+    def from_env(cls) -> ReplicaPlace:
+        """The group the fault-tolerant launcher started this process in (a DtlabError without one)."""
+        from dtlab.errors import DtlabError
+
+        try:
+            return cls(int(os.environ[REPLICA_ENV]), int(os.environ[REPLICAS_ENV]))
+        except (KeyError, ValueError):
+            raise DtlabError(
+                "parallel.fault_tolerance.enabled = true, but this process was not started as a "
+                f"replica group ({REPLICA_ENV} and {REPLICAS_ENV} unset): start it with "
+                "`dtlab train --nproc N` (or `dtlab launch`), which starts the lighthouse and one "
+                "elastic agent per replica group"
+            ) from None
+
+
+def data_parallel(config: Config, d: DistInfo) -> tuple[int, int]:
+    """(this rank's data-parallel index, the data-parallel degree) over the whole run: with fault
+    tolerance the groups' ranks side by side, group ``i``'s after those of groups ``0 .. i-1``."""
+    dp, rank = d.dims.dp, d.dims.dp_rank(d.rank)
+    if not config.parallel.fault_tolerance.enabled:
+        return rank, dp
+    place = ReplicaPlace.from_env()
+    return place.replica * dp + rank, place.replicas * dp
+
+
+def tag_logs(replica: int) -> None:
+    """Prefix this process's log lines with its replica group (every group has a rank 0)."""
+    for handler in logger.handlers:
+        fmt = handler.formatter
+        text = fmt._fmt if fmt is not None and fmt._fmt else "%(levelname)s %(message)s"
+        handler.setFormatter(
+            logging.Formatter(text.replace("%(levelname)s", f"[replica {replica}] %(levelname)s"))
+        )
+
+
+class _OneLine(logging.Filter):
+    """torchft's errors in one line, without the traceback: a peer that died is what fault tolerance
+    is for, and dtlab says what follows (the quorum without it)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg = str(record.getMessage()).splitlines()[0][:300]
+        record.args, record.exc_info, record.exc_text = None, None, None
+        return True
+
+
+def _quiet_torchft() -> None:
+    """torchft's own loggers: errors only, one line each (its INFO lines come every step, and it
+    warns of NCCL's flight recorder on every new quorum, on gloo too)."""
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+    for name in ("torchft", "torchft.manager", "torchft_quorums", "torchft_commits"):
+        log = logging.getLogger(name)
+        log.setLevel(logging.ERROR)
+        if not any(isinstance(f, _OneLine) for f in log.filters):
+            log.addFilter(_OneLine())
+
+
+class Replicas:
+    """This replica group's torchft manager, and what the run learns from it: which groups are in
+    the quorum, when it changed, and how long a recovery from a peer took."""
+
+    def __init__(self, config: Config, d: DistInfo) -> None:
+        from torchft import Manager, ProcessGroupGloo
+
+        o = config.parallel.fault_tolerance
+        self.place = ReplicaPlace.from_env()
+        self.global_batch = config.train.global_batch_size
+        timeout = timedelta(seconds=o.timeout_s)
+        place = self.place
+        members: list[int] = []
+
+        class _Gloo(ProcessGroupGloo):  # type: ignore[misc]
+            """torchft's gloo group, noting the quorum's groups each time it is reconfigured."""
+
+            def configure(self, *args: Any, **kwargs: Any) -> None:
+                ranks = kwargs.get("global_ranks", args[7] if len(args) > 7 else None) or []
+                # torchft numbers a member replica * group size + group rank.
+                members[:] = sorted({r // max(1, d.world_size) for r in ranks})
+                super().configure(*args, **kwargs)
+
+        _quiet_torchft()
+        self.members = members
+        self._loaded: dict[str, Any] | None = None
+        self._states: dict[str, Stateful] = {}
+        self.manager: Manager = Manager(
+            pg=_Gloo(timeout=timeout),
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=o.min_replicas,
+            use_async_quorum=False,  # the quorum (and a recovery) before the step, not during it
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=o.quorum_timeout_s),
+            connect_timeout=timedelta(seconds=max(o.timeout_s, 10.0)),
+            rank=d.rank,
+            world_size=d.world_size,
+            replica_id=REPLICA_ID.format(place.replica),
+            hostname=os.environ.get(HOST_ENV, "127.0.0.1"),
+            # Every group initialises the same weights from train.seed: nothing to copy at step 0.
+            init_sync=False,
+        )
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            self._meet(o.quorum_timeout_s)
+        self.quorum_id = -1
+        self.recoveries: list[dict[str, Any]] = []
+        self.uncommitted = 0  # steps taken again because they did not commit everywhere
+        self.samples_lost = 0  # samples of the groups missing from committed steps
+
+    def _meet(self, timeout_s: float) -> None:
+        """On the run's first start, wait for every group's manager before the first quorum: the
+        lighthouse forms a quorum as soon as every group it hears from has joined, so a group that
+        started late would otherwise miss the first steps (and recover at once from a peer)."""
+        where = os.environ.get(START_STORE_ENV)
+        if not where:
+            return
+        import torch.distributed as dist
+
+        host, port = where.rsplit(":", 1)
+        store = dist.TCPStore(
+            host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s)
+        )
+        store.add("dtlab/ft/started", 1)
+        deadline = time.monotonic() + timeout_s
+        while store.add("dtlab/ft/started", 0) < self.place.replicas:
+            if time.monotonic() > deadline:
+                logger.warning(
+                    "replica %d: not every replica group started within %.0f s "
+                    "(parallel.fault_tolerance.quorum_timeout_s); training with those that did",
+                    self.place.replica, timeout_s,
+                )  # fmt: skip
+                return
+            time.sleep(0.05)
+
+    # -- state -------------------------------------------------------------------------------------
+
+    def attach(self, states: dict[str, Stateful]) -> None:
+        """The states a recovering group takes from a live peer: everything a checkpoint holds
+        (model, optimizer, schedule, counters, data position)."""
+        self._states = states
+        self.manager.register_state_dict_fn("dtlab", self._load, self._state_dict)
+
+    def _state_dict(self) -> dict[str, Any]:
+        return {name: s.state_dict() for name, s in self._states.items()}
+
+    def _load(self, state: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
+        for name, s in self._states.items():
+            if name in state:
+                s.load_state_dict(state[name])
+        self._loaded = {"load_s": time.perf_counter() - t0}
+
+    # -- the step ----------------------------------------------------------------------------------
+
+    def join(self, step: int) -> None:
+        """Before step ``step + 1`` (``step`` steps done here): the quorum; a group that is behind
+        loads a live peer's state (then the run's counters say where it now is)."""
+        if self.manager.current_step() != step:
+            self.manager.load_state_dict(
+                {"step": step, "batches_committed": self.manager.batches_committed()}
+            )
+        t0 = time.perf_counter()
+        self._loaded = None
+        self.manager.start_quorum()
+        took = time.perf_counter() - t0
+        if self.manager.errored() is not None:
+            logger.warning(
+                "replica %d: the quorum after step %d failed (%s); the step is taken again",
+                self.place.replica, step, self.manager.errored(),
+            )  # fmt: skip
+        if self.manager._quorum_id != self.quorum_id:  # torchft keeps it private
+            self.quorum_id = self.manager._quorum_id
+            missing = sorted(set(range(self.place.replicas)) - set(self.members))
+            share = self.global_batch // self.place.replicas
+            logger.info(
+                "replica %d: quorum %d after step %d: replica groups %s (%d of %d)%s",
+                self.place.replica, self.quorum_id, step, self.members, len(self.members),
+                self.place.replicas,
+                f"; missing {missing}: each step without them trains on "
+                f"{self.global_batch - share * len(missing)} of its {self.global_batch} samples, "
+                f"their slices ({share * len(missing)} samples a step) are not trained"
+                if missing else "",
+            )  # fmt: skip
+        if self._loaded is not None:
+            now = self.manager.current_step()
+            record = {"after_step": step, "to_step": now, "seconds": took, **self._loaded}
+            self.recoveries.append(record)
+            logger.warning(
+                "replica %d: recovered the state after step %d from a live peer in %.2f s "
+                "(it was at step %d here)",
+                self.place.replica, now, took, step,
+            )  # fmt: skip
+
+    def average(self, grads: list[torch.Tensor], loss_sum: torch.Tensor) -> torch.Tensor:
+        """Average ``grads`` (in place) and the loss over the groups in the quorum, in one all-reduce;
+        returns the averaged loss. A failed all-reduce is torchft's to note: the step then does not
+        commit anywhere it failed."""
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        flat = _flatten_dense_tensors([*grads, loss_sum.reshape(1).to(grads[0].dtype)])
+        self.manager.allreduce(flat).wait()
+        out = _unflatten_dense_tensors(flat, [*grads, loss_sum.reshape(1)])
+        for g, new in zip(grads, out[:-1], strict=True):
+            g.copy_(new)
+        return out[-1].reshape(()).to(loss_sum.dtype)
+
+    def should_commit(self) -> bool:
+        """Every group's vote on the step (torchft's should_commit): False where it failed."""
+        return bool(self.manager.should_commit())
+
+    def step_figures(self) -> dict[str, Any]:
+        """What a committed step records: the groups that took part and the samples of the others,
+        which this step did not train (their slices of the global batch)."""
+        took_part = self.manager.num_participants()
+        lost = (self.place.replicas - took_part) * self.global_batch // self.place.replicas
+        self.samples_lost += lost
+        out: dict[str, Any] = {"replicas": took_part}
+        if lost:
+            out["samples_lost"] = lost
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        """The run's fault-tolerance figures for summary.json."""
+        return {
+            "fault_tolerance": {
+                "replica": self.place.replica,
+                "replicas": self.place.replicas,
+                "recoveries": self.recoveries,
+                "steps_taken_again": self.uncommitted,
+                "samples_lost": self.samples_lost,
+            }
+        }
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)

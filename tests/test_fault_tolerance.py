@@ -1,0 +1,170 @@
+"""parallel.fault_tolerance: torchft replica groups, with real processes, real gloo and real signals.
+
+A run of R groups trains in ``run.dir/replica-<i>``, one run directory per group; with no fault it is
+the plain DDP run of R ranks; a group killed mid-run is restarted by its own agent, recovers the live
+state from a peer and ends with the same weights; a group that hangs is dropped and the others go on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import FAST, Watched, checkpoint_tensors, read_metrics, real_pid, run_cli
+
+from dtlab import load_config
+from dtlab.errors import ConfigError
+
+pytest.importorskip("torchft")
+
+FT = ["parallel.strategy=ddp", "parallel.fault_tolerance.enabled=true"]
+
+
+def _train_args(run_dir: Path, steps: int, *overrides: str) -> list[str]:
+    return [
+        "train", "--nproc", "2", "--set", *FAST, f"train.steps={steps}", f"run.dir={run_dir}",
+        *FT, *overrides,
+    ]  # fmt: skip
+
+
+def _replica_pids(run_dir: Path, replica: int) -> list[int]:
+    """The training processes of replica group ``replica`` (not its agent): the workers its agent
+    started, found by their run directory."""
+    want = f"run.dir={run_dir / f'replica-{replica}'}".encode()
+    pids = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+            env = (proc / "environ").read_bytes()
+        except OSError:
+            continue
+        if want in cmd and b"dtlab.fault_tolerance" not in cmd and b"TORCHELASTIC_RUN_ID=" in env:
+            pids.append(int(proc.name))
+    return pids
+
+
+def _signal(run_dir: Path, replica: int, sig: signal.Signals) -> None:
+    pids = _replica_pids(run_dir, replica)
+    assert pids, f"no training process of replica group {replica} found"
+    for pid in pids:
+        os.kill(real_pid(pid), sig)  # the test's fork server's child, where a shim stands for it
+
+
+def _final_weights_equal(run_dir: Path, steps: int) -> None:
+    name = f"checkpoints/step-{steps:08d}"
+    a = checkpoint_tensors(run_dir / "replica-0" / name)
+    b = checkpoint_tensors(run_dir / "replica-1" / name)
+    assert set(a) == set(b) and any(k.startswith("model.") for k in a)
+    differ = [k for k in a if not (a[k] == b[k]).all()]
+    assert not differ, f"replica groups end with different tensors: {differ[:5]}"
+
+
+def _summary(run_dir: Path, replica: int) -> dict[str, Any]:
+    path = run_dir / f"replica-{replica}" / "summary.json"
+    return dict(json.loads(path.read_text())["fault_tolerance"])
+
+
+def test_no_fault_equals_plain_ddp(tmp_path: Path) -> None:
+    steps = 8
+    plain = run_cli(
+        "train", "--nproc", "2", "--set", *FAST, f"train.steps={steps}",
+        f"run.dir={tmp_path / 'plain'}", "parallel.strategy=ddp",
+    )  # fmt: skip
+    assert plain.returncode == 0, plain.stderr
+    ft = run_cli(*_train_args(tmp_path / "ft", steps))
+    assert ft.returncode == 0, ft.stderr
+    assert "Traceback" not in ft.stderr, ft.stderr
+    ref = read_metrics(tmp_path / "plain")
+    for replica in (0, 1):
+        run = read_metrics(tmp_path / "ft" / f"replica-{replica}")
+        assert [m["step"] for m in run] == list(range(1, steps + 1))
+        for m, r in zip(run, ref, strict=True):
+            # The same samples, the same average of the same gradients: equal to float rounding.
+            assert m["loss"] == pytest.approx(r["loss"], rel=1e-6, abs=0), m["step"]
+            assert m["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-6, abs=0), m["step"]
+            assert m["replicas"] == 2 and "samples_lost" not in m
+    assert run[-1]["loss"] < run[0]["loss"] - 0.3
+    _final_weights_equal(tmp_path / "ft", steps)
+    # Where the lighthouse was, and how every group ended.
+    record = json.loads((tmp_path / "ft" / "fault_tolerance.json").read_text())
+    assert record["lighthouse"].startswith("http://127.0.0.1:")
+    assert record["exit_codes"] == {"0": 0, "1": 0}
+
+
+def test_killed_replica_rejoins_with_the_live_state(tmp_path: Path) -> None:
+    steps, run_dir = 40, tmp_path / "run"
+    job = Watched(*_train_args(run_dir, steps))
+    job.wait_for_step(run_dir / "replica-1", 6)
+    _signal(run_dir, 1, signal.SIGKILL)
+    assert job.finish() == 0, job.err
+    assert "restarting the workers" in job.err
+    assert "recovered the state after step" in job.err
+    _final_weights_equal(run_dir, steps)
+    recovered = _summary(run_dir, 1)["recoveries"]
+    assert len(recovered) == 1 and recovered[0]["to_step"] >= 6, recovered
+    # Whether group 0 went on alone depends on how fast the agent restarts group 1 (against the
+    # lighthouse's heartbeat timeout); each step it took alone lost group 1's half, said per step.
+    alone = [m for m in read_metrics(run_dir / "replica-0") if m["replicas"] == 1]
+    assert all(m["samples_lost"] == 4 for m in alone)
+    assert _summary(run_dir, 0)["samples_lost"] == 4 * len(alone)
+
+
+def test_hung_replica_is_dropped_and_catches_up(tmp_path: Path) -> None:
+    steps, run_dir = 40, tmp_path / "run"
+    job = Watched(
+        *_train_args(
+            run_dir, steps, "parallel.fault_tolerance.timeout_s=3",
+            "parallel.fault_tolerance.heartbeat_timeout_s=1",
+        )
+    )  # fmt: skip
+    job.wait_for_step(run_dir / "replica-1", 6)
+    _signal(run_dir, 1, signal.SIGSTOP)
+    try:
+        job.wait_for("missing [1]", timeout=60)  # dropped after the timeout
+        stopped_at = max(m["step"] for m in read_metrics(run_dir / "replica-1"))
+        job.wait_for_step(run_dir / "replica-0", stopped_at + 5, timeout=60)  # the other goes on
+    finally:
+        _signal(run_dir, 1, signal.SIGCONT)
+    # Woken, it is behind: it takes the live state from its peer and finishes with it.
+    assert job.finish() == 0, job.err
+    assert "recovered the state after step" in job.err
+    _final_weights_equal(run_dir, steps)
+    alone = [m for m in read_metrics(run_dir / "replica-0") if m["replicas"] == 1]
+    assert len(alone) >= 5 and all(m["samples_lost"] == 4 for m in alone)
+    assert _summary(run_dir, 0)["samples_lost"] == 4 * len(alone)
+    assert _summary(run_dir, 0)["steps_taken_again"] >= 1  # the step the hang stopped
+
+
+def test_lighthouse_listens_on_loopback_only() -> None:
+    from dtlab.fault_tolerance import start_lighthouse
+
+    server, address = start_lighthouse(load_config(None, [*FAST, *FT]))
+    try:
+        port = int(address.rsplit(":", 1)[1])
+        listening = []
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            for line in Path(table).read_text().splitlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # LISTEN
+                    listening.append(local.rsplit(":", 1)[0])
+        assert listening == ["0100007F"], listening  # 127.0.0.1, and nothing else
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["parallel.strategy=fsdp"], "parallel.strategy = 'fsdp' is not supported"),
+        (["parallel.compression=powersgd"], "parallel.compression = 'powersgd'"),
+        (["parallel.diloco.inner_steps=4"], "parallel.diloco.inner_steps = 4"),
+        (["parallel.fault_tolerance.lighthouse=host:1"], "expected http://HOST:PORT"),
+    ],
+)
+def test_refused_settings(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        load_config(None, [*FT, *overrides])
