@@ -195,6 +195,8 @@ class CommCounter(EagerDispatchMode):
             return False
         if group not in self._crosses:
             ranks = range(len(self.replica_of)) if group is None else _group_ranks(group)
+            if ranks is None:  # a group not registered by name: counted as the world's
+                ranks = range(len(self.replica_of))
             self._crosses[group] = len({self.replica_of[r] for r in ranks}) > 1
         return self._crosses[group]
 
@@ -205,11 +207,15 @@ class CommCounter(EagerDispatchMode):
         self.cross_calls = self.cross_bytes = 0
 
 
-def _group_ranks(name: str) -> list[int]:
-    """The global ranks of the process group named ``name``."""
+def _group_ranks(name: str) -> list[int] | None:
+    """The global ranks of the process group named ``name``; None if no group has that name."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    return list(dist.get_process_group_ranks(_resolve_process_group(name)))  # type: ignore[arg-type]
+    try:
+        group = _resolve_process_group(name)  # type: ignore[arg-type]
+    except (KeyError, RuntimeError, ValueError):
+        return None
+    return list(dist.get_process_group_ranks(group))
 
 
 def _group_name(namespace: str, args: Any) -> str | None:
