@@ -54,7 +54,7 @@ def _check_pp(c: Config) -> None:
     refused: dict[str, tuple[bool, str, str]] = {
         "model.tie_embeddings": (m.tie_embeddings, "true", "false"),
         "train.precision": (t.precision == "fp16", "'fp16'", "fp32, bf16"),
-        "train.optimizer": (t.optimizer == "demo", "'demo'", "adamw"),
+        "train.optimizer": (t.optimizer == "demo", "'demo'", "adamw, sgd, muon"),
         "parallel.compression": (p.compression != "none", repr(p.compression), "none"),
         "train.engine": (t.engine == "mlx", "'mlx'", "torch"),
     }
@@ -91,7 +91,7 @@ def _plain_data_parallel(c: Config) -> dict[str, tuple[bool, str, str]]:
     something else; tensor and pipeline parallelism meet inside forward and backward)."""
     p, t = c.parallel, c.train
     return {
-        "train.optimizer": (t.optimizer == "demo", "'demo'", "adamw, sgd"),
+        "train.optimizer": (t.optimizer == "demo", "'demo'", "adamw, sgd, muon"),
         "parallel.diloco.inner_steps": (p.diloco.inner_steps > 0, str(p.diloco.inner_steps), "0"),
         "parallel.tp": (p.tp > 1, str(p.tp), "1"),
         "parallel.pp": (p.pp > 1, str(p.pp), "1"),
@@ -176,7 +176,7 @@ def _check_diloco(c: Config) -> None:
         if key == "train.optimizer" and value == "demo":
             raise ValueError(
                 "parallel.diloco replaces the gradient all-reduce, and so does train.optimizer = 'demo' "
-                "(allowed with DiLoCo: adamw, sgd)"
+                "(allowed with DiLoCo: adamw, sgd, muon)"
             )
         if off is not None and value != off:
             raise ValueError(
@@ -283,7 +283,7 @@ def _check_tp(c: Config) -> None:
             repr(p.compression),
             "none, fp16, bf16",
         ),
-        "train.optimizer": (t.optimizer == "demo", "'demo'", "adamw"),
+        "train.optimizer": (t.optimizer == "demo", "'demo'", "adamw, sgd, muon"),
         "train.engine": (t.engine == "mlx", "'mlx'", "torch"),
         # Measured: the compiled split blocks fail in backward (torch 2.13, CPU).
         "train.compile": (t.compile, "true", "false"),
@@ -385,7 +385,7 @@ def _check_moe(c: Config) -> None:
             "the expert shards' gradients are averaged outside DDP's and FSDP's reduction",
         ),
         "train.optimizer": (
-            t.optimizer == "demo", "'demo'", "adamw, sgd",
+            t.optimizer == "demo", "'demo'", "adamw, sgd, muon",
             "DeMo replaces the gradient all-reduce the expert shards need",
         ),
         "train.oom_retry": (
@@ -431,6 +431,12 @@ def config_warnings(config: Config) -> list[str]:
         out.append(
             f"alerts.moe_imbalance = {config.alerts.moe_imbalance:g} is set but model.moe.experts "
             "= 0: a dense model routes nothing, so the alert never fires"
+        )
+    demo = [k for k in type(t.demo).model_fields if config.is_given(f"train.demo.{k}")]
+    if demo and t.optimizer != "demo":
+        out.append(
+            f"train.demo.{demo[0]} is set but train.optimizer = {t.optimizer!r}: the train.demo keys "
+            "are DeMo's and not used (train.optimizer=demo uses them)"
         )
     if d.paths and d.source != "files":
         out.append(
