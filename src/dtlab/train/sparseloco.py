@@ -12,10 +12,13 @@ chunks of k values each:
 
 - the indices within their chunk, ⌈log2 chunk⌉ bits each, packed: ⌈C k ib / 8⌉ bytes;
 - the values: float32 (``quantize: none``), or ``bits`` bits each, packed (⌈C k bits / 8⌉ bytes) with
-  one float32 scale per chunk. One bit is the sign times the chunk's mean magnitude; b >= 2 bits are
-  the sign and b - 1 bits of magnitude, uniform over [0, the chunk's largest], each code its bin's middle.
+  one float32 scale per group of G = max(1, ⌊4096 / chunk⌋) chunks (⌈C / G⌉ scales: small chunks
+  share a scale, so that a chunk of 64 sending one value pays 8 bits for it, not 40). One bit is the
+  sign times the group's mean magnitude; b >= 2 bits are the sign and b - 1 bits of magnitude, uniform
+  over [0, the group's largest], each code its bin's middle.
 
-The last chunk is padded with zeros to ``chunk`` values; an index into the padding decodes to nothing.
+With ``topk: 1`` every value is sent, in order, and no index at all: dense 1 to 8-bit outer gradients
+with a scale per 4,096 values. The last chunk is padded with zeros to ``chunk`` values; an index into the padding decodes to nothing.
 """
 
 from __future__ import annotations
@@ -27,11 +30,18 @@ import torch
 __all__ = ["SPARSE_BITS", "decode", "encode", "index_bits", "payload_bytes", "values_per_chunk"]
 
 SPARSE_BITS = {"none": 32, "int8": 8, "int4": 4, "int2": 2, "int1": 1}
+SCALE_SPAN = 4096  # values of a fragment one quantisation scale covers at least (whole chunks)
 
 
-def index_bits(chunk: int) -> int:
-    """Bits of an index within a chunk of ``chunk`` values."""
-    return max(1, math.ceil(math.log2(chunk)))
+def chunks_per_scale(chunk: int) -> int:
+    """G: the chunks that share one quantisation scale."""
+    return max(1, SCALE_SPAN // chunk)
+
+
+def index_bits(chunk: int, k: int = 1) -> int:
+    """Bits of an index within a chunk of ``chunk`` values; none when all ``k`` = ``chunk`` values
+    are sent (they go in order)."""
+    return 0 if k >= chunk else max(1, math.ceil(math.log2(chunk)))
 
 
 def values_per_chunk(topk: float, chunk: int) -> int:
@@ -43,10 +53,11 @@ def payload_bytes(numel: int, topk: float, chunk: int, quantize: str) -> int:
     """Bytes one replica sends for an outer gradient of ``numel`` values."""
     chunks = math.ceil(numel / chunk)
     sent = chunks * values_per_chunk(topk, chunk)
-    index = math.ceil(sent * index_bits(chunk) / 8)
+    index = math.ceil(sent * index_bits(chunk, values_per_chunk(topk, chunk)) / 8)
     if quantize == "none":
         return index + 4 * sent
-    return index + math.ceil(sent * SPARSE_BITS[quantize] / 8) + 4 * chunks
+    scales = math.ceil(chunks / chunks_per_scale(chunk))
+    return index + math.ceil(sent * SPARSE_BITS[quantize] / 8) + 4 * scales
 
 
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -79,14 +90,17 @@ def encode(
     rows = torch.zeros(chunks * chunk, dtype=torch.float32, device=x.device)
     rows[:n] = x
     rows = rows.view(chunks, chunk)
-    idx = rows.abs().topk(k, dim=1, sorted=False).indices
+    if k == chunk:  # every value, in order: no indices to send
+        idx = torch.arange(chunk, device=x.device).expand(chunks, chunk)
+    else:
+        idx = rows.abs().topk(k, dim=1, sorted=False).indices
     picked = rows.gather(1, idx)
-    parts = [_pack(idx, index_bits(chunk))]
+    parts = [_pack(idx, index_bits(chunk, k))]
     if quantize == "none":
         values = picked
         parts.append(picked.contiguous().flatten().view(torch.uint8))
     else:
-        codes, scale, values = _quantize(picked, SPARSE_BITS[quantize])
+        codes, scale, values = _quantize(picked, SPARSE_BITS[quantize], chunks_per_scale(chunk))
         parts += [_pack(codes, SPARSE_BITS[quantize]), scale.flatten().view(torch.uint8)]
     dense = torch.zeros_like(rows).scatter_(1, idx, values).flatten()[:n]
     return torch.cat(parts), dense
@@ -98,33 +112,55 @@ def decode(
     """The dense values (``numel`` of them) one payload of :func:`encode` carries."""
     chunks = math.ceil(numel / chunk)
     k = values_per_chunk(topk, chunk)
-    sent, ib = chunks * k, index_bits(chunk)
+    sent, ib = chunks * k, index_bits(chunk, k)
     at = math.ceil(sent * ib / 8)
-    idx = _unpack(payload[:at], sent, ib).view(chunks, k)
+    if ib == 0:
+        idx = torch.arange(chunk, device=payload.device).expand(chunks, chunk)
+    else:
+        idx = _unpack(payload[:at], sent, ib).view(chunks, k)
     if quantize == "none":
         values = payload[at : at + 4 * sent].clone().view(torch.float32).view(chunks, k)
     else:
         bits = SPARSE_BITS[quantize]
         end = at + math.ceil(sent * bits / 8)
         codes = _unpack(payload[at:end], sent, bits).view(chunks, k)
-        scale = payload[end : end + 4 * chunks].clone().view(torch.float32).view(chunks, 1)
-        values = _dequantize(codes, scale, bits)
+        g = chunks_per_scale(chunk)
+        scales = math.ceil(chunks / g)
+        scale = payload[end : end + 4 * scales].clone().view(torch.float32).view(scales, 1)
+        values = _dequantize(codes, _per_chunk(scale, g, chunks), bits)
     rows = torch.zeros(chunks, chunk, dtype=torch.float32, device=payload.device)
     return rows.scatter_(1, idx, values).flatten()[:numel]
 
 
-def _quantize(v: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes, one scale per row, the dequantised values) of the rows of picked values ``v``."""
+def _per_chunk(scale: torch.Tensor, g: int, chunks: int) -> torch.Tensor:
+    """A scale per group of ``g`` chunks -> the scale of each of ``chunks`` chunks, [chunks, 1]."""
+    return scale.repeat_interleave(g, dim=0)[:chunks]
+
+
+def _quantize(
+    v: torch.Tensor, bits: int, g: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes, one scale per group of ``g`` rows, the dequantised values) of the rows of picked
+    values ``v``."""
+    chunks, k = v.shape
+    groups = math.ceil(chunks / g)
+    mag = torch.zeros(groups * g, k, dtype=v.dtype, device=v.device)
+    mag[:chunks] = v.abs()
+    mag = mag.view(groups, g * k)
     sign = (v < 0).long()
     if bits == 1:
-        scale = v.abs().mean(dim=1, keepdim=True)
-        return sign, scale, _dequantize(sign, scale, bits)
+        # The padding rows of the last group are not sent: its mean is over the real values.
+        real = torch.full((groups,), g * k, dtype=v.dtype, device=v.device)
+        real[-1] = (chunks - (groups - 1) * g) * k
+        scale = (mag.sum(dim=1) / real).view(groups, 1)
+        return sign, scale, _dequantize(sign, _per_chunk(scale, g, chunks), bits)
     levels = 1 << (bits - 1)
-    scale = v.abs().amax(dim=1, keepdim=True)
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    mag = (v.abs() / safe * levels).floor().clamp(max=levels - 1).long()
-    codes = sign | (mag << 1)
-    return codes, scale, _dequantize(codes, scale, bits)
+    scale = mag.amax(dim=1, keepdim=True)
+    per = _per_chunk(scale, g, chunks)
+    safe = torch.where(per > 0, per, torch.ones_like(per))
+    m = (v.abs() / safe * levels).floor().clamp(max=levels - 1).long()
+    codes = sign | (m << 1)
+    return codes, scale, _dequantize(codes, per, bits)
 
 
 def _dequantize(codes: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
