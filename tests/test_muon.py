@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import FAST, assert_close_losses, train_run
+from conftest import FAST, assert_close_losses, run_cli, train_run
 from dtlab import build_model, load_config
 from dtlab.analysis.model import plan_step
 from dtlab.config.checks import config_warnings
@@ -164,6 +164,19 @@ def test_resume_from_an_fsdp_checkpoint_on_one_process(
     assert [m["step"] for m in resumed] == [5, 6, 7, 8]
     for m, r in zip(resumed, run[4:], strict=True):
         assert m["loss"] == pytest.approx(r["loss"], abs=1e-5), m["step"]
+
+
+def test_resume_with_another_optimizer_is_refused(
+    fsdp_run: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    ckpt = fsdp_run[0] / "checkpoints" / "step-00000004"
+    args = ["--set", *FAST, "train.steps=8", f"run.dir={tmp_path / 'adamw'}"]
+    proc = run_cli("train", *args, f"checkpoint.resume={ckpt}")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert (
+        f"checkpoint '{ckpt}' was saved with train.optimizer = 'muon', whose state train.optimizer "
+        "= 'adamw' cannot take over (allowed: muon)"
+    ) in proc.stderr
 
 
 def test_diloco_with_muon_inside(tmp_path: Path) -> None:

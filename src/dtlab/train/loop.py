@@ -541,6 +541,14 @@ class TorchEngine:
         # Any layout's torch checkpoint loads (DCP reshards), except DiLoCo's: its replicas each hold
         # their own weights and inner optimizer state, each rank its part of them.
         saved_config = load_config(path / "config.yaml")
+        saved_opt, opt = saved_config.train.optimizer, self.config.train.optimizer
+        if saved_opt != opt:  # another optimizer keeps other state (Muon: one buffer; AdamW: two)
+            raise CheckpointError(
+                f"checkpoint '{path}' was saved with train.optimizer = {saved_opt!r}, whose state "
+                f"train.optimizer = {opt!r} cannot take over (allowed: {saved_opt}). To go on with "
+                f"{opt} from its weights, export it (dtlab export {path} --format hf --out OUT) and "
+                "start a new run with model.init_from=OUT"
+            )
         if self.tr.diloco is None:
             if saved_config.parallel.diloco.inner_steps:
                 raise CheckpointError(
