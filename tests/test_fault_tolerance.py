@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import FAST, Watched, checkpoint_tensors, read_metrics, real_pid, run_cli
 
+from conftest import FAST, Watched, checkpoint_tensors, read_metrics, real_pid, run_cli
 from dtlab import load_config
 from dtlab.errors import ConfigError
 
@@ -168,3 +168,40 @@ def test_lighthouse_listens_on_loopback_only() -> None:
 def test_refused_settings(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         load_config(None, [*FT, *overrides])
+
+
+def test_chaos_figures_from_the_groups_events(tmp_path: Path) -> None:
+    """The chaos bench's figures, from events as the groups write them: group 1 killed at t=10 after
+    step 4, the quorum without it at t=11 (steps 5-7 taken by groups 0 and 2 alone, step 5 twice),
+    its new process started at t=14, in the quorum again at t=15 after step 7."""
+    from dtlab.bench.chaos import Run, ft_figures
+
+    def write(replica: int, *events: dict[str, Any]) -> None:
+        d = tmp_path / f"replica-{replica}"
+        d.mkdir(exist_ok=True)
+        with (d / "ft_events.jsonl").open("a") as f:
+            for e in events:
+                f.write(json.dumps({"replica": replica, **e}) + "\n")
+
+    q = {"event": "quorum"}
+    for i in (0, 2):
+        write(
+            i,
+            {**q, "time": 1.0, "quorum": 1, "step": 0, "members": [0, 1, 2]},
+            {**q, "time": 11.0, "quorum": 2, "step": 4, "members": [0, 2]},
+            {**q, "time": 11.5, "quorum": 3, "step": 4, "members": [0, 2]},
+            {**q, "time": 15.0, "quorum": 4, "step": 7, "members": [0, 1, 2]},
+        )
+    write(1, {**q, "time": 1.0, "quorum": 1, "step": 0, "members": [0, 1, 2]})
+    write(1, {"event": "start", "time": 14.5, "process_started": 14.0})
+    write(1, {**q, "time": 15.0, "quorum": 4, "step": 0, "members": [0, 1, 2]})
+    write(1, {"event": "recovered", "time": 15.0, "seconds": 0.4})
+    run = Run("ft-kill", tmp_path, faults=[{"time": 10.0, "replica": 1, "step": 4}])
+    f = ft_figures(run, steps=10, replicas=3, batch=6)
+    assert f["fault_to_quorum_without_s"] == [1.0]
+    assert f["restart_delay_s"] == [4.0] and f["process_back_to_rejoin_s"] == [1.0]
+    assert f["recovery_s"] == [0.4]
+    assert f["steps_taken_again"] == 1
+    # Steps 5, 6, 7 trained 2 of 3 slices: 3 x 2 samples not trained, of 10 x 6.
+    assert f["samples_not_trained"] == 6 and f["useful_samples"] == 54
+    assert f["steps_lost"] == 1 + 6 / 6

@@ -20,12 +20,14 @@ only: the others' samples of that step are not trained, and each such step says 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -44,6 +46,7 @@ REPLICAS_ENV = "DTLAB_FT_REPLICAS"  # how many groups the run has
 START_STORE_ENV = "DTLAB_FT_START_STORE"  # HOST:PORT of the store the first start meets at
 HOST_ENV = "DTLAB_FT_HOST"  # the address a group's manager gives its peers
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own name for the lighthouse's address
+
 
 class Stateful(Protocol):
     """What a checkpoint holds (``dtlab.checkpoint.state.Stateful``, a layer up)."""
@@ -121,6 +124,20 @@ def _quiet_torchft() -> None:
             log.addFilter(_OneLine())
 
 
+def _process_started() -> float | None:
+    """When this process started (wall time, from /proc; None where there is none)."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(
+            int(line.split()[1])
+            for line in Path("/proc/stat").read_text().splitlines()
+            if line.startswith("btime ")
+        )
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
 class Replicas:
     """This replica group's torchft manager, and what the run learns from it: which groups are in
     the quorum, when it changed, and how long a recovery from a peer took."""
@@ -166,6 +183,13 @@ class Replicas:
         )
         if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             self._meet(o.quorum_timeout_s)
+        # Where the quorum changes, recoveries and restarts are recorded (one JSON line each, with
+        # the wall time): rank 0 of the group, in its run directory (the chaos bench reads them).
+        run_dir = config.run.dir
+        self.events = (
+            Path(run_dir) / "ft_events.jsonl" if run_dir is not None and d.rank == 0 else None
+        )
+        self._event("start", pid=os.getpid(), process_started=_process_started())
         self.quorum_id = -1
         self.recoveries: list[dict[str, Any]] = []
         self.uncommitted = 0  # steps taken again because they did not commit everywhere
@@ -195,6 +219,13 @@ class Replicas:
                 )  # fmt: skip
                 return
             time.sleep(0.05)
+
+    def _event(self, kind: str, **fields: Any) -> None:
+        if self.events is None:
+            return
+        record = {"event": kind, "time": time.time(), "replica": self.place.replica, **fields}
+        with self.events.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
 
     # -- state -------------------------------------------------------------------------------------
 
@@ -235,6 +266,7 @@ class Replicas:
         if self.manager._quorum_id != self.quorum_id:  # torchft keeps it private
             self.quorum_id = self.manager._quorum_id
             missing = sorted(set(range(self.place.replicas)) - set(self.members))
+            self._event("quorum", quorum=self.quorum_id, step=step, members=list(self.members))
             share = self.global_batch // self.place.replicas
             logger.info(
                 "replica %d: quorum %d after step %d: replica groups %s (%d of %d)%s",
@@ -249,6 +281,7 @@ class Replicas:
             now = self.manager.current_step()
             record = {"after_step": step, "to_step": now, "seconds": took, **self._loaded}
             self.recoveries.append(record)
+            self._event("recovered", **record)
             logger.warning(
                 "replica %d: recovered the state after step %d from a live peer in %.2f s "
                 "(it was at step %d here)",
