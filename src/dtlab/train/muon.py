@@ -15,8 +15,9 @@ both and switching ``train.optimizer`` needs no retuning. A routed experts' stac
 
 The orthogonalisation needs the whole matrix. A parameter that is a DTensor sharded across a matrix
 dimension (FSDP's rows, tensor parallelism's rows or columns, ZeRO-1's rows) has its update gathered
-whole (an all-gather of the matrix over the ranks that hold its shards, one per sharded mesh dimension), orthogonalised
-by every rank of the group alike, and each rank keeps its own shard of the result. That costs, per step,
+whole (an all-gather over the ranks that hold its shards, one per sharded mesh dimension),
+orthogonalised by every rank of the group alike, and each rank keeps its own shard of the result (a
+local slice: no second collective). That costs, per step,
 one all-gather of every sharded block matrix (the model's matrices once, in float32, over the shard
 group: about what FSDP's parameter all-gather of one forward moves in float32) and the Newton-Schulz
 FLOPs of every whole matrix on every rank of its group (redundant work, not divided by the shards). A
