@@ -221,12 +221,13 @@ def ft_figures(r: Run, steps: int, replicas: int, batch: int) -> dict[str, Any]:
         formed = [q for q, (s, _, _) in quorums.items() if s <= k - 1]
         participants.append(len(quorums[max(formed)][1]) if formed else replicas)
     useful = sum(p * batch // replicas for p in participants)
-    retried = 0
-    seen: dict[int, int] = {}
-    for q in sorted(quorums):
-        s = quorums[q][0]
-        retried += s in seen
-        seen[s] = q
+    # A step that did not commit is taken again by every group of its quorum: count it once.
+    again: dict[int, dict[int, int]] = {}
+    for e in events:
+        if e["event"] == "again":
+            per = again.setdefault(e["step"], {})
+            per[e["replica"]] = per.get(e["replica"], 0) + 1
+    retried = sum(max(per.values()) for per in again.values())
     drops, rejoins, restarts, recoveries = [], [], [], []
     for f in r.faults:
         i = f["replica"]

@@ -305,6 +305,11 @@ class Replicas:
         """Every group's vote on the step (torchft's should_commit): False where it failed."""
         return bool(self.manager.should_commit())
 
+    def taken_again(self, step: int) -> None:
+        """Step ``step`` did not commit everywhere: it changed nothing here and is taken again."""
+        self.uncommitted += 1
+        self._event("again", step=step)
+
     def step_figures(self) -> dict[str, Any]:
         """What a committed step records: the groups that took part and the samples of the others,
         which this step did not train (their slices of the global batch)."""

@@ -654,7 +654,7 @@ class TorchEngine:
         if self.replicas is not None:
             if m.get("uncommitted"):
                 # Not committed everywhere: nothing changed; the same batch again, with the next quorum.
-                self.replicas.uncommitted += 1
+                self.replicas.taken_again(step)
                 self.loader.load_state_dict({**self.loader.state_dict(), "next_step": step - 1})
                 return m
             m.update(self.replicas.step_figures())
