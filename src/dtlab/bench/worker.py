@@ -56,7 +56,13 @@ from dtlab.metrics.profiling import StepProfiler
 from dtlab.metrics.report import peak_memory_bytes, peak_reserved_bytes
 from dtlab.models.args import model_args
 from dtlab.parallel import destroy_distributed, init_distributed
-from dtlab.parallel.dist import DistInfo, is_worker_env, reduce_scalar
+from dtlab.parallel.dist import (
+    DistInfo,
+    all_gather_flat,
+    is_worker_env,
+    reduce_scalar,
+    reduce_scatter_flat,
+)
 from dtlab.runtime.faults import Faults
 from dtlab.runtime.signals import StopSignals
 from dtlab.train.loop import (
@@ -592,9 +598,9 @@ def _replay_once(plan: list[tuple[str, Any, int]], d: DistInfo) -> float:
             if name == "all_reduce":
                 dist.all_reduce(buf, group=group)
             elif name == "all_gather":
-                dist.all_gather_into_tensor(big, small, group=group)
+                all_gather_flat(big, small, group=group)
             elif name == "reduce_scatter":
-                dist.reduce_scatter_tensor(small, big, group=group)
+                reduce_scatter_flat(small, big, group=group)
             elif source is not None:  # all_to_all: ZeRO-1's reduce-scatter
                 dist.all_to_all_single(big, source, group=group)
             else:

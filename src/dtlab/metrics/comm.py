@@ -76,6 +76,8 @@ _NOT_COUNTED = ("barrier", "monitored_barrier", "wrap_tensor_autograd", "recv", 
 _PY_API = {
     "all_reduce": ("all_reduce", 0),
     "all_gather_into_tensor": ("all_gather", 0),
+    "all_gather_single": ("all_gather", 0),
+    "reduce_scatter_single": ("reduce_scatter", 1),
     "all_gather": ("all_gather", 0),
     "reduce_scatter_tensor": ("reduce_scatter", 1),
     "broadcast": ("broadcast", 0),

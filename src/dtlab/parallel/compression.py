@@ -39,6 +39,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersg
 from torch.nn.parallel import DistributedDataParallel
 
 from dtlab.config import Config
+from dtlab.parallel.dist import all_gather_flat
 from dtlab.runtime.placement import placed_state
 
 
@@ -146,8 +147,8 @@ def dct_hook(state: DCTState, bucket: dist.GradBucket) -> torch.futures.Future[t
     # Flat buffers: every backend (gloo too) gathers along dim 0 into world x the input's size.
     all_idx = torch.empty(world * idx.numel(), dtype=torch.int32, device=buf.device)
     all_vals = torch.empty(world * vals.numel(), dtype=vals.dtype, device=buf.device)
-    dist.all_gather_into_tensor(all_idx, idx.to(torch.int32).flatten(), group=state.group)
-    dist.all_gather_into_tensor(all_vals, vals.flatten(), group=state.group)
+    all_gather_flat(all_idx, idx.to(torch.int32).flatten(), group=state.group)
+    all_gather_flat(all_vals, vals.flatten(), group=state.group)
     avg = dct_decompress(
         all_idx.view(world, *idx.shape), all_vals.view(world, *vals.shape), chunks, buf.numel(),
         state, buf.device,
@@ -257,7 +258,7 @@ def quant_dct_hook(
         own, mean = zero, zero
     payload = pack_codes(*quantize(x - own, bits), bits)
     gathered = torch.empty(world * payload.numel(), dtype=torch.uint8, device=buf.device)
-    dist.all_gather_into_tensor(gathered, payload, group=state.group)
+    all_gather_flat(gathered, payload, group=state.group)
     # Every rank decodes the same payloads (its own among them): the means stay equal everywhere.
     decoded = [
         dequantize(*unpack_codes(row, chunks, c, bits), bits) for row in gathered.view(world, -1)

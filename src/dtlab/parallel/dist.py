@@ -23,8 +23,19 @@ from dtlab.runtime import status
 from dtlab.runtime.status import is_worker_env
 
 __all__ = [
-    "DistInfo", "abort_distributed", "decide_on_rank0", "destroy_distributed", "init_distributed",
-    "is_worker_env", "nccl_env", "reduce_scalar", "release_group", "resolve_device", "teardown_action",
+    "DistInfo",
+    "abort_distributed",
+    "all_gather_flat",
+    "decide_on_rank0",
+    "destroy_distributed",
+    "init_distributed",
+    "is_worker_env",
+    "nccl_env",
+    "reduce_scalar",
+    "reduce_scatter_flat",
+    "release_group",
+    "resolve_device",
+    "teardown_action",
 ]  # fmt: skip
 
 # NCCL's own watchdog fires this long after parallel.collective_timeout_s: a backstop behind the
@@ -32,6 +43,25 @@ __all__ = [
 NCCL_BACKSTOP_S = 30.0
 
 T = TypeVar("T")
+
+
+def all_gather_flat(
+    out: torch.Tensor, inp: torch.Tensor, group: Any = None, async_op: bool = False
+) -> Any:
+    """Every rank's ``inp`` into ``out``, in rank order: ``all_gather_single`` where torch has it
+    (it deprecates ``all_gather_into_tensor``, with a warning on every call), else the older name.
+    Looked up at each call, so that a collective counter that wraps either one sees it."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=group, async_op=async_op)
+
+
+def reduce_scatter_flat(
+    out: torch.Tensor, inp: torch.Tensor, group: Any = None, async_op: bool = False
+) -> Any:
+    """The sum of every rank's ``inp``, this rank's slice into ``out``: ``reduce_scatter_single``
+    where torch has it (it deprecates ``reduce_scatter_tensor``), else the older name."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, inp, group=group, async_op=async_op)
 
 
 @dataclass(frozen=True)

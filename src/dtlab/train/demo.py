@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from dtlab.parallel.compression import dct_basis_on
+from dtlab.parallel.dist import all_gather_flat
 from dtlab.runtime.placement import placed
 
 
@@ -132,7 +133,7 @@ class DeMo(torch.optim.Optimizer):
         world = dist.get_world_size(self.group) if dist.is_initialized() else 1
         if world > 1:
             gathered = torch.empty(world * local.numel(), dtype=local.dtype, device=local.device)
-            dist.all_gather_into_tensor(gathered, local, group=self.group)
+            all_gather_flat(gathered, local, group=self.group)
         else:
             gathered = local
         every = gathered.view(world, local.numel())

@@ -48,6 +48,7 @@ from torch.distributed.tensor import DTensor
 from dtlab.config import DiLoCoOptions
 from dtlab.dims import ParallelDims
 from dtlab.errors import CheckpointError
+from dtlab.parallel.dist import all_gather_flat
 from dtlab.parallel.ledger import recorded
 from dtlab.runtime.placement import placed
 from dtlab.train import sparseloco
@@ -324,7 +325,7 @@ class DiLoCo:
             buffer = torch.empty(
                 self.world * payload.numel(), dtype=torch.uint8, device=delta.device
             )
-            work = self._collective(dist.all_gather_into_tensor, buffer, payload)
+            work = self._collective(all_gather_flat, buffer, payload)
         self._mark_copied()
         return _Sync(k, step, step + self.o.delay, snapshot, buffer, work)
 
@@ -391,7 +392,7 @@ class DiLoCo:
             return mine.reshape(1, -1).cpu()
         out = torch.empty(self.world * mine.numel(), dtype=mine.dtype, device=mine.device)
         with recorded("diloco agreement", "all_gather", mine):
-            dist.all_gather_into_tensor(out, mine, group=self.group)
+            all_gather_flat(out, mine, group=self.group)
         return out.view(self.world, -1).cpu()
 
     def model_state(self, module: nn.Module) -> GlobalModelState:
