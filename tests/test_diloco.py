@@ -277,8 +277,17 @@ def test_bytes_inside_and_between_replicas_are_predicted_to_the_byte(
             "parallel.diloco.delay=1",
             "parallel.diloco.quantize=int4",
         ],
+        [
+            "parallel.diloco.inner_steps=4",
+            "parallel.diloco.fragments=2",
+            "parallel.diloco.delay=1",
+            "parallel.diloco.topk=0.05",
+            "parallel.diloco.chunk=256",
+            "parallel.diloco.quantize=int2",
+            "parallel.diloco.error_decay=0.95",
+        ],
     ],
-    ids=["diloco", "streaming-int4"],
+    ids=["diloco", "streaming-int4", "streaming-sparse"],
 )
 def test_kill_9_resumes_exactly(tmp_path: Path, outer: list[str]) -> None:
     """Killed after step 8, resumed from step 6's checkpoint (a streaming sync in flight there):
