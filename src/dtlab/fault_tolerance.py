@@ -97,6 +97,10 @@ def launch_replicas(spec: LaunchSpec, config: Config, worker_args: list[str], ru
         # torchft's Rust side logs every quorum tick at INFO.
         "RUST_LOG": os.environ.get("RUST_LOG", "warn"),
     }
+    if "OMP_NUM_THREADS" not in os.environ:
+        # Each group is a world of its own, whose ranks would each take the machine's cores
+        # (parallel.dist): share them among every group's ranks instead, as one world's would.
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // (replicas * group)))
     print(
         f"fault tolerance: {replicas} replica group{'s' * (replicas > 1)} of {group} rank"
         f"{'s' * (group > 1)}, lighthouse {address}"

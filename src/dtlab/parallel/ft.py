@@ -194,6 +194,8 @@ class Replicas:
         self.recoveries: list[dict[str, Any]] = []
         self.uncommitted = 0  # steps taken again because they did not commit everywhere
         self.samples_lost = 0  # samples of the groups missing from committed steps
+        # Seconds spent in torchft's three calls of a step, over the run: what fault tolerance costs.
+        self.seconds = {"quorum": 0.0, "allreduce": 0.0, "commit": 0.0}
 
     def _meet(self, timeout_s: float) -> None:
         """On the run's first start, wait for every group's manager before the first quorum: the
@@ -258,6 +260,7 @@ class Replicas:
         self._loaded = None
         self.manager.start_quorum()
         took = time.perf_counter() - t0
+        self.seconds["quorum"] += took
         if self.manager.errored() is not None:
             logger.warning(
                 "replica %d: the quorum after step %d failed (%s); the step is taken again",
@@ -294,8 +297,10 @@ class Replicas:
         commit anywhere it failed."""
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+        t0 = time.perf_counter()
         flat = _flatten_dense_tensors([*grads, loss_sum.reshape(1).to(grads[0].dtype)])
         self.manager.allreduce(flat).wait()
+        self.seconds["allreduce"] += time.perf_counter() - t0
         out = _unflatten_dense_tensors(flat, [*grads, loss_sum.reshape(1)])
         for g, new in zip(grads, out[:-1], strict=True):
             g.copy_(new)
@@ -303,7 +308,10 @@ class Replicas:
 
     def should_commit(self) -> bool:
         """Every group's vote on the step (torchft's should_commit): False where it failed."""
-        return bool(self.manager.should_commit())
+        t0 = time.perf_counter()
+        commit = bool(self.manager.should_commit())
+        self.seconds["commit"] += time.perf_counter() - t0
+        return commit
 
     def taken_again(self, step: int) -> None:
         """Step ``step`` did not commit everywhere: it changed nothing here and is taken again."""
@@ -330,6 +338,7 @@ class Replicas:
                 "recoveries": self.recoveries,
                 "steps_taken_again": self.uncommitted,
                 "samples_lost": self.samples_lost,
+                "seconds_in": {k: round(v, 3) for k, v in self.seconds.items()},
             }
         }
 
