@@ -205,3 +205,17 @@ def test_chaos_figures_from_the_groups_events(tmp_path: Path) -> None:
     # Steps 5, 6, 7 trained 2 of 3 slices: 3 x 2 samples not trained, of 10 x 6.
     assert f["samples_not_trained"] == 6 and f["useful_samples"] == 54
     assert f["steps_lost"] == 1 + 6 / 6
+
+
+def test_chaos_training_span_reads_both_log_formats() -> None:
+    from dtlab.bench.chaos import training_span
+
+    log = (
+        "fault tolerance: 4 replica groups ...\n"
+        "23:59:58 [rank0] INFO data: before the start line\n"
+        "2026-11-26 23:59:59,500 [replica 0] INFO training 0.13M params | ...\n"
+        "Traceback (a line without a time)\n"
+        "00:00:02 [rank0] INFO checkpoint step 20 saved\n"
+    )
+    assert training_span(log) == pytest.approx(2.5)  # across midnight
+    assert training_span("no times at all\n") is None

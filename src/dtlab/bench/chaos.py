@@ -287,6 +287,29 @@ def plain_figures(r: Run, steps: int, batch: int) -> dict[str, Any]:
     }
 
 
+# A log line's time: "HH:MM:SS" (or "YYYY-MM-DD HH:MM:SS,mmm"), as dtlab's loggers write it.
+_STAMP = re.compile(r"^(?:\d{4}-\d\d-\d\d )?(\d\d):(\d\d):(\d\d)(?:,(\d{3}))? ")
+
+
+def training_span(log: str) -> float | None:
+    """Seconds from the first rank's first start line (``training ...``, after its imports and
+    model build) to the last timestamped line: the run's training time, without the first start-up
+    (a restart's start-up is inside it). Lines carry the time of day: a run past midnight wraps."""
+    times: list[float] = []
+    started = False
+    for line in log.splitlines():
+        m = _STAMP.match(line)
+        if not m:
+            continue
+        started = started or " INFO training " in line
+        if started:
+            t = int(m[1]) * 3600 + int(m[2]) * 60 + int(m[3]) + int(m[4] or 0) / 1000
+            while times and t < times[-1] - 3600:
+                t += 86400
+            times.append(t)
+    return times[-1] - times[0] if len(times) > 1 else None
+
+
 def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
@@ -301,8 +324,9 @@ def report(
         f"a fault every {args.every:g} s (hangs woken after {args.hang_s:g} s), "
         f"checkpoint.every={args.checkpoint_every}, fault_tolerance.timeout_s={args.timeout_s:g}",
         "",
-        "| run | faults | wall s | goodput vs fault-free | fault -> quorum without it, s (median, max) "
-        "| new process -> rejoined, s (median, max) | steps lost | final loss (fault-free) |",
+        "| run | faults | wall s (training s) | goodput vs fault-free: training (whole life) "
+        "| fault -> quorum without it, s (median, max) | new process -> rejoined, s (median, max) "
+        "| steps lost | final loss (fault-free) |",
         "|---|---|---|---|---|---|---|---|",
     ]
 
@@ -313,10 +337,16 @@ def report(
         f = figures[mode]
         base = runs.get(twin.get(mode, mode))
         good = "-"
+        span, base_span = training_span(r.log), training_span(base.log) if base else None
         if base is not None and base.wall_s and r.wall_s:
             rate = f["useful_samples"] / r.wall_s
             ref = figures[base.mode]["useful_samples"] / base.wall_s
-            good = f"{rate / ref:.1%}" if ref else "-"
+            good = f"({rate / ref:.1%})" if ref else "-"
+            if span and base_span and figures[base.mode]["useful_samples"]:
+                ratio = (f["useful_samples"] / span) / (
+                    figures[base.mode]["useful_samples"] / base_span
+                )
+                good = f"{ratio:.1%} {good}"
         ref_loss = (
             figures[twin.get(mode, mode)].get("final_loss") if twin.get(mode) in figures else None
         )
@@ -325,7 +355,7 @@ def report(
         if ref_loss is not None and loss is not None and mode in twin:
             loss_s += f" ({ref_loss:.4f})"
         lines.append(
-            f"| {mode} | {len(r.faults)} | {r.wall_s:.0f} | {good} | "
+            f"| {mode} | {len(r.faults)} | {r.wall_s:.0f} ({span or 0:.0f}) | {good} | "
             f"{mm(f.get('fault_to_quorum_without_s', []))} | "
             f"{mm(f.get('process_back_to_rejoin_s', []))} | {f.get('steps_lost', 0):.1f} | "
             f"{loss_s} |"
@@ -366,10 +396,10 @@ def main(argv: list[str] | None = None) -> int:
         description="A kill storm against fault-tolerant replica groups, beside restart-everything.",
     )
     ap.add_argument("--replicas", type=int, default=4, help="replica groups (DDP ranks)")
-    ap.add_argument("--steps", type=int, default=300, help="optimizer steps of each run")
+    ap.add_argument("--steps", type=int, default=1500, help="optimizer steps of each run")
     ap.add_argument("--every", type=float, default=30.0, help="seconds between faults")
     ap.add_argument(
-        "--storm-s", type=float, default=300.0, help="seconds the storm lasts (then the run ends)"
+        "--storm-s", type=float, default=180.0, help="seconds the storm lasts (then the run ends)"
     )
     ap.add_argument(
         "--hang-s", type=float, default=10.0, help="how long a hung process stays stopped"
@@ -382,6 +412,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default=",".join(MODES), help=f"runs, of {', '.join(MODES)}")
     ap.add_argument("--out", default="bench-out/chaos", help="output directory")
     ap.add_argument("--set", dest="overrides", nargs="*", default=[], help="more config overrides")
+    ap.add_argument(
+        "--report-only",
+        action="store_true",
+        help="rebuild report.md and chaos.png from --out's report.json and logs (no run)",
+    )
     args = ap.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
@@ -393,7 +428,23 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, Run] = {}
     figures: dict[str, dict[str, Any]] = {}
     batch = 2 * args.replicas
+    if args.report_only:
+        saved = json.loads((out / "report.json").read_text())["runs"]
+        modes = [m for m in modes if m in saved]
     for mode in modes:
+        if args.report_only:
+            r = Run(mode, out / mode, saved[mode]["wall_s"], saved[mode]["exit_code"])
+            r.faults, r.log = (
+                saved[mode]["faults"],
+                (out / f"{mode}.log").read_text(errors="replace"),
+            )
+            runs[mode] = r
+            figures[mode] = (
+                ft_figures(r, args.steps, args.replicas, batch)
+                if mode.startswith("ft")
+                else plain_figures(r, args.steps, batch)
+            )
+            continue
         print(f"chaos: {mode} ...", file=sys.stderr, flush=True)
         if (out / mode).exists():
             import shutil
@@ -414,7 +465,13 @@ def main(argv: list[str] | None = None) -> int:
     record = {
         "args": {k: v for k, v in vars(args).items()},
         "runs": {
-            m: {"wall_s": r.wall_s, "exit_code": r.exit_code, "faults": r.faults, **figures[m]}
+            m: {
+                "wall_s": r.wall_s,
+                "training_s": training_span(r.log),
+                "exit_code": r.exit_code,
+                "faults": r.faults,
+                **figures[m],
+            }
             for m, r in runs.items()
         },
     }

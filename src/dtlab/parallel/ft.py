@@ -98,9 +98,8 @@ def tag_logs(replica: int) -> None:
     for handler in logger.handlers:
         fmt = handler.formatter
         text = fmt._fmt if fmt is not None and fmt._fmt else "%(levelname)s %(message)s"
-        handler.setFormatter(
-            logging.Formatter(text.replace("%(levelname)s", f"[replica {replica}] %(levelname)s"))
-        )
+        tagged = text.replace("%(levelname)s", f"[replica {replica}] %(levelname)s")
+        handler.setFormatter(logging.Formatter(tagged, fmt.datefmt if fmt is not None else None))
 
 
 class _OneLine(logging.Filter):
