@@ -200,6 +200,7 @@ def test_chaos_figures_from_the_groups_events(tmp_path: Path) -> None:
     f = ft_figures(run, steps=10, replicas=3, batch=6)
     assert f["fault_to_quorum_without_s"] == [1.0]
     assert f["restart_delay_s"] == [4.0] and f["process_back_to_rejoin_s"] == [1.0]
+    assert f["process_start_to_manager_s"] == [0.5] and f["manager_to_rejoin_s"] == [0.5]
     assert f["recovery_s"] == [0.4]
     assert f["steps_taken_again"] == 1
     # Steps 5, 6, 7 trained 2 of 3 slices: 3 x 2 samples not trained, of 10 x 6.

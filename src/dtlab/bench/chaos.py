@@ -207,8 +207,13 @@ def _summary(path: Path) -> dict[str, Any]:
         return {}
 
 
-def ft_figures(r: Run, steps: int, replicas: int, batch: int) -> dict[str, Any]:
-    """Goodput inputs, the fault-to-quorum and rejoin times, steps lost, the final loss."""
+def ft_figures(
+    r: Run, steps: int, replicas: int, batch: int, hang_s: float = 0.0
+) -> dict[str, Any]:
+    """Goodput inputs, the fault-to-quorum and rejoin times, steps lost, the final loss. A hung
+    process is back when it is woken (``hang_s`` after its fault); a killed one when its new process
+    starts, whose start-up (interpreter, imports, model, its own checkpoint) is reported apart from
+    the rejoin proper (its manager up to its first quorum)."""
     events = _events(r.run_dir, replicas)
     # quorum id -> (step it formed after, members, time): the same from every member
     quorums: dict[int, tuple[int, list[int], float]] = {}
@@ -228,7 +233,7 @@ def ft_figures(r: Run, steps: int, replicas: int, batch: int) -> dict[str, Any]:
             per = again.setdefault(e["step"], {})
             per[e["replica"]] = per.get(e["replica"], 0) + 1
     retried = sum(max(per.values()) for per in again.values())
-    drops, rejoins, restarts, recoveries = [], [], [], []
+    drops, rejoins, restarts, startups, joins = [], [], [], [], []
     for f in r.faults:
         i = f["replica"]
         gone = [
@@ -243,9 +248,13 @@ def ft_figures(r: Run, steps: int, replicas: int, batch: int) -> dict[str, Any]:
             for e in events
             if e["event"] == "start" and e["replica"] == i and e["time"] > f["time"]
         ]
-        started = (back[0].get("process_started") or back[0]["time"]) if back else f["time"]
-        if back:
+        hung = f.get("signal") == "SIGSTOP"
+        if hung or not back:
+            started, manager_up = f["time"] + (hang_s if hung else 0.0), None
+        else:
+            started, manager_up = back[0].get("process_started") or back[0]["time"], back[0]["time"]
             restarts.append(started - f["time"])
+            startups.append(manager_up - started)
         joined = [
             e["time"]
             for e in events
@@ -253,6 +262,8 @@ def ft_figures(r: Run, steps: int, replicas: int, batch: int) -> dict[str, Any]:
         ]
         if joined:
             rejoins.append(joined[0] - started)
+            if manager_up is not None:
+                joins.append(joined[0] - manager_up)
     recoveries = [e["seconds"] for e in events if e["event"] == "recovered"]
     finals = [_summary(r.run_dir / f"replica-{i}").get("final_loss") for i in range(replicas)]
     finished = [x for x in finals if x is not None]
@@ -264,6 +275,8 @@ def ft_figures(r: Run, steps: int, replicas: int, batch: int) -> dict[str, Any]:
         "fault_to_quorum_without_s": drops,
         "restart_delay_s": restarts,
         "process_back_to_rejoin_s": rejoins,
+        "process_start_to_manager_s": startups,
+        "manager_to_rejoin_s": joins,
         "recovery_s": recoveries,
         "final_loss": finished[0] if finished else None,
         "final_losses_agree": len(set(finished)) <= 1,
@@ -325,13 +338,16 @@ def report(
         f"checkpoint.every={args.checkpoint_every}, fault_tolerance.timeout_s={args.timeout_s:g}",
         "",
         "| run | faults | wall s (training s) | goodput vs fault-free: training (whole life) "
-        "| fault -> quorum without it, s (median, max) | new process -> rejoined, s (median, max) "
-        "| steps lost | final loss (fault-free) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| fault -> quorum without it, s (median, max) | process back -> rejoined, s (median, max) "
+        "| of which start-up, s (median) | steps lost | final loss (fault-free) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
 
     def mm(xs: list[float]) -> str:
         return f"{_median(xs):.1f}, {max(xs):.1f}" if xs else "-"
+
+    def med(xs: list[float]) -> str:
+        return f"{_median(xs):.1f}" if xs else "-"
 
     for mode, r in runs.items():
         f = figures[mode]
@@ -357,7 +373,8 @@ def report(
         lines.append(
             f"| {mode} | {len(r.faults)} | {r.wall_s:.0f} ({span or 0:.0f}) | {good} | "
             f"{mm(f.get('fault_to_quorum_without_s', []))} | "
-            f"{mm(f.get('process_back_to_rejoin_s', []))} | {f.get('steps_lost', 0):.1f} | "
+            f"{mm(f.get('process_back_to_rejoin_s', []))} | "
+            f"{med(f.get('process_start_to_manager_s', []))} | {f.get('steps_lost', 0):.1f} | "
             f"{loss_s} |"
         )
     return "\n".join(lines) + "\n"
@@ -440,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             runs[mode] = r
             figures[mode] = (
-                ft_figures(r, args.steps, args.replicas, batch)
+                ft_figures(r, args.steps, args.replicas, batch, args.hang_s)
                 if mode.startswith("ft")
                 else plain_figures(r, args.steps, batch)
             )
@@ -453,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         r = run_storm(mode, args, out)
         runs[mode] = r
         if mode.startswith("ft"):
-            figures[mode] = ft_figures(r, args.steps, args.replicas, batch)
+            figures[mode] = ft_figures(r, args.steps, args.replicas, batch, args.hang_s)
         else:
             figures[mode] = plain_figures(r, args.steps, batch)
         print(
