@@ -9,7 +9,7 @@ Each group trains in its own run directory (``<run.dir>/replica-<i>``: its metri
 summary), and this process writes ``<run.dir>/fault_tolerance.json``, how each group ended. The groups
 meet through the lighthouse (:mod:`dtlab.parallel.ft`); when a group has finished the run, the
 others have ``timeout_s`` (plus a margin) to finish too, and are then stopped (a group still
-recovering then would otherwise train the last steps alone).
+recovering then would otherwise train the last steps alone: it stops at its next quorum).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from dtlab.config import Config
 from dtlab.errors import DtlabError
 from dtlab.launcher import LaunchSpec, _loopback_store, launch
 from dtlab.parallel.ft import (
+    FINISHED_KEY,
     HOST_ENV,
     LIGHTHOUSE_ENV,
     REPLICA_ENV,
@@ -119,7 +120,7 @@ def launch_replicas(spec: LaunchSpec, config: Config, worker_args: list[str], ru
         ]  # fmt: skip
         procs.append(subprocess.Popen(cmd, env={**env, REPLICA_ENV: str(i)}))
     try:
-        codes = _supervise(procs, o.timeout_s + FINISH_MARGIN_S)
+        codes = _supervise(procs, o.timeout_s + FINISH_MARGIN_S, store)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -145,7 +146,7 @@ def launch_replicas(spec: LaunchSpec, config: Config, worker_args: list[str], ru
     return 1
 
 
-def _supervise(procs: list[subprocess.Popen[bytes]], grace_s: float) -> dict[int, int]:
+def _supervise(procs: list[subprocess.Popen[bytes]], grace_s: float, store: Any) -> dict[int, int]:
     """Wait for the agents; once one group finished, the others get ``grace_s`` to finish too.
     SIGINT and SIGTERM are passed on to every agent (which passes them to its ranks)."""
     codes: dict[int, int] = {}
@@ -167,6 +168,7 @@ def _supervise(procs: list[subprocess.Popen[bytes]], grace_s: float) -> dict[int
                     codes[i] = p.returncode
             if done_at is None and 0 in codes.values():
                 done_at = time.monotonic()
+                store.set(FINISHED_KEY, "1")  # a group still behind stops instead of going on alone
             if done_at is not None and time.monotonic() - done_at > grace_s:
                 for i, p in enumerate(procs):
                     if p.poll() is None:

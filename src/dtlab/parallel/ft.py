@@ -56,6 +56,9 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+# Set in the start store by the launcher once a group has finished the run.
+FINISHED_KEY = "dtlab/ft/finished"
+
 # The replica id the lighthouse knows a group by: torchft reads the group's index from its digits.
 REPLICA_ID = "dtlab_replica_{}"
 
@@ -180,6 +183,7 @@ class Replicas:
             # Every group initialises the same weights from train.seed: nothing to copy at step 0.
             init_sync=False,
         )
+        self.store: Any = None  # the launcher's start store (one machine): where a finish is said
         if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             self._meet(o.quorum_timeout_s)
         # Where the quorum changes, recoveries and restarts are recorded (one JSON line each, with
@@ -196,6 +200,23 @@ class Replicas:
         # Seconds spent in torchft's three calls of a step, over the run: what fault tolerance costs.
         self.seconds = {"quorum": 0.0, "allreduce": 0.0, "commit": 0.0}
 
+    def _finished_elsewhere(self) -> bool:
+        """Whether the launcher has said that a group finished the run (its start store's key)."""
+        if self.store is None:
+            where = os.environ.get(START_STORE_ENV)
+            if not where:
+                return False
+            import torch.distributed as dist
+
+            host, port = where.rsplit(":", 1)
+            self.store = dist.TCPStore(
+                host, int(port), is_master=False, timeout=timedelta(seconds=10)
+            )
+        try:
+            return bool(self.store.check([FINISHED_KEY]))
+        except RuntimeError:  # the launcher is gone
+            return False
+
     def _meet(self, timeout_s: float) -> None:
         """On the run's first start, wait for every group's manager before the first quorum: the
         lighthouse forms a quorum as soon as every group it hears from has joined, so a group that
@@ -209,6 +230,7 @@ class Replicas:
         store = dist.TCPStore(
             host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s)
         )
+        self.store = store
         store.add("dtlab/ft/started", 1)
         deadline = time.monotonic() + timeout_s
         while store.add("dtlab/ft/started", 0) < self.place.replicas:
@@ -279,6 +301,18 @@ class Replicas:
                 f"their slices ({share * len(missing)} samples a step) are not trained"
                 if missing else "",
             )  # fmt: skip
+        if len(self.members) < self.place.replicas and self._finished_elsewhere():
+            # A group that came back after another finished the run would train its last steps
+            # alone, from behind: it stops instead, and says so.
+            from dtlab.runtime.status import leave_worker
+
+            logger.warning(
+                "replica %d: another replica group has finished the run; this one, at step %d, "
+                "stops here (its state is not the run's final state)",
+                self.place.replica, step,
+            )  # fmt: skip
+            self._event("stopped_behind", step=step)
+            leave_worker(0)
         if self._loaded is not None:
             now = self.manager.current_step()
             record = {"after_step": step, "to_step": now, "seconds": took, **self._loaded}
