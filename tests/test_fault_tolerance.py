@@ -10,12 +10,22 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import FAST, Watched, checkpoint_tensors, read_metrics, real_pid, run_cli
+from conftest import (
+    FAST,
+    Watched,
+    checkpoint_tensors,
+    cli_env,
+    read_metrics,
+    real_pid,
+    run_cli,
+)
 from dtlab import load_config
 from dtlab.errors import ConfigError
 
@@ -220,3 +230,18 @@ def test_chaos_training_span_reads_both_log_formats() -> None:
     )
     assert training_span(log) == pytest.approx(2.5)  # across midnight
     assert training_span("no times at all\n") is None
+
+
+def test_without_torchft_the_error_says_how_to_install_it(tmp_path: Path) -> None:
+    # A torchft that cannot be imported, first on the path: find_spec sees no package.
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "torchft.py").write_text("raise ImportError('hidden for this test')\n")
+    # A fresh interpreter, not the test's fork server (whose children share its imports and path).
+    path = f"{shadow}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    proc = subprocess.run(
+        [sys.executable, "-m", "dtlab", *_train_args(tmp_path / "run", 2)],
+        env=cli_env({"PYTHONPATH": path}), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "needs torchft" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

@@ -35,6 +35,7 @@ from dtlab.parallel.ft import (
     REPLICA_ENV,
     REPLICAS_ENV,
     START_STORE_ENV,
+    require_torchft,
 )
 
 # After the first group finishes, how long the others have beyond parallel.fault_tolerance.timeout_s.
@@ -81,6 +82,7 @@ def launch_replicas(spec: LaunchSpec, config: Config, worker_args: list[str], ru
             "groups of one machine; on several, start them with dtlab launch (one lighthouse per "
             "job, parallel.fault_tolerance.lighthouse)"
         )
+    require_torchft()  # here, once, before any process starts
     o = config.parallel.fault_tolerance
     replicas, group = spec.nproc, 1  # DDP: each rank is a replica group
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -86,6 +86,19 @@ class ReplicaPlace:
             ) from None
 
 
+def require_torchft() -> None:
+    """A DtlabError that says how to install torchft, where it is missing."""
+    from dtlab.errors import DtlabError
+
+    try:
+        import torchft  # noqa: F401
+    except ImportError as e:
+        raise DtlabError(
+            f"parallel.fault_tolerance.enabled = true needs torchft, which cannot be imported "
+            f"({e}): pip install torchft (or pip install -e '.[ft]')"
+        ) from None
+
+
 def data_parallel(config: Config, d: DistInfo) -> tuple[int, int]:
     """(this rank's data-parallel index, the data-parallel degree) over the whole run: with fault
     tolerance the groups' ranks side by side, group ``i``'s after those of groups ``0 .. i-1``."""
@@ -145,6 +158,7 @@ class Replicas:
     the quorum, when it changed, and how long a recovery from a peer took."""
 
     def __init__(self, config: Config, d: DistInfo) -> None:
+        require_torchft()
         from torchft import Manager, ProcessGroupGloo
 
         o = config.parallel.fault_tolerance
