@@ -398,9 +398,9 @@ class TrainConfig(_Section):
         description="adamw; sgd: plain SGD (no momentum; weight decay added to the gradient); demo: DeMo (arXiv 2411.19870), each rank keeps its own momentum and sends "
         "only its top-k DCT coefficients per chunk; the step is the sign of their average (no "
         "gradient all-reduce). single or ddp only; muon: Muon (Nesterov momentum 0.95, 5 "
-        "Newton-Schulz steps, the update scaled to AdamW's RMS, so lr and weight_decay keep their "
-        "meaning) on the transformer blocks' matrices, AdamW on the embedding, output and 1-D "
-        "parameters; sharded matrices are gathered whole for it each step.",
+        "Newton-Schulz steps, the update scaled to AdamW's RMS; measured, it trains best at a "
+        "higher lr than AdamW's) on the transformer blocks' matrices, AdamW on the embedding, "
+        "output and 1-D parameters; sharded matrices are gathered whole for it each step.",
     )
     demo: DemoOptions = Field(default_factory=DemoOptions)  # type: ignore[arg-type]
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
