@@ -9,8 +9,9 @@ Muon's step on a matrix ``W`` with gradient ``G`` (momentum ``mu``, Nesterov):
     W <- W (1 - lr wd) - lr 0.2 sqrt(max(rows, cols)) O
 
 The factor ``0.2 sqrt(max(rows, cols))`` is Moonshot's: it gives the update the RMS of a typical AdamW
-update (about 0.2), so ``train.lr`` and ``train.weight_decay`` (decoupled, as AdamW's) mean the same for
-both and switching ``train.optimizer`` needs no retuning. A routed experts' stacked weights
+update (about 0.2), so that ``train.lr`` and ``train.weight_decay`` (decoupled, as AdamW's) mean about the
+same for both; measured on the ``tiny`` preset, Muon still trains best at a higher lr (docs/configuration.md).
+A routed experts' stacked weights
 ``[experts, rows, cols]`` are a batch of matrices, each orthogonalised on its own.
 
 The orthogonalisation needs the whole matrix. A parameter that is a DTensor sharded across a matrix
