@@ -38,6 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from dtlab.parallel.buckets import buckets
+from dtlab.parallel.dist import all_gather_flat
 from dtlab.parallel.ledger import recorded
 
 __all__ = ["OptimizerShards", "rows_of", "slot_numel"]
@@ -45,9 +46,6 @@ __all__ = ["OptimizerShards", "rows_of", "slot_numel"]
 # The largest flat buffer one collective carries (DDP's default bucket): the extra memory the
 # gradients' reduce-scatter and the parameters' all-gather take at once.
 BUCKET_BYTES = 25 * 2**20
-
-# torch 2.13 renamed the flat all-gather (the old name warns); torch >= 2.6 is supported.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def rows_of(rows: int, ranks: int, rank: int) -> tuple[int, int]:
@@ -199,7 +197,7 @@ class OptimizerShards:
                 mine[pc.offset : pc.offset + pc.numel] = p[pc.start : pc.stop].reshape(-1)
             gathered = mine.new_empty(n * slot)
             with recorded("zero-1 parameter all_gather", "all_gather", gathered):
-                _all_gather(gathered, mine, group=self.group)
+                all_gather_flat(gathered, mine, group=self.group)
             slots = gathered.view(n, slot)
             for i in bucket:
                 p, pc = self.params[i], self.pieces[i]
