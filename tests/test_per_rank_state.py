@@ -236,8 +236,8 @@ OVERLAPPING = [
 @pytest.mark.parametrize(
     "outer",
     [
+        ["parallel.diloco.inner_steps=4", "parallel.diloco.outer_momentum=0.9"],
         ["parallel.diloco.inner_steps=4"],
-        ["parallel.diloco.inner_steps=4", "parallel.diloco.outer_momentum=0"],
         OVERLAPPING,
     ],
     ids=["diloco", "no-momentum", "streaming-int4"],
@@ -292,7 +292,8 @@ def test_the_plan_of_a_huge_inner_steps_is_immediate() -> None:
     h = 2**31 - 1
     config = load_config(
         overrides=["model.preset=tiny", f"parallel.diloco.inner_steps={h}",
-                   "parallel.diloco.fragments=4", f"parallel.diloco.delay={h - 1}"]
+                   "parallel.diloco.fragments=4", f"parallel.diloco.delay={h - 1}",
+                   "parallel.diloco.outer_momentum=0.9"]
     )  # fmt: skip
     held = sum(s.numel for s in param_shapes(config.model))
     assert plan_step(config, 1).host_bytes == 4 * (2 * held + held)  # θ_global, momentum, in flight
