@@ -165,7 +165,12 @@ def init_distributed(config: Config) -> DistInfo:
         raise ConfigError(
             "parallel.backend = 'nccl' needs CUDA devices; allowed on CPU: auto, gloo"
         )
-    dims = ParallelDims.from_config(config, world)
+    if config.parallel.fault_tolerance.enabled:
+        from dtlab.parallel.ft import group_dims
+
+        dims = group_dims(config, world)  # one replica group's world (HSDP: its shard group)
+    else:
+        dims = ParallelDims.from_config(config, world)
     if not dims.distributed:
         return DistInfo(0, 1, 0, 1, device, None, dims)
     if not dist.is_initialized():

@@ -13,9 +13,16 @@ through torchft's :class:`~torchft.Manager` instead of the world's process group
     update       all-reduce, or hung past timeout_s) changes nothing and is taken again, with the
                  next quorum
 
-Data order: group ``i`` of ``R`` keeps its slice of every step, data-parallel rank ``i`` of ``R``
-(INTERFACE.md's split). A step taken without some groups trains on the slices of those that took part
-only: the others' samples of that step are not trained, and each such step says how many were lost.
+Under HSDP (``parallel.strategy: hsdp``, ``replicate`` R) the R replicate groups are the replica
+groups: each is a world of S = world / R ranks that runs FSDP2 over them (:func:`group_dims`), and
+rank ``r`` of a group averages its gradient shards (and recovers its state) with rank ``r`` of the
+others: torchft's manager is built with the group's rank and size, and keeps one process group across
+the replicas per group rank. Sharded (DTensor) state crosses as its local shards.
+
+Data order: rank ``r`` of group ``i`` of ``R`` keeps its slice of every step, data-parallel rank
+``i * S + r`` of ``R * S`` (INTERFACE.md's split, plain HSDP's order). A step taken without some groups
+trains on the slices of those that took part only: the others' samples of that step are not trained,
+and each such step says how many were lost.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from dtlab.config import Config
+from dtlab.dims import DPWrapper, ParallelDims, needs_replica_groups
 from dtlab.metrics.logging import logger
 
 if TYPE_CHECKING:
@@ -99,6 +107,24 @@ def require_torchft() -> None:
         ) from None
 
 
+def replica_groups(config: Config, nproc: int) -> tuple[int, int]:
+    """(replica groups, ranks per group) of a fault-tolerant run of ``nproc`` processes: HSDP's
+    ``parallel.replicate`` groups of ``nproc / replicate`` ranks, else (DDP) one group per rank."""
+    p = config.parallel
+    if needs_replica_groups(p.strategy) and p.replicate is not None:
+        return p.replicate, nproc // p.replicate
+    return nproc, 1
+
+
+def group_dims(config: Config, world_size: int) -> ParallelDims:
+    """The parallel degrees of one replica group's world of ``world_size`` ranks: under HSDP, FSDP2
+    over the group's ranks (its shard group; the replicate dimension is torchft's, across the
+    groups); otherwise the config's own degrees (DDP: a group of one rank)."""
+    if needs_replica_groups(config.parallel.strategy):
+        return ParallelDims(dp_shard=world_size, wrapper=DPWrapper.FSDP, mesh_dims=("dp_shard",))
+    return ParallelDims.from_config(config, world_size)
+
+
 def data_parallel(config: Config, d: DistInfo) -> tuple[int, int]:
     """(this rank's data-parallel index, the data-parallel degree) over the whole run: with fault
     tolerance the groups' ranks side by side, group ``i``'s after those of groups ``0 .. i-1``."""
@@ -153,6 +179,67 @@ def _process_started() -> float | None:
         return None
 
 
+def _group_store(d: DistInfo) -> tuple[Any, str | None, int | None]:
+    """(a store hosted by the group's rank 0, its host, its port) for a group of several ranks,
+    the port told to the others over the group's own process group; (None, None, None) for a group
+    of one rank (torchft then uses the agent's store, where nothing stale can be read first)."""
+    if d.world_size == 1:
+        return None, None, None
+    import torch.distributed as dist
+
+    host = os.environ.get(HOST_ENV, "127.0.0.1")
+    store = None
+    port = [0]
+    if d.rank == 0:
+        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        port = [store.port]
+    dist.broadcast_object_list(port, src=0)
+    return store, host, int(port[0])
+
+
+def local_shards(tree: Any) -> Any:
+    """``tree`` (a state dict) with every DTensor replaced by this rank's local shard (torchft's
+    HTTP transport pickles what it sends, and a DTensor's mesh does not cross processes)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tree, DTensor):
+        return tree.to_local()
+    if isinstance(tree, dict):
+        return {k: local_shards(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(local_shards(v) for v in tree)
+    return tree
+
+
+def into_dtensors(tree: Any, like: Any) -> Any:
+    """``tree`` (local shards, :func:`local_shards`) made DTensors again where ``like`` (this
+    rank's own state dict, of the same layout) holds DTensors: each shard becomes the local part of
+    a DTensor with ``like``'s mesh, placements and global shape."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(like, DTensor) and isinstance(tree, torch.Tensor):
+        if isinstance(tree, DTensor):
+            return tree
+        if tree.shape != like.to_local().shape:
+            raise ValueError(
+                f"a peer's shard of shape {tuple(tree.shape)} for a local shard of shape "
+                f"{tuple(like.to_local().shape)}: the replica groups are not laid out alike"
+            )
+        return DTensor.from_local(
+            tree.to(like.device), like.device_mesh, like.placements, run_check=False,
+            shape=like.shape, stride=like.stride(),
+        )  # fmt: skip
+    if isinstance(tree, dict) and isinstance(like, dict):
+        return {k: into_dtensors(v, like.get(k)) for k, v in tree.items()}
+    if (
+        isinstance(tree, (list, tuple))
+        and isinstance(like, (list, tuple))
+        and len(tree) == len(like)
+    ):
+        return type(tree)(into_dtensors(v, w) for v, w in zip(tree, like, strict=True))
+    return tree
+
+
 class Replicas:
     """This replica group's torchft manager, and what the run learns from it: which groups are in
     the quorum, when it changed, and how long a recovery from a peer took."""
@@ -178,6 +265,10 @@ class Replicas:
                 super().configure(*args, **kwargs)
 
         _quiet_torchft()
+        # A group of several ranks meets its manager through a store of its own, new for each
+        # start: its elastic agent's store outlives a restart, and the manager's address that a
+        # rank reads there could be the dead attempt's (torchft's keys do not name the attempt).
+        self._group_store, store_addr, store_port = _group_store(d)
         self.members = members
         self._loaded: dict[str, Any] | None = None
         self._states: dict[str, Stateful] = {}
@@ -190,7 +281,9 @@ class Replicas:
             timeout=timeout,
             quorum_timeout=timedelta(seconds=o.quorum_timeout_s),
             connect_timeout=timedelta(seconds=max(o.timeout_s, 10.0)),
-            rank=d.rank,
+            store_addr=store_addr,
+            store_port=store_port,
+            rank=d.rank,  # the rank in the group: its gradients go to this rank of the others
             world_size=d.world_size,
             replica_id=REPLICA_ID.format(place.replica),
             hostname=os.environ.get(HOST_ENV, "127.0.0.1"),
@@ -199,7 +292,7 @@ class Replicas:
         )
         self.store: Any = None  # the launcher's start store (one machine): where a finish is said
         if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-            self._meet(o.quorum_timeout_s)
+            self._meet(o.quorum_timeout_s, d.world_size)
         # Where the quorum changes, recoveries and restarts are recorded (one JSON line each, with
         # the wall time): rank 0 of the group, in its run directory (the chaos bench reads them).
         run_dir = config.run.dir
@@ -231,7 +324,7 @@ class Replicas:
         except RuntimeError:  # the launcher is gone
             return False
 
-    def _meet(self, timeout_s: float) -> None:
+    def _meet(self, timeout_s: float, group_size: int) -> None:
         """On the run's first start, wait for every group's manager before the first quorum: the
         lighthouse forms a quorum as soon as every group it hears from has joined, so a group that
         started late would otherwise miss the first steps (and recover at once from a peer)."""
@@ -247,7 +340,8 @@ class Replicas:
         self.store = store
         store.add("dtlab/ft/started", 1)
         deadline = time.monotonic() + timeout_s
-        while store.add("dtlab/ft/started", 0) < self.place.replicas:
+        # Every rank of every group counts itself (a group's manager waits for all its ranks).
+        while store.add("dtlab/ft/started", 0) < self.place.replicas * group_size:
             if time.monotonic() > deadline:
                 logger.warning(
                     "replica %d: not every replica group started within %.0f s "
@@ -273,23 +367,28 @@ class Replicas:
         self.manager.register_state_dict_fn("dtlab", self._load, self._state_dict)
 
     def _state_dict(self) -> dict[str, Any]:
-        return {name: s.state_dict() for name, s in self._states.items()}
+        # Sharded (DTensor) state crosses as this rank's local shards: the peer that takes it is
+        # the same rank of its group, which holds the same shards.
+        return {name: local_shards(s.state_dict()) for name, s in self._states.items()}
 
     def _load(self, state: dict[str, Any]) -> None:
         t0 = time.perf_counter()
         for name, s in self._states.items():
             if name in state:
-                s.load_state_dict(state[name])
+                s.load_state_dict(into_dtensors(state[name], s.state_dict()))
         self._loaded = {"load_s": time.perf_counter() - t0}
 
     # -- the step ----------------------------------------------------------------------------------
 
-    def join(self, step: int) -> None:
+    def join(self, step: int, offer: int | None = None) -> None:
         """Before step ``step + 1`` (``step`` steps done here): the quorum; a group that is behind
-        loads a live peer's state (then the run's counters say where it now is)."""
-        if self.manager.current_step() != step:
+        loads a live peer's state (then the run's counters say where it now is). ``offer``: the step
+        this group tells the quorum it is at, where that is not ``step`` (a DiLoCo replica that
+        skipped its last outer sync offers one less: :mod:`dtlab.train.diloco_ft`)."""
+        offer = step if offer is None else offer
+        if self.manager.current_step() != offer:
             self.manager.load_state_dict(
-                {"step": step, "batches_committed": self.manager.batches_committed()}
+                {"step": offer, "batches_committed": self.manager.batches_committed()}
             )
         t0 = time.perf_counter()
         self._loaded = None
@@ -328,7 +427,8 @@ class Replicas:
             self._event("stopped_behind", step=step)
             leave_worker(0)
         if self._loaded is not None:
-            now = self.manager.current_step()
+            train = self._states.get("train")  # the run's step now (the peer's offer may differ)
+            now = int(train.state_dict()["step"]) if train else self.manager.current_step()
             record = {"after_step": step, "to_step": now, "seconds": took, **self._loaded}
             self.recoveries.append(record)
             self._event("recovered", **record)
@@ -343,14 +443,19 @@ class Replicas:
         returns the averaged loss. A failed all-reduce is torchft's to note: the step then does not
         commit anywhere it failed."""
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+        from torch.distributed.tensor import DTensor
 
         t0 = time.perf_counter()
-        flat = _flatten_dense_tensors([*grads, loss_sum.reshape(1).to(grads[0].dtype)])
-        self.manager.allreduce(flat).wait()
-        self.seconds["allreduce"] += time.perf_counter() - t0
-        out = _unflatten_dense_tensors(flat, [*grads, loss_sum.reshape(1)])
-        for g, new in zip(grads, out[:-1], strict=True):
-            g.copy_(new)
+        with torch.no_grad():
+            # Sharded (FSDP) gradients: this rank's shards, averaged with the same rank's of the
+            # other groups (which hold the same shards); their local tensors are changed in place.
+            grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+            flat = _flatten_dense_tensors([*grads, loss_sum.reshape(1).to(grads[0].dtype)])
+            self.manager.allreduce(flat).wait()
+            self.seconds["allreduce"] += time.perf_counter() - t0
+            out = _unflatten_dense_tensors(flat, [*grads, loss_sum.reshape(1)])
+            for g, new in zip(grads, out[:-1], strict=True):
+                g.copy_(new)
         return out[-1].reshape(()).to(loss_sum.dtype)
 
     def should_commit(self) -> bool:
