@@ -171,7 +171,8 @@ def test_lighthouse_listens_on_loopback_only() -> None:
     [
         (["parallel.strategy=fsdp"], "parallel.strategy = 'fsdp' is not supported"),
         (["parallel.compression=powersgd"], "parallel.compression = 'powersgd'"),
-        (["parallel.diloco.inner_steps=4"], "parallel.diloco.inner_steps = 4"),
+        # DiLoCo is built on replica groups in its plain form (tests/test_ft_diloco.py).
+        (["parallel.diloco.inner_steps=4", "parallel.diloco.delay=1"], "parallel.diloco.delay = 1"),
         (["parallel.fault_tolerance.lighthouse=host:1"], "expected http://HOST:PORT"),
     ],
 )

@@ -112,6 +112,9 @@ def launch_replicas(spec: LaunchSpec, config: Config, worker_args: list[str], ru
         file=sys.stderr,
         flush=True,
     )
+    if config.parallel.diloco.inner_steps:
+        # Each group is one DiLoCo replica, its own world of one rank (dtlab.train.diloco_ft).
+        worker_args = _with_override(worker_args, "parallel.diloco.replicas=null")
     procs = []
     for i in range(replicas):
         args = _with_override(worker_args, f"run.dir={replica_dir(run_dir, i)}")

@@ -236,10 +236,12 @@ def _check_fault_tolerance(c: Config) -> None:
         **{
             key: (bad, shown, ok, "fault tolerance averages plain gradients over replica groups")
             for key, (bad, shown, ok) in _plain_data_parallel(c).items()
+            if key != "parallel.diloco.inner_steps"  # DiLoCo: its own rules, below
         },
         "parallel.ep": (p.ep > 1, str(p.ep), "1", "expert parallelism spans replica groups"),
     }  # fmt: skip
     _refuse(table, setting)
+    _check_fault_tolerant_diloco(c, setting)
     if p.fault_tolerance.lighthouse is not None and not p.fault_tolerance.lighthouse.startswith(
         ("http://", "https://")
     ):
@@ -247,6 +249,40 @@ def _check_fault_tolerance(c: Config) -> None:
             f"parallel.fault_tolerance.lighthouse = {p.fault_tolerance.lighthouse!r} is not an "
             "address: expected http://HOST:PORT (or null: dtlab train starts one on 127.0.0.1)"
         )
+
+
+def _check_fault_tolerant_diloco(c: Config, setting: str) -> None:
+    """DiLoCo over fault-tolerant replica groups (dtlab.train.diloco_ft): each replica one group of
+    one rank, plain DiLoCo's sync (one fragment, no delay, dense float32 pseudo-gradients) averaged
+    through torchft. (parallel.diloco.replicas against the process count: :func:`check_world`.)"""
+    p = c.parallel
+    o = p.diloco
+    if not o.inner_steps:
+        return
+    table: dict[str, tuple[bool, str, str, str]] = {
+        "parallel.strategy": (
+            p.strategy != "ddp", repr(p.strategy), "ddp",
+            "each DiLoCo replica is one replica group of one rank",
+        ),
+        "parallel.diloco.fragments": (
+            o.fragments != 1, str(o.fragments), "1",
+            "Streaming DiLoCo's fragments would each need a quorum and a commit of their own",
+        ),
+        "parallel.diloco.delay": (
+            o.delay != 0, str(o.delay), "0",
+            "a sync in flight across a quorum change cannot be committed or undone cleanly",
+        ),
+        "parallel.diloco.quantize": (
+            o.quantize != "none", repr(o.quantize), "none",
+            "torchft's manager averages float32 pseudo-gradients (an all-reduce); quantised "
+            "payloads need an all-gather across the groups, not built",
+        ),
+        "parallel.diloco.topk": (
+            o.topk != 0, f"{o.topk:g}", "0",
+            "sparse pseudo-gradients need an all-gather across the groups, not built",
+        ),
+    }  # fmt: skip
+    _refuse(table, f"{setting} and parallel.diloco.inner_steps = {o.inner_steps}")
 
 
 def _check_tp(c: Config) -> None:
@@ -453,6 +489,14 @@ def check_world(config: Config, world_size: int) -> int:
     Run once, in the process that launches, before any worker starts; a worker builds its degrees once
     (``init_distributed``).
     """
+    p = config.parallel
+    one_each = p.diloco.replicas in (None, world_size)
+    if p.fault_tolerance.enabled and p.diloco.inner_steps and not one_each:
+        raise ConfigError(
+            f"parallel.diloco.replicas = {p.diloco.replicas} with parallel.fault_tolerance on "
+            f"{world_size} processes: each DiLoCo replica is one fault-tolerant replica group of "
+            f"one rank (allowed: null or {world_size})"
+        )
     dims = ParallelDims.from_config(config, world_size)
     accum = check_batch_split(config, dims.dp)
     if dims.pp_enabled:

@@ -60,6 +60,7 @@ from dtlab.parallel.ledger import (
 from dtlab.runtime.faults import FAULTS_ENV, Faults
 from dtlab.runtime.signals import STOP_SIGNALS, StopSignals, agreed_stop
 from dtlab.train.diloco import DiLoCo, outer_group, replica_group
+from dtlab.train.diloco_ft import FaultTolerantOuter
 from dtlab.train.loss import token_loss
 from dtlab.train.oom import (
     StepOutOfMemory,
@@ -500,6 +501,12 @@ class TorchEngine:
         self.per_rank: tuple[str, ...] = ()
         ft = config.parallel.fault_tolerance.enabled
         self.replicas = Replicas(config, d) if ft else None  # parallel.fault_tolerance
+        # DiLoCo over replica groups: the quorum and the average only at the outer syncs.
+        self.outer_ft = (
+            FaultTolerantOuter(self.tr.diloco, self.replicas, config)
+            if self.replicas is not None and self.tr.diloco is not None
+            else None
+        )
         # DiLoCo: a step's figures are agreed within the replica; the replicas agree with each sync.
         self.step_group = self.tr.diloco.replica if self.tr.diloco is not None else None
         self.replica_skipped = 0  # steps this replica skipped since the last outer sync
@@ -645,13 +652,14 @@ class TorchEngine:
                     skip_sync=skip_sync, before_update=self._staged,
                     oom_retry=self.config.train.oom_retry,
                     inject_oom=self.faults.out_of_memory(step), loss_factor=loss_factor,
-                    step_group=self.step_group, replicas=self.replicas,
+                    step_group=self.step_group,
+                    replicas=self.replicas if self.outer_ft is None else None,
                 )  # fmt: skip
                 break
             except StepOutOfMemory as e:
                 self._smaller_micro_batches(step, e)
                 retries += 1
-        if self.replicas is not None:
+        if self.replicas is not None and self.outer_ft is None:
             if m.get("uncommitted"):
                 # Not committed everywhere: nothing changed; the same batch again, with the next quorum.
                 self.replicas.taken_again(step)
@@ -666,7 +674,9 @@ class TorchEngine:
         return m
 
     def join(self, step: int) -> None:
-        if self.replicas is not None:
+        if self.outer_ft is not None:
+            self.outer_ft.join(step)
+        elif self.replicas is not None:
             self.replicas.join(step)
 
     def _outer_step(self, step: int, m: dict[str, Any], diloco: DiLoCo) -> dict[str, Any]:
@@ -682,15 +692,19 @@ class TorchEngine:
         if bad:
             m["replica_bad"] = True
         due = diloco.due(step)
-        with recorded("diloco outer sync", "all_reduce"):
-            diloco.after_step(step)
+        if self.outer_ft is None:
+            with recorded("diloco outer sync", "all_reduce"):
+                diloco.after_step(step)
         if not due:
             m["scope"] = "replica"
             return m
         votes = [1.0 if stop == s.name else 0.0 for s in STOP_SIGNALS]
-        rows = diloco.agree(
-            [m["loss"], *votes, float(self.replica_skipped), float(self.replica_streak)]
-        )
+        values = [m["loss"], *votes, float(self.replica_skipped), float(self.replica_streak)]
+        if self.outer_ft is not None:  # through torchft: a sync that does not commit is skipped
+            rows, figures = self.outer_ft.sync(step, values)
+            m.update(figures)
+        else:
+            rows = diloco.agree(values)
         replicas = rows.shape[0]
         m["loss"] = float(rows[:, 0].sum()) / replicas  # each replica's loss is over an equal share
         m["outer_sync"] = due
@@ -772,6 +786,8 @@ class TorchEngine:
             out.update(oom_retries=self.oom_retries, micro_batch_size=self.micro_now)
         if self.replicas is not None:
             out.update(self.replicas.summary())
+            if self.outer_ft is not None:
+                out["fault_tolerance"].update(self.outer_ft.summary())
         if self.tr.diloco is not None:
             # A run that ends between outer syncs: its model is θ_global of the last syncs, not
             # any replica's weights of its last step.
