@@ -35,6 +35,7 @@ from dtlab.parallel.ft import (
     REPLICA_ENV,
     REPLICAS_ENV,
     START_STORE_ENV,
+    replica_groups,
     require_torchft,
 )
 
@@ -84,7 +85,8 @@ def launch_replicas(spec: LaunchSpec, config: Config, worker_args: list[str], ru
         )
     require_torchft()  # here, once, before any process starts
     o = config.parallel.fault_tolerance
-    replicas, group = spec.nproc, 1  # DDP: each rank is a replica group
+    # DDP: each rank is a replica group; HSDP: each replicate group of nproc / replicate ranks.
+    replicas, group = replica_groups(config, spec.nproc)
     run_dir.mkdir(parents=True, exist_ok=True)
     server, address = None, o.lighthouse
     if address is None:

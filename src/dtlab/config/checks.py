@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dtlab.dims import DPWrapper, ParallelDims, strategies_with
+from dtlab.dims import DPWrapper, ParallelDims, needs_replica_groups, strategies_with
 from dtlab.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -212,21 +212,27 @@ def _check_diloco(c: Config) -> None:
 
 def _check_fault_tolerance(c: Config) -> None:
     """parallel.fault_tolerance: torchft replica groups over plain data parallelism. Each DDP rank is
-    one replica group, whose gradient average goes through torchft instead of DDP's hooks; what
-    shares a model inside a group (FSDP, TP, PP) or exchanges something else (DiLoCo, DeMo) is not
-    built on it yet."""
+    one replica group, and each of HSDP's replicate groups (FSDP2 over its shard group's ranks); the
+    gradient average across the groups goes through torchft instead of DDP's hooks or HSDP's
+    replicate all-reduce. What shares a model otherwise inside a group (TP, PP, EP) or exchanges
+    something else (DeMo, compression) is not built on it yet; DiLoCo has its own rules."""
     p = c.parallel
     if not p.fault_tolerance.enabled:
         return
     setting = "parallel.fault_tolerance.enabled = true"
-    allowed = ", ".join(strategies_with(DPWrapper.DDP))
+    hsdp = needs_replica_groups(p.strategy)
+    allowed = ", ".join([*strategies_with(DPWrapper.DDP), "hsdp"])
     table: dict[str, tuple[bool, str, str, str]] = {
         "parallel.strategy": (
-            DPWrapper.of(p.strategy) is not DPWrapper.DDP, repr(p.strategy), allowed,
-            "each data-parallel rank is one replica group (HSDP's shard groups are not built yet)",
+            DPWrapper.of(p.strategy) is not DPWrapper.DDP and not hsdp, repr(p.strategy), allowed,
+            "the replica groups are DDP's ranks or HSDP's replicate groups (parallel.replicate); "
+            "fsdp shards over every rank, leaving no group whose loss the others survive",
         ),
         "parallel.sharding": (
-            p.sharding == "optimizer", "'optimizer'", "full",
+            p.sharding == "optimizer" or (hsdp and p.sharding == "no_shard"), repr(p.sharding),
+            "full, shard_grad_op" if hsdp else "full",
+            "each HSDP replica group shards the model over its own ranks (no_shard leaves it one "
+            "rank: use parallel.strategy = 'ddp')" if hsdp else
             "ZeRO-1 shards the optimizer state over the ranks a replica group would lose",
         ),
         "parallel.compression": (
