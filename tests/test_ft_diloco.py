@@ -114,6 +114,10 @@ def test_killed_replica_rejoins_at_a_sync_with_the_global_model(tmp_path: Path) 
     assert all(m["samples_lost"] == 8 * 4 for m in skipped)
     zero = json.loads((run_dir / "replica-0" / "summary.json").read_text())["fault_tolerance"]
     assert zero["outer_syncs_skipped"] == len(skipped)
+    # What docs/fault-tolerance.md quotes (pytest -s): the recovery, and the syncs it cost.
+    print(
+        f"recovery {ft['recoveries'][0]}; syncs skipped on group 0: {[m['step'] for m in skipped]}"
+    )
 
 
 @pytest.mark.parametrize(
