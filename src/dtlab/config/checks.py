@@ -259,8 +259,8 @@ def _check_fault_tolerance(c: Config) -> None:
 
 def _check_fault_tolerant_diloco(c: Config, setting: str) -> None:
     """DiLoCo over fault-tolerant replica groups (dtlab.train.diloco_ft): each replica one group of
-    one rank, plain DiLoCo's sync (one fragment, no delay, dense float32 pseudo-gradients) averaged
-    through torchft. (parallel.diloco.replicas against the process count: :func:`check_world`.)"""
+    one rank, one sync of the whole model per cycle (one fragment, no delay) through torchft, dense,
+    quantised or sparse (parallel.diloco.replicas against the process count: :func:`check_world`)."""
     p = c.parallel
     o = p.diloco
     if not o.inner_steps:
@@ -277,15 +277,6 @@ def _check_fault_tolerant_diloco(c: Config, setting: str) -> None:
         "parallel.diloco.delay": (
             o.delay != 0, str(o.delay), "0",
             "a sync in flight across a quorum change cannot be committed or undone cleanly",
-        ),
-        "parallel.diloco.quantize": (
-            o.quantize != "none", repr(o.quantize), "none",
-            "torchft's manager averages float32 pseudo-gradients (an all-reduce); quantised "
-            "payloads need an all-gather across the groups, not built",
-        ),
-        "parallel.diloco.topk": (
-            o.topk != 0, f"{o.topk:g}", "0",
-            "sparse pseudo-gradients need an all-gather across the groups, not built",
         ),
     }  # fmt: skip
     _refuse(table, f"{setting} and parallel.diloco.inner_steps = {o.inner_steps}")

@@ -351,12 +351,14 @@ class DiLoCo:
             return sparseloco.decode(payload, numel, self.o.topk, self.o.chunk, self.o.quantize)
         return _dequantize(payload, numel, BITS[self.o.quantize])
 
-    def _land(self, sync: _Sync) -> None:
+    def _land(self, sync: _Sync, mean: torch.Tensor | None = None) -> None:
         """The outer step of the fragment, then the replica continues from the new θ_global plus what
-        it learnt since the send."""
+        it learnt since the send. ``mean``: the replicas' mean outer gradient where another path
+        computed it (fault-tolerant replica groups: :mod:`dtlab.train.diloco_ft`)."""
         sync.wait()
         idx = self.fragments[sync.fragment]
-        mean = self._mean(sync, sum(self.global_[i].numel() for i in idx))
+        if mean is None:
+            mean = self._mean(sync, sum(self.global_[i].numel() for i in idx))
         lr, mu = self.o.outer_lr, self.o.outer_momentum
         offset, params = 0, self.params
         # On the replica's device, one parameter at a time (its outer state copied over from the

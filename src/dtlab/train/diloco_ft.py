@@ -1,4 +1,4 @@
-"""DiLoCo's replicas as fault-tolerant replica groups (``parallel.diloco`` with ``parallel.fault_tolerance``).
+"""DiLoCo's replicas as fault-tolerant replica groups: ``parallel.diloco`` with fault tolerance.
 
 Each replica group (one rank) is one DiLoCo replica, its own torch.distributed world; what crosses
 the groups goes through torchft's Manager (:class:`dtlab.parallel.ft.Replicas`), and only at the
@@ -10,9 +10,11 @@ cycle's edges:
                   θ_global then) and inner optimizer state, the counters and the data position
     inner steps   nothing: no quorum, no all-reduce, no commit vote
     the sync      Δ = θ_global - θ_replica averaged over the groups of the quorum (manager.allreduce
-                  divides by the participants), the replicas' figures (loss, stop votes, skipped
-                  steps) in a second, small all-reduce; then the commit vote (should_commit), and
-                  only a committed sync moves θ_global (the outer step, :meth:`DiLoCo._land`)
+                  divides by the participants; quantised or sparse payloads are all-gathered on
+                  torchft's process group and decoded in the quorum's order), the replicas'
+                  figures (loss, stop votes, skipped steps) in a second, small all-reduce; then the
+                  commit vote (should_commit), and only a committed sync moves θ_global (the outer
+                  step, :meth:`DiLoCo._land`)
 
 A sync that does not commit (a replica died or hung during the cycle, so the all-reduce failed) is
 **skipped**, not retried: every replica goes back to θ_global, and the cycle's inner steps are lost.
@@ -24,8 +26,10 @@ DiLoCo does the same: it resets to the global weights when a sync fails.)
 The data order is plain DiLoCo's: replica ``i`` of ``R`` reads data-parallel rank ``i``'s slice of
 every step (:func:`dtlab.parallel.ft.data_parallel`).
 
-Built here: one fragment, no delay, dense float32 pseudo-gradients (``quantize: none``, ``topk: 0``),
-plain DiLoCo with its outer Nesterov; the rest is refused at config check
+Built here: one fragment, no delay (plain DiLoCo with its outer Nesterov), the outer gradients
+dense, quantised (``quantize``) or sparse (``topk``) with their error feedback: a skipped sync
+leaves it as it was, and a replica that recovered from a peer starts without one (the peer's is the
+peer's to send). Streaming DiLoCo's fragments and delay are refused at config check
 (:func:`dtlab.config.checks._check_fault_tolerance`).
 """
 
@@ -39,6 +43,7 @@ import torch.distributed as dist
 
 from dtlab.config import Config
 from dtlab.metrics.logging import logger
+from dtlab.train.diloco import gathers
 
 if TYPE_CHECKING:
     from dtlab.parallel.ft import Replicas
@@ -53,7 +58,7 @@ class FaultTolerantOuter:
 
     def __init__(self, diloco: DiLoCo, replicas: Replicas, config: Config) -> None:
         o = config.parallel.diloco
-        assert o.fragments == 1 and o.delay == 0 and o.quantize == "none" and o.topk == 0
+        assert o.fragments == 1 and o.delay == 0  # the config's rules
         self.diloco, self.replicas = diloco, replicas
         self.h = o.inner_steps
         self.global_batch = config.train.global_batch_size
@@ -72,30 +77,40 @@ class FaultTolerantOuter:
             # one step less, so where another committed it, this one is behind and takes that
             # one's state (θ_global moved there, not here); where every group skipped, they are
             # level and go on from the same θ_global.
+            recovered = len(self.replicas.recoveries)
             self.replicas.join(step, offer=step - 1 if self.skipped_last and step > 0 else step)
             self.joined, self.skipped_last = True, False
             self.quorums += 1
+            if len(self.replicas.recoveries) > recovered and gathers(self.diloco.o):
+                # The peer's error feedback is what the peer has not sent yet, and the peer sends
+                # it: taken here too, it would count twice. This replica's own was lost with it.
+                self.diloco.error = [None] * len(self.diloco.error)
 
     def sync(self, step: int, values: list[float]) -> tuple[torch.Tensor, dict[str, Any]]:
         """The outer sync after inner step ``step``: returns the replicas' ``values`` (one row per
         replica that took part, the same on every one) and the sync's figures. Not committed: this
         replica's row alone, and every replica back at θ_global."""
         d, r = self.diloco, self.replicas
-        # The pseudo-gradient on this replica: its outer group is itself, so the send issues no
-        # collective; the average over the groups is torchft's.
+        error = list(d.error)  # the error feedback before this send (a skipped sync keeps it)
+        # The pseudo-gradient on this replica (quantised: its payload, the error feedback updated):
+        # its outer group is itself, so the send issues no collective; across the groups, torchft.
         pending = d._send(0, step)
         self.syncs += 1
         mine = torch.tensor(values, dtype=torch.float64)
         rows = torch.zeros(r.place.replicas, len(values), dtype=torch.float64)
         rows[r.place.replica] = mine  # an all-gather as a sum: the others' rows are theirs
         t0 = time.perf_counter()
-        r.manager.allreduce(pending.buffer).wait()  # the mean over the participants
+        mean = None
+        if gathers(d.o):
+            mean = self._gathered_mean(pending.buffer, sum(g.numel() for g in d.global_))
+        else:
+            r.manager.allreduce(pending.buffer).wait()  # the mean over the participants
         r.manager.allreduce(rows, reduce_op=dist.ReduceOp.SUM).wait()
         r.seconds["allreduce"] += time.perf_counter() - t0
         took_part = r.manager.num_participants()
         missing = r.place.replicas - took_part
         if r.should_commit():
-            d._land(pending)  # the outer step: θ_global moves, the replica continues from it
+            d._land(pending, mean)  # the outer step: θ_global moves, the replica continues from it
             lost = missing * self.global_batch // r.place.replicas * self.h
             r.samples_lost += lost
             members = sorted(set(r.members)) or [r.place.replica]
@@ -108,6 +123,7 @@ class FaultTolerantOuter:
             for p, g in zip(d.params, d.global_, strict=True):
                 p.copy_(g)
         pending.snapshot = []
+        d.error = error  # what this sync would have sent is not sent: still to send
         self.skipped += 1
         self.skipped_last = True
         r.samples_lost += self.global_batch * self.h
@@ -121,6 +137,28 @@ class FaultTolerantOuter:
             "outer_skipped": True,
             "samples_lost": self.global_batch * self.h,
         }
+
+    def _gathered_mean(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
+        """The mean of the quantised outer gradients of the groups in the quorum: every group's
+        payload all-gathered on torchft's process group (the manager's own collectives are
+        all-reduces), decoded and summed in the quorum's order, the same on every group. A failed
+        all-gather is reported to the manager, so that the sync does not commit here."""
+        from torch.distributed.distributed_c10d import AllgatherOptions
+
+        r, d = self.replicas, self.diloco
+        n = r.manager.num_participants()
+        parts = [torch.empty_like(payload) for _ in range(n)]
+        if r.manager.errored() is None:
+            try:
+                r.manager._pg.allgather([parts], [payload], AllgatherOptions()).wait()
+            except Exception as e:  # a peer died or hung: torchft's to note, the vote's to refuse
+                r.manager.report_error(e)
+        if r.manager.errored() is not None:
+            return torch.zeros(numel, device=payload.device)  # not used: the sync will not commit
+        total = d._decode(parts[0], numel)
+        for part in parts[1:]:
+            total += d._decode(part, numel)
+        return total / n
 
     def summary(self) -> dict[str, Any]:
         """What summary.json's ``fault_tolerance`` adds under DiLoCo."""
