@@ -133,6 +133,36 @@ def test_killed_replica_rejoins_at_a_sync_with_the_global_model(
     )
 
 
+def test_hung_replica_is_dropped_at_a_sync_and_catches_up(tmp_path: Path) -> None:
+    # min_replicas 1: group 0 syncs alone while group 1 is stopped, then group 1, woken, is behind
+    # (its sync did not commit, group 0's did) and takes group 0's state at a cycle's start.
+    steps, run_dir = 200, tmp_path / "run"
+    job = Watched(
+        *_args(run_dir, steps, *FT, "parallel.diloco.inner_steps=4",
+               "parallel.fault_tolerance.timeout_s=3",
+               "parallel.fault_tolerance.heartbeat_timeout_s=1")
+    )  # fmt: skip
+    job.wait_for_step(run_dir / "replica-1", 6)
+    _signal(run_dir, 1, signal.SIGSTOP)
+    try:
+        job.wait_for("missing [1]", timeout=60)  # dropped: a quorum without it
+        stopped_at = max(m["step"] for m in read_metrics(run_dir / "replica-1"))
+        job.wait_for_step(run_dir / "replica-0", stopped_at + 12, timeout=60)  # syncs alone
+    finally:
+        _signal(run_dir, 1, signal.SIGCONT)
+    assert job.finish() == 0, job.err
+    assert "recovered the state after step" in job.err
+    final = f"checkpoints/step-{steps:08d}"
+    a = _models(run_dir / "replica-0" / final)
+    b = _models(run_dir / "replica-1" / final)
+    assert all((a[k] == b[k]).all() for k in a), "the replicas end with different global models"
+    syncs = [m for m in read_metrics(run_dir / "replica-0") if "outer_sync" in m]
+    alone = [m for m in syncs if m.get("replicas") == 1]
+    assert len(alone) >= 2 and all(m["samples_lost"] == 4 * 4 for m in alone), alone
+    one = json.loads((run_dir / "replica-1" / "summary.json").read_text())["fault_tolerance"]
+    assert one["outer_syncs_skipped"] >= 1 and len(one["recoveries"]) >= 1, one
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
