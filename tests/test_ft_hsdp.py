@@ -70,6 +70,8 @@ def test_no_fault_equals_plain_hsdp(tmp_path: Path) -> None:
     assert ft.returncode == 0, ft.stderr
     assert "Traceback" not in ft.stderr, ft.stderr
     assert "2 replica groups of 2 ranks" in ft.stderr
+    # Each group's start line splits the global batch over every group's ranks, not its own.
+    assert "global batch 8 = 4 data-parallel ranks x 1 micro-batch x 2" in ft.stderr, ft.stderr
     ref = read_metrics(tmp_path / "plain")
     assert any(r["grad_norm"] > 0.5 for r in ref)  # clipping is active in the reference
     for replica in (0, 1):

@@ -253,6 +253,7 @@ class MlxEngine(Engine):
         self.params = sum(v.size for v in self.trainer.params.values())
         self.dims = ParallelDims.from_config(config, world)  # data parallelism only (check_world)
         self.layout = f"mlx {layout_name(self.dims, config.parallel)}"
+        self.data_ranks = self.dims.dp
         self.device = str(mx.default_device())
         self.states: dict[str, Stateful] = {}
 

@@ -491,6 +491,11 @@ class TorchEngine:
         self.params = count_params(self.tr.model)
         self.dims = d.dims
         self.layout = layout_name(d.dims, config.parallel)
+        self.data_ranks = data_parallel(config, d)[1]
+        if config.parallel.fault_tolerance.enabled:  # this group's world is one of several
+            groups = self.data_ranks // d.dims.dp
+            ranks = f"{d.world_size} rank{'s' * (d.world_size > 1)}"
+            self.layout = f"{groups} fault-tolerant replica groups of {ranks}, each {self.layout}"
         self.device = d.device.type
         self.comm_labels, self.comm_sizes = comm_labels(d, self.tr.diloco)
         # Each rank's replica (DiLoCo's, else its data-parallel index): a collective whose group

@@ -74,6 +74,7 @@ class Engine(Protocol):
     params: int  # parameter count of the whole model
     dims: ParallelDims  # the parallel degrees of this world
     layout: str  # how the start line and the plot title name the layout (dtlab.dims.layout_name)
+    data_ranks: int  # the ranks the global batch is split over (fault tolerance: every group's)
     device: str  # where it runs, for the start line, e.g. "cpu"
     accum: int  # micro-batches per optimizer step
     micro: int  # samples per micro-batch
@@ -341,7 +342,7 @@ def _announce(r: _Run) -> None:
     config, engine, t = r.config, r.engine, r.config.train
     # The ranks the batch is split over: the data-parallel ones (tensor- and pipeline-parallel ranks
     # share their samples).
-    dp, accum, micro, kind = engine.dims.dp, engine.accum, engine.micro, ""
+    dp, accum, micro, kind = engine.data_ranks, engine.accum, engine.micro, ""
     if engine.dims.pp_enabled:  # the schedule, not accumulation, cuts each rank's share
         accum = pipeline_microbatches(config, dp)
         micro, kind = t.global_batch_size // dp // accum, "pipeline "
