@@ -265,9 +265,117 @@ def slurm_config(config: Config, run_root: Path) -> Config:
     return resolved
 
 
-def slurm_script(script_path: Path, config_path: Path, job: SlurmJob, name: str) -> str:
+@dataclass(frozen=True)
+class FaultTolerantLayout:
+    """How a fault-tolerant job's ranks form replica groups: ``replicas`` groups of ``group`` ranks,
+    ``per_node`` groups on each node, each group trained in ``<run_dir>/replica-<i>``; a lighthouse
+    is started for the job unless ``lighthouse`` (parallel.fault_tolerance.lighthouse) names one."""
+
+    replicas: int
+    group: int
+    per_node: int
+    max_restarts: int
+    run_dir: str
+    lighthouse: str | None = None
+
+
+def fault_tolerant_layout(config: Config, job: SlurmJob) -> FaultTolerantLayout | None:
+    """The replica groups of a job with parallel.fault_tolerance (None without): the groups that
+    ``dtlab train`` would make of the whole world (DDP: one per rank; HSDP: parallel.replicate),
+    which must not span nodes (a group's ranks share one elastic agent)."""
+    o = config.parallel.fault_tolerance
+    if not o.enabled:
+        return None
+    from dtlab.parallel.ft import replica_groups
+
+    replicas, group = replica_groups(config, job.nodes * job.nproc_per_node)
+    if job.nproc_per_node % group:
+        raise ConfigError(
+            f"parallel.fault_tolerance with --nproc-per-node {job.nproc_per_node}: a replica group "
+            f"has {group} ranks, which must fit on one node (one agent restarts a group); allowed: "
+            f"--nproc-per-node a multiple of {group}"
+        )
+    assert config.run.dir is not None  # resolved by slurm_config
+    return FaultTolerantLayout(
+        replicas, group, job.nproc_per_node // group, o.max_restarts, config.run.dir, o.lighthouse
+    )
+
+
+def _fault_tolerant_body(ft: FaultTolerantLayout, port: str) -> list[str]:
+    """The sbatch script's lines that start the lighthouse (once, in the batch step: the first node)
+    and one srun task per replica group, each under its own agent that restarts that group alone."""
+    q = shlex.quote
+    lines = [
+        f"RUN_DIR={q(ft.run_dir)}",
+        f"REPLICAS={ft.replicas}",
+        f"GROUP_RANKS={ft.group}",
+        f"MAX_RESTARTS={ft.max_restarts}",
+        'FIRST_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        f"LIGHTHOUSE_PORT={port}",
+        "STORE_PORT=$((LIGHTHOUSE_PORT + 1))  # where the groups meet on their first start",
+        'export DTLAB_FT_REPLICAS="$REPLICAS" DTLAB_FT_START_STORE="$FIRST_NODE:$STORE_PORT"',
+        'export RUST_LOG="${RUST_LOG:-warn}"  # torchft logs every quorum tick at INFO',
+        'mkdir -p "$RUN_DIR" && rm -f "$RUN_DIR"/replica-*.exit',
+    ]
+    if ft.lighthouse is None:
+        lines += [
+            'export TORCHFT_LIGHTHOUSE="http://$FIRST_NODE:$LIGHTHOUSE_PORT"',
+            "# One lighthouse for the job, here in the batch step (on the first node), listening on",
+            "# every address of this node: the replica groups on the other nodes reach it there.",
+            '"$PYTHON" -m dtlab.fault_tolerance --lighthouse "0.0.0.0:$LIGHTHOUSE_PORT" \\',
+            '    --store-port "$STORE_PORT" --config "$CONFIG" &',
+            "LIGHTHOUSE_PID=$!",
+            "trap 'kill \"$LIGHTHOUSE_PID\" 2>/dev/null' EXIT",
+            "for _ in $(seq 600); do  # up to 60 s for it to listen",
+            '    (exec 3<>"/dev/tcp/$FIRST_NODE/$LIGHTHOUSE_PORT") 2>/dev/null && break',
+            '    kill -0 "$LIGHTHOUSE_PID" 2>/dev/null || { echo "dtlab: the lighthouse did not start"; exit 1; }',
+            "    sleep 0.1",
+            "done",
+        ]
+    else:
+        lines.append(
+            f"export TORCHFT_LIGHTHOUSE={q(ft.lighthouse)}  # parallel.fault_tolerance.lighthouse"
+        )
+    lines += [
+        'echo "dtlab: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $REPLICAS replica group(s) of'
+        ' $GROUP_RANKS rank(s), lighthouse $TORCHFT_LIGHTHOUSE"',
+        "",
+        "# One task per replica group (SLURM_PROCID is the group), each under its own elastic agent that",
+        "# restarts that group alone, up to MAX_RESTARTS times; --kill-on-bad-exit=0: a group that fails",
+        "# for good does not end the others. Each task records its exit code; the signal before the time",
+        "# limit (USR1) is passed on to the agent, which passes it to its ranks.",
+        "srun --kill-on-bad-exit=0 --ntasks-per-node=" + str(ft.per_node) + " bash -c \\",
+        '    \'i=$SLURM_PROCID; export DTLAB_FT_REPLICA=$i DTLAB_FT_HOST="${DTLAB_FT_HOST:-$(hostname)}"',
+        '     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / $2 > 0 ? $(nproc) / $2 : 1 ))}"',
+        '     "$0" -m dtlab.fault_tolerance --nproc "$2" --max-restarts "$3" --run-dir "$4/replica-$i" \\',
+        '         -- train "$1" --set "run.dir=$4/replica-$i" & pid=$!',
+        '     trap "kill -USR1 $pid 2>/dev/null" USR1; trap "kill -TERM $pid 2>/dev/null" TERM',
+        '     wait "$pid"; rc=$?; while kill -0 "$pid" 2>/dev/null; do wait "$pid"; rc=$?; done',
+        '     echo "$rc" > "$4/replica-$i.exit"; exit "$rc"\' \\',
+        '    "$PYTHON" "$CONFIG" "$GROUP_RANKS" "$MAX_RESTARTS" "$RUN_DIR"',
+        "# The job finished the run when a group did; 75 (requeue) when every group saved and stopped.",
+        "finished=0; saved=1",
+        "for ((i = 0; i < REPLICAS; i++)); do",
+        '    code=$(cat "$RUN_DIR/replica-$i.exit" 2>/dev/null || echo 1)',
+        '    echo "dtlab: replica group $i exited with $code"',
+        "    [[ $code == 0 ]] && finished=1",
+        f"    [[ $code == {Preempted.exit_code} ]] || saved=0",
+        "done",
+        f"if [[ $finished == 1 ]]; then rc=0; elif [[ $saved == 1 ]]; then rc={Preempted.exit_code}; else rc=1; fi",
+    ]
+    return lines
+
+
+def slurm_script(
+    script_path: Path,
+    config_path: Path,
+    job: SlurmJob,
+    name: str,
+    ft: FaultTolerantLayout | None = None,
+) -> str:
     """An sbatch script: one task per node, each starting dtlab's launcher with a c10d rendezvous on
-    the first node; preemption (``--signal``) saves a checkpoint and requeues the job, which resumes."""
+    the first node; preemption (``--signal``) saves a checkpoint and requeues the job, which resumes.
+    With ``ft`` (parallel.fault_tolerance): a lighthouse for the job and one task per replica group."""
     _check(job.partition, _SLURM_WORD, "--partition", "a Slurm partition name")
     _check(job.account, _SLURM_WORD, "--account", "a Slurm account name")
     _check(
@@ -283,7 +391,7 @@ def slurm_script(script_path: Path, config_path: Path, job: SlurmJob, name: str)
     directives = [
         f"--job-name={slug(name)}",
         f"--nodes={job.nodes}",
-        "--ntasks-per-node=1",
+        f"--ntasks-per-node={ft.per_node if ft else 1}",
         f"--output={script_path.parent / (slug(name) + '-%j.out')}",
         "--open-mode=append",
         "--requeue",
@@ -322,19 +430,26 @@ def slurm_script(script_path: Path, config_path: Path, job: SlurmJob, name: str)
         "",
         f"PYTHON={q(job.python)}",
         f"CONFIG={q(str(config_path))}",
-        f"NPROC_PER_NODE={job.nproc_per_node}",
-        'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        f"MASTER_PORT={port}",
-        'echo "dtlab: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NUM_NODES node(s),'
-        ' rendezvous $MASTER_ADDR:$MASTER_PORT"',
-        "",
-        "# One task per node starts dtlab's launcher, which starts NPROC_PER_NODE workers. The node rank is",
-        "# read inside each task; every other value is passed as an argument, never spliced into code.",
-        "srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c \\",
-        '    \'exec "$0" -m dtlab train "$1" --nproc "$2" --nnodes "$SLURM_JOB_NUM_NODES" \\',
-        '         --node-rank "$SLURM_NODEID" --master-addr "$3" --master-port "$4"\' \\',
-        '    "$PYTHON" "$CONFIG" "$NPROC_PER_NODE" "$MASTER_ADDR" "$MASTER_PORT"',
-        "rc=$?",
+    ]
+    if ft is not None:
+        lines += _fault_tolerant_body(ft, port)
+    else:
+        lines += [
+            f"NPROC_PER_NODE={job.nproc_per_node}",
+            'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+            f"MASTER_PORT={port}",
+            'echo "dtlab: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NUM_NODES node(s),'
+            ' rendezvous $MASTER_ADDR:$MASTER_PORT"',
+            "",
+            "# One task per node starts dtlab's launcher, which starts NPROC_PER_NODE workers. The node rank is",
+            "# read inside each task; every other value is passed as an argument, never spliced into code.",
+            "srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c \\",
+            '    \'exec "$0" -m dtlab train "$1" --nproc "$2" --nnodes "$SLURM_JOB_NUM_NODES" \\',
+            '         --node-rank "$SLURM_NODEID" --master-addr "$3" --master-port "$4"\' \\',
+            '    "$PYTHON" "$CONFIG" "$NPROC_PER_NODE" "$MASTER_ADDR" "$MASTER_PORT"',
+            "rc=$?",
+        ]
+    lines += [
         f"if [[ $rc -eq {Preempted.exit_code} ]]; then",
         '    echo "dtlab: checkpoint saved before the time limit or preemption; requeueing job $SLURM_JOB_ID"',
         '    scontrol requeue "$SLURM_JOB_ID"',
@@ -357,7 +472,8 @@ def write_slurm(config: Config, job: SlurmJob, out: Path) -> tuple[Path, Path]:
     except (OSError, ValueError) as e:  # a NUL in the path, a loop of links
         raise _cannot_write(out, e) from None
     resolved = slurm_config(config, script_path.parent / "runs")
-    text = slurm_script(script_path, config_path, job, config.run.name)
+    ft = fault_tolerant_layout(resolved, job)
+    text = slurm_script(script_path, config_path, job, config.run.name, ft)
     try:
         script_path.parent.mkdir(parents=True, exist_ok=True)
         config_path.write_text(resolved.to_yaml())
@@ -419,6 +535,14 @@ def k8s_manifest(config: Config, job: K8sJob, name: str) -> str:
     rendezvous (``PET_RDZV_ENDPOINT``) at ``<name>-worker-0`` on the Worker's ``pytorchjob-port``;
     torchrun's c10d rendezvous then numbers the nodes, so no replica needs to be special.
     """
+    if config.parallel.fault_tolerance.enabled:
+        # A PyTorchJob is one world that the operator restarts whole; replica groups need a
+        # lighthouse and a pod per group that restarts alone, which this manifest does not write.
+        raise ConfigError(
+            "parallel.fault_tolerance.enabled = true with dtlab launch k8s: not supported (the "
+            "PyTorchJob restarts every pod together); allowed: dtlab launch slurm, or "
+            "parallel.fault_tolerance.enabled = false"
+        )
     _check(
         name,
         _K8S_DNS1035,

@@ -195,15 +195,59 @@ def _supervise(procs: list[subprocess.Popen[bytes]], grace_s: float, store: Any)
     return codes
 
 
+def serve_lighthouse(config: Config, bind: str, store_port: int | None = None) -> int:
+    """A job's lighthouse (``dtlab launch slurm``): torchft's LighthouseServer bound to ``bind``
+    (HOST:PORT, where every replica group can reach it) and, on ``store_port``, the start store the
+    groups meet at on their first start; serves until SIGTERM or SIGINT, then returns 0."""
+    os.environ.setdefault("RUST_LOG", "warn")
+    from torchft.coordination import LighthouseServer
+
+    o = config.parallel.fault_tolerance
+    server = LighthouseServer(
+        bind=bind,
+        min_replicas=o.min_replicas,
+        join_timeout_ms=int(o.timeout_s * 1000),
+        quorum_tick_ms=50,
+        heartbeat_timeout_ms=int(o.heartbeat_timeout_s * 1000),
+    )
+    store = None
+    if store_port is not None:
+        import torch.distributed as dist
+
+        store = dist.TCPStore(
+            bind.rsplit(":", 1)[0], store_port, is_master=True, wait_for_workers=False
+        )
+    print(f"fault tolerance: lighthouse on {bind}", file=sys.stderr, flush=True)
+    stop: list[int] = []
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, lambda signum, frame: stop.append(signum))
+    while not stop:
+        time.sleep(0.2)
+    server.shutdown()
+    del store
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """One replica group's elastic agent: ``python -m dtlab.fault_tolerance --nproc G
-    --max-restarts K --run-dir DIR -- train ...`` (started by :func:`launch_replicas`)."""
+    --max-restarts K --run-dir DIR -- train ...`` (started by :func:`launch_replicas` and by
+    ``dtlab launch slurm``); or a job's lighthouse: ``--lighthouse HOST:PORT --config FILE
+    [--store-port P]``."""
     parser = argparse.ArgumentParser(prog="python -m dtlab.fault_tolerance")
-    parser.add_argument("--nproc", type=int, required=True)
-    parser.add_argument("--max-restarts", type=int, required=True)
-    parser.add_argument("--run-dir", type=Path, required=True)
+    parser.add_argument("--lighthouse", metavar="HOST:PORT")
+    parser.add_argument("--config", type=Path)
+    parser.add_argument("--store-port", type=int)
+    parser.add_argument("--nproc", type=int)
+    parser.add_argument("--max-restarts", type=int)
+    parser.add_argument("--run-dir", type=Path)
     parser.add_argument("worker_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
+    if args.lighthouse:
+        from dtlab.config import load_config
+
+        return serve_lighthouse(load_config(args.config, []), args.lighthouse, args.store_port)
+    if args.nproc is None or args.max_restarts is None or args.run_dir is None:
+        parser.error("--nproc, --max-restarts and --run-dir are needed (or --lighthouse)")
     worker_args = args.worker_args
     if worker_args[:1] == ["--"]:
         worker_args = worker_args[1:]
