@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import subprocess
+import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
-from conftest import FAST, run_cli
-from test_deploy import _wait_for, slurm  # noqa: F401  (slurm: the fixture)
+from conftest import FAST, cli_env, run_cli
+from test_deploy import _free_port, _wait_for, slurm  # noqa: F401  (slurm: the fixture)
 
 FT = ["parallel.strategy=ddp", "parallel.fault_tolerance.enabled=true"]
 
@@ -69,18 +73,6 @@ def test_ft_slurm_script_uses_a_given_lighthouse(tmp_path: Path) -> None:
     assert "export TORCHFT_LIGHTHOUSE=http://lh.example:29510" in text
 
 
-def test_ft_k8s_is_refused_clearly(tmp_path: Path) -> None:
-    proc = run_cli(
-        "launch", "k8s", "--image", "dtlab:cpu", "--nproc-per-node", "2",
-        "--out", str(tmp_path / "job.yaml"), "--set", *FAST, *FT,
-        cwd=tmp_path,
-    )  # fmt: skip
-    assert proc.returncode == 2, proc.stderr
-    assert "not supported" in proc.stderr and "dtlab launch slurm" in proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert not (tmp_path / "job.yaml").exists()
-
-
 @pytest.mark.slow
 def test_ft_slurm_job_of_two_groups_trains_to_the_end(tmp_path: Path, slurm: None) -> None:  # noqa: F811
     """2 replica groups of 1 rank on the local cluster meet at the job's lighthouse, train to the
@@ -112,3 +104,107 @@ def test_ft_slurm_job_of_two_groups_trains_to_the_end(tmp_path: Path, slurm: Non
         # Both groups met in one quorum at the job's lighthouse.
         assert any(e["event"] == "quorum" and e["members"] == [0, 1] for e in events), events
         assert (run_dir / f"replica-{i}.exit").read_text().strip() == "0"
+
+
+def _k8s_docs(tmp_path: Path, *overrides: str) -> list[dict[str, Any]]:
+    out = tmp_path / "job.yaml"
+    proc = run_cli(
+        "launch", "k8s", "--image", "dtlab:cpu", "--nproc-per-node", "2", "--out", str(out),
+        "--set", *FAST, *FT, *overrides,
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return [d for d in yaml.safe_load_all(out.read_text()) if d]
+
+
+def _env(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def test_ft_k8s_manifest_has_a_lighthouse_and_a_job_per_group(tmp_path: Path) -> None:
+    docs = _k8s_docs(tmp_path, "parallel.fault_tolerance.max_restarts=4", "run.name=ftk")
+    kinds = [d["kind"] for d in docs]
+    assert kinds == ["ConfigMap", "PersistentVolumeClaim", "Deployment", "Service", "Job", "Job"]
+    deployment, service = docs[2], docs[3]
+    assert deployment["spec"]["replicas"] == 1  # the lighthouse, once
+    assert service["spec"]["selector"] == deployment["spec"]["template"]["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"] == service["spec"]["selector"]
+    lh = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert lh["command"][3:5] == ["--lighthouse", "0.0.0.0:29510"]
+    assert [p["port"] for p in service["spec"]["ports"]] == [29510, 29511]
+    for i, job in enumerate(docs[4:]):
+        assert job["metadata"]["name"] == f"ftk-replica-{i}"
+        assert job["spec"]["backoffLimit"] == 4
+        spec = job["spec"]["template"]["spec"]
+        assert spec["restartPolicy"] == "Never"
+        (container,) = spec["containers"]
+        assert container["command"][3:9] == [
+            "--nproc", "1", "--max-restarts", "4", "--run-dir", f"/runs/ftk/replica-{i}",
+        ]  # fmt: skip
+        env = _env(container)
+        assert env["DTLAB_FT_REPLICA"] == str(i) and env["DTLAB_FT_REPLICAS"] == "2"
+        assert env["TORCHFT_LIGHTHOUSE"] == "http://ftk-lighthouse:29510"
+        assert env["DTLAB_FT_START_STORE"] == "ftk-lighthouse:29511"
+        assert env["DTLAB_FT_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+
+
+def test_ft_k8s_pods_meet_at_the_lighthouse_and_train(tmp_path: Path) -> None:
+    """Run the lighthouse's and each group's command as written, with the Service's name mapped to
+    loopback and the pod IP to 127.0.0.1 (no cluster here): the groups meet and train to the end."""
+    docs = _k8s_docs(tmp_path, "train.steps=3", "run.name=ftk")
+    config = yaml.safe_load(docs[0]["data"]["config.yaml"])
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump(config))
+    runs = tmp_path / "runs"
+    lh_port, store_port = _free_port(), _free_port()
+
+    def here(arg: str) -> str:
+        arg = arg.replace("/etc/dtlab/config.yaml", str(config_file))
+        arg = arg.replace("0.0.0.0:29510", f"127.0.0.1:{lh_port}")
+        if arg.startswith("/runs/"):
+            return f"{runs}/{arg.removeprefix('/runs/')}"
+        return arg.replace("=/runs/", f"={runs}/")
+
+    lh = docs[2]["spec"]["template"]["spec"]["containers"][0]["command"]
+    lh_cmd = [sys.executable, *map(here, lh[1:])]
+    lh_cmd[lh_cmd.index("--store-port") + 1] = str(store_port)
+    lighthouse = subprocess.Popen(lh_cmd, env=cli_env({}), cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # until the lighthouse listens, as a pod would retry
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", lh_port)) == 0:
+                    break
+            assert lighthouse.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        procs = []
+        for job in docs[4:]:
+            container = job["spec"]["template"]["spec"]["containers"][0]
+            env = {k: v for k, v in _env(container).items() if isinstance(v, str)}
+            env |= {
+                "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{lh_port}",
+                "DTLAB_FT_START_STORE": f"127.0.0.1:{store_port}",
+                "DTLAB_FT_HOST": "127.0.0.1",
+                "OMP_NUM_THREADS": "1",
+            }
+            cmd = [sys.executable, *map(here, container["command"][1:])]
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    env=cli_env(env),
+                    cwd=tmp_path,
+                    text=True,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        lighthouse.terminate()
+        lighthouse.wait(timeout=30)
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(outs)
+    for i in range(2):
+        replica = runs / "ftk" / f"replica-{i}"
+        assert json.loads((replica / "summary.json").read_text())["steps"] == 3
+        events = [json.loads(x) for x in (replica / "ft_events.jsonl").read_text().splitlines()]
+        assert any(e["event"] == "quorum" and e["members"] == [0, 1] for e in events), events

@@ -535,14 +535,6 @@ def k8s_manifest(config: Config, job: K8sJob, name: str) -> str:
     rendezvous (``PET_RDZV_ENDPOINT``) at ``<name>-worker-0`` on the Worker's ``pytorchjob-port``;
     torchrun's c10d rendezvous then numbers the nodes, so no replica needs to be special.
     """
-    if config.parallel.fault_tolerance.enabled:
-        # A PyTorchJob is one world that the operator restarts whole; replica groups need a
-        # lighthouse and a pod per group that restarts alone, which this manifest does not write.
-        raise ConfigError(
-            "parallel.fault_tolerance.enabled = true with dtlab launch k8s: not supported (the "
-            "PyTorchJob restarts every pod together); allowed: dtlab launch slurm, or "
-            "parallel.fault_tolerance.enabled = false"
-        )
     _check(
         name,
         _K8S_DNS1035,
@@ -639,36 +631,191 @@ def k8s_manifest(config: Config, job: K8sJob, name: str) -> str:
             ],
         }
     }
-    docs.append(
-        {
-            "apiVersion": "kubeflow.org/v1",
-            "kind": "PyTorchJob",
-            "metadata": meta,
-            "spec": {
-                # A number, never the default "auto": torchrun reads auto as one process per GPU, or
-                # per CPU core on a CPU node, and the config was checked for nodes x nproc ranks.
-                "nprocPerNode": str(job.nproc_per_node),
-                "elasticPolicy": {
-                    "rdzvBackend": "c10d",
-                    # min = max = the Worker replicas: the rendezvous waits for every node, and the
-                    # world size is the one the config was checked for.
-                    "minReplicas": job.nodes,
-                    "maxReplicas": job.nodes,
-                    "maxRestarts": job.max_restarts,
-                },
-                "runPolicy": {"cleanPodPolicy": "None"},
-                "pytorchReplicaSpecs": {
-                    "Worker": {
-                        "replicas": job.nodes,
-                        "restartPolicy": "OnFailure",
-                        "template": pod,
-                    }
-                },
-            },
-        }
-    )
+    if config.parallel.fault_tolerance.enabled:
+        docs += _k8s_fault_tolerant(config, job, name, meta, container, pod)
+    else:
+        docs.append(_pytorchjob(job, meta, pod))
     header = f"# Written by `dtlab launch k8s` (dtlab {__version__}). Apply: kubectl apply -f <this file>\n"
     return header + yaml.safe_dump_all(docs, sort_keys=False)
+
+
+LIGHTHOUSE_PORT = 29510  # the k8s lighthouse Service's port; the start store is on the next one
+
+
+def _k8s_fault_tolerant(
+    config: Config,
+    job: K8sJob,
+    name: str,
+    meta: dict[str, Any],
+    container: dict[str, Any],
+    pod: dict[str, Any],
+) -> list[dict[str, Any]]:
+    """A fault-tolerant job's objects: the lighthouse (a Deployment and its Service, so that it is
+    restarted on its own and no replica group is special) and one batch Job per replica group, whose
+    pod runs the group's own agent (rank restarts) and which Kubernetes recreates alone when the
+    pod is lost (``backoffLimit``); both bounded by parallel.fault_tolerance.max_restarts."""
+    from dtlab.parallel.ft import replica_groups
+
+    o = config.parallel.fault_tolerance
+    replicas, group = replica_groups(config, job.nodes * job.nproc_per_node)
+    if job.nproc_per_node % group:
+        raise ConfigError(
+            f"parallel.fault_tolerance with --nproc-per-node {job.nproc_per_node}: a replica group "
+            f"has {group} ranks, which must fit on one node (one agent restarts a group); allowed: "
+            f"--nproc-per-node a multiple of {group}"
+        )
+    labels = {**meta.get("labels", {}), "dtlab.io/job": name}
+    lh_name = f"{name}-lighthouse"
+    lighthouse = o.lighthouse or f"http://{lh_name}:{LIGHTHOUSE_PORT}"
+    docs: list[dict[str, Any]] = []
+    if o.lighthouse is None:
+        lh_labels = {**labels, "dtlab.io/role": "lighthouse"}
+        lh_container = {
+            **container,
+            "name": "lighthouse",
+            # Every interface of its pod: the groups' pods reach it through the Service.
+            "command": [
+                "python",
+                "-m",
+                "dtlab.fault_tolerance",
+                "--lighthouse",
+                f"0.0.0.0:{LIGHTHOUSE_PORT}",
+                "--store-port",
+                str(LIGHTHOUSE_PORT + 1),
+                "--config",
+                f"{CONFIG_MOUNT}/config.yaml",
+            ],
+            "ports": [
+                {"name": "lighthouse", "containerPort": LIGHTHOUSE_PORT},
+                {"name": "start-store", "containerPort": LIGHTHOUSE_PORT + 1},
+            ],
+            "resources": {},
+            "volumeMounts": [{"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}],
+        }
+        docs += [
+            {
+                "apiVersion": "apps/v1",
+                "kind": "Deployment",
+                "metadata": {**meta, "name": lh_name, "labels": lh_labels},
+                "spec": {
+                    "replicas": 1,
+                    "selector": {"matchLabels": lh_labels},
+                    "template": {
+                        "metadata": {"labels": lh_labels},
+                        "spec": {
+                            "containers": [lh_container],
+                            "volumes": [
+                                {"name": "config", "configMap": {"name": f"{name}-config"}}
+                            ],
+                        },
+                    },
+                },
+            },
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": {**meta, "name": lh_name, "labels": lh_labels},
+                "spec": {
+                    "selector": lh_labels,
+                    "ports": [
+                        {"name": "lighthouse", "port": LIGHTHOUSE_PORT},
+                        {"name": "start-store", "port": LIGHTHOUSE_PORT + 1},
+                    ],
+                },
+            },
+        ]
+    resources = dict(container["resources"])
+    if job.gpus_per_node:
+        resources["limits"] = {"nvidia.com/gpu": job.gpus_per_node * group // job.nproc_per_node}
+    for i in range(replicas):
+        run_dir = f"{RUNS_MOUNT}/{name}/replica-{i}"
+        env = [
+            *container["env"],
+            {"name": "DTLAB_FT_REPLICA", "value": str(i)},
+            {"name": "DTLAB_FT_REPLICAS", "value": str(replicas)},
+            {"name": "TORCHFT_LIGHTHOUSE", "value": lighthouse},
+            {"name": "RUST_LOG", "value": "warn"},
+            # The pod's own IP: where the other groups reach this group's manager.
+            {"name": "DTLAB_FT_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        ]
+        if o.lighthouse is None:
+            env.append(
+                {"name": "DTLAB_FT_START_STORE", "value": f"{lh_name}:{LIGHTHOUSE_PORT + 1}"}
+            )
+        group_container = {
+            **container,
+            "command": [
+                "python",
+                "-m",
+                "dtlab.fault_tolerance",
+                "--nproc",
+                str(group),
+                "--max-restarts",
+                str(o.max_restarts),
+                "--run-dir",
+                run_dir,
+                "--",
+                "train",
+                f"{CONFIG_MOUNT}/config.yaml",
+                "--set",
+                f"run.dir={run_dir}",
+            ],
+            "ports": [],
+            "env": env,
+            "resources": resources,
+        }
+        group_labels = {**labels, "dtlab.io/role": "replica-group", "dtlab.io/replica": str(i)}
+        docs.append(
+            {
+                "apiVersion": "batch/v1",
+                "kind": "Job",
+                "metadata": {**meta, "name": f"{name}-replica-{i}", "labels": group_labels},
+                "spec": {
+                    # The agent in the pod restarts the group's ranks; a lost pod (node failure,
+                    # eviction) is recreated by the Job, this group alone.
+                    "backoffLimit": o.max_restarts,
+                    "template": {
+                        "metadata": {"labels": group_labels},
+                        "spec": {
+                            **pod["spec"],
+                            "restartPolicy": "Never",
+                            "containers": [group_container],
+                        },
+                    },
+                },
+            }
+        )
+    return docs
+
+
+def _pytorchjob(job: K8sJob, meta: dict[str, Any], pod: dict[str, Any]) -> dict[str, Any]:
+    """The Kubeflow PyTorchJob of a job without fault tolerance: ``job.nodes`` Worker replicas."""
+    return {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
+        "metadata": meta,
+        "spec": {
+            # A number, never the default "auto": torchrun reads auto as one process per GPU, or
+            # per CPU core on a CPU node, and the config was checked for nodes x nproc ranks.
+            "nprocPerNode": str(job.nproc_per_node),
+            "elasticPolicy": {
+                "rdzvBackend": "c10d",
+                # min = max = the Worker replicas: the rendezvous waits for every node, and the
+                # world size is the one the config was checked for.
+                "minReplicas": job.nodes,
+                "maxReplicas": job.nodes,
+                "maxRestarts": job.max_restarts,
+            },
+            "runPolicy": {"cleanPodPolicy": "None"},
+            "pytorchReplicaSpecs": {
+                "Worker": {
+                    "replicas": job.nodes,
+                    "restartPolicy": "OnFailure",
+                    "template": pod,
+                }
+            },
+        },
+    }
 
 
 def write_k8s(config: Config, job: K8sJob, out: Path, name: str | None = None) -> Path:
