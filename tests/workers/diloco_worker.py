@@ -19,8 +19,9 @@ from dtlab.config import load_config
 from dtlab.metrics.comm import CommCounter
 from dtlab.parallel import destroy_distributed, init_distributed
 from dtlab.runtime.status import leave_worker
+from dtlab.train.comm_groups import comm_labels
 from dtlab.train.diloco import gathers
-from dtlab.train.loop import TorchEngine, comm_labels
+from dtlab.train.loop import TorchEngine
 
 STEPS = 9
 config = load_config(

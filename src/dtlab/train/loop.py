@@ -59,6 +59,7 @@ from dtlab.parallel.ledger import (
 )
 from dtlab.runtime.faults import FAULTS_ENV, Faults
 from dtlab.runtime.signals import STOP_SIGNALS, StopSignals, agreed_stop
+from dtlab.train.comm_groups import comm_labels, replica_index
 from dtlab.train.diloco import DiLoCo, outer_group, replica_group
 from dtlab.train.diloco_ft import FaultTolerantOuter
 from dtlab.train.loss import token_loss
@@ -439,38 +440,6 @@ def _train(config: Config, d: DistInfo) -> dict[str, Any]:
         signals.close()
         if lock is not None:
             lock.release()
-
-
-def replica_index(dims: ParallelDims, rank: int) -> int:
-    """The replica global rank ``rank`` belongs to: its DiLoCo replica, or without DiLoCo its
-    data-parallel index (tensor- and pipeline-parallel ranks of one model copy are one replica)."""
-    if dims.diloco_enabled:
-        return dims.coordinates(rank)["diloco"]
-    return dims.dp_rank(rank)
-
-
-def comm_labels(d: DistInfo, diloco: DiLoCo | None) -> tuple[dict[str, str], dict[str, int]]:
-    """The process groups whose collectives are counted under a name of their own (group name ->
-    label), and each label's group size: DiLoCo's outer syncs, the data-parallel groups inside
-    its replicas, expert parallelism's groups. Every other collective spans the world."""
-    labels: dict[str, str] = {}
-    sizes: dict[str, int] = {}
-    if diloco is not None and diloco.group is not None:
-        labels[str(diloco.group.group_name)], sizes["diloco"] = "diloco", diloco.world
-    if diloco is not None and diloco.replica[0] is not None:  # the step's agreement in a replica
-        group, size = diloco.replica
-        labels[str(group.group_name)], sizes["replica"] = "replica", size
-    if d.dims.diloco_enabled:
-        for name in d.dims.dp_mesh_dims:
-            group = d.dims.mesh(d.device.type, name).get_group()
-            if group.size() > 1:
-                labels[str(group.group_name)], sizes[name] = name, group.size()
-    if d.dims.ep_enabled:  # expert parallelism's all-to-alls, and its experts' all-reduce
-        for name in ("ep", "ep_dp"):
-            group = d.dims.expert_mesh(d.device.type, name).get_group()
-            if group.size() > 1:
-                labels[str(group.group_name)], sizes[name] = name, group.size()
-    return labels, sizes
 
 
 class TorchEngine:
