@@ -208,3 +208,19 @@ def test_ft_k8s_pods_meet_at_the_lighthouse_and_train(tmp_path: Path) -> None:
         assert json.loads((replica / "summary.json").read_text())["steps"] == 3
         events = [json.loads(x) for x in (replica / "ft_events.jsonl").read_text().splitlines()]
         assert any(e["event"] == "quorum" and e["members"] == [0, 1] for e in events), events
+
+
+@pytest.mark.parametrize("scheduler", ["slurm", "k8s"])
+def test_ft_group_spanning_nodes_is_refused(tmp_path: Path, scheduler: str) -> None:
+    """HSDP with parallel.replicate = 1 over 2 nodes would make one group of 4 ranks on 2 nodes."""
+    extra = ["--image", "dtlab:cpu"] if scheduler == "k8s" else []
+    proc = run_cli(
+        "launch", scheduler, *extra, "--nodes", "2", "--nproc-per-node", "2",
+        "--out", str(tmp_path / "job"), "--set", *FAST, "parallel.strategy=hsdp",
+        "parallel.replicate=1", "parallel.fault_tolerance.enabled=true",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "a replica group has 4 ranks, which must fit on one node" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "job").exists()

@@ -279,6 +279,22 @@ class FaultTolerantLayout:
     lighthouse: str | None = None
 
 
+def replica_layout(config: Config, nodes: int, nproc_per_node: int) -> tuple[int, int]:
+    """(replica groups, ranks per group) of a launched fault-tolerant job: the groups that
+    ``dtlab train`` would make of the whole world, each of which must fit on one node."""
+    from dtlab.parallel.ft import replica_groups
+
+    replicas, group = replica_groups(config, nodes * nproc_per_node)
+    if nproc_per_node % group:
+        raise ConfigError(
+            f"parallel.fault_tolerance with --nodes {nodes} --nproc-per-node {nproc_per_node}: a "
+            f"replica group has {group} ranks, which must fit on one node (one agent restarts a "
+            f"group); allowed: parallel.replicate = a multiple of --nodes ({nodes}) dividing the "
+            f"{nodes * nproc_per_node} ranks"
+        )
+    return replicas, group
+
+
 def fault_tolerant_layout(config: Config, job: SlurmJob) -> FaultTolerantLayout | None:
     """The replica groups of a job with parallel.fault_tolerance (None without): the groups that
     ``dtlab train`` would make of the whole world (DDP: one per rank; HSDP: parallel.replicate),
@@ -286,15 +302,7 @@ def fault_tolerant_layout(config: Config, job: SlurmJob) -> FaultTolerantLayout 
     o = config.parallel.fault_tolerance
     if not o.enabled:
         return None
-    from dtlab.parallel.ft import replica_groups
-
-    replicas, group = replica_groups(config, job.nodes * job.nproc_per_node)
-    if job.nproc_per_node % group:
-        raise ConfigError(
-            f"parallel.fault_tolerance with --nproc-per-node {job.nproc_per_node}: a replica group "
-            f"has {group} ranks, which must fit on one node (one agent restarts a group); allowed: "
-            f"--nproc-per-node a multiple of {group}"
-        )
+    replicas, group = replica_layout(config, job.nodes, job.nproc_per_node)
     assert config.run.dir is not None  # resolved by slurm_config
     return FaultTolerantLayout(
         replicas, group, job.nproc_per_node // group, o.max_restarts, config.run.dir, o.lighthouse
@@ -654,16 +662,8 @@ def _k8s_fault_tolerant(
     restarted on its own and no replica group is special) and one batch Job per replica group, whose
     pod runs the group's own agent (rank restarts) and which Kubernetes recreates alone when the
     pod is lost (``backoffLimit``); both bounded by parallel.fault_tolerance.max_restarts."""
-    from dtlab.parallel.ft import replica_groups
-
     o = config.parallel.fault_tolerance
-    replicas, group = replica_groups(config, job.nodes * job.nproc_per_node)
-    if job.nproc_per_node % group:
-        raise ConfigError(
-            f"parallel.fault_tolerance with --nproc-per-node {job.nproc_per_node}: a replica group "
-            f"has {group} ranks, which must fit on one node (one agent restarts a group); allowed: "
-            f"--nproc-per-node a multiple of {group}"
-        )
+    replicas, group = replica_layout(config, job.nodes, job.nproc_per_node)
     labels = {**meta.get("labels", {}), "dtlab.io/job": name}
     lh_name = f"{name}-lighthouse"
     lighthouse = o.lighthouse or f"http://{lh_name}:{LIGHTHOUSE_PORT}"
