@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
         "dtlab.launcher",
         "dtlab.fault_tolerance",
         "dtlab.deploy",
+        "dtlab.deploy_k8s",
         "dtlab.train.api",
         "dtlab.verify",
         "dtlab.verify_state",

@@ -346,7 +346,8 @@ def _launch_slurm(args: argparse.Namespace, config: Config) -> int:
 
 
 def _launch_k8s(args: argparse.Namespace, config: Config) -> int:
-    from dtlab.deploy import K8sJob, k8s_job_name, write_k8s
+    from dtlab.deploy import K8sJob
+    from dtlab.deploy_k8s import k8s_job_name, write_k8s
 
     k8s = _job_from_flags(K8sJob, args)
     name = args.name or k8s_job_name(config.run.name, args.nodes)

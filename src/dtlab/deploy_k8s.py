@@ -1,0 +1,349 @@
+"""``dtlab launch k8s``: a Kubeflow PyTorchJob for a run (and, with ``parallel.fault_tolerance``, a
+lighthouse Deployment and Service with one Job per replica group).
+
+Like the Slurm generator (:mod:`dtlab.deploy`), it writes the resolved config beside the manifest,
+with a fixed run directory; commands are argument lists, never a shell string.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dtlab import __version__
+from dtlab.config import Config
+from dtlab.deploy import (
+    K8sJob,
+    cannot_write,
+    check_value,
+    replica_layout,
+    slug,
+)
+from dtlab.errors import ConfigError
+
+_K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_K8S_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$")
+CONFIG_MOUNT = "/etc/dtlab"
+RUNS_MOUNT = "/runs"
+
+# What the Kubeflow training operator (kubeflow.org/v1 PyTorchJob) expects; see docs/deploy.md.
+K8S_CONTAINER = (
+    "pytorch"  # the operator reads ports from, and sets PET_* variables in, this container
+)
+K8S_PORT_NAME = "pytorchjob-port"  # the port it takes the rendezvous port from
+K8S_PORT = 23456  # the operator's default for that port
+K8S_LABEL_MAX = 63  # a Service name (one per pod: <name>-worker-<index>) is a DNS-1035 label
+_K8S_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def _worker_suffix(nodes: int) -> str:
+    return f"-worker-{nodes - 1}"
+
+
+def k8s_job_name(run_name: str, nodes: int) -> str:
+    """A PyTorchJob name from ``run.name``: a DNS-1035 label (it starts with a letter) short enough
+    that the operator's pod and Service names, ``<name>-worker-<index>``, stay valid labels."""
+    base = slug(run_name, K8S_LABEL_MAX)
+    if not base[0].isalpha():
+        base = f"dtlab-{base}"
+    limit = K8S_LABEL_MAX - len(_worker_suffix(nodes))
+    return base[:limit].rstrip("-")
+
+
+def k8s_manifest(config: Config, job: K8sJob, name: str) -> str:
+    """A ConfigMap with the resolved config, a PersistentVolumeClaim for the run directory (unless
+    ``job.pvc`` names an existing one) and a Kubeflow ``PyTorchJob`` whose containers run dtlab.
+
+    The job has ``job.nodes`` Worker replicas and no Master, for every node count. With an
+    ``elasticPolicy`` the operator only admits jobs with a Worker replica, and it points every pod's
+    rendezvous (``PET_RDZV_ENDPOINT``) at ``<name>-worker-0`` on the Worker's ``pytorchjob-port``;
+    torchrun's c10d rendezvous then numbers the nodes, so no replica needs to be special.
+    """
+    check_value(
+        name,
+        _K8S_DNS1035,
+        "--name",
+        "lowercase letters, digits and '-', starting with a letter (a DNS-1035 label)",
+    )
+    limit = K8S_LABEL_MAX - len(_worker_suffix(job.nodes))
+    if len(name) > limit:
+        raise ConfigError(
+            f"--name: {name!r} is {len(name)} characters; allowed: at most {limit} with --nodes "
+            f"{job.nodes} (pods and their Services are named {name[:8]}...{_worker_suffix(job.nodes)}, "
+            f"at most {K8S_LABEL_MAX} characters)"
+        )
+    check_value(job.namespace, _K8S_NAME, "--namespace", "lowercase letters, digits and '-'")
+    check_value(job.pvc, _K8S_NAME, "--pvc", "lowercase letters, digits and '-'")
+    for flag, value in (("--cpu", job.cpu), ("--memory", job.memory), ("--storage", job.storage)):
+        check_value(value, _K8S_QUANTITY, flag, "a Kubernetes quantity such as 4, 500m, 16Gi")
+    if not job.image or any(ch.isspace() for ch in job.image):
+        raise ConfigError(f"--image: {job.image!r} is not valid; allowed: an image reference")
+
+    resolved = config.model_copy(deep=True)
+    resolved.run.dir = f"{RUNS_MOUNT}/{name}"
+    meta: dict[str, Any] = {"name": name, "labels": {"app.kubernetes.io/managed-by": "dtlab"}}
+    if job.namespace:
+        meta["namespace"] = job.namespace
+
+    def named(suffix: str) -> dict[str, Any]:
+        return {**meta, "name": f"{name}-{suffix}"}
+
+    docs: list[dict[str, Any]] = [
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": named("config"),
+            "data": {"config.yaml": resolved.to_yaml()},
+        }
+    ]
+    claim = job.pvc or f"{name}-runs"
+    if job.pvc is None:
+        docs.append(
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolumeClaim",
+                "metadata": named("runs"),
+                "spec": {
+                    # Every node writes its checkpoint shards to the same run directory.
+                    "accessModes": ["ReadWriteMany" if job.nodes > 1 else "ReadWriteOnce"],
+                    "resources": {"requests": {"storage": job.storage}},
+                },
+            }
+        )
+    resources: dict[str, Any] = {}
+    if job.gpus_per_node:
+        resources["limits"] = {"nvidia.com/gpu": job.gpus_per_node}
+    requests = {k: v for k, v in (("cpu", job.cpu), ("memory", job.memory)) if v}
+    if requests:
+        resources["requests"] = requests
+    container: dict[str, Any] = {
+        "name": K8S_CONTAINER,
+        "image": job.image,
+        "imagePullPolicy": "IfNotPresent",
+        # torchrun takes the node count, processes per node, rendezvous backend and endpoint and the
+        # restart budget from the PET_* variables the operator derives from elasticPolicy and
+        # nprocPerNode; a flag here would override them, so there is none. dtlab runs as its worker.
+        "command": [
+            "python",
+            "-m",
+            "torch.distributed.run",
+            "--module",
+            "dtlab",
+            "train",
+            f"{CONFIG_MOUNT}/config.yaml",
+        ],
+        # Declared, not left to the operator's defaulting: worker 0 serves the rendezvous on it.
+        "ports": [{"name": K8S_PORT_NAME, "containerPort": K8S_PORT}],
+        "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}],
+        "resources": resources,
+        "volumeMounts": [
+            {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
+            {"name": "runs", "mountPath": RUNS_MOUNT},
+            {"name": "shm", "mountPath": "/dev/shm"},
+        ],
+    }
+    pod = {
+        "spec": {
+            # On eviction the kubelet sends SIGTERM: the workers save a checkpoint before they exit,
+            # and the restarted pod resumes from it. Give them time to write it.
+            "terminationGracePeriodSeconds": job.grace_seconds,
+            "containers": [container],
+            "volumes": [
+                {"name": "config", "configMap": {"name": f"{name}-config"}},
+                {"name": "runs", "persistentVolumeClaim": {"claimName": claim}},
+                {"name": "shm", "emptyDir": {"medium": "Memory"}},
+            ],
+        }
+    }
+    if config.parallel.fault_tolerance.enabled:
+        docs += _k8s_fault_tolerant(config, job, name, meta, container, pod)
+    else:
+        docs.append(_pytorchjob(job, meta, pod))
+    header = f"# Written by `dtlab launch k8s` (dtlab {__version__}). Apply: kubectl apply -f <this file>\n"
+    return header + yaml.safe_dump_all(docs, sort_keys=False)
+
+
+LIGHTHOUSE_PORT = 29510  # the k8s lighthouse Service's port; the start store is on the next one
+
+
+def _k8s_fault_tolerant(
+    config: Config,
+    job: K8sJob,
+    name: str,
+    meta: dict[str, Any],
+    container: dict[str, Any],
+    pod: dict[str, Any],
+) -> list[dict[str, Any]]:
+    """A fault-tolerant job's objects: the lighthouse (a Deployment and its Service, so that it is
+    restarted on its own and no replica group is special) and one batch Job per replica group, whose
+    pod runs the group's own agent (rank restarts) and which Kubernetes recreates alone when the
+    pod is lost (``backoffLimit``); both bounded by parallel.fault_tolerance.max_restarts."""
+    o = config.parallel.fault_tolerance
+    replicas, group = replica_layout(config, job.nodes, job.nproc_per_node)
+    labels = {**meta.get("labels", {}), "dtlab.io/job": name}
+    lh_name = f"{name}-lighthouse"
+    lighthouse = o.lighthouse or f"http://{lh_name}:{LIGHTHOUSE_PORT}"
+    docs: list[dict[str, Any]] = []
+    if o.lighthouse is None:
+        lh_labels = {**labels, "dtlab.io/role": "lighthouse"}
+        lh_container = {
+            **container,
+            "name": "lighthouse",
+            # Every interface of its pod: the groups' pods reach it through the Service.
+            "command": [
+                "python",
+                "-m",
+                "dtlab.fault_tolerance",
+                "--lighthouse",
+                f"0.0.0.0:{LIGHTHOUSE_PORT}",
+                "--store-port",
+                str(LIGHTHOUSE_PORT + 1),
+                "--config",
+                f"{CONFIG_MOUNT}/config.yaml",
+            ],
+            "ports": [
+                {"name": "lighthouse", "containerPort": LIGHTHOUSE_PORT},
+                {"name": "start-store", "containerPort": LIGHTHOUSE_PORT + 1},
+            ],
+            "resources": {},
+            "volumeMounts": [{"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}],
+        }
+        docs += [
+            {
+                "apiVersion": "apps/v1",
+                "kind": "Deployment",
+                "metadata": {**meta, "name": lh_name, "labels": lh_labels},
+                "spec": {
+                    "replicas": 1,
+                    "selector": {"matchLabels": lh_labels},
+                    "template": {
+                        "metadata": {"labels": lh_labels},
+                        "spec": {
+                            "containers": [lh_container],
+                            "volumes": [
+                                {"name": "config", "configMap": {"name": f"{name}-config"}}
+                            ],
+                        },
+                    },
+                },
+            },
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": {**meta, "name": lh_name, "labels": lh_labels},
+                "spec": {
+                    "selector": lh_labels,
+                    "ports": [
+                        {"name": "lighthouse", "port": LIGHTHOUSE_PORT},
+                        {"name": "start-store", "port": LIGHTHOUSE_PORT + 1},
+                    ],
+                },
+            },
+        ]
+    resources = dict(container["resources"])
+    if job.gpus_per_node:
+        resources["limits"] = {"nvidia.com/gpu": job.gpus_per_node * group // job.nproc_per_node}
+    for i in range(replicas):
+        run_dir = f"{RUNS_MOUNT}/{name}/replica-{i}"
+        env = [
+            *container["env"],
+            {"name": "DTLAB_FT_REPLICA", "value": str(i)},
+            {"name": "DTLAB_FT_REPLICAS", "value": str(replicas)},
+            {"name": "TORCHFT_LIGHTHOUSE", "value": lighthouse},
+            {"name": "RUST_LOG", "value": "warn"},
+            # The pod's own IP: where the other groups reach this group's manager.
+            {"name": "DTLAB_FT_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        ]
+        if o.lighthouse is None:
+            env.append(
+                {"name": "DTLAB_FT_START_STORE", "value": f"{lh_name}:{LIGHTHOUSE_PORT + 1}"}
+            )
+        group_container = {
+            **container,
+            "command": [
+                "python",
+                "-m",
+                "dtlab.fault_tolerance",
+                "--nproc",
+                str(group),
+                "--max-restarts",
+                str(o.max_restarts),
+                "--run-dir",
+                run_dir,
+                "--",
+                "train",
+                f"{CONFIG_MOUNT}/config.yaml",
+                "--set",
+                f"run.dir={run_dir}",
+            ],
+            "ports": [],
+            "env": env,
+            "resources": resources,
+        }
+        group_labels = {**labels, "dtlab.io/role": "replica-group", "dtlab.io/replica": str(i)}
+        docs.append(
+            {
+                "apiVersion": "batch/v1",
+                "kind": "Job",
+                "metadata": {**meta, "name": f"{name}-replica-{i}", "labels": group_labels},
+                "spec": {
+                    # The agent in the pod restarts the group's ranks; a lost pod (node failure,
+                    # eviction) is recreated by the Job, this group alone.
+                    "backoffLimit": o.max_restarts,
+                    "template": {
+                        "metadata": {"labels": group_labels},
+                        "spec": {
+                            **pod["spec"],
+                            "restartPolicy": "Never",
+                            "containers": [group_container],
+                        },
+                    },
+                },
+            }
+        )
+    return docs
+
+
+def _pytorchjob(job: K8sJob, meta: dict[str, Any], pod: dict[str, Any]) -> dict[str, Any]:
+    """The Kubeflow PyTorchJob of a job without fault tolerance: ``job.nodes`` Worker replicas."""
+    return {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
+        "metadata": meta,
+        "spec": {
+            # A number, never the default "auto": torchrun reads auto as one process per GPU, or
+            # per CPU core on a CPU node, and the config was checked for nodes x nproc ranks.
+            "nprocPerNode": str(job.nproc_per_node),
+            "elasticPolicy": {
+                "rdzvBackend": "c10d",
+                # min = max = the Worker replicas: the rendezvous waits for every node, and the
+                # world size is the one the config was checked for.
+                "minReplicas": job.nodes,
+                "maxReplicas": job.nodes,
+                "maxRestarts": job.max_restarts,
+            },
+            "runPolicy": {"cleanPodPolicy": "None"},
+            "pytorchReplicaSpecs": {
+                "Worker": {
+                    "replicas": job.nodes,
+                    "restartPolicy": "OnFailure",
+                    "template": pod,
+                }
+            },
+        },
+    }
+
+
+def write_k8s(config: Config, job: K8sJob, out: Path, name: str | None = None) -> Path:
+    """Write the manifest; returns its path."""
+    text = k8s_manifest(config, job, name or k8s_job_name(config.run.name, job.nodes))
+    try:
+        path = out.resolve()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except (OSError, ValueError) as e:
+        raise cannot_write(out, e) from None
+    return path
