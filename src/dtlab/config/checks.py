@@ -267,7 +267,8 @@ def _check_fault_tolerant_diloco(c: Config, setting: str) -> None:
         return
     table: dict[str, tuple[bool, str, str, str]] = {
         "parallel.strategy": (
-            p.strategy != "ddp", repr(p.strategy), "ddp",
+            DPWrapper.of(p.strategy) is not DPWrapper.DDP, repr(p.strategy),
+            ", ".join(strategies_with(DPWrapper.DDP)),
             "each DiLoCo replica is one replica group of one rank",
         ),
         "parallel.diloco.fragments": (

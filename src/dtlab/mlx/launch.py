@@ -31,11 +31,24 @@ __all__ = [
 ]  # fmt: skip
 
 
+def _ephemeral_start() -> int:
+    """The first port of the kernel's ephemeral range (Linux; 32768 where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def _free_ports(n: int) -> int:
     """A first port p such that p .. p+n-1 are free on 127.0.0.1 (the ring listens on one per rank)."""
     rng = random.Random()
+    # Below the kernel's ephemeral range: a port in it can be taken by any process's outgoing
+    # connection between this check and the ring's bind (seen under a busy test suite).
+    low, high = 10000, _ephemeral_start()
+    if high - n <= low:
+        low, high = 20000, 60000
     for _ in range(200):
-        base = rng.randrange(20000, 60000 - n)
+        base = rng.randrange(low, high - n)
         try:
             socks = []
             for p in range(base, base + n):
