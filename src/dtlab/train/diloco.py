@@ -340,11 +340,15 @@ class DiLoCo:
         """The replicas' mean outer gradient, the same on every rank."""
         if not gathers(self.o):
             return sync.buffer / self.world
-        parts = sync.buffer.view(self.world, -1)
+        return self.mean_of(sync.buffer.view(self.world, -1), numel)
+
+    def mean_of(self, parts: torch.Tensor | list[torch.Tensor], numel: int) -> torch.Tensor:
+        """The mean of the replicas' payloads ``parts`` (rows, quantised or sparse), decoded and summed
+        in the order given: every rank sums alike, so every rank holds the same mean."""
         total = self._decode(parts[0], numel)
-        for r in range(1, self.world):  # in rank order: every rank sums alike
-            total += self._decode(parts[r], numel)
-        return total / self.world
+        for part in parts[1:]:
+            total += self._decode(part, numel)
+        return total / len(parts)
 
     def _decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
         if self.o.topk > 0:

@@ -155,10 +155,7 @@ class FaultTolerantOuter:
                 r.manager.report_error(e)
         if r.manager.errored() is not None:
             return torch.zeros(numel, device=payload.device)  # not used: the sync will not commit
-        total = d._decode(parts[0], numel)
-        for part in parts[1:]:
-            total += d._decode(part, numel)
-        return total / n
+        return d.mean_of(parts, numel)
 
     def summary(self) -> dict[str, Any]:
         """What summary.json's ``fault_tolerance`` adds under DiLoCo."""
