@@ -271,6 +271,21 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def assert_groups_match(
+    ft_dir: Path, ref: list[dict[str, Any]], steps: int, norm_rel: float
+) -> None:
+    """Every fault-tolerant replica group's run in ``ft_dir`` (``replica-0``, ``replica-1``) took
+    steps 1 to ``steps`` with both groups, with the reference's losses (to 1e-6) and gradient norms
+    (to ``norm_rel``), relative: the same samples and the same average, to float rounding."""
+    for replica in (0, 1):
+        run = read_metrics(ft_dir / f"replica-{replica}")
+        assert [m["step"] for m in run] == list(range(1, steps + 1))
+        for m, r in zip(run, ref, strict=True):
+            assert m["loss"] == pytest.approx(r["loss"], rel=1e-6, abs=0), m["step"]
+            assert m["grad_norm"] == pytest.approx(r["grad_norm"], rel=norm_rel, abs=0), m["step"]
+            assert m["replicas"] == 2 and "samples_lost" not in m
+
+
 Metrics = list[dict[str, Any]]
 
 
