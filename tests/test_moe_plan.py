@@ -167,7 +167,10 @@ def test_the_plan_of_gloo_ranks_is_what_they_hold_and_send(tmp_path: Path, layou
     # Under full checkpointing the peak is one block's recomputation on each rank, whose moment
     # moves with the rows the router sent there: the mean is the even router's within a few %.
     close = 0.05 if "full AC" in layout else 0.001
-    assert abs(act - predicted_act) <= close * act, (act, acts)
+    # Under tensor parallelism one rank may still hold a float32 per token of the vocabulary-parallel
+    # loss at its peak, as the collectives' completions fall (seen on some machines, not others).
+    race = 4 * config.seq_len * config.train.global_batch_size // dims.dp if dims.tp_enabled else 0
+    assert abs(act - predicted_act) <= close * act + race, (act, acts)
     plan = plans[0]
     a2a = sum(v for r in reals for k, v in r["collectives"]["buffers"].items() if "all_to_all" in k)
     assert a2a == nproc * plan.comm_bytes.get("ep all_to_all", 0)

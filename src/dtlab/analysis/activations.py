@@ -38,6 +38,7 @@ def activation_bytes(
     final_part: bool = True,
     half_params: bool = False,
     compiled_loss: bool = False,
+    seq_len: int = 0,
 ) -> int:
     """Bytes one micro-batch's forward keeps for backward (``tokens`` tokens), as
     ``dtlab.bench.memory`` measures them: what is still allocated when forward returns.
@@ -67,7 +68,8 @@ def activation_bytes(
     Tensor parallelism (``split``) splits the attention and feed-forward activations (heads and
     columns) and the logits (vocabulary) over the group; the norms' and the block inputs' only with
     sequence parallelism. ``final_part``: the final norm, output and loss are on this rank (a pipeline
-    stage before the last has none of them).
+    stage before the last has none of them). Given ``seq_len``, the vocabulary-parallel loss's own
+    tensors under tensor parallelism (:func:`loss_parallel_bytes`) are counted too.
 
     ``half_params``: the parameters themselves are in half precision when forward runs (FSDP under
     bf16/fp16 gathers them so): no weight copies, and the residual stream is in half precision (the
@@ -98,7 +100,20 @@ def activation_bytes(
             moe += weight_copy_delta(m, tp)
     # The loss and the weight total of its mean; the compiled loss keeps four more scalars.
     scalars = (6 if compiled_loss and final_part else 2) * FP32
+    if final_part and seq_len and not compiled_loss:
+        moe += loss_parallel_bytes(tokens, seq_len, tp)
     return int(tokens * (m.n_layers * per_layer + final) + weight_copies + scalars) + moe
+
+
+def loss_parallel_bytes(tokens: int, seq_len: int, tp: int) -> int:
+    """What the vocabulary-parallel cross-entropy (``loss_parallel``, tensor parallelism ``tp`` > 1)
+    keeps beyond its log-softmax shard for one micro-batch of ``tokens`` tokens in sequences of
+    ``seq_len``: 8 bytes per token, 8 per sequence and 8 more, as `dtlab plan --check` measured them
+    on every shape, precision and model tried (0 without tensor parallelism or tokens). One rank may
+    hold a float32 per token more for a moment, as the collectives' completions fall."""
+    if tp <= 1 or tokens <= 0:
+        return 0
+    return 8 * tokens + 8 * (tokens // seq_len) + 8
 
 
 def _loss_bytes(m: ModelConfig, half: bool, compiled_loss: bool) -> float:

@@ -433,7 +433,7 @@ def _plan_rank(
     compiled = compiles_loss(config, dims)
     act = activation_bytes(
         rank_model, tokens, t.precision, t.activation_checkpointing, split, part.last, half_params,
-        compiled,
+        compiled, config.seq_len,
     ) + moe.ep_copies_bytes(config, dims, rank_model)  # fmt: skip
     if t.activation_checkpointing != "full":  # (under full: the recomputed block's, below)
         act += moe.ep_rows_bytes(config, dims, tokens, rank_model)
@@ -482,7 +482,7 @@ def _plan_rank(
     if recompute and part.last:
         no_blocks = rank_model.model_copy(update={"n_layers": 0})
         loss_part = activation_bytes(
-            no_blocks, tokens, t.precision, ac, split, True, half_params, compiled
+            no_blocks, tokens, t.precision, ac, split, True, half_params, compiled, seq_len
         )
     if ac == "full":
         # Expert parallelism's rows of the recomputed MoE block, alive only while it is recomputed
@@ -626,7 +626,9 @@ def _pipeline_kept(
     for sid in part.stages:
         last = sid == part.n_stages - 1
         stage = moe.part_model(m, part.n_stages, [sid])
-        own = activation_bytes(stage, tokens, t.precision, ac, split, last, half_params)
+        own = activation_bytes(
+            stage, tokens, t.precision, ac, split, last, half_params, seq_len=seq_len
+        )
         weights = activation_bytes(stage, 0, t.precision, ac, split, last, half_params) - 8
         # Expert parallelism's rows kept by each micro-batch (under full checkpointing only the
         # recomputed block's, counted with the recomputation).
