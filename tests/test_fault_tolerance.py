@@ -215,6 +215,44 @@ def test_chaos_figures_from_the_groups_events(tmp_path: Path) -> None:
     assert f["steps_lost"] == 1 + 6 / 6
 
 
+def test_chaos_throughput_counts_each_step_once_when_first_logged() -> None:
+    """Progress sampled as (seconds, last step logged): 2 samples a step, steps 11-20 in the second
+    bin, then a restart from step 12's checkpoint that trains 13-20 again (nothing new) and 21-25."""
+    from dtlab.bench.chaos import throughput, useful_each
+
+    timeline = [(0.0, 0), (2.0, 0), (4.0, 10), (6.0, 14), (8.0, 20), (11.0, 12), (13.0, 25)]
+    series = throughput(timeline, [2] * 25, bin_s=5.0)
+    assert series == [(2.5, 4.0), (7.5, 4.0), (11.5, 10 / 3)]
+    # The samples each step trained, from the quorums: groups [0, 1, 2] of 3, then [0, 2] after
+    # step 4, then all three again after step 7 (6 samples a step, 2 a group).
+    q = {"event": "quorum"}
+    events = [
+        {**q, "quorum": 1, "step": 0, "members": [0, 1, 2]},
+        {**q, "quorum": 2, "step": 4, "members": [0, 2]},
+        {**q, "quorum": 4, "step": 7, "members": [0, 1, 2]},
+        {**q, "quorum": 4, "step": 0, "members": [0, 1, 2]},  # the rejoining group's view of it
+    ]
+    assert useful_each(events, 10, 3, 6) == [6, 6, 6, 6, 4, 4, 4, 6, 6, 6]
+
+
+def test_chaos_noise_reads_faulty_runs_against_the_seeds() -> None:
+    from dtlab.bench.chaos import noise
+
+    figures = {
+        "plain-clean": {"final_loss": 1.40},
+        "seed-1": {"final_loss": 1.42},
+        "seed-2": {"final_loss": 1.38},
+        "ft-clean": {"final_loss": 1.40},
+        "ft-kill": {"final_loss": 1.41},
+        "restart-kill": {"final_loss": 1.45},
+    }
+    text = noise(figures, ["seed-1", "seed-2"])
+    assert "over 3 seeds: 1.3800 to 1.4200 (spread 0.0400, standard deviation 0.0200)" in text
+    assert "ft-kill: 1.4100, +0.0100 from ft-clean (within one standard deviation)" in text
+    assert "restart-kill: 1.4500, +0.0500 from plain-clean (outside" in text
+    assert noise(figures, []) == ""
+
+
 def test_chaos_training_span_reads_both_log_formats() -> None:
     from dtlab.bench.chaos import training_span
 

@@ -45,6 +45,8 @@ from pathlib import Path
 from typing import Any
 
 MODES = ("ft-clean", "ft-kill", "ft-hang", "plain-clean", "restart-kill")
+# Each faulty run's fault-free twin.
+TWIN = {"ft-kill": "ft-clean", "ft-hang": "ft-clean", "restart-kill": "plain-clean"}
 
 BASE = [
     "model.preset=debug",
@@ -70,6 +72,9 @@ class Run:
     exit_code: int = 0
     faults: list[dict[str, Any]] = field(default_factory=list)
     log: str = ""
+    started: float = 0.0  # its wall time at the start
+    # (seconds since the start, the last step any of its metrics files logged), sampled as it ran
+    timeline: list[tuple[float, int]] = field(default_factory=list)
 
 
 def _pids(run_dir: Path, replica: int | None) -> list[int]:
@@ -90,6 +95,24 @@ def _pids(run_dir: Path, replica: int | None) -> list[int]:
     return out
 
 
+def _last_step(path: Path) -> int:
+    """The step of the last complete line of a metrics file (0 if none): its tail only, so that
+    sampling a long run's files often costs the training nothing."""
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 4096))
+            tail = f.read().decode(errors="replace")
+    except OSError:
+        return 0
+    for line in reversed(tail.splitlines()):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return 0
+
+
 def _max_step(run_dir: Path, replicas: int | None) -> int:
     """The last step any of the run's metrics files logged."""
     files = (
@@ -97,23 +120,18 @@ def _max_step(run_dir: Path, replicas: int | None) -> int:
         if replicas
         else [run_dir / "metrics.jsonl"]
     )
-    best = 0
-    for f in files:
-        try:
-            lines = f.read_text().splitlines()
-        except OSError:
-            continue
-        for line in reversed(lines):
-            try:
-                best = max(best, int(json.loads(line)["step"]))
-                break
-            except (ValueError, KeyError):
-                continue
-    return best
+    return max((_last_step(f) for f in files), default=0)
 
 
-def run_storm(mode: str, args: argparse.Namespace, out: Path, python: str = sys.executable) -> Run:
-    """Run ``mode`` to its end, with its faults; returns what happened."""
+def run_storm(
+    mode: str,
+    args: argparse.Namespace,
+    out: Path,
+    python: str = sys.executable,
+    extra: tuple[str, ...] = (),
+) -> Run:
+    """Run ``mode`` to its end, with its faults (and ``extra`` config overrides); returns what
+    happened, with its progress sampled every half second."""
     ft = mode.startswith("ft")
     run_dir = out / mode
     overrides = [
@@ -133,6 +151,7 @@ def run_storm(mode: str, args: argparse.Namespace, out: Path, python: str = sys.
             else []
         ),
         *args.overrides,
+        *extra,
     ]
     cmd = [python, "-m", "dtlab", "train", "--nproc", str(args.replicas)]
     if not ft:
@@ -140,12 +159,19 @@ def run_storm(mode: str, args: argparse.Namespace, out: Path, python: str = sys.
     cmd += ["--set", *overrides]
     log = (out / f"{mode}.log").open("w")
     r = Run(mode, run_dir)
-    t0 = time.time()
+    t0 = r.started = time.time()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     storm = mode.endswith("kill") or mode.endswith("hang")
     replicas = args.replicas if ft else None
+
+    def sample() -> int:
+        now, step = time.time() - t0, _max_step(run_dir, replicas)
+        if not r.timeline or now - r.timeline[-1][0] >= 0.5:
+            r.timeline.append((round(now, 2), step))
+        return step
+
     # The first fault once training runs, then one every --every seconds, round robin.
-    while storm and proc.poll() is None and _max_step(run_dir, replicas) < 2:
+    while storm and proc.poll() is None and sample() < 2:
         time.sleep(0.2)
     storm_start = time.time()
     next_fault, victim = storm_start + args.every, 1
@@ -158,14 +184,14 @@ def run_storm(mode: str, args: argparse.Namespace, out: Path, python: str = sys.
                     _signal(pid, signal.SIGCONT)
                 stopped.remove((when, pids))
         storming = storm and now - storm_start < args.storm_s
-        if storming and now >= next_fault and _max_step(run_dir, replicas) < args.steps - 5:
+        step = sample()
+        if storming and now >= next_fault and step < args.steps - 5:
             target = victim % args.replicas
             pids = _pids(run_dir, target if ft else None)
             if not ft:  # one rank of the world: its agent restarts them all
                 pids = pids[target : target + 1] if len(pids) > target else pids[:1]
             if pids:
                 sig = signal.SIGSTOP if mode.endswith("hang") else signal.SIGKILL
-                step = _max_step(run_dir, replicas)
                 for pid in pids:
                     _signal(pid, sig)
                 r.faults.append({"time": now, "replica": target, "signal": sig.name, "step": step})
@@ -177,6 +203,7 @@ def run_storm(mode: str, args: argparse.Namespace, out: Path, python: str = sys.
     for _, pids in stopped:
         for pid in pids:
             _signal(pid, signal.SIGCONT)
+    r.timeline.append((round(time.time() - t0, 2), _max_step(run_dir, replicas)))
     r.wall_s, r.exit_code = time.time() - t0, proc.returncode
     log.close()
     r.log = (out / f"{mode}.log").read_text(errors="replace")
@@ -207,6 +234,50 @@ def _summary(path: Path) -> dict[str, Any]:
         return {}
 
 
+def useful_each(events: list[dict[str, Any]], steps: int, replicas: int, batch: int) -> list[int]:
+    """The samples each step 1..``steps`` trained: its quorum's groups' slices."""
+    # quorum id -> (step it formed after, members): the same from every member
+    quorums: dict[int, tuple[int, list[int]]] = {}
+    for e in events:
+        if e["event"] == "quorum":
+            quorums.setdefault(e["quorum"], (e["step"], e["members"]))
+    # The quorum a step committed under: the newest formed after the step before it.
+    after = sorted((s, q) for q, (s, _) in quorums.items())
+    out, i, current = [], 0, None
+    for k in range(1, steps + 1):
+        while i < len(after) and after[i][0] <= k - 1:
+            current = after[i][1] if current is None else max(current, after[i][1])
+            i += 1
+        members = len(quorums[current][1]) if current is not None else replicas
+        out.append(members * batch // replicas)
+    return out
+
+
+def throughput(
+    timeline: list[tuple[float, int]], useful: list[int], bin_s: float = 5.0
+) -> list[tuple[float, float]]:
+    """Useful samples per second in bins of ``bin_s`` seconds, from a run's sampled progress
+    (seconds, last step logged) and the samples each step trained (``useful[k - 1]`` for step k): a
+    step counts once, when it is first logged (steps trained again after a restart from a
+    checkpoint add nothing). Returns (bin middle, samples/s)."""
+    cum = [0]
+    for u in useful:
+        cum.append(cum[-1] + u)
+    out: list[tuple[float, float]] = []
+    if not timeline:
+        return out
+    frontier, edge, at_edge = 0, bin_s, 0
+    for t, step in timeline:
+        while t > edge:
+            out.append((edge - bin_s / 2, (cum[frontier] - cum[at_edge]) / bin_s))
+            at_edge, edge = frontier, edge + bin_s
+        frontier = max(frontier, min(step, len(useful)))
+    start, last = edge - bin_s, timeline[-1][0]
+    if last > start:  # the last bin, as long as the run went on in it
+        out.append(((start + last) / 2, (cum[frontier] - cum[at_edge]) / (last - start)))
+    return out
+
+
 def ft_figures(
     r: Run, steps: int, replicas: int, batch: int, hang_s: float = 0.0
 ) -> dict[str, Any]:
@@ -215,17 +286,7 @@ def ft_figures(
     starts, whose start-up (interpreter, imports, model, its own checkpoint) is reported apart from
     the rejoin proper (its manager up to its first quorum)."""
     events = _events(r.run_dir, replicas)
-    # quorum id -> (step it formed after, members, time): the same from every member
-    quorums: dict[int, tuple[int, list[int], float]] = {}
-    for e in events:
-        if e["event"] == "quorum":
-            quorums.setdefault(e["quorum"], (e["step"], e["members"], e["time"]))
-    # The quorum a step committed under: the newest formed after the step before it.
-    participants = []
-    for k in range(1, steps + 1):
-        formed = [q for q, (s, _, _) in quorums.items() if s <= k - 1]
-        participants.append(len(quorums[max(formed)][1]) if formed else replicas)
-    useful = sum(p * batch // replicas for p in participants)
+    useful = sum(useful_each(events, steps, replicas, batch))
     # A step that did not commit is taken again by every group of its quorum: count it once.
     again: dict[int, dict[int, int]] = {}
     for e in events:
@@ -331,7 +392,7 @@ def report(
     runs: dict[str, Run], figures: dict[str, dict[str, Any]], args: argparse.Namespace
 ) -> str:
     """The markdown table of the storm, each faulty run beside its fault-free twin."""
-    twin = {"ft-kill": "ft-clean", "ft-hang": "ft-clean", "restart-kill": "plain-clean"}
+    twin = TWIN
     lines = [
         f"{args.replicas} replica groups, {args.steps} steps of {2 * args.replicas} samples, "
         f"a fault every {args.every:g} s (hangs woken after {args.hang_s:g} s), "
@@ -380,28 +441,69 @@ def report(
     return "\n".join(lines) + "\n"
 
 
+def noise(figures: dict[str, dict[str, Any]], seeds: list[str]) -> str:
+    """The fault-free final loss over seeds (the clean runs' seed 0 and ``seeds``), and each faulty
+    run's final loss against its twin's, in that spread ('' without other seeds)."""
+    # Seed 0's: plain-clean's, or ft-clean's (the same training) without it.
+    zero = next((m for m in ("plain-clean", "ft-clean") if m in figures), None)
+    clean = [figures[m].get("final_loss") for m in ([zero] if zero else []) + seeds]
+    losses = [x for x in clean if x is not None]
+    if not seeds or len(losses) < 2:
+        return ""
+    spread = max(losses) - min(losses)
+    sd = statistics.stdev(losses)
+    lines = [
+        "",
+        f"Fault-free final loss over {len(losses)} seeds: {min(losses):.4f} to {max(losses):.4f} "
+        f"(spread {spread:.4f}, standard deviation {sd:.4f}).",
+    ]
+    for mode, twin in TWIN.items():
+        a, b = figures.get(mode, {}).get("final_loss"), figures.get(twin, {}).get("final_loss")
+        if a is not None and b is not None:
+            within = "within" if abs(a - b) <= sd else "outside"
+            lines.append(
+                f"- {mode}: {a:.4f}, {a - b:+.4f} from {twin} ({within} one standard deviation)"
+            )
+    return "\n".join(lines) + "\n"
+
+
 def plot(figures: dict[str, dict[str, Any]], runs: dict[str, Run], path: Path) -> None:
+    """Useful samples per second over each faulty run's life, its fault-free twin's beside it and
+    its faults marked (a kill red, a hang orange); the seconds from each fault to the quorum going
+    on without the group, and from its process being back to its rejoining, beside them."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    modes = list(runs)
-    rates = [figures[m]["useful_samples"] / runs[m].wall_s if runs[m].wall_s else 0 for m in modes]
-    a.bar(modes, rates, color=["C0" if m.startswith("ft") else "C1" for m in modes])
-    a.set_ylabel("useful samples / s (wall)")
-    a.set_title("goodput")
-    a.tick_params(axis="x", rotation=20)
-    for i, m in enumerate(modes):
-        f = figures[m]
-        for key, color in (("fault_to_quorum_without_s", "C3"), ("process_back_to_rejoin_s", "C2")):
+    stormy = [m for m in runs if m in TWIN]
+    rows = max(1, len(stormy))
+    fig, axes = plt.subplots(rows, 2, figsize=(12, 3.2 * rows), squeeze=False)
+    for row, mode in enumerate(stormy):
+        a, b = axes[row]
+        twin = TWIN[mode]
+        for m, color in ((twin, "0.6"), (mode, "C0" if mode.startswith("ft") else "C1")):
+            series = figures.get(m, {}).get("throughput", [])
+            if series:
+                a.plot([t for t, _ in series], [v for _, v in series], color=color, label=m)
+        for f in runs[mode].faults:
+            color = "C3" if f.get("signal") == "SIGKILL" else "orange"
+            a.axvline(f["time"] - runs[mode].started, color=color, lw=0.8, ls="--")
+        a.set_xlabel("seconds since the run started")
+        a.set_ylabel("useful samples / s")
+        a.set_title(f"{mode}: {len(runs[mode].faults)} faults (dashed), beside {twin}")
+        if a.lines:
+            a.legend(fontsize=7, loc="lower right")
+        f = figures[mode]
+        for i, (key, color) in enumerate(
+            (("fault_to_quorum_without_s", "C3"), ("process_back_to_rejoin_s", "C2"))
+        ):
             xs = f.get(key, [])
-            b.scatter([i] * len(xs), xs, color=color, s=12, label=key if i == 1 else None)
-    b.set_xticks(range(len(modes)), modes, rotation=20)
-    b.set_ylabel("seconds")
-    b.set_title("fault -> quorum without it (red), new process -> rejoined (green)")
-    b.legend(fontsize=7)
+            b.scatter([i] * len(xs), xs, color=color, s=14)
+        b.set_xticks([0, 1], ["fault -> quorum without it", "process back -> rejoined"])
+        b.set_xlim(-0.5, 1.5)
+        b.set_ylabel("seconds")
+        b.set_title(f"{mode}: each fault" if mode.startswith("ft") else f"{mode}: (no quorum)")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -428,6 +530,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-restarts", type=int, default=100, help="restarts each agent may make")
     ap.add_argument("--modes", default=",".join(MODES), help=f"runs, of {', '.join(MODES)}")
     ap.add_argument("--out", default="bench-out/chaos", help="output directory")
+    ap.add_argument(
+        "--seeds",
+        type=int,
+        default=0,
+        help="fault-free plain runs at train.seed 1..N more: the final loss's run-to-run noise",
+    )
     ap.add_argument("--set", dest="overrides", nargs="*", default=[], help="more config overrides")
     ap.add_argument(
         "--report-only",
@@ -445,9 +553,14 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, Run] = {}
     figures: dict[str, dict[str, Any]] = {}
     batch = 2 * args.replicas
+    # Fault-free runs at other seeds: the run-to-run noise the faulty runs' final losses are read
+    # against (plain DDP: with no fault, the fault-tolerant run is the same training).
+    seeds = [f"seed-{k}" for k in range(1, args.seeds + 1)]
     if args.report_only:
         saved = json.loads((out / "report.json").read_text())["runs"]
-        modes = [m for m in modes if m in saved]
+        modes = [m for m in (*modes, *seeds) if m in saved]
+    else:
+        modes += seeds
     for mode in modes:
         if args.report_only:
             r = Run(mode, out / mode, saved[mode]["wall_s"], saved[mode]["exit_code"])
@@ -455,30 +568,31 @@ def main(argv: list[str] | None = None) -> int:
                 saved[mode]["faults"],
                 (out / f"{mode}.log").read_text(errors="replace"),
             )
-            runs[mode] = r
-            figures[mode] = (
-                ft_figures(r, args.steps, args.replicas, batch, args.hang_s)
-                if mode.startswith("ft")
-                else plain_figures(r, args.steps, batch)
-            )
-            continue
-        print(f"chaos: {mode} ...", file=sys.stderr, flush=True)
-        if (out / mode).exists():
-            import shutil
+            r.started = saved[mode].get("started", 0.0)
+            r.timeline = [(t, step) for t, step in saved[mode].get("timeline", [])]
+        else:
+            print(f"chaos: {mode} ...", file=sys.stderr, flush=True)
+            if (out / mode).exists():
+                import shutil
 
-            shutil.rmtree(out / mode)
-        r = run_storm(mode, args, out)
+                shutil.rmtree(out / mode)
+            extra = (f"train.seed={mode.removeprefix('seed-')}",) if mode in seeds else ()
+            r = run_storm(mode, args, out, extra=extra)
+            print(
+                f"chaos: {mode}: exit {r.exit_code}, {r.wall_s:.0f} s, {len(r.faults)} faults",
+                file=sys.stderr,
+                flush=True,
+            )
         runs[mode] = r
         if mode.startswith("ft"):
             figures[mode] = ft_figures(r, args.steps, args.replicas, batch, args.hang_s)
+            each = useful_each(_events(r.run_dir, args.replicas), args.steps, args.replicas, batch)
         else:
             figures[mode] = plain_figures(r, args.steps, batch)
-        print(
-            f"chaos: {mode}: exit {r.exit_code}, {r.wall_s:.0f} s, {len(r.faults)} faults",
-            file=sys.stderr,
-            flush=True,
-        )
-    table = report(runs, figures, args)
+            each = [batch] * args.steps
+        figures[mode]["throughput"] = throughput(r.timeline, each)
+    table = report({m: r for m, r in runs.items() if m not in seeds}, figures, args)
+    table += noise(figures, seeds)
     record = {
         "args": {k: v for k, v in vars(args).items()},
         "runs": {
@@ -487,6 +601,8 @@ def main(argv: list[str] | None = None) -> int:
                 "training_s": training_span(r.log),
                 "exit_code": r.exit_code,
                 "faults": r.faults,
+                "started": r.started,
+                "timeline": r.timeline,
                 **figures[m],
             }
             for m, r in runs.items()
