@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +144,54 @@ def test_hung_replica_is_dropped_and_catches_up(tmp_path: Path) -> None:
     assert len(alone) >= 5 and all(m["samples_lost"] == 4 for m in alone)
     assert _summary(run_dir, 0)["samples_lost"] == 4 * len(alone)
     assert _summary(run_dir, 0)["steps_taken_again"] >= 1  # the step the hang stopped
+
+
+def _agent_running(run_dir: Path) -> bool:
+    """Whether the agent of the group whose run directory is ``run_dir`` is still there."""
+    want = str(run_dir).encode()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"dtlab.fault_tolerance" in cmd and b"--run-dir" in cmd and want in cmd:
+            return True
+    return False
+
+
+def test_group_behind_stops_once_another_finished(tmp_path: Path) -> None:
+    """Group 1 hangs; group 0 goes on alone and finishes the run. Woken after group 0's agent has
+    gone, group 1 is behind with no peer: it stops at its next quorum, says so, and the run is
+    group 0's."""
+    steps, run_dir = 40, tmp_path / "run"
+    job = Watched(
+        *_train_args(
+            run_dir, steps, "parallel.fault_tolerance.timeout_s=3",
+            "parallel.fault_tolerance.heartbeat_timeout_s=1",
+        )
+    )  # fmt: skip
+    job.wait_for_step(run_dir / "replica-1", 6)
+    _signal(run_dir, 1, signal.SIGSTOP)
+    try:
+        job.wait_for_file(run_dir / "replica-0" / "summary.json")
+        deadline = time.monotonic() + 60
+        while _agent_running(run_dir / "replica-0") and time.monotonic() < deadline:
+            time.sleep(0.1)  # polling for group 0's agent to exit, which says it finished
+        assert not _agent_running(run_dir / "replica-0"), "group 0's agent did not exit"
+    finally:
+        _signal(run_dir, 1, signal.SIGCONT)
+    assert job.finish() == 0, job.err
+    assert "another replica group has finished the run" in job.err, job.err
+    events = [
+        json.loads(line)
+        for line in (run_dir / "replica-1" / "ft_events.jsonl").read_text().splitlines()
+    ]
+    behind = [e for e in events if e["event"] == "stopped_behind"]
+    assert len(behind) == 1 and behind[0]["step"] < steps, events
+    assert max(m["step"] for m in read_metrics(run_dir / "replica-1")) < steps
+    assert max(m["step"] for m in read_metrics(run_dir / "replica-0")) == steps
+    record = json.loads((run_dir / "fault_tolerance.json").read_text())
+    assert record["exit_codes"] == {"0": 0, "1": 0}
 
 
 def test_lighthouse_listens_on_loopback_only() -> None:

@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +92,8 @@ def launch_replicas(spec: LaunchSpec, config: Config, worker_args: list[str], ru
     server, address = None, o.lighthouse
     if address is None:
         server, address = start_lighthouse(config)
-    store = _loopback_store()  # where the groups meet on their first start
+    # Where the groups meet on their first start, and where a finished group says so.
+    store = _loopback_store()
     env = {
         **os.environ,
         REPLICAS_ENV: str(replicas),
@@ -127,7 +129,7 @@ def launch_replicas(spec: LaunchSpec, config: Config, worker_args: list[str], ru
         ]  # fmt: skip
         procs.append(subprocess.Popen(cmd, env={**env, REPLICA_ENV: str(i)}))
     try:
-        codes = _supervise(procs, o.timeout_s + FINISH_MARGIN_S, store)
+        codes = _supervise(procs, o.timeout_s + FINISH_MARGIN_S)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -153,7 +155,7 @@ def launch_replicas(spec: LaunchSpec, config: Config, worker_args: list[str], ru
     return 1
 
 
-def _supervise(procs: list[subprocess.Popen[bytes]], grace_s: float, store: Any) -> dict[int, int]:
+def _supervise(procs: list[subprocess.Popen[bytes]], grace_s: float) -> dict[int, int]:
     """Wait for the agents; once one group finished, the others get ``grace_s`` to finish too.
     SIGINT and SIGTERM are passed on to every agent (which passes them to its ranks)."""
     codes: dict[int, int] = {}
@@ -174,8 +176,7 @@ def _supervise(procs: list[subprocess.Popen[bytes]], grace_s: float, store: Any)
                 if i not in codes and p.poll() is not None:
                     codes[i] = p.returncode
             if done_at is None and 0 in codes.values():
-                done_at = time.monotonic()
-                store.set(FINISHED_KEY, "1")  # a group still behind stops instead of going on alone
+                done_at = time.monotonic()  # (its agent said so in the store: say_finished)
             if done_at is not None and time.monotonic() - done_at > grace_s:
                 for i, p in enumerate(procs):
                     if p.poll() is None:
@@ -252,7 +253,27 @@ def main(argv: list[str] | None = None) -> int:
     if worker_args[:1] == ["--"]:
         worker_args = worker_args[1:]
     spec = LaunchSpec(args.nproc, max_restarts=args.max_restarts)
-    return launch(spec, worker_args, args.run_dir)
+    code = launch(spec, worker_args, args.run_dir)
+    if code == 0:
+        say_finished()
+    return code
+
+
+def say_finished() -> None:
+    """This group finished the run: say so in the start store (``DTLAB_FT_START_STORE``), where a
+    group still behind reads it at its next quorum and stops instead of training the last steps
+    alone. Here, not only in :func:`launch_replicas`: a launched job has no process that watches
+    every group, and the lighthouse's store is the one place they all reach. Best effort: a store
+    that is gone (the job ending) changes nothing."""
+    where = os.environ.get(START_STORE_ENV)
+    if not where:
+        return
+    import torch.distributed as dist
+
+    host, port = where.rsplit(":", 1)
+    with contextlib.suppress(RuntimeError, OSError, ValueError):
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
+        store.set(FINISHED_KEY, "1")
 
 
 if __name__ == "__main__":

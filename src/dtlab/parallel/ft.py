@@ -64,7 +64,7 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-# Set in the start store by the launcher once a group has finished the run.
+# Set in the start store by a group's agent once the group has finished the run.
 FINISHED_KEY = "dtlab/ft/finished"
 
 # The replica id the lighthouse knows a group by: torchft reads the group's index from its digits.
@@ -290,7 +290,9 @@ class Replicas:
             # Every group initialises the same weights from train.seed: nothing to copy at step 0.
             init_sync=False,
         )
-        self.store: Any = None  # the launcher's start store (one machine): where a finish is said
+        self.store: Any = (
+            None  # the start store (the launcher's or the job's): where a finish is said
+        )
         if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             self._meet(o.quorum_timeout_s, d.world_size)
         # Where the quorum changes, recoveries and restarts are recorded (one JSON line each, with
@@ -308,7 +310,8 @@ class Replicas:
         self.seconds = {"quorum": 0.0, "allreduce": 0.0, "commit": 0.0}
 
     def _finished_elsewhere(self) -> bool:
-        """Whether the launcher has said that a group finished the run (its start store's key)."""
+        """Whether another group's agent has said that it finished the run (the start store's key:
+        :func:`dtlab.fault_tolerance.say_finished`)."""
         if self.store is None:
             where = os.environ.get(START_STORE_ENV)
             if not where:
