@@ -144,7 +144,7 @@ def run_storm(
             [
                 "parallel.fault_tolerance.enabled=true",
                 f"parallel.fault_tolerance.timeout_s={args.timeout_s}",
-                "parallel.fault_tolerance.heartbeat_timeout_s=1",
+                f"parallel.fault_tolerance.heartbeat_timeout_s={args.heartbeat_s}",
                 f"parallel.fault_tolerance.max_restarts={args.max_restarts}",
             ]
             if ft
@@ -396,7 +396,8 @@ def report(
     lines = [
         f"{args.replicas} replica groups, {args.steps} steps of {2 * args.replicas} samples, "
         f"a fault every {args.every:g} s (hangs woken after {args.hang_s:g} s), "
-        f"checkpoint.every={args.checkpoint_every}, fault_tolerance.timeout_s={args.timeout_s:g}",
+        f"checkpoint.every={args.checkpoint_every}, fault_tolerance.timeout_s={args.timeout_s:g}, "
+        f"heartbeat_timeout_s={getattr(args, 'heartbeat_s', 1.0):g}",
         "",
         "| run | faults | wall s (training s) | goodput vs fault-free: training (whole life) "
         "| fault -> quorum without it, s (median, max) | process back -> rejoined, s (median, max) "
@@ -525,6 +526,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--timeout-s", type=float, default=5.0, help="parallel.fault_tolerance.timeout_s"
+    )
+    ap.add_argument(
+        "--heartbeat-s",
+        type=float,
+        default=1.0,
+        help="parallel.fault_tolerance.heartbeat_timeout_s",
     )
     ap.add_argument("--checkpoint-every", type=int, default=20, help="checkpoint.every (every run)")
     ap.add_argument("--max-restarts", type=int, default=100, help="restarts each agent may make")

@@ -166,16 +166,14 @@ def _quiet_torchft() -> None:
 
 
 def _process_started() -> float | None:
-    """When this process started (wall time, from /proc; None where there is none)."""
+    """When this process started (wall time, from /proc; None where there is none): the seconds
+    since boot it started at, against the uptime now, both on the boot clock. (Not from /proc/stat's
+    btime: that is whole seconds, fixed at boot, and the wall clock may have been stepped since.)"""
     try:
         ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        boot = next(
-            int(line.split()[1])
-            for line in Path("/proc/stat").read_text().splitlines()
-            if line.startswith("btime ")
-        )
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
         return None
 
 
