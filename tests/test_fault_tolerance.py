@@ -120,8 +120,9 @@ def test_killed_replica_rejoins_with_the_live_state(tmp_path: Path) -> None:
     assert _summary(run_dir, 0)["samples_lost"] == 0
 
 
-def test_hung_replica_is_dropped_and_catches_up(tmp_path: Path) -> None:
-    steps, run_dir = 100, tmp_path / "run"
+def _hang_group_1(run_dir: Path, steps: int) -> Watched:
+    """A run of 2 groups (a 3 s timeout, a 1 s heartbeat) whose group 1 is stopped (SIGSTOP) after
+    its step 6; the caller wakes it."""
     job = Watched(
         *_train_args(
             run_dir, steps, "parallel.fault_tolerance.timeout_s=3",
@@ -130,6 +131,12 @@ def test_hung_replica_is_dropped_and_catches_up(tmp_path: Path) -> None:
     )  # fmt: skip
     job.wait_for_step(run_dir / "replica-1", 6)
     _signal(run_dir, 1, signal.SIGSTOP)
+    return job
+
+
+def test_hung_replica_is_dropped_and_catches_up(tmp_path: Path) -> None:
+    steps, run_dir = 100, tmp_path / "run"
+    job = _hang_group_1(run_dir, steps)
     try:
         job.wait_for("missing [1]", timeout=60)  # dropped after the timeout
         stopped_at = max(m["step"] for m in read_metrics(run_dir / "replica-1"))
@@ -164,14 +171,7 @@ def test_group_behind_stops_once_another_finished(tmp_path: Path) -> None:
     gone, group 1 is behind with no peer: it stops at its next quorum, says so, and the run is
     group 0's."""
     steps, run_dir = 40, tmp_path / "run"
-    job = Watched(
-        *_train_args(
-            run_dir, steps, "parallel.fault_tolerance.timeout_s=3",
-            "parallel.fault_tolerance.heartbeat_timeout_s=1",
-        )
-    )  # fmt: skip
-    job.wait_for_step(run_dir / "replica-1", 6)
-    _signal(run_dir, 1, signal.SIGSTOP)
+    job = _hang_group_1(run_dir, steps)
     try:
         job.wait_for_file(run_dir / "replica-0" / "summary.json")
         deadline = time.monotonic() + 60
