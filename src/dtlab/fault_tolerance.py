@@ -84,6 +84,9 @@ def launch_replicas(spec: LaunchSpec, config: Config, worker_args: list[str], ru
             "groups of one machine; on several, start them with dtlab launch (one lighthouse per "
             "job, parallel.fault_tolerance.lighthouse)"
         )
+    # torchft's Rust side logs every quorum tick at INFO: quieter unless asked (set before torchft
+    # is first imported here, where its logger may read it).
+    os.environ.setdefault("RUST_LOG", "warn")
     require_torchft()  # here, once, before any process starts
     o = config.parallel.fault_tolerance
     # DDP: each rank is a replica group; HSDP: each replicate group of nproc / replicate ranks.
