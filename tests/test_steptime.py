@@ -166,7 +166,9 @@ def test_plan_this_device_prints_its_measured_collectives_and_step(tmp_path) -> 
     dev = result["device"]
     rates = dev["collective_gbps"]
     assert set(rates) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "sync_s"}
-    assert all(0 < v < math.inf for v in rates.values())
+    assert all(0 < v < math.inf for k, v in rates.items() if k != "sync_s")
+    # What a collective costs beyond its bytes: 0 where the measurement saw none (it is clamped).
+    assert 0 <= rates["sync_s"] < 1
     assert dev["collective_source"].startswith("measured: gloo among 2 local processes")
     # What FSDP's and tensor parallelism's code adds per unit, measured under the fake group.
     assert set(dev["wrapper_s"]) == {"fsdp_unit_s", "tp_block_s"}
