@@ -22,7 +22,6 @@ import signal
 import subprocess
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +37,7 @@ from dtlab.parallel.ft import (
     START_STORE_ENV,
     replica_groups,
     require_torchft,
+    start_store,
 )
 
 # After the first group finishes, how long the others have beyond parallel.fault_tolerance.timeout_s.
@@ -51,8 +51,7 @@ def replica_dir(run_dir: Path, replica: int) -> Path:
 
 def start_lighthouse(config: Config) -> tuple[Any, str]:
     """torchft's lighthouse on 127.0.0.1 (nothing beyond this machine reaches it): (server, address)."""
-    os.environ.setdefault("RUST_LOG", "warn")  # its Rust side logs every quorum tick at INFO
-    from torchft.coordination import LighthouseServer
+    from torchft.coordination import LighthouseServer  # (RUST_LOG set by launch_replicas)
 
     o = config.parallel.fault_tolerance
     server = LighthouseServer(
@@ -268,15 +267,10 @@ def say_finished() -> None:
     alone. Here, not only in :func:`launch_replicas`: a launched job has no process that watches
     every group, and the lighthouse's store is the one place they all reach. Best effort: a store
     that is gone (the job ending) changes nothing."""
-    where = os.environ.get(START_STORE_ENV)
-    if not where:
-        return
-    import torch.distributed as dist
-
-    host, port = where.rsplit(":", 1)
     with contextlib.suppress(RuntimeError, OSError, ValueError):
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
-        store.set(FINISHED_KEY, "1")
+        store = start_store()
+        if store is not None:
+            store.set(FINISHED_KEY, "1")
 
 
 if __name__ == "__main__":

@@ -392,12 +392,11 @@ def report(
     runs: dict[str, Run], figures: dict[str, dict[str, Any]], args: argparse.Namespace
 ) -> str:
     """The markdown table of the storm, each faulty run beside its fault-free twin."""
-    twin = TWIN
     lines = [
         f"{args.replicas} replica groups, {args.steps} steps of {2 * args.replicas} samples, "
         f"a fault every {args.every:g} s (hangs woken after {args.hang_s:g} s), "
         f"checkpoint.every={args.checkpoint_every}, fault_tolerance.timeout_s={args.timeout_s:g}, "
-        f"heartbeat_timeout_s={getattr(args, 'heartbeat_s', 1.0):g}",
+        f"heartbeat_timeout_s={args.heartbeat_s:g}",
         "",
         "| run | faults | wall s (training s) | goodput vs fault-free: training (whole life) "
         "| fault -> quorum without it, s (median, max) | process back -> rejoined, s (median, max) "
@@ -413,7 +412,7 @@ def report(
 
     for mode, r in runs.items():
         f = figures[mode]
-        base = runs.get(twin.get(mode, mode))
+        base = runs.get(TWIN.get(mode, mode))
         good = "-"
         span, base_span = training_span(r.log), training_span(base.log) if base else None
         if base is not None and base.wall_s and r.wall_s:
@@ -426,11 +425,11 @@ def report(
                 )
                 good = f"{ratio:.1%} {good}"
         ref_loss = (
-            figures[twin.get(mode, mode)].get("final_loss") if twin.get(mode) in figures else None
+            figures[TWIN.get(mode, mode)].get("final_loss") if TWIN.get(mode) in figures else None
         )
         loss = f.get("final_loss")
         loss_s = "-" if loss is None else f"{loss:.4f}"
-        if ref_loss is not None and loss is not None and mode in twin:
+        if ref_loss is not None and loss is not None and mode in TWIN:
             loss_s += f" ({ref_loss:.4f})"
         lines.append(
             f"| {mode} | {len(r.faults)} | {r.wall_s:.0f} ({span or 0:.0f}) | {good} | "

@@ -165,6 +165,18 @@ def _quiet_torchft() -> None:
             log.addFilter(_OneLine())
 
 
+def start_store() -> Any:
+    """A client of the run's start store (``DTLAB_FT_START_STORE``: the launcher's, or the one
+    beside a job's lighthouse); None where there is none."""
+    where = os.environ.get(START_STORE_ENV)
+    if not where:
+        return None
+    import torch.distributed as dist
+
+    host, port = where.rsplit(":", 1)
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
+
+
 def _process_started() -> float | None:
     """When this process started (wall time, from /proc; None where there is none): the seconds
     since boot it started at, against the uptime now, both on the boot clock. (Not from /proc/stat's
@@ -288,9 +300,8 @@ class Replicas:
             # Every group initialises the same weights from train.seed: nothing to copy at step 0.
             init_sync=False,
         )
-        self.store: Any = (
-            None  # the start store (the launcher's or the job's): where a finish is said
-        )
+        # The start store (the launcher's or the job's): where a finish is said.
+        self.store: Any = None
         if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             self._meet(o.quorum_timeout_s, d.world_size)
         # Where the quorum changes, recoveries and restarts are recorded (one JSON line each, with
@@ -311,15 +322,9 @@ class Replicas:
         """Whether another group's agent has said that it finished the run (the start store's key:
         :func:`dtlab.fault_tolerance.say_finished`)."""
         if self.store is None:
-            where = os.environ.get(START_STORE_ENV)
-            if not where:
+            self.store = start_store()
+            if self.store is None:
                 return False
-            import torch.distributed as dist
-
-            host, port = where.rsplit(":", 1)
-            self.store = dist.TCPStore(
-                host, int(port), is_master=False, timeout=timedelta(seconds=10)
-            )
         try:
             return bool(self.store.check([FINISHED_KEY]))
         except RuntimeError:  # the launcher is gone
