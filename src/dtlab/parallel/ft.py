@@ -282,8 +282,9 @@ class Replicas:
         self.members = members
         self._loaded: dict[str, Any] | None = None
         self._states: dict[str, Stateful] = {}
+        self._pg = _Gloo(timeout=timeout)
         self.manager: Manager = Manager(
-            pg=_Gloo(timeout=timeout),
+            pg=self._pg,
             load_state_dict=None,
             state_dict=None,
             min_replica_size=o.min_replicas,
@@ -458,11 +459,23 @@ class Replicas:
             grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
             flat = _flatten_dense_tensors([*grads, loss_sum.reshape(1).to(grads[0].dtype)])
             self.manager.allreduce(flat).wait()
+            if self.manager.errored() is not None:
+                self.drop_links()
             self.seconds["allreduce"] += time.perf_counter() - t0
             out = _unflatten_dense_tensors(flat, [*grads, loss_sum.reshape(1)])
             for g, new in zip(grads, out[:-1], strict=True):
                 g.copy_(new)
         return out[-1].reshape(()).to(loss_sum.dtype)
+
+    def drop_links(self) -> None:
+        """After a failed cross-group collective, close this rank's connections of it at once.
+
+        A dead group's neighbours in gloo's ring see it go at once, but the others wait for data
+        from those neighbours until ``timeout_s``, and the lighthouse waits for them before it
+        forms the next quorum. Freeing the failed process group here closes its sockets, so each
+        rank still waiting fails in turn within milliseconds; the next quorum builds a new one.
+        """
+        self._pg.abort(errored=False)  # torchft drops its process group: gloo closes its pairs
 
     def should_commit(self) -> bool:
         """Every group's vote on the step (torchft's should_commit): False where it failed."""

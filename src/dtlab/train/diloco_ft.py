@@ -106,6 +106,8 @@ class FaultTolerantOuter:
         else:
             r.manager.allreduce(pending.buffer).wait()  # the mean over the participants
         r.manager.allreduce(rows, reduce_op=dist.ReduceOp.SUM).wait()
+        if r.manager.errored() is not None:
+            r.drop_links()  # the replicas still waiting on this one fail now, not at the timeout
         r.seconds["allreduce"] += time.perf_counter() - t0
         took_part = r.manager.num_participants()
         missing = r.place.replicas - took_part
