@@ -15,48 +15,31 @@ from typing import Any
 
 import pytest
 
+from dtlab.runtime import forkserver
+
 # Trained tokenizers and streaming token files go to a cache of this test session's own (subprocesses
 # inherit it): no test reads what another session left, and nothing is written to the home directory.
 os.environ["DTLAB_CACHE"] = tempfile.mkdtemp(prefix="dtlab-test-cache-")
 
 
 def _start_forkserver() -> str:
-    """Start the fork server (forkserver.py) and return the interpreter the tests start processes
-    with: its shim, or this interpreter when DTLAB_TEST_FORK=0 (or when it did not start)."""
+    """Start the fork server (:mod:`dtlab.runtime.forkserver`) and return the interpreter the tests
+    start processes with: its shim, or this interpreter when DTLAB_TEST_FORK=0 (or when it did not
+    start)."""
     if os.environ.get("DTLAB_TEST_FORK", "1") == "0" or not hasattr(os, "fork"):
         return sys.executable
-    running = os.environ.get("DTLAB_FORKSERVER"), os.environ.get("DTLAB_TEST_PYTHON")
+    running = os.environ.get(forkserver.SOCKET_ENV), os.environ.get("DTLAB_TEST_PYTHON")
     if running[0] and running[1] and Path(running[0]).exists():  # a test's own pytest: share it
         return running[1]
-    here = Path(__file__).resolve().parent
-    home = Path(tempfile.mkdtemp(prefix="dtlab-fork-"))
-    shim = home / "python"
-    shim.write_text(f"#!{sys.executable} -S\n" + (here / "forkshim.py").read_text())
-    shim.chmod(0o755)
-    (home / "pids").mkdir()
-    sock = home / "server.sock"
-    server = subprocess.Popen(
-        [sys.executable, str(here / "forkserver.py"), str(sock), str(shim)],
-        start_new_session=True,  # a Ctrl-C of the test session reaches it through atexit only
-    )
-    atexit.register(_stop_forkserver, server)
-    deadline = time.monotonic() + 120
-    while not sock.exists():  # its imports take a few seconds; every test after gets the same
-        if server.poll() is not None or time.monotonic() > deadline:
-            print("fork server did not start: every process starts fresh", file=sys.stderr)
-            return sys.executable
-        time.sleep(0.05)
-    os.environ["DTLAB_FORKSERVER"] = str(sock)
-    os.environ["DTLAB_TEST_PYTHON"] = str(shim)
-    return str(shim)
-
-
-def _stop_forkserver(server: subprocess.Popen[bytes]) -> None:
-    server.terminate()
-    try:
-        server.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        server.kill()
+    server = forkserver.start()
+    atexit.register(server.stop)
+    # Its imports take a few seconds; every test after gets the same.
+    if not server.wait_ready(timeout_s=120):
+        print("fork server did not start: every process starts fresh", file=sys.stderr)
+        return sys.executable
+    os.environ[forkserver.SOCKET_ENV] = str(server.socket)
+    os.environ["DTLAB_TEST_PYTHON"] = str(server.shim)
+    return str(server.shim)
 
 
 # The interpreter the tests start Python processes with (python -m dtlab ..., the test workers).
@@ -199,12 +182,8 @@ class Watched:
 
 def real_pid(pid: int) -> int:
     """The process that does the work of process ``pid``: the fork server's child when ``pid`` is a
-    shim (forkserver.py), else ``pid`` itself. A shim has no children of its own."""
-    marker = Path(PYTHON).parent / "pids" / str(pid)
-    try:
-        return int(marker.read_text())
-    except (OSError, ValueError):
-        return pid
+    shim (:mod:`dtlab.runtime.forkserver`), else ``pid`` itself. A shim has no children of its own."""
+    return forkserver.real_pid(pid)
 
 
 def kill_job(proc: subprocess.Popen[Any], run_dir: Path | None = None) -> None:

@@ -30,6 +30,7 @@ from conftest import (
 )
 from dtlab import load_config
 from dtlab.errors import ConfigError
+from dtlab.runtime import forkserver
 
 pytest.importorskip("torchft")
 
@@ -145,6 +146,43 @@ def test_groups_left_go_on_at_the_heartbeat_not_the_collective_timeout(tmp_path:
         # comes after the heartbeat (1 s), not the collective timeout: seconds on a busy machine.
         assert after[0]["time"] - killed < 15, (g, after[0]["time"] - killed)
     _final_weights_equal(run_dir, steps)
+
+
+def test_warm_restart_starts_the_killed_group_from_the_runs_fork_server(tmp_path: Path) -> None:
+    # As a user starts it: a fresh interpreter, without the test suite's fork server, so that the
+    # run starts its own (parallel.fault_tolerance.warm_restart, on by default).
+    steps, run_dir = 30, tmp_path / "run"
+    env = cli_env()
+    env.pop(forkserver.SOCKET_ENV, None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dtlab",
+         *_train_args(run_dir, steps, "parallel.fault_tolerance.min_replicas=2")],
+        env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        metrics = run_dir / "replica-1" / "metrics.jsonl"
+        while not metrics.exists() or len(metrics.read_text().splitlines()) < 6:
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                "group 1 never reached step 6"
+            )
+            time.sleep(0.1)
+        for pid in _replica_pids(
+            run_dir, 1
+        ):  # the shim that stands for the rank: its child dies too
+            os.kill(pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert "recovered the state after step" in err, err
+    _final_weights_equal(run_dir, steps)
+    events = (run_dir / "replica-1" / "ft_events.jsonl").read_text().splitlines()
+    starts = [e for e in map(json.loads, events) if e["event"] == "start"]
+    # The first start may be fresh (the server still importing); the restart is the server's child.
+    assert len(starts) == 2 and starts[1]["warm"] is True, starts
+    assert "fork server" in err
 
 
 def _hang_group_1(run_dir: Path, steps: int) -> Watched:

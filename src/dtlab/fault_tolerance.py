@@ -39,9 +39,12 @@ from dtlab.parallel.ft import (
     require_torchft,
     start_store,
 )
+from dtlab.runtime import forkserver
 
 # After the first group finishes, how long the others have beyond parallel.fault_tolerance.timeout_s.
 FINISH_MARGIN_S = 20.0
+# The interpreter each group's agent starts its ranks with: the fork server's shim (warm_restart).
+WORKER_PYTHON_ENV = "DTLAB_FT_WORKER_PYTHON"
 
 
 def replica_dir(run_dir: Path, replica: int) -> Path:
@@ -110,11 +113,15 @@ def launch_replicas(spec: LaunchSpec, config: Config, worker_args: list[str], ru
         # Each group is a world of its own, whose ranks would each take the machine's cores
         # (parallel.dist): share them among every group's ranks instead, as one world's would.
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // (replicas * group)))
+    forks = _fork_server() if o.warm_restart else None
+    if forks is not None:
+        env.update({forkserver.SOCKET_ENV: str(forks.socket), WORKER_PYTHON_ENV: str(forks.shim)})
     print(
         f"fault tolerance: {replicas} replica group{'s' * (replicas > 1)} of {group} rank"
         f"{'s' * (group > 1)}, lighthouse {address}"
         f"{' (started here, on 127.0.0.1)' if server is not None else ''}, each group restarted "
-        f"up to {o.max_restarts} times by its own agent; run dir {run_dir}",
+        f"up to {o.max_restarts} times by its own agent"
+        f"{' (from a fork server: warm_restart)' if forks is not None else ''}; run dir {run_dir}",
         file=sys.stderr,
         flush=True,
     )
@@ -139,6 +146,8 @@ def launch_replicas(spec: LaunchSpec, config: Config, worker_args: list[str], ru
                 p.wait()
         if server is not None:
             server.shutdown()
+        if forks is not None:
+            forks.stop()
     finished = [i for i, c in codes.items() if c == 0]
     record = {"replicas": replicas, "lighthouse": address, "exit_codes": codes}
     (run_dir / "fault_tolerance.json").write_text(json.dumps(record, indent=1), encoding="utf-8")
@@ -155,6 +164,20 @@ def launch_replicas(spec: LaunchSpec, config: Config, worker_args: list[str], ru
     if codes and all(c == 75 for c in codes.values()):
         return 75
     return 1
+
+
+def _fork_server() -> forkserver.ForkServer | None:
+    """A fork server for the groups' ranks (parallel.fault_tolerance.warm_restart): a rank, and a
+    killed group's new one, starts from a process that has imported torch and dtlab already, instead
+    of a fresh interpreter (seconds of imports). None where there is none to start: no fork(), a
+    Slurm job (which tracks its processes itself), or one already serving this process's children
+    (its shim is then this interpreter)."""
+    if not hasattr(os, "fork") or "SLURM_JOB_ID" in os.environ:
+        return None
+    if os.environ.get(forkserver.SOCKET_ENV):
+        return None
+    # Not waited for: until it serves (its imports take seconds), the ranks start fresh.
+    return forkserver.start()
 
 
 def _supervise(procs: list[subprocess.Popen[bytes]], grace_s: float) -> dict[int, int]:
@@ -255,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     if worker_args[:1] == ["--"]:
         worker_args = worker_args[1:]
     spec = LaunchSpec(args.nproc, max_restarts=args.max_restarts)
-    code = launch(spec, worker_args, args.run_dir)
+    # The workers (and their restarts) through the run's fork server, where it has one.
+    code = launch(spec, worker_args, args.run_dir, python=os.environ.get(WORKER_PYTHON_ENV))
     if code == 0:
         say_finished()
     return code

@@ -45,9 +45,15 @@ class LaunchSpec:
 
 
 def launch(
-    spec: LaunchSpec, worker_args: list[str], run_dir: Path | None = None, module: str = "dtlab"
+    spec: LaunchSpec,
+    worker_args: list[str],
+    run_dir: Path | None = None,
+    module: str = "dtlab",
+    python: str | None = None,
 ) -> int:
     """Run ``python -m <module> <worker_args>`` in ``spec.nproc`` local processes; returns an exit code.
+    ``python``: the interpreter the workers start with (this one's by default; a fork server's shim,
+    :mod:`dtlab.runtime.forkserver`, for warm restarts).
 
     75 only when the workers stopped on a signal *and* committed a checkpoint (their stop marker in
     ``run_dir``; without one, the workers' exit codes); a signal that left nothing saved gives
@@ -55,7 +61,7 @@ def launch(
     once, before the launcher's own last line.
     """
     with _worker_messages() as messages:
-        return _launch(spec, worker_args, run_dir, module, messages)
+        return _launch(spec, worker_args, run_dir, module, messages, python or sys.executable)
 
 
 def _launch(
@@ -64,6 +70,7 @@ def _launch(
     run_dir: Path | None,
     module: str,
     messages: Path,
+    python: str,
 ) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -101,7 +108,7 @@ def _launch(
     ctrl_c = _CtrlC()
     try:
         with ctrl_c:
-            elastic_launch(config, entrypoint=sys.executable)("-m", module, *worker_args)
+            elastic_launch(config, entrypoint=python)("-m", module, *worker_args)
     except _Interrupted as e:
         if e.aborted:
             say(stop_said=True)

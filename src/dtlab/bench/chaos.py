@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dtlab.runtime import forkserver
+
 MODES = ("ft-clean", "ft-kill", "ft-hang", "plain-clean", "restart-kill")
 # Each faulty run's fault-free twin.
 TWIN = {"ft-kill": "ft-clean", "ft-hang": "ft-clean", "restart-kill": "plain-clean"}
@@ -91,7 +93,7 @@ def _pids(run_dir: Path, replica: int | None) -> list[int]:
         if b"TORCHELASTIC_RUN_ID=" not in env or "dtlab.fault_tolerance" in cmd:
             continue
         if any(a.startswith("run.dir=") and a[len("run.dir=") :] == want for a in cmd):
-            out.append(int(proc.name))
+            out.append(forkserver.real_pid(int(proc.name)))  # warm_restart: the shim's child
     return out
 
 

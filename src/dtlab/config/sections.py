@@ -571,6 +571,12 @@ class FaultToleranceOptions(_Section):
         ge=0,
         description="Restarts of each replica group by its own elastic agent (the others train on).",
     )
+    warm_restart: bool = Field(
+        True,
+        description="dtlab train: start the groups' ranks, and a killed group's new ones, from a fork "
+        "server that has imported torch and dtlab once (seconds sooner back) instead of fresh "
+        "interpreters; not in a Slurm job.",
+    )
 
 
 class ParallelConfig(_Section):

@@ -42,6 +42,7 @@ import torch
 from dtlab.config import Config
 from dtlab.dims import DPWrapper, ParallelDims, needs_replica_groups
 from dtlab.metrics.logging import logger
+from dtlab.runtime import forkserver
 
 if TYPE_CHECKING:
     from torchft import Manager
@@ -311,7 +312,10 @@ class Replicas:
         self.events = (
             Path(run_dir) / "ft_events.jsonl" if run_dir is not None and d.rank == 0 else None
         )
-        self._event("start", pid=os.getpid(), process_started=_process_started())
+        # warm: started by the run's fork server (parallel.fault_tolerance.warm_restart).
+        self._event(
+            "start", pid=os.getpid(), process_started=_process_started(), warm=forkserver.forked()
+        )
         self.quorum_id = -1
         self.recoveries: list[dict[str, Any]] = []
         self.uncommitted = 0  # steps taken again because they did not commit everywhere

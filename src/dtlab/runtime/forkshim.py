@@ -9,11 +9,13 @@ import signal
 import socket
 import struct
 import sys
+import threading
+from typing import NoReturn
 
 REAL = sys.executable  # the shebang's interpreter: the one this shim stands for
 
 
-def _passthrough() -> None:
+def _passthrough() -> NoReturn:
     os.execv(REAL, [REAL, *sys.argv[1:]])
 
 
@@ -68,7 +70,7 @@ def main() -> None:
         print("forkshim: the fork server refused the request", file=sys.stderr)
         os._exit(1)
     (pid,) = struct.unpack("!q", reply)
-    # Where the tests look up the process that does the work of this one (conftest.real_pid).
+    # Where a signal meant for this process finds the one doing its work (forkserver.real_pid).
     marker = os.path.join(os.path.dirname(os.path.abspath(sys.argv[0])), "pids", str(os.getpid()))
     with contextlib.suppress(OSError), open(marker, "w") as f:
         f.write(str(pid))
@@ -98,7 +100,7 @@ def main() -> None:
         if -code != signal.SIGKILL:
             signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
-        signal.pthread_kill(signal.pthread_self(), -code)
+        signal.pthread_kill(threading.get_ident(), -code)
     os._exit(code)
 
 

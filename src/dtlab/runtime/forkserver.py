@@ -1,20 +1,21 @@
-"""A fork server for the test suite: Python processes that start with torch and dtlab already imported.
+"""A fork server: Python processes that start with torch and dtlab already imported.
 
-Most of a test's time went to starting interpreters: every ``python -m dtlab ...`` the tests run, and
-every rank its launcher starts, imported torch, its distributed packages and dtlab again (about 2 s of
-a 3 s single-process run). This server imports them once and forks a child for each such process. A
+A fresh ``python -m dtlab ...`` spends seconds importing torch, its distributed packages and dtlab
+before it does anything. This server imports them once and forks a child for each such process. A
 small shim (``forkshim.py``) stands where the interpreter would: it sends its arguments, working
 directory, environment and standard streams here, and mirrors the child: it passes on the signals it
 gets and ends as the child ended (the same exit code, or killed by the same signal). When the shim
 dies (SIGKILL), its child kills itself, so a killed process is a killed process either way.
 
+Two users: ``dtlab train`` with ``parallel.fault_tolerance.warm_restart`` (a killed replica group's
+new process starts in a fraction of the time, :mod:`dtlab.fault_tolerance`), and the test suite
+(``tests/conftest.py``), whose processes all start here.
+
 A child is what a fresh ``python [-u] -m MODULE ARGS`` or ``python [-u] SCRIPT ARGS`` would be: its own
 ``sys.argv``, environment, working directory, streams, process group, random state and module
 ``__main__``, and it ends through the interpreter's own teardown. What differs: modules imported here
-were imported with this server's environment (the suite sets nothing that torch reads at import time),
+were imported with this server's environment (nothing dtlab sets is read by torch at import time),
 and ``sys.executable`` is the shim, so that the processes a child starts come here too.
-
-``DTLAB_TEST_FORK=0`` turns it off (every process a fresh interpreter): the tests pass either way.
 """
 
 from __future__ import annotations
@@ -27,9 +28,19 @@ import selectors
 import signal
 import socket
 import struct
+import subprocess
 import sys
+import tempfile
 import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+# Where the shims find the server (a Unix socket's path): set for the processes that use it.
+SOCKET_ENV = "DTLAB_FORKSERVER"
+# In a child: the server's pid (a process that this child starts fresh inherits it, with another parent).
+FORKED_ENV = "DTLAB_FORKED_FROM"
 
 # What every child needs: imported once here. They start no thread (checked before serving).
 PRELOAD = (
@@ -55,6 +66,74 @@ FORWARDED = (
     signal.SIGUSR1,
     signal.SIGUSR2,
 )
+
+
+@dataclass
+class ForkServer:
+    """A started fork server: its process, and the shim that stands for the interpreter."""
+
+    process: subprocess.Popen[bytes]
+    home: Path
+    socket: Path
+    shim: Path
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Wait until it serves (its imports take seconds); False if it ended or took longer."""
+        deadline = time.monotonic() + timeout_s
+        while not self.socket.exists():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def stop(self) -> None:
+        """Stop it (its children are killed: it is stopped once they are done) and remove its files."""
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        import shutil
+
+        shutil.rmtree(self.home, ignore_errors=True)
+
+
+def start() -> ForkServer:
+    """Start a fork server for this interpreter; it serves once its imports are done (until then,
+    and if it cannot serve, the shim runs the real interpreter). It ends with the process that
+    started it, even when that one is killed."""
+    home = Path(tempfile.mkdtemp(prefix="dtlab-fork-"))
+    shim = home / "python"
+    shim.write_text(
+        f"#!{sys.executable} -S\n" + Path(__file__).with_name("forkshim.py").read_text()
+    )
+    shim.chmod(0o755)
+    (home / "pids").mkdir()  # the shims note their children here (shim pid -> child pid)
+    sock = home / "server.sock"
+    process = subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve()), str(sock), str(shim)],
+        start_new_session=True,  # a Ctrl-C reaches it through its parent's stop only
+    )
+    return ForkServer(process, home, sock, shim)
+
+
+def forked() -> bool:
+    """Whether this process is a fork server's child (started warm), not a fresh interpreter."""
+    return os.environ.get(FORKED_ENV) == str(os.getppid())
+
+
+def real_pid(pid: int) -> int:
+    """The process that does the work of process ``pid``: the fork server's child when ``pid`` is a
+    shim (``python -S SHIM ...``, which notes its child beside itself), else ``pid`` itself. A signal
+    the shim cannot pass on (SIGSTOP, SIGCONT) goes there."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if len(argv) > 2 and argv[1] == b"-S":
+            return int((Path(os.fsdecode(argv[2])).parent / "pids" / str(pid)).read_text())
+    except (OSError, ValueError):
+        pass
+    return pid
 
 
 def _threads() -> int:
@@ -113,6 +192,7 @@ def _become(request: dict[str, Any], conn: socket.socket, shim: str) -> int:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    os.environ[FORKED_ENV] = str(os.getppid())
     unbuffered = request["unbuffered"] or bool(os.environ.get("PYTHONUNBUFFERED"))
     _streams(unbuffered)
     threads = os.environ.get("OMP_NUM_THREADS", "")
@@ -187,9 +267,7 @@ def serve(path: str, shim: str) -> int | None:
     selector.register(listener, selectors.EVENT_READ)
     selector.register(wake_r, selectors.EVENT_READ)
     parent = os.getppid()
-    while (
-        not stop and os.getppid() == parent
-    ):  # the test session ended, even by SIGKILL: so does this
+    while not stop and os.getppid() == parent:  # its starter ended, even by SIGKILL: so does this
         for key, _ in selector.select(timeout=1.0):
             if key.fileobj is wake_r:
                 os.read(wake_r, 4096)
@@ -224,11 +302,12 @@ def serve(path: str, shim: str) -> int | None:
                 break
             if pid == 0:
                 break
-            conn = children.pop(pid, None)
-            if conn is not None:
+            shim_conn = children.get(pid)
+            if shim_conn is not None:
+                del children[pid]
                 with contextlib.suppress(OSError):
-                    conn.sendall(struct.pack("!q", status))
-                conn.close()
+                    shim_conn.sendall(struct.pack("!q", status))
+                shim_conn.close()
     for pid in children:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -268,6 +347,7 @@ def _leave(code: int) -> None:
 
 
 if __name__ == "__main__":
+    sys.path.pop(0)  # this file's directory: its modules are dtlab.runtime's, not top-level ones
     os.environ.pop("OMP_NUM_THREADS", None)  # the children set their own (read at import)
     code = serve(sys.argv[1], sys.argv[2])
     if code is not None:
