@@ -324,7 +324,7 @@ def test_chaos_figures_from_the_groups_events(tmp_path: Path) -> None:
     write(1, {"event": "recovered", "time": 15.0, "seconds": 0.4})
     run = Run("ft-kill", tmp_path, faults=[{"time": 10.0, "replica": 1, "step": 4}])
     f = ft_figures(run, steps=10, replicas=3, batch=6)
-    assert f["fault_to_quorum_without_s"] == [1.0]
+    assert f["fault_to_quorum_without_s"] == [1.0] and f["fault_to_next_quorum_s"] == [1.0]
     assert f["restart_delay_s"] == [4.0] and f["process_back_to_rejoin_s"] == [1.0]
     assert f["process_start_to_manager_s"] == [0.5] and f["manager_to_rejoin_s"] == [0.5]
     assert f["recovery_s"] == [0.4]

@@ -169,11 +169,11 @@ def launch_replicas(spec: LaunchSpec, config: Config, worker_args: list[str], ru
 def _fork_server() -> forkserver.ForkServer | None:
     """A fork server for the groups' ranks (parallel.fault_tolerance.warm_restart): a rank, and a
     killed group's new one, starts from a process that has imported torch and dtlab already, instead
-    of a fresh interpreter (seconds of imports). None where there is none to start: no fork(), a
+    of a fresh interpreter (seconds of imports). None where there is none to start: not Linux, a
     Slurm job (which tracks its processes itself), or one already serving this process's children
     (its shim is then this interpreter)."""
-    if not hasattr(os, "fork") or "SLURM_JOB_ID" in os.environ:
-        return None
+    if not sys.platform.startswith("linux") or "SLURM_JOB_ID" in os.environ:
+        return None  # fork() without exec is safe on Linux (not with macOS's frameworks)
     if os.environ.get(forkserver.SOCKET_ENV):
         return None
     # Not waited for: until it serves (its imports take seconds), the ranks start fresh.

@@ -575,7 +575,7 @@ class FaultToleranceOptions(_Section):
         True,
         description="dtlab train: start the groups' ranks, and a killed group's new ones, from a fork "
         "server that has imported torch and dtlab once (seconds sooner back) instead of fresh "
-        "interpreters; not in a Slurm job.",
+        "interpreters (Linux; not in a Slurm job).",
     )
 
 

@@ -347,7 +347,9 @@ def _leave(code: int) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.pop(0)  # this file's directory: its modules are dtlab.runtime's, not top-level ones
+    # Not this file's directory (its modules are dtlab.runtime's, not top-level ones): the working
+    # directory, as ``python -m`` has it; each child puts its own there.
+    sys.path[0] = os.getcwd()
     os.environ.pop("OMP_NUM_THREADS", None)  # the children set their own (read at import)
     code = serve(sys.argv[1], sys.argv[2])
     if code is not None:
