@@ -10,7 +10,7 @@ import pytest
 
 from conftest import FAST, run_cli
 from dtlab.errors import ConfigError
-from dtlab.verify import Layout, parse_checks, parse_layouts
+from dtlab.verify import FT_ON, Layout, parse_checks, parse_layouts
 from dtlab.verify_state import CHECKS, compare_exports
 
 
@@ -33,6 +33,10 @@ def test_layouts_parse_into_processes_and_overrides() -> None:
     assert h4.nproc == 4 and "parallel.diloco.inner_steps=4" in h4.overrides
     assert diloco.diloco and not zero.diloco
     assert parse_checks("resume") == ("loss", "resume") and parse_checks("all") == CHECKS
+    ft, ft_tp = parse_layouts("ft:2,ft:2xtp:2")
+    assert ft == Layout("ft:2", 2, ("parallel.strategy=ddp", FT_ON))
+    assert ft_tp.nproc == 4 and "parallel.tp=2" in ft_tp.overrides
+    assert ft.ft and ft_tp.ft and not zero.ft
 
 
 @pytest.mark.parametrize(
@@ -155,3 +159,32 @@ def test_an_export_that_differs_is_named(tmp_path: Path) -> None:
     assert compare_exports(a, b)[:2] == (0.5, "w")
     worst, name, note = compare_exports(a, c)
     assert worst == float("inf") and name == "v" and "v only in the reference export" in note
+
+
+def test_verify_compares_every_fault_tolerant_group(tmp_path: Path) -> None:
+    pytest.importorskip("torchft")
+    out = tmp_path / "out"
+    proc = run_cli("verify", "--layouts", "ddp:2,ft:2", "--steps", "4", "--out", str(out),
+                   "--set", *FAST, "train.grad_clip=0.5")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    result = json.loads((out / "verify.json").read_text())
+    assert [r["layout"] for r in result["rows"]] == ["ft:2 group 0", "ft:2 group 1"]
+    for row in result["rows"]:
+        assert row["ok"] and row["max_loss_diff"] <= 1e-5 and row["max_param_diff"] <= 1e-5, row
+
+
+@pytest.mark.parametrize(
+    ("layouts", "checks", "message"),
+    [
+        ("ft:2,ddp:2", "loss", "the reference 'ft:2' is fault-tolerant"),
+        ("ddp:2,ft:2", "resume", "--checks resume/export with an ft layout: not built"),
+    ],
+)
+def test_ft_layouts_refused_where_not_built(
+    tmp_path: Path, layouts: str, checks: str, message: str
+) -> None:
+    proc = run_cli("verify", "--layouts", layouts, "--checks", checks, "--out",
+                   str(tmp_path / "out"), "--set", *FAST)  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists()

@@ -37,6 +37,8 @@ layouts (NAME:DEGREE joined by x; processes: the product of the degrees but ep's
   diloco:N[:H]            N DiLoCo replicas of one rank, syncing every H steps (default 1); the same
                           training as DDP with train.optimizer=sgd train.grad_clip=0
                           parallel.diloco.outer_lr=1 parallel.diloco.outer_momentum=0 and H = 1
+  ft:N                    DDP over N fault-tolerant replica groups (torchft; with tp: each
+                          group its TP ranks); each group's run compared
   tp:N   sp:N             tensor parallel over N ranks (sp: with sequence parallelism)
   pp:N[:SCHEDULE]         pipeline parallel over N ranks, e.g. pp:2:interleaved_1f1b
   ep:N                    expert parallel (MoE) over N of the data-parallel ranks, which N must

@@ -281,11 +281,16 @@ def replica_layout(config: Config, nodes: int, nproc_per_node: int) -> tuple[int
 
     replicas, group = replica_groups(config, nodes * nproc_per_node)
     if nproc_per_node % group:
+        allowed = (
+            f"parallel.replicate = a multiple of --nodes ({nodes}) dividing the "
+            f"{nodes * nproc_per_node} ranks"
+            if config.parallel.tp == 1
+            else f"parallel.tp dividing --nproc-per-node ({nproc_per_node})"
+        )
         raise ConfigError(
             f"parallel.fault_tolerance with --nodes {nodes} --nproc-per-node {nproc_per_node}: a "
             f"replica group has {group} ranks, which must fit on one node (one agent restarts a "
-            f"group); allowed: parallel.replicate = a multiple of --nodes ({nodes}) dividing the "
-            f"{nodes * nproc_per_node} ranks"
+            f"group); allowed: {allowed}"
         )
     return replicas, group
 

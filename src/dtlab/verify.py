@@ -14,6 +14,8 @@ Layout syntax: layouts separated by commas; a layout is dimensions joined by ``x
     ddp:N  fsdp:N  hsdp:N   data parallel over N ranks (hsdp: two replica groups)
     zero:N                  DDP over N ranks with ZeRO-1 (parallel.sharding = optimizer)
     diloco:N[:H]            N DiLoCo replicas of one rank, syncing every H steps (default 1)
+    ft:N                    DDP over N fault-tolerant replica groups (parallel.fault_tolerance on
+                            torchft; with tp, each group its TP ranks): every group compared
     tp:N   sp:N             tensor parallel over N ranks (sp: with sequence parallelism)
     pp:N[:SCHEDULE]         pipeline parallel over N ranks (schedule: parallel.pp_schedule's values)
     ep:N                    expert parallel (an MoE model's experts) over N of the data-parallel
@@ -54,8 +56,12 @@ from dtlab.verify_state import (
 
 _DIM = re.compile(r"^(?P<name>[a-z]+)(?::(?P<degree>\d+))?(?::(?P<option>[a-z0-9_]+))?$")
 _DATA = tuple(strategies_with(*DPWrapper))  # parallel.strategy's names
-_EXTRA_DATA = ("zero", "diloco")  # DDP with ZeRO-1; DiLoCo replicas of one DDP rank
+# DDP with ZeRO-1; DiLoCo replicas of one DDP rank; DDP over fault-tolerant replica groups
+_EXTRA_DATA = ("zero", "diloco", "ft")
 _NAMES = (*_DATA, *_EXTRA_DATA, "tp", "sp", "pp", "ep")
+
+
+FT_ON = "parallel.fault_tolerance.enabled=true"
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,11 @@ class Layout:
         """DiLoCo replicas: each replica's gradient norm is its own, and its checkpoint resumes on its
         own layout only."""
         return any(o.startswith("parallel.diloco.inner_steps=") for o in self.overrides)
+
+    @property
+    def ft(self) -> bool:
+        """Fault-tolerant replica groups: each trains in its own run directory (``replica-<i>``)."""
+        return FT_ON in self.overrides
 
 
 def parse_layouts(text: str) -> list[Layout]:
@@ -123,6 +134,9 @@ def _parse_layout(item: str) -> Layout:
                 )
             strategy, dp = "ddp", degree
             overrides.append(f"parallel.diloco.inner_steps={h}")
+        elif name == "ft":
+            strategy, dp = "ddp", degree
+            overrides.append(FT_ON)
         elif name == "zero":
             strategy, dp = "ddp", degree
             overrides.append("parallel.sharding=optimizer")
@@ -380,6 +394,16 @@ def verify(
     """Train every layout into ``out/<n>-<layout>`` and compare each with the first; with ``resume``
     or ``export`` in ``checks``, check each layout's resume and export paths too."""
     tol = tol or Tolerances()
+    if layouts[0].ft:
+        raise ConfigError(
+            f"--layouts: the reference {layouts[0].name!r} is fault-tolerant; put a layout of one "
+            "world first (e.g. single or ddp:N), the ft layouts after it"
+        )
+    if any(x.ft for x in layouts) and ("resume" in checks or "export" in checks):
+        raise ConfigError(
+            "--checks resume/export with an ft layout: not built (each replica group resumes from "
+            "its own run directory); check the ft layouts with --checks loss"
+        )
     out.mkdir(parents=True, exist_ok=True)
     middle = middle_step(steps) if "resume" in checks else None
     dirs = []
@@ -397,9 +421,14 @@ def verify(
     ref = layouts[0]
     for layout, run_dir in zip(layouts[1:], dirs[1:], strict=True):
         grad_norm = not (layout.diloco or ref.diloco)
-        result.rows.append(
-            compare_runs(layout.name, layout.nproc, dirs[0], run_dir, tol, grad_norm)
-        )
+        # Fault-tolerant groups: each group's own run (its metrics, its final weights) compared.
+        groups = sorted(run_dir.glob("replica-*"), key=lambda g: int(g.name.split("-")[1]))
+        for name, where in (
+            [(f"{layout.name} group {g.name.split('-')[1]}", g) for g in groups]
+            if layout.ft
+            else [(layout.name, run_dir)]
+        ):
+            result.rows.append(compare_runs(name, layout.nproc, dirs[0], where, tol, grad_norm))
     if "resume" in checks or "export" in checks:
         for i, (layout, run_dir) in enumerate(zip(layouts, dirs, strict=True)):
             result.state.append(

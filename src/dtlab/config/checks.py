@@ -214,8 +214,9 @@ def _check_fault_tolerance(c: Config) -> None:
     """parallel.fault_tolerance: torchft replica groups over plain data parallelism. Each DDP rank is
     one replica group, and each of HSDP's replicate groups (FSDP2 over its shard group's ranks); the
     gradient average across the groups goes through torchft instead of DDP's hooks or HSDP's
-    replicate all-reduce. What shares a model otherwise inside a group (TP, PP, EP) or exchanges
-    something else (DeMo, compression) is not built on it yet; DiLoCo has its own rules."""
+    replicate all-reduce. A DDP group may be tensor-parallel inside (its tp ranks); what shares a
+    model otherwise inside a group (TP under HSDP, PP, EP) or exchanges something else (DeMo,
+    compression) is not built on it yet; DiLoCo has its own rules."""
     p = c.parallel
     if not p.fault_tolerance.enabled:
         return
@@ -243,6 +244,8 @@ def _check_fault_tolerance(c: Config) -> None:
             key: (bad, shown, ok, "fault tolerance averages plain gradients over replica groups")
             for key, (bad, shown, ok) in _plain_data_parallel(c).items()
             if key != "parallel.diloco.inner_steps"  # DiLoCo: its own rules, below
+            # DDP's groups may be tensor-parallel inside (each group its TP ranks' world)
+            and not (key == "parallel.tp" and not hsdp and not p.diloco.inner_steps)
         },
         "parallel.ep": (p.ep > 1, str(p.ep), "1", "expert parallelism spans replica groups"),
     }  # fmt: skip

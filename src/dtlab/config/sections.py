@@ -534,7 +534,9 @@ class FaultToleranceOptions(_Section):
     recovers the model and optimizer state from a live peer (docs/fault-tolerance.md)."""
 
     enabled: bool = Field(
-        False, description="Fault-tolerant replica groups (parallel.strategy ddp: one per rank)."
+        False,
+        description="Fault-tolerant replica groups (ddp: one per data-parallel rank, with its tp "
+        "ranks; hsdp: one per replicate group).",
     )
     min_replicas: int = Field(
         1,

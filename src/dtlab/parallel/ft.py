@@ -110,11 +110,19 @@ def require_torchft() -> None:
 
 def replica_groups(config: Config, nproc: int) -> tuple[int, int]:
     """(replica groups, ranks per group) of a fault-tolerant run of ``nproc`` processes: HSDP's
-    ``parallel.replicate`` groups of ``nproc / replicate`` ranks, else (DDP) one group per rank."""
+    ``parallel.replicate`` groups of ``nproc / replicate`` ranks, else (DDP) one group per
+    data-parallel rank, of its ``parallel.tp`` tensor-parallel ranks (one rank without TP)."""
     p = config.parallel
     if needs_replica_groups(p.strategy) and p.replicate is not None:
         return p.replicate, nproc // p.replicate
-    return nproc, 1
+    if nproc % p.tp:
+        from dtlab.errors import DtlabError
+
+        raise DtlabError(
+            f"--nproc {nproc} with parallel.tp = {p.tp} and parallel.fault_tolerance: each replica "
+            f"group is {p.tp} tensor-parallel ranks, so --nproc must be a multiple of {p.tp}"
+        )
+    return nproc // p.tp, p.tp
 
 
 def group_dims(config: Config, world_size: int) -> ParallelDims:
