@@ -148,6 +148,19 @@ def test_groups_left_go_on_at_the_heartbeat_not_the_collective_timeout(tmp_path:
     _final_weights_equal(run_dir, steps)
 
 
+def _run_fork_server_serves(launcher: int) -> bool:
+    """Whether the fork server that launcher ``launcher`` started is serving (its socket is there)."""
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == launcher and len(argv) > 2 and argv[1].endswith(b"forkserver.py"):
+            return Path(os.fsdecode(argv[2])).exists()
+    return False
+
+
 def test_warm_restart_starts_the_killed_group_from_the_runs_fork_server(tmp_path: Path) -> None:
     # As a user starts it: a fresh interpreter, without the test suite's fork server, so that the
     # run starts its own (parallel.fault_tolerance.warm_restart, on by default).
@@ -162,7 +175,13 @@ def test_warm_restart_starts_the_killed_group_from_the_runs_fork_server(tmp_path
     try:
         deadline = time.monotonic() + 120
         metrics = run_dir / "replica-1" / "metrics.jsonl"
-        while not metrics.exists() or len(metrics.read_text().splitlines()) < 6:
+        # Group 1 past step 6, and the run's fork server serving (its imports take seconds; until
+        # then a process starts fresh, and on a busy machine that can include this restart).
+        while (
+            not metrics.exists()
+            or len(metrics.read_text().splitlines()) < 6
+            or not _run_fork_server_serves(proc.pid)
+        ):
             assert proc.poll() is None and time.monotonic() < deadline, (
                 "group 1 never reached step 6"
             )
