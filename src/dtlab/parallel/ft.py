@@ -17,7 +17,9 @@ Under HSDP (``parallel.strategy: hsdp``, ``replicate`` R) the R replicate groups
 groups: each is a world of S = world / R ranks that runs FSDP2 over them (:func:`group_dims`), and
 rank ``r`` of a group averages its gradient shards (and recovers its state) with rank ``r`` of the
 others: torchft's manager is built with the group's rank and size, and keeps one process group across
-the replicas per group rank. Sharded (DTensor) state crosses as its local shards.
+the replicas per group rank. Sharded (DTensor) state crosses as its local shards. Under DDP with
+``parallel.tp`` T, a group is its T tensor-parallel ranks, and rank ``r`` of each group likewise
+holds the same shards. A failed all-reduce frees that process group at once (:meth:`Replicas.drop_links`).
 
 Data order: rank ``r`` of group ``i`` of ``R`` keeps its slice of every step, data-parallel rank
 ``i * S + r`` of ``R * S`` (INTERFACE.md's split, plain HSDP's order). A step taken without some groups
