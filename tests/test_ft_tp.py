@@ -13,7 +13,6 @@ import json
 import os
 import signal
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -21,7 +20,6 @@ from conftest import (
     FAST,
     Watched,
     assert_groups_match,
-    checkpoint_tensors,
     read_metrics,
     real_pid,
     run_cli,
@@ -29,7 +27,7 @@ from conftest import (
 from dtlab import load_config
 from dtlab.errors import ConfigError, DtlabError
 from dtlab.parallel.ft import replica_groups
-from test_ft_hsdp import _group_rank_pid
+from test_ft_hsdp import _group_rank_pid, _weights
 
 pytest.importorskip("torchft")
 
@@ -44,14 +42,6 @@ def _train_args(run_dir: Path, steps: int, *overrides: str) -> list[str]:
         "train", "--nproc", "4", "--set", *FAST, f"train.steps={steps}", f"run.dir={run_dir}",
         *TP, CLIP, *overrides,
     ]  # fmt: skip
-
-
-def _weights(run_dir: Path, steps: int) -> dict[str, Any]:
-    tensors = checkpoint_tensors(run_dir / f"checkpoints/step-{steps:08d}")
-    assert any(k.startswith("model.") for k in tensors) and any(
-        k.startswith("optim.") for k in tensors
-    )
-    return tensors
 
 
 def test_no_fault_equals_plain_ddp_with_tp(tmp_path: Path) -> None:
