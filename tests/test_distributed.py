@@ -26,6 +26,12 @@ def test_reference_trains(reference_run: list[dict[str, Any]]) -> None:
         ("fsdp-no_shard", 2, ["parallel.strategy=fsdp", "parallel.sharding=no_shard"]),
         ("fsdp-accumulation", 2, ["parallel.strategy=fsdp", "train.micro_batch_size=1"]),
         ("hsdp", 4, ["parallel.strategy=hsdp", "parallel.replicate=2"]),
+        # Each micro-batch reduce-scattered, the replica groups' all-reduce held to the last.
+        (
+            "hsdp-accumulation",
+            4,
+            ["parallel.strategy=hsdp", "parallel.replicate=2", "train.micro_batch_size=1"],
+        ),
         # The tuning options change when collectives run, not what they compute.
         ("ddp-small-buckets", 2, ["parallel.strategy=ddp", "parallel.bucket_mb=0.05"]),
         ("fsdp-prefetch-2", 2, ["parallel.strategy=fsdp", "parallel.fsdp_prefetch=2"]),

@@ -26,6 +26,10 @@ CHECKED = {
     "fsdp:4 shard_grad_op": (4, ["parallel.strategy=fsdp", "parallel.sharding=shard_grad_op"]),
     "fsdp:4 no_shard": (4, ["parallel.strategy=fsdp", "parallel.sharding=no_shard"]),
     "hsdp:2x2": (4, ["parallel.strategy=hsdp", "parallel.replicate=2"]),
+    # Each micro-batch's gradients reduce-scattered into the shards (HSDP's all-reduce once).
+    "fsdp:2 accumulation": (2, ["parallel.strategy=fsdp", "train.micro_batch_size=1"]),
+    "hsdp:2x2 accumulation": (4, ["parallel.strategy=hsdp", "parallel.replicate=2",
+                                  "train.micro_batch_size=1"]),
     "tp:2": (2, ["parallel.tp=2"]),
     "tp:2 sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
     "fsdp:2xtp:2": (4, ["parallel.strategy=fsdp", "parallel.tp=2"]),

@@ -1,6 +1,7 @@
 """Run under torchrun: count the collectives of one optimizer step with 1 and with 4 micro-batches.
 
-Writes {strategy: {accum: {collective: count}}} as JSON to the path in argv[1] (rank 0).
+Writes {layout: {accum: {collective: count}}} as JSON to the path in argv[1] (rank 0); on 4
+processes, HSDP 2x2 too.
 """
 
 import json
@@ -18,11 +19,18 @@ from dtlab.train.optim import build_optimizer
 from dtlab.train.precision import LossScaler
 from dtlab.train.schedules import build_scheduler
 
+LAYOUTS = {
+    "ddp": ["parallel.strategy=ddp"],
+    "fsdp": ["parallel.strategy=fsdp"],
+    "fsdp no_shard": ["parallel.strategy=fsdp", "parallel.sharding=no_shard"],
+    "hsdp": ["parallel.strategy=hsdp", "parallel.replicate=2"],
+}
+world = int(__import__("os").environ["WORLD_SIZE"])
 results: dict = {}
-for strategy in ("ddp", "fsdp"):
-    cfg = load_config(
-        overrides=["model.preset=debug", "data.seq_len=16", f"parallel.strategy={strategy}"]
-    )
+for layout, extra in LAYOUTS.items():
+    if layout == "hsdp" and world < 4:
+        continue
+    cfg = load_config(overrides=["model.preset=debug", "data.seq_len=16", *extra])
     d = init_distributed(cfg)
     pm = parallelize(build_model(cfg.model), cfg, d)
     opt = build_optimizer(pm.module, cfg.train)
@@ -34,7 +42,7 @@ for strategy in ("ddp", "fsdp"):
         counter = CommCounter()
         with counter:
             train_step(pm, opt, sched, LossScaler(False), batches, cfg, d.device)
-        results.setdefault(strategy, {})[accum] = dict(counter.counts)
+        results.setdefault(layout, {})[accum] = dict(counter.counts)
 if d.rank == 0:
     with open(sys.argv[1], "w") as f:
         json.dump(results, f)

@@ -902,14 +902,18 @@ def _fsdp_comm(
         peak = root + sum(blocks)
     if shard > 1:
         # Per micro-batch every FSDP unit is gathered for forward and, when resharded after forward
-        # (full), again for backward; gradients are reduce-scattered once, on the last micro-batch.
+        # (full), again for backward, and its gradients are reduce-scattered.
         # A pipeline stage keeps its units gathered from its first backward to its last (the
         # schedule turns resharding after backward off): one backward gather per step.
         per_step = accum * (2 if p.sharding == "full" else 1)
+        # Gradients are reduce-scattered every micro-batch (ParallelModel.grad_sync); a pipeline
+        # schedule holds them unsharded to the step's last backward and reduces them once.
+        reductions = accum
         if dims.pp_enabled:
             per_step = accum + 1 if p.sharding == "full" else 1
+            reductions = 1
         comm["all_gather"] = per_step * gathered
-        comm["reduce_scatter"] = elements * grad_bytes
+        comm["reduce_scatter"] = reductions * elements * grad_bytes
         groups["all_gather"] = groups["reduce_scatter"] = shard
     if replicate > 1:
         # Across replica groups each rank all-reduces its gradient shard.

@@ -169,7 +169,8 @@ def collective_waits(
     the slowest rank of the group and for its own threads' turn on the cores): DDP's buckets once
     (its reducer issues them while backward runs and waits at the end); ZeRO-1's reduce-scatter and
     all-gather; FSDP's all-gathers (forward and, with ``full`` sharding, backward, of each unit and
-    micro-batch), reduce-scatters (and HSDP's all-reduces) of each unit; tensor parallelism's per
+    micro-batch), reduce-scatters of each unit and micro-batch (a pipeline's once) and HSDP's
+    all-reduces of each unit; tensor parallelism's per
     block and micro-batch; a pipeline rank's sends and receives; expert parallelism's all-to-alls
     (three per MoE block and micro-batch in forward, two in backward, three more where a block is
     recomputed) and its experts' all-reduce; and the step's one reduction. ``n_layers``: the blocks
@@ -189,7 +190,9 @@ def collective_waits(
     if dims.fsdp_enabled:
         units = n_layers + 1
         gathers = 2 if p.sharding == "full" else 1
-        add(dims.dp_shard, microbatches * gathers * units + units)  # all-gathers, reduce-scatters
+        # All-gathers, and reduce-scatters (each micro-batch's; a pipeline's once, at its end).
+        scatters = units if dims.pp_enabled else microbatches * units
+        add(dims.dp_shard, microbatches * gathers * units + scatters)
         add(dims.dp_replicate, units)
     if dims.tp_enabled:
         if p.sequence_parallel:

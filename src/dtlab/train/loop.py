@@ -273,8 +273,9 @@ def accumulate_gradients(
             inputs.to(device, non_blocking=True),
             targets.to(device, non_blocking=True),
         )
-        # Only the last micro-batch synchronises gradients; the others accumulate locally.
-        with pm.grad_sync(i == accum - 1 and not skip_sync), pm.loss_context():
+        # The last micro-batch synchronises gradients; the others accumulate locally (FSDP's in
+        # its shards: ParallelModel.grad_sync).
+        with pm.grad_sync(i == accum - 1, skip=skip_sync), pm.loss_context():
             # Every micro-batch has the same number of tokens, so mean/accum summed over micro-batches and
             # averaged over ranks is the mean over every token of the global batch.
             loss = (
