@@ -4,18 +4,31 @@ recommended row and, on the debug model, trains."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import logging
+import math
 import shlex
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
+from torch import nn
 
 from conftest import FAST, run_cli, train_run
 from dtlab.analysis.devices import PROFILES
 from dtlab.analysis.plan import HEADROOM, format_plan, plan
 from dtlab.analysis.search import SEARCHED
-from dtlab.config import check_world, load_config
+from dtlab.config import (
+    SINGLE_STAGE_SCHEDULES,
+    V_SCHEDULES,
+    ConfigError,
+    check_world,
+    load_config,
+    schedule_refusal,
+)
+from dtlab.parallel.pipeline import SCHEDULES
 
 H100 = PROFILES["h100"]
 LLAMA70B = ["model.preset=llama3.1-70b"]
@@ -141,3 +154,102 @@ def test_the_recommended_line_of_the_debug_model_trains(tmp_path: Path) -> None:
     # The run trained the recommended layout, as dtlab names layouts everywhere.
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["layout"] == rec["label"], (summary["layout"], rec["label"])
+
+
+# --- the search offers only what dtlab train accepts ---------------------------------------------
+# The debug model cut into 8 blocks: 4 pipeline ranks of two stages each (interleaved, zero-bubble
+# and V schedules), and 18 samples, whose divisors include micro-batch counts torch's schedules refuse.
+PIPE = ["model.n_layers=8", "train.global_batch_size=18"]
+
+
+@dataclass
+class _Stage:
+    """What torch's schedule constructors read of a pipeline stage (no process group, no module)."""
+
+    stage_index: int
+    num_stages: int
+    group_size: int
+    group_rank: int
+    submod: Any = field(default_factory=nn.Identity)
+    stage_index_to_group_rank: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+
+def _torch_refuses(schedule: str, pp: int, per_rank: int, microbatches: int) -> bool:
+    """Whether torch's own schedule class refuses this count, built for each pipeline rank."""
+    n_stages = pp * per_rank
+    for rank in range(pp):
+        if schedule in V_SCHEDULES:
+            ids = [rank, 2 * pp - 1 - rank]
+        else:
+            ids = [rank + k * pp for k in range(per_rank)]
+        stages: Any = [_Stage(i, n_stages, pp, rank) for i in ids]
+        try:
+            SCHEDULES[schedule](
+                stages[0] if per_rank == 1 else stages, microbatches, loss_fn=lambda x, y: x
+            )
+        except ValueError:
+            return True
+    return False
+
+
+def test_the_schedule_rules_are_torchs_own() -> None:
+    """dtlab's statement of the schedules' micro-batch rules refuses exactly what torch's schedule
+    constructors refuse (they also lay out every rank's actions, so this is their whole check)."""
+    logging.disable(logging.WARNING)  # the zero-bubble schedules log the bubbles they add
+    try:
+        refused = 0
+        for schedule in SCHEDULES:
+            if schedule in SINGLE_STAGE_SCHEDULES:
+                per_rank = [1]
+            elif schedule in V_SCHEDULES:
+                per_rank = [2]
+            else:
+                per_rank = [2, 3]
+            for pp, v, m in itertools.product((2, 3, 4), per_rank, range(1, 13)):
+                ours = schedule_refusal(schedule, pp, pp * v, m) is not None
+                assert ours == _torch_refuses(schedule, pp, v, m), (schedule, pp, v, m, ours)
+                refused += ours
+        assert refused > 50  # the grid reaches every rule (1F1B's, DualPipeV's, the rounds')
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def test_interleaved_1f1b_with_18_micro_batches_on_4_stages_is_refused_before_launch(
+    tmp_path: Path,
+) -> None:
+    """The count the search once recommended (and dtlab train then refused in its workers): refused
+    by the checks dtlab train runs before any process starts, with the counts that would run."""
+    given = [*FAST, *PIPE, "parallel.pp=4", "parallel.pp_schedule=interleaved_1f1b"]
+    config = load_config(overrides=[*given, "parallel.pp_microbatches=18"])
+    with pytest.raises(ConfigError) as e:
+        check_world(config, 4)
+    assert "18 pipeline micro-batches" in str(e.value) and "multiple of 4" in str(e.value)
+    assert "parallel.pp_microbatches 1, 2, 3 or 6" in str(e.value)
+    proc = run_cli(
+        "train", "--nproc", "4", "--set", *given, "parallel.pp_microbatches=18",
+        f"run.dir={tmp_path / 'r'}",
+    )  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "18 pipeline micro-batches" in proc.stderr
+    assert not (tmp_path / "r").exists()  # refused before a run directory or a process existed
+
+
+def test_the_search_never_offers_a_micro_batch_count_the_schedule_refuses(tmp_path: Path) -> None:
+    """With the schedule and degree pinned, the search used to offer 18 micro-batches (the smallest
+    bubble); every row it offers now runs, and its recommended line trains."""
+    given = [*FAST, *PIPE, "parallel.pp=4", "parallel.pp_schedule=interleaved_1f1b"]
+    s = plan(load_config(overrides=given), 4, 1, H100, None)["search"]
+    counts = {r["pp_microbatches"] for r in [*s["rows"], s["recommended"]]}
+    assert counts and all(schedule_refusal("interleaved_1f1b", 4, 8, m) is None for m in counts)
+    assert 18 not in counts and 9 not in counts, counts
+    rec = s["recommended"]
+    metrics = train_run(tmp_path / "run", *given[len(FAST) :], *rec["set"], nproc=4, steps=1)
+    assert [m["step"] for m in metrics] == [1] and math.isfinite(metrics[0]["loss"])

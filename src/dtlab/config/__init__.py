@@ -17,9 +17,11 @@ from dtlab.config.checks import (
     V_SCHEDULES,
     ZERO_BUBBLE_SCHEDULES,
     check_batch_split,
+    check_pipeline_schedule,
     check_world,
     config_warnings,
     pipeline_microbatches,
+    schedule_refusal,
 )
 from dtlab.config.loading import (
     apply_override,
@@ -82,6 +84,7 @@ __all__ = [
     "ValueRangeError",
     "apply_override",
     "check_batch_split",
+    "check_pipeline_schedule",
     "check_world",
     "config_from_dict",
     "config_warnings",
@@ -90,6 +93,7 @@ __all__ = [
     "load_config",
     "parse_yaml",
     "pipeline_microbatches",
+    "schedule_refusal",
     "show",
     "yaml_scalar",
 ]

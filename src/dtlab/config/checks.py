@@ -85,6 +85,60 @@ def pipeline_microbatches(config: Config, dp: int) -> int:
     return n
 
 
+def schedule_refusal(schedule: str, pp: int, n_stages: int, n_microbatches: int) -> str | None:
+    """Why ``torch.distributed.pipelining``'s ``schedule`` refuses ``n_microbatches`` micro-batches
+    over ``pp`` ranks holding ``n_stages`` stages in all, or None when it runs them.
+
+    These are the checks torch's schedule constructors make (torch 2.13; tests/test_plan_search.py
+    compares this function with the constructors themselves over a grid of counts), stated here so
+    that :func:`check_world` refuses a config before any process starts, and ``dtlab plan``'s search,
+    which runs :func:`check_world` on every candidate, never offers one the trainer refuses.
+    """
+    if schedule in ("1f1b", "dualpipev") and n_microbatches < n_stages:
+        # 1F1B's warm-up runs one forward per stage ahead of the first backward.
+        return (
+            f"{schedule} needs at least as many micro-batches as stages: {n_microbatches} "
+            f"micro-batches for {n_stages} stages"
+        )
+    if schedule in ("interleaved_1f1b", "interleaved_zb"):
+        # Micro-batches go round the pp ranks in rounds of equal size (torch's "flex" interleaving).
+        rounds = max(1, n_microbatches // pp)
+        if n_microbatches % rounds:
+            return (
+                f"{schedule} runs the micro-batches in rounds of equal size, max(1, micro-batches // "
+                f"pp) = {rounds} rounds here, and {n_microbatches} micro-batches are not a multiple "
+                f"of {rounds}"
+            )
+    return None
+
+
+def check_pipeline_schedule(config: Config, dp: int) -> None:
+    """That the pipeline schedule runs this config's micro-batch count (:func:`schedule_refusal`),
+    on ``dp`` data-parallel ranks; a ConfigError naming the counts that would run."""
+    p, t = config.parallel, config.train
+    n = pipeline_microbatches(config, dp)
+    n_stages = p.pp * p.stages_per_rank
+    why = schedule_refusal(p.pp_schedule, p.pp, n_stages, n)
+    if why is None:
+        return
+    share = t.global_batch_size // dp
+    counts = [
+        m for m in range(1, share + 1)
+        if share % m == 0 and schedule_refusal(p.pp_schedule, p.pp, n_stages, m) is None
+    ]  # fmt: skip
+    allowed = (
+        f"parallel.pp_microbatches {_or(counts[-4:])} (dividing each data-parallel rank's {share} "
+        "samples)"
+        if counts
+        else f"a larger train.global_batch_size than {t.global_batch_size}"
+    )
+    raise ConfigError(
+        f"parallel.pp_schedule = {p.pp_schedule!r} with {n} pipeline micro-batches on parallel.pp "
+        f"= {p.pp}: {why}; allowed: {allowed}, or another parallel.pp_schedule (gpipe and looped_bfs "
+        "take any count)"
+    )
+
+
 def _plain_data_parallel(c: Config) -> dict[str, tuple[bool, str, str]]:
     """What ZeRO-1 and OOM retry both refuse, as key -> (refused, value shown, allowed): anything but
     the torch engine's plain data parallelism with a gradient all-reduce (DeMo and DiLoCo exchange
@@ -501,7 +555,7 @@ def check_world(config: Config, world_size: int) -> int:
     dims = ParallelDims.from_config(config, world_size)
     accum = check_batch_split(config, dims.dp)
     if dims.pp_enabled:
-        pipeline_microbatches(config, dims.dp)
+        check_pipeline_schedule(config, dims.dp)
     return accum
 
 

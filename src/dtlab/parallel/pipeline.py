@@ -38,6 +38,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.tensor import DTensor
 
+from dtlab.config.checks import schedule_refusal
 from dtlab.dims import stage_layers
 from dtlab.errors import ConfigError
 from dtlab.models.args import ModelArgs
@@ -199,14 +200,20 @@ def build_pipeline(
         n_microbatches=n_microbatches,
     )
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = pipeline.loss
+    # check_world refused these in the launching process; a worker that torchrun started did not
+    # run it, and gets the same words here rather than torch's.
+    why = schedule_refusal(schedule, mesh.size(), n_stages, n_microbatches)
+    if why is not None:
+        raise ConfigError(
+            f"parallel.pp_schedule = {schedule!r} with {n_microbatches} pipeline micro-batches: "
+            f"{why} (parallel.pp_microbatches sets the micro-batches)"
+        )
     try:
         if schedule in ("gpipe", "1f1b"):
             pipeline.schedule = cls(pipeline_stages[0], n_microbatches, loss_fn=loss_fn)
         else:
             pipeline.schedule = cls(pipeline_stages, n_microbatches, loss_fn=loss_fn)
-    except (
-        ValueError
-    ) as e:  # the schedule's own rules, e.g. at least as many micro-batches as stages
+    except ValueError as e:  # a rule of the schedule's that schedule_refusal does not state
         raise ConfigError(
             f"parallel.pp_schedule = {schedule!r} with {n_microbatches} micro-batches and {n_stages} "
             f"stages: {e} (parallel.pp_microbatches sets the micro-batches)"
