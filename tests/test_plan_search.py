@@ -17,9 +17,27 @@ import pytest
 from torch import nn
 
 from conftest import FAST, run_cli, train_run
+from dtlab.analysis import search as search_module
 from dtlab.analysis.devices import PROFILES
-from dtlab.analysis.plan import HEADROOM, format_plan, plan
-from dtlab.analysis.search import SEARCHED
+from dtlab.analysis.model import param_shapes
+from dtlab.analysis.plan import (
+    HEADROOM,
+    TIE_MARGIN,
+    _row,
+    achievable_flops,
+    format_plan,
+    plan,
+)
+from dtlab.analysis.search import (
+    AC_MODES,
+    PRECISIONS,
+    SEARCHED,
+    TOP,
+    apply_values,
+    layouts,
+    search,
+    set_args,
+)
 from dtlab.config import (
     SINGLE_STAGE_SCHEDULES,
     V_SCHEDULES,
@@ -28,6 +46,7 @@ from dtlab.config import (
     load_config,
     schedule_refusal,
 )
+from dtlab.dims import ParallelDims, layout_name
 from dtlab.parallel.pipeline import SCHEDULES
 
 H100 = PROFILES["h100"]
@@ -253,3 +272,91 @@ def test_the_search_never_offers_a_micro_batch_count_the_schedule_refuses(tmp_pa
     rec = s["recommended"]
     metrics = train_run(tmp_path / "run", *given[len(FAST) :], *rec["set"], nproc=4, steps=1)
     assert [m["step"] for m in metrics] == [1] and math.isfinite(metrics[0]["loss"])
+
+
+def test_every_top_row_passes_the_trainers_checks_and_trains_a_step(tmp_path: Path) -> None:
+    """Each of the search's top rows and its recommendation (the debug model in 8 blocks on 4
+    processes): its ``--set`` line passes the checks dtlab train runs before it starts, names the
+    layout the row names, and trains one step with gloo."""
+    given = [*FAST, *PIPE]
+    s = plan(load_config(overrides=given), 4, 1, H100, None)["search"]
+    rec = s["recommended"]
+    rows = [
+        *s["rows"],
+        *([rec] if all(r["settings"] != rec["settings"] for r in s["rows"]) else []),
+    ]
+    assert len(rows) >= 5 and any(r["settings"]["parallel.pp"] > 1 for r in rows)
+    first_losses = []
+    for i, row in enumerate(rows):
+        extra = set_args(row["overrides"])
+        config = load_config(overrides=[*given, *extra])
+        check_world(config, 4)  # what dtlab train runs before it starts any process
+        dims = ParallelDims.from_config(config, 4)
+        assert layout_name(dims, config.parallel) == row["label"]
+        metrics = train_run(tmp_path / f"r{i}", *PIPE, *extra, nproc=4, steps=1)
+        summary = json.loads((tmp_path / f"r{i}" / "summary.json").read_text())
+        assert summary["layout"] == row["label"], (summary["layout"], row["label"])
+        assert [m["step"] for m in metrics] == [1] and math.isfinite(metrics[0]["loss"])
+        first_losses.append(metrics[0]["loss"])
+    # The same samples and initial weights whatever the layout: the same first loss (bf16 rounding).
+    assert max(first_losses) - min(first_losses) <= 1e-2 * min(first_losses), first_losses
+
+
+def _exhaustive(
+    config: Any, nproc: int, nnodes: int, memory: float
+) -> tuple[dict[str, tuple[float, float, str]], int]:
+    """Every candidate the search considers, each costed at every checkpointing mode and micro-batch
+    size (no bound, no binary search): the fastest row that fits of each layout, as the search keys
+    layouts, as (step time, bytes, label); and how many rows that costed."""
+    world = nproc * nnodes
+    shapes = param_shapes(config.model)
+    precisions = [p for p in PRECISIONS if H100.peak_tflops.get(p)]
+    best: dict[str, tuple[float, float, str]] = {}
+    costed = 0
+    for values in layouts(config, nproc, nnodes, precisions):
+        cfg = apply_values(config, values)
+        if not search_module._valid(cfg, world):
+            continue
+        dims = ParallelDims.from_config(cfg, world)
+        key = search_module._key(values, "parallel.pp_microbatches", "train.precision")
+        for ac in AC_MODES:
+            trial = apply_values(cfg, {"train.activation_checkpointing": ac})
+            for micro in search_module._micro_options(trial, dims):
+                trial = apply_values(trial, {"train.micro_batch_size": micro})
+                label = layout_name(dims, trial.parallel)
+                rate = achievable_flops(H100, trial.train.precision)
+                row = _row(label, trial, nproc, nnodes, H100, rate, shapes, memory)
+                costed += 1
+                found = (row.step_time_s, float(row.step.total_bytes), label)
+                if row.fits and (key not in best or found[0] < best[key][0]):
+                    best[key] = found
+    return best, costed
+
+
+@pytest.mark.parametrize(
+    ("overrides", "nproc", "nnodes", "memory_gib"),
+    [
+        # A stale time in the search's heap once hid a row of this one's top five.
+        (["model.preset=small", "data.seq_len=1024"], 4, 1, 2.0),
+        (["model.preset=tiny", "data.seq_len=256", "train.global_batch_size=32"], 4, 2, 0.05),
+        (["model.preset=tiny", "data.seq_len=64"], 8, 1, None),
+    ],
+)
+def test_the_pruned_search_finds_the_exhaustive_top_rows_and_tie(
+    overrides: list[str], nproc: int, nnodes: int, memory_gib: float | None
+) -> None:
+    """The search's bounds and shortcuts leave out nothing an exhaustive costing shows or ties."""
+    config = load_config(overrides=overrides)
+    memory = (memory_gib if memory_gib is not None else H100.memory_gib) * 2**30
+    shapes = param_shapes(config.model)
+
+    def cost(label: str, cfg: Any, rate: float) -> Any:
+        return _row(label, cfg, nproc, nnodes, H100, rate, shapes, memory)
+
+    found = search(config, nproc, nnodes, H100, memory, shapes, cost, TIE_MARGIN)
+    best, costed = _exhaustive(config, nproc, nnodes, memory)
+    every = sorted(best.values())
+    assert found.costed < costed / 2, (found.costed, costed)  # it did prune
+    assert [(f.step_time_s, f.label) for f in found.rows] == [(t, lb) for t, _, lb in every[:TOP]]
+    tied = [(t, lb) for t, _, lb in every if t <= every[0][0] * (1 + TIE_MARGIN)]
+    assert sorted((f.step_time_s, f.label) for f in found.tied) == tied

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dtlab.analysis import moe
+from dtlab.analysis.choose import reason
 from dtlab.analysis.devices import DeviceProfile
 from dtlab.analysis.fitrule import explain, usable_fraction
 from dtlab.analysis.latency import cross_replica_collectives
@@ -55,8 +56,9 @@ DEFAULT_DEVICE = "h100"  # the profile ``dtlab plan`` assumes without --device (
 # The share of a GPU's memory a predicted peak may take and still fit: measured, with its source
 # (dtlab.analysis.fitrule; a CPU device has its own, usable_fraction("cpu")).
 HEADROOM = usable_fraction("cuda")
-# Estimated step times this close to the fastest are a tie: the estimate is coarser than that, and the
-# simpler strategy of the tied ones is recommended.
+# Estimated step times this close to the fastest are a tie: the estimate is coarser than that. The
+# search's tied layouts are told apart by their memory margin, their exposed communication, then
+# simplicity (dtlab.analysis.choose); the strategies at the config's own settings by simplicity.
 TIE_MARGIN = 0.10
 # From the simplest to the most involved: what a user has to understand, tune and debug. DDP keeps whole
 # parameters on every rank and issues one gradient all-reduce per step; FSDP adds parameter all-gathers
@@ -260,7 +262,6 @@ def plan(
     memory = (memory_gib if memory_gib is not None else device.memory_gib) * 2**30
     precision = config.train.precision
     ac = config.train.activation_checkpointing
-    peak = device.peak_tflops.get(precision)
     kind = device.kind
     rate = achievable_flops(device, precision)
     shapes = param_shapes(config.model)
@@ -286,6 +287,11 @@ def plan(
         raise ConfigError(f"no layout of this config runs on {world} ranks")
     searched = _search_dict(config, found, nproc, nnodes, device, rate, shapes, memory, source)
     best = searched["recommended"]
+    # The header's figures are those of the recommended row (its precision's peak, its recompute),
+    # or the config's own where nothing is recommended; the strategies' table keeps the config's.
+    shown_precision = best["precision"] if best else precision
+    shown_ac = best["activation_checkpointing"] if best else ac
+    peak = device.peak_tflops.get(shown_precision)
     return {
         "model": {
             "params": sum(s.numel for s in shapes),
@@ -315,6 +321,15 @@ def plan(
         },
         "precision": precision,
         "activation_checkpointing": ac,
+        "header": {
+            "of": "recommended" if best else "as given",
+            "precision": shown_precision,  # device.peak_tflops is this precision's
+            "activation_checkpointing": shown_ac,
+            "recompute": RECOMPUTE[shown_ac],
+            "recompute_flops_per_token": recompute_flops_per_token(
+                config.model, config.seq_len, shown_ac
+            ),
+        },
         "global_batch_size": config.train.global_batch_size,
         "seq_len": config.seq_len,
         "shape_sources": shape_sources(config),
@@ -397,12 +412,18 @@ def _search_dict(
         given = {"label": "as given", "error": str(e)}
     best = recommended(found)
     rec = None
-    if best is not None:
+    if best is not None and found.choice is not None:
         extra = set_args(overrides(config, best))
+        other = found.choice.other
         rec = {
             **as_row(best),
             "set": extra,
             "command": command(source[0], nproc, nnodes, list(source[1]), extra),
+            # What set the compared row (the fastest, or the runner-up) aside (choose.CRITERIA),
+            # and how many layouts were tied with the fastest (itself included).
+            "decided_by": found.choice.decided_by,
+            "compared_with": other.label if other is not None else None,
+            "tied": len(found.tied),
         }
     return {
         "open": found.open,
@@ -417,25 +438,30 @@ def _search_dict(
 
 
 def _recommendation(found: SearchResult, best: dict[str, Any]) -> str:
-    """The search's choice in words: its layout, figures and why (the fastest, or a tie)."""
+    """The search's choice in words: its layout, figures and why it won (dtlab.analysis.choose):
+    against the fastest, or, when it is the fastest, against the runner-up of the tie."""
     figures = (
         f"{format_bytes(best['per_rank']['total_bytes'])} per rank, "
         f"{format_seconds(best['step_time_s'])} per step"
     )
     name = f"{best['label']}, {_settings(best)}"
-    fastest = found.tied[0]
-    if len(found.tied) == 1:
-        return f"{name}: the fastest estimated step of the layouts that fit ({figures})"
-    if fastest.label == best["label"] and fastest.step_time_s == best["step_time_s"]:
+    choice = found.choice
+    assert choice is not None  # a recommended row comes from a choice
+    fastest, other = choice.fastest, choice.other
+    if choice.pick is fastest:
+        text = f"{name}: the fastest estimated step of the layouts that fit ({figures})"
+        if other is None:
+            return text
+        n = len(choice.tied) - 1
         return (
-            f"{name}: the fastest estimated step of the layouts that fit ({figures}), and the "
-            f"simplest of those within {TIE_MARGIN:.0%} of it"
+            f"{text}; {n} other{'s' if n > 1 else ''} within {TIE_MARGIN:.0%} of it (closer than "
+            f"this estimate can tell apart); against the runner-up, {other.label} at "
+            f"{format_seconds(other.step_time_s)}, {reason(choice)}"
         )
     return (
-        f"{name} ({figures}): a tie with the fastest, {fastest.label} at "
-        f"{format_seconds(fastest.step_time_s)} (within {TIE_MARGIN:.0%}: closer than this "
-        "estimate can tell apart), and the simplest of the layouts that close (fewest parallel "
-        "dimensions, then the plainest data parallelism)"
+        f"{name} ({figures}): within {TIE_MARGIN:.0%} of the fastest, {fastest.label} at "
+        f"{format_seconds(fastest.step_time_s)} (closer than this estimate can tell apart); "
+        f"against it, {reason(choice)}"
     )
 
 

@@ -52,7 +52,16 @@ def _sig3(v: float) -> str:
 def format_plan(p: dict[str, Any]) -> str:
     """The plan as a table for a terminal."""
     dev, a = p["device"], p["assumptions"]
-    peak = dev["peak_tflops"]
+    # The header's precision and checkpointing: the recommended row's (or the config's own).
+    head = p.get("header") or {
+        "of": "as given",
+        "precision": p["precision"],
+        "activation_checkpointing": p["activation_checkpointing"],
+        "recompute": a["recompute"],
+        "recompute_flops_per_token": p["model"]["recompute_flops_per_token"],
+    }
+    peak = dev["peak_tflops"]  # of the header's precision
+    whose = " (recommended)" if head["of"] == "recommended" else ""
     name = dev["name"]
     if dev.get("assumed"):
         name += f" (assumed: the default profile {dev['key']}; pass --device KEY or --device this)"
@@ -72,7 +81,8 @@ def format_plan(p: dict[str, Any]) -> str:
         f"global batch {p['global_batch_size']}{where('train.global_batch_size')} x seq_len "
         f"{p['seq_len']}{where('data.seq_len')}",
         f"device {name}:",
-        f"  peak     {format_tflops(peak) if peak else 'unknown'} TFLOP/s {p['precision']} ({dev['source']})",
+        f"  peak     {format_tflops(peak) if peak else 'unknown'} TFLOP/s {head['precision']}{whose} "
+        f"({dev['source']})",
         f"  memory   {dev['memory_gib']:.3g} GiB ({dev['memory_source']})",
         f"  in node  {dev['intra_node_gbps']:.3g} GB/s per rank ({dev['intra_node_source']})",
         f"  across   {dev['inter_node_gbps']:.3g} GB/s per rank ({dev['inter_node_source']})",
@@ -110,13 +120,16 @@ def format_plan(p: dict[str, Any]) -> str:
         ),
         f"step time: {a['step_time']}",
         *([a["fit_rule"]] if "fit_rule" in a else []),
-        f"activation checkpointing {p['activation_checkpointing']}: recompute = {a['recompute']}"
+        f"activation checkpointing {head['activation_checkpointing']}{whose}: recompute = "
+        f"{head['recompute']}"
         + (
-            f" (+{format_count(model['recompute_flops_per_token'], 'FLOP')}/token)"
-            if model["recompute_flops_per_token"]
+            f" (+{format_count(head['recompute_flops_per_token'], 'FLOP')}/token)"
+            if head["recompute_flops_per_token"]
             else ""
         ),
         "",
+        f"the data-parallel strategies at the config's own settings ({p['precision']}, "
+        f"checkpointing {p['activation_checkpointing']}):",
         f"{'strategy':<{w}}"
         + "".join(f"{h:>11}" for h in ("params", "grads", "optim", "activ", "total"))
         + f"  {'fits':<4}"
@@ -126,7 +139,7 @@ def format_plan(p: dict[str, Any]) -> str:
     alike = len(p["strategies"]) > 1 and len(errors) == 1 and None not in errors
     if alike:
         # Every strategy fails alike at the config's own settings (e.g. the batch's split): once.
-        lines[-1:] = [f"the data-parallel strategies at the config's own settings: {min(errors)}"]
+        lines[-2:] = [f"the data-parallel strategies at the config's own settings: {min(errors)}"]
     for r in [] if alike else p["strategies"]:
         if "error" in r:
             lines.append(f"{r['label']:<{w}} {r['error']}")

@@ -11,12 +11,15 @@ a candidate's compute time (with its pipeline bubble and recompute) is known wit
 bounds its step time from below, so candidates are costed fastest bound first and those whose bound
 cannot reach the best rows are never costed; and per layout and activation checkpointing mode only the
 largest micro-batch that fits is costed (a binary search: memory grows with the micro-batch, and a
-larger one never communicates more).
+larger one never communicates more). The bound leaves a candidate uncosted only when it exceeds both
+the TOP-th fastest layout found so far and the tie with the fastest found so far; both only fall as
+rows are found, and neither ever falls below its final value, so every row that is finally shown or
+tied is costed (tests/test_plan_search.py compares the rows and the tie with an exhaustive costing).
+Which of the tied rows is recommended: :mod:`dtlab.analysis.choose`.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 import shlex
 import time
@@ -24,7 +27,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, get_args
 
+from dtlab.analysis.choose import Choice, choose
 from dtlab.analysis.devices import DeviceProfile
+from dtlab.analysis.fitrule import usable_fraction
 from dtlab.analysis.model import (
     ParamShape,
     flops_per_token,
@@ -84,6 +89,7 @@ class SearchResult:
     costed: int  # rows costed
     seconds: float
     tied: list[Found] = field(default_factory=list)  # within the tie margin of the fastest
+    choice: Choice | None = None  # the recommended row of the tied ones, and why
 
 
 def open_keys(config: Config) -> list[str]:
@@ -207,7 +213,8 @@ def apply_values(config: Config, values: dict[str, Any]) -> Config:
 
 def _valid(config: Config, world: int) -> bool:
     """Whether dtlab runs ``config`` on ``world`` ranks: the config's own cross-field rules and
-    :func:`check_world`, as ``dtlab train`` checks them before it starts."""
+    :func:`check_world` (torch's pipeline schedule rules among them), the functions ``dtlab train``
+    runs before it starts."""
     try:
         # The schema's cross-field rules on a copy made without validation (a few µs; a whole
         # model_validate is 300 times that, and the search makes thousands of copies).
@@ -307,28 +314,24 @@ def search(
     queue.sort(key=lambda q: (q[0], q[1]))
     best: dict[str, Found] = {}  # layout key -> its fastest row that fits
     closest: list[Found] = []  # rows that do not fit, least memory first (when nothing fits)
-    times: list[float] = []  # a max-heap (negated) of the TOP fastest layouts' times
+    # The TOP-th fastest of the layouts' best rows so far (inf until TOP layouts fit), recomputed from
+    # ``best`` whenever a row enters it: a layout's own faster row replaces its slower one there, so
+    # no stale time can stand in for a layout's, and it only falls as rows are found. A row whose
+    # bound is above both it and the tie with the fastest can be neither shown nor recommended.
+    top_time = math.inf
     fastest = math.inf
-    simplest: tuple[int, ...] | None = None  # of the rows tied with the fastest so far
     costed = 0
 
-    def worth(bound: float, cfg: Config) -> bool:
-        # A row is costed when it may be shown (among the TOP fastest), or may be recommended: tied
-        # with the fastest and not less simple than the simplest tied row found so far. (A new
-        # fastest is always among the TOP.)
-        if len(times) < TOP or bound <= -times[0]:
-            return True
-        return bound <= fastest * (1 + tie_margin) and (
-            simplest is None or _simplicity(cfg) <= simplest
-        )
+    def worth(bound: float) -> bool:
+        return bound <= top_time or bound <= fastest * (1 + tie_margin)
 
     done: set[str] = set()  # layouts that fit without accumulation: a slower AC mode cannot win
     probed: dict[str, bool] = {}  # layout -> whether it fits at its lightest (while nothing fits)
     for bound, _, values, cfg, dims in queue:
-        if len(times) >= TOP and bound > max(-times[0], fastest * (1 + tie_margin)):
+        if not worth(bound):
             break  # sorted by bound: nothing after this is worth costing either
         key = _key(values, "train.activation_checkpointing")
-        if key in done or not worth(bound, cfg):
+        if key in done:
             continue
         ac = values["train.activation_checkpointing"]
         micros = _micro_options(cfg, dims)
@@ -380,16 +383,9 @@ def search(
         )
         if layout not in best or fit.step_time_s < best[layout].step_time_s:
             best[layout] = fit
-            heapq.heappush(times, -fit.step_time_s)
-            if len(times) > TOP:
-                heapq.heappop(times)
             fastest = min(fastest, fit.step_time_s)
-            near = [
-                _simplicity(f.config)
-                for f in best.values()
-                if f.step_time_s <= fastest * (1 + tie_margin)
-            ]
-            simplest = min(near)
+            if len(best) >= TOP:
+                top_time = sorted(f.step_time_s for f in best.values())[TOP - 1]
     rows = sorted(best.values(), key=lambda f: (f.step_time_s, f.row.step.total_bytes))
     if not rows:
         closest.sort(key=lambda f: f.row.step.total_bytes)
@@ -402,6 +398,7 @@ def search(
         tied: list[Found] = []
     else:
         tied = [f for f in rows if f.step_time_s <= rows[0].step_time_s * (1 + tie_margin)]
+    usable = memory * usable_fraction(device.kind)
     return SearchResult(
         rows[:TOP] if best else rows,
         opened,
@@ -410,6 +407,7 @@ def search(
         costed,
         time.perf_counter() - start,
         tied,
+        choose(tied, usable, tie_margin) if tied else None,
     )
 
 
@@ -417,33 +415,9 @@ def _key(values: dict[str, Any], *leave_out: str) -> str:
     return repr(sorted((k, v) for k, v in values.items() if k not in leave_out))
 
 
-def simplicity(found: Found) -> tuple[int, ...]:
-    """:func:`_simplicity` of a found row's config."""
-    return _simplicity(found.config)
-
-
-def _simplicity(config: Config) -> tuple[int, ...]:
-    """What a user has to understand, run and debug, least first: parallel dimensions beside data
-    parallelism (each a mesh dimension, its collectives and its failure modes), then how the
-    data-parallel ranks share the model (plain replicas, ZeRO-1, FSDP's shardings, HSDP)."""
-    p = config.parallel
-    wrapper = DPWrapper.of(p.strategy)
-    if wrapper is DPWrapper.NONE:
-        sharing = 0
-    elif wrapper is DPWrapper.DDP:
-        sharing = 2 if p.sharding == "optimizer" else 1
-    else:
-        sharing = 3 + ("no_shard", "shard_grad_op", "full").index(p.sharding)
-        sharing += 1 if needs_replica_groups(p.strategy) else 0
-    # Expert parallelism is a dimension of its own too (its all-to-alls, its experts' groups).
-    return ((p.tp > 1) + (p.pp > 1) + (p.ep > 1), sharing)
-
-
 def recommended(result: SearchResult) -> Found | None:
-    """The fastest row that fits, or the simplest (:func:`simplicity`) of those tied with it."""
-    if not result.tied:
-        return None
-    return min(result.tied, key=lambda f: (simplicity(f), f.step_time_s))
+    """The row the plan recommends (:func:`dtlab.analysis.choose.choose`); None when none fits."""
+    return result.choice.pick if result.choice else None
 
 
 def overrides(config: Config, found: Found) -> dict[str, Any]:

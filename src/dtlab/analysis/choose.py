@@ -1,0 +1,176 @@
+"""Which of the search's rows ``dtlab plan`` recommends, and the words that say why.
+
+The rule, each step deciding only among the rows the one before could not tell apart:
+
+1. **Step time**, as the plan predicts it: the fastest row that fits, and the rows within the tie
+   margin of it (10%: closer than the estimate can tell apart). Only these can be recommended.
+2. **Memory margin**: how far the predicted peak stays under the fit limit, the more the better (room
+   for the peak estimate's error, the allocator's fragmentation, a longer sequence). Margins within
+   ``MEMORY_RESOLUTION`` of the fit limit of the largest are alike.
+3. **Exposed communication**: what of its communication the step waits for, not what hides behind
+   compute; the least, and what is within the tie margin of the fastest step of it, are alike. A
+   step that waits for the links pays for every shortfall of their assumed rates.
+4. **Simplicity** (:func:`simplicity`): the fewest parallel dimensions beside data parallelism, then
+   the plainest data parallelism.
+5. The step time again: the fastest of what is left.
+
+So the fastest row is recommended unless a row within the tie leaves clearly more memory, waits for
+clearly less communication, or (all of that alike) is simpler; the recommendation says which.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from dtlab.analysis.plan_format import format_bytes, format_seconds
+from dtlab.config import Config
+from dtlab.dims import DPWrapper, needs_replica_groups
+
+if TYPE_CHECKING:
+    from dtlab.analysis.search import Found
+
+# Memory margins closer than this share of the fit limit are alike (on an 80 GiB GPU with the 80% fit
+# rule, 6.4 GiB): the same share as the step time's tie margin.
+MEMORY_RESOLUTION = 0.10
+CRITERIA = ("memory margin", "exposed communication", "simplicity", "step time")
+
+
+@dataclass
+class Choice:
+    """The recommended row of the tied ones, and what decided it against the row it is compared with:
+    the fastest, or (when it is the fastest) the runner-up of the tie."""
+
+    pick: Found
+    fastest: Found
+    tied: list[Found]  # every row within the tie margin of the fastest, fastest first
+    usable: float  # bytes: the fit limit
+    margin: float  # the tie margin
+    other: Found | None  # the fastest, or the runner-up; None when nothing else is tied
+    decided_by: str | None  # one of CRITERIA: the step that set ``other`` aside
+    dropped: dict[int, str]  # id of each tied row but the pick -> the step that set it aside
+
+
+def memory_margin(found: Found, usable: float) -> float:
+    """Bytes between the row's predicted peak and the fit limit."""
+    return usable - float(found.row.step.total_bytes)
+
+
+def exposed(found: Found) -> float:
+    """Seconds of the row's communication its step waits for."""
+    row = found.row
+    return float(row.comm_s if row.exposed_s is None else row.exposed_s)
+
+
+def choose(tied: list[Found], usable: float, margin: float) -> Choice:
+    """The recommended row of ``tied`` (the rows within ``margin`` of the fastest step, fastest
+    first; not empty), by the module's rule, with the step that set the compared row aside."""
+    fastest = tied[0]
+    dropped: dict[int, str] = {}  # id of a row -> the criterion that set it aside
+    rows = list(tied)
+
+    def keep(ok: list[Found], criterion: str) -> list[Found]:
+        for f in rows:
+            if all(f is not g for g in ok):
+                dropped[id(f)] = criterion
+        return ok
+
+    most = max(memory_margin(f, usable) for f in rows)
+    rows = keep(
+        [f for f in rows if memory_margin(f, usable) >= most - MEMORY_RESOLUTION * usable],
+        "memory margin",
+    )
+    least = min(exposed(f) for f in rows)
+    rows = keep(
+        [f for f in rows if exposed(f) <= least + margin * fastest.step_time_s],
+        "exposed communication",
+    )
+    plainest = min(simplicity(f.config) for f in rows)
+    rows = keep([f for f in rows if simplicity(f.config) == plainest], "simplicity")
+    pick = min(rows, key=lambda f: (f.step_time_s, f.row.step.total_bytes))
+    keep([pick], "step time")
+    if pick is not fastest:
+        other: Found | None = fastest
+    else:
+        other = next((f for f in tied if f is not pick), None)
+    decided = dropped[id(other)] if other is not None else None
+    return Choice(pick, fastest, tied, usable, margin, other, decided, dropped)
+
+
+def simplicity(config: Config) -> tuple[int, int]:
+    """What a user has to understand, run and debug, least first: parallel dimensions beside data
+    parallelism (each a mesh dimension, its collectives and its failure modes), then how the
+    data-parallel ranks share the model (plain replicas, ZeRO-1, FSDP's shardings, HSDP)."""
+    p = config.parallel
+    wrapper = DPWrapper.of(p.strategy)
+    if wrapper is DPWrapper.NONE:
+        sharing = 0
+    elif wrapper is DPWrapper.DDP:
+        sharing = 2 if p.sharding == "optimizer" else 1
+    else:
+        sharing = 3 + ("no_shard", "shard_grad_op", "full").index(p.sharding)
+        sharing += 1 if needs_replica_groups(p.strategy) else 0
+    # Expert parallelism is a dimension of its own too (its all-to-alls, its experts' groups).
+    return ((p.tp > 1) + (p.pp > 1) + (p.ep > 1), sharing)
+
+
+def _sharing(config: Config) -> str:
+    """How the data-parallel ranks share the model, in the words of :func:`simplicity`'s order."""
+    p = config.parallel
+    wrapper = DPWrapper.of(p.strategy)
+    if wrapper is DPWrapper.NONE:
+        return "no data parallelism"
+    if wrapper is DPWrapper.DDP:
+        return "ZeRO-1" if p.sharding == "optimizer" else "plain DDP"
+    return f"{p.strategy} {p.sharding}"
+
+
+def _dimensions(n: int) -> str:
+    return f"{n} parallel dimension{'' if n == 1 else 's'} beside data parallelism"
+
+
+def reason(choice: Choice) -> str:
+    """Why ``choice.pick`` won, against the fastest (when it is not the fastest) or the runner-up:
+    the criterion that decided and both rows' figures for it. Empty when nothing else was tied."""
+    pick, other, usable = choice.pick, choice.other, choice.usable
+    if other is None or choice.decided_by is None:
+        return ""
+    criterion = choice.decided_by
+    rest = [f for f in choice.tied if choice.dropped.get(id(f)) != "memory margin"]
+    if criterion == "memory margin":
+        most = max(memory_margin(f, usable) for f in choice.tied)
+        return (
+            f"the memory margin decided: {format_bytes(memory_margin(pick, usable))} under the fit "
+            f"limit against {format_bytes(memory_margin(other, usable))}, more than "
+            f"{format_bytes(MEMORY_RESOLUTION * usable)} ({MEMORY_RESOLUTION:.0%} of the limit) short "
+            f"of the tie's largest, {format_bytes(most)}"
+        )
+    if criterion == "exposed communication":
+        least = min(exposed(f) for f in rest)
+        return (
+            f"with memory margins alike, the exposed communication decided: the step waits for "
+            f"{format_seconds(exposed(pick))} of it against {format_seconds(exposed(other))}, more "
+            f"than {format_seconds(choice.margin * choice.fastest.step_time_s)} ({choice.margin:.0%} "
+            f"of the fastest step) over the least of those, {format_seconds(least)}"
+        )
+    if criterion == "simplicity":
+        a, b = simplicity(pick.config), simplicity(other.config)
+        if a[0] != b[0]:
+            detail = f"{_dimensions(a[0])} against {b[0]}"
+        else:
+            detail = (
+                f"{_sharing(pick.config)} against {_sharing(other.config)} (plain DDP, ZeRO-1, "
+                "then FSDP no_shard, shard_grad_op, full, then HSDP)"
+            )
+        return "with memory margins and exposed communication alike, simplicity decided: " + detail
+    alike = "memory margins, exposed communication and simplicity alike"
+    if pick.step_time_s == other.step_time_s:
+        return (
+            f"{alike} and the same step time, the smaller predicted peak decided: "
+            f"{format_bytes(pick.row.step.total_bytes)} against "
+            f"{format_bytes(other.row.step.total_bytes)}"
+        )
+    return (
+        f"{alike}, the step time decided: {format_seconds(pick.step_time_s)} against "
+        f"{format_seconds(other.step_time_s)}"
+    )
