@@ -192,13 +192,13 @@ def recompute_bytes(
     if not (pipelined and ac == "selective"):
         # (A pipeline stage's peak under selective checkpointing is not a recomputation's:
         # `dtlab plan --check` finds what forward kept for the micro-batches in flight.)
-        block += _recompute_extra(model_cfg, tokens, precision, ac, split, half_params)
+        block += recompute_extra(model_cfg, tokens, precision, ac, split, half_params)
     if ac == "selective":
         block -= act("selective") - act("full")
     return block
 
 
-def _recompute_extra(
+def recompute_extra(
     m: ModelConfig, tokens: int, precision: str, ac: str, split: TPSplit, half_params: bool
 ) -> int:
     """What `dtlab plan --check` measured a recomputed block holding at its peak (the block's

@@ -110,7 +110,9 @@ class RankCheck:
 
 class _Peaks(MemTracker):
     """MemTracker that also keeps each kind's own peak, takes a snapshot when the optimizer steps,
-    and measures step after step (MemTracker refuses a root module's second forward otherwise)."""
+    measures step after step (MemTracker refuses a root module's second forward otherwise), and
+    keeps the step's timeline: for each moment of the step (each micro-batch's forward, backward and
+    what follows it, the optimizer step), the most alive at once and what it was, by kind."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -118,12 +120,19 @@ class _Peaks(MemTracker):
         self.at_step: dict[str, int] = {}
         self.kept = 0  # activations alive in backward: what forward kept, and recomputed blocks
         self.peak_total = 0
+        # moment -> (total, by kind, the innermost module running then)
+        self.timeline: dict[str, tuple[int, dict[str, int], str]] = {}
+        self.micro = 0  # the micro-batch whose forward ran last
+        self.backward_seen = False  # its backward has run
 
     def reset_peaks(self) -> None:
         self.kind_peak = self.current()
         self.at_step = {}
         self.kept = 0
         self.peak_total = self.kind_peak.get("Total", 0)
+        self.timeline = {}
+        self.micro = 0
+        self.backward_seen = False
 
     def file_as_gradients(self, tensors: list[torch.Tensor]) -> None:
         """File the storages of ``tensors`` as gradients, whatever they were filed as before."""
@@ -139,11 +148,24 @@ class _Peaks(MemTracker):
                 out[_kind(kind)] = out.get(_kind(kind), 0) + n
         return out
 
+    def moment(self) -> str:
+        """Where in the step this is: ``forward k``, ``backward k`` and ``after backward k`` (the
+        clipping, the step's reduction) of micro-batch k, or ``optimizer``."""
+        if self._in_opt:
+            return "optimizer"
+        if self._mod_tracker.is_bw:
+            self.backward_seen = True
+            return f"backward {self.micro}"
+        return f"{'after backward' if self.backward_seen else 'forward'} {self.micro}"
+
     def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
-        if module in self.memory_tracking and not self._mod_tracker.is_bw:
-            name = self._mod_tracker.get_known_fqn(module)
-            if set(self._mod_tracker.parents) - {name} == {"Global"}:  # the next micro-batch
+        name = self._mod_tracker.get_known_fqn(module)
+        root = set(self._mod_tracker.parents) - {name} == {"Global"}
+        if root and not self._mod_tracker.is_bw:  # a micro-batch's forward (a pipeline stage's)
+            if module in self.memory_tracking:
                 self.reset_mod_stats()
+            self.micro += 1
+            self.backward_seen = False
         super()._pre_fw_hook(module, inputs)
 
     # A module's statistics are reset at the next micro-batch's forward; under a pipeline schedule
@@ -161,12 +183,17 @@ class _Peaks(MemTracker):
         # Not MemTracker's own: it walks every module's statistics at every op (minutes for an
         # 80-block model); only the whole step's peaks are read here.
         now = self.current()
-        self.peak_total = max(self.peak_total, now.get("Total", 0))
+        total = now.get("Total", 0)
+        self.peak_total = max(self.peak_total, total)
         for kind, n in now.items():
             if n > self.kind_peak.get(kind, 0):
                 self.kind_peak[kind] = n
         if self._mod_tracker.is_bw:
             self.kept = max(self.kept, now.get("Activation", 0))
+        moment = self.moment()
+        if total > self.timeline.get(moment, (-1,))[0]:
+            inner = max(self._mod_tracker.parents, key=len)
+            self.timeline[moment] = (total, now, inner)
 
 
 def _kind(kind: _RefType | str) -> str:
@@ -298,6 +325,7 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
             stack.enter_context(_FakeRun())
             # Fake scores hold nothing to route by: the MoE blocks route as the plan assumes.
             stack.enter_context(routing_override(_even_router))
+            stack.enter_context(_propagation_apart())
         with _ddp_built_here() if fake else nullcontext():
             pm = parallelize(model, config, d)
         if fake and pm.pipeline is not None:
@@ -343,9 +371,48 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
             tracker.kind_peak, tracker.at_step, rest, tracker.kept, whole_grads=_whole_grads(dims)
         ),
         "peak": tracker.peak_total,
+        "timeline": {
+            moment: {"total": total, "where": where, "components": _at_moment(kinds, rest)}
+            for moment, (total, kinds, where) in tracker.timeline.items()
+        },
         "collectives": _by_group(counter),
         "seconds": seconds,
     }
+
+
+def _at_moment(kinds: dict[str, int], rest: dict[str, int]) -> dict[str, int]:
+    """What was alive at one moment of the step (MemTracker's ``kinds`` then), as the components:
+    the rank's own parameters and optimizer state (as held between steps, ``rest``), the
+    gradients, the activations (everything forward made that is still alive, and a block
+    recomputed), the temporaries (what backward and the optimizer made that is still alive), and
+    the buffers (module buffers, and parameters gathered beyond the rank's own shards)."""
+    params, optimizer = rest.get("Parameter", 0), rest.get("Optstate", 0)
+    return {
+        "params": min(params, kinds.get("Parameter", 0)),
+        "grads": kinds.get("Gradient", 0),
+        "optimizer": min(optimizer, kinds.get("Optstate", 0)),
+        "activations": kinds.get("Activation", 0),
+        "temporaries": kinds.get("Temp", 0) + max(0, kinds.get("Optstate", 0) - optimizer),
+        "buffers": kinds.get("Buffer", 0) + max(0, kinds.get("Parameter", 0) - params),
+    }
+
+
+@contextmanager
+def _propagation_apart() -> Iterator[None]:
+    """DTensor's sharding propagation outside the check's fake mode. DTensor works out an op's
+    output shape by running it on fake tensors of the whole (unsharded) shape, in the fake mode it
+    finds active, or a fresh one: in a real run a fresh one, whose tensors MemTracker passes over;
+    under the check, the check's own, whose tensors MemTracker would count (the vocabulary-parallel
+    loss's log-softmax over the whole vocabulary, 7.8 GiB for a 70B model's 8,192 tokens, which no
+    rank holds). So the propagation gets a fresh fake mode here too."""
+    import torch.distributed.tensor._sharding_prop as sharding_prop
+
+    detect = sharding_prop.detect_fake_mode
+    sharding_prop.detect_fake_mode = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        sharding_prop.detect_fake_mode = detect
 
 
 @contextmanager

@@ -26,7 +26,17 @@ from dtlab.analysis.activations import (
     block_matmul_params,
     kernel_bytes,
     kernel_recompute_bytes,
+    loss_parallel_bytes,
     recompute_bytes,
+    recompute_extra,
+)
+from dtlab.analysis.timeline import (
+    FsdpUnits,
+    LossShape,
+    RankState,
+    Timeline,
+    dense_block,
+    step_timeline,
 )
 from dtlab.config import Config, ModelConfig
 from dtlab.dims import DPWrapper, ParallelDims, stage_ids, stage_layers
@@ -157,14 +167,25 @@ class StepPlan:
     comm_groups: dict[str, int] = field(
         default_factory=dict
     )  # collective -> size of its process group
+    # The step's moments, each the most alive at once (dtlab.analysis.timeline); None where the
+    # plan has none yet (its peak is then the parts added up).
+    timeline: Timeline | None = None
 
     @property
     def state_bytes(self) -> int:
         return self.params_bytes + self.grads_bytes + self.optimizer_bytes
 
     @property
-    def total_bytes(self) -> int:
+    def parts_bytes(self) -> int:
+        """Each part's own peak added up (an upper bound where the timeline is not modelled)."""
         return self.state_bytes + self.activations_bytes + self.gathered_bytes + self.buffers_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        """The rank's predicted peak: the largest moment of the step's timeline."""
+        if self.timeline is None:
+            return self.parts_bytes
+        return self.timeline.peak.total
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -479,7 +500,7 @@ def _plan_rank(
     # recomputed the loss's activations (the last stage's log-softmax, output) are freed (measured
     # by `dtlab plan --check`).
     loss_part = 0
-    if recompute and part.last:
+    if part.last:
         no_blocks = rank_model.model_copy(update={"n_layers": 0})
         loss_part = activation_bytes(
             no_blocks, tokens, t.precision, ac, split, True, half_params, compiled, seq_len
@@ -524,6 +545,17 @@ def _plan_rank(
         groups.setdefault("all_reduce", world_size)
     plan.comm_bytes = comm
     plan.comm_groups = groups
+    if not dims.pp_enabled:
+        # Of the recomputation, what is freed before the feed-forward's backward: the norm's
+        # output (selective checkpointing's extra [tokens, dim] stays).
+        again = (recompute, recompute_extra(m, tokens, t.precision, "full", split, half_params))
+        timeline_loss = loss_part - (
+            loss_parallel_bytes(tokens, seq_len, dims.tp) if part.last and not compiled else 0
+        )
+        plan.timeline = _timeline(
+            config, dims, plan, shapes, dp_shapes, rank_model, tokens, accum, kept, timeline_loss,
+            again if ac != "none" else (0, 0),
+        )  # fmt: skip
     plan.comm_bus_bytes = {k: _ring(k, v, groups[k]) for k, v in comm.items()}
     if whole and groups["all_reduce"] != world_size:
         # Those small reductions run over every rank, not the group the key's bulk runs on.
@@ -531,6 +563,63 @@ def _plan_rank(
             "all_reduce", whole, groups["all_reduce"]
         )
     return plan
+
+
+def _timeline(
+    config: Config,
+    dims: ParallelDims,
+    plan: StepPlan,
+    shapes: list[ParamShape],
+    dp_shapes: list[ParamShape],
+    rank_model: ModelConfig,
+    tokens: int,
+    accum: int,
+    kept: int,
+    loss_part: int,
+    recompute: tuple[int, int],
+) -> Timeline:
+    """The step's moments on a rank without pipeline parallelism (:mod:`dtlab.analysis.timeline`)."""
+    m, t, p = config.model, config.train, config.parallel
+    half = t.precision in ("bf16", "fp16")
+    half_params = fsdp_half_params(config, dims)
+    fsdp = dims.fsdp_enabled
+    # Gradients as backward makes them: FSDP's unsharded in the dtype it gathers in; else float32.
+    made = 2 if half_params else FP32
+    blocks = [s for s in shapes if s.group != "root"]
+    n_blocks = len({s.group for s in blocks})
+    per_block = sum(s.numel for s in blocks) // max(1, n_blocks)
+    head = sum(s.numel for s in shapes if s.group == "root" and not s.name.startswith("tok_"))
+    embed = sum(s.numel for s in shapes if s.name.startswith("tok_"))
+    block = dense_block(
+        tokens, m.dim, m.hidden_dim, dims.tp, dims.tp if p.sequence_parallel else 1,
+        2 if half else FP32, 2 if half_params else FP32, half and not half_params, made, per_block,
+    )  # fmt: skip
+    state = RankState(
+        params=plan.params_bytes, optimizer=plan.optimizer_bytes, grads=plan.grads_bytes,
+        buffers=plan.buffers_bytes, head_grads=made * head,
+        embed_grads=FP32 * embed + _tp_embedding_grad_extra(config, dims, RankPart([0], 1, 0)),
+    )  # fmt: skip
+    units = None
+    if fsdp:
+        shard = dims.dp_shard
+        gathered: dict[str, int] = {}
+        for s in dp_shapes:
+            gathered[s.group] = gathered.get(s.group, 0) + s.padded_numel(shard) * made
+        root = gathered.pop("root", 0)
+        shard_grads = sum(s.shard_numel(shard) for s in dp_shapes if s.group != "root")
+        units = FsdpUnits(
+            root=root, block=max(gathered.values(), default=0),
+            block_shard=FP32 * shard_grads // max(1, n_blocks), reshard=p.sharding == "full",
+            hsdp=dims.dp_replicate > 1 and shard > 1,
+        )  # fmt: skip
+    loss = None
+    if rank_model.n_layers >= 0 and config.model.vocab_size:
+        loss = LossShape(tokens, m.vocab_size // dims.tp, half, dims.tp_enabled)
+    persist = dims.ddp_enabled and not dims.shard_optimizer
+    bottom = (kept - loss_part) // max(1, n_blocks)
+    return step_timeline(
+        state, accum, kept, loss_part, recompute, bottom, block, n_blocks, loss, persist, units
+    )
 
 
 def _tp_embedding_grad_extra(config: Config, dims: ParallelDims, part: RankPart) -> int:

@@ -1,0 +1,343 @@
+"""The step's memory timeline: what one rank holds at each moment of an optimizer step, and its peak.
+
+What decides whether a step runs out of memory is the most alive at once, not each part's own peak
+added up. A step is a sequence of moments, named as ``dtlab plan --check`` names them
+(:class:`dtlab.analysis.check._Peaks`): ``forward k``, ``backward k`` and ``after backward k`` of
+each micro-batch k, then ``optimizer``. For each moment this module predicts the most alive at once
+and what it is, by component:
+
+- ``params``, ``optimizer``: the rank's own parameters (its shards) and optimizer state, at every
+  moment;
+- ``grads``: the parameters' gradients alive then: nothing before the step's first backward (they
+  are freed after each step), the blocks' gradients as backward makes them (FSDP's unsharded ones
+  until their reduce-scatter, then the shards), the whole set from the second micro-batch on; DDP's
+  are its buckets, allocated once and kept;
+- ``activations``: what forward made and is still alive (what it keeps for backward, a block
+  recomputed under checkpointing, and at the loss the logits beside their log-softmax);
+- ``temporaries``: what backward and the optimizer make and free (the gradients of the logits and
+  of each block's activations, FSDP's reduce-scatter buffers, HSDP's partial shards between
+  micro-batches);
+- ``buffers``: module buffers (RoPE tables) and parameters gathered beyond the rank's own shards.
+
+Within a moment the candidates for its peak are the points where the most is alive: in forward,
+the loss (the logits beside their log-softmax); in backward, the loss's gradient over the
+vocabulary, and the feed-forward's backward of the last and of the first block (the gated product's
+two gradients beside the down projection's input gradient, after that projection's saved input is
+freed). Each point's figures follow the tensors dtlab's model, loss and wrappers make there,
+measured op by op with ``dtlab plan --check`` on every layout the tests hold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dtlab.analysis.activations import FP32
+
+COMPONENTS = ("params", "grads", "optimizer", "activations", "temporaries", "buffers")
+
+
+@dataclass(frozen=True)
+class Moment:
+    """The most one rank holds at once in one moment of the step, by component, and where."""
+
+    name: str  # "forward 1", "backward 1", "after backward 1", "optimizer"
+    where: str  # what runs at that point
+    params: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    temporaries: int = 0
+    buffers: int = 0
+
+    @property
+    def total(self) -> int:
+        return (
+            self.params
+            + self.grads
+            + self.optimizer
+            + self.activations
+            + self.temporaries
+            + self.buffers
+        )
+
+    def components(self) -> dict[str, int]:
+        return {k: int(getattr(self, k)) for k in COMPONENTS}
+
+    def as_dict(self) -> dict[str, object]:
+        return {"moment": self.name, "where": self.where, "total": self.total, **self.components()}
+
+
+@dataclass
+class Timeline:
+    """The step's moments, each its most alive at once (the largest of its candidate points)."""
+
+    moments: dict[str, Moment] = field(default_factory=dict)
+
+    def add(self, m: Moment) -> None:
+        old = self.moments.get(m.name)
+        if old is None or m.total > old.total:
+            self.moments[m.name] = m
+
+    @property
+    def peak(self) -> Moment:
+        return max(self.moments.values(), key=lambda m: m.total)
+
+    def at(self, name: str) -> Moment | None:
+        return self.moments.get(name)
+
+    def as_list(self) -> list[Moment]:
+        return list(self.moments.values())
+
+
+@dataclass(frozen=True)
+class LossShape:
+    """What the loss makes over the vocabulary, per micro-batch of ``tokens`` tokens: ``vocab`` the
+    rank's share of the logits' columns (split by tensor parallelism), ``half`` whether the logits
+    come in half precision (autocast, or FSDP's half-precision parameters), ``parallel`` whether it
+    is the vocabulary-parallel loss (tensor parallelism)."""
+
+    tokens: int
+    vocab: int
+    half: bool
+    parallel: bool
+
+    def forward_extra(self) -> int:
+        """Beyond what the loss keeps (its float32 log-softmax): the logits (and in half precision
+        their float32 copy) alive at the log-softmax. The vocabulary-parallel loss holds one more
+        [tokens, vocab] float32 (the shifted logits beside their exponent) and a few bytes a token
+        (the row maxima and sums)."""
+        cells = self.tokens * self.vocab
+        logits = cells * (2 if self.half else FP32) + (FP32 * cells if self.half else 0)
+        if self.parallel:
+            return logits + FP32 * cells + 12 * self.tokens - 12
+        return logits
+
+    def backward_extra(self) -> int:
+        """The loss's backward at its peak: the gradients of the log-softmax and of the logits
+        (each [tokens, vocab] float32); the vocabulary-parallel loss holds three such (and a few
+        bytes a token of masks and indices)."""
+        cells = self.tokens * self.vocab
+        if self.parallel:
+            return 3 * FP32 * cells + 33 * self.tokens + 4
+        return 2 * FP32 * cells
+
+    def freed_before_backward(self) -> int:
+        """What the loss keeps for its forward only and frees before its backward peak: the
+        targets' int64 copy (the vocabulary-parallel loss keeps its own until later)."""
+        return 0 if self.parallel else 8 * self.tokens - 4
+
+
+@dataclass(frozen=True)
+class RankState:
+    """What a rank holds besides one micro-batch's activations, as the plan predicts it: its own
+    parameters and optimizer state, the gradients the optimizer steps with, module buffers; and the
+    gradients as backward makes them: the output's and final norm's (``head_grads``, made first),
+    the embedding's (``embed_grads``, made last), each block's (in :class:`BlockShape`)."""
+
+    params: int
+    optimizer: int
+    grads: int
+    buffers: int
+    head_grads: int = 0
+    embed_grads: int = 0
+
+
+@dataclass(frozen=True)
+class FsdpUnits:
+    """FSDP's units: the root (embedding, final norm, output) and each block, gathered (bytes in the
+    dtype it gathers in); a block's gradient shard (float32, what its reduce-scatter leaves);
+    ``reshard``: blocks are freed after their forward (sharding ``full``); ``hsdp``: before the
+    last micro-batch the shards wait for the replica groups' all-reduce in buffers of FSDP's own
+    (temporaries), not as the parameters' gradients."""
+
+    root: int
+    block: int
+    block_shard: int
+    reshard: bool
+    hsdp: bool
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """One block's backward at its feed-forward point: ``temps`` what is alive of backward's own
+    (the residual gradient, the down projection's input gradient, the gated product's two),
+    ``freed`` what the block's forward kept and is freed by then (the down projection's input, and
+    its autocast weight copy), ``w2_grad`` the down projection's weight gradient (made by then),
+    ``grads`` all of the block's weight gradients as backward makes them; ``incoming`` what of
+    backward's own is alive as the block's backward starts (the residual stream's gradient, and
+    under sequence parallelism its gathered copy), where a checkpointed block is recomputed."""
+
+    temps: int
+    freed: int
+    w2_grad: int
+    grads: int
+    incoming: int = 0
+
+
+def dense_block(
+    tokens: int,
+    dim: int,
+    hidden: int,
+    tp: int,
+    seq: int,
+    compute: int,
+    stream: int,
+    autocast_copies: bool,
+    grad_bytes: int,
+    block_params: int,
+) -> BlockShape:
+    """:class:`BlockShape` of a dense (SwiGLU) block: ``hidden`` split over ``tp`` ranks, the residual
+    stream's gradient a sequence shard over ``seq`` ranks, in ``stream`` bytes an element; the
+    matmuls in ``compute`` bytes; ``grad_bytes``: a weight gradient's element (the parameters');
+    ``block_params``: the block's parameter elements on this rank."""
+    local = tokens * hidden // tp
+    residual = stream * tokens * dim // seq
+    temps = residual + 3 * compute * local
+    freed = compute * local + (2 * dim * hidden // tp if autocast_copies else 0)
+    w2 = grad_bytes * dim * hidden // tp
+    gathered = compute * tokens * dim if seq > 1 else 0
+    return BlockShape(temps, freed, w2, grad_bytes * block_params, residual + gathered)
+
+
+def step_timeline(
+    state: RankState,
+    accum: int,
+    kept: int,
+    loss_part: int,
+    recompute: tuple[int, int],
+    bottom_kept: int,
+    block: BlockShape,
+    n_blocks: int,
+    loss: LossShape | None,
+    grads_persist: bool,
+    fsdp: FsdpUnits | None,
+    after_backward: int = 0,
+) -> Timeline:
+    """The step's moments on a rank without pipeline parallelism.
+
+    ``kept``: what one micro-batch's forward keeps for backward; ``loss_part``: the part of it the
+    loss, final norm and output keep (freed first in backward); ``recompute``: what recomputing a
+    block adds under checkpointing at the recomputation's end, and of it what is freed before the
+    feed-forward's backward; ``bottom_kept``: what is left of ``kept`` when the first
+    block's backward starts (its own and the embedding's); ``n_blocks``: the rank's blocks;
+    ``grads_persist``: the gradients live from step to step (DDP's buckets); ``after_backward``:
+    what the step makes after backward (ZeRO-1's reduce-scatter buffers)."""
+    t = Timeline()
+    s = state
+    base = {"params": s.params, "optimizer": s.optimizer}
+    for k in range(1, accum + 1):
+        last = k == accum
+        if fsdp is not None:
+            _fsdp_micro_batch(t, s, base, k, last, kept, loss_part, recompute, bottom_kept,
+                              block, n_blocks, loss, fsdp)  # fmt: skip
+        else:
+            # Gradients alive as micro-batch k starts: DDP's buckets always, otherwise those of
+            # the micro-batches before it; the first micro-batch makes them block by block.
+            whole = grads_persist or k > 1
+            earlier = s.grads if whole else 0
+            top = earlier if whole else s.head_grads + block.w2_grad
+            bottom = earlier if whole else s.grads - s.embed_grads - block.grads + block.w2_grad
+            _micro_batch(t, base, s.buffers, k, kept, loss_part, recompute, bottom_kept, block,
+                         n_blocks, loss, (earlier, top, bottom), (0, 0, 0), (0, 0, 0))  # fmt: skip
+        t.add(
+            Moment(
+                f"after backward {k}", "the gradients' sync and clipping", **base, grads=s.grads,
+                temporaries=after_backward if last else 0, buffers=s.buffers,
+            )
+        )  # fmt: skip
+    t.add(Moment("optimizer", "the optimizer step", **base, grads=s.grads, buffers=s.buffers))
+    return t
+
+
+def _micro_batch(
+    t: Timeline,
+    base: dict[str, int],
+    buffers: int,
+    k: int,
+    kept: int,
+    loss_part: int,
+    recompute: tuple[int, int],
+    bottom_kept: int,
+    block: BlockShape,
+    n_blocks: int,
+    loss: LossShape | None,
+    grads: tuple[int, int, int],
+    temps: tuple[int, int, int],
+    gathered: tuple[int, int, int],
+) -> None:
+    """Micro-batch k's forward and backward points into ``t``. ``grads``, ``temps`` and
+    ``gathered`` (the wrapper's own, beyond the blocks'): at the loss, at the last block's
+    feed-forward backward, at the first block's."""
+    fwd = kept + (loss.forward_extra() if loss else 0)
+    where = "the loss" if loss else "the last block"
+    t.add(Moment(f"forward {k}", where, **base, grads=grads[0], activations=fwd,
+                 temporaries=temps[0], buffers=buffers + gathered[0]))  # fmt: skip
+    if loss is not None:
+        t.add(
+            Moment(
+                f"backward {k}", "the loss's backward (its gradients over the vocabulary)", **base,
+                grads=grads[0], activations=kept - loss.freed_before_backward(),
+                temporaries=temps[0] + loss.backward_extra(), buffers=buffers + gathered[0],
+            )
+        )  # fmt: skip
+    again, gone = recompute
+    points = [("last", kept - loss_part, grads[1], temps[1], gathered[1])]
+    if n_blocks > 1:
+        points.append(("first", bottom_kept, grads[2], temps[2], gathered[2]))
+    for which, alive, g, tmp, gath in points:
+        if again:
+            # A checkpointed block at the end of its recomputation, before its backward.
+            t.add(
+                Moment(
+                    f"backward {k}", f"the {which} block recomputed", **base,
+                    grads=g - block.w2_grad, activations=alive + again,
+                    temporaries=tmp + block.incoming, buffers=buffers + gath,
+                )
+            )  # fmt: skip
+        t.add(
+            Moment(
+                f"backward {k}", f"the {which} block's feed-forward backward", **base, grads=g,
+                activations=alive + again - gone - block.freed,
+                temporaries=tmp + block.temps, buffers=buffers + gath,
+            )
+        )  # fmt: skip
+
+
+def _fsdp_micro_batch(
+    t: Timeline,
+    s: RankState,
+    base: dict[str, int],
+    k: int,
+    last: bool,
+    kept: int,
+    loss_part: int,
+    recompute: tuple[int, int],
+    bottom_kept: int,
+    block: BlockShape,
+    n_blocks: int,
+    loss: LossShape | None,
+    fsdp: FsdpUnits,
+) -> None:
+    """Micro-batch k under FSDP: the root is gathered for its backward to the end of it (with its
+    output's and final norm's unsharded gradients, reduce-scattered with the embedding's at the
+    end); each block is gathered for its backward, the next one prefetched
+    while it runs (an all-gather buffer of backward's); each block's gradients are unsharded until
+    its reduce-scatter, then accumulate in the shards. Under HSDP the shards of earlier micro-batches
+    wait in FSDP's buffers until the last micro-batch's all-reduce."""
+    # Resharded after forward (full): nothing stays gathered at the loss; the root and each block
+    # are gathered again for their backward. Otherwise every unit stays gathered.
+    gathered_fwd = 0 if fsdp.reshard else fsdp.root + n_blocks * fsdp.block
+    gathered_bw = fsdp.root + fsdp.block if fsdp.reshard else gathered_fwd
+    prefetch = fsdp.block if fsdp.reshard and n_blocks > 1 else 0
+    held = s.grads if k > 1 else 0  # the shards of the micro-batches before
+    shards, partial = (0, held) if fsdp.hsdp else (held, 0)
+    # This micro-batch's shards of the blocks above the first, at the first block's backward
+    # (HSDP before its last micro-batch: into its buffers, which hold them already after the first).
+    made = (n_blocks - 1) * fsdp.block_shard
+    made_grads = made if (k == 1 and not fsdp.hsdp) or (fsdp.hsdp and last) else 0
+    made_temps = made if fsdp.hsdp and k == 1 and not last else 0
+    top = shards + s.head_grads + block.w2_grad
+    bottom = shards + made_grads + s.head_grads + block.w2_grad
+    _micro_batch(t, base, s.buffers, k, kept, loss_part, recompute, bottom_kept, block, n_blocks,
+                 loss, (shards, top, bottom), (partial, partial + prefetch, partial + made_temps),
+                 (gathered_fwd, gathered_bw, gathered_bw))  # fmt: skip
