@@ -1,0 +1,109 @@
+"""The model's parameters as the plan sees them: each one's shape, how tensor parallelism and FSDP split
+it, and what one pipeline rank holds of them, read from the model built on the meta device."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from dtlab.analysis import moe
+from dtlab.config import Config, ModelConfig
+from dtlab.dims import ParallelDims, stage_ids, stage_layers
+
+
+@dataclass(frozen=True)
+class ParamShape:
+    name: str
+    shape: tuple[int, ...]
+    group: str  # "layers.N" for a transformer block, "root" for embeddings, final norm and output
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def shard_numel(self, shards: int) -> int:
+        """Elements one rank holds when dim 0 is split in ``shards`` equal padded chunks (FSDP2)."""
+        if shards == 1:
+            return self.numel
+        rest = self.numel // self.shape[0]
+        return math.ceil(self.shape[0] / shards) * rest
+
+    def shard_numel_at(self, shards: int, index: int) -> int:
+        """Elements shard ``index`` really holds, without the padding of its chunk (the last
+        shards of an uneven split hold fewer rows, or none): what its optimizer state mirrors."""
+        if shards == 1:
+            return self.numel
+        chunk = math.ceil(self.shape[0] / shards)
+        rows = max(0, min(chunk, self.shape[0] - index * chunk))
+        return rows * (self.numel // self.shape[0])
+
+    def padded_numel(self, shards: int) -> int:
+        """Elements of the gathered buffer: dim 0 padded to a multiple of ``shards``."""
+        return self.shard_numel(shards) * shards
+
+
+def param_shapes(model_cfg: ModelConfig) -> list[ParamShape]:
+    """Every parameter of the model, from the model itself built on the meta device."""
+    from dtlab.models.llama import build_model
+
+    model = build_model(model_cfg)  # meta: no memory
+    out = []
+    for name, p in model.named_parameters():
+        group = ".".join(name.split(".")[:2]) if name.startswith("layers.") else "root"
+        out.append(ParamShape(name, tuple(p.shape), group))
+    return out
+
+
+# Tensor parallelism splits these matrices by their output features (dim 0; the embedding by its
+# vocabulary rows), the rest (wo, w2) by their input features (dim 1); 1-D norms stay whole.
+_ROWWISE = ("attention.wo.weight", "feed_forward.w2.weight")
+
+
+def _tp_local(s: ParamShape, tp: int) -> ParamShape:
+    if tp == 1 or len(s.shape) < 2:
+        return s
+    shape = list(s.shape)
+    dim = 1 if s.name.endswith(_ROWWISE) else 0
+    shape[dim] //= tp
+    return ParamShape(s.name, tuple(shape), s.group)
+
+
+@dataclass(frozen=True)
+class RankPart:
+    """What one pipeline rank holds: its pipeline stages (of ``n_stages``) and their blocks."""
+
+    stages: list[int]
+    n_stages: int
+    n_layers: int
+
+    @property
+    def first(self) -> bool:
+        return 0 in self.stages
+
+    @property
+    def last(self) -> bool:
+        return self.n_stages - 1 in self.stages
+
+
+def rank_shapes(
+    config: Config, dims: ParallelDims, shapes: list[ParamShape], pp_rank: int
+) -> tuple[list[ParamShape], RankPart]:
+    """What pipeline rank ``pp_rank`` holds of each parameter (its tensor-parallel part, before FSDP
+    shards it), and its stages."""
+    n_layers, p = config.model.n_layers, config.parallel
+    layers, part = set(range(n_layers)), RankPart([0], 1, n_layers)
+    if dims.pp_enabled:
+        n_stages = dims.pp * p.stages_per_rank
+        ids = stage_ids(pp_rank, dims.pp, p.stages_per_rank, p.pp_schedule)
+        split = stage_layers(n_layers, n_stages)
+        layers = {i for sid in ids for i in split[sid]}
+        part = RankPart(ids, n_stages, len(layers))
+
+    def held(s: ParamShape) -> bool:
+        if s.group != "root":
+            return int(s.group.split(".")[1]) in layers
+        return part.first if s.name.startswith("tok_embeddings") else part.last
+
+    # An MoE block's feed-forward stays whole on every tensor-parallel rank (dtlab.analysis.moe).
+    tp_split = [s if moe.whole_under_tp(s.name) else _tp_local(s, dims.tp) for s in shapes]
+    return [s for s in tp_split if held(s)], part
