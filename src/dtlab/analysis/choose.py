@@ -4,9 +4,12 @@ The rule, each step deciding only among the rows the one before could not tell a
 
 1. **Step time**, as the plan predicts it: the fastest row that fits, and the rows within the tie
    margin of it (10%: closer than the estimate can tell apart). Only these can be recommended.
-2. **Memory margin**: how far the predicted peak stays under the fit limit, the more the better (room
-   for the peak estimate's error, the allocator's fragmentation, a longer sequence). Margins within
-   ``MEMORY_RESOLUTION`` of the fit limit of the largest are alike.
+2. **Memory margin**: how far the predicted peak stays under the fit limit. A row that leaves less
+   than ``MEMORY_MARGIN`` of the limit free is tight (a peak that much above its estimate would not
+   fit), and a tie prefers the rows that are not. Beyond that, more headroom does not decide: the fit
+   rule already keeps its own margin, and preferring ever more headroom prefers the most sharding,
+   recompute and parallel dimensions whatever they cost (an 8B model on 16 H100s went to a 3-D
+   pipeline that way, docs/choosing.md).
 3. **Exposed communication**: what of its communication the step waits for, not what hides behind
    compute; the least, and what is within the tie margin of the fastest step of it, are alike. A
    step that waits for the links pays for every shortfall of their assumed rates.
@@ -14,8 +17,9 @@ The rule, each step deciding only among the rows the one before could not tell a
    the plainest data parallelism.
 5. The step time again: the fastest of what is left.
 
-So the fastest row is recommended unless a row within the tie leaves clearly more memory, waits for
-clearly less communication, or (all of that alike) is simpler; the recommendation says which.
+So the fastest row is recommended unless it is tight on memory and a tied row is not, or a tied row
+as tight or not waits for clearly less communication, or (all of that alike) is simpler; the
+recommendation says which. Memory margins are "alike" when both are tight or neither is.
 """
 
 from __future__ import annotations
@@ -30,9 +34,9 @@ from dtlab.dims import DPWrapper, needs_replica_groups
 if TYPE_CHECKING:
     from dtlab.analysis.search import Found
 
-# Memory margins closer than this share of the fit limit are alike (on an 80 GiB GPU with the 80% fit
-# rule, 6.4 GiB): the same share as the step time's tie margin.
-MEMORY_RESOLUTION = 0.10
+# A row whose predicted peak leaves less than this share of the fit limit free is tight (on an 80 GiB
+# GPU under the 80% fit rule, 6.4 GiB): the same share as the step time's tie margin.
+MEMORY_MARGIN = 0.10
 CRITERIA = ("memory margin", "exposed communication", "simplicity", "step time")
 
 
@@ -56,6 +60,11 @@ def memory_margin(found: Found, usable: float) -> float:
     return usable - float(found.row.step.total_bytes)
 
 
+def tight(found: Found, usable: float) -> bool:
+    """Whether the row leaves less than ``MEMORY_MARGIN`` of the fit limit free."""
+    return memory_margin(found, usable) < MEMORY_MARGIN * usable
+
+
 def exposed(found: Found) -> float:
     """Seconds of the row's communication its step waits for."""
     row = found.row
@@ -75,11 +84,7 @@ def choose(tied: list[Found], usable: float, margin: float) -> Choice:
                 dropped[id(f)] = criterion
         return ok
 
-    most = max(memory_margin(f, usable) for f in rows)
-    rows = keep(
-        [f for f in rows if memory_margin(f, usable) >= most - MEMORY_RESOLUTION * usable],
-        "memory margin",
-    )
+    rows = keep([f for f in rows if not tight(f, usable)] or rows, "memory margin")
     least = min(exposed(f) for f in rows)
     rows = keep(
         [f for f in rows if exposed(f) <= least + margin * fastest.step_time_s],
@@ -138,12 +143,10 @@ def reason(choice: Choice) -> str:
     criterion = choice.decided_by
     rest = [f for f in choice.tied if choice.dropped.get(id(f)) != "memory margin"]
     if criterion == "memory margin":
-        most = max(memory_margin(f, usable) for f in choice.tied)
         return (
             f"the memory margin decided: {format_bytes(memory_margin(pick, usable))} under the fit "
-            f"limit against {format_bytes(memory_margin(other, usable))}, more than "
-            f"{format_bytes(MEMORY_RESOLUTION * usable)} ({MEMORY_RESOLUTION:.0%} of the limit) short "
-            f"of the tie's largest, {format_bytes(most)}"
+            f"limit against {format_bytes(memory_margin(other, usable))}, less than the "
+            f"{MEMORY_MARGIN:.0%} of the limit ({format_bytes(MEMORY_MARGIN * usable)}) a tie asks for"
         )
     if criterion == "exposed communication":
         least = min(exposed(f) for f in rest)

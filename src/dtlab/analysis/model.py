@@ -46,14 +46,19 @@ from dtlab.analysis.comm_model import (
     zero1_comm_bytes,
 )
 from dtlab.analysis.pipeline_memory import (
+    StageFsdp,
+    StageGrads,
     _in_flight,
     _pipeline_bytes,
     _pipeline_kept,
     fsdp_half_params,
+    pipeline_timeline,
     schedule_order,
+    stage_figures,
 )
 from dtlab.analysis.shapes import ParamShape, RankPart, param_shapes, rank_shapes
 from dtlab.analysis.timeline import (
+    BlockShape,
     FsdpUnits,
     LossShape,
     RankState,
@@ -62,7 +67,7 @@ from dtlab.analysis.timeline import (
     step_timeline,
 )
 from dtlab.config import Config, ModelConfig
-from dtlab.dims import ParallelDims
+from dtlab.dims import ParallelDims, stage_layers
 from dtlab.parallel.apply import compiles_loss
 from dtlab.train.diloco import fragment_of, gathers
 
@@ -363,6 +368,12 @@ def _plan_rank(
         groups.setdefault("all_reduce", world_size)
     plan.comm_bytes = comm
     plan.comm_groups = groups
+    if dims.pp_enabled and order is not None:
+        plan.timeline = _pipeline_timeline(
+            config, dims, plan, shapes, part, rank_model, tokens, accum, order, kernel, loss_part,
+            (recompute, recompute_extra(m, tokens, t.precision, "full", split, half_params))
+            if ac != "none" else (0, 0),
+        )  # fmt: skip
     if not dims.pp_enabled:
         # Of the recomputation, what is freed before the feed-forward's backward: the norm's
         # output (selective checkpointing's extra [tokens, dim] stays).
@@ -399,24 +410,10 @@ def _timeline(
     """The step's moments on a rank without pipeline parallelism (:mod:`dtlab.analysis.timeline`)."""
     m, t, p = config.model, config.train, config.parallel
     half = t.precision in ("bf16", "fp16")
-    half_params = fsdp_half_params(config, dims)
     fsdp = dims.fsdp_enabled
-    # Gradients as backward makes them: FSDP's unsharded in the dtype it gathers in; else float32.
-    made = 2 if half_params else FP32
-    blocks = [s for s in shapes if s.group != "root"]
-    n_blocks = len({s.group for s in blocks})
-    per_block = sum(s.numel for s in blocks) // max(1, n_blocks)
-    head = sum(s.numel for s in shapes if s.group == "root" and not s.name.startswith("tok_"))
-    embed = sum(s.numel for s in shapes if s.name.startswith("tok_"))
-    block = dense_block(
-        tokens, m.dim, m.hidden_dim, dims.tp, dims.tp if p.sequence_parallel else 1,
-        2 if half else FP32, 2 if half_params else FP32, half and not half_params, made, per_block,
-    )  # fmt: skip
-    state = RankState(
-        params=plan.params_bytes, optimizer=plan.optimizer_bytes, grads=plan.grads_bytes,
-        buffers=plan.buffers_bytes, head_grads=made * head,
-        embed_grads=FP32 * embed + _tp_embedding_grad_extra(config, dims, RankPart([0], 1, 0)),
-    )  # fmt: skip
+    state, made = _rank_state(config, dims, plan, shapes)
+    block = _dense_block(config, dims, shapes, tokens, made)
+    n_blocks = len({s.group for s in shapes if s.group != "root"})
     units = None
     if fsdp:
         shard = dims.dp_shard
@@ -438,6 +435,99 @@ def _timeline(
     return step_timeline(
         state, accum, kept, loss_part, recompute, bottom, block, n_blocks, loss, persist, units
     )
+
+
+def _rank_state(
+    config: Config, dims: ParallelDims, plan: StepPlan, shapes: list[ParamShape]
+) -> tuple[RankState, int]:
+    """The rank's state for its timeline, and a gradient element's bytes as backward makes it
+    (FSDP's unsharded gradients are in the dtype it gathers in; the rest float32)."""
+    made = 2 if fsdp_half_params(config, dims) else FP32
+    head = sum(s.numel for s in shapes if s.group == "root" and not s.name.startswith("tok_"))
+    embed = sum(s.numel for s in shapes if s.name.startswith("tok_"))
+    state = RankState(
+        params=plan.params_bytes, optimizer=plan.optimizer_bytes, grads=plan.grads_bytes,
+        buffers=plan.buffers_bytes, head_grads=made * head,
+        embed_grads=FP32 * embed
+        + (_tp_embedding_grad_extra(config, dims, RankPart([0], 1, 0)) if embed else 0),
+    )  # fmt: skip
+    return state, made
+
+
+def _dense_block(
+    config: Config, dims: ParallelDims, shapes: list[ParamShape], tokens: int, made: int
+) -> BlockShape:
+    """:func:`dense_block` of the rank's blocks (their parameters on this rank, as backward makes
+    their gradients)."""
+    m, t = config.model, config.train
+    half = t.precision in ("bf16", "fp16")
+    half_params = fsdp_half_params(config, dims)
+    blocks = [s for s in shapes if s.group != "root"]
+    n_blocks = len({s.group for s in blocks})
+    per_block = sum(s.numel for s in blocks) // max(1, n_blocks)
+    seq = dims.tp if config.parallel.sequence_parallel else 1
+    return dense_block(
+        tokens, m.dim, m.hidden_dim, dims.tp, seq, 2 if half else FP32,
+        2 if half_params else FP32, half and not half_params, made, per_block,
+    )  # fmt: skip
+
+
+def _pipeline_timeline(
+    config: Config,
+    dims: ParallelDims,
+    plan: StepPlan,
+    shapes: list[ParamShape],
+    part: RankPart,
+    rank_model: ModelConfig,
+    tokens: int,
+    accum: int,
+    order: list[tuple[str, int]],
+    kernel: str,
+    loss_part: int,
+    recompute: tuple[int, int],
+) -> Timeline:
+    """The step's moments on a pipeline rank (:func:`pipeline_timeline`)."""
+    m, t = config.model, config.train
+    state, made = _rank_state(config, dims, plan, shapes)
+    split = stage_layers(m.n_layers, part.n_stages)
+    grads = []
+    for sid in part.stages:
+        layers = {f"layers.{i}" for i in split[sid]}
+        blocks = sum(s.numel for s in shapes if s.group in layers)
+        head = sum(
+            s.numel for s in shapes if s.group == "root" and not s.name.startswith("tok_")
+        ) if sid == part.n_stages - 1 else 0  # fmt: skip
+        embed = state.embed_grads // FP32 if sid == 0 else 0
+        grads.append(
+            StageGrads(FP32 * (blocks + head + embed), FP32 * blocks, made * head, FP32 * embed)
+        )
+    half = t.precision in ("bf16", "fp16")
+    loss = LossShape(tokens, m.vocab_size // dims.tp, half, dims.tp_enabled) if part.last else None
+    timeline_loss = loss_part - (
+        loss_parallel_bytes(tokens, config.seq_len, dims.tp) if part.last else 0
+    )
+    figures = stage_figures(config, dims, part, tokens, kernel)
+    units = None
+    if dims.fsdp_enabled:
+        shard = dims.dp_shard
+        dp_shapes = moe.data_parallel_shapes(shapes, dims)
+        gathered: dict[str, int] = {}
+        for s in dp_shapes:
+            gathered[s.group] = gathered.get(s.group, 0) + s.padded_numel(shard) * made
+        roots = []
+        for sid in part.stages:
+            roots.append(made * sum(
+                s.padded_numel(shard) for s in dp_shapes if s.group == "root"
+                and (s.name.startswith("tok_") if sid == 0 else sid == part.n_stages - 1)
+            ))  # fmt: skip
+        blocks = [v for k, v in gathered.items() if k != "root"]
+        units = StageFsdp(roots, max(blocks, default=0), config.parallel.sharding == "full",
+                          fsdp_half_params(config, dims))  # fmt: skip
+    return pipeline_timeline(
+        state, part, figures, tokens, accum, fsdp_half_params(config, dims), order, grads,
+        [len(split[sid]) for sid in part.stages], timeline_loss, loss,
+        _dense_block(config, dims, shapes, tokens, made), recompute, units,
+    )  # fmt: skip
 
 
 def _tp_embedding_grad_extra(config: Config, dims: ParallelDims, part: RankPart) -> int:

@@ -4,6 +4,9 @@ kept outputs and logits (measured by ``dtlab plan --check``, the same in real gl
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 from dtlab.analysis import moe
 from dtlab.analysis.activations import (
     FP32,
@@ -12,6 +15,7 @@ from dtlab.analysis.activations import (
     kernel_bytes,
 )
 from dtlab.analysis.shapes import RankPart
+from dtlab.analysis.timeline import BlockShape, LossShape, Moment, RankState, Timeline
 from dtlab.config import Config
 from dtlab.dims import DPWrapper, ParallelDims
 
@@ -74,21 +78,27 @@ def schedule_order(
     return order
 
 
-def _pipeline_kept(
+@dataclass(frozen=True)
+class StageFigures:
+    """A pipeline rank's stages as its schedule sees them: a micro-batch's activations on each
+    (``per_mb``), autocast's weight copies of each (made at its first forward, kept through the
+    step), and the sizes of a stage's boundary buffers (``stream``, one micro-batch's residual
+    stream) and of the last stage's logits of a micro-batch."""
+
+    per_mb: list[int]
+    copies: list[int]
+    stream: int
+    logits: int
+
+
+def stage_figures(
     config: Config,
     dims: ParallelDims,
     part: RankPart,
     tokens: int,
-    microbatches: int,
-    order: list[tuple[str, int]],
     kernel: str,
-    device_type: str,
-) -> int:
-    """The most a pipeline rank holds for backward, run through its schedule's ``order``: at each
-    backward, every stage's micro-batches in flight (forward done, backward not), each with its
-    stage's activations (and the output or the loss where the stage has them), beside what
-    :func:`_pipeline_bytes` lists, for the in-flight counts and last-stage logits of that moment;
-    autocast's weight copies once per stage (made at its first forward, kept through the step)."""
+) -> StageFigures:
+    """:class:`StageFigures` of pipeline rank ``part``'s stages, micro-batches of ``tokens``."""
     m, t = config.model, config.train
     ac, seq_len = t.activation_checkpointing, config.seq_len
     split = TPSplit(dims.tp, config.parallel.sequence_parallel)
@@ -126,27 +136,66 @@ def _pipeline_kept(
     shard = dims.tp if config.parallel.sequence_parallel else 1
     stream = tokens * m.dim * (2 if half_params else FP32) // shard
     logits = tokens * (m.vocab_size // dims.tp) * (2 if half else FP32)
-    alive, started, outputs = [0] * len(per_mb), [False] * len(per_mb), 0
-    peak = 0
+    return StageFigures(per_mb, copies, stream, logits)
+
+
+def schedule_walk(
+    part: RankPart,
+    figures: StageFigures,
+    tokens: int,
+    microbatches: int,
+    half_params: bool,
+    order: list[tuple[str, int]],
+) -> Iterator[tuple[str, int, int, list[int]]]:
+    """Walk a pipeline rank's schedule ``order``: for each forward and backward, (``"F"`` or
+    ``"B"``, the index of the rank's stage, the activations alive (a forward's after it, with its
+    micro-batch; a backward's before it, with its micro-batch still), the micro-batches in flight
+    on each stage then). Alive: every stage's micro-batches in flight (forward done, backward not),
+    each with its stage's activations, autocast's weight copies of every stage started, and what
+    :func:`_pipeline_bytes` lists for the in-flight counts and last-stage logits of that moment."""
+    f = figures
+    alive, started, outputs = [0] * len(f.per_mb), [False] * len(f.per_mb), 0
+
+    def held() -> int:
+        out = 2 * microbatches * tokens * 8  # the rank's batch, inputs and targets
+        for j, (n_j, s_j) in enumerate(zip(alive, part.stages, strict=True)):
+            out += n_j * f.per_mb[j] + (f.copies[j] if started[j] else 0)
+            if s_j != 0:  # receive buffers; in float32 an in-flight one is its block's input
+                out += (microbatches - (0 if half_params else n_j)) * f.stream
+            if s_j != part.n_stages - 1:  # outputs kept for backward, output-gradient buffers
+                out += (n_j + microbatches) * f.stream
+            else:  # the logits of every micro-batch so far, kept to the step's end
+                out += outputs * f.logits
+        return out
+
     for kind, i in order:
         sid = part.stages[i]
         if kind == "F":
             alive[i] += 1
             started[i] = True
             outputs += sid == part.n_stages - 1
+            yield kind, i, held(), list(alive)
             continue
-        held = 2 * microbatches * tokens * 8  # the rank's batch, inputs and targets
-        for j, (n_j, s_j) in enumerate(zip(alive, part.stages, strict=True)):
-            held += n_j * per_mb[j] + (copies[j] if started[j] else 0)
-            if s_j != 0:  # receive buffers; in float32 an in-flight one is its block's input
-                held += (microbatches - (0 if half_params else n_j)) * stream
-            if s_j != part.n_stages - 1:  # outputs kept for backward, output-gradient buffers
-                held += (n_j + microbatches) * stream
-            else:  # the logits of every micro-batch so far, kept to the step's end
-                held += outputs * logits
-        peak = max(peak, held)
+        yield kind, i, held(), list(alive)
         alive[i] -= 1
-    return peak
+
+
+def _pipeline_kept(
+    config: Config,
+    dims: ParallelDims,
+    part: RankPart,
+    tokens: int,
+    microbatches: int,
+    order: list[tuple[str, int]],
+    kernel: str,
+    device_type: str,
+) -> int:
+    """The most a pipeline rank holds for backward, run through its schedule's ``order``
+    (:func:`schedule_walk`): the most alive at any backward."""
+    figures = stage_figures(config, dims, part, tokens, kernel)
+    half_params = fsdp_half_params(config, dims)
+    walk = schedule_walk(part, figures, tokens, microbatches, half_params, order)
+    return max((held for kind, _, held, _ in walk if kind == "B"), default=0)
 
 
 def _pipeline_bytes(
@@ -182,3 +231,157 @@ def _pipeline_bytes(
         else:
             held += microbatches * tokens * (m.vocab_size // dims.tp) * (2 if half else FP32)
     return held + 2 * microbatches * tokens * 8
+
+
+@dataclass(frozen=True)
+class StageGrads:
+    """A stage's gradients as backward makes them (bytes): every one of its parameters', its
+    blocks', and its output's and final norm's (the last stage's) and embedding's (the first's)."""
+
+    total: int
+    blocks: int
+    head: int
+    embed: int
+
+
+@dataclass(frozen=True)
+class StageFsdp:
+    """FSDP under a pipeline (bytes gathered, in the dtype it gathers in): each stage's root parts
+    (its embedding, final norm and output), one block; ``reshard``: units are freed after each
+    forward (sharding ``full``) and gathered again for backward, where they stay (torch's schedule
+    turns resharding after backward off); ``buffered``: the gradients it accumulates unsharded
+    across micro-batches live in float32 buffers of its own (half-precision parameters) rather than
+    as the parameters' own gradients."""
+
+    roots: list[int]
+    block: int
+    reshard: bool
+    buffered: bool
+
+
+def pipeline_timeline(
+    state: RankState,
+    part: RankPart,
+    figures: StageFigures,
+    tokens: int,
+    microbatches: int,
+    half_params: bool,
+    order: list[tuple[str, int]],
+    grads: list[StageGrads],
+    n_blocks: list[int],
+    loss_part: int,
+    loss: LossShape | None,
+    block: BlockShape,
+    recompute: tuple[int, int],
+    fsdp: StageFsdp | None,
+) -> Timeline:
+    """The step's moments on a pipeline rank, through its schedule's ``order``
+    (:func:`schedule_walk`), named as the check names them: each forward's ``forward n`` (n forwards
+    so far; the last stage's at its loss), each backward's ``backward n`` (the loss's gradient on the
+    last stage, the feed-forward's backward of the stage's last and first block), ``after backward
+    n`` between a backward and the next forward, and ``optimizer``.
+
+    ``grads``: each stage's gradients, made at its first backward and kept (FSDP's unsharded, to the
+    step's last backward: torch's schedule reduce-scatters them then). A stage before the last
+    receives its output's gradient into a receive buffer (counted with the schedule's); a stage after
+    the first sends its input's gradient back, which stays alive until the next backward's send.
+    Autocast's weight copies live through the step (one autocast region around the schedule)."""
+    t = Timeline()
+    base = {"params": state.params, "optimizer": state.optimizer}
+    n_blocks = [max(1, n) for n in n_blocks]
+    block = block.kept_copies()
+    done = [False] * len(part.stages)
+    forwards = 0
+    sending = 0  # the last backward's input gradient, sent back, alive until the next's
+
+    def made() -> tuple[int, int]:
+        """The gradients of the stages done: (as the parameters', in FSDP's buffers)."""
+        n = sum(g.total for g, d in zip(grads, done, strict=True) if d)
+        return (0, n) if fsdp is not None and fsdp.buffered else (n, 0)
+
+    def gathered(i: int | None, blocks: int) -> int:
+        """FSDP's gathered units: every one where not resharded; else the stages whose last op
+        was a backward, whole, and stage ``i``'s root and ``blocks`` of its blocks."""
+        if fsdp is None:
+            return 0
+        if not fsdp.reshard:
+            return sum(fsdp.roots) + sum(n_blocks) * fsdp.block
+        out = 0
+        for j, was_backward in enumerate(after_backward):
+            if j == i:
+                out += fsdp.roots[j] + blocks * fsdp.block
+            elif was_backward:
+                out += fsdp.roots[j] + n_blocks[j] * fsdp.block
+        return out
+
+    after_backward = [False] * len(part.stages)
+    walk = list(schedule_walk(part, figures, tokens, microbatches, half_params, order))
+    for step, (kind, i, held, _) in enumerate(walk):
+        sid = part.stages[i]
+        last = sid == part.n_stages - 1
+        g_kept, t_kept = made()
+        if kind == "F":
+            forwards += 1
+            after_backward[i] = False
+            extra = loss.forward_extra() if last and loss is not None else 0
+            t.add(Moment(f"forward {forwards}", "the loss" if extra else "a stage's forward",
+                         **base, grads=g_kept, activations=held + extra,
+                         temporaries=t_kept + sending,
+                         buffers=state.buffers + gathered(None, 0)))  # fmt: skip
+            continue
+        name = f"backward {forwards}"
+        first_time = not done[i]
+        g = grads[i]
+        # The residual gradient into a stage before the last is its receive buffer (counted).
+        temps = block.temps - (0 if last else block.incoming)
+        grows = first_time or (fsdp is not None and fsdp.buffered)
+        top_new = (g.head if first_time else 0) + (block.w2_grad if grows else 0)
+        bottom_new = (g.total - g.embed - g.blocks // n_blocks[i] + block.w2_grad
+                      if first_time else (block.w2_grad if grows else 0))  # fmt: skip
+        prefetch = fsdp.block if fsdp is not None and fsdp.reshard and n_blocks[i] > 1 else 0
+        if last and loss is not None:
+            t.add(Moment(name, "the loss's backward (its gradients over the vocabulary)", **base,
+                         grads=g_kept, activations=held - loss.freed_before_backward(),
+                         temporaries=t_kept + sending + loss.backward_extra(),
+                         buffers=state.buffers + gathered(None, 0)))  # fmt: skip
+        if last and loss is not None and fsdp is not None and fsdp.reshard:
+            # The output projection's backward, with FSDP's prefetch of the stage's last block.
+            freed, out = loss.at_output(block.dim, block.compute, block.grad_element)
+            t.add(Moment(name, "the output projection's backward", **base, grads=g_kept,
+                         activations=held - freed,
+                         temporaries=t_kept + sending + out + fsdp.block,
+                         buffers=state.buffers + gathered(i, 0)))  # fmt: skip
+        top_alive = held - (loss_part if last else 0)
+        own = figures.per_mb[i] - (loss_part if last else 0)
+        bottom_alive = held - own + own // n_blocks[i]
+        again, gone = recompute
+        points = [("last", top_alive, top_new, 1, prefetch)]
+        if n_blocks[i] > 1:
+            points.append(("first", bottom_alive, bottom_new, n_blocks[i], 0))
+        for which, alive, new, blocks, ahead in points:
+            bufs = state.buffers + gathered(i, blocks)
+            if again:
+                t.add(Moment(name, f"the stage's {which} block recomputed", **base,
+                             grads=g_kept + max(0, new - block.w2_grad), activations=alive + again,
+                             temporaries=t_kept + sending + (block.incoming if last else 0),
+                             buffers=bufs))  # fmt: skip
+            t.add(Moment(name, f"the stage's {which} block's feed-forward backward", **base,
+                         grads=g_kept + new, activations=alive + again - gone - block.freed,
+                         temporaries=t_kept + sending + temps + ahead, buffers=bufs))  # fmt: skip
+        done[i] = True
+        after_backward[i] = True
+        # Single-stage schedules wait for a backward's send at the next one's; the multi-stage
+        # schedules wait at once.
+        sending = figures.stream if sid != 0 and len(part.stages) == 1 else 0
+        nxt = walk[step + 1] if step + 1 < len(walk) else None
+        if nxt is None:
+            sending = 0  # the schedule waits for its last sends
+        if nxt is None or nxt[0] == "F":
+            g_kept, t_kept = made()
+            t.add(Moment(f"after backward {forwards}", "between backward and the next forward",
+                         **base, grads=g_kept, activations=held - figures.per_mb[i],
+                         temporaries=t_kept + sending,
+                         buffers=state.buffers + gathered(None, 0)))  # fmt: skip
+    t.add(Moment("optimizer", "the optimizer step", **base, grads=state.grads,
+                 buffers=state.buffers))  # fmt: skip
+    return t

@@ -29,7 +29,7 @@ measured op by op with ``dtlab plan --check`` on every layout the tests hold.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from dtlab.analysis.activations import FP32
 
@@ -121,6 +121,16 @@ class LossShape:
             return 3 * FP32 * cells + 33 * self.tokens + 4
         return 2 * FP32 * cells
 
+    def at_output(self, dim: int, compute: int, grad_bytes: int) -> tuple[int, int]:
+        """The output projection's backward, after the loss's: (what the loss's forward kept and
+        is freed by then, backward's own alive then): the log-softmax freed; the logits' gradient
+        (in the logits' dtype), the projection's input gradient [tokens, dim] and its weight
+        gradient [vocab, dim] (``grad_bytes`` an element) made."""
+        cells = self.tokens * self.vocab
+        freed = self.freed_before_backward() + FP32 * cells
+        temps = cells * (2 if self.half else FP32) + compute * self.tokens * dim
+        return freed, temps + grad_bytes * self.vocab * dim
+
     def freed_before_backward(self) -> int:
         """What the loss keeps for its forward only and frees before its backward peak: the
         targets' int64 copy (the vocabulary-parallel loss keeps its own until later)."""
@@ -172,6 +182,15 @@ class BlockShape:
     w2_grad: int
     grads: int
     incoming: int = 0
+    copy: int = 0  # of ``freed``, the down projection's autocast weight copy
+    dim: int = 0  # the model's width
+    compute: int = FP32  # bytes of an activation element
+    grad_element: int = FP32  # bytes of a weight gradient's element, as backward makes it
+
+    def kept_copies(self) -> BlockShape:
+        """The same block where autocast's weight copies live through the step (a pipeline's one
+        autocast region around its schedule): the down projection's is not freed."""
+        return replace(self, freed=self.freed - self.copy, copy=0)
 
 
 def dense_block(
@@ -193,10 +212,13 @@ def dense_block(
     local = tokens * hidden // tp
     residual = stream * tokens * dim // seq
     temps = residual + 3 * compute * local
-    freed = compute * local + (2 * dim * hidden // tp if autocast_copies else 0)
+    copy = 2 * dim * hidden // tp if autocast_copies else 0
     w2 = grad_bytes * dim * hidden // tp
     gathered = compute * tokens * dim if seq > 1 else 0
-    return BlockShape(temps, freed, w2, grad_bytes * block_params, residual + gathered)
+    return BlockShape(
+        temps, compute * local + copy, w2, grad_bytes * block_params, residual + gathered, copy,
+        dim, compute, grad_bytes,
+    )  # fmt: skip
 
 
 def step_timeline(
@@ -264,6 +286,8 @@ def _micro_batch(
     grads: tuple[int, int, int],
     temps: tuple[int, int, int],
     gathered: tuple[int, int, int],
+    output: tuple[int, int] | None = None,
+    block_gathered: int = 0,
 ) -> None:
     """Micro-batch k's forward and backward points into ``t``. ``grads``, ``temps`` and
     ``gathered`` (the wrapper's own, beyond the blocks'): at the loss, at the last block's
@@ -280,6 +304,16 @@ def _micro_batch(
                 temporaries=temps[0] + loss.backward_extra(), buffers=buffers + gathered[0],
             )
         )  # fmt: skip
+        if output is not None:
+            # The output projection's backward, with FSDP's prefetch of the last block.
+            freed, made = output
+            t.add(
+                Moment(
+                    f"backward {k}", "the output projection's backward", **base, grads=grads[0],
+                    activations=kept - freed, temporaries=temps[1] + made,
+                    buffers=buffers + gathered[1] - block_gathered,
+                )
+            )  # fmt: skip
     again, gone = recompute
     points = [("last", kept - loss_part, grads[1], temps[1], gathered[1])]
     if n_blocks > 1:
@@ -338,6 +372,11 @@ def _fsdp_micro_batch(
     made_temps = made if fsdp.hsdp and k == 1 and not last else 0
     top = shards + s.head_grads + block.w2_grad
     bottom = shards + made_grads + s.head_grads + block.w2_grad
+    output = None
+    if loss is not None and fsdp.reshard:
+        # The output's backward prefetches the last block (an all-gather buffer of backward's).
+        freed, made_out = loss.at_output(block.dim, block.compute, block.grad_element)
+        output = (freed, made_out + fsdp.block - prefetch)
     _micro_batch(t, base, s.buffers, k, kept, loss_part, recompute, bottom_kept, block, n_blocks,
                  loss, (shards, top, bottom), (partial, partial + prefetch, partial + made_temps),
-                 (gathered_fwd, gathered_bw, gathered_bw))  # fmt: skip
+                 (gathered_fwd, gathered_bw, gathered_bw), output, fsdp.block)  # fmt: skip
