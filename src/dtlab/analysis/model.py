@@ -520,8 +520,8 @@ def _pipeline_timeline(
                 s.padded_numel(shard) for s in dp_shapes if s.group == "root"
                 and (s.name.startswith("tok_") if sid == 0 else sid == part.n_stages - 1)
             ))  # fmt: skip
-        blocks = [v for k, v in gathered.items() if k != "root"]
-        units = StageFsdp(roots, max(blocks, default=0), config.parallel.sharding == "full",
+        sizes = [v for k, v in gathered.items() if k != "root"]
+        units = StageFsdp(roots, max(sizes, default=0), config.parallel.sharding == "full",
                           fsdp_half_params(config, dims))  # fmt: skip
     return pipeline_timeline(
         state, part, figures, tokens, accum, fsdp_half_params(config, dims), order, grads,
