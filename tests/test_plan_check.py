@@ -11,7 +11,9 @@ import pytest
 
 from conftest import run_cli, run_worker
 from dtlab.analysis.check import check_rank, measure_fake, parse_ranks
+from dtlab.analysis.model import plan_step
 from dtlab.config import load_config
+from dtlab.dims import ParallelDims
 from dtlab.errors import ConfigError
 
 SMALL = ["model.preset=debug", "data.seq_len=64", "train.global_batch_size=8"]
@@ -59,33 +61,67 @@ CHECKED = {
 
 # Where the plan's activations are not yet the checked ones (docs/planning.md lists the differences).
 # A pipeline's last stage under autocast with checkpointing: one float32 [tokens, dim] under (2%).
-ACTIVATIONS_DIFFER = {"pp:2 1f1b bf16 full AC"}
+ACTIVATIONS_DIFFER = {("pp:2 1f1b bf16 full AC", 1)}  # (layout, rank)
+# Where the plan's peak is not yet within 3% of the checked one (docs/planning.md): none.
+PEAK_DIFFERS: set[tuple[str, int]] = set()
+
+
+def close(predicted: int, checked: int, within: float = 0.03) -> bool:
+    """Within ``within`` of the checked figure, or a few bytes (scalars); a component held but not
+    predicted, or predicted but not held, never is."""
+    if (predicted == 0) != (checked == 0):
+        return False
+    return abs(predicted - checked) <= max(within * checked, 64)
+
+
+def _ranks(layout: str) -> list[int]:
+    """The ranks a layout is checked on: a pipeline's first and last stage; one rank elsewhere."""
+    nproc, overrides = CHECKED[layout]
+    return [0, nproc - 1] if any(o.startswith("parallel.pp=") for o in overrides) else [nproc - 1]
 
 
 @pytest.mark.parametrize("layout", list(CHECKED))
-def test_the_state_and_the_collectives_of_the_plan_are_the_checked_ones(layout: str) -> None:
-    """Parameters, optimizer state and buffers (FSDP's gathered parameters, RoPE's tables) to the
-    byte, activations (fp32, no checkpointing) within 1%,
-    and the bytes sent per step within 0.5%: what the plan predicts is what the real code holds and
-    sends (the 0.5%: the loss-parallel cross-entropy's all-reduces, which the counter cannot see)."""
+def test_the_plan_is_the_checked_code(layout: str) -> None:
+    """The plan against the real code of the same rank, on every layout the check runs:
+
+    - the step's peak, the most alive at once, within 3%, and what is alive then (every component,
+      at the checked peak's moment) within 3%, no component predicted and not held or the reverse;
+    - the state between steps (parameters, gradients the optimizer steps with, optimizer state,
+      FSDP's gathered parameters and RoPE's tables at their own peak) to the byte, the most
+      activations alive in backward within 1%;
+    - the bytes sent per step within 0.5% (the loss-parallel cross-entropy's all-reduces, which
+      the counter cannot see)."""
     nproc, overrides = CHECKED[layout]
     config = load_config(overrides=[*SMALL, *overrides])
-    r = check_rank(config, nproc, 1, nproc - 1)
-    assert r.skipped is None
-    c = r.components
-    for name in ("params", "optimizer", "buffers"):
-        assert c[name]["predicted"] == c[name]["checked"] > 0, (name, c[name])
-    assert c["grads"]["predicted"] == c["grads"]["checked"] > 0, c["grads"]
-    act = c["activations"]
-    close = abs(act["predicted"] - act["checked"]) <= 0.01 * act["checked"]
-    assert act["checked"] > 0 and close == (layout not in ACTIVATIONS_DIFFER), act
-    assert c["temporaries"]["predicted"] is None and c["temporaries"]["checked"] > 0
-    sent = r.collectives
-    if nproc == 1:
-        assert sent == {"predicted": 0, "checked": 0}
-    else:
-        assert sent["checked"] > 0
-        assert abs(sent["predicted"] - sent["checked"]) <= 0.005 * sent["checked"], sent
+    dims = ParallelDims.from_config(config, nproc)
+    for rank in _ranks(layout):
+        measured = measure_fake(config, nproc, 1, rank)
+        r = check_rank(config, nproc, 1, rank, measured)
+        assert r.skipped is None
+        peak = r.peak
+        ok = close(peak["predicted"], peak["checked"]) and all(
+            close(c["predicted"], c["checked"]) for c in r.components.values()
+        )
+        assert ok == ((layout, rank) not in PEAK_DIFFERS), (rank, peak, r.components)
+        if (layout, rank) in PEAK_DIFFERS:  # the documented miss, no larger
+            assert close(peak["predicted"], peak["checked"], 0.04), (rank, peak)
+        at = dims.coordinates(rank)
+        plan = plan_step(
+            config, nproc, pp_rank=at["pp"] if dims.pp_enabled else None, shard_rank=at["dp_shard"]
+        )
+        own = measured["components"]
+        assert own["params"] == plan.params_bytes > 0 and own["grads"] == plan.grads_bytes > 0
+        assert own["optimizer"] == plan.optimizer_bytes > 0, (own, plan)
+        assert own["buffers"] == plan.gathered_bytes + plan.buffers_bytes > 0, (own, plan)
+        act = own["activations"]
+        kept = abs(plan.activations_bytes - act) <= 0.01 * act
+        assert act > 0 and kept == ((layout, rank) not in ACTIVATIONS_DIFFER), (act, plan)
+        sent = r.collectives
+        if nproc == 1:
+            assert sent == {"predicted": 0, "checked": 0}
+        else:
+            assert sent["checked"] > 0
+            assert abs(sent["predicted"] - sent["checked"]) <= 0.005 * sent["checked"], sent
 
 
 def test_an_uneven_fsdp_split_is_planned_for_each_shard() -> None:
@@ -97,10 +133,12 @@ def test_an_uneven_fsdp_split_is_planned_for_each_shard() -> None:
     )
     optimizer = {}
     for rank in (0, 3):
-        c = check_rank(config, 4, 1, rank).components
-        for name in ("params", "grads", "optimizer"):
-            assert c[name]["predicted"] == c[name]["checked"] > 0, (rank, name, c[name])
-        optimizer[rank] = c["optimizer"]["checked"]
+        own = measure_fake(config, 4, 1, rank)["components"]
+        plan = plan_step(config, 4, shard_rank=rank)
+        assert own["params"] == plan.params_bytes > 0, (rank, own)
+        assert own["grads"] == plan.grads_bytes > 0, (rank, own)
+        assert own["optimizer"] == plan.optimizer_bytes > 0, (rank, own)
+        optimizer[rank] = own["optimizer"]
     assert optimizer[3] < optimizer[0]
 
 
@@ -119,8 +157,8 @@ def test_layouts_the_check_cannot_run_say_why() -> None:
 def test_each_pipeline_stage_is_checked_with_its_own_plan(schedule: str) -> None:
     """The first and the last stage of a pipeline hold different parts (the embedding; the output
     and the logits of every micro-batch) and, under 1F1B, different micro-batches in flight: each
-    checked rank's state is its own stage's plan to the byte, its activations within 1%, and what
-    it sends (its activations forward or its gradients back) the plan's."""
+    checked rank's state is its own stage's plan to the byte, its peak and what is alive then within
+    3%, and what it sends (its activations forward or its gradients back) the plan's."""
     config = load_config(
         overrides=[*SMALL, "parallel.pp=2", f"parallel.pp_schedule={schedule}",
                    "parallel.pp_microbatches=4"]
@@ -128,14 +166,15 @@ def test_each_pipeline_stage_is_checked_with_its_own_plan(schedule: str) -> None
     first, last = (check_rank(config, 2, 1, r) for r in (0, 1))
     for r in (first, last):
         assert r.skipped is None
-        for name in ("params", "grads", "optimizer", "buffers"):
+        for name in ("params", "optimizer"):
             assert r.components[name]["predicted"] == r.components[name]["checked"] > 0, name
-        act = r.components["activations"]
-        assert abs(act["predicted"] - act["checked"]) <= 0.01 * act["checked"], act
+        for name, c in r.components.items():
+            assert close(c["predicted"], c["checked"]), (name, c)
+        assert close(r.peak["predicted"], r.peak["checked"]), r.peak
         sends = r.by_collective["send/recv"]
         assert sends["predicted"] == sends["checked"] > 0, sends
     assert first.components["params"]["checked"] != last.components["params"]["checked"]
-    assert first.components["activations"]["checked"] != last.components["activations"]["checked"]
+    assert first.peak["checked"] != last.peak["checked"]
 
 
 def test_ranks_are_parsed_and_refused_with_what_is_allowed() -> None:
@@ -160,7 +199,11 @@ def test_cli_check_json_carries_predicted_and_checked_per_component() -> None:
             "params", "grads", "optimizer", "activations", "temporaries", "buffers"
         }  # fmt: skip
         assert all(set(v) == {"predicted", "checked"} for v in r["components"].values())
+        assert all(isinstance(n, int) for v in r["components"].values() for n in v.values())
         assert set(r["collectives"]) == {"predicted", "checked"}
+        assert r["peak"]["predicted"] > 0 and r["peak"]["checked"] > 0
+        assert r["peak"]["checked_at"]["moment"].startswith(("forward", "backward", "after", "opt"))
+        assert r["timeline"] and all(m["predicted"] is not None for m in r["timeline"])
     text = run_cli("plan", "--nproc", "4", "--check", "--set", *SMALL, "parallel.strategy=fsdp")
     assert text.returncode == 0 and "rank 3" in text.stdout and "sent/step" in text.stdout
 
@@ -213,6 +256,12 @@ REAL = {
         2,
         ["parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.pp_microbatches=4"],
     ),
+    # The shards accumulate across micro-batches (the whole unsharded gradients do not).
+    "fsdp:2 accumulation": (2, ["parallel.strategy=fsdp", "train.micro_batch_size=1"]),
+    "tp:2 sp bf16": (
+        2,
+        ["parallel.tp=2", "parallel.sequence_parallel=true", "train.precision=bf16"],
+    ),
 }
 
 
@@ -220,8 +269,9 @@ REAL = {
 def test_a_checked_rank_holds_and_sends_what_a_real_rank_does(tmp_path: Path, layout: str) -> None:
     """The same config run for real (gloo processes, real tensors) and checked (fake group, fake
     tensors), both measured with MemTracker: the state and buffers to the byte, activations within
-    2%, and every collective's bytes equal, on every rank. (Temporaries are not compared: under
-    tensor parallelism the fake run's are larger, see docs/planning.md.)"""
+    2%, the step's peak and what is alive then (every component) within 1%, and every collective's
+    bytes equal, on every rank. (Before DTensor's sharding propagation ran apart from the check's
+    fake mode, tensor parallelism's fake peak counted whole-vocabulary shadows of the loss.)"""
     nproc, extra = REAL[layout]
     overrides = [*SMALL, *extra]
     run_worker("check_worker.py", nproc, str(tmp_path), *overrides)
@@ -233,6 +283,11 @@ def test_a_checked_rank_holds_and_sends_what_a_real_rank_does(tmp_path: Path, la
             assert real["components"][name] == fake["components"][name], (rank, name)
         r, f = real["components"]["activations"], fake["components"]["activations"]
         assert abs(r - f) <= 0.02 * r, (rank, r, f)
+        real_peak = max(real["timeline"].values(), key=lambda m: m["total"])
+        fake_peak = max(fake["timeline"].values(), key=lambda m: m["total"])
+        assert close(fake_peak["total"], real_peak["total"], 0.01), (rank, real_peak, fake_peak)
+        for name, n in real_peak["components"].items():
+            assert close(fake_peak["components"][name], n, 0.01), (rank, name, real_peak)
         assert fake["collectives"] == real["collectives"]
 
 

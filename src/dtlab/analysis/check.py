@@ -61,19 +61,25 @@ schedules.
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _RefType, _State
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
+from dtlab.analysis.check_fake import (
+    _ddp_built_here,
+    _ddp_reduced_here,
+    _even_router,
+    _FakeRun,
+    _forget_meshes,
+    _propagation_apart,
+    _vote_here,
+    unsupported,
+)
+from dtlab.analysis.check_report import choose_config, default_ranks, format_check, parse_ranks
+from dtlab.analysis.check_tracker import _at_moment, _components, _grad_bytes, _Peaks, _whole_grads
 from dtlab.config import Config, check_batch_split
 from dtlab.errors import ConfigError
 
@@ -85,11 +91,16 @@ class RankCheck:
     """One checked rank: each component's bytes (predicted and checked), and its collectives."""
 
     rank: int
-    components: dict[str, dict[str, int | None]] = field(default_factory=dict)
+    # What is alive at the step's checked peak, by component, and the plan's figures at the same
+    # moment of its own timeline.
+    components: dict[str, dict[str, int]] = field(default_factory=dict)
     # Bytes this rank sends per optimizer step (ring algorithms), and each collective's buffers.
     collectives: dict[str, float] = field(default_factory=dict)
     by_collective: dict[str, dict[str, int]] = field(default_factory=dict)
-    peak: dict[str, int] = field(default_factory=dict)  # the step's whole peak (checked: at once)
+    # The step's peak, the most alive at once: each side's, and at which moment it comes.
+    peak: dict[str, Any] = field(default_factory=dict)
+    # Each moment of the step: its most alive at once, predicted and checked.
+    timeline: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
     skipped: str | None = None  # why this rank was not checked
 
@@ -103,181 +114,10 @@ class RankCheck:
             collectives=self.collectives,
             by_collective=self.by_collective,
             peak=self.peak,
+            timeline=self.timeline,
             seconds=round(self.seconds, 3),
         )
         return d
-
-
-class _Peaks(MemTracker):
-    """MemTracker that also keeps each kind's own peak, takes a snapshot when the optimizer steps,
-    measures step after step (MemTracker refuses a root module's second forward otherwise), and
-    keeps the step's timeline: for each moment of the step (each micro-batch's forward, backward and
-    what follows it, the optimizer step), the most alive at once and what it was, by kind."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.kind_peak: dict[str, int] = {}
-        self.at_step: dict[str, int] = {}
-        self.kept = 0  # activations alive in backward: what forward kept, and recomputed blocks
-        self.peak_total = 0
-        # moment -> (total, by kind, the innermost module running then)
-        self.timeline: dict[str, tuple[int, dict[str, int], str]] = {}
-        self.micro = 0  # the micro-batch whose forward ran last
-        self.backward_seen = False  # its backward has run
-
-    def reset_peaks(self) -> None:
-        self.kind_peak = self.current()
-        self.at_step = {}
-        self.kept = 0
-        self.peak_total = self.kind_peak.get("Total", 0)
-        self.timeline = {}
-        self.micro = 0
-        self.backward_seen = False
-
-    def file_as_gradients(self, tensors: list[torch.Tensor]) -> None:
-        """File the storages of ``tensors`` as gradients, whatever they were filed as before."""
-        for t in tensors:
-            self._update_and_maybe_create_winfos(t, _MemRefType.GRAD)
-
-    def current(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for device, snap in self._curr_mem_snap.items():
-            if device.type == "meta":  # no memory: a pipeline rank's frame over its stages
-                continue
-            for kind, n in snap.items():
-                out[_kind(kind)] = out.get(_kind(kind), 0) + n
-        return out
-
-    def moment(self) -> str:
-        """Where in the step this is: ``forward k``, ``backward k`` and ``after backward k`` (the
-        clipping, the step's reduction) of micro-batch k, or ``optimizer``."""
-        if self._in_opt:
-            return "optimizer"
-        if self._mod_tracker.is_bw:
-            self.backward_seen = True
-            return f"backward {self.micro}"
-        return f"{'after backward' if self.backward_seen else 'forward'} {self.micro}"
-
-    def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
-        name = self._mod_tracker.get_known_fqn(module)
-        root = set(self._mod_tracker.parents) - {name} == {"Global"}
-        if root and not self._mod_tracker.is_bw:  # a micro-batch's forward (a pipeline stage's)
-            if module in self.memory_tracking:
-                self.reset_mod_stats()
-            self.micro += 1
-            self.backward_seen = False
-        super()._pre_fw_hook(module, inputs)
-
-    # A module's statistics are reset at the next micro-batch's forward; under a pipeline schedule
-    # an earlier micro-batch's (or another stage's) backward can come after it. Only the step's
-    # peaks are read here, so a module without statistics is passed over.
-    def _pre_bw_hook(self, module: Any, args: Any) -> None:
-        if module in self.memory_tracking:
-            super()._pre_bw_hook(module, args)
-
-    def _post_bw_hook(self, module: Any, args: Any) -> None:
-        if module in self.memory_tracking:
-            super()._post_bw_hook(module, args)
-
-    def _update_peak_stats(self, peak_state: _State) -> None:
-        # Not MemTracker's own: it walks every module's statistics at every op (minutes for an
-        # 80-block model); only the whole step's peaks are read here.
-        now = self.current()
-        total = now.get("Total", 0)
-        self.peak_total = max(self.peak_total, total)
-        for kind, n in now.items():
-            if n > self.kind_peak.get(kind, 0):
-                self.kind_peak[kind] = n
-        if self._mod_tracker.is_bw:
-            self.kept = max(self.kept, now.get("Activation", 0))
-        moment = self.moment()
-        if total > self.timeline.get(moment, (-1,))[0]:
-            inner = max(self._mod_tracker.parents, key=len)
-            self.timeline[moment] = (total, now, inner)
-
-
-def _kind(kind: _RefType | str) -> str:
-    return str(kind.value) if isinstance(kind, _RefType) else str(kind)
-
-
-class _FakeRun(TorchDispatchMode):
-    """Above fake tensors: an op on real tensors only (a device mesh's rank map) or making a tensor on
-    the meta device runs for real (but a meta tensor given a device becomes fake), and a fake scalar
-    read back (``.item()``, ``.tolist()``) is 0."""
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
-
-        kwargs = kwargs or {}
-        tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-        # A tensor made on the meta device (a pipeline stage's model, built in the step) is made as
-        # outside the check: a fake meta parameter cannot be moved to a device (to_empty) later.
-        made_on_meta = not tensors and str(kwargs.get("device")) == "meta"
-        # A meta tensor given a device (to_empty: the model's parameters, DTensor shards' local
-        # parts) becomes a fake one: run for real, it would take the rank's whole state in memory.
-        device = kwargs.get("device")
-        from_meta = (
-            device is not None
-            and torch.device(device).type != "meta"
-            and all(a.device.type == "meta" for a in tensors)
-        )
-        real = tensors and not from_meta and not any(isinstance(a, FakeTensor) for a in tensors)
-        if made_on_meta or real:
-            with unset_fake_temporarily():
-                out = func(*args, **kwargs)
-                if func is torch.ops.c10d.alltoall_base_.default:
-                    _as_every_rank_sends(*args[:3])
-                return out
-        if func is torch.ops.aten._local_scalar_dense.default:
-            return 0.0 if args[0].dtype.is_floating_point else 0
-        return func(*args, **kwargs)
-
-
-def _as_every_rank_sends(output: torch.Tensor, input: torch.Tensor, group: Any) -> None:
-    """An all-to-all of real tensors (expert parallelism's counts, even splits) under the fake
-    process group, which delivers nothing: ``output`` receives from every rank of ``group`` what
-    this rank sends itself, the answer when every rank routes as this one does (the check's even
-    router, on micro-batches of the same size)."""
-    if not isinstance(group, dist.ProcessGroup):  # the dispatcher's boxed form
-        group = dist.ProcessGroup.unbox(group)
-    own = input.chunk(group.size())[group.rank()]
-    for part in output.chunk(group.size()):
-        part.copy_(own)
-
-
-def _even_router(tokens: int, args: Any, device: torch.device) -> torch.Tensor:
-    """The check's routing (:func:`dtlab.models.moe.routing_override`): the plan's even router.
-    Token i's k experts are ``(i k + j) mod experts``, j < k: distinct, and every expert gets
-    ``tokens k / experts`` rows when that divides (so every EP rank receives as many rows as it
-    sends). Real int64 (under fake tensors too), so the counts, the split sizes and their
-    ``tolist()`` are real numbers."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    with unset_fake_temporarily():
-        pairs = torch.arange(tokens * args.top_k, dtype=torch.int64, device=device)
-        return (pairs % args.experts).view(tokens, args.top_k)
-
-
-def unsupported(config: Config, world: int) -> str | None:
-    """Why the layout of ``config`` on ``world`` ranks cannot be checked here; None when it can."""
-    from dtlab.dims import ParallelDims
-
-    dims = ParallelDims.from_config(config, world)
-    if dims.ddp_enabled and not dims.shard_optimizer and config.parallel.compression != "none":
-        return (
-            f"DDP with parallel.compression = {config.parallel.compression!r} is not checked: its "
-            "hook waits on the all-reduce's result, which the fake process group does not give "
-            "(DDP without compression is checked)"
-        )
-    if dims.pp_enabled and config.parallel.pp_schedule in ("interleaved_zb", "zbv", "dualpipev"):
-        return (
-            f"parallel.pp_schedule = {config.parallel.pp_schedule!r} is not checked: its backward "
-            "splits into input and weight gradients (torch.autograd.grad), under which torch's "
-            "MemTracker's module hooks fail; checked: gpipe, 1f1b, interleaved_1f1b, looped_bfs"
-        )
-    if config.parallel.diloco.inner_steps:
-        return "DiLoCo is not checked: its outer state is in host memory, outside the step"
-    return None
 
 
 def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str, Any]:
@@ -380,159 +220,6 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
     }
 
 
-def _at_moment(kinds: dict[str, int], rest: dict[str, int]) -> dict[str, int]:
-    """What was alive at one moment of the step (MemTracker's ``kinds`` then), as the components:
-    the rank's own parameters and optimizer state (as held between steps, ``rest``), the
-    gradients, the activations (everything forward made that is still alive, and a block
-    recomputed), the temporaries (what backward and the optimizer made that is still alive), and
-    the buffers (module buffers, and parameters gathered beyond the rank's own shards)."""
-    params, optimizer = rest.get("Parameter", 0), rest.get("Optstate", 0)
-    return {
-        "params": min(params, kinds.get("Parameter", 0)),
-        "grads": kinds.get("Gradient", 0),
-        "optimizer": min(optimizer, kinds.get("Optstate", 0)),
-        "activations": kinds.get("Activation", 0),
-        "temporaries": kinds.get("Temp", 0) + max(0, kinds.get("Optstate", 0) - optimizer),
-        "buffers": kinds.get("Buffer", 0) + max(0, kinds.get("Parameter", 0) - params),
-    }
-
-
-@contextmanager
-def _propagation_apart() -> Iterator[None]:
-    """DTensor's sharding propagation outside the check's fake mode. DTensor works out an op's
-    output shape by running it on fake tensors of the whole (unsharded) shape, in the fake mode it
-    finds active, or a fresh one: in a real run a fresh one, whose tensors MemTracker passes over;
-    under the check, the check's own, whose tensors MemTracker would count (the vocabulary-parallel
-    loss's log-softmax over the whole vocabulary, 7.8 GiB for a 70B model's 8,192 tokens, which no
-    rank holds). So the propagation gets a fresh fake mode here too."""
-    import torch.distributed.tensor._sharding_prop as sharding_prop
-
-    detect = sharding_prop.detect_fake_mode
-    sharding_prop.detect_fake_mode = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        sharding_prop.detect_fake_mode = detect
-
-
-@contextmanager
-def _ddp_built_here() -> Iterator[None]:
-    """DDP built under fake tensors. Its constructor checks that every rank's parameters have the
-    same shapes, a message whose buffer (made under the fake mode) its C++ code writes into; the
-    fake process group delivers nothing, so the check runs on real buffers here."""
-    import torch.nn.parallel.distributed as ddp_module
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    verify = ddp_module._verify_param_shape_across_processes
-
-    def on_real_buffers(*args: Any, **kwargs: Any) -> Any:
-        with unset_fake_temporarily():
-            return verify(*args, **kwargs)
-
-    ddp_module._verify_param_shape_across_processes = on_real_buffers
-    try:
-        yield
-    finally:
-        ddp_module._verify_param_shape_across_processes = verify
-
-
-def _ddp_reduced_here(ddp: Any) -> None:
-    """DDP's gradient sync under the fake process group: each bucket all-reduced as DDP's own
-    does (divided by the group's size, then summed), in a hook that hands the bucket back at once
-    (the fake group's work on a fake tensor carries no result, which DDP's C++ reducer expects); and
-    the first bucket layout kept (DDP re-orders its buckets once, at the second step, from a
-    message of rank 0's that the fake group does not carry; the layout's bytes are the same)."""
-    from dtlab.parallel.compression import _keep_bucket_layout
-
-    def allreduce(group: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
-        buffer = bucket.buffer()
-        dist.all_reduce(buffer.div_(dist.get_world_size(group)), group=group)
-        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        done.set_result(buffer)
-        return done
-
-    # DDP checks the hook's annotations as objects (this module's are strings).
-    allreduce.__annotations__ = {
-        "group": Any, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]
-    }  # fmt: skip
-    ddp.register_comm_hook(ddp.process_group, allreduce)
-    _keep_bucket_layout(ddp)
-
-
-def _vote_here(schedule: Any) -> None:
-    """Let ``schedule`` settle its stages' vote without messages. At its first step every stage
-    votes whether all stages know their shapes (static) or must infer them from each other
-    (dynamic), a product passed from stage to stage and back, which the fake process group does not
-    carry (a received vote reads 0: dynamic). Every rank builds its stages as this one does, with
-    their shapes (:func:`dtlab.parallel.pipeline.stage_io`), so the outcome is this rank's own vote.
-    """
-    from torch.distributed.pipelining._utils import InferenceMode
-
-    def vote(stages: list[Any], has_backward: bool, p2p_done: bool) -> None:
-        for stage in stages:
-            if InferenceMode.needs_dynamic(stage._user_meta, has_backward):
-                raise RuntimeError(
-                    f"pipeline stage {stage.stage_index} was built without its shapes: it would "
-                    "learn them from its neighbour, a message the fake process group does not carry"
-                )
-            stage._inference_mode = InferenceMode.STATIC
-
-    schedule._warmup_p2p = vote
-
-
-def _grad_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the gradients ``optimizer`` steps with (each storage once; a DTensor's local part)."""
-    from torch.distributed.tensor import DTensor
-
-    seen: dict[int, int] = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            g = p.grad
-            if g is None:
-                continue
-            g = g.to_local() if isinstance(g, DTensor) else g
-            st = g.untyped_storage()
-            seen[st._cdata] = st.nbytes()  # the storage itself (a new Python object each call)
-    return sum(seen.values())
-
-
-def _whole_grads(dims: Any) -> bool:
-    """Whether the rank holds its parameters' whole gradients through backward and only the
-    optimizer steps with a share of them: ZeRO-1 (FSDP's whole gradients exist a unit at a time)."""
-    return bool(dims.shard_optimizer and not dims.fsdp_enabled)
-
-
-def _components(
-    peak: dict[str, int],
-    at_step: dict[str, int],
-    rest: dict[str, int],
-    kept: int,
-    whole_grads: bool = False,
-) -> dict[str, int]:
-    """The components from MemTracker's kinds: each kind's peak in the step, what was held when the
-    optimizer stepped (``at_step``), after the step (``rest``), and the activations alive in
-    backward (``kept``: what forward kept for it, and blocks recomputed under checkpointing).
-    ``whole_grads`` (ZeRO-1): the gradients are the whole ones backward held, as the plan counts
-    them, not the share the optimizer steps with."""
-    params, grads = rest.get("Parameter", 0), at_step.get("Gradient", 0)
-    if whole_grads:
-        grads = max(grads, peak.get("Gradient", 0))
-    optimizer = rest.get("Optstate", 0)
-    return {
-        "params": params,
-        "grads": grads,
-        "optimizer": optimizer,
-        "activations": kept,
-        # What backward and the optimizer make and free, and forward's own transients (the logits
-        # beside their log-softmax at the loss) beyond what it keeps.
-        "temporaries": peak.get("Temp", 0)
-        + max(0, peak.get("Optstate", 0) - optimizer)
-        + max(0, peak.get("Activation", 0) - kept)
-        + max(0, peak.get("Gradient", 0) - grads),
-        "buffers": peak.get("Buffer", 0) + max(0, peak.get("Parameter", 0) - params),
-    }
-
-
 def _by_group(counter: Any) -> dict[str, Any]:
     """Each collective's buffer bytes in the step (by name), and the bytes this rank sent for them
     with ring algorithms, each on the size of the group it ran on."""
@@ -570,31 +257,11 @@ def measure_fake(config: Config, nproc: int, nnodes: int, rank: int) -> dict[str
         _forget_meshes()
 
 
-def _forget_meshes() -> None:
-    """Empty DTensor's caches of sharding decisions: they hold the meshes they were made on, and a
-    mesh of the next checked rank equals one of this rank's (same shape and ranks) while its process
-    groups differ, so a cached decision would send the next rank's collectives to this rank's
-    groups."""
-    from torch.distributed.tensor import DTensor, _redistribute
-
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    caches: tuple[Any, ...] = (
-        getattr(propagator, "propagate_op_sharding", None),
-        getattr(type(propagator), "_propagate_tensor_meta_cached", None),
-        getattr(_redistribute, "_gen_transform_infos", None),
-    )
-    for cached in caches:
-        if hasattr(cached, "cache_clear"):
-            cached.cache_clear()
-    getattr(_redistribute, "_planner_cache", {}).clear()
-    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-    if native is not None:  # the C++ fast path's own cache (torch >= 2.8)
-        native()
-
-
-def check_rank(config: Config, nproc: int, nnodes: int, rank: int) -> RankCheck:
+def check_rank(
+    config: Config, nproc: int, nnodes: int, rank: int, measured: dict[str, Any] | None = None
+) -> RankCheck:
     """Rank ``rank`` of ``nproc x nnodes`` ranks, checked in this process (fake group, fake tensors),
-    beside its analytic plan."""
+    beside its analytic plan; ``measured``: that rank's :func:`measure_fake`, when already run."""
     from dtlab.analysis.model import plan_step
     from dtlab.dims import ParallelDims
 
@@ -607,24 +274,44 @@ def check_rank(config: Config, nproc: int, nnodes: int, rank: int) -> RankCheck:
     if reason is not None:
         result.skipped = reason
         return result
-    measured = measure_fake(config, nproc, nnodes, rank)
+    if measured is None:
+        measured = measure_fake(config, nproc, nnodes, rank)
     dims = ParallelDims.from_config(config, world)
     # A pipeline rank's own stages (the plan's default is the rank that needs the most memory).
     at = dims.coordinates(rank)
     plan = plan_step(
         config, world, pp_rank=at["pp"] if dims.pp_enabled else None, shard_rank=at["dp_shard"]
     )
-    predicted = {
-        "params": plan.params_bytes,
-        "grads": plan.grads_bytes,
-        "optimizer": plan.optimizer_bytes,
-        "activations": plan.activations_bytes,
-        "temporaries": None,  # not predicted
-        "buffers": plan.gathered_bytes + plan.buffers_bytes,
-    }
+    # The checked peak, and the plan's figures at the same moment of its timeline (its own peak
+    # where it has no such moment).
+    moments = measured["timeline"]
+    at_peak, checked_peak = max(moments.items(), key=lambda kv: int(kv[1]["total"]))
+    timeline = plan.timeline
+    if timeline is None:  # a schedule whose order the plan does not follow: its parts
+        raise ConfigError(f"the plan has no timeline for {config.parallel.pp_schedule!r}")
+    own_peak = timeline.peak
+    same = timeline.at(at_peak) or own_peak
+    predicted = same.components()
     result.components = {
-        k: {"predicted": predicted[k], "checked": measured["components"][k]} for k in COMPONENTS
+        k: {"predicted": predicted[k], "checked": int(checked_peak["components"][k])}
+        for k in COMPONENTS
     }
+    result.peak = {
+        "predicted": own_peak.total,
+        "checked": int(checked_peak["total"]),
+        "predicted_at": {"moment": own_peak.name, "where": own_peak.where},
+        "checked_at": {"moment": at_peak, "where": _where(checked_peak["where"])},
+    }
+    names = list(dict.fromkeys([*(m.name for m in timeline.as_list()), *moments]))
+    result.timeline = [
+        {
+            "moment": name,
+            "predicted": m.total if (m := timeline.at(name)) is not None else None,
+            "checked": int(moments[name]["total"]) if name in moments else None,
+        }
+        for name in names
+        if name != "forward 0"  # what the step starts from, left by the step before
+    ]
     checked = measured["collectives"]
     result.collectives = {
         "predicted": round(sum(plan.comm_bus_bytes.values())),
@@ -635,9 +322,16 @@ def check_rank(config: Config, nproc: int, nnodes: int, rank: int) -> RankCheck:
     result.by_collective = {
         k: {"predicted": comm.get(k, 0), "checked": checked["buffers"].get(k, 0)} for k in names
     }
-    result.peak = {"predicted": plan.total_bytes, "checked": measured["peak"]}
     result.seconds = measured["seconds"]
     return result
+
+
+def _where(module: str) -> str:
+    """The innermost module running at a checked moment, without the wrappers' names."""
+    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod."):
+        module = module.replace(wrapper, "")
+    head, _, rest = module.partition(".")
+    return rest if head.endswith("Transformer") and rest else module or "-"
 
 
 def _counted_names(comm: dict[str, int], dims: Any) -> dict[str, int]:
@@ -653,51 +347,6 @@ def _counted_names(comm: dict[str, int], dims: Any) -> dict[str, int]:
     return out
 
 
-def choose_config(
-    path: str | None, overrides: list[str], config: Config, plan: dict[str, Any], world: int
-) -> tuple[Config, str]:
-    """The config ``--check`` runs and what it is: the layout the plan recommends (its settings over
-    ``overrides``), or, when the plan recommends none or the check cannot run it, the config as given."""
-    from dtlab.config import load_config
-
-    recommended = (plan.get("search") or {}).get("recommended")
-    if recommended:
-        extra = [f"{k}={json.dumps(v)}" for k, v in recommended.get("settings", {}).items()]
-        target = load_config(path, [*overrides, *extra])
-        label = recommended.get("label", "the recommended layout")
-        reason = unsupported(target, world)
-        if reason is None:
-            return target, f"the recommended layout, {label}"
-        return config, f"the config as given (the recommended {label} is not checked: {reason})"
-    return config, "the config as given"
-
-
-def default_ranks(world: int) -> list[int]:
-    """The ranks checked when none are named: the first and the last (with pipeline parallelism,
-    one of the first stage and one of the last: the pipeline is the mesh's outermost dimension)."""
-    return sorted({0, world - 1})
-
-
-def parse_ranks(text: str | None, world: int) -> list[int]:
-    """``--ranks 0,7`` as a list; every rank must be in the world."""
-    if text is None:
-        return default_ranks(world)
-    ranks: list[int] = []
-    for part in text.split(","):
-        try:
-            r = int(part)
-        except ValueError:
-            raise ConfigError(
-                f"--ranks {text!r}: {part.strip()!r} is not a rank; allowed: comma-separated "
-                f"integers from 0 to {world - 1}"
-            ) from None
-        if not 0 <= r < world:
-            raise ConfigError(f"--ranks {text!r}: rank {r} is not in a world of {world}")
-        if r not in ranks:
-            ranks.append(r)
-    return ranks
-
-
 def check(config: Config, nproc: int, nnodes: int, ranks: list[int]) -> dict[str, Any]:
     """``--check``'s JSON: the seconds it took, and each rank's figures."""
     started = time.perf_counter()
@@ -709,41 +358,7 @@ def check(config: Config, nproc: int, nnodes: int, ranks: list[int]) -> dict[str
     }
 
 
-def _error(predicted: float | None, checked: float) -> str:
-    if predicted is None:
-        return "-"
-    if checked == 0:
-        return "exact" if predicted == 0 else "-"
-    e = (predicted - checked) / checked
-    return "exact" if predicted == checked else f"{e:+.1%}"
-
-
-def format_check(result: dict[str, Any]) -> str:
-    """The check, per rank: each component predicted, checked and the plan's error."""
-    from dtlab.analysis.plan import format_bytes
-
-    lines = [
-        "",
-        f"check of {result.get('layout', 'the config as given')}: the real code of "
-        f"{len(result['ranks'])} rank(s) at full world size, fake process group and fake tensors on "
-        f"the CPU, in {result['seconds']:.1f} s",
-    ]
-    for r in result["ranks"]:
-        if "skipped" in r:
-            lines.append(f"  rank {r['rank']}: not checked: {r['skipped']}")
-            continue
-        lines.append(f"  rank {r['rank']}{'':<10}{'predicted':>12}{'checked':>12}{'error':>9}")
-        rows = [(k, v["predicted"], v["checked"]) for k, v in r["components"].items()]
-        rows.append(("peak", r["peak"]["predicted"], r["peak"]["checked"]))
-        for name, p, c in rows:
-            shown = "not modelled" if p is None else format_bytes(p)
-            lines.append(f"    {name:<13}{shown:>12}{format_bytes(c):>12}{_error(p, c):>9}")
-        p, c = r["collectives"]["predicted"], r["collectives"]["checked"]
-        lines.append(
-            f"    {'sent/step':<13}{format_bytes(p):>12}{format_bytes(c):>12}{_error(p, c):>9}"
-        )
-    lines.append(
-        "  the plan's peak adds each component's own peak; the checked peak is what was alive at "
-        "once. temporaries are not predicted."
-    )
-    return "\n".join(lines)
+__all__ = [
+    "COMPONENTS", "RankCheck", "check", "check_rank", "choose_config", "default_ranks",
+    "format_check", "measure_fake", "measure_step", "parse_ranks", "unsupported",
+]  # fmt: skip

@@ -12,7 +12,10 @@ The rule, each step deciding only among the rows the one before could not tell a
    pipeline that way, docs/choosing.md).
 3. **Exposed communication**: what of its communication the step waits for, not what hides behind
    compute; the least, and what is within the tie margin of the fastest step of it, are alike. A
-   step that waits for the links pays for every shortfall of their assumed rates.
+   step that waits for the links pays for every shortfall of their assumed rates. So does one whose
+   hidden communication takes nearly all the compute that hides it (more than 1 - the tie margin of
+   it: network-bound on paper, hidden only by a perfect overlap at the assumed rates): all of its
+   communication counts as exposed here.
 4. **Simplicity** (:func:`simplicity`): the fewest parallel dimensions beside data parallelism, then
    the plainest data parallelism.
 5. The step time again: the fastest of what is left.
@@ -65,9 +68,21 @@ def tight(found: Found, usable: float) -> bool:
     return memory_margin(found, usable) < MEMORY_MARGIN * usable
 
 
-def exposed(found: Found) -> float:
-    """Seconds of the row's communication its step waits for."""
+def cover(found: Found) -> float:
+    """Of the compute that hides the row's hidden communication, the share that communication takes
+    (0 when nothing hides)."""
     row = found.row
+    waited = row.comm_s if row.exposed_s is None else row.exposed_s
+    compute = row.compute_s + row.recompute_s
+    return float((row.comm_s - waited) / compute) if compute > 0 else 0.0
+
+
+def exposed(found: Found, margin: float) -> float:
+    """Seconds of the row's communication its step waits for; all of it where what hides takes more
+    than ``1 - margin`` of the compute that hides it (:func:`cover`)."""
+    row = found.row
+    if cover(found) > 1 - margin:
+        return float(row.comm_s)
     return float(row.comm_s if row.exposed_s is None else row.exposed_s)
 
 
@@ -85,9 +100,9 @@ def choose(tied: list[Found], usable: float, margin: float) -> Choice:
         return ok
 
     rows = keep([f for f in rows if not tight(f, usable)] or rows, "memory margin")
-    least = min(exposed(f) for f in rows)
+    least = min(exposed(f, margin) for f in rows)
     rows = keep(
-        [f for f in rows if exposed(f) <= least + margin * fastest.step_time_s],
+        [f for f in rows if exposed(f, margin) <= least + margin * fastest.step_time_s],
         "exposed communication",
     )
     plainest = min(simplicity(f.config) for f in rows)
@@ -149,12 +164,19 @@ def reason(choice: Choice) -> str:
             f"{MEMORY_MARGIN:.0%} of the limit ({format_bytes(MEMORY_MARGIN * usable)}) a tie asks for"
         )
     if criterion == "exposed communication":
-        least = min(exposed(f) for f in rest)
+        m = choice.margin
+        least = min(exposed(f, m) for f in rest)
+        bound = (
+            f" (all of its communication: what it hides takes {cover(other):.0%} of the compute "
+            f"that hides it, more than {1 - m:.0%})"
+            if cover(other) > 1 - m
+            else ""
+        )
         return (
             f"with memory margins alike, the exposed communication decided: the step waits for "
-            f"{format_seconds(exposed(pick))} of it against {format_seconds(exposed(other))}, more "
-            f"than {format_seconds(choice.margin * choice.fastest.step_time_s)} ({choice.margin:.0%} "
-            f"of the fastest step) over the least of those, {format_seconds(least)}"
+            f"{format_seconds(exposed(pick, m))} of it against {format_seconds(exposed(other, m))}"
+            f"{bound}, more than {format_seconds(m * choice.fastest.step_time_s)} ({m:.0%} of the "
+            f"fastest step) over the least of those, {format_seconds(least)}"
         )
     if criterion == "simplicity":
         a, b = simplicity(pick.config), simplicity(other.config)

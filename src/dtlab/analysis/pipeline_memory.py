@@ -289,6 +289,7 @@ def pipeline_timeline(
     t = Timeline()
     base = {"params": state.params, "optimizer": state.optimizer}
     n_blocks = [max(1, n) for n in n_blocks]
+    w2_copy = block.copy
     block = block.kept_copies()
     done = [False] * len(part.stages)
     forwards = 0
@@ -334,6 +335,12 @@ def pipeline_timeline(
         g = grads[i]
         # The residual gradient into a stage before the last is its receive buffer (counted).
         temps = block.temps - (0 if last else block.incoming)
+        if recompute[0] and w2_copy and not first_time:
+            # A recomputed block under autocast whose gradients accumulate into the stage's:
+            # the down projection's weight gradient stays in the compute dtype through the
+            # feed-forward's backward, and on the last stage so does the residual gradient's
+            # cast (measured by `dtlab plan --check`).
+            temps += w2_copy + (block.compute * tokens * block.dim if last else 0)
         grows = first_time or (fsdp is not None and fsdp.buffered)
         top_new = (g.head if first_time else 0) + (block.w2_grad if grows else 0)
         bottom_new = (g.total - g.embed - g.blocks // n_blocks[i] + block.w2_grad

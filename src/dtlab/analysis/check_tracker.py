@@ -1,0 +1,172 @@
+"""What ``dtlab plan --check`` measures of a step's memory: torch's ``MemTracker``, which files every
+tensor the step makes or holds under a kind, extended to keep the step's timeline (each moment's most
+alive at once, by kind) and each kind's own peak; and the components read from its kinds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _RefType, _State
+
+
+class _Peaks(MemTracker):
+    """MemTracker that also keeps each kind's own peak, takes a snapshot when the optimizer steps,
+    measures step after step (MemTracker refuses a root module's second forward otherwise), and
+    keeps the step's timeline: for each moment of the step (each micro-batch's forward, backward and
+    what follows it, the optimizer step), the most alive at once and what it was, by kind."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kind_peak: dict[str, int] = {}
+        self.at_step: dict[str, int] = {}
+        self.kept = 0  # activations alive in backward: what forward kept, and recomputed blocks
+        self.peak_total = 0
+        # moment -> (total, by kind, the innermost module running then)
+        self.timeline: dict[str, tuple[int, dict[str, int], str]] = {}
+        self.micro = 0  # the micro-batch whose forward ran last
+        self.backward_seen = False  # its backward has run
+
+    def reset_peaks(self) -> None:
+        self.kind_peak = self.current()
+        self.at_step = {}
+        self.kept = 0
+        self.peak_total = self.kind_peak.get("Total", 0)
+        self.timeline = {}
+        self.micro = 0
+        self.backward_seen = False
+
+    def file_as_gradients(self, tensors: list[torch.Tensor]) -> None:
+        """File the storages of ``tensors`` as gradients, whatever they were filed as before."""
+        for t in tensors:
+            self._update_and_maybe_create_winfos(t, _MemRefType.GRAD)
+
+    def current(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for device, snap in self._curr_mem_snap.items():
+            if device.type == "meta":  # no memory: a pipeline rank's frame over its stages
+                continue
+            for kind, n in snap.items():
+                out[_kind(kind)] = out.get(_kind(kind), 0) + n
+        return out
+
+    def moment(self) -> str:
+        """Where in the step this is: ``forward k``, ``backward k`` and ``after backward k`` (the
+        clipping, the step's reduction) of micro-batch k, or ``optimizer``."""
+        if self._in_opt:
+            return "optimizer"
+        if self._mod_tracker.is_bw:
+            self.backward_seen = True
+            return f"backward {self.micro}"
+        return f"{'after backward' if self.backward_seen else 'forward'} {self.micro}"
+
+    def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
+        name = self._mod_tracker.get_known_fqn(module)
+        root = set(self._mod_tracker.parents) - {name} == {"Global"}
+        if root and not self._mod_tracker.is_bw:  # a micro-batch's forward (a pipeline stage's)
+            if module in self.memory_tracking:
+                self.reset_mod_stats()
+            self.micro += 1
+            self.backward_seen = False
+        super()._pre_fw_hook(module, inputs)
+
+    # A module's statistics are reset at the next micro-batch's forward; under a pipeline schedule
+    # an earlier micro-batch's (or another stage's) backward can come after it. Only the step's
+    # peaks are read here, so a module without statistics is passed over.
+    def _pre_bw_hook(self, module: Any, args: Any) -> None:
+        if module in self.memory_tracking:
+            super()._pre_bw_hook(module, args)
+
+    def _post_bw_hook(self, module: Any, args: Any) -> None:
+        if module in self.memory_tracking:
+            super()._post_bw_hook(module, args)
+
+    def _update_peak_stats(self, peak_state: _State) -> None:
+        # Not MemTracker's own: it walks every module's statistics at every op (minutes for an
+        # 80-block model); only the whole step's peaks are read here.
+        now = self.current()
+        total = now.get("Total", 0)
+        self.peak_total = max(self.peak_total, total)
+        for kind, n in now.items():
+            if n > self.kind_peak.get(kind, 0):
+                self.kind_peak[kind] = n
+        if self._mod_tracker.is_bw:
+            self.kept = max(self.kept, now.get("Activation", 0))
+        moment = self.moment()
+        if total > self.timeline.get(moment, (-1,))[0]:
+            inner = max(self._mod_tracker.parents, key=len)
+            self.timeline[moment] = (total, now, inner)
+
+
+def _kind(kind: _RefType | str) -> str:
+    return str(kind.value) if isinstance(kind, _RefType) else str(kind)
+
+
+def _at_moment(kinds: dict[str, int], rest: dict[str, int]) -> dict[str, int]:
+    """What was alive at one moment of the step (MemTracker's ``kinds`` then), as the components:
+    the rank's own parameters and optimizer state (as held between steps, ``rest``), the
+    gradients, the activations (everything forward made that is still alive, and a block
+    recomputed), the temporaries (what backward and the optimizer made that is still alive), and
+    the buffers (module buffers, and parameters gathered beyond the rank's own shards)."""
+    params, optimizer = rest.get("Parameter", 0), rest.get("Optstate", 0)
+    return {
+        "params": min(params, kinds.get("Parameter", 0)),
+        "grads": kinds.get("Gradient", 0),
+        "optimizer": min(optimizer, kinds.get("Optstate", 0)),
+        "activations": kinds.get("Activation", 0),
+        "temporaries": kinds.get("Temp", 0) + max(0, kinds.get("Optstate", 0) - optimizer),
+        "buffers": kinds.get("Buffer", 0) + max(0, kinds.get("Parameter", 0) - params),
+    }
+
+
+def _grad_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the gradients ``optimizer`` steps with (each storage once; a DTensor's local part)."""
+    from torch.distributed.tensor import DTensor
+
+    seen: dict[int, int] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            g = p.grad
+            if g is None:
+                continue
+            g = g.to_local() if isinstance(g, DTensor) else g
+            st = g.untyped_storage()
+            seen[st._cdata] = st.nbytes()  # the storage itself (a new Python object each call)
+    return sum(seen.values())
+
+
+def _whole_grads(dims: Any) -> bool:
+    """Whether the rank holds its parameters' whole gradients through backward and only the
+    optimizer steps with a share of them: ZeRO-1 (FSDP's whole gradients exist a unit at a time)."""
+    return bool(dims.shard_optimizer and not dims.fsdp_enabled)
+
+
+def _components(
+    peak: dict[str, int],
+    at_step: dict[str, int],
+    rest: dict[str, int],
+    kept: int,
+    whole_grads: bool = False,
+) -> dict[str, int]:
+    """The components from MemTracker's kinds: each kind's peak in the step, what was held when the
+    optimizer stepped (``at_step``), after the step (``rest``), and the activations alive in
+    backward (``kept``: what forward kept for it, and blocks recomputed under checkpointing).
+    ``whole_grads`` (ZeRO-1): the gradients are the whole ones backward held, as the plan counts
+    them, not the share the optimizer steps with."""
+    params, grads = rest.get("Parameter", 0), at_step.get("Gradient", 0)
+    if whole_grads:
+        grads = max(grads, peak.get("Gradient", 0))
+    optimizer = rest.get("Optstate", 0)
+    return {
+        "params": params,
+        "grads": grads,
+        "optimizer": optimizer,
+        "activations": kept,
+        # What backward and the optimizer make and free, and forward's own transients (the logits
+        # beside their log-softmax at the loss) beyond what it keeps.
+        "temporaries": peak.get("Temp", 0)
+        + max(0, peak.get("Optstate", 0) - optimizer)
+        + max(0, peak.get("Activation", 0) - kept)
+        + max(0, peak.get("Gradient", 0) - grads),
+        "buffers": peak.get("Buffer", 0) + max(0, peak.get("Parameter", 0) - params),
+    }
