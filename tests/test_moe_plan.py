@@ -14,7 +14,7 @@ import torch
 
 from conftest import PYTHON, run_cli, run_worker
 from dtlab.analysis import moe
-from dtlab.analysis.check import check_rank, measure_step
+from dtlab.analysis.check import check_rank, measure_fake, measure_step
 from dtlab.analysis.devices import PROFILES
 from dtlab.analysis.model import flops_per_token, param_shapes, plan_step
 from dtlab.analysis.plan import plan
@@ -218,6 +218,16 @@ CHECKED = {
 }  # fmt: skip
 
 
+# The peak's error where an MoE block's backward is the peak (measured; docs/moe-planning.md).
+PEAK_ERROR = {
+    ("fsdp:2 full AC", 1): 0.14, ("ddp:2 ep:2", 1): 0.016, ("ddp:2 ep:2 full AC", 1): 0.12,
+    ("hsdp:2x2 ep:2", 3): 0.023, ("pp:2 1f1b full AC", 1): 0.10, ("pp:2 x ddp:2 ep:2", 3): 0.036,
+    ("pp:2 x ddp:2 ep:2 bf16 full AC", 3): 0.067, ("ddp:2 ep:2 bf16 full AC", 1): 0.045,
+    ("fsdp:4 ep:2 bf16 full AC", 3): 0.112, ("fsdp:2 bf16 selective AC", 1): 0.085,
+    ("tiny-moe pp:2 1f1b bf16", 0): 0.125, ("tiny-moe pp:2 1f1b bf16", 1): 0.094,
+}  # fmt: skip
+
+
 @pytest.mark.parametrize("layout", list(CHECKED))
 def test_check_runs_an_moe_model_and_finds_the_plan(layout: str) -> None:
     """The real code under fake tensors, routed evenly: each rank's state and buffers to the byte
@@ -229,13 +239,27 @@ def test_check_runs_an_moe_model_and_finds_the_plan(layout: str) -> None:
     config = load_config(overrides=[*SMALL, *extra])
     dims = ParallelDims.from_config(config, nproc)
     for rank in (0, nproc - 1) if dims.pp_enabled else (nproc - 1,):
-        r = check_rank(config, nproc, 1, rank)
+        measured = measure_fake(config, nproc, 1, rank)
+        r = check_rank(config, nproc, 1, rank, measured)
         assert r.skipped is None, r.skipped
-        c = r.components
-        for name in ("params", "grads", "optimizer", "buffers"):
-            assert c[name]["predicted"] == c[name]["checked"] > 0, (rank, name, c[name])
-        act = c["activations"]
-        assert abs(act["predicted"] - act["checked"]) <= 0.005 * act["checked"], (rank, act)
+        at = dims.coordinates(rank)
+        plan = plan_step(
+            config, nproc, pp_rank=at["pp"] if dims.pp_enabled else None, shard_rank=at["dp_shard"]
+        )
+        own = measured["components"]
+        for name, planned in (
+            ("params", plan.params_bytes), ("grads", plan.grads_bytes),
+            ("optimizer", plan.optimizer_bytes),
+            ("buffers", plan.gathered_bytes + plan.buffers_bytes),
+        ):  # fmt: skip
+            assert own[name] == planned > 0, (rank, name, own[name], planned)
+        act = own["activations"]
+        assert abs(plan.activations_bytes - act) <= 0.005 * act, (rank, act, plan)
+        # The peak: an MoE block's own backward (its experts' gradients, the dispatch's buffers)
+        # is not in the timeline yet (docs/moe-planning.md); where it is not the peak, the peak is
+        # the plan's within 3%, and otherwise no further off than measured.
+        error = abs(r.peak["predicted"] - r.peak["checked"]) / r.peak["checked"]
+        assert error <= PEAK_ERROR.get((layout, rank), 0.03), (rank, r.peak)
         # A pipeline's dense first stage has no MoE block, and no all-to-all.
         moe_here = dims.ep_enabled and not (dims.pp_enabled and rank < nproc // 2)
         a2a = [v for k, v in r.by_collective.items() if "all_to_all" in k]
@@ -253,7 +277,7 @@ def test_a_rank_of_qwen3_blocks_on_64_ranks_is_checked_against_its_plan() -> Non
     """qwen3-30b-a3b's shape cut to 2 blocks, FSDP 64 x EP 8 over 8 nodes of 8, bf16, full
     checkpointing: rank 0's real code at full world size, its 16 of 128 experts per block, is the
     plan's to the byte in state, activations (the loss's peak: no block's all-to-all rows in it)
-    and every collective, the all-to-all of 1,024 tokens x top 8 included."""
+    and every collective, the all-to-all of 1,024 tokens x top 8 included; its peak is not yet."""
     config = load_config(
         overrides=[
             "model.preset=qwen3-30b-a3b", "model.n_layers=2", "parallel.strategy=fsdp",
@@ -261,12 +285,21 @@ def test_a_rank_of_qwen3_blocks_on_64_ranks_is_checked_against_its_plan() -> Non
             "data.seq_len=1024", "train.global_batch_size=64",
         ]
     )  # fmt: skip
-    r = check_rank(config, 8, 8, 0)
+    measured = measure_fake(config, 8, 8, 0)
+    r = check_rank(config, 8, 8, 0, measured)
     assert r.skipped is None, r.skipped
-    for name in ("params", "grads", "optimizer", "buffers", "activations"):
-        assert r.components[name]["predicted"] == pytest.approx(
-            r.components[name]["checked"], rel=1e-6
-        ), name
+    plan = plan_step(config, 64, shard_rank=0)
+    own = measured["components"]
+    for name, planned in (
+        ("params", plan.params_bytes), ("grads", plan.grads_bytes),
+        ("optimizer", plan.optimizer_bytes), ("buffers", plan.gathered_bytes + plan.buffers_bytes),
+        ("activations", plan.activations_bytes),
+    ):  # fmt: skip
+        assert planned == pytest.approx(own[name], rel=1e-6), name
+    # Its peak comes after backward, where the experts' whole gradients wait for their sync beside
+    # FSDP's reduce-scatter buffers: not in the plan's timeline yet (docs/moe-planning.md, 32% under).
+    error = (r.peak["predicted"] - r.peak["checked"]) / r.peak["checked"]
+    assert -0.33 <= error < 0, r.peak
     assert r.by_collective["ep all_to_all"]["checked"] > 0
     for kind, v in r.by_collective.items():
         assert v["predicted"] == v["checked"], (kind, v)
