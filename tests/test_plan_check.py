@@ -294,8 +294,9 @@ def test_a_checked_rank_holds_and_sends_what_a_real_rank_does(tmp_path: Path, la
 @pytest.mark.slow
 def test_one_rank_of_a_70b_model_on_1024_ranks_is_checked() -> None:
     """llama3.1-70b, FSDP 128 x TP 8 over 128 nodes of 8, bf16, full checkpointing, 8,192 tokens:
-    rank 0's real code runs (its 1/1,024 of the model, fake), and its state is the plan's to the
-    byte. (Its time and memory are figures in docs/planning.md, not asserted here.)"""
+    rank 0's real code runs (its 1/1,024 of the model, fake), its state is the plan's to the byte,
+    and its peak as far from the plan's as measured. (Its time and memory are figures in
+    docs/planning.md, not asserted here.)"""
     config = load_config(
         overrides=[
             "model.preset=llama3.1-70b", "parallel.strategy=fsdp", "parallel.tp=8",
@@ -303,10 +304,18 @@ def test_one_rank_of_a_70b_model_on_1024_ranks_is_checked() -> None:
             "train.global_batch_size=128",
         ]
     )  # fmt: skip
-    r = check_rank(config, 8, 128, 0)
+    measured = measure_fake(config, 8, 128, 0)
+    r = check_rank(config, 8, 128, 0, measured)
     assert r.skipped is None
-    for name in ("params", "grads", "optimizer"):
-        assert r.components[name]["predicted"] == r.components[name]["checked"] > 0, name
-    assert r.components["params"]["checked"] * 1024 >= 4 * 70e9 * 0.95  # ~1/1,024 of 70B float32
+    plan = plan_step(config, 1024, shard_rank=0)
+    own = measured["components"]
+    assert own["params"] == plan.params_bytes and own["grads"] == plan.grads_bytes
+    assert own["optimizer"] == plan.optimizer_bytes
+    assert own["params"] * 1024 >= 4 * 70e9 * 0.95  # ~1/1,024 of 70B float32
+    # The peak comes in a block's final norm's backward, whose float32 [tokens, dim] temporaries
+    # (not split by tensor parallelism) the timeline does not count yet: 7.3% under
+    # (docs/planning.md).
+    error = (r.peak["predicted"] - r.peak["checked"]) / r.peak["checked"]
+    assert -0.08 <= error <= 0.03, r.peak
     sent = r.collectives
     assert sent["checked"] > 0 and abs(sent["predicted"] - sent["checked"]) <= 0.1 * sent["checked"]

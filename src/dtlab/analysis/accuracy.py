@@ -1,8 +1,8 @@
 """How far the analytic plan is from the checked code: ``python -m dtlab.analysis.accuracy``.
 
 Runs ``dtlab plan --check`` (:func:`dtlab.analysis.check.check_rank`) over a grid of layouts, presets
-and world sizes and prints, per row, each component's error (predicted against checked) as a markdown
-table, the table docs/planning.md quotes. ``--json OUT`` keeps every figure; ``--quick`` runs the
+and world sizes and prints, per row, the step's peak error (predicted against checked) and each
+component's at the checked peak, as a markdown table, the table docs/planning.md quotes. ``--json OUT`` keeps every figure; ``--quick`` runs the
 small rows only.
 """
 
@@ -65,12 +65,13 @@ GRID: list[tuple[str, int, int, str, list[str], int, int, bool]] = [
 ]  # fmt: skip
 
 
-def _err(p: int | None, c: int) -> str:
-    if p is None:
-        return "-"
+def _err(p: int, c: int) -> str:
+    """The plan's error against the check (see :func:`dtlab.analysis.check_report._error`)."""
     if p == c:
         return "exact"
-    return f"{(p - c) / c:+.1%}" if c else "none held"
+    if c == 0:
+        return "not held"
+    return f"{(p - c) / c:+.1%}" if p else "missed"
 
 
 def run(quick: bool) -> list[dict[str, Any]]:
@@ -116,9 +117,10 @@ def _row(
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """The markdown table: each component's error, the bytes sent per step and the peaks."""
-    names = [c for c in COMPONENTS if c != "temporaries"]
-    head = ["preset", "ranks", "layout", *names, "sent/step", "temporaries (checked)", "check s"]
+    """The markdown table: the peak's error first (and the moment the check has it), then what is
+    alive then, component by component, the bytes sent per step and the check's seconds."""
+    head = ["preset", "ranks", "layout", "peak", "checked peak at", *COMPONENTS, "sent/step",
+            "check s"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if "skipped" in r:
@@ -126,11 +128,13 @@ def table(rows: list[dict[str, Any]]) -> str:
                 f"| {r['preset']} | {r['world']} | {r['layout']} | not checked: {r['skipped']} |"
             )
             continue
-        c = r["components"]
+        c, peak = r["components"], r["peak"]
+        at = peak["checked_at"]
         cells = [r["preset"], str(r["world"]), r["layout"]]
-        cells += [_err(c[n]["predicted"], c[n]["checked"]) for n in names]
+        cells.append(_err(peak["predicted"], peak["checked"]))
+        cells.append(f"{at['moment']}: {at['where']} ({peak['checked'] / 2**30:,.2f} GiB)")
+        cells += [_err(c[n]["predicted"], c[n]["checked"]) for n in COMPONENTS]
         cells.append(_err(r["collectives"]["predicted"], r["collectives"]["checked"]))
-        cells.append(f"{c['temporaries']['checked'] / 2**20:,.1f} MiB")
         cells.append(f"{r['seconds']:.0f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
