@@ -48,6 +48,13 @@ CHECKED = {
                                  "train.precision=bf16", "train.activation_checkpointing=full"]),
     "pp:2 1f1b bf16 full AC": (2, ["parallel.pp=2", "parallel.pp_schedule=1f1b",
                                    "train.precision=bf16", "train.activation_checkpointing=full"]),
+    # Deeper models: the block below the last one, whose reduce-scatter still holds its input.
+    "fsdp:2 x tp:2 bf16 full AC, 8 blocks": (4, ["parallel.strategy=fsdp", "parallel.tp=2",
+                                                 "train.precision=bf16", "model.n_layers=8",
+                                                 "train.activation_checkpointing=full"]),
+    "fsdp:2 bf16 selective AC, 4 blocks": (2, ["parallel.strategy=fsdp", "train.precision=bf16",
+                                               "model.n_layers=4",
+                                               "train.activation_checkpointing=selective"]),
     "pp:2 1f1b": (2, ["parallel.pp=2", "parallel.pp_schedule=1f1b"]),
     "pp:2 gpipe": (2, ["parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.pp_microbatches=4"]),
     "pp:2 1f1b bf16": (2, ["parallel.pp=2", "parallel.pp_schedule=1f1b", "train.precision=bf16"]),

@@ -375,6 +375,11 @@ def pipeline_timeline(
             t.add(Moment(name, f"the stage's {which} block's feed-forward backward", **base,
                          grads=g_kept + new, activations=alive + again - gone - block.freed,
                          temporaries=t_kept + sending + temps + ahead, buffers=bufs))  # fmt: skip
+            norm = block.norm_temps - (0 if last else block.incoming)
+            t.add(Moment(name, f"the stage's {which} block's feed-forward norm's backward",
+                         **base, grads=g_kept + new + (2 * block.w2_grad if grows else 0),
+                         activations=alive + again - block.norm_freed + 3 * w2_copy,
+                         temporaries=t_kept + sending + norm + ahead, buffers=bufs))  # fmt: skip
         done[i] = True
         after_backward[i] = True
         # Single-stage schedules wait for a backward's send at the next one's; the multi-stage

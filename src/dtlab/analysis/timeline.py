@@ -165,6 +165,7 @@ class FsdpUnits:
     block_shard: int
     reshard: bool
     hsdp: bool
+    scatters: bool = True  # shard groups of several ranks: each unit's gradients reduce-scattered
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,12 @@ class BlockShape:
     dim: int = 0  # the model's width
     compute: int = FP32  # bytes of an activation element
     grad_element: int = FP32  # bytes of a weight gradient's element, as backward makes it
+    # The feed-forward's norm's backward, after the feed-forward's: backward's own alive at its
+    # peak (the residual gradient and float32 [tokens, dim] temporaries, not split by tensor
+    # parallelism), and what the block's forward kept that is freed by then (the feed-forward's
+    # activations, the norm's output and its copies).
+    norm_temps: int = 0
+    norm_freed: int = 0
 
     def kept_copies(self) -> BlockShape:
         """The same block where autocast's weight copies live through the step (a pipeline's one
@@ -215,9 +222,17 @@ def dense_block(
     copy = 2 * dim * hidden // tp if autocast_copies else 0
     w2 = grad_bytes * dim * hidden // tp
     gathered = compute * tokens * dim if seq > 1 else 0
+    # RMSNorm's backward computes in float32 whatever the stream's dtype: at its peak (the
+    # rsqrt's gradient) four [tokens, dim] float32 beside the residual gradient, five where the
+    # gradient arrives in another dtype than float32 or as tensor parallelism's all-reduced sum
+    # (measured by `dtlab plan --check`).
+    row = FP32 * tokens * dim // seq
+    extra = 5 if (tp > 1 or stream != FP32) else 4
+    norm_temps = residual + extra * row
+    norm_freed = 4 * compute * local + 3 * copy + 2 * row + FP32 * tokens // seq
     return BlockShape(
         temps, compute * local + copy, w2, grad_bytes * block_params, residual + gathered, copy,
-        dim, compute, grad_bytes,
+        dim, compute, grad_bytes, norm_temps, norm_freed,
     )  # fmt: skip
 
 
@@ -234,6 +249,7 @@ def step_timeline(
     grads_persist: bool,
     fsdp: FsdpUnits | None,
     after_backward: int = 0,
+    held_input: int = 0,
 ) -> Timeline:
     """The step's moments on a rank without pipeline parallelism.
 
@@ -243,7 +259,8 @@ def step_timeline(
     feed-forward's backward; ``bottom_kept``: what is left of ``kept`` when the first
     block's backward starts (its own and the embedding's); ``n_blocks``: the rank's blocks;
     ``grads_persist``: the gradients live from step to step (DDP's buckets); ``after_backward``:
-    what the step makes after backward (ZeRO-1's reduce-scatter buffers)."""
+    what the step makes after backward (ZeRO-1's reduce-scatter buffers); ``held_input``: of a
+    block's ``bottom_kept``, what stays after its backward under checkpointing (its input)."""
     t = Timeline()
     s = state
     base = {"params": s.params, "optimizer": s.optimizer}
@@ -251,7 +268,7 @@ def step_timeline(
         last = k == accum
         if fsdp is not None:
             _fsdp_micro_batch(t, s, base, k, last, kept, loss_part, recompute, bottom_kept,
-                              block, n_blocks, loss, fsdp)  # fmt: skip
+                              block, n_blocks, loss, fsdp, held_input)  # fmt: skip
         else:
             # Gradients alive as micro-batch k starts: DDP's buckets always, otherwise those of
             # the micro-batches before it; the first micro-batch makes them block by block.
@@ -288,6 +305,9 @@ def _micro_batch(
     gathered: tuple[int, int, int],
     output: tuple[int, int] | None = None,
     block_gathered: int = 0,
+    pending: int = 0,
+    shard: int = 0,
+    held_input: int = 0,
 ) -> None:
     """Micro-batch k's forward and backward points into ``t``. ``grads``, ``temps`` and
     ``gathered`` (the wrapper's own, beyond the blocks'): at the loss, at the last block's
@@ -316,8 +336,16 @@ def _micro_batch(
             )  # fmt: skip
     again, gone = recompute
     points = [("last", kept - loss_part, grads[1], temps[1], gathered[1])]
+    if n_blocks > 2 and pending:
+        # FSDP: the block below the last, the last one's reduce-scatter still holding its input
+        # (its unsharded gradients in float32) beside the last one's shards.
+        # (Under checkpointing, the last block's checkpointed input is still held then.)
+        below = kept - loss_part - bottom_kept + held_input
+        points.append(
+            ("second", below, grads[1] + shard, temps[1] + pending, gathered[1])
+        )  # fmt: skip
     if n_blocks > 1:
-        points.append(("first", bottom_kept, grads[2], temps[2], gathered[2]))
+        points.append(("first", bottom_kept, grads[2], temps[2] + pending, gathered[2]))
     for which, alive, g, tmp, gath in points:
         if again:
             # A checkpointed block at the end of its recomputation, before its backward.
@@ -333,6 +361,13 @@ def _micro_batch(
                 f"backward {k}", f"the {which} block's feed-forward backward", **base, grads=g,
                 activations=alive + again - gone - block.freed,
                 temporaries=tmp + block.temps, buffers=buffers + gath,
+            )
+        )  # fmt: skip
+        t.add(
+            Moment(
+                f"backward {k}", f"the {which} block's feed-forward norm's backward", **base,
+                grads=g + 2 * block.w2_grad, activations=alive + again - block.norm_freed,
+                temporaries=tmp + block.norm_temps, buffers=buffers + gath,
             )
         )  # fmt: skip
 
@@ -351,6 +386,7 @@ def _fsdp_micro_batch(
     n_blocks: int,
     loss: LossShape | None,
     fsdp: FsdpUnits,
+    held_input: int = 0,
 ) -> None:
     """Micro-batch k under FSDP: the root is gathered for its backward to the end of it (with its
     output's and final norm's unsharded gradients, reduce-scattered with the embedding's at the
@@ -379,4 +415,7 @@ def _fsdp_micro_batch(
         output = (freed, made_out + fsdp.block - prefetch)
     _micro_batch(t, base, s.buffers, k, kept, loss_part, recompute, bottom_kept, block, n_blocks,
                  loss, (shards, top, bottom), (partial, partial + prefetch, partial + made_temps),
-                 (gathered_fwd, gathered_bw, gathered_bw), output, fsdp.block)  # fmt: skip
+                 (gathered_fwd, gathered_bw, gathered_bw), output, fsdp.block,
+                 # The last reduce-scatter's input: the block's gradients in float32.
+                 fsdp.block // block.grad_element * FP32 if fsdp.scatters else 0,
+                 fsdp.block_shard, held_input)  # fmt: skip
