@@ -71,6 +71,10 @@ CHECKED = {
 ACTIVATIONS_DIFFER = {("pp:2 1f1b bf16 full AC", 1)}  # (layout, rank)
 # Where the plan's peak is not yet within 3% of the checked one (docs/planning.md): none.
 PEAK_DIFFERS: set[tuple[str, int]] = set()
+# Where a component at the peak is not (the peak is): FSDP's last reduce-scatter's output shard,
+# which the plan files as a gradient and the check, at a block whose backward has not reached that
+# point yet, as a temporary (one shard, 15% of the gradients of this small model).
+COMPONENTS_DIFFER = {("fsdp:2 x tp:2 bf16 full AC, 8 blocks", 3): {"grads", "temporaries"}}
 
 
 def close(predicted: int, checked: int, within: float = 0.03) -> bool:
@@ -106,12 +110,17 @@ def test_the_plan_is_the_checked_code(layout: str) -> None:
         r = check_rank(config, nproc, 1, rank, measured)
         assert r.skipped is None
         peak = r.peak
+        apart = COMPONENTS_DIFFER.get((layout, rank), set())
         ok = close(peak["predicted"], peak["checked"]) and all(
-            close(c["predicted"], c["checked"]) for c in r.components.values()
+            close(c["predicted"], c["checked"]) for n, c in r.components.items() if n not in apart
         )
         assert ok == ((layout, rank) not in PEAK_DIFFERS), (rank, peak, r.components)
         if (layout, rank) in PEAK_DIFFERS:  # the documented miss, no larger
             assert close(peak["predicted"], peak["checked"], 0.04), (rank, peak)
+        for name in apart:  # the documented split, no larger; and it is still there
+            c = r.components[name]
+            assert close(c["predicted"], c["checked"], 0.2), (name, c)
+            assert not close(c["predicted"], c["checked"]), (name, c)
         at = dims.coordinates(rank)
         plan = plan_step(
             config, nproc, pp_rank=at["pp"] if dims.pp_enabled else None, shard_rank=at["dp_shard"]
@@ -302,7 +311,7 @@ def test_a_checked_rank_holds_and_sends_what_a_real_rank_does(tmp_path: Path, la
 def test_one_rank_of_a_70b_model_on_1024_ranks_is_checked() -> None:
     """llama3.1-70b, FSDP 128 x TP 8 over 128 nodes of 8, bf16, full checkpointing, 8,192 tokens:
     rank 0's real code runs (its 1/1,024 of the model, fake), its state is the plan's to the byte,
-    and its peak as far from the plan's as measured. (Its time and memory are figures in
+    its peak and what is alive then within 3%. (Its time and memory are figures in
     docs/planning.md, not asserted here.)"""
     config = load_config(
         overrides=[
@@ -319,10 +328,10 @@ def test_one_rank_of_a_70b_model_on_1024_ranks_is_checked() -> None:
     assert own["params"] == plan.params_bytes and own["grads"] == plan.grads_bytes
     assert own["optimizer"] == plan.optimizer_bytes
     assert own["params"] * 1024 >= 4 * 70e9 * 0.95  # ~1/1,024 of 70B float32
-    # The peak comes in a block's final norm's backward, whose float32 [tokens, dim] temporaries
-    # (not split by tensor parallelism) the timeline does not count yet: 7.3% under
-    # (docs/planning.md).
-    error = (r.peak["predicted"] - r.peak["checked"]) / r.peak["checked"]
-    assert -0.08 <= error <= 0.03, r.peak
+    # The peak comes in the norm's backward of the block below the last (its float32 [tokens,
+    # dim] temporaries, the last block's reduce-scatter input beside them).
+    assert close(r.peak["predicted"], r.peak["checked"]), r.peak
+    for name, c in r.components.items():
+        assert close(c["predicted"], c["checked"]), (name, c)
     sent = r.collectives
     assert sent["checked"] > 0 and abs(sent["predicted"] - sent["checked"]) <= 0.1 * sent["checked"]

@@ -345,7 +345,11 @@ def _micro_batch(
             ("second", below, grads[1] + shard, temps[1] + pending, gathered[1])
         )  # fmt: skip
     if n_blocks > 1:
-        points.append(("first", bottom_kept, grads[2], temps[2] + pending, gathered[2]))
+        # (the block above's checkpointed input held there too, FSDP's last reduce-scatter's)
+        points.append(
+            ("first", bottom_kept + (held_input if pending else 0), grads[2], temps[2] + pending,
+             gathered[2])
+        )  # fmt: skip
     for which, alive, g, tmp, gath in points:
         if again:
             # A checkpointed block at the end of its recomputation, before its backward.
