@@ -365,21 +365,29 @@ def pipeline_timeline(
         points = [("last", top_alive, top_new, 1, prefetch)]
         if n_blocks[i] > 1:
             points.append(("first", bottom_alive, bottom_new, n_blocks[i], 0))
+        buffered = fsdp is not None and fsdp.buffered
         for which, alive, new, blocks, ahead in points:
             bufs = state.buffers + gathered(i, blocks)
+            # FSDP in half precision moves each block's gradients, once made, into float32
+            # buffers of its own (temporaries): only the block in backward's are the parameters'.
+            moved = max(0, new - block.w2_grad) * FP32 // block.grad_element if buffered else 0
+            if moved:
+                new = block.w2_grad
             if again:
                 t.add(Moment(name, f"the stage's {which} block recomputed", **base,
                              grads=g_kept + max(0, new - block.w2_grad), activations=alive + again,
-                             temporaries=t_kept + sending + (block.incoming if last else 0),
+                             temporaries=t_kept + moved + sending + (block.incoming if last else 0),
                              buffers=bufs))  # fmt: skip
             t.add(Moment(name, f"the stage's {which} block's feed-forward backward", **base,
                          grads=g_kept + new, activations=alive + again - gone - block.freed,
-                         temporaries=t_kept + sending + temps + ahead, buffers=bufs))  # fmt: skip
+                         temporaries=t_kept + moved + sending + temps + ahead,
+                         buffers=bufs))  # fmt: skip
             norm = block.norm_temps - (0 if last else block.incoming)
             t.add(Moment(name, f"the stage's {which} block's feed-forward norm's backward",
                          **base, grads=g_kept + new + (2 * block.w2_grad if grows else 0),
                          activations=alive + again - block.norm_freed + 3 * w2_copy,
-                         temporaries=t_kept + sending + norm + ahead, buffers=bufs))  # fmt: skip
+                         temporaries=t_kept + moved + sending + norm + ahead,
+                         buffers=bufs))  # fmt: skip
         done[i] = True
         after_backward[i] = True
         # Single-stage schedules wait for a backward's send at the next one's; the multi-stage
@@ -388,12 +396,12 @@ def pipeline_timeline(
         nxt = walk[step + 1] if step + 1 < len(walk) else None
         if nxt is None:
             sending = 0  # the schedule waits for its last sends
-        if nxt is None or nxt[0] == "F":
-            g_kept, t_kept = made()
-            t.add(Moment(f"after backward {forwards}", "between backward and the next forward",
-                         **base, grads=g_kept, activations=held - figures.per_mb[i],
-                         temporaries=t_kept + sending,
-                         buffers=state.buffers + gathered(None, 0)))  # fmt: skip
+        # Between this backward and the next op: the schedule's own code.
+        g_kept, t_kept = made()
+        t.add(Moment(f"after backward {forwards}", "between backward and the next forward",
+                     **base, grads=g_kept, activations=held - figures.per_mb[i],
+                     temporaries=t_kept + sending,
+                     buffers=state.buffers + gathered(None, 0)))  # fmt: skip
     t.add(Moment("optimizer", "the optimizer step", **base, grads=state.grads,
                  buffers=state.buffers))  # fmt: skip
     return t
