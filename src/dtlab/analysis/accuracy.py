@@ -119,6 +119,8 @@ def _row(
 def table(rows: list[dict[str, Any]]) -> str:
     """The markdown table: the peak's error first (and the moment the check has it), then what is
     alive then, component by component, the bytes sent per step and the check's seconds."""
+    from dtlab.analysis.plan import format_bytes
+
     head = ["preset", "ranks", "layout", "peak", "checked peak at", *COMPONENTS, "sent/step",
             "check s"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -132,7 +134,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         at = peak["checked_at"]
         cells = [r["preset"], str(r["world"]), r["layout"]]
         cells.append(_err(peak["predicted"], peak["checked"]))
-        cells.append(f"{at['moment']}: {at['where']} ({peak['checked'] / 2**30:,.2f} GiB)")
+        cells.append(f"{at['moment']}: {at['where']} ({format_bytes(peak['checked'])})")
         cells += [_err(c[n]["predicted"], c[n]["checked"]) for n in COMPONENTS]
         cells.append(_err(r["collectives"]["predicted"], r["collectives"]["checked"]))
         cells.append(f"{r['seconds']:.0f}")

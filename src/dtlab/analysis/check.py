@@ -330,8 +330,10 @@ def _where(module: str) -> str:
     """The innermost module running at a checked moment, without the wrappers' names."""
     for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod."):
         module = module.replace(wrapper, "")
+    if module in ("", "Global"):
+        return "outside the model's modules (the loss, the schedule, the wrappers)"
     head, _, rest = module.partition(".")
-    return rest if head.endswith("Transformer") and rest else module or "-"
+    return rest if head.endswith("Transformer") and rest else module
 
 
 def _counted_names(comm: dict[str, int], dims: Any) -> dict[str, int]:

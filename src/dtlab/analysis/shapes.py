@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
 
 from dtlab.analysis import moe
 from dtlab.config import Config, ModelConfig
@@ -17,7 +19,7 @@ class ParamShape:
     shape: tuple[int, ...]
     group: str  # "layers.N" for a transformer block, "root" for embeddings, final norm and output
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
 
@@ -25,8 +27,8 @@ class ParamShape:
         """Elements one rank holds when dim 0 is split in ``shards`` equal padded chunks (FSDP2)."""
         if shards == 1:
             return self.numel
-        rest = self.numel // self.shape[0]
-        return math.ceil(self.shape[0] / shards) * rest
+        rows = self.shape[0]
+        return -(-rows // shards) * (self.numel // rows)
 
     def shard_numel_at(self, shards: int, index: int) -> int:
         """Elements shard ``index`` really holds, without the padding of its chunk (the last
@@ -85,11 +87,33 @@ class RankPart:
         return self.n_stages - 1 in self.stages
 
 
+# rank_shapes' results by (the shapes' identity, the split): the search asks for the same split of
+# the same shapes thousands of times. Each entry keeps its shapes alive, so an identity is never
+# reused while it is cached.
+_RANK_SHAPES: dict[tuple[Any, ...], tuple[list[ParamShape], list[ParamShape], RankPart]] = {}
+
+
 def rank_shapes(
     config: Config, dims: ParallelDims, shapes: list[ParamShape], pp_rank: int
 ) -> tuple[list[ParamShape], RankPart]:
     """What pipeline rank ``pp_rank`` holds of each parameter (its tensor-parallel part, before FSDP
     shards it), and its stages."""
+    p = config.parallel
+    key = (id(shapes), len(shapes), config.model.n_layers, dims.tp, dims.pp, p.stages_per_rank,
+           p.pp_schedule if dims.pp_enabled else "", pp_rank)  # fmt: skip
+    hit = _RANK_SHAPES.get(key)
+    if hit is not None and hit[0] is shapes:
+        return list(hit[1]), hit[2]
+    held, part = _rank_shapes(config, dims, shapes, pp_rank)
+    if len(_RANK_SHAPES) > 4096:
+        _RANK_SHAPES.clear()
+    _RANK_SHAPES[key] = (shapes, held, part)
+    return list(held), part
+
+
+def _rank_shapes(
+    config: Config, dims: ParallelDims, shapes: list[ParamShape], pp_rank: int
+) -> tuple[list[ParamShape], RankPart]:
     n_layers, p = config.model.n_layers, config.parallel
     layers, part = set(range(n_layers)), RankPart([0], 1, n_layers)
     if dims.pp_enabled:
