@@ -164,6 +164,7 @@ def test_layouts_the_check_cannot_run_say_why() -> None:
          "DDP with parallel.compression = 'fp16' is not checked"),
         (["parallel.pp=2", "parallel.pp_schedule=zbv", "model.n_layers=4"],
          "'zbv' is not checked"),
+        (["parallel.strategy=ddp", "train.optimizer=demo"], "'demo' is not checked"),
     ):  # fmt: skip
         config = load_config(overrides=[*SMALL, *overrides])
         assert needle in (check_rank(config, 2, 1, 0).skipped or "")
@@ -191,6 +192,14 @@ def test_each_pipeline_stage_is_checked_with_its_own_plan(schedule: str) -> None
         assert sends["predicted"] == sends["checked"] > 0, sends
     assert first.components["params"]["checked"] != last.components["params"]["checked"]
     assert first.peak["checked"] != last.peak["checked"]
+
+
+def test_the_check_refuses_a_torch_whose_internals_it_was_not_tested_on() -> None:
+    from dtlab.analysis.check_fake import TESTED_TORCH, torch_refusal
+
+    assert torch_refusal(f"{TESTED_TORCH[-1]}.0+cpu") is None
+    refusal = torch_refusal("2.99.0")
+    assert refusal is not None and "torch 2.99.0" in refusal and TESTED_TORCH[-1] in refusal
 
 
 def test_ranks_are_parsed_and_refused_with_what_is_allowed() -> None:

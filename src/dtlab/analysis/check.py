@@ -76,6 +76,7 @@ from dtlab.analysis.check_fake import (
     _forget_meshes,
     _propagation_apart,
     _vote_here,
+    torch_refusal,
     unsupported,
 )
 from dtlab.analysis.check_report import choose_config, default_ranks, format_check, parse_ranks
@@ -267,6 +268,9 @@ def check_rank(
 
     world = nproc * nnodes
     result = RankCheck(rank)
+    refusal = torch_refusal()
+    if refusal is not None:
+        raise ConfigError(refusal)
     try:
         reason = unsupported(config, world)
     except ConfigError as e:  # a layout this world cannot run at all

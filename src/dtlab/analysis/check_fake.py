@@ -196,6 +196,32 @@ def unsupported(config: Config, world: int) -> str | None:
             "splits into input and weight gradients (torch.autograd.grad), under which torch's "
             "MemTracker's module hooks fail; checked: gpipe, 1f1b, interleaved_1f1b, looped_bfs"
         )
+    if config.train.optimizer == "demo" and dims.ddp_enabled:
+        return (
+            "train.optimizer = 'demo' is not checked: DeMo's DDP hook gathers every rank's "
+            "compressed gradients and waits on the result, which the fake process group does not "
+            "give"
+        )
     if config.parallel.diloco.inner_steps:
         return "DiLoCo is not checked: its outer state is in host memory, outside the step"
     return None
+
+
+# The torch versions whose private internals the check relies on were tested with: MemTracker's
+# snapshot and hooks (torch.distributed._tools.mem_tracker), the fake process group's FakeStore
+# (torch.testing._internal), DTensor's sharding propagation and its caches, DDP's shape check and
+# FSDP2's and pipelining's internals it steps around (check_fake, check_tracker).
+TESTED_TORCH = ("2.13",)
+
+
+def torch_refusal(version: str | None = None) -> str | None:
+    """Why the check refuses to run on this torch (its private internals untested there), or None."""
+    version = version or torch.__version__
+    if ".".join(version.split(".")[:2]) in TESTED_TORCH:
+        return None
+    return (
+        f"dtlab plan --check relies on torch internals (MemTracker's, the fake process group's "
+        f"FakeStore, DTensor's sharding propagation) tested on torch {', '.join(TESTED_TORCH)}; "
+        f"this is torch {version}: install torch=={TESTED_TORCH[-1]}.* to check, or plan without "
+        "--check"
+    )
