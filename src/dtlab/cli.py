@@ -181,7 +181,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         ranks = parse_ranks(args.ranks, world)
         target, layout = choose_config(args.config, list(args.overrides), config, result, world)
-        result["check"] = {"layout": layout, **check(target, args.nproc, args.nnodes, ranks)}
+        result["check"] = {
+            "layout": layout,
+            **check(target, args.nproc, args.nnodes, ranks, device.kind),
+        }
     text = json.dumps(result, indent=2) if args.json else format_plan(result)
     if args.check and not args.json:
         text += "\n" + format_check(result["check"])

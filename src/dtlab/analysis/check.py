@@ -69,6 +69,7 @@ import torch
 import torch.distributed as dist
 
 from dtlab.analysis.check_fake import (
+    _attention_as_on,
     _ddp_built_here,
     _ddp_reduced_here,
     _even_router,
@@ -237,9 +238,12 @@ def _by_group(counter: Any) -> dict[str, Any]:
     return {"buffers": buffers, "sent": round(sent)}
 
 
-def measure_fake(config: Config, nproc: int, nnodes: int, rank: int) -> dict[str, Any]:
+def measure_fake(
+    config: Config, nproc: int, nnodes: int, rank: int, target: str = "cpu"
+) -> dict[str, Any]:
     """:func:`measure_step` of rank ``rank`` of ``nproc x nnodes`` ranks, in this process: the fake
-    process group as that rank, fake tensors on the CPU."""
+    process group as that rank, fake tensors on the CPU; ``target``: the device kind whose attention
+    kernels' memory the step has (``"cuda"``: :func:`_attention_as_on`)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from dtlab.dims import ParallelDims
@@ -251,7 +255,8 @@ def measure_fake(config: Config, nproc: int, nnodes: int, rank: int) -> dict[str
     if dims.distributed:
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        return measure_step(config, d, fake=True)
+        with _attention_as_on(target):
+            return measure_step(config, d, fake=True)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -259,10 +264,17 @@ def measure_fake(config: Config, nproc: int, nnodes: int, rank: int) -> dict[str
 
 
 def check_rank(
-    config: Config, nproc: int, nnodes: int, rank: int, measured: dict[str, Any] | None = None
+    config: Config,
+    nproc: int,
+    nnodes: int,
+    rank: int,
+    measured: dict[str, Any] | None = None,
+    target: str = "cpu",
 ) -> RankCheck:
     """Rank ``rank`` of ``nproc x nnodes`` ranks, checked in this process (fake group, fake tensors),
-    beside its analytic plan; ``measured``: that rank's :func:`measure_fake`, when already run."""
+    beside its analytic plan for a ``target`` device kind (``"cuda"``: attention with the GPU's
+    kernels, in the check and in the plan); ``measured``: that rank's :func:`measure_fake`, when
+    already run."""
     from dtlab.analysis.model import plan_step
     from dtlab.dims import ParallelDims
 
@@ -279,12 +291,16 @@ def check_rank(
         result.skipped = reason
         return result
     if measured is None:
-        measured = measure_fake(config, nproc, nnodes, rank)
+        measured = measure_fake(config, nproc, nnodes, rank, target)
     dims = ParallelDims.from_config(config, world)
     # A pipeline rank's own stages (the plan's default is the rank that needs the most memory).
     at = dims.coordinates(rank)
     plan = plan_step(
-        config, world, pp_rank=at["pp"] if dims.pp_enabled else None, shard_rank=at["dp_shard"]
+        config,
+        world,
+        pp_rank=at["pp"] if dims.pp_enabled else None,
+        device_type=target,
+        shard_rank=at["dp_shard"],
     )
     # The checked peak, and the plan's figures at the same moment of its timeline (its own peak
     # where it has no such moment).
@@ -353,13 +369,16 @@ def _counted_names(comm: dict[str, int], dims: Any) -> dict[str, int]:
     return out
 
 
-def check(config: Config, nproc: int, nnodes: int, ranks: list[int]) -> dict[str, Any]:
-    """``--check``'s JSON: the seconds it took, and each rank's figures."""
+def check(
+    config: Config, nproc: int, nnodes: int, ranks: list[int], target: str = "cpu"
+) -> dict[str, Any]:
+    """``--check``'s JSON: the seconds it took, the device kind whose attention kernels it ran
+    (``target``), and each rank's figures."""
     started = time.perf_counter()
-    rows = [check_rank(config, nproc, nnodes, r).as_dict() for r in ranks]
+    rows = [check_rank(config, nproc, nnodes, r, target=target).as_dict() for r in ranks]
     return {
         "seconds": round(time.perf_counter() - started, 3),
-        "device": "cpu",
+        "device": target,
         "ranks": rows,
     }
 

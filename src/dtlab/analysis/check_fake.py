@@ -225,3 +225,80 @@ def torch_refusal(version: str | None = None) -> str | None:
         f"this is torch {version}: install torch=={TESTED_TORCH[-1]}.* to check, or plan without "
         "--check"
     )
+
+
+class _FlashAsOnGpu(torch.autograd.Function):
+    """Attention with CUDA's flash kernel's memory, computed by the CPU's fused kernel: forward
+    keeps what both keep for backward (q, k, v, the output and a float32 log-sum-exp per head and
+    token); backward makes, beside the gradients, what flash's backward allocates for itself: a
+    float32 accumulator of the query's gradient [B, T, Hq, D], the softmax's row sums [B, Hq, T] in
+    float32, and under grouped-query attention the key and value gradients of every query head
+    before they are summed per group (in the inputs' dtype)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
+    ) -> torch.Tensor:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, is_causal
+        )
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.is_causal = is_causal
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        b, hq, t, d = q.shape
+        workspace = [
+            q.new_empty((b, t, hq, d), dtype=torch.float32),
+            q.new_empty((b, hq, t), dtype=torch.float32),
+        ]
+        if k.shape[1] != hq:  # grouped heads: expanded key and value gradients, summed after
+            workspace += [k.new_empty((b, k.shape[2], hq, d)) for _ in range(2)]
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, lse, 0.0, ctx.is_causal
+        )
+        del workspace
+        return dq, dk, dv, None
+
+
+@contextmanager
+def _attention_as_on(device_type: str) -> Iterator[None]:
+    """The model's attention with the kernel a ``device_type`` device runs
+    (:func:`dtlab.models.attention.choose_kernel`) and that kernel's memory: on a GPU, key and value
+    heads expanded where the memory-efficient kernel runs (float32 with grouped heads), and flash's
+    backward with its own allocations (:class:`_FlashAsOnGpu`). On a CPU, the model's own."""
+    if device_type != "cuda":
+        yield
+        return
+    import torch.nn.functional as F
+
+    import dtlab.models.llama as llama
+    from dtlab.models.attention import choose_kernel
+
+    original = llama.attend
+
+    def attend(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        is_causal: bool = False,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        gqa = k.shape[1] != q.shape[1]
+        kernel = choose_kernel("cuda", q.dtype, gqa, None, attn_mask is not None)
+        if kernel.name == "flash" and attn_mask is None:
+            return _FlashAsOnGpu.apply(q, k, v, is_causal)  # type: ignore[no-any-return]
+        if kernel.expand_kv:
+            group = q.shape[1] // k.shape[1]
+            k, v, gqa = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), False
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=gqa
+        )
+
+    llama.attend = attend
+    try:
+        yield
+    finally:
+        llama.attend = original

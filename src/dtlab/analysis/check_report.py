@@ -22,6 +22,12 @@ def _error(predicted: float, checked: float) -> str:
     return f"{(predicted - checked) / checked:+.1%}"
 
 
+# What the check runs attention as, by the target device's kind.
+_KERNELS = {
+    "cuda": " (attention with a GPU's kernels' memory: flash, or memory-efficient on expanded heads)"
+}
+
+
 def format_check(result: dict[str, Any]) -> str:
     """The check, per rank: what is alive at the step's peak, by component, predicted beside
     checked, the peak itself and the moment each side has it, and the bytes sent per step."""
@@ -31,7 +37,7 @@ def format_check(result: dict[str, Any]) -> str:
         "",
         f"check of {result.get('layout', 'the config as given')}: the real code of "
         f"{len(result['ranks'])} rank(s) at full world size, fake process group and fake tensors on "
-        f"the CPU, in {result['seconds']:.1f} s",
+        f"the CPU{_KERNELS.get(result.get('device', 'cpu'), '')}, in {result['seconds']:.1f} s",
     ]
     for r in result["ranks"]:
         if "skipped" in r:

@@ -432,14 +432,9 @@ def _timeline(
         loss = LossShape(tokens, m.vocab_size // dims.tp, half, dims.tp_enabled)
     persist = dims.ddp_enabled and not dims.shard_optimizer
     bottom = (kept - loss_part) // max(1, n_blocks)
-    ac = t.activation_checkpointing
-    stream = 2 if fsdp_half_params(config, dims) else FP32
-    seq = dims.tp if p.sequence_parallel else 1
-    held = bottom if ac == "full" else stream * tokens * m.dim // seq if ac == "selective" else 0
     return step_timeline(
-        state, accum, kept, loss_part, recompute, bottom, block, n_blocks, loss, persist, units,
-        held_input=held,
-    )  # fmt: skip
+        state, accum, kept, loss_part, recompute, bottom, block, n_blocks, loss, persist, units
+    )
 
 
 def _rank_state(

@@ -384,7 +384,9 @@ def pipeline_timeline(
                          buffers=bufs))  # fmt: skip
             norm = block.norm_temps - (0 if last else block.incoming)
             t.add(Moment(name, f"the stage's {which} block's feed-forward norm's backward",
-                         **base, grads=g_kept + new + (2 * block.w2_grad if grows else 0),
+                         **base,
+                         grads=g_kept + new
+                         + (2 * block.w2_grad + block.dim * block.grad_element if grows else 0),
                          activations=alive + again - block.norm_freed + 3 * w2_copy,
                          temporaries=t_kept + moved + sending + norm + ahead,
                          buffers=bufs))  # fmt: skip

@@ -29,6 +29,7 @@ measured op by op with ``dtlab plan --check`` on every layout the tests hold.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from dtlab.analysis.activations import FP32
@@ -249,7 +250,6 @@ def step_timeline(
     grads_persist: bool,
     fsdp: FsdpUnits | None,
     after_backward: int = 0,
-    held_input: int = 0,
 ) -> Timeline:
     """The step's moments on a rank without pipeline parallelism.
 
@@ -259,8 +259,7 @@ def step_timeline(
     feed-forward's backward; ``bottom_kept``: what is left of ``kept`` when the first
     block's backward starts (its own and the embedding's); ``n_blocks``: the rank's blocks;
     ``grads_persist``: the gradients live from step to step (DDP's buckets); ``after_backward``:
-    what the step makes after backward (ZeRO-1's reduce-scatter buffers); ``held_input``: of a
-    block's ``bottom_kept``, what stays after its backward under checkpointing (its input)."""
+    what the step makes after backward (ZeRO-1's reduce-scatter buffers)."""
     t = Timeline()
     s = state
     base = {"params": s.params, "optimizer": s.optimizer}
@@ -268,16 +267,22 @@ def step_timeline(
         last = k == accum
         if fsdp is not None:
             _fsdp_micro_batch(t, s, base, k, last, kept, loss_part, recompute, bottom_kept,
-                              block, n_blocks, loss, fsdp, held_input)  # fmt: skip
+                              block, n_blocks, loss, fsdp)  # fmt: skip
         else:
             # Gradients alive as micro-batch k starts: DDP's buckets always, otherwise those of
             # the micro-batches before it; the first micro-batch makes them block by block.
             whole = grads_persist or k > 1
             earlier = s.grads if whole else 0
-            top = earlier if whole else s.head_grads + block.w2_grad
-            bottom = earlier if whole else s.grads - s.embed_grads - block.grads + block.w2_grad
+
+            def at_block(
+                j: int, whole: bool = whole, earlier: int = earlier
+            ) -> tuple[int, int, int]:
+                # The blocks above j made their gradients (and the output's came first).
+                made = s.head_grads + (n_blocks - 1 - j) * block.grads + block.w2_grad
+                return (earlier if whole else made), 0, 0
+
             _micro_batch(t, base, s.buffers, k, kept, loss_part, recompute, bottom_kept, block,
-                         n_blocks, loss, (earlier, top, bottom), (0, 0, 0), (0, 0, 0))  # fmt: skip
+                         n_blocks, loss, (earlier, 0, 0), at_block)  # fmt: skip
         t.add(
             Moment(
                 f"after backward {k}", "the gradients' sync and clipping", **base, grads=s.grads,
@@ -300,77 +305,66 @@ def _micro_batch(
     block: BlockShape,
     n_blocks: int,
     loss: LossShape | None,
-    grads: tuple[int, int, int],
-    temps: tuple[int, int, int],
-    gathered: tuple[int, int, int],
-    output: tuple[int, int] | None = None,
-    block_gathered: int = 0,
-    pending: int = 0,
-    shard: int = 0,
-    held_input: int = 0,
+    at_loss: tuple[int, int, int],
+    at_block: Callable[[int], tuple[int, int, int]],
+    output: tuple[int, int, int] | None = None,
 ) -> None:
-    """Micro-batch k's forward and backward points into ``t``. ``grads``, ``temps`` and
-    ``gathered`` (the wrapper's own, beyond the blocks'): at the loss, at the last block's
-    feed-forward backward, at the first block's."""
+    """Micro-batch k's forward and backward points into ``t``. ``at_loss``: (gradients,
+    temporaries, gathered parameters) the wrappers hold at the loss; ``at_block(j)``: the same at
+    block j's feed-forward backward. Blocks are looked at where backward's figures change their
+    course: the last (nothing of it reduced yet), the one below it, the second and the first (the
+    blocks between follow a straight line from one to the other)."""
     fwd = kept + (loss.forward_extra() if loss else 0)
     where = "the loss" if loss else "the last block"
-    t.add(Moment(f"forward {k}", where, **base, grads=grads[0], activations=fwd,
-                 temporaries=temps[0], buffers=buffers + gathered[0]))  # fmt: skip
+    grads, temps, gathered = at_loss
+    t.add(Moment(f"forward {k}", where, **base, grads=grads, activations=fwd,
+                 temporaries=temps, buffers=buffers + gathered))  # fmt: skip
     if loss is not None:
         t.add(
             Moment(
                 f"backward {k}", "the loss's backward (its gradients over the vocabulary)", **base,
-                grads=grads[0], activations=kept - loss.freed_before_backward(),
-                temporaries=temps[0] + loss.backward_extra(), buffers=buffers + gathered[0],
+                grads=grads, activations=kept - loss.freed_before_backward(),
+                temporaries=temps + loss.backward_extra(), buffers=buffers + gathered,
             )
         )  # fmt: skip
         if output is not None:
-            # The output projection's backward, with FSDP's prefetch of the last block.
-            freed, made = output
+            # The output projection's backward: what it frees, makes (FSDP's prefetch of the last
+            # block among it) and gathers (FSDP's root).
+            freed, made, gathering = output
             t.add(
                 Moment(
-                    f"backward {k}", "the output projection's backward", **base, grads=grads[0],
-                    activations=kept - freed, temporaries=temps[1] + made,
-                    buffers=buffers + gathered[1] - block_gathered,
+                    f"backward {k}", "the output projection's backward", **base, grads=grads,
+                    activations=kept - freed, temporaries=temps + made,
+                    buffers=buffers + gathered + gathering,
                 )
             )  # fmt: skip
     again, gone = recompute
-    points = [("last", kept - loss_part, grads[1], temps[1], gathered[1])]
-    if n_blocks > 2 and pending:
-        # FSDP: the block below the last, the last one's reduce-scatter still holding its input
-        # (its unsharded gradients in float32) beside the last one's shards.
-        # (Under checkpointing, the last block's checkpointed input is still held then.)
-        below = kept - loss_part - bottom_kept + held_input
-        points.append(
-            ("second", below, grads[1] + shard, temps[1] + pending, gathered[1])
-        )  # fmt: skip
-    if n_blocks > 1:
-        # (the block above's checkpointed input held there too, FSDP's last reduce-scatter's)
-        points.append(
-            ("first", bottom_kept + (held_input if pending else 0), grads[2], temps[2] + pending,
-             gathered[2])
-        )  # fmt: skip
-    for which, alive, g, tmp, gath in points:
+    for j in sorted({n_blocks - 1, max(0, n_blocks - 2), min(1, n_blocks - 1), 0}, reverse=True):
+        # What forward kept of the blocks above j is freed by their backward.
+        alive = kept - loss_part - (n_blocks - 1 - j) * bottom_kept
+        g, tmp, gath = at_block(j)
+        name = f"block {j}" + (" (the last)" if j == n_blocks - 1 else "")
         if again:
             # A checkpointed block at the end of its recomputation, before its backward.
             t.add(
                 Moment(
-                    f"backward {k}", f"the {which} block recomputed", **base,
+                    f"backward {k}", f"{name} recomputed", **base,
                     grads=g - block.w2_grad, activations=alive + again,
                     temporaries=tmp + block.incoming, buffers=buffers + gath,
                 )
             )  # fmt: skip
         t.add(
             Moment(
-                f"backward {k}", f"the {which} block's feed-forward backward", **base, grads=g,
+                f"backward {k}", f"{name}'s feed-forward backward", **base, grads=g,
                 activations=alive + again - gone - block.freed,
                 temporaries=tmp + block.temps, buffers=buffers + gath,
             )
         )  # fmt: skip
         t.add(
             Moment(
-                f"backward {k}", f"the {which} block's feed-forward norm's backward", **base,
-                grads=g + 2 * block.w2_grad, activations=alive + again - block.norm_freed,
+                f"backward {k}", f"{name}'s feed-forward norm's backward", **base,
+                grads=g + 2 * block.w2_grad + block.dim * block.grad_element,
+                activations=alive + again - block.norm_freed,
                 temporaries=tmp + block.norm_temps, buffers=buffers + gath,
             )
         )  # fmt: skip
@@ -390,7 +384,6 @@ def _fsdp_micro_batch(
     n_blocks: int,
     loss: LossShape | None,
     fsdp: FsdpUnits,
-    held_input: int = 0,
 ) -> None:
     """Micro-batch k under FSDP: the root is gathered for its backward to the end of it (with its
     output's and final norm's unsharded gradients, reduce-scattered with the embedding's at the
@@ -402,24 +395,27 @@ def _fsdp_micro_batch(
     # are gathered again for their backward. Otherwise every unit stays gathered.
     gathered_fwd = 0 if fsdp.reshard else fsdp.root + n_blocks * fsdp.block
     gathered_bw = fsdp.root + fsdp.block if fsdp.reshard else gathered_fwd
-    prefetch = fsdp.block if fsdp.reshard and n_blocks > 1 else 0
     held = s.grads if k > 1 else 0  # the shards of the micro-batches before
     shards, partial = (0, held) if fsdp.hsdp else (held, 0)
-    # This micro-batch's shards of the blocks above the first, at the first block's backward
-    # (HSDP before its last micro-batch: into its buffers, which hold them already after the first).
-    made = (n_blocks - 1) * fsdp.block_shard
-    made_grads = made if (k == 1 and not fsdp.hsdp) or (fsdp.hsdp and last) else 0
-    made_temps = made if fsdp.hsdp and k == 1 and not last else 0
-    top = shards + s.head_grads + block.w2_grad
-    bottom = shards + made_grads + s.head_grads + block.w2_grad
+    # A block's reduce-scatter holds its input (its gradients in float32) until the next block's
+    # is issued; its output, the shard, is the parameter's gradient at once.
+    pending = fsdp.block // block.grad_element * FP32 if fsdp.scatters else 0
+    into_grads = (k == 1 and not fsdp.hsdp) or (fsdp.hsdp and last)  # the shards, as gradients
+
+    def at_block(j: int) -> tuple[int, int, int]:
+        above = n_blocks - 1 - j  # blocks whose backward is done
+        done = above * fsdp.block_shard  # reduced and handed over
+        grads = shards + s.head_grads + block.w2_grad + (done if into_grads else 0)
+        temps = partial + (done if fsdp.hsdp and k == 1 and not last else 0)
+        temps += pending if above else 0
+        temps += fsdp.block if fsdp.reshard and j > 0 else 0  # the block below, prefetched
+        return grads, temps, gathered_bw
+
     output = None
     if loss is not None and fsdp.reshard:
-        # The output's backward prefetches the last block (an all-gather buffer of backward's).
+        # The output's backward gathers the root and prefetches the last block (an all-gather
+        # buffer of backward's until that block's backward).
         freed, made_out = loss.at_output(block.dim, block.compute, block.grad_element)
-        output = (freed, made_out + fsdp.block - prefetch)
+        output = (freed, made_out + fsdp.block, fsdp.root)
     _micro_batch(t, base, s.buffers, k, kept, loss_part, recompute, bottom_kept, block, n_blocks,
-                 loss, (shards, top, bottom), (partial, partial + prefetch, partial + made_temps),
-                 (gathered_fwd, gathered_bw, gathered_bw), output, fsdp.block,
-                 # The last reduce-scatter's input: the block's gradients in float32.
-                 fsdp.block // block.grad_element * FP32 if fsdp.scatters else 0,
-                 fsdp.block_shard, held_input)  # fmt: skip
+                 loss, (shards, partial, gathered_fwd), at_block, output)  # fmt: skip
