@@ -200,6 +200,19 @@ def test_the_check_refuses_a_torch_whose_internals_it_was_not_tested_on() -> Non
     assert refusal is not None and "torch 2.99.0" in refusal and TESTED_TORCH[-1] in refusal
 
 
+def test_a_compiled_step_is_checked_eagerly_and_says_so() -> None:
+    """Fake tensors do not go through torch.compile: the check runs the eager step against the plan
+    of the eager step (within 3%), and its note gives the compiled plan's peak beside it."""
+    config = load_config(overrides=[*SMALL, "train.compile=true"])
+    r = check_rank(config, 1, 1, 0)
+    assert r.skipped is None and r.note is not None and "checked eagerly" in r.note
+    assert close(r.peak["predicted"], r.peak["checked"]), r.peak
+    eager = load_config(overrides=SMALL)
+    assert (
+        r.peak["predicted"] == plan_step(eager, 1).total_bytes != plan_step(config, 1).total_bytes
+    )
+
+
 def test_ranks_are_parsed_and_refused_with_what_is_allowed() -> None:
     assert parse_ranks(None, 8) == [0, 7]
     assert parse_ranks(None, 1) == [0]

@@ -56,6 +56,8 @@ def format_check(result: dict[str, Any]) -> str:
         lines.append(
             f"    {'peak':<13}{format_bytes(p):>12}{format_bytes(c):>12}{_error(p, c):>10}"
         )
+        if "note" in r:
+            lines.append(f"    note: {r['note']}")
         mine = peak["predicted_at"]
         if mine["moment"] != at["moment"]:
             lines.append(f"    (the plan's peak comes at {mine['moment']}: {mine['where']})")
