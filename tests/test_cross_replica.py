@@ -102,12 +102,12 @@ def test_a_bad_simulated_round_trip_is_named(raw: str) -> None:
 
 def test_fsdp_crosses_as_predicted_and_the_plan_says_so(tmp_path: Path) -> None:
     """FSDP with 2 micro-batches: per micro-batch each unit's all-gather for forward and again for
-    backward, a reduce-scatter per unit, the step's reduction; `dtlab plan --json` gives the same
+    backward and a reduce-scatter per unit, the step's reduction; `dtlab plan --json` gives the same
     figure in each candidate's row."""
     overrides = ["parallel.strategy=fsdp", "train.micro_batch_size=2", "run.comm_bytes=true"]
     metrics = train_run(tmp_path / "run", *overrides, nproc=2, steps=3)
     predicted = _predicted(overrides, 2)
-    assert predicted == 3 * (2 * 2 + 1) + 1  # 3 units: 2 blocks and the root
+    assert predicted == 3 * (2 * 2 + 2) + 1  # 3 units: 2 blocks and the root
     assert [m["cross_replica_collectives"] for m in metrics] == [predicted] * 3
     proc = run_cli("plan", "--nproc", "2", "--json", "--set", *FAST, "parallel.bucket_mb=0.1")
     assert proc.returncode == 0, proc.stderr

@@ -48,7 +48,8 @@ def cross_replica_collectives(
     - DDP (no compression, fp16 or bf16): one all-reduce per gradient bucket, the step's reduction,
       and with alerts on their agreement.
     - FSDP (full or shard_grad_op): per micro-batch one all-gather per unit (two under full: forward
-      and backward), one reduce-scatter per unit per step, the step's reduction, and the alerts'.
+      and backward) and one reduce-scatter per unit (FSDP reduces every micro-batch, keeping only
+      the shard), the step's reduction, and the alerts'.
     """
     shapes = shapes if shapes is not None else param_shapes(config.model)
     dims = ParallelDims.from_config(config, world_size)
@@ -76,5 +77,5 @@ def cross_replica_collectives(
         accum = max(1, t.global_batch_size // (micro * dims.dp))
         units = len({s.group for s in shapes})
         gathers = accum * (2 if p.sharding == "full" else 1)
-        return float(units * (gathers + 1) + step)
+        return float(units * (gathers + accum) + step)
     return None
