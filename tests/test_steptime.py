@@ -194,6 +194,35 @@ def test_calibration_measures_and_predicts_each_layout(tmp_path) -> None:
     assert result["mean_abs_error"] == pytest.approx(sum(abs(r["error"]) for r in rows) / 2)
     assert result["worst"]["layout"] in {r["layout"] for r in rows}
     assert "mean absolute error" in proc.stdout
+    # One pair of layouts on 2 processes: the plan orders it one way or the other.
+    assert result["ranking"]["pairs"] == 1 and result["ranking"]["tau"] in (-1.0, 1.0)
+    assert "Kendall's tau" in proc.stdout
+
+
+def _row(layout: str, nproc: int, measured: float, predicted: float, spread: float = 0.01) -> dict:
+    return {
+        "layout": layout, "model": "tiny", "nproc": nproc, "link": "none", "error": 0.0,
+        "measured_s": measured, "measured_min_s": measured - spread,
+        "measured_max_s": measured + spread, "predicted": {"step_time_s": predicted},
+    }  # fmt: skip
+
+
+def test_the_ranking_counts_pairs_within_one_job_and_the_noise_as_ties() -> None:
+    from dtlab.bench.calibrate import ranking
+
+    same = [_row("a", 2, 1.0, 0.5), _row("b", 2, 2.0, 0.9), _row("c", 2, 3.0, 1.4)]
+    assert ranking(same)["tau"] == pytest.approx(1.0) and ranking(same)["discordant"] == []
+    flipped = [_row("a", 2, 1.0, 1.4), _row("b", 2, 2.0, 0.9), _row("c", 2, 3.0, 0.5)]
+    assert ranking(flipped)["tau"] == pytest.approx(-1.0)
+    # A pair on another process count is another job: not compared.
+    assert ranking([*same, _row("d", 4, 0.1, 9.0)])["pairs"] == 3
+    # b and c's steps overlap: the measurement cannot order them, so the flip is a tie there.
+    close = [_row("a", 2, 1.0, 0.5), _row("b", 2, 2.0, 1.5, 0.3), _row("c", 2, 2.2, 1.4, 0.3)]
+    r = ranking(close)
+    assert r["tau"] == pytest.approx(1 / 3)  # (2 concordant - 1 discordant) / 3 pairs
+    assert r["tau_beyond_noise"] == pytest.approx(2 / math.sqrt(3 * 2))  # tau-b: one tie
+    assert [d["layouts"] for d in r["discordant"]] == [["b", "c"]]
+    assert not r["discordant"][0]["beyond_noise"]
 
 
 def test_a_group_strided_by_tensor_parallelism_crosses_nodes() -> None:

@@ -8,14 +8,16 @@ same config on the same process count: this machine's model step measured once p
 capped link (a network namespace of :mod:`dtlab.bench.link`), where the plan is given the link's rate:
 the part of a step's communication that DDP's buckets hide there is what the overlap model predicts.
 
-Prints one row per layout (measured, predicted, error) and the mean absolute error with its worst case;
-``--json OUT`` writes them.
+Prints one row per layout (measured, predicted, error), the mean absolute error with its worst case,
+and how well the plan ranks the layouts a user chooses between (:func:`ranking`: Kendall's tau over
+every pair of layouts of one model on one process count and link); ``--json OUT`` writes them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -35,6 +37,16 @@ BASE = [
     "train.activation_checkpointing=none",
     "train.precision=fp32",
 ]
+# The `small` preset (97M parameters) at a batch whose step takes seconds, not minutes, on 2 cores.
+SMALL_BASE = [
+    "model.preset=small",
+    "data.source=synthetic",
+    "data.seq_len=256",
+    "train.global_batch_size=4",
+    "train.activation_checkpointing=none",
+    "train.precision=fp32",
+]
+BASES = {"tiny": BASE, "small": SMALL_BASE}
 # (name, processes, overrides): every layout dtlab runs, on 2 to 8 processes of this machine.
 GRID: list[tuple[str, int, list[str]]] = [
     ("ddp", 2, ["parallel.strategy=ddp"]),
@@ -59,6 +71,16 @@ GRID: list[tuple[str, int, list[str]]] = [
     ("pp 2 1f1b", 2, ["parallel.strategy=single", "parallel.pp=2"]),
     ("pp 2 gpipe", 2, ["parallel.strategy=single", "parallel.pp=2", "parallel.pp_schedule=gpipe"]),
     ("ddp 2 x pp 2", 4, ["parallel.strategy=ddp", "parallel.pp=2"]),
+]
+# The same kinds of layout on the `small` preset, 2 processes: a model whose matmuls, not the
+# wrappers' and collectives' fixed costs, make most of the step.
+SMALL_GRID: list[tuple[str, int, list[str]]] = [
+    ("small ddp", 2, ["parallel.strategy=ddp"]),
+    ("small zero-1", 2, ["parallel.strategy=ddp", "parallel.sharding=optimizer"]),
+    ("small fsdp", 2, ["parallel.strategy=fsdp"]),
+    ("small fsdp, full AC", 2, ["parallel.strategy=fsdp", "train.activation_checkpointing=full"]),
+    ("small tp 2", 2, ["parallel.strategy=single", "parallel.tp=2"]),
+    ("small pp 2 1f1b", 2, ["parallel.strategy=single", "parallel.pp=2"]),
 ]
 QUICK = ["ddp", "fsdp"]  # the names --quick runs, at their smallest process count
 # Layouts run again on a capped link (where DDP's buckets can hide their all-reduce).
@@ -100,36 +122,46 @@ def predict(overrides: list[str], nproc: int, device: Any) -> dict[str, float]:
 
 
 def run(
-    quick: bool, links: list[str], steps: int, warmup: int, sets: list[str] | None = None
+    quick: bool,
+    links: list[str],
+    steps: int,
+    warmup: int,
+    sets: list[str] | None = None,
+    models: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Measure and predict the grid (each layout's settings after ``BASE`` and ``sets``); returns
-    the rows and the summary."""
+    """Measure and predict the grid (each layout's settings after its model's base and ``sets``;
+    ``models``: of ``BASES``, all by default, tiny's two rows under ``quick``); returns the rows
+    and the summary."""
     from dtlab.analysis.devices import this_machine
     from dtlab.analysis.probe import with_probe
     from dtlab.bench.link import link_namespace, measure_link, parse_links
     from dtlab.config import load_config
 
-    grid = GRID
+    grid = [("tiny", *g) for g in GRID]
     if quick:
-        grid = [g for g in GRID if g[0] in QUICK]
-        grid = [g for g in grid if g[1] == min(n for name, n, _ in grid if name == g[0])]
-    common = [*BASE, *(sets or [])]
+        grid = [g for g in grid if g[1] in QUICK]
+        grid = [g for g in grid if g[2] == min(n for _, name, n, _ in grid if name == g[1])]
+    elif models is None or "small" in models:
+        grid += [("small", *g) for g in SMALL_GRID]
+    if models is not None:
+        grid = [g for g in grid if g[0] in models]
     base = this_machine("fp32")
     peak = base.peak_tflops["fp32"] * 1e12
-    devices: dict[int, Any] = {}
+    devices: dict[tuple[str, int], Any] = {}
     rows: list[dict[str, Any]] = []
     for link in parse_links(",".join(links)):
         with link_namespace(link) as prefix:
             rate = measure_link(prefix) if link.rate_bps else None
-            for name, nproc, extra in grid:
+            for model, name, nproc, extra in grid:
                 if rate and name not in LINKED:
                     continue
+                common = [*BASES[model], *(sets or [])]
                 overrides = [*common, *extra]
-                if nproc not in devices:  # the probe: at the threads each of nproc ranks gets
-                    devices[nproc], why = with_probe(base, load_config(None, common), nproc)
+                if (model, nproc) not in devices:  # the probe: at the threads each rank gets
+                    devices[model, nproc], why = with_probe(base, load_config(None, common), nproc)
                     if why:
                         raise DtlabError(f"the model cannot be probed: {why}")
-                device = devices[nproc]
+                device = devices[model, nproc]
                 if rate:
                     # The namespace's loopback carries every rank's traffic: each gets its share.
                     per_rank = rate / 8 / 1e9 / nproc
@@ -156,6 +188,7 @@ def run(
                 rows.append(
                     {
                         "layout": label,
+                        "model": model,
                         "nproc": nproc,
                         "link": link.name,
                         "measured_s": got["step_time_s"],
@@ -175,6 +208,7 @@ def run(
     worst = max((r for r in rows if isinstance(r["error"], float)), key=lambda r: abs(r["error"]))
     return {
         "rows": rows,
+        "ranking": ranking(rows),
         "mean_abs_error": statistics.fmean(errors) if errors else None,
         "worst": {"layout": worst["layout"], "error": worst["error"]} if errors else None,
         "cores": os.cpu_count(),
@@ -183,7 +217,72 @@ def run(
         "wrappers": {n: d.wrapper_s for n, d in devices.items()},
         "loopback_gbps": base.intra_node_gbps,
         "peak_tflops": base.peak_tflops,
-        "base": common,
+        "base": {m: [*BASES[m], *(sets or [])] for m in sorted({g[0] for g in grid})},
+    }
+
+
+def _sign(x: float) -> int:
+    return (x > 0) - (x < 0)
+
+
+def ranking(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """How well the predicted step times order the layouts a user chooses between: Kendall's tau-b
+    over every pair of measured rows of one model on one process count and link (pairs across
+    those compare different jobs, and count nothing).
+
+    ``tau``: ordered by the medians alone. ``tau_beyond_noise``: a pair whose timed steps' ranges
+    (min-max) overlap is a tie of the measurement (the machine cannot say which is faster), as
+    tau-b counts ties. ``discordant``: the pairs the plan orders the other way, each with both
+    medians."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for r in rows:
+        if isinstance(r.get("error"), float):
+            groups.setdefault((r.get("model"), r["nproc"], r["link"]), []).append(r)
+
+    def tau(noise: bool) -> tuple[float | None, list[tuple[str, str]], int]:
+        conc = disc = pred_ties = meas_ties = pairs = 0
+        wrong: list[tuple[str, str]] = []
+        for group in groups.values():
+            for i, a in enumerate(group):
+                for b in group[i + 1 :]:
+                    pairs += 1
+                    p = _sign(b["predicted"]["step_time_s"] - a["predicted"]["step_time_s"])
+                    m = _sign(b["measured_s"] - a["measured_s"])
+                    apart = b["measured_min_s"] > a["measured_max_s"] or (
+                        a["measured_min_s"] > b["measured_max_s"]
+                    )
+                    if noise and not apart:
+                        m = 0
+                    pred_ties += p == 0
+                    meas_ties += m == 0
+                    if p * m > 0:
+                        conc += 1
+                    elif p * m < 0:
+                        disc += 1
+                        wrong.append((a["layout"], b["layout"]))
+        denom = math.sqrt((pairs - pred_ties) * (pairs - meas_ties))
+        return ((conc - disc) / denom if denom else None), wrong, pairs
+
+    strict, wrong, pairs = tau(False)
+    noisy, wrong_noisy, _ = tau(True)
+    by_name = {r["layout"]: r for g in groups.values() for r in g}
+
+    def pair(a: str, b: str) -> dict[str, Any]:
+        return {
+            "layouts": [a, b],
+            "measured_s": [by_name[a]["measured_s"], by_name[b]["measured_s"]],
+            "predicted_s": [
+                by_name[a]["predicted"]["step_time_s"],
+                by_name[b]["predicted"]["step_time_s"],
+            ],
+            "beyond_noise": (a, b) in wrong_noisy,
+        }
+
+    return {
+        "pairs": pairs,
+        "tau": strict,
+        "tau_beyond_noise": noisy,
+        "discordant": [pair(a, b) for a, b in wrong],
     }
 
 
@@ -210,12 +309,33 @@ def format_table(result: dict[str, Any]) -> str:
             f"mean absolute error {result['mean_abs_error']:.1%} over {len(result['rows'])} "
             f"layouts; worst {w['layout']}: {w['error']:+.1%}"
         )
+    rank = result.get("ranking") or {}
+    if rank.get("tau") is not None:
+        noisy = rank["tau_beyond_noise"]
+        lines.append(
+            f"ranking: Kendall's tau {rank['tau']:.2f} over {rank['pairs']} pairs of layouts of one "
+            f"model, process count and link ("
+            + (f"{noisy:.2f}" if noisy is not None else "-")
+            + " with pairs whose timed steps overlap counted as ties)"
+        )
+        for d in rank["discordant"]:
+            (a, b), (ma, mb), (pa, pb) = d["layouts"], d["measured_s"], d["predicted_s"]
+            lines.append(
+                f"  ordered the other way: {a} measured {ma:.3f} s, predicted {pa:.3f} s; {b} "
+                f"measured {mb:.3f} s, predicted {pb:.3f} s"
+                + ("" if d["beyond_noise"] else " (within the steps' spread)")
+            )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dtlab.bench.calibrate", description=__doc__)
     ap.add_argument("--quick", action="store_true", help="ddp and fsdp on 2 processes only")
+    ap.add_argument(
+        "--models",
+        default=",".join(BASES),
+        help=f"comma-separated, of {', '.join(BASES)} (default: all)",
+    )
     ap.add_argument(
         "--links", default="none", help="comma-separated: none and/or capped rates, e.g. none,1gbit"
     )
@@ -231,7 +351,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     try:
-        result = run(args.quick, args.links.split(","), args.steps, args.warmup, args.set)
+        models = [m.strip() for m in args.models.split(",") if m.strip()]
+        if not models or any(m not in BASES for m in models):
+            raise DtlabError(f"--models {args.models!r}: expected a comma-separated list of "
+                             f"{', '.join(BASES)}")  # fmt: skip
+        result = run(args.quick, args.links.split(","), args.steps, args.warmup, args.set, models)
     except DtlabError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
