@@ -58,26 +58,8 @@ DEFAULT_DEVICE = "h100"  # the profile ``dtlab plan`` assumes without --device (
 HEADROOM = usable_fraction("cuda")
 # Estimated step times this close to the fastest are a tie: the estimate is coarser than that. The
 # search's tied layouts are told apart by their memory margin, their exposed communication, then
-# simplicity (dtlab.analysis.choose); the strategies at the config's own settings by simplicity.
+# simplicity (dtlab.analysis.choose).
 TIE_MARGIN = 0.10
-# From the simplest to the most involved: what a user has to understand, tune and debug. DDP keeps whole
-# parameters on every rank and issues one gradient all-reduce per step; FSDP adds parameter all-gathers
-# (their prefetch and overlap), sharded optimizer state and checkpoints; HSDP adds a second mesh dimension.
-SIMPLICITY = [
-    "single",
-    "ddp",
-    "ddp zero-1",
-    "fsdp no_shard",
-    "fsdp shard_grad_op",
-    "fsdp full",
-    "hsdp",
-]
-# Why the recommended one of tied options is simpler, by label (the others: "the simplest of them").
-WHY_SIMPLEST = {
-    "single": "the simplest: one process, no collectives",
-    "ddp": "the simplest: whole parameters on every rank, one gradient all-reduce per step, no "
-    "parameter all-gathers to overlap, plain checkpoints",
-}
 RECOMPUTE = {
     "none": "none (no activation checkpointing)",
     "full": "one more forward of every block in backward, but for its last matmul (w2), whose output "
@@ -160,48 +142,6 @@ def candidates(config: Config, world: int, nnodes: int) -> list[tuple[str, Confi
             setattr(cfg.parallel, k, v)
         out.append((label + suffix, cfg))
     return out
-
-
-def _simplicity(label: str) -> int:
-    # The longest name the label starts with: "ddp zero-1 ..." is ZeRO-1, not plain DDP.
-    return max(
-        (i for i, name in enumerate(SIMPLICITY) if label.startswith(name)),
-        key=lambda i: len(SIMPLICITY[i]),
-    )
-
-
-def recommend(rows: list[dict[str, Any]]) -> str | None:
-    """The strategy to use among ``rows`` that fit, with why; None when none fits.
-
-    The fastest estimated step wins; steps within ``TIE_MARGIN`` of it are a tie, and the simplest of
-    the tied strategies (``SIMPLICITY``) is recommended. With an unknown peak (NaN compute time) the
-    least communication decides instead.
-    """
-    ok = [r for r in rows if "error" not in r and r["fits"]]
-    if not ok:
-        return None
-
-    def cost(r: dict[str, Any]) -> float:
-        t = r["step_time_s"]
-        return float(t if t == t else r["comm"]["time_s"])
-
-    fastest = min(ok, key=lambda r: (cost(r), r["per_rank"]["total_bytes"]))
-    tied = [r for r in ok if cost(r) <= cost(fastest) * (1 + TIE_MARGIN)]
-    best = min(tied, key=lambda r: (_simplicity(r["label"]), cost(r)))
-    what = "step" if fastest["step_time_s"] == fastest["step_time_s"] else "communication"
-    figures = (
-        f"{format_bytes(best['per_rank']['total_bytes'])} per rank, "
-        f"{format_seconds(best['step_time_s'])} per step"
-    )
-    if len(tied) == 1:
-        return f"{best['label']}: the fastest estimated {what} among the strategies that fit ({figures})"
-    why = WHY_SIMPLEST.get(best["label"], "the simplest of them")
-    others = ", ".join(r["label"] for r in tied if r is not best)
-    return (
-        f"{best['label']} ({figures}): a tie with {others} (estimated {what}s within "
-        f"{TIE_MARGIN:.0%} of the fastest, {format_seconds(cost(fastest))}: closer than this "
-        f"estimate can tell apart), and it is {why}"
-    )
 
 
 def advice(
