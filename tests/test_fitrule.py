@@ -107,6 +107,9 @@ def test_the_plan_applies_the_measured_margin_and_says_where_it_comes_from() -> 
     config = load_config(overrides=["model.preset=debug", "data.seq_len=64"])
     margin = fitrule.usable_fraction("cuda")
     assert margin <= fitrule.MODEL_MARGIN and margin <= fitrule.GPU_PUBLISHED_MARGIN
+    assert margin <= fitrule.gpu_modelled_fraction() < fitrule.MODEL_MARGIN
+    # A smaller GPU keeps a smaller share: the context and NCCL's buffers take the same bytes.
+    assert fitrule.gpu_modelled_fraction(16 * 2**30) < fitrule.gpu_modelled_fraction()
     total = plan(config, 2, 1, PROFILES["h100"], None)["strategies"][0]["per_rank"]["total_bytes"]
     # Memory that puts the prediction just past the margin, then just within it.
     for share, fits in ((margin + 0.02, False), (margin - 0.02, True)):

@@ -14,39 +14,66 @@ no run of the grid ran out of memory. The grid runs twice:
   tensors hold. Its margin measures the analytic model alone, without any allocator.
 
 A GPU has another allocator (CUDA's caching allocator, its own fragmentation), the CUDA context and
-NCCL's buffers, none of which a CPU grid can see. Its margin is the tighter of the model's measured
-margin and the published GPU rule, Fujii et al. (arXiv:2411.06465): over 454 runs on A100 and H100,
-no run whose estimate was under 80% of the GPU's memory ran out. (Their estimator counts temporary
-buffers and fragmentation; ours leaves fragmentation to the margin, which the CPU grid cannot size
-for a GPU: say so where the rule is printed.)
+NCCL's buffers, none of which a CPU grid can see. Its margin is the tightest of three: the model's
+measured margin; that margin with a GPU's own overheads modelled (:func:`gpu_modelled_fraction`:
+the allocator's reserved over allocated, the CUDA context and libraries' workspaces, NCCL's buffers,
+each an assumption with its source until a GPU measures them); and the published GPU rule, Fujii et
+al. (arXiv:2411.06465): over 454 runs on A100 and H100, no run whose estimate was under 80% of the
+GPU's memory ran out (their estimator, like ours, counts temporary buffers).
 """
 
 from __future__ import annotations
 
-# Measured on 2026-11-26 by ``python -m dtlab.bench.fitrule`` (the default grid) on a 2-core x86-64
-# Linux machine, gloo, torch 2.13 (CPU build), glibc malloc, a cgroup v1 memory cap: the table in
-# docs/planning.md. Each margin: the highest predicted / cap at and below which no run ran out of
-# memory; beside it the lowest ratio at which one did, and the capped runs behind it.
+# Measured on 2026-11-29 by ``python -m dtlab.bench.fitrule`` (the default grid) on a 2-core x86-64
+# Linux machine, gloo, torch 2.13 (CPU build), glibc malloc, a cgroup v1 memory cap, the plan's
+# peak being the largest moment of the step's timeline: the table in docs/planning.md. Each margin:
+# the highest predicted / cap at and below which no run ran out of memory; beside it the lowest
+# ratio at which one did, and the capped runs behind it (the default malloc's over two runs of the
+# grid, at 0.5 to 0.9 and at 0.3 and 0.4). With the peak as the parts added up, on 2026-11-26: 40%
+# and 80%.
 CPU_MARGIN = 0.4  # malloc default
 CPU_LOWEST_OOM = 0.5
-CPU_RUNS = 25
-MODEL_MARGIN = 0.8  # malloc exact: the analytic model alone
-MODEL_LOWEST_OOM = 0.9
-MODEL_RUNS = 15
+CPU_RUNS = 35
+MODEL_MARGIN = 0.95  # malloc exact: the analytic model alone
+MODEL_LOWEST_OOM = 1.0
+MODEL_RUNS = 25
 BENCH = "python -m dtlab.bench.fitrule"
 # The published GPU rule (Fujii, Watanabe, Yokota 2024, arXiv:2411.06465).
 GPU_PUBLISHED_MARGIN = 0.8
 GPU_SOURCE = "Fujii et al. 2024, arXiv:2411.06465: no run estimated under 80% of memory ran out, 454 runs on A100 and H100"
+# A GPU's overheads beside the tensors, modelled until a GPU measures them (docs/planning.md):
+# the CUDA context with lazy module loading (the default since CUDA 12.2) measured 287 MB by
+# PyTorch (pytorch/pytorch#86509, against 667 MB loaded eagerly); cuBLAS's and cuDNN's workspaces
+# and NCCL's buffers for a rank's few communicators (NCCL_BUFFSIZE, 4 MiB by default, per channel
+# and peer) assumed 1.2 GiB more; the caching allocator's reserved over its allocated peak (its
+# 2 MiB and 20 MiB segments, blocks split and kept) assumed 10%. On the 80 GiB reference GPU.
+GPU_CONTEXT_BYTES = 287 * 10**6
+GPU_LIBRARIES_BYTES = int(1.2 * 2**30)
+GPU_ALLOCATOR_OVERHEAD = 0.10
+GPU_REFERENCE_BYTES = 80 * 2**30
+GPU_MODEL_SOURCE = (
+    "the CUDA context 287 MB (pytorch/pytorch#86509, lazy loading), libraries' workspaces and "
+    "NCCL's buffers 1.2 GiB and the caching allocator's reserved over allocated 10% assumed, on "
+    "80 GiB"
+)
+
+
+def gpu_modelled_fraction(memory_bytes: int = GPU_REFERENCE_BYTES) -> float:
+    """The analytic model's margin on a GPU of ``memory_bytes`` once its overheads are modelled:
+    what is left after the context, libraries and NCCL, over the allocator's overhead."""
+    left = 1 - (GPU_CONTEXT_BYTES + GPU_LIBRARIES_BYTES) / memory_bytes
+    return MODEL_MARGIN * left / (1 + GPU_ALLOCATOR_OVERHEAD)
 
 
 def usable_fraction(kind: str) -> float:
     """The share of a device's memory a predicted peak may take and still fit, for a device ``kind``
-    (``"cpu"`` or ``"cuda"``): the CPU grid's margin on a CPU; on a GPU the tighter of the analytic
-    model's measured margin and the published GPU rule."""
+    (``"cpu"`` or ``"cuda"``): the CPU grid's margin on a CPU; on a GPU the tightest of the analytic
+    model's measured margin, that margin with the GPU's overheads modelled, and the published GPU
+    rule."""
     if kind == "cpu":
         return CPU_MARGIN
     if kind == "cuda":
-        return min(MODEL_MARGIN, GPU_PUBLISHED_MARGIN)
+        return min(MODEL_MARGIN, gpu_modelled_fraction(), GPU_PUBLISHED_MARGIN)
     raise ValueError(f"device kind {kind!r}: expected 'cpu' or 'cuda'")
 
 
@@ -60,8 +87,8 @@ def explain(kind: str) -> str:
             "torch frees)"
         )
     return (
-        f"{head} (the tighter of the analytic model's margin measured by {BENCH} on CPU with freed "
-        f"memory returned at once, no run under {MODEL_MARGIN:.0%} ran out, {MODEL_RUNS} runs, and "
-        f"{GPU_SOURCE}; a CPU grid cannot see the CUDA allocator's fragmentation, the CUDA context "
-        "or NCCL's buffers)"
+        f"{head} (the tightest of the analytic model's margin measured by {BENCH} on CPU with freed "
+        f"memory returned at once, no run under {MODEL_MARGIN:.0%} ran out, {MODEL_RUNS} runs; "
+        f"that margin with a GPU's overheads modelled, {gpu_modelled_fraction():.0%}: "
+        f"{GPU_MODEL_SOURCE}; and {GPU_SOURCE}; not yet measured on a GPU)"
     )
