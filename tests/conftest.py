@@ -250,6 +250,17 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def planned_state(plan: Any) -> dict[str, int]:
+    """A plan's state between steps by the check's component names (its FSDP gathered units are
+    the check's buffers, as the wrappers hold them)."""
+    return {
+        "params": plan.params_bytes,
+        "grads": plan.grads_bytes,
+        "optimizer": plan.optimizer_bytes,
+        "buffers": plan.gathered_bytes + plan.buffers_bytes,
+    }
+
+
 def assert_groups_match(
     ft_dir: Path, ref: list[dict[str, Any]], steps: int, norm_rel: float
 ) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import PYTHON, run_cli, run_worker
+from conftest import PYTHON, planned_state, run_cli, run_worker
 from dtlab.analysis import moe
 from dtlab.analysis.check import check_rank, measure_fake, measure_step
 from dtlab.analysis.devices import PROFILES
@@ -247,11 +247,7 @@ def test_check_runs_an_moe_model_and_finds_the_plan(layout: str) -> None:
             config, nproc, pp_rank=at["pp"] if dims.pp_enabled else None, shard_rank=at["dp_shard"]
         )
         own = measured["components"]
-        for name, planned in (
-            ("params", plan.params_bytes), ("grads", plan.grads_bytes),
-            ("optimizer", plan.optimizer_bytes),
-            ("buffers", plan.gathered_bytes + plan.buffers_bytes),
-        ):  # fmt: skip
+        for name, planned in planned_state(plan).items():
             assert own[name] == planned > 0, (rank, name, own[name], planned)
         act = own["activations"]
         assert abs(plan.activations_bytes - act) <= 0.005 * act, (rank, act, plan)
@@ -290,11 +286,7 @@ def test_a_rank_of_qwen3_blocks_on_64_ranks_is_checked_against_its_plan() -> Non
     assert r.skipped is None, r.skipped
     plan = plan_step(config, 64, shard_rank=0)
     own = measured["components"]
-    for name, planned in (
-        ("params", plan.params_bytes), ("grads", plan.grads_bytes),
-        ("optimizer", plan.optimizer_bytes), ("buffers", plan.gathered_bytes + plan.buffers_bytes),
-        ("activations", plan.activations_bytes),
-    ):  # fmt: skip
+    for name, planned in {**planned_state(plan), "activations": plan.activations_bytes}.items():
         assert planned == pytest.approx(own[name], rel=1e-6), name
     # Its peak comes after backward, where the experts' whole gradients wait for their sync beside
     # FSDP's reduce-scatter buffers: not in the plan's timeline yet (docs/moe-planning.md, 32% under).

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from conftest import run_cli, run_worker
+from conftest import planned_state, run_cli, run_worker
 from dtlab.analysis.check import check_rank, measure_fake, parse_ranks
 from dtlab.analysis.model import plan_step
 from dtlab.config import load_config
@@ -354,11 +354,7 @@ def test_a_layout_the_check_cannot_run_is_planned_as_a_real_run_measures(
     for rank in range(nproc):
         real: dict[str, Any] = json.loads((tmp_path / f"rank{rank}.json").read_text())
         own = real["components"]
-        for name, planned in (
-            ("params", plan.params_bytes), ("grads", plan.grads_bytes),
-            ("optimizer", plan.optimizer_bytes),
-            ("buffers", plan.gathered_bytes + plan.buffers_bytes),
-        ):  # fmt: skip
+        for name, planned in planned_state(plan).items():
             assert own[name] == planned > 0, (rank, name, own[name], planned)
         peak = max(real["timeline"].values(), key=lambda m: m["total"])
         assert close(plan.total_bytes, peak["total"], 0.03), (rank, plan.total_bytes, peak)

@@ -272,10 +272,8 @@ def _attention_as_on(device_type: str) -> Iterator[None]:
     if device_type != "cuda":
         yield
         return
-    import torch.nn.functional as F
-
     import dtlab.models.llama as llama
-    from dtlab.models.attention import choose_kernel
+    from dtlab.models.attention import choose_kernel, run_kernel
 
     original = llama.attend
 
@@ -290,12 +288,7 @@ def _attention_as_on(device_type: str) -> Iterator[None]:
         kernel = choose_kernel("cuda", q.dtype, gqa, None, attn_mask is not None)
         if kernel.name == "flash" and attn_mask is None:
             return _FlashAsOnGpu.apply(q, k, v, is_causal)  # type: ignore[no-any-return]
-        if kernel.expand_kv:
-            group = q.shape[1] // k.shape[1]
-            k, v, gqa = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), False
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=gqa
-        )
+        return run_kernel(kernel, q, k, v, is_causal, attn_mask)
 
     llama.attend = attend
     try:

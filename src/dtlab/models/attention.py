@@ -121,6 +121,20 @@ def attend(
     gqa = k.shape[1] != q.shape[1]
     capability = cuda_capability(q.device)
     kernel = choose_kernel(q.device.type, q.dtype, gqa, capability, attn_mask is not None)
+    return run_kernel(kernel, q, k, v, is_causal, attn_mask)
+
+
+def run_kernel(
+    kernel: AttentionKernel,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    is_causal: bool = False,
+    attn_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`attend` on the ``kernel`` :func:`choose_kernel` picked: key and value heads expanded
+    where it needs them, then torch's fused attention."""
+    gqa = k.shape[1] != q.shape[1]
     if kernel.expand_kv:
         # Query head h reads key/value head h // group, as enable_gqa does.
         group = q.shape[1] // k.shape[1]
