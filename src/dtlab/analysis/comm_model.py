@@ -9,7 +9,7 @@ import math
 from dtlab.analysis import moe
 from dtlab.analysis.activations import FP32
 from dtlab.analysis.pipeline_memory import fsdp_half_params
-from dtlab.analysis.shapes import ParamShape, RankPart
+from dtlab.analysis.shapes import ParamShape, RankPart, padded_by_group
 from dtlab.config import Config
 from dtlab.dims import ParallelDims
 from dtlab.runtime.signals import STOP_SIGNALS
@@ -255,11 +255,10 @@ def _fsdp_comm(
     # Gradients are reduced in float32, or in half precision under fp16/bf16 compression.
     param_bytes = 2 if fsdp_half_params(config, dims) else FP32
     grad_bytes = 2 if p.compression in ("fp16", "bf16") else FP32
-    elements = sum(s.padded_numel(shard) for s in shapes)
+    by_group = padded_by_group(shapes, shard)
+    elements = sum(by_group.values())
     gathered = elements * param_bytes
-    units: dict[str, int] = {}
-    for s in shapes:
-        units[s.group] = units.get(s.group, 0) + s.padded_numel(shard) * param_bytes
+    units = {group: n * param_bytes for group, n in by_group.items()}
     root = units.pop("root", 0)
     # full: the root unit (embedding, final norm, output), which stays gathered from its forward to
     # its backward, and the largest block in use; shard_grad_op and no_shard: every unit stays

@@ -45,18 +45,26 @@ from dtlab.analysis.comm_model import (
     step_reduction_bytes,
     zero1_comm_bytes,
 )
+from dtlab.analysis.memo import memo
 from dtlab.analysis.pipeline_memory import (
+    StageFigures,
     StageFsdp,
     StageGrads,
     _in_flight,
     _pipeline_bytes,
-    _pipeline_kept,
     fsdp_half_params,
+    pipeline_kept,
     pipeline_timeline,
     schedule_order,
-    stage_figures,
+    walk_schedule,
 )
-from dtlab.analysis.shapes import ParamShape, RankPart, param_shapes, rank_shapes
+from dtlab.analysis.shapes import (
+    ParamShape,
+    RankPart,
+    padded_by_group,
+    param_shapes,
+    rank_shapes,
+)
 from dtlab.analysis.timeline import (
     BlockShape,
     FsdpUnits,
@@ -268,7 +276,8 @@ def _plan_rank(
     tokens = micro * config.seq_len
     # FSDP shards over the shard group; no_shard and ddp replicate; hsdp shards within a replica group.
     # Expert parallelism: the routed experts split over the EP group instead (dtlab.analysis.moe).
-    held = sum(moe.held_numel(s, dims) for s in shapes)
+    split_by = (dims.ep if dims.ep_enabled else 0, dims.dp_shard)  # what held_numel reads of dims
+    held = memo(shapes, ("held", *split_by), lambda: sum(moe.held_numel(s, dims) for s in shapes))
     own_rows = shard_rank if dims.fsdp_enabled else None
     dp_shapes = moe.data_parallel_shapes(shapes, dims)  # what DDP and FSDP reduce and gather
     rank_model = moe.part_model(config.model, part.n_stages, part.stages)  # its stages' blocks
@@ -288,11 +297,17 @@ def _plan_rank(
         params_bytes=held * FP32,
         grads_bytes=held * FP32 + _tp_embedding_grad_extra(config, dims, part),
         # The optimizer state mirrors the shard's real rows (FSDP2 pads the parameter's chunk).
-        optimizer_bytes=_optimizer_bytes(
-            config, shapes, lambda s: moe.held_numel(s, dims, own_rows)
+        optimizer_bytes=memo(
+            shapes,
+            ("optimizer", t.optimizer, t.demo.chunk_size, *split_by, own_rows),
+            lambda: _optimizer_bytes(config, shapes, lambda s: moe.held_numel(s, dims, own_rows)),
         )
         if not dims.shard_optimizer
-        else _zero1_optimizer_bytes(config, shapes, dims.dp),
+        else memo(
+            shapes,
+            ("zero1", t.optimizer, t.demo.chunk_size, dims.dp),
+            lambda: _zero1_optimizer_bytes(config, shapes, dims.dp),
+        ),
         activations_bytes=0,  # below
     )
     # What the attention kernel that runs on this device keeps beyond the fused kernel's figure above.
@@ -308,8 +323,10 @@ def _plan_rank(
         + _pipeline_bytes(config, dims, part, tokens, accum, pp_rank)
     )
     order = schedule_order(config.parallel.pp_schedule, dims.pp, len(part.stages), accum, pp_rank)
+    walked = None
     if dims.pp_enabled and order is not None:
-        kept = _pipeline_kept(config, dims, part, tokens, accum, order, kernel, device_type)
+        walked = walk_schedule(config, dims, part, tokens, accum, order, kernel)
+        kept = pipeline_kept(walked[1])
     # The largest block recomputed: an MoE model has dense blocks and MoE blocks (dtlab.analysis.moe).
     pipelined = dims.pp_enabled and order is not None
     recompute = max(
@@ -368,9 +385,9 @@ def _plan_rank(
         groups.setdefault("all_reduce", world_size)
     plan.comm_bytes = comm
     plan.comm_groups = groups
-    if dims.pp_enabled and order is not None:
+    if walked is not None:
         plan.timeline = _pipeline_timeline(
-            config, dims, plan, shapes, part, rank_model, tokens, accum, order, kernel, loss_part,
+            config, dims, plan, shapes, part, rank_model, tokens, walked, loss_part,
             (recompute, recompute_extra(m, tokens, t.precision, "full", split, half_params))
             if ac != "none" else (0, 0),
         )  # fmt: skip
@@ -413,15 +430,14 @@ def _timeline(
     fsdp = dims.fsdp_enabled
     state, made = _rank_state(config, dims, plan, shapes)
     block = _dense_block(config, dims, shapes, tokens, made)
-    n_blocks = len({s.group for s in shapes if s.group != "root"})
+    n_blocks = _blocks_numel(shapes)[0]
     units = None
     if fsdp:
         shard = dims.dp_shard
-        gathered: dict[str, int] = {}
-        for s in dp_shapes:
-            gathered[s.group] = gathered.get(s.group, 0) + s.padded_numel(shard) * made
+        gathered = {group: n * made for group, n in padded_by_group(dp_shapes, shard).items()}
         root = gathered.pop("root", 0)
-        shard_grads = sum(s.shard_numel(shard) for s in dp_shapes if s.group != "root")
+        shard_grads = memo(dp_shapes, ("block_shards", shard), lambda: sum(
+            s.shard_numel(shard) for s in dp_shapes if s.group != "root"))  # fmt: skip
         units = FsdpUnits(
             root=root, block=max(gathered.values(), default=0),
             block_shard=FP32 * shard_grads // max(1, n_blocks), reshard=p.sharding == "full",
@@ -443,8 +459,7 @@ def _rank_state(
     """The rank's state for its timeline, and a gradient element's bytes as backward makes it
     (FSDP's unsharded gradients are in the dtype it gathers in; the rest float32)."""
     made = 2 if fsdp_half_params(config, dims) else FP32
-    head = sum(s.numel for s in shapes if s.group == "root" and not s.name.startswith("tok_"))
-    embed = sum(s.numel for s in shapes if s.name.startswith("tok_"))
+    head, embed = _head_and_embedding(shapes)
     state = RankState(
         params=plan.params_bytes, optimizer=plan.optimizer_bytes, grads=plan.grads_bytes,
         buffers=plan.buffers_bytes, head_grads=made * head,
@@ -462,9 +477,8 @@ def _dense_block(
     m, t = config.model, config.train
     half = t.precision in ("bf16", "fp16")
     half_params = fsdp_half_params(config, dims)
-    blocks = [s for s in shapes if s.group != "root"]
-    n_blocks = len({s.group for s in blocks})
-    per_block = sum(s.numel for s in blocks) // max(1, n_blocks)
+    n_blocks, numel = _blocks_numel(shapes)
+    per_block = numel // max(1, n_blocks)
     seq = dims.tp if config.parallel.sequence_parallel else 1
     return dense_block(
         tokens, m.dim, m.hidden_dim, dims.tp, seq, 2 if half else FP32,
@@ -480,23 +494,19 @@ def _pipeline_timeline(
     part: RankPart,
     rank_model: ModelConfig,
     tokens: int,
-    accum: int,
-    order: list[tuple[str, int]],
-    kernel: str,
+    walked: tuple[StageFigures, list[tuple[str, int, int, list[int]]]],
     loss_part: int,
     recompute: tuple[int, int],
 ) -> Timeline:
-    """The step's moments on a pipeline rank (:func:`pipeline_timeline`)."""
+    """The step's moments on a pipeline rank (:func:`pipeline_timeline`), through its schedule's
+    walk (:func:`walk_schedule`)."""
     m, t = config.model, config.train
     state, made = _rank_state(config, dims, plan, shapes)
     split = stage_layers(m.n_layers, part.n_stages)
     grads = []
     for sid in part.stages:
-        layers = {f"layers.{i}" for i in split[sid]}
-        blocks = sum(s.numel for s in shapes if s.group in layers)
-        head = sum(
-            s.numel for s in shapes if s.group == "root" and not s.name.startswith("tok_")
-        ) if sid == part.n_stages - 1 else 0  # fmt: skip
+        blocks = _layers_numel(shapes, tuple(split[sid]))
+        head = _head_and_embedding(shapes)[0] if sid == part.n_stages - 1 else 0
         embed = state.embed_grads // FP32 if sid == 0 else 0
         grads.append(
             StageGrads(FP32 * (blocks + head + embed), FP32 * blocks, made * head, FP32 * embed)
@@ -506,28 +516,65 @@ def _pipeline_timeline(
     timeline_loss = loss_part - (
         loss_parallel_bytes(tokens, config.seq_len, dims.tp) if part.last else 0
     )
-    figures = stage_figures(config, dims, part, tokens, kernel)
+    figures, walk = walked
     units = None
     if dims.fsdp_enabled:
         shard = dims.dp_shard
         dp_shapes = moe.data_parallel_shapes(shapes, dims)
-        gathered: dict[str, int] = {}
-        for s in dp_shapes:
-            gathered[s.group] = gathered.get(s.group, 0) + s.padded_numel(shard) * made
-        roots = []
-        for sid in part.stages:
-            roots.append(made * sum(
-                s.padded_numel(shard) for s in dp_shapes if s.group == "root"
-                and (s.name.startswith("tok_") if sid == 0 else sid == part.n_stages - 1)
-            ))  # fmt: skip
+        gathered = {group: n * made for group, n in padded_by_group(dp_shapes, shard).items()}
+        roots = [made * _stage_root_padded(dp_shapes, shard, sid, part.n_stages)
+                 for sid in part.stages]  # fmt: skip
         sizes = [v for k, v in gathered.items() if k != "root"]
         units = StageFsdp(roots, max(sizes, default=0), config.parallel.sharding == "full",
                           fsdp_half_params(config, dims))  # fmt: skip
     return pipeline_timeline(
-        state, part, figures, tokens, accum, fsdp_half_params(config, dims), order, grads,
+        state, part, figures, tokens, walk, grads,
         [len(split[sid]) for sid in part.stages], timeline_loss, loss,
         _dense_block(config, dims, shapes, tokens, made), recompute, units,
     )  # fmt: skip
+
+
+def _head_and_embedding(shapes: list[ParamShape]) -> tuple[int, int]:
+    """Elements of the output projection and final norm, and of the embedding, in ``shapes``."""
+
+    def compute() -> tuple[int, int]:
+        head = sum(s.numel for s in shapes if s.group == "root" and not s.name.startswith("tok_"))
+        return head, sum(s.numel for s in shapes if s.name.startswith("tok_"))
+
+    return memo(shapes, ("head_and_embedding",), compute)
+
+
+def _blocks_numel(shapes: list[ParamShape]) -> tuple[int, int]:
+    """The transformer blocks in ``shapes``, and their elements."""
+
+    def compute() -> tuple[int, int]:
+        blocks = [s for s in shapes if s.group != "root"]
+        return len({s.group for s in blocks}), sum(s.numel for s in blocks)
+
+    return memo(shapes, ("blocks_numel",), compute)
+
+
+def _layers_numel(shapes: list[ParamShape], layers: tuple[int, ...]) -> int:
+    """Elements of blocks ``layers`` in ``shapes``."""
+
+    def compute() -> int:
+        groups = {f"layers.{i}" for i in layers}
+        return sum(s.numel for s in shapes if s.group in groups)
+
+    return memo(shapes, ("layers_numel", layers), compute)
+
+
+def _stage_root_padded(dp_shapes: list[ParamShape], shard: int, sid: int, n_stages: int) -> int:
+    """Elements FSDP gathers of stage ``sid``'s root parts: the first stage's embedding, the last
+    stage's final norm and output projection."""
+
+    def compute() -> int:
+        return sum(
+            s.padded_numel(shard) for s in dp_shapes if s.group == "root"
+            and (s.name.startswith("tok_") if sid == 0 else sid == n_stages - 1)
+        )  # fmt: skip
+
+    return memo(dp_shapes, ("stage_root_padded", shard, sid == 0, sid == n_stages - 1), compute)
 
 
 def _tp_embedding_grad_extra(config: Config, dims: ParallelDims, part: RankPart) -> int:

@@ -223,7 +223,9 @@ def data_parallel_shapes(shapes: list[ParamShape], dims: ParallelDims) -> list[P
     not the routed experts' shards (averaged by their own all-reduce, :func:`ep_comm`)."""
     if not dims.ep_enabled:
         return shapes
-    return [s for s in shapes if not is_expert(s.name)]
+    from dtlab.analysis.memo import memo
+
+    return memo(shapes, ("data_parallel",), lambda: [s for s in shapes if not is_expert(s.name)])
 
 
 def activation_delta(

@@ -180,7 +180,7 @@ def schedule_walk(
         alive[i] -= 1
 
 
-def _pipeline_kept(
+def walk_schedule(
     config: Config,
     dims: ParallelDims,
     part: RankPart,
@@ -188,13 +188,18 @@ def _pipeline_kept(
     microbatches: int,
     order: list[tuple[str, int]],
     kernel: str,
-    device_type: str,
-) -> int:
-    """The most a pipeline rank holds for backward, run through its schedule's ``order``
-    (:func:`schedule_walk`): the most alive at any backward."""
+) -> tuple[StageFigures, list[tuple[str, int, int, list[int]]]]:
+    """A pipeline rank's stage figures (:func:`stage_figures`) and its schedule's ``order`` walked
+    (:func:`schedule_walk`), once for both the most it keeps (:func:`pipeline_kept`) and its
+    timeline (:func:`pipeline_timeline`)."""
     figures = stage_figures(config, dims, part, tokens, kernel)
     half_params = fsdp_half_params(config, dims)
-    walk = schedule_walk(part, figures, tokens, microbatches, half_params, order)
+    return figures, list(schedule_walk(part, figures, tokens, microbatches, half_params, order))
+
+
+def pipeline_kept(walk: list[tuple[str, int, int, list[int]]]) -> int:
+    """The most a pipeline rank holds for backward: the most alive at any backward of its
+    schedule's walk (:func:`walk_schedule`)."""
     return max((held for kind, _, held, _ in walk if kind == "B"), default=0)
 
 
@@ -264,9 +269,7 @@ def pipeline_timeline(
     part: RankPart,
     figures: StageFigures,
     tokens: int,
-    microbatches: int,
-    half_params: bool,
-    order: list[tuple[str, int]],
+    walk: list[tuple[str, int, int, list[int]]],
     grads: list[StageGrads],
     n_blocks: list[int],
     loss_part: int,
@@ -275,8 +278,8 @@ def pipeline_timeline(
     recompute: tuple[int, int],
     fsdp: StageFsdp | None,
 ) -> Timeline:
-    """The step's moments on a pipeline rank, through its schedule's ``order``
-    (:func:`schedule_walk`), named as the check names them: each forward's ``forward n`` (n forwards
+    """The step's moments on a pipeline rank, through its schedule's ``walk``
+    (:func:`walk_schedule`), named as the check names them: each forward's ``forward n`` (n forwards
     so far; the last stage's at its loss), each backward's ``backward n`` (the loss's gradient on the
     last stage, the feed-forward's backward of the stage's last and first block), ``after backward
     n`` between a backward and the next forward, and ``optimizer``.
@@ -295,10 +298,12 @@ def pipeline_timeline(
     forwards = 0
     sending = 0  # the last backward's input gradient, sent back, alive until the next's
 
+    made_n = 0  # the gradients of the stages done (each stage's made at its first backward)
+    buffered_grads = fsdp is not None and fsdp.buffered
+
     def made() -> tuple[int, int]:
         """The gradients of the stages done: (as the parameters', in FSDP's buffers)."""
-        n = sum(g.total for g, d in zip(grads, done, strict=True) if d)
-        return (0, n) if fsdp is not None and fsdp.buffered else (n, 0)
+        return (0, made_n) if buffered_grads else (made_n, 0)
 
     def gathered(i: int | None, blocks: int) -> int:
         """FSDP's gathered units: every one where not resharded; else the stages whose last op
@@ -316,7 +321,6 @@ def pipeline_timeline(
         return out
 
     after_backward = [False] * len(part.stages)
-    walk = list(schedule_walk(part, figures, tokens, microbatches, half_params, order))
     for step, (kind, i, held, _) in enumerate(walk):
         sid = part.stages[i]
         last = sid == part.n_stages - 1
@@ -390,6 +394,8 @@ def pipeline_timeline(
                          activations=alive + again - block.norm_freed + 3 * w2_copy,
                          temporaries=t_kept + moved + sending + norm + ahead,
                          buffers=bufs))  # fmt: skip
+        if not done[i]:
+            made_n += g.total
         done[i] = True
         after_backward[i] = True
         # Single-stage schedules wait for a backward's send at the next one's; the multi-stage

@@ -9,6 +9,7 @@ from functools import cached_property
 from typing import Any
 
 from dtlab.analysis import moe
+from dtlab.analysis.memo import memo
 from dtlab.config import Config, ModelConfig
 from dtlab.dims import ParallelDims, stage_ids, stage_layers
 
@@ -42,6 +43,19 @@ class ParamShape:
     def padded_numel(self, shards: int) -> int:
         """Elements of the gathered buffer: dim 0 padded to a multiple of ``shards``."""
         return self.shard_numel(shards) * shards
+
+
+def padded_by_group(shapes: list[ParamShape], shards: int) -> dict[str, int]:
+    """Elements of each group's gathered buffers (:meth:`ParamShape.padded_numel` summed by
+    group), once per list of shapes (shared: not to be changed)."""
+
+    def compute() -> dict[str, int]:
+        out: dict[str, int] = {}
+        for s in shapes:
+            out[s.group] = out.get(s.group, 0) + s.padded_numel(shards)
+        return out
+
+    return memo(shapes, ("padded_by_group", shards), compute)
 
 
 def param_shapes(model_cfg: ModelConfig) -> list[ParamShape]:
@@ -97,18 +111,19 @@ def rank_shapes(
     config: Config, dims: ParallelDims, shapes: list[ParamShape], pp_rank: int
 ) -> tuple[list[ParamShape], RankPart]:
     """What pipeline rank ``pp_rank`` holds of each parameter (its tensor-parallel part, before FSDP
-    shards it), and its stages."""
+    shards it), and its stages. The same split of the same shapes returns the same list (shared:
+    not to be changed), so that figures over it are computed once (:mod:`dtlab.analysis.memo`)."""
     p = config.parallel
     key = (id(shapes), len(shapes), config.model.n_layers, dims.tp, dims.pp, p.stages_per_rank,
            p.pp_schedule if dims.pp_enabled else "", pp_rank)  # fmt: skip
     hit = _RANK_SHAPES.get(key)
     if hit is not None and hit[0] is shapes:
-        return list(hit[1]), hit[2]
+        return hit[1], hit[2]
     held, part = _rank_shapes(config, dims, shapes, pp_rank)
     if len(_RANK_SHAPES) > 4096:
         _RANK_SHAPES.clear()
     _RANK_SHAPES[key] = (shapes, held, part)
-    return list(held), part
+    return held, part
 
 
 def _rank_shapes(

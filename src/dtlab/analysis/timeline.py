@@ -73,11 +73,13 @@ class Timeline:
     """The step's moments, each its most alive at once (the largest of its candidate points)."""
 
     moments: dict[str, Moment] = field(default_factory=dict)
+    _totals: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
 
     def add(self, m: Moment) -> None:
-        old = self.moments.get(m.name)
-        if old is None or m.total > old.total:
+        total = m.total
+        if total > self._totals.get(m.name, -1):
             self.moments[m.name] = m
+            self._totals[m.name] = total
 
     @property
     def peak(self) -> Moment:
