@@ -128,6 +128,32 @@ def measure_matmul_tflops(
 # GEMMs timed for a CPU peak (its fastest is the peak): ``dtlab plan --device this`` and ``dtlab bench``.
 CPU_PEAK_REPEATS = 20
 
+# A CPU peak's matmul is at most 1024^3 and at most about this long: a CPU without native half
+# precision runs bf16 matmuls 16 times slower than fp32 or worse (0.9 GFLOP/s measured on one
+# 2-core machine: 2.4 s a 1024^3 product, a minute for 20 runs), where a smaller product measures
+# the same slow path in a fraction of the time.
+CPU_GEMM_BUDGET_S = 0.1
+CPU_GEMM_MIN_SIZE = 256
+
+
+def cpu_gemm_size(dtype: torch.dtype, size: int = 1024, budget_s: float = CPU_GEMM_BUDGET_S) -> int:
+    """The size of the CPU matmuls to time a peak at ``dtype`` with: ``size``, halved (not below
+    256) while one product would take longer than ``budget_s`` on this process's threads, as a
+    timed 256^3 product estimates it (a product's time grows as size^3)."""
+    small = CPU_GEMM_MIN_SIZE
+    if size <= small:
+        return size
+    a = torch.randn(small, small).to(dtype)
+    b = torch.randn(small, small).to(dtype)
+    (a @ b).sum().item()  # warm-up
+    t0 = time.perf_counter()
+    (a @ b).sum().item()
+    seconds = time.perf_counter() - t0
+    while size > small and seconds * (size / small) ** 3 > budget_s:
+        size //= 2
+    return size
+
+
 # The loopback figure used when it cannot be measured (labelled assumed wherever it is shown).
 ASSUMED_LOOPBACK_GBPS = 1.0
 
@@ -366,8 +392,9 @@ def this_machine(precision: str, threads: int | None = None) -> DeviceProfile:
         # The fastest of 20, as ``dtlab bench`` measures it: a few slow runs in a neighbour's busy
         # spell do not lower the peak (with 5 one spell could cover them all).
         repeats = CPU_PEAK_REPEATS
+        size = cpu_gemm_size(dtype)
         tflops = measure_matmul_tflops(
-            dtype, torch.device("cpu"), size=1024, repeats=repeats, best=True
+            dtype, torch.device("cpu"), size=size, repeats=repeats, best=True
         )
     finally:
         torch.set_num_threads(old)
@@ -380,7 +407,7 @@ def this_machine(precision: str, threads: int | None = None) -> DeviceProfile:
         intra_node_gbps=gbps,
         # Nothing across nodes can be measured from one machine.
         inter_node_gbps=gbps,
-        source=f"measured: {precision} GEMM 1024^3, fastest of {repeats}",
+        source=f"measured: {precision} GEMM {size}^3, fastest of {repeats}",
         memory_source="looked up: physical memory the OS reports",
         intra_node_source=link_source,
         inter_node_source="assumed: the same as within this machine",

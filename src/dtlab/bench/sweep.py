@@ -137,8 +137,9 @@ def runnable(
 
 
 # The bench's one peak per precision (CPU): GEMM runs timed before the first row, each the fastest of
-# PEAK_INNER matmuls of PEAK_SIZE^3; the fastest run is the peak (another load slows a run, never
-# speeds it up) and the spread of the runs is printed with it.
+# PEAK_INNER matmuls of PEAK_SIZE^3 (smaller where one would take longer than
+# devices.CPU_GEMM_BUDGET_S: a CPU's slow half-precision path); the fastest run is the peak (another
+# load slows a run, never speeds it up) and the spread of the runs is printed with it.
 PEAK_RUNS = 5
 PEAK_INNER = 4
 PEAK_SIZE = 1024
@@ -153,7 +154,7 @@ def measure_peaks(
     figure for the exact device (the same for every row)."""
     import torch
 
-    from dtlab.analysis.devices import measure_matmul_tflops
+    from dtlab.analysis.devices import cpu_gemm_size, measure_matmul_tflops
     from dtlab.config import load_config
     from dtlab.parallel.dist import resolve_device
 
@@ -163,9 +164,10 @@ def measure_peaks(
     threads = torch.get_num_threads()
     peaks = {}
     for precision in precisions:
+        size = cpu_gemm_size(dtypes[precision], PEAK_SIZE)
         runs = [
             measure_matmul_tflops(
-                dtypes[precision], torch.device("cpu"), PEAK_SIZE, PEAK_INNER, best=True
+                dtypes[precision], torch.device("cpu"), size, PEAK_INNER, best=True
             )
             * 1e12
             for _ in range(PEAK_RUNS)
@@ -177,7 +179,8 @@ def measure_peaks(
             "median": statistics.median(runs),
             "max": max(runs),
             "threads": threads,
-            "source": f"measured {precision} GEMM once for the bench, {threads} thread(s)",
+            "size": size,
+            "source": f"measured {precision} GEMM {size}^3 once for the bench, {threads} thread(s)",
         }
     return peaks
 

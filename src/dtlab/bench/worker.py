@@ -30,7 +30,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from dtlab.analysis import moe
-from dtlab.analysis.devices import CPU_PEAK_REPEATS, lookup_cuda, measure_matmul_tflops
+from dtlab.analysis.devices import (
+    CPU_PEAK_REPEATS,
+    cpu_gemm_size,
+    lookup_cuda,
+    measure_matmul_tflops,
+)
 from dtlab.analysis.model import (
     StepPlan,
     TPSplit,
@@ -140,7 +145,7 @@ def peak_flops(config: Config, d: DistInfo) -> tuple[float | None, str, float]:
     if dist.is_initialized():
         dist.barrier()
     cuda = d.device.type == "cuda"
-    size = 8192 if cuda else 1024
+    size = 8192 if cuda else cpu_gemm_size(_DTYPES[precision])
     # On CPU this is the peak: the fastest of 20 runs (a median let one slow spell on a shared
     # machine halve the peak and show an MFU over 100%).
     measured = reduce_scalar(
@@ -162,7 +167,7 @@ def peak_flops(config: Config, d: DistInfo) -> tuple[float | None, str, float]:
     threads = torch.get_num_threads()
     return (
         measured,
-        f"measured {precision} GEMM, {d.world_size} rank(s) x {threads} thread(s)",
+        f"measured {precision} GEMM {size}^3, {d.world_size} rank(s) x {threads} thread(s)",
         measured,
     )
 
