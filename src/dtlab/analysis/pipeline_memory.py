@@ -406,6 +406,16 @@ def pipeline_timeline(
             sending = 0  # the schedule waits for its last sends
         # Between this backward and the next op: the schedule's own code.
         g_kept, t_kept = made()
+        root = g.head + g.embed // FP32 * block.grad_element  # in the parameters' dtype
+        if buffered and root:
+            # The stage's root unit (its embedding, or its output and final norm) is reduced last,
+            # at the backward's end: its gradients, made in the parameters' dtype, are alive
+            # beside their float32 copy in FSDP's buffers until they are freed (measured by
+            # `dtlab plan --check`: llama3.2-1b's first stage, its 501 MiB bf16 embedding).
+            t.add(Moment(name, "the root's gradients copied into FSDP's float32 buffers",
+                         **base, grads=g_kept + root, activations=held - figures.per_mb[i],
+                         temporaries=t_kept + sending,
+                         buffers=state.buffers + gathered(None, 0)))  # fmt: skip
         t.add(Moment(f"after backward {forwards}", "between backward and the next forward",
                      **base, grads=g_kept, activations=held - figures.per_mb[i],
                      temporaries=t_kept + sending,
