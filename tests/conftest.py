@@ -356,7 +356,9 @@ def assert_close_losses(run: list[dict[str, Any]], ref: list[dict[str, Any]]) ->
 
 
 # --- make test-fast: a few quick tests of every test module, for the edit loop ---------------------
+# --- make test: all but the tests in slow.txt (marked slow), which make test-all adds ---------------
 FAST_LIST = Path(__file__).parent / "fast.txt"
+SLOW_LIST = Path(__file__).parent / "slow.txt"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -369,6 +371,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The longest tests (tests/pick_fast.py chose them from measured durations) are marked slow:
+    # make test and CI leave them out (-m "not slow"), make test-all runs them.
+    slow = {line.strip() for line in SLOW_LIST.read_text().splitlines() if line.strip()}
+    for item in items:
+        if item.nodeid in slow:
+            item.add_marker(pytest.mark.slow)
     if not config.getoption("--fast"):
         return
     chosen = {line.strip() for line in FAST_LIST.read_text().splitlines() if line.strip()}
