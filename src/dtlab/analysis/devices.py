@@ -143,12 +143,8 @@ def cpu_gemm_size(dtype: torch.dtype, size: int = 1024, budget_s: float = CPU_GE
     small = CPU_GEMM_MIN_SIZE
     if size <= small:
         return size
-    a = torch.randn(small, small).to(dtype)
-    b = torch.randn(small, small).to(dtype)
-    (a @ b).sum().item()  # warm-up
-    t0 = time.perf_counter()
-    (a @ b).sum().item()
-    seconds = time.perf_counter() - t0
+    # One timed product after a warm-up, as measure_matmul_tflops times them.
+    seconds = 2 * small**3 / (measure_matmul_tflops(dtype, torch.device("cpu"), small, 1) * 1e12)
     while size > small and seconds * (size / small) ** 3 > budget_s:
         size //= 2
     return size

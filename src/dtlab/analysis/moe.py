@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from dtlab.analysis.activations import FP32, TPSplit, _norm_bytes
+from dtlab.analysis.memo import memo
 
 if TYPE_CHECKING:
     from dtlab.analysis.model import ParamShape
@@ -223,8 +224,6 @@ def data_parallel_shapes(shapes: list[ParamShape], dims: ParallelDims) -> list[P
     not the routed experts' shards (averaged by their own all-reduce, :func:`ep_comm`)."""
     if not dims.ep_enabled:
         return shapes
-    from dtlab.analysis.memo import memo
-
     return memo(shapes, ("data_parallel",), lambda: [s for s in shapes if not is_expert(s.name)])
 
 
