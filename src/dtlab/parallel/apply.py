@@ -44,6 +44,7 @@ from dtlab.parallel.compression import CompressionState, apply_ddp_compression, 
 from dtlab.parallel.dist import DistInfo
 from dtlab.parallel.expert import ExpertShards, apply_ep, expert_params
 from dtlab.parallel.ledger import recorded
+from dtlab.parallel.vocab import VocabParallel
 from dtlab.parallel.zero import OptimizerShards
 
 if TYPE_CHECKING:
@@ -103,7 +104,8 @@ def apply_tp(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool) -> N
 
     Column-wise (output features split): wq, wk, wv, w1, w3, and the output projection, whose logits
     stay split over the vocabulary for :func:`loss_parallel`. Row-wise (input features split, the
-    partial results summed): wo and w2, and the embedding (split over the vocabulary). Attention and
+    partial results summed): wo and w2, and the embedding (split over the vocabulary,
+    :class:`VocabParallel`: its gradient only the rank's rows). Attention and
     grouped kv heads follow the column split, so each rank computes ``n_heads / tp`` heads. With
     ``sequence_parallel`` the norms and residual adds run on sequence shards: the row-wise outputs are
     reduce-scattered over the sequence and gathered again before the next column-wise layer, instead
@@ -112,7 +114,7 @@ def apply_tp(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool) -> N
     seq = Shard(1) if sequence_parallel else Replicate()
     norm: ParallelStyle = SequenceParallel() if sequence_parallel else _Replicated()
     ends: dict[str, ParallelStyle] = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "tok_embeddings": VocabParallel(seq),
         "norm": norm,
         "output": ColwiseParallel(
             input_layouts=seq, output_layouts=Shard(-1), use_local_output=False
