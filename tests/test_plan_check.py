@@ -63,14 +63,28 @@ CHECKED = {
                                   "model.n_layers=4", "parallel.pp_microbatches=4"]),
     "pp:2 looped_bfs": (2, ["parallel.pp=2", "parallel.pp_schedule=looped_bfs", "model.n_layers=4",
                             "parallel.pp_microbatches=4"]),
+    # Multi-stage schedules with FSDP: each stage's gradients reduced after its own last backward
+    # (torch's REDUCE_GRAD), its units resharded then, while the rank's other stage still runs.
+    # Wide and few tokens (the gradients outweigh the activations, as at scale): the peak is a
+    # stage's reduction, its float32 gradient copies beside the other stage's.
+    "pp:2 interleaved x fsdp:2 shard_grad_op bf16, wide, 1 micro-batch": (
+        4, ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "model.n_layers=4",
+            "parallel.pp_microbatches=1", "parallel.strategy=fsdp",
+            "parallel.sharding=shard_grad_op", "train.precision=bf16", "model.dim=128",
+            "model.ffn_dim=512", "data.seq_len=16", "train.global_batch_size=4"]),
+    "pp:2 looped_bfs x fsdp:2 x tp:2 sp bf16": (
+        8, ["parallel.pp=2", "parallel.pp_schedule=looped_bfs", "model.n_layers=4",
+            "parallel.pp_microbatches=2", "parallel.strategy=fsdp", "parallel.tp=2",
+            "parallel.sequence_parallel=true", "train.precision=bf16"]),
 }  # fmt: skip
 
 
 # Where the plan's activations are not yet the checked ones (docs/planning.md lists the differences).
 # A pipeline's last stage under autocast with checkpointing: one float32 [tokens, dim] under (2%).
 ACTIVATIONS_DIFFER = {("pp:2 1f1b bf16 full AC", 1)}  # (layout, rank)
-# Where the plan's peak is not yet within 3% of the checked one (docs/planning.md): none.
-PEAK_DIFFERS: set[tuple[str, int]] = set()
+# Where the plan's peak is not yet within 3% of the checked one (docs/planning.md): a first stage
+# whose peak is inside a forward (a block's gathered parameters and its forward's transients).
+PEAK_DIFFERS: set[tuple[str, int]] = {("pp:2 looped_bfs x fsdp:2 x tp:2 sp bf16", 0)}
 # Where a component at the peak is not (the peak is): none.
 COMPONENTS_DIFFER: dict[tuple[str, int], set[str]] = {}
 
@@ -298,6 +312,27 @@ REAL = {
         2,
         ["parallel.tp=2", "parallel.sequence_parallel=true", "train.precision=bf16"],
     ),
+    # Each stage's gradients reduced after its own last backward, between the other's backwards.
+    "pp:2 interleaved x fsdp:2 bf16": (
+        4,
+        [
+            "parallel.pp=2",
+            "parallel.pp_schedule=interleaved_1f1b",
+            "model.n_layers=4",
+            "parallel.pp_microbatches=2",
+            "parallel.strategy=fsdp",
+            "train.precision=bf16",
+        ],
+    ),
+}
+
+
+# Where a real gloo run holds more than the check at the peak (docs/planning.md): after a stage's
+# gradient reduction a real run keeps a residual-stream-sized tensor per stage reduced (its size
+# follows the tokens and the model's width, not the vocabulary; 32 KiB here) that the fake process
+# group's run has freed: the peak's temporaries within 4%, the peak within 1%.
+REAL_DIFFERS: dict[str, dict[str, float]] = {
+    "pp:2 interleaved x fsdp:2 bf16": {"temporaries": 0.04}
 }
 
 
@@ -323,7 +358,8 @@ def test_a_checked_rank_holds_and_sends_what_a_real_rank_does(tmp_path: Path, la
         fake_peak = max(fake["timeline"].values(), key=lambda m: m["total"])
         assert close(fake_peak["total"], real_peak["total"], 0.01), (rank, real_peak, fake_peak)
         for name, n in real_peak["components"].items():
-            assert close(fake_peak["components"][name], n, 0.01), (rank, name, real_peak)
+            within = REAL_DIFFERS.get(layout, {}).get(name, 0.01)
+            assert close(fake_peak["components"][name], n, within), (rank, name, real_peak)
         assert fake["collectives"] == real["collectives"]
 
 

@@ -183,6 +183,8 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
         tokens = torch.randint(0, config.model.vocab_size, (micro, config.seq_len + 1))
         batch = [(tokens[:, :-1], tokens[:, 1:])] * accum
         tracker.track_external(pm.module, optimizer)
+        if pm.pipeline is not None:
+            tracker.watch_reductions(pm.pipeline.stages)
 
         # DDP's gradients are views of its buckets, which it keeps from step to step (its C++
         # reducer holds them; the parameters' .grad is emptied between steps): filed as gradients

@@ -26,6 +26,32 @@ class _Peaks(MemTracker):
         self.timeline: dict[str, tuple[int, dict[str, int], str]] = {}
         self.micro = 0  # the micro-batch whose forward ran last
         self.backward_seen = False  # its backward has run
+        self.reducing = False  # a pipeline stage's gradient reduction is running
+
+    def _track(self, reftype: _RefType, t: torch.Tensor) -> None:
+        # MemTracker files what is made outside forward and backward as activations; a pipeline
+        # stage's gradient reduction runs there, and makes temporaries (its copies to reduce).
+        if self.reducing and reftype is _MemRefType.ACT:
+            reftype = _MemRefType.TEMP
+        super()._track(reftype, t)
+
+    def watch_reductions(self, stages: list[Any]) -> None:
+        """File what pipeline ``stages``' gradient reductions (torch's ``REDUCE_GRAD``, FSDP's
+        reduce-scatter after a stage's last backward) make as temporaries, and the gradient shards
+        they leave as gradients."""
+        for stage in stages:
+            reduce = stage.perform_reduce_grad
+
+            def watched(*args: Any, _reduce: Any = reduce, _stage: Any = stage) -> Any:
+                self.reducing = True
+                try:
+                    return _reduce(*args)
+                finally:
+                    self.reducing = False
+                    grads = [p.grad for p in _stage.submod.parameters() if p.grad is not None]
+                    self.file_as_gradients(grads)
+
+            stage.perform_reduce_grad = watched
 
     def reset_peaks(self) -> None:
         self.kind_peak = self.current()

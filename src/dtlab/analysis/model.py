@@ -295,7 +295,7 @@ def _plan_rank(
         sharding=p.sharding if dims.fsdp_enabled or dims.shard_optimizer else "-",
         world_size=world_size,
         params_bytes=held * FP32,
-        grads_bytes=held * FP32 + _tp_embedding_grad_extra(config, dims, part),
+        grads_bytes=held * FP32,
         # The optimizer state mirrors the shard's real rows (FSDP2 pads the parameter's chunk).
         optimizer_bytes=memo(
             shapes,
@@ -391,6 +391,10 @@ def _plan_rank(
             (recompute, recompute_extra(m, tokens, t.precision, "full", split, half_params))
             if ac != "none" else (0, 0),
         )  # fmt: skip
+        if dims.fsdp_enabled:
+            # Which stages' units are gathered together follows the schedule's order (each
+            # stage's from its first backward to its reduction): the most at any point of it.
+            plan.gathered_bytes = plan.timeline.buffers_peak - plan.buffers_bytes
     if not dims.pp_enabled:
         # Of the recomputation, what is freed before the feed-forward's backward: the norm's
         # output (selective checkpointing's extra [tokens, dim] stays).
@@ -463,8 +467,7 @@ def _rank_state(
     state = RankState(
         params=plan.params_bytes, optimizer=plan.optimizer_bytes, grads=plan.grads_bytes,
         buffers=plan.buffers_bytes, head_grads=made * head,
-        embed_grads=FP32 * embed
-        + (_tp_embedding_grad_extra(config, dims, RankPart([0], 1, 0)) if embed else 0),
+        embed_grads=FP32 * embed,
     )  # fmt: skip
     return state, made
 
@@ -525,8 +528,10 @@ def _pipeline_timeline(
         roots = [made * _stage_root_padded(dp_shapes, shard, sid, part.n_stages)
                  for sid in part.stages]  # fmt: skip
         sizes = [v for k, v in gathered.items() if k != "root"]
+        shards = [FP32 * _stage_shard_numel(dp_shapes, shard, tuple(split[sid]), sid == 0,
+                                            sid == part.n_stages - 1) for sid in part.stages]  # fmt: skip
         units = StageFsdp(roots, max(sizes, default=0), config.parallel.sharding == "full",
-                          fsdp_half_params(config, dims))  # fmt: skip
+                          fsdp_half_params(config, dims), shards, shard)  # fmt: skip
     return pipeline_timeline(
         state, part, figures, tokens, walk, grads,
         [len(split[sid]) for sid in part.stages], timeline_loss, loss,
@@ -577,15 +582,21 @@ def _stage_root_padded(dp_shapes: list[ParamShape], shard: int, sid: int, n_stag
     return memo(dp_shapes, ("stage_root_padded", shard, sid == 0, sid == n_stages - 1), compute)
 
 
-def _tp_embedding_grad_extra(config: Config, dims: ParallelDims, part: RankPart) -> int:
-    """Under tensor parallelism without FSDP the vocabulary-parallel embedding's gradient is a view
-    of a whole-vocabulary gradient (its backward scatters into every row, then keeps this rank's),
-    which its storage keeps whole until the gradients are freed (measured by ``dtlab plan
-    --check``, and in real gloo runs); FSDP reduce-scatters it into a shard of its own."""
-    if dims.tp == 1 or dims.fsdp_enabled or not part.first:
-        return 0
-    rows = config.model.vocab_size
-    return (rows - rows // dims.tp) * config.model.dim * FP32
+def _stage_shard_numel(
+    dp_shapes: list[ParamShape], shard: int, layers: tuple[int, ...], first: bool, last: bool
+) -> int:
+    """Elements of a stage's FSDP shards: its blocks ``layers``, and its root parts (the embedding
+    if ``first``, the final norm and output if ``last``)."""
+
+    def compute() -> int:
+        groups = {f"layers.{i}" for i in layers}
+        return sum(
+            s.shard_numel(shard) for s in dp_shapes
+            if s.group in groups
+            or (s.group == "root" and (first if s.name.startswith("tok_") else last))
+        )  # fmt: skip
+
+    return memo(dp_shapes, ("stage_shard_numel", shard, layers, first, last), compute)
 
 
 def _optimizer_bytes(

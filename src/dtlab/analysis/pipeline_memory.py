@@ -256,12 +256,21 @@ class StageFsdp:
     forward (sharding ``full``) and gathered again for backward, where they stay (torch's schedule
     turns resharding after backward off); ``buffered``: the gradients it accumulates unsharded
     across micro-batches live in float32 buffers of its own (half-precision parameters) rather than
-    as the parameters' own gradients."""
+    as the parameters' own gradients; ``shards``: each stage's gradient shards (float32), what
+    its reduction leaves; ``scatter``: the ranks each unit's gradients are reduce-scattered over.
+
+    torch's schedule reduces a stage's gradients after its last backward (``REDUCE_GRAD``: at the
+    step's end under single-stage schedules, between the others' backwards under multi-stage ones),
+    and reshards its units then: unit by unit, each copied into a float32 buffer to reduce-scatter
+    (the first unit's, beside all the stage's unsharded gradients, is its reduction's peak).
+    """
 
     roots: list[int]
     block: int
     reshard: bool
     buffered: bool
+    shards: list[int]
+    scatter: int
 
 
 def pipeline_timeline(
@@ -299,28 +308,33 @@ def pipeline_timeline(
     sending = 0  # the last backward's input gradient, sent back, alive until the next's
 
     made_n = 0  # the gradients of the stages done (each stage's made at its first backward)
+    shards_n = 0  # the gradient shards of the stages reduced
     buffered_grads = fsdp is not None and fsdp.buffered
 
     def made() -> tuple[int, int]:
-        """The gradients of the stages done: (as the parameters', in FSDP's buffers)."""
-        return (0, made_n) if buffered_grads else (made_n, 0)
+        """The gradients of the stages done: (as the parameters', in FSDP's buffers); the shards
+        of the stages reduced are the parameters'."""
+        return (shards_n, made_n) if buffered_grads else (made_n + shards_n, 0)
 
     def gathered(i: int | None, blocks: int) -> int:
-        """FSDP's gathered units: every one where not resharded; else the stages whose last op
-        was a backward, whole, and stage ``i``'s root and ``blocks`` of its blocks."""
+        """FSDP's gathered units of the stages not yet reduced: where not resharded after forward,
+        every stage's that has run; else the stages whose last op was a backward, whole, and stage
+        ``i``'s root and ``blocks`` of its blocks."""
         if fsdp is None:
             return 0
-        if not fsdp.reshard:
-            return sum(fsdp.roots) + sum(n_blocks) * fsdp.block
         out = 0
         for j, was_backward in enumerate(after_backward):
+            if reduced[j]:
+                continue
             if j == i:
-                out += fsdp.roots[j] + blocks * fsdp.block
-            elif was_backward:
+                out += fsdp.roots[j] + (n_blocks[j] if not fsdp.reshard else blocks) * fsdp.block
+            elif was_backward or (started[j] and not fsdp.reshard):
                 out += fsdp.roots[j] + n_blocks[j] * fsdp.block
         return out
 
     after_backward = [False] * len(part.stages)
+    started, reduced = [False] * len(part.stages), [False] * len(part.stages)
+    backwards = [sum(1 for kind, j, _, _ in walk if kind == "B" and j == i) for i in started]
     for step, (kind, i, held, _) in enumerate(walk):
         sid = part.stages[i]
         last = sid == part.n_stages - 1
@@ -328,6 +342,7 @@ def pipeline_timeline(
         if kind == "F":
             forwards += 1
             after_backward[i] = False
+            started[i] = True
             extra = loss.forward_extra() if last and loss is not None else 0
             t.add(Moment(f"forward {forwards}", "the loss" if extra else "a stage's forward",
                          **base, grads=g_kept, activations=held + extra,
@@ -364,7 +379,7 @@ def pipeline_timeline(
                          buffers=state.buffers + gathered(i, 0)))  # fmt: skip
         top_alive = held - (loss_part if last else 0)
         own = figures.per_mb[i] - (loss_part if last else 0)
-        bottom_alive = held - own + own // n_blocks[i]
+        bottom_alive = top_alive - own + own // n_blocks[i]
         again, gone = recompute
         points = [("last", top_alive, top_new, 1, prefetch)]
         if n_blocks[i] > 1:
@@ -372,11 +387,14 @@ def pipeline_timeline(
         buffered = fsdp is not None and fsdp.buffered
         for which, alive, new, blocks, ahead in points:
             bufs = state.buffers + gathered(i, blocks)
-            # FSDP in half precision moves each block's gradients, once made, into float32
-            # buffers of its own (temporaries): only the block in backward's are the parameters'.
-            moved = max(0, new - block.w2_grad) * FP32 // block.grad_element if buffered else 0
-            if moved:
-                new = block.w2_grad
+            moved = 0
+            if buffered:
+                # FSDP in half precision moves each block's gradients, once made, into float32
+                # buffers of its own (temporaries; at the stage's first backward, those of the
+                # blocks above): only the block in backward's are the parameters', and the
+                # root's, made anew at every backward and so until the stage's backward ends.
+                moved = g.blocks - g.blocks // n_blocks[i] if first_time and blocks > 1 else 0
+                new = g.head + block.w2_grad
             if again:
                 t.add(Moment(name, f"the stage's {which} block recomputed", **base,
                              grads=g_kept + max(0, new - block.w2_grad), activations=alive + again,
@@ -404,8 +422,10 @@ def pipeline_timeline(
         nxt = walk[step + 1] if step + 1 < len(walk) else None
         if nxt is None:
             sending = 0  # the schedule waits for its last sends
-        # Between this backward and the next op: the schedule's own code.
+        # Between this backward and the next op: the schedule's own code. The micro-batch's
+        # activations are freed, and a stage before the last frees its output kept for backward.
         g_kept, t_kept = made()
+        left = held - figures.per_mb[i] - (0 if last else figures.stream)
         root = g.head + g.embed // FP32 * block.grad_element  # in the parameters' dtype
         if buffered and root:
             # The stage's root unit (its embedding, or its output and final norm) is reduced last,
@@ -413,13 +433,41 @@ def pipeline_timeline(
             # beside their float32 copy in FSDP's buffers until they are freed (measured by
             # `dtlab plan --check`: llama3.2-1b's first stage, its 501 MiB bf16 embedding).
             t.add(Moment(name, "the root's gradients copied into FSDP's float32 buffers",
-                         **base, grads=g_kept + root, activations=held - figures.per_mb[i],
+                         **base, grads=g_kept + root, activations=left,
                          temporaries=t_kept + sending,
                          buffers=state.buffers + gathered(None, 0)))  # fmt: skip
         t.add(Moment(f"after backward {forwards}", "between backward and the next forward",
-                     **base, grads=g_kept, activations=held - figures.per_mb[i],
+                     **base, grads=g_kept, activations=left,
                      temporaries=t_kept + sending,
                      buffers=state.buffers + gathered(None, 0)))  # fmt: skip
+        backwards[i] -= 1
+        if fsdp is not None and not backwards[i]:
+            # The stage's last backward: its gradients reduced, its units resharded (torch's
+            # REDUCE_GRAD), the first unit's float32 copy beside every unreduced gradient.
+            first = fsdp.roots[i] or fsdp.block
+            copy = first // block.grad_element * FP32
+            if fsdp.roots[i]:
+                # A root unit's gradients outlive its copy until its reduce-scatter's output is
+                # made (measured by `dtlab plan --check`; a block's are freed before).
+                copy += copy // fsdp.scatter
+            t.add(Moment(f"after backward {forwards}", "the stage's gradients reduce-scattered",
+                         **base, grads=g_kept, activations=left,
+                         temporaries=t_kept + sending + copy,
+                         buffers=state.buffers + gathered(None, 0) - first))  # fmt: skip
+            if fsdp.roots[i]:
+                # Then its first block's: the root's gradients freed, their shard made (its copy
+                # freed as the block's starts), the block resharded and copied in turn.
+                root = fsdp.roots[i] // block.grad_element * FP32
+                after = (0, root) if buffered_grads else (root, 0)
+                t.add(Moment(f"after backward {forwards}",
+                             "the stage's gradients reduce-scattered (its first block's)", **base,
+                             grads=g_kept - after[0], activations=left,
+                             temporaries=t_kept - after[1] + sending + root // fsdp.scatter
+                             + fsdp.block // block.grad_element * FP32,
+                             buffers=state.buffers + gathered(None, 0) - first - fsdp.block))  # fmt: skip
+            made_n -= g.total
+            shards_n += fsdp.shards[i]
+            reduced[i] = True
     t.add(Moment("optimizer", "the optimizer step", **base, grads=state.grads,
                  buffers=state.buffers))  # fmt: skip
     return t

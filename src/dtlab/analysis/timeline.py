@@ -74,8 +74,10 @@ class Timeline:
 
     moments: dict[str, Moment] = field(default_factory=dict)
     _totals: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
+    buffers_peak: int = 0  # the most buffers at any point, kept or not
 
     def add(self, m: Moment) -> None:
+        self.buffers_peak = max(self.buffers_peak, m.buffers)
         total = m.total
         if total > self._totals.get(m.name, -1):
             self.moments[m.name] = m
