@@ -348,6 +348,18 @@ def pipeline_timeline(
                          **base, grads=g_kept, activations=held + extra,
                          temporaries=t_kept + sending,
                          buffers=state.buffers + gathered(None, 0)))  # fmt: skip
+            if fsdp is not None and fsdp.reshard and not last:
+                # Inside the stage's last block, at its feed-forward's end: the stage's root and
+                # the block gathered, FSDP's flat all-gather buffer of the block (made in forward,
+                # kept until the next unit's all-gather or the stage's end), and the block's own
+                # transients, three of the residual stream's size in the compute dtype (measured
+                # by `dtlab plan --check` with FSDP, FSDP x TP and FSDP x TP x SP pipelines).
+                transient = 3 * tokens * block.dim * block.compute
+                t.add(Moment(f"forward {forwards}", "the stage's last block's feed-forward", **base,
+                             grads=g_kept, activations=held + fsdp.block + transient,
+                             temporaries=t_kept + sending,
+                             buffers=state.buffers + gathered(None, 0) + fsdp.roots[i]
+                             + fsdp.block))  # fmt: skip
             continue
         name = f"backward {forwards}"
         first_time = not done[i]
