@@ -318,18 +318,19 @@ def pipeline_timeline(
 
     def gathered(i: int | None, blocks: int) -> int:
         """FSDP's gathered units of the stages not yet reduced: where not resharded after forward,
-        every stage's that has run; else the stages whose last op was a backward, whole, and stage
-        ``i``'s root and ``blocks`` of its blocks."""
+        every stage's that has run; else the stages whose last op was a backward, whole (the
+        schedule turns resharding after backward off; their next forward reshards them), and
+        stage ``i`` in a backward after a forward, its root and ``blocks`` of its blocks."""
         if fsdp is None:
             return 0
         out = 0
         for j, was_backward in enumerate(after_backward):
             if reduced[j]:
                 continue
-            if j == i:
-                out += fsdp.roots[j] + (n_blocks[j] if not fsdp.reshard else blocks) * fsdp.block
-            elif was_backward or (started[j] and not fsdp.reshard):
+            if was_backward or (started[j] and not fsdp.reshard):
                 out += fsdp.roots[j] + n_blocks[j] * fsdp.block
+            elif j == i:
+                out += fsdp.roots[j] + blocks * fsdp.block
         return out
 
     after_backward = [False] * len(part.stages)
@@ -373,16 +374,17 @@ def pipeline_timeline(
             # cast (measured by `dtlab plan --check`).
             temps += w2_copy + (block.compute * tokens * block.dim if last else 0)
         grows = first_time or (fsdp is not None and fsdp.buffered)
-        top_new = (g.head if first_time else 0) + (block.w2_grad if grows else 0)
-        bottom_new = (g.total - g.embed - g.blocks // n_blocks[i] + block.w2_grad
-                      if first_time else (block.w2_grad if grows else 0))  # fmt: skip
-        prefetch = fsdp.block if fsdp is not None and fsdp.reshard and n_blocks[i] > 1 else 0
+        per_block = g.blocks // n_blocks[i]
+        # FSDP gathers the stage's units for a backward after a forward (resharded by it), the
+        # next block prefetched; after a backward they are all still gathered.
+        regather = fsdp is not None and fsdp.reshard and not after_backward[i]
+        prefetch = fsdp.block if fsdp is not None and regather and n_blocks[i] > 1 else 0
         if last and loss is not None:
             t.add(Moment(name, "the loss's backward (its gradients over the vocabulary)", **base,
                          grads=g_kept, activations=held - loss.freed_before_backward(),
                          temporaries=t_kept + sending + loss.backward_extra(),
                          buffers=state.buffers + gathered(None, 0)))  # fmt: skip
-        if last and loss is not None and fsdp is not None and fsdp.reshard:
+        if last and loss is not None and fsdp is not None and regather:
             # The output projection's backward, with FSDP's prefetch of the stage's last block.
             freed, out = loss.at_output(block.dim, block.compute, block.grad_element)
             t.add(Moment(name, "the output projection's backward", **base, grads=g_kept,
@@ -393,19 +395,31 @@ def pipeline_timeline(
         own = figures.per_mb[i] - (loss_part if last else 0)
         bottom_alive = top_alive - own + own // n_blocks[i]
         again, gone = recompute
-        points = [("last", top_alive, top_new, 1, prefetch)]
-        if n_blocks[i] > 1:
-            points.append(("first", bottom_alive, bottom_new, n_blocks[i], 0))
+        # The stage's last block, its second (with FSDP regathering, the last point with a block
+        # prefetched, one block's activations more than the first) and its first.
+        n = n_blocks[i]
+        points = [("last", top_alive, 0, prefetch)]
+        if n > 2:
+            points.append(("second", bottom_alive + own // n, n - 2, prefetch))
+        if n > 1:
+            points.append(("first", bottom_alive, n - 1, 0))
         buffered = fsdp is not None and fsdp.buffered
-        for which, alive, new, blocks, ahead in points:
-            bufs = state.buffers + gathered(i, blocks)
+        for which, alive, above, ahead in points:
+            bufs = state.buffers + gathered(i, above + 1)
+            # The gradients made as the parameters' by the block's feed-forward backward: at the
+            # stage's first backward every one so far (its output's first), later the down
+            # projection's (FSDP's own gradients, not accumulated).
+            if first_time:
+                new = g.head + above * per_block + block.w2_grad
+            else:
+                new = block.w2_grad if grows else 0
             moved = 0
             if buffered:
                 # FSDP in half precision moves each block's gradients, once made, into float32
                 # buffers of its own (temporaries; at the stage's first backward, those of the
                 # blocks above): only the block in backward's are the parameters', and the
                 # root's, made anew at every backward and so until the stage's backward ends.
-                moved = g.blocks - g.blocks // n_blocks[i] if first_time and blocks > 1 else 0
+                moved = above * per_block if first_time else 0
                 new = g.head + block.w2_grad
             if again:
                 t.add(Moment(name, f"the stage's {which} block recomputed", **base,
