@@ -335,7 +335,9 @@ def pipeline_timeline(
 
     after_backward = [False] * len(part.stages)
     started, reduced = [False] * len(part.stages), [False] * len(part.stages)
-    backwards = [sum(1 for kind, j, _, _ in walk if kind == "B" and j == i) for i in started]
+    backwards = [
+        sum(1 for kind, j, _, _ in walk if kind == "B" and j == i) for i in range(len(started))
+    ]
     for step, (kind, i, held, _) in enumerate(walk):
         sid = part.stages[i]
         last = sid == part.n_stages - 1
@@ -470,26 +472,25 @@ def pipeline_timeline(
         if fsdp is not None and not backwards[i]:
             # The stage's last backward: its gradients reduced, its units resharded (torch's
             # REDUCE_GRAD), the first unit's float32 copy beside every unreduced gradient.
+            root_copy = fsdp.roots[i] // block.grad_element * FP32
+            block_copy = fsdp.block // block.grad_element * FP32
+            # A root unit's gradients outlive its copy until its reduce-scatter's output is made
+            # (measured by `dtlab plan --check`; a block's are freed before).
+            copy = root_copy + root_copy // fsdp.scatter if root_copy else block_copy
             first = fsdp.roots[i] or fsdp.block
-            copy = first // block.grad_element * FP32
-            if fsdp.roots[i]:
-                # A root unit's gradients outlive its copy until its reduce-scatter's output is
-                # made (measured by `dtlab plan --check`; a block's are freed before).
-                copy += copy // fsdp.scatter
             t.add(Moment(f"after backward {forwards}", "the stage's gradients reduce-scattered",
                          **base, grads=g_kept, activations=left,
                          temporaries=t_kept + sending + copy,
                          buffers=state.buffers + gathered(None, 0) - first))  # fmt: skip
-            if fsdp.roots[i]:
+            if root_copy:
                 # Then its first block's: the root's gradients freed, their shard made (its copy
                 # freed as the block's starts), the block resharded and copied in turn.
-                root = fsdp.roots[i] // block.grad_element * FP32
-                after = (0, root) if buffered_grads else (root, 0)
+                dropped = (0, root_copy) if buffered_grads else (root_copy, 0)
                 t.add(Moment(f"after backward {forwards}",
                              "the stage's gradients reduce-scattered (its first block's)", **base,
-                             grads=g_kept - after[0], activations=left,
-                             temporaries=t_kept - after[1] + sending + root // fsdp.scatter
-                             + fsdp.block // block.grad_element * FP32,
+                             grads=g_kept - dropped[0], activations=left,
+                             temporaries=t_kept - dropped[1] + sending + root_copy // fsdp.scatter
+                             + block_copy,
                              buffers=state.buffers + gathered(None, 0) - first - fsdp.block))  # fmt: skip
             made_n -= g.total
             shards_n += fsdp.shards[i]
