@@ -524,14 +524,17 @@ def _pipeline_timeline(
     if dims.fsdp_enabled:
         shard = dims.dp_shard
         dp_shapes = moe.data_parallel_shapes(shapes, dims)
-        gathered = {group: n * made for group, n in padded_by_group(dp_shapes, shard).items()}
-        roots = [made * _stage_root_padded(dp_shapes, shard, sid, part.n_stages)
-                 for sid in part.stages]  # fmt: skip
-        sizes = [v for k, v in gathered.items() if k != "root"]
-        shards = [FP32 * _stage_shard_numel(dp_shapes, shard, tuple(split[sid]), sid == 0,
-                                            sid == part.n_stages - 1) for sid in part.stages]  # fmt: skip
-        units = StageFsdp(roots, max(sizes, default=0), config.parallel.sharding == "full",
-                          fsdp_half_params(config, dims), shards, shard)  # fmt: skip
+        by_group = padded_by_group(dp_shapes, shard)
+        root_elements = [_stage_root_padded(dp_shapes, shard, sid, part.n_stages)
+                         for sid in part.stages]  # fmt: skip
+        sizes = [n * made for k, n in by_group.items() if k != "root"]
+        # A stage's gradient shards: its gathered elements over the shard group (FSDP pads each
+        # parameter's rows to a multiple of it).
+        shards = [FP32 * (r + sum(by_group[f"layers.{i}"] for i in split[sid])) // shard
+                  for r, sid in zip(root_elements, part.stages, strict=True)]  # fmt: skip
+        units = StageFsdp([made * r for r in root_elements], max(sizes, default=0),
+                          config.parallel.sharding == "full", fsdp_half_params(config, dims),
+                          shards, shard)  # fmt: skip
     return pipeline_timeline(
         state, part, figures, tokens, walk, grads,
         [len(split[sid]) for sid in part.stages], timeline_loss, loss,
@@ -580,23 +583,6 @@ def _stage_root_padded(dp_shapes: list[ParamShape], shard: int, sid: int, n_stag
         )  # fmt: skip
 
     return memo(dp_shapes, ("stage_root_padded", shard, sid == 0, sid == n_stages - 1), compute)
-
-
-def _stage_shard_numel(
-    dp_shapes: list[ParamShape], shard: int, layers: tuple[int, ...], first: bool, last: bool
-) -> int:
-    """Elements of a stage's FSDP shards: its blocks ``layers``, and its root parts (the embedding
-    if ``first``, the final norm and output if ``last``)."""
-
-    def compute() -> int:
-        groups = {f"layers.{i}" for i in layers}
-        return sum(
-            s.shard_numel(shard) for s in dp_shapes
-            if s.group in groups
-            or (s.group == "root" and (first if s.name.startswith("tok_") else last))
-        )  # fmt: skip
-
-    return memo(dp_shapes, ("stage_shard_numel", shard, layers, first, last), compute)
 
 
 def _optimizer_bytes(
