@@ -69,16 +69,11 @@ class _Peaks(MemTracker):
 
     def current(self) -> dict[str, int]:
         out: dict[str, int] = {}
-        names = _NAMES
         for device, snap in self._curr_mem_snap.items():
             if device.type == "meta":  # no memory: a pipeline rank's frame over its stages
                 continue
             for kind, n in snap.items():
-                # Called at every op: the kinds' names looked up by identity, not worked out.
-                hit = names.get(id(kind))
-                if hit is None or hit[0] is not kind:
-                    hit = names[id(kind)] = (kind, _kind(kind))
-                out[hit[1]] = out.get(hit[1], 0) + n
+                out[_kind(kind)] = out.get(_kind(kind), 0) + n
         return out
 
     def moment(self) -> str:
@@ -127,10 +122,6 @@ class _Peaks(MemTracker):
         if total > self.timeline.get(moment, (-1,))[0]:
             inner = max(self._mod_tracker.parents, key=len)
             self.timeline[moment] = (total, now, inner)
-
-
-# MemTracker's kinds (enum members, "Total") by identity: (the kind, its name).
-_NAMES: dict[int, tuple[object, str]] = {}
 
 
 def _kind(kind: _RefType | str) -> str:
