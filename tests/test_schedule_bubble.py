@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dtlab.analysis.schedule import Action, simulate_schedule
 
@@ -67,3 +68,59 @@ def test_an_order_that_cannot_run_is_an_error() -> None:
     order[1] = [Action(1, "B", 0), Action(1, "F", 0)]
     with pytest.raises(ValueError, match="cannot proceed"):
         simulate_schedule(order, 2)
+
+
+def torch_order(schedule: str, p: int, m: int, v: int) -> dict[int, list[Action]]:
+    """Torch's own order of work for ``schedule`` on ``p`` ranks, ``v`` stages each (their
+    computations only), as its schedule class lays it out for every rank (stand-in stages: the
+    classes read only where each stage sits)."""
+    from types import SimpleNamespace
+
+    import torch.distributed.pipelining.schedules as s
+
+    classes = {
+        "gpipe": s.ScheduleGPipe,
+        "interleaved_1f1b": s.ScheduleInterleaved1F1B,
+        "looped_bfs": s.ScheduleLoopedBFS,
+    }
+    n = p * v
+    stages = [
+        SimpleNamespace(
+            num_stages=n, group_size=p, group_rank=0, stage_index=i * p, is_first=i == 0,
+            is_last=i * p == n - 1, submod=torch.nn.Linear(1, 1),
+        )
+        for i in range(v)
+    ]  # fmt: skip
+    built = classes[schedule](stages[0] if v == 1 else stages, m, loss_fn=lambda *_: None)
+    return {
+        r: [
+            Action(a.stage_index, a.computation_type.value, a.microbatch_index)
+            for a in actions
+            if a is not None and a.computation_type.value in ("F", "B", "I", "W")
+        ]
+        for r, actions in built.pipeline_order.items()
+    }
+
+
+@pytest.mark.parametrize(
+    ("schedule", "v"), [("gpipe", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 3),
+                        ("looped_bfs", 2), ("looped_bfs", 4)],
+)  # fmt: skip
+def test_the_plans_bubble_is_torchs_own_order_played_out(schedule: str, v: int) -> None:
+    """The plan's bubble (:func:`predicted_bubble`) is what torch's order of each schedule gives,
+    fewer micro-batches than ranks included (one micro-batch runs the whole model in turn)."""
+    from dtlab.analysis.model import predicted_bubble
+
+    checked = 0
+    for p in (2, 3, 4, 8):
+        for m in (1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 24):
+            try:
+                order = torch_order(schedule, p, m, v)
+            except ValueError:  # a count the schedule refuses (not a multiple of its rounds)
+                continue
+            played = sum(simulate_schedule(order, p * v)) / p
+            assert predicted_bubble(schedule, p, m, v) == pytest.approx(played), (p, m)
+            checked += 1
+    assert checked >= 30
+    if schedule != "gpipe":  # one micro-batch on 8 ranks: the whole model in turn
+        assert predicted_bubble(schedule, 8, 1, v) == pytest.approx(7 / 8)

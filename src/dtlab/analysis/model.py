@@ -623,14 +623,21 @@ def _zero1_optimizer_bytes(config: Config, shapes: list[ParamShape], ranks: int)
 
 
 def predicted_bubble(schedule: str, pp: int, microbatches: int, per_rank: int) -> float | None:
-    """The idle fraction of a step that the textbook analysis gives (equal stage times, no
-    communication cost): (p - 1) / (m + p - 1) for GPipe and 1F1B, (p - 1) / (v m + p - 1) for
-    interleaved 1F1B with v stages per rank; None for the others (looped BFS, and the zero-bubble
-    schedules, whose figure depends on how backward splits into input and weight gradients)."""
+    """The idle fraction of a step that the schedule's own order of work gives with equal stage
+    times and free communication: (p - 1) / (m + p - 1) for GPipe and 1F1B; for interleaved 1F1B
+    and looped BFS with v stages per rank, (p - 1) / (v m + p - 1) when the p ranks have a
+    micro-batch each (m >= p), and 1 - v m / (m + v p - 1) when they do not: then a micro-batch's
+    v p stages run one after the other, m of them at a time (one micro-batch: the whole model in
+    turn, 1 - 1 / p idle). None for the zero-bubble schedules, whose figure depends on how backward
+    splits into input and weight gradients. (Tested against torch's own orders played out,
+    :func:`dtlab.analysis.schedule.simulate_schedule`.)"""
     if schedule in ("gpipe", "1f1b"):
         return (pp - 1) / (microbatches + pp - 1)
-    if schedule == "interleaved_1f1b":
-        return (pp - 1) / (per_rank * microbatches + pp - 1)
+    if schedule in ("interleaved_1f1b", "looped_bfs"):
+        v, m = per_rank, microbatches
+        if m >= pp:
+            return (pp - 1) / (v * m + pp - 1)
+        return 1 - v * m / (m + v * pp - 1)
     return None
 
 

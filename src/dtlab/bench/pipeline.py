@@ -11,7 +11,7 @@ a rank's bubble is the part of the schedule's wall time (one ``schedule.step``) 
 nothing: waiting for a neighbour, and sending and receiving, which on CPU with gloo are copies.
 Reported: the median over the timed steps of the mean over ranks, next to
 
-- ``textbook``: (p - 1) / (m + p - 1) for GPipe and 1F1B, (p - 1) / (v m + p - 1) for interleaved 1F1B;
+- ``textbook``: :func:`dtlab.analysis.model.predicted_bubble` (GPipe, 1F1B, interleaved 1F1B, looped BFS);
 - ``table``: each rank's computations in the order they ran, played out with equal forward,
   input-gradient and weight-gradient times and free communication
   (:func:`dtlab.analysis.schedule.simulate_schedule`): the figure the schedule itself promises, for
