@@ -357,9 +357,13 @@ def pipeline_timeline(
                 # kept until the next unit's all-gather or the stage's end), and the block's own
                 # transients, three of the residual stream's size in the compute dtype (measured
                 # by `dtlab plan --check` with FSDP, FSDP x TP and FSDP x TP x SP pipelines).
-                transient = 3 * tokens * block.dim * block.compute
+                # Over a shard group of one rank (DDP beside a pipeline: FSDP2 replicating) FSDP2
+                # copies each shard into its parameter without an all-gather: no flat buffer, and
+                # two such transients (measured alike, without sequence parallelism).
+                flat = fsdp.block if fsdp.scatter > 1 else 0
+                transient = (3 if flat else 2) * tokens * block.dim * block.compute
                 t.add(Moment(f"forward {forwards}", "the stage's last block's feed-forward", **base,
-                             grads=g_kept, activations=held + fsdp.block + transient,
+                             grads=g_kept, activations=held + flat + transient,
                              temporaries=t_kept + sending,
                              buffers=state.buffers + gathered(None, 0) + fsdp.roots[i]
                              + fsdp.block))  # fmt: skip
@@ -475,8 +479,10 @@ def pipeline_timeline(
             root_copy = fsdp.roots[i] // block.grad_element * FP32
             block_copy = fsdp.block // block.grad_element * FP32
             # A root unit's gradients outlive its copy until its reduce-scatter's output is made
-            # (measured by `dtlab plan --check`; a block's are freed before).
-            copy = root_copy + root_copy // fsdp.scatter if root_copy else block_copy
+            # (measured by `dtlab plan --check`; a block's are freed before). Over a shard group
+            # of one rank (DDP beside a pipeline: FSDP2 replicating) no output is made apart.
+            out = root_copy // fsdp.scatter if fsdp.scatter > 1 else 0
+            copy = root_copy + out if root_copy else block_copy
             first = fsdp.roots[i] or fsdp.block
             t.add(Moment(f"after backward {forwards}", "the stage's gradients reduce-scattered",
                          **base, grads=g_kept, activations=left,
