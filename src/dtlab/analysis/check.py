@@ -3,9 +3,11 @@ process, measured beside the analytic plan.
 
 Each checked rank joins torch's fake process group (collectives are dispatched, counted and return at
 once) as that rank of the whole world, and builds its part of the job under fake tensors (real shapes
-and dtypes, no memory): the same mesh, parallelisation, model, optimizer and loss as a worker, then two
-optimizer steps of the configured micro-batches through :func:`dtlab.train.loop.train_step` (forward,
-backward, gradient sync, clipping, optimizer step). The second step is measured:
+and dtypes, no memory): the same mesh, parallelisation, model, optimizer and loss as a worker, then an
+optimizer step of the configured micro-batches through :func:`dtlab.train.loop.train_step` (forward,
+backward, gradient sync, clipping, optimizer step), measured as a step after the first: the optimizer's
+state, which a first step makes, made beforehand by a step on zero gradients (DDP and pipelines, whose
+first step makes more that the next holds, run a whole first step instead). Measured:
 
 - memory by component, with torch's ``MemTracker`` (every tensor the step makes or holds, by kind);
 - the collectives it issues, with :class:`dtlab.metrics.comm.CommCounter` (what ``dtlab bench``
@@ -128,7 +130,8 @@ class RankCheck:
 def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str, Any]:
     """Build this rank's training as a worker does and run ``steps`` optimizer steps, measuring the
     last: components (bytes), the whole peak, and the collectives (each one's buffer bytes, and the
-    bytes this rank sent, see :func:`_by_group`).
+    bytes this rank sent, see :func:`_by_group`). Under fake tensors, without DDP or a pipeline,
+    one step is run and measured, the optimizer's state made beforehand (:func:`_prime`).
 
     ``d``: the rank's :class:`dtlab.parallel.dist.DistInfo`, its process group initialised (fake
     or real). ``fake``: build under fake tensors (no memory); otherwise real tensors on ``d.device``.
@@ -182,14 +185,21 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
         scaler = LossScaler(config.train.precision == "fp16")
         tokens = torch.randint(0, config.model.vocab_size, (micro, config.seq_len + 1))
         batch = [(tokens[:, :-1], tokens[:, 1:])] * accum
-        tracker.track_external(pm.module, optimizer)
-        if pm.pipeline is not None:
-            tracker.watch_reductions(pm.pipeline.stages)
-
         # DDP's gradients are views of its buckets, which it keeps from step to step (its C++
         # reducer holds them; the parameters' .grad is emptied between steps): filed as gradients
         # from the measured step's start, they are counted once, as the gradients.
         ddp = isinstance(pm.module, DistributedDataParallel)
+        if fake and not ddp and pm.pipeline is None:
+            # What a first step leaves for the next that the next holds is the optimizer's state:
+            # made by a step on zero gradients (fake tensors hold no values), the step measured is
+            # then the first, in half the time. DDP (its buckets re-ordered at the second step)
+            # and pipelines (their stages' buffers, made at a first backward) take a whole step.
+            _prime(pm.module, optimizer)
+            steps = 1
+            tracker.file_gathered(pm.module)
+        tracker.track_external(pm.module, optimizer)
+        if pm.pipeline is not None:
+            tracker.watch_reductions(pm.pipeline.stages)
         buckets: list[torch.Tensor] = []
 
         # Any optimizer's step (ZeRO-1 steps an inner one): the first of the step sees the gradients.
@@ -225,6 +235,22 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
         "collectives": _by_group(counter),
         "seconds": seconds,
     }
+
+
+def _prime(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Make what a first step leaves for the next: FSDP's lazy initialisation (at its root's first
+    forward: the shards moved into their padded storage) and ``optimizer``'s state (a step on zero
+    gradients, which are then dropped)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(module, FSDPModule):
+        module._get_fsdp_state()._lazy_init()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def _by_group(counter: Any) -> dict[str, Any]:

@@ -53,6 +53,24 @@ class _Peaks(MemTracker):
 
             stage.perform_reduce_grad = watched
 
+    def file_gathered(self, model: torch.nn.Module) -> list[Any]:
+        """File FSDP's gathered parameters as parameters from the forward of their unit on, as a
+        step after the first finds them (MemTracker files a module's parameters at its own forward,
+        before FSDP gathers them: in a first step the root's output and norm, gathered at the
+        root's forward, would count as activations until the output's forward). Returns the
+        hooks' handles."""
+        from torch.distributed.fsdp import FSDPModule
+
+        def refile(module: torch.nn.Module, args: Any) -> None:
+            self._track_module_params_and_buffers(module, install_grad_hooks=False)
+
+        # Registered after FSDP's own pre-forward hook (its all-gather), so they run after it.
+        return [
+            m.register_forward_pre_hook(refile)
+            for m in model.modules()
+            if isinstance(m, FSDPModule)
+        ]
+
     def reset_peaks(self) -> None:
         self.kind_peak = self.current()
         self.at_step = {}
