@@ -102,19 +102,26 @@ def _ranks(layout: str) -> list[int]:
     return [0, nproc - 1] if any(o.startswith("parallel.pp=") for o in overrides) else [nproc - 1]
 
 
-def test_ddp_beside_a_pipeline_first_stage_is_the_checked_code() -> None:
+@pytest.mark.parametrize(
+    ("vocab", "where"), [(256, "feed-forward"), (4096, "the embedding's backward")]
+)
+def test_ddp_beside_a_pipeline_first_stage_is_the_checked_code(vocab: int, where: str) -> None:
     """DDP beside a pipeline is FSDP2 replicating over shard groups of one rank: each shard is
-    copied into its parameter without an all-gather (no flat buffer), and each reduction's float32
-    copy is its own output (the search's pick for llama3.1-70b on 1,024 GPUs at the default batch
-    is such a layout). The first stage's peak and every component within 3% (its forward was +5.4%
-    before). The last stage's peak is within 1% but its components are not (docs/planning.md)."""
+    copied into its parameter without an all-gather (no flat buffer), each unit's float32
+    gradients are made as its backward ends, and each reduction's float32 copy is its own output
+    (the search's pick for llama3.1-70b on 1,024 GPUs at the default batch is such a layout). The
+    first stage's peak and every component within 3%: in its last block's forward (was +5.4%), and
+    with a wide vocabulary in the embedding's backward (its gradient in bf16 twice, beside every
+    other float32 gradient). The last stage's peak is within 1% but its components are not
+    (docs/planning.md)."""
     config = load_config(
         overrides=[*SMALL, "parallel.pp=2", "parallel.pp_schedule=gpipe",
                    "parallel.pp_microbatches=1", "parallel.strategy=ddp", "train.precision=bf16",
-                   "data.seq_len=128", "train.global_batch_size=2"]
+                   "data.seq_len=128", "train.global_batch_size=2", f"model.vocab_size={vocab}"]
     )  # fmt: skip
     r = check_rank(config, 4, 1, 0)
     assert r.skipped is None
+    assert where in r.peak["predicted_at"]["where"], r.peak
     assert close(r.peak["predicted"], r.peak["checked"]), r.peak
     for name, c in r.components.items():
         assert close(c["predicted"], c["checked"]), (name, c)

@@ -468,6 +468,19 @@ def pipeline_timeline(
                          **base, grads=g_kept + root, activations=left,
                          temporaries=t_kept + sending,
                          buffers=state.buffers + gathered(None, 0)))  # fmt: skip
+        if fsdp is not None and fsdp.scatter == 1 and sid == 0 and block.compute < FP32:
+            # DDP beside a pipeline (FSDP2 replicating over shard groups of one rank) in half
+            # precision, its first stage: each unit's float32 gradients are made as the unit's
+            # backward ends, so at the embedding's backward (the stage's last) every one but the
+            # embedding's is, beside the embedding's gradient in the compute dtype twice and the
+            # float32 gradient of its output; and the stage keeps its output in float32 through
+            # the step's end, twice the stream it sent (measured by `dtlab plan --check`).
+            left += figures.stream
+            half = g.embed // FP32 * block.compute
+            t.add(Moment(name, "the embedding's backward", **base, grads=g_kept - g.embed,
+                         activations=left,
+                         temporaries=t_kept + sending + 2 * half + FP32 * tokens * block.dim,
+                         buffers=state.buffers + gathered(None, 0)))  # fmt: skip
         t.add(Moment(f"after backward {forwards}", "between backward and the next forward",
                      **base, grads=g_kept, activations=left,
                      temporaries=t_kept + sending,
