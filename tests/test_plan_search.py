@@ -386,3 +386,14 @@ def test_the_pruned_search_finds_the_exhaustive_top_rows_and_tie(
     assert [(f.step_time_s, f.label) for f in found.rows] == [(t, lb) for t, _, lb in every[:TOP]]
     tied = [(t, lb) for t, _, lb in every if t <= every[0][0] * (1 + TIE_MARGIN)]
     assert sorted((f.step_time_s, f.label) for f in found.tied) == tied
+
+
+def test_a_recommended_pipeline_short_of_micro_batches_says_the_batch_that_feeds_it() -> None:
+    """llama3.1-70b on 1,024 GPUs at the default global batch (16): every layout the search can
+    offer is a pipeline of one micro-batch, and the recommendation says how much of the step it
+    idles (the played-out bubble, 1 - 1/p) and the global batch that gives each stage one."""
+    text = plan(load_config(overrides=LLAMA70B), 8, 128, H100, None, True, (None, LLAMA70B))[
+        "recommendation"
+    ]
+    assert "its pipeline idles 88% of the step, 1 micro-batch for 8 stages" in text, text
+    assert "train.global_batch_size 128 or more" in text, text

@@ -275,7 +275,7 @@ def plan(
         "shape_sources": shape_sources(config),
         "strategies": rows,
         "search": searched,
-        "recommendation": _recommendation(found, best)
+        "recommendation": _recommendation(found, best) + _starved_pipeline(found, world)
         if best
         else advice(
             config,
@@ -405,11 +405,36 @@ def _recommendation(found: SearchResult, best: dict[str, Any]) -> str:
     )
 
 
+def _starved_pipeline(found: SearchResult, world: int) -> str:
+    """When the recommended layout's pipeline has fewer micro-batches than stages (the global batch
+    leaves each replica too few samples), how much of the step it idles and the global batch that
+    gives every stage a micro-batch; empty otherwise."""
+    from dtlab.config import pipeline_microbatches
+
+    if found.choice is None:
+        return ""
+    config = found.choice.pick.config
+    dims = ParallelDims.from_config(config, world)
+    if not dims.pp_enabled:
+        return ""
+    m = pipeline_microbatches(config, dims.dp)
+    if m >= dims.pp:
+        return ""
+    enough = config.train.global_batch_size * dims.pp // m
+    return (
+        f"; its pipeline idles {pipeline_bubble(config, dims):.0%} of the step, {m} micro-batch"
+        f"{'es' if m > 1 else ''} for {dims.pp} stages (the global batch of "
+        f"{config.train.global_batch_size} over {dims.dp} data-parallel replicas): "
+        f"train.global_batch_size {enough} or more gives every stage one"
+    )
+
+
 def _settings(r: dict[str, Any]) -> str:
     """A searched row's settings beside its layout: precision, checkpointing, micro-batches."""
     parts = [r["precision"], f"checkpointing {r['activation_checkpointing']}"]
     if r.get("pp_microbatches"):
-        parts.append(f"{r['pp_microbatches']} pipeline micro-batches")
+        m = r["pp_microbatches"]
+        parts.append(f"{m} pipeline micro-batch{'es' if m != 1 else ''}")
     elif r.get("micro_batch_size"):
         parts.append(f"micro-batch {r['micro_batch_size']}")
     return ", ".join(parts)
