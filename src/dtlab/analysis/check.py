@@ -189,6 +189,7 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
         # reducer holds them; the parameters' .grad is emptied between steps): filed as gradients
         # from the measured step's start, they are counted once, as the gradients.
         ddp = isinstance(pm.module, DistributedDataParallel)
+        refiling: list[Any] = []  # hooks on the model, removed with the step's own
         if fake and not ddp and pm.pipeline is None:
             # What a first step leaves for the next that the next holds is the optimizer's state:
             # made by a step on zero gradients (fake tensors hold no values), the step measured is
@@ -196,7 +197,7 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
             # and pipelines (their stages' buffers, made at a first backward) take a whole step.
             _prime(pm.module, optimizer)
             steps = 1
-            tracker.file_gathered(pm.module)
+            refiling = tracker.file_gathered(pm.module)
         tracker.track_external(pm.module, optimizer)
         if pm.pipeline is not None:
             tracker.watch_reductions(pm.pipeline.stages)
@@ -223,6 +224,8 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
             rest = tracker.current()
         seconds = time.perf_counter() - started
         hook.remove()
+        for handle in refiling:
+            handle.remove()
     return {
         "components": _components(
             tracker.kind_peak, tracker.at_step, rest, tracker.kept, whole_grads=_whole_grads(dims)
