@@ -83,7 +83,15 @@ from dtlab.analysis.check_fake import (
     unsupported,
 )
 from dtlab.analysis.check_report import choose_config, default_ranks, format_check, parse_ranks
-from dtlab.analysis.check_tracker import _at_moment, _components, _grad_bytes, _Peaks, _whole_grads
+from dtlab.analysis.check_tracker import (
+    _at_moment,
+    _components,
+    _grad_bytes,
+    _Peaks,
+    _whole_grads,
+    split_backward,
+)
+from dtlab.analysis.pipeline_memory import ZERO_BUBBLE
 from dtlab.config import Config, check_batch_split
 from dtlab.errors import ConfigError
 
@@ -213,7 +221,8 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
 
         hook = register_optimizer_step_pre_hook(before_step)
         started = time.perf_counter()
-        with tracker:
+        split = pm.pipeline is not None and config.parallel.pp_schedule in ZERO_BUBBLE
+        with tracker, split_backward(split):
             for step in range(steps):
                 if step == steps - 1:
                     tracker.file_as_gradients(buckets)

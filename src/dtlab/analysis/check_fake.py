@@ -190,12 +190,6 @@ def unsupported(config: Config, world: int) -> str | None:
             "hook waits on the all-reduce's result, which the fake process group does not give "
             "(DDP without compression is checked)"
         )
-    if dims.pp_enabled and config.parallel.pp_schedule in ("interleaved_zb", "zbv", "dualpipev"):
-        return (
-            f"parallel.pp_schedule = {config.parallel.pp_schedule!r} is not checked: its backward "
-            "splits into input and weight gradients (torch.autograd.grad), under which torch's "
-            "MemTracker's module hooks fail; checked: gpipe, 1f1b, interleaved_1f1b, looped_bfs"
-        )
     if config.train.optimizer == "demo" and dims.ddp_enabled:
         return (
             "train.optimizer = 'demo' is not checked: DeMo's DDP hook gathers every rank's "

@@ -189,7 +189,13 @@ def _model_parallel_comm(
         groups["tp all_reduce"] = dims.tp
     if dims.pp_enabled:
         shard = dims.tp if config.parallel.sequence_parallel else 1
-        sends = sum((sid != part.n_stages - 1) + (sid != 0) for sid in part.stages)
+        # Each stage's outputs forward and its input gradients back, except to a stage on the same
+        # rank (a V schedule's two middle stages pass them directly).
+        sends = sum(
+            (sid != part.n_stages - 1 and sid + 1 not in part.stages)
+            + (sid != 0 and sid - 1 not in part.stages)
+            for sid in part.stages
+        )
         comm["send/recv"] = sends * microbatches * stream // shard  # only pipelines send
         groups["send/recv"] = 2
 

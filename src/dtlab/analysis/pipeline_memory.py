@@ -4,8 +4,11 @@ kept outputs and logits (measured by ``dtlab plan --check``, the same in real gl
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from dtlab.analysis import moe
 from dtlab.analysis.activations import (
@@ -17,7 +20,7 @@ from dtlab.analysis.activations import (
 from dtlab.analysis.shapes import RankPart
 from dtlab.analysis.timeline import BlockShape, LossShape, Moment, RankState, Timeline
 from dtlab.config import Config
-from dtlab.dims import DPWrapper, ParallelDims
+from dtlab.dims import DPWrapper, ParallelDims, stage_ids
 
 
 def fsdp_half_params(config: Config, dims: ParallelDims) -> bool:
@@ -64,6 +67,8 @@ def schedule_order(
     if schedule == "1f1b":
         warm = min(n, pp - 1 - pp_rank)
         return [("F", 0)] * warm + [("F", 0), ("B", 0)] * (n - warm) + [("B", 0)] * warm
+    if schedule in ZERO_BUBBLE:
+        return zero_bubble_order(schedule, pp, per_rank, microbatches, pp_rank)
     if schedule != "interleaved_1f1b":
         return None
     per_round = n // max(1, n // pp)
@@ -78,6 +83,79 @@ def schedule_order(
     return order
 
 
+ZERO_BUBBLE = ("interleaved_zb", "zbv", "dualpipev")
+
+
+def zero_bubble_order(
+    schedule: str, pp: int, per_rank: int, microbatches: int, pp_rank: int
+) -> list[tuple[str, int]] | None:
+    """Pipeline rank ``pp_rank``'s work under the zero-bubble ``schedule`` in torch's own order
+    (its schedule class lays it out; the order depends on nothing but the stages' places): ("F",
+    "I" (input gradients), "W" (weight gradients) or "B", the index of the rank's stage in
+    :func:`dtlab.dims.stage_ids`' order). The first stage's input half does nothing (it has no
+    input to differentiate) and its weight half is its whole backward: a "B". None where torch's
+    classes do not lay the order out as this version reads it."""
+    orders = _zero_bubble_orders(schedule, pp, per_rank, microbatches)
+    if orders is None or pp_rank not in orders:
+        return None
+    ids = stage_ids(pp_rank, pp, per_rank, schedule)
+    out: list[tuple[str, int]] = []
+    for kind, sid in orders[pp_rank]:
+        if sid == 0 and kind in ("I", "W"):
+            if kind == "W":
+                out.append(("B", ids.index(sid)))
+            continue
+        out.append((kind, ids.index(sid)))
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _zero_bubble_orders(
+    schedule: str, pp: int, per_rank: int, microbatches: int
+) -> dict[int, tuple[tuple[str, int], ...]] | None:
+    """Every rank's (kind, stage) in the order torch's ``schedule`` class lays them out, built
+    once per shape (stand-in stages: the classes read only where each stage sits)."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch.distributed.pipelining import schedules as s
+
+    classes = {
+        "interleaved_zb": "ScheduleInterleavedZeroBubble",
+        "zbv": "ScheduleZBVZeroBubble",
+        "dualpipev": "ScheduleDualPipeV",
+    }
+    n = pp * per_rank
+    stages = [
+        SimpleNamespace(
+            num_stages=n, group_size=pp, group_rank=0, stage_index=sid, is_first=sid == 0,
+            is_last=sid == n - 1, submod=torch.nn.Module(),
+        )
+        for sid in stage_ids(0, pp, per_rank, schedule)
+    ]  # fmt: skip
+    try:
+        # The order alone: lowering it to sends and receives (the class's last step) is most of
+        # the time it takes, and the order does not depend on it.
+        cls: Any = type(
+            "Order",
+            (getattr(s, classes[schedule]),),
+            {"_prepare_schedule_with_comms": lambda *_, **__: None},
+        )
+        built = cls(stages, microbatches, loss_fn=lambda *_: None)
+        orders: dict[int, tuple[tuple[str, int], ...]] = {}
+        for rank, actions in built.pipeline_order.items():
+            done: list[tuple[str, int]] = []
+            for a in actions:
+                # An overlapped pair (DualPipeV's forward beside a backward) runs one after the other.
+                for sub in (a.sub_actions or (a,)) if a is not None else ():
+                    if sub.computation_type.value in ("F", "I", "W", "B"):
+                        done.append((sub.computation_type.value, sub.stage_index))
+            orders[rank] = tuple(done)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return orders
+
+
 @dataclass(frozen=True)
 class StageFigures:
     """A pipeline rank's stages as its schedule sees them: a micro-batch's activations on each
@@ -89,6 +167,13 @@ class StageFigures:
     copies: list[int]
     stream: int
     logits: int
+    # Under a zero-bubble schedule, what a stage's input half leaves for its weight half: the
+    # gradient of each weight's output, kept from the one to the other.
+    captured: list[int] = dataclasses.field(default_factory=list)
+    # A V schedule's stages next to each other on one rank pass their tensors directly: the
+    # later stage's input gradients become the earlier one's output-gradient buffers, made in
+    # backward and kept to the next step's (``microbatches`` of the stream each).
+    local: int = 0
 
 
 def stage_figures(
@@ -136,7 +221,36 @@ def stage_figures(
     shard = dims.tp if config.parallel.sequence_parallel else 1
     stream = tokens * m.dim * (2 if half_params else FP32) // shard
     logits = tokens * (m.vocab_size // dims.tp) * (2 if half else FP32)
-    return StageFigures(per_mb, copies, stream, logits)
+    captured = [
+        weight_output_grads(config, dims, tokens, moe.part_model(m, part.n_stages, [sid]).n_layers,
+                            sid == part.n_stages - 1)
+        for sid in part.stages
+    ]  # fmt: skip
+    local = sum(stream for sid in part.stages if sid + 1 in part.stages)  # a micro-batch's
+    return StageFigures(per_mb, copies, stream, logits, captured, local)
+
+
+def weight_output_grads(
+    config: Config, dims: ParallelDims, tokens: int, n_blocks: int, last: bool
+) -> int:
+    """The gradients a zero-bubble schedule's input half keeps for its weight half, on a stage of
+    ``n_blocks`` blocks (``last``: with the final norm and the output projection): torch's
+    ``stage_backward_input`` keeps the gradient of every weight's output (each projection's, each
+    norm's), from which ``stage_backward_weight`` later makes the weights' gradients."""
+    m = config.model
+    split = dims.tp
+    seq = dims.tp if config.parallel.sequence_parallel else 1
+    half = config.train.precision in ("bf16", "fp16")
+    compute = 2 if half else FP32
+    head = m.dim // m.n_heads
+    # The column-parallel projections' outputs (q, k, v, gate, up) split over tensor parallelism;
+    # the row-parallel ones' (attention output, down) whole before their reduction.
+    columns = (m.dim + 2 * m.kv_heads * head + 2 * m.hidden_dim) // split
+    per_block = tokens * (columns + 2 * m.dim) * compute + 2 * tokens * m.dim * FP32 // seq
+    out = n_blocks * per_block
+    if last:
+        out += tokens * m.dim * FP32 // seq + tokens * (m.vocab_size // split) * compute
+    return out
 
 
 def schedule_walk(
@@ -162,7 +276,9 @@ def schedule_walk(
             out += n_j * f.per_mb[j] + (f.copies[j] if started[j] else 0)
             if s_j != 0:  # receive buffers; in float32 an in-flight one is its block's input
                 out += (microbatches - (0 if half_params else n_j)) * f.stream
-            if s_j != part.n_stages - 1:  # outputs kept for backward, output-gradient buffers
+            if s_j + 1 in part.stages:
+                pass  # its outputs are the next stage's input buffers; its gradients f.local
+            elif s_j != part.n_stages - 1:  # outputs kept for backward, output-gradient buffers
                 out += (n_j + microbatches) * f.stream
             else:  # the logits of every micro-batch so far, kept to the step's end
                 out += outputs * f.logits
@@ -177,7 +293,8 @@ def schedule_walk(
             yield kind, i, held(), list(alive)
             continue
         yield kind, i, held(), list(alive)
-        alive[i] -= 1
+        if kind != "I":  # a zero-bubble input half keeps the micro-batch for its weight half
+            alive[i] -= 1
 
 
 def walk_schedule(
@@ -193,6 +310,7 @@ def walk_schedule(
     (:func:`schedule_walk`), once for both the most it keeps (:func:`pipeline_kept`) and its
     timeline (:func:`pipeline_timeline`)."""
     figures = stage_figures(config, dims, part, tokens, kernel)
+    figures = dataclasses.replace(figures, local=figures.local * microbatches)
     half_params = fsdp_half_params(config, dims)
     return figures, list(schedule_walk(part, figures, tokens, microbatches, half_params, order))
 
@@ -200,7 +318,7 @@ def walk_schedule(
 def pipeline_kept(walk: list[tuple[str, int, int, list[int]]]) -> int:
     """The most a pipeline rank holds for backward: the most alive at any backward of its
     schedule's walk (:func:`walk_schedule`)."""
-    return max((held for kind, _, held, _ in walk if kind == "B"), default=0)
+    return max((held for kind, _, held, _ in walk if kind != "F"), default=0)
 
 
 def _pipeline_bytes(
@@ -314,7 +432,8 @@ def pipeline_timeline(
     def made() -> tuple[int, int]:
         """The gradients of the stages done: (as the parameters', in FSDP's buffers); the shards
         of the stages reduced are the parameters'."""
-        return (shards_n, made_n) if buffered_grads else (made_n + shards_n, 0)
+        local = figures.local + sent
+        return (shards_n, made_n + local) if buffered_grads else (made_n + shards_n, local)
 
     def gathered(i: int | None, blocks: int) -> int:
         """FSDP's gathered units of the stages not yet reduced: where not resharded after forward,
@@ -333,10 +452,61 @@ def pipeline_timeline(
                 out += fsdp.roots[j] + blocks * fsdp.block
         return out
 
+    pending = 0  # the output gradients zero-bubble input halves keep for their weight halves
+    # Under a zero-bubble schedule (torch's runtime waits for its sends at the step's end) the
+    # input gradients sent to the previous rank, alive to the step's end.
+    split = any(kind in ("I", "W") for kind, _, _, _ in walk)
+    sent = 0
+
+    def _split_backward(
+        t: Timeline, kind: str, i: int, sid: int, last: bool, name: str, forwards: int,
+        held: int, pending: int,
+    ) -> int:  # fmt: skip
+        """A zero-bubble schedule's backward in two: its input half (``I``) keeps the
+        micro-batch's activations and the gradient of every weight's output for its weight half
+        (``W``), which makes the weights' gradients and frees both. Returns what is then kept for
+        weight halves to come."""
+        nonlocal made_n, sent
+        g_kept, t_kept = made()
+        bufs = state.buffers
+        captured = figures.captured[i]
+        if kind == "I":
+            if last and loss is not None:
+                t.add(Moment(name, "the loss's backward (its gradients over the vocabulary)",
+                             **base, grads=g_kept,
+                             activations=held - loss.freed_before_backward(),
+                             temporaries=t_kept + sending + pending + loss.backward_extra(),
+                             buffers=bufs))  # fmt: skip
+            t.add(Moment(name, "the input gradients made (the weights' wait)", **base,
+                         grads=g_kept, activations=held,
+                         temporaries=t_kept + sending + pending + captured + block.norm_temps
+                         - (0 if last else block.incoming),
+                         buffers=bufs))  # fmt: skip
+            pending += captured
+            sent += figures.stream if sid - 1 not in part.stages else 0
+            g_kept, t_kept = made()
+            t.add(Moment(f"after backward {forwards}", "between backward and the next forward",
+                         **base, grads=g_kept, activations=held,
+                         temporaries=t_kept + sending + pending, buffers=bufs))  # fmt: skip
+            return pending
+        t.add(Moment(name, "the weight gradients made", **base, grads=g_kept, activations=held,
+                     temporaries=t_kept + sending + pending + block.w2_grad, buffers=bufs))  # fmt: skip
+        pending -= captured
+        if not done[i]:
+            made_n += grads[i].total
+        done[i] = True
+        g_kept, t_kept = made()
+        left = held - figures.per_mb[i] - (0 if last else figures.stream)
+        t.add(Moment(f"after backward {forwards}", "between backward and the next forward",
+                     **base, grads=g_kept, activations=left,
+                     temporaries=t_kept + sending + pending, buffers=bufs))  # fmt: skip
+        return pending
+
     after_backward = [False] * len(part.stages)
     started, reduced = [False] * len(part.stages), [False] * len(part.stages)
     backwards = [
-        sum(1 for kind, j, _, _ in walk if kind == "B" and j == i) for i in range(len(started))
+        sum(1 for kind, j, _, _ in walk if kind in ("B", "W") and j == i)
+        for i in range(len(started))
     ]
     for step, (kind, i, held, _) in enumerate(walk):
         sid = part.stages[i]
@@ -369,6 +539,9 @@ def pipeline_timeline(
                              + fsdp.block))  # fmt: skip
             continue
         name = f"backward {forwards}"
+        if kind in ("I", "W"):
+            pending = _split_backward(t, kind, i, sid, last, name, forwards, held, pending)
+            continue
         first_time = not done[i]
         g = grads[i]
         # The residual gradient into a stage before the last is its receive buffer (counted).
@@ -448,6 +621,8 @@ def pipeline_timeline(
             made_n += g.total
         done[i] = True
         after_backward[i] = True
+        if split and sid != 0 and sid - 1 not in part.stages:
+            sent += figures.stream
         # Single-stage schedules wait for a backward's send at the next one's; the multi-stage
         # schedules wait at once.
         sending = figures.stream if sid != 0 and len(part.stages) == 1 else 0

@@ -46,6 +46,19 @@ def _check_pp(c: Config) -> None:
             f"parallelism (parallel.strategy = {p.strategy!r}); allowed with it: gpipe, 1f1b, "
             "interleaved_1f1b, looped_bfs; or parallel.strategy = 'single'"
         )
+    if p.pp_schedule in ZERO_BUBBLE_SCHEDULES and t.activation_checkpointing != "none":
+        # Measured on the debug model (`dtlab plan --check`, and a real gloo run the same): the
+        # weight half recomputes a checkpointed block once per weight of it (9 times a block) and
+        # holds every recomputation at once, 13.0 MB against 8.8 MB without checkpointing; under
+        # selective checkpointing the second recomputation fails in torch's checkpoint.
+        raise ValueError(
+            f"parallel.pp_schedule = {p.pp_schedule!r} (zero bubble) is not supported with "
+            f"train.activation_checkpointing = {t.activation_checkpointing!r}: its weight-gradient "
+            "half recomputes each checkpointed block once per weight and holds every "
+            "recomputation at once (more memory than no checkpointing; selective fails); allowed: "
+            "activation_checkpointing 'none', or a schedule with whole backwards (gpipe, 1f1b, "
+            "interleaved_1f1b, looped_bfs)"
+        )
     if p.pp * v > m.n_layers:
         raise ValueError(
             f"parallel.pp = {p.pp} x {v} stages per rank = {p.pp * v} stages, but model.n_layers = "
