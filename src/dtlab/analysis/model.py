@@ -452,9 +452,18 @@ def _timeline(
         loss = LossShape(tokens, m.vocab_size // dims.tp, half, dims.tp_enabled)
     persist = dims.ddp_enabled and not dims.shard_optimizer
     bottom = (kept - loss_part) // max(1, n_blocks)
+    unbucketed = (0, 0)
+    if persist and dims.ep_enabled:
+        # The experts' gradients are outside DDP's buckets (reduced over their own group): made
+        # by each MoE block's backward, after its shared expert's (measured by `dtlab plan
+        # --check`), not alive from the step before.
+        experts = sum(FP32 * moe.held_numel(s, dims) for s in shapes if moe.is_expert(s.name))
+        n_moe = moe.moe_blocks(rank_model)
+        unbucketed = (experts // max(1, n_moe), n_moe)
     return step_timeline(
-        state, accum, kept, loss_part, recompute, bottom, block, n_blocks, loss, persist, units
-    )
+        state, accum, kept, loss_part, recompute, bottom, block, n_blocks, loss, persist, units,
+        unbucketed=unbucketed,
+    )  # fmt: skip
 
 
 def _rank_state(

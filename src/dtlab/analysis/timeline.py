@@ -254,6 +254,7 @@ def step_timeline(
     grads_persist: bool,
     fsdp: FsdpUnits | None,
     after_backward: int = 0,
+    unbucketed: tuple[int, int] = (0, 0),
 ) -> Timeline:
     """The step's moments on a rank without pipeline parallelism.
 
@@ -263,7 +264,9 @@ def step_timeline(
     feed-forward's backward; ``bottom_kept``: what is left of ``kept`` when the first
     block's backward starts (its own and the embedding's); ``n_blocks``: the rank's blocks;
     ``grads_persist``: the gradients live from step to step (DDP's buckets); ``after_backward``:
-    what the step makes after backward (ZeRO-1's reduce-scatter buffers)."""
+    what the step makes after backward (ZeRO-1's reduce-scatter buffers); ``unbucketed``: (bytes
+    a block, blocks) of gradients outside DDP's buckets, made by the last blocks' backward at each
+    step (the experts' under expert parallelism, reduced over their own group)."""
     t = Timeline()
     s = state
     base = {"params": s.params, "optimizer": s.optimizer}
@@ -276,14 +279,16 @@ def step_timeline(
             # Gradients alive as micro-batch k starts: DDP's buckets always, otherwise those of
             # the micro-batches before it; the first micro-batch makes them block by block.
             whole = grads_persist or k > 1
-            earlier = s.grads if whole else 0
+            per, outside = unbucketed if grads_persist and k == 1 else (0, 0)
+            earlier = s.grads - per * outside if whole else 0
 
             def at_block(
-                j: int, whole: bool = whole, earlier: int = earlier
-            ) -> tuple[int, int, int]:
+                j: int, whole: bool = whole, earlier: int = earlier, per: int = per,
+                outside: int = outside,
+            ) -> tuple[int, int, int]:  # fmt: skip
                 # The blocks above j made their gradients (and the output's came first).
                 made = s.head_grads + (n_blocks - 1 - j) * block.grads + block.w2_grad
-                return (earlier if whole else made), 0, 0
+                return (earlier + per * min(outside, n_blocks - 1 - j) if whole else made), 0, 0
 
             _micro_batch(t, base, s.buffers, k, kept, loss_part, recompute, bottom_kept, block,
                          n_blocks, loss, (earlier, 0, 0), at_block)  # fmt: skip
