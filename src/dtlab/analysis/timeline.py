@@ -205,6 +205,21 @@ class BlockShape:
         return replace(self, freed=self.freed - self.copy, copy=0)
 
 
+@dataclass(frozen=True)
+class BlockKind:
+    """One block of a rank as its step's timeline sees it: its backward's ``shape``, what one
+    micro-batch's forward keeps of it (``kept``), what recomputing it adds under checkpointing
+    (``recompute``: at the recomputation's end, and of it what is freed before the feed-forward's
+    backward), and FSDP's unit of it (``unit`` gathered, ``unit_shard`` its gradients' shard in
+    float32). A dense model's blocks are alike; a mixture of experts' dense and MoE blocks are not."""
+
+    shape: BlockShape
+    kept: int
+    recompute: tuple[int, int]
+    unit: int = 0
+    unit_shard: int = 0
+
+
 def dense_block(
     tokens: int,
     dim: int,
@@ -255,6 +270,7 @@ def step_timeline(
     fsdp: FsdpUnits | None,
     after_backward: int = 0,
     unbucketed: tuple[int, int] = (0, 0),
+    blocks: list[BlockKind] | None = None,
 ) -> Timeline:
     """The step's moments on a rank without pipeline parallelism.
 
@@ -266,15 +282,20 @@ def step_timeline(
     ``grads_persist``: the gradients live from step to step (DDP's buckets); ``after_backward``:
     what the step makes after backward (ZeRO-1's reduce-scatter buffers); ``unbucketed``: (bytes
     a block, blocks) of gradients outside DDP's buckets, made by the last blocks' backward at each
-    step (the experts' under expert parallelism, reduced over their own group)."""
+    step (the experts' under expert parallelism, reduced over their own group); ``blocks``: each
+    block's own figures where they differ (by default ``n_blocks`` alike: ``block``,
+    ``bottom_kept``, ``recompute`` and FSDP's block unit)."""
     t = Timeline()
     s = state
+    if blocks is None:
+        unit = (fsdp.block, fsdp.block_shard) if fsdp is not None else (0, 0)
+        blocks = [BlockKind(block, bottom_kept, recompute, *unit)] * n_blocks
+    blocks = blocks or [BlockKind(block, bottom_kept, recompute)]  # a rank without blocks
     base = {"params": s.params, "optimizer": s.optimizer}
     for k in range(1, accum + 1):
         last = k == accum
         if fsdp is not None:
-            _fsdp_micro_batch(t, s, base, k, last, kept, loss_part, recompute, bottom_kept,
-                              block, n_blocks, loss, fsdp)  # fmt: skip
+            _fsdp_micro_batch(t, s, base, k, last, kept, loss_part, blocks, loss, fsdp)
         else:
             # Gradients alive as micro-batch k starts: DDP's buckets always, otherwise those of
             # the micro-batches before it; the first micro-batch makes them block by block.
@@ -287,11 +308,16 @@ def step_timeline(
                 outside: int = outside,
             ) -> tuple[int, int, int]:  # fmt: skip
                 # The blocks above j made their gradients (and the output's came first).
-                made = s.head_grads + (n_blocks - 1 - j) * block.grads + block.w2_grad
-                return (earlier + per * min(outside, n_blocks - 1 - j) if whole else made), 0, 0
+                above = len(blocks) - 1 - j
+                made = (
+                    s.head_grads
+                    + sum(b.shape.grads for b in blocks[j + 1 :])
+                    + blocks[j].shape.w2_grad
+                )
+                return (earlier + per * min(outside, above) if whole else made), 0, 0
 
-            _micro_batch(t, base, s.buffers, k, kept, loss_part, recompute, bottom_kept, block,
-                         n_blocks, loss, (earlier, 0, 0), at_block)  # fmt: skip
+            _micro_batch(t, base, s.buffers, k, kept, loss_part, blocks, loss, (earlier, 0, 0),
+                         at_block)  # fmt: skip
         t.add(
             Moment(
                 f"after backward {k}", "the gradients' sync and clipping", **base, grads=s.grads,
@@ -309,10 +335,7 @@ def _micro_batch(
     k: int,
     kept: int,
     loss_part: int,
-    recompute: tuple[int, int],
-    bottom_kept: int,
-    block: BlockShape,
-    n_blocks: int,
+    blocks: list[BlockKind],
     loss: LossShape | None,
     at_loss: tuple[int, int, int],
     at_block: Callable[[int], tuple[int, int, int]],
@@ -347,10 +370,15 @@ def _micro_batch(
                     buffers=buffers + gathered + gathering,
                 )
             )  # fmt: skip
-    again, gone = recompute
-    for j in sorted({n_blocks - 1, max(0, n_blocks - 2), min(1, n_blocks - 1), 0}, reverse=True):
+    n_blocks = len(blocks)
+    points = {n_blocks - 1, max(0, n_blocks - 2), min(1, n_blocks - 1), 0}
+    # Where the blocks differ (a mixture of experts' dense and MoE blocks), each kind's last.
+    points |= {j for j in range(n_blocks - 1) if blocks[j] != blocks[j + 1]}
+    for j in sorted(points, reverse=True):
+        block = blocks[j].shape
+        again, gone = blocks[j].recompute
         # What forward kept of the blocks above j is freed by their backward.
-        alive = kept - loss_part - (n_blocks - 1 - j) * bottom_kept
+        alive = kept - loss_part - sum(b.kept for b in blocks[j + 1 :])
         g, tmp, gath = at_block(j)
         name = f"block {j}" + (" (the last)" if j == n_blocks - 1 else "")
         if again:
@@ -387,10 +415,7 @@ def _fsdp_micro_batch(
     last: bool,
     kept: int,
     loss_part: int,
-    recompute: tuple[int, int],
-    bottom_kept: int,
-    block: BlockShape,
-    n_blocks: int,
+    blocks: list[BlockKind],
     loss: LossShape | None,
     fsdp: FsdpUnits,
 ) -> None:
@@ -402,22 +427,24 @@ def _fsdp_micro_batch(
     wait in FSDP's buffers until the last micro-batch's all-reduce."""
     # Resharded after forward (full): nothing stays gathered at the loss; the root and each block
     # are gathered again for their backward. Otherwise every unit stays gathered.
-    gathered_fwd = 0 if fsdp.reshard else fsdp.root + n_blocks * fsdp.block
-    gathered_bw = fsdp.root + fsdp.block if fsdp.reshard else gathered_fwd
+    n_blocks, block = len(blocks), blocks[-1].shape
+    gathered_fwd = 0 if fsdp.reshard else fsdp.root + sum(b.unit for b in blocks)
     held = s.grads if k > 1 else 0  # the shards of the micro-batches before
     shards, partial = (0, held) if fsdp.hsdp else (held, 0)
-    # A block's reduce-scatter holds its input (its gradients in float32) until the next block's
-    # is issued; its output, the shard, is the parameter's gradient at once.
-    pending = fsdp.block // block.grad_element * FP32 if fsdp.scatters else 0
     into_grads = (k == 1 and not fsdp.hsdp) or (fsdp.hsdp and last)  # the shards, as gradients
 
     def at_block(j: int) -> tuple[int, int, int]:
         above = n_blocks - 1 - j  # blocks whose backward is done
-        done = above * fsdp.block_shard  # reduced and handed over
-        grads = shards + s.head_grads + block.w2_grad + (done if into_grads else 0)
+        done = sum(b.unit_shard for b in blocks[j + 1 :])  # reduced and handed over
+        grads = shards + s.head_grads + blocks[j].shape.w2_grad + (done if into_grads else 0)
         temps = partial + (done if fsdp.hsdp and k == 1 and not last else 0)
-        temps += pending if above else 0
-        temps += fsdp.block if fsdp.reshard and j > 0 else 0  # the block below, prefetched
+        # A block's reduce-scatter holds its input (its gradients in float32) until the next
+        # block's is issued; its output, the shard, is the parameter's gradient at once.
+        if above and fsdp.scatters:
+            temps += blocks[j + 1].unit // block.grad_element * FP32
+        if fsdp.reshard and j > 0:
+            temps += blocks[j - 1].unit  # the block below, prefetched
+        gathered_bw = fsdp.root + blocks[j].unit if fsdp.reshard else gathered_fwd
         return grads, temps, gathered_bw
 
     output = None
@@ -425,6 +452,6 @@ def _fsdp_micro_batch(
         # The output's backward gathers the root and prefetches the last block (an all-gather
         # buffer of backward's until that block's backward).
         freed, made_out = loss.at_output(block.dim, block.compute, block.grad_element)
-        output = (freed, made_out + fsdp.block, fsdp.root)
-    _micro_batch(t, base, s.buffers, k, kept, loss_part, recompute, bottom_kept, block, n_blocks,
-                 loss, (shards, partial, gathered_fwd), at_block, output)  # fmt: skip
+        output = (freed, made_out + blocks[-1].unit, fsdp.root)
+    _micro_batch(t, base, s.buffers, k, kept, loss_part, blocks, loss,
+                 (shards, partial, gathered_fwd), at_block, output)  # fmt: skip
