@@ -66,6 +66,7 @@ from dtlab.analysis.shapes import (
     rank_shapes,
 )
 from dtlab.analysis.timeline import (
+    BlockKind,
     BlockShape,
     FsdpUnits,
     LossShape,
@@ -402,9 +403,20 @@ def _plan_rank(
         timeline_loss = loss_part - (
             loss_parallel_bytes(tokens, seq_len, dims.tp) if part.last and not compiled else 0
         )
+        # An MoE model's dense and MoE blocks each recompute their own.
+        by_kind = {
+            bool(moe.moe_blocks(kind)): recompute_bytes(
+                kind, tokens, t.precision, ac, split, half_params, False
+            ) + moe.recompute_transients(kind, tokens, t.precision, ac, half_params)
+            - moe.recompute_copies_held(kind, config, dims, False)
+            + kernel_recompute_bytes(config.model, tokens, seq_len, t.precision, ac, kernel, split)
+            + (moe.ep_rows_bytes(config, dims, tokens, kind) if ac == "full" else 0)
+            for kind in moe.block_kinds(rank_model)
+        }  # fmt: skip
         plan.timeline = _timeline(
             config, dims, plan, shapes, dp_shapes, rank_model, tokens, accum, kept, timeline_loss,
             again if ac != "none" else (0, 0),
+            {k: (v, again[1]) for k, v in by_kind.items()} if ac != "none" else {},
         )  # fmt: skip
     plan.comm_bus_bytes = {k: _ring(k, v, groups[k]) for k, v in comm.items()}
     if whole and groups["all_reduce"] != world_size:
@@ -427,8 +439,10 @@ def _timeline(
     kept: int,
     loss_part: int,
     recompute: tuple[int, int],
+    recompute_by_kind: dict[bool, tuple[int, int]],
 ) -> Timeline:
-    """The step's moments on a rank without pipeline parallelism (:mod:`dtlab.analysis.timeline`)."""
+    """The step's moments on a rank without pipeline parallelism (:mod:`dtlab.analysis.timeline`).
+    ``recompute_by_kind``: an MoE model's blocks' recomputation, by whether the block is an MoE."""
     m, t, p = config.model, config.train, config.parallel
     half = t.precision in ("bf16", "fp16")
     fsdp = dims.fsdp_enabled
@@ -460,10 +474,74 @@ def _timeline(
         experts = sum(FP32 * moe.held_numel(s, dims) for s in shapes if moe.is_expert(s.name))
         n_moe = moe.moe_blocks(rank_model)
         unbucketed = (experts // max(1, n_moe), n_moe)
+    blocks = None
+    if moe.moe_blocks(rank_model):
+        blocks = _moe_blocks(
+            config, dims, shapes, dp_shapes, rank_model, tokens, kept - loss_part, made,
+            recompute_by_kind,
+        )  # fmt: skip
     return step_timeline(
         state, accum, kept, loss_part, recompute, bottom, block, n_blocks, loss, persist, units,
-        unbucketed=unbucketed,
+        unbucketed=unbucketed, blocks=blocks,
     )  # fmt: skip
+
+
+def _moe_blocks(
+    config: Config,
+    dims: ParallelDims,
+    shapes: list[ParamShape],
+    dp_shapes: list[ParamShape],
+    rank_model: ModelConfig,
+    tokens: int,
+    blocks_kept: int,
+    made: int,
+    recompute_by_kind: dict[bool, tuple[int, int]],
+) -> list[BlockKind]:
+    """Each block of an MoE model as the timeline sees it, dense ones and MoE ones apart: the
+    feed-forward backward's width (an MoE block's shared experts', or its routed rows'), its own
+    gradients, what forward keeps of it (``blocks_kept`` shared by each kind's own one-block
+    figure), its recomputation and FSDP's unit of it."""
+    m, t, p = config.model, config.train, config.parallel
+    half = t.precision in ("bf16", "fp16")
+    half_params = fsdp_half_params(config, dims)
+    split = TPSplit(dims.tp, p.sequence_parallel)
+    seq = dims.tp if p.sequence_parallel else 1
+    ac = t.activation_checkpointing
+    n_blocks = rank_model.n_layers
+    gathered = padded_by_group(dp_shapes, dims.dp_shard) if dims.fsdp_enabled else {}
+
+    def own(kind: ModelConfig, n: int) -> int:
+        one = kind.model_copy(update={"n_layers": n})
+        out = activation_bytes(one, tokens, t.precision, ac, split, False, half_params)
+        out += moe.ep_copies_bytes(config, dims, one)
+        return out + (moe.ep_rows_bytes(config, dims, tokens, one) if ac != "full" else 0)
+
+    kinds = {bool(moe.moe_blocks(k)): k for k in moe.block_kinds(rank_model)}
+    raw = {is_moe: own(k, 1) - own(k, 0) for is_moe, k in kinds.items()}
+    dense = m.moe.dense_layers
+    is_moe = [j >= dense for j in range(n_blocks)]
+    total_raw = sum(raw[x] for x in is_moe) or 1
+    out = []
+    for j, x in enumerate(is_moe):
+        group = f"layers.{j}"
+        numel = sum(moe.held_numel(s, dims) for s in shapes if s.group == group)
+        hidden = m.hidden_dim
+        if x:
+            e = m.moe.expert_dim or m.hidden_dim
+            hidden = e * (m.moe.shared_experts or m.moe.top_k)
+        shape = dense_block(
+            tokens, m.dim, hidden, dims.tp, seq, 2 if half else FP32, 2 if half_params else FP32,
+            half and not half_params, made, numel,
+        )  # fmt: skip
+        unit = gathered.get(group, 0) * made
+        shard = sum(s.shard_numel(dims.dp_shard) for s in dp_shapes if s.group == group)
+        out.append(
+            BlockKind(
+                shape, blocks_kept * raw[x] // total_raw, recompute_by_kind.get(x, (0, 0)),
+                unit, FP32 * shard if dims.fsdp_enabled else 0,
+            )
+        )  # fmt: skip
+    return out
 
 
 def _rank_state(
