@@ -486,6 +486,26 @@ def _timeline(
     )  # fmt: skip
 
 
+def _block_shape(
+    config: Config, dims: ParallelDims, shapes: list[ParamShape], tokens: int, made: int, j: int
+) -> BlockShape:
+    """:func:`dense_block` of block ``j`` of an MoE model, with its own parameters on this rank: a
+    dense block's feed-forward width, or an MoE block's shared experts' (its routed rows' where it
+    has none)."""
+    m, t, p = config.model, config.train, config.parallel
+    half = t.precision in ("bf16", "fp16")
+    half_params = fsdp_half_params(config, dims)
+    seq = dims.tp if p.sequence_parallel else 1
+    numel = sum(moe.held_numel(s, dims) for s in shapes if s.group == f"layers.{j}")
+    hidden = m.hidden_dim
+    if j >= m.moe.dense_layers:
+        hidden = (m.moe.expert_dim or m.hidden_dim) * (m.moe.shared_experts or m.moe.top_k)
+    return dense_block(
+        tokens, m.dim, hidden, dims.tp, seq, 2 if half else FP32, 2 if half_params else FP32,
+        half and not half_params, made, numel,
+    )  # fmt: skip
+
+
 def _moe_blocks(
     config: Config,
     dims: ParallelDims,
@@ -502,10 +522,8 @@ def _moe_blocks(
     gradients, what forward keeps of it (``blocks_kept`` shared by each kind's own one-block
     figure), its recomputation and FSDP's unit of it."""
     m, t, p = config.model, config.train, config.parallel
-    half = t.precision in ("bf16", "fp16")
     half_params = fsdp_half_params(config, dims)
     split = TPSplit(dims.tp, p.sequence_parallel)
-    seq = dims.tp if p.sequence_parallel else 1
     ac = t.activation_checkpointing
     n_blocks = rank_model.n_layers
     gathered = padded_by_group(dp_shapes, dims.dp_shard) if dims.fsdp_enabled else {}
@@ -524,15 +542,7 @@ def _moe_blocks(
     out = []
     for j, x in enumerate(is_moe):
         group = f"layers.{j}"
-        numel = sum(moe.held_numel(s, dims) for s in shapes if s.group == group)
-        hidden = m.hidden_dim
-        if x:
-            e = m.moe.expert_dim or m.hidden_dim
-            hidden = e * (m.moe.shared_experts or m.moe.top_k)
-        shape = dense_block(
-            tokens, m.dim, hidden, dims.tp, seq, 2 if half else FP32, 2 if half_params else FP32,
-            half and not half_params, made, numel,
-        )  # fmt: skip
+        shape = _block_shape(config, dims, shapes, tokens, made, j)
         unit = gathered.get(group, 0) * made
         shard = sum(s.shard_numel(dims.dp_shard) for s in dp_shapes if s.group == group)
         out.append(
@@ -622,10 +632,16 @@ def _pipeline_timeline(
         units = StageFsdp([made * r for r in root_elements], max(sizes, default=0),
                           config.parallel.sharding == "full", fsdp_half_params(config, dims),
                           shards, shard)  # fmt: skip
+    block = _dense_block(config, dims, shapes, tokens, made)
+    # An MoE model's stages each with their last block's own shape (dense or MoE).
+    by_stage = (
+        [_block_shape(config, dims, shapes, tokens, made, split[sid][-1]) for sid in part.stages]
+        if moe.moe_blocks(m) else None
+    )  # fmt: skip
     return pipeline_timeline(
         state, part, figures, tokens, walk, grads,
         [len(split[sid]) for sid in part.stages], timeline_loss, loss,
-        _dense_block(config, dims, shapes, tokens, made), recompute, units,
+        block, recompute, units, by_stage,
     )  # fmt: skip
 
 

@@ -404,6 +404,7 @@ def pipeline_timeline(
     block: BlockShape,
     recompute: tuple[int, int],
     fsdp: StageFsdp | None,
+    stage_blocks: list[BlockShape] | None = None,
 ) -> Timeline:
     """The step's moments on a pipeline rank, through its schedule's ``walk``
     (:func:`walk_schedule`), named as the check names them: each forward's ``forward n`` (n forwards
@@ -415,10 +416,14 @@ def pipeline_timeline(
     step's last backward: torch's schedule reduce-scatters them then). A stage before the last
     receives its output's gradient into a receive buffer (counted with the schedule's); a stage after
     the first sends its input's gradient back, which stays alive until the next backward's send.
-    Autocast's weight copies live through the step (one autocast region around the schedule)."""
+    Autocast's weight copies live through the step (one autocast region around the schedule).
+    ``stage_blocks``: each stage's block shape where they differ (an MoE model's dense and MoE
+    stages), by default ``block`` on every stage."""
     t = Timeline()
     base = {"params": state.params, "optimizer": state.optimizer}
     n_blocks = [max(1, n) for n in n_blocks]
+    shapes = [b.kept_copies() for b in stage_blocks or [block] * len(part.stages)]
+    copies = [b.copy for b in stage_blocks or [block] * len(part.stages)]
     w2_copy = block.copy
     block = block.kept_copies()
     done = [False] * len(part.stages)
@@ -510,6 +515,7 @@ def pipeline_timeline(
     ]
     for step, (kind, i, held, _) in enumerate(walk):
         sid = part.stages[i]
+        block, w2_copy = shapes[i], copies[i]
         last = sid == part.n_stages - 1
         g_kept, t_kept = made()
         if kind == "F":
