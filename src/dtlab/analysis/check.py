@@ -57,8 +57,10 @@ the answer every rank would:
   what this rank sends itself, as every rank routes alike. So each rank's all-to-all bytes and
   activations are the even router's, which the plan predicts (a real run's follow its routing).
 
-Not checked (:func:`unsupported` says why): DDP with compression, DiLoCo and the zero-bubble
-schedules.
+The zero-bubble schedules' split backward runs with torch's module tracker marking a module's
+backward done at its first input's gradient (:func:`dtlab.analysis.check_tracker.split_backward`).
+
+Not checked (:func:`unsupported` says why): DDP with compression, DeMo's DDP hook and DiLoCo.
 """
 
 from __future__ import annotations
