@@ -174,6 +174,9 @@ class StageFigures:
     # later stage's input gradients become the earlier one's output-gradient buffers, made in
     # backward and kept to the next step's (``microbatches`` of the stream each).
     local: int = 0
+    # The last stage's float32 log-softmax of a micro-batch: a zero-bubble input half frees it (the
+    # loss sits above the output projection, whose weight half needs only the logits' gradient).
+    log_softmax: int = 0
 
 
 def stage_figures(
@@ -227,7 +230,8 @@ def stage_figures(
         for sid in part.stages
     ]  # fmt: skip
     local = sum(stream for sid in part.stages if sid + 1 in part.stages)  # a micro-batch's
-    return StageFigures(per_mb, copies, stream, logits, captured, local)
+    log_softmax = tokens * (m.vocab_size // dims.tp) * FP32
+    return StageFigures(per_mb, copies, stream, logits, captured, local, log_softmax)
 
 
 def weight_output_grads(
@@ -284,17 +288,21 @@ def schedule_walk(
                 out += outputs * f.logits
         return out
 
+    lossless = 0  # the last stage's micro-batches past their input half, before their weight half
     for kind, i in order:
         sid = part.stages[i]
+        last = sid == part.n_stages - 1
         if kind == "F":
             alive[i] += 1
             started[i] = True
             outputs += sid == part.n_stages - 1
-            yield kind, i, held(), list(alive)
+            yield kind, i, held() - lossless * f.log_softmax, list(alive)
             continue
-        yield kind, i, held(), list(alive)
+        yield kind, i, held() - lossless * f.log_softmax, list(alive)
         if kind != "I":  # a zero-bubble input half keeps the micro-batch for its weight half
             alive[i] -= 1
+        if last and kind in ("I", "W"):
+            lossless += 1 if kind == "I" else -1
 
 
 def walk_schedule(
@@ -497,6 +505,8 @@ def pipeline_timeline(
         t.add(Moment(name, "the weight gradients made", **base, grads=g_kept, activations=held,
                      temporaries=t_kept + sending + pending + block.w2_grad, buffers=bufs))  # fmt: skip
         pending -= captured
+        if last:  # its micro-batch's log-softmax, freed at its input half, is not freed again
+            held += figures.log_softmax
         if not done[i]:
             made_n += grads[i].total
         done[i] = True
