@@ -93,8 +93,7 @@ from dtlab.analysis.check_tracker import (
     _whole_grads,
     split_backward,
 )
-from dtlab.analysis.pipeline_memory import ZERO_BUBBLE
-from dtlab.config import Config, check_batch_split
+from dtlab.config import ZERO_BUBBLE_SCHEDULES, Config, check_batch_split
 from dtlab.errors import ConfigError
 
 COMPONENTS = ("params", "grads", "optimizer", "activations", "temporaries", "buffers")
@@ -223,7 +222,7 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
 
         hook = register_optimizer_step_pre_hook(before_step)
         started = time.perf_counter()
-        split = pm.pipeline is not None and config.parallel.pp_schedule in ZERO_BUBBLE
+        split = pm.pipeline is not None and config.parallel.pp_schedule in ZERO_BUBBLE_SCHEDULES
         with tracker, split_backward(split):
             for step in range(steps):
                 if step == steps - 1:

@@ -330,12 +330,17 @@ def _plan_rank(
         kept = pipeline_kept(walked[1])
     # The largest block recomputed: an MoE model has dense blocks and MoE blocks (dtlab.analysis.moe).
     pipelined = dims.pp_enabled and order is not None
-    recompute = max(
+    kinds = moe.block_kinds(rank_model)  # this rank's blocks (a stage's own kinds)
+    by_kind = [
         recompute_bytes(block, tokens, t.precision, ac, split, half_params, dims.pp_enabled)
         + moe.recompute_transients(block, tokens, t.precision, ac, half_params)
         - moe.recompute_copies_held(block, config, dims, pipelined)
-        for block in moe.block_kinds(rank_model)  # this rank's blocks (a stage's own kinds)
-    ) + kernel_recompute_bytes(config.model, tokens, seq_len, t.precision, ac, kernel, split)
+        for block in kinds
+    ]
+    kernel_again = kernel_recompute_bytes(
+        config.model, tokens, seq_len, t.precision, ac, kernel, split
+    )
+    recompute = max(by_kind) + kernel_again
     # The peak in backward: what forward kept (for every micro-batch a pipeline stage holds at once),
     # or, under checkpointing, one block recomputed on top of the blocks' own: by the time a block is
     # recomputed the loss's activations (the last stage's log-softmax, output) are freed (measured
@@ -403,20 +408,19 @@ def _plan_rank(
         timeline_loss = loss_part - (
             loss_parallel_bytes(tokens, seq_len, dims.tp) if part.last and not compiled else 0
         )
-        # An MoE model's dense and MoE blocks each recompute their own.
-        by_kind = {
-            bool(moe.moe_blocks(kind)): recompute_bytes(
-                kind, tokens, t.precision, ac, split, half_params, False
-            ) + moe.recompute_transients(kind, tokens, t.precision, ac, half_params)
-            - moe.recompute_copies_held(kind, config, dims, False)
-            + kernel_recompute_bytes(config.model, tokens, seq_len, t.precision, ac, kernel, split)
-            + (moe.ep_rows_bytes(config, dims, tokens, kind) if ac == "full" else 0)
-            for kind in moe.block_kinds(rank_model)
+        # An MoE model's dense and MoE blocks each recompute their own (an MoE block's expert
+        # parallelism's rows with it under full checkpointing).
+        own = {} if ac == "none" or not moe.moe_blocks(rank_model) else {
+            bool(moe.moe_blocks(kind)): (
+                r + kernel_again
+                + (moe.ep_rows_bytes(config, dims, tokens, kind) if ac == "full" else 0),
+                again[1],
+            )
+            for kind, r in zip(kinds, by_kind, strict=True)
         }  # fmt: skip
         plan.timeline = _timeline(
             config, dims, plan, shapes, dp_shapes, rank_model, tokens, accum, kept, timeline_loss,
-            again if ac != "none" else (0, 0),
-            {k: (v, again[1]) for k, v in by_kind.items()} if ac != "none" else {},
+            again if ac != "none" else (0, 0), own,
         )  # fmt: skip
     plan.comm_bus_bytes = {k: _ring(k, v, groups[k]) for k, v in comm.items()}
     if whole and groups["all_reduce"] != world_size:
@@ -492,18 +496,12 @@ def _block_shape(
     """:func:`dense_block` of block ``j`` of an MoE model, with its own parameters on this rank: a
     dense block's feed-forward width, or an MoE block's shared experts' (its routed rows' where it
     has none)."""
-    m, t, p = config.model, config.train, config.parallel
-    half = t.precision in ("bf16", "fp16")
-    half_params = fsdp_half_params(config, dims)
-    seq = dims.tp if p.sequence_parallel else 1
+    m = config.model
     numel = sum(moe.held_numel(s, dims) for s in shapes if s.group == f"layers.{j}")
     hidden = m.hidden_dim
     if j >= m.moe.dense_layers:
         hidden = (m.moe.expert_dim or m.hidden_dim) * (m.moe.shared_experts or m.moe.top_k)
-    return dense_block(
-        tokens, m.dim, hidden, dims.tp, seq, 2 if half else FP32, 2 if half_params else FP32,
-        half and not half_params, made, numel,
-    )  # fmt: skip
+    return _dense_block(config, dims, shapes, tokens, made, hidden, numel)
 
 
 def _moe_blocks(
@@ -570,19 +568,26 @@ def _rank_state(
 
 
 def _dense_block(
-    config: Config, dims: ParallelDims, shapes: list[ParamShape], tokens: int, made: int
+    config: Config,
+    dims: ParallelDims,
+    shapes: list[ParamShape],
+    tokens: int,
+    made: int,
+    hidden: int | None = None,
+    block_params: int | None = None,
 ) -> BlockShape:
     """:func:`dense_block` of the rank's blocks (their parameters on this rank, as backward makes
-    their gradients)."""
+    their gradients): by default the model's feed-forward width and the mean block's parameters."""
     m, t = config.model, config.train
     half = t.precision in ("bf16", "fp16")
     half_params = fsdp_half_params(config, dims)
-    n_blocks, numel = _blocks_numel(shapes)
-    per_block = numel // max(1, n_blocks)
+    if block_params is None:
+        n_blocks, numel = _blocks_numel(shapes)
+        block_params = numel // max(1, n_blocks)
     seq = dims.tp if config.parallel.sequence_parallel else 1
     return dense_block(
-        tokens, m.dim, m.hidden_dim, dims.tp, seq, 2 if half else FP32,
-        2 if half_params else FP32, half and not half_params, made, per_block,
+        tokens, m.dim, hidden or m.hidden_dim, dims.tp, seq, 2 if half else FP32,
+        2 if half_params else FP32, half and not half_params, made, block_params,
     )  # fmt: skip
 
 

@@ -19,7 +19,7 @@ from dtlab.analysis.activations import (
 )
 from dtlab.analysis.shapes import RankPart
 from dtlab.analysis.timeline import BlockShape, LossShape, Moment, RankState, Timeline
-from dtlab.config import Config
+from dtlab.config import ZERO_BUBBLE_SCHEDULES, Config
 from dtlab.dims import DPWrapper, ParallelDims, stage_ids
 
 
@@ -67,7 +67,7 @@ def schedule_order(
     if schedule == "1f1b":
         warm = min(n, pp - 1 - pp_rank)
         return [("F", 0)] * warm + [("F", 0), ("B", 0)] * (n - warm) + [("B", 0)] * warm
-    if schedule in ZERO_BUBBLE:
+    if schedule in ZERO_BUBBLE_SCHEDULES:
         return zero_bubble_order(schedule, pp, per_rank, microbatches, pp_rank)
     if schedule != "interleaved_1f1b":
         return None
@@ -81,9 +81,6 @@ def schedule_order(
         if op >= warm:
             order.append(("B", v - 1 - ((op - warm) // per_round) % v))
     return order
-
-
-ZERO_BUBBLE = ("interleaved_zb", "zbv", "dualpipev")
 
 
 def zero_bubble_order(
@@ -118,13 +115,9 @@ def _zero_bubble_orders(
     from types import SimpleNamespace
 
     import torch
-    from torch.distributed.pipelining import schedules as s
 
-    classes = {
-        "interleaved_zb": "ScheduleInterleavedZeroBubble",
-        "zbv": "ScheduleZBVZeroBubble",
-        "dualpipev": "ScheduleDualPipeV",
-    }
+    from dtlab.parallel.pipeline import SCHEDULES
+
     n = pp * per_rank
     stages = [
         SimpleNamespace(
@@ -138,7 +131,7 @@ def _zero_bubble_orders(
         # the time it takes, and the order does not depend on it.
         cls: Any = type(
             "Order",
-            (getattr(s, classes[schedule]),),
+            (SCHEDULES[schedule],),
             {"_prepare_schedule_with_comms": lambda *_, **__: None},
         )
         built = cls(stages, microbatches, loss_fn=lambda *_: None)
