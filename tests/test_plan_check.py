@@ -72,6 +72,13 @@ CHECKED = {
             "parallel.pp_microbatches=1", "parallel.strategy=fsdp",
             "parallel.sharding=shard_grad_op", "train.precision=bf16", "model.dim=128",
             "model.ffn_dim=512", "data.seq_len=16", "train.global_batch_size=4"]),
+    # Every unit is resharded after its own backward, under shard_grad_op too: the gathered
+    # parameters of the blocks done are freed as their gradients are made (wide, few tokens: the
+    # parameters outweigh the activations, as at scale).
+    "fsdp:2 shard_grad_op bf16, wide": (
+        2, ["parallel.strategy=fsdp", "parallel.sharding=shard_grad_op", "train.precision=bf16",
+            "model.n_layers=4", "model.dim=128", "model.ffn_dim=512", "data.seq_len=16",
+            "train.global_batch_size=2"]),
     # Zero-bubble schedules: each backward split into an input half and a weight half, the
     # micro-batch's activations and the gradient of every weight's output kept from one to the other.
     "pp:2 zbv": (2, ["parallel.pp=2", "parallel.pp_schedule=zbv", "model.n_layers=4"]),
@@ -94,10 +101,14 @@ CHECKED = {
 ACTIVATIONS_DIFFER = {("pp:2 1f1b bf16 full AC", 1)}  # (layout, rank)
 # Where the plan's peak is not yet within 3% of the checked one (docs/planning.md): none.
 PEAK_DIFFERS: set[tuple[str, int]] = set()
-# Where a component at the peak is not (the peak is), by one residual-stream-sized tensor
-# (docs/planning.md): which input gradients sent back the zero-bubble schedules' runtime still
-# holds, and a float32 copy of a stage's input gradient under autocast.
+# Where a component at the peak is not (the peak is; docs/planning.md): by one residual-stream-
+# sized tensor, which input gradients sent back the zero-bubble schedules' runtime still holds,
+# and a float32 copy of a stage's input gradient under autocast; and where the step's largest
+# point is another block's in the plan than in the check.
 COMPONENTS_DIFFER: dict[tuple[str, int], set[str]] = {
+    # Backward's curve is flat there (a unit's gathered parameters freed as its gradients are
+    # made): the plan's largest point is a block before the check's (-0.8% at the peak).
+    ("fsdp:2 shard_grad_op bf16, wide", 1): {"grads", "activations"},
     ("pp:2 zbv bf16", 1): {"temporaries"},
     ("pp:2 dualpipev", 0): {"temporaries"},
     ("pp:2 dualpipev", 1): {"temporaries"},

@@ -426,7 +426,8 @@ def _fsdp_micro_batch(
     its reduce-scatter, then accumulate in the shards. Under HSDP the shards of earlier micro-batches
     wait in FSDP's buffers until the last micro-batch's all-reduce."""
     # Resharded after forward (full): nothing stays gathered at the loss; the root and each block
-    # are gathered again for their backward. Otherwise every unit stays gathered.
+    # are gathered again for their backward. Otherwise every unit stays gathered until its own
+    # backward is done.
     n_blocks, block = len(blocks), blocks[-1].shape
     gathered_fwd = 0 if fsdp.reshard else fsdp.root + sum(b.unit for b in blocks)
     held = s.grads if k > 1 else 0  # the shards of the micro-batches before
@@ -444,7 +445,11 @@ def _fsdp_micro_batch(
             temps += blocks[j + 1].unit // block.grad_element * FP32
         if fsdp.reshard and j > 0:
             temps += blocks[j - 1].unit  # the block below, prefetched
-        gathered_bw = fsdp.root + blocks[j].unit if fsdp.reshard else gathered_fwd
+        # Every unit is resharded after its own backward (FSDP2's default, whatever the sharding
+        # after forward): under shard_grad_op the blocks above j are freed by then.
+        gathered_bw = fsdp.root + (
+            blocks[j].unit if fsdp.reshard else sum(b.unit for b in blocks[: j + 1])
+        )
         return grads, temps, gathered_bw
 
     output = None
