@@ -26,14 +26,8 @@ from conftest import (
 from dtlab.analysis.model import diloco_agreement_bytes, diloco_sync_bytes, param_shapes
 from dtlab.config import DiLoCoOptions, load_config
 from dtlab.models.llama import build_model
-from dtlab.train.diloco import (
-    QUANT_BLOCK,
-    DiLoCo,
-    _dequantize,
-    _quantize,
-    fragment_of,
-    payload_bytes,
-)
+from dtlab.train.diloco import DiLoCo, fragment_of
+from dtlab.train.outer_codec import QUANT_BLOCK, _dequantize, _quantize, payload_bytes
 
 
 class Toy(nn.Module):

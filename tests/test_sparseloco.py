@@ -13,7 +13,7 @@ import torch
 from conftest import TOL, run_worker, train_run
 from dtlab.analysis.model import param_shapes
 from dtlab.config import DiLoCoOptions, load_config
-from dtlab.train.diloco import outer_payload_bytes
+from dtlab.train.outer_codec import outer_payload_bytes
 from dtlab.train.sparseloco import (
     decode,
     encode,

@@ -35,7 +35,6 @@ run (the mean loss, a stop signal, skipped steps) with each sync, in one small a
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, overload
 
@@ -51,10 +50,9 @@ from dtlab.errors import CheckpointError
 from dtlab.parallel.dist import all_gather_flat
 from dtlab.parallel.ledger import recorded
 from dtlab.runtime.placement import placed
-from dtlab.train import sparseloco
+from dtlab.train.outer_codec import encode, mean_of, outer_payload_bytes
 
 __all__ = [
-    "QUANT_BLOCK",
     "DiLoCo",
     "GlobalModelState",
     "fragment_of",
@@ -66,9 +64,6 @@ __all__ = [
     "sync_bytes",
 ]
 
-QUANT_BLOCK = 64  # values per float32 scale of a quantised outer gradient
-BITS = {"int8": 8, "int4": 4, "int2": 2}
-
 
 def fragment_of(name: str, n_layers: int, fragments: int) -> int:
     """The fragment parameter ``name`` belongs to: blocks in contiguous groups (block i in fragment
@@ -76,14 +71,6 @@ def fragment_of(name: str, n_layers: int, fragments: int) -> int:
     if name.startswith("layers."):
         return int(name.split(".")[1]) * fragments // n_layers
     return 0 if name.startswith("tok_embeddings") else fragments - 1
-
-
-def payload_bytes(numel: int, quantize: str) -> int:
-    """Bytes one replica sends for an outer gradient of ``numel`` values."""
-    if quantize == "none":
-        return 4 * numel
-    blocks = math.ceil(numel / QUANT_BLOCK)
-    return blocks * (QUANT_BLOCK * BITS[quantize] // 8 + 4)
 
 
 def sync_bytes(numel: int, options: DiLoCoOptions, world: int) -> int:
@@ -98,47 +85,6 @@ def gathers(options: DiLoCoOptions) -> bool:
     """Whether the outer sync all-gathers payloads (quantised or sparse) rather than all-reducing
     float32 sums."""
     return options.quantize != "none" or options.topk > 0
-
-
-def outer_payload_bytes(numel: int, options: DiLoCoOptions) -> int:
-    """Bytes one replica sends for an outer gradient of ``numel`` values under ``options``."""
-    if options.topk > 0:
-        return sparseloco.payload_bytes(numel, options.topk, options.chunk, options.quantize)
-    return payload_bytes(numel, options.quantize)
-
-
-def _quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric absmax quantisation per block of QUANT_BLOCK values: (the payload, the dequantised
-    values). The payload is uint8: the codes (two per byte at 4 bits), then the float32 scales."""
-    n = x.numel()
-    blocks = math.ceil(n / QUANT_BLOCK)
-    padded = torch.zeros(blocks * QUANT_BLOCK, dtype=torch.float32, device=x.device)
-    padded[:n] = x
-    rows = padded.view(blocks, QUANT_BLOCK)
-    qmax = 2 ** (bits - 1) - 1
-    scale = rows.abs().amax(dim=1, keepdim=True) / qmax
-    codes = torch.where(scale > 0, rows / scale, torch.zeros_like(rows)).round().clamp(-qmax, qmax)
-    values = (codes * scale).flatten()[:n]
-    c = (codes + qmax).to(torch.uint8)  # 0 .. 2 qmax, in `bits` bits
-    per = 8 // bits  # codes per byte, the first in the lowest bits
-    packed = c[:, 0::per].clone()
-    for j in range(1, per):
-        packed |= c[:, j::per] << (bits * j)
-    payload = torch.cat([packed.flatten(), scale.flatten().view(torch.uint8)])
-    return payload, values
-
-
-def _dequantize(payload: torch.Tensor, n: int, bits: int) -> torch.Tensor:
-    """The values a payload of :func:`_quantize` carries (``n`` of them)."""
-    blocks = math.ceil(n / QUANT_BLOCK)
-    code_bytes = blocks * QUANT_BLOCK * bits // 8
-    packed = payload[:code_bytes].view(blocks, -1)
-    per, mask = 8 // bits, (1 << bits) - 1
-    parts = [(packed >> (bits * j)) & mask for j in range(per)]
-    c = torch.stack(parts, dim=2).view(blocks, QUANT_BLOCK)
-    qmax = 2 ** (bits - 1) - 1
-    scale = payload[code_bytes:].clone().view(torch.float32).view(blocks, 1)
-    return ((c.float() - qmax) * scale).flatten()[:n]
 
 
 def outer_state_pinned(device: torch.device) -> bool:
@@ -287,43 +233,42 @@ class DiLoCo:
 
     def after_step(self, step: int) -> None:
         """After inner step ``step``: land the syncs due now, then send the fragments due now."""
-        for sync in [s for s in self.pending if s.due == step]:
-            self._land(sync)
-            self.pending.remove(sync)
+        # Each sync is let go as it lands: its buffer is freed before the next lands or is sent.
+        landing = [s for s in self.pending if s.due == step]
+        self.pending = [s for s in self.pending if s.due != step]
+        while landing:
+            self._land(landing.pop(0))
         for k in self.due(step):
-            sync = self._send(k, step)
             if self.o.delay == 0:
-                self._land(sync)
+                self._land(self._send(k, step))
             else:
-                self.pending.append(sync)
+                self.pending.append(self._send(k, step))
 
     # --- one fragment's sync ---------------------------------------------------------------------
     def _send(self, k: int, step: int) -> _Sync:
         # The pseudo-gradient is computed on the replica's device, parameter by parameter, from its
         # weights and a copy of θ_global brought from the host: the GPU does the arithmetic, and the
-        # collective's buffer must be there anyway (NCCL). The snapshot goes to the host.
+        # collective's buffer must be there anyway (NCCL). The snapshot goes to the host. It is
+        # written into one flat buffer a parameter at a time, the error feedback added in place,
+        # and encoded a slice at a time: the device holds the fragment's float32 values once.
         idx = self.fragments[k]
         params = self.params
         with torch.no_grad():
             snapshot = [self._host(params[i].detach().float()) for i in idx]
-            delta = torch.cat(
-                [(self._dev(self.global_[i]) - params[i].detach().float()).flatten() for i in idx]
-            )
+            delta = self._flat(idx, lambda i: self._dev(self.global_[i]) - params[i].float())
         if not gathers(self.o):
             buffer = delta
             work = self._collective(dist.all_reduce, buffer)
         else:
-            # What was not sent before, decayed, plus this sync's pseudo-gradient.
-            target = self._flat_error(idx, delta).mul_(self.o.error_decay).add_(delta)
-            if self.o.topk > 0:
-                payload, sent = sparseloco.encode(
-                    target, self.o.topk, self.o.chunk, self.o.quantize
-                )
-            else:
-                payload, sent = _quantize(target, BITS[self.o.quantize])
-            self._store_error(idx, target - sent)  # what was not sent goes into the next sync
+            # This sync's pseudo-gradient plus what was not sent before, decayed.
+            target = self._add_error(idx, delta)
+            del delta
+            # What was not sent stays in ``target``, for the next sync.
+            payload = encode(target, self.o)
+            self._store_error(idx, target)
+            del target
             buffer = torch.empty(
-                self.world * payload.numel(), dtype=torch.uint8, device=delta.device
+                self.world * payload.numel(), dtype=torch.uint8, device=payload.device
             )
             work = self._collective(all_gather_flat, buffer, payload)
         self._mark_copied()
@@ -339,21 +284,12 @@ class DiLoCo:
     def _mean(self, sync: _Sync, numel: int) -> torch.Tensor:
         """The replicas' mean outer gradient, the same on every rank."""
         if not gathers(self.o):
-            return sync.buffer / self.world
+            return sync.buffer.div_(self.world)  # the sum is not read again
         return self.mean_of(sync.buffer.view(self.world, -1), numel)
 
     def mean_of(self, parts: torch.Tensor | list[torch.Tensor], numel: int) -> torch.Tensor:
-        """The mean of the replicas' payloads ``parts`` (rows, quantised or sparse), decoded and summed
-        in the order given: every rank sums alike, so every rank holds the same mean."""
-        total = self._decode(parts[0], numel)
-        for part in parts[1:]:
-            total += self._decode(part, numel)
-        return total / len(parts)
-
-    def _decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
-        if self.o.topk > 0:
-            return sparseloco.decode(payload, numel, self.o.topk, self.o.chunk, self.o.quantize)
-        return _dequantize(payload, numel, BITS[self.o.quantize])
+        """The mean of the replicas' payloads ``parts`` (:func:`dtlab.train.outer_codec.mean_of`)."""
+        return mean_of(parts, numel, self.o)
 
     def _land(self, sync: _Sync, mean: torch.Tensor | None = None) -> None:
         """The outer step of the fragment, then the replica continues from the new θ_global plus what
@@ -380,10 +316,17 @@ class DiLoCo:
                         buf = self._dev(held).mul_(mu).add_(g)
                         self._put(held, buf)
                     g = g.add(buf, alpha=mu)  # Nesterov
+                    del buf
                 glob = self._dev(self.global_[i]).sub_(g, alpha=lr)
+                del g
                 self._put(self.global_[i], glob)
                 p = params[i]
-                p.copy_(glob + (p.detach().float() - self._dev(snap)))
+                # θ_global + (θ_now - θ_at_send), in the snapshot's copy (the same floats: p - s is
+                # -s + p, and the sum commutes); the snapshot is not read again.
+                learnt = self._dev(snap).neg_().add_(p.float())
+                p.copy_(learnt.add_(glob))
+                # Two of one parameter's copies on the device at a time, none left for the next.
+                del glob, learnt
         self._mark_copied()
         self.synced_after[sync.fragment] = sync.sent
         sync.snapshot = []  # landed: its host memory is free before the next send
@@ -416,20 +359,39 @@ class DiLoCo:
         parts = ", ".join(f"{s} (fragment {k})" for k, s in enumerate(steps))
         return f"the global model of each fragment's last outer sync, after steps {parts}"
 
-    def _flat_error(self, idx: list[int], like: torch.Tensor) -> torch.Tensor:
-        parts = [
-            self._dev(e).flatten()
-            if (e := self.error[i]) is not None
-            else torch.zeros(self.global_[i].numel(), device=like.device)
-            for i in idx
-        ]
-        return torch.cat(parts)
-
-    def _store_error(self, idx: list[int], flat: torch.Tensor) -> None:
+    def _flat(self, idx: list[int], value: Any) -> torch.Tensor:
+        """The float32 ``value(i)`` of parameters ``idx`` one after another in one flat tensor on the
+        replica's device, each written in place (no list of parts beside their concatenation)."""
+        out = torch.empty(sum(self.global_[i].numel() for i in idx), device=self.device)
         offset = 0
         for i in idx:
             n = self.global_[i].numel()
-            self.error[i] = self._host(flat[offset : offset + n].view_as(self.global_[i]))
+            out[offset : offset + n].view_as(self.global_[i]).copy_(value(i))
+            offset += n
+        return out
+
+    def _add_error(self, idx: list[int], flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` (parameters ``idx``, one after another) plus their error feedback times the
+        decay, in place, a parameter at a time (none before the first sync)."""
+        offset = 0
+        for i in idx:
+            n = self.global_[i].numel()
+            if (e := self.error[i]) is not None:
+                flat[offset : offset + n].view_as(e).add_(self._dev(e).mul(self.o.error_decay))
+            offset += n
+        return flat
+
+    def _store_error(self, idx: list[int], flat: torch.Tensor) -> None:
+        """Parameters ``idx``'s error feedback from ``flat``, into the host tensors it had (a new one
+        where it had none: the first sync)."""
+        offset = 0
+        for i in idx:
+            n = self.global_[i].numel()
+            part = flat[offset : offset + n].view_as(self.global_[i])
+            if (e := self.error[i]) is None:
+                self.error[i] = self._host(part)
+            else:
+                self._put(e, part)
             offset += n
 
     # --- state (each rank's own) -----------------------------------------------------------------

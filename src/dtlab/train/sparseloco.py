@@ -27,7 +27,15 @@ import math
 
 import torch
 
-__all__ = ["SPARSE_BITS", "decode", "encode", "index_bits", "payload_bytes", "values_per_chunk"]
+__all__ = [
+    "SPARSE_BITS",
+    "decode",
+    "encode",
+    "encode_sections",
+    "index_bits",
+    "payload_bytes",
+    "values_per_chunk",
+]
 
 SPARSE_BITS = {"none": 32, "int8": 8, "int4": 4, "int2": 2, "int1": 1}
 SCALE_SPAN = 4096  # values of a fragment one quantisation scale covers at least (whole chunks)
@@ -84,6 +92,15 @@ def encode(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the payload, the dense values it stands for) of the flat float32 ``x``: the payload as
     :func:`payload_bytes` counts it (uint8), the values what every replica decodes from it."""
+    parts, dense = encode_sections(x, topk, chunk, quantize)
+    return torch.cat(parts), dense
+
+
+def encode_sections(
+    x: torch.Tensor, topk: float, chunk: int, quantize: str
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """:func:`encode` with the payload in its sections, in order (the indices; the values, or
+    their codes and scales)."""
     n = x.numel()
     chunks = math.ceil(n / chunk)
     k = values_per_chunk(topk, chunk)
@@ -103,7 +120,7 @@ def encode(
         codes, scale, values = _quantize(picked, SPARSE_BITS[quantize], chunks_per_scale(chunk))
         parts += [_pack(codes, SPARSE_BITS[quantize]), scale.flatten().view(torch.uint8)]
     dense = torch.zeros_like(rows).scatter_(1, idx, values).flatten()[:n]
-    return torch.cat(parts), dense
+    return parts, dense
 
 
 def decode(
