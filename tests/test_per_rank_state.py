@@ -244,7 +244,8 @@ OVERLAPPING = [
 )
 def test_the_plan_predicts_the_outer_state_in_host_memory(outer: list[str]) -> None:
     """To the byte, against the outer state a DiLoCo of the debug model holds; in host memory: the
-    device total does not change."""
+    device's peak is the plain step's, unless a sync is in flight through the step (its buffer on
+    the device; what the device holds is checked in test_plan_check)."""
     config = load_config(overrides=["model.preset=debug", *outer])
     plain = load_config(overrides=["model.preset=debug"])
     plan = plan_step(config, 1)
@@ -253,7 +254,8 @@ def test_the_plan_predicts_the_outer_state_in_host_memory(outer: list[str]) -> N
     diloco = DiLoCo(model, opt, config.parallel.diloco, config.model.n_layers)
     assert plan.host_bytes == _host_peak(diloco, 2 * config.parallel.diloco.inner_steps)
     assert plan_step(plain, 1).host_bytes == 0
-    assert plan.total_bytes == plan_step(plain, 1).total_bytes
+    in_flight = plan.total_bytes - plan_step(plain, 1).total_bytes
+    assert in_flight > 0 if config.parallel.diloco.delay else in_flight == 0
     assert plan.as_dict()["per_rank"]["host_bytes"] == plan.host_bytes
 
 

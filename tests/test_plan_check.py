@@ -18,6 +18,25 @@ from dtlab.errors import ConfigError
 
 SMALL = ["model.preset=debug", "data.seq_len=64", "train.global_batch_size=8"]
 
+# DiLoCo's layouts: replicas of one rank, of DDP and of FSDP; one fragment and streaming ones in
+# flight through the step; plain, quantised and sparse outer gradients.
+_DILOCO = ["parallel.diloco.inner_steps=4", "data.seq_len=16", "train.global_batch_size=2"]
+DILOCO: dict[str, tuple[int, list[str]]] = {
+    "diloco:2": (2, ["parallel.strategy=ddp", *_DILOCO]),
+    "diloco:2 int8, 4 fragments, delay 2": (
+        2, ["parallel.strategy=ddp", *_DILOCO, "model.n_layers=4", "parallel.diloco.fragments=4",
+            "parallel.diloco.delay=2", "parallel.diloco.quantize=int8"]),
+    "diloco:2 sparse int2, momentum": (
+        2, ["parallel.strategy=ddp", *_DILOCO, "parallel.diloco.topk=0.05",
+            "parallel.diloco.quantize=int2", "parallel.diloco.outer_momentum=0.9"]),
+    "diloco:2 x ddp:2, 2 fragments, delay 1": (
+        4, ["parallel.strategy=ddp", "parallel.diloco.replicas=2", "parallel.diloco.inner_steps=4",
+            "parallel.diloco.fragments=2", "parallel.diloco.delay=1"]),
+    "diloco:2 x fsdp:2 int4 bf16": (
+        4, ["parallel.strategy=fsdp", "parallel.diloco.replicas=2", "parallel.diloco.quantize=int4",
+            "train.precision=bf16", *_DILOCO[:1], "train.global_batch_size=4"]),
+}  # fmt: skip
+
 # Layouts the check runs, on the debug model: (nproc, overrides).
 CHECKED = {
     "single": (1, []),
@@ -89,6 +108,9 @@ CHECKED = {
                                 "model.n_layers=4", "parallel.pp_microbatches=4"]),
     "pp:2 dualpipev": (2, ["parallel.pp=2", "parallel.pp_schedule=dualpipev", "model.n_layers=4",
                            "parallel.pp_microbatches=4"]),
+    # DiLoCo: the buffers of the syncs in flight through the step, and the outer sync after it
+    # (the peak where the batch is small: pseudo-gradients, their encoding, the mean, the update).
+    **DILOCO,
     "pp:2 looped_bfs x fsdp:2 x tp:2 sp bf16": (
         8, ["parallel.pp=2", "parallel.pp_schedule=looped_bfs", "model.n_layers=4",
             "parallel.pp_microbatches=2", "parallel.strategy=fsdp", "parallel.tp=2",
@@ -201,6 +223,13 @@ def test_the_plan_is_the_checked_code(layout: str) -> None:
         else:
             assert sent["checked"] > 0
             assert abs(sent["predicted"] - sent["checked"]) <= 0.005 * sent["checked"], sent
+        if layout in DILOCO:
+            # The outer sync's moment and the outer state in host memory to the byte (a few bytes
+            # of scalars aside), and a cycle's syncs and agreements, a step's share, exactly.
+            outer = next(m for m in r.timeline if m["moment"] == "outer sync")
+            assert abs(outer["predicted"] - outer["checked"]) <= 64, outer
+            assert measured["host"] == plan.host_bytes > 0, (measured["host"], plan.host_bytes)
+            assert sent["predicted"] == sent["checked"], r.by_collective
 
 
 def test_an_uneven_fsdp_split_is_planned_for_each_shard() -> None:
@@ -308,8 +337,9 @@ def test_cli_check_json_carries_predicted_and_checked_per_component() -> None:
 
 
 def test_check_runs_the_recommended_layout_or_says_why_not() -> None:
-    """--check verifies the layout the search recommends, a pipeline too; one it cannot run (a
-    zero-bubble schedule) is named with the reason, and the config as given is checked instead."""
+    """--check verifies the layout the search recommends, a pipeline too; one it cannot run (DDP
+    with a compression hook) is named with the reason, and the config as given is checked instead
+    (here refused too, for the same reason)."""
     fixed = ["parallel.pp=1", "parallel.tp=1", "parallel.strategy=fsdp"]
     proc = run_cli("plan", "--nproc", "4", "--check", "--json", "--set", *SMALL, *fixed)
     assert proc.returncode == 0, proc.stderr
@@ -324,12 +354,12 @@ def test_check_runs_the_recommended_layout_or_says_why_not() -> None:
     label = result["search"]["recommended"]["label"]
     assert "pp 2" in label and result["check"]["layout"] == f"the recommended layout, {label}"
     assert all("skipped" not in r for r in result["check"]["ranks"])
-    zero_bubble = run_cli("plan", "--nproc", "2", "--check", "--json", "--set", *SMALL,
-                          "parallel.pp=2", "parallel.pp_schedule=zbv", "model.n_layers=4")  # fmt: skip
-    assert zero_bubble.returncode == 0, zero_bubble.stderr
-    check = json.loads(zero_bubble.stdout)["check"]
+    compressed = run_cli("plan", "--nproc", "2", "--check", "--json", "--set", *SMALL,
+                         "parallel.strategy=ddp", "parallel.compression=fp16")  # fmt: skip
+    assert compressed.returncode == 0, compressed.stderr
+    check = json.loads(compressed.stdout)["check"]
     assert check["layout"].startswith("the config as given (the recommended")
-    assert "'zbv' is not checked" in check["layout"]
+    assert "'fp16' is not checked" in check["layout"]
 
 
 def test_cli_refuses_ranks_outside_the_world_and_ranks_without_check() -> None:
@@ -364,6 +394,20 @@ REAL = {
     # A zero-bubble schedule's split backward: torch's module tracker marks each module's backward
     # done at its first input's gradient (check_tracker.split_backward), in both runs alike.
     "pp:2 zbv": (2, ["parallel.pp=2", "parallel.pp_schedule=zbv", "model.n_layers=4"]),
+    # DiLoCo's outer state held apart (host memory on a GPU) and its outer sync run after the
+    # step, a sync in flight through it, on real values: the same memory and bytes.
+    "diloco:2 int8, 2 fragments, delay 1": (
+        2,
+        [
+            "parallel.strategy=ddp",
+            "parallel.diloco.inner_steps=4",
+            "parallel.diloco.fragments=2",
+            "parallel.diloco.delay=1",
+            "parallel.diloco.quantize=int8",
+            "data.seq_len=16",
+            "train.global_batch_size=2",
+        ],
+    ),
     # Each stage's gradients reduced after its own last backward, between the other's backwards.
     "pp:2 interleaved x fsdp:2 bf16": (
         4,
@@ -413,6 +457,7 @@ def test_a_checked_rank_holds_and_sends_what_a_real_rank_does(tmp_path: Path, la
             within = REAL_DIFFERS.get(layout, {}).get(name, 0.01)
             assert close(fake_peak["components"][name], n, within), (rank, name, real_peak)
         assert fake["collectives"] == real["collectives"]
+        assert fake["host"] == real["host"]  # DiLoCo's outer state (0 without)
 
 
 # Layouts the check cannot run (DDP's compression hooks wait on a result the fake group's work

@@ -60,7 +60,13 @@ the answer every rank would:
 The zero-bubble schedules' split backward runs with torch's module tracker marking a module's
 backward done at its first input's gradient (:func:`dtlab.analysis.check_tracker.split_backward`).
 
-Not checked (:func:`unsupported` says why): DDP with compression, DeMo's DDP hook and DiLoCo.
+DiLoCo runs its outer loop as a worker does (:mod:`dtlab.analysis.check_outer`): the syncs of the
+cycles before the measured step, which is the step of the cycle the plan names the worst; the
+outer sync after it is its own moment (``outer sync``). The outer state is held apart from the
+device's memory, as a GPU run holds it in host memory, and counted apart (``host``); the syncs'
+collectives are a whole cycle's, a step's share, as the plan counts them.
+
+Not checked (:func:`unsupported` says why): DDP with compression and DeMo's DDP hook.
 """
 
 from __future__ import annotations
@@ -83,6 +89,12 @@ from dtlab.analysis.check_fake import (
     _vote_here,
     torch_refusal,
     unsupported,
+)
+from dtlab.analysis.check_outer import (
+    before_measured,
+    cycle_collectives,
+    outer_labels,
+    outer_loop,
 )
 from dtlab.analysis.check_report import choose_config, default_ranks, format_check, parse_ranks
 from dtlab.analysis.check_tracker import (
@@ -114,6 +126,8 @@ class RankCheck:
     peak: dict[str, Any] = field(default_factory=dict)
     # Each moment of the step: its most alive at once, predicted and checked.
     timeline: list[dict[str, Any]] = field(default_factory=list)
+    # DiLoCo's outer state in host memory at its most (predicted and checked); empty without.
+    host: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
     skipped: str | None = None  # why this rank was not checked
     note: str | None = None  # how what was checked differs from what was asked
@@ -133,6 +147,8 @@ class RankCheck:
             timeline=self.timeline,
             seconds=round(self.seconds, 3),
         )
+        if self.host:
+            d["host"] = self.host
         return d
 
 
@@ -190,10 +206,13 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
         if fake and isinstance(pm.module, DistributedDataParallel):
             _ddp_reduced_here(pm.module)
         optimizer = build_optimizer(pm.optimized, config.train)
+        diloco = outer_loop(pm, optimizer, config, d, tracker)
+        counter.labels.update(outer_labels(diloco))
         scheduler = build_scheduler(optimizer, config.train)
         scaler = LossScaler(config.train.precision == "fp16")
         tokens = torch.randint(0, config.model.vocab_size, (micro, config.seq_len + 1))
         batch = [(tokens[:, :-1], tokens[:, 1:])] * accum
+        del tokens  # the batch's host memory, let go with the batch (below)
         # DDP's gradients are views of its buckets, which it keeps from step to step (its C++
         # reducer holds them; the parameters' .grad is emptied between steps): filed as gradients
         # from the measured step's start, they are counted once, as the gradients.
@@ -226,13 +245,27 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
         with tracker, split_backward(split):
             for step in range(steps):
                 if step == steps - 1:
+                    if diloco is not None:  # the syncs before the step measured
+                        with tracker.outer_sync():
+                            outer_step = before_measured(diloco, config, d)
                     tracker.file_as_gradients(buckets)
                     buckets.clear()
                     tracker.reset_peaks()
-                    stack.enter_context(counter)
-                train_step(pm, optimizer, scheduler, scaler, batch, config, d.device)
+                with counter if step == steps - 1 else nullcontext():
+                    train_step(
+                        pm, optimizer, scheduler, scaler, batch, config, d.device,
+                        step_group=diloco.replica if diloco is not None else None,
+                    )  # fmt: skip
+            if diloco is not None:
+                # The batch is host memory on a GPU (each micro-batch's device copy is freed by
+                # the step's end); on the CPU it would count as the device's.
+                batch.clear()
+                with tracker.outer_sync():
+                    diloco.after_step(outer_step)
             rest = tracker.current()
         seconds = time.perf_counter() - started
+        # DiLoCo's collectives as the plan counts them: a whole cycle's, a step's share.
+        outer = cycle_collectives(diloco, config, outer_step, counter.labels) if diloco else {}
         hook.remove()
         for handle in refiling:
             handle.remove()
@@ -245,8 +278,9 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
             moment: {"total": total, "where": where, "components": _at_moment(kinds, rest)}
             for moment, (total, kinds, where) in tracker.timeline.items()
         },
-        "collectives": _by_group(counter),
+        "collectives": _by_group(counter.by_group, outer, config.parallel.diloco.inner_steps),
         "seconds": seconds,
+        "host": diloco.host_peak if diloco is not None else 0,
     }
 
 
@@ -266,20 +300,26 @@ def _prime(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def _by_group(counter: Any) -> dict[str, Any]:
+def _by_group(
+    step: dict[tuple[str, Any], int],
+    cycle: dict[tuple[str, Any], int] | None = None,
+    steps: int = 1,
+) -> dict[str, Any]:
     """Each collective's buffer bytes in the step (by name), and the bytes this rank sent for them
-    with ring algorithms, each on the size of the group it ran on."""
+    with ring algorithms, each on the size of the group it ran on; with those of a ``cycle`` of
+    ``steps`` steps (DiLoCo's outer syncs), a step's share of them."""
     from torch.distributed.distributed_c10d import _world
 
     from dtlab.analysis.model import _ring
 
     sizes = {str(name): pg.size() for pg, name in _world.pg_names.items()}
-    buffers: dict[str, int] = {}
+    buffers: dict[str, float] = {}
     sent = 0.0
-    for (name, group), nbytes in counter.by_group.items():
-        buffers[name] = buffers.get(name, 0) + nbytes
-        sent += _ring(name, nbytes, sizes.get(str(group), dist.get_world_size()))
-    return {"buffers": buffers, "sent": round(sent)}
+    for counted, share in ((step, 1), (cycle or {}, steps)):
+        for (name, group), nbytes in counted.items():
+            buffers[name] = buffers.get(name, 0) + nbytes / share
+            sent += _ring(name, nbytes / share, sizes.get(str(group), dist.get_world_size()))
+    return {"buffers": {k: round(v) for k, v in buffers.items()}, "sent": round(sent)}
 
 
 def measure_fake(
@@ -371,8 +411,13 @@ def check_rank(
         "predicted": own_peak.total,
         "checked": int(checked_peak["total"]),
         "predicted_at": {"moment": own_peak.name, "where": own_peak.where},
-        "checked_at": {"moment": at_peak, "where": _where(checked_peak["where"])},
+        "checked_at": {
+            "moment": at_peak,
+            "where": same.where if at_peak == "outer sync" else _where(checked_peak["where"]),
+        },
     }
+    if config.parallel.diloco.inner_steps:
+        result.host = {"predicted": plan.host_bytes, "checked": int(measured["host"])}
     names = list(dict.fromkeys([*(m.name for m in timeline.as_list()), *moments]))
     result.timeline = [
         {

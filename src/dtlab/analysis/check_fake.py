@@ -118,8 +118,13 @@ def _ddp_reduced_here(ddp: Any) -> None:
     does (divided by the group's size, then summed), in a hook that hands the bucket back at once
     (the fake group's work on a fake tensor carries no result, which DDP's C++ reducer expects); and
     the first bucket layout kept (DDP re-orders its buckets once, at the second step, from a
-    message of rank 0's that the fake group does not carry; the layout's bytes are the same)."""
+    message of rank 0's that the fake group does not carry; the layout's bytes are the same).
+    A DDP module with a hook already in place (one that hands the bucket back as it is) is left
+    as it is."""
     from dtlab.parallel.compression import _keep_bucket_layout
+
+    if ddp._comm_hooks:  # a hook of dtlab's that waits on nothing (a one-rank DiLoCo replica's)
+        return
 
     def allreduce(group: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
@@ -196,8 +201,6 @@ def unsupported(config: Config, world: int) -> str | None:
             "compressed gradients and waits on the result, which the fake process group does not "
             "give"
         )
-    if config.parallel.diloco.inner_steps:
-        return "DiLoCo is not checked: its outer state is in host memory, outside the step"
     return None
 
 

@@ -65,11 +65,22 @@ def format_check(result: dict[str, Any]) -> str:
         lines.append(
             f"    {'sent/step':<13}{format_bytes(p):>12}{format_bytes(c):>12}{_error(p, c):>10}"
         )
+        if "host" in r:  # DiLoCo's outer state, in host memory
+            p, c = r["host"]["predicted"], r["host"]["checked"]
+            lines.append(
+                f"    {'host memory':<13}{format_bytes(p):>12}{format_bytes(c):>12}{_error(p, c):>10}"
+            )
     lines.append(
         "  peak: the most alive at once in the step, as the plan predicts it (the largest moment "
         "of its timeline) and as the check measured it; the components are what is alive at the "
         "checked peak, and the plan's figures at the same moment. missed: held, not predicted; "
         "not held: predicted, not held."
+        + (
+            " host memory: DiLoCo's outer state (θ_global, the outer momentum, the error feedback, "
+            "the snapshots of syncs in flight) at its most, apart from the device's."
+            if any("host" in r for r in result["ranks"])
+            else ""
+        )
     )
     return "\n".join(lines)
 

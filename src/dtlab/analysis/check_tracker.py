@@ -29,13 +29,37 @@ class _Peaks(MemTracker):
         self.micro = 0  # the micro-batch whose forward ran last
         self.backward_seen = False  # its backward has run
         self.reducing = False  # a pipeline stage's gradient reduction is running
+        self.outer = False  # DiLoCo's outer sync is running (after the optimizer step)
+        self.apart = False  # what is made now is not the device's memory (DiLoCo's host state)
 
     def _track(self, reftype: _RefType, t: torch.Tensor) -> None:
+        if self.apart:
+            return
         # MemTracker files what is made outside forward and backward as activations; a pipeline
-        # stage's gradient reduction runs there, and makes temporaries (its copies to reduce).
-        if self.reducing and reftype is _MemRefType.ACT:
+        # stage's gradient reduction runs there, and DiLoCo's outer sync, and both make
+        # temporaries (copies to reduce, pseudo-gradients and the buffers of syncs in flight).
+        if (self.reducing or self.outer) and reftype is _MemRefType.ACT:
             reftype = _MemRefType.TEMP
         super()._track(reftype, t)
+
+    @contextlib.contextmanager
+    def outer_sync(self) -> Iterator[None]:
+        """DiLoCo's outer sync runs inside: its moment, what it makes filed as temporaries."""
+        self.outer = True
+        try:
+            yield
+        finally:
+            self.outer = False
+
+    @contextlib.contextmanager
+    def held_apart(self) -> Iterator[None]:
+        """What is made inside is not filed (another memory's: DiLoCo's outer state, in host memory
+        on a GPU)."""
+        self.apart = True
+        try:
+            yield
+        finally:
+            self.apart = False
 
     def watch_reductions(self, stages: list[Any]) -> None:
         """File what pipeline ``stages``' gradient reductions (torch's ``REDUCE_GRAD``, FSDP's
@@ -99,6 +123,8 @@ class _Peaks(MemTracker):
     def moment(self) -> str:
         """Where in the step this is: ``forward k``, ``backward k`` and ``after backward k`` (the
         clipping, the step's reduction) of micro-batch k, or ``optimizer``."""
+        if self.outer:
+            return "outer sync"
         if self._in_opt:
             return "optimizer"
         if self._mod_tracker.is_bw:

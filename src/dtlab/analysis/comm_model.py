@@ -16,7 +16,7 @@ from dtlab.runtime.signals import STOP_SIGNALS
 from dtlab.train.diloco import fragment_of, gathers, sync_bytes
 
 
-def _ring(kind: str, size: int, n: int) -> float:
+def _ring(kind: str, size: float, n: int) -> float:
     """Bytes each rank sends for a ring collective on a buffer of ``size`` bytes over ``n`` ranks
     (``kind`` may name its dimension first: "tp all_reduce"); a pipeline's send/recv sends it all."""
     op = kind.split(" ")[-1]

@@ -45,6 +45,7 @@ from dtlab.analysis.comm_model import (
     step_reduction_bytes,
     zero1_comm_bytes,
 )
+from dtlab.analysis.diloco_memory import diloco_host_bytes, with_outer_sync
 from dtlab.analysis.memo import memo
 from dtlab.analysis.pipeline_memory import (
     StageFigures,
@@ -78,7 +79,6 @@ from dtlab.analysis.timeline import (
 from dtlab.config import Config, ModelConfig
 from dtlab.dims import ParallelDims, stage_layers
 from dtlab.parallel.apply import compiles_loss
-from dtlab.train.diloco import fragment_of, gathers
 
 
 def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
@@ -200,31 +200,6 @@ class StepPlan:
                 "bus_bytes_per_step": dict(self.comm_bus_bytes),
             },
         }
-
-
-def diloco_host_bytes(config: Config, dims: ParallelDims, shapes: list[ParamShape]) -> int:
-    """DiLoCo's outer state on one rank (:class:`dtlab.train.diloco.DiLoCo`), in host memory (pinned
-    with a GPU), at its peak: float32 θ_global of the rank's parameter elements, the outer momentum
-    (``outer_momentum`` > 0) and the error feedback (``quantize``) as large, and the float32
-    snapshots of the fragments whose sync is in flight at once (with ``delay``; without, the one
-    fragment being synced, for the moment of its sync)."""
-    o = config.parallel.diloco
-    held = [s.shard_numel(dims.dp_shard) for s in shapes]
-    per_value = 1 + (o.outer_momentum > 0) + gathers(o)
-    frags = [0] * o.fragments
-    for s, n in zip(shapes, held, strict=True):
-        frags[fragment_of(s.name, config.model.n_layers, o.fragments)] += n
-    h = o.inner_steps
-    offsets = [((k + 1) * h // o.fragments) % h for k in range(o.fragments)]
-    # After step s, fragment k's sync is in flight while (s - offset) mod H < delay (sent at its
-    # offset, landed ``delay`` steps later). The most in flight at once is reached at some fragment's
-    # offset (the latest start among the syncs in flight at any step is in flight with all of them),
-    # so only the offsets are looked at: F^2 terms, not H x F (H may be in the millions).
-    in_flight = max(
-        sum(n for n, off in zip(frags, offsets, strict=True) if (s - off) % h < max(o.delay, 1))
-        for s in set(offsets)
-    )
-    return FP32 * (per_value * sum(held) + in_flight)
 
 
 def plan_step(
@@ -422,6 +397,13 @@ def _plan_rank(
             config, dims, plan, shapes, dp_shapes, rank_model, tokens, accum, kept, timeline_loss,
             again if ac != "none" else (0, 0), own,
         )  # fmt: skip
+        if p.diloco.inner_steps:
+            # DDP's gradients are views of its buckets, kept from step to step; FSDP's are freed.
+            ddp = dims.ddp_enabled and not dims.shard_optimizer
+            step_end = plan.timeline.at("optimizer") or plan.timeline.peak
+            plan.timeline = with_outer_sync(
+                plan.timeline, config, dims, shapes, step_end.grads if ddp else 0
+            )
     plan.comm_bus_bytes = {k: _ring(k, v, groups[k]) for k, v in comm.items()}
     if whole and groups["all_reduce"] != world_size:
         # Those small reductions run over every rank, not the group the key's bulk runs on.

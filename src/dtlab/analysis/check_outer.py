@@ -1,0 +1,113 @@
+"""DiLoCo in ``dtlab plan --check``: the outer loop run as a worker runs it, after the measured inner
+step, its outer state held apart from the device's memory as a GPU run holds it (in host memory).
+
+What the device holds of DiLoCo is what its syncs compute with: the buffers of the syncs in flight
+(with ``delay``, alive through the inner steps they overlap), and, at an outer sync, the
+pseudo-gradients, the mean that lands and each parameter's outer state copied over to update it.
+θ_global, the outer momentum, the error feedback and the snapshots of syncs in flight are host
+memory: not filed with the device's, counted apart (``host``) against the plan's ``host_bytes``."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+from dtlab.analysis.diloco_memory import outer_events, worst_step
+from dtlab.config import Config
+from dtlab.metrics.comm import CommCounter
+from dtlab.runtime.signals import STOP_SIGNALS
+from dtlab.train.diloco import DiLoCo, outer_group, replica_group
+
+
+class _HostApart(DiLoCo):
+    """DiLoCo whose outer state is made where the check does not file it (``apart``), and copied to
+    the device to compute with and back, as on a GPU (on the CPU a worker computes on the state in
+    place). Keeps the most host memory its outer state held at once (``host_peak``)."""
+
+    def __init__(self, *args: Any, apart: Callable[[], AbstractContextManager[None]], **kw: Any):
+        self._apart = apart
+        self._held: dict[int, int] = {}
+        self.host_peak = 0
+        super().__init__(*args, **kw)
+
+    def _host(self, t: torch.Tensor, copy: bool = True) -> torch.Tensor:
+        with self._apart():
+            out = t.detach().clone()
+        key = id(out)
+        self._held[key] = out.numel() * out.element_size()
+        weakref.finalize(out, self._held.pop, key, None)
+        self.host_peak = max(self.host_peak, sum(self._held.values()))
+        return out
+
+    def _dev(self, t: torch.Tensor) -> torch.Tensor:
+        return t.clone()
+
+    def _put(self, host: torch.Tensor, value: torch.Tensor) -> None:
+        with self._apart():
+            host.copy_(value)
+
+
+def outer_loop(
+    pm: Any, optimizer: torch.optim.Optimizer, config: Config, d: Any, tracker: Any
+) -> _HostApart | None:
+    """The rank's DiLoCo outer loop as a worker builds it (None without DiLoCo), its outer state
+    kept apart from what ``tracker`` files."""
+    if not config.parallel.diloco.inner_steps:
+        return None
+    group = outer_group(d.dims, d.device.type)
+    replica = replica_group(d.dims, d.device.type)
+    return _HostApart(
+        pm.model, optimizer, config.parallel.diloco, config.model.n_layers, group, replica,
+        apart=tracker.held_apart,
+    )  # fmt: skip
+
+
+def before_measured(diloco: _HostApart, config: Config, d: Any) -> int:
+    """Run the outer syncs of the cycles before the measured inner step (every fragment synced at
+    least once: its outer momentum and error feedback made; the syncs in flight at the measured
+    step sent), and return the measured step's number: the step of the cycle the plan names the
+    worst (:func:`dtlab.analysis.diloco_memory.worst_step`), two cycles on."""
+    from dtlab.analysis.shapes import param_shapes
+
+    o = config.parallel.diloco
+    step = worst_step(config, d.dims, param_shapes(config.model)) + 2 * o.inner_steps
+    for t in outer_events(diloco.offsets, o.inner_steps, o.delay, step):
+        diloco.after_step(t)
+    return step
+
+
+def outer_labels(diloco: DiLoCo | None) -> dict[str, str]:
+    """The collective counter's names for DiLoCo's groups (the plan's): ``diloco`` along the
+    replicas, ``replica`` within one."""
+    out: dict[str, str] = {}
+    if diloco is not None:
+        for group, name in ((diloco.group, "diloco"), (diloco.replica[0], "replica")):
+            if group is not None:
+                out[str(group.group_name)] = name
+    return out
+
+
+# What the replicas agree on with each sync (the loop's ``_outer_step``): the loss, a vote per stop
+# signal, the steps skipped since the last sync and in a row.
+AGREED = 1 + len(STOP_SIGNALS) + 2
+
+
+def cycle_collectives(
+    diloco: DiLoCo, config: Config, after: int, labels: dict[str, str]
+) -> dict[tuple[str, Any], int]:
+    """The collectives of the outer syncs of one whole cycle after step ``after`` (each fragment
+    sent and landed once), and of the replicas' agreement with each step that sends, as a worker
+    issues them: each collective's bytes by (name, group)."""
+    o = config.parallel.diloco
+    counter = CommCounter(labels)
+    with counter:
+        for t in outer_events(diloco.offsets, o.inner_steps, o.delay, after + o.inner_steps + 1):
+            if t > after:
+                diloco.after_step(t)
+                if diloco.due(t):
+                    diloco.agree([0.0] * AGREED)
+    return dict(counter.by_group)
