@@ -91,8 +91,8 @@ from dtlab.analysis.check_fake import (
     unsupported,
 )
 from dtlab.analysis.check_outer import (
+    agree_after,
     before_measured,
-    cycle_collectives,
     outer_labels,
     outer_loop,
 )
@@ -208,6 +208,9 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
         optimizer = build_optimizer(pm.optimized, config.train)
         diloco = outer_loop(pm, optimizer, config, d, tracker)
         counter.labels.update(outer_labels(diloco))
+        # DiLoCo's collectives as the plan counts them: a whole cycle's (the one the measured
+        # step ends), a step's share.
+        cycle = CommCounter(counter.labels)
         scheduler = build_scheduler(optimizer, config.train)
         scaler = LossScaler(config.train.precision == "fp16")
         tokens = torch.randint(0, config.model.vocab_size, (micro, config.seq_len + 1))
@@ -247,7 +250,7 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
                 if step == steps - 1:
                     if diloco is not None:  # the syncs before the step measured
                         with tracker.outer_sync():
-                            outer_step = before_measured(diloco, config, d)
+                            outer_step = before_measured(diloco, config, d, cycle)
                     tracker.file_as_gradients(buckets)
                     buckets.clear()
                     tracker.reset_peaks()
@@ -260,12 +263,13 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
                 # The batch is host memory on a GPU (each micro-batch's device copy is freed by
                 # the step's end); on the CPU it would count as the device's.
                 batch.clear()
-                with tracker.outer_sync():
+                with tracker.outer_sync(), cycle:
                     diloco.after_step(outer_step)
             rest = tracker.current()
         seconds = time.perf_counter() - started
         # DiLoCo's collectives as the plan counts them: a whole cycle's, a step's share.
-        outer = cycle_collectives(diloco, config, outer_step, counter.labels) if diloco else {}
+        if diloco is not None:
+            agree_after(diloco, outer_step, cycle)
         hook.remove()
         for handle in refiling:
             handle.remove()
@@ -278,7 +282,9 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
             moment: {"total": total, "where": where, "components": _at_moment(kinds, rest)}
             for moment, (total, kinds, where) in tracker.timeline.items()
         },
-        "collectives": _by_group(counter.by_group, outer, config.parallel.diloco.inner_steps),
+        "collectives": _by_group(
+            counter.by_group, cycle.by_group, config.parallel.diloco.inner_steps
+        ),
         "seconds": seconds,
         "host": diloco.host_peak if diloco is not None else 0,
     }

@@ -66,17 +66,24 @@ def outer_loop(
     )  # fmt: skip
 
 
-def before_measured(diloco: _HostApart, config: Config, d: Any) -> int:
+def before_measured(diloco: _HostApart, config: Config, d: Any, cycle: CommCounter) -> int:
     """Run the outer syncs of the cycles before the measured inner step (every fragment synced at
     least once: its outer momentum and error feedback made; the syncs in flight at the measured
     step sent), and return the measured step's number: the step of the cycle the plan names the
-    worst (:func:`dtlab.analysis.diloco_memory.worst_step`), two cycles on."""
+    worst (:func:`dtlab.analysis.diloco_memory.worst_step`), two cycles on. The collectives of the
+    cycle the measured step ends (its own outer sync to come) are counted by ``cycle``, with the
+    replicas' agreement at each step that sends, as a worker issues them."""
     from dtlab.analysis.shapes import param_shapes
 
     o = config.parallel.diloco
     step = worst_step(config, d.dims, param_shapes(config.model)) + 2 * o.inner_steps
     for t in outer_events(diloco.offsets, o.inner_steps, o.delay, step):
-        diloco.after_step(t)
+        if t <= step - o.inner_steps:
+            diloco.after_step(t)
+            continue
+        with cycle:
+            diloco.after_step(t)
+        agree_after(diloco, t, cycle)
     return step
 
 
@@ -96,18 +103,9 @@ def outer_labels(diloco: DiLoCo | None) -> dict[str, str]:
 AGREED = 1 + len(STOP_SIGNALS) + 2
 
 
-def cycle_collectives(
-    diloco: DiLoCo, config: Config, after: int, labels: dict[str, str]
-) -> dict[tuple[str, Any], int]:
-    """The collectives of the outer syncs of one whole cycle after step ``after`` (each fragment
-    sent and landed once), and of the replicas' agreement with each step that sends, as a worker
-    issues them: each collective's bytes by (name, group)."""
-    o = config.parallel.diloco
-    counter = CommCounter(labels)
-    with counter:
-        for t in outer_events(diloco.offsets, o.inner_steps, o.delay, after + o.inner_steps + 1):
-            if t > after:
-                diloco.after_step(t)
-                if diloco.due(t):
-                    diloco.agree([0.0] * AGREED)
-    return dict(counter.by_group)
+def agree_after(diloco: DiLoCo, step: int, cycle: CommCounter) -> None:
+    """The replicas' agreement a worker issues after inner step ``step`` where it sends a sync,
+    counted by ``cycle``."""
+    if diloco.due(step):
+        with cycle:
+            diloco.agree([0.0] * AGREED)
