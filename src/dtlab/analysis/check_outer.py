@@ -67,9 +67,9 @@ def outer_loop(
 
 
 def before_measured(diloco: _HostApart, config: Config, d: Any, cycle: CommCounter) -> int:
-    """Run the outer syncs of the cycles before the measured inner step (every fragment synced at
-    least once: its outer momentum and error feedback made; the syncs in flight at the measured
-    step sent), and return the measured step's number: the step of the cycle the plan names the
+    """Run the outer syncs before the measured inner step (every fragment synced at least once: its
+    outer momentum and error feedback made; the syncs in flight at the measured step sent), and
+    return the measured step's number: the step of the cycle the plan names the
     worst (:func:`dtlab.analysis.diloco_memory.worst_step`), two cycles on. The collectives of the
     cycle the measured step ends (its own outer sync to come) are counted by ``cycle``, with the
     replicas' agreement at each step that sends, as a worker issues them."""
@@ -77,7 +77,12 @@ def before_measured(diloco: _HostApart, config: Config, d: Any, cycle: CommCount
 
     o = config.parallel.diloco
     step = worst_step(config, d.dims, param_shapes(config.model)) + 2 * o.inner_steps
+    # Only the syncs of the last H + delay steps: each fragment sent and landed once in them (its
+    # state made), and the syncs in flight at the measured step sent after a landed one.
+    start = step - o.inner_steps - o.delay
     for t in outer_events(diloco.offsets, o.inner_steps, o.delay, step):
+        if t <= start:
+            continue
         if t <= step - o.inner_steps:
             diloco.after_step(t)
             continue

@@ -30,8 +30,8 @@ __all__ = [
 
 QUANT_BLOCK = 64  # values per float32 scale of a quantised outer gradient
 BITS = {"int8": 8, "int4": 4, "int2": 2}
-# Values encoded or decoded at once (16 MiB of float32): the encoder's copies are a slice's.
-SLICE_VALUES = 1 << 22
+# Values encoded or decoded at once (64 MiB of float32): the encoder's copies are a slice's.
+SLICE_VALUES = 1 << 24
 
 
 def payload_bytes(numel: int, quantize: str) -> int:
