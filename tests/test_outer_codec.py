@@ -44,5 +44,7 @@ def test_a_fragment_encoded_in_slices_is_the_whole_encoding(name: str, numel: in
     parts = torch.stack([whole, *(_whole(torch.randn(numel, generator=g), o)[0] for _ in range(2))])
     at_once = mean_of(parts, numel, o, slice_values=numel + 1)
     assert torch.equal(mean_of(parts, numel, o, slice_values=1), at_once)
-    expected = (decode(parts[0], numel, o) + decode(parts[1], numel, o)) + decode(parts[2], numel, o)
+    expected = (decode(parts[0], numel, o) + decode(parts[1], numel, o)) + decode(
+        parts[2], numel, o
+    )
     assert torch.equal(at_once, expected / 3)
