@@ -90,12 +90,7 @@ from dtlab.analysis.check_fake import (
     torch_refusal,
     unsupported,
 )
-from dtlab.analysis.check_outer import (
-    agree_after,
-    before_measured,
-    outer_labels,
-    outer_loop,
-)
+from dtlab.analysis.check_outer import OuterRun
 from dtlab.analysis.check_report import choose_config, default_ranks, format_check, parse_ranks
 from dtlab.analysis.check_tracker import (
     _at_moment,
@@ -168,30 +163,14 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     from dtlab.metrics.comm import CommCounter
-    from dtlab.models.llama import build_model
     from dtlab.models.moe import routing_override
-    from dtlab.parallel.apply import parallelize
     from dtlab.train.loop import train_step
     from dtlab.train.optim import build_optimizer
     from dtlab.train.precision import LossScaler
     from dtlab.train.schedules import build_scheduler
 
     dims = d.dims
-    accum = check_batch_split(config, dims.dp)
-    micro = config.train.global_batch_size // (accum * dims.dp)
-    if dims.distributed:
-        dims.mesh(d.device.type)  # outside fake tensors: the mesh's rank map is real
-    labels = {}
-    if dims.tp_enabled:
-        labels[str(dims.mesh(d.device.type, "tp").get_group().group_name)] = "tp"
-    if dims.ep_enabled:  # expert parallelism's groups, under the names the plan gives them
-        for name in ("ep", "ep_dp"):
-            group = dims.expert_mesh(d.device.type, name).get_group()
-            # A group over the whole world is the default one, which the step's reduction uses too.
-            if 1 < group.size() < dims.world_size:
-                labels[str(group.group_name)] = name
-    model = build_model(config.model)  # on the meta device
-    tracker, counter = _Peaks(), CommCounter(labels)
+    tracker, counter = _Peaks(), CommCounter(_group_labels(dims, d.device.type))
     with ExitStack() as stack:
         if fake:
             stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
@@ -199,36 +178,19 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
             # Fake scores hold nothing to route by: the MoE blocks route as the plan assumes.
             stack.enter_context(routing_override(_even_router))
             stack.enter_context(_propagation_apart())
-        with _ddp_built_here() if fake else nullcontext():
-            pm = parallelize(model, config, d)
-        if fake and pm.pipeline is not None:
-            _vote_here(pm.pipeline.schedule)
-        if fake and isinstance(pm.module, DistributedDataParallel):
-            _ddp_reduced_here(pm.module)
+        pm = _parallelized(config, d, fake)
         optimizer = build_optimizer(pm.optimized, config.train)
-        diloco = outer_loop(pm, optimizer, config, d, tracker)
-        counter.labels.update(outer_labels(diloco))
-        # DiLoCo's collectives as the plan counts them: a whole cycle's (the one the measured
-        # step ends), a step's share.
-        cycle = CommCounter(counter.labels)
+        outer = OuterRun(pm, optimizer, config, d, tracker, counter.labels)
         scheduler = build_scheduler(optimizer, config.train)
         scaler = LossScaler(config.train.precision == "fp16")
-        tokens = torch.randint(0, config.model.vocab_size, (micro, config.seq_len + 1))
-        batch = [(tokens[:, :-1], tokens[:, 1:])] * accum
-        del tokens  # the batch's host memory, let go with the batch (below)
+        batch = _batch(config, dims.dp)
         # DDP's gradients are views of its buckets, which it keeps from step to step (its C++
         # reducer holds them; the parameters' .grad is emptied between steps): filed as gradients
         # from the measured step's start, they are counted once, as the gradients.
         ddp = isinstance(pm.module, DistributedDataParallel)
         refiling: list[Any] = []  # hooks on the model, removed with the step's own
         if fake and not ddp and pm.pipeline is None:
-            # What a first step leaves for the next that the next holds is the optimizer's state:
-            # made by a step on zero gradients (fake tensors hold no values), the step measured is
-            # then the first, in half the time. DDP (its buckets re-ordered at the second step)
-            # and pipelines (their stages' buffers, made at a first backward) take a whole step.
-            _prime(pm.module, optimizer)
-            steps = 1
-            refiling = tracker.file_gathered(pm.module)
+            refiling, steps = _primed(pm.module, optimizer, tracker), 1
         tracker.track_external(pm.module, optimizer)
         if pm.pipeline is not None:
             tracker.watch_reductions(pm.pipeline.stages)
@@ -248,46 +210,101 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
         with tracker, split_backward(split):
             for step in range(steps):
                 if step == steps - 1:
-                    if diloco is not None:  # the syncs before the step measured
-                        with tracker.outer_sync():
-                            outer_step = before_measured(diloco, config, d, cycle)
+                    outer.before_measured()
                     tracker.file_as_gradients(buckets)
                     buckets.clear()
                     tracker.reset_peaks()
                 with counter if step == steps - 1 else nullcontext():
                     train_step(
                         pm, optimizer, scheduler, scaler, batch, config, d.device,
-                        step_group=diloco.replica if diloco is not None else None,
+                        step_group=outer.step_group,
                     )  # fmt: skip
-            if diloco is not None:
-                # The batch is host memory on a GPU (each micro-batch's device copy is freed by
-                # the step's end); on the CPU it would count as the device's.
-                batch.clear()
-                with tracker.outer_sync(), cycle:
-                    diloco.after_step(outer_step)
+            outer.after_measured(batch)
             rest = tracker.current()
         seconds = time.perf_counter() - started
-        # DiLoCo's collectives as the plan counts them: a whole cycle's, a step's share.
-        if diloco is not None:
-            agree_after(diloco, outer_step, cycle)
+        outer.agree()
         hook.remove()
         for handle in refiling:
             handle.remove()
     return {
+        **_figures(tracker, rest, _whole_grads(dims)),
+        "collectives": _by_group(
+            counter.by_group, outer.cycle.by_group, config.parallel.diloco.inner_steps
+        ),
+        "seconds": seconds,
+        "host": outer.host,
+    }
+
+
+def _figures(tracker: _Peaks, rest: dict[str, int], whole_grads: bool) -> dict[str, Any]:
+    """The measured step's components, peak and timeline from ``tracker``; ``rest``: what it
+    held after the step."""
+    return {
         "components": _components(
-            tracker.kind_peak, tracker.at_step, rest, tracker.kept, whole_grads=_whole_grads(dims)
+            tracker.kind_peak, tracker.at_step, rest, tracker.kept, whole_grads=whole_grads
         ),
         "peak": tracker.peak_total,
         "timeline": {
             moment: {"total": total, "where": where, "components": _at_moment(kinds, rest)}
             for moment, (total, kinds, where) in tracker.timeline.items()
         },
-        "collectives": _by_group(
-            counter.by_group, cycle.by_group, config.parallel.diloco.inner_steps
-        ),
-        "seconds": seconds,
-        "host": diloco.host_peak if diloco is not None else 0,
     }
+
+
+def _primed(
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer, tracker: _Peaks
+) -> list[Any]:
+    """What a first step leaves for the next that the next holds is the optimizer's state: made
+    by a step on zero gradients (fake tensors hold no values), the step measured is then the
+    first, in half the time (DDP, its buckets re-ordered at the second step, and pipelines, their
+    stages' buffers made at a first backward, take a whole step). Returns the hooks that file
+    FSDP's gathered parameters as a later step finds them."""
+    _prime(module, optimizer)
+    return tracker.file_gathered(module)
+
+
+def _group_labels(dims: Any, device_type: str) -> dict[str, str]:
+    """The collective counter's names for the groups the plan names (tensor and expert
+    parallelism's); the mesh made first, outside fake tensors (its rank map is real)."""
+    if dims.distributed:
+        dims.mesh(device_type)
+    labels = {}
+    if dims.tp_enabled:
+        labels[str(dims.mesh(device_type, "tp").get_group().group_name)] = "tp"
+    if dims.ep_enabled:  # expert parallelism's groups, under the names the plan gives them
+        for name in ("ep", "ep_dp"):
+            group = dims.expert_mesh(device_type, name).get_group()
+            # A group over the whole world is the default one, which the step's reduction uses too.
+            if 1 < group.size() < dims.world_size:
+                labels[str(group.group_name)] = name
+    return labels
+
+
+def _parallelized(config: Config, d: Any, fake: bool) -> Any:
+    """The rank's model (built on the meta device) parallelised as a worker does; under fake
+    tensors, with DDP's shape check and gradient sync and a pipeline's vote answered here."""
+    from contextlib import nullcontext
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    from dtlab.models.llama import build_model
+    from dtlab.parallel.apply import parallelize
+
+    with _ddp_built_here() if fake else nullcontext():
+        pm = parallelize(build_model(config.model), config, d)
+    if fake and pm.pipeline is not None:
+        _vote_here(pm.pipeline.schedule)
+    if fake and isinstance(pm.module, DistributedDataParallel):
+        _ddp_reduced_here(pm.module)
+    return pm
+
+
+def _batch(config: Config, dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A step's micro-batches of random tokens, as the rank's share of the global batch."""
+    accum = check_batch_split(config, dp)
+    micro = config.train.global_batch_size // (accum * dp)
+    tokens = torch.randint(0, config.model.vocab_size, (micro, config.seq_len + 1))
+    return [(tokens[:, :-1], tokens[:, 1:])] * accum
 
 
 def _prime(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -114,3 +114,54 @@ def agree_after(diloco: DiLoCo, step: int, cycle: CommCounter) -> None:
     if diloco.due(step):
         with cycle:
             diloco.agree([0.0] * AGREED)
+
+
+class OuterRun:
+    """DiLoCo's outer loop around the measured step of ``dtlab plan --check`` (nothing without
+    DiLoCo): the syncs before it, the outer sync after it (its own moment, what it makes filed as
+    temporaries), and the collectives of the cycle the measured step ends (``cycle``)."""
+
+    def __init__(
+        self,
+        pm: Any,
+        optimizer: torch.optim.Optimizer,
+        config: Config,
+        d: Any,
+        tracker: Any,
+        labels: dict[str, str],
+    ) -> None:
+        self.config, self.d, self.tracker = config, d, tracker
+        self.diloco = outer_loop(pm, optimizer, config, d, tracker)
+        labels.update(outer_labels(self.diloco))
+        self.cycle = CommCounter(labels)
+        self.step = 0
+
+    @property
+    def step_group(self) -> Any:
+        """The group a step's figures are agreed in (a DiLoCo replica's), as the loop passes it."""
+        return self.diloco.replica if self.diloco is not None else None
+
+    @property
+    def host(self) -> int:
+        """The most host memory the outer state held at once."""
+        return self.diloco.host_peak if self.diloco is not None else 0
+
+    def before_measured(self) -> None:
+        if self.diloco is not None:
+            with self.tracker.outer_sync():
+                self.step = before_measured(self.diloco, self.config, self.d, self.cycle)
+
+    def after_measured(self, batch: list[Any]) -> None:
+        """The outer sync after the measured step. The batch is let go first: it is host memory on
+        a GPU (each micro-batch's device copy is freed by the step's end), on the CPU it would
+        count as the device's."""
+        if self.diloco is not None:
+            batch.clear()
+            with self.tracker.outer_sync(), self.cycle:
+                self.diloco.after_step(self.step)
+
+    def agree(self) -> None:
+        """The replicas' agreement after the measured step (outside the measurement, as a worker
+        issues it after the sync)."""
+        if self.diloco is not None:
+            agree_after(self.diloco, self.step, self.cycle)
