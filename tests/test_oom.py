@@ -51,6 +51,23 @@ def test_injected_oom_on_one_rank_is_retried_on_every_rank(
     assert (summary["oom_retries"], summary["micro_batch_size"]) == (1, 1)
 
 
+def test_an_moe_models_retried_step_counts_its_routing_once(tmp_path: Path) -> None:
+    """What a mixture of experts' layers counted in the attempt that ran out of memory is dropped:
+    the retried step's expert loads, and the balancing bias they move, are an uninterrupted
+    run's (before, rank 0's first attempt was counted too: 1,280 tokens routed for 1,024)."""
+    opts = ["model.preset=debug-moe", "parallel.strategy=ddp", "train.micro_batch_size=2",
+            "train.oom_retry=true", "train.steps=5"]  # fmt: skip
+    _train(tmp_path / "ref", 2, *opts)
+    stderr = _train(tmp_path / "run", 2, *opts, env={"DTLAB_FAULTS": "oom@3:r1"})
+    assert "step 3 ran out of memory on rank 1" in stderr, stderr
+    run, ref = read_metrics(tmp_path / "run"), read_metrics(tmp_path / "ref")
+    assert [m["step"] for m in run] == [m["step"] for m in ref] == [1, 2, 3, 4, 5]
+    for m, r in zip(run, ref, strict=True):
+        assert m["moe_load"] == r["moe_load"], m["step"]
+        assert m["moe_bias"] == pytest.approx(r["moe_bias"], abs=1e-7), m["step"]
+        assert m["loss"] == pytest.approx(r["loss"], abs=1e-5), m["step"]
+
+
 def test_real_allocation_failure_under_an_address_space_limit(tmp_path: Path) -> None:
     """Rank 1 caps its address space before step 1 (``memlimit``) below what a micro-batch of 128
     samples needs: the allocator really fails, and the run goes on with smaller micro-batches and the

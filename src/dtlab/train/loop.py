@@ -77,7 +77,7 @@ from dtlab.train.optim import (
     state_bytes,
 )
 from dtlab.train.precision import DTYPES, LossScaler, autocast, check_cpu_half_precision
-from dtlab.train.routing import moe_aux_loss, routing_step
+from dtlab.train.routing import forget_routing, moe_aux_loss, routing_step
 from dtlab.train.run import run
 from dtlab.train.rundir import RunDirLock, create_run_dir
 from dtlab.train.schedules import build_scheduler
@@ -167,6 +167,7 @@ def train_step(
     if replicas is not None and not replicas.should_commit():
         pm.compression.rollback()
         optimizer.zero_grad(set_to_none=True)
+        forget_routing(pm.module)
         return {"uncommitted": True}
     if config.train.grad_clip > 0:
         clip = r.clip_norm_t
@@ -233,6 +234,7 @@ def _accumulate_agreed(
     ranks = agree_out_of_memory(bool(failed), device)
     if ranks:
         pm.module.zero_grad(set_to_none=True)
+        forget_routing(pm.module)
         raise StepOutOfMemory(ranks, int(micro_batches[0][0].shape[0]), failed)
     if not skip_sync:
         pm.sync_gradients(reduce_dtype(config))

@@ -20,7 +20,7 @@ from dtlab.models.args import ModelArgs
 from dtlab.models.moe import MoE, moe_layers
 from dtlab.parallel.ledger import all_reduce
 
-__all__ = ["moe_aux_loss", "routing_step"]
+__all__ = ["forget_routing", "moe_aux_loss", "routing_step"]
 
 
 def routing_step(
@@ -85,6 +85,14 @@ def routing_step(
     elif biases:
         out["moe_bias"] = torch.stack([b.abs().max() for b in biases]).max().item()
     return out
+
+
+def forget_routing(module: nn.Module) -> None:
+    """Clear what the MoE layers of ``module`` counted in a step that is not taken (an attempt that
+    ran out of memory, a fault-tolerant step that does not commit): its loads move no bias and
+    are reported nowhere."""
+    for m in moe_layers(module):
+        m.reset_routing()
 
 
 def _held_rows(module: nn.Module, args: ModelArgs | None) -> list[int]:
