@@ -305,6 +305,18 @@ def test_a_compiled_step_is_checked_eagerly_and_says_so() -> None:
     )
 
 
+def test_a_fault_tolerant_layout_says_what_the_check_leaves_out() -> None:
+    """Fault tolerance's cross-group average runs through torchft, which the check does not run:
+    the check says so beside its figures instead of looking complete."""
+    config = load_config(
+        overrides=[*SMALL, "parallel.strategy=ddp", "parallel.fault_tolerance.enabled=true"]
+    )
+    r = check_rank(config, 2, 1, 0)
+    assert r.skipped is None and r.note is not None
+    assert "parallel.fault_tolerance: checked as one replica group" in r.note, r.note
+    assert "neither planned nor checked" in r.as_dict()["note"]
+
+
 def test_ranks_are_parsed_and_refused_with_what_is_allowed() -> None:
     assert parse_ranks(None, 8) == [0, 7]
     assert parse_ranks(None, 1) == [0]

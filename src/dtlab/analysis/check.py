@@ -473,6 +473,16 @@ def check_rank(
             "the compiled loss keeps the logits in their own dtype instead of their float32 "
             "log-softmax), not checked"
         )
+    if config.parallel.fault_tolerance.enabled:
+        # Said, not left to look checked: torchft's part of the step is not run here.
+        ft = (
+            "parallel.fault_tolerance: checked as one replica group on its own; the groups' "
+            "average through torchft (every gradient in one flat buffer and back: about twice the "
+            "gradients' bytes at the step's end"
+            + (", and DiLoCo's outer sync through it" if config.parallel.diloco.inner_steps else "")
+            + ") is neither planned nor checked"
+        )
+        result.note = f"{result.note}; {ft}" if result.note else ft
     return result
 
 
