@@ -13,7 +13,7 @@ from dtlab.analysis.shapes import ParamShape, RankPart, padded_by_group
 from dtlab.config import Config
 from dtlab.dims import ParallelDims
 from dtlab.runtime.signals import STOP_SIGNALS
-from dtlab.train.diloco import fragment_of, gathers, sync_bytes
+from dtlab.train.diloco import fragment_of, fragment_offsets, gathers, sync_bytes
 
 
 def _ring(kind: str, size: float, n: int) -> float:
@@ -39,10 +39,17 @@ def diloco_sync_bytes(
     counts them on rank 0: a float32 all-reduce of the fragment, or the all-gather of every replica's
     quantised payload. A replica sharded over ``shard`` ranks (FSDP) syncs each rank's shard."""
     o = config.parallel.diloco
+    return [sync_bytes(n, o, replicas) for n in fragment_numels(shapes, config, shard)]
+
+
+def fragment_numels(shapes: list[ParamShape], config: Config, shard: int = 1) -> list[int]:
+    """Each DiLoCo fragment's elements as a rank holds them (its shards, under FSDP over ``shard``
+    ranks)."""
+    o = config.parallel.diloco
     numel = [0] * o.fragments
     for s in shapes:
         numel[fragment_of(s.name, config.model.n_layers, o.fragments)] += s.shard_numel(shard)
-    return [sync_bytes(n, o, replicas) for n in numel]
+    return numel
 
 
 def _diloco_comm(
@@ -83,10 +90,7 @@ def diloco_agreement_bytes(replicas: int) -> int:
 
 def diloco_sync_steps(config: Config) -> int:
     """Steps of an H-step cycle that send at least one fragment's outer sync."""
-    o = config.parallel.diloco
-    return len(
-        {((k + 1) * o.inner_steps // o.fragments) % o.inner_steps for k in range(o.fragments)}
-    )
+    return len(set(fragment_offsets(config.parallel.diloco)))
 
 
 def ddp_comm_bytes(shapes: list[ParamShape], config: Config, world: int) -> dict[str, int]:

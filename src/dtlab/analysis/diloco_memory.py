@@ -17,33 +17,16 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from dtlab.analysis.comm_model import fragment_numels
 from dtlab.analysis.shapes import ParamShape
 from dtlab.analysis.timeline import Moment, Timeline
 from dtlab.config import Config, DiLoCoOptions
 from dtlab.dims import ParallelDims
 from dtlab.train import outer_codec
-from dtlab.train.diloco import fragment_of, gathers, sync_bytes
+from dtlab.train.diloco import fragment_of, fragment_offsets, gathers, sync_bytes
 from dtlab.train.outer_codec import outer_payload_bytes
 
 FP32 = 4
-
-
-def fragment_numels(config: Config, dims: ParallelDims, shapes: list[ParamShape]) -> list[int]:
-    """Each fragment's elements as this rank holds them (its shards, under FSDP)."""
-    o = config.parallel.diloco
-    frags = [0] * o.fragments
-    for s in shapes:
-        frags[fragment_of(s.name, config.model.n_layers, o.fragments)] += s.shard_numel(
-            dims.dp_shard
-        )
-    return frags
-
-
-def offsets(config: Config) -> list[int]:
-    """Each fragment's offset in the cycle: its sync is sent after the steps ≡ offset (mod H)."""
-    o = config.parallel.diloco
-    h = o.inner_steps
-    return [((k + 1) * h // o.fragments) % h for k in range(o.fragments)]
 
 
 def in_flight(step: int, offs: list[int], h: int, delay: int) -> list[int]:
@@ -65,15 +48,17 @@ def outer_events(offs: list[int], h: int, delay: int, before: int) -> list[int]:
 
 def worst_step(config: Config, dims: ParallelDims, shapes: list[ParamShape]) -> int:
     """The step of the cycle (1..H) whose inner step and outer sync hold the most of DiLoCo's on the
-    device: the buffers in flight through the step, and those of the syncs sent after it."""
+    device: the buffers in flight through the step, and the float32 pseudo-gradients of the syncs
+    sent after it."""
     o = config.parallel.diloco
-    h, offs = o.inner_steps, offsets(config)
-    frags = fragment_numels(config, dims, shapes)
+    h, offs = o.inner_steps, fragment_offsets(o)
+    frags = fragment_numels(shapes, config, dims.dp_shard)
     buf = [sync_bytes(n, o, dims.diloco) for n in frags]
 
     def held(step: int) -> int:
         sent = [k for k, off in enumerate(offs) if step % h == off]
-        return sum(buf[k] for k in in_flight(step, offs, h, o.delay)) + sum(frags[k] for k in sent)
+        flying = sum(buf[k] for k in in_flight(step, offs, h, o.delay))
+        return flying + FP32 * sum(frags[k] for k in sent)
 
     # What is in flight changes only after a fragment's offset and after its landing: the most is
     # after some offset step (H may be in the millions: only these steps are looked at).
@@ -88,9 +73,9 @@ def diloco_host_bytes(config: Config, dims: ParallelDims, shapes: list[ParamShap
     in flight at once (with ``delay``; without, the one fragment being synced, for the moment of
     its sync)."""
     o = config.parallel.diloco
-    frags = fragment_numels(config, dims, shapes)
+    frags = fragment_numels(shapes, config, dims.dp_shard)
     per_value = 1 + (o.outer_momentum > 0) + gathers(o)
-    h, offs = o.inner_steps, offsets(config)
+    h, offs = o.inner_steps, fragment_offsets(o)
     # After step s, fragment k's sync is in flight while (s - offset) mod H < delay (sent at its
     # offset, landed ``delay`` steps later). The most in flight at once is reached at some fragment's
     # offset (the latest start among the syncs in flight at any step is in flight with all of them),
@@ -231,15 +216,15 @@ def with_outer_sync(
     module buffers, ``kept_grads`` (DDP's buckets, kept from step to step), the buffers still in
     flight, and the largest of the syncs landing and sent then."""
     o = config.parallel.diloco
-    h, offs = o.inner_steps, offsets(config)
+    h, offs = o.inner_steps, fragment_offsets(o)
     step = worst_step(config, dims, shapes)
-    frags, largest = fragment_numels(config, dims, shapes), _largest(config, dims, shapes)
+    frags, largest = fragment_numels(shapes, config, dims.dp_shard), _largest(config, dims, shapes)
     buf = [sync_bytes(n, o, dims.diloco) for n in frags]
     flying = in_flight(step, offs, h, o.delay)
+    pending = sum(buf[k] for k in flying)
     out = Timeline()
     for m in timeline.as_list():
-        out.add(dataclasses.replace(m, temporaries=m.temporaries + sum(buf[k] for k in flying)))
-    pending = sum(buf[k] for k in flying)
+        out.add(dataclasses.replace(m, temporaries=m.temporaries + pending))
     most = pending
     if o.delay:  # each landing's buffer is let go before the next
         for k in flying:

@@ -56,6 +56,7 @@ __all__ = [
     "DiLoCo",
     "GlobalModelState",
     "fragment_of",
+    "fragment_offsets",
     "gathers",
     "outer_group",
     "outer_payload_bytes",
@@ -71,6 +72,13 @@ def fragment_of(name: str, n_layers: int, fragments: int) -> int:
     if name.startswith("layers."):
         return int(name.split(".")[1]) * fragments // n_layers
     return 0 if name.startswith("tok_embeddings") else fragments - 1
+
+
+def fragment_offsets(options: DiLoCoOptions) -> list[int]:
+    """Each fragment's place in the H-step cycle: fragment k's sync is sent after the steps
+    ≡ ⌊(k+1)H/F⌋ (mod H)."""
+    h, n = options.inner_steps, options.fragments
+    return [((k + 1) * h // n) % h for k in range(n)]
 
 
 def sync_bytes(numel: int, options: DiLoCoOptions, world: int) -> int:
@@ -161,8 +169,7 @@ class DiLoCo:
         self.fragments = [
             [i for i, f in enumerate(frags) if f == k] for k in range(options.fragments)
         ]
-        h, n = options.inner_steps, options.fragments
-        self.offsets = [((k + 1) * h // n) % h for k in range(n)]
+        self.offsets = fragment_offsets(options)
         # Where the replica computes (its weights, the collectives' buffers), and whether the outer
         # state's host memory is pinned (a replica on a GPU).
         params = self.params
