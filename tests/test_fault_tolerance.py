@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from conftest import (
     FAST,
@@ -103,6 +104,34 @@ def test_no_fault_equals_plain_ddp(tmp_path: Path) -> None:
     record = json.loads((tmp_path / "ft" / "fault_tolerance.json").read_text())
     assert record["lighthouse"].startswith("http://127.0.0.1:")
     assert record["exit_codes"] == {"0": 0, "1": 0}
+
+
+def test_moe_groups_balance_on_every_groups_loads_as_ddp_does(tmp_path: Path) -> None:
+    """An MoE model's balancing bias moves by the loads of the whole global batch, summed over the
+    replica groups as DDP sums them over its ranks: the groups' biases stay equal to each other and
+    to DDP's (each group's own half of the batch moved them apart)."""
+    steps, moe = 6, ["model.preset=debug-moe", "model.moe.bias_rate=0.001"]
+    plain = run_cli(
+        "train", "--nproc", "2", "--set", *FAST, *moe, f"train.steps={steps}",
+        f"run.dir={tmp_path / 'plain'}", "parallel.strategy=ddp",
+    )  # fmt: skip
+    assert plain.returncode == 0, plain.stderr
+    ft = run_cli(*_train_args(tmp_path / "ft", steps, *moe))
+    assert ft.returncode == 0, ft.stderr
+    ref = read_metrics(tmp_path / "plain")
+    for replica in (0, 1):
+        run = read_metrics(tmp_path / "ft" / f"replica-{replica}")
+        # Each step's loads are the global batch's: every token top_k times in each MoE block.
+        assert [m["moe_layer_load"] for m in run] == [r["moe_layer_load"] for r in ref]
+        assert [m["moe_bias"] for m in run] == pytest.approx([r["moe_bias"] for r in ref])
+    name = f"checkpoints/step-{steps:08d}"
+    want = checkpoint_tensors(tmp_path / "plain" / name)
+    for replica in (0, 1):
+        got = checkpoint_tensors(tmp_path / "ft" / f"replica-{replica}" / name)
+        biases = [k for k in want if k.endswith("expert_bias")]
+        assert biases and any(want[k].abs().max() > 0 for k in biases)
+        for k in biases:
+            assert torch.equal(got[k], want[k]), (replica, k, got[k], want[k])
 
 
 def test_killed_replica_rejoins_with_the_live_state(tmp_path: Path) -> None:

@@ -459,27 +459,41 @@ class Replicas:
                 self.place.replica, now, took, step,
             )  # fmt: skip
 
-    def average(self, grads: list[torch.Tensor], loss_sum: torch.Tensor) -> torch.Tensor:
+    def average(
+        self,
+        grads: list[torch.Tensor],
+        loss_sum: torch.Tensor,
+        counts: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """Average ``grads`` (in place) and the loss over the groups in the quorum, in one all-reduce;
-        returns the averaged loss. A failed all-reduce is torchft's to note: the step then does not
-        commit anywhere it failed."""
+        returns the averaged loss. ``counts`` (an MoE model's routing figures: tokens per expert)
+        travel in the same all-reduce and are summed over those groups in place, so that each
+        group's bias moves by the loads of every group's share of the batch, as under DDP. A failed
+        all-reduce is torchft's to note: the step then does not commit anywhere it failed."""
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
         from torch.distributed.tensor import DTensor
 
+        counts = counts or []
         t0 = time.perf_counter()
         with torch.no_grad():
             # Sharded (FSDP) gradients: this rank's shards, averaged with the same rank's of the
             # other groups (which hold the same shards); their local tensors are changed in place.
             grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-            flat = _flatten_dense_tensors([*grads, loss_sum.reshape(1).to(grads[0].dtype)])
+            dtype = grads[0].dtype
+            tail = [loss_sum.reshape(1).to(dtype), *(c.to(dtype) for c in counts)]
+            flat = _flatten_dense_tensors([*grads, *tail])
             self.manager.allreduce(flat).wait()
             if self.manager.errored() is not None:
                 self.drop_links()
             self.seconds["allreduce"] += time.perf_counter() - t0
-            out = _unflatten_dense_tensors(flat, [*grads, loss_sum.reshape(1)])
-            for g, new in zip(grads, out[:-1], strict=True):
+            out = _unflatten_dense_tensors(flat, [*grads, *tail])
+            for g, new in zip(grads, out[: len(grads)], strict=True):
                 g.copy_(new)
-        return out[-1].reshape(()).to(loss_sum.dtype)
+            # The mean of the groups that took part (a healing group sends zeros), times their number.
+            took_part = self.manager.num_participants()
+            for c, new in zip(counts, out[len(grads) + 1 :], strict=True):
+                c.copy_(new * took_part)
+        return out[len(grads)].reshape(()).to(loss_sum.dtype)
 
     def drop_links(self) -> None:
         """After a failed cross-group collective, close this rank's connections of it at once.

@@ -77,7 +77,7 @@ from dtlab.train.optim import (
     state_bytes,
 )
 from dtlab.train.precision import DTYPES, LossScaler, autocast, check_cpu_half_precision
-from dtlab.train.routing import forget_routing, moe_aux_loss, routing_step
+from dtlab.train.routing import forget_routing, moe_aux_loss, routing_counts, routing_step
 from dtlab.train.run import run
 from dtlab.train.rundir import RunDirLock, create_run_dir
 from dtlab.train.schedules import build_scheduler
@@ -156,7 +156,8 @@ def train_step(
     pm.settle_gradients()
     params = [p for p in pm.optimized.parameters() if p.grad is not None]
     if replicas is not None:  # across the replica groups, before anything is judged
-        loss_sum = replicas.average([p.grad for p in params if p.grad is not None], loss_sum)
+        held = [g for p in params if (g := p.grad) is not None]
+        loss_sum = replicas.average(held, loss_sum, routing_counts(pm.module))
     found = scaler.unscale_(params, device)  # this rank's overflow flag (fp16), no collective
     local = pm.compression.local_gradients  # each rank's own gradients (DeMo)
     grads = [g for p in params if (g := p.grad) is not None]

@@ -20,7 +20,7 @@ from dtlab.models.args import ModelArgs
 from dtlab.models.moe import MoE, moe_layers
 from dtlab.parallel.ledger import all_reduce
 
-__all__ = ["forget_routing", "moe_aux_loss", "routing_step"]
+__all__ = ["forget_routing", "moe_aux_loss", "routing_counts", "routing_step"]
 
 
 def routing_step(
@@ -85,6 +85,13 @@ def routing_step(
     elif biases:
         out["moe_bias"] = torch.stack([b.abs().max() for b in biases]).max().item()
     return out
+
+
+def routing_counts(module: nn.Module) -> list[torch.Tensor]:
+    """The figures the MoE layers of ``module`` counted over this rank's micro-batches (tokens per
+    expert, auxiliary loss totals), as the tensors they count in: what a sum across replica groups
+    changes in place before :func:`routing_step` agrees on them within the group."""
+    return [t for m in moe_layers(module) for t in (m.tokens_per_expert, m.aux_total)]
 
 
 def forget_routing(module: nn.Module) -> None:
