@@ -92,6 +92,21 @@ def test_ddp_crosses_every_step_as_predicted(tmp_path: Path) -> None:
         assert m["cross_replica_bytes"] == m["comm_bytes"], m
 
 
+def test_a_validation_is_counted_with_its_step(tmp_path: Path) -> None:
+    """FSDP with a validation after step 2 of 2 batches: that step's record also counts the
+    validation's collectives, each unit's all-gather per batch and the loss's all-reduce."""
+    overrides = [
+        "parallel.strategy=fsdp", "run.comm_bytes=true", "data.val_fraction=0.1", "eval.every=2",
+        "eval.batches=2",
+    ]  # fmt: skip
+    metrics = train_run(tmp_path / "run", *overrides, nproc=2, steps=2)
+    step, validated = metrics
+    assert "val_loss" in validated and "val_loss" not in step
+    extra = validated["cross_replica_collectives"] - step["cross_replica_collectives"]
+    assert extra == 2 * 3 + 1  # 3 units: 2 blocks and the root
+    assert validated["comm_bytes"] > step["comm_bytes"]
+
+
 @pytest.mark.parametrize("raw", ["abc", "-5", "20000", "nan"])
 def test_a_bad_simulated_round_trip_is_named(raw: str) -> None:
     with pytest.raises(DtlabError, match=f"{RTT_ENV}='{raw}'.*0 to 10000"):

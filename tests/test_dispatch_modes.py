@@ -59,3 +59,37 @@ def test_a_compiled_block_first_run_under_a_mode_compiles_after_it(mode: str) ->
         assert graphs == []
     else:
         assert len(graphs) == 1, mode
+
+
+def test_collectives_in_compiled_code_are_counted_with_compile_on() -> None:
+    """run.comm_bytes leaves train.compile on: under the collective counter a compiled function
+    compiles (while the mode is active) and the collective its compiled code runs is counted, to
+    the byte (torch's fake process group of 2 ranks: the collective runs nowhere)."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    graphs: list[object] = []
+
+    def backend(gm: torch.fx.GraphModule, example: object) -> Callable[..., Any]:
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        group = dist.group.WORLD
+        assert group is not None
+
+        @torch.compile(backend=backend)
+        def step(x: torch.Tensor) -> torch.Tensor:
+            return funcol.all_reduce(x.sin(), "sum", group).cos()
+
+        with CommCounter() as counter:
+            step(torch.randn(16))
+            step(torch.randn(16))
+        assert len(graphs) == 1  # compiled under the mode, once
+        assert counter.counts["all_reduce"] == 2 and counter.bytes["all_reduce"] == 2 * 16 * 4
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()

@@ -83,13 +83,13 @@ def _summary(run_dir: Path, replica: int) -> dict[str, Any]:
 
 
 def test_no_fault_equals_plain_ddp(tmp_path: Path) -> None:
-    steps = 8
+    steps, counted = 8, "run.comm_bytes=true"
     plain = run_cli(
         "train", "--nproc", "2", "--set", *FAST, f"train.steps={steps}",
-        f"run.dir={tmp_path / 'plain'}", "parallel.strategy=ddp",
+        f"run.dir={tmp_path / 'plain'}", "parallel.strategy=ddp", counted,
     )  # fmt: skip
     assert plain.returncode == 0, plain.stderr
-    ft = run_cli(*_train_args(tmp_path / "ft", steps))
+    ft = run_cli(*_train_args(tmp_path / "ft", steps, counted))
     assert ft.returncode == 0, ft.stderr
     assert "Traceback" not in ft.stderr, ft.stderr
     # The lighthouse's Rust side is quiet unless RUST_LOG asks (it logs every quorum tick at INFO).
@@ -100,6 +100,12 @@ def test_no_fault_equals_plain_ddp(tmp_path: Path) -> None:
     run = read_metrics(tmp_path / "ft" / "replica-1")
     assert run[-1]["loss"] < run[0]["loss"] - 0.3
     _final_weights_equal(tmp_path / "ft", steps)
+    # Each step sends one all-reduce across the groups, the gradients and the loss (float32),
+    # counted once and as crossing; DDP's in each group of one rank sends nothing.
+    params = json.loads((tmp_path / "ft" / "replica-0" / "summary.json").read_text())["params"]
+    for m in run:
+        assert m["comm_bytes"] == m["wire_bytes"] == m["cross_replica_bytes"] == 4 * (params + 1)
+        assert m["cross_replica_collectives"] == 1
     # Where the lighthouse was, and how every group ended.
     record = json.loads((tmp_path / "ft" / "fault_tolerance.json").read_text())
     assert record["lighthouse"].startswith("http://127.0.0.1:")

@@ -59,10 +59,10 @@ def _models(path: Path) -> dict[str, Any]:
     ids=["dense", "int4", "sparse"],
 )
 def test_no_fault_equals_plain_diloco(tmp_path: Path, outer: list[str]) -> None:
-    steps = 8  # 4 outer syncs
-    plain = run_cli(*_args(tmp_path / "plain", steps, *outer))
+    steps, counted = 8, "run.comm_bytes=true"  # 4 outer syncs
+    plain = run_cli(*_args(tmp_path / "plain", steps, *outer, counted))
     assert plain.returncode == 0, plain.stderr
-    ft = run_cli(*_args(tmp_path / "ft", steps, *outer, *FT))
+    ft = run_cli(*_args(tmp_path / "ft", steps, *outer, *FT, counted))
     assert ft.returncode == 0, ft.stderr
     assert "Traceback" not in ft.stderr, ft.stderr
     ref = read_metrics(tmp_path / "plain")  # rank 0's: replica 0 between syncs, the mean at syncs
@@ -75,6 +75,13 @@ def test_no_fault_equals_plain_diloco(tmp_path: Path, outer: list[str]) -> None:
             assert ("outer_sync" in m) == ("outer_sync" in r) == (m["step"] % 2 == 0)
             if "outer_sync" in m:
                 assert m["replicas"] == 2 and "samples_lost" not in m and "outer_skipped" not in m
+            # What crosses the groups through torchft is what crosses plain DiLoCo's replicas,
+            # counted alike: the sync and the agreement at each sync, nothing between (the
+            # agreement is an all-reduce here, an all-gather there: the same buffer, on the wire
+            # twice the bytes).
+            for key in ("comm_bytes", "cross_replica_bytes", "cross_replica_collectives"):
+                assert m[key] == r[key], (replica, m["step"], key, m[key], r[key])
+            assert (m["cross_replica_bytes"] > 0) == (m["wire_bytes"] > 0) == ("outer_sync" in m)
     assert ref[-1]["loss"] < ref[0]["loss"] - 0.3
     # θ_global after the last sync: plain DiLoCo's, on both replica groups, to float noise.
     final = f"checkpoints/step-{steps:08d}"

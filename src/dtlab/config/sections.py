@@ -772,8 +772,10 @@ class RunConfig(_Section):
         False,
         description="Count every collective of each step from the dispatcher into metrics.jsonl: "
         "comm_bytes (whole buffers) and wire_bytes (what one rank sends, ring algorithms over the "
-        "world), and of those the ones that cross replicas (data-parallel or DiLoCo): "
-        "cross_replica_bytes and cross_replica_collectives; for measurements (dtlab.bench.lowcomm).",
+        "world), and of those the ones that cross replicas (data-parallel, DiLoCo or "
+        "fault-tolerant replica groups): cross_replica_bytes and cross_replica_collectives; the "
+        "step's alerts and validation count with it; train.compile stays on; for measurements "
+        "(dtlab.bench.lowcomm).",
     )
     profile: bool = Field(
         False,

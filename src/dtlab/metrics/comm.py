@@ -13,15 +13,14 @@ import math
 import os
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from dtlab.errors import DtlabError
-from dtlab.metrics.modes import EagerDispatchMode
 
 # A bench-only knob (dtlab.bench.lowcomm's links with a latency): milliseconds every rank sleeps before
 # it issues each collective that crosses replicas, so that the collective completes one simulated round
@@ -56,6 +55,7 @@ _NAMES = {
     "allgather_into_tensor_coalesced": "all_gather",
     "all_gather_into_tensor": "all_gather",
     "all_gather_into_tensor_coalesced": "all_gather",
+    "all_gather_into_tensor_out": "all_gather",
     "reduce_scatter": "reduce_scatter",
     "reduce_scatter_base": "reduce_scatter",
     "reduce_scatter_tensor": "reduce_scatter",
@@ -65,12 +65,15 @@ _NAMES = {
     "alltoall_base": "all_to_all",
     "all_to_all_single": "all_to_all",
     "send": "send/recv",
+    "isend": "send/recv",
 }
 
 
 # Dispatched but not collectives of their own: a functional collective's autograd wrapper, and a
 # pipeline's receive (its send counts the bytes).
-_NOT_COUNTED = ("barrier", "monitored_barrier", "wrap_tensor_autograd", "recv", "recv_any_source")
+_NOT_COUNTED = (
+    "barrier", "monitored_barrier", "wrap_tensor_autograd", "recv", "recv_any_source", "irecv",
+)  # fmt: skip
 
 # torch.distributed functions -> (collective, index of the argument whose bytes count).
 _PY_API = {
@@ -84,14 +87,18 @@ _PY_API = {
 }
 
 
-class CommCounter(EagerDispatchMode):
+class CommCounter(TorchDispatchMode):
     """Counts the collectives issued on this rank while active, with the bytes each one moves.
 
     Works for DDP's reducer, FSDP2's all-gathers and reduce-scatters, DTensor redistributions and
     plain ``torch.distributed`` calls, because all of them go through the dispatcher's ``c10d`` (or
     functional collective) operators. Bytes follow one convention: the size of the whole buffer the
     collective operates on (the all-reduced tensor, the all-gather's output, the reduce-scatter's input),
-    which is what ``dtlab.analysis`` predicts.
+    which is what ``dtlab.analysis`` predicts. A collective on a group of one rank moves nothing
+    and is not counted (DDP's all-reduce in a fault-tolerant replica group of one rank).
+
+    ``crossing``: the names of process groups that span replicas whatever ``replica_of`` says
+    (torchft's group across fault-tolerant replica groups, each its own world).
     """
 
     def __init__(
@@ -99,6 +106,7 @@ class CommCounter(EagerDispatchMode):
         labels: dict[str, str] | None = None,
         replica_of: Sequence[int] | None = None,
         rtt_s: float = 0.0,
+        crossing: Collection[str] = (),
     ) -> None:
         super().__init__()
         # Process group name -> the dimension its collectives are counted under ("tp all_reduce"),
@@ -112,10 +120,19 @@ class CommCounter(EagerDispatchMode):
         # Global rank -> its replica (None: not told apart), and what crossed replicas: calls, bytes.
         self.replica_of = list(replica_of) if replica_of is not None else None
         self.rtt_s = rtt_s
+        self.crossing = set(crossing)
         self.cross_calls = 0
         self.cross_bytes = 0
         self._crosses: dict[str | None, bool] = {}
         self._patched: dict[str, Any] = {}
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """torch.compile compiles as usual while this mode is active (it is off while the compiler
+        traces) and the compiled code's collectives, called through the dispatcher, are counted
+        as they run: counting leaves ``train.compile`` on. What the compiler fuses away is
+        never a collective."""
+        return True
 
     def __enter__(self) -> CommCounter:
         # A dispatch mode sees only the threads whose dispatch mode stack holds it: the thread that
@@ -140,9 +157,9 @@ class CommCounter(EagerDispatchMode):
     def _wrap(self, original: Any, name: str, arg: int) -> Any:
         @functools.wraps(original)
         def counted(*args: Any, **kwargs: Any) -> Any:
-            if not self._seen_by_dispatch():
+            group = kwargs.get("group")
+            if not self._seen_by_dispatch() and dist.get_world_size(group) > 1:
                 nbytes = sum(t.numel() * t.element_size() for t in _tensors(args[arg]))
-                group = kwargs.get("group")
                 name_of = str(group.group_name) if group is not None else None
                 self.counts[name] += 1
                 self.bytes[name] += nbytes
@@ -163,7 +180,9 @@ class CommCounter(EagerDispatchMode):
         op = func.overloadpacket.__name__.strip("_")
         if op in _NOT_COUNTED or op.startswith("wait"):
             return func(*args, **(kwargs or {}))
-        group = _group_name(func.namespace, args)
+        group, size = _group_of(func.namespace, args)
+        if size == 1:  # nothing leaves the rank
+            return func(*args, **(kwargs or {}))
         crosses = self._crosses_replicas(group)
         if crosses and self.rtt_s > 0:
             time.sleep(self.rtt_s)  # the simulated round trip, before the collective starts
@@ -193,6 +212,8 @@ class CommCounter(EagerDispatchMode):
     def _crosses_replicas(self, group: str | None) -> bool:
         """Whether a collective on process group ``group`` (None: the default group, every rank)
         spans ranks of more than one replica; False when replicas are not told apart."""
+        if group in self.crossing:
+            return True
         if self.replica_of is None:
             return False
         if group not in self._crosses:
@@ -220,18 +241,29 @@ def _group_ranks(name: str) -> list[int] | None:
     return list(dist.get_process_group_ranks(group))
 
 
-def _group_name(namespace: str, args: Any) -> str | None:
-    """The name of the process group a dispatched collective runs on: a functional collective's last
-    argument, or the c10d operator's ProcessGroup."""
+def _group_of(namespace: str, args: Any) -> tuple[str | None, int | None]:
+    """The name and size of the process group a dispatched collective runs on: a functional
+    collective's last argument, or the c10d operator's ProcessGroup (None where not known)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
     if namespace == "_c10d_functional":
-        return args[-1] if args and isinstance(args[-1], str) else None
+        name = args[-1] if args and isinstance(args[-1], str) else None
+        try:
+            size = _resolve_process_group(name).size() if name is not None else None  # type: ignore[arg-type]
+        except (KeyError, RuntimeError, ValueError):
+            size = None
+        return name, size
     for a in args:
         if isinstance(a, torch.ScriptObject):
             try:
-                return str(dist.ProcessGroup.unbox(a).group_name)
+                group = dist.ProcessGroup.unbox(a)
             except (RuntimeError, AttributeError):
-                return None
-    return None
+                return None, None
+            try:
+                return str(group.group_name), group.size()
+            except (RuntimeError, ValueError):
+                return None, group.size()
+    return None, None
 
 
 def _payload(name: str, namespace: str, args: Any, out: Any) -> int:

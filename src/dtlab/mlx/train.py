@@ -288,7 +288,7 @@ class MlxEngine(Engine):
             m["stop"] = stop
         return m
 
-    def evaluate(self, batches: list[list[Any]]) -> float:
+    def evaluate(self, batches: list[list[Any]], record: dict[str, Any] | None = None) -> float:
         return self.trainer.evaluate([_numpy_batches(b) for b in batches], self.watchdog)
 
     def peak_memory_bytes(self) -> int:

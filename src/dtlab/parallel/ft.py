@@ -72,6 +72,9 @@ FINISHED_KEY = "dtlab/ft/finished"
 
 # The replica id the lighthouse knows a group by: torchft reads the group's index from its digits.
 REPLICA_ID = "dtlab_replica_{}"
+# The name given to torchft's process group across the replica groups (torchft leaves it unnamed),
+# by which the collective counter (run.comm_bytes) tells its collectives apart.
+GROUPS_PG_NAME = "dtlab_ft_replica_groups"
 
 
 @dataclass(frozen=True)
@@ -284,6 +287,8 @@ class Replicas:
                 # torchft numbers a member replica * group size + group rank.
                 members[:] = sorted({r // max(1, d.world_size) for r in ranks})
                 super().configure(*args, **kwargs)
+                if self._pg is not None:
+                    self._pg._set_group_name(GROUPS_PG_NAME)
 
         _quiet_torchft()
         # A group of several ranks meets its manager through a store of its own, new for each

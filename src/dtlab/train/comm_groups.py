@@ -7,6 +7,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from dtlab.dims import ParallelDims
+from dtlab.parallel.ft import GROUPS_PG_NAME
+
+# The label of the collectives across fault-tolerant replica groups (torchft's).
+REPLICA_GROUPS = "replica_groups"
 
 if TYPE_CHECKING:
     from dtlab.parallel.dist import DistInfo
@@ -21,12 +25,17 @@ def replica_index(dims: ParallelDims, rank: int) -> int:
     return dims.dp_rank(rank)
 
 
-def comm_labels(d: DistInfo, diloco: DiLoCo | None) -> tuple[dict[str, str], dict[str, int]]:
+def comm_labels(
+    d: DistInfo, diloco: DiLoCo | None, replica_groups: int = 0
+) -> tuple[dict[str, str], dict[str, int]]:
     """The process groups whose collectives are counted under a name of their own (group name ->
     label), and each label's group size: DiLoCo's outer syncs, the data-parallel groups inside
-    its replicas, expert parallelism's groups. Every other collective spans the world."""
+    its replicas, expert parallelism's groups, and under fault tolerance torchft's group across
+    the ``replica_groups`` (:data:`REPLICA_GROUPS`; 0: no fault tolerance). Every other collective spans the world (a replica group's own)."""
     labels: dict[str, str] = {}
     sizes: dict[str, int] = {}
+    if replica_groups:
+        labels[GROUPS_PG_NAME], sizes[REPLICA_GROUPS] = REPLICA_GROUPS, replica_groups
     if diloco is not None and diloco.group is not None:
         labels[str(diloco.group.group_name)], sizes["diloco"] = "diloco", diloco.world
     if diloco is not None and diloco.replica[0] is not None:  # the step's agreement in a replica

@@ -12,7 +12,7 @@ import contextlib
 import json
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,7 +59,7 @@ from dtlab.parallel.ledger import (
 )
 from dtlab.runtime.faults import FAULTS_ENV, Faults
 from dtlab.runtime.signals import STOP_SIGNALS, StopSignals, agreed_stop
-from dtlab.train.comm_groups import comm_labels, replica_index
+from dtlab.train.comm_groups import REPLICA_GROUPS, comm_labels, replica_index
 from dtlab.train.diloco import DiLoCo, outer_group, replica_group
 from dtlab.train.diloco_ft import FaultTolerantOuter
 from dtlab.train.loss import token_loss
@@ -465,19 +465,21 @@ class TorchEngine:
         self.dims = d.dims
         self.layout = layout_name(d.dims, config.parallel)
         self.data_ranks = data_parallel(config, d)[1]
-        if config.parallel.fault_tolerance.enabled:  # this group's world is one of several
-            groups = self.data_ranks // d.dims.dp
+        ft = config.parallel.fault_tolerance.enabled
+        groups = self.data_ranks // d.dims.dp if ft else 0  # fault-tolerant replica groups
+        if ft:  # this group's world is one of several
             ranks = f"{d.world_size} rank{'s' * (d.world_size > 1)}"
             self.layout = f"{groups} fault-tolerant replica groups of {ranks}, each {self.layout}"
         self.device = d.device.type
-        self.comm_labels, self.comm_sizes = comm_labels(d, self.tr.diloco)
+        self.comm_labels, self.comm_sizes = comm_labels(d, self.tr.diloco, groups)
         # Each rank's replica (DiLoCo's, else its data-parallel index): a collective whose group
         # holds several crosses replicas. And the bench's simulated round trip on those (0: none).
-        self.replica_of = [replica_index(d.dims, r) for r in range(d.world_size)]
+        # A fault-tolerant group is one replica: only torchft's collectives cross (comm_labels).
+        self.replica_of = [0 if ft else replica_index(d.dims, r) for r in range(d.world_size)]
         self.rtt_s = bench_rtt_s()
+        self.uncounted: dict[str, Any] = {}  # the counts of a step taken again, for the next
         self.states: dict[str, Stateful] = {}
         self.per_rank: tuple[str, ...] = ()
-        ft = config.parallel.fault_tolerance.enabled
         self.replicas = Replicas(config, d) if ft else None  # parallel.fault_tolerance
         # DiLoCo over replica groups: the quorum and the average only at the outer syncs.
         self.outer_ft = (
@@ -588,23 +590,42 @@ class TorchEngine:
         self, batch: list[Any], step: int, stop_signal: int, inject_nan: bool
     ) -> dict[str, Any]:
         note_step(step)
+        # A fault-tolerant step that did not commit is taken again: what it sent counts with it.
+        counted, self.uncounted = self.uncounted, {}
+        with self.counting(counted):
+            m = self._step(batch, step, stop_signal, inject_nan)
+        if m.get("uncommitted"):
+            self.uncounted = counted
+        else:
+            m.update(counted)
+        return m
+
+    @contextlib.contextmanager
+    def counting(self, record: dict[str, Any] | None) -> Iterator[None]:
+        """With ``run.comm_bytes`` (or a simulated round trip), the collectives issued inside are
+        counted and added to the figures in step record ``record`` (None: not recorded): every
+        collective of a step's iteration (the step, the alerts' agreement, the validation)
+        counted once, by one counter."""
         counter = self._counter()
         with counter:
-            m = self._step(batch, step, stop_signal, inject_nan)
-        if isinstance(counter, CommCounter):
-            self._count_into(m, counter)
-        return m
+            yield
+        if record is not None and isinstance(counter, CommCounter):
+            self._count_into(record, counter)
 
     def _counter(self) -> CommCounter | contextlib.nullcontext[None]:
         """A collective counter for the step (run.comm_bytes, or a simulated round trip to add)."""
         if self.config.run.comm_bytes or self.rtt_s > 0:
-            return CommCounter(self.comm_labels, self.replica_of, self.rtt_s)
+            crossing = [k for k, v in self.comm_labels.items() if v == REPLICA_GROUPS]
+            return CommCounter(self.comm_labels, self.replica_of, self.rtt_s, crossing)
         return contextlib.nullcontext()
 
     def _count_into(self, m: dict[str, Any], counter: CommCounter) -> None:
         """Add what ``counter`` counted to the step's figures ``m``."""
         # A collective on a labelled group spans that group, any other the world.
-        sizes = {k: self.comm_sizes[k.split(" ")[0]] for k in counter.bytes if " " in k}
+        group_sizes = dict(self.comm_sizes)
+        if self.replicas is not None:  # torchft's collectives span the groups of this quorum
+            group_sizes[REPLICA_GROUPS] = self.replicas.manager.num_participants()
+        sizes = {k: group_sizes[k.split(" ")[0]] for k in counter.bytes if " " in k}
         figures = {
             "comm_bytes": sum(counter.bytes.values()),
             "wire_bytes": round(bus_bytes(dict(counter.bytes), sizes, self.d.world_size)),
@@ -720,8 +741,9 @@ class TorchEngine:
             )  # fmt: skip
         self.micro_now = smaller
 
-    def evaluate(self, batches: list[list[Any]]) -> float:
-        return evaluate(self.tr.pm, batches, self.config, self.d.device)
+    def evaluate(self, batches: list[list[Any]], record: dict[str, Any] | None = None) -> float:
+        with self.counting(record):
+            return evaluate(self.tr.pm, batches, self.config, self.d.device)
 
     def memory_use(self) -> tuple[int, int]:
         return memory_use(self.d.device)
@@ -734,11 +756,8 @@ class TorchEngine:
         t = torch.empty(len(values), dtype=torch.float64, device=self.d.device)
         for i, value in enumerate(values):
             t[i].fill_(value)
-        counter = self._counter()
-        with recorded("alerts: the ranks' largest figures", "all_reduce", t), counter:
+        with recorded("alerts: the ranks' largest figures", "all_reduce", t), self.counting(record):
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        if record is not None and isinstance(counter, CommCounter):
-            self._count_into(record, counter)  # the step's collectives include this one
         return [float(v) for v in t.tolist()]
 
     def after_step(self) -> None:

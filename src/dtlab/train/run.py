@@ -117,9 +117,10 @@ class Engine(Protocol):
         with ``"stop"`` naming the stop signal the ranks agreed on, if any."""
         ...
 
-    def evaluate(self, batches: list[list[Any]]) -> float:
+    def evaluate(self, batches: list[list[Any]], record: dict[str, Any] | None = None) -> float:
         """The mean loss over every token of ``batches`` (each a step's worth of this rank's
-        validation micro-batches), agreed by every rank; a forward only, that changes no state."""
+        validation micro-batches), agreed by every rank; a forward only, that changes no state.
+        With ``run.comm_bytes`` its collectives join the counts in step record ``record``."""
         ...
 
     def after_step(self) -> None:
@@ -394,7 +395,7 @@ def _loop(
         if health.rollbacks:
             m["rollback"] = health.rollbacks  # this step number was logged before the rollback
         if eval_due(config, n):
-            m.update(_evaluate(r, n))
+            _evaluate(r, n, m)
         # A DiLoCo step between outer syncs has one replica's figures, agreed with no other: the run's
         # decisions (alerts, bad steps, stops) wait for the next sync, where the replicas agree.
         fired = _alerts(r, monitor, m, dt) if m.get("scope") != "replica" else []
@@ -430,19 +431,20 @@ def _loop(
                 engine.save(r.ckpt, n, blocking=False)
 
 
-def _evaluate(r: _Run, step: int) -> dict[str, Any]:
-    """The validation loss and perplexity after ``step`` (outside the step's timing)."""
+def _evaluate(r: _Run, step: int, m: dict[str, Any]) -> None:
+    """The validation loss and perplexity after ``step`` (outside the step's timing), into its
+    record ``m`` (with ``run.comm_bytes``, the evaluation's collectives added to the step's)."""
     loader = r.engine.val_loader
     assert loader is not None  # eval.every needs a validation split (a config rule)
     t0 = time.perf_counter()
     if r.val_batches is None:
         r.val_batches = [loader.build_step(k) for k in range(r.config.eval.batches)]
     with recorded("validation", "forward + all_reduce"):
-        loss = r.engine.evaluate(r.val_batches)
+        loss = r.engine.evaluate(r.val_batches, m)
     ppl = math.exp(loss) if loss < 700 else math.inf  # exp overflows a float above ~709
     if r.engine.coord.is_main:
         logger.info("step %d: val_loss %.4f | val_ppl %.3f", step, loss, ppl)
-    return {"val_loss": loss, "val_ppl": ppl, "eval_time_s": time.perf_counter() - t0}
+    m.update(val_loss=loss, val_ppl=ppl, eval_time_s=time.perf_counter() - t0)
 
 
 def _alerts(
