@@ -107,6 +107,23 @@ def test_a_validation_is_counted_with_its_step(tmp_path: Path) -> None:
     assert validated["comm_bytes"] > step["comm_bytes"]
 
 
+def test_a_diloco_save_between_syncs_is_counted_as_crossing(tmp_path: Path) -> None:
+    """A DiLoCo checkpoint is the world's: a save between syncs runs collectives across the
+    replicas (DCP's planning, the ranks' RNG states), counted with the step after it; the final
+    save's, after the last record, in the summary."""
+    overrides = [
+        *DILOCO, "parallel.strategy=ddp", "run.comm_bytes=true",
+        "checkpoint.every=2", "checkpoint.async=false",
+    ]  # fmt: skip
+    metrics = train_run(tmp_path / "run", *overrides, nproc=2, steps=4)
+    assert [("outer_sync" in m) for m in metrics] == [False, False, False, True]
+    one, two, after_save, _ = metrics
+    assert one["cross_replica_collectives"] == two["cross_replica_collectives"] == 0
+    assert after_save["cross_replica_collectives"] > 0 and after_save["cross_replica_bytes"] > 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["comm_after_last_step"]["cross_replica_collectives"] > 0
+
+
 @pytest.mark.parametrize("raw", ["abc", "-5", "20000", "nan"])
 def test_a_bad_simulated_round_trip_is_named(raw: str) -> None:
     with pytest.raises(DtlabError, match=f"{RTT_ENV}='{raw}'.*0 to 10000"):

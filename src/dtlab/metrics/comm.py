@@ -98,7 +98,9 @@ class CommCounter(TorchDispatchMode):
     and is not counted (DDP's all-reduce in a fault-tolerant replica group of one rank).
 
     ``crossing``: the names of process groups that span replicas whatever ``replica_of`` says
-    (torchft's group across fault-tolerant replica groups, each its own world).
+    (torchft's group across fault-tolerant replica groups, each its own world). ``ignored``: the
+    names of process groups whose collectives are not counted (an async checkpoint's, whose
+    background thread may issue them while a step is counted).
     """
 
     def __init__(
@@ -107,6 +109,7 @@ class CommCounter(TorchDispatchMode):
         replica_of: Sequence[int] | None = None,
         rtt_s: float = 0.0,
         crossing: Collection[str] = (),
+        ignored: Collection[str] = (),
     ) -> None:
         super().__init__()
         # Process group name -> the dimension its collectives are counted under ("tp all_reduce"),
@@ -121,6 +124,7 @@ class CommCounter(TorchDispatchMode):
         self.replica_of = list(replica_of) if replica_of is not None else None
         self.rtt_s = rtt_s
         self.crossing = set(crossing)
+        self.ignored = set(ignored)
         self.cross_calls = 0
         self.cross_bytes = 0
         self._crosses: dict[str | None, bool] = {}
@@ -158,9 +162,13 @@ class CommCounter(TorchDispatchMode):
         @functools.wraps(original)
         def counted(*args: Any, **kwargs: Any) -> Any:
             group = kwargs.get("group")
-            if not self._seen_by_dispatch() and dist.get_world_size(group) > 1:
+            name_of = str(group.group_name) if group is not None else None
+            if (
+                not self._seen_by_dispatch()
+                and dist.get_world_size(group) > 1
+                and name_of not in self.ignored
+            ):
                 nbytes = sum(t.numel() * t.element_size() for t in _tensors(args[arg]))
-                name_of = str(group.group_name) if group is not None else None
                 self.counts[name] += 1
                 self.bytes[name] += nbytes
                 self.by_group[(name, None)] += nbytes
@@ -181,7 +189,7 @@ class CommCounter(TorchDispatchMode):
         if op in _NOT_COUNTED or op.startswith("wait"):
             return func(*args, **(kwargs or {}))
         group, size = _group_of(func.namespace, args)
-        if size == 1:  # nothing leaves the rank
+        if size == 1 or group in self.ignored:  # nothing leaves the rank; not counted here
             return func(*args, **(kwargs or {}))
         crosses = self._crosses_replicas(group)
         if crosses and self.rtt_s > 0:

@@ -477,7 +477,9 @@ class TorchEngine:
         # A fault-tolerant group is one replica: only torchft's collectives cross (comm_labels).
         self.replica_of = [0 if ft else replica_index(d.dims, r) for r in range(d.world_size)]
         self.rtt_s = bench_rtt_s()
-        self.uncounted: dict[str, Any] = {}  # the counts of a step taken again, for the next
+        # What was counted after the last record (a step taken again, a save): for the next one.
+        self.uncounted: dict[str, Any] = {}
+        self.uncounted_groups: set[str] = set()  # an async save's group, busy beside the steps
         self.states: dict[str, Stateful] = {}
         self.per_rank: tuple[str, ...] = ()
         self.replicas = Replicas(config, d) if ft else None  # parallel.fault_tolerance
@@ -568,7 +570,13 @@ class TorchEngine:
                     (p.to_local() if isinstance(p, DTensor) else p).add_(1e-3)
 
     def save(self, ckpt: Checkpointer, step: int, *, blocking: bool) -> None:
-        ckpt.save(step, self.states, per_rank=self.per_rank, blocking=blocking)
+        # A save's collectives on this thread (the ranks' RNG states; a blocking save's planning
+        # and commit) count with the next step, the first record logged after it. An async save's
+        # own group (its planning runs on DCP's thread) is not counted: docs/configuration.md.
+        if ckpt.group is not None:
+            self.uncounted_groups.add(str(ckpt.group.group_name))
+        with self.counting(self.uncounted):
+            ckpt.save(step, self.states, per_rank=self.per_rank, blocking=blocking)
         self._staged = ckpt.staged  # the next step waits for an async save's copy before it updates
 
     def start_fresh(self) -> str | None:
@@ -616,7 +624,9 @@ class TorchEngine:
         """A collective counter for the step (run.comm_bytes, or a simulated round trip to add)."""
         if self.config.run.comm_bytes or self.rtt_s > 0:
             crossing = [k for k, v in self.comm_labels.items() if v == REPLICA_GROUPS]
-            return CommCounter(self.comm_labels, self.replica_of, self.rtt_s, crossing)
+            return CommCounter(
+                self.comm_labels, self.replica_of, self.rtt_s, crossing, self.uncounted_groups
+            )
         return contextlib.nullcontext()
 
     def _count_into(self, m: dict[str, Any], counter: CommCounter) -> None:
@@ -781,6 +791,8 @@ class TorchEngine:
             out["peak_memory_reserved_bytes"] = self.peak_memory_reserved_bytes()
         if self.config.train.oom_retry:
             out.update(oom_retries=self.oom_retries, micro_batch_size=self.micro_now)
+        if self.uncounted:  # run.comm_bytes: sent after the last step's record (its final save)
+            out["comm_after_last_step"] = dict(self.uncounted)
         if self.replicas is not None:
             out.update(self.replicas.summary())
             if self.outer_ft is not None:
