@@ -1,7 +1,11 @@
 import sys
 
-from dtlab.cli import main
-from dtlab.runtime import status
+from dtlab.runtime.lifeline import die_with_parent
+
+die_with_parent()  # a rank dies with the agent that started it (dtlab.runtime.lifeline)
+
+from dtlab.cli import main  # noqa: E402
+from dtlab.runtime import status  # noqa: E402
 
 status.ENDS_WITHOUT_TEARDOWN = True
 code = main()

@@ -40,6 +40,7 @@ from dtlab.parallel.ft import (
     start_store,
 )
 from dtlab.runtime import forkserver
+from dtlab.runtime.lifeline import die_with_parent, started_here
 
 # After the first group finishes, how long the others have beyond parallel.fault_tolerance.timeout_s.
 FINISH_MARGIN_S = 20.0
@@ -136,7 +137,8 @@ def launch_replicas(spec: LaunchSpec, config: Config, worker_args: list[str], ru
             "--max-restarts", str(o.max_restarts), "--run-dir", str(replica_dir(run_dir, i)),
             "--", *args,
         ]  # fmt: skip
-        procs.append(subprocess.Popen(cmd, env={**env, REPLICA_ENV: str(i)}))
+        # Each agent, and so each rank, dies with this process, even when it is killed -9.
+        procs.append(subprocess.Popen(cmd, env=started_here({**env, REPLICA_ENV: str(i)})))
     try:
         codes = _supervise(procs, o.timeout_s + FINISH_MARGIN_S)
     finally:
@@ -298,4 +300,5 @@ def say_finished() -> None:
 
 
 if __name__ == "__main__":
+    die_with_parent()
     sys.exit(main())

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dtlab.errors import Preempted
+from dtlab.runtime.lifeline import started_here
 from dtlab.runtime.messages import MESSAGES_ENV, take_messages
 from dtlab.train.rundir import finished_since, stopped_with_checkpoint
 
@@ -106,6 +107,7 @@ def _launch(
         return _after_signal(sig, saved())
 
     ctrl_c = _CtrlC()
+    started_here()  # the ranks die with this process, even when it is killed -9
     try:
         with ctrl_c:
             elastic_launch(config, entrypoint=python)("-m", module, *worker_args)

@@ -40,7 +40,23 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return data
 
 
+def _die_with_parent() -> None:
+    """dtlab.runtime.lifeline's die_with_parent for the shim (its child is bound to it): killed when
+    the dtlab process that started it dies, ended now if that one already has. The variable stays
+    for the child, which reads it as a fork server's child (bound to this shim) and drops it."""
+    raw = os.environ.get("DTLAB_PARENT_PID", "")
+    if not raw.isdigit() or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0) != 0:  # PDEATHSIG
+        return
+    if os.getppid() != int(raw):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main() -> None:
+    _die_with_parent()
     path = os.environ.get("DTLAB_FORKSERVER")
     request = _parse(sys.argv[1:])
     # Slurm tracks a job's processes itself: a job's interpreters are its own.
