@@ -140,6 +140,27 @@ def test_moe_groups_balance_on_every_groups_loads_as_ddp_does(tmp_path: Path) ->
             assert torch.equal(got[k], want[k]), (replica, k, got[k], want[k])
 
 
+def test_an_alert_in_one_group_stops_every_group_at_the_same_step(tmp_path: Path) -> None:
+    """alerts.action: stop, and only group 1 above the memory threshold (it takes 2 GiB before
+    step 3): the groups agree on the alerts' figures, so both stop after step 3 with the alert
+    named, and neither trains on alone."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    threshold = 1.5 * 2**30 / total  # above a rank of the debug model, below it with 2 GiB more
+    alert = [
+        f"alerts.memory_fraction={threshold:.6f}", "alerts.action=stop",
+        "parallel.fault_tolerance.max_restarts=0",  # an agent would start a stopped group again
+    ]  # fmt: skip
+    env = {"DTLAB_FAULTS": "hog@3:r1", "DTLAB_HOG_MB": "2048"}
+    proc = run_cli(*_train_args(tmp_path / "run", 10, *alert), env=env)
+    assert proc.returncode != 0, proc.stderr
+    for replica in (0, 1):
+        run = read_metrics(tmp_path / "run" / f"replica-{replica}")
+        assert [m["step"] for m in run] == [1, 2, 3], (replica, proc.stderr[-2000:])
+        assert run[-1]["alerts"] == ["memory"], run[-1]
+    record = json.loads((tmp_path / "run" / "fault_tolerance.json").read_text())
+    assert record["exit_codes"]["0"] == record["exit_codes"]["1"], record
+
+
 def test_killed_replica_rejoins_with_the_live_state(tmp_path: Path) -> None:
     # Two groups needed for a step: group 0 waits for group 1 to come back (with one, whether it
     # would finish alone before depends on how fast the agent restarts group 1).

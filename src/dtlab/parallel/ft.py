@@ -500,6 +500,21 @@ class Replicas:
                 c.copy_(new * took_part)
         return out[len(grads)].reshape(()).to(loss_sum.dtype)
 
+    def largest(self, values: torch.Tensor) -> None:
+        """``values`` (in place) maximised over the groups in the quorum, after a committed step:
+        the alerts' figures, so that every group judges them alike and an alert that stops the
+        run stops every group at the same step, not one group alone. A failed all-reduce leaves
+        this group's own (torchft's to note; the next quorum starts afresh)."""
+        import torch.distributed as dist
+
+        t0 = time.perf_counter()
+        mine = values.clone()
+        self.manager.allreduce(values, reduce_op=dist.ReduceOp.MAX).wait()
+        if self.manager.errored() is not None:
+            values.copy_(mine)  # torchft may have zeroed it
+            self.drop_links()
+        self.seconds["allreduce"] += time.perf_counter() - t0
+
     def drop_links(self) -> None:
         """After a failed cross-group collective, close this rank's connections of it at once.
 

@@ -37,7 +37,8 @@
 A collective that fails or times out (``hang``, ``skipcoll``, ``badshape``) is reported with the
 ranks' ledgers of collectives (:mod:`dtlab.parallel.ledger`): who is behind, or how the ranks differ.
 
-Without ``:rRANK`` a fault hits every rank. Faults fire in a launcher's first attempt only
+Without ``:rRANK`` a fault hits every rank. Under fault tolerance RANK is the run's: replica group
+``g``'s rank ``r`` is ``g`` x the group's ranks + ``r`` (``:r1`` with groups of one rank: group 1). Faults fire in a launcher's first attempt only
 (``TORCHELASTIC_RESTART_COUNT`` 0), so that a restart after an injected crash can recover, and each
 ``nan`` step fires once per process, so that a rollback past it can recover.
 """

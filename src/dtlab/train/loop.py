@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +49,7 @@ from dtlab.parallel import (
 )
 from dtlab.parallel.compression import reduce_dtype
 from dtlab.parallel.dist import decide_on_rank0, reduce_scalar
-from dtlab.parallel.ft import Replicas, data_parallel, tag_logs
+from dtlab.parallel.ft import ReplicaPlace, Replicas, data_parallel, tag_logs
 from dtlab.parallel.ledger import (
     collective_failure,
     note_step,
@@ -427,11 +426,14 @@ def train(config: Config) -> dict[str, Any]:
 
 def _train(config: Config, d: DistInfo) -> dict[str, Any]:
     setup_logging(d.rank, d.world_size)
+    run_rank = d.rank  # the rank a fault's :rRANK names: under fault tolerance, the run's
     if config.parallel.fault_tolerance.enabled:
-        tag_logs(int(os.environ.get("DTLAB_FT_REPLICA", "0")))
+        place = ReplicaPlace.from_env()
+        tag_logs(place.replica)
+        run_rank = place.replica * d.world_size + d.rank
     # Before the run directory is created; degrees: d.dims.
     check_batch_split(config, data_parallel(config, d)[1])
-    faults = Faults.from_env(d.rank)
+    faults = Faults.from_env(run_rank)
     run_dir, lock = resolve_run_dir(config, d)
     signals = StopSignals()
     try:
@@ -768,6 +770,8 @@ class TorchEngine:
             t[i].fill_(value)
         with recorded("alerts: the ranks' largest figures", "all_reduce", t), self.counting(record):
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            if self.replicas is not None:  # and over the groups: a stop is every group's
+                self.replicas.largest(t)
         return [float(v) for v in t.tolist()]
 
     def after_step(self) -> None:
