@@ -25,6 +25,7 @@ from conftest import (
     assert_groups_match,
     checkpoint_tensors,
     cli_env,
+    kill_job,
     read_metrics,
     real_pid,
     run_cli,
@@ -159,6 +160,31 @@ def test_an_alert_in_one_group_stops_every_group_at_the_same_step(tmp_path: Path
         assert run[-1]["alerts"] == ["memory"], run[-1]
     record = json.loads((tmp_path / "run" / "fault_tolerance.json").read_text())
     assert record["exit_codes"]["0"] == record["exit_codes"]["1"], record
+
+
+def test_a_group_out_of_every_quorum_stops_at_its_deadline(tmp_path: Path) -> None:
+    """Two groups, both needed for a quorum (min_replicas 2), and group 1 killed for good after
+    step 3 (no restarts): group 0 can never reach a quorum again, and stops once it has been out
+    of one for quorum_deadline_s, saying why, instead of asking for ever."""
+    settings = [
+        "parallel.fault_tolerance.min_replicas=2", "parallel.fault_tolerance.max_restarts=0",
+        "parallel.fault_tolerance.quorum_timeout_s=1", "parallel.fault_tolerance.quorum_deadline_s=3",
+        "parallel.fault_tolerance.timeout_s=2", "parallel.fault_tolerance.heartbeat_timeout_s=1",
+    ]  # fmt: skip
+    job = Watched(
+        *_train_args(tmp_path / "run", 1000, *settings), env={"DTLAB_FAULTS": "kill@3:r1"}
+    )
+    try:
+        job.wait_for("has not been in a quorum for", timeout=90)
+        assert job.proc.wait(timeout=60) != 0
+    finally:
+        if job.proc.poll() is None:
+            kill_job(job.proc)
+    assert "parallel.fault_tolerance.quorum_deadline_s = 3" in job.err
+    assert "Traceback" not in job.err, job.err[-3000:]
+    assert "min_replicas = 2" in job.err
+    steps = [m["step"] for m in read_metrics(tmp_path / "run" / "replica-0")]
+    assert steps and max(steps) < 10, steps
 
 
 def test_killed_replica_rejoins_with_the_live_state(tmp_path: Path) -> None:

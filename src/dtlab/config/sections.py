@@ -557,6 +557,14 @@ class FaultToleranceOptions(_Section):
         description="How long a replica group waits for a quorum (at the first step: for every "
         "group to start) before it fails.",
     )
+    quorum_deadline_s: float | None = Field(
+        600.0,
+        gt=0,
+        le=604800,
+        description="A replica group that has not been in a quorum for this long (since its start or "
+        "its last quorum: the lighthouse unreachable, too few groups live for min_replicas) stops "
+        "with an error that says so, and the others carry on; null = it waits for ever.",
+    )
     heartbeat_timeout_s: float = Field(
         2.0,
         gt=0,

@@ -337,6 +337,10 @@ class Replicas:
         self.samples_lost = 0  # samples of the groups missing from committed steps
         # Seconds spent in torchft's three calls of a step, over the run: what fault tolerance costs.
         self.seconds = {"quorum": 0.0, "allreduce": 0.0, "commit": 0.0}
+        # When this group was last in a quorum (or started): parallel.fault_tolerance.quorum_deadline_s.
+        self.deadline_s, self.min_replicas = o.quorum_deadline_s, o.min_replicas
+        self.quorum_timeout_s = o.quorum_timeout_s
+        self.in_quorum_at = time.monotonic()
 
     def _finished_elsewhere(self) -> bool:
         """Whether another group's agent has said that it finished the run (the start store's key:
@@ -418,14 +422,17 @@ class Replicas:
             )
         t0 = time.perf_counter()
         self._loaded = None
-        self.manager.start_quorum()
+        self._start_quorum(step)
         took = time.perf_counter() - t0
         self.seconds["quorum"] += took
         if self.manager.errored() is not None:
+            self._past_deadline(step)
             logger.warning(
                 "replica %d: the quorum after step %d failed (%s); the step is taken again",
                 self.place.replica, step, self.manager.errored(),
             )  # fmt: skip
+        else:
+            self.in_quorum_at = time.monotonic()
         if self.manager._quorum_id != self.quorum_id:  # torchft keeps it private
             self.quorum_id = self.manager._quorum_id
             missing = sorted(set(range(self.place.replicas)) - set(self.members))
@@ -463,6 +470,40 @@ class Replicas:
                 "(it was at step %d here)",
                 self.place.replica, now, took, step,
             )  # fmt: skip
+
+    def _start_quorum(self, step: int) -> None:
+        """torchft's quorum, asked again while none forms within ``quorum_timeout_s`` (torchft
+        raises then: the lighthouse unreachable, fewer live groups than min_replicas), until
+        ``quorum_deadline_s``."""
+        while True:
+            try:
+                self.manager.start_quorum()
+                return
+            except (TimeoutError, RuntimeError, OSError) as e:
+                self._past_deadline(step, e)
+                logger.warning(
+                    "replica %d: no quorum after step %d within %.0f s "
+                    "(parallel.fault_tolerance.quorum_timeout_s): %s; asking again",
+                    self.place.replica, step, self.quorum_timeout_s, _first_line(e),
+                )  # fmt: skip
+
+    def _past_deadline(self, step: int, error: BaseException | None = None) -> None:
+        """After a failed quorum: a DtlabError once this group has been out of every quorum for
+        ``quorum_deadline_s``, so that it stops (and says why) instead of asking for ever."""
+        from dtlab.errors import DtlabError
+
+        out_s = time.monotonic() - self.in_quorum_at
+        if self.deadline_s is None or out_s < self.deadline_s:
+            return
+        self._event("quorum_deadline", step=step, seconds=round(out_s, 1))
+        raise DtlabError(
+            f"replica group {self.place.replica} has not been in a quorum for {out_s:.0f} s "
+            f"(parallel.fault_tolerance.quorum_deadline_s = {self.deadline_s:g}) after step {step}: "
+            f"the lighthouse ({os.environ.get(LIGHTHOUSE_ENV, 'unset')}) is unreachable, or fewer "
+            f"replica groups than min_replicas = {self.min_replicas} are live. This "
+            f"group stops here; the others carry on. Last error: "
+            f"{_first_line(error if error is not None else self.manager.errored())}"
+        )
 
     def average(
         self,
@@ -563,3 +604,9 @@ class Replicas:
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+def _first_line(error: object) -> str:
+    """An error in one short line (torchft's and gloo's come over several)."""
+    text = str(error).strip() if error is not None else ""
+    return text.splitlines()[0][:200] if text else type(error).__name__
