@@ -138,7 +138,8 @@ def test_refused_with_hsdp(overrides: list[str], message: str) -> None:
 
 def test_groups_and_their_degrees() -> None:
     from dtlab.dims import DPWrapper
-    from dtlab.parallel.ft import group_dims, replica_groups
+    from dtlab.parallel.dist import group_dims
+    from dtlab.parallel.ft import replica_groups
 
     config = load_config(None, [*FAST, *HSDP, *FT])
     assert replica_groups(config, 4) == (2, 2)

@@ -28,14 +28,26 @@ recommendation says which. Memory margins are "alike" when both are tight or nei
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 from dtlab.analysis.plan_format import format_bytes, format_seconds
 from dtlab.config import Config
 from dtlab.dims import DPWrapper, needs_replica_groups
 
-if TYPE_CHECKING:
-    from dtlab.analysis.search import Found
+
+@dataclass
+class Found:
+    """One costed candidate: the open keys' values, its config and its plan row."""
+
+    values: dict[str, Any]
+    config: Config
+    row: Any  # PlanRow
+    label: str
+
+    @property
+    def step_time_s(self) -> float:
+        return float(self.row.step_time_s)
+
 
 # A row whose predicted peak leaves less than this share of the fit limit free is tight (on an 80 GiB
 # GPU under the 80% fit rule, 6.4 GiB): the same share as the step time's tie margin.

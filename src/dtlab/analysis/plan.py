@@ -17,7 +17,6 @@ from dtlab.analysis.model import (
     flops_per_token,
     param_shapes,
     plan_step,
-    predicted_bubble,
     recompute_flops_per_token,
 )
 from dtlab.analysis.plan_format import (  # noqa: F401  (the plan's formats, imported from here too)
@@ -29,6 +28,7 @@ from dtlab.analysis.plan_format import (  # noqa: F401  (the plan's formats, imp
     format_tflops,
 )
 from dtlab.analysis.probe import compute_seconds, rank_share, wrapper_seconds
+from dtlab.analysis.rates import ACHIEVABLE_FRACTION, achievable_flops, pipeline_bubble
 from dtlab.analysis.search import (
     SearchResult,
     command,
@@ -49,9 +49,6 @@ from dtlab.config import Config, check_batch_split, check_world
 from dtlab.dims import ParallelDims, layout_name
 from dtlab.errors import ConfigError
 
-# Assumptions of the estimate (the plan prints them as such). What fraction of a device's peak a
-# well-tuned training step reaches on a GPU; the CPU profile is already a measured GEMM rate.
-ACHIEVABLE_FRACTION = {"cuda": 0.45, "cpu": 1.0}
 DEFAULT_DEVICE = "h100"  # the profile ``dtlab plan`` assumes without --device (and says so)
 # The share of a GPU's memory a predicted peak may take and still fit: measured, with its source
 # (dtlab.analysis.fitrule; a CPU device has its own, usable_fraction("cpu")).
@@ -440,14 +437,6 @@ def _settings(r: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def achievable_flops(device: DeviceProfile, precision: str) -> float:
-    """FLOP/s a training step reaches on ``device`` at ``precision``: ``ACHIEVABLE_FRACTION`` of its
-    peak; NaN when the peak is unknown."""
-    peak = device.peak_tflops.get(precision)
-    kind = device.kind
-    return peak * 1e12 * ACHIEVABLE_FRACTION[kind] if peak else float("nan")
-
-
 def predict_step(config: Config, nproc: int, nnodes: int, device: DeviceProfile) -> PlanRow:
     """The plan's row for ``config`` as it is (its own strategy, not the candidates): memory, and
     compute, recompute and communication time of one step. A ConfigError when the world cannot run it."""
@@ -541,18 +530,6 @@ def spans_nodes(collective: str, group: int, dims: ParallelDims, nproc: int) -> 
     else:
         stride = dims.tp
     return group * stride > nproc
-
-
-def pipeline_bubble(config: Config, dims: ParallelDims) -> float:
-    """The idle fraction of a pipeline rank's step the plan assumes (0 without pipeline parallelism)."""
-    if not dims.pp_enabled:
-        return 0.0
-    from dtlab.config import pipeline_microbatches
-
-    p = config.parallel
-    m = pipeline_microbatches(config, dims.dp)
-    bubble = predicted_bubble(p.pp_schedule, dims.pp, m, p.stages_per_rank)
-    return bubble if bubble is not None else (dims.pp - 1) / (m + dims.pp - 1)
 
 
 def step_time_basis(device: DeviceProfile) -> str:

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, get_args
 
-from dtlab.analysis.choose import Choice, choose
+from dtlab.analysis.choose import Choice, Found, choose
 from dtlab.analysis.devices import DeviceProfile
 from dtlab.analysis.fitrule import usable_fraction
 from dtlab.analysis.model import (
@@ -35,6 +35,7 @@ from dtlab.analysis.model import (
     flops_per_token,
     recompute_flops_per_token,
 )
+from dtlab.analysis.rates import achievable_flops, pipeline_bubble
 from dtlab.config import Config, ConfigError, ParallelConfig, check_world, yaml_scalar
 from dtlab.dims import (
     DPWrapper,
@@ -63,20 +64,6 @@ SEARCHED = (
 PRECISIONS = ("bf16", "fp32")
 AC_MODES = ("none", "selective", "full")  # fastest first
 TOP = 5  # rows shown
-
-
-@dataclass
-class Found:
-    """One costed candidate: the open keys' values, its config and its plan row."""
-
-    values: dict[str, Any]
-    config: Config
-    row: Any  # PlanRow
-    label: str
-
-    @property
-    def step_time_s(self) -> float:
-        return float(self.row.step_time_s)
 
 
 @dataclass
@@ -279,7 +266,6 @@ def search(
 ) -> SearchResult:
     """The fastest layouts that fit, one row per layout (its fastest micro-batch size and activation
     checkpointing that fit). ``cost(label, cfg, rate)`` is the plan's row of a config."""
-    from dtlab.analysis.plan import achievable_flops, pipeline_bubble
 
     start = time.perf_counter()
     world = nproc * nnodes

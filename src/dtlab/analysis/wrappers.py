@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from dtlab.analysis.probe_step import PROBE_TOKENS, probe_step, rank_step
 from dtlab.config import Config
 
 REPEATS = 3  # timed steps of each (the median counts), after one warm-up
@@ -34,7 +35,6 @@ def measure_wrappers(config: Config, nproc: int, threads: int) -> dict[str, floa
     ranks runs: the heads split in two, untied embeddings) of
     ``config``'s model at ``threads`` threads (see the module); an empty dict where neither runs.
     Raises ``RuntimeError`` when a measuring process fails."""
-    from dtlab.analysis.probe import PROBE_TOKENS
 
     m = config.model
     batch = max(1, PROBE_TOKENS // config.seq_len)
@@ -91,7 +91,6 @@ def _time_layout(config: Config, world: int, threads: int) -> float:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from dtlab.analysis.probe import rank_step
     from dtlab.dims import ParallelDims
     from dtlab.parallel.dist import DistInfo
 
@@ -109,10 +108,9 @@ def _time_layout(config: Config, world: int, threads: int) -> float:
 
 
 def _child(path: str, threads: int, kind: str, world: int, batch: int) -> None:
-    from dtlab.analysis.probe import _probe_step
 
     config = Config.model_validate_json(Path(path).read_text(encoding="utf-8"))
-    step = _probe_step(config, threads, batch)
+    step = probe_step(config, threads, batch)
     step()
     plain = statistics.median(step()[0] for _ in range(REPEATS))
     layout = _time_layout(_layout(config, kind, world, batch), world, threads)

@@ -3,16 +3,11 @@ rules that also need the world size."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from dtlab.config.schema import CROSS_RULES, Config
+from dtlab.config.values import SINGLE_STAGE_SCHEDULES
 from dtlab.dims import DPWrapper, ParallelDims, needs_replica_groups, strategies_with
 from dtlab.errors import ConfigError
 
-if TYPE_CHECKING:
-    from dtlab.config.schema import Config
-
-
-SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # one stage per rank
 V_SCHEDULES = ("zbv", "dualpipev")  # two stages per rank, placed in a V
 ZERO_BUBBLE_SCHEDULES = (
     "interleaved_zb",
@@ -604,3 +599,24 @@ def check_batch_split(config: Config, world_size: int) -> int:
 def _or(items: list[int]) -> str:
     text = [str(x) for x in items]
     return text[0] if len(text) == 1 else ", ".join(text[:-1]) + " or " + text[-1]
+
+
+def _check_engine(c: Config) -> None:
+    """The MLX engine's rules, and the MLX backends refused to the torch engine."""
+    p = c.parallel
+    if c.train.engine == "mlx":
+        _check_mlx(c)
+    elif p.backend in ("ring", "mpi"):
+        raise ValueError(
+            f"parallel.backend = {p.backend!r} is an MLX backend; train.engine = 'torch' "
+            "allows: auto, gloo, nccl"
+        )
+
+
+# The schema applies them, in this order, after its own rules (dtlab.config.schema.CROSS_RULES).
+CROSS_RULES.extend(
+    [
+        _check_zero1, _check_oom_retry, _check_diloco, _check_fault_tolerance, _check_tp,
+        _check_pp, _check_moe, _check_engine,
+    ]
+)  # fmt: skip

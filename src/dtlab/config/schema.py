@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import (
@@ -10,16 +11,6 @@ from pydantic import (
     model_validator,
 )
 
-from dtlab.config.checks import (
-    _check_diloco,
-    _check_fault_tolerance,
-    _check_mlx,
-    _check_moe,
-    _check_oom_retry,
-    _check_pp,
-    _check_tp,
-    _check_zero1,
-)
 from dtlab.config.sections import (
     AlertsConfig,
     CheckpointConfig,
@@ -33,6 +24,12 @@ from dtlab.config.sections import (
 from dtlab.config.values import DEFAULT_SEQ_LEN, TOKENIZER_VOCAB, _Section
 from dtlab.config.yamlio import dump_yaml
 from dtlab.dims import DPWrapper, strategies_with
+
+# The larger cross-field rules, each a function of the whole config, in the order they apply. The
+# module that holds them (dtlab.config.checks) adds them when it is imported (the dtlab.config
+# package imports it before anything can reach this module), so that it may name Config without
+# this module importing it back.
+CROSS_RULES: list[Callable[[Config], None]] = []
 
 
 class Config(_Section):
@@ -157,20 +154,10 @@ class Config(_Section):
                 raise ValueError(
                     f"train.demo.topk = {t.demo.topk} is larger than train.demo.chunk_size = {t.demo.chunk_size}"
                 )
-        _check_zero1(self)
-        _check_oom_retry(self)
-        _check_diloco(self)
-        _check_fault_tolerance(self)
-        _check_tp(self)
-        _check_pp(self)
-        _check_moe(self)
-        if t.engine == "mlx":
-            _check_mlx(self)
-        elif p.backend in ("ring", "mpi"):
-            raise ValueError(
-                f"parallel.backend = {p.backend!r} is an MLX backend; train.engine = 'torch' "
-                "allows: auto, gloo, nccl"
-            )
+        if not CROSS_RULES:  # a config checked without its rules would be quietly wrong
+            raise RuntimeError("dtlab.config.checks was not imported: its rules are not registered")
+        for rule in CROSS_RULES:
+            rule(self)
         o = p.compression_options
         if p.compression == "dct" and o.coding == "quant" and o.chunk_size % 8:
             raise ValueError(

@@ -12,12 +12,12 @@ from pydantic import (
     model_validator,
 )
 
-from dtlab.config.checks import SINGLE_STAGE_SCHEDULES
 from dtlab.config.suggest import suggest_value
 from dtlab.config.values import (
     DEFAULT_SEQ_LEN,
     NAME_MAX_BYTES,
     RUN_NAME_MAX_BYTES,
+    SINGLE_STAGE_SCHEDULES,
     TOKENIZERS,
     _bad,
     _Section,

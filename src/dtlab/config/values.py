@@ -18,6 +18,7 @@ from pydantic_core import PydanticCustomError
 
 # Vocabulary size of each tokenizer; the model's vocab_size must cover it.
 TOKENIZER_VOCAB = {"bytes": 256}
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # one stage per rank (parallel.pp_schedule)
 # Tokenizers named in data.tokenizer (anything else is a tokenizer.json path).
 TOKENIZERS = ("bytes", "bpe")
 

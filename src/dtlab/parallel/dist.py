@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 
 from dtlab.config import Config
-from dtlab.dims import ParallelDims
+from dtlab.dims import DPWrapper, ParallelDims, needs_replica_groups
 from dtlab.errors import ConfigError, DtlabError
 from dtlab.parallel.devices import gpu_for
-from dtlab.parallel.ledger import ledger_enabled, recorded, stop_ledger
+from dtlab.parallel.ledger import abort_distributed, ledger_enabled, recorded, stop_ledger
 from dtlab.runtime import status
 from dtlab.runtime.status import is_worker_env
 
@@ -84,6 +84,16 @@ class DistInfo:
         """``fn()`` on rank 0; every rank gets its result, or its DtlabError raised (see
         :func:`decide_on_rank0`)."""
         return decide_on_rank0(fn, self)
+
+
+def group_dims(config: Config, world_size: int) -> ParallelDims:
+    """The parallel degrees of one fault-tolerant replica group's world of ``world_size`` ranks
+    (:mod:`dtlab.parallel.ft`): under HSDP, FSDP2 over the group's ranks (its shard group; the
+    replicate dimension is torchft's, across the groups); otherwise the config's own degrees (DDP:
+    a group of one rank)."""
+    if needs_replica_groups(config.parallel.strategy):
+        return ParallelDims(dp_shard=world_size, wrapper=DPWrapper.FSDP, mesh_dims=("dp_shard",))
+    return ParallelDims.from_config(config, world_size)
 
 
 def _free_port() -> int:
@@ -166,8 +176,6 @@ def init_distributed(config: Config) -> DistInfo:
             "parallel.backend = 'nccl' needs CUDA devices; allowed on CPU: auto, gloo"
         )
     if config.parallel.fault_tolerance.enabled:
-        from dtlab.parallel.ft import group_dims
-
         dims = group_dims(config, world)  # one replica group's world (HSDP: its shard group)
     else:
         dims = ParallelDims.from_config(config, world)
@@ -223,14 +231,6 @@ def teardown_action(backend: str | None, failing: bool) -> str:
     (a destroy waits for its kernels, and those that wait on a dead or hung peer never finish), else
     ``"destroy"``."""
     return "abort" if failing and backend == "nccl" else "destroy"
-
-
-def abort_distributed() -> None:
-    """Abort every process group of this process (NCCL: its kernels end at once, without the peers)."""
-    if dist.is_available() and dist.is_initialized():
-        from torch.distributed.distributed_c10d import _abort_process_group
-
-        _abort_process_group()
 
 
 def release_group(group: Any) -> None:

@@ -14,7 +14,7 @@ through torchft's :class:`~torchft.Manager` instead of the world's process group
                  next quorum
 
 Under HSDP (``parallel.strategy: hsdp``, ``replicate`` R) the R replicate groups are the replica
-groups: each is a world of S = world / R ranks that runs FSDP2 over them (:func:`group_dims`), and
+groups: each is a world of S = world / R ranks that runs FSDP2 over them (:func:`dtlab.parallel.dist.group_dims`), and
 rank ``r`` of a group averages its gradient shards (and recovers its state) with rank ``r`` of the
 others: torchft's manager is built with the group's rank and size, and keeps one process group across
 the replicas per group rank. Sharded (DTensor) state crosses as its local shards. Under DDP with
@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from dtlab.config import Config
-from dtlab.dims import DPWrapper, ParallelDims, needs_replica_groups
+from dtlab.dims import needs_replica_groups
 from dtlab.metrics.logging import logger
 from dtlab.runtime import forkserver
 
@@ -128,15 +128,6 @@ def replica_groups(config: Config, nproc: int) -> tuple[int, int]:
             f"group is {p.tp} tensor-parallel ranks, so --nproc must be a multiple of {p.tp}"
         )
     return nproc // p.tp, p.tp
-
-
-def group_dims(config: Config, world_size: int) -> ParallelDims:
-    """The parallel degrees of one replica group's world of ``world_size`` ranks: under HSDP, FSDP2
-    over the group's ranks (its shard group; the replicate dimension is torchft's, across the
-    groups); otherwise the config's own degrees (DDP: a group of one rank)."""
-    if needs_replica_groups(config.parallel.strategy):
-        return ParallelDims(dp_shard=world_size, wrapper=DPWrapper.FSDP, mesh_dims=("dp_shard",))
-    return ParallelDims.from_config(config, world_size)
 
 
 def data_parallel(config: Config, d: DistInfo) -> tuple[int, int]:

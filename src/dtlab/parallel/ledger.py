@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -55,8 +55,21 @@ from dtlab.parallel.forensics.record import (
 )
 
 if TYPE_CHECKING:
-    from dtlab.parallel.dist import DistInfo
     from dtlab.runtime.faults import Faults
+
+
+class RankPlace(Protocol):
+    """Where a rank sits, as the ledger needs it (:class:`dtlab.parallel.dist.DistInfo` is one)."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def backend(self) -> str | None: ...
+
 
 __all__ = [
     "ACK_S", "LEDGER_ENV", "LEDGER_SIZE", "POLL_S", "PUBLISHED", "PUBLISH_S", "SETTLE_S", "Channel",
@@ -100,7 +113,7 @@ def ledger_enabled(env: Mapping[str, str]) -> bool:
 
 
 def start_ledger(
-    d: DistInfo, run_dir: Path, faults: Faults | None = None, timeout_s: float | None = None
+    d: RankPlace, run_dir: Path, faults: Faults | None = None, timeout_s: float | None = None
 ) -> Ledger | None:
     """Start this rank's ledger (distributed torch runs; ``DTLAB_LEDGER=0`` turns it off)."""
     global _active, _count_check
@@ -227,12 +240,18 @@ def all_reduce(
     return tensor
 
 
+def abort_distributed() -> None:
+    """Abort every process group of this process (NCCL: its kernels end at once, without the peers)."""
+    if dist.is_available() and dist.is_initialized():
+        from torch.distributed.distributed_c10d import _abort_process_group
+
+        _abort_process_group()
+
+
 def _abandon(error: CollectiveError) -> None:
     """The watcher's end of a collective that timed out (``error`` is reported and dumped): abort the
     process groups, which ends NCCL's waiting kernels and so the training thread's wait (it then raises,
     and shows ``error``); if that thread has not ended ABORT_GRACE_S later, say ``error`` here and exit."""
-    from dtlab.parallel.dist import abort_distributed
-
     with contextlib.suppress(Exception):
         abort_distributed()
     time.sleep(ABORT_GRACE_S)
