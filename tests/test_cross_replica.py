@@ -94,7 +94,8 @@ def test_ddp_crosses_every_step_as_predicted(tmp_path: Path) -> None:
 
 def test_a_validation_is_counted_with_its_step(tmp_path: Path) -> None:
     """FSDP with a validation after step 2 of 2 batches: that step's record also counts the
-    validation's collectives, each unit's all-gather per batch and the loss's all-reduce."""
+    validation's collectives, apart from the step's own: each unit's all-gather per batch and the
+    loss's all-reduce."""
     overrides = [
         "parallel.strategy=fsdp", "run.comm_bytes=true", "data.val_fraction=0.1", "eval.every=2",
         "eval.batches=2",
@@ -102,15 +103,15 @@ def test_a_validation_is_counted_with_its_step(tmp_path: Path) -> None:
     metrics = train_run(tmp_path / "run", *overrides, nproc=2, steps=2)
     step, validated = metrics
     assert "val_loss" in validated and "val_loss" not in step
-    extra = validated["cross_replica_collectives"] - step["cross_replica_collectives"]
-    assert extra == 2 * 3 + 1  # 3 units: 2 blocks and the root
-    assert validated["comm_bytes"] > step["comm_bytes"]
+    assert validated["cross_replica_collectives"] == step["cross_replica_collectives"]
+    assert validated["eval_cross_replica_collectives"] == 2 * 3 + 1  # 3 units: 2 blocks, the root
+    assert validated["eval_comm_bytes"] > 0 and "eval_comm_bytes" not in step
 
 
 def test_a_diloco_save_between_syncs_is_counted_as_crossing(tmp_path: Path) -> None:
     """A DiLoCo checkpoint is the world's: a save between syncs runs collectives across the
-    replicas (DCP's planning, the ranks' RNG states), counted with the step after it; the final
-    save's, after the last record, in the summary."""
+    replicas (DCP's planning, the ranks' RNG states), counted apart from the steps' and reported
+    with the next record (checkpoint_*); the final save's, after the last record, in the summary."""
     overrides = [
         *DILOCO, "parallel.strategy=ddp", "run.comm_bytes=true",
         "checkpoint.every=2", "checkpoint.async=false",
@@ -118,10 +119,13 @@ def test_a_diloco_save_between_syncs_is_counted_as_crossing(tmp_path: Path) -> N
     metrics = train_run(tmp_path / "run", *overrides, nproc=2, steps=4)
     assert [("outer_sync" in m) for m in metrics] == [False, False, False, True]
     one, two, after_save, _ = metrics
-    assert one["cross_replica_collectives"] == two["cross_replica_collectives"] == 0
-    assert after_save["cross_replica_collectives"] > 0 and after_save["cross_replica_bytes"] > 0
+    for m in (one, two, after_save):  # the steps themselves: nothing crosses between syncs
+        assert m["cross_replica_collectives"] == m["comm_bytes"] == 0, m
+    assert "checkpoint_comm_bytes" not in one and "checkpoint_comm_bytes" not in two
+    assert after_save["checkpoint_cross_replica_collectives"] > 0
+    assert after_save["checkpoint_cross_replica_bytes"] > 0
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["comm_after_last_step"]["cross_replica_collectives"] > 0
+    assert summary["checkpoint_comm_after_last_step"]["cross_replica_collectives"] > 0
 
 
 @pytest.mark.parametrize("raw", ["abc", "-5", "20000", "nan"])

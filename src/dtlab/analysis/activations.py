@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dtlab.config import ModelConfig
+from dtlab.config import Config, ModelConfig
+from dtlab.dims import DPWrapper, ParallelDims
 
 FP32 = 4
 
@@ -93,8 +94,6 @@ def activation_bytes(
         weight_copies = 2 * (output + blocks) / tp
     moe = 0  # MoE feed-forwards keep other tensors than dense ones: dtlab.analysis.moe
     if m.moe.experts:
-        from dtlab.analysis.moe import activation_delta, weight_copy_delta
-
         moe = activation_delta(m, tokens, precision, ac, split, half_params)
         if half and not half_params and ac == "none":
             moe += weight_copy_delta(m, tp)
@@ -289,3 +288,155 @@ def kernel_recompute_bytes(
     one = model_cfg.model_copy(update={"n_layers": 1})
     everything = kernel_bytes(one, tokens, seq_len, precision, "none", kernel, split)
     return everything - kernel_bytes(one, tokens, seq_len, precision, ac, kernel, split)
+
+
+# --- mixture-of-experts blocks: what they keep beyond a dense block (dtlab.analysis.moe) ---
+
+INT64 = 8
+
+
+def moe_blocks(m: ModelConfig) -> int:
+    """The blocks of ``m`` whose feed-forward is an MoE (0 for a dense model)."""
+    if not m.moe.experts:
+        return 0
+    return max(0, m.n_layers - m.moe.dense_layers)
+
+
+def _dense_blocks(m: ModelConfig) -> int:
+    return m.n_layers - moe_blocks(m)
+
+
+def _expert_dim(m: ModelConfig) -> int:
+    return m.moe.expert_dim or m.hidden_dim
+
+
+def activation_delta(
+    m: ModelConfig,
+    tokens: int,
+    precision: str,
+    ac: str,
+    split: TPSplit | None = None,
+    half_params: bool = False,
+) -> int:
+    """What the MoE blocks of ``m`` keep for backward beyond what the same blocks with the dense
+    feed-forward would (:func:`dtlab.analysis.activations.activation_bytes` counts every block
+    as dense, then adds this), for one micro-batch of ``tokens`` tokens.
+
+    Per token, an MoE feed-forward keeps (as :mod:`dtlab.models.moe`'s forward saves them):
+
+    - the router's scores [experts] in float32 (softmax and sigmoid keep their output);
+    - the top-k expert ids (int64, kept by the gates' gather), the sort order and the gathered rows'
+      source indices (int64 each, kept by the scatter back and by the gather of the rows);
+    - renormalised gates: the raw top-k scores and their sum (float32, kept by the division); the
+      gates themselves (kept by their product with the rows), copied in the activation dtype under
+      autocast;
+    - the routed rows [top_k, dim]: in float32 the gathered inputs (the experts' w1 and w3 share
+      them), under autocast a half-precision copy for each of w1 and w3; the experts' hidden
+      activations as a dense SwiGLU's (w1 x, w3 x, silu, the product: 4 x expert_dim each), and the
+      rows scattered back (kept by the gates' product), all in the activation dtype;
+    - the shared experts: a dense SwiGLU of ``shared_experts x expert_dim`` on every token;
+    - the norm before it is read by the router and the shared experts' w1 and w3: under autocast one
+      half-precision copy for each, in float32 the norm's output once.
+
+    With the auxiliary loss on, the scores' per-token sum (float32). ``full`` checkpointing keeps
+    only the block's input (as a dense block's); ``selective`` keeps every matmul's output: the
+    router's, each routed row's w1, w3 and w2 outputs and the shared experts'.
+    """
+    blocks = moe_blocks(m)
+    if not blocks or ac == "full":
+        return 0
+    split = split or TPSplit()
+    moe = m.moe
+    half = precision in ("bf16", "fp16")
+    half_params = half_params and half
+    a = 2 if half else FP32
+    k, e, h = moe.top_k, moe.experts, _expert_dim(m)
+    hs = h * moe.shared_experts
+    # Tensor parallelism splits a dense feed-forward's activations, not an MoE block's (whole on
+    # every rank): the block's own figures below are whole, the dense ones they replace split.
+    tp = split.tp
+    if ac == "selective":
+        dense = (2 * m.hidden_dim + m.dim) * a / tp
+        routed = (e + k * (2 * h + m.dim) + (2 * hs + m.dim if hs else 0)) * a
+        return int(tokens * blocks * (routed - dense))
+    readers = 1 + (2 if hs else 0)
+    norm = _norm_bytes(m, half, readers, half_params, split.seq) - _norm_bytes(
+        m, half, 2, half_params, split.seq
+    )
+    renorm = moe.renormalize or moe.score == "sigmoid"
+    routing = e * FP32 + 3 * k * INT64 + (k * FP32 + FP32 if renorm else 0)
+    gates = k * a  # the gates themselves in float32, their copy under autocast
+    # Under autocast the rows are float32 (the norm's output) and w1 and w3 keep a copy each.
+    rows = (2 if half and not half_params else 1) * k * m.dim * a
+    experts = rows + 4 * k * h * a + k * m.dim * a
+    shared = 4 * hs * a
+    aux = FP32 if _aux_on(m) else 0
+    per_token = norm + routing + gates + experts + shared + aux - 4 * m.hidden_dim * a / tp
+    return int(tokens * blocks * per_token)
+
+
+def _aux_on(m: ModelConfig) -> bool:
+    return "aux" in m.moe.balance
+
+
+def weight_copy_delta(m: ModelConfig, tp: int = 1) -> int:
+    """Autocast's half-precision weight copies (kept for backward without checkpointing) of the MoE
+    blocks beyond a dense block's w1, w2, w3 (split over ``tp`` tensor-parallel ranks): the
+    router's, every expert's (each is cast, also one that got no token; expert parallelism's
+    share: :func:`ep_activation_bytes`) and the shared experts', whole on every rank."""
+    blocks = moe_blocks(m)
+    if not blocks:
+        return 0
+    moe = m.moe
+    h = _expert_dim(m)
+    moe_ffn = m.dim * moe.experts + 3 * m.dim * h * (moe.experts + moe.shared_experts)
+    return 2 * blocks * (moe_ffn - 3 * m.dim * m.hidden_dim // tp)
+
+
+def fsdp_half_params(config: Config, dims: ParallelDims) -> bool:
+    """Forward and backward run on half-precision parameters: FSDP and HSDP gather them in bf16/fp16
+    under ``train.precision`` bf16/fp16 (:func:`dtlab.parallel.apply.fsdp_param_dtype`); every other
+    strategy (also DDP that FSDP2 replicates for, with tp or pp) keeps float32 parameters and autocast
+    copies the weights."""
+    sharded = DPWrapper.of(config.parallel.strategy) is DPWrapper.FSDP
+    return dims.fsdp_enabled and sharded and config.train.precision in ("bf16", "fp16")
+
+
+def elementwise_flops_per_token(model_cfg: ModelConfig) -> float:
+    """Forward FLOPs per token of the element-wise ops inside the transformer blocks: what
+    ``selective`` checkpointing runs again in backward (it keeps every matmul and attention output).
+
+    Per layer: two RMSNorms (square, mean, scale, gain: 4 x dim each), RoPE on q and k (3 per
+    element), SiLU (4 per element) and the gate product (1) on ffn_dim, and the two residual adds
+    (dim each): 12 x dim + 3 x (dim + kv_dim) + 5 x ffn_dim.
+    """
+    m = model_cfg
+    kv = m.kv_heads * (m.dim // m.n_heads)
+    return float(m.n_layers * (12 * m.dim + 3 * (m.dim + kv) + 5 * m.hidden_dim))
+
+
+def dense_recompute_flops(model_cfg: ModelConfig, seq_len: int, ac: str) -> float:
+    """FLOPs per token that activation checkpointing adds to a training step of a dense model by
+    recomputing in backward (:func:`dtlab.analysis.model.recompute_flops_per_token`, whose MoE
+    models count their dense blocks here).
+
+    ``full``: one more forward of every block, up to its last op whose result backward needs: torch's
+    checkpoint stops recomputing there, so the FFN down projection (w2) and the residual add after it,
+    whose outputs backward never reads, are not run again. That is the block's other matmuls
+    (2 x (block matmul parameters - dim x ffn_dim)), the attention scores (4 x dim x seq_len per layer,
+    a third of what ``flops_per_token`` counts for them) and the element-wise ops but one residual add.
+    ``selective``: the element-wise ops only (``elementwise_flops_per_token``). The embedding, the final
+    norm and the output projection are outside the blocks: never recomputed.
+    """
+    if ac == "none":
+        return 0.0
+    m = model_cfg
+    elementwise = elementwise_flops_per_token(m)
+    if ac == "selective":
+        return elementwise
+    return (
+        2.0 * m.n_layers * (block_matmul_params(m) - m.dim * m.hidden_dim)
+        + 4.0 * m.n_layers * m.dim * seq_len
+        + elementwise
+        - m.n_layers * m.dim
+    )

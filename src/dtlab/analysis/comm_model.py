@@ -7,9 +7,8 @@ from __future__ import annotations
 import math
 
 from dtlab.analysis import moe
-from dtlab.analysis.activations import FP32
-from dtlab.analysis.pipeline_memory import fsdp_half_params
-from dtlab.analysis.shapes import ParamShape, RankPart, padded_by_group
+from dtlab.analysis.activations import FP32, fsdp_half_params
+from dtlab.analysis.shapes import ParamShape, RankPart, padded_by_group, whole_under_tp
 from dtlab.config import Config
 from dtlab.dims import ParallelDims
 from dtlab.runtime.signals import STOP_SIGNALS
@@ -226,7 +225,7 @@ def _muon_comm(
         if shard > 1:
             comm["all_gather"] = comm.get("all_gather", 0) + s.padded_numel(shard) * FP32
             groups["all_gather"] = shard
-        if dims.tp > 1 and not moe.whole_under_tp(s.name):
+        if dims.tp > 1 and not whole_under_tp(s.name):
             comm["tp all_gather"] = comm.get("tp all_gather", 0) + s.numel * dims.tp * FP32
             groups["tp all_gather"] = dims.tp
 

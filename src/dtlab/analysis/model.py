@@ -23,7 +23,9 @@ from dtlab.analysis.activations import (
     TPSplit,
     activation_bytes,
     attention_kernel,
-    block_matmul_params,
+    dense_recompute_flops,
+    elementwise_flops_per_token,
+    fsdp_half_params,
     kernel_bytes,
     kernel_recompute_bytes,
     loss_parallel_bytes,
@@ -53,7 +55,6 @@ from dtlab.analysis.pipeline_memory import (
     StageGrads,
     _in_flight,
     _pipeline_bytes,
-    fsdp_half_params,
     pipeline_kept,
     pipeline_timeline,
     schedule_order,
@@ -96,44 +97,14 @@ def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
     return 6.0 * matmul + 12.0 * m.n_layers * m.dim * seq_len
 
 
-def elementwise_flops_per_token(model_cfg: ModelConfig) -> float:
-    """Forward FLOPs per token of the element-wise ops inside the transformer blocks: what
-    ``selective`` checkpointing runs again in backward (it keeps every matmul and attention output).
-
-    Per layer: two RMSNorms (square, mean, scale, gain: 4 x dim each), RoPE on q and k (3 per
-    element), SiLU (4 per element) and the gate product (1) on ffn_dim, and the two residual adds
-    (dim each): 12 x dim + 3 x (dim + kv_dim) + 5 x ffn_dim.
-    """
-    m = model_cfg
-    kv = m.kv_heads * (m.dim // m.n_heads)
-    return float(m.n_layers * (12 * m.dim + 3 * (m.dim + kv) + 5 * m.hidden_dim))
-
-
 def recompute_flops_per_token(model_cfg: ModelConfig, seq_len: int, ac: str) -> float:
-    """FLOPs per token that activation checkpointing adds to a training step by recomputing in backward.
-
-    ``full``: one more forward of every block, up to its last op whose result backward needs: torch's
-    checkpoint stops recomputing there, so the FFN down projection (w2) and the residual add after it,
-    whose outputs backward never reads, are not run again. That is the block's other matmuls
-    (2 x (block matmul parameters - dim x ffn_dim)), the attention scores (4 x dim x seq_len per layer,
-    a third of what ``flops_per_token`` counts for them) and the element-wise ops but one residual add.
-    ``selective``: the element-wise ops only (``elementwise_flops_per_token``). The embedding, the final
-    norm and the output projection are outside the blocks: never recomputed.
-    """
-    if ac == "none":
-        return 0.0
-    m = model_cfg
-    if m.moe.experts:  # MoE blocks recompute their active experts (its dense blocks come back here)
-        return moe.recompute_flops_per_token(m, seq_len, ac)
-    elementwise = elementwise_flops_per_token(m)
-    if ac == "selective":
-        return elementwise
-    return (
-        2.0 * m.n_layers * (block_matmul_params(m) - m.dim * m.hidden_dim)
-        + 4.0 * m.n_layers * m.dim * seq_len
-        + elementwise
-        - m.n_layers * m.dim
-    )
+    """FLOPs per token that activation checkpointing adds to a training step by recomputing in
+    backward: :func:`dtlab.analysis.activations.dense_recompute_flops`, or an MoE model's
+    (:func:`dtlab.analysis.moe.recompute_flops_per_token`: its MoE blocks recompute their active
+    experts, its dense blocks as a dense model's)."""
+    if model_cfg.moe.experts:
+        return moe.recompute_flops_per_token(model_cfg, seq_len, ac)
+    return dense_recompute_flops(model_cfg, seq_len, ac)
 
 
 @dataclass

@@ -24,11 +24,24 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from dtlab.analysis.activations import FP32, TPSplit, _norm_bytes
+from dtlab.analysis.activations import (
+    FP32,
+    INT64,
+    _dense_blocks,
+    _expert_dim,
+    activation_bytes,
+    activation_delta,
+    block_matmul_params,
+    dense_recompute_flops,
+    fsdp_half_params,
+    moe_blocks,
+    recompute_bytes,
+    weight_copy_delta,
+)
 from dtlab.analysis.memo import memo
 
 if TYPE_CHECKING:
-    from dtlab.analysis.model import ParamShape
+    from dtlab.analysis.shapes import ParamShape
     from dtlab.config import Config, ModelConfig
     from dtlab.dims import ParallelDims
 
@@ -58,34 +71,11 @@ __all__ = [
 
 # The routed experts' stacked weights: model.layers.N.feed_forward.experts.w1 / w2 / w3.
 _EXPERT_PARAM = ".feed_forward.experts."
-INT64 = 8
 
 
 def is_expert(name: str) -> bool:
     """Whether parameter ``name`` is a routed expert's stacked weight (split by expert parallelism)."""
     return _EXPERT_PARAM in name
-
-
-def moe_blocks(m: ModelConfig) -> int:
-    """The blocks of ``m`` whose feed-forward is an MoE (0 for a dense model)."""
-    if not m.moe.experts:
-        return 0
-    return max(0, m.n_layers - m.moe.dense_layers)
-
-
-def _dense_blocks(m: ModelConfig) -> int:
-    return m.n_layers - moe_blocks(m)
-
-
-def _expert_dim(m: ModelConfig) -> int:
-    return m.moe.expert_dim or m.hidden_dim
-
-
-def whole_under_tp(name: str) -> bool:
-    """Whether parameter ``name`` belongs to an MoE block's feed-forward (router, routed and shared
-    experts), which tensor parallelism leaves whole on every rank (:func:`dtlab.parallel.apply.
-    apply_tp`: each rank computes it on the same tokens)."""
-    return any(f".feed_forward.{part}." in name for part in ("router", "experts", "shared"))
 
 
 def part_model(m: ModelConfig, n_stages: int, stages: list[int]) -> ModelConfig:
@@ -185,14 +175,12 @@ def recompute_flops_per_token(m: ModelConfig, seq_len: int, ac: str) -> float:
     reads: a dense block's w2 and, in an MoE block with shared experts, the shared w2 (the routed
     experts' outputs are kept by their gates' product, so they run again). ``selective``: the
     element-wise ops only."""
-    from dtlab.analysis.model import recompute_flops_per_token as dense_recompute
-
     if ac == "none":
         return 0.0
     dense = m.model_copy(
         update={"n_layers": _dense_blocks(m), "moe": m.moe.model_copy(update={"experts": 0})}
     )
-    out = dense_recompute(dense, seq_len, ac) if dense.n_layers else 0.0
+    out = dense_recompute_flops(dense, seq_len, ac) if dense.n_layers else 0.0
     blocks = moe_blocks(m)
     kv = m.kv_heads * (m.dim // m.n_heads)
     attn_elementwise = 12 * m.dim + 3 * (m.dim + kv)
@@ -227,71 +215,6 @@ def data_parallel_shapes(shapes: list[ParamShape], dims: ParallelDims) -> list[P
     return memo(shapes, ("data_parallel",), lambda: [s for s in shapes if not is_expert(s.name)])
 
 
-def activation_delta(
-    m: ModelConfig,
-    tokens: int,
-    precision: str,
-    ac: str,
-    split: TPSplit | None = None,
-    half_params: bool = False,
-) -> int:
-    """What the MoE blocks of ``m`` keep for backward beyond what the same blocks with the dense
-    feed-forward would (:func:`dtlab.analysis.activations.activation_bytes` counts every block
-    as dense, then adds this), for one micro-batch of ``tokens`` tokens.
-
-    Per token, an MoE feed-forward keeps (as :mod:`dtlab.models.moe`'s forward saves them):
-
-    - the router's scores [experts] in float32 (softmax and sigmoid keep their output);
-    - the top-k expert ids (int64, kept by the gates' gather), the sort order and the gathered rows'
-      source indices (int64 each, kept by the scatter back and by the gather of the rows);
-    - renormalised gates: the raw top-k scores and their sum (float32, kept by the division); the
-      gates themselves (kept by their product with the rows), copied in the activation dtype under
-      autocast;
-    - the routed rows [top_k, dim]: in float32 the gathered inputs (the experts' w1 and w3 share
-      them), under autocast a half-precision copy for each of w1 and w3; the experts' hidden
-      activations as a dense SwiGLU's (w1 x, w3 x, silu, the product: 4 x expert_dim each), and the
-      rows scattered back (kept by the gates' product), all in the activation dtype;
-    - the shared experts: a dense SwiGLU of ``shared_experts x expert_dim`` on every token;
-    - the norm before it is read by the router and the shared experts' w1 and w3: under autocast one
-      half-precision copy for each, in float32 the norm's output once.
-
-    With the auxiliary loss on, the scores' per-token sum (float32). ``full`` checkpointing keeps
-    only the block's input (as a dense block's); ``selective`` keeps every matmul's output: the
-    router's, each routed row's w1, w3 and w2 outputs and the shared experts'.
-    """
-    blocks = moe_blocks(m)
-    if not blocks or ac == "full":
-        return 0
-    split = split or TPSplit()
-    moe = m.moe
-    half = precision in ("bf16", "fp16")
-    half_params = half_params and half
-    a = 2 if half else FP32
-    k, e, h = moe.top_k, moe.experts, _expert_dim(m)
-    hs = h * moe.shared_experts
-    # Tensor parallelism splits a dense feed-forward's activations, not an MoE block's (whole on
-    # every rank): the block's own figures below are whole, the dense ones they replace split.
-    tp = split.tp
-    if ac == "selective":
-        dense = (2 * m.hidden_dim + m.dim) * a / tp
-        routed = (e + k * (2 * h + m.dim) + (2 * hs + m.dim if hs else 0)) * a
-        return int(tokens * blocks * (routed - dense))
-    readers = 1 + (2 if hs else 0)
-    norm = _norm_bytes(m, half, readers, half_params, split.seq) - _norm_bytes(
-        m, half, 2, half_params, split.seq
-    )
-    renorm = moe.renormalize or moe.score == "sigmoid"
-    routing = e * FP32 + 3 * k * INT64 + (k * FP32 + FP32 if renorm else 0)
-    gates = k * a  # the gates themselves in float32, their copy under autocast
-    # Under autocast the rows are float32 (the norm's output) and w1 and w3 keep a copy each.
-    rows = (2 if half and not half_params else 1) * k * m.dim * a
-    experts = rows + 4 * k * h * a + k * m.dim * a
-    shared = 4 * hs * a
-    aux = FP32 if _aux_on(m) else 0
-    per_token = norm + routing + gates + experts + shared + aux - 4 * m.hidden_dim * a / tp
-    return int(tokens * blocks * per_token)
-
-
 def recompute_transients(
     m: ModelConfig, tokens: int, precision: str, ac: str, half_params: bool = False
 ) -> int:
@@ -316,7 +239,6 @@ def recompute_transients(
         per_token += moe.top_k * FP32 + (0 if half_params and half else m.dim * FP32)
     # recompute_bytes may count some of these for every block already (under autocast, the norm's
     # float32 output; the last saved matmul's output): only the rest is the MoE block's own.
-    from dtlab.analysis.activations import activation_bytes, recompute_bytes
 
     one = m.model_copy(update={"n_layers": 1})
 
@@ -343,8 +265,6 @@ def recompute_copies_held(
     parallelism those of the experts held on other ranks (never cast here). 0 in float32 or
     without ``full`` checkpointing; on FSDP's half-precision parameters, less the copies of the
     rank's float32 expert shards that the recomputation makes (outside a pipeline)."""
-    from dtlab.analysis.activations import block_matmul_params
-    from dtlab.analysis.model import fsdp_half_params
 
     half = config.train.precision in ("bf16", "fp16")
     if config.train.activation_checkpointing != "full" or not half:
@@ -377,7 +297,6 @@ def routed_copy_bytes(config: Config, dims: ParallelDims, m: ModelConfig | None 
     pipeline's), unlike a plain linear layer's copy, made once per autocast region. Under autocast
     on float32 weights, and on FSDP's half-precision parameters for the float32 expert shards that
     expert parallelism leaves out of FSDP; 0 otherwise."""
-    from dtlab.analysis.model import fsdp_half_params
 
     m = m or config.model
     blocks = moe_blocks(m)
@@ -405,29 +324,10 @@ def routing_reduce_bytes(m: ModelConfig, stages: bool = False) -> int:
     return moe_blocks(m) * (m.moe.experts + 2) * FP32 + bias
 
 
-def _aux_on(m: ModelConfig) -> bool:
-    return "aux" in m.moe.balance
-
-
-def weight_copy_delta(m: ModelConfig, tp: int = 1) -> int:
-    """Autocast's half-precision weight copies (kept for backward without checkpointing) of the MoE
-    blocks beyond a dense block's w1, w2, w3 (split over ``tp`` tensor-parallel ranks): the
-    router's, every expert's (each is cast, also one that got no token; expert parallelism's
-    share: :func:`ep_activation_bytes`) and the shared experts', whole on every rank."""
-    blocks = moe_blocks(m)
-    if not blocks:
-        return 0
-    moe = m.moe
-    h = _expert_dim(m)
-    moe_ffn = m.dim * moe.experts + 3 * m.dim * h * (moe.experts + moe.shared_experts)
-    return 2 * blocks * (moe_ffn - 3 * m.dim * m.hidden_dim // tp)
-
-
 def _ep_dtypes(config: Config, dims: ParallelDims) -> tuple[int, int]:
     """Bytes per element of the rows expert parallelism dispatches (the block's input: float32, or
     half precision where FSDP gathers half-precision weights) and of those it combines back (the
     experts' outputs: the autocast dtype under bf16/fp16)."""
-    from dtlab.analysis.model import fsdp_half_params
 
     half = config.train.precision in ("bf16", "fp16")
     return (2 if fsdp_half_params(config, dims) else FP32), (2 if half else FP32)

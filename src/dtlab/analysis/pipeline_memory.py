@@ -15,21 +15,13 @@ from dtlab.analysis.activations import (
     FP32,
     TPSplit,
     activation_bytes,
+    fsdp_half_params,
     kernel_bytes,
 )
 from dtlab.analysis.shapes import RankPart
 from dtlab.analysis.timeline import BlockShape, LossShape, Moment, RankState, Timeline
 from dtlab.config import ZERO_BUBBLE_SCHEDULES, Config
-from dtlab.dims import DPWrapper, ParallelDims, stage_ids
-
-
-def fsdp_half_params(config: Config, dims: ParallelDims) -> bool:
-    """Forward and backward run on half-precision parameters: FSDP and HSDP gather them in bf16/fp16
-    under ``train.precision`` bf16/fp16 (:func:`dtlab.parallel.apply.fsdp_param_dtype`); every other
-    strategy (also DDP that FSDP2 replicates for, with tp or pp) keeps float32 parameters and autocast
-    copies the weights."""
-    sharded = DPWrapper.of(config.parallel.strategy) is DPWrapper.FSDP
-    return dims.fsdp_enabled and sharded and config.train.precision in ("bf16", "fp16")
+from dtlab.dims import ParallelDims, stage_ids
 
 
 def _in_flight(config: Config, dims: ParallelDims, microbatches: int, pp_rank: int = 0) -> int:

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from dtlab.analysis import moe
 from dtlab.analysis.memo import memo
 from dtlab.config import Config, ModelConfig
 from dtlab.dims import ParallelDims, stage_ids, stage_layers
@@ -144,5 +143,12 @@ def _rank_shapes(
         return part.first if s.name.startswith("tok_embeddings") else part.last
 
     # An MoE block's feed-forward stays whole on every tensor-parallel rank (dtlab.analysis.moe).
-    tp_split = [s if moe.whole_under_tp(s.name) else _tp_local(s, dims.tp) for s in shapes]
+    tp_split = [s if whole_under_tp(s.name) else _tp_local(s, dims.tp) for s in shapes]
     return [s for s in tp_split if held(s)], part
+
+
+def whole_under_tp(name: str) -> bool:
+    """Whether parameter ``name`` belongs to an MoE block's feed-forward (router, routed and shared
+    experts), which tensor parallelism leaves whole on every rank (:func:`dtlab.parallel.apply.
+    apply_tp`: each rank computes it on the same tokens)."""
+    return any(f".feed_forward.{part}." in name for part in ("router", "experts", "shared"))

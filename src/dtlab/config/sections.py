@@ -782,7 +782,8 @@ class RunConfig(_Section):
         "comm_bytes (whole buffers) and wire_bytes (what one rank sends, ring algorithms over the "
         "world), and of those the ones that cross replicas (data-parallel, DiLoCo or "
         "fault-tolerant replica groups): cross_replica_bytes and cross_replica_collectives; the "
-        "step's alerts and validation count with it; train.compile stays on; for measurements "
+        "step's alerts count with it, its validation and checkpoint save apart (eval_*, "
+        "checkpoint_*); train.compile stays on; for measurements "
         "(dtlab.bench.lowcomm).",
     )
     profile: bool = Field(

@@ -479,8 +479,9 @@ class TorchEngine:
         # A fault-tolerant group is one replica: only torchft's collectives cross (comm_labels).
         self.replica_of = [0 if ft else replica_index(d.dims, r) for r in range(d.world_size)]
         self.rtt_s = bench_rtt_s()
-        # What was counted after the last record (a step taken again, a save): for the next one.
+        # What a step that was taken again sent: counted with the step taken.
         self.uncounted: dict[str, Any] = {}
+        self.saved: dict[str, Any] = {}  # what the saves since the last record sent
         self.uncounted_groups: set[str] = set()  # an async save's group, busy beside the steps
         self.states: dict[str, Stateful] = {}
         self.per_rank: tuple[str, ...] = ()
@@ -573,11 +574,12 @@ class TorchEngine:
 
     def save(self, ckpt: Checkpointer, step: int, *, blocking: bool) -> None:
         # A save's collectives on this thread (the ranks' RNG states; a blocking save's planning
-        # and commit) count with the next step, the first record logged after it. An async save's
-        # own group (its planning runs on DCP's thread) is not counted: docs/configuration.md.
+        # and commit) are counted apart from any step's, and reported with the next record
+        # (checkpoint_*). An async save's own group (its planning runs on DCP's thread) is not
+        # counted: docs/configuration.md.
         if ckpt.group is not None:
             self.uncounted_groups.add(str(ckpt.group.group_name))
-        with self.counting(self.uncounted):
+        with self.counting(self.saved):
             ckpt.save(step, self.states, per_rank=self.per_rank, blocking=blocking)
         self._staged = ckpt.staged  # the next step waits for an async save's copy before it updates
 
@@ -608,6 +610,8 @@ class TorchEngine:
             self.uncounted = counted
         else:
             m.update(counted)
+            m.update({f"checkpoint_{k}": v for k, v in self.saved.items()})
+            self.saved = {}
         return m
 
     @contextlib.contextmanager
@@ -754,8 +758,12 @@ class TorchEngine:
         self.micro_now = smaller
 
     def evaluate(self, batches: list[list[Any]], record: dict[str, Any] | None = None) -> float:
-        with self.counting(record):
-            return evaluate(self.tr.pm, batches, self.config, self.d.device)
+        counted: dict[str, Any] = {}  # apart from the step's own: eval_comm_bytes, ...
+        with self.counting(counted):
+            loss = evaluate(self.tr.pm, batches, self.config, self.d.device)
+        if record is not None:
+            record.update({f"eval_{k}": v for k, v in counted.items()})
+        return loss
 
     def memory_use(self) -> tuple[int, int]:
         return memory_use(self.d.device)
@@ -795,8 +803,8 @@ class TorchEngine:
             out["peak_memory_reserved_bytes"] = self.peak_memory_reserved_bytes()
         if self.config.train.oom_retry:
             out.update(oom_retries=self.oom_retries, micro_batch_size=self.micro_now)
-        if self.uncounted:  # run.comm_bytes: sent after the last step's record (its final save)
-            out["comm_after_last_step"] = dict(self.uncounted)
+        if self.saved:  # run.comm_bytes: what the saves after the last step's record sent
+            out["checkpoint_comm_after_last_step"] = dict(self.saved)
         if self.replicas is not None:
             out.update(self.replicas.summary())
             if self.outer_ft is not None:

@@ -120,7 +120,8 @@ class Engine(Protocol):
     def evaluate(self, batches: list[list[Any]], record: dict[str, Any] | None = None) -> float:
         """The mean loss over every token of ``batches`` (each a step's worth of this rank's
         validation micro-batches), agreed by every rank; a forward only, that changes no state.
-        With ``run.comm_bytes`` its collectives join the counts in step record ``record``."""
+        With ``run.comm_bytes`` its collectives are counted into step record ``record``, apart
+        from the step's (``eval_comm_bytes``, ...)."""
         ...
 
     def after_step(self) -> None:
@@ -433,7 +434,7 @@ def _loop(
 
 def _evaluate(r: _Run, step: int, m: dict[str, Any]) -> None:
     """The validation loss and perplexity after ``step`` (outside the step's timing), into its
-    record ``m`` (with ``run.comm_bytes``, the evaluation's collectives added to the step's)."""
+    record ``m`` (with ``run.comm_bytes``, the evaluation's collectives beside the step's)."""
     loader = r.engine.val_loader
     assert loader is not None  # eval.every needs a validation split (a config rule)
     t0 = time.perf_counter()
