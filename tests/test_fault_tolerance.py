@@ -7,6 +7,7 @@ state from a peer and ends with the same weights; a group that hangs is dropped 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -363,6 +364,109 @@ def test_group_behind_stops_once_another_finished(tmp_path: Path) -> None:
     assert max(m["step"] for m in read_metrics(run_dir / "replica-0")) == steps
     record = json.loads((run_dir / "fault_tolerance.json").read_text())
     assert record["exit_codes"] == {"0": 0, "1": 0}
+
+
+def _listening(pids: set[int]) -> dict[int, list[tuple[str, int]]]:
+    """The TCP sockets each of ``pids`` listens on: (address as /proc writes it, port)."""
+    table = {}
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(name).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A":  # LISTEN
+                host, port = fields[1].rsplit(":", 1)
+                table[fields[9]] = (host, int(port, 16))
+    out: dict[int, list[tuple[str, int]]] = {}
+    for pid in pids:
+        found = []
+        for fd in Path(f"/proc/{pid}/fd").glob("*"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd)
+                if target.startswith("socket:[") and target[8:-1] in table:
+                    found.append(table[target[8:-1]])
+        out[pid] = found
+    return out
+
+
+def _outside_address() -> str | None:
+    """This machine's address on a network beyond loopback (None: it has none)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))  # no packet is sent: the route picks the address
+            address = str(s.getsockname()[0])
+        except OSError:
+            return None
+    return None if address.startswith("127.") else address
+
+
+def test_a_groups_servers_listen_on_the_jobs_address_and_keep_the_state_to_the_job(
+    tmp_path: Path,
+) -> None:
+    """While 2 groups train: every socket the run's processes listen on is on 127.0.0.1 (torchft's
+    manager and checkpoint servers listened on every interface); from the machine's other address
+    they refuse the connection, and the checkpoint server, which streams the whole model and
+    optimizer state, answers 403 to a request without its secret path."""
+    import urllib.error
+    import urllib.request
+
+    from test_lifeline import _tree
+
+    job = Watched(*_train_args(tmp_path / "run", 100000))
+    try:
+        job.wait_for_file(tmp_path / "run" / "replica-1" / "metrics.jsonl", timeout=180)
+        launcher = real_pid(job.proc.pid)
+        # The ranks (a shim's fork server child where the tests' fork server started them).
+        ranks = {real_pid(p) for p in _tree(launcher) if "TORCHELASTIC_RUN_ID=" in _environ(p)}
+        listening = _listening(_tree(launcher))
+        assert all(len(listening[p]) >= 2 for p in ranks), listening  # manager, checkpoint
+        wide = {p: a for p, a in listening.items() for host, _ in a if host != "0100007F"}
+        assert not wide, f"listening beyond 127.0.0.1: {wide}"
+        ports = [port for p in ranks for _, port in listening[p]]
+        refused = 0
+        for port in ports:
+            try:
+                with urllib.request.urlopen(
+                    f"http://127.0.0.1:{port}/checkpoint/0/full", timeout=5
+                ):
+                    raise AssertionError(f"port {port} served a checkpoint without the secret")
+            except urllib.error.HTTPError as e:
+                refused += e.code == 403
+            except (urllib.error.URLError, OSError, ValueError):
+                pass  # not an HTTP server (the manager's gRPC)
+        assert refused == len(ranks), (refused, ports)  # each group's checkpoint server
+        outside = _outside_address()
+        if outside is not None:
+            import socket
+
+            for port in ports:
+                with pytest.raises(OSError), socket.create_connection((outside, port), timeout=5):
+                    pass
+    finally:
+        kill_job(job.proc)
+
+
+def test_a_group_binds_the_address_its_job_names() -> None:
+    """An address is bound as it is; a name by its address here, but a name other than localhost
+    that resolves to loopback here (a Debian host's own name) on every interface, since its peers
+    reach it by another address."""
+    import socket
+
+    from dtlab.parallel.ft_ports import bind_host
+
+    assert bind_host("127.0.0.1") == "127.0.0.1" and bind_host("10.1.2.3") == "10.1.2.3"
+    assert bind_host("::1") == "::1" and bind_host("localhost") in ("127.0.0.1", "::1")
+    own = socket.getaddrinfo(socket.gethostname(), None)[0][4][0]
+    expected = None if own.startswith("127.") or own == "::1" else own
+    assert bind_host(socket.gethostname()) == expected
+    assert bind_host("no-such-host.invalid") is None
+
+
+def _environ(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def test_lighthouse_listens_on_loopback_only() -> None:

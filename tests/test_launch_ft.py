@@ -124,7 +124,9 @@ def _env(container: dict[str, Any]) -> dict[str, Any]:
 def test_ft_k8s_manifest_has_a_lighthouse_and_a_job_per_group(tmp_path: Path) -> None:
     docs = _k8s_docs(tmp_path, "parallel.fault_tolerance.max_restarts=4", "run.name=ftk")
     kinds = [d["kind"] for d in docs]
-    assert kinds == ["ConfigMap", "PersistentVolumeClaim", "Deployment", "Service", "Job", "Job"]
+    assert kinds == [
+        "ConfigMap", "PersistentVolumeClaim", "Deployment", "Service", "Job", "Job", "NetworkPolicy",
+    ]  # fmt: skip
     deployment, service = docs[2], docs[3]
     assert deployment["spec"]["replicas"] == 1  # the lighthouse, once
     assert service["spec"]["selector"] == deployment["spec"]["template"]["metadata"]["labels"]
@@ -132,7 +134,16 @@ def test_ft_k8s_manifest_has_a_lighthouse_and_a_job_per_group(tmp_path: Path) ->
     lh = deployment["spec"]["template"]["spec"]["containers"][0]
     assert lh["command"][3:5] == ["--lighthouse", "0.0.0.0:29510"]
     assert [p["port"] for p in service["spec"]["ports"]] == [29510, 29511]
-    for i, job in enumerate(docs[4:]):
+    # Only the job's pods reach the job's pods (the lighthouse's and the groups' servers).
+    policy = docs[-1]["spec"]
+    pods = {"dtlab.io/job": "ftk"}
+    assert policy["podSelector"]["matchLabels"] == pods
+    assert policy["ingress"] == [{"from": [{"podSelector": {"matchLabels": pods}}]}]
+    for d in docs[2:6]:
+        assert d["metadata"]["labels"]["dtlab.io/job"] == "ftk"
+        if d["kind"] in ("Deployment", "Job"):
+            assert d["spec"]["template"]["metadata"]["labels"]["dtlab.io/job"] == "ftk"
+    for i, job in enumerate(docs[4:6]):
         assert job["metadata"]["name"] == f"ftk-replica-{i}"
         assert job["spec"]["backoffLimit"] == 4
         spec = job["spec"]["template"]["spec"]
@@ -178,7 +189,7 @@ def test_ft_k8s_pods_meet_at_the_lighthouse_and_train(tmp_path: Path) -> None:
             assert lighthouse.poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
         procs = []
-        for job in docs[4:]:
+        for job in (d for d in docs if d["kind"] == "Job"):
             container = job["spec"]["template"]["spec"]["containers"][0]
             env = {k: v for k, v in _env(container).items() if isinstance(v, str)}
             env |= {

@@ -304,7 +304,26 @@ def _k8s_fault_tolerant(
                 },
             }
         )
+    docs.append(_network_policy(name, meta, labels))
     return docs
+
+
+def _network_policy(name: str, meta: dict[str, Any], labels: dict[str, str]) -> dict[str, Any]:
+    """Only the job's own pods reach its pods: the lighthouse, the groups' manager servers, their
+    stores and the checkpoint servers that stream the model and optimizer state to a recovering
+    peer listen without authentication of their own (torchft's), so a process elsewhere in the
+    cluster must not reach them (enforced where the cluster's network plugin enforces policies)."""
+    job = {"dtlab.io/job": labels["dtlab.io/job"]}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {**meta, "name": f"{name}-job-only", "labels": labels},
+        "spec": {
+            "podSelector": {"matchLabels": job},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": [{"podSelector": {"matchLabels": job}}]}],
+        },
+    }
 
 
 def _pytorchjob(job: K8sJob, meta: dict[str, Any], pod: dict[str, Any]) -> dict[str, Any]:

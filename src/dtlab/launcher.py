@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dtlab.errors import Preempted
+from dtlab.parallel.ft_ports import bound_store
 from dtlab.runtime.lifeline import started_here
 from dtlab.runtime.messages import MESSAGES_ENV, take_messages
 from dtlab.train.rundir import finished_since, stopped_with_checkpoint
@@ -285,15 +285,7 @@ LOOPBACK_RENDEZVOUS = "dtlab-loopback"
 
 def _loopback_store() -> Any:
     """A TCPStore server that listens on 127.0.0.1 only (TCPStore itself binds every interface)."""
-    import torch.distributed as dist
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(1024)
-    port = sock.getsockname()[1]
-    return dist.TCPStore(
-        "127.0.0.1", port, is_master=True, multi_tenant=True, master_listen_fd=sock.detach()
-    )
+    return bound_store("127.0.0.1")
 
 
 def _register_loopback_rendezvous() -> str:

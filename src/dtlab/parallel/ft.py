@@ -44,6 +44,7 @@ import torch
 from dtlab.config import Config
 from dtlab.dims import needs_replica_groups
 from dtlab.metrics.logging import logger
+from dtlab.parallel.ft_ports import bound_manager, bound_store, checkpoint_transport, new_secret
 from dtlab.runtime import forkserver
 
 if TYPE_CHECKING:
@@ -206,7 +207,7 @@ def _group_store(d: DistInfo) -> tuple[Any, str | None, int | None]:
     store = None
     port = [0]
     if d.rank == 0:
-        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        store = bound_store(host)  # on the job's address only
         port = [store.port]
     dist.broadcast_object_list(port, src=0)
     return store, host, int(port[0])
@@ -261,13 +262,12 @@ class Replicas:
 
     def __init__(self, config: Config, d: DistInfo) -> None:
         require_torchft()
-        from torchft import Manager, ProcessGroupGloo
+        from torchft import ProcessGroupGloo
 
         o = config.parallel.fault_tolerance
         self.place = ReplicaPlace.from_env()
         self.global_batch = config.train.global_batch_size
         timeout = timedelta(seconds=o.timeout_s)
-        place = self.place
         members: list[int] = []
 
         class _Gloo(ProcessGroupGloo):  # type: ignore[misc]
@@ -290,24 +290,10 @@ class Replicas:
         self._loaded: dict[str, Any] | None = None
         self._states: dict[str, Stateful] = {}
         self._pg = _Gloo(timeout=timeout)
-        self.manager: Manager = Manager(
-            pg=self._pg,
-            load_state_dict=None,
-            state_dict=None,
-            min_replica_size=o.min_replicas,
-            use_async_quorum=False,  # the quorum (and a recovery) before the step, not during it
-            timeout=timeout,
-            quorum_timeout=timedelta(seconds=o.quorum_timeout_s),
-            connect_timeout=timedelta(seconds=max(o.timeout_s, 10.0)),
-            store_addr=store_addr,
-            store_port=store_port,
-            rank=d.rank,  # the rank in the group: its gradients go to this rank of the others
-            world_size=d.world_size,
-            replica_id=REPLICA_ID.format(place.replica),
-            hostname=os.environ.get(HOST_ENV, "127.0.0.1"),
-            # Every group initialises the same weights from train.seed: nothing to copy at step 0.
-            init_sync=False,
-        )
+        # Its servers listen on the job's address only, the checkpoint server under a secret path.
+        host = os.environ.get(HOST_ENV, "127.0.0.1")
+        with bound_manager(host):
+            self.manager: Manager = self._manager(o, d, timeout, host, store_addr, store_port)
         # The start store (the launcher's or the job's): where a finish is said.
         self.store: Any = None
         if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
@@ -332,6 +318,38 @@ class Replicas:
         self.deadline_s, self.min_replicas = o.quorum_deadline_s, o.min_replicas
         self.quorum_timeout_s = o.quorum_timeout_s
         self.in_quorum_at = time.monotonic()
+
+    def _manager(
+        self,
+        o: Any,
+        d: DistInfo,
+        timeout: timedelta,
+        host: str,
+        store_addr: str | None,
+        store_port: int | None,
+    ) -> Manager:
+        """This group's torchft Manager (its servers on ``host``)."""
+        from torchft import Manager
+
+        return Manager(
+            pg=self._pg,
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=o.min_replicas,
+            use_async_quorum=False,  # the quorum (and a recovery) before the step, not during it
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=o.quorum_timeout_s),
+            connect_timeout=timedelta(seconds=max(o.timeout_s, 10.0)),
+            store_addr=store_addr,
+            store_port=store_port,
+            rank=d.rank,  # the rank in the group: its gradients go to this rank of the others
+            world_size=d.world_size,
+            replica_id=REPLICA_ID.format(self.place.replica),
+            hostname=host,
+            checkpoint_transport=checkpoint_transport(host, new_secret(), timeout),
+            # Every group initialises the same weights from train.seed: nothing to copy at step 0.
+            init_sync=False,
+        )
 
     def _finished_elsewhere(self) -> bool:
         """Whether another group's agent has said that it finished the run (the start store's key:
