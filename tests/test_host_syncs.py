@@ -20,7 +20,8 @@ from conftest import run_worker
 from dtlab.config import load_config
 from dtlab.metrics.syncs import HostSyncCounter
 from dtlab.parallel import DistInfo
-from dtlab.train.loop import build_training, train_step
+from dtlab.train.loop import build_training
+from dtlab.train.optimizer_step import train_step
 
 BASE = [
     "model.preset=debug",

@@ -25,7 +25,8 @@ from dtlab.config import load_config
 from dtlab.models.llama import build_model
 from dtlab.parallel import parallelize
 from dtlab.parallel.dist import DistInfo
-from dtlab.train.loop import Training, build_training, forward_loss
+from dtlab.train.loop import Training, build_training
+from dtlab.train.optimizer_step import forward_loss
 
 N = 1000  # elements of the toy activations below: 4000 bytes in float32
 

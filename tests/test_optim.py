@@ -12,8 +12,9 @@ from conftest import run_worker
 from dtlab.analysis.model import plan_step
 from dtlab.config import TrainConfig, load_config
 from dtlab.parallel import DistInfo
-from dtlab.train.loop import Training, accumulate_gradients, build_training, train_step
+from dtlab.train.loop import Training, build_training
 from dtlab.train.optim import init_state, state_bytes
+from dtlab.train.optimizer_step import accumulate_gradients, train_step
 
 OPTIMIZERS = get_args(TrainConfig.model_fields["optimizer"].annotation)
 BASE = [

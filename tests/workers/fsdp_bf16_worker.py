@@ -18,8 +18,8 @@ from dtlab.config import load_config
 from dtlab.models import build_model
 from dtlab.parallel import destroy_distributed, init_distributed, parallelize
 from dtlab.runtime.status import leave_worker
-from dtlab.train.loop import train_step
 from dtlab.train.optim import build_optimizer
+from dtlab.train.optimizer_step import train_step
 from dtlab.train.precision import LossScaler
 from dtlab.train.schedules import build_scheduler
 

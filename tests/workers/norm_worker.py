@@ -11,7 +11,7 @@ from dtlab.config import load_config
 from dtlab.metrics.comm import CommCounter
 from dtlab.parallel import destroy_distributed, init_distributed
 from dtlab.runtime.status import leave_worker
-from dtlab.train.loop import reduce_step
+from dtlab.train.step import reduce_step
 
 # dtlab's own set-up and teardown, as a run does: with a bare init_process_group/destroy_process_group
 # the ranks of this short worker aborted at interpreter exit in a few percent of launches (gloo threads).

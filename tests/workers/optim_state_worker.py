@@ -13,8 +13,9 @@ from dtlab.analysis.model import plan_step
 from dtlab.config import load_config
 from dtlab.parallel import destroy_distributed, init_distributed
 from dtlab.runtime.status import leave_worker
-from dtlab.train.loop import build_training, train_step
+from dtlab.train.loop import build_training
 from dtlab.train.optim import state_bytes
+from dtlab.train.optimizer_step import train_step
 
 config = load_config(
     overrides=[

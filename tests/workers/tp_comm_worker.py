@@ -10,7 +10,8 @@ from torch.distributed.tensor.debug import CommDebugMode
 from dtlab.analysis.model import plan_step
 from dtlab.config import load_config
 from dtlab.parallel import destroy_distributed, init_distributed
-from dtlab.train.loop import accumulate_gradients, build_training
+from dtlab.train.loop import build_training
+from dtlab.train.optimizer_step import accumulate_gradients
 
 SEQ, BATCH, DIM = 64, 8, 256
 sp = sys.argv[1] == "sp"

@@ -164,8 +164,8 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
 
     from dtlab.metrics.comm import CommCounter
     from dtlab.models.moe import routing_override
-    from dtlab.train.loop import train_step
     from dtlab.train.optim import build_optimizer
+    from dtlab.train.optimizer_step import train_step
     from dtlab.train.precision import LossScaler
     from dtlab.train.schedules import build_scheduler
 
@@ -217,7 +217,7 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
                 with counter if step == steps - 1 else nullcontext():
                     train_step(
                         pm, optimizer, scheduler, scaler, batch, config, d.device,
-                        step_group=outer.step_group,
+                        peers=outer.peers,
                     )  # fmt: skip
             outer.after_measured(batch)
             rest = tracker.current()

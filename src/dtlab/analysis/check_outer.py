@@ -21,6 +21,7 @@ from dtlab.config import Config
 from dtlab.metrics.comm import CommCounter
 from dtlab.runtime.signals import STOP_SIGNALS
 from dtlab.train.diloco import DiLoCo, outer_group, replica_group
+from dtlab.train.optimizer_step import StepPeers
 
 
 class _HostApart(DiLoCo):
@@ -137,9 +138,10 @@ class OuterRun:
         self.step = 0
 
     @property
-    def step_group(self) -> Any:
-        """The group a step's figures are agreed in (a DiLoCo replica's), as the loop passes it."""
-        return self.diloco.replica if self.diloco is not None else None
+    def peers(self) -> StepPeers:
+        """Who agrees on a step (a DiLoCo replica's ranks), as the loop passes it."""
+        group, size = self.diloco.replica if self.diloco is not None else (None, None)
+        return StepPeers(group, size)
 
     @property
     def host(self) -> int:

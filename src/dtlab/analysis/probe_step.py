@@ -24,8 +24,8 @@ def rank_step(config: Config, d: Any) -> Callable[[], None]:
     from dtlab.config import check_batch_split
     from dtlab.models.llama import build_model
     from dtlab.parallel.apply import parallelize
-    from dtlab.train.loop import train_step
     from dtlab.train.optim import build_optimizer
+    from dtlab.train.optimizer_step import train_step
     from dtlab.train.precision import LossScaler
     from dtlab.train.schedules import build_scheduler
 

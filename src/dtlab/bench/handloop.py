@@ -157,7 +157,8 @@ def interleaved(config: Config) -> dict[str, list[float]]:
     always runs on the other's warm caches. Returns this rank's step times, ``{"hand": [...],
     "dtlab": [...]}``, the first step of each left out."""
     from dtlab.parallel import init_distributed
-    from dtlab.train.loop import build_training, train_step
+    from dtlab.train.loop import build_training
+    from dtlab.train.optimizer_step import train_step
 
     d = init_distributed(config)
     tr = build_training(config, d)

@@ -93,7 +93,7 @@ def _timed_blocks(
     """Block 0 warms up; then the timed blocks in ABBA order: on, off, off, on, ..."""
     import torch.distributed as dist
 
-    from dtlab.train.loop import train_step
+    from dtlab.train.optimizer_step import train_step
 
     blocks: list[_Block] = []
     step = 0

@@ -134,7 +134,7 @@ def activation_case(config: Config, micro_batch: int, seed: int = 0) -> dict[str
     from dtlab.models.llama import build_model
     from dtlab.parallel import parallelize
     from dtlab.parallel.dist import DistInfo
-    from dtlab.train.loop import forward_loss
+    from dtlab.train.optimizer_step import forward_loss
 
     cfg = config.model_copy(deep=True)
     cfg.parallel.strategy = "single"

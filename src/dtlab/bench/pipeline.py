@@ -49,7 +49,8 @@ def _worker(config: Config, out: Path, warmup: int) -> None:
 
     from dtlab.parallel import destroy_distributed, init_distributed
     from dtlab.parallel.pipeline import record_timeline
-    from dtlab.train.loop import build_training, train_step
+    from dtlab.train.loop import build_training
+    from dtlab.train.optimizer_step import train_step
 
     d = init_distributed(config)
     try:

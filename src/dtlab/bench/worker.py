@@ -70,13 +70,8 @@ from dtlab.parallel.dist import (
 )
 from dtlab.runtime.faults import Faults
 from dtlab.runtime.signals import StopSignals
-from dtlab.train.loop import (
-    TorchEngine,
-    Training,
-    accumulate_gradients,
-    forward_loss,
-    resolve_run_dir,
-)
+from dtlab.train.loop import TorchEngine, Training, resolve_run_dir
+from dtlab.train.optimizer_step import accumulate_gradients, forward_loss
 from dtlab.train.run import run
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

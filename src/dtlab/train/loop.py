@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +27,6 @@ from dtlab.checkpoint.manifest import MANIFEST
 from dtlab.checkpoint.state import ModelState, OptimizerState, StagedOptimizerState, Stateful
 from dtlab.config import Config, check_batch_split, load_config
 from dtlab.data import BatchLayout, BatchLoader
-from dtlab.data.loader import MicroBatch
 from dtlab.data.sources import build_data
 from dtlab.data.tokenizer import ByteTokenizer, Tokenizer
 from dtlab.dims import ParallelDims, layout_name, layout_warnings
@@ -47,7 +45,6 @@ from dtlab.parallel import (
     init_distributed,
     parallelize,
 )
-from dtlab.parallel.compression import reduce_dtype
 from dtlab.parallel.dist import decide_on_rank0, reduce_scalar
 from dtlab.parallel.ft import ReplicaPlace, Replicas, data_parallel, tag_logs
 from dtlab.parallel.ledger import (
@@ -56,16 +53,13 @@ from dtlab.parallel.ledger import (
     recorded,
     start_ledger,
 )
-from dtlab.runtime.faults import FAULTS_ENV, Faults
+from dtlab.runtime.faults import Faults
 from dtlab.runtime.signals import STOP_SIGNALS, StopSignals, agreed_stop
 from dtlab.train.comm_groups import REPLICA_GROUPS, comm_labels, replica_index
 from dtlab.train.diloco import DiLoCo, outer_group, replica_group
 from dtlab.train.diloco_ft import FaultTolerantOuter
-from dtlab.train.loss import token_loss
 from dtlab.train.oom import (
     StepOutOfMemory,
-    agree_out_of_memory,
-    is_out_of_memory,
     smaller_micro_batch,
     split_micro_batches,
 )
@@ -75,263 +69,16 @@ from dtlab.train.optim import (
     optimizer_groups,
     state_bytes,
 )
-from dtlab.train.precision import DTYPES, LossScaler, autocast, check_cpu_half_precision
-from dtlab.train.routing import forget_routing, moe_aux_loss, routing_counts, routing_step
+from dtlab.train.optimizer_step import (
+    StepFaults,
+    StepPeers,
+    evaluate,
+    train_step,
+)
+from dtlab.train.precision import DTYPES, LossScaler, check_cpu_half_precision
 from dtlab.train.run import run
 from dtlab.train.rundir import RunDirLock, create_run_dir
 from dtlab.train.schedules import build_scheduler
-from dtlab.train.step import clip_gradients, reduce_step
-
-
-def forward_loss(
-    module: nn.Module,
-    inputs: torch.Tensor,
-    targets: torch.Tensor,
-    precision: str,
-    device: torch.device,
-    compiled: bool = False,
-) -> torch.Tensor:
-    """Mean cross-entropy over the micro-batch's tokens (computed in float32 under any precision),
-    compiled under ``train.compile`` (``compiled``: see :mod:`dtlab.train.loss`)."""
-    with autocast(precision, device):
-        logits = module(inputs)
-    return token_loss(logits, targets, compiled)
-
-
-def train_step(
-    pm: ParallelModel,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    scaler: LossScaler,
-    micro_batches: list[MicroBatch],
-    config: Config,
-    device: torch.device,
-    inject_nan: bool = False,
-    stop_signal: int = 0,
-    skip_sync: bool = False,
-    before_update: Callable[[], None] | None = None,
-    oom_retry: bool = False,
-    inject_oom: bool = False,
-    loss_factor: float = 1.0,
-    step_group: tuple[Any, int] | None = None,
-    replicas: Replicas | None = None,
-) -> dict[str, Any]:
-    """One optimizer step over this rank's micro-batches; returns the step's metrics.
-
-    ``before_update()`` runs before the step first changes a tensor a checkpoint holds in place: an
-    async save still copying them (:meth:`Checkpointer.staged`) finishes first. That is the optimizer
-    step, or with a compression hook the backward (the hooks fold their state in there).
-
-    ``stop_signal`` is the stop signal this rank caught (0: none); the ranks agree on it in the step's
-    one reduction, and ``"stop"`` in the metrics names the agreed signal. A step whose global loss or
-    gradient norm is not finite changes no parameter (``bad`` in the metrics); under fp16 an overflow
-    only lowers the loss scale (``skipped``), as loss scaling intends.
-
-    ``oom_retry``: the ranks agree, before any gradient is synchronised, whether one ran out of memory
-    (:mod:`dtlab.train.oom`); if one did, every rank raises StepOutOfMemory with nothing changed, for
-    the caller to take the step again with smaller micro-batches. ``inject_oom``: this rank's first
-    micro-batch raises an out-of-memory error (the ``oom`` fault). ``loss_factor``: the loss (and
-    so the gradients) multiplied by it (the ``spike`` fault). ``step_group``: (process group, size)
-    of the ranks that agree on the step's figures (a DiLoCo replica's), instead of every rank.
-    ``replicas``: fault-tolerant replica groups (``parallel.fault_tolerance``): the gradients and loss
-    averaged over the groups in the quorum, and a step that does not commit everywhere changes
-    nothing (``{"uncommitted": True}``, for the caller to take it again).
-    """
-    if scaler.enabled:
-        pm.compression.set_scale(scaler.scale)  # hooks keep their state in unscaled units
-    hooked = pm.compression.hook_state is not None
-    if before_update is not None and hooked:
-        before_update()
-    if oom_retry:
-        loss_sum = _accumulate_agreed(
-            pm, scaler, micro_batches, config, device, inject_nan, skip_sync, inject_oom,
-            loss_factor,
-        )  # fmt: skip
-    else:
-        loss_sum = accumulate_gradients(
-            pm, scaler, micro_batches, config, device, inject_nan, skip_sync, inject_oom,
-            loss_factor,
-        )  # fmt: skip
-    pm.settle_gradients()
-    params = [p for p in pm.optimized.parameters() if p.grad is not None]
-    if replicas is not None:  # across the replica groups, before anything is judged
-        held = [g for p in params if (g := p.grad) is not None]
-        loss_sum = replicas.average(held, loss_sum, routing_counts(pm.module))
-    found = scaler.unscale_(params, device)  # this rank's overflow flag (fp16), no collective
-    local = pm.compression.local_gradients  # each rank's own gradients (DeMo)
-    grads = [g for p in params if (g := p.grad) is not None]
-    group, size = step_group if step_group is not None else (None, None)
-    r = reduce_step(
-        loss_sum, found, stop_signal, grads, local, pp=pm.dims.pp, group=group, group_size=size
-    )
-    if replicas is not None and not replicas.should_commit():
-        pm.compression.rollback()
-        optimizer.zero_grad(set_to_none=True)
-        forget_routing(pm.module)
-        return {"uncommitted": True}
-    if config.train.grad_clip > 0:
-        clip = r.clip_norm_t
-        clip_gradients(params, config.train.grad_clip, clip)
-    # Loss, norm and flags are agreed by every rank, so every rank takes the same decision.
-    found_inf = scaler.enabled and r.flagged
-    nonfinite = r.flagged if local else not math.isfinite(r.norm)
-    bad = not math.isfinite(r.loss) or (not scaler.enabled and nonfinite)
-    # Judged before anything is folded in: a skipped step leaves the optimizer and compression
-    # state exactly as they were (the hooks' new state waits until it is committed).
-    if before_update is not None and not hooked:
-        before_update()
-    if not found_inf and not bad:
-        optimizer.step()
-        pm.after_update()
-        pm.compression.commit()
-    else:
-        pm.compression.rollback()
-    # MoE: the step's expert loads agreed, and the balancing bias moved only by a step taken.
-    routing = routing_step(
-        pm.module, update=not found_inf and not bad, copies=pm.dims.tp, args=pm.model.args,
-        stages=pm.dims.pp_enabled,
-    )  # fmt: skip
-    scaler.update(found_inf)
-    optimizer.zero_grad(set_to_none=True)
-    if pm.zero is not None:  # ZeRO-1: the optimizer holds only this rank's share of the parameters
-        pm.module.zero_grad(set_to_none=True)
-    lr = scheduler.get_last_lr()[0]
-    scheduler.step()
-
-    out: dict[str, Any] = {"loss": r.loss, "lr": lr, "grad_norm": r.norm}
-    if scaler.enabled:
-        out.update(loss_scale=scaler.scale, skipped=found_inf)
-    if bad:
-        out["bad"] = True
-    if r.stop is not None:
-        out["stop"] = r.stop
-    out.update(routing)
-    return out
-
-
-def _accumulate_agreed(
-    pm: ParallelModel,
-    scaler: LossScaler,
-    micro_batches: list[MicroBatch],
-    config: Config,
-    device: torch.device,
-    inject_nan: bool,
-    skip_sync: bool,
-    inject_oom: bool,
-    loss_factor: float = 1.0,
-) -> torch.Tensor:
-    """:func:`accumulate_gradients` with every micro-batch unsynchronised, then the ranks' agreement on
-    an out-of-memory error, then the gradient sync: StepOutOfMemory on every rank if any ran out."""
-    failed = ""
-    try:
-        loss_sum = accumulate_gradients(
-            pm, scaler, micro_batches, config, device, inject_nan, True, inject_oom, loss_factor
-        )
-    except Exception as e:  # only an allocation failure; the frames holding tensors go with ``e``
-        if not is_out_of_memory(e):
-            raise
-        failed = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    ranks = agree_out_of_memory(bool(failed), device)
-    if ranks:
-        pm.module.zero_grad(set_to_none=True)
-        forget_routing(pm.module)
-        raise StepOutOfMemory(ranks, int(micro_batches[0][0].shape[0]), failed)
-    if not skip_sync:
-        pm.sync_gradients(reduce_dtype(config))
-    return loss_sum
-
-
-def accumulate_gradients(
-    pm: ParallelModel,
-    scaler: LossScaler,
-    micro_batches: list[MicroBatch],
-    config: Config,
-    device: torch.device,
-    inject_nan: bool = False,
-    skip_sync: bool = False,
-    inject_oom: bool = False,
-    loss_factor: float = 1.0,
-) -> torch.Tensor:
-    """Forward and backward of every micro-batch, gradients synchronised on the last one only;
-    returns this rank's loss, summed over its micro-batches (each divided by their number).
-
-    Pipeline parallel: the rank's micro-batches together are its batch, which the schedule splits into
-    its own micro-batches; the loss is the last stage's (0 on the other stages).
-    """
-    if pm.pipeline is not None:
-        inputs = torch.cat([x for x, _ in micro_batches]).to(device, non_blocking=True)
-        targets = torch.cat([y for _, y in micro_batches]).to(device, non_blocking=True)
-        pm.pipeline.inject_nan = inject_nan
-        with (
-            autocast(config.train.precision, device),
-            pm.loss_context(),
-            recorded("pipeline schedule", "send/recv"),
-        ):
-            return pm.pipeline.step(inputs, targets)
-    accum = len(micro_batches)
-    loss_sum = torch.zeros((), device=device)
-    for i, (inputs, targets) in enumerate(micro_batches):
-        inputs, targets = (
-            inputs.to(device, non_blocking=True),
-            targets.to(device, non_blocking=True),
-        )
-        # The last micro-batch synchronises gradients; the others accumulate locally (FSDP's in
-        # its shards: ParallelModel.grad_sync).
-        with pm.grad_sync(i == accum - 1, skip=skip_sync), pm.loss_context():
-            # Every micro-batch has the same number of tokens, so mean/accum summed over micro-batches and
-            # averaged over ranks is the mean over every token of the global batch.
-            loss = (
-                forward_loss(
-                    pm.module, inputs, targets, config.train.precision, device, config.train.compile
-                )
-                / accum
-            )
-            if inject_nan:
-                loss = loss * float("nan")
-            if loss_factor != 1.0:
-                loss = loss * loss_factor
-            # MoE's auxiliary balancing loss is trained on but not reported in the loss.
-            objective = loss + aux / accum if (aux := moe_aux_loss(pm.module)) is not None else loss
-            scaler.scale_loss(objective).backward()
-        if inject_oom and i == 0:
-            raise torch.OutOfMemoryError(
-                f"{FAULTS_ENV}: injected out of memory after the first micro-batch's backward"
-            )
-        # Tensor parallel: the loss is a replicated DTensor, the same on every rank of the group.
-        loss_sum += loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach()  # type: ignore[attr-defined]
-    return loss_sum
-
-
-def evaluate(
-    pm: ParallelModel, batches: list[list[MicroBatch]], config: Config, device: torch.device
-) -> float:
-    """The mean validation loss over every token of ``batches`` (each one step's worth of this rank's
-    micro-batches), agreed by every rank in one all-reduce: a forward without gradients, under the
-    training precision. It changes no state: the model has no dropout, and the random number
-    generators are restored in case a layer draws from them."""
-    total = torch.zeros((), device=device)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
-        for micro_batches in batches:
-            if pm.pipeline is not None:
-                inputs = torch.cat([x for x, _ in micro_batches]).to(device)
-                targets = torch.cat([y for _, y in micro_batches]).to(device)
-                with autocast(config.train.precision, device), pm.loss_context():
-                    total += pm.pipeline.evaluate(inputs, targets)
-                continue
-            for inputs, targets in micro_batches:
-                with pm.loss_context():
-                    loss = forward_loss(
-                        pm.module, inputs.to(device), targets.to(device), config.train.precision,
-                        device, config.train.compile,
-                    ) / len(micro_batches)  # fmt: skip
-                total += loss.to_local() if isinstance(loss, DTensor) else loss  # type: ignore[attr-defined]
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if world > 1:
-        dist.all_reduce(total)  # recorded by the caller, with the forward's collectives
-        # Every rank holding a loss (the last pipeline stage's) summed its own; tensor-parallel ranks
-        # hold the same loss, as in the training step's reduction.
-        total /= world // pm.dims.pp
-    return float(total) / len(batches)
 
 
 def _replicas(dims: ParallelDims) -> str:
@@ -493,7 +240,10 @@ class TorchEngine:
             else None
         )
         # DiLoCo: a step's figures are agreed within the replica; the replicas agree with each sync.
-        self.step_group = self.tr.diloco.replica if self.tr.diloco is not None else None
+        group, size = self.tr.diloco.replica if self.tr.diloco is not None else (None, None)
+        # Who agrees on a step: a DiLoCo replica's ranks (else every rank), and the fault-tolerant
+        # groups (DiLoCo's meet at its syncs instead: dtlab.train.diloco_ft).
+        self.peers = StepPeers(group, size, self.replicas if self.outer_ft is None else None)
         self.replica_skipped = 0  # steps this replica skipped since the last outer sync
         self.replica_streak = 0  # ... in a row, up to now
         self._staged: Callable[[], None] | None = None
@@ -661,14 +411,14 @@ class TorchEngine:
             if self.micro_now != self.micro:
                 micro_batches = split_micro_batches(batch, self.micro_now)
             try:
+                faults = StepFaults(
+                    nan=inject_nan, skip_sync=skip_sync, oom=self.faults.out_of_memory(step),
+                    loss_factor=loss_factor,
+                )  # fmt: skip
                 m = train_step(
                     tr.pm, tr.optimizer, tr.scheduler, tr.scaler, micro_batches, self.config,
-                    self.d.device, inject_nan=inject_nan, stop_signal=stop_signal,
-                    skip_sync=skip_sync, before_update=self._staged,
-                    oom_retry=self.config.train.oom_retry,
-                    inject_oom=self.faults.out_of_memory(step), loss_factor=loss_factor,
-                    step_group=self.step_group,
-                    replicas=self.replicas if self.outer_ft is None else None,
+                    self.d.device, stop_signal=stop_signal, before_update=self._staged,
+                    faults=faults, peers=self.peers,
                 )  # fmt: skip
                 break
             except StepOutOfMemory as e:
