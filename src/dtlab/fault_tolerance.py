@@ -100,23 +100,8 @@ def launch_replicas(spec: LaunchSpec, config: Config, worker_args: list[str], ru
         server, address = start_lighthouse(config)
     # Where the groups meet on their first start, and where a finished group says so.
     store = _loopback_store()
-    env = {
-        **os.environ,
-        REPLICAS_ENV: str(replicas),
-        LIGHTHOUSE_ENV: address,
-        START_STORE_ENV: f"127.0.0.1:{store.port}",
-        HOST_ENV: "127.0.0.1",
-        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
-        # torchft's Rust side logs every quorum tick at INFO.
-        "RUST_LOG": os.environ.get("RUST_LOG", "warn"),
-    }
-    if "OMP_NUM_THREADS" not in os.environ:
-        # Each group is a world of its own, whose ranks would each take the machine's cores
-        # (parallel.dist): share them among every group's ranks instead, as one world's would.
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // (replicas * group)))
     forks = _fork_server() if o.warm_restart else None
-    if forks is not None:
-        env.update({forkserver.SOCKET_ENV: str(forks.socket), WORKER_PYTHON_ENV: str(forks.shim)})
+    env = _groups_env(address, store.port, replicas * group, forks)
     print(
         f"fault tolerance: {replicas} replica group{'s' * (replicas > 1)} of {group} rank"
         f"{'s' * (group > 1)}, lighthouse {address}"
@@ -126,19 +111,7 @@ def launch_replicas(spec: LaunchSpec, config: Config, worker_args: list[str], ru
         file=sys.stderr,
         flush=True,
     )
-    if config.parallel.diloco.inner_steps:
-        # Each group is one DiLoCo replica, its own world of one rank (dtlab.train.diloco_ft).
-        worker_args = _with_override(worker_args, "parallel.diloco.replicas=null")
-    procs = []
-    for i in range(replicas):
-        args = _with_override(worker_args, f"run.dir={replica_dir(run_dir, i)}")
-        cmd = [
-            sys.executable, "-m", "dtlab.fault_tolerance", "--nproc", str(group),
-            "--max-restarts", str(o.max_restarts), "--run-dir", str(replica_dir(run_dir, i)),
-            "--", *args,
-        ]  # fmt: skip
-        # Each agent, and so each rank, dies with this process, even when it is killed -9.
-        procs.append(subprocess.Popen(cmd, env=started_here({**env, REPLICA_ENV: str(i)})))
+    procs = _start_agents(config, worker_args, run_dir, replicas, group, env)
     try:
         codes = _supervise(procs, o.timeout_s + FINISH_MARGIN_S)
     finally:
@@ -150,9 +123,64 @@ def launch_replicas(spec: LaunchSpec, config: Config, worker_args: list[str], ru
             server.shutdown()
         if forks is not None:
             forks.stop()
-    finished = [i for i, c in codes.items() if c == 0]
     record = {"replicas": replicas, "lighthouse": address, "exit_codes": codes}
     (run_dir / "fault_tolerance.json").write_text(json.dumps(record, indent=1), encoding="utf-8")
+    return _run_code(codes)
+
+
+def _groups_env(
+    address: str, store_port: int, ranks: int, forks: forkserver.ForkServer | None
+) -> dict[str, str]:
+    """The environment every group's agent starts with: the groups' count is added by the caller;
+    the lighthouse, the start store, the loopback, the cores shared by the run's ``ranks``."""
+    env = {
+        **os.environ,
+        LIGHTHOUSE_ENV: address,
+        START_STORE_ENV: f"127.0.0.1:{store_port}",
+        HOST_ENV: "127.0.0.1",
+        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+        # torchft's Rust side logs every quorum tick at INFO.
+        "RUST_LOG": os.environ.get("RUST_LOG", "warn"),
+    }
+    if "OMP_NUM_THREADS" not in os.environ:
+        # Each group is a world of its own, whose ranks would each take the machine's cores
+        # (parallel.dist): share them among every group's ranks instead, as one world's would.
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // ranks))
+    if forks is not None:
+        env.update({forkserver.SOCKET_ENV: str(forks.socket), WORKER_PYTHON_ENV: str(forks.shim)})
+    return env
+
+
+def _start_agents(
+    config: Config,
+    worker_args: list[str],
+    run_dir: Path,
+    replicas: int,
+    group: int,
+    env: dict[str, str],
+) -> list[subprocess.Popen[bytes]]:
+    """One elastic agent per replica group (``python -m dtlab.fault_tolerance``), each training in
+    its own run directory; each dies with this process, even when it is killed -9."""
+    if config.parallel.diloco.inner_steps:
+        # Each group is one DiLoCo replica, its own world of one rank (dtlab.train.diloco_ft).
+        worker_args = _with_override(worker_args, "parallel.diloco.replicas=null")
+    procs = []
+    for i in range(replicas):
+        args = _with_override(worker_args, f"run.dir={replica_dir(run_dir, i)}")
+        cmd = [
+            sys.executable, "-m", "dtlab.fault_tolerance", "--nproc", str(group),
+            "--max-restarts", str(config.parallel.fault_tolerance.max_restarts),
+            "--run-dir", str(replica_dir(run_dir, i)), "--", *args,
+        ]  # fmt: skip
+        agent_env = {**env, REPLICAS_ENV: str(replicas), REPLICA_ENV: str(i)}
+        procs.append(subprocess.Popen(cmd, env=started_here(agent_env)))
+    return procs
+
+
+def _run_code(codes: dict[int, int]) -> int:
+    """The run's exit code from its groups': 0 when a group finished the run (the others said),
+    75 when every group stopped with a checkpoint, else 1."""
+    finished = [i for i, c in codes.items() if c == 0]
     if finished:
         others = {i: c for i, c in codes.items() if c != 0}
         if others:

@@ -158,12 +158,9 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
     """
     from contextlib import ExitStack, nullcontext
 
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.parallel import DistributedDataParallel
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     from dtlab.metrics.comm import CommCounter
-    from dtlab.models.moe import routing_override
     from dtlab.train.optim import build_optimizer
     from dtlab.train.optimizer_step import train_step
     from dtlab.train.precision import LossScaler
@@ -173,11 +170,7 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
     tracker, counter = _Peaks(), CommCounter(_group_labels(dims, d.device.type))
     with ExitStack() as stack:
         if fake:
-            stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
-            stack.enter_context(_FakeRun())
-            # Fake scores hold nothing to route by: the MoE blocks route as the plan assumes.
-            stack.enter_context(routing_override(_even_router))
-            stack.enter_context(_propagation_apart())
+            _fake_run(stack)
         pm = _parallelized(config, d, fake)
         optimizer = build_optimizer(pm.optimized, config.train)
         outer = OuterRun(pm, optimizer, config, d, tracker, counter.labels)
@@ -195,16 +188,7 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
         if pm.pipeline is not None:
             tracker.watch_reductions(pm.pipeline.stages)
         buckets: list[torch.Tensor] = []
-
-        # Any optimizer's step (ZeRO-1 steps an inner one): the first of the step sees the gradients.
-        def before_step(opt: torch.optim.Optimizer, *_: Any) -> None:
-            if not tracker.at_step:
-                tracker.at_step.update(tracker.current(), Gradient=_grad_bytes(opt))
-            if ddp:
-                grads = (p.grad for g in opt.param_groups for p in g["params"])
-                buckets[:] = [x for x in grads if x is not None]
-
-        hook = register_optimizer_step_pre_hook(before_step)
+        hook = _at_optimizer_step(tracker, buckets if ddp else None)
         started = time.perf_counter()
         split = pm.pipeline is not None and config.parallel.pp_schedule in ZERO_BUBBLE_SCHEDULES
         with tracker, split_backward(split):
@@ -234,6 +218,36 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
         "seconds": seconds,
         "host": outer.host,
     }
+
+
+def _fake_run(stack: Any) -> None:
+    """Enter, on ``stack``, what a rank's step under fake tensors runs in: fake tensors, the fake
+    process group's completed work, MoE blocks routed as the plan assumes (fake scores hold nothing
+    to route by), DTensor's sharding propagation apart from the real one's caches."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dtlab.models.moe import routing_override
+
+    stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+    stack.enter_context(_FakeRun())
+    stack.enter_context(routing_override(_even_router))
+    stack.enter_context(_propagation_apart())
+
+
+def _at_optimizer_step(tracker: _Peaks, buckets: list[torch.Tensor] | None) -> Any:
+    """A hook on any optimizer's step (ZeRO-1 steps an inner one): the first of the step notes the
+    tracker's figures and the gradients; with DDP (``buckets``), its gradients, kept there to be
+    filed as gradients from the next step's start. Returns the hook's handle."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    def before_step(opt: torch.optim.Optimizer, *_: Any) -> None:
+        if not tracker.at_step:
+            tracker.at_step.update(tracker.current(), Gradient=_grad_bytes(opt))
+        if buckets is not None:
+            grads = (p.grad for g in opt.param_groups for p in g["params"])
+            buckets[:] = [x for x in grads if x is not None]
+
+    return register_optimizer_step_pre_hook(before_step)
 
 
 def _figures(tracker: _Peaks, rest: dict[str, int], whole_grads: bool) -> dict[str, Any]:
@@ -416,8 +430,48 @@ def check_rank(
         device_type=target,
         shard_rank=at["dp_shard"],
     )
-    # The checked peak, and the plan's figures at the same moment of its timeline (its own peak
-    # where it has no such moment).
+    _memory_beside(result, plan, measured, config)
+    checked = measured["collectives"]
+    result.collectives = {
+        "predicted": round(sum(plan.comm_bus_bytes.values())),
+        "checked": checked["sent"],
+    }
+    comm = _counted_names(plan.comm_bytes, dims)
+    names = sorted(set(comm) | set(checked["buffers"]))
+    result.by_collective = {
+        k: {"predicted": comm.get(k, 0), "checked": checked["buffers"].get(k, 0)} for k in names
+    }
+    result.seconds = measured["seconds"]
+    if asked.train.compile:
+        compiled = plan_step(
+            asked, world, pp_rank=at["pp"] if dims.pp_enabled else None, device_type=target,
+            shard_rank=at["dp_shard"],
+        ).total_bytes  # fmt: skip
+        assert plan.timeline is not None  # _memory_beside refuses a plan without one
+        own = plan.timeline.peak.total
+        result.note = (
+            f"train.compile: checked eagerly, against the plan of the eager step; compiled, the "
+            f"plan's peak is {compiled / 2**30:.2f} GiB ({(compiled - own) / own:+.1%}: "
+            "the compiled loss keeps the logits in their own dtype instead of their float32 "
+            "log-softmax), not checked"
+        )
+    if config.parallel.fault_tolerance.enabled:
+        # Said, not left to look checked: torchft's part of the step is not run here.
+        ft = (
+            "parallel.fault_tolerance: checked as one replica group on its own; the groups' "
+            "average through torchft (every gradient in one flat buffer and back: about twice the "
+            "gradients' bytes at the step's end"
+            + (", and DiLoCo's outer sync through it" if config.parallel.diloco.inner_steps else "")
+            + ") is neither planned nor checked"
+        )
+        result.note = f"{result.note}; {ft}" if result.note else ft
+    return result
+
+
+def _memory_beside(result: RankCheck, plan: Any, measured: dict[str, Any], config: Config) -> None:
+    """Fill ``result``'s memory figures: the checked peak beside the plan's figures at the same
+    moment of its timeline (its own peak where it has no such moment), each component, the host
+    memory (DiLoCo), and every moment of both timelines."""
     moments = measured["timeline"]
     at_peak, checked_peak = max(moments.items(), key=lambda kv: int(kv[1]["total"]))
     timeline = plan.timeline
@@ -451,39 +505,6 @@ def check_rank(
         for name in names
         if name != "forward 0"  # what the step starts from, left by the step before
     ]
-    checked = measured["collectives"]
-    result.collectives = {
-        "predicted": round(sum(plan.comm_bus_bytes.values())),
-        "checked": checked["sent"],
-    }
-    comm = _counted_names(plan.comm_bytes, dims)
-    names = sorted(set(comm) | set(checked["buffers"]))
-    result.by_collective = {
-        k: {"predicted": comm.get(k, 0), "checked": checked["buffers"].get(k, 0)} for k in names
-    }
-    result.seconds = measured["seconds"]
-    if asked.train.compile:
-        compiled = plan_step(
-            asked, world, pp_rank=at["pp"] if dims.pp_enabled else None, device_type=target,
-            shard_rank=at["dp_shard"],
-        ).total_bytes  # fmt: skip
-        result.note = (
-            f"train.compile: checked eagerly, against the plan of the eager step; compiled, the "
-            f"plan's peak is {compiled / 2**30:.2f} GiB ({(compiled - own_peak.total) / own_peak.total:+.1%}: "
-            "the compiled loss keeps the logits in their own dtype instead of their float32 "
-            "log-softmax), not checked"
-        )
-    if config.parallel.fault_tolerance.enabled:
-        # Said, not left to look checked: torchft's part of the step is not run here.
-        ft = (
-            "parallel.fault_tolerance: checked as one replica group on its own; the groups' "
-            "average through torchft (every gradient in one flat buffer and back: about twice the "
-            "gradients' bytes at the step's end"
-            + (", and DiLoCo's outer sync through it" if config.parallel.diloco.inner_steps else "")
-            + ") is neither planned nor checked"
-        )
-        result.note = f"{result.note}; {ft}" if result.note else ft
-    return result
 
 
 def _where(module: str) -> str:
