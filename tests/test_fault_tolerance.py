@@ -427,7 +427,7 @@ def test_a_groups_servers_listen_on_the_jobs_address_and_keep_the_state_to_the_j
         for port in ports:
             try:
                 with urllib.request.urlopen(
-                    f"http://127.0.0.1:{port}/checkpoint/0/full", timeout=5
+                    f"http://127.0.0.1:{port}/checkpoint/0/full", timeout=1
                 ):
                     raise AssertionError(f"port {port} served a checkpoint without the secret")
             except urllib.error.HTTPError as e:

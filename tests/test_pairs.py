@@ -24,7 +24,7 @@ STEPS = 3
 # Features that change what is trained: a pair with one is held to that feature alone on DDP.
 CHANGES = ("DiLoCo", "compression")
 # Pairs run in make test (no other test trains them); every other accepted pair in make test-all.
-FAST_PAIRS = {("FT", "compile"), ("EP/MoE", "alerts"), ("ZeRO-1", "oom_retry"), ("FT", "oom_retry")}
+FAST_PAIRS = {("FT", "compile"), ("EP/MoE", "alerts")}
 
 
 def test_the_table_in_the_docs_is_the_configs() -> None:
