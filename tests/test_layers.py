@@ -90,3 +90,64 @@ def test_the_table_places_a_module_by_its_longest_prefix() -> None:
     assert layer_of("dtlab.train.api") > layer_of("dtlab.mlx.train") > layer_of("dtlab.train.loop")
     assert layer_of("dtlab.analysis.devices") < layer_of("dtlab.parallel.apply")
     assert layer_of("dtlab.runtime.faults") == 0
+
+
+def _module_imports(path: Path, modules: set[str]) -> set[str]:
+    """The dtlab modules ``path`` imports, wherever the import stands (top, a function, a
+    TYPE_CHECKING block): ``from pkg import module`` is the module's, not its package's."""
+    out = set()
+    me = module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, *([node.module] if node.module else [])])
+            subs = [f"{base}.{a.name}" for a in node.names]
+            names = [n for n in subs if n in modules] or [base]
+        for name in names:
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name.startswith("dtlab") and name != me:
+                out.add(name)
+    return out
+
+
+def test_no_module_imports_one_that_imports_it_back() -> None:
+    """No import circle, however long, and however the imports stand: every module can be read
+    with only what lies below it."""
+    files = {module_name(p): p for p in SRC.rglob("*.py")}
+    graph = {m: _module_imports(p, set(files)) for m, p in files.items()}
+    circles, index, low, stack, on = [], {}, {}, [], set()
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                circles.append(sorted(part))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert not circles, "modules that import each other, through each circle:\n" + "\n".join(
+        " <-> ".join(c) for c in circles
+    )
