@@ -161,48 +161,36 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
     from torch.nn.parallel import DistributedDataParallel
 
     from dtlab.metrics.comm import CommCounter
-    from dtlab.train.optim import build_optimizer
     from dtlab.train.optimizer_step import train_step
-    from dtlab.train.precision import LossScaler
-    from dtlab.train.schedules import build_scheduler
 
     dims = d.dims
     tracker, counter = _Peaks(), CommCounter(_group_labels(dims, d.device.type))
     with ExitStack() as stack:
         if fake:
             _fake_run(stack)
-        pm = _parallelized(config, d, fake)
-        optimizer = build_optimizer(pm.optimized, config.train)
+        training = _rank_training(config, d, fake)
+        pm, optimizer = training[:2]
         outer = OuterRun(pm, optimizer, config, d, tracker, counter.labels)
-        scheduler = build_scheduler(optimizer, config.train)
-        scaler = LossScaler(config.train.precision == "fp16")
         batch = _batch(config, dims.dp)
         # DDP's gradients are views of its buckets, which it keeps from step to step (its C++
         # reducer holds them; the parameters' .grad is emptied between steps): filed as gradients
         # from the measured step's start, they are counted once, as the gradients.
         ddp = isinstance(pm.module, DistributedDataParallel)
-        refiling: list[Any] = []  # hooks on the model, removed with the step's own
-        if fake and not ddp and pm.pipeline is None:
-            refiling, steps = _primed(pm.module, optimizer, tracker), 1
-        tracker.track_external(pm.module, optimizer)
-        if pm.pipeline is not None:
-            tracker.watch_reductions(pm.pipeline.stages)
+        refiling, steps = _tracked(pm, optimizer, tracker, fake and not ddp, steps)
         buckets: list[torch.Tensor] = []
         hook = _at_optimizer_step(tracker, buckets if ddp else None)
         started = time.perf_counter()
         split = pm.pipeline is not None and config.parallel.pp_schedule in ZERO_BUBBLE_SCHEDULES
         with tracker, split_backward(split):
             for step in range(steps):
-                if step == steps - 1:
+                last = step == steps - 1
+                if last:  # the measured step starts from what the ones before left
                     outer.before_measured()
                     tracker.file_as_gradients(buckets)
                     buckets.clear()
                     tracker.reset_peaks()
-                with counter if step == steps - 1 else nullcontext():
-                    train_step(
-                        pm, optimizer, scheduler, scaler, batch, config, d.device,
-                        peers=outer.peers,
-                    )  # fmt: skip
+                with counter if last else nullcontext():
+                    train_step(*training, batch, config, d.device, peers=outer.peers)
             outer.after_measured(batch)
             rest = tracker.current()
         seconds = time.perf_counter() - started
@@ -218,6 +206,34 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
         "seconds": seconds,
         "host": outer.host,
     }
+
+
+def _tracked(
+    pm: Any, optimizer: Any, tracker: _Peaks, prime: bool, steps: int
+) -> tuple[list[Any], int]:
+    """Point ``tracker`` at what the step holds outside its own allocations (the model, the
+    optimizer, a pipeline's reductions); with ``prime`` (fake tensors, without DDP or a pipeline)
+    the optimizer's state made beforehand, so that one step is measured. Returns the hooks to
+    remove after the step, and the steps to run."""
+    refiling: list[Any] = []
+    if prime and pm.pipeline is None:
+        refiling, steps = _primed(pm.module, optimizer, tracker), 1
+    tracker.track_external(pm.module, optimizer)
+    if pm.pipeline is not None:
+        tracker.watch_reductions(pm.pipeline.stages)
+    return refiling, steps
+
+
+def _rank_training(config: Config, d: Any, fake: bool) -> tuple[Any, Any, Any, Any]:
+    """This rank's model as a worker parallelises it, its optimizer, schedule and loss scaler."""
+    from dtlab.train.optim import build_optimizer
+    from dtlab.train.precision import LossScaler
+    from dtlab.train.schedules import build_scheduler
+
+    pm = _parallelized(config, d, fake)
+    optimizer = build_optimizer(pm.optimized, config.train)
+    scheduler = build_scheduler(optimizer, config.train)
+    return pm, optimizer, scheduler, LossScaler(config.train.precision == "fp16")
 
 
 def _fake_run(stack: Any) -> None:
@@ -401,35 +417,23 @@ def check_rank(
 
     world = nproc * nnodes
     result = RankCheck(rank)
-    refusal = torch_refusal()
-    if refusal is not None:
-        raise ConfigError(refusal)
-    try:
-        reason = unsupported(config, world)
-    except ConfigError as e:  # a layout this world cannot run at all
-        reason = str(e)
+    reason = _not_checked(config, world)
     if reason is not None:
         result.skipped = reason
         return result
-    asked = config
-    if config.train.compile:
-        # The check runs eagerly (fake tensors do not go through torch.compile's code): it checks
-        # the eager step against the plan of the eager step, and says what compiling changes.
-        config = config.model_copy(
-            update={"train": config.train.model_copy(update={"compile": False})}
-        )
+    # The check runs eagerly (fake tensors do not go through torch.compile's code): it checks the
+    # eager step against the plan of the eager step, and says what compiling changes.
+    asked, config = (
+        config,
+        config.model_copy(update={"train": config.train.model_copy(update={"compile": False})}),
+    )
     if measured is None:
         measured = measure_fake(config, nproc, nnodes, rank, target)
     dims = ParallelDims.from_config(config, world)
     # A pipeline rank's own stages (the plan's default is the rank that needs the most memory).
     at = dims.coordinates(rank)
-    plan = plan_step(
-        config,
-        world,
-        pp_rank=at["pp"] if dims.pp_enabled else None,
-        device_type=target,
-        shard_rank=at["dp_shard"],
-    )
+    pp_rank = at["pp"] if dims.pp_enabled else None
+    plan = plan_step(config, world, None, pp_rank, target, at["dp_shard"])
     _memory_beside(result, plan, measured, config)
     checked = measured["collectives"]
     result.collectives = {
@@ -443,29 +447,46 @@ def check_rank(
     }
     result.seconds = measured["seconds"]
     if asked.train.compile:
-        compiled = plan_step(
-            asked, world, pp_rank=at["pp"] if dims.pp_enabled else None, device_type=target,
-            shard_rank=at["dp_shard"],
-        ).total_bytes  # fmt: skip
+        compiled = plan_step(asked, world, None, pp_rank, target, at["dp_shard"]).total_bytes
         assert plan.timeline is not None  # _memory_beside refuses a plan without one
-        own = plan.timeline.peak.total
-        result.note = (
-            f"train.compile: checked eagerly, against the plan of the eager step; compiled, the "
-            f"plan's peak is {compiled / 2**30:.2f} GiB ({(compiled - own) / own:+.1%}: "
-            "the compiled loss keeps the logits in their own dtype instead of their float32 "
-            "log-softmax), not checked"
-        )
+        result.note = _compile_note(compiled, plan.timeline.peak.total)
     if config.parallel.fault_tolerance.enabled:
-        # Said, not left to look checked: torchft's part of the step is not run here.
-        ft = (
-            "parallel.fault_tolerance: checked as one replica group on its own; the groups' "
-            "average through torchft (every gradient in one flat buffer and back: about twice the "
-            "gradients' bytes at the step's end"
-            + (", and DiLoCo's outer sync through it" if config.parallel.diloco.inner_steps else "")
-            + ") is neither planned nor checked"
-        )
+        ft = _fault_tolerance_note(config)
         result.note = f"{result.note}; {ft}" if result.note else ft
     return result
+
+
+def _not_checked(config: Config, world: int) -> str | None:
+    """Why ``config`` on ``world`` ranks is not checked (None: it is); a ConfigError on a torch
+    whose internals the check was not written for."""
+    refusal = torch_refusal()
+    if refusal is not None:
+        raise ConfigError(refusal)
+    try:
+        return unsupported(config, world)
+    except ConfigError as e:  # a layout this world cannot run at all
+        return str(e)
+
+
+def _compile_note(compiled: int, eager: int) -> str:
+    """What ``--check`` says of a ``train.compile`` layout, which it checks eagerly."""
+    return (
+        f"train.compile: checked eagerly, against the plan of the eager step; compiled, the "
+        f"plan's peak is {compiled / 2**30:.2f} GiB ({(compiled - eager) / eager:+.1%}: "
+        "the compiled loss keeps the logits in their own dtype instead of their float32 "
+        "log-softmax), not checked"
+    )
+
+
+def _fault_tolerance_note(config: Config) -> str:
+    """Said, not left to look checked: torchft's part of the step is not run here."""
+    return (
+        "parallel.fault_tolerance: checked as one replica group on its own; the groups' "
+        "average through torchft (every gradient in one flat buffer and back: about twice the "
+        "gradients' bytes at the step's end"
+        + (", and DiLoCo's outer sync through it" if config.parallel.diloco.inner_steps else "")
+        + ") is neither planned nor checked"
+    )
 
 
 def _memory_beside(result: RankCheck, plan: Any, measured: dict[str, Any], config: Config) -> None:
