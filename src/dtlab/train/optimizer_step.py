@@ -121,9 +121,8 @@ def train_step(
         optimizer.zero_grad(set_to_none=True)
         forget_routing(pm.module)
         return {"uncommitted": True}
-    if before_update is not None and not hooked:
-        before_update()
-    return _update(pm, optimizer, scheduler, scaler, config, *agreed)
+    later = before_update if not hooked else None  # after the clipping, before the optimizer step
+    return _update(pm, optimizer, scheduler, scaler, config, *agreed, before_update=later)
 
 
 def _forward_backward(
@@ -179,9 +178,11 @@ def _update(
     config: Config,
     r: StepValues,
     params: list[torch.nn.Parameter],
+    before_update: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """The update the agreement allows: clip and step, or (a step that is not finite, an fp16
-    overflow) nothing but the loss scale; then the routing figures, the schedule and the metrics."""
+    overflow) nothing but the loss scale; then the routing figures, the schedule and the metrics.
+    ``before_update()`` runs after the clipping, before the optimizer step."""
     if config.train.grad_clip > 0:
         clip_gradients(params, config.train.grad_clip, r.clip_norm_t)
     # Loss, norm and flags are agreed by every rank, so every rank takes the same decision.
@@ -189,6 +190,8 @@ def _update(
     found_inf = scaler.enabled and r.flagged
     nonfinite = r.flagged if local else not math.isfinite(r.norm)
     bad = not math.isfinite(r.loss) or (not scaler.enabled and nonfinite)
+    if before_update is not None:
+        before_update()
     # Judged before anything is folded in: a skipped step leaves the optimizer and compression
     # state exactly as they were (the hooks' new state waits until it is committed).
     if not found_inf and not bad:
