@@ -202,71 +202,36 @@ def plan(
     kind = device.kind
     rate = achievable_flops(device, precision)
     shapes = param_shapes(config.model)
-    rows: list[dict[str, Any]] = []
+
+    def cost(label: str, cfg: Config, rate: float) -> PlanRow:
+        return _row(label, cfg, nproc, nnodes, device, rate, shapes, memory)
+
+    rows: list[dict[str, Any]] = []  # the strategies at the config's own settings
     for label, cfg in candidates(config, world, nnodes):
         try:
             check_world(cfg, world)
         except ConfigError as e:
             rows.append({"label": label, "error": str(e)})
             continue
-        rows.append(_row(label, cfg, nproc, nnodes, device, rate, shapes, memory).as_dict())
-
-    def cost(label: str, cfg: Config, rate: float) -> PlanRow:
-        return _row(label, cfg, nproc, nnodes, device, rate, shapes, memory)
+        rows.append(cost(label, cfg, rate).as_dict())
 
     found = search(config, nproc, nnodes, device, memory, shapes, cost, TIE_MARGIN)
     if not found.layouts:
-        # Nothing this world can run: the config's own layout says why (first the batch's split,
-        # which decides most of them).
-        p = config.parallel
-        check_batch_split(config, world // (p.tp * p.pp) if world % (p.tp * p.pp) == 0 else world)
-        check_world(config, world)
-        raise ConfigError(f"no layout of this config runs on {world} ranks")
+        _why_nothing_runs(config, world)
     searched = _search_dict(config, found, nproc, nnodes, device, rate, shapes, memory, source)
     best = searched["recommended"]
-    # The header's figures are those of the recommended row (its precision's peak, its recompute),
-    # or the config's own where nothing is recommended; the strategies' table keeps the config's.
-    shown_precision = best["precision"] if best else precision
-    shown_ac = best["activation_checkpointing"] if best else ac
-    peak = device.peak_tflops.get(shown_precision)
+    header = _header(config, best)
+    peak = device.peak_tflops.get(header["precision"])
     return {
-        "model": {
-            "params": sum(s.numel for s in shapes),
-            # A mixture of experts: what one token's forward runs through (dtlab.analysis.moe).
-            **(
-                {"active_params": moe.param_counts(shapes, config.model).active}
-                if config.model.moe.experts
-                else {}
-            ),
-            "preset": config.model.preset,
-            "flops_per_token": flops_per_token(config.model, config.seq_len),
-            "recompute_flops_per_token": recompute_flops_per_token(
-                config.model, config.seq_len, ac
-            ),
-        },
+        "model": _model_figures(config, shapes),
         "world_size": world,
         "nproc": nproc,
         "nnodes": nnodes,
         "device": _device_figures(device, device_assumed, memory, memory_gib is not None, peak),
-        "assumptions": {
-            "achievable_fraction_of_peak": ACHIEVABLE_FRACTION[kind],
-            "usable_memory_fraction": usable_fraction(kind),
-            "fit_rule": explain(kind),
-            "step_time": step_time_basis(device),
-            "recompute": RECOMPUTE[ac],
-            "tie_margin": TIE_MARGIN,
-        },
+        "assumptions": _assumptions(device, ac),
         "precision": precision,
         "activation_checkpointing": ac,
-        "header": {
-            "of": "recommended" if best else "as given",
-            "precision": shown_precision,  # device.peak_tflops is this precision's
-            "activation_checkpointing": shown_ac,
-            "recompute": RECOMPUTE[shown_ac],
-            "recompute_flops_per_token": recompute_flops_per_token(
-                config.model, config.seq_len, shown_ac
-            ),
-        },
+        "header": header,
         "global_batch_size": config.train.global_batch_size,
         "seq_len": config.seq_len,
         "shape_sources": shape_sources(config),
@@ -281,6 +246,58 @@ def plan(
             memory * usable_fraction(kind),
             tuple(found.open),
         ),
+    }
+
+
+def _assumptions(device: DeviceProfile, ac: str) -> dict[str, Any]:
+    """What the plan assumes (it prints them as such): the share of the peak a step reaches, the
+    fit rule, how its step time is made, what recompute costs, the tie margin."""
+    kind = device.kind
+    return {
+        "achievable_fraction_of_peak": ACHIEVABLE_FRACTION[kind],
+        "usable_memory_fraction": usable_fraction(kind),
+        "fit_rule": explain(kind),
+        "step_time": step_time_basis(device),
+        "recompute": RECOMPUTE[ac],
+        "tie_margin": TIE_MARGIN,
+    }
+
+
+def _why_nothing_runs(config: Config, world: int) -> None:
+    """A ConfigError for a search that found nothing this world can run: the config's own layout
+    says why (first the batch's split, which decides most of them)."""
+    p = config.parallel
+    check_batch_split(config, world // (p.tp * p.pp) if world % (p.tp * p.pp) == 0 else world)
+    check_world(config, world)
+    raise ConfigError(f"no layout of this config runs on {world} ranks")
+
+
+def _model_figures(config: Config, shapes: list[ParamShape]) -> dict[str, Any]:
+    """The plan's ``model``: parameters (and an MoE's active ones), FLOPs per token."""
+    m, seq = config.model, config.seq_len
+    return {
+        "params": sum(s.numel for s in shapes),
+        # A mixture of experts: what one token's forward runs through (dtlab.analysis.moe).
+        **({"active_params": moe.param_counts(shapes, m).active} if m.moe.experts else {}),
+        "preset": m.preset,
+        "flops_per_token": flops_per_token(m, seq),
+        "recompute_flops_per_token": recompute_flops_per_token(
+            m, seq, config.train.activation_checkpointing
+        ),
+    }
+
+
+def _header(config: Config, best: dict[str, Any] | None) -> dict[str, Any]:
+    """The header's figures: those of the recommended row (its precision's peak, its recompute),
+    or the config's own where nothing is recommended (the strategies' table keeps the config's)."""
+    precision = best["precision"] if best else config.train.precision
+    ac = best["activation_checkpointing"] if best else config.train.activation_checkpointing
+    return {
+        "of": "recommended" if best else "as given",
+        "precision": precision,  # device.peak_tflops is this precision's
+        "activation_checkpointing": ac,
+        "recompute": RECOMPUTE[ac],
+        "recompute_flops_per_token": recompute_flops_per_token(config.model, config.seq_len, ac),
     }
 
 
