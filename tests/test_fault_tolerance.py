@@ -410,7 +410,7 @@ def test_a_groups_servers_listen_on_the_jobs_address_and_keep_the_state_to_the_j
     import urllib.error
     import urllib.request
 
-    from test_lifeline import _tree
+    from test_lifeline import _environ, _tree
 
     job = Watched(*_train_args(tmp_path / "run", 100000))
     try:
@@ -460,13 +460,6 @@ def test_a_group_binds_the_address_its_job_names() -> None:
     expected = None if own.startswith("127.") or own == "::1" else own
     assert bind_host(socket.gethostname()) == expected
     assert bind_host("no-such-host.invalid") is None
-
-
-def _environ(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def test_lighthouse_listens_on_loopback_only() -> None:

@@ -10,6 +10,7 @@ processes (2, 4 or 8; HSDP at least 4: two shard groups of two ranks) that lay t
 
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
 from dataclasses import dataclass
@@ -70,8 +71,10 @@ def pair_overrides(a: str, b: str) -> list[str]:
     return [*BASE, *base, *FEATURES[a], *FEATURES[b]]
 
 
+@functools.cache
 def verdict(a: str, b: str) -> Verdict:
-    """Whether the config accepts ``a`` and ``b`` together (see the module's doc)."""
+    """Whether the config accepts ``a`` and ``b`` together (see the module's doc); decided once per
+    process (the table, the tests' collection and their checks ask for the same pairs)."""
     if a in STRATEGIES and b in STRATEGIES:
         return Verdict()
     overrides = pair_overrides(a, b)

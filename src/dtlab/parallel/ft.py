@@ -493,7 +493,7 @@ class Replicas:
                 logger.warning(
                     "replica %d: no quorum after step %d within %.0f s "
                     "(parallel.fault_tolerance.quorum_timeout_s): %s; asking again",
-                    self.place.replica, step, self.quorum_timeout_s, _first_line(e),
+                    self.place.replica, step, self.quorum_timeout_s, first_line(e),
                 )  # fmt: skip
 
     def _past_deadline(self, step: int, error: BaseException | None = None) -> None:
@@ -511,7 +511,7 @@ class Replicas:
             f"the lighthouse ({os.environ.get(LIGHTHOUSE_ENV, 'unset')}) is unreachable, or fewer "
             f"replica groups than min_replicas = {self.min_replicas} are live. This "
             f"group stops here; the others carry on. Last error: "
-            f"{_first_line(error if error is not None else self.manager.errored())}"
+            f"{first_line(error if error is not None else self.manager.errored())}"
         )
 
     def average(
@@ -615,7 +615,8 @@ class Replicas:
         self.manager.shutdown(wait=False)
 
 
-def _first_line(error: object) -> str:
-    """An error in one short line (torchft's and gloo's come over several)."""
+def first_line(error: object, empty: str = "") -> str:
+    """An error in one short line (torchft's and gloo's come over several); ``empty`` (or the
+    error's type) for one that says nothing."""
     text = str(error).strip() if error is not None else ""
-    return text.splitlines()[0][:200] if text else type(error).__name__
+    return text.splitlines()[0][:200] if text else (empty or type(error).__name__)

@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from dtlab.config import Config
 from dtlab.metrics.logging import logger
+from dtlab.parallel.ft import first_line
 from dtlab.train.diloco import gathers
 
 if TYPE_CHECKING:
@@ -133,7 +134,7 @@ class FaultTolerantOuter:
         logger.warning(
             "replica %d: the outer sync after step %d did not commit everywhere (%s); skipped: "
             "back to the global model of the last sync, this cycle's %d inner steps are lost",
-            r.place.replica, step, _first_line(r.manager.errored()), self.h,
+            r.place.replica, step, first_line(r.manager.errored(), "a replica group failed"), self.h,
         )  # fmt: skip
         return mine.reshape(1, -1), {
             "outer_skipped": True,
@@ -166,9 +167,3 @@ class FaultTolerantOuter:
             "outer_syncs": self.syncs,
             "outer_syncs_skipped": self.skipped,
         }
-
-
-def _first_line(error: Any) -> str:
-    """torchft's error in one short line (gloo's come with advice over several)."""
-    text = str(error).strip() if error is not None else ""
-    return text.splitlines()[0][:200] if text else "a replica group failed"

@@ -221,6 +221,7 @@ class TorchEngine:
             self.layout = f"{groups} fault-tolerant replica groups of {ranks}, each {self.layout}"
         self.device = d.device.type
         self.comm_labels, self.comm_sizes = comm_labels(d, self.tr.diloco, groups)
+        self.crossing = [k for k, v in self.comm_labels.items() if v == REPLICA_GROUPS]
         # Each rank's replica (DiLoCo's, else its data-parallel index): a collective whose group
         # holds several crosses replicas. And the bench's simulated round trip on those (0: none).
         # A fault-tolerant group is one replica: only torchft's collectives cross (comm_labels).
@@ -379,9 +380,8 @@ class TorchEngine:
     def _counter(self) -> CommCounter | contextlib.nullcontext[None]:
         """A collective counter for the step (run.comm_bytes, or a simulated round trip to add)."""
         if self.config.run.comm_bytes or self.rtt_s > 0:
-            crossing = [k for k, v in self.comm_labels.items() if v == REPLICA_GROUPS]
             return CommCounter(
-                self.comm_labels, self.replica_of, self.rtt_s, crossing, self.uncounted_groups
+                self.comm_labels, self.replica_of, self.rtt_s, self.crossing, self.uncounted_groups
             )
         return contextlib.nullcontext()
 
