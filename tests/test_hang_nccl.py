@@ -5,10 +5,12 @@ need CUDA GPUs."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ from dtlab.parallel.ledger import (
     completion_for,
     counts_unchecked,
     diagnose,
+    watcher_device_for,
 )
 from dtlab.runtime.faults import Faults
 
@@ -79,6 +82,56 @@ def test_the_device_decides_how_completion_is_marked() -> None:
     assert completion_for(torch.device("cpu")) is None
     assert completion_for(torch.device("cuda", 1)) is cuda_completion
     assert counts_unchecked("nccl") and not counts_unchecked("gloo")
+
+
+def test_the_watcher_thread_takes_the_ranks_device_before_its_first_query() -> None:
+    # A new thread's CUDA device is 0: the watcher's event queries would open a context on GPU 0 from
+    # every rank unless the thread first makes the rank's device its own.
+    bind = watcher_device_for(torch.device("cuda", 3))
+    assert isinstance(bind, functools.partial)
+    assert bind.func is torch.cuda.set_device and bind.args == (torch.device("cuda", 3),)
+    assert watcher_device_for(torch.device("cpu")) is None
+    seen: list[tuple[str, str]] = []
+
+    class Watched(Marker):
+        def query(self) -> bool:
+            seen.append(("query", threading.current_thread().name))
+            return True
+
+    led = Ledger(
+        0, 2, completion=Watched,
+        on_watch=lambda: seen.append(("device", threading.current_thread().name)),
+    )  # fmt: skip
+    try:
+        with led.record("train_step reduction", "all_reduce", torch.zeros(5)):
+            pass
+        deadline = time.monotonic() + 10
+        while not any(kind == "query" for kind, _ in seen) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        led.close()
+    assert seen[0] == ("device", "dtlab-ledger"), seen
+    assert ("query", "dtlab-ledger") in seen
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
+)
+def test_the_ledger_opens_no_context_on_another_gpu() -> None:
+    code = (
+        "import time, torch\n"
+        "from dtlab.parallel.ledger import Ledger, completion_for, watcher_device_for\n"
+        "dev = torch.device('cuda', 1)\n"
+        "torch.cuda.set_device(dev)\n"
+        "led = Ledger(0, 2, completion=completion_for(dev), on_watch=watcher_device_for(dev))\n"
+        "with led.record('x', 'all_reduce', torch.zeros(5, device=dev)):\n"
+        "    pass\n"
+        "while led.pending() is not None: time.sleep(0.05)\n"
+        "led.close()\n"
+        "print(torch._C._cuda_hasPrimaryContext(0), torch._C._cuda_hasPrimaryContext(1))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True"], out.stdout + out.stderr
 
 
 def test_a_collective_queued_past_the_deadline_is_reported_and_the_group_ended(

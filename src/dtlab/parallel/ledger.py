@@ -75,7 +75,7 @@ __all__ = [
     "ACK_S", "LEDGER_ENV", "LEDGER_SIZE", "POLL_S", "PUBLISHED", "PUBLISH_S", "SETTLE_S", "Channel",
     "Completion", "Entry", "FileChannel", "Ledger", "StoreChannel", "all_reduce", "collective_failure",
     "completion_for", "counts_unchecked", "diagnose", "is_collective_failure", "ledger_enabled", "note_step",
-    "publish_ledger", "recorded", "shapes_text", "start_ledger", "stop_ledger",
+    "publish_ledger", "recorded", "shapes_text", "start_ledger", "stop_ledger", "watcher_device_for",
 ]  # fmt: skip
 
 # How long a rank whose collective timed out gives its training thread to end once the process groups
@@ -99,6 +99,17 @@ def completion_for(device: torch.device) -> Callable[[], Completion] | None:
     (NCCL's calls return once the collective is queued); None for the CPU, where gloo's calls return
     when it has completed."""
     return cuda_completion if device.type == "cuda" else None
+
+
+def watcher_device_for(device: torch.device) -> Callable[[], None] | None:
+    """What the ledger's watcher thread runs first: on CUDA, make ``device`` its current device (a new
+    thread's is device 0, where its event queries would open a context of their own); None on the CPU.
+    Called in the training thread, whose current device is this rank's, so that ``cuda`` without an
+    index means that one."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return functools.partial(torch.cuda.set_device, torch.device("cuda", index))
 
 
 def counts_unchecked(backend: str | None) -> bool:
@@ -133,7 +144,7 @@ def start_ledger(
         torch_seq=cast(Any, _get_default_group())._get_sequence_number_for_group,
         flight_recorder=functools.partial(flight_recorder, backend=d.backend),
         faults=faults, timeout_s=timeout_s, completion=completion_for(d.device),
-        on_failure=_abandon,
+        on_failure=_abandon, on_watch=watcher_device_for(d.device),
     )  # fmt: skip
     _count_check = counts_unchecked(d.backend)
     return _active

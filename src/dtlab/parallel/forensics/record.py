@@ -141,8 +141,12 @@ class Ledger:
         size: int = LEDGER_SIZE,
         completion: Callable[[], Completion] | None = None,
         on_failure: Callable[[CollectiveError], None] | None = None,
+        on_watch: Callable[[], None] | None = None,
     ) -> None:
         self.rank, self.world = rank, world
+        # Run first in the watcher thread: a new thread's CUDA device is 0, and the first event query
+        # there would open a context on GPU 0 from every rank (hundreds of MiB each).
+        self._on_watch = on_watch
         self.channel, self.dump_dir = channel, dump_dir
         self.faults, self.timeout_s = faults, timeout_s
         self._completion, self._on_failure = completion, on_failure
@@ -304,6 +308,11 @@ class Ledger:
     # The publisher thread: at most one publication per PUBLISH_S, whatever the step rate; it also
     # settles queued entries and watches their deadline.
     def _publish_loop(self) -> None:
+        if self._on_watch is not None:
+            try:
+                self._on_watch()
+            except Exception:  # without its device the watcher must not query events at all
+                return
         published, checked = (0, 0), 0.0
         while not self._closing.wait(PUBLISH_S):
             try:
