@@ -28,6 +28,7 @@ from typing import Any
 from dtlab.config import Config
 from dtlab.errors import DtlabError
 from dtlab.launcher import LaunchSpec, _loopback_store, launch
+from dtlab.parallel.devices import replica_group_gpu_env
 from dtlab.parallel.ft import (
     FINISHED_KEY,
     HOST_ENV,
@@ -94,6 +95,9 @@ def launch_replicas(spec: LaunchSpec, config: Config, worker_args: list[str], ru
     o = config.parallel.fault_tolerance
     # DDP: each rank is a replica group; HSDP: each replicate group of nproc / replicate ranks.
     replicas, group = replica_groups(config, spec.nproc)
+    # Each group's ranks are its local ranks 0 .. group-1: without a slice of the node's GPUs of its
+    # own, every group would train on the first GPUs. (Refused here, before any process starts.)
+    gpus = replica_group_gpu_env(config.train.device, config.parallel.backend, replicas, group)
     run_dir.mkdir(parents=True, exist_ok=True)
     server, address = None, o.lighthouse
     if address is None:
@@ -111,7 +115,7 @@ def launch_replicas(spec: LaunchSpec, config: Config, worker_args: list[str], ru
         file=sys.stderr,
         flush=True,
     )
-    procs = _start_agents(config, worker_args, run_dir, replicas, group, env)
+    procs = _start_agents(config, worker_args, run_dir, group, [{**env, **g} for g in gpus])
     try:
         codes = _supervise(procs, o.timeout_s + FINISH_MARGIN_S)
     finally:
@@ -155,17 +159,18 @@ def _start_agents(
     config: Config,
     worker_args: list[str],
     run_dir: Path,
-    replicas: int,
     group: int,
-    env: dict[str, str],
+    envs: list[dict[str, str]],
 ) -> list[subprocess.Popen[bytes]]:
     """One elastic agent per replica group (``python -m dtlab.fault_tolerance``), each training in
-    its own run directory; each dies with this process, even when it is killed -9."""
+    its own run directory with its environment from ``envs`` (one per group); each dies with this
+    process, even when it is killed -9."""
     if config.parallel.diloco.inner_steps:
         # Each group is one DiLoCo replica, its own world of one rank (dtlab.train.diloco_ft).
         worker_args = _with_override(worker_args, "parallel.diloco.replicas=null")
     procs = []
-    for i in range(replicas):
+    replicas = len(envs)
+    for i, env in enumerate(envs):
         args = _with_override(worker_args, f"run.dir={replica_dir(run_dir, i)}")
         cmd = [
             sys.executable, "-m", "dtlab.fault_tolerance", "--nproc", str(group),

@@ -7,9 +7,12 @@ cannot hold before any worker starts, and every worker checks the same rule agai
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping, Sequence
+
 from dtlab.errors import DtlabError
 
-__all__ = ["check_gpus", "gpu_for"]
+__all__ = ["check_gpus", "gpu_for", "group_gpus", "replica_group_gpu_env", "visible_gpus"]
 
 
 def check_gpus(nproc: int, gpus: int, where: str) -> None:
@@ -57,3 +60,48 @@ def check_job_gpus(device: str, backend: str, nproc_per_node: int, gpus_per_node
     ``parallel.backend`` is ``gloo``."""
     if device != "cpu" and backend != "gloo" and gpus_per_node > 0:
         check_gpus(nproc_per_node, gpus_per_node, "requested per node (--gpus-per-node)")
+
+
+def visible_gpus(env: Mapping[str, str], count: int) -> list[str]:
+    """This node's GPUs as CUDA names them to a child of this process: the entries of a user's
+    ``CUDA_VISIBLE_DEVICES`` (indices, UUIDs or MIG names), else ``0`` .. ``count - 1``."""
+    listed = env.get("CUDA_VISIBLE_DEVICES")
+    if listed is None:
+        return [str(i) for i in range(count)]
+    return [name.strip() for name in listed.split(",") if name.strip()][:count]
+
+
+def group_gpus(
+    visible: Sequence[str], replicas: int, group: int, share: bool = False
+) -> list[list[str]] | None:
+    """Each of ``replicas`` replica groups' own GPUs: group ``i`` gets the ``group`` GPUs after the
+    first ``i * group`` of ``visible``, so that no two groups' ranks (each group's local ranks are
+    0 .. group-1) land on one GPU. More ranks than GPUs are refused, unless ``share`` (gloo, chosen on
+    purpose): then None, every group sees every GPU and its ranks share them as one world's would."""
+    ranks = replicas * group
+    if ranks > len(visible):
+        if share:
+            return None
+        check_gpus(
+            ranks, len(visible),
+            f"visible on this node for {replicas} replica groups of {group} rank"
+            f"{'s' * (group > 1)} (torch.cuda.device_count(), CUDA_VISIBLE_DEVICES)",
+        )  # fmt: skip
+    return [list(visible[i * group : (i + 1) * group]) for i in range(replicas)]
+
+
+def replica_group_gpu_env(
+    device: str, backend: str, replicas: int, group: int
+) -> list[dict[str, str]]:
+    """The environment each replica group's agent adds so that its ranks train on GPUs of their own
+    (``CUDA_VISIBLE_DEVICES``: the group's slice of this node's GPUs); nothing on the CPU (``train.device``
+    ``cpu``, or ``auto`` without CUDA)."""
+    import torch
+
+    if device == "cpu" or not torch.cuda.is_available():
+        return [{} for _ in range(replicas)]
+    visible = visible_gpus(os.environ, torch.cuda.device_count())
+    slices = group_gpus(visible, replicas, group, share=backend == "gloo")
+    if slices is None:
+        return [{} for _ in range(replicas)]
+    return [{"CUDA_VISIBLE_DEVICES": ",".join(s)} for s in slices]
