@@ -8,6 +8,7 @@ with a fixed run directory; commands are argument lists, never a shell string.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,15 +54,8 @@ def k8s_job_name(run_name: str, nodes: int) -> str:
     return base[:limit].rstrip("-")
 
 
-def k8s_manifest(config: Config, job: K8sJob, name: str) -> str:
-    """A ConfigMap with the resolved config, a PersistentVolumeClaim for the run directory (unless
-    ``job.pvc`` names an existing one) and a Kubeflow ``PyTorchJob`` whose containers run dtlab.
-
-    The job has ``job.nodes`` Worker replicas and no Master, for every node count. With an
-    ``elasticPolicy`` the operator only admits jobs with a Worker replica, and it points every pod's
-    rendezvous (``PET_RDZV_ENDPOINT``) at ``<name>-worker-0`` on the Worker's ``pytorchjob-port``;
-    torchrun's c10d rendezvous then numbers the nodes, so no replica needs to be special.
-    """
+def _check_k8s_job(job: K8sJob, name: str) -> None:
+    """Refuse a name, namespace, claim, quantity or image that Kubernetes would not accept."""
     check_value(
         name,
         _K8S_DNS1035,
@@ -82,44 +76,52 @@ def k8s_manifest(config: Config, job: K8sJob, name: str) -> str:
     if not job.image or any(ch.isspace() for ch in job.image):
         raise ConfigError(f"--image: {job.image!r} is not valid; allowed: an image reference")
 
+
+def _named(meta: dict[str, Any], suffix: str) -> dict[str, Any]:
+    """The job's metadata for one of its objects, named ``<name>-<suffix>``."""
+    return {**meta, "name": f"{meta['name']}-{suffix}"}
+
+
+def _config_map(config: Config, meta: dict[str, Any]) -> dict[str, Any]:
+    """The ConfigMap with the resolved config, whose run directory is the job's on the runs volume."""
     resolved = config.model_copy(deep=True)
-    resolved.run.dir = f"{RUNS_MOUNT}/{name}"
-    meta: dict[str, Any] = {"name": name, "labels": {"app.kubernetes.io/managed-by": "dtlab"}}
-    if job.namespace:
-        meta["namespace"] = job.namespace
+    resolved.run.dir = f"{RUNS_MOUNT}/{meta['name']}"
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _named(meta, "config"),
+        "data": {"config.yaml": resolved.to_yaml()},
+    }
 
-    def named(suffix: str) -> dict[str, Any]:
-        return {**meta, "name": f"{name}-{suffix}"}
 
-    docs: list[dict[str, Any]] = [
-        {
-            "apiVersion": "v1",
-            "kind": "ConfigMap",
-            "metadata": named("config"),
-            "data": {"config.yaml": resolved.to_yaml()},
-        }
-    ]
-    claim = job.pvc or f"{name}-runs"
-    if job.pvc is None:
-        docs.append(
-            {
-                "apiVersion": "v1",
-                "kind": "PersistentVolumeClaim",
-                "metadata": named("runs"),
-                "spec": {
-                    # Every node writes its checkpoint shards to the same run directory.
-                    "accessModes": ["ReadWriteMany" if job.nodes > 1 else "ReadWriteOnce"],
-                    "resources": {"requests": {"storage": job.storage}},
-                },
-            }
-        )
+def _runs_claim(job: K8sJob, meta: dict[str, Any]) -> dict[str, Any]:
+    """The PersistentVolumeClaim for the run directory, when ``job.pvc`` names none to reuse."""
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": _named(meta, "runs"),
+        "spec": {
+            # Every node writes its checkpoint shards to the same run directory.
+            "accessModes": ["ReadWriteMany" if job.nodes > 1 else "ReadWriteOnce"],
+            "resources": {"requests": {"storage": job.storage}},
+        },
+    }
+
+
+def _resources(job: K8sJob) -> dict[str, Any]:
+    """The container's resources: the node's GPUs as a limit, CPU and memory as requests."""
     resources: dict[str, Any] = {}
     if job.gpus_per_node:
         resources["limits"] = {"nvidia.com/gpu": job.gpus_per_node}
     requests = {k: v for k, v in (("cpu", job.cpu), ("memory", job.memory)) if v}
     if requests:
         resources["requests"] = requests
-    container: dict[str, Any] = {
+    return resources
+
+
+def _container(job: K8sJob) -> dict[str, Any]:
+    """The container that runs torchrun with dtlab as its worker, on the config and runs volumes."""
+    return {
         "name": K8S_CONTAINER,
         "image": job.image,
         "imagePullPolicy": "IfNotPresent",
@@ -138,14 +140,18 @@ def k8s_manifest(config: Config, job: K8sJob, name: str) -> str:
         # Declared, not left to the operator's defaulting: worker 0 serves the rendezvous on it.
         "ports": [{"name": K8S_PORT_NAME, "containerPort": K8S_PORT}],
         "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}],
-        "resources": resources,
+        "resources": _resources(job),
         "volumeMounts": [
             {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
             {"name": "runs", "mountPath": RUNS_MOUNT},
             {"name": "shm", "mountPath": "/dev/shm"},
         ],
     }
-    pod = {
+
+
+def _pod(job: K8sJob, name: str, container: dict[str, Any], claim: str) -> dict[str, Any]:
+    """The pod template: the container, its volumes and the time it has to save on eviction."""
+    return {
         "spec": {
             # On eviction the kubelet sends SIGTERM: the workers save a checkpoint before they exit,
             # and the restarted pod resumes from it. Give them time to write it.
@@ -158,6 +164,26 @@ def k8s_manifest(config: Config, job: K8sJob, name: str) -> str:
             ],
         }
     }
+
+
+def k8s_manifest(config: Config, job: K8sJob, name: str) -> str:
+    """A ConfigMap with the resolved config, a PersistentVolumeClaim for the run directory (unless
+    ``job.pvc`` names an existing one) and a Kubeflow ``PyTorchJob`` whose containers run dtlab.
+
+    The job has ``job.nodes`` Worker replicas and no Master, for every node count. With an
+    ``elasticPolicy`` the operator only admits jobs with a Worker replica, and it points every pod's
+    rendezvous (``PET_RDZV_ENDPOINT``) at ``<name>-worker-0`` on the Worker's ``pytorchjob-port``;
+    torchrun's c10d rendezvous then numbers the nodes, so no replica needs to be special.
+    """
+    _check_k8s_job(job, name)
+    meta: dict[str, Any] = {"name": name, "labels": {"app.kubernetes.io/managed-by": "dtlab"}}
+    if job.namespace:
+        meta["namespace"] = job.namespace
+    docs: list[dict[str, Any]] = [_config_map(config, meta)]
+    if job.pvc is None:
+        docs.append(_runs_claim(job, meta))
+    container = _container(job)
+    pod = _pod(job, name, container, job.pvc or f"{name}-runs")
     if config.parallel.fault_tolerance.enabled:
         docs += _k8s_fault_tolerant(config, job, name, meta, container, pod)
     else:
@@ -167,6 +193,163 @@ def k8s_manifest(config: Config, job: K8sJob, name: str) -> str:
 
 
 LIGHTHOUSE_PORT = 29510  # the k8s lighthouse Service's port; the start store is on the next one
+
+
+def _lighthouse_container(container: dict[str, Any]) -> dict[str, Any]:
+    """The lighthouse's container: dtlab's image, listening for the groups and their start store."""
+    return {
+        **container,
+        "name": "lighthouse",
+        # Every interface of its pod: the groups' pods reach it through the Service.
+        "command": [
+            "python",
+            "-m",
+            "dtlab.fault_tolerance",
+            "--lighthouse",
+            f"0.0.0.0:{LIGHTHOUSE_PORT}",
+            "--store-port",
+            str(LIGHTHOUSE_PORT + 1),
+            "--config",
+            f"{CONFIG_MOUNT}/config.yaml",
+        ],
+        "ports": [
+            {"name": "lighthouse", "containerPort": LIGHTHOUSE_PORT},
+            {"name": "start-store", "containerPort": LIGHTHOUSE_PORT + 1},
+        ],
+        "resources": {},
+        "volumeMounts": [{"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}],
+    }
+
+
+def _lighthouse_objects(
+    name: str, meta: dict[str, Any], labels: dict[str, str], container: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """The job's own lighthouse: a Deployment (restarted on its own) and the Service the groups
+    reach it through."""
+    lh_name = f"{name}-lighthouse"
+    lh_labels = {**labels, "dtlab.io/role": "lighthouse"}
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {**meta, "name": lh_name, "labels": lh_labels},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": lh_labels},
+            "template": {
+                "metadata": {"labels": lh_labels},
+                "spec": {
+                    "containers": [_lighthouse_container(container)],
+                    "volumes": [{"name": "config", "configMap": {"name": f"{name}-config"}}],
+                },
+            },
+        },
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {**meta, "name": lh_name, "labels": lh_labels},
+        "spec": {
+            "selector": lh_labels,
+            "ports": [
+                {"name": "lighthouse", "port": LIGHTHOUSE_PORT},
+                {"name": "start-store", "port": LIGHTHOUSE_PORT + 1},
+            ],
+        },
+    }
+    return [deployment, service]
+
+
+@dataclass(frozen=True)
+class _ReplicaGroups:
+    """What each replica group's Job is made of: the job's metadata, labels, container and pod, the
+    groups' shape, and where they find the lighthouse (``start_store``: the job's own lighthouse's
+    start store, None with a given lighthouse)."""
+
+    name: str
+    meta: dict[str, Any]
+    labels: dict[str, str]
+    container: dict[str, Any]
+    pod: dict[str, Any]
+    resources: dict[str, Any]
+    replicas: int
+    group: int
+    max_restarts: int
+    lighthouse: str
+    start_store: str | None
+
+
+def _group_resources(job: K8sJob, container: dict[str, Any], group: int) -> dict[str, Any]:
+    """A group's pod's resources: the container's, with the GPUs of the group's ranks as a limit."""
+    resources = dict(container["resources"])
+    if job.gpus_per_node:
+        resources["limits"] = {"nvidia.com/gpu": job.gpus_per_node * group // job.nproc_per_node}
+    return resources
+
+
+def _group_env(groups: _ReplicaGroups, i: int) -> list[dict[str, Any]]:
+    """Group ``i``'s environment: its index, the group count and where the lighthouse is."""
+    env = [
+        *groups.container["env"],
+        {"name": "DTLAB_FT_REPLICA", "value": str(i)},
+        {"name": "DTLAB_FT_REPLICAS", "value": str(groups.replicas)},
+        {"name": "TORCHFT_LIGHTHOUSE", "value": groups.lighthouse},
+        {"name": "RUST_LOG", "value": "warn"},
+        # The pod's own IP: where the other groups reach this group's manager.
+        {"name": "DTLAB_FT_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+    ]
+    if groups.start_store is not None:
+        env.append({"name": "DTLAB_FT_START_STORE", "value": groups.start_store})
+    return env
+
+
+def _group_container(groups: _ReplicaGroups, i: int) -> dict[str, Any]:
+    """Group ``i``'s container: the group's agent, which trains in its own run directory."""
+    run_dir = f"{RUNS_MOUNT}/{groups.name}/replica-{i}"
+    return {
+        **groups.container,
+        "command": [
+            "python",
+            "-m",
+            "dtlab.fault_tolerance",
+            "--nproc",
+            str(groups.group),
+            "--max-restarts",
+            str(groups.max_restarts),
+            "--run-dir",
+            run_dir,
+            "--",
+            "train",
+            f"{CONFIG_MOUNT}/config.yaml",
+            "--set",
+            f"run.dir={run_dir}",
+        ],
+        "ports": [],
+        "env": _group_env(groups, i),
+        "resources": groups.resources,
+    }
+
+
+def _replica_group_job(groups: _ReplicaGroups, i: int) -> dict[str, Any]:
+    """The batch Job of replica group ``i``, which Kubernetes recreates alone when its pod is lost."""
+    group_labels = {**groups.labels, "dtlab.io/role": "replica-group", "dtlab.io/replica": str(i)}
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {**groups.meta, "name": f"{groups.name}-replica-{i}", "labels": group_labels},
+        "spec": {
+            # The agent in the pod restarts the group's ranks; a lost pod (node failure,
+            # eviction) is recreated by the Job, this group alone.
+            "backoffLimit": groups.max_restarts,
+            "template": {
+                "metadata": {"labels": group_labels},
+                "spec": {
+                    **groups.pod["spec"],
+                    "restartPolicy": "Never",
+                    "containers": [_group_container(groups, i)],
+                },
+            },
+        },
+    }
 
 
 def _k8s_fault_tolerant(
@@ -185,125 +368,23 @@ def _k8s_fault_tolerant(
     replicas, group = replica_layout(config, job.nodes, job.nproc_per_node)
     labels = {**meta.get("labels", {}), "dtlab.io/job": name}
     lh_name = f"{name}-lighthouse"
-    lighthouse = o.lighthouse or f"http://{lh_name}:{LIGHTHOUSE_PORT}"
     docs: list[dict[str, Any]] = []
     if o.lighthouse is None:
-        lh_labels = {**labels, "dtlab.io/role": "lighthouse"}
-        lh_container = {
-            **container,
-            "name": "lighthouse",
-            # Every interface of its pod: the groups' pods reach it through the Service.
-            "command": [
-                "python",
-                "-m",
-                "dtlab.fault_tolerance",
-                "--lighthouse",
-                f"0.0.0.0:{LIGHTHOUSE_PORT}",
-                "--store-port",
-                str(LIGHTHOUSE_PORT + 1),
-                "--config",
-                f"{CONFIG_MOUNT}/config.yaml",
-            ],
-            "ports": [
-                {"name": "lighthouse", "containerPort": LIGHTHOUSE_PORT},
-                {"name": "start-store", "containerPort": LIGHTHOUSE_PORT + 1},
-            ],
-            "resources": {},
-            "volumeMounts": [{"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}],
-        }
-        docs += [
-            {
-                "apiVersion": "apps/v1",
-                "kind": "Deployment",
-                "metadata": {**meta, "name": lh_name, "labels": lh_labels},
-                "spec": {
-                    "replicas": 1,
-                    "selector": {"matchLabels": lh_labels},
-                    "template": {
-                        "metadata": {"labels": lh_labels},
-                        "spec": {
-                            "containers": [lh_container],
-                            "volumes": [
-                                {"name": "config", "configMap": {"name": f"{name}-config"}}
-                            ],
-                        },
-                    },
-                },
-            },
-            {
-                "apiVersion": "v1",
-                "kind": "Service",
-                "metadata": {**meta, "name": lh_name, "labels": lh_labels},
-                "spec": {
-                    "selector": lh_labels,
-                    "ports": [
-                        {"name": "lighthouse", "port": LIGHTHOUSE_PORT},
-                        {"name": "start-store", "port": LIGHTHOUSE_PORT + 1},
-                    ],
-                },
-            },
-        ]
-    resources = dict(container["resources"])
-    if job.gpus_per_node:
-        resources["limits"] = {"nvidia.com/gpu": job.gpus_per_node * group // job.nproc_per_node}
-    for i in range(replicas):
-        run_dir = f"{RUNS_MOUNT}/{name}/replica-{i}"
-        env = [
-            *container["env"],
-            {"name": "DTLAB_FT_REPLICA", "value": str(i)},
-            {"name": "DTLAB_FT_REPLICAS", "value": str(replicas)},
-            {"name": "TORCHFT_LIGHTHOUSE", "value": lighthouse},
-            {"name": "RUST_LOG", "value": "warn"},
-            # The pod's own IP: where the other groups reach this group's manager.
-            {"name": "DTLAB_FT_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        ]
-        if o.lighthouse is None:
-            env.append(
-                {"name": "DTLAB_FT_START_STORE", "value": f"{lh_name}:{LIGHTHOUSE_PORT + 1}"}
-            )
-        group_container = {
-            **container,
-            "command": [
-                "python",
-                "-m",
-                "dtlab.fault_tolerance",
-                "--nproc",
-                str(group),
-                "--max-restarts",
-                str(o.max_restarts),
-                "--run-dir",
-                run_dir,
-                "--",
-                "train",
-                f"{CONFIG_MOUNT}/config.yaml",
-                "--set",
-                f"run.dir={run_dir}",
-            ],
-            "ports": [],
-            "env": env,
-            "resources": resources,
-        }
-        group_labels = {**labels, "dtlab.io/role": "replica-group", "dtlab.io/replica": str(i)}
-        docs.append(
-            {
-                "apiVersion": "batch/v1",
-                "kind": "Job",
-                "metadata": {**meta, "name": f"{name}-replica-{i}", "labels": group_labels},
-                "spec": {
-                    # The agent in the pod restarts the group's ranks; a lost pod (node failure,
-                    # eviction) is recreated by the Job, this group alone.
-                    "backoffLimit": o.max_restarts,
-                    "template": {
-                        "metadata": {"labels": group_labels},
-                        "spec": {
-                            **pod["spec"],
-                            "restartPolicy": "Never",
-                            "containers": [group_container],
-                        },
-                    },
-                },
-            }
-        )
+        docs += _lighthouse_objects(name, meta, labels, container)
+    groups = _ReplicaGroups(
+        name=name,
+        meta=meta,
+        labels=labels,
+        container=container,
+        pod=pod,
+        resources=_group_resources(job, container, group),
+        replicas=replicas,
+        group=group,
+        max_restarts=o.max_restarts,
+        lighthouse=o.lighthouse or f"http://{lh_name}:{LIGHTHOUSE_PORT}",
+        start_store=f"{lh_name}:{LIGHTHOUSE_PORT + 1}" if o.lighthouse is None else None,
+    )
+    docs += [_replica_group_job(groups, i) for i in range(replicas)]
     docs.append(_network_policy(name, meta, labels))
     return docs
 
