@@ -309,11 +309,10 @@ def fault_tolerant_layout(config: Config, job: SlurmJob) -> FaultTolerantLayout 
     )
 
 
-def _fault_tolerant_body(ft: FaultTolerantLayout, port: str) -> list[str]:
-    """The sbatch script's lines that start the lighthouse (once, in the batch step: the first node)
-    and one srun task per replica group, each under its own agent that restarts that group alone."""
+def _ft_settings(ft: FaultTolerantLayout, port: str) -> list[str]:
+    """The script's variables for the groups: their layout, the first node's ports, a clean exit record."""
     q = shlex.quote
-    lines = [
+    return [
         f"RUN_DIR={q(ft.run_dir)}",
         f"REPLICAS={ft.replicas}",
         f"GROUP_RANKS={ft.group}",
@@ -325,26 +324,34 @@ def _fault_tolerant_body(ft: FaultTolerantLayout, port: str) -> list[str]:
         'export RUST_LOG="${RUST_LOG:-warn}"  # torchft logs every quorum tick at INFO',
         'mkdir -p "$RUN_DIR" && rm -f "$RUN_DIR"/replica-*.exit',
     ]
-    if ft.lighthouse is None:
-        lines += [
-            'export TORCHFT_LIGHTHOUSE="http://$FIRST_NODE:$LIGHTHOUSE_PORT"',
-            "# One lighthouse for the job, here in the batch step (on the first node), listening on",
-            "# every address of this node: the replica groups on the other nodes reach it there.",
-            '"$PYTHON" -m dtlab.fault_tolerance --lighthouse "0.0.0.0:$LIGHTHOUSE_PORT" \\',
-            '    --store-port "$STORE_PORT" --config "$CONFIG" &',
-            "LIGHTHOUSE_PID=$!",
-            "trap 'kill \"$LIGHTHOUSE_PID\" 2>/dev/null' EXIT",
-            "for _ in $(seq 600); do  # up to 60 s for it to listen",
-            '    (exec 3<>"/dev/tcp/$FIRST_NODE/$LIGHTHOUSE_PORT") 2>/dev/null && break',
-            '    kill -0 "$LIGHTHOUSE_PID" 2>/dev/null || { echo "dtlab: the lighthouse did not start"; exit 1; }',
-            "    sleep 0.1",
-            "done",
+
+
+def _ft_lighthouse(ft: FaultTolerantLayout) -> list[str]:
+    """The lines that start the job's lighthouse and wait for it to listen, or name the given one."""
+    if ft.lighthouse is not None:
+        return [
+            f"export TORCHFT_LIGHTHOUSE={shlex.quote(ft.lighthouse)}  # parallel.fault_tolerance.lighthouse"
         ]
-    else:
-        lines.append(
-            f"export TORCHFT_LIGHTHOUSE={q(ft.lighthouse)}  # parallel.fault_tolerance.lighthouse"
-        )
-    lines += [
+    return [
+        'export TORCHFT_LIGHTHOUSE="http://$FIRST_NODE:$LIGHTHOUSE_PORT"',
+        "# One lighthouse for the job, here in the batch step (on the first node), listening on",
+        "# every address of this node: the replica groups on the other nodes reach it there.",
+        '"$PYTHON" -m dtlab.fault_tolerance --lighthouse "0.0.0.0:$LIGHTHOUSE_PORT" \\',
+        '    --store-port "$STORE_PORT" --config "$CONFIG" &',
+        "LIGHTHOUSE_PID=$!",
+        "trap 'kill \"$LIGHTHOUSE_PID\" 2>/dev/null' EXIT",
+        "for _ in $(seq 600); do  # up to 60 s for it to listen",
+        '    (exec 3<>"/dev/tcp/$FIRST_NODE/$LIGHTHOUSE_PORT") 2>/dev/null && break',
+        '    kill -0 "$LIGHTHOUSE_PID" 2>/dev/null || { echo "dtlab: the lighthouse did not start"; exit 1; }',
+        "    sleep 0.1",
+        "done",
+    ]
+
+
+def _ft_groups(ft: FaultTolerantLayout) -> list[str]:
+    """The srun of one task per replica group, each under its own agent, and the job's exit code
+    decided from the groups' recorded ones."""
+    return [
         'echo "dtlab: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $REPLICAS replica group(s) of'
         ' $GROUP_RANKS rank(s), lighthouse $TORCHFT_LIGHTHOUSE"',
         "",
@@ -371,19 +378,16 @@ def _fault_tolerant_body(ft: FaultTolerantLayout, port: str) -> list[str]:
         "done",
         f"if [[ $finished == 1 ]]; then rc=0; elif [[ $saved == 1 ]]; then rc={Preempted.exit_code}; else rc=1; fi",
     ]
-    return lines
 
 
-def slurm_script(
-    script_path: Path,
-    config_path: Path,
-    job: SlurmJob,
-    name: str,
-    ft: FaultTolerantLayout | None = None,
-) -> str:
-    """An sbatch script: one task per node, each starting dtlab's launcher with a c10d rendezvous on
-    the first node; preemption (``--signal``) saves a checkpoint and requeues the job, which resumes.
-    With ``ft`` (parallel.fault_tolerance): a lighthouse for the job and one task per replica group."""
+def _fault_tolerant_body(ft: FaultTolerantLayout, port: str) -> list[str]:
+    """The sbatch script's lines that start the lighthouse (once, in the batch step: the first node)
+    and one srun task per replica group, each under its own agent that restarts that group alone."""
+    return [*_ft_settings(ft, port), *_ft_lighthouse(ft), *_ft_groups(ft)]
+
+
+def _check_slurm_job(job: SlurmJob) -> None:
+    """Refuse a partition, account, time or signal lead that sbatch would not accept."""
     check_value(job.partition, _SLURM_WORD, "--partition", "a Slurm partition name")
     check_value(job.account, _SLURM_WORD, "--account", "a Slurm account name")
     check_value(
@@ -396,6 +400,12 @@ def slurm_script(
         raise ConfigError(
             f"--signal-seconds: {job.signal_seconds} is not valid; allowed: 1 to 65535"
         )
+
+
+def _directives(
+    script_path: Path, job: SlurmJob, name: str, ft: FaultTolerantLayout | None
+) -> list[str]:
+    """The script's ``#SBATCH`` options, each checked to hold no whitespace."""
     directives = [
         f"--job-name={slug(name)}",
         f"--nodes={job.nodes}",
@@ -424,11 +434,63 @@ def slurm_script(
             raise ConfigError(
                 f"Slurm directive {d!r} contains whitespace; use a path without spaces"
             )
-    port = (
+    return directives
+
+
+def _rendezvous_port(job: SlurmJob) -> str:
+    """The first node's port, as the script sets it: ``--port``, or one derived from the job id."""
+    return (
         str(job.port)
         if job.port
         else "$((20000 + SLURM_JOB_ID % 20000))  # one per job: jobs may share a first node"
     )
+
+
+def _nodes_body(job: SlurmJob, port: str) -> list[str]:
+    """The lines of a job without fault tolerance: one srun task per node, each starting dtlab's
+    launcher with the rendezvous on the first node."""
+    return [
+        f"NPROC_PER_NODE={job.nproc_per_node}",
+        'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        f"MASTER_PORT={port}",
+        'echo "dtlab: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NUM_NODES node(s),'
+        ' rendezvous $MASTER_ADDR:$MASTER_PORT"',
+        "",
+        "# One task per node starts dtlab's launcher, which starts NPROC_PER_NODE workers. The node rank is",
+        "# read inside each task; every other value is passed as an argument, never spliced into code.",
+        "srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c \\",
+        '    \'exec "$0" -m dtlab train "$1" --nproc "$2" --nnodes "$SLURM_JOB_NUM_NODES" \\',
+        '         --node-rank "$SLURM_NODEID" --master-addr "$3" --master-port "$4"\' \\',
+        '    "$PYTHON" "$CONFIG" "$NPROC_PER_NODE" "$MASTER_ADDR" "$MASTER_PORT"',
+        "rc=$?",
+    ]
+
+
+def _requeue_tail() -> list[str]:
+    """The script's last lines: requeue the job when its workers saved and stopped, and exit with rc."""
+    return [
+        f"if [[ $rc -eq {Preempted.exit_code} ]]; then",
+        '    echo "dtlab: checkpoint saved before the time limit or preemption; requeueing job $SLURM_JOB_ID"',
+        '    scontrol requeue "$SLURM_JOB_ID"',
+        "fi",
+        "exit $rc",
+        "",
+    ]
+
+
+def slurm_script(
+    script_path: Path,
+    config_path: Path,
+    job: SlurmJob,
+    name: str,
+    ft: FaultTolerantLayout | None = None,
+) -> str:
+    """An sbatch script: one task per node, each starting dtlab's launcher with a c10d rendezvous on
+    the first node; preemption (``--signal``) saves a checkpoint and requeues the job, which resumes.
+    With ``ft`` (parallel.fault_tolerance): a lighthouse for the job and one task per replica group."""
+    _check_slurm_job(job)
+    directives = _directives(script_path, job, name, ft)
+    port = _rendezvous_port(job)
     q = shlex.quote
     lines = [
         "#!/bin/bash",
@@ -439,32 +501,8 @@ def slurm_script(
         f"PYTHON={q(job.python)}",
         f"CONFIG={q(str(config_path))}",
     ]
-    if ft is not None:
-        lines += _fault_tolerant_body(ft, port)
-    else:
-        lines += [
-            f"NPROC_PER_NODE={job.nproc_per_node}",
-            'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-            f"MASTER_PORT={port}",
-            'echo "dtlab: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NUM_NODES node(s),'
-            ' rendezvous $MASTER_ADDR:$MASTER_PORT"',
-            "",
-            "# One task per node starts dtlab's launcher, which starts NPROC_PER_NODE workers. The node rank is",
-            "# read inside each task; every other value is passed as an argument, never spliced into code.",
-            "srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c \\",
-            '    \'exec "$0" -m dtlab train "$1" --nproc "$2" --nnodes "$SLURM_JOB_NUM_NODES" \\',
-            '         --node-rank "$SLURM_NODEID" --master-addr "$3" --master-port "$4"\' \\',
-            '    "$PYTHON" "$CONFIG" "$NPROC_PER_NODE" "$MASTER_ADDR" "$MASTER_PORT"',
-            "rc=$?",
-        ]
-    lines += [
-        f"if [[ $rc -eq {Preempted.exit_code} ]]; then",
-        '    echo "dtlab: checkpoint saved before the time limit or preemption; requeueing job $SLURM_JOB_ID"',
-        '    scontrol requeue "$SLURM_JOB_ID"',
-        "fi",
-        "exit $rc",
-        "",
-    ]
+    lines += _fault_tolerant_body(ft, port) if ft is not None else _nodes_body(job, port)
+    lines += _requeue_tail()
     return "\n".join(lines)
 
 
