@@ -101,3 +101,47 @@ def test_each_groups_ranks_see_only_their_own_gpus() -> None:
         assert count == "1"
         seen.append(uuid)
     assert len(set(seen)) == 2, seen
+
+
+# --- the process group between replica groups, and what a recovering peer is sent ----------------
+def test_replica_groups_average_over_nccl_on_cuda_and_gloo_on_the_cpu() -> None:
+    import torchft
+
+    from dtlab.parallel.ft import GROUPS_PG_NAME, cross_group_backend, groups_pg_class
+
+    assert cross_group_backend(torch.device("cuda", 2)) == "nccl"
+    assert cross_group_backend(torch.device("cpu")) == "gloo"
+    members: list[int] = []
+    assert issubclass(groups_pg_class("nccl", members, 4), torchft.ProcessGroupNCCL)
+    gloo = groups_pg_class("gloo", members, 4)
+    assert issubclass(gloo, torchft.ProcessGroupGloo)
+    assert not issubclass(gloo, torchft.ProcessGroupNCCL)
+    assert GROUPS_PG_NAME == "dtlab_ft_replica_groups"
+
+
+def test_a_recovering_peer_is_sent_the_weights_after_the_queued_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # torchft's quorum thread copies the state on a stream of its own: the training stream's queued
+    # optimizer step must have run first, so the device is waited for before the state is read.
+    from dtlab.parallel import ft
+
+    order: list[str] = []
+    monkeypatch.setattr(
+        torch.cuda, "synchronize", lambda device=None: order.append(f"sync {device}")
+    )
+
+    class State:
+        def state_dict(self) -> dict[str, torch.Tensor]:
+            order.append("read")
+            return {"w": torch.zeros(2)}
+
+    replicas = object.__new__(ft.Replicas)
+    replicas._states = {"model": State()}
+    replicas._device = torch.device("cuda", 1)
+    assert set(replicas._state_dict()) == {"model"}
+    assert order == ["sync cuda:1", "read"]
+    order.clear()
+    replicas._device = torch.device("cpu")
+    replicas._state_dict()
+    assert order == ["read"]

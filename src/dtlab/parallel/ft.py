@@ -256,30 +256,53 @@ def into_dtensors(tree: Any, like: Any) -> Any:
     return tree
 
 
+def cross_group_backend(device: torch.device) -> str:
+    """The backend of the process group that joins the replica groups, for ranks on ``device``: NCCL
+    on CUDA (gloo would copy every step's whole gradient GPU -> host -> TCP -> GPU), gloo on the CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def groups_pg_class(backend: str, members: list[int], group_size: int) -> type:
+    """torchft's reconfigurable process group for ``backend`` (``nccl``: ProcessGroupNCCL, which ends a
+    failed collective with ncclCommAbort; ``gloo``: ProcessGroupGloo), noting in ``members`` the quorum's
+    replica groups each time it is reconfigured, and named ``GROUPS_PG_NAME`` (the communication
+    counter tells its bytes apart by that name)."""
+    from torchft import ProcessGroupGloo, ProcessGroupNCCL
+
+    base = ProcessGroupNCCL if backend == "nccl" else ProcessGroupGloo
+
+    class _Noting(base):  # type: ignore[misc, valid-type]
+        def configure(self, *args: Any, **kwargs: Any) -> None:
+            ranks = kwargs.get("global_ranks", args[7] if len(args) > 7 else None) or []
+            # torchft numbers a member replica * group size + group rank.
+            members[:] = sorted({r // max(1, group_size) for r in ranks})
+            super().configure(*args, **kwargs)
+            if self._pg is not None:
+                self._pg._set_group_name(GROUPS_PG_NAME)
+
+    _Noting.__name__ = _Noting.__qualname__ = f"Noting{base.__name__}"
+    return _Noting
+
+
+def settle_device(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (CUDA; nothing on the CPU): torchft copies the state a
+    recovering peer takes on a stream of its own, in its quorum thread, which must read the weights
+    after the optimizer step queued on the training stream, not before it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class Replicas:
     """This replica group's torchft manager, and what the run learns from it: which groups are in
     the quorum, when it changed, and how long a recovery from a peer took."""
 
     def __init__(self, config: Config, d: DistInfo) -> None:
         require_torchft()
-        from torchft import ProcessGroupGloo
-
         o = config.parallel.fault_tolerance
         self.place = ReplicaPlace.from_env()
         self.global_batch = config.train.global_batch_size
         timeout = timedelta(seconds=o.timeout_s)
         members: list[int] = []
-
-        class _Gloo(ProcessGroupGloo):  # type: ignore[misc]
-            """torchft's gloo group, noting the quorum's groups each time it is reconfigured."""
-
-            def configure(self, *args: Any, **kwargs: Any) -> None:
-                ranks = kwargs.get("global_ranks", args[7] if len(args) > 7 else None) or []
-                # torchft numbers a member replica * group size + group rank.
-                members[:] = sorted({r // max(1, d.world_size) for r in ranks})
-                super().configure(*args, **kwargs)
-                if self._pg is not None:
-                    self._pg._set_group_name(GROUPS_PG_NAME)
 
         _quiet_torchft()
         # A group of several ranks meets its manager through a store of its own, new for each
@@ -289,7 +312,14 @@ class Replicas:
         self.members = members
         self._loaded: dict[str, Any] | None = None
         self._states: dict[str, Stateful] = {}
-        self._pg = _Gloo(timeout=timeout)
+        # The groups' own process group: NCCL where the ranks train on CUDA (the gradient stays on
+        # the GPU), gloo on the CPU.
+        backend = cross_group_backend(d.device)
+        if backend == "nccl":
+            # torchft warns, then sets it to the group's timeout: set here, without the warning.
+            os.environ.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(o.timeout_s))
+        self._pg = groups_pg_class(backend, members, d.world_size)(timeout=timeout)
+        self._device = d.device
         # Its servers listen on the job's address only, the checkpoint server under a secret path.
         host = os.environ.get(HOST_ENV, "127.0.0.1")
         with bound_manager(host):
@@ -408,6 +438,7 @@ class Replicas:
     def _state_dict(self) -> dict[str, Any]:
         # Sharded (DTensor) state crosses as this rank's local shards: the peer that takes it is
         # the same rank of its group, which holds the same shards.
+        settle_device(self._device)
         return {name: local_shards(s.state_dict()) for name, s in self._states.items()}
 
     def _load(self, state: dict[str, Any]) -> None:
