@@ -15,6 +15,8 @@ from dtlab.analysis.model import param_shapes
 from dtlab.config import DiLoCoOptions, load_config
 from dtlab.train.outer_codec import outer_payload_bytes
 from dtlab.train.sparseloco import (
+    _pack,
+    _unpack,
     decode,
     encode,
     index_bits,
@@ -151,3 +153,20 @@ def test_bytes_per_step_are_predicted_to_the_byte(tmp_path: Path, quantize: str)
     # A sparse 2-bit sync is far smaller than the dense float32 one of the same fragments.
     n = sum(s.numel for s in param_shapes(load_config(overrides=["model.preset=debug"]).model))
     assert sum(syncs) < 0.1 * 2 * 4 * n
+
+
+@pytest.mark.parametrize("bits", [1, 4, 12])
+def test_packing_holds_bytes_not_an_integer_per_bit(bits: int) -> None:
+    # What packing a fragment holds at once beyond its codes: the codes at one byte each (four above
+    # 8 bits) and the packed bytes, not 8 bytes per bit per value (~16 GB for 1e9 values at 1 bit).
+    from dtlab.analysis.diloco_memory import _play
+
+    n = 1 << 16
+    codes = torch.randint(0, 2**bits, (n,), generator=torch.Generator().manual_seed(0))
+    held = _play(lambda: _pack(codes, bits), codes)
+    narrow = n * (1 if bits <= 8 else 4)
+    # (a column of the bit operations holds up to another such copy, an eighth of it at a time)
+    assert held <= 2 * narrow + n * bits // 8, (held, narrow)
+    packed = _pack(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.numel() == n * bits // 8
+    assert torch.equal(_unpack(packed, n, bits), codes)

@@ -68,23 +68,42 @@ def payload_bytes(numel: int, topk: float, chunk: int, quantize: str) -> int:
     return index + math.ceil(sent * SPARSE_BITS[quantize] / 8) + 4 * scales
 
 
+def _bit_places(bits: int) -> list[tuple[int, int, int, int]]:
+    """Where each bit of a group of 8 values of ``bits`` bits goes: (value, its bit, byte, bit in the
+    byte), the values' bits one after another, little-endian (the group fills ``bits`` bytes)."""
+    return [(p // bits, p % bits, p // 8, p % 8) for p in range(8 * bits)]
+
+
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Non-negative integers below 2**bits, ``bits`` bits each, little-endian into bytes."""
-    shifts = torch.arange(bits, device=codes.device)
-    flat = ((codes.reshape(-1, 1).long() >> shifts) & 1).flatten().to(torch.uint8)
+    """Non-negative integers below 2**bits, ``bits`` bits each, little-endian into bytes.
+
+    Eight values at a time fill ``bits`` whole bytes, built by bit operations on byte-wide columns:
+    what this holds beyond its output is the codes at one byte each (four above 8 bits), not one
+    integer per bit (a 1-bit fragment of 1e9 values would otherwise take ~16 GB of temporaries)."""
+    wide = torch.uint8 if bits <= 8 else torch.int32
+    flat = codes.reshape(-1).to(wide)
     pad = (-flat.numel()) % 8
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
-    weights = (1 << torch.arange(8, device=codes.device)).to(torch.uint8)
-    return (flat.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
+    groups = flat.view(-1, 8)
+    out = torch.zeros(groups.shape[0], bits, dtype=torch.uint8, device=codes.device)
+    for value, bit, byte, place in _bit_places(bits):
+        column = out[:, byte]
+        column |= ((groups[:, value] >> bit) & 1).to(torch.uint8) << place
+    # Whole groups hold 8 * bits bits; the last byte of a partial group is cut to the values' bits.
+    return out.flatten()[: math.ceil(codes.numel() * bits / 8)]
 
 
 def _unpack(packed: torch.Tensor, count: int, bits: int) -> torch.Tensor:
     """The ``count`` integers of :func:`_pack` (int64)."""
-    shifts = torch.arange(8, device=packed.device)
-    flat = ((packed.reshape(-1, 1).long() >> shifts) & 1).flatten()[: count * bits]
-    weights = 1 << torch.arange(bits, device=packed.device)
-    return (flat.view(count, bits) * weights).sum(dim=1)
+    pad = (-packed.numel()) % bits
+    whole = torch.cat([packed, packed.new_zeros(pad)]) if pad else packed
+    groups = whole.view(-1, bits)
+    out = torch.zeros(groups.shape[0], 8, dtype=torch.int64, device=packed.device)
+    for value, bit, byte, place in _bit_places(bits):
+        column = out[:, value]
+        column |= ((groups[:, byte] >> place) & 1).long() << bit
+    return out.flatten()[:count]
 
 
 def encode(
