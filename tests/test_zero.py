@@ -19,6 +19,7 @@ from conftest import (
     checkpoint_tensors,
     read_metrics,
     run_cli,
+    run_worker,
     train_run,
 )
 from dtlab import load_config
@@ -188,3 +189,13 @@ def test_kill9_resume_reshards_the_optimizer_state(
 def test_zero1_refuses_what_it_does_not_shard(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(overrides=["parallel.sharding=optimizer", *overrides])
+
+
+def test_nccl_reduce_scatters_and_gloo_all_to_alls_to_the_same_rows() -> None:
+    # NCCL: reduce_scatter_tensor (a ring, one slot held); gloo: its reduce-scatter is an all-reduce,
+    # so an all-to-all and a local sum. Both paths run here on gloo and agree.
+    from dtlab.parallel.zero import reduce_method
+
+    assert reduce_method("nccl") == "reduce_scatter"
+    assert reduce_method("gloo") == "all_to_all"
+    run_worker("zero_reduce_worker.py", 3)

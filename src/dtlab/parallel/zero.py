@@ -41,7 +41,7 @@ from dtlab.parallel.buckets import buckets
 from dtlab.parallel.dist import all_gather_flat
 from dtlab.parallel.ledger import recorded
 
-__all__ = ["OptimizerShards", "rows_of", "slot_numel"]
+__all__ = ["OptimizerShards", "reduce_method", "rows_of", "slot_numel"]
 
 # The largest flat buffer one collective carries (DDP's default bucket): the extra memory the
 # gradients' reduce-scatter and the parameters' all-gather take at once.
@@ -55,6 +55,13 @@ def rows_of(rows: int, ranks: int, rank: int) -> tuple[int, int]:
     chunk = -(-rows // ranks)
     start = min(rank * chunk, rows)
     return start, min(start + chunk, rows)
+
+
+def reduce_method(backend: str) -> str:
+    """How ZeRO-1 reduce-scatters the gradients on ``backend``: ``reduce_scatter`` (NCCL's
+    ``reduce_scatter_tensor``, a ring: (N - 1) / N of the buffer sent per rank, one slot received),
+    or ``all_to_all`` plus a local sum where the backend's reduce-scatter is an all-reduce (gloo)."""
+    return "all_to_all" if backend == "gloo" else "reduce_scatter"
 
 
 def slot_numel(shapes: Sequence[Sequence[int]], ranks: int) -> int:
@@ -103,6 +110,7 @@ class OptimizerShards:
         self.mesh, self.dtype = mesh, dtype
         self.ranks, self.rank = mesh.size(), mesh.get_local_rank()
         self.group = mesh.get_group()
+        self.method = reduce_method(dist.get_backend(self.group))
         # Consecutive parameters whose padded flat buffer (float32) fits in BUCKET_BYTES.
         padded = [slot_numel([tuple(p.shape)], self.ranks) * self.ranks * 4 for p in self.params]
         self.buckets = list(buckets(padded, BUCKET_BYTES))
@@ -159,19 +167,29 @@ class OptimizerShards:
                 p.grad = None
             # Averaged as DDP does (and its fp16/bf16 hooks: cast, then divided).
             sent = flat.div_(n) if self.dtype is None else flat.to(self.dtype).div_(n)
-            # The reduce-scatter as an all-to-all of the slots (each rank receives every rank's slot
-            # of its own rows) and a sum here, in float32: gloo's reduce_scatter_tensor all-reduces
-            # the whole buffer (measured: it sends what an all-reduce sends), where an all-to-all
-            # sends (N - 1) / N of it per rank, a ring reduce-scatter's bytes, on any backend.
-            received = torch.empty_like(sent)
-            with recorded("zero-1 gradient reduce-scatter (all_to_all)", "all_to_all", sent):
-                dist.all_to_all_single(received, sent, group=self.group)
-            mine = received.float().sum(0)
+            mine = self._reduce(sent)
             for i in bucket:
                 p, pc = self.params[i], self.pieces[i]
                 rows = mine[pc.offset : pc.offset + pc.numel]
                 self.shards[i].grad = self._dtensor(rows.view(pc.stop - pc.start, *p.shape[1:]), p)
         self._reduced = True
+
+    def _reduce(self, sent: torch.Tensor) -> torch.Tensor:
+        """This rank's slot of the sum over the ranks of ``sent`` (ranks x slot), in float32."""
+        if self.method == "reduce_scatter":
+            # NCCL's ring reduce-scatter: bandwidth-optimal, and it holds one slot, not N.
+            mine = sent.new_empty(sent.shape[1])
+            with recorded("zero-1 gradient reduce-scatter", "reduce_scatter", sent):
+                dist.reduce_scatter_tensor(mine, sent.reshape(-1), group=self.group)
+            return mine.float()
+        # An all-to-all of the slots (each rank receives every rank's slot of its own rows) and a
+        # sum here, in float32: gloo's reduce_scatter_tensor all-reduces the whole buffer
+        # (measured: it sends what an all-reduce sends), where an all-to-all sends (N - 1) / N of it
+        # per rank, a ring reduce-scatter's bytes.
+        received = torch.empty_like(sent)
+        with recorded("zero-1 gradient reduce-scatter (all_to_all)", "all_to_all", sent):
+            dist.all_to_all_single(received, sent, group=self.group)
+        return received.float().sum(0)
 
     def settle(self) -> None:
         """Make sure the shards have their gradients: on one rank, or after a step whose gradients
