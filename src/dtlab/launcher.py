@@ -73,70 +73,102 @@ def _launch(
     messages: Path,
     python: str,
 ) -> int:
+    """Start the workers under the elastic agent and turn each way they can end into an exit code."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
 
-    def say(stop_said: bool = False) -> None:
-        """What the workers left to say (each message once); ``stop_said``: but for the stop, which
-        the launcher says itself."""
-        for line in said_once(take_messages(messages), spec.nproc, stop_said=stop_said):
-            print(line, file=sys.stderr, flush=True)
-
     # The elastic agent logs every restart and failure at length; the workers leave their own errors
     # to say (above). Of its records dtlab keeps two, said in one line: which rank died how, and the
     # restart.
-    _report_restarts(spec, say)
+    _report_restarts(spec, lambda: _say(messages, spec.nproc))
     config = _launch_config(spec)
-    since = time.time()
-
-    def saved() -> dict[str, Any] | None:
-        if run_dir is None:
-            return None
-        return stopped_with_checkpoint(run_dir, config.run_id, since)
-
-    def after_signal(sig: signal.Signals) -> int:
-        say(stop_said=True)
-        if run_dir is not None and finished_since(run_dir, since):
-            # The signal came while the finished workers were leaving: nothing was stopped.
-            print(
-                f"{sig.name} arrived after the run had finished; nothing to save", file=sys.stderr
-            )
-            return 0
-        return _after_signal(sig, saved())
-
+    ending = _Ending(spec.nproc, messages, run_dir, config.run_id, since=time.time())
     ctrl_c = _CtrlC()
     started_here()  # the ranks die with this process, even when it is killed -9
     try:
         with ctrl_c:
             elastic_launch(config, entrypoint=python)("-m", module, *worker_args)
     except _Interrupted as e:
-        if e.aborted:
-            say(stop_said=True)
+        return ending.interrupted(e.aborted)
+    except ChildFailedError as e:
+        return ending.failed({r: f.exitcode for r, f in e.failures.items()})
+    except SignalException as e:
+        # The launcher itself was signalled: the agent passed the signal on and waited for the workers.
+        return ending.after_signal(e.sigval)
+    except RendezvousError as e:
+        # e.g. the port is taken, or the other nodes never arrived: a setup problem, not a crash.
+        return ending.no_rendezvous(config.rdzv_endpoint, e)
+    ending.say()
+    return 0
+
+
+def _say(messages: Path, nproc: int, stop_said: bool = False) -> None:
+    """Say what the workers left to say (each message once); ``stop_said``: but for the stop, which
+    the launcher says itself."""
+    for line in said_once(take_messages(messages), nproc, stop_said=stop_said):
+        print(line, file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class _Ending:
+    """How a launch ends, said and given as an exit code: the workers' messages (in ``messages``),
+    then the launcher's own line; ``since``: when the workers started, so that only a checkpoint or
+    an end they reached in this launch counts."""
+
+    nproc: int
+    messages: Path
+    run_dir: Path | None
+    run_id: str
+    since: float
+
+    def say(self, stop_said: bool = False) -> None:
+        """What the workers left to say (:func:`_say`)."""
+        _say(self.messages, self.nproc, stop_said=stop_said)
+
+    def saved(self) -> dict[str, Any] | None:
+        """The workers' stop marker, when they committed a checkpoint in this launch."""
+        if self.run_dir is None:
+            return None
+        return stopped_with_checkpoint(self.run_dir, self.run_id, self.since)
+
+    def after_signal(self, sig: signal.Signals) -> int:
+        """The launcher was stopped by ``sig``: 0 when the run had finished, else :func:`_after_signal`."""
+        self.say(stop_said=True)
+        if self.run_dir is not None and finished_since(self.run_dir, self.since):
+            # The signal came while the finished workers were leaving: nothing was stopped.
+            print(
+                f"{sig.name} arrived after the run had finished; nothing to save", file=sys.stderr
+            )
+            return 0
+        return _after_signal(sig, self.saved())
+
+    def interrupted(self, aborted: bool) -> int:
+        """Ctrl-C: a stop like any signal's, or (``aborted``, a second one) no save at all."""
+        if aborted:
+            self.say(stop_said=True)
             print(
                 "aborted by a second Ctrl-C: the workers were stopped without saving",
                 file=sys.stderr,
             )
             return 128 + signal.SIGINT
-        return after_signal(signal.SIGINT)
-    except ChildFailedError as e:
-        say()
-        return _after_failure({r: f.exitcode for r, f in e.failures.items()}, run_dir, saved)
-    except SignalException as e:
-        # The launcher itself was signalled: the agent passed the signal on and waited for the workers.
-        return after_signal(e.sigval)
-    except RendezvousError as e:
-        # e.g. the port is taken, or the other nodes never arrived: a setup problem, not a crash.
-        say()
+        return self.after_signal(signal.SIGINT)
+
+    def failed(self, codes: dict[int, int]) -> int:
+        """Workers failed with these exit codes (by rank): :func:`_after_failure`."""
+        self.say()
+        return _after_failure(codes, self.run_dir, self.saved)
+
+    def no_rendezvous(self, endpoint: str, e: Exception) -> int:
+        """The process group never formed at ``endpoint``: 1, with the rendezvous's error."""
+        self.say()
         print(
-            f"error: could not start the process group at {config.rdzv_endpoint} "
+            f"error: could not start the process group at {endpoint} "
             f"(--master-addr/--master-port): {type(e).__name__}: {e}",
             file=sys.stderr,
         )
         return 1
-    say()
-    return 0
 
 
 @contextlib.contextmanager
