@@ -81,3 +81,39 @@ def test_disabled_scaler_is_identity() -> None:
     loss = torch.tensor(3.0)
     assert scaler.scale_loss(loss) is loss
     assert scaler.unscale_([]).item() == 0.0
+
+
+def test_loss_scaler_unscales_in_a_fixed_number_of_kernels_however_many_parameters() -> None:
+    # One fused call per device and dtype (GradScaler's), not a multiply, a check and a max per
+    # parameter: the ops dispatched do not grow with the parameters.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    def unscale(n: int, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> list[str]:
+        params = [
+            torch.nn.Parameter(torch.ones(4, dtype=dtypes[i % len(dtypes)])) for i in range(n)
+        ]
+        for p in params:
+            p.grad = torch.full_like(p, 8.0)
+        params[-1].grad[0] = float("nan")
+        scaler = LossScaler(True, init_scale=8.0)
+        with Count() as count:
+            found = scaler.unscale_(params)
+        assert found.item() == 1.0
+        assert all(float(p.grad[-1]) == 1.0 for p in params)
+        return count.ops
+
+    few, many = unscale(3), unscale(30)
+    assert len(few) == len(many), (few, many)
+    assert sum("_amp_foreach_non_finite_check_and_unscale_" in op for op in many) == 1
+    # Two dtypes: one call each.
+    mixed = unscale(30, (torch.float32, torch.float16))
+    assert sum("_amp_foreach_non_finite_check_and_unscale_" in op for op in mixed) == 2

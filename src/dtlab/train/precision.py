@@ -94,12 +94,21 @@ class LossScaler:
         found = torch.zeros((), device=device)
         if not self.enabled:
             return found
-        for p in parameters:
-            if p.grad is None:
-                continue
-            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            g.mul_(1.0 / self.scale)
-            found = torch.maximum(found, (~torch.isfinite(g)).any().float())
+        grads = [
+            p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            for p in parameters
+            if p.grad is not None
+        ]
+        # One fused call per device and dtype (GradScaler's op: scale, and flag a non-finite value),
+        # not three kernels per parameter.
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for g in grads:
+            groups.setdefault((g.device, g.dtype), []).append(g)
+        for (where, _), same in groups.items():
+            flag = torch.zeros(1, device=where)
+            inv = torch.full((1,), 1.0 / self.scale, device=where)
+            torch._amp_foreach_non_finite_check_and_unscale_(same, flag, inv)
+            found = torch.maximum(found, flag.reshape(()).to(found.device))
         return found
 
     def update(self, found_inf: bool) -> None:
