@@ -78,30 +78,50 @@ def activation_bytes(
     keeps a float32 copy of its input, the rsqrt, its scaled output in half precision and the product
     with the weight, which the matmuls reading it share.
     """
-    m, tp, seq = model_cfg, split.tp, split.seq
+    m = model_cfg
     half = precision in ("bf16", "fp16")
     half_params = half_params and half
     per_layer = _layer_bytes(m, half, ac, split, half_params)
-    final = (
-        (_norm_bytes(m, half, 1, half_params, seq) + _loss_bytes(m, half, compiled_loss) / tp + 8)
-        if final_part
-        else 0
-    )
-    weight_copies = 0.0
-    if half and not half_params:
-        output = m.dim * m.vocab_size if final_part else 0
-        blocks = m.n_layers * block_matmul_params(m) if ac == "none" else 0
-        weight_copies = 2 * (output + blocks) / tp
-    moe = 0  # MoE feed-forwards keep other tensors than dense ones: dtlab.analysis.moe
-    if m.moe.experts:
-        moe = activation_delta(m, tokens, precision, ac, split, half_params)
-        if half and not half_params and ac == "none":
-            moe += weight_copy_delta(m, tp)
+    final = _final_bytes(m, half, split, half_params, compiled_loss) if final_part else 0
+    weight_copies = _weight_copy_bytes(m, half and not half_params, ac, split.tp, final_part)
+    moe = _moe_bytes(m, tokens, precision, ac, split, half_params)
     # The loss and the weight total of its mean; the compiled loss keeps four more scalars.
     scalars = (6 if compiled_loss and final_part else 2) * FP32
     if final_part and seq_len and not compiled_loss:
-        moe += loss_parallel_bytes(tokens, seq_len, tp)
+        moe += loss_parallel_bytes(tokens, seq_len, split.tp)
     return int(tokens * (m.n_layers * per_layer + final) + weight_copies + scalars) + moe
+
+
+def _final_bytes(
+    m: ModelConfig, half: bool, split: TPSplit, half_params: bool, compiled_loss: bool
+) -> float:
+    """Per token, what the final norm, the output projection and the loss keep (on the last
+    stage)."""
+    norm = _norm_bytes(m, half, 1, half_params, split.seq)
+    return norm + _loss_bytes(m, half, compiled_loss) / split.tp + 8
+
+
+def _weight_copy_bytes(m: ModelConfig, copies: bool, ac: str, tp: int, final_part: bool) -> float:
+    """Autocast's half-precision weight copies kept for backward (``copies``: autocast makes them):
+    the output projection's on the final part, the blocks' matmuls' without checkpointing."""
+    if not copies:
+        return 0.0
+    output = m.dim * m.vocab_size if final_part else 0
+    blocks = m.n_layers * block_matmul_params(m) if ac == "none" else 0
+    return 2 * (output + blocks) / tp
+
+
+def _moe_bytes(
+    m: ModelConfig, tokens: int, precision: str, ac: str, split: TPSplit, half_params: bool
+) -> int:
+    """What MoE feed-forwards keep beyond dense ones (other tensors: dtlab.analysis.moe), their
+    weight copies included; 0 for a dense model."""
+    if not m.moe.experts:
+        return 0
+    moe = activation_delta(m, tokens, precision, ac, split, half_params)
+    if precision in ("bf16", "fp16") and not half_params and ac == "none":
+        moe += weight_copy_delta(m, split.tp)
+    return moe
 
 
 def loss_parallel_bytes(tokens: int, seq_len: int, tp: int) -> int:
@@ -346,19 +366,36 @@ def activation_delta(
     if not blocks or ac == "full":
         return 0
     split = split or TPSplit()
-    moe = m.moe
     half = precision in ("bf16", "fp16")
     half_params = half_params and half
+    # Tensor parallelism splits a dense feed-forward's activations, not an MoE block's (whole on
+    # every rank): the block's own figures are whole, the dense ones they replace split.
+    if ac == "selective":
+        return int(tokens * blocks * _selective_delta(m, half, split.tp))
+    return int(tokens * blocks * _kept_delta(m, half, half_params, split))
+
+
+def _selective_delta(m: ModelConfig, half: bool, tp: int) -> float:
+    """Per token and MoE block under ``selective`` checkpointing: the router's and the experts'
+    matmul outputs, less the dense feed-forward's they replace (split over ``tp``)."""
+    moe = m.moe
     a = 2 if half else FP32
     k, e, h = moe.top_k, moe.experts, _expert_dim(m)
     hs = h * moe.shared_experts
-    # Tensor parallelism splits a dense feed-forward's activations, not an MoE block's (whole on
-    # every rank): the block's own figures below are whole, the dense ones they replace split.
+    dense = (2 * m.hidden_dim + m.dim) * a / tp
+    routed = (e + k * (2 * h + m.dim) + (2 * hs + m.dim if hs else 0)) * a
+    return routed - dense
+
+
+def _kept_delta(m: ModelConfig, half: bool, half_params: bool, split: TPSplit) -> float:
+    """Per token and MoE block without checkpointing: the norm's extra readers, the routing, the
+    gates, the routed rows, the shared experts and the auxiliary loss's sum, less the dense
+    feed-forward's activations they replace (split over the tensor-parallel group)."""
+    moe = m.moe
+    a = 2 if half else FP32
+    k, e, h = moe.top_k, moe.experts, _expert_dim(m)
+    hs = h * moe.shared_experts
     tp = split.tp
-    if ac == "selective":
-        dense = (2 * m.hidden_dim + m.dim) * a / tp
-        routed = (e + k * (2 * h + m.dim) + (2 * hs + m.dim if hs else 0)) * a
-        return int(tokens * blocks * (routed - dense))
     readers = 1 + (2 if hs else 0)
     norm = _norm_bytes(m, half, readers, half_params, split.seq) - _norm_bytes(
         m, half, 2, half_params, split.seq
@@ -371,8 +408,7 @@ def activation_delta(
     experts = rows + 4 * k * h * a + k * m.dim * a
     shared = 4 * hs * a
     aux = FP32 if _aux_on(m) else 0
-    per_token = norm + routing + gates + experts + shared + aux - 4 * m.hidden_dim * a / tp
-    return int(tokens * blocks * per_token)
+    return norm + routing + gates + experts + shared + aux - 4 * m.hidden_dim * a / tp
 
 
 def _aux_on(m: ModelConfig) -> bool:
