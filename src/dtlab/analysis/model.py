@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from dtlab.analysis import moe
 from dtlab.analysis.activations import (
@@ -50,35 +50,22 @@ from dtlab.analysis.comm_model import (
 from dtlab.analysis.diloco_memory import diloco_host_bytes, with_outer_sync
 from dtlab.analysis.memo import memo
 from dtlab.analysis.pipeline_memory import (
-    StageFigures,
-    StageFsdp,
-    StageGrads,
     _in_flight,
     _pipeline_bytes,
     pipeline_kept,
-    pipeline_timeline,
     schedule_order,
     walk_schedule,
 )
+from dtlab.analysis.rank_timeline import RankInputs, Walk, pipeline_rank_timeline, rank_timeline
 from dtlab.analysis.shapes import (
     ParamShape,
     RankPart,
-    padded_by_group,
     param_shapes,
     rank_shapes,
 )
-from dtlab.analysis.timeline import (
-    BlockKind,
-    BlockShape,
-    FsdpUnits,
-    LossShape,
-    RankState,
-    Timeline,
-    dense_block,
-    step_timeline,
-)
+from dtlab.analysis.timeline import Timeline
 from dtlab.config import Config, ModelConfig
-from dtlab.dims import ParallelDims, stage_layers
+from dtlab.dims import ParallelDims
 from dtlab.parallel.apply import compiles_loss
 
 
@@ -207,6 +194,27 @@ def plan_step(
     return max(plans, key=lambda x: x.total_bytes)
 
 
+class _Activations(NamedTuple):
+    """What a rank's activations come to: what forward keeps, the largest block recomputed, the
+    loss's part and each block kind's own recomputation (the timelines read them)."""
+
+    kept: int  # for every micro-batch a pipeline stage holds at once
+    walked: Walk | None  # the pipeline schedule's walk, where it has one
+    loss_part: int  # the last stage's log-softmax and output
+    recompute: int  # the largest block's recomputation, the kernel's included
+    kinds: list[ModelConfig]  # the rank's block kinds (an MoE model's dense and MoE blocks)
+    by_kind: list[int]  # each kind's recomputation, without the kernel's
+    kernel_again: int  # the attention kernel's part of a block's recomputation
+
+    @property
+    def peak(self) -> int:
+        """The peak in backward: what forward kept (for every micro-batch a pipeline stage holds
+        at once), or, under checkpointing, one block recomputed on top of the blocks' own: by the
+        time a block is recomputed the loss's activations (the last stage's log-softmax, output)
+        are freed (measured by `dtlab plan --check`)."""
+        return max(self.kept, self.kept - self.loss_part + self.recompute)
+
+
 def _plan_rank(
     config: Config,
     dims: ParallelDims,
@@ -218,29 +226,53 @@ def _plan_rank(
     device_type: str = "cpu",
     shard_rank: int | None = None,
 ) -> StepPlan:
-    p, t = config.parallel, config.train
+    """Pipeline rank ``pp_rank``'s plan: its state, activations, buffers, collectives and
+    timeline."""
     shapes, part = rank_shapes(config, dims, all_shapes, pp_rank)
-    tokens = micro * config.seq_len
-    # FSDP shards over the shard group; no_shard and ddp replicate; hsdp shards within a replica group.
-    # Expert parallelism: the routed experts split over the EP group instead (dtlab.analysis.moe).
+    rank = RankInputs(
+        config, dims, world_size, shapes,
+        dp_shapes=moe.data_parallel_shapes(shapes, dims),
+        part=part,
+        rank_model=moe.part_model(config.model, part.n_stages, part.stages),
+        tokens=micro * config.seq_len, accum=accum, pp_rank=pp_rank,
+        split=TPSplit(dims.tp, config.parallel.sequence_parallel),
+        half_params=fsdp_half_params(config, dims),
+        compiled=compiles_loss(config, dims),
+        kernel=attention_kernel(config.model, config.train.precision, device_type),
+    )  # fmt: skip
+    plan = _state_plan(rank, shard_rank)
+    acts = _activations(rank)
+    plan.activations_bytes = acts.peak
+    plan.buffers_bytes = _buffers_bytes(rank)
+    whole = _rank_comm(rank, plan)
+    if acts.walked is not None:
+        plan.timeline = pipeline_rank_timeline(
+            rank, plan, acts.walked, acts.loss_part, _again(rank, acts)
+        )
+        if dims.fsdp_enabled:
+            # Which stages' units are gathered together follows the schedule's order (each
+            # stage's from its first backward to its reduction): the most at any point of it.
+            plan.gathered_bytes = plan.timeline.buffers_peak - plan.buffers_bytes
+    if not dims.pp_enabled:
+        plan.timeline = _flat_timeline(rank, plan, acts)
+    plan.comm_bus_bytes = _bus_bytes(plan, whole, world_size)
+    return plan
+
+
+def _state_plan(rank: RankInputs, shard_rank: int | None) -> StepPlan:
+    """The rank's plan with its parameters, gradients and optimizer state (its activations, buffers
+    and collectives to come). FSDP shards them over the shard group; no_shard and ddp replicate;
+    hsdp shards within a replica group. Expert parallelism: the routed experts split over the EP
+    group instead (dtlab.analysis.moe)."""
+    config, dims, shapes = rank.config, rank.dims, rank.shapes
+    p, t = config.parallel, config.train
     split_by = (dims.ep if dims.ep_enabled else 0, dims.dp_shard)  # what held_numel reads of dims
     held = memo(shapes, ("held", *split_by), lambda: sum(moe.held_numel(s, dims) for s in shapes))
     own_rows = shard_rank if dims.fsdp_enabled else None
-    dp_shapes = moe.data_parallel_shapes(shapes, dims)  # what DDP and FSDP reduce and gather
-    rank_model = moe.part_model(config.model, part.n_stages, part.stages)  # its stages' blocks
-    split = TPSplit(dims.tp, p.sequence_parallel)
-    half_params = fsdp_half_params(config, dims)
-    compiled = compiles_loss(config, dims)
-    act = activation_bytes(
-        rank_model, tokens, t.precision, t.activation_checkpointing, split, part.last, half_params,
-        compiled, config.seq_len,
-    ) + moe.ep_copies_bytes(config, dims, rank_model)  # fmt: skip
-    if t.activation_checkpointing != "full":  # (under full: the recomputed block's, below)
-        act += moe.ep_rows_bytes(config, dims, tokens, rank_model)
-    plan = StepPlan(
+    return StepPlan(
         strategy=p.strategy,
         sharding=p.sharding if dims.fsdp_enabled or dims.shard_optimizer else "-",
-        world_size=world_size,
+        world_size=rank.world_size,
         params_bytes=held * FP32,
         grads_bytes=held * FP32,
         # The optimizer state mirrors the shard's real rows (FSDP2 pads the parameter's chunk).
@@ -255,28 +287,60 @@ def _plan_rank(
             ("zero1", t.optimizer, t.demo.chunk_size, dims.dp),
             lambda: _zero1_optimizer_bytes(config, shapes, dims.dp),
         ),
-        activations_bytes=0,  # below
+        activations_bytes=0,  # _activations
     )
-    # What the attention kernel that runs on this device keeps beyond the fused kernel's figure above.
-    kernel = attention_kernel(config.model, t.precision, device_type)
-    ac, seq_len = t.activation_checkpointing, config.seq_len
-    flight = _in_flight(config, dims, accum, pp_rank)
+
+
+def _activations(rank: RankInputs) -> _Activations:
+    """The rank's activations: what forward keeps, the largest block recomputed (an MoE model has
+    dense blocks and MoE blocks: dtlab.analysis.moe) and the loss's part."""
+    kept, walked = _kept(rank)
+    kinds, by_kind, kernel_again = _recomputation(rank, walked is not None)
+    recompute = max(by_kind) + kernel_again
+    loss_part = _loss_part(rank)
+    if rank.config.train.activation_checkpointing == "full":
+        # Expert parallelism's rows of the recomputed MoE block, alive only while it is recomputed
+        # (not at the loss, where a long vocabulary's logits may be the peak).
+        recompute += moe.ep_rows_bytes(rank.config, rank.dims, rank.tokens, rank.rank_model)
+    return _Activations(kept, walked, loss_part, recompute, kinds, by_kind, kernel_again)
+
+
+def _kept(rank: RankInputs) -> tuple[int, Walk | None]:
+    """What forward keeps for backward on the rank, for every micro-batch in flight with what the
+    attention kernel keeps beyond the fused kernel's figure; through the schedule's walk where the
+    pipeline has one (the walk returned with it)."""
+    config, dims, part, m, tokens = rank.config, rank.dims, rank.part, rank.rank_model, rank.tokens
+    t, split, seq_len = config.train, rank.split, config.seq_len
+    ac = t.activation_checkpointing
+    act = activation_bytes(
+        m, tokens, t.precision, ac, split, part.last, rank.half_params, rank.compiled, seq_len,
+    ) + moe.ep_copies_bytes(config, dims, m)  # fmt: skip
+    if ac != "full":  # (under full: the recomputed block's, _activations)
+        act += moe.ep_rows_bytes(config, dims, tokens, m)
+    flight = _in_flight(config, dims, rank.accum, rank.pp_rank)
     # Autocast's half-precision weight copies are made once per autocast region: a pipeline's
     # step runs all its micro-batches in one, so the micro-batches in flight share them.
-    copies = activation_bytes(rank_model, 0, t.precision, ac, split, part.last, half_params) - 8
+    copies = activation_bytes(m, 0, t.precision, ac, split, part.last, rank.half_params) - 8
     kept = (
-        (act + kernel_bytes(rank_model, tokens, seq_len, t.precision, ac, kernel, split)) * flight
+        (act + kernel_bytes(m, tokens, seq_len, t.precision, ac, rank.kernel, split)) * flight
         - copies * (flight - 1)
-        + _pipeline_bytes(config, dims, part, tokens, accum, pp_rank)
+        + _pipeline_bytes(config, dims, part, tokens, rank.accum, rank.pp_rank)
     )
-    order = schedule_order(config.parallel.pp_schedule, dims.pp, len(part.stages), accum, pp_rank)
-    walked = None
-    if dims.pp_enabled and order is not None:
-        walked = walk_schedule(config, dims, part, tokens, accum, order, kernel)
-        kept = pipeline_kept(walked[1])
-    # The largest block recomputed: an MoE model has dense blocks and MoE blocks (dtlab.analysis.moe).
-    pipelined = dims.pp_enabled and order is not None
-    kinds = moe.block_kinds(rank_model)  # this rank's blocks (a stage's own kinds)
+    stages = len(part.stages)
+    order = schedule_order(config.parallel.pp_schedule, dims.pp, stages, rank.accum, rank.pp_rank)
+    if not dims.pp_enabled or order is None:
+        return kept, None
+    walked = walk_schedule(config, dims, part, tokens, rank.accum, order, rank.kernel)
+    return pipeline_kept(walked[1]), walked
+
+
+def _recomputation(rank: RankInputs, pipelined: bool) -> tuple[list[ModelConfig], list[int], int]:
+    """The rank's block kinds (a stage's own), what recomputing one block of each holds, and the
+    attention kernel's part of a block's recomputation."""
+    config, dims, tokens = rank.config, rank.dims, rank.tokens
+    t, split, half_params = config.train, rank.split, rank.half_params
+    ac = t.activation_checkpointing
+    kinds = moe.block_kinds(rank.rank_model)
     by_kind = [
         recompute_bytes(block, tokens, t.precision, ac, split, half_params, dims.pp_enabled)
         + moe.recompute_transients(block, tokens, t.precision, ac, half_params)
@@ -284,366 +348,139 @@ def _plan_rank(
         for block in kinds
     ]
     kernel_again = kernel_recompute_bytes(
-        config.model, tokens, seq_len, t.precision, ac, kernel, split
+        config.model, tokens, config.seq_len, t.precision, ac, rank.kernel, split
     )
-    recompute = max(by_kind) + kernel_again
-    # The peak in backward: what forward kept (for every micro-batch a pipeline stage holds at once),
-    # or, under checkpointing, one block recomputed on top of the blocks' own: by the time a block is
-    # recomputed the loss's activations (the last stage's log-softmax, output) are freed (measured
-    # by `dtlab plan --check`).
-    loss_part = 0
-    if part.last:
-        no_blocks = rank_model.model_copy(update={"n_layers": 0})
-        loss_part = activation_bytes(
-            no_blocks, tokens, t.precision, ac, split, True, half_params, compiled, seq_len
-        )
-    if ac == "full":
-        # Expert parallelism's rows of the recomputed MoE block, alive only while it is recomputed
-        # (not at the loss, where a long vocabulary's logits may be the peak).
-        recompute += moe.ep_rows_bytes(config, dims, tokens, rank_model)
-    plan.activations_bytes = max(kept, kept - loss_part + recompute)
-    # RoPE's cos and sin tables (float32, max_seq_len x head_dim / 2 each) in every stage's module.
-    m = config.model
-    plan.buffers_bytes = len(part.stages) * 2 * m.max_seq_len * (m.dim // m.n_heads // 2) * FP32
-    plan.buffers_bytes += moe.buffer_bytes(rank_model)  # MoE balancing bias and routing figures
+    return kinds, by_kind, kernel_again
+
+
+def _loss_part(rank: RankInputs) -> int:
+    """The loss's activations on the last stage (its log-softmax, output): 0 on the others."""
+    if not rank.part.last:
+        return 0
+    t = rank.config.train
+    no_blocks = rank.rank_model.model_copy(update={"n_layers": 0})
+    return activation_bytes(
+        no_blocks, rank.tokens, t.precision, t.activation_checkpointing, rank.split, True,
+        rank.half_params, rank.compiled, rank.config.seq_len,
+    )  # fmt: skip
+
+
+def _buffers_bytes(rank: RankInputs) -> int:
+    """The module buffers of the rank's stages: RoPE's cos and sin tables (float32, max_seq_len x
+    head_dim / 2 each) in every stage's module, and an MoE's balancing bias and routing figures."""
+    m = rank.config.model
+    rope = len(rank.part.stages) * 2 * m.max_seq_len * (m.dim // m.n_heads // 2) * FP32
+    return rope + moe.buffer_bytes(rank.rank_model)
+
+
+def _rank_comm(rank: RankInputs, plan: StepPlan) -> int:
+    """The rank's collectives per step and their groups into ``plan`` (with FSDP's gathered
+    parameters and DiLoCo's host state); returns the bytes of the step's small reduction over
+    every rank (0 where there is none)."""
+    config, dims, shapes, world_size = rank.config, rank.dims, rank.shapes, rank.world_size
     comm: dict[str, int] = {}
     groups: dict[str, int] = {}
     if dims.fsdp_enabled:  # within each replica of DiLoCo's
-        plan.gathered_bytes = _fsdp_comm(config, dims, dp_shapes, accum, comm, groups)
-    if p.diloco.inner_steps:
+        plan.gathered_bytes = _fsdp_comm(config, dims, rank.dp_shapes, rank.accum, comm, groups)
+    if config.parallel.diloco.inner_steps:
         _diloco_comm(config, dims, shapes, comm, groups)
         plan.host_bytes = diloco_host_bytes(config, dims, shapes)
     elif dims.shard_optimizer:
         comm.update(zero1_comm_bytes(shapes, config, dims.dp))
         groups.update({k: world_size for k in comm})
     elif dims.ddp_enabled:
-        comm.update(ddp_comm_bytes(dp_shapes, config, world_size))
+        comm.update(ddp_comm_bytes(rank.dp_shapes, config, world_size))
         groups.update({k: world_size for k in comm})
-    _model_parallel_comm(config, dims, part, tokens, accum, comm, groups)
-    moe.ep_comm(config, dims, shapes, tokens, accum, comm, groups, rank_model)
-    if t.optimizer == "muon":
+    _model_parallel_comm(config, dims, rank.part, rank.tokens, rank.accum, comm, groups)
+    moe.ep_comm(config, dims, shapes, rank.tokens, rank.accum, comm, groups, rank.rank_model)
+    if config.train.optimizer == "muon":
         _muon_comm(dims, shapes, comm, groups)
-    whole = 0  # bytes all-reduced over every rank, whatever group the rest of "all_reduce" uses
-    if dims.distributed and world_size > 1 and not p.diloco.inner_steps:
-        # The step's one small reduction (loss, flags, stop votes, and a norm where gradients are DTensors
-        # or each rank's own), over all ranks; under HSDP it is counted in the replicas' all-reduce group.
-        # (DiLoCo's is within each replica: _diloco_comm.)
-        whole = step_reduction_bytes(config, dims)
-        # The MoE routing figures (and with pipeline stages, their largest bias).
-        whole += moe.routing_reduce_bytes(config.model, dims.pp_enabled)
-        if t.oom_retry:  # the ranks' out-of-memory agreement: a float per rank
-            whole += FP32 * world_size
-        comm["all_reduce"] = comm.get("all_reduce", 0) + whole
-        groups.setdefault("all_reduce", world_size)
+    whole = _whole_reduction(rank, comm, groups)
     plan.comm_bytes = comm
     plan.comm_groups = groups
-    if walked is not None:
-        plan.timeline = _pipeline_timeline(
-            config, dims, plan, shapes, part, rank_model, tokens, walked, loss_part,
-            (recompute, recompute_extra(m, tokens, t.precision, "full", split, half_params))
-            if ac != "none" else (0, 0),
-        )  # fmt: skip
-        if dims.fsdp_enabled:
-            # Which stages' units are gathered together follows the schedule's order (each
-            # stage's from its first backward to its reduction): the most at any point of it.
-            plan.gathered_bytes = plan.timeline.buffers_peak - plan.buffers_bytes
-    if not dims.pp_enabled:
-        # Of the recomputation, what is freed before the feed-forward's backward: the norm's
-        # output (selective checkpointing's extra [tokens, dim] stays).
-        again = (recompute, recompute_extra(m, tokens, t.precision, "full", split, half_params))
-        timeline_loss = loss_part - (
-            loss_parallel_bytes(tokens, seq_len, dims.tp) if part.last and not compiled else 0
+    return whole
+
+
+def _whole_reduction(rank: RankInputs, comm: dict[str, int], groups: dict[str, int]) -> int:
+    """The step's one small reduction (loss, flags, stop votes, and a norm where gradients are
+    DTensors or each rank's own), over all ranks, added to ``comm``'s all-reduce; its bytes. Under
+    HSDP it is counted in the replicas' all-reduce group. (DiLoCo's is within each replica:
+    _diloco_comm.)"""
+    config, dims, world_size = rank.config, rank.dims, rank.world_size
+    if not (dims.distributed and world_size > 1 and not config.parallel.diloco.inner_steps):
+        return 0
+    whole = step_reduction_bytes(config, dims)
+    # The MoE routing figures (and with pipeline stages, their largest bias).
+    whole += moe.routing_reduce_bytes(config.model, dims.pp_enabled)
+    if config.train.oom_retry:  # the ranks' out-of-memory agreement: a float per rank
+        whole += FP32 * world_size
+    comm["all_reduce"] = comm.get("all_reduce", 0) + whole
+    groups.setdefault("all_reduce", world_size)
+    return whole
+
+
+def _again(rank: RankInputs, acts: _Activations) -> tuple[int, int]:
+    """The largest block's recomputation, and of it what is freed before the feed-forward's
+    backward: the norm's output (selective checkpointing's extra [tokens, dim] stays); (0, 0)
+    without checkpointing."""
+    t = rank.config.train
+    if t.activation_checkpointing == "none":
+        return 0, 0
+    extra = recompute_extra(
+        rank.config.model, rank.tokens, t.precision, "full", rank.split, rank.half_params
+    )
+    return acts.recompute, extra
+
+
+def _flat_timeline(rank: RankInputs, plan: StepPlan, acts: _Activations) -> Timeline:
+    """The step's timeline on a rank without pipeline parallelism, with DiLoCo's outer sync."""
+    config, dims = rank.config, rank.dims
+    timeline_loss = acts.loss_part - (
+        loss_parallel_bytes(rank.tokens, config.seq_len, dims.tp)
+        if rank.part.last and not rank.compiled
+        else 0
+    )
+    again = _again(rank, acts)
+    own = _recompute_by_kind(rank, acts, again[1])
+    timeline = rank_timeline(rank, plan, acts.kept, timeline_loss, again, own)
+    if not config.parallel.diloco.inner_steps:
+        return timeline
+    # DDP's gradients are views of its buckets, kept from step to step; FSDP's are freed.
+    ddp = dims.ddp_enabled and not dims.shard_optimizer
+    step_end = timeline.at("optimizer") or timeline.peak
+    return with_outer_sync(timeline, config, dims, rank.shapes, step_end.grads if ddp else 0)
+
+
+def _recompute_by_kind(
+    rank: RankInputs, acts: _Activations, freed: int
+) -> dict[bool, tuple[int, int]]:
+    """An MoE model's dense and MoE blocks each recompute their own (an MoE block's expert
+    parallelism's rows with it under full checkpointing), by whether the block is an MoE, with
+    ``freed`` of it freed before the feed-forward's backward; empty for a dense model or without
+    checkpointing."""
+    ac = rank.config.train.activation_checkpointing
+    if ac == "none" or not moe.moe_blocks(rank.rank_model):
+        return {}
+    return {
+        bool(moe.moe_blocks(kind)): (
+            r + acts.kernel_again
+            + (moe.ep_rows_bytes(rank.config, rank.dims, rank.tokens, kind) if ac == "full" else 0),
+            freed,
         )
-        # An MoE model's dense and MoE blocks each recompute their own (an MoE block's expert
-        # parallelism's rows with it under full checkpointing).
-        own = {} if ac == "none" or not moe.moe_blocks(rank_model) else {
-            bool(moe.moe_blocks(kind)): (
-                r + kernel_again
-                + (moe.ep_rows_bytes(config, dims, tokens, kind) if ac == "full" else 0),
-                again[1],
-            )
-            for kind, r in zip(kinds, by_kind, strict=True)
-        }  # fmt: skip
-        plan.timeline = _timeline(
-            config, dims, plan, shapes, dp_shapes, rank_model, tokens, accum, kept, timeline_loss,
-            again if ac != "none" else (0, 0), own,
-        )  # fmt: skip
-        if p.diloco.inner_steps:
-            # DDP's gradients are views of its buckets, kept from step to step; FSDP's are freed.
-            ddp = dims.ddp_enabled and not dims.shard_optimizer
-            step_end = plan.timeline.at("optimizer") or plan.timeline.peak
-            plan.timeline = with_outer_sync(
-                plan.timeline, config, dims, shapes, step_end.grads if ddp else 0
-            )
-    plan.comm_bus_bytes = {k: _ring(k, v, groups[k]) for k, v in comm.items()}
+        for kind, r in zip(acts.kinds, acts.by_kind, strict=True)
+    }  # fmt: skip
+
+
+def _bus_bytes(plan: StepPlan, whole: int, world_size: int) -> dict[str, float]:
+    """Bytes each rank sends per collective (ring algorithms): the step's small reductions
+    (``whole``) run over every rank, not the group the all-reduce's bulk runs on."""
+    groups = plan.comm_groups
+    bus = {k: _ring(k, v, groups[k]) for k, v in plan.comm_bytes.items()}
     if whole and groups["all_reduce"] != world_size:
-        # Those small reductions run over every rank, not the group the key's bulk runs on.
-        plan.comm_bus_bytes["all_reduce"] += _ring("all_reduce", whole, world_size) - _ring(
+        bus["all_reduce"] += _ring("all_reduce", whole, world_size) - _ring(
             "all_reduce", whole, groups["all_reduce"]
         )
-    return plan
-
-
-def _timeline(
-    config: Config,
-    dims: ParallelDims,
-    plan: StepPlan,
-    shapes: list[ParamShape],
-    dp_shapes: list[ParamShape],
-    rank_model: ModelConfig,
-    tokens: int,
-    accum: int,
-    kept: int,
-    loss_part: int,
-    recompute: tuple[int, int],
-    recompute_by_kind: dict[bool, tuple[int, int]],
-) -> Timeline:
-    """The step's moments on a rank without pipeline parallelism (:mod:`dtlab.analysis.timeline`).
-    ``recompute_by_kind``: an MoE model's blocks' recomputation, by whether the block is an MoE."""
-    m, t, p = config.model, config.train, config.parallel
-    half = t.precision in ("bf16", "fp16")
-    fsdp = dims.fsdp_enabled
-    state, made = _rank_state(config, dims, plan, shapes)
-    block = _dense_block(config, dims, shapes, tokens, made)
-    n_blocks = _blocks_numel(shapes)[0]
-    units = None
-    if fsdp:
-        shard = dims.dp_shard
-        gathered = {group: n * made for group, n in padded_by_group(dp_shapes, shard).items()}
-        root = gathered.pop("root", 0)
-        shard_grads = memo(dp_shapes, ("block_shards", shard), lambda: sum(
-            s.shard_numel(shard) for s in dp_shapes if s.group != "root"))  # fmt: skip
-        units = FsdpUnits(
-            root=root, block=max(gathered.values(), default=0),
-            block_shard=FP32 * shard_grads // max(1, n_blocks), reshard=p.sharding == "full",
-            hsdp=dims.dp_replicate > 1 and shard > 1, scatters=shard > 1,
-        )  # fmt: skip
-    loss = None
-    if rank_model.n_layers >= 0 and config.model.vocab_size:
-        loss = LossShape(tokens, m.vocab_size // dims.tp, half, dims.tp_enabled)
-    persist = dims.ddp_enabled and not dims.shard_optimizer
-    bottom = (kept - loss_part) // max(1, n_blocks)
-    unbucketed = (0, 0)
-    if persist and dims.ep_enabled:
-        # The experts' gradients are outside DDP's buckets (reduced over their own group): made
-        # by each MoE block's backward, after its shared expert's (measured by `dtlab plan
-        # --check`), not alive from the step before.
-        experts = sum(FP32 * moe.held_numel(s, dims) for s in shapes if moe.is_expert(s.name))
-        n_moe = moe.moe_blocks(rank_model)
-        unbucketed = (experts // max(1, n_moe), n_moe)
-    blocks = None
-    if moe.moe_blocks(rank_model):
-        blocks = _moe_blocks(
-            config, dims, shapes, dp_shapes, rank_model, tokens, kept - loss_part, made,
-            recompute_by_kind,
-        )  # fmt: skip
-    return step_timeline(
-        state, accum, kept, loss_part, recompute, bottom, block, n_blocks, loss, persist, units,
-        unbucketed=unbucketed, blocks=blocks,
-    )  # fmt: skip
-
-
-def _block_shape(
-    config: Config, dims: ParallelDims, shapes: list[ParamShape], tokens: int, made: int, j: int
-) -> BlockShape:
-    """:func:`dense_block` of block ``j`` of an MoE model, with its own parameters on this rank: a
-    dense block's feed-forward width, or an MoE block's shared experts' (its routed rows' where it
-    has none)."""
-    m = config.model
-    numel = sum(moe.held_numel(s, dims) for s in shapes if s.group == f"layers.{j}")
-    hidden = m.hidden_dim
-    if j >= m.moe.dense_layers:
-        hidden = (m.moe.expert_dim or m.hidden_dim) * (m.moe.shared_experts or m.moe.top_k)
-    return _dense_block(config, dims, shapes, tokens, made, hidden, numel)
-
-
-def _moe_blocks(
-    config: Config,
-    dims: ParallelDims,
-    shapes: list[ParamShape],
-    dp_shapes: list[ParamShape],
-    rank_model: ModelConfig,
-    tokens: int,
-    blocks_kept: int,
-    made: int,
-    recompute_by_kind: dict[bool, tuple[int, int]],
-) -> list[BlockKind]:
-    """Each block of an MoE model as the timeline sees it, dense ones and MoE ones apart: the
-    feed-forward backward's width (an MoE block's shared experts', or its routed rows'), its own
-    gradients, what forward keeps of it (``blocks_kept`` shared by each kind's own one-block
-    figure), its recomputation and FSDP's unit of it."""
-    m, t, p = config.model, config.train, config.parallel
-    half_params = fsdp_half_params(config, dims)
-    split = TPSplit(dims.tp, p.sequence_parallel)
-    ac = t.activation_checkpointing
-    n_blocks = rank_model.n_layers
-    gathered = padded_by_group(dp_shapes, dims.dp_shard) if dims.fsdp_enabled else {}
-
-    def own(kind: ModelConfig, n: int) -> int:
-        one = kind.model_copy(update={"n_layers": n})
-        out = activation_bytes(one, tokens, t.precision, ac, split, False, half_params)
-        out += moe.ep_copies_bytes(config, dims, one)
-        return out + (moe.ep_rows_bytes(config, dims, tokens, one) if ac != "full" else 0)
-
-    kinds = {bool(moe.moe_blocks(k)): k for k in moe.block_kinds(rank_model)}
-    raw = {is_moe: own(k, 1) - own(k, 0) for is_moe, k in kinds.items()}
-    dense = m.moe.dense_layers
-    is_moe = [j >= dense for j in range(n_blocks)]
-    total_raw = sum(raw[x] for x in is_moe) or 1
-    out = []
-    for j, x in enumerate(is_moe):
-        group = f"layers.{j}"
-        shape = _block_shape(config, dims, shapes, tokens, made, j)
-        unit = gathered.get(group, 0) * made
-        shard = sum(s.shard_numel(dims.dp_shard) for s in dp_shapes if s.group == group)
-        out.append(
-            BlockKind(
-                shape, blocks_kept * raw[x] // total_raw, recompute_by_kind.get(x, (0, 0)),
-                unit, FP32 * shard if dims.fsdp_enabled else 0,
-            )
-        )  # fmt: skip
-    return out
-
-
-def _rank_state(
-    config: Config, dims: ParallelDims, plan: StepPlan, shapes: list[ParamShape]
-) -> tuple[RankState, int]:
-    """The rank's state for its timeline, and a gradient element's bytes as backward makes it
-    (FSDP's unsharded gradients are in the dtype it gathers in; the rest float32)."""
-    made = 2 if fsdp_half_params(config, dims) else FP32
-    head, embed = _head_and_embedding(shapes)
-    state = RankState(
-        params=plan.params_bytes, optimizer=plan.optimizer_bytes, grads=plan.grads_bytes,
-        buffers=plan.buffers_bytes, head_grads=made * head,
-        embed_grads=FP32 * embed,
-    )  # fmt: skip
-    return state, made
-
-
-def _dense_block(
-    config: Config,
-    dims: ParallelDims,
-    shapes: list[ParamShape],
-    tokens: int,
-    made: int,
-    hidden: int | None = None,
-    block_params: int | None = None,
-) -> BlockShape:
-    """:func:`dense_block` of the rank's blocks (their parameters on this rank, as backward makes
-    their gradients): by default the model's feed-forward width and the mean block's parameters."""
-    m, t = config.model, config.train
-    half = t.precision in ("bf16", "fp16")
-    half_params = fsdp_half_params(config, dims)
-    if block_params is None:
-        n_blocks, numel = _blocks_numel(shapes)
-        block_params = numel // max(1, n_blocks)
-    seq = dims.tp if config.parallel.sequence_parallel else 1
-    return dense_block(
-        tokens, m.dim, hidden or m.hidden_dim, dims.tp, seq, 2 if half else FP32,
-        2 if half_params else FP32, half and not half_params, made, block_params,
-    )  # fmt: skip
-
-
-def _pipeline_timeline(
-    config: Config,
-    dims: ParallelDims,
-    plan: StepPlan,
-    shapes: list[ParamShape],
-    part: RankPart,
-    rank_model: ModelConfig,
-    tokens: int,
-    walked: tuple[StageFigures, list[tuple[str, int, int, list[int]]]],
-    loss_part: int,
-    recompute: tuple[int, int],
-) -> Timeline:
-    """The step's moments on a pipeline rank (:func:`pipeline_timeline`), through its schedule's
-    walk (:func:`walk_schedule`)."""
-    m, t = config.model, config.train
-    state, made = _rank_state(config, dims, plan, shapes)
-    split = stage_layers(m.n_layers, part.n_stages)
-    grads = []
-    for sid in part.stages:
-        blocks = _layers_numel(shapes, tuple(split[sid]))
-        head = _head_and_embedding(shapes)[0] if sid == part.n_stages - 1 else 0
-        embed = state.embed_grads // FP32 if sid == 0 else 0
-        grads.append(
-            StageGrads(FP32 * (blocks + head + embed), FP32 * blocks, made * head, FP32 * embed)
-        )
-    half = t.precision in ("bf16", "fp16")
-    loss = LossShape(tokens, m.vocab_size // dims.tp, half, dims.tp_enabled) if part.last else None
-    timeline_loss = loss_part - (
-        loss_parallel_bytes(tokens, config.seq_len, dims.tp) if part.last else 0
-    )
-    figures, walk = walked
-    units = None
-    if dims.fsdp_enabled:
-        shard = dims.dp_shard
-        dp_shapes = moe.data_parallel_shapes(shapes, dims)
-        by_group = padded_by_group(dp_shapes, shard)
-        root_elements = [_stage_root_padded(dp_shapes, shard, sid, part.n_stages)
-                         for sid in part.stages]  # fmt: skip
-        sizes = [n * made for k, n in by_group.items() if k != "root"]
-        # A stage's gradient shards: its gathered elements over the shard group (FSDP pads each
-        # parameter's rows to a multiple of it).
-        shards = [FP32 * (r + sum(by_group[f"layers.{i}"] for i in split[sid])) // shard
-                  for r, sid in zip(root_elements, part.stages, strict=True)]  # fmt: skip
-        units = StageFsdp([made * r for r in root_elements], max(sizes, default=0),
-                          config.parallel.sharding == "full", fsdp_half_params(config, dims),
-                          shards, shard)  # fmt: skip
-    block = _dense_block(config, dims, shapes, tokens, made)
-    # An MoE model's stages each with their last block's own shape (dense or MoE).
-    by_stage = (
-        [_block_shape(config, dims, shapes, tokens, made, split[sid][-1]) for sid in part.stages]
-        if moe.moe_blocks(m) else None
-    )  # fmt: skip
-    return pipeline_timeline(
-        state, part, figures, tokens, walk, grads,
-        [len(split[sid]) for sid in part.stages], timeline_loss, loss,
-        block, recompute, units, by_stage,
-    )  # fmt: skip
-
-
-def _head_and_embedding(shapes: list[ParamShape]) -> tuple[int, int]:
-    """Elements of the output projection and final norm, and of the embedding, in ``shapes``."""
-
-    def compute() -> tuple[int, int]:
-        head = sum(s.numel for s in shapes if s.group == "root" and not s.name.startswith("tok_"))
-        return head, sum(s.numel for s in shapes if s.name.startswith("tok_"))
-
-    return memo(shapes, ("head_and_embedding",), compute)
-
-
-def _blocks_numel(shapes: list[ParamShape]) -> tuple[int, int]:
-    """The transformer blocks in ``shapes``, and their elements."""
-
-    def compute() -> tuple[int, int]:
-        blocks = [s for s in shapes if s.group != "root"]
-        return len({s.group for s in blocks}), sum(s.numel for s in blocks)
-
-    return memo(shapes, ("blocks_numel",), compute)
-
-
-def _layers_numel(shapes: list[ParamShape], layers: tuple[int, ...]) -> int:
-    """Elements of blocks ``layers`` in ``shapes``."""
-
-    def compute() -> int:
-        groups = {f"layers.{i}" for i in layers}
-        return sum(s.numel for s in shapes if s.group in groups)
-
-    return memo(shapes, ("layers_numel", layers), compute)
-
-
-def _stage_root_padded(dp_shapes: list[ParamShape], shard: int, sid: int, n_stages: int) -> int:
-    """Elements FSDP gathers of stage ``sid``'s root parts: the first stage's embedding, the last
-    stage's final norm and output projection."""
-
-    def compute() -> int:
-        return sum(
-            s.padded_numel(shard) for s in dp_shapes if s.group == "root"
-            and (s.name.startswith("tok_") if sid == 0 else sid == n_stages - 1)
-        )  # fmt: skip
-
-    return memo(dp_shapes, ("stage_root_padded", shard, sid == 0, sid == n_stages - 1), compute)
+    return bus
 
 
 def _optimizer_bytes(

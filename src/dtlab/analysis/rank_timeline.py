@@ -1,0 +1,313 @@
+"""One rank's step timeline (:mod:`dtlab.analysis.timeline`, :func:`pipeline_timeline`) from its
+plan's figures: its state, its blocks' shapes and gradients, FSDP's units and an MoE model's dense
+and MoE blocks apart. :mod:`dtlab.analysis.model` plans the rank and builds its timeline here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from dtlab.analysis import moe
+from dtlab.analysis.activations import (
+    FP32,
+    TPSplit,
+    activation_bytes,
+    fsdp_half_params,
+    loss_parallel_bytes,
+)
+from dtlab.analysis.memo import memo
+from dtlab.analysis.pipeline_memory import (
+    StageFigures,
+    StageFsdp,
+    StageGrads,
+    pipeline_timeline,
+)
+from dtlab.analysis.shapes import ParamShape, RankPart, padded_by_group
+from dtlab.analysis.timeline import (
+    BlockKind,
+    BlockShape,
+    FsdpUnits,
+    LossShape,
+    RankState,
+    Timeline,
+    dense_block,
+    step_timeline,
+)
+from dtlab.config import Config, ModelConfig
+from dtlab.dims import ParallelDims, stage_layers
+
+
+class PlanState(Protocol):
+    """The figures of a rank's plan that its timeline starts from
+    (:class:`dtlab.analysis.model.StepPlan`'s)."""
+
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    buffers_bytes: int
+
+
+@dataclass(frozen=True)
+class RankInputs:
+    """What each step of one rank's plan reads: the config on this world, the rank's own parameters
+    and stages, one micro-batch's tokens and the attention kernel its device runs."""
+
+    config: Config
+    dims: ParallelDims
+    world_size: int
+    shapes: list[ParamShape]  # the parameters of the rank's stages
+    dp_shapes: list[ParamShape]  # of those, what DDP and FSDP reduce and gather
+    part: RankPart
+    rank_model: ModelConfig  # its stages' blocks
+    tokens: int  # of one micro-batch
+    accum: int  # micro-batches per step
+    pp_rank: int
+    split: TPSplit
+    half_params: bool  # FSDP gathers half-precision parameters
+    compiled: bool  # the loss is compiled
+    kernel: str  # the attention kernel on the rank's device (its activations differ)
+
+
+# The schedule's walk (walk_schedule): its figures, and each of its moments.
+Walk = tuple[StageFigures, list[tuple[str, int, int, list[int]]]]
+
+
+def rank_timeline(
+    rank: RankInputs,
+    plan: PlanState,
+    kept: int,
+    loss_part: int,
+    recompute: tuple[int, int],
+    recompute_by_kind: dict[bool, tuple[int, int]],
+) -> Timeline:
+    """The step's moments on a rank without pipeline parallelism (:mod:`dtlab.analysis.timeline`).
+    ``recompute_by_kind``: an MoE model's blocks' recomputation, by whether the block is an MoE."""
+    config, dims, shapes, dp_shapes = rank.config, rank.dims, rank.shapes, rank.dp_shapes
+    rank_model, tokens = rank.rank_model, rank.tokens
+    m, t, p = config.model, config.train, config.parallel
+    half = t.precision in ("bf16", "fp16")
+    fsdp = dims.fsdp_enabled
+    state, made = _rank_state(config, dims, plan, shapes)
+    block = _dense_block(config, dims, shapes, tokens, made)
+    n_blocks = _blocks_numel(shapes)[0]
+    units = None
+    if fsdp:
+        shard = dims.dp_shard
+        gathered = {group: n * made for group, n in padded_by_group(dp_shapes, shard).items()}
+        root = gathered.pop("root", 0)
+        shard_grads = memo(dp_shapes, ("block_shards", shard), lambda: sum(
+            s.shard_numel(shard) for s in dp_shapes if s.group != "root"))  # fmt: skip
+        units = FsdpUnits(
+            root=root, block=max(gathered.values(), default=0),
+            block_shard=FP32 * shard_grads // max(1, n_blocks), reshard=p.sharding == "full",
+            hsdp=dims.dp_replicate > 1 and shard > 1, scatters=shard > 1,
+        )  # fmt: skip
+    loss = None
+    if rank_model.n_layers >= 0 and config.model.vocab_size:
+        loss = LossShape(tokens, m.vocab_size // dims.tp, half, dims.tp_enabled)
+    persist = dims.ddp_enabled and not dims.shard_optimizer
+    bottom = (kept - loss_part) // max(1, n_blocks)
+    unbucketed = (0, 0)
+    if persist and dims.ep_enabled:
+        # The experts' gradients are outside DDP's buckets (reduced over their own group): made
+        # by each MoE block's backward, after its shared expert's (measured by `dtlab plan
+        # --check`), not alive from the step before.
+        experts = sum(FP32 * moe.held_numel(s, dims) for s in shapes if moe.is_expert(s.name))
+        n_moe = moe.moe_blocks(rank_model)
+        unbucketed = (experts // max(1, n_moe), n_moe)
+    blocks = None
+    if moe.moe_blocks(rank_model):
+        blocks = _moe_blocks(rank, kept - loss_part, made, recompute_by_kind)
+    return step_timeline(
+        state, rank.accum, kept, loss_part, recompute, bottom, block, n_blocks, loss, persist,
+        units, unbucketed=unbucketed, blocks=blocks,
+    )  # fmt: skip
+
+
+def _block_shape(
+    config: Config, dims: ParallelDims, shapes: list[ParamShape], tokens: int, made: int, j: int
+) -> BlockShape:
+    """:func:`dense_block` of block ``j`` of an MoE model, with its own parameters on this rank: a
+    dense block's feed-forward width, or an MoE block's shared experts' (its routed rows' where it
+    has none)."""
+    m = config.model
+    numel = sum(moe.held_numel(s, dims) for s in shapes if s.group == f"layers.{j}")
+    hidden = m.hidden_dim
+    if j >= m.moe.dense_layers:
+        hidden = (m.moe.expert_dim or m.hidden_dim) * (m.moe.shared_experts or m.moe.top_k)
+    return _dense_block(config, dims, shapes, tokens, made, hidden, numel)
+
+
+def _moe_blocks(
+    rank: RankInputs, blocks_kept: int, made: int, recompute_by_kind: dict[bool, tuple[int, int]]
+) -> list[BlockKind]:
+    """Each block of an MoE model as the timeline sees it, dense ones and MoE ones apart: the
+    feed-forward backward's width (an MoE block's shared experts', or its routed rows'), its own
+    gradients, what forward keeps of it (``blocks_kept`` shared by each kind's own one-block
+    figure), its recomputation and FSDP's unit of it."""
+    config, dims, shapes, dp_shapes = rank.config, rank.dims, rank.shapes, rank.dp_shapes
+    rank_model, tokens = rank.rank_model, rank.tokens
+    m, t, p = config.model, config.train, config.parallel
+    half_params = fsdp_half_params(config, dims)
+    split = TPSplit(dims.tp, p.sequence_parallel)
+    ac = t.activation_checkpointing
+    n_blocks = rank_model.n_layers
+    gathered = padded_by_group(dp_shapes, dims.dp_shard) if dims.fsdp_enabled else {}
+
+    def own(kind: ModelConfig, n: int) -> int:
+        one = kind.model_copy(update={"n_layers": n})
+        out = activation_bytes(one, tokens, t.precision, ac, split, False, half_params)
+        out += moe.ep_copies_bytes(config, dims, one)
+        return out + (moe.ep_rows_bytes(config, dims, tokens, one) if ac != "full" else 0)
+
+    kinds = {bool(moe.moe_blocks(k)): k for k in moe.block_kinds(rank_model)}
+    raw = {is_moe: own(k, 1) - own(k, 0) for is_moe, k in kinds.items()}
+    dense = m.moe.dense_layers
+    is_moe = [j >= dense for j in range(n_blocks)]
+    total_raw = sum(raw[x] for x in is_moe) or 1
+    out = []
+    for j, x in enumerate(is_moe):
+        group = f"layers.{j}"
+        shape = _block_shape(config, dims, shapes, tokens, made, j)
+        unit = gathered.get(group, 0) * made
+        shard = sum(s.shard_numel(dims.dp_shard) for s in dp_shapes if s.group == group)
+        out.append(
+            BlockKind(
+                shape, blocks_kept * raw[x] // total_raw, recompute_by_kind.get(x, (0, 0)),
+                unit, FP32 * shard if dims.fsdp_enabled else 0,
+            )
+        )  # fmt: skip
+    return out
+
+
+def _rank_state(
+    config: Config, dims: ParallelDims, plan: PlanState, shapes: list[ParamShape]
+) -> tuple[RankState, int]:
+    """The rank's state for its timeline, and a gradient element's bytes as backward makes it
+    (FSDP's unsharded gradients are in the dtype it gathers in; the rest float32)."""
+    made = 2 if fsdp_half_params(config, dims) else FP32
+    head, embed = _head_and_embedding(shapes)
+    state = RankState(
+        params=plan.params_bytes, optimizer=plan.optimizer_bytes, grads=plan.grads_bytes,
+        buffers=plan.buffers_bytes, head_grads=made * head,
+        embed_grads=FP32 * embed,
+    )  # fmt: skip
+    return state, made
+
+
+def _dense_block(
+    config: Config,
+    dims: ParallelDims,
+    shapes: list[ParamShape],
+    tokens: int,
+    made: int,
+    hidden: int | None = None,
+    block_params: int | None = None,
+) -> BlockShape:
+    """:func:`dense_block` of the rank's blocks (their parameters on this rank, as backward makes
+    their gradients): by default the model's feed-forward width and the mean block's parameters."""
+    m, t = config.model, config.train
+    half = t.precision in ("bf16", "fp16")
+    half_params = fsdp_half_params(config, dims)
+    if block_params is None:
+        n_blocks, numel = _blocks_numel(shapes)
+        block_params = numel // max(1, n_blocks)
+    seq = dims.tp if config.parallel.sequence_parallel else 1
+    return dense_block(
+        tokens, m.dim, hidden or m.hidden_dim, dims.tp, seq, 2 if half else FP32,
+        2 if half_params else FP32, half and not half_params, made, block_params,
+    )  # fmt: skip
+
+
+def pipeline_rank_timeline(
+    rank: RankInputs, plan: PlanState, walked: Walk, loss_part: int, recompute: tuple[int, int]
+) -> Timeline:
+    """The step's moments on a pipeline rank (:func:`pipeline_timeline`), through its schedule's
+    walk (:func:`walk_schedule`)."""
+    config, dims, shapes, part, tokens = rank.config, rank.dims, rank.shapes, rank.part, rank.tokens
+    m, t = config.model, config.train
+    state, made = _rank_state(config, dims, plan, shapes)
+    split = stage_layers(m.n_layers, part.n_stages)
+    grads = []
+    for sid in part.stages:
+        blocks = _layers_numel(shapes, tuple(split[sid]))
+        head = _head_and_embedding(shapes)[0] if sid == part.n_stages - 1 else 0
+        embed = state.embed_grads // FP32 if sid == 0 else 0
+        grads.append(
+            StageGrads(FP32 * (blocks + head + embed), FP32 * blocks, made * head, FP32 * embed)
+        )
+    half = t.precision in ("bf16", "fp16")
+    loss = LossShape(tokens, m.vocab_size // dims.tp, half, dims.tp_enabled) if part.last else None
+    timeline_loss = loss_part - (
+        loss_parallel_bytes(tokens, config.seq_len, dims.tp) if part.last else 0
+    )
+    figures, walk = walked
+    units = None
+    if dims.fsdp_enabled:
+        shard = dims.dp_shard
+        dp_shapes = moe.data_parallel_shapes(shapes, dims)
+        by_group = padded_by_group(dp_shapes, shard)
+        root_elements = [_stage_root_padded(dp_shapes, shard, sid, part.n_stages)
+                         for sid in part.stages]  # fmt: skip
+        sizes = [n * made for k, n in by_group.items() if k != "root"]
+        # A stage's gradient shards: its gathered elements over the shard group (FSDP pads each
+        # parameter's rows to a multiple of it).
+        shards = [FP32 * (r + sum(by_group[f"layers.{i}"] for i in split[sid])) // shard
+                  for r, sid in zip(root_elements, part.stages, strict=True)]  # fmt: skip
+        units = StageFsdp([made * r for r in root_elements], max(sizes, default=0),
+                          config.parallel.sharding == "full", fsdp_half_params(config, dims),
+                          shards, shard)  # fmt: skip
+    block = _dense_block(config, dims, shapes, tokens, made)
+    # An MoE model's stages each with their last block's own shape (dense or MoE).
+    by_stage = (
+        [_block_shape(config, dims, shapes, tokens, made, split[sid][-1]) for sid in part.stages]
+        if moe.moe_blocks(m) else None
+    )  # fmt: skip
+    return pipeline_timeline(
+        state, part, figures, tokens, walk, grads,
+        [len(split[sid]) for sid in part.stages], timeline_loss, loss,
+        block, recompute, units, by_stage,
+    )  # fmt: skip
+
+
+def _head_and_embedding(shapes: list[ParamShape]) -> tuple[int, int]:
+    """Elements of the output projection and final norm, and of the embedding, in ``shapes``."""
+
+    def compute() -> tuple[int, int]:
+        head = sum(s.numel for s in shapes if s.group == "root" and not s.name.startswith("tok_"))
+        return head, sum(s.numel for s in shapes if s.name.startswith("tok_"))
+
+    return memo(shapes, ("head_and_embedding",), compute)
+
+
+def _blocks_numel(shapes: list[ParamShape]) -> tuple[int, int]:
+    """The transformer blocks in ``shapes``, and their elements."""
+
+    def compute() -> tuple[int, int]:
+        blocks = [s for s in shapes if s.group != "root"]
+        return len({s.group for s in blocks}), sum(s.numel for s in blocks)
+
+    return memo(shapes, ("blocks_numel",), compute)
+
+
+def _layers_numel(shapes: list[ParamShape], layers: tuple[int, ...]) -> int:
+    """Elements of blocks ``layers`` in ``shapes``."""
+
+    def compute() -> int:
+        groups = {f"layers.{i}" for i in layers}
+        return sum(s.numel for s in shapes if s.group in groups)
+
+    return memo(shapes, ("layers_numel", layers), compute)
+
+
+def _stage_root_padded(dp_shapes: list[ParamShape], shard: int, sid: int, n_stages: int) -> int:
+    """Elements FSDP gathers of stage ``sid``'s root parts: the first stage's embedding, the last
+    stage's final norm and output projection."""
+
+    def compute() -> int:
+        return sum(
+            s.padded_numel(shard) for s in dp_shapes if s.group == "root"
+            and (s.name.startswith("tok_") if sid == 0 else sid == n_stages - 1)
+        )  # fmt: skip
+
+    return memo(dp_shapes, ("stage_root_padded", shard, sid == 0, sid == n_stages - 1), compute)
