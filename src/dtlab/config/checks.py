@@ -4,6 +4,7 @@ rules that also need the world size."""
 from __future__ import annotations
 
 from dtlab.config.schema import CROSS_RULES, Config
+from dtlab.config.sections import ModelConfig, ParallelConfig
 from dtlab.config.values import SINGLE_STAGE_SCHEDULES
 from dtlab.dims import DPWrapper, ParallelDims, needs_replica_groups, strategies_with
 from dtlab.errors import ConfigError
@@ -425,16 +426,25 @@ def _check_mlx(c: Config) -> None:
 
 def _check_moe(c: Config) -> None:
     """What a mixture-of-experts model needs, and what does not compose with it yet."""
-    m, p, t = c.model, c.parallel, c.train
-    moe = m.moe
-    if p.ep > 1 and not moe.experts:
+    m, p = c.model, c.parallel
+    if p.ep > 1 and not m.moe.experts:
         raise ValueError(
             f"parallel.ep = {p.ep} splits a mixture of experts' experts over ranks, but "
             "model.moe.experts = 0 (a dense model); allowed: parallel.ep = 1, or an MoE model "
             "(e.g. model.preset = 'debug-moe')"
         )
-    if not moe.experts:
+    if not m.moe.experts:
         return
+    _check_experts(m, p)
+    _refuse(_moe_refusals(c), f"model.moe.experts = {m.moe.experts}")
+    if p.ep != 1:
+        _refuse(_expert_parallel_refusals(c), f"parallel.ep = {p.ep}")
+
+
+def _check_experts(m: ModelConfig, p: ParallelConfig) -> None:
+    """The experts split evenly over the expert-parallel ranks, each token's top-k are among them,
+    and at least one block is an MoE block."""
+    moe = m.moe
     if moe.experts % p.ep:
         fits = [str(k) for k in range(1, moe.experts + 1) if moe.experts % k == 0]
         raise ValueError(
@@ -451,8 +461,13 @@ def _check_moe(c: Config) -> None:
             f"model.moe.dense_layers = {moe.dense_layers} leaves no MoE block of model.n_layers = "
             f"{m.n_layers} (allowed: 0 to {m.n_layers - 1}, or model.moe.experts = 0 for dense)"
         )
+
+
+def _moe_refusals(c: Config) -> dict[str, tuple[bool, str, str, str]]:
+    """What does not go with any MoE model (a table for :func:`_refuse`)."""
+    p, t, moe = c.parallel, c.train, c.model.moe
     # key: (refused, the value as written, what is allowed, why)
-    refused: dict[str, tuple[bool, str, str, str]] = {
+    return {
         "parallel.sequence_parallel": (
             p.sequence_parallel, "true", "false",
             "tensor parallelism keeps an MoE block whole, on the whole sequence",
@@ -470,11 +485,13 @@ def _check_moe(c: Config) -> None:
             t.engine == "mlx", "'mlx'", "torch", "the MLX model has no MoE feed-forward",
         ),
     }  # fmt: skip
-    _refuse(refused, f"model.moe.experts = {moe.experts}")
-    if p.ep == 1:
-        return
+
+
+def _expert_parallel_refusals(c: Config) -> dict[str, tuple[bool, str, str, str]]:
+    """What does not go with experts split over ranks (parallel.ep > 1; a table for :func:`_refuse`)."""
+    p, t = c.parallel, c.train
     # key: (refused, the value as written, what is allowed, why)
-    with_ep: dict[str, tuple[bool, str, str, str]] = {
+    return {
         "parallel.sharding": (
             p.sharding == "optimizer", "'optimizer'", "full, shard_grad_op, no_shard",
             "ZeRO-1 shards whole parameters by rows, not the expert-parallel shards",
@@ -492,7 +509,6 @@ def _check_moe(c: Config) -> None:
             "a rank out of memory inside forward would leave the others in the experts' all-to-all",
         ),
     }  # fmt: skip
-    _refuse(with_ep, f"parallel.ep = {p.ep}")
 
 
 def _refuse(table: dict[str, tuple[bool, str, str, str]], setting: str) -> None:
