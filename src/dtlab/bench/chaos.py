@@ -126,17 +126,12 @@ def _max_step(run_dir: Path, replicas: int | None) -> int:
     return max((_last_step(f) for f in files), default=0)
 
 
-def run_storm(
-    mode: str,
-    args: argparse.Namespace,
-    out: Path,
-    python: str = sys.executable,
-    extra: tuple[str, ...] = (),
-) -> Run:
-    """Run ``mode`` to its end, with its faults (and ``extra`` config overrides); returns what
-    happened, with its progress sampled every half second."""
+def _train_command(
+    mode: str, args: argparse.Namespace, run_dir: Path, python: str, extra: tuple[str, ...]
+) -> list[str]:
+    """The ``dtlab train`` command line of ``mode``: fault tolerance's settings for the ft runs,
+    the agent's restarts for the plain ones."""
     ft = mode.startswith("ft")
-    run_dir = out / mode
     overrides = [
         *BASE,
         f"train.steps={args.steps}",
@@ -160,49 +155,28 @@ def run_storm(
     if not ft:
         cmd += ["--max-restarts", str(args.max_restarts)]
     cmd += ["--set", *overrides]
+    return cmd
+
+
+def run_storm(
+    mode: str,
+    args: argparse.Namespace,
+    out: Path,
+    python: str = sys.executable,
+    extra: tuple[str, ...] = (),
+) -> Run:
+    """Run ``mode`` to its end, with its faults (and ``extra`` config overrides); returns what
+    happened, with its progress sampled every half second."""
+    ft = mode.startswith("ft")
+    run_dir = out / mode
+    cmd = _train_command(mode, args, run_dir, python, extra)
     log = (out / f"{mode}.log").open("w")
     r = Run(mode, run_dir)
     t0 = r.started = time.time()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     storm = mode.endswith("kill") or mode.endswith("hang")
     replicas = args.replicas if ft else None
-
-    def sample() -> int:
-        now, step = time.time() - t0, _max_step(run_dir, replicas)
-        if not r.timeline or now - r.timeline[-1][0] >= 0.5:
-            r.timeline.append((round(now, 2), step))
-        return step
-
-    # The first fault once training runs, then one every --every seconds, round robin.
-    while storm and proc.poll() is None and sample() < 2:
-        time.sleep(0.2)
-    storm_start = time.time()
-    next_fault, victim = storm_start + args.every, 1
-    stopped: list[tuple[float, list[int]]] = []
-    while proc.poll() is None:
-        now = time.time()
-        for when, pids in list(stopped):
-            if now >= when:
-                for pid in pids:
-                    _signal(pid, signal.SIGCONT)
-                stopped.remove((when, pids))
-        storming = storm and now - storm_start < args.storm_s
-        step = sample()
-        if storming and now >= next_fault and step < args.steps - 5:
-            target = victim % args.replicas
-            pids = _pids(run_dir, target if ft else None)
-            if not ft:  # one rank of the world: its agent restarts them all
-                pids = pids[target : target + 1] if len(pids) > target else pids[:1]
-            if pids:
-                sig = signal.SIGSTOP if mode.endswith("hang") else signal.SIGKILL
-                for pid in pids:
-                    _signal(pid, sig)
-                r.faults.append({"time": now, "replica": target, "signal": sig.name, "step": step})
-                if sig == signal.SIGSTOP:
-                    stopped.append((now + args.hang_s, pids))
-            victim += 1
-            next_fault = now + args.every
-        time.sleep(0.1)
+    stopped = _storm(proc, r, args, storm, replicas)
     for _, pids in stopped:
         for pid in pids:
             _signal(pid, signal.SIGCONT)
@@ -211,6 +185,72 @@ def run_storm(
     log.close()
     r.log = (out / f"{mode}.log").read_text(errors="replace")
     return r
+
+
+# (when to wake them, the processes) of each hang not yet woken
+_Stopped = list[tuple[float, list[int]]]
+
+
+def _sample(r: Run, replicas: int | None) -> int:
+    """The run's last logged step now, noted in its timeline at most every half second."""
+    now, step = time.time() - r.started, _max_step(r.run_dir, replicas)
+    if not r.timeline or now - r.timeline[-1][0] >= 0.5:
+        r.timeline.append((round(now, 2), step))
+    return step
+
+
+def _storm(
+    proc: subprocess.Popen[bytes],
+    r: Run,
+    args: argparse.Namespace,
+    storm: bool,
+    replicas: int | None,
+) -> _Stopped:
+    """Sample the run until it ends and, in a storm, fault it: the first fault once training runs,
+    then one every --every seconds, round robin. Returns the hangs still to wake."""
+    while storm and proc.poll() is None and _sample(r, replicas) < 2:
+        time.sleep(0.2)
+    storm_start = time.time()
+    next_fault, victim = storm_start + args.every, 1
+    stopped: _Stopped = []
+    while proc.poll() is None:
+        now = time.time()
+        _wake_due(stopped, now)
+        storming = storm and now - storm_start < args.storm_s
+        step = _sample(r, replicas)
+        if storming and now >= next_fault and step < args.steps - 5:
+            _strike(r, args, victim % args.replicas, now, step, stopped)
+            victim += 1
+            next_fault = now + args.every
+        time.sleep(0.1)
+    return stopped
+
+
+def _wake_due(stopped: _Stopped, now: float) -> None:
+    """Wake (SIGCONT) the hung processes whose --hang-s is over, and forget them."""
+    for when, pids in list(stopped):
+        if now >= when:
+            for pid in pids:
+                _signal(pid, signal.SIGCONT)
+            stopped.remove((when, pids))
+
+
+def _strike(
+    r: Run, args: argparse.Namespace, target: int, now: float, step: int, stopped: _Stopped
+) -> None:
+    """Kill or hang replica group ``target`` (one rank of the world without fault tolerance),
+    noting the fault in ``r`` and a hang in ``stopped``, to be woken."""
+    ft = r.mode.startswith("ft")
+    pids = _pids(r.run_dir, target if ft else None)
+    if not ft:  # one rank of the world: its agent restarts them all
+        pids = pids[target : target + 1] if len(pids) > target else pids[:1]
+    if pids:
+        sig = signal.SIGSTOP if r.mode.endswith("hang") else signal.SIGKILL
+        for pid in pids:
+            _signal(pid, sig)
+        r.faults.append({"time": now, "replica": target, "signal": sig.name, "step": step})
+        if sig == signal.SIGSTOP:
+            stopped.append((now + args.hang_s, pids))
 
 
 def _signal(pid: int, sig: signal.Signals) -> None:
@@ -281,6 +321,72 @@ def throughput(
     return out
 
 
+def _steps_taken_again(events: list[dict[str, Any]]) -> int:
+    """The steps that did not commit: taken again by every group of its quorum, counted once."""
+    again: dict[int, dict[int, int]] = {}
+    for e in events:
+        if e["event"] == "again":
+            per = again.setdefault(e["step"], {})
+            per[e["replica"]] = per.get(e["replica"], 0) + 1
+    return sum(max(per.values()) for per in again.values())
+
+
+@dataclass
+class _Recoveries:
+    """The seconds each fault's recovery took, by stage (a list per stage, a value per fault that
+    reached it)."""
+
+    drops: list[float] = field(default_factory=list)  # to the first quorum without the group
+    go_on: list[float] = field(default_factory=list)  # to the next quorum
+    restarts: list[float] = field(default_factory=list)  # to the new process's start
+    startups: list[float] = field(default_factory=list)  # the new process's start to its manager
+    rejoins: list[float] = field(default_factory=list)  # the process back to its next quorum
+    joins: list[float] = field(default_factory=list)  # its manager up to its next quorum
+
+
+def _others_go_on(rec: _Recoveries, f: dict[str, Any], events: list[dict[str, Any]]) -> None:
+    """Add the seconds from fault ``f`` to the others going on to ``rec``: to the next quorum
+    (without the group, or with its new process where that was back first: a warm restart within
+    the lighthouse's heartbeat timeout), and to the first quorum without the group."""
+    after = [e["time"] for e in events if e["event"] == "quorum" and e["time"] > f["time"]]
+    if after:
+        rec.go_on.append(min(after) - f["time"])
+    gone = [
+        e["time"]
+        for e in events
+        if e["event"] == "quorum" and e["time"] > f["time"] and f["replica"] not in e["members"]
+    ]
+    if gone:
+        rec.drops.append(gone[0] - f["time"])
+
+
+def _group_back(
+    rec: _Recoveries, f: dict[str, Any], events: list[dict[str, Any]], hang_s: float
+) -> None:
+    """Add the seconds from fault ``f``'s group being back (woken, or its new process started) to
+    its rejoining a quorum to ``rec``, and a new process's restart delay and start-up."""
+    i = f["replica"]
+    back = [
+        e for e in events if e["event"] == "start" and e["replica"] == i and e["time"] > f["time"]
+    ]
+    hung = f.get("signal") == "SIGSTOP"
+    if hung or not back:
+        started, manager_up = f["time"] + (hang_s if hung else 0.0), None
+    else:
+        started, manager_up = back[0].get("process_started") or back[0]["time"], back[0]["time"]
+        rec.restarts.append(started - f["time"])
+        rec.startups.append(manager_up - started)
+    joined = [
+        e["time"]
+        for e in events
+        if e["event"] == "quorum" and e["time"] > max(started, f["time"]) and i in e["members"]
+    ]
+    if joined:
+        rec.rejoins.append(joined[0] - started)
+        if manager_up is not None:
+            rec.joins.append(joined[0] - manager_up)
+
+
 def ft_figures(
     r: Run, steps: int, replicas: int, batch: int, hang_s: float = 0.0
 ) -> dict[str, Any]:
@@ -290,49 +396,11 @@ def ft_figures(
     the rejoin proper (its manager up to its first quorum)."""
     events = _events(r.run_dir, replicas)
     useful = sum(useful_each(events, steps, replicas, batch))
-    # A step that did not commit is taken again by every group of its quorum: count it once.
-    again: dict[int, dict[int, int]] = {}
-    for e in events:
-        if e["event"] == "again":
-            per = again.setdefault(e["step"], {})
-            per[e["replica"]] = per.get(e["replica"], 0) + 1
-    retried = sum(max(per.values()) for per in again.values())
-    drops, go_on, rejoins, restarts, startups, joins = [], [], [], [], [], []
+    retried = _steps_taken_again(events)
+    rec = _Recoveries()
     for f in r.faults:
-        i = f["replica"]
-        # The others go on at the next quorum: without the group, or with its new process where
-        # that was back first (a warm restart within the lighthouse's heartbeat timeout).
-        after = [e["time"] for e in events if e["event"] == "quorum" and e["time"] > f["time"]]
-        if after:
-            go_on.append(min(after) - f["time"])
-        gone = [
-            e["time"]
-            for e in events
-            if e["event"] == "quorum" and e["time"] > f["time"] and i not in e["members"]
-        ]
-        if gone:
-            drops.append(gone[0] - f["time"])
-        back = [
-            e
-            for e in events
-            if e["event"] == "start" and e["replica"] == i and e["time"] > f["time"]
-        ]
-        hung = f.get("signal") == "SIGSTOP"
-        if hung or not back:
-            started, manager_up = f["time"] + (hang_s if hung else 0.0), None
-        else:
-            started, manager_up = back[0].get("process_started") or back[0]["time"], back[0]["time"]
-            restarts.append(started - f["time"])
-            startups.append(manager_up - started)
-        joined = [
-            e["time"]
-            for e in events
-            if e["event"] == "quorum" and e["time"] > max(started, f["time"]) and i in e["members"]
-        ]
-        if joined:
-            rejoins.append(joined[0] - started)
-            if manager_up is not None:
-                joins.append(joined[0] - manager_up)
+        _others_go_on(rec, f, events)
+        _group_back(rec, f, events, hang_s)
     recoveries = [e["seconds"] for e in events if e["event"] == "recovered"]
     finals = [_summary(r.run_dir / f"replica-{i}").get("final_loss") for i in range(replicas)]
     finished = [x for x in finals if x is not None]
@@ -341,12 +409,12 @@ def ft_figures(
         "steps_taken_again": retried,
         "samples_not_trained": steps * batch - useful,
         "steps_lost": retried + (steps * batch - useful) / batch,
-        "fault_to_quorum_without_s": drops,
-        "fault_to_next_quorum_s": go_on,
-        "restart_delay_s": restarts,
-        "process_back_to_rejoin_s": rejoins,
-        "process_start_to_manager_s": startups,
-        "manager_to_rejoin_s": joins,
+        "fault_to_quorum_without_s": rec.drops,
+        "fault_to_next_quorum_s": rec.go_on,
+        "restart_delay_s": rec.restarts,
+        "process_back_to_rejoin_s": rec.rejoins,
+        "process_start_to_manager_s": rec.startups,
+        "manager_to_rejoin_s": rec.joins,
         "recovery_s": recoveries,
         "final_loss": finished[0] if finished else None,
         "final_losses_agree": len(set(finished)) <= 1,
@@ -526,7 +594,8 @@ def plot(figures: dict[str, dict[str, Any]], runs: dict[str, Run], path: Path) -
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m dtlab.bench.chaos``."""
     ap = argparse.ArgumentParser(
         prog="python -m dtlab.bench.chaos",
         description="A kill storm against fault-tolerant replica groups, beside restart-everything.",
@@ -565,7 +634,70 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="rebuild report.md and chaos.png from --out's report.json and logs (no run)",
     )
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _saved_run(mode: str, out: Path, saved: dict[str, Any]) -> Run:
+    """Run ``mode`` as report.json (its entry ``saved``) and its log in ``out`` recorded it."""
+    r = Run(mode, out / mode, saved["wall_s"], saved["exit_code"])
+    r.faults, r.log = saved["faults"], (out / f"{mode}.log").read_text(errors="replace")
+    r.started = saved.get("started", 0.0)
+    r.timeline = [(t, step) for t, step in saved.get("timeline", [])]
+    return r
+
+
+def _fresh_run(mode: str, args: argparse.Namespace, out: Path, seeds: list[str]) -> Run:
+    """Run ``mode`` now, in an emptied directory (a seed's run at its own train.seed)."""
+    print(f"chaos: {mode} ...", file=sys.stderr, flush=True)
+    if (out / mode).exists():
+        import shutil
+
+        shutil.rmtree(out / mode)
+    extra = (f"train.seed={mode.removeprefix('seed-')}",) if mode in seeds else ()
+    r = run_storm(mode, args, out, extra=extra)
+    print(
+        f"chaos: {mode}: exit {r.exit_code}, {r.wall_s:.0f} s, {len(r.faults)} faults",
+        file=sys.stderr,
+        flush=True,
+    )
+    return r
+
+
+def _figures(r: Run, args: argparse.Namespace, batch: int) -> dict[str, Any]:
+    """A run's figures (fault tolerance's or the plain run's), with its throughput over its life."""
+    if r.mode.startswith("ft"):
+        figures = ft_figures(r, args.steps, args.replicas, batch, args.hang_s)
+        each = useful_each(_events(r.run_dir, args.replicas), args.steps, args.replicas, batch)
+    else:
+        figures = plain_figures(r, args.steps, batch)
+        each = [batch] * args.steps
+    figures["throughput"] = throughput(r.timeline, each)
+    return figures
+
+
+def _record(
+    args: argparse.Namespace, runs: dict[str, Run], figures: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """report.json's content: the arguments, and each run with its figures."""
+    return {
+        "args": {k: v for k, v in vars(args).items()},
+        "runs": {
+            m: {
+                "wall_s": r.wall_s,
+                "training_s": training_span(r.log),
+                "exit_code": r.exit_code,
+                "faults": r.faults,
+                "started": r.started,
+                "timeline": r.timeline,
+                **figures[m],
+            }
+            for m, r in runs.items()
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
     if bad:
@@ -586,51 +718,14 @@ def main(argv: list[str] | None = None) -> int:
         modes += seeds
     for mode in modes:
         if args.report_only:
-            r = Run(mode, out / mode, saved[mode]["wall_s"], saved[mode]["exit_code"])
-            r.faults, r.log = (
-                saved[mode]["faults"],
-                (out / f"{mode}.log").read_text(errors="replace"),
-            )
-            r.started = saved[mode].get("started", 0.0)
-            r.timeline = [(t, step) for t, step in saved[mode].get("timeline", [])]
+            r = _saved_run(mode, out, saved[mode])
         else:
-            print(f"chaos: {mode} ...", file=sys.stderr, flush=True)
-            if (out / mode).exists():
-                import shutil
-
-                shutil.rmtree(out / mode)
-            extra = (f"train.seed={mode.removeprefix('seed-')}",) if mode in seeds else ()
-            r = run_storm(mode, args, out, extra=extra)
-            print(
-                f"chaos: {mode}: exit {r.exit_code}, {r.wall_s:.0f} s, {len(r.faults)} faults",
-                file=sys.stderr,
-                flush=True,
-            )
+            r = _fresh_run(mode, args, out, seeds)
         runs[mode] = r
-        if mode.startswith("ft"):
-            figures[mode] = ft_figures(r, args.steps, args.replicas, batch, args.hang_s)
-            each = useful_each(_events(r.run_dir, args.replicas), args.steps, args.replicas, batch)
-        else:
-            figures[mode] = plain_figures(r, args.steps, batch)
-            each = [batch] * args.steps
-        figures[mode]["throughput"] = throughput(r.timeline, each)
+        figures[mode] = _figures(r, args, batch)
     table = report({m: r for m, r in runs.items() if m not in seeds}, figures, args)
     table += noise(figures, seeds)
-    record = {
-        "args": {k: v for k, v in vars(args).items()},
-        "runs": {
-            m: {
-                "wall_s": r.wall_s,
-                "training_s": training_span(r.log),
-                "exit_code": r.exit_code,
-                "faults": r.faults,
-                "started": r.started,
-                "timeline": r.timeline,
-                **figures[m],
-            }
-            for m, r in runs.items()
-        },
-    }
+    record = _record(args, runs, figures)
     (out / "report.json").write_text(json.dumps(record, indent=1), encoding="utf-8")
     (out / "report.md").write_text(table, encoding="utf-8")
     plot(figures, runs, out / "chaos.png")
