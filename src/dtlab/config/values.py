@@ -132,48 +132,68 @@ def _coerce(value: Any, annotation: Any, allowed: str) -> Any:
             return value
         raise _bad(f"{_kind(value)} is not a boolean; allowed: {allowed}")
     if annotation is int:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise _bad(f"{_kind(value)} is not an integer; allowed: {allowed}")
-        if isinstance(value, float):
-            if not math.isfinite(value) or not value.is_integer():
-                raise _bad(f"not a whole number; allowed: {allowed}")
-            if abs(value) > EXACT_FLOAT_INT:
-                raise _bad(
-                    f"a float beyond 2**53 does not hold every integer; allowed: {allowed}, "
-                    "written with digits only"
-                )
-            value = int(value)
-        if abs(value) > INT64_MAX:
-            raise _bad(f"outside the 64-bit range (-2**63 < value < 2**63); allowed: {allowed}")
-        return value
+        return _coerce_int(value, allowed)
     if annotation is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise _bad(f"{_kind(value)} is not a number; allowed: {allowed}")
-        try:
-            number = float(value)
-        except OverflowError:
-            number = math.inf
-        if not math.isfinite(number):
-            raise _bad(f"not a finite number; allowed: {allowed}")
-        return number
+        return _coerce_float(value, allowed)
     if annotation is str:
-        if not isinstance(value, str):
-            scalar = isinstance(value, bool | int | float)
-            hint = f' (in quotes it stays text: "{show(value)}")' if scalar else ""
-            raise _bad(f"{_kind(value)} is not a string; allowed: {allowed}{hint}")
-        return _check_text(value, allowed)
+        return _coerce_str(value, allowed)
     if get_origin(annotation) is list:
         if not isinstance(value, list):
             raise _bad(f"{_kind(value)} is not a list; allowed: {allowed}")
         return [_item(i, x, args[0], allowed) for i, x in enumerate(value)]
     if get_origin(annotation) is tuple:
-        if not isinstance(value, list | tuple) or len(value) != len(args):
-            what = f"{len(value)} items" if isinstance(value, list | tuple) else _kind(value)
-            raise _bad(f"{what}; allowed: {allowed}")
-        return tuple(
-            _item(i, x, t, allowed) for i, (x, t) in enumerate(zip(value, args, strict=True))
-        )
+        return _coerce_tuple(value, args, allowed)
     return value
+
+
+def _coerce_int(value: Any, allowed: str) -> int:
+    """An integer field's value: an int, or a float that is a whole number that a float holds
+    exactly; within 64 bits either way."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _bad(f"{_kind(value)} is not an integer; allowed: {allowed}")
+    if isinstance(value, float):
+        if not math.isfinite(value) or not value.is_integer():
+            raise _bad(f"not a whole number; allowed: {allowed}")
+        if abs(value) > EXACT_FLOAT_INT:
+            raise _bad(
+                f"a float beyond 2**53 does not hold every integer; allowed: {allowed}, "
+                "written with digits only"
+            )
+        value = int(value)
+    if abs(value) > INT64_MAX:
+        raise _bad(f"outside the 64-bit range (-2**63 < value < 2**63); allowed: {allowed}")
+    return value
+
+
+def _coerce_float(value: Any, allowed: str) -> float:
+    """A float field's value: any finite number but a bool (an integer too large for a float is
+    not finite)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _bad(f"{_kind(value)} is not a number; allowed: {allowed}")
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise _bad(f"not a finite number; allowed: {allowed}")
+    return number
+
+
+def _coerce_str(value: Any, allowed: str) -> str:
+    """A string field's value: text only; a scalar YAML read as another kind is told how to quote it."""
+    if not isinstance(value, str):
+        scalar = isinstance(value, bool | int | float)
+        hint = f' (in quotes it stays text: "{show(value)}")' if scalar else ""
+        raise _bad(f"{_kind(value)} is not a string; allowed: {allowed}{hint}")
+    return _check_text(value, allowed)
+
+
+def _coerce_tuple(value: Any, args: tuple[Any, ...], allowed: str) -> tuple[Any, ...]:
+    """A fixed-length field's value: a list (or tuple) of as many items as ``args``, each of its type."""
+    if not isinstance(value, list | tuple) or len(value) != len(args):
+        what = f"{len(value)} items" if isinstance(value, list | tuple) else _kind(value)
+        raise _bad(f"{what}; allowed: {allowed}")
+    return tuple(_item(i, x, t, allowed) for i, (x, t) in enumerate(zip(value, args, strict=True)))
 
 
 def _item(index: int, value: Any, annotation: Any, allowed: str) -> Any:
