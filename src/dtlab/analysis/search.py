@@ -268,7 +268,6 @@ def search(
     checkpointing that fit). ``cost(label, cfg, rate)`` is the plan's row of a config."""
 
     start = time.perf_counter()
-    world = nproc * nnodes
     opened = open_keys(config)
     precisions = _pick(
         config,
@@ -276,11 +275,47 @@ def search(
         [p for p in PRECISIONS if device.peak_tflops.get(p)] or [config.train.precision],
     )
     acs = _pick(config, "train.activation_checkpointing", list(AC_MODES))
+    queue, n_layouts = _queue(config, nproc, nnodes, device, precisions, acs)
+    progress = _Progress(cost, device, tie_margin, acs[-1])
+    for bound, _, values, cfg, dims in queue:
+        if not progress.worth(bound):
+            break  # sorted by bound: nothing after this is worth costing either
+        progress.visit(values, cfg, dims)
+    rows, tied = progress.shown()
+    usable = memory * usable_fraction(device.kind)
+    return SearchResult(
+        rows[:TOP] if progress.best else rows,
+        opened,
+        [k for k in SEARCHED if k not in opened and config.is_given(k)],
+        n_layouts,
+        progress.costed,
+        time.perf_counter() - start,
+        tied,
+        choose(tied, usable, tie_margin) if tied else None,
+    )
+
+
+# A candidate: the lower bound of its step time, its place in the queue, its values (with its
+# activation checkpointing), its config and its dims.
+_Candidate = tuple[float, int, dict[str, Any], Config, ParallelDims]
+
+
+def _queue(
+    config: Config,
+    nproc: int,
+    nnodes: int,
+    device: DeviceProfile,
+    precisions: list[str],
+    acs: list[str],
+) -> tuple[list[_Candidate], int]:
+    """Every valid layout at each activation checkpointing mode in ``acs``, fastest bound first (its
+    compute time with its pipeline bubble and recompute: a lower bound of its step time), and how
+    many layouts are valid."""
+    world = nproc * nnodes
     tokens_per_rank = config.train.global_batch_size * config.seq_len / world
     fwd_bwd = flops_per_token(config.model, config.seq_len)
     extra = {ac: recompute_flops_per_token(config.model, config.seq_len, ac) for ac in acs}
-    # (lower bound of the step time, order, values, config, dims) of every valid layout and AC mode
-    queue: list[tuple[float, int, dict[str, Any], Config, ParallelDims]] = []
+    queue: list[_Candidate] = []
     n_layouts = 0
     for values in layouts(config, nproc, nnodes, precisions):
         cfg = apply_values(config, values)
@@ -298,103 +333,136 @@ def search(
                 (bound, len(queue), {**values, "train.activation_checkpointing": ac}, cfg, dims)
             )
     queue.sort(key=lambda q: (q[0], q[1]))
-    best: dict[str, Found] = {}  # layout key -> its fastest row that fits
-    closest: list[Found] = []  # rows that do not fit, least memory first (when nothing fits)
+    return queue, n_layouts
+
+
+@dataclass
+class _Progress:
+    """The search's progress through its queue: the rows found, those that do not fit, the rows
+    costed, and the times that bound what is still worth costing."""
+
+    cost: Any  # cost(label, cfg, rate): the plan's row of a config
+    device: DeviceProfile
+    tie_margin: float
+    lightest_ac: str  # the activation checkpointing that keeps the least of those tried
+    best: dict[str, Found] = field(default_factory=dict)  # layout key -> its fastest row that fits
+    # Rows that do not fit, least memory first (when nothing fits).
+    closest: list[Found] = field(default_factory=list)
     # The TOP-th fastest of the layouts' best rows so far (inf until TOP layouts fit), recomputed from
     # ``best`` whenever a row enters it: a layout's own faster row replaces its slower one there, so
     # no stale time can stand in for a layout's, and it only falls as rows are found. A row whose
     # bound is above both it and the tie with the fastest can be neither shown nor recommended.
-    top_time = math.inf
-    fastest = math.inf
-    costed = 0
+    top_time: float = math.inf
+    fastest: float = math.inf
+    costed: int = 0
+    # Layouts that fit without accumulation: a slower AC mode cannot win.
+    done: set[str] = field(default_factory=set)
+    # Layout -> whether it fits at its lightest (while nothing fits).
+    probed: dict[str, bool] = field(default_factory=dict)
 
-    def worth(bound: float) -> bool:
-        return bound <= top_time or bound <= fastest * (1 + tie_margin)
+    def worth(self, bound: float) -> bool:
+        """Whether a candidate whose step takes at least ``bound`` may still be shown or tied."""
+        return bound <= self.top_time or bound <= self.fastest * (1 + self.tie_margin)
 
-    done: set[str] = set()  # layouts that fit without accumulation: a slower AC mode cannot win
-    probed: dict[str, bool] = {}  # layout -> whether it fits at its lightest (while nothing fits)
-    for bound, _, values, cfg, dims in queue:
-        if not worth(bound):
-            break  # sorted by bound: nothing after this is worth costing either
+    def visit(self, values: dict[str, Any], cfg: Config, dims: ParallelDims) -> None:
+        """Cost one candidate (a layout at one checkpointing mode) at the largest micro-batch that
+        fits, and keep its row if it is its layout's fastest."""
         key = _key(values, "train.activation_checkpointing")
-        if key in done:
-            continue
+        if key in self.done:
+            return
         ac = values["train.activation_checkpointing"]
         micros = _micro_options(cfg, dims)
-        if not best:
-            # Nothing fits yet (a model too large for the world): first see whether the layout fits
-            # at all, at its lightest (full recompute, the smallest micro-batch), once; if not, none
-            # of its settings does, and it is not costed again.
-            # (Each precision is probed on its own: bf16 can hold more than fp32, its weight copies
-            # under autocast on top of the same float32 state.)
-            if key not in probed:
-                light = {
-                    "train.activation_checkpointing": acs[-1],
-                    "train.micro_batch_size": micros[-1],
-                }
-                trial = apply_values(cfg, light)
-                label = layout_name(dims, trial.parallel)
-                row = cost(label, trial, achievable_flops(device, trial.train.precision))
-                costed += 1
-                probed[key] = row.fits
-                if not row.fits:
-                    closest.append(Found({**values, **light}, trial, row, label))
-            if not probed[key]:
-                continue
+        if not self.best and not self._fits_lightest(key, values, cfg, dims, micros):
+            return
         cfg = apply_values(cfg, {"train.activation_checkpointing": ac})
-        # The largest micro-batch that fits: memory grows with it. The largest first (it usually
-        # fits, or nothing does), then a binary search over the others.
+        fit = self._largest_fit(key, values, cfg, dims, micros)
+        if fit is not None:
+            self._keep(values, fit)
+
+    def _cost(self, dims: ParallelDims, trial: Config) -> tuple[str, Any]:
+        """The label of ``trial``'s layout and the plan's row of it, counted as costed."""
+        label = layout_name(dims, trial.parallel)
+        row = self.cost(label, trial, achievable_flops(self.device, trial.train.precision))
+        self.costed += 1
+        return label, row
+
+    def _fits_lightest(
+        self,
+        key: str,
+        values: dict[str, Any],
+        cfg: Config,
+        dims: ParallelDims,
+        micros: list[int | None],
+    ) -> bool:
+        """While nothing fits (a model too large for the world): whether the layout fits at all, at
+        its lightest (full recompute, the smallest micro-batch), probed once; if not, none of its
+        settings does, and it is not costed again. (Each precision is probed on its own: bf16 can
+        hold more than fp32, its weight copies under autocast on top of the same float32 state.)"""
+        if key not in self.probed:
+            light = {
+                "train.activation_checkpointing": self.lightest_ac,
+                "train.micro_batch_size": micros[-1],
+            }
+            trial = apply_values(cfg, light)
+            label, row = self._cost(dims, trial)
+            self.probed[key] = row.fits
+            if not row.fits:
+                self.closest.append(Found({**values, **light}, trial, row, label))
+        return self.probed[key]
+
+    def _largest_fit(
+        self,
+        key: str,
+        values: dict[str, Any],
+        cfg: Config,
+        dims: ParallelDims,
+        micros: list[int | None],
+    ) -> Found | None:
+        """The row of the largest micro-batch that fits (None if none does): memory grows with it.
+        The largest first (it usually fits, or nothing does), then a binary search over the others;
+        the rows that do not fit are kept as the closest."""
         lo, hi, fit = 0, len(micros) - 1, None
         first = True
         while lo <= hi:
             mid = lo if first else (lo + hi) // 2
             trial = apply_values(cfg, {"train.micro_batch_size": micros[mid]})
-            label = layout_name(dims, trial.parallel)
-            row = cost(label, trial, achievable_flops(device, trial.train.precision))
-            costed += 1
+            label, row = self._cost(dims, trial)
             found = Found({**values, "train.micro_batch_size": micros[mid]}, trial, row, label)
             if row.fits:
                 fit, hi = found, mid - 1
                 if first:
-                    done.add(key)  # the fewest collectives and no recompute beyond this mode's
+                    self.done.add(key)  # the fewest collectives and no recompute beyond this mode's
             else:
-                closest.append(found)
+                self.closest.append(found)
                 lo = mid + 1
             first = False
-        if fit is None:
-            continue
-        # One row per layout: its fastest precision, micro-batching and checkpointing that fit.
+        return fit
+
+    def _keep(self, values: dict[str, Any], fit: Found) -> None:
+        """One row per layout: its fastest precision, micro-batching and checkpointing that fit."""
         layout = _key(
             values, "train.activation_checkpointing", "parallel.pp_microbatches", "train.precision"
         )
-        if layout not in best or fit.step_time_s < best[layout].step_time_s:
-            best[layout] = fit
-            fastest = min(fastest, fit.step_time_s)
-            if len(best) >= TOP:
-                top_time = sorted(f.step_time_s for f in best.values())[TOP - 1]
-    rows = sorted(best.values(), key=lambda f: (f.step_time_s, f.row.step.total_bytes))
-    if not rows:
-        closest.sort(key=lambda f: f.row.step.total_bytes)
+        if layout not in self.best or fit.step_time_s < self.best[layout].step_time_s:
+            self.best[layout] = fit
+            self.fastest = min(self.fastest, fit.step_time_s)
+            if len(self.best) >= TOP:
+                self.top_time = sorted(f.step_time_s for f in self.best.values())[TOP - 1]
+
+    def shown(self) -> tuple[list[Found], list[Found]]:
+        """The rows found, fastest first, and those tied with the fastest; when nothing fits, the
+        TOP layouts that come closest (least memory first, one row each) and no tie."""
+        rows = sorted(self.best.values(), key=lambda f: (f.step_time_s, f.row.step.total_bytes))
+        if rows:
+            margin = 1 + self.tie_margin
+            return rows, [f for f in rows if f.step_time_s <= rows[0].step_time_s * margin]
+        self.closest.sort(key=lambda f: f.row.step.total_bytes)
         shown, seen = [], set()
-        for f in closest:
+        for f in self.closest:
             if f.label not in seen:
                 shown.append(f)
                 seen.add(f.label)
-        rows = shown[:TOP]
-        tied: list[Found] = []
-    else:
-        tied = [f for f in rows if f.step_time_s <= rows[0].step_time_s * (1 + tie_margin)]
-    usable = memory * usable_fraction(device.kind)
-    return SearchResult(
-        rows[:TOP] if best else rows,
-        opened,
-        [k for k in SEARCHED if k not in opened and config.is_given(k)],
-        n_layouts,
-        costed,
-        time.perf_counter() - start,
-        tied,
-        choose(tied, usable, tie_margin) if tied else None,
-    )
+        return shown[:TOP], []
 
 
 def _key(values: dict[str, Any], *leave_out: str) -> str:
