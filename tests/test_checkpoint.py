@@ -423,11 +423,16 @@ def test_manifest_detects_every_kind_of_damage(tmp_path: Path) -> None:
         verify_checkpoint(ckpt)
 
 
-def test_async_staging_stages_each_shard_into_its_own_host_buffer(tmp_path: Path) -> None:
-    """FSDP on 2 gloo processes: a staged DTensor's local tensor is the stager's CPU buffer itself
-    under the live spec (no copy, no move to the mesh's device), equal to the live shard; the stager
-    copied on the rank's own device; the async save loads back as saved."""
-    run_worker("stager_worker.py", 2, str(tmp_path / "run"), "cpu")
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_async_staging_stages_what_this_rank_writes_into_its_own_host_buffers(
+    tmp_path: Path, strategy: str
+) -> None:
+    """2 gloo processes: a staged DTensor's local tensor is the stager's CPU buffer itself under the
+    live spec (no copy, no move to the mesh's device), equal to the live shard; each replicated tensor
+    (DDP's model and optimizer state, FSDP's optimizer step counts) is staged by one rank only, so the
+    ranks pin one copy between them; the stager copied on the rank's own device; the async save loads
+    back as saved."""
+    run_worker("stager_worker.py", 2, str(tmp_path / "run"), "cpu", strategy)
 
 
 @pytest.mark.cuda
@@ -437,7 +442,7 @@ def test_async_staging_on_two_gpus_copies_on_each_ranks_own_gpu(tmp_path: Path) 
     that wrote the tensors (a long kernel still runs when the save is asked for): the staged data
     equals the live tensors, and nothing is allocated, nor a CUDA context opened, on the other
     rank's GPU; the async save loads back as saved."""
-    run_worker("stager_worker.py", 2, str(tmp_path / "run"), "cuda")
+    run_worker("stager_worker.py", 2, str(tmp_path / "run"), "cuda", "fsdp")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")

@@ -1,6 +1,10 @@
 """Run under torchrun: stage an FSDP model's async save and check what the staging thread made of it.
 
-argv[1]: a run directory; argv[2]: train.device (cpu, or cuda: one GPU per rank, NCCL).
+argv[1]: a run directory; argv[2]: train.device (cpu, or cuda: one GPU per rank, NCCL); argv[3]:
+parallel.strategy (fsdp, or ddp: every tensor replicated).
+
+Each rank stages only what it writes: its own shards, and its share of the replicated tensors (every
+one staged by exactly one rank, so the ranks' buffers add up to one copy of the state, not one each).
 
 Every staged tensor equals the live one and is the stager's own CPU buffer (a staged DTensor keeps the
 live spec around it, never a copy on the mesh's device); the stager copied on this rank's device and
@@ -11,6 +15,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
@@ -23,9 +28,9 @@ from dtlab.parallel import destroy_distributed, init_distributed, parallelize
 from dtlab.runtime.status import leave_worker
 from dtlab.train.optim import build_optimizer
 
-run_dir, device = Path(sys.argv[1]), sys.argv[2]
+run_dir, device, strategy = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 overrides = [
-    "model.preset=debug", "data.seq_len=16", "parallel.strategy=fsdp", f"train.device={device}",
+    "model.preset=debug", "data.seq_len=16", f"parallel.strategy={strategy}", f"train.device={device}",
     "checkpoint.async=true", f"run.dir={run_dir}",
 ]  # fmt: skip
 cfg = load_config(overrides=overrides)
@@ -53,9 +58,13 @@ staged = stager.stage(tensors).result()
 
 live_leaves = dict(_leaves(tensors))
 staged_leaves = dict(_leaves(staged))
-assert live_leaves.keys() == staged_leaves.keys()
+assert staged_leaves.keys() <= live_leaves.keys()
 dtensors = 0
 for path, live in live_leaves.items():
+    if isinstance(live, DTensor):  # a shard of its own (FSDP): staged here
+        assert path in staged_leaves, f"rank {d.rank}: its shard {path} was not staged"
+    if path not in staged_leaves:
+        continue
     out = staged_leaves[path]
     buffer = stager._buffers[path]
     if isinstance(live, DTensor):
@@ -68,7 +77,20 @@ for path, live in live_leaves.items():
         assert out is buffer, path
     assert buffer.device.type == "cpu", (path, buffer.device)
     assert torch.equal(buffer, _local(live).cpu()), f"rank {d.rank}: {path} staged stale values"
-assert dtensors > 0, "FSDP made no DTensor: nothing checked"
+assert (dtensors > 0) == (strategy == "fsdp"), f"{strategy} made {dtensors} DTensors"
+# Every replicated tensor staged by one rank: the ranks' pinned bytes add up to one copy of them.
+plain = {p: t for p, t in live_leaves.items() if not isinstance(t, DTensor)}
+copies = torch.zeros(len(plain))
+for i, path in enumerate(sorted(plain)):
+    copies[i] = float(path in staged_leaves)
+dist.all_reduce(copies)
+assert torch.equal(copies, torch.ones(len(plain))), f"staged {copies.tolist()} times"
+one_copy = sum(t.numel() * t.element_size() for t in plain.values())
+mine = torch.tensor([float(sum(stager._buffers[p].nbytes for p in plain if p in staged_leaves))])
+dist.all_reduce(mine)
+assert int(mine.item()) == one_copy, (int(mine.item()), one_copy)
+if strategy == "ddp":  # the share of each rank: about half each, the whole state once
+    assert stager.staged_bytes() < 0.75 * one_copy, (stager.staged_bytes(), one_copy)
 
 want_stream = stager.stream if d.device.type == "cuda" else None
 assert stager.used == (d.device, want_stream), (stager.used, d.device)
@@ -88,18 +110,30 @@ def nothing_on_other_gpus(when: str) -> None:
 
 nothing_on_other_gpus("after staging")
 
-# A real async save of this layout, then loaded back over changed weights.
-saved = {k: v.full_tensor().cpu() for k, v in pm.module.state_dict().items()}
+
+# A real async save of this layout, then loaded back over changed weights and optimizer state.
+def whole(v: torch.Tensor) -> torch.Tensor:
+    return (v.full_tensor() if isinstance(v, DTensor) else v).cpu()
+
+
+saved = {k: whole(v) for k, v in pm.module.state_dict().items()}
+saved_optim = {p: whole(t).clone() for p, t in _leaves(tensors["optim"])}
 ckpt.save(1, parts)
 ckpt.staged()
 with torch.no_grad():
     for p in pm.module.parameters():
         _local(p).mul_(-1.0)
+        for t in optimizer.state[p].values():
+            if isinstance(t, torch.Tensor):
+                _local(t).add_(1.0)
 path = ckpt.latest()  # every rank, once rank 0 committed it
 assert path is not None and path.name == "step-00000001", path
 ckpt.load(path, parts)
 for k, v in pm.module.state_dict().items():
-    assert torch.equal(v.full_tensor().cpu(), saved[k]), f"{k} did not load back as saved"
+    assert torch.equal(whole(v), saved[k]), f"{k} did not load back as saved"
+loaded, _ = split_tensors({"optim": parts["optim"].state_dict()})
+for p, t in _leaves(loaded["optim"]):
+    assert torch.equal(whole(t), saved_optim[p]), f"optimizer {p} did not load back as saved"
 nothing_on_other_gpus("after an async save and its load")
 ckpt.close()
 destroy_distributed()

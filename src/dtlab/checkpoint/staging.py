@@ -3,13 +3,15 @@ their own, while the training thread goes on."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.staging import AsyncStager
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 
 class _Stager(AsyncStager):
@@ -22,7 +24,9 @@ class _Stager(AsyncStager):
     helper thread's current device is GPU 0, whatever the rank's is): the stream first waits for an
     event recorded on the training thread's stream when the save was asked for (the kernels that wrote
     the tensors), and the staging thread waits for an event recorded after the copies, never for a
-    whole device. A staged DTensor is the CPU buffer under the live tensor's spec, never moved back
+    whole device. Only what this rank writes is staged (see :func:`writers`): a replicated tensor
+    (a DDP model's, its optimizer's) is written by one rank of those that hold it, so each rank pins
+    its share, not every rank a whole copy. A staged DTensor is the CPU buffer under the live tensor's spec, never moved back
     to the mesh's device (as torch's own CPU state-dict staging does). ``used`` records the device and
     stream the last copies ran on, as the staging thread saw them.
 
@@ -38,16 +42,48 @@ class _Stager(AsyncStager):
         self.stream = torch.cuda.Stream(device) if self._pinned else None
         self.used: tuple[torch.device, Any] | None = None
         self._buffers: dict[tuple[str, ...], torch.Tensor] = {}
+        # Which rank writes each plain tensor, for the state's keys and sizes it was found for.
+        self._writers: tuple[Any, dict[str, int]] | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtlab-stage")
 
     def stage(self, state_dict: dict[str, Any], **kwargs: Any) -> Any:
         # Called on the training thread (by dcp.async_save): what its stream has queued so far wrote
-        # the tensors to be copied.
+        # the tensors to be copied. (Also the thread whose collectives the default group carries:
+        # the writers of the replicated tensors are agreed here.)
+        state_dict = self._written_here(state_dict)
         ready = None
         if self.stream is not None:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
         return self._executor.submit(self._stage, state_dict, ready)
+
+    def _written_here(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The part of ``state_dict`` this rank writes (the whole of it without a process group)."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return state_dict
+        leaves = list(_leaves(state_dict))
+        plain = tuple(
+            (".".join(path), t.numel() * t.element_size())
+            for path, t in leaves
+            if not isinstance(t, DTensor)
+        )
+        if self._writers is None or self._writers[0] != plain:
+            # Every rank's state changes alike (the optimizer's, after its first step), so every
+            # rank gathers again at the same save.
+            every: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(every, plain)
+            self._writers = (plain, writers(every))
+        owner, rank = self._writers[1], dist.get_rank()
+        kept: dict[str, Any] = {}
+        for path, t in leaves:
+            key = ".".join(path)
+            if (isinstance(t, DTensor) and _writes_replica(t, key)) or owner.get(key) == rank:
+                _set(kept, path, t)
+        return kept
+
+    def staged_bytes(self) -> int:
+        """The bytes of the buffers this rank stages into (pinned on CUDA)."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
     def synchronize_staging(self) -> None:
         pass
@@ -116,3 +152,36 @@ def _set(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
     for k in path[:-1]:
         tree = tree.setdefault(k, {})
     tree[path[-1]] = value
+
+
+def writers(every: Sequence[Sequence[tuple[str, int]]]) -> dict[str, int]:
+    """Which rank writes each plain (not DTensor) tensor, from every rank's (key, bytes) in order:
+    of the ranks that hold a key (a replicated tensor: all of a DDP group's), the one with the fewest
+    bytes to write so far (the lowest on a tie), in the order of the keys' first appearance, as
+    DCP's deduplication balances them. Every rank computes the same from the same lists."""
+    holders: dict[str, list[int]] = {}
+    size: dict[str, int] = {}
+    for rank, items in enumerate(every):
+        for key, nbytes in items:
+            holders.setdefault(key, []).append(rank)
+            size.setdefault(key, nbytes)
+    load = [0] * len(every)
+    owner: dict[str, int] = {}
+    for key, ranks in holders.items():
+        pick = min(ranks, key=lambda r: (load[r], r))
+        owner[key] = pick
+        load[pick] += size[key]
+    return owner
+
+
+def _writes_replica(t: DTensor, key: str) -> bool:
+    """Whether this rank writes its shard of ``t``: along each mesh dimension ``t`` is replicated on
+    (HSDP's replica groups), one coordinate writes it, chosen by the key so that the tensors spread
+    over the replicas; a sharded dimension's every coordinate writes its own shard."""
+    mesh = t.device_mesh
+    for dim, placement in enumerate(t.placements):
+        if isinstance(placement, Replicate):
+            size = mesh.size(dim)
+            if size > 1 and mesh.get_local_rank(dim) != zlib.crc32(key.encode()) % size:
+                return False
+    return True
