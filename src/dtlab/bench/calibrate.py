@@ -23,11 +23,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dtlab.errors import DtlabError
+
+if TYPE_CHECKING:
+    from dtlab.bench.link import Link
 
 BASE = [
     "model.preset=tiny",
@@ -121,6 +124,141 @@ def predict(overrides: list[str], nproc: int, device: Any) -> dict[str, float]:
     }
 
 
+# (model, layout name, processes, the layout's overrides): one row of the grid to run
+_Layout = tuple[str, str, int, list[str]]
+
+
+def _grid(quick: bool, models: list[str] | None) -> list[_Layout]:
+    """The layouts to run: tiny's grid (its two smallest under ``quick``), small's beside it, of
+    ``models`` only."""
+    grid = [("tiny", *g) for g in GRID]
+    if quick:
+        grid = [g for g in grid if g[1] in QUICK]
+        grid = [g for g in grid if g[2] == min(n for _, name, n, _ in grid if name == g[1])]
+    elif models is None or "small" in models:
+        grid += [("small", *g) for g in SMALL_GRID]
+    if models is not None:
+        grid = [g for g in grid if g[0] in models]
+    return grid
+
+
+def _on_link(device: Any, rate: float, link: Link, nproc: int) -> Any:
+    """``device`` on a capped link of ``rate`` bits/s: the namespace's loopback carries every
+    rank's traffic, so each gets its share."""
+    per_rank = rate / 8 / 1e9 / nproc
+    rates = {
+        k: v if k == "sync_s" else min(v, per_rank)
+        for k, v in (device.collective_gbps or {}).items()
+    }
+    return replace(
+        device, intra_node_gbps=per_rank, inter_node_gbps=per_rank,
+        collective_gbps=rates or None,
+        intra_node_source=f"given: a link of {link.name}, measured {rate / 1e9:.3g} "
+        f"Gbit/s, shared by {nproc} ranks",
+    )  # fmt: skip
+
+
+def _row(
+    label: str, layout: _Layout, link: Link, got: dict[str, Any], want: dict[str, float]
+) -> dict[str, Any]:
+    """A measured layout's row, printed: its measured and predicted step, and the error."""
+    model, _, nproc, _ = layout
+    err = want["step_time_s"] / got["step_time_s"] - 1
+    print(
+        f"  measured {got['step_time_s']:.3f} s, predicted {want['step_time_s']:.3f} s "
+        f"({err:+.1%}; compute {want['compute_s']:.3f} s, communication "
+        f"{want['comm_s']:.3f} s of which exposed {want['exposed_s']:.3f} s)",
+        flush=True,
+    )
+    return {
+        "layout": label,
+        "model": model,
+        "nproc": nproc,
+        "link": link.name,
+        "measured_s": got["step_time_s"],
+        "measured_min_s": got["step_time_min_s"],
+        "measured_max_s": got["step_time_max_s"],
+        "predicted": want,
+        "error": err,
+    }
+
+
+@dataclass
+class _Calibration:
+    """What the runs share: this machine, its GEMM peak, the grid's settings, and the probed device
+    of each (model, processes)."""
+
+    base: Any
+    peak: float
+    steps: int
+    warmup: int
+    sets: list[str] | None
+    devices: dict[tuple[str, int], Any] = field(default_factory=dict)
+
+    def device(self, model: str, nproc: int, common: list[str]) -> Any:
+        """The probed device of ``model`` on ``nproc`` processes: at the threads each rank gets,
+        probed once."""
+        from dtlab.analysis.probe import with_probe
+        from dtlab.config import load_config
+
+        if (model, nproc) not in self.devices:
+            self.devices[model, nproc], why = with_probe(
+                self.base, load_config(None, common), nproc
+            )
+            if why:
+                raise DtlabError(f"the model cannot be probed: {why}")
+        return self.devices[model, nproc]
+
+
+def _run_link(
+    cal: _Calibration, link: Link, grid: list[_Layout], rows: list[dict[str, Any]]
+) -> None:
+    """Measure and predict the grid's layouts on ``link`` (those of ``LINKED`` on a capped one),
+    adding their rows to ``rows``."""
+    from dtlab.bench.link import link_namespace, measure_link
+
+    with link_namespace(link) as prefix:
+        rate = measure_link(prefix) if link.rate_bps else None
+        for layout in grid:
+            model, name, nproc, extra = layout
+            if rate and name not in LINKED:
+                continue
+            common = [*BASES[model], *(cal.sets or [])]
+            overrides = [*common, *extra]
+            device = cal.device(model, nproc, common)
+            if rate:
+                device = _on_link(device, rate, link, nproc)
+            label = f"{name} ({nproc})" + (f" at {link.name}" if rate else "")
+            print(f"{label} ...", flush=True)
+            try:
+                got = measure(overrides, nproc, cal.steps, cal.warmup, prefix, cal.peak)
+            except DtlabError as e:
+                print(f"  failed: {e}", flush=True)
+                rows.append({"layout": label, "error": str(e)})
+                continue
+            rows.append(_row(label, layout, link, got, predict(overrides, nproc, device)))
+
+
+def _summary(cal: _Calibration, rows: list[dict[str, Any]], grid: list[_Layout]) -> dict[str, Any]:
+    """The rows with their summary: the errors, the ranking, and what the predictions used."""
+    errors: list[float] = [abs(r["error"]) for r in rows if isinstance(r["error"], float)]
+    worst = max((r for r in rows if isinstance(r["error"], float)), key=lambda r: abs(r["error"]))
+    devices, base = cal.devices, cal.base
+    return {
+        "rows": rows,
+        "ranking": ranking(rows),
+        "mean_abs_error": statistics.fmean(errors) if errors else None,
+        "worst": {"layout": worst["layout"], "error": worst["error"]} if errors else None,
+        "cores": os.cpu_count(),
+        "probes": {f"{m} x {n}": d.probe.as_dict() for (m, n), d in devices.items() if d.probe},
+        "collectives": {f"{m} x {n}": d.collective_gbps for (m, n), d in devices.items()},
+        "wrappers": {f"{m} x {n}": d.wrapper_s for (m, n), d in devices.items()},
+        "loopback_gbps": base.intra_node_gbps,
+        "peak_tflops": base.peak_tflops,
+        "base": {m: [*BASES[m], *(cal.sets or [])] for m in sorted({g[0] for g in grid})},
+    }
+
+
 def run(
     quick: bool,
     links: list[str],
@@ -133,92 +271,15 @@ def run(
     ``models``: of ``BASES``, all by default, tiny's two rows under ``quick``); returns the rows
     and the summary."""
     from dtlab.analysis.devices import this_machine
-    from dtlab.analysis.probe import with_probe
-    from dtlab.bench.link import link_namespace, measure_link, parse_links
-    from dtlab.config import load_config
+    from dtlab.bench.link import parse_links
 
-    grid = [("tiny", *g) for g in GRID]
-    if quick:
-        grid = [g for g in grid if g[1] in QUICK]
-        grid = [g for g in grid if g[2] == min(n for _, name, n, _ in grid if name == g[1])]
-    elif models is None or "small" in models:
-        grid += [("small", *g) for g in SMALL_GRID]
-    if models is not None:
-        grid = [g for g in grid if g[0] in models]
+    grid = _grid(quick, models)
     base = this_machine("fp32")
-    peak = base.peak_tflops["fp32"] * 1e12
-    devices: dict[tuple[str, int], Any] = {}
+    cal = _Calibration(base, base.peak_tflops["fp32"] * 1e12, steps, warmup, sets)
     rows: list[dict[str, Any]] = []
     for link in parse_links(",".join(links)):
-        with link_namespace(link) as prefix:
-            rate = measure_link(prefix) if link.rate_bps else None
-            for model, name, nproc, extra in grid:
-                if rate and name not in LINKED:
-                    continue
-                common = [*BASES[model], *(sets or [])]
-                overrides = [*common, *extra]
-                if (model, nproc) not in devices:  # the probe: at the threads each rank gets
-                    devices[model, nproc], why = with_probe(base, load_config(None, common), nproc)
-                    if why:
-                        raise DtlabError(f"the model cannot be probed: {why}")
-                device = devices[model, nproc]
-                if rate:
-                    # The namespace's loopback carries every rank's traffic: each gets its share.
-                    per_rank = rate / 8 / 1e9 / nproc
-                    rates = {
-                        k: v if k == "sync_s" else min(v, per_rank)
-                        for k, v in (device.collective_gbps or {}).items()
-                    }
-                    device = replace(
-                        device, intra_node_gbps=per_rank, inter_node_gbps=per_rank,
-                        collective_gbps=rates or None,
-                        intra_node_source=f"given: a link of {link.name}, measured {rate / 1e9:.3g} "
-                        f"Gbit/s, shared by {nproc} ranks",
-                    )  # fmt: skip
-                label = f"{name} ({nproc})" + (f" at {link.name}" if rate else "")
-                print(f"{label} ...", flush=True)
-                try:
-                    got = measure(overrides, nproc, steps, warmup, prefix, peak)
-                except DtlabError as e:
-                    print(f"  failed: {e}", flush=True)
-                    rows.append({"layout": label, "error": str(e)})
-                    continue
-                want = predict(overrides, nproc, device)
-                err = want["step_time_s"] / got["step_time_s"] - 1
-                rows.append(
-                    {
-                        "layout": label,
-                        "model": model,
-                        "nproc": nproc,
-                        "link": link.name,
-                        "measured_s": got["step_time_s"],
-                        "measured_min_s": got["step_time_min_s"],
-                        "measured_max_s": got["step_time_max_s"],
-                        "predicted": want,
-                        "error": err,
-                    }
-                )
-                print(
-                    f"  measured {got['step_time_s']:.3f} s, predicted {want['step_time_s']:.3f} s "
-                    f"({err:+.1%}; compute {want['compute_s']:.3f} s, communication "
-                    f"{want['comm_s']:.3f} s of which exposed {want['exposed_s']:.3f} s)",
-                    flush=True,
-                )
-    errors: list[float] = [abs(r["error"]) for r in rows if isinstance(r["error"], float)]
-    worst = max((r for r in rows if isinstance(r["error"], float)), key=lambda r: abs(r["error"]))
-    return {
-        "rows": rows,
-        "ranking": ranking(rows),
-        "mean_abs_error": statistics.fmean(errors) if errors else None,
-        "worst": {"layout": worst["layout"], "error": worst["error"]} if errors else None,
-        "cores": os.cpu_count(),
-        "probes": {f"{m} x {n}": d.probe.as_dict() for (m, n), d in devices.items() if d.probe},
-        "collectives": {f"{m} x {n}": d.collective_gbps for (m, n), d in devices.items()},
-        "wrappers": {f"{m} x {n}": d.wrapper_s for (m, n), d in devices.items()},
-        "loopback_gbps": base.intra_node_gbps,
-        "peak_tflops": base.peak_tflops,
-        "base": {m: [*BASES[m], *(sets or [])] for m in sorted({g[0] for g in grid})},
-    }
+        _run_link(cal, link, grid, rows)
+    return _summary(cal, rows, grid)
 
 
 def _sign(x: float) -> int:
