@@ -149,6 +149,23 @@ def _model_parallel_comm(
     gathers half-precision weights; under autocast alone the stream stays float32 (the embedding
     is not autocast, and float32 + bf16 is float32).
     """
+    act, stream = _activation_sizes(config, dims, tokens)
+    if dims.tp_enabled:
+        _tp_blocks_comm(config, part, microbatches, act, stream, comm)
+        _tp_loss_and_norms_comm(config, part, tokens, microbatches, comm)
+        if config.parallel.sequence_parallel:
+            groups["tp all_gather"] = groups["tp reduce_scatter"] = dims.tp
+        groups["tp all_reduce"] = dims.tp
+    if dims.pp_enabled:
+        shard = dims.tp if config.parallel.sequence_parallel else 1
+        # Only pipelines send: each micro-batch's activations and gradients between stages.
+        comm["send/recv"] = _pipeline_sends(part) * microbatches * stream // shard
+        groups["send/recv"] = 2
+
+
+def _activation_sizes(config: Config, dims: ParallelDims, tokens: int) -> tuple[int, int]:
+    """Bytes of a micro-batch's [tokens, dim] activations as the collectives move them: (in the
+    compute dtype, in the residual stream's dtype)."""
     m = config.model
     # Matmul outputs are in the compute dtype; the residual stream and the norms' outputs (and so
     # the gradients flowing back into the column-wise layers' inputs) in the stream's: float32
@@ -157,50 +174,65 @@ def _model_parallel_comm(
     # float32).
     act = tokens * m.dim * (2 if config.train.precision in ("bf16", "fp16") else FP32)
     stream = tokens * m.dim * (2 if fsdp_half_params(config, dims) else FP32)
-    if dims.tp_enabled:
-        ends = part.first + part.last
-        layers = part.n_layers
-        # Checkpointed blocks run forward again in backward, up to the last activation backward
-        # needs (torch stops the recomputation there): attention's collectives and the feed-forward's
-        # gather again, not the feed-forward's output (counted by `dtlab plan --check`).
-        again = layers if config.train.activation_checkpointing != "none" else 0
-        if config.parallel.sequence_parallel:
-            # Per block: the norms' outputs gathered (stream) and the wo and w2 outputs
-            # reduce-scattered (compute dtype) in forward; backward mirrors each in the other's.
-            per = 2 * layers * (stream + act) + ends * stream
-            comm["tp all_gather"] = microbatches * (per + 2 * again * stream)
-            comm["tp reduce_scatter"] = microbatches * (per + again * act)
-            groups["tp all_gather"] = groups["tp reduce_scatter"] = dims.tp
-        else:
-            # Forward: wo's and w2's outputs (compute dtype); backward: the input gradients of q, k,
-            # v, w1, w3 and the ends' (stream).
-            comm["tp all_reduce"] = microbatches * (
-                (2 * layers + again) * act + (5 * layers + ends) * stream
-            )
-            # An MoE block's feed-forward is whole on every rank: no w2 output to reduce in
-            # forward, no w1 and w3 input gradients in backward.
-            here = moe.moe_blocks(moe.part_model(m, part.n_stages, part.stages))
-            comm["tp all_reduce"] -= microbatches * here * (act + 2 * stream)
-        comm["tp all_reduce"] = comm.get("tp all_reduce", 0) + (
-            3 * microbatches * tokens * FP32 if part.last else 0
-        )
-        if config.parallel.sequence_parallel:
-            # The norms' weights are whole on every rank while their inputs are sequence shards:
-            # their float32 gradients are all-reduced once per step.
-            norms = 2 * part.n_layers + part.last
-            comm["tp all_reduce"] += norms * m.dim * FP32
-        groups["tp all_reduce"] = dims.tp
-    if dims.pp_enabled:
-        shard = dims.tp if config.parallel.sequence_parallel else 1
-        # Each stage's outputs forward and its input gradients back, except to a stage on the same
-        # rank (a V schedule's two middle stages pass them directly).
-        sends = sum(
-            (sid != part.n_stages - 1 and sid + 1 not in part.stages)
-            + (sid != 0 and sid - 1 not in part.stages)
-            for sid in part.stages
-        )
-        comm["send/recv"] = sends * microbatches * stream // shard  # only pipelines send
-        groups["send/recv"] = 2
+    return act, stream
+
+
+def _tp_blocks_comm(
+    config: Config, part: RankPart, microbatches: int, act: int, stream: int, comm: dict[str, int]
+) -> None:
+    """Tensor parallelism's collectives of the rank's blocks and ends (embedding, output) into
+    ``comm``: all-gathers and reduce-scatters under sequence parallelism, else all-reduces
+    (``act``, ``stream``: a micro-batch's activations in the compute and the stream's dtype)."""
+    m = config.model
+    ends = part.first + part.last
+    layers = part.n_layers
+    # Checkpointed blocks run forward again in backward, up to the last activation backward
+    # needs (torch stops the recomputation there): attention's collectives and the feed-forward's
+    # gather again, not the feed-forward's output (counted by `dtlab plan --check`).
+    again = layers if config.train.activation_checkpointing != "none" else 0
+    if config.parallel.sequence_parallel:
+        # Per block: the norms' outputs gathered (stream) and the wo and w2 outputs
+        # reduce-scattered (compute dtype) in forward; backward mirrors each in the other's.
+        per = 2 * layers * (stream + act) + ends * stream
+        comm["tp all_gather"] = microbatches * (per + 2 * again * stream)
+        comm["tp reduce_scatter"] = microbatches * (per + again * act)
+        return
+    # Forward: wo's and w2's outputs (compute dtype); backward: the input gradients of q, k,
+    # v, w1, w3 and the ends' (stream).
+    comm["tp all_reduce"] = microbatches * (
+        (2 * layers + again) * act + (5 * layers + ends) * stream
+    )
+    # An MoE block's feed-forward is whole on every rank: no w2 output to reduce in
+    # forward, no w1 and w3 input gradients in backward.
+    here = moe.moe_blocks(moe.part_model(m, part.n_stages, part.stages))
+    comm["tp all_reduce"] -= microbatches * here * (act + 2 * stream)
+
+
+def _tp_loss_and_norms_comm(
+    config: Config, part: RankPart, tokens: int, microbatches: int, comm: dict[str, int]
+) -> None:
+    """Tensor parallelism's all-reduces beyond the blocks' into ``comm``: the vocabulary-parallel
+    loss's three floats a token (the last stage), and under sequence parallelism the norms'
+    weight gradients once a step."""
+    comm["tp all_reduce"] = comm.get("tp all_reduce", 0) + (
+        3 * microbatches * tokens * FP32 if part.last else 0
+    )
+    if config.parallel.sequence_parallel:
+        # The norms' weights are whole on every rank while their inputs are sequence shards:
+        # their float32 gradients are all-reduced once per step.
+        norms = 2 * part.n_layers + part.last
+        comm["tp all_reduce"] += norms * config.model.dim * FP32
+
+
+def _pipeline_sends(part: RankPart) -> int:
+    """Sends of a micro-batch by the rank's stages: each stage's outputs forward and its input
+    gradients back, except to a stage on the same rank (a V schedule's two middle stages pass them
+    directly)."""
+    return sum(
+        (sid != part.n_stages - 1 and sid + 1 not in part.stages)
+        + (sid != 0 and sid - 1 not in part.stages)
+        for sid in part.stages
+    )
 
 
 def is_muon_shape(s: ParamShape) -> bool:
