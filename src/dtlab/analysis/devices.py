@@ -275,18 +275,39 @@ def measure_group_gbps(
     seconds a collective costs beyond its bytes among ranks that compute at ``threads`` threads
     each (see ``_SYNC``). Raises ``RuntimeError`` when it cannot be measured."""
     import torch.distributed as dist
-    from torch._C._distributed_c10d import ProcessGroupGloo
 
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=timeout, wait_for_workers=False)
     numel = max(world, nbytes // 4 // world * world)
-    children = [
+    children = _start_group_children(store.port, world, numel, repeats, timeout_s, threads)
+    try:
+        _await_group(store, children, timeout_s, "a process of the group")
+        pg = _gloo_group(store, world, timeout)
+        out = _time_collectives(pg, world, numel, repeats)
+        out["sync_s"] = _sync_seconds(pg, threads)
+        pg.shutdown()
+        for c in children:
+            c.wait(timeout=timeout_s)
+    finally:
+        for c in children:
+            if c.poll() is None:
+                c.kill()
+                c.wait()
+    return out
+
+
+def _start_group_children(
+    port: int, world: int, numel: int, repeats: int, timeout_s: float, threads: int
+) -> list[subprocess.Popen[str]]:
+    """Start ranks 1 to ``world - 1`` of the measured group (``_GROUP_CHILD``), each to join the
+    store on ``port`` and run the same collectives and ``_SYNC`` as this process, rank 0."""
+    return [
         subprocess.Popen(
             [
                 sys.executable,
                 "-c",
                 _GROUP_CHILD,
-                str(store.port),
+                str(port),
                 str(world),
                 str(r),
                 str(numel),
@@ -303,45 +324,52 @@ def measure_group_gbps(
         )
         for r in range(1, world)
     ]
-    try:
-        _await_group(store, children, timeout_s, "a process of the group")
-        opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-        opts._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-        opts._timeout = timeout
-        pg = ProcessGroupGloo(store, 0, world, opts)
-        full, part, other = torch.ones(numel), torch.ones(numel // world), torch.ones(numel)
-        calls = {
-            "all_reduce": lambda: pg.allreduce([full]),  # type: ignore[attr-defined]
-            "all_gather": lambda: pg._allgather_base(full, part),  # type: ignore[attr-defined]
-            "reduce_scatter": lambda: pg._reduce_scatter_base(part, full),  # type: ignore[attr-defined]
-            "all_to_all": lambda: pg.alltoall_base(other, full, [], []),  # type: ignore[attr-defined]
-        }
-        out = {}
-        for kind in GROUP_KINDS:
-            times = []
-            for _ in range(repeats + 1):
-                t0 = time.perf_counter()
-                calls[kind]().wait()
-                times.append(time.perf_counter() - t0)
-            ring = (2 if kind == "all_reduce" else 1) * (world - 1) / world
-            out[kind] = numel * 4 * ring / statistics.median(times[1:]) / 1e9
-        space: dict[str, Any] = {"torch": torch, "time": time, "pg": pg, "threads": threads}
-        space.update(SYNC_SIZE=SYNC_SIZE, SYNC_ITERS=SYNC_ITERS)
-        old = torch.get_num_threads()
-        try:
-            exec(_SYNC, space)
-        finally:
-            torch.set_num_threads(old)
-        out["sync_s"] = max(0.0, (space["both"] - space["alone"]) / SYNC_ITERS)
-        pg.shutdown()
-        for c in children:
-            c.wait(timeout=timeout_s)
-    finally:
-        for c in children:
-            if c.poll() is None:
-                c.kill()
-                c.wait()
+
+
+def _gloo_group(store: Any, world: int, timeout: datetime.timedelta) -> Any:
+    """This process as rank 0 of a gloo group of ``world`` over loopback: a group of its own (not
+    the default one), so nothing global changes in this process."""
+    from torch._C._distributed_c10d import ProcessGroupGloo
+
+    opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    opts._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    opts._timeout = timeout
+    return ProcessGroupGloo(store, 0, world, opts)
+
+
+def _time_collectives(pg: Any, world: int, numel: int, repeats: int) -> dict[str, float]:
+    """GB/s this rank sends in each collective of ``GROUP_KINDS`` on ``numel`` float32 elements:
+    a ring's bytes per rank over the median of ``repeats`` timed calls after one warm-up."""
+    full, part, other = torch.ones(numel), torch.ones(numel // world), torch.ones(numel)
+    calls = {
+        "all_reduce": lambda: pg.allreduce([full]),
+        "all_gather": lambda: pg._allgather_base(full, part),
+        "reduce_scatter": lambda: pg._reduce_scatter_base(part, full),
+        "all_to_all": lambda: pg.alltoall_base(other, full, [], []),
+    }
+    out = {}
+    for kind in GROUP_KINDS:
+        times = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            calls[kind]().wait()
+            times.append(time.perf_counter() - t0)
+        ring = (2 if kind == "all_reduce" else 1) * (world - 1) / world
+        out[kind] = numel * 4 * ring / statistics.median(times[1:]) / 1e9
     return out
+
+
+def _sync_seconds(pg: Any, threads: int) -> float:
+    """The seconds a collective costs beyond its bytes among ranks that compute at ``threads``
+    threads each (``_SYNC``, run in step with the other ranks); this process's threads put back."""
+    space: dict[str, Any] = {"torch": torch, "time": time, "pg": pg, "threads": threads}
+    space.update(SYNC_SIZE=SYNC_SIZE, SYNC_ITERS=SYNC_ITERS)
+    old = torch.get_num_threads()
+    try:
+        exec(_SYNC, space)
+    finally:
+        torch.set_num_threads(old)
+    return max(0.0, (space["both"] - space["alone"]) / SYNC_ITERS)
 
 
 def _await_group(
