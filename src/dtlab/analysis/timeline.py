@@ -294,30 +294,11 @@ def step_timeline(
     base = {"params": s.params, "optimizer": s.optimizer}
     for k in range(1, accum + 1):
         last = k == accum
+        mb = _MicroBatch(t, base, s.buffers, k, kept, loss_part, blocks, loss)
         if fsdp is not None:
-            _fsdp_micro_batch(t, s, base, k, last, kept, loss_part, blocks, loss, fsdp)
+            _fsdp_micro_batch(mb, s, last, fsdp)
         else:
-            # Gradients alive as micro-batch k starts: DDP's buckets always, otherwise those of
-            # the micro-batches before it; the first micro-batch makes them block by block.
-            whole = grads_persist or k > 1
-            per, outside = unbucketed if grads_persist and k == 1 else (0, 0)
-            earlier = s.grads - per * outside if whole else 0
-
-            def at_block(
-                j: int, whole: bool = whole, earlier: int = earlier, per: int = per,
-                outside: int = outside,
-            ) -> tuple[int, int, int]:  # fmt: skip
-                # The blocks above j made their gradients (and the output's came first).
-                above = len(blocks) - 1 - j
-                made = (
-                    s.head_grads
-                    + sum(b.shape.grads for b in blocks[j + 1 :])
-                    + blocks[j].shape.w2_grad
-                )
-                return (earlier + per * min(outside, above) if whole else made), 0, 0
-
-            _micro_batch(t, base, s.buffers, k, kept, loss_part, blocks, loss, (earlier, 0, 0),
-                         at_block)  # fmt: skip
+            _replicated_micro_batch(mb, s, grads_persist, unbucketed)
         t.add(
             Moment(
                 f"after backward {k}", "the gradients' sync and clipping", **base, grads=s.grads,
@@ -328,15 +309,49 @@ def step_timeline(
     return t
 
 
+@dataclass(frozen=True)
+class _MicroBatch:
+    """Micro-batch ``k`` of a step as its moments go into ``t``: ``base`` the rank's own
+    parameters and optimizer state, ``buffers`` its module buffers, ``kept`` what its forward
+    keeps for backward (``loss_part`` of it the loss's, final norm's and output's), ``blocks``
+    the rank's blocks, ``loss`` what the loss makes over the vocabulary (None: no loss here)."""
+
+    t: Timeline
+    base: dict[str, int]
+    buffers: int
+    k: int
+    kept: int
+    loss_part: int
+    blocks: list[BlockKind]
+    loss: LossShape | None
+
+    def add(self, where: str, phase: str = "backward", **parts: int) -> None:
+        """Record a point of micro-batch k's ``phase`` (``where`` it is) with its ``parts``."""
+        self.t.add(Moment(f"{phase} {self.k}", where, **self.base, **parts))
+
+
+def _replicated_micro_batch(
+    mb: _MicroBatch, s: RankState, grads_persist: bool, unbucketed: tuple[int, int]
+) -> None:
+    """Micro-batch k where every rank holds the whole model (DDP, or one process): the gradients
+    alive as it starts are DDP's buckets always, otherwise those of the micro-batches before it;
+    the first micro-batch makes them block by block."""
+    blocks = mb.blocks
+    whole = grads_persist or mb.k > 1
+    per, outside = unbucketed if grads_persist and mb.k == 1 else (0, 0)
+    earlier = s.grads - per * outside if whole else 0
+
+    def at_block(j: int) -> tuple[int, int, int]:
+        # The blocks above j made their gradients (and the output's came first).
+        above = len(blocks) - 1 - j
+        made = s.head_grads + sum(b.shape.grads for b in blocks[j + 1 :]) + blocks[j].shape.w2_grad
+        return (earlier + per * min(outside, above) if whole else made), 0, 0
+
+    _micro_batch(mb, (earlier, 0, 0), at_block)
+
+
 def _micro_batch(
-    t: Timeline,
-    base: dict[str, int],
-    buffers: int,
-    k: int,
-    kept: int,
-    loss_part: int,
-    blocks: list[BlockKind],
-    loss: LossShape | None,
+    mb: _MicroBatch,
     at_loss: tuple[int, int, int],
     at_block: Callable[[int], tuple[int, int, int]],
     output: tuple[int, int, int] | None = None,
@@ -346,79 +361,80 @@ def _micro_batch(
     block j's feed-forward backward. Blocks are looked at where backward's figures change their
     course: the last (nothing of it reduced yet), the one below it, the second and the first (the
     blocks between follow a straight line from one to the other)."""
+    _loss_points(mb, at_loss, output)
+    for j in _block_points(mb.blocks):
+        _block_backward(mb, j, at_block(j))
+
+
+def _loss_points(
+    mb: _MicroBatch, at_loss: tuple[int, int, int], output: tuple[int, int, int] | None
+) -> None:
+    """The forward's end (at the loss, or the last block without one), the loss's backward and,
+    where ``output`` is given, the output projection's backward."""
+    loss, kept, buffers = mb.loss, mb.kept, mb.buffers
     fwd = kept + (loss.forward_extra() if loss else 0)
     where = "the loss" if loss else "the last block"
     grads, temps, gathered = at_loss
-    t.add(Moment(f"forward {k}", where, **base, grads=grads, activations=fwd,
-                 temporaries=temps, buffers=buffers + gathered))  # fmt: skip
-    if loss is not None:
-        t.add(
-            Moment(
-                f"backward {k}", "the loss's backward (its gradients over the vocabulary)", **base,
-                grads=grads, activations=kept - loss.freed_before_backward(),
-                temporaries=temps + loss.backward_extra(), buffers=buffers + gathered,
-            )
+    mb.add(where, "forward", grads=grads, activations=fwd, temporaries=temps,
+           buffers=buffers + gathered)  # fmt: skip
+    if loss is None:
+        return
+    mb.add(
+        "the loss's backward (its gradients over the vocabulary)", grads=grads,
+        activations=kept - loss.freed_before_backward(),
+        temporaries=temps + loss.backward_extra(), buffers=buffers + gathered,
+    )  # fmt: skip
+    if output is not None:
+        # The output projection's backward: what it frees, makes (FSDP's prefetch of the last
+        # block among it) and gathers (FSDP's root).
+        freed, made, gathering = output
+        mb.add(
+            "the output projection's backward", grads=grads, activations=kept - freed,
+            temporaries=temps + made, buffers=buffers + gathered + gathering,
         )  # fmt: skip
-        if output is not None:
-            # The output projection's backward: what it frees, makes (FSDP's prefetch of the last
-            # block among it) and gathers (FSDP's root).
-            freed, made, gathering = output
-            t.add(
-                Moment(
-                    f"backward {k}", "the output projection's backward", **base, grads=grads,
-                    activations=kept - freed, temporaries=temps + made,
-                    buffers=buffers + gathered + gathering,
-                )
-            )  # fmt: skip
+
+
+def _block_points(blocks: list[BlockKind]) -> list[int]:
+    """The blocks whose backward is looked at, from the last down: the last, the one below it, the
+    second and the first, and where the blocks differ (a mixture of experts' dense and MoE
+    blocks), each kind's last."""
     n_blocks = len(blocks)
     points = {n_blocks - 1, max(0, n_blocks - 2), min(1, n_blocks - 1), 0}
-    # Where the blocks differ (a mixture of experts' dense and MoE blocks), each kind's last.
     points |= {j for j in range(n_blocks - 1) if blocks[j] != blocks[j + 1]}
-    for j in sorted(points, reverse=True):
-        block = blocks[j].shape
-        again, gone = blocks[j].recompute
-        # What forward kept of the blocks above j is freed by their backward.
-        alive = kept - loss_part - sum(b.kept for b in blocks[j + 1 :])
-        g, tmp, gath = at_block(j)
-        name = f"block {j}" + (" (the last)" if j == n_blocks - 1 else "")
-        if again:
-            # A checkpointed block at the end of its recomputation, before its backward.
-            t.add(
-                Moment(
-                    f"backward {k}", f"{name} recomputed", **base,
-                    grads=g - block.w2_grad, activations=alive + again,
-                    temporaries=tmp + block.incoming, buffers=buffers + gath,
-                )
-            )  # fmt: skip
-        t.add(
-            Moment(
-                f"backward {k}", f"{name}'s feed-forward backward", **base, grads=g,
-                activations=alive + again - gone - block.freed,
-                temporaries=tmp + block.temps, buffers=buffers + gath,
-            )
-        )  # fmt: skip
-        t.add(
-            Moment(
-                f"backward {k}", f"{name}'s feed-forward norm's backward", **base,
-                grads=g + 2 * block.w2_grad + block.dim * block.grad_element,
-                activations=alive + again - block.norm_freed,
-                temporaries=tmp + block.norm_temps, buffers=buffers + gath,
-            )
-        )  # fmt: skip
+    return sorted(points, reverse=True)
 
 
-def _fsdp_micro_batch(
-    t: Timeline,
-    s: RankState,
-    base: dict[str, int],
-    k: int,
-    last: bool,
-    kept: int,
-    loss_part: int,
-    blocks: list[BlockKind],
-    loss: LossShape | None,
-    fsdp: FsdpUnits,
-) -> None:
+def _block_backward(mb: _MicroBatch, j: int, held: tuple[int, int, int]) -> None:
+    """Block j's backward points: its recomputation's end (a checkpointed block), its
+    feed-forward's backward and its feed-forward norm's; ``held``: (gradients, temporaries,
+    gathered parameters) the wrappers hold then."""
+    block = mb.blocks[j].shape
+    again, gone = mb.blocks[j].recompute
+    # What forward kept of the blocks above j is freed by their backward.
+    alive = mb.kept - mb.loss_part - sum(b.kept for b in mb.blocks[j + 1 :])
+    g, tmp, gath = held
+    buffers = mb.buffers + gath
+    name = f"block {j}" + (" (the last)" if j == len(mb.blocks) - 1 else "")
+    if again:
+        # A checkpointed block at the end of its recomputation, before its backward.
+        mb.add(
+            f"{name} recomputed", grads=g - block.w2_grad, activations=alive + again,
+            temporaries=tmp + block.incoming, buffers=buffers,
+        )  # fmt: skip
+    mb.add(
+        f"{name}'s feed-forward backward", grads=g,
+        activations=alive + again - gone - block.freed, temporaries=tmp + block.temps,
+        buffers=buffers,
+    )  # fmt: skip
+    mb.add(
+        f"{name}'s feed-forward norm's backward",
+        grads=g + 2 * block.w2_grad + block.dim * block.grad_element,
+        activations=alive + again - block.norm_freed, temporaries=tmp + block.norm_temps,
+        buffers=buffers,
+    )  # fmt: skip
+
+
+def _fsdp_micro_batch(mb: _MicroBatch, s: RankState, last: bool, fsdp: FsdpUnits) -> None:
     """Micro-batch k under FSDP: the root is gathered for its backward to the end of it (with its
     output's and final norm's unsharded gradients, reduce-scattered with the embedding's at the
     end); each block is gathered for its backward, the next one prefetched
@@ -428,6 +444,7 @@ def _fsdp_micro_batch(
     # Resharded after forward (full): nothing stays gathered at the loss; the root and each block
     # are gathered again for their backward. Otherwise every unit stays gathered until its own
     # backward is done.
+    blocks, k, loss = mb.blocks, mb.k, mb.loss
     n_blocks, block = len(blocks), blocks[-1].shape
     gathered_fwd = 0 if fsdp.reshard else fsdp.root + sum(b.unit for b in blocks)
     held = s.grads if k > 1 else 0  # the shards of the micro-batches before
@@ -458,5 +475,4 @@ def _fsdp_micro_batch(
         # buffer of backward's until that block's backward).
         freed, made_out = loss.at_output(block.dim, block.compute, block.grad_element)
         output = (freed, made_out + blocks[-1].unit, fsdp.root)
-    _micro_batch(t, base, s.buffers, k, kept, loss_part, blocks, loss,
-                 (shards, partial, gathered_fwd), at_block, output)  # fmt: skip
+    _micro_batch(mb, (shards, partial, gathered_fwd), at_block, output)
