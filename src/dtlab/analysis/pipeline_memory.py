@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from dtlab.analysis import moe
@@ -18,8 +17,15 @@ from dtlab.analysis.activations import (
     fsdp_half_params,
     kernel_bytes,
 )
+from dtlab.analysis.pipeline_steps import (
+    PipelineSteps,
+    StageFigures,
+    StageFsdp,
+    StageGrads,
+    StageOp,
+)
 from dtlab.analysis.shapes import RankPart
-from dtlab.analysis.timeline import BlockShape, LossShape, Moment, RankState, Timeline
+from dtlab.analysis.timeline import BlockShape, LossShape, RankState, Timeline
 from dtlab.config import ZERO_BUBBLE_SCHEDULES, Config
 from dtlab.dims import ParallelDims, stage_ids
 
@@ -139,29 +145,6 @@ def _zero_bubble_orders(
     except (AttributeError, TypeError, ValueError):
         return None
     return orders
-
-
-@dataclass(frozen=True)
-class StageFigures:
-    """A pipeline rank's stages as its schedule sees them: a micro-batch's activations on each
-    (``per_mb``), autocast's weight copies of each (made at its first forward, kept through the
-    step), and the sizes of a stage's boundary buffers (``stream``, one micro-batch's residual
-    stream) and of the last stage's logits of a micro-batch."""
-
-    per_mb: list[int]
-    copies: list[int]
-    stream: int
-    logits: int
-    # Under a zero-bubble schedule, what a stage's input half leaves for its weight half: the
-    # gradient of each weight's output, kept from the one to the other.
-    captured: list[int] = dataclasses.field(default_factory=list)
-    # A V schedule's stages next to each other on one rank pass their tensors directly: the
-    # later stage's input gradients become the earlier one's output-gradient buffers, made in
-    # backward and kept to the next step's (``microbatches`` of the stream each).
-    local: int = 0
-    # The last stage's float32 log-softmax of a micro-batch: a zero-bubble input half frees it (the
-    # loss sits above the output projection, whose weight half needs only the logits' gradient).
-    log_softmax: int = 0
 
 
 def stage_figures(
@@ -349,41 +332,6 @@ def _pipeline_bytes(
     return held + 2 * microbatches * tokens * 8
 
 
-@dataclass(frozen=True)
-class StageGrads:
-    """A stage's gradients as backward makes them (bytes): every one of its parameters', its
-    blocks', and its output's and final norm's (the last stage's) and embedding's (the first's)."""
-
-    total: int
-    blocks: int
-    head: int
-    embed: int
-
-
-@dataclass(frozen=True)
-class StageFsdp:
-    """FSDP under a pipeline (bytes gathered, in the dtype it gathers in): each stage's root parts
-    (its embedding, final norm and output), one block; ``reshard``: units are freed after each
-    forward (sharding ``full``) and gathered again for backward, where they stay (torch's schedule
-    turns resharding after backward off); ``buffered``: the gradients it accumulates unsharded
-    across micro-batches live in float32 buffers of its own (half-precision parameters) rather than
-    as the parameters' own gradients; ``shards``: each stage's gradient shards (float32), what
-    its reduction leaves; ``scatter``: the ranks each unit's gradients are reduce-scattered over.
-
-    torch's schedule reduces a stage's gradients after its last backward (``REDUCE_GRAD``: at the
-    step's end under single-stage schedules, between the others' backwards under multi-stage ones),
-    and reshards its units then: unit by unit, each copied into a float32 buffer to reduce-scatter
-    (the first unit's, beside all the stage's unsharded gradients, is its reduction's peak).
-    """
-
-    roots: list[int]
-    block: int
-    reshard: bool
-    buffered: bool
-    shards: list[int]
-    scatter: int
-
-
 def pipeline_timeline(
     state: RankState,
     part: RankPart,
@@ -412,284 +360,23 @@ def pipeline_timeline(
     Autocast's weight copies live through the step (one autocast region around the schedule).
     ``stage_blocks``: each stage's block shape where they differ (an MoE model's dense and MoE
     stages), by default ``block`` on every stage."""
-    t = Timeline()
-    base = {"params": state.params, "optimizer": state.optimizer}
-    n_blocks = [max(1, n) for n in n_blocks]
-    shapes = [b.kept_copies() for b in stage_blocks or [block] * len(part.stages)]
-    copies = [b.copy for b in stage_blocks or [block] * len(part.stages)]
-    w2_copy = block.copy
-    block = block.kept_copies()
-    done = [False] * len(part.stages)
-    forwards = 0
-    sending = 0  # the last backward's input gradient, sent back, alive until the next's
-
-    made_n = 0  # the gradients of the stages done (each stage's made at its first backward)
-    shards_n = 0  # the gradient shards of the stages reduced
-    buffered_grads = fsdp is not None and fsdp.buffered
-
-    def made() -> tuple[int, int]:
-        """The gradients of the stages done: (as the parameters', in FSDP's buffers); the shards
-        of the stages reduced are the parameters'."""
-        local = figures.local + sent
-        return (shards_n, made_n + local) if buffered_grads else (made_n + shards_n, local)
-
-    def gathered(i: int | None, blocks: int) -> int:
-        """FSDP's gathered units of the stages not yet reduced: where not resharded after forward,
-        every stage's that has run; else the stages whose last op was a backward, whole (the
-        schedule turns resharding after backward off; their next forward reshards them), and
-        stage ``i`` in a backward after a forward, its root and ``blocks`` of its blocks."""
-        if fsdp is None:
-            return 0
-        out = 0
-        for j, was_backward in enumerate(after_backward):
-            if reduced[j]:
-                continue
-            if was_backward or (started[j] and not fsdp.reshard):
-                out += fsdp.roots[j] + n_blocks[j] * fsdp.block
-            elif j == i:
-                out += fsdp.roots[j] + blocks * fsdp.block
-        return out
-
-    pending = 0  # the output gradients zero-bubble input halves keep for their weight halves
-    # Under a zero-bubble schedule (torch's runtime waits for its sends at the step's end) the
-    # input gradients sent to the previous rank, alive to the step's end.
-    split = any(kind in ("I", "W") for kind, _, _, _ in walk)
-    sent = 0
-
-    def _split_backward(
-        t: Timeline, kind: str, i: int, sid: int, last: bool, name: str, forwards: int,
-        held: int, pending: int,
-    ) -> int:  # fmt: skip
-        """A zero-bubble schedule's backward in two: its input half (``I``) keeps the
-        micro-batch's activations and the gradient of every weight's output for its weight half
-        (``W``), which makes the weights' gradients and frees both. Returns what is then kept for
-        weight halves to come."""
-        nonlocal made_n, sent
-        g_kept, t_kept = made()
-        bufs = state.buffers
-        captured = figures.captured[i]
-        if kind == "I":
-            if last and loss is not None:
-                t.add(Moment(name, "the loss's backward (its gradients over the vocabulary)",
-                             **base, grads=g_kept,
-                             activations=held - loss.freed_before_backward(),
-                             temporaries=t_kept + sending + pending + loss.backward_extra(),
-                             buffers=bufs))  # fmt: skip
-            t.add(Moment(name, "the input gradients made (the weights' wait)", **base,
-                         grads=g_kept, activations=held,
-                         temporaries=t_kept + sending + pending + captured + block.norm_temps
-                         - (0 if last else block.incoming),
-                         buffers=bufs))  # fmt: skip
-            pending += captured
-            sent += figures.stream if sid - 1 not in part.stages else 0
-            g_kept, t_kept = made()
-            t.add(Moment(f"after backward {forwards}", "between backward and the next forward",
-                         **base, grads=g_kept, activations=held,
-                         temporaries=t_kept + sending + pending, buffers=bufs))  # fmt: skip
-            return pending
-        t.add(Moment(name, "the weight gradients made", **base, grads=g_kept, activations=held,
-                     temporaries=t_kept + sending + pending + block.w2_grad, buffers=bufs))  # fmt: skip
-        pending -= captured
-        if last:  # its micro-batch's log-softmax, freed at its input half, is not freed again
-            held += figures.log_softmax
-        if not done[i]:
-            made_n += grads[i].total
-        done[i] = True
-        g_kept, t_kept = made()
-        left = held - figures.per_mb[i] - (0 if last else figures.stream)
-        t.add(Moment(f"after backward {forwards}", "between backward and the next forward",
-                     **base, grads=g_kept, activations=left,
-                     temporaries=t_kept + sending + pending, buffers=bufs))  # fmt: skip
-        return pending
-
-    after_backward = [False] * len(part.stages)
-    started, reduced = [False] * len(part.stages), [False] * len(part.stages)
-    backwards = [
-        sum(1 for kind, j, _, _ in walk if kind in ("B", "W") and j == i)
-        for i in range(len(started))
-    ]
+    per_stage = stage_blocks or [block] * len(part.stages)
+    steps = PipelineSteps(
+        Timeline(), state, part, figures, tokens, walk, grads,
+        n_blocks=[max(1, n) for n in n_blocks], loss_part=loss_part, loss=loss,
+        recompute=recompute, fsdp=fsdp, shapes=[b.kept_copies() for b in per_stage],
+        copies=[b.copy for b in per_stage],
+    )  # fmt: skip
     for step, (kind, i, held, _) in enumerate(walk):
         sid = part.stages[i]
-        block, w2_copy = shapes[i], copies[i]
-        last = sid == part.n_stages - 1
-        g_kept, t_kept = made()
+        op = StageOp(i, sid, sid == part.n_stages - 1, held)
         if kind == "F":
-            forwards += 1
-            after_backward[i] = False
-            started[i] = True
-            extra = loss.forward_extra() if last and loss is not None else 0
-            t.add(Moment(f"forward {forwards}", "the loss" if extra else "a stage's forward",
-                         **base, grads=g_kept, activations=held + extra,
-                         temporaries=t_kept + sending,
-                         buffers=state.buffers + gathered(None, 0)))  # fmt: skip
-            if fsdp is not None and fsdp.reshard and not last:
-                # Inside the stage's last block, at its feed-forward's end: the stage's root and
-                # the block gathered, FSDP's flat all-gather buffer of the block (made in forward,
-                # kept until the next unit's all-gather or the stage's end), and the block's own
-                # transients, three of the residual stream's size in the compute dtype (measured
-                # by `dtlab plan --check` with FSDP, FSDP x TP and FSDP x TP x SP pipelines).
-                # Over a shard group of one rank (DDP beside a pipeline: FSDP2 replicating) FSDP2
-                # copies each shard into its parameter without an all-gather: no flat buffer, and
-                # two such transients (measured alike, without sequence parallelism).
-                flat = fsdp.block if fsdp.scatter > 1 else 0
-                transient = (3 if flat else 2) * tokens * block.dim * block.compute
-                t.add(Moment(f"forward {forwards}", "the stage's last block's feed-forward", **base,
-                             grads=g_kept, activations=held + flat + transient,
-                             temporaries=t_kept + sending,
-                             buffers=state.buffers + gathered(None, 0) + fsdp.roots[i]
-                             + fsdp.block))  # fmt: skip
-            continue
-        name = f"backward {forwards}"
-        if kind in ("I", "W"):
-            pending = _split_backward(t, kind, i, sid, last, name, forwards, held, pending)
-            continue
-        first_time = not done[i]
-        g = grads[i]
-        # The residual gradient into a stage before the last is its receive buffer (counted).
-        temps = block.temps - (0 if last else block.incoming)
-        if recompute[0] and w2_copy and not first_time:
-            # A recomputed block under autocast whose gradients accumulate into the stage's:
-            # the down projection's weight gradient stays in the compute dtype through the
-            # feed-forward's backward, and on the last stage so does the residual gradient's
-            # cast (measured by `dtlab plan --check`).
-            temps += w2_copy + (block.compute * tokens * block.dim if last else 0)
-        grows = first_time or (fsdp is not None and fsdp.buffered)
-        per_block = g.blocks // n_blocks[i]
-        # FSDP gathers the stage's units for a backward after a forward (resharded by it), the
-        # next block prefetched; after a backward they are all still gathered.
-        regather = fsdp is not None and fsdp.reshard and not after_backward[i]
-        prefetch = fsdp.block if fsdp is not None and regather and n_blocks[i] > 1 else 0
-        if last and loss is not None:
-            t.add(Moment(name, "the loss's backward (its gradients over the vocabulary)", **base,
-                         grads=g_kept, activations=held - loss.freed_before_backward(),
-                         temporaries=t_kept + sending + loss.backward_extra(),
-                         buffers=state.buffers + gathered(None, 0)))  # fmt: skip
-        if last and loss is not None and fsdp is not None and regather:
-            # The output projection's backward, with FSDP's prefetch of the stage's last block.
-            freed, out = loss.at_output(block.dim, block.compute, block.grad_element)
-            t.add(Moment(name, "the output projection's backward", **base, grads=g_kept,
-                         activations=held - freed,
-                         temporaries=t_kept + sending + out + fsdp.block,
-                         buffers=state.buffers + gathered(i, 0)))  # fmt: skip
-        top_alive = held - (loss_part if last else 0)
-        own = figures.per_mb[i] - (loss_part if last else 0)
-        bottom_alive = top_alive - own + own // n_blocks[i]
-        again, gone = recompute
-        # The stage's last block, its second (with FSDP regathering, the last point with a block
-        # prefetched, one block's activations more than the first) and its first.
-        n = n_blocks[i]
-        points = [("last", top_alive, 0, prefetch)]
-        if n > 2:
-            points.append(("second", bottom_alive + own // n, n - 2, prefetch))
-        if n > 1:
-            points.append(("first", bottom_alive, n - 1, 0))
-        buffered = fsdp is not None and fsdp.buffered
-        for which, alive, above, ahead in points:
-            bufs = state.buffers + gathered(i, above + 1)
-            # The gradients made as the parameters' by the block's feed-forward backward: at the
-            # stage's first backward every one so far (its output's first), later the down
-            # projection's (FSDP's own gradients, not accumulated).
-            if first_time:
-                new = g.head + above * per_block + block.w2_grad
-            else:
-                new = block.w2_grad if grows else 0
-            moved = 0
-            if buffered:
-                # FSDP in half precision moves each block's gradients, once made, into float32
-                # buffers of its own (temporaries; at the stage's first backward, those of the
-                # blocks above): only the block in backward's are the parameters', and the
-                # root's, made anew at every backward and so until the stage's backward ends.
-                moved = above * per_block if first_time else 0
-                new = g.head + block.w2_grad
-            if again:
-                t.add(Moment(name, f"the stage's {which} block recomputed", **base,
-                             grads=g_kept + max(0, new - block.w2_grad), activations=alive + again,
-                             temporaries=t_kept + moved + sending + (block.incoming if last else 0),
-                             buffers=bufs))  # fmt: skip
-            t.add(Moment(name, f"the stage's {which} block's feed-forward backward", **base,
-                         grads=g_kept + new, activations=alive + again - gone - block.freed,
-                         temporaries=t_kept + moved + sending + temps + ahead,
-                         buffers=bufs))  # fmt: skip
-            norm = block.norm_temps - (0 if last else block.incoming)
-            t.add(Moment(name, f"the stage's {which} block's feed-forward norm's backward",
-                         **base,
-                         grads=g_kept + new
-                         + (2 * block.w2_grad + block.dim * block.grad_element if grows else 0),
-                         activations=alive + again - block.norm_freed + 3 * w2_copy,
-                         temporaries=t_kept + moved + sending + norm + ahead,
-                         buffers=bufs))  # fmt: skip
-        if not done[i]:
-            made_n += g.total
-        done[i] = True
-        after_backward[i] = True
-        if split and sid != 0 and sid - 1 not in part.stages:
-            sent += figures.stream
-        # Single-stage schedules wait for a backward's send at the next one's; the multi-stage
-        # schedules wait at once.
-        sending = figures.stream if sid != 0 and len(part.stages) == 1 else 0
-        nxt = walk[step + 1] if step + 1 < len(walk) else None
-        if nxt is None:
-            sending = 0  # the schedule waits for its last sends
-        # Between this backward and the next op: the schedule's own code. The micro-batch's
-        # activations are freed, and a stage before the last frees its output kept for backward.
-        g_kept, t_kept = made()
-        left = held - figures.per_mb[i] - (0 if last else figures.stream)
-        root = g.head + g.embed // FP32 * block.grad_element  # in the parameters' dtype
-        if buffered and root:
-            # The stage's root unit (its embedding, or its output and final norm) is reduced last,
-            # at the backward's end: its gradients, made in the parameters' dtype, are alive
-            # beside their float32 copy in FSDP's buffers until they are freed (measured by
-            # `dtlab plan --check`: llama3.2-1b's first stage, its 501 MiB bf16 embedding).
-            t.add(Moment(name, "the root's gradients copied into FSDP's float32 buffers",
-                         **base, grads=g_kept + root, activations=left,
-                         temporaries=t_kept + sending,
-                         buffers=state.buffers + gathered(None, 0)))  # fmt: skip
-        if fsdp is not None and fsdp.scatter == 1 and sid == 0 and block.compute < FP32:
-            # DDP beside a pipeline (FSDP2 replicating over shard groups of one rank) in half
-            # precision, its first stage: each unit's float32 gradients are made as the unit's
-            # backward ends, so at the embedding's backward (the stage's last) every one but the
-            # embedding's is, beside the embedding's gradient in the compute dtype twice and the
-            # float32 gradient of its output; and the stage keeps its output in float32 through
-            # the step's end, twice the stream it sent (measured by `dtlab plan --check`).
-            left += figures.stream
-            half = g.embed // FP32 * block.compute
-            t.add(Moment(name, "the embedding's backward", **base, grads=g_kept - g.embed,
-                         activations=left,
-                         temporaries=t_kept + sending + 2 * half + FP32 * tokens * block.dim,
-                         buffers=state.buffers + gathered(None, 0)))  # fmt: skip
-        t.add(Moment(f"after backward {forwards}", "between backward and the next forward",
-                     **base, grads=g_kept, activations=left,
-                     temporaries=t_kept + sending,
-                     buffers=state.buffers + gathered(None, 0)))  # fmt: skip
-        backwards[i] -= 1
-        if fsdp is not None and not backwards[i]:
-            # The stage's last backward: its gradients reduced, its units resharded (torch's
-            # REDUCE_GRAD), the first unit's float32 copy beside every unreduced gradient.
-            root_copy = fsdp.roots[i] // block.grad_element * FP32
-            block_copy = fsdp.block // block.grad_element * FP32
-            # A root unit's gradients outlive its copy until its reduce-scatter's output is made
-            # (measured by `dtlab plan --check`; a block's are freed before). Over a shard group
-            # of one rank (DDP beside a pipeline: FSDP2 replicating) no output is made apart.
-            out = root_copy // fsdp.scatter if fsdp.scatter > 1 else 0
-            copy = root_copy + out if root_copy else block_copy
-            first = fsdp.roots[i] or fsdp.block
-            t.add(Moment(f"after backward {forwards}", "the stage's gradients reduce-scattered",
-                         **base, grads=g_kept, activations=left,
-                         temporaries=t_kept + sending + copy,
-                         buffers=state.buffers + gathered(None, 0) - first))  # fmt: skip
-            if root_copy:
-                # Then its first block's: the root's gradients freed, their shard made (its copy
-                # freed as the block's starts), the block resharded and copied in turn.
-                dropped = (0, root_copy) if buffered_grads else (root_copy, 0)
-                t.add(Moment(f"after backward {forwards}",
-                             "the stage's gradients reduce-scattered (its first block's)", **base,
-                             grads=g_kept - dropped[0], activations=left,
-                             temporaries=t_kept - dropped[1] + sending + root_copy // fsdp.scatter
-                             + block_copy,
-                             buffers=state.buffers + gathered(None, 0) - first - fsdp.block))  # fmt: skip
-            made_n -= g.total
-            shards_n += fsdp.shards[i]
-            reduced[i] = True
-    t.add(Moment("optimizer", "the optimizer step", **base, grads=state.grads,
-                 buffers=state.buffers))  # fmt: skip
-    return t
+            steps.forward(op)
+        elif kind == "I":
+            steps.input_half(op)
+        elif kind == "W":
+            steps.weight_half(op)
+        else:
+            steps.backward(op, final=step + 1 == len(walk))
+    steps.add("optimizer", "the optimizer step", grads=state.grads, buffers=state.buffers)
+    return steps.t
