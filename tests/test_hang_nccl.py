@@ -448,3 +448,24 @@ def test_cuda_the_nccl_group_is_bound_to_its_gpu_and_its_flight_recorder_is_read
         [sys.executable, "-c", _ONE_GPU_RANK], capture_output=True, text=True, timeout=180, env=env
     )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_after_the_watcher_aborts_no_step_acts_on_the_values_it_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An aborted NCCL collective returns partial sums without raising, and torch then reports no
+    # process group: the step must raise the failure after its host sync, not step the optimizer on
+    # those sums and go on as a single process.
+    from dtlab.parallel import ledger
+    from dtlab.train.step import reduce_step
+
+    monkeypatch.setattr(ledger, "_failed", None)
+    args = (torch.tensor(2.0), torch.zeros(()), 0, [torch.ones(3)])
+    assert reduce_step(*args).loss == 2.0  # no failure: the step's values
+    error = CollectiveError("a collective failed on rank 0: 'train_step reduction' timed out")
+    ledger.note_failure(error)
+    ledger.note_failure(CollectiveError("a later one"))  # the first is the one said
+    assert ledger.collectives_failed() is error
+    with pytest.raises(CollectiveError) as raised:
+        reduce_step(*args)
+    assert raised.value is error

@@ -73,9 +73,11 @@ class RankPlace(Protocol):
 
 __all__ = [
     "ACK_S", "LEDGER_ENV", "LEDGER_SIZE", "POLL_S", "PUBLISHED", "PUBLISH_S", "SETTLE_S", "Channel",
-    "Completion", "Entry", "FileChannel", "Ledger", "StoreChannel", "all_reduce", "collective_failure",
-    "completion_for", "counts_unchecked", "diagnose", "is_collective_failure", "ledger_enabled", "note_step",
-    "publish_ledger", "recorded", "shapes_text", "start_ledger", "stop_ledger", "watcher_device_for",
+    "Completion", "Entry", "FileChannel", "Ledger", "StoreChannel", "all_reduce",
+    "collective_failure", "collectives_failed", "completion_for", "counts_unchecked", "diagnose",
+    "is_collective_failure", "ledger_enabled", "note_failure", "note_step", "publish_ledger",
+    "raise_if_failed", "recorded", "shapes_text", "start_ledger", "stop_ledger",
+    "watcher_device_for",
 ]  # fmt: skip
 
 # How long a rank whose collective timed out gives its training thread to end once the process groups
@@ -84,6 +86,7 @@ ABORT_GRACE_S = 10.0
 
 # Like a logger, the ledger is per process; call sites record into it without it being passed around.
 _active: Ledger | None = None
+_failed: CollectiveError | None = None  # this process's collectives failed (note_failure)
 _count_check = (
     False  # whether the step's reduction carries its element count (see counts_unchecked)
 )
@@ -259,10 +262,33 @@ def abort_distributed() -> None:
         _abort_process_group()
 
 
+def note_failure(error: CollectiveError) -> None:
+    """Say, process-wide, that this process's collectives failed: from now on no value a collective
+    returned may change the training's state (see :func:`raise_if_failed`)."""
+    global _failed
+    if _failed is None:
+        _failed = error
+
+
+def collectives_failed() -> CollectiveError | None:
+    """The failure :func:`note_failure` recorded, or None. Not ``dist.is_initialized()``: after an
+    abort torch reports no process group, which would make a rank act as a single process."""
+    return _failed
+
+
+def raise_if_failed() -> None:
+    """Raise the recorded failure, if any: called after a host sync and before the state changes,
+    since an aborted NCCL collective returns (partial sums) without raising."""
+    if _failed is not None:
+        raise _failed
+
+
 def _abandon(error: CollectiveError) -> None:
-    """The watcher's end of a collective that timed out (``error`` is reported and dumped): abort the
-    process groups, which ends NCCL's waiting kernels and so the training thread's wait (it then raises,
-    and shows ``error``); if that thread has not ended ABORT_GRACE_S later, say ``error`` here and exit."""
+    """The watcher's end of a collective that timed out (``error`` is reported and dumped): note the
+    failure, then abort the process groups, which ends NCCL's waiting kernels and so the training
+    thread's wait (its next check raises ``error``: the values it read are partial); if that thread
+    has not ended ABORT_GRACE_S later, say ``error`` here and exit."""
+    note_failure(error)  # before the abort: the training thread's wait may end with it
     with contextlib.suppress(Exception):
         abort_distributed()
     time.sleep(ABORT_GRACE_S)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from dtlab.parallel.ledger import all_reduce
+from dtlab.parallel.ledger import all_reduce, raise_if_failed
 from dtlab.runtime.signals import STOP_SIGNALS, agreed_stop
 
 __all__ = ["StepValues", "clip_gradients", "reduce_step", "stop_vector"]
@@ -94,6 +94,9 @@ def reduce_step(
     # Local gradients: the root mean square of the replicas' norms. Replicated plain ones: local.
     norm_t = v[-1].sqrt() if norm_sq is not None else own_sq.sqrt()
     values = torch.cat([v, norm_t.reshape(1).to(v.dtype)]).tolist()  # the step's one device sync
+    # The watcher may have aborted the groups while this rank waited: the sums are then partial,
+    # and nothing below may act on them (nor, with no group left, as one process).
+    raise_if_failed()
     return StepValues(
         loss=values[0],
         norm=values[-1],
