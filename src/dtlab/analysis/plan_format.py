@@ -51,126 +51,15 @@ def _sig3(v: float) -> str:
 
 def format_plan(p: dict[str, Any]) -> str:
     """The plan as a table for a terminal."""
-    dev, a = p["device"], p["assumptions"]
-    # The header's precision and checkpointing: the recommended row's (or the config's own).
-    head = p.get("header") or {
-        "of": "as given",
-        "precision": p["precision"],
-        "activation_checkpointing": p["activation_checkpointing"],
-        "recompute": a["recompute"],
-        "recompute_flops_per_token": p["model"]["recompute_flops_per_token"],
-    }
-    peak = dev["peak_tflops"]  # of the header's precision
-    whose = " (recommended)" if head["of"] == "recommended" else ""
-    name = dev["name"]
-    if dev.get("assumed"):
-        name += f" (assumed: the default profile {dev['key']}; pass --device KEY or --device this)"
-    model = p["model"]
-    w = max([20] + [len(r["label"]) + 1 for r in p["strategies"]])  # the label column
-    src = p.get("shape_sources", {})
-
-    def where(key: str) -> str:
-        return f" ({src[key]})" if key in src else ""
-
-    # A mixture of experts runs a token through its active parameters only (FLOPs count those).
-    active = f" ({format_count(model['active_params'])} active)" if "active_params" in model else ""
+    head = _head(p)
     lines = [
-        f"model {model['preset'] or 'custom'}{where('model')}: {format_count(model['params'])} "
-        f"params{active}, {format_count(model['flops_per_token'], 'FLOP')}/token | {p['world_size']} ranks "
-        f"({p['nnodes']} node(s) x {p['nproc']})",
-        f"global batch {p['global_batch_size']}{where('train.global_batch_size')} x seq_len "
-        f"{p['seq_len']}{where('data.seq_len')}",
-        f"device {name}:",
-        f"  peak     {format_tflops(peak) if peak else 'unknown'} TFLOP/s {head['precision']}{whose} "
-        f"({dev['source']})",
-        f"  memory   {dev['memory_gib']:.3g} GiB ({dev['memory_source']})",
-        f"  in node  {dev['intra_node_gbps']:.3g} GB/s per rank ({dev['intra_node_source']})",
-        f"  across   {dev['inter_node_gbps']:.3g} GB/s per rank ({dev['inter_node_source']})",
-        *(
-            [
-                "  groups   "
-                + ", ".join(
-                    f"{k} {v:.3g}" for k, v in dev["collective_gbps"].items() if k != "sync_s"
-                )
-                + f" GB/s per rank, {format_seconds(dev['collective_gbps'].get('sync_s', 0))} "
-                f"per collective beside compute ({dev['collective_source']})"
-            ]
-            if dev.get("collective_gbps")
-            else []
-        ),
-        *(
-            [
-                "  wrappers "
-                + ", ".join(f"{k} {format_seconds(v)}" for k, v in dev["wrapper_s"].items())
-                + " (measured: a rank's step under the fake process group less the plain step, "
-                "per unit or block and micro-batch)"
-            ]
-            if dev.get("wrapper_s")
-            else []
-        ),
-        *(
-            [
-                f"  step     {format_seconds(dev['probe']['seconds_per_token'] * 1e3)} per 1,000 "
-                f"tokens of forward and backward, {format_seconds(dev['probe']['fixed_seconds'])} per "
-                f"optimizer step "
-                f"({dev['probe']['source']})"
-            ]
-            if dev.get("probe")
-            else []
-        ),
-        f"step time: {a['step_time']}",
-        *([a["fit_rule"]] if "fit_rule" in a else []),
-        f"activation checkpointing {head['activation_checkpointing']}{whose}: recompute = "
-        f"{head['recompute']}"
-        + (
-            f" (+{format_count(head['recompute_flops_per_token'], 'FLOP')}/token)"
-            if head["recompute_flops_per_token"]
-            else ""
-        ),
+        *_model_lines(p),
+        *_device_lines(p["device"], head),
+        *_step_lines(p["assumptions"], head),
         "",
-        f"the data-parallel strategies at the config's own settings ({p['precision']}, "
-        f"checkpointing {p['activation_checkpointing']}):",
-        f"{'strategy':<{w}}"
-        + "".join(f"{h:>11}" for h in ("params", "grads", "optim", "activ", "total"))
-        + f"  {'fits':<4}"
-        + "".join(f"{h:>11}" for h in ("comm/step", "comm", "compute", "recompute", "step")),
+        *_strategy_lines(p),
+        *_host_lines(p["strategies"]),
     ]
-    errors = {r.get("error") for r in p["strategies"]}
-    alike = len(p["strategies"]) > 1 and len(errors) == 1 and None not in errors
-    if alike:
-        # Every strategy fails alike at the config's own settings (e.g. the batch's split): once.
-        lines[-2:] = [f"the data-parallel strategies at the config's own settings: {min(errors)}"]
-    for r in [] if alike else p["strategies"]:
-        if "error" in r:
-            lines.append(f"{r['label']:<{w}} {r['error']}")
-            continue
-        pr = r["per_rank"]
-        comm = sum(r["comm"]["bytes_per_step"].values())
-        keys = (
-            "params_bytes",
-            "grads_bytes",
-            "optimizer_bytes",
-            "activations_bytes",
-            "total_bytes",
-        )
-        times = (r["comm"]["time_s"], r["compute_time_s"], r["recompute_time_s"], r["step_time_s"])
-        lines.append(
-            f"{r['label']:<{w}}"
-            + "".join(f"{format_bytes(pr[k]):>11}" for k in keys)
-            + f"  {'yes' if r['fits'] else 'NO':<4}{format_bytes(comm):>11}"
-            + "".join(f"{format_seconds(t):>11}" for t in times)
-        )
-    host = max(
-        (r["per_rank"].get("host_bytes", 0) for r in p["strategies"] if "error" not in r), default=0
-    )
-    if host:
-        # Not in the table's totals: host memory, not the device's.
-        lines += [
-            "",
-            f"host memory per rank, beside the device's: DiLoCo's outer state, up to "
-            f"{format_bytes(host)} (pinned on a GPU, where torch reserves each tensor's block "
-            "rounded up to a power of two)",
-        ]
     if "search" in p:
         lines += ["", *format_search(p["search"])]
     lines += ["", f"recommendation: {p['recommendation']}"]
@@ -178,6 +67,153 @@ def format_plan(p: dict[str, Any]) -> str:
     if rec:
         lines.append(f"run it: {rec['command']}")
     return "\n".join(lines)
+
+
+def _head(p: dict[str, Any]) -> dict[str, Any]:
+    """The header's precision and checkpointing: the recommended row's (or the config's own)."""
+    return p.get("header") or {
+        "of": "as given",
+        "precision": p["precision"],
+        "activation_checkpointing": p["activation_checkpointing"],
+        "recompute": p["assumptions"]["recompute"],
+        "recompute_flops_per_token": p["model"]["recompute_flops_per_token"],
+    }
+
+
+def _whose(head: dict[str, Any]) -> str:
+    """What the header's figures are said to be of: the recommended row's, or nothing said."""
+    return " (recommended)" if head["of"] == "recommended" else ""
+
+
+def _model_lines(p: dict[str, Any]) -> list[str]:
+    """The model, the world and the batch, each shape with where it comes from."""
+    model = p["model"]
+    src = p.get("shape_sources", {})
+
+    def where(key: str) -> str:
+        return f" ({src[key]})" if key in src else ""
+
+    # A mixture of experts runs a token through its active parameters only (FLOPs count those).
+    active = f" ({format_count(model['active_params'])} active)" if "active_params" in model else ""
+    return [
+        f"model {model['preset'] or 'custom'}{where('model')}: {format_count(model['params'])} "
+        f"params{active}, {format_count(model['flops_per_token'], 'FLOP')}/token | {p['world_size']} ranks "
+        f"({p['nnodes']} node(s) x {p['nproc']})",
+        f"global batch {p['global_batch_size']}{where('train.global_batch_size')} x seq_len "
+        f"{p['seq_len']}{where('data.seq_len')}",
+    ]
+
+
+def _device_lines(dev: dict[str, Any], head: dict[str, Any]) -> list[str]:
+    """The device's figures, each with its source (the peak of the header's precision), and what
+    was measured on this machine."""
+    peak = dev["peak_tflops"]  # of the header's precision
+    name = dev["name"]
+    if dev.get("assumed"):
+        name += f" (assumed: the default profile {dev['key']}; pass --device KEY or --device this)"
+    return [
+        f"device {name}:",
+        f"  peak     {format_tflops(peak) if peak else 'unknown'} TFLOP/s {head['precision']}"
+        f"{_whose(head)} ({dev['source']})",
+        f"  memory   {dev['memory_gib']:.3g} GiB ({dev['memory_source']})",
+        f"  in node  {dev['intra_node_gbps']:.3g} GB/s per rank ({dev['intra_node_source']})",
+        f"  across   {dev['inter_node_gbps']:.3g} GB/s per rank ({dev['inter_node_source']})",
+        *_measured_lines(dev),
+    ]
+
+
+def _measured_lines(dev: dict[str, Any]) -> list[str]:
+    """This machine's measured collectives, wrappers and step, those the profile has."""
+    lines = []
+    if dev.get("collective_gbps"):
+        lines.append(
+            "  groups   "
+            + ", ".join(f"{k} {v:.3g}" for k, v in dev["collective_gbps"].items() if k != "sync_s")
+            + f" GB/s per rank, {format_seconds(dev['collective_gbps'].get('sync_s', 0))} "
+            f"per collective beside compute ({dev['collective_source']})"
+        )
+    if dev.get("wrapper_s"):
+        lines.append(
+            "  wrappers "
+            + ", ".join(f"{k} {format_seconds(v)}" for k, v in dev["wrapper_s"].items())
+            + " (measured: a rank's step under the fake process group less the plain step, "
+            "per unit or block and micro-batch)"
+        )
+    if dev.get("probe"):
+        lines.append(
+            f"  step     {format_seconds(dev['probe']['seconds_per_token'] * 1e3)} per 1,000 "
+            f"tokens of forward and backward, {format_seconds(dev['probe']['fixed_seconds'])} per "
+            f"optimizer step "
+            f"({dev['probe']['source']})"
+        )
+    return lines
+
+
+def _step_lines(a: dict[str, Any], head: dict[str, Any]) -> list[str]:
+    """How the step time is made, the fit rule, and the header's checkpointing and its recompute."""
+    recompute = (
+        f" (+{format_count(head['recompute_flops_per_token'], 'FLOP')}/token)"
+        if head["recompute_flops_per_token"]
+        else ""
+    )
+    return [
+        f"step time: {a['step_time']}",
+        *([a["fit_rule"]] if "fit_rule" in a else []),
+        f"activation checkpointing {head['activation_checkpointing']}{_whose(head)}: recompute = "
+        f"{head['recompute']}" + recompute,
+    ]
+
+
+def _strategy_lines(p: dict[str, Any]) -> list[str]:
+    """The data-parallel strategies' table at the config's own settings; one line when every
+    strategy fails alike (e.g. the batch's split)."""
+    strategies = p["strategies"]
+    w = max([20] + [len(r["label"]) + 1 for r in strategies])  # the label column
+    errors = {r.get("error") for r in strategies}
+    if len(strategies) > 1 and len(errors) == 1 and None not in errors:
+        return [f"the data-parallel strategies at the config's own settings: {min(errors)}"]
+    return [
+        f"the data-parallel strategies at the config's own settings ({p['precision']}, "
+        f"checkpointing {p['activation_checkpointing']}):",
+        f"{'strategy':<{w}}"
+        + "".join(f"{h:>11}" for h in ("params", "grads", "optim", "activ", "total"))
+        + f"  {'fits':<4}"
+        + "".join(f"{h:>11}" for h in ("comm/step", "comm", "compute", "recompute", "step")),
+        *(_strategy_row(r, w) for r in strategies),
+    ]
+
+
+def _strategy_row(r: dict[str, Any], w: int) -> str:
+    """One strategy's row (``w``: the label column's width): its memory per rank, whether it fits,
+    its communication and times; or why it cannot run."""
+    if "error" in r:
+        return f"{r['label']:<{w}} {r['error']}"
+    pr = r["per_rank"]
+    comm = sum(r["comm"]["bytes_per_step"].values())
+    keys = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "total_bytes")
+    times = (r["comm"]["time_s"], r["compute_time_s"], r["recompute_time_s"], r["step_time_s"])
+    return (
+        f"{r['label']:<{w}}"
+        + "".join(f"{format_bytes(pr[k]):>11}" for k in keys)
+        + f"  {'yes' if r['fits'] else 'NO':<4}{format_bytes(comm):>11}"
+        + "".join(f"{format_seconds(t):>11}" for t in times)
+    )
+
+
+def _host_lines(strategies: list[dict[str, Any]]) -> list[str]:
+    """DiLoCo's outer state in host memory, the most a strategy keeps; not in the table's totals
+    (host memory, not the device's); nothing without it."""
+    host = max(
+        (r["per_rank"].get("host_bytes", 0) for r in strategies if "error" not in r), default=0
+    )
+    if not host:
+        return []
+    return [
+        "",
+        f"host memory per rank, beside the device's: DiLoCo's outer state, up to "
+        f"{format_bytes(host)} (pinned on a GPU, where torch reserves each tensor's block "
+        "rounded up to a power of two)",
+    ]
 
 
 def format_search(s: dict[str, Any]) -> list[str]:
