@@ -491,9 +491,18 @@ def plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
+
+    paths = [_pareto_plot(rows, out / "pareto.png")]
+    capped = [r for r in rows if r["link_rate_bps"]]
+    if capped:
+        paths.append(_time_to_target_plot(capped, out / "time_to_target.png"))
+    return paths
+
+
+def _pareto_plot(rows: list[dict[str, Any]], path: Path) -> Path:
+    """Each method's final loss against its wire bytes per step on the first link, to ``path``."""
     import matplotlib.pyplot as plt
 
-    paths = []
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
     first = rows[0]["link"]
     for method, s in summarise(rows, first).items():
@@ -514,41 +523,54 @@ def plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     ax.set_title("loss against bytes moved")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    paths.append(out / "pareto.png")
-    fig.savefig(paths[-1])
+    fig.savefig(path)
     plt.close(fig)
-    capped = [r for r in rows if r["link_rate_bps"]]
-    if capped:
-        fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
-        for method in dict.fromkeys(r["method"] for r in capped):
-            for rtt in sorted({r.get("link_rtt_s", 0.0) for r in capped}):
-                pts = []
-                for link in dict.fromkeys(r["link"] for r in capped):
-                    runs = [
-                        r
-                        for r in capped
-                        if r["method"] == method
-                        and r["link"] == link
-                        and r.get("link_rtt_s", 0.0) == rtt
-                        and r["time_to_target_s"] is not None
-                    ]
-                    if runs:
-                        mean = statistics.fmean(r["time_to_target_s"] for r in runs)
-                        pts.append((runs[0]["link_rate_bps"], mean))
-                if pts:
-                    pts.sort()
-                    label = method + (f" +{rtt * 1000:g} ms" if rtt else "")
-                    ax.plot([p[0] / 1e6 for p in pts], [p[1] for p in pts], "o-", label=label)
-        ax.set_xscale("log")
-        ax.set_xlabel("link rate (Mbit/s)")
-        ax.set_ylabel("wall time to the target loss (s)")
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        paths.append(out / "time_to_target.png")
-        fig.savefig(paths[-1])
-        plt.close(fig)
-    return paths
+    return path
+
+
+def _time_to_target_points(
+    capped: list[dict[str, Any]], method: str, rtt: float
+) -> list[tuple[float, float]]:
+    """(link rate, mean time to the target) of ``method`` on each capped link of round trip
+    ``rtt``, where some seed reached the target, by rate."""
+    pts = []
+    for link in dict.fromkeys(r["link"] for r in capped):
+        runs = [
+            r
+            for r in capped
+            if r["method"] == method
+            and r["link"] == link
+            and r.get("link_rtt_s", 0.0) == rtt
+            and r["time_to_target_s"] is not None
+        ]
+        if runs:
+            mean = statistics.fmean(r["time_to_target_s"] for r in runs)
+            pts.append((runs[0]["link_rate_bps"], mean))
+    pts.sort()
+    return pts
+
+
+def _time_to_target_plot(capped: list[dict[str, Any]], path: Path) -> Path:
+    """Each method's mean time to the target against the capped links' rates (a line per round
+    trip), to ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
+    for method in dict.fromkeys(r["method"] for r in capped):
+        for rtt in sorted({r.get("link_rtt_s", 0.0) for r in capped}):
+            pts = _time_to_target_points(capped, method, rtt)
+            if pts:
+                label = method + (f" +{rtt * 1000:g} ms" if rtt else "")
+                ax.plot([p[0] / 1e6 for p in pts], [p[1] for p in pts], "o-", label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel("link rate (Mbit/s)")
+    ax.set_ylabel("wall time to the target loss (s)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 def _methods(text: str) -> list[str]:
@@ -577,7 +599,8 @@ def _seeds(n: int | None, overrides: list[str]) -> list[int | None]:
     return list(range(n))
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m dtlab.bench.lowcomm``."""
     ap = argparse.ArgumentParser(
         prog="python -m dtlab.bench.lowcomm", description=__doc__.split("\n\n")[0]
     )
@@ -618,7 +641,47 @@ def main(argv: list[str] | None = None) -> int:
         help="more config overrides, for every run (e.g. a smaller shape: model.dim=128 "
         "model.n_layers=2)",
     )
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _measure_all(
+    links: list[Link],
+    seeds: list[int | None],
+    methods: list[str],
+    args: argparse.Namespace,
+    out: Path,
+) -> list[dict[str, Any]]:
+    """Every method at every seed on every link (each link's rate measured in its namespace), as
+    rows with the round trips the plan expects."""
+    rows = []
+    planned = {m: planned_round_trips([*METHODS[m], *args.overrides], args.steps) for m in methods}
+    for link in links:
+        with link_namespace(link) as prefix:
+            rate = measure_link(prefix, 16 << 20) if link.rate_bps else 0.0
+            for seed in seeds:
+                for method in methods:
+                    rows.append(_measure(prefix, link, rate, method, seed, args, out))
+                    rows[-1]["planned_round_trips"] = planned[method]
+    return rows
+
+
+def _write_outputs(
+    rows: list[dict[str, Any]], seeds: list[int | None], args: argparse.Namespace, out: Path
+) -> None:
+    """The rows' predictions and figures, written: results.json, report.md, --json's file and the
+    plots; the report printed."""
+    predict(rows)
+    target = figures(rows)
+    (out / "results.json").write_text(json.dumps({"target": target, "rows": rows}, indent=1))
+    (out / "report.md").write_text(report(rows, target, args.steps))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(results_json(rows, seeds), indent=1))
+    plots(rows, out)
+    print(report(rows, target, args.steps))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     try:
         links = parse_links(args.links)
         methods = _methods(args.methods)
@@ -626,25 +689,8 @@ def main(argv: list[str] | None = None) -> int:
         bench_rtt_s()  # a bad DTLAB_BENCH_RTT_MS in this environment is named before any run
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        rows = []
-        planned = {
-            m: planned_round_trips([*METHODS[m], *args.overrides], args.steps) for m in methods
-        }
-        for link in links:
-            with link_namespace(link) as prefix:
-                rate = measure_link(prefix, 16 << 20) if link.rate_bps else 0.0
-                for seed in seeds:
-                    for method in methods:
-                        rows.append(_measure(prefix, link, rate, method, seed, args, out))
-                        rows[-1]["planned_round_trips"] = planned[method]
-        predict(rows)
-        target = figures(rows)
-        (out / "results.json").write_text(json.dumps({"target": target, "rows": rows}, indent=1))
-        (out / "report.md").write_text(report(rows, target, args.steps))
-        if args.json_out:
-            Path(args.json_out).write_text(json.dumps(results_json(rows, seeds), indent=1))
-        plots(rows, out)
-        print(report(rows, target, args.steps))
+        rows = _measure_all(links, seeds, methods, args, out)
+        _write_outputs(rows, seeds, args, out)
     except DtlabError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
