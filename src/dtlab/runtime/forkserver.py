@@ -33,7 +33,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +137,7 @@ def real_pid(pid: int) -> int:
 
 
 def _threads() -> int:
+    """The threads of this process (native ones included, where /proc lists them)."""
     try:
         return len(os.listdir(f"/proc/{os.getpid()}/task"))
     except OSError:
@@ -235,8 +236,50 @@ def _become(request: dict[str, Any], conn: socket.socket, shim: str) -> int:
         return 1
 
 
+@dataclass
+class _Serving:
+    """What the serving loop holds: the listening socket, the wake-up pipe that signals write to,
+    and each running child's shim connection (a forked child closes them all)."""
+
+    listener: socket.socket
+    selector: selectors.BaseSelector
+    wake_r: int
+    wake_w: int
+    shim: str
+    children: dict[int, socket.socket] = field(default_factory=dict)
+    stop: bool = False
+
+    def request_stop(self, *_: Any) -> None:
+        """SIGTERM's handler: the loop ends at its next turn."""
+        self.stop = True
+
+
 def serve(path: str, shim: str) -> int | None:
     """Accept the shims' requests until told to stop; in a forked child, returns its exit code."""
+    listener = _preload_and_listen(path)
+    if listener is None:
+        return None
+    os.rename(path + ".tmp", path)  # the shims connect only once everything is imported
+    server = _serving(listener, shim)
+    parent = os.getppid()
+    while (
+        not server.stop and os.getppid() == parent
+    ):  # its starter ended, even by SIGKILL: so does this
+        for key, _ in server.selector.select(timeout=1.0):
+            code = _handle(server, key)
+            if code is not None:  # this is the forked child, and it has run
+                return code
+        _reap(server)
+    for pid in server.children:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    os.unlink(path)
+    return None
+
+
+def _preload_and_listen(path: str) -> socket.socket | None:
+    """Import what every child needs, then listen at ``path + ".tmp"``; None (nothing left behind)
+    when an import started a thread, which the children would lack."""
     import torch  # noqa: F401  # loading its library starts an idle native thread, as in any process
 
     baseline = _threads()  # forking after `import torch` is how DataLoader workers start: supported
@@ -250,72 +293,80 @@ def serve(path: str, shim: str) -> int | None:
         os.unlink(path + ".tmp")
         print(f"forkserver: {_threads()} threads after the imports; not serving", file=sys.stderr)
         return None
-    os.rename(path + ".tmp", path)  # the shims connect only once everything is imported
+    return listener
+
+
+def _serving(listener: socket.socket, shim: str) -> _Serving:
+    """The loop's state, with the signals it handles: SIGCHLD and SIGTERM wake its select through
+    the pipe, and SIGTERM stops it."""
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    stop = False
-
-    def _stop(*_: Any) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGTERM, _stop)
-    children: dict[int, socket.socket] = {}
     selector = selectors.DefaultSelector()
+    server = _Serving(listener, selector, wake_r, wake_w, shim)
+    signal.signal(signal.SIGTERM, server.request_stop)
     selector.register(listener, selectors.EVENT_READ)
     selector.register(wake_r, selectors.EVENT_READ)
-    parent = os.getppid()
-    while not stop and os.getppid() == parent:  # its starter ended, even by SIGKILL: so does this
-        for key, _ in selector.select(timeout=1.0):
-            if key.fileobj is wake_r:
-                os.read(wake_r, 4096)
-                continue
-            conn, _ = listener.accept()
-            try:
-                request, fds = _receive(conn)
-            except (OSError, ValueError):
-                conn.close()
-                continue
-            pid = os.fork()
-            if pid == 0:
-                signal.set_wakeup_fd(-1)
-                selector.close()
-                listener.close()
-                os.close(wake_r)
-                os.close(wake_w)
-                for other in children.values():
-                    other.close()
-                for target, fd in enumerate(fds):
-                    os.dup2(fd, target)
-                    os.close(fd)
-                return _become(request, conn, shim)
-            for fd in fds:
-                os.close(fd)
-            children[pid] = conn
-            conn.sendall(struct.pack("!q", pid))
-        while children:  # reap: tell each shim how its child ended
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            shim_conn = children.get(pid)
-            if shim_conn is not None:
-                del children[pid]
-                with contextlib.suppress(OSError):
-                    shim_conn.sendall(struct.pack("!q", status))
-                shim_conn.close()
-    for pid in children:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    os.unlink(path)
+    return server
+
+
+def _handle(server: _Serving, key: selectors.SelectorKey) -> int | None:
+    """Serve one ready descriptor: drain the wake-up pipe, or fork a child for a shim's request.
+    Returns the child's exit code in the forked child, None in the server."""
+    if key.fileobj is server.wake_r:
+        os.read(server.wake_r, 4096)
+        return None
+    conn, _ = server.listener.accept()
+    try:
+        request, fds = _receive(conn)
+    except (OSError, ValueError):
+        conn.close()
+        return None
+    pid = os.fork()
+    if pid == 0:
+        _leave_server(server, fds)
+        return _become(request, conn, server.shim)
+    for fd in fds:
+        os.close(fd)
+    server.children[pid] = conn
+    conn.sendall(struct.pack("!q", pid))
     return None
 
 
+def _leave_server(server: _Serving, fds: list[int]) -> None:
+    """In the forked child: close what belongs to the server and put the shim's streams on 0-2."""
+    signal.set_wakeup_fd(-1)
+    server.selector.close()
+    server.listener.close()
+    os.close(server.wake_r)
+    os.close(server.wake_w)
+    for other in server.children.values():
+        other.close()
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+
+
+def _reap(server: _Serving) -> None:
+    """Collect the children that ended and tell each one's shim how it ended."""
+    while server.children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid == 0:
+            break
+        shim_conn = server.children.get(pid)
+        if shim_conn is not None:
+            del server.children[pid]
+            with contextlib.suppress(OSError):
+                shim_conn.sendall(struct.pack("!q", status))
+            shim_conn.close()
+
+
 def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    """A shim's request: its JSON (length-prefixed) and the three descriptors of its streams."""
     data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
     (size,) = struct.unpack("!I", data[:4])
     data = data[4:]
