@@ -16,10 +16,12 @@ REAL = sys.executable  # the shebang's interpreter: the one this shim stands for
 
 
 def _passthrough() -> NoReturn:
+    """Become the real interpreter, with this shim's arguments."""
     os.execv(REAL, [REAL, *sys.argv[1:]])
 
 
 def _parse(args: list[str]) -> dict | None:
+    """The request for ``[-u] -m MODULE ARGS`` or ``[-u] SCRIPT.py ARGS``; None for anything else."""
     unbuffered = False
     while args and args[0] == "-u":
         unbuffered, args = True, args[1:]
@@ -31,6 +33,7 @@ def _parse(args: list[str]) -> dict | None:
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    """``n`` bytes from ``sock``; empty if it closed before them."""
     data = b""
     while len(data) < n:
         more = sock.recv(n - len(data))
@@ -56,17 +59,36 @@ def _die_with_parent() -> None:
 
 
 def main() -> None:
+    """Run the process this shim stands for as a fork server's child, and end as it ended."""
     _die_with_parent()
     path = os.environ.get("DTLAB_FORKSERVER")
     request = _parse(sys.argv[1:])
     # Slurm tracks a job's processes itself: a job's interpreters are its own.
     if not path or request is None or "SLURM_JOB_ID" in os.environ:
         _passthrough()
+    sock = _connect(path)
+    _send(sock, request)
+    pid = _child_pid(sock)
+    marker = _note_child(pid)
+    _forward_signals(pid)
+    status = _child_status(sock)
+    with contextlib.suppress(OSError):
+        os.unlink(marker)
+    _end_as(status)
+
+
+def _connect(path: str) -> socket.socket:
+    """A connection to the fork server at ``path``; the real interpreter runs when there is none."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(path)
     except OSError:
         _passthrough()
+    return sock
+
+
+def _send(sock: socket.socket, request: dict) -> None:
+    """Send the request with this process's directory, environment and standard streams."""
     request.update(cwd=os.getcwd(), env=dict(os.environ), orig_args=sys.argv[1:])
     fds, opened = [], []
     for fd in (0, 1, 2):
@@ -81,15 +103,29 @@ def main() -> None:
     socket.send_fds(sock, [struct.pack("!I", len(body)) + body], fds)
     for fd in opened:
         os.close(fd)
+
+
+def _child_pid(sock: socket.socket) -> int:
+    """The pid of the child the server forked; this process ends (1) if the server refused."""
     reply = _recv_exact(sock, 8)
     if not reply:
         print("forkshim: the fork server refused the request", file=sys.stderr)
         os._exit(1)
     (pid,) = struct.unpack("!q", reply)
+    return pid
+
+
+def _note_child(pid: int) -> str:
+    """Note the child beside the shim; returns the note's path (removed once the child ended)."""
     # Where a signal meant for this process finds the one doing its work (forkserver.real_pid).
     marker = os.path.join(os.path.dirname(os.path.abspath(sys.argv[0])), "pids", str(os.getpid()))
     with contextlib.suppress(OSError), open(marker, "w") as f:
         f.write(str(pid))
+    return marker
+
+
+def _forward_signals(pid: int) -> None:
+    """Pass the signals this process gets on to the child (as forkserver.FORWARDED lists them)."""
 
     def forward(sig: int, _frame: object) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -104,13 +140,20 @@ def main() -> None:
         signal.SIGUSR2,
     ):
         signal.signal(sig, forward)
+
+
+def _child_status(sock: socket.socket) -> int:
+    """How the child ended (a wait status); this process ends (1) if the server ended first."""
     reply = _recv_exact(sock, 8)
     if not reply:
         print("forkshim: the fork server ended before the child", file=sys.stderr)
         os._exit(1)
     (status,) = struct.unpack("!q", reply)
-    with contextlib.suppress(OSError):
-        os.unlink(marker)
+    return status
+
+
+def _end_as(status: int) -> NoReturn:
+    """End as the child ended: the same exit code, or killed by the same signal."""
     code = os.waitstatus_to_exitcode(status)
     if code < 0:  # killed by a signal: so is this process
         if -code != signal.SIGKILL:
