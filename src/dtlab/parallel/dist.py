@@ -97,6 +97,7 @@ def group_dims(config: Config, world_size: int) -> ParallelDims:
 
 
 def _free_port() -> int:
+    """A TCP port free on this host now (for a store no launcher set up)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -162,19 +163,8 @@ def init_distributed(config: Config) -> DistInfo:
     rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
     local_rank = int(env.get("LOCAL_RANK", 0))
     local_world = int(env.get("LOCAL_WORLD_SIZE", world))
-    device = resolve_device(config, local_rank, local_world)
-    if device.type == "cpu" and "OMP_NUM_THREADS" not in env:
-        # Share the cores among the processes of this node instead of oversubscribing them.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    backend = config.parallel.backend
-    if backend == "auto":
-        backend = "nccl" if device.type == "cuda" else "gloo"
-    if backend == "nccl" and device.type != "cuda":
-        raise ConfigError(
-            "parallel.backend = 'nccl' needs CUDA devices; allowed on CPU: auto, gloo"
-        )
+    device = _take_device(config, local_rank, local_world)
+    backend = _backend(config, device)
     if config.parallel.fault_tolerance.enabled:
         dims = group_dims(config, world)  # one replica group's world (HSDP: its shard group)
     else:
@@ -183,47 +173,84 @@ def init_distributed(config: Config) -> DistInfo:
         return DistInfo(0, 1, 0, 1, device, None, dims)
     if not dist.is_initialized():
         _RETIRED_GROUPS.clear()  # a finished run's groups, idle since (see destroy_distributed)
-        timeout = timedelta(seconds=config.parallel.collective_timeout_s)
-        # On CUDA, the process group is bound to this rank's GPU: NCCL's communicator is made at once,
-        # and the groups made from it later (meshes, DiLoCo) are split from it, not built anew.
-        bound: dict[str, Any] = {}
-        if backend == "nccl":
-            dump_dir = (
-                os.path.join(config.run.dir, "ledger") if config.run.dir is not None else None
-            )
-            # (NCCL's own dump on timeout lands in the ledger's directory, which exists by then: the
-            # ledger dumps there when it times the collective out, 30 s before NCCL's watchdog does.)
-            os.environ.update(nccl_env(env, dump_dir))
-            timeout += timedelta(seconds=NCCL_BACKSTOP_S)
-            bound["device_id"] = device
-        if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            # The elastic agent's store outlives a restart of the workers, and the keys the process
-            # group exchanges addresses under do not name the attempt: a restarted rank could read a dead
-            # rank's address. A prefix per attempt keeps every attempt to itself.
-            store = dist.PrefixStore(
-                f"dtlab/attempt-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/",
-                dist.TCPStore(
-                    env["MASTER_ADDR"],
-                    int(env["MASTER_PORT"]),
-                    world,
-                    is_master=False,
-                    timeout=timeout,
-                ),
-            )
-            dist.init_process_group(
-                backend, store=store, rank=rank, world_size=world, timeout=timeout, **bound
-            )
-        else:
-            init_method = None if "MASTER_ADDR" in env else f"tcp://127.0.0.1:{_free_port()}"
-            dist.init_process_group(
-                backend,
-                init_method=init_method,
-                rank=rank,
-                world_size=world,
-                timeout=timeout,
-                **bound,
-            )
+        _init_process_group(config, backend, device, rank, world)
     return DistInfo(rank, world, local_rank, local_world, device, backend, dims)
+
+
+def _take_device(config: Config, local_rank: int, local_world: int) -> torch.device:
+    """This process's device (:func:`resolve_device`), made current, with its share of the CPU threads."""
+    device = resolve_device(config, local_rank, local_world)
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # Share the cores among the processes of this node instead of oversubscribing them.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def _backend(config: Config, device: torch.device) -> str:
+    """``parallel.backend`` for ``device`` (``auto``: NCCL on CUDA, gloo on the CPU)."""
+    backend = config.parallel.backend
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError(
+            "parallel.backend = 'nccl' needs CUDA devices; allowed on CPU: auto, gloo"
+        )
+    return backend
+
+
+def _init_process_group(
+    config: Config, backend: str, device: torch.device, rank: int, world: int
+) -> None:
+    """Create the default process group: through the elastic agent's store when it has one, else at
+    the launcher's address (or a local one)."""
+    env = os.environ
+    timeout = timedelta(seconds=config.parallel.collective_timeout_s)
+    # On CUDA, the process group is bound to this rank's GPU: NCCL's communicator is made at once,
+    # and the groups made from it later (meshes, DiLoCo) are split from it, not built anew.
+    bound: dict[str, Any] = {}
+    if backend == "nccl":
+        dump_dir = os.path.join(config.run.dir, "ledger") if config.run.dir is not None else None
+        # (NCCL's own dump on timeout lands in the ledger's directory, which exists by then: the
+        # ledger dumps there when it times the collective out, 30 s before NCCL's watchdog does.)
+        os.environ.update(nccl_env(env, dump_dir))
+        timeout += timedelta(seconds=NCCL_BACKSTOP_S)
+        bound["device_id"] = device
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        store = _attempt_store(world, timeout)
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world, timeout=timeout, **bound
+        )
+    else:
+        init_method = None if "MASTER_ADDR" in env else f"tcp://127.0.0.1:{_free_port()}"
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=world,
+            timeout=timeout,
+            **bound,
+        )
+
+
+def _attempt_store(world: int, timeout: timedelta) -> dist.PrefixStore:
+    """The elastic agent's store, under a prefix of this attempt's own.
+
+    The agent's store outlives a restart of the workers, and the keys the process group exchanges
+    addresses under do not name the attempt: a restarted rank could read a dead rank's address. A
+    prefix per attempt keeps every attempt to itself."""
+    env = os.environ
+    return dist.PrefixStore(
+        f"dtlab/attempt-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/",
+        dist.TCPStore(
+            env["MASTER_ADDR"],
+            int(env["MASTER_PORT"]),
+            world,
+            is_master=False,
+            timeout=timeout,
+        ),
+    )
 
 
 def teardown_action(backend: str | None, failing: bool) -> str:
