@@ -85,6 +85,13 @@ class Coordinator(Protocol):
         ...
 
 
+def _durable_tier(durable_dir: str | None, run_dir: Path) -> Tier | None:
+    """The durable tier (``checkpoint.durable_dir``), where each run keeps a directory of its own."""
+    if not durable_dir:
+        return None
+    return Tier(f"{durable_dir.rstrip('/')}/{run_dir.resolve().name}", "durable")
+
+
 def _path(text: str | None) -> Path | None:
     return None if text is None else Path(text)
 
@@ -123,7 +130,6 @@ class Checkpointer:
         tokenizer: Tokenizer | None = None,
         before_stage: Callable[[int], None] | None = None,
     ) -> None:
-        c = config.checkpoint
         self.config, self.d, self.before_commit = config, coord, before_commit
         self.tokenizer = tokenizer  # saved in every checkpoint: generation and export read it there
         self.run_dir = run_dir
@@ -135,11 +141,14 @@ class Checkpointer:
         # The run's identity: its directory. The durable tier keeps each run in a directory of its own.
         self.identity = str(run_dir.resolve())
         self.local = Tier(run_dir / "checkpoints", "local")
-        self.durable = (
-            Tier(f"{c.durable_dir.rstrip('/')}/{run_dir.resolve().name}", "durable")
-            if c.durable_dir
-            else None
-        )
+        self.durable = _durable_tier(config.checkpoint.durable_dir, run_dir)
+        self._init_async(coord, before_stage)
+        self._init_records()
+
+    def _init_async(self, coord: Coordinator, before_stage: Callable[[int], None] | None) -> None:
+        """What async saves need (``checkpoint.async`` true or auto): their own process group, the
+        staging buffers, and for auto the measurements that choose."""
+        c = self.config.checkpoint
         # DCP's async write runs collectives from a background thread: give them their own group, so they
         # never interleave with the training step's collectives on the default group.
         uses_async = c.async_ is not False  # true, or auto
@@ -153,6 +162,10 @@ class Checkpointer:
         self.stager = _Stager(device, before_stage) if uses_async else None
         # checkpoint.async: auto: the first saves measured, then the kind that cost training less.
         self.auto = AutoAsync() if c.async_ == "auto" else None
+
+    def _init_records(self) -> None:
+        """The saves' state and records: the running save, its error, and what was saved, failed
+        and cost."""
         self._staging: Any = (
             None  # the running save's staging (a Future), until staged() waited for it
         )
@@ -199,56 +212,17 @@ class Checkpointer:
         """
         self.wait()
         t0 = time.perf_counter()
-        use_async = self.stager is not None and not blocking
-        if use_async and self.auto is not None:
-            use_async = self._auto_async()
-        # What checkpoint.async: auto measures of this save (made before its thread can finish).
-        record = (
-            self.auto.started(step, use_async) if self.auto is not None and not blocking else None
-        )
+        use_async, record = self._save_kind(step, blocking)
         tmp = self.staging_dir(step)
-        tensors, rest = split_tensors({k: v.state_dict() for k, v in states.items()})
-        rest = {k: v for k, v in rest.items() if k not in per_rank}  # rank 0 writes the JSON
-        if self.d.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
-        # A collective: no rank goes on to write (DCP creates the directory) before the stale one is
-        # gone. The JSON state is written by rank 0 when it commits, after the tensors.
-        state = {"step": step, **rest, "rng": self._gather_rng()}
+        tensors, state = self._gather_state(step, tmp, states, per_rank)
         self.phases = {"prepare": time.perf_counter() - t0}
         try:
             if use_async:
-                assert self.stager is not None
-                self.stager.step = step
-                response = dcp.async_save(
-                    tensors,
-                    storage_writer=self._writer(tmp, background=True),
-                    process_group=self.group,
-                    async_stager=self.stager,
-                    no_dist=not dist.is_initialized(),
-                )
-                assert isinstance(response, AsyncSaveResponse)  # an async stager: both futures
-                self._staging = response.staging_completion
-                wait_on: Any = response.upload_completion
-                self._thread = threading.Thread(
-                    target=self._finish,
-                    args=(step, tmp, wait_on, t0, state, record),
-                    name="dtlab-ckpt",
-                    daemon=True,
-                )
-                self._thread.start()
+                self._save_async(step, tmp, tensors, t0, state, record)
             else:
-                dcp.save(
-                    tensors, storage_writer=self._writer(tmp), no_dist=not dist.is_initialized()
-                )
-                self.phases["write"] = time.perf_counter() - t0 - self.phases["prepare"]
-                self._finish(step, tmp, None, t0, state)
+                self._save_sync(step, tmp, tensors, t0, state)
         except CheckpointException as e:
-            # DCP gathered every rank's failure, so all ranks get here together.
-            causes = [exc for exc, _ in e.failures.values()]
-            if any(isinstance(c, KeyboardInterrupt) for c in causes):
-                raise KeyboardInterrupt from None  # Ctrl-C pressed again during the save
-            self._error, self._error_step = _first_cause(e, self.d.rank), step
-            self._discard(tmp)
+            self._save_failed(e, step, tmp)
         finally:
             if self._thread is None:
                 self._report()
@@ -256,6 +230,79 @@ class Checkpointer:
         self.blocked_s.append(blocked)
         if record is not None:
             record.blocked_s += blocked
+
+    def _save_kind(self, step: int, blocking: bool) -> tuple[bool, SaveCost | None]:
+        """Whether this save is async, and what ``checkpoint.async: auto`` measures of it."""
+        use_async = self.stager is not None and not blocking
+        if use_async and self.auto is not None:
+            use_async = self._auto_async()
+        # What checkpoint.async: auto measures of this save (made before its thread can finish).
+        record = (
+            self.auto.started(step, use_async) if self.auto is not None and not blocking else None
+        )
+        return use_async, record
+
+    def _gather_state(
+        self, step: int, tmp: Path, states: dict[str, Stateful], per_rank: Collection[str]
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The tensors DCP writes, and the JSON state rank 0 writes at the commit (with every rank's
+        random state); rank 0 first clears ``tmp`` of a killed save's files."""
+        tensors, rest = split_tensors({k: v.state_dict() for k, v in states.items()})
+        rest = {k: v for k, v in rest.items() if k not in per_rank}  # rank 0 writes the JSON
+        if self.d.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
+        # A collective: no rank goes on to write (DCP creates the directory) before the stale one is
+        # gone. The JSON state is written by rank 0 when it commits, after the tensors.
+        state = {"step": step, **rest, "rng": self._gather_rng()}
+        return tensors, state
+
+    def _save_async(
+        self,
+        step: int,
+        tmp: Path,
+        tensors: dict[str, Any],
+        t0: float,
+        state: dict[str, Any],
+        record: SaveCost | None,
+    ) -> None:
+        """Stage the tensors and write them in the background; a thread of its own commits."""
+        assert self.stager is not None
+        self.stager.step = step
+        response = dcp.async_save(
+            tensors,
+            storage_writer=self._writer(tmp, background=True),
+            process_group=self.group,
+            async_stager=self.stager,
+            no_dist=not dist.is_initialized(),
+        )
+        assert isinstance(response, AsyncSaveResponse)  # an async stager: both futures
+        self._staging = response.staging_completion
+        wait_on: Any = response.upload_completion
+        self._thread = threading.Thread(
+            target=self._finish,
+            args=(step, tmp, wait_on, t0, state, record),
+            name="dtlab-ckpt",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def _save_sync(
+        self, step: int, tmp: Path, tensors: dict[str, Any], t0: float, state: dict[str, Any]
+    ) -> None:
+        """Write the tensors now, then commit."""
+        dcp.save(tensors, storage_writer=self._writer(tmp), no_dist=not dist.is_initialized())
+        self.phases["write"] = time.perf_counter() - t0 - self.phases["prepare"]
+        self._finish(step, tmp, None, t0, state)
+
+    def _save_failed(self, e: CheckpointException, step: int, tmp: Path) -> None:
+        """Keep a failed write's error for the report and remove its files; a Ctrl-C pressed again
+        during the save goes on as one."""
+        # DCP gathered every rank's failure, so all ranks get here together.
+        causes = [exc for exc, _ in e.failures.values()]
+        if any(isinstance(c, KeyboardInterrupt) for c in causes):
+            raise KeyboardInterrupt from None  # Ctrl-C pressed again during the save
+        self._error, self._error_step = _first_cause(e, self.d.rank), step
+        self._discard(tmp)
 
     def _auto_async(self) -> bool:
         """Whether this save of ``checkpoint.async: auto`` is async: the trial's kind, then the choice
