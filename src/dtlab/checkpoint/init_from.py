@@ -150,8 +150,20 @@ def _hf_files(path: Path) -> tuple[Path, ...]:
 
 
 def _read_hf(path: Path) -> InitSource:
+    """A Hugging Face Llama or Qwen2-MoE directory, read from its config.json (which must describe
+    what dtlab's model computes) and its weight files' names."""
     cfg = _read_json(path / "config.json")
     where = f"'{path / 'config.json'}'"
+    moe = _hf_moe(cfg, path, where)
+    _check_hf_llama(cfg, path, where)
+    shape = _hf_shape(cfg, moe, path, where)
+    names = dict(HF_NAMES) | HF_MOE_SHAPE_NAMES | HF_MOE_NUMERIC_NAMES | NUMERIC
+    return InitSource(path, "hf", _hf_files(path), shape, names, _hf_notes(cfg, where))
+
+
+def _hf_moe(cfg: dict[str, Any], path: Path, where: str) -> dict[str, Any]:
+    """The ``moe.<key>`` shape of a config.json's model (``moe.experts`` = 0 for a Llama); a
+    ConfigError for another model type, or experts dtlab cannot compute."""
     model_type = cfg.get("model_type")
     if model_type not in ("llama", "qwen2_moe"):
         raise ConfigError(
@@ -167,6 +179,12 @@ def _read_hf(path: Path) -> InitSource:
                 f"{KEY} = '{path}': {where} describes what dtlab's mixture of experts cannot "
                 f"compute: {'; '.join(problems)}"
             )
+    return moe
+
+
+def _check_hf_llama(cfg: dict[str, Any], path: Path, where: str) -> None:
+    """A ConfigError unless config.json describes dtlab's Llama block (no biases, SwiGLU with
+    silu) and names every shape key dtlab cannot default."""
     for flag in ("attention_bias", "mlp_bias"):
         if cfg.get(flag):
             raise ConfigError(
@@ -184,33 +202,46 @@ def _read_hf(path: Path) -> InitSource:
     ]
     if missing:
         raise ConfigError(f"{KEY} = '{path}': {where} lacks {', '.join(missing)}")
+
+
+def _hf_shape(cfg: dict[str, Any], moe: dict[str, Any], path: Path, where: str) -> dict[str, Any]:
+    """config.json's model in dtlab's keys (the ``moe`` ones given), its defaults filled in; a
+    ConfigError when its heads do not split hidden_size as dtlab's do."""
     shape = {k: cfg.get(hf) for k, hf in HF_NAMES.items()}
     if shape["n_kv_heads"] is None:
         shape["n_kv_heads"] = shape["n_heads"]
     shape["tie_embeddings"] = bool(cfg.get("tie_word_embeddings", False))
     shape |= moe
-    names = dict(HF_NAMES) | HF_MOE_SHAPE_NAMES | HF_MOE_NUMERIC_NAMES
     head_dim = cfg.get("head_dim")
     if head_dim is not None and shape["n_heads"] and head_dim * shape["n_heads"] != shape["dim"]:
         raise ConfigError(
             f"{KEY} = '{path}': {where} has head_dim {head_dim} x num_attention_heads "
             f"{shape['n_heads']} != hidden_size {shape['dim']}; dtlab's heads are hidden_size / n_heads"
         )
-    # transformers < 5 writes rope_theta and rope_scaling; 5 writes rope_parameters (either may be null).
-    rope = cfg.get("rope_parameters")
-    rope = rope if isinstance(rope, dict) else {}
+    rope = _rope_parameters(cfg)
     shape["rope_theta"] = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
     shape["norm_eps"] = cfg.get("rms_norm_eps") or 1e-6
-    names |= NUMERIC
+    return shape
+
+
+def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
+    """config.json's rope_parameters, or empty."""
+    # transformers < 5 writes rope_theta and rope_scaling; 5 writes rope_parameters (either may be null).
+    rope = cfg.get("rope_parameters")
+    return rope if isinstance(rope, dict) else {}
+
+
+def _hf_notes(cfg: dict[str, Any], where: str) -> tuple[str, ...]:
+    """What config.json asks for that dtlab does not compute, though no shape differs: rope scaling."""
     notes = []
-    scaling = cfg.get("rope_scaling") or rope
+    scaling = cfg.get("rope_scaling") or _rope_parameters(cfg)
     kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
     if kind not in (None, "default"):
         notes.append(
             f"{where} has rope scaling {kind!r}, which dtlab's RoPE does not apply: the model "
             "computes other logits than the original"
         )
-    return InitSource(path, "hf", _hf_files(path), shape, names, tuple(notes))
+    return tuple(notes)
 
 
 def _read_dtlab(path: Path) -> InitSource:
@@ -308,8 +339,17 @@ def check_init_from(config: Config, warn: bool = True) -> InitSource:
     assert m.init_from is not None
     src = read_source(m.init_from)
     args = m.args()
-    ours = _model_shape(args)
     where = "config.json" if src.kind == "hf" else "config.yaml"
+    _check_shape_keys(src, _model_shape(args), where)
+    _check_tensors(src, args, where)
+    if warn:
+        _warn_numeric(src, m, args)
+    return src
+
+
+def _check_shape_keys(src: InitSource, ours: dict[str, Any], where: str) -> None:
+    """A ConfigError naming each shape key where the config (``ours``) and the source differ, with
+    the settings that would match it."""
     wrong = [k for k in ours if src.shape.get(k) != ours[k]]
     if not ours["moe.experts"] or not src.shape.get("moe.experts"):
         # Dense against MoE: the other model.moe keys say nothing more.
@@ -325,6 +365,11 @@ def check_init_from(config: Config, warn: bool = True) -> InitSource:
             + "; ".join(parts)
             + f". Give the run that shape (e.g. --set {fix}) or start from other weights"
         )
+
+
+def _check_tensors(src: InitSource, args: ModelArgs, where: str) -> None:
+    """A CheckpointError unless the source's tensors (from their headers) are the model's, by name
+    and shape."""
     from dtlab.checkpoint.export import compare_tensors
 
     expected = _expected_tensors(args)
@@ -339,28 +384,31 @@ def check_init_from(config: Config, warn: bool = True) -> InitSource:
         raise CheckpointError(
             f"{KEY}: the tensors in '{src.path}' do not match its {where}: " + "; ".join(problems)
         )
-    if warn:
-        from dtlab.metrics.logging import logger
 
-        for k, source_name in NUMERIC.items():
-            theirs, mine = src.shape.get(k), getattr(m, k)
-            if theirs is not None and theirs != mine:
-                logger.warning(
-                    "model.%s = %s but '%s' has %s %s: the model computes other logits than the "
-                    "one it starts from (set model.%s=%s to keep them)",
-                    k, mine, src.path, src.names.get(k, source_name), theirs, k, theirs,
-                )  # fmt: skip
-        for k, mine in _moe_shape(args, numeric=True).items():
-            theirs = src.shape.get(k)
-            if theirs is not None and theirs != mine:
-                logger.warning(
-                    "model.%s = %s but '%s' has %s %s: the model computes other logits than the "
-                    "one it starts from (set model.%s=%s to keep them)",
-                    k, _show(mine), src.path, src.names.get(k, k), _show(theirs), k, _show(theirs),
-                )  # fmt: skip
-        for note in src.notes:
-            logger.warning("%s: %s", KEY, note)
-    return src
+
+def _warn_numeric(src: InitSource, m: ModelConfig, args: ModelArgs) -> None:
+    """Warn of each setting that shapes no tensor but makes the model compute other logits than the
+    source's (norm_eps, rope_theta, the router's), and of the source's own notes."""
+    from dtlab.metrics.logging import logger
+
+    for k, source_name in NUMERIC.items():
+        theirs, mine = src.shape.get(k), getattr(m, k)
+        if theirs is not None and theirs != mine:
+            logger.warning(
+                "model.%s = %s but '%s' has %s %s: the model computes other logits than the "
+                "one it starts from (set model.%s=%s to keep them)",
+                k, mine, src.path, src.names.get(k, source_name), theirs, k, theirs,
+            )  # fmt: skip
+    for k, mine in _moe_shape(args, numeric=True).items():
+        theirs = src.shape.get(k)
+        if theirs is not None and theirs != mine:
+            logger.warning(
+                "model.%s = %s but '%s' has %s %s: the model computes other logits than the "
+                "one it starts from (set model.%s=%s to keep them)",
+                k, _show(mine), src.path, src.names.get(k, k), _show(theirs), k, _show(theirs),
+            )  # fmt: skip
+    for note in src.notes:
+        logger.warning("%s: %s", KEY, note)
 
 
 def _show(value: Any) -> str:
