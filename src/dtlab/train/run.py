@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from dtlab.checkpoint.manager import Checkpointer, Coordinator
 from dtlab.checkpoint.state import Health, Stateful
@@ -369,7 +369,9 @@ def _loop(
     progress: ProgressSink,
     history: list[dict[str, Any]],
 ) -> None:
-    config, engine, state, health, t = r.config, r.engine, r.state, r.health, r.config.train
+    """The steps up to ``train.steps``: each one trained, evaluated and judged, recorded, then acted
+    on (a rollback, a stop, a checkpoint)."""
+    config, engine, state, t = r.config, r.engine, r.state, r.config.train
     tokens_per_step = t.global_batch_size * config.seq_len
     warned_nonfinite = False
     monitor = AlertMonitor(config.alerts, tokens_per_step) if config.alerts.enabled else None
@@ -377,59 +379,97 @@ def _loop(
         engine.join(state.step)
         if state.step >= t.steps:  # a replica group that recovered the state after the last step
             break
-        t0 = time.perf_counter()
-        n = state.step + 1
-        batch = next(engine.loader)
-        faults.before_step(n)
-        faults.during_step(n)
-        m = engine.step(batch, n, signals.received, faults.nan_loss(n))
-        if m.pop("uncommitted", False):  # fault tolerance: not every group committed; again
+        step = _train_step(r, faults, signals, tokens_per_step)
+        if step is None:  # fault tolerance: not every group committed; again
             continue
-        stop = m.pop("stop", None)
-        dt = time.perf_counter() - t0
-        r.ckpt.step_done(dt)  # checkpoint.async: auto judges a save by the steps it slows
-        state.step, state.tokens = n, state.tokens + tokens_per_step
-        m = {
-            "step": n, **m, "tokens": state.tokens, "step_time_s": dt,
-            "tokens_per_s": tokens_per_step / dt,
-        }  # fmt: skip
-        if health.rollbacks:
-            m["rollback"] = health.rollbacks  # this step number was logged before the rollback
+        m, n = step.record, step.record["step"]
         if eval_due(config, n):
             _evaluate(r, n, m)
         # A DiLoCo step between outer syncs has one replica's figures, agreed with no other: the run's
         # decisions (alerts, bad steps, stops) wait for the next sync, where the replicas agree.
-        fired = _alerts(r, monitor, m, dt) if m.get("scope") != "replica" else []
+        fired = _alerts(r, monitor, m, step.seconds) if m.get("scope") != "replica" else []
         history.append(m)
         if not warned_nonfinite and not math.isfinite(m["loss"]):
             logger.warning("step %d: loss is %s", n, m["loss"])
             warned_nonfinite = True
-        progress.step(m)
-        if logged(m, config):
-            for sink in sinks:
-                sink.log(m)
+        _publish(m, config, progress, sinks)
         faults.after_step(n)
         engine.after_step()
+        if _one_bad_step_too_many(r, m):
+            _roll_back(r, n)
+            continue
+        _stop_or_save(r, n, fired, step.stop)
 
-        if "bad" in m:
-            # Agreed by every rank; a DiLoCo sync gives the counts of every replica since the last.
-            health.bad_steps += m.get("bad_steps", 1)
-            health.bad_in_a_row = m.get("bad_in_a_row", health.bad_in_a_row + 1)
-            if health.bad_in_a_row >= t.max_bad_steps:
-                _roll_back(r, n)
-                continue
-        else:
-            health.bad_in_a_row = 0
-        # An alert first: a signal at the same step would save the state after the alert as the
-        # checkpoint to resume from.
-        if fired and config.alerts.action == "stop":
-            _stop(r, "alert", [msg for _, msg in fired])
-        if stop is not None:
-            _stop(r, stop)
-        # The final weights are kept unless opted out: generate and export read them.
-        if r.ckpt.due(n) or (n == t.steps and config.checkpoint.final):
-            with recorded("checkpoint save", "checkpoint"):
-                engine.save(r.ckpt, n, blocking=False)
+
+class _Step(NamedTuple):
+    """A step the ranks took: its record, the stop signal they agreed on, and its seconds."""
+
+    record: dict[str, Any]
+    stop: str | None
+    seconds: float
+
+
+def _train_step(
+    r: _Run, faults: Faults, signals: StopSignals, tokens_per_step: int
+) -> _Step | None:
+    """Train the next step (with the faults injected around it) and count it; None when a
+    fault-tolerant step did not commit in every group (it is taken again)."""
+    state, engine = r.state, r.engine
+    t0 = time.perf_counter()
+    n = state.step + 1
+    batch = next(engine.loader)
+    faults.before_step(n)
+    faults.during_step(n)
+    m = engine.step(batch, n, signals.received, faults.nan_loss(n))
+    if m.pop("uncommitted", False):
+        return None
+    stop = m.pop("stop", None)
+    dt = time.perf_counter() - t0
+    r.ckpt.step_done(dt)  # checkpoint.async: auto judges a save by the steps it slows
+    state.step, state.tokens = n, state.tokens + tokens_per_step
+    m = {
+        "step": n, **m, "tokens": state.tokens, "step_time_s": dt,
+        "tokens_per_s": tokens_per_step / dt,
+    }  # fmt: skip
+    if r.health.rollbacks:
+        m["rollback"] = r.health.rollbacks  # this step number was logged before the rollback
+    return _Step(m, stop, dt)
+
+
+def _publish(m: dict[str, Any], config: Config, progress: ProgressSink, sinks: list[Sink]) -> None:
+    """Step record ``m`` to the progress bar, and to the sinks when it is one that is logged."""
+    progress.step(m)
+    if logged(m, config):
+        for sink in sinks:
+            sink.log(m)
+
+
+def _one_bad_step_too_many(r: _Run, m: dict[str, Any]) -> bool:
+    """Count step ``m`` into the run's health; True once ``train.max_bad_steps`` bad steps came in a
+    row (time to roll back)."""
+    health = r.health
+    if "bad" in m:
+        # Agreed by every rank; a DiLoCo sync gives the counts of every replica since the last.
+        health.bad_steps += m.get("bad_steps", 1)
+        health.bad_in_a_row = m.get("bad_in_a_row", health.bad_in_a_row + 1)
+        return health.bad_in_a_row >= r.config.train.max_bad_steps
+    health.bad_in_a_row = 0
+    return False
+
+
+def _stop_or_save(r: _Run, n: int, fired: list[tuple[str, str]], stop: str | None) -> None:
+    """After step ``n``: stop for an alert or a signal (saving first), else save when one is due."""
+    config = r.config
+    # An alert first: a signal at the same step would save the state after the alert as the
+    # checkpoint to resume from.
+    if fired and config.alerts.action == "stop":
+        _stop(r, "alert", [msg for _, msg in fired])
+    if stop is not None:
+        _stop(r, stop)
+    # The final weights are kept unless opted out: generate and export read them.
+    if r.ckpt.due(n) or (n == config.train.steps and config.checkpoint.final):
+        with recorded("checkpoint save", "checkpoint"):
+            r.engine.save(r.ckpt, n, blocking=False)
 
 
 def _evaluate(r: _Run, step: int, m: dict[str, Any]) -> None:
