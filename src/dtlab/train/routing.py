@@ -46,17 +46,11 @@ def routing_step(
     the ranks hold different blocks (pipeline parallelism): the largest bias is agreed by a second,
     one-element all-reduce.
     """
-    layers = moe_layers(module)
-    if args is not None and args.moe is not None and args.moe.experts:
-        v, layers = _block_rows(module, args), moe_layers(module)
-    elif not layers:
+    counted = _counted_rows(module, args)
+    if counted is None:
         return {}
-    else:
-        v = torch.cat([torch.cat([m.tokens_per_expert, m.aux_total]) for m in layers])
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        all_reduce("moe routing figures", v, group=group)
-        if copies > 1:
-            v /= copies
+    v, layers = counted
+    _agree(v, group, copies)
     moe = args.moe if args is not None and args.moe is not None else layers[0].args
     experts = moe.experts
     rows = v.view(-1, experts + 2)
@@ -67,24 +61,58 @@ def routing_step(
             m.update_bias(loads[row])
     for m in layers:
         m.reset_routing()
+    out = _load_figures(loads, aux, moe.aux_coef)
+    biases = [m.expert_bias for m in layers if m.expert_bias is not None]
+    if stages and moe.bias_balance:
+        out["moe_bias"] = _agreed_largest_bias(biases, v, group)
+    elif biases:
+        out["moe_bias"] = torch.stack([b.abs().max() for b in biases]).max().item()
+    return out
+
+
+def _counted_rows(
+    module: nn.Module, args: ModelArgs | None
+) -> tuple[torch.Tensor, list[MoE]] | None:
+    """What this rank's MoE layers counted, one row per block (loads, then the auxiliary totals),
+    flattened, with the layers; None for a dense model."""
+    layers = moe_layers(module)
+    if args is not None and args.moe is not None and args.moe.experts:
+        return _block_rows(module, args), moe_layers(module)
+    if not layers:
+        return None
+    return torch.cat([torch.cat([m.tokens_per_expert, m.aux_total]) for m in layers]), layers
+
+
+def _agree(v: torch.Tensor, group: Any, copies: int) -> None:
+    """Sum the counts over the ranks in place, each of ``copies`` ranks that route the same tokens
+    counted once."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        all_reduce("moe routing figures", v, group=group)
+        if copies > 1:
+            v /= copies
+
+
+def _load_figures(loads: torch.Tensor, aux: torch.Tensor, aux_coef: float) -> dict[str, Any]:
+    """The expert loads, their imbalance, and (with an auxiliary loss) its mean per block, summed."""
     mean = loads.mean(1).clamp_min(1e-12)
     out: dict[str, Any] = {
         "moe_load": [round(x) for x in loads.sum(0).tolist()],
         "moe_layer_load": [[round(x) for x in row] for row in loads.tolist()],
         "moe_imbalance": (loads.amax(1) / mean).max().item(),
     }
-    if moe.aux_coef > 0:
+    if aux_coef > 0:
         out["moe_aux_loss"] = (aux[:, 0] / aux[:, 1].clamp_min(1)).sum().item()
-    biases = [m.expert_bias for m in layers if m.expert_bias is not None]
-    if stages and moe.bias_balance:
-        top = torch.stack([b.abs().max() for b in biases]).max() if biases else v.new_zeros(())
-        top = top.reshape(1).clone()
-        if dist.is_initialized() and dist.get_world_size(group) > 1:
-            all_reduce("moe largest bias", top, dist.ReduceOp.MAX, group=group)
-        out["moe_bias"] = top.item()
-    elif biases:
-        out["moe_bias"] = torch.stack([b.abs().max() for b in biases]).max().item()
     return out
+
+
+def _agreed_largest_bias(biases: list[torch.Tensor], v: torch.Tensor, group: Any) -> float:
+    """The largest balancing bias in magnitude over every rank's blocks (pipeline stages hold
+    different ones): one more, one-element all-reduce."""
+    top = torch.stack([b.abs().max() for b in biases]).max() if biases else v.new_zeros(())
+    top = top.reshape(1).clone()
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        all_reduce("moe largest bias", top, dist.ReduceOp.MAX, group=group)
+    return top.item()
 
 
 def routing_counts(module: nn.Module) -> list[torch.Tensor]:
@@ -130,6 +158,7 @@ def _block_rows(module: nn.Module, args: ModelArgs) -> torch.Tensor:
 
 
 def _device(module: nn.Module) -> torch.device:
+    """Where ``module``'s parameters are (the CPU without any)."""
     for p in module.parameters():
         return p.device
     return torch.device("cpu")
