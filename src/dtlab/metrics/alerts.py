@@ -77,25 +77,51 @@ class AlertMonitor:
     ) -> list[tuple[str, str]]:
         """The alerts step metrics ``m`` raise, as (kind, message), given the largest memory fraction
         and the longest step time of any rank; then ``m`` joins the history."""
-        c = self.config
-        raised: dict[str, str] = {}
         step = m["step"]
-        if c.memory_fraction is not None and memory_fraction > c.memory_fraction:
-            raised["memory"] = (
-                f"step {step}: the fullest rank uses {memory_fraction:.1%} of its device's memory "
-                "(on a GPU: the allocator's reserved peak plus the CUDA context, NCCL and other "
-                "processes; on CPU: resident of the machine's), above alerts.memory_fraction = "
-                f"{c.memory_fraction:g}"
-            )
         rate = self.tokens_per_step / step_time_s if step_time_s > 0 else math.inf
-        if c.throughput_drop is not None and len(self.rates) >= MIN_HISTORY:
-            median = statistics.median(self.rates)
-            if rate < c.throughput_drop * median:
-                raised["throughput"] = (
-                    f"step {step}: {rate:,.0f} tokens/s is {rate / median:.0%} of the median "
-                    f"{median:,.0f} of the last {len(self.rates)} steps, below "
-                    f"alerts.throughput_drop = {c.throughput_drop:g}"
-                )
+        raised = {
+            **self._memory(step, memory_fraction),
+            **self._throughput(step, rate),
+            **self._spikes(m),
+            **self._moe_imbalance(m),
+            **self._nonfinite(m),
+        }
+        self._remember(m, rate)
+        fired = [(k, msg) for k, msg in raised.items() if k not in self.active]
+        self.active = set(raised)
+        return fired
+
+    def _memory(self, step: int, memory_fraction: float) -> dict[str, str]:
+        """The memory alert, when the fullest rank is above ``alerts.memory_fraction``."""
+        c = self.config
+        if c.memory_fraction is not None and memory_fraction > c.memory_fraction:
+            return {
+                "memory": f"step {step}: the fullest rank uses {memory_fraction:.1%} of its device's "
+                "memory (on a GPU: the allocator's reserved peak plus the CUDA context, NCCL and "
+                "other processes; on CPU: resident of the machine's), above "
+                f"alerts.memory_fraction = {c.memory_fraction:g}"
+            }
+        return {}
+
+    def _throughput(self, step: int, rate: float) -> dict[str, str]:
+        """The throughput alert, when tokens/s fell below ``alerts.throughput_drop`` of the median."""
+        c = self.config
+        if c.throughput_drop is None or len(self.rates) < MIN_HISTORY:
+            return {}
+        median = statistics.median(self.rates)
+        if rate < c.throughput_drop * median:
+            return {
+                "throughput": f"step {step}: {rate:,.0f} tokens/s is {rate / median:.0%} of the "
+                f"median {median:,.0f} of the last {len(self.rates)} steps, below "
+                f"alerts.throughput_drop = {c.throughput_drop:g}"
+            }
+        return {}
+
+    def _spikes(self, m: dict[str, Any]) -> dict[str, str]:
+        """The loss and gradient-norm spike alerts: a finite value above its threshold times the
+        median of the window."""
+        c, step = self.config, m["step"]
+        raised: dict[str, str] = {}
         for kind, key, threshold, history in (
             ("loss_spike", "loss", c.loss_spike, self.losses),
             ("grad_norm_spike", "grad_norm", c.grad_norm_spike, self.norms),
@@ -109,32 +135,45 @@ class AlertMonitor:
                     f"step {step}: {key} {value:.4g} is {value / median:.2f}x the median {median:.4g} "
                     f"of the last {len(history)} steps, above alerts.{kind} = {threshold:g}"
                 )
+        return raised
+
+    def _moe_imbalance(self, m: dict[str, Any]) -> dict[str, str]:
+        """The routing alert, when the worst MoE block's imbalance is above ``alerts.moe_imbalance``."""
+        c = self.config
         imbalance = m.get("moe_imbalance")  # absent on a dense model
         if (
             c.moe_imbalance is not None
             and isinstance(imbalance, float)
             and imbalance > c.moe_imbalance
         ):
-            raised["moe_imbalance"] = (
-                f"step {step}: the most loaded expert has {imbalance:.3g}x the mean load (the worst "
-                f"MoE block's moe_imbalance), above alerts.moe_imbalance = {c.moe_imbalance:g}"
-            )
+            return {
+                "moe_imbalance": f"step {m['step']}: the most loaded expert has {imbalance:.3g}x "
+                "the mean load (the worst MoE block's moe_imbalance), above alerts.moe_imbalance = "
+                f"{c.moe_imbalance:g}"
+            }
+        return {}
+
+    def _nonfinite(self, m: dict[str, Any]) -> dict[str, str]:
+        """Count whether step ``m`` was bad into the window; the alert once ``alerts.nonfinite`` of
+        its steps were."""
+        c = self.config
         self.bad.append("bad" in m)
         if c.nonfinite is not None and sum(self.bad) >= c.nonfinite:
-            raised["nonfinite"] = (
-                f"step {step}: {sum(self.bad)} steps with a non-finite loss or gradient within the "
-                f"last {len(self.bad)}, at alerts.nonfinite = {c.nonfinite}"
-            )
+            return {
+                "nonfinite": f"step {m['step']}: {sum(self.bad)} steps with a non-finite loss or "
+                f"gradient within the last {len(self.bad)}, at alerts.nonfinite = {c.nonfinite}"
+            }
+        return {}
+
+    def _remember(self, m: dict[str, Any], rate: float) -> None:
+        """Step ``m`` into the windows the next steps are judged against."""
         # The history: finite figures only (a NaN step would make every median NaN).
         for key, history in (("loss", self.losses), ("grad_norm", self.norms)):
             value = m.get(key)
             if isinstance(value, float) and math.isfinite(value):
                 history.append(value)
-        if step > 1 and math.isfinite(rate):  # step 1 carries the warm-up
+        if m["step"] > 1 and math.isfinite(rate):  # step 1 carries the warm-up
             self.rates.append(rate)
-        fired = [(k, msg) for k, msg in raised.items() if k not in self.active]
-        self.active = set(raised)
-        return fired
 
 
 def count_alerts(records: list[dict[str, Any]]) -> dict[str, int]:
