@@ -515,7 +515,8 @@ def _parse_ratios(text: str) -> list[float]:
     return ratios
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m dtlab.bench.fitrule``."""
     p = argparse.ArgumentParser(
         prog="python -m dtlab.bench.fitrule",
         description=__doc__,
@@ -541,7 +542,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3, help="optimizer steps per run (default 3)")
     p.add_argument("--timeout", type=float, default=300, help="seconds per run (default 300)")
     p.add_argument("--json", type=Path, help="write every run and the rule to this file")
-    args = p.parse_args(argv)
+    return p
+
+
+def _checked(
+    p: argparse.ArgumentParser, args: argparse.Namespace
+) -> tuple[list[str], list[float] | None]:
+    """The mallocs and the ratios given (None: each malloc's own), or the parser's error (exit 2)
+    naming the bad value."""
     mallocs = [m.strip() for m in args.malloc.split(",") if m.strip()]
     if not mallocs or any(m not in MALLOC for m in mallocs):
         p.error(f"--malloc {args.malloc!r}: expected a comma-separated list of {', '.join(MALLOC)}")
@@ -551,22 +559,26 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     if args.steps < 1:
         p.error(f"--steps {args.steps}: need at least 1")
-    cases = QUICK_GRID if args.quick else GRID
-    # A kill stops the bench as Ctrl-C does: the runs in flight and their cgroups go with it.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    return mallocs, given
+
+
+def _can_run(cases: Sequence[Case]) -> bool:
+    """Whether every case is valid and a memory cgroup can be made, before anything runs; says
+    why not on stderr."""
     try:
         for case in cases:
-            predicted_bytes(case)  # every case valid before anything runs
+            predicted_bytes(case)
         MemoryCgroup(None).close()
     except (ConfigError, CgroupUnavailable) as e:
         print(f"dtlab.bench.fitrule: {e}", file=sys.stderr)
-        return 1
-    print(
-        f"{len(cases)} cases x malloc {', '.join(mallocs)}, {args.steps} steps each; bytes per rank "
-        "but base and cap (the whole launch); ratio = predicted / (cap - base) per rank\n"
-    )
-    print(HEADER, flush=True)
-    t0 = time.perf_counter()
+        return False
+    return True
+
+
+def _run_mallocs(
+    cases: Sequence[Case], mallocs: list[str], given: list[float] | None, args: argparse.Namespace
+) -> list[RunResult]:
+    """The grid under each malloc, at the ratios given or that malloc's own, each run printed."""
     results: list[RunResult] = []
     for malloc in mallocs:
         ratios = given or (QUICK_RATIOS if args.quick else RATIOS)[malloc]
@@ -574,17 +586,42 @@ def main(argv: list[str] | None = None) -> int:
         results += run_grid(
             with_malloc, ratios, args.steps, args.timeout, not args.quick, log=sys.stdout
         )
+    return results
+
+
+def _report(results: list[RunResult], t0: float, out: Path | None) -> None:
+    """The rule under each malloc, printed with the seconds since ``t0``, and with every run
+    written to ``out`` (--json)."""
     summary = rules(results)
     print()
     for malloc, s in summary.items():
         print(format_summary(malloc, s))
     print(f"({len(results)} runs and the baselines in {time.perf_counter() - t0:.0f} s)")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(
             json.dumps({"rule": summary, "runs": [asdict(r) for r in results]}, indent=1) + "\n"
         )
-        print(f"wrote {args.json}")
+        print(f"wrote {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
+    args = p.parse_args(argv)
+    mallocs, given = _checked(p, args)
+    cases = QUICK_GRID if args.quick else GRID
+    # A kill stops the bench as Ctrl-C does: the runs in flight and their cgroups go with it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if not _can_run(cases):
+        return 1
+    print(
+        f"{len(cases)} cases x malloc {', '.join(mallocs)}, {args.steps} steps each; bytes per rank "
+        "but base and cap (the whole launch); ratio = predicted / (cap - base) per rank\n"
+    )
+    print(HEADER, flush=True)
+    t0 = time.perf_counter()
+    results = _run_mallocs(cases, mallocs, given, args)
+    _report(results, t0, args.json)
     return 0
 
 
