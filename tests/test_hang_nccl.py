@@ -469,3 +469,29 @@ def test_after_the_watcher_aborts_no_step_acts_on_the_values_it_read(
     with pytest.raises(CollectiveError) as raised:
         reduce_step(*args)
     assert raised.value is error
+
+
+def test_the_agent_lets_survivors_outlast_the_collective_timeout_before_killing_them() -> None:
+    # torch's agent kills the other workers 30 s after one failed; on NCCL they wait in a collective
+    # with the dead rank until parallel.collective_timeout_s, so they would die before naming it.
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from dtlab.launcher import LaunchSpec, _failure_grace, failure_grace_s
+
+    assert failure_grace_s(600.0) == 630.0
+    assert failure_grace_s(5.0) == 35.0
+    assert LaunchSpec(2).failure_grace_s == 30.0
+
+    class Agent:
+        def __init__(self) -> None:
+            self.timeouts: list[int] = []
+
+        def _shutdown(self, death_sig: Any = None, timeout: int = 30) -> None:
+            self.timeouts.append(timeout)
+
+    original = LocalElasticAgent._stop_workers
+    agent = Agent()
+    with _failure_grace(630.0):
+        LocalElasticAgent._stop_workers(agent, None)  # type: ignore[arg-type]
+    assert agent.timeouts == [630]
+    assert LocalElasticAgent._stop_workers is original

@@ -228,7 +228,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if world == 1:
         check_before_launch(config, None)
         return _train_here(config)
-    from dtlab.launcher import LaunchSpec, launch
+    from dtlab.launcher import LaunchSpec, failure_grace_s, launch
     from dtlab.parallel.devices import check_node_gpus
     from dtlab.train.rundir import check_free
 
@@ -244,6 +244,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         args.master_addr,
         args.master_port,
         args.max_restarts,
+        failure_grace_s(config.parallel.collective_timeout_s),
     )
     return launch(spec, worker_args, run_dir)
 

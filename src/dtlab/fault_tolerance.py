@@ -27,7 +27,7 @@ from typing import Any
 
 from dtlab.config import Config
 from dtlab.errors import DtlabError
-from dtlab.launcher import LaunchSpec, _loopback_store, launch
+from dtlab.launcher import LaunchSpec, _loopback_store, failure_grace_s, launch
 from dtlab.parallel.devices import replica_group_gpu_env
 from dtlab.parallel.ft import (
     FINISHED_KEY,
@@ -175,6 +175,7 @@ def _start_agents(
         cmd = [
             sys.executable, "-m", "dtlab.fault_tolerance", "--nproc", str(group),
             "--max-restarts", str(config.parallel.fault_tolerance.max_restarts),
+            "--failure-grace-s", str(failure_grace_s(config.parallel.collective_timeout_s)),
             "--run-dir", str(replica_dir(run_dir, i)), "--", *args,
         ]  # fmt: skip
         agent_env = {**env, REPLICAS_ENV: str(replicas), REPLICA_ENV: str(i)}
@@ -300,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--store-port", type=int)
     parser.add_argument("--nproc", type=int)
     parser.add_argument("--max-restarts", type=int)
+    parser.add_argument("--failure-grace-s", type=float, default=30.0)
     parser.add_argument("--run-dir", type=Path)
     parser.add_argument("worker_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
@@ -312,7 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     worker_args = args.worker_args
     if worker_args[:1] == ["--"]:
         worker_args = worker_args[1:]
-    spec = LaunchSpec(args.nproc, max_restarts=args.max_restarts)
+    spec = LaunchSpec(
+        args.nproc, max_restarts=args.max_restarts, failure_grace_s=args.failure_grace_s
+    )
     # The workers (and their restarts) through the run's fork server, where it has one.
     code = launch(spec, worker_args, args.run_dir, python=os.environ.get(WORKER_PYTHON_ENV))
     if code == 0:

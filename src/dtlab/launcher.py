@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import re
 import shutil
@@ -43,6 +44,41 @@ class LaunchSpec:
     master_addr: str | None = None
     master_port: int | None = None
     max_restarts: int = 0
+    # How long the agent lets the other ranks run once one has failed, before it kills them: past
+    # the collective timeout, so that a rank waiting on the dead one names it (see failure_grace_s).
+    failure_grace_s: float = 30.0
+
+
+# What a rank whose collective timed out takes to say so: its peers' newest entries settle, the dumps
+# are acknowledged, and the aborted groups end its wait (dtlab.parallel.ledger), with room to spare.
+REPORT_S = 30.0
+
+
+def failure_grace_s(collective_timeout_s: float) -> float:
+    """How long the elastic agent waits for the other ranks once a rank has failed, before SIGKILL:
+    ``parallel.collective_timeout_s`` plus the time a rank takes to report (at least torch's 30 s).
+    On NCCL a survivor waits in a collective with the dead rank until that timeout; killed sooner, it
+    never names the dead rank (gloo's survivors fail at once, and end well within it)."""
+    return max(30.0, collective_timeout_s + REPORT_S)
+
+
+@contextlib.contextmanager
+def _failure_grace(seconds: float) -> Iterator[None]:
+    """Inside, torch's elastic agent waits ``seconds`` (not its fixed 30) for the other workers to end
+    once one has failed: its ``_stop_workers`` passes no timeout to ``_shutdown`` (torch 2.13), so
+    neither ``LaunchConfig.shutdown_timeout`` nor its environment variable reaches that path."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    original = LocalElasticAgent._stop_workers
+
+    def stop_workers(self: Any, worker_group: Any) -> None:
+        self._shutdown(timeout=math.ceil(seconds))
+
+    LocalElasticAgent._stop_workers = stop_workers  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        LocalElasticAgent._stop_workers = original  # type: ignore[method-assign]
 
 
 def launch(
@@ -88,7 +124,7 @@ def _launch(
     ctrl_c = _CtrlC()
     started_here()  # the ranks die with this process, even when it is killed -9
     try:
-        with ctrl_c:
+        with ctrl_c, _failure_grace(spec.failure_grace_s):
             elastic_launch(config, entrypoint=python)("-m", module, *worker_args)
     except _Interrupted as e:
         return ending.interrupted(e.aborted)
