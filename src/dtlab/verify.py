@@ -43,7 +43,7 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from dtlab.dims import DPWrapper, needs_replica_groups, strategies_with
 from dtlab.errors import ConfigError, DtlabError
@@ -99,72 +99,121 @@ def parse_layouts(text: str) -> list[Layout]:
     return layouts
 
 
+@dataclass
+class _LayoutParts:
+    """A layout as its dimensions are read: the data-parallel strategy and degree, the degrees of
+    tensor, pipeline and expert parallelism, the overrides so far and the kinds of parallelism given
+    (each at most once)."""
+
+    strategy: str = field(default_factory=lambda: strategies_with(DPWrapper.NONE)[0])
+    dp: int = 1
+    degrees: dict[str, int] = field(default_factory=lambda: {"tp": 1, "pp": 1, "ep": 1})
+    overrides: list[str] = field(default_factory=list)
+    seen: set[str] = field(default_factory=set)
+
+
+class _Dim(NamedTuple):
+    """One ``NAME:DEGREE[:OPTION]`` of a layout; ``kind``: data, tp (sp too), pp or ep."""
+
+    part: str
+    name: str
+    degree: int
+    option: str | None
+    kind: str
+
+
 def _parse_layout(item: str) -> Layout:
-    strategy, dp = strategies_with(DPWrapper.NONE)[0], 1
-    overrides: list[str] = []
-    seen: set[str] = set()
-    degrees = {"tp": 1, "pp": 1, "ep": 1}
+    """One layout of ``--layouts``: its dimensions in turn, then the process count and overrides."""
+    parts = _LayoutParts()
     for part in item.split("x"):
-        m = _DIM.match(part)
-        if not m or m["name"] not in _NAMES:
-            raise ConfigError(
-                f"--layouts: {part!r} in {item!r} is not NAME:DEGREE with NAME one of "
-                f"{', '.join(_NAMES)} (e.g. fsdp:2xtp:2, pp:2:gpipe)"
-            )
-        name, option = m["name"], m["option"]
-        degree = int(m["degree"]) if m["degree"] else 1
-        kind = "data" if name in (*_DATA, *_EXTRA_DATA) else ("tp" if name == "sp" else name)
-        if kind in seen:
-            raise ConfigError(f"--layouts: {item!r} gives {kind} parallelism twice")
-        seen.add(kind)
-        alone = name in _DATA and DPWrapper.of(name) is DPWrapper.NONE  # one process
-        if degree < 1 or (alone and m["degree"] and degree != 1):
-            raise ConfigError(f"--layouts: {part!r} in {item!r}: the degree must be at least 1")
-        if option is not None and name not in ("pp", "diloco"):
-            raise ConfigError(
-                f"--layouts: {part!r} in {item!r}: only pp (its schedule) and diloco (its H) take "
-                "an option"
-            )
-        if name == "diloco":
-            h = option or "1"
-            if not h.isdigit() or int(h) < 1:
-                raise ConfigError(
-                    f"--layouts: {part!r} in {item!r}: diloco's option is H, the inner steps "
-                    "between syncs (an integer >= 1, e.g. diloco:2:4)"
-                )
-            strategy, dp = "ddp", degree
-            overrides.append(f"parallel.diloco.inner_steps={h}")
-        elif name == "ft":
-            strategy, dp = "ddp", degree
-            overrides.append(FT_ON)
-        elif name == "zero":
-            strategy, dp = "ddp", degree
-            overrides.append("parallel.sharding=optimizer")
-        elif kind == "data":
-            strategy, dp = name, degree
-            if needs_replica_groups(name):
-                if degree % 2:
-                    raise ConfigError(
-                        f"--layouts: {part!r}: hsdp runs two replica groups, so its degree must be even"
-                    )
-                overrides.append("parallel.replicate=2")
+        dim = _parse_dim(part, item, parts.seen)
+        if dim.kind == "data":
+            _add_data(parts, dim, item)
         else:
-            degrees[kind] = degree
-            overrides.append(f"parallel.{kind}={degree}")
-            if name == "sp":
-                overrides.append("parallel.sequence_parallel=true")
-            if option is not None:
-                overrides.append(f"parallel.pp_schedule={option}")
-    ep = degrees["ep"]
-    if ep > 1 and "data" not in seen:  # expert parallelism borrows data-parallel ranks: ddp's
-        strategy, dp = "ddp", ep
+            _add_model_parallel(parts, dim)
+    return _finish_layout(parts, item)
+
+
+def _parse_dim(part: str, item: str, seen: set[str]) -> _Dim:
+    """``part`` of layout ``item`` read and checked: a known name, a kind of parallelism not given
+    before (added to ``seen``), a degree of at least 1 and an option only where one is taken."""
+    m = _DIM.match(part)
+    if not m or m["name"] not in _NAMES:
+        raise ConfigError(
+            f"--layouts: {part!r} in {item!r} is not NAME:DEGREE with NAME one of "
+            f"{', '.join(_NAMES)} (e.g. fsdp:2xtp:2, pp:2:gpipe)"
+        )
+    name, option = m["name"], m["option"]
+    degree = int(m["degree"]) if m["degree"] else 1
+    kind = "data" if name in (*_DATA, *_EXTRA_DATA) else ("tp" if name == "sp" else name)
+    if kind in seen:
+        raise ConfigError(f"--layouts: {item!r} gives {kind} parallelism twice")
+    seen.add(kind)
+    alone = name in _DATA and DPWrapper.of(name) is DPWrapper.NONE  # one process
+    if degree < 1 or (alone and m["degree"] and degree != 1):
+        raise ConfigError(f"--layouts: {part!r} in {item!r}: the degree must be at least 1")
+    if option is not None and name not in ("pp", "diloco"):
+        raise ConfigError(
+            f"--layouts: {part!r} in {item!r}: only pp (its schedule) and diloco (its H) take "
+            "an option"
+        )
+    return _Dim(part, name, degree, option, kind)
+
+
+def _add_data(parts: _LayoutParts, dim: _Dim, item: str) -> None:
+    """The data-parallel dimension: a strategy and its degree, and the overrides of DiLoCo,
+    fault-tolerant groups, ZeRO-1 or HSDP's two replica groups."""
+    name, degree, part = dim.name, dim.degree, dim.part
+    if name == "diloco":
+        h = dim.option or "1"
+        if not h.isdigit() or int(h) < 1:
+            raise ConfigError(
+                f"--layouts: {part!r} in {item!r}: diloco's option is H, the inner steps "
+                "between syncs (an integer >= 1, e.g. diloco:2:4)"
+            )
+        parts.strategy, parts.dp = "ddp", degree
+        parts.overrides.append(f"parallel.diloco.inner_steps={h}")
+    elif name == "ft":
+        parts.strategy, parts.dp = "ddp", degree
+        parts.overrides.append(FT_ON)
+    elif name == "zero":
+        parts.strategy, parts.dp = "ddp", degree
+        parts.overrides.append("parallel.sharding=optimizer")
+    else:
+        parts.strategy, parts.dp = name, degree
+        if needs_replica_groups(name):
+            if degree % 2:
+                raise ConfigError(
+                    f"--layouts: {part!r}: hsdp runs two replica groups, so its degree must be even"
+                )
+            parts.overrides.append("parallel.replicate=2")
+
+
+def _add_model_parallel(parts: _LayoutParts, dim: _Dim) -> None:
+    """A tensor (or sequence), pipeline or expert dimension: its degree, and its schedule for pp."""
+    parts.degrees[dim.kind] = dim.degree
+    parts.overrides.append(f"parallel.{dim.kind}={dim.degree}")
+    if dim.name == "sp":
+        parts.overrides.append("parallel.sequence_parallel=true")
+    if dim.option is not None:
+        parts.overrides.append(f"parallel.pp_schedule={dim.option}")
+
+
+def _finish_layout(parts: _LayoutParts, item: str) -> Layout:
+    """The layout of ``parts``: expert parallelism's data-parallel ranks (DDP's when no data
+    parallelism was given), which it must divide, and the strategy as the first override."""
+    ep = parts.degrees["ep"]
+    if ep > 1 and "data" not in parts.seen:  # expert parallelism borrows data-parallel ranks: ddp's
+        parts.strategy, parts.dp = "ddp", ep
+    strategy, dp = parts.strategy, parts.dp
     if dp % ep:
         raise ConfigError(
             f"--layouts: {item!r}: ep:{ep} must divide the data-parallel degree {dp} (expert "
             f"parallelism borrows its ranks from data parallelism, e.g. {strategy}:{2 * ep}xep:{ep})"
         )
-    overrides.insert(0, f"parallel.strategy={strategy}")
-    return Layout(item, dp * degrees["tp"] * degrees["pp"], tuple(overrides))
+    parts.overrides.insert(0, f"parallel.strategy={strategy}")
+    degrees = parts.degrees
+    return Layout(item, dp * degrees["tp"] * degrees["pp"], tuple(parts.overrides))
 
 
 @dataclass
@@ -430,82 +479,121 @@ def verify(
         ):
             result.rows.append(compare_runs(name, layout.nproc, dirs[0], where, tol, grad_norm))
     if "resume" in checks or "export" in checks:
+        ctx = _StateContext(config, overrides, steps, out, tol, report, layouts[0], dirs[0])
         for i, (layout, run_dir) in enumerate(zip(layouts, dirs, strict=True)):
-            result.state.append(
-                _state_checks(i, layout, run_dir, layouts[0], dirs[0], config, overrides, steps,
-                              out, tol, checks, report)
-            )  # fmt: skip
+            result.state.append(_state_checks(i, layout, run_dir, ctx, checks))
     (out / "verify.json").write_text(
         json.dumps({**asdict(result), "ok": result.ok}, indent=2) + "\n", encoding="utf-8"
     )
     return result
 
 
+@dataclass(frozen=True)
+class _StateContext:
+    """What every layout's resume and export checks share: how the layouts train (the config, its
+    overrides, the steps), where they write (``out``), the tolerances, where progress is reported,
+    and the reference layout with its run directory."""
+
+    config: str | None
+    overrides: list[str]
+    steps: int
+    out: Path
+    tol: Tolerances
+    report: Any
+    ref: Layout
+    ref_dir: Path
+
+
+class _Target(NamedTuple):
+    """Where a resume check resumes a layout's checkpoint: on ``layout``, whose uninterrupted run in
+    ``expected_dir`` the resumed one must equal; ``what``: the check's name."""
+
+    layout: Layout
+    expected_dir: Path
+    what: str
+
+
 def _state_checks(
-    i: int,
-    layout: Layout,
-    run_dir: Path,
-    ref: Layout,
-    ref_dir: Path,
-    config: str | None,
-    overrides: list[str],
-    steps: int,
-    out: Path,
-    tol: Tolerances,
-    checks: tuple[str, ...],
-    report: Any,
+    i: int, layout: Layout, run_dir: Path, ctx: _StateContext, checks: tuple[str, ...]
 ) -> LayoutChecks:
     """Layout ``i``'s resume checks (from its middle checkpoint: on itself, and on the reference's
     layout) and its export check (against the reference's export)."""
     from dtlab.checkpoint.store import step_name
 
     got = LayoutChecks(layout.name)
-    base = out / _dir_name(i, layout)
+    base = ctx.out / _dir_name(i, layout)
     if "resume" in checks:
-        middle = middle_step(steps)
-        ckpt = run_dir / "checkpoints" / step_name(middle)
-        targets = [(layout, run_dir, "resume")]
+        ckpt = run_dir / "checkpoints" / step_name(middle_step(ctx.steps))
+        targets = [_Target(layout, run_dir, "resume")]
         if i > 0:
-            targets.append((ref, ref_dir, f"resume on {ref.name}"))
-        for target, expected_dir, what in targets:
-            if target is not layout and layout.diloco:
-                got.checks.append(StateCheck(
-                    what, None, None, 0.0, "-", True,
-                    "not run: a DiLoCo checkpoint holds each replica's own state and resumes only "
-                    "on its own layout",
-                ))  # fmt: skip
-                continue
-            resumed = Path(f"{base}-{what.replace(' ', '-').replace(':', '-')}")
-            report(f"{layout.name}: {what} from step {middle}")
-            train_layout(
-                target, config, overrides, steps, resumed, resume=ckpt,
-                what=f"{layout.name}: {what} from {ckpt} failed",
-            )  # fmt: skip
-            run = _metrics(resumed, after=middle)
-            expected = _metrics(expected_dir, after=middle)
-            grad_norm = not (target.diloco or layout.diloco)
-            d = _trajectory(run, expected, tol, grad_norm, f"{layout.name} ({what})")
-            worst, worst_name = _param_diff(expected_dir, resumed)
-            max_loss = max(d.loss) if d.loss else 0.0
-            max_grad = max(d.grad) if d.grad else None
-            ok = (
-                max_loss <= tol.loss
-                and (max_grad is None or max_grad <= tol.grad_norm)
-                and worst <= tol.param
-            )
-            note = "" if d.first is None else f"first differs at step {d.first}"
-            got.checks.append(StateCheck(what, max_loss, max_grad, worst, worst_name, ok, note))
+            targets.append(_Target(ctx.ref, ctx.ref_dir, f"resume on {ctx.ref.name}"))
+        for target in targets:
+            got.checks.append(_resume_check(ctx, layout, base, ckpt, target))
     if "export" in checks:
-        exported = Path(f"{base}-export")
-        report(f"{layout.name}: export")
-        export_run(run_dir, exported)
-        ref_export = out / f"{_dir_name(0, ref)}-export"
-        worst, worst_name, note = compare_exports(ref_export, exported)
-        got.checks.append(StateCheck(
-            "export" if i else "export (the reference)", None, None, worst, worst_name,
-            worst <= tol.param, note,
-        ))  # fmt: skip
+        got.checks.append(_export_check(ctx, i, layout, run_dir, base))
     return got
+
+
+def _resume_check(
+    ctx: _StateContext, layout: Layout, base: Path, ckpt: Path, target: _Target
+) -> StateCheck:
+    """``layout``'s checkpoint ``ckpt`` resumed on ``target.layout`` and trained to the end, beside
+    ``base``, then compared with that layout's uninterrupted run (not run for a DiLoCo checkpoint on
+    another layout)."""
+    what = target.what
+    if target.layout is not layout and layout.diloco:
+        return StateCheck(
+            what, None, None, 0.0, "-", True,
+            "not run: a DiLoCo checkpoint holds each replica's own state and resumes only "
+            "on its own layout",
+        )  # fmt: skip
+    middle = middle_step(ctx.steps)
+    resumed = Path(f"{base}-{what.replace(' ', '-').replace(':', '-')}")
+    ctx.report(f"{layout.name}: {what} from step {middle}")
+    train_layout(
+        target.layout, ctx.config, ctx.overrides, ctx.steps, resumed, resume=ckpt,
+        what=f"{layout.name}: {what} from {ckpt} failed",
+    )  # fmt: skip
+    grad_norm = not (target.layout.diloco or layout.diloco)
+    return _resumed_against(ctx, resumed, target, grad_norm, f"{layout.name} ({what})")
+
+
+def _resumed_against(
+    ctx: _StateContext, resumed: Path, target: _Target, grad_norm: bool, name: str
+) -> StateCheck:
+    """The resumed run's steps after the middle, and its final parameters, against the target's
+    uninterrupted run (``name``: the run, as errors name it)."""
+    middle = middle_step(ctx.steps)
+    tol = ctx.tol
+    run = _metrics(resumed, after=middle)
+    expected = _metrics(target.expected_dir, after=middle)
+    d = _trajectory(run, expected, tol, grad_norm, name)
+    worst, worst_name = _param_diff(target.expected_dir, resumed)
+    max_loss = max(d.loss) if d.loss else 0.0
+    max_grad = max(d.grad) if d.grad else None
+    ok = (
+        max_loss <= tol.loss
+        and (max_grad is None or max_grad <= tol.grad_norm)
+        and worst <= tol.param
+    )
+    note = "" if d.first is None else f"first differs at step {d.first}"
+    return StateCheck(target.what, max_loss, max_grad, worst, worst_name, ok, note)
+
+
+def _export_check(
+    ctx: _StateContext, i: int, layout: Layout, run_dir: Path, base: Path
+) -> StateCheck:
+    """Layout ``i``'s final checkpoint exported beside ``base`` and compared with the reference's
+    export (the reference's own: the one the others are compared with)."""
+    exported = Path(f"{base}-export")
+    ctx.report(f"{layout.name}: export")
+    export_run(run_dir, exported)
+    ref_export = ctx.out / f"{_dir_name(0, ctx.ref)}-export"
+    worst, worst_name, note = compare_exports(ref_export, exported)
+    return StateCheck(
+        "export" if i else "export (the reference)", None, None, worst, worst_name,
+        worst <= ctx.tol.param, note,
+    )  # fmt: skip
 
 
 def _num(x: float | None, width: int) -> str:
