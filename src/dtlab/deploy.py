@@ -310,7 +310,8 @@ def fault_tolerant_layout(config: Config, job: SlurmJob) -> FaultTolerantLayout 
 
 
 def _ft_settings(ft: FaultTolerantLayout, port: str) -> list[str]:
-    """The script's variables for the groups: their layout, the first node's ports, a clean exit record."""
+    """The script's variables for the groups: their layout, the first node's ports, and a clean
+    record of their exits."""
     q = shlex.quote
     return [
         f"RUN_DIR={q(ft.run_dir)}",
@@ -327,7 +328,8 @@ def _ft_settings(ft: FaultTolerantLayout, port: str) -> list[str]:
 
 
 def _ft_lighthouse(ft: FaultTolerantLayout) -> list[str]:
-    """The lines that start the job's lighthouse and wait for it to listen, or name the given one."""
+    """The lines that start the job's lighthouse and wait for it to listen, or name the given
+    one."""
     if ft.lighthouse is not None:
         return [
             f"export TORCHFT_LIGHTHOUSE={shlex.quote(ft.lighthouse)}  # parallel.fault_tolerance.lighthouse"
@@ -467,7 +469,8 @@ def _nodes_body(job: SlurmJob, port: str) -> list[str]:
 
 
 def _requeue_tail() -> list[str]:
-    """The script's last lines: requeue the job when its workers saved and stopped, and exit with rc."""
+    """The script's last lines: requeue the job when its workers saved and stopped; exit with
+    rc."""
     return [
         f"if [[ $rc -eq {Preempted.exit_code} ]]; then",
         '    echo "dtlab: checkpoint saved before the time limit or preemption; requeueing job $SLURM_JOB_ID"',

@@ -83,7 +83,8 @@ def _named(meta: dict[str, Any], suffix: str) -> dict[str, Any]:
 
 
 def _config_map(config: Config, meta: dict[str, Any]) -> dict[str, Any]:
-    """The ConfigMap with the resolved config, whose run directory is the job's on the runs volume."""
+    """The ConfigMap with the resolved config, whose run directory is the job's on the runs
+    volume."""
     resolved = config.model_copy(deep=True)
     resolved.run.dir = f"{RUNS_MOUNT}/{meta['name']}"
     return {
@@ -330,7 +331,8 @@ def _group_container(groups: _ReplicaGroups, i: int) -> dict[str, Any]:
 
 
 def _replica_group_job(groups: _ReplicaGroups, i: int) -> dict[str, Any]:
-    """The batch Job of replica group ``i``, which Kubernetes recreates alone when its pod is lost."""
+    """The batch Job of replica group ``i``, which Kubernetes recreates alone when its pod is
+    lost."""
     group_labels = {**groups.labels, "dtlab.io/role": "replica-group", "dtlab.io/replica": str(i)}
     return {
         "apiVersion": "batch/v1",

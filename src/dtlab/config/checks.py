@@ -488,7 +488,8 @@ def _moe_refusals(c: Config) -> dict[str, tuple[bool, str, str, str]]:
 
 
 def _expert_parallel_refusals(c: Config) -> dict[str, tuple[bool, str, str, str]]:
-    """What does not go with experts split over ranks (parallel.ep > 1; a table for :func:`_refuse`)."""
+    """What does not go with experts split over ranks (parallel.ep > 1); a table for
+    :func:`_refuse`."""
     p, t = c.parallel, c.train
     # key: (refused, the value as written, what is allowed, why)
     return {

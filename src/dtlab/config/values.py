@@ -180,7 +180,8 @@ def _coerce_float(value: Any, allowed: str) -> float:
 
 
 def _coerce_str(value: Any, allowed: str) -> str:
-    """A string field's value: text only; a scalar YAML read as another kind is told how to quote it."""
+    """A string field's value: text only; a scalar that YAML read as another kind is told how to
+    quote it."""
     if not isinstance(value, str):
         scalar = isinstance(value, bool | int | float)
         hint = f' (in quotes it stays text: "{show(value)}")' if scalar else ""
@@ -189,7 +190,8 @@ def _coerce_str(value: Any, allowed: str) -> str:
 
 
 def _coerce_tuple(value: Any, args: tuple[Any, ...], allowed: str) -> tuple[Any, ...]:
-    """A fixed-length field's value: a list (or tuple) of as many items as ``args``, each of its type."""
+    """A fixed-length field's value: a list (or tuple) of as many items as ``args``, each of its
+    type."""
     if not isinstance(value, list | tuple) or len(value) != len(args):
         what = f"{len(value)} items" if isinstance(value, list | tuple) else _kind(value)
         raise _bad(f"{what}; allowed: {allowed}")
