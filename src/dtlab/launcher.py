@@ -109,7 +109,7 @@ def _launch(
     messages: Path,
     python: str,
 ) -> int:
-    """Start the workers under the elastic agent and turn each way they can end into an exit code."""
+    """Start the workers under the elastic agent; each way they can end becomes an exit code."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
@@ -170,7 +170,8 @@ class _Ending:
         return stopped_with_checkpoint(self.run_dir, self.run_id, self.since)
 
     def after_signal(self, sig: signal.Signals) -> int:
-        """The launcher was stopped by ``sig``: 0 when the run had finished, else :func:`_after_signal`."""
+        """The launcher was stopped by ``sig``: 0 when the run had finished, else
+        :func:`_after_signal`."""
         self.say(stop_said=True)
         if self.run_dir is not None and finished_since(self.run_dir, self.since):
             # The signal came while the finished workers were leaving: nothing was stopped.
