@@ -21,6 +21,7 @@ and ``sys.executable`` is the shim, so that the processes a child starts come he
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import io
 import json
 import os
@@ -58,6 +59,10 @@ PRELOAD = (
     "dtlab.train.loop",
     "dtlab.parallel.apply",
 )
+# The most descriptors beyond 0-2 a shim passes on (forkshim.MAX_PASSED_FDS: more, and it runs the
+# real interpreter instead).
+MAX_PASSED_FDS = 64
+
 FORWARDED = (
     signal.SIGINT,
     signal.SIGTERM,
@@ -325,7 +330,8 @@ def _handle(server: _Serving, key: selectors.SelectorKey) -> int | None:
         return None
     pid = os.fork()
     if pid == 0:
-        _leave_server(server, fds)
+        _leave_server(server)
+        conn = _place_fds(fds, request.get("passed_fds", []), conn)
         return _become(request, conn, server.shim)
     for fd in fds:
         os.close(fd)
@@ -334,8 +340,8 @@ def _handle(server: _Serving, key: selectors.SelectorKey) -> int | None:
     return None
 
 
-def _leave_server(server: _Serving, fds: list[int]) -> None:
-    """In the forked child: close what belongs to the server and put the shim's streams on 0-2."""
+def _leave_server(server: _Serving) -> None:
+    """In the forked child: close what belongs to the server."""
     signal.set_wakeup_fd(-1)
     server.selector.close()
     server.listener.close()
@@ -343,9 +349,25 @@ def _leave_server(server: _Serving, fds: list[int]) -> None:
     os.close(server.wake_w)
     for other in server.children.values():
         other.close()
-    for target, fd in enumerate(fds):
-        os.dup2(fd, target)
+
+
+def _place_fds(fds: list[int], passed: list[int], conn: socket.socket) -> socket.socket:
+    """In the forked child: the shim's streams on 0-2 and the descriptors it was passed under their
+    own numbers (each first moved above every target, so that no placement closes another one, nor
+    the connection to the shim, which is moved too); returns that connection."""
+    targets = [0, 1, 2, *passed]
+    floor = max(targets) + 1
+    if conn.fileno() <= floor:
+        moved = fcntl.fcntl(conn.fileno(), fcntl.F_DUPFD_CLOEXEC, floor)
+        conn.close()
+        conn = socket.socket(fileno=moved)
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, floor) for fd in fds]
+    for fd in fds:
         os.close(fd)
+    for target, fd in zip(targets, high, strict=True):
+        os.dup2(fd, target)  # inheritable, as the shim's were (its own children may need them)
+        os.close(fd)
+    return conn
 
 
 def _reap(server: _Serving) -> None:
@@ -367,7 +389,7 @@ def _reap(server: _Serving) -> None:
 
 def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
     """A shim's request: its JSON (length-prefixed) and the three descriptors of its streams."""
-    data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3 + MAX_PASSED_FDS)
     (size,) = struct.unpack("!I", data[:4])
     data = data[4:]
     while len(data) < size:
@@ -375,9 +397,13 @@ def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
         if not more:
             raise ValueError("short request")
         data += more
-    if len(fds) != 3:
-        raise ValueError(f"expected 3 descriptors, got {len(fds)}")
-    return json.loads(data), list(fds)
+    request = json.loads(data)
+    expected = 3 + len(request.get("passed_fds", []))
+    if len(fds) != expected:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError(f"expected {expected} descriptors, got {len(fds)}")
+    return request, list(fds)
 
 
 def _leave(code: int) -> None:

@@ -13,6 +13,7 @@ import threading
 from typing import NoReturn
 
 REAL = sys.executable  # the shebang's interpreter: the one this shim stands for
+MAX_PASSED_FDS = 64  # forkserver.MAX_PASSED_FDS: the most descriptors beyond 0-2 the server takes
 
 
 def _passthrough() -> NoReturn:
@@ -87,9 +88,35 @@ def _connect(path: str) -> socket.socket:
     return sock
 
 
+def _passed_fds(sock: socket.socket) -> list[int]:
+    """The descriptors beyond 0-2 this process was given (``subprocess``'s ``pass_fds``: Inductor's
+    compile workers read and write theirs by number), which the child must have under the same
+    numbers; not the fork server's connection."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        fd = int(name)
+        if fd <= 2 or fd == sock.fileno():
+            continue
+        try:
+            os.fstat(fd)  # (the listing's own descriptor is closed by now)
+        except OSError:
+            continue
+        if os.get_inheritable(fd):
+            out.append(fd)
+    return sorted(out)
+
+
 def _send(sock: socket.socket, request: dict) -> None:
-    """Send the request with this process's directory, environment and standard streams."""
-    request.update(cwd=os.getcwd(), env=dict(os.environ), orig_args=sys.argv[1:])
+    """Send the request with this process's directory, environment and descriptors: its standard
+    streams, and those it was passed (``passed_fds``: their numbers, in the order sent after 0-2)."""
+    passed = _passed_fds(sock)
+    if len(passed) > MAX_PASSED_FDS:
+        _passthrough()
+    request.update(cwd=os.getcwd(), env=dict(os.environ), orig_args=sys.argv[1:], passed_fds=passed)
     fds, opened = [], []
     for fd in (0, 1, 2):
         try:
@@ -100,7 +127,7 @@ def _send(sock: socket.socket, request: dict) -> None:
             fds.append(null)
             opened.append(null)
     body = json.dumps(request).encode()
-    socket.send_fds(sock, [struct.pack("!I", len(body)) + body], fds)
+    socket.send_fds(sock, [struct.pack("!I", len(body)) + body], fds + passed)
     for fd in opened:
         os.close(fd)
 
