@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dtlab.analysis import moe
-from dtlab.analysis.choose import reason
+from dtlab.analysis.choose import Found, reason
 from dtlab.analysis.devices import DeviceProfile
 from dtlab.analysis.fitrule import explain, usable_fraction
 from dtlab.analysis.latency import cross_replica_collectives
@@ -199,31 +199,18 @@ def plan(
     memory = (memory_gib if memory_gib is not None else device.memory_gib) * 2**30
     precision = config.train.precision
     ac = config.train.activation_checkpointing
-    kind = device.kind
     rate = achievable_flops(device, precision)
-    shapes = param_shapes(config.model)
-
-    def cost(label: str, cfg: Config, rate: float) -> PlanRow:
-        return _row(label, cfg, nproc, nnodes, device, rate, shapes, memory)
-
-    rows: list[dict[str, Any]] = []  # the strategies at the config's own settings
-    for label, cfg in candidates(config, world, nnodes):
-        try:
-            check_world(cfg, world)
-        except ConfigError as e:
-            rows.append({"label": label, "error": str(e)})
-            continue
-        rows.append(cost(label, cfg, rate).as_dict())
-
-    found = search(config, nproc, nnodes, device, memory, shapes, cost, TIE_MARGIN)
+    costing = _Costing(nproc, nnodes, device, param_shapes(config.model), memory)
+    rows = _strategy_rows(config, costing, rate)  # the strategies at the config's own settings
+    found = search(config, nproc, nnodes, device, memory, costing.shapes, costing.row, TIE_MARGIN)
     if not found.layouts:
         _why_nothing_runs(config, world)
-    searched = _search_dict(config, found, nproc, nnodes, device, rate, shapes, memory, source)
+    searched = _search_dict(config, found, costing, rate, source)
     best = searched["recommended"]
     header = _header(config, best)
     peak = device.peak_tflops.get(header["precision"])
     return {
-        "model": _model_figures(config, shapes),
+        "model": _model_figures(config, costing.shapes),
         "world_size": world,
         "nproc": nproc,
         "nnodes": nnodes,
@@ -243,10 +230,25 @@ def plan(
             config,
             world,
             rows + searched["rows"],
-            memory * usable_fraction(kind),
+            memory * usable_fraction(device.kind),
             tuple(found.open),
         ),
     }
+
+
+def _strategy_rows(config: Config, costing: _Costing, rate: float) -> list[dict[str, Any]]:
+    """The rows of the strategies worth comparing (:func:`candidates`) at the config's own
+    settings, each costed, or why this world cannot run it."""
+    world = costing.nproc * costing.nnodes
+    rows: list[dict[str, Any]] = []
+    for label, cfg in candidates(config, world, costing.nnodes):
+        try:
+            check_world(cfg, world)
+        except ConfigError as e:
+            rows.append({"label": label, "error": str(e)})
+            continue
+        rows.append(costing.row(label, cfg, rate).as_dict())
+    return rows
 
 
 def _assumptions(device: DeviceProfile, ac: str) -> dict[str, Any]:
@@ -327,34 +329,48 @@ def shape_sources(config: Config) -> dict[str, str]:
 def _search_dict(
     config: Config,
     found: SearchResult,
-    nproc: int,
-    nnodes: int,
-    device: DeviceProfile,
+    costing: _Costing,
     rate: float,
-    shapes: list[ParamShape],
-    memory: float,
     source: tuple[str | None, list[str]],
 ) -> dict[str, Any]:
     """The search's part of the plan: its rows, the config's own layout as given, the recommended one
     with the ``--set`` overrides and the ``dtlab train`` line that run it."""
-    world = nproc * nnodes
+    given = _as_given(config, costing, rate)
+    rec = _recommended_dict(config, found, costing, source)
+    return {
+        "open": found.open,
+        "fixed": found.fixed,
+        "layouts": found.layouts,
+        "costed": found.costed,
+        "seconds": found.seconds,
+        "rows": [_found_dict(config, f) for f in found.rows],
+        "as_given": given,
+        "recommended": rec,
+    }
 
-    def as_row(f: Any) -> dict[str, Any]:
-        d: dict[str, Any] = f.row.as_dict()
-        t, p = f.config.train, f.config.parallel
-        d["settings"] = {k: v for k, v in f.values.items()}
-        d["overrides"] = overrides(config, f)
-        d["micro_batch_size"] = t.micro_batch_size
-        d["pp_microbatches"] = p.pp_microbatches
-        d["activation_checkpointing"] = t.activation_checkpointing
-        d["precision"] = t.precision
-        return d
 
+def _found_dict(config: Config, f: Found) -> dict[str, Any]:
+    """A searched row as the plan gives it: its figures, settings, overrides of ``config`` and the
+    micro-batching, checkpointing and precision it runs with."""
+    d: dict[str, Any] = f.row.as_dict()
+    t, p = f.config.train, f.config.parallel
+    d["settings"] = {k: v for k, v in f.values.items()}
+    d["overrides"] = overrides(config, f)
+    d["micro_batch_size"] = t.micro_batch_size
+    d["pp_microbatches"] = p.pp_microbatches
+    d["activation_checkpointing"] = t.activation_checkpointing
+    d["precision"] = t.precision
+    return d
+
+
+def _as_given(config: Config, costing: _Costing, rate: float) -> dict[str, Any]:
+    """The config's own layout as a row of the search's table, or why this world cannot run it."""
+    world = costing.nproc * costing.nnodes
     try:
         check_world(config, world)
         dims = ParallelDims.from_config(config, world)
-        given: dict[str, Any] = _row(
-            layout_name(dims, config.parallel), config, nproc, nnodes, device, rate, shapes, memory
+        given: dict[str, Any] = costing.row(
+            layout_name(dims, config.parallel), config, rate
         ).as_dict()
         given.update(
             micro_batch_size=config.train.micro_batch_size,
@@ -364,30 +380,28 @@ def _search_dict(
         )
     except ConfigError as e:
         given = {"label": "as given", "error": str(e)}
+    return given
+
+
+def _recommended_dict(
+    config: Config, found: SearchResult, costing: _Costing, source: tuple[str | None, list[str]]
+) -> dict[str, Any] | None:
+    """The recommended row with the ``--set`` overrides and the ``dtlab train`` line that run it,
+    and what decided it; None when none fits."""
     best = recommended(found)
-    rec = None
-    if best is not None and found.choice is not None:
-        extra = set_args(overrides(config, best))
-        other = found.choice.other
-        rec = {
-            **as_row(best),
-            "set": extra,
-            "command": command(source[0], nproc, nnodes, list(source[1]), extra),
-            # What set the compared row (the fastest, or the runner-up) aside (choose.CRITERIA),
-            # and how many layouts were tied with the fastest (itself included).
-            "decided_by": found.choice.decided_by,
-            "compared_with": other.label if other is not None else None,
-            "tied": len(found.tied),
-        }
+    if best is None or found.choice is None:
+        return None
+    extra = set_args(overrides(config, best))
+    other = found.choice.other
     return {
-        "open": found.open,
-        "fixed": found.fixed,
-        "layouts": found.layouts,
-        "costed": found.costed,
-        "seconds": found.seconds,
-        "rows": [as_row(f) for f in found.rows],
-        "as_given": given,
-        "recommended": rec,
+        **_found_dict(config, best),
+        "set": extra,
+        "command": command(source[0], costing.nproc, costing.nnodes, list(source[1]), extra),
+        # What set the compared row (the fastest, or the runner-up) aside (choose.CRITERIA),
+        # and how many layouts were tied with the fastest (itself included).
+        "decided_by": found.choice.decided_by,
+        "compared_with": other.label if other is not None else None,
+        "tied": len(found.tied),
     }
 
 
@@ -477,56 +491,101 @@ def _row(
 ) -> PlanRow:
     """One candidate's row (its world already checked): memory, and compute, recompute and
     communication time at ``rate`` FLOP/s and the device's link bandwidths."""
-    world = nproc * nnodes
-    dims = ParallelDims.from_config(cfg, world)
-    # The devices' kind decides the attention kernel, and so part of the activations.
-    step = plan_step(cfg, world, shapes, device_type=device.kind)
-    tokens_per_rank = cfg.train.global_batch_size * cfg.seq_len / world
-    # Tensor and pipeline parallelism split the model's FLOPs over their ranks as data parallelism
-    # splits the batch: per rank, the same share of the step's work. A pipeline rank also idles in the
-    # bubble: (p - 1) / (m + p - 1) of its time under 1F1B (the figure also taken, as an upper bound,
-    # for the schedules without a closed form here).
-    idle = pipeline_bubble(cfg, dims)
-    ac = cfg.train.activation_checkpointing
-    again = recompute_flops_per_token(cfg.model, cfg.seq_len, ac) / flops_per_token(
-        cfg.model, cfg.seq_len
-    )
-    if device.probe is not None:  # this machine, the model's own step measured on it
-        flops_share, params_share = rank_share(cfg, dims, shapes)
+    return _Costing(nproc, nnodes, device, shapes, memory).row(label, cfg, rate)
+
+
+@dataclass(frozen=True)
+class _Costing:
+    """What a candidate's row is costed on besides its config: the world's nodes and processes per
+    node, the device, the model's parameter shapes (read once) and the memory a row must fit."""
+
+    nproc: int
+    nnodes: int
+    device: DeviceProfile
+    shapes: list[ParamShape]
+    memory: float
+
+    def row(self, label: str, cfg: Config, rate: float) -> PlanRow:
+        """One candidate's row (its world already checked): memory, and compute, recompute and
+        communication time at ``rate`` FLOP/s and the device's link bandwidths."""
+        world = self.nproc * self.nnodes
+        dims = ParallelDims.from_config(cfg, world)
+        # The devices' kind decides the attention kernel, and so part of the activations.
+        step = plan_step(cfg, world, self.shapes, device_type=self.device.kind)
+        compute, recompute = self._compute_seconds(cfg, dims, rate)
+        times = self._comm_seconds(step, dims)
+        exposed = self._exposed_seconds(cfg, dims, times, compute, recompute)
+        usable = self.memory * usable_fraction(self.device.kind)
+        comm = sum(times.values())
+        return PlanRow(
+            label, step, compute, recompute, comm, step.total_bytes <= usable, exposed_s=exposed,
+            round_trips=cross_replica_collectives(cfg, world, self.shapes),
+        )  # fmt: skip
+
+    def _compute_seconds(self, cfg: Config, dims: ParallelDims, rate: float) -> tuple[float, float]:
+        """Forward and backward once, and what activation checkpointing runs again, per step: from
+        this machine's measured step of the model where the device has one, else at ``rate``."""
+        device, nproc = self.device, self.nproc
+        tokens_per_rank = cfg.train.global_batch_size * cfg.seq_len / (nproc * self.nnodes)
+        # Tensor and pipeline parallelism split the model's FLOPs over their ranks as data
+        # parallelism splits the batch: per rank, the same share of the step's work. A pipeline rank
+        # also idles in the bubble: (p - 1) / (m + p - 1) of its time under 1F1B (the figure also
+        # taken, as an upper bound, for the schedules without a closed form here).
+        idle = pipeline_bubble(cfg, dims)
+        ac = cfg.train.activation_checkpointing
+        again = recompute_flops_per_token(cfg.model, cfg.seq_len, ac) / flops_per_token(
+            cfg.model, cfg.seq_len
+        )
+        if device.probe is None:
+            compute = flops_per_token(cfg.model, cfg.seq_len) * tokens_per_rank / rate / (1 - idle)
+            return compute, compute * again
+        # This machine, the model's own step measured on it.
+        flops_share, params_share = rank_share(cfg, dims, self.shapes)
         tokens = cfg.train.global_batch_size * cfg.seq_len / dims.dp
         compute = compute_seconds(device.probe, tokens, flops_share, params_share, nproc, idle)
         fixed = compute_seconds(device.probe, 0, 0, params_share, nproc)
         recompute = (compute - fixed) * again
         compute += wrapper_seconds(cfg, dims, device.wrapper_s or {}, nproc, device.probe)
-    else:
-        compute = flops_per_token(cfg.model, cfg.seq_len) * tokens_per_rank / rate / (1 - idle)
-        recompute = compute * again
-    times = {}
-    for collective, bus in step.comm_bus_bytes.items():
-        group = step.comm_groups[collective]
-        across = nnodes > 1 and spans_nodes(collective, group, dims, nproc)
-        gbps = device.inter_node_gbps if across else device.intra_node_gbps
-        if device.collective_gbps and not across:
-            # This machine's rate for the kind ("tp all_gather" is an all-gather; a pipeline's
-            # sends go as an all-reduce's ring steps do).
-            kind = collective.split()[-1]
-            gbps = device.collective_gbps.get(kind, device.collective_gbps["all_reduce"])
-        times[collective] = bus / (gbps * 1e9)
-    link = Link(device.intra_node_gbps, device.copy_gbps or math.inf)
-    layers = cfg.model.n_layers // dims.pp
-    exposed = exposed_comm(cfg, dims, times, compute, recompute, link, device.kind, layers)
-    sync = (device.collective_gbps or {}).get("sync_s", 0.0)
-    if sync and dims.distributed:
-        # This machine's measured wait per collective among ranks that compute (their arrival and
-        # their threads' turn on the shared cores), for each collective of the step.
-        waits = collective_waits(cfg, dims, layers, step_microbatches(cfg, dims))
-        exposed += wait_seconds(waits, sync, nproc)
-    usable = memory * usable_fraction(device.kind)
-    comm = sum(times.values())
-    return PlanRow(
-        label, step, compute, recompute, comm, step.total_bytes <= usable, exposed_s=exposed,
-        round_trips=cross_replica_collectives(cfg, world, shapes),
-    )  # fmt: skip
+        return compute, recompute
+
+    def _comm_seconds(self, step: StepPlan, dims: ParallelDims) -> dict[str, float]:
+        """Each collective's time alone: its bus bytes at the rate of the link it crosses (across
+        nodes the network's) or this machine's measured rate for its kind."""
+        device = self.device
+        times = {}
+        for collective, bus in step.comm_bus_bytes.items():
+            group = step.comm_groups[collective]
+            across = self.nnodes > 1 and spans_nodes(collective, group, dims, self.nproc)
+            gbps = device.inter_node_gbps if across else device.intra_node_gbps
+            if device.collective_gbps and not across:
+                # This machine's rate for the kind ("tp all_gather" is an all-gather; a pipeline's
+                # sends go as an all-reduce's ring steps do).
+                kind = collective.split()[-1]
+                gbps = device.collective_gbps.get(kind, device.collective_gbps["all_reduce"])
+            times[collective] = bus / (gbps * 1e9)
+        return times
+
+    def _exposed_seconds(
+        self,
+        cfg: Config,
+        dims: ParallelDims,
+        times: dict[str, float],
+        compute: float,
+        recompute: float,
+    ) -> float:
+        """Of the collectives' ``times``, what the step waits for (:mod:`dtlab.analysis.steptime`),
+        with this machine's measured wait per collective where it has one."""
+        device = self.device
+        link = Link(device.intra_node_gbps, device.copy_gbps or math.inf)
+        layers = cfg.model.n_layers // dims.pp
+        exposed = exposed_comm(cfg, dims, times, compute, recompute, link, device.kind, layers)
+        sync = (device.collective_gbps or {}).get("sync_s", 0.0)
+        if sync and dims.distributed:
+            # This machine's measured wait per collective among ranks that compute (their arrival and
+            # their threads' turn on the shared cores), for each collective of the step.
+            waits = collective_waits(cfg, dims, layers, step_microbatches(cfg, dims))
+            exposed += wait_seconds(waits, sync, self.nproc)
+        return exposed
 
 
 def spans_nodes(collective: str, group: int, dims: ParallelDims, nproc: int) -> bool:
