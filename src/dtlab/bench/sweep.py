@@ -10,6 +10,7 @@ import os
 import statistics
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -214,6 +215,20 @@ def peak_args(peak: dict[str, Any] | None) -> list[str]:
     return ["--peak-flops", repr(peak["flops"]), "--peak-source", peak["source"]]
 
 
+@dataclass
+class _Sweep:
+    """What every run of the sweep shares: the user's config and settings, where the rows go, and
+    the peaks their MFU is computed against."""
+
+    config_path: str | None
+    overrides: list[str]
+    steps: int
+    warmup: int
+    out: Path
+    profile: bool
+    peaks: dict[str, Any]
+
+
 def run_sweep(
     config_path: str | None,
     overrides: list[str],
@@ -228,8 +243,23 @@ def run_sweep(
     (:func:`measure_peaks`); returns ``{"rows": [...], "failed": [...], "peaks": {...}, ...}``, with
     ``notes`` (what was not run, and why) for the report."""
     out.mkdir(parents=True, exist_ok=True)
-    rows, failed = [], []
+    rows: list[dict[str, Any]] = []
+    failed: list[dict[str, str]] = []
     peaks = measure_peaks(config_path, overrides, list(dict.fromkeys(c[3] for c in combos)))
+    _print_peaks(peaks)
+    sweep = _Sweep(config_path, overrides, steps, warmup, out, profile, peaks)
+    for i in range(len(combos)):
+        _run_combo(sweep, i, combos, rows, failed)
+    results = {
+        "rows": rows, "failed": failed, "steps": steps, "warmup": warmup, "peaks": peaks,
+        "notes": notes or [],
+    }  # fmt: skip
+    write_outputs(results, out)
+    return results
+
+
+def _print_peaks(peaks: dict[str, Any]) -> None:
+    """Each precision's measured peak, with its runs' spread (and why it is disturbed, if it is)."""
     for precision, peak in peaks.items():
         print(
             f"peak {precision}: {peak['max'] / 1e9:,.1f} GFLOP/s (fastest of {PEAK_RUNS} GEMM runs; "
@@ -240,46 +270,55 @@ def run_sweep(
         spread = peak_spread_flag(peak)
         if spread:
             print(f"  disturbed: {spread}", flush=True)
-    for i, (strategy, nproc, compression, precision) in enumerate(combos):
-        layout = layout_of(
-            config_path, [*overrides, *run_overrides(strategy, compression, precision)], nproc
-        )
-        label = " ".join([layout, *([compression] if compression != "none" else []), precision])
-        print(f"[{i + 1}/{len(combos)}] {label}", flush=True)
-        row_path = out / "rows" / f"{i:02d}-{strategy}-{nproc}-{compression}-{precision}.json"
-        args = [
-            sys.executable, "-m", "dtlab.bench.worker", *([config_path] if config_path else []),
-            "--out", str(row_path), "--nproc", str(nproc), "--warmup", str(warmup),
-            *(["--profile", str(out / "profile" / row_path.stem)] if profile else []),
-            *peak_args(peaks.get(precision)),
-            "--set", *overrides, *run_overrides(strategy, compression, precision),
-            f"train.steps={steps}", "run.progress=none",
-        ]  # fmt: skip
-        proc = subprocess.run(args, capture_output=True, text=True)
-        if proc.returncode != 0 or not row_path.exists():
-            tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-            print(f"  failed: {tail}", flush=True)
-            failed.append({"label": label, "error": tail})
-            continue
-        row = json.loads(row_path.read_text())
-        if row["device"] == "cpu":  # what the report judges the row's CPU use and speed-up against
-            row.update(cpu_threads=rank_threads(nproc), cpu_cores=os.cpu_count() or 1)
-        rows.append(row)
-        print(
-            f"  {row['step_time_s']:.3f} s/step, {row['tokens_per_s']:,.0f} tokens/s, "
-            f"MFU {format_mfu(row['mfu'], row['peak_flops_source'])}, "
-            f"comm {row['comm_bytes_per_step'] / 2**20:.1f} MiB/step",
-            flush=True,
-        )
-        flags = disturbances(row, scaling_baseline(row, rows))
-        if flags:  # the report's judge, on the rows so far
-            print(f"  disturbed: {'; '.join(flags)}", flush=True)
-    results = {
-        "rows": rows, "failed": failed, "steps": steps, "warmup": warmup, "peaks": peaks,
-        "notes": notes or [],
-    }  # fmt: skip
-    write_outputs(results, out)
-    return results
+
+
+def _run_combo(
+    sweep: _Sweep,
+    i: int,
+    combos: list[Combo],
+    rows: list[dict[str, Any]],
+    failed: list[dict[str, str]],
+) -> None:
+    """Run combination ``i`` of ``combos`` in its own worker, adding its row to ``rows`` (printed,
+    judged against the rows so far) or its error to ``failed``."""
+    strategy, nproc, compression, precision = combos[i]
+    run = run_overrides(strategy, compression, precision)
+    layout = layout_of(sweep.config_path, [*sweep.overrides, *run], nproc)
+    label = " ".join([layout, *([compression] if compression != "none" else []), precision])
+    print(f"[{i + 1}/{len(combos)}] {label}", flush=True)
+    row_path = sweep.out / "rows" / f"{i:02d}-{strategy}-{nproc}-{compression}-{precision}.json"
+    args = [
+        sys.executable, "-m", "dtlab.bench.worker",
+        *([sweep.config_path] if sweep.config_path else []),
+        "--out", str(row_path), "--nproc", str(nproc), "--warmup", str(sweep.warmup),
+        *(["--profile", str(sweep.out / "profile" / row_path.stem)] if sweep.profile else []),
+        *peak_args(sweep.peaks.get(precision)),
+        "--set", *sweep.overrides, *run, f"train.steps={sweep.steps}", "run.progress=none",
+    ]  # fmt: skip
+    proc = subprocess.run(args, capture_output=True, text=True)
+    if proc.returncode != 0 or not row_path.exists():
+        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        print(f"  failed: {tail}", flush=True)
+        failed.append({"label": label, "error": tail})
+        return
+    row = json.loads(row_path.read_text())
+    if row["device"] == "cpu":  # what the report judges the row's CPU use and speed-up against
+        row.update(cpu_threads=rank_threads(nproc), cpu_cores=os.cpu_count() or 1)
+    rows.append(row)
+    _print_row(row, rows)
+
+
+def _print_row(row: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """A measured row's figures, and what disturbed it by the report's judge on the rows so far."""
+    print(
+        f"  {row['step_time_s']:.3f} s/step, {row['tokens_per_s']:,.0f} tokens/s, "
+        f"MFU {format_mfu(row['mfu'], row['peak_flops_source'])}, "
+        f"comm {row['comm_bytes_per_step'] / 2**20:.1f} MiB/step",
+        flush=True,
+    )
+    flags = disturbances(row, scaling_baseline(row, rows))
+    if flags:
+        print(f"  disturbed: {'; '.join(flags)}", flush=True)
 
 
 def rank_threads(nproc: int) -> int:
