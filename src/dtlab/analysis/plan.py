@@ -581,8 +581,8 @@ class _Costing:
         exposed = exposed_comm(cfg, dims, times, compute, recompute, link, device.kind, layers)
         sync = (device.collective_gbps or {}).get("sync_s", 0.0)
         if sync and dims.distributed:
-            # This machine's measured wait per collective among ranks that compute (their arrival and
-            # their threads' turn on the shared cores), for each collective of the step.
+            # This machine's measured wait per collective among ranks that compute (their arrival
+            # and their threads' turn on the shared cores), for each collective of the step.
             waits = collective_waits(cfg, dims, layers, step_microbatches(cfg, dims))
             exposed += wait_seconds(waits, sync, self.nproc)
         return exposed
