@@ -495,3 +495,31 @@ def test_the_agent_lets_survivors_outlast_the_collective_timeout_before_killing_
         LocalElasticAgent._stop_workers(agent, None)  # type: ignore[arg-type]
     assert agent.timeouts == [630]
     assert LocalElasticAgent._stop_workers is original
+
+
+def test_a_rank_whose_collectives_failed_never_saves_as_a_single_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # After an abort torch reports no process group: without the failure flag the rank would save
+    # (and commit) the run's checkpoint alone.
+    from dtlab.checkpoint.manager import Checkpointer
+    from dtlab.checkpoint.state import ModelState
+    from dtlab.config import load_config
+    from dtlab.parallel import ledger
+    from dtlab.parallel.dist import DistInfo
+
+    monkeypatch.setattr(ledger, "_failed", None)
+    run = tmp_path / "run"
+    config = load_config(None, ["model.preset=debug", f"run.dir={run}"])
+    ckpt = Checkpointer(config, run, DistInfo(0, 1, 0, 1, torch.device("cpu"), None))
+    model = torch.nn.Linear(2, 2)
+    ckpt.save(1, {"model": ModelState(model)})
+    ckpt.wait()
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-00000001"]
+    error = CollectiveError("a collective failed on rank 0")
+    ledger.note_failure(error)
+    with pytest.raises(CollectiveError) as raised:
+        ckpt.save(2, {"model": ModelState(model)})
+    assert raised.value is error
+    ckpt.wait()
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-00000001"]

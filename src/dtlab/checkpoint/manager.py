@@ -56,6 +56,7 @@ from dtlab.config import Config
 from dtlab.data.tokenizer import Tokenizer
 from dtlab.errors import CheckpointError
 from dtlab.metrics.logging import logger
+from dtlab.parallel.ledger import raise_if_failed
 
 # DCP says so each time a single process saves or loads without a process group, which is intended here.
 warnings.filterwarnings(
@@ -273,7 +274,7 @@ class Checkpointer:
             storage_writer=self._writer(tmp, background=True),
             process_group=self.group,
             async_stager=self.stager,
-            no_dist=not dist.is_initialized(),
+            no_dist=_alone(),
         )
         assert isinstance(response, AsyncSaveResponse)  # an async stager: both futures
         self._staging = response.staging_completion
@@ -290,7 +291,7 @@ class Checkpointer:
         self, step: int, tmp: Path, tensors: dict[str, Any], t0: float, state: dict[str, Any]
     ) -> None:
         """Write the tensors now, then commit."""
-        dcp.save(tensors, storage_writer=self._writer(tmp), no_dist=not dist.is_initialized())
+        dcp.save(tensors, storage_writer=self._writer(tmp), no_dist=_alone())
         self.phases["write"] = time.perf_counter() - t0 - self.phases["prepare"]
         self._finish(step, tmp, None, t0, state)
 
@@ -659,7 +660,7 @@ class Checkpointer:
                 "compression state of %d ranks cannot map onto %d: starting it afresh",
                 saved_world, self.d.world_size,
             )  # fmt: skip
-        safe_load(tensors, path, no_dist=not dist.is_initialized())
+        safe_load(tensors, path, no_dist=_alone())
         for name in names:
             states[name].load_state_dict(merge_tensors(tensors.get(name, {}), state.get(name, {})))
         for name in per_rank:
@@ -713,3 +714,11 @@ def _per_rank_template(path: Path, name: str) -> dict[str, Any]:
 def saved_config(path: Path) -> dict[str, Any]:
     """The resolved config stored in a checkpoint."""
     return yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8"))
+
+
+def _alone() -> bool:
+    """Whether this process saves or loads as the only rank (no process group). A rank whose
+    collectives failed raises instead: torch then reports no process group, and it would commit a
+    checkpoint of its own as though it were the whole run."""
+    raise_if_failed()
+    return not dist.is_initialized()
