@@ -567,6 +567,34 @@ def interpretation(rows: list[dict[str, Any]]) -> list[str]:
     out = []
     fastest = max(rows, key=lambda r: r["tokens_per_s"])
     out.append(f"- Fastest: {label(fastest)} at {fastest['tokens_per_s']:,.0f} tokens/s.")
+    out += _scaling_sentences(rows)
+    lean = min(rows, key=lambda r: sum(r["state_bytes"].values()))
+    out.append(
+        f"- Least state per rank: {label(lean)} ({sum(lean['state_bytes'].values()) / MIB:.2f} MiB of "
+        "parameters, gradients and optimizer state)."
+    )
+    out += _comm_error_sentences(rows)
+    for r in rows:
+        if r["mfu"] is not None and r["mfu"] > 1:
+            out.append(f"- {label(r)}: MFU {format_mfu(r['mfu'], r['peak_flops_source'])}.")
+    out.append(_unmodelled_sentence(rows))
+    for group in coinciding(loss_curves(rows)):
+        out.append(
+            f"- The loss curves of {', '.join(group)} coincide (loss.png draws each in its own "
+            "line style)."
+        )
+    cpu_bound = [r for r in rows if r["device"] == "cpu"]
+    if cpu_bound:
+        out.append(
+            "- On CPU, processes share the same cores: more processes split the threads rather than add "
+            "compute, so scaling here measures overheads (communication, synchronisation), not speed-up."
+        )
+    return out
+
+
+def _scaling_sentences(rows: list[dict[str, Any]]) -> list[str]:
+    """Each scaled run's speed-up and efficiency over its baseline, and what disturbed it."""
+    out = []
     for r in rows:
         scaled = scaling(r, scaling_baseline(r, rows))
         if scaled is None:
@@ -587,42 +615,31 @@ def interpretation(rows: list[dict[str, Any]]) -> list[str]:
             f"- {label(r)}: {speedup:.2f}x the single-process throughput on {r['nproc']} processes "
             f"({efficiency:.0%} scaling efficiency){judged}"
         )
-    lean = min(rows, key=lambda r: sum(r["state_bytes"].values()))
-    out.append(
-        f"- Least state per rank: {label(lean)} ({sum(lean['state_bytes'].values()) / MIB:.2f} MiB of "
-        "parameters, gradients and optimizer state)."
-    )
+    return out
+
+
+def _comm_error_sentences(rows: list[dict[str, Any]]) -> list[str]:
+    """The largest error of the predicted bytes per step over the runs that predict any (none
+    without such a run)."""
     errs = [
         abs(r["comm_bytes_per_step"] - r["comm_bytes_per_step_predicted"])
         / r["comm_bytes_per_step_predicted"]
         for r in rows
         if r["comm_bytes_per_step_predicted"]
     ]
-    if errs:
-        out.append(
-            f"- Communication prediction: largest error {max(errs):.2%} over the distributed runs."
-        )
-    for r in rows:
-        if r["mfu"] is not None and r["mfu"] > 1:
-            out.append(f"- {label(r)}: MFU {format_mfu(r['mfu'], r['peak_flops_source'])}.")
+    if not errs:
+        return []
+    return [f"- Communication prediction: largest error {max(errs):.2%} over the distributed runs."]
+
+
+def _unmodelled_sentence(rows: list[dict[str, Any]]) -> str:
+    """The range of the memory no model accounts for, in MiB per rank and as a share of the peak."""
     rest = dict(memory_segments(rows))[UNMODELLED]
     share = [o * MIB / (r["peak_memory_bytes"] or 1) for o, r in zip(rest, rows, strict=True)]
-    out.append(
+    return (
         f"- Not modelled (runtime, allocator, buffers): {min(rest):,.0f}-{max(rest):,.0f} MiB per rank, "
         f"{min(share):.0%}-{max(share):.0%} of the peak; the grey segment of memory.png."
     )
-    for group in coinciding(loss_curves(rows)):
-        out.append(
-            f"- The loss curves of {', '.join(group)} coincide (loss.png draws each in its own "
-            "line style)."
-        )
-    cpu_bound = [r for r in rows if r["device"] == "cpu"]
-    if cpu_bound:
-        out.append(
-            "- On CPU, processes share the same cores: more processes split the threads rather than add "
-            "compute, so scaling here measures overheads (communication, synchronisation), not speed-up."
-        )
-    return out
 
 
 def final_loss(row: dict[str, Any]) -> float:
