@@ -145,3 +145,43 @@ def test_a_recovering_peer_is_sent_the_weights_after_the_queued_step(
     replicas._device = torch.device("cpu")
     replicas._state_dict()
     assert order == ["read"]
+
+
+def test_each_slurm_task_of_a_fault_tolerant_job_takes_its_groups_gpus(tmp_path: Path) -> None:
+    # The group's srun task runs under bash with Slurm's variables: the node's GPUs (as Slurm made
+    # them visible) sliced by the task's local id, the group's ranks each; no slice without GPUs.
+    def script(*extra: str) -> str:
+        out = tmp_path / "job.sbatch"
+        proc = subprocess.run(
+            [sys.executable, "-m", "dtlab", "launch", "slurm", "--nodes", "2", "--nproc-per-node",
+             "4", *extra, "--out", str(out), "--set", *FAST, "parallel.strategy=hsdp",
+             "parallel.replicate=4", "parallel.fault_tolerance.enabled=true"],
+            env=cli_env(), capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        return out.read_text()
+
+    assert "CUDA_VISIBLE_DEVICES" not in script()
+    text = script("--gpus-per-node", "4")
+    # The task's body: from srun's `bash -c '` to its closing quote.
+    body = text.split("bash -c \\\n    '", 1)[1].split("' \\\n", 1)[0]
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/bash\necho "$CUDA_VISIBLE_DEVICES" > "$OUT_FILE"\n')
+    fake.chmod(0o755)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    seen = {}
+    for local_id, visible in [("0", "4,5,6,7"), ("1", "4,5,6,7"), ("1", None)]:
+        env = {**cli_env(), "SLURM_PROCID": local_id, "SLURM_LOCALID": local_id,
+               "OUT_FILE": str(tmp_path / "seen")}  # fmt: skip
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+        if visible is not None:
+            env["CUDA_VISIBLE_DEVICES"] = visible
+        # HSDP with 4 replicate groups on 2 nodes x 4 ranks: groups of 2, two tasks per node.
+        proc = subprocess.run(
+            ["bash", "-c", body, str(fake), "cfg.yaml", "2", "0", str(run_dir)],
+            env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        seen[(local_id, visible)] = (tmp_path / "seen").read_text().strip()
+    assert seen == {("0", "4,5,6,7"): "4,5", ("1", "4,5,6,7"): "6,7", ("1", None): "2,3"}

@@ -272,6 +272,7 @@ class FaultTolerantLayout:
     max_restarts: int
     run_dir: str
     lighthouse: str | None = None
+    gpus: int = 0  # GPUs per node (--gpus-per-node); 0: the job requests none
 
 
 def replica_layout(config: Config, nodes: int, nproc_per_node: int) -> tuple[int, int]:
@@ -305,8 +306,9 @@ def fault_tolerant_layout(config: Config, job: SlurmJob) -> FaultTolerantLayout 
     replicas, group = replica_layout(config, job.nodes, job.nproc_per_node)
     assert config.run.dir is not None  # resolved by slurm_config
     return FaultTolerantLayout(
-        replicas, group, job.nproc_per_node // group, o.max_restarts, config.run.dir, o.lighthouse
-    )
+        replicas, group, job.nproc_per_node // group, o.max_restarts, config.run.dir, o.lighthouse,
+        job.gpus_per_node,
+    )  # fmt: skip
 
 
 def _ft_settings(ft: FaultTolerantLayout, port: str) -> list[str]:
@@ -364,6 +366,7 @@ def _ft_groups(ft: FaultTolerantLayout) -> list[str]:
         "srun --kill-on-bad-exit=0 --ntasks-per-node=" + str(ft.per_node) + " bash -c \\",
         '    \'i=$SLURM_PROCID; export DTLAB_FT_REPLICA=$i DTLAB_FT_HOST="${DTLAB_FT_HOST:-$(hostname)}"',
         '     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / $2 > 0 ? $(nproc) / $2 : 1 ))}"',
+        *_ft_task_gpus(ft),
         '     "$0" -m dtlab.fault_tolerance --nproc "$2" --max-restarts "$3" --run-dir "$4/replica-$i" \\',
         '         -- train "$1" --set "run.dir=$4/replica-$i" & pid=$!',
         '     trap "kill -USR1 $pid 2>/dev/null" USR1; trap "kill -TERM $pid 2>/dev/null" TERM',
@@ -379,6 +382,18 @@ def _ft_groups(ft: FaultTolerantLayout) -> list[str]:
         f"    [[ $code == {Preempted.exit_code} ]] || saved=0",
         "done",
         f"if [[ $finished == 1 ]]; then rc=0; elif [[ $saved == 1 ]]; then rc={Preempted.exit_code}; else rc=1; fi",
+    ]
+
+
+def _ft_task_gpus(ft: FaultTolerantLayout) -> list[str]:
+    """In each group's task: its own slice of the node's GPUs (the task's local id times the
+    group's ranks, taken from the GPUs Slurm made visible on the node, else 0 .. gpus-1), since every
+    group numbers its local ranks from 0; nothing for a job without GPUs."""
+    if not ft.gpus:
+        return []
+    return [
+        f'     IFS=, read -ra gpus <<< "${{CUDA_VISIBLE_DEVICES:-$(seq -s, 0 {ft.gpus - 1})}}"',
+        '     export CUDA_VISIBLE_DEVICES="$(IFS=,; echo "${gpus[*]:$(( SLURM_LOCALID * $2 )):$2}")"',
     ]
 
 
