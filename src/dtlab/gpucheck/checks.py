@@ -209,6 +209,39 @@ SAVE_KINDS = {"none": None, "sync": "false", "async": "true"}  # checkpoint.asyn
 
 def checkpoint(ctx: Context, check: Check) -> None:
     s = ctx.settings
+    runs = _save_runs(ctx, check)
+    if runs is None:
+        return None
+    expected = s.checkpoint_steps // s.checkpoint_every
+    base = runs["none"]["after_first_s"]
+    for kind in [k for k in s.save_kinds if k != "none"]:
+        r = runs[kind]
+        saved = r.get("checkpoints_saved", 0)
+        check.figures[kind] = _save_figures(r, base)
+        if saved != expected or r.get("checkpoint_failures"):
+            return check.failed(
+                f"{kind}: {saved} checkpoints saved, {r.get('checkpoint_failures')} failed; "
+                f"expected {expected} saved"
+            )
+    check.figures["none"] = {
+        "train_time_s": runs["none"]["train_time_s"],
+        "after_first_step_s": base,
+        "median_step_time_s": runs["none"].get("median_step_time_s"),
+    }
+    check.figures["config"] = s.checkpoint
+    said = _saves_said(check, expected, base)
+    a, y = check.figures.get("async"), check.figures.get("sync")
+    if s.gpu and a and y and a["blocked_per_save_s"] >= y["blocked_per_save_s"]:
+        # On a GPU the copy to pinned memory is far quicker than a write: a save that blocks as
+        # long as a sync one is not overlapped at all.
+        return check.failed(f"{said}: an async save blocked as long as a sync one")
+    check.passed(_smoke(s, said))
+
+
+def _save_runs(ctx: Context, check: Check) -> dict[str, dict[str, Any]] | None:
+    """The summary of each kind of save's training run, with its time after the first step; None
+    (the check failed) when a run failed."""
+    s = ctx.settings
     runs: dict[str, dict[str, Any]] = {}
     for kind in s.save_kinds:
         value = SAVE_KINDS[kind]
@@ -225,41 +258,35 @@ def checkpoint(ctx: Context, check: Check) -> None:
         proc = ctx.run(check, cmd, kind)
         summary = _summary(run_dir)
         if proc.returncode != 0 or summary is None:
-            return check.failed(
-                f"the {kind} run failed (exit code {proc.returncode}): {_tail(proc)}"
-            )
+            check.failed(f"the {kind} run failed (exit code {proc.returncode}): {_tail(proc)}")
+            return None
         # The loop's time after its first step: the first (CUDA's and the allocator's warm-up, the
         # data's first batch) varies from run to run by more than a save may cost.
         summary["after_first_s"] = summary["train_time_s"] - _first_step_s(run_dir)
         runs[kind] = summary
-    expected = s.checkpoint_steps // s.checkpoint_every
-    base = runs["none"]["after_first_s"]
-    for kind in [k for k in s.save_kinds if k != "none"]:
-        r = runs[kind]
-        saved = r.get("checkpoints_saved", 0)
-        lost = r["after_first_s"] - base
-        check.figures[kind] = {
-            "saves": saved,
-            "blocked_s": r["checkpoint_blocked_s"],
-            "blocked_per_save_s": r["checkpoint_blocked_s"] / saved if saved else None,
-            "train_time_s": r["train_time_s"],
-            "after_first_step_s": r["after_first_s"],
-            "lost_s": lost,
-            "lost_per_save_s": lost / saved if saved else None,
-            "median_step_time_s": r.get("median_step_time_s"),
-        }
-        if saved != expected or r.get("checkpoint_failures"):
-            return check.failed(
-                f"{kind}: {saved} checkpoints saved, {r.get('checkpoint_failures')} failed; "
-                f"expected {expected} saved"
-            )
-    check.figures["none"] = {
-        "train_time_s": runs["none"]["train_time_s"],
-        "after_first_step_s": base,
-        "median_step_time_s": runs["none"].get("median_step_time_s"),
+    return runs
+
+
+def _save_figures(r: dict[str, Any], base: float) -> dict[str, Any]:
+    """A saving run's figures: what its saves blocked, and the training time they cost over the
+    run without saves (``base``: its time after the first step)."""
+    saved = r.get("checkpoints_saved", 0)
+    lost = r["after_first_s"] - base
+    return {
+        "saves": saved,
+        "blocked_s": r["checkpoint_blocked_s"],
+        "blocked_per_save_s": r["checkpoint_blocked_s"] / saved if saved else None,
+        "train_time_s": r["train_time_s"],
+        "after_first_step_s": r["after_first_s"],
+        "lost_s": lost,
+        "lost_per_save_s": lost / saved if saved else None,
+        "median_step_time_s": r.get("median_step_time_s"),
     }
-    check.figures["config"] = s.checkpoint
-    said = (
+
+
+def _saves_said(check: Check, expected: int, base: float) -> str:
+    """The verdict's figures: per save, what each kind blocked and cost the training time."""
+    return (
         f"{expected} saves a run; per save, "
         + ", ".join(
             f"{kind} blocked {f['blocked_per_save_s']:.3f} s and changed the training time by "
@@ -269,12 +296,6 @@ def checkpoint(ctx: Context, check: Check) -> None:
         )
         + f" (the steps after the first: {base:.2f} s without saves)"
     )
-    a, y = check.figures.get("async"), check.figures.get("sync")
-    if s.gpu and a and y and a["blocked_per_save_s"] >= y["blocked_per_save_s"]:
-        # On a GPU the copy to pinned memory is far quicker than a write: a save that blocks as
-        # long as a sync one is not overlapped at all.
-        return check.failed(f"{said}: an async save blocked as long as a sync one")
-    check.passed(_smoke(s, said))
 
 
 def _first_step_s(run_dir: Path) -> float:
