@@ -120,3 +120,25 @@ def test_cuda_step_syncs_once(precision: str) -> None:
         syncs.append(sum("synchronizing" in str(w.message) for w in caught))
     tr.loader.close()
     assert syncs[1:] == [1, 1], syncs
+
+
+# debug-moe with 4 blocks: a dense one, then 3 MoE blocks.
+MOE = ["model.preset=debug-moe", "model.n_layers=4"]
+# The step's read, one read of each MoE block's counts (the experts' splits must be numbers), and
+# one of the step's routing figures (loads, imbalance, auxiliary loss, bias).
+MOE_STEP = {"read": 1 + 3 + 1}
+
+
+def test_an_moe_step_reads_each_blocks_counts_once_and_its_routing_figures_once() -> None:
+    for c in _steps(torch.device("cpu"), *MOE):
+        assert dict(c.counts) == MOE_STEP, c.where
+
+
+def test_expert_parallelism_reads_what_each_block_sends_and_receives_in_one_sync() -> None:
+    # The counts cross to the experts' ranks on the device; what is sent and received is read
+    # together: no more reads than without expert parallelism (before: two per block, and a
+    # blocking copy of the counts to the device).
+    run_worker(
+        "host_sync_worker.py", 2, json.dumps(MOE_STEP), "all", *MOE, "parallel.strategy=ddp",
+        "parallel.ep=2",
+    )  # fmt: skip

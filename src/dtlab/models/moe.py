@@ -57,8 +57,12 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(experts, hidden_dim, dim))
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """``x`` [sum(counts), dim], sorted by expert: the first counts[0] rows go to expert 0, ..."""
+    def forward(self, x: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
+        """``x`` [sum(counts), dim], sorted by expert: the first counts[0] rows go to expert 0, ...
+        ``counts``: on the device as routing made them (read here, the layer's one host sync), or
+        already read (expert parallelism reads them with the counts it receives, in one sync)."""
+        if isinstance(counts, torch.Tensor):
+            counts = counts.tolist()
         # A loop over experts (torch._grouped_mm runs on CPU in torch 2.13, but the loop is the
         # plainest deterministic form; an empty expert multiplies zero rows).
         # Under expert parallelism (dtlab.parallel.expert) the weights are DTensor shards of this
@@ -144,8 +148,9 @@ class MoE(nn.Module):
         flat = ids.flatten()
         order = flat.argsort(stable=True)
         counts_t = torch.bincount(flat, minlength=a.experts)
-        counts = counts_t.tolist()
-        out_sorted = self.experts(x[order // a.top_k], counts)
+        # The counts stay on the device: the experts read them when they need them as numbers
+        # (with expert parallelism, after the counts' own all-to-all, in the same read).
+        out_sorted = self.experts(x[order // a.top_k], counts_t)
         # Combine: each pair back in its place (a permutation: no two writes meet, deterministic),
         # then each token's k outputs weighted by their gates and summed.
         routed = torch.empty_like(out_sorted)

@@ -95,19 +95,26 @@ class _Routing:
 
 
 def dispatch(
-    x: torch.Tensor, counts: list[int], group: Any
+    x: torch.Tensor, counts_t: torch.Tensor, group: Any
 ) -> tuple[torch.Tensor, list[int], _Routing]:
-    """Send each of ``x``'s rows (sorted by expert, ``counts[e]`` for expert e of all E) to the EP
-    rank that holds its expert. Returns the rows this rank's L experts received, sorted by local
-    expert (within one, by source rank, then as sent), their count per local expert, and what
-    :func:`combine` needs."""
+    """Send each of ``x``'s rows (sorted by expert, ``counts_t[e]`` for expert e of all E, on the
+    device) to the EP rank that holds its expert. Returns the rows this rank's L experts received,
+    sorted by local expert (within one, by source rank, then as sent), their count per local expert,
+    and what :func:`combine` needs.
+
+    The counts cross to their experts' ranks on the device, and what is sent and received is read in
+    one host sync (the splits of the rows' all-to-all must be numbers)."""
     ep = dist.get_world_size(group)
-    local = len(counts) // ep
-    counts_t = torch.tensor(counts, dtype=torch.int64, device=x.device)
+    experts = counts_t.numel()
+    local = experts // ep
+    counts_t = counts_t.to(torch.int64)
     got = torch.empty_like(counts_t)
     with recorded("moe expert counts all_to_all", "all_to_all", counts_t):
         dist.all_to_all_single(got, counts_t, group=group)
-    per_source = got.view(ep, local).tolist()  # [source rank][local expert]
+    both = torch.cat([counts_t, got]).tolist()  # the layer's one host sync
+    counts = both[:experts]
+    got_list = both[experts:]
+    per_source = [got_list[r * local : (r + 1) * local] for r in range(ep)]  # [source][local]
     sent = [sum(counts[r * local : (r + 1) * local]) for r in range(ep)]
     received = [sum(row) for row in per_source]
     rows = _all_to_all(x, received, sent, group, "moe dispatch all_to_all")

@@ -61,13 +61,13 @@ def routing_step(
             m.update_bias(loads[row])
     for m in layers:
         m.reset_routing()
-    out = _load_figures(loads, aux, moe.aux_coef)
     biases = [m.expert_bias for m in layers if m.expert_bias is not None]
+    top = None
     if stages and moe.bias_balance:
-        out["moe_bias"] = _agreed_largest_bias(biases, v, group)
+        top = _agreed_largest_bias(biases, v, group)
     elif biases:
-        out["moe_bias"] = torch.stack([b.abs().max() for b in biases]).max().item()
-    return out
+        top = torch.stack([b.abs().max() for b in biases]).max()
+    return _load_figures(loads, aux, moe.aux_coef, top)
 
 
 def _counted_rows(
@@ -92,27 +92,41 @@ def _agree(v: torch.Tensor, group: Any, copies: int) -> None:
             v /= copies
 
 
-def _load_figures(loads: torch.Tensor, aux: torch.Tensor, aux_coef: float) -> dict[str, Any]:
-    """The expert loads, their imbalance, and (with an auxiliary loss) its mean per block, summed."""
+def _load_figures(
+    loads: torch.Tensor, aux: torch.Tensor, aux_coef: float, bias: torch.Tensor | None
+) -> dict[str, Any]:
+    """The expert loads, their imbalance, (with an auxiliary loss) its mean per block, summed, and
+    (``bias``: the largest in magnitude, on the device) the balancing bias: read in one host sync."""
     mean = loads.mean(1).clamp_min(1e-12)
+    parts = [loads.sum(0), loads.flatten(), (loads.amax(1) / mean).max().reshape(1)]
+    if aux_coef > 0:
+        parts.append((aux[:, 0] / aux[:, 1].clamp_min(1)).sum().reshape(1))
+    if bias is not None:
+        parts.append(bias.reshape(1).to(loads.dtype))
+    values = torch.cat(parts).tolist()  # the step's routing figures, one read
+    experts, at = loads.shape[1], loads.shape[1] + loads.numel()
     out: dict[str, Any] = {
-        "moe_load": [round(x) for x in loads.sum(0).tolist()],
-        "moe_layer_load": [[round(x) for x in row] for row in loads.tolist()],
-        "moe_imbalance": (loads.amax(1) / mean).max().item(),
+        "moe_load": [round(x) for x in values[:experts]],
+        "moe_layer_load": [
+            [round(x) for x in values[i : i + experts]] for i in range(experts, at, experts)
+        ],
+        "moe_imbalance": values[at],
     }
     if aux_coef > 0:
-        out["moe_aux_loss"] = (aux[:, 0] / aux[:, 1].clamp_min(1)).sum().item()
+        out["moe_aux_loss"] = values[at + 1]
+    if bias is not None:
+        out["moe_bias"] = values[-1]
     return out
 
 
-def _agreed_largest_bias(biases: list[torch.Tensor], v: torch.Tensor, group: Any) -> float:
+def _agreed_largest_bias(biases: list[torch.Tensor], v: torch.Tensor, group: Any) -> torch.Tensor:
     """The largest balancing bias in magnitude over every rank's blocks (pipeline stages hold
-    different ones): one more, one-element all-reduce."""
+    different ones), on the device: one more, one-element all-reduce."""
     top = torch.stack([b.abs().max() for b in biases]).max() if biases else v.new_zeros(())
     top = top.reshape(1).clone()
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         all_reduce("moe largest bias", top, dist.ReduceOp.MAX, group=group)
-    return top.item()
+    return top
 
 
 def routing_counts(module: nn.Module) -> list[torch.Tensor]:
