@@ -84,10 +84,13 @@ def test_a_fault_tolerant_run_with_more_ranks_than_gpus_stops_before_any_process
     assert not run_dir.exists()
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
 )
 def test_each_groups_ranks_see_only_their_own_gpus() -> None:
+    """Two fault-tolerant replica groups of one rank on a node of 2+ GPUs: each group's process sees
+    one GPU (its CUDA_VISIBLE_DEVICES slice), and the two are different cards (their UUIDs)."""
     envs = replica_group_gpu_env("cuda", "nccl", 2, 1)
     code = (
         "import torch; print(torch.cuda.device_count(), torch.cuda.get_device_properties(0).uuid)"

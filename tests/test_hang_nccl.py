@@ -114,10 +114,13 @@ def test_the_watcher_thread_takes_the_ranks_device_before_its_first_query() -> N
     assert ("query", "dtlab-ledger") in seen
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
 )
 def test_the_ledger_opens_no_context_on_another_gpu() -> None:
+    """A ledger watching collectives on cuda:1 (its event queries in its own thread): once a queued
+    entry has completed, the process has a CUDA context on GPU 1 and none on GPU 0."""
     code = (
         "import time, torch\n"
         "from dtlab.parallel.ledger import Ledger, completion_for, watcher_device_for\n"
