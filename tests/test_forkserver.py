@@ -24,7 +24,7 @@ print("streams still work", flush=True)
 """
 
 
-@pytest.mark.skipif(PYTHON == sys.executable, reason="the tests run without a fork server")
+@pytest.mark.skipif(sys.executable == PYTHON, reason="the tests run without a fork server")
 def test_a_child_gets_the_descriptors_its_parent_passed_under_their_numbers(tmp_path: Path) -> None:
     script = tmp_path / "child.py"
     script.write_text(SCRIPT)
