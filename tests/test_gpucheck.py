@@ -5,6 +5,7 @@ machine; docs/gpu.md's list of CUDA tests is the suite's."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -234,3 +235,40 @@ def test_on_a_gpu_the_report_names_the_card_and_its_versions() -> None:
     assert re.fullmatch(r"\d+\.\d+", m["cuda_driver_api"]), m["cuda_driver_api"]
     assert re.fullmatch(r"\d+\.\d+(\.\d+)*", m["nvidia_driver"] or ""), m["nvidia_driver"]
     assert re.fullmatch(r"\d+\.\d+\.\d+.*", m["nccl"] or ""), m["nccl"]
+
+
+def test_gpus_that_torch_cannot_see_fail_the_check_and_say_why(tmp_path: Path) -> None:
+    # A machine whose driver lists GPUs (nvidia-smi, stood in for here) while torch sees none: the
+    # CPU smoke must not pass for a GPU check. This torch is a CPU build: that is the reason given.
+    from dtlab.gpucheck.machine import why_torch_sees_no_gpu
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "-L" ]; then echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-1)"; '
+        'echo "GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-2)"; else echo 580.1; fi\n'
+    )
+    smi.chmod(0o755)
+    out = tmp_path / "report"
+    path = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+    env = {"PATH": path, "CUDA_VISIBLE_DEVICES": "0,1"}
+    proc = gpucheck("--out", str(out), "--only", "equivalence", env=env)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert report["failed"] == ["machine"] and not report["ok"]
+    (machine,) = [c for c in report["checks"] if c["name"] == "machine"]
+    assert machine["reason"].startswith(
+        "2 NVIDIA GPUs on this machine (nvidia-smi -L) but torch sees none: torch "
+    ), machine["reason"]
+    assert "is a CPU build" in machine["reason"]
+    # The other reasons, decided from the versions.
+    assert why_torch_sees_no_gpu(0, "2.13.0", None, None, None) is None
+    old_driver = why_torch_sees_no_gpu(8, "2.13.0+cu130", "13.0", "12.4", None)
+    assert (
+        old_driver is not None
+        and "the NVIDIA driver supports CUDA 12.4, older than the CUDA 13.0" in old_driver
+    )
+    # Hidden on purpose (the CPU path of these tests): not a failure.
+    assert why_torch_sees_no_gpu(8, "2.13.0+cu130", "13.0", "13.0", "") is None

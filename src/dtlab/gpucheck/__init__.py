@@ -167,6 +167,12 @@ def _machine(out: Path, check: Check) -> dict[str, Any]:
     else:
         gpus = machine["device_count"]
         names = sorted({d["name"] for d in machine["devices"]})
+        if machine.get("no_gpu_reason"):
+            # GPUs torch cannot use: the smoke on the CPU must not pass for a GPU check.
+            check.failed(machine["no_gpu_reason"])
+            check.wall_s = time.perf_counter() - t0
+            print(f"[0/{len(CHECKS)}] machine: FAILED: {check.reason}", flush=True)
+            return machine
         check.passed(
             f"{gpus} CUDA GPU(s){': ' + ', '.join(names) if names else ''}; torch {machine['torch']}"
         )

@@ -17,7 +17,7 @@ import socket
 import subprocess
 from typing import Any
 
-__all__ = ["cuda_driver_api", "describe", "nvidia_driver"]
+__all__ = ["cuda_driver_api", "describe", "nvidia_driver", "nvidia_gpus", "why_torch_sees_no_gpu"]
 
 
 def nvidia_driver() -> str | None:
@@ -34,6 +34,54 @@ def nvidia_driver() -> str | None:
         return None
     lines = proc.stdout.strip().splitlines()
     return lines[0].strip() if proc.returncode == 0 and lines else None
+
+
+def nvidia_gpus() -> int:
+    """The NVIDIA GPUs the driver sees (``nvidia-smi -L``), whatever torch sees; 0 without a driver."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    try:
+        proc = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    if proc.returncode != 0:
+        return 0
+    return sum(line.startswith("GPU ") for line in proc.stdout.splitlines())
+
+
+def _version(text: str | None) -> tuple[int, ...] | None:
+    try:
+        return tuple(int(x) for x in text.split(".")[:2]) if text else None
+    except ValueError:
+        return None
+
+
+def why_torch_sees_no_gpu(
+    nvidia: int, torch_version: str, torch_cuda: str | None, driver_cuda: str | None,
+    visible: str | None,
+) -> str | None:  # fmt: skip
+    """Why torch sees no GPU on a machine whose driver sees ``nvidia`` of them (None where it sees
+    none, or where an empty ``CUDA_VISIBLE_DEVICES`` hides them on purpose): a CPU build of torch,
+    a driver older than torch's CUDA, or no driver library."""
+    if nvidia == 0 or (visible is not None and not visible.strip()):
+        return None  # no GPU, or every GPU hidden on purpose (an empty CUDA_VISIBLE_DEVICES)
+    gpus = f"{nvidia} NVIDIA GPU{'s' * (nvidia > 1)} on this machine (nvidia-smi -L) but torch sees none"
+    if torch_cuda is None:
+        return (
+            f"{gpus}: torch {torch_version} is a CPU build; install a CUDA build (e.g. pip install "
+            "torch --index-url https://download.pytorch.org/whl/cu128)"
+        )
+    have, need = _version(driver_cuda), _version(torch_cuda)
+    if driver_cuda is None:
+        return f"{gpus}: the CUDA driver library (libcuda) cannot be loaded"
+    if have is not None and need is not None and have < need:
+        return (
+            f"{gpus}: the NVIDIA driver supports CUDA {driver_cuda}, older than the CUDA {torch_cuda} "
+            f"torch {torch_version} is built for; update the driver, or install a torch built for "
+            f"CUDA {driver_cuda} or older"
+        )
+    return f"{gpus}: torch.cuda.is_available() is False (CUDA_VISIBLE_DEVICES={visible!r})"
 
 
 def cuda_driver_api() -> str | None:
@@ -98,6 +146,17 @@ def describe() -> dict[str, Any]:
         "torch": torch.__version__,
         "cuda_available": cuda,
         "device_count": len(devices),
+        # What the driver sees, and why torch does not where it sees fewer.
+        "nvidia_gpus": nvidia_gpus(),
+        "no_gpu_reason": None
+        if cuda
+        else why_torch_sees_no_gpu(
+            nvidia_gpus(),
+            torch.__version__,
+            torch.version.cuda,
+            cuda_driver_api(),
+            os.environ.get("CUDA_VISIBLE_DEVICES"),
+        ),
         "devices": devices,
         "nvidia_driver": nvidia_driver() if cuda else None,
         # The CUDA version torch was built with, and the newest the driver supports (e.g. 12040).
