@@ -365,3 +365,16 @@ def test_bench_counts_moe_flops_by_the_active_experts_and_the_all_to_all_as_pred
     assert row["all_to_all_bytes_per_step_mean"] == row["all_to_all_bytes_per_step_predicted"]
     assert row["all_to_all_bytes_per_step_predicted"] == predicted
     assert row["comm_by_collective"]["all_to_all"]["bytes"] == row["all_to_all_bytes_per_step"]
+
+
+def test_the_plan_says_an_moe_models_gpu_rate_is_unmeasured() -> None:
+    # The step time assumes 45% of a GPU's peak, a dense model's rate; an MoE model's experts have
+    # not been measured on a GPU, and the plan says so (on the CPU, this machine is measured).
+    from dtlab.analysis.plan import step_time_basis
+
+    assert "unmeasured on GPUs" in step_time_basis(PROFILES["h100"], moe=True)
+    assert "unmeasured" not in step_time_basis(PROFILES["h100"], moe=False)
+    proc = run_cli("plan", "--json", "--set", "model.preset=debug-moe")
+    assert proc.returncode == 0, proc.stderr
+    basis = json.loads(proc.stdout)["assumptions"]["step_time"]
+    assert "compute at 45% of the peak (a dense model's assumed rate" in basis, basis

@@ -215,7 +215,9 @@ def plan(
         "nproc": nproc,
         "nnodes": nnodes,
         "device": _device_figures(device, device_assumed, memory, memory_gib is not None, peak),
-        "assumptions": _assumptions(device, ac),
+        "assumptions": _assumptions(
+            device, ac, bool(config.model.moe and config.model.moe.experts)
+        ),
         "precision": precision,
         "activation_checkpointing": ac,
         "header": header,
@@ -251,7 +253,7 @@ def _strategy_rows(config: Config, costing: _Costing, rate: float) -> list[dict[
     return rows
 
 
-def _assumptions(device: DeviceProfile, ac: str) -> dict[str, Any]:
+def _assumptions(device: DeviceProfile, ac: str, moe: bool = False) -> dict[str, Any]:
     """What the plan assumes (it prints them as such): the share of the peak a step reaches, the
     fit rule, how its step time is made, what recompute costs, the tie margin."""
     kind = device.kind
@@ -259,7 +261,7 @@ def _assumptions(device: DeviceProfile, ac: str) -> dict[str, Any]:
         "achievable_fraction_of_peak": ACHIEVABLE_FRACTION[kind],
         "usable_memory_fraction": usable_fraction(kind),
         "fit_rule": explain(kind),
-        "step_time": step_time_basis(device),
+        "step_time": step_time_basis(device, moe),
         "recompute": RECOMPUTE[ac],
         "tie_margin": TIE_MARGIN,
     }
@@ -608,8 +610,9 @@ def spans_nodes(collective: str, group: int, dims: ParallelDims, nproc: int) -> 
     return group * stride > nproc
 
 
-def step_time_basis(device: DeviceProfile) -> str:
-    """How the plan's step time is made on ``device`` (printed with the plan)."""
+def step_time_basis(device: DeviceProfile, moe: bool = False) -> str:
+    """How the plan's step time is made on ``device`` (printed with the plan); ``moe``: the model
+    routes to experts, whose rate on a GPU nothing has measured."""
     hides = (
         "none of it hides: the ranks' cores copy the bytes (dtlab.analysis.steptime)"
         if device.copy_gbps is not None
@@ -622,9 +625,15 @@ def step_time_basis(device: DeviceProfile) -> str:
             "share of the FLOPs and parameters, pipeline bubble and the cores its ranks share"
         )
     else:
+        unmeasured = (
+            " (a dense model's assumed rate: this model's experts, a loop of small matmuls with a "
+            "host read of their counts per block, are unmeasured on GPUs and likely slower)"
+            if moe and device.kind == "cuda"
+            else ""
+        )
         compute = (
-            f"compute at {ACHIEVABLE_FRACTION[device.kind]:.0%} of the peak, plus recompute "
-            "and the pipeline bubble"
+            f"compute at {ACHIEVABLE_FRACTION[device.kind]:.0%} of the peak{unmeasured}, plus "
+            "recompute and the pipeline bubble"
         )
     checked = calibration_note(device.probe is not None)
     return f"{compute}; communication at the link rates, {hides}; {checked}"
