@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, get_args
 
@@ -185,3 +186,43 @@ def test_plan_predicts_every_optimizers_state_as_measured(tmp_path: Path, optimi
     assert predicted == measured, (optimizer, predicted, measured)
     if optimizer != "sgd":
         assert measured > 0
+
+
+def test_the_plan_of_this_device_on_a_gpu_node_is_the_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Where torch sees a GPU, --device this measures it (the device the ranks would train on), not
+    # the CPU; its profile plans as a GPU's (45% of the measured peak, the GPU's fit rule), and the
+    # CPU's probe of the model's step is not taken for it.
+    from dataclasses import replace
+
+    from dtlab.analysis import devices
+    from dtlab.analysis.probe import with_probe
+    from dtlab.config import load_config
+
+    measured = replace(devices.PROFILES["h100"], key="this", device_type="cuda")
+    monkeypatch.setattr(devices, "this_gpu", lambda precision: measured)
+    monkeypatch.setattr(devices.torch.cuda, "is_available", lambda: True)
+    assert devices.this_device("bf16") is measured and measured.kind == "cuda"
+    config = load_config(overrides=["model.preset=debug"])
+    assert with_probe(measured, config, 2) == (
+        measured,
+        "a GPU: the model's step is probed on the CPU only",
+    )
+    monkeypatch.setattr(devices.torch.cuda, "is_available", lambda: False)
+    assert devices.this_device("fp32").kind == "cpu"
+    assert devices.known_profile("NVIDIA H100 80GB HBM3") is devices.PROFILES["h100"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_plan_device_this_measures_the_gpu() -> None:
+    """``dtlab plan --device this`` on a GPU node: the device is the GPU (its name, its memory as torch
+    reports it, a GEMM measured on it), planned as a GPU (the 45% rate, not a CPU probe)."""
+    proc = run_cli("plan", "--device", "this", "--json", "--set", "model.preset=debug")
+    assert proc.returncode == 0, proc.stderr
+    device = json.loads(proc.stdout)["device"]
+    name = torch.cuda.get_device_name(0)
+    assert name in device["name"], device
+    assert (
+        abs(device["memory_gib"] - torch.cuda.get_device_properties(0).total_memory / 2**30) < 0.01
+    )
+    assert device["source"].startswith("measured: fp32 GEMM 8192^3 on cuda:0"), device

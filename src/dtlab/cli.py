@@ -138,7 +138,7 @@ def _bench_engines(args: argparse.Namespace, axes: _BenchAxes) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     import json
 
-    from dtlab.analysis.devices import PROFILES, this_machine
+    from dtlab.analysis.devices import PROFILES, this_device
     from dtlab.analysis.plan import DEFAULT_DEVICE, format_plan, plan
     from dtlab.analysis.probe import with_probe
     from dtlab.config import check_batch_split, load_config
@@ -154,7 +154,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.device is None:
         device = PROFILES[DEFAULT_DEVICE]
     elif args.device == "this":
-        device, _ = with_probe(this_machine(config.train.precision), config, args.nproc)
+        device, _ = with_probe(this_device(config.train.precision), config, args.nproc)
     elif args.device in PROFILES:
         device = PROFILES[args.device]
     else:

@@ -70,9 +70,15 @@ class DeviceProfile:
     # machine's CPU (dtlab.analysis.wrappers): fsdp_unit_s, tp_block_s.
     wrapper_s: dict[str, float] | None = None
 
+    # The device type of "this" machine measured: its GPU's ("cuda") where it has one.
+    device_type: str | None = None
+
     @property
     def kind(self) -> str:
-        """The device type its ranks run on: "cpu" for this machine measured, "cuda" for a GPU."""
+        """The device type its ranks run on: "cpu" for this machine's CPU measured, "cuda" for a
+        GPU (a known one, or this machine's measured)."""
+        if self.device_type is not None:
+            return self.device_type
         return "cpu" if self.key == "this" else "cuda"
 
 
@@ -438,6 +444,51 @@ def this_machine(precision: str, threads: int | None = None) -> DeviceProfile:
         # Over loopback the ranks' cores do the sending: the link is their copying.
         copy_gbps=gbps,
     )
+
+
+GPU_GEMM_SIZE, GPU_GEMM_REPEATS = 8192, 10
+
+
+def known_profile(name: str) -> DeviceProfile | None:
+    """The known profile of a GPU named ``name`` as torch reports it (None for another card)."""
+    return next((p for p in PROFILES.values() if p.name == name), None)
+
+
+def this_gpu(precision: str) -> DeviceProfile:
+    """A profile of this machine's GPU (the current CUDA device), measured now: a GEMM at
+    ``precision`` and the card's memory. Its links are the known card's (looked up), else an H100's
+    (assumed): a node's NCCL bandwidth is ``make gpu-check``'s to measure, not the plan's."""
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    device = torch.device("cuda", torch.cuda.current_device())
+    props = torch.cuda.get_device_properties(device)
+    tflops = measure_matmul_tflops(
+        dtype, device, size=GPU_GEMM_SIZE, repeats=GPU_GEMM_REPEATS, best=True
+    )
+    known = known_profile(props.name)
+    links = known or PROFILES["h100"]
+    looked_up = f"looked up: the {props.name}'s" if known else "assumed: an H100's"
+    return DeviceProfile(
+        "this",
+        f"this machine's {props.name} (cuda:{device.index} of {torch.cuda.device_count()})",
+        props.total_memory / 2**30,
+        {precision: tflops},
+        intra_node_gbps=links.intra_node_gbps,
+        inter_node_gbps=links.inter_node_gbps,
+        source=f"measured: {precision} GEMM {GPU_GEMM_SIZE}^3 on cuda:{device.index}, fastest "
+        f"of {GPU_GEMM_REPEATS}",
+        memory_source="measured: the GPU's total memory as torch reports it",
+        intra_node_source=f"{looked_up} ({links.intra_node_source})",
+        inter_node_source=f"{looked_up} ({links.inter_node_source})",
+        device_type="cuda",
+    )
+
+
+def this_device(precision: str, threads: int | None = None) -> DeviceProfile:
+    """``--device this``: this machine's GPU where torch sees one (the device its ranks would train
+    on), else its CPU."""
+    if torch.cuda.is_available():
+        return this_gpu(precision)
+    return this_machine(precision, threads)
 
 
 def cpu_memory_gib() -> float:

@@ -225,6 +225,10 @@ def with_probe(device: DeviceProfile, config: Any, nproc: int) -> tuple[DevicePr
 
     from dtlab.analysis.wrappers import measure_wrappers
 
+    if device.kind != "cpu":
+        # The probe and the group's collectives run on this machine's CPU and gloo: a GPU's step
+        # comes from its measured GEMM peak instead.
+        return device, "a GPU: the model's step is probed on the CPU only"
     if nproc > 1:
         nbytes, repeats = 4 * 2**20, 9
         try:
