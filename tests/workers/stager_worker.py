@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from dtlab.analysis.model import plan_step
 from dtlab.checkpoint.manager import Checkpointer
 from dtlab.checkpoint.staging import _leaves, _local
 from dtlab.checkpoint.state import ModelState, OptimizerState, split_tensors
@@ -91,6 +92,15 @@ dist.all_reduce(mine)
 assert int(mine.item()) == one_copy, (int(mine.item()), one_copy)
 if strategy == "ddp":  # the share of each rank: about half each, the whole state once
     assert stager.staged_bytes() < 0.75 * one_copy, (stager.staged_bytes(), one_copy)
+# The plan's staged host bytes per rank: the parameters and optimizer state each rank stages (not
+# the optimizer's step counters); the ranks' largest tensors decide how evenly they share.
+planned = plan_step(cfg, d.world_size).staging_bytes
+staged = torch.tensor([float(stager.staged_bytes())])
+dist.all_reduce(staged)
+assert abs(staged.item() - planned * d.world_size) <= 0.01 * planned * d.world_size, (
+    staged.item(), planned * d.world_size,
+)  # fmt: skip
+assert abs(stager.staged_bytes() - planned) <= 0.1 * planned, (stager.staged_bytes(), planned)
 
 want_stream = stager.stream if d.device.type == "cuda" else None
 assert stager.used == (d.device, want_stream), (stager.used, d.device)

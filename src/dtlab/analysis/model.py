@@ -109,6 +109,9 @@ class StepPlan:
     buffers_bytes: int = 0  # module buffers: the RoPE tables of each pipeline stage the rank holds
     # Host memory, not in total_bytes: DiLoCo's outer state (pinned with a GPU).
     host_bytes: int = 0
+    # Host memory an async checkpoint stages into (pinned with a GPU): this rank's share of what the
+    # ranks write (each replicated tensor staged by one of the ranks that hold it).
+    staging_bytes: int = 0
     comm_bytes: dict[str, int] = field(
         default_factory=dict
     )  # collective -> bytes per step (one rank)
@@ -151,6 +154,7 @@ class StepPlan:
                 "gathered_bytes": self.gathered_bytes,
                 "buffers_bytes": self.buffers_bytes,
                 "host_bytes": self.host_bytes,
+                "staging_bytes": self.staging_bytes,
                 "total_bytes": self.total_bytes,
             },
             "comm": {
@@ -241,6 +245,7 @@ def _plan_rank(
         kernel=attention_kernel(config.model, config.train.precision, device_type),
     )  # fmt: skip
     plan = _state_plan(rank, shard_rank)
+    plan.staging_bytes = staging_bytes(config, dims, plan)
     acts = _activations(rank)
     plan.activations_bytes = acts.peak
     plan.buffers_bytes = _buffers_bytes(rank)
@@ -257,6 +262,19 @@ def _plan_rank(
         plan.timeline = _flat_timeline(rank, plan, acts)
     plan.comm_bus_bytes = _bus_bytes(plan, whole, world_size)
     return plan
+
+
+def staging_bytes(config: Config, dims: ParallelDims, plan: StepPlan) -> int:
+    """The host memory one rank stages an async checkpoint into (``checkpoint.async`` true or auto,
+    with a save to make: ``checkpoint.every`` or ``final``; 0 otherwise): its parameters and optimizer state shared among the
+    ranks that hold the same copy (DDP's ranks, HSDP's replica groups: each stages its share;
+    sharded state is each rank's own). The model's small buffers and counters are not counted."""
+    c = config.checkpoint
+    if c.async_ is False or not (c.every or c.final):
+        return 0
+    copies = max(1, dims.dp_replicate)
+    optimizer_copies = 1 if dims.shard_optimizer else copies
+    return plan.params_bytes // copies + plan.optimizer_bytes // optimizer_copies
 
 
 def _state_plan(rank: RankInputs, shard_rank: int | None) -> StepPlan:
@@ -544,5 +562,5 @@ __all__ = [
     "diloco_agreement_bytes", "diloco_host_bytes", "diloco_sync_bytes", "diloco_sync_steps",
     "elementwise_flops_per_token", "flops_per_token", "fsdp_half_params", "is_muon_shape",
     "param_shapes", "plan_step", "predicted_bubble", "rank_shapes", "recompute_flops_per_token",
-    "schedule_order", "step_reduction_bytes", "zero1_comm_bytes",
+    "schedule_order", "staging_bytes", "step_reduction_bytes", "zero1_comm_bytes",
 ]  # fmt: skip

@@ -201,19 +201,25 @@ def _strategy_row(r: dict[str, Any], w: int) -> str:
 
 
 def _host_lines(strategies: list[dict[str, Any]]) -> list[str]:
-    """DiLoCo's outer state in host memory, the most a strategy keeps; not in the table's totals
-    (host memory, not the device's); nothing without it."""
-    host = max(
-        (r["per_rank"].get("host_bytes", 0) for r in strategies if "error" not in r), default=0
-    )
-    if not host:
-        return []
-    return [
-        "",
-        f"host memory per rank, beside the device's: DiLoCo's outer state, up to "
-        f"{format_bytes(host)} (pinned on a GPU, where torch reserves each tensor's block "
-        "rounded up to a power of two)",
-    ]
+    """Host memory per rank, beside the device's (not in the table's totals): DiLoCo's outer state and
+    an async checkpoint's staging, the most a strategy keeps of each; nothing without them."""
+    rows = [r["per_rank"] for r in strategies if "error" not in r]
+    host = max((r.get("host_bytes", 0) for r in rows), default=0)
+    staging = max((r.get("staging_bytes", 0) for r in rows), default=0)
+    lines = []
+    if host:
+        lines.append(
+            f"host memory per rank, beside the device's: DiLoCo's outer state, up to "
+            f"{format_bytes(host)} (pinned on a GPU, where torch reserves each tensor's block "
+            "rounded up to a power of two)"
+        )
+    if staging:
+        lines.append(
+            f"host memory per rank for async checkpoints (checkpoint.async): up to "
+            f"{format_bytes(staging)} staged (pinned on a GPU), each rank its share of what the "
+            "ranks write"
+        )
+    return ["", *lines] if lines else []
 
 
 def format_search(s: dict[str, Any]) -> list[str]:
