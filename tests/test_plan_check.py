@@ -314,7 +314,16 @@ def test_a_fault_tolerant_layout_says_what_the_check_leaves_out() -> None:
     r = check_rank(config, 2, 1, 0)
     assert r.skipped is None and r.note is not None
     assert "parallel.fault_tolerance: checked as one replica group" in r.note, r.note
-    assert "neither planned nor checked" in r.as_dict()["note"]
+    assert "is planned as a moment of its own, not checked" in r.as_dict()["note"]
+    # The plan's moment: torchft's flat copy of every gradient beside the gradients themselves.
+    plan = plan_step(config, 1)
+    assert plan.timeline is not None
+    average = plan.timeline.moments["replica groups' average"]
+    assert average.temporaries == average.grads == plan.grads_bytes > 0
+    plain = load_config(overrides=[*SMALL, "parallel.strategy=ddp"])
+    timeline = plan_step(plain, 1).timeline
+    assert timeline is not None
+    assert "replica groups' average" not in timeline.moments
 
 
 def test_ranks_are_parsed_and_refused_with_what_is_allowed() -> None:

@@ -480,12 +480,11 @@ def _compile_note(compiled: int, eager: int) -> str:
 
 def _fault_tolerance_note(config: Config) -> str:
     """Said, not left to look checked: torchft's part of the step is not run here."""
-    return (
-        "parallel.fault_tolerance: checked as one replica group on its own; the groups' "
-        "average through torchft (every gradient in one flat buffer and back: about twice the "
-        "gradients' bytes at the step's end"
-        + (", and DiLoCo's outer sync through it" if config.parallel.diloco.inner_steps else "")
-        + ") is neither planned nor checked"
+    return "parallel.fault_tolerance: checked as one replica group on its own; the groups' " + (
+        "average through torchft, DiLoCo's outer sync through it, is neither planned nor checked"
+        if config.parallel.diloco.inner_steps
+        else "average through torchft (every gradient in one flat buffer and back: the "
+        "gradients twice at the step's end) is planned as a moment of its own, not checked"
     )
 
 

@@ -28,6 +28,7 @@ from dtlab.analysis.timeline import (
     BlockShape,
     FsdpUnits,
     LossShape,
+    Moment,
     RankState,
     Timeline,
     dense_block,
@@ -118,9 +119,23 @@ def rank_timeline(
     blocks = None
     if moe.moe_blocks(rank_model):
         blocks = _moe_blocks(rank, kept - loss_part, made, recompute_by_kind)
-    return step_timeline(
+    timeline = step_timeline(
         state, rank.accum, kept, loss_part, recompute, bottom, block, n_blocks, loss, persist,
         units, unbucketed=unbucketed, blocks=blocks,
+    )  # fmt: skip
+    if p.fault_tolerance.enabled and not p.diloco.inner_steps:
+        timeline.add(_groups_average(state))
+    return timeline
+
+
+def _groups_average(state: RankState) -> Moment:
+    """Fault-tolerant replica groups: torchft's average of the gradients across the groups copies
+    every gradient this rank holds (its shards under HSDP) into one flat buffer, all-reduced and
+    copied back (:meth:`dtlab.parallel.ft.Replicas.average`): the gradients twice at once."""
+    return Moment(
+        "replica groups' average", "torchft's all-reduce of every gradient in one flat buffer",
+        params=state.params, optimizer=state.optimizer, grads=state.grads,
+        temporaries=state.grads, buffers=state.buffers,
     )  # fmt: skip
 
 
