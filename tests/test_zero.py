@@ -198,4 +198,9 @@ def test_nccl_reduce_scatters_and_gloo_all_to_alls_to_the_same_rows() -> None:
 
     assert reduce_method("nccl") == "reduce_scatter"
     assert reduce_method("gloo") == "all_to_all"
+    assert reduce_method("fake") == "all_to_all"  # the plan's check counts a CPU run's
+    # The plan names the collective its device's ranks run, with the same bytes.
+    config = load_config(None, [*FAST, "parallel.strategy=ddp", "parallel.sharding=optimizer"])
+    cpu, cuda = plan_step(config, 2).comm_bytes, plan_step(config, 2, device_type="cuda").comm_bytes
+    assert cpu["all_to_all"] == cuda["reduce_scatter"] > 0 and "reduce_scatter" not in cpu
     run_worker("zero_reduce_worker.py", 3)

@@ -262,11 +262,14 @@ def _muon_comm(
             groups["tp all_gather"] = dims.tp
 
 
-def zero1_comm_bytes(shapes: list[ParamShape], config: Config, ranks: int) -> dict[str, int]:
+def zero1_comm_bytes(
+    shapes: list[ParamShape], config: Config, ranks: int, device_type: str = "cpu"
+) -> dict[str, int]:
     """ZeRO-1's collectives per optimizer step (nothing on one rank), each on the flat buffer of every
-    rank's ``ceil(rows / ranks)`` rows of every parameter: the gradients' reduce-scatter, an
-    all-to-all of the ranks' slots (in half precision under fp16/bf16 compression), and the updated
-    parameters' all-gather (float32).
+    rank's ``ceil(rows / ranks)`` rows of every parameter: the gradients' reduce-scatter (in half
+    precision under fp16/bf16 compression), NCCL's ``reduce_scatter`` on CUDA, an all-to-all of the
+    ranks' slots on the CPU (:func:`dtlab.parallel.zero.reduce_method`), and the updated parameters'
+    all-gather (float32).
 
     Without padding (every dim 0 divisible by ``ranks``) the buffer is the model, and the two send
     what DDP's ring all-reduce sends: ``2 (N - 1) / N`` times the model's bytes per rank
@@ -276,7 +279,8 @@ def zero1_comm_bytes(shapes: list[ParamShape], config: Config, ranks: int) -> di
         return {}
     padded = sum(s.padded_numel(ranks) for s in shapes)
     grad = 2 if config.parallel.compression in ("fp16", "bf16") else FP32
-    return {"all_to_all": padded * grad, "all_gather": padded * FP32}
+    scatter = "reduce_scatter" if device_type == "cuda" else "all_to_all"
+    return {scatter: padded * grad, "all_gather": padded * FP32}
 
 
 def _fsdp_comm(

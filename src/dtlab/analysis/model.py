@@ -243,6 +243,7 @@ def _plan_rank(
         half_params=fsdp_half_params(config, dims),
         compiled=compiles_loss(config, dims),
         kernel=attention_kernel(config.model, config.train.precision, device_type),
+        device_type=device_type,
     )  # fmt: skip
     plan = _state_plan(rank, shard_rank)
     plan.staging_bytes = staging_bytes(config, dims, plan)
@@ -404,7 +405,7 @@ def _rank_comm(rank: RankInputs, plan: StepPlan) -> int:
         _diloco_comm(config, dims, shapes, comm, groups)
         plan.host_bytes = diloco_host_bytes(config, dims, shapes)
     elif dims.shard_optimizer:
-        comm.update(zero1_comm_bytes(shapes, config, dims.dp))
+        comm.update(zero1_comm_bytes(shapes, config, dims.dp, rank.device_type))
         groups.update({k: world_size for k in comm})
     elif dims.ddp_enabled:
         comm.update(ddp_comm_bytes(rank.dp_shapes, config, world_size))

@@ -67,6 +67,7 @@ class RankInputs:
     half_params: bool  # FSDP gathers half-precision parameters
     compiled: bool  # the loss is compiled
     kernel: str  # the attention kernel on the rank's device (its activations differ)
+    device_type: str = "cpu"  # the rank's device: "cpu" (gloo) or "cuda" (NCCL)
 
 
 # The schedule's walk (walk_schedule): its figures, and each of its moments.

@@ -60,8 +60,9 @@ def rows_of(rows: int, ranks: int, rank: int) -> tuple[int, int]:
 def reduce_method(backend: str) -> str:
     """How ZeRO-1 reduce-scatters the gradients on ``backend``: ``reduce_scatter`` (NCCL's
     ``reduce_scatter_tensor``, a ring: (N - 1) / N of the buffer sent per rank, one slot received),
-    or ``all_to_all`` plus a local sum where the backend's reduce-scatter is an all-reduce (gloo)."""
-    return "all_to_all" if backend == "gloo" else "reduce_scatter"
+    or ``all_to_all`` plus a local sum elsewhere (gloo's reduce-scatter is an all-reduce; the plan's
+    check runs on a fake group, as the plan counts a CPU run's)."""
+    return "reduce_scatter" if backend == "nccl" else "all_to_all"
 
 
 def slot_numel(shapes: Sequence[Sequence[int]], ranks: int) -> int:
