@@ -94,6 +94,16 @@ def assert_float32_master_weights(r: dict[str, object], policy: str) -> None:
     assert isinstance(r["grad_norm"], float) and r["grad_norm"] > 0.1, r
 
 
+def test_the_residual_stream_is_half_precision_under_bf16_only(
+    fsdp_step: dict[str, dict[str, object]],
+) -> None:
+    # bf16 has float32's range; fp16's residual adds overflow past 65,504 in large models, so under
+    # fp16 the stream stays float32 (the embedding's output made so) while the weights are fp16.
+    assert fsdp_step["bf16"]["stream"] == ["torch.bfloat16"]
+    assert fsdp_step["fp16"]["stream"] == ["torch.float32"]
+    assert fsdp_step["fp32"]["stream"] == ["torch.float32"]
+
+
 @pytest.mark.parametrize(("case", "policy"), POLICIES.items())
 def test_fsdp_keeps_float32_master_weights_and_gradients(
     fsdp_step: dict[str, dict[str, object]], case: str, policy: str

@@ -59,6 +59,12 @@ CHECKED = {
     "tp:2 sp selective AC": (2, ["parallel.tp=2", "parallel.sequence_parallel=true",
                                  "train.activation_checkpointing=selective"]),
     # Recomputation under autocast, on float32 and on FSDP's half-precision parameters.
+    # FSDP's fp16 weights with a float32 residual stream (fp16's range would overflow it).
+    "fsdp:2 fp16": (2, ["parallel.strategy=fsdp", "train.precision=fp16"]),
+    "fsdp:2 x tp:2 sp fp16 selective AC": (4, ["parallel.strategy=fsdp", "parallel.tp=2",
+                                               "parallel.sequence_parallel=true",
+                                               "train.precision=fp16",
+                                               "train.activation_checkpointing=selective"]),
     "bf16 full AC": (1, ["train.precision=bf16", "train.activation_checkpointing=full"]),
     "bf16 selective AC": (1, ["train.precision=bf16", "train.activation_checkpointing=selective"]),
     "fsdp:2 bf16 selective AC": (2, ["parallel.strategy=fsdp", "train.precision=bf16",

@@ -70,6 +70,11 @@ for case, overrides in CASES.items():
     opt = build_optimizer(pm.module, cfg.train)
     sched = build_scheduler(opt, cfg.train)
     seen: dict = {}
+    # The residual stream's dtype: what each block receives (the embedding's output, then each
+    # block's sum with it).
+    streams: set[str] = set()
+    for block in pm.module.layers.values():
+        block.register_forward_pre_hook(lambda m, args: streams.add(str(args[0].dtype)))
 
     batches = [(torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))) for _ in range(2)]
     scaler = LossScaler(cfg.train.precision == "fp16")
@@ -89,6 +94,7 @@ for case, overrides in CASES.items():
         "params": kinds(list(pm.module.parameters())),
         "optimizer": kinds(state),
         "grad_norm": out["grad_norm"],
+        "stream": sorted(streams),
         **seen,
     }
 if d.rank == 0:

@@ -80,11 +80,14 @@ def activation_bytes(
     """
     m = model_cfg
     half = precision in ("bf16", "fp16")
-    half_params = half_params and half
+    weights_half = half_params and half
+    # The residual stream: half precision under bf16 only (fp16 keeps it float32, as DDP's autocast
+    # does: dtlab.parallel.apply.keep_residual_fp32); the weights are half either way.
+    half_params = residual_half(weights_half, precision)
     per_layer = _layer_bytes(m, half, ac, split, half_params)
     final = _final_bytes(m, half, split, half_params, compiled_loss) if final_part else 0
-    weight_copies = _weight_copy_bytes(m, half and not half_params, ac, split.tp, final_part)
-    moe = _moe_bytes(m, tokens, precision, ac, split, half_params)
+    weight_copies = _weight_copy_bytes(m, half and not weights_half, ac, split.tp, final_part)
+    moe = _moe_bytes(m, tokens, precision, ac, split, half_params, weights_half)
     # The loss and the weight total of its mean; the compiled loss keeps four more scalars.
     scalars = (6 if compiled_loss and final_part else 2) * FP32
     if final_part and seq_len and not compiled_loss:
@@ -112,14 +115,21 @@ def _weight_copy_bytes(m: ModelConfig, copies: bool, ac: str, tp: int, final_par
 
 
 def _moe_bytes(
-    m: ModelConfig, tokens: int, precision: str, ac: str, split: TPSplit, half_params: bool
+    m: ModelConfig,
+    tokens: int,
+    precision: str,
+    ac: str,
+    split: TPSplit,
+    half_params: bool,
+    weights_half: bool,
 ) -> int:
     """What MoE feed-forwards keep beyond dense ones (other tensors: dtlab.analysis.moe), their
-    weight copies included; 0 for a dense model."""
+    weight copies included (none where the weights are half precision already); 0 for a dense
+    model. ``half_params``: the residual stream is in half precision."""
     if not m.moe.experts:
         return 0
     moe = activation_delta(m, tokens, precision, ac, split, half_params)
-    if precision in ("bf16", "fp16") and not half_params and ac == "none":
+    if precision in ("bf16", "fp16") and not weights_half and ac == "none":
         moe += weight_copy_delta(m, split.tp)
     return moe
 
@@ -203,7 +213,8 @@ def recompute_bytes(
         return activation_bytes(one, tokens, precision, mode, split, half_params=half_params)
 
     block = act("none") - act("full")
-    if half_params and precision in ("bf16", "fp16"):
+    half_params = residual_half(half_params, precision)
+    if half_params:
         # In float32 the block's first norm keeps the block's input itself, which checkpointing
         # kept already (subtracted above with the rest of act("full")); on half-precision
         # parameters it keeps a float32 copy, and the recomputation holds the input beside it.
@@ -215,6 +226,12 @@ def recompute_bytes(
     if ac == "selective":
         block -= act("selective") - act("full")
     return block
+
+
+def residual_half(half_params: bool, precision: str) -> bool:
+    """Whether the residual stream is in half precision on half-precision parameters (FSDP's under
+    bf16/fp16, ``half_params``): under bf16; fp16's stays float32 (its range would overflow)."""
+    return half_params and precision == "bf16"
 
 
 def recompute_extra(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from dtlab.analysis import moe
-from dtlab.analysis.activations import FP32, fsdp_half_params
+from dtlab.analysis.activations import FP32, fsdp_half_params, residual_half
 from dtlab.analysis.shapes import ParamShape, RankPart, padded_by_group, whole_under_tp
 from dtlab.config import Config
 from dtlab.dims import ParallelDims
@@ -149,9 +149,10 @@ def _model_parallel_comm(
     gathers half-precision weights; under autocast alone the stream stays float32 (the embedding
     is not autocast, and float32 + bf16 is float32).
     """
-    act, stream = _activation_sizes(config, dims, tokens)
+    act, stream, emb = _activation_sizes(config, dims, tokens)
     if dims.tp_enabled:
-        _tp_blocks_comm(config, part, microbatches, act, stream, comm)
+        ends = part.first * emb + part.last * stream
+        _tp_blocks_comm(config, part, microbatches, act, stream, ends, comm)
         _tp_loss_and_norms_comm(config, part, tokens, microbatches, comm)
         if config.parallel.sequence_parallel:
             groups["tp all_gather"] = groups["tp reduce_scatter"] = dims.tp
@@ -163,28 +164,39 @@ def _model_parallel_comm(
         groups["send/recv"] = 2
 
 
-def _activation_sizes(config: Config, dims: ParallelDims, tokens: int) -> tuple[int, int]:
+def _activation_sizes(config: Config, dims: ParallelDims, tokens: int) -> tuple[int, int, int]:
     """Bytes of a micro-batch's [tokens, dim] activations as the collectives move them: (in the
-    compute dtype, in the residual stream's dtype)."""
+    compute dtype, in the residual stream's dtype, in the embedding's output dtype: its weights')."""
     m = config.model
     # Matmul outputs are in the compute dtype; the residual stream and the norms' outputs (and so
     # the gradients flowing back into the column-wise layers' inputs) in the stream's: float32
     # under autocast alone, half precision where FSDP gathers half-precision weights (measured by
     # `dtlab plan --check`: tp 2 under bf16 autocast sends 12 of its 16 buffers per micro-batch in
     # float32).
-    act = tokens * m.dim * (2 if config.train.precision in ("bf16", "fp16") else FP32)
-    stream = tokens * m.dim * (2 if fsdp_half_params(config, dims) else FP32)
-    return act, stream
+    precision = config.train.precision
+    act = tokens * m.dim * (2 if precision in ("bf16", "fp16") else FP32)
+    # (FSDP's fp16 weights keep a float32 stream: activations.residual_half.)
+    half_weights = fsdp_half_params(config, dims)
+    stream = tokens * m.dim * (2 if residual_half(half_weights, precision) else FP32)
+    # The embedding's own collective (tensor parallelism's) runs before its output joins the stream.
+    emb = tokens * m.dim * (2 if half_weights else FP32)
+    return act, stream, emb
 
 
 def _tp_blocks_comm(
-    config: Config, part: RankPart, microbatches: int, act: int, stream: int, comm: dict[str, int]
+    config: Config,
+    part: RankPart,
+    microbatches: int,
+    act: int,
+    stream: int,
+    ends: int,
+    comm: dict[str, int],
 ) -> None:
     """Tensor parallelism's collectives of the rank's blocks and ends (embedding, output) into
     ``comm``: all-gathers and reduce-scatters under sequence parallelism, else all-reduces
-    (``act``, ``stream``: a micro-batch's activations in the compute and the stream's dtype)."""
+    (``act``, ``stream``: a micro-batch's activations in the compute and the stream's dtype;
+    ``ends``: the bytes of the rank's ends' activations, the embedding's and the output's)."""
     m = config.model
-    ends = part.first + part.last
     layers = part.n_layers
     # Checkpointed blocks run forward again in backward, up to the last activation backward
     # needs (torch stops the recomputation there): attention's collectives and the feed-forward's
@@ -193,15 +205,13 @@ def _tp_blocks_comm(
     if config.parallel.sequence_parallel:
         # Per block: the norms' outputs gathered (stream) and the wo and w2 outputs
         # reduce-scattered (compute dtype) in forward; backward mirrors each in the other's.
-        per = 2 * layers * (stream + act) + ends * stream
+        per = 2 * layers * (stream + act) + ends
         comm["tp all_gather"] = microbatches * (per + 2 * again * stream)
         comm["tp reduce_scatter"] = microbatches * (per + again * act)
         return
     # Forward: wo's and w2's outputs (compute dtype); backward: the input gradients of q, k,
     # v, w1, w3 and the ends' (stream).
-    comm["tp all_reduce"] = microbatches * (
-        (2 * layers + again) * act + (5 * layers + ends) * stream
-    )
+    comm["tp all_reduce"] = microbatches * ((2 * layers + again) * act + 5 * layers * stream + ends)
     # An MoE block's feed-forward is whole on every rank: no w2 output to reduce in
     # forward, no w1 and w3 input gradients in backward.
     here = moe.moe_blocks(moe.part_model(m, part.n_stages, part.stages))

@@ -31,6 +31,7 @@ from dtlab.analysis.activations import (
     loss_parallel_bytes,
     recompute_bytes,
     recompute_extra,
+    residual_half,
 )
 from dtlab.analysis.comm_model import (
     _diloco_comm,
@@ -446,8 +447,9 @@ def _again(rank: RankInputs, acts: _Activations) -> tuple[int, int]:
     if t.activation_checkpointing == "none":
         return 0, 0
     extra = recompute_extra(
-        rank.config.model, rank.tokens, t.precision, "full", rank.split, rank.half_params
-    )
+        rank.config.model, rank.tokens, t.precision, "full", rank.split,
+        residual_half(rank.half_params, t.precision),
+    )  # fmt: skip
     return acts.recompute, extra
 
 

@@ -14,6 +14,7 @@ from dtlab.analysis.activations import (
     activation_bytes,
     fsdp_half_params,
     loss_parallel_bytes,
+    residual_half,
 )
 from dtlab.analysis.memo import memo
 from dtlab.analysis.pipeline_memory import (
@@ -231,7 +232,8 @@ def _dense_block(
     seq = dims.tp if config.parallel.sequence_parallel else 1
     return dense_block(
         tokens, m.dim, hidden or m.hidden_dim, dims.tp, seq, 2 if half else FP32,
-        2 if half_params else FP32, half and not half_params, made, block_params,
+        2 if residual_half(half_params, t.precision) else FP32, half and not half_params, made,
+        block_params,
     )  # fmt: skip
 
 

@@ -247,6 +247,18 @@ def mixed_precision_policy(
     )
 
 
+def keep_residual_fp32(embedding: nn.Module) -> None:
+    """The embedding's output (the residual stream's start) in float32, as DDP under autocast has it:
+    under FSDP with fp16 parameters it would be fp16, and every block's residual add with it, which
+    overflows past 65,504 in large models (bf16 has float32's range and stays as it is). The blocks'
+    matmuls still run in fp16 under autocast."""
+
+    def to_fp32(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        return out.float()
+
+    embedding.register_forward_hook(to_fp32)
+
+
 def apply_fsdp(
     model: Transformer,
     mesh: DeviceMesh,
@@ -267,6 +279,8 @@ def apply_fsdp(
     """
     reshard = sharding == "full"
     mp = mixed_precision_policy(param_dtype, reduce_dtype)
+    if param_dtype == torch.float16 and model.tok_embeddings is not None:
+        keep_residual_fp32(model.tok_embeddings)
     for block in model.layers.values():
         fully_shard(
             block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, ignored_params=ignored
