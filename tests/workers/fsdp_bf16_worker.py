@@ -74,7 +74,9 @@ for case, overrides in CASES.items():
     # block's sum with it).
     streams: set[str] = set()
     for block in pm.module.layers.values():
-        block.register_forward_pre_hook(lambda m, args: streams.add(str(args[0].dtype)))
+        block.register_forward_pre_hook(
+            functools.partial(lambda seen, m, args: seen.add(str(args[0].dtype)), streams)
+        )
 
     batches = [(torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))) for _ in range(2)]
     scaler = LossScaler(cfg.train.precision == "fp16")
