@@ -1,0 +1,218 @@
+"""Context parallelism's attention: each sequence split over ``cp`` ranks, causal attention computed as a
+ring that passes the key/value blocks round the ranks (:func:`ring_attention`).
+
+The sequence is cut into ``2 cp`` chunks and rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r`` (a
+"zigzag"): under a causal mask a late chunk attends to more keys than an early one, and each rank holding
+one early and one late chunk gives every rank the same work (:func:`zigzag_chunks`, :func:`shard_sequence`).
+
+Forward: each rank starts with its own keys and values and, ``cp - 1`` times, passes the block it holds to
+the next rank while it computes attention against it (the send overlaps the compute). Each (query chunk,
+key chunk) pair is attended fully (the key chunk comes earlier), causally (the same chunk) or not at all
+(later); the partial outputs of a query chunk are merged by their log-sum-exps, which the device's own
+attention kernel returns beside its output (on the CPU,
+``aten._scaled_dot_product_flash_attention_for_cpu``).
+
+Backward is a ring too: each block's gradients are computed by the kernel's own backward from the final
+output and log-sum-exp (the softmax over every key), the query's gradient summed here, and the key and
+value gradients travel round the ring with their block, back to the rank that owns it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ring_attention", "shard_sequence", "unshard_sequence", "zigzag_chunks"]
+
+# A (query chunk, key chunk) pair: attended fully (the keys come first), causally (the same chunk),
+# or not at all (the keys come later).
+FULL, CAUSAL, NONE = "full", "causal", "none"
+
+
+def zigzag_chunks(cp: int, rank: int) -> tuple[int, int]:
+    """The two chunks of ``2 cp`` a rank holds: ``rank`` and ``2 cp - 1 - rank``."""
+    return rank, 2 * cp - 1 - rank
+
+
+def shard_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
+    """This rank's part of ``x`` along its sequence dimension ``dim`` (a multiple of ``2 cp``): its two
+    zigzag chunks, in order."""
+    if x.shape[dim] % (2 * cp):
+        raise ValueError(
+            f"a sequence of {x.shape[dim]} does not split into {2 * cp} chunks (2 x cp = {cp}); "
+            f"allowed: a multiple of {2 * cp}"
+        )
+    chunks = x.chunk(2 * cp, dim=dim)
+    first, second = zigzag_chunks(cp, rank)
+    return torch.cat([chunks[first], chunks[second]], dim=dim)
+
+
+def unshard_sequence(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """The whole of ``x`` from every rank's :func:`shard_sequence` part (``parts[r]``: rank r's)."""
+    cp = len(parts)
+    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
+    for r, part in enumerate(parts):
+        first, second = zigzag_chunks(cp, r)
+        chunks[first], chunks[second] = part.chunk(2, dim=dim)
+    return torch.cat([c for c in chunks if c is not None], dim=dim)
+
+
+def _pair(q_chunk: int, k_chunk: int) -> str:
+    """How a query chunk attends a key chunk under a causal mask."""
+    if k_chunk < q_chunk:
+        return FULL
+    return CAUSAL if k_chunk == q_chunk else NONE
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> Any:
+    """(output, log-sum-exp) of attention of ``q`` over ``k``/``v`` (the device's kernel, no autograd)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, scale=scale
+    )[:2]
+
+
+def _attend_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> Any:
+    """The kernel's own backward of one block, from the final output and log-sum-exp."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, causal, scale=scale
+    )
+
+
+def _merge(
+    out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two partial attentions of the same queries over disjoint keys, merged by their log-sum-exps."""
+    new = torch.logaddexp(lse, part_lse)
+    out = out * torch.exp(lse - new).unsqueeze(-1) + part * torch.exp(part_lse - new).unsqueeze(-1)
+    return out, new
+
+
+class _Ring:
+    """The ring's neighbours in ``group``: the next rank (sends go there) and the previous one."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.cp = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.cp)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.cp)
+
+    def start(self, tensors: list[torch.Tensor], backwards: bool = False) -> tuple[Any, list]:
+        """Send ``tensors`` round the ring (to the previous rank when ``backwards``) and receive the
+        neighbour's; returns (the pending requests, the buffers they fill)."""
+        to, frm = (self.prev, self.next) if backwards else (self.next, self.prev)
+        got = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t.contiguous(), to, self.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, g, frm, self.group) for g in got]
+        return dist.batch_isend_irecv(ops), got
+
+
+def _wait(requests: Any) -> None:
+    for r in requests:
+        r.wait()
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, scale: float
+    ) -> torch.Tensor:
+        ring = _Ring(group)
+        mine = zigzag_chunks(ring.cp, ring.rank)
+        wide = torch.float64 if q.dtype == torch.float64 else torch.float32
+        qs = q.chunk(2, dim=2)
+        outs: list[torch.Tensor | None] = [None, None]
+        lses: list[torch.Tensor | None] = [None, None]
+        kv = [k.contiguous(), v.contiguous()]
+        for step in range(ring.cp):
+            pending = ring.start(kv) if step < ring.cp - 1 else None
+            source = (ring.rank - step) % ring.cp
+            ks, vs = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
+            for a, q_chunk in enumerate(mine):
+                for b, k_chunk in enumerate(zigzag_chunks(ring.cp, source)):
+                    kind = _pair(q_chunk, k_chunk)
+                    if kind == NONE:
+                        continue
+                    part, part_lse = _attend(qs[a], ks[b], vs[b], kind == CAUSAL, scale)
+                    part = part.to(wide)  # merged in float32 (float64 stays)
+                    if outs[a] is None:
+                        outs[a], lses[a] = part, part_lse
+                    else:
+                        outs[a], lses[a] = _merge(outs[a], lses[a], part, part_lse)  # type: ignore[arg-type]
+            if pending is not None:
+                _wait(pending[0])
+                kv = pending[1]
+        out = torch.cat(outs, dim=2).to(q.dtype)  # type: ignore[arg-type]
+        lse = torch.cat(lses, dim=2)  # type: ignore[arg-type]
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.scale = group, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        ring = _Ring(ctx.group)
+        mine = zigzag_chunks(ring.cp, ring.rank)
+        qs, outs = q.chunk(2, dim=2), out.chunk(2, dim=2)
+        douts, lses = dout.contiguous().chunk(2, dim=2), lse.chunk(2, dim=2)
+        dq = torch.zeros_like(q, dtype=torch.float32 if q.dtype != torch.float64 else q.dtype)
+        dqs = dq.chunk(2, dim=2)
+        # The block and its gradients travel together: after cp steps they are back at their owner.
+        blocks = [
+            k.contiguous(),
+            v.contiguous(),
+            torch.zeros(k.shape, dtype=dq.dtype, device=k.device),
+            torch.zeros(v.shape, dtype=dq.dtype, device=v.device),
+        ]
+        for step in range(ring.cp):
+            source = (ring.rank - step) % ring.cp
+            kb, vb, dkb, dvb = blocks
+            ks, vs = kb.chunk(2, dim=2), vb.chunk(2, dim=2)
+            dks, dvs = dkb.chunk(2, dim=2), dvb.chunk(2, dim=2)
+            for a, q_chunk in enumerate(mine):
+                for b, k_chunk in enumerate(zigzag_chunks(ring.cp, source)):
+                    kind = _pair(q_chunk, k_chunk)
+                    if kind == NONE:
+                        continue
+                    gq, gk, gv = _attend_backward(
+                        douts[a], qs[a], ks[b], vs[b], outs[a], lses[a], kind == CAUSAL, ctx.scale
+                    )
+                    dqs[a].add_(gq)
+                    dks[b].add_(gk)
+                    dvs[b].add_(gv)
+            # Pass the block with its gradients on; the last pass returns each to its owner.
+            requests, blocks = ring.start(blocks)
+            _wait(requests)
+        dk, dv = blocks[2], blocks[3]
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def ring_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, scale: float | None = None
+) -> torch.Tensor:
+    """Causal attention of this rank's queries over the whole sequence's keys and values, each
+    [batch, heads, local sequence, head dim] and split over ``group``'s ranks as
+    :func:`shard_sequence` splits it (``k`` and ``v`` with as many heads as ``q``); returns this rank's
+    part of the output."""
+    if dist.get_world_size(group) == 1:
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale
+        )
+    if q.shape[2] % 2:
+        raise ValueError(f"a rank's {q.shape[2]} positions do not split into its 2 chunks")
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    out = _RingAttention.apply(q, k, v, group, scale)
+    assert isinstance(out, torch.Tensor)
+    return out
