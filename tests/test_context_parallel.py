@@ -22,5 +22,14 @@ def test_each_rank_holds_an_early_and_a_late_chunk() -> None:
 
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_ring_attention_equals_one_process_forward_and_backward(cp: int, dtype: str) -> None:
-    run_worker("ring_attention_worker.py", cp, dtype)
+@pytest.mark.parametrize("method", ["ring", "alltoall"])
+def test_context_parallel_attention_equals_one_process_forward_and_backward(
+    cp: int, dtype: str, method: str
+) -> None:
+    run_worker("ring_attention_worker.py", cp, dtype, method, "4")
+
+
+@pytest.mark.parametrize("kv_heads", ["2", "1"])
+def test_alltoall_attention_with_grouped_key_value_heads(kv_heads: str) -> None:
+    # 4 query heads over 2 ranks: 2 key/value heads split with them; 1 is expanded first.
+    run_worker("ring_attention_worker.py", 2, "float64", "alltoall", kv_heads)

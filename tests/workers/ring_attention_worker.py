@@ -1,6 +1,8 @@
-"""Run under torchrun (gloo): ring attention over the ranks equals one process's causal attention of
-the whole sequence, its output and the gradients of the queries, keys and values, each rank's zigzag
-part of them. argv[1]: the dtype (float64 or float32). Exits non-zero on a difference."""
+"""Run under torchrun (gloo): context-parallel attention over the ranks equals one process's causal
+attention of the whole sequence, its output and the gradients of the queries, keys and values, each
+rank's zigzag part of them. argv[1]: the dtype (float64 or float32); argv[2]: the method (ring or
+alltoall); argv[3]: the key/value heads (grouped-query attention below the 4 query heads). Exits
+non-zero on a difference."""
 
 import sys
 
@@ -8,22 +10,29 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dtlab.parallel.context import ring_attention, shard_sequence, unshard_sequence
+from dtlab.parallel.context import (
+    alltoall_attention,
+    ring_attention,
+    shard_sequence,
+    unshard_sequence,
+)
 
 dist.init_process_group("gloo")
 rank, cp = dist.get_rank(), dist.get_world_size()
 dtype = getattr(torch, sys.argv[1])
+attention = {"ring": ring_attention, "alltoall": alltoall_attention}[sys.argv[2]]
 tol = 1e-10 if dtype == torch.float64 else 2e-5
-B, H, S, D = 2, 3, 8 * cp, 16
+B, H, KV, S, D = 2, 4, int(sys.argv[3]), 8 * cp, 16
 g = torch.Generator().manual_seed(0)
-q, k, v, dout = (torch.randn(B, H, S, D, generator=g, dtype=dtype) for _ in range(4))
+q, dout = (torch.randn(B, H, S, D, generator=g, dtype=dtype) for _ in range(2))
+k, v = (torch.randn(B, KV, S, D, generator=g, dtype=dtype) for _ in range(2))
 # One process, the whole sequence.
 whole = [t.clone().requires_grad_() for t in (q, k, v)]
-ref = F.scaled_dot_product_attention(*whole, is_causal=True)
+ref = F.scaled_dot_product_attention(*whole, is_causal=True, enable_gqa=KV != H)
 ref.backward(dout)
 # This rank's zigzag part, through the ring.
 mine = [shard_sequence(t, cp, rank, dim=2).detach().requires_grad_() for t in (q, k, v)]
-out = ring_attention(*mine, dist.group.WORLD)
+out = attention(*mine, dist.group.WORLD)
 out.backward(shard_sequence(dout, cp, rank, dim=2))
 checks = {"out": (out, ref)}
 checks.update({f"d{n}": (m.grad, w.grad) for n, m, w in zip("qkv", mine, whole, strict=True)})

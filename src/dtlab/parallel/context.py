@@ -1,5 +1,7 @@
 """Context parallelism's attention: each sequence split over ``cp`` ranks, causal attention computed as a
-ring that passes the key/value blocks round the ranks (:func:`ring_attention`).
+ring that passes the key/value blocks round the ranks (:func:`ring_attention`), or by swapping the
+sequence for the heads before attention and back after (:func:`alltoall_attention`, DeepSpeed's
+Ulysses).
 
 The sequence is cut into ``2 cp`` chunks and rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r`` (a
 "zigzag"): under a causal mask a late chunk attends to more keys than an early one, and each rank holding
@@ -25,7 +27,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["ring_attention", "shard_sequence", "unshard_sequence", "zigzag_chunks"]
+__all__ = [
+    "alltoall_attention", "ring_attention", "shard_sequence", "unshard_sequence", "zigzag_chunks",
+]  # fmt: skip
 
 # A (query chunk, key chunk) pair: attended fully (the keys come first), causally (the same chunk),
 # or not at all (the keys come later).
@@ -216,3 +220,73 @@ def ring_attention(
     out = _RingAttention.apply(q, k, v, group, scale)
     assert isinstance(out, torch.Tensor)
     return out
+
+
+def _seq_to_heads(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """[B, H, S/cp, D] this rank's zigzag part of every head -> [B, H/cp, S, D] its share of the heads
+    over the whole sequence, in order (one all-to-all)."""
+    cp = dist.get_world_size(group)
+    b, h, s, d = x.shape
+    send = x.reshape(b, cp, h // cp, s, d).transpose(0, 1).contiguous()
+    got = torch.empty_like(send)  # [source rank, B, H/cp, S/cp, D]
+    dist.all_to_all_single(got, send, group=group)
+    return unshard_sequence(list(got.unbind(0)), dim=2)
+
+
+def _heads_to_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """The inverse of :func:`_seq_to_heads` (and its adjoint: an all-to-all permutes)."""
+    cp = dist.get_world_size(group)
+    send = torch.stack([shard_sequence(x, cp, r, dim=2) for r in range(cp)]).contiguous()
+    got = torch.empty_like(send)  # [source rank's heads, B, H/cp, S/cp, D]
+    dist.all_to_all_single(got, send, group=group)
+    b, s, d = got.shape[1], got.shape[3], got.shape[4]
+    return got.transpose(0, 1).reshape(b, -1, s, d)
+
+
+class _Swap(torch.autograd.Function):
+    """:func:`_seq_to_heads` (``to_heads``) or its inverse, whose backward is the other."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, to_heads: bool) -> torch.Tensor:  # type: ignore[override]
+        ctx.group, ctx.to_heads = group, to_heads
+        return _seq_to_heads(x, group) if to_heads else _heads_to_seq(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        back = _heads_to_seq(grad, ctx.group) if ctx.to_heads else _seq_to_heads(grad, ctx.group)
+        return back, None, None
+
+
+def _swap(x: torch.Tensor, group: Any, to_heads: bool) -> torch.Tensor:
+    out = _Swap.apply(x, group, to_heads)
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+def alltoall_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, scale: float | None = None
+) -> torch.Tensor:
+    """:func:`ring_attention`'s result by all-to-alls: each rank takes ``heads / cp`` of the heads over
+    the whole sequence, attends causally with the device's own kernel, and gives the heads back. The
+    query heads must divide by ``cp``; key/value heads that do not (grouped-query attention with
+    fewer of them than ``cp``) are expanded to the query heads first."""
+    cp = dist.get_world_size(group)
+    if cp == 1:
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale
+        )
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if heads % cp:
+        raise ValueError(
+            f"{heads} attention heads do not split over cp = {cp} ranks (alltoall); allowed: a cp "
+            f"dividing {heads}, or the ring"
+        )
+    if kv_heads % cp:
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
+    q, k, v = (_swap(t, group, True) for t in (q, k, v))
+    gqa = q.shape[1] != k.shape[1]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=True, scale=scale, enable_gqa=gqa
+    )
+    return _swap(out, group, False)
