@@ -173,16 +173,14 @@ class _RingAttention(torch.autograd.Function):
         douts, lses = dout.contiguous().chunk(2, dim=2), lse.chunk(2, dim=2)
         dq = torch.zeros_like(q, dtype=torch.float32 if q.dtype != torch.float64 else q.dtype)
         dqs = dq.chunk(2, dim=2)
-        # The block and its gradients travel together: after cp steps they are back at their owner.
-        blocks = [
-            k.contiguous(),
-            v.contiguous(),
-            torch.zeros(k.shape, dtype=dq.dtype, device=k.device),
-            torch.zeros(v.shape, dtype=dq.dtype, device=v.device),
-        ]
+        # The block's keys and values go on to the next rank while this one computes with them; its
+        # gradients follow once computed. After cp passes the gradients are back at their owner.
+        kb, vb = k.contiguous(), v.contiguous()
+        dkb = torch.zeros(k.shape, dtype=dq.dtype, device=k.device)
+        dvb = torch.zeros(v.shape, dtype=dq.dtype, device=v.device)
         for step in range(ring.cp):
+            ahead = ring.start([kb, vb]) if step < ring.cp - 1 else None
             source = (ring.rank - step) % ring.cp
-            kb, vb, dkb, dvb = blocks
             ks, vs = kb.chunk(2, dim=2), vb.chunk(2, dim=2)
             dks, dvs = dkb.chunk(2, dim=2), dvb.chunk(2, dim=2)
             for a, q_chunk in enumerate(mine):
@@ -196,10 +194,12 @@ class _RingAttention(torch.autograd.Function):
                     dqs[a].add_(gq)
                     dks[b].add_(gk)
                     dvs[b].add_(gv)
-            # Pass the block with its gradients on; the last pass returns each to its owner.
-            requests, blocks = ring.start(blocks)
+            requests, (dkb, dvb) = ring.start([dkb, dvb])
             _wait(requests)
-        dk, dv = blocks[2], blocks[3]
+            if ahead is not None:
+                _wait(ahead[0])
+                kb, vb = ahead[1]
+        dk, dv = dkb, dvb
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
