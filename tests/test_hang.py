@@ -242,7 +242,7 @@ def test_a_hung_rank_is_named_as_behind(tmp_path: Path) -> None:
         r"completed [\d.]+ s ago\); rank 0 waits at step 3 #(\d+) 'ddp gradient buckets' "
         r"\(backward, issued [\d.]+ s ago, not completed\)\. In torch's flight recorder, "
         r"rank 0's collectives in it: torch #\d+ gloo:all_reduce Float\[\d+\] from "
-        r"dtlab/train/loop\.py:\d+ \(accumulate_gradients\)\. Ledgers: (.+)/rank<R>\.json$",
+        r"dtlab/train/optimizer_step\.py:\d+ \(accumulate_gradients\)\. Ledgers: (.+)/rank<R>\.json$",
         line,
     )
     assert m, line
