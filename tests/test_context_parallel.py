@@ -1,13 +1,22 @@
-"""Context parallelism's ring attention (:mod:`dtlab.parallel.context`): each sequence split over the
-ranks in zigzag chunks, equal to one process's causal attention, forward and backward."""
+"""Context parallelism (:mod:`dtlab.parallel.context`): each sequence split over the ranks in zigzag
+chunks; its attention (ring and all-to-all) equal to one process's causal attention, forward and
+backward, and its training equal to one process's."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 
-from conftest import run_worker
-from dtlab.parallel.context import shard_sequence, unshard_sequence, zigzag_chunks
+from conftest import FAST, Metrics, assert_same_training, run_cli, run_worker, train_run
+from dtlab.config import load_config
+from dtlab.data.loader import BatchLayout, BatchLoader
+from dtlab.data.sources import build_data
+from dtlab.errors import ConfigError
+from dtlab.models.sequence import shard_sequence, unshard_sequence, zigzag_chunks
 
 
 def test_each_rank_holds_an_early_and_a_late_chunk() -> None:
@@ -33,3 +42,57 @@ def test_context_parallel_attention_equals_one_process_forward_and_backward(
 def test_alltoall_attention_with_grouped_key_value_heads(kv_heads: str) -> None:
     # 4 query heads over 2 ranks: 2 key/value heads split with them; 1 is expanded first.
     run_worker("ring_attention_worker.py", 2, "float64", "alltoall", kv_heads)
+
+
+# --- training with each sequence split over the ranks ---------------------------------------------
+@pytest.mark.parametrize(
+    ("layout", "nproc"),
+    [
+        (["parallel.cp=2"], 2),
+        (["parallel.cp=2", "parallel.cp_method=alltoall"], 2),
+        (["parallel.cp=2", "train.micro_batch_size=2"], 4),  # ddp 2 x cp 2, two micro-batches
+    ],
+    ids=["cp2-ring", "cp2-alltoall", "ddp2xcp2-accumulation"],
+)
+def test_context_parallel_training_equals_one_process(
+    tmp_path: Path, reference_run: Metrics, layout: list[str], nproc: int
+) -> None:
+    # The positions, the labels' shift and the loss are the whole sequence's; the gradients are
+    # averaged over the data- and context-parallel ranks together.
+    run = train_run(tmp_path / "run", "parallel.strategy=ddp", *layout, nproc=nproc)
+    assert_same_training(run, reference_run)
+
+
+def test_a_rank_trains_on_its_zigzag_part_of_each_sequence(tmp_path: Path) -> None:
+    config = load_config(overrides=[*FAST, "parallel.strategy=ddp", "parallel.cp=2"])
+    layout = BatchLayout(8, 0, 1, 8, cp=2, cp_rank=1)
+    source = build_data(config).train
+    loader = BatchLoader(source, layout, prefetch=0)
+    ((inputs, targets),) = loader.build_step(0)
+    whole = torch.from_numpy(np.stack([source.sample(i) for i in range(8)]))
+    assert torch.equal(inputs, shard_sequence(whole[:, :-1], 2, 1))
+    assert torch.equal(targets, shard_sequence(whole[:, 1:], 2, 1))
+    assert inputs.shape == (8, 32)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["parallel.strategy=fsdp"],
+            "parallel.strategy = 'fsdp' is not supported with parallel.cp",
+        ),
+        (["parallel.strategy=ddp", "parallel.tp=2"], "parallel.tp = 2 is not supported"),
+        (["parallel.strategy=ddp", "train.compile=true"], "train.compile = true is not supported"),
+        (["parallel.strategy=ddp", "data.seq_len=30"], "data.seq_len = 30 does not split into"),
+        (["parallel.strategy=ddp", "model.preset=debug-moe"], "model.moe.experts = 4 is not"),
+    ],
+)
+def test_what_context_parallelism_does_not_compose_with_yet_is_refused(
+    overrides: list[str], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(overrides=["model.preset=debug", "parallel.cp=2", *overrides])
+    # Refused before any process starts, with the reason.
+    proc = run_cli("train", "--nproc", "2", "--set", *FAST, "parallel.cp=2", *overrides)
+    assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr

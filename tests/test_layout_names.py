@@ -46,20 +46,23 @@ def test_a_layout_is_named_by_its_degrees(overrides: list[str], world: int, name
 
 def test_the_name_of_a_verify_layout_says_the_same_degrees() -> None:
     """``dtlab verify --layouts`` writes ``fsdp:2xtp:2``; the run it trains names itself ``fsdp 2 x tp 2``."""
-    layouts = parse_layouts("single,ddp:2,fsdp:2xtp:2,zero:2,hsdp:4,sp:2,pp:2:gpipe,fsdp:2xpp:2")
+    layouts = parse_layouts(
+        "single,ddp:2,fsdp:2xtp:2,zero:2,hsdp:4,sp:2,pp:2:gpipe,fsdp:2xpp:2,cp:2,ddp:2xcp:2:alltoall"
+    )
     names = [named(list(x.overrides), x.nproc) for x in layouts]
     assert names == [
         "single", "ddp 2", "fsdp 2 x tp 2", "ddp 2 (zero-1)", "hsdp 2x2", "tp 2 (sp)",
-        "pp 2 (gpipe)", "fsdp 2 x pp 2 (1f1b)",
+        "pp 2 (gpipe)", "fsdp 2 x pp 2 (1f1b)", "ddp 1 x cp 2 (ring)", "ddp 2 x cp 2 (alltoall)",
     ]  # fmt: skip
+    assert [x.nproc for x in layouts[-2:]] == [2, 4]
 
 
 def test_layout_fields_give_every_degree() -> None:
     config = load_config(overrides=[*FAST, "parallel.strategy=hsdp", "parallel.replicate=2",
                                     "parallel.tp=2"])  # fmt: skip
     fields = layout_fields(ParallelDims.from_config(config, 8))
-    assert fields == {"dp": 4, "dp_replicate": 2, "dp_shard": 2, "diloco": 1, "tp": 2, "pp": 1,
-                      "ep": 1, "world_size": 8}  # fmt: skip
+    assert fields == {"dp": 4, "dp_replicate": 2, "dp_shard": 2, "diloco": 1, "cp": 1, "tp": 2,
+                      "pp": 1, "ep": 1, "world_size": 8}  # fmt: skip
 
 
 def test_the_bench_names_its_rows_like_the_run() -> None:

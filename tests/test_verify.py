@@ -46,7 +46,11 @@ def test_layouts_parse_into_processes_and_overrides() -> None:
         ("single,zp:2", "'zp:2' in 'zp:2' is not NAME:DEGREE"),
         ("single,tp:2xsp:2", "gives tp parallelism twice"),
         ("single,ddp:2xfsdp:2", "gives data parallelism twice"),
-        ("single,tp:2:gpipe", "only pp (its schedule) and diloco (its H) take an option"),
+        (
+            "single,tp:2:gpipe",
+            "only pp (its schedule), diloco (its H) and cp (its method: ring "
+            "or alltoall) take an option",
+        ),
         ("single,hsdp:3", "its degree must be even"),
         ("single,ddp:2,ddp:2", "names a layout twice"),
         ("single,diloco:2:0", "diloco's option is H"),

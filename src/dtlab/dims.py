@@ -145,7 +145,7 @@ class _HasParallel(Protocol):
 # ranks the most (innermost, so that they are neighbours on a node).
 # DiLoCo's replicas sit outside the data-parallel dimensions of each replica: they talk the least of all
 # data-parallel ranks (every H steps).
-DIM_NAMES = ("pp", "diloco", "dp_replicate", "dp_shard", "tp")
+DIM_NAMES = ("pp", "diloco", "dp_replicate", "dp_shard", "cp", "tp")
 # The experts' mesh (parallel.ep > 1): the same world, its data-parallel ranks split into EP groups
 # (``ep``, innermost of them) and the ranks holding the same experts (``ep_dp``).
 EXPERT_DIM_NAMES = ("pp", "ep_dp", "ep", "tp")
@@ -162,6 +162,9 @@ class ParallelDims:
 
     dp_replicate: int = 1  # data-parallel replicas (DDP's ranks, HSDP's replica groups)
     dp_shard: int = 1  # ranks each data-parallel replica's parameters are sharded over (FSDP)
+    # Context parallel: each sequence split over this many ranks (parallel.cp); they hold the same
+    # model and read the same samples, and average their gradients with the data-parallel ranks.
+    cp: int = 1
     tp: int = 1  # tensor parallel: each block's matrices split over this many ranks
     pp: int = 1  # pipeline parallel: ranks the blocks are split over, in stages
     # DiLoCo replicas (parallel.diloco): groups of data-parallel ranks that train alone between outer
@@ -248,6 +251,9 @@ class ParallelDims:
             )
         if p.diloco.inner_steps and tp == 1 and pp == 1:
             return cls._diloco(config, world_size)
+        cp = getattr(p, "cp", 1)
+        if cp > 1:
+            return cls._context_parallel(config, world_size, cp)
         dp = cls._data_parallel(config, world_size // (tp * pp))
         if tp == 1 and pp == 1:
             return dp
@@ -261,6 +267,20 @@ class ParallelDims:
         return cls(
             dp.dp_replicate, dp.dp_shard, tp=tp, pp=pp, wrapper=wrapper,
             mesh_dims=(*(("pp",) if pp > 1 else ()), *dp_dims, *(("tp",) if tp > 1 else ())),
+        )  # fmt: skip
+
+    @classmethod
+    def _context_parallel(cls, config: _HasParallel, world_size: int, cp: int) -> ParallelDims:
+        """DDP's ranks with each sequence split over ``cp`` of them (the config's rules allow nothing
+        else with cp yet): one DDP over every rank, which averages the gradients over both."""
+        if world_size % cp:
+            raise ConfigError(
+                f"parallel.cp = {cp} does not divide the world size {world_size}: use a multiple "
+                f"of {cp} processes"
+            )
+        return cls(
+            dp_replicate=world_size // cp, cp=cp, wrapper=DPWrapper.DDP,
+            mesh_dims=("dp_replicate", "cp"),
         )  # fmt: skip
 
     @classmethod
@@ -343,7 +363,8 @@ class ParallelDims:
     def min_world_size(config: _HasParallel) -> int:
         """The fewest processes ``config``'s degrees can run on: one per replica group for hsdp."""
         p = config.parallel
-        return ((p.replicate or 1) if needs_replica_groups(p.strategy) else 1) * p.tp * p.pp
+        replicas = (p.replicate or 1) if needs_replica_groups(p.strategy) else 1
+        return replicas * p.tp * p.pp * getattr(p, "cp", 1)
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -357,7 +378,12 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def cp_enabled(self) -> bool:
+        """Each sequence is split over more than one rank (context parallelism)."""
+        return self.cp > 1
 
     @property
     def distributed(self) -> bool:
@@ -516,6 +542,8 @@ def layout_name(dims: ParallelDims, parallel: _NamedSection) -> str:
         if dims.diloco > 1:
             parts.append(f"diloco {dims.diloco}")
         parts.append(data)
+    if dims.cp_enabled:
+        parts.append(f"cp {dims.cp} ({getattr(parallel, 'cp_method', 'ring')})")
     if dims.ep_enabled:
         parts.append(f"ep {dims.ep}")
     if dims.tp_enabled:
@@ -546,7 +574,8 @@ def layout_fields(dims: ParallelDims) -> dict[str, int]:
     experts are split over, not a factor of the world) and ``world_size`` (``dp x tp x pp``)."""
     return {
         "dp": dims.dp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
-        "diloco": dims.diloco, "tp": dims.tp, "pp": dims.pp, "ep": dims.ep, "world_size": dims.world_size,
+        "diloco": dims.diloco, "cp": dims.cp, "tp": dims.tp, "pp": dims.pp, "ep": dims.ep,
+        "world_size": dims.world_size,
     }  # fmt: skip
 
 

@@ -58,7 +58,7 @@ _DIM = re.compile(r"^(?P<name>[a-z]+)(?::(?P<degree>\d+))?(?::(?P<option>[a-z0-9
 _DATA = tuple(strategies_with(*DPWrapper))  # parallel.strategy's names
 # DDP with ZeRO-1; DiLoCo replicas of one DDP rank; DDP over fault-tolerant replica groups
 _EXTRA_DATA = ("zero", "diloco", "ft")
-_NAMES = (*_DATA, *_EXTRA_DATA, "tp", "sp", "pp", "ep")
+_NAMES = (*_DATA, *_EXTRA_DATA, "cp", "tp", "sp", "pp", "ep")
 
 
 FT_ON = "parallel.fault_tolerance.enabled=true"
@@ -107,13 +107,13 @@ class _LayoutParts:
 
     strategy: str = field(default_factory=lambda: strategies_with(DPWrapper.NONE)[0])
     dp: int = 1
-    degrees: dict[str, int] = field(default_factory=lambda: {"tp": 1, "pp": 1, "ep": 1})
+    degrees: dict[str, int] = field(default_factory=lambda: {"cp": 1, "tp": 1, "pp": 1, "ep": 1})
     overrides: list[str] = field(default_factory=list)
     seen: set[str] = field(default_factory=set)
 
 
 class _Dim(NamedTuple):
-    """One ``NAME:DEGREE[:OPTION]`` of a layout; ``kind``: data, tp (sp too), pp or ep."""
+    """One ``NAME:DEGREE[:OPTION]`` of a layout; ``kind``: data, cp, tp (sp too), pp or ep."""
 
     part: str
     name: str
@@ -152,10 +152,10 @@ def _parse_dim(part: str, item: str, seen: set[str]) -> _Dim:
     alone = name in _DATA and DPWrapper.of(name) is DPWrapper.NONE  # one process
     if degree < 1 or (alone and m["degree"] and degree != 1):
         raise ConfigError(f"--layouts: {part!r} in {item!r}: the degree must be at least 1")
-    if option is not None and name not in ("pp", "diloco"):
+    if option is not None and name not in ("pp", "diloco", "cp"):
         raise ConfigError(
-            f"--layouts: {part!r} in {item!r}: only pp (its schedule) and diloco (its H) take "
-            "an option"
+            f"--layouts: {part!r} in {item!r}: only pp (its schedule), diloco (its H) and cp (its "
+            "method: ring or alltoall) take an option"
         )
     return _Dim(part, name, degree, option, kind)
 
@@ -196,7 +196,8 @@ def _add_model_parallel(parts: _LayoutParts, dim: _Dim) -> None:
     if dim.name == "sp":
         parts.overrides.append("parallel.sequence_parallel=true")
     if dim.option is not None:
-        parts.overrides.append(f"parallel.pp_schedule={dim.option}")
+        key = "cp_method" if dim.kind == "cp" else "pp_schedule"
+        parts.overrides.append(f"parallel.{key}={dim.option}")
 
 
 def _finish_layout(parts: _LayoutParts, item: str) -> Layout:
@@ -205,6 +206,8 @@ def _finish_layout(parts: _LayoutParts, item: str) -> Layout:
     ep = parts.degrees["ep"]
     if ep > 1 and "data" not in parts.seen:  # expert parallelism borrows data-parallel ranks: ddp's
         parts.strategy, parts.dp = "ddp", ep
+    if parts.degrees["cp"] > 1 and "data" not in parts.seen:  # context parallelism runs over DDP
+        parts.strategy = "ddp"
     strategy, dp = parts.strategy, parts.dp
     if dp % ep:
         raise ConfigError(
@@ -213,7 +216,7 @@ def _finish_layout(parts: _LayoutParts, item: str) -> Layout:
         )
     parts.overrides.insert(0, f"parallel.strategy={strategy}")
     degrees = parts.degrees
-    return Layout(item, dp * degrees["tp"] * degrees["pp"], tuple(parts.overrides))
+    return Layout(item, dp * degrees["cp"] * degrees["tp"] * degrees["pp"], tuple(parts.overrides))
 
 
 @dataclass

@@ -12,6 +12,7 @@ config), :mod:`~dtlab.config.checks` (cross-field rules), :mod:`~dtlab.config.ya
 scalars) and :mod:`~dtlab.config.loading` (files, overrides, error messages).
 """
 
+import dtlab.config.context_checks  # noqa: F401  (registers its rule)
 from dtlab.config.checks import (
     SINGLE_STAGE_SCHEDULES,
     V_SCHEDULES,

@@ -663,6 +663,19 @@ class ParallelConfig(_Section):
         le=64,
         description="Stages each pipeline rank holds; null = 1 for gpipe/1f1b, 2 for the others.",
     )
+    cp: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Context-parallel degree: each sequence split over this many ranks (two chunks "
+        "each, an early and a late one), attention computed across them as cp_method says.",
+    )
+    cp_method: Literal["ring", "alltoall"] = Field(
+        "ring",
+        description="cp > 1: ring (key/value blocks passed round the ranks, partial outputs merged by "
+        "their log-sum-exps) or alltoall (sequence swapped for heads before attention and back; the "
+        "heads must divide by cp).",
+    )
     sequence_parallel: bool = Field(
         False,
         description="With tp > 1: norms and residual adds on sequence shards, all-gather and "

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from dtlab.data.sources import SampleSource
+from dtlab.models.sequence import shard_sequence
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]  # inputs [m, T], targets [m, T]
 
@@ -24,6 +25,9 @@ class BatchLayout:
     dp_rank: int
     dp_size: int
     micro: int
+    # Context parallelism: each sample's sequence split over cp ranks, this rank's part (zigzag).
+    cp: int = 1
+    cp_rank: int = 0
 
     @property
     def accum_steps(self) -> int:
@@ -74,9 +78,18 @@ class BatchLoader:
         for j in range(self.layout.accum_steps):
             rows = np.stack([self.source.sample(i) for i in self.layout.indices(step, j)])
             t = torch.from_numpy(rows)
+            if self.layout.cp > 1:
+                # The targets are the next tokens of the whole sequence, split as the inputs are.
+                cp, rank = self.layout.cp, self.layout.cp_rank
+                inputs = shard_sequence(t[:, :-1], cp, rank)
+                targets = shard_sequence(t[:, 1:], cp, rank)
+                t = torch.stack([inputs, targets])
             if self.pin_memory:
                 t = t.pin_memory()
-            out.append((t[:, :-1], t[:, 1:]))
+            if self.layout.cp > 1:
+                out.append((t[0], t[1]))
+            else:
+                out.append((t[:, :-1], t[:, 1:]))
         return out
 
     def _worker(

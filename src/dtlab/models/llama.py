@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -91,6 +92,11 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        # Context parallelism (dtlab.parallel.context) sets how training's causal attention of this
+        # rank's part of the sequence over the whole of it is computed: q, k, v [B, H, T, D] -> out.
+        self.context: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = (
+            None
+        )
 
     def forward(
         self,
@@ -112,7 +118,11 @@ class Attention(nn.Module):
         if cache is None:
             # [B, H, T, D]; grouped key/value heads are shared by their query heads without a copy
             # wherever the kernel allows it (dtlab.models.attention says where it does not).
-            out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            if self.context is not None:
+                out = self.context(q, k, v)
+            else:
+                out = attend(q, k, v, is_causal=True)
         else:
             keys, values = cache.update(layer, k.transpose(1, 2), v.transpose(1, 2))
             # New token i (at position pos + i) sees the cached tokens and the new ones up to itself;
@@ -197,6 +207,9 @@ class Transformer(nn.Module):
         self.output = (
             None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
         )
+        # Context parallelism (dtlab.parallel.context): the positions in the whole sequence of the
+        # tokens this rank holds (None: the tokens are the sequence, in order).
+        self.positions: torch.Tensor | None = None
         cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
         # Not persistent: derived from the arguments, so never part of a checkpoint.
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -211,6 +224,13 @@ class Transformer(nn.Module):
         # The whole tables: attention takes the rows of its sequence length (under sequence
         # parallelism a later pipeline stage receives a sequence shard, not the sequence).
         cos, sin = self.rope_cos, self.rope_sin
+        if self.positions is not None:  # context parallelism: this rank's tokens' positions
+            if self.positions.numel() != T:
+                raise ValueError(
+                    f"{T} tokens on a rank that holds the {self.positions.numel()} positions its "
+                    "context-parallel part of the sequence has"
+                )
+            cos, sin = cos[self.positions], sin[self.positions]
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, cos, sin)

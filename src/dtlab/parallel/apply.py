@@ -540,6 +540,13 @@ def _parallelize_one(
             set(ep_params) or None,
         )
     materialize(model, dist_info.device, t.seed)
+    if dims.cp_enabled:
+        from dtlab.parallel.context import apply_context_parallel
+
+        cp_group = dims.mesh(device_type, "cp").get_group()
+        apply_context_parallel(
+            model, cp_group, config.parallel.cp_method, config.seq_len, dist_info.device
+        )
     if not dims.ddp_enabled:
         # A DiLoCo replica's gradients are its own (the replicas exchange pseudo-gradients): the step
         # agrees on them within the replica only (TorchEngine's step group), like a world of its own.

@@ -4,8 +4,8 @@ sequence for the heads before attention and back after (:func:`alltoall_attentio
 Ulysses).
 
 The sequence is cut into ``2 cp`` chunks and rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r`` (a
-"zigzag"): under a causal mask a late chunk attends to more keys than an early one, and each rank holding
-one early and one late chunk gives every rank the same work (:func:`zigzag_chunks`, :func:`shard_sequence`).
+"zigzag", :mod:`dtlab.models.sequence`): under a causal mask a late chunk attends to more keys than an
+early one, and each rank holding one early and one late chunk gives every rank the same work.
 
 Forward: each rank starts with its own keys and values and, ``cp - 1`` times, passes the block it holds to
 the next rank while it computes attention against it (the send overlaps the compute). Each (query chunk,
@@ -21,47 +21,23 @@ value gradients travel round the ring with their block, back to the rank that ow
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from dtlab.models.sequence import positions, shard_sequence, unshard_sequence, zigzag_chunks
+
 __all__ = [
-    "alltoall_attention", "ring_attention", "shard_sequence", "unshard_sequence", "zigzag_chunks",
+    "alltoall_attention", "apply_context_parallel", "ring_attention", "shard_sequence",
+    "unshard_sequence", "zigzag_chunks",
 ]  # fmt: skip
 
 # A (query chunk, key chunk) pair: attended fully (the keys come first), causally (the same chunk),
 # or not at all (the keys come later).
 FULL, CAUSAL, NONE = "full", "causal", "none"
-
-
-def zigzag_chunks(cp: int, rank: int) -> tuple[int, int]:
-    """The two chunks of ``2 cp`` a rank holds: ``rank`` and ``2 cp - 1 - rank``."""
-    return rank, 2 * cp - 1 - rank
-
-
-def shard_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
-    """This rank's part of ``x`` along its sequence dimension ``dim`` (a multiple of ``2 cp``): its two
-    zigzag chunks, in order."""
-    if x.shape[dim] % (2 * cp):
-        raise ValueError(
-            f"a sequence of {x.shape[dim]} does not split into {2 * cp} chunks (2 x cp = {cp}); "
-            f"allowed: a multiple of {2 * cp}"
-        )
-    chunks = x.chunk(2 * cp, dim=dim)
-    first, second = zigzag_chunks(cp, rank)
-    return torch.cat([chunks[first], chunks[second]], dim=dim)
-
-
-def unshard_sequence(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
-    """The whole of ``x`` from every rank's :func:`shard_sequence` part (``parts[r]``: rank r's)."""
-    cp = len(parts)
-    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
-    for r, part in enumerate(parts):
-        first, second = zigzag_chunks(cp, r)
-        chunks[first], chunks[second] = part.chunk(2, dim=dim)
-    return torch.cat([c for c in chunks if c is not None], dim=dim)
 
 
 def _pair(q_chunk: int, k_chunk: int) -> str:
@@ -208,8 +184,8 @@ def ring_attention(
 ) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence's keys and values, each
     [batch, heads, local sequence, head dim] and split over ``group``'s ranks as
-    :func:`shard_sequence` splits it (``k`` and ``v`` with as many heads as ``q``); returns this rank's
-    part of the output."""
+    :func:`shard_sequence` splits it (grouped key/value heads are expanded to the query heads);
+    returns this rank's part of the output."""
     if dist.get_world_size(group) == 1:
         return torch.nn.functional.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=scale
@@ -223,6 +199,9 @@ def ring_attention(
             f"ring attention runs on the CPU's attention kernel; got tensors on {q.device}"
         )
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if k.shape[1] != q.shape[1]:  # grouped key/value heads: the blocks that travel carry every head
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     out = _RingAttention.apply(q, k, v, group, scale)
     assert isinstance(out, torch.Tensor)
     return out
@@ -296,3 +275,17 @@ def alltoall_attention(
         q, k, v, is_causal=True, scale=scale, enable_gqa=gqa
     )
     return _swap(out, group, False)
+
+
+def apply_context_parallel(
+    model: Any, group: Any, method: str, seq_len: int, device: torch.device
+) -> None:
+    """Make ``model`` (a :class:`dtlab.models.llama.Transformer`, materialised) train on this rank's
+    part of each ``seq_len`` sequence split over ``group``: its rotary positions those of its tokens
+    in the whole sequence, and its blocks' attention computed across the group by ``method``
+    (``ring`` or ``alltoall``)."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    model.positions = positions(seq_len, cp, rank, device)
+    attention = ring_attention if method == "ring" else alltoall_attention
+    for block in model.layers.values():
+        block.attention.context = functools.partial(attention, group=group)

@@ -130,7 +130,8 @@ def build_training(config: Config, d: DistInfo) -> Training:
     pm = parallelize(model, config, d)
     # Built after parallelize: the optimizer must hold the parameters training updates (FSDP's shards).
     optimizer = build_optimizer(pm.optimized, t, experts=config.model.moe.experts > 0)
-    layout = BatchLayout(t.global_batch_size, dp_rank, dp, micro)
+    cp_rank = d.dims.coordinates(d.rank)["cp"] if d.dims.cp_enabled else 0
+    layout = BatchLayout(t.global_batch_size, dp_rank, dp, micro, d.dims.cp, cp_rank)
     loader = BatchLoader(
         data.train, layout, prefetch=config.data.prefetch, pin_memory=d.device.type == "cuda"
     )

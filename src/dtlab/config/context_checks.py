@@ -1,0 +1,57 @@
+"""What context parallelism (``parallel.cp`` > 1) goes with today, and why the rest is refused: it is
+built over DDP's ranks alone (each rank holds the whole model; the gradients are averaged over the data-
+and context-parallel ranks together), on the CPU's attention kernel for the ring."""
+
+from __future__ import annotations
+
+from dtlab.config.schema import CROSS_RULES, Config
+from dtlab.dims import DPWrapper
+
+__all__ = ["check_context_parallel"]
+
+
+def check_context_parallel(c: Config) -> None:
+    """Refuse what ``parallel.cp`` > 1 does not compose with yet, naming the setting and why."""
+    p, m, t = c.parallel, c.model, c.train
+    if p.cp == 1:
+        return
+    split = 2 * p.cp
+    if c.seq_len % split:
+        raise ValueError(
+            f"data.seq_len = {c.seq_len} does not split into the {split} chunks parallel.cp = "
+            f"{p.cp} cuts each sequence into (2 per rank); allowed: a multiple of {split}"
+        )
+    if p.cp_method == "alltoall" and m.n_heads % p.cp:
+        raise ValueError(
+            f"parallel.cp_method = 'alltoall' gives each of the cp = {p.cp} ranks a share of the "
+            f"{m.n_heads} attention heads; allowed: a cp dividing {m.n_heads}, or cp_method = 'ring'"
+        )
+    refused: dict[str, tuple[bool, str, str]] = {
+        "parallel.strategy": (
+            DPWrapper.of(p.strategy) is not DPWrapper.DDP, repr(p.strategy), "'ddp'",
+        ),
+        "parallel.sharding": (p.sharding == "optimizer", repr(p.sharding), "'full' (unset)"),
+        "parallel.tp": (p.tp > 1, str(p.tp), "1"),
+        "parallel.pp": (p.pp > 1, str(p.pp), "1"),
+        "parallel.ep": (p.ep > 1, str(p.ep), "1"),
+        "model.moe.experts": (bool(m.moe.experts), str(m.moe.experts), "0 (a dense model)"),
+        "parallel.diloco.inner_steps": (
+            bool(p.diloco.inner_steps), str(p.diloco.inner_steps), "0",
+        ),
+        "parallel.fault_tolerance.enabled": (p.fault_tolerance.enabled, "true", "false"),
+        "parallel.compression": (p.compression != "none", repr(p.compression), "'none'"),
+        "train.compile": (t.compile, "true", "false"),
+        "train.device": (
+            p.cp_method == "ring" and t.device == "cuda", repr(t.device), "'cpu' or 'auto' on a CPU",
+        ),
+    }  # fmt: skip
+    for key, (bad, shown, allowed) in refused.items():
+        if bad:
+            raise ValueError(
+                f"{key} = {shown} is not supported with parallel.cp = {p.cp} (allowed: {allowed}): "
+                "context parallelism is built over DDP's ranks of a dense model, without compile, "
+                "and its ring on the CPU's attention kernel, so far"
+            )
+
+
+CROSS_RULES.append(check_context_parallel)

@@ -1,0 +1,43 @@
+"""How a sequence is split over context-parallel ranks: into ``2 cp`` chunks, rank ``r`` holding chunks
+``r`` and ``2 cp - 1 - r`` (a "zigzag"). Under a causal mask a late chunk attends to more keys than an
+early one; one early and one late chunk give every rank the same work. The data, the model's rotary
+positions and context-parallel attention (:mod:`dtlab.parallel.context`) all split it so."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["positions", "shard_sequence", "unshard_sequence", "zigzag_chunks"]
+
+
+def zigzag_chunks(cp: int, rank: int) -> tuple[int, int]:
+    """The two chunks of ``2 cp`` a rank holds: ``rank`` and ``2 cp - 1 - rank``."""
+    return rank, 2 * cp - 1 - rank
+
+
+def shard_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
+    """This rank's part of ``x`` along its sequence dimension ``dim`` (a multiple of ``2 cp``): its two
+    zigzag chunks, in order."""
+    if x.shape[dim] % (2 * cp):
+        raise ValueError(
+            f"a sequence of {x.shape[dim]} does not split into {2 * cp} chunks (2 x cp = {cp}); "
+            f"allowed: a multiple of {2 * cp}"
+        )
+    chunks = x.chunk(2 * cp, dim=dim)
+    first, second = zigzag_chunks(cp, rank)
+    return torch.cat([chunks[first], chunks[second]], dim=dim)
+
+
+def unshard_sequence(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """The whole of ``x`` from every rank's :func:`shard_sequence` part (``parts[r]``: rank r's)."""
+    cp = len(parts)
+    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
+    for r, part in enumerate(parts):
+        first, second = zigzag_chunks(cp, r)
+        chunks[first], chunks[second] = part.chunk(2, dim=dim)
+    return torch.cat([c for c in chunks if c is not None], dim=dim)
+
+
+def positions(seq_len: int, cp: int, rank: int, device: torch.device | None = None) -> torch.Tensor:
+    """The positions in the whole sequence of the ``seq_len / cp`` tokens a rank holds, in its order."""
+    return shard_sequence(torch.arange(seq_len, device=device), cp, rank, dim=0)
