@@ -96,3 +96,16 @@ def test_what_context_parallelism_does_not_compose_with_yet_is_refused(
     # Refused before any process starts, with the reason.
     proc = run_cli("train", "--nproc", "2", "--set", *FAST, "parallel.cp=2", *overrides)
     assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_plan_gives_no_figure_for_context_parallelism_yet() -> None:
+    # Its memory and bytes are not in the analytic model: a figure would be cp = 1's, so none is given.
+    for extra in ([], ["--check"]):
+        proc = run_cli(
+            "plan", *extra, "--nproc", "2", "--set", *FAST, "parallel.strategy=ddp", "parallel.cp=2"
+        )
+        assert proc.returncode != 0, proc.stdout
+        assert (
+            "context parallelism (parallel.cp > 1) is not modelled by dtlab plan yet" in proc.stderr
+        )
+        assert "Traceback" not in proc.stderr

@@ -195,6 +195,10 @@ def plan(
     ``device_assumed``: the profile was not asked for (the CLI's default); the output says so.
     ``source``: the config file and the ``--set`` overrides it came from, for the printed command.
     """
+    if config.parallel.cp > 1:
+        from dtlab.analysis.check_fake import CP_NOT_PLANNED
+
+        raise ConfigError(f"parallel.cp = {config.parallel.cp}: {CP_NOT_PLANNED}")
     world = nproc * nnodes
     memory = (memory_gib if memory_gib is not None else device.memory_gib) * 2**30
     precision = config.train.precision
