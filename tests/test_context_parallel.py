@@ -15,6 +15,7 @@ from conftest import FAST, Metrics, assert_same_training, run_cli, run_worker, t
 from dtlab.config import load_config
 from dtlab.data.loader import BatchLayout, BatchLoader
 from dtlab.data.sources import build_data
+from dtlab.dims import ParallelDims, layout_name
 from dtlab.errors import ConfigError
 from dtlab.models.sequence import shard_sequence, unshard_sequence, zigzag_chunks
 
@@ -51,8 +52,9 @@ def test_alltoall_attention_with_grouped_key_value_heads(kv_heads: str) -> None:
         (["parallel.cp=2"], 2),
         (["parallel.cp=2", "parallel.cp_method=alltoall"], 2),
         (["parallel.cp=2", "train.micro_batch_size=2"], 4),  # ddp 2 x cp 2, two micro-batches
+        (["parallel.strategy=fsdp", "parallel.cp=2"], 4),  # sharded over the 4 data x cp ranks
     ],
-    ids=["cp2-ring", "cp2-alltoall", "ddp2xcp2-accumulation"],
+    ids=["cp2-ring", "cp2-alltoall", "ddp2xcp2-accumulation", "fsdp2xcp2"],
 )
 def test_context_parallel_training_equals_one_process(
     tmp_path: Path, reference_run: Metrics, layout: list[str], nproc: int
@@ -61,6 +63,20 @@ def test_context_parallel_training_equals_one_process(
     # averaged over the data- and context-parallel ranks together.
     run = train_run(tmp_path / "run", "parallel.strategy=ddp", *layout, nproc=nproc)
     assert_same_training(run, reference_run)
+
+
+def test_fsdp_shards_over_the_data_and_context_parallel_ranks() -> None:
+    # As torchtitan does: the ranks that split a sequence hold different shards, not copies.
+    config = load_config(overrides=[*FAST, "parallel.strategy=fsdp", "parallel.cp=2"])
+    dims = ParallelDims.from_config(config, 8)
+    assert (dims.dp_shard, dims.cp, dims.dp, dims.mesh_dims) == (4, 2, 4, ("dp_shard", "cp"))
+    assert dims.fsdp_enabled and layout_name(dims, config.parallel) == "fsdp 4 x cp 2 (ring)"
+    ddp = ParallelDims.from_config(load_config(overrides=[*FAST, "parallel.strategy=ddp",
+                                                          "parallel.cp=4"]), 8)  # fmt: skip
+    assert (ddp.dp_replicate, ddp.cp, ddp.mesh_dims) == (2, 4, ("dp_replicate", "cp"))
+    # Each (data, cp) coordinate: the data-parallel index ignores cp (both read the same samples).
+    assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [dims.coordinates(r)["cp"] for r in range(4)] == [0, 1, 0, 1]
 
 
 def test_a_rank_trains_on_its_zigzag_part_of_each_sequence(tmp_path: Path) -> None:
@@ -78,9 +94,10 @@ def test_a_rank_trains_on_its_zigzag_part_of_each_sequence(tmp_path: Path) -> No
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
+        (["parallel.strategy=hsdp", "parallel.replicate=2"], "parallel.strategy = 'hsdp' is not"),
         (
-            ["parallel.strategy=fsdp"],
-            "parallel.strategy = 'fsdp' is not supported with parallel.cp",
+            ["parallel.strategy=fsdp", "parallel.sharding=no_shard"],
+            "parallel.sharding = 'no_shard'",
         ),
         (["parallel.strategy=ddp", "parallel.tp=2"], "parallel.tp = 2 is not supported"),
         (["parallel.strategy=ddp", "train.compile=true"], "train.compile = true is not supported"),

@@ -271,13 +271,19 @@ class ParallelDims:
 
     @classmethod
     def _context_parallel(cls, config: _HasParallel, world_size: int, cp: int) -> ParallelDims:
-        """DDP's ranks with each sequence split over ``cp`` of them (the config's rules allow nothing
-        else with cp yet): one DDP over every rank, which averages the gradients over both."""
+        """Data-parallel ranks with each sequence split over ``cp`` of them (the config's rules allow
+        DDP and FSDP without model parallelism so far): DDP over every rank, or FSDP sharding over
+        the data x cp ranks (:meth:`fsdp_mesh`), averages the gradients over both."""
         if world_size % cp:
             raise ConfigError(
                 f"parallel.cp = {cp} does not divide the world size {world_size}: use a multiple "
                 f"of {cp} processes"
             )
+        if DPWrapper.of(config.parallel.strategy) is DPWrapper.FSDP:
+            return cls(
+                dp_shard=world_size // cp, cp=cp, wrapper=DPWrapper.FSDP,
+                mesh_dims=("dp_shard", "cp"),
+            )  # fmt: skip
         return cls(
             dp_replicate=world_size // cp, cp=cp, wrapper=DPWrapper.DDP,
             mesh_dims=("dp_replicate", "cp"),
@@ -415,6 +421,14 @@ class ParallelDims:
         """The mesh dimensions data parallelism spans within a DiLoCo replica (FSDP's mesh; DiLoCo's
         replicas each train alone), outermost first."""
         return tuple(n for n in self.mesh_dims if n in ("dp_replicate", "dp_shard"))
+
+    def fsdp_mesh(self, device_type: str) -> DeviceMesh:
+        """The mesh FSDP shards over: the data-parallel dimensions, and under context parallelism
+        the context-parallel ranks with them (flattened into one: the parameters are not replicated
+        over the ranks that split a sequence)."""
+        if not self.cp_enabled:
+            return self.mesh(device_type, *self.dp_mesh_dims)
+        return self.mesh(device_type, "dp_shard", "cp")._flatten("dp_shard_cp")
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """Where global rank ``rank`` sits along each dimension (ranks fill the mesh row-major over

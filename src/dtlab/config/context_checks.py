@@ -1,11 +1,12 @@
 """What context parallelism (``parallel.cp`` > 1) goes with today, and why the rest is refused: it is
-built over DDP's ranks alone (each rank holds the whole model; the gradients are averaged over the data-
-and context-parallel ranks together), on the CPU's attention kernel for the ring."""
+built over DDP's ranks (each holds the whole model) or FSDP's (sharding over the data x cp ranks), the
+gradients averaged over the data- and context-parallel ranks together, on the CPU's attention kernel
+for the ring."""
 
 from __future__ import annotations
 
 from dtlab.config.schema import CROSS_RULES, Config
-from dtlab.dims import DPWrapper
+from dtlab.dims import DPWrapper, needs_replica_groups
 
 __all__ = ["check_context_parallel"]
 
@@ -28,9 +29,12 @@ def check_context_parallel(c: Config) -> None:
         )
     refused: dict[str, tuple[bool, str, str]] = {
         "parallel.strategy": (
-            DPWrapper.of(p.strategy) is not DPWrapper.DDP, repr(p.strategy), "'ddp'",
+            DPWrapper.of(p.strategy) is DPWrapper.NONE or needs_replica_groups(p.strategy),
+            repr(p.strategy), "'ddp', 'fsdp'",
         ),
-        "parallel.sharding": (p.sharding == "optimizer", repr(p.sharding), "'full' (unset)"),
+        "parallel.sharding": (
+            p.sharding in ("optimizer", "no_shard"), repr(p.sharding), "'full', 'shard_grad_op'",
+        ),
         "parallel.tp": (p.tp > 1, str(p.tp), "1"),
         "parallel.pp": (p.pp > 1, str(p.pp), "1"),
         "parallel.ep": (p.ep > 1, str(p.ep), "1"),
@@ -49,8 +53,8 @@ def check_context_parallel(c: Config) -> None:
         if bad:
             raise ValueError(
                 f"{key} = {shown} is not supported with parallel.cp = {p.cp} (allowed: {allowed}): "
-                "context parallelism is built over DDP's ranks of a dense model, without compile, "
-                "and its ring on the CPU's attention kernel, so far"
+                "context parallelism is built over DDP's or FSDP's ranks of a dense model, without "
+                "compile, and its ring on the CPU's attention kernel, so far"
             )
 
 

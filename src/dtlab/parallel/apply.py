@@ -532,7 +532,7 @@ def _parallelize_one(
     if dims.fsdp_enabled:
         apply_fsdp(
             model,
-            dims.mesh(device_type, *dims.dp_mesh_dims),
+            dims.fsdp_mesh(device_type),
             config.parallel.sharding,
             reduce_dtype(config),
             config.parallel.fsdp_prefetch,

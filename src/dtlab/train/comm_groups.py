@@ -46,6 +46,9 @@ def comm_labels(
             group = d.dims.mesh(d.device.type, name).get_group()
             if group.size() > 1:
                 labels[str(group.group_name)], sizes[name] = name, group.size()
+    if d.dims.cp_enabled:  # context parallelism's ring or all-to-alls
+        group = d.dims.mesh(d.device.type, "cp").get_group()
+        labels[str(group.group_name)], sizes["cp"] = "cp", group.size()
     if d.dims.ep_enabled:  # expert parallelism's all-to-alls, and its experts' all-reduce
         for name in ("ep", "ep_dp"):
             group = d.dims.expert_mesh(d.device.type, name).get_group()
