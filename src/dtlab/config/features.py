@@ -45,6 +45,7 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "oom_retry": ("train.oom_retry=true",),
     "alerts": ("alerts.memory_fraction=0.99", "alerts.action=stop"),
     "compile": ("train.compile=true",),
+    "CP": ("parallel.cp=2",),
 }
 STRATEGIES = ("DDP", "FSDP", "HSDP")
 SIZES = (2, 4, 8)
