@@ -126,3 +126,12 @@ def test_the_plan_gives_no_figure_for_context_parallelism_yet() -> None:
             "context parallelism (parallel.cp > 1) is not modelled by dtlab plan yet" in proc.stderr
         )
         assert "Traceback" not in proc.stderr
+
+
+def test_the_memory_a_step_holds_falls_with_cp() -> None:
+    # What one step holds beyond the rank's state (activations, their gradients, temporaries): at
+    # the same sequence, cp 2 holds well under cp 1's, the ring's blocks in flight included.
+    from dtlab.bench.cp_memory import measure
+
+    one, two = measure(256, 1), measure(256, 2)
+    assert 0.4 * one < two < 0.7 * one, (one, two)

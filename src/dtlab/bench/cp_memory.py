@@ -1,0 +1,155 @@
+"""What context parallelism saves, measured: the most bytes one training step holds at once beyond
+what the rank holds between steps (its activations, their gradients, the temporaries), at each
+sequence length and context-parallel degree, on this machine's CPU.
+
+``python -m dtlab.bench.cp_memory [--seq 1024,2048,4096] [--cp 1,2,4] [--preset debug]`` prints one row
+per (sequence, cp): the step's held bytes on the rank that holds the most, and their ratio to cp 1's
+at the same sequence (1/cp where only the activations grew with the sequence).
+
+Each point runs its own processes (``cp`` of them, gloo, strategy ddp), one warm-up step and one
+measured step; the bytes are counted by a dispatch mode that follows every tensor storage the step
+makes until it is freed (the CPU's allocator has no peak counter), on the training thread, where the
+step's tensors are made on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import weakref
+from pathlib import Path
+from typing import Any
+
+from dtlab.errors import DtlabError
+
+__all__ = ["main", "measure"]
+
+
+def _held_bytes(step: Any) -> int:
+    """The most bytes of tensor storages alive at once among those ``step()`` makes (each once,
+    until it is freed; what existed before is not counted)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Live(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.now = self.peak = 0
+            self.alive: set[int] = set()
+
+        def _freed(self, key: int, nbytes: int) -> None:
+            self.alive.discard(key)
+            self.now -= nbytes
+
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                    st = t.untyped_storage()
+                    key = st._cdata
+                    if key not in self.alive:
+                        self.alive.add(key)
+                        self.now += st.nbytes()
+                        weakref.finalize(st, self._freed, key, st.nbytes())
+            self.peak = max(self.peak, self.now)
+            return out
+
+    with Live() as live:
+        step()
+    return live.peak
+
+
+def _worker(overrides: list[str], out: Path) -> None:
+    """One point, in one of its ranks: a warm-up step, then the measured one; rank 0 writes the
+    largest held bytes over the ranks to ``out``."""
+    import torch
+    import torch.distributed as dist
+
+    from dtlab.config import load_config
+    from dtlab.parallel import destroy_distributed, init_distributed
+    from dtlab.runtime.status import leave_worker
+    from dtlab.train.loop import build_training
+    from dtlab.train.optimizer_step import train_step
+
+    config = load_config(overrides=overrides)
+    d = init_distributed(config)
+    tr = build_training(config, d)
+
+    def step(k: int) -> None:
+        batch = tr.loader.build_step(k)
+        train_step(tr.pm, tr.optimizer, tr.scheduler, tr.scaler, batch, config, d.device)
+
+    step(0)  # the optimizer's state and DDP's buckets exist from here on
+    held = torch.tensor([float(_held_bytes(lambda: step(1)))])
+    if dist.is_initialized():
+        dist.all_reduce(held, op=dist.ReduceOp.MAX)
+    if d.rank == 0:
+        out.write_text(json.dumps({"held_bytes": int(held.item())}))
+    tr.loader.close()
+    destroy_distributed()
+    leave_worker(0)
+
+
+def measure(seq: int, cp: int, preset: str = "debug", batch: int = 2) -> int:
+    """The step's held bytes (the rank with the most) at sequence ``seq`` on ``cp`` ranks."""
+    overrides = [
+        f"model.preset={preset}", "data.source=synthetic", f"data.seq_len={seq}",
+        f"model.max_seq_len={seq}", f"train.global_batch_size={batch}", "parallel.strategy=ddp",
+        f"parallel.cp={cp}", "train.steps=2",
+    ]  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "held.json"
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            str(cp), "-m", "dtlab.bench.cp_memory", "--worker", str(out), "--", *overrides,
+        ]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0 or not out.exists():
+            tail = proc.stderr.strip().splitlines()[-3:]
+            raise DtlabError(f"seq {seq}, cp {cp}: the measurement failed: {' | '.join(tail)}")
+        return int(json.loads(out.read_text())["held_bytes"])
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise DtlabError(f"{flag} {text!r}: allowed: positive integers separated by commas")
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dtlab.bench.cp_memory", description=__doc__)
+    parser.add_argument("--seq", default="1024,2048,4096", help="sequence lengths")
+    parser.add_argument("--cp", default="1,2,4", help="context-parallel degrees")
+    parser.add_argument("--preset", default="debug")
+    parser.add_argument("--batch", type=int, default=2, help="train.global_batch_size")
+    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker is not None:
+        _worker(args.overrides, args.worker)
+        return 0
+    seqs, cps = _ints(args.seq, "--seq"), _ints(args.cp, "--cp")
+    print(f"{'seq':>7} {'cp':>3} {'held per step (MiB)':>20} {'vs cp 1':>8}")
+    for seq in seqs:
+        base = None
+        for cp in cps:
+            held = measure(seq, cp, args.preset, args.batch)
+            base = held if cp == 1 or base is None else base
+            print(f"{seq:>7} {cp:>3} {held / 2**20:>20.2f} {held / base:>8.3f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    from dtlab.cliargs import run_command
+
+    raise SystemExit(run_command(main))
