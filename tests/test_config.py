@@ -203,8 +203,9 @@ def _leaf_fields() -> list[tuple[str, Any]]:
         for name, f in cls.model_fields.items():
             key = f"{prefix}{f.alias or name}"
             ann = f.annotation
-            if isinstance(ann, type) and issubclass(ann, BaseModel):
-                walk(ann, key + ".")
+            inner = _base(ann)  # an optional section (model.rope_scaling) is walked too
+            if isinstance(inner, type) and issubclass(inner, BaseModel):
+                walk(inner, key + ".")
             else:
                 leaves.append((key, ann))
 

@@ -6,6 +6,7 @@ import json
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -155,6 +156,84 @@ def test_init_from_a_transformers_llama(tmp_path: Path) -> None:
     with torch.no_grad():
         expected = hf(TOKENS).logits
     torch.testing.assert_close(loaded_logits(config), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_llama31_rope_scaling_matches_transformers_at_long_positions(tmp_path: Path) -> None:
+    """A transformers Llama with Llama 3.1's rope scaling ("llama3"; here its original context 16,
+    so that every scaled, kept and blended frequency is exercised by 128 positions): imported, its
+    logits at every position equal transformers'; exported again, the config carries the scaling."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from dtlab.models.args import RopeScaling
+    from dtlab.models.llama import scaled_frequencies
+
+    scaling = RopeScaling(
+        factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=16
+    )
+    overrides = [*MODEL, "model.max_seq_len=128"]
+    config = load_config(overrides=overrides)
+    hf_args = hf_config(config.model.args())
+    rope = {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16, "rope_theta": config.model.rope_theta,
+    }  # fmt: skip
+    hf_cfg = transformers.LlamaConfig(**{**hf_args, "rope_scaling": None, "rope_parameters": rope})
+    # The frequencies themselves, against transformers' own function.
+    theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
+    head = config.model.args().head_dim
+    plain = 1.0 / (config.model.rope_theta ** (torch.arange(0, head, 2).float() / head))
+    torch.testing.assert_close(scaled_frequencies(plain, scaling), theirs.float())
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+    hf.save_pretrained(str(tmp_path / "llama31"))
+    config = load_config(overrides=[*overrides, f"model.init_from={tmp_path / 'llama31'}"])
+    assert config.model.rope_scaling is None  # the checkpoint's scaling is read from its config
+    tokens = torch.arange(2 * 128).reshape(2, 128) % 256
+    with torch.no_grad():
+        expected = hf(tokens).logits
+    threads = torch.get_num_threads()
+    d = init_distributed(config)
+    try:
+        pm = parallelize(build_model(_with_scaling(config, scaling)), config, d)
+        apply_init_from(pm.model, config, d)
+        with torch.no_grad():
+            got = pm.module(tokens)
+    finally:
+        destroy_distributed()
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # Without the scaling the late positions differ: the test can tell them apart.
+    plain_model = parallelize(build_model(config.model), config, init_distributed(config))
+    try:
+        apply_init_from(plain_model.model, config, init_distributed(config))
+        with torch.no_grad():
+            assert not torch.allclose(plain_model.module(tokens), expected, atol=1e-3)
+    finally:
+        destroy_distributed()
+        torch.set_num_threads(threads)
+    # A run that starts from it without the scaling is told, with the settings that keep it.
+    proc = run_cli(
+        "train", "--set", *FAST, "model.max_seq_len=128", "train.steps=1",
+        f"model.init_from={tmp_path / 'llama31'}", f"run.dir={tmp_path / 'run'}",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "model.rope_scaling = None but" in proc.stderr
+    assert "model.rope_scaling.original_max_seq_len=16 to keep them" in proc.stderr
+    exported = hf_config(_with_scaling(config, scaling).args())
+    assert exported["rope_parameters"]["rope_type"] == "llama3"
+    assert exported["rope_parameters"]["original_max_position_embeddings"] == 16
+
+
+def _with_scaling(config: Config, scaling: object) -> Any:
+    from dtlab.config.sections import RopeScalingConfig
+
+    s = RopeScalingConfig(
+        factor=scaling.factor, low_freq_factor=scaling.low_freq_factor,  # type: ignore[attr-defined]
+        high_freq_factor=scaling.high_freq_factor,  # type: ignore[attr-defined]
+        original_max_seq_len=scaling.original_max_seq_len,  # type: ignore[attr-defined]
+    )  # fmt: skip
+    return config.model.model_copy(update={"rope_scaling": s})
 
 
 # --- errors -------------------------------------------------------------------------------------

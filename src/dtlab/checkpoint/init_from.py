@@ -220,6 +220,14 @@ def _hf_shape(cfg: dict[str, Any], moe: dict[str, Any], path: Path, where: str) 
         )
     rope = _rope_parameters(cfg)
     shape["rope_theta"] = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
+    scaling = _rope_scaling(cfg)
+    if _rope_kind(scaling) == "llama3":
+        shape["rope_scaling"] = {
+            "factor": scaling.get("factor", 8.0),
+            "low_freq_factor": scaling.get("low_freq_factor", 1.0),
+            "high_freq_factor": scaling.get("high_freq_factor", 4.0),
+            "original_max_seq_len": scaling.get("original_max_position_embeddings", 8192),
+        }
     shape["norm_eps"] = cfg.get("rms_norm_eps") or 1e-6
     return shape
 
@@ -231,12 +239,23 @@ def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
     return rope if isinstance(rope, dict) else {}
 
 
+def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any]:
+    """config.json's rope scaling (transformers < 5: rope_scaling; 5: rope_parameters), or empty."""
+    scaling = cfg.get("rope_scaling") or _rope_parameters(cfg)
+    return scaling if isinstance(scaling, dict) else {}
+
+
+def _rope_kind(scaling: dict[str, Any]) -> str | None:
+    """The kind of a rope scaling ("default", "llama3", "yarn", ...), or None."""
+    kind = scaling.get("rope_type", scaling.get("type"))
+    return str(kind) if kind is not None else None
+
+
 def _hf_notes(cfg: dict[str, Any], where: str) -> tuple[str, ...]:
     """What config.json asks for that dtlab does not compute, though no shape differs: rope scaling."""
     notes = []
-    scaling = cfg.get("rope_scaling") or _rope_parameters(cfg)
-    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
-    if kind not in (None, "default"):
+    kind = _rope_kind(_rope_scaling(cfg))
+    if kind not in (None, "default", "llama3"):  # llama3: Llama 3.1's, which dtlab applies
         notes.append(
             f"{where} has rope scaling {kind!r}, which dtlab's RoPE does not apply: the model "
             "computes other logits than the original"
@@ -407,8 +426,30 @@ def _warn_numeric(src: InitSource, m: ModelConfig, args: ModelArgs) -> None:
                 "one it starts from (set model.%s=%s to keep them)",
                 k, _show(mine), src.path, src.names.get(k, k), _show(theirs), k, _show(theirs),
             )  # fmt: skip
+    _warn_rope_scaling(src, m)
     for note in src.notes:
         logger.warning("%s: %s", KEY, note)
+
+
+def _warn_rope_scaling(src: InitSource, m: ModelConfig) -> None:
+    """Warn where the run's RoPE scaling is not the source's (Llama 3.1's "llama3", or none): the
+    late positions' rotary angles, and so the logits there, differ."""
+    from dtlab.metrics.logging import logger
+
+    theirs = src.shape.get("rope_scaling")
+    mine = m.rope_scaling.model_dump() if m.rope_scaling is not None else None
+    if ("rope_scaling" not in src.shape and mine is None) or theirs == mine:
+        return
+    keep = (
+        " ".join(f"model.rope_scaling.{k}={v}" for k, v in theirs.items())
+        if theirs
+        else "model.rope_scaling=null"
+    )
+    logger.warning(
+        "model.rope_scaling = %s but '%s' has %s: the model computes other logits than the one it "
+        "starts from at long positions (set %s to keep them)",
+        mine, src.path, theirs or "no rope scaling", keep,
+    )  # fmt: skip
 
 
 def _show(value: Any) -> str:

@@ -422,6 +422,11 @@ def _check_mlx(c: Config) -> None:
             f"model.init_from = {c.model.init_from!r} is not supported with train.engine = 'mlx' "
             "(allowed: null); train.engine = 'torch' starts from it"
         )
+    if c.model.rope_scaling is not None:  # the MLX model's RoPE is plain
+        raise ValueError(
+            "model.rope_scaling (Llama 3.1's long-context scaling) is not supported with "
+            "train.engine = 'mlx' (allowed: null); train.engine = 'torch' applies it"
+        )
 
 
 def _check_moe(c: Config) -> None:

@@ -23,7 +23,7 @@ from dtlab.config.values import (
     _Section,
     show,
 )
-from dtlab.models.args import ModelArgs, MoEArgs, llama_ffn_dim
+from dtlab.models.args import ModelArgs, MoEArgs, RopeScaling, llama_ffn_dim
 from dtlab.models.presets import PRESETS
 
 
@@ -84,6 +84,24 @@ class MoEConfig(_Section):
         )
 
 
+class RopeScalingConfig(_Section):
+    """Llama 3.1's long-context RoPE scaling (transformers' ``rope_type: llama3``)."""
+
+    factor: float = Field(8.0, gt=0, description="What the long wavelengths are divided by.")
+    low_freq_factor: float = Field(1.0, gt=0, description="original_max_seq_len / this: above it a "
+                                   "wavelength is scaled by factor.")  # fmt: skip
+    high_freq_factor: float = Field(4.0, gt=0, description="original_max_seq_len / this: below it a "
+                                    "wavelength is kept; between the two, blended.")  # fmt: skip
+    original_max_seq_len: int = Field(
+        8192, ge=1, description="The context the model was first trained at."
+    )
+
+    def args(self) -> RopeScaling:
+        return RopeScaling(
+            self.factor, self.low_freq_factor, self.high_freq_factor, self.original_max_seq_len
+        )
+
+
 class ModelConfig(_Section):
     """Shape of the Llama-style decoder. A preset fills every shape key; keys given explicitly win."""
 
@@ -105,6 +123,11 @@ class ModelConfig(_Section):
         description="SwiGLU hidden size; null = Llama rule (8/3 dim, rounded up to 256).",
     )
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
+    rope_scaling: RopeScalingConfig | None = Field(
+        None,
+        description="Llama 3.1's long-context RoPE scaling of the frequencies (transformers' "
+        "'llama3'); null = plain RoPE.",
+    )
     norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
     tie_embeddings: bool = Field(
         False, description="Share the input embedding with the output projection."
@@ -168,6 +191,7 @@ class ModelConfig(_Section):
             max_seq_len=self.max_seq_len,
             ffn_dim=self.hidden_dim,
             rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling.args() if self.rope_scaling is not None else None,
             norm_eps=self.norm_eps,
             tie_embeddings=self.tie_embeddings,
             moe=self.moe.args(self.hidden_dim),

@@ -19,6 +19,18 @@ def llama_ffn_dim(dim: int, multiple: int = 256) -> int:
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's long-context RoPE scaling ("llama3" in transformers): the rotary frequencies whose
+    wavelength exceeds ``original_max_seq_len / low_freq_factor`` divided by ``factor``, those under
+    ``original_max_seq_len / high_freq_factor`` kept, the ones between blended smoothly."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_seq_len: int = 8192
+
+
+@dataclass(frozen=True)
 class MoEArgs:
     """A mixture-of-experts feed-forward (:class:`dtlab.models.moe.MoE`) in place of the dense one."""
 
@@ -48,6 +60,7 @@ class ModelArgs:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False  # the output projection reads the input embedding
+    rope_scaling: RopeScaling | None = None  # Llama 3.1's long-context scaling; None: plain RoPE
     moe: MoEArgs | None = (
         None  # mixture-of-experts feed-forward in blocks dense_layers..; None = dense
     )

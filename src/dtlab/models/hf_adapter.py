@@ -205,8 +205,11 @@ def _shared_config(args: ModelArgs, dtype_name: str) -> dict[str, Any]:
         "rms_norm_eps": args.norm_eps,
         # transformers < 5 reads rope_theta; 5 reads rope_parameters (and converts rope_theta).
         "rope_theta": args.rope_theta,
-        "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
+        "rope_scaling": _rope_scaling(args),
+        "rope_parameters": {
+            **(_rope_scaling(args) or {"rope_type": "default"}),
+            "rope_theta": args.rope_theta,
+        },
         "attention_dropout": 0.0,
         "tie_word_embeddings": args.tie_embeddings,
         "initializer_range": 0.02,
@@ -485,3 +488,17 @@ def _moe_from_hf_shapes(
 def _moe_blocks(args: ModelArgs) -> list[str]:
     """The prefix of each MoE block's feed-forward (``layers.N.feed_forward.``)."""
     return [f"layers.{i}.feed_forward." for i in range(args.n_layers) if args.is_moe_layer(i)]
+
+
+def _rope_scaling(args: ModelArgs) -> dict[str, Any] | None:
+    """Llama 3.1's rope scaling as transformers writes it ("llama3"), or None for plain RoPE."""
+    s = args.rope_scaling
+    if s is None:
+        return None
+    return {
+        "rope_type": "llama3",
+        "factor": s.factor,
+        "low_freq_factor": s.low_freq_factor,
+        "high_freq_factor": s.high_freq_factor,
+        "original_max_position_embeddings": s.original_max_seq_len,
+    }

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dtlab.models.args import HasModelArgs, ModelArgs, model_args
+from dtlab.models.args import HasModelArgs, ModelArgs, RopeScaling, model_args
 from dtlab.models.attention import attend
 from dtlab.models.moe import MoE, moe_layers
 
@@ -34,13 +34,34 @@ class RMSNorm(nn.Module):
         return out.type_as(x) * self.weight
 
 
+def scaled_frequencies(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Llama 3.1's scaling of the rotary frequencies ``inv_freq`` (see :class:`RopeScaling`)."""
+    low_wavelen = s.original_max_seq_len / s.low_freq_factor
+    high_wavelen = s.original_max_seq_len / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_seq_len / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / s.factor + smooth * scaled
+    between = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(between, blended, scaled)
+
+
 def rope_tables(
-    head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None
+    head_dim: int,
+    max_seq_len: int,
+    theta: float,
+    device: torch.device | None = None,
+    scaling: RopeScaling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotary angles, each [max_seq_len, head_dim // 2]."""
+    """cos and sin of the rotary angles, each [max_seq_len, head_dim // 2] (with Llama 3.1's
+    long-context ``scaling`` of the frequencies where given)."""
     inv_freq = 1.0 / (
         theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     )
+    if scaling is not None:
+        inv_freq = scaled_frequencies(inv_freq, scaling)
     angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
 
@@ -210,7 +231,9 @@ class Transformer(nn.Module):
         # Context parallelism (dtlab.parallel.context): the positions in the whole sequence of the
         # tokens this rank holds (None: the tokens are the sequence, in order).
         self.positions: torch.Tensor | None = None
-        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
+        cos, sin = rope_tables(
+            args.head_dim, args.max_seq_len, args.rope_theta, scaling=args.rope_scaling
+        )
         # Not persistent: derived from the arguments, so never part of a checkpoint.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -304,7 +327,9 @@ class Transformer(nn.Module):
     def init_buffers(self) -> None:
         """Recompute the RoPE tables and zero the MoE balancing state (needed after ``to_empty``)."""
         a = self.args
-        cos, sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, self.rope_cos.device)
+        cos, sin = rope_tables(
+            a.head_dim, a.max_seq_len, a.rope_theta, self.rope_cos.device, a.rope_scaling
+        )
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
         for moe in moe_layers(self):

@@ -3,6 +3,11 @@
 from typing import Any
 
 # ffn_dim is the SwiGLU hidden size as published for each model.
+# Llama 3.1's long-context RoPE scaling, as its config.json gives it (rope_type "llama3").
+LLAMA31_ROPE = dict(
+    factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8192
+)
+
 PRESETS: dict[str, dict[str, Any]] = {
     # Well under 1M parameters: for tests.
     "debug": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, max_seq_len=128, ffn_dim=192),
@@ -13,8 +18,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama2-7b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=32000, max_seq_len=4096, ffn_dim=11008, rope_theta=10000.0, norm_eps=1e-5),
     "llama2-13b": dict(dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, vocab_size=32000, max_seq_len=4096, ffn_dim=13824, rope_theta=10000.0, norm_eps=1e-5),
     "llama2-70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=32000, max_seq_len=4096, ffn_dim=28672, rope_theta=10000.0, norm_eps=1e-5),
-    "llama3.1-8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, max_seq_len=131072, ffn_dim=14336, rope_theta=500000.0, norm_eps=1e-5),
-    "llama3.1-70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256, max_seq_len=131072, ffn_dim=28672, rope_theta=500000.0, norm_eps=1e-5),
+    "llama3.1-8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, max_seq_len=131072, ffn_dim=14336, rope_theta=500000.0, norm_eps=1e-5, rope_scaling=LLAMA31_ROPE),
+    "llama3.1-70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256, max_seq_len=131072, ffn_dim=28672, rope_theta=500000.0, norm_eps=1e-5, rope_scaling=LLAMA31_ROPE),
     "llama3.2-1b": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, max_seq_len=131072, ffn_dim=8192, rope_theta=500000.0, norm_eps=1e-5, tie_embeddings=True),
     "llama3.2-3b": dict(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, vocab_size=128256, max_seq_len=131072, ffn_dim=8192, rope_theta=500000.0, norm_eps=1e-5, tie_embeddings=True),
     # Mixture of experts (model.moe): debug-moe's first block is dense, the second routes each token to 2 of 4
