@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtlab.errors import ConfigError
 from dtlab.models.sequence import positions, shard_sequence, unshard_sequence, zigzag_chunks
 
 __all__ = [
@@ -284,6 +285,12 @@ def apply_context_parallel(
     part of each ``seq_len`` sequence split over ``group``: its rotary positions those of its tokens
     in the whole sequence, and its blocks' attention computed across the group by ``method``
     (``ring`` or ``alltoall``)."""
+    if method == "ring" and device.type != "cpu":
+        raise ConfigError(
+            f"parallel.cp_method = 'ring' runs on the CPU's attention kernel so far, and this rank "
+            f"trains on {device}; allowed there: parallel.cp_method = 'alltoall', or train.device = "
+            "'cpu'"
+        )
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     model.positions = positions(seq_len, cp, rank, device)
     attention = ring_attention if method == "ring" else alltoall_attention
