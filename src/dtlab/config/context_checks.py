@@ -8,7 +8,7 @@ from __future__ import annotations
 from dtlab.config.schema import CROSS_RULES, Config
 from dtlab.dims import DPWrapper, needs_replica_groups
 
-__all__ = ["check_context_parallel"]
+__all__ = ["check_context_parallel", "check_document_mask"]
 
 
 def check_context_parallel(c: Config) -> None:
@@ -58,4 +58,24 @@ def check_context_parallel(c: Config) -> None:
             )
 
 
-CROSS_RULES.append(check_context_parallel)
+def check_document_mask(c: Config) -> None:
+    """Refuse what ``data.document_mask`` does not compose with yet: the mask is made from the
+    tokens by the model's first stage, and context parallelism's attention takes none."""
+    if not c.data.document_mask:
+        return
+    p = c.parallel
+    refused: dict[str, tuple[bool, str, str]] = {
+        "parallel.pp": (p.pp > 1, str(p.pp), "1"),
+        "parallel.cp": (p.cp > 1, str(p.cp), "1"),
+        "train.engine": (c.train.engine != "torch", repr(c.train.engine), "'torch'"),
+    }
+    for key, (bad, shown, allowed) in refused.items():
+        if bad:
+            raise ValueError(
+                f"{key} = {shown} is not supported with data.document_mask = true (allowed: "
+                f"{allowed}): the mask is made from the tokens where the embedding is, and context "
+                "parallelism's attention takes none, so far"
+            )
+
+
+CROSS_RULES.extend([check_context_parallel, check_document_mask])

@@ -213,6 +213,11 @@ class DataConfig(_Section):
     text_key: str = Field(
         "text", min_length=1, description="Field that holds the text in jsonl/parquet records."
     )
+    document_mask: bool = Field(
+        False,
+        description="Attention stays within each document of a window (documents end at the "
+        "separator, token 0), as though each were trained alone; off: the whole window, causally.",
+    )
     seq_len: int | None = Field(
         None,
         ge=1,

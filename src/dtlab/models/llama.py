@@ -19,6 +19,7 @@ from torch import nn
 from dtlab.models.args import HasModelArgs, ModelArgs, RopeScaling, model_args
 from dtlab.models.attention import attend
 from dtlab.models.moe import MoE, moe_layers
+from dtlab.models.sequence import document_mask
 
 
 class RMSNorm(nn.Module):
@@ -118,6 +119,9 @@ class Attention(nn.Module):
         self.context: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = (
             None
         )
+        # data.document_mask: the mask of the current forward's documents (set by the model's forward,
+        # kept until the next: a checkpointed block recomputed in backward reads it again).
+        self.mask: torch.Tensor | None = None
 
     def forward(
         self,
@@ -142,6 +146,8 @@ class Attention(nn.Module):
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             if self.context is not None:
                 out = self.context(q, k, v)
+            elif self.mask is not None:  # within each document only (causal as well)
+                out = attend(q, k, v, attn_mask=self.mask)
             else:
                 out = attend(q, k, v, is_causal=True)
         else:
@@ -231,6 +237,10 @@ class Transformer(nn.Module):
         # Context parallelism (dtlab.parallel.context): the positions in the whole sequence of the
         # tokens this rank holds (None: the tokens are the sequence, in order).
         self.positions: torch.Tensor | None = None
+        # data.document_mask: the token that ends a document; attention then stays within each
+        # document of a window (None: the whole window is attended, causally).
+        self.document_separator: int | None = None
+        self._masked = False  # the attention modules hold a document mask from the last forward
         cos, sin = rope_tables(
             args.head_dim, args.max_seq_len, args.rope_theta, scaling=args.rope_scaling
         )
@@ -254,6 +264,15 @@ class Transformer(nn.Module):
                     "context-parallel part of the sequence has"
                 )
             cos, sin = cos[self.positions], sin[self.positions]
+        if self.document_separator is not None or self._masked:
+            # Set for this forward (None where the separator was taken away since the last one).
+            mask = None
+            if self.document_separator is not None and self.tok_embeddings is not None:
+                mask = document_mask(tokens, self.document_separator)
+            for m in self.modules():
+                if isinstance(m, Attention):
+                    m.mask = mask
+            self._masked = mask is not None
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, cos, sin)

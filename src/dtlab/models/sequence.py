@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["positions", "shard_sequence", "unshard_sequence", "zigzag_chunks"]
+__all__ = ["document_mask", "positions", "shard_sequence", "unshard_sequence", "zigzag_chunks"]
 
 
 def zigzag_chunks(cp: int, rank: int) -> tuple[int, int]:
@@ -41,3 +41,14 @@ def unshard_sequence(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
 def positions(seq_len: int, cp: int, rank: int, device: torch.device | None = None) -> torch.Tensor:
     """The positions in the whole sequence of the ``seq_len / cp`` tokens a rank holds, in its order."""
     return shard_sequence(torch.arange(seq_len, device=device), cp, rank, dim=0)
+
+
+def document_mask(tokens: torch.Tensor, separator: int) -> torch.Tensor:
+    """[B, 1, T, T] boolean: token i attends token j when j <= i and both are of the same document of
+    ``tokens`` [B, T], documents ending at each ``separator`` (which belongs to the one it ends)."""
+    ends = (tokens == separator).long()
+    doc = ends.cumsum(-1) - ends  # the separators before each token
+    same = doc.unsqueeze(-1) == doc.unsqueeze(-2)
+    t = tokens.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril()
+    return (same & causal).unsqueeze(1)

@@ -127,6 +127,8 @@ def build_training(config: Config, d: DistInfo) -> Training:
     micro = t.global_batch_size // (accum * dp)
     data = build_data(config)
     model = build_model(config.model)  # on the meta device: nothing allocated yet
+    if config.data.document_mask:  # attention within each document of a window
+        model.document_separator = data.tokenizer.separator
     pm = parallelize(model, config, d)
     # Built after parallelize: the optimizer must hold the parameters training updates (FSDP's shards).
     optimizer = build_optimizer(pm.optimized, t, experts=config.model.moe.experts > 0)
