@@ -101,6 +101,7 @@ def test_a_rank_trains_on_its_zigzag_part_of_each_sequence(tmp_path: Path) -> No
         ),
         (["parallel.strategy=ddp", "parallel.tp=2"], "parallel.tp = 2 is not supported"),
         (["parallel.strategy=ddp", "train.compile=true"], "train.compile = true is not supported"),
+        (["parallel.strategy=ddp", "train.engine=mlx"], "train.engine = 'mlx' is not supported"),
         (["parallel.strategy=ddp", "data.seq_len=30"], "data.seq_len = 30 does not split into"),
         (["parallel.strategy=ddp", "model.preset=debug-moe"], "model.moe.experts = 4 is not"),
     ],

@@ -45,6 +45,7 @@ def check_context_parallel(c: Config) -> None:
         "parallel.fault_tolerance.enabled": (p.fault_tolerance.enabled, "true", "false"),
         "parallel.compression": (p.compression != "none", repr(p.compression), "'none'"),
         "train.compile": (t.compile, "true", "false"),
+        "train.engine": (t.engine != "torch", repr(t.engine), "'torch'"),
         "train.device": (
             p.cp_method == "ring" and t.device == "cuda", repr(t.device), "'cpu' or 'auto' on a CPU",
         ),
