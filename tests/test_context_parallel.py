@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -100,7 +101,6 @@ def test_a_rank_trains_on_its_zigzag_part_of_each_sequence(tmp_path: Path) -> No
             "parallel.sharding = 'no_shard'",
         ),
         (["parallel.strategy=ddp", "parallel.tp=2"], "parallel.tp = 2 is not supported"),
-        (["parallel.strategy=ddp", "train.compile=true"], "train.compile = true is not supported"),
         (["parallel.strategy=ddp", "train.engine=mlx"], "train.engine = 'mlx' is not supported"),
         (["parallel.strategy=ddp", "data.seq_len=30"], "data.seq_len = 30 does not split into"),
         (["parallel.strategy=ddp", "model.preset=debug-moe"], "model.moe.experts = 4 is not"),
@@ -136,3 +136,18 @@ def test_the_memory_a_step_holds_falls_with_cp() -> None:
 
     one, two = measure(256, 1), measure(256, 2)
     assert 0.4 * one < two < 0.7 * one, (one, two)
+
+
+@pytest.mark.parametrize("method", ["ring", "alltoall"])
+def test_context_parallelism_with_compile_equals_one_compiled_process(
+    tmp_path: Path, single_reference: Any, method: str
+) -> None:
+    # The blocks compiled, the context-parallel attention inside them (a graph break at its
+    # collectives), against one compiled process.
+    compiled = ("train.compile=true",)
+    reference = single_reference(*compiled, steps=6)
+    run = train_run(
+        tmp_path / "run", "parallel.strategy=ddp", "parallel.cp=2", f"parallel.cp_method={method}",
+        *compiled, nproc=2, steps=6,
+    )  # fmt: skip
+    assert_same_training(run, reference)

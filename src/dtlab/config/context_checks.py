@@ -44,7 +44,6 @@ def check_context_parallel(c: Config) -> None:
         ),
         "parallel.fault_tolerance.enabled": (p.fault_tolerance.enabled, "true", "false"),
         "parallel.compression": (p.compression != "none", repr(p.compression), "'none'"),
-        "train.compile": (t.compile, "true", "false"),
         "train.engine": (t.engine != "torch", repr(t.engine), "'torch'"),
         "train.device": (
             p.cp_method == "ring" and t.device == "cuda", repr(t.device), "'cpu' or 'auto' on a CPU",
@@ -54,8 +53,8 @@ def check_context_parallel(c: Config) -> None:
         if bad:
             raise ValueError(
                 f"{key} = {shown} is not supported with parallel.cp = {p.cp} (allowed: {allowed}): "
-                "context parallelism is built over DDP's or FSDP's ranks of a dense model, without "
-                "compile, and its ring on the CPU's attention kernel, so far"
+                "context parallelism is built over DDP's or FSDP's ranks of a dense model, its ring "
+                "on the CPU's attention kernel, so far"
             )
 
 
