@@ -43,6 +43,8 @@ layouts (NAME:DEGREE joined by x; processes: the product of the degrees but ep's
   pp:N[:SCHEDULE]         pipeline parallel over N ranks, e.g. pp:2:interleaved_1f1b
   ep:N                    expert parallel (MoE) over N of the data-parallel ranks, which N must
                           divide (fsdp:4xep:2: 4 processes); alone, ddp:N with ep N
+  cp:N[:METHOD]           context parallel: each sequence split over N ranks, METHOD ring
+                          (default) or alltoall (ddp:2xcp:2: 4 processes; alone, over DDP)
 
 checks (--checks, the loss always):
   resume                  each layout saves at the middle step; a run resumed from it on the same
