@@ -54,8 +54,28 @@ def test_alltoall_attention_with_grouped_key_value_heads(kv_heads: str) -> None:
         (["parallel.cp=2", "parallel.cp_method=alltoall"], 2),
         (["parallel.cp=2", "train.micro_batch_size=2"], 4),  # ddp 2 x cp 2, two micro-batches
         (["parallel.strategy=fsdp", "parallel.cp=2"], 4),  # sharded over the 4 data x cp ranks
+        # Tensor parallelism inside: each tp rank's heads go round the cp ring (with sequence
+        # parallelism, the all-to-all of the heads each tp rank holds).
+        (["parallel.strategy=fsdp", "parallel.cp=2", "parallel.tp=2"], 4),
+        (
+            [
+                "parallel.strategy=fsdp",
+                "parallel.cp=2",
+                "parallel.tp=2",
+                "parallel.cp_method=alltoall",
+                "parallel.sequence_parallel=true",
+            ],
+            4,
+        ),
     ],
-    ids=["cp2-ring", "cp2-alltoall", "ddp2xcp2-accumulation", "fsdp2xcp2"],
+    ids=[
+        "cp2-ring",
+        "cp2-alltoall",
+        "ddp2xcp2-accumulation",
+        "fsdp2xcp2",
+        "fsdp1xcp2xtp2",
+        "fsdp1xcp2-alltoallxsp2",
+    ],
 )
 def test_context_parallel_training_equals_one_process(
     tmp_path: Path, reference_run: Metrics, layout: list[str], nproc: int
@@ -101,6 +121,10 @@ def test_a_rank_trains_on_its_zigzag_part_of_each_sequence(tmp_path: Path) -> No
             "parallel.sharding = 'no_shard'",
         ),
         (["parallel.strategy=ddp", "parallel.tp=2"], "parallel.tp = 2 is not supported"),
+        (
+            ["parallel.strategy=fsdp", "parallel.tp=4", "parallel.cp_method=alltoall"],
+            "the 1 attention heads a rank holds",
+        ),
         (["parallel.strategy=ddp", "train.engine=mlx"], "train.engine = 'mlx' is not supported"),
         (["parallel.strategy=ddp", "data.seq_len=30"], "data.seq_len = 30 does not split into"),
         (["parallel.strategy=ddp", "model.preset=debug-moe"], "model.moe.experts = 4 is not"),

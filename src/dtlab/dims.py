@@ -253,7 +253,7 @@ class ParallelDims:
             return cls._diloco(config, world_size)
         cp = getattr(p, "cp", 1)
         if cp > 1:
-            return cls._context_parallel(config, world_size, cp)
+            return cls._context_parallel(config, world_size // tp, cp, tp)
         dp = cls._data_parallel(config, world_size // (tp * pp))
         if tp == 1 and pp == 1:
             return dp
@@ -270,19 +270,22 @@ class ParallelDims:
         )  # fmt: skip
 
     @classmethod
-    def _context_parallel(cls, config: _HasParallel, world_size: int, cp: int) -> ParallelDims:
-        """Data-parallel ranks with each sequence split over ``cp`` of them (the config's rules allow
-        DDP and FSDP without model parallelism so far): DDP over every rank, or FSDP sharding over
-        the data x cp ranks (:meth:`fsdp_mesh`), averages the gradients over both."""
+    def _context_parallel(
+        cls, config: _HasParallel, world_size: int, cp: int, tp: int = 1
+    ) -> ParallelDims:
+        """Data-parallel ranks with each sequence split over ``cp`` of them, of ``world_size``
+        (the world less tensor parallelism's ``tp``; the config's rules allow DDP and FSDP, FSDP
+        alone with tp): DDP over every rank, or FSDP sharding over the data x cp ranks
+        (:meth:`fsdp_mesh`), averages the gradients over both."""
         if world_size % cp:
             raise ConfigError(
-                f"parallel.cp = {cp} does not divide the world size {world_size}: use a multiple "
-                f"of {cp} processes"
+                f"parallel.cp = {cp} does not divide the world size {world_size * tp} / parallel.tp "
+                f"= {tp}: use a multiple of {cp * tp} processes"
             )
         if DPWrapper.of(config.parallel.strategy) is DPWrapper.FSDP:
             return cls(
-                dp_shard=world_size // cp, cp=cp, wrapper=DPWrapper.FSDP,
-                mesh_dims=("dp_shard", "cp"),
+                dp_shard=world_size // cp, cp=cp, tp=tp, wrapper=DPWrapper.FSDP,
+                mesh_dims=("dp_shard", "cp", *(("tp",) if tp > 1 else ())),
             )  # fmt: skip
         return cls(
             dp_replicate=world_size // cp, cp=cp, wrapper=DPWrapper.DDP,

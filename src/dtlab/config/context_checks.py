@@ -22,10 +22,12 @@ def check_context_parallel(c: Config) -> None:
             f"data.seq_len = {c.seq_len} does not split into the {split} chunks parallel.cp = "
             f"{p.cp} cuts each sequence into (2 per rank); allowed: a multiple of {split}"
         )
-    if p.cp_method == "alltoall" and m.n_heads % p.cp:
+    heads = m.n_heads // p.tp  # a tensor-parallel rank's
+    if p.cp_method == "alltoall" and heads % p.cp:
         raise ValueError(
             f"parallel.cp_method = 'alltoall' gives each of the cp = {p.cp} ranks a share of the "
-            f"{m.n_heads} attention heads; allowed: a cp dividing {m.n_heads}, or cp_method = 'ring'"
+            f"{heads} attention heads a rank holds (model.n_heads = {m.n_heads} / parallel.tp = "
+            f"{p.tp}); allowed: a cp dividing {heads}, or cp_method = 'ring'"
         )
     refused: dict[str, tuple[bool, str, str]] = {
         "parallel.strategy": (
@@ -35,7 +37,10 @@ def check_context_parallel(c: Config) -> None:
         "parallel.sharding": (
             p.sharding in ("optimizer", "no_shard"), repr(p.sharding), "'full', 'shard_grad_op'",
         ),
-        "parallel.tp": (p.tp > 1, str(p.tp), "1"),
+        "parallel.tp": (
+            p.tp > 1 and DPWrapper.of(p.strategy) is not DPWrapper.FSDP, str(p.tp),
+            "1 (with parallel.strategy = 'fsdp': any)",
+        ),
         "parallel.pp": (p.pp > 1, str(p.pp), "1"),
         "parallel.ep": (p.ep > 1, str(p.ep), "1"),
         "model.moe.experts": (bool(m.moe.experts), str(m.moe.experts), "0 (a dense model)"),
