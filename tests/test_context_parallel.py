@@ -54,6 +54,8 @@ def test_alltoall_attention_with_grouped_key_value_heads(kv_heads: str) -> None:
         (["parallel.cp=2", "parallel.cp_method=alltoall"], 2),
         (["parallel.cp=2", "train.micro_batch_size=2"], 4),  # ddp 2 x cp 2, two micro-batches
         (["parallel.strategy=fsdp", "parallel.cp=2"], 4),  # sharded over the 4 data x cp ranks
+        # Two replica groups, each sharding over its cp ranks.
+        (["parallel.strategy=hsdp", "parallel.replicate=2", "parallel.cp=2"], 4),
         # Tensor parallelism inside: each tp rank's heads go round the cp ring (with sequence
         # parallelism, the all-to-all of the heads each tp rank holds).
         (["parallel.strategy=fsdp", "parallel.cp=2", "parallel.tp=2"], 4),
@@ -73,6 +75,7 @@ def test_alltoall_attention_with_grouped_key_value_heads(kv_heads: str) -> None:
         "cp2-alltoall",
         "ddp2xcp2-accumulation",
         "fsdp2xcp2",
+        "hsdp2xcp2",
         "fsdp1xcp2xtp2",
         "fsdp1xcp2-alltoallxsp2",
     ],
@@ -115,7 +118,6 @@ def test_a_rank_trains_on_its_zigzag_part_of_each_sequence(tmp_path: Path) -> No
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["parallel.strategy=hsdp", "parallel.replicate=2"], "parallel.strategy = 'hsdp' is not"),
         (
             ["parallel.strategy=fsdp", "parallel.sharding=no_shard"],
             "parallel.sharding = 'no_shard'",

@@ -283,9 +283,22 @@ class ParallelDims:
                 f"= {tp}: use a multiple of {cp * tp} processes"
             )
         if DPWrapper.of(config.parallel.strategy) is DPWrapper.FSDP:
+            dp = world_size // cp
+            replicate = 1
+            if needs_replica_groups(config.parallel.strategy):
+                replicate = config.parallel.replicate or 1
+                if dp % replicate:
+                    raise ConfigError(
+                        f"parallel.replicate = {replicate} does not divide the {dp} data-parallel "
+                        f"ranks (world / (cp x tp))"
+                    )
             return cls(
-                dp_shard=world_size // cp, cp=cp, tp=tp, wrapper=DPWrapper.FSDP,
-                mesh_dims=("dp_shard", "cp", *(("tp",) if tp > 1 else ())),
+                dp_replicate=replicate, dp_shard=dp // replicate, cp=cp, tp=tp,
+                wrapper=DPWrapper.FSDP,
+                mesh_dims=(
+                    *(("dp_replicate",) if replicate > 1 else ()), "dp_shard", "cp",
+                    *(("tp",) if tp > 1 else ()),
+                ),
             )  # fmt: skip
         return cls(
             dp_replicate=world_size // cp, cp=cp, wrapper=DPWrapper.DDP,
@@ -431,7 +444,11 @@ class ParallelDims:
         over the ranks that split a sequence)."""
         if not self.cp_enabled:
             return self.mesh(device_type, *self.dp_mesh_dims)
-        return self.mesh(device_type, "dp_shard", "cp")._flatten("dp_shard_cp")
+        shard = self.mesh(device_type, "dp_shard", "cp")._flatten("dp_shard_cp")
+        if "dp_replicate" not in self.mesh_dims:
+            return shard
+        # HSDP: its replica groups, each sharding over its data x cp ranks.
+        return self.build_mesh(device_type)["dp_replicate", "dp_shard_cp"]
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """Where global rank ``rank`` sits along each dimension (ranks fill the mesh row-major over
@@ -574,7 +591,10 @@ def layout_warnings(dims: ParallelDims, parallel: _NamedSection) -> list[str]:
     """Layouts that are legal and train correctly but are not what their strategy is chosen for,
     said at start: HSDP whose replica groups hold one rank each shards nothing."""
     out = []
-    if needs_replica_groups(parallel.strategy) and dims.dp_replicate > 1 and dims.dp_shard == 1:
+    alone = (
+        dims.dp_shard == 1 and not dims.cp_enabled
+    )  # (under cp a group shards over its cp ranks)
+    if needs_replica_groups(parallel.strategy) and dims.dp_replicate > 1 and alone:
         out.append(
             f"{dims.dp_replicate} HSDP replica groups of 1 rank each shard nothing: "
             f"{layout_name(dims, parallel)} is {dims.dp_replicate} replicas (ddp "

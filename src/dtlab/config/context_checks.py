@@ -6,7 +6,7 @@ for the ring."""
 from __future__ import annotations
 
 from dtlab.config.schema import CROSS_RULES, Config
-from dtlab.dims import DPWrapper, needs_replica_groups
+from dtlab.dims import DPWrapper
 
 __all__ = ["check_context_parallel", "check_document_mask"]
 
@@ -31,15 +31,14 @@ def check_context_parallel(c: Config) -> None:
         )
     refused: dict[str, tuple[bool, str, str]] = {
         "parallel.strategy": (
-            DPWrapper.of(p.strategy) is DPWrapper.NONE or needs_replica_groups(p.strategy),
-            repr(p.strategy), "'ddp', 'fsdp'",
+            DPWrapper.of(p.strategy) is DPWrapper.NONE, repr(p.strategy), "'ddp', 'fsdp', 'hsdp'",
         ),
         "parallel.sharding": (
             p.sharding in ("optimizer", "no_shard"), repr(p.sharding), "'full', 'shard_grad_op'",
         ),
         "parallel.tp": (
             p.tp > 1 and DPWrapper.of(p.strategy) is not DPWrapper.FSDP, str(p.tp),
-            "1 (with parallel.strategy = 'fsdp': any)",
+            "1 (with parallel.strategy = 'fsdp' or 'hsdp': any)",
         ),
         "parallel.pp": (p.pp > 1, str(p.pp), "1"),
         "parallel.ep": (p.ep > 1, str(p.ep), "1"),
