@@ -129,7 +129,10 @@ def test_a_rank_trains_on_its_zigzag_part_of_each_sequence(tmp_path: Path) -> No
         ),
         (["parallel.strategy=ddp", "train.engine=mlx"], "train.engine = 'mlx' is not supported"),
         (["parallel.strategy=ddp", "data.seq_len=30"], "data.seq_len = 30 does not split into"),
-        (["parallel.strategy=ddp", "model.preset=debug-moe"], "model.moe.experts = 4 is not"),
+        (
+            ["parallel.strategy=ddp", "model.preset=debug-moe", "parallel.ep=2"],
+            "parallel.ep = 2 is",
+        ),
     ],
 )
 def test_what_context_parallelism_does_not_compose_with_yet_is_refused(
@@ -177,3 +180,16 @@ def test_context_parallelism_with_compile_equals_one_compiled_process(
         *compiled, nproc=2, steps=6,
     )  # fmt: skip
     assert_same_training(run, reference)
+
+
+def test_a_mixture_of_experts_with_context_parallelism_routes_as_one_process(
+    tmp_path: Path, single_reference: Any
+) -> None:
+    # Each rank routes its part of the tokens; the loads are summed over every rank, so the experts'
+    # loads and the balancing bias are one process's.
+    moe = ("model.preset=debug-moe",)
+    reference = single_reference(*moe)
+    run = train_run(tmp_path / "run", "parallel.strategy=ddp", "parallel.cp=2", *moe, nproc=2)
+    assert_same_training(run, reference)
+    assert [m["moe_load"] for m in run] == [m["moe_load"] for m in reference]
+    assert [m["moe_bias"] for m in run] == pytest.approx([m["moe_bias"] for m in reference])

@@ -42,7 +42,6 @@ def check_context_parallel(c: Config) -> None:
         ),
         "parallel.pp": (p.pp > 1, str(p.pp), "1"),
         "parallel.ep": (p.ep > 1, str(p.ep), "1"),
-        "model.moe.experts": (bool(m.moe.experts), str(m.moe.experts), "0 (a dense model)"),
         "parallel.diloco.inner_steps": (
             bool(p.diloco.inner_steps), str(p.diloco.inner_steps), "0",
         ),
@@ -57,8 +56,8 @@ def check_context_parallel(c: Config) -> None:
         if bad:
             raise ValueError(
                 f"{key} = {shown} is not supported with parallel.cp = {p.cp} (allowed: {allowed}): "
-                "context parallelism is built over DDP's or FSDP's ranks of a dense model, its ring "
-                "on the CPU's attention kernel, so far"
+                "context parallelism is built over DDP's, FSDP's and HSDP's ranks (a mixture of "
+                "experts without expert parallelism), its ring on the CPU's attention kernel, so far"
             )
 
 
