@@ -56,6 +56,8 @@ def test_alltoall_attention_with_grouped_key_value_heads(kv_heads: str) -> None:
         (["parallel.strategy=fsdp", "parallel.cp=2"], 4),  # sharded over the 4 data x cp ranks
         # Two replica groups, each sharding over its cp ranks.
         (["parallel.strategy=hsdp", "parallel.replicate=2", "parallel.cp=2"], 4),
+        # Pipeline stages of sequence parts (each stage's inputs and outputs a cp rank's tokens).
+        (["parallel.strategy=fsdp", "parallel.cp=2", "parallel.pp=2"], 4),
         # Tensor parallelism inside: each tp rank's heads go round the cp ring (with sequence
         # parallelism, the all-to-all of the heads each tp rank holds).
         (["parallel.strategy=fsdp", "parallel.cp=2", "parallel.tp=2"], 4),
@@ -76,6 +78,7 @@ def test_alltoall_attention_with_grouped_key_value_heads(kv_heads: str) -> None:
         "ddp2xcp2-accumulation",
         "fsdp2xcp2",
         "hsdp2xcp2",
+        "fsdp1xcp2xpp2",
         "fsdp1xcp2xtp2",
         "fsdp1xcp2-alltoallxsp2",
     ],
@@ -123,6 +126,7 @@ def test_a_rank_trains_on_its_zigzag_part_of_each_sequence(tmp_path: Path) -> No
             "parallel.sharding = 'no_shard'",
         ),
         (["parallel.strategy=ddp", "parallel.tp=2"], "parallel.tp = 2 is not supported"),
+        (["parallel.strategy=ddp", "parallel.pp=2"], "parallel.pp = 2 is not supported"),
         (
             ["parallel.strategy=fsdp", "parallel.tp=4", "parallel.cp_method=alltoall"],
             "the 1 attention heads a rank holds",

@@ -253,7 +253,7 @@ class ParallelDims:
             return cls._diloco(config, world_size)
         cp = getattr(p, "cp", 1)
         if cp > 1:
-            return cls._context_parallel(config, world_size // tp, cp, tp)
+            return cls._context_parallel(config, world_size // (tp * pp), cp, tp, pp)
         dp = cls._data_parallel(config, world_size // (tp * pp))
         if tp == 1 and pp == 1:
             return dp
@@ -271,7 +271,7 @@ class ParallelDims:
 
     @classmethod
     def _context_parallel(
-        cls, config: _HasParallel, world_size: int, cp: int, tp: int = 1
+        cls, config: _HasParallel, world_size: int, cp: int, tp: int = 1, pp: int = 1
     ) -> ParallelDims:
         """Data-parallel ranks with each sequence split over ``cp`` of them, of ``world_size``
         (the world less tensor parallelism's ``tp``; the config's rules allow DDP and FSDP, FSDP
@@ -279,8 +279,8 @@ class ParallelDims:
         (:meth:`fsdp_mesh`), averages the gradients over both."""
         if world_size % cp:
             raise ConfigError(
-                f"parallel.cp = {cp} does not divide the world size {world_size * tp} / parallel.tp "
-                f"= {tp}: use a multiple of {cp * tp} processes"
+                f"parallel.cp = {cp} does not divide the world size {world_size * tp * pp} / "
+                f"(parallel.tp x parallel.pp = {tp * pp}): use a multiple of {cp * tp * pp} processes"
             )
         if DPWrapper.of(config.parallel.strategy) is DPWrapper.FSDP:
             dp = world_size // cp
@@ -293,11 +293,11 @@ class ParallelDims:
                         f"ranks (world / (cp x tp))"
                     )
             return cls(
-                dp_replicate=replicate, dp_shard=dp // replicate, cp=cp, tp=tp,
+                dp_replicate=replicate, dp_shard=dp // replicate, cp=cp, tp=tp, pp=pp,
                 wrapper=DPWrapper.FSDP,
                 mesh_dims=(
-                    *(("dp_replicate",) if replicate > 1 else ()), "dp_shard", "cp",
-                    *(("tp",) if tp > 1 else ()),
+                    *(("pp",) if pp > 1 else ()), *(("dp_replicate",) if replicate > 1 else ()),
+                    "dp_shard", "cp", *(("tp",) if tp > 1 else ()),
                 ),
             )  # fmt: skip
         return cls(

@@ -40,7 +40,10 @@ def check_context_parallel(c: Config) -> None:
             p.tp > 1 and DPWrapper.of(p.strategy) is not DPWrapper.FSDP, str(p.tp),
             "1 (with parallel.strategy = 'fsdp' or 'hsdp': any)",
         ),
-        "parallel.pp": (p.pp > 1, str(p.pp), "1"),
+        "parallel.pp": (
+            p.pp > 1 and DPWrapper.of(p.strategy) is not DPWrapper.FSDP, str(p.pp),
+            "1 (with parallel.strategy = 'fsdp' or 'hsdp': any)",
+        ),
         "parallel.ep": (p.ep > 1, str(p.ep), "1"),
         "parallel.diloco.inner_steps": (
             bool(p.diloco.inner_steps), str(p.diloco.inner_steps), "0",

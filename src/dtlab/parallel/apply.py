@@ -594,7 +594,8 @@ def _parallelize_pipeline(model: Transformer, config: Config, d: DistInfo) -> Pa
     shapes = [
         stage_io(
             model.args, sid, n_stages, config.train.global_batch_size // (dims.dp * n_micro),
-            config.seq_len, fsdp_param_dtype(config) or torch.float32, half or torch.float32,
+            config.seq_len // dims.cp, fsdp_param_dtype(config) or torch.float32,
+            half or torch.float32,
             seq_shard=dims.tp if p.sequence_parallel else 1, vocab_shard=dims.tp,
         )
         for sid in ids
