@@ -608,7 +608,8 @@ def layout_fields(dims: ParallelDims) -> dict[str, int]:
     """The degrees of a layout as ``summary.json`` gives them: ``dp`` data-parallel ranks in all (the
     global batch is split over them), within a DiLoCo replica ``dp_replicate`` replicas of ``dp_shard``
     ranks each, ``diloco`` replicas, ``tp``, ``pp``, ``ep`` (expert parallelism: ranks of ``dp`` the
-    experts are split over, not a factor of the world) and ``world_size`` (``dp x tp x pp``)."""
+    experts are split over, not a factor of the world), ``cp`` (the ranks each sequence is split over)
+    and ``world_size`` (``dp x cp x tp x pp``)."""
     return {
         "dp": dims.dp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
         "diloco": dims.diloco, "cp": dims.cp, "tp": dims.tp, "pp": dims.pp, "ep": dims.ep,
