@@ -3,7 +3,7 @@ rules that also need the world size."""
 
 from __future__ import annotations
 
-from dtlab.config.schema import CROSS_RULES, Config
+from dtlab.config.schema import CROSS_RULES, Config, refuse
 from dtlab.config.sections import ModelConfig, ParallelConfig
 from dtlab.config.values import SINGLE_STAGE_SCHEDULES
 from dtlab.dims import DPWrapper, ParallelDims, needs_replica_groups, strategies_with
@@ -312,7 +312,7 @@ def _check_fault_tolerance(c: Config) -> None:
         },
         "parallel.ep": (p.ep > 1, str(p.ep), "1", "expert parallelism spans replica groups"),
     }  # fmt: skip
-    _refuse(table, setting)
+    refuse(table, setting)
     _check_fault_tolerant_diloco(c, setting)
     if p.fault_tolerance.lighthouse is not None and not p.fault_tolerance.lighthouse.startswith(
         ("http://", "https://")
@@ -346,7 +346,7 @@ def _check_fault_tolerant_diloco(c: Config, setting: str) -> None:
             "a sync in flight across a quorum change cannot be committed or undone cleanly",
         ),
     }  # fmt: skip
-    _refuse(table, f"{setting} and parallel.diloco.inner_steps = {o.inner_steps}")
+    refuse(table, f"{setting} and parallel.diloco.inner_steps = {o.inner_steps}")
 
 
 def _check_tp(c: Config) -> None:
@@ -441,9 +441,9 @@ def _check_moe(c: Config) -> None:
     if not m.moe.experts:
         return
     _check_experts(m, p)
-    _refuse(_moe_refusals(c), f"model.moe.experts = {m.moe.experts}")
+    refuse(_moe_refusals(c), f"model.moe.experts = {m.moe.experts}")
     if p.ep != 1:
-        _refuse(_expert_parallel_refusals(c), f"parallel.ep = {p.ep}")
+        refuse(_expert_parallel_refusals(c), f"parallel.ep = {p.ep}")
 
 
 def _check_experts(m: ModelConfig, p: ParallelConfig) -> None:
@@ -469,7 +469,7 @@ def _check_experts(m: ModelConfig, p: ParallelConfig) -> None:
 
 
 def _moe_refusals(c: Config) -> dict[str, tuple[bool, str, str, str]]:
-    """What does not go with any MoE model (a table for :func:`_refuse`)."""
+    """What does not go with any MoE model (a table for :func:`refuse`)."""
     p, t, moe = c.parallel, c.train, c.model.moe
     # key: (refused, the value as written, what is allowed, why)
     return {
@@ -494,7 +494,7 @@ def _moe_refusals(c: Config) -> dict[str, tuple[bool, str, str, str]]:
 
 def _expert_parallel_refusals(c: Config) -> dict[str, tuple[bool, str, str, str]]:
     """What does not go with experts split over ranks (parallel.ep > 1); a table for
-    :func:`_refuse`."""
+    :func:`refuse`."""
     p, t = c.parallel, c.train
     # key: (refused, the value as written, what is allowed, why)
     return {
@@ -515,16 +515,6 @@ def _expert_parallel_refusals(c: Config) -> dict[str, tuple[bool, str, str, str]
             "a rank out of memory inside forward would leave the others in the experts' all-to-all",
         ),
     }  # fmt: skip
-
-
-def _refuse(table: dict[str, tuple[bool, str, str, str]], setting: str) -> None:
-    """The first refused key of ``table`` (key: refused, the value as written, what is allowed,
-    why) as an error naming ``setting``, the setting it does not go with."""
-    for key, (bad, shown, allowed, why) in table.items():
-        if bad:
-            raise ValueError(
-                f"{key} = {shown} is not supported with {setting} (allowed: {allowed}): {why}"
-            )
 
 
 def config_warnings(config: Config) -> list[str]:

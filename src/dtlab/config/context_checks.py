@@ -5,10 +5,17 @@ for the ring."""
 
 from __future__ import annotations
 
-from dtlab.config.schema import CROSS_RULES, Config
+from dtlab.config.schema import CROSS_RULES, Config, refuse
 from dtlab.dims import DPWrapper
 
 __all__ = ["check_context_parallel", "check_document_mask"]
+
+
+# Why what context parallelism does not compose with yet is refused (one reason for them all).
+_CP_WHY = (
+    "context parallelism is built over DDP's, FSDP's and HSDP's ranks (a mixture of experts without "
+    "expert parallelism), its ring on the CPU's attention kernel, so far"
+)
 
 
 def check_context_parallel(c: Config) -> None:
@@ -29,7 +36,7 @@ def check_context_parallel(c: Config) -> None:
             f"{heads} attention heads a rank holds (model.n_heads = {m.n_heads} / parallel.tp = "
             f"{p.tp}); allowed: a cp dividing {heads}, or cp_method = 'ring'"
         )
-    refused: dict[str, tuple[bool, str, str]] = {
+    refused: dict[str, tuple[bool, str, str, str]] = {k: (*v, _CP_WHY) for k, v in {
         "parallel.strategy": (
             DPWrapper.of(p.strategy) is DPWrapper.NONE, repr(p.strategy), "'ddp', 'fsdp', 'hsdp'",
         ),
@@ -54,14 +61,8 @@ def check_context_parallel(c: Config) -> None:
         "train.device": (
             p.cp_method == "ring" and t.device == "cuda", repr(t.device), "'cpu' or 'auto' on a CPU",
         ),
-    }  # fmt: skip
-    for key, (bad, shown, allowed) in refused.items():
-        if bad:
-            raise ValueError(
-                f"{key} = {shown} is not supported with parallel.cp = {p.cp} (allowed: {allowed}): "
-                "context parallelism is built over DDP's, FSDP's and HSDP's ranks (a mixture of "
-                "experts without expert parallelism), its ring on the CPU's attention kernel, so far"
-            )
+    }.items()}  # fmt: skip
+    refuse(refused, f"parallel.cp = {p.cp}")
 
 
 def check_document_mask(c: Config) -> None:
@@ -70,18 +71,18 @@ def check_document_mask(c: Config) -> None:
     if not c.data.document_mask:
         return
     p = c.parallel
-    refused: dict[str, tuple[bool, str, str]] = {
-        "parallel.pp": (p.pp > 1, str(p.pp), "1"),
-        "parallel.cp": (p.cp > 1, str(p.cp), "1"),
-        "train.engine": (c.train.engine != "torch", repr(c.train.engine), "'torch'"),
-    }
-    for key, (bad, shown, allowed) in refused.items():
-        if bad:
-            raise ValueError(
-                f"{key} = {shown} is not supported with data.document_mask = true (allowed: "
-                f"{allowed}): the mask is made from the tokens where the embedding is, and context "
-                "parallelism's attention takes none, so far"
-            )
+    why = (
+        "the mask is made from the tokens where the embedding is, and context parallelism's "
+        "attention takes none, so far"
+    )
+    refuse(
+        {
+            "parallel.pp": (p.pp > 1, str(p.pp), "1", why),
+            "parallel.cp": (p.cp > 1, str(p.cp), "1", why),
+            "train.engine": (c.train.engine != "torch", repr(c.train.engine), "'torch'", why),
+        },
+        "data.document_mask = true",
+    )
 
 
 CROSS_RULES.extend([check_context_parallel, check_document_mask])

@@ -32,6 +32,16 @@ from dtlab.dims import DPWrapper, strategies_with
 CROSS_RULES: list[Callable[[Config], None]] = []
 
 
+def refuse(table: dict[str, tuple[bool, str, str, str]], setting: str) -> None:
+    """The first refused key of ``table`` (key: refused, the value as written, what is allowed,
+    why) as an error naming ``setting``, the setting it does not go with."""
+    for key, (bad, shown, allowed, why) in table.items():
+        if bad:
+            raise ValueError(
+                f"{key} = {shown} is not supported with {setting} (allowed: {allowed}): {why}"
+            )
+
+
 class Config(_Section):
     """The whole configuration of a run."""
 
