@@ -193,6 +193,13 @@ CP_NOT_PLANNED = (
 )
 
 
+DOCUMENT_MASK_NOT_PLANNED = (
+    "data.document_mask = true is not modelled by dtlab plan yet: its mask (micro-batch x seq_len^2 "
+    "bytes a forward) and the attention kernel it selects are not in the plan's memory, so no "
+    "figure is given"
+)
+
+
 def unsupported(config: Config, world: int) -> str | None:
     """Why the layout of ``config`` on ``world`` ranks cannot be checked here; None when it can."""
     from dtlab.dims import ParallelDims
@@ -201,7 +208,7 @@ def unsupported(config: Config, world: int) -> str | None:
     if dims.cp_enabled:
         return CP_NOT_PLANNED
     if config.data.document_mask:
-        return "data.document_mask = true is not modelled by dtlab plan yet (its mask's memory)"
+        return DOCUMENT_MASK_NOT_PLANNED
     if dims.ddp_enabled and not dims.shard_optimizer and config.parallel.compression != "none":
         return (
             f"DDP with parallel.compression = {config.parallel.compression!r} is not checked: its "

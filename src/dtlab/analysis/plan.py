@@ -195,16 +195,12 @@ def plan(
     ``device_assumed``: the profile was not asked for (the CLI's default); the output says so.
     ``source``: the config file and the ``--set`` overrides it came from, for the printed command.
     """
-    if config.parallel.cp > 1:
-        from dtlab.analysis.check_fake import CP_NOT_PLANNED
+    from dtlab.analysis.check_fake import CP_NOT_PLANNED, DOCUMENT_MASK_NOT_PLANNED
 
+    if config.parallel.cp > 1:
         raise ConfigError(f"parallel.cp = {config.parallel.cp}: {CP_NOT_PLANNED}")
     if config.data.document_mask:
-        raise ConfigError(
-            "data.document_mask = true is not modelled by dtlab plan yet: its mask (micro-batch x "
-            "seq_len^2 bytes a forward) and the attention kernel it selects are not in the plan's "
-            "memory, so no figure is given"
-        )
+        raise ConfigError(DOCUMENT_MASK_NOT_PLANNED)
     world = nproc * nnodes
     memory = (memory_gib if memory_gib is not None else device.memory_gib) * 2**30
     precision = config.train.precision
