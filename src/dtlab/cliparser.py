@@ -41,8 +41,9 @@ layouts (NAME:DEGREE joined by x; processes: the product of the degrees but ep's
                           group its TP ranks); each group's run compared
   tp:N   sp:N             tensor parallel over N ranks (sp: with sequence parallelism)
   pp:N[:SCHEDULE]         pipeline parallel over N ranks, e.g. pp:2:interleaved_1f1b
-  ep:N                    expert parallel (MoE) over N of the data-parallel ranks, which N must
-                          divide (fsdp:4xep:2: 4 processes); alone, ddp:N with ep N
+  ep:N                    expert parallel (MoE) over N of the data-parallel ranks (with cp, of the
+                          data x cp ranks), which N must divide (fsdp:4xep:2: 4 processes); alone,
+                          ddp:N with ep N (ep:2xcp:2: ddp 2 x cp 2, 4 processes)
   cp:N[:METHOD]           context parallel: each sequence split over N ranks, METHOD ring
                           (default) or alltoall (ddp:2xcp:2: 4 processes; alone, over DDP)
 

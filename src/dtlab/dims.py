@@ -39,14 +39,19 @@ ranks that hold the same part of the model in the other replicas.
 
 ``parallel.ep`` (expert parallelism, mixture-of-experts models) borrows its ranks from the data-parallel
 ranks, as torchtitan does, and adds no dimension to the world: each of the ``dp`` data-parallel ranks
-still trains its own share of the batch. The ``dp`` ranks (in :meth:`ParallelDims.dp_rank` order) form
-``dp / ep`` groups of ``ep`` consecutive ones; the ranks of a group split each MoE block's routed experts
-between them (expert e on the group's rank ``e // (experts / ep)``) and send each token to its experts'
-ranks. The expert shards are then data-parallel over the ``dp / ep`` ranks that hold the same experts
-(one per group, ``ep_dp``). A second mesh over the same world, ``(pp, ep_dp, ep, tp)``, holds those two
+still trains its own share of the batch. Under context parallelism it borrows from the data x cp ranks:
+each cp rank holds other tokens of the same sequences, so for the experts it is one more data rank.
+The ``dp x cp`` ranks (data-parallel index, then cp index, :meth:`ParallelDims.ep_rank`) form
+``dp x cp / ep`` groups of ``ep`` consecutive ones; the ranks of a group split each MoE block's routed
+experts between them (expert e on the group's rank ``e // (experts / ep)``) and send each token to its
+experts' ranks. The expert shards are then data-parallel over the ``dp x cp / ep`` ranks that hold the
+same experts (one per group, ``ep_dp``), their gradients averaged over the ``dp x cp`` ranks as every
+other gradient is. A second mesh over the same world, ``(pp, ep_dp, ep, tp)``, holds those two
 dimensions (:meth:`ParallelDims.expert_mesh`); everything else keeps the data-parallel layout above::
 
     dp ranks   0 1 2 3        ep 2:  EP groups {0, 1} {2, 3}; experts' data parallelism {0, 2} {1, 3}
+    dp 2 x cp 2: (dp, cp) = (0, 0) (0, 1) (1, 0) (1, 1) = ranks 0 1 2 3; ep 2: EP groups {0, 1} {2, 3}
+               (each a cp group), ep 4: one EP group of all four
 
 This module imports neither the config (the config's own checks use it) nor, until a mesh is built, torch.
 """
@@ -146,7 +151,7 @@ class _HasParallel(Protocol):
 # DiLoCo's replicas sit outside the data-parallel dimensions of each replica: they talk the least of all
 # data-parallel ranks (every H steps).
 DIM_NAMES = ("pp", "diloco", "dp_replicate", "dp_shard", "cp", "tp")
-# The experts' mesh (parallel.ep > 1): the same world, its data-parallel ranks split into EP groups
+# The experts' mesh (parallel.ep > 1): the same world, its data x cp ranks split into EP groups
 # (``ep``, innermost of them) and the ranks holding the same experts (``ep_dp``).
 EXPERT_DIM_NAMES = ("pp", "ep_dp", "ep", "tp")
 
@@ -172,7 +177,7 @@ class ParallelDims:
     diloco: int = 1
     wrapper: DPWrapper = DPWrapper.NONE
     # Expert parallel (parallel.ep): each MoE block's routed experts split over groups of this many
-    # data-parallel ranks; no dimension of its own (it divides dp, see the module's docstring).
+    # data x cp ranks; no dimension of its own (it divides dp x cp, see the module's docstring).
     ep: int = 1
     # ZeRO-1 (ddp with sharding optimizer): each of the dp_replicate ranks keeps and steps the
     # optimizer state of its share of the parameters.
@@ -202,10 +207,10 @@ class ParallelDims:
                 f"wrapper {self.wrapper.value} with mesh_dims = {self.mesh_dims}: only a run without "
                 "a process group (wrapper none, one process) has no mesh"
             )
-        if self.ep < 1 or self.dp % self.ep or (self.ep > 1 and self.diloco > 1):
+        if self.ep < 1 or self.ep_span % self.ep or (self.ep > 1 and self.diloco > 1):
             raise ValueError(
-                f"ep = {self.ep} must divide the {self.dp} data-parallel ranks (and DiLoCo's "
-                f"{self.diloco} replicas must be 1 with it)"
+                f"ep = {self.ep} must divide the {self.ep_span} data x cp ranks (dp = {self.dp} x "
+                f"cp = {self.cp}; and DiLoCo's {self.diloco} replicas must be 1 with it)"
             )
         if self.wrapper is DPWrapper.NONE and self.dp > 1:
             raise ValueError(f"{self.dp} data-parallel ranks need a wrapper (ddp or fsdp)")
@@ -227,14 +232,20 @@ class ParallelDims:
         ep = config.parallel.ep
         if ep == 1:
             return dims
-        if dims.dp % ep:
-            fits = [str(k) for k in range(1, dims.dp + 1) if dims.dp % k == 0]
+        span = dims.ep_span
+        if span % ep:
+            fits = [str(k) for k in range(1, span + 1) if span % k == 0]
+            p = config.parallel
+            ranks = f"{world_size} processes / (parallel.tp = {p.tp} x parallel.pp = {p.pp})"
+            kind, lent = "data-parallel", "data parallelism"
+            # A cp rank routes its own tokens: one more data rank to the experts.
+            if dims.cp_enabled:
+                ranks += f" = {dims.dp} data-parallel x parallel.cp = {dims.cp}"
+                kind, lent = "data x cp", "data and context parallelism"
             raise ConfigError(
-                f"parallel.ep = {ep} does not divide the {dims.dp} data-parallel ranks "
-                f"({world_size} processes / (parallel.tp = {config.parallel.tp} x parallel.pp = "
-                f"{config.parallel.pp})): expert parallelism borrows its ranks from data "
-                f"parallelism (allowed here: {', '.join(fits)}; or run a multiple of {ep} "
-                "data-parallel ranks)"
+                f"parallel.ep = {ep} does not divide the {span} {kind} ranks ({ranks}): expert "
+                f"parallelism borrows its ranks from {lent} (allowed here: {', '.join(fits)}; or "
+                f"run a multiple of {ep} {kind} ranks)"
             )
         return dataclasses.replace(dims, ep=ep)
 
@@ -470,15 +481,39 @@ class ParallelDims:
         return self.ep > 1
 
     @property
+    def ep_span(self) -> int:
+        """The ranks expert parallelism borrows from, ``dp x cp`` (a cp rank holds other tokens: for
+        the experts, one more data rank): ``ep`` divides it, and the experts' gradients are averaged
+        over all of them, as every other gradient is."""
+        return self.dp * self.cp
+
+    @property
     def ep_dp(self) -> int:
-        """The data-parallel ranks that hold the same experts (one per EP group): their expert
-        shards' gradients are averaged over these."""
-        return self.dp // self.ep
+        """The data x cp ranks that hold the same experts (one per EP group): their expert shards'
+        gradients are summed over these."""
+        return self.ep_span // self.ep
 
     def ep_rank(self, rank: int) -> int:
-        """Global rank ``rank``'s place in its EP group: it holds the experts
-        ``[ep_rank * experts / ep, (ep_rank + 1) * experts / ep)``."""
-        return self.dp_rank(rank) % self.ep
+        """Global rank ``rank``'s place in its EP group (of consecutive (data-parallel, cp) indices):
+        it holds the experts ``[ep_rank * experts / ep, (ep_rank + 1) * experts / ep)``."""
+        return self.expert_coordinates(rank)[EXPERT_DIM_NAMES.index("ep")]
+
+    def expert_coordinates(self, rank: int) -> tuple[int, ...]:
+        """Where global rank ``rank`` sits on the experts' mesh, along :data:`EXPERT_DIM_NAMES`: its
+        (data-parallel, cp) index, ``dp_rank x cp + cp rank``, split into (``ep_dp``, ``ep``)."""
+        c = self.coordinates(rank)
+        ep_dp, ep = divmod(self.dp_rank(rank) * self.cp + c["cp"], self.ep)
+        return (c["pp"], ep_dp, ep, c["tp"])
+
+    def expert_groups(self, dim: str) -> list[list[int]]:
+        """The global ranks of each group along the experts' mesh dimension ``dim`` (one of
+        :data:`EXPERT_DIM_NAMES`), each group in its order along ``dim``."""
+        i = EXPERT_DIM_NAMES.index(dim)
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for r in sorted(range(self.world_size), key=self.expert_coordinates):
+            place = self.expert_coordinates(r)
+            groups.setdefault(place[:i] + place[i + 1 :], []).append(r)
+        return [groups[k] for k in sorted(groups)]
 
     def expert_mesh(self, device_type: str, *dims: str) -> DeviceMesh:
         """The experts' mesh over the whole world, dimensions :data:`EXPERT_DIM_NAMES` (``ep``: an EP
@@ -493,9 +528,10 @@ class ParallelDims:
             import torch
             from torch.distributed.device_mesh import DeviceMesh
 
-            # Global ranks run row-major over (pp, dp, tp) (DiLoCo is refused with ep), and the dp
-            # index splits into (ep_dp, ep): EP groups of consecutive data-parallel ranks.
-            ranks = torch.arange(self.world_size).view(self.pp, self.ep_dp, self.ep, self.tp)
+            # Each rank at its expert_coordinates, row-major (DiLoCo is refused with ep): global
+            # ranks run row-major over (pp, dp, cp, tp), so EP groups are consecutive data x cp ranks.
+            order = sorted(range(self.world_size), key=self.expert_coordinates)
+            ranks = torch.tensor(order).view(self.pp, self.ep_dp, self.ep, self.tp)
             self._meshes[key] = DeviceMesh(device_type, ranks, mesh_dim_names=EXPERT_DIM_NAMES)
         mesh = self._meshes[key]
         return mesh[dims] if dims else mesh
@@ -607,9 +643,9 @@ def layout_warnings(dims: ParallelDims, parallel: _NamedSection) -> list[str]:
 def layout_fields(dims: ParallelDims) -> dict[str, int]:
     """The degrees of a layout as ``summary.json`` gives them: ``dp`` data-parallel ranks in all (the
     global batch is split over them), within a DiLoCo replica ``dp_replicate`` replicas of ``dp_shard``
-    ranks each, ``diloco`` replicas, ``tp``, ``pp``, ``ep`` (expert parallelism: ranks of ``dp`` the
-    experts are split over, not a factor of the world), ``cp`` (the ranks each sequence is split over)
-    and ``world_size`` (``dp x cp x tp x pp``)."""
+    ranks each, ``diloco`` replicas, ``tp``, ``pp``, ``ep`` (expert parallelism: ranks of ``dp x cp``
+    the experts are split over, not a factor of the world), ``cp`` (the ranks each sequence is split
+    over) and ``world_size`` (``dp x cp x tp x pp``)."""
     return {
         "dp": dims.dp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
         "diloco": dims.diloco, "cp": dims.cp, "tp": dims.tp, "pp": dims.pp, "ep": dims.ep,

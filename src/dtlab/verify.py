@@ -19,8 +19,9 @@ Layout syntax: layouts separated by commas; a layout is dimensions joined by ``x
     tp:N   sp:N             tensor parallel over N ranks (sp: with sequence parallelism)
     pp:N[:SCHEDULE]         pipeline parallel over N ranks (schedule: parallel.pp_schedule's values)
     ep:N                    expert parallel (an MoE model's experts) over N of the data-parallel
-                            ranks: it adds no process, N must divide the data-parallel degree;
-                            alone it means ddp:N
+                            ranks (with cp, of the data x cp ranks): it adds no process, N must
+                            divide the data-parallel degree (times cp's); alone it means ddp:N
+                            (ep:2xcp:2: ddp 2 x cp 2, the experts over each cp group's 2 ranks)
 
 e.g. ``single,ddp:2,fsdp:2xtp:2,pp:2:interleaved_1f1b,fsdp:2xpp:2,ep:2,fsdp:4xep:2``. Processes: the
 product of the degrees other than ep.
@@ -202,17 +203,22 @@ def _add_model_parallel(parts: _LayoutParts, dim: _Dim) -> None:
 
 def _finish_layout(parts: _LayoutParts, item: str) -> Layout:
     """The layout of ``parts``: expert parallelism's data-parallel ranks (DDP's when no data
-    parallelism was given), which it must divide, and the strategy as the first override."""
+    parallelism was given), which it must divide (with cp, the data x cp ranks), and the strategy as
+    the first override."""
     ep = parts.degrees["ep"]
     if ep > 1 and "data" not in parts.seen:  # expert parallelism borrows data-parallel ranks: ddp's
         parts.strategy, parts.dp = "ddp", ep
     if parts.degrees["cp"] > 1 and "data" not in parts.seen:  # context parallelism runs over DDP
         parts.strategy = "ddp"
-    strategy, dp = parts.strategy, parts.dp
-    if dp % ep:
+    strategy, dp, cp = parts.strategy, parts.dp, parts.degrees["cp"]
+    if (dp * cp) % ep:
+        ranks, fits = f"the data-parallel degree {dp}", f"{strategy}:{2 * ep}xep:{ep}"
+        if cp > 1:
+            ranks = f"the {dp * cp} data x cp ranks"
+            fits = f"{strategy}:{ep // math.gcd(ep, cp)}xcp:{cp}xep:{ep}"
         raise ConfigError(
-            f"--layouts: {item!r}: ep:{ep} must divide the data-parallel degree {dp} (expert "
-            f"parallelism borrows its ranks from data parallelism, e.g. {strategy}:{2 * ep}xep:{ep})"
+            f"--layouts: {item!r}: ep:{ep} must divide {ranks} (expert parallelism borrows its "
+            f"ranks from data and context parallelism, e.g. {fits})"
         )
     parts.overrides.insert(0, f"parallel.strategy={strategy}")
     degrees = parts.degrees

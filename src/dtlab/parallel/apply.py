@@ -511,7 +511,7 @@ def parallelize(model: Transformer, config: Config, dist_info: DistInfo) -> Para
     experts = None
     if dims.ep_enabled:
         group = dims.expert_mesh(dist_info.device.type, "ep_dp").get_group()
-        experts = ExpertShards(expert_params(model), group, dims.dp)
+        experts = ExpertShards(expert_params(model), group, dims.ep_span)
     return ParallelModel(module, model, dims, compression, zero=zero, experts=experts)
 
 
@@ -608,7 +608,7 @@ def _parallelize_pipeline(model: Transformer, config: Config, d: DistInfo) -> Pa
     experts = None
     if dims.ep_enabled:
         group = dims.expert_mesh(d.device.type, "ep_dp").get_group()
-        experts = ExpertShards(expert_params(whole), group, dims.dp)
+        experts = ExpertShards(expert_params(whole), group, dims.ep_span)
     return ParallelModel(
         whole, whole, dims, CompressionState(p.compression), pipeline, experts=experts
     )

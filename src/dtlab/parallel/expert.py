@@ -1,15 +1,16 @@
 """Expert parallelism (``parallel.ep``): each MoE block's routed experts split over an EP group, the
 tokens sent to their experts' ranks and back by all-to-all.
 
-Placement (:class:`dtlab.dims.ParallelDims`): the data-parallel ranks form groups of ``ep``
-consecutive ranks; every rank still trains its own share of the batch and holds every other parameter
-as the data-parallel strategy lays it out. Each :class:`~dtlab.models.moe.GroupedExperts`' stacked
+Placement (:class:`dtlab.dims.ParallelDims`): the data-parallel ranks (under context parallelism the
+data x cp ranks: each cp rank routes its own tokens) form groups of ``ep`` consecutive ranks; every
+rank still trains its own share of the batch and holds every other parameter as the data-parallel
+strategy lays it out. Each :class:`~dtlab.models.moe.GroupedExperts`' stacked
 ``w1``, ``w2``, ``w3`` ([E, ...]) become DTensors sharded along dim 0 over the group's ``ep`` mesh
 (``Shard(0)``): EP rank r holds experts ``[r L, (r + 1) L)``, ``L = E / ep``. Their names and full
 shapes do not change, so a checkpoint (DCP) holds the same tensors at any EP degree and reshards
 between them. DDP and FSDP leave them alone (ignored parameters); their gradients are averaged over
-the ``dp / ep`` ranks that hold the same experts by :meth:`ExpertShards.reduce_gradients`, once per
-optimizer step.
+the ``dp x cp / ep`` ranks that hold the same experts by :meth:`ExpertShards.reduce_gradients`, once
+per optimizer step.
 
 Collective protocol, per MoE block and micro-batch, on each EP group of ``ep`` ranks (``E`` experts,
 ``L = E / ep`` per rank, ``k`` = top_k, ``n`` this rank's tokens, ``dim`` the model width; ``S = n k``
@@ -32,7 +33,7 @@ the experts' output dtype (bf16/fp16 under autocast, else float32). A rank sends
 experts, which stay on the rank; the all-to-alls still pass them through). Under activation
 checkpointing a recomputed block runs 1.-3. again in backward. After the step's backward, once per
 optimizer step: an all-reduce (sum, float32 or the gradients' dtype) of every expert shard's
-gradients over the ``dp / ep`` ranks holding the same experts, none when that is one rank.
+gradients over the ``dp x cp / ep`` ranks holding the same experts, none when that is one rank.
 """
 
 from __future__ import annotations
@@ -186,13 +187,15 @@ def expert_params(module: nn.Module) -> list[nn.Parameter]:
 
 
 class ExpertShards:
-    """The expert shards' data parallelism: their gradients averaged over the ``dp`` data-parallel
-    ranks, which is summed over ``group`` (the ranks holding the same experts) and divided by ``dp``.
+    """The expert shards' data parallelism: their gradients averaged over the ``dp`` ranks expert
+    parallelism borrows from (the data x cp ranks, :attr:`dtlab.dims.ParallelDims.ep_span`), which is
+    summed over ``group`` (the ranks holding the same experts) and divided by ``dp``.
 
     Backward already summed each shard's gradient over its EP group (the combine's and dispatch's
     transposes bring every rank's rows' gradients to the experts' rank), so the sum over ``group``
-    covers all ``dp`` ranks; each rank's loss being the mean over its own tokens, dividing by ``dp``
-    is what DDP's and FSDP's averages do to every other gradient.
+    covers all ``dp`` ranks; each rank's loss being the mean over its own tokens (a cp rank's too:
+    every cp rank holds as many), dividing by ``dp`` is what DDP's and FSDP's averages over the data
+    x cp ranks do to every other gradient.
     """
 
     def __init__(self, params: list[nn.Parameter], group: Any, dp: int) -> None:
