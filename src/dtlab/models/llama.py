@@ -19,7 +19,7 @@ from torch import nn
 from dtlab.models.args import HasModelArgs, ModelArgs, RopeScaling, model_args
 from dtlab.models.attention import attend
 from dtlab.models.moe import MoE, moe_layers
-from dtlab.models.sequence import document_mask
+from dtlab.models.sequence import document_ids, document_mask
 
 
 class RMSNorm(nn.Module):
@@ -115,13 +115,16 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         # Context parallelism (dtlab.parallel.context) sets how training's causal attention of this
-        # rank's part of the sequence over the whole of it is computed: q, k, v [B, H, T, D] -> out.
-        self.context: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = (
-            None
-        )
-        # data.document_mask: the mask of the current forward's documents (set by the model's forward,
-        # kept until the next: a checkpointed block recomputed in backward reads it again).
+        # rank's part of the sequence over the whole of it is computed: q, k, v [B, H, T, D] -> out
+        # (and ``documents=``, under a document mask).
+        self.context: Callable[..., torch.Tensor] | None = None
+        # data.document_mask: the current forward's documents (set by the model's forward, kept until
+        # the next: a checkpointed block recomputed in backward reads them again). ``mask``: the
+        # [B, 1, T, T] mask of the tokens; under context parallelism ``documents`` instead: the
+        # document of each token of the whole sequence [B, S], which the context's attention cuts
+        # into the blocks of the mask it computes.
         self.mask: torch.Tensor | None = None
+        self.documents: torch.Tensor | None = None
 
     def forward(
         self,
@@ -144,7 +147,9 @@ class Attention(nn.Module):
             # [B, H, T, D]; grouped key/value heads are shared by their query heads without a copy
             # wherever the kernel allows it (dtlab.models.attention says where it does not).
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            if self.context is not None:
+            if self.context is not None and self.documents is not None:
+                out = self.context(q, k, v, documents=self.documents)
+            elif self.context is not None:
                 out = self.context(q, k, v)
             elif self.mask is not None:  # within each document only (causal as well)
                 out = attend(q, k, v, attn_mask=self.mask)
@@ -235,8 +240,10 @@ class Transformer(nn.Module):
             None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
         )
         # Context parallelism (dtlab.parallel.context): the positions in the whole sequence of the
-        # tokens this rank holds (None: the tokens are the sequence, in order).
+        # tokens this rank holds (None: the tokens are the sequence, in order), and the whole
+        # sequences' tokens [B, S] from this rank's [B, T] (a document mask needs every boundary).
         self.positions: torch.Tensor | None = None
+        self.whole_sequence: Callable[[torch.Tensor], torch.Tensor] | None = None
         # data.document_mask: the token that ends a document; attention then stays within each
         # document of a window (None: the whole window is attended, causally).
         self.document_separator: int | None = None
@@ -265,18 +272,26 @@ class Transformer(nn.Module):
                 )
             cos, sin = cos[self.positions], sin[self.positions]
         if self.document_separator is not None or self._masked:
-            # Set for this forward (None where the separator was taken away since the last one).
-            mask = None
-            if self.document_separator is not None and self.tok_embeddings is not None:
-                mask = document_mask(tokens, self.document_separator)
-            for m in self.modules():
-                if isinstance(m, Attention):
-                    m.mask = mask
-            self._masked = mask is not None
+            self._set_documents(tokens)
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         return self._head(h)
+
+    def _set_documents(self, tokens: torch.Tensor) -> None:
+        """Give each attention module this forward's documents of ``tokens`` (None where the
+        separator was taken away since the last one): their mask, or under context parallelism
+        the document of each token of the whole sequence."""
+        mask = documents = None
+        if self.document_separator is not None and self.tok_embeddings is not None:
+            if self.whole_sequence is None:
+                mask = document_mask(tokens, self.document_separator)
+            else:  # once per forward: each rank's tokens are a part of the sequence
+                documents = document_ids(self.whole_sequence(tokens), self.document_separator)
+        for m in self.modules():
+            if isinstance(m, Attention):
+                m.mask, m.documents = mask, documents
+        self._masked = mask is not None or documents is not None
 
     def _forward_cached(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         end = cache.pos + tokens.shape[1]

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["document_mask", "positions", "shard_sequence", "unshard_sequence", "zigzag_chunks"]
+__all__ = [
+    "document_ids", "document_mask", "positions", "same_document", "shard_sequence",
+    "unshard_sequence", "zigzag_chunks",
+]  # fmt: skip
 
 
 def zigzag_chunks(cp: int, rank: int) -> tuple[int, int]:
@@ -43,12 +46,26 @@ def positions(seq_len: int, cp: int, rank: int, device: torch.device | None = No
     return shard_sequence(torch.arange(seq_len, device=device), cp, rank, dim=0)
 
 
+def document_ids(tokens: torch.Tensor, separator: int) -> torch.Tensor:
+    """[B, T]: the document of each token of ``tokens`` [B, T] (the separators before it), documents
+    ending at each ``separator`` (which belongs to the one it ends). Non-decreasing along T."""
+    ends = (tokens == separator).long()
+    return ends.cumsum(-1) - ends
+
+
+def same_document(queries: torch.Tensor, keys: torch.Tensor, causal: bool) -> torch.Tensor:
+    """[B, 1, Tq, Tk] boolean: query i attends key j when both are of the same document (``queries``
+    [B, Tq] and ``keys`` [B, Tk] are :func:`document_ids`), and, if ``causal`` (the same positions
+    on both sides), when j <= i."""
+    same = queries.unsqueeze(-1) == keys.unsqueeze(-2)
+    if causal:
+        tq, tk = queries.shape[-1], keys.shape[-1]
+        same &= torch.ones(tq, tk, dtype=torch.bool, device=queries.device).tril()
+    return same.unsqueeze(1)
+
+
 def document_mask(tokens: torch.Tensor, separator: int) -> torch.Tensor:
     """[B, 1, T, T] boolean: token i attends token j when j <= i and both are of the same document of
     ``tokens`` [B, T], documents ending at each ``separator`` (which belongs to the one it ends)."""
-    ends = (tokens == separator).long()
-    doc = ends.cumsum(-1) - ends  # the separators before each token
-    same = doc.unsqueeze(-1) == doc.unsqueeze(-2)
-    t = tokens.shape[-1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril()
-    return (same & causal).unsqueeze(1)
+    doc = document_ids(tokens, separator)
+    return same_document(doc, doc, causal=True)

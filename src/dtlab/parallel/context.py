@@ -17,6 +17,13 @@ attention kernel returns beside its output (on the CPU,
 Backward is a ring too: each block's gradients are computed by the kernel's own backward from the final
 output and log-sum-exp (the softmax over every key), the query's gradient summed here, and the key and
 value gradients travel round the ring with their block, back to the rank that owns it.
+
+Document masks (``data.document_mask``): a token attends only the tokens of its own document. The
+model gathers its tokens over the group once per forward (:func:`gather_sequence`) and gives both
+methods the document of each token of the whole sequence. The all-to-all attends with the whole mask
+(causal and same-document); the ring cuts it into its (query chunk, key chunk) blocks: a block no query
+attends is skipped, one inside a single document runs as without a mask, the rest take their part of
+it. A query row with no key in a block gets no weight in the merge.
 """
 
 from __future__ import annotations
@@ -29,11 +36,17 @@ import torch
 import torch.distributed as dist
 
 from dtlab.errors import ConfigError
-from dtlab.models.sequence import positions, shard_sequence, unshard_sequence, zigzag_chunks
+from dtlab.models.sequence import (
+    positions,
+    same_document,
+    shard_sequence,
+    unshard_sequence,
+    zigzag_chunks,
+)
 
 __all__ = [
-    "alltoall_attention", "apply_context_parallel", "ring_attention", "shard_sequence",
-    "unshard_sequence", "zigzag_chunks",
+    "alltoall_attention", "apply_context_parallel", "gather_sequence", "ring_attention",
+    "shard_sequence", "unshard_sequence", "zigzag_chunks",
 ]  # fmt: skip
 
 # A (query chunk, key chunk) pair: attended fully (the keys come first), causally (the same chunk),
@@ -48,11 +61,51 @@ def _pair(q_chunk: int, k_chunk: int) -> str:
     return CAUSAL if k_chunk == q_chunk else NONE
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> Any:
-    """(output, log-sum-exp) of attention of ``q`` over ``k``/``v`` (the device's kernel, no autograd)."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, causal, scale=scale
+def _block(
+    q_chunk: int, k_chunk: int, docs: tuple[torch.Tensor, ...] | None
+) -> tuple[str, torch.Tensor | None]:
+    """How a query chunk attends a key chunk, and under a document mask (``docs``: each chunk's
+    document ids) the block's part of it: None where it is the kind's own (every pair in one
+    document); a block no query attends is NONE."""
+    kind = _pair(q_chunk, k_chunk)
+    if docs is None or kind == NONE:
+        return kind, None
+    qd, kd = docs[q_chunk], docs[k_chunk]
+    # Document ids never fall along the sequence, and keys come no later than queries here: the
+    # first key and the last query of one document put every pair in it.
+    if torch.equal(kd[:, 0], qd[:, -1]):
+        return kind, None
+    allowed = same_document(qd, kd, causal=kind == CAUSAL)
+    return (kind, allowed) if bool(allowed.any()) else (NONE, None)
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as the kernel takes it: 0 where allowed, -inf elsewhere, in the query's dtype."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed, float("-inf")
+    )
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    allowed: torch.Tensor | None = None,
+) -> Any:
+    """(output, log-sum-exp) of attention of ``q`` over ``k``/``v`` (the device's kernel, no autograd),
+    within the boolean mask ``allowed`` [B, 1, Tq, Tk] where given."""
+    if allowed is None:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, scale=scale
+        )[:2]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, False, attn_mask=_additive(allowed, q.dtype), scale=scale
     )[:2]
+    # A row with no key here comes back as output 0 with log-sum-exp 0; it is the empty sum's, -inf,
+    # so that the merge gives it no weight.
+    return out, lse.masked_fill(~allowed.any(-1), float("-inf"))
 
 
 def _attend_backward(
@@ -64,20 +117,33 @@ def _attend_backward(
     lse: torch.Tensor,
     causal: bool,
     scale: float,
+    allowed: torch.Tensor | None = None,
 ) -> Any:
-    """The kernel's own backward of one block, from the final output and log-sum-exp."""
+    """The kernel's own backward of one block, from the final output and log-sum-exp (a row with no
+    key in the block gets none of its gradient: its weights are exp(-inf - lse) = 0)."""
+    if allowed is None:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, scale=scale
+        )
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, causal, scale=scale
+        dout, q, k, v, out, lse, 0.0, False, attn_mask=_additive(allowed, q.dtype), scale=scale
     )
 
 
 def _merge(
-    out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    part: torch.Tensor,
+    part_lse: torch.Tensor,
+    masked: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two partial attentions of the same queries over disjoint keys, merged by their log-sum-exps."""
+    """Two partial attentions of the same queries over disjoint keys, merged by their log-sum-exps.
+    ``masked``: rows may have no key in either part (log-sum-exp -inf on both sides)."""
     new = torch.logaddexp(lse, part_lse)
-    out = out * torch.exp(lse - new).unsqueeze(-1) + part * torch.exp(part_lse - new).unsqueeze(-1)
-    return out, new
+    # Such a row stays empty (-inf, output 0): its weights are exp(-inf - 0), not exp(-inf + inf).
+    base = new.masked_fill(new == float("-inf"), 0.0) if masked else new
+    mine, theirs = torch.exp(lse - base).unsqueeze(-1), torch.exp(part_lse - base).unsqueeze(-1)
+    return out * mine + part * theirs, new
 
 
 class _Ring:
@@ -108,10 +174,18 @@ def _wait(requests: Any) -> None:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, scale: float
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        group: Any,
+        scale: float,
+        documents: torch.Tensor | None,
     ) -> torch.Tensor:
         ring = _Ring(group)
         mine = zigzag_chunks(ring.cp, ring.rank)
+        docs = None if documents is None else documents.chunk(2 * ring.cp, dim=1)
+        masked = docs is not None
         wide = torch.float64 if q.dtype == torch.float64 else torch.float32
         qs = q.chunk(2, dim=2)
         outs: list[torch.Tensor | None] = [None, None]
@@ -123,22 +197,23 @@ class _RingAttention(torch.autograd.Function):
             ks, vs = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
             for a, q_chunk in enumerate(mine):
                 for b, k_chunk in enumerate(zigzag_chunks(ring.cp, source)):
-                    kind = _pair(q_chunk, k_chunk)
+                    kind, allowed = _block(q_chunk, k_chunk, docs)
                     if kind == NONE:
                         continue
-                    part, part_lse = _attend(qs[a], ks[b], vs[b], kind == CAUSAL, scale)
+                    part, part_lse = _attend(qs[a], ks[b], vs[b], kind == CAUSAL, scale, allowed)
                     part = part.to(wide)  # merged in float32 (float64 stays)
                     if outs[a] is None:
                         outs[a], lses[a] = part, part_lse
                     else:
-                        outs[a], lses[a] = _merge(outs[a], lses[a], part, part_lse)  # type: ignore[arg-type]
+                        merged = _merge(outs[a], lses[a], part, part_lse, masked)  # type: ignore[arg-type]
+                        outs[a], lses[a] = merged
             if pending is not None:
                 _wait(pending[0])
                 kv = pending[1]
         out = torch.cat(outs, dim=2).to(q.dtype)  # type: ignore[arg-type]
         lse = torch.cat(lses, dim=2)  # type: ignore[arg-type]
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale = group, scale
+        ctx.group, ctx.scale, ctx.docs = group, scale, docs
         return out
 
     @staticmethod
@@ -162,12 +237,13 @@ class _RingAttention(torch.autograd.Function):
             dks, dvs = dkb.chunk(2, dim=2), dvb.chunk(2, dim=2)
             for a, q_chunk in enumerate(mine):
                 for b, k_chunk in enumerate(zigzag_chunks(ring.cp, source)):
-                    kind = _pair(q_chunk, k_chunk)
+                    kind, allowed = _block(q_chunk, k_chunk, ctx.docs)
                     if kind == NONE:
                         continue
                     gq, gk, gv = _attend_backward(
-                        douts[a], qs[a], ks[b], vs[b], outs[a], lses[a], kind == CAUSAL, ctx.scale
-                    )
+                        douts[a], qs[a], ks[b], vs[b], outs[a], lses[a], kind == CAUSAL,
+                        ctx.scale, allowed,
+                    )  # fmt: skip
                     dqs[a].add_(gq)
                     dks[b].add_(gk)
                     dvs[b].add_(gv)
@@ -177,20 +253,57 @@ class _RingAttention(torch.autograd.Function):
                 _wait(ahead[0])
                 kb, vb = ahead[1]
         dk, dv = dkb, dvb
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def _one_process(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float | None,
+    documents: torch.Tensor | None,
+    gqa: bool = False,
+) -> torch.Tensor:
+    """Causal attention of a whole sequence on one rank (within each document where ``documents``
+    gives each token's)."""
+    if documents is None:
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=gqa
+        )
+    mask = same_document(documents, documents, causal=True)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa
+    )
+
+
+def _check_documents(documents: torch.Tensor | None, q: torch.Tensor, cp: int) -> None:
+    """Refuse documents that are not the whole sequences' of this rank's queries."""
+    if documents is not None and tuple(documents.shape) != (q.shape[0], q.shape[2] * cp):
+        raise ValueError(
+            f"documents of shape {tuple(documents.shape)} for a rank's {q.shape[2]} positions of "
+            f"{q.shape[0]} sequences split over cp = {cp}; allowed: the whole sequences' "
+            f"({q.shape[0]}, {q.shape[2] * cp})"
+        )
 
 
 def ring_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: Any,
+    scale: float | None = None,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence's keys and values, each
     [batch, heads, local sequence, head dim] and split over ``group``'s ranks as
     :func:`shard_sequence` splits it (grouped key/value heads are expanded to the query heads);
-    returns this rank's part of the output."""
-    if dist.get_world_size(group) == 1:
-        return torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=scale
-        )
+    returns this rank's part of the output. ``documents`` [batch, sequence]: the document of each
+    token of the whole sequence (:func:`dtlab.models.sequence.document_ids`), in order; attention
+    then stays within each document."""
+    cp = dist.get_world_size(group)
+    _check_documents(documents, q, cp)
+    if cp == 1:
+        return _one_process(q, k, v, scale, documents)
     if q.shape[2] % 2:
         raise ValueError(f"a rank's {q.shape[2]} positions do not split into its 2 chunks")
     if q.device.type != "cpu":
@@ -203,7 +316,7 @@ def ring_attention(
     if k.shape[1] != q.shape[1]:  # grouped key/value heads: the blocks that travel carry every head
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    out = _RingAttention.apply(q, k, v, group, scale)
+    out = _RingAttention.apply(q, k, v, group, scale, documents)
     assert isinstance(out, torch.Tensor)
     return out
 
@@ -250,17 +363,22 @@ def _swap(x: torch.Tensor, group: Any, to_heads: bool) -> torch.Tensor:
 
 
 def alltoall_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: Any,
+    scale: float | None = None,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`ring_attention`'s result by all-to-alls: each rank takes ``heads / cp`` of the heads over
-    the whole sequence, attends causally with the device's own kernel, and gives the heads back. The
-    query heads must divide by ``cp``; key/value heads that do not (grouped-query attention with
-    fewer of them than ``cp``) are expanded to the query heads first."""
+    the whole sequence, attends causally (and within each of the ``documents`` where given) with
+    the device's own kernel, and gives the heads back. The query heads must divide by ``cp``;
+    key/value heads that do not (grouped-query attention with fewer of them than ``cp``) are
+    expanded to the query heads first."""
     cp = dist.get_world_size(group)
+    _check_documents(documents, q, cp)
     if cp == 1:
-        return torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=scale
-        )
+        return _one_process(q, k, v, scale, documents)
     heads, kv_heads = q.shape[1], k.shape[1]
     if heads % cp:
         raise ValueError(
@@ -271,11 +389,17 @@ def alltoall_attention(
         k = k.repeat_interleave(heads // kv_heads, dim=1)
         v = v.repeat_interleave(heads // kv_heads, dim=1)
     q, k, v = (_swap(t, group, True) for t in (q, k, v))
-    gqa = q.shape[1] != k.shape[1]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, is_causal=True, scale=scale, enable_gqa=gqa
-    )
+    # Each rank now holds the whole sequence, in order: the whole mask applies as it is.
+    out = _one_process(q, k, v, scale, documents, gqa=q.shape[1] != k.shape[1])
     return _swap(out, group, False)
+
+
+def gather_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """The whole sequences [B, S] from this rank's zigzag part of them [B, S / cp] (tokens, say): an
+    all-gather over ``group`` (no gradient)."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return unshard_sequence(parts, dim=1)
 
 
 def apply_context_parallel(
@@ -284,7 +408,8 @@ def apply_context_parallel(
     """Make ``model`` (a :class:`dtlab.models.llama.Transformer`, materialised) train on this rank's
     part of each ``seq_len`` sequence split over ``group``: its rotary positions those of its tokens
     in the whole sequence, and its blocks' attention computed across the group by ``method``
-    (``ring`` or ``alltoall``)."""
+    (``ring`` or ``alltoall``); under a document mask its tokens are gathered over the group once per
+    forward, for the documents of the whole sequence."""
     if method == "ring" and device.type != "cpu":
         raise ConfigError(
             f"parallel.cp_method = 'ring' runs on the CPU's attention kernel so far, and this rank "
@@ -293,6 +418,7 @@ def apply_context_parallel(
         )
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     model.positions = positions(seq_len, cp, rank, device)
+    model.whole_sequence = functools.partial(gather_sequence, group=group)
     attention = ring_attention if method == "ring" else alltoall_attention
     for block in model.layers.values():
         block.attention.context = functools.partial(attention, group=group)
