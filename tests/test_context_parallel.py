@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import FAST, Metrics, assert_same_training, run_cli, run_worker, train_run
-from dtlab.config import load_config
+from dtlab.config import check_world, load_config
 from dtlab.data.loader import BatchLayout, BatchLoader
 from dtlab.data.sources import build_data
 from dtlab.dims import ParallelDims, layout_name
@@ -133,9 +133,11 @@ def test_a_rank_trains_on_its_zigzag_part_of_each_sequence(tmp_path: Path) -> No
         ),
         (["parallel.strategy=ddp", "train.engine=mlx"], "train.engine = 'mlx' is not supported"),
         (["parallel.strategy=ddp", "data.seq_len=30"], "data.seq_len = 30 does not split into"),
+        # Expert parallelism borrows the data x cp ranks (tests/test_cp_expert_parallel.py trains
+        # ep 2 on 2 processes): an ep that does not divide them is refused.
         (
-            ["parallel.strategy=ddp", "model.preset=debug-moe", "parallel.ep=2"],
-            "parallel.ep = 2 is",
+            ["parallel.strategy=ddp", "model.preset=debug-moe", "parallel.ep=4"],
+            "parallel.ep = 4 does not divide the 2 data x cp ranks",
         ),
     ],
 )
@@ -143,7 +145,8 @@ def test_what_context_parallelism_does_not_compose_with_yet_is_refused(
     overrides: list[str], message: str
 ) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
-        load_config(overrides=["model.preset=debug", "parallel.cp=2", *overrides])
+        # Checked for the 2 processes the command below runs (ep against the world's ranks).
+        check_world(load_config(overrides=["model.preset=debug", "parallel.cp=2", *overrides]), 2)
     # Refused before any process starts, with the reason.
     proc = run_cli("train", "--nproc", "2", "--set", *FAST, "parallel.cp=2", *overrides)
     assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr

@@ -13,8 +13,8 @@ __all__ = ["check_context_parallel", "check_document_mask"]
 
 # Why what context parallelism does not compose with yet is refused (one reason for them all).
 _CP_WHY = (
-    "context parallelism is built over DDP's, FSDP's and HSDP's ranks (a mixture of experts without "
-    "expert parallelism), its ring on the CPU's attention kernel, so far"
+    "context parallelism is built over DDP's, FSDP's and HSDP's ranks (a mixture of experts' experts "
+    "split over the data x cp ranks, or not split), its ring on the CPU's attention kernel, so far"
 )
 
 
@@ -51,7 +51,6 @@ def check_context_parallel(c: Config) -> None:
             p.pp > 1 and DPWrapper.of(p.strategy) is not DPWrapper.FSDP, str(p.pp),
             "1 (with parallel.strategy = 'fsdp' or 'hsdp': any)",
         ),
-        "parallel.ep": (p.ep > 1, str(p.ep), "1"),
         "parallel.diloco.inner_steps": (
             bool(p.diloco.inner_steps), str(p.diloco.inner_steps), "0",
         ),
