@@ -66,22 +66,24 @@ def check_context_parallel(c: Config) -> None:
 
 def check_document_mask(c: Config) -> None:
     """Refuse what ``data.document_mask`` does not compose with yet: the mask is made from the
-    tokens by the model's first stage, and context parallelism's attention takes none."""
+    tokens by the model's first pipeline stage, and MLX's attention takes the causal mask only."""
     if not c.data.document_mask:
         return
     p = c.parallel
-    why = (
-        "the mask is made from the tokens where the embedding is, and context parallelism's "
-        "attention takes none, so far"
-    )
     refuse(
         {
-            "parallel.pp": (p.pp > 1, str(p.pp), "1", why),
-            "parallel.cp": (p.cp > 1, str(p.cp), "1", why),
-            "train.engine": (c.train.engine != "torch", repr(c.train.engine), "'torch'", why),
+            "parallel.pp": (
+                p.pp > 1, str(p.pp), "1",
+                "the mask is made from the tokens where the embedding is (the first pipeline "
+                "stage), and the later stages' attention gets none, so far",
+            ),
+            "train.engine": (
+                c.train.engine != "torch", repr(c.train.engine), "'torch'",
+                "the MLX engine's attention takes the causal mask only, so far",
+            ),
         },
         "data.document_mask = true",
-    )
+    )  # fmt: skip
 
 
 CROSS_RULES.extend([check_context_parallel, check_document_mask])
