@@ -152,19 +152,6 @@ def test_what_context_parallelism_does_not_compose_with_yet_is_refused(
     assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_the_plan_gives_no_figure_for_context_parallelism_yet() -> None:
-    # Its memory and bytes are not in the analytic model: a figure would be cp = 1's, so none is given.
-    for extra in ([], ["--check"]):
-        proc = run_cli(
-            "plan", *extra, "--nproc", "2", "--set", *FAST, "parallel.strategy=ddp", "parallel.cp=2"
-        )
-        assert proc.returncode != 0, proc.stdout
-        assert (
-            "context parallelism (parallel.cp > 1) is not modelled by dtlab plan yet" in proc.stderr
-        )
-        assert "Traceback" not in proc.stderr
-
-
 def test_the_memory_a_step_holds_falls_with_cp() -> None:
     # What one step holds beyond the rank's state (activations, their gradients, temporaries): at
     # the same sequence, cp 2 holds well under cp 1's, the ring's blocks in flight included.

@@ -414,6 +414,12 @@ class ParallelDims:
         return self.dp * self.cp * self.tp * self.pp
 
     @property
+    def fsdp_shard(self) -> int:
+        """The ranks FSDP shards each parameter over: ``dp_shard``, and under context parallelism
+        its cp ranks with them (:meth:`fsdp_mesh`); ``dp_shard`` (1) where FSDP does not shard."""
+        return self.dp_shard * self.cp if self.fsdp_enabled else self.dp_shard
+
+    @property
     def cp_enabled(self) -> bool:
         """Each sequence is split over more than one rank (context parallelism)."""
         return self.cp > 1

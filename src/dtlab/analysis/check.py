@@ -102,6 +102,7 @@ from dtlab.analysis.check_tracker import (
 )
 from dtlab.config import ZERO_BUBBLE_SCHEDULES, Config, check_batch_split
 from dtlab.errors import ConfigError
+from dtlab.models.sequence import shard_sequence
 
 COMPONENTS = ("params", "grads", "optimizer", "activations", "temporaries", "buffers")
 
@@ -171,7 +172,7 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
         training = _rank_training(config, d, fake)
         pm, optimizer = training[:2]
         outer = OuterRun(pm, optimizer, config, d, tracker, counter.labels)
-        batch = _batch(config, dims.dp)
+        batch = _batch(config, dims.dp, dims.cp)
         # DDP's gradients are views of its buckets, which it keeps from step to step (its C++
         # reducer holds them; the parameters' .grad is emptied between steps): filed as gradients
         # from the measured step's start, they are counted once, as the gradients.
@@ -301,6 +302,8 @@ def _group_labels(dims: Any, device_type: str) -> dict[str, str]:
     labels = {}
     if dims.tp_enabled:
         labels[str(dims.mesh(device_type, "tp").get_group().group_name)] = "tp"
+    if dims.cp_enabled and dims.cp < dims.world_size:  # (a world-wide one is the default group)
+        labels[str(dims.mesh(device_type, "cp").get_group().group_name)] = "cp"
     if dims.ep_enabled:  # expert parallelism's groups, under the names the plan gives them
         for name in ("ep", "ep_dp"):
             group = dims.expert_mesh(device_type, name).get_group()
@@ -329,12 +332,16 @@ def _parallelized(config: Config, d: Any, fake: bool) -> Any:
     return pm
 
 
-def _batch(config: Config, dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A step's micro-batches of random tokens, as the rank's share of the global batch."""
+def _batch(config: Config, dp: int, cp: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A step's micro-batches of random tokens, as the rank's share of the global batch (with
+    context parallelism, its ``1 / cp`` of each sequence: every rank's part is the same size)."""
     accum = check_batch_split(config, dp)
     micro = config.train.global_batch_size // (accum * dp)
     tokens = torch.randint(0, config.model.vocab_size, (micro, config.seq_len + 1))
-    return [(tokens[:, :-1], tokens[:, 1:])] * accum
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    if cp > 1:
+        inputs, targets = shard_sequence(inputs, cp, 0), shard_sequence(targets, cp, 0)
+    return [(inputs, targets)] * accum
 
 
 def _prime(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -205,8 +205,6 @@ def unsupported(config: Config, world: int) -> str | None:
     from dtlab.dims import ParallelDims
 
     dims = ParallelDims.from_config(config, world)
-    if dims.cp_enabled:
-        return CP_NOT_PLANNED
     if config.data.document_mask:
         return DOCUMENT_MASK_NOT_PLANNED
     if dims.ddp_enabled and not dims.shard_optimizer and config.parallel.compression != "none":

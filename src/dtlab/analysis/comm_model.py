@@ -260,7 +260,7 @@ def _muon_comm(
     parallelism's rows or columns: over the TP group, into the whole matrix (``shapes`` are the
     rank's TP parts); both: the FSDP gather of the TP part, then the TP gather. A stack of routed
     experts is split by experts only (and left whole by tensor parallelism): never gathered."""
-    shard = dims.dp_shard if dims.fsdp_enabled else dims.dp if dims.shard_optimizer else 1
+    shard = dims.fsdp_shard if dims.fsdp_enabled else dims.dp if dims.shard_optimizer else 1
     for s in shapes:
         if not is_muon_shape(s) or len(s.shape) > 2:
             continue
@@ -304,7 +304,7 @@ def _fsdp_comm(
     """FSDP's collectives per step into ``comm`` (bytes) and ``groups`` (ranks in each); returns the
     bytes of parameters gathered at the peak."""
     p = config.parallel
-    replicate, shard = dims.dp_replicate, dims.dp_shard
+    replicate, shard = dims.dp_replicate, dims.fsdp_shard
     # Parameters are gathered in the training precision: under bf16/fp16 each rank casts its float32
     # shard before the all-gather (FSDP's param_dtype), which so moves half the bytes of fp32's.
     # Gradients are reduced in float32, or in half precision under fp16/bf16 compression.

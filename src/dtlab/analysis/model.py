@@ -48,6 +48,7 @@ from dtlab.analysis.comm_model import (
     step_reduction_bytes,
     zero1_comm_bytes,
 )
+from dtlab.analysis.context_plan import cp_comm, cp_kept_bytes, cp_kernel, cp_recompute_bytes
 from dtlab.analysis.diloco_memory import diloco_host_bytes, with_outer_sync
 from dtlab.analysis.memo import memo
 from dtlab.analysis.pipeline_memory import (
@@ -239,11 +240,13 @@ def _plan_rank(
         dp_shapes=moe.data_parallel_shapes(shapes, dims),
         part=part,
         rank_model=moe.part_model(config.model, part.n_stages, part.stages),
-        tokens=micro * config.seq_len, accum=accum, pp_rank=pp_rank,
+        tokens=micro * config.seq_len // dims.cp, accum=accum, pp_rank=pp_rank,
         split=TPSplit(dims.tp, config.parallel.sequence_parallel),
         half_params=fsdp_half_params(config, dims),
         compiled=compiles_loss(config, dims),
-        kernel=attention_kernel(config.model, config.train.precision, device_type),
+        kernel=cp_kernel(config, device_type)
+        if dims.cp_enabled
+        else attention_kernel(config.model, config.train.precision, device_type),
         device_type=device_type,
     )  # fmt: skip
     plan = _state_plan(rank, shard_rank)
@@ -286,7 +289,7 @@ def _state_plan(rank: RankInputs, shard_rank: int | None) -> StepPlan:
     group instead (dtlab.analysis.moe)."""
     config, dims, shapes = rank.config, rank.dims, rank.shapes
     p, t = config.parallel, config.train
-    split_by = (dims.ep if dims.ep_enabled else 0, dims.dp_shard)  # what held_numel reads of dims
+    split_by = (dims.ep if dims.ep_enabled else 0, dims.fsdp_shard)  # what held_numel reads of dims
     held = memo(shapes, ("held", *split_by), lambda: sum(moe.held_numel(s, dims) for s in shapes))
     own_rows = shard_rank if dims.fsdp_enabled else None
     return StepPlan(
@@ -335,6 +338,7 @@ def _kept(rank: RankInputs) -> tuple[int, Walk | None]:
     act = activation_bytes(
         m, tokens, t.precision, ac, split, part.last, rank.half_params, rank.compiled, seq_len,
     ) + moe.ep_copies_bytes(config, dims, m)  # fmt: skip
+    act += cp_kept_bytes(config, m, tokens, rank.kernel, dims.tp)
     if ac != "full":  # (under full: the recomputed block's, _activations)
         act += moe.ep_rows_bytes(config, dims, tokens, m)
     flight = _in_flight(config, dims, rank.accum, rank.pp_rank)
@@ -369,7 +373,7 @@ def _recomputation(rank: RankInputs, pipelined: bool) -> tuple[list[ModelConfig]
     ]
     kernel_again = kernel_recompute_bytes(
         config.model, tokens, config.seq_len, t.precision, ac, rank.kernel, split
-    )
+    ) + cp_recompute_bytes(config, tokens, rank.kernel, dims.tp)
     return kinds, by_kind, kernel_again
 
 
@@ -413,6 +417,7 @@ def _rank_comm(rank: RankInputs, plan: StepPlan) -> int:
         groups.update({k: world_size for k in comm})
     _model_parallel_comm(config, dims, rank.part, rank.tokens, rank.accum, comm, groups)
     moe.ep_comm(config, dims, shapes, rank.tokens, rank.accum, comm, groups, rank.rank_model)
+    cp_comm(config, dims, rank.part, rank.tokens, rank.accum, comm, groups)
     if config.train.optimizer == "muon":
         _muon_comm(dims, shapes, comm, groups)
     whole = _whole_reduction(rank, comm, groups)

@@ -203,8 +203,8 @@ def held_numel(s: ParamShape, dims: ParallelDims, shard: int | None = None) -> i
     if dims.ep_enabled and is_expert(s.name):
         return s.numel // dims.ep
     if shard is not None:
-        return s.shard_numel_at(dims.dp_shard, shard)
-    return s.shard_numel(dims.dp_shard)
+        return s.shard_numel_at(dims.fsdp_shard, shard)
+    return s.shard_numel(dims.fsdp_shard)
 
 
 def data_parallel_shapes(shapes: list[ParamShape], dims: ParallelDims) -> list[ParamShape]:

@@ -8,6 +8,7 @@ from typing import Any
 
 from dtlab.analysis import moe
 from dtlab.analysis.choose import Found, reason
+from dtlab.analysis.context_plan import RING_ON_GPU
 from dtlab.analysis.devices import DeviceProfile
 from dtlab.analysis.fitrule import explain, usable_fraction
 from dtlab.analysis.latency import cross_replica_collectives
@@ -195,12 +196,12 @@ def plan(
     ``device_assumed``: the profile was not asked for (the CLI's default); the output says so.
     ``source``: the config file and the ``--set`` overrides it came from, for the printed command.
     """
-    from dtlab.analysis.check_fake import CP_NOT_PLANNED, DOCUMENT_MASK_NOT_PLANNED
+    from dtlab.analysis.check_fake import DOCUMENT_MASK_NOT_PLANNED
 
-    if config.parallel.cp > 1:
-        raise ConfigError(f"parallel.cp = {config.parallel.cp}: {CP_NOT_PLANNED}")
     if config.data.document_mask:
         raise ConfigError(DOCUMENT_MASK_NOT_PLANNED)
+    if config.parallel.cp > 1 and config.parallel.cp_method == "ring" and device.kind == "cuda":
+        raise ConfigError(f"parallel.cp = {config.parallel.cp} on {device.name}: {RING_ON_GPU}")
     world = nproc * nnodes
     memory = (memory_gib if memory_gib is not None else device.memory_gib) * 2**30
     precision = config.train.precision
@@ -209,6 +210,7 @@ def plan(
     costing = _Costing(nproc, nnodes, device, param_shapes(config.model), memory)
     rows = _strategy_rows(config, costing, rate)  # the strategies at the config's own settings
     found = search(config, nproc, nnodes, device, memory, costing.shapes, costing.row, TIE_MARGIN)
+    found = _with_context_parallel(config, found, nproc, nnodes, device, memory, costing)
     if not found.layouts:
         _why_nothing_runs(config, world)
     searched = _search_dict(config, found, costing, rate, source)
@@ -242,6 +244,48 @@ def plan(
             tuple(found.open),
         ),
     }
+
+
+def context_degrees(config: Config, world: int) -> list[int]:
+    """The context-parallel degrees the search tries when nothing fits without: those of the world
+    that split the sequence into ``2 cp`` chunks (and, for ``alltoall``, the heads)."""
+    heads = config.model.n_heads
+    return [
+        cp
+        for cp in range(2, world + 1)
+        if world % cp == 0 and config.seq_len % (2 * cp) == 0 and heads % cp == 0
+    ]
+
+
+def _with_context_parallel(
+    config: Config,
+    found: SearchResult,
+    nproc: int,
+    nnodes: int,
+    device: DeviceProfile,
+    memory: float,
+    costing: _Costing,
+) -> SearchResult:
+    """The search again with context parallelism where nothing fits without it and the config
+    leaves ``parallel.cp`` open: each sequence split over the degrees of
+    :func:`context_degrees`, by ``alltoall`` on a GPU (dtlab's ring runs on a CPU's kernel so far)
+    and the ring on a CPU; ``found`` where that finds no more."""
+    if recommended(found) is not None or config.is_given("parallel.cp"):
+        return found
+    if config.train.engine != "torch" or config.parallel.diloco.inner_steps:
+        return found
+    method = "alltoall" if device.kind == "cuda" else "ring"
+    degrees = context_degrees(config, nproc * nnodes)
+    if not degrees:
+        return found
+    with_cp = search(
+        config, nproc, nnodes, device, memory, costing.shapes, costing.row, TIE_MARGIN,
+        (degrees, method),
+    )  # fmt: skip
+    if recommended(with_cp) is None:
+        return found
+    with_cp.open.append("parallel.cp")
+    return with_cp
 
 
 def _strategy_rows(config: Config, costing: _Costing, rate: float) -> list[dict[str, Any]]:

@@ -189,7 +189,7 @@ def rank_share(config: Config, dims: Any, shapes: list[Any]) -> tuple[float, flo
     head = 6.0 * m.dim * m.vocab_size
     total = flops_per_token(m, config.seq_len)
     # no_shard's dp_shard is 1: it steps every parameter, as DDP does.
-    shards = dims.dp if dims.shard_optimizer else dims.dp_shard
+    shards = dims.dp if dims.shard_optimizer else dims.fsdp_shard
     flops, params = 0.0, 0.0
     everything = sum(s.numel for s in shapes)
     for pp_rank in range(dims.pp):
@@ -209,7 +209,7 @@ def wrapper_seconds(
     layers = config.model.n_layers // dims.pp
     m = step_microbatches(config, dims)
     extra = 0.0
-    if dims.fsdp_enabled and dims.dp_shard > 1:
+    if dims.fsdp_enabled and dims.fsdp_shard > 1:
         extra += wrapper_s.get("fsdp_unit_s", 0.0) * (layers + 1) * m
     if dims.tp_enabled:
         extra += wrapper_s.get("tp_block_s", 0.0) * layers * m

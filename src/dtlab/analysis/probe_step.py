@@ -87,7 +87,7 @@ def _single(config: Config, batch: int) -> Config:
 
     data = config.model_dump()
     data["parallel"].update(
-        strategy="single", tp=1, pp=1, sequence_parallel=False, compression="none"
+        strategy="single", tp=1, pp=1, cp=1, ep=1, sequence_parallel=False, compression="none"
     )
     data["train"].update(
         global_batch_size=batch, micro_batch_size=None, activation_checkpointing="none"

@@ -4,7 +4,7 @@ and MoE blocks apart. :mod:`dtlab.analysis.model` plans the rank and builds its 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from dtlab.analysis import moe
@@ -16,6 +16,7 @@ from dtlab.analysis.activations import (
     loss_parallel_bytes,
     residual_half,
 )
+from dtlab.analysis.context_plan import ring_backward_bytes
 from dtlab.analysis.memo import memo
 from dtlab.analysis.pipeline_memory import (
     StageFigures,
@@ -95,7 +96,7 @@ def rank_timeline(
     n_blocks = _blocks_numel(shapes)[0]
     units = None
     if fsdp:
-        shard = dims.dp_shard
+        shard = dims.fsdp_shard
         gathered = {group: n * made for group, n in padded_by_group(dp_shapes, shard).items()}
         root = gathered.pop("root", 0)
         shard_grads = memo(dp_shapes, ("block_shards", shard), lambda: sum(
@@ -169,7 +170,7 @@ def _moe_blocks(
     split = TPSplit(dims.tp, p.sequence_parallel)
     ac = t.activation_checkpointing
     n_blocks = rank_model.n_layers
-    gathered = padded_by_group(dp_shapes, dims.dp_shard) if dims.fsdp_enabled else {}
+    gathered = padded_by_group(dp_shapes, dims.fsdp_shard) if dims.fsdp_enabled else {}
 
     def own(kind: ModelConfig, n: int) -> int:
         one = kind.model_copy(update={"n_layers": n})
@@ -187,7 +188,7 @@ def _moe_blocks(
         group = f"layers.{j}"
         shape = _block_shape(config, dims, shapes, tokens, made, j)
         unit = gathered.get(group, 0) * made
-        shard = sum(s.shard_numel(dims.dp_shard) for s in dp_shapes if s.group == group)
+        shard = sum(s.shard_numel(dims.fsdp_shard) for s in dp_shapes if s.group == group)
         out.append(
             BlockKind(
                 shape, blocks_kept * raw[x] // total_raw, recompute_by_kind.get(x, (0, 0)),
@@ -230,10 +231,19 @@ def _dense_block(
         n_blocks, numel = _blocks_numel(shapes)
         block_params = numel // max(1, n_blocks)
     seq = dims.tp if config.parallel.sequence_parallel else 1
-    return dense_block(
+    stream = 2 if residual_half(half_params, t.precision) else FP32
+    shape = dense_block(
         tokens, m.dim, hidden or m.hidden_dim, dims.tp, seq, 2 if half else FP32,
-        2 if residual_half(half_params, t.precision) else FP32, half and not half_params, made,
-        block_params,
+        stream, half and not half_params, made, block_params,
+    )  # fmt: skip
+    ring = ring_backward_bytes(config, tokens, dims.tp)
+    if not ring:
+        return shape
+    residual = stream * tokens * m.dim // seq
+    return replace(
+        shape, attention_temps=residual + ring, attention_grad=made * m.dim**2 // dims.tp,
+        # The output projection's input, and the feed-forward norm's input (the stream).
+        attention_freed=(2 if half else FP32) * tokens * m.dim // dims.tp + residual,
     )  # fmt: skip
 
 
@@ -262,7 +272,7 @@ def pipeline_rank_timeline(
     figures, walk = walked
     units = None
     if dims.fsdp_enabled:
-        shard = dims.dp_shard
+        shard = dims.fsdp_shard
         dp_shapes = moe.data_parallel_shapes(shapes, dims)
         by_group = padded_by_group(dp_shapes, shard)
         root_elements = [_stage_root_padded(dp_shapes, shard, sid, part.n_stages)

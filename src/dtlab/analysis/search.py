@@ -59,6 +59,8 @@ SEARCHED = (
     "train.activation_checkpointing",
     "train.precision",
 )
+# Tried only where nothing fits without them (dtlab.analysis.plan's search with context parallelism).
+CONTEXT_SEARCHED = ("parallel.cp", "parallel.cp_method")
 # Precisions tried where train.precision is open, where the device's peak is known. fp16 is left out:
 # the same speed and memory as bf16 in this model, with loss scaling, and refused with pipelines.
 PRECISIONS = ("bf16", "fp32")
@@ -213,36 +215,55 @@ def _valid(config: Config, world: int) -> bool:
 
 
 def layouts(
-    config: Config, nproc: int, nnodes: int, precisions: list[str]
+    config: Config,
+    nproc: int,
+    nnodes: int,
+    precisions: list[str],
+    context: tuple[list[int], str] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Every combination of the open keys but the micro-batch size and activation checkpointing
-    (chosen per layout by :func:`search`), as dotted key -> value; not yet validated."""
+    (chosen per layout by :func:`search`), as dotted key -> value; not yet validated.
+    ``context``: context-parallel degrees to try and their method (the config's own otherwise)."""
     world = nproc * nnodes
-    g = config.train.global_batch_size
     m = config.model
+    cps, method = context or ([config.parallel.cp], config.parallel.cp_method)
     for tp in _tp_options(config, nproc):
         stages = _divisors(math.gcd(world // tp, m.n_layers)) if world % tp == 0 else []
         for pp in _pick(config, "parallel.pp", stages):
             if world % (tp * pp) or (pp > 1 and m.n_layers % pp):
                 continue
-            dp = world // (tp * pp)
-            if g % dp:
-                continue
-            sp_options = [True, False] if tp > 1 and config.seq_len % tp == 0 else [False]
-            for sp in _pick(config, "parallel.sequence_parallel", sp_options):
-                for data in _data_parallel_options(config, dp, tp * pp > 1):
-                    for pipe in _pipeline_options(config, pp, g // dp):
-                        for ep in _ep_options(config, dp):
-                            for precision in precisions:
-                                yield {
-                                    "parallel.tp": tp,
-                                    "parallel.pp": pp,
-                                    "parallel.sequence_parallel": sp,
-                                    **data,
-                                    **pipe,
-                                    "parallel.ep": ep,
-                                    "train.precision": precision,
-                                }
+            for cp in cps:
+                if world % (tp * pp * cp):
+                    continue
+                extra = {"parallel.cp": cp, "parallel.cp_method": method} if context else {}
+                for values in _model_parallel_layouts(config, world, tp, pp, cp, precisions):
+                    yield {**values, **extra}
+
+
+def _model_parallel_layouts(
+    config: Config, world: int, tp: int, pp: int, cp: int, precisions: list[str]
+) -> Iterator[dict[str, Any]]:
+    """:func:`layouts` at tensor, pipeline and context parallel degrees ``tp``, ``pp``, ``cp``."""
+    g = config.train.global_batch_size
+    dp = world // (tp * pp * cp)
+    if g % dp:
+        return
+    sp_options = [True, False] if tp > 1 and config.seq_len % tp == 0 else [False]
+    for sp in _pick(config, "parallel.sequence_parallel", sp_options):
+        # (FSDP shards over the data x cp ranks: with cp, even one data rank shares the model.)
+        for data in _data_parallel_options(config, dp * cp, tp * pp > 1):
+            for pipe in _pipeline_options(config, pp, g // dp):
+                for ep in _ep_options(config, dp):
+                    for precision in precisions:
+                        yield {
+                            "parallel.tp": tp,
+                            "parallel.pp": pp,
+                            "parallel.sequence_parallel": sp,
+                            **data,
+                            **pipe,
+                            "parallel.ep": ep,
+                            "train.precision": precision,
+                        }
 
 
 def _micro_options(config: Config, dims: ParallelDims) -> list[int | None]:
@@ -263,9 +284,11 @@ def search(
     shapes: list[ParamShape],
     cost: Any,
     tie_margin: float,
+    context: tuple[list[int], str] | None = None,
 ) -> SearchResult:
     """The fastest layouts that fit, one row per layout (its fastest micro-batch size and activation
-    checkpointing that fit). ``cost(label, cfg, rate)`` is the plan's row of a config."""
+    checkpointing that fit). ``cost(label, cfg, rate)`` is the plan's row of a config.
+    ``context``: the context-parallel degrees to try and their method (:func:`layouts`)."""
 
     start = time.perf_counter()
     opened = open_keys(config)
@@ -275,7 +298,7 @@ def search(
         [p for p in PRECISIONS if device.peak_tflops.get(p)] or [config.train.precision],
     )
     acs = _pick(config, "train.activation_checkpointing", list(AC_MODES))
-    queue, n_layouts = _queue(config, nproc, nnodes, device, precisions, acs)
+    queue, n_layouts = _queue(config, nproc, nnodes, device, precisions, acs, context)
     progress = _Progress(cost, device, tie_margin, acs[-1])
     for bound, _, values, cfg, dims in queue:
         if not progress.worth(bound):
@@ -307,6 +330,7 @@ def _queue(
     device: DeviceProfile,
     precisions: list[str],
     acs: list[str],
+    context: tuple[list[int], str] | None = None,
 ) -> tuple[list[_Candidate], int]:
     """Every valid layout at each activation checkpointing mode in ``acs``, fastest bound first (its
     compute time with its pipeline bubble and recompute: a lower bound of its step time), and how
@@ -317,7 +341,7 @@ def _queue(
     extra = {ac: recompute_flops_per_token(config.model, config.seq_len, ac) for ac in acs}
     queue: list[_Candidate] = []
     n_layouts = 0
-    for values in layouts(config, nproc, nnodes, precisions):
+    for values in layouts(config, nproc, nnodes, precisions, context):
         cfg = apply_values(config, values)
         if not _valid(cfg, world):
             continue
@@ -480,7 +504,7 @@ def overrides(config: Config, found: Found) -> dict[str, Any]:
     for key, value in found.values.items():
         section, name = key.split(".")
         if (
-            key in SEARCHED
+            key in (*SEARCHED, *CONTEXT_SEARCHED)
             and not config.is_given(key)
             and getattr(getattr(config, section), name) != value
         ):

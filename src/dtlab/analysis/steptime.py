@@ -192,7 +192,7 @@ def collective_waits(
         gathers = 2 if p.sharding == "full" else 1
         # All-gathers, and reduce-scatters (each micro-batch's; a pipeline's once, at its end).
         scatters = units if dims.pp_enabled else microbatches * units
-        add(dims.dp_shard, microbatches * gathers * units + scatters)
+        add(dims.fsdp_shard, microbatches * gathers * units + scatters)
         add(dims.dp_replicate, units)
     if dims.tp_enabled:
         if p.sequence_parallel:

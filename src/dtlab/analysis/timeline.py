@@ -198,6 +198,13 @@ class BlockShape:
     # activations, the norm's output and its copies).
     norm_temps: int = 0
     norm_freed: int = 0
+    # Context parallelism's ring (dtlab.analysis.context_plan): its attention's backward, after the
+    # attention's output projection's: backward's own alive then (the residual gradient, the
+    # ring's accumulators and blocks in flight) and the output projection's weight gradient; 0
+    # where the attention's backward is no peak of its own.
+    attention_temps: int = 0
+    attention_grad: int = 0
+    attention_freed: int = 0  # the output projection's input, freed by its backward
 
     def kept_copies(self) -> BlockShape:
         """The same block where autocast's weight copies live through the step (a pipeline's one
@@ -426,12 +433,19 @@ def _block_backward(mb: _MicroBatch, j: int, held: tuple[int, int, int]) -> None
         activations=alive + again - gone - block.freed, temporaries=tmp + block.temps,
         buffers=buffers,
     )  # fmt: skip
+    norm_grads = g + 2 * block.w2_grad + block.dim * block.grad_element
     mb.add(
-        f"{name}'s feed-forward norm's backward",
-        grads=g + 2 * block.w2_grad + block.dim * block.grad_element,
+        f"{name}'s feed-forward norm's backward", grads=norm_grads,
         activations=alive + again - block.norm_freed, temporaries=tmp + block.norm_temps,
         buffers=buffers,
     )  # fmt: skip
+    if block.attention_temps:
+        mb.add(
+            f"{name}'s attention backward", grads=norm_grads + block.w2_grad + block.attention_grad,
+            activations=alive + again - gone - block.norm_freed - block.attention_freed,
+            temporaries=tmp + block.attention_temps,
+            buffers=buffers,
+        )  # fmt: skip
 
 
 def _fsdp_micro_batch(mb: _MicroBatch, s: RankState, last: bool, fsdp: FsdpUnits) -> None:

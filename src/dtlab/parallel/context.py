@@ -171,6 +171,34 @@ def _wait(requests: Any) -> None:
         r.wait()
 
 
+def _pairs_backward(
+    ctx: Any,
+    ring: _Ring,
+    mine_parts: tuple[Any, Any, Any, Any],
+    block: tuple[torch.Tensor, torch.Tensor],
+    dqs: Any,
+    dblock: tuple[torch.Tensor, torch.Tensor],
+    source: int,
+) -> None:
+    """One ring step of backward: every (query chunk of this rank, key chunk of ``source``'s block)
+    pair's gradients, accumulated into ``dqs`` and the block's ``dblock`` (its views and the
+    kernel's gradients end with the step)."""
+    douts, qs, outs, lses = mine_parts
+    ks, vs = block[0].chunk(2, dim=2), block[1].chunk(2, dim=2)
+    dks, dvs = dblock[0].chunk(2, dim=2), dblock[1].chunk(2, dim=2)
+    for a, q_chunk in enumerate(zigzag_chunks(ring.cp, ring.rank)):
+        for b, k_chunk in enumerate(zigzag_chunks(ring.cp, source)):
+            kind, allowed = _block(q_chunk, k_chunk, ctx.docs)
+            if kind == NONE:
+                continue
+            gq, gk, gv = _attend_backward(
+                douts[a], qs[a], ks[b], vs[b], outs[a], lses[a], kind == CAUSAL, ctx.scale, allowed
+            )
+            dqs[a].add_(gq)
+            dks[b].add_(gk)
+            dvs[b].add_(gv)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -220,7 +248,6 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
         ring = _Ring(ctx.group)
-        mine = zigzag_chunks(ring.cp, ring.rank)
         qs, outs = q.chunk(2, dim=2), out.chunk(2, dim=2)
         douts, lses = dout.contiguous().chunk(2, dim=2), lse.chunk(2, dim=2)
         dq = torch.zeros_like(q, dtype=torch.float32 if q.dtype != torch.float64 else q.dtype)
@@ -233,22 +260,12 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.cp):
             ahead = ring.start([kb, vb]) if step < ring.cp - 1 else None
             source = (ring.rank - step) % ring.cp
-            ks, vs = kb.chunk(2, dim=2), vb.chunk(2, dim=2)
-            dks, dvs = dkb.chunk(2, dim=2), dvb.chunk(2, dim=2)
-            for a, q_chunk in enumerate(mine):
-                for b, k_chunk in enumerate(zigzag_chunks(ring.cp, source)):
-                    kind, allowed = _block(q_chunk, k_chunk, ctx.docs)
-                    if kind == NONE:
-                        continue
-                    gq, gk, gv = _attend_backward(
-                        douts[a], qs[a], ks[b], vs[b], outs[a], lses[a], kind == CAUSAL,
-                        ctx.scale, allowed,
-                    )  # fmt: skip
-                    dqs[a].add_(gq)
-                    dks[b].add_(gk)
-                    dvs[b].add_(gv)
-            requests, (dkb, dvb) = ring.start([dkb, dvb])
+            _pairs_backward(ctx, ring, (douts, qs, outs, lses), (kb, vb), dqs, (dkb, dvb), source)
+            # The gradients go on with their block; those sent stay alive until the send is done.
+            sent = [dkb, dvb]
+            requests, (dkb, dvb) = ring.start(sent)
             _wait(requests)
+            del sent
             if ahead is not None:
                 _wait(ahead[0])
                 kb, vb = ahead[1]

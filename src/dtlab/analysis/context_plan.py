@@ -1,0 +1,162 @@
+"""What context parallelism (``parallel.cp`` > 1, :mod:`dtlab.parallel.context`) adds to a rank's plan
+beyond a rank that trains on ``1 / cp`` of each sequence: the attention's own memory and its bytes.
+
+Each rank of a context-parallel group holds ``seq_len / cp`` of every sequence, so what scales with the
+tokens (the activations, the loss's log-softmax, tensor parallelism's collectives) is a ``1 / cp`` rank's;
+:func:`dtlab.analysis.model.plan_step` plans it so. Beyond that, per layer and micro-batch, measured by
+``dtlab plan --check`` on the real code:
+
+- **Kept for backward**: the attention's output is made in [batch, heads, tokens, head dim] order, so the
+  output projection keeps a copy of it in [tokens, dim] order (the fused kernel's own output already has
+  that layout, and its view is what a rank without cp keeps). The ring expands grouped key/value heads
+  to the query heads before it starts (the blocks that travel carry every head), and keeps the expanded
+  ones; ``alltoall`` expands them only when the heads a rank holds do not divide by ``cp``.
+- **The ring's backward**: its float32 accumulators of the query's gradient and of the travelling
+  block's key and value gradients, the block of keys and values received ahead, the gradients received
+  from the neighbour, the output gradient made contiguous and the kernel's gradients of one chunk pair:
+  alive together while the block's attention runs backward, the step's peak under checkpointing.
+- **Bytes**: the ring passes each layer's key/value block ``cp - 1`` times in forward (again when a
+  checkpointed block is recomputed) and in backward, and the key/value gradients (float32) ``cp``
+  times, back to their owner: point-to-point sends, each rank sends all it passes. ``alltoall`` swaps
+  q, k, v and the output in forward and their gradients in backward: four all-to-alls each way, each
+  rank sending ``(cp - 1) / cp`` of each.
+"""
+
+from __future__ import annotations
+
+from dtlab.analysis.activations import FP32, attention_kernel
+from dtlab.analysis.shapes import RankPart
+from dtlab.config import Config, ModelConfig
+from dtlab.dims import ParallelDims
+
+__all__ = [
+    "RING_ON_GPU", "cp_comm", "cp_kept_bytes", "cp_kernel", "cp_recompute_bytes",
+    "ring_backward_bytes",
+]  # fmt: skip
+
+# Why a ring is not planned for a GPU: dtlab's ring runs on the CPU's attention kernel so far
+# (dtlab.parallel.context.apply_context_parallel refuses it on a GPU).
+RING_ON_GPU = (
+    "parallel.cp_method = 'ring' runs on the CPU's attention kernel so far, not on a GPU: "
+    "cp_method = 'alltoall' runs there"
+)
+
+
+def _half(precision: str) -> bool:
+    return precision in ("bf16", "fp16")
+
+
+def _widths(m: ModelConfig, method: str, cp: int, tp: int) -> tuple[int, int]:
+    """(query width, key/value width) of a tensor-parallel rank's attention as context parallelism
+    runs it: the key/value heads expanded to the query heads where the method expands them."""
+    head_dim = m.dim // m.n_heads
+    heads, kv_heads = m.n_heads // tp, max(1, m.kv_heads // tp)
+    expanded = kv_heads != heads and (method == "ring" or kv_heads % cp != 0)
+    return heads * head_dim, (heads if expanded else kv_heads) * head_dim
+
+
+def cp_kernel(config: Config, device_type: str) -> str:
+    """The attention kernel a context-parallel rank runs (:func:`attention_kernel`'s names): the
+    ring's own blocks on the fused kernel (``flash``: no B x H x T x T matrix); ``alltoall``'s the
+    device's kernel on the heads it swapped in (grouped ones only where they were not expanded)."""
+    p, m = config.parallel, config.model
+    if p.cp_method == "ring":
+        return "flash"
+    _, kv = _widths(m, "alltoall", p.cp, p.tp)
+    whole = m.model_copy(update={"n_kv_heads": m.n_heads}) if kv == m.dim // p.tp else m
+    return attention_kernel(whole, config.train.precision, device_type)
+
+
+def _extra_per_token(config: Config, m: ModelConfig, kernel: str, tp: int) -> int:
+    """What one layer's context-parallel attention keeps per token beyond the fused kernel's figure
+    (without checkpointing): the output's [tokens, dim] copy, and the expanded key/value heads
+    where the kernel's own figure (``efficient``'s, which expands them) does not count them."""
+    p = config.parallel
+    a = 2 if _half(config.train.precision) else FP32
+    q, kv = _widths(m, p.cp_method, p.cp, tp)
+    own_kv = max(1, m.kv_heads // tp) * (m.dim // m.n_heads)
+    expand = 2 * (kv - own_kv) if kernel != "efficient" else 0
+    return (q + expand) * a
+
+
+def cp_kept_bytes(config: Config, m: ModelConfig, tokens: int, kernel: str, tp: int) -> int:
+    """What context parallelism's attention keeps for backward in one micro-batch of ``tokens``
+    (a rank's part) over ``m``'s layers, beyond the fused kernel's figure; 0 without cp.
+
+    Under ``full`` checkpointing nothing (see :func:`cp_recompute_bytes`). Under ``selective`` the
+    policy keeps every attention kernel's output and log-sum-exp and recomputes the rest: for the
+    ring, the partial output of each of the ``2 cp + 1`` (query chunk, key chunk) pairs a rank
+    computes, each half its tokens, where a rank without cp keeps one whole output; for
+    ``alltoall``, the one output the kernel makes, as without cp."""
+    p, ac = config.parallel, config.train.activation_checkpointing
+    if p.cp == 1 or ac == "full":
+        return 0
+    if ac == "selective":
+        if p.cp_method != "ring":
+            return 0
+        a = 2 if _half(config.train.precision) else FP32
+        q, _ = _widths(m, "ring", p.cp, tp)
+        partial = q * a + m.n_heads // tp * FP32  # a token's output and log-sum-exp
+        return (2 * p.cp + 1 - 2) * (tokens // 2) * m.n_layers * partial
+    return tokens * m.n_layers * _extra_per_token(config, m, kernel, tp)
+
+
+def cp_recompute_bytes(config: Config, tokens: int, kernel: str, tp: int) -> int:
+    """What recomputing one checkpointed block adds (its attention's :func:`cp_kept_bytes`
+    without checkpointing: the output's copy, the expanded heads); 0 without checkpointing."""
+    if config.parallel.cp == 1 or config.train.activation_checkpointing == "none":
+        return 0
+    return tokens * _extra_per_token(config, config.model, kernel, tp)
+
+
+def ring_backward_bytes(config: Config, tokens: int, tp: int) -> int:
+    """What the ring's backward of one layer holds at its most beyond the block's kept activations
+    and the residual stream's gradient; 0 without the ring. Alive throughout: the output's gradient
+    and its contiguous copy, the float32 accumulator of the query's gradient, and the key/value
+    blocks in flight (the one received ahead; past the first step the one received before it,
+    both at once from cp 3). Then the larger of: the travelling block's float32 key and value
+    gradients sent on beside those received (four of them), or those two beside one chunk pair's
+    gradients (half the rank's tokens) with the kernel's float32 workspace for them."""
+    p = config.parallel
+    if p.cp == 1 or p.cp_method != "ring":
+        return 0
+    a = 2 if _half(config.train.precision) else FP32
+    width, _ = _widths(config.model, "ring", p.cp, tp)  # the ring's blocks carry every head
+    blocks = (4 if p.cp > 2 else 2) * a
+    pair = 3 * a // 2 + 3 * FP32 // 2
+    per_token = 2 * a + FP32 + blocks + max(4 * FP32, 2 * FP32 + pair)
+    return tokens * width * per_token
+
+
+def cp_comm(
+    config: Config,
+    dims: ParallelDims,
+    part: RankPart,
+    tokens: int,
+    microbatches: int,
+    comm: dict[str, int],
+    groups: dict[str, int],
+) -> None:
+    """Context parallelism's bytes per step into ``comm`` and ``groups`` (see the module's
+    docstring), named as the collective counter names them: under the ``cp`` group's name where it
+    is a group of its own (smaller than the world)."""
+    p = config.parallel
+    if not dims.cp_enabled:
+        return
+    layers = part.n_layers
+    a = 2 if _half(config.train.precision) else FP32
+    q, kv = _widths(config.model, p.cp_method, dims.cp, dims.tp)
+    # A checkpointed block's recomputation runs the attention's forward again, its
+    # communication too (selective checkpointing keeps the kernel's outputs, not the passes).
+    forwards = 2 if config.train.activation_checkpointing != "none" else 1
+    prefix = "cp " if dims.cp < dims.world_size else ""
+    if p.cp_method == "ring":
+        block = 2 * tokens * kv * a  # keys and values, every head
+        grads = 2 * tokens * kv * FP32
+        per_layer = (dims.cp - 1) * (forwards + 1) * block + dims.cp * grads
+        key = prefix + "send/recv"
+    else:
+        per_layer = (forwards + 1) * tokens * (2 * q + 2 * kv) * a
+        key = prefix + "all_to_all"
+    comm[key] = comm.get(key, 0) + microbatches * layers * per_layer
+    groups[key] = dims.cp

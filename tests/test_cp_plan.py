@@ -1,0 +1,96 @@
+"""``dtlab plan`` of context parallelism (:mod:`dtlab.analysis.context_plan`) against the real code of
+the same rank (``--check``: fake process group, fake tensors): each rank holding ``1 / cp`` of every
+sequence, the attention's own memory (the ring's accumulators and blocks in flight in its backward,
+the output's copy, the expanded key/value heads) and its bytes (the ring's point-to-point passes,
+alltoall's all-to-alls)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import FAST, run_cli
+from dtlab.analysis.check import check_rank, measure_fake
+from dtlab.analysis.model import plan_step
+from dtlab.config import load_config
+
+# Attention-heavy for its size (a short vocabulary, grouped key/value heads), so that the
+# attention's own figures, not the loss's, decide the peak.
+SHAPE = [
+    "model.preset=debug", "model.dim=128", "model.n_layers=2", "model.n_heads=8",
+    "model.n_kv_heads=2", "model.vocab_size=256", "model.max_seq_len=512", "data.seq_len=512",
+    "train.global_batch_size=4",
+]  # fmt: skip
+
+CHECKED: dict[str, tuple[int, list[str]]] = {
+    "ring fp32": (2, ["parallel.strategy=ddp", "parallel.cp=2"]),
+    "alltoall fp32": (2, ["parallel.strategy=ddp", "parallel.cp=2", "parallel.cp_method=alltoall"]),
+    "ring bf16 full AC": (2, ["parallel.strategy=ddp", "parallel.cp=2", "train.precision=bf16",
+                              "train.activation_checkpointing=full"]),
+    "ring fp32 selective AC": (2, ["parallel.strategy=ddp", "parallel.cp=2",
+                                   "train.activation_checkpointing=selective"]),
+    "alltoall bf16 full AC": (2, ["parallel.strategy=ddp", "parallel.cp=2", "train.precision=bf16",
+                                  "parallel.cp_method=alltoall", "train.activation_checkpointing=full"]),
+    "cp:4 ring full AC": (4, ["parallel.strategy=ddp", "parallel.cp=4",
+                              "train.activation_checkpointing=full"]),
+    "fsdp:2 x cp:2 ring bf16 full AC": (4, ["parallel.strategy=fsdp", "parallel.cp=2",
+                                           "train.precision=bf16", "train.activation_checkpointing=full"]),
+    "fsdp:2 x cp:2 alltoall": (4, ["parallel.strategy=fsdp", "parallel.cp=2",
+                                   "parallel.cp_method=alltoall"]),
+}  # fmt: skip
+
+
+# Where the peak is not yet within 3% (docs/long-context.md): the ring under selective checkpointing,
+# whose policy keeps each chunk pair's partial output; the plan is over by up to 4%.
+PEAK_WITHIN = {"ring fp32 selective AC": 0.04}
+
+
+def _close(predicted: int, checked: int, within: float) -> bool:
+    return abs(predicted - checked) <= within * checked
+
+
+@pytest.mark.parametrize("layout", list(CHECKED))
+def test_the_plan_of_context_parallelism_is_the_checked_code(layout: str) -> None:
+    """The step's peak within 3% of the checked code's, the state between steps to the byte (FSDP
+    sharding over the data x cp ranks), and the bytes sent per step (the ring's passes or the
+    all-to-alls, with DDP's or FSDP's collectives) exact."""
+    nproc, overrides = CHECKED[layout]
+    config = load_config(overrides=[*SHAPE, *overrides])
+    rank = nproc - 1
+    measured = measure_fake(config, nproc, 1, rank)
+    r = check_rank(config, nproc, 1, rank, measured)
+    assert r.skipped is None
+    within = PEAK_WITHIN.get(layout, 0.03)
+    assert _close(r.peak["predicted"], r.peak["checked"], within), (r.peak, r.components)
+    if layout in PEAK_WITHIN:  # the documented miss is an over-estimate, and still there
+        assert r.peak["checked"] < r.peak["predicted"]
+        assert not _close(r.peak["predicted"], r.peak["checked"], 0.03)
+    plan = plan_step(config, nproc)
+    own = measured["components"]
+    assert own["params"] == plan.params_bytes > 0 and own["grads"] == plan.grads_bytes
+    assert own["optimizer"] == plan.optimizer_bytes
+    sent = r.collectives
+    assert sent["checked"] > 0 and abs(sent["predicted"] - sent["checked"]) <= 64, r.by_collective
+    method = "all_to_all" if "alltoall" in layout else "send/recv"
+    assert any(k.endswith(method) and v["checked"] > 0 for k, v in r.by_collective.items())
+
+
+def test_a_rank_of_cp_holds_a_share_of_the_sequence_and_the_ring_costs_its_blocks() -> None:
+    """cp 2 plans each rank's activations at about half of one process's at the same sequence,
+    and the ring's bytes as its blocks' passes: 2 (cp - 1) + cp key/value blocks a layer."""
+    one = load_config(overrides=[*SHAPE, "parallel.strategy=ddp"])
+    two = load_config(overrides=[*SHAPE, "parallel.strategy=ddp", "parallel.cp=2"])
+    whole, half = plan_step(one, 1), plan_step(two, 2)
+    assert 0.45 < half.activations_bytes / whole.activations_bytes < 0.6
+    m = two.model
+    tokens = 4 * 512 // 2  # a rank's part of the batch
+    block = 2 * tokens * m.dim * 4  # keys and values expanded to every head, float32
+    assert half.comm_bytes["send/recv"] == m.n_layers * (2 * block + 2 * block)
+
+
+def test_the_cli_plans_and_checks_a_context_parallel_layout() -> None:
+    proc = run_cli(
+        "plan", "--check", "--device", "this", "--nproc", "2", "--set", *FAST,
+        "parallel.strategy=ddp", "parallel.cp=2",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "cp 2 (ring)" in proc.stdout and "sent/step" in proc.stdout
