@@ -2,9 +2,10 @@
 what the rank holds between steps (its activations, their gradients, the temporaries), at each
 sequence length and context-parallel degree, on this machine's CPU.
 
-``python -m dtlab.bench.cp_memory [--seq 1024,2048,4096] [--cp 1,2,4] [--preset debug]`` prints one row
-per (sequence, cp): the step's held bytes on the rank that holds the most, and their ratio to cp 1's
-at the same sequence (1/cp where only the activations grew with the sequence).
+``python -m dtlab.bench.cp_memory [--seq 1024,2048,4096] [--cp 1,2,4] [--preset debug] [--plot PATH]``
+prints one row per (sequence, cp): the step's held bytes on the rank that holds the most, and their
+ratio to cp 1's at the same sequence (1/cp where only the activations grew with the sequence).
+``--plot PATH`` also draws them (a PNG): held MiB against the sequence length, one line per cp.
 
 Each point runs its own processes (``cp`` of them, gloo, strategy ddp), one warm-up step and one
 measured step; the bytes are counted by a dispatch mode that follows every tensor storage the step
@@ -25,7 +26,7 @@ from typing import Any
 
 from dtlab.errors import DtlabError
 
-__all__ = ["main", "measure"]
+__all__ = ["main", "measure", "plot"]
 
 
 def _held_bytes(step: Any) -> int:
@@ -116,6 +117,43 @@ def measure(seq: int, cp: int, preset: str = "debug", batch: int = 2) -> int:
         return int(json.loads(out.read_text())["held_bytes"])
 
 
+def plot(rows: list[tuple[int, int, int]], path: Path, setup: str = "") -> None:
+    """Draw ``rows`` of (sequence, cp, held bytes) into the PNG ``path``: held MiB against the
+    sequence length, one line per cp, both axes logarithmic (base 2), so that growing linearly with
+    the sequence is a slope of 1 and 1/cp is an even step down between the lines. ``setup``: what
+    was measured, under the title."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    for cp in sorted({c for _, c, _ in rows}):
+        points = sorted((s, held / 2**20) for s, c, held in rows if c == cp)
+        xs, ys = [s for s, _ in points], [mib for _, mib in points]
+        ax.plot(xs, ys, marker="o", label=f"cp {cp}")
+        for x, y in points:
+            ax.annotate(f"{y:.1f}", (x, y), textcoords="offset points", xytext=(6, -9), fontsize=7)
+    seqs = sorted({s for s, _, _ in rows})
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xticks(seqs, [f"{s:,}" for s in seqs])
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.minorticks_off()
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel("held per step, most-holding rank (MiB)")
+    title = "What one training step holds, by context-parallel degree"
+    ax.set_title(title + (f"\n{setup}" if setup else ""), fontsize=9)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.margins(x=0.12)  # room for the last points' labels
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def _ints(text: str, flag: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x]
@@ -132,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cp", default="1,2,4", help="context-parallel degrees")
     parser.add_argument("--preset", default="debug")
     parser.add_argument("--batch", type=int, default=2, help="train.global_batch_size")
+    parser.add_argument("--plot", type=Path, help="also draw held MiB against the sequence (PNG)")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -139,13 +178,19 @@ def main(argv: list[str] | None = None) -> int:
         _worker(args.overrides, args.worker)
         return 0
     seqs, cps = _ints(args.seq, "--seq"), _ints(args.cp, "--cp")
+    rows = []
     print(f"{'seq':>7} {'cp':>3} {'held per step (MiB)':>20} {'vs cp 1':>8}")
     for seq in seqs:
         base = None
         for cp in cps:
             held = measure(seq, cp, args.preset, args.batch)
             base = held if cp == 1 or base is None else base
+            rows.append((seq, cp, held))
             print(f"{seq:>7} {cp:>3} {held / 2**20:>20.2f} {held / base:>8.3f}", flush=True)
+    if args.plot is not None:
+        setup = f"{args.preset} model, {args.batch} sequences a step, gloo on CPU, strategy ddp"
+        plot(rows, args.plot, setup)
+        print(f"plot: {args.plot}")
     return 0
 
 
