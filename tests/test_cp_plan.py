@@ -6,12 +6,15 @@ alltoall's all-to-alls)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from conftest import FAST, run_cli
 from dtlab.analysis.check import check_rank, measure_fake
 from dtlab.analysis.model import plan_step
 from dtlab.config import load_config
+from dtlab.dims import ParallelDims
 
 # Attention-heavy for its size (a short vocabulary, grouped key/value heads), so that the
 # attention's own figures, not the loss's, decide the peak.
@@ -36,7 +39,24 @@ CHECKED: dict[str, tuple[int, list[str]]] = {
                                            "train.precision=bf16", "train.activation_checkpointing=full"]),
     "fsdp:2 x cp:2 alltoall": (4, ["parallel.strategy=fsdp", "parallel.cp=2",
                                    "parallel.cp_method=alltoall"]),
+    # Tensor parallelism inside: each tp rank's heads go round the ring (sequence parallel).
+    "fsdp:1 x cp:2 x tp:2 sp ring bf16 full AC": (
+        4, ["parallel.strategy=fsdp", "parallel.cp=2", "parallel.tp=2",
+            "parallel.sequence_parallel=true", "train.precision=bf16",
+            "train.activation_checkpointing=full"]),
+    # Pipeline stages of sequence parts: the ring's backward inside each stage's schedule.
+    "fsdp:1 x cp:2 x pp:2 ring bf16 full AC": (
+        4, ["parallel.strategy=fsdp", "parallel.cp=2", "parallel.pp=2", "parallel.pp_microbatches=2",
+            "train.precision=bf16", "train.activation_checkpointing=full"]),
+    "fsdp:1 x cp:2 x pp:2 alltoall": (
+        4, ["parallel.strategy=fsdp", "parallel.cp=2", "parallel.pp=2", "parallel.pp_microbatches=2",
+            "parallel.cp_method=alltoall"]),
 }  # fmt: skip
+
+# Checked with a GPU's attention kernels' memory (the check's target "cuda"): alltoall attends a
+# whole sequence on the kernel the model picks (fp32 with grouped heads: memory-efficient on
+# expanded heads; bf16: flash).
+ON_A_GPU = {"alltoall fp32", "alltoall bf16 full AC"}
 
 
 # Where the peak is not yet within 3% (docs/long-context.md): the ring under selective checkpointing,
@@ -55,23 +75,39 @@ def test_the_plan_of_context_parallelism_is_the_checked_code(layout: str) -> Non
     all-to-alls, with DDP's or FSDP's collectives) exact."""
     nproc, overrides = CHECKED[layout]
     config = load_config(overrides=[*SHAPE, *overrides])
-    rank = nproc - 1
-    measured = measure_fake(config, nproc, 1, rank)
-    r = check_rank(config, nproc, 1, rank, measured)
+    pipelined = any(o.startswith("parallel.pp=") for o in overrides)
+    for rank in [0, nproc - 1] if pipelined else [nproc - 1]:
+        _check(layout, config, nproc, rank, "cpu")
+    if layout in ON_A_GPU:
+        _check(layout, config, nproc, nproc - 1, "cuda")
+
+
+def _check(layout: str, config: Any, nproc: int, rank: int, target: str) -> None:
+    measured = measure_fake(config, nproc, 1, rank, target)
+    r = check_rank(config, nproc, 1, rank, measured, target)
     assert r.skipped is None
     within = PEAK_WITHIN.get(layout, 0.03)
     assert _close(r.peak["predicted"], r.peak["checked"], within), (r.peak, r.components)
     if layout in PEAK_WITHIN:  # the documented miss is an over-estimate, and still there
         assert r.peak["checked"] < r.peak["predicted"]
         assert not _close(r.peak["predicted"], r.peak["checked"], 0.03)
-    plan = plan_step(config, nproc)
+    dims = ParallelDims.from_config(config, nproc)
+    at = dims.coordinates(rank)
+    plan = plan_step(config, nproc, pp_rank=at["pp"] if dims.pp_enabled else None)
     own = measured["components"]
     assert own["params"] == plan.params_bytes > 0 and own["grads"] == plan.grads_bytes
     assert own["optimizer"] == plan.optimizer_bytes
     sent = r.collectives
-    assert sent["checked"] > 0 and abs(sent["predicted"] - sent["checked"]) <= 64, r.by_collective
+    # (Under tensor parallelism the loss-parallel cross-entropy's all-reduces, which the counter
+    # cannot see, are within 0.5%, as every layout's.)
+    slack = 0.005 * sent["checked"] if "tp:" in layout else 64
+    assert sent["checked"] > 0 and abs(sent["predicted"] - sent["checked"]) <= slack, (
+        r.by_collective
+    )
+    cp = {k: v for k, v in r.by_collective.items() if "to_all" in k or "send/recv" in k}
+    assert cp and all(v["predicted"] == v["checked"] > 0 for v in cp.values()), cp
     method = "all_to_all" if "alltoall" in layout else "send/recv"
-    assert any(k.endswith(method) and v["checked"] > 0 for k, v in r.by_collective.items())
+    assert any(k.endswith(method) for k in cp), cp
 
 
 def test_a_rank_of_cp_holds_a_share_of_the_sequence_and_the_ring_costs_its_blocks() -> None:
@@ -94,3 +130,34 @@ def test_the_cli_plans_and_checks_a_context_parallel_layout() -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "cp 2 (ring)" in proc.stdout and "sent/step" in proc.stdout
+
+
+def test_the_search_splits_the_sequence_when_nothing_fits_without() -> None:
+    """llama3.1-8b at 131,072 tokens on 8 x 8 H100 without tensor or pipeline parallelism: no
+    layout fits with whole sequences (cp given as 1), and with cp left open the search tries the
+    context-parallel degrees (alltoall: the ring runs on a CPU's kernel so far) and recommends one
+    that fits, with the line that runs it."""
+    from dtlab.analysis.devices import PROFILES
+    from dtlab.analysis.plan import plan
+
+    given = [
+        "model.preset=llama3.1-8b", "data.seq_len=131072", "model.max_seq_len=131072",
+        "parallel.tp=1", "parallel.pp=1", "train.global_batch_size=64",
+    ]  # fmt: skip
+    whole = plan(load_config(overrides=[*given, "parallel.cp=1"]), 8, 8, PROFILES["h100"], None)
+    assert whole["search"]["recommended"] is None
+    assert whole["recommendation"].startswith("nothing fits")
+    split = plan(load_config(overrides=given), 8, 8, PROFILES["h100"], None)
+    best = split["search"]["recommended"]
+    assert best is not None and best["settings"]["parallel.cp"] > 1, best
+    assert best["settings"]["parallel.cp_method"] == "alltoall"
+    assert "parallel.cp=" in split["search"]["recommended"]["command"]
+    assert "parallel.cp" in split["search"]["open"]
+
+
+def test_the_ring_is_not_planned_for_a_gpu() -> None:
+    proc = run_cli(
+        "plan", "--nproc", "2", "--set", *FAST, "parallel.strategy=ddp", "parallel.cp=2",
+    )  # fmt: skip
+    assert proc.returncode != 0 and "runs on the CPU's attention kernel so far" in proc.stderr
+    assert "Traceback" not in proc.stderr

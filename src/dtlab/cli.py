@@ -148,9 +148,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     # fits" (tensor and pipeline parallelism, when set, take their ranks first).
     p = config.parallel
     world = args.nproc * args.nnodes
-    if config.is_given("parallel.tp") and config.is_given("parallel.pp"):
-        # Otherwise the plan searches degrees that split it, and says so when none does.
-        check_batch_split(config, world // (p.tp * p.pp) if world % (p.tp * p.pp) == 0 else world)
+    if all(config.is_given(f"parallel.{k}") for k in ("tp", "pp", "cp")):
+        # Otherwise the plan searches degrees that split it (context parallelism where nothing
+        # fits without), and says so when none does.
+        split = p.tp * p.pp * p.cp
+        check_batch_split(config, world // split if world % split == 0 else world)
     if args.device is None:
         device = PROFILES[DEFAULT_DEVICE]
     elif args.device == "this":

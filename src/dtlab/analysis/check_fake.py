@@ -305,8 +305,11 @@ def _attention_as_on(device_type: str) -> Iterator[None]:
             return _FlashAsOnGpu.apply(q, k, v, is_causal)  # type: ignore[no-any-return]
         return run_kernel(kernel, q, k, v, is_causal, attn_mask)
 
-    llama.attend = attend
+    import dtlab.parallel.context as context
+
+    # (Context parallelism's all-to-all attends a whole sequence on one rank with the same kernels.)
+    llama.attend = context.attend = attend
     try:
         yield
     finally:
-        llama.attend = original
+        llama.attend = context.attend = original

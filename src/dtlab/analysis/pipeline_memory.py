@@ -17,6 +17,7 @@ from dtlab.analysis.activations import (
     fsdp_half_params,
     kernel_bytes,
 )
+from dtlab.analysis.context_plan import cp_kept_bytes
 from dtlab.analysis.pipeline_steps import (
     PipelineSteps,
     StageFigures,
@@ -180,6 +181,7 @@ def stage_figures(
             - weights
             + rows
             + kernel_bytes(stage, tokens, seq_len, t.precision, ac, kernel, split)
+            + cp_kept_bytes(config, stage, tokens, kernel, dims.tp)
         )
         # Every block's copies, checkpointed or not: autocast keeps them for its whole region, the
         # step (a checkpointed block's forward makes them too).

@@ -313,6 +313,15 @@ class PipelineSteps:
                      activations=alive + again - block.norm_freed + 3 * w2_copy,
                      temporaries=t_kept + moved + self.sending + norm + ahead,
                      buffers=bufs)  # fmt: skip
+            if block.attention_temps:  # context parallelism's ring (dtlab.analysis.context_plan)
+                ring = block.attention_temps - (0 if last else block.incoming)
+                made = 3 * block.w2_grad + block.dim * block.grad_element + block.attention_grad
+                self.add(name, f"the stage's {which} block's attention backward",
+                         grads=g_kept + new + (made if grows else 0),
+                         activations=alive + again - (gone if last else 0) - block.norm_freed
+                         - block.attention_freed + 3 * w2_copy,
+                         temporaries=t_kept + moved + self.sending + ring + ahead,
+                         buffers=bufs)  # fmt: skip
 
     def _block_points(self, op: StageOp, prefetch: int) -> list[tuple[str, int, int, int]]:
         """The stage's blocks looked at in a backward, as (which, activations alive, blocks above

@@ -321,7 +321,8 @@ def _why_nothing_runs(config: Config, world: int) -> None:
     """A ConfigError for a search that found nothing this world can run: the config's own layout
     says why (first the batch's split, which decides most of them)."""
     p = config.parallel
-    check_batch_split(config, world // (p.tp * p.pp) if world % (p.tp * p.pp) == 0 else world)
+    split = p.tp * p.pp * p.cp  # the ranks each data-parallel rank's samples go to
+    check_batch_split(config, world // split if world % split == 0 else world)
     check_world(config, world)
     raise ConfigError(f"no layout of this config runs on {world} ranks")
 

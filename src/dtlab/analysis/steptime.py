@@ -143,8 +143,10 @@ def exposed_comm(
     """Of the step's collectives (``times``: seconds of each, alone), what the step waits for."""
     total = sum(times.values())
     # Named by their dimension ("tp all_reduce", "ep all_to_all": inside each block's forward and
-    # backward, which wait for them), only the data-parallel collectives can hide.
-    data = sum(t for k, t in times.items() if " " not in k and k != "send/recv")
+    # backward, which wait for them), only the data-parallel collectives can hide. (Context
+    # parallelism's over the whole world go unnamed: its passes and all-to-alls are inside the
+    # blocks too. The ring's passes overlap its attention; the plan counts them whole.)
+    data = sum(t for k, t in times.items() if " " not in k and k not in ("send/recv", "all_to_all"))
     if config.parallel.diloco.inner_steps or data <= 0:
         return total
     rest = total - data
@@ -201,6 +203,13 @@ def collective_waits(
             add(dims.tp, microbatches * (7 * n_layers + 2 + 3))
     if dims.pp_enabled:
         add(2, 2 * microbatches)
+    if dims.cp_enabled:
+        # Per block: the ring's passes (forward, again where recomputed, backward's blocks and their
+        # gradients), or alltoall's four all-to-alls each way (forward again where recomputed).
+        forwards = 2 if config.train.activation_checkpointing != "none" else 1
+        cp = dims.cp
+        per = (cp - 1) * (forwards + 1) + cp if p.cp_method == "ring" else 4 * (forwards + 1)
+        add(cp, microbatches * n_layers * per)
     if dims.ep_enabled:
         from dtlab.analysis.moe import moe_blocks
 

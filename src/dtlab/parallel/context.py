@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from dtlab.errors import ConfigError
+from dtlab.models.attention import attend
 from dtlab.models.sequence import (
     positions,
     same_document,
@@ -282,14 +283,15 @@ def _one_process(
     gqa: bool = False,
 ) -> torch.Tensor:
     """Causal attention of a whole sequence on one rank (within each document where ``documents``
-    gives each token's)."""
-    if documents is None:
-        return torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=scale, enable_gqa=gqa
-        )
-    mask = same_document(documents, documents, causal=True)
+    gives each token's), on the kernel the model's own attention would run
+    (:func:`dtlab.models.attention.attend`: on a GPU in fp32 with grouped key/value heads the
+    memory-efficient kernel on expanded heads, where ``enable_gqa`` would fall to the math kernel's
+    T x T softmax); an explicit ``scale`` goes to torch's attention as it is."""
+    mask = None if documents is None else same_document(documents, documents, causal=True)
+    if scale is None:
+        return attend(q, k, v, is_causal=mask is None, attn_mask=mask)
     return torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
     )
 
 
