@@ -6,11 +6,11 @@ tokens (the activations, the loss's log-softmax, tensor parallelism's collective
 :func:`dtlab.analysis.model.plan_step` plans it so. Beyond that, per layer and micro-batch, measured by
 ``dtlab plan --check`` on the real code:
 
-- **Kept for backward**: the attention's output is made in [batch, heads, tokens, head dim] order, so the
-  output projection keeps a copy of it in [tokens, dim] order (the fused kernel's own output already has
-  that layout, and its view is what a rank without cp keeps). The ring expands grouped key/value heads
-  to the query heads before it starts (the blocks that travel carry every head), and keeps the expanded
-  ones; ``alltoall`` expands them only when the heads a rank holds do not divide by ``cp``.
+- **Kept for backward**: the ring expands grouped key/value heads to the query heads before it starts
+  (the blocks that travel carry every head), and keeps the expanded ones; ``alltoall`` expands them
+  only when the heads a rank holds do not divide by ``cp``. The ring lays its output out tokens first,
+  as the fused kernel does, so the output projection keeps it without a copy; ``alltoall``'s kernel
+  keeps its output in the swapped layout beside the one swapped back for the output projection.
 - **The ring's backward**: its float32 accumulators of the query's gradient and of the travelling
   block's key and value gradients, the block of keys and values received ahead, the gradients received
   from the neighbour, the output gradient made contiguous and the kernel's gradients of one chunk pair:
@@ -69,14 +69,18 @@ def cp_kernel(config: Config, device_type: str) -> str:
 
 def _extra_per_token(config: Config, m: ModelConfig, kernel: str, tp: int) -> int:
     """What one layer's context-parallel attention keeps per token beyond the fused kernel's figure
-    (without checkpointing): the output's [tokens, dim] copy, and the expanded key/value heads
-    where the kernel's own figure (``efficient``'s, which expands them) does not count them."""
+    (without checkpointing): the expanded key/value heads where the kernel's own figure
+    (``efficient``'s, which expands them) does not count them; ``alltoall``'s output in the swapped
+    layout, kept by its kernel beside the one swapped back for the output projection."""
     p = config.parallel
     a = 2 if _half(config.train.precision) else FP32
     q, kv = _widths(m, p.cp_method, p.cp, tp)
     own_kv = max(1, m.kv_heads // tp) * (m.dim // m.n_heads)
     expand = 2 * (kv - own_kv) if kernel != "efficient" else 0
-    return (q + expand) * a
+    # alltoall's kernel keeps its output in the swapped layout, and the output projection the
+    # output swapped back: two copies where a rank without cp keeps one.
+    swapped = q if p.cp_method == "alltoall" else 0
+    return (expand + swapped) * a
 
 
 def cp_kept_bytes(config: Config, m: ModelConfig, tokens: int, kernel: str, tp: int) -> int:
@@ -103,7 +107,7 @@ def cp_kept_bytes(config: Config, m: ModelConfig, tokens: int, kernel: str, tp: 
 
 def cp_recompute_bytes(config: Config, tokens: int, kernel: str, tp: int) -> int:
     """What recomputing one checkpointed block adds (its attention's :func:`cp_kept_bytes`
-    without checkpointing: the output's copy, the expanded heads); 0 without checkpointing."""
+    without checkpointing: the expanded heads); 0 without checkpointing."""
     if config.parallel.cp == 1 or config.train.activation_checkpointing == "none":
         return 0
     return tokens * _extra_per_token(config, config.model, kernel, tp)

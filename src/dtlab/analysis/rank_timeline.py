@@ -242,8 +242,8 @@ def _dense_block(
     residual = stream * tokens * m.dim // seq
     return replace(
         shape, attention_temps=residual + ring, attention_grad=made * m.dim**2 // dims.tp,
-        # The output projection's input, and the feed-forward norm's input (the stream).
-        attention_freed=(2 if half else FP32) * tokens * m.dim // dims.tp + residual,
+        # The feed-forward norm's input (the stream).
+        attention_freed=residual,
     )  # fmt: skip
 
 

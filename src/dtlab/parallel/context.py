@@ -239,7 +239,9 @@ class _RingAttention(torch.autograd.Function):
             if pending is not None:
                 _wait(pending[0])
                 kv = pending[1]
-        out = torch.cat(outs, dim=2).to(q.dtype)  # type: ignore[arg-type]
+        out = _tokens_major(q.shape, q.dtype, q.device)
+        for a, part in enumerate(outs):
+            out.chunk(2, dim=2)[a].copy_(part)  # type: ignore[arg-type]
         lse = torch.cat(lses, dim=2)  # type: ignore[arg-type]
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.scale, ctx.docs = group, scale, docs
@@ -357,8 +359,19 @@ def _heads_to_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
     send = torch.stack([shard_sequence(x, cp, r, dim=2) for r in range(cp)]).contiguous()
     got = torch.empty_like(send)  # [source rank's heads, B, H/cp, S/cp, D]
     dist.all_to_all_single(got, send, group=group)
-    b, s, d = got.shape[1], got.shape[3], got.shape[4]
-    return got.transpose(0, 1).reshape(b, -1, s, d)
+    b, h, s, d = got.shape[1], got.shape[0] * got.shape[2], got.shape[3], got.shape[4]
+    out = _tokens_major((b, h, s, d), got.dtype, got.device)
+    out.unflatten(1, (got.shape[0], -1)).copy_(got.transpose(0, 1))
+    return out
+
+
+def _tokens_major(
+    shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """An empty [B, H, S, D] tensor laid out as [B, S, H, D], as the fused kernels lay out their
+    output: the output projection reads it as [B, S, H x D] without a copy."""
+    b, h, s, d = shape
+    return torch.empty(b, s, h, d, dtype=dtype, device=device).transpose(1, 2)
 
 
 class _Swap(torch.autograd.Function):
