@@ -139,6 +139,17 @@ def test_a_rank_trains_on_its_zigzag_part_of_each_sequence(tmp_path: Path) -> No
             ["parallel.strategy=ddp", "model.preset=debug-moe", "parallel.ep=4"],
             "parallel.ep = 4 does not divide the 2 data x cp ranks",
         ),
+        # DiLoCo's replicas split the data-parallel ranks (tests/test_cp_diloco.py trains them
+        # with cp inside, and fault-tolerant groups of cp ranks): 2 processes of cp 2 make one.
+        (
+            [
+                "parallel.strategy=ddp",
+                "parallel.diloco.inner_steps=2",
+                "parallel.diloco.replicas=2",
+            ],
+            "parallel.diloco.replicas = 2 does not divide the 1 data-parallel ranks (world 2 / "
+            "parallel.cp = 2)",
+        ),
     ],
 )
 def test_what_context_parallelism_does_not_compose_with_yet_is_refused(

@@ -32,10 +32,16 @@ group of one. ``fsdp`` and ``hsdp`` with one data-parallel rank keep FSDP2, for 
 on a ``dp_shard`` dimension of one rank, where it sends nothing.
 
 ``parallel.diloco`` (DiLoCo, ``inner_steps`` > 0) groups the data-parallel ranks into ``replicas``
-(``diloco``, one per rank by default) of contiguous ranks that train alone between outer syncs; the
-strategy lays out each replica's ``world / replicas`` ranks as above (DDP or FSDP inside a replica), and
-the mesh gains a ``diloco`` dimension outside them: the outer syncs run along it, each rank with the
-ranks that hold the same part of the model in the other replicas.
+(``diloco``, one per data-parallel rank by default) of contiguous ranks that train alone between
+outer syncs; the strategy lays out each replica's ``world / replicas`` ranks as above (DDP or FSDP
+inside a replica), and the mesh gains a ``diloco`` dimension outside them: the outer syncs run along
+it, each rank with the ranks that hold the same part of the model in the other replicas. Under context
+parallelism (``parallel.cp``) the replicas split the data-parallel ranks, and each replica's ranks are
+its data x cp ranks, laid out as without DiLoCo (DDP over them, or FSDP sharding over them): a rank
+syncs with the ranks of the same (data, cp) coordinates, which hold the same parameters (or shard)::
+
+    diloco 2 x ddp 1 x cp 2:  mesh (diloco, dp_replicate, cp) = (2, 1, 2); replicas {0, 1} {2, 3},
+                              each DDP over its cp ranks; outer syncs {0, 2} {1, 3}
 
 ``parallel.ep`` (expert parallelism, mixture-of-experts models) borrows its ranks from the data-parallel
 ranks, as torchtitan does, and adds no dimension to the world: each of the ``dp`` data-parallel ranks
@@ -368,27 +374,42 @@ class ParallelDims:
     @classmethod
     def _diloco(cls, config: _HasParallel, world_size: int) -> ParallelDims:
         """DiLoCo's replicas, each laid out by the strategy over its share of the ranks (contiguous
-        ranks: a replica reads the samples one rank of ``replicas`` ranks would)."""
+        ranks: a replica reads the samples one rank of ``replicas`` ranks would). Under context
+        parallelism a replica's ranks are its data x cp ranks (DDP over them, or FSDP sharding over
+        them), laid out as without DiLoCo; the replicas split the data-parallel ranks."""
         p = config.parallel
         if DPWrapper.of(p.strategy) is DPWrapper.NONE:  # one process: DiLoCo over itself
             return cls._data_parallel(config, world_size)
-        replicas = p.diloco.replicas or world_size
-        if world_size % replicas:
-            allowed = [str(n) for n in range(1, world_size + 1) if world_size % n == 0]
+        cp = getattr(p, "cp", 1)
+        if world_size % cp:
             raise ConfigError(
-                f"parallel.diloco.replicas = {replicas} does not divide the {world_size} "
-                f"data-parallel ranks (allowed: {', '.join(allowed)}, or null: one per rank)"
+                f"parallel.cp = {cp} does not divide the world size {world_size}: use a multiple "
+                f"of {cp} processes"
             )
-        if DPWrapper.of(p.strategy) is DPWrapper.FSDP and world_size == replicas:
+        data = world_size // cp  # the data-parallel ranks the replicas split
+        replicas = p.diloco.replicas or data
+        if data % replicas:
+            allowed = [str(n) for n in range(1, data + 1) if data % n == 0]
+            ranks = f" (world {world_size} / parallel.cp = {cp})" if cp > 1 else ""
             raise ConfigError(
-                f"parallel.diloco.replicas = {replicas} with {world_size} data-parallel ranks leaves "
+                f"parallel.diloco.replicas = {replicas} does not divide the {data} "
+                f"data-parallel ranks{ranks} (allowed: {', '.join(allowed)}, or null: one per rank)"
+            )
+        if DPWrapper.of(p.strategy) is DPWrapper.FSDP and data == replicas and cp == 1:
+            raise ConfigError(
+                f"parallel.diloco.replicas = {replicas} with {data} data-parallel ranks leaves "
                 f"one rank per replica, which parallel.strategy = {p.strategy!r} has nothing to shard "
-                f"over; use parallel.strategy = 'ddp', or fewer replicas (a divisor of {world_size} "
-                f"below {world_size})"
+                f"over; use parallel.strategy = 'ddp', or fewer replicas (a divisor of {data} "
+                f"below {data}), or parallel.cp > 1 (a replica shards over its cp ranks)"
             )
-        inner = cls._data_parallel(config, world_size // replicas)
+        inner_world = world_size // replicas
+        inner = (
+            cls._context_parallel(config, inner_world, cp)
+            if cp > 1
+            else cls._data_parallel(config, inner_world)
+        )
         return cls(
-            inner.dp_replicate, inner.dp_shard, wrapper=inner.wrapper, diloco=replicas,
+            inner.dp_replicate, inner.dp_shard, cp=cp, wrapper=inner.wrapper, diloco=replicas,
             mesh_dims=("diloco", *inner.mesh_dims),
         )  # fmt: skip
 
@@ -448,6 +469,12 @@ class ParallelDims:
     def diloco_inner(self) -> int:
         """The data-parallel ranks of one DiLoCo replica (all of them without DiLoCo)."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def replica_ranks(self) -> int:
+        """The ranks of one DiLoCo replica: its data-parallel ranks and the cp ranks of each (the
+        ranks that agree on a step between outer syncs; the whole world without DiLoCo)."""
+        return self.world_size // self.diloco
 
     @property
     def dp_mesh_dims(self) -> tuple[str, ...]:

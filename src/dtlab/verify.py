@@ -13,9 +13,11 @@ Layout syntax: layouts separated by commas; a layout is dimensions joined by ``x
     single                  one process (also the default when a layout names no data parallelism)
     ddp:N  fsdp:N  hsdp:N   data parallel over N ranks (hsdp: two replica groups)
     zero:N                  DDP over N ranks with ZeRO-1 (parallel.sharding = optimizer)
-    diloco:N[:H]            N DiLoCo replicas of one rank, syncing every H steps (default 1)
+    diloco:N[:H]            N DiLoCo replicas of one rank, syncing every H steps (default 1); with
+                            cp:M each replica is DDP over M ranks (diloco:2xcp:2: 4 processes)
     ft:N                    DDP over N fault-tolerant replica groups (parallel.fault_tolerance on
-                            torchft; with tp, each group its TP ranks): every group compared
+                            torchft; with tp or cp, each group its TP x CP ranks): every group
+                            compared
     tp:N   sp:N             tensor parallel over N ranks (sp: with sequence parallelism)
     pp:N[:SCHEDULE]         pipeline parallel over N ranks (schedule: parallel.pp_schedule's values)
     ep:N                    expert parallel (an MoE model's experts) over N of the data-parallel
@@ -57,7 +59,8 @@ from dtlab.verify_state import (
 
 _DIM = re.compile(r"^(?P<name>[a-z]+)(?::(?P<degree>\d+))?(?::(?P<option>[a-z0-9_]+))?$")
 _DATA = tuple(strategies_with(*DPWrapper))  # parallel.strategy's names
-# DDP with ZeRO-1; DiLoCo replicas of one DDP rank; DDP over fault-tolerant replica groups
+# DDP with ZeRO-1; DiLoCo replicas of one DDP rank (or its cp ranks); DDP over fault-tolerant
+# replica groups
 _EXTRA_DATA = ("zero", "diloco", "ft")
 _NAMES = (*_DATA, *_EXTRA_DATA, "cp", "tp", "sp", "pp", "ep")
 

@@ -565,12 +565,14 @@ def check_world(config: Config, world_size: int) -> int:
     (``init_distributed``).
     """
     p = config.parallel
-    one_each = p.diloco.replicas in (None, world_size)
+    groups = world_size // p.cp  # a group of one rank, or of its cp ranks
+    one_each = p.diloco.replicas in (None, groups)
     if p.fault_tolerance.enabled and p.diloco.inner_steps and not one_each:
+        ranks = f"its {p.cp} cp ranks" if p.cp > 1 else "one rank"
         raise ConfigError(
             f"parallel.diloco.replicas = {p.diloco.replicas} with parallel.fault_tolerance on "
             f"{world_size} processes: each DiLoCo replica is one fault-tolerant replica group of "
-            f"one rank (allowed: null or {world_size})"
+            f"{ranks} (allowed: null or {groups})"
         )
     dims = ParallelDims.from_config(config, world_size)
     accum = check_batch_split(config, dims.dp)

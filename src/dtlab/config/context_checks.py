@@ -1,7 +1,9 @@
 """What context parallelism (``parallel.cp`` > 1) goes with today, and why the rest is refused: it is
 built over DDP's ranks (each holds the whole model) or FSDP's (sharding over the data x cp ranks), the
 gradients averaged over the data- and context-parallel ranks together, on the CPU's attention kernel
-for the ring."""
+for the ring. So it is inside each DiLoCo replica (its data x cp ranks; the outer syncs between
+the ranks of the same data and cp coordinates) and each fault-tolerant replica group (its cp ranks,
+or under HSDP its data x cp ranks)."""
 
 from __future__ import annotations
 
@@ -13,8 +15,9 @@ __all__ = ["check_context_parallel", "check_document_mask"]
 
 # Why what context parallelism does not compose with yet is refused (one reason for them all).
 _CP_WHY = (
-    "context parallelism is built over DDP's, FSDP's and HSDP's ranks (a mixture of experts' experts "
-    "split over the data x cp ranks, or not split), its ring on the CPU's attention kernel, so far"
+    "context parallelism is built over DDP's, FSDP's and HSDP's ranks (also inside DiLoCo's replicas "
+    "and fault-tolerant replica groups; a mixture of experts' experts split over the data x cp "
+    "ranks, or not split), its ring on the CPU's attention kernel, so far"
 )
 
 
@@ -51,10 +54,6 @@ def check_context_parallel(c: Config) -> None:
             p.pp > 1 and DPWrapper.of(p.strategy) is not DPWrapper.FSDP, str(p.pp),
             "1 (with parallel.strategy = 'fsdp' or 'hsdp': any)",
         ),
-        "parallel.diloco.inner_steps": (
-            bool(p.diloco.inner_steps), str(p.diloco.inner_steps), "0",
-        ),
-        "parallel.fault_tolerance.enabled": (p.fault_tolerance.enabled, "true", "false"),
         "parallel.compression": (p.compression != "none", repr(p.compression), "'none'"),
         "train.engine": (t.engine != "torch", repr(t.engine), "'torch'"),
         "train.device": (

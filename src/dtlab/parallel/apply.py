@@ -561,9 +561,9 @@ def _parallelize_one(
             model, [n for n, p in model.named_parameters() if id(p) in ids]
         )
     # Under pipeline parallelism DDP spans the stage's replicas only, and under DiLoCo one replica's
-    # ranks, not the default group.
+    # ranks (with context parallelism, its data x cp ranks), not the default group.
     within = dims.pp_enabled or dims.diloco_enabled
-    group = dims.mesh(device_type, "dp_replicate").get_group() if within else None
+    group = _ddp_group(dims, device_type) if within else None
     ddp = DistributedDataParallel(
         model,
         device_ids=device_ids,
@@ -573,6 +573,16 @@ def _parallelize_one(
         **NO_BUFFER_SYNC,
     )
     return ddp, apply_ddp_compression(ddp, config)
+
+
+def _ddp_group(dims: ParallelDims, device_type: str) -> Any:
+    """The process group DDP averages over when it is not the world's: the data-parallel ranks of
+    one pipeline stage or DiLoCo replica, and under context parallelism their cp ranks with them
+    (the gradients are averaged over the data x cp ranks, as without DiLoCo)."""
+    if not dims.cp_enabled:
+        return dims.mesh(device_type, "dp_replicate").get_group()
+    mesh = dims.mesh(device_type, "dp_replicate", "cp")._flatten("dp_replicate_cp")
+    return mesh.get_group()
 
 
 def _parallelize_pipeline(model: Transformer, config: Config, d: DistInfo) -> ParallelModel:

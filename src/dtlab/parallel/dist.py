@@ -89,10 +89,15 @@ class DistInfo:
 def group_dims(config: Config, world_size: int) -> ParallelDims:
     """The parallel degrees of one fault-tolerant replica group's world of ``world_size`` ranks
     (:mod:`dtlab.parallel.ft`): under HSDP, FSDP2 over the group's ranks (its shard group; the
-    replicate dimension is torchft's, across the groups); otherwise the config's own degrees (DDP:
-    a group of one rank)."""
+    replicate dimension is torchft's, across the groups), sharding over its data x cp ranks under
+    context parallelism; otherwise the config's own degrees (DDP: a group of one rank, or of its
+    tp x cp ranks)."""
     if needs_replica_groups(config.parallel.strategy):
-        return ParallelDims(dp_shard=world_size, wrapper=DPWrapper.FSDP, mesh_dims=("dp_shard",))
+        cp = config.parallel.cp
+        return ParallelDims(
+            dp_shard=world_size // cp, cp=cp, wrapper=DPWrapper.FSDP,
+            mesh_dims=("dp_shard", "cp") if cp > 1 else ("dp_shard",),
+        )  # fmt: skip
     return ParallelDims.from_config(config, world_size)
 
 

@@ -19,7 +19,10 @@ rank ``r`` of a group averages its gradient shards (and recovers its state) with
 others: torchft's manager is built with the group's rank and size, and keeps one process group across
 the replicas per group rank. Sharded (DTensor) state crosses as its local shards. Under DDP with
 ``parallel.tp`` T, a group is its T tensor-parallel ranks, and rank ``r`` of each group likewise
-holds the same shards. A failed all-reduce frees that process group at once (:meth:`Replicas.drop_links`).
+holds the same shards; with ``parallel.cp`` C, a group's ranks split each sequence C ways (DDP over
+its C ranks, or under HSDP FSDP2 over its data x cp ranks), and rank ``r`` of each group holds the
+same parameters (or shards) for the same part of its sequences. A failed all-reduce frees that
+process group at once (:meth:`Replicas.drop_links`).
 
 Data order: rank ``r`` of group ``i`` of ``R`` keeps its slice of every step, data-parallel rank
 ``i * S + r`` of ``R * S`` (INTERFACE.md's split, plain HSDP's order). A step taken without some groups
@@ -117,18 +120,26 @@ def require_torchft() -> None:
 def replica_groups(config: Config, nproc: int) -> tuple[int, int]:
     """(replica groups, ranks per group) of a fault-tolerant run of ``nproc`` processes: HSDP's
     ``parallel.replicate`` groups of ``nproc / replicate`` ranks, else (DDP) one group per
-    data-parallel rank, of its ``parallel.tp`` tensor-parallel ranks (one rank without TP)."""
+    data-parallel rank, of its ``parallel.tp`` tensor-parallel x ``parallel.cp`` context-parallel
+    ranks (one rank without either)."""
     p = config.parallel
     if needs_replica_groups(p.strategy) and p.replicate is not None:
         return p.replicate, nproc // p.replicate
-    if nproc % p.tp:
+    group = p.tp * p.cp
+    if nproc % group:
         from dtlab.errors import DtlabError
 
-        raise DtlabError(
-            f"--nproc {nproc} with parallel.tp = {p.tp} and parallel.fault_tolerance: each replica "
-            f"group is {p.tp} tensor-parallel ranks, so --nproc must be a multiple of {p.tp}"
+        ranks = " x ".join(
+            f"{k} {kind}-parallel ranks"
+            for k, kind in ((p.tp, "tensor"), (p.cp, "context"))
+            if k > 1
         )
-    return nproc // p.tp, p.tp
+        raise DtlabError(
+            f"--nproc {nproc} with parallel.tp = {p.tp}, parallel.cp = {p.cp} and "
+            f"parallel.fault_tolerance: each replica group is {ranks}, so --nproc must be a "
+            f"multiple of {group}"
+        )
+    return nproc // group, group
 
 
 def data_parallel(config: Config, d: DistInfo) -> tuple[int, int]:

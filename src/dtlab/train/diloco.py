@@ -60,8 +60,10 @@ __all__ = [
     "gathers",
     "outer_group",
     "outer_payload_bytes",
+    "outer_peers",
     "outer_state_pinned",
     "replica_group",
+    "replica_members",
     "sync_bytes",
 ]
 
@@ -102,27 +104,44 @@ def outer_state_pinned(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def outer_peers(dims: ParallelDims, ranks: torch.Tensor | None = None) -> list[list[int]]:
+    """The ranks of each outer sync group: those along the mesh's ``diloco`` dimension, one per
+    replica, at the same coordinates on every other dimension (the same data-parallel and cp
+    ranks of their replicas: the same parameters, or the same FSDP shard). ``ranks``: the mesh's
+    global ranks (by default ``init_device_mesh``'s row-major layout of the world)."""
+    if ranks is None:
+        ranks = torch.arange(dims.world_size).view(dims.mesh_shape)
+    return ranks.movedim(dims.mesh_dims.index("diloco"), -1).reshape(-1, dims.diloco).tolist()
+
+
+def replica_members(dims: ParallelDims, ranks: torch.Tensor | None = None) -> list[list[int]]:
+    """The ranks of each DiLoCo replica (:attr:`ParallelDims.replica_ranks` each: its data-parallel
+    ranks and their cp ranks), in replica order; ``ranks`` as for :func:`outer_peers`."""
+    if ranks is None:
+        ranks = torch.arange(dims.world_size).view(dims.mesh_shape)
+    # "diloco" is the mesh's outermost dimension (DiLoCo runs without pipeline stages).
+    return ranks.reshape(dims.diloco, -1).tolist()
+
+
 def outer_group(dims: ParallelDims, device_type: str) -> Any:
-    """The process group of this rank and its peers in the other replicas (the ranks along the mesh's
-    ``diloco`` dimension), made for DiLoCo alone: its syncs, in the background with a delay, never
-    share a group with the step's collectives. None without a process group. Every rank must call it."""
+    """The process group of this rank and its peers in the other replicas (:func:`outer_peers`),
+    made for DiLoCo alone: its syncs, in the background with a delay, never share a group with the
+    step's collectives. None without a process group. Every rank must call it."""
     if not dims.diloco_enabled:
         return None
-    ranks = dims.mesh(device_type).mesh
-    peers = ranks.movedim(dims.mesh_dims.index("diloco"), -1).reshape(-1, dims.diloco).tolist()
-    group, _ = dist.new_subgroups_by_enumeration(peers)
+    group, _ = dist.new_subgroups_by_enumeration(outer_peers(dims, dims.mesh(device_type).mesh))
     return group
 
 
 def replica_group(dims: ParallelDims, device_type: str) -> tuple[Any, int]:
     """(process group, size) of this rank's DiLoCo replica: the ranks that agree on a step's figures
-    between outer syncs, made for that alone. (None, 1) for a replica of one rank (nothing to agree
-    with) or without a process group. Every rank must call it."""
-    if not dims.diloco_enabled or dims.diloco_inner == 1:
+    between outer syncs, made for that alone (:func:`replica_members`). (None, 1) for a replica of
+    one rank (nothing to agree with) or without a process group. Every rank must call it."""
+    if not dims.diloco_enabled or dims.replica_ranks == 1:
         return None, 1
-    replicas = dims.mesh(device_type).mesh.reshape(dims.diloco, -1).tolist()
+    replicas = replica_members(dims, dims.mesh(device_type).mesh)
     group, _ = dist.new_subgroups_by_enumeration(replicas)
-    return group, dims.diloco_inner
+    return group, dims.replica_ranks
 
 
 @dataclass

@@ -82,10 +82,14 @@ from dtlab.train.schedules import build_scheduler
 
 
 def _replicas(dims: ParallelDims) -> str:
-    """'2 DiLoCo replicas of 2 ranks (sharded over 2)'."""
-    n, inner = dims.diloco, dims.diloco_inner
+    """'2 DiLoCo replicas of 2 ranks (sharded over 2)', '2 DiLoCo replicas of 2 ranks (1
+    data-parallel x cp 2)'."""
+    n, inner = dims.diloco, dims.replica_ranks
     what = f"{n} DiLoCo replica{'s' * (n != 1)} of {inner} rank{'s' * (inner != 1)}"
-    return what + (f" (sharded over {dims.dp_shard})" if dims.shard_enabled else "")
+    if dims.cp_enabled:
+        what += f" ({dims.diloco_inner} data-parallel x cp {dims.cp})"
+    sharded = dims.fsdp_enabled and dims.fsdp_shard > 1
+    return what + (f" (sharded over {dims.fsdp_shard})" if sharded else "")
 
 
 def resolve_run_dir(config: Config, d: DistInfo) -> tuple[Path, RunDirLock | None]:
