@@ -211,8 +211,11 @@ def _finish_layout(parts: _LayoutParts, item: str) -> Layout:
     ep = parts.degrees["ep"]
     if ep > 1 and "data" not in parts.seen:  # expert parallelism borrows data-parallel ranks: ddp's
         parts.strategy, parts.dp = "ddp", ep
-    if parts.degrees["cp"] > 1 and "data" not in parts.seen:  # context parallelism runs over DDP
-        parts.strategy = "ddp"
+    if parts.degrees["cp"] > 1 and "data" not in parts.seen:
+        # Context parallelism runs over DDP; with tensor or pipeline parallelism over FSDP, which
+        # shards over the cp ranks (DDP's replication does not take cp with them yet).
+        model_parallel = parts.degrees["tp"] > 1 or parts.degrees["pp"] > 1
+        parts.strategy = "fsdp" if model_parallel else "ddp"
     strategy, dp, cp = parts.strategy, parts.dp, parts.degrees["cp"]
     if (dp * cp) % ep:
         ranks, fits = f"the data-parallel degree {dp}", f"{strategy}:{2 * ep}xep:{ep}"

@@ -304,6 +304,11 @@ def _group_labels(dims: Any, device_type: str) -> dict[str, str]:
         labels[str(dims.mesh(device_type, "tp").get_group().group_name)] = "tp"
     if dims.cp_enabled and dims.cp < dims.world_size:  # (a world-wide one is the default group)
         labels[str(dims.mesh(device_type, "cp").get_group().group_name)] = "cp"
+    if dims.diloco_enabled and dims.ddp_enabled and dims.dp_replicate * dims.cp > 1:
+        # DDP within a DiLoCo replica: over its data (x cp) ranks.
+        from dtlab.parallel.apply import ddp_group
+
+        labels[str(ddp_group(dims, device_type).group_name)] = "dp_replicate"
     if dims.ep_enabled:  # expert parallelism's groups, under the names the plan gives them
         for name in ("ep", "ep_dp"):
             group = dims.expert_mesh(device_type, name).get_group()

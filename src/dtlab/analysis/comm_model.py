@@ -72,12 +72,13 @@ def _diloco_comm(
             agreement / o.inner_steps
         )
         groups["diloco all_gather"] = dims.diloco
-    if dims.ddp_enabled and dims.dp_replicate > 1:
+    ddp_ranks = dims.dp_replicate * dims.cp  # a replica's data x cp ranks
+    if dims.ddp_enabled and ddp_ranks > 1:
         kind = "dp_replicate all_reduce"
-        comm[kind], groups[kind] = sum(s.numel for s in shapes) * FP32, dims.dp_replicate
-    if dims.diloco_inner > 1:  # the step's reduction, within the replica only
+        comm[kind], groups[kind] = sum(s.numel for s in shapes) * FP32, ddp_ranks
+    if dims.replica_ranks > 1:  # the step's reduction, within the replica (its data x cp ranks)
         comm["replica all_reduce"] = step_reduction_bytes(config, dims)
-        groups["replica all_reduce"] = dims.diloco_inner
+        groups["replica all_reduce"] = dims.replica_ranks
 
 
 def diloco_agreement_bytes(replicas: int) -> int:

@@ -60,6 +60,12 @@ def check_context_parallel(c: Config) -> None:
             p.cp_method == "ring" and t.device == "cuda", repr(t.device), "'cpu' or 'auto' on a CPU",
         ),
     }.items()}  # fmt: skip
+    # A step is taken again only where the ranks meet nowhere before the gradient sync, and the
+    # context-parallel ranks meet in every block's attention.
+    refused["train.oom_retry"] = (
+        t.oom_retry, "true", "false",
+        "a rank out of memory inside forward would leave the others in the attention's passes",
+    )  # fmt: skip
     refuse(refused, f"parallel.cp = {p.cp}")
 
 

@@ -563,7 +563,7 @@ def _parallelize_one(
     # Under pipeline parallelism DDP spans the stage's replicas only, and under DiLoCo one replica's
     # ranks (with context parallelism, its data x cp ranks), not the default group.
     within = dims.pp_enabled or dims.diloco_enabled
-    group = _ddp_group(dims, device_type) if within else None
+    group = ddp_group(dims, device_type) if within else None
     ddp = DistributedDataParallel(
         model,
         device_ids=device_ids,
@@ -575,7 +575,7 @@ def _parallelize_one(
     return ddp, apply_ddp_compression(ddp, config)
 
 
-def _ddp_group(dims: ParallelDims, device_type: str) -> Any:
+def ddp_group(dims: ParallelDims, device_type: str) -> Any:
     """The process group DDP averages over when it is not the world's: the data-parallel ranks of
     one pipeline stage or DiLoCo replica, and under context parallelism their cp ranks with them
     (the gradients are averaged over the data x cp ranks, as without DiLoCo)."""
