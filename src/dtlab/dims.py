@@ -624,8 +624,8 @@ def layout_name(dims: ParallelDims, parallel: _NamedSection) -> str:
     dimension of parallelism with its degree, joined by `` x ``, e.g. ``fsdp 1 x tp 2``, ``ddp 2 x pp 2
     (1f1b)``, ``hsdp 2x2 x tp 2 (sp)`` (HSDP: replica groups x ranks per group). The same dimensions,
     in the same order, as ``dtlab verify --layouts`` writes them (``fsdp:2xtp:2``): data parallelism
-    by its strategy's name (left out for ``single``), then ``ep``, ``tp`` and ``pp``; DiLoCo's replicas
-    first.
+    by its strategy's name (left out for ``single``), then ``cp`` (with its method), ``ep``, ``tp``
+    and ``pp``; DiLoCo's replicas first.
     A choice that changes what a rank holds follows its dimension in parentheses: the sharding when
     it is not ``full`` (ZeRO-1 for ``ddp``), sequence parallelism, the pipeline schedule."""
     parts = []
