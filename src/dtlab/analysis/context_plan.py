@@ -107,10 +107,17 @@ def cp_kept_bytes(config: Config, m: ModelConfig, tokens: int, kernel: str, tp: 
 
 def cp_recompute_bytes(config: Config, tokens: int, kernel: str, tp: int) -> int:
     """What recomputing one checkpointed block adds (its attention's :func:`cp_kept_bytes`
-    without checkpointing: the expanded heads); 0 without checkpointing."""
-    if config.parallel.cp == 1 or config.train.activation_checkpointing == "none":
+    without checkpointing: the expanded heads); 0 without checkpointing. Under ``selective``
+    checkpointing the ring's recomputation takes the chunk pairs' partial outputs the policy kept
+    and merges them again: they are freed as the block's own output is made."""
+    ac = config.train.activation_checkpointing
+    if config.parallel.cp == 1 or ac == "none":
         return 0
-    return tokens * _extra_per_token(config, config.model, kernel, tp)
+    again = tokens * _extra_per_token(config, config.model, kernel, tp)
+    if ac == "selective":
+        one = config.model.model_copy(update={"n_layers": 1})
+        again -= cp_kept_bytes(config, one, tokens, kernel, tp)
+    return again
 
 
 def ring_backward_bytes(config: Config, tokens: int, tp: int) -> int:
