@@ -51,6 +51,9 @@ CHECKED: dict[str, tuple[int, list[str]]] = {
     "fsdp:1 x cp:2 x pp:2 alltoall": (
         4, ["parallel.strategy=fsdp", "parallel.cp=2", "parallel.pp=2", "parallel.pp_microbatches=2",
             "parallel.cp_method=alltoall"]),
+    # A mixture of experts, its experts split over the data x cp ranks (EP groups of 2).
+    "ep:2 x ddp:2 x cp:2 ring (MoE)": (4, ["model.preset=debug-moe", "parallel.strategy=ddp",
+                                           "parallel.cp=2", "parallel.ep=2"]),
     # DiLoCo replicas, each its data x cp ranks (DDP over them, the outer sync between replicas).
     "diloco:2 x cp:2 ring": (4, ["parallel.strategy=ddp", "parallel.cp=2",
                                  "parallel.diloco.inner_steps=2", "parallel.diloco.replicas=2"]),

@@ -157,8 +157,9 @@ def _data_parallel_options(config: Config, dp: int, model_parallel: bool) -> lis
 
 
 def _ep_options(config: Config, dp: int) -> list[int]:
-    """Expert-parallel degrees for ``dp`` data-parallel ranks: those dividing both ``dp`` and the
-    experts (expert parallelism borrows data-parallel ranks); 1 for a dense model."""
+    """Expert-parallel degrees for ``dp`` data-parallel ranks (under context parallelism, the data x
+    cp ranks): those dividing both ``dp`` and the experts (expert parallelism borrows them); 1 for a
+    dense model."""
     experts = config.model.moe.experts
     return _pick(
         config, "parallel.ep", [e for e in _divisors(dp) if experts % e == 0] if experts else [1]
@@ -253,7 +254,7 @@ def _model_parallel_layouts(
         # (FSDP shards over the data x cp ranks: with cp, even one data rank shares the model.)
         for data in _data_parallel_options(config, dp * cp, tp * pp > 1):
             for pipe in _pipeline_options(config, pp, g // dp):
-                for ep in _ep_options(config, dp):
+                for ep in _ep_options(config, dp * cp):  # (with cp: the data x cp ranks)
                     for precision in precisions:
                         yield {
                             "parallel.tp": tp,
