@@ -87,3 +87,32 @@ def test_what_document_masks_do_not_compose_with_yet_is_refused(
     )  # fmt: skip
     proc = run_cli("plan", "--set", *FAST, "data.document_mask=true")
     assert proc.returncode != 0 and "data.document_mask = true is not modelled" in proc.stderr
+
+
+def test_the_mask_is_kept_once_not_once_per_layer() -> None:
+    # Given the boolean mask, torch's attention would convert it into a new float tensor at each
+    # call, and every layer's backward would keep its own: the model hands each layer the same
+    # additive mask instead. What forward leaves for backward grows by the boolean mask and one
+    # float32 copy of it (B x T^2 x 5 bytes), whatever the layers.
+    from dtlab.bench.cp_memory import _held_bytes
+
+    b, t, layers = 2, 512, 4
+    config = load_config(
+        overrides=["model.preset=debug", f"model.n_layers={layers}", f"model.max_seq_len={t}"]
+    )
+    torch.manual_seed(0)
+    model = build_model(config.model, "cpu")
+    tokens = torch.randint(1, config.model.vocab_size, (b, t))
+    tokens[:, ::50] = 0
+    kept: dict[bool, list[torch.Tensor]] = {}
+
+    def forward(masked: bool) -> Any:
+        def step() -> None:
+            model.document_separator = 0 if masked else None
+            kept[masked] = [model(tokens)]  # alive with its graph at the step's end
+
+        return step
+
+    plain, masked = (_held_bytes(forward(m)) for m in (False, True))
+    grown = masked - plain
+    assert b * t * t * 5 <= grown < b * t * t * 6, grown  # a per-layer copy would be 4 x 4 more

@@ -19,7 +19,7 @@ from torch import nn
 from dtlab.models.args import HasModelArgs, ModelArgs, RopeScaling, model_args
 from dtlab.models.attention import attend
 from dtlab.models.moe import MoE, moe_layers
-from dtlab.models.sequence import document_ids, document_mask
+from dtlab.models.sequence import SharedMask, document_ids, document_mask
 
 
 class RMSNorm(nn.Module):
@@ -123,7 +123,7 @@ class Attention(nn.Module):
         # [B, 1, T, T] mask of the tokens; under context parallelism ``documents`` instead: the
         # document of each token of the whole sequence [B, S], which the context's attention cuts
         # into the blocks of the mask it computes.
-        self.mask: torch.Tensor | None = None
+        self.mask: SharedMask | None = None
         self.documents: torch.Tensor | None = None
 
     def forward(
@@ -152,7 +152,7 @@ class Attention(nn.Module):
             elif self.context is not None:
                 out = self.context(q, k, v)
             elif self.mask is not None:  # within each document only (causal as well)
-                out = attend(q, k, v, attn_mask=self.mask)
+                out = attend(q, k, v, attn_mask=self.mask.additive(q.dtype))
             else:
                 out = attend(q, k, v, is_causal=True)
         else:
@@ -285,7 +285,7 @@ class Transformer(nn.Module):
         mask = documents = None
         if self.document_separator is not None and self.tok_embeddings is not None:
             if self.whole_sequence is None:
-                mask = document_mask(tokens, self.document_separator)
+                mask = SharedMask(document_mask(tokens, self.document_separator))
             else:  # once per forward: each rank's tokens are a part of the sequence
                 documents = document_ids(self.whole_sequence(tokens), self.document_separator)
         for m in self.modules():

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 __all__ = [
-    "document_ids", "document_mask", "positions", "same_document", "shard_sequence",
+    "SharedMask", "document_ids", "document_mask", "positions", "same_document", "shard_sequence",
     "unshard_sequence", "zigzag_chunks",
 ]  # fmt: skip
 
@@ -69,3 +69,23 @@ def document_mask(tokens: torch.Tensor, separator: int) -> torch.Tensor:
     ``tokens`` [B, T], documents ending at each ``separator`` (which belongs to the one it ends)."""
     doc = document_ids(tokens, separator)
     return same_document(doc, doc, causal=True)
+
+
+class SharedMask:
+    """One forward's [B, 1, T, T] boolean mask (``allowed``), handed to every layer's attention as one
+    additive mask per dtype (0 where attended, -inf elsewhere), made once. Given the boolean mask,
+    torch's attention converts it into a new float tensor at each call, and each layer's backward
+    keeps its own: ``layers x B x T^2`` floats where one suffices."""
+
+    def __init__(self, allowed: torch.Tensor) -> None:
+        self.allowed = allowed
+        self._additive: dict[torch.dtype, torch.Tensor] = {}
+
+    def additive(self, dtype: torch.dtype) -> torch.Tensor:
+        """The mask as attention adds it to the scores, in ``dtype`` (the queries')."""
+        mask = self._additive.get(dtype)
+        if mask is None:
+            mask = torch.zeros(self.allowed.shape, dtype=dtype, device=self.allowed.device)
+            mask.masked_fill_(~self.allowed, float("-inf"))
+            self._additive[dtype] = mask
+        return mask
