@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import FAST, TOL, Metrics, assert_same_training, run_worker, train_run
 from dtlab.config import load_config
@@ -67,3 +68,20 @@ def test_context_parallel_training_within_documents_equals_one_process(
     # Each rank gathers its window's tokens once per forward for the documents of the whole window.
     run = train_run(tmp_path / "run", "parallel.strategy=ddp", *MASKED, *layout, nproc=nproc)
     assert_same_training(run, masked_reference)
+
+
+def test_alltoalls_whole_mask_is_made_once_a_forward() -> None:
+    # Every layer of a forward gets the same additive mask of the same documents (its backward keeps
+    # that one, not a copy of its own), equal to the boolean mask it stands for.
+    from dtlab.models.sequence import document_ids, same_document
+    from dtlab.parallel.context import whole_mask
+
+    tokens = torch.tensor([[5, 6, 0, 7, 8, 9, 0, 4]])
+    documents = document_ids(tokens, 0)
+    first, again = whole_mask(documents, torch.float32), whole_mask(documents, torch.float32)
+    assert first is again
+    allowed = same_document(documents, documents, causal=True)
+    assert torch.equal(first == 0, allowed) and bool((first[~allowed] == float("-inf")).all())
+    assert (
+        whole_mask(document_ids(tokens.clone(), 0), torch.float32) is not first
+    )  # another forward

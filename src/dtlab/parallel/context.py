@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ import torch.distributed as dist
 from dtlab.errors import ConfigError
 from dtlab.models.attention import attend
 from dtlab.models.sequence import (
+    SharedMask,
     positions,
     same_document,
     shard_sequence,
@@ -289,12 +291,30 @@ def _one_process(
     (:func:`dtlab.models.attention.attend`: on a GPU in fp32 with grouped key/value heads the
     memory-efficient kernel on expanded heads, where ``enable_gqa`` would fall to the math kernel's
     T x T softmax); an explicit ``scale`` goes to torch's attention as it is."""
-    mask = None if documents is None else same_document(documents, documents, causal=True)
+    mask = None if documents is None else whole_mask(documents, q.dtype)
     if scale is None:
         return attend(q, k, v, is_causal=mask is None, attn_mask=mask)
     return torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
     )
+
+
+# Each forward's whole-sequence masks, by its documents tensor (one per forward, shared by the
+# layers), dropped when that tensor is freed. (By id: tensors compare element-wise, not as keys.)
+_WHOLE_MASKS: dict[int, tuple[weakref.ref[torch.Tensor], SharedMask]] = {}
+
+
+def whole_mask(documents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive causal within-document mask [B, 1, S, S] of the whole sequences ``documents``
+    [B, S], in ``dtype``, made once for all the layers of a forward (each layer's attention keeping
+    the same one for backward, not a copy of its own: :class:`dtlab.models.sequence.SharedMask`)."""
+    key = id(documents)
+    entry = _WHOLE_MASKS.get(key)
+    if entry is None or entry[0]() is not documents:
+        entry = (weakref.ref(documents), SharedMask(same_document(documents, documents, True)))
+        _WHOLE_MASKS[key] = entry
+        weakref.finalize(documents, _WHOLE_MASKS.pop, key, None)
+    return entry[1].additive(dtype)
 
 
 def _check_documents(documents: torch.Tensor | None, q: torch.Tensor, cp: int) -> None:
