@@ -121,12 +121,18 @@ def test_a_rank_trains_on_its_zigzag_part_of_each_sequence(tmp_path: Path) -> No
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
+        # ZeRO-1 shards DDP's optimizer state over the data ranks alone (ddp with tp or pp, and
+        # no_shard, train: tests/test_cp_ddp_tp.py).
         (
-            ["parallel.strategy=fsdp", "parallel.sharding=no_shard"],
-            "parallel.sharding = 'no_shard'",
+            ["parallel.strategy=ddp", "parallel.sharding=optimizer"],
+            "parallel.sharding = 'optimizer' is not supported with parallel.cp = 2 (allowed: "
+            "'full', 'shard_grad_op', 'no_shard')",
         ),
-        (["parallel.strategy=ddp", "parallel.tp=2"], "parallel.tp = 2 is not supported"),
-        (["parallel.strategy=ddp", "parallel.pp=2"], "parallel.pp = 2 is not supported"),
+        # Model parallelism alone has no data-parallel wrapper to average the cp ranks' gradients.
+        (
+            ["parallel.strategy=single", "parallel.tp=2"],
+            "parallel.strategy = 'single' is not supported with parallel.cp = 2",
+        ),
         (
             ["parallel.strategy=fsdp", "parallel.tp=4", "parallel.cp_method=alltoall"],
             "the 1 attention heads a rank holds",

@@ -45,8 +45,8 @@ layouts (NAME:DEGREE joined by x; processes: the product of the degrees but ep's
                           data x cp ranks), which N must divide (fsdp:4xep:2: 4 processes); alone,
                           ddp:N with ep N (ep:2xcp:2: ddp 2 x cp 2, 4 processes)
   cp:N[:METHOD]           context parallel: each sequence split over N ranks, METHOD ring
-                          (default) or alltoall (ddp:2xcp:2: 4 processes; alone, over DDP; with
-                          tp or pp, over FSDP: tp:2xcp:2 is fsdp 1 x cp 2 x tp 2; inside DiLoCo
+                          (default) or alltoall (ddp:2xcp:2: 4 processes; alone, over DDP, also
+                          with tp or pp: tp:2xcp:2 is ddp 1 x cp 2 x tp 2; inside DiLoCo
                           replicas and FT groups: diloco:2xcp:2, ft:2xcp:2)
 
 checks (--checks, the loss always):

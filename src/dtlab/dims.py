@@ -31,13 +31,33 @@ one data-parallel rank (``tp * pp`` = world): nothing wraps, and no gradient is 
 group of one. ``fsdp`` and ``hsdp`` with one data-parallel rank keep FSDP2, for its mixed precision,
 on a ``dp_shard`` dimension of one rank, where it sends nothing.
 
+``parallel.cp`` (context parallelism) splits each sequence over ``cp`` ranks that read the same samples;
+the gradients are averaged over the data x cp ranks, and the mesh gains a ``cp`` dimension inside the
+data-parallel ones. Where the parameters are sharded, FSDP shards over the data x cp ranks (``cp``
+after ``dp_shard``, flattened with it, :meth:`ParallelDims.fsdp_mesh`); where every rank holds them
+whole, ``cp`` follows ``dp_replicate`` and is flattened with it into the ranks that replicate
+(:attr:`ParallelDims.cp_replicates`), ``dp_shard`` (of one rank) after it::
+
+    strategy   sharding   tp, pp      wrapper  mesh dims                                  averaged over
+    ddp        (any)      1           ddp      (dp_replicate, cp)                         all ranks
+    ddp        (any)      tp or pp>1  fsdp     (pp, dp_replicate, cp, dp_shard, tp)       dp_replicate x cp
+    fsdp/hsdp  no_shard   (any)       fsdp     (pp, dp_replicate, cp, dp_shard, tp)       dp_replicate x cp
+    fsdp       full, ...  (any)       fsdp     (pp, dp_shard, cp, tp)                     shards over dp_shard x cp
+    hsdp       full, ...  (any)       fsdp     (pp, dp_replicate, dp_shard, cp, tp)       dp_replicate; shards
+                                                                                          over dp_shard x cp
+
+(``pp`` and ``tp`` where above 1; ZeRO-1, ``ddp`` with sharding ``optimizer``, is refused under cp.)
+``ddp`` with one data-parallel rank still wraps under cp: its cp ranks have gradients to average. A dimension of degree 1 moves no rank, so the global ranks still
+fill the mesh row-major in the order of :data:`DIM_NAMES` (``coordinates``).
+
 ``parallel.diloco`` (DiLoCo, ``inner_steps`` > 0) groups the data-parallel ranks into ``replicas``
 (``diloco``, one per data-parallel rank by default) of contiguous ranks that train alone between
 outer syncs; the strategy lays out each replica's ``world / replicas`` ranks as above (DDP or FSDP
 inside a replica), and the mesh gains a ``diloco`` dimension outside them: the outer syncs run along
 it, each rank with the ranks that hold the same part of the model in the other replicas. Under context
 parallelism (``parallel.cp``) the replicas split the data-parallel ranks, and each replica's ranks are
-its data x cp ranks, laid out as without DiLoCo (DDP over them, or FSDP sharding over them): a rank
+its data x cp ranks, laid out as without DiLoCo (DDP over them, FSDP sharding over them, or with
+``no_shard`` FSDP2 replicating over them): a rank
 syncs with the ranks of the same (data, cp) coordinates, which hold the same parameters (or shard)::
 
     diloco 2 x ddp 1 x cp 2:  mesh (diloco, dp_replicate, cp) = (2, 1, 2); replicas {0, 1} {2, 3},
@@ -208,6 +228,15 @@ class ParallelDims:
             raise ValueError(
                 f"degrees {left_out} are above 1 but not dimensions of {self.mesh_dims}"
             )
+        # init_device_mesh lays the ranks out row-major over mesh_dims, coordinates() over
+        # DIM_NAMES: the two agree when the dimensions above 1 keep DIM_NAMES' order (one of degree
+        # 1 may sit anywhere, as dp_shard does after cp where the cp ranks replicate).
+        above_one = [n for n in self.mesh_dims if degrees[n] > 1]
+        if above_one != [n for n in DIM_NAMES if n in above_one]:
+            raise ValueError(
+                f"mesh_dims = {self.mesh_dims}: the dimensions above 1 must keep the order of "
+                f"{DIM_NAMES}"
+            )
         if (self.wrapper is DPWrapper.NONE and self.world_size == 1) != (not self.mesh_dims):
             raise ValueError(
                 f"wrapper {self.wrapper.value} with mesh_dims = {self.mesh_dims}: only a run without "
@@ -291,35 +320,45 @@ class ParallelDims:
         cls, config: _HasParallel, world_size: int, cp: int, tp: int = 1, pp: int = 1
     ) -> ParallelDims:
         """Data-parallel ranks with each sequence split over ``cp`` of them, of ``world_size``
-        (the world less tensor parallelism's ``tp``; the config's rules allow DDP and FSDP, FSDP
-        alone with tp): DDP over every rank, or FSDP sharding over the data x cp ranks
-        (:meth:`fsdp_mesh`), averages the gradients over both."""
+        (the world less tensor and pipeline parallelism's ``tp x pp``). The gradients are averaged
+        over the data x cp ranks: DDP over every rank; FSDP sharding over the data x cp ranks
+        (:meth:`fsdp_mesh`); or, where the parameters are whole on every rank (``ddp`` with tp or
+        pp, sharding ``no_shard``), FSDP2 replicating over them (:attr:`cp_replicates`)."""
         if world_size % cp:
             raise ConfigError(
                 f"parallel.cp = {cp} does not divide the world size {world_size * tp * pp} / "
                 f"(parallel.tp x parallel.pp = {tp * pp}): use a multiple of {cp * tp * pp} processes"
             )
-        if DPWrapper.of(config.parallel.strategy) is DPWrapper.FSDP:
-            dp = world_size // cp
-            replicate = 1
-            if needs_replica_groups(config.parallel.strategy):
-                replicate = config.parallel.replicate or 1
-                if dp % replicate:
-                    raise ConfigError(
-                        f"parallel.replicate = {replicate} does not divide the {dp} data-parallel "
-                        f"ranks (world / (cp x tp))"
-                    )
+        p, dp = config.parallel, world_size // cp
+        wrapper = DPWrapper.of(p.strategy)
+        if wrapper is DPWrapper.DDP and tp == 1 and pp == 1:
+            return cls(dp_replicate=dp, cp=cp, wrapper=wrapper, mesh_dims=("dp_replicate", "cp"))
+        if wrapper is DPWrapper.DDP or p.sharding == "no_shard":
+            # FSDP2 replicates over its mesh's first dimension and shards over its second: the
+            # data x cp ranks (flattened: cp next to dp_replicate) and a shard group of one rank.
+            # dp_shard, of degree 1, sits after cp, where it moves no rank.
             return cls(
-                dp_replicate=replicate, dp_shard=dp // replicate, cp=cp, tp=tp, pp=pp,
-                wrapper=DPWrapper.FSDP,
+                dp_replicate=dp, cp=cp, tp=tp, pp=pp, wrapper=DPWrapper.FSDP,
                 mesh_dims=(
-                    *(("pp",) if pp > 1 else ()), *(("dp_replicate",) if replicate > 1 else ()),
-                    "dp_shard", "cp", *(("tp",) if tp > 1 else ()),
+                    *(("pp",) if pp > 1 else ()), "dp_replicate", "cp", "dp_shard",
+                    *(("tp",) if tp > 1 else ()),
                 ),
             )  # fmt: skip
+        replicate = 1
+        if needs_replica_groups(p.strategy):
+            replicate = p.replicate or 1
+            if dp % replicate:
+                raise ConfigError(
+                    f"parallel.replicate = {replicate} does not divide the {dp} data-parallel "
+                    f"ranks (world / (cp x tp x pp))"
+                )
         return cls(
-            dp_replicate=world_size // cp, cp=cp, wrapper=DPWrapper.DDP,
-            mesh_dims=("dp_replicate", "cp"),
+            dp_replicate=replicate, dp_shard=dp // replicate, cp=cp, tp=tp, pp=pp,
+            wrapper=DPWrapper.FSDP,
+            mesh_dims=(
+                *(("pp",) if pp > 1 else ()), *(("dp_replicate",) if replicate > 1 else ()),
+                "dp_shard", "cp", *(("tp",) if tp > 1 else ()),
+            ),
         )  # fmt: skip
 
     @classmethod
@@ -437,8 +476,30 @@ class ParallelDims:
     @property
     def fsdp_shard(self) -> int:
         """The ranks FSDP shards each parameter over: ``dp_shard``, and under context parallelism
-        its cp ranks with them (:meth:`fsdp_mesh`); ``dp_shard`` (1) where FSDP does not shard."""
-        return self.dp_shard * self.cp if self.fsdp_enabled else self.dp_shard
+        its cp ranks with them (:meth:`fsdp_mesh`) unless they replicate (:attr:`cp_replicates`);
+        ``dp_shard`` (1) where FSDP does not shard."""
+        sharded_cp = self.fsdp_enabled and not self.cp_replicates
+        return self.dp_shard * self.cp if sharded_cp else self.dp_shard
+
+    @property
+    def fsdp_replicate(self) -> int:
+        """The ranks FSDP all-reduces each gradient shard over (its mesh's first dimension):
+        ``dp_replicate``, and its cp ranks with them where they replicate (:attr:`cp_replicates`);
+        1 without FSDP."""
+        if not self.fsdp_enabled:
+            return 1
+        return self.dp_replicate * self.cp if self.cp_replicates else self.dp_replicate
+
+    @property
+    def cp_replicates(self) -> bool:
+        """Under context parallelism, whether each cp rank holds whole parameters (DDP, and FSDP2
+        replicating: ``ddp`` with tp or pp, sharding ``no_shard``): the mesh's ``cp`` follows
+        ``dp_replicate``, with which it is flattened into the group the gradients are averaged
+        over. Otherwise FSDP shards over the data x cp ranks (``cp`` follows ``dp_shard``)."""
+        if not self.cp_enabled:
+            return False
+        at = self.mesh_dims.index("cp")
+        return at > 0 and self.mesh_dims[at - 1] == "dp_replicate"
 
     @property
     def cp_enabled(self) -> bool:
@@ -484,10 +545,15 @@ class ParallelDims:
 
     def fsdp_mesh(self, device_type: str) -> DeviceMesh:
         """The mesh FSDP shards over: the data-parallel dimensions, and under context parallelism
-        the context-parallel ranks with them (flattened into one: the parameters are not replicated
-        over the ranks that split a sequence)."""
+        the context-parallel ranks with them, flattened into one: with the shard dimension (the
+        parameters are not replicated over the ranks that split a sequence), or where they hold
+        whole parameters (:attr:`cp_replicates`) with the replicate dimension."""
         if not self.cp_enabled:
             return self.mesh(device_type, *self.dp_mesh_dims)
+        if self.cp_replicates:
+            # Replicated over the data x cp ranks, in shard groups of one rank.
+            self.mesh(device_type, "dp_replicate", "cp")._flatten("dp_replicate_cp")
+            return self.build_mesh(device_type)["dp_replicate_cp", "dp_shard"]
         shard = self.mesh(device_type, "dp_shard", "cp")._flatten("dp_shard_cp")
         if "dp_replicate" not in self.mesh_dims:
             return shard

@@ -24,6 +24,9 @@ Layout syntax: layouts separated by commas; a layout is dimensions joined by ``x
                             ranks (with cp, of the data x cp ranks): it adds no process, N must
                             divide the data-parallel degree (times cp's); alone it means ddp:N
                             (ep:2xcp:2: ddp 2 x cp 2, the experts over each cp group's 2 ranks)
+    cp:N[:METHOD]           context parallel: each sequence split over N ranks (METHOD ring or
+                            alltoall); without a data dimension over DDP, also with tp or pp
+                            (tp:2xcp:2 is ddp 1 x cp 2 x tp 2: FSDP2 replicating over the cp ranks)
 
 e.g. ``single,ddp:2,fsdp:2xtp:2,pp:2:interleaved_1f1b,fsdp:2xpp:2,ep:2,fsdp:4xep:2``. Processes: the
 product of the degrees other than ep.
@@ -212,10 +215,9 @@ def _finish_layout(parts: _LayoutParts, item: str) -> Layout:
     if ep > 1 and "data" not in parts.seen:  # expert parallelism borrows data-parallel ranks: ddp's
         parts.strategy, parts.dp = "ddp", ep
     if parts.degrees["cp"] > 1 and "data" not in parts.seen:
-        # Context parallelism runs over DDP; with tensor or pipeline parallelism over FSDP, which
-        # shards over the cp ranks (DDP's replication does not take cp with them yet).
-        model_parallel = parts.degrees["tp"] > 1 or parts.degrees["pp"] > 1
-        parts.strategy = "fsdp" if model_parallel else "ddp"
+        # Context parallelism runs over DDP (with tensor or pipeline parallelism, FSDP2 replicating
+        # over the cp ranks): its ranks average their gradients, where tp:N alone runs single.
+        parts.strategy = "ddp"
     strategy, dp, cp = parts.strategy, parts.dp, parts.degrees["cp"]
     if (dp * cp) % ep:
         ranks, fits = f"the data-parallel degree {dp}", f"{strategy}:{2 * ep}xep:{ep}"

@@ -1,7 +1,8 @@
 """What context parallelism (``parallel.cp`` > 1) goes with today, and why the rest is refused: it is
-built over DDP's ranks (each holds the whole model) or FSDP's (sharding over the data x cp ranks), the
-gradients averaged over the data- and context-parallel ranks together, on the CPU's attention kernel
-for the ring. So it is inside each DiLoCo replica (its data x cp ranks; the outer syncs between
+built over DDP's ranks (each holds the whole model), FSDP's (sharding over the data x cp ranks) or
+FSDP2's replication (whole parameters on every data x cp rank: ``ddp`` with tensor or pipeline
+parallelism, sharding ``no_shard``), the gradients averaged over the data- and context-parallel ranks
+together, on the CPU's attention kernel for the ring. So it is inside each DiLoCo replica (its data x cp ranks; the outer syncs between
 the ranks of the same data and cp coordinates) and each fault-tolerant replica group (its cp ranks,
 or under HSDP its data x cp ranks)."""
 
@@ -15,9 +16,10 @@ __all__ = ["check_context_parallel", "check_document_mask"]
 
 # Why what context parallelism does not compose with yet is refused (one reason for them all).
 _CP_WHY = (
-    "context parallelism is built over DDP's, FSDP's and HSDP's ranks (also inside DiLoCo's replicas "
-    "and fault-tolerant replica groups; a mixture of experts' experts split over the data x cp "
-    "ranks, or not split), its ring on the CPU's attention kernel, so far"
+    "context parallelism is built over DDP's, FSDP's and HSDP's ranks (with tensor and pipeline "
+    "parallelism, also inside DiLoCo's replicas and fault-tolerant replica groups; a mixture of "
+    "experts' experts split over the data x cp ranks, or not split), its ring on the CPU's "
+    "attention kernel, so far"
 )
 
 
@@ -44,15 +46,7 @@ def check_context_parallel(c: Config) -> None:
             DPWrapper.of(p.strategy) is DPWrapper.NONE, repr(p.strategy), "'ddp', 'fsdp', 'hsdp'",
         ),
         "parallel.sharding": (
-            p.sharding in ("optimizer", "no_shard"), repr(p.sharding), "'full', 'shard_grad_op'",
-        ),
-        "parallel.tp": (
-            p.tp > 1 and DPWrapper.of(p.strategy) is not DPWrapper.FSDP, str(p.tp),
-            "1 (with parallel.strategy = 'fsdp' or 'hsdp': any)",
-        ),
-        "parallel.pp": (
-            p.pp > 1 and DPWrapper.of(p.strategy) is not DPWrapper.FSDP, str(p.pp),
-            "1 (with parallel.strategy = 'fsdp' or 'hsdp': any)",
+            p.sharding == "optimizer", repr(p.sharding), "'full', 'shard_grad_op', 'no_shard'",
         ),
         "parallel.compression": (p.compression != "none", repr(p.compression), "'none'"),
         "train.engine": (t.engine != "torch", repr(t.engine), "'torch'"),
