@@ -51,6 +51,10 @@ CHECKED: dict[str, tuple[int, list[str]]] = {
     "fsdp:1 x cp:2 x pp:2 alltoall": (
         4, ["parallel.strategy=fsdp", "parallel.cp=2", "parallel.pp=2", "parallel.pp_microbatches=2",
             "parallel.cp_method=alltoall"]),
+    # Document masks: the boolean mask and its additive copy, shared by the layers (alltoall
+    # attends with the whole one; the ring's blocks are chosen from the tokens: not checkable).
+    "alltoall fp32, document mask": (2, ["parallel.strategy=ddp", "parallel.cp=2",
+                                         "parallel.cp_method=alltoall", "data.document_mask=true"]),
     # A mixture of experts, its experts split over the data x cp ranks (EP groups of 2).
     "ep:2 x ddp:2 x cp:2 ring (MoE)": (4, ["model.preset=debug-moe", "parallel.strategy=ddp",
                                            "parallel.cp=2", "parallel.ep=2"]),
@@ -62,7 +66,7 @@ CHECKED: dict[str, tuple[int, list[str]]] = {
 # Checked with a GPU's attention kernels' memory (the check's target "cuda"): alltoall attends a
 # whole sequence on the kernel the model picks (fp32 with grouped heads: memory-efficient on
 # expanded heads; bf16: flash).
-ON_A_GPU = {"alltoall fp32", "alltoall bf16 full AC"}
+ON_A_GPU = {"alltoall fp32", "alltoall bf16 full AC", "alltoall fp32, document mask"}
 
 
 # Where the peak is not yet within 3% (docs/long-context.md), over by up to 4%: the ring's backward
@@ -168,3 +172,34 @@ def test_the_ring_is_not_planned_for_a_gpu() -> None:
     )  # fmt: skip
     assert proc.returncode != 0 and "runs on the CPU's attention kernel so far" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("target", ["cpu", "cuda"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_document_mask_is_planned_as_the_checked_code(precision: str, target: str) -> None:
+    """Without context parallelism: the mask once a forward (boolean and additive, shared by every
+    layer), and on a GPU the kernel a mask selects (memory-efficient: flash takes none); the peak
+    within 1%."""
+    config = load_config(
+        overrides=[*SHAPE, "parallel.strategy=ddp", "data.document_mask=true",
+                   f"train.precision={precision}"]
+    )  # fmt: skip
+    r = check_rank(config, 2, 1, 1, measure_fake(config, 2, 1, 1, target), target)
+    assert r.skipped is None
+    assert _close(r.peak["predicted"], r.peak["checked"], 0.01), r.peak
+    without = load_config(
+        overrides=[*SHAPE, "parallel.strategy=ddp", f"train.precision={precision}"]
+    )
+    grown = plan_step(config, 2, device_type=target).activations_bytes
+    grown -= plan_step(without, 2, device_type=target).activations_bytes
+    samples, seq = 2, 512  # a rank's micro-batch
+    assert grown >= samples * seq * seq * (1 + (2 if precision == "bf16" else 4))
+
+
+def test_the_ring_with_a_document_mask_is_planned_but_not_checked() -> None:
+    config = load_config(
+        overrides=[*SHAPE, "parallel.strategy=ddp", "parallel.cp=2", "data.document_mask=true"]
+    )
+    r = check_rank(config, 2, 1, 1)
+    assert r.skipped is not None and "fake tensors do not hold" in r.skipped
+    assert plan_step(config, 2).activations_bytes > 0

@@ -261,17 +261,19 @@ def recompute_extra(
 _ATTENTION_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
-def attention_kernel(model_cfg: ModelConfig, precision: str, device_type: str) -> str:
+def attention_kernel(
+    model_cfg: ModelConfig, precision: str, device_type: str, masked: bool = False
+) -> str:
     """The attention kernel training runs for ``model_cfg`` in ``precision`` on a ``device_type``
     device (:func:`dtlab.models.attention.choose_kernel`, an sm80+ GPU assumed): flash, efficient or
-    math."""
+    math; ``masked``: with a document mask (which flash does not take on a GPU)."""
     import torch
 
     from dtlab.models.attention import choose_kernel
 
     dtype = getattr(torch, _ATTENTION_DTYPE[precision])
     gqa = model_cfg.kv_heads != model_cfg.n_heads
-    return choose_kernel(device_type, dtype, gqa).name
+    return choose_kernel(device_type, dtype, gqa, masked=masked).name
 
 
 def kernel_bytes(

@@ -329,7 +329,10 @@ def _parallelized(config: Config, d: Any, fake: bool) -> Any:
     from dtlab.parallel.apply import parallelize
 
     with _ddp_built_here() if fake else nullcontext():
-        pm = parallelize(build_model(config.model), config, d)
+        model = build_model(config.model)
+        if config.data.document_mask:  # (the check's random tokens: any separator will do)
+            model.document_separator = 0
+        pm = parallelize(model, config, d)
     if fake and pm.pipeline is not None:
         _vote_here(pm.pipeline.schedule)
     if fake and isinstance(pm.module, DistributedDataParallel):

@@ -184,29 +184,17 @@ def _forget_meshes() -> None:
         native()
 
 
-# Context parallelism (parallel.cp) is trained and verified, not yet planned: its activations and
-# ring or all-to-all bytes are not in the analytic model, so no figure of it is given.
-CP_NOT_PLANNED = (
-    "context parallelism (parallel.cp > 1) is not modelled by dtlab plan yet: its memory (each "
-    "rank's share of the sequence, the key/value blocks in flight) and its ring or all-to-all bytes "
-    "would be those of cp = 1, so no figure is given (docs/long-context.md)"
-)
-
-
-DOCUMENT_MASK_NOT_PLANNED = (
-    "data.document_mask = true is not modelled by dtlab plan yet: its mask (micro-batch x seq_len^2 "
-    "bytes a forward) and the attention kernel it selects are not in the plan's memory, so no "
-    "figure is given"
-)
-
-
 def unsupported(config: Config, world: int) -> str | None:
     """Why the layout of ``config`` on ``world`` ranks cannot be checked here; None when it can."""
     from dtlab.dims import ParallelDims
 
     dims = ParallelDims.from_config(config, world)
-    if config.data.document_mask:
-        return DOCUMENT_MASK_NOT_PLANNED
+    if config.data.document_mask and dims.cp_enabled and config.parallel.cp_method == "ring":
+        return (
+            "the ring with data.document_mask = true is not checked: which of its blocks any query "
+            "attends is read from the tokens' documents, which fake tensors do not hold (the ring "
+            "without a mask and cp_method = 'alltoall' with one are checked)"
+        )
     if dims.ddp_enabled and not dims.shard_optimizer and config.parallel.compression != "none":
         return (
             f"DDP with parallel.compression = {config.parallel.compression!r} is not checked: its "

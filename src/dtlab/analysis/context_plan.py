@@ -20,6 +20,9 @@ tokens (the activations, the loss's log-softmax, tensor parallelism's collective
   times, back to their owner: point-to-point sends, each rank sends all it passes. ``alltoall`` swaps
   q, k, v and the output in forward and their gradients in backward: four all-to-alls each way, each
   rank sending ``(cp - 1) / cp`` of each.
+
+A document mask (``data.document_mask``, with or without cp) is counted here too
+(:func:`document_mask_bytes`), and under cp the all-gather of the tokens it is made from.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from dtlab.dims import ParallelDims
 
 __all__ = [
     "RING_ON_GPU", "cp_comm", "cp_kept_bytes", "cp_kernel", "cp_recompute_bytes",
-    "ring_backward_bytes",
+    "document_mask_bytes", "ring_backward_bytes",
 ]  # fmt: skip
 
 # Why a ring is not planned for a GPU: dtlab's ring runs on the CPU's attention kernel so far
@@ -64,7 +67,7 @@ def cp_kernel(config: Config, device_type: str) -> str:
         return "flash"
     _, kv = _widths(m, "alltoall", p.cp, p.tp)
     whole = m.model_copy(update={"n_kv_heads": m.n_heads}) if kv == m.dim // p.tp else m
-    return attention_kernel(whole, config.train.precision, device_type)
+    return attention_kernel(whole, config.train.precision, device_type, config.data.document_mask)
 
 
 def _extra_per_token(config: Config, m: ModelConfig, kernel: str, tp: int) -> int:
@@ -171,3 +174,26 @@ def cp_comm(
         key = prefix + "all_to_all"
     comm[key] = comm.get(key, 0) + microbatches * layers * per_layer
     groups[key] = dims.cp
+    if config.data.document_mask and part.first:
+        # The tokens gathered once a forward for the whole sequence's documents (int64).
+        gather = prefix + "all_gather"
+        samples = tokens * dims.cp // config.seq_len
+        comm[gather] = comm.get(gather, 0) + microbatches * samples * config.seq_len * 8
+        groups[gather] = dims.cp
+
+
+def document_mask_bytes(config: Config, dims: ParallelDims, tokens: int) -> int:
+    """What a document mask (``data.document_mask``) keeps through a micro-batch of ``tokens`` (a
+    rank's part), made once a forward and shared by every layer: the boolean [B, 1, S, S] mask and its
+    additive copy in the queries' dtype (:class:`dtlab.models.sequence.SharedMask`); under context
+    parallelism each token's document over the whole sequence (int64) too, and for the ring only
+    that (each block's part of the mask is made in turn, for the block's attention); 0 without."""
+    if not config.data.document_mask:
+        return 0
+    seq = config.seq_len
+    samples = tokens * dims.cp // seq
+    documents = samples * seq * 8 if dims.cp_enabled else 0
+    if dims.cp_enabled and config.parallel.cp_method == "ring":
+        return documents
+    a = 2 if _half(config.train.precision) else FP32
+    return samples * seq * seq * (1 + a) + documents

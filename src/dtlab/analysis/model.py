@@ -48,7 +48,13 @@ from dtlab.analysis.comm_model import (
     step_reduction_bytes,
     zero1_comm_bytes,
 )
-from dtlab.analysis.context_plan import cp_comm, cp_kept_bytes, cp_kernel, cp_recompute_bytes
+from dtlab.analysis.context_plan import (
+    cp_comm,
+    cp_kept_bytes,
+    cp_kernel,
+    cp_recompute_bytes,
+    document_mask_bytes,
+)
 from dtlab.analysis.diloco_memory import diloco_host_bytes, with_outer_sync
 from dtlab.analysis.memo import memo
 from dtlab.analysis.pipeline_memory import (
@@ -246,7 +252,9 @@ def _plan_rank(
         compiled=compiles_loss(config, dims),
         kernel=cp_kernel(config, device_type)
         if dims.cp_enabled
-        else attention_kernel(config.model, config.train.precision, device_type),
+        else attention_kernel(
+            config.model, config.train.precision, device_type, config.data.document_mask
+        ),
         device_type=device_type,
     )  # fmt: skip
     plan = _state_plan(rank, shard_rank)
@@ -339,6 +347,7 @@ def _kept(rank: RankInputs) -> tuple[int, Walk | None]:
         m, tokens, t.precision, ac, split, part.last, rank.half_params, rank.compiled, seq_len,
     ) + moe.ep_copies_bytes(config, dims, m)  # fmt: skip
     act += cp_kept_bytes(config, m, tokens, rank.kernel, dims.tp)
+    act += document_mask_bytes(config, dims, tokens)
     if ac != "full":  # (under full: the recomputed block's, _activations)
         act += moe.ep_rows_bytes(config, dims, tokens, m)
     flight = _in_flight(config, dims, rank.accum, rank.pp_rank)

@@ -196,10 +196,6 @@ def plan(
     ``device_assumed``: the profile was not asked for (the CLI's default); the output says so.
     ``source``: the config file and the ``--set`` overrides it came from, for the printed command.
     """
-    from dtlab.analysis.check_fake import DOCUMENT_MASK_NOT_PLANNED
-
-    if config.data.document_mask:
-        raise ConfigError(DOCUMENT_MASK_NOT_PLANNED)
     if config.parallel.cp > 1 and config.parallel.cp_method == "ring" and device.kind == "cuda":
         raise ConfigError(f"parallel.cp = {config.parallel.cp} on {device.name}: {RING_ON_GPU}")
     world = nproc * nnodes
