@@ -44,6 +44,10 @@ CHECKED: dict[str, tuple[int, list[str]]] = {
         4, ["parallel.strategy=fsdp", "parallel.cp=2", "parallel.tp=2",
             "parallel.sequence_parallel=true", "train.precision=bf16",
             "train.activation_checkpointing=full"]),
+    # DDP beside tensor parallelism, and FSDP's no_shard: FSDP2 replicating over the data x cp ranks.
+    "ddp:1 x cp:2 x tp:2 ring": (4, ["parallel.strategy=ddp", "parallel.cp=2", "parallel.tp=2"]),
+    "fsdp:2 no_shard x cp:2 ring": (4, ["parallel.strategy=fsdp", "parallel.sharding=no_shard",
+                                        "parallel.cp=2"]),
     # Pipeline stages of sequence parts: the ring's backward inside each stage's schedule.
     "fsdp:1 x cp:2 x pp:2 ring bf16 full AC": (
         4, ["parallel.strategy=fsdp", "parallel.cp=2", "parallel.pp=2", "parallel.pp_microbatches=2",

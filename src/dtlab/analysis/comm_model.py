@@ -305,7 +305,7 @@ def _fsdp_comm(
     """FSDP's collectives per step into ``comm`` (bytes) and ``groups`` (ranks in each); returns the
     bytes of parameters gathered at the peak."""
     p = config.parallel
-    replicate, shard = dims.dp_replicate, dims.fsdp_shard
+    replicate, shard = dims.fsdp_replicate, dims.fsdp_shard
     # Parameters are gathered in the training precision: under bf16/fp16 each rank casts its float32
     # shard before the all-gather (FSDP's param_dtype), which so moves half the bytes of fp32's.
     # Gradients are reduced in float32, or in half precision under fp16/bf16 compression.

@@ -195,7 +195,7 @@ def collective_waits(
         # All-gathers, and reduce-scatters (each micro-batch's; a pipeline's once, at its end).
         scatters = units if dims.pp_enabled else microbatches * units
         add(dims.fsdp_shard, microbatches * gathers * units + scatters)
-        add(dims.dp_replicate, units)
+        add(dims.fsdp_replicate, units)
     if dims.tp_enabled:
         if p.sequence_parallel:
             add(dims.tp, microbatches * (2 * (4 * n_layers + 2) + 3) + 2 * n_layers + 1)
