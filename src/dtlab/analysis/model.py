@@ -285,7 +285,8 @@ def staging_bytes(config: Config, dims: ParallelDims, plan: StepPlan) -> int:
     c = config.checkpoint
     if c.async_ is False or not (c.every or c.final):
         return 0
-    copies = max(1, dims.dp_replicate)
+    # (Under context parallelism the cp ranks hold copies too: DDP's every rank, FSDP's replicas.)
+    copies = max(1, dims.fsdp_replicate if dims.fsdp_enabled else dims.dp_replicate * dims.cp)
     optimizer_copies = 1 if dims.shard_optimizer else copies
     return plan.params_bytes // copies + plan.optimizer_bytes // optimizer_copies
 
