@@ -441,7 +441,7 @@ def _block_backward(mb: _MicroBatch, j: int, held: tuple[int, int, int]) -> None
     )  # fmt: skip
     if block.attention_temps:
         mb.add(
-            f"{name}'s attention backward", grads=norm_grads + block.w2_grad + block.attention_grad,
+            f"{name}'s attention backward", grads=norm_grads,
             activations=alive + again - gone - block.norm_freed - block.attention_freed,
             temporaries=tmp + block.attention_temps,
             buffers=buffers,
