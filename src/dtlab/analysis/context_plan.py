@@ -33,7 +33,7 @@ from dtlab.config import Config, ModelConfig
 from dtlab.dims import ParallelDims
 
 __all__ = [
-    "RING_ON_GPU", "cp_comm", "cp_kept_bytes", "cp_kernel", "cp_recompute_bytes",
+    "RING_ON_GPU", "cp_calls", "cp_comm", "cp_kept_bytes", "cp_kernel", "cp_recompute_bytes",
     "document_mask_bytes", "ring_backward_bytes",
 ]  # fmt: skip
 
@@ -142,6 +142,19 @@ def ring_backward_bytes(config: Config, tokens: int, tp: int) -> int:
     return tokens * width * per_token
 
 
+def cp_calls(config: Config, cp: int) -> tuple[int, int]:
+    """Context parallelism's calls per layer and micro-batch: (passes of the key/value block or
+    all-to-alls of activations, passes of the float32 key/value gradients). The ring passes its
+    block ``cp - 1`` times in forward, again where a checkpointed block is recomputed (selective
+    checkpointing keeps the kernel's outputs, not the passes) and in backward, and the gradients
+    ``cp`` times, back to their owner; ``alltoall`` swaps four tensors each way (forward again
+    where recomputed)."""
+    forwards = 2 if config.train.activation_checkpointing != "none" else 1
+    if config.parallel.cp_method == "ring":
+        return (cp - 1) * (forwards + 1), cp
+    return 4 * (forwards + 1), 0
+
+
 def cp_comm(
     config: Config,
     dims: ParallelDims,
@@ -160,17 +173,14 @@ def cp_comm(
     layers = part.n_layers
     a = 2 if _half(config.train.precision) else FP32
     q, kv = _widths(config.model, p.cp_method, dims.cp, dims.tp)
-    # A checkpointed block's recomputation runs the attention's forward again, its
-    # communication too (selective checkpointing keeps the kernel's outputs, not the passes).
-    forwards = 2 if config.train.activation_checkpointing != "none" else 1
+    calls, grad_calls = cp_calls(config, dims.cp)
     prefix = "cp " if dims.cp < dims.world_size else ""
     if p.cp_method == "ring":
         block = 2 * tokens * kv * a  # keys and values, every head
-        grads = 2 * tokens * kv * FP32
-        per_layer = (dims.cp - 1) * (forwards + 1) * block + dims.cp * grads
+        per_layer = calls * block + grad_calls * 2 * tokens * kv * FP32
         key = prefix + "send/recv"
     else:
-        per_layer = (forwards + 1) * tokens * (2 * q + 2 * kv) * a
+        per_layer = calls // 4 * tokens * (2 * q + 2 * kv) * a  # q, k, v and the output each way
         key = prefix + "all_to_all"
     comm[key] = comm.get(key, 0) + microbatches * layers * per_layer
     groups[key] = dims.cp

@@ -203,13 +203,10 @@ def collective_waits(
             add(dims.tp, microbatches * (7 * n_layers + 2 + 3))
     if dims.pp_enabled:
         add(2, 2 * microbatches)
-    if dims.cp_enabled:
-        # Per block: the ring's passes (forward, again where recomputed, backward's blocks and their
-        # gradients), or alltoall's four all-to-alls each way (forward again where recomputed).
-        forwards = 2 if config.train.activation_checkpointing != "none" else 1
-        cp = dims.cp
-        per = (cp - 1) * (forwards + 1) + cp if p.cp_method == "ring" else 4 * (forwards + 1)
-        add(cp, microbatches * n_layers * per)
+    if dims.cp_enabled:  # per block: the ring's passes or alltoall's all-to-alls
+        from dtlab.analysis.context_plan import cp_calls
+
+        add(dims.cp, microbatches * n_layers * sum(cp_calls(config, dims.cp)))
     if dims.ep_enabled:
         from dtlab.analysis.moe import moe_blocks
 
