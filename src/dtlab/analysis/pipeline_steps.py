@@ -307,17 +307,19 @@ class PipelineSteps:
                      temporaries=t_kept + moved + self.sending + temps + ahead,
                      buffers=bufs)  # fmt: skip
             norm = block.norm_temps - (0 if last else block.incoming)
+            # (The gradients alive from here to the block's attention backward.)
+            norm_grads = (
+                g_kept + new + (2 * block.w2_grad + block.dim * block.grad_element if grows else 0)
+            )
             self.add(name, f"the stage's {which} block's feed-forward norm's backward",
-                     grads=g_kept + new
-                     + (2 * block.w2_grad + block.dim * block.grad_element if grows else 0),
+                     grads=norm_grads,
                      activations=alive + again - block.norm_freed + 3 * w2_copy,
                      temporaries=t_kept + moved + self.sending + norm + ahead,
                      buffers=bufs)  # fmt: skip
             if block.attention_temps:  # context parallelism's ring (dtlab.analysis.context_plan)
                 ring = block.attention_temps - (0 if last else block.incoming)
-                made = 3 * block.w2_grad + block.dim * block.grad_element + block.attention_grad
                 self.add(name, f"the stage's {which} block's attention backward",
-                         grads=g_kept + new + (made if grows else 0),
+                         grads=norm_grads,
                          activations=alive + again - (gone if last else 0) - block.norm_freed
                          - block.attention_freed + 3 * w2_copy,
                          temporaries=t_kept + moved + self.sending + ring + ahead,

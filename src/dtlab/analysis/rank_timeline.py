@@ -241,7 +241,7 @@ def _dense_block(
         return shape
     residual = stream * tokens * m.dim // seq
     return replace(
-        shape, attention_temps=residual + ring, attention_grad=made * m.dim**2 // dims.tp,
+        shape, attention_temps=residual + ring,
         # The feed-forward norm's input (the stream).
         attention_freed=residual,
     )  # fmt: skip

@@ -200,10 +200,9 @@ class BlockShape:
     norm_freed: int = 0
     # Context parallelism's ring (dtlab.analysis.context_plan): its attention's backward, after the
     # attention's output projection's: backward's own alive then (the residual gradient, the
-    # ring's accumulators and blocks in flight) and the output projection's weight gradient; 0
-    # where the attention's backward is no peak of its own.
+    # ring's accumulators and blocks in flight); 0 where the attention's backward is no peak of its
+    # own.
     attention_temps: int = 0
-    attention_grad: int = 0
     attention_freed: int = 0  # the output projection's input, freed by its backward
 
     def kept_copies(self) -> BlockShape:
