@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 __all__ = [
-    "SharedMask", "document_ids", "document_mask", "positions", "same_document", "shard_sequence",
-    "unshard_sequence", "zigzag_chunks",
+    "SharedMask", "additive_mask", "document_ids", "document_mask", "positions", "same_document",
+    "shard_sequence", "unshard_sequence", "zigzag_chunks",
 ]  # fmt: skip
 
 
@@ -85,7 +85,12 @@ class SharedMask:
         """The mask as attention adds it to the scores, in ``dtype`` (the queries')."""
         mask = self._additive.get(dtype)
         if mask is None:
-            mask = torch.zeros(self.allowed.shape, dtype=dtype, device=self.allowed.device)
-            mask.masked_fill_(~self.allowed, float("-inf"))
-            self._additive[dtype] = mask
+            mask = self._additive[dtype] = additive_mask(self.allowed, dtype)
         return mask
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as attention kernels take it: 0 where ``allowed``, -inf elsewhere, in
+    ``dtype`` (the queries')."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, float("-inf"))

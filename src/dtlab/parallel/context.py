@@ -40,6 +40,7 @@ from dtlab.errors import ConfigError
 from dtlab.models.attention import attend
 from dtlab.models.sequence import (
     SharedMask,
+    additive_mask,
     positions,
     same_document,
     shard_sequence,
@@ -82,13 +83,6 @@ def _block(
     return (kind, allowed) if bool(allowed.any()) else (NONE, None)
 
 
-def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean mask as the kernel takes it: 0 where allowed, -inf elsewhere, in the query's dtype."""
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
-        ~allowed, float("-inf")
-    )
-
-
 def _attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -104,7 +98,7 @@ def _attend(
             q, k, v, 0.0, causal, scale=scale
         )[:2]
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, False, attn_mask=_additive(allowed, q.dtype), scale=scale
+        q, k, v, 0.0, False, attn_mask=additive_mask(allowed, q.dtype), scale=scale
     )[:2]
     # A row with no key here comes back as output 0 with log-sum-exp 0; it is the empty sum's, -inf,
     # so that the merge gives it no weight.
@@ -129,7 +123,7 @@ def _attend_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale
         )
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, False, attn_mask=_additive(allowed, q.dtype), scale=scale
+        dout, q, k, v, out, lse, 0.0, False, attn_mask=additive_mask(allowed, q.dtype), scale=scale
     )
 
 
