@@ -33,6 +33,7 @@ from dtlab.analysis.rates import ACHIEVABLE_FRACTION, achievable_flops, pipeline
 from dtlab.analysis.search import (
     SearchResult,
     command,
+    context_degrees,
     overrides,
     recommended,
     search,
@@ -242,17 +243,6 @@ def plan(
     }
 
 
-def context_degrees(config: Config, world: int) -> list[int]:
-    """The context-parallel degrees the search tries when nothing fits without: those of the world
-    that split the sequence into ``2 cp`` chunks (and, for ``alltoall``, the heads)."""
-    heads = config.model.n_heads
-    return [
-        cp
-        for cp in range(2, world + 1)
-        if world % cp == 0 and config.seq_len % (2 * cp) == 0 and heads % cp == 0
-    ]
-
-
 def _with_context_parallel(
     config: Config,
     found: SearchResult,
@@ -263,15 +253,16 @@ def _with_context_parallel(
     costing: _Costing,
 ) -> SearchResult:
     """The search again with context parallelism where nothing fits without it and the config
-    leaves ``parallel.cp`` open: each sequence split over the degrees of
-    :func:`context_degrees`, by ``alltoall`` on a GPU (dtlab's ring runs on a CPU's kernel so far)
-    and the ring on a CPU; ``found`` where that finds no more."""
+    leaves ``parallel.cp`` open: each sequence split over every degree of the world the config's
+    rules take (the sequence's chunks, alltoall's heads: :func:`search`'s validation), by
+    ``alltoall`` on a GPU (dtlab's ring runs on a CPU's kernel so far) and the ring on a CPU;
+    ``found`` where that finds no more."""
     if recommended(found) is not None or config.is_given("parallel.cp"):
         return found
     if config.train.engine != "torch" or config.parallel.diloco.inner_steps:
         return found
     method = "alltoall" if device.kind == "cuda" else "ring"
-    degrees = context_degrees(config, nproc * nnodes)
+    degrees = context_degrees(nproc * nnodes)
     if not degrees:
         return found
     with_cp = search(

@@ -99,6 +99,12 @@ def _divisors(n: int, limit: int = LIMIT) -> list[int]:
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
 
+def context_degrees(world: int) -> list[int]:
+    """The context-parallel degrees above 1 a world of ``world`` ranks can split a sequence over
+    (the config's rules then take those that split its sequence and, for alltoall, its heads)."""
+    return [d for d in _divisors(world) if d > 1]
+
+
 def _pick(config: Config, key: str, options: list[Any]) -> list[Any]:
     """``options`` when ``key`` is open, else the config's own value."""
     if config.is_given(key):
