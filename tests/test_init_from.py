@@ -26,7 +26,7 @@ from dtlab.data import build_source
 from dtlab.data.loader import BatchLayout, BatchLoader
 from dtlab.errors import CheckpointError, ConfigError
 from dtlab.models import build_model
-from dtlab.models.hf_adapter import hf_config
+from dtlab.models.hf_config import hf_config
 from dtlab.parallel import destroy_distributed, init_distributed, parallelize
 
 # The model and data keys of FAST (a config, not a run): what init_from must match.
@@ -244,7 +244,7 @@ def test_init_from_a_path_that_does_not_exist_is_a_config_error(tmp_path: Path) 
     )
     assert proc.returncode != 0
     assert f"model.init_from = '{missing}' does not exist" in proc.stderr
-    assert "Hugging Face Llama directory" in proc.stderr  # what is allowed
+    assert "LlamaForCausalLM" in proc.stderr  # what is allowed
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "run").exists()  # refused before anything started
 

@@ -278,15 +278,15 @@ def test_layouts_train_as_one_process(tmp_path: Path) -> None:
     assert [r["layout"] for r in rows] == ["ddp:2", "fsdp:2", "zero:2"]
     for row in rows:
         assert row["max_loss_diff"] <= 1e-5 and row["max_param_diff"] <= 1e-5, row
-    # Each layout's export (dtlab's names: an MoE model has no Llama counterpart) holds the
-    # reference's tensors, the balancing bias among them (after an odd number of steps of +-rate,
-    # no element is 0).
+    # Each layout's export (Hugging Face's ERNIE 4.5 MoE: the family whose router has the selection
+    # bias) holds the reference's tensors, the balancing bias among them (after an odd number of
+    # steps of +-rate, no element is 0).
     exports = [c for s in result["state"] for c in s["checks"]]
     assert len(exports) == 4 and all(c["ok"] for c in exports), exports
     from safetensors.torch import load_file
 
     tensors = load_file(str(out / "0-single-export" / "model.safetensors"))
-    assert tensors["layers.1.feed_forward.expert_bias"].abs().max() > 0
+    assert tensors["model.layers.1.mlp.moe_statics.e_score_correction_bias"].abs().min() > 0
 
 
 def test_a_checkpoint_resumes_exactly_with_its_bias(tmp_path: Path) -> None:

@@ -117,8 +117,9 @@ def make_moe_checkpoint(
 
 MOE_CASES = {
     # debug-moe: a dense first block, then 4 experts (top 2, renormalised) beside a shared expert;
-    # balance = bias, its bias still zero.
-    "dense-block-shared-expert": [],
+    # balance = bias, its bias still zero (Qwen2-MoE named: the default family of a bias-balanced
+    # run is ERNIE 4.5 MoE, tests/test_hf_families.py).
+    "dense-block-shared-expert": ["model.family=qwen2_moe"],
     "all-moe-no-shared-raw-gates": [
         "model.moe.dense_layers=0", "model.moe.shared_experts=0", "model.moe.top_k=3",
         "model.moe.renormalize=false", "model.moe.balance=aux", "model.tie_embeddings=true",
@@ -155,7 +156,7 @@ def test_hf_export_computes_dtlabs_logits_and_init_from_reads_it_back(
 
 def test_what_qwen2_moe_cannot_compute_is_refused(tmp_path: Path) -> None:
     # A trained balancing bias changes which experts a token goes to.
-    make_moe_checkpoint(tmp_path / "biased", bias=[0.0, 0.1, 0.0, 0.0])
+    make_moe_checkpoint(tmp_path / "biased", "model.family=qwen2_moe", bias=[0.0, 0.1, 0.0, 0.0])
     with pytest.raises(
         CheckpointError,
         match=r"the balancing bias 'layers\.1\.feed_forward\.expert_bias' is not zero \(largest \|bias\| 0\.1",
@@ -166,11 +167,11 @@ def test_what_qwen2_moe_cannot_compute_is_refused(tmp_path: Path) -> None:
         "export", str(tmp_path / "sigmoid"), "--format", "hf", "--out", str(tmp_path / "o2")
     )
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert "model.moe.score = 'sigmoid' has no Qwen2-MoE counterpart" in proc.stderr
+    assert "(Qwen2MoeForCausalLM) routes by a softmax (model.moe.score = 'sigmoid')" in proc.stderr
     assert "--format safetensors exports it as dtlab computes it" in proc.stderr
     # A Qwen2-MoE whose shared expert is gated (as real ones are) or whose dense blocks are not the
     # first ones has no dtlab counterpart either.
-    make_moe_checkpoint(tmp_path / "ok")
+    make_moe_checkpoint(tmp_path / "ok", "model.family=qwen2_moe")
     out = export_hf(tmp_path / "ok", tmp_path / "hf")
     # A run of another shape names every model.moe key that differs, and the fix.
     other = load_config(None, [
@@ -193,7 +194,7 @@ def test_what_qwen2_moe_cannot_compute_is_refused(tmp_path: Path) -> None:
     cfg = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**cfg, "mlp_only_layers": [1]}))
     with pytest.raises(
-        ConfigError, match=r"dense blocks \[1\] .* dtlab's dense blocks are the first"
+        ConfigError, match=r"dense blocks \[1\]: dtlab.s dense blocks are the first"
     ):
         load_init_state(start)
 
@@ -213,15 +214,23 @@ def test_generate_on_an_moe_run_and_its_export(tmp_path: Path) -> None:
     assert texts[0] == texts[1] and len(texts[0].encode("utf-8", "surrogateescape")) > 0
 
 
-def test_verify_exports_an_moe_run_as_qwen2_moe_when_it_can(tmp_path: Path) -> None:
-    # dtlab verify's export check exports as a user does: Hugging Face when the routing has a
-    # Qwen2-MoE counterpart, dtlab's names when bias balancing may have moved the bias.
-    make_moe_checkpoint(tmp_path / "aux", "model.moe.balance=aux")
-    export_run(tmp_path / "aux", tmp_path / "aux-out")
-    assert (
-        json.loads((tmp_path / "aux-out" / "config.json").read_text())["model_type"] == "qwen2_moe"
-    )
-    make_moe_checkpoint(tmp_path / "bias", "model.moe.balance=bias+aux")
-    export_run(tmp_path / "bias", tmp_path / "bias-out")
-    assert (tmp_path / "bias-out" / "config.yaml").is_file()
-    assert not (tmp_path / "bias-out" / "config.json").exists()
+def test_verify_exports_an_moe_run_to_hugging_face_when_a_family_computes_it(
+    tmp_path: Path,
+) -> None:
+    # dtlab verify's export check exports as a user does: Hugging Face when the model's family
+    # computes its routing (Qwen2-MoE without a bias, ERNIE 4.5 MoE with one), dtlab's names when
+    # none does (sigmoid scores; a bias the named family has no place for).
+    cases = {
+        "aux": (["model.moe.balance=aux"], "qwen2_moe"),
+        "bias": (["model.moe.balance=bias+aux"], "ernie4_5_moe"),
+        "sigmoid": (["model.moe.score=sigmoid"], None),
+        "qwen2-bias": (["model.family=qwen2_moe"], None),
+    }
+    for name, (overrides, model_type) in cases.items():
+        make_moe_checkpoint(tmp_path / name, *overrides)
+        export_run(tmp_path / name, tmp_path / f"{name}-out")
+        hf = tmp_path / f"{name}-out" / "config.json"
+        if model_type is None:
+            assert (tmp_path / f"{name}-out" / "config.yaml").is_file() and not hf.exists()
+        else:
+            assert json.loads(hf.read_text())["model_type"] == model_type

@@ -46,6 +46,7 @@ from dtlab.data.tokenizer import (
 )
 from dtlab.errors import CheckpointError, DtlabError
 from dtlab.models.args import ModelArgs
+from dtlab.models.hf_moe import MOE_NAMES
 from dtlab.models.llama import KVCache, Transformer, build_model
 
 __all__ = [
@@ -339,9 +340,13 @@ def _read_hf(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
         raise CheckpointError(
             f"'{path / 'config.json'}' has max_position_embeddings {show(ctx)}; allowed: an integer >= 1"
         )
-    section = model_section(read_source(path))
+    src = read_source(path)
+    section = model_section(src)
     if section["moe"].get("experts"):
-        section["moe"]["balance"] = "none"  # a Hugging Face model has no balancing bias
+        # A family with a selection bias (ERNIE 4.5 MoE) routes by it: dtlab's bias balancing holds
+        # it (nothing trains here, so it stays as read); the others have none.
+        has_bias = src.family is not None and MOE_NAMES[src.family.name].bias is not None
+        section["moe"]["balance"] = "bias" if has_bias else "none"
     model = {"preset": None, **section, "max_seq_len": ctx, "init_from": str(path)}
     try:
         config = Config.model_validate({"model": model})

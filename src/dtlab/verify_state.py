@@ -44,15 +44,19 @@ class StateCheck:
 
 
 def export_run(run_dir: Path, out: Path) -> None:
-    """``dtlab export RUN_DIR --out OUT --format hf``: the run's newest checkpoint as a Hugging Face Llama
-    directory (Qwen2-MoE for a mixture of experts), as a user exports it; a DtlabError with the
-    output's tail when it fails. A mixture of experts whose routing Qwen2-MoE cannot compute (bias
-    balancing: a trained bias is not zero; sigmoid scores) is exported with dtlab's names
-    (``--format safetensors``)."""
+    """``dtlab export RUN_DIR --out OUT --format hf``: the run's newest checkpoint as a Hugging Face
+    directory of the model's family (:mod:`dtlab.models.families`), as a user exports it; a
+    DtlabError with the output's tail when it fails. A model no family's class computes (sigmoid
+    router scores; a trained balancing bias where the family has no selection bias) is exported
+    with dtlab's names (``--format safetensors``)."""
     from dtlab.config import load_config
+    from dtlab.models.families import family_refusal
+    from dtlab.models.hf_moe import MOE_NAMES
 
-    m = load_config(run_dir / "config.yaml").model.moe
-    dtlab_names = m.experts > 0 and ("bias" in m.balance or m.score == "sigmoid")
+    model = load_config(run_dir / "config.yaml").model
+    args, family = model.args(), model.hf_family()
+    biased = args.moe is not None and args.moe.bias_balance and MOE_NAMES[family.name].bias is None
+    dtlab_names = biased or family_refusal(family, args) is not None
     cmd = [
         sys.executable,
         "-m",

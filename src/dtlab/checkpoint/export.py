@@ -28,7 +28,8 @@ from dtlab.config import Config, load_config
 from dtlab.data.tokenizer import TOKENIZER_FILE, ByteTokenizer, load_tokenizer
 from dtlab.errors import CheckpointError, DtlabError
 from dtlab.fsutil import NotEmptyError, StagingError, write_dir_atomically
-from dtlab.models.hf_adapter import hf_config, hf_export_refusal, to_hf
+from dtlab.models.hf_adapter import hf_export_refusal, to_hf
+from dtlab.models.hf_config import hf_config
 
 __all__ = [
     "FORMATS",
@@ -345,13 +346,18 @@ def export_checkpoint(
     config = checkpoint_config(ckpt)
     state = load_model_state(ckpt, verify=False)
     _check_against_config(state, config, ckpt)
-    refusal = hf_export_refusal(state, config.model.args()) if fmt == "hf" else None
+    family = config.model.hf_family()
+    refusal = hf_export_refusal(state, config.model.args(), family) if fmt == "hf" else None
     if refusal:
         raise CheckpointError(
             f"checkpoint '{ckpt}' cannot be exported with --format hf: {refusal}. --format "
             "safetensors exports it as dtlab computes it (dtlab generate and model.init_from read "
             "that)"
-            + ("; a run with model.moe.balance = aux has no bias" if "bias" in refusal else "")
+            + (
+                "; a run with model.moe.balance = aux has no bias"
+                if "balancing bias" in refusal
+                else ""
+            )
         )
     warning = weights_position(ckpt)[1]  # about weights that were read: after the checks
     if warning:
@@ -364,8 +370,8 @@ def export_checkpoint(
         else:
             dtype = state["tok_embeddings.weight"].dtype
             args = config.model.args()
-            _save_safetensors(to_hf(state, args), tmp / "model.safetensors")
-            text = json.dumps(hf_config(args, dtype), indent=2) + "\n"
+            _save_safetensors(to_hf(state, args, family), tmp / "model.safetensors")
+            text = json.dumps(hf_config(args, dtype, family), indent=2) + "\n"
             (tmp / "config.json").write_text(text, encoding="utf-8")
 
     def write_all(tmp: Path) -> None:

@@ -33,14 +33,14 @@ from torch import nn
 from dtlab.config import Config, ModelConfig, parse_yaml
 from dtlab.errors import CheckpointError, ConfigError
 from dtlab.models.args import ModelArgs
-from dtlab.models.hf_adapter import (
+from dtlab.models.families import FAMILIES, Family
+from dtlab.models.hf_adapter import from_hf, from_hf_shapes
+from dtlab.models.hf_config import (
     HF_MOE_NUMERIC_NAMES,
     HF_MOE_SHAPE_NAMES,
     HF_NUMERIC_NAMES,
     HF_SHAPE_NAMES,
-    from_hf,
-    from_hf_shapes,
-    hf_moe_shape,
+    read_hf_config,
 )
 
 if TYPE_CHECKING:
@@ -58,10 +58,11 @@ __all__ = [
 KEY = "model.init_from"
 EXPECTED = (
     "a dtlab export directory (model.safetensors + config.yaml, from `dtlab export --format "
-    "safetensors`) or a local Hugging Face Llama directory or Qwen2-MoE one (config.json + "
-    "*.safetensors or pytorch_model*.bin)"
+    "safetensors`) or a local Hugging Face directory of a family dtlab maps ("
+    + ", ".join(f.hf_class for f in FAMILIES.values())
+    + "; config.json + *.safetensors or pytorch_model*.bin)"
 )
-# dtlab's shape keys and the name each has in a Hugging Face Llama config.json.
+# dtlab's shape keys and the name each has in a Hugging Face config.json.
 HF_NAMES = HF_SHAPE_NAMES
 # Keys that shape no tensor but change what the model computes: a difference is worth a warning.
 NUMERIC = HF_NUMERIC_NAMES
@@ -77,6 +78,7 @@ class InitSource:
     shape: dict[str, Any]  # dtlab key (dim, n_layers, ...) -> the source's value
     names: dict[str, str]  # dtlab key -> what the source calls it (for messages)
     notes: tuple[str, ...] = ()  # what differs from dtlab without changing any shape
+    family: Family | None = None  # a Hugging Face directory's family (None: a dtlab export)
 
 
 def _read_file(path: Path, tensors: bool) -> dict[str, Any]:
@@ -150,117 +152,24 @@ def _hf_files(path: Path) -> tuple[Path, ...]:
 
 
 def _read_hf(path: Path) -> InitSource:
-    """A Hugging Face Llama or Qwen2-MoE directory, read from its config.json (which must describe
-    what dtlab's model computes) and its weight files' names."""
+    """A Hugging Face directory of a family dtlab maps, read from its config.json (which must
+    describe what dtlab's model computes) and its weight files' names."""
     cfg = _read_json(path / "config.json")
     where = f"'{path / 'config.json'}'"
-    moe = _hf_moe(cfg, path, where)
-    _check_hf_llama(cfg, path, where)
-    shape = _hf_shape(cfg, moe, path, where)
-    names = dict(HF_NAMES) | HF_MOE_SHAPE_NAMES | HF_MOE_NUMERIC_NAMES | NUMERIC
-    return InitSource(path, "hf", _hf_files(path), shape, names, _hf_notes(cfg, where))
-
-
-def _hf_moe(cfg: dict[str, Any], path: Path, where: str) -> dict[str, Any]:
-    """The ``moe.<key>`` shape of a config.json's model (``moe.experts`` = 0 for a Llama); a
-    ConfigError for another model type, or experts dtlab cannot compute."""
-    model_type = cfg.get("model_type")
-    if model_type not in ("llama", "qwen2_moe"):
+    hf = read_hf_config(cfg)
+    if hf is None:
+        types = ", ".join(repr(f.model_type) for f in FAMILIES.values())
         raise ConfigError(
-            f"{KEY} = '{path}': {where} has model_type {model_type!r}; allowed: 'llama' "
-            "(a Llama-architecture model) or 'qwen2_moe' (a mixture of experts, as `dtlab export "
-            "--format hf` writes one)"
+            f"{KEY} = '{path}': {where} has model_type {cfg.get('model_type')!r}; allowed: {types}"
         )
-    moe: dict[str, Any] = {"moe.experts": 0}
-    if model_type == "qwen2_moe":
-        moe, problems = hf_moe_shape(cfg)
-        if problems:
-            raise ConfigError(
-                f"{KEY} = '{path}': {where} describes what dtlab's mixture of experts cannot "
-                f"compute: {'; '.join(problems)}"
-            )
-    return moe
-
-
-def _check_hf_llama(cfg: dict[str, Any], path: Path, where: str) -> None:
-    """A ConfigError unless config.json describes dtlab's Llama block (no biases, SwiGLU with
-    silu) and names every shape key dtlab cannot default."""
-    for flag in ("attention_bias", "mlp_bias"):
-        if cfg.get(flag):
-            raise ConfigError(
-                f"{KEY} = '{path}': {where} has {flag} = true; dtlab's Llama has no biases"
-            )
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
+    if hf.problems:
         raise ConfigError(
-            f"{KEY} = '{path}': {where} has hidden_act {act!r}; dtlab's SwiGLU uses 'silu'"
+            f"{KEY} = '{path}': {where} describes what dtlab's model cannot compute "
+            f"({hf.family.hf_class}): {'; '.join(hf.problems)}"
         )
-    missing = [
-        HF_NAMES[k]
-        for k in ("dim", "n_layers", "n_heads", "vocab_size", "ffn_dim")
-        if HF_NAMES[k] not in cfg
-    ]
-    if missing:
-        raise ConfigError(f"{KEY} = '{path}': {where} lacks {', '.join(missing)}")
-
-
-def _hf_shape(cfg: dict[str, Any], moe: dict[str, Any], path: Path, where: str) -> dict[str, Any]:
-    """config.json's model in dtlab's keys (the ``moe`` ones given), its defaults filled in; a
-    ConfigError when its heads do not split hidden_size as dtlab's do."""
-    shape = {k: cfg.get(hf) for k, hf in HF_NAMES.items()}
-    if shape["n_kv_heads"] is None:
-        shape["n_kv_heads"] = shape["n_heads"]
-    shape["tie_embeddings"] = bool(cfg.get("tie_word_embeddings", False))
-    shape |= moe
-    head_dim = cfg.get("head_dim")
-    if head_dim is not None and shape["n_heads"] and head_dim * shape["n_heads"] != shape["dim"]:
-        raise ConfigError(
-            f"{KEY} = '{path}': {where} has head_dim {head_dim} x num_attention_heads "
-            f"{shape['n_heads']} != hidden_size {shape['dim']}; dtlab's heads are hidden_size / n_heads"
-        )
-    rope = _rope_parameters(cfg)
-    shape["rope_theta"] = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
-    scaling = _rope_scaling(cfg)
-    if _rope_kind(scaling) == "llama3":
-        shape["rope_scaling"] = {
-            "factor": scaling.get("factor", 8.0),
-            "low_freq_factor": scaling.get("low_freq_factor", 1.0),
-            "high_freq_factor": scaling.get("high_freq_factor", 4.0),
-            "original_max_seq_len": scaling.get("original_max_position_embeddings", 8192),
-        }
-    shape["norm_eps"] = cfg.get("rms_norm_eps") or 1e-6
-    return shape
-
-
-def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
-    """config.json's rope_parameters, or empty."""
-    # transformers < 5 writes rope_theta and rope_scaling; 5 writes rope_parameters (either may be null).
-    rope = cfg.get("rope_parameters")
-    return rope if isinstance(rope, dict) else {}
-
-
-def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any]:
-    """config.json's rope scaling (transformers < 5: rope_scaling; 5: rope_parameters), or empty."""
-    scaling = cfg.get("rope_scaling") or _rope_parameters(cfg)
-    return scaling if isinstance(scaling, dict) else {}
-
-
-def _rope_kind(scaling: dict[str, Any]) -> str | None:
-    """The kind of a rope scaling ("default", "llama3", "yarn", ...), or None."""
-    kind = scaling.get("rope_type", scaling.get("type"))
-    return str(kind) if kind is not None else None
-
-
-def _hf_notes(cfg: dict[str, Any], where: str) -> tuple[str, ...]:
-    """What config.json asks for that dtlab does not compute, though no shape differs: rope scaling."""
-    notes = []
-    kind = _rope_kind(_rope_scaling(cfg))
-    if kind not in (None, "default", "llama3"):  # llama3: Llama 3.1's, which dtlab applies
-        notes.append(
-            f"{where} has rope scaling {kind!r}, which dtlab's RoPE does not apply: the model "
-            "computes other logits than the original"
-        )
-    return tuple(notes)
+    names = HF_SHAPE_NAMES | HF_MOE_SHAPE_NAMES | HF_MOE_NUMERIC_NAMES | HF_NUMERIC_NAMES
+    notes = tuple(f"{where} has {n}" for n in hf.notes)
+    return InitSource(path, "hf", _hf_files(path), hf.shape, names, notes, hf.family)
 
 
 def _read_dtlab(path: Path) -> InitSource:
@@ -333,6 +242,8 @@ def model_section(src: InitSource) -> dict[str, Any]:
     """The source's shape as a config ``model`` section (``moe.<key>`` nested under ``moe``)."""
     out: dict[str, Any] = {k: v for k, v in src.shape.items() if not k.startswith("moe.")}
     out["moe"] = {k[4:]: v for k, v in src.shape.items() if k.startswith("moe.")}
+    if src.family is not None:
+        out["family"] = src.family.name
     return out
 
 
@@ -347,7 +258,7 @@ def _tensor_shapes(src: InitSource, args: ModelArgs) -> dict[str, tuple[int, ...
     shapes: dict[str, Any] = {}
     for f in src.files:
         shapes |= _read_file(f, tensors=False)
-    return shapes if src.kind == "dtlab" else from_hf_shapes(shapes, args)
+    return shapes if src.kind == "dtlab" else from_hf_shapes(shapes, args, src.family)
 
 
 def check_init_from(config: Config, warn: bool = True) -> InitSource:
@@ -370,6 +281,10 @@ def _check_shape_keys(src: InitSource, ours: dict[str, Any], where: str) -> None
     """A ConfigError naming each shape key where the config (``ours``) and the source differ, with
     the settings that would match it."""
     wrong = [k for k in ours if src.shape.get(k) != ours[k]]
+    if src.family is not None and src.family.qkv_bias == "yes":
+        # The family always has q/k/v biases: a model without them starts from zero ones (checked
+        # when they are read).
+        wrong = [k for k in wrong if k != "qkv_bias"]
     if not ours["moe.experts"] or not src.shape.get("moe.experts"):
         # Dense against MoE: the other model.moe keys say nothing more.
         wrong = [k for k in wrong if not k.startswith("moe.") or k == "moe.experts"]
@@ -465,7 +380,7 @@ def load_init_state(config: Config, src: InitSource | None = None) -> dict[str, 
     for f in src.files:
         state |= _read_file(f, tensors=True)
     if src.kind == "hf":
-        state = from_hf(state, args)  # q/k rows back to rotary pairs
+        state = from_hf(state, args, src.family)  # q/k rows back to rotary pairs
     return {k: state[k] for k in _expected_tensors(args)}
 
 
@@ -487,9 +402,9 @@ def apply_init_from(model: nn.Module, config: Config, d: DistInfo) -> str:
 
 
 def _kind_name(src: InitSource) -> str:
-    if src.kind == "dtlab":
+    if src.kind == "dtlab" or src.family is None:
         return "dtlab export"
-    return "Hugging Face Qwen2-MoE" if src.shape.get("moe.experts") else "Hugging Face Llama"
+    return f"Hugging Face {src.family.hf_class}"
 
 
 def check_before_launch(config: Config, run_dir: Path | None) -> None:

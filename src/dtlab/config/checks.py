@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dtlab.config.schema import CROSS_RULES, Config, refuse
 from dtlab.config.sections import ModelConfig, ParallelConfig
-from dtlab.config.values import SINGLE_STAGE_SCHEDULES
+from dtlab.config.values import SINGLE_STAGE_SCHEDULES, show
 from dtlab.dims import DPWrapper, ParallelDims, needs_replica_groups, strategies_with
 from dtlab.errors import ConfigError
 
@@ -422,6 +422,19 @@ def _check_mlx(c: Config) -> None:
             f"model.init_from = {c.model.init_from!r} is not supported with train.engine = 'mlx' "
             "(allowed: null); train.engine = 'torch' starts from it"
         )
+    m = c.model
+    features: dict[str, tuple[bool, str]] = {
+        "model.head_dim": (m.head_dim is not None and m.head_dim * m.n_heads != m.dim, "null"),
+        "model.qkv_bias": (m.qkv_bias, "false"),
+        "model.qk_norm": (m.qk_norm, "false"),
+        "model.sliding_window": (m.sliding_window is not None, "null"),
+    }
+    for key, (refused, keep) in features.items():
+        if refused:
+            raise ValueError(
+                f"{key} = {show(getattr(m, key[6:]))} is not supported with train.engine = 'mlx' "
+                f"(allowed: {keep}); train.engine = 'torch' has it"
+            )
     if c.model.rope_scaling is not None:  # the MLX model's RoPE is plain
         raise ValueError(
             "model.rope_scaling (Llama 3.1's long-context scaling) is not supported with "

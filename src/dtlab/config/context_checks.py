@@ -41,6 +41,13 @@ def check_context_parallel(c: Config) -> None:
             f"{heads} attention heads a rank holds (model.n_heads = {m.n_heads} / parallel.tp = "
             f"{p.tp}); allowed: a cp dividing {heads}, or cp_method = 'ring'"
         )
+    if m.sliding_window is not None and m.sliding_window < c.seq_len:
+        raise ValueError(
+            f"model.sliding_window = {m.sliding_window} (shorter than data.seq_len = {c.seq_len}) "
+            f"is not supported with parallel.cp = {p.cp}: the ring's and the all-to-all's "
+            "attention is causal over the whole sequence, so far; allowed: a window of at least "
+            "data.seq_len, null, or parallel.cp = 1"
+        )
     refused: dict[str, tuple[bool, str, str, str]] = {k: (*v, _CP_WHY) for k, v in {
         "parallel.strategy": (
             DPWrapper.of(p.strategy) is DPWrapper.NONE, repr(p.strategy), "'ddp', 'fsdp', 'hsdp'",

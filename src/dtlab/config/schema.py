@@ -105,11 +105,14 @@ class Config(_Section):
 
 
 def _check_heads(m: ModelConfig) -> None:
-    """The attention heads split model.dim evenly, into an even head dim (RoPE rotates pairs), and
-    the query heads share the key/value heads evenly."""
-    if m.dim % m.n_heads:
-        raise ValueError(f"model.dim = {m.dim} must be divisible by model.n_heads = {m.n_heads}")
-    if (m.dim // m.n_heads) % 2:
+    """The attention heads split model.dim evenly (unless model.head_dim gives their size), into an
+    even head dim (RoPE rotates pairs), and the query heads share the key/value heads evenly."""
+    if m.head_dim is None and m.dim % m.n_heads:
+        raise ValueError(
+            f"model.dim = {m.dim} must be divisible by model.n_heads = {m.n_heads} (or give "
+            "model.head_dim, each head's size)"
+        )
+    if m.head_dim is None and (m.dim // m.n_heads) % 2:
         raise ValueError(
             f"head dim model.dim / model.n_heads = {m.dim // m.n_heads} must be even for RoPE"
         )

@@ -24,6 +24,7 @@ from dtlab.config.values import (
     show,
 )
 from dtlab.models.args import ModelArgs, MoEArgs, RopeScaling, llama_ffn_dim
+from dtlab.models.families import FAMILIES, Family, choose_family, family_refusal
 from dtlab.models.presets import PRESETS
 
 
@@ -132,13 +133,40 @@ class ModelConfig(_Section):
     tie_embeddings: bool = Field(
         False, description="Share the input embedding with the output projection."
     )
+    head_dim: int | None = Field(
+        None,
+        ge=2,
+        description="Each attention head's size (even: RoPE rotates pairs); null = dim / n_heads. "
+        "Qwen3's heads are wider (0.6B: 16 heads of 128 on a 1024 model).",
+    )
+    qkv_bias: bool = Field(
+        False, description="Biases on the q, k and v projections (Qwen2, Qwen2.5, Qwen2-MoE)."
+    )
+    qk_norm: bool = Field(
+        False,
+        description="An RMSNorm over each head of q and k before RoPE (Qwen3, Qwen3-MoE).",
+    )
+    sliding_window: int | None = Field(
+        None,
+        ge=1,
+        description="Each token attends to itself and the sliding_window - 1 tokens before it "
+        "(Mistral 7B v0.1: 4096); null = the whole context.",
+    )
+    family: str | None = Field(
+        None,
+        description="The Hugging Face family `dtlab export --format hf` writes (and model.init_from "
+        "read): " + ", ".join(FAMILIES) + "; null = the one whose class has exactly this model's "
+        "options (llama; qwen3 with qk_norm, qwen2 with qkv_bias, mistral with a sliding window; "
+        "a bias-balanced mixture of experts: ernie4_5_moe, else qwen3_moe or qwen2_moe).",
+    )
     init_from: str | None = Field(
         None,
         min_length=1,
         description="Start from these weights instead of a random init (fine-tuning): a local Hugging "
-        "Face Llama directory (config.json + model.safetensors or pytorch_model.bin, or their shards) "
-        "or a dtlab export directory (model.safetensors + config.yaml); its shape must match the keys "
-        "above. A run that resumes from a checkpoint takes the checkpoint's weights instead.",
+        "Face directory of a supported family (config.json + model.safetensors or pytorch_model.bin, "
+        "or their shards; see model.family) or a dtlab export directory (model.safetensors + "
+        "config.yaml); its shape must match the keys above. A run that resumes from a checkpoint "
+        "takes the checkpoint's weights instead.",
     )
     moe: MoEConfig = Field(default_factory=MoEConfig)  # type: ignore[arg-type]
 
@@ -195,7 +223,37 @@ class ModelConfig(_Section):
             norm_eps=self.norm_eps,
             tie_embeddings=self.tie_embeddings,
             moe=self.moe.args(self.hidden_dim),
+            head_dim=self.head_dim or 0,
+            qkv_bias=self.qkv_bias,
+            qk_norm=self.qk_norm,
+            sliding_window=self.sliding_window,
         )
+
+    def hf_family(self) -> Family:
+        """The Hugging Face family the model is written as (model.family, or the one chosen)."""
+        args = self.args()
+        return FAMILIES[self.family] if self.family else choose_family(args)
+
+    @model_validator(mode="after")
+    def _check_family(self) -> ModelConfig:
+        if self.head_dim is not None and self.head_dim % 2:
+            raise ValueError(
+                f"model.head_dim = {self.head_dim} is odd; RoPE rotates pairs of a head's "
+                "dimensions (allowed: an even size, or null for dim / n_heads)"
+            )
+        if self.family is None:
+            return self
+        if self.family not in FAMILIES:
+            meant = suggest_value(self.family, list(FAMILIES))
+            raise ValueError(
+                f"model.family = {show(self.family)} is not a family"
+                + (f" (did you mean {meant!r}?)" if meant else "")
+                + f"; allowed: {', '.join(FAMILIES)}, or null"
+            )
+        why = family_refusal(FAMILIES[self.family], self.args())
+        if why:
+            raise ValueError(f"{why}; allowed: another model.family, or null to choose one")
+        return self
 
 
 class DataConfig(_Section):

@@ -64,14 +64,36 @@ class ModelArgs:
     moe: MoEArgs | None = (
         None  # mixture-of-experts feed-forward in blocks dense_layers..; None = dense
     )
+    # Each attention head's size; 0 = dim // n_heads. Qwen3 has heads wider than dim / n_heads
+    # (0.6B: 16 heads of 128 on a 1024 model), so the attention's width n_heads x head_dim is its own.
+    head_dim: int = 0
+    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2 / Qwen2.5)
+    qk_norm: bool = False  # an RMSNorm over each head of q and k before RoPE (Qwen3, Qwen3-MoE)
+    # Each token attends to itself and the window - 1 tokens before it (Mistral 7B v0.1); None: all.
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.head_dim:  # frozen: set once, here, so every reader sees the resolved size
+            object.__setattr__(self, "head_dim", self.dim // max(1, self.n_heads))
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether block ``layer`` has the mixture-of-experts feed-forward."""
         return self.moe is not None and layer >= self.moe.dense_layers
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def attn_dim(self) -> int:
+        """The width of the query heads together (n_heads x head_dim): the q and output projections'."""
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        """The width of the key (or value) heads together (n_kv_heads x head_dim)."""
+        return self.n_kv_heads * self.head_dim
+
+    def windowed(self, seq_len: int) -> bool:
+        """Whether the sliding window cuts attention at ``seq_len`` tokens (a window as long as
+        the sequence changes nothing)."""
+        return self.sliding_window is not None and seq_len > self.sliding_window
 
 
 class HasModelArgs(Protocol):

@@ -19,7 +19,13 @@ from torch import nn
 from dtlab.models.args import HasModelArgs, ModelArgs, RopeScaling, model_args
 from dtlab.models.attention import attend
 from dtlab.models.moe import MoE, moe_layers
-from dtlab.models.sequence import SharedMask, document_ids, document_mask
+from dtlab.models.sequence import (
+    SharedMask,
+    SlidingWindow,
+    document_ids,
+    document_mask,
+    window_mask,
+)
 
 
 class RMSNorm(nn.Module):
@@ -110,10 +116,17 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads = args.n_heads, args.n_kv_heads
         self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        bias = args.qkv_bias
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=bias)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        # Qwen3's per-head RMSNorm of q and k (one gain of head_dim each, shared by the heads).
+        self.q_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
+        # model.sliding_window: the mask of a window shorter than the sequence, one per forward
+        # shared by every layer (the model gives each attention the same SlidingWindow).
+        self.window: SlidingWindow | None = None
         # Context parallelism (dtlab.parallel.context) sets how training's causal attention of this
         # rank's part of the sequence over the whole of it is computed: q, k, v [B, H, T, D] -> out
         # (and ``documents=``, under a document mask).
@@ -140,8 +153,11 @@ class Attention(nn.Module):
         else:  # the new tokens sit after the cached ones
             cos, sin = cos[cache.pos : cache.pos + T], sin[cache.pos : cache.pos + T]
         # -1 heads: under tensor parallelism each rank computes its share of the (kv) heads.
-        q = apply_rope(self.wq(x).view(B, T, -1, self.head_dim), cos, sin)
-        k = apply_rope(self.wk(x).view(B, T, -1, self.head_dim), cos, sin)
+        q = self.wq(x).view(B, T, -1, self.head_dim)
+        k = self.wk(x).view(B, T, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.wv(x).view(B, T, -1, self.head_dim)
         if cache is None:
             # [B, H, T, D]; grouped key/value heads are shared by their query heads without a copy
@@ -153,16 +169,18 @@ class Attention(nn.Module):
                 out = self.context(q, k, v)
             elif self.mask is not None:  # within each document only (causal as well)
                 out = attend(q, k, v, attn_mask=self.mask.additive(q.dtype))
+            elif self.window is not None and self.window.cuts(T):
+                out = attend(q, k, v, attn_mask=self.window.additive(T, q.device, q.dtype))
             else:
                 out = attend(q, k, v, is_causal=True)
         else:
             keys, values = cache.update(layer, k.transpose(1, 2), v.transpose(1, 2))
             # New token i (at position pos + i) sees the cached tokens and the new ones up to itself;
             # a single new token sees everything, so it needs no mask.
-            mask = None
-            if T > 1:
-                mask = torch.ones(T, keys.shape[2], dtype=torch.bool, device=x.device)
-                mask = mask.tril(keys.shape[2] - T)
+            mask, S = None, keys.shape[2]
+            window = self.window.size if self.window is not None else None
+            if T > 1 or (window is not None and window < S):
+                mask = window_mask(T, S, window, x.device)
             out = attend(q.transpose(1, 2), keys, values, attn_mask=mask)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
@@ -247,6 +265,11 @@ class Transformer(nn.Module):
         # data.document_mask: the token that ends a document; attention then stays within each
         # document of a window (None: the whole window is attended, causally).
         self.document_separator: int | None = None
+        if args.sliding_window is not None:  # one window mask for every layer
+            window = SlidingWindow(args.sliding_window)
+            for m in self.modules():
+                if isinstance(m, Attention):
+                    m.window = window
         self._masked = False  # the attention modules hold a document mask from the last forward
         cos, sin = rope_tables(
             args.head_dim, args.max_seq_len, args.rope_theta, scaling=args.rope_scaling
@@ -285,7 +308,11 @@ class Transformer(nn.Module):
         mask = documents = None
         if self.document_separator is not None and self.tok_embeddings is not None:
             if self.whole_sequence is None:
-                mask = SharedMask(document_mask(tokens, self.document_separator))
+                allowed = document_mask(tokens, self.document_separator)
+                if self.args.windowed(tokens.shape[1]):  # within the window as well
+                    T = tokens.shape[1]
+                    allowed &= window_mask(T, T, self.args.sliding_window, tokens.device)
+                mask = SharedMask(allowed)
             else:  # once per forward: each rank's tokens are a part of the sequence
                 documents = document_ids(self.whole_sequence(tokens), self.document_separator)
         for m in self.modules():
@@ -332,13 +359,16 @@ class Transformer(nn.Module):
 
     # --- initialisation -------------------------------------------------------------------------
     def init_std(self, name: str) -> float | None:
-        """Standard deviation of the normal init of parameter ``name``; None means ones (norm gains).
+        """Standard deviation of the normal init of parameter ``name``; None means ones (norm gains),
+        0 zeros (biases).
 
         Residual output projections are scaled by 1/sqrt(2 n_layers) so the residual stream's variance
         does not grow with depth (GPT-2).
         """
         if name.endswith("norm.weight"):
             return None
+        if name.endswith(".bias"):
+            return 0.0
         if name.endswith(("wo.weight", "w2.weight", "experts.w2")):
             return 0.02 / math.sqrt(2 * self.args.n_layers)
         return 0.02
@@ -354,6 +384,8 @@ class Transformer(nn.Module):
         std = self.init_std(name)
         if std is None:
             return torch.ones(shape)
+        if std == 0.0:
+            return torch.zeros(shape)
         gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         return torch.normal(0.0, std, size=tuple(shape), generator=gen)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 __all__ = [
-    "SharedMask", "additive_mask", "document_ids", "document_mask", "positions", "same_document",
-    "shard_sequence", "unshard_sequence", "zigzag_chunks",
+    "SharedMask", "SlidingWindow", "additive_mask", "document_ids", "document_mask", "positions", "same_document",
+    "shard_sequence", "unshard_sequence", "window_mask", "zigzag_chunks",
 ]  # fmt: skip
 
 
@@ -64,6 +64,20 @@ def same_document(queries: torch.Tensor, keys: torch.Tensor, causal: bool) -> to
     return same.unsqueeze(1)
 
 
+def window_mask(
+    queries: int, keys: int, window: int | None, device: torch.device | None = None
+) -> torch.Tensor:
+    """[queries, keys] boolean: the causal mask of ``queries`` new tokens that follow
+    ``keys - queries`` earlier ones, each seeing itself and the ``window - 1`` tokens before it
+    (``window`` None: every earlier token), as transformers' sliding-window attention does."""
+    q = torch.arange(keys - queries, keys, device=device).unsqueeze(-1)
+    k = torch.arange(keys, device=device).unsqueeze(0)
+    allowed = k <= q
+    if window is not None:
+        allowed &= k > q - window
+    return allowed
+
+
 def document_mask(tokens: torch.Tensor, separator: int) -> torch.Tensor:
     """[B, 1, T, T] boolean: token i attends token j when j <= i and both are of the same document of
     ``tokens`` [B, T], documents ending at each ``separator`` (which belongs to the one it ends)."""
@@ -94,3 +108,25 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     ``dtype`` (the queries')."""
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     return mask.masked_fill_(~allowed, float("-inf"))
+
+
+class SlidingWindow:
+    """A model's sliding window (``size`` tokens) and the additive mask of its last sequence length,
+    made once and read by every layer: like :class:`SharedMask`, one ``T x T`` tensor that each
+    layer's backward keeps a reference to, rather than one per layer."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._last: tuple[tuple[int, torch.device, torch.dtype], torch.Tensor] | None = None
+
+    def cuts(self, seq_len: int) -> bool:
+        """Whether the window is shorter than ``seq_len`` (otherwise causal attention is the same)."""
+        return seq_len > self.size
+
+    def additive(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """The [T, T] additive mask of ``seq_len`` tokens, each seeing the window before it."""
+        key = (seq_len, device, dtype)
+        if self._last is None or self._last[0] != key:
+            allowed = window_mask(seq_len, seq_len, self.size, device)
+            self._last = (key, additive_mask(allowed, dtype))
+        return self._last[1]
