@@ -99,6 +99,15 @@ class _Replicated(ParallelStyle):
         )
 
 
+def _head_norm() -> ParallelStyle:
+    """The plan of a per-head q or k norm (``model.qk_norm``): its gain [head_dim] replicated on every
+    tensor-parallel rank, its input [B, T, heads, head_dim] this rank's heads, a DTensor sharded
+    over the heads (dim 2). The gain's gradient is then a partial sum (each rank's heads' part),
+    summed over the ranks as the sequence-parallel norms' are (FSDP2's reduce-scatter, or
+    :meth:`ParallelModel.settle_gradients`); a plain local gain would train on its own heads only."""
+    return SequenceParallel(sequence_dim=2, use_local_output=True)
+
+
 def apply_tp(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool) -> None:
     """Split the model over the tensor-parallel ``mesh`` (Megatron's layout, with DTensor).
 
@@ -106,7 +115,9 @@ def apply_tp(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool) -> N
     stay split over the vocabulary for :func:`loss_parallel`. Row-wise (input features split, the
     partial results summed): wo and w2, and the embedding (split over the vocabulary,
     :class:`VocabParallel`: its gradient only the rank's rows). Attention and
-    grouped kv heads follow the column split, so each rank computes ``n_heads / tp`` heads. With
+    grouped kv heads follow the column split, so each rank computes ``n_heads / tp`` heads (of
+    ``head_dim`` each, whatever ``dim / n_heads`` is; q/k/v biases split with their rows), and
+    normalises them with the whole per-head q/k norm gains (:func:`_head_norm`). With
     ``sequence_parallel`` the norms and residual adds run on sequence shards: the row-wise outputs are
     reduce-scattered over the sequence and gathered again before the next column-wise layer, instead
     of all-reduced.
@@ -133,6 +144,9 @@ def apply_tp(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool) -> N
             "attention.wo": RowwiseParallel(output_layouts=seq),
             "ffn_norm": norm,
         }
+        if block.attention.q_norm is not None:
+            plan["attention.q_norm"] = _head_norm()
+            plan["attention.k_norm"] = _head_norm()
         if isinstance(block.feed_forward, MoE):
             # A mixture of experts stays whole on every tensor-parallel rank (each computes it on
             # the same tokens): its router and shared experts as replicated DTensors, like the
@@ -331,9 +345,13 @@ def copy_full_(param: torch.Tensor, full: torch.Tensor) -> None:
 @torch.no_grad()
 def load_full_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Load full tensors keyed by the plain model's parameter names into a materialised model,
-    however it was wrapped or sharded. Every parameter must be in ``state`` (checked by the caller)."""
+    however it was wrapped or sharded. Every parameter must be in ``state`` (checked by the caller);
+    so is each persistent buffer it holds (an MoE's selection bias, which routes the tokens)."""
     for name, param in model.named_parameters():
         copy_full_(param, state[plain_name(name)])
+    for name, buf in model.named_buffers():
+        if plain_name(name) in state:  # non-persistent buffers (RoPE tables) are derived
+            copy_full_(buf, state[plain_name(name)])
 
 
 # --- the result --------------------------------------------------------------------------------------
