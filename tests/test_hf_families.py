@@ -196,3 +196,55 @@ def test_fine_tunes_on_two_layouts_and_exports_back(
     assert (ours - theirs).abs().max() < 1e-5
     with torch.no_grad():
         assert (ours - hf_model(name)(TOKENS).logits).abs().max() > 1e-3  # the export is trained
+
+
+REFUSED = {
+    # family, a config.json change, the feature named in the refusal
+    "llama": ({"attention_bias": True}, "attention_bias = true: dtlab's LlamaForCausalLM has no biases"),
+    "qwen2": ({"use_sliding_window": True}, "use_sliding_window = true"),
+    "qwen3": ({"attention_bias": True}, "attention_bias = true"),
+    "ernie4_5_moe": ({"use_bias": True}, "use_bias = true"),
+    "qwen3_moe": ({"mlp_only_layers": [1]}, "dense blocks [1]: dtlab's dense blocks are the first"),
+    "mistral-window": (
+        {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
+        "rope scaling 'yarn'",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_what_dtlab_lacks_is_refused_by_name_before_training(
+    name: str, hf_dirs: Any, tmp_path: Path
+) -> None:
+    import shutil
+
+    change, named = REFUSED[name]
+    src = tmp_path / name
+    shutil.copytree(hf_dirs[name], src)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, **change}))
+    model = [*_model_overrides(hf_dirs[name]), f"model.init_from={src}"]  # the last one wins
+    proc = run_cli("train", "--set", *TRAIN, *model, f"run.dir={tmp_path / 'r'}")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert "describes what dtlab's model cannot compute" in proc.stderr and named in proc.stderr
+    assert not (tmp_path / "r").exists()  # nothing started
+
+
+def test_a_default_moe_run_exports_to_transformers(tmp_path: Path) -> None:
+    # debug-moe with the default balancing (the selection bias, moved after every step): ERNIE 4.5
+    # MoE's router has the same bias, so the trained model exports as it is.
+    run = tmp_path / "run"
+    args = ["train", "--set", *TRAIN, "model.preset=debug-moe", "train.steps=3",
+            "checkpoint.every=3", f"run.dir={run}"]  # fmt: skip
+    proc = run_cli(*args)
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path / "hf"
+    proc = run_cli("export", str(run), "--format", "hf", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    trained = load_generator(run).model
+    bias = trained.layers["1"].feed_forward.expert_bias
+    assert bias is not None and bias.abs().min() > 0  # the bias moved: it routes the tokens
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out)).float().eval()
+    assert type(loaded).__name__ == "Ernie4_5_MoeForCausalLM"
+    with torch.no_grad():
+        assert (trained(TOKENS) - loaded(TOKENS).logits).abs().max() < 1e-5

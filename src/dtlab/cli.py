@@ -198,8 +198,13 @@ def cmd_config(args: argparse.Namespace) -> int:
     from dtlab.config import describe_fields, load_config
 
     if args.keys:
+        from dtlab.models.families import FAMILIES
+
         for key, default, desc in describe_fields():
             print(f"{key:<44} {default:<14} {desc}")
+        # Each family: what model.init_from reads and `dtlab export --format hf` writes as it.
+        for f in FAMILIES.values():
+            print(f"{'model.family=' + f.name:<44} {f.hf_class:<14} {f.summary}")
         return 0
     print(load_config(args.config, args.overrides).to_yaml(), end="")
     return 0

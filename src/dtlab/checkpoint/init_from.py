@@ -168,8 +168,7 @@ def _read_hf(path: Path) -> InitSource:
             f"({hf.family.hf_class}): {'; '.join(hf.problems)}"
         )
     names = HF_SHAPE_NAMES | HF_MOE_SHAPE_NAMES | HF_MOE_NUMERIC_NAMES | HF_NUMERIC_NAMES
-    notes = tuple(f"{where} has {n}" for n in hf.notes)
-    return InitSource(path, "hf", _hf_files(path), hf.shape, names, notes, hf.family)
+    return InitSource(path, "hf", _hf_files(path), hf.shape, names, family=hf.family)
 
 
 def _read_dtlab(path: Path) -> InitSource:

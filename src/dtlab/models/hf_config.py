@@ -2,8 +2,8 @@
 
 :func:`hf_config` writes the config of the family's class for a model's arguments;
 :func:`read_hf_config` reads one into dtlab's ``model`` keys (``moe.<key>`` for the mixture of
-experts), with what in it dtlab's model cannot compute (problems, refused by the caller) and what it
-asks for that dtlab does not apply though no tensor differs (notes, warned of).
+experts), with each feature of it that dtlab's model lacks named (problems, refused by the caller
+before training: dtlab would compute another model).
 """
 
 from __future__ import annotations
@@ -63,7 +63,6 @@ class HFModel:
     family: Family
     shape: dict[str, Any] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)  # refused: dtlab would compute another model
-    notes: list[str] = field(default_factory=list)  # warned of: asked for, not applied
 
 
 # --- writing -------------------------------------------------------------------------------------
@@ -273,9 +272,9 @@ def _read_dense(cfg: dict[str, Any], out: HFModel) -> None:
             "original_max_seq_len": scaling.get("original_max_position_embeddings", 8192),
         }
     elif kind not in (None, "default"):
-        out.notes.append(
-            f"rope scaling {kind!r}, which dtlab's RoPE does not apply: the model computes other "
-            "logits than the original"
+        out.problems.append(
+            f"rope scaling {kind!r}: dtlab's RoPE applies Llama 3.1's ('llama3') or none, and "
+            "would compute other logits than the original"
         )
     shape["norm_eps"] = cfg.get("rms_norm_eps") or 1e-6
 
