@@ -64,10 +64,11 @@ examples:
 EXPORT_EPILOG = """\
 formats:
   safetensors   DIR/model.safetensors with dtlab's parameter names, and DIR/config.yaml (the run's config)
-  hf            a Hugging Face Llama directory (config.json, model.safetensors) that
-                transformers.LlamaForCausalLM.from_pretrained(DIR) loads; a mixture of experts
-                becomes Qwen2-MoE (Qwen2MoeForCausalLM): sigmoid router scores and a balancing
-                bias that is not zero have no counterpart there and are refused
+  hf            a Hugging Face directory (config.json, model.safetensors) of the model's family
+                (model.family: Llama, Qwen2, Qwen3, Mistral, Qwen2-MoE, Qwen3-MoE or ERNIE 4.5 MoE,
+                the last for a default bias-balanced mixture of experts) that transformers'
+                AutoModelForCausalLM.from_pretrained(DIR) loads; what the family's class cannot
+                compute (sigmoid router scores, a trained bias where it has none) is refused
 
 examples:
   dtlab export runs/dtlab-20250101-120000 --format hf --out exports/llama
@@ -447,7 +448,7 @@ def _add_verify(sub: _Commands) -> None:
 def _add_export(sub: _Commands) -> None:
     e = sub.add_parser(
         "export",
-        help="export a checkpoint's model to safetensors or a Hugging Face Llama directory",
+        help="export a checkpoint's model to safetensors or a Hugging Face directory",
         description="Export the model weights of a checkpoint (or of a run directory's newest verified "
         "checkpoint), in one process, without a process group.",
         epilog=EXPORT_EPILOG,
@@ -463,8 +464,8 @@ def _add_export(sub: _Commands) -> None:
         dest="fmt",
         choices=("safetensors", "hf"),
         required=True,
-        help="safetensors: dtlab's names + config.yaml; hf: Hugging Face Llama, or Qwen2-MoE for a "
-        "mixture of experts (config.json + model.safetensors)",
+        help="safetensors: dtlab's names + config.yaml; hf: the Hugging Face class of the model's "
+        "family, model.family (config.json + model.safetensors)",
     )
     e.add_argument(
         "--out", required=True, metavar="DIR", help="output directory (must not exist or be empty)"

@@ -3,7 +3,7 @@
 :func:`load_generator` reads the model from any of what training and export leave behind: a run
 directory (its newest verified checkpoint), a checkpoint directory (of either engine: the MLX engine's
 ``model.safetensors`` holds the same names), a dtlab export (``model.safetensors`` + ``config.yaml``) or
-a Hugging Face Llama or Qwen2-MoE export (``config.json`` + weights). :meth:`Generator.generate` encodes the prompt,
+a Hugging Face directory of any family dtlab maps (``config.json`` + weights). :meth:`Generator.generate` encodes the prompt,
 runs it through the model once to fill a :class:`~dtlab.models.llama.KVCache`, then feeds one token at a
 time, each drawn from the logits of the last.
 
@@ -61,7 +61,8 @@ __all__ = [
 EXPECTED = (
     "a run directory (its newest verified checkpoint), a checkpoint directory "
     "(RUN_DIR/checkpoints/step-NNNNNNNN), a dtlab export (model.safetensors + config.yaml) or a "
-    "Hugging Face Llama or Qwen2-MoE export (config.json + model.safetensors)"
+    "Hugging Face directory of a family dtlab maps (config.json + model.safetensors; see "
+    "docs/models.md)"
 )
 SEED_MAX = 2**63 - 1
 Warn = Callable[[str], None]
@@ -319,7 +320,7 @@ def _read_config(path: Path) -> tuple[ModelArgs, str]:
 
 
 def _read_hf(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
-    """A Hugging Face Llama or Qwen2-MoE directory, read and checked by
+    """A Hugging Face directory of any family dtlab maps, read and checked by
     :mod:`dtlab.checkpoint.init_from`."""
     from dtlab.checkpoint.init_from import (
         check_init_from,
@@ -351,7 +352,7 @@ def _read_hf(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
     try:
         config = Config.model_validate({"model": model})
     except ValueError as e:
-        raise CheckpointError(f"'{path}' does not describe a dtlab Llama model: {e}") from None
+        raise CheckpointError(f"'{path}' does not describe a model dtlab computes: {e}") from None
     src = check_init_from(config)
     return config.model.args(), load_init_state(config, src)
 
@@ -447,7 +448,8 @@ def load_generator(
     path: str | Path, device: str | torch.device = "cpu", *, warn: Warn | None = None
 ) -> Generator:
     """The model and tokenizer at ``path``: a run directory (its newest verified checkpoint), a
-    checkpoint directory (torch or MLX engine), a dtlab export or a Hugging Face Llama export.
+    checkpoint directory (torch or MLX engine), a dtlab export or a Hugging Face directory of a
+    family dtlab maps (:mod:`dtlab.models.families`).
 
     The tokenizer is the ``tokenizer.json`` of the checkpoint, else of its run directory, else of
     the export; without one, the bytes tokenizer, unless the run's config says it trained another

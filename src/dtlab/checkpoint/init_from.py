@@ -1,18 +1,20 @@
 """``model.init_from``: start a run from the weights of a dtlab export or a Hugging Face directory
-(Llama; Qwen2-MoE for a mixture of experts).
+of any family dtlab maps (:mod:`dtlab.models.families`: Llama, Qwen2/2.5, Qwen3, Mistral, Qwen2-MoE,
+Qwen3-MoE, ERNIE 4.5 MoE).
 
 Two kinds of source directory:
 
 - a dtlab export (``dtlab export --format safetensors``): ``model.safetensors`` with dtlab's parameter
   names and the run's ``config.yaml``;
-- a Hugging Face Llama directory (``dtlab export --format hf``, or ``save_pretrained`` of a
-  ``LlamaForCausalLM``): ``config.json`` and ``model.safetensors``, or shards named by
+- a Hugging Face directory (``dtlab export --format hf``, or ``save_pretrained`` of a family's
+  class): ``config.json`` and ``model.safetensors``, or shards named by
   ``model.safetensors.index.json``, or PyTorch's ``pytorch_model.bin`` (read with
-  ``torch.load(weights_only=True)``, which unpickles tensors only). Its q/k rows are in Hugging
-  Face's half-split rotary layout and are permuted back to dtlab's interleaved pairs (the inverse of
-  what the export does). A mixture of experts reads a Qwen2-MoE directory (``dtlab export --format
-  hf`` of an MoE run), the experts one tensor each or fused as transformers 5 holds them; what
-  dtlab's model lacks (q/k/v biases, the shared expert's sigmoid gate) must be zero there.
+  ``torch.load(weights_only=True)``, which unpickles tensors only). ``config.json``'s
+  ``model_type`` names the family, whose names and rotary layout are converted back to dtlab's
+  (:mod:`dtlab.models.hf_adapter`, the inverse of what the export does); what a family's class has
+  and dtlab's model lacks (a gated shared expert, q/k/v biases of a model without them) must be
+  zero there, and what it describes that dtlab cannot compute is refused by name
+  (:mod:`dtlab.models.hf_config`).
 
 The source's shape is checked against ``config.model`` first, from its config file and the tensor headers
 (nothing is loaded), with an error that names each key that differs. Every rank then reads the full
@@ -195,7 +197,7 @@ def _read_dtlab(path: Path) -> InitSource:
 
 
 def read_source(path: str | Path) -> InitSource:
-    """What directory ``path`` holds (a dtlab export or a Hugging Face Llama directory), read from its
+    """What directory ``path`` holds (a dtlab export or a Hugging Face directory), read from its
     config file; raises a ConfigError or CheckpointError that names the path and what is allowed."""
     p = Path(path)
     if not p.exists():
