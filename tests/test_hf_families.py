@@ -248,3 +248,22 @@ def test_a_default_moe_run_exports_to_transformers(tmp_path: Path) -> None:
     assert type(loaded).__name__ == "Ernie4_5_MoeForCausalLM"
     with torch.no_grad():
         assert (trained(TOKENS) - loaded(TOKENS).logits).abs().max() < 1e-5
+
+
+def test_a_published_shape_is_answered_with_its_preset(tmp_path: Path) -> None:
+    # Qwen3-0.6B's config.json (its weights are never read: the shape is refused first): the run of
+    # the default shape is told the one preset that matches, not eight keys.
+    from dtlab.checkpoint.init_from import check_init_from
+    from dtlab.errors import ConfigError
+
+    config = transformers.Qwen3Config(
+        hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+        head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True,
+        max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6,
+    )  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError) as e:
+        check_init_from(load_config(None, [f"model.init_from={tmp_path}"]))
+    assert "model.head_dim = 32 but" in str(e.value) and "has head_dim 128" in str(e.value)
+    assert str(e.value).endswith("(e.g. --set model.preset=qwen3-0.6b) or start from other weights")

@@ -295,11 +295,29 @@ def _check_shape_keys(src: InitSource, ours: dict[str, Any], where: str) -> None
             for k in wrong
         ]
         fix = " ".join(f"model.{k}={_show(src.shape[k])}" for k in wrong)
+        preset = _matching_preset(src)
+        if preset is not None:  # one key instead of many
+            fix = f"model.preset={preset}"
         raise ConfigError(
             f"{KEY}: the model does not have the shape of the weights ({where}): "
             + "; ".join(parts)
             + f". Give the run that shape (e.g. --set {fix}) or start from other weights"
         )
+
+
+def _matching_preset(src: InitSource) -> str | None:
+    """The preset whose model has the source's shape (a published checkpoint's), if one has."""
+    from dtlab.models.presets import PRESETS
+
+    for name in PRESETS:
+        try:
+            args = ModelConfig.model_validate({"preset": name}).args()
+        except ValueError:
+            continue
+        shape = _model_shape(args)
+        if all(src.shape.get(k) == v for k, v in shape.items() if k != "qkv_bias"):
+            return name
+    return None
 
 
 def _check_tensors(src: InitSource, args: ModelArgs, where: str) -> None:
