@@ -25,7 +25,7 @@ from dtlab.checkpoint.manifest import MANIFEST, verify_checkpoint
 from dtlab.checkpoint.safe_io import SafeFileSystemReader, safe_load
 from dtlab.checkpoint.store import STEP_DIR, Tier, alert_name, alert_steps, newest_verified
 from dtlab.config import Config, load_config
-from dtlab.data.tokenizer import TOKENIZER_FILE, ByteTokenizer, load_tokenizer
+from dtlab.data.tokenizer import TOKENIZER_FILE, ByteTokenizer, Tokenizer, load_tokenizer
 from dtlab.errors import CheckpointError, DtlabError
 from dtlab.fsutil import NotEmptyError, StagingError, write_dir_atomically
 from dtlab.models.hf_adapter import hf_export_refusal, to_hf
@@ -362,6 +362,7 @@ def export_checkpoint(
     warning = weights_position(ckpt)[1]  # about weights that were read: after the checks
     if warning:
         (warn or _default_warn)(warning)
+    tokenizer = _checkpoint_tokenizer(ckpt, config, warn or _default_warn)
 
     def write(tmp: Path) -> None:
         if fmt == "safetensors":
@@ -371,29 +372,34 @@ def export_checkpoint(
             dtype = state["tok_embeddings.weight"].dtype
             args = config.model.args()
             _save_safetensors(to_hf(state, args, family), tmp / "model.safetensors")
-            text = json.dumps(hf_config(args, dtype, family), indent=2) + "\n"
+            # The special token ids are the tokenizer's (hf_config knows the model alone).
+            ids = tokenizer.special_token_ids() if tokenizer is not None else {}
+            text = json.dumps(hf_config(args, dtype, family) | ids, indent=2) + "\n"
             (tmp / "config.json").write_text(text, encoding="utf-8")
 
     def write_all(tmp: Path) -> None:
         write(tmp)
-        _write_tokenizer(ckpt, config, tmp, warn or _default_warn)
+        if tokenizer is not None:
+            tokenizer.save(tmp)
 
     _write(out_dir, force, write_all)
     return ckpt, out_dir
 
 
-def _write_tokenizer(ckpt: Path, config: Config, out: Path, warn: Warn) -> None:
-    """The tokenizer the model was trained with, beside the weights (``AutoTokenizer`` reads it): the
-    checkpoint's own, or the bytes tokenizer for a checkpoint from before tokenizers were saved."""
+def _checkpoint_tokenizer(ckpt: Path, config: Config, warn: Warn) -> Tokenizer | None:
+    """The tokenizer the model was trained with, to write beside the weights (``AutoTokenizer``
+    reads it): the checkpoint's own, with a Hugging Face tokenizer's files as the run kept them; or
+    the bytes tokenizer for a checkpoint from before tokenizers were saved; None (with a warning)
+    when it cannot be had."""
     if (ckpt / TOKENIZER_FILE).is_file():
-        load_tokenizer(ckpt).save(out)
-    elif config.data.tokenizer == "bytes":
-        ByteTokenizer().save(out)
-    else:
-        warn(
-            f"checkpoint '{ckpt}' holds no {TOKENIZER_FILE} (data.tokenizer = "
-            f"{config.data.tokenizer!r}): the export has none; copy the run's tokenizer.json beside it"
-        )
+        return load_tokenizer(ckpt)
+    if config.data.tokenizer == "bytes":
+        return ByteTokenizer()
+    warn(
+        f"checkpoint '{ckpt}' holds no {TOKENIZER_FILE} (data.tokenizer = "
+        f"{config.data.tokenizer!r}): the export has none; copy the run's tokenizer.json beside it"
+    )
+    return None
 
 
 def export_safetensors(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from pydantic import (
@@ -79,6 +80,7 @@ class Config(_Section):
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
         _check_heads(self.model)
+        _tokenizer_of_init_from(self.model, self.data)
         _check_sequence_and_vocab(self.model, self.data)
         _check_data(self)
         _check_train(self.train)
@@ -120,6 +122,17 @@ def _check_heads(m: ModelConfig) -> None:
         raise ValueError(
             f"model.n_heads = {m.n_heads} must be divisible by model.n_kv_heads = {m.kv_heads}"
         )
+
+
+def _tokenizer_of_init_from(m: ModelConfig, d: DataConfig) -> None:
+    """Fill in data.tokenizer where it is not given: a run that starts from a directory holding a
+    tokenizer.json (a Hugging Face model, a dtlab export) trains with the tokenizer its weights
+    learned; synthetic data has no text to tokenize. Written into the config, so that config.yaml,
+    the workers and a resume read the same tokenizer."""
+    if m.init_from is None or "tokenizer" in d.model_fields_set or d.source == "synthetic":
+        return
+    if (Path(m.init_from).expanduser() / "tokenizer.json").is_file():
+        d.tokenizer = m.init_from
 
 
 def _check_sequence_and_vocab(m: ModelConfig, d: DataConfig) -> None:

@@ -1,10 +1,12 @@
-"""Tokenizers: UTF-8 bytes (the default) and byte-level BPE trained locally with Hugging Face
-``tokenizers``, cached by corpus identity and settings.
+"""Tokenizers: UTF-8 bytes (the default), byte-level BPE trained locally with Hugging Face
+``tokenizers`` (cached by corpus identity and settings), and a Hugging Face tokenizer directory's.
 
-Both are written as a ``tokenizer.json`` (the bytes tokenizer as a byte-level model with no merges,
+All are written as a ``tokenizer.json`` (the bytes tokenizer as a byte-level model with no merges,
 whose ids are the byte values), so that a run directory, a checkpoint and an export carry the
 tokenizer the model was trained with, and ``AutoTokenizer.from_pretrained`` on an export decodes what
-dtlab encodes. Document separator: id 0 (``<|endoftext|>`` for BPE, byte 0 for bytes).
+dtlab encodes. Document separator: id 0 (``<|endoftext|>`` for BPE, byte 0 for bytes); a Hugging Face
+tokenizer's eos token. A Hugging Face tokenizer keeps the files beside its ``tokenizer.json``
+(``HF_FILES``: special tokens, chat template, generation settings) and writes them back unchanged.
 """
 
 from __future__ import annotations
@@ -27,12 +29,15 @@ if TYPE_CHECKING:
     from dtlab.config import Config
 
 __all__ = [
+    "HF_FILES",
     "TOKENIZER_FILE",
     "BpeTokenizer",
     "ByteTokenizer",
+    "HfTokenizer",
     "StreamDecoder",
     "Tokenizer",
     "cache_root",
+    "describe_tokenizer",
     "load_tokenizer",
     "train_bpe",
 ]
@@ -40,6 +45,17 @@ __all__ = [
 TOKENIZER_FILE = "tokenizer.json"
 SEPARATOR = "<|endoftext|>"  # BPE's document separator, id 0
 BPE_VERSION = 1  # part of the cache key: a change of the training recipe trains again
+# What a Hugging Face tokenizer directory holds beside tokenizer.json, kept with the run and written
+# back on export: the special tokens and chat template (tokenizer_config.json; newer transformers
+# write the template to chat_template.jinja), older repositories' special_tokens_map.json, and the
+# model's generation settings (its eos ids, sampling defaults).
+HF_FILES = (
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token")
 
 
 def cache_root(config_dir: str | None = None) -> Path:
@@ -96,6 +112,19 @@ class Tokenizer:
         """The ``tokenizer.json`` text (Hugging Face ``tokenizers`` format)."""
         raise NotImplementedError
 
+    def describe(self) -> str:
+        """What it is and what separates documents, for the start-of-run log."""
+        raise NotImplementedError
+
+    def special_token_ids(self) -> dict[str, int | None]:
+        """``bos_token_id``, ``eos_token_id``, ``pad_token_id`` as ``config.json`` holds them: those
+        of the tokens its ``tokenizer_config.json`` names (dtlab's: the separator is eos and pad)."""
+        return {
+            "bos_token_id": None,
+            "eos_token_id": self.separator,
+            "pad_token_id": self.separator,
+        }
+
     def save(self, directory: Path) -> Path:
         """Write ``directory/tokenizer.json`` (and the small files ``AutoTokenizer`` reads beside it)."""
         path = Path(directory) / TOKENIZER_FILE
@@ -108,7 +137,11 @@ class Tokenizer:
 
 def hf_tokenizer_config(tok: Tokenizer) -> dict[str, Any]:
     """``tokenizer_config.json`` for ``AutoTokenizer``: a fast tokenizer from tokenizer.json."""
-    sep = SEPARATOR if tok.kind == "bpe" else _BYTE_CHARS[0]
+    return _dtlab_tokenizer_config(tok.kind)
+
+
+def _dtlab_tokenizer_config(kind: str) -> dict[str, Any]:
+    sep = SEPARATOR if kind == "bpe" else _BYTE_CHARS[0]
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": None,
@@ -161,6 +194,9 @@ class ByteTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+    def describe(self) -> str:
+        return "bytes (UTF-8, 256 ids; byte 0 separates documents)"
 
     def to_json(self) -> str:
         # A byte-level BPE with the 256-byte alphabet and no merges: ids are the byte values.
@@ -267,10 +303,132 @@ class BpeTokenizer(Tokenizer):
     def to_json(self) -> str:
         return str(self.tok.to_str())
 
+    def special_token_ids(self) -> dict[str, int | None]:
+        sep = self.tok.token_to_id(SEPARATOR)  # what the tokenizer_config.json written names
+        return {"bos_token_id": None, "eos_token_id": sep, "pad_token_id": sep}
+
+    def describe(self) -> str:
+        token = self.tok.id_to_token(self.separator)
+        return f"byte-level BPE ({self.vocab_size} ids; {token!r}, id {self.separator}, separates documents)"
+
+
+class HfTokenizer(BpeTokenizer):
+    """A Hugging Face tokenizer directory's: its ``tokenizer.json`` and the files of ``HF_FILES``
+    beside it, kept as they were read (``save`` writes them back byte for byte).
+
+    Documents are separated by its eos token: the token its model learned to end a text with in
+    pretraining, and the one generation stops at (bos, which a Llama puts before each text, would
+    leave the last document of a window open). Without an eos token in its vocabulary, BPE's rule
+    applies (``<|endoftext|>``, else id 0) and :meth:`describe` says so.
+    """
+
+    kind = "hf"
+
+    def __init__(self, tok: Any, text: bytes, files: dict[str, bytes], source: str) -> None:
+        super().__init__(tok)
+        self.text, self.files, self.source = text, files, source
+        self.special = _special_tokens(files, source)
+        eos = self.special.get("eos_token")
+        eos_id = tok.token_to_id(eos) if eos is not None else None
+        if eos_id is not None:
+            self.separator = int(eos_id)
+            self.separates = f"its eos token {eos!r} (id {eos_id}) separates documents"
+        else:
+            why = (
+                f"its eos token {eos!r} is not in its vocabulary"
+                if eos
+                else "it names no eos token"
+            )
+            token = tok.id_to_token(self.separator)
+            self.separates = f"{why}: {token!r} (id {self.separator}) separates documents"
+
+    @classmethod
+    def from_files(cls, file: Path, files: dict[str, bytes]) -> HfTokenizer:
+        """The tokenizer of ``file`` (a tokenizer.json) with the side ``files`` read beside it."""
+        tk = _tokenizers()
+        text = file.read_bytes()
+        try:
+            tok = tk.Tokenizer.from_str(text.decode("utf-8"))
+        except Exception as e:  # tokenizers raises its own exception type for a bad file
+            raise DataError(f"'{file}' is not a valid tokenizer.json: {e}") from None
+        return cls(tok, text, files, str(file.parent))
+
+    @property
+    def identity(self) -> str:
+        if self._identity is None:
+            digest = hashlib.sha256(self.text).hexdigest()[:16]
+            self._identity = f"hf {self.vocab_size}, sha256 {digest}, separator {self.separator}"
+        return self._identity
+
+    def to_json(self) -> str:
+        return self.text.decode("utf-8")
+
+    def describe(self) -> str:
+        return f"Hugging Face '{self.source}' ({self.vocab_size} ids; {self.separates})"
+
+    def special_token_ids(self) -> dict[str, int | None]:
+        ids: dict[str, int | None] = {}
+        for name in SPECIAL_TOKENS:
+            token = self.special.get(name)
+            ids[f"{name}_id"] = None if token is None else self.tok.token_to_id(token)
+        return ids
+
+    def save(self, directory: Path) -> Path:
+        """Write ``tokenizer.json`` and the files read beside it, unchanged."""
+        path = Path(directory) / TOKENIZER_FILE
+        path.write_bytes(self.text)
+        for name, data in self.files.items():
+            (Path(directory) / name).write_bytes(data)
+        return path
+
+
+def _special_tokens(files: dict[str, bytes], source: str) -> dict[str, str]:
+    """The special tokens (``SPECIAL_TOKENS``) that ``tokenizer_config.json`` names, else
+    ``special_tokens_map.json`` (older repositories); a token is a string or ``{"content": ...}``."""
+    found: dict[str, str] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the latter wins
+        if name not in files:
+            continue
+        data = _json_object(files[name], f"{source}/{name}")
+        for key in SPECIAL_TOKENS:
+            value = data.get(key)
+            if isinstance(value, dict):
+                value = value.get("content")
+            if isinstance(value, str):
+                found[key] = value
+    return found
+
+
+def _json_object(data: bytes, where: str) -> dict[str, Any]:
+    try:
+        value = json.loads(data)
+    except ValueError as e:
+        raise DataError(f"'{where}' is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise DataError(f"'{where}' holds {type(value).__name__}, not a JSON object")
+    return value
+
+
+def _hf_files(directory: Path) -> dict[str, bytes]:
+    """The files of ``HF_FILES`` in ``directory``, read; none where the only one is the
+    ``tokenizer_config.json`` dtlab writes beside its own tokenizers (those are bytes or BPE)."""
+    files = {n: (directory / n).read_bytes() for n in HF_FILES if (directory / n).is_file()}
+    config = files.get("tokenizer_config.json")
+    if config is not None and len(files) == 1:
+        try:
+            ours = json.loads(config) == _dtlab_tokenizer_config("bpe")
+        except ValueError:
+            ours = False
+        if ours:
+            return {}
+    return files
+
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """The tokenizer at ``path``: a ``tokenizer.json``, or a directory (run directory, checkpoint,
-    export) holding one; a directory without one was trained with the bytes tokenizer."""
+    export, Hugging Face model) holding one; a directory without one was trained with the bytes
+    tokenizer. Beside the ``tokenizer.json``, any of ``HF_FILES`` (other than dtlab's own
+    ``tokenizer_config.json``) makes it a :class:`HfTokenizer`."""
     p = Path(path).expanduser()
     file = p / TOKENIZER_FILE if p.is_dir() else p
     if not file.is_file():
@@ -280,6 +438,9 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     text = file.read_text(encoding="utf-8")
     if text == ByteTokenizer().to_json():
         return ByteTokenizer()
+    files = _hf_files(file.parent)
+    if files:
+        return HfTokenizer.from_files(file, files)
     return BpeTokenizer.from_file(file)
 
 
@@ -379,7 +540,8 @@ def build_tokenizer(
     config: Config, docs: Iterable[bytes] | None, corpus_identity: str
 ) -> Tokenizer:
     """The tokenizer ``config.data.tokenizer`` names: bytes; bpe trained on ``docs`` (or the cached
-    one); or a tokenizer.json path. Its vocabulary must fit ``model.vocab_size``."""
+    one); or a tokenizer.json path (by default ``model.init_from``'s, where it has one: see the
+    config's rules). Its vocabulary must fit ``model.vocab_size``."""
     d = config.data
     if d.tokenizer == "bytes":
         return ByteTokenizer()
@@ -396,3 +558,30 @@ def build_tokenizer(
             f"{config.model.vocab_size} must be at least that"
         )
     return tok
+
+
+def describe_tokenizer(tok: Tokenizer, config: Config) -> str | None:
+    """The start-of-run line on the tokenizer: which one, where it comes from, what separates
+    documents and what is kept with the run; None for synthetic data (token ids, no text) unless
+    ``model.init_from`` holds a tokenizer that is therefore not used."""
+    d, init = config.data, config.model.init_from
+    beside = init is not None and (Path(init).expanduser() / TOKENIZER_FILE).is_file()
+    if d.source == "synthetic":
+        if not beside:
+            return None
+        return (
+            f"tokenizer: none (data.source = 'synthetic' makes token ids): the {TOKENIZER_FILE} of "
+            f"model.init_from '{init}' is not used, and the run keeps the bytes tokenizer's"
+        )
+    if init is not None and d.tokenizer == init:
+        given = config.is_given("data.tokenizer")
+        origin = "model.init_from's" + ("" if given else ", data.tokenizer not given")
+    elif beside:
+        origin = f"data.tokenizer = {d.tokenizer!r}, given: model.init_from's {TOKENIZER_FILE} is not used"
+    else:
+        origin = f"data.tokenizer = {d.tokenizer!r}"
+    line = f"tokenizer: {tok.describe()}, {origin}"
+    if isinstance(tok, HfTokenizer):
+        kept = ", ".join([TOKENIZER_FILE, *tok.files])
+        line += f"; kept with the run, its checkpoints and exports: {kept}"
+    return line

@@ -28,7 +28,7 @@ from dtlab.checkpoint.store import alert_name, alert_steps, step_name
 from dtlab.config import Config, config_warnings, pipeline_microbatches
 from dtlab.data import BatchLoader
 from dtlab.data.sources import describe_data
-from dtlab.data.tokenizer import Tokenizer
+from dtlab.data.tokenizer import Tokenizer, describe_tokenizer
 from dtlab.dims import ParallelDims, layout_fields, layout_name
 from dtlab.errors import DtlabError, Preempted
 from dtlab.metrics.alerts import AlertMonitor, count_alerts
@@ -357,6 +357,9 @@ def _announce(r: _Run) -> None:
         val = engine.val_loader.source if engine.val_loader is not None else None
         samples = t.steps * t.global_batch_size
         logger.info(describe_data(engine.loader.source, config.seq_len, samples, val))
+        tokenizer_line = describe_tokenizer(engine.tokenizer, config)
+        if tokenizer_line:
+            logger.info(tokenizer_line)
         for warning in config_warnings(config) + engine.warnings():
             logger.warning(warning)
 
