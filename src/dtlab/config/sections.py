@@ -287,7 +287,10 @@ class DataConfig(_Section):
         min_length=1,
         description="bytes: UTF-8 bytes, vocabulary 256 (byte 0 separates documents); bpe: a byte-level "
         "BPE trained locally on the configured corpus (cached); or the path of a tokenizer.json "
-        "(or of a directory holding one, e.g. a run directory or an export).",
+        "(or of a directory holding one, e.g. a run directory or an export). Not given: "
+        "model.init_from's tokenizer where its directory holds a tokenizer.json and data.source is "
+        "not synthetic (a Hugging Face tokenizer separates documents with its eos token), else "
+        "bytes.",
     )
     tokenizer_vocab_size: int | None = Field(
         None,
