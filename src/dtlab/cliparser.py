@@ -479,8 +479,8 @@ def _add_generate(sub: _Commands) -> None:
         help="generate text with a trained model (a run, a checkpoint or an export)",
         description="Continue --prompt with the model, one token at a time (with a KV cache), and "
         "print the generated text. Stops after --max-new-tokens, or earlier at the document "
-        "separator (id 0) unless --ignore-separator. Prompt and generated tokens must fit the "
-        "model's context (model.max_seq_len).",
+        "separator (id 0; a Hugging Face tokenizer's eos token) unless --ignore-separator. "
+        "Prompt and generated tokens must fit the model's context (model.max_seq_len).",
         epilog=GENERATE_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -529,7 +529,8 @@ def _add_generate(sub: _Commands) -> None:
     g.add_argument(
         "--ignore-separator",
         action="store_true",
-        help="do not stop at the document separator (id 0): always generate --max-new-tokens",
+        help="do not stop at the document separator (id 0, or the tokenizer's eos token): always "
+        "generate --max-new-tokens",
     )
     g.add_argument("--device", default="cpu", help="torch device to run on (default cpu)")
 

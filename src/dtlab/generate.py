@@ -11,7 +11,8 @@ Sampling: temperature 0 is greedy (argmax, the seed unused); otherwise softmax(l
 ``top_k`` most likely ids, then to the smallest set whose probability reaches ``top_p``, drawn with a
 ``torch.Generator`` seeded with ``seed`` (the same seed gives the same text on the same device). Only ids
 the tokenizer can decode are drawn. Generation stops after ``max_new_tokens``, or earlier at the
-document separator (id 0: the end of a document in the training stream) unless
+document separator (the end of a document in the training stream: id 0, or a Hugging Face
+tokenizer's eos token) unless
 ``stop_at_separator=False``; the separator itself is not part of the output. A prompt that does not
 leave room for ``max_new_tokens`` in the model's context (``max_seq_len``) is refused, not cut.
 """

@@ -1,5 +1,5 @@
-"""Export a checkpoint's model weights: a plain safetensors file, or a Hugging Face directory (Llama;
-Qwen2-MoE for a mixture of experts).
+"""Export a checkpoint's model weights: a plain safetensors file, or a Hugging Face directory of the
+model's family (``model.family``; :mod:`dtlab.models.families`).
 
 Reads the model tensors of a sharded DCP checkpoint into full CPU tensors in one process, without a
 process group (DCP reshards whatever layout the run saved), through the restricted reader of
@@ -412,6 +412,6 @@ def export_safetensors(
 def export_hf(
     ckpt_dir: str | Path, out_dir: str | Path, *, force: bool = False, warn: Warn | None = None
 ) -> Path:
-    """A Hugging Face directory (``config.json``, ``model.safetensors``) for ``LlamaForCausalLM``, or
-    ``Qwen2MoeForCausalLM`` for a mixture of experts (see :mod:`dtlab.models.hf_adapter`)."""
+    """A Hugging Face directory (``config.json``, ``model.safetensors``) for the class of the
+    model's family (see :mod:`dtlab.models.families`, :mod:`dtlab.models.hf_adapter`)."""
     return export_checkpoint(ckpt_dir, out_dir, "hf", force=force, warn=warn)[1]

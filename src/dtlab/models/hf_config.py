@@ -104,8 +104,8 @@ def _shared_config(args: ModelArgs, dtype_name: str) -> dict[str, Any]:
         "tie_word_embeddings": args.tie_embeddings,
         "initializer_range": 0.02,
         "use_cache": True,
-        # dtlab's byte tokenizer has no special tokens (byte 0 separates documents); an export
-        # with a tokenizer that has them writes them over these.
+        # The export writes the tokenizer's special tokens over these (the bytes and BPE
+        # tokenizers' separator, id 0, as eos and pad; a Hugging Face tokenizer's own).
         "bos_token_id": None,
         "eos_token_id": None,
         "pad_token_id": None,
