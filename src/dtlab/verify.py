@@ -38,6 +38,11 @@ norm). Its gradient norm is its replica's own, so it is not compared.
 
 ``--checks resume,export`` adds, for every layout, the checks of :mod:`dtlab.verify_state`: a resume
 from the middle step on the same layout and on the first one, and the exported model.
+
+``model.init_from`` (a dtlab export or a Hugging Face directory): every layout, the reference among
+them, starts from those weights, so their first steps' losses are equal too. The source is checked
+against the config once, before any layout trains, and each run's summary must name it as the
+weights it started from (a layout that did not start from them would compare nothing of them).
 """
 
 from __future__ import annotations
@@ -298,6 +303,7 @@ class Verification:
     checks: tuple[str, ...] = ("loss",)
     middle: int | None = None  # the step the resume checks start from
     state: list[LayoutChecks] = field(default_factory=list)
+    init_from: str | None = None  # model.init_from: the weights every layout started from
 
     @property
     def ok(self) -> bool:
@@ -443,6 +449,34 @@ def _diff(a: float | None, b: float | None) -> float:
     return abs(a - b)
 
 
+def init_source(config: str | None, overrides: list[str]) -> str | None:
+    """``model.init_from`` of the config the layouts train, checked against it (shape keys, tensor
+    names and shapes, from the file headers) before any layout trains: a ConfigError or
+    CheckpointError naming the source and what differs. None where the config has none."""
+    from dtlab.checkpoint.init_from import check_init_from
+    from dtlab.config import load_config
+
+    cfg = load_config(config, overrides)
+    if cfg.model.init_from is None:
+        return None
+    return str(check_init_from(cfg, warn=False).path)
+
+
+def check_started_from(name: str, run_dir: Path, source: str | None) -> None:
+    """A DtlabError unless ``run_dir``'s summary names ``source`` as the weights the run started
+    from (None: that it started from none)."""
+    path = run_dir / "summary.json"
+    try:
+        started = json.loads(path.read_text(encoding="utf-8")).get("init_from")
+    except (OSError, ValueError) as e:
+        raise DtlabError(f"layout {name}: its summary {path} cannot be read: {e}") from None
+    if started != source:
+        raise DtlabError(
+            f"layout {name} started from {started or 'its own initialisation'}, not from "
+            f"model.init_from = {source or 'null'}: its training is not comparable with the others'"
+        )
+
+
 def _dir_name(i: int, layout: Layout) -> str:
     return f"{i}-{re.sub(r'[^a-z0-9_]+', '-', layout.name)}"
 
@@ -470,6 +504,9 @@ def verify(
             "--checks resume/export with an ft layout: not built (each replica group resumes from "
             "its own run directory); check the ft layouts with --checks loss"
         )
+    source = init_source(config, overrides)  # a wrong source: said before any layout trains
+    if source is not None:
+        report(f"every layout starts from the weights of {source} (model.init_from)")
     out.mkdir(parents=True, exist_ok=True)
     middle = middle_step(steps) if "resume" in checks else None
     dirs = []
@@ -483,8 +520,11 @@ def verify(
         report(f"training {layout.name} ({layout.nproc} process{'es' if layout.nproc > 1 else ''})")
         train_layout(layout, config, overrides, steps, run_dir, middle)
         dirs.append(run_dir)
-    result = Verification(layouts[0].name, steps, tol, checks=checks, middle=middle)
+    result = Verification(
+        layouts[0].name, steps, tol, checks=checks, middle=middle, init_from=source
+    )
     ref = layouts[0]
+    check_started_from(ref.name, dirs[0], source)
     for layout, run_dir in zip(layouts[1:], dirs[1:], strict=True):
         grad_norm = not (layout.diloco or ref.diloco)
         # Fault-tolerant groups: each group's own run (its metrics, its final weights) compared.
@@ -494,6 +534,7 @@ def verify(
             if layout.ft
             else [(layout.name, run_dir)]
         ):
+            check_started_from(name, where, source)
             result.rows.append(compare_runs(name, layout.nproc, dirs[0], where, tol, grad_norm))
     if "resume" in checks or "export" in checks:
         ctx = _StateContext(config, overrides, steps, out, tol, report, layouts[0], dirs[0])
@@ -621,9 +662,10 @@ def table(result: Verification) -> str:
     """The comparison as a text table, then one line per layout beyond tolerance; with resume and
     export checks, a second table of them."""
     t = result.tolerances
+    start = f", every layout from {result.init_from}" if result.init_from else ""
     lines = [
-        f"against {result.reference}, {result.steps} steps (tolerances: loss {t.loss:g}, grad norm "
-        f"{t.grad_norm:g} relative, parameters {t.param:g})",
+        f"against {result.reference}, {result.steps} steps{start} (tolerances: loss {t.loss:g}, "
+        f"grad norm {t.grad_norm:g} relative, parameters {t.param:g})",
         f"{'layout':<28} {'procs':>5} {'max |loss diff|':>16} {'max grad-norm diff':>19} "
         f"{'max |param diff|':>17}  result",
     ]

@@ -41,12 +41,15 @@ def check_context_parallel(c: Config) -> None:
             f"{heads} attention heads a rank holds (model.n_heads = {m.n_heads} / parallel.tp = "
             f"{p.tp}); allowed: a cp dividing {heads}, or cp_method = 'ring'"
         )
-    if m.sliding_window is not None and m.sliding_window < c.seq_len:
+    if m.sliding_window is not None and m.sliding_window < c.seq_len and p.cp_method == "ring":
+        # The all-to-all attends the whole sequence on each rank and takes the window's mask; the
+        # ring's blocks are cut by the causal (and document) mask alone.
         raise ValueError(
             f"model.sliding_window = {m.sliding_window} (shorter than data.seq_len = {c.seq_len}) "
-            f"is not supported with parallel.cp = {p.cp}: the ring's and the all-to-all's "
-            "attention is causal over the whole sequence, so far; allowed: a window of at least "
-            "data.seq_len, null, or parallel.cp = 1"
+            f"is not supported with parallel.cp = {p.cp} and parallel.cp_method = 'ring': the "
+            "ring's attention is causal over the whole sequence, so far; allowed: "
+            "parallel.cp_method = 'alltoall', a window of at least data.seq_len, null, or "
+            "parallel.cp = 1"
         )
     refused: dict[str, tuple[bool, str, str, str]] = {k: (*v, _CP_WHY) for k, v in {
         "parallel.strategy": (

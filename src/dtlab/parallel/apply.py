@@ -37,7 +37,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from dtlab.config import Config
 from dtlab.dims import DPWrapper, ParallelDims
-from dtlab.models.llama import Transformer
+from dtlab.models.llama import Attention, Transformer
 from dtlab.models.moe import MoE
 from dtlab.parallel.buckets import buckets
 from dtlab.parallel.compression import CompressionState, apply_ddp_compression, reduce_dtype
@@ -144,7 +144,7 @@ def apply_tp(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool) -> N
             "attention.wo": RowwiseParallel(output_layouts=seq),
             "ffn_norm": norm,
         }
-        if block.attention.q_norm is not None:
+        if isinstance(block.attention, Attention) and block.attention.q_norm is not None:
             plan["attention.q_norm"] = _head_norm()
             plan["attention.k_norm"] = _head_norm()
         if isinstance(block.feed_forward, MoE):

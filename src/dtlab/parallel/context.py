@@ -24,6 +24,10 @@ methods the document of each token of the whole sequence. The all-to-all attends
 (causal and same-document); the ring cuts it into its (query chunk, key chunk) blocks: a block no query
 attends is skipped, one inside a single document runs as without a mask, the rest take their part of
 it. A query row with no key in a block gets no weight in the merge.
+
+Sliding windows (``model.sliding_window`` shorter than the sequence): the all-to-all attends its whole
+sequence within the window (and within each document), as one process does; the ring's blocks are
+cut by the causal and document masks only, so it refuses a window that cuts (the config does first).
 """
 
 from __future__ import annotations
@@ -40,11 +44,13 @@ from dtlab.errors import ConfigError
 from dtlab.models.attention import attend
 from dtlab.models.sequence import (
     SharedMask,
+    SlidingWindow,
     additive_mask,
     positions,
     same_document,
     shard_sequence,
     unshard_sequence,
+    window_mask,
     zigzag_chunks,
 )
 
@@ -279,13 +285,23 @@ def _one_process(
     scale: float | None,
     documents: torch.Tensor | None,
     gqa: bool = False,
+    window: SlidingWindow | None = None,
 ) -> torch.Tensor:
     """Causal attention of a whole sequence on one rank (within each document where ``documents``
-    gives each token's), on the kernel the model's own attention would run
+    gives each token's, and within the sliding ``window`` where given), on the kernel the model's
+    own attention would run
     (:func:`dtlab.models.attention.attend`: on a GPU in fp32 with grouped key/value heads the
     memory-efficient kernel on expanded heads, where ``enable_gqa`` would fall to the math kernel's
     T x T softmax); an explicit ``scale`` goes to torch's attention as it is."""
-    mask = None if documents is None else whole_mask(documents, q.dtype)
+    size, seq = (window.size if window is not None else None), q.shape[2]
+    if size is not None and seq <= size:  # a window as long as the sequence cuts nothing
+        size = None
+    if documents is not None:
+        mask: torch.Tensor | None = whole_mask(documents, q.dtype, size)
+    elif window is not None and size is not None:
+        mask = window.additive(seq, q.device, q.dtype)  # the model's, shared by its layers
+    else:
+        mask = None
     if scale is None:
         return attend(q, k, v, is_causal=mask is None, attn_mask=mask)
     return torch.nn.functional.scaled_dot_product_attention(
@@ -294,18 +310,26 @@ def _one_process(
 
 
 # Each forward's whole-sequence masks, by its documents tensor (one per forward, shared by the
-# layers), dropped when that tensor is freed. (By id: tensors compare element-wise, not as keys.)
-_WHOLE_MASKS: dict[int, tuple[weakref.ref[torch.Tensor], SharedMask]] = {}
+# layers) and window, dropped when that tensor is freed. (By id: tensors compare element-wise,
+# not as keys.)
+_WHOLE_MASKS: dict[tuple[int, int | None], tuple[weakref.ref[torch.Tensor], SharedMask]] = {}
 
 
-def whole_mask(documents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def whole_mask(
+    documents: torch.Tensor, dtype: torch.dtype, window: int | None = None
+) -> torch.Tensor:
     """The additive causal within-document mask [B, 1, S, S] of the whole sequences ``documents``
-    [B, S], in ``dtype``, made once for all the layers of a forward (each layer's attention keeping
-    the same one for backward, not a copy of its own: :class:`dtlab.models.sequence.SharedMask`)."""
-    key = id(documents)
+    [B, S] (each token also within the ``window`` tokens ending at it, where given), in ``dtype``,
+    made once for all the layers of a forward (each layer's attention keeping the same one for
+    backward, not a copy of its own: :class:`dtlab.models.sequence.SharedMask`)."""
+    key = (id(documents), window)
     entry = _WHOLE_MASKS.get(key)
     if entry is None or entry[0]() is not documents:
-        entry = (weakref.ref(documents), SharedMask(same_document(documents, documents, True)))
+        allowed = same_document(documents, documents, True)
+        if window is not None:
+            seq = documents.shape[-1]
+            allowed &= window_mask(seq, seq, window, documents.device)
+        entry = (weakref.ref(documents), SharedMask(allowed))
         _WHOLE_MASKS[key] = entry
         weakref.finalize(documents, _WHOLE_MASKS.pop, key, None)
     return entry[1].additive(dtype)
@@ -415,16 +439,18 @@ def alltoall_attention(
     group: Any,
     scale: float | None = None,
     documents: torch.Tensor | None = None,
+    window: SlidingWindow | None = None,
 ) -> torch.Tensor:
     """:func:`ring_attention`'s result by all-to-alls: each rank takes ``heads / cp`` of the heads over
-    the whole sequence, attends causally (and within each of the ``documents`` where given) with
-    the device's own kernel, and gives the heads back. The query heads must divide by ``cp``;
+    the whole sequence, attends causally (and within each of the ``documents`` and the sliding
+    ``window`` where given) with the device's own kernel, and gives the heads back. The query
+    heads must divide by ``cp``;
     key/value heads that do not (grouped-query attention with fewer of them than ``cp``) are
     expanded to the query heads first."""
     cp = dist.get_world_size(group)
     _check_documents(documents, q, cp)
     if cp == 1:
-        return _one_process(q, k, v, scale, documents)
+        return _one_process(q, k, v, scale, documents, window=window)
     heads, kv_heads = q.shape[1], k.shape[1]
     if heads % cp:
         raise ValueError(
@@ -436,7 +462,7 @@ def alltoall_attention(
         v = v.repeat_interleave(heads // kv_heads, dim=1)
     q, k, v = (_swap(t, group, True) for t in (q, k, v))
     # Each rank now holds the whole sequence, in order: the whole mask applies as it is.
-    out = _one_process(q, k, v, scale, documents, gqa=q.shape[1] != k.shape[1])
+    out = _one_process(q, k, v, scale, documents, gqa=q.shape[1] != k.shape[1], window=window)
     return _swap(out, group, False)
 
 
@@ -455,16 +481,29 @@ def apply_context_parallel(
     part of each ``seq_len`` sequence split over ``group``: its rotary positions those of its tokens
     in the whole sequence, and its blocks' attention computed across the group by ``method``
     (``ring`` or ``alltoall``); under a document mask its tokens are gathered over the group once per
-    forward, for the documents of the whole sequence."""
+    forward, for the documents of the whole sequence. A sliding window that cuts the ``seq_len``
+    sequence: alltoall only (the model's window, whose mask its layers share)."""
     if method == "ring" and device.type != "cpu":
         raise ConfigError(
             f"parallel.cp_method = 'ring' runs on the CPU's attention kernel so far, and this rank "
             f"trains on {device}; allowed there: parallel.cp_method = 'alltoall', or train.device = "
             "'cpu'"
         )
+    window = model.args.sliding_window
+    if method == "ring" and window is not None and seq_len > window:
+        raise ConfigError(
+            f"model.sliding_window = {window} cuts the data.seq_len = {seq_len} sequence, and "
+            "parallel.cp_method = 'ring' attends causally over the whole sequence; allowed: "
+            "parallel.cp_method = 'alltoall', or a window of at least data.seq_len"
+        )
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     model.positions = positions(seq_len, cp, rank, device)
     model.whole_sequence = functools.partial(gather_sequence, group=group)
-    attention = ring_attention if method == "ring" else alltoall_attention
     for block in model.layers.values():
-        block.attention.context = functools.partial(attention, group=group)
+        attention = block.attention
+        if method == "ring":
+            attention.context = functools.partial(ring_attention, group=group)
+        else:
+            attention.context = functools.partial(
+                alltoall_attention, group=group, window=attention.window
+            )
