@@ -8,12 +8,111 @@ step's cost model (:mod:`dtlab.analysis.model`) adds them to the per-rank state.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from dtlab.config import Config, ModelConfig
 from dtlab.dims import DPWrapper, ParallelDims
+from dtlab.models.args import ModelArgs
 
 FP32 = 4
+
+
+def attention_widths(m: ModelConfig) -> tuple[int, int]:
+    """(query width, key/value width) of ``m``'s attention: n_heads and n_kv_heads times the head
+    size (model.head_dim, or dim / n_heads), as the model is built (:class:`ModelArgs`). Qwen3's
+    heads are wider than dim / n_heads, so neither need be ``dim``."""
+    args = m.args()
+    return args.attn_dim, args.kv_dim
+
+
+def windowed(config: Config) -> bool:
+    """Whether the model's sliding window is shorter than the sequence (model.sliding_window <
+    data.seq_len): then its attention adds a [T, T] mask (:class:`dtlab.models.sequence.
+    SlidingWindow`), made once a forward; a window as long as the sequence changes nothing."""
+    w = config.model.sliding_window
+    return w is not None and config.seq_len > w
+
+
+def window_mask_bytes(config: Config, dims: ParallelDims, stages: int = 1) -> int:
+    """The sliding window's additive [T, T] mask (:func:`windowed`) in the queries' dtype
+    (:func:`query_precision`), made by the first forward and read by every layer and micro-batch
+    after it: one per pipeline stage the rank holds (each stage's model has its own). 0 without a
+    window shorter than the sequence, or under a document mask, which takes the window into its
+    own mask (:func:`dtlab.analysis.context_plan.document_mask_bytes`)."""
+    if not windowed(config) or config.data.document_mask:
+        return 0
+    a = FP32 if query_precision(config, dims) == "fp32" else 2
+    return stages * config.seq_len**2 * a
+
+
+def mask_copy_bytes(
+    config: Config, dims: ParallelDims, m: ModelConfig, tokens: int, recomputed: bool = False
+) -> int:
+    """What ``m``'s layers keep of the attention's mask beyond the one the model makes, for one
+    micro-batch of ``tokens`` (without checkpointing; 0 with, but for the block ``recomputed``
+    in backward): where the queries are float32 under autocast (:func:`query_precision`) the
+    mask is made float32 too, and each layer's attention casts it to the autocast dtype and
+    keeps its copy for backward ([T, T] of a sliding window, [B, 1, T, T] of a document mask)."""
+    t = config.train
+    if query_precision(config, dims) == t.precision:
+        return 0
+    if t.activation_checkpointing != "none" and not recomputed:
+        return 0
+    seq = config.seq_len
+    if config.data.document_mask and not dims.cp_enabled:
+        cells = tokens // seq * seq * seq
+    elif windowed(config) and not config.data.document_mask:
+        cells = seq * seq
+    else:
+        return 0
+    return m.n_layers * cells * 2
+
+
+def query_precision(config: Config, dims: ParallelDims) -> str:
+    """The precision of the queries (and keys) attention receives, which picks its kernel and the
+    dtype of the masks made for them: train.precision's, but fp32 where the model's attention
+    widens autocast's half-precision rows to float32 (:func:`queries_widen`: the q/k norms'
+    float32 gains; autocast casts them back inside the kernel's call). On FSDP's half-precision
+    parameters the gains are half precision too."""
+    precision = config.train.precision
+    if precision == "fp32" or fsdp_half_params(config, dims):
+        return precision
+    return "fp32" if queries_widen(config.model.args()) else precision
+
+
+@functools.lru_cache(maxsize=256)
+def queries_widen(args: ModelArgs) -> bool:
+    """Whether the model's attention hands its kernel float32 queries when its projections' outputs
+    are half precision and its norm gains float32 (autocast on float32 parameters), read from the
+    model's own attention run on the meta device: with model.qk_norm, RMSNorm's half-precision
+    output times its float32 gain is float32, and RoPE keeps that dtype."""
+    import torch
+
+    from dtlab.models.llama import Attention
+
+    with torch.device("meta"):
+        attention = Attention(args).to(torch.bfloat16)
+        for norm in (attention.q_norm, attention.k_norm):
+            if norm is not None:
+                norm.float()
+        cos = torch.empty(2, args.head_dim // 2)
+        x = torch.empty(1, 2, args.dim, dtype=torch.bfloat16)
+    seen: list[torch.dtype] = []
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **_: object) -> torch.Tensor:
+        seen.append(q.dtype)
+        return q.to(v.dtype)  # as the kernel's output under autocast
+
+    attention.context = attend
+    attention(x, cos, cos)
+    return seen[0] == torch.float32
+
+
+def masked_attention(config: Config) -> bool:
+    """Whether training's attention takes an explicit mask: a document mask or a sliding window
+    shorter than the sequence (which changes the kernel on a GPU: flash takes none)."""
+    return config.data.document_mask or windowed(config)
 
 
 @dataclass(frozen=True)
@@ -171,7 +270,7 @@ def _layer_bytes(
 ) -> float:
     """Per token, what one block keeps for backward (see :func:`activation_bytes`)."""
     tp, seq = split.tp, split.seq
-    kv = m.kv_heads * (m.dim // m.n_heads)
+    q, kv = attention_widths(m)
     a = 2 if half else FP32  # bytes of a matmul / attention activation
     block_input = m.dim * (2 if half_params else FP32) / seq
     if ac == "full":
@@ -179,17 +278,31 @@ def _layer_bytes(
     if ac == "selective":
         # wq, wk, wv, w1, w3 split by columns; wo and w2 by rows, whose outputs (partial sums,
         # before their all-reduce or reduce-scatter) are whole on every tensor-parallel rank.
-        matmul_out = (m.dim + 2 * kv + 2 * m.hidden_dim) * a / tp + 2 * m.dim * a
-        return block_input + matmul_out + (m.dim * a + m.n_heads * FP32) / tp
-    attn = ((m.dim + kv) * a + kv * a + m.dim * a + m.n_heads * FP32) / tp
+        # (The q/k norms are recomputed from wq's and wk's outputs.)
+        matmul_out = (q + 2 * kv + 2 * m.hidden_dim) * a / tp + 2 * m.dim * a
+        return block_input + matmul_out + (q * a + m.n_heads * FP32) / tp
+    attn = ((q + kv) * a + kv * a + q * a + m.n_heads * FP32 + _qk_norm_bytes(m, a)) / tp
     ffn = 4 * m.hidden_dim * a / tp
     norms = _norm_bytes(m, half, 3, half_params, seq) + _norm_bytes(m, half, 2, half_params, seq)
     return norms + attn + ffn
 
 
+def _qk_norm_bytes(m: ModelConfig, a: int) -> int:
+    """Per token, what the q and k norms (model.qk_norm) keep of a block's heads: each its input
+    in float32 (a copy of the projection's output under autocast), its scaled output in the
+    projection's dtype (``a`` bytes; kept by the product with the gain) and a float32 rsqrt per
+    head. Their products with the gain go on to RoPE, which keeps nothing of them."""
+    if not m.qk_norm:
+        return 0
+    q, kv = attention_widths(m)
+    return (q + kv) * (FP32 + a) + (m.n_heads + m.kv_heads) * FP32
+
+
 def block_matmul_params(m: ModelConfig) -> int:
-    kv = m.kv_heads * (m.dim // m.n_heads)
-    return 2 * m.dim * m.dim + 2 * m.dim * kv + 3 * m.dim * m.hidden_dim
+    """The matmul weights of one dense block: wq and wo (dim x the query width), wk and wv (dim x
+    the key/value width), w1, w2 and w3 (dim x ffn_dim); biases aside (no matmul, no kept copy)."""
+    q, kv = attention_widths(m)
+    return 2 * m.dim * q + 2 * m.dim * kv + 3 * m.dim * m.hidden_dim
 
 
 def recompute_bytes(
@@ -291,7 +404,8 @@ def kernel_bytes(
 
     - ``flash``: nothing more.
     - ``efficient``: k and v expanded to the query heads (grouped-query attention in fp32 on a GPU,
-      :mod:`dtlab.models.attention`): 2 x (dim - kv dim) more per token without checkpointing.
+      :mod:`dtlab.models.attention`): 2 x (query width - kv width) more per token without
+      checkpointing.
     - ``math``: q, the expanded k and v in float32 (math computes in float32 under autocast), the
       output in the activation dtype and the B x H x T x T softmax in float32, in place of the fused
       kernel's set; under ``selective`` checkpointing the scores and the float32 output its matmuls
@@ -299,15 +413,15 @@ def kernel_bytes(
     """
     m = model_cfg
     a = 2 if precision in ("bf16", "fp16") else FP32
-    kv = m.kv_heads * (m.dim // m.n_heads)
-    fused = (2 * m.dim + 2 * kv) * a + m.n_heads * FP32  # q, k, v, output, log-sum-exp
+    q, kv = attention_widths(m)
+    fused = (2 * q + 2 * kv) * a + m.n_heads * FP32  # q, k, v, output, log-sum-exp
     per_token = 0
     if kernel == "efficient" and ac == "none":
-        per_token = 2 * (m.dim - kv) * a
+        per_token = 2 * (q - kv) * a
     elif kernel == "math" and ac == "none":
-        per_token = 3 * m.dim * FP32 + m.dim * a + m.n_heads * seq_len * FP32 - fused
+        per_token = 3 * q * FP32 + q * a + m.n_heads * seq_len * FP32 - fused
     elif kernel == "math" and ac == "selective":
-        per_token = m.n_heads * seq_len * FP32 + m.dim * FP32 - (m.dim * a + m.n_heads * FP32)
+        per_token = m.n_heads * seq_len * FP32 + q * FP32 - (q * a + m.n_heads * FP32)
     return int(tokens * m.n_layers * per_token / split.tp)
 
 
@@ -463,11 +577,13 @@ def elementwise_flops_per_token(model_cfg: ModelConfig) -> float:
 
     Per layer: two RMSNorms (square, mean, scale, gain: 4 x dim each), RoPE on q and k (3 per
     element), SiLU (4 per element) and the gate product (1) on ffn_dim, and the two residual adds
-    (dim each): 12 x dim + 3 x (dim + kv_dim) + 5 x ffn_dim.
+    (dim each): 12 x dim + 3 x (q width + kv width) + 5 x ffn_dim; with model.qk_norm the q and
+    k norms (4 per element) too. (The q/k/v biases are added inside their matmuls, kept.)
     """
     m = model_cfg
-    kv = m.kv_heads * (m.dim // m.n_heads)
-    return float(m.n_layers * (12 * m.dim + 3 * (m.dim + kv) + 5 * m.hidden_dim))
+    q, kv = attention_widths(m)
+    qk = (3 + (4 if m.qk_norm else 0)) * (q + kv)
+    return float(m.n_layers * (12 * m.dim + qk + 5 * m.hidden_dim))
 
 
 def dense_recompute_flops(model_cfg: ModelConfig, seq_len: int, ac: str) -> float:
@@ -478,8 +594,8 @@ def dense_recompute_flops(model_cfg: ModelConfig, seq_len: int, ac: str) -> floa
     ``full``: one more forward of every block, up to its last op whose result backward needs: torch's
     checkpoint stops recomputing there, so the FFN down projection (w2) and the residual add after it,
     whose outputs backward never reads, are not run again. That is the block's other matmuls
-    (2 x (block matmul parameters - dim x ffn_dim)), the attention scores (4 x dim x seq_len per layer,
-    a third of what ``flops_per_token`` counts for them) and the element-wise ops but one residual add.
+    (2 x (block matmul parameters - dim x ffn_dim)), the attention scores (4 x the query width x
+    seq_len per layer, a third of what ``flops_per_token`` counts for them) and the element-wise ops but one residual add.
     ``selective``: the element-wise ops only (``elementwise_flops_per_token``). The embedding, the final
     norm and the output projection are outside the blocks: never recomputed.
     """
@@ -491,7 +607,7 @@ def dense_recompute_flops(model_cfg: ModelConfig, seq_len: int, ac: str) -> floa
         return elementwise
     return (
         2.0 * m.n_layers * (block_matmul_params(m) - m.dim * m.hidden_dim)
-        + 4.0 * m.n_layers * m.dim * seq_len
+        + 4.0 * m.n_layers * attention_widths(m)[0] * seq_len
         + elementwise
         - m.n_layers * m.dim
     )

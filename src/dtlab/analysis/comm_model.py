@@ -223,8 +223,9 @@ def _tp_loss_and_norms_comm(
     config: Config, part: RankPart, tokens: int, microbatches: int, comm: dict[str, int]
 ) -> None:
     """Tensor parallelism's all-reduces beyond the blocks' into ``comm``: the vocabulary-parallel
-    loss's three floats a token (the last stage), and under sequence parallelism the norms'
-    weight gradients once a step."""
+    loss's three floats a token (the last stage), and once a step the gradients of the gains whose
+    inputs are split: under sequence parallelism the norms', and the q/k norms' (model.qk_norm:
+    each rank normalises its own heads)."""
     comm["tp all_reduce"] = comm.get("tp all_reduce", 0) + (
         3 * microbatches * tokens * FP32 if part.last else 0
     )
@@ -233,6 +234,8 @@ def _tp_loss_and_norms_comm(
         # their float32 gradients are all-reduced once per step.
         norms = 2 * part.n_layers + part.last
         comm["tp all_reduce"] += norms * config.model.dim * FP32
+    if config.model.qk_norm:  # a q and a k gain of head_dim a block
+        comm["tp all_reduce"] += 2 * part.n_layers * config.model.args().head_dim * FP32
 
 
 def _pipeline_sends(part: RankPart) -> int:

@@ -27,7 +27,12 @@ A document mask (``data.document_mask``, with or without cp) is counted here too
 
 from __future__ import annotations
 
-from dtlab.analysis.activations import FP32, attention_kernel
+from dtlab.analysis.activations import (
+    FP32,
+    attention_kernel,
+    masked_attention,
+    query_precision,
+)
 from dtlab.analysis.shapes import RankPart
 from dtlab.config import Config, ModelConfig
 from dtlab.dims import ParallelDims
@@ -52,22 +57,23 @@ def _half(precision: str) -> bool:
 def _widths(m: ModelConfig, method: str, cp: int, tp: int) -> tuple[int, int]:
     """(query width, key/value width) of a tensor-parallel rank's attention as context parallelism
     runs it: the key/value heads expanded to the query heads where the method expands them."""
-    head_dim = m.dim // m.n_heads
+    head_dim = m.args().head_dim  # model.head_dim, or dim / n_heads
     heads, kv_heads = m.n_heads // tp, max(1, m.kv_heads // tp)
     expanded = kv_heads != heads and (method == "ring" or kv_heads % cp != 0)
     return heads * head_dim, (heads if expanded else kv_heads) * head_dim
 
 
-def cp_kernel(config: Config, device_type: str) -> str:
+def cp_kernel(config: Config, dims: ParallelDims, device_type: str) -> str:
     """The attention kernel a context-parallel rank runs (:func:`attention_kernel`'s names): the
     ring's own blocks on the fused kernel (``flash``: no B x H x T x T matrix); ``alltoall``'s the
     device's kernel on the heads it swapped in (grouped ones only where they were not expanded)."""
     p, m = config.parallel, config.model
     if p.cp_method == "ring":
         return "flash"
-    _, kv = _widths(m, "alltoall", p.cp, p.tp)
-    whole = m.model_copy(update={"n_kv_heads": m.n_heads}) if kv == m.dim // p.tp else m
-    return attention_kernel(whole, config.train.precision, device_type, config.data.document_mask)
+    q, kv = _widths(m, "alltoall", p.cp, p.tp)
+    whole = m.model_copy(update={"n_kv_heads": m.n_heads}) if kv == q else m
+    precision = query_precision(config, dims)
+    return attention_kernel(whole, precision, device_type, masked_attention(config))
 
 
 def _extra_per_token(config: Config, m: ModelConfig, kernel: str, tp: int) -> int:
@@ -78,7 +84,7 @@ def _extra_per_token(config: Config, m: ModelConfig, kernel: str, tp: int) -> in
     p = config.parallel
     a = 2 if _half(config.train.precision) else FP32
     q, kv = _widths(m, p.cp_method, p.cp, tp)
-    own_kv = max(1, m.kv_heads // tp) * (m.dim // m.n_heads)
+    own_kv = max(1, m.kv_heads // tp) * m.args().head_dim
     expand = 2 * (kv - own_kv) if kernel != "efficient" else 0
     # alltoall's kernel keeps its output in the swapped layout, and the output projection the
     # output swapped back: two copies where a rank without cp keeps one.
@@ -180,7 +186,9 @@ def cp_comm(
         per_layer = calls * block + grad_calls * 2 * tokens * kv * FP32
         key = prefix + "send/recv"
     else:
-        per_layer = calls // 4 * tokens * (2 * q + 2 * kv) * a  # q, k, v and the output each way
+        # q, k, v and the output each way (q and k in the queries' dtype, which may be wider).
+        qk = FP32 if query_precision(config, dims) == "fp32" else a
+        per_layer = calls // 4 * tokens * ((q + kv) * qk + (q + kv) * a)
         key = prefix + "all_to_all"
     comm[key] = comm.get(key, 0) + microbatches * layers * per_layer
     groups[key] = dims.cp
@@ -205,5 +213,5 @@ def document_mask_bytes(config: Config, dims: ParallelDims, tokens: int) -> int:
     documents = samples * seq * 8 if dims.cp_enabled else 0
     if dims.cp_enabled and config.parallel.cp_method == "ring":
         return documents
-    a = 2 if _half(config.train.precision) else FP32
+    a = FP32 if query_precision(config, dims) == "fp32" else 2  # the queries' dtype
     return samples * seq * seq * (1 + a) + documents

@@ -23,15 +23,21 @@ from dtlab.analysis.activations import (
     TPSplit,
     activation_bytes,
     attention_kernel,
+    attention_widths,
+    block_matmul_params,
     dense_recompute_flops,
     elementwise_flops_per_token,
     fsdp_half_params,
     kernel_bytes,
     kernel_recompute_bytes,
     loss_parallel_bytes,
+    mask_copy_bytes,
+    masked_attention,
+    query_precision,
     recompute_bytes,
     recompute_extra,
     residual_half,
+    window_mask_bytes,
 )
 from dtlab.analysis.comm_model import (
     _diloco_comm,
@@ -78,18 +84,18 @@ from dtlab.parallel.apply import compiles_loss
 
 
 def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x matmul parameters + attention scores (12 x layers x dim x seq_len).
+    """Training FLOPs per token: 6 x matmul parameters + attention scores (12 x layers x the query
+    width n_heads x head_dim x seq_len).
 
     The embedding lookup is no matmul; the output projection is one (also when tied). Attention is
-    counted over the full T x T score matrix (the usual convention for MFU, also with a causal mask).
+    counted over the full T x T score matrix (the usual convention for MFU, also with a causal mask
+    or a sliding window). The q/k/v biases and norms are element-wise: not counted here.
     """
     m = model_cfg
     if m.moe.experts:  # by the active parameters, the router's included
         return moe.flops_per_token(m, seq_len)
-    kv = m.kv_heads * (m.dim // m.n_heads)
-    per_layer = m.dim * m.dim * 2 + m.dim * kv * 2 + 3 * m.dim * m.hidden_dim
-    matmul = m.n_layers * per_layer + m.dim * m.vocab_size
-    return 6.0 * matmul + 12.0 * m.n_layers * m.dim * seq_len
+    matmul = m.n_layers * block_matmul_params(m) + m.dim * m.vocab_size
+    return 6.0 * matmul + 12.0 * m.n_layers * attention_widths(m)[0] * seq_len
 
 
 def recompute_flops_per_token(model_cfg: ModelConfig, seq_len: int, ac: str) -> float:
@@ -250,10 +256,10 @@ def _plan_rank(
         split=TPSplit(dims.tp, config.parallel.sequence_parallel),
         half_params=fsdp_half_params(config, dims),
         compiled=compiles_loss(config, dims),
-        kernel=cp_kernel(config, device_type)
+        kernel=cp_kernel(config, dims, device_type)
         if dims.cp_enabled
         else attention_kernel(
-            config.model, config.train.precision, device_type, config.data.document_mask
+            config.model, query_precision(config, dims), device_type, masked_attention(config)
         ),
         device_type=device_type,
     )  # fmt: skip
@@ -348,7 +354,7 @@ def _kept(rank: RankInputs) -> tuple[int, Walk | None]:
         m, tokens, t.precision, ac, split, part.last, rank.half_params, rank.compiled, seq_len,
     ) + moe.ep_copies_bytes(config, dims, m)  # fmt: skip
     act += cp_kept_bytes(config, m, tokens, rank.kernel, dims.tp)
-    act += document_mask_bytes(config, dims, tokens)
+    act += document_mask_bytes(config, dims, tokens) + mask_copy_bytes(config, dims, m, tokens)
     if ac != "full":  # (under full: the recomputed block's, _activations)
         act += moe.ep_rows_bytes(config, dims, tokens, m)
     flight = _in_flight(config, dims, rank.accum, rank.pp_rank)
@@ -359,6 +365,8 @@ def _kept(rank: RankInputs) -> tuple[int, Walk | None]:
         (act + kernel_bytes(m, tokens, seq_len, t.precision, ac, rank.kernel, split)) * flight
         - copies * (flight - 1)
         + _pipeline_bytes(config, dims, part, tokens, rank.accum, rank.pp_rank)
+        # (made once, read by every micro-batch's layers)
+        + window_mask_bytes(config, dims, len(part.stages))
     )
     stages = len(part.stages)
     order = schedule_order(config.parallel.pp_schedule, dims.pp, stages, rank.accum, rank.pp_rank)
@@ -384,6 +392,9 @@ def _recomputation(rank: RankInputs, pipelined: bool) -> tuple[list[ModelConfig]
     kernel_again = kernel_recompute_bytes(
         config.model, tokens, config.seq_len, t.precision, ac, rank.kernel, split
     ) + cp_recompute_bytes(config, tokens, rank.kernel, dims.tp)
+    if ac != "none":  # the recomputed attention's copy of the mask
+        one = config.model.model_copy(update={"n_layers": 1})
+        kernel_again += mask_copy_bytes(config, dims, one, tokens, recomputed=True)
     return kinds, by_kind, kernel_again
 
 
@@ -403,7 +414,7 @@ def _buffers_bytes(rank: RankInputs) -> int:
     """The module buffers of the rank's stages: RoPE's cos and sin tables (float32, max_seq_len x
     head_dim / 2 each) in every stage's module, and an MoE's balancing bias and routing figures."""
     m = rank.config.model
-    rope = len(rank.part.stages) * 2 * m.max_seq_len * (m.dim // m.n_heads // 2) * FP32
+    rope = len(rank.part.stages) * 2 * m.max_seq_len * (m.args().head_dim // 2) * FP32
     return rope + moe.buffer_bytes(rank.rank_model)
 
 

@@ -31,6 +31,7 @@ from dtlab.analysis.activations import (
     _expert_dim,
     activation_bytes,
     activation_delta,
+    attention_widths,
     block_matmul_params,
     dense_recompute_flops,
     fsdp_half_params,
@@ -134,8 +135,7 @@ def active_matmul_params(m: ModelConfig) -> int:
     """Matmul parameters one token's forward multiplies by: attention's, the dense blocks'
     SwiGLU, each MoE block's router (dim x experts) and its ``top_k + shared_experts`` experts'
     SwiGLU, and the output projection (the embedding lookup is no matmul)."""
-    kv = m.kv_heads * (m.dim // m.n_heads)
-    attention = 2 * m.dim * m.dim + 2 * m.dim * kv
+    attention = _attention_params(m)
     dense_ffn = 3 * m.dim * m.hidden_dim
     moe_ffn = 0
     if m.moe.experts:
@@ -153,8 +153,16 @@ def active_matmul_params(m: ModelConfig) -> int:
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token of an MoE model: 6 x the active matmul parameters (forward 2,
     backward 4, :func:`active_matmul_params`, the router's included) + attention's scores
-    (12 x layers x dim x seq_len), the convention of :func:`dtlab.analysis.model.flops_per_token`."""
-    return 6.0 * active_matmul_params(m) + 12.0 * m.n_layers * m.dim * seq_len
+    (12 x layers x the query width x seq_len), the convention of
+    :func:`dtlab.analysis.model.flops_per_token`."""
+    return 6.0 * active_matmul_params(m) + 12.0 * m.n_layers * attention_widths(m)[0] * seq_len
+
+
+def _attention_params(m: ModelConfig) -> int:
+    """One block's attention matmul weights: wq and wo (dim x the query width), wk and wv (dim x
+    the key/value width)."""
+    q, kv = attention_widths(m)
+    return 2 * m.dim * q + 2 * m.dim * kv
 
 
 def _moe_elementwise(m: ModelConfig) -> float:
@@ -182,16 +190,17 @@ def recompute_flops_per_token(m: ModelConfig, seq_len: int, ac: str) -> float:
     )
     out = dense_recompute_flops(dense, seq_len, ac) if dense.n_layers else 0.0
     blocks = moe_blocks(m)
-    kv = m.kv_heads * (m.dim // m.n_heads)
-    attn_elementwise = 12 * m.dim + 3 * (m.dim + kv)
+    q, kv = attention_widths(m)
+    # The blocks' norms and residual adds, RoPE (and the q/k norms) on q and k.
+    attn_elementwise = 12 * m.dim + (3 + (4 if m.qk_norm else 0)) * (q + kv)
     elementwise = blocks * (attn_elementwise + _moe_elementwise(m))
     if ac == "selective":
         return out + elementwise
     moe = m.moe
-    attention = 2 * m.dim * m.dim + 2 * m.dim * kv
+    attention = _attention_params(m)
     ffn = m.dim * moe.experts + 3 * m.dim * _expert_dim(m) * (moe.top_k + moe.shared_experts)
     unread = m.dim * _expert_dim(m) * moe.shared_experts
-    return out + blocks * (2.0 * (attention + ffn - unread) + 4.0 * m.dim * seq_len) + elementwise
+    return out + blocks * (2.0 * (attention + ffn - unread) + 4.0 * q * seq_len) + elementwise
 
 
 def held_numel(s: ParamShape, dims: ParallelDims, shard: int | None = None) -> int:
@@ -279,8 +288,7 @@ def recompute_copies_held(
     if not moe_blocks(block):
         return 2 * block_matmul_params(block) // tp if pipelined else 0
     moe, h = block.moe, _expert_dim(block)
-    kv = block.kv_heads * (block.dim // block.n_heads)
-    attention = 2 * block.dim * block.dim + 2 * block.dim * kv
+    attention = _attention_params(block)
     elsewhere = 3 * block.dim * h * (moe.experts - moe.experts // ep)
     if not pipelined:
         return 2 * elsewhere

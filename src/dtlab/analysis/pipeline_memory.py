@@ -14,8 +14,12 @@ from dtlab.analysis.activations import (
     FP32,
     TPSplit,
     activation_bytes,
+    attention_widths,
     fsdp_half_params,
     kernel_bytes,
+    mask_copy_bytes,
+    query_precision,
+    window_mask_bytes,
 )
 from dtlab.analysis.context_plan import cp_kept_bytes
 from dtlab.analysis.pipeline_steps import (
@@ -182,6 +186,7 @@ def stage_figures(
             + rows
             + kernel_bytes(stage, tokens, seq_len, t.precision, ac, kernel, split)
             + cp_kept_bytes(config, stage, tokens, kernel, dims.tp)
+            + mask_copy_bytes(config, dims, stage, tokens)
         )
         # Every block's copies, checkpointed or not: autocast keeps them for its whole region, the
         # step (a checkpointed block's forward makes them too).
@@ -190,6 +195,8 @@ def stage_figures(
             - 8
             + moe.ep_copies_bytes(config, dims, stage, "none")
             - routed
+            # A sliding window's mask: made at the stage's first forward, read by every later one.
+            + window_mask_bytes(config, dims)
         )
     shard = dims.tp if config.parallel.sequence_parallel else 1
     stream = tokens * m.dim * (2 if half_params else FP32) // shard
@@ -216,11 +223,14 @@ def weight_output_grads(
     seq = dims.tp if config.parallel.sequence_parallel else 1
     half = config.train.precision in ("bf16", "fp16")
     compute = 2 if half else FP32
-    head = m.dim // m.n_heads
+    q, kv = attention_widths(m)
     # The column-parallel projections' outputs (q, k, v, gate, up) split over tensor parallelism;
     # the row-parallel ones' (attention output, down) whole before their reduction.
-    columns = (m.dim + 2 * m.kv_heads * head + 2 * m.hidden_dim) // split
+    columns = (q + 2 * kv + 2 * m.hidden_dim) // split
     per_block = tokens * (columns + 2 * m.dim) * compute + 2 * tokens * m.dim * FP32 // seq
+    if m.qk_norm:  # the q and k norms' outputs, in the queries' dtype
+        qk = FP32 if query_precision(config, dims) == "fp32" else 2
+        per_block += 2 * tokens * (q + kv) // split * qk
     out = n_blocks * per_block
     if last:
         out += tokens * m.dim * FP32 // seq + tokens * (m.vocab_size // split) * compute

@@ -347,7 +347,8 @@ def shape_sources(config: Config) -> dict[str, str]:
     """Where the figures of the plan's header come from: ``set`` (the file or ``--set``), the preset,
     or the default (and what the default is)."""
     preset = config.model.preset
-    shape = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "max_seq_len")
+    shape = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "ffn_dim",
+             "max_seq_len", "qkv_bias", "qk_norm", "sliding_window")  # fmt: skip
     given = [k for k in shape if config.is_given(f"model.{k}")]
     out = {
         "model": (

@@ -180,12 +180,11 @@ def rank_share(config: Config, dims: Any, shapes: list[Any]) -> tuple[float, flo
     the model's FLOPs per token (its blocks, and the output projection on the last stage) and of its
     parameters, each split by tensor parallelism, the parameters also by the data-parallel shards the
     optimizer steps (FSDP's, ZeRO-1's)."""
+    from dtlab.analysis.activations import attention_widths, block_matmul_params
     from dtlab.analysis.model import flops_per_token, rank_shapes
 
     m = config.model
-    kv = m.kv_heads * (m.dim // m.n_heads)
-    block = 6.0 * (2 * m.dim * m.dim + 2 * m.dim * kv + 3 * m.dim * m.hidden_dim)
-    block += 12.0 * m.dim * config.seq_len
+    block = 6.0 * block_matmul_params(m) + 12.0 * attention_widths(m)[0] * config.seq_len
     head = 6.0 * m.dim * m.vocab_size
     total = flops_per_token(m, config.seq_len)
     # no_shard's dp_shard is 1: it steps every parameter, as DDP does.

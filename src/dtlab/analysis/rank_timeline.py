@@ -15,8 +15,9 @@ from dtlab.analysis.activations import (
     fsdp_half_params,
     loss_parallel_bytes,
     residual_half,
+    window_mask_bytes,
 )
-from dtlab.analysis.context_plan import ring_backward_bytes
+from dtlab.analysis.context_plan import document_mask_bytes, ring_backward_bytes
 from dtlab.analysis.memo import memo
 from dtlab.analysis.pipeline_memory import (
     StageFigures,
@@ -110,7 +111,10 @@ def rank_timeline(
     if rank_model.n_layers >= 0 and config.model.vocab_size:
         loss = LossShape(tokens, m.vocab_size // dims.tp, half, dims.tp_enabled)
     persist = dims.ddp_enabled and not dims.shard_optimizer
-    bottom = (kept - loss_part) // max(1, n_blocks)
+    # The attention's masks (a sliding window's, a document mask), made once a forward and read
+    # by every layer, are held by the model to the step's end: not freed with the blocks.
+    masks = window_mask_bytes(config, dims) + document_mask_bytes(config, dims, tokens)
+    bottom = (kept - loss_part - masks) // max(1, n_blocks)
     unbucketed = (0, 0)
     if persist and dims.ep_enabled:
         # The experts' gradients are outside DDP's buckets (reduced over their own group): made
@@ -121,10 +125,10 @@ def rank_timeline(
         unbucketed = (experts // max(1, n_moe), n_moe)
     blocks = None
     if moe.moe_blocks(rank_model):
-        blocks = _moe_blocks(rank, kept - loss_part, made, recompute_by_kind)
+        blocks = _moe_blocks(rank, kept - loss_part - masks, made, recompute_by_kind)
     timeline = step_timeline(
         state, rank.accum, kept, loss_part, recompute, bottom, block, n_blocks, loss, persist,
-        units, unbucketed=unbucketed, blocks=blocks,
+        units, unbucketed=unbucketed, blocks=blocks, held_after=masks,
     )  # fmt: skip
     if p.fault_tolerance.enabled and not p.diloco.inner_steps:
         timeline.add(_groups_average(state))

@@ -70,11 +70,16 @@ def param_shapes(model_cfg: ModelConfig) -> list[ParamShape]:
 
 
 # Tensor parallelism splits these matrices by their output features (dim 0; the embedding by its
-# vocabulary rows), the rest (wo, w2) by their input features (dim 1); 1-D norms stay whole.
+# vocabulary rows), the rest (wo, w2) by their input features (dim 1); 1-D norms stay whole (the
+# q/k norms' gains too: every rank's heads read all of one), the q/k/v biases split with their
+# projections' output features.
 _ROWWISE = ("attention.wo.weight", "feed_forward.w2.weight")
+_COLWISE_BIASES = ("attention.wq.bias", "attention.wk.bias", "attention.wv.bias")
 
 
 def _tp_local(s: ParamShape, tp: int) -> ParamShape:
+    if tp > 1 and s.name.endswith(_COLWISE_BIASES):
+        return ParamShape(s.name, (s.shape[0] // tp,), s.group)
     if tp == 1 or len(s.shape) < 2:
         return s
     shape = list(s.shape)

@@ -277,6 +277,7 @@ def step_timeline(
     after_backward: int = 0,
     unbucketed: tuple[int, int] = (0, 0),
     blocks: list[BlockKind] | None = None,
+    held_after: int = 0,
 ) -> Timeline:
     """The step's moments on a rank without pipeline parallelism.
 
@@ -290,7 +291,8 @@ def step_timeline(
     a block, blocks) of gradients outside DDP's buckets, made by the last blocks' backward at each
     step (the experts' under expert parallelism, reduced over their own group); ``blocks``: each
     block's own figures where they differ (by default ``n_blocks`` alike: ``block``,
-    ``bottom_kept``, ``recompute`` and FSDP's block unit)."""
+    ``bottom_kept``, ``recompute`` and FSDP's block unit); ``held_after``: what forward made that
+    the model holds past backward, to the next forward (the attention's masks)."""
     t = Timeline()
     s = state
     if blocks is None:
@@ -308,10 +310,16 @@ def step_timeline(
         t.add(
             Moment(
                 f"after backward {k}", "the gradients' sync and clipping", **base, grads=s.grads,
-                temporaries=after_backward if last else 0, buffers=s.buffers,
+                activations=held_after, temporaries=after_backward if last else 0,
+                buffers=s.buffers,
             )
         )  # fmt: skip
-    t.add(Moment("optimizer", "the optimizer step", **base, grads=s.grads, buffers=s.buffers))
+    t.add(
+        Moment(
+            "optimizer", "the optimizer step", **base, grads=s.grads, activations=held_after,
+            buffers=s.buffers,
+        )
+    )  # fmt: skip
     return t
 
 

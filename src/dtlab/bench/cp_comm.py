@@ -172,7 +172,10 @@ def _attention_inputs(config: Any, cp: int, seed: int) -> tuple[Any, ...]:
     m, t = config.model, config.train
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision, torch.float32)
     micro = t.micro_batch_size or t.global_batch_size  # dp = 1: cp is the world
-    head_dim, tokens = m.dim // m.n_heads, config.data.seq_len // cp
+    head_dim, tokens = (
+        m.args().head_dim,
+        config.data.seq_len // cp,
+    )  # model.head_dim or dim / n_heads
     g = torch.Generator().manual_seed(seed)
 
     def make(heads: int) -> torch.Tensor:
