@@ -121,18 +121,33 @@ def test_state_bytes_of_the_debug_model(strategy: str, world: int, held: int) ->
     assert plan.optimizer_bytes == 8 * held + 4 * len(DEBUG_SHAPES)
 
 
-def test_flops_per_token_against_counted_matmuls() -> None:
-    """The matmul FLOPs torch's FLOP counter sees in a forward and backward of the debug model, plus the
-    attention scores by hand (the counter does not know CPU attention kernels)."""
-    cfg = load_config(overrides=["model.preset=debug", "data.seq_len=64"])
+# The model families' options on the debug model (dim 64, 4 heads, 2 kv heads): Qwen3's heads of 32
+# (attention 128 wide) with q/k norms, Qwen2's q/k/v biases, Mistral's window shorter than the sequence.
+FAMILIES = {
+    "llama": [],
+    "qwen3": ["model.head_dim=32", "model.qk_norm=true"],
+    "qwen2": ["model.qkv_bias=true"],
+    "mistral": ["model.sliding_window=16"],
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_flops_per_token_against_counted_matmuls(family: str) -> None:
+    """The matmul FLOPs torch's FLOP counter sees in a forward and backward of the debug model (and
+    of each family's options: the biases' matmuls count as plain ones), plus the attention scores
+    by hand over the query width n_heads x head_dim (the counter does not know CPU attention
+    kernels)."""
+    cfg = load_config(overrides=["model.preset=debug", "data.seq_len=64", *FAMILIES[family]])
     model = build_model(cfg.model, "cpu")
     batch, seq = 2, 64
     tokens = torch.randint(0, cfg.model.vocab_size, (batch, seq))
     with FlopCounterMode(display=False) as counter:
         F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
-    assert set(counter.get_flop_counts()["Global"]) == {torch.ops.aten.mm}
-    # Q K^T and A V: 2 x 2 x T x T x dim per sequence and layer forward, twice that backward.
-    attention = 3 * 4 * batch * seq * seq * cfg.model.dim * cfg.model.n_layers
+    assert set(counter.get_flop_counts()["Global"]) <= {torch.ops.aten.mm, torch.ops.aten.addmm}
+    # Q K^T and A V: 2 x 2 x T x T x the query width per sequence and layer forward, twice that
+    # backward.
+    width = cfg.model.n_heads * (cfg.model.head_dim or cfg.model.dim // cfg.model.n_heads)
+    attention = 3 * 4 * batch * seq * seq * width * cfg.model.n_layers
     assert flops_per_token(cfg.model, seq) * batch * seq == counter.get_total_flops() + attention
 
 

@@ -74,11 +74,15 @@ def test_activation_checkpointing_adds_its_recompute_to_the_step_time() -> None:
         assert 0.15 < ratio < 1 / 3, ratio
 
 
-def test_full_recompute_flops_against_counted_matmuls() -> None:
+@pytest.mark.parametrize(
+    "options", [[], ["model.head_dim=32", "model.qk_norm=true", "model.qkv_bias=true"]]
+)
+def test_full_recompute_flops_against_counted_matmuls(options: list[str]) -> None:
     """The extra matmul FLOPs torch's counter sees with ``full`` checkpointing, plus the recomputed
     attention scores by hand (the counter does not see CPU attention kernels), are the predicted
-    recompute less its element-wise ops."""
-    cfg = load_config(overrides=DEBUG)
+    recompute less its element-wise ops; also with Qwen's options (heads wider than dim / n_heads,
+    q/k norms, q/k/v biases)."""
+    cfg = load_config(overrides=[*DEBUG, *options])
     batch, seq = 2, 64
     counted = {}
     for ac in ("none", "full"):
@@ -88,7 +92,8 @@ def test_full_recompute_flops_against_counted_matmuls() -> None:
         with FlopCounterMode(display=False) as counter:
             F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
         counted[ac] = counter.get_total_flops()
-    attention = 4 * batch * seq * seq * cfg.model.dim * cfg.model.n_layers
+    width = cfg.model.n_heads * (cfg.model.head_dim or cfg.model.dim // cfg.model.n_heads)
+    attention = 4 * batch * seq * seq * width * cfg.model.n_layers
     predicted = recompute_flops_per_token(cfg.model, seq, "full") - elementwise_flops_per_token(
         cfg.model
     )
