@@ -89,6 +89,51 @@ def _check(config: Config, nproc: int, target: str) -> None:
     assert sent[0] - sent[1] == unseen, r.by_collective
 
 
+# Context parallelism on an attention-heavy shape (dim 128, 8 heads of 32 where dim / n_heads is 16,
+# 2 kv heads, 512 tokens): the ring's blocks and alltoall's swaps n_heads x head_dim wide; alltoall
+# within a window of 128 (the ring refuses a window); Qwen3's float32 queries under autocast
+# swapped as they are.
+CP_SHAPE = [
+    "model.preset=debug", "model.dim=128", "model.n_heads=8", "model.n_kv_heads=2",
+    "model.max_seq_len=512", "data.seq_len=512", "train.global_batch_size=4",
+    "parallel.strategy=ddp", "parallel.cp=2",
+]  # fmt: skip
+ALLTOALL = "parallel.cp_method=alltoall"
+CP_LAYOUTS: dict[str, tuple[list[str], list[str]]] = {
+    "qwen3 ring": (FAMILIES["qwen3"], ["cpu"]),
+    "qwen3 alltoall bf16": (
+        [*FAMILIES["qwen3"], ALLTOALL, "train.precision=bf16"],
+        ["cpu", "cuda"],
+    ),
+    "qwen2 alltoall bf16": ([*FAMILIES["qwen2"], ALLTOALL, "train.precision=bf16"], ["cpu"]),
+    "mistral alltoall": (["model.sliding_window=128", ALLTOALL], ["cpu"]),
+    "mistral alltoall bf16": (
+        ["model.sliding_window=128", ALLTOALL, "train.precision=bf16"],
+        ["cuda"],
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", list(CP_LAYOUTS))
+def test_context_parallelism_of_a_family_is_the_checked_code(layout: str) -> None:
+    """cp 2 with the families' options: the peak within 3% of the checked code's, the state to the
+    byte and the ring's passes or alltoall's swaps exact."""
+    options, targets = CP_LAYOUTS[layout]
+    config = load_config(overrides=[*CP_SHAPE, *options])
+    for target in targets:
+        measured = measure_fake(config, 2, 1, 1, target)
+        r = check_rank(config, 2, 1, 1, measured, target)
+        assert r.skipped is None
+        assert close(r.peak["predicted"], r.peak["checked"], 0.03), (target, r.peak)
+        plan = plan_step(config, 2, device_type=target)
+        for name, planned in planned_state(plan).items():
+            assert measured["components"][name] == planned > 0, (target, name)
+        assert all(c["predicted"] == c["checked"] for c in r.by_collective.values()), (
+            r.by_collective
+        )
+        assert {"send/recv", "all_to_all"} & set(r.by_collective)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_a_sliding_window_adds_one_mask_a_forward(precision: str) -> None:
     """A window shorter than the sequence: the checked code holds one [T, T] mask in the queries'
