@@ -54,6 +54,16 @@ def test_qkv_bias_qk_norm_and_wide_heads_train_as_one_process_on_every_layout(
     _verify(tmp_path, "single,tp:2,sp:2,cp:2,cp:2:alltoall", *QWEN)
 
 
+def test_qk_norms_keep_bf16_queries_for_the_ring(tmp_path: Path) -> None:
+    # Under bf16 autocast the q/k norms' float32 gains must not widen the heads to float32: the
+    # ring's blocks would then meet float32 queries and bf16 accumulators (it failed so).
+    metrics = train_run(
+        tmp_path / "run", *QWEN, "train.precision=bf16", "parallel.strategy=ddp", "parallel.cp=2",
+        nproc=2, steps=2,
+    )  # fmt: skip
+    assert [m["step"] for m in metrics] == [1, 2]
+
+
 def test_a_sliding_window_trains_as_one_process_on_every_layout(tmp_path: Path) -> None:
     # Each pipeline stage's attention makes the window's mask from its sequence length (whole again
     # after sequence parallelism's gather); context parallelism's all-to-all attends its whole

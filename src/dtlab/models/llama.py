@@ -38,7 +38,9 @@ class RMSNorm(nn.Module):
         # Normalise in float32 even under autocast: the mean of squares overflows/underflows in half precision.
         xf = x.float()
         out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return out.type_as(x) * self.weight
+        # In x's dtype: under autocast a float32 gain would otherwise widen a bf16 input (the q/k
+        # norms' heads) to float32, and attention would run, and keep its inputs, in float32.
+        return (out.type_as(x) * self.weight).type_as(x)
 
 
 def scaled_frequencies(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
