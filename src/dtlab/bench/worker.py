@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from dtlab.analysis import moe
+from dtlab.analysis.activations import masked_attention, query_precision
 from dtlab.analysis.devices import (
     CPU_PEAK_REPEATS,
     cpu_gemm_size,
@@ -392,7 +393,10 @@ def _memory_figures(config: Config, d: DistInfo, tr: Training, act: int | None) 
     t = config.train
     predicted = plan_step(config, d.world_size, pp_rank=0, device_type=d.device.type)
     split = TPSplit(d.dims.tp, config.parallel.sequence_parallel)
-    kernel = attention_kernel(config.model, t.precision, d.device.type)
+    # The kernel training runs: the queries' precision (query_precision) and whether a document
+    # mask or a sliding window makes attention take a mask (flash takes none on a GPU).
+    precision = query_precision(config, d.dims)
+    kernel = attention_kernel(config.model, precision, d.device.type, masked_attention(config))
     tokens = tr.micro * config.seq_len
     extra = kernel_bytes(
         config.model, tokens, config.seq_len, t.precision, t.activation_checkpointing, kernel, split
