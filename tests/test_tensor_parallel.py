@@ -90,8 +90,6 @@ def test_tensor_parallel_checkpoint_resumes_as_one_process(
     [
         (["parallel.tp=4"], "model.n_kv_heads = 2 is not divisible by parallel.tp = 4"),
         (["parallel.sequence_parallel=true"], "it needs parallel.tp > 1 (got 1)"),
-        (["parallel.tp=2", "model.tie_embeddings=true"],
-         "model.tie_embeddings = true is not supported with parallel.tp = 2"),
         (["parallel.tp=2", "parallel.strategy=ddp", "parallel.compression=powersgd"],
          "parallel.compression = 'powersgd' is not supported with parallel.tp = 2"),
     ],

@@ -377,7 +377,6 @@ def _check_tp(c: Config) -> None:
             )
     # key: (refused, the value as written, what is allowed)
     refused: dict[str, tuple[bool, str, str]] = {
-        "model.tie_embeddings": (m.tie_embeddings, "true", "false"),
         "parallel.compression": (
             p.compression in ("powersgd", "dct"),
             repr(p.compression),

@@ -232,6 +232,15 @@ class Block(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+class Embedding(nn.Embedding):
+    """The token embedding, which a model with tied embeddings also reads as its output projection
+    (:meth:`attend`): a parallel layout that splits the embedding computes that projection too."""
+
+    def attend(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits of hidden states ``h`` [..., dim] against every token's embedding."""
+        return F.linear(h, self.weight)
+
+
 class Transformer(nn.Module):
     """tokens [B, T] int64 -> logits [B, T, vocab_size].
 
@@ -245,13 +254,13 @@ class Transformer(nn.Module):
 
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
-    tok_embeddings: nn.Embedding | None
+    tok_embeddings: Embedding | None
     norm: RMSNorm | None
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.tok_embeddings = Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): Block(args, i) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         # Tied: the output projection reads the embedding matrix in forward rather than sharing a Parameter
@@ -342,7 +351,7 @@ class Transformer(nn.Module):
         h = self.norm(h)
         if self.output is None:
             assert self.tok_embeddings is not None  # tied: keep_only keeps both or refuses
-            return F.linear(h, self.tok_embeddings.weight)
+            return self.tok_embeddings.attend(h)
         return self.output(h)
 
     def keep_only(self, layers: list[int], first: bool, last: bool) -> None:

@@ -114,7 +114,8 @@ def apply_tp(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool) -> N
     Column-wise (output features split): wq, wk, wv, w1, w3, and the output projection, whose logits
     stay split over the vocabulary for :func:`loss_parallel`. Row-wise (input features split, the
     partial results summed): wo and w2, and the embedding (split over the vocabulary,
-    :class:`VocabParallel`: its gradient only the rank's rows). Attention and
+    :class:`VocabParallel`: its gradient only the rank's rows; with tied embeddings, which have no
+    output module, it computes the vocabulary-split logits from those rows too). Attention and
     grouped kv heads follow the column split, so each rank computes ``n_heads / tp`` heads (of
     ``head_dim`` each, whatever ``dim / n_heads`` is; q/k/v biases split with their rows), and
     normalises them with the whole per-head q/k norm gains (:func:`_head_norm`). With
