@@ -60,8 +60,15 @@ def _check_pp(c: Config) -> None:
             f"parallel.pp = {p.pp} x {v} stages per rank = {p.pp * v} stages, but model.n_layers = "
             f"{m.n_layers}: each stage needs at least one block"
         )
+    if m.tie_embeddings and p.pp_schedule in V_SCHEDULES:
+        raise ValueError(
+            f"model.tie_embeddings = true is not supported with parallel.pp_schedule = "
+            f"{p.pp_schedule!r}: a V places the first and the last stage on one rank, and the "
+            "last stage's copy of the tied embedding is kept equal to the embedding across two "
+            "ranks only (allowed: gpipe, 1f1b, interleaved_1f1b, looped_bfs, interleaved_zb; or "
+            "model.tie_embeddings = false)"
+        )
     refused: dict[str, tuple[bool, str, str]] = {
-        "model.tie_embeddings": (m.tie_embeddings, "true", "false"),
         "train.precision": (t.precision == "fp16", "'fp16'", "fp32, bf16"),
         "train.optimizer": (t.optimizer == "demo", "'demo'", "adamw, sgd, muon"),
         "parallel.compression": (p.compression != "none", repr(p.compression), "none"),

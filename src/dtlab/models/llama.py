@@ -248,8 +248,8 @@ class Transformer(nn.Module):
     ``cache.pos``, they attend to the cached keys and values, and the cache grows by T.
 
     The blocks are a ``ModuleDict`` keyed by their index, so that a pipeline stage that keeps some of
-    them (:meth:`keep_only`) names each parameter as the whole model does. A stage without the
-    embedding takes hidden states [B, T, dim]; one without the output returns them.
+    them (:meth:`keep_only`) names each parameter as the whole model does. A stage after the first
+    takes hidden states [B, T, dim] (``embeds`` is False); one without the output returns them.
     """
 
     rope_cos: torch.Tensor
@@ -261,6 +261,9 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = Embedding(args.vocab_size, args.dim)
+        # Whether forward embeds the tokens it is given: not in a pipeline stage after the first,
+        # though the last stage of a tied model holds the embedding, for its output.
+        self.embeds = True
         self.layers = nn.ModuleDict({str(i): Block(args, i) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         # Tied: the output projection reads the embedding matrix in forward rather than sharing a Parameter
@@ -307,7 +310,7 @@ class Transformer(nn.Module):
             cos, sin = cos[self.positions], sin[self.positions]
         if self.document_separator is not None or self._masked:
             self._set_documents(tokens)
-        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
+        h = self._embed(tokens)
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         return self._head(h)
@@ -317,7 +320,7 @@ class Transformer(nn.Module):
         separator was taken away since the last one): their mask, or under context parallelism
         the document of each token of the whole sequence."""
         mask = documents = None
-        if self.document_separator is not None and self.tok_embeddings is not None:
+        if self.document_separator is not None and self.embeds:
             if self.whole_sequence is None:
                 allowed = document_mask(tokens, self.document_separator)
                 if self.args.windowed(tokens.shape[1]):  # within the window as well
@@ -338,11 +341,17 @@ class Transformer(nn.Module):
                 f"position {end} exceeds max_seq_len {self.args.max_seq_len} or the cache's "
                 f"max_len {cache.max_len}"
             )
-        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
+        h = self._embed(tokens)
         for i, layer in enumerate(self.layers.values()):
             h = layer(h, self.rope_cos, self.rope_sin, cache=cache, layer=i)
         cache.pos = end
         return self._head(h)
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings (or the hidden states given to a pipeline stage after the first)."""
+        if not self.embeds or self.tok_embeddings is None:
+            return tokens
+        return self.tok_embeddings(tokens)
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         """The final norm and output projection (or ``h`` itself in a pipeline stage before the last)."""
@@ -350,21 +359,22 @@ class Transformer(nn.Module):
             return h
         h = self.norm(h)
         if self.output is None:
-            assert self.tok_embeddings is not None  # tied: keep_only keeps both or refuses
+            assert self.tok_embeddings is not None  # tied: keep_only keeps it in the last stage
             return self.tok_embeddings.attend(h)
         return self.output(h)
 
     def keep_only(self, layers: list[int], first: bool, last: bool) -> None:
         """Make this model a pipeline stage: the blocks ``layers``, the embedding if ``first``, the
         final norm and output if ``last``; the rest is dropped (on the meta device, before
-        allocation). Parameter names stay the whole model's."""
-        if self.args.tie_embeddings and first != last:
-            raise ValueError("tied embeddings need the embedding and the output in one stage")
+        allocation). Parameter names stay the whole model's. With tied embeddings the last stage
+        keeps the embedding too, for its output only: a copy of the first stage's that the pipeline
+        keeps equal to it (``dtlab.parallel.pipeline.TiedEmbedding``)."""
         keep = {str(i) for i in layers}
         for name in [n for n in self.layers if n not in keep]:
             del self.layers[name]
-        if not first:
+        if not first and not (last and self.args.tie_embeddings):
             self.tok_embeddings = None
+        self.embeds = first
         if not last:
             self.norm, self.output = None, None
 

@@ -48,7 +48,7 @@ from dtlab.parallel.vocab import VocabParallel
 from dtlab.parallel.zero import OptimizerShards
 
 if TYPE_CHECKING:
-    from dtlab.parallel.pipeline import Pipeline
+    from dtlab.parallel.pipeline import Pipeline, TiedEmbedding
 
 # Prefixes that wrappers add to parameter names; stripped to get the plain model's names.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
@@ -371,17 +371,27 @@ class ParallelModel:
     zero: OptimizerShards | None = None
     # Expert parallelism: the experts' shards, whose gradients no wrapper averages.
     experts: ExpertShards | None = None
+    # A pipeline of a tied model, on the ranks of its first and last stages: the embedding and
+    # the last stage's copy of it.
+    tied: TiedEmbedding | None = None
 
     @property
     def optimized(self) -> nn.Module:
         """What the optimizer holds, with the gradients it steps with: the module's parameters, or
-        under ZeRO-1 this rank's rows of them (under the whole model's names)."""
-        return self.zero.module if self.zero is not None else self.module
+        under ZeRO-1 this rank's rows of them (under the whole model's names); in a tied pipeline
+        not the last stage's copy of the embedding."""
+        if self.zero is not None:
+            return self.zero.module
+        return self.tied.stepped if self.tied is not None else self.module
 
     def after_update(self) -> None:
-        """After the optimizer step: ZeRO-1 all-gathers the rows each rank updated."""
+        """After the optimizer step: ZeRO-1 all-gathers the rows each rank updated; a tied
+        pipeline's last stage receives the embedding's new value."""
         if self.zero is not None:
             self.zero.all_gather()
+        if self.tied is not None:
+            with recorded("tied embedding sent to the last stage", "send/recv"):
+                self.tied.share_weight()
 
     def loss_context(self) -> AbstractContextManager[Any]:
         """Where the loss is computed and back-propagated: with tensor parallelism, the logits are
@@ -485,6 +495,9 @@ class ParallelModel:
             self.zero.settle()
         if self.experts is not None:  # expert parallelism: the shards' gradients averaged
             self.experts.reduce_gradients()
+        if self.tied is not None:  # the last stage's use of a tied embedding, added to it
+            with recorded("tied embedding gradient from the last stage", "send/recv"):
+                self.tied.reduce_gradient()
         if not self.dims.tp_enabled:
             return  # only tensor parallelism leaves partial sums (checked without a pass per step)
         groups: dict[tuple[int, int], list[nn.Parameter]] = {}
@@ -608,7 +621,13 @@ def _parallelize_pipeline(model: Transformer, config: Config, d: DistInfo) -> Pa
     """This rank's pipeline stages, each parallelised, gathered into one model, and their schedule."""
     from dtlab.config import pipeline_microbatches
     from dtlab.dims import stage_ids
-    from dtlab.parallel.pipeline import build_pipeline, rank_model, split_model, stage_io
+    from dtlab.parallel.pipeline import (
+        build_pipeline,
+        rank_model,
+        split_model,
+        stage_io,
+        tied_embedding,
+    )
 
     dims, p = d.dims, config.parallel
     n_stages = dims.pp * p.stages_per_rank
@@ -634,10 +653,12 @@ def _parallelize_pipeline(model: Transformer, config: Config, d: DistInfo) -> Pa
         shapes,
     )  # fmt: skip
     whole = rank_model(model.args, stages)
+    pp_mesh = dims.mesh(d.device.type, "pp")
+    tied = tied_embedding(whole, dims.coordinates(d.rank)["pp"], dims.pp, pp_mesh)
     experts = None
     if dims.ep_enabled:
         group = dims.expert_mesh(d.device.type, "ep_dp").get_group()
         experts = ExpertShards(expert_params(whole), group, dims.ep_span)
     return ParallelModel(
-        whole, whole, dims, CompressionState(p.compression), pipeline, experts=experts
+        whole, whole, dims, CompressionState(p.compression), pipeline, experts=experts, tied=tied
     )

@@ -12,6 +12,11 @@ Each stage is a :class:`~dtlab.models.llama.Transformer` that kept only its part
 checkpoints from every stage together are a whole-model checkpoint, and load into any other layout.
 A rank's stages are gathered into one model for its state and parameters (:func:`rank_model`); the
 schedule runs the stages.
+
+Tied embeddings: the last stage's output reads the embedding, which the first stage holds. The last
+stage holds a copy of it under the same name, that :class:`TiedEmbedding` keeps equal to it: the
+copy's gradient is added to the embedding's after backward, only the embedding is stepped, and its
+new value is sent back to the copy after the update.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -72,19 +78,93 @@ def rank_model(args: ModelArgs, stages: list[Transformer]) -> Transformer:
     the optimizer and the checkpoint see. It is never called; the stages are."""
     model = build_model(args)  # meta: only a frame for the stages' modules
     layers = sorted(int(k) for stage in stages for k in stage.layers)
-    model.keep_only(
-        layers,
-        first=any(s.tok_embeddings is not None for s in stages),
-        last=any(s.norm is not None for s in stages),
-    )
+    first = any(s.embeds for s in stages)
+    model.keep_only(layers, first=first, last=any(s.norm is not None for s in stages))
     for stage in stages:
         for k, block in stage.layers.items():
             model.layers[k] = block
-        if stage.tok_embeddings is not None:
+        # The embedding, or on a rank without the first stage a tied model's copy of it.
+        if stage.tok_embeddings is not None and (stage.embeds or not first):
             model.tok_embeddings = stage.tok_embeddings
         if stage.norm is not None:
             model.norm, model.output = stage.norm, stage.output
     return model
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (DTensor) parameter or gradient: what the peer rank holds of it too."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@dataclass
+class TiedEmbedding:
+    """A tied model's embedding, held by the first stage, and its copy, held by the last stage for
+    its output, on two pipeline ranks: ``first`` says which this rank holds (``weight``), ``peer``
+    is the other's rank in the pipeline group ``group``. Both ranks' stages are split alike (the
+    same data-parallel and tensor-parallel shards), so each sends its local part.
+
+    The embedding is the parameter: its gradient is the sum of both uses (the copy's gradient is
+    added to it after backward, and the copy's dropped), the optimizer steps it alone (the gradient
+    norm counts it once; no optimizer state is kept for the copy) and its new value is sent to the
+    copy after each update. The copy keeps the embedding's name, so a checkpoint holds the one
+    tensor (both ranks save the same values under it) and loads into both."""
+
+    weight: torch.Tensor  # the parameter
+    first: bool
+    group: dist.ProcessGroup
+    peer: int
+    # What the optimizer steps of this rank's model: all of it on the first stage's rank; on the
+    # last stage's, a module over its other parts (under the same names), without the copy.
+    stepped: nn.Module
+
+    @torch.no_grad()
+    def reduce_gradient(self) -> None:
+        """Add the copy's gradient to the embedding's (after the data-parallel reduction)."""
+        grad = self.weight.grad
+        if grad is None:
+            raise RuntimeError("the tied embedding has no gradient after backward")
+        local = _local(grad)
+        if self.first:
+            received = torch.empty_like(local)
+            dist.recv(received, group=self.group, group_src=self.peer)
+            local.add_(received)
+        else:
+            dist.send(local.contiguous(), group=self.group, group_dst=self.peer)
+            self.weight.grad = None  # stepped on the first stage only
+
+    @torch.no_grad()
+    def share_weight(self) -> None:
+        """Set the copy to the embedding's value (after an optimizer step)."""
+        local = _local(self.weight)
+        if self.first:
+            dist.send(local.contiguous(), group=self.group, group_dst=self.peer)
+        else:
+            received = torch.empty_like(local)
+            dist.recv(received, group=self.group, group_src=self.peer)
+            local.copy_(received)
+
+
+def tied_embedding(
+    model: Transformer, pp_rank: int, pp: int, mesh: DeviceMesh
+) -> TiedEmbedding | None:
+    """The :class:`TiedEmbedding` of this rank's ``model`` (:func:`rank_model`) at pipeline rank
+    ``pp_rank`` of ``pp`` on the pipeline dimension ``mesh``; None where the model is not tied or
+    the rank holds neither the first stage nor the last. The first stage is on pipeline rank 0 and
+    the last on rank ``pp - 1`` (the V schedules, which place both on rank 0, are refused with tied
+    embeddings by the config's checks)."""
+    if not model.args.tie_embeddings or pp_rank not in (0, pp - 1):
+        return None
+    if model.tok_embeddings is None:
+        raise RuntimeError(f"pipeline rank {pp_rank} of a tied model holds no embedding")
+    first = pp_rank == 0
+    stepped: nn.Module = model
+    if not first:
+        stepped = nn.Module()
+        for name, child in model.named_children():
+            if name != "tok_embeddings":
+                stepped.add_module(name, child)
+    weight = model.tok_embeddings.weight
+    return TiedEmbedding(weight, first, mesh.get_group(), pp - 1 if first else 0, stepped)
 
 
 @dataclass
