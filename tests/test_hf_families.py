@@ -23,6 +23,7 @@ from dtlab.data.loader import BatchLayout, BatchLoader
 from dtlab.generate import load_generator
 from dtlab.models.families import FAMILIES
 from dtlab.models.hf_adapter import from_hf, to_hf
+from dtlab.models.hf_moe import MOE_NAMES
 
 transformers = pytest.importorskip("transformers")
 
@@ -47,6 +48,13 @@ CASES: dict[str, tuple[str, dict[str, Any], str]] = {
     "ernie4_5_moe": ("Ernie4_5_MoeConfig", {"moe_intermediate_size": 32, "moe_num_experts": 4,
                      "moe_k": 2, "moe_num_shared_experts": 1, "moe_layer_start_index": 1},
                      "ernie4_5_moe"),
+    # Sigmoid scores with the selection bias (DeepSeek-V3's routing in one group), q/k/v biases,
+    # q/k norms, the whole head rotated.
+    "glm4_moe": ("Glm4MoeConfig", {"moe_intermediate_size": 32, "n_routed_experts": 4,
+                 "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                 "attention_bias": True, "use_qk_norm": True, "rope_parameters": {
+                     "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}},
+                 "glm4_moe"),
 }  # fmt: skip
 TOKENS = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
 
@@ -132,7 +140,7 @@ def _model_overrides(hf_dir: Path) -> list[str]:
             out += [f"model.{key}.{k}={_yaml(v)}" for k, v in value.items()]
         else:
             out.append(f"model.{key}={_yaml(value)}")
-    if section["moe"].get("experts") and section.get("family") != "ernie4_5_moe":
+    if section["moe"].get("experts") and MOE_NAMES[section["family"]].bias is None:
         out.append("model.moe.balance=none")  # the Qwen MoE routers have no selection bias
     return out
 
@@ -205,6 +213,7 @@ REFUSED = {
     "qwen3": ({"attention_bias": True}, "attention_bias = true"),
     "ernie4_5_moe": ({"use_bias": True}, "use_bias = true"),
     "qwen3_moe": ({"mlp_only_layers": [1]}, "dense blocks [1]: dtlab's dense blocks are the first"),
+    "glm4_moe": ({"n_group": 2, "topk_group": 1}, "group-limited routing (topk_group 1 of n_group 2)"),
     "mistral-window": (
         {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
         "rope scaling 'yarn'",
@@ -266,4 +275,7 @@ def test_a_published_shape_is_answered_with_its_preset(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as e:
         check_init_from(load_config(None, [f"model.init_from={tmp_path}"]))
     assert "model.head_dim = 32 but" in str(e.value) and "has head_dim 128" in str(e.value)
-    assert str(e.value).endswith("(e.g. --set model.preset=qwen3-0.6b) or start from other weights")
+    assert (
+        "(e.g. --set model.preset=qwen3-0.6b, whose shape it is, or --set model.dim=1024 "
+        in str(e.value)
+    )

@@ -162,13 +162,16 @@ def test_what_qwen2_moe_cannot_compute_is_refused(tmp_path: Path) -> None:
         match=r"the balancing bias 'layers\.1\.feed_forward\.expert_bias' is not zero \(largest \|bias\| 0\.1",
     ):
         export_hf(tmp_path / "biased", tmp_path / "out")
-    make_moe_checkpoint(tmp_path / "sigmoid", "model.moe.score=sigmoid")
     proc = run_cli(
-        "export", str(tmp_path / "sigmoid"), "--format", "hf", "--out", str(tmp_path / "o2")
+        "export", str(tmp_path / "biased"), "--format", "hf", "--out", str(tmp_path / "o2")
     )
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert "(Qwen2MoeForCausalLM) routes by a softmax (model.moe.score = 'sigmoid')" in proc.stderr
+    assert "Qwen2MoeForCausalLM's router has no such bias" in proc.stderr
     assert "--format safetensors exports it as dtlab computes it" in proc.stderr
+    # Sigmoid scores are GLM-4.5 MoE's: a config that names a softmax family for them is refused.
+    with pytest.raises(ConfigError, match=r"routes by a softmax \(model.moe.score = 'sigmoid'\)"):
+        load_config(None, ["model.preset=debug-moe", "model.moe.score=sigmoid",
+                           "model.family=qwen2_moe"])  # fmt: skip
     # A Qwen2-MoE whose shared expert is gated (as real ones are) or whose dense blocks are not the
     # first ones has no dtlab counterpart either.
     make_moe_checkpoint(tmp_path / "ok", "model.family=qwen2_moe")
@@ -218,12 +221,12 @@ def test_verify_exports_an_moe_run_to_hugging_face_when_a_family_computes_it(
     tmp_path: Path,
 ) -> None:
     # dtlab verify's export check exports as a user does: Hugging Face when the model's family
-    # computes its routing (Qwen2-MoE without a bias, ERNIE 4.5 MoE with one), dtlab's names when
-    # none does (sigmoid scores; a bias the named family has no place for).
+    # computes its routing (Qwen2-MoE without a bias, ERNIE 4.5 MoE with one, GLM-4.5 MoE's sigmoid
+    # scores), dtlab's names when none does (a bias the named family has no place for).
     cases = {
         "aux": (["model.moe.balance=aux"], "qwen2_moe"),
         "bias": (["model.moe.balance=bias+aux"], "ernie4_5_moe"),
-        "sigmoid": (["model.moe.score=sigmoid"], None),
+        "sigmoid": (["model.moe.score=sigmoid"], "glm4_moe"),
         "qwen2-bias": (["model.family=qwen2_moe"], None),
     }
     for name, (overrides, model_type) in cases.items():

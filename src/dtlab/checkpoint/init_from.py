@@ -230,7 +230,7 @@ def _moe_shape(args: ModelArgs, numeric: bool = False) -> dict[str, Any]:
     if m is None:
         return {} if numeric else {"moe.experts": 0}
     if numeric:
-        return {"moe.top_k": m.top_k, "moe.renormalize": m.renormalize}
+        return {"moe.top_k": m.top_k, "moe.renormalize": m.renormalize, "moe.score": m.score}
     return {
         "moe.experts": m.experts,
         "moe.expert_dim": m.expert_dim,
@@ -271,16 +271,18 @@ def check_init_from(config: Config, warn: bool = True) -> InitSource:
     src = read_source(m.init_from)
     args = m.args()
     where = "config.json" if src.kind == "hf" else "config.yaml"
-    _check_shape_keys(src, _model_shape(args), where)
+    _check_shape_keys(src, _model_shape(args), where, m.preset)
     _check_tensors(src, args, where)
     if warn:
         _warn_numeric(src, m, args)
     return src
 
 
-def _check_shape_keys(src: InitSource, ours: dict[str, Any], where: str) -> None:
-    """A ConfigError naming each shape key where the config (``ours``) and the source differ, with
-    the settings that would match it."""
+def _check_shape_keys(
+    src: InitSource, ours: dict[str, Any], where: str, preset: str | None = None
+) -> None:
+    """A ConfigError naming each shape key where the config (``ours``, of ``preset``) and the source
+    differ, with the settings that would match it (the preset of the source's shape first)."""
     wrong = [k for k in ours if src.shape.get(k) != ours[k]]
     if src.family is not None and src.family.qkv_bias == "yes":
         # The family always has q/k/v biases: a model without them starts from zero ones (checked
@@ -295,9 +297,9 @@ def _check_shape_keys(src: InitSource, ours: dict[str, Any], where: str) -> None
             for k in wrong
         ]
         fix = " ".join(f"model.{k}={_show(src.shape[k])}" for k in wrong)
-        preset = _matching_preset(src)
-        if preset is not None:  # one key instead of many
-            fix = f"model.preset={preset}"
+        match = _matching_preset(src)
+        if match is not None and match != preset:  # one key instead of many
+            fix = f"model.preset={match}, whose shape it is, or --set {fix}"
         raise ConfigError(
             f"{KEY}: the model does not have the shape of the weights ({where}): "
             + "; ".join(parts)

@@ -31,6 +31,7 @@ class Family:
     qkv_bias: str = "no"  # no | yes (always present: zeros where dtlab has none) | option
     qk_norm: str = "no"  # no | yes (always present: dtlab must have it) | option
     sliding_window: bool = False  # the architecture has a sliding-window option
+    score: str = "softmax"  # an MoE family's router scores: softmax | sigmoid
     summary: str = ""  # what the family maps, for docs and `dtlab config --keys`
 
 
@@ -54,6 +55,10 @@ FAMILIES: dict[str, Family] = {
                rope="interleaved",
                summary="ERNIE 4.5 MoE: softmax router with a selection bias "
                "(e_score_correction_bias: dtlab's default bias balancing), shared experts"),
+        Family("glm4_moe", "Glm4MoeForCausalLM", "glm4_moe", True, qkv_bias="option",
+               qk_norm="option", score="sigmoid",
+               summary="GLM-4.5 MoE: sigmoid router with a selection bias (DeepSeek-V3's, without "
+               "its groups or scaling), shared experts, optional q/k/v biases and q/k norms"),
     )
 }  # fmt: skip
 
@@ -67,6 +72,8 @@ def choose_family(args: ModelArgs) -> Family:
     """The family a model is written as when the config names none: the one whose class has
     exactly the model's options (a bias-balanced mixture of experts: ERNIE 4.5 MoE's router)."""
     m = args.moe
+    if m is not None and m.score == "sigmoid":
+        return FAMILIES["glm4_moe"]
     if m is None:
         if args.qk_norm:
             return FAMILIES["qwen3"]
@@ -100,8 +107,8 @@ def family_refusal(family: Family, args: ModelArgs) -> str | None:
     m = args.moe
     if m is None:
         return None
-    if m.score != "softmax":
-        return f"{name} routes by a softmax (model.moe.score = '{m.score}')"
+    if m.score != family.score:
+        return f"{name} routes by a {family.score} (model.moe.score = '{m.score}')"
     if family.name == "ernie4_5_moe" and not m.renormalize:
         return f"{name} always renormalises the top-k gates (model.moe.renormalize = false)"
     if family.name == "qwen3_moe" and m.shared_experts:

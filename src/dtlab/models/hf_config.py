@@ -53,7 +53,11 @@ HF_MOE_SHAPE_NAMES = {
     "moe.dense_layers": "dense blocks (mlp_only_layers, moe_layer_start_index)",
 }
 # Mixture-of-experts arguments that shape no tensor but change what the model computes.
-HF_MOE_NUMERIC_NAMES = {"moe.top_k": "num_experts_per_tok", "moe.renormalize": "norm_topk_prob"}
+HF_MOE_NUMERIC_NAMES = {
+    "moe.top_k": "num_experts_per_tok",
+    "moe.renormalize": "norm_topk_prob",
+    "moe.score": "the router's scores (the family's)",
+}
 
 
 @dataclass
@@ -185,9 +189,37 @@ def hf_config(
             "output_router_logits": False,
             "router_aux_loss_coef": m.aux_coef,
         }
+    elif m is not None and fam.name == "glm4_moe":
+        cfg |= _glm4_moe_config(args)
     else:  # family_refusal keeps a dense model from an MoE family and the reverse
         raise ValueError(f"{fam.hf_class} cannot hold this model")
     return cfg
+
+
+def _glm4_moe_config(args: ModelArgs) -> dict[str, Any]:
+    """GLM-4.5 MoE's keys: its rotation over the whole head (it rotates half by default), one
+    group of experts (no group-limited routing), no scaling of the gates, no multi-token layers."""
+    m = args.moe
+    assert m is not None
+    rope = {**(_rope_scaling(args) or {"rope_type": "default"}), "rope_theta": args.rope_theta}
+    return {
+        "attention_bias": args.qkv_bias,
+        "use_qk_norm": args.qk_norm,
+        "partial_rotary_factor": 1.0,
+        "rope_parameters": {**rope, "partial_rotary_factor": 1.0},
+        "n_routed_experts": m.experts,
+        "num_experts_per_tok": m.top_k,
+        "moe_intermediate_size": m.expert_dim,
+        "n_shared_experts": m.shared_experts,
+        "first_k_dense_replace": m.dense_layers,
+        "norm_topk_prob": True,  # dtlab always renormalises sigmoid gates
+        "routed_scaling_factor": 1.0,
+        "n_group": 1,
+        "topk_group": 1,
+        "num_nextn_predict_layers": 0,
+        "output_router_logits": False,
+        "router_aux_loss_coef": m.aux_coef,
+    }
 
 
 # --- reading -------------------------------------------------------------------------------------
@@ -241,13 +273,19 @@ def _read_dense(cfg: dict[str, Any], out: HFModel) -> None:
     shape["tie_embeddings"] = bool(cfg.get("tie_word_embeddings", fam.name == "ernie4_5_moe"))
     head_dim = cfg.get("head_dim")
     shape["head_dim"] = head_dim or (shape["dim"] // shape["n_heads"] if shape["n_heads"] else 0)
-    shape["qkv_bias"] = fam.qkv_bias == "yes"
-    shape["qk_norm"] = fam.qk_norm == "yes"
+    shape["qkv_bias"] = fam.qkv_bias == "yes" or (
+        fam.qkv_bias == "option" and bool(cfg.get("attention_bias"))
+    )
+    shape["qk_norm"] = fam.qk_norm == "yes" or (
+        fam.qk_norm == "option" and bool(cfg.get("use_qk_norm"))
+    )
     shape["sliding_window"] = None
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         out.problems.append(f"hidden_act {act!r}: dtlab's SwiGLU uses 'silu'")
     biases = [k for k in ("attention_bias", "mlp_bias", "use_bias") if cfg.get(k)]
+    if fam.qkv_bias == "option":  # GLM's attention_bias is on q, k and v only: qkv_bias
+        biases = [k for k in biases if k != "attention_bias"]
     if biases:
         out.problems.append(
             f"{biases[0]} = true: dtlab's {fam.hf_class} has "
@@ -283,6 +321,9 @@ def _read_moe(cfg: dict[str, Any], out: HFModel) -> None:
     """The ``moe.<key>`` keys of a mixture of experts' config.json (every MoE family's names)."""
     fam, shape = out.family, out.shape
     ernie = fam.name == "ernie4_5_moe"
+    if fam.name == "glm4_moe":
+        _read_glm4_moe(cfg, out)
+        return
     experts = cfg.get("moe_num_experts" if ernie else "num_experts") or cfg.get("num_local_experts")
     size = cfg.get("moe_intermediate_size")
     if not isinstance(experts, int) or experts < 1 or not isinstance(size, int) or size < 1:
@@ -323,4 +364,44 @@ def _read_moe(cfg: dict[str, Any], out: HFModel) -> None:
         "moe.dense_layers": len(dense),
         "moe.top_k": top_k,
         "moe.renormalize": renormalize,
+        "moe.score": fam.score,
+    }
+
+
+def _read_glm4_moe(cfg: dict[str, Any], out: HFModel) -> None:
+    """GLM-4.5 MoE's keys: what dtlab's sigmoid router computes, and what it does not (groups of
+    experts, scaled gates, a partial rotation) named."""
+    experts, size = (
+        cfg.get("n_routed_experts") or cfg.get("num_local_experts"),
+        cfg.get("moe_intermediate_size"),
+    )
+    if not isinstance(experts, int) or experts < 1 or not isinstance(size, int) or size < 1:
+        out.problems.append(
+            f"n_routed_experts {experts!r} and moe_intermediate_size {size!r} (need integers >= 1)"
+        )
+        return
+    partial = cfg.get("partial_rotary_factor") or _rope_parameters(cfg).get("partial_rotary_factor")
+    checks = {
+        f"partial_rotary_factor {partial}: dtlab's RoPE rotates the whole head": partial
+        not in (None, 1, 1.0),
+        f"routed_scaling_factor {cfg.get('routed_scaling_factor')}: dtlab's gates are not scaled": (
+            cfg.get("routed_scaling_factor", 1.0) != 1.0
+        ),
+        f"group-limited routing (topk_group {cfg.get('topk_group')} of n_group "
+        f"{cfg.get('n_group')}): dtlab's router chooses among every expert": (
+            (cfg.get("topk_group") or 1) < (cfg.get("n_group") or 1)
+        ),
+        "norm_topk_prob = false: dtlab always renormalises sigmoid gates": not cfg.get(
+            "norm_topk_prob", True
+        ),
+    }
+    out.problems.extend(what for what, refused in checks.items() if refused)
+    out.shape |= {
+        "moe.experts": experts,
+        "moe.expert_dim": size,
+        "moe.shared_experts": cfg.get("n_shared_experts", 1) or 0,
+        "moe.dense_layers": cfg.get("first_k_dense_replace", 1) or 0,
+        "moe.top_k": cfg.get("num_experts_per_tok", 8),
+        "moe.renormalize": True,
+        "moe.score": "sigmoid",
     }

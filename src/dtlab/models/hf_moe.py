@@ -10,7 +10,9 @@ differ in what sits beside the experts:
   exactly 1/2) and the shared expert's ``down_proj`` doubled (a power of two: no rounding);
 - Qwen3-MoE: no shared expert;
 - ERNIE 4.5 MoE: shared experts (``shared_experts``) added as they are, and the selection bias
-  (``moe_statics.e_score_correction_bias``, [1, experts]) that dtlab's bias balancing trains.
+  (``moe_statics.e_score_correction_bias``, [1, experts]) that dtlab's bias balancing trains;
+- GLM-4.5 MoE: sigmoid scores, shared experts (``shared_experts``, always built: an empty one stands
+  for none) and the selection bias beside the router (``gate.e_score_correction_bias``, [experts]).
 """
 
 from __future__ import annotations
@@ -33,12 +35,22 @@ class MoENames:
     shared: str | None = None  # the shared experts' MLP (None: the family has none)
     shared_gate: str | None = None  # the shared expert's sigmoid gate, which dtlab lacks (zeros)
     bias: str | None = None  # the per-expert selection bias (None: the family has none)
+    bias_rows: bool = False  # the bias is [1, experts] (ERNIE), not [experts]
+    # The class always builds the shared expert: an empty one (width 0) stands for none.
+    always_shared: bool = False
 
 
 MOE_NAMES = {
-    "qwen2_moe": MoENames(shared="shared_expert", shared_gate="shared_expert_gate.weight"),
+    "qwen2_moe": MoENames(
+        shared="shared_expert", shared_gate="shared_expert_gate.weight", always_shared=True
+    ),
     "qwen3_moe": MoENames(),
-    "ernie4_5_moe": MoENames(shared="shared_experts", bias="moe_statics.e_score_correction_bias"),
+    "ernie4_5_moe": MoENames(
+        shared="shared_experts", bias="moe_statics.e_score_correction_bias", bias_rows=True
+    ),
+    "glm4_moe": MoENames(
+        shared="shared_experts", bias="gate.e_score_correction_bias", always_shared=True
+    ),
 }
 _PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _DTLAB_PART = {v: k for k, v in _PARTS.items()}
@@ -65,7 +77,7 @@ def moe_to_hf(
         return {f"{p}{names.shared}.{_PARTS[w]}.weight": value * 2 if doubled else value}
     if part == "expert_bias":
         if names.bias is not None:
-            return {p + names.bias: value.reshape(1, -1)}
+            return {p + names.bias: value.reshape(1, -1) if names.bias_rows else value}
         if value.any():  # hf_export_refusal says so first
             raise CheckpointError(
                 f"'layers.{layer}.{name}' is not zero: the family has no such bias"
@@ -86,10 +98,10 @@ def moe_extras(args: ModelArgs, names: MoENames, dtype: torch.dtype) -> dict[str
         p = f"model.layers.{i}.mlp."
         if names.shared_gate is not None:
             out[p + names.shared_gate] = torch.zeros(1, args.dim, dtype=dtype)
-            if not args.moe.shared_experts:
-                for w, shape in (("gate", (0, args.dim)), ("up", (0, args.dim))):
-                    out[f"{p}{names.shared}.{w}_proj.weight"] = torch.zeros(shape, dtype=dtype)
-                out[f"{p}{names.shared}.down_proj.weight"] = torch.zeros(args.dim, 0, dtype=dtype)
+        if names.always_shared and not args.moe.shared_experts:
+            for w, shape in (("gate", (0, args.dim)), ("up", (0, args.dim))):
+                out[f"{p}{names.shared}.{w}_proj.weight"] = torch.zeros(shape, dtype=dtype)
+            out[f"{p}{names.shared}.down_proj.weight"] = torch.zeros(args.dim, 0, dtype=dtype)
         if names.bias is not None and not args.moe.bias_balance:
             out[p + names.bias] = torch.zeros(1, args.moe.experts)
     return out
