@@ -65,10 +65,10 @@ EXPORT_EPILOG = """\
 formats:
   safetensors   DIR/model.safetensors with dtlab's parameter names, and DIR/config.yaml (the run's config)
   hf            a Hugging Face directory (config.json, model.safetensors) of the model's family
-                (model.family: Llama, Qwen2, Qwen3, Mistral, Qwen2-MoE, Qwen3-MoE or ERNIE 4.5 MoE,
-                the last for a default bias-balanced mixture of experts) that transformers'
-                AutoModelForCausalLM.from_pretrained(DIR) loads; what the family's class cannot
-                compute (sigmoid router scores, a trained bias where it has none) is refused
+                (model.family: Llama, Qwen2, Qwen3, Mistral, Qwen2-MoE, Qwen3-MoE, ERNIE 4.5 MoE
+                for a default bias-balanced mixture of experts, GLM-4.5 MoE for sigmoid scores)
+                that transformers' AutoModelForCausalLM.from_pretrained(DIR) loads; what the
+                family's class cannot compute (a trained bias where it has none) is refused
 
 examples:
   dtlab export runs/dtlab-20250101-120000 --format hf --out exports/llama

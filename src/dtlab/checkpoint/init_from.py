@@ -1,6 +1,6 @@
 """``model.init_from``: start a run from the weights of a dtlab export or a Hugging Face directory
 of any family dtlab maps (:mod:`dtlab.models.families`: Llama, Qwen2/2.5, Qwen3, Mistral, Qwen2-MoE,
-Qwen3-MoE, ERNIE 4.5 MoE).
+Qwen3-MoE, ERNIE 4.5 MoE, GLM-4.5 MoE).
 
 Two kinds of source directory:
 

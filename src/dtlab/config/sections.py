@@ -157,7 +157,8 @@ class ModelConfig(_Section):
         description="The Hugging Face family `dtlab export --format hf` writes (and model.init_from "
         "read): " + ", ".join(FAMILIES) + "; null = the one whose class has exactly this model's "
         "options (llama; qwen3 with qk_norm, qwen2 with qkv_bias, mistral with a sliding window; "
-        "a bias-balanced mixture of experts: ernie4_5_moe, else qwen3_moe or qwen2_moe).",
+        "a mixture of experts with sigmoid scores: glm4_moe, bias-balanced: ernie4_5_moe, else "
+        "qwen3_moe or qwen2_moe).",
     )
     init_from: str | None = Field(
         None,
