@@ -8,7 +8,13 @@ import math
 
 from dtlab.analysis import moe
 from dtlab.analysis.activations import FP32, fsdp_half_params, residual_half
-from dtlab.analysis.shapes import ParamShape, RankPart, padded_by_group, whole_under_tp
+from dtlab.analysis.shapes import (
+    ParamShape,
+    RankPart,
+    is_embedding,
+    padded_by_group,
+    whole_under_tp,
+)
 from dtlab.config import Config
 from dtlab.dims import ParallelDims
 from dtlab.runtime.signals import STOP_SIGNALS
@@ -236,6 +242,40 @@ def _tp_loss_and_norms_comm(
         comm["tp all_reduce"] += norms * config.model.dim * FP32
     if config.model.qk_norm:  # a q and a k gain of head_dim a block
         comm["tp all_reduce"] += 2 * part.n_layers * config.model.args().head_dim * FP32
+
+
+def tied_embedding_comm(
+    config: Config,
+    dims: ParallelDims,
+    shapes: list[ParamShape],
+    part: RankPart,
+    shard_rank: int | None,
+    comm: dict[str, int],
+) -> None:
+    """A tied model's pipeline (:class:`dtlab.parallel.pipeline.TiedEmbedding`) into ``comm``'s
+    sends: after backward the last stage's rank sends its copy's gradient to the first stage's,
+    after the optimizer step the first stage's rank sends the embedding's new value back, each
+    the rank's own part of it (its tensor-parallel rows, its FSDP shard: ``shard_rank``'s real
+    rows, by default the first's), in float32. Each of the two ranks sends one of them; the other
+    is its receive (the counter counts a send's bytes)."""
+    nbytes = tied_embedding_bytes(config, dims, shapes, part, shard_rank)
+    if nbytes:
+        comm["send/recv"] = comm.get("send/recv", 0) + nbytes
+
+
+def tied_embedding_bytes(
+    config: Config,
+    dims: ParallelDims,
+    shapes: list[ParamShape],
+    part: RankPart,
+    shard_rank: int | None = None,
+) -> int:
+    """Bytes of the rank's part of a tied embedding that one end of a pipeline sends the other
+    (:func:`tied_embedding_comm`), and receives into a buffer of its own; 0 on a rank at neither
+    end, or without tied embeddings or a pipeline."""
+    if not (dims.pp_enabled and config.model.tie_embeddings) or part.first == part.last:
+        return 0  # (both ends on one rank are refused with tied embeddings)
+    return FP32 * sum(moe.held_numel(s, dims, shard_rank) for s in shapes if is_embedding(s))
 
 
 def _pipeline_sends(part: RankPart) -> int:

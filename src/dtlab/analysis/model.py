@@ -52,6 +52,7 @@ from dtlab.analysis.comm_model import (
     diloco_sync_steps,
     is_muon_shape,
     step_reduction_bytes,
+    tied_embedding_comm,
     zero1_comm_bytes,
 )
 from dtlab.analysis.context_plan import (
@@ -74,8 +75,10 @@ from dtlab.analysis.rank_timeline import RankInputs, Walk, pipeline_rank_timelin
 from dtlab.analysis.shapes import (
     ParamShape,
     RankPart,
+    holds_tied_copy,
     param_shapes,
     rank_shapes,
+    stepped_shapes,
 )
 from dtlab.analysis.timeline import Timeline
 from dtlab.config import Config, ModelConfig
@@ -268,7 +271,7 @@ def _plan_rank(
     acts = _activations(rank)
     plan.activations_bytes = acts.peak
     plan.buffers_bytes = _buffers_bytes(rank)
-    whole = _rank_comm(rank, plan)
+    whole = _rank_comm(rank, plan, shard_rank)
     if acts.walked is not None:
         plan.timeline = pipeline_rank_timeline(
             rank, plan, acts.walked, acts.loss_part, _again(rank, acts)
@@ -301,29 +304,41 @@ def _state_plan(rank: RankInputs, shard_rank: int | None) -> StepPlan:
     """The rank's plan with its parameters, gradients and optimizer state (its activations, buffers
     and collectives to come). FSDP shards them over the shard group; no_shard and ddp replicate;
     hsdp shards within a replica group. Expert parallelism: the routed experts split over the EP
-    group instead (dtlab.analysis.moe)."""
+    group instead (dtlab.analysis.moe).
+
+    A tied model's last stage holds a copy of the embedding (:func:`holds_tied_copy`): a parameter
+    without optimizer state, whose gradient is sent to the first stage and dropped before the
+    optimizer steps; under FSDP (and DDP beside a pipeline, FSDP2 replicating) that gradient is a
+    view of its root unit's reduced gradients, whose storage the final norm's gradient keeps to the
+    step's end (measured by `dtlab plan --check`)."""
     config, dims, shapes = rank.config, rank.dims, rank.shapes
     p, t = config.parallel, config.train
     split_by = (dims.ep if dims.ep_enabled else 0, dims.fsdp_shard)  # what held_numel reads of dims
     held = memo(shapes, ("held", *split_by), lambda: sum(moe.held_numel(s, dims) for s in shapes))
+    stepped = stepped_shapes(shapes, holds_tied_copy(config, rank.part))
+    grads = held
+    if not dims.fsdp_enabled:
+        grads = memo(
+            stepped, ("held", *split_by), lambda: sum(moe.held_numel(s, dims) for s in stepped)
+        )
     own_rows = shard_rank if dims.fsdp_enabled else None
     return StepPlan(
         strategy=p.strategy,
         sharding=p.sharding if dims.fsdp_enabled or dims.shard_optimizer else "-",
         world_size=rank.world_size,
         params_bytes=held * FP32,
-        grads_bytes=held * FP32,
+        grads_bytes=grads * FP32,
         # The optimizer state mirrors the shard's real rows (FSDP2 pads the parameter's chunk).
         optimizer_bytes=memo(
-            shapes,
+            stepped,
             ("optimizer", t.optimizer, t.demo.chunk_size, *split_by, own_rows),
-            lambda: _optimizer_bytes(config, shapes, lambda s: moe.held_numel(s, dims, own_rows)),
+            lambda: _optimizer_bytes(config, stepped, lambda s: moe.held_numel(s, dims, own_rows)),
         )
         if not dims.shard_optimizer
         else memo(
-            shapes,
+            stepped,
             ("zero1", t.optimizer, t.demo.chunk_size, dims.dp),
-            lambda: _zero1_optimizer_bytes(config, shapes, dims.dp),
+            lambda: _zero1_optimizer_bytes(config, stepped, dims.dp),
         ),
         activations_bytes=0,  # _activations
     )
@@ -418,10 +433,11 @@ def _buffers_bytes(rank: RankInputs) -> int:
     return rope + moe.buffer_bytes(rank.rank_model)
 
 
-def _rank_comm(rank: RankInputs, plan: StepPlan) -> int:
+def _rank_comm(rank: RankInputs, plan: StepPlan, shard_rank: int | None = None) -> int:
     """The rank's collectives per step and their groups into ``plan`` (with FSDP's gathered
     parameters and DiLoCo's host state); returns the bytes of the step's small reduction over
-    every rank (0 where there is none)."""
+    every rank (0 where there is none). ``shard_rank``: the rank's index in its FSDP shard group
+    (what it sends of a tied embedding follows its shard's rows)."""
     config, dims, shapes, world_size = rank.config, rank.dims, rank.shapes, rank.world_size
     comm: dict[str, int] = {}
     groups: dict[str, int] = {}
@@ -437,6 +453,7 @@ def _rank_comm(rank: RankInputs, plan: StepPlan) -> int:
         comm.update(ddp_comm_bytes(rank.dp_shapes, config, world_size))
         groups.update({k: world_size for k in comm})
     _model_parallel_comm(config, dims, rank.part, rank.tokens, rank.accum, comm, groups)
+    tied_embedding_comm(config, dims, shapes, rank.part, shard_rank, comm)
     moe.ep_comm(config, dims, shapes, rank.tokens, rank.accum, comm, groups, rank.rank_model)
     cp_comm(config, dims, rank.part, rank.tokens, rank.accum, comm, groups)
     if config.train.optimizer == "muon":

@@ -358,6 +358,7 @@ def pipeline_timeline(
     recompute: tuple[int, int],
     fsdp: StageFsdp | None,
     stage_blocks: list[BlockShape] | None = None,
+    tied: int = 0,
 ) -> Timeline:
     """The step's moments on a pipeline rank, through its schedule's ``walk``
     (:func:`walk_schedule`), named as the check names them: each forward's ``forward n`` (n forwards
@@ -371,7 +372,10 @@ def pipeline_timeline(
     the first sends its input's gradient back, which stays alive until the next backward's send.
     Autocast's weight copies live through the step (one autocast region around the schedule).
     ``stage_blocks``: each stage's block shape where they differ (an MoE model's dense and MoE
-    stages), by default ``block`` on every stage."""
+    stages), by default ``block`` on every stage. ``tied``: on either end of a tied model's
+    pipeline, the bytes of the rank's part of the embedding it receives from the other end (the
+    copy's gradient after backward on the first stage's rank, the new value after the optimizer
+    step on the last stage's)."""
     per_stage = stage_blocks or [block] * len(part.stages)
     steps = PipelineSteps(
         Timeline(), state, part, figures, tokens, walk, grads,
@@ -390,5 +394,9 @@ def pipeline_timeline(
             steps.weight_half(op)
         else:
             steps.backward(op, final=step + 1 == len(walk))
+    if tied and part.first:
+        steps.tied_received(tied, after_step=False)
     steps.add("optimizer", "the optimizer step", grads=state.grads, buffers=state.buffers)
+    if tied and part.last:
+        steps.tied_received(tied, after_step=True)
     return steps.t

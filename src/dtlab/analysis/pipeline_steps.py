@@ -110,6 +110,7 @@ class PipelineSteps:
     # input gradients sent to the previous rank, alive to the step's end.
     sent: int = 0
     pending: int = 0  # the output gradients zero-bubble input halves keep for their weight halves
+    left: int = 0  # the activations alive after the last backward so far
     # Each stage's: gradients made (its first backward done), last op a backward, first forward
     # run, gradients reduced, and backwards to come.
     done: list[bool] = field(init=False)
@@ -237,6 +238,7 @@ class PipelineSteps:
         self.done[i] = True
         g_kept, t_kept = self.made()
         left = held - figures.per_mb[i] - (0 if last else figures.stream)
+        self.left = left
         self.add(f"after backward {self.forwards}", "between backward and the next forward",
                  grads=g_kept, activations=left,
                  temporaries=t_kept + self.sending + self.pending, buffers=bufs)  # fmt: skip
@@ -251,8 +253,21 @@ class PipelineSteps:
         regather = self.fsdp is not None and self.fsdp.reshard and not self.after_backward[op.i]
         self._loss_backward(op, kept, regather)
         self._blocks_backward(op, kept, first_time, regather)
-        left = self._after_backward(op, final)
-        self._reduce_stage(op, left)
+        self.left = self._after_backward(op, final)
+        self._reduce_stage(op, self.left)
+
+    def tied_received(self, nbytes: int, after_step: bool) -> None:
+        """One end of a tied model's pipeline receiving ``nbytes`` of the embedding from the other
+        into a buffer of its own (:class:`dtlab.parallel.pipeline.TiedEmbedding`): the first
+        stage's rank the copy's gradient after the step's backward, beside every gradient; the
+        last stage's rank (``after_step``) the embedding's new value after the optimizer step,
+        beside the gradients it stepped with (dropped after it). Both outside the optimizer's
+        step: the check files them under the last ``after backward`` moment."""
+        grads = self.state.grads if after_step else self.made()[0]
+        what = "the embedding's new value" if after_step else "its copy's gradient"
+        self.add(f"after backward {self.forwards}", f"the tied embedding: {what} received",
+                 grads=grads, activations=self.left, temporaries=nbytes,
+                 buffers=self.state.buffers + self.gathered(None, 0))  # fmt: skip
 
     def _loss_backward(self, op: StageOp, kept: tuple[int, int], regather: bool) -> None:
         """On the last stage, the loss's backward and, where FSDP gathers the stage again, the

@@ -178,10 +178,11 @@ def compute_seconds(
 def rank_share(config: Config, dims: Any, shapes: list[Any]) -> tuple[float, float]:
     """(FLOPs share, parameters share) of the busiest rank of a layout: its pipeline stage's part of
     the model's FLOPs per token (its blocks, and the output projection on the last stage) and of its
-    parameters, each split by tensor parallelism, the parameters also by the data-parallel shards the
-    optimizer steps (FSDP's, ZeRO-1's)."""
+    parameters the optimizer steps, each split by tensor parallelism, the parameters also by the
+    data-parallel shards the optimizer steps (FSDP's, ZeRO-1's)."""
     from dtlab.analysis.activations import attention_widths, block_matmul_params
     from dtlab.analysis.model import flops_per_token, rank_shapes
+    from dtlab.analysis.shapes import holds_tied_copy, stepped_shapes
 
     m = config.model
     block = 6.0 * block_matmul_params(m) + 12.0 * attention_widths(m)[0] * config.seq_len
@@ -194,7 +195,9 @@ def rank_share(config: Config, dims: Any, shapes: list[Any]) -> tuple[float, flo
     for pp_rank in range(dims.pp):
         held, part = rank_shapes(config, dims, shapes, pp_rank)
         flops = max(flops, part.n_layers * block + (head if part.last else 0.0))
-        params = max(params, sum(s.shard_numel(shards) for s in held))
+        # (Not a tied model's last stage's copy of the embedding: the optimizer leaves it.)
+        stepped = stepped_shapes(held, holds_tied_copy(config, part))
+        params = max(params, sum(s.shard_numel(shards) for s in stepped))
     return flops / total / dims.tp, params / everything
 
 

@@ -17,6 +17,7 @@ from dtlab.analysis.activations import (
     residual_half,
     window_mask_bytes,
 )
+from dtlab.analysis.comm_model import tied_embedding_bytes
 from dtlab.analysis.context_plan import document_mask_bytes, ring_backward_bytes
 from dtlab.analysis.memo import memo
 from dtlab.analysis.pipeline_memory import (
@@ -25,7 +26,7 @@ from dtlab.analysis.pipeline_memory import (
     StageGrads,
     pipeline_timeline,
 )
-from dtlab.analysis.shapes import ParamShape, RankPart, padded_by_group
+from dtlab.analysis.shapes import ParamShape, RankPart, holds_tied_copy, padded_by_group
 from dtlab.analysis.timeline import (
     BlockKind,
     BlockShape,
@@ -209,10 +210,13 @@ def _rank_state(
     (FSDP's unsharded gradients are in the dtype it gathers in; the rest float32)."""
     made = 2 if fsdp_half_params(config, dims) else FP32
     head, embed = _head_and_embedding(shapes)
+    # A tied model's output's gradient of the embedding, held until the lookup's backward (a
+    # pipeline's last stage holds a copy for its output alone).
+    tied = made * embed if config.model.tie_embeddings and not dims.pp_enabled else 0
     state = RankState(
         params=plan.params_bytes, optimizer=plan.optimizer_bytes, grads=plan.grads_bytes,
         buffers=plan.buffers_bytes, head_grads=made * head,
-        embed_grads=FP32 * embed,
+        embed_grads=FP32 * embed, tied_grad=tied,
     )  # fmt: skip
     return state, made
 
@@ -260,10 +264,14 @@ def pipeline_rank_timeline(
     m, t = config.model, config.train
     state, made = _rank_state(config, dims, plan, shapes)
     split = stage_layers(m.n_layers, part.n_stages)
+    # A tied model's last stage: its copy of the embedding is its output projection, whose
+    # gradient its first backward makes (sent to the first stage after the step's backward).
+    root, copy = _head_and_embedding(shapes)
+    root += copy if holds_tied_copy(config, part) else 0
     grads = []
     for sid in part.stages:
         blocks = _layers_numel(shapes, tuple(split[sid]))
-        head = _head_and_embedding(shapes)[0] if sid == part.n_stages - 1 else 0
+        head = root if sid == part.n_stages - 1 else 0
         embed = state.embed_grads // FP32 if sid == 0 else 0
         grads.append(
             StageGrads(FP32 * (blocks + head + embed), FP32 * blocks, made * head, FP32 * embed)
@@ -298,7 +306,7 @@ def pipeline_rank_timeline(
     return pipeline_timeline(
         state, part, figures, tokens, walk, grads,
         [len(split[sid]) for sid in part.stages], timeline_loss, loss,
-        block, recompute, units, by_stage,
+        block, recompute, units, by_stage, tied_embedding_bytes(config, dims, shapes, part),
     )  # fmt: skip
 
 

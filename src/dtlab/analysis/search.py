@@ -114,11 +114,12 @@ def _pick(config: Config, key: str, options: list[Any]) -> list[Any]:
 
 
 def _tp_options(config: Config, nproc: int) -> list[int]:
-    """Tensor-parallel degrees within one node (``tp`` divides ``nproc``) that split the model."""
+    """Tensor-parallel degrees within one node (``tp`` divides ``nproc``) that split the model
+    (tied embeddings too: the vocabulary-split embedding computes the tied output's logits)."""
     m = config.model
     splits = (m.n_heads, m.kv_heads, m.hidden_dim, m.vocab_size)
     ok = [t for t in _divisors(nproc) if all(v % t == 0 for v in splits)]
-    return _pick(config, "parallel.tp", ok if not m.tie_embeddings else [1])
+    return _pick(config, "parallel.tp", ok)
 
 
 def _data_parallel_options(config: Config, dp: int, model_parallel: bool) -> list[dict[str, Any]]:

@@ -118,8 +118,9 @@ def rank_shapes(
     shards it), and its stages. The same split of the same shapes returns the same list (shared:
     not to be changed), so that figures over it are computed once (:mod:`dtlab.analysis.memo`)."""
     p = config.parallel
-    key = (id(shapes), len(shapes), config.model.n_layers, dims.tp, dims.pp, p.stages_per_rank,
-           p.pp_schedule if dims.pp_enabled else "", pp_rank)  # fmt: skip
+    key = (id(shapes), len(shapes), config.model.n_layers, config.model.tie_embeddings, dims.tp,
+           dims.pp, p.stages_per_rank, p.pp_schedule if dims.pp_enabled else "",
+           pp_rank)  # fmt: skip
     hit = _RANK_SHAPES.get(key)
     if hit is not None and hit[0] is shapes:
         return hit[1], hit[2]
@@ -142,14 +143,41 @@ def _rank_shapes(
         layers = {i for sid in ids for i in split[sid]}
         part = RankPart(ids, n_stages, len(layers))
 
+    # A tied model's last stage holds a copy of the embedding for its output projection.
+    embeds = part.first or holds_tied_copy(config, part)
+
     def held(s: ParamShape) -> bool:
         if s.group != "root":
             return int(s.group.split(".")[1]) in layers
-        return part.first if s.name.startswith("tok_embeddings") else part.last
+        return embeds if is_embedding(s) else part.last
 
     # An MoE block's feed-forward stays whole on every tensor-parallel rank (dtlab.analysis.moe).
     tp_split = [s if whole_under_tp(s.name) else _tp_local(s, dims.tp) for s in shapes]
     return [s for s in tp_split if held(s)], part
+
+
+def holds_tied_copy(config: Config, part: RankPart) -> bool:
+    """Whether a pipeline rank of ``part`` holds the last stage's copy of a tied embedding
+    (:class:`dtlab.parallel.pipeline.TiedEmbedding`): the rank of the last stage, not of the first
+    (the V schedules, which would place both on one rank, are refused with tied embeddings). The
+    copy is a parameter of the rank's model, kept in its root (FSDP's root unit), whose gradient is
+    sent to the first stage after backward and dropped; the optimizer does not step it, and the
+    first stage sends its new value back after each step."""
+    return config.model.tie_embeddings and part.last and not part.first
+
+
+def stepped_shapes(shapes: list[ParamShape], copy: bool) -> list[ParamShape]:
+    """The parameters of ``shapes`` (a rank's, :func:`rank_shapes`) the optimizer steps: all of
+    them, but not the tied embedding's copy where the rank holds one (``copy``,
+    :func:`holds_tied_copy`). The same list for the same shapes (shared: not to be changed)."""
+    if not copy:
+        return shapes
+    return memo(shapes, ("stepped",), lambda: [s for s in shapes if not is_embedding(s)])
+
+
+def is_embedding(s: ParamShape) -> bool:
+    """Whether ``s`` is the token embedding (or a tied model's last stage's copy of it)."""
+    return s.name.startswith("tok_embeddings")
 
 
 def whole_under_tp(name: str) -> bool:

@@ -13,7 +13,8 @@ Which communication hides depends on who moves the bytes:
 
 Tensor-parallel collectives sit inside each block's computation, which waits for them; pipeline sends
 are in the bubble's accounting; ZeRO-1's reduce-scatter and all-gather come after backward and after
-the optimizer step. None of those hide.
+the optimizer step, and so do a tied model's pipeline's (its copy's gradient sent to the first stage,
+the embedding's new value sent back before the next step). None of those hide.
 """
 
 from __future__ import annotations
@@ -172,9 +173,9 @@ def collective_waits(
     (its reducer issues them while backward runs and waits at the end); ZeRO-1's reduce-scatter and
     all-gather; FSDP's all-gathers (forward and, with ``full`` sharding, backward, of each unit and
     micro-batch), reduce-scatters of each unit and micro-batch (a pipeline's once) and HSDP's
-    all-reduces of each unit; tensor parallelism's per
-    block and micro-batch; a pipeline rank's sends and receives; expert parallelism's all-to-alls
-    (three per MoE block and micro-batch in forward, two in backward, three more where a block is
+    all-reduces of each unit; tensor parallelism's per block and micro-batch; a pipeline rank's
+    sends and receives (a tied model's embedding's too); expert parallelism's all-to-alls (three
+    per MoE block and micro-batch in forward, two in backward, three more where a block is
     recomputed) and its experts' all-reduce; and the step's one reduction. ``n_layers``: the blocks
     the rank holds."""
     p = config.parallel
@@ -202,7 +203,9 @@ def collective_waits(
         else:
             add(dims.tp, microbatches * (7 * n_layers + 2 + 3))
     if dims.pp_enabled:
-        add(2, 2 * microbatches)
+        # A tied model's ends also pass the embedding: its gradient after backward, its new
+        # value after the optimizer step (a send and a receive on each of the two ranks).
+        add(2, 2 * microbatches + (2 if config.model.tie_embeddings else 0))
     if dims.cp_enabled:  # per block: the ring's passes or alltoall's all-to-alls
         from dtlab.analysis.context_plan import cp_calls
 

@@ -147,7 +147,13 @@ class RankState:
     """What a rank holds besides one micro-batch's activations, as the plan predicts it: its own
     parameters and optimizer state, the gradients the optimizer steps with, module buffers; and the
     gradients as backward makes them: the output's and final norm's (``head_grads``, made first),
-    the embedding's (``embed_grads``, made last), each block's (in :class:`BlockShape`)."""
+    the embedding's (``embed_grads``, made last), each block's (in :class:`BlockShape`).
+
+    ``tied_grad``: a tied model's output projection reads the embedding, which the model also
+    looks up: autograd holds the output's gradient of it (a temporary, not yet the embedding's
+    gradient) from the output's backward until the lookup's backward adds its own (measured by
+    `dtlab plan --check`; 0 where the model is untied, or in a pipeline, whose last stage holds a
+    copy of its own)."""
 
     params: int
     optimizer: int
@@ -155,6 +161,7 @@ class RankState:
     buffers: int
     head_grads: int = 0
     embed_grads: int = 0
+    tied_grad: int = 0
 
 
 @dataclass(frozen=True)
@@ -359,7 +366,7 @@ def _replicated_micro_batch(
         # The blocks above j made their gradients (and the output's came first).
         above = len(blocks) - 1 - j
         made = s.head_grads + sum(b.shape.grads for b in blocks[j + 1 :]) + blocks[j].shape.w2_grad
-        return (earlier + per * min(outside, above) if whole else made), 0, 0
+        return (earlier + per * min(outside, above) if whole else made), s.tied_grad, 0
 
     _micro_batch(mb, (earlier, 0, 0), at_block)
 
@@ -476,7 +483,7 @@ def _fsdp_micro_batch(mb: _MicroBatch, s: RankState, last: bool, fsdp: FsdpUnits
         above = n_blocks - 1 - j  # blocks whose backward is done
         done = sum(b.unit_shard for b in blocks[j + 1 :])  # reduced and handed over
         grads = shards + s.head_grads + blocks[j].shape.w2_grad + (done if into_grads else 0)
-        temps = partial + (done if fsdp.hsdp and k == 1 and not last else 0)
+        temps = partial + s.tied_grad + (done if fsdp.hsdp and k == 1 and not last else 0)
         # A block's reduce-scatter holds its input (its gradients in float32) until the next
         # block's is issued; its output, the shard, is the parameter's gradient at once.
         if above and fsdp.scatters:

@@ -32,7 +32,7 @@ REPEATS = 3  # timed steps of each (the median counts), after one warm-up
 
 def measure_wrappers(config: Config, nproc: int, threads: int) -> dict[str, float]:
     """``fsdp_unit_s`` (with ``nproc`` > 1) and ``tp_block_s`` (where tensor parallelism over two
-    ranks runs: the heads split in two, untied embeddings) of
+    ranks runs: the heads split in two) of
     ``config``'s model at ``threads`` threads (see the module); an empty dict where neither runs.
     Raises ``RuntimeError`` when a measuring process fails."""
 
@@ -45,7 +45,7 @@ def measure_wrappers(config: Config, nproc: int, threads: int) -> dict[str, floa
         if nproc > 1:
             plain, layout = _run(path, threads, "sharded", nproc, batch)
             out["fsdp_unit_s"] = max(0.0, layout - plain) / (m.n_layers + 1)
-        if m.n_heads % 2 == 0 and m.kv_heads % 2 == 0 and not m.tie_embeddings:
+        if m.n_heads % 2 == 0 and m.kv_heads % 2 == 0:
             plain, layout = _run(path, threads, "tensor", 2, batch)
             out["tp_block_s"] = max(0.0, layout - plain / 2) / m.n_layers
     return out
