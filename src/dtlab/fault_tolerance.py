@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from dtlab.config import Config
 from dtlab.errors import DtlabError
@@ -317,11 +317,42 @@ def main(argv: list[str] | None = None) -> int:
     spec = LaunchSpec(
         args.nproc, max_restarts=args.max_restarts, failure_grace_s=args.failure_grace_s
     )
+    replica = os.environ.get(REPLICA_ENV)
+    if replica is not None:
+        # Every group has a rank 0: the agent's own lines (a rank that died, the restart, the
+        # workers' last words) say which group they are about, as the workers' log lines do.
+        sys.stderr = GroupLines(sys.stderr, f"[replica {replica}] ")  # type: ignore[assignment]
     # The workers (and their restarts) through the run's fork server, where it has one.
     code = launch(spec, worker_args, args.run_dir, python=os.environ.get(WORKER_PYTHON_ENV))
     if code == 0:
         say_finished()
     return code
+
+
+class GroupLines:
+    """A text stream that writes each line to ``stream`` with ``prefix`` in front of it."""
+
+    def __init__(self, stream: TextIO, prefix: str) -> None:
+        self.stream, self.prefix = stream, prefix
+        self.at_start = True
+
+    def write(self, text: str) -> int:
+        """Write ``text``, the prefix before each line it starts."""
+        out = []
+        for piece in text.splitlines(keepends=True):
+            if self.at_start and piece.strip():
+                out.append(self.prefix)
+            out.append(piece)
+            self.at_start = piece.endswith("\n")
+        self.stream.write("".join(out))
+        return len(text)
+
+    def flush(self) -> None:
+        """Flush the underlying stream."""
+        self.stream.flush()
+
+    def __getattr__(self, name: str) -> Any:  # fileno, isatty, encoding: the stream's own
+        return getattr(self.stream, name)
 
 
 def say_finished() -> None:

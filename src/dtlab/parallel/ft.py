@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 import warnings
 from dataclasses import dataclass
@@ -161,12 +162,25 @@ def tag_logs(replica: int) -> None:
         handler.setFormatter(logging.Formatter(tagged, fmt.datefmt if fmt is not None else None))
 
 
+# torchft's own prefix of a manager's lines: its replica id (dtlab's name for the group, perhaps
+# with a suffix of torchft's), the rank in the group and the step.
+_TORCHFT_PREFIX = re.compile(r"^\[dtlab_replica_\d+[^/\]]*/(\d+) - step (\d+)\] ")
+
+
 class _OneLine(logging.Filter):
     """torchft's errors in one line, without the traceback: a peer that died is what fault tolerance
-    is for, and dtlab says what follows (the quorum without it)."""
+    is for, and dtlab says what follows (the quorum without it). The line names this process's
+    replica group as dtlab's own lines do (``[replica 0] torchft (rank 0, step 31): ...``), not by
+    torchft's replica id."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        record.msg = str(record.getMessage()).splitlines()[0][:300]
+        text = str(record.getMessage()).splitlines()[0][:300]
+        replica = os.environ.get(REPLICA_ENV)
+        if replica is not None:
+            m = _TORCHFT_PREFIX.match(text)
+            where = f" (rank {m[1]}, step {m[2]})" if m else ""
+            text = f"[replica {replica}] torchft{where}: {text[m.end() if m else 0 :]}"
+        record.msg = text
         record.args, record.exc_info, record.exc_text = None, None, None
         return True
 

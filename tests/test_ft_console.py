@@ -1,0 +1,69 @@
+"""A fault-tolerant run as its console shows it: every line names its replica group, no library's
+access log, process titles that ``ps`` shows, and one end summary for the run.
+
+One run of 2 groups (checkpoints every 5 steps) whose group 1 is killed after step 8: its agent
+restarts it, it resumes from its checkpoint of step 5 and takes the live state of step 8 from group 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import FAST, run_cli
+
+pytest.importorskip("torchft")
+
+STEPS, KILLED_AT = 20, 8
+
+
+@pytest.fixture(scope="module")
+def killed_run(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    run_dir = tmp_path_factory.mktemp("ft-console") / "run"
+    proc = run_cli(
+        "train", "--nproc", "2", "--set", *FAST, f"train.steps={STEPS}", f"run.dir={run_dir}",
+        "parallel.strategy=ddp", "parallel.fault_tolerance.enabled=true",
+        "parallel.fault_tolerance.min_replicas=2", "checkpoint.every=5",
+        env={"DTLAB_FAULTS": f"kill@{KILLED_AT}:r1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir, proc
+
+
+def test_the_agents_lines_name_the_replica_group(
+    killed_run: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    _, proc = killed_run
+    died = [line for line in proc.stderr.splitlines() if "died (SIGKILL)" in line]
+    assert died == [
+        "[replica 1] rank 0 died (SIGKILL); restarting the workers (restart 1 of 10)"
+    ], proc.stderr[-3000:]
+    recovered = [line for line in proc.stderr.splitlines() if "recovered the state" in line]
+    assert len(recovered) == 1 and "[replica 1] WARNING replica 1: " in recovered[0], recovered
+
+
+def test_torchfts_lines_name_the_replica_group_not_torchfts_id(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dtlab.parallel.ft import REPLICA_ENV, _OneLine
+
+    monkeypatch.setenv(REPLICA_ENV, "0")
+    log = logging.getLogger("torchft.test_ft_console")
+    log.propagate, log.filters[:] = False, []
+    log.addFilter(_OneLine())
+    handler = logging.StreamHandler()
+    log.addHandler(handler)
+    try:
+        log.error("[dtlab_replica_0:5f1e/0 - step 31] got exception in all reduce\nTraceback ...")
+        log.error("plain")
+    finally:
+        log.removeHandler(handler)
+    assert capsys.readouterr().err.splitlines() == [
+        "[replica 0] torchft (rank 0, step 31): got exception in all reduce",
+        "[replica 0] torchft: plain",
+    ]
