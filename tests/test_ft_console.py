@@ -67,3 +67,13 @@ def test_torchfts_lines_name_the_replica_group_not_torchfts_id(
         "[replica 0] torchft (rank 0, step 31): got exception in all reduce",
         "[replica 0] torchft: plain",
     ]
+
+
+def test_no_access_log_of_the_checkpoint_server(
+    killed_run: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    """Group 1 fetched the live state from group 0's checkpoint server (HTTP): the server's access
+    log (``"GET /checkpoint/8/full HTTP/1.1" 200 -``) is not on the console."""
+    _, proc = killed_run
+    assert "recovered the state after step" in proc.stderr
+    assert "HTTP/1." not in proc.stderr and '"GET ' not in proc.stderr, proc.stderr[-3000:]
