@@ -9,15 +9,24 @@ from __future__ import annotations
 
 import logging
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import FAST, run_cli
+from conftest import FAST, PYTHON, Watched, kill_job, real_pid, run_cli
 
 pytest.importorskip("torchft")
 
 STEPS, KILLED_AT = 20, 8
+
+
+def _args(run_dir: Path, steps: int) -> list[str]:
+    return [
+        "train", "--nproc", "2", "--set", *FAST, f"train.steps={steps}", f"run.dir={run_dir}",
+        "parallel.strategy=ddp", "parallel.fault_tolerance.enabled=true",
+        "parallel.fault_tolerance.min_replicas=2", "checkpoint.every=5",
+    ]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -25,12 +34,7 @@ def killed_run(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> tuple[Path, subprocess.CompletedProcess[str]]:
     run_dir = tmp_path_factory.mktemp("ft-console") / "run"
-    proc = run_cli(
-        "train", "--nproc", "2", "--set", *FAST, f"train.steps={STEPS}", f"run.dir={run_dir}",
-        "parallel.strategy=ddp", "parallel.fault_tolerance.enabled=true",
-        "parallel.fault_tolerance.min_replicas=2", "checkpoint.every=5",
-        env={"DTLAB_FAULTS": f"kill@{KILLED_AT}:r1"},
-    )  # fmt: skip
+    proc = run_cli(*_args(run_dir, STEPS), env={"DTLAB_FAULTS": f"kill@{KILLED_AT}:r1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir, proc
 
@@ -77,3 +81,40 @@ def test_no_access_log_of_the_checkpoint_server(
     _, proc = killed_run
     assert "recovered the state after step" in proc.stderr
     assert "HTTP/1." not in proc.stderr and '"GET ' not in proc.stderr, proc.stderr[-3000:]
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return ""
+
+
+def test_ps_shows_each_process_by_its_replica_group(tmp_path: Path) -> None:
+    """While 2 groups train: the run's process, each group's agent and each rank have names of
+    their own (``ps``'s default column); a rank started by a fork server shows its own command
+    line (``ps aux``), not the server's, while a fresh process keeps its real one."""
+    from test_lifeline import _tree
+
+    run_dir = tmp_path / "run"
+    job = Watched(*_args(run_dir, 100000))
+    try:
+        job.wait_for_file(run_dir / "replica-1" / "metrics.jsonl", timeout=180)
+        tree = _tree(real_pid(job.proc.pid))
+        shown = {p: (_read(f"/proc/{p}/comm"), _read(f"/proc/{p}/cmdline")) for p in tree}
+    finally:
+        kill_job(job.proc)
+    names = {comm for comm, _ in shown.values()}
+    want = {"dtlab train", "dtlab r0 agent", "dtlab r1 agent", "dtlab r0 rank0", "dtlab r1 rank0"}
+    assert want <= names, shown
+    for comm, args in shown.values():
+        if comm.endswith("agent"):  # its command line kept: tools find an agent by it
+            assert not args.startswith("dtlab"), shown
+        if comm.endswith("rank0"):  # a fork server's child, or a fresh one with its own
+            group = comm.split()[1][1:]
+            assert args == f"dtlab train: replica {group} rank 0" or (
+                f"run.dir={run_dir / f'replica-{group}'}" in args
+            ), shown
+    forked = [args for _, args in shown.values() if args.startswith("dtlab train: replica")]
+    if sys.executable != PYTHON:  # the tests' fork server starts the ranks
+        assert sorted(forked) == ["dtlab train: replica 0 rank 0", "dtlab train: replica 1 rank 0"]

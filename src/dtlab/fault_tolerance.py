@@ -42,6 +42,7 @@ from dtlab.parallel.ft import (
 )
 from dtlab.runtime import forkserver
 from dtlab.runtime.lifeline import die_with_parent, started_here
+from dtlab.runtime.proctitle import set_process_title
 
 # After the first group finishes, how long the others have beyond parallel.fault_tolerance.timeout_s.
 FINISH_MARGIN_S = 20.0
@@ -99,6 +100,7 @@ def launch_replicas(spec: LaunchSpec, config: Config, worker_args: list[str], ru
     # own, every group would train on the first GPUs. (Refused here, before any process starts.)
     gpus = replica_group_gpu_env(config.train.device, config.parallel.backend, replicas, group)
     run_dir.mkdir(parents=True, exist_ok=True)
+    set_process_title("dtlab train", "dtlab train")  # the run's process (its lighthouse)
     server, address = None, o.lighthouse
     if address is None:
         server, address = start_lighthouse(config)
@@ -322,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         # Every group has a rank 0: the agent's own lines (a rank that died, the restart, the
         # workers' last words) say which group they are about, as the workers' log lines do.
         sys.stderr = GroupLines(sys.stderr, f"[replica {replica}] ")  # type: ignore[assignment]
+        # Its name only: tools find an agent by its command line (-m dtlab.fault_tolerance).
+        set_process_title(f"dtlab agent: replica {replica}", f"dtlab r{replica} agent", argv=False)
     # The workers (and their restarts) through the run's fork server, where it has one.
     code = launch(spec, worker_args, args.run_dir, python=os.environ.get(WORKER_PYTHON_ENV))
     if code == 0:

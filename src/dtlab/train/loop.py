@@ -54,6 +54,7 @@ from dtlab.parallel.ledger import (
     start_ledger,
 )
 from dtlab.runtime.faults import Faults
+from dtlab.runtime.proctitle import name_process
 from dtlab.runtime.signals import STOP_SIGNALS, StopSignals, agreed_stop
 from dtlab.train.comm_groups import REPLICA_GROUPS, comm_labels, replica_index
 from dtlab.train.diloco import DiLoCo, outer_group, replica_group
@@ -185,6 +186,9 @@ def _train(config: Config, d: DistInfo) -> dict[str, Any]:
         place = ReplicaPlace.from_env()
         tag_logs(place.replica)
         run_rank = place.replica * d.world_size + d.rank
+        name_process(f"replica {place.replica} rank {d.rank}", f"r{place.replica} rank{d.rank}")
+    elif d.world_size > 1:
+        name_process(f"rank {d.rank}", f"rank{d.rank}")
     # Before the run directory is created; degrees: d.dims.
     check_batch_split(config, data_parallel(config, d)[1])
     faults = Faults.from_env(run_rank)
