@@ -342,10 +342,13 @@ def _job_from_flags(cls: type[_Job], args: argparse.Namespace, **given: object) 
 
 def _launch_slurm(args: argparse.Namespace, config: Config) -> int:
     from dtlab.deploy import SlurmJob, slug, submit, write_slurm
+    from dtlab.deploy_site import site_from_args
 
+    site = site_from_args(args)
     job = _job_from_flags(
-        SlurmJob, args, python=args.python or sys.executable, port=args.master_port
-    )
+        SlurmJob, args, port=args.master_port, settings=site, fallback_python=sys.executable,
+        partition=site.partition, account=site.account, time=site.time,
+    )  # fmt: skip
     out = Path(args.out or f"{slug(config.run.name)}.sbatch")
     script, resolved = write_slurm(config, job, out)
     print(f"wrote {script}\nwrote {resolved}", file=sys.stderr)
@@ -476,6 +479,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def _train_here(config: Config) -> int:
     """Train in this process (alone, or as one worker of a launched world); rank 0 prints the summary."""
+    from dtlab.metrics.ft_summary import RUN_SUMMARY_ENV
     from dtlab.metrics.report import summary_table
 
     if config.train.engine == "mlx":
@@ -483,7 +487,8 @@ def _train_here(config: Config) -> int:
     else:
         from dtlab.train.loop import train
     summary = train(config)
-    if "run_dir" in summary:  # only rank 0 wrote the run directory
+    # Only rank 0 wrote the run directory; a replica group's leaves the end summary to the run's.
+    if "run_dir" in summary and not os.environ.get(RUN_SUMMARY_ENV):
         print(f"\ndtlab run finished\n{summary_table(summary)}", flush=True)
     return 0
 

@@ -310,11 +310,7 @@ def _add_slurm(lsub: _Commands) -> None:
         default=120,
         help="send SIGUSR1 this long before the time limit, to checkpoint and requeue (default 120)",
     )
-    ls.add_argument(
-        "--python",
-        default=None,
-        help="the Python that runs dtlab on the nodes (default: the one running this command)",
-    )
+    _add_slurm_site(ls)
     ls.add_argument(
         "--master-port",
         type=_positive,
@@ -325,6 +321,47 @@ def _add_slurm(lsub: _Commands) -> None:
         "--out", default=None, help="script path (default <run.name>.sbatch in this directory)"
     )
     ls.add_argument("--submit", action="store_true", help="run sbatch and print the job id")
+
+
+def _add_slurm_site(ls: argparse.ArgumentParser) -> None:
+    """The cluster's settings of ``launch slurm``: each also a key of a site file (--site)."""
+    ls.add_argument(
+        "--site",
+        default=None,
+        metavar="FILE",
+        help="a YAML file of the cluster's settings (keys: partition, account, qos, time, exclusive, "
+        "sbatch, modules, setup, env, container, python, venv, run_root); the flags below win",
+    )
+    ls.add_argument("--qos", default=None, help="Slurm quality of service")
+    ls.add_argument("--exclusive", action="store_true", help="whole nodes (#SBATCH --exclusive)")
+    for flag, metavar, what in (
+        ("--sbatch", "OPTION", "another #SBATCH option, e.g. --mem=0"),
+        ("--module", "NAME", "`module load NAME` in the job"),
+        ("--setup", "LINE", "a shell line the job runs first"),
+        ("--env", "NAME=VALUE", "a variable for the job, e.g. NCCL_IB_HCA=mlx5"),
+        ("--container-mount", "SRC[:DST]", "another mount for the container"),
+    ):
+        ls.add_argument(flag, action="append", default=[], metavar=metavar, help=what + " (repeat)")
+    ls.add_argument(
+        "--container-image", default=None, help="run each task in this image (pyxis or apptainer)"
+    )
+    ls.add_argument(
+        "--container-runtime", default=None, choices=["pyxis", "apptainer"], help="(default pyxis)"
+    )
+    ls.add_argument(
+        "--python",
+        default=None,
+        help="the Python on the nodes that runs dtlab (default: the job's python3, or the one of "
+        "`dtlab` on the job's PATH)",
+    )
+    ls.add_argument("--venv", default=None, help="a virtual environment on the nodes holding dtlab")
+    ls.add_argument(
+        "--run-root",
+        default=None,
+        metavar="DIR",
+        help="where the run directory goes, on storage every node sees (default: runs/ beside "
+        "--out); run.dir, when set, wins",
+    )
 
 
 def _add_k8s(lsub: _Commands) -> None:

@@ -14,11 +14,12 @@ from __future__ import annotations
 import re
 import shlex
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dtlab import __version__
 from dtlab.config import Config, config_from_dict, show
+from dtlab.deploy_site import SiteSettings, python_lines, site_directives, site_setup, task_wrapper
 from dtlab.errors import ConfigError, Preempted
 
 _SLURM_WORD = re.compile(r"^[A-Za-z0-9_.,:@+=/-]+$")
@@ -37,8 +38,12 @@ class SlurmJob:
     account: str | None = None
     cpus_per_task: int | None = None
     signal_seconds: int = 120
-    python: str = "python3"
     port: int | None = None
+    # The cluster's settings (site file and command line): qos, exclusive nodes, modules, container,
+    # variables, the job's Python and the run directories' root.
+    settings: SiteSettings = field(default_factory=SiteSettings)
+    # The Python that wrote the script: used, with a message, only when the job finds none with dtlab.
+    fallback_python: str | None = None
 
 
 @dataclass(frozen=True)
@@ -407,6 +412,7 @@ def _check_slurm_job(job: SlurmJob) -> None:
     """Refuse a partition, account, time or signal lead that sbatch would not accept."""
     check_value(job.partition, _SLURM_WORD, "--partition", "a Slurm partition name")
     check_value(job.account, _SLURM_WORD, "--account", "a Slurm account name")
+    check_value(job.settings.qos, _SLURM_WORD, "--qos", "a Slurm QoS name")
     check_value(
         job.time,
         _SLURM_TIME,
@@ -445,6 +451,7 @@ def _directives(
     ):
         if value:
             directives.append(f"{flag}={value}")
+    directives += site_directives(job.settings)
     for d in directives:
         # sbatch reads a directive up to the end of the line, and the shell never sees it.
         if any(ch.isspace() for ch in d):
@@ -463,9 +470,11 @@ def _rendezvous_port(job: SlurmJob) -> str:
     )
 
 
-def _nodes_body(job: SlurmJob, port: str) -> list[str]:
+def _nodes_body(job: SlurmJob, port: str, mounts: list[str]) -> list[str]:
     """The lines of a job without fault tolerance: one srun task per node, each starting dtlab's
-    launcher with the rendezvous on the first node."""
+    launcher with the rendezvous on the first node (in the site's container, if any, with ``mounts``
+    at their own paths)."""
+    srun_opts, wrapper = task_wrapper(job.settings, mounts, job.gpus_per_node > 0)
     return [
         f"NPROC_PER_NODE={job.nproc_per_node}",
         'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
@@ -475,7 +484,7 @@ def _nodes_body(job: SlurmJob, port: str) -> list[str]:
         "",
         "# One task per node starts dtlab's launcher, which starts NPROC_PER_NODE workers. The node rank is",
         "# read inside each task; every other value is passed as an argument, never spliced into code.",
-        "srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c \\",
+        f"srun --kill-on-bad-exit=1 --ntasks-per-node=1 {srun_opts}{wrapper}bash -c \\",
         '    \'exec "$0" -m dtlab train "$1" --nproc "$2" --nnodes "$SLURM_JOB_NUM_NODES" \\',
         '         --node-rank "$SLURM_NODEID" --master-addr "$3" --master-port "$4"\' \\',
         '    "$PYTHON" "$CONFIG" "$NPROC_PER_NODE" "$MASTER_ADDR" "$MASTER_PORT"',
@@ -502,11 +511,17 @@ def slurm_script(
     job: SlurmJob,
     name: str,
     ft: FaultTolerantLayout | None = None,
+    run_dir: str | None = None,
 ) -> str:
     """An sbatch script: one task per node, each starting dtlab's launcher with a c10d rendezvous on
     the first node; preemption (``--signal``) saves a checkpoint and requeues the job, which resumes.
     With ``ft`` (parallel.fault_tolerance): a lighthouse for the job and one task per replica group."""
     _check_slurm_job(job)
+    if ft is not None and job.settings.container is not None:
+        raise ConfigError(
+            "parallel.fault_tolerance with a container: not supported yet (the lighthouse runs "
+            "outside it); allowed: a job without --container-image, or without fault tolerance"
+        )
     directives = _directives(script_path, job, name, ft)
     port = _rendezvous_port(job)
     q = shlex.quote
@@ -514,12 +529,19 @@ def slurm_script(
         "#!/bin/bash",
         f"# Written by `dtlab launch slurm` (dtlab {__version__}). Submit: sbatch {q(str(script_path))}",
         *(f"#SBATCH {d}" for d in directives),
+        *site_setup(job.settings),
         "set -uo pipefail",
         "",
-        f"PYTHON={q(job.python)}",
+        *python_lines(job.settings, job.fallback_python),
         f"CONFIG={q(str(config_path))}",
     ]
-    lines += _fault_tolerant_body(ft, port) if ft is not None else _nodes_body(job, port)
+    if ft is not None:
+        lines += _fault_tolerant_body(ft, port)
+    else:
+        mounts = [str(config_path.parent), *([run_dir] if run_dir else [])]
+        if job.settings.container is not None and run_dir:
+            lines.append(f"mkdir -p {q(run_dir)}  # mounted into the container: it must exist")
+        lines += _nodes_body(job, port, mounts)
     lines += _requeue_tail()
     return "\n".join(lines)
 
@@ -535,9 +557,12 @@ def write_slurm(config: Config, job: SlurmJob, out: Path) -> tuple[Path, Path]:
         script_path, config_path = companion_paths(out)
     except (OSError, ValueError) as e:  # a NUL in the path, a loop of links
         raise cannot_write(out, e) from None
-    resolved = slurm_config(config, script_path.parent / "runs")
+    root = job.settings.run_root
+    resolved = slurm_config(
+        config, Path(root).expanduser() if root else script_path.parent / "runs"
+    )
     ft = fault_tolerant_layout(resolved, job)
-    text = slurm_script(script_path, config_path, job, config.run.name, ft)
+    text = slurm_script(script_path, config_path, job, config.run.name, ft, resolved.run.dir)
     try:
         script_path.parent.mkdir(parents=True, exist_ok=True)
         config_path.write_text(resolved.to_yaml())
