@@ -118,3 +118,37 @@ def test_ps_shows_each_process_by_its_replica_group(tmp_path: Path) -> None:
     forked = [args for _, args in shown.values() if args.startswith("dtlab train: replica")]
     if sys.executable != PYTHON:  # the tests' fork server starts the ranks
         assert sorted(forked) == ["dtlab train: replica 0 rank 0", "dtlab train: replica 1 rank 0"]
+
+
+def test_one_end_summary_for_the_run(
+    killed_run: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    """One summary, the run's (not one per group, one of which said it resumed from its checkpoint
+    of step 5): the fault, group 1's recovery of step 8 from group 0, no step lost, the goodput."""
+    import json
+
+    run_dir, proc = killed_run
+    assert proc.stdout.count("dtlab run finished") == 1, proc.stdout
+    table = dict(
+        line.strip().split("  ", 1) for line in proc.stdout.split("dtlab run finished")[1].splitlines()
+        if line.strip()
+    )  # fmt: skip
+    table = {k.strip(): v.strip() for k, v in table.items()}
+    assert "resumed from" not in table, table
+    assert table["replica groups"] == "2, 2 finished the run"
+    assert table["faults"] == "1 (replica 1: 1 restart)"
+    assert table["recoveries"].startswith(
+        f"1 from a live peer (replica 1: step 5 -> {KILLED_AT} in "
+    ), table
+    assert table["recoveries"].endswith(", 0 from a checkpoint alone"), table
+    assert table["steps lost"].startswith("0 steps taken again, 0 samples not trained"), table
+    assert table["run dir"].startswith(str(run_dir)), table
+    record = json.loads((run_dir / "fault_tolerance.json").read_text())["summary"]
+    assert record["faults"] == 1 and record["recoveries_from_checkpoints"] == 0
+    assert [
+        (r["replica"], r["after_step"], r["to_step"]) for r in record["recoveries_from_peers"]
+    ] == [(1, 5, KILLED_AT)]
+    # Goodput: every sample of the 20 steps (no group missed one) over the run's wall time.
+    samples = STEPS * 8
+    assert record["goodput_samples_per_s"] == pytest.approx(samples / record["wall_s"])
+    assert table["goodput"].startswith(f"{samples / record['wall_s']:,.1f} samples/s over ")

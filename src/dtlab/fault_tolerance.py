@@ -28,6 +28,7 @@ from typing import Any, TextIO
 from dtlab.config import Config
 from dtlab.errors import DtlabError
 from dtlab.launcher import LaunchSpec, _loopback_store, failure_grace_s, launch
+from dtlab.metrics.ft_summary import RUN_SUMMARY_ENV, run_summary, run_summary_table
 from dtlab.parallel.devices import replica_group_gpu_env
 from dtlab.parallel.ft import (
     FINISHED_KEY,
@@ -117,6 +118,7 @@ def launch_replicas(spec: LaunchSpec, config: Config, worker_args: list[str], ru
         file=sys.stderr,
         flush=True,
     )
+    started = time.monotonic()
     procs = _start_agents(config, worker_args, run_dir, group, [{**env, **g} for g in gpus])
     try:
         codes = _supervise(procs, o.timeout_s + FINISH_MARGIN_S)
@@ -129,8 +131,19 @@ def launch_replicas(spec: LaunchSpec, config: Config, worker_args: list[str], ru
             server.shutdown()
         if forks is not None:
             forks.stop()
-    record = {"replicas": replicas, "lighthouse": address, "exit_codes": codes}
+    return _end_run(run_dir, address, codes, time.monotonic() - started)
+
+
+def _end_run(run_dir: Path, address: str, codes: dict[int, int], wall_s: float) -> int:
+    """Write ``fault_tolerance.json`` (how each group ended, the run's figures), say the run's one
+    end summary where a group finished it, and return the run's exit code (:func:`_run_code`)."""
+    dirs = [replica_dir(run_dir, i) for i in range(len(codes))]
+    summary = run_summary(run_dir, codes, wall_s, dirs)
+    record = {"replicas": len(codes), "lighthouse": address, "exit_codes": codes}
+    record["summary"] = {k: v for k, v in summary.items() if k != "group"}
     (run_dir / "fault_tolerance.json").write_text(json.dumps(record, indent=1), encoding="utf-8")
+    if summary["finished"]:  # one summary for the run, where each group would have said its own
+        print(f"\ndtlab run finished\n{run_summary_table(summary)}", flush=True)
     return _run_code(codes)
 
 
@@ -147,6 +160,7 @@ def _groups_env(
         "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
         # torchft's Rust side logs every quorum tick at INFO.
         "RUST_LOG": os.environ.get("RUST_LOG", "warn"),
+        RUN_SUMMARY_ENV: "1",  # this process says the end summary, not each group
     }
     if "OMP_NUM_THREADS" not in os.environ:
         # Each group is a world of its own, whose ranks would each take the machine's cores

@@ -127,8 +127,9 @@ def _layout_row(s: dict[str, Any]) -> str:
     return f"{engine}{s['layout']} on {processes} ({s['precision']})"
 
 
-def summary_table(s: dict[str, Any]) -> str:
-    """A short human-readable table of a run's summary."""
+def summary_table(s: dict[str, Any], extra: tuple[tuple[str, str], ...] = ()) -> str:
+    """A short human-readable table of a run's summary; ``extra``: rows of the caller's, before
+    the run directory."""
 
     def num(key: str, fmt: str) -> str:
         return "-" if s.get(key) is None else format(s[key], fmt)
@@ -171,6 +172,7 @@ def summary_table(s: dict[str, Any]) -> str:
         rows.append(("durable copy failures", str(s["durable_copy_failures"])))
     if s.get("metrics_lost"):
         rows.append(("metrics not written", f"{s['metrics_lost']} records (see the error above)"))
+    rows.extend(extra)
     if "run_dir" in s:
         rows.append(("run dir", s["run_dir"]))
     if "loss_plot" in s:
