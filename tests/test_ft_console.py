@@ -152,3 +152,39 @@ def test_one_end_summary_for_the_run(
     samples = STEPS * 8
     assert record["goodput_samples_per_s"] == pytest.approx(samples / record["wall_s"])
     assert table["goodput"].startswith(f"{samples / record['wall_s']:,.1f} samples/s over ")
+
+
+def test_recoveries_from_peers_and_from_checkpoints_are_told_apart(tmp_path: Path) -> None:
+    """From each group's events: group 0 restarted twice, the first time taking a peer's state,
+    the second going on from its own checkpoint (no peer's state before the end); group 1 hung
+    and took a peer's state without a restart. Steps lost: the most any group counted."""
+    import json
+
+    from dtlab.metrics.ft_summary import run_summary, run_summary_rows
+
+    def write(i: int, events: list[dict[str, object]], ft: dict[str, int]) -> Path:
+        d = tmp_path / f"replica-{i}"
+        d.mkdir()
+        (d / "ft_events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+        summary = {"steps": 30, "global_batch_size": 8, "fault_tolerance": ft}
+        (d / "summary.json").write_text(json.dumps(summary))
+        return d
+
+    start, quorum = {"event": "start"}, {"event": "quorum"}
+    peer = {"event": "recovered", "after_step": 4, "to_step": 9, "seconds": 0.5}
+    dirs = [
+        write(0, [start, quorum, start, quorum, peer, quorum, start, quorum], {"samples_lost": 4}),
+        write(1, [start, quorum, {**peer, "after_step": 12, "to_step": 15}], {"steps_taken_again": 1}),
+    ]  # fmt: skip
+    s = run_summary(tmp_path, {0: 0, 1: 0}, 10.0, dirs)
+    assert (s["faults"], s["faults_by_group"]) == (2, {"0": 2, "1": 0})
+    assert [(r["replica"], r["to_step"]) for r in s["recoveries_from_peers"]] == [(0, 9), (1, 15)]
+    assert s["recoveries_from_checkpoints"] == 1
+    assert (s["steps_taken_again"], s["samples_lost"]) == (1, 4)
+    assert s["goodput_samples_per_s"] == pytest.approx((30 * 8 - 4) / 10.0)
+    rows = dict(run_summary_rows(s))
+    assert rows["faults"] == "2 (replica 0: 2 restarts)"
+    assert rows["recoveries"] == (
+        "2 from a live peer (replica 0: step 4 -> 9 in 0.5 s, replica 1: step 12 -> 15 in 0.5 s), "
+        "1 from a checkpoint alone"
+    )
