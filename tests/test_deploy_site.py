@@ -70,7 +70,7 @@ def _srun_args(tmp: Path) -> list[str]:
 def _launch(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return run_cli(
         "launch", "slurm", "--nodes", "2", "--nproc-per-node", "2", "--out", str(tmp / "job.sbatch"),
-        *args, "--set", *FAST, "parallel.strategy=fsdp", "run.name=site-test", cwd=tmp,
+        "--set", *FAST, "parallel.strategy=fsdp", "run.name=site-test", *args, cwd=tmp,
     )  # fmt: skip
 
 
@@ -79,16 +79,21 @@ def test_site_file_and_flags_make_the_script(tmp_path: Path) -> None:
     (tmp_path / "site.yaml").write_text(yaml.safe_dump(site))
     proc = _launch(
         tmp_path, "--site", str(tmp_path / "site.yaml"), "--account", "other", "--module", "gcc/13",
-        "--env", "NCCL_IB_HCA=mlx5_2", "--container-mount", "/data:/data:ro", "--gpus-per-node", "2",
+        "--env", "NCCL_IB_HCA=mlx5_2", "--container-mount", "/data:/data:ro", "--gpus-per-node", "2", "--sbatch", "reservation=big",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     script = tmp_path / "job.sbatch"
     text = script.read_text()
     directives = [ln.split(None, 1)[1] for ln in text.splitlines() if ln.startswith("#SBATCH")]
     # The command line wins (--account); the file gives the rest.
-    assert {"--partition=gpu", "--account=other", "--qos=high", "--exclusive", "--mem=0"} <= set(
-        directives
-    )
+    assert {
+        "--partition=gpu",
+        "--account=other",
+        "--qos=high",
+        "--exclusive",
+        "--mem=0",
+        "--reservation=big",
+    } <= set(directives)
     assert "--account=proj42" not in directives
     # The site's lines come before `set -u` (module scripts read unset variables).
     assert text.index("module load cuda/12.4") < text.index("set -uo pipefail")
@@ -184,6 +189,10 @@ def test_the_job_finds_its_own_python(tmp_path: Path) -> None:
         ({"container": {"img": "x"}}, "unknown key container.img; allowed: image, runtime"),
         ({"container": {"image": "x", "mounts": ["/a,/b"]}}, "allowed: SRC[:DST[:FLAGS]]"),
         ({"python": "/p", "venv": "/v"}, "python and venv both given"),
+        (
+            {"sbatch": ["--time=5"]},
+            "sbatch[0]: '--time=5' is an option dtlab writes itself; set it with --time",
+        ),
         ([1], "a site file is a mapping"),
     ],
 )
@@ -201,7 +210,24 @@ def test_bad_site_files_name_the_key(site: object, needle: str) -> None:
         (["--qos", "a b"], "--qos: 'a b' is not valid"),
         (["--python", "/p", "--venv", "/v"], "--python and --venv both given"),
         (["--container-mount", "/a"], "--container-mount/--container-runtime without an image"),
-        (["--sbatch", "mem=0"], "--sbatch: 'mem=0' is not valid; allowed: an sbatch option"),
+        (
+            ["--sbatch", "mem 0"],
+            "--sbatch: option: '--mem 0' is not valid; allowed: an sbatch option",
+        ),
+        (
+            ["--sbatch", "nodes=4"],
+            "'--nodes=4' is an option dtlab writes itself; set it with --nodes",
+        ),
+        (
+            [
+                "--container-image",
+                "img",
+                "--set",
+                "parallel.strategy=ddp",
+                "parallel.fault_tolerance.enabled=true",
+            ],
+            "parallel.fault_tolerance with a container: not supported yet",
+        ),
     ],
 )
 def test_bad_site_flags_are_clear_errors(tmp_path: Path, args: list[str], needle: str) -> None:

@@ -335,7 +335,7 @@ def _add_slurm_site(ls: argparse.ArgumentParser) -> None:
     ls.add_argument("--qos", default=None, help="Slurm quality of service")
     ls.add_argument("--exclusive", action="store_true", help="whole nodes (#SBATCH --exclusive)")
     for flag, metavar, what in (
-        ("--sbatch", "OPTION", "another #SBATCH option, e.g. --mem=0"),
+        ("--sbatch", "OPTION", "another #SBATCH option, e.g. mem=0 (for --mem=0)"),
         ("--module", "NAME", "`module load NAME` in the job"),
         ("--setup", "LINE", "a shell line the job runs first"),
         ("--env", "NAME=VALUE", "a variable for the job, e.g. NCCL_IB_HCA=mlx5"),

@@ -38,6 +38,24 @@ _SBATCH_OPTION = re.compile(r"^--[a-z][a-z0-9-]*(=\S+)?$")
 _IMAGE = re.compile(r"^\S+$")
 _MOUNT = re.compile(r"^[^\s,:]+(:[^\s,:]+){0,2}$")
 RUNTIMES = ("pyxis", "apptainer")
+# #SBATCH options the script writes itself, and the flag (or key) that sets each: an extra `sbatch`
+# option may not repeat one (sbatch would take one of the two values without a word).
+_OWN_OPTIONS = {
+    "--job-name": "run.name",
+    "--nodes": "--nodes",
+    "--ntasks-per-node": "--nproc-per-node (one task per node)",
+    "--output": "--out",
+    "--open-mode": "nothing (append: the log spans requeues)",
+    "--requeue": "nothing (always on)",
+    "--signal": "--signal-seconds",
+    "--gpus-per-node": "--gpus-per-node",
+    "--cpus-per-task": "--cpus-per-task",
+    "--partition": "--partition or partition:",
+    "--time": "--time or time:",
+    "--account": "--account or account:",
+    "--qos": "--qos or qos:",
+    "--exclusive": "--exclusive or exclusive: true",
+}
 
 
 @dataclass(frozen=True)
@@ -78,7 +96,7 @@ _NESTED = {
     "container.mounts": "a list of SRC[:DST[:FLAGS]] without whitespace or commas",
     "--container-image": "an image without whitespace",
     "--container-mount": "SRC[:DST[:FLAGS]] without whitespace or commas",
-    "--sbatch": "an sbatch option: --name or --name=value, no whitespace",
+    "--sbatch": "an sbatch option: [--]name or [--]name=value, no whitespace",
     "--module": "a module name: letters, digits, _.,:@+=/-",
 }
 SITE_KEYS = {
@@ -134,6 +152,23 @@ def _strings(
     return tuple(_string(where, f"{key}[{i}]", v, pattern, item) for i, v in enumerate(value))
 
 
+def _sbatch(where: str, key: str, options: list[str]) -> tuple[str, ...]:
+    """Extra ``#SBATCH`` options: well-formed, and none that the script sets itself (``key`` names
+    them in messages: the site file's key, or the flag)."""
+    # The leading -- is optional (a flag's value cannot start with one: ``--sbatch mem=0``).
+    options = [o if not isinstance(o, str) or o.startswith("-") else "--" + o for o in options]
+    for i, option in enumerate(options):
+        label = f"{key}[{i}]" if key == "sbatch" else key
+        _string(where, label, option, _SBATCH_OPTION, _NESTED["--sbatch"])
+        name = option.split("=", 1)[0]
+        if name in _OWN_OPTIONS:
+            raise ConfigError(
+                f"{where}: {label}: {option!r} is an option dtlab writes itself; set it with "
+                f"{_OWN_OPTIONS[name]}"
+            )
+    return tuple(options)
+
+
 def _env(where: str, value: object) -> tuple[tuple[str, str], ...]:
     if not isinstance(value, dict):
         raise _bad(where, "env", value, SITE_KEYS["env"])
@@ -174,7 +209,9 @@ def _field(where: str, key: str, value: object) -> object:
             raise _bad(where, key, value, SITE_KEYS[key])
         return value
     if key == "sbatch":
-        return _strings(where, key, value, _SBATCH_OPTION)
+        if not isinstance(value, list):
+            raise _bad(where, key, value, SITE_KEYS[key])
+        return _sbatch(where, key, value)
     if key == "modules":
         return _strings(where, key, value, _WORD)
     if key == "setup":
@@ -258,10 +295,9 @@ def site_from_args(args: argparse.Namespace) -> SiteSettings:
     site = load_site(args.site) if args.site else SiteSettings()
     if args.python and args.venv:
         raise ConfigError("--python and --venv both given; allowed: one of them")
-    for flag, value in (("--sbatch", args.sbatch), ("--module", args.module)):
-        pattern = _SBATCH_OPTION if flag == "--sbatch" else _WORD
-        for v in value:
-            _string(flag, flag, v, pattern)
+    for v in args.module:
+        _string("--module", "--module", v, _WORD)
+    sbatch = tuple(o for option in args.sbatch for o in _sbatch("--sbatch", "option", [option]))
     given_python = args.python or args.venv
     return SiteSettings(
         partition=args.partition or site.partition,
@@ -269,7 +305,7 @@ def site_from_args(args: argparse.Namespace) -> SiteSettings:
         qos=args.qos or site.qos,
         time=args.time or site.time,
         exclusive=args.exclusive or site.exclusive,
-        sbatch=site.sbatch + tuple(args.sbatch),
+        sbatch=site.sbatch + sbatch,
         modules=site.modules + tuple(args.module),
         setup=site.setup + tuple(args.setup),
         env=_merged_env(site.env, _cli_env(args.env)),
