@@ -43,7 +43,9 @@ def _bin(tmp: Path) -> Path:
     env = 'env | grep -E "^(NCCL|ODD)" | sort > "$RECORD_DIR/srun.env"\n'
     (d / "srun").write_text("#!/bin/bash\n" + args + env + "exit ${FAKE_RC:-0}\n")
     (d / "scontrol").write_text("#!/bin/bash\necho node-a\necho node-b\n")
-    (d / "module").write_text('#!/bin/bash\necho "$@" >> "$RECORD_DIR/module.calls"\n')
+    (d / "module").write_text(
+        '#!/bin/bash\necho "$@" >> "$RECORD_DIR/module.calls"\n[[ $2 != missing* ]]\n'
+    )
     for f in d.iterdir():
         f.chmod(f.stat().st_mode | stat.S_IEXEC)
     return d
@@ -96,7 +98,8 @@ def test_site_file_and_flags_make_the_script(tmp_path: Path) -> None:
     } <= set(directives)
     assert "--account=proj42" not in directives
     # The site's lines come before `set -u` (module scripts read unset variables).
-    assert text.index("module load cuda/12.4") < text.index("set -uo pipefail")
+    order = ["export NCCL_SOCKET_IFNAME=ib0", "setup ran", "module load cuda/12.4", "set -uo"]
+    assert sorted(order, key=text.index) == order
     run_dir = tmp_path / "shared" / "runs" / "site-test"
     assert yaml.safe_load((tmp_path / "job.config.yaml").read_text())["run"]["dir"] == str(run_dir)
 
@@ -136,6 +139,14 @@ def test_apptainer_venv_and_run_root_flags(tmp_path: Path) -> None:
     ]  # fmt: skip
     inner = args[args.index("-c") + 1 :]
     assert inner[1] == str(venv / "bin" / "python")
+
+
+def test_a_module_that_fails_to_load_stops_the_job(tmp_path: Path) -> None:
+    proc = _launch(tmp_path, "--module", "cuda/12.4", "--module", "missing/1")
+    assert proc.returncode == 0, proc.stderr
+    res = _run_script(tmp_path, tmp_path / "job.sbatch")
+    assert res.returncode == 1 and "dtlab: module load missing/1 failed" in res.stderr
+    assert not (tmp_path / "srun.args").exists()
 
 
 def test_the_job_finds_its_own_python(tmp_path: Path) -> None:

@@ -326,19 +326,23 @@ def site_directives(site: SiteSettings) -> list[str]:
 
 
 def site_setup(site: SiteSettings) -> list[str]:
-    """The script's lines that make the job's environment: modules, the venv on PATH, exported
-    variables, then the site's own lines. They run before ``set -u`` (module scripts read unset
-    variables)."""
+    """The script's lines that make the job's environment, in this order: exported variables, the
+    site's own lines (which may read them, or make ``module`` available), module loads (each one
+    that fails stops the job), the venv first on PATH. They run before ``set -u``: module scripts
+    read unset variables."""
     q = shlex.quote
     lines = []
     if site.modules or site.setup or site.env or site.venv:
         lines.append(f"# The job's environment{f' ({site.source})' if site.source else ''}.")
-    lines += [f"module load {q(m)}" for m in site.modules]
+    lines += [f"export {name}={q(value)}" for name, value in site.env]
+    lines += list(site.setup)
+    for m in site.modules:
+        failed = shlex.quote(f"dtlab: module load {m} failed")
+        lines.append(f"module load {q(m)} || {{ echo {failed} >&2; exit 1; }}")
     if site.venv:
         venv = str(Path(site.venv).expanduser())
         lines.append(f'export VIRTUAL_ENV={q(venv)} PATH={q(venv + "/bin")}:"$PATH"')
-    lines += [f"export {name}={q(value)}" for name, value in site.env]
-    return lines + list(site.setup)  # last: the site's own lines may read the variables
+    return lines
 
 
 def task_wrapper(site: SiteSettings, paths: list[str], gpus: bool) -> tuple[str, str]:
