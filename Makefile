@@ -12,7 +12,7 @@ help:
 	@echo "make demo        train the tiny model on the stdlib corpus with DDP on $(NPROC) processes, plot the loss, print the validation perplexity and a sample"
 	@echo "make train       train the built-in default (1 process)"
 	@echo "make train-ddp   train configs/ddp.yaml;  make train-fsdp: configs/fsdp.yaml"
-	@echo "make test        the test suite but its longest tests (real gloo processes on CPU); make test-all: all of it; make test-fast: a quick part of every test module (~7 min)"
+	@echo "make test        the test suite but its longest tests (real gloo processes on CPU); make test-all: all of it; make test-fast: a quick part of every test module, before every commit (~2 min)"
 	@echo "make bench       loop overhead, the optimizer step, checkpoint save throughput, the pipeline bubble, then the strategy sweep (report in bench-out/)"
 	@echo "make bench-fitrule  the fit rule dtlab plan applies: short trainings under a cgroup memory cap at fractions of the prediction (root; ~10 min; bench-out/fitrule.json)"
 	@echo "make gpu-check   prove a GPU machine in under 10 minutes: every CUDA test, a 1B bf16 + compile training, memory, async saves, resume, layouts (report in runs/gpu-check-*; on CPU a smoke of the same)"
@@ -65,7 +65,7 @@ test-all: install-dev
 	$(BIN)/python -m pytest -q
 
 # A quick test or more of every test module (tests/fast.txt, chosen by tests/pick_fast.py from the
-# measured durations): about 7 minutes, for the edit loop. make test-all runs everything.
+# measured durations): about 2 minutes, for the edit loop. make test-all runs everything.
 test-fast: install-dev
 	$(BIN)/python -m pytest -q --fast
 
