@@ -5,20 +5,21 @@ measured durations; writes tests/fast.txt and tests/slow.txt.
     python tests/pick_fast.py durations.txt [--budget-s 95] [--test-budget-s 660]
 
     # fast.txt alone, from a run of make test-fast's own tests (and of the modules it does not
-    # name yet): a test's time there is its time in that tier, where no earlier test of its module
-    # has warmed what it shares with them. Later reports override earlier ones, test by test.
+    # name yet, run whole): a test's time there is its time in that tier. Later reports override
+    # earlier ones, test by test; give last a --fast run of the new list, since a module-scoped
+    # fixture's time falls on whichever chosen test uses it first.
     python -m pytest -q --fast --durations=0 --durations-min=0 > fast-durations.txt
     python tests/pick_fast.py fast-durations.txt more.txt --fast-only --budget-s 95
 
 fast.txt: every test module gets its quickest test (setup + call + teardown); then the quickest of
-the rest are added while the total stays within --budget-s. pytest's start, its collection of the
-whole suite and the fork server add about 20 s to the measured total on two cores. A module added later and not named in
-fast.txt still runs its first test under --fast (conftest.py).
+the rest are added while the total stays within --budget-s (pytest's start, its collection of the
+whole suite and the fork server add about 20 s on two cores). A module added later and not named
+in fast.txt still runs its first test under --fast (conftest.py).
 
 slow.txt: the tests marked ``slow`` (conftest.py), which ``make test`` and CI leave out, so that the
 rest take at most --test-budget-s as measured. Redundant variants go first: of each parametrized
-test, every variant but its quickest (of a second or more), the longest first; then, only if that is not enough, the
-longest tests, every module keeping at least one.
+test, every variant but its quickest (of a second or more), the longest first; then, only if that
+is not enough, the longest tests, every module keeping at least one.
 """
 
 from __future__ import annotations
