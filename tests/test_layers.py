@@ -27,6 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
         "dtlab.fault_tolerance",
         "dtlab.deploy",
         "dtlab.deploy_k8s",
+        "dtlab.deploy_site",
         "dtlab.train.api",
         "dtlab.verify",
         "dtlab.verify_state",
