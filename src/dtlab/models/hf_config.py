@@ -147,33 +147,12 @@ def hf_config(
     elif fam.name == "mistral":
         cfg |= {"sliding_window": args.sliding_window}
     elif m is not None and fam.name == "qwen2_moe":
-        cfg |= {
+        cfg |= _qwen_moe_config(args) | {
             "qkv_bias": True,  # zeros where the model has none
-            **_no_window(args),
-            "num_experts": m.experts,
-            "num_experts_per_tok": m.top_k,
-            "moe_intermediate_size": m.expert_dim,
             "shared_expert_intermediate_size": m.shared_experts * m.expert_dim,
-            "norm_topk_prob": m.renormalize,
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": list(range(m.dense_layers)),
-            "output_router_logits": False,
-            "router_aux_loss_coef": m.aux_coef,
         }
     elif m is not None and fam.name == "qwen3_moe":
-        cfg |= {
-            "attention_bias": False,
-            **_no_window(args),
-            "num_experts": m.experts,
-            "num_local_experts": m.experts,
-            "num_experts_per_tok": m.top_k,
-            "moe_intermediate_size": m.expert_dim,
-            "norm_topk_prob": m.renormalize,
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": list(range(m.dense_layers)),
-            "output_router_logits": False,
-            "router_aux_loss_coef": m.aux_coef,
-        }
+        cfg |= _qwen_moe_config(args) | {"attention_bias": False, "num_local_experts": m.experts}
     elif m is not None and fam.name == "ernie4_5_moe":
         cfg |= {
             "use_bias": False,
@@ -194,6 +173,23 @@ def hf_config(
     else:  # family_refusal keeps a dense model from an MoE family and the reverse
         raise ValueError(f"{fam.hf_class} cannot hold this model")
     return cfg
+
+
+def _qwen_moe_config(args: ModelArgs) -> dict[str, Any]:
+    """The keys Qwen2-MoE and Qwen3-MoE share: the experts, the router, the dense first blocks."""
+    m = args.moe
+    assert m is not None
+    return {
+        **_no_window(args),
+        "num_experts": m.experts,
+        "num_experts_per_tok": m.top_k,
+        "moe_intermediate_size": m.expert_dim,
+        "norm_topk_prob": m.renormalize,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": list(range(m.dense_layers)),
+        "output_router_logits": False,
+        "router_aux_loss_coef": m.aux_coef,
+    }
 
 
 def _glm4_moe_config(args: ModelArgs) -> dict[str, Any]:
