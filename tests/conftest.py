@@ -355,6 +355,36 @@ def assert_close_losses(run: list[dict[str, Any]], ref: list[dict[str, Any]]) ->
     assert worst <= MODEL_PARALLEL_TOL, worst
 
 
+def verify_layouts(
+    out: Path, layouts: str, *overrides: str, checks: tuple[str, ...] = (), steps: int = 4
+) -> dict[str, Any]:
+    """``dtlab verify --layouts LAYOUTS`` of FAST + ``overrides`` into ``out`` (clipped at CLIP, 2
+    micro-batches for the pipeline; ``checks``: ``--checks`` arguments): every row within loss 1e-5
+    and parameters 1e-4 of the first layout, clipping active on every reference step. The result,
+    with the reference's metrics under ``reference``."""
+    proc = run_cli(
+        "verify", "--layouts", layouts, "--steps", str(steps), "--out", str(out), *checks,
+        "--set", *FAST, "train.micro_batch_size=2", f"train.grad_clip={CLIP}", *overrides,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    result: dict[str, Any] = json.loads((out / "verify.json").read_text())
+    assert result["ok"] and [r["layout"] for r in result["rows"]] == layouts.split(",")[1:]
+    for row in result["rows"]:
+        assert row["max_loss_diff"] <= 1e-5 and row["max_param_diff"] <= 1e-4, row
+    reference = read_metrics(next(out.glob("0-*")))
+    assert all(m["grad_norm"] > CLIP for m in reference), [m["grad_norm"] for m in reference]
+    result["reference"] = reference
+    return result
+
+
+def close(predicted: int, checked: int, within: float = 0.03) -> bool:
+    """Within ``within`` of the checked figure, or a few bytes (scalars); a component held but not
+    predicted, or predicted but not held, never is."""
+    if (predicted == 0) != (checked == 0):
+        return False
+    return abs(predicted - checked) <= max(within * checked, 64)
+
+
 # --- make test-fast: a few quick tests of every test module, for the edit loop ---------------------
 # --- make test: all but the tests in slow.txt (marked slow), which make test-all adds ---------------
 FAST_LIST = Path(__file__).parent / "fast.txt"

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import CLIP, FAST, read_metrics, run_cli, train_run
+from conftest import CLIP, FAST, read_metrics, run_cli, train_run, verify_layouts
 from dtlab.config import load_config
 from dtlab.errors import ConfigError, DtlabError
 from dtlab.verify import check_started_from
@@ -27,22 +27,8 @@ STEPS = 4
 
 
 def _verify(tmp_path: Path, layouts: str, *overrides: str) -> dict[str, Any]:
-    """``dtlab verify --layouts LAYOUTS`` of FAST + ``overrides`` (clipped, 2 micro-batches for the
-    pipeline); every row must be within tolerance, and clipping active on every reference step."""
-    out = tmp_path / "verify"
-    proc = run_cli(
-        "verify", "--layouts", layouts, "--steps", str(STEPS), "--out", str(out), "--set", *FAST,
-        "train.micro_batch_size=2", f"train.grad_clip={CLIP}", *overrides,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    result = json.loads((out / "verify.json").read_text())
-    assert result["ok"] and [r["layout"] for r in result["rows"]] == layouts.split(",")[1:]
-    for row in result["rows"]:
-        assert row["max_loss_diff"] <= 1e-5 and row["max_param_diff"] <= 1e-4, row
-    reference = read_metrics(next(out.glob("0-*")))
-    assert all(m["grad_norm"] > CLIP for m in reference), [m["grad_norm"] for m in reference]
-    result["reference"] = reference
-    return result
+    """:func:`verify_layouts` of FAST + ``overrides``, into ``tmp_path / "verify"``."""
+    return verify_layouts(tmp_path / "verify", layouts, *overrides, steps=STEPS)
 
 
 def test_qkv_bias_qk_norm_and_wide_heads_train_as_one_process_on_every_layout(

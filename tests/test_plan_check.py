@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from conftest import planned_state, run_cli, run_worker
+from conftest import close, planned_state, run_cli, run_worker
 from dtlab.analysis.check import check_rank, measure_fake, parse_ranks
 from dtlab.analysis.model import plan_step
 from dtlab.config import load_config
@@ -141,14 +141,6 @@ COMPONENTS_DIFFER: dict[tuple[str, int], set[str]] = {
     ("pp:2 dualpipev", 0): {"temporaries"},
     ("pp:2 dualpipev", 1): {"temporaries"},
 }
-
-
-def close(predicted: int, checked: int, within: float = 0.03) -> bool:
-    """Within ``within`` of the checked figure, or a few bytes (scalars); a component held but not
-    predicted, or predicted but not held, never is."""
-    if (predicted == 0) != (checked == 0):
-        return False
-    return abs(predicted - checked) <= max(within * checked, 64)
 
 
 def _ranks(layout: str) -> list[int]:

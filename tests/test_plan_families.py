@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from conftest import planned_state
+from conftest import close, planned_state
 from dtlab.analysis.activations import attention_widths, block_matmul_params
 from dtlab.analysis.check import check_rank, measure_fake
 from dtlab.analysis.devices import PROFILES
@@ -39,13 +39,6 @@ LAYOUTS = {
 # memory-efficient kernel on expanded key/value heads); so do Qwen3's q/k norms under autocast,
 # whose float32 gains make the queries float32.
 ON_A_GPU = {("qwen3", "single", "bf16"), ("mistral", "single", "bf16"), ("mistral", "tp:2", "bf16")}
-
-
-def close(predicted: int, checked: int, within: float) -> bool:
-    """Within ``within`` of the checked figure (or a few bytes: scalars); held where predicted."""
-    if (predicted == 0) != (checked == 0):
-        return False
-    return abs(predicted - checked) <= max(within * checked, 64)
 
 
 def _config(*overrides: str) -> Config:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import planned_state
+from conftest import close, planned_state
 from dtlab.analysis.check import check_rank, measure_fake
 from dtlab.analysis.devices import PROFILES
 from dtlab.analysis.model import plan_step
@@ -37,13 +37,6 @@ LAYOUTS: dict[str, tuple[int, list[str], list[int]]] = {
     "pp:2": (2, ["parallel.pp=2"], [0, 1]),
     "fsdp:2 x pp:2": (4, ["parallel.pp=2", "parallel.strategy=fsdp"], [0, 3]),
 }  # fmt: skip
-
-
-def close(predicted: int, checked: int, within: float) -> bool:
-    """Within ``within`` of the checked figure (or a few bytes: scalars); held where predicted."""
-    if (predicted == 0) != (checked == 0):
-        return False
-    return abs(predicted - checked) <= max(within * checked, 64)
 
 
 def _config(*overrides: str) -> Config:

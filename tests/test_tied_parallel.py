@@ -13,14 +13,13 @@ checkpoint on its own layout and on one process.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import CLIP, FAST, read_metrics, run_cli
+from conftest import FAST, verify_layouts
 from dtlab.checkpoint.export import find_checkpoint, load_model_state
 from dtlab.config import load_config
 from dtlab.errors import ConfigError
@@ -34,20 +33,9 @@ def _verify(tmp_path: Path, layouts: str, *args: str) -> dict[str, Any]:
     (clipped, two micro-batches; ``--checks C`` first where given): every layout within loss 1e-5
     and parameters 1e-4 of one process, clipping active on every reference step, and every
     checkpoint the one tied matrix under its one name."""
-    checks = list(args[:2]) if args[:1] == ("--checks",) else []
-    overrides = args[len(checks) :]
+    checks = tuple(args[:2]) if args[:1] == ("--checks",) else ()
     out = tmp_path / "verify"
-    proc = run_cli(
-        "verify", "--layouts", layouts, "--steps", str(STEPS), "--out", str(out), *checks,
-        "--set", *FAST, "train.micro_batch_size=2", f"train.grad_clip={CLIP}", *TIED, *overrides,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    result = json.loads((out / "verify.json").read_text())
-    assert result["ok"] and [r["layout"] for r in result["rows"]] == layouts.split(",")[1:]
-    for row in result["rows"]:
-        assert row["max_loss_diff"] <= 1e-5 and row["max_param_diff"] <= 1e-4, row
-    reference = read_metrics(next(out.glob("0-*")))
-    assert all(m["grad_norm"] > CLIP for m in reference), [m["grad_norm"] for m in reference]
+    result = verify_layouts(out, layouts, *TIED, *args[len(checks) :], checks=checks, steps=STEPS)
     for run in sorted(out.glob("[0-9]-*")):  # the layouts' runs (a resume's too)
         names = set(load_model_state(find_checkpoint(run, warn=lambda _: None)))
         assert "tok_embeddings.weight" in names and "output.weight" not in names, (run, names)
