@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from dtlab.metrics.comm_totals import NONE, PREDICTED
 from dtlab.metrics.peaks import cuda_peaks
 
 
@@ -127,6 +128,31 @@ def _layout_row(s: dict[str, Any]) -> str:
     return f"{engine}{s['layout']} on {processes} ({s['precision']})"
 
 
+def _sent_row(c: dict[str, Any]) -> str:
+    """The summary's bytes sent (its ``communication``, :mod:`dtlab.metrics.comm_totals`) in one
+    line, saying whether they were measured or predicted, e.g. ``1.2 GiB in all, 12.3 MiB a step
+    (collective buffers; 0.9 GiB on the wire), cross-replica 0.4 GiB in 40 collectives; measured
+    (run.comm_bytes)``."""
+    if c["source"] == NONE:
+        return str(c["why"])
+    total, per = c["total"], c["per_step"]
+    text = (
+        f"{_human_bytes(total['comm_bytes'])} in all, {_human_bytes(per['comm_bytes'])} a step "
+        f"(collective buffers; {_human_bytes(total['wire_bytes'])} on the wire)"
+    )
+    if total["cross_replica_bytes"] is None:
+        text += ", cross-replica not predicted"
+    else:
+        text += f", cross-replica {_human_bytes(total['cross_replica_bytes'])}"
+        if total["cross_replica_collectives"] is not None:
+            text += f" in {total['cross_replica_collectives']:,.0f} collectives"
+    if c["source"] == PREDICTED:
+        return f"{text}; predicted by dtlab plan (not counted: run.comm_bytes is off)"
+    if c["steps_counted"] != c["steps"]:
+        return f"{text}; measured over the {c['steps_counted']} step records of {c['steps']} steps"
+    return f"{text}; measured (run.comm_bytes)"
+
+
 def summary_table(s: dict[str, Any], extra: tuple[tuple[str, str], ...] = ()) -> str:
     """A short human-readable table of a run's summary; ``extra``: rows of the caller's, before
     the run directory."""
@@ -154,6 +180,8 @@ def summary_table(s: dict[str, Any], extra: tuple[tuple[str, str], ...] = ()) ->
         ("peak memory", _peak_row(s)),
         ("wall time", f"{s['train_time_s']:.1f} s"),
     ]
+    if s.get("communication"):
+        rows.append(("sent (rank 0)", _sent_row(s["communication"])))
     if s.get("moe_final_imbalance") is not None:
         rows.append((
             "routing imbalance",

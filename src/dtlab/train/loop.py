@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from dtlab.analysis.model import bus_bytes
+from dtlab.analysis.run_comm import planned_step_comm
 from dtlab.checkpoint.init_from import apply_init_from
 from dtlab.checkpoint.manager import Checkpointer, Coordinator
 from dtlab.checkpoint.manifest import MANIFEST
@@ -582,6 +583,16 @@ class TorchEngine:
                     "for resuming", diloco.describe_model(),
                 )  # fmt: skip
         return out
+
+    def planned_comm(self) -> dict[str, Any] | str:
+        # At the end of a run that trained: a plan that fails says why, it does not fail the run.
+        try:
+            return planned_step_comm(self.config, self.d.world_size, self.d.device.type)
+        except Exception as e:
+            logger.warning(
+                "the plan's bytes per step could not be had: %s: %s", type(e).__name__, e
+            )
+            return f"dtlab plan failed on this layout ({type(e).__name__}: {e})"
 
     def end(self) -> None:
         if self.profiler is not None:

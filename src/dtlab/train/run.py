@@ -32,6 +32,7 @@ from dtlab.data.tokenizer import Tokenizer, describe_tokenizer
 from dtlab.dims import ParallelDims, layout_fields, layout_name
 from dtlab.errors import DtlabError, Preempted
 from dtlab.metrics.alerts import AlertMonitor, count_alerts
+from dtlab.metrics.comm_totals import communication
 from dtlab.metrics.logging import logger
 from dtlab.metrics.sinks import JsonlSink, NullSink, ProgressSink, Sink, TensorBoardSink
 from dtlab.metrics.trackers import open_trackers
@@ -144,6 +145,11 @@ class Engine(Protocol):
     def summary(self) -> dict[str, Any]:
         """What the engine adds to the run's summary."""
         return {}
+
+    def planned_comm(self) -> dict[str, Any] | str:
+        """The plan's collectives per optimizer step for this run's layout, rank 0's, by the step
+        records' names (:func:`dtlab.analysis.run_comm.planned_step_comm`); or why there are none."""
+        return "dtlab plan models the torch engine's collectives only"
 
     def end(self) -> None:
         """The run's last step is done (success or not): stop what runs beside the steps."""
@@ -615,6 +621,12 @@ def _finish(
     }
     if config.alerts.enabled:  # every alert of the run's whole history
         summary["alerts"] = count_alerts(loss_curve(earlier + history))
+    # The bytes the run sent: its counted step records (rank 0's earlier starts' from metrics.jsonl),
+    # else the plan's figure for its layout.
+    summary["communication"] = communication(
+        earlier + history, r.state.step, engine.planned_comm, config.run.comm_bytes,
+        summary.get("checkpoint_comm_after_last_step"),
+    )  # fmt: skip
 
     def outputs() -> None:  # on rank 0
         summary["metrics_lost"] = sum(getattr(sink, "lost", 0) for sink in sinks)
