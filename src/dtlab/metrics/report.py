@@ -181,7 +181,9 @@ def summary_table(s: dict[str, Any], extra: tuple[tuple[str, str], ...] = ()) ->
         ("wall time", f"{s['train_time_s']:.1f} s"),
     ]
     if s.get("communication"):
-        rows.append(("sent (rank 0)", _sent_row(s["communication"])))
+        group = (s.get("fault_tolerance") or {}).get("replica")  # a fault-tolerant group's summary
+        who = "rank 0" if group is None else f"replica {group} rank 0"
+        rows.append((f"sent ({who})", _sent_row(s["communication"])))
     if s.get("moe_final_imbalance") is not None:
         rows.append((
             "routing imbalance",
