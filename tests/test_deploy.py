@@ -150,11 +150,14 @@ def test_launch_gives_checkpoint_every_0_a_default(
     got, stderr = _launched_checkpoint(tmp_path, scheduler, "--set", f"train.steps={steps}")
     assert got == every
     interval = "every step" if every == 1 else f"every {every} steps"
+    restarted = "requeued" if scheduler == "slurm" else "restarted"  # Slurm's word, not Kubernetes'
     assert (
-        f"checkpoint.every is 0: the job saves {interval} so that a requeued job resumes; "
+        f"checkpoint.every is 0: the job saves {interval} so that a {restarted} job resumes; "
         "set --set checkpoint.every=N to choose"
     ) in stderr
     assert "--no-checkpoint" in stderr
+    if scheduler == "k8s":
+        assert not re.search(r"requeu|SIGUSR1|sbatch|slurm", stderr, re.I), stderr
 
 
 @pytest.mark.parametrize("scheduler", ["slurm", "k8s"])
@@ -256,7 +259,7 @@ def test_k8s_manifest_structure(tmp_path: Path) -> None:
     assert c["command"][:3] == ["python", "-m", "torch.distributed.run"]
     assert c["command"][-3:] == ["dtlab", "train", "/etc/dtlab/config.yaml"]
     assert c["ports"] == [{"name": "pytorchjob-port", "containerPort": 23456}]
-    assert c["resources"]["limits"] == {"nvidia.com/gpu": 8}
+    assert c["resources"]["limits"] == {"nvidia.com/gpu": "8"}
     assert c["resources"]["requests"] == {"memory": "64Gi"}
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["config"]["configMap"]["name"] == "big-run-config"

@@ -228,10 +228,15 @@ def test_a_run_that_saves_at_its_last_step_only_says_what_a_requeue_resumes_from
     every, err = _launch(tmp_path, capsys, scheduler, *README_JOB)
     assert every == 100, err
     first = err.splitlines()[0]
-    assert "so that a requeued job resumes" not in first and "every 100 steps" not in first
+    assert "so that a" not in first and "every 100 steps" not in first
     assert "the job saves at its last step only (step 100)" in first
     assert "periodic saves are not worth it for this run: one save takes as long as" in first
-    assert "after a stop signal (SIGUSR1 or SIGTERM, as on preemption)" in first
+    signals = (
+        "job requeued after a stop signal (SIGUSR1 or SIGTERM, as on preemption)"
+        if scheduler == "slurm"
+        else "job restarted after a stop signal (SIGTERM, as on eviction or preemption)"
+    )
+    assert signals in first
     assert "resumes from the checkpoint the signal saves" in first
     assert "one killed without warning starts over from step 0" in first
     # The figures the comparison names are the ones printed: 1 s against 1 s is "as long as".
@@ -290,7 +295,8 @@ def test_cpu_nodes_saving_every_step_say_every_step(
         "--set", *TINY, "parallel.strategy=ddp", "train.steps=20",
     )  # fmt: skip
     assert every == 1
-    assert "the job saves every step so that a requeued job resumes" in err, err
+    restarted = "requeued" if scheduler == "slurm" else "restarted"
+    assert f"the job saves every step so that a {restarted} job resumes" in err, err
     assert "every 1 steps" not in err
 
 

@@ -322,8 +322,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
         config.train.device, config.parallel.backend, args.nproc_per_node, args.gpus_per_node
     )
     shape = JobShape(
-        args.nodes, args.nproc_per_node, args.gpus_per_node, args.device, args.save_bandwidth_gbps
-    )
+        args.nodes, args.nproc_per_node, args.gpus_per_node, args.device, args.save_bandwidth_gbps,
+        args.scheduler,
+    )  # fmt: skip
     config, note = launch_checkpointing(config, args.no_checkpoint, shape)
     if note:
         print(note, file=sys.stderr)
@@ -362,10 +363,16 @@ def _launch_slurm(args: argparse.Namespace, config: Config) -> int:
 def _launch_k8s(args: argparse.Namespace, config: Config) -> int:
     from dtlab.deploy import K8sJob
     from dtlab.deploy_k8s import k8s_job_name, write_k8s
+    from dtlab.deploy_k8s_pod import unmounted_paths
 
-    k8s = _job_from_flags(K8sJob, args)
-    name = args.name or k8s_job_name(config.run.name, args.nodes)
+    k8s = _job_from_flags(
+        K8sJob, args, node_selector=tuple(args.node_selector), tolerations=tuple(args.tolerations),
+        resources=tuple(args.resources), volumes=tuple(args.volumes),
+    )  # fmt: skip
+    name = args.name or k8s_job_name(config.run.name, args.nodes, args.api)
     path = write_k8s(config, k8s, Path(args.out or f"{name}.yaml"), name)
+    for line in unmounted_paths(config, k8s):
+        print(f"warning: {line}", file=sys.stderr)
     print(f"wrote {path}\napply with: kubectl apply -f {path}", file=sys.stderr)
     return 0
 

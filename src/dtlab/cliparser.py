@@ -367,10 +367,12 @@ def _add_slurm_site(ls: argparse.ArgumentParser) -> None:
 def _add_k8s(lsub: _Commands) -> None:
     lk = lsub.add_parser(
         "k8s",
-        help="a Kubeflow PyTorchJob (elastic, c10d) with the config as a ConfigMap",
+        help="a Kubeflow PyTorchJob (elastic, c10d) or Trainer v2 TrainJob, the config as a "
+        "ConfigMap",
         description="Write a Kubernetes manifest: a ConfigMap with the resolved config, a "
         "PersistentVolumeClaim for the run directory (unless --pvc names one), and a kubeflow.org/v1 "
-        "PyTorchJob whose containers run dtlab under torchrun. Apply with kubectl apply -f OUT.",
+        "PyTorchJob (or, with --api trainjob, a Kubeflow Trainer v2 TrainJob and its "
+        "TrainingRuntime) whose containers run dtlab under torchrun. Apply with kubectl apply -f OUT.",
     )
     _add_job_args(lk)
     lk.add_argument("--image", required=True, help="container image with dtlab installed")
@@ -387,7 +389,61 @@ def _add_k8s(lsub: _Commands) -> None:
     lk.add_argument("--cpu", default=None, help="CPU request per pod, e.g. 8")
     lk.add_argument("--memory", default=None, help="memory request per pod, e.g. 64Gi")
     lk.add_argument(
-        "--max-restarts", type=_non_negative, default=3, help="elastic restarts (default 3)"
+        "--max-restarts",
+        type=_non_negative,
+        default=3,
+        help="restarts: a PyTorchJob's elastic restarts, a TrainJob's JobSet restarts (default 3)",
+    )
+    lk.add_argument(
+        "--api",
+        choices=("pytorchjob", "trainjob"),
+        default="pytorchjob",
+        help="pytorchjob: a kubeflow.org/v1 PyTorchJob (training operator); trainjob: a Kubeflow "
+        "Trainer v2 TrainJob (trainer.kubeflow.org/v1alpha1) with a TrainingRuntime of its own "
+        "(default pytorchjob)",
+    )
+    lk.add_argument(
+        "--runtime",
+        default=None,
+        metavar="NAME",
+        help="with --api trainjob: an installed ClusterTrainingRuntime to run on (e.g. "
+        "torch-distributed), patched with the job's volumes and scheduling, instead of the "
+        "manifest's own TrainingRuntime",
+    )
+    lk.add_argument(
+        "--node-selector",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a node label the pods must run on (repeatable), e.g. "
+        "nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3",
+    )
+    lk.add_argument(
+        "--toleration",
+        dest="tolerations",
+        action="append",
+        default=[],
+        metavar="KEY[=VALUE][:EFFECT]",
+        help="a taint the pods tolerate (repeatable), e.g. nvidia.com/gpu:NoSchedule",
+    )
+    lk.add_argument(
+        "--resource",
+        dest="resources",
+        action="append",
+        default=[],
+        metavar="NAME=QUANTITY",
+        help="an extended resource each pod asks for beside its GPUs (repeatable), e.g. RDMA "
+        "devices: rdma/ib=1",
+    )
+    lk.add_argument(
+        "--volume",
+        dest="volumes",
+        action="append",
+        default=[],
+        metavar="CLAIM:/MOUNT[:ro]",
+        help="an existing PersistentVolumeClaim mounted in every pod (repeatable): the data "
+        "(data.paths), model.init_from's weights, ...; a path the config reads that no volume "
+        "holds is named when the manifest is written",
     )
     lk.add_argument(
         "--out", default=None, help="manifest path (default <name>.yaml in this directory)"

@@ -48,7 +48,7 @@ class SlurmJob:
 
 @dataclass(frozen=True)
 class K8sJob:
-    """What ``dtlab launch k8s`` puts in the PyTorchJob manifest."""
+    """What ``dtlab launch k8s`` puts in the manifest (a PyTorchJob, or a Trainer v2 TrainJob)."""
 
     nodes: int
     nproc_per_node: int
@@ -61,6 +61,18 @@ class K8sJob:
     memory: str | None = None
     max_restarts: int = 3
     grace_seconds: int = 300
+    # pytorchjob (kubeflow.org/v1) or trainjob (trainer.kubeflow.org/v1alpha1, Kubeflow Trainer v2).
+    api: str = "pytorchjob"
+    # A TrainJob's ClusterTrainingRuntime to patch (None: the manifest holds a TrainingRuntime of its own).
+    runtime: str | None = None
+    # "key=value" node labels the pods must have.
+    node_selector: tuple[str, ...] = ()
+    # "key[=value][:effect]" taints the pods tolerate.
+    tolerations: tuple[str, ...] = ()
+    # "name=quantity" extended resources each pod asks for (RDMA devices, ...), beside the GPUs.
+    resources: tuple[str, ...] = ()
+    # "claim:/mount[:ro]" PersistentVolumeClaims mounted in every pod (data, weights, ...).
+    volumes: tuple[str, ...] = ()
 
 
 # A job that a scheduler may kill (preemption without warning, a node failure, an out-of-memory kill)
@@ -81,6 +93,8 @@ class JobShape:
     gpus_per_node: int = 0
     device: str | None = None
     save_gbps: float | None = None
+    # Whose words the notes use: a Slurm job is requeued; a Kubernetes job's pods are restarted.
+    scheduler: str = "slurm"
 
 
 def _divisor_of(every: int, durable_every: int) -> int:
@@ -174,22 +188,30 @@ def every_steps(n: int) -> str:
     return "every step" if n == 1 else f"every {n} steps"
 
 
-def _default_every_note(every: int, steps: int, reason: str | None) -> str:
+def _default_every_note(
+    every: int, steps: int, reason: str | None, scheduler: str = "slurm"
+) -> str:
     """The first line of what the launch says about the interval it chose for ``checkpoint.every: 0``.
 
     An interval of the whole run or more is its last step only: then no periodic save exists for a
-    requeued job to resume from, and the line says what a requeue does resume from (``reason``: why
-    periodic saves are not worth it, when the rule knows)."""
+    restarted job to resume from, and the line says what a restart does resume from (``reason``: why
+    periodic saves are not worth it, when the rule knows). ``scheduler`` picks the words: Slurm
+    requeues a job (after SIGUSR1 or SIGTERM); Kubernetes restarts its pods (after SIGTERM)."""
     choose = "set --set checkpoint.every=N to choose"
+    restarted, signals = (
+        ("requeued", "SIGUSR1 or SIGTERM, as on preemption")
+        if scheduler == "slurm"
+        else ("restarted", "SIGTERM, as on eviction or preemption")
+    )
     if every < steps:
         return (
-            f"checkpoint.every is 0: the job saves {every_steps(every)} so that a requeued job "
+            f"checkpoint.every is 0: the job saves {every_steps(every)} so that a {restarted} job "
             f"resumes; {choose}, or pass --no-checkpoint to keep them off"
         )
     why = f", as periodic saves are not worth it for this run: {reason}" if reason else ""
     return (
         f"checkpoint.every is 0: the job saves at its last step only (step {steps}){why}; a job "
-        "requeued after a stop signal (SIGUSR1 or SIGTERM, as on preemption) resumes from the "
+        f"{restarted} after a stop signal ({signals}) resumes from the "
         "checkpoint the signal saves, one killed without warning starts over from step 0; "
         f"{choose}"
     )
@@ -223,7 +245,7 @@ def launch_checkpointing(
             return config, None
         every = launch_checkpoint_every(config.train.steps, c.durable_every)
         one = "the run has one step" if config.train.steps == 1 else None
-        note = _default_every_note(every, config.train.steps, one)
+        note = _default_every_note(every, config.train.steps, one, shape.scheduler)
         if every < config.train.steps:
             note += (
                 " (1/20 of the run, at most 100 steps: the step time of CPU nodes is not predicted)"
@@ -232,7 +254,7 @@ def launch_checkpointing(
         every, why, reason = _save_interval(config, shape)
         if c.every:
             return config, f"checkpoint.every is {c.every}, as given (the config or --set):\n{why}"
-        note = _default_every_note(every, config.train.steps, reason) + "\n" + why
+        note = _default_every_note(every, config.train.steps, reason, shape.scheduler) + "\n" + why
     data = config.to_dict()
     data["checkpoint"]["every"] = every
     return config_from_dict(data), note

@@ -1,5 +1,6 @@
-"""``dtlab launch k8s``: a Kubeflow PyTorchJob for a run (and, with ``parallel.fault_tolerance``, a
-lighthouse Deployment and Service with one Job per replica group).
+"""``dtlab launch k8s``: a Kubeflow PyTorchJob for a run, or a Kubeflow Trainer v2 TrainJob
+(:mod:`dtlab.deploy_trainer`), and with ``parallel.fault_tolerance`` a lighthouse Deployment and
+Service with one Job per replica group.
 
 Like the Slurm generator (:mod:`dtlab.deploy`), it writes the resolved config beside the manifest,
 with a fixed run directory; commands are argument lists, never a shell string.
@@ -7,7 +8,6 @@ with a fixed run directory; commands are argument lists, never a shell string.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,19 +16,23 @@ import yaml
 
 from dtlab import __version__
 from dtlab.config import Config
-from dtlab.deploy import (
-    K8sJob,
-    cannot_write,
-    check_value,
-    replica_layout,
-    slug,
+from dtlab.deploy import K8sJob, cannot_write, check_value, replica_layout, slug
+from dtlab.deploy_k8s_pod import (
+    CONFIG_MOUNT,
+    K8S_DNS1035,
+    K8S_LABEL_MAX,
+    K8S_NAME,
+    RUNS_MOUNT,
+    check_pod_flags,
+    config_map,
+    pod_spec,
+    resources,
+    runs_claim,
+    torchrun_command,
+    volume_mounts,
 )
+from dtlab.deploy_trainer import TRAINER_API, trainjob_objects, trainjob_pod_suffix
 from dtlab.errors import ConfigError
-
-_K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-_K8S_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$")
-CONFIG_MOUNT = "/etc/dtlab"
-RUNS_MOUNT = "/runs"
 
 # What the Kubeflow training operator (kubeflow.org/v1 PyTorchJob) expects; see docs/deploy.md.
 K8S_CONTAINER = (
@@ -36,88 +40,50 @@ K8S_CONTAINER = (
 )
 K8S_PORT_NAME = "pytorchjob-port"  # the port it takes the rendezvous port from
 K8S_PORT = 23456  # the operator's default for that port
-K8S_LABEL_MAX = 63  # a Service name (one per pod: <name>-worker-<index>) is a DNS-1035 label
-_K8S_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+APIS = ("pytorchjob", TRAINER_API)
 
 
-def _worker_suffix(nodes: int) -> str:
-    return f"-worker-{nodes - 1}"
+def _pod_suffix(nodes: int, api: str = "pytorchjob") -> str:
+    """The suffix of the last pod's name (and hostname): ``-worker-<N-1>`` for a PyTorchJob."""
+    return trainjob_pod_suffix(nodes) if api == TRAINER_API else f"-worker-{nodes - 1}"
 
 
-def k8s_job_name(run_name: str, nodes: int) -> str:
-    """A PyTorchJob name from ``run.name``: a DNS-1035 label (it starts with a letter) short enough
-    that the operator's pod and Service names, ``<name>-worker-<index>``, stay valid labels."""
+def k8s_job_name(run_name: str, nodes: int, api: str = "pytorchjob") -> str:
+    """A job name from ``run.name``: a DNS-1035 label (it starts with a letter) short enough that the
+    operator's pod and Service names (``<name>-worker-<index>``; a TrainJob's ``<name>-node-0-<index>``)
+    stay valid labels."""
     base = slug(run_name, K8S_LABEL_MAX)
     if not base[0].isalpha():
         base = f"dtlab-{base}"
-    limit = K8S_LABEL_MAX - len(_worker_suffix(nodes))
+    limit = K8S_LABEL_MAX - len(_pod_suffix(nodes, api))
     return base[:limit].rstrip("-")
 
 
 def _check_k8s_job(job: K8sJob, name: str) -> None:
-    """Refuse a name, namespace, claim, quantity or image that Kubernetes would not accept."""
+    """Refuse an API, name, namespace, claim, quantity, image or pod setting that Kubernetes would
+    not accept."""
+    if job.api not in APIS:
+        raise ConfigError(f"--api: {job.api!r} is not valid; allowed: {', '.join(APIS)}")
+    if job.runtime is not None and job.api != TRAINER_API:
+        raise ConfigError(
+            f"--runtime: {job.runtime!r} names a Trainer v2 runtime; it goes with --api {TRAINER_API}"
+        )
+    check_value(job.runtime, K8S_NAME, "--runtime", "a ClusterTrainingRuntime's name")
     check_value(
         name,
-        _K8S_DNS1035,
+        K8S_DNS1035,
         "--name",
         "lowercase letters, digits and '-', starting with a letter (a DNS-1035 label)",
     )
-    limit = K8S_LABEL_MAX - len(_worker_suffix(job.nodes))
+    suffix = _pod_suffix(job.nodes, job.api)
+    limit = K8S_LABEL_MAX - len(suffix)
     if len(name) > limit:
         raise ConfigError(
             f"--name: {name!r} is {len(name)} characters; allowed: at most {limit} with --nodes "
-            f"{job.nodes} (pods and their Services are named {name[:8]}...{_worker_suffix(job.nodes)}, "
+            f"{job.nodes} (pods and their Services are named {name[:8]}...{suffix}, "
             f"at most {K8S_LABEL_MAX} characters)"
         )
-    check_value(job.namespace, _K8S_NAME, "--namespace", "lowercase letters, digits and '-'")
-    check_value(job.pvc, _K8S_NAME, "--pvc", "lowercase letters, digits and '-'")
-    for flag, value in (("--cpu", job.cpu), ("--memory", job.memory), ("--storage", job.storage)):
-        check_value(value, _K8S_QUANTITY, flag, "a Kubernetes quantity such as 4, 500m, 16Gi")
-    if not job.image or any(ch.isspace() for ch in job.image):
-        raise ConfigError(f"--image: {job.image!r} is not valid; allowed: an image reference")
-
-
-def _named(meta: dict[str, Any], suffix: str) -> dict[str, Any]:
-    """The job's metadata for one of its objects, named ``<name>-<suffix>``."""
-    return {**meta, "name": f"{meta['name']}-{suffix}"}
-
-
-def _config_map(config: Config, meta: dict[str, Any]) -> dict[str, Any]:
-    """The ConfigMap with the resolved config, whose run directory is the job's on the runs
-    volume."""
-    resolved = config.model_copy(deep=True)
-    resolved.run.dir = f"{RUNS_MOUNT}/{meta['name']}"
-    return {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": _named(meta, "config"),
-        "data": {"config.yaml": resolved.to_yaml()},
-    }
-
-
-def _runs_claim(job: K8sJob, meta: dict[str, Any]) -> dict[str, Any]:
-    """The PersistentVolumeClaim for the run directory, when ``job.pvc`` names none to reuse."""
-    return {
-        "apiVersion": "v1",
-        "kind": "PersistentVolumeClaim",
-        "metadata": _named(meta, "runs"),
-        "spec": {
-            # Every node writes its checkpoint shards to the same run directory.
-            "accessModes": ["ReadWriteMany" if job.nodes > 1 else "ReadWriteOnce"],
-            "resources": {"requests": {"storage": job.storage}},
-        },
-    }
-
-
-def _resources(job: K8sJob) -> dict[str, Any]:
-    """The container's resources: the node's GPUs as a limit, CPU and memory as requests."""
-    resources: dict[str, Any] = {}
-    if job.gpus_per_node:
-        resources["limits"] = {"nvidia.com/gpu": job.gpus_per_node}
-    requests = {k: v for k, v in (("cpu", job.cpu), ("memory", job.memory)) if v}
-    if requests:
-        resources["requests"] = requests
-    return resources
+    check_pod_flags(job)
 
 
 def _container(job: K8sJob) -> dict[str, Any]:
@@ -129,47 +95,24 @@ def _container(job: K8sJob) -> dict[str, Any]:
         # torchrun takes the node count, processes per node, rendezvous backend and endpoint and the
         # restart budget from the PET_* variables the operator derives from elasticPolicy and
         # nprocPerNode; a flag here would override them, so there is none. dtlab runs as its worker.
-        "command": [
-            "python",
-            "-m",
-            "torch.distributed.run",
-            "--module",
-            "dtlab",
-            "train",
-            f"{CONFIG_MOUNT}/config.yaml",
-        ],
+        "command": torchrun_command(),
         # Declared, not left to the operator's defaulting: worker 0 serves the rendezvous on it.
         "ports": [{"name": K8S_PORT_NAME, "containerPort": K8S_PORT}],
         "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}],
-        "resources": _resources(job),
-        "volumeMounts": [
-            {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
-            {"name": "runs", "mountPath": RUNS_MOUNT},
-            {"name": "shm", "mountPath": "/dev/shm"},
-        ],
+        "resources": resources(job),
+        "volumeMounts": volume_mounts(job),
     }
 
 
 def _pod(job: K8sJob, name: str, container: dict[str, Any], claim: str) -> dict[str, Any]:
     """The pod template: the container, its volumes and the time it has to save on eviction."""
-    return {
-        "spec": {
-            # On eviction the kubelet sends SIGTERM: the workers save a checkpoint before they exit,
-            # and the restarted pod resumes from it. Give them time to write it.
-            "terminationGracePeriodSeconds": job.grace_seconds,
-            "containers": [container],
-            "volumes": [
-                {"name": "config", "configMap": {"name": f"{name}-config"}},
-                {"name": "runs", "persistentVolumeClaim": {"claimName": claim}},
-                {"name": "shm", "emptyDir": {"medium": "Memory"}},
-            ],
-        }
-    }
+    return {"spec": pod_spec(job, name, container, claim)}
 
 
 def k8s_manifest(config: Config, job: K8sJob, name: str) -> str:
     """A ConfigMap with the resolved config, a PersistentVolumeClaim for the run directory (unless
-    ``job.pvc`` names an existing one) and a Kubeflow ``PyTorchJob`` whose containers run dtlab.
+    ``job.pvc`` names an existing one) and a Kubeflow ``PyTorchJob`` whose containers run dtlab (with
+    ``job.api`` ``trainjob``: a Trainer v2 ``TrainJob`` and its runtime, :mod:`dtlab.deploy_trainer`).
 
     The job has ``job.nodes`` Worker replicas and no Master, for every node count. With an
     ``elasticPolicy`` the operator only admits jobs with a Worker replica, and it points every pod's
@@ -180,15 +123,25 @@ def k8s_manifest(config: Config, job: K8sJob, name: str) -> str:
     meta: dict[str, Any] = {"name": name, "labels": {"app.kubernetes.io/managed-by": "dtlab"}}
     if job.namespace:
         meta["namespace"] = job.namespace
-    docs: list[dict[str, Any]] = [_config_map(config, meta)]
+    docs: list[dict[str, Any]] = [config_map(config, meta)]
     if job.pvc is None:
-        docs.append(_runs_claim(job, meta))
-    container = _container(job)
-    pod = _pod(job, name, container, job.pvc or f"{name}-runs")
-    if config.parallel.fault_tolerance.enabled:
-        docs += _k8s_fault_tolerant(config, job, name, meta, container, pod)
+        docs.append(runs_claim(job, meta))
+    claim = job.pvc or f"{name}-runs"
+    if job.api == TRAINER_API:
+        if config.parallel.fault_tolerance.enabled:
+            raise ConfigError(
+                f"--api {TRAINER_API}: parallel.fault_tolerance is enabled, whose replica groups run "
+                "as a lighthouse and one batch Job per group, not as a TrainJob; leave out --api "
+                f"{TRAINER_API}"
+            )
+        docs += trainjob_objects(job, meta, claim)
     else:
-        docs.append(_pytorchjob(job, meta, pod))
+        container = _container(job)
+        pod = _pod(job, name, container, claim)
+        if config.parallel.fault_tolerance.enabled:
+            docs += _k8s_fault_tolerant(config, job, name, meta, container, pod)
+        else:
+            docs.append(_pytorchjob(job, meta, pod))
     header = f"# Written by `dtlab launch k8s` (dtlab {__version__}). Apply: kubectl apply -f <this file>\n"
     return header + yaml.safe_dump_all(docs, sort_keys=False)
 
@@ -281,10 +234,11 @@ class _ReplicaGroups:
 
 def _group_resources(job: K8sJob, container: dict[str, Any], group: int) -> dict[str, Any]:
     """A group's pod's resources: the container's, with the GPUs of the group's ranks as a limit."""
-    resources = dict(container["resources"])
+    out = dict(container["resources"])
     if job.gpus_per_node:
-        resources["limits"] = {"nvidia.com/gpu": job.gpus_per_node * group // job.nproc_per_node}
-    return resources
+        gpus = job.gpus_per_node * group // job.nproc_per_node
+        out["limits"] = {**out["limits"], "nvidia.com/gpu": str(gpus)}
+    return out
 
 
 def _group_env(groups: _ReplicaGroups, i: int) -> list[dict[str, Any]]:
