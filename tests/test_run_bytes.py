@@ -189,3 +189,19 @@ def _minimal_summary(c: dict[str, Any]) -> dict[str, Any]:
         "global_batch_size": 8, "seq_len": 64, "tokens_per_s": 1.0, "peak_memory_bytes": 1,
         "train_time_s": 1.0, "communication": c,
     }  # fmt: skip
+
+
+def test_the_end_summary_line_s_words_follow_the_source() -> None:
+    """Measured over fewer step records than steps (a resumed run's earlier starts logged every
+    few steps) says so; a prediction without a cross-replica figure says it is not predicted."""
+    records = [{"step": s, "comm_bytes": 2**20, "wire_bytes": 2**19} for s in (1, 5, 6)]
+    partial = communication(records, 6, lambda: "unused", counting=True)
+    line = _sent_line(summary_table(_minimal_summary(partial)))
+    assert line.endswith("; measured over the 3 step records of 6 steps"), line
+    assert "3.0 MiB in all, 1.0 MiB a step (collective buffers; 1.5 MiB on the wire)" in line, line
+    plan = {"comm_bytes": 2**20, "wire_bytes": 2**20, "cross_replica_bytes": None}
+    predicted = communication([{"step": 1}], 2, lambda: plan, counting=False)
+    assert predicted["total"]["cross_replica_collectives"] is None
+    line = _sent_line(summary_table(_minimal_summary(predicted)))
+    assert "2.0 MiB in all, 1.0 MiB a step" in line and "cross-replica not predicted" in line, line
+    assert line.endswith("; predicted by dtlab plan (not counted: run.comm_bytes is off)"), line
