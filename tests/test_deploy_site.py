@@ -5,6 +5,7 @@ submitted to the local Slurm cluster when one answers."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -306,3 +307,69 @@ def test_site_job_runs_on_the_local_slurm(tmp_path: Path) -> None:
     assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3]
     assert info.get("OverSubscribe") == "NO"  # --exclusive reached the scheduler
     assert (tmp_path / "setup.txt").read_text() == "from the site file\n"
+
+
+def _docs_example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, str, Path]:
+    """(the script docs/deploy.md shows, the one its site file and command write here with
+    /shared/... mapped into ``tmp_path``, that script's path)."""
+    from dtlab.cli import main as cli_main
+
+    root = Path(__file__).resolve().parent.parent
+    text = (root / "docs" / "deploy.md").read_text(encoding="utf-8")
+    section = text[text.index("A 2-node x 8-GPU FSDP job in the NGC PyTorch image") :]
+    site = re.search(r"```yaml\n(.*?)```", section, re.S)
+    command = re.search(r"```bash\ncd /shared/jobs\n(dtlab launch slurm .*?)\n```", section, re.S)
+    shown = re.search(r"```bash\n(#!/bin/bash\n.*?)```", section, re.S)
+    assert site and command and shown
+    shared = tmp_path / "shared"
+    (shared / "dtlab").mkdir(parents=True)
+    (shared / "jobs").mkdir()
+    (shared / "dtlab" / "site.yaml").write_text(site.group(1))
+    words = command.group(1).replace("\\\n", " ").split()[2:]
+    words = [w.replace("/shared/", f"{shared}/") for w in words]
+    words[words.index("--out") + 1] = str(shared / "jobs" / "fsdp.sbatch")
+    monkeypatch.chdir(root)
+    assert cli_main(["launch", *words]) == 0
+    script = shared / "jobs" / "fsdp.sbatch"
+    return shown.group(1), script.read_text().replace(str(shared), "/shared"), script
+
+
+def test_the_docs_site_example_is_what_the_command_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/deploy.md's 2-node x 8-GPU FSDP script (a container, the site's settings) is what its
+    site file and command write, line for line."""
+    shown, written, _ = _docs_example(tmp_path, monkeypatch)
+    assert written == shown
+
+
+@pytest.mark.slow
+def test_the_docs_site_example_is_accepted_by_the_local_slurm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Submitted held to the local cluster (one CPU node: the command line overrides the partition,
+    node count and GPUs it cannot meet), Slurm reads every directive the docs' script has."""
+    if not _slurm_up():
+        if os.environ.get("DTLAB_REQUIRE_SLURM") == "1":
+            pytest.fail("no Slurm cluster answers")
+        pytest.skip(
+            "no Slurm cluster answers (start one: sudo deploy/slurm/local-cluster.sh start)"
+        )
+    _, _, script = _docs_example(tmp_path, monkeypatch)
+    res = subprocess.run(
+        ["sbatch", "--parsable", "--hold", "--partition=debug", "--nodes=1", "--gpus-per-node=0",
+         f"--output={tmp_path}/out-%j", str(script)],
+        capture_output=True, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    job_id = res.stdout.strip().split(";")[0]
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True
+        ).stdout
+        info = dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+        assert info["Account"] == "proj42" and info["Requeue"] == "1", out
+        assert info["TimeLimit"] == "12:00:00" and info["OverSubscribe"] == "NO", out
+        assert info["MinMemoryNode"] == "0", out
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True)
