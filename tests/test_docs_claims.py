@@ -1,6 +1,7 @@
 """Claims the docs make about what dtlab can do and what it measured, checked against the code and
-the recorded measurements: a capability table's strategies are the ones the config accepts, a family
-table's classes are the ones the code writes, every figure of the test tiers is one tests/tiers.json
+the recorded measurements: a capability table's strategies are the ones the config accepts (and
+docs/mlx.md's list of what the MLX engine refuses, the README's layouts beside expert parallelism,
+what the config refuses and takes), a family table's classes are the ones the code writes, every figure of the test tiers is one tests/tiers.json
 records, and every sentence saying dtlab does not do something (yet) has a probe that still finds the
 gap (tests/docs_claims.py). Each checker is also run on stale sentences the docs once held, taken
 from the repository's history, and must catch them."""
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import typing
 from pathlib import Path
 
 import pytest
@@ -22,7 +24,7 @@ from docs_claims import (
     load_tiers,
     sentences,
 )
-from dtlab.config import check_world, load_config
+from dtlab.config import Config, check_world, load_config
 from dtlab.errors import ConfigError
 from dtlab.models.families import FAMILIES
 
@@ -142,6 +144,105 @@ def test_the_families_table_names_the_classes_the_code_writes() -> None:
         for m in re.finditer(r"^\| `(\w+)` \| `(\w+)` \|", text, flags=re.MULTILINE)
     }
     assert rows == {f.name: f.hf_class for f in FAMILIES.values()}
+
+
+# docs/mlx.md's list of what the engine refuses, at 3c1a266 (it named demo; sgd and muon are refused too).
+STALE_MLX_LIST = (
+    "`parallel.strategy` `fsdp`/`hsdp`, `parallel.compression`, `train.optimizer: demo`, "
+    "`train.precision: fp16`,\n`train.activation_checkpointing: selective` and `train.device: cuda` "
+    "are refused with the engine's\nallowed values."
+)
+NAMED = re.compile(
+    r"`(?P<key>[a-z_]+\.[a-z_]+)(?:: (?P<value>\w+))?`(?P<more>(?: `\w+`(?:/`\w+`)*)?)"
+)
+
+
+def _choices(key: str) -> list[str]:
+    """The values a config key whose type is a Literal takes."""
+    model: typing.Any = Config
+    *path, last = key.split(".")
+    for part in path:
+        model = model.model_fields[part].annotation
+    return [str(v) for v in typing.get_args(model.model_fields[last].annotation)]
+
+
+def _valid(overrides: list[str], world: int) -> bool:
+    try:
+        check_world(load_config(None, overrides), world)
+    except (ConfigError, ValueError):
+        return False
+    return True
+
+
+def _mlx_refuses(key: str, value: str) -> bool:
+    """Whether the MLX engine refuses ``key=value`` that the torch engine takes (on 1, 2 or 4
+    processes, as the value needs)."""
+    layout = {"parallel.compression": ["parallel.strategy=ddp"], "parallel.strategy": []}.get(
+        key, []
+    )
+    world = {"ddp": 2, "fsdp": 2, "hsdp": 4}.get(value, 2 if layout else 1)
+    overrides = [*layout, f"{key}={value}"] + (["parallel.replicate=2"] if value == "hsdp" else [])
+    assert _valid(overrides, world), overrides
+    return not _valid([*overrides, "train.engine=mlx"], world)
+
+
+def _mlx_list_errors(text: str) -> list[str]:
+    """For each config key docs/mlx.md's list names, the values it says the engine refuses against
+    those the config refuses (a key named alone: every value but its default)."""
+    errors = []
+    for m in NAMED.finditer(text):
+        key = m.group("key")
+        default = str(load_config(None, []).model_dump()[key.split(".")[0]][key.split(".")[1]])
+        named = set(re.findall(r"`(\w+)`", m.group("more"))) | ({m.group("value")} - {None})
+        if not named:
+            named = set(_choices(key)) - {default}
+        refused = {v for v in _choices(key) if v != default and _mlx_refuses(key, v)}
+        if named != refused:
+            errors.append(
+                f"{key}: docs/mlx.md names {sorted(named)}, the config refuses {sorted(refused)}"
+            )
+    return errors
+
+
+def _mlx_list() -> str:
+    text = (ROOT / "docs" / "mlx.md").read_text(encoding="utf-8")
+    section = text.split("## Not supported", 1)[1].split("\n## ", 1)[0]
+    return re.split(r"are\s+refused with the engine's", section, maxsplit=1)[0]
+
+
+def test_what_mlx_md_says_the_engine_refuses_is_what_the_config_refuses() -> None:
+    text = _mlx_list()
+    assert len(NAMED.findall(text)) >= 5, text
+    assert not _mlx_list_errors(text)
+
+
+def test_the_mlx_list_check_catches_a_value_left_out() -> None:
+    assert _mlx_list_errors(STALE_MLX_LIST) == [
+        "train.optimizer: docs/mlx.md names ['demo'], the config refuses ['demo', 'muon', 'sgd']"
+    ]
+
+
+# The README's MoE row: the layouts expert parallelism runs beside, by name.
+MOE_LAYOUTS = {
+    "DDP": (["parallel.strategy=ddp"], 2),
+    "FSDP": (["parallel.strategy=fsdp"], 2),
+    "HSDP": (["parallel.strategy=hsdp", "parallel.replicate=2"], 4),
+    "TP": (["parallel.strategy=ddp", "parallel.tp=2"], 4),
+    "PP": (["parallel.strategy=ddp", "parallel.pp=2"], 4),
+    "CP": (["parallel.strategy=ddp", "parallel.cp=2", "data.seq_len=64"], 4),
+}
+
+
+def test_the_readmes_moe_row_names_layouts_expert_parallelism_runs_beside() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    row = next(line for line in readme.splitlines() if line.startswith("| Mixture of experts |"))
+    m = re.search(r"\(`parallel\.ep`[^)]*\) beside ([A-Z, ]+ and [A-Z]+)", row)
+    assert m, row
+    named = re.findall(r"[A-Z]+", m.group(1))
+    assert set(named) <= set(MOE_LAYOUTS), named
+    moe = ["model.preset=debug-moe", "parallel.ep=2"]
+    refused = [n for n in named if not _valid([*moe, *MOE_LAYOUTS[n][0]], MOE_LAYOUTS[n][1])]
+    assert not refused, f"README.md: expert parallelism beside {refused} is refused"
 
 
 def _tier_sources() -> list[Path]:
