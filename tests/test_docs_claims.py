@@ -245,6 +245,49 @@ def test_the_readmes_moe_row_names_layouts_expert_parallelism_runs_beside() -> N
     assert not refused, f"README.md: expert parallelism beside {refused} is refused"
 
 
+# A measured figure: a number with its unit, or in scientific notation.
+FIGURE = re.compile(
+    r"(?<![\w.])(?:\d+(?:\.\d+)?e-\d+|\d+(?:[.,]\d+)*\s?(?:%|x\b|GiB|MiB|GB|ms\b|s\b|TFLOP/s|tokens/s))"
+)
+
+
+def _unsourced_figures(row: str) -> list[str]:
+    """The figures of a README row that the pages it links (without a link: any page of docs/) do
+    not give."""
+    links = re.findall(r"\]\((docs/[\w-]+\.md)", row)
+    pages = [ROOT / link for link in links] or sorted((ROOT / "docs").glob("*.md"))
+    text = " ".join(page.read_text(encoding="utf-8") for page in pages)
+    return [f for f in FIGURE.findall(row) if f not in text and f.replace(" ", "") not in text]
+
+
+def _feature_rows() -> list[str]:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    return [ln for ln in readme.splitlines() if ln.startswith("| ") and not ln.startswith("| |")]
+
+
+def test_every_figure_of_the_readmes_features_is_in_the_page_it_links() -> None:
+    rows = _feature_rows()
+    assert sum(len(FIGURE.findall(row)) for row in rows) >= 3
+    unsourced = {row.split("|")[1].strip(): _unsourced_figures(row) for row in rows}
+    assert not {k: v for k, v in unsourced.items() if v}
+
+
+def test_the_readme_figure_check_catches_a_figure_its_page_does_not_give() -> None:
+    row = next(row for row in _feature_rows() if row.startswith("| GPUs |"))
+    assert _unsourced_figures(row.replace("64.6%", "66.4%")) == ["66.4%"]
+
+
+def test_the_readmes_gpu_row_names_the_cards_docs_gpu_md_reports_and_one_gpu_each() -> None:
+    reports = (ROOT / "docs" / "gpu.md").read_text(encoding="utf-8")
+    cards = re.findall(r"\b(one|two|\d+)\s+NVIDIA ([A-Z]\w*\d+)", reports)
+    row = next(row for row in _feature_rows() if row.startswith("| GPUs |"))
+    assert cards and {n for n, _ in cards} == {"one"}, cards
+    assert set(re.findall(r"\b([AHL]\d{2,3})\b", row)) == {card for _, card in cards}, row
+    assert re.search(r"\brun on one GPU\b", row) and re.search(
+        r"Nothing with two GPUs or more", row
+    )
+
+
 def _tier_sources() -> list[Path]:
     return [*DOCS, ROOT / "Makefile"]
 
