@@ -1,10 +1,16 @@
 """Claims the docs make about what dtlab can do and what it measured, checked against the code and
-the recorded measurements: a capability table's strategies are the ones the config accepts (and
-docs/mlx.md's list of what the MLX engine refuses, the README's layouts beside expert parallelism,
-what the config refuses and takes), a family table's classes are the ones the code writes, every figure of the test tiers is one tests/tiers.json
-records, and every sentence saying dtlab does not do something (yet) has a probe that still finds the
-gap (tests/docs_claims.py). Each checker is also run on stale sentences the docs once held, taken
-from the repository's history, and must catch them."""
+the recorded measurements:
+
+- a capability table's strategies are the ones the config accepts; so are docs/mlx.md's list of
+  what the MLX engine refuses and the README's layouts beside expert parallelism;
+- a family table's classes are the ones the code writes; every default a page gives is the code's;
+- every figure of the test tiers is one tests/tiers.json records; every figure of the README's
+  feature rows is in the page the row links, and its GPUs row names the cards docs/gpu.md reports;
+- every sentence saying dtlab does not do something (yet) has a probe that still finds the gap
+  (tests/docs_claims.py).
+
+Each checker is also run on stale sentences the docs once held, taken from the repository's
+history, and must catch them."""
 
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ import typing
 from pathlib import Path
 
 import pytest
+import yaml
 
 from docs_claims import (
     CLAIMS,
@@ -25,6 +32,7 @@ from docs_claims import (
     sentences,
 )
 from dtlab.config import Config, check_world, load_config
+from dtlab.config.loading import describe_fields
 from dtlab.errors import ConfigError
 from dtlab.models.families import FAMILIES
 
@@ -286,6 +294,68 @@ def test_the_readmes_gpu_row_names_the_cards_docs_gpu_md_reports_and_one_gpu_eac
     assert re.search(r"\brun on one GPU\b", row) and re.search(
         r"Nothing with two GPUs or more", row
     )
+
+
+DEFAULTS = {key: default for key, default, _ in describe_fields()}
+# "`parallel.collective_timeout_s` (default 600 s)", "(10 minutes by default)", "(120 s by default)".
+PROSE_DEFAULT = re.compile(
+    r"`(?P<key>[a-z_]+(?:\.[a-z_]+)+)` \((?:default `?(?P<value>[\w.-]+)`?(?P<unit> s| minutes)?"
+    r"|(?P<n>[\d.]+)(?P<by_unit> s| minutes) by default)\)"
+)
+
+
+def _same(doc: str, code: str, minutes: bool = False) -> bool:
+    """Whether a default as the docs write it is the code's (YAML values; minutes in seconds)."""
+    a, b = yaml.safe_load(doc), yaml.safe_load(code)
+    try:
+        return float(a) * (60 if minutes else 1) == float(b)
+    except (TypeError, ValueError):
+        return a == b
+
+
+def _default_errors(text: str) -> list[str]:
+    """Each default docs/configuration.md's key tables (or a page's prose) give that is not the
+    code's."""
+    errors, section = [], None
+    for number, line in enumerate(text.splitlines(), 1):
+        heading = re.match(r"^### `(\w+)`", line)
+        if heading or line.startswith("## "):
+            section = heading.group(1) if heading else None
+        row = re.match(r"^\| `(\w+)` \| (?:[^|\\]|\\\|)* \| `([^`]*)`", line)
+        if row and section:
+            keys = [k for k in DEFAULTS if k.startswith(f"{section}.") and k.endswith(f".{row[1]}")]
+            if len(keys) != 1:
+                errors.append(f"{number}: `{row[1]}` under `{section}` is {keys or 'no key'}")
+            elif not _same(row[2], DEFAULTS[keys[0]]):
+                errors.append(f"{number}: {keys[0]} defaults to {DEFAULTS[keys[0]]}, not {row[2]}")
+        for m in PROSE_DEFAULT.finditer(line):
+            value, unit = m["value"] or m["n"], m["unit"] or m["by_unit"]
+            if m["key"] not in DEFAULTS:
+                errors.append(f"{number}: {m['key']} is no config key")
+            elif not _same(value, DEFAULTS[m["key"]], minutes=unit == " minutes"):
+                errors.append(f"{number}: {m['key']} defaults to {DEFAULTS[m['key']]}, not {m[0]}")
+    return errors
+
+
+def test_every_default_the_docs_give_is_the_codes() -> None:
+    table = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
+    assert len(re.findall(r"^\| `\w+` \|.*\| `[^`]*`", table, re.M)) >= 100
+    errors = {
+        str(doc.relative_to(ROOT)): _default_errors(doc.read_text(encoding="utf-8")) for doc in DOCS
+    }
+    prose = sum(len(PROSE_DEFAULT.findall(doc.read_text(encoding="utf-8"))) for doc in DOCS)
+    assert prose >= 3
+    assert not {k: v for k, v in errors.items() if v}
+
+
+def test_the_default_check_catches_a_default_the_code_no_longer_has() -> None:
+    text = "### `parallel`\n\n| `collective_timeout_s` | float | `300` | seconds |\n"
+    text += "A rank waits `parallel.collective_timeout_s` (5 minutes by default).\n"
+    assert _default_errors(text) == [
+        "3: parallel.collective_timeout_s defaults to 600.0, not 300",
+        "4: parallel.collective_timeout_s defaults to 600.0, not "
+        "`parallel.collective_timeout_s` (5 minutes by default)",
+    ]
 
 
 def _tier_sources() -> list[Path]:
