@@ -230,16 +230,6 @@ def test_bad_site_files_name_the_key(site: object, needle: str) -> None:
             ["--sbatch", "nodes=4"],
             "'--nodes=4' is an option dtlab writes itself; set it with --nodes",
         ),
-        (
-            [
-                "--container-image",
-                "img",
-                "--set",
-                "parallel.strategy=ddp",
-                "parallel.fault_tolerance.enabled=true",
-            ],
-            "parallel.fault_tolerance with a container: not supported yet",
-        ),
     ],
 )
 def test_bad_site_flags_are_clear_errors(tmp_path: Path, args: list[str], needle: str) -> None:
@@ -373,3 +363,91 @@ def test_the_docs_site_example_is_accepted_by_the_local_slurm(
         assert info["MinMemoryNode"] == "0", out
     finally:
         subprocess.run(["scancel", job_id], capture_output=True)
+
+
+def test_a_fault_tolerant_job_runs_its_lighthouse_and_groups_in_the_container(
+    tmp_path: Path,
+) -> None:
+    """With a container, the lighthouse (a one-task step on the first node, sharing the job's
+    resources) and every replica group's agent start in the image, with the config's directory and
+    the run directory mounted; the batch step itself starts no dtlab of its own."""
+    proc = _launch(
+        tmp_path, "--container-image", "nvcr.io#nvidia/pytorch:24.05-py3",
+        "--set", "parallel.strategy=ddp", "parallel.fault_tolerance.enabled=true",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    text = (tmp_path / "job.sbatch").read_text()
+    sruns = [line for line in text.splitlines() if line.startswith("srun ")]
+    assert len(sruns) == 2, sruns
+    lighthouse, groups = sruns
+    run_dir = tmp_path / "runs" / "site-test"
+    mounts = f"--container-mounts={tmp_path},{run_dir}"
+    for line in sruns:
+        assert "--container-image='nvcr.io#nvidia/pytorch:24.05-py3'" in line and mounts in line
+    assert lighthouse.startswith('srun --overlap --nodes=1 --ntasks=1 --nodelist="$FIRST_NODE"')
+    assert '"$PYTHON" -m dtlab.fault_tolerance' in lighthouse
+    assert "--kill-on-bad-exit=0 --ntasks-per-node=2" in groups
+    # Nothing of dtlab starts outside an srun (the batch step may not have it).
+    outside = [ln for ln in text.splitlines() if ln.startswith('"$PYTHON"')]
+    assert not outside, outside
+    assert f"\nRUN_DIR={run_dir}\n" in text
+    assert text.index('mkdir -p "$RUN_DIR"') < text.index("srun ")  # pyxis mounts what exists
+
+
+@pytest.mark.slow
+def test_a_fault_tolerant_job_in_a_container_trains_on_the_local_slurm(tmp_path: Path) -> None:
+    """An apptainer job with fault tolerance on the local cluster: a stand-in ``apptainer`` (which
+    records its call and runs the command without an image) starts the lighthouse and both groups,
+    they meet and train to the end, and the job completes."""
+    if not _slurm_up():
+        if os.environ.get("DTLAB_REQUIRE_SLURM") == "1":
+            pytest.fail("no Slurm cluster answers")
+        pytest.skip(
+            "no Slurm cluster answers (start one: sudo deploy/slurm/local-cluster.sh start)"
+        )
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stand_in = bin_dir / "apptainer"
+    stand_in.write_text(
+        "#!/bin/bash\n"
+        f'echo "$*" >> {tmp_path}/apptainer.calls\n'
+        "shift  # exec\n"
+        "while [[ $1 == --* ]]; do [[ $1 == --bind ]] && shift; shift; done\n"
+        "shift  # the image\n"
+        'exec "$@"\n'
+    )
+    stand_in.chmod(0o755)
+    site = {
+        "container": {"image": "dtlab.sif", "runtime": "apptainer"},
+        "setup": [f"export PATH={bin_dir}:$PATH"],
+        "python": sys.executable,
+        "run_root": str(tmp_path / "shared"),
+    }
+    (tmp_path / "site.yaml").write_text(yaml.safe_dump(site))
+    proc = run_cli(
+        "launch", "slurm", "--nproc-per-node", "2", "--time", "10", "--site", str(tmp_path / "site.yaml"),
+        "--out", str(tmp_path / "job.sbatch"), "--submit",
+        "--set", *FAST, "train.steps=4", "parallel.strategy=ddp",
+        "parallel.fault_tolerance.enabled=true", "run.name=ft-box", cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    job_id = proc.stdout.strip()
+    deadline = time.monotonic() + 300
+    info: dict[str, str] = {}
+    while time.monotonic() < deadline:
+        out = subprocess.run(
+            ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True
+        ).stdout
+        info = dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+        if info.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+            break
+        time.sleep(1)  # polling a scheduler
+    log = (tmp_path / f"ft-box-{job_id}.out").read_text()
+    assert info.get("JobState") == "COMPLETED", log[-3000:]
+    calls = (tmp_path / "apptainer.calls").read_text().split("exec --bind ")[1:]
+    assert len(calls) == 3, calls  # the lighthouse and the two groups, each in the image
+    assert sum("-m dtlab.fault_tolerance --lighthouse" in c for c in calls) == 1, calls
+    assert sum("-m dtlab.fault_tolerance --nproc" in c for c in calls) == 2, calls
+    run_dir = tmp_path / "shared" / "ft-box"
+    for i in range(2):
+        assert [m["step"] for m in read_metrics(run_dir / f"replica-{i}")] == [1, 2, 3, 4]

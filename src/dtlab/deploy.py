@@ -356,19 +356,32 @@ def _ft_settings(ft: FaultTolerantLayout, port: str) -> list[str]:
     ]
 
 
-def _ft_lighthouse(ft: FaultTolerantLayout) -> list[str]:
+def _ft_lighthouse(ft: FaultTolerantLayout, srun_opts: str = "", wrapper: str = "") -> list[str]:
     """The lines that start the job's lighthouse and wait for it to listen, or name the given
-    one."""
+    one. In a container (``srun_opts``/``wrapper`` from :func:`task_wrapper`) the lighthouse runs in
+    the image too, as a one-task step on the first node that shares the job's resources
+    (``--overlap``): the batch step itself runs outside the image, where dtlab may not be."""
     if ft.lighthouse is not None:
         return [
             f"export TORCHFT_LIGHTHOUSE={shlex.quote(ft.lighthouse)}  # parallel.fault_tolerance.lighthouse"
         ]
+    if srun_opts or wrapper:
+        start = [
+            "# One lighthouse for the job, in the image: a one-task step on the first node, listening",
+            "# on every address of that node: the replica groups on the other nodes reach it there.",
+            'srun --overlap --nodes=1 --ntasks=1 --nodelist="$FIRST_NODE" --kill-on-bad-exit=0 '
+            f'{srun_opts}{wrapper}"$PYTHON" -m dtlab.fault_tolerance \\',
+        ]
+    else:
+        start = [
+            "# One lighthouse for the job, here in the batch step (on the first node), listening on",
+            "# every address of this node: the replica groups on the other nodes reach it there.",
+            '"$PYTHON" -m dtlab.fault_tolerance \\',
+        ]
     return [
         'export TORCHFT_LIGHTHOUSE="http://$FIRST_NODE:$LIGHTHOUSE_PORT"',
-        "# One lighthouse for the job, here in the batch step (on the first node), listening on",
-        "# every address of this node: the replica groups on the other nodes reach it there.",
-        '"$PYTHON" -m dtlab.fault_tolerance --lighthouse "0.0.0.0:$LIGHTHOUSE_PORT" \\',
-        '    --store-port "$STORE_PORT" --config "$CONFIG" &',
+        *start,
+        '    --lighthouse "0.0.0.0:$LIGHTHOUSE_PORT" --store-port "$STORE_PORT" --config "$CONFIG" &',
         "LIGHTHOUSE_PID=$!",
         "trap 'kill \"$LIGHTHOUSE_PID\" 2>/dev/null' EXIT",
         "for _ in $(seq 600); do  # up to 60 s for it to listen",
@@ -379,9 +392,9 @@ def _ft_lighthouse(ft: FaultTolerantLayout) -> list[str]:
     ]
 
 
-def _ft_groups(ft: FaultTolerantLayout) -> list[str]:
-    """The srun of one task per replica group, each under its own agent, and the job's exit code
-    decided from the groups' recorded ones."""
+def _ft_groups(ft: FaultTolerantLayout, srun_opts: str = "", wrapper: str = "") -> list[str]:
+    """The srun of one task per replica group, each under its own agent (in the site's container,
+    with ``srun_opts``/``wrapper``), and the job's exit code decided from the groups' recorded ones."""
     return [
         'echo "dtlab: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $REPLICAS replica group(s) of'
         ' $GROUP_RANKS rank(s), lighthouse $TORCHFT_LIGHTHOUSE"',
@@ -390,7 +403,7 @@ def _ft_groups(ft: FaultTolerantLayout) -> list[str]:
         "# restarts that group alone, up to MAX_RESTARTS times; --kill-on-bad-exit=0: a group that fails",
         "# for good does not end the others. Each task records its exit code; the signal before the time",
         "# limit (USR1) is passed on to the agent, which passes it to its ranks.",
-        "srun --kill-on-bad-exit=0 --ntasks-per-node=" + str(ft.per_node) + " bash -c \\",
+        f"srun --kill-on-bad-exit=0 --ntasks-per-node={ft.per_node} {srun_opts}{wrapper}bash -c \\",
         '    \'i=$SLURM_PROCID; export DTLAB_FT_REPLICA=$i DTLAB_FT_HOST="${DTLAB_FT_HOST:-$(hostname)}"',
         '     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / $2 > 0 ? $(nproc) / $2 : 1 ))}"',
         *_ft_task_gpus(ft),
@@ -424,10 +437,18 @@ def _ft_task_gpus(ft: FaultTolerantLayout) -> list[str]:
     ]
 
 
-def _fault_tolerant_body(ft: FaultTolerantLayout, port: str) -> list[str]:
-    """The sbatch script's lines that start the lighthouse (once, in the batch step: the first node)
-    and one srun task per replica group, each under its own agent that restarts that group alone."""
-    return [*_ft_settings(ft, port), *_ft_lighthouse(ft), *_ft_groups(ft)]
+def _fault_tolerant_body(
+    ft: FaultTolerantLayout, port: str, settings: SiteSettings, mounts: list[str]
+) -> list[str]:
+    """The sbatch script's lines that start the lighthouse (once, on the first node) and one srun
+    task per replica group, each under its own agent that restarts that group alone; in the site's
+    container, if any, with ``mounts`` at their own paths."""
+    srun_opts, wrapper = task_wrapper(settings, mounts, ft.gpus > 0)
+    return [
+        *_ft_settings(ft, port),
+        *_ft_lighthouse(ft, srun_opts, wrapper),
+        *_ft_groups(ft, srun_opts, wrapper),
+    ]
 
 
 def _check_slurm_job(job: SlurmJob) -> None:
@@ -539,11 +560,6 @@ def slurm_script(
     the first node; preemption (``--signal``) saves a checkpoint and requeues the job, which resumes.
     With ``ft`` (parallel.fault_tolerance): a lighthouse for the job and one task per replica group."""
     _check_slurm_job(job)
-    if ft is not None and job.settings.container is not None:
-        raise ConfigError(
-            "parallel.fault_tolerance with a container: not supported yet (the lighthouse runs "
-            "outside it); allowed: a job without --container-image, or without fault tolerance"
-        )
     directives = _directives(script_path, job, name, ft)
     port = _rendezvous_port(job)
     q = shlex.quote
@@ -557,10 +573,10 @@ def slurm_script(
         *python_lines(job.settings, job.fallback_python),
         f"CONFIG={q(str(config_path))}",
     ]
+    mounts = [str(config_path.parent), *([run_dir] if run_dir else [])]
     if ft is not None:
-        lines += _fault_tolerant_body(ft, port)
+        lines += _fault_tolerant_body(ft, port, job.settings, [str(config_path.parent), ft.run_dir])
     else:
-        mounts = [str(config_path.parent), *([run_dir] if run_dir else [])]
         if job.settings.container is not None and run_dir:
             lines.append(f"mkdir -p {q(run_dir)}  # mounted into the container: it must exist")
         lines += _nodes_body(job, port, mounts)
