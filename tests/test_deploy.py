@@ -608,3 +608,44 @@ def test_checked_in_examples_are_valid() -> None:
     # The configs inside validate against today's schema.
     config_from_dict(yaml.safe_load(docs[0]["data"]["config.yaml"]))
     config_from_dict(yaml.safe_load((ROOT / "deploy" / "slurm" / "demo.config.yaml").read_text()))
+
+
+# The commands that wrote deploy/'s examples (a checkout at /shared/dtlab, seen by every node).
+SLURM_EXAMPLE = ["configs/demo.yaml", "--nodes", "2", "--nproc-per-node", "2", "--time", "1:00:00",
+                 "--python", "python3"]  # fmt: skip
+K8S_EXAMPLE = ["configs/demo.yaml", "--nodes", "2", "--nproc-per-node", "2", "--image", "dtlab:cpu",
+               "--cpu", "2", "--memory", "8Gi"]  # fmt: skip
+
+
+def _without_example_lines(text: str) -> str:
+    """The file without its ``# Example:`` comment (the command that wrote it, added by hand)."""
+    lines = text.splitlines(keepends=True)
+    keep, skip = [], False
+    for line in lines:
+        if line.startswith("# Example:"):
+            skip = line.rstrip().endswith("\\")
+            continue
+        if skip:
+            skip = line.rstrip().endswith("\\")
+            continue
+        keep.append(line)
+    return "".join(keep)
+
+
+def test_checked_in_examples_are_what_the_generators_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """deploy/slurm/demo.sbatch with its config and deploy/k8s/demo.yaml are what today's generators
+    write for the demo config (paths under /shared/dtlab), so they cannot fall behind the code."""
+    monkeypatch.chdir(ROOT)
+    shared = tmp_path / "dtlab"
+    out = shared / "deploy" / "slurm" / "demo.sbatch"
+    assert cli_main(["launch", "slurm", *SLURM_EXAMPLE, "--out", str(out)]) == 0
+    for name in ("demo.sbatch", "demo.config.yaml"):
+        written = (out.parent / name).read_text().replace(str(shared), "/shared/dtlab")
+        kept = _without_example_lines((ROOT / "deploy" / "slurm" / name).read_text())
+        assert written == kept, f"deploy/slurm/{name} is stale: regenerate it"
+    k8s = tmp_path / "demo.yaml"
+    assert cli_main(["launch", "k8s", *K8S_EXAMPLE, "--out", str(k8s)]) == 0
+    kept = _without_example_lines((ROOT / "deploy" / "k8s" / "demo.yaml").read_text())
+    assert k8s.read_text() == kept, "deploy/k8s/demo.yaml is stale: regenerate it"
