@@ -6,11 +6,12 @@ Figures of the test tiers: every count and time a ``make test-fast`` / ``make te
 tests/tiers.json records as measured; an approximate one ("about 2 minutes", "~2 min") within 25% of
 a recorded time.
 
-What dtlab does not do yet: every sentence that says so ("not yet", "so far", "once the plan models
-...", "until it can be tested", "nothing ... has run", "no GPU figures have been measured") is matched to a :class:`Claim`
-whose probe asks the code (a config that must still be refused, a feature that must still be
-missing, a measurement a test still holds at its error). A sentence no claim matches, or whose probe
-finds the gap closed, is a problem named by file and line.
+What dtlab does not do yet, or refuses: every sentence that says so ("not yet", "so far", "once the
+plan models ...", "until it can be tested", "nothing ... has run", "no GPU figures have been
+measured", or "refused" with a setting in backticks) is matched to a :class:`Claim` whose probe asks
+the code (a config that must still be refused, a feature that must still be missing, a measurement a
+test still holds at its error, the test that proves a run's refusal). A sentence no claim matches, or
+whose probe finds the gap closed, is a problem named by file and line.
 """
 
 from __future__ import annotations
@@ -144,9 +145,10 @@ def check_tier_figures(where: str, text: str, tiers: dict[str, Any]) -> list[Pro
 
 # --- what dtlab does not do yet ------------------------------------------------------------------
 
-# A sentence that says dtlab lacks something (headings are titles, not claims).
+# A sentence that says dtlab lacks something (headings are titles, not claims; "so far" after a sum
+# or a count is the running total, not a claim).
 GAP = re.compile(
-    r"\bnot yet\b|\(yet\)|\byet\b(?=\s*(?:[.;:,)]|$))|\bso far\b|\bnot (?:built|wired)\b"
+    r"\bnot yet\b|\(yet\)|\byet\b(?=\s*(?:[.;:,)]|$))|(?<!sums )(?<!bytes )(?<!totals )(?<!found )(?<!outcome )(?<!forwards )\bso far\b|\bnot (?:built|wired)\b"
     r"|\bonce (?:the|dtlab|it)\s+\w+\s+(?:models|supports|handles|learns|counts|runs)\b"
     r"|\bno GPU figures\b|\bnothing\b[^.]{0,40}\bhas run\b"
     r"|\buntil (?:it can be|it is measured|then\b|a GPU measures)",
@@ -195,6 +197,24 @@ def sentences(text: str) -> Iterator[tuple[int, str]]:
 
 Probe = Callable[[], "str | None"]
 
+# A sentence that says dtlab refuses a setting (a config key or value in backticks): checked as the
+# "not yet" ones are, against a config that must still be refused or the test that proves it.
+REFUSAL = re.compile(r"\brefuse[sd]?\b", re.I)
+SETTING = re.compile(
+    r"`(?:parallel|train|model|data|eval|checkpoint|run|alerts)\.[a-z_.]+"
+    r"|`(?:sharding|cp_method|balance|engine|pp_schedule)\b"
+    r"|`(?:zbv|dualpipev|interleaved_zb|ddp|fsdp|hsdp|alltoall|ring)`"
+)
+
+
+def says_refused(sentence: str) -> bool:
+    """Whether ``sentence`` says a setting is refused (a numbered list of quoted errors, as
+    architecture.md's feature pairs, and table rows are checked elsewhere)."""
+    stripped = sentence.lstrip()
+    if stripped.startswith("|") or re.match(r"\d+\. ", stripped):
+        return False
+    return bool(REFUSAL.search(sentence) and SETTING.search(sentence))
+
 
 @dataclass(frozen=True)
 class Claim:
@@ -225,12 +245,13 @@ def check_gap_sentences(where: str, text: str, claims: list[Claim]) -> list[Prob
     whose probe still finds the gap."""
     problems: list[Problem] = []
     for number, sentence in sentences(text):
-        if not GAP.search(sentence):
+        if not (GAP.search(sentence) or says_refused(sentence)):
             continue
         matched = [c for c in claims if re.search(c.says, sentence, re.I | re.S)]
         if not matched:
             why = (
-                "says dtlab does not do something yet, and no probe checks it (docs_claims.CLAIMS)"
+                "says dtlab does not do (or refuses) something, and no probe checks it "
+                "(docs_claims.CLAIMS)"
             )
             problems.append(Problem(where, number, sentence, why))
         for claim in matched:
@@ -257,17 +278,28 @@ def _accepted(overrides: list[str], world: int) -> str | None:
     return None
 
 
-def refused(base: list[str], *extra: str, world: int = 4) -> Probe:
+def refused(base: list[str], *extra: str, world: int = 4, base_world: int | None = None) -> Probe:
     """The probe of "``extra`` is refused": ``base`` alone is a valid config (so the refusal is
-    ``extra``'s), and ``base`` with ``extra`` is not."""
+    ``extra``'s), and ``base`` with ``extra`` is not (on ``world`` processes; ``base`` on
+    ``base_world``, ``world`` by default)."""
 
     def probe() -> str | None:
-        error = _accepted(base, world)
+        error = _accepted(base, base_world or world)
         if error is not None:
             return f"the probe's own config {' '.join(base)} is refused: {error}"
         if _accepted([*base, *extra], world) is None:
             return f"the config accepts {' '.join(extra)} with {' '.join(base)}"
         return None
+
+    return probe
+
+
+def takes(overrides: list[str], world: int = 4) -> Probe:
+    """The probe of "``overrides`` are taken" (beside a refusal: what the docs say works instead)."""
+
+    def probe() -> str | None:
+        error = _accepted(overrides, world)
+        return f"{' '.join(overrides)} is refused: {error}" if error else None
 
     return probe
 
@@ -311,6 +343,18 @@ def unchecked(overrides: list[str], world: int) -> Probe:
         if unsupported(load_config(None, overrides), world) is None:
             return f"dtlab plan --check checks {' '.join(overrides)} on {world} ranks"
         return None
+
+    return probe
+
+
+def tested(path: str, *names: str) -> Probe:
+    """The probe of a refusal a run makes (not the config): the tests in ``path`` that prove it are
+    still there."""
+
+    def probe() -> str | None:
+        text = (ROOT / path).read_text(encoding="utf-8")
+        gone = [n for n in names if not re.search(rf"^def {n}\(", text, re.M)]
+        return f"{path} has no {', '.join(gone)}" if gone else None
 
     return probe
 
@@ -377,6 +421,9 @@ MOE_EP = [*DDP, "model.preset=debug-moe", "parallel.ep=2"]
 CP = [*DDP, "parallel.cp=2", "data.seq_len=64"]
 MASK = ["data.document_mask=true"]
 TP, PP = [*DDP, "parallel.tp=2"], [*DDP, "parallel.pp=2"]
+SINGLE_PP = ["parallel.strategy=single", "parallel.pp=2"]
+FT = [*DDP, "parallel.fault_tolerance.enabled=true"]
+DILOCO_FT = ["parallel.diloco.inner_steps=2"]
 RING_ON_GPU = refused(CP, "train.device=cuda")
 DILOCO = ("parallel.diloco.inner_steps=2", "parallel.diloco.replicas=2")
 ONE_GPU = "nothing with two (?:GPUs )?or more|nothing with two GPUs|several GPUs nothing has run"
@@ -577,15 +624,221 @@ CLAIMS = [
             "the GPU margin as modelled, not measured",
         ),
     ),
+    # Settings refused when the config is validated.
+    Claim(
+        r"Zero-bubble schedules with data parallelism",
+        every(
+            *(
+                refused([*PP, "train.micro_batch_size=1"], f"parallel.pp_schedule={schedule}")
+                for schedule in ("interleaved_zb", "zbv", "dualpipev")
+            ),
+            takes([*SINGLE_PP, "parallel.pp_schedule=zbv"], world=2),
+        ),
+    ),
+    Claim(
+        r"The V schedules \(`zbv`,\s+`dualpipev`\).*refused with them",
+        refused([*SINGLE_PP, "model.tie_embeddings=true"], "parallel.pp_schedule=zbv", world=2),
+    ),
+    Claim(
+        r"Refused with activation checkpointing\*\*: the check found",
+        refused(
+            [*SINGLE_PP, "parallel.pp_schedule=zbv"], "train.activation_checkpointing=full", world=2
+        ),
+    ),
+    Claim(
+        r"Refused when the config is validated, each with the reason: ZeRO-1",
+        every(
+            refused(MOE_EP, "parallel.sharding=optimizer"),
+            refused(MOE_EP, "parallel.compression=bf16"),
+            refused(MOE_EP, "train.optimizer=demo"),
+            refused(MOE_EP, "train.oom_retry=true"),
+            refused([*PP, "model.preset=debug-moe"], "model.moe.balance=aux"),
+            refused([*TP, "model.preset=debug-moe"], "parallel.sequence_parallel=true"),
+            refused([*DDP, "model.preset=debug-moe"], *DILOCO),
+            refused(["model.preset=debug-moe"], "train.engine=mlx", world=1),
+        ),
+    ),
+    Claim(
+        r"Refused with the reason when the config is validated, before any process starts: an `ep`",
+        every(
+            refused([*CP, "model.preset=debug-moe"], "parallel.ep=3", world=4),
+            refused(CP, "parallel.sharding=optimizer"),
+            refused(CP, "parallel.compression=bf16"),
+            refused(CP, "train.oom_retry=true"),
+            refused(CP, "train.engine=mlx"),
+        ),
+    ),
+    Claim(
+        r"a window shorter than the sequence is taken by\s+`cp_method: alltoall`",
+        every(
+            refused(CP, "model.sliding_window=16", world=2),
+            takes([*CP, "parallel.cp_method=alltoall", "model.sliding_window=16"], world=2),
+        ),
+    ),
+    Claim(
+        r"With\s+`train.engine: mlx` these options are refused",
+        every(
+            *(
+                refused([], option, "train.engine=mlx", world=1)
+                for option in (
+                    "model.qkv_bias=true",
+                    "model.qk_norm=true",
+                    "model.head_dim=64",
+                    "model.sliding_window=16",
+                )
+            )
+        ),
+    ),
+    Claim(
+        r"Engine `mlx` refuses it \(`train.optimizer = 'muon'",
+        refused([], "train.optimizer=muon", "train.engine=mlx", world=1),
+    ),
+    Claim(
+        r"\*\*Refused\*\* with fault tolerance",
+        every(
+            refused([*FT, *DILOCO_FT], "parallel.diloco.fragments=2"),
+            refused([*FT, *DILOCO_FT], "parallel.diloco.delay=1"),
+            refused(
+                ["parallel.strategy=fsdp", *DILOCO_FT, "parallel.diloco.replicas=2"],
+                "parallel.fault_tolerance.enabled=true",
+            ),
+        ),
+    ),
+    Claim(
+        r"are refused with `parallel.fault_tolerance`",
+        every(
+            refused(FT, "parallel.strategy=fsdp"),
+            refused(
+                ["parallel.strategy=hsdp", "parallel.replicate=2", FT[1]],
+                "parallel.sharding=no_shard",
+            ),
+            refused(FT, "parallel.pp=2"),
+            refused([*FT, "model.preset=debug-moe"], "parallel.ep=2"),
+            refused(FT, "parallel.sharding=optimizer"),
+            refused(FT, "parallel.compression=powersgd"),
+        ),
+    ),
+    Claim(
+        r"A config that needs more than one process \(for example `parallel.strategy: hsdp`",
+        every(
+            refused(["parallel.strategy=hsdp", "parallel.replicate=2"], world=1, base_world=4),
+            tested(
+                "tests/test_api.py", "test_python_train_refuses_a_config_that_needs_more_processes"
+            ),
+        ),
+    ),
+    Claim(
+        r"before any process starts: FSDP's `no_shard`, DDP\s+with tensor or pipeline parallelism",
+        every(
+            refused(
+                ["parallel.strategy=fsdp", "parallel.cp=2", "data.seq_len=64"],
+                "parallel.sharding=no_shard",
+            ),
+            refused(CP, "parallel.tp=2"),
+            refused(CP, "parallel.pp=2"),
+        ),
+    ),
+    # Refusals a run makes (a run directory, a checkpoint, data, an export, a launch): the tests
+    # that prove each.
+    Claim(
+        r"pointed at the same directory is refused before it starts any process",
+        tested("tests/test_rundir_advice.py", "test_run_dir_in_use_advice_works"),
+    ),
+    Claim(
+        r"Refused with a message that says what the directory holds",
+        tested(
+            "tests/test_rundir_advice.py",
+            "test_resume_from_another_runs_checkpoint_advice_works",
+            "test_resume_of_an_earlier_step_advice_works",
+        ),
+    ),
+    Claim(
+        r"\*\*Unsafe changes are refused\*\*",
+        tested("tests/test_checkpoint.py", "test_unsafe_config_change_is_refused"),
+    ),
+    Claim(
+        r"a DiLoCo checkpoint resumes on the layout that saved it; another one is refused",
+        tested(
+            "tests/test_cp_diloco.py", "test_a_diloco_checkpoint_resumes_on_its_own_cp_layout_only"
+        ),
+    ),
+    Claim(
+        r"A tokenizer with more ids than `model.vocab_size` is refused",
+        holds("src/dtlab/data/tokenizer.py", r"must be at least that", "the tokenizer's refusal"),
+    ),
+    Claim(
+        r"A split that would be empty is refused",
+        tested("tests/test_eval.py", "test_an_empty_split_is_a_clear_error"),
+    ),
+    Claim(
+        r"a group whose ranks would span nodes is refused",
+        holds("src/dtlab/deploy.py", r"(?i)span", "the launch's refusal of a group across nodes"),
+    ),
+    Claim(
+        r"More group ranks than GPUs is refused before any process starts",
+        tested(
+            "tests/test_gpu_placement.py",
+            "test_more_group_ranks_than_gpus_is_refused_unless_gloo_shares_them",
+        ),
+    ),
+    Claim(
+        r"without `run.dir` it refuses to start",
+        holds(
+            "src/dtlab/mlx/train.py",
+            r"run\.dir must be set when MLX ranks are started by mlx\.launch directly",
+            "the MLX rank's refusal without run.dir",
+        ),
+    ),
+    Claim(
+        r"Refused, with the reason, because the class would compute other logits",
+        tested("tests/test_moe_outputs.py", "test_what_qwen2_moe_cannot_compute_is_refused"),
+    ),
+    Claim(
+        r"a real Qwen1.5-MoE, whose shared expert is gated, is refused",
+        tested("tests/test_moe_outputs.py", "test_what_qwen2_moe_cannot_compute_is_refused"),
+    ),
+    Claim(
+        r"an export whose trained bias is not zero is refused",
+        tested("tests/test_moe_outputs.py", "test_what_qwen2_moe_cannot_compute_is_refused"),
+    ),
+    Claim(
+        r"more processes per node than GPUs is refused before anything starts",
+        tested(
+            "tests/test_hang_nccl.py",
+            "test_more_processes_than_gpus_are_refused_naming_both",
+            "test_launch_refuses_a_job_with_more_processes_than_gpus_per_node",
+        ),
+    ),
+    Claim(
+        r"a new run is refused in it\); it is offered where it works",
+        tested("tests/test_rundir_advice.py", "test_new_run_in_a_finished_run_dir_advice_works"),
+    ),
+    Claim(
+        r"Refused with a `dtlab.errors.DtlabError` that names the value|leaves no room for them in "
+        r"the model's context \(`model.max_seq_len`\) is refused",
+        tested(
+            "tests/test_generate.py",
+            "test_cli_bad_inputs_fail_in_one_line",
+            "test_api_bad_options_are_named",
+        ),
+    ),
+    Claim(
+        r"Every pair of dtlab's features, as the config checks them",
+        tested("tests/test_pairs.py", "test_the_table_in_the_docs_is_the_configs"),
+    ),
+    Claim(
+        r"are\s+refused with the engine's allowed values",
+        tested(
+            "tests/test_docs_claims.py",
+            "test_what_mlx_md_says_the_engine_refuses_is_what_the_config_refuses",
+        ),
+    ),
     # Unexplained measurements: nothing to probe.
     Claim(r"not yet understood \(not counting the", nothing, "open"),
     Claim(r"the cause is not found yet", nothing, "open"),
     # "yet" and "so far" that claim nothing of dtlab.
     Claim(r"momentum not yet sent", nothing, "prose"),
     Claim(r"the list does not name yet|modules it does not\s+name yet", nothing, "prose"),
-    Claim(r"found so far", nothing, "prose"),
     Claim(r"nothing of its own reduced yet|every gradient not yet reduced", nothing, "prose"),
-    Claim(r"each test's outcome so far reported", nothing, "prose"),
-    Claim(r"counts the stage forwards so far", nothing, "prose"),
     Claim(r"\(until then they were materialised", nothing, "prose"),
 ]

@@ -93,6 +93,12 @@ STALE_GAP_SENTENCES = [
      "over ranks in zigzag chunks; over DDP's or FSDP's ranks (sharded over data x cp, tensor "
      "parallelism inside FSDP's) (a mixture of experts too; document masks too) so far, equal to "
      "one process |", "the config accepts parallel.cp=2"),
+    # docs/long-context.md at 31aeb16 (no_shard, and DDP beside tp or pp, later composed with cp).
+    ("docs/long-context.md", "Refused with the reason when the config is validated, before any "
+     "process starts: FSDP's `no_shard`, DDP\nwith tensor or pipeline parallelism (FSDP2's "
+     "replication over a mesh that does not take cp yet), an\n`ep` that does not divide the data x "
+     "cp ranks, ZeRO-1, gradient compression, and the MLX engine.",
+     "the config accepts parallel.sharding=no_shard"),
     # docs/gpu.md at f0876d2 (gpu-check runs its layouts and a killed rank on two GPUs).
     ("docs/gpu.md", "Not yet built for several GPUs: `make gpu-check` fails where torch cannot "
      "see the node's GPUs, but uses one GPU (no NCCL bus bandwidth or layout verification across "
