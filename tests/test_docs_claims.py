@@ -6,8 +6,8 @@ the recorded measurements:
 - a family table's classes are the ones the code writes; every default a page gives is the code's;
 - every figure of the test tiers is one tests/tiers.json records; every figure of the README's
   feature rows is in the page the row links, and its GPUs row names the cards docs/gpu.md reports;
-- every sentence saying dtlab does not do something (yet) has a probe that still finds the gap
-  (tests/docs_claims.py).
+- every sentence saying dtlab does not do something (yet), or refuses a setting, has a probe that
+  still finds it so (tests/docs_claims.py).
 
 Each checker is also run on stale sentences the docs once held, taken from the repository's
 history, and must catch them."""
@@ -52,10 +52,10 @@ METHODS = {
 # make test-fast as the issue that found the docs stale measured it: 5 min 39 s.
 MEASURED_BY_THE_ISSUE = {"test-fast": {"measurements": [{"seconds": 339}]}}
 
-# Stale sentences the docs held, as the repository's history has them (the commit where each was
-# last there), and what the checkers must say of them.
+# Stale sentences the docs held, as the repository's history has them (a commit where each was
+# there; a long one abridged around its claim), and what the checkers must say of them.
 STALE_TIER_LINES = [
-    # README.md at 3304250 (make test-fast then took 5 to 7 minutes).
+    # README.md at 3304250 (make test-fast then took 5 min 39 s, and 6 min 45 s at 3d62876).
     ("README.md", "```bash\nmake test-fast  # a quick part of every test module, about 2 minutes, "
      "for the edit loop\n```", MEASURED_BY_THE_ISSUE, "about 2 minutes"),
     # docs/development.md at 8004ad2.
@@ -115,12 +115,7 @@ def _accepts(strategy: str, overrides: list[str]) -> bool:
     """Whether a 4-process run of ``strategy`` with ``overrides`` is a valid config."""
     extra = ["parallel.replicate=2"] if strategy == "hsdp" else []
     world = 1 if strategy == "single" else 4
-    try:
-        config = load_config(None, [f"parallel.strategy={strategy}", *extra, *overrides])
-        check_world(config, world)
-    except (ConfigError, ValueError):
-        return False
-    return True
+    return _valid([f"parallel.strategy={strategy}", *extra, *overrides], world)
 
 
 def _claimed(cell: str) -> set[str]:
@@ -160,10 +155,12 @@ def test_the_families_table_names_the_classes_the_code_writes() -> None:
     assert rows == {f.name: f.hf_class for f in FAMILIES.values()}
 
 
-# docs/mlx.md's list of what the engine refuses, at 3c1a266 (it named demo; sgd and muon are refused too).
+# docs/mlx.md's list of what the engine refuses, at 3c1a266 (it named demo; sgd and muon are
+# refused too).
 STALE_MLX_LIST = (
     "`parallel.strategy` `fsdp`/`hsdp`, `parallel.compression`, `train.optimizer: demo`, "
-    "`train.precision: fp16`,\n`train.activation_checkpointing: selective` and `train.device: cuda` "
+    "`train.precision: fp16`,\n`train.activation_checkpointing: selective` and "
+    "`train.device: cuda` "
     "are refused with the engine's\nallowed values."
 )
 NAMED = re.compile(
@@ -181,6 +178,7 @@ def _choices(key: str) -> list[str]:
 
 
 def _valid(overrides: list[str], world: int) -> bool:
+    """Whether ``overrides`` make a valid config for ``world`` processes."""
     try:
         check_world(load_config(None, overrides), world)
     except (ConfigError, ValueError):
@@ -261,7 +259,8 @@ def test_the_readmes_moe_row_names_layouts_expert_parallelism_runs_beside() -> N
 
 # A measured figure: a number with its unit, or in scientific notation.
 FIGURE = re.compile(
-    r"(?<![\w.])(?:\d+(?:\.\d+)?e-\d+|\d+(?:[.,]\d+)*\s?(?:%|x\b|GiB|MiB|GB|ms\b|s\b|TFLOP/s|tokens/s))"
+    r"(?<![\w.])(?:\d+(?:\.\d+)?e-\d+"
+    r"|\d+(?:[.,]\d+)*\s?(?:%|x\b|GiB|MiB|GB|ms\b|s\b|TFLOP/s|tokens/s))"
 )
 
 
@@ -303,7 +302,8 @@ def test_the_readmes_gpu_row_names_the_cards_docs_gpu_md_reports_and_one_gpu_eac
 
 
 DEFAULTS = {key: default for key, default, _ in describe_fields()}
-# "`parallel.collective_timeout_s` (default 600 s)", "(10 minutes by default)", "(120 s by default)".
+# "`parallel.collective_timeout_s` (default 600 s)", "(10 minutes by default)", "(120 s by
+# default)".
 PROSE_DEFAULT = re.compile(
     r"`(?P<key>[a-z_]+(?:\.[a-z_]+)+)` \((?:default `?(?P<value>[\w.-]+)`?(?P<unit> s| minutes)?"
     r"|(?P<n>[\d.]+)(?P<by_unit> s| minutes) by default)\)"
