@@ -14,13 +14,14 @@ import pytest
 
 from conftest import FAST, read_metrics, run_cli
 from dtlab.analysis.run_comm import planned_step_comm
+from dtlab.checkpoint.manifest import MANIFEST, file_crc32
 from dtlab.config import load_config
-from dtlab.metrics.comm_totals import MEASURED, NONE, PREDICTED, communication
+from dtlab.metrics.comm_totals import MEASURED, NONE, PREDICTED, communication, count_steps
 from dtlab.metrics.ft_summary import run_summary_table
 from dtlab.metrics.report import summary_table
 
 FIGURES = ("comm_bytes", "wire_bytes", "cross_replica_bytes", "cross_replica_collectives")
-EVAL = ["data.val_fraction=0.1", "eval.every=2", "eval.batches=1"]
+EVAL = ["data.val_fraction=0.1", "eval.every=4", "eval.batches=1"]
 
 
 def _train(run_dir: Path, steps: int, *overrides: str) -> subprocess.CompletedProcess[str]:
@@ -45,42 +46,89 @@ def _sums(records: list[dict[str, Any]], prefix: str = "") -> dict[str, int]:
     return {k: sum(m.get(prefix + k, 0) for m in records) for k in FIGURES}
 
 
+def _strip_sums(checkpoint: Path) -> None:
+    """Make ``checkpoint`` one written before the train state carried the counted sums (its
+    manifest's record of state.json with it)."""
+    path = checkpoint / "state.json"
+    state = json.loads(path.read_text())
+    del state["train"]["comm"]
+    path.write_text(json.dumps(state))
+    manifest = json.loads((checkpoint / MANIFEST).read_text())
+    manifest["files"]["state.json"] = {"bytes": path.stat().st_size, "crc32": file_crc32(path)}
+    (checkpoint / MANIFEST).write_text(json.dumps(manifest))
+
+
 @pytest.fixture(scope="module")
 def resumed_ddp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """DDP on 2 processes counting its collectives, with a validation every 2 steps: 2 steps,
-    then the same run resumed to 4 (from its final checkpoint of step 2)."""
-    run_dir = tmp_path_factory.mktemp("bytes") / "ddp"
+    """DDP on 2 processes counting its collectives, with a validation every 4 steps: 4 steps, then
+    the same run resumed to 6 (from its final checkpoint of step 4); logging every step (``all``),
+    every 3rd (``sparse``: steps 1, 3, 4 and 6 logged), and every 3rd resumed from a checkpoint
+    without the sums (``old``)."""
+    root = tmp_path_factory.mktemp("bytes")
     overrides = ["parallel.strategy=ddp", "run.comm_bytes=true", *EVAL]
-    _train(run_dir, 2, *overrides)
-    first = _summary(run_dir)
-    proc = _train(run_dir, 4, *overrides)
-    return {"first": first, "summary": _summary(run_dir), "stdout": proc.stdout, "dir": run_dir}
+    out: dict[str, Any] = {}
+    for name, every in (("all", 1), ("sparse", 3), ("old", 3)):
+        run_dir = root / name
+        _train(run_dir, 4, *overrides, f"run.log_every={every}")
+        first = _summary(run_dir)
+        if name == "old":
+            _strip_sums(run_dir / "checkpoints" / "step-00000004")
+        proc = _train(run_dir, 6, *overrides, f"run.log_every={every}")
+        out[name] = {"first": first, "summary": _summary(run_dir), "stdout": proc.stdout}
+        out[name]["records"] = read_metrics(run_dir)
+    return out
 
 
 def test_measured_totals_are_the_sums_of_every_step_record_across_a_resume(
     resumed_ddp: dict[str, Any],
 ) -> None:
-    records = read_metrics(resumed_ddp["dir"])
-    assert [m["step"] for m in records] == [1, 2, 3, 4]
-    first, c = resumed_ddp["first"]["communication"], resumed_ddp["summary"]["communication"]
-    assert resumed_ddp["summary"]["resumed_from"]  # the second start resumed
+    run = resumed_ddp["all"]
+    records = run["records"]
+    assert [m["step"] for m in records] == [1, 2, 3, 4, 5, 6]
+    first, c = run["first"]["communication"], run["summary"]["communication"]
+    assert run["summary"]["resumed_from"]  # the second start resumed
     assert first["source"] == c["source"] == MEASURED
-    # The first start's totals are its 2 steps'; the resumed run's, all 4 (the first 2 read back).
-    assert first["total"] == _sums(records[:2])
+    # The first start's totals are its 4 steps'; the resumed run's, all 6.
+    assert first["total"] == _sums(records[:4])
     assert c["total"] == _sums(records)
     assert c["total"]["comm_bytes"] > first["total"]["comm_bytes"] > 0
-    assert (c["steps"], c["steps_counted"]) == (4, 4)
-    assert c["per_step"] == {k: v / 4 for k, v in _sums(records).items()}
+    assert (c["steps"], c["steps_counted"]) == (6, 6)
+    assert c["per_step"] == {k: v / 6 for k, v in _sums(records).items()}
     # Plain DDP: each rank is its replica, every collective crosses.
     assert c["total"]["cross_replica_bytes"] == c["total"]["comm_bytes"]
-    # The validations' collectives (after steps 2 and 4) apart from the steps'.
+    # The validation's collectives (after step 4) apart from the steps'.
     assert c["apart"]["evaluation"] == _sums(records, "eval_")
     assert c["apart"]["evaluation"]["comm_bytes"] > 0
 
 
+def test_steps_not_logged_are_counted_across_a_resume(resumed_ddp: dict[str, Any]) -> None:
+    """Logging every 3rd step, the totals still hold every step (the checkpoint carries the sums
+    of the first start's steps): the every-step run's, not the sums of the records logged."""
+    every, sparse = resumed_ddp["all"], resumed_ddp["sparse"]
+    assert [m["step"] for m in sparse["records"]] == [1, 3, 4, 6]
+    c = sparse["summary"]["communication"]
+    assert c["total"] == every["summary"]["communication"]["total"] == _sums(every["records"])
+    assert c["total"] != _sums(sparse["records"])
+    assert (c["steps"], c["steps_counted"]) == (6, 6)
+    assert _sent_line(sparse["stdout"]).endswith("; measured (run.comm_bytes)")
+
+
+def test_a_checkpoint_without_the_sums_counts_the_earlier_records_logged(
+    resumed_ddp: dict[str, Any],
+) -> None:
+    """Resumed from a checkpoint written before the sums were kept: the first start's records
+    logged (1, 3, 4) and every step of this start (5, 6); the end summary says 5 of 6."""
+    every, old = resumed_ddp["all"]["records"], resumed_ddp["old"]
+    assert [m["step"] for m in old["records"]] == [1, 3, 4, 6]
+    c = old["summary"]["communication"]
+    assert c["total"] == _sums([m for m in every if m["step"] != 2])
+    assert (c["steps"], c["steps_counted"]) == (6, 5)
+    assert _sent_line(old["stdout"]).endswith("; measured over 5 of 6 steps (the others uncounted)")
+
+
 def test_the_end_summary_says_measured_with_the_totals(resumed_ddp: dict[str, Any]) -> None:
-    line = _sent_line(resumed_ddp["stdout"])
-    total = resumed_ddp["summary"]["communication"]["total"]
+    line = _sent_line(resumed_ddp["all"]["stdout"])
+    total = resumed_ddp["all"]["summary"]["communication"]["total"]
     assert line.endswith("; measured (run.comm_bytes)"), line
     assert "predicted" not in line
     assert f"{total['comm_bytes'] / 2**20:.1f} MiB in all" in line, line
@@ -92,7 +140,7 @@ def test_the_fault_tolerant_run_summary_says_the_finished_group_s_bytes(
 ) -> None:
     """The run's one end summary (:func:`run_summary_table`) carries the line of its finished
     group, named."""
-    group = {**resumed_ddp["summary"], "fault_tolerance": {"replica": 1}}
+    group = {**resumed_ddp["all"]["summary"], "fault_tolerance": {"replica": 1}}
     s = {
         "group": group, "replicas": 2, "finished": [0, 1],
         "exit_codes": {"0": 0, "1": 0}, "faults": 0, "faults_by_group": {"0": 0, "1": 0},
@@ -101,9 +149,8 @@ def test_the_fault_tolerant_run_summary_says_the_finished_group_s_bytes(
     }  # fmt: skip
     line = _sent_line(run_summary_table(s))
     assert line.strip().startswith("sent (replica 1 rank 0)  "), line
-    assert (
-        line.split(")", 1)[1].strip() == _sent_line(resumed_ddp["stdout"]).split(")", 1)[1].strip()
-    )
+    own = _sent_line(resumed_ddp["all"]["stdout"])
+    assert line.split(")", 1)[1].strip() == own.split(")", 1)[1].strip()
 
 
 def test_diloco_counts_its_syncs_as_the_cross_replica_part(tmp_path: Path) -> None:
@@ -161,12 +208,14 @@ def test_a_run_the_plan_does_not_model_says_so_and_gives_no_figure() -> None:
         config = load_config(overrides=[*FAST, "parallel.strategy=ddp", *overrides])
         why = planned_step_comm(config, 2)
         assert isinstance(why, str) and "dtlab plan" in why, why
-        c = communication([{"step": 1, "loss": 1.0}], 1, lambda why=why: why, counting=False)
+        c = communication(
+            count_steps([{"step": 1, "loss": 1.0}]), 1, lambda why=why: why, counting=False
+        )
         assert c == {"source": NONE, "steps": 1, "why": c["why"]}
         assert c["why"].startswith("not counted (run.comm_bytes is off); not predicted: ")
         line = _sent_line(summary_table(_minimal_summary(c)))
         assert line.split(maxsplit=3)[3] == c["why"], line
-    counted = communication([{"step": 1}], 1, lambda: "none here", counting=True)
+    counted = communication(None, 1, lambda: "none here", counting=True)
     assert "this engine does not count" in counted["why"], counted
 
 
@@ -175,7 +224,7 @@ def test_counted_records_never_call_the_plan() -> None:
         raise AssertionError("the plan was asked for a counted run")
 
     records = [{"step": 1, "comm_bytes": 10, "wire_bytes": 5}, {"step": 2, "comm_bytes": 30}]
-    c = communication(records, 2, plan, counting=True)
+    c = communication(count_steps(records), 2, plan, counting=True)
     assert c["total"] == {
         "comm_bytes": 40, "wire_bytes": 5, "cross_replica_bytes": 0, "cross_replica_collectives": 0,
     }  # fmt: skip
@@ -192,15 +241,19 @@ def _minimal_summary(c: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_the_end_summary_line_s_words_follow_the_source() -> None:
-    """Measured over fewer step records than steps (a resumed run's earlier starts logged every
-    few steps) says so; a prediction without a cross-replica figure says it is not predicted."""
+    """Measured over fewer steps than the run's (comm_bytes on in one start only, or a checkpoint
+    without the sums) or more (steps trained again after a rollback) says so; a prediction without
+    a cross-replica figure says it is not predicted."""
     records = [{"step": s, "comm_bytes": 2**20, "wire_bytes": 2**19} for s in (1, 5, 6)]
-    partial = communication(records, 6, lambda: "unused", counting=True)
+    partial = communication(count_steps(records), 6, lambda: "unused", counting=True)
     line = _sent_line(summary_table(_minimal_summary(partial)))
-    assert line.endswith("; measured over the 3 step records of 6 steps"), line
+    assert line.endswith("; measured over 3 of 6 steps (the others uncounted)"), line
     assert "3.0 MiB in all, 1.0 MiB a step (collective buffers; 1.5 MiB on the wire)" in line, line
+    again = communication(count_steps(records), 2, lambda: "unused", counting=True)
+    line = _sent_line(summary_table(_minimal_summary(again)))
+    assert line.endswith("; measured over 3 steps taken for 2 (rolled back ones again)"), line
     plan = {"comm_bytes": 2**20, "wire_bytes": 2**20, "cross_replica_bytes": None}
-    predicted = communication([{"step": 1}], 2, lambda: plan, counting=False)
+    predicted = communication(None, 2, lambda: plan, counting=False)
     assert predicted["total"]["cross_replica_collectives"] is None
     line = _sent_line(summary_table(_minimal_summary(predicted)))
     assert "2.0 MiB in all, 1.0 MiB a step" in line and "cross-replica not predicted" in line, line

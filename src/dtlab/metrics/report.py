@@ -148,8 +148,11 @@ def _sent_row(c: dict[str, Any]) -> str:
             text += f" in {total['cross_replica_collectives']:,.0f} collectives"
     if c["source"] == PREDICTED:
         return f"{text}; predicted by dtlab plan (not counted: run.comm_bytes is off)"
-    if c["steps_counted"] != c["steps"]:
-        return f"{text}; measured over the {c['steps_counted']} step records of {c['steps']} steps"
+    counted, steps = c["steps_counted"], c["steps"]
+    if counted < steps:
+        return f"{text}; measured over {counted} of {steps} steps (the others uncounted)"
+    if counted > steps:  # steps trained again after a rollback count each time
+        return f"{text}; measured over {counted} steps taken for {steps} (rolled back ones again)"
     return f"{text}; measured (run.comm_bytes)"
 
 

@@ -32,7 +32,7 @@ from dtlab.data.tokenizer import Tokenizer, describe_tokenizer
 from dtlab.dims import ParallelDims, layout_fields, layout_name
 from dtlab.errors import DtlabError, Preempted
 from dtlab.metrics.alerts import AlertMonitor, count_alerts
-from dtlab.metrics.comm_totals import communication
+from dtlab.metrics.comm_totals import communication, count_step, count_steps
 from dtlab.metrics.logging import logger
 from dtlab.metrics.sinks import JsonlSink, NullSink, ProgressSink, Sink, TensorBoardSink
 from dtlab.metrics.trackers import open_trackers
@@ -52,16 +52,24 @@ __all__ = ["Engine", "TrainState", "eval_due", "history_figures", "logged", "los
 
 @dataclass
 class TrainState:
-    """Step and token counters (part of the training state, like the model and optimizer)."""
+    """Step and token counters (part of the training state, like the model and optimizer), and the
+    running sums of this rank's counted step records (``run.comm_bytes``:
+    :func:`dtlab.metrics.comm_totals.count_step`; None while no step was counted)."""
 
     step: int = 0
     tokens: int = 0
+    comm: dict[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "tokens": self.tokens}
+        out: dict[str, Any] = {"step": self.step, "tokens": self.tokens}
+        if self.comm is not None:  # a copy: an async save writes it after later steps
+            out["comm"] = dict(self.comm)
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
+        comm = state.get("comm")  # None in a checkpoint written before the sums were kept
+        self.comm = dict(comm) if isinstance(comm, dict) else None
 
 
 class Engine(Protocol):
@@ -342,6 +350,9 @@ def _start(r: _Run) -> tuple[int | None, list[dict[str, Any]]]:
         engine.tokenizer.save(run_dir)
         if resumed is not None and ckpt.own_step(chosen) is not None:
             earlier = [m for m in logged_steps(run_dir) if m["step"] <= resumed]
+    if resumed is not None and r.state.comm is None:
+        # A checkpoint written before it carried the sums of the counted records: those logged.
+        r.state.comm = count_steps(earlier)
     return resumed, earlier
 
 
@@ -398,6 +409,7 @@ def _loop(
         # decisions (alerts, bad steps, stops) wait for the next sync, where the replicas agree.
         fired = _alerts(r, monitor, m, step.seconds) if m.get("scope") != "replica" else []
         history.append(m)
+        state.comm = count_step(state.comm, m)  # what it sent: the step, its alerts, validation
         if not warned_nonfinite and not math.isfinite(m["loss"]):
             logger.warning("step %d: loss is %s", n, m["loss"])
             warned_nonfinite = True
@@ -571,10 +583,11 @@ def _roll_back(r: _Run, step: int) -> None:
             f"(train.max_bad_steps = {limit}) and there is no checkpoint to roll back to; "
             "lower train.lr, raise train.grad_clip protection, or use fp32/bf16"
         )
-    rollbacks, bad = health.rollbacks, health.bad_steps
+    rollbacks, bad, comm = health.rollbacks, health.bad_steps, r.state.comm
     r.engine.load(ckpt, latest)
     # Counters survive the rollback: they count what happened, not what the checkpoint remembers.
     health.rollbacks, health.bad_steps, health.bad_in_a_row = rollbacks + 1, bad, 0
+    r.state.comm = comm  # the bytes the steps rolled back sent were sent
     if health.rollbacks > 1 and ckpt.last_rollback == latest:
         raise DtlabError(
             f"steps after {latest.name} had non-finite losses or gradients again after rolling back to it; "
@@ -621,10 +634,10 @@ def _finish(
     }
     if config.alerts.enabled:  # every alert of the run's whole history
         summary["alerts"] = count_alerts(loss_curve(earlier + history))
-    # The bytes the run sent: its counted step records (rank 0's earlier starts' from metrics.jsonl),
+    # The bytes the run sent: its counted step records' sums (earlier starts' from the checkpoint),
     # else the plan's figure for its layout.
     summary["communication"] = communication(
-        earlier + history, r.state.step, engine.planned_comm, config.run.comm_bytes,
+        r.state.comm, r.state.step, engine.planned_comm, config.run.comm_bytes,
         summary.get("checkpoint_comm_after_last_step"),
     )  # fmt: skip
 
