@@ -178,6 +178,25 @@ def test_diloco_counts_its_syncs_as_the_cross_replica_part(tmp_path: Path) -> No
     assert after["comm_bytes"] > 0
 
 
+def test_steps_rolled_back_count_each_time_they_ran(tmp_path: Path) -> None:
+    """3 bad steps in a row (4-6) roll back to the checkpoint of step 3: the totals keep what the
+    steps rolled back sent (the checkpoint's sums are of 3 steps), 11 steps taken for 8."""
+    run_dir = tmp_path / "rollback"
+    overrides = [
+        "parallel.strategy=ddp", "run.comm_bytes=true", "checkpoint.every=3",
+        "train.max_bad_steps=3",
+    ]  # fmt: skip
+    args = ["--nproc", "2", "--set", *FAST, "train.steps=8", f"run.dir={run_dir}", *overrides]
+    proc = run_cli("train", *args, env={"DTLAB_FAULTS": "nan@4-6"})
+    assert proc.returncode == 0, proc.stderr
+    records = read_metrics(run_dir)
+    assert [m["step"] for m in records] == [1, 2, 3, 4, 5, 6, 4, 5, 6, 7, 8]
+    c = _summary(run_dir)["communication"]
+    assert c["total"] == _sums(records) and (c["steps"], c["steps_counted"]) == (8, 11)
+    line = _sent_line(proc.stdout)
+    assert line.endswith("; measured over 11 steps taken for 8 (rolled back ones again)"), line
+
+
 def test_without_counting_the_figure_is_the_plan_s_and_says_so(tmp_path: Path) -> None:
     """DDP on 2 processes, run.comm_bytes off: the plan's bytes per step for the layout (`dtlab
     plan --json`'s DDP row) times the steps, labelled predicted, in summary.json and the end
