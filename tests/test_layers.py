@@ -27,6 +27,8 @@ LAYERS: list[tuple[str, ...]] = [
         "dtlab.fault_tolerance",
         "dtlab.deploy",
         "dtlab.deploy_k8s",
+        "dtlab.deploy_k8s_pod",
+        "dtlab.deploy_trainer",
         "dtlab.deploy_site",
         "dtlab.train.api",
         "dtlab.verify",
