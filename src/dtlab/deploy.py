@@ -365,23 +365,24 @@ def _ft_lighthouse(ft: FaultTolerantLayout, srun_opts: str = "", wrapper: str = 
         return [
             f"export TORCHFT_LIGHTHOUSE={shlex.quote(ft.lighthouse)}  # parallel.fault_tolerance.lighthouse"
         ]
+    listen = '--lighthouse "0.0.0.0:$LIGHTHOUSE_PORT" \\'
     if srun_opts or wrapper:
         start = [
             "# One lighthouse for the job, in the image: a one-task step on the first node, listening",
             "# on every address of that node: the replica groups on the other nodes reach it there.",
             'srun --overlap --nodes=1 --ntasks=1 --nodelist="$FIRST_NODE" --kill-on-bad-exit=0 '
-            f'{srun_opts}{wrapper}"$PYTHON" -m dtlab.fault_tolerance \\',
+            f'{srun_opts}{wrapper}"$PYTHON" -m dtlab.fault_tolerance {listen}',
         ]
     else:
         start = [
             "# One lighthouse for the job, here in the batch step (on the first node), listening on",
             "# every address of this node: the replica groups on the other nodes reach it there.",
-            '"$PYTHON" -m dtlab.fault_tolerance \\',
+            f'"$PYTHON" -m dtlab.fault_tolerance {listen}',
         ]
     return [
         'export TORCHFT_LIGHTHOUSE="http://$FIRST_NODE:$LIGHTHOUSE_PORT"',
         *start,
-        '    --lighthouse "0.0.0.0:$LIGHTHOUSE_PORT" --store-port "$STORE_PORT" --config "$CONFIG" &',
+        '    --store-port "$STORE_PORT" --config "$CONFIG" &',
         "LIGHTHOUSE_PID=$!",
         "trap 'kill \"$LIGHTHOUSE_PID\" 2>/dev/null' EXIT",
         "for _ in $(seq 600); do  # up to 60 s for it to listen",
