@@ -149,10 +149,33 @@ def split_tensors(tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
             if r:
                 rest[k] = r
         elif isinstance(v, torch.Tensor):
-            tensors[k] = v
+            tensors[k] = plain_tensor(v)
         else:
             rest[k] = v
     return tensors, rest
+
+
+def plain_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a plain tensor (or a DTensor of one) over the same storage: a weight that torchao's
+    float8 all-gather wraps (``WeightWithDynamicFloat8CastTensor``, and the optimizer moments made
+    like it) is a tensor subclass, which DCP would pickle whole, and a checkpoint is never
+    unpickled; its value is the plain tensor it holds, so saving and loading in place are those of
+    the same model without float8."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        local = t._local_tensor
+        inner = plain_tensor(local)
+        if inner is local:
+            return t
+        return DTensor.from_local(
+            inner, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+        )
+    data = t.data if isinstance(t, torch.nn.Parameter) else t
+    wrapped = getattr(data, "_tensor", None)
+    if type(data) is not torch.Tensor and isinstance(wrapped, torch.Tensor):
+        return wrapped
+    return t
 
 
 def merge_tensors(tensors: dict[str, Any], rest: dict[str, Any]) -> dict[str, Any]:

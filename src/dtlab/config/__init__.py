@@ -12,7 +12,8 @@ config), :mod:`~dtlab.config.checks` (cross-field rules), :mod:`~dtlab.config.ya
 scalars) and :mod:`~dtlab.config.loading` (files, overrides, error messages).
 """
 
-import dtlab.config.context_checks  # noqa: F401  (registers its rule)
+import dtlab.config.context_checks
+import dtlab.config.float8_checks  # noqa: F401  (registers its rule)
 from dtlab.config.checks import (
     SINGLE_STAGE_SCHEDULES,
     V_SCHEDULES,
@@ -31,16 +32,19 @@ from dtlab.config.loading import (
     load_config,
     yaml_scalar,
 )
+from dtlab.config.options import (
+    CompressionOptions,
+    DemoOptions,
+    DiLoCoOptions,
+    FaultToleranceOptions,
+    Float8Options,
+)
 from dtlab.config.schema import Config
 from dtlab.config.sections import (
     AlertsConfig,
     CheckpointConfig,
-    CompressionOptions,
     DataConfig,
-    DemoOptions,
-    DiLoCoOptions,
     EvalConfig,
-    FaultToleranceOptions,
     ModelConfig,
     ParallelConfig,
     RunConfig,
@@ -78,6 +82,7 @@ __all__ = [
     "DiLoCoOptions",
     "EvalConfig",
     "FaultToleranceOptions",
+    "Float8Options",
     "ModelConfig",
     "ParallelConfig",
     "RunConfig",

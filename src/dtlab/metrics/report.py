@@ -125,7 +125,12 @@ def _layout_row(s: dict[str, Any]) -> str:
     world = s["world_size"]
     engine = "mlx " if s.get("engine") == "mlx" else ""
     processes = f"{world} process{'es' if world > 1 else ''}"
-    return f"{engine}{s['layout']} on {processes} ({s['precision']})"
+    f8 = s.get("float8")
+    precision = s["precision"]
+    if f8:
+        how = "emulated" if f8["emulated"] else "native"
+        precision += f"; {f8['layers']} linear layers in float8, {f8['recipe']}, {how}"
+    return f"{engine}{s['layout']} on {processes} ({precision})"
 
 
 def _sent_row(c: dict[str, Any]) -> str:

@@ -108,7 +108,37 @@ def _head_norm() -> ParallelStyle:
     return SequenceParallel(sequence_dim=2, use_local_output=True)
 
 
-def apply_tp(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool) -> None:
+def _backend() -> str:
+    """The default process group's backend (gloo, nccl, ...); '' outside a distributed run."""
+    import torch.distributed as dist
+
+    return str(dist.get_backend()) if dist.is_initialized() else ""
+
+
+def _float8_styles(sequence_parallel: bool) -> tuple[type, type, Any]:
+    """torchao's float8 tensor-parallel styles: (column-wise, row-wise, the block input's
+    preparation) that move the float8 layers' activations in float8 (tensorwise, NCCL)."""
+    from dtlab.parallel.float8 import import_float8
+
+    import_float8()
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+
+
+def _float8_input(float8_comm: bool, layer: str) -> dict[str, Any]:
+    """What PrepareFloat8ModuleInput needs beyond PrepareModuleInput: the layer whose float8
+    settings cast the gathered input."""
+    return {"fwd_config_submodule_fqn": layer} if float8_comm else {}
+
+
+def apply_tp(
+    model: Transformer, mesh: DeviceMesh, sequence_parallel: bool, float8_comm: bool = False
+) -> None:
     """Split the model over the tensor-parallel ``mesh`` (Megatron's layout, with DTensor).
 
     Column-wise (output features split): wq, wk, wv, w1, w3, and the output projection, whose logits
@@ -121,9 +151,15 @@ def apply_tp(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool) -> N
     normalises them with the whole per-head q/k norm gains (:func:`_head_norm`). With
     ``sequence_parallel`` the norms and residual adds run on sequence shards: the row-wise outputs are
     reduce-scattered over the sequence and gathered again before the next column-wise layer, instead
-    of all-reduced.
+    of all-reduced. ``float8_comm`` (train.float8, tensorwise on NCCL): the blocks' float8 layers
+    take torchao's float8 styles, whose sequence-parallel gathers move float8 activations.
     """
     seq = Shard(1) if sequence_parallel else Replicate()
+    colwise, rowwise, prepare = (
+        _float8_styles(sequence_parallel)
+        if float8_comm
+        else (ColwiseParallel, RowwiseParallel, PrepareModuleInput)
+    )
     norm: ParallelStyle = SequenceParallel() if sequence_parallel else _Replicated()
     ends: dict[str, ParallelStyle] = {
         "tok_embeddings": VocabParallel(seq),
@@ -139,10 +175,10 @@ def apply_tp(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool) -> N
     for block in model.layers.values():
         plan: dict[str, ParallelStyle] = {
             "attention_norm": norm,
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=seq),
+            "attention.wq": colwise(),
+            "attention.wk": colwise(),
+            "attention.wv": colwise(),
+            "attention.wo": rowwise(output_layouts=seq),
             "ffn_norm": norm,
         }
         if isinstance(block.attention, Attention) and block.attention.q_norm is not None:
@@ -157,17 +193,21 @@ def apply_tp(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool) -> N
             if block.feed_forward.shared is not None:
                 plan["feed_forward.shared"] = _Replicated()
         else:
-            plan["feed_forward.w1"] = ColwiseParallel()
-            plan["feed_forward.w2"] = RowwiseParallel(output_layouts=seq)
-            plan["feed_forward.w3"] = ColwiseParallel()
+            plan["feed_forward.w1"] = colwise()
+            plan["feed_forward.w2"] = rowwise(output_layouts=seq)
+            plan["feed_forward.w3"] = colwise()
         if sequence_parallel:
             # The norms hand on sequence shards; attention and the feed-forward need the whole sequence.
-            plan["attention"] = PrepareModuleInput(
+            plan["attention"] = prepare(
                 input_layouts=(Shard(1), None, None),
                 desired_input_layouts=(Replicate(), None, None),
+                **_float8_input(float8_comm, "wq"),
             )
-            plan["feed_forward"] = PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            moe = isinstance(block.feed_forward, MoE)
+            plan["feed_forward"] = (PrepareModuleInput if moe else prepare)(
+                input_layouts=(Shard(1),),
+                desired_input_layouts=(Replicate(),),
+                **_float8_input(float8_comm and not moe, "w1"),
             )
         parallelize_module(block, mesh, plan)  # type: ignore[arg-type]
 
@@ -374,6 +414,8 @@ class ParallelModel:
     # A pipeline of a tied model, on the ranks of its first and last stages: the embedding and
     # the last stage's copy of it.
     tied: TiedEmbedding | None = None
+    # train.float8 under FSDP: weights all-gathered in float8, their scales computed after each step.
+    float8_scales: bool = False
 
     @property
     def optimized(self) -> nn.Module:
@@ -392,6 +434,10 @@ class ParallelModel:
         if self.tied is not None:
             with recorded("tied embedding sent to the last stage", "send/recv"):
                 self.tied.share_weight()
+        if self.float8_scales:
+            from dtlab.parallel.float8 import precompute_scales
+
+            precompute_scales(self.model)
 
     def loss_context(self) -> AbstractContextManager[Any]:
         """Where the loss is computed and back-propagated: with tensor parallelism, the logits are
@@ -544,7 +590,19 @@ def parallelize(model: Transformer, config: Config, dist_info: DistInfo) -> Para
     if dims.ep_enabled:
         group = dims.expert_mesh(dist_info.device.type, "ep_dp").get_group()
         experts = ExpertShards(expert_params(model), group, dims.ep_span)
-    return ParallelModel(module, model, dims, compression, zero=zero, experts=experts)
+    return ParallelModel(
+        module, model, dims, compression, zero=zero, experts=experts,
+        float8_scales=_float8_scales(model, config),
+    )  # fmt: skip
+
+
+def _float8_scales(model: nn.Module, config: Config) -> bool:
+    """Whether the model's float8 weights are all-gathered in float8 (train.float8 under FSDP)."""
+    if not config.train.float8.enabled:
+        return False
+    from dtlab.parallel.float8 import uses_float8_all_gather
+
+    return uses_float8_all_gather(model)
 
 
 def _parallelize_one(
@@ -553,8 +611,21 @@ def _parallelize_one(
     """TP, AC, compile, FSDP, materialisation, DDP, in that order, on one (stage's) model."""
     t, dims = config.train, dist_info.dims
     device_type = dist_info.device.type
+    float8_comm = False
+    if t.float8.enabled:
+        from dtlab.parallel.float8 import apply_float8, emulated, float8_tp_comm
+
+        f8 = t.float8
+        tensorwise = f8.recipe == "tensorwise"
+        apply_float8(
+            model, f8.recipe, emulated(f8.emulate, dist_info.device),
+            all_gather=dims.fsdp_enabled and f8.all_gather and tensorwise,
+        )  # fmt: skip
+        float8_comm = dims.tp_enabled and float8_tp_comm(f8.recipe, _backend())
     if dims.tp_enabled:
-        apply_tp(model, dims.mesh(device_type, "tp"), config.parallel.sequence_parallel)
+        apply_tp(
+            model, dims.mesh(device_type, "tp"), config.parallel.sequence_parallel, float8_comm
+        )
     # Expert parallelism splits the experts before anything wraps a block; the data-parallel
     # wrappers then leave the shards alone (ExpertShards averages their gradients).
     ep_params = apply_ep(model, dims.expert_mesh(device_type, "ep")) if dims.ep_enabled else []
@@ -660,5 +731,6 @@ def _parallelize_pipeline(model: Transformer, config: Config, d: DistInfo) -> Pa
         group = dims.expert_mesh(d.device.type, "ep_dp").get_group()
         experts = ExpertShards(expert_params(whole), group, dims.ep_span)
     return ParallelModel(
-        whole, whole, dims, CompressionState(p.compression), pipeline, experts=experts, tied=tied
-    )
+        whole, whole, dims, CompressionState(p.compression), pipeline, experts=experts, tied=tied,
+        float8_scales=_float8_scales(whole, config),
+    )  # fmt: skip

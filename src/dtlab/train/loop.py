@@ -47,6 +47,7 @@ from dtlab.parallel import (
     parallelize,
 )
 from dtlab.parallel.dist import decide_on_rank0, reduce_scalar
+from dtlab.parallel.float8 import float8_summary
 from dtlab.parallel.ft import ReplicaPlace, Replicas, data_parallel, tag_logs
 from dtlab.parallel.ledger import (
     collective_failure,
@@ -565,6 +566,8 @@ class TorchEngine:
             out["peak_memory_reserved_bytes"] = self.peak_memory_reserved_bytes()
         if self.config.train.oom_retry:
             out.update(oom_retries=self.oom_retries, micro_batch_size=self.micro_now)
+        if self.config.train.float8.enabled:
+            out["float8"] = float8_summary(self.config.train.float8, self.tr.pm, self.d.device)
         if self.saved:  # run.comm_bytes: what the saves after the last step's record sent
             out["checkpoint_comm_after_last_step"] = dict(self.saved)
         if self.replicas is not None:
