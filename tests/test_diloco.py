@@ -280,8 +280,10 @@ def test_bytes_inside_and_between_replicas_are_predicted_to_the_byte(
             "parallel.diloco.quantize=int2",
             "parallel.diloco.error_decay=0.95",
         ],
+        # Blocks wrapped for activation checkpointing: the checkpoint keys are the plain model's.
+        ["parallel.diloco.inner_steps=4", "train.activation_checkpointing=selective"],
     ],
-    ids=["diloco", "streaming-int4", "streaming-sparse"],
+    ids=["diloco", "streaming-int4", "streaming-sparse", "diloco-checkpointed-blocks"],
 )
 def test_kill_9_resumes_exactly(tmp_path: Path, outer: list[str]) -> None:
     """Killed after step 8, resumed from step 6's checkpoint (a streaming sync in flight there):

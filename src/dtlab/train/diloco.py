@@ -47,6 +47,7 @@ from torch.distributed.tensor import DTensor
 from dtlab.config import DiLoCoOptions
 from dtlab.dims import ParallelDims
 from dtlab.errors import CheckpointError
+from dtlab.parallel.apply import plain_name
 from dtlab.parallel.dist import all_gather_flat
 from dtlab.parallel.ledger import recorded
 from dtlab.runtime.placement import placed
@@ -183,7 +184,8 @@ class DiLoCo:
         # This rank's replica (process group, size): its steps' agreement between syncs.
         self.replica = replica
         self._params = [p for _, p in model.named_parameters()]
-        self.names = [n for n, _ in model.named_parameters()]
+        # The plain model's names (a checkpoint's keys), whatever wraps the blocks (activation checkpointing).
+        self.names = [plain_name(n) for n, _ in model.named_parameters()]
         frags = [fragment_of(n, n_layers, options.fragments) for n in self.names]
         self.fragments = [
             [i for i, f in enumerate(frags) if f == k] for k in range(options.fragments)
