@@ -8,6 +8,7 @@ import math
 
 from dtlab.analysis import moe
 from dtlab.analysis.activations import FP32, fsdp_half_params, residual_half
+from dtlab.analysis.float8_plan import float8_gather_saving
 from dtlab.analysis.shapes import (
     ParamShape,
     RankPart,
@@ -356,8 +357,10 @@ def _fsdp_comm(
     grad_bytes = 2 if p.compression in ("fp16", "bf16") else FP32
     by_group = padded_by_group(shapes, shard)
     elements = sum(by_group.values())
-    gathered = elements * param_bytes
-    units = {group: n * param_bytes for group, n in by_group.items()}
+    # train.float8: the float8 layers' weights gathered at 1 byte an element (float8_plan).
+    saved = float8_gather_saving(config, dims, shapes, shard)
+    gathered = elements * param_bytes - sum(saved.values())
+    units = {group: n * param_bytes - saved.get(group, 0) for group, n in by_group.items()}
     root = units.pop("root", 0)
     # full: the root unit (embedding, final norm, output), which stays gathered from its forward to
     # its backward, and the largest block in use; shard_grad_op and no_shard: every unit stays

@@ -63,6 +63,7 @@ from dtlab.analysis.context_plan import (
     document_mask_bytes,
 )
 from dtlab.analysis.diloco_memory import diloco_host_bytes, with_outer_sync
+from dtlab.analysis.float8_plan import float8_kept_saving, float8_scale_bytes
 from dtlab.analysis.memo import memo
 from dtlab.analysis.pipeline_memory import (
     _in_flight,
@@ -271,6 +272,8 @@ def _plan_rank(
     acts = _activations(rank)
     plan.activations_bytes = acts.peak
     plan.buffers_bytes = _buffers_bytes(rank)
+    # The float8-gathered weights' precomputed scales, held with the shards.
+    plan.params_bytes += float8_scale_bytes(config, dims, rank.rank_model)
     whole = _rank_comm(rank, plan, shard_rank)
     if acts.walked is not None:
         plan.timeline = pipeline_rank_timeline(
@@ -376,6 +379,12 @@ def _kept(rank: RankInputs) -> tuple[int, Walk | None]:
     # Autocast's half-precision weight copies are made once per autocast region: a pipeline's
     # step runs all its micro-batches in one, so the micro-batches in flight share them.
     copies = activation_bytes(m, 0, t.precision, ac, split, part.last, rank.half_params) - 8
+    # Float8 layers keep no weight copy, and on the CPU share their norm's float32 output.
+    f8_copies, f8_inputs = float8_kept_saving(
+        config, m, tokens, ac, split.tp, rank.half_params, rank.device_type
+    )
+    act -= f8_copies + f8_inputs
+    copies -= f8_copies
     kept = (
         (act + kernel_bytes(m, tokens, seq_len, t.precision, ac, rank.kernel, split)) * flight
         - copies * (flight - 1)
@@ -387,7 +396,9 @@ def _kept(rank: RankInputs) -> tuple[int, Walk | None]:
     order = schedule_order(config.parallel.pp_schedule, dims.pp, stages, rank.accum, rank.pp_rank)
     if not dims.pp_enabled or order is None:
         return kept, None
-    walked = walk_schedule(config, dims, part, tokens, rank.accum, order, rank.kernel)
+    walked = walk_schedule(
+        config, dims, part, tokens, rank.accum, order, rank.kernel, rank.device_type
+    )
     return pipeline_kept(walked[1]), walked
 
 

@@ -22,6 +22,7 @@ from dtlab.analysis.activations import (
     window_mask_bytes,
 )
 from dtlab.analysis.context_plan import cp_kept_bytes
+from dtlab.analysis.float8_plan import float8_kept_saving
 from dtlab.analysis.pipeline_steps import (
     PipelineSteps,
     StageFigures,
@@ -158,8 +159,10 @@ def stage_figures(
     part: RankPart,
     tokens: int,
     kernel: str,
+    device_type: str = "cpu",
 ) -> StageFigures:
-    """:class:`StageFigures` of pipeline rank ``part``'s stages, micro-batches of ``tokens``."""
+    """:class:`StageFigures` of pipeline rank ``part``'s stages, micro-batches of ``tokens``
+    (``device_type``: the ranks' devices, whose float8 layers keep different inputs)."""
     m, t = config.model, config.train
     ac, seq_len = t.activation_checkpointing, config.seq_len
     split = TPSplit(dims.tp, config.parallel.sequence_parallel)
@@ -180,9 +183,15 @@ def stage_figures(
         # for backward unless the block is checkpointed.
         routed = moe.routed_copy_bytes(config, dims, stage)
         rows += routed if ac != "full" else 0
+        # train.float8: the float8 layers' inputs (a micro-batch's) and weight copies (shared).
+        f8_inputs = float8_kept_saving(
+            config, stage, tokens, ac, split.tp, half_params, device_type
+        )
+        f8_copies = float8_kept_saving(config, stage, 0, "none", split.tp, half_params, device_type)
         per_mb.append(
             own
             - weights
+            - f8_inputs[1]
             + rows
             + kernel_bytes(stage, tokens, seq_len, t.precision, ac, kernel, split)
             + cp_kept_bytes(config, stage, tokens, kernel, dims.tp)
@@ -195,6 +204,7 @@ def stage_figures(
             - 8
             + moe.ep_copies_bytes(config, dims, stage, "none")
             - routed
+            - f8_copies[0]
             # A sliding window's mask: made at the stage's first forward, read by every later one.
             + window_mask_bytes(config, dims)
         )
@@ -293,11 +303,12 @@ def walk_schedule(
     microbatches: int,
     order: list[tuple[str, int]],
     kernel: str,
+    device_type: str = "cpu",
 ) -> tuple[StageFigures, list[tuple[str, int, int, list[int]]]]:
     """A pipeline rank's stage figures (:func:`stage_figures`) and its schedule's ``order`` walked
     (:func:`schedule_walk`), once for both the most it keeps (:func:`pipeline_kept`) and its
     timeline (:func:`pipeline_timeline`)."""
-    figures = stage_figures(config, dims, part, tokens, kernel)
+    figures = stage_figures(config, dims, part, tokens, kernel, device_type)
     figures = dataclasses.replace(figures, local=figures.local * microbatches)
     half_params = fsdp_half_params(config, dims)
     return figures, list(schedule_walk(part, figures, tokens, microbatches, half_params, order))

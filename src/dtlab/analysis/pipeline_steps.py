@@ -317,6 +317,13 @@ class PipelineSteps:
                          temporaries=t_kept + moved + self.sending
                          + (block.incoming if last else 0),
                          buffers=bufs)  # fmt: skip
+            if block.float8_temps:  # train.float8: the down projection's casts
+                f8 = block.float8_temps - (0 if last else block.incoming)
+                self.add(name, f"the stage's {which} block's down projection's float8 casts",
+                         grads=g_kept + max(0, new - block.w2_grad),
+                         activations=alive + again - gone,
+                         temporaries=t_kept + moved + self.sending + f8 + ahead,
+                         buffers=bufs)  # fmt: skip
             self.add(name, f"the stage's {which} block's feed-forward backward",
                      grads=g_kept + new, activations=alive + again - gone - block.freed,
                      temporaries=t_kept + moved + self.sending + temps + ahead,

@@ -19,6 +19,7 @@ from dtlab.analysis.activations import (
 )
 from dtlab.analysis.comm_model import tied_embedding_bytes
 from dtlab.analysis.context_plan import document_mask_bytes, ring_backward_bytes
+from dtlab.analysis.float8_plan import block_float8, float8_ffn, gathered_bytes_by_group
 from dtlab.analysis.memo import memo
 from dtlab.analysis.pipeline_memory import (
     StageFigures,
@@ -99,7 +100,7 @@ def rank_timeline(
     units = None
     if fsdp:
         shard = dims.fsdp_shard
-        gathered = {group: n * made for group, n in padded_by_group(dp_shapes, shard).items()}
+        gathered = gathered_bytes_by_group(config, dims, dp_shapes, shard, made)
         root = gathered.pop("root", 0)
         shard_grads = memo(dp_shapes, ("block_shards", shard), lambda: sum(
             s.shard_numel(shard) for s in dp_shapes if s.group != "root"))  # fmt: skip
@@ -148,7 +149,12 @@ def _groups_average(state: RankState) -> Moment:
 
 
 def _block_shape(
-    config: Config, dims: ParallelDims, shapes: list[ParamShape], tokens: int, made: int, j: int
+    config: Config,
+    dims: ParallelDims,
+    shapes: list[ParamShape],
+    tokens: int,
+    made: int,
+    j: int,
 ) -> BlockShape:
     """:func:`dense_block` of block ``j`` of an MoE model, with its own parameters on this rank: a
     dense block's feed-forward width, or an MoE block's shared experts' (its routed rows' where it
@@ -158,7 +164,8 @@ def _block_shape(
     hidden = m.hidden_dim
     if j >= m.moe.dense_layers:
         hidden = (m.moe.expert_dim or m.hidden_dim) * (m.moe.shared_experts or m.moe.top_k)
-    return _dense_block(config, dims, shapes, tokens, made, hidden, numel)
+    f8 = j < m.moe.dense_layers and float8_ffn(config)
+    return _dense_block(config, dims, shapes, tokens, made, hidden, numel, f8)
 
 
 def _moe_blocks(
@@ -175,7 +182,11 @@ def _moe_blocks(
     split = TPSplit(dims.tp, p.sequence_parallel)
     ac = t.activation_checkpointing
     n_blocks = rank_model.n_layers
-    gathered = padded_by_group(dp_shapes, dims.fsdp_shard) if dims.fsdp_enabled else {}
+    gathered = (
+        gathered_bytes_by_group(config, dims, dp_shapes, dims.fsdp_shard, made)
+        if dims.fsdp_enabled
+        else {}
+    )
 
     def own(kind: ModelConfig, n: int) -> int:
         one = kind.model_copy(update={"n_layers": n})
@@ -192,7 +203,7 @@ def _moe_blocks(
     for j, x in enumerate(is_moe):
         group = f"layers.{j}"
         shape = _block_shape(config, dims, shapes, tokens, made, j)
-        unit = gathered.get(group, 0) * made
+        unit = gathered.get(group, 0)
         shard = sum(s.shard_numel(dims.fsdp_shard) for s in dp_shapes if s.group == group)
         out.append(
             BlockKind(
@@ -229,9 +240,15 @@ def _dense_block(
     made: int,
     hidden: int | None = None,
     block_params: int | None = None,
+    float8: bool | None = None,
 ) -> BlockShape:
     """:func:`dense_block` of the rank's blocks (their parameters on this rank, as backward makes
-    their gradients): by default the model's feed-forward width and the mean block's parameters."""
+    their gradients): by default the model's feed-forward width and the mean block's parameters;
+    ``float8``: its feed-forward trains in float8 (by default: a dense block's under
+    train.float8)."""
+    if float8 is None:
+        float8 = hidden is None and float8_ffn(config)
+    f8 = block_float8(config, dims) if float8 else None
     m, t = config.model, config.train
     half = t.precision in ("bf16", "fp16")
     half_params = fsdp_half_params(config, dims)
@@ -242,7 +259,7 @@ def _dense_block(
     stream = 2 if residual_half(half_params, t.precision) else FP32
     shape = dense_block(
         tokens, m.dim, hidden or m.hidden_dim, dims.tp, seq, 2 if half else FP32,
-        stream, half and not half_params, made, block_params,
+        stream, half and not half_params, made, block_params, f8,
     )  # fmt: skip
     ring = ring_backward_bytes(config, tokens, dims.tp)
     if not ring:
@@ -289,7 +306,8 @@ def pipeline_rank_timeline(
         by_group = padded_by_group(dp_shapes, shard)
         root_elements = [_stage_root_padded(dp_shapes, shard, sid, part.n_stages)
                          for sid in part.stages]  # fmt: skip
-        sizes = [n * made for k, n in by_group.items() if k != "root"]
+        unit_bytes = gathered_bytes_by_group(config, dims, dp_shapes, shard, made)
+        sizes = [n for k, n in unit_bytes.items() if k != "root"]
         # A stage's gradient shards: its gathered elements over the shard group (FSDP pads each
         # parameter's rows to a multiple of it).
         shards = [FP32 * (r + sum(by_group[f"layers.{i}"] for i in split[sid])) // shard

@@ -211,6 +211,10 @@ class BlockShape:
     # own.
     attention_temps: int = 0
     attention_freed: int = 0  # the output projection's input, freed by its backward
+    # train.float8 (dtlab.analysis.float8_plan): the down projection's backward at its input's
+    # cast to float8 (for its weight's gradient), before that gradient is made and its input
+    # freed: backward's own alive then; 0 where the down projection is no float8 layer.
+    float8_temps: int = 0
 
     def kept_copies(self) -> BlockShape:
         """The same block where autocast's weight copies live through the step (a pipeline's one
@@ -244,15 +248,26 @@ def dense_block(
     autocast_copies: bool,
     grad_bytes: int,
     block_params: int,
+    float8: tuple[bool, bool] | None = None,
 ) -> BlockShape:
     """:class:`BlockShape` of a dense (SwiGLU) block: ``hidden`` split over ``tp`` ranks, the residual
     stream's gradient a sequence shard over ``seq`` ranks, in ``stream`` bytes an element; the
     matmuls in ``compute`` bytes; ``grad_bytes``: a weight gradient's element (the parameters');
-    ``block_params``: the block's parameter elements on this rank."""
+    ``block_params``: the block's parameter elements on this rank; ``float8``: the feed-forward's
+    layers train in float8 (no autocast weight copies; the down projection's casts in backward:
+    :func:`dtlab.analysis.float8_plan.down_projection_casts`), as (its weight cast in backward,
+    recomputed under full checkpointing)."""
     local = tokens * hidden // tp
     residual = stream * tokens * dim // seq
     temps = residual + 3 * compute * local
-    copy = 2 * dim * hidden // tp if autocast_copies else 0
+    copy = 2 * dim * hidden // tp if autocast_copies and float8 is None else 0
+    float8_temps = 0
+    if float8 is not None:
+        from dtlab.analysis.float8_plan import down_projection_casts
+
+        # Its input's gradient made, the casts in flight.
+        casts = down_projection_casts(tokens, dim, hidden, tp, compute, *float8)
+        float8_temps = residual + compute * local + casts
     w2 = grad_bytes * dim * hidden // tp
     gathered = compute * tokens * dim if seq > 1 else 0
     # RMSNorm's backward computes in float32 whatever the stream's dtype: at its peak (the
@@ -265,7 +280,7 @@ def dense_block(
     norm_freed = 4 * compute * local + 3 * copy + 2 * row + FP32 * tokens // seq
     return BlockShape(
         temps, compute * local + copy, w2, grad_bytes * block_params, residual + gathered, copy,
-        dim, compute, grad_bytes, norm_temps, norm_freed,
+        dim, compute, grad_bytes, norm_temps, norm_freed, float8_temps=float8_temps,
     )  # fmt: skip
 
 
@@ -441,6 +456,12 @@ def _block_backward(mb: _MicroBatch, j: int, held: tuple[int, int, int]) -> None
         mb.add(
             f"{name} recomputed", grads=g - block.w2_grad, activations=alive + again,
             temporaries=tmp + block.incoming, buffers=buffers,
+        )  # fmt: skip
+    if block.float8_temps:
+        mb.add(
+            f"{name}'s down projection's float8 casts", grads=g - block.w2_grad,
+            activations=alive + again - gone, temporaries=tmp + block.float8_temps,
+            buffers=buffers,
         )  # fmt: skip
     mb.add(
         f"{name}'s feed-forward backward", grads=g,

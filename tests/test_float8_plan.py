@@ -1,0 +1,145 @@
+"""``dtlab plan`` of ``train.float8`` (:mod:`dtlab.analysis.float8_plan`) against the real code of
+the same rank (``--check``: fake process group, fake tensors, torchao's Float8Linear emulated on the
+CPU): the float8 layers' saved inputs and weights, their casts in the down projection's backward,
+FSDP's float8 all-gathers (1 byte an element) and their scales."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from conftest import close
+from dtlab.analysis.check import check_rank, measure_fake
+from dtlab.analysis.float8_plan import float8_block_params, float8_layers
+from dtlab.analysis.model import plan_step
+from dtlab.config import load_config
+from dtlab.dims import ParallelDims
+
+pytest.importorskip("torchao.float8")
+
+SHAPE = [
+    "model.preset=debug", "data.seq_len=64", "train.global_batch_size=8", "train.precision=bf16",
+    "train.float8.enabled=true",
+]  # fmt: skip
+
+_FULL, _SEL = "train.activation_checkpointing=full", "train.activation_checkpointing=selective"
+_ROW = "train.float8.recipe=rowwise"
+_PP = ["parallel.pp=2", "parallel.pp_microbatches=2"]
+
+CHECKED: dict[str, tuple[int, list[str]]] = {
+    "single": (1, ["parallel.strategy=ddp"]),
+    "ddp:2": (2, ["parallel.strategy=ddp"]),
+    "fsdp:2": (2, ["parallel.strategy=fsdp"]),
+    "fsdp:2 shard_grad_op": (2, ["parallel.strategy=fsdp", "parallel.sharding=shard_grad_op"]),
+    "hsdp:2x2": (4, ["parallel.strategy=hsdp", "parallel.replicate=2"]),
+    "fsdp:2 accumulation": (2, ["parallel.strategy=fsdp", "train.micro_batch_size=1"]),
+    "tp:2": (2, ["parallel.strategy=fsdp", "parallel.tp=2"]),
+    "tp:2 sp": (2, ["parallel.strategy=fsdp", "parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "fsdp:2 x tp:2": (4, ["parallel.strategy=fsdp", "parallel.tp=2"]),
+    "ddp:2 x tp:2": (4, ["parallel.strategy=ddp", "parallel.tp=2"]),
+    "pp:2": (2, ["parallel.strategy=fsdp", *_PP]),
+    "ddp x pp:2": (2, ["parallel.strategy=ddp", *_PP]),
+    # Checkpointing: the down projection's casts become the step's peak.
+    "single full AC": (1, ["parallel.strategy=ddp", _FULL]),
+    "ddp:2 full AC": (2, ["parallel.strategy=ddp", _FULL]),
+    "fsdp:2 full AC": (2, ["parallel.strategy=fsdp", _FULL]),
+    "tp:2 full AC": (2, ["parallel.strategy=fsdp", "parallel.tp=2", _FULL]),
+    "fsdp:2 x tp:2 full AC": (4, ["parallel.strategy=fsdp", "parallel.tp=2", _FULL]),
+    "pp:2 full AC": (2, ["parallel.strategy=fsdp", *_PP, _FULL]),
+    "ddp x pp:2 full AC": (2, ["parallel.strategy=ddp", *_PP, _FULL]),
+    "single selective AC": (1, ["parallel.strategy=ddp", _SEL]),
+    "fsdp:2 selective AC": (2, ["parallel.strategy=fsdp", _SEL]),
+    "tp:2 sp selective AC": (2, ["parallel.strategy=fsdp", "parallel.tp=2",
+                                 "parallel.sequence_parallel=true", _SEL]),
+    "pp:2 selective AC": (2, ["parallel.strategy=fsdp", *_PP, _SEL]),
+    # Rowwise scaling: FSDP gathers in bf16.
+    "rowwise single": (1, ["parallel.strategy=ddp", _ROW]),
+    "rowwise fsdp:2": (2, ["parallel.strategy=fsdp", _ROW]),
+    "rowwise fsdp:2 full AC": (2, ["parallel.strategy=fsdp", _ROW, _FULL]),
+    "rowwise tp:2": (2, ["parallel.strategy=fsdp", "parallel.tp=2", _ROW]),
+    "rowwise pp:2": (2, ["parallel.strategy=fsdp", *_PP, _ROW]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", list(CHECKED))
+def test_the_plan_of_float8_is_the_checked_code(layout: str) -> None:
+    """The peak within 3% of the checked code's, the state between steps to the byte (the float8
+    weights' scales with the parameters) and the bytes sent exact (under tensor parallelism but
+    for what the counter misses of the same layout in bf16: the loss-parallel all-reduces)."""
+    nproc, overrides = CHECKED[layout]
+    config = load_config(overrides=[*SHAPE, *overrides])
+    pipelined = "pp:" in layout
+    for rank in [0, nproc - 1] if pipelined else [nproc - 1]:
+        _check(config, nproc, rank, "tp:" in layout)
+
+
+def _check(config: Any, nproc: int, rank: int, tp: bool) -> None:
+    measured = measure_fake(config, nproc, 1, rank, "cpu")
+    r = check_rank(config, nproc, 1, rank, measured, "cpu")
+    assert r.skipped is None
+    assert close(r.peak["predicted"], r.peak["checked"], 0.03), (r.peak, r.components)
+    dims = ParallelDims.from_config(config, nproc)
+    at = dims.coordinates(rank)
+    plan = plan_step(config, nproc, pp_rank=at["pp"] if dims.pp_enabled else None)
+    own = measured["components"]
+    assert own["params"] == plan.params_bytes > 0 and own["grads"] == plan.grads_bytes
+    assert own["optimizer"] == plan.optimizer_bytes
+    sent = r.collectives
+    missed = 0.0
+    if tp:  # what the counter misses of the same layout in bf16 (the loss-parallel all-reduces)
+        bf16 = config.model_copy(deep=True)
+        bf16.train.float8.enabled = False
+        plain = check_rank(bf16, nproc, 1, rank, measure_fake(bf16, nproc, 1, rank, "cpu"), "cpu")
+        missed = plain.collectives["predicted"] - plain.collectives["checked"]
+        assert missed >= 0
+    assert sent["predicted"] - sent["checked"] == missed, r.by_collective
+    gathers = r.by_collective.get("all_gather")
+    if gathers is not None:
+        assert gathers["predicted"] == gathers["checked"] > 0
+
+
+def _config(*overrides: str) -> Any:
+    return load_config(overrides=[*SHAPE, *overrides])
+
+
+def test_fsdp_gathers_the_float8_weights_at_one_byte_an_element() -> None:
+    """FSDP full on 2 ranks: two gathers a step (forward, backward), each one byte an element less
+    for the float8 layers' weights than bf16's; rowwise gathers in bf16; the scales' all-reduce is
+    not counted (the collective counter does not see it)."""
+    bf16 = plan_step(_config("parallel.strategy=fsdp", "train.float8.enabled=false"), 2)
+    f8 = plan_step(_config("parallel.strategy=fsdp"), 2)
+    row = plan_step(_config("parallel.strategy=fsdp", _ROW), 2)
+    m = _config().model
+    assert float8_layers(m) == ["wq", "wk", "wv", "wo", "w1", "w2", "w3"]
+    numel = m.n_layers * float8_block_params(m)
+    assert bf16.comm_bytes["all_gather"] - f8.comm_bytes["all_gather"] == 2 * numel
+    assert row.comm_bytes["all_gather"] == bf16.comm_bytes["all_gather"]
+    assert f8.comm_bytes["all_reduce"] == bf16.comm_bytes["all_reduce"]
+    # Each float8-gathered weight holds its scale (a float32) beside its shard.
+    assert f8.params_bytes - bf16.params_bytes == 4 * 7 * m.n_layers
+    assert row.params_bytes == bf16.params_bytes
+
+
+def test_float8_layers_keep_no_weight_copy_on_float32_parameters() -> None:
+    """One process (float32 parameters under autocast): the float8 layers save their float32
+    weights, not autocast's bf16 copy, so a GPU's plan keeps 2 bytes a float8 parameter less; on
+    FSDP's bf16 parameters nothing changes."""
+    m = _config().model
+    numel = m.n_layers * float8_block_params(m)
+    single = ["parallel.strategy=ddp", "train.float8.enabled=false"]
+    bf16 = plan_step(_config(*single), 1, device_type="cuda")
+    f8 = plan_step(_config(*single[:1]), 1, device_type="cuda")
+    assert bf16.activations_bytes - f8.activations_bytes == 2 * numel
+    fsdp = ["parallel.strategy=fsdp", "train.float8.enabled=false"]
+    bf16_fsdp = plan_step(_config(*fsdp), 2, device_type="cuda")
+    f8_fsdp = plan_step(_config(*fsdp[:1]), 2, device_type="cuda")
+    assert bf16_fsdp.activations_bytes == f8_fsdp.activations_bytes
+
+
+def test_layers_whose_widths_are_not_multiples_of_16_stay_in_bf16() -> None:
+    """A feed-forward width of 200 (not a multiple of 16): the attention's layers train in float8,
+    the feed-forward's do not, as dtlab.parallel.float8 converts them."""
+    m = _config("model.ffn_dim=200").model
+    assert float8_layers(m) == ["wq", "wk", "wv", "wo"]
+    assert float8_layers(m, moe_block=True) == ["wq", "wk", "wv", "wo"]
