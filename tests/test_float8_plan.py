@@ -143,3 +143,83 @@ def test_layers_whose_widths_are_not_multiples_of_16_stay_in_bf16() -> None:
     m = _config("model.ffn_dim=200").model
     assert float8_layers(m) == ["wq", "wk", "wv", "wo"]
     assert float8_layers(m, moe_block=True) == ["wq", "wk", "wv", "wo"]
+
+
+# --- step time: the float8 peak where the device has one, the casts, and where float8 gains nothing
+
+
+def _compute(device: str, preset: str, *overrides: str) -> tuple[float, dict[str, Any] | None]:
+    """The plan's compute seconds of DDP on 8 ranks of ``device`` (its strategies' row), and its
+    float8 figures."""
+    from dtlab.analysis.devices import PROFILES
+    from dtlab.analysis.plan import plan
+
+    config = load_config(overrides=[f"model.preset={preset}", "train.precision=bf16",
+                                    "parallel.strategy=ddp", *overrides])  # fmt: skip
+    p = plan(config, 8, 1, PROFILES[device], None)
+    (ddp,) = [r for r in p["strategies"] if r["label"] == "ddp"]
+    return ddp["compute_time_s"], p.get("float8")
+
+
+def test_float8_peaks_are_the_datasheets_dense_figures() -> None:
+    """Half the datasheets' "with sparsity" float8 figures, each with its source; none for the
+    A100s (no float8 tensor cores)."""
+    from dtlab.analysis.devices import PROFILES
+    from dtlab.analysis.float8_time import FP8_PEAK_TFLOPS
+
+    assert FP8_PEAK_TFLOPS["h100"][0] == FP8_PEAK_TFLOPS["h200"][0] == 3958 / 2 - 0.1
+    assert all("datasheet" in src or "whitepaper" in src for _, src in FP8_PEAK_TFLOPS.values())
+    assert "a100-80gb" not in FP8_PEAK_TFLOPS and "a100-40gb" not in FP8_PEAK_TFLOPS
+    for key, (peak, _) in FP8_PEAK_TFLOPS.items():  # twice the bf16 dense peak on each
+        assert abs(peak / PROFILES[key].peak_tflops["bf16"] - 2) < 0.01
+
+
+def test_float8_speeds_the_gemms_of_a_large_model_on_an_h100() -> None:
+    """llama3.2-1b on 8 H100: the float8 layers' GEMMs at the float8 peak (half their bf16 time,
+    none memory-bound), the casts added, the step's compute shorter by what the plan says."""
+    bf16, _ = _compute("h100", "llama3.2-1b")
+    f8_s, f8 = _compute("h100", "llama3.2-1b", "train.float8.enabled=true")
+    assert f8 is not None and not f8["emulated"] and not f8["memory_bound"]
+    assert f8["gemm_float8_s"] == pytest.approx(f8["gemm_bf16_s"] / 2, rel=1e-3)
+    assert 0 < f8["casts_s"] < f8["gemm_bf16_s"] - f8["gemm_float8_s"]
+    assert bf16 - f8_s == pytest.approx(f8["saved_s"], rel=1e-6)
+    assert 1.1 < bf16 / f8_s < 2
+
+
+def test_float8_gains_nothing_on_small_matrices_nor_where_it_is_emulated() -> None:
+    """The debug model's GEMMs are memory-bound in float8 on an H100 (kept at their bf16 time, the
+    casts on top); an A100 has no float8 GEMM: emulated, slower by the casts; so is
+    train.float8.emulate = on on an H100."""
+    bf16, _ = _compute("h100", "debug")
+    f8_s, f8 = _compute("h100", "debug", "train.float8.enabled=true")
+    assert f8 is not None and len(f8["memory_bound"]) == 7
+    assert f8["gemm_float8_s"] == f8["gemm_bf16_s"] and f8_s > bf16
+    a100, _ = _compute("a100-80gb", "llama3.2-1b")
+    a100_f8, f8 = _compute("a100-80gb", "llama3.2-1b", "train.float8.enabled=true")
+    assert f8 is not None and f8["emulated"] and "no float8 GEMM" in f8["why"]
+    assert a100_f8 - a100 == pytest.approx(f8["casts_s"], rel=1e-6)
+    h100, _ = _compute("h100", "llama3.2-1b")
+    on, f8 = _compute("h100", "llama3.2-1b", "train.float8.enabled=true", "train.float8.emulate=on")
+    assert f8 is not None and f8["emulated"] and on > h100
+
+
+def test_the_search_keeps_float8_as_the_config_gives_it() -> None:
+    """train.float8 is the user's choice: every searched row of a float8 config trains in float8
+    (its layout line says bf16+fp8), no row of a bf16 config does."""
+    from dtlab.analysis.devices import PROFILES
+    from dtlab.analysis.plan import plan
+    from dtlab.analysis.plan_format import format_plan
+
+    base = ["model.preset=llama3.2-1b", "train.precision=bf16", "parallel.strategy=fsdp"]
+    f8 = plan(
+        load_config(overrides=[*base, "train.float8.enabled=true"]), 8, 1, PROFILES["h100"], None
+    )
+    plain = plan(load_config(overrides=base), 8, 1, PROFILES["h100"], None)
+    assert f8["search"]["rows"] and all(
+        r.get("float8") == "tensorwise" for r in f8["search"]["rows"]
+    )
+    assert not any(r.get("float8") for r in plain["search"]["rows"]) and "float8" not in plain
+    text = format_plan(f8)
+    assert "bf16+fp8" in text and "float8 (tensorwise): 112 layers a rank" in text
+    assert "with float8 tensorwise layers" in f8["recommendation"]
+    assert "fp8" not in format_plan(plain)

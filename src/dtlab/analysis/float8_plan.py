@@ -15,11 +15,16 @@ Memory, as `dtlab plan --check` measures the real code (torchao 0.18):
   1 byte an element instead of bf16's 2, in the gathered buffers and on the wire; each weight
   holds its precomputed scale (a float32) beside its shard.
 - The casts (amax, scale, float8 copies of input, weight and gradient) live inside one layer's
-  forward or backward, 1 byte an element: below the step's peak on the shapes checked.
+  forward or backward. The down projection's backward is where they come to the most (its input's
+  cast for its weight's gradient beside the output gradient's float8 copies, the input's gradient
+  made): a moment of the step's timeline of its own (:func:`down_projection_casts`), the step's
+  peak under checkpointing on the shapes checked.
 
 Bytes: the float8 all-gathers (above); the scales' all-reduce after each optimizer step (one float32
-a layer) is not counted: the collective counter does not see it (`dtlab plan --check` and a real
-run alike), and the plan follows the counter.
+a layer) is not counted: the collective counter does not see it (under `dtlab plan --check` no
+collective is dispatched for it), and the plan follows the counter.
+
+The step's time: :mod:`dtlab.analysis.float8_time`.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ __all__ = [
     "float8_scale_bytes",
     "gathers_float8",
     "is_float8_weight",
+    "layer_shapes",
 ]
 
 ALIGN = 16  # float8 GEMMs take dimensions that are multiples of 16 (dtlab.parallel.float8)
@@ -58,7 +64,7 @@ def enabled(config: Config) -> bool:
     return bool(config.train.float8.enabled)
 
 
-def _shapes(m: ModelConfig) -> dict[str, tuple[int, int]]:
+def layer_shapes(m: ModelConfig) -> dict[str, tuple[int, int]]:
     """(out, in) features of each of a dense block's linear layers, whole (before tensor
     parallelism splits them)."""
     q, kv = attention_widths(m)
@@ -73,7 +79,7 @@ def float8_layers(m: ModelConfig, moe_block: bool = False) -> list[str]:
     """The linear layers of one of ``m``'s blocks that train in float8: those whose in and out
     features are multiples of 16; an MoE block's feed-forward (its experts, its router) none."""
     names = _ATTENTION if moe_block else _ATTENTION + _FEED_FORWARD
-    shapes = _shapes(m)
+    shapes = layer_shapes(m)
     return [n for n in names if shapes[n][0] % ALIGN == 0 and shapes[n][1] % ALIGN == 0]
 
 
@@ -85,7 +91,7 @@ def _blocks(m: ModelConfig) -> tuple[int, int]:
 
 def float8_block_params(m: ModelConfig, moe_block: bool = False) -> int:
     """Weight elements of one block's float8 layers (whole)."""
-    shapes = _shapes(m)
+    shapes = layer_shapes(m)
     return sum(shapes[n][0] * shapes[n][1] for n in float8_layers(m, moe_block))
 
 

@@ -11,6 +11,7 @@ from dtlab.analysis.choose import Found, reason
 from dtlab.analysis.context_plan import RING_ON_GPU
 from dtlab.analysis.devices import DeviceProfile
 from dtlab.analysis.fitrule import explain, usable_fraction
+from dtlab.analysis.float8_time import float8_time
 from dtlab.analysis.latency import cross_replica_collectives
 from dtlab.analysis.model import (
     ParamShape,
@@ -214,7 +215,9 @@ def plan(
     best = searched["recommended"]
     header = _header(config, best)
     peak = device.peak_tflops.get(header["precision"])
+    float8 = _float8_figures(config, best, world, device)
     return {
+        **({"float8": float8} if float8 else {}),
         "model": _model_figures(config, costing.shapes),
         "world_size": world,
         "nproc": nproc,
@@ -302,6 +305,26 @@ def _assumptions(device: DeviceProfile, ac: str, moe: bool = False) -> dict[str,
         "recompute": RECOMPUTE[ac],
         "tie_margin": TIE_MARGIN,
     }
+
+
+def _float8_figures(
+    config: Config, best: dict[str, Any] | None, world: int, device: DeviceProfile
+) -> dict[str, Any] | None:
+    """The float8 layers' part of the recommended layout's step (the config's own where nothing
+    is recommended): :func:`dtlab.analysis.float8_time.float8_time`; None without float8."""
+    if not config.train.float8.enabled:
+        return None
+    from dtlab.analysis.search import apply_values
+
+    cfg = apply_values(config, best["settings"]) if best else config
+    try:
+        dims = ParallelDims.from_config(cfg, world)
+    except ConfigError:
+        return None
+    f8 = float8_time(cfg, dims, device)
+    if f8 is None:
+        return None
+    return {"recipe": cfg.train.float8.recipe, **f8.as_dict()}
 
 
 def _why_nothing_runs(config: Config, world: int) -> None:
@@ -401,6 +424,8 @@ def _found_dict(config: Config, f: Found) -> dict[str, Any]:
     d["pp_microbatches"] = p.pp_microbatches
     d["activation_checkpointing"] = t.activation_checkpointing
     d["precision"] = t.precision
+    if t.float8.enabled:  # the layout's precision column: bf16 with float8 layers
+        d["float8"] = t.float8.recipe
     return d
 
 
@@ -500,7 +525,8 @@ def _starved_pipeline(found: SearchResult, world: int) -> str:
 
 def _settings(r: dict[str, Any]) -> str:
     """A searched row's settings beside its layout: precision, checkpointing, micro-batches."""
-    parts = [r["precision"], f"checkpointing {r['activation_checkpointing']}"]
+    precision = r["precision"] + (f" with float8 {r['float8']} layers" if r.get("float8") else "")
+    parts = [precision, f"checkpointing {r['activation_checkpointing']}"]
     if r.get("pp_microbatches"):
         m = r["pp_microbatches"]
         parts.append(f"{m} pipeline micro-batch{'es' if m != 1 else ''}")
@@ -578,7 +604,10 @@ class _Costing:
             cfg.model, cfg.seq_len
         )
         if device.probe is None:
-            compute = flops_per_token(cfg.model, cfg.seq_len) * tokens_per_rank / rate / (1 - idle)
+            compute = flops_per_token(cfg.model, cfg.seq_len) * tokens_per_rank / rate
+            # train.float8: its layers' GEMMs at the float8 rate where that is faster, the casts.
+            f8 = float8_time(cfg, dims, device)
+            compute = (compute - (f8.saved_s if f8 else 0.0)) / (1 - idle)
             return compute, compute * again
         # This machine, the model's own step measured on it.
         flops_share, params_share = rank_share(cfg, dims, self.shapes)

@@ -56,6 +56,7 @@ def format_plan(p: dict[str, Any]) -> str:
         *_model_lines(p),
         *_device_lines(p["device"], head),
         *_step_lines(p["assumptions"], head),
+        *_float8_lines(p.get("float8")),
         "",
         *_strategy_lines(p),
         *_host_lines(p["strategies"]),
@@ -164,6 +165,34 @@ def _step_lines(a: dict[str, Any], head: dict[str, Any]) -> list[str]:
     ]
 
 
+def _float8_lines(f8: dict[str, Any] | None) -> list[str]:
+    """What the plan predicts for the float8 layers (train.float8) of the header's layout: their
+    GEMMs in bf16 and in float8, the casts, the shapes float8 does not speed up, or that the device
+    emulates them."""
+    if not f8:
+        return []
+    head = f"float8 ({f8['recipe']}): {f8['layers']} layers a rank"
+    if f8["emulated"]:
+        casts = f", the casts {format_seconds(f8['casts_s'])} more" if f8["casts_s"] else ""
+        return [
+            f"{head}, emulated ({f8['why']}): no faster than bf16, their GEMMs "
+            f"{format_seconds(f8['gemm_bf16_s'])} a step as in bf16{casts}"
+        ]
+    lines = [
+        f"{head}: GEMMs {format_seconds(f8['gemm_bf16_s'])} in bf16 -> "
+        f"{format_seconds(f8['gemm_float8_s'])} in float8 at {format_tflops(f8['peak_tflops'])} "
+        f"TFLOP/s fp8 ({f8['why']}); the casts {format_seconds(f8['casts_s'])} "
+        f"(memory-bound passes at {f8['memory_gbps']:.4g} GB/s); step "
+        f"{'-' if f8['saved_s'] >= 0 else '+'}{format_seconds(abs(f8['saved_s']))}"
+    ]
+    if f8["memory_bound"]:
+        lines.append(
+            "  no faster in float8 (memory-bound, kept at their bf16 time): "
+            + ", ".join(f8["memory_bound"])
+        )
+    return lines
+
+
 def _strategy_lines(p: dict[str, Any]) -> list[str]:
     """The data-parallel strategies' table at the config's own settings; one line when every
     strategy fails alike (e.g. the batch's split)."""
@@ -173,7 +202,8 @@ def _strategy_lines(p: dict[str, Any]) -> list[str]:
     if len(strategies) > 1 and len(errors) == 1 and None not in errors:
         return [f"the data-parallel strategies at the config's own settings: {min(errors)}"]
     return [
-        f"the data-parallel strategies at the config's own settings ({p['precision']}, "
+        f"the data-parallel strategies at the config's own settings ({p['precision']}"
+        f"{' with float8 ' + p['float8']['recipe'] + ' layers' if p.get('float8') else ''}, "
         f"checkpointing {p['activation_checkpointing']}):",
         f"{'strategy':<{w}}"
         + "".join(f"{h:>11}" for h in ("params", "grads", "optim", "activ", "total"))
@@ -254,7 +284,7 @@ def format_search(s: dict[str, Any]) -> list[str]:
         )
         comm = sum(r["comm"]["bytes_per_step"].values())
         lines.append(
-            f"{name(r):<{w}}{r['precision']:<10}{r['activation_checkpointing']:<10}{micro!s:>6}"
+            f"{name(r):<{w}}{_precision(r):<10}{r['activation_checkpointing']:<10}{micro!s:>6}"
             + f"{format_bytes(r['per_rank']['total_bytes']) + ('' if r['fits'] else '!'):>11}"
             + f"{format_bytes(comm):>11}"
             + "".join(
@@ -271,3 +301,8 @@ def format_search(s: dict[str, Any]) -> list[str]:
     )
     lines.append("batches per step, - = no accumulation; compute includes recompute)")
     return lines
+
+
+def _precision(r: dict[str, Any]) -> str:
+    """A row's precision column: bf16+fp8 where its blocks' linear layers train in float8."""
+    return r["precision"] + ("+fp8" if r.get("float8") else "")

@@ -1,0 +1,148 @@
+"""What ``train.float8`` does to a step's compute time in ``dtlab plan``: where the float8 GEMMs are
+faster than bf16's and where they are not.
+
+Each float8 layer (:func:`dtlab.analysis.float8_plan.float8_layers`) runs three GEMMs a micro-batch
+(forward, the input's gradient, the weight's), each ``2 T k n`` FLOPs for ``T`` tokens, ``k`` in and
+``n`` out features (split by tensor parallelism). The plan's bf16 step counts them at the device's
+achievable bf16 rate; with float8 each takes the longer of
+
+- its FLOPs at the same fraction of the device's float8 peak (the datasheet's dense figure,
+  :data:`FP8_PEAK_TFLOPS`), and
+- its bytes (float8 operands, a bf16 output) at the device's memory bandwidth
+  (:data:`MEMORY_GBPS`): a GEMM too small to be compute-bound gains nothing, and keeps its bf16 time.
+
+The casts torchao runs in eager mode are memory-bound passes: each of a layer's input, weight and
+output gradient is cast twice a micro-batch (an amax read, a read and a float8 write: 5 bytes an
+element of a bf16 tensor), at the memory bandwidth. Where the device has no float8 GEMM (no float8
+peak: an A100, a CPU) or ``train.float8.emulate = on``, the GEMMs run in higher precision: no
+speed-up, the casts on top.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dtlab.analysis.devices import DeviceProfile
+from dtlab.analysis.float8_plan import float8_layers, layer_shapes
+from dtlab.analysis.moe import moe_blocks
+from dtlab.analysis.rates import ACHIEVABLE_FRACTION, achievable_flops
+from dtlab.config import Config
+from dtlab.dims import ParallelDims
+
+__all__ = ["FP8_PEAK_TFLOPS", "MEMORY_GBPS", "Float8Time", "float8_time"]
+
+# Dense (no sparsity) float8 tensor-core peaks, TFLOP/s, by device profile: half the datasheets'
+# "with sparsity" figures. None for the A100s: no float8 tensor cores (compute capability 8.0).
+FP8_PEAK_TFLOPS: dict[str, tuple[float, str]] = {
+    "h100": (1978.9, "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM: FP8 3,958 TFLOPS with "
+             "sparsity (nvidia.com/en-us/data-center/h100)"),
+    "h200": (1978.9, "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM: FP8 3,958 TFLOPS with "
+             "sparsity (nvidia.com/en-us/data-center/h200)"),
+    "l4": (242.5, "NVIDIA L4 Tensor Core GPU datasheet: FP8 485 TFLOPS with sparsity "
+           "(nvidia.com/en-us/data-center/l4)"),
+    "rtx4090": (330.3, "NVIDIA Ada Lovelace GPU architecture whitepaper, GeForce RTX 4090: FP8 "
+                "tensor with FP32 accumulate 330.3 dense (660.6 with sparsity)"),
+}  # fmt: skip
+
+# Memory bandwidth, GB/s, by device profile (the datasheets').
+MEMORY_GBPS: dict[str, tuple[float, str]] = {
+    "h100": (3350.0, "NVIDIA H100 datasheet, H100 SXM: 3.35 TB/s HBM3"),
+    "h200": (4800.0, "NVIDIA H200 datasheet: 4.8 TB/s HBM3e"),
+    "a100-80gb": (2039.0, "NVIDIA A100 datasheet, A100 80GB SXM: 2,039 GB/s"),
+    "a100-40gb": (1555.0, "NVIDIA A100 datasheet, A100 40GB SXM: 1,555 GB/s"),
+    "l4": (300.0, "NVIDIA L4 datasheet: 300 GB/s"),
+    "rtx4090": (1008.0, "NVIDIA GeForce RTX 4090 specifications: 1,008 GB/s GDDR6X"),
+}
+
+CAST_BYTES = 5  # an amax read (2 bytes), a read (2) and a float8 write (1) per bf16 element
+CASTS = 2  # each of input, weight and output gradient is cast twice a micro-batch (tensorwise)
+GEMMS = 3  # forward, the input's gradient, the weight's
+
+
+@dataclass
+class Float8Time:
+    """One rank's float8 layers in a step: their GEMMs' seconds in bf16 and in float8, the casts',
+    and which GEMM shapes gain nothing (memory-bound in float8)."""
+
+    emulated: bool
+    why: str  # why emulated, or the float8 peak's source
+    layers: int  # float8 layers on the rank
+    bf16_s: float = 0.0  # their GEMMs at the achievable bf16 rate, as the bf16 step counts them
+    float8_s: float = 0.0  # the same GEMMs in float8 (each no slower than in bf16)
+    casts_s: float = 0.0
+    memory_bound: list[str] = field(default_factory=list)  # "w2 [T x k x n]" gaining nothing
+    peak_tflops: float | None = None
+    memory_gbps: float | None = None
+
+    @property
+    def saved_s(self) -> float:
+        """Seconds the step is shorter by (negative: longer: the casts, emulated or small GEMMs)."""
+        return self.bf16_s - self.float8_s - self.casts_s
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "emulated": self.emulated,
+            "why": self.why,
+            "layers": self.layers,
+            "gemm_bf16_s": self.bf16_s,
+            "gemm_float8_s": self.float8_s,
+            "casts_s": self.casts_s,
+            "saved_s": self.saved_s,
+            "memory_bound": list(self.memory_bound),
+            "peak_tflops": self.peak_tflops,
+            "memory_gbps": self.memory_gbps,
+        }
+
+
+def float8_time(config: Config, dims: ParallelDims, device: DeviceProfile) -> Float8Time | None:
+    """The float8 layers' part of one rank's step on ``device`` (see the module); None without
+    ``train.float8`` or where the bf16 rate is unknown."""
+    f8 = config.train.float8
+    if not f8.enabled:
+        return None
+    rate = achievable_flops(device, config.train.precision)
+    if rate != rate:
+        return None
+    m = config.model
+    blocks = (m.n_layers - moe_blocks(m)) // dims.pp, moe_blocks(m) // dims.pp
+    micro = config.train.micro_batch_size or max(1, config.train.global_batch_size // dims.dp)
+    accum = max(1, config.train.global_batch_size // (micro * dims.dp))
+    tokens = micro * config.seq_len // dims.cp
+    shapes = layer_shapes(m)
+    names = [(n, blocks[0]) for n in float8_layers(m)]
+    names += [(n, blocks[1]) for n in float8_layers(m, True) if blocks[1]]
+    layers = sum(b for _, b in names)
+    bw = MEMORY_GBPS.get(device.key)
+    fp8 = FP8_PEAK_TFLOPS.get(device.key)
+    emulated = f8.emulate == "on" or fp8 is None or device.kind != "cuda"
+    why = (
+        "train.float8.emulate = on"
+        if f8.emulate == "on"
+        else f"{device.name} has no float8 GEMM"
+        if fp8 is None or device.kind != "cuda"
+        else fp8[1]
+    )
+    out = Float8Time(emulated, why, layers, peak_tflops=None if fp8 is None else fp8[0])
+    out.memory_gbps = None if bw is None else bw[0]
+    fp8_rate = 0.0 if fp8 is None else fp8[0] * 1e12 * ACHIEVABLE_FRACTION[device.kind]
+    for name, n_blocks in names:
+        out_f, in_f = shapes[name]
+        k, n = (in_f, out_f // dims.tp) if name not in ("wo", "w2") else (in_f // dims.tp, out_f)
+        flops = 2.0 * tokens * k * n
+        bf16 = flops / rate
+        times = GEMMS * n_blocks * accum
+        out.bf16_s += bf16 * times
+        casts = CASTS * CAST_BYTES * (tokens * k + k * n + tokens * n)
+        if bw is not None:
+            out.casts_s += casts / (bw[0] * 1e9) * n_blocks * accum
+        if emulated:
+            out.float8_s += bf16 * times
+            continue
+        memory = ((tokens * k + k * n) + 2 * tokens * n) / (bw[0] * 1e9) if bw else 0.0
+        fast = max(flops / fp8_rate, memory)
+        shape = f"{name} [{tokens} x {k} x {n}]"
+        if fast >= bf16 and shape not in out.memory_bound:
+            out.memory_bound.append(shape)
+        out.float8_s += min(fast, bf16) * times
+    return out
