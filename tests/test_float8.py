@@ -96,9 +96,15 @@ def test_torchaos_import_says_nothing(tmp_path: Path) -> None:
 
 
 def _verify(tmp_path: Path, layouts: str, *extra: str) -> dict[str, Any]:
+    """dtlab verify of FAST in float8 (``extra``: more arguments; a ``--set`` among them last), in
+    micro-batches of 2 samples on every layout: a tensorwise scale is the amax of the tensor it
+    casts, so the layouts compare the same casts only when each micro-batch holds the same samples
+    (the default micro-batch of one process is the whole batch, a data-parallel rank's its share)."""
+    sets = list(extra[extra.index("--set") + 1 :]) if "--set" in extra else []
+    flags = list(extra[: extra.index("--set")]) if "--set" in extra else list(extra)
     proc = run_cli(
-        "verify", "--layouts", layouts, "--steps", "6", "--out", str(tmp_path / "v"), *extra,
-        "--set", *FAST, *F8,
+        "verify", "--layouts", layouts, "--steps", "6", "--out", str(tmp_path / "v"), *flags,
+        "--set", *FAST, *F8, "train.micro_batch_size=2", *sets,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     result: dict[str, Any] = json.loads((tmp_path / "v" / "verify.json").read_text())
@@ -126,11 +132,30 @@ def test_float8_layouts_equal_one_process(tmp_path: Path, layouts: str) -> None:
     assert all(c["ok"] for c in checks) and any(c["check"] == "export" for c in checks)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("layouts", "extra"),
+    [
+        ("single,zero:2,cp:2,cp:2:alltoall", ["train.activation_checkpointing=selective"]),
+        # DiLoCo with H = 1, outer SGD at lr 1: the same training as plain SGD (see dtlab verify).
+        ("single,diloco:2", ["train.optimizer=sgd", "train.grad_clip=0"]),
+        ("single,fsdp:2", ["train.compile=true", "train.float8.recipe=rowwise"]),
+        ("single,ep:2,fsdp:2xep:2", ["model.preset=debug-moe"]),
+    ],
+)
+def test_float8_composes_with_the_other_features(
+    tmp_path: Path, layouts: str, extra: list[str]
+) -> None:
+    """Float8 under ZeRO-1, context parallelism (ring and alltoall), DiLoCo, activation
+    checkpointing, torch.compile, the rowwise recipe and expert parallelism: each layout equal to
+    one process within bf16's tolerances."""
+    _verify(tmp_path, layouts, "--set", *extra)
+
+
 def test_fsdp_all_gathers_the_float8_weights_at_half_of_bf16s_bytes(tmp_path: Path) -> None:
     """Counted at the dispatcher: FSDP's all-gathers of a float8 run send the float8 layers'
     weights in one byte each where a bf16 run sends two (two gathers a step: forward and backward),
-    the rest alike; from the second step, when the scales are precomputed after each optimizer
-    step."""
+    the rest alike, every step (the weights' scales computed once before each step's forward)."""
     runs = {}
     for f8 in ("false", "true"):
         runs[f8] = train_run(
@@ -143,7 +168,7 @@ def test_fsdp_all_gathers_the_float8_weights_at_half_of_bf16s_bytes(tmp_path: Pa
         for n, p in model.named_parameters()
         if any(n.endswith(f".{layer}.weight") for layer in FLOAT8_LINEARS)
     )
-    for bf16, f8 in zip(runs["false"][1:], runs["true"][1:], strict=True):
+    for bf16, f8 in zip(runs["false"], runs["true"], strict=True):
         # Each rank sends its half of the weights: whole buffers are the gathered ones.
         assert bf16["comm_bytes"] - f8["comm_bytes"] == 2 * f8_numel * (2 - 1), (bf16, f8)
     summary = json.loads((tmp_path / "true" / "summary.json").read_text())

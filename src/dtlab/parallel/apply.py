@@ -414,7 +414,7 @@ class ParallelModel:
     # A pipeline of a tied model, on the ranks of its first and last stages: the embedding and
     # the last stage's copy of it.
     tied: TiedEmbedding | None = None
-    # train.float8 under FSDP: weights all-gathered in float8, their scales computed after each step.
+    # train.float8 under FSDP: weights all-gathered in float8, their scales computed before each step.
     float8_scales: bool = False
 
     @property
@@ -434,6 +434,14 @@ class ParallelModel:
         if self.tied is not None:
             with recorded("tied embedding sent to the last stage", "send/recv"):
                 self.tied.share_weight()
+
+    def refresh_float8_scales(self) -> None:
+        """Before a step's (or a validation's) first forward, under train.float8 with FSDP's float8
+        all-gather: every float8 weight's scale from the weights as they are now, in one all-reduce.
+        torchao keeps a precomputed scale until the next one, so computing it here, rather than
+        after the optimizer step only, also covers whatever changed the weights since (a checkpoint
+        loaded, a rollback, DiLoCo's outer step, a peer's state): a resumed run scales its first step
+        as the uninterrupted run does."""
         if self.float8_scales:
             from dtlab.parallel.float8 import precompute_scales
 

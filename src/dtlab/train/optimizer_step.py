@@ -111,6 +111,7 @@ def train_step(
     """
     if scaler.enabled:
         pm.compression.set_scale(scaler.scale)  # hooks keep their state in unscaled units
+    pm.refresh_float8_scales()
     hooked = pm.compression.hook_state is not None
     if before_update is not None and hooked:
         before_update()
@@ -323,6 +324,7 @@ def evaluate(
     training precision. It changes no state: the model has no dropout, and the random number
     generators are restored in case a layer draws from them."""
     total = torch.zeros((), device=device)
+    pm.refresh_float8_scales()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
         for micro_batches in batches:
             if pm.pipeline is not None:
