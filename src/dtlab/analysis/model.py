@@ -413,6 +413,7 @@ def _recomputation(rank: RankInputs, pipelined: bool) -> tuple[list[ModelConfig]
         recompute_bytes(block, tokens, t.precision, ac, split, half_params, dims.pp_enabled)
         + moe.recompute_transients(block, tokens, t.precision, ac, half_params)
         - moe.recompute_copies_held(block, config, dims, pipelined)
+        - _float8_recomputed(rank, block, pipelined)
         for block in kinds
     ]
     kernel_again = kernel_recompute_bytes(
@@ -422,6 +423,19 @@ def _recomputation(rank: RankInputs, pipelined: bool) -> tuple[list[ModelConfig]
         one = config.model.model_copy(update={"n_layers": 1})
         kernel_again += mask_copy_bytes(config, dims, one, tokens, recomputed=True)
     return kinds, by_kind, kernel_again
+
+
+def _float8_recomputed(rank: RankInputs, block: ModelConfig, pipelined: bool) -> int:
+    """What recomputing one block of kind ``block`` holds less with float8 layers (under
+    checkpointing): their weight copies (in a pipeline those are the stage's, counted apart) and
+    on the CPU their inputs' copies (:func:`float8_kept_saving`)."""
+    if rank.config.train.activation_checkpointing == "none":
+        return 0
+    one = block.model_copy(update={"n_layers": 1})
+    copies, inputs = float8_kept_saving(
+        rank.config, one, rank.tokens, "none", rank.split.tp, rank.half_params, rank.device_type
+    )
+    return inputs + (0 if pipelined else copies)
 
 
 def _loss_part(rank: RankInputs) -> int:

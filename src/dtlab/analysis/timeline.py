@@ -265,9 +265,11 @@ def dense_block(
     if float8 is not None:
         from dtlab.analysis.float8_plan import down_projection_casts
 
-        # Its input's gradient made, the casts in flight.
+        # Its input's gradient made, the casts in flight; a float32 residual stream's gradient
+        # comes to the layer as a copy in the compute dtype.
         casts = down_projection_casts(tokens, dim, hidden, tp, compute, *float8)
-        float8_temps = residual + compute * local + casts
+        copy_in = compute * tokens * dim if stream != compute else 0
+        float8_temps = residual + compute * local + casts + copy_in
     w2 = grad_bytes * dim * hidden // tp
     gathered = compute * tokens * dim if seq > 1 else 0
     # RMSNorm's backward computes in float32 whatever the stream's dtype: at its peak (the
