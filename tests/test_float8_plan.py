@@ -162,16 +162,17 @@ def _compute(device: str, preset: str, *overrides: str) -> tuple[float, dict[str
 
 
 def test_float8_peaks_are_the_datasheets_dense_figures() -> None:
-    """Half the datasheets' "with sparsity" float8 figures, each with its source; none for the
-    A100s (no float8 tensor cores)."""
+    """Half the datasheets' "with sparsity" float8 figures, each with its source, twice the bf16
+    dense peak on each; none for the A100s (no float8 tensor cores)."""
     from dtlab.analysis.devices import PROFILES
-    from dtlab.analysis.float8_time import FP8_PEAK_TFLOPS
 
-    assert FP8_PEAK_TFLOPS["h100"][0] == FP8_PEAK_TFLOPS["h200"][0] == 3958 / 2 - 0.1
-    assert all("datasheet" in src or "whitepaper" in src for _, src in FP8_PEAK_TFLOPS.values())
-    assert "a100-80gb" not in FP8_PEAK_TFLOPS and "a100-40gb" not in FP8_PEAK_TFLOPS
-    for key, (peak, _) in FP8_PEAK_TFLOPS.items():  # twice the bf16 dense peak on each
-        assert abs(peak / PROFILES[key].peak_tflops["bf16"] - 2) < 0.01
+    fp8 = {k: p for k, p in PROFILES.items() if "fp8" in p.peak_tflops}
+    assert sorted(fp8) == ["h100", "h200", "l4", "rtx4090"]
+    assert PROFILES["h100"].peak_tflops["fp8"] == PROFILES["h200"].peak_tflops["fp8"] == 1978.9
+    for p in fp8.values():
+        assert "datasheet" in p.fp8_source or "whitepaper" in p.fp8_source
+        assert abs(p.peak_tflops["fp8"] / p.peak_tflops["bf16"] - 2) < 0.01
+        assert p.memory_gbps
 
 
 def test_float8_speeds_the_gemms_of_a_large_model_on_an_h100() -> None:

@@ -72,6 +72,12 @@ class DeviceProfile:
 
     # The device type of "this" machine measured: its GPU's ("cuda") where it has one.
     device_type: str | None = None
+    # Where peak_tflops["fp8"] (a float8 tensor core's dense peak, train.float8) comes from.
+    fp8_source: str = ""
+    # GB/s of the device's memory (what a memory-bound pass runs at: train.float8's casts), and
+    # where the figure comes from; None where unknown.
+    memory_gbps: float | None = None
+    memory_gbps_source: str = ""
 
     @property
     def kind(self) -> str:
@@ -85,14 +91,24 @@ class DeviceProfile:
 _NIC200 = "assumed: one 200 Gb/s NIC per GPU"
 _NIC100 = "assumed: one 100 Gb/s NIC per GPU"
 _PCIE = "assumed: PCIe 4.0 x16, no NVLink"
+# Float8 dense peaks (train.float8): half the datasheets' "with sparsity" FP8 figures. The A100s
+# have none (no float8 tensor cores before compute capability 8.9).
+_FP8_H100 = "looked up: NVIDIA H100 datasheet, H100 SXM: FP8 3,958 TFLOPS with sparsity (nvidia.com/en-us/data-center/h100)"
+_FP8_H200 = "looked up: NVIDIA H200 datasheet, H200 SXM: FP8 3,958 TFLOPS with sparsity (nvidia.com/en-us/data-center/h200)"
+_FP8_L4 = (
+    "looked up: NVIDIA L4 datasheet: FP8 485 TFLOPS with sparsity (nvidia.com/en-us/data-center/l4)"
+)
+_FP8_4090 = "looked up: NVIDIA Ada Lovelace architecture whitepaper, RTX 4090: FP8 with FP32 accumulate 330.3 TFLOPS dense"
+# Memory bandwidth (the same datasheets; the RTX 4090's from its specifications page).
+_BW = "looked up: vendor datasheet"
 # fmt: off
 PROFILES: dict[str, DeviceProfile] = {p.key: p for p in [
-    DeviceProfile("h100", "NVIDIA H100 80GB HBM3", 80, {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9}, 450, 50),
-    DeviceProfile("h200", "NVIDIA H200", 141, {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9}, 450, 50),
-    DeviceProfile("a100-80gb", "NVIDIA A100-SXM4-80GB", 80, {"bf16": 312, "fp16": 312, "fp32": 19.5}, 300, 25, inter_node_source=_NIC200),
-    DeviceProfile("a100-40gb", "NVIDIA A100-SXM4-40GB", 40, {"bf16": 312, "fp16": 312, "fp32": 19.5}, 300, 25, inter_node_source=_NIC200),
-    DeviceProfile("l4", "NVIDIA L4", 24, {"bf16": 121, "fp16": 121, "fp32": 30.3}, 25, 12.5, intra_node_source=_PCIE, inter_node_source=_NIC100),
-    DeviceProfile("rtx4090", "NVIDIA GeForce RTX 4090", 24, {"bf16": 165.2, "fp16": 165.2, "fp32": 82.6}, 25, 12.5, intra_node_source=_PCIE, inter_node_source=_NIC100),
+    DeviceProfile("h100", "NVIDIA H100 80GB HBM3", 80, {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9, "fp8": 1978.9}, 450, 50, fp8_source=_FP8_H100, memory_gbps=3350, memory_gbps_source=_BW),
+    DeviceProfile("h200", "NVIDIA H200", 141, {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9, "fp8": 1978.9}, 450, 50, fp8_source=_FP8_H200, memory_gbps=4800, memory_gbps_source=_BW),
+    DeviceProfile("a100-80gb", "NVIDIA A100-SXM4-80GB", 80, {"bf16": 312, "fp16": 312, "fp32": 19.5}, 300, 25, inter_node_source=_NIC200, memory_gbps=2039, memory_gbps_source=_BW),
+    DeviceProfile("a100-40gb", "NVIDIA A100-SXM4-40GB", 40, {"bf16": 312, "fp16": 312, "fp32": 19.5}, 300, 25, inter_node_source=_NIC200, memory_gbps=1555, memory_gbps_source=_BW),
+    DeviceProfile("l4", "NVIDIA L4", 24, {"bf16": 121, "fp16": 121, "fp32": 30.3, "fp8": 242.5}, 25, 12.5, intra_node_source=_PCIE, inter_node_source=_NIC100, fp8_source=_FP8_L4, memory_gbps=300, memory_gbps_source=_BW),
+    DeviceProfile("rtx4090", "NVIDIA GeForce RTX 4090", 24, {"bf16": 165.2, "fp16": 165.2, "fp32": 82.6, "fp8": 330.3}, 25, 12.5, intra_node_source=_PCIE, inter_node_source=_NIC100, fp8_source=_FP8_4090, memory_gbps=1008, memory_gbps_source=_BW),
 ]}
 # fmt: on
 _BY_NAME = {p.name: p for p in PROFILES.values()}

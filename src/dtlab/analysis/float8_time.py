@@ -6,10 +6,10 @@ Each float8 layer (:func:`dtlab.analysis.float8_plan.float8_layers`) runs three 
 ``n`` out features (split by tensor parallelism). The plan's bf16 step counts them at the device's
 achievable bf16 rate; with float8 each takes the longer of
 
-- its FLOPs at the same fraction of the device's float8 peak (the datasheet's dense figure,
-  :data:`FP8_PEAK_TFLOPS`), and
-- its bytes (float8 operands, a bf16 output) at the device's memory bandwidth
-  (:data:`MEMORY_GBPS`): a GEMM too small to be compute-bound gains nothing, and keeps its bf16 time.
+- its FLOPs at the same fraction of the device's float8 peak (its profile's ``peak_tflops["fp8"]``,
+  the datasheet's dense figure, :mod:`dtlab.analysis.devices`), and
+- its bytes (float8 operands, a bf16 output) at the device's memory bandwidth (its profile's
+  ``memory_gbps``): a GEMM too small to be compute-bound gains nothing, and keeps its bf16 time.
 
 The casts torchao runs in eager mode are memory-bound passes: each of a layer's input, weight and
 output gradient is cast twice a micro-batch (an amax read, a read and a float8 write: 5 bytes an
@@ -30,30 +30,7 @@ from dtlab.analysis.rates import ACHIEVABLE_FRACTION, achievable_flops
 from dtlab.config import Config
 from dtlab.dims import ParallelDims
 
-__all__ = ["FP8_PEAK_TFLOPS", "MEMORY_GBPS", "Float8Time", "float8_time"]
-
-# Dense (no sparsity) float8 tensor-core peaks, TFLOP/s, by device profile: half the datasheets'
-# "with sparsity" figures. None for the A100s: no float8 tensor cores (compute capability 8.0).
-FP8_PEAK_TFLOPS: dict[str, tuple[float, str]] = {
-    "h100": (1978.9, "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM: FP8 3,958 TFLOPS with "
-             "sparsity (nvidia.com/en-us/data-center/h100)"),
-    "h200": (1978.9, "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM: FP8 3,958 TFLOPS with "
-             "sparsity (nvidia.com/en-us/data-center/h200)"),
-    "l4": (242.5, "NVIDIA L4 Tensor Core GPU datasheet: FP8 485 TFLOPS with sparsity "
-           "(nvidia.com/en-us/data-center/l4)"),
-    "rtx4090": (330.3, "NVIDIA Ada Lovelace GPU architecture whitepaper, GeForce RTX 4090: FP8 "
-                "tensor with FP32 accumulate 330.3 dense (660.6 with sparsity)"),
-}  # fmt: skip
-
-# Memory bandwidth, GB/s, by device profile (the datasheets').
-MEMORY_GBPS: dict[str, tuple[float, str]] = {
-    "h100": (3350.0, "NVIDIA H100 datasheet, H100 SXM: 3.35 TB/s HBM3"),
-    "h200": (4800.0, "NVIDIA H200 datasheet: 4.8 TB/s HBM3e"),
-    "a100-80gb": (2039.0, "NVIDIA A100 datasheet, A100 80GB SXM: 2,039 GB/s"),
-    "a100-40gb": (1555.0, "NVIDIA A100 datasheet, A100 40GB SXM: 1,555 GB/s"),
-    "l4": (300.0, "NVIDIA L4 datasheet: 300 GB/s"),
-    "rtx4090": (1008.0, "NVIDIA GeForce RTX 4090 specifications: 1,008 GB/s GDDR6X"),
-}
+__all__ = ["Float8Time", "float8_time"]
 
 CAST_BYTES = 5  # an amax read (2 bytes), a read (2) and a float8 write (1) per bf16 element
 CASTS = 2  # each of input, weight and output gradient is cast twice a micro-batch (tensorwise)
@@ -113,19 +90,18 @@ def float8_time(config: Config, dims: ParallelDims, device: DeviceProfile) -> Fl
     names = [(n, blocks[0]) for n in float8_layers(m)]
     names += [(n, blocks[1]) for n in float8_layers(m, True) if blocks[1]]
     layers = sum(b for _, b in names)
-    bw = MEMORY_GBPS.get(device.key)
-    fp8 = FP8_PEAK_TFLOPS.get(device.key)
-    emulated = f8.emulate == "on" or fp8 is None or device.kind != "cuda"
+    bw = device.memory_gbps
+    fp8 = device.peak_tflops.get("fp8")
+    emulated = f8.emulate == "on" or not fp8 or device.kind != "cuda"
     why = (
         "train.float8.emulate = on"
         if f8.emulate == "on"
         else f"{device.name} has no float8 GEMM"
-        if fp8 is None or device.kind != "cuda"
-        else fp8[1]
+        if not fp8 or device.kind != "cuda"
+        else device.fp8_source
     )
-    out = Float8Time(emulated, why, layers, peak_tflops=None if fp8 is None else fp8[0])
-    out.memory_gbps = None if bw is None else bw[0]
-    fp8_rate = 0.0 if fp8 is None else fp8[0] * 1e12 * ACHIEVABLE_FRACTION[device.kind]
+    out = Float8Time(emulated, why, layers, peak_tflops=fp8, memory_gbps=bw)
+    fp8_rate = (fp8 or 0.0) * 1e12 * ACHIEVABLE_FRACTION[device.kind]
     for name, n_blocks in names:
         out_f, in_f = shapes[name]
         k, n = (in_f, out_f // dims.tp) if name not in ("wo", "w2") else (in_f // dims.tp, out_f)
@@ -135,11 +111,11 @@ def float8_time(config: Config, dims: ParallelDims, device: DeviceProfile) -> Fl
         out.bf16_s += bf16 * times
         casts = CASTS * CAST_BYTES * (tokens * k + k * n + tokens * n)
         if bw is not None:
-            out.casts_s += casts / (bw[0] * 1e9) * n_blocks * accum
+            out.casts_s += casts / (bw * 1e9) * n_blocks * accum
         if emulated:
             out.float8_s += bf16 * times
             continue
-        memory = ((tokens * k + k * n) + 2 * tokens * n) / (bw[0] * 1e9) if bw else 0.0
+        memory = ((tokens * k + k * n) + 2 * tokens * n) / (bw * 1e9) if bw else 0.0
         fast = max(flops / fp8_rate, memory)
         shape = f"{name} [{tokens} x {k} x {n}]"
         if fast >= bf16 and shape not in out.memory_bound:
