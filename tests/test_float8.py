@@ -96,19 +96,19 @@ def test_torchaos_import_says_nothing(tmp_path: Path) -> None:
 
 
 def _verify(tmp_path: Path, layouts: str, *extra: str) -> dict[str, Any]:
-    """dtlab verify of FAST in float8 (``extra``: more arguments; a ``--set`` among them last), in
-    micro-batches of 2 samples on every layout: a tensorwise scale is the amax of the tensor it
-    casts, so the layouts compare the same casts only when each micro-batch holds the same samples
-    (the default micro-batch of one process is the whole batch, a data-parallel rank's its share)."""
+    """dtlab verify of FAST in float8 (``extra``: more arguments; a ``--set`` among them last). It
+    trains every layout in one micro-batch size (a tensorwise scale is the amax of the tensor it
+    casts: the layouts compare the same casts only when each micro-batch holds the same samples)."""
     sets = list(extra[extra.index("--set") + 1 :]) if "--set" in extra else []
     flags = list(extra[: extra.index("--set")]) if "--set" in extra else list(extra)
     proc = run_cli(
         "verify", "--layouts", layouts, "--steps", "6", "--out", str(tmp_path / "v"), *flags,
-        "--set", *FAST, *F8, "train.micro_batch_size=2", *sets,
+        "--set", *FAST, *F8, *sets,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     result: dict[str, Any] = json.loads((tmp_path / "v" / "verify.json").read_text())
     assert result["ok"]
+    result["stdout"] = proc.stdout + proc.stderr
     return result
 
 
@@ -125,6 +125,9 @@ def test_float8_layouts_equal_one_process(tmp_path: Path, layouts: str) -> None:
     layout's resume exact, a resume on one process and the exports within the same tolerances."""
     result = _verify(tmp_path, layouts, "--checks", "all")
     assert result["tolerances"]["loss"] == 5e-3, result["tolerances"]  # bf16's, not looser
+    # A batch of 8 on at most 2 (hsdp:4: 4) data-parallel ranks: micro-batches of 4 (2) samples.
+    micro = 2 if "hsdp:4" in layouts else 4
+    assert f"micro-batches of {micro} sample(s)" in result["stdout"], result["stdout"][:500]
     checks = [c for layout in result["state"] for c in layout["checks"]]
     resumes = [c for c in checks if c["check"] == "resume"]
     assert len(resumes) == len(layouts.split(","))

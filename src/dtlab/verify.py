@@ -477,6 +477,33 @@ def check_started_from(name: str, run_dir: Path, source: str | None) -> None:
         )
 
 
+def _float8_micro_batches(
+    layouts: list[Layout], config: str | None, overrides: list[str], report: Any
+) -> list[str]:
+    """``overrides``, with train.float8 and no train.micro_batch_size given: one micro-batch size for
+    every layout, the largest that divides each layout's per-rank batch. A tensorwise float8 scale is
+    the amax of the tensor it casts, so two layouts cast alike only when their micro-batches hold the
+    same samples; by default one process's micro-batch is the whole batch and a data-parallel
+    rank's its share, and the layouts would differ by their casts, not by their parallelism."""
+    from dtlab.config import load_config
+    from dtlab.dims import ParallelDims
+
+    base = load_config(config, overrides)
+    if not base.train.float8.enabled or base.train.micro_batch_size is not None:
+        return overrides
+    batches = []
+    for layout in layouts:
+        layout_config = load_config(config, [*overrides, *layout.overrides])
+        dims = ParallelDims.from_config(layout_config, layout.nproc)
+        batches.append(layout_config.train.global_batch_size // dims.dp)
+    micro = math.gcd(*batches)
+    report(
+        f"train.float8: every layout trains in micro-batches of {micro} sample(s) (set "
+        "train.micro_batch_size to choose): a tensorwise scale is its micro-batch's amax"
+    )
+    return [*overrides, f"train.micro_batch_size={micro}"]
+
+
 def _dir_name(i: int, layout: Layout) -> str:
     return f"{i}-{re.sub(r'[^a-z0-9_]+', '-', layout.name)}"
 
@@ -507,6 +534,7 @@ def verify(
     source = init_source(config, overrides)  # a wrong source: said before any layout trains
     if source is not None:
         report(f"every layout starts from the weights of {source} (model.init_from)")
+    overrides = _float8_micro_batches(layouts, config, overrides, report)
     out.mkdir(parents=True, exist_ok=True)
     middle = middle_step(steps) if "resume" in checks else None
     dirs = []
