@@ -21,8 +21,9 @@ Memory, as `dtlab plan --check` measures the real code (torchao 0.18):
   peak under checkpointing on the shapes checked.
 
 Bytes: the float8 all-gathers (above); the scales' all-reduce after each optimizer step (one float32
-a layer) is not counted: the collective counter does not see it (under `dtlab plan --check` no
-collective is dispatched for it), and the plan follows the counter.
+a layer) is not counted: DTensor issues it inside the dispatch of the amaxes' clamp, where the
+collective counter (a dispatch mode) is off, in `dtlab plan --check` and a run alike; the plan
+follows the counter.
 
 The step's time: :mod:`dtlab.analysis.float8_time`.
 """
