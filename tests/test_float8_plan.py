@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from conftest import close
+from conftest import close, run_cli
 from dtlab.analysis.check import check_rank, measure_fake
 from dtlab.analysis.float8_plan import float8_block_params, float8_layers
 from dtlab.analysis.model import plan_step
@@ -224,3 +224,20 @@ def test_the_search_keeps_float8_as_the_config_gives_it() -> None:
     assert "bf16+fp8" in text and "float8 (tensorwise): 112 layers a rank" in text
     assert "with float8 tensorwise layers" in f8["recommendation"]
     assert "fp8" not in format_plan(plain)
+
+
+def test_the_cli_plans_and_checks_a_float8_layout() -> None:
+    """``dtlab plan --check`` of an FSDP float8 layout on H100s: the layout line says bf16+fp8, the
+    float8 layers' GEMMs are named memory-bound on the debug model, and the check runs."""
+    proc = run_cli(
+        "plan", "--check", "--device", "h100", "--nproc", "2", "--set", *SHAPE,
+        "parallel.strategy=fsdp", "parallel.sharding=full", "parallel.tp=1", "parallel.pp=1",
+        "train.activation_checkpointing=full",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "float8 (tensorwise): 14 layers a rank" in out
+    (given,) = [line for line in out.splitlines() if line.startswith("as given: ")]
+    assert "bf16+fp8" in given
+    assert "no faster in float8 (memory-bound" in out
+    assert "check of the recommended layout" in out and "sent/step" in out

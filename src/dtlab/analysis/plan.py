@@ -444,6 +444,8 @@ def _as_given(config: Config, costing: _Costing, rate: float) -> dict[str, Any]:
             activation_checkpointing=config.train.activation_checkpointing,
             precision=config.train.precision,
         )
+        if config.train.float8.enabled:
+            given["float8"] = config.train.float8.recipe
     except ConfigError as e:
         given = {"label": "as given", "error": str(e)}
     return given
