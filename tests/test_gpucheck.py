@@ -55,7 +55,8 @@ def test_on_cpu_it_runs_what_it_can_exits_0_and_says_what_it_skipped(
     assert list(checks) == ["machine", *CHECKS]
     status = {name: c["status"] for name, c in checks.items()}
     assert status == {
-        "machine": "passed", "cuda-tests": "skipped", "train": "passed", "memory": "skipped",
+        "machine": "passed", "cuda-tests": "skipped", "train": "passed", "float8": "passed",
+        "memory": "skipped",
         "checkpoint": "passed", "resume": "passed", "equivalence": "skipped",
         "killed-rank": "skipped",
     }, {n: (c["status"], c["reason"]) for n, c in checks.items()}  # fmt: skip
@@ -74,6 +75,10 @@ def test_on_cpu_it_runs_what_it_can_exits_0_and_says_what_it_skipped(
     assert train["tokens_per_s"] > 0 and 0 < train["mfu_vs_measured_gemm"] < 1
     assert train["loss_last"] < train["loss_first"]
     assert checks["train"]["reason"].startswith("CPU smoke")
+    # Float8 beside the bf16 baseline: emulated on a CPU, and said to be no measure of speed.
+    f8 = checks["float8"]["figures"]
+    assert f8["emulated"] is True and f8["float8_over_bf16"] > 0
+    assert checks["float8"]["reason"].endswith("emulated: says nothing of speed")
     ckpt = checks["checkpoint"]["figures"]["async"]
     assert ckpt["saves"] == 3 and ckpt["blocked_s"] >= 0
     assert checks["resume"]["figures"]["checks"][0]["max_loss_diff"] == 0.0
@@ -127,7 +132,7 @@ def test_a_failing_check_fails_the_run_and_is_named(tmp_path: Path) -> None:
 def test_a_wrong_check_name_or_a_used_directory_is_refused(tmp_path: Path) -> None:
     proc = gpucheck("--only", "train,nope")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "--only 'train,nope': nope is not a check; allowed: train, memory," in proc.stderr
+    assert "--only 'train,nope': nope is not a check; allowed: train, float8, memory," in proc.stderr
     (tmp_path / "x").write_text("")
     proc = gpucheck("--out", str(tmp_path), "--only", "memory")
     assert proc.returncode == 2

@@ -69,6 +69,7 @@ from dtlab.parallel.dist import (
     reduce_scalar,
     reduce_scatter_flat,
 )
+from dtlab.parallel.float8 import emulated
 from dtlab.runtime.faults import Faults
 from dtlab.runtime.signals import StopSignals
 from dtlab.train.loop import TorchEngine, Training, resolve_run_dir
@@ -347,6 +348,10 @@ def _layout_figures(config: Config, d: DistInfo) -> dict[str, Any]:
         "nproc": d.world_size,
         "compression": compression_name(config),
         "precision": t.precision,
+        # train.float8: the recipe, and whether its GEMMs were emulated (no float8 GEMM here).
+        "float8": {"recipe": t.float8.recipe, "emulated": emulated(t.float8.emulate, d.device)}
+        if t.float8.enabled
+        else None,
         "activation_checkpointing": t.activation_checkpointing,
         "device": torch.cuda.get_device_name(d.device) if d.device.type == "cuda" else "cpu",
         "params": sum(s.numel for s in param_shapes(config.model)),

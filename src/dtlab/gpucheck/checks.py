@@ -14,7 +14,7 @@ from typing import Any
 
 from dtlab.gpucheck import cudatests
 from dtlab.gpucheck.pytest_plugin import TESTS_ENV
-from dtlab.gpucheck.runner import Check, Deadline, Proc, StepTimeout, python, run_logged
+from dtlab.gpucheck.runner import PASSED, Check, Deadline, Proc, StepTimeout, python, run_logged
 from dtlab.gpucheck.settings import QUIET, Settings
 
 __all__ = ["CHECK_FUNCTIONS", "MEMORY_TOLERANCE", "Context"]
@@ -154,6 +154,51 @@ def train(ctx: Context, check: Check) -> None:
         f"of the measured {gemm / 1e12:,.2f} TFLOP/s GEMM"
         + (f" ({sheet:.1%} of the datasheet's peak)" if sheet else "")
     )))  # fmt: skip
+
+
+def float8(ctx: Context, check: Check) -> None:
+    """train's bench again with train.float8: tokens/s against bf16's (the train check's), the loss
+    after the same steps, and the float8 GEMMs native (a GPU of compute capability 8.9 or later)."""
+    s = ctx.settings
+    base = ctx.done.get("train")
+    if base is None or base.status != PASSED:
+        return check.skipped("the train check (bf16, its baseline) did not pass")
+    out = ctx.out / check.name / "bench"
+    f8 = [*s.train, "train.precision=bf16", "train.float8.enabled=true"]
+    cmd = dtlab(
+        "bench", "--strategies", "single", "--nproc", "1", "--steps", str(s.train_steps),
+        "--warmup", str(s.train_warmup), "--out", str(out), "--set", *f8,
+    )  # fmt: skip
+    proc = ctx.run(check, cmd, "bench")
+    rows = _rows(out / "results.json")
+    if proc.returncode != 0 or not rows:
+        return check.failed(f"dtlab bench failed (exit code {proc.returncode}): {_tail(proc)}")
+    row, b = rows[0], base.figures
+    losses = row.get("losses") or [row.get("loss_initial"), row.get("loss_final")]
+    emulated = bool((row.get("float8") or {}).get("emulated", not s.gpu))
+    ratio = row["tokens_per_s"] / b["tokens_per_s"] if b.get("tokens_per_s") else None
+    check.figures.update({
+        "config": f8, "tokens_per_s": row["tokens_per_s"], "step_time_s": row["step_time_s"],
+        "bf16_tokens_per_s": b.get("tokens_per_s"), "float8_over_bf16": ratio,
+        "peak_memory_bytes": row.get("peak_memory_bytes"),
+        "bf16_peak_memory_bytes": b.get("peak_memory_bytes"),
+        "loss_first": losses[0], "loss_last": losses[-1], "bf16_loss_last": b.get("loss_last"),
+        "emulated": emulated,
+    })  # fmt: skip
+    if not all(isinstance(x, float) and math.isfinite(x) for x in losses):
+        return check.failed(f"a loss is not finite: {losses}")
+    gap = abs(losses[-1] - b["loss_last"]) / b["loss_last"] if b.get("loss_last") else None
+    if gap is None or gap > 0.02:
+        return check.failed(f"the loss after {s.train_steps} steps is {gap} from bf16's (max 2%)")
+    if s.gpu and emulated:
+        return check.failed("the float8 GEMMs were emulated on a GPU (compute capability < 8.9?)")
+    said = (
+        f"{row['tokens_per_s']:,.0f} tokens/s, {ratio:.2f}x bf16's; loss {losses[-1]:.4f} "
+        f"(bf16 {b['loss_last']:.4f})"
+        if ratio
+        else f"loss {losses[-1]:.4f}"
+    )
+    check.passed(_smoke(s, said + (", emulated: says nothing of speed" if emulated else "")))
 
 
 def _rows(path: Path) -> list[dict[str, Any]]:
@@ -416,6 +461,7 @@ def killed_rank(ctx: Context, check: Check) -> None:
 CHECK_FUNCTIONS: dict[str, Callable[[Context, Check], None]] = {
     "cuda-tests": cuda_tests,
     "train": train,
+    "float8": float8,
     "memory": memory,
     "checkpoint": checkpoint,
     "resume": resume,

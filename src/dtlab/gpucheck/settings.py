@@ -15,6 +15,8 @@ BUDGET_S = 570.0  # the whole check, every step included: under 10 minutes with 
 CHECKS: dict[str, str] = {
     "train": "a bf16 + torch.compile training of llama3.2-1b: tokens/s, and MFU against this "
     "card's measured bf16 GEMM peak",
+    "float8": "the same training with the blocks' linear layers in float8 (train.float8, "
+    "torchao): tokens/s and loss beside bf16's, float8 GEMMs native",
     "memory": "the training's peak memory against dtlab plan's prediction",
     "checkpoint": "async and sync saves: the time each blocked training and the training time it "
     "cost, against a run without saves",
@@ -67,7 +69,7 @@ def settings_for(gpus: int, memory_bytes: int | None = None) -> Settings:
     """What each check runs with ``gpus`` CUDA GPUs of ``memory_bytes`` each (0 GPUs: a CPU smoke of
     the same pipeline)."""
     timeouts = {
-        "cuda-tests": 420.0, "train": 140.0, "memory": 30.0, "checkpoint": 90.0,
+        "cuda-tests": 420.0, "train": 140.0, "float8": 140.0, "memory": 30.0, "checkpoint": 90.0,
         "resume": 60.0, "equivalence": 90.0, "killed-rank": 75.0,
     }  # fmt: skip
     if gpus == 0:
@@ -117,6 +119,11 @@ def settings_for(gpus: int, memory_bytes: int | None = None) -> Settings:
 
 def skip_reason(name: str, gpus: int) -> str | None:
     """Why this machine cannot run check ``name`` (None: it can)."""
+    if name == "float8":
+        import importlib.util
+
+        if importlib.util.find_spec("torchao") is None:
+            return "torchao is not installed (pip install 'dtlab[float8]')"
     if name in MULTI_GPU and gpus < 2:
         return f"needs 2 CUDA GPUs, this machine has {gpus}" + (
             " (on CPU, make test runs these layouts and the killed rank on gloo: "
