@@ -5,13 +5,15 @@ FSDP's float8 all-gathers (1 byte an element) and their scales."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import close, run_cli
+from conftest import close, run_cli, run_worker
 from dtlab.analysis.check import check_rank, measure_fake
-from dtlab.analysis.float8_plan import float8_block_params, float8_layers
+from dtlab.analysis.float8_plan import float8_block_params, float8_layers, float8_scale_bytes
 from dtlab.analysis.model import plan_step
 from dtlab.config import load_config
 from dtlab.dims import ParallelDims
@@ -241,3 +243,41 @@ def test_the_cli_plans_and_checks_a_float8_layout() -> None:
     assert "bf16+fp8" in given
     assert "no faster in float8 (memory-bound" in out
     assert "check of the recommended layout" in out and "sent/step" in out
+
+
+# Run for real (gloo processes, real tensors, the float8 layers emulated) and checked alike.
+REAL = {
+    "fsdp:2 full AC": (2, ["parallel.strategy=fsdp", _FULL]),
+    "ddp:2": (2, ["parallel.strategy=ddp"]),
+}
+
+
+@pytest.mark.parametrize("layout", list(REAL))
+def test_a_checked_float8_rank_holds_and_sends_what_a_real_rank_does(
+    tmp_path: Path, layout: str
+) -> None:
+    """The same float8 config run for real and checked, both measured with MemTracker (the real
+    run at its third step, its scales made by the steps before, as the check makes them): the
+    state to the byte (but FSDP's gathered weights' scales of the step before), the step's peak and
+    what is alive then within 1%, every collective's bytes equal, on every rank."""
+    nproc, extra = REAL[layout]
+    overrides = [*SHAPE, *extra]
+    run_worker("check_worker.py", nproc, str(tmp_path), *overrides)
+    config = load_config(overrides=overrides)
+    for rank in range(nproc):
+        real: dict[str, Any] = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        fake = measure_fake(config, nproc, 1, rank)
+        own, held = real["components"], fake["components"]
+        for name in ("params", "grads", "optimizer"):
+            assert own[name] == held[name], (rank, name)
+        # FSDP's gathered float8 weights keep the scales they were gathered with (the step
+        # before's) until their next gather: made in a real run's earlier steps, counted; made
+        # before the checked step, outside what the check measures. A float32 a float8 layer.
+        scales = float8_scale_bytes(config, ParallelDims.from_config(config, nproc), config.model)
+        assert own["buffers"] - held["buffers"] == scales, (rank, own, held)
+        real_peak = max(real["timeline"].values(), key=lambda m: m["total"])
+        fake_peak = max(fake["timeline"].values(), key=lambda m: m["total"])
+        assert close(fake_peak["total"], real_peak["total"], 0.01), (rank, real_peak, fake_peak)
+        for name, n in real_peak["components"].items():
+            assert close(fake_peak["components"][name], n, 0.01), (rank, name, real_peak)
+        assert fake["collectives"] == real["collectives"]
