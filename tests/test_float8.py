@@ -199,3 +199,22 @@ def test_checkpoints_move_between_bf16_and_float8(tmp_path: Path) -> None:
     # Measured: a float8 run is within float8's noise of bf16's over these steps.
     final = [m["loss"] for m in read_metrics(tmp_path / "float8")][-1]
     assert abs(final - runs["bf16"][-1]["loss"]) < 5e-3
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_float8_on_a_gpu_is_native_where_the_gpu_has_float8_gemms(tmp_path: Path) -> None:
+    """On a GPU of compute capability 8.9 or later the float8 layers run torch's float8 GEMMs (not
+    emulated), and a few steps train as bf16's do; before 8.9 they are emulated, and say so."""
+    native = torch.cuda.get_device_capability() >= (8, 9)
+    runs = {}
+    for f8 in ("false", "true"):
+        proc = run_cli(
+            "train", "--set", *FAST, "train.device=cuda", "train.precision=bf16",
+            f"train.float8.enabled={f8}", "train.steps=6", f"run.dir={tmp_path / f8}", timeout=600,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        runs[f8] = read_metrics(tmp_path / f8)
+    summary = json.loads((tmp_path / "true" / "summary.json").read_text())
+    assert summary["float8"]["emulated"] is (not native)
+    assert abs(runs["true"][-1]["loss"] - runs["false"][-1]["loss"]) < 5e-3
