@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dtlab.analysis.devices import DeviceProfile
-from dtlab.analysis.float8_plan import float8_layers, layer_shapes
+from dtlab.analysis.float8_plan import float8_block_params, float8_layers, layer_shapes
 from dtlab.analysis.moe import moe_blocks
 from dtlab.analysis.rates import ACHIEVABLE_FRACTION, achievable_flops
 from dtlab.config import Config
 from dtlab.dims import ParallelDims
 
-__all__ = ["Float8Time", "float8_time"]
+__all__ = ["Float8Time", "float8_bound_share", "float8_time"]
 
 CAST_BYTES = 5  # an amax read (2 bytes), a read (2) and a float8 write (1) per bf16 element
 CASTS = 2  # each of input, weight and output gradient is cast twice a micro-batch (tensorwise)
@@ -122,3 +122,21 @@ def float8_time(config: Config, dims: ParallelDims, device: DeviceProfile) -> Fl
             out.memory_bound.append(shape)
         out.float8_s += min(fast, bf16) * times
     return out
+
+
+def float8_bound_share(config: Config, device: DeviceProfile, rate: float) -> float:
+    """Of a step's forward and backward FLOPs (:func:`dtlab.analysis.model.flops_per_token`), the
+    share the search's lower bound may count as free: the float8 layers' GEMMs at best run at the
+    float8 rate, ``1 - rate / fp8 rate`` of their bf16 time saved (0 without float8, without a
+    float8 peak, or where ``train.float8.emulate = on``)."""
+    f8 = config.train.float8
+    fp8 = device.peak_tflops.get("fp8")
+    if not f8.enabled or not fp8 or f8.emulate == "on" or device.kind != "cuda" or rate != rate:
+        return 0.0
+    from dtlab.analysis.model import flops_per_token
+
+    m = config.model
+    dense, routed = m.n_layers - moe_blocks(m), moe_blocks(m)
+    gemm = 6.0 * (dense * float8_block_params(m) + routed * float8_block_params(m, True))
+    saved = 1 - rate / (fp8 * 1e12 * ACHIEVABLE_FRACTION[device.kind])
+    return max(0.0, gemm * saved / flops_per_token(m, config.seq_len))

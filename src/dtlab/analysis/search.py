@@ -30,6 +30,7 @@ from typing import Any, get_args
 from dtlab.analysis.choose import Choice, Found, choose
 from dtlab.analysis.devices import DeviceProfile
 from dtlab.analysis.fitrule import usable_fraction
+from dtlab.analysis.float8_time import float8_bound_share
 from dtlab.analysis.model import (
     ParamShape,
     flops_per_token,
@@ -356,9 +357,11 @@ def _queue(
         n_layouts += 1
         dims = ParallelDims.from_config(cfg, world)
         rate = achievable_flops(device, cfg.train.precision)
+        # train.float8: its layers' FLOPs at best at the float8 rate (a lower bound still).
+        fast = float8_bound_share(cfg, device, rate) * fwd_bwd
         busy = 1 - pipeline_bubble(cfg, dims)
         for ac in acs:
-            bound = (fwd_bwd + extra[ac]) * tokens_per_rank / rate / busy
+            bound = (fwd_bwd - fast + extra[ac]) * tokens_per_rank / rate / busy
             if bound != bound:  # an unknown peak: no bound, cost it
                 bound = 0.0
             queue.append(
