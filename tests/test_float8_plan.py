@@ -257,9 +257,9 @@ def test_a_checked_float8_rank_holds_and_sends_what_a_real_rank_does(
     tmp_path: Path, layout: str
 ) -> None:
     """The same float8 config run for real and checked, both measured with MemTracker (the real
-    run at its third step, its scales made by the steps before, as the check makes them): the
-    state to the byte (but FSDP's gathered weights' scales of the step before), the step's peak and
-    what is alive then within 1%, every collective's bytes equal, on every rank."""
+    run at its third step, each step's scales made before its first forward): the
+    state to the byte (but one more set of the scales in the real run's buffers), the step's peak
+    and what is alive then within 1%, every collective's bytes equal, on every rank."""
     nproc, extra = REAL[layout]
     overrides = [*SHAPE, *extra]
     run_worker("check_worker.py", nproc, str(tmp_path), *overrides)
@@ -270,9 +270,8 @@ def test_a_checked_float8_rank_holds_and_sends_what_a_real_rank_does(
         own, held = real["components"], fake["components"]
         for name in ("params", "grads", "optimizer"):
             assert own[name] == held[name], (rank, name)
-        # FSDP's gathered float8 weights keep the scales they were gathered with (the step
-        # before's) until their next gather: made in a real run's earlier steps, counted; made
-        # before the checked step, outside what the check measures. A float32 a float8 layer.
+        # A real run's third step holds one more set of the float8 weights' scales than the
+        # check's one step (a float32 a float8 layer), among its buffers.
         scales = float8_scale_bytes(config, ParallelDims.from_config(config, nproc), config.model)
         assert own["buffers"] - held["buffers"] == scales, (rank, own, held)
         real_peak = max(real["timeline"].values(), key=lambda m: m["total"])

@@ -219,10 +219,6 @@ def _tracked(
     refiling: list[Any] = []
     if prime and pm.pipeline is None:
         refiling, steps = _primed(pm.module, optimizer, tracker), 1
-        if pm.float8_scales:  # as the step before left them: the float8 weights' scales
-            from dtlab.parallel.float8 import precompute_scales
-
-            precompute_scales(pm.model)
     tracker.track_external(pm.module, optimizer)
     if pm.pipeline is not None:
         tracker.watch_reductions(pm.pipeline.stages)
