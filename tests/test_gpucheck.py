@@ -132,7 +132,9 @@ def test_a_failing_check_fails_the_run_and_is_named(tmp_path: Path) -> None:
 def test_a_wrong_check_name_or_a_used_directory_is_refused(tmp_path: Path) -> None:
     proc = gpucheck("--only", "train,nope")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "--only 'train,nope': nope is not a check; allowed: train, float8, memory," in proc.stderr
+    assert (
+        "--only 'train,nope': nope is not a check; allowed: train, float8, memory," in proc.stderr
+    )
     (tmp_path / "x").write_text("")
     proc = gpucheck("--out", str(tmp_path), "--only", "memory")
     assert proc.returncode == 2
