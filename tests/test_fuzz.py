@@ -173,6 +173,10 @@ def _typed(annotation: Any, valid: bool = False) -> st.SearchStrategy[Any]:
         return st.lists(st.floats(min_value=-0.5, max_value=1.5), min_size=1, max_size=3)
     if get_origin(annotation) in (Union, types.UnionType):  # e.g. bool | Literal["auto"]
         return st.one_of(*(_typed(a, valid) for a in args))
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        # A section that may be null (model.rope_scaling): some of its fields, each of its type.
+        fields = {name: _typed(f.annotation, valid) for name, f in annotation.model_fields.items()}
+        return st.fixed_dictionaries({}, optional=fields)
     return st.sampled_from(get_args(annotation))  # a Literal: its choices
 
 
