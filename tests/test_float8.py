@@ -16,7 +16,14 @@ from conftest import FAST, read_metrics, run_cli, train_run
 from dtlab.config import load_config
 from dtlab.errors import ConfigError
 from dtlab.models.llama import build_model
-from dtlab.parallel.float8 import FLOAT8_LINEARS, apply_float8, float8_linears, import_float8
+from dtlab.parallel.float8 import (
+    FLOAT8_LINEARS,
+    apply_float8,
+    emulated,
+    float8_linears,
+    float8_tp_comm,
+    import_float8,
+)
 
 F8 = ["train.precision=bf16", "train.float8.enabled=true"]
 
@@ -73,6 +80,16 @@ def test_what_float8_does_not_go_with_is_refused(overrides: list[str], needle: s
     with pytest.raises(ConfigError, match=None) as e:
         load_config(None, overrides)
     assert needle in str(e.value), str(e.value)
+
+
+def test_the_device_decisions_a_gpu_run_makes() -> None:
+    """Read on a CPU: tensor parallelism moves float8 activations only with tensorwise scales on
+    NCCL (gloo cannot send a float8 tensor: "Invalid scalar type"); the GEMMs are emulated on a CPU
+    whatever ``auto`` finds, always with ``on``, never with ``off``."""
+    assert float8_tp_comm("tensorwise", "nccl")
+    assert not float8_tp_comm("tensorwise", "gloo") and not float8_tp_comm("rowwise", "nccl")
+    cpu = torch.device("cpu")
+    assert emulated("auto", cpu) and emulated("on", cpu) and not emulated("off", cpu)
 
 
 def test_without_torchao_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
