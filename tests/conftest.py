@@ -261,6 +261,20 @@ def planned_state(plan: Any) -> dict[str, int]:
     }
 
 
+def assert_state_is_planned(config: Any, nproc: int, rank: int, components: dict[str, int]) -> None:
+    """A checked rank's state (``components``, the check's measurement) is the plan's for that rank
+    to the byte: its parameters (some), gradients and optimizer state (its pipeline stage's)."""
+    from dtlab.analysis.model import plan_step
+    from dtlab.dims import ParallelDims
+
+    dims = ParallelDims.from_config(config, nproc)
+    at = dims.coordinates(rank)
+    plan = plan_step(config, nproc, pp_rank=at["pp"] if dims.pp_enabled else None)
+    assert components["params"] == plan.params_bytes > 0, (components, plan.params_bytes)
+    assert components["grads"] == plan.grads_bytes, (components, plan.grads_bytes)
+    assert components["optimizer"] == plan.optimizer_bytes, (components, plan.optimizer_bytes)
+
+
 def assert_groups_match(
     ft_dir: Path, ref: list[dict[str, Any]], steps: int, norm_rel: float
 ) -> None:

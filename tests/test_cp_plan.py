@@ -10,11 +10,10 @@ from typing import Any
 
 import pytest
 
-from conftest import FAST, run_cli
+from conftest import FAST, assert_state_is_planned, run_cli
 from dtlab.analysis.check import check_rank, measure_fake
 from dtlab.analysis.model import plan_step
 from dtlab.config import load_config
-from dtlab.dims import ParallelDims
 
 # Attention-heavy for its size (a short vocabulary, grouped key/value heads), so that the
 # attention's own figures, not the loss's, decide the peak.
@@ -104,12 +103,7 @@ def _check(layout: str, config: Any, nproc: int, rank: int, target: str) -> None
     if layout in PEAK_WITHIN:  # the documented miss is an over-estimate, and still there
         assert r.peak["checked"] < r.peak["predicted"]
         assert not _close(r.peak["predicted"], r.peak["checked"], 0.03)
-    dims = ParallelDims.from_config(config, nproc)
-    at = dims.coordinates(rank)
-    plan = plan_step(config, nproc, pp_rank=at["pp"] if dims.pp_enabled else None)
-    own = measured["components"]
-    assert own["params"] == plan.params_bytes > 0 and own["grads"] == plan.grads_bytes
-    assert own["optimizer"] == plan.optimizer_bytes
+    assert_state_is_planned(config, nproc, rank, measured["components"])
     sent = r.collectives
     # (Under tensor parallelism the loss-parallel cross-entropy's all-reduces, which the counter
     # cannot see, are within 0.5%, as every layout's.)

@@ -392,22 +392,33 @@ def test_fault9_k8s_pods_rendezvous_and_train_with_the_operators_env(
         "--set", *FAST, "parallel.strategy=ddp", "train.steps=3",
     )  # fmt: skip
     pods = check_job(docs, nodes, 1)
+    port = str(_free_port())
+    run_dir = run_pods(tmp_path, docs, pods, {"PET_RDZV_ENDPOINT": f"127.0.0.1:{port}"})
+    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3]
+    assert json.loads((run_dir / "summary.json").read_text())["world_size"] == nodes
+
+
+def run_pods(
+    tmp_path: Path, docs: list[dict[str, Any]], pods: list[Any], loopback: dict[str, str]
+) -> Path:
+    """Run each pod's command as written, with the environment its operator gives it and
+    ``loopback``'s variables mapping the rendezvous to this machine (there is no cluster DNS here),
+    on the manifest's config with its run directory under ``tmp_path``; every pod must exit 0.
+    Returns the run directory."""
     config = yaml.safe_load(docs[0]["data"]["config.yaml"])
     run_dir = tmp_path / "runs" / "dtlab"
     config["run"]["dir"] = str(run_dir)
     config_file = tmp_path / "config.yaml"
     config_file.write_text(yaml.safe_dump(config))
-    port = str(_free_port())
     procs = []
     for pod in pods:
         command = [sys.executable, *pod.container["command"][1:]]
         assert command[-1] == "/etc/dtlab/config.yaml"
         command[-1] = str(config_file)
-        env = {**pod.env, "PET_RDZV_ENDPOINT": f"127.0.0.1:{port}"}
         procs.append(
             subprocess.Popen(
                 command,
-                env=cli_env(env),
+                env=cli_env({**pod.env, **loopback}),
                 cwd=tmp_path,
                 text=True,
                 stdout=subprocess.PIPE,
@@ -415,9 +426,8 @@ def test_fault9_k8s_pods_rendezvous_and_train_with_the_operators_env(
             )
         )
     outs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0] * nodes, "\n".join(outs)
-    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3]
-    assert json.loads((run_dir / "summary.json").read_text())["world_size"] == nodes
+    assert [p.returncode for p in procs] == [0] * len(pods), "\n".join(outs)
+    return run_dir
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,6 @@ import shutil
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from conftest import FAST, read_metrics, run_cli
 from dtlab.deploy import SlurmJob, slurm_script
 from dtlab.deploy_site import SiteSettings, site_from_dict
 from dtlab.errors import ConfigError
+from test_deploy import _job_state, _wait_for, slurm  # noqa: F401  (slurm: the fixture)
 
 SITE = {
     "partition": "gpu",
@@ -246,25 +246,17 @@ def test_site_file_yaml_errors(tmp_path: Path) -> None:
     assert site_from_dict(None) == SiteSettings()
 
 
-def _slurm_up() -> bool:
-    if shutil.which("sbatch") is None or shutil.which("sinfo") is None:
-        return False
-    res = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True)
-    return res.returncode == 0 and any(
-        s.startswith(("idle", "mix", "alloc")) for s in res.stdout.split()
+def _finished(job_id: str) -> dict[str, str]:
+    """The job's state once the local cluster has ended it (scontrol's fields)."""
+    return _wait_for(
+        job_id, lambda i: i["JobState"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 300
     )
 
 
 @pytest.mark.slow
-def test_site_job_runs_on_the_local_slurm(tmp_path: Path) -> None:
+def test_site_job_runs_on_the_local_slurm(tmp_path: Path, slurm: None) -> None:  # noqa: F811
     """A job with a site file (variables, a setup line, exclusive node, the venv named, a run root)
     submitted to the local cluster trains, and its tasks see the site's variables."""
-    if not _slurm_up():
-        if os.environ.get("DTLAB_REQUIRE_SLURM") == "1":
-            pytest.fail("no Slurm cluster answers")
-        pytest.skip(
-            "no Slurm cluster answers (start one: sudo deploy/slurm/local-cluster.sh start)"
-        )
     site = {
         "exclusive": True,
         "env": {"NCCL_SOCKET_IFNAME": "lo", "DTLAB_SITE_MARK": "from the site file"},
@@ -280,19 +272,9 @@ def test_site_job_runs_on_the_local_slurm(tmp_path: Path) -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     job_id = proc.stdout.strip()
-    deadline = time.monotonic() + 300
-    state = ""
-    while time.monotonic() < deadline:
-        out = subprocess.run(
-            ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True
-        ).stdout
-        info = dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
-        state = info.get("JobState", "")
-        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
-            break
-        time.sleep(1)  # polling a scheduler
+    info = _finished(job_id)
     log = (tmp_path / f"site-job-{job_id}.out").read_text()
-    assert state == "COMPLETED", log[-3000:]
+    assert info["JobState"] == "COMPLETED", log[-3000:]
     run_dir = tmp_path / "shared" / "site-job"
     assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3]
     assert info.get("OverSubscribe") == "NO"  # --exclusive reached the scheduler
@@ -335,16 +317,12 @@ def test_the_docs_site_example_is_what_the_command_writes(
 
 @pytest.mark.slow
 def test_the_docs_site_example_is_accepted_by_the_local_slurm(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    slurm: None,  # noqa: F811
 ) -> None:
     """Submitted held to the local cluster (one CPU node: the command line overrides the partition,
     node count and GPUs it cannot meet), Slurm reads every directive the docs' script has."""
-    if not _slurm_up():
-        if os.environ.get("DTLAB_REQUIRE_SLURM") == "1":
-            pytest.fail("no Slurm cluster answers")
-        pytest.skip(
-            "no Slurm cluster answers (start one: sudo deploy/slurm/local-cluster.sh start)"
-        )
     _, _, script = _docs_example(tmp_path, monkeypatch)
     res = subprocess.run(
         ["sbatch", "--parsable", "--hold", "--partition=debug", "--nodes=1", "--gpus-per-node=0",
@@ -354,13 +332,10 @@ def test_the_docs_site_example_is_accepted_by_the_local_slurm(
     assert res.returncode == 0, res.stderr
     job_id = res.stdout.strip().split(";")[0]
     try:
-        out = subprocess.run(
-            ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True
-        ).stdout
-        info = dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
-        assert info["Account"] == "proj42" and info["Requeue"] == "1", out
-        assert info["TimeLimit"] == "12:00:00" and info["OverSubscribe"] == "NO", out
-        assert info["MinMemoryNode"] == "0", out
+        info = _job_state(job_id)
+        assert info["Account"] == "proj42" and info["Requeue"] == "1", info
+        assert info["TimeLimit"] == "12:00:00" and info["OverSubscribe"] == "NO", info
+        assert info["MinMemoryNode"] == "0", info
     finally:
         subprocess.run(["scancel", job_id], capture_output=True)
 
@@ -395,16 +370,13 @@ def test_a_fault_tolerant_job_runs_its_lighthouse_and_groups_in_the_container(
 
 
 @pytest.mark.slow
-def test_a_fault_tolerant_job_in_a_container_trains_on_the_local_slurm(tmp_path: Path) -> None:
+def test_a_fault_tolerant_job_in_a_container_trains_on_the_local_slurm(
+    tmp_path: Path,
+    slurm: None,  # noqa: F811
+) -> None:
     """An apptainer job with fault tolerance on the local cluster: a stand-in ``apptainer`` (which
     records its call and runs the command without an image) starts the lighthouse and both groups,
     they meet and train to the end, and the job completes."""
-    if not _slurm_up():
-        if os.environ.get("DTLAB_REQUIRE_SLURM") == "1":
-            pytest.fail("no Slurm cluster answers")
-        pytest.skip(
-            "no Slurm cluster answers (start one: sudo deploy/slurm/local-cluster.sh start)"
-        )
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     stand_in = bin_dir / "apptainer"
@@ -432,18 +404,9 @@ def test_a_fault_tolerant_job_in_a_container_trains_on_the_local_slurm(tmp_path:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     job_id = proc.stdout.strip()
-    deadline = time.monotonic() + 300
-    info: dict[str, str] = {}
-    while time.monotonic() < deadline:
-        out = subprocess.run(
-            ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True
-        ).stdout
-        info = dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
-        if info.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
-            break
-        time.sleep(1)  # polling a scheduler
+    info = _finished(job_id)
     log = (tmp_path / f"ft-box-{job_id}.out").read_text()
-    assert info.get("JobState") == "COMPLETED", log[-3000:]
+    assert info["JobState"] == "COMPLETED", log[-3000:]
     calls = (tmp_path / "apptainer.calls").read_text().split("exec --bind ")[1:]
     assert len(calls) == 3, calls  # the lighthouse and the two groups, each in the image
     assert sum("-m dtlab.fault_tolerance --lighthouse" in c for c in calls) == 1, calls

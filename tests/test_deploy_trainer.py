@@ -8,28 +8,20 @@ from __future__ import annotations
 import copy
 import json
 import re
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from conftest import FAST, cli_env, read_metrics, run_cli
+from conftest import FAST, read_metrics, run_cli
 from dtlab.cli import main as cli_main
 from dtlab.config import check_world, config_from_dict
 from pytorchjob_rules import Rejected, check_job
+from test_deploy import _free_port, run_pods
 from trainjob_rules import check_schema, check_trainjob
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _launch(tmp_path: Path, *args: str) -> list[dict[str, Any]]:
@@ -236,30 +228,10 @@ def test_trainjob_pods_rendezvous_and_train_with_the_plugins_env(
         tmp_path, "--nodes", "2", *extra, "--set", *FAST, "parallel.strategy=ddp", "train.steps=3"
     )
     pods = check_trainjob(docs, 2, 1)
-    config = yaml.safe_load(docs[0]["data"]["config.yaml"])
-    run_dir = tmp_path / "runs" / "dtlab"
-    config["run"]["dir"] = str(run_dir)
-    config_file = tmp_path / "config.yaml"
-    config_file.write_text(yaml.safe_dump(config))
     port = str(_free_port())
-    procs = []
-    for pod in pods:
-        command = [sys.executable, *pod.container["command"][1:]]
-        assert command[-1] == "/etc/dtlab/config.yaml"
-        command[-1] = str(config_file)
-        env = {**pod.env, "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": port}
-        procs.append(
-            subprocess.Popen(
-                command,
-                env=cli_env(env),
-                cwd=tmp_path,
-                text=True,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-            )
-        )
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(outs)
+    run_dir = run_pods(
+        tmp_path, docs, pods, {"PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": port}
+    )
     assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3]
     assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 2
 

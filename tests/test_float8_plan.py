@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from conftest import close, run_cli, run_worker
+from conftest import assert_state_is_planned, close, run_cli, run_worker
 from dtlab.analysis.check import check_rank, measure_fake
 from dtlab.analysis.float8_plan import float8_block_params, float8_layers, float8_scale_bytes
 from dtlab.analysis.model import plan_step
@@ -81,12 +81,7 @@ def _check(config: Any, nproc: int, rank: int, tp: bool) -> None:
     r = check_rank(config, nproc, 1, rank, measured, "cpu")
     assert r.skipped is None
     assert close(r.peak["predicted"], r.peak["checked"], 0.03), (r.peak, r.components)
-    dims = ParallelDims.from_config(config, nproc)
-    at = dims.coordinates(rank)
-    plan = plan_step(config, nproc, pp_rank=at["pp"] if dims.pp_enabled else None)
-    own = measured["components"]
-    assert own["params"] == plan.params_bytes > 0 and own["grads"] == plan.grads_bytes
-    assert own["optimizer"] == plan.optimizer_bytes
+    assert_state_is_planned(config, nproc, rank, measured["components"])
     sent = r.collectives
     missed = 0.0
     if tp:  # what the counter misses of the same layout in bf16 (the loss-parallel all-reduces)

@@ -25,10 +25,8 @@ from dtlab.deploy_k8s_pod import (
     named,
     pod_spec,
     resources,
-    scheduling,
     torchrun_command,
     volume_mounts,
-    volumes,
 )
 
 TRAINER_API = "trainjob"
@@ -111,12 +109,7 @@ def _runtime_patch(job: K8sJob, name: str, claim: str) -> dict[str, Any]:
     """What a referenced ``ClusterTrainingRuntime``'s ``node`` pods get: the volumes and their
     mounts, where they may run and the grace time to save on eviction (the Trainer refuses env in
     a patch of the ``node`` container: it is the trainer's ``env``)."""
-    pod: dict[str, Any] = {
-        "terminationGracePeriodSeconds": job.grace_seconds,
-        **scheduling(job),
-        "containers": [{"name": NODE, "volumeMounts": volume_mounts(job)}],
-        "volumes": volumes(job, name, claim),
-    }
+    pod = pod_spec(job, name, {"name": NODE, "volumeMounts": volume_mounts(job)}, claim)
     return {
         "manager": PATCH_MANAGER,
         "trainingRuntimeSpec": {

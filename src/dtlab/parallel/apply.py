@@ -108,14 +108,7 @@ def _head_norm() -> ParallelStyle:
     return SequenceParallel(sequence_dim=2, use_local_output=True)
 
 
-def _backend() -> str:
-    """The default process group's backend (gloo, nccl, ...); '' outside a distributed run."""
-    import torch.distributed as dist
-
-    return str(dist.get_backend()) if dist.is_initialized() else ""
-
-
-def _float8_styles(sequence_parallel: bool) -> tuple[type, type, Any]:
+def _float8_styles() -> tuple[type, type, Any]:
     """torchao's float8 tensor-parallel styles: (column-wise, row-wise, the block input's
     preparation) that move the float8 layers' activations in float8 (tensorwise, NCCL)."""
     from dtlab.parallel.float8 import import_float8
@@ -156,9 +149,7 @@ def apply_tp(
     """
     seq = Shard(1) if sequence_parallel else Replicate()
     colwise, rowwise, prepare = (
-        _float8_styles(sequence_parallel)
-        if float8_comm
-        else (ColwiseParallel, RowwiseParallel, PrepareModuleInput)
+        _float8_styles() if float8_comm else (ColwiseParallel, RowwiseParallel, PrepareModuleInput)
     )
     norm: ParallelStyle = SequenceParallel() if sequence_parallel else _Replicated()
     ends: dict[str, ParallelStyle] = {
@@ -629,7 +620,7 @@ def _parallelize_one(
             model, f8.recipe, emulated(f8.emulate, dist_info.device),
             all_gather=dims.fsdp_enabled and f8.all_gather and tensorwise,
         )  # fmt: skip
-        float8_comm = dims.tp_enabled and float8_tp_comm(f8.recipe, _backend())
+        float8_comm = dims.tp_enabled and float8_tp_comm(f8.recipe, dist_info.backend or "")
     if dims.tp_enabled:
         apply_tp(
             model, dims.mesh(device_type, "tp"), config.parallel.sequence_parallel, float8_comm
