@@ -161,12 +161,16 @@ def test_float8_layouts_equal_one_process(tmp_path: Path, layouts: str) -> None:
         ("single,diloco:2", ["train.optimizer=sgd", "train.grad_clip=0"]),
         ("single,fsdp:2", ["train.compile=true", "train.float8.recipe=rowwise"]),
         ("single,ep:2,fsdp:2xep:2", ["model.preset=debug-moe"]),
+        # Fault-tolerant groups (torchft), and bf16 gradient compression with oom_retry and alerts on.
+        ("single,ddp:2,ft:2", []),
+        ("single,ddp:2", ["train.oom_retry=true", "alerts.loss_spike=3"]),
     ],
 )
 def test_float8_composes_with_the_other_features(
     tmp_path: Path, layouts: str, extra: list[str]
 ) -> None:
-    """Float8 under ZeRO-1, context parallelism (ring and alltoall), DiLoCo, activation
+    """Float8 under ZeRO-1, context parallelism (ring and alltoall), DiLoCo, fault-tolerant replica
+    groups, oom_retry and alerts, activation
     checkpointing, torch.compile, the rowwise recipe and expert parallelism: each layout equal to
     one process within bf16's tolerances."""
     _verify(tmp_path, layouts, "--set", *extra)

@@ -488,14 +488,15 @@ def _float8_micro_batches(
     from dtlab.config import load_config
     from dtlab.dims import ParallelDims
 
-    base = load_config(config, overrides)
-    if not base.train.float8.enabled or base.train.micro_batch_size is not None:
+    # Each layout's own config: the overrides alone may not load (compression without a layout).
+    configs = [load_config(config, [*overrides, *layout.overrides]) for layout in layouts]
+    t = configs[0].train
+    if not t.float8.enabled or t.micro_batch_size is not None:
         return overrides
-    batches = []
-    for layout in layouts:
-        layout_config = load_config(config, [*overrides, *layout.overrides])
-        dims = ParallelDims.from_config(layout_config, layout.nproc)
-        batches.append(layout_config.train.global_batch_size // dims.dp)
+    batches = [
+        c.train.global_batch_size // ParallelDims.from_config(c, layout.nproc).dp
+        for c, layout in zip(configs, layouts, strict=True)
+    ]
     micro = math.gcd(*batches)
     report(
         f"train.float8: every layout trains in micro-batches of {micro} sample(s) (set "
