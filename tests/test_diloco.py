@@ -146,6 +146,46 @@ def test_one_fragment_without_delay_is_diloco() -> None:
         assert torch.equal(x, y)
 
 
+@pytest.mark.parametrize(("h", "fragments", "delay"), [(4, 2, 1), (6, 3, 2), (4, 1, 0)])
+def test_eager_updates_over_two_replicas_are_the_written_out_algorithm(
+    h: int, fragments: int, delay: int
+) -> None:
+    """Two gloo replicas whose inner steps differ: each continues from its own estimate of the outer
+    step (its share plus the others' share of the last mean) and lands on the true one, as the
+    algorithm written out for both replicas (tests/workers/eager_worker.py) does, to float32 noise."""
+    run_worker("eager_worker.py", 2, str(h), str(fragments), str(delay))
+
+
+def test_eager_without_delay_is_diloco(tmp_path: Path) -> None:
+    """Eager updates with delay 0: the estimate is replaced before any step sees it, so the run is
+    plain DiLoCo's, exactly: in process, and over two replicas with 2-bit outer gradients (where
+    the estimate decodes the replica's own payload)."""
+    a, b = Toy(), Toy()
+    opts = DiLoCoOptions(inner_steps=3, outer_lr=0.7, outer_momentum=0.9)
+    plain = DiLoCo(a, torch.optim.SGD(a.parameters(), lr=0.1), opts, 4)
+    eager = DiLoCo(
+        b, torch.optim.SGD(b.parameters(), lr=0.1), opts.model_copy(update={"eager": True}), 4
+    )
+    for step in range(1, 11):
+        _inner(a, step)
+        _inner(b, step)
+        plain.after_step(step)
+        eager.after_step(step)
+    for x, y in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(x, y)
+    assert any(o is not None for o in eager.others)  # the estimate's state was kept
+    common = [*DILOCO, "parallel.diloco.inner_steps=3", "parallel.diloco.quantize=int2"]
+    ref = train_run(tmp_path / "plain", *common, nproc=2)
+    got = train_run(tmp_path / "eager", *common, "parallel.diloco.eager=true", nproc=2)
+    assert [m["loss"] for m in got] == [m["loss"] for m in ref]
+    # With a delay it is another method: the replicas go on from the estimate.
+    delayed = [*common, "parallel.diloco.delay=1"]
+    lagged = train_run(tmp_path / "delayed", *delayed, nproc=2)
+    ahead = train_run(tmp_path / "delayed-eager", *delayed, "parallel.diloco.eager=true", nproc=2)
+    assert [m["loss"] for m in ahead] != [m["loss"] for m in lagged]
+    assert all(m["outer_sync_s"] >= 0 for m in ahead)
+
+
 def test_fragments_split_the_blocks_in_order() -> None:
     names = [
         "tok_embeddings.weight",
@@ -280,10 +320,24 @@ def test_bytes_inside_and_between_replicas_are_predicted_to_the_byte(
             "parallel.diloco.quantize=int2",
             "parallel.diloco.error_decay=0.95",
         ],
+        # Eager updates: the others' share of the last mean and a sync's own share are saved.
+        [
+            "parallel.diloco.inner_steps=4",
+            "parallel.diloco.fragments=2",
+            "parallel.diloco.delay=1",
+            "parallel.diloco.quantize=int2",
+            "parallel.diloco.eager=true",
+        ],
         # Blocks wrapped for activation checkpointing: the checkpoint keys are the plain model's.
         ["parallel.diloco.inner_steps=4", "train.activation_checkpointing=selective"],
     ],
-    ids=["diloco", "streaming-int4", "streaming-sparse", "diloco-checkpointed-blocks"],
+    ids=[
+        "diloco",
+        "streaming-int4",
+        "streaming-sparse",
+        "streaming-eager",
+        "diloco-checkpointed-blocks",
+    ],
 )
 def test_kill_9_resumes_exactly(tmp_path: Path, outer: list[str]) -> None:
     """Killed after step 8, resumed from step 6's checkpoint (a streaming sync in flight there):

@@ -176,6 +176,7 @@ def test_hung_replica_is_dropped_at_a_sync_and_catches_up(tmp_path: Path) -> Non
         (["parallel.diloco.fragments=2"], "parallel.diloco.fragments = 2 is not supported"),
         (["parallel.diloco.fragments=2", "parallel.diloco.delay=1"], "fragments = 2"),
         (["parallel.diloco.delay=1"], "parallel.diloco.delay = 1 is not supported"),
+        (["parallel.diloco.eager=true"], "parallel.diloco.eager = true is not supported"),
         (["parallel.strategy=hsdp", "parallel.replicate=2"], "parallel.strategy = 'hsdp'"),
     ],
 )

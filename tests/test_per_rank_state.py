@@ -76,7 +76,10 @@ def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _outer_tensors(d: DiLoCo) -> list[torch.Tensor]:
-    held = [*d.global_, *d.momentum, *d.error, *(s for p in d.pending for s in p.snapshot)]
+    held = [
+        *d.global_, *d.momentum, *d.error, *d.others,
+        *(s for p in d.pending for s in p.snapshot), *(p.own for p in d.pending),
+    ]  # fmt: skip
     return [t for t in held if t is not None]
 
 
@@ -215,7 +218,7 @@ def _host_peak(diloco: DiLoCo, steps: int) -> int:
 
     def measured_land(sync: Any) -> None:
         nonlocal peak
-        peak = max(peak, held(sync.snapshot))
+        peak = max(peak, held([*sync.snapshot, *([sync.own] if sync.own is not None else [])]))
         land(sync)
         peak = max(peak, held([]))
 
@@ -239,8 +242,10 @@ OVERLAPPING = [
         ["parallel.diloco.inner_steps=4", "parallel.diloco.outer_momentum=0.9"],
         ["parallel.diloco.inner_steps=4"],
         OVERLAPPING,
+        [*OVERLAPPING, "parallel.diloco.eager=true", "parallel.diloco.outer_momentum=0.5"],
+        ["parallel.diloco.inner_steps=4", "parallel.diloco.eager=true"],
     ],
-    ids=["diloco", "no-momentum", "streaming-int4"],
+    ids=["diloco", "no-momentum", "streaming-int4", "streaming-int4-eager", "eager-no-delay"],
 )
 def test_the_plan_predicts_the_outer_state_in_host_memory(outer: list[str]) -> None:
     """To the byte, against the outer state a DiLoCo of the debug model holds; in host memory: the

@@ -69,12 +69,13 @@ def worst_step(config: Config, dims: ParallelDims, shapes: list[ParamShape]) -> 
 def diloco_host_bytes(config: Config, dims: ParallelDims, shapes: list[ParamShape]) -> int:
     """DiLoCo's outer state on one rank, in host memory (pinned with a GPU), at its peak: float32
     θ_global of the rank's parameter elements, the outer momentum (``outer_momentum`` > 0) and the
-    error feedback (``quantize``) as large, and the float32 snapshots of the fragments whose sync is
-    in flight at once (with ``delay``; without, the one fragment being synced, for the moment of
-    its sync)."""
+    error feedback (``quantize``) as large, the other replicas' share of the last mean (``eager``)
+    as large, and the float32 snapshots of the fragments whose sync is in flight at once (with
+    ``delay``; without, the one fragment being synced, for the moment of its sync), with
+    ``eager`` each beside this replica's share of the mean it sent."""
     o = config.parallel.diloco
     frags = fragment_numels(shapes, config, dims.dp_shard)
-    per_value = 1 + (o.outer_momentum > 0) + gathers(o)
+    per_value = 1 + (o.outer_momentum > 0) + gathers(o) + o.eager
     h, offs = o.inner_steps, fragment_offsets(o)
     # After step s, fragment k's sync is in flight while (s - offset) mod H < delay (sent at its
     # offset, landed ``delay`` steps later). The most in flight at once is reached at some fragment's
@@ -84,7 +85,7 @@ def diloco_host_bytes(config: Config, dims: ParallelDims, shapes: list[ParamShap
         sum(n for n, off in zip(frags, offs, strict=True) if (s - off) % h < max(o.delay, 1))
         for s in set(offs)
     )
-    return FP32 * (per_value * sum(frags) + most)
+    return FP32 * (per_value * sum(frags) + (1 + o.eager) * most)
 
 
 class _Live(TorchDispatchMode):

@@ -352,6 +352,10 @@ def _check_fault_tolerant_diloco(c: Config, setting: str) -> None:
             o.delay != 0, str(o.delay), "0",
             "a sync in flight across a quorum change cannot be committed or undone cleanly",
         ),
+        "parallel.diloco.eager": (
+            o.eager, "true", "false",
+            "its estimate is of a sync in flight, which a quorum change cannot commit or undo",
+        ),
     }  # fmt: skip
     refuse(table, f"{setting} and parallel.diloco.inner_steps = {o.inner_steps}")
 

@@ -120,6 +120,13 @@ class DiLoCoOptions(_Section):
         description="Streaming DiLoCo: inner steps the outer all-reduce of a fragment overlaps with; "
         "its result is applied that many steps later (0 = at once). Less than inner_steps.",
     )
+    eager: bool = Field(
+        False,
+        description="With delay: the replica continues at once from an estimate of the outer step, "
+        "its own pseudo-gradient's share of the mean plus the other replicas' share of the "
+        "fragment's last sync (eager updates), replaced by the true step when the sync lands; "
+        "with delay 0 it is the plain outer step.",
+    )
     quantize: Literal["none", "int8", "int4", "int2", "int1"] = Field(
         "none",
         description="Outer gradients sent in 8, 4 or 2 bits per value (symmetric: int2 is ternary, "

@@ -12,8 +12,17 @@ background while the replica takes τ more inner steps, and its result lands the
 those steps made (θ ← θ_global + (θ_now - θ_at_send)). Outer gradients may travel in 8 or 4 bits per value
 (one float32 scale per 64 values) with error feedback: what rounding lost is added to the next sync.
 
+Eager updates (Kale, Douillard and Donchev, arXiv 2502.12996; ``eager``): while a fragment's sync is in
+flight the replica does not go on from its own weights alone but from an estimate of the outer step,
+taken at once: the mean outer gradient estimated as this replica's own share of it (Δ_r / n, as sent)
+plus the other replicas' share of the fragment's last sync (their part of that mean, one sync late).
+When the sync lands the estimate is replaced by the true step, keeping what the steps since learnt
+(θ ← θ_global + (θ_now - θ_at_estimate)); with delay 0 the estimate is replaced before any step sees
+it, which is the plain outer step (tested).
+
 Degenerate cases (tested): H = 1, an inner plain-SGD step, outer SGD with lr 1 and no momentum is DDP with
-that SGD; one fragment without delay is DiLoCo; ``quantize: none`` sends the exact float32 values.
+that SGD; one fragment without delay is DiLoCo; eager without delay is DiLoCo; ``quantize: none`` sends
+the exact float32 values.
 
 Every replica's weights, inner optimizer state, the outer state and syncs in flight are each rank's own:
 :meth:`DiLoCo.state_dict` carries them into every checkpoint under per-rank names, so a killed run
@@ -155,6 +164,9 @@ class _Sync:
     snapshot: list[torch.Tensor]  # the fragment's replica weights when it was sent (host memory)
     buffer: torch.Tensor  # what the collective fills, on the replica's device (sum or payloads)
     work: Any = None  # the collective's handle while it runs
+    # Eager updates: this replica's share of the mean it sent (Δ_r / n as the others decode it),
+    # flat float32 in host memory; None without eager.
+    own: torch.Tensor | None = None
 
     def wait(self) -> None:
         if self.work is not None:
@@ -202,6 +214,9 @@ class DiLoCo:
         self._mark_copied()
         self.momentum: list[torch.Tensor | None] = [None] * len(self.params)
         self.error: list[torch.Tensor | None] = [None] * len(self.params)
+        # Eager updates: the other replicas' share of each parameter's mean outer gradient at its
+        # fragment's last sync (host memory; None before the first lands: counted as zero).
+        self.others: list[torch.Tensor | None] = [None] * len(self.params)
         self.pending: list[_Sync] = []
         # Each fragment's last sync to land: the inner step after which it was sent (0: none yet,
         # θ_global is the initial weights). The checkpoint's model is θ_global as of these steps.
@@ -285,6 +300,7 @@ class DiLoCo:
             snapshot = [self._host(params[i].detach().float()) for i in idx]
             delta = self._flat(idx, lambda i: self._dev(self.global_[i]) - params[i].float())
         if not gathers(self.o):
+            own = self._host(delta / self.world, copy=False) if self.o.eager else None
             buffer = delta
             work = self._collective(dist.all_reduce, buffer)
         else:
@@ -295,12 +311,44 @@ class DiLoCo:
             payload = encode(target, self.o)
             self._store_error(idx, target)
             del target
+            own = None
+            if self.o.eager:  # what the others decode of this replica's payload, over n
+                numel = sum(self.global_[i].numel() for i in idx)
+                own = self._host(self.mean_of(payload.view(1, -1), numel).div_(self.world), False)
             buffer = torch.empty(
                 self.world * payload.numel(), dtype=torch.uint8, device=payload.device
             )
             work = self._collective(all_gather_flat, buffer, payload)
+        if own is not None:
+            snapshot = self._estimate(idx, own)
         self._mark_copied()
-        return _Sync(k, step, step + self.o.delay, snapshot, buffer, work)
+        return _Sync(k, step, step + self.o.delay, snapshot, buffer, work, own)
+
+    def _estimate(self, idx: list[int], own: torch.Tensor) -> list[torch.Tensor]:
+        """Eager updates: the replica's weights of parameters ``idx`` set at once to θ_global after the
+        outer step on the estimated mean (``own``, this replica's share, plus the others' share of the
+        last sync), with the outer momentum as it stands (not updated: the true step does that when the
+        sync lands). Returns the weights so set (host memory): what the landing keeps the progress
+        since."""
+        lr, mu = self.o.outer_lr, self.o.outer_momentum
+        params, out, offset = self.params, [], 0
+        with torch.no_grad():
+            for i in idx:
+                n = self.global_[i].numel()
+                g = self._dev(own[offset : offset + n].view_as(self.global_[i])).clone()
+                offset += n
+                if (others := self.others[i]) is not None:
+                    g.add_(self._dev(others))
+                if mu > 0:
+                    held = self.momentum[i]
+                    buf = g.clone() if held is None else self._dev(held).mul(mu).add_(g)
+                    g.add_(buf, alpha=mu)  # Nesterov
+                    del buf
+                p = params[i]
+                p.copy_(self._dev(self.global_[i]).sub(g, alpha=lr))
+                # What the parameter holds now (its dtype's rounding of the estimate).
+                out.append(self._host(p.detach().float()))
+        return out
 
     def _collective(self, fn: Any, *args: torch.Tensor) -> Any:
         if self.world == 1:
@@ -334,6 +382,10 @@ class DiLoCo:
         with torch.no_grad():
             for i, snap in zip(idx, sync.snapshot, strict=True):
                 g = mean[offset : offset + snap.numel()].view_as(snap)
+                if sync.own is not None:  # eager: the others' share of this mean, for the next sync
+                    own = self._dev(sync.own[offset : offset + snap.numel()].view_as(snap))
+                    self._keep_others(i, g - own)
+                    del own
                 offset += snap.numel()
                 if mu > 0:
                     held = self.momentum[i]
@@ -357,7 +409,14 @@ class DiLoCo:
                 del glob, learnt
         self._mark_copied()
         self.synced_after[sync.fragment] = sync.sent
-        sync.snapshot = []  # landed: its host memory is free before the next send
+        sync.snapshot, sync.own = [], None  # landed: its host memory is free before the next send
+
+    def _keep_others(self, i: int, value: torch.Tensor) -> None:
+        """Eager updates: parameter ``i``'s others' share ``value``, into the host tensor it had."""
+        if (held := self.others[i]) is None:
+            self.others[i] = self._host(value, copy=False)
+        else:
+            self._put(held, value)
 
     # --- what the replicas agree on ----------------------------------------------------------------
     def agree(self, values: list[float]) -> torch.Tensor:
@@ -440,6 +499,8 @@ class DiLoCo:
                 out[f"momentum.{i}"] = m
             if (e := self.error[i]) is not None:
                 out[f"error.{i}"] = e
+            if (o := self.others[i]) is not None:
+                out[f"others.{i}"] = o
         for k, v in _optimizer_tensors(self.optimizer).items():
             out[f"inner.{k}"] = v
         out["synced_after"] = torch.tensor(self.synced_after)
@@ -448,6 +509,8 @@ class DiLoCo:
             out[f"pending.{j}.buffer"] = sync.buffer
             for n, s in enumerate(sync.snapshot):
                 out[f"pending.{j}.snapshot.{n}"] = s
+            if sync.own is not None:
+                out[f"pending.{j}.own"] = sync.own
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -466,6 +529,7 @@ class DiLoCo:
                 self.global_[i] = self._outer(state[f"global.{i}"])
                 self.momentum[i] = self._outer(state.get(f"momentum.{i}"))
                 self.error[i] = self._outer(state.get(f"error.{i}"))
+                self.others[i] = self._outer(state.get(f"others.{i}"))
         _load_optimizer_tensors(
             self.optimizer, {k[6:]: v for k, v in state.items() if k.startswith("inner.")}
         )
@@ -481,7 +545,8 @@ class DiLoCo:
             ]
             kind = torch.uint8 if gathers(self.o) else torch.float32  # payloads or sum
             buffer = placed(state[f"pending.{j}.buffer"], self.device, kind)
-            self.pending.append(_Sync(k, sent, due, snaps, buffer))
+            own = self._outer(state.get(f"pending.{j}.own"))
+            self.pending.append(_Sync(k, sent, due, snaps, buffer, own=own))
             j += 1
 
     @overload

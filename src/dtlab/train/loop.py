@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -471,8 +472,12 @@ class TorchEngine:
             m["replica_bad"] = True
         due = diloco.due(step)
         if self.outer_ft is None:
+            t0 = time.perf_counter()
             with recorded("diloco outer sync", "all_reduce"):
                 diloco.after_step(step)
+            # What the outer syncs held the training thread up this step: encoding and issuing the
+            # syncs due, waiting for and applying those landing (0 on a step with neither).
+            m["outer_sync_s"] = time.perf_counter() - t0
         if not due:
             m["scope"] = "replica"
             return m
