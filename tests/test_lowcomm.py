@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from conftest import PYTHON
-from dtlab.bench import lowcomm
+from dtlab.bench import lowcomm, lowcomm_fair
 from dtlab.bench.link import Link, parse_links
 from dtlab.errors import DtlabError
 
@@ -80,8 +80,11 @@ def test_two_methods_two_seeds_json(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert lowcomm.main(argv) == 0
     data = json.loads((tmp_path / "lowcomm.json").read_text())
     assert data["seeds"] == [0, 1] and "every step" in data["bytes"]
-    assert set(data["methods"]) == {"ddp", "diloco-int2"}
+    # diloco: the dense twin of diloco-int2 (the same DiLoCo, outer gradients sent whole).
+    assert list(data["methods"]) == ["ddp", "diloco", "diloco-int2"]
     for method, by_seed in data["methods"].items():
+        if method == "diloco":
+            continue
         assert set(by_seed) == {"0", "1"}
         for seed, e in by_seed.items():
             run = out / "runs" / f"none+30ms-{method}-seed{seed}"
@@ -110,10 +113,164 @@ def test_two_methods_two_seeds_json(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     costs = [data["methods"]["diloco-int2"][s]["loss_cost"] for s in "01"]
     assert summary["mean_loss_cost"] == pytest.approx(statistics.fmean(costs))
     assert summary["within_1_percent"] == (summary["mean_loss_cost"] <= 0.01)
+    dense = [data["methods"]["diloco-int2"][s]["dense_loss_cost"] for s in "01"]
+    assert summary["dense_method"] == "diloco" and summary["baseline"] == "ddp"
+    assert summary["mean_dense_loss_cost"] == pytest.approx(statistics.fmean(dense))
+    assert dense[0] == pytest.approx(
+        data["methods"]["diloco-int2"]["0"]["final_val_loss"]
+        / data["methods"]["diloco"]["0"]["final_val_loss"]
+        - 1
+    )
     # The injected round trips are in the measured steps: DiLoCo's sync steps wait for 2 of them.
     records = (out / "runs" / "none+30ms-diloco-int2-seed0" / "metrics.jsonl").read_text()
-    syncs = [json.loads(x) for x in records.splitlines() if "outer_sync" in x]
+    syncs = [m for m in map(json.loads, records.splitlines()) if m.get("outer_sync")]
     assert len(syncs) == 2 and all(m["step_time_s"] >= 2 * rtt for m in syncs)
     report = (out / "report.md").read_text()
-    assert "round trip 30 ms, injected" in report and "| within 1% |" in report
+    assert "round trip 30 ms, injected" in report and "| within 2% of DDP |" in report
     assert (out / "pareto.png").stat().st_size > 0
+
+
+def test_each_method_gets_ddp_with_its_own_train_settings_and_its_dense_twin() -> None:
+    """AdamW methods against ddp, Muon ones against ddp-muon, a learning rate of a method's own
+    against a DDP twin of its own; a compressing DiLoCo method's dense twin is the method without
+    quantization or top-k (a known method where one is the same run); the user's --set is on top of
+    every run, so it moves the method and its baseline alike."""
+    plan = lowcomm.run_plan(["ddp", "diloco-int2", "streaming-int1-muon", "demo"], [], 8)
+    assert list(plan) == [
+        "ddp", "diloco", "diloco-int2", "ddp-muon", "streaming-int1-muon-dense",
+        "streaming-int1-muon", "demo",
+    ]  # fmt: skip
+    assert [(p.baseline, p.dense) for p in plan.values()] == [
+        ("ddp", None), ("ddp", "diloco"), ("ddp", "diloco"), ("ddp-muon", None),
+        ("ddp-muon", "streaming-int1-muon-dense"), ("ddp-muon", "streaming-int1-muon-dense"),
+        ("ddp", None),  # DeMo's optimizer is its communication: no DDP runs it
+    ]  # fmt: skip
+    muon = plan["streaming-int1-muon"]
+    assert plan["streaming-int1-muon-dense"].overrides == [*muon.overrides, *lowcomm_fair.DENSE]
+    assert plan["diloco"].overrides == lowcomm.METHODS["diloco"]
+    assert muon.train == plan["ddp-muon"].train != plan["ddp"].train
+    assert (muon.train["train.optimizer"], muon.train["train.lr"]) == ("muon", 8e-3)
+    # The paper's SparseLoCo: its own dense twin's error decay does nothing, and stays.
+    sparse = lowcomm.run_plan(["sparseloco-paper"], [], 8)["sparseloco-paper-dense"]
+    assert sparse.dense == "sparseloco-paper-dense" and sparse.overrides[-2:] == lowcomm_fair.DENSE
+
+    user = ["train.lr=3e-3", "model.preset=debug", "data.seq_len=64", "parallel.diloco.fragments=2"]
+    plan = lowcomm.run_plan(["streaming-int1", "streaming-int1-muon"], user, 8)
+    assert plan["streaming-int1"].baseline == "ddp"
+    assert plan["streaming-int1-muon"].baseline == "ddp-muon"
+    assert plan["ddp-muon"].overrides == [*lowcomm.METHODS["ddp-muon"], *user]
+    assert (
+        plan["ddp-muon"].train["train.lr"] == plan["streaming-int1-muon"].train["train.lr"] == 3e-3
+    )
+
+    known = {**lowcomm.METHODS, "slow": [*lowcomm.METHODS["diloco"], "train.lr=1e-3"]}
+    plan = lowcomm_fair.plan(["slow"], known, [], [*lowcomm.COMMON, "train.steps=8"])
+    assert list(plan) == ["ddp", "ddp[train.lr=1e-3]", "slow"]
+    twin = plan["ddp[train.lr=1e-3]"]
+    assert (twin.overrides, twin.baseline, plan["slow"].baseline) == (
+        ["train.lr=1e-3"], twin.name, twin.name,
+    )  # fmt: skip
+    assert lowcomm_fair.dir_name(twin.name) == "ddp_train.lr_1e-3_"
+
+
+def _row(method: str, loss: float, **train: object) -> dict[str, object]:
+    settings = {"train.optimizer": "adamw", "train.lr": 2e-3, **train}
+    return {"method": method, "seed": 0, "link": "none", "final_val_loss": loss,
+            "train_settings": settings}  # fmt: skip
+
+
+def test_a_loss_ratio_against_a_run_of_other_train_settings_seed_or_link_is_refused() -> None:
+    muon = _row("streaming-int1-muon", 2.2, **{"train.optimizer": "muon", "train.lr": 8e-3})
+    ddp, ddp_muon = _row("ddp", 2.0), _row("ddp-muon", 2.1, **muon["train_settings"])  # type: ignore[arg-type]
+    assert lowcomm_fair.loss_cost(muon, ddp_muon) == pytest.approx(2.2 / 2.1 - 1)
+    with pytest.raises(
+        DtlabError,
+        match=r"no loss ratio of streaming-int1-muon over ddp: .*train\.lr 0\.008 against 0\.002; "
+        r"train\.optimizer 'muon' against 'adamw'",
+    ):
+        lowcomm_fair.loss_cost(muon, ddp)
+    with pytest.raises(
+        DtlabError, match=r"of ddp over ddp-muon: .*train\.lr 0\.002 against 0\.008"
+    ):
+        lowcomm_fair.loss_cost(ddp, ddp_muon)
+    for key, other in [("seed", 1), ("link", "100mbit")]:
+        with pytest.raises(DtlabError, match=f"{key} .* against {other!r}"):
+            lowcomm_fair.loss_cost(_row("diloco", 2.1), {**ddp, key: other})
+    # DeMo may differ from its DDP in the optimizer and DeMo's own keys, in nothing else.
+    demo = _row("demo", 2.1, **{"train.optimizer": "demo", "train.demo.topk": 8})
+    assert lowcomm_fair.loss_cost(demo, ddp) == pytest.approx(0.05)
+    with pytest.raises(DtlabError, match=r"train\.lr 0\.001 against 0\.002"):
+        lowcomm_fair.loss_cost(
+            {**demo, "train_settings": {**demo["train_settings"], "train.lr": 1e-3}}, ddp
+        )  # type: ignore[dict-item]
+
+
+def test_costs_and_their_summary_over_seeds_on_hand_made_rows() -> None:
+    """loss_cost over the baseline's run of the same seed, dense_loss_cost over the dense twin's;
+    the summary's verdicts are the means' (2% of DDP, 1% of dense)."""
+    rows = []
+    for seed, (base, dense, mine) in enumerate([(2.0, 2.02, 2.05), (2.0, 2.0, 2.0)]):
+        for method, loss in [("ddp", base), ("x-dense", dense), ("x", mine)]:
+            rows.append({**_row(method, loss), "seed": seed, "baseline": "ddp",
+                         "dense_method": "x-dense" if method != "ddp" else None})  # fmt: skip
+    lowcomm_fair.fill_costs(rows)
+    x = [r for r in rows if r["method"] == "x"]
+    assert [r["loss_cost"] for r in x] == pytest.approx([0.025, 0.0])
+    assert [r["dense_loss_cost"] for r in x] == pytest.approx([2.05 / 2.02 - 1, 0.0])
+    s = lowcomm_fair.cost_summary(x)
+    assert (s["mean_loss_cost"], s["min_loss_cost"], s["max_loss_cost"]) == pytest.approx(
+        (0.0125, 0.0, 0.025)
+    )
+    assert s["within_2_percent_of_ddp"] and s["within_1_percent_of_dense"]
+    assert s["baseline"] == "ddp" and s["dense_method"] == "x-dense"
+    rows[0]["train_settings"] = {"train.optimizer": "muon"}  # seed 0's ddp: another optimizer
+    with pytest.raises(DtlabError, match=r"no loss ratio of x-dense over ddp: .*train\.optimizer"):
+        lowcomm_fair.fill_costs(rows)
+
+
+def test_a_muon_method_is_judged_against_ddp_muon_and_its_dense_twin(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--methods streaming-int1-muon adds plain DDP (the bytes' reference), DDP with Muon at the
+    same learning rate (the loss baseline) and the dense twin, and reports the costs against them;
+    the loss curves are plotted."""
+    monkeypatch.setattr(sys, "executable", PYTHON)  # the runs start from the tests' fork server
+    out = tmp_path / "out"
+    small = [
+        "model.preset=debug", "data.seq_len=64", "train.global_batch_size=8",
+        "train.warmup_steps=2", "parallel.diloco.fragments=2",
+    ]  # fmt: skip
+    argv = [
+        "--methods", "streaming-int1-muon", "--links", "none", "--steps", "8", "--out", str(out),
+        "--json", str(tmp_path / "lowcomm.json"), "--set", *small,
+    ]  # fmt: skip
+    assert lowcomm.main(argv) == 0
+    data = json.loads((tmp_path / "lowcomm.json").read_text())
+    methods = {m: e["None"] for m, e in data["methods"].items()}
+    dense = "streaming-int1-muon-dense"
+    assert list(methods) == ["ddp", "ddp-muon", dense, "streaming-int1-muon"]
+    e = methods["streaming-int1-muon"]
+    assert (e["baseline"], e["dense_method"]) == ("ddp-muon", dense)
+    assert e["baseline_final_val_loss"] == methods["ddp-muon"]["final_val_loss"]
+    assert e["loss_cost"] == pytest.approx(e["final_val_loss"] / e["baseline_final_val_loss"] - 1)
+    assert e["dense_loss_cost"] == pytest.approx(
+        e["final_val_loss"] / methods[dense]["final_val_loss"] - 1
+    )
+    assert e["ddp_final_val_loss"] == methods["ddp"]["final_val_loss"]  # plain DDP's, for reference
+    ddp_bytes = methods["ddp"]["wire_bytes_per_step"]
+    assert e["bytes_reduction"] == pytest.approx(ddp_bytes / e["wire_bytes_per_step"])
+    assert methods[dense]["bytes_reduction"] < e["bytes_reduction"]
+    for method, (optimizer, quantize) in {
+        "ddp-muon": ("muon", "none"), dense: ("muon", "none"), "ddp": ("adamw", "none"),
+        "streaming-int1-muon": ("muon", "int1"),
+    }.items():  # fmt: skip
+        config = yaml.safe_load((out / "runs" / f"none-{method}" / "config.yaml").read_text())
+        assert config["train"]["optimizer"] == optimizer and config["model"]["dim"] == 64
+        assert config["parallel"]["diloco"]["quantize"] == quantize
+    s = data["summary"]["none"]["streaming-int1-muon"]
+    assert s["mean_loss_cost"] == pytest.approx(e["loss_cost"])
+    assert s["within_2_percent_of_ddp"] == (e["loss_cost"] <= 0.02)
+    assert s["within_1_percent_of_dense"] == (e["dense_loss_cost"] <= 0.01)
+    report = (out / "report.md").read_text()
+    assert "| ddp-muon | " in report and "loss_curves.png" in report
+    assert (out / "loss_curves.png").stat().st_size > 0

@@ -13,10 +13,15 @@ predicts: the method's compute time plus its wire bytes at the link's measured r
 the method's step time on the unlimited loopback less its wire bytes at the loopback's measured rate (or
 the method's own step time, without a ``none`` link). A link's round-trip time (``+20ms``) is injected
 before every collective that crosses replicas, and the model adds one round trip per such collective
-(:func:`predict`). ``--seeds N`` repeats every method with ``train.seed`` 0 to N - 1, each against DDP's
-run of the same seed. Writes ``results.json``, ``report.md`` and two plots: final loss against bytes
-moved (the Pareto front, means over the seeds) and time-to-target against link rate; ``--json OUT``
-the per-method, per-seed figures (:func:`results_json`).
+(:func:`predict`). ``--seeds N`` repeats every method with ``train.seed`` 0 to N - 1.
+
+Every loss is compared fairly (:mod:`dtlab.bench.lowcomm_fair`): with DDP trained with the method's
+own ``train.*`` settings (``ddp`` for AdamW, ``ddp-muon`` for Muon at its learning rate, or a DDP
+twin of its own), and a compressing DiLoCo method also with its dense twin (``<method>-dense``);
+the bench adds these runs, each once per seed and link. Bytes are against plain DDP's. Writes
+``results.json``, ``report.md`` and three plots: final loss against bytes moved (the Pareto front,
+means over the seeds), the loss curves with each method's gap to its baseline, and time-to-target
+against link rate; ``--json OUT`` the per-method, per-seed figures (:func:`results_json`).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from dtlab.analysis.latency import cross_replica_collectives
+from dtlab.bench import lowcomm_fair
 from dtlab.bench.link import Link, link_namespace, measure_link, parse_links
 from dtlab.config import load_config
 from dtlab.errors import DtlabError
@@ -48,10 +54,11 @@ _SPARSE = [
     "parallel.diloco.error_decay=0.95",
 ]  # fmt: skip
 
-_INT1_MUON = [
+_INT1 = [
     *_AVG, "parallel.diloco.fragments=4", "parallel.diloco.topk=1", "parallel.diloco.chunk=64",
-    "parallel.diloco.quantize=int1", "train.optimizer=muon", "train.lr=8e-3",
+    "parallel.diloco.quantize=int1",
 ]  # fmt: skip
+_INT1_MUON = [*_INT1, "train.optimizer=muon", "train.lr=8e-3"]
 
 # Each method as config overrides on top of the common run.
 METHODS: dict[str, list[str]] = {
@@ -95,6 +102,10 @@ METHODS: dict[str, list[str]] = {
     ],
     # Muon as the inner optimizer (MuLoCo) of the streaming 1-bit method, and of DDP, at Muon's own
     # learning rate (at AdamW's 2e-3 it trains worse than AdamW; at 8e-3 better).
+    # The same with AdamW inside at H = 7 and 10, the candidates for >= 200x: 222x and 317x fewer
+    # bytes than DDP (tiny, 20 steps, the whole periods' mean).
+    "streaming-int1-h7": [*_INT1, "parallel.diloco.inner_steps=7"],
+    "streaming-int1-h10": [*_INT1, "parallel.diloco.inner_steps=10"],
     "streaming-int1-muon": [*_INT1_MUON, "parallel.diloco.inner_steps=5"],
     "streaming-int1-muon-h10": [*_INT1_MUON, "parallel.diloco.inner_steps=10"],
     "ddp-muon": ["train.optimizer=muon", "train.lr=8e-3"],
@@ -116,7 +127,11 @@ BYTES_NOTE = (
     "bytes_per_step: the bytes one rank puts on the wire per optimizer step (ring algorithms over the "
     "collectives counted from the dispatcher), the mean over every step of the run, outer syncs "
     "included; comm_bytes_per_step: the same steps' whole buffers (each collective's tensor, the "
-    "collective counter's convention); ddp_*: the DDP run of the same seed on the same link"
+    "collective counter's convention); ddp_*: the plain DDP run of the same seed on the same link "
+    "(the bytes' reference: bytes_reduction is its wire bytes over the method's); loss_cost: "
+    "final_val_loss over baseline_final_val_loss, the run of baseline (DDP with the same train "
+    "settings, same seed and link), less 1; dense_loss_cost: over dense_final_val_loss, the run of "
+    "dense_method (the same DiLoCo, outer gradients sent whole)"
 )
 
 
@@ -259,15 +274,18 @@ def predict(rows: list[dict[str, Any]]) -> None:
 
 
 def figures(rows: list[dict[str, Any]], target: float | None = None) -> float:
-    """Fill in each row's time to the target loss and bytes and loss relative to DDP's run of the
-    same seed; returns the first seed's target: the smoothed loss DDP reaches at 3/4 of its steps on
-    the first link (all methods of a seed train the same tokens, so each is timed to the same point;
-    each seed has its own, in every row's ``target``)."""
+    """Fill in each row's time to the target loss, its bytes relative to plain DDP's run of the same
+    seed (bytes do not depend on the optimizer), and its loss costs over its fair baseline's and its
+    dense twin's runs of the same seed (:func:`dtlab.bench.lowcomm_fair.fill_costs`); returns the
+    first seed's target: the smoothed loss plain DDP reaches at 3/4 of its steps on the first link
+    (all methods of a seed train the same tokens, so each is timed to the same point; each seed has
+    its own, in every row's ``target``)."""
     first: float | None = None
     for seed in dict.fromkeys(r.get("seed") for r in rows):
         t = _seed_figures([r for r in rows if r.get("seed") == seed], target)
         first = t if first is None else first
     assert first is not None, "no rows"
+    lowcomm_fair.fill_costs(rows)
     return first
 
 
@@ -291,8 +309,6 @@ def _seed_figures(rows: list[dict[str, Any]], target: float | None) -> float:
         r["ddp_final_val_loss"] = same["final_val_loss"]
         if r["wire_bytes_per_step"]:
             r["bytes_reduction"] = same["wire_bytes_per_step"] / r["wire_bytes_per_step"]
-        if same["final_val_loss"] and r["final_val_loss"] is not None:
-            r["loss_cost"] = r["final_val_loss"] / same["final_val_loss"] - 1
     return target
 
 
@@ -324,9 +340,8 @@ def report(rows: list[dict[str, Any]], target: float, steps: int) -> str:
         "# Time to loss over slow links",
         "",
         f"{NPROC} processes, {steps} steps of the same tokens for every method; target: smoothed training "
-        f"loss {target:.4f} (DDP's at 3/4 of its steps). Bytes: what one rank puts on the wire per step "
-        "(ring algorithms); x DDP: DDP's bytes over the method's. Loss cost: final validation loss over "
-        f"DDP's, less 1. {_TRIPS_NOTE}",
+        f"loss {target:.4f} (plain DDP's at 3/4 of its steps). Bytes: what one rank puts on the wire per "
+        f"step (ring algorithms). {lowcomm_fair.FAIR_NOTE} {_TRIPS_NOTE} {_PLOTS_NOTE}",
         "",
     ]
     for link in dict.fromkeys(r["link"] for r in rows):
@@ -335,8 +350,9 @@ def report(rows: list[dict[str, Any]], target: float, steps: int) -> str:
             _link_title(sub[0]),
             "",
             "| method | wire MiB/step | x DDP | step s (measured) | step s (predicted) | time to target s "
-            "(measured) | (predicted) | final val loss | loss cost | round trips/step (counted / plan) |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            f"(measured) | (predicted) | final val loss | {lowcomm_fair.COST_COLUMNS} | round trips/step "
+            "(counted / plan) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in sub:
             lines.append(
@@ -344,12 +360,17 @@ def report(rows: list[dict[str, Any]], target: float, steps: int) -> str:
                 f"{_num(r.get('bytes_reduction'), '.1f')} | {r['step_time_s']:.3f} | "
                 f"{r['predicted_step_time_s']:.3f} | {_num(r['time_to_target_s'], '.1f')} | "
                 f"{_num(r['predicted_time_to_target_s'], '.1f')} | {_num(r['final_val_loss'], '.4f')} | "
-                f"{_num(100 * r['loss_cost'] if 'loss_cost' in r else None, '+.2f')}% | {_trips(r)} |"
+                f"{lowcomm_fair.cost_cells([r], seeds=False)} | {_trips(r)} |"
             )
         lines.append("")
     return "\n".join(lines)
 
 
+_PLOTS_NOTE = (
+    "Plots: pareto.png (final loss against bytes), time_to_target.png (with capped links) and "
+    "loss_curves.png (every method's smoothed training loss over the run, first link, mean over the "
+    "seeds, and its gap to its baseline in percent, step by step)."
+)
 _TRIPS_NOTE = (
     "Round trips: the collectives that cross replicas per step (counted in the runs / predicted by "
     "the plan); the predicted step adds one round-trip time for each (a model: in series, one round "
@@ -367,9 +388,9 @@ def _spread(values: list[float], fmt: str, scale: float = 1.0) -> str:
 
 
 def summarise(rows: list[dict[str, Any]], link: str) -> dict[str, dict[str, Any]]:
-    """Per method, over the seeds of ``link``: the mean and spread of the final validation loss and
-    of its cost against DDP, the mean time to target, and whether it is within 1% of DDP (its mean
-    loss cost is)."""
+    """Per method, over the seeds of ``link``: the mean and spread of the final validation loss, the
+    mean time to target, whether it is within 1% of its baseline (its mean loss cost is), and the
+    costs against its baseline and dense twin (:func:`dtlab.bench.lowcomm_fair.cost_summary`)."""
     out: dict[str, dict[str, Any]] = {}
     sub = [r for r in rows if r["link"] == link]
     for method in dict.fromkeys(r["method"] for r in sub):
@@ -388,6 +409,7 @@ def summarise(rows: list[dict[str, Any]], link: str) -> dict[str, dict[str, Any]
             "within_1_percent": mean_cost is not None and mean_cost <= WITHIN,
             "reached_target": len(reached),
             "mean_time_to_target_s": statistics.fmean(reached) if reached else None,
+            **lowcomm_fair.cost_summary(runs),
         }
     return out
 
@@ -401,10 +423,11 @@ def _seeds_report(rows: list[dict[str, Any]], seeds: list[Any], steps: int) -> s
         "",
         f"{NPROC} processes, {steps} steps, seeds {', '.join(str(s) for s in seeds)} (train.seed: the "
         "initial weights and the data order); every method trains the tokens of each seed, and is "
-        f"compared with DDP's run of the same seed. Targets: each seed's DDP smoothed training loss "
+        f"compared with runs of the same seed. Targets: each seed's plain DDP smoothed training loss "
         f"at 3/4 of its steps ({targets}). Bytes: what one rank puts on the wire per step, mean over "
-        "the seeds. Final val loss and loss cost (over DDP's of the same seed, less 1): mean (min to "
-        f"max) over the seeds; within 1%: the mean loss cost is. {_TRIPS_NOTE}",
+        f"the seeds. {lowcomm_fair.FAIR_NOTE} Final val loss and costs: mean (min to max) over the "
+        "seeds; within 2% of DDP: the mean loss cost is at most 2%; within 1% of dense: the mean "
+        f"dense loss cost at most 1%. {_TRIPS_NOTE} {_PLOTS_NOTE}",
         "",
     ]
     for link in dict.fromkeys(r["link"] for r in rows):
@@ -414,9 +437,9 @@ def _seeds_report(rows: list[dict[str, Any]], seeds: list[Any], steps: int) -> s
             _link_title(sub[0]),
             "",
             "| method | wire MiB/step | x DDP | step s (measured) | step s (predicted) | time to target s "
-            "(measured, mean) | (predicted, mean) | final val loss | loss cost | within 1% | "
-            "round trips/step (counted / plan) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "(measured, mean) | (predicted, mean) | final val loss | "
+            f"{lowcomm_fair.SEEDS_COST_COLUMNS} | round trips/step (counted / plan) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for method, s in summary.items():
             runs = [r for r in sub if r["method"] == method]
@@ -439,8 +462,7 @@ def _seeds_report(rows: list[dict[str, Any]], seeds: list[Any], steps: int) -> s
                 f"{_num(s['mean_time_to_target_s'], '.1f')}{reached} | "
                 f"{_num(statistics.fmean(predicted) if predicted else None, '.1f')} | "
                 f"{_spread([r['final_val_loss'] for r in runs if r['final_val_loss'] is not None], '.4f')} | "
-                f"{_spread([r['loss_cost'] for r in runs if 'loss_cost' in r], '+.2f', 100)}% | "
-                f"{'yes' if s['within_1_percent'] else 'no'} | {_trips(runs[0])} |"
+                f"{lowcomm_fair.cost_cells(runs, seeds=True)} | {_trips(runs[0])} |"
             )
         lines.append("")
     return "\n".join(lines)
@@ -459,7 +481,9 @@ def results_json(rows: list[dict[str, Any]], seeds: list[Any]) -> dict[str, Any]
         "bytes_per_step", "ddp_bytes_per_step", "final_val_loss", "ddp_final_val_loss",
         "comm_bytes_all_steps", "wire_bytes_per_step", "loss_cost", "round_trips_all_steps",
         "round_trips_per_step", "planned_round_trips", "step_time_s", "predicted_step_time_s",
-        "time_to_target_s", "predicted_time_to_target_s", "target",
+        "time_to_target_s", "predicted_time_to_target_s", "target", "baseline",
+        "baseline_final_val_loss", "dense_method", "dense_final_val_loss", "dense_loss_cost",
+        "bytes_reduction",
     )  # fmt: skip
     rename = {"comm_bytes_all_steps": "comm_bytes_per_step"}
 
@@ -487,12 +511,16 @@ def results_json(rows: list[dict[str, Any]], seeds: list[Any]) -> dict[str, Any]
 
 def plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     """final loss against wire bytes per step (log; the mean over the seeds, bars from the lowest to
-    the highest), and the mean time-to-target against link rate."""
+    the highest), the loss curves and each method's gap to its baseline, and the mean time-to-target
+    against link rate."""
     import matplotlib
 
     matplotlib.use("Agg")
 
-    paths = [_pareto_plot(rows, out / "pareto.png")]
+    paths = [
+        _pareto_plot(rows, out / "pareto.png"),
+        lowcomm_fair.loss_curves_plot(rows, out / "loss_curves.png", SMOOTH),
+    ]
     capped = [r for r in rows if r["link_rate_bps"]]
     if capped:
         paths.append(_time_to_target_plot(capped, out / "time_to_target.png"))
@@ -574,7 +602,7 @@ def _time_to_target_plot(capped: list[dict[str, Any]], path: Path) -> Path:
 
 
 def _methods(text: str) -> list[str]:
-    """``--methods``: known names, DDP first (every figure is relative to it: added if left out)."""
+    """``--methods``: known names, DDP first (the bytes are relative to it: added if left out)."""
     methods = [m.strip() for m in text.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
@@ -613,7 +641,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--methods",
         default=",".join(METHODS),
-        help=f"comma-separated, of: {', '.join(METHODS)} (ddp always runs: the baseline)",
+        help=f"comma-separated, of: {', '.join(METHODS)} (ddp always runs: the bytes' baseline; "
+        "so does each method's DDP of the same train settings, and a compressing DiLoCo method's "
+        "dense twin)",
     )
     ap.add_argument(
         "--steps", type=int, default=160, help="optimizer steps of every run (default 160)"
@@ -651,18 +681,29 @@ def _measure_all(
     args: argparse.Namespace,
     out: Path,
 ) -> list[dict[str, Any]]:
-    """Every method at every seed on every link (each link's rate measured in its namespace), as
-    rows with the round trips the plan expects."""
+    """Every method, with the fair baselines and dense twins it needs (:func:`run_plan`), at every
+    seed on every link (each link's rate measured in its namespace), as rows with the round trips
+    the plan expects."""
     rows = []
-    planned = {m: planned_round_trips([*METHODS[m], *args.overrides], args.steps) for m in methods}
+    runs = run_plan(methods, args.overrides, args.steps)
+    planned = {m: planned_round_trips(p.overrides, args.steps) for m, p in runs.items()}
     for link in links:
         with link_namespace(link) as prefix:
             rate = measure_link(prefix, 16 << 20) if link.rate_bps else 0.0
             for seed in seeds:
-                for method in methods:
-                    rows.append(_measure(prefix, link, rate, method, seed, args, out))
+                for method, p in runs.items():
+                    rows.append(_measure(prefix, link, rate, p, seed, args, out))
                     rows[-1]["planned_round_trips"] = planned[method]
     return rows
+
+
+def run_plan(
+    methods: list[str], overrides: list[str], steps: int
+) -> dict[str, lowcomm_fair.Planned]:
+    """The runs ``methods`` need with the user's ``overrides``: plain DDP, each method's DDP twin
+    (same train settings) and, for a compressing DiLoCo method, its dense twin
+    (:func:`dtlab.bench.lowcomm_fair.plan`)."""
+    return lowcomm_fair.plan(methods, METHODS, overrides, [*COMMON, f"train.steps={steps}"])
 
 
 def _write_outputs(
@@ -701,21 +742,25 @@ def _measure(
     prefix: list[str],
     link: Link,
     rate: float,
-    method: str,
+    planned: lowcomm_fair.Planned,
     seed: int | None,
     args: argparse.Namespace,
     out: Path,
 ) -> dict[str, Any]:
-    """One run of ``method`` (with ``seed``) on ``link``, as a row."""
+    """One run of a planned method (with ``seed``) on ``link``, as a row naming its baseline and
+    dense twin, with its train settings."""
     t0 = time.perf_counter()
-    name = f"{link.name}-{method}" + (f"-seed{seed}" if seed is not None else "")
+    method = planned.name
+    name = f"{link.name}-{lowcomm_fair.dir_name(method)}" + (
+        f"-seed{seed}" if seed is not None else ""
+    )
     run_dir = out / "runs" / name
     if run_dir.exists():
         shutil.rmtree(run_dir)
-    overrides = [*METHODS[method], *args.overrides]
-    overrides += [f"train.seed={seed}"] if seed is not None else []
+    overrides = [*planned.overrides] + ([f"train.seed={seed}"] if seed is not None else [])
     records = _run(prefix, run_dir, args.steps, overrides, run_env(link))
     r = _row(method, link, rate, records, inner_steps(overrides), seed)
+    r.update(baseline=planned.baseline, dense_method=planned.dense, train_settings=planned.train)
     print(
         f"{link.name:>8} {method:<15} {'' if seed is None else f'seed {seed} '}"
         f"{r['wire_bytes_per_step'] / 2**20:8.3f} MiB/step {r['step_time_s']:.3f} s/step  "
