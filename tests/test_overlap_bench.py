@@ -49,6 +49,12 @@ def test_rates_parse_and_a_bad_one_is_named(capsys: pytest.CaptureFixture[str]) 
         (["--methods", "ddp,nope"], "--methods 'ddp,nope': nope not known; allowed: ddp,"),
         (["--replicas", "1,4"], "--replicas '1,4': allowed comma-separated counts of 2 to 64"),
         (["--steps", "2"], "--steps 2: allowed 3 or more"),
+        # Every run's config is checked before a namespace is made: the debug model's 2 layers
+        # cannot hold 4 fragments.
+        (
+            ["--methods", "ddp,diloco-dense-d2", "--set", "model.preset=debug", "data.seq_len=64"],
+            "diloco-dense-d2: config: parallel.diloco.fragments = 4 is more than the model's 2",
+        ),
     ]:
         assert overlap.main(argv) == 2
         assert message in capsys.readouterr().err
@@ -91,6 +97,7 @@ def test_a_row_counts_the_bytes_of_whole_outer_periods() -> None:
     assert overlap.reference_overrides(45)[-1] == "parallel.diloco.inner_steps=46"
     # The 1-bit method is lowcomm's streaming-int1 (written out there: no torch to import first).
     assert sorted(overlap.METHODS["streaming-int1-d0"]) == sorted(lowcomm.METHODS["streaming-int1"])
+    overlap.check_configs(list(overlap.METHODS), 45, [])  # every method's config loads
 
 
 @needs_root

@@ -65,12 +65,16 @@ _INT1 = [
 # Each method as config overrides on top of the common run: DDP, and Streaming DiLoCo with 4
 # fragments each synced once per 5 steps, in 1 bit (lowcomm's streaming-int1) or dense float32,
 # its outer all-reduce landing at once (d0) or overlapped with the next 2 inner steps (d2).
+# Every method's config is checked before any run (:func:`_methods`).
 METHODS: dict[str, list[str]] = {
     "ddp": [],
     "streaming-int1-d0": [*_INT1],
     "streaming-int1-d2": [*_INT1, "parallel.diloco.delay=2"],
     "diloco-dense-d0": [*_DENSE],
     "diloco-dense-d2": [*_DENSE, "parallel.diloco.delay=2"],
+    # Eager updates: with a sync in flight each replica goes on from its own share of the outer step.
+    "streaming-int1-d2-eager": [*_INT1, "parallel.diloco.delay=2", "parallel.diloco.eager=true"],
+    "diloco-dense-d2-eager": [*_DENSE, "parallel.diloco.delay=2", "parallel.diloco.eager=true"],
 }
 DEFAULT_METHODS = "ddp,streaming-int1-d0,streaming-int1-d2,diloco-dense-d0,diloco-dense-d2"
 REFERENCE = "compute-only"  # the reference run's name in the rows
@@ -300,6 +304,20 @@ def mean_records(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
             f"steps {short[:5]} are not in every reference run; allowed: the same steps"
         )
     return [{"step": step, "step_time_s": statistics.fmean(t)} for step, t in sorted(times.items())]
+
+
+def check_configs(methods: list[str], steps: int, extra: list[str]) -> None:
+    """Every run's config (the reference's and each method's, with ``extra``) loaded before any run
+    starts: a bad override, or a method the shape cannot hold, is named at once."""
+    from dtlab.bench.lowcomm import COMMON
+    from dtlab.config import load_config
+
+    runs = [(REFERENCE, reference_overrides(steps)), *((m, METHODS[m]) for m in methods)]
+    for name, overrides in runs:
+        try:
+            load_config(overrides=[*COMMON, f"train.steps={steps}", *overrides, *extra])
+        except DtlabError as e:
+            raise DtlabError(f"{name}: {e}") from None
 
 
 def _methods(text: str) -> list[str]:
@@ -572,6 +590,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.steps < 3:
             raise DtlabError(f"--steps {args.steps}: allowed 3 or more")
         _check_can_create()
+        check_configs(methods, args.steps, args.overrides)
         out = Path(args.out)
         (out / "runs").mkdir(parents=True, exist_ok=True)
         rows: list[dict[str, Any]] = []
