@@ -163,13 +163,17 @@ def test_each_method_gets_ddp_with_its_own_train_settings_and_its_dense_twin() -
         plan["ddp-muon"].train["train.lr"] == plan["streaming-int1-muon"].train["train.lr"] == 3e-3
     )
 
-    known = {**lowcomm.METHODS, "slow": [*lowcomm.METHODS["diloco"], "train.lr=1e-3"]}
-    plan = lowcomm_fair.plan(["slow"], known, [], [*lowcomm.COMMON, "train.steps=8"])
-    assert list(plan) == ["ddp", "ddp[train.lr=1e-3]", "slow"]
+    # A learning rate of a method's own: a DDP twin of that rate, run once for every method of the
+    # same train settings (the same value however written), as the dense twins are.
+    known = {
+        **lowcomm.METHODS, "slow": [*lowcomm.METHODS["diloco"], "train.lr=1e-3"],
+        "slow-int2": [*lowcomm.METHODS["diloco-int2"], "train.lr=0.001"],
+    }  # fmt: skip
+    plan = lowcomm_fair.plan(["slow", "slow-int2"], known, [], [*lowcomm.COMMON, "train.steps=8"])
+    assert list(plan) == ["ddp", "ddp[train.lr=1e-3]", "slow", "slow-int2"]
     twin = plan["ddp[train.lr=1e-3]"]
-    assert (twin.overrides, twin.baseline, plan["slow"].baseline) == (
-        ["train.lr=1e-3"], twin.name, twin.name,
-    )  # fmt: skip
+    assert (twin.overrides, twin.baseline) == (["train.lr=1e-3"], twin.name)
+    assert {(p.baseline, p.dense) for p in list(plan.values())[2:]} == {(twin.name, "slow")}
     assert lowcomm_fair.dir_name(twin.name) == "ddp_train.lr_1e-3_"
 
 

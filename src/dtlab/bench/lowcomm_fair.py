@@ -118,10 +118,10 @@ def _train_overrides(overrides: list[str]) -> list[str]:
 
 
 def _match(
-    resolve: _Resolver, config: dict[str, Any], known: dict[str, list[str]], user: list[str]
+    resolve: _Resolver, config: dict[str, Any], candidates: dict[str, list[str]]
 ) -> str | None:
-    """The first known method whose run resolves to ``config``."""
-    return next((m for m, o in known.items() if resolve([*o, *user]) == config), None)
+    """The first of ``candidates`` (names and their runs' overrides) that resolves to ``config``."""
+    return next((m for m, o in candidates.items() if resolve(o) == config), None)
 
 
 def _is_diloco(config: dict[str, Any]) -> bool:
@@ -145,6 +145,18 @@ def plan(
     resolve = _Resolver(common)
     out: dict[str, Planned] = {}
 
+    def twin(config: dict[str, Any], name: str, own: list[str], tail: tuple[str, ...]) -> str:
+        """The run of ``config``: a known or planned method of the same config, else ``name``,
+        the run of ``own`` and ``tail`` (planned now)."""
+        runs = {m: [*o, *user] for m, o in known.items()}
+        runs.update((n, p.overrides) for n, p in out.items())
+        same = _match(resolve, config, runs)
+        if same is None:
+            add(name, own, tail)
+        elif same not in out and same in known:
+            add(same, known[same])
+        return same or name
+
     def add(name: str, own: list[str], tail: tuple[str, ...] = ()) -> None:
         """Plan ``name``, the run of ``own`` with ``user`` and then ``tail`` on top, after its
         twins."""
@@ -152,20 +164,15 @@ def plan(
             return
         overrides = [*own, *user, *tail]
         config = resolve.need(overrides, name)
-        twin = _train_overrides(own)
-        baseline = _match(resolve, resolve.need([*twin, *user], f"DDP twin of {name}"), known, user)
-        baseline = baseline or f"ddp[{','.join(twin)}]"
-        if baseline != name:
-            add(baseline, twin)
+        ddp = _train_overrides(own)
+        ddp_config = resolve.need([*ddp, *user], f"the DDP twin of {name}")
+        baseline = name  # plain DDP is its own
+        if config != ddp_config:
+            baseline = twin(ddp_config, f"ddp[{','.join(ddp)}]", ddp, ())
         dense: str | None = name if _is_diloco(config) else None
         if _compresses(config):
             dense_config = resolve.need([*overrides, *DENSE], f"{name}-dense")
-            dense = _match(resolve, dense_config, known, user)
-            if dense is not None:
-                add(dense, known[dense])
-            else:
-                dense = f"{name}-dense"
-                add(dense, own, (*tail, *DENSE))
+            dense = twin(dense_config, f"{name}-dense", own, (*tail, *DENSE))
         out[name] = Planned(name, overrides, baseline, dense, train_settings(config))
 
     add("ddp", known["ddp"])
