@@ -78,7 +78,7 @@ def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _outer_tensors(d: DiLoCo) -> list[torch.Tensor]:
     held = [
         *d.global_, *d.momentum, *d.error, *d.others,
-        *(s for p in d.pending for s in p.snapshot), *(p.own for p in d.pending),
+        *(s for p in d.pending for s in p.snapshot), *(s for p in d.pending for s in p.own or []),
     ]  # fmt: skip
     return [t for t in held if t is not None]
 
@@ -218,7 +218,7 @@ def _host_peak(diloco: DiLoCo, steps: int) -> int:
 
     def measured_land(sync: Any) -> None:
         nonlocal peak
-        peak = max(peak, held([*sync.snapshot, *([sync.own] if sync.own is not None else [])]))
+        peak = max(peak, held([*sync.snapshot, *(sync.own or [])]))
         land(sync)
         peak = max(peak, held([]))
 

@@ -26,6 +26,13 @@ DILOCO: dict[str, tuple[int, list[str]]] = {
     "diloco:2 int8, 4 fragments, delay 2": (
         2, ["parallel.strategy=ddp", *_DILOCO, "model.n_layers=4", "parallel.diloco.fragments=4",
             "parallel.diloco.delay=2", "parallel.diloco.quantize=int8"]),
+    "diloco:2 int8, 4 fragments, delay 2, eager": (
+        2, ["parallel.strategy=ddp", *_DILOCO, "model.n_layers=4", "parallel.diloco.fragments=4",
+            "parallel.diloco.delay=2", "parallel.diloco.quantize=int8", "parallel.diloco.eager=true",
+            "parallel.diloco.outer_momentum=0.5"]),
+    "diloco:2 x ddp:2 dense, 2 fragments, delay 1, eager": (
+        4, ["parallel.strategy=ddp", "parallel.diloco.replicas=2", "parallel.diloco.inner_steps=4",
+            "parallel.diloco.fragments=2", "parallel.diloco.delay=1", "parallel.diloco.eager=true"]),
     "diloco:2 sparse int2, momentum": (
         2, ["parallel.strategy=ddp", *_DILOCO, "parallel.diloco.topk=0.05",
             "parallel.diloco.quantize=int2", "parallel.diloco.outer_momentum=0.9"]),

@@ -182,14 +182,21 @@ def _send_bytes(n: int, largest: int, o: DiLoCoOptions, replicas: int) -> int:
     difference); under a compressed sync the error feedback added into it a parameter at a time,
     its encoding (:func:`_played`), and the payload beside the all-gather's buffer."""
     delta = FP32 * (n + 2 * largest)
+    # Eager updates, after the collective is issued: a parameter's estimate of the outer step (its
+    # share and the others' brought over, the momentum's copy and its product, then θ_global's
+    # copy and the difference), beside the collective's buffer (and the payload).
+    estimate = FP32 * 3 * largest if o.eager else 0
     if not gathers(o):
-        return delta
+        # Eager: this replica's share (the pseudo-gradient over n) beside it, before the send.
+        return max(delta, FP32 * 2 * n if o.eager else 0, FP32 * n + estimate)
     payload = outer_payload_bytes(n, o)
     encoding, _ = _played(n, o, replicas)
     return max(
         delta,  # the error feedback added in place: a parameter's copy and its decayed value
         FP32 * n + encoding,  # the target (pseudo-gradient + feedback) and its encoding
-        payload + sync_bytes(n, o, replicas),
+        # Eager: the replica's own payload decoded (its share), before the buffer is made.
+        payload + _played(n, o, 1)[1] if o.eager else 0,
+        payload + sync_bytes(n, o, replicas) + estimate,
     )
 
 

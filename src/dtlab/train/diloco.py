@@ -165,8 +165,8 @@ class _Sync:
     buffer: torch.Tensor  # what the collective fills, on the replica's device (sum or payloads)
     work: Any = None  # the collective's handle while it runs
     # Eager updates: this replica's share of the mean it sent (Δ_r / n as the others decode it),
-    # flat float32 in host memory; None without eager.
-    own: torch.Tensor | None = None
+    # per parameter, float32 in host memory; None without eager.
+    own: list[torch.Tensor] | None = None
 
     def wait(self) -> None:
         if self.work is not None:
@@ -297,10 +297,11 @@ class DiLoCo:
         idx = self.fragments[k]
         params = self.params
         with torch.no_grad():
-            snapshot = [self._host(params[i].detach().float()) for i in idx]
+            # θ_at_send, what the landing keeps the progress since (eager: the estimate, below).
+            snapshot = [] if self.o.eager else [self._host(params[i].detach().float()) for i in idx]
             delta = self._flat(idx, lambda i: self._dev(self.global_[i]) - params[i].float())
         if not gathers(self.o):
-            own = self._host(delta / self.world, copy=False) if self.o.eager else None
+            own = self._split(idx, delta / self.world) if self.o.eager else None
             buffer = delta
             work = self._collective(dist.all_reduce, buffer)
         else:
@@ -314,7 +315,7 @@ class DiLoCo:
             own = None
             if self.o.eager:  # what the others decode of this replica's payload, over n
                 numel = sum(self.global_[i].numel() for i in idx)
-                own = self._host(self.mean_of(payload.view(1, -1), numel).div_(self.world), False)
+                own = self._split(idx, self.mean_of(payload.view(1, -1), numel).div_(self.world))
             buffer = torch.empty(
                 self.world * payload.numel(), dtype=torch.uint8, device=payload.device
             )
@@ -324,19 +325,26 @@ class DiLoCo:
         self._mark_copied()
         return _Sync(k, step, step + self.o.delay, snapshot, buffer, work, own)
 
-    def _estimate(self, idx: list[int], own: torch.Tensor) -> list[torch.Tensor]:
+    def _split(self, idx: list[int], flat: torch.Tensor) -> list[torch.Tensor]:
+        """``flat`` (parameters ``idx``, one after another) as each parameter's tensor in host memory."""
+        out, offset = [], 0
+        for i in idx:
+            n = self.global_[i].numel()
+            out.append(self._host(flat[offset : offset + n].view_as(self.global_[i])))
+            offset += n
+        return out
+
+    def _estimate(self, idx: list[int], own: list[torch.Tensor]) -> list[torch.Tensor]:
         """Eager updates: the replica's weights of parameters ``idx`` set at once to θ_global after the
         outer step on the estimated mean (``own``, this replica's share, plus the others' share of the
         last sync), with the outer momentum as it stands (not updated: the true step does that when the
         sync lands). Returns the weights so set (host memory): what the landing keeps the progress
         since."""
         lr, mu = self.o.outer_lr, self.o.outer_momentum
-        params, out, offset = self.params, [], 0
+        params, out = self.params, []
         with torch.no_grad():
-            for i in idx:
-                n = self.global_[i].numel()
-                g = self._dev(own[offset : offset + n].view_as(self.global_[i])).clone()
-                offset += n
+            for i, mine in zip(idx, own, strict=True):
+                g = self._dev(mine).clone()
                 if (others := self.others[i]) is not None:
                     g.add_(self._dev(others))
                 if mu > 0:
@@ -380,12 +388,12 @@ class DiLoCo:
         # On the replica's device, one parameter at a time (its outer state copied over from the
         # host and back, asynchronously: the GPU holds one parameter's outer state at a time).
         with torch.no_grad():
-            for i, snap in zip(idx, sync.snapshot, strict=True):
+            for n, (i, snap) in enumerate(zip(idx, sync.snapshot, strict=True)):
                 g = mean[offset : offset + snap.numel()].view_as(snap)
                 if sync.own is not None:  # eager: the others' share of this mean, for the next sync
-                    own = self._dev(sync.own[offset : offset + snap.numel()].view_as(snap))
-                    self._keep_others(i, g - own)
-                    del own
+                    mine = self._dev(sync.own[n])
+                    self._keep_others(i, g - mine)
+                    del mine
                 offset += snap.numel()
                 if mu > 0:
                     held = self.momentum[i]
@@ -509,8 +517,8 @@ class DiLoCo:
             out[f"pending.{j}.buffer"] = sync.buffer
             for n, s in enumerate(sync.snapshot):
                 out[f"pending.{j}.snapshot.{n}"] = s
-            if sync.own is not None:
-                out[f"pending.{j}.own"] = sync.own
+            for n, s in enumerate(sync.own or []):
+                out[f"pending.{j}.own.{n}"] = s
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -545,7 +553,9 @@ class DiLoCo:
             ]
             kind = torch.uint8 if gathers(self.o) else torch.float32  # payloads or sum
             buffer = placed(state[f"pending.{j}.buffer"], self.device, kind)
-            own = self._outer(state.get(f"pending.{j}.own"))
+            own = None
+            if f"pending.{j}.own.0" in state:  # eager updates: the replica's share of the sync
+                own = [self._outer(state[f"pending.{j}.own.{n}"]) for n in range(len(snaps))]
             self.pending.append(_Sync(k, sent, due, snaps, buffer, own=own))
             j += 1
 
