@@ -700,6 +700,7 @@ CLAIMS = [
         every(
             refused([*FT, *DILOCO_FT], "parallel.diloco.fragments=2"),
             refused([*FT, *DILOCO_FT], "parallel.diloco.delay=1"),
+            refused([*FT, *DILOCO_FT], "parallel.diloco.eager=true"),
             refused(
                 ["parallel.strategy=fsdp", *DILOCO_FT, "parallel.diloco.replicas=2"],
                 "parallel.fault_tolerance.enabled=true",
