@@ -27,6 +27,9 @@ Reported (``report.json``, ``report.md``, ``chaos.png`` in ``--out``), all measu
   samples not trained in step equivalents; without, the steps between the last checkpoint and each
   fault, trained again;
 - the final loss against the fault-free twin's.
+
+``--diloco`` runs another bench instead: DiLoCo replicas that drop out and rejoin every N outer
+rounds, their loss against clean runs' seed-to-seed spread (:mod:`dtlab.bench.chaos_diloco`).
 """
 
 from __future__ import annotations
@@ -630,6 +633,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--set", dest="overrides", nargs="*", default=[], help="more config overrides")
     ap.add_argument(
+        "--diloco",
+        action="store_true",
+        help="DiLoCo replicas that drop out and rejoin, against clean runs' seeds (its own options: "
+        "python -m dtlab.bench.chaos --diloco --help; dtlab.bench.chaos_diloco)",
+    )
+    ap.add_argument(
         "--report-only",
         action="store_true",
         help="rebuild report.md and chaos.png from --out's report.json and logs (no run)",
@@ -697,6 +706,11 @@ def _record(
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--diloco" in argv:  # DiLoCo replicas that drop out and rejoin: its own bench
+        from dtlab.bench import chaos_diloco
+
+        return chaos_diloco.main([a for a in argv if a != "--diloco"])
     args = _parser().parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
