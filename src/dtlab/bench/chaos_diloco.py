@@ -387,34 +387,51 @@ def report(args: argparse.Namespace, fig: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(fig: dict[str, Any], runs: dict[str, dict[str, Any]], seeds: int, path: Path) -> None:
-    """One panel per seed: every clean run (grey), this seed's clean run (black) and churn run
-    (blue), each drop (red dashed) and rejoin (green dotted) marked."""
+def plot(
+    fig: dict[str, Any], runs: dict[str, dict[str, Any]], seeds: int, factor: float, path: Path
+) -> None:
+    """One row per seed. Left: every clean run (grey), this seed's clean run (black) and churn run
+    (blue), from an eighth of the run on (the first fall hides the rest). Right: the churn run's
+    excess over its clean twin, and ``factor`` x the spread. Each drop (red dashed) and rejoin
+    (green dotted) marked."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(seeds, 1, figsize=(8, 2.3 * seeds), squeeze=False, sharex=True)
+    figure, axes = plt.subplots(seeds, 2, figsize=(9.5, 2.1 * seeds), squeeze=False, sharex=True)
+    last = max((a for xs in fig["curves"].values() for a, _ in xs), default=0)
     for s in range(seeds):
-        ax = axes[s][0]
+        left, right = axes[s]
         for k in range(seeds):
-            xs = fig["curves"][f"clean-s{k}"]
-            ax.plot([a for a, _ in xs], [b for _, b in xs], color="0.75", lw=0.7)
+            xs = [(a, b) for a, b in fig["curves"][f"clean-s{k}"] if a >= last / 8]
+            left.plot([a for a, _ in xs], [b for _, b in xs], color="0.75", lw=0.7)
         for name, color in ((f"clean-s{s}", "k"), (f"churn-s{s}", "C0")):
-            xs = fig["curves"][name]
-            ax.plot([a for a, _ in xs], [b for _, b in xs], color=color, lw=0.9, label=name)
-        for e in runs[f"churn-s{s}"]["events"]:
-            if e["done"]:
-                ax.axvline(e["step"], color="C3", lw=0.7, ls="--")
-            if e.get("rejoin_step") is not None:
-                ax.axvline(e["rejoin_step"], color="C2", lw=0.7, ls=":")
-        ax.set_ylabel("loss at syncs")
-        ax.legend(fontsize=7, loc="upper right")
-        ax.set_title(f"seed {s}: drops (red dashed), rejoins (green dotted)", fontsize=8)
+            xs = [(a, b) for a, b in fig["curves"][name] if a >= last / 8]
+            left.plot([a for a, _ in xs], [b for _, b in xs], color=color, lw=0.9, label=name)
+        clean = dict(fig["curves"][f"clean-s{s}"])
+        gap = [(a, b - clean[a]) for a, b in fig["curves"][f"churn-s{s}"] if a in clean]
+        right.plot([a for a, _ in gap], [b for _, b in gap], color="C0", lw=0.8)
+        right.axhline(0, color="0.6", lw=0.6)
+        if fig["spread_median"] is not None:
+            right.axhline(
+                factor * fig["spread_median"], color="C1", lw=0.8, label=f"{factor:g} x spread"
+            )
+            right.legend(fontsize=7, loc="upper right")
+        for ax in (left, right):
+            for e in runs[f"churn-s{s}"]["events"]:
+                if e["done"]:
+                    ax.axvline(e["step"], color="C3", lw=0.7, ls="--")
+                if e.get("rejoin_step") is not None:
+                    ax.axvline(e["rejoin_step"], color="C2", lw=0.7, ls=":")
+        left.set_ylabel("loss at syncs")
+        left.legend(fontsize=7, loc="upper right")
+        left.set_title(f"seed {s}: drops (red dashed), rejoins (green dotted)", fontsize=8)
+        right.set_title(f"seed {s}: churn - clean", fontsize=8)
     axes[-1][0].set_xlabel("step")
+    axes[-1][1].set_xlabel("step")
     figure.tight_layout()
-    figure.savefig(path, dpi=70)
+    figure.savefig(path, dpi=60, pil_kwargs={"optimize": True})
     plt.close(figure)
 
 
@@ -501,7 +518,7 @@ def main(argv: list[str] | None = None, python: str = sys.executable) -> int:
     (out / "report.json").write_text(json.dumps(record, indent=1), encoding="utf-8")
     table = report(args, fig)
     (out / "report.md").write_text(table, encoding="utf-8")
-    plot(fig, runs, args.seeds, out / "diloco_churn.png")
+    plot(fig, runs, args.seeds, args.factor, out / "diloco_churn.png")
     print(table)
     return 0
 
