@@ -356,8 +356,9 @@ def train_nodes(
     python: str = sys.executable,
     timeout_s: float = 3600,
 ) -> list[dict[str, Any]]:
-    """One ``dtlab train`` node per replica namespace (``--nproc 1``), all writing ``run_dir``; the
-    records of metrics.jsonl. A DtlabError with the failed node's last lines if any fails."""
+    """One ``dtlab train`` node per replica namespace (``--nproc 1``, this machine's cores shared
+    among them: ``OMP_NUM_THREADS`` unless set), all writing ``run_dir``; the records of
+    metrics.jsonl. A DtlabError with the failed node's last lines if any fails."""
     from dtlab.bench.lowcomm import COMMON
 
     if run_dir.exists():
@@ -365,6 +366,10 @@ def train_nodes(
     run_dir.mkdir(parents=True)
     replicas = len(net.namespaces)
     env = {**os.environ, "GLOO_SOCKET_IFNAME": IFNAME, "PYTHONUNBUFFERED": "1"}
+    # The replicas share this machine's cores: each gets its share of them, as its own machine's
+    # would be (a rank alone on its node would take every core: oversubscribed, its OpenMP threads
+    # wait on each other and the step times swing many-fold).
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // replicas)))
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     procs: list[subprocess.Popen[bytes]] = []
@@ -562,10 +567,11 @@ def measure(
                 net, out / f"r{replicas}-{method}", overrides, steps, port + k, python
             )
             runs.append((method, overrides, records))
+            first = row(method, replicas, overrides, records, refs[0], rates)
             print(
-                f"{replicas} replicas {method:<18} "
-                f"{statistics.median(m['step_time_s'] for m in _timed(records)):.3f} s/step "
-                f"({time.perf_counter() - t0:.0f} s)",
+                f"{replicas} replicas {method:<18} {first['median_step_time_s']:.3f} s/step, "
+                f"utilisation {100 * first['utilisation']:.1f}% against the first reference, "
+                f"in-run {_num(first['in_run_share'], '.3f')} ({time.perf_counter() - t0:.0f} s)",
                 flush=True,
             )
         refs.append(
@@ -580,8 +586,26 @@ def measure(
     return rows
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # Ctrl-C and SIGTERM end the bench through its clean-ups (the nodes killed, the namespaces
+    # removed), also where a shell started it in the background with SIGINT ignored.
+    before = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _main(args)
+    except KeyboardInterrupt:
+        print("stopped: the runs' nodes and namespaces are removed", file=sys.stderr)
+        return 130
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
+def _main(args: argparse.Namespace) -> int:
     try:
         counts = _replica_counts(args.replicas)
         methods = _methods(args.methods)
