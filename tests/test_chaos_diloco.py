@@ -60,6 +60,8 @@ def test_spread_is_the_median_over_steps_of_the_seeds_standard_deviation() -> No
     assert median == pytest.approx(0.4 / 2**0.5)
     with pytest.raises(ValueError, match="1 clean run"):
         spread([a])
+    with pytest.raises(ValueError, match="no sync step in common"):
+        spread([a, {}])
 
 
 def test_spike_is_the_largest_excess_in_the_window() -> None:
