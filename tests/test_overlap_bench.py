@@ -94,7 +94,12 @@ def test_a_row_counts_the_bytes_of_whole_outer_periods() -> None:
     r = overlap.row("diloco-dense-d2", 2, overlap.METHODS["diloco-dense-d2"], records, ref, (1, 2))
     assert r["wire_bytes_per_step"] == pytest.approx(200)  # steps 1 to 10: two whole periods
     assert r["utilisation"] == 1.0 and r["steps"] == 12
-    assert overlap.reference_overrides(45)[-1] == "parallel.diloco.inner_steps=46"
+    # The reference never syncs, whatever the runs' own overrides say of DiLoCo's fragments.
+    ref = overlap.reference_overrides(45, ["parallel.diloco.fragments=2", "model.dim=64"])
+    assert ref[:2] == ["parallel.diloco.fragments=2", "model.dim=64"]
+    assert ref[-3:] == [
+        "parallel.diloco.inner_steps=46", "parallel.diloco.fragments=1", "parallel.diloco.delay=0",
+    ]  # fmt: skip
     # The 1-bit method is lowcomm's streaming-int1 (written out there: no torch to import first).
     assert sorted(overlap.METHODS["streaming-int1-d0"]) == sorted(lowcomm.METHODS["streaming-int1"])
     overlap.check_configs(list(overlap.METHODS), 45, [])  # every method's config loads

@@ -312,10 +312,13 @@ def check_configs(methods: list[str], steps: int, extra: list[str]) -> None:
     from dtlab.bench.lowcomm import COMMON
     from dtlab.config import load_config
 
-    runs = [(REFERENCE, reference_overrides(steps)), *((m, METHODS[m]) for m in methods)]
+    runs = [
+        (REFERENCE, reference_overrides(steps, extra)),
+        *((m, [*METHODS[m], *extra]) for m in methods),
+    ]
     for name, overrides in runs:
         try:
-            load_config(overrides=[*COMMON, f"train.steps={steps}", *overrides, *extra])
+            load_config(overrides=[*COMMON, f"train.steps={steps}", *overrides])
         except DtlabError as e:
             raise DtlabError(f"{name}: {e}") from None
 
@@ -341,10 +344,14 @@ def _replica_counts(text: str) -> list[int]:
     return list(dict.fromkeys(counts))
 
 
-def reference_overrides(steps: int) -> list[str]:
-    """The compute-only reference: DiLoCo with more inner steps than the run has, so that it never
-    syncs (and DDP inside a replica of one rank sends nothing)."""
-    return [*_AVG, f"parallel.diloco.inner_steps={steps + 1}"]
+def reference_overrides(steps: int, extra: list[str]) -> list[str]:
+    """The compute-only reference with the runs' ``extra`` overrides: DiLoCo with more inner steps
+    than the run has and the whole model one fragment, so that it never syncs (and DDP inside a
+    replica of one rank sends nothing), whatever ``extra`` says of DiLoCo (its own settings last)."""
+    return [
+        *extra, *_AVG, f"parallel.diloco.inner_steps={steps + 1}", "parallel.diloco.fragments=1",
+        "parallel.diloco.delay=0",
+    ]  # fmt: skip
 
 
 def train_nodes(
@@ -554,7 +561,7 @@ def measure(
             flush=True,
         )
         port = 29500 + os.getpid() % 1000
-        ref_over = [*reference_overrides(steps), *extra]
+        ref_over = reference_overrides(steps, extra)
         ref_dir = out / f"r{replicas}-{REFERENCE}"
         # The reference runs first and again last; its step times are the mean of the two (the
         # machine's own drift over the runs between), and either against the other is the noise.
