@@ -368,7 +368,8 @@ def report(rows: list[dict[str, Any]], target: float, steps: int) -> str:
 
 _PLOTS_NOTE = (
     "Plots: pareto.png (final loss against bytes), time_to_target.png (with capped links) and "
-    "loss_curves.png (every method's smoothed training loss over the run, first link, mean over the "
+    "loss_curves.png (every method's training loss over the run, a moving mean over a fiftieth of "
+    "the run or at least 10 steps, first link, mean over the "
     "seeds, and its gap to its baseline in percent, step by step)."
 )
 _TRIPS_NOTE = (
@@ -519,7 +520,11 @@ def plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
 
     paths = [
         _pareto_plot(rows, out / "pareto.png"),
-        lowcomm_fair.loss_curves_plot(rows, out / "loss_curves.png", SMOOTH),
+        # Over a long run a 10-step mean leaves the noise of one replica's half batch between
+        # syncs: the curves are smoothed over a fiftieth of the run (at least SMOOTH steps).
+        lowcomm_fair.loss_curves_plot(
+            rows, out / "loss_curves.png", max(SMOOTH, len(rows[0]["losses"]) // 50)
+        ),
     ]
     capped = [r for r in rows if r["link_rate_bps"]]
     if capped:
