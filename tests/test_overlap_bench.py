@@ -8,8 +8,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -146,6 +148,32 @@ def test_without_permission_it_is_a_clear_error() -> None:
     assert proc.returncode == 2
     assert "needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN)" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@needs_root
+def test_sigterm_ends_the_bench_through_its_clean_ups(tmp_path: Path) -> None:
+    """SIGTERM while a run's nodes train: the bench kills them and removes its namespaces, and says
+    it stopped (130), with no traceback."""
+    out = tmp_path / "out"
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "dtlab.bench.overlap", "--replicas", "2", "--steps", "200",
+         "--methods", "ddp", "--out", str(out), "--set", "model.preset=debug", "data.seq_len=64"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    node_log = out / "runs" / "r2-compute-only-a.node1.log"
+    deadline = time.monotonic() + 240
+    while not node_log.exists() and bench.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)  # polling for the nodes to start, not waiting for a result
+    mine = {n for n in _namespaces() if n.startswith(f"dtov-{bench.pid}-")}
+    assert bench.poll() is None and node_log.exists() and len(mine) == 3, bench.stderr
+    bench.send_signal(signal.SIGTERM)
+    _, err = bench.communicate(timeout=120)
+    assert bench.returncode == 130, err
+    assert "stopped: the runs' nodes and namespaces are removed" in err and "Traceback" not in err
+    assert not mine & _namespaces()
+    assert not any((Path("/etc/netns") / name).exists() for name in mine)
+    left = subprocess.run(["pgrep", "-f", f"run.dir={out}"], capture_output=True, text=True)
+    assert left.stdout == "", left.stdout  # every node's launcher and worker is gone
 
 
 @needs_root

@@ -244,11 +244,10 @@ def measure_rate(
         )  # fmt: skip
         if proc.returncode != 0:
             raise DtlabError(f"measuring the link failed: {proc.stderr.strip()[-300:]}")
+        sink.wait(timeout=30)  # it acknowledged every byte: it is on its way out
         return float(proc.stdout.strip())
     finally:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            sink.wait(timeout=30)
-        if sink.poll() is None:
+        if sink.poll() is None:  # a failure or an interrupt: it would wait for bytes never sent
             sink.kill()
             sink.wait()
 
