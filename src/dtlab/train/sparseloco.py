@@ -86,6 +86,10 @@ def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
     groups = flat.view(-1, 8)
+    if bits == 1:  # value j of a group is bit j of its byte: one shift and one sum (signs, int1)
+        places = torch.arange(8, dtype=torch.uint8, device=groups.device)
+        out = (groups << places).sum(1, dtype=torch.uint8)
+        return out[: math.ceil(codes.numel() / 8)]
     out = torch.zeros(groups.shape[0], bits, dtype=torch.uint8, device=codes.device)
     for value, bit, byte, place in _bit_places(bits):
         column = out[:, byte]
@@ -99,6 +103,9 @@ def _unpack(packed: torch.Tensor, count: int, bits: int) -> torch.Tensor:
     pad = (-packed.numel()) % bits
     whole = torch.cat([packed, packed.new_zeros(pad)]) if pad else packed
     groups = whole.view(-1, bits)
+    if bits == 1:
+        places = torch.arange(8, dtype=torch.uint8, device=groups.device)
+        return ((groups >> places) & 1).long().flatten()[:count]
     out = torch.zeros(groups.shape[0], 8, dtype=torch.int64, device=packed.device)
     for value, bit, byte, place in _bit_places(bits):
         column = out[:, value]
@@ -126,18 +133,21 @@ def encode_sections(
     rows = torch.zeros(chunks * chunk, dtype=torch.float32, device=x.device)
     rows[:n] = x
     rows = rows.view(chunks, chunk)
-    if k == chunk:  # every value, in order: no indices to send
-        idx = torch.arange(chunk, device=x.device).expand(chunks, chunk)
+    if k == chunk:  # every value, in order: no indices to send, nothing to pick or scatter
+        idx, picked = None, rows
+        parts = [torch.zeros(0, dtype=torch.uint8, device=x.device)]
     else:
         idx = rows.abs().topk(k, dim=1, sorted=False).indices
-    picked = rows.gather(1, idx)
-    parts = [_pack(idx, index_bits(chunk, k))]
+        picked = rows.gather(1, idx)
+        parts = [_pack(idx, index_bits(chunk, k))]
     if quantize == "none":
         values = picked
         parts.append(picked.contiguous().flatten().view(torch.uint8))
     else:
         codes, scale, values = _quantize(picked, SPARSE_BITS[quantize], chunks_per_scale(chunk))
         parts += [_pack(codes, SPARSE_BITS[quantize]), scale.flatten().view(torch.uint8)]
+    if idx is None:
+        return parts, values.flatten()[:n]
     dense = torch.zeros_like(rows).scatter_(1, idx, values).flatten()[:n]
     return parts, dense
 
@@ -150,10 +160,7 @@ def decode(
     k = values_per_chunk(topk, chunk)
     sent, ib = chunks * k, index_bits(chunk, k)
     at = math.ceil(sent * ib / 8)
-    if ib == 0:
-        idx = torch.arange(chunk, device=payload.device).expand(chunks, chunk)
-    else:
-        idx = _unpack(payload[:at], sent, ib).view(chunks, k)
+    idx = None if ib == 0 else _unpack(payload[:at], sent, ib).view(chunks, k)
     if quantize == "none":
         values = payload[at : at + 4 * sent].clone().view(torch.float32).view(chunks, k)
     else:
@@ -164,6 +171,8 @@ def decode(
         scales = math.ceil(chunks / g)
         scale = payload[end : end + 4 * scales].clone().view(torch.float32).view(scales, 1)
         values = _dequantize(codes, _per_chunk(scale, g, chunks), bits)
+    if idx is None:  # every value, in order
+        return values.flatten()[:numel]
     rows = torch.zeros(chunks, chunk, dtype=torch.float32, device=payload.device)
     return rows.scatter_(1, idx, values).flatten()[:numel]
 
