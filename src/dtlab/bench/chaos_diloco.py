@@ -54,10 +54,13 @@ __all__ = [
 ]
 
 
-def kill_schedule(replicas: int, every_rounds: int, rounds: int) -> list[tuple[int, int]]:
+def kill_schedule(
+    replicas: int, every_rounds: int, rounds: int, events: int | None = None
+) -> list[tuple[int, int]]:
     """The kills of a churn run of ``rounds`` outer rounds: (outer round after which it strikes,
-    group), one every ``every_rounds`` rounds strictly before the run's last round, round robin
-    over groups 1..``replicas``-1 (group 0, whose rounds are counted, is never killed)."""
+    group), one every ``every_rounds`` rounds strictly before the run's last round (the first
+    ``events`` of them, when given), round robin over groups 1..``replicas``-1 (group 0, whose
+    rounds are counted, is never killed)."""
     if replicas < 2:
         raise ValueError(
             f"replicas = {replicas}: a churn run needs at least 2 (one is never killed)"
@@ -67,7 +70,7 @@ def kill_schedule(replicas: int, every_rounds: int, rounds: int) -> list[tuple[i
     out = []
     for k, at in enumerate(range(every_rounds, rounds, every_rounds)):
         out.append((at, 1 + k % (replicas - 1)))
-    return out
+    return out if events is None else out[:events]
 
 
 @dataclass
@@ -124,7 +127,9 @@ def run_one(
             train_command(args, run_dir, seed, python), stdout=log, stderr=subprocess.STDOUT
         )
         rounds = args.steps // args.inner_steps
-        schedule = kill_schedule(args.replicas, args.every_rounds, rounds) if churn else []
+        schedule = (
+            kill_schedule(args.replicas, args.every_rounds, rounds, args.events) if churn else []
+        )
         events = [Event(r, g) for r, g in schedule]
         pending = list(events)
         while proc.poll() is None:
@@ -451,7 +456,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--replicas", type=int, default=2, help="DiLoCo replica groups (>= 2)")
     ap.add_argument("--inner-steps", type=int, default=8, help="H: inner steps between syncs")
     ap.add_argument("--every-rounds", type=int, default=30, help="outer rounds between kills")
-    ap.add_argument("--events", type=int, default=3, help="kills per churn run (sets --steps)")
+    ap.add_argument(
+        "--events",
+        type=int,
+        default=3,
+        help="kills per churn run, at most (and the default --steps)",
+    )
     ap.add_argument(
         "--steps",
         type=int,
