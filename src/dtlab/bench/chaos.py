@@ -35,9 +35,7 @@ rounds, their loss against clean runs' seed-to-seed spread (:mod:`dtlab.bench.ch
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import re
 import signal
 import statistics
@@ -48,24 +46,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dtlab.runtime import forkserver
+from dtlab.bench.chaos_procs import BASE, _events, _last_step, _pids, _signal
 
 MODES = ("ft-clean", "ft-kill", "ft-hang", "plain-clean", "restart-kill")
 # Each faulty run's fault-free twin.
 TWIN = {"ft-kill": "ft-clean", "ft-hang": "ft-clean", "restart-kill": "plain-clean"}
-
-BASE = [
-    "model.preset=debug",
-    "data.source=synthetic",
-    "data.seq_len=64",
-    "train.warmup_steps=10",
-    "train.lr=3e-3",
-    "run.log_every=1",
-    "run.tensorboard=false",
-    "run.plot=false",
-    "run.progress=none",
-    "parallel.strategy=ddp",
-]
 
 
 @dataclass
@@ -81,42 +66,6 @@ class Run:
     started: float = 0.0  # its wall time at the start
     # (seconds since the start, the last step any of its metrics files logged), sampled as it ran
     timeline: list[tuple[float, int]] = field(default_factory=list)
-
-
-def _pids(run_dir: Path, replica: int | None) -> list[int]:
-    """The training processes of ``run_dir`` (of replica group ``replica`` with fault tolerance):
-    those its agents started, not the launchers."""
-    want = str(run_dir if replica is None else run_dir / f"replica-{replica}")
-    out = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            cmd = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
-            env = (proc / "environ").read_bytes()
-        except OSError:
-            continue
-        if b"TORCHELASTIC_RUN_ID=" not in env or "dtlab.fault_tolerance" in cmd:
-            continue
-        if any(a.startswith("run.dir=") and a[len("run.dir=") :] == want for a in cmd):
-            out.append(forkserver.real_pid(int(proc.name)))  # warm_restart: the shim's child
-    return out
-
-
-def _last_step(path: Path) -> int:
-    """The step of the last complete line of a metrics file (0 if none): its tail only, so that
-    sampling a long run's files often costs the training nothing."""
-    try:
-        with path.open("rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 4096))
-            tail = f.read().decode(errors="replace")
-    except OSError:
-        return 0
-    for line in reversed(tail.splitlines()):
-        try:
-            return int(json.loads(line)["step"])
-        except (ValueError, KeyError, TypeError):
-            continue
-    return 0
 
 
 def _max_step(run_dir: Path, replicas: int | None) -> int:
@@ -256,21 +205,7 @@ def _strike(
             stopped.append((now + args.hang_s, pids))
 
 
-def _signal(pid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
-        os.kill(pid, sig)
-
-
 # -- what the runs left ----------------------------------------------------------------------------
-
-
-def _events(run_dir: Path, replicas: int) -> list[dict[str, Any]]:
-    out = []
-    for i in range(replicas):
-        path = run_dir / f"replica-{i}" / "ft_events.jsonl"
-        if path.exists():
-            out += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return sorted(out, key=lambda e: e["time"])
 
 
 def _summary(path: Path) -> dict[str, Any]:

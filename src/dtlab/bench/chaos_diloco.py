@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dtlab.bench.chaos import BASE, _events, _last_step, _pids, _signal
+from dtlab.bench.chaos_procs import BASE, _events, _last_step, _pids, _signal
 
 __all__ = [
     "Event",
