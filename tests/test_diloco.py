@@ -256,10 +256,20 @@ STREAMING = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("quantize", ["none", "int8", "int4", "int2"])
-def test_bytes_per_step_are_predicted_to_the_byte(tmp_path: Path, quantize: str) -> None:
-    result = _per_step_bytes(tmp_path, 2, *STREAMING, f"parallel.diloco.quantize={quantize}")
+@pytest.mark.parametrize(
+    ("quantize", "delay"), [("none", 1), ("int8", 1), ("int4", 1), ("int2", 1), ("int2", 0)]
+)
+def test_bytes_per_step_are_predicted_to_the_byte(
+    tmp_path: Path, quantize: str, delay: int
+) -> None:
+    result = _per_step_bytes(
+        tmp_path, 2, *STREAMING, f"parallel.diloco.quantize={quantize}",
+        f"parallel.diloco.delay={delay}",
+    )  # fmt: skip
     assert result["measured"] == result["predicted"], result
+    # With a delay the agreement has a group of its own, of the outer syncs' ranks (on theirs it
+    # would wait for the fragment in flight); without, nothing is in flight: it shares theirs.
+    assert result["agreement_apart"] == (delay > 0), result
     assert result["measured_wire"] == result["predicted_wire"], result
     syncs = [b for b in result["measured"] if b > result["measured"][0]]
     assert len(syncs) >= 4  # the fragments' syncs are in there

@@ -8,6 +8,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch.distributed as dist
+
 from dtlab.analysis.model import (
     bus_bytes,
     diloco_agreement_bytes,
@@ -61,6 +63,13 @@ for step in range(1, STEPS + 1):
     syncs_wire = sum(bus_bytes({outer: b}, {outer: d.dims.diloco}, d.world_size) for b in due)
     syncs_wire += bus_bytes({"all_gather": agreement}, {"all_gather": d.dims.diloco}, d.world_size)
     predicted_wire.append(round(base_wire + syncs_wire))
+# Which group the replicas' agreement runs on: with syncs in flight (delay) one of its own, of the
+# same ranks as the outer syncs' (on theirs it would queue behind the fragment in flight).
+outer_ranks = dist.get_process_group_ranks(tr.diloco.group)
+agreement_apart = (
+    tr.diloco.agreement is not tr.diloco.group
+    and dist.get_process_group_ranks(tr.diloco.agreement) == outer_ranks
+)
 tr.diloco.close()  # waits for what is still in flight, destroys its group
 tr.loader.close()
 if d.rank == 0:
@@ -69,7 +78,7 @@ if d.rank == 0:
             {
                 "measured": measured, "predicted": predicted, "syncs": syncs,
                 "measured_wire": measured_wire, "predicted_wire": predicted_wire,
-                "by_kind": by_kind, "sync_steps": [s for s in range(1, STEPS + 1) if tr.diloco.due(s)],
+                "by_kind": by_kind, "agreement_apart": agreement_apart, "sync_steps": [s for s in range(1, STEPS + 1) if tr.diloco.due(s)],
             },
             f,
         )  # fmt: skip

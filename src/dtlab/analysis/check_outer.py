@@ -20,7 +20,7 @@ from dtlab.analysis.diloco_memory import outer_events, worst_step
 from dtlab.config import Config
 from dtlab.metrics.comm import CommCounter
 from dtlab.runtime.signals import STOP_SIGNALS
-from dtlab.train.diloco import DiLoCo, outer_group, replica_group
+from dtlab.train.diloco import DiLoCo, agreement_group, outer_group, replica_group
 from dtlab.train.optimizer_step import StepPeers
 
 
@@ -61,9 +61,10 @@ def outer_loop(
         return None
     group = outer_group(d.dims, d.device.type)
     replica = replica_group(d.dims, d.device.type)
+    agreement = agreement_group(d.dims, d.device.type, config.parallel.diloco)
     return _HostApart(
         pm.model, optimizer, config.parallel.diloco, config.model.n_layers, group, replica,
-        apart=tracker.held_apart,
+        agreement, apart=tracker.held_apart,
     )  # fmt: skip
 
 

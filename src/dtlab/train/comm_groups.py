@@ -38,6 +38,8 @@ def comm_labels(
         labels[GROUPS_PG_NAME], sizes[REPLICA_GROUPS] = REPLICA_GROUPS, replica_groups
     if diloco is not None and diloco.group is not None:
         labels[str(diloco.group.group_name)], sizes["diloco"] = "diloco", diloco.world
+        # The replicas' agreement on a group of its own (syncs in flight): along the replicas too.
+        labels[str(diloco.agreement.group_name)] = "diloco"
     if diloco is not None and diloco.replica[0] is not None:  # the step's agreement in a replica
         group, size = diloco.replica
         labels[str(group.group_name)], sizes["replica"] = "replica", size

@@ -143,6 +143,19 @@ def outer_group(dims: ParallelDims, device_type: str) -> Any:
     return group
 
 
+def agreement_group(dims: ParallelDims, device_type: str, options: DiLoCoOptions) -> Any:
+    """A second group of this rank and its outer peers for the replicas' agreement when syncs run in
+    the background (``delay`` > 0): on the outer group itself the agreement's few bytes would queue
+    behind the fragment in flight (gloo's pair sockets and NCCL's stream run a group's collectives
+    in order), and the training thread would wait for the transfer it overlaps. None otherwise
+    (the agreement then shares the outer group: nothing is in flight at a send). Every rank must
+    call it."""
+    if not dims.diloco_enabled or options.delay == 0:
+        return None
+    group, _ = dist.new_subgroups_by_enumeration(outer_peers(dims, dims.mesh(device_type).mesh))
+    return group
+
+
 def replica_group(dims: ParallelDims, device_type: str) -> tuple[Any, int]:
     """(process group, size) of this rank's DiLoCo replica: the ranks that agree on a step's figures
     between outer syncs, made for that alone (:func:`replica_members`). (None, 1) for a replica of
@@ -190,8 +203,11 @@ class DiLoCo:
         n_layers: int,
         group: Any = None,
         replica: tuple[Any, int] = (None, 1),
+        agreement: Any = None,
     ) -> None:
         self.o, self.optimizer, self.group = options, optimizer, group
+        # The replicas' agreement's group (:func:`agreement_group`; None: the outer group).
+        self.agreement = agreement if agreement is not None else group
         self.world = dist.get_world_size(group) if dist.is_initialized() and group else 1
         # This rank's replica (process group, size): its steps' agreement between syncs.
         self.replica = replica
@@ -430,13 +446,14 @@ class DiLoCo:
     def agree(self, values: list[float]) -> torch.Tensor:
         """Every replica's ``values`` (the same on each rank of a replica), one row per replica in
         replica order, on every rank: a small all-gather along the outer group, issued with an outer
-        sync (the only time replicas talk)."""
+        sync (the only time replicas talk), before the sync's own payload, on a group of its own
+        while syncs are in flight (:func:`agreement_group`)."""
         mine = torch.tensor(values, dtype=torch.float64, device=self.device)
         if self.world == 1:
             return mine.reshape(1, -1).cpu()
         out = torch.empty(self.world * mine.numel(), dtype=mine.dtype, device=mine.device)
         with recorded("diloco agreement", "all_gather", mine):
-            all_gather_flat(out, mine, group=self.group)
+            all_gather_flat(out, mine, group=self.agreement)
         return out.view(self.world, -1).cpu()
 
     def model_state(self, module: nn.Module) -> GlobalModelState:
@@ -572,7 +589,7 @@ class DiLoCo:
 
     def close(self) -> None:
         """Let the syncs in flight finish (all ranks sent them; on a failed run they fail at once) and
-        destroy DiLoCo's own process group, as the object that made it: a group left to the
+        destroy DiLoCo's own process groups, as the object that made it: a group left to the
         interpreter's exit tears down its threads at the worst time."""
         for sync in self.pending:
             try:
@@ -585,10 +602,11 @@ class DiLoCo:
             # that wait on a dead peer).
             from dtlab.parallel.dist import release_group
 
-            for group in (self.group, self.replica[0]):
+            agreement = self.agreement if self.agreement is not self.group else None
+            for group in (self.group, self.replica[0], agreement):
                 if group is not None:
                     release_group(group)
-        self.group, self.replica = None, (None, 1)
+        self.group, self.replica, self.agreement = None, (None, 1), None
 
     # What the engine's step asks of every per-rank state (DiLoCo has nothing to commit or roll back:
     # it acts after the inner step, on the weights the step left).

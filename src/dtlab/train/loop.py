@@ -60,7 +60,7 @@ from dtlab.runtime.faults import Faults
 from dtlab.runtime.proctitle import name_process
 from dtlab.runtime.signals import STOP_SIGNALS, StopSignals, agreed_stop
 from dtlab.train.comm_groups import REPLICA_GROUPS, comm_labels, replica_index
-from dtlab.train.diloco import DiLoCo, outer_group, replica_group
+from dtlab.train.diloco import DiLoCo, agreement_group, outer_group, replica_group
 from dtlab.train.diloco_ft import FaultTolerantOuter
 from dtlab.train.oom import (
     StepOutOfMemory,
@@ -151,9 +151,11 @@ def build_training(config: Config, d: DistInfo) -> Training:
     if config.parallel.diloco.inner_steps:
         group = outer_group(d.dims, d.device.type)
         replica = replica_group(d.dims, d.device.type)
+        agreement = agreement_group(d.dims, d.device.type, config.parallel.diloco)
         diloco = DiLoCo(
-            pm.model, optimizer, config.parallel.diloco, config.model.n_layers, group, replica
-        )
+            pm.model, optimizer, config.parallel.diloco, config.model.n_layers, group, replica,
+            agreement,
+        )  # fmt: skip
     return Training(
         model, pm, optimizer, build_scheduler(optimizer, t), LossScaler(t.precision == "fp16"),
         loader, accum, micro, val_loader, data.tokenizer, diloco,
@@ -471,23 +473,28 @@ class TorchEngine:
         if bad:
             m["replica_bad"] = True
         due = diloco.due(step)
+        votes = [1.0 if stop == s.name else 0.0 for s in STOP_SIGNALS]
+        values = [m["loss"], *votes, float(self.replica_skipped), float(self.replica_streak)]
+        rows = None
         if self.outer_ft is None:
             t0 = time.perf_counter()
+            if due:
+                # The agreement first: its few bytes go ahead of the fragments' on the link.
+                rows = diloco.agree(values)
+                m["agreement_s"] = time.perf_counter() - t0
             with recorded("diloco outer sync", "all_reduce"):
                 diloco.after_step(step)
-            # What the outer syncs held the training thread up this step: encoding and issuing the
-            # syncs due, waiting for and applying those landing (0 on a step with neither).
+            # What the outer syncs held the training thread up this step: the agreement, encoding
+            # and issuing the syncs due, waiting for and applying those landing (0 on a step with
+            # none of them).
             m["outer_sync_s"] = time.perf_counter() - t0
         if not due:
             m["scope"] = "replica"
             return m
-        votes = [1.0 if stop == s.name else 0.0 for s in STOP_SIGNALS]
-        values = [m["loss"], *votes, float(self.replica_skipped), float(self.replica_streak)]
         if self.outer_ft is not None:  # through torchft: a sync that does not commit is skipped
             rows, figures = self.outer_ft.sync(step, values)
             m.update(figures)
-        else:
-            rows = diloco.agree(values)
+        assert rows is not None
         replicas = rows.shape[0]
         m["loss"] = float(rows[:, 0].sum()) / replicas  # each replica's loss is over an equal share
         m["outer_sync"] = due
