@@ -276,3 +276,29 @@ def test_fault10_mlx_rank0_alone_picks_and_verifies_the_checkpoint(tmp_path: Pat
     assert proc.stderr.count("skipping checkpoint step 6") == 1, proc.stderr
     assert "resumed from" in proc.stderr and "step-00000003" in proc.stderr
     assert (run / "checkpoints" / ".unusable-step-00000006").is_dir()
+
+
+def _open_mpi() -> bool:
+    import shutil
+
+    from dtlab.mlx.launch import open_mpi_version
+
+    mpirun = shutil.which("mpirun")
+    return mpirun is not None and open_mpi_version(mpirun) is not None
+
+
+def test_mlx_auto_backend_is_the_ring() -> None:
+    """``auto`` starts the ranks on the ring whatever MPI is installed (mlx.launch's MPI command
+    needs Open MPI 5); ``mpi`` only when asked for."""
+    from dtlab.mlx.launch import launch_backend
+
+    assert [launch_backend(b) for b in ("auto", "ring", "mpi")] == ["ring", "ring", "mpi"]
+
+
+@pytest.mark.skipif(not _open_mpi(), reason="needs Open MPI's mpirun (apt-get install openmpi-bin)")
+def test_mlx_two_mpi_ranks_match_one(tmp_path: Path, mlx_one) -> None:
+    """parallel.backend = 'mpi': two ranks under Open MPI's mpirun (4 or 5) train as one process."""
+    run = tmp_path / "mpi"
+    metrics = ok_metrics(mlx_train(run, "parallel.backend=mpi", nproc=2), run)
+    assert [m["step"] for m in metrics] == list(range(1, 13))
+    np.testing.assert_allclose(column(metrics, "loss"), column(mlx_one, "loss"), rtol=0, atol=1e-4)

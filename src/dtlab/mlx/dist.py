@@ -31,8 +31,12 @@ def init_group(config: Config) -> Any:
     if not launched:
         return mx.distributed.init(strict=False, backend="ring")
     backend: str = config.parallel.backend
+    if (
+        backend == "auto"
+    ):  # the launcher's: mpirun's ranks see their MPI rank, mlx.launch's ring MLX_RANK
+        backend = "mpi" if "OMPI_COMM_WORLD_RANK" in os.environ else "ring"
     try:
-        return mx.distributed.init(strict=True, backend="any" if backend == "auto" else backend)
+        return mx.distributed.init(strict=True, backend=backend)
     except RuntimeError as e:
         raise DtlabError(
             f"could not join the MLX process group (parallel.backend = {config.parallel.backend!r}): {e}"

@@ -1,7 +1,9 @@
 """``dtlab train --engine mlx --nproc N``: start N ranks on this machine through ``mlx.launch``.
 
-``mlx.launch`` runs ``python -m dtlab train ...`` once per rank with the ring backend's host file (or under
-``mpirun`` with ``parallel.backend: mpi``), relays their output, and stops the others when one fails. It
+``mlx.launch`` runs ``python -m dtlab train ...`` once per rank with the ring backend's host file
+(``parallel.backend: ring``, and ``auto``); with ``parallel.backend: mpi`` the ranks run under Open MPI's
+``mpirun``, started here (``mlx.launch``'s own MPI command needs Open MPI 5; Debian's and Ubuntu's
+are 4), else under ``mlx.launch``'s. Either relays their output and stops the others when one fails. It
 does not report the ranks' exit codes, so each rank writes its own into a status directory that this
 launcher reads at the end (a rank that leaves none was killed). Signals sent to ``dtlab train`` (Ctrl-C,
 a scheduler's SIGTERM/SIGUSR1) are passed to the ranks, which save a checkpoint and exit together.
@@ -74,21 +76,66 @@ def _mlx_launch() -> list[str]:
     return [sys.executable, "-c", "from mlx._distributed_utils.launch import main; main()"]
 
 
+def launch_backend(backend: str) -> str:
+    """The backend ``parallel.backend`` starts the ranks with: ``auto`` is the ring (it needs nothing
+    installed, on one machine or several); ``mpi`` only when asked for (it can split the group: an
+    MLX layout of tensor- and data-parallel ranks needs it)."""
+    return "ring" if backend == "auto" else backend
+
+
+def open_mpi_version(mpirun: str) -> int | None:
+    """The major version of the Open MPI whose ``mpirun`` this is (None: another MPI, or none)."""
+    try:
+        out = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in out.stdout.splitlines():
+        if "Open MPI" in line or "OpenRTE" in line:
+            with contextlib.suppress(ValueError, IndexError):
+                return int(line.split()[-1].split(".")[0])
+    return None
+
+
+def _mpirun(nproc: int, worker_args: list[str], env: dict[str, str]) -> list[str] | None:
+    """Open MPI's ``mpirun`` command for ``nproc`` local ranks (None: no Open MPI; ``mlx.launch``
+    then starts the ranks). Flags both Open MPI 4 and 5 take; the variables the ranks need passed
+    on by name (``-x``), as ``mpirun`` does not forward the environment to remote daemons."""
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        raise DtlabError(
+            "parallel.backend = 'mpi' needs mpirun on the PATH (Open MPI: apt-get install "
+            "openmpi-bin libopenmpi-dev, or brew install open-mpi); parallel.backend = 'ring' "
+            "needs nothing installed"
+        )
+    if open_mpi_version(mpirun) is None:
+        return None
+    if os.geteuid() == 0:  # Open MPI refuses root without both (4 reads the flag, 5 the variables)
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    passed = [STATUS_ENV, "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "PYTHONPATH"]
+    return [
+        mpirun, "-np", str(nproc), "--oversubscribe",
+        *(["--allow-run-as-root"] if os.geteuid() == 0 else []),
+        *(a for v in passed if v in env for a in ("-x", v)),
+        sys.executable, "-m", "dtlab", *worker_args,
+    ]  # fmt: skip
+
+
 def launch_mlx(nproc: int, backend: str, worker_args: list[str]) -> int:
     """Run ``python -m dtlab <worker_args>`` as ``nproc`` MLX ranks; returns an exit code."""
-    if backend == "auto":
-        backend = "mpi" if shutil.which("mpirun") else "ring"
+    backend = launch_backend(backend)
     status = Path(tempfile.mkdtemp(prefix="dtlab-mlx-"))
-    cmd = [
-        *_mlx_launch(), "-n", str(nproc), "--backend", backend, "--python", sys.executable,
-        *(["--starting-port", str(_free_ports(nproc))] if backend == "ring" else []),
-        "--", "-m", "dtlab", *worker_args,
-    ]  # fmt: skip
     env = {**os.environ, STATUS_ENV: str(status)}
     # Share the cores among the ranks (as the torch engine does) when the BLAS MLX calls is threaded.
     threads = str(max(1, (os.cpu_count() or 1) // nproc))
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         env.setdefault(var, threads)
+    cmd = _mpirun(nproc, worker_args, env) if backend == "mpi" else None
+    if cmd is None:
+        cmd = [
+            *_mlx_launch(), "-n", str(nproc), "--backend", backend, "--python", sys.executable,
+            *(["--starting-port", str(_free_ports(nproc))] if backend == "ring" else []),
+            "--", "-m", "dtlab", *worker_args,
+        ]  # fmt: skip
     # Its own session: a Ctrl-C reaches this launcher only, which passes it on as a stop request.
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     relay = _SignalRelay(status, proc.pid)
