@@ -495,7 +495,6 @@ CLAIMS = [
             refused(PP, "parallel.compression=powersgd"),
             refused(TP, "train.optimizer=demo"),
             refused(PP, "train.optimizer=demo"),
-            refused(TP, "train.engine=mlx"),
             refused(PP, "train.engine=mlx"),
         ),
     ),
@@ -689,6 +688,16 @@ CLAIMS = [
                     "model.sliding_window=16",
                 )
             )
+        ),
+    ),
+    Claim(
+        r"Not with `parallel.sequence_parallel` or `train.activation_checkpointing` \(refused with",
+        every(
+            takes([*TP, "train.engine=mlx"], world=2),
+            refused([*TP, "train.engine=mlx"], "parallel.sequence_parallel=true", world=2),
+            refused([*TP, "train.engine=mlx"], "train.activation_checkpointing=full", world=2),
+            refused([*DDP, "train.engine=mlx"], "parallel.pp=2", world=2),
+            refused([*DDP, "train.engine=mlx"], "parallel.strategy=fsdp", world=2),
         ),
     ),
     Claim(

@@ -394,6 +394,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for flag, value in tols.items():
         if value is not None and not 0 <= value < float("inf"):
             raise DtlabError(f"{flag} {value}: allowed: a finite number >= 0")
+    if args.engine:
+        args.overrides = [*args.overrides, f"train.engine={args.engine}"]
     layouts = parse_layouts(args.layouts)
     checks = parse_checks(args.checks)
     # A bad config is said once, before any layout runs; its precision sets the default tolerances.

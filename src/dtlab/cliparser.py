@@ -59,6 +59,7 @@ examples:
   dtlab verify configs/debug.yaml --layouts single,ddp:2,fsdp:2xtp:2,pp:2 --steps 10
   dtlab verify configs/debug.yaml --layouts single,ddp:2,zero:2,tp:2 --checks all
   dtlab verify --set model.preset=debug-moe --layouts single,ep:2,fsdp:4xep:2 --steps 10
+  dtlab verify configs/debug.yaml --engine mlx --layouts single,ddp:2,tp:2 --checks all
 """
 
 EXPORT_EPILOG = """\
@@ -534,6 +535,13 @@ def _add_verify(sub: _Commands) -> None:
         "--checks",
         default="loss",
         help="what to check besides the loss: resume, export, or all (default: loss only)",
+    )
+    v.add_argument(
+        "--engine",
+        choices=SchemaChoices("train.engine"),
+        metavar="ENGINE",
+        default=None,
+        help="torch or mlx: every layout on this engine (same as --set train.engine=...)",
     )
     add_config_args(v)
 

@@ -394,7 +394,6 @@ def _check_tp(c: Config) -> None:
             "none, fp16, bf16",
         ),
         "train.optimizer": (t.optimizer == "demo", "'demo'", "adamw, sgd, muon"),
-        "train.engine": (t.engine == "mlx", "'mlx'", "torch"),
         # Measured: the compiled split blocks fail in backward (torch 2.13, CPU).
         "train.compile": (t.compile, "true", "false"),
     }
@@ -427,6 +426,19 @@ def _check_mlx(c: Config) -> None:
                 f"{key} = {value!r} is not supported with train.engine = 'mlx' "
                 f"(allowed: {', '.join(ok)})"
             )
+    if p.tp > 1:  # dtlab.mlx.tensor: the blocks split, in eager MLX, without recomputation
+        tp_refused = {
+            "parallel.sequence_parallel": (p.sequence_parallel, "true", "false"),
+            "train.activation_checkpointing": (
+                t.activation_checkpointing != "none", repr(t.activation_checkpointing), "'none'"
+            ),
+        }  # fmt: skip
+        for name, (on, shown, fine) in tp_refused.items():
+            if on:
+                raise ValueError(
+                    f"{name} = {shown} is not supported with train.engine = 'mlx' and parallel.tp "
+                    f"= {p.tp} (allowed: {fine}); train.engine = 'torch' has it"
+                )
     if c.model.init_from is not None:
         raise ValueError(
             f"model.init_from = {c.model.init_from!r} is not supported with train.engine = 'mlx' "

@@ -1,5 +1,5 @@
 """The MLX engine (``train.engine: mlx``): the same model, config, data, schedules and run directory on
-Apple's MLX, data-parallel over ``mx.distributed``.
+Apple's MLX, data- and tensor-parallel over ``mx.distributed``.
 
 MLX is an optional extra (``pip install 'dtlab[mlx]'``); :func:`require_mlx` turns its absence into a
 clear message instead of an ImportError traceback.

@@ -36,7 +36,8 @@ def save(
     ckpt: Checkpointer,
     step: int,
     params: Params,
-    optimizer: AdamW,
+    moments: Params,
+    optimizer_steps: int,
     states: Mapping[str, Stateful],
     config_yaml: str,
 ) -> None:
@@ -51,7 +52,7 @@ def save(
         with ThreadPoolExecutor(max_workers=2) as pool:
             written = [
                 pool.submit(_write, tmp / MODEL, params),
-                pool.submit(_write, tmp / OPTIMIZER, optimizer.arrays()),
+                pool.submit(_write, tmp / OPTIMIZER, moments),
             ]
             for w in written:
                 w.result()
@@ -59,7 +60,7 @@ def save(
             "step": step,
             "engine": "mlx",
             **{name: part.state_dict() for name, part in states.items()},
-            "optimizer": {"steps": optimizer.steps},
+            "optimizer": {"steps": optimizer_steps},
         }
         (tmp / "state.json").write_text(json.dumps(doc), encoding="utf-8")
         (tmp / "config.yaml").write_text(config_yaml, encoding="utf-8")

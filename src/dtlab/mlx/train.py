@@ -30,6 +30,7 @@ from dtlab.mlx import checkpoint as mlx_checkpoint
 from dtlab.mlx.dist import MlxGroup, Watchdog, from_rank0, init_group, scalar, start_ledger
 from dtlab.mlx.model import Transformer, build_mlx_model, flat_parameters
 from dtlab.mlx.optim import AdamW, Params
+from dtlab.mlx.tensor import gather, shard, shard_blocks, split_axes, tp_groups
 from dtlab.runtime.faults import Faults
 from dtlab.runtime.signals import StopSignals, agreed_stop, stop_votes
 from dtlab.runtime.status import record_pid
@@ -51,8 +52,18 @@ class Trainer:
         self.model: Transformer = build_mlx_model(
             config.model, t.seed, t.precision, t.activation_checkpointing != "none"
         )
+        # Tensor parallelism: the blocks split over tp ranks (dtlab.mlx.tensor); the gradients
+        # averaged over the data-parallel group, the tp ranks' copies of one model.
+        self.tp = config.parallel.tp
+        self.tp_group, self.dp_group = (None, group)
+        if self.tp > 1:
+            self.tp_group, self.dp_group = tp_groups(group, self.tp, config.parallel.backend)
+            shard_blocks(self.model, self.tp_group)
+        self.dp = self.world // self.tp
+        self.tp_rank = group.rank() % self.tp
         self.params: Params = flat_parameters(self.model)
         self.names = sorted(self.params)
+        self.split = split_axes(self.names) if self.tp > 1 else {}
         self.optimizer = AdamW(self.params, t)
         grad_fn = mx.value_and_grad(self._loss)
         self._grad_fn = mx.compile(grad_fn) if t.compile else grad_fn
@@ -84,11 +95,16 @@ class Trainer:
         """
         loss_sum, grads = self._gradients(micro_batches, inject_nan)
         votes = stop_votes(stop_flag)
-        if self.world > 1 and collective_fault != "skip":
-            loss_sum, grads, votes = self._all_sum(
-                loss_sum, grads, votes, watchdog, collective_fault
-            )
-        norm_sq = sum((mx.sum(g * g) for g in grads.values()), start=mx.array(0.0))
+        if self.tp == 1:
+            if self.world > 1 and collective_fault != "skip":
+                loss_sum, grads, votes = self._all_sum(
+                    loss_sum, grads, votes, watchdog, collective_fault
+                )
+            norm_sq = sum((mx.sum(g * g) for g in grads.values()), start=mx.array(0.0))
+        else:
+            if self.dp > 1 and collective_fault != "skip":
+                loss_sum, grads, _ = self._all_sum(loss_sum, grads, [], watchdog, collective_fault)
+            norm_sq, votes = self._split_norm(grads, votes, watchdog)
         norm_arr = mx.sqrt(norm_sq)
         mx.eval(loss_sum, norm_arr)
         loss_f, norm = scalar(loss_sum), scalar(norm_arr)
@@ -138,6 +154,46 @@ class Trainer:
             grads = {k: g * float("nan") for k, g in grads.items()}
         return loss_sum, grads
 
+    def _split_norm(
+        self, grads: Params, votes: list[float], watchdog: Watchdog
+    ) -> tuple[mx.array, list[float]]:
+        """Tensor parallelism: the squared global gradient norm (the split parameters' parts summed
+        over their group, the whole ones counted once) and every rank's stop votes, in one all_sum
+        over the world (each data-parallel copy adds the same split part: divided by their count)."""
+        split = sum(
+            (mx.sum(g * g) for k, g in grads.items() if k in self.split), start=mx.array(0.0)
+        )
+        whole = sum(
+            (mx.sum(g * g) for k, g in grads.items() if k not in self.split), start=mx.array(0.0)
+        )
+        flat = mx.concatenate([split.reshape(1), mx.array(votes)])
+        total = mx.distributed.all_sum(flat, group=self.group)
+        watchdog.run("the gradient norm's all_sum", lambda: mx.eval(total), "all_sum", flat)
+        return whole + total[0] / self.dp, [scalar(x) for x in total[1:]]
+
+    def whole(self, watchdog: Watchdog) -> tuple[Params, Params]:
+        """The whole parameters and AdamW moments (``m.NAME``, ``v.NAME``): this rank's own, or
+        under tensor parallelism gathered from its group (a collective: every rank calls it)."""
+        arrays = self.optimizer.arrays()
+        if self.tp == 1:
+            return self.params, arrays
+        axes = {f"{s}.{k}": a for k, a in self.split.items() for s in ("m", "v")}
+        return (
+            gather(self.params, self.split, self.tp_group, watchdog.run),
+            gather(arrays, axes, self.tp_group, watchdog.run),
+        )
+
+    def load_whole(self, params: Params) -> None:
+        """Whole ``params`` (and the optimizer's moments as loaded, whole) as this rank's parts."""
+        if self.tp > 1:
+            params = shard(params, self.split, self.tp_rank, self.tp)
+            opt = self.optimizer
+            opt.m = shard(opt.m, self.split, self.tp_rank, self.tp)
+            opt.v = shard(opt.v, self.split, self.tp_rank, self.tp)
+            mx.eval(opt.m, opt.v)
+        self.params = params
+        mx.eval(self.params)
+
     def _all_sum(
         self,
         loss_sum: mx.array,
@@ -146,8 +202,8 @@ class Trainer:
         watchdog: Watchdog,
         collective_fault: str | None,
     ) -> tuple[mx.array, Params, list[float]]:
-        """One flattened all_sum of every gradient, the loss and each rank's stop votes; returns the
-        ranks' mean loss and gradients and the summed votes."""
+        """One flattened all_sum over the data-parallel group of every gradient, the loss and each
+        rank's stop votes; returns the ranks' mean loss and gradients and the summed votes."""
         n_votes = len(votes)
         flat = mx.concatenate(
             [grads[k].reshape(-1) for k in self.names]
@@ -155,12 +211,13 @@ class Trainer:
             + [mx.array(votes)]
             + ([mx.array([0.0])] if collective_fault == "badshape" else [])
         )
-        total = mx.distributed.all_sum(flat, group=self.group)
+        total = mx.distributed.all_sum(flat, group=self.dp_group)
         watchdog.run("the gradient all_sum", lambda: mx.eval(total), "all_sum", flat)
         if collective_fault == "badshape":
             total = total[:-1]
-        votes = [scalar(x) for x in total[-n_votes:]]
-        total = total[:-n_votes] / self.world
+        end = total.size - n_votes
+        votes = [scalar(x) for x in total[end:]]
+        total = total[:end] / self.dp
         offsets = np.cumsum([0] + [self.params[k].size for k in self.names])
         grads = {
             k: total[int(offsets[i]) : int(offsets[i + 1])].reshape(self.params[k].shape)
@@ -243,15 +300,17 @@ class MlxEngine(Engine):
         )
         watchdog.ledger = self.ledger
         self.trainer = Trainer(config, group)
-        self.accum, self.micro = accum, t.global_batch_size // (accum * world)
+        # The tensor-parallel ranks of one model copy read the same samples.
+        dp, dp_rank = self.trainer.dp, rank // self.trainer.tp
+        self.accum, self.micro = accum, t.global_batch_size // (accum * dp)
         data = build_data(config)
-        layout = BatchLayout(t.global_batch_size, rank, world, self.micro)
+        layout = BatchLayout(t.global_batch_size, dp_rank, dp, self.micro)
         self.loader = BatchLoader(data.train, layout, prefetch=config.data.prefetch)
         self.val_loader = BatchLoader(data.val, layout, prefetch=0) if data.val else None
         self.tokenizer = data.tokenizer
         self.coord: Coordinator = MlxGroup(group, watchdog)
         self.params = sum(v.size for v in self.trainer.params.values())
-        self.dims = ParallelDims.from_config(config, world)  # data parallelism only (check_world)
+        self.dims = ParallelDims.from_config(config, world)  # dp and tp only (config checks)
         self.layout = f"mlx {layout_name(self.dims, config.parallel)}"
         self.data_ranks = self.dims.dp
         self.device = str(mx.default_device())
@@ -265,15 +324,18 @@ class MlxEngine(Engine):
 
     def load(self, ckpt: Checkpointer, path: Path) -> None:
         tr = self.trainer
-        tr.params = mlx_checkpoint.load(path, tr.names, tr.optimizer, self.states)
+        tr.load_whole(mlx_checkpoint.load(path, tr.names, tr.optimizer, self.states))
 
     def save(self, ckpt: Checkpointer, step: int, *, blocking: bool) -> None:
-        """Rank 0 writes the checkpoint: files, then the checkpointer's commit (manifest, rename)."""
+        """Rank 0 writes the checkpoint (whole tensors, gathered from the tensor-parallel ranks):
+        files, then the checkpointer's commit (manifest, rename)."""
+        tr = self.trainer
+        params, moments = tr.whole(self.watchdog)
         if self.coord.is_main:
-            tr = self.trainer
             mlx_checkpoint.save(
-                ckpt, step, tr.params, tr.optimizer, self.states, self.config.to_yaml()
-            )
+                ckpt, step, params, moments, tr.optimizer.steps, self.states,
+                self.config.to_yaml(),
+            )  # fmt: skip
 
     def step(
         self, batch: list[Any], step: int, stop_signal: int, inject_nan: bool
