@@ -697,8 +697,12 @@ CLAIMS = [
             refused([*TP, "train.engine=mlx"], "parallel.sequence_parallel=true", world=2),
             refused([*TP, "train.engine=mlx"], "train.activation_checkpointing=full", world=2),
             refused([*DDP, "train.engine=mlx"], "parallel.pp=2", world=2),
-            refused([*DDP, "train.engine=mlx"], "parallel.strategy=fsdp", world=2),
+            refused([*TP, "train.engine=mlx"], "parallel.strategy=fsdp", world=2),
         ),
+    ),
+    Claim(
+        r"which MLX 0.32.4's\s+ring and MPI backends do not have",
+        tested("tests/test_mlx_fsdp.py", "test_mlx_fsdp2_matches_one_process_and_torch_fsdp2"),
     ),
     Claim(
         r"Engine `mlx` refuses it \(`train.optimizer = 'muon'",

@@ -158,7 +158,7 @@ def test_the_families_table_names_the_classes_the_code_writes() -> None:
 # docs/mlx.md's list of what the engine refuses, at 3c1a266 (it named demo; sgd and muon are
 # refused too).
 STALE_MLX_LIST = (
-    "`parallel.strategy` `fsdp`/`hsdp`, `parallel.compression`, `train.optimizer: demo`, "
+    "`parallel.strategy` `hsdp`, `parallel.compression`, `train.optimizer: demo`, "
     "`train.precision: fp16`,\n`train.activation_checkpointing: selective` and "
     "`train.device: cuda` "
     "are refused with the engine's\nallowed values."

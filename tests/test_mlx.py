@@ -221,8 +221,9 @@ def test_missing_mlx_is_a_clear_error(tmp_path: Path) -> None:
     ("args", "message"),
     [
         (
-            ["--set", "parallel.strategy=fsdp"],
-            "parallel.strategy = 'fsdp' is not supported with train.engine = 'mlx'",
+            ["--set", "parallel.strategy=hsdp"],
+            "parallel.strategy = 'hsdp' with parallel.sharding = 'full' is not supported with "
+            "train.engine = 'mlx'",
         ),
         (["--set", "train.optimizer=demo"], "train.optimizer = 'demo' is not supported"),
         (["--nnodes", "2"], "--nnodes 2 with train.engine = 'mlx'"),

@@ -407,10 +407,19 @@ def _check_tp(c: Config) -> None:
 def _check_mlx(c: Config) -> None:
     """What the MLX engine does not do (yet): say so instead of silently training something else."""
     t, p = c.train, c.parallel
-    if DPWrapper.of(p.strategy) is DPWrapper.FSDP:  # the engine all-reduces whole gradients
+    # FSDP through MLX's fully_shard (dtlab.mlx.fsdp): every parameter's rows over every rank.
+    fsdp = DPWrapper.of(p.strategy) is DPWrapper.FSDP
+    if fsdp and (p.strategy != "fsdp" or p.sharding != "full"):
         raise ValueError(
-            f"parallel.strategy = {p.strategy!r} is not supported with train.engine = 'mlx' "
-            f"(allowed: {', '.join(strategies_with(DPWrapper.NONE, DPWrapper.DDP))})"
+            f"parallel.strategy = {p.strategy!r} with parallel.sharding = {p.sharding!r} is not "
+            "supported with train.engine = 'mlx' (allowed: fsdp with sharding full, "
+            f"{', '.join(strategies_with(DPWrapper.NONE, DPWrapper.DDP))})"
+        )
+    if fsdp and p.tp > 1:
+        raise ValueError(
+            f"parallel.strategy = 'fsdp' with parallel.tp = {p.tp} is not supported with "
+            "train.engine = 'mlx' (allowed: parallel.strategy = 'ddp' with tp, under "
+            "parallel.backend = 'mpi'); train.engine = 'torch' has it"
         )
     allowed = {
         "parallel.compression": (p.compression, ("none",)),
@@ -426,7 +435,7 @@ def _check_mlx(c: Config) -> None:
                 f"{key} = {value!r} is not supported with train.engine = 'mlx' "
                 f"(allowed: {', '.join(ok)})"
             )
-    if p.tp > 1:  # dtlab.mlx.tensor: the blocks split, in eager MLX, without recomputation
+    if p.tp > 1 or fsdp:  # dtlab.mlx.tensor and .fsdp: eager MLX, without recomputation
         tp_refused = {
             "parallel.sequence_parallel": (p.sequence_parallel, "true", "false"),
             "train.activation_checkpointing": (
@@ -436,8 +445,9 @@ def _check_mlx(c: Config) -> None:
         for name, (on, shown, fine) in tp_refused.items():
             if on:
                 raise ValueError(
-                    f"{name} = {shown} is not supported with train.engine = 'mlx' and parallel.tp "
-                    f"= {p.tp} (allowed: {fine}); train.engine = 'torch' has it"
+                    f"{name} = {shown} is not supported with train.engine = 'mlx' and "
+                    f"{'parallel.strategy = fsdp' if fsdp else f'parallel.tp = {p.tp}'} "
+                    f"(allowed: {fine}); train.engine = 'torch' has it"
                 )
     if c.model.init_from is not None:
         raise ValueError(

@@ -79,9 +79,17 @@ def _write(path: Path, arrays: Params) -> None:
         os.close(fd)
 
 
-def load(path: Path, names: list[str], optimizer: AdamW, states: Mapping[str, Stateful]) -> Params:
+def load(
+    path: Path,
+    names: list[str],
+    optimizer: AdamW,
+    states: Mapping[str, Stateful],
+    internal: Mapping[str, str] | None = None,
+) -> Params:
     """Restore the optimizer and every stateful part from ``path``; returns the parameters (float32),
-    checked to be exactly ``names``."""
+    checked to be exactly ``names`` (the model's names). ``internal``: the name the engine keeps each
+    under where it differs (a wrapped model's: :mod:`dtlab.mlx.fsdp`), for the optimizer and the
+    parameters returned."""
     doc = json.loads((path / "state.json").read_text(encoding="utf-8"))
     model = _read(path / MODEL)
     if set(model) != set(names):
@@ -89,12 +97,16 @@ def load(path: Path, names: list[str], optimizer: AdamW, states: Mapping[str, St
             f"checkpoint '{path}': {MODEL} does not fit the model (missing "
             f"{sorted(set(names) - set(model))[:3]}, unexpected {sorted(set(model) - set(names))[:3]})"
         )
-    optimizer.load(
-        _read(path / OPTIMIZER), int(doc["optimizer"]["steps"]), f"checkpoint '{path}': {OPTIMIZER}"
-    )
+    rename = dict(internal or {})
+    moments = {
+        f"{kind}.{rename.get(k, k)}": v
+        for key, v in _read(path / OPTIMIZER).items()
+        for kind, k in [key.split(".", 1)]
+    }
+    optimizer.load(moments, int(doc["optimizer"]["steps"]), f"checkpoint '{path}': {OPTIMIZER}")
     for name, part in states.items():
         part.load_state_dict(doc[name])
-    params = {k: model[k].astype(mx.float32) for k in names}
+    params = {rename.get(k, k): model[k].astype(mx.float32) for k in names}
     mx.eval(params)
     return params
 

@@ -22,13 +22,14 @@ from dtlab.checkpoint.state import Stateful
 from dtlab.config import Config, check_world
 from dtlab.data import BatchLayout, BatchLoader
 from dtlab.data.sources import build_data
-from dtlab.dims import ParallelDims, layout_name
+from dtlab.dims import DPWrapper, ParallelDims, layout_name
 from dtlab.errors import DtlabError, Preempted
 from dtlab.metrics.alerts import memory_use
 from dtlab.metrics.logging import setup_logging
 from dtlab.mlx import checkpoint as mlx_checkpoint
 from dtlab.mlx.dist import MlxGroup, Watchdog, from_rank0, init_group, scalar, start_ledger
-from dtlab.mlx.model import Transformer, build_mlx_model, flat_parameters
+from dtlab.mlx.fsdp import plain_name, shard_model
+from dtlab.mlx.model import build_mlx_model, flat_parameters
 from dtlab.mlx.optim import AdamW, Params
 from dtlab.mlx.tensor import gather, shard, shard_blocks, split_axes, tp_groups
 from dtlab.runtime.faults import Faults
@@ -49,9 +50,10 @@ class Trainer:
         t = self.t = config.train
         self.config, self.group = config, group
         self.world = group.size()
-        self.model: Transformer = build_mlx_model(
+        self.model: Any = build_mlx_model(
             config.model, t.seed, t.precision, t.activation_checkpointing != "none"
         )
+        self.n_params = sum(v.size for v in flat_parameters(self.model).values())  # all of them
         # Tensor parallelism: the blocks split over tp ranks (dtlab.mlx.tensor); the gradients
         # averaged over the data-parallel group, the tp ranks' copies of one model.
         self.tp = config.parallel.tp
@@ -61,9 +63,17 @@ class Trainer:
             shard_blocks(self.model, self.tp_group)
         self.dp = self.world // self.tp
         self.tp_rank = group.rank() % self.tp
+        # FSDP: every parameter's rows split over the ranks (dtlab.mlx.fsdp), under the wrappers'
+        # names; its gradients come back as the ranks' mean of this rank's rows.
+        self.fsdp = DPWrapper.of(config.parallel.strategy) is DPWrapper.FSDP and self.world > 1
+        if self.fsdp:
+            self.model = shard_model(self.model, group)
         self.params: Params = flat_parameters(self.model)
         self.names = sorted(self.params)
+        self.plain = {k: plain_name(k) for k in self.names}  # the model's (checkpoint's) names
         self.split = split_axes(self.names) if self.tp > 1 else {}
+        if self.fsdp:
+            self.split = dict.fromkeys(self.names, 0)
         self.optimizer = AdamW(self.params, t)
         grad_fn = mx.value_and_grad(self._loss)
         self._grad_fn = mx.compile(grad_fn) if t.compile else grad_fn
@@ -95,7 +105,9 @@ class Trainer:
         """
         loss_sum, grads = self._gradients(micro_batches, inject_nan)
         votes = stop_votes(stop_flag)
-        if self.tp == 1:
+        if self.fsdp:
+            norm_sq, loss_sum, votes = self._sharded_norm(loss_sum, grads, votes, watchdog)
+        elif self.tp == 1:
             if self.world > 1 and collective_fault != "skip":
                 loss_sum, grads, votes = self._all_sum(
                     loss_sum, grads, votes, watchdog, collective_fault
@@ -171,25 +183,41 @@ class Trainer:
         watchdog.run("the gradient norm's all_sum", lambda: mx.eval(total), "all_sum", flat)
         return whole + total[0] / self.dp, [scalar(x) for x in total[1:]]
 
+    def _sharded_norm(
+        self, loss_sum: mx.array, grads: Params, votes: list[float], watchdog: Watchdog
+    ) -> tuple[mx.array, mx.array, list[float]]:
+        """FSDP: the squared global gradient norm (every rank's rows), the ranks' mean loss and their
+        summed stop votes, in one all_sum (the gradients were averaged by the reduce-scatters)."""
+        mine = sum((mx.sum(g * g) for g in grads.values()), start=mx.array(0.0))
+        flat = mx.concatenate([mine.reshape(1), loss_sum.reshape(1), mx.array(votes)])
+        total = mx.distributed.all_sum(flat, group=self.group)
+        watchdog.run("the gradient norm's all_sum", lambda: mx.eval(total), "all_sum", flat)
+        return total[0], total[1] / self.world, [scalar(x) for x in total[2:]]
+
     def whole(self, watchdog: Watchdog) -> tuple[Params, Params]:
-        """The whole parameters and AdamW moments (``m.NAME``, ``v.NAME``): this rank's own, or
-        under tensor parallelism gathered from its group (a collective: every rank calls it)."""
-        arrays = self.optimizer.arrays()
-        if self.tp == 1:
-            return self.params, arrays
-        axes = {f"{s}.{k}": a for k, a in self.split.items() for s in ("m", "v")}
+        """The whole parameters and AdamW moments (``m.NAME``, ``v.NAME``) under the model's names:
+        this rank's own, or gathered from the ranks that split them (tensor parallelism, FSDP; a
+        collective: every rank calls it)."""
+        params, arrays = self.params, self.optimizer.arrays()
+        if self.split:
+            group = self.tp_group if self.tp > 1 else self.group
+            axes = {f"{s}.{k}": a for k, a in self.split.items() for s in ("m", "v")}
+            params = gather(params, self.split, group, watchdog.run)
+            arrays = gather(arrays, axes, group, watchdog.run)
         return (
-            gather(self.params, self.split, self.tp_group, watchdog.run),
-            gather(arrays, axes, self.tp_group, watchdog.run),
+            {self.plain[k]: v for k, v in params.items()},
+            {f"{s}.{self.plain[k]}": arrays[f"{s}.{k}"] for k in self.names for s in ("m", "v")},
         )
 
     def load_whole(self, params: Params) -> None:
-        """Whole ``params`` (and the optimizer's moments as loaded, whole) as this rank's parts."""
-        if self.tp > 1:
-            params = shard(params, self.split, self.tp_rank, self.tp)
+        """Whole ``params`` (and the optimizer's moments as loaded, whole), under the engine's names,
+        as this rank's parts."""
+        if self.split:
+            rank, n = (self.tp_rank, self.tp) if self.tp > 1 else (self.group.rank(), self.world)
+            params = shard(params, self.split, rank, n)
             opt = self.optimizer
-            opt.m = shard(opt.m, self.split, self.tp_rank, self.tp)
-            opt.v = shard(opt.v, self.split, self.tp_rank, self.tp)
+            opt.m = shard(opt.m, self.split, rank, n)
+            opt.v = shard(opt.v, self.split, rank, n)
             mx.eval(opt.m, opt.v)
         self.params = params
         mx.eval(self.params)
@@ -309,7 +337,7 @@ class MlxEngine(Engine):
         self.val_loader = BatchLoader(data.val, layout, prefetch=0) if data.val else None
         self.tokenizer = data.tokenizer
         self.coord: Coordinator = MlxGroup(group, watchdog)
-        self.params = sum(v.size for v in self.trainer.params.values())
+        self.params = self.trainer.n_params  # the model's, not this rank's part of it
         self.dims = ParallelDims.from_config(config, world)  # dp and tp only (config checks)
         self.layout = f"mlx {layout_name(self.dims, config.parallel)}"
         self.data_ranks = self.dims.dp
@@ -324,7 +352,9 @@ class MlxEngine(Engine):
 
     def load(self, ckpt: Checkpointer, path: Path) -> None:
         tr = self.trainer
-        tr.load_whole(mlx_checkpoint.load(path, tr.names, tr.optimizer, self.states))
+        plain = [tr.plain[k] for k in tr.names]
+        internal = {v: k for k, v in tr.plain.items()}
+        tr.load_whole(mlx_checkpoint.load(path, plain, tr.optimizer, self.states, internal))
 
     def save(self, ckpt: Checkpointer, step: int, *, blocking: bool) -> None:
         """Rank 0 writes the checkpoint (whole tensors, gathered from the tensor-parallel ranks):
