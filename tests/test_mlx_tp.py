@@ -63,11 +63,16 @@ def test_mlx_tp2_matches_one_process_and_torch_tp2(tmp_path: Path, mlx_clipped) 
 @pytest.mark.skipif(not _open_mpi(), reason="needs Open MPI's mpirun (apt-get install openmpi-bin)")
 def test_mlx_tp2_dp2_under_mpi_matches_one_process(tmp_path: Path, mlx_clipped) -> None:
     """tp 2 x dp 2 on 4 ranks under MPI (the group split into tensor- and data-parallel groups):
-    one MLX process's training, within 1e-4."""
+    one MLX process's training within 1e-4, and the torch engine's ddp 2 x tp 2 within 1e-3."""
     run = tmp_path / "tp2dp2"
     proc = mlx_train(run, *CLIP, "parallel.tp=2", "parallel.backend=mpi", nproc=4, steps=STEPS)
-    _same(ok_metrics(proc, run), mlx_clipped, 1e-4)
+    m = ok_metrics(proc, run)
+    _same(m, mlx_clipped, 1e-4)
     assert "x tp 2 on" in proc.stderr and "2 data-parallel ranks" in proc.stderr, proc.stderr
+    torch_tp = train_run(
+        tmp_path / "torch", *CLIP, "parallel.tp=2", "parallel.strategy=ddp", nproc=4, steps=STEPS
+    )
+    _same(m, torch_tp, 1e-3)
 
 
 def test_mlx_tp_with_dp_on_the_ring_is_a_clear_error(tmp_path: Path) -> None:

@@ -409,7 +409,7 @@ def _check_mlx(c: Config) -> None:
     t, p = c.train, c.parallel
     # FSDP through MLX's fully_shard (dtlab.mlx.fsdp): every parameter's rows over every rank.
     fsdp = DPWrapper.of(p.strategy) is DPWrapper.FSDP
-    if fsdp and (p.strategy != "fsdp" or p.sharding != "full"):
+    if fsdp and (needs_replica_groups(p.strategy) or p.sharding != "full"):
         raise ValueError(
             f"parallel.strategy = {p.strategy!r} with parallel.sharding = {p.sharding!r} is not "
             "supported with train.engine = 'mlx' (allowed: fsdp with sharding full, "
