@@ -4,7 +4,6 @@ model as one MLX process and as the torch engine's tensor parallelism, and check
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,7 @@ import pytest
 
 from conftest import read_metrics, run_cli, train_run
 from dtlab.mlx import mlx_available
-from test_mlx import column, mlx_train, ok_metrics
+from test_mlx import _open_mpi, column, mlx_train, ok_metrics
 
 pytestmark = pytest.mark.skipif(
     not mlx_available(), reason="MLX is not installed (pip install 'dtlab[mlx]')"
@@ -22,13 +21,6 @@ pytestmark = pytest.mark.skipif(
 STEPS = 10
 # Clipping active on every step: the debug model's gradient norms are above 1 here.
 CLIP = ["train.grad_clip=0.5"]
-
-
-def _open_mpi() -> bool:
-    from dtlab.mlx.launch import open_mpi_version
-
-    mpirun = shutil.which("mpirun")
-    return mpirun is not None and open_mpi_version(mpirun) is not None
 
 
 @pytest.fixture(scope="module")

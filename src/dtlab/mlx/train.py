@@ -71,9 +71,15 @@ class Trainer:
         self.params: Params = flat_parameters(self.model)
         self.names = sorted(self.params)
         self.plain = {k: plain_name(k) for k in self.names}  # the model's (checkpoint's) names
-        self.split = split_axes(self.names) if self.tp > 1 else {}
+        # The split parameters (name -> axis) and the group, rank and size they are split over.
+        self.split: dict[str, int] = {}
+        self.split_over = (None, 0, 1)
         if self.fsdp:
             self.split = dict.fromkeys(self.names, 0)
+            self.split_over = (group, group.rank(), self.world)
+        elif self.tp > 1:
+            self.split = split_axes(self.names)
+            self.split_over = (self.tp_group, self.tp_rank, self.tp)
         self.optimizer = AdamW(self.params, t)
         grad_fn = mx.value_and_grad(self._loss)
         self._grad_fn = mx.compile(grad_fn) if t.compile else grad_fn
@@ -200,7 +206,7 @@ class Trainer:
         collective: every rank calls it)."""
         params, arrays = self.params, self.optimizer.arrays()
         if self.split:
-            group = self.tp_group if self.tp > 1 else self.group
+            group = self.split_over[0]
             axes = {f"{s}.{k}": a for k, a in self.split.items() for s in ("m", "v")}
             params = gather(params, self.split, group, watchdog.run)
             arrays = gather(arrays, axes, group, watchdog.run)
@@ -213,7 +219,7 @@ class Trainer:
         """Whole ``params`` (and the optimizer's moments as loaded, whole), under the engine's names,
         as this rank's parts."""
         if self.split:
-            rank, n = (self.tp_rank, self.tp) if self.tp > 1 else (self.group.rank(), self.world)
+            _, rank, n = self.split_over
             params = shard(params, self.split, rank, n)
             opt = self.optimizer
             opt.m = shard(opt.m, self.split, rank, n)
@@ -328,17 +334,17 @@ class MlxEngine(Engine):
         )
         watchdog.ledger = self.ledger
         self.trainer = Trainer(config, group)
+        self.dims = ParallelDims.from_config(config, world)  # dp and tp only (config checks)
         # The tensor-parallel ranks of one model copy read the same samples.
-        dp, dp_rank = self.trainer.dp, rank // self.trainer.tp
+        dp = self.dims.dp
         self.accum, self.micro = accum, t.global_batch_size // (accum * dp)
         data = build_data(config)
-        layout = BatchLayout(t.global_batch_size, dp_rank, dp, self.micro)
+        layout = BatchLayout(t.global_batch_size, self.dims.dp_rank(rank), dp, self.micro)
         self.loader = BatchLoader(data.train, layout, prefetch=config.data.prefetch)
         self.val_loader = BatchLoader(data.val, layout, prefetch=0) if data.val else None
         self.tokenizer = data.tokenizer
         self.coord: Coordinator = MlxGroup(group, watchdog)
         self.params = self.trainer.n_params  # the model's, not this rank's part of it
-        self.dims = ParallelDims.from_config(config, world)  # dp and tp only (config checks)
         self.layout = f"mlx {layout_name(self.dims, config.parallel)}"
         self.data_ranks = self.dims.dp
         self.device = str(mx.default_device())

@@ -150,10 +150,7 @@ def agreement_group(dims: ParallelDims, device_type: str, options: DiLoCoOptions
     in order), and the training thread would wait for the transfer it overlaps. None otherwise
     (the agreement then shares the outer group: nothing is in flight at a send). Every rank must
     call it."""
-    if not dims.diloco_enabled or options.delay == 0:
-        return None
-    group, _ = dist.new_subgroups_by_enumeration(outer_peers(dims, dims.mesh(device_type).mesh))
-    return group
+    return outer_group(dims, device_type) if options.delay > 0 else None
 
 
 def replica_group(dims: ParallelDims, device_type: str) -> tuple[Any, int]:

@@ -473,8 +473,10 @@ class TorchEngine:
         if bad:
             m["replica_bad"] = True
         due = diloco.due(step)
-        votes = [1.0 if stop == s.name else 0.0 for s in STOP_SIGNALS]
-        values = [m["loss"], *votes, float(self.replica_skipped), float(self.replica_streak)]
+        values: list[float] = []  # this replica's part of the agreement (a step that sends a sync)
+        if due:
+            votes = [1.0 if stop == s.name else 0.0 for s in STOP_SIGNALS]
+            values = [m["loss"], *votes, float(self.replica_skipped), float(self.replica_streak)]
         rows = None
         if self.outer_ft is None:
             t0 = time.perf_counter()
