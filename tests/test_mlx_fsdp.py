@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli, train_run
+from conftest import FAST, run_cli, train_run
 from dtlab.mlx import mlx_available
 from test_mlx import mlx_train, ok_metrics
 from test_mlx_tp import CLIP, STEPS, _same
@@ -96,3 +96,28 @@ def test_mlx_fsdp_checkpoint_names_are_the_models() -> None:
         plain_name("module.layers.0.module.attention.wq.weight") == "layers.0.attention.wq.weight"
     )
     assert plain_name("module.tok_embeddings.weight") == "tok_embeddings.weight"
+
+
+def test_bench_engines_compares_fsdp_and_tensor_parallel_runs(tmp_path: Path) -> None:
+    """`dtlab bench --engine torch,mlx` measures the sharded layouts on both engines side by side;
+    a strategy refused (hsdp on 2 processes) is named with the reason and not run on either."""
+    import json
+
+    import numpy as np
+
+    for name, extra in (("fsdp", ["--strategies", "fsdp,hsdp"]), ("tp", ["--strategies", "ddp"])):
+        out = tmp_path / name
+        sets = [*FAST, *(["parallel.tp=2"] if name == "tp" else [])]
+        proc = run_cli("bench", "--engine", "torch,mlx", *extra, "--nproc", "2", "--steps", "2",
+                       "--warmup", "1", "--out", str(out), "--set", *sets, timeout=600)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        rows = json.loads((out / "results.json").read_text())["engine_rows"]
+        assert [(r["engine"], r["strategy"], r["nproc"]) for r in rows] == [
+            ("torch", "fsdp" if name == "fsdp" else "ddp", 2),
+            ("mlx", "fsdp" if name == "fsdp" else "ddp", 2),
+        ]
+        assert ("tp 2" in rows[1]["layout"]) is (name == "tp"), rows[1]["layout"]
+        np.testing.assert_allclose(rows[0]["losses"], rows[1]["losses"], rtol=0, atol=1e-3)
+        if name == "fsdp":
+            assert "note: hsdp on 2 processes fp32 not run" in proc.stdout, proc.stdout
+            assert "(train.engine = torch)" in proc.stdout

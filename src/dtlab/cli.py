@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, TypeVar
 
 from dtlab.cliargs import config_choices, parse_config_args, run_command
 from dtlab.cliparser import DEVICE_KEYS, build_parser
-from dtlab.dims import DPWrapper, strategies_with
 from dtlab.errors import ConfigError, DtlabError
 
 _Job = TypeVar("_Job")
@@ -72,7 +71,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)  # fail here on a bad config, not in every run
     axes = _bench_axes(args, config)
     if axes.engines != ["torch"]:
-        return _bench_engines(args, axes)
+        return _bench_engines(args, axes, config)
     model_parallel = config.parallel.tp * config.parallel.pp
     combos = combinations(
         axes.strategies, axes.nprocs, axes.compressions, axes.precisions, model_parallel
@@ -95,11 +94,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 1 if results["failed"] and not results["rows"] else 0
 
 
-def _bench_engines(args: argparse.Namespace, axes: _BenchAxes) -> int:
-    """``dtlab bench --engine torch,mlx``: the same config on each engine, single and ddp runs."""
+def _bench_engines(args: argparse.Namespace, axes: _BenchAxes, config: Config) -> int:
+    """``dtlab bench --engine torch,mlx``: the same config on each engine, every layout both run
+    (single, ddp, fsdp, the config's tensor parallelism); the others are said, with why."""
     from dtlab.bench.engines import check_engines, run_engines
-    from dtlab.bench.sweep import combinations
-    from dtlab.config import load_config
+    from dtlab.bench.sweep import combinations, runnable
 
     check_engines(axes.engines)
     if axes.compressions != ["none"]:
@@ -107,28 +106,20 @@ def _bench_engines(args: argparse.Namespace, axes: _BenchAxes) -> int:
             f"--compression {args.compression!r} with --engine {args.engine!r}: engines are compared "
             "without compression (allowed: none)"
         )
-    combos = [
-        (s, n, p)
-        for s, n, _, p in combinations(axes.strategies, axes.nprocs, ["none"], axes.precisions)
-    ]
-    # The MLX engine has no sharding: the layouts without FSDP.
-    unsharded = strategies_with(DPWrapper.NONE, DPWrapper.DDP)
-    combos = [c for c in combos if c[0] in unsharded]
-    if not combos:
-        raise DtlabError(
-            "--engine with mlx compares single and ddp runs; --strategies names neither"
-        )
-    for strategy, _, precision in combos:
-        for engine in axes.engines:  # every run's config is valid before any runs
-            load_config(
-                args.config,
-                [*args.overrides, f"parallel.strategy={strategy}", f"train.precision={precision}",
-                 f"train.engine={engine}"],
-            )  # fmt: skip
+    model_parallel = config.parallel.tp * config.parallel.pp
+    combos = combinations(axes.strategies, axes.nprocs, ["none"], axes.precisions, model_parallel)
+    # A run is measured on every engine or on none: the rows are compared side by side.
+    notes: list[str] = []
+    for engine in axes.engines:
+        combos, refused = runnable(args.config, [*args.overrides, f"train.engine={engine}"], combos)
+        notes += [f"{note} (train.engine = {engine})" for note in refused]
+    for note in notes:
+        print(f"note: {note}", flush=True)
     out = Path(args.out)
     results = run_engines(
-        args.config, args.overrides, axes.engines, combos, args.steps, args.warmup, out
-    )
+        args.config, args.overrides, axes.engines, [(s, n, p) for s, n, _, p in combos],
+        args.steps, args.warmup, out,
+    )  # fmt: skip
     print(
         f"\n{len(results['engine_rows'])} run(s) measured, {len(results['failed'])} failed: {out / 'report.md'}"
     )

@@ -643,16 +643,26 @@ class Checkpointer:
     def load(
         self, path: Path, states: dict[str, Stateful], *, per_rank: Collection[str] = ()
     ) -> None:
-        """Load checkpoint ``path`` into ``states`` (every rank; DCP reshards to this run's layout)."""
+        """Load checkpoint ``path`` into ``states`` (every rank; DCP reshards to this run's layout).
+
+        A checkpoint the MLX engine wrote loads too (:mod:`dtlab.checkpoint.engines`): its tensors
+        through DCP as the torch engine's; the parts it does not hold (the optimizer's param groups,
+        the schedule, the loss scaler, the random states, per-rank state) keep this run's, which the
+        caller sets to the resumed step."""
+        from dtlab.checkpoint.engines import MlxFilesReader, written_by
         from dtlab.checkpoint.safe_io import safe_load
 
         state = json.loads((path / "state.json").read_text(encoding="utf-8"))
         if "optim_param_groups" in state:  # written before the optimizer was a part like the others
             state["optim"] = {"param_groups": state.pop("optim_param_groups")}
         names = [k for k in states if k not in per_rank]
-        tensors, _ = split_tensors({k: states[k].state_dict() for k in names})
+        tensors, live = split_tensors({k: states[k].state_dict() for k in names})
+        mlx = written_by(path) == "mlx"
+        reader = MlxFilesReader(path) if mlx else None
+        if mlx:
+            state = {**live, **{k: v for k, v in state.items() if k in live}, "rng": []}
         saved_world = json.loads((path / MANIFEST).read_text(encoding="utf-8"))["world_size"]
-        own = {name: _per_rank_template(path, name) for name in per_rank}
+        own = {name: {} if mlx else _per_rank_template(path, name) for name in per_rank}
         if saved_world == self.d.world_size:
             tensors |= {name: t for name, t in own.items() if t}
         elif any(own.values()):
@@ -660,14 +670,15 @@ class Checkpointer:
                 "compression state of %d ranks cannot map onto %d: starting it afresh",
                 saved_world, self.d.world_size,
             )  # fmt: skip
-        safe_load(tensors, path, no_dist=_alone())
+        safe_load(tensors, path, no_dist=_alone(), reader=reader)
         for name in names:
             states[name].load_state_dict(merge_tensors(tensors.get(name, {}), state.get(name, {})))
         for name in per_rank:
             if name in tensors:
                 states[name].load_state_dict(tensors[name])
         rngs = state["rng"]
-        load_rng_state(rngs[self.d.rank] if self.d.rank < len(rngs) else rngs[0])
+        if rngs:  # the MLX engine saves none: its training draws no random numbers after the start
+            load_rng_state(rngs[self.d.rank] if self.d.rank < len(rngs) else rngs[0])
 
     def latest(self) -> Path | None:
         """The newest committed local checkpoint (for rolling back), as rank 0 sees it once its own

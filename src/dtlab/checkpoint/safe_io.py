@@ -22,6 +22,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
 
 from dtlab.errors import CheckpointError
 
@@ -157,21 +158,25 @@ def dcp_error_cause(e: BaseException) -> BaseException:
     return e
 
 
-def safe_load(state: dict[str, Any], path: Path, no_dist: bool) -> None:
+def safe_load(
+    state: dict[str, Any], path: Path, no_dist: bool, reader: StorageReader | None = None
+) -> None:
     """``dcp.load`` of checkpoint ``path`` into ``state`` through the safe reader and planner.
 
     The index is read through the restricted unpickler first, so a refused or corrupt file is a clear
     CheckpointError here rather than a traceback DCP prints on the way to its fallback; any failure
-    inside DCP comes out as a CheckpointError naming the checkpoint and the cause.
+    inside DCP comes out as a CheckpointError naming the checkpoint and the cause. ``reader``: another
+    storage reader of ``path`` (the MLX engine's files: :mod:`dtlab.checkpoint.engines`).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    SafeFileSystemReader(str(path)).read_metadata()
+    if reader is None:
+        SafeFileSystemReader(str(path)).read_metadata()
     try:
         dcp.load(
             state,
-            storage_reader=SafeFileSystemReader(str(path)),
+            storage_reader=reader or SafeFileSystemReader(str(path)),
             planner=SafeLoadPlanner(),
             no_dist=no_dist,
         )

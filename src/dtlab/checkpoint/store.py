@@ -46,12 +46,11 @@ RESUME_KEYS = (
     "data.tokenizer",
     "train.global_batch_size",
     "train.seed",
-    "train.engine",
 )
 # Fingerprint entries that are not config keys: what the data source's samples are made of.
 DERIVED_KEYS = ("data.identity",)
-# Keys added after checkpoints were first written: a checkpoint without one had this value.
-RESUME_DEFAULTS = {"train.engine": "torch"}
+# Keys added after checkpoints were first written, and the value a checkpoint without one had.
+RESUME_DEFAULTS: dict[str, Any] = {}
 
 
 def step_name(step: int) -> str:

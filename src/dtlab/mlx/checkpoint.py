@@ -1,7 +1,7 @@
 """The MLX engine's checkpoints: the parameters and AdamW's moments as safetensors files, the run's
 stateful parts in ``state.json``, written by rank 0 (every rank holds the same replica) and committed by
 the shared :class:`~dtlab.checkpoint.manager.Checkpointer` (manifest, atomic rename), like the torch
-engine's."""
+engine's. A torch engine's checkpoint resumes here too (:mod:`dtlab.checkpoint.engines`)."""
 
 from __future__ import annotations
 
@@ -15,21 +15,38 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
+from dtlab.checkpoint.engines import MLX_MODEL as MODEL
+from dtlab.checkpoint.engines import MLX_OPTIMIZER as OPTIMIZER
+from dtlab.checkpoint.engines import read_torch_whole, written_by
 from dtlab.checkpoint.manager import Checkpointer
 from dtlab.checkpoint.state import Stateful
+from dtlab.config import load_config
 from dtlab.errors import CheckpointError
 from dtlab.mlx.model import load_safetensors
 from dtlab.mlx.optim import AdamW, Params
 
-MODEL, OPTIMIZER = "model.safetensors", "optimizer.safetensors"
-
 
 def check_engine(path: Path) -> None:
-    """Refuse a checkpoint another engine wrote, before anything is loaded."""
-    engine = json.loads((path / "state.json").read_text(encoding="utf-8")).get("engine")
-    if engine != "mlx":
-        raise CheckpointError(f"cannot resume from '{path}': it was not written by the MLX engine")
+    """Refuse, before anything is loaded, a torch checkpoint whose state the MLX engine cannot take
+    over: another optimizer's, or DiLoCo's replicas' own."""
+    if written_by(path) == "mlx":
+        return
+    saved = load_config(path / "config.yaml")
+    if saved.train.optimizer != "adamw":
+        raise CheckpointError(
+            f"checkpoint '{path}' was saved by the torch engine with train.optimizer = "
+            f"{saved.train.optimizer!r}, whose state the MLX engine cannot take over (allowed: "
+            f"adamw). To go on from its weights, export it (dtlab export {path} --format hf "
+            "--out OUT)"
+        )
+    if saved.parallel.diloco.inner_steps:
+        raise CheckpointError(
+            f"checkpoint '{path}' was saved by a DiLoCo run (parallel.diloco.inner_steps = "
+            f"{saved.parallel.diloco.inner_steps}): its replicas' own weights and optimizer states "
+            "resume only under DiLoCo on the torch engine"
+        )
 
 
 def save(
@@ -86,24 +103,31 @@ def load(
     states: Mapping[str, Stateful],
     internal: Mapping[str, str] | None = None,
 ) -> Params:
-    """Restore the optimizer and every stateful part from ``path``; returns the parameters (float32),
-    checked to be exactly ``names`` (the model's names). ``internal``: the name the engine keeps each
-    under where it differs (a wrapped model's: :mod:`dtlab.mlx.fsdp`), for the optimizer and the
-    parameters returned."""
+    """Restore the optimizer and every stateful part from ``path`` (either engine's); returns the
+    parameters (float32), checked to be exactly ``names`` (the model's names). ``internal``: the name
+    the engine keeps each under where it differs (a wrapped model's: :mod:`dtlab.mlx.fsdp`), for the
+    optimizer and the parameters returned."""
     doc = json.loads((path / "state.json").read_text(encoding="utf-8"))
-    model = _read(path / MODEL)
+    if written_by(path) == "mlx":
+        model, moments = _read(path / MODEL), _read(path / OPTIMIZER)
+        steps, where = int(doc["optimizer"]["steps"]), f"checkpoint '{path}': {OPTIMIZER}"
+    else:  # the torch engine's: its tensors read whole (DCP, this process alone)
+        whole, torch_moments, steps = read_torch_whole(path)
+        model = {k: _from_torch(v) for k, v in whole.items()}
+        moments = {k: _from_torch(v) for k, v in torch_moments.items()}
+        where = f"checkpoint '{path}' (torch engine)"
     if set(model) != set(names):
         raise CheckpointError(
-            f"checkpoint '{path}': {MODEL} does not fit the model (missing "
+            f"checkpoint '{path}': its model does not fit this one (missing "
             f"{sorted(set(names) - set(model))[:3]}, unexpected {sorted(set(model) - set(names))[:3]})"
         )
     rename = dict(internal or {})
     moments = {
         f"{kind}.{rename.get(k, k)}": v
-        for key, v in _read(path / OPTIMIZER).items()
+        for key, v in moments.items()
         for kind, k in [key.split(".", 1)]
     }
-    optimizer.load(moments, int(doc["optimizer"]["steps"]), f"checkpoint '{path}': {OPTIMIZER}")
+    optimizer.load(moments, steps, where)
     for name, part in states.items():
         part.load_state_dict(doc[name])
     params = {rename.get(k, k): model[k].astype(mx.float32) for k in names}
@@ -111,9 +135,14 @@ def load(
     return params
 
 
+def _from_torch(t: Any) -> mx.array:
+    """A CPU torch tensor as an MLX array of the same values (float32: how both engines train)."""
+    return mx.array(np.ascontiguousarray(t.float().numpy()))
+
+
 def _read(path: Path) -> dict[str, mx.array]:
     if not path.is_file():
         raise CheckpointError(
-            f"checkpoint file '{path}' is missing: this checkpoint was not written by the MLX engine"
+            f"checkpoint file '{path}' is missing (its state.json says the MLX engine wrote it)"
         )
     return load_safetensors(path)

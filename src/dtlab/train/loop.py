@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from dtlab.analysis.model import bus_bytes
 from dtlab.analysis.run_comm import planned_step_comm
+from dtlab.checkpoint.engines import written_by
 from dtlab.checkpoint.init_from import apply_init_from
 from dtlab.checkpoint.manager import Checkpointer, Coordinator
 from dtlab.checkpoint.manifest import MANIFEST
@@ -71,6 +72,7 @@ from dtlab.train.optim import (
     apply_hyperparameters,
     build_optimizer,
     optimizer_groups,
+    set_schedule_step,
     state_bytes,
 )
 from dtlab.train.optimizer_step import (
@@ -332,6 +334,8 @@ class TorchEngine:
 
     def load(self, ckpt: Checkpointer, path: Path) -> None:
         ckpt.load(path, self.states, per_rank=self.per_rank)
+        if written_by(path) == "mlx":  # no schedule saved: it is the resumed step's
+            set_schedule_step(self.tr.scheduler, int(self.states["train"].state_dict()["step"]))
         apply_hyperparameters(self.tr.optimizer, self.tr.scheduler, self.config.train)
         train = self.states.get("train")
         if train is not None and self.faults.bad_load(int(train.state_dict()["step"])):

@@ -200,6 +200,14 @@ def group_hyperparameters(t: TrainConfig, groups: int = 2) -> list[dict[str, obj
     return [decayed, {"weight_decay": 0.0, **common}, decayed][:groups]
 
 
+def set_schedule_step(scheduler: torch.optim.lr_scheduler.LRScheduler, step: int) -> None:
+    """Put a fresh ``scheduler`` where one stepped once per optimizer step up to ``step`` would be
+    (resuming a checkpoint that holds no schedule: the MLX engine's); its learning rates are then
+    set by :func:`apply_hyperparameters`."""
+    scheduler.last_epoch = step
+    scheduler._step_count = step + 1  # type: ignore[attr-defined]
+
+
 def apply_hyperparameters(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
