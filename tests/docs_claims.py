@@ -798,7 +798,7 @@ CLAIMS = [
         ),
     ),
     Claim(
-        r"without `run.dir` it refuses to start",
+        r"each rank refuses to start without `run.dir`",
         holds(
             "src/dtlab/mlx/train.py",
             r"run\.dir must be set when MLX ranks are started by mlx\.launch directly",

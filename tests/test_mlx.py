@@ -303,3 +303,29 @@ def test_mlx_two_mpi_ranks_match_one(tmp_path: Path, mlx_one) -> None:
     metrics = ok_metrics(mlx_train(run, "parallel.backend=mpi", nproc=2), run)
     assert [m["step"] for m in metrics] == list(range(1, 13))
     np.testing.assert_allclose(column(metrics, "loss"), column(mlx_one, "loss"), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("backend", "environ", "joins"),
+    [
+        ("auto", {}, None),  # no launcher: a group of one
+        ("auto", {"MLX_RANK": "1"}, "ring"),
+        ("auto", {"MLX_RANK": "1", "MLX_IBV_DEVICES": "/tmp/devs.json"}, "jaccl"),
+        ("auto", {"OMPI_COMM_WORLD_RANK": "1"}, "mpi"),
+        ("mpi", {"MLX_RANK": "1"}, "mpi"),
+        ("jaccl", {"MLX_RANK": "0", "MLX_IBV_DEVICES": "/tmp/devs.json"}, "jaccl"),
+    ],
+)
+def test_a_rank_joins_the_backend_its_launcher_set_up(backend, environ, joins) -> None:
+    """Which backend a rank joins with: the launcher's under `auto` (mlx.launch's JACCL ranks see
+    their RDMA devices; its ring ranks MLX_RANK only; mpirun's their MPI rank), else the one set."""
+    from dtlab.mlx.dist import rank_backend
+
+    assert rank_backend(backend, environ) == joins
+
+
+def test_jaccl_on_local_ranks_says_how_to_start_it(tmp_path: Path) -> None:
+    proc = mlx_train(tmp_path / "run", "parallel.backend=jaccl", nproc=2, steps=2)
+    assert proc.returncode == 2, proc.stderr
+    assert "mlx.launch --hostfile hosts.json --backend jaccl" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -423,7 +423,7 @@ def _check_mlx(c: Config) -> None:
         )
     allowed = {
         "parallel.compression": (p.compression, ("none",)),
-        "parallel.backend": (p.backend, ("auto", "ring", "mpi")),
+        "parallel.backend": (p.backend, ("auto", "ring", "mpi", "jaccl")),
         "train.optimizer": (t.optimizer, ("adamw",)),
         "train.precision": (t.precision, ("fp32", "bf16")),
         "train.activation_checkpointing": (t.activation_checkpointing, ("none", "full")),
@@ -665,7 +665,7 @@ def _check_engine(c: Config) -> None:
     p = c.parallel
     if c.train.engine == "mlx":
         _check_mlx(c)
-    elif p.backend in ("ring", "mpi"):
+    elif p.backend in ("ring", "mpi", "jaccl"):
         raise ValueError(
             f"parallel.backend = {p.backend!r} is an MLX backend; train.engine = 'torch' "
             "allows: auto, gloo, nccl"

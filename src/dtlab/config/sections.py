@@ -620,9 +620,10 @@ class ParallelConfig(_Section):
             return self.pp_stages_per_rank
         return 1 if self.pp_schedule in SINGLE_STAGE_SCHEDULES else 2
 
-    backend: Literal["auto", "gloo", "nccl", "ring", "mpi"] = Field(
+    backend: Literal["auto", "gloo", "nccl", "ring", "mpi", "jaccl"] = Field(
         "auto",
-        description="auto: nccl on CUDA, gloo on CPU; engine mlx: ring (auto) or mpi.",
+        description="auto: nccl on CUDA, gloo on CPU; engine mlx: ring (auto), mpi, or jaccl (RDMA "
+        "over Thunderbolt between Macs, ranks started by mlx.launch --backend jaccl).",
     )
     collective_timeout_s: float = Field(
         600.0,

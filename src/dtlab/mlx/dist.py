@@ -7,7 +7,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,20 +27,28 @@ def init_group(config: Config) -> Any:
     """The global group: the one ``mlx.launch`` set up (ring or MPI), or a group of one."""
     if config.train.device == "cpu":
         mx.set_default_device(mx.cpu)
-    launched = "MLX_RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ
-    if not launched:
+    backend = rank_backend(config.parallel.backend, os.environ)
+    if backend is None:
         return mx.distributed.init(strict=False, backend="ring")
-    backend: str = config.parallel.backend
-    if (
-        backend == "auto"
-    ):  # the launcher's: mpirun's ranks see their MPI rank, mlx.launch's ring MLX_RANK
-        backend = "mpi" if "OMPI_COMM_WORLD_RANK" in os.environ else "ring"
     try:
         return mx.distributed.init(strict=True, backend=backend)
     except RuntimeError as e:
         raise DtlabError(
             f"could not join the MLX process group (parallel.backend = {config.parallel.backend!r}): {e}"
         ) from None
+
+
+def rank_backend(backend: str, environ: Mapping[str, str]) -> str | None:
+    """The backend this process joins its group with: None when no launcher started it (a group of
+    one); for ``auto``, the launcher's: mpirun's ranks see their MPI rank, ``mlx.launch``'s JACCL
+    ranks their RDMA devices (``MLX_IBV_DEVICES``), its ring ranks only ``MLX_RANK``."""
+    if "MLX_RANK" not in environ and "OMPI_COMM_WORLD_RANK" not in environ:
+        return None
+    if backend != "auto":
+        return backend
+    if "OMPI_COMM_WORLD_RANK" in environ:
+        return "mpi"
+    return "jaccl" if "MLX_IBV_DEVICES" in environ else "ring"
 
 
 class Watchdog:

@@ -123,6 +123,13 @@ def _mpirun(nproc: int, worker_args: list[str], env: dict[str, str]) -> list[str
 def launch_mlx(nproc: int, backend: str, worker_args: list[str]) -> int:
     """Run ``python -m dtlab <worker_args>`` as ``nproc`` MLX ranks; returns an exit code."""
     backend = launch_backend(backend)
+    if backend == "jaccl" and nproc > 1:
+        raise DtlabError(
+            f"parallel.backend = 'jaccl' with --nproc {nproc}: JACCL joins several Macs over "
+            "Thunderbolt, whose ranks mlx.launch starts from a host file listing their RDMA "
+            "devices (mlx.launch --hostfile hosts.json --backend jaccl -- -m dtlab train ...); "
+            "dtlab train --nproc starts ranks on this machine (allowed: auto, ring, mpi)"
+        )
     status = Path(tempfile.mkdtemp(prefix="dtlab-mlx-"))
     env = {**os.environ, STATUS_ENV: str(status)}
     # Share the cores among the ranks (as the torch engine does) when the BLAS MLX calls is threaded.
