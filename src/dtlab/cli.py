@@ -134,11 +134,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from dtlab.analysis.probe import with_probe
     from dtlab.config import check_batch_split, load_config
 
-    config = load_config(args.config, args.overrides)
+    engine = [f"train.engine={args.engine}"] if args.engine else []
+    config = load_config(args.config, [*args.overrides, *engine])
     # The batch must split over the data-parallel ranks whatever the strategy: say so, not "nothing
     # fits" (tensor and pipeline parallelism, when set, take their ranks first).
     p = config.parallel
     world = args.nproc * args.nnodes
+    if config.train.engine == "mlx":
+        return _plan_mlx(args, config, world)
     if all(config.is_given(f"parallel.{k}") for k in ("tp", "pp", "cp")):
         # Otherwise the plan searches degrees that split it (context parallelism where nothing
         # fits without), and says so when none does.
@@ -182,6 +185,27 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.check and not args.json:
         text += "\n" + format_check(result["check"])
     print(text)
+    return 0
+
+
+def _plan_mlx(args: argparse.Namespace, config: Config, world: int) -> int:
+    """``dtlab plan --engine mlx``: every MLX layout's memory per rank (dtlab.analysis.mlx_memory)."""
+    import json
+
+    from dtlab.analysis.mlx_memory import format_mlx_plan, mlx_plan
+
+    if args.check or args.ranks is not None or args.device is not None:
+        flag = "--check" if args.check else "--ranks" if args.ranks is not None else "--device"
+        raise DtlabError(
+            f"{flag} with --engine mlx: the MLX plan gives each layout's memory per rank (allowed: "
+            "--nproc, --nnodes, --device-memory GIB, --json)"
+        )
+    if args.device_memory is not None and not 0 < args.device_memory < float("inf"):
+        raise DtlabError(
+            f"--device-memory {args.device_memory}: allowed: a finite number > 0 (GiB)"
+        )
+    result = mlx_plan(config, world, args.device_memory)
+    print(json.dumps(result, indent=2) if args.json else format_mlx_plan(result))
     return 0
 
 

@@ -492,6 +492,14 @@ def _add_plan(sub: _Commands) -> None:
         metavar="R,...",
         help="with --check: the ranks to check (default the first and the last)",
     )
+    pl.add_argument(
+        "--engine",
+        choices=SchemaChoices("train.engine"),
+        metavar="ENGINE",
+        default=None,
+        help="torch or mlx (same as --set train.engine=...); mlx: each MLX layout's memory per rank, "
+        "as MLX's allocator counts it",
+    )
     pl.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_config_args(pl)
 
