@@ -56,7 +56,9 @@ def test_the_mlx_plan_holds_mlx_peak_memory_within_3_percent(
 
 
 def test_the_mlx_plan_names_what_it_does_not_model() -> None:
-    proc = run_cli("plan", "--engine", "mlx", "--nproc", "2", "--set", *SHAPE, "train.precision=bf16")
+    proc = run_cli(
+        "plan", "--engine", "mlx", "--nproc", "2", "--set", *SHAPE, "train.precision=bf16"
+    )
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "train.precision = 'bf16'" in proc.stderr and "(allowed: fp32, none)" in proc.stderr
     proc = run_cli("plan", "--engine", "mlx", "--nproc", "2", "--check", "--set", *SHAPE)
