@@ -697,7 +697,7 @@ CLAIMS = [
             refused([*TP, "train.engine=mlx"], "parallel.sequence_parallel=true", world=2),
             refused([*TP, "train.engine=mlx"], "train.activation_checkpointing=full", world=2),
             refused([*DDP, "train.engine=mlx"], "parallel.pp=2", world=2),
-            refused([*TP, "train.engine=mlx"], "parallel.strategy=fsdp", world=2),
+            takes([*TP, "train.engine=mlx", "parallel.strategy=fsdp"], world=4),
         ),
     ),
     Claim(

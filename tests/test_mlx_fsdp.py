@@ -11,7 +11,7 @@ import pytest
 
 from conftest import FAST, run_cli, train_run
 from dtlab.mlx import mlx_available
-from test_mlx import mlx_train, ok_metrics
+from test_mlx import _open_mpi, mlx_train, ok_metrics
 from test_mlx_tp import CLIP, STEPS, _same
 from test_mlx_tp import mlx_clipped as one_mlx_process
 
@@ -64,6 +64,31 @@ def test_dtlab_verify_engine_mlx_proves_fsdp(tmp_path: Path) -> None:
             )  # fmt: skip
 
 
+@pytest.mark.skipif(not _open_mpi(), reason="needs Open MPI's mpirun (apt-get install openmpi-bin)")
+def test_mlx_fsdp2_tp2_under_mpi_matches_one_process_torch_and_resumes(
+    tmp_path: Path, mlx_clipped
+) -> None:
+    """fsdp 2 x tp 2 on 4 ranks under MPI (each tensor-parallel part's rows split over the 2
+    data-parallel ranks): one MLX process within 1e-4 and the torch engine's fsdp 2 x tp 2 within
+    1e-3; killed after its step-5 checkpoint, it goes on as one MLX process to the same end; the
+    ranks leave without MPI's teardown abort (the split groups freed before MPI finalizes)."""
+    run = tmp_path / "fsdp2tp2"
+    layout = [*CLIP, *FSDP, "parallel.tp=2", "parallel.backend=mpi", "checkpoint.every=5"]
+    proc = mlx_train(run, *layout, nproc=4, steps=STEPS)
+    m = ok_metrics(proc, run)
+    assert "mlx fsdp 2 x tp 2 on" in proc.stderr, proc.stderr
+    assert "MPI_FINALIZE" not in proc.stderr and "MPI_FINALIZE" not in proc.stdout
+    _same(m, mlx_clipped, 1e-4)
+    torch_run = train_run(tmp_path / "torch", *CLIP, *FSDP, "parallel.tp=2", nproc=4, steps=STEPS)
+    _same(m, torch_run, 1e-3)
+    killed = tmp_path / "killed"
+    out = mlx_train(killed, *layout, nproc=4, steps=STEPS, env={"DTLAB_FAULTS": "kill@7:r3"})
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    resumed = mlx_train(killed, *CLIP, "checkpoint.every=5", steps=STEPS)
+    assert "step-00000005" in resumed.stderr, resumed.stderr
+    _same(ok_metrics(resumed, killed), mlx_clipped, 1e-4)
+
+
 def test_mlx_fsdp_uneven_rows_are_a_clear_error(tmp_path: Path) -> None:
     """Every parameter's rows split over the ranks: 3 ranks and a vocabulary of 256 say which."""
     proc = mlx_train(tmp_path / "run", *FSDP, "train.global_batch_size=6", nproc=3, steps=2)
@@ -74,7 +99,6 @@ def test_mlx_fsdp_uneven_rows_are_a_clear_error(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["parallel.tp=2"], "parallel.strategy = 'fsdp' with parallel.tp = 2 is not supported"),
         (["parallel.sharding=shard_grad_op"], "with parallel.sharding = 'shard_grad_op' is not"),
         (
             ["train.activation_checkpointing=full"],

@@ -70,23 +70,25 @@ def mlx_layouts(world: int) -> list[MlxLayout]:
     if world == 1:
         return [MlxLayout(1)]
     out = [MlxLayout(world), MlxLayout(world, fsdp=True)]
-    out += [MlxLayout(world // tp, tp) for tp in range(2, world + 1) if world % tp == 0]
+    for tp in (tp for tp in range(2, world + 1) if world % tp == 0):
+        out.append(MlxLayout(world // tp, tp))
+        if tp < world:
+            out.append(MlxLayout(world // tp, tp, fsdp=True))
     return out
 
 
-def _param_counts(config: Config, tp: int) -> tuple[int, int, int]:
-    """(this rank's parameters, the blocks' parameters of the whole model, its largest parameter)
-    under tensor parallelism ``tp`` (the blocks split, the embedding, output and norms whole)."""
+def _param_counts(config: Config, tp: int) -> tuple[int, int]:
+    """(this rank's parameters, its largest parameter) under tensor parallelism ``tp`` (the blocks
+    split, the embedding, output and norms whole)."""
     m = config.model
     d, f, v = m.dim, m.hidden_dim, m.vocab_size
     kvd = m.kv_heads * (d // m.n_heads)
     block = 2 * d * d + 2 * d * kvd + 3 * d * f  # wq, wo, wk, wv, w1, w2, w3
     norms = 2 * d
     outside = v * d * (1 if m.tie_embeddings else 2) + d
-    whole_blocks = m.n_layers * (block + norms)
     mine = m.n_layers * (block // tp + norms) + outside
     largest = max(v * d, d * f // tp, d * d // tp)
-    return mine, whole_blocks, largest
+    return mine, largest
 
 
 def mlx_memory(config: Config, layout: MlxLayout) -> dict[str, Any]:
@@ -101,7 +103,7 @@ def mlx_memory(config: Config, layout: MlxLayout) -> dict[str, Any]:
     micro = min(t.micro_batch_size or per_rank, per_rank)
     accum = per_rank // micro
     tokens = micro * seq
-    mine, whole_blocks, largest = _param_counts(config, tp)
+    mine, largest = _param_counts(config, tp)
     params = mine * F32 // (layout.dp if layout.fsdp else 1)
     moments = 2 * params
     # Phase 1: what each block keeps per token, split by tp where its heads and ffn are split.
@@ -111,7 +113,7 @@ def mlx_memory(config: Config, layout: MlxLayout) -> dict[str, Any]:
     activations = int(tokens * (m.n_layers * block + backward) * F32)
     first_grads = v * d * (1 if m.tie_embeddings else 2) * F32  # output and embedding, made first
     rope = m.max_seq_len * (d // h) * F32
-    gathered = (whole_blocks + v * d * (1 if m.tie_embeddings else 2)) * F32 if layout.fsdp else 0
+    gathered = mine * F32 if layout.fsdp else 0  # this rank's tensor-parallel part, whole
     running = mine * F32 if accum > 1 else 0  # the running sum of the micro-batches' gradients
     phase1 = params + moments + activations + first_grads + rope + gathered + running
     # Data parallelism's all_sum: the gradients, their flat copy, the result and the ring's own

@@ -415,12 +415,6 @@ def _check_mlx(c: Config) -> None:
             "supported with train.engine = 'mlx' (allowed: fsdp with sharding full, "
             f"{', '.join(strategies_with(DPWrapper.NONE, DPWrapper.DDP))})"
         )
-    if fsdp and p.tp > 1:
-        raise ValueError(
-            f"parallel.strategy = 'fsdp' with parallel.tp = {p.tp} is not supported with "
-            "train.engine = 'mlx' (allowed: parallel.strategy = 'ddp' with tp, under "
-            "parallel.backend = 'mpi'); train.engine = 'torch' has it"
-        )
     allowed = {
         "parallel.compression": (p.compression, ("none",)),
         "parallel.backend": (p.backend, ("auto", "ring", "mpi", "jaccl")),

@@ -9,12 +9,14 @@ flattened ``all_sum`` per optimizer step, which carries every gradient, the loss
 
 from __future__ import annotations
 
+import gc
 import math
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from mlx.nn.layers.distributed import sum_gradients
 from mlx.utils import tree_unflatten
 
 from dtlab.checkpoint.manager import Checkpointer, Coordinator
@@ -62,24 +64,25 @@ class Trainer:
             self.tp_group, self.dp_group = tp_groups(group, self.tp, config.parallel.backend)
             shard_blocks(self.model, self.tp_group)
         self.dp = self.world // self.tp
-        self.tp_rank = group.rank() % self.tp
-        # FSDP: every parameter's rows split over the ranks (dtlab.mlx.fsdp), under the wrappers'
-        # names; its gradients come back as the ranks' mean of this rank's rows.
-        self.fsdp = DPWrapper.of(config.parallel.strategy) is DPWrapper.FSDP and self.world > 1
+        self.tp_rank, self.dp_rank = group.rank() % self.tp, group.rank() // self.tp
+        # FSDP: every parameter's rows (of this rank's tensor-parallel part) split over the
+        # data-parallel ranks (dtlab.mlx.fsdp), under the wrappers' names; its gradients come back
+        # as those ranks' mean of this rank's rows.
+        self.fsdp = DPWrapper.of(config.parallel.strategy) is DPWrapper.FSDP and self.dp > 1
         if self.fsdp:
-            self.model = shard_model(self.model, group)
+            self.model = shard_model(self.model, self.dp_group)
         self.params: Params = flat_parameters(self.model)
         self.names = sorted(self.params)
         self.plain = {k: plain_name(k) for k in self.names}  # the model's (checkpoint's) names
-        # The split parameters (name -> axis) and the group, rank and size they are split over.
-        self.split: dict[str, int] = {}
-        self.split_over = (None, 0, 1)
+        # The tensor-parallel parameters (name -> the axis split), and how whole tensors become this
+        # rank's: each stage (name -> axis, group, this rank's index in it, its size) applied in turn
+        # (tensor parallelism, then FSDP's rows), undone in reverse order to gather them.
+        self.tp_split = split_axes(self.names) if self.tp > 1 else {}
+        self.stages: list[tuple[dict[str, int], Any, int, int]] = []
+        if self.tp > 1:
+            self.stages.append((self.tp_split, self.tp_group, self.tp_rank, self.tp))
         if self.fsdp:
-            self.split = dict.fromkeys(self.names, 0)
-            self.split_over = (group, group.rank(), self.world)
-        elif self.tp > 1:
-            self.split = split_axes(self.names)
-            self.split_over = (self.tp_group, self.tp_rank, self.tp)
+            self.stages.append((dict.fromkeys(self.names, 0), self.dp_group, self.dp_rank, self.dp))
         self.optimizer = AdamW(self.params, t)
         grad_fn = mx.value_and_grad(self._loss)
         self._grad_fn = mx.compile(grad_fn) if t.compile else grad_fn
@@ -178,38 +181,44 @@ class Trainer:
         """Tensor parallelism: the squared global gradient norm (the split parameters' parts summed
         over their group, the whole ones counted once) and every rank's stop votes, in one all_sum
         over the world (each data-parallel copy adds the same split part: divided by their count)."""
-        split = sum(
-            (mx.sum(g * g) for k, g in grads.items() if k in self.split), start=mx.array(0.0)
-        )
-        whole = sum(
-            (mx.sum(g * g) for k, g in grads.items() if k not in self.split), start=mx.array(0.0)
-        )
+        split, whole = self._squares(grads)
         flat = mx.concatenate([split.reshape(1), mx.array(votes)])
         total = mx.distributed.all_sum(flat, group=self.group)
         watchdog.run("the gradient norm's all_sum", lambda: mx.eval(total), "all_sum", flat)
         return whole + total[0] / self.dp, [scalar(x) for x in total[1:]]
 
+    def _squares(self, grads: Params) -> tuple[mx.array, mx.array]:
+        """The summed squares of this rank's gradients of the tensor-parallel parameters, and of the
+        others."""
+        zero = mx.array(0.0)
+        split = sum((mx.sum(g * g) for k, g in grads.items() if k in self.tp_split), start=zero)
+        whole = sum((mx.sum(g * g) for k, g in grads.items() if k not in self.tp_split), start=zero)
+        return split, whole
+
     def _sharded_norm(
         self, loss_sum: mx.array, grads: Params, votes: list[float], watchdog: Watchdog
     ) -> tuple[mx.array, mx.array, list[float]]:
         """FSDP: the squared global gradient norm (every rank's rows), the ranks' mean loss and their
-        summed stop votes, in one all_sum (the gradients were averaged by the reduce-scatters)."""
-        mine = sum((mx.sum(g * g) for g in grads.values()), start=mx.array(0.0))
-        flat = mx.concatenate([mine.reshape(1), loss_sum.reshape(1), mx.array(votes)])
+        summed stop votes, in one all_sum over the world (the gradients were averaged by the
+        reduce-scatters). With tensor parallelism the rows of a parameter it does not split are
+        held alike by the tp ranks: counted once (divided by tp)."""
+        split, whole = self._squares(grads)
+        flat = mx.concatenate(
+            [split.reshape(1), whole.reshape(1), loss_sum.reshape(1), mx.array(votes)]
+        )
         total = mx.distributed.all_sum(flat, group=self.group)
         watchdog.run("the gradient norm's all_sum", lambda: mx.eval(total), "all_sum", flat)
-        return total[0], total[1] / self.world, [scalar(x) for x in total[2:]]
+        return total[0] + total[1] / self.tp, total[2] / self.world, [scalar(x) for x in total[3:]]
 
     def whole(self, watchdog: Watchdog) -> tuple[Params, Params]:
         """The whole parameters and AdamW moments (``m.NAME``, ``v.NAME``) under the model's names:
         this rank's own, or gathered from the ranks that split them (tensor parallelism, FSDP; a
         collective: every rank calls it)."""
         params, arrays = self.params, self.optimizer.arrays()
-        if self.split:
-            group = self.split_over[0]
-            axes = {f"{s}.{k}": a for k, a in self.split.items() for s in ("m", "v")}
-            params = gather(params, self.split, group, watchdog.run)
-            arrays = gather(arrays, axes, group, watchdog.run)
+        for axes, group, _, _ in reversed(self.stages):
+            moments = {f"{s}.{k}": a for k, a in axes.items() for s in ("m", "v")}
+            params = gather(params, axes, group, watchdog.run)
+            arrays = gather(arrays, moments, group, watchdog.run)
         return (
             {self.plain[k]: v for k, v in params.items()},
             {f"{s}.{self.plain[k]}": arrays[f"{s}.{k}"] for k in self.names for s in ("m", "v")},
@@ -218,13 +227,12 @@ class Trainer:
     def load_whole(self, params: Params) -> None:
         """Whole ``params`` (and the optimizer's moments as loaded, whole), under the engine's names,
         as this rank's parts."""
-        if self.split:
-            _, rank, n = self.split_over
-            params = shard(params, self.split, rank, n)
-            opt = self.optimizer
-            opt.m = shard(opt.m, self.split, rank, n)
-            opt.v = shard(opt.v, self.split, rank, n)
-            mx.eval(opt.m, opt.v)
+        opt = self.optimizer
+        for axes, _, rank, n in self.stages:
+            params = shard(params, axes, rank, n)
+            opt.m = shard(opt.m, axes, rank, n)
+            opt.v = shard(opt.v, axes, rank, n)
+        mx.eval(opt.m, opt.v)
         self.params = params
         mx.eval(self.params)
 
@@ -311,6 +319,13 @@ def train_mlx(config: Config) -> dict[str, Any]:
     finally:
         for lock in held:
             lock.release()
+        # The split groups (tensor parallelism, FSDP over data-parallel ranks) are freed now, while
+        # the backend is up: left to the interpreter's exit, MPI's would be freed after MPI has
+        # finalized, which aborts the rank ("MPI_Comm_free() ... after MPI_FINALIZE"). MLX's
+        # sum_gradients keeps each group it was given in a cache.
+        engine = None  # type: ignore[assignment]
+        sum_gradients.cache_clear()
+        gc.collect()
 
 
 class MlxEngine(Engine):
