@@ -415,6 +415,31 @@ def test_kill_9_resumes_exactly_with_sharded_replicas(tmp_path: Path) -> None:
     ), proc.stderr[-2000:]
 
 
+def test_a_resume_between_syncs_reports_the_steps_a_replica_skipped_before_it(
+    tmp_path: Path,
+) -> None:
+    """Replica 1 skips step 2 (not finite); the checkpoint of step 3 falls between the syncs of
+    steps 0 and 4; killed at step 5 and resumed from it, the run's step-4 sync still reports that
+    skipped step, as the uninterrupted run's does."""
+    common = [*DILOCO, "parallel.diloco.inner_steps=4", "checkpoint.every=3"]
+    faults = "nan@2:r1"
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    args = ["train", "--nproc", "2", "--set", *FAST, "train.steps=8", *common]
+    ref = run_cli(*args, f"run.dir={ref_dir}", env={**cli_env(), "DTLAB_FAULTS": faults})
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    killed = run_cli(
+        *args, f"run.dir={run_dir}", env={**cli_env(), "DTLAB_FAULTS": f"{faults},kill@5:r1"}
+    )
+    assert killed.returncode != 0
+    resumed = run_cli(*args, f"run.dir={run_dir}")
+    assert resumed.returncode == 0 and "(step 3)" in resumed.stderr, resumed.stderr[-3000:]
+    synced = {m["step"]: m for m in read_metrics(ref_dir)}[4]
+    assert synced.get("bad_steps") == 1, synced  # the uninterrupted run reports it
+    got = {m["step"]: m for m in read_metrics(run_dir)}[4]
+    assert got.get("bad_steps") == synced["bad_steps"], got
+    assert got["loss"] == pytest.approx(synced["loss"], abs=1e-6)
+
+
 REPLICATED = ["parallel.strategy=ddp", *STREAMING, "train.grad_clip=0.5"]
 
 

@@ -234,6 +234,11 @@ class DiLoCo:
         # Each fragment's last sync to land: the inner step after which it was sent (0: none yet,
         # θ_global is the initial weights). The checkpoint's model is θ_global as of these steps.
         self.synced_after = [0] * options.fragments
+        # The steps this replica skipped (not finite) since the last outer sync, and in a row up to
+        # now: what its part of the next sync's agreement reports. Saved: a resume between syncs
+        # reports them as the uninterrupted run does.
+        self.skipped = 0
+        self.streak = 0
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -526,6 +531,7 @@ class DiLoCo:
         for k, v in _optimizer_tensors(self.optimizer).items():
             out[f"inner.{k}"] = v
         out["synced_after"] = torch.tensor(self.synced_after)
+        out["skipped"] = torch.tensor([self.skipped, self.streak])
         for j, sync in enumerate(self.pending):
             out[f"pending.{j}.meta"] = torch.tensor([sync.fragment, sync.sent, sync.due])
             out[f"pending.{j}.buffer"] = sync.buffer
@@ -557,6 +563,8 @@ class DiLoCo:
         )
         if "synced_after" in state:  # saved since the checkpoint's model is θ_global
             self.synced_after = [int(s) for s in state["synced_after"].tolist()]
+        if "skipped" in state:  # saved since the skipped steps between syncs are
+            self.skipped, self.streak = (int(x) for x in state["skipped"].tolist())
         self.pending = []
         j = 0
         while f"pending.{j}.meta" in state:

@@ -263,8 +263,6 @@ class TorchEngine:
         # Who agrees on a step: a DiLoCo replica's ranks (else every rank), and the fault-tolerant
         # groups (DiLoCo's meet at its syncs instead: dtlab.train.diloco_ft).
         self.peers = StepPeers(group, size, self.replicas if self.outer_ft is None else None)
-        self.replica_skipped = 0  # steps this replica skipped since the last outer sync
-        self.replica_streak = 0  # ... in a row, up to now
         self._staged: Callable[[], None] | None = None
         self.profiler = (
             StepProfiler(run_dir / "profile", d.rank, d.device) if config.run.profile else None
@@ -472,15 +470,15 @@ class TorchEngine:
         it; there, ``loss`` is the mean over every replica (the whole global batch), and ``bad``
         (with ``bad_steps`` and ``bad_in_a_row``) counts the steps any replica skipped since."""
         stop, bad = m.pop("stop", None), bool(m.pop("bad", False))
-        self.replica_skipped += bad
-        self.replica_streak = self.replica_streak + 1 if bad else 0
+        diloco.skipped += bad
+        diloco.streak = diloco.streak + 1 if bad else 0
         if bad:
             m["replica_bad"] = True
         due = diloco.due(step)
         values: list[float] = []  # this replica's part of the agreement (a step that sends a sync)
         if due:
             votes = [1.0 if stop == s.name else 0.0 for s in STOP_SIGNALS]
-            values = [m["loss"], *votes, float(self.replica_skipped), float(self.replica_streak)]
+            values = [m["loss"], *votes, float(diloco.skipped), float(diloco.streak)]
         rows = None
         if self.outer_ft is None:
             t0 = time.perf_counter()
@@ -510,7 +508,7 @@ class TorchEngine:
         skipped = int(rows[:, 4].sum())
         if skipped:
             m.update(bad=True, bad_steps=skipped, bad_in_a_row=int(rows[:, 5].max()))
-        self.replica_skipped = 0
+        diloco.skipped = 0
         return m
 
     def _smaller_micro_batches(self, step: int, e: StepOutOfMemory) -> None:
