@@ -56,6 +56,7 @@ def test_dtlab_verify_engine_mlx_proves_fsdp(tmp_path: Path) -> None:
         kinds = {
             "loss": rf"^{layout}\s+{procs}\s", "resume": r"\sresume\s+\d",
             "resume on single": "resume on single", "export": r"\sexport\s",
+            "resume on torch": "resume on torch single",
         }  # fmt: skip
         for kind, pattern in kinds.items():
             found = [line for line in rows if re.search(pattern, line)]

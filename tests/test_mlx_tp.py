@@ -128,7 +128,7 @@ def test_mlx_tp2_bf16_matches_one_process(tmp_path: Path, mlx_clipped) -> None:
 
 def test_dtlab_verify_engine_mlx_proves_tp2(tmp_path: Path) -> None:
     """`dtlab verify --engine mlx` holds tp 2 to one MLX process: loss, norms, parameters, its
-    resume (on tp 2 and on one process) and its export."""
+    resume (on tp 2, on one process, and on the torch engine's one process) and its export."""
     out = tmp_path / "verify"
     proc = run_cli(
         "verify", "--engine", "mlx", "--layouts", "single,tp:2", "--steps", "6", "--checks", "all",
@@ -139,7 +139,7 @@ def test_dtlab_verify_engine_mlx_proves_tp2(tmp_path: Path) -> None:
     rows = [line for line in proc.stdout.splitlines() if line.startswith("tp:2 ")]
     kinds = {
         "loss": r"^tp:2\s+2\s", "resume": r"\sresume\s+\d", "resume on single": "resume on single",
-        "export": r"\sexport\s",
+        "export": r"\sexport\s", "resume on torch": "resume on torch single",
     }  # fmt: skip
     for kind, pattern in kinds.items():
         found = [line for line in rows if re.search(pattern, line)]

@@ -52,6 +52,7 @@ layouts (NAME:DEGREE joined by x; processes: the product of the degrees but ep's
 checks (--checks, the loss always):
   resume                  each layout saves at the middle step; a run resumed from it on the same
                           layout, and on the first layout, must continue as the uninterrupted run
+                          (with --engine mlx, also on the torch engine's first layout)
   export                  dtlab export --format hf of each layout's final checkpoint must give the
                           first layout's tensors
 

@@ -566,7 +566,10 @@ def verify(
             check_started_from(name, where, source)
             result.rows.append(compare_runs(name, layout.nproc, dirs[0], where, tol, grad_norm))
     if "resume" in checks or "export" in checks:
-        ctx = _StateContext(config, overrides, steps, out, tol, report, layouts[0], dirs[0])
+        from dtlab.config import load_config
+
+        engine = load_config(config, overrides).train.engine
+        ctx = _StateContext(config, overrides, steps, out, tol, report, layouts[0], dirs[0], engine)
         for i, (layout, run_dir) in enumerate(zip(layouts, dirs, strict=True)):
             result.state.append(_state_checks(i, layout, run_dir, ctx, checks))
     (out / "verify.json").write_text(
@@ -589,15 +592,18 @@ class _StateContext:
     report: Any
     ref: Layout
     ref_dir: Path
+    engine: str
 
 
 class _Target(NamedTuple):
-    """Where a resume check resumes a layout's checkpoint: on ``layout``, whose uninterrupted run in
-    ``expected_dir`` the resumed one must equal; ``what``: the check's name."""
+    """Where a resume check resumes a layout's checkpoint: on ``layout`` (with ``overrides`` after
+    the run's: the other engine), whose uninterrupted run in ``expected_dir`` the resumed one must
+    equal; ``what``: the check's name."""
 
     layout: Layout
     expected_dir: Path
     what: str
+    overrides: tuple[str, ...] = ()
 
 
 def _state_checks(
@@ -614,6 +620,14 @@ def _state_checks(
         targets = [_Target(layout, run_dir, "resume")]
         if i > 0:
             targets.append(_Target(ctx.ref, ctx.ref_dir, f"resume on {ctx.ref.name}"))
+        if ctx.engine == "mlx":
+            # An MLX checkpoint resumes on the torch engine too: on the reference's layout, it must
+            # continue as the reference's own run (the engines train the same, to float32 noise).
+            targets.append(
+                _Target(
+                    ctx.ref, ctx.ref_dir, f"resume on torch {ctx.ref.name}", ("train.engine=torch",)
+                )
+            )
         for target in targets:
             got.checks.append(_resume_check(ctx, layout, base, ckpt, target))
     if "export" in checks:
@@ -638,8 +652,8 @@ def _resume_check(
     resumed = Path(f"{base}-{what.replace(' ', '-').replace(':', '-')}")
     ctx.report(f"{layout.name}: {what} from step {middle}")
     train_layout(
-        target.layout, ctx.config, ctx.overrides, ctx.steps, resumed, resume=ckpt,
-        what=f"{layout.name}: {what} from {ckpt} failed",
+        target.layout, ctx.config, [*ctx.overrides, *target.overrides], ctx.steps, resumed,
+        resume=ckpt, what=f"{layout.name}: {what} from {ckpt} failed",
     )  # fmt: skip
     grad_norm = not (target.layout.diloco or layout.diloco)
     return _resumed_against(ctx, resumed, target, grad_norm, f"{layout.name} ({what})")
