@@ -705,6 +705,12 @@ CLAIMS = [
         tested("tests/test_mlx_fsdp.py", "test_mlx_fsdp2_matches_one_process_and_torch_fsdp2"),
     ),
     Claim(
+        r"a run an engine refuses is a note with that engine's reason",
+        tested(
+            "tests/test_mlx_fsdp.py", "test_bench_engines_compares_fsdp_and_tensor_parallel_runs"
+        ),
+    ),
+    Claim(
         r"Engine `mlx` refuses it \(`train.optimizer = 'muon'",
         refused([], "train.optimizer=muon", "train.engine=mlx", world=1),
     ),
