@@ -140,6 +140,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     # fits" (tensor and pipeline parallelism, when set, take their ranks first).
     p = config.parallel
     world = args.nproc * args.nnodes
+    if args.device_memory is not None and not 0 < args.device_memory < float("inf"):
+        raise DtlabError(
+            f"--device-memory {args.device_memory}: allowed: a finite number > 0 (GiB)"
+        )
     if config.train.engine == "mlx":
         return _plan_mlx(args, config, world)
     if all(config.is_given(f"parallel.{k}") for k in ("tp", "pp", "cp")):
@@ -156,10 +160,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         raise DtlabError(
             f"--device {args.device!r} is not known; allowed: {', '.join(DEVICE_KEYS)}, this"
-        )
-    if args.device_memory is not None and not 0 < args.device_memory < float("inf"):
-        raise DtlabError(
-            f"--device-memory {args.device_memory}: allowed: a finite number > 0 (GiB)"
         )
     result = plan(
         config,
@@ -199,10 +199,6 @@ def _plan_mlx(args: argparse.Namespace, config: Config, world: int) -> int:
         raise DtlabError(
             f"{flag} with --engine mlx: the MLX plan gives each layout's memory per rank (allowed: "
             "--nproc, --nnodes, --device-memory GIB, --json)"
-        )
-    if args.device_memory is not None and not 0 < args.device_memory < float("inf"):
-        raise DtlabError(
-            f"--device-memory {args.device_memory}: allowed: a finite number > 0 (GiB)"
         )
     result = mlx_plan(config, world, args.device_memory)
     print(json.dumps(result, indent=2) if args.json else format_mlx_plan(result))

@@ -34,7 +34,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dtlab.analysis.shapes import param_shapes
 from dtlab.config import Config
+from dtlab.errors import DtlabError
 
 F32 = 4
 # Measured on MLX 0.32.4 (Linux CPU): the per-token floats of the last block's backward beyond its
@@ -78,16 +80,12 @@ def mlx_layouts(world: int) -> list[MlxLayout]:
 
 
 def _param_counts(config: Config, tp: int) -> tuple[int, int]:
-    """(this rank's parameters, its largest parameter) under tensor parallelism ``tp`` (the blocks
-    split, the embedding, output and norms whole)."""
-    m = config.model
-    d, f, v = m.dim, m.hidden_dim, m.vocab_size
-    kvd = m.kv_heads * (d // m.n_heads)
-    block = 2 * d * d + 2 * d * kvd + 3 * d * f  # wq, wo, wk, wv, w1, w2, w3
-    norms = 2 * d
-    outside = v * d * (1 if m.tie_embeddings else 2) + d
-    mine = m.n_layers * (block // tp + norms) + outside
-    largest = max(v * d, d * f // tp, d * d // tp)
+    """(this rank's parameters, its largest parameter) under tensor parallelism ``tp``: every
+    block's matrices split (:mod:`dtlab.mlx.tensor`), the embedding, output and norms whole."""
+    mine = largest = 0
+    for s in param_shapes(config.model):
+        n = s.numel // tp if s.group != "root" and len(s.shape) == 2 else s.numel
+        mine, largest = mine + n, max(largest, n)
     return mine, largest
 
 
@@ -143,8 +141,6 @@ def mlx_plan(config: Config, world: int, device_memory_gib: float | None = None)
     """Every MLX layout on ``world`` ranks, each with its rank's memory (:func:`mlx_memory`); where
     ``device_memory_gib`` is given, whether the peak fits in it. Refused: what this model does not
     cover (bf16, activation checkpointing: measured for float32 without recomputation)."""
-    from dtlab.errors import DtlabError
-
     t = config.train
     if t.precision != "fp32" or t.activation_checkpointing != "none":
         raise DtlabError(

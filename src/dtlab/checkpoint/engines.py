@@ -44,6 +44,7 @@ __all__ = [
     "MLX_MODEL",
     "MLX_OPTIMIZER",
     "MlxFilesReader",
+    "engine_of",
     "read_torch_whole",
     "saved_steps",
     "written_by",
@@ -55,8 +56,13 @@ MOMENTS = {"exp_avg": "m", "exp_avg_sq": "v"}
 
 
 def written_by(path: Path) -> str:
-    """The engine that wrote checkpoint ``path`` (``state.json``'s ``engine``; torch's has none)."""
-    state = json.loads((path / "state.json").read_text(encoding="utf-8"))
+    """The engine that wrote checkpoint ``path`` (its ``state.json``: :func:`engine_of`)."""
+    return engine_of(json.loads((path / "state.json").read_text(encoding="utf-8")))
+
+
+def engine_of(state: dict[str, Any]) -> str:
+    """The engine that wrote a checkpoint whose ``state.json`` is ``state`` (torch's has no
+    ``engine``)."""
     return str(state.get("engine", "torch"))
 
 

@@ -649,7 +649,7 @@ class Checkpointer:
         through DCP as the torch engine's; the parts it does not hold (the optimizer's param groups,
         the schedule, the loss scaler, the random states, per-rank state) keep this run's, which the
         caller sets to the resumed step."""
-        from dtlab.checkpoint.engines import MlxFilesReader, written_by
+        from dtlab.checkpoint.engines import MlxFilesReader, engine_of
         from dtlab.checkpoint.safe_io import safe_load
 
         state = json.loads((path / "state.json").read_text(encoding="utf-8"))
@@ -657,7 +657,7 @@ class Checkpointer:
             state["optim"] = {"param_groups": state.pop("optim_param_groups")}
         names = [k for k in states if k not in per_rank]
         tensors, live = split_tensors({k: states[k].state_dict() for k in names})
-        mlx = written_by(path) == "mlx"
+        mlx = engine_of(state) == "mlx"
         reader = MlxFilesReader(path) if mlx else None
         if mlx:
             state = {**live, **{k: v for k, v in state.items() if k in live}, "rng": []}

@@ -49,8 +49,6 @@ RESUME_KEYS = (
 )
 # Fingerprint entries that are not config keys: what the data source's samples are made of.
 DERIVED_KEYS = ("data.identity",)
-# Keys added after checkpoints were first written, and the value a checkpoint without one had.
-RESUME_DEFAULTS: dict[str, Any] = {}
 
 
 def step_name(step: int) -> str:
@@ -83,24 +81,17 @@ def resume_fingerprint(config: Config | dict[str, Any]) -> dict[str, Any]:
     return {k: _lookup(tree, k) for k in RESUME_KEYS}
 
 
-def _resume_value(tree: dict[str, Any], k: str) -> Any:
-    value = tree.get(k)
-    return RESUME_DEFAULTS.get(k) if value is None else value
-
-
 def _differing(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """The fingerprint's keys whose values differ. Derived entries (not config keys) count only where
     both sides have them: an older checkpoint that did not record one cannot be checked on it."""
     derived = [k for k in DERIVED_KEYS if k in saved and k in current]
-    return [
-        k for k in (*RESUME_KEYS, *derived) if _resume_value(saved, k) != _resume_value(current, k)
-    ]
+    return [k for k in (*RESUME_KEYS, *derived) if saved.get(k) != current.get(k)]
 
 
 def resume_conflicts(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """``key: saved -> current`` for every key of the fingerprint that differs."""
     return [
-        f"{k} = {_resume_value(saved, k)!r} in the checkpoint, {_resume_value(current, k)!r} now"
+        f"{k} = {saved.get(k)!r} in the checkpoint, {current.get(k)!r} now"
         for k in _differing(saved, current)
     ]
 
@@ -121,7 +112,7 @@ def refuse_resume_advice(
     # Other samples (data.identity: the files or the stdlib changed) cannot be set back by a key.
     keep = (
         # Quoted for a shell where needed (a list's YAML has spaces).
-        " ".join(shlex.quote(f"{k}={yaml_scalar(_resume_value(saved, k))}") for k in differing)
+        " ".join(shlex.quote(f"{k}={yaml_scalar(saved.get(k))}") for k in differing)
         if differing and all(k in RESUME_KEYS for k in differing)
         else ""
     )

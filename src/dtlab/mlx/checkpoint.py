@@ -19,7 +19,7 @@ import numpy as np
 
 from dtlab.checkpoint.engines import MLX_MODEL as MODEL
 from dtlab.checkpoint.engines import MLX_OPTIMIZER as OPTIMIZER
-from dtlab.checkpoint.engines import read_torch_whole, written_by
+from dtlab.checkpoint.engines import engine_of, read_torch_whole, written_by
 from dtlab.checkpoint.manager import Checkpointer
 from dtlab.checkpoint.state import Stateful
 from dtlab.config import load_config
@@ -108,7 +108,7 @@ def load(
     the engine keeps each under where it differs (a wrapped model's: :mod:`dtlab.mlx.fsdp`), for the
     optimizer and the parameters returned."""
     doc = json.loads((path / "state.json").read_text(encoding="utf-8"))
-    if written_by(path) == "mlx":
+    if engine_of(doc) == "mlx":
         model, moments = _read(path / MODEL), _read(path / OPTIMIZER)
         steps, where = int(doc["optimizer"]["steps"]), f"checkpoint '{path}': {OPTIMIZER}"
     else:  # the torch engine's: its tensors read whole (DCP, this process alone)
