@@ -111,6 +111,22 @@ CHECKED = {
         2, ["parallel.strategy=fsdp", "parallel.sharding=shard_grad_op", "train.precision=bf16",
             "model.n_layers=4", "model.dim=128", "model.ffn_dim=512", "data.seq_len=16",
             "train.global_batch_size=2"]),
+    # A large vocabulary and few tokens (the root unit outweighs a block, as for qwen3-30b-a3b or
+    # llama3.2-1b at 1,024 tokens a rank): the root gathered beside its flat all-gather buffer at
+    # forward's start and again for the output projection's backward, a tied model's embedding
+    # gradient added to the output's, the root's float32 reduce-scatter input beside its
+    # unsharded gradients at backward's end.
+    "fsdp:4 large vocabulary": (4, ["parallel.strategy=fsdp", "model.vocab_size=8192",
+                                    "data.seq_len=16", "train.global_batch_size=4",
+                                    "model.tie_embeddings=false"]),
+    "fsdp:2 bf16 full AC large vocabulary": (
+        2, ["parallel.strategy=fsdp", "model.vocab_size=8192", "data.seq_len=16",
+            "train.global_batch_size=2", "model.tie_embeddings=false", "train.precision=bf16",
+            "train.activation_checkpointing=full"]),
+    "hsdp:2x2 bf16 large vocabulary, tied": (
+        4, ["parallel.strategy=hsdp", "parallel.replicate=2", "model.vocab_size=8192",
+            "data.seq_len=16", "train.global_batch_size=4", "model.tie_embeddings=true",
+            "train.precision=bf16"]),
     # Zero-bubble schedules: each backward split into an input half and a weight half, the
     # micro-batch's activations and the gradient of every weight's output kept from one to the other.
     "pp:2 zbv": (2, ["parallel.pp=2", "parallel.pp_schedule=zbv", "model.n_layers=4"]),

@@ -547,14 +547,17 @@ def _recompute_by_kind(
     parallelism's rows with it under full checkpointing), by whether the block is an MoE, with
     ``freed`` of it freed before the feed-forward's backward; empty for a dense model or without
     checkpointing."""
-    ac = rank.config.train.activation_checkpointing
+    t = rank.config.train
+    ac = t.activation_checkpointing
     if ac == "none" or not moe.moe_blocks(rank.rank_model):
         return {}
+    # An MoE block's recomputation stops with the MoE forward's locals alive (its traceback's),
+    # freed as the exception is handled, before any of the block's backward.
     return {
         bool(moe.moe_blocks(kind)): (
             r + acts.kernel_again
             + (moe.ep_rows_bytes(rank.config, rank.dims, rank.tokens, kind) if ac == "full" else 0),
-            freed,
+            freed + moe.recompute_transients(kind, rank.tokens, t.precision, ac, rank.half_params),
         )
         for kind, r in zip(acts.kinds, acts.by_kind, strict=True)
     }  # fmt: skip

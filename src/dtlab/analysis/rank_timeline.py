@@ -107,7 +107,7 @@ def rank_timeline(
         units = FsdpUnits(
             root=root, block=max(gathered.values(), default=0),
             block_shard=FP32 * shard_grads // max(1, n_blocks), reshard=p.sharding == "full",
-            hsdp=dims.dp_replicate > 1 and shard > 1, scatters=shard > 1,
+            hsdp=dims.dp_replicate > 1 and shard > 1, scatters=shard > 1, shard=shard,
         )  # fmt: skip
     loss = None
     if rank_model.n_layers >= 0 and config.model.vocab_size:
@@ -128,9 +128,15 @@ def rank_timeline(
     blocks = None
     if moe.moe_blocks(rank_model):
         blocks = _moe_blocks(rank, kept - loss_part - masks, made, recompute_by_kind)
+    # Expert parallelism's experts' gradients are averaged after backward as one flat float32
+    # copy (dtlab.parallel.expert.ExpertShards), alive beside them.
+    experts_flat = 0
+    if dims.ep_enabled:
+        experts_flat = sum(FP32 * moe.held_numel(s, dims) for s in shapes if moe.is_expert(s.name))
     timeline = step_timeline(
         state, rank.accum, kept, loss_part, recompute, bottom, block, n_blocks, loss, persist,
-        units, unbucketed=unbucketed, blocks=blocks, held_after=masks,
+        units, after_backward=experts_flat, unbucketed=unbucketed, blocks=blocks,
+        held_after=masks,
     )  # fmt: skip
     if p.fault_tolerance.enabled and not p.diloco.inner_steps:
         timeline.add(_groups_average(state))
@@ -165,7 +171,51 @@ def _block_shape(
     if j >= m.moe.dense_layers:
         hidden = (m.moe.expert_dim or m.hidden_dim) * (m.moe.shared_experts or m.moe.top_k)
     f8 = j < m.moe.dense_layers and float8_ffn(config)
-    return _dense_block(config, dims, shapes, tokens, made, hidden, numel, f8)
+    shape = _dense_block(config, dims, shapes, tokens, made, hidden, numel, f8)
+    if j < m.moe.dense_layers:
+        return shape
+    temps, freed = routed_backward(config, dims, tokens, made)
+    # By the norm's backward the whole MoE feed-forward's activations are freed (the router's, the
+    # routed rows', the experts'), not the dense one's of the shared experts' width that the
+    # shape was drawn with; and the routed experts' gradients are made.
+    split = TPSplit(dims.tp, config.parallel.sequence_parallel)
+    dense = m.model_copy(
+        update={"n_layers": 1, "ffn_dim": hidden, "moe": m.moe.model_copy(update={"experts": 0})}
+    )
+
+    def kept(one: ModelConfig) -> int:
+        return activation_bytes(one, tokens, config.train.precision, "none", split, False,
+                                fsdp_half_params(config, dims))  # fmt: skip
+
+    routed = m.model_copy(
+        update={"n_layers": 1, "moe": m.moe.model_copy(update={"dense_layers": 0})}
+    )
+    beyond = kept(routed) - kept(dense)
+    element = FP32 if dims.ep_enabled else made
+    held = m.moe.experts // (dims.ep if dims.ep_enabled else 1)
+    grads = 3 * held * (m.moe.expert_dim or m.hidden_dim) * m.dim * element
+    return replace(
+        shape, routed_temps=temps, routed_freed=shape.freed + freed,
+        norm_freed=shape.norm_freed + beyond, routed_grads=grads if dims.fsdp_enabled else 0,
+    )  # fmt: skip
+
+
+def routed_backward(config: Config, dims: ParallelDims, tokens: int, made: int) -> tuple[int, int]:
+    """An MoE block's routed experts' backward at its peak (measured by `dtlab plan --check`;
+    the same in a real run): each expert reads its weights as a slice of the stacked ones, whose
+    gradient autograd makes at the stacked size and adds up across the experts; so once the second
+    expert's down projection's gradient comes, the three stacked gradients so far, the new one and
+    their sum are alive (three where the rank holds one expert), in the parameters' dtype (float32
+    for expert parallelism's shards, which FSDP leaves), beside the gradient of the routed rows'
+    output. Returns (backward's own alive then, what forward kept that the combine's backward has
+    freed: its copy of the rows)."""
+    m = config.model
+    held = m.moe.experts // (dims.ep if dims.ep_enabled else 1)
+    element = FP32 if dims.ep_enabled else made
+    stacked = held * (m.moe.expert_dim or m.hidden_dim) * m.dim * element
+    compute = 2 if config.train.precision in ("bf16", "fp16") else FP32
+    rows = tokens * m.moe.top_k * m.dim * compute
+    return (5 if held > 1 else 3) * stacked + rows, rows
 
 
 def _moe_blocks(
@@ -205,10 +255,19 @@ def _moe_blocks(
         shape = _block_shape(config, dims, shapes, tokens, made, j)
         unit = gathered.get(group, 0)
         shard = sum(s.shard_numel(dims.fsdp_shard) for s in dp_shapes if s.group == group)
+        # Expert parallelism's experts are left out of FSDP's units: their float32 gradients,
+        # whole on the rank, wait for their own average after backward.
+        outside = 0
+        if dims.fsdp_enabled and dims.ep_enabled:
+            outside = FP32 * sum(
+                moe.held_numel(s, dims)
+                for s in shapes
+                if s.group == group and moe.is_expert(s.name)
+            )
         out.append(
             BlockKind(
                 shape, blocks_kept * raw[x] // total_raw, recompute_by_kind.get(x, (0, 0)),
-                unit, FP32 * shard if dims.fsdp_enabled else 0,
+                unit, FP32 * shard if dims.fsdp_enabled else 0, outside,
             )
         )  # fmt: skip
     return out

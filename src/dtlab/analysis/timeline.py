@@ -178,6 +178,7 @@ class FsdpUnits:
     reshard: bool
     hsdp: bool
     scatters: bool = True  # shard groups of several ranks: each unit's gradients reduce-scattered
+    shard: int = 1  # the ranks of a shard group
 
 
 @dataclass(frozen=True)
@@ -215,6 +216,15 @@ class BlockShape:
     # cast to float8 (for its weight's gradient), before that gradient is made and its input
     # freed: backward's own alive then; 0 where the down projection is no float8 layer.
     float8_temps: int = 0
+    # An MoE block's routed experts' backward (:func:`dtlab.analysis.rank_timeline.routed_backward`):
+    # backward's own alive at its peak (the stacked weights' gradients as autograd accumulates
+    # them, the routed rows' output gradient) and what the block's forward kept that is freed by
+    # then; 0 where the block routes nothing.
+    routed_temps: int = 0
+    routed_freed: int = 0
+    # The routed experts' gradients as backward makes them (the stacked weights'), alive at the
+    # feed-forward norm's backward where the wrappers do not hold them already.
+    routed_grads: int = 0
 
     def kept_copies(self) -> BlockShape:
         """The same block where autocast's weight copies live through the step (a pipeline's one
@@ -235,6 +245,9 @@ class BlockKind:
     recompute: tuple[int, int]
     unit: int = 0
     unit_shard: int = 0
+    # Float32 gradients the block makes outside FSDP's units (expert parallelism's experts, whole
+    # on the rank and averaged over their own group after backward): alive from its backward on.
+    outside: int = 0
 
 
 def dense_block(
@@ -470,12 +483,18 @@ def _block_backward(mb: _MicroBatch, j: int, held: tuple[int, int, int]) -> None
         activations=alive + again - gone - block.freed, temporaries=tmp + block.temps,
         buffers=buffers,
     )  # fmt: skip
-    norm_grads = g + 2 * block.w2_grad + block.dim * block.grad_element
+    norm_grads = g + 2 * block.w2_grad + block.dim * block.grad_element + block.routed_grads
     mb.add(
         f"{name}'s feed-forward norm's backward", grads=norm_grads,
         activations=alive + again - block.norm_freed, temporaries=tmp + block.norm_temps,
         buffers=buffers,
     )  # fmt: skip
+    if block.routed_temps:
+        mb.add(
+            f"{name}'s routed experts' backward", grads=g - block.w2_grad,
+            activations=alive + again - gone - block.routed_freed,
+            temporaries=tmp + block.routed_temps, buffers=buffers,
+        )  # fmt: skip
     if block.attention_temps:
         mb.add(
             f"{name}'s attention backward", grads=norm_grads,
@@ -506,6 +525,7 @@ def _fsdp_micro_batch(mb: _MicroBatch, s: RankState, last: bool, fsdp: FsdpUnits
         above = n_blocks - 1 - j  # blocks whose backward is done
         done = sum(b.unit_shard for b in blocks[j + 1 :])  # reduced and handed over
         grads = shards + s.head_grads + blocks[j].shape.w2_grad + (done if into_grads else 0)
+        grads += sum(b.outside for b in blocks[j + 1 :]) if k == 1 else 0
         temps = partial + s.tied_grad + (done if fsdp.hsdp and k == 1 and not last else 0)
         # A block's reduce-scatter holds its input (its gradients in float32) until the next
         # block's is issued; its output, the shard, is the parameter's gradient at once.
@@ -526,4 +546,59 @@ def _fsdp_micro_batch(mb: _MicroBatch, s: RankState, last: bool, fsdp: FsdpUnits
         # buffer of backward's until that block's backward).
         freed, made_out = loss.at_output(block.dim, block.compute, block.grad_element)
         output = (freed, made_out + blocks[-1].unit, fsdp.root)
+    if loss is not None and fsdp.root:
+        # Forward's start: the root gathered, FSDP's flat all-gather buffer of it alive until the
+        # next unit's all-gather is copied out, the first block's buffer and its parameters
+        # (measured by `dtlab plan --check`; with a large vocabulary the forward's largest point).
+        first = blocks[0].unit
+        mb.add("the first block's all-gather, the root gathered", "forward", grads=shards,
+               activations=loss.tokens * block.dim * FP32, temporaries=partial,
+               buffers=mb.buffers + 2 * fsdp.root + 2 * first)  # fmt: skip
+    if output is not None and loss is not None:
+        # The root gathered again for the output projection's backward, its flat all-gather
+        # buffer beside it, before the projection's gradients are made.
+        logits_grad = loss.tokens * loss.vocab * (2 if loss.half else FP32)
+        mb.add("the root gathered for the output projection's backward", grads=shards,
+               activations=mb.kept - output[0], temporaries=partial + logits_grad + fsdp.root,
+               buffers=mb.buffers + fsdp.root)  # fmt: skip
     _micro_batch(mb, (shards, partial, gathered_fwd), at_block, output)
+    if fsdp.root and loss is not None:
+        done = sum(b.unit_shard for b in blocks)
+        grads = shards + (done if into_grads else 0)
+        grads += sum(b.outside for b in blocks) if k == 1 else 0
+        temps = partial + (done if fsdp.hsdp and k == 1 and not last else 0)
+        _root_backward(mb, s, fsdp, grads, temps, block.grad_element)
+
+
+def _root_backward(
+    mb: _MicroBatch, s: RankState, fsdp: FsdpUnits, grads: int, temps: int, element: int
+) -> None:
+    """The end of micro-batch k's backward under FSDP, every block's gradients reduced (``grads``
+    and ``temps`` what the wrappers hold of them): the embedding's backward, the root still
+    gathered, its gradient made in the parameters' dtype (a tied model's added to the output's,
+    a third copy, measured by `dtlab plan --check`) beside the first block's reduce-scatter input;
+    then the root's own post-backward, resharded, its gradients copied into FSDP's float32 buffer
+    to reduce-scatter beside their unsharded copies (one of the largest moments of a step where
+    the vocabulary is large and the tokens few: `llama3.2-1b` on 8 ranks at 1,024 tokens, and a
+    mixture of experts' few blocks)."""
+    blocks = mb.blocks
+    # Forward's own are freed by then but the micro-batch's tokens (int64, one more than it
+    # trains on) and the step's scalars.
+    tokens = 8 * (mb.loss.tokens + 1) + 12 if mb.loss is not None else 0
+    rest = max(tokens, mb.kept - mb.loss_part - sum(b.kept for b in blocks))
+    embed = s.embed_grads // FP32 * element
+    first_input = blocks[0].unit // element * FP32 if fsdp.scatters and blocks[0].unit else 0
+    made = embed + (embed if s.tied_grad else 0)
+    mb.add("the embedding's backward", grads=grads + s.head_grads, activations=rest,
+           temporaries=temps + first_input + s.tied_grad + made,
+           buffers=mb.buffers + fsdp.root)  # fmt: skip
+    root_input = fsdp.root // element * FP32
+    where = "the root's gradients copied into FSDP's float32 buffer to reduce-scatter"
+    mb.add(where, grads=grads + s.head_grads + embed, activations=rest,
+           temporaries=temps + root_input, buffers=mb.buffers)  # fmt: skip
+    if fsdp.scatters:
+        # Its output, the shard, is made once the copies are freed but the embedding's (an
+        # untied model's, still held by autograd then).
+        mb.add(f"{where} (its output)", grads=grads + (0 if s.tied_grad else embed),
+               activations=rest, temporaries=temps + root_input + root_input // fsdp.shard,
+               buffers=mb.buffers)  # fmt: skip
