@@ -450,6 +450,19 @@ REAL = {
             "train.global_batch_size=2",
         ],
     ),
+    # A large vocabulary and few tokens: the root's float32 reduce-scatter input beside its
+    # unsharded gradients at backward's end, its flat all-gather buffer beside it in forward.
+    "fsdp:2 bf16 large vocabulary": (
+        2,
+        [
+            "parallel.strategy=fsdp",
+            "train.precision=bf16",
+            "model.vocab_size=8192",
+            "model.tie_embeddings=false",
+            "data.seq_len=16",
+            "train.global_batch_size=2",
+        ],
+    ),
     # Each stage's gradients reduced after its own last backward, between the other's backwards.
     "pp:2 interleaved x fsdp:2 bf16": (
         4,
@@ -472,6 +485,11 @@ REAL = {
 REAL_DIFFERS: dict[str, dict[str, float]] = {
     "pp:2 interleaved x fsdp:2 bf16": {"temporaries": 0.04}
 }
+# gloo's reduce-scatter all-reduces a copy of its input, made when its work is waited and held
+# while the work is (measured); NCCL's, which the check's fake group stands for, reduces in place.
+# Where the root's reduce-scatter is the step's peak, a real gloo rank holds that copy more:
+# the root's float32 elements (embedding, output, final norm) once.
+GLOO_COPY = {"fsdp:2 bf16 large vocabulary": 4 * (2 * 8192 * 64 + 64)}
 
 
 @pytest.mark.parametrize("layout", list(REAL))
@@ -494,10 +512,12 @@ def test_a_checked_rank_holds_and_sends_what_a_real_rank_does(tmp_path: Path, la
         assert abs(r - f) <= 0.02 * r, (rank, r, f)
         real_peak = max(real["timeline"].values(), key=lambda m: m["total"])
         fake_peak = max(fake["timeline"].values(), key=lambda m: m["total"])
-        assert close(fake_peak["total"], real_peak["total"], 0.01), (rank, real_peak, fake_peak)
+        copy = GLOO_COPY.get(layout, 0)
+        assert close(fake_peak["total"] + copy, real_peak["total"], 0.01), (rank, real_peak)
         for name, n in real_peak["components"].items():
             within = REAL_DIFFERS.get(layout, {}).get(name, 0.01)
-            assert close(fake_peak["components"][name], n, within), (rank, name, real_peak)
+            held = fake_peak["components"][name] + (copy if name == "temporaries" else 0)
+            assert close(held, n, within), (rank, name, real_peak, fake_peak)
         assert fake["collectives"] == real["collectives"]
         assert fake["host"] == real["host"]  # DiLoCo's outer state (0 without)
 

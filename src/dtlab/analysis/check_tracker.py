@@ -38,7 +38,10 @@ class _Peaks(MemTracker):
         # MemTracker files what is made outside forward and backward as activations; a pipeline
         # stage's gradient reduction runs there, and DiLoCo's outer sync, and both make
         # temporaries (copies to reduce, pseudo-gradients and the buffers of syncs in flight).
-        if (self.reducing or self.outer) and reftype is _MemRefType.ACT:
+        # So is what the step makes between a micro-batch's backward and the next forward (the
+        # expert shards' flat average, the clipping's norms).
+        after = self.backward_seen and not self._mod_tracker.is_bw
+        if (self.reducing or self.outer or after) and reftype is _MemRefType.ACT:
             reftype = _MemRefType.TEMP
         super()._track(reftype, t)
 

@@ -204,7 +204,7 @@ def routed_backward(config: Config, dims: ParallelDims, tokens: int, made: int) 
     """An MoE block's routed experts' backward at its peak (measured by `dtlab plan --check`;
     the same in a real run): each expert reads its weights as a slice of the stacked ones, whose
     gradient autograd makes at the stacked size and adds up across the experts; so once the second
-    expert's down projection's gradient comes, the three stacked gradients so far, the new one and
+    expert's down projection's gradient comes, the three stacked gradients made before, the new one and
     their sum are alive (three where the rank holds one expert), in the parameters' dtype (float32
     for expert parallelism's shards, which FSDP leaves), beside the gradient of the routed rows'
     output. Returns (backward's own alive then, what forward kept that the combine's backward has
