@@ -530,7 +530,31 @@ UNCHECKED_REAL = {
         2,
         ["parallel.strategy=ddp", "parallel.compression=fp16", "train.precision=bf16"],
     ),
+    # Hooks that keep state from step to step (the optimizer's component, as the plan counts it):
+    # PowerSGD's error feedback and P and Q (from its start step on), the DCT's residuals or EF21
+    # estimates and its basis.
+    "ddp:2 powersgd, small buckets": (
+        2,
+        [
+            "parallel.strategy=ddp",
+            "parallel.compression=powersgd",
+            "parallel.compression_options.start_step=2",
+            "parallel.bucket_mb=0.1",
+        ],
+    ),
+    "ddp:2 dct": (2, ["parallel.strategy=ddp", "parallel.compression=dct"]),
+    "ddp:2 dct quant": (
+        2,
+        [
+            "parallel.strategy=ddp",
+            "parallel.compression=dct",
+            "parallel.compression_options.coding=quant",
+        ],
+    ),
 }
+# The quantised DCT hook's own work on a bucket (every rank's coefficients decoded at once) is not
+# in the plan (dtlab.analysis.hook_memory): where the bucket holds the whole model it is the peak.
+UNCHECKED_PEAK_ERROR = {"ddp:2 dct quant": 0.15}
 
 
 @pytest.mark.parametrize("layout", list(UNCHECKED_REAL))
@@ -538,13 +562,15 @@ def test_a_layout_the_check_cannot_run_is_planned_as_a_real_run_measures(
     tmp_path: Path, layout: str
 ) -> None:
     """DDP with a compression hook, run for real on gloo and measured with MemTracker as the check
-    measures (its third step): every rank's state between steps to the byte, and the step's peak
-    and what is alive then within 3% of the plan's."""
+    measures (its fourth step, PowerSGD's second compressed one): every rank's state between steps
+    to the byte (the hook's with the optimizer's), and the step's peak and what is alive then
+    within 3% of the plan's (the quantised DCT within its measured error)."""
     nproc, extra = UNCHECKED_REAL[layout]
     overrides = [*SMALL, *extra]
     config = load_config(overrides=overrides)
     assert check_rank(config, nproc, 1, 0).skipped  # the check refuses it
-    run_worker("check_worker.py", nproc, str(tmp_path), *overrides)
+    run_worker("check_worker.py", nproc, str(tmp_path), "--steps=4", *overrides)
+    within = UNCHECKED_PEAK_ERROR.get(layout, 0.03)
     plan = plan_step(config, nproc, device_type="cpu")
     for rank in range(nproc):
         real: dict[str, Any] = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -552,7 +578,10 @@ def test_a_layout_the_check_cannot_run_is_planned_as_a_real_run_measures(
         for name, planned in planned_state(plan).items():
             assert own[name] == planned > 0, (rank, name, own[name], planned)
         peak = max(real["timeline"].values(), key=lambda m: m["total"])
-        assert close(plan.total_bytes, peak["total"], 0.03), (rank, plan.total_bytes, peak)
+        assert close(plan.total_bytes, peak["total"], within), (rank, plan.total_bytes, peak)
+        if layout in UNCHECKED_PEAK_ERROR:  # the documented miss, and still a miss
+            assert not close(plan.total_bytes, peak["total"]), (rank, plan.total_bytes, peak)
+            continue
         at = plan.timeline.peak
         for name, n in peak["components"].items():
             assert close(getattr(at, name), n, 0.03), (rank, name, n, at)

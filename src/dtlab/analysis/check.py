@@ -188,10 +188,16 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
                 if last:  # the measured step starts from what the ones before left
                     outer.before_measured()
                     tracker.file_as_gradients(buckets)
+                    # DDP's communication hook keeps its state (error feedback, PowerSGD's P and
+                    # Q) from step to step, made where the tracker does not see it: the
+                    # optimizer's, as the plan counts it.
+                    tracker.file_as_state(pm.compression.held())
                     buckets.clear()
                     tracker.reset_peaks()
                 with counter if last else nullcontext():
                     train_step(*training, batch, config, d.device, peers=outer.peers)
+            # The hook's state the step made in backward (its new error feedback) is its state now.
+            tracker.file_as_state(pm.compression.held())
             outer.after_measured(batch)
             rest = tracker.current()
         seconds = time.perf_counter() - started

@@ -114,6 +114,11 @@ class _Peaks(MemTracker):
         for t in tensors:
             self._update_and_maybe_create_winfos(t, _MemRefType.GRAD)
 
+    def file_as_state(self, tensors: Any) -> None:
+        """File the storages of ``tensors`` as optimizer state, whatever they were filed as."""
+        for t in tensors:
+            self._update_and_maybe_create_winfos(t, _MemRefType.OPT)
+
     def current(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for device, snap in self._curr_mem_snap.items():

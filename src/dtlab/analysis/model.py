@@ -64,6 +64,7 @@ from dtlab.analysis.context_plan import (
 )
 from dtlab.analysis.diloco_memory import diloco_host_bytes, with_outer_sync
 from dtlab.analysis.float8_plan import float8_kept_saving, float8_scale_bytes
+from dtlab.analysis.hook_memory import hook_bytes
 from dtlab.analysis.memo import memo
 from dtlab.analysis.pipeline_memory import (
     _in_flight,
@@ -337,6 +338,7 @@ def _state_plan(rank: RankInputs, shard_rank: int | None) -> StepPlan:
             ("optimizer", t.optimizer, t.demo.chunk_size, *split_by, own_rows),
             lambda: _optimizer_bytes(config, stepped, lambda s: moe.held_numel(s, dims, own_rows)),
         )
+        + hook_bytes(config, dims, stepped)[0]  # DDP's communication hook's state
         if not dims.shard_optimizer
         else memo(
             stepped,

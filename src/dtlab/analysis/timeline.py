@@ -315,6 +315,7 @@ def step_timeline(
     unbucketed: tuple[int, int] = (0, 0),
     blocks: list[BlockKind] | None = None,
     held_after: int = 0,
+    to_step_end: int = 0,
 ) -> Timeline:
     """The step's moments on a rank without pipeline parallelism.
 
@@ -329,7 +330,9 @@ def step_timeline(
     step (the experts' under expert parallelism, reduced over their own group); ``blocks``: each
     block's own figures where they differ (by default ``n_blocks`` alike: ``block``,
     ``bottom_kept``, ``recompute`` and FSDP's block unit); ``held_after``: what forward made that
-    the model holds past backward, to the next forward (the attention's masks)."""
+    the model holds past backward, to the next forward (the attention's masks); ``to_step_end``:
+    what the last micro-batch's backward makes and the step keeps to its end (a DDP hook's new
+    state beside the old, until the step commits)."""
     t = Timeline()
     s = state
     if blocks is None:
@@ -347,14 +350,14 @@ def step_timeline(
         t.add(
             Moment(
                 f"after backward {k}", "the gradients' sync and clipping", **base, grads=s.grads,
-                activations=held_after, temporaries=after_backward if last else 0,
-                buffers=s.buffers,
+                activations=held_after,
+                temporaries=after_backward + to_step_end if last else 0, buffers=s.buffers,
             )
         )  # fmt: skip
     t.add(
         Moment(
             "optimizer", "the optimizer step", **base, grads=s.grads, activations=held_after,
-            buffers=s.buffers,
+            temporaries=to_step_end, buffers=s.buffers,
         )
     )  # fmt: skip
     return t

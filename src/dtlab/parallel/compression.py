@@ -415,6 +415,15 @@ class CompressionState:
             return out
         return {}
 
+    def held(self) -> list[torch.Tensor]:
+        """The tensors the hook keeps from step to step: its state (but PowerSGD's counter, a
+        number) and the DCT's basis, built once on the hook's device (not saved)."""
+        out = [t for k, t in self.state_dict().items() if k != "iter"]
+        s = self.hook_state
+        if isinstance(s, (DCTState, QuantDCTState)) and self.device is not None:
+            out.append(dct_basis_on(s.chunk_size, self.device))
+        return out
+
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """This rank's compression state from ``state``, on :attr:`device`, where the hook uses it."""
         s = self.hook_state
