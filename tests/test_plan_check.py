@@ -552,9 +552,6 @@ UNCHECKED_REAL = {
         ],
     ),
 }
-# The quantised DCT hook's own work on a bucket (every rank's coefficients decoded at once) is not
-# in the plan (dtlab.analysis.hook_memory): where the bucket holds the whole model it is the peak.
-UNCHECKED_PEAK_ERROR = {"ddp:2 dct quant": 0.15}
 
 
 @pytest.mark.parametrize("layout", list(UNCHECKED_REAL))
@@ -563,28 +560,29 @@ def test_a_layout_the_check_cannot_run_is_planned_as_a_real_run_measures(
 ) -> None:
     """DDP with a compression hook, run for real on gloo and measured with MemTracker as the check
     measures (its fourth step, PowerSGD's second compressed one): every rank's state between steps
-    to the byte (the hook's with the optimizer's), and the step's peak and what is alive then
-    within 3% of the plan's (the quantised DCT within its measured error)."""
+    to the byte (the hook's with the optimizer's), and the largest rank's peak and what is alive
+    then within 3% of the plan's (the quantised DCT's at its work on the model's one bucket, every
+    rank's coefficients decoded one after another)."""
     nproc, extra = UNCHECKED_REAL[layout]
     overrides = [*SMALL, *extra]
     config = load_config(overrides=overrides)
     assert check_rank(config, nproc, 1, 0).skipped  # the check refuses it
     run_worker("check_worker.py", nproc, str(tmp_path), "--steps=4", *overrides)
-    within = UNCHECKED_PEAK_ERROR.get(layout, 0.03)
     plan = plan_step(config, nproc, device_type="cpu")
+    peaks = []
     for rank in range(nproc):
         real: dict[str, Any] = json.loads((tmp_path / f"rank{rank}.json").read_text())
         own = real["components"]
         for name, planned in planned_state(plan).items():
             assert own[name] == planned > 0, (rank, name, own[name], planned)
-        peak = max(real["timeline"].values(), key=lambda m: m["total"])
-        assert close(plan.total_bytes, peak["total"], within), (rank, plan.total_bytes, peak)
-        if layout in UNCHECKED_PEAK_ERROR:  # the documented miss, and still a miss
-            assert not close(plan.total_bytes, peak["total"]), (rank, plan.total_bytes, peak)
-            continue
-        at = plan.timeline.peak
-        for name, n in peak["components"].items():
-            assert close(getattr(at, name), n, 0.03), (rank, name, n, at)
+        peaks.append(max(real["timeline"].values(), key=lambda m: m["total"]))
+    # The plan's is the largest rank's (the quantised DCT's ranks add their own payload's decoding
+    # to their estimate at their own turn: the first rank holds it the longest).
+    peak = max(peaks, key=lambda m: m["total"])
+    assert close(plan.total_bytes, peak["total"], 0.03), (plan.total_bytes, peaks)
+    at = plan.timeline.peak
+    for name, n in peak["components"].items():
+        assert close(getattr(at, name), n, 0.03), (name, n, at)
 
 
 @pytest.mark.slow

@@ -14,26 +14,32 @@ the step's end, beside the state it replaces until the step is judged (committed
 
 Without error feedback only PowerSGD's P and Q are kept. All in the gradients' dtype (float32 under
 DDP) on the rank's device, and none before PowerSGD's ``start_step`` (the plan counts the steady
-state); the DCT's basis (``chunk_size`` squared, float32) is kept too. The hooks' own work on a
-bucket in backward is not counted (for ``coding: quant``, whose decoding holds every rank's
-coefficients at once, it is the step's peak where the buckets are large against the activations)."""
+state); the DCT's basis (``chunk_size`` squared, float32) is kept too. The DCT hook's own work on
+the last bucket (the embedding's, ready at backward's end: for ``coding: quant`` every rank's
+coefficients decoded at once) is played on fake tensors (:func:`last_bucket_work`); PowerSGD's,
+torch's, and the work on the buckets before the last are not counted."""
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import Any
+
+import torch
 
 from dtlab.analysis.shapes import ParamShape
 from dtlab.config import Config
 from dtlab.dims import ParallelDims
 
-__all__ = ["ddp_bucket_numels", "hook_bytes"]
+__all__ = ["ddp_bucket_numels", "hook_buckets", "hook_bytes", "last_bucket_work"]
 
 FP32 = 4
 
 
 def ddp_bucket_numels(shapes: list[ParamShape], bucket_mb: float) -> list[int]:
-    """DDP's gradient buckets' elements: float32 gradients of the parameters in reverse order, as
-    torch's reducer assigns them, each bucket closed once it holds ``bucket_mb`` MiB or more."""
+    """DDP's gradient buckets' elements once rebuilt after its first step (a plain DDP's layout):
+    float32 gradients of the parameters in reverse order, as torch's reducer assigns them, each
+    bucket closed once it holds ``bucket_mb`` MiB or more."""
     cap = bucket_mb * 2**20
     out, held = [], 0
     for s in reversed(shapes):
@@ -42,6 +48,14 @@ def ddp_bucket_numels(shapes: list[ParamShape], bucket_mb: float) -> list[int]:
             out.append(held)
             held = 0
     return [*out, held] if held else out
+
+
+def hook_buckets(shapes: list[ParamShape]) -> list[int]:
+    """The gradient buckets a compression hook works on: DDP's first layout, kept for the whole run
+    (:func:`dtlab.parallel.compression._keep_bucket_layout`), which torch builds as one bucket of
+    every gradient (it buckets by ``bucket_mb`` only at its first rebuild, where unused parameters
+    are not searched for): the hook runs once, at backward's end, on the whole model."""
+    return [sum(s.numel for s in shapes)]
 
 
 def _powersgd_pq(shapes: list[ParamShape], rank: int) -> int:
@@ -56,6 +70,55 @@ def _powersgd_pq(shapes: list[ParamShape], rank: int) -> int:
     return out
 
 
+@functools.lru_cache(maxsize=256)
+def _played_bucket(numel: int, kind: str, coding: str, chunk: int, topk: int, bits: int,
+                   error_feedback: bool, world: int) -> int:  # fmt: skip
+    """The most the DCT hook's work on one bucket of ``numel`` float32 gradients holds at once
+    beyond the bucket (its new state included, the old not), played on fake tensors with a gather
+    that sends nothing: exact for what the trainer's code makes and frees."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dtlab.analysis.diloco_memory import _play
+    from dtlab.parallel import compression as c
+
+    def gather(*_: Any, **__: Any) -> None:
+        return None
+
+    cpu = torch.device("cpu")
+    c.dct_basis_on(chunk, cpu)  # built for real outside the fake mode (it is cached)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        buf = torch.empty(numel)
+        rows = math.ceil(numel / chunk)
+        if coding == "quant":
+            q = c.QuantDCTState(chunk, bits, error_feedback)
+            if error_feedback:  # the steady state: the estimates of the step before
+                q.own[0], q.mean[0] = torch.zeros(rows, chunk), torch.zeros(rows, chunk)
+            return _play(lambda: c.quant_dct_reduce(buf, q, 0, world, 0, gather), buf)
+        d = c.DCTState(chunk, topk, error_feedback)
+        if error_feedback:
+            d.residuals[0] = torch.zeros(numel)
+        return _play(lambda: c.dct_reduce(buf, d, 0, world, gather), buf)
+
+
+def last_bucket_work(config: Config, dims: ParallelDims, shapes: list[ParamShape]) -> int:
+    """What the DCT hook holds at once as it works on the rank's last gradient bucket, ready at
+    backward's end (under a hook the only one, :func:`hook_buckets`): the new state of the buckets
+    before it and the work on it, its new state included; 0 for other hooks (PowerSGD's work,
+    torch's, is not counted)."""
+    p = config.parallel
+    if p.compression != "dct" or not hook_bytes(config, dims, shapes)[0]:
+        return 0
+    o = p.compression_options
+    buckets = hook_buckets(shapes)
+    before = 0
+    if o.error_feedback:
+        c = o.chunk_size
+        before = sum(2 * math.ceil(n / c) * c if o.coding == "quant" else n for n in buckets[:-1])
+    work = _played_bucket(buckets[-1], p.compression, o.coding, o.chunk_size, o.topk, o.bits,
+                          o.error_feedback, dims.dp)  # fmt: skip
+    return FP32 * before + work
+
+
 def hook_bytes(config: Config, dims: ParallelDims, shapes: list[ParamShape]) -> tuple[int, int]:
     """(bytes the rank's DDP hook keeps between steps, bytes its step makes in backward and keeps
     to the step's end) for the rank's parameters ``shapes`` (its tensor-parallel parts); (0, 0)
@@ -66,7 +129,7 @@ def hook_bytes(config: Config, dims: ParallelDims, shapes: list[ParamShape]) -> 
         return 0, 0
     if dims.pp_enabled or p.diloco.inner_steps or config.train.optimizer == "demo":
         return 0, 0  # no hook of these: FSDP2 beside a pipeline, or a local one
-    buckets = ddp_bucket_numels(shapes, p.bucket_mb)
+    buckets = hook_buckets(shapes)
     if kind == "powersgd":
         pq = _powersgd_pq(shapes, o.rank)
         error = sum(buckets) if o.error_feedback else 0

@@ -14,6 +14,7 @@ latency with it.
 
 from __future__ import annotations
 
+from dtlab.analysis.hook_memory import ddp_bucket_numels
 from dtlab.analysis.model import ParamShape, diloco_sync_steps, param_shapes
 from dtlab.config import Config
 from dtlab.dims import DPWrapper, ParallelDims
@@ -22,16 +23,10 @@ __all__ = ["cross_replica_collectives", "ddp_bucket_count"]
 
 
 def ddp_bucket_count(shapes: list[ParamShape], bucket_mb: float) -> int:
-    """DDP's gradient buckets (one all-reduce each): float32 gradients of the parameters in reverse
-    order, as torch's reducer assigns them, each bucket closed once it holds ``bucket_mb`` MiB or
-    more (a compression hook compresses a bucket; it does not change how many there are)."""
-    cap = bucket_mb * 2**20
-    buckets, held = 0, 0.0
-    for s in reversed(shapes):
-        held += s.numel * 4
-        if held >= cap:
-            buckets, held = buckets + 1, 0.0
-    return buckets + (held > 0)
+    """DDP's gradient buckets (one all-reduce each), as torch's reducer assigns them
+    (:func:`dtlab.analysis.hook_memory.ddp_bucket_numels`; a compression hook compresses a bucket;
+    it does not change how many there are)."""
+    return len(ddp_bucket_numels(shapes, bucket_mb))
 
 
 def cross_replica_collectives(

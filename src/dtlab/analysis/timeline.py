@@ -316,6 +316,7 @@ def step_timeline(
     blocks: list[BlockKind] | None = None,
     held_after: int = 0,
     to_step_end: int = 0,
+    last_hook: int = 0,
 ) -> Timeline:
     """The step's moments on a rank without pipeline parallelism.
 
@@ -332,7 +333,9 @@ def step_timeline(
     ``bottom_kept``, ``recompute`` and FSDP's block unit); ``held_after``: what forward made that
     the model holds past backward, to the next forward (the attention's masks); ``to_step_end``:
     what the last micro-batch's backward makes and the step keeps to its end (a DDP hook's new
-    state beside the old, until the step commits)."""
+    state beside the old, until the step commits); ``last_hook``: what DDP's communication hook
+    holds as it works on the last gradient bucket, at backward's end (the buckets before it
+    reduced, the embedding's gradient as backward made it beside its bucket)."""
     t = Timeline()
     s = state
     if blocks is None:
@@ -347,6 +350,12 @@ def step_timeline(
             _fsdp_micro_batch(mb, s, last, fsdp)
         else:
             _replicated_micro_batch(mb, s, grads_persist, unbucketed)
+            if last and last_hook:
+                # Forward's own are freed by then but the step's scalars (the loss's).
+                mb.add("the last gradient bucket's communication hook",
+                       grads=s.grads + s.embed_grads, activations=held_after + 12,
+                       temporaries=last_hook,
+                       buffers=s.buffers)  # fmt: skip
         t.add(
             Moment(
                 f"after backward {k}", "the gradients' sync and clipping", **base, grads=s.grads,

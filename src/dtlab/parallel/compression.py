@@ -30,6 +30,7 @@ a hook sees gradients multiplied by the loss scale, which changes over the run).
 # dist.GradBucket and torch.futures.Future types, not their names.
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,10 @@ from torch.nn.parallel import DistributedDataParallel
 from dtlab.config import Config
 from dtlab.parallel.dist import all_gather_flat
 from dtlab.runtime.placement import placed_state
+
+# How a hook gathers a flat tensor from every rank (``all_gather_flat``'s signature): the plan plays a
+# hook's work on a bucket with one that sends nothing (dtlab.analysis.hook_memory).
+Gather = Callable[..., Any]
 
 
 def dct_basis(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -142,21 +147,26 @@ def dct_decompress(
 def dct_hook(state: DCTState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: exchange the top-k DCT coefficients of each chunk, return the average."""
     buf = bucket.buffer()
-    world = dist.get_world_size(state.group)
-    idx, vals, chunks = dct_compress(buf, state, bucket.index())
+    dct_reduce(buf, state, bucket.index(), dist.get_world_size(state.group), all_gather_flat)
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(buf)
+    return fut
+
+
+def dct_reduce(buf: torch.Tensor, state: DCTState, index: int, world: int, gather: Gather) -> None:
+    """Bucket ``index``'s top-k DCT coefficients gathered from ``world`` ranks with ``gather``
+    (``all_gather_flat``'s signature) and averaged into ``buf``."""
+    idx, vals, chunks = dct_compress(buf, state, index)
     # Flat buffers: every backend (gloo too) gathers along dim 0 into world x the input's size.
     all_idx = torch.empty(world * idx.numel(), dtype=torch.int32, device=buf.device)
     all_vals = torch.empty(world * vals.numel(), dtype=vals.dtype, device=buf.device)
-    all_gather_flat(all_idx, idx.to(torch.int32).flatten(), group=state.group)
-    all_gather_flat(all_vals, vals.flatten(), group=state.group)
+    gather(all_idx, idx.to(torch.int32).flatten(), group=state.group)
+    gather(all_vals, vals.flatten(), group=state.group)
     avg = dct_decompress(
         all_idx.view(world, *idx.shape), all_vals.view(world, *vals.shape), chunks, buf.numel(),
         state, buf.device,
     ) / world  # fmt: skip
     buf.copy_(avg.to(buf.dtype))
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(buf)
-    return fut
 
 
 # Quantised DCT coefficients: a chunk's step is this many chunk RMS over 2^bits levels (+-2.4 RMS).
@@ -243,7 +253,19 @@ def quant_dct_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: every DCT coefficient in ``bits`` bits (EF21), all-gathered, averaged."""
     buf = bucket.buffer()
-    i, world = bucket.index(), dist.get_world_size(state.group)
+    world, rank = dist.get_world_size(state.group), dist.get_rank(state.group)
+    quant_dct_reduce(buf, state, bucket.index(), world, rank, all_gather_flat)
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(buf)
+    return fut
+
+
+def quant_dct_reduce(
+    buf: torch.Tensor, state: QuantDCTState, i: int, world: int, rank: int, gather: Gather
+) -> None:
+    """Bucket ``i``'s quantised DCT coefficients (EF21) gathered from ``world`` ranks with
+    ``gather`` (``all_gather_flat``'s signature), decoded by every rank alike and averaged into
+    ``buf``; ``rank``: this rank's index in the group."""
     n, c, bits = buf.numel(), state.chunk_size, state.bits
     chunks = math.ceil(n / c)
     padded = torch.zeros(chunks * c, device=buf.device)
@@ -258,19 +280,21 @@ def quant_dct_hook(
         own, mean = zero, zero
     payload = pack_codes(*quantize(x - own, bits), bits)
     gathered = torch.empty(world * payload.numel(), dtype=torch.uint8, device=buf.device)
-    all_gather_flat(gathered, payload, group=state.group)
-    # Every rank decodes the same payloads (its own among them): the means stay equal everywhere.
-    decoded = [
-        dequantize(*unpack_codes(row, chunks, c, bits), bits) for row in gathered.view(world, -1)
-    ]
-    own = own + decoded[dist.get_rank(state.group)]
-    mean = mean + torch.stack(decoded).sum(dim=0) / world
+    gather(gathered, payload, group=state.group)
+    # Every rank decodes the same payloads (its own among them) and adds them up in the same order:
+    # the means stay equal everywhere. One payload decoded at a time (not every rank's at once:
+    # that held the world's coefficients in float32, world times the bucket).
+    total = torch.zeros_like(x)
+    for r, row in enumerate(gathered.view(world, -1)):
+        decoded = dequantize(*unpack_codes(row, chunks, c, bits), bits)
+        total += decoded
+        if r == rank:
+            own = own + decoded
+        del decoded
+    mean = mean + total / world
     if state.error_feedback:
         state.pending[i] = (_scaled(own, 1.0 / state.scale), _scaled(mean, 1.0 / state.scale))
     buf.copy_((mean @ basis).flatten()[:n].to(buf.dtype))
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(buf)
-    return fut
 
 
 def local_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
