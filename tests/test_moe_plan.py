@@ -218,13 +218,9 @@ CHECKED = {
 }  # fmt: skip
 
 
-# The peak's error where a pipeline stage's MoE block's backward is the peak (measured;
-# docs/moe-planning.md: a pipeline's timeline draws an MoE block as a dense one).
-PEAK_ERROR = {
-    ("pp:2 1f1b full AC", 1): 0.035, ("pp:2 x ddp:2 ep:2", 3): 0.036,
-    ("pp:2 x ddp:2 ep:2 bf16 full AC", 3): 0.035,
-    ("tiny-moe pp:2 1f1b bf16", 0): 0.14, ("tiny-moe pp:2 1f1b bf16", 1): 0.094,
-}  # fmt: skip
+# The peak's error where it is more than 3% (measured; docs/moe-planning.md): the last stage of a
+# pipeline beside DDP with expert parallelism, over.
+PEAK_ERROR = {("pp:2 x ddp:2 ep:2", 3): 0.036, ("pp:2 x ddp:2 ep:2 bf16 full AC", 3): 0.035}
 
 
 @pytest.mark.parametrize("layout", list(CHECKED))
@@ -252,7 +248,7 @@ def test_check_runs_an_moe_model_and_finds_the_plan(layout: str) -> None:
         assert abs(plan.activations_bytes - act) <= 0.005 * act, (rank, act, plan)
         # The peak within 3%: an MoE block's own backward (its routed experts' stacked gradients
         # as autograd adds them up, the whole feed-forward freed by its norm's backward) is in the
-        # timeline; a pipeline stage's is drawn as a dense block's, no further off than measured.
+        # timeline, a pipeline stage's too; where it is not yet, no further off than measured.
         error = abs(r.peak["predicted"] - r.peak["checked"]) / r.peak["checked"]
         assert error <= PEAK_ERROR.get((layout, rank), 0.03), (rank, r.peak)
         # A pipeline's dense first stage has no MoE block, and no all-to-all.

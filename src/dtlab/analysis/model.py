@@ -278,7 +278,7 @@ def _plan_rank(
     whole = _rank_comm(rank, plan, shard_rank)
     if acts.walked is not None:
         plan.timeline = pipeline_rank_timeline(
-            rank, plan, acts.walked, acts.loss_part, _again(rank, acts)
+            rank, plan, acts.walked, acts.loss_part, _stage_again(rank, acts)
         )
         if dims.fsdp_enabled:
             # Which stages' units are gathered together follows the schedule's order (each
@@ -521,6 +521,21 @@ def _again(rank: RankInputs, acts: _Activations) -> tuple[int, int]:
         residual_half(rank.half_params, t.precision),
     )  # fmt: skip
     return acts.recompute, extra
+
+
+def _stage_again(rank: RankInputs, acts: _Activations) -> tuple[int, int]:
+    """:func:`_again` for a pipeline rank's stages, whose timeline draws each stage with its last
+    block: where the rank's blocks are MoE ones, the MoE forward's locals a recomputation stops
+    with are freed before the block's backward too (as in :func:`_recompute_by_kind`)."""
+    again, freed = _again(rank, acts)
+    t = rank.config.train
+    if not again or not moe.moe_blocks(rank.rank_model):
+        return again, freed
+    routed = next(k for k in moe.block_kinds(rank.rank_model) if moe.moe_blocks(k))
+    ac = t.activation_checkpointing
+    return again, freed + moe.recompute_transients(
+        routed, rank.tokens, t.precision, ac, rank.half_params
+    )
 
 
 def _flat_timeline(rank: RankInputs, plan: StepPlan, acts: _Activations) -> Timeline:

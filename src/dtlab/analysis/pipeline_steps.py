@@ -328,6 +328,12 @@ class PipelineSteps:
                      grads=g_kept + new, activations=alive + again - gone - block.freed,
                      temporaries=t_kept + moved + self.sending + temps + ahead,
                      buffers=bufs)  # fmt: skip
+            if block.routed_temps:  # an MoE block's routed experts (dtlab.analysis.rank_timeline)
+                self.add(name, f"the stage's {which} block's routed experts' backward",
+                         grads=g_kept + max(0, new - block.w2_grad),
+                         activations=alive + again - gone - block.routed_freed,
+                         temporaries=t_kept + moved + self.sending + block.routed_temps + ahead,
+                         buffers=bufs)  # fmt: skip
             norm = block.norm_temps - (0 if last else block.incoming)
             # (The gradients alive from here to the block's attention backward.)
             norm_grads = (
