@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import weakref
-from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from dtlab.analysis.comm_model import fragment_numels
+from dtlab.analysis.played import play
 from dtlab.analysis.shapes import ParamShape
 from dtlab.analysis.timeline import Moment, Timeline
 from dtlab.config import Config, DiLoCoOptions
@@ -88,40 +85,6 @@ def diloco_host_bytes(config: Config, dims: ParallelDims, shapes: list[ParamShap
     return FP32 * (per_value * sum(frags) + (1 + o.eager) * most)
 
 
-class _Live(TorchDispatchMode):
-    """The most bytes alive at once of what the ops run inside make (each storage once, until it
-    is freed)."""
-
-    def __init__(self, given: torch.Tensor) -> None:
-        super().__init__()
-        self.now = self.peak = 0
-        # The input's storage is not the ops' to count (a view of it is not a new tensor).
-        self.alive: set[int] = {given.untyped_storage()._cdata}
-
-    def _freed(self, key: int, nbytes: int) -> None:
-        self.alive.discard(key)
-        self.now -= nbytes
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                st = t.untyped_storage()
-                if st._cdata not in self.alive:
-                    self.alive.add(st._cdata)
-                    self.now += st.nbytes()
-                    weakref.finalize(st, self._freed, st._cdata, st.nbytes())
-        self.peak = max(self.peak, self.now)
-        return out
-
-
-def _play(fn: Any, given: torch.Tensor) -> int:
-    """The most ``fn()`` holds at once beyond ``given`` (its outputs included)."""
-    with _Live(given) as live:
-        fn()
-    return live.peak
-
-
 @functools.lru_cache(maxsize=512)
 def _played_slice(
     numel: int, topk: float, chunk: int, quantize: str, world: int
@@ -139,11 +102,11 @@ def _played_slice(
     sections = outer_codec._slices(numel, o, whole)[0][2]
     with FakeTensorMode():
         x = torch.empty(numel)
-        alone = _play(lambda: outer_codec.encode(x, o, slice_values=whole), x)
-        one_of_many = _play(lambda: outer_codec._encode_slice(x, o), x)
+        alone = play(lambda: outer_codec.encode(x, o, slice_values=whole), x)
+        one_of_many = play(lambda: outer_codec._encode_slice(x, o), x)
         parts = torch.empty(world, outer_payload_bytes(numel, o), dtype=torch.uint8)
-        mean = _play(lambda: outer_codec._mean_slice(parts, numel, o), parts)
-        mean_of_many = _play(lambda: outer_codec._mean_slice(parts, numel, o, sections), parts)
+        mean = play(lambda: outer_codec._mean_slice(parts, numel, o), parts)
+        mean_of_many = play(lambda: outer_codec._mean_slice(parts, numel, o, sections), parts)
     return alone, one_of_many, mean, mean_of_many
 
 

@@ -14,10 +14,9 @@ the step's end, beside the state it replaces until the step is judged (committed
 
 Without error feedback only PowerSGD's P and Q are kept. All in the gradients' dtype (float32 under
 DDP) on the rank's device, and none before PowerSGD's ``start_step`` (the plan counts the steady
-state); the DCT's basis (``chunk_size`` squared, float32) is kept too. The DCT hook's own work on
-the last bucket (the embedding's, ready at backward's end: for ``coding: quant`` every rank's
-coefficients decoded at once) is played on fake tensors (:func:`last_bucket_work`); PowerSGD's,
-torch's, and the work on the buckets before the last are not counted."""
+state); the DCT's basis (``chunk_size`` squared, float32) is kept too. Under a hook DDP keeps one
+bucket of the whole model (:func:`hook_buckets`): the DCT hook's work on it, at backward's end, is
+played on fake tensors (:func:`hook_work`); PowerSGD's (torch's hook) is not counted."""
 
 from __future__ import annotations
 
@@ -27,11 +26,12 @@ from typing import Any
 
 import torch
 
+from dtlab.analysis.played import play
 from dtlab.analysis.shapes import ParamShape
 from dtlab.config import Config
 from dtlab.dims import ParallelDims
 
-__all__ = ["ddp_bucket_numels", "hook_buckets", "hook_bytes", "last_bucket_work"]
+__all__ = ["ddp_bucket_numels", "hook_buckets", "hook_bytes", "hook_work"]
 
 FP32 = 4
 
@@ -71,21 +71,19 @@ def _powersgd_pq(shapes: list[ParamShape], rank: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _played_bucket(numel: int, kind: str, coding: str, chunk: int, topk: int, bits: int,
+def _played_bucket(numel: int, coding: str, chunk: int, topk: int, bits: int,
                    error_feedback: bool, world: int) -> int:  # fmt: skip
     """The most the DCT hook's work on one bucket of ``numel`` float32 gradients holds at once
     beyond the bucket (its new state included, the old not), played on fake tensors with a gather
     that sends nothing: exact for what the trainer's code makes and frees."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from dtlab.analysis.diloco_memory import _play
     from dtlab.parallel import compression as c
 
     def gather(*_: Any, **__: Any) -> None:
         return None
 
-    cpu = torch.device("cpu")
-    c.dct_basis_on(chunk, cpu)  # built for real outside the fake mode (it is cached)
+    c.dct_basis_on(chunk, torch.device("cpu"))  # built for real outside the fake mode (cached)
     with FakeTensorMode(allow_non_fake_inputs=True):
         buf = torch.empty(numel)
         rows = math.ceil(numel / chunk)
@@ -93,30 +91,24 @@ def _played_bucket(numel: int, kind: str, coding: str, chunk: int, topk: int, bi
             q = c.QuantDCTState(chunk, bits, error_feedback)
             if error_feedback:  # the steady state: the estimates of the step before
                 q.own[0], q.mean[0] = torch.zeros(rows, chunk), torch.zeros(rows, chunk)
-            return _play(lambda: c.quant_dct_reduce(buf, q, 0, world, 0, gather), buf)
+            return play(lambda: c.quant_dct_reduce(buf, q, 0, world, 0, gather), buf)
         d = c.DCTState(chunk, topk, error_feedback)
         if error_feedback:
             d.residuals[0] = torch.zeros(numel)
-        return _play(lambda: c.dct_reduce(buf, d, 0, world, gather), buf)
+        return play(lambda: c.dct_reduce(buf, d, 0, world, gather), buf)
 
 
-def last_bucket_work(config: Config, dims: ParallelDims, shapes: list[ParamShape]) -> int:
-    """What the DCT hook holds at once as it works on the rank's last gradient bucket, ready at
-    backward's end (under a hook the only one, :func:`hook_buckets`): the new state of the buckets
-    before it and the work on it, its new state included; 0 for other hooks (PowerSGD's work,
-    torch's, is not counted)."""
+def hook_work(config: Config, dims: ParallelDims, shapes: list[ParamShape]) -> int:
+    """What the DCT hook holds at once as it works on its bucket at backward's end (under a hook
+    the whole model's, :func:`hook_buckets`), its new state included; 0 for other hooks
+    (PowerSGD's work, torch's, is not counted)."""
     p = config.parallel
     if p.compression != "dct" or not hook_bytes(config, dims, shapes)[0]:
         return 0
     o = p.compression_options
-    buckets = hook_buckets(shapes)
-    before = 0
-    if o.error_feedback:
-        c = o.chunk_size
-        before = sum(2 * math.ceil(n / c) * c if o.coding == "quant" else n for n in buckets[:-1])
-    work = _played_bucket(buckets[-1], p.compression, o.coding, o.chunk_size, o.topk, o.bits,
-                          o.error_feedback, dims.dp)  # fmt: skip
-    return FP32 * before + work
+    (bucket,) = hook_buckets(shapes)
+    return _played_bucket(bucket, o.coding, o.chunk_size, o.topk, o.bits, o.error_feedback,
+                          dims.dp)  # fmt: skip
 
 
 def hook_bytes(config: Config, dims: ParallelDims, shapes: list[ParamShape]) -> tuple[int, int]:

@@ -20,7 +20,7 @@ from dtlab.analysis.activations import (
 from dtlab.analysis.comm_model import tied_embedding_bytes
 from dtlab.analysis.context_plan import document_mask_bytes, ring_backward_bytes
 from dtlab.analysis.float8_plan import block_float8, float8_ffn, gathered_bytes_by_group
-from dtlab.analysis.hook_memory import hook_bytes, last_bucket_work
+from dtlab.analysis.hook_memory import hook_bytes, hook_work
 from dtlab.analysis.memo import memo
 from dtlab.analysis.pipeline_memory import (
     StageFigures,
@@ -138,7 +138,7 @@ def rank_timeline(
         state, rank.accum, kept, loss_part, recompute, bottom, block, n_blocks, loss, persist,
         units, after_backward=experts_flat, unbucketed=unbucketed, blocks=blocks,
         held_after=masks, to_step_end=hook_bytes(config, dims, shapes)[1],
-        last_hook=last_bucket_work(config, dims, shapes),
+        last_hook=hook_work(config, dims, shapes),
     )  # fmt: skip
     if p.fault_tolerance.enabled and not p.diloco.inner_steps:
         timeline.add(_groups_average(state))

@@ -334,8 +334,8 @@ def step_timeline(
     the model holds past backward, to the next forward (the attention's masks); ``to_step_end``:
     what the last micro-batch's backward makes and the step keeps to its end (a DDP hook's new
     state beside the old, until the step commits); ``last_hook``: what DDP's communication hook
-    holds as it works on the last gradient bucket, at backward's end (the buckets before it
-    reduced, the embedding's gradient as backward made it beside its bucket)."""
+    holds as it works on its bucket at backward's end (the embedding's gradient as backward made
+    it still beside the bucket)."""
     t = Timeline()
     s = state
     if blocks is None:
@@ -352,7 +352,7 @@ def step_timeline(
             _replicated_micro_batch(mb, s, grads_persist, unbucketed)
             if last and last_hook:
                 # Forward's own are freed by then but the step's scalars (the loss's).
-                mb.add("the last gradient bucket's communication hook",
+                mb.add("DDP's communication hook on its bucket",
                        grads=s.grads + s.embed_grads, activations=held_after + 12,
                        temporaries=last_hook,
                        buffers=s.buffers)  # fmt: skip
