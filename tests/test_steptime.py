@@ -27,6 +27,7 @@ from dtlab.analysis.steptime import (
     collective_waits,
     ddp_buckets,
     ddp_exposed,
+    exposed_comm,
     fsdp_exposed,
     wait_seconds,
 )
@@ -252,3 +253,40 @@ def test_a_smaller_group_waits_for_fewer_ranks() -> None:
     cfg = load_config(None, ["model.preset=tiny", "parallel.strategy=fsdp", "parallel.tp=2"])
     waits = collective_waits(cfg, ParallelDims.from_config(cfg, 4), 4, 1)
     assert waits == {4: 1, 2: 15 + 33}  # the step's reduction; FSDP's pairs and TP's pairs
+
+
+@pytest.mark.parametrize("compression", ["powersgd", "dct"])
+def test_a_stateful_hook_runs_on_one_bucket_at_backwards_end_and_nothing_hides(
+    compression: str,
+) -> None:
+    """Under PowerSGD or the DCT, DDP keeps its first bucket layout (the hook's state follows it),
+    which torch builds as one bucket of every gradient: the hook runs once backward is done, so
+    its collectives wait whole, where plain DDP's and fp16's buckets hide behind backward. The
+    layout itself: DDP built on the debug model with 0.1 MiB buckets holds one bucket until its
+    first rebuild, which the hook's state forbids."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from dtlab.analysis.hook_memory import hook_buckets
+    from dtlab.models.llama import build_model
+
+    base = ["model.preset=debug", "parallel.strategy=ddp", "parallel.bucket_mb=0.1"]
+    link = Link(450.0)
+    waits = {}
+    for kind in ("none", "fp16", compression):
+        config = load_config(overrides=[*base, f"parallel.compression={kind}"])
+        dims = ParallelDims.from_config(config, 2)
+        waits[kind] = exposed_comm(config, dims, {"all_reduce": 1e-3}, 1.0, 0.0, link, "cuda", 2)
+    assert waits["none"] < 1e-3 and waits["fp16"] < 1e-3
+    assert waits[compression] == pytest.approx(1e-3)
+    config = load_config(overrides=base)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        ddp = DistributedDataParallel(
+            build_model(config.model).to_empty(device="cpu"), bucket_cap_mb=0.1
+        )
+        built = [b.buffer().numel() for b in ddp.reducer._get_zeros_like_grad_buckets()]
+    finally:
+        dist.destroy_process_group()
+    assert built == hook_buckets(param_shapes(config.model)) and len(built) == 1

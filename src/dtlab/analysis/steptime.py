@@ -151,6 +151,10 @@ def exposed_comm(
     if config.parallel.diloco.inner_steps or data <= 0:
         return total
     rest = total - data
+    if dims.ddp_enabled and config.parallel.compression in ("powersgd", "dct"):
+        # Under a stateful hook DDP keeps its first layout, one bucket of every gradient
+        # (dtlab.analysis.hook_memory.hook_buckets): the hook runs at backward's end, nothing hides.
+        return total
     if dims.ddp_enabled and not dims.shard_optimizer:
         from dtlab.analysis.activations import FP32
         from dtlab.analysis.model import param_shapes

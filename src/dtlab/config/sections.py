@@ -534,7 +534,9 @@ class ParallelConfig(_Section):
         gt=0,
         le=4096,
         description="ddp: MiB of gradients per all-reduce bucket (DDP's bucket_cap_mb): smaller "
-        "buckets start communicating earlier in backward, larger ones issue fewer collectives.",
+        "buckets start communicating earlier in backward, larger ones issue fewer collectives. "
+        "Unused with compression powersgd or dct (one bucket: their state follows DDP's first "
+        "layout, kept for the whole run).",
     )
     fsdp_prefetch: int = Field(
         0,
