@@ -176,40 +176,53 @@ def _block_shape(
     shape = _dense_block(config, dims, shapes, tokens, made, hidden, numel, f8)
     if j < m.moe.dense_layers:
         return shape
+    beyond, grads = memo(
+        shapes,
+        ("moe_ffn", tokens, made, hidden, dims.tp, dims.ep, dims.fsdp_enabled,
+         config.parallel.sequence_parallel, config.train.precision, fsdp_half_params(config, dims)),
+        lambda: _moe_feed_forward(config, dims, tokens, made, hidden),
+    )  # fmt: skip
     temps, freed = routed_backward(config, dims, tokens, made)
-    # By the norm's backward the whole MoE feed-forward's activations are freed (the router's, the
-    # routed rows', the experts'), not the dense one's of the shared experts' width that the
-    # shape was drawn with; and the routed experts' gradients are made.
-    split = TPSplit(dims.tp, config.parallel.sequence_parallel)
-    dense = m.model_copy(
-        update={"n_layers": 1, "ffn_dim": hidden, "moe": m.moe.model_copy(update={"experts": 0})}
-    )
-
-    def kept(one: ModelConfig) -> int:
-        return activation_bytes(one, tokens, config.train.precision, "none", split, False,
-                                fsdp_half_params(config, dims))  # fmt: skip
-
-    routed = m.model_copy(
-        update={"n_layers": 1, "moe": m.moe.model_copy(update={"dense_layers": 0})}
-    )
-    beyond = kept(routed) - kept(dense)
-    element = FP32 if dims.ep_enabled else made
-    held = m.moe.experts // (dims.ep if dims.ep_enabled else 1)
-    grads = 3 * held * (m.moe.expert_dim or m.hidden_dim) * m.dim * element
     return replace(
         shape, routed_temps=temps, routed_freed=shape.freed + freed,
         norm_freed=shape.norm_freed + beyond, routed_grads=grads if dims.fsdp_enabled else 0,
     )  # fmt: skip
 
 
+def _moe_feed_forward(
+    config: Config, dims: ParallelDims, tokens: int, made: int, hidden: int
+) -> tuple[int, int]:
+    """An MoE block's feed-forward against the dense one of ``hidden`` its shape is drawn with:
+    (what forward keeps of it beyond, all freed by the feed-forward norm's backward: the router's,
+    the routed rows', the experts'; the routed experts' gradients as backward makes them)."""
+    m = config.model
+    split = TPSplit(dims.tp, config.parallel.sequence_parallel)
+    dense = m.model_copy(
+        update={"n_layers": 1, "ffn_dim": hidden, "moe": m.moe.model_copy(update={"experts": 0})}
+    )
+    routed = m.model_copy(
+        update={"n_layers": 1, "moe": m.moe.model_copy(update={"dense_layers": 0})}
+    )
+
+    def kept(one: ModelConfig) -> int:
+        return activation_bytes(one, tokens, config.train.precision, "none", split, False,
+                                fsdp_half_params(config, dims))  # fmt: skip
+
+    element = FP32 if dims.ep_enabled else made
+    held = m.moe.experts // (dims.ep if dims.ep_enabled else 1)
+    return kept(routed) - kept(dense), 3 * held * (
+        m.moe.expert_dim or m.hidden_dim
+    ) * m.dim * element
+
+
 def routed_backward(config: Config, dims: ParallelDims, tokens: int, made: int) -> tuple[int, int]:
     """An MoE block's routed experts' backward at its peak (measured by `dtlab plan --check`;
     the same in a real run): each expert reads its weights as a slice of the stacked ones, whose
     gradient autograd makes at the stacked size and adds up across the experts; so once the second
-    expert's down projection's gradient comes, the three stacked gradients made before, the new one and
-    their sum are alive (three where the rank holds one expert), in the parameters' dtype (float32
-    for expert parallelism's shards, which FSDP leaves), beside the gradient of the routed rows'
-    output. Returns (backward's own alive then, what forward kept that the combine's backward has
+    expert's down projection's gradient comes, the three stacked gradients made before, the new
+    one and their sum are alive (three where the rank holds one expert), in the parameters' dtype
+    (float32 for expert parallelism's shards, which FSDP leaves), beside the gradient of the
+    routed rows' output. Returns (backward's own alive then, what forward kept that the combine's backward has
     freed: its copy of the rows)."""
     m = config.model
     held = m.moe.experts // (dims.ep if dims.ep_enabled else 1)
