@@ -159,11 +159,11 @@ def test_bytes_per_step_are_predicted_to_the_byte(tmp_path: Path, quantize: str)
 def test_packing_holds_bytes_not_an_integer_per_bit(bits: int) -> None:
     # What packing a fragment holds at once beyond its codes: the codes at one byte each (four above
     # 8 bits) and the packed bytes, not 8 bytes per bit per value (~16 GB for 1e9 values at 1 bit).
-    from dtlab.analysis.diloco_memory import _play
+    from dtlab.analysis.played import play
 
     n = 1 << 16
     codes = torch.randint(0, 2**bits, (n,), generator=torch.Generator().manual_seed(0))
-    held = _play(lambda: _pack(codes, bits), codes)
+    held = play(lambda: _pack(codes, bits), codes)
     narrow = n * (1 if bits <= 8 else 4)
     # (a column of the bit operations holds up to another such copy, an eighth of it at a time;
     # 1 bit shifts the codes at once, beside a byte's eight bit places: 8 bytes)
