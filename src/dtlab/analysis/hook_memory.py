@@ -31,23 +31,9 @@ from dtlab.analysis.shapes import ParamShape
 from dtlab.config import Config
 from dtlab.dims import ParallelDims
 
-__all__ = ["ddp_bucket_numels", "hook_buckets", "hook_bytes", "hook_work"]
+__all__ = ["hook_buckets", "hook_bytes", "hook_work"]
 
 FP32 = 4
-
-
-def ddp_bucket_numels(shapes: list[ParamShape], bucket_mb: float) -> list[int]:
-    """DDP's gradient buckets' elements once rebuilt after its first step (a plain DDP's layout):
-    float32 gradients of the parameters in reverse order, as torch's reducer assigns them, each
-    bucket closed once it holds ``bucket_mb`` MiB or more."""
-    cap = bucket_mb * 2**20
-    out, held = [], 0
-    for s in reversed(shapes):
-        held += s.numel
-        if held * FP32 >= cap:
-            out.append(held)
-            held = 0
-    return [*out, held] if held else out
 
 
 def hook_buckets(shapes: list[ParamShape]) -> list[int]:

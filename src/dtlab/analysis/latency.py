@@ -14,7 +14,6 @@ latency with it.
 
 from __future__ import annotations
 
-from dtlab.analysis.hook_memory import ddp_bucket_numels
 from dtlab.analysis.model import ParamShape, diloco_sync_steps, param_shapes
 from dtlab.config import Config
 from dtlab.dims import DPWrapper, ParallelDims
@@ -23,10 +22,18 @@ __all__ = ["cross_replica_collectives", "ddp_bucket_count"]
 
 
 def ddp_bucket_count(shapes: list[ParamShape], bucket_mb: float) -> int:
-    """DDP's gradient buckets (one all-reduce each), as torch's reducer assigns them
-    (:func:`dtlab.analysis.hook_memory.ddp_bucket_numels`; a compression hook compresses a bucket;
-    it does not change how many there are)."""
-    return len(ddp_bucket_numels(shapes, bucket_mb))
+    """DDP's gradient buckets (one all-reduce each): float32 gradients of the parameters in reverse
+    order, as torch's reducer assigns them once it rebuilds after the first step, each bucket closed
+    once it holds ``bucket_mb`` MiB or more (an fp16 or bf16 hook compresses a bucket, not how many
+    there are; PowerSGD and the DCT keep the first layout, one bucket:
+    :func:`dtlab.analysis.hook_memory.hook_buckets`)."""
+    cap = bucket_mb * 2**20
+    buckets, held = 0, 0.0
+    for s in reversed(shapes):
+        held += s.numel * 4
+        if held >= cap:
+            buckets, held = buckets + 1, 0.0
+    return buckets + (held > 0)
 
 
 def cross_replica_collectives(

@@ -528,14 +528,8 @@ def _stage_again(rank: RankInputs, acts: _Activations) -> tuple[int, int]:
     block: where the rank's blocks are MoE ones, the MoE forward's locals a recomputation stops
     with are freed before the block's backward too (as in :func:`_recompute_by_kind`)."""
     again, freed = _again(rank, acts)
-    t = rank.config.train
-    if not again or not moe.moe_blocks(rank.rank_model):
-        return again, freed
-    routed = next(k for k in moe.block_kinds(rank.rank_model) if moe.moe_blocks(k))
-    ac = t.activation_checkpointing
-    return again, freed + moe.recompute_transients(
-        routed, rank.tokens, t.precision, ac, rank.half_params
-    )
+    by_kind = _recompute_by_kind(rank, acts, freed)
+    return (again, by_kind[True][1]) if True in by_kind else (again, freed)
 
 
 def _flat_timeline(rank: RankInputs, plan: StepPlan, acts: _Activations) -> Timeline:

@@ -208,11 +208,17 @@ def _moe_feed_forward(
         return activation_bytes(one, tokens, config.train.precision, "none", split, False,
                                 fsdp_half_params(config, dims))  # fmt: skip
 
-    element = FP32 if dims.ep_enabled else made
+    return kept(routed) - kept(dense), 3 * _stacked_grad_bytes(config, dims, made)
+
+
+def _stacked_grad_bytes(config: Config, dims: ParallelDims, made: int) -> int:
+    """Bytes of one routed experts' stacked weight's gradient on this rank (its experts: all, or
+    its share under expert parallelism), in the parameters' dtype (float32 for expert
+    parallelism's shards, which FSDP leaves)."""
+    m = config.model
     held = m.moe.experts // (dims.ep if dims.ep_enabled else 1)
-    return kept(routed) - kept(dense), 3 * held * (
-        m.moe.expert_dim or m.hidden_dim
-    ) * m.dim * element
+    element = FP32 if dims.ep_enabled else made
+    return held * (m.moe.expert_dim or m.hidden_dim) * m.dim * element
 
 
 def routed_backward(config: Config, dims: ParallelDims, tokens: int, made: int) -> tuple[int, int]:
@@ -220,17 +226,14 @@ def routed_backward(config: Config, dims: ParallelDims, tokens: int, made: int) 
     the same in a real run): each expert reads its weights as a slice of the stacked ones, whose
     gradient autograd makes at the stacked size and adds up across the experts; so once the second
     expert's down projection's gradient comes, the three stacked gradients made before, the new
-    one and their sum are alive (three where the rank holds one expert), in the parameters' dtype
-    (float32 for expert parallelism's shards, which FSDP leaves), beside the gradient of the
-    routed rows' output. Returns (backward's own alive then, what forward kept that the combine's backward has
-    freed: its copy of the rows)."""
+    one and their sum are alive (three where the rank holds one expert), beside the gradient of
+    the routed rows' output. Returns (backward's own alive then, what forward kept that the
+    combine's backward has freed: its copy of the rows)."""
     m = config.model
     held = m.moe.experts // (dims.ep if dims.ep_enabled else 1)
-    element = FP32 if dims.ep_enabled else made
-    stacked = held * (m.moe.expert_dim or m.hidden_dim) * m.dim * element
     compute = 2 if config.train.precision in ("bf16", "fp16") else FP32
     rows = tokens * m.moe.top_k * m.dim * compute
-    return (5 if held > 1 else 3) * stacked + rows, rows
+    return (5 if held > 1 else 3) * _stacked_grad_bytes(config, dims, made) + rows, rows
 
 
 def _moe_blocks(
