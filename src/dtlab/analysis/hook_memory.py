@@ -31,9 +31,19 @@ from dtlab.analysis.shapes import ParamShape
 from dtlab.config import Config
 from dtlab.dims import ParallelDims
 
-__all__ = ["hook_buckets", "hook_bytes", "hook_work"]
+__all__ = ["hook_buckets", "hook_bytes", "hook_work", "stateful_hook"]
 
 FP32 = 4
+
+
+def stateful_hook(config: Config, dims: ParallelDims) -> bool:
+    """Whether the rank's DDP runs a hook that keeps state from step to step (PowerSGD, the DCT),
+    and with it DDP's first bucket layout (:func:`hook_buckets`)."""
+    p = config.parallel
+    if p.compression not in ("powersgd", "dct") or not dims.ddp_enabled or dims.shard_optimizer:
+        return False
+    # No hook of these: FSDP2 beside a pipeline, or a local one (DiLoCo, DeMo).
+    return not (dims.pp_enabled or p.diloco.inner_steps or config.train.optimizer == "demo")
 
 
 def hook_buckets(shapes: list[ParamShape]) -> list[int]:
@@ -89,7 +99,7 @@ def hook_work(config: Config, dims: ParallelDims, shapes: list[ParamShape]) -> i
     the whole model's, :func:`hook_buckets`), its new state included; 0 for other hooks
     (PowerSGD's work, torch's, is not counted)."""
     p = config.parallel
-    if p.compression != "dct" or not hook_bytes(config, dims, shapes)[0]:
+    if p.compression != "dct" or not stateful_hook(config, dims):
         return 0
     o = p.compression_options
     (bucket,) = hook_buckets(shapes)
@@ -103,10 +113,8 @@ def hook_bytes(config: Config, dims: ParallelDims, shapes: list[ParamShape]) -> 
     without a hook that keeps state."""
     p = config.parallel
     kind, o = p.compression, p.compression_options
-    if kind not in ("powersgd", "dct") or not dims.ddp_enabled or dims.shard_optimizer:
+    if not stateful_hook(config, dims):
         return 0, 0
-    if dims.pp_enabled or p.diloco.inner_steps or config.train.optimizer == "demo":
-        return 0, 0  # no hook of these: FSDP2 beside a pipeline, or a local one
     buckets = hook_buckets(shapes)
     if kind == "powersgd":
         pq = _powersgd_pq(shapes, o.rank)

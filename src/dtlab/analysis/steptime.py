@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from dtlab.analysis.hook_memory import stateful_hook
 from dtlab.config import Config
 from dtlab.dims import ParallelDims
 
@@ -151,7 +152,7 @@ def exposed_comm(
     if config.parallel.diloco.inner_steps or data <= 0:
         return total
     rest = total - data
-    if dims.ddp_enabled and config.parallel.compression in ("powersgd", "dct"):
+    if stateful_hook(config, dims):
         # Under a stateful hook DDP keeps its first layout, one bucket of every gradient
         # (dtlab.analysis.hook_memory.hook_buckets): the hook runs at backward's end, nothing hides.
         return total
