@@ -227,3 +227,15 @@ def test_demo_optimizer_on_two_gloo_ranks_matches_its_definition(tmp_path: Path)
     # The other rank's gradients mattered: one rank alone steps differently.
     alone = _demo_reference(world=1, steps=3)
     assert not torch.allclose(alone["w"], ref["w"], atol=1e-4)
+
+
+def test_the_quantised_dct_decodes_one_ranks_payload_at_a_time() -> None:
+    """The quantised DCT hook's work on a bucket grows with the ranks by their gathered payloads
+    alone (under a byte a value at 3 bits): it decodes one rank's payload at a time into a running
+    sum, where decoding them all at once and stacking them held two float32 copies of the bucket
+    per rank (8 bytes a value each)."""
+    from dtlab.analysis.hook_memory import _played_bucket
+
+    n = 1 << 16
+    two, eight = (_played_bucket(n, "quant", 64, 4, 3, True, world) for world in (2, 8))
+    assert 0 < eight - two <= (8 - 2) * n, (two, eight)
