@@ -21,6 +21,7 @@ from dtlab.analysis.probe import (
     measure_probe,
     rank_share,
     sharing,
+    wrapper_seconds,
 )
 from dtlab.analysis.steptime import (
     Link,
@@ -147,6 +148,28 @@ def test_ranks_sharing_the_cores_compute_slower() -> None:
     )
 
 
+def test_each_layouts_measured_code_cost_counts_where_that_layout_runs() -> None:
+    """FSDP's per unit and micro-batch, ZeRO-1's once a step, tensor parallelism's per block and
+    micro-batch; stretched by the cores' sharing; nothing for DDP."""
+    sets = ["model.preset=debug", "data.seq_len=64", "train.global_batch_size=8"]
+    probe = ComputeProbe(1, 2, 1e-4, 0.01, 1000, 64, "test")
+    costs = {"fsdp_unit_s": 0.001, "zero_step_s": 0.1, "tp_block_s": 0.01}
+
+    def extra(layout: list[str], world: int) -> float:
+        cfg = load_config(None, [*sets, *layout])
+        return wrapper_seconds(cfg, ParallelDims.from_config(cfg, world), costs, world, probe)
+
+    layers = load_config(None, sets).model.n_layers
+    assert extra(["parallel.strategy=ddp"], 2) == 0.0
+    assert extra(["parallel.strategy=ddp", "parallel.sharding=optimizer"], 2) == pytest.approx(0.1)
+    # Four ranks on two cores: each rank's code takes twice as long.
+    assert extra(["parallel.strategy=ddp", "parallel.sharding=optimizer"], 4) == pytest.approx(0.2)
+    assert extra(["parallel.strategy=fsdp"], 2) == pytest.approx(0.001 * (layers + 1))
+    two = extra(["parallel.strategy=fsdp", "train.micro_batch_size=2"], 2)
+    assert two == pytest.approx(0.001 * (layers + 1) * 2)  # two micro-batches a step
+    assert extra(["parallel.strategy=single", "parallel.tp=2"], 2) == pytest.approx(0.01 * layers)
+
+
 def test_the_probe_times_the_model_and_its_optimizer_apart() -> None:
     cfg = load_config(None, ["model.preset=debug", "data.seq_len=64", "parallel.strategy=fsdp"])
     threads = torch.get_num_threads()
@@ -171,8 +194,8 @@ def test_plan_this_device_prints_its_measured_collectives_and_step(tmp_path) -> 
     # What a collective costs beyond its bytes: 0 where the measurement saw none (it is clamped).
     assert 0 <= rates["sync_s"] < 1
     assert dev["collective_source"].startswith("measured: gloo among 2 local processes")
-    # What FSDP's and tensor parallelism's code adds per unit, measured under the fake group.
-    assert set(dev["wrapper_s"]) == {"fsdp_unit_s", "tp_block_s"}
+    # What FSDP's, ZeRO-1's and tensor parallelism's code adds, measured under the fake group.
+    assert set(dev["wrapper_s"]) == {"fsdp_unit_s", "zero_step_s", "tp_block_s"}
     assert all(0 <= v < 1 for v in dev["wrapper_s"].values())
     text = format_plan(result)
     assert "  groups   all_reduce" in text and "  step     " in text and "  wrappers " in text

@@ -204,8 +204,9 @@ def rank_share(config: Config, dims: Any, shapes: list[Any]) -> tuple[float, flo
 def wrapper_seconds(
     config: Config, dims: Any, wrapper_s: dict[str, float], nproc: int, probe: ComputeProbe
 ) -> float:
-    """What FSDP's and tensor parallelism's code adds to one rank's step (measured per unit and
-    micro-batch, :mod:`dtlab.analysis.wrappers`), at the cores' sharing of ``nproc`` ranks."""
+    """What FSDP's, ZeRO-1's and tensor parallelism's code adds to one rank's step (measured per
+    FSDP unit and micro-batch, per ZeRO-1 step, per block and micro-batch:
+    :mod:`dtlab.analysis.wrappers`), at the cores' sharing of ``nproc`` ranks."""
     from dtlab.analysis.steptime import step_microbatches
 
     layers = config.model.n_layers // dims.pp
@@ -213,6 +214,8 @@ def wrapper_seconds(
     extra = 0.0
     if dims.fsdp_enabled and dims.fsdp_shard > 1:
         extra += wrapper_s.get("fsdp_unit_s", 0.0) * (layers + 1) * m
+    if dims.shard_optimizer:
+        extra += wrapper_s.get("zero_step_s", 0.0)
     if dims.tp_enabled:
         extra += wrapper_s.get("tp_block_s", 0.0) * layers * m
     return extra * sharing(nproc, probe.threads, probe.cores)

@@ -1,14 +1,22 @@
-"""What FSDP's and tensor parallelism's code costs a CPU rank beyond the model's arithmetic, measured.
+"""What FSDP's, ZeRO-1's and tensor parallelism's code costs a CPU rank beyond the model's arithmetic,
+measured.
 
 FSDP2 copies each unit's shards into the all-gather buffer and out of it into the parameters, and its
-gradients into the reduce-scatter's; DTensor dispatches every op of a tensor-parallel block through its
-sharding rules and redistributes between them. None of that is in one process's step
-(:mod:`dtlab.analysis.probe`). Here a rank of each runs its real step alone, in a process of its own
-joined to torch's fake process group (collectives are dispatched and return at once: their bytes and
-waits are the plan's other terms), timed beside the same model's plain step in the same process:
+gradients into the reduce-scatter's; ZeRO-1 copies every gradient into its flat buffers, sums what it
+receives and copies the updated rows back, and steps DTensor shards; DTensor dispatches every op of a
+tensor-parallel block through its sharding rules and redistributes between them. None of that is in
+one process's step (:mod:`dtlab.analysis.probe`). Here a rank of each runs its real step alone, in a
+process of its own joined to torch's fake process group (collectives are dispatched and return at
+once: their bytes and waits are the plan's other terms), timed after the same model's plain step in
+the same process (the medians of ``REPEATS`` steps of each). FSDP's and ZeRO-1's on one sample: their copies follow the
+parameters, not the tokens, and at one sample they are a large part of the step rather than a
+difference within two long steps' noise (measured on ``small`` at 2,048 tokens: 0.01 to 0.10 s a unit
+from one measurement to the next). Tensor parallelism's at the probe's tokens: its redistributions
+copy activations (on ``tiny`` a block's cost at one sample is a third of that at 2,048 tokens).
 
 - ``fsdp_unit_s``: FSDP (``nproc`` shards) less the plain step, per FSDP unit (blocks and root) and
   micro-batch;
+- ``zero_step_s``: ZeRO-1 (``nproc`` shards) less the plain step, per step;
 - ``tp_block_s``: tensor parallelism over 2 ranks less half the plain step, per block and micro-batch.
 """
 
@@ -20,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,32 +36,32 @@ import torch
 from dtlab.analysis.probe_step import PROBE_TOKENS, probe_step, rank_step
 from dtlab.config import Config
 
-REPEATS = 3  # timed steps of each (the median counts), after one warm-up
+REPEATS = 5  # timed steps of each (the median counts), after one warm-up
 
 
 def measure_wrappers(config: Config, nproc: int, threads: int) -> dict[str, float]:
-    """``fsdp_unit_s`` (with ``nproc`` > 1) and ``tp_block_s`` (where tensor parallelism over two
-    ranks runs: the heads split in two) of
-    ``config``'s model at ``threads`` threads (see the module); an empty dict where neither runs.
-    Raises ``RuntimeError`` when a measuring process fails."""
+    """``fsdp_unit_s`` and ``zero_step_s`` (with ``nproc`` > 1) and ``tp_block_s`` (where tensor
+    parallelism over two ranks runs: the heads split in two) of ``config``'s model at ``threads``
+    threads (see the module); an empty dict where none runs. Raises ``RuntimeError`` when a
+    measuring process fails."""
 
     m = config.model
-    batch = max(1, PROBE_TOKENS // config.seq_len)
     out: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="dtlab-wrappers-") as tmp:
         path = Path(tmp) / "config.json"
         path.write_text(config.model_dump_json(), encoding="utf-8")
         if nproc > 1:
-            plain, layout = _run(path, threads, "sharded", nproc, batch)
-            out["fsdp_unit_s"] = max(0.0, layout - plain) / (m.n_layers + 1)
+            out["fsdp_unit_s"] = max(0.0, _run(path, threads, "sharded", nproc)) / (m.n_layers + 1)
+            out["zero_step_s"] = max(0.0, _run(path, threads, "zero", nproc))
         if m.n_heads % 2 == 0 and m.kv_heads % 2 == 0:
-            plain, layout = _run(path, threads, "tensor", 2, batch)
-            out["tp_block_s"] = max(0.0, layout - plain / 2) / m.n_layers
+            out["tp_block_s"] = max(0.0, _run(path, threads, "tensor", 2)) / m.n_layers
     return out
 
 
-def _run(path: Path, threads: int, kind: str, world: int, batch: int) -> tuple[float, float]:
-    args = [str(path), str(threads), kind, str(world), str(batch)]
+def _run(path: Path, threads: int, kind: str, world: int) -> float:
+    """The median over ``REPEATS`` pairs of a step of ``kind`` on ``world`` ranks less the plain
+    step's share (its own measuring process)."""
+    args = [str(path), str(threads), kind, str(world)]
     proc = subprocess.run(
         [sys.executable, "-m", "dtlab.analysis.wrappers", *args],
         capture_output=True,
@@ -62,13 +71,12 @@ def _run(path: Path, threads: int, kind: str, world: int, batch: int) -> tuple[f
     if proc.returncode != 0:
         err = proc.stderr.strip().splitlines()
         raise RuntimeError(f"measuring {kind} failed: {err[-1] if err else proc.returncode}")
-    plain, layout = json.loads(proc.stdout.strip().splitlines()[-1])
-    return float(plain), float(layout)
+    return float(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
-def _layout(config: Config, kind: str, world: int, batch: int) -> Config:
-    """``config`` as rank 0 of ``world`` ranks of ``kind`` ("sharded": FSDP, each rank ``batch``
-    samples; "tensor": tensor parallelism, the ranks share ``batch`` samples), without
+def _layout(config: Config, kind: str, world: int) -> Config:
+    """``config`` as rank 0 of ``world`` ranks of ``kind`` ("sharded": FSDP, "zero": ZeRO-1, each
+    rank one sample; "tensor": tensor parallelism, the ranks share :func:`_samples`), without
     checkpointing, as the plain probe runs."""
     data = config.model_dump()
     p = data["parallel"]
@@ -76,18 +84,26 @@ def _layout(config: Config, kind: str, world: int, batch: int) -> Config:
     p["diloco"]["inner_steps"] = 0
     if kind == "sharded":
         p.update(strategy="fsdp", sharding="full", tp=1)
-        gbs = batch * world
+        gbs = world
+    elif kind == "zero":
+        p.update(strategy="ddp", sharding="optimizer", tp=1)
+        gbs = world
     else:
         p.update(strategy="single", tp=world)
-        gbs = batch
+        gbs = _samples(config, kind)
     data["train"].update(
         global_batch_size=gbs, micro_batch_size=None, activation_checkpointing="none"
     )
     return type(config).model_validate(data)
 
 
-def _time_layout(config: Config, world: int, threads: int) -> float:
-    """The median of ``REPEATS`` steps of rank 0 of ``config`` on ``world`` fake ranks."""
+def _samples(config: Config, kind: str) -> int:
+    """Samples a step of ``kind`` is measured on (see the module)."""
+    return max(1, PROBE_TOKENS // config.seq_len) if kind == "tensor" else 1
+
+
+def _layout_step(config: Config, world: int, threads: int) -> Callable[[], None]:
+    """A step of rank 0 of ``config`` on ``world`` ranks of torch's fake process group."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -98,24 +114,33 @@ def _time_layout(config: Config, world: int, threads: int) -> float:
     dims = ParallelDims.from_config(config, world)
     d = DistInfo(0, world, 0, world, torch.device("cpu"), "fake", dims)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    step = rank_step(config, d)
-    times = []
-    for _ in range(REPEATS + 1):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+    return rank_step(config, d)
 
 
-def _child(path: str, threads: int, kind: str, world: int, batch: int) -> None:
-
-    config = Config.model_validate_json(Path(path).read_text(encoding="utf-8"))
-    step = probe_step(config, threads, batch)
+def _seconds(step: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
     step()
-    plain = statistics.median(step()[0] for _ in range(REPEATS))
-    layout = _time_layout(_layout(config, kind, world, batch), world, threads)
-    print(json.dumps([plain, layout]), flush=True)
+    return time.perf_counter() - t0
+
+
+def _child(path: str, threads: int, kind: str, world: int) -> None:
+    config = Config.model_validate_json(Path(path).read_text(encoding="utf-8"))
+    plain = probe_step(config, threads, _samples(config, kind))
+    plain()
+    # The plain step as the plan scales it to the layout's rank: half of it under tensor
+    # parallelism, its optimizer's step over the rank's shards under FSDP and ZeRO-1.
+    runs = [plain() for _ in range(REPEATS)]
+    if kind == "tensor":
+        expected = statistics.median(total for total, _ in runs) / 2
+    else:
+        expected = statistics.median(total - opt * (1 - 1 / world) for total, opt in runs)
+    # Each model's steps together (not in turn: taking turns, each step finds the caches full of
+    # the other model's tensors, which neither the plain step nor the layout's run meets).
+    layout = _layout_step(_layout(config, kind, world), world, threads)
+    layout()
+    measured = statistics.median(_seconds(layout) for _ in range(REPEATS))
+    print(json.dumps(measured - expected), flush=True)
 
 
 if __name__ == "__main__":
-    _child(sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+    _child(sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))
