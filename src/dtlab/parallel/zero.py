@@ -38,7 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from dtlab.parallel.buckets import buckets
-from dtlab.parallel.dist import all_gather_flat
+from dtlab.parallel.dist import all_gather_flat, reduce_scatter_flat
 from dtlab.parallel.ledger import recorded
 
 __all__ = ["OptimizerShards", "reduce_method", "rows_of", "slot_numel"]
@@ -181,7 +181,7 @@ class OptimizerShards:
             # NCCL's ring reduce-scatter: bandwidth-optimal, and it holds one slot, not N.
             mine = sent.new_empty(sent.shape[1])
             with recorded("zero-1 gradient reduce-scatter", "reduce_scatter", sent):
-                dist.reduce_scatter_tensor(mine, sent.reshape(-1), group=self.group)
+                reduce_scatter_flat(mine, sent.reshape(-1), group=self.group)
             return mine.float()
         # An all-to-all of the slots (each rank receives every rank's slot of its own rows) and a
         # sum here, in float32: gloo's reduce_scatter_tensor all-reduces the whole buffer
