@@ -247,6 +247,10 @@ def test_the_ranking_counts_pairs_within_one_job_and_the_noise_as_ties() -> None
     assert r["tau_beyond_noise"] == pytest.approx(2 / math.sqrt(3 * 2))  # tau-b: one tie
     assert [d["layouts"] for d in r["discordant"]] == [["b", "c"]]
     assert not r["discordant"][0]["beyond_noise"]
+    # The plan tells apart a-b (0.5 against 1.5) and a-c, not b-c (1.5 against 1.4: within its
+    # tie margin); both measured in its order.
+    assert (r["apart"], r["apart_agree"]) == (2, 2)
+    assert (ranking(flipped)["apart"], ranking(flipped)["apart_agree"]) == (3, 0)
 
 
 def test_a_group_strided_by_tensor_parallelism_crosses_nodes() -> None:

@@ -240,7 +240,7 @@ def measure_loopback_gbps(
 _GROUP_CHILD = """
 import datetime, sys, time, torch, torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroupGloo
-SYNC, SYNC_SIZE, SYNC_ITERS = sys.argv[8], int(sys.argv[9]), int(sys.argv[10])
+SYNC, SYNC_SIZE, SYNC_ITERS, SYNC_REPEATS = sys.argv[8], *(int(a) for a in sys.argv[9:12])
 port, world, rank, numel, repeats, timeout, threads = (int(a) for a in sys.argv[1:8])
 t = datetime.timedelta(seconds=timeout)
 store = dist.TCPStore("127.0.0.1", port, world, False, timeout=t)
@@ -263,22 +263,27 @@ pg.shutdown()
 # What a collective costs beyond its bytes while the ranks compute: every process multiplies
 # matrices (about a few ms each), alone and then each followed by a one-float all-reduce; the
 # difference per collective is the wait for the slowest to arrive and for its threads to run again.
+# The two taken in turn SYNC_REPEATS times, the median difference counts: one pair moved it by 2.5x
+# from one measurement to the next (0.7 and 1.8 ms on 2 processes here).
 _SYNC = """
 torch.set_num_threads(threads)
 a, tiny = torch.randn(SYNC_SIZE, SYNC_SIZE), torch.ones(1)
-pg.allreduce([tiny]).wait()
-t0 = time.perf_counter()
-for _ in range(SYNC_ITERS):
-    a @ a
-alone = time.perf_counter() - t0
-pg.allreduce([tiny]).wait()
-t0 = time.perf_counter()
-for _ in range(SYNC_ITERS):
-    a @ a
+diffs = []
+for _ in range(SYNC_REPEATS):
     pg.allreduce([tiny]).wait()
-both = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(SYNC_ITERS):
+        a @ a
+    alone = time.perf_counter() - t0
+    pg.allreduce([tiny]).wait()
+    t0 = time.perf_counter()
+    for _ in range(SYNC_ITERS):
+        a @ a
+        pg.allreduce([tiny]).wait()
+    diffs.append(time.perf_counter() - t0 - alone)
+wait = sorted(diffs)[len(diffs) // 2]
 """
-SYNC_SIZE, SYNC_ITERS = 768, 40
+SYNC_SIZE, SYNC_ITERS, SYNC_REPEATS = 768, 20, 5
 # The collectives a step issues, timed by measure_group_gbps (in this order).
 GROUP_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
@@ -339,6 +344,7 @@ def _start_group_children(
                 _SYNC,
                 str(SYNC_SIZE),
                 str(SYNC_ITERS),
+                str(SYNC_REPEATS),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -385,13 +391,13 @@ def _sync_seconds(pg: Any, threads: int) -> float:
     """The seconds a collective costs beyond its bytes among ranks that compute at ``threads``
     threads each (``_SYNC``, run in step with the other ranks); this process's threads put back."""
     space: dict[str, Any] = {"torch": torch, "time": time, "pg": pg, "threads": threads}
-    space.update(SYNC_SIZE=SYNC_SIZE, SYNC_ITERS=SYNC_ITERS)
+    space.update(SYNC_SIZE=SYNC_SIZE, SYNC_ITERS=SYNC_ITERS, SYNC_REPEATS=SYNC_REPEATS)
     old = torch.get_num_threads()
     try:
         exec(_SYNC, space)
     finally:
         torch.set_num_threads(old)
-    return max(0.0, (space["both"] - space["alone"]) / SYNC_ITERS)
+    return max(0.0, space["wait"] / SYNC_ITERS)
 
 
 def _await_group(

@@ -293,8 +293,11 @@ def ranking(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
     ``tau``: ordered by the medians alone. ``tau_beyond_noise``: a pair whose timed steps' ranges
     (min-max) overlap is a tie of the measurement (the machine cannot say which is faster), as
-    tau-b counts ties. ``discordant``: the pairs the plan orders the other way, each with both
-    medians."""
+    tau-b counts ties. ``apart``: the pairs the plan tells apart, predicted further apart than its
+    tie margin (:data:`dtlab.analysis.plan.TIE_MARGIN`: closer than that the search calls them a
+    tie, and its recommendation does not rest on their order), and ``apart_agree``: of those, the
+    pairs the medians order the same way. ``discordant``: the pairs the plan orders the other way,
+    each with both medians."""
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for r in rows:
         if isinstance(r.get("error"), float):
@@ -324,6 +327,16 @@ def ranking(rows: list[dict[str, Any]]) -> dict[str, Any]:
         denom = math.sqrt((pairs - pred_ties) * (pairs - meas_ties))
         return ((conc - disc) / denom if denom else None), wrong, pairs
 
+    from dtlab.analysis.plan import TIE_MARGIN
+
+    apart = agree = 0
+    for group in groups.values():
+        for i, a in enumerate(group):
+            for b in group[i + 1 :]:
+                pa, pb = a["predicted"]["step_time_s"], b["predicted"]["step_time_s"]
+                if max(pa, pb) > min(pa, pb) * (1 + TIE_MARGIN):
+                    apart += 1
+                    agree += (pb - pa) * (b["measured_s"] - a["measured_s"]) > 0
     strict, wrong, pairs = tau(False)
     noisy, wrong_noisy, _ = tau(True)
     by_name = {r["layout"]: r for g in groups.values() for r in g}
@@ -343,6 +356,9 @@ def ranking(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "pairs": pairs,
         "tau": strict,
         "tau_beyond_noise": noisy,
+        "tie_margin": TIE_MARGIN,
+        "apart": apart,
+        "apart_agree": agree,
         "discordant": [pair(a, b) for a, b in wrong],
     }
 
@@ -378,6 +394,10 @@ def format_table(result: dict[str, Any]) -> str:
             f"model, process count and link ("
             + (f"{noisy:.2f}" if noisy is not None else "-")
             + " with pairs whose timed steps overlap counted as ties)"
+        )
+        lines.append(
+            f"  of the {rank['apart']} pairs the plan predicts more than its tie margin "
+            f"({rank['tie_margin']:.0%}) apart, {rank['apart_agree']} measured in the same order"
         )
         for d in rank["discordant"]:
             (a, b), (ma, mb), (pa, pb) = d["layouts"], d["measured_s"], d["predicted_s"]
