@@ -150,10 +150,10 @@ def test_ranks_sharing_the_cores_compute_slower() -> None:
 
 def test_each_layouts_measured_code_cost_counts_where_that_layout_runs() -> None:
     """FSDP's per unit and micro-batch, ZeRO-1's once a step, tensor parallelism's per block and
-    micro-batch; stretched by the cores' sharing; nothing for DDP."""
+    micro-batch and per block and token; stretched by the cores' sharing; nothing for DDP."""
     sets = ["model.preset=debug", "data.seq_len=64", "train.global_batch_size=8"]
     probe = ComputeProbe(1, 2, 1e-4, 0.01, 1000, 64, "test")
-    costs = {"fsdp_unit_s": 0.001, "zero_step_s": 0.1, "tp_block_s": 0.01}
+    costs = {"fsdp_unit_s": 0.001, "zero_step_s": 0.1, "tp_block_s": 0.01, "tp_token_s": 1e-5}
 
     def extra(layout: list[str], world: int) -> float:
         cfg = load_config(None, [*sets, *layout])
@@ -167,7 +167,11 @@ def test_each_layouts_measured_code_cost_counts_where_that_layout_runs() -> None
     assert extra(["parallel.strategy=fsdp"], 2) == pytest.approx(0.001 * (layers + 1))
     two = extra(["parallel.strategy=fsdp", "train.micro_batch_size=2"], 2)
     assert two == pytest.approx(0.001 * (layers + 1) * 2)  # two micro-batches a step
-    assert extra(["parallel.strategy=single", "parallel.tp=2"], 2) == pytest.approx(0.01 * layers)
+    # One micro-batch of 8 x 64 tokens; then two of half as many: the per-token part is the same.
+    tp = (0.01 + 1e-5 * 512) * layers
+    assert extra(["parallel.strategy=single", "parallel.tp=2"], 2) == pytest.approx(tp)
+    halves = extra(["parallel.strategy=single", "parallel.tp=2", "train.micro_batch_size=4"], 2)
+    assert halves == pytest.approx(tp + 0.01 * layers)
 
 
 def test_the_probe_times_the_model_and_its_optimizer_apart() -> None:
@@ -195,7 +199,7 @@ def test_plan_this_device_prints_its_measured_collectives_and_step(tmp_path) -> 
     assert 0 <= rates["sync_s"] < 1
     assert dev["collective_source"].startswith("measured: gloo among 2 local processes")
     # What FSDP's, ZeRO-1's and tensor parallelism's code adds, measured under the fake group.
-    assert set(dev["wrapper_s"]) == {"fsdp_unit_s", "zero_step_s", "tp_block_s"}
+    assert set(dev["wrapper_s"]) == {"fsdp_unit_s", "zero_step_s", "tp_block_s", "tp_token_s"}
     assert all(0 <= v < 1 for v in dev["wrapper_s"].values())
     text = format_plan(result)
     assert "  groups   all_reduce" in text and "  step     " in text and "  wrappers " in text

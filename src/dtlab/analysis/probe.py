@@ -205,7 +205,7 @@ def wrapper_seconds(
     config: Config, dims: Any, wrapper_s: dict[str, float], nproc: int, probe: ComputeProbe
 ) -> float:
     """What FSDP's, ZeRO-1's and tensor parallelism's code adds to one rank's step (measured per
-    FSDP unit and micro-batch, per ZeRO-1 step, per block and micro-batch:
+    FSDP unit and micro-batch, per ZeRO-1 step, per block and micro-batch and its tokens:
     :mod:`dtlab.analysis.wrappers`), at the cores' sharing of ``nproc`` ranks."""
     from dtlab.analysis.steptime import step_microbatches
 
@@ -217,7 +217,10 @@ def wrapper_seconds(
     if dims.shard_optimizer:
         extra += wrapper_s.get("zero_step_s", 0.0)
     if dims.tp_enabled:
-        extra += wrapper_s.get("tp_block_s", 0.0) * layers * m
+        # Its fixed part, and the part that grows with the micro-batch's tokens.
+        tokens = config.train.global_batch_size * config.seq_len / (dims.dp * m)
+        per_block = wrapper_s.get("tp_block_s", 0.0) + wrapper_s.get("tp_token_s", 0.0) * tokens
+        extra += per_block * layers * m
     return extra * sharing(nproc, probe.threads, probe.cores)
 
 

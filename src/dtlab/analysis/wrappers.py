@@ -11,13 +11,15 @@ once: their bytes and waits are the plan's other terms), timed after the same mo
 the same process (the medians of ``REPEATS`` steps of each). FSDP's and ZeRO-1's on one sample: their copies follow the
 parameters, not the tokens, and at one sample they are a large part of the step rather than a
 difference within two long steps' noise (measured on ``small`` at 2,048 tokens: 0.01 to 0.10 s a unit
-from one measurement to the next). Tensor parallelism's at the probe's tokens: its redistributions
-copy activations (on ``tiny`` a block's cost at one sample is a third of that at 2,048 tokens).
+from one measurement to the next). Tensor parallelism's on one sample and on the probe's tokens: its
+redistributions copy activations, so a block's cost grows with the micro-batch's tokens (on ``tiny``
+8 ms at one sample, 15-20 ms at 2,048 tokens, 23-26 ms at 4,096), a line through the two.
 
 - ``fsdp_unit_s``: FSDP (``nproc`` shards) less the plain step, per FSDP unit (blocks and root) and
   micro-batch;
 - ``zero_step_s``: ZeRO-1 (``nproc`` shards) less the plain step, per step;
-- ``tp_block_s``: tensor parallelism over 2 ranks less half the plain step, per block and micro-batch.
+- ``tp_block_s`` and ``tp_token_s``: tensor parallelism over 2 ranks less half the plain step, per
+  block and micro-batch, and per block and token of the micro-batch.
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ REPEATS = 5  # timed steps of each (the median counts), after one warm-up
 
 
 def measure_wrappers(config: Config, nproc: int, threads: int) -> dict[str, float]:
-    """``fsdp_unit_s`` and ``zero_step_s`` (with ``nproc`` > 1) and ``tp_block_s`` (where tensor
-    parallelism over two ranks runs: the heads split in two) of ``config``'s model at ``threads``
+    """``fsdp_unit_s`` and ``zero_step_s`` (with ``nproc`` > 1) and ``tp_block_s`` and
+    ``tp_token_s`` (where tensor parallelism over two ranks runs: the heads split in two) of
+    ``config``'s model at ``threads``
     threads (see the module); an empty dict where none runs. Raises ``RuntimeError`` when a
     measuring process fails."""
 
@@ -54,7 +57,16 @@ def measure_wrappers(config: Config, nproc: int, threads: int) -> dict[str, floa
             out["fsdp_unit_s"] = max(0.0, _run(path, threads, "sharded", nproc)) / (m.n_layers + 1)
             out["zero_step_s"] = max(0.0, _run(path, threads, "zero", nproc))
         if m.n_heads % 2 == 0 and m.kv_heads % 2 == 0:
-            out["tp_block_s"] = max(0.0, _run(path, threads, "tensor", 2)) / m.n_layers
+            # Per block and micro-batch, a part per token (its redistributions copy activations)
+            # and the rest (DTensor's dispatch): measured on one sample and on the probe's tokens.
+            seq, samples = config.seq_len, _samples(config, "tensor_many")
+            one = _run(path, threads, "tensor", 2) / m.n_layers
+            per_token = 0.0
+            if samples > 1:
+                many = _run(path, threads, "tensor_many", 2) / m.n_layers
+                per_token = max(0.0, (many - one) / ((samples - 1) * seq))
+            out["tp_block_s"] = max(0.0, one - per_token * seq)
+            out["tp_token_s"] = per_token
     return out
 
 
@@ -76,8 +88,8 @@ def _run(path: Path, threads: int, kind: str, world: int) -> float:
 
 def _layout(config: Config, kind: str, world: int) -> Config:
     """``config`` as rank 0 of ``world`` ranks of ``kind`` ("sharded": FSDP, "zero": ZeRO-1, each
-    rank one sample; "tensor": tensor parallelism, the ranks share :func:`_samples`), without
-    checkpointing, as the plain probe runs."""
+    rank one sample; "tensor", "tensor_many": tensor parallelism, the ranks sharing
+    :func:`_samples`), without checkpointing, as the plain probe runs."""
     data = config.model_dump()
     p = data["parallel"]
     p.update(sequence_parallel=False, compression="none", pp=1)
@@ -99,7 +111,7 @@ def _layout(config: Config, kind: str, world: int) -> Config:
 
 def _samples(config: Config, kind: str) -> int:
     """Samples a step of ``kind`` is measured on (see the module)."""
-    return max(1, PROBE_TOKENS // config.seq_len) if kind == "tensor" else 1
+    return max(1, PROBE_TOKENS // config.seq_len) if kind == "tensor_many" else 1
 
 
 def _layout_step(config: Config, world: int, threads: int) -> Callable[[], None]:
@@ -130,7 +142,7 @@ def _child(path: str, threads: int, kind: str, world: int) -> None:
     # The plain step as the plan scales it to the layout's rank: half of it under tensor
     # parallelism, its optimizer's step over the rank's shards under FSDP and ZeRO-1.
     runs = [plain() for _ in range(REPEATS)]
-    if kind == "tensor":
+    if kind.startswith("tensor"):
         expected = statistics.median(total for total, _ in runs) / 2
     else:
         expected = statistics.median(total - opt * (1 - 1 / world) for total, opt in runs)
