@@ -8,10 +8,10 @@ tensor-parallel block through its sharding rules and redistributes between them.
 one process's step (:mod:`dtlab.analysis.probe`). Here a rank of each runs its real step alone, in a
 process of its own joined to torch's fake process group (collectives are dispatched and return at
 once: their bytes and waits are the plan's other terms), timed after the same model's plain step in
-the same process (the medians of ``REPEATS`` steps of each). FSDP's and ZeRO-1's on one sample: their copies follow the
-parameters, not the tokens, and at one sample they are a large part of the step rather than a
-difference within two long steps' noise (measured on ``small`` at 2,048 tokens: 0.01 to 0.10 s a unit
-from one measurement to the next). Tensor parallelism's on one sample and on the probe's tokens: its
+the same process (the medians of ``REPEATS`` steps of each). FSDP's and ZeRO-1's on one sample: their
+copies follow the parameters, not the tokens, and at one sample they are a large part of the step
+rather than a difference within two long steps' noise (measured on ``small`` at 2,048 tokens: 0.01 to
+0.10 s a unit from one measurement to the next). Tensor parallelism's on one sample and on the probe's tokens: its
 redistributions copy activations, so a block's cost grows with the micro-batch's tokens (on ``tiny``
 8 ms at one sample, 15-20 ms at 2,048 tokens, 23-26 ms at 4,096), a line through the two.
 
@@ -44,9 +44,8 @@ REPEATS = 5  # timed steps of each (the median counts), after one warm-up
 def measure_wrappers(config: Config, nproc: int, threads: int) -> dict[str, float]:
     """``fsdp_unit_s`` and ``zero_step_s`` (with ``nproc`` > 1) and ``tp_block_s`` and
     ``tp_token_s`` (where tensor parallelism over two ranks runs: the heads split in two) of
-    ``config``'s model at ``threads``
-    threads (see the module); an empty dict where none runs. Raises ``RuntimeError`` when a
-    measuring process fails."""
+    ``config``'s model at ``threads`` threads (see the module); an empty dict where none runs.
+    Raises ``RuntimeError`` when a measuring process fails."""
 
     m = config.model
     out: dict[str, float] = {}
@@ -71,8 +70,8 @@ def measure_wrappers(config: Config, nproc: int, threads: int) -> dict[str, floa
 
 
 def _run(path: Path, threads: int, kind: str, world: int) -> float:
-    """The median over ``REPEATS`` pairs of a step of ``kind`` on ``world`` ranks less the plain
-    step's share (its own measuring process)."""
+    """The median of ``REPEATS`` steps of ``kind`` on ``world`` ranks less the median plain step's
+    share (:func:`_child`, in a measuring process of its own)."""
     args = [str(path), str(threads), kind, str(world)]
     proc = subprocess.run(
         [sys.executable, "-m", "dtlab.analysis.wrappers", *args],

@@ -303,42 +303,40 @@ def ranking(rows: list[dict[str, Any]]) -> dict[str, Any]:
         if isinstance(r.get("error"), float):
             groups.setdefault((r.get("model"), r["nproc"], r["link"]), []).append(r)
 
-    def tau(noise: bool) -> tuple[float | None, list[tuple[str, str]], int]:
-        conc = disc = pred_ties = meas_ties = pairs = 0
+    # Every pair of rows of one group, once.
+    pairs = [(a, b) for g in groups.values() for i, a in enumerate(g) for b in g[i + 1 :]]
+
+    def tau(noise: bool) -> tuple[float | None, list[tuple[str, str]]]:
+        conc = disc = pred_ties = meas_ties = 0
         wrong: list[tuple[str, str]] = []
-        for group in groups.values():
-            for i, a in enumerate(group):
-                for b in group[i + 1 :]:
-                    pairs += 1
-                    p = _sign(b["predicted"]["step_time_s"] - a["predicted"]["step_time_s"])
-                    m = _sign(b["measured_s"] - a["measured_s"])
-                    apart = b["measured_min_s"] > a["measured_max_s"] or (
-                        a["measured_min_s"] > b["measured_max_s"]
-                    )
-                    if noise and not apart:
-                        m = 0
-                    pred_ties += p == 0
-                    meas_ties += m == 0
-                    if p * m > 0:
-                        conc += 1
-                    elif p * m < 0:
-                        disc += 1
-                        wrong.append((a["layout"], b["layout"]))
-        denom = math.sqrt((pairs - pred_ties) * (pairs - meas_ties))
-        return ((conc - disc) / denom if denom else None), wrong, pairs
+        for a, b in pairs:
+            p = _sign(b["predicted"]["step_time_s"] - a["predicted"]["step_time_s"])
+            m = _sign(b["measured_s"] - a["measured_s"])
+            apart = b["measured_min_s"] > a["measured_max_s"] or (
+                a["measured_min_s"] > b["measured_max_s"]
+            )
+            if noise and not apart:
+                m = 0
+            pred_ties += p == 0
+            meas_ties += m == 0
+            if p * m > 0:
+                conc += 1
+            elif p * m < 0:
+                disc += 1
+                wrong.append((a["layout"], b["layout"]))
+        denom = math.sqrt((len(pairs) - pred_ties) * (len(pairs) - meas_ties))
+        return ((conc - disc) / denom if denom else None), wrong
 
     from dtlab.analysis.plan import TIE_MARGIN
 
     apart = agree = 0
-    for group in groups.values():
-        for i, a in enumerate(group):
-            for b in group[i + 1 :]:
-                pa, pb = a["predicted"]["step_time_s"], b["predicted"]["step_time_s"]
-                if max(pa, pb) > min(pa, pb) * (1 + TIE_MARGIN):
-                    apart += 1
-                    agree += (pb - pa) * (b["measured_s"] - a["measured_s"]) > 0
-    strict, wrong, pairs = tau(False)
-    noisy, wrong_noisy, _ = tau(True)
+    for a, b in pairs:
+        pa, pb = a["predicted"]["step_time_s"], b["predicted"]["step_time_s"]
+        if max(pa, pb) > min(pa, pb) * (1 + TIE_MARGIN):
+            apart += 1
+            agree += (pb - pa) * (b["measured_s"] - a["measured_s"]) > 0
+    strict, wrong = tau(False)
+    noisy, wrong_noisy = tau(True)
     by_name = {r["layout"]: r for g in groups.values() for r in g}
 
     def pair(a: str, b: str) -> dict[str, Any]:
@@ -353,7 +351,7 @@ def ranking(rows: list[dict[str, Any]]) -> dict[str, Any]:
         }
 
     return {
-        "pairs": pairs,
+        "pairs": len(pairs),
         "tau": strict,
         "tau_beyond_noise": noisy,
         "tie_margin": TIE_MARGIN,
