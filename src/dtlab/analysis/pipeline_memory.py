@@ -252,7 +252,7 @@ def schedule_walk(
     figures: StageFigures,
     tokens: int,
     microbatches: int,
-    half_params: bool,
+    input_kept: bool,
     order: list[tuple[str, int]],
 ) -> Iterator[tuple[str, int, int, list[int]]]:
     """Walk a pipeline rank's schedule ``order``: for each forward and backward, (``"F"`` or
@@ -260,7 +260,9 @@ def schedule_walk(
     micro-batch; a backward's before it, with its micro-batch still), the micro-batches in flight
     on each stage then). Alive: every stage's micro-batches in flight (forward done, backward not),
     each with its stage's activations, autocast's weight copies of every stage started, and what
-    :func:`_pipeline_bytes` lists for the in-flight counts and last-stage logits of that moment."""
+    :func:`_pipeline_bytes` lists for the in-flight counts and last-stage logits of that moment.
+    ``input_kept``: an in-flight micro-batch's receive buffer is what its first block keeps
+    (:func:`_input_kept`)."""
     f = figures
     alive, started, outputs = [0] * len(f.per_mb), [False] * len(f.per_mb), 0
 
@@ -268,8 +270,8 @@ def schedule_walk(
         out = 2 * microbatches * tokens * 8  # the rank's batch, inputs and targets
         for j, (n_j, s_j) in enumerate(zip(alive, part.stages, strict=True)):
             out += n_j * f.per_mb[j] + (f.copies[j] if started[j] else 0)
-            if s_j != 0:  # receive buffers; in float32 an in-flight one is its block's input
-                out += (microbatches - (0 if half_params else n_j)) * f.stream
+            if s_j != 0:  # receive buffers; an in-flight one may be its block's input
+                out += (microbatches - (n_j if input_kept else 0)) * f.stream
             if s_j + 1 in part.stages:
                 pass  # its outputs are the next stage's input buffers; its gradients f.local
             elif s_j != part.n_stages - 1:  # outputs kept for backward, output-gradient buffers
@@ -310,8 +312,17 @@ def walk_schedule(
     timeline (:func:`pipeline_timeline`)."""
     figures = stage_figures(config, dims, part, tokens, kernel, device_type)
     figures = dataclasses.replace(figures, local=figures.local * microbatches)
-    half_params = fsdp_half_params(config, dims)
-    return figures, list(schedule_walk(part, figures, tokens, microbatches, half_params, order))
+    kept = _input_kept(config, dims)
+    return figures, list(schedule_walk(part, figures, tokens, microbatches, kept, order))
+
+
+def _input_kept(config: Config, dims: ParallelDims) -> bool:
+    """Whether an in-flight micro-batch's receive buffer is its stage's first block's input, kept
+    for backward already: in float32 its norm keeps it, under checkpointing (full or selective)
+    the checkpoint does; with half-precision parameters and no checkpointing the norm keeps a
+    float32 copy instead (measured by `dtlab plan --check`)."""
+    checkpointed = config.train.activation_checkpointing != "none"
+    return checkpointed or not fsdp_half_params(config, dims)
 
 
 def pipeline_kept(walk: list[tuple[str, int, int, list[int]]]) -> int:
@@ -327,9 +338,9 @@ def _pipeline_bytes(
     ``dtlab plan --check``, the same in real gloo runs). torch's schedule keeps, per stage:
 
     - a receive buffer for every micro-batch's input (all stages but the first) and for every
-      micro-batch's output gradient (all but the last), allocated at the first step and kept; in
-      float32 an in-flight micro-batch's input buffer is its first block's input, already counted
-      (its norm keeps it), in half precision not (the norm keeps a float32 copy);
+      micro-batch's output gradient (all but the last), allocated at the first step and kept; an
+      in-flight micro-batch's input buffer may be its first block's input, already counted
+      (:func:`_input_kept`);
     - each in-flight micro-batch's output (all but the last stage: backward starts from it);
     - the last stage's logits of every micro-batch, kept to the step's end (the step's merged
       output), in the output projection's dtype, split over the vocabulary by tensor parallelism;
@@ -341,13 +352,13 @@ def _pipeline_bytes(
     m, t = config.model, config.train
     half = t.precision in ("bf16", "fp16")
     shard = dims.tp if config.parallel.sequence_parallel else 1
-    half_stream = fsdp_half_params(config, dims)
-    stream = tokens * m.dim * (2 if half_stream else FP32) // shard
+    stream = tokens * m.dim * (2 if fsdp_half_params(config, dims) else FP32) // shard
     flight = _in_flight(config, dims, microbatches, pp_rank)
+    kept = _input_kept(config, dims)
     held = 0
     for sid in part.stages:
         if sid != 0:
-            held += (microbatches - (0 if half_stream else flight)) * stream
+            held += (microbatches - (flight if kept else 0)) * stream
         if sid != part.n_stages - 1:
             held += (flight + microbatches) * stream
         else:

@@ -251,7 +251,7 @@ class PipelineSteps:
         # FSDP gathers the stage's units for a backward after a forward (resharded by it), the
         # next block prefetched; after a backward they are all still gathered.
         regather = self.fsdp is not None and self.fsdp.reshard and not self.after_backward[op.i]
-        self._loss_backward(op, kept, regather)
+        self._loss_backward(op, kept, first_time, regather)
         self._blocks_backward(op, kept, first_time, regather)
         self.left = self._after_backward(op, final)
         self._reduce_stage(op, self.left)
@@ -269,7 +269,9 @@ class PipelineSteps:
                  grads=grads, activations=self.left, temporaries=nbytes,
                  buffers=self.state.buffers + self.gathered(None, 0))  # fmt: skip
 
-    def _loss_backward(self, op: StageOp, kept: tuple[int, int], regather: bool) -> None:
+    def _loss_backward(
+        self, op: StageOp, kept: tuple[int, int], first_time: bool, regather: bool
+    ) -> None:
         """On the last stage, the loss's backward and, where FSDP gathers the stage again, the
         output projection's, with FSDP's prefetch of the stage's last block."""
         loss, fsdp, block = self.loss, self.fsdp, self.shapes[op.i]
@@ -283,10 +285,19 @@ class PipelineSteps:
                  buffers=self.state.buffers + self.gathered(None, 0))  # fmt: skip
         if fsdp is not None and regather:
             freed, out = loss.at_output(block.dim, block.compute, block.grad_element)
+            prefetch = fsdp.block if fsdp.scatter > 1 else 0  # (see _blocks_backward)
             self.add(name, "the output projection's backward", grads=g_kept,
                      activations=op.held - freed,
-                     temporaries=t_kept + self.sending + out + fsdp.block,
+                     temporaries=t_kept + self.sending + out + prefetch,
                      buffers=self.state.buffers + self.gathered(op.i, 0))  # fmt: skip
+        # The final norm's backward (dtlab.analysis.timeline): the output's gradients made, the
+        # loss's activations freed but the norm's float32 input.
+        new = self._grads_at(op.i, first_time, 0)[0] - block.w2_grad
+        ahead = fsdp.block if fsdp is not None and fsdp.scatter > 1 and regather else 0
+        self.add(name, "the final norm's backward", grads=g_kept + max(0, new),
+                 activations=op.held - self.loss_part + block.final_norm_kept,
+                 temporaries=t_kept + self.sending + block.final_norm_temps + ahead,
+                 buffers=self.state.buffers + self.gathered(op.i, 0))  # fmt: skip
 
     def _blocks_backward(
         self, op: StageOp, kept: tuple[int, int], first_time: bool, regather: bool
@@ -306,7 +317,13 @@ class PipelineSteps:
             # cast (measured by `dtlab plan --check`).
             temps += w2_copy + (block.compute * self.tokens * block.dim if last else 0)
         grows = first_time or self.buffered
-        prefetch = fsdp.block if fsdp is not None and regather and self.n_blocks[i] > 1 else 0
+        # (Over a shard group of one rank, DDP beside the pipeline, a block's shards are its
+        # parameters: nothing is prefetched.)
+        prefetch = (
+            fsdp.block
+            if fsdp is not None and fsdp.scatter > 1 and regather and self.n_blocks[i] > 1
+            else 0
+        )
         again, gone = self.recompute
         for which, alive, above, ahead in self._block_points(op, prefetch):
             bufs = self.state.buffers + self.gathered(i, above + 1)
@@ -341,14 +358,14 @@ class PipelineSteps:
             )
             self.add(name, f"the stage's {which} block's feed-forward norm's backward",
                      grads=norm_grads,
-                     activations=alive + again - block.norm_freed + 3 * w2_copy,
+                     activations=alive + again - gone - block.norm_freed + 3 * w2_copy,
                      temporaries=t_kept + moved + self.sending + norm + ahead,
                      buffers=bufs)  # fmt: skip
             if block.attention_temps:  # context parallelism's ring (dtlab.analysis.context_plan)
                 ring = block.attention_temps - (0 if last else block.incoming)
                 self.add(name, f"the stage's {which} block's attention backward",
                          grads=norm_grads,
-                         activations=alive + again - (gone if last else 0) - block.norm_freed
+                         activations=alive + again - gone - block.norm_freed
                          - block.attention_freed + 3 * w2_copy,
                          temporaries=t_kept + moved + self.sending + ring + ahead,
                          buffers=bufs)  # fmt: skip

@@ -344,8 +344,9 @@ def _dense_block(
     residual = stream * tokens * m.dim // seq
     return replace(
         shape, attention_temps=residual + ring,
-        # The feed-forward norm's input (the stream).
-        attention_freed=residual,
+        # The feed-forward norm's float32 input (the stream itself in float32, its copy
+        # otherwise), freed as the norm's backward ends.
+        attention_freed=FP32 * tokens * m.dim // seq,
     )  # fmt: skip
 
 

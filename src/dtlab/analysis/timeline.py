@@ -225,6 +225,11 @@ class BlockShape:
     # The routed experts' gradients as backward makes them (the stacked weights'), alive at the
     # feed-forward norm's backward where the wrappers do not hold them already.
     routed_grads: int = 0
+    # The model's final norm (a norm like the blocks' ones): its float32 input, kept until its
+    # backward ends, and its backward's own at its peak: five float32 [tokens, dim] rows (the
+    # incoming gradient's among them, whatever its dtype: no residual branch waits beside it).
+    final_norm_kept: int = 0
+    final_norm_temps: int = 0
 
     def kept_copies(self) -> BlockShape:
         """The same block where autocast's weight copies live through the step (a pipeline's one
@@ -292,10 +297,18 @@ def dense_block(
     row = FP32 * tokens * dim // seq
     extra = 5 if (tp > 1 or stream != FP32) else 4
     norm_temps = residual + extra * row
-    norm_freed = 4 * compute * local + 3 * copy + 2 * row + FP32 * tokens // seq
+    # By then the norm's output in the stream's dtype (its sequence shard) and the feed-forward's
+    # input are freed: that input is the norm's output itself (gathered over the sequence under
+    # sequence parallelism) where the stream is in the matmuls' dtype, and autocast's two casts of
+    # it (one for w1, one for w3) where it is not (measured by `dtlab plan --check`, tensor by
+    # tensor, on bf16 and float32 streams, with and without sequence parallelism).
+    casts = 1 if stream == compute else 2
+    norm_input = stream * tokens * dim // seq + casts * compute * tokens * dim
+    norm_freed = 4 * compute * local + 3 * copy + norm_input + FP32 * tokens // seq
     return BlockShape(
         temps, compute * local + copy, w2, grad_bytes * block_params, residual + gathered, copy,
         dim, compute, grad_bytes, norm_temps, norm_freed, float8_temps=float8_temps,
+        final_norm_kept=row, final_norm_temps=5 * row,
     )  # fmt: skip
 
 
@@ -410,7 +423,8 @@ def _replicated_micro_batch(
         made = s.head_grads + sum(b.shape.grads for b in blocks[j + 1 :]) + blocks[j].shape.w2_grad
         return (earlier + per * min(outside, above) if whole else made), s.tied_grad, 0
 
-    _micro_batch(mb, (earlier, 0, 0), at_block)
+    final = (earlier if whole else s.head_grads), s.tied_grad, 0
+    _micro_batch(mb, (earlier, 0, 0), at_block, final=final)
 
 
 def _micro_batch(
@@ -418,13 +432,24 @@ def _micro_batch(
     at_loss: tuple[int, int, int],
     at_block: Callable[[int], tuple[int, int, int]],
     output: tuple[int, int, int] | None = None,
+    final: tuple[int, int, int] | None = None,
 ) -> None:
     """Micro-batch k's forward and backward points into ``t``. ``at_loss``: (gradients,
     temporaries, gathered parameters) the wrappers hold at the loss; ``at_block(j)``: the same at
-    block j's feed-forward backward. Blocks are looked at where backward's figures change their
-    course: the last (nothing of it reduced yet), the one below it, the second and the first (the
-    blocks between follow a straight line from one to the other)."""
+    block j's feed-forward backward; ``final``: the same at the final norm's backward. Blocks are
+    looked at where backward's figures change their course: the last (nothing of it reduced yet),
+    the one below it, the second and the first (the blocks between follow a straight line from
+    one to the other)."""
     _loss_points(mb, at_loss, output)
+    if final is not None and mb.loss is not None and mb.blocks:
+        # The final norm's backward, after the output projection's: the loss's and the output's
+        # activations freed but the norm's float32 input (a model with a short vocabulary and
+        # long sequences peaks here without checkpointing, measured by `dtlab plan --check`).
+        g, tmp, gath = final
+        block = mb.blocks[-1].shape
+        mb.add("the final norm's backward", grads=g,
+               activations=mb.kept - mb.loss_part + block.final_norm_kept,
+               temporaries=tmp + block.final_norm_temps, buffers=mb.buffers + gath)  # fmt: skip
     for j in _block_points(mb.blocks):
         _block_backward(mb, j, at_block(j))
 
@@ -498,7 +523,7 @@ def _block_backward(mb: _MicroBatch, j: int, held: tuple[int, int, int]) -> None
     norm_grads = g + 2 * block.w2_grad + block.dim * block.grad_element + block.routed_grads
     mb.add(
         f"{name}'s feed-forward norm's backward", grads=norm_grads,
-        activations=alive + again - block.norm_freed, temporaries=tmp + block.norm_temps,
+        activations=alive + again - gone - block.norm_freed, temporaries=tmp + block.norm_temps,
         buffers=buffers,
     )  # fmt: skip
     if block.routed_temps:
@@ -540,10 +565,13 @@ def _fsdp_micro_batch(mb: _MicroBatch, s: RankState, last: bool, fsdp: FsdpUnits
         grads += sum(b.outside for b in blocks[j + 1 :]) if k == 1 else 0
         temps = partial + s.tied_grad + (done if fsdp.hsdp and k == 1 and not last else 0)
         # A block's reduce-scatter holds its input (its gradients in float32) until the next
-        # block's is issued; its output, the shard, is the parameter's gradient at once.
-        if above and fsdp.scatters:
+        # block's is issued; its output, the shard, is the parameter's gradient at once. Over a
+        # shard group of one rank resharded after forward (DDP beside tensor parallelism: FSDP2
+        # replicating) the same float32 copy waits for its all-reduce, and a block's shards are
+        # its parameters: nothing is prefetched (measured by `dtlab plan --check`).
+        if above and (fsdp.scatters or fsdp.reshard):
             temps += blocks[j + 1].unit // block.grad_element * FP32
-        if fsdp.reshard and j > 0:
+        if fsdp.reshard and fsdp.scatters and j > 0:
             temps += blocks[j - 1].unit  # the block below, prefetched
         # Every unit is resharded after its own backward (FSDP2's default, whatever the sharding
         # after forward): under shard_grad_op the blocks above j are freed by then.
@@ -573,7 +601,15 @@ def _fsdp_micro_batch(mb: _MicroBatch, s: RankState, last: bool, fsdp: FsdpUnits
         mb.add("the root gathered for the output projection's backward", grads=shards,
                activations=mb.kept - output[0], temporaries=partial + logits_grad + fsdp.root,
                buffers=mb.buffers + fsdp.root)  # fmt: skip
-    _micro_batch(mb, (shards, partial, gathered_fwd), at_block, output)
+    # At the final norm's backward the root is gathered, the last block prefetched (resharded
+    # after forward; over a shard group of one rank its shards are its parameters: no buffer) or
+    # every block still gathered (not), no block's gradients made yet.
+    final = (
+        shards + s.head_grads,
+        partial + s.tied_grad + (blocks[-1].unit if fsdp.reshard and fsdp.scatters else 0),
+        fsdp.root + (0 if fsdp.reshard else sum(b.unit for b in blocks)),
+    )
+    _micro_batch(mb, (shards, partial, gathered_fwd), at_block, output, final)
     if fsdp.root and loss is not None:
         done = sum(b.unit_shard for b in blocks)
         grads = shards + (done if into_grads else 0)
