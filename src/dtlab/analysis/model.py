@@ -277,8 +277,11 @@ def _plan_rank(
     plan.params_bytes += float8_scale_bytes(config, dims, rank.rank_model)
     whole = _rank_comm(rank, plan, shard_rank)
     if acts.walked is not None:
+        # Autocast's weight copies live through a pipeline's step with the stage's (its one
+        # autocast region), counted with them: the output projection's is not the loss's part.
+        loss_part = acts.loss_part - _loss_copies(rank)
         plan.timeline = pipeline_rank_timeline(
-            rank, plan, acts.walked, acts.loss_part, _stage_again(rank, acts)
+            rank, plan, acts.walked, loss_part, _stage_again(rank, acts)
         )
         if dims.fsdp_enabled:
             # Which stages' units are gathered together follows the schedule's order (each
@@ -450,6 +453,21 @@ def _loss_part(rank: RankInputs) -> int:
         no_blocks, rank.tokens, t.precision, t.activation_checkpointing, rank.split, True,
         rank.half_params, rank.compiled, rank.config.seq_len,
     )  # fmt: skip
+
+
+def _loss_copies(rank: RankInputs) -> int:
+    """Of :func:`_loss_part`, autocast's half-precision copy of the output projection's weight (0
+    where autocast makes none: float32, half-precision parameters, or not the last stage)."""
+    if not rank.part.last:
+        return 0
+    t = rank.config.train
+    no_blocks = rank.rank_model.model_copy(update={"n_layers": 0})
+    no_tokens = activation_bytes(
+        no_blocks, 0, t.precision, t.activation_checkpointing, rank.split, True,
+        rank.half_params, rank.compiled,
+    )  # fmt: skip
+    # (Without tokens: the copy and the loss's scalars, 2 floats; 6 compiled.)
+    return no_tokens - (6 if rank.compiled else 2) * FP32
 
 
 def _buffers_bytes(rank: RankInputs) -> int:

@@ -361,6 +361,25 @@ class PipelineSteps:
                      activations=alive + again - gone - block.norm_freed + 3 * w2_copy,
                      temporaries=t_kept + moved + self.sending + norm + ahead,
                      buffers=bufs)  # fmt: skip
+            # Sequence parallelism under autocast (dtlab.analysis.timeline.BlockShape): the
+            # feed-forward's and the attention's input gradients over the whole sequence.
+            into = 0 if last else block.incoming
+            if block.ffn_input_temps:
+                self.add(name, f"the stage's {which} block's feed-forward input's gradient",
+                         grads=norm_grads,
+                         activations=alive + again - gone - block.norm_freed + 3 * w2_copy
+                         + block.ffn_input_kept,
+                         temporaries=t_kept + moved + self.sending + block.ffn_input_temps
+                         - into + ahead,
+                         buffers=bufs)  # fmt: skip
+            if block.qkv_input_temps:
+                own = self.figures.per_mb[i] - (self.loss_part if last else 0)
+                self.add(name, f"the stage's {which} block's attention input's gradient",
+                         grads=norm_grads + block.qkv_grads,
+                         activations=alive - own // self.n_blocks[i] + block.qkv_input_kept,
+                         temporaries=t_kept + moved + self.sending + block.qkv_input_temps
+                         - into + ahead,
+                         buffers=bufs)  # fmt: skip
             if block.attention_temps:  # context parallelism's ring (dtlab.analysis.context_plan)
                 ring = block.attention_temps - (0 if last else block.incoming)
                 self.add(name, f"the stage's {which} block's attention backward",

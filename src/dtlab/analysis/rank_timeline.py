@@ -12,6 +12,7 @@ from dtlab.analysis.activations import (
     FP32,
     TPSplit,
     activation_bytes,
+    attention_widths,
     fsdp_half_params,
     loss_parallel_bytes,
     residual_half,
@@ -338,6 +339,9 @@ def _dense_block(
         tokens, m.dim, hidden or m.hidden_dim, dims.tp, seq, 2 if half else FP32,
         stream, half and not half_params, made, block_params, f8,
     )  # fmt: skip
+    compute = 2 if half else FP32
+    if seq > 1 and stream != compute and t.activation_checkpointing == "none":
+        shape = _sequence_parallel_inputs(shape, m, tokens, seq, stream, compute, made, dims.tp)
     ring = ring_backward_bytes(config, tokens, dims.tp)
     if not ring:
         return shape
@@ -347,6 +351,35 @@ def _dense_block(
         # The feed-forward norm's float32 input (the stream itself in float32, its copy
         # otherwise), freed as the norm's backward ends.
         attention_freed=FP32 * tokens * m.dim // seq,
+    )  # fmt: skip
+
+
+def _sequence_parallel_inputs(
+    shape: BlockShape,
+    m: ModelConfig,
+    tokens: int,
+    seq: int,
+    stream: int,
+    compute: int,
+    made: int,
+    tp: int,
+) -> BlockShape:
+    """:class:`BlockShape`'s points at the feed-forward's and the attention's input gradients
+    (sequence parallelism under autocast on a float32 stream), measured by `dtlab plan --check`
+    on `llama3.1-70b`'s stages and a debug-sized model: the whole sequence's [tokens, dim] float32
+    rows (``whole``) beside the residual gradient's shard."""
+    whole, shard = FP32 * tokens * m.dim, FP32 * tokens * m.dim // seq
+    residual = stream * tokens * m.dim // seq
+    q, kv = attention_widths(m)
+    return replace(
+        shape,
+        ffn_input_temps=residual + 2 * whole + shard, ffn_input_kept=stream * tokens * m.dim // seq,
+        # (And k's weight gradient as its backward makes it, in bf16 beside its float32 cast.)
+        qkv_input_temps=residual + 3 * whole + (compute + FP32) * m.dim * kv // tp,
+        # The attention norm's own (its float32 input and output shards, the rsqrt) and the
+        # cast of its output the q projection still reads.
+        qkv_input_kept=(2 * m.dim * FP32 + FP32) * tokens // seq + compute * tokens * m.dim,
+        qkv_grads=made * m.dim * (q + kv) // tp,
     )  # fmt: skip
 
 

@@ -230,6 +230,19 @@ class BlockShape:
     # incoming gradient's among them, whatever its dtype: no residual branch waits beside it).
     final_norm_kept: int = 0
     final_norm_temps: int = 0
+    # Sequence parallelism under autocast on a float32 stream (no checkpointing): each matmul's
+    # input gradient comes over the whole gathered sequence in bf16 and is cast to float32 before
+    # the sum that is reduce-scattered. After w1's and w3's backward, two such [tokens, dim]
+    # float32 beside the residual gradient and the scattered shard, the norm's output shard still
+    # kept (``ffn_input_*``); in the attention's, three (the q, k and v projections' two and their
+    # sum), with what is left of the block then: the attention norm's own and one cast of its
+    # output (``qkv_input_kept``), and the output projection's and v's weight gradients made
+    # (``qkv_grads``). 0 where these are no points of their own.
+    ffn_input_temps: int = 0
+    ffn_input_kept: int = 0
+    qkv_input_temps: int = 0
+    qkv_input_kept: int = 0
+    qkv_grads: int = 0
 
     def kept_copies(self) -> BlockShape:
         """The same block where autocast's weight copies live through the step (a pipeline's one
@@ -531,6 +544,18 @@ def _block_backward(mb: _MicroBatch, j: int, held: tuple[int, int, int]) -> None
             f"{name}'s routed experts' backward", grads=g - block.w2_grad,
             activations=alive + again - gone - block.routed_freed,
             temporaries=tmp + block.routed_temps, buffers=buffers,
+        )  # fmt: skip
+    if block.ffn_input_temps:
+        mb.add(
+            f"{name}'s feed-forward input's gradient", grads=norm_grads,
+            activations=alive + again - gone - block.norm_freed + block.ffn_input_kept,
+            temporaries=tmp + block.ffn_input_temps, buffers=buffers,
+        )  # fmt: skip
+    if block.qkv_input_temps:
+        mb.add(
+            f"{name}'s attention input's gradient", grads=norm_grads + block.qkv_grads,
+            activations=alive - mb.blocks[j].kept + block.qkv_input_kept,
+            temporaries=tmp + block.qkv_input_temps, buffers=buffers,
         )  # fmt: skip
     if block.attention_temps:
         mb.add(
