@@ -219,8 +219,9 @@ CHECKED = {
 
 
 # The peak's error where it is more than 3% (measured; docs/moe-planning.md): the last stage of a
-# pipeline beside DDP with expert parallelism, over.
-PEAK_ERROR = {("pp:2 x ddp:2 ep:2", 3): 0.036, ("pp:2 x ddp:2 ep:2 bf16 full AC", 3): 0.035}
+# pipeline beside DDP with expert parallelism, over (+3.5%, and +4.4% under bf16 since autocast's
+# copy of the output weight counts with the stage's copies, alive through the step).
+PEAK_ERROR = {("pp:2 x ddp:2 ep:2", 3): 0.036, ("pp:2 x ddp:2 ep:2 bf16 full AC", 3): 0.045}
 
 
 @pytest.mark.parametrize("layout", list(CHECKED))

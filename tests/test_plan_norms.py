@@ -53,6 +53,14 @@ PEAKS: dict[str, tuple[int, int, int, list[str], str]] = {
         4, 1, 3, [*SHAPE, "model.vocab_size=4096", "train.precision=bf16", "parallel.strategy=fsdp",
                "parallel.pp=2", "parallel.pp_schedule=1f1b", "train.activation_checkpointing=full"],
         "the loss's backward"),
+    # The output projection's input gradient over the whole sequence, its float32 cast and the
+    # scattered shard (a short vocabulary split four ways).
+    "ddp:1 x tp:4 sp bf16": (
+        4, 1, 3, ["model.preset=debug", "model.dim=1024", "model.n_heads=8", "model.n_kv_heads=4",
+                  "model.n_layers=2", "model.vocab_size=256", "model.max_seq_len=512",
+                  "data.seq_len=512", "train.global_batch_size=1", "train.precision=bf16",
+                  "parallel.strategy=ddp", "parallel.tp=4", "parallel.sequence_parallel=true"],
+        "the output projection's input's gradient"),
     # The search's pick for llama3.1-70b on 1,024 GPUs (its last stage, cut to 16 blocks):
     # sequence parallelism under autocast, each projection's input gradient over the whole
     # sequence cast to float32, three at once in the attention's backward.

@@ -294,8 +294,16 @@ class PipelineSteps:
         # loss's activations freed but the norm's float32 input.
         new = self._grads_at(op.i, first_time, 0)[0] - block.w2_grad
         ahead = fsdp.block if fsdp is not None and fsdp.scatter > 1 and regather else 0
+        below = op.held - self.loss_part + block.final_norm_kept
+        if block.output_input_temps:  # (dtlab.analysis.timeline.BlockShape)
+            norm_grad = block.dim * block.grad_element  # the final norm's, made after
+            self.add(name, "the output projection's input's gradient",
+                     grads=g_kept + max(0, new - norm_grad),
+                     activations=below + block.ffn_input_kept,
+                     temporaries=t_kept + self.sending + block.output_input_temps + ahead,
+                     buffers=self.state.buffers + self.gathered(op.i, 0))  # fmt: skip
         self.add(name, "the final norm's backward", grads=g_kept + max(0, new),
-                 activations=op.held - self.loss_part + block.final_norm_kept,
+                 activations=below,
                  temporaries=t_kept + self.sending + block.final_norm_temps + ahead,
                  buffers=self.state.buffers + self.gathered(op.i, 0))  # fmt: skip
 

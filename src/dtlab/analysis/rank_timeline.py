@@ -374,6 +374,7 @@ def _sequence_parallel_inputs(
     return replace(
         shape,
         ffn_input_temps=residual + 2 * whole + shard, ffn_input_kept=stream * tokens * m.dim // seq,
+        output_input_temps=2 * whole + shard,
         # (And k's weight gradient as its backward makes it, in bf16 beside its float32 cast.)
         qkv_input_temps=residual + 3 * whole + (compute + FP32) * m.dim * kv // tp,
         # The attention norm's own (its float32 input and output shards, the rsqrt) and the

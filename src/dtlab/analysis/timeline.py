@@ -240,6 +240,9 @@ class BlockShape:
     # (``qkv_grads``). 0 where these are no points of their own.
     ffn_input_temps: int = 0
     ffn_input_kept: int = 0
+    # The same at the output projection's backward (its input's gradient, two whole float32
+    # [tokens, dim] beside the scattered shard), the final norm's output shard still kept.
+    output_input_temps: int = 0
     qkv_input_temps: int = 0
     qkv_input_kept: int = 0
     qkv_grads: int = 0
@@ -460,8 +463,15 @@ def _micro_batch(
         # long sequences peaks here without checkpointing, measured by `dtlab plan --check`).
         g, tmp, gath = final
         block = mb.blocks[-1].shape
-        mb.add("the final norm's backward", grads=g,
-               activations=mb.kept - mb.loss_part + block.final_norm_kept,
+        below = mb.kept - mb.loss_part + block.final_norm_kept
+        if block.output_input_temps:
+            # (The final norm's weight gradient is made by its own backward, after.)
+            mb.add("the output projection's input's gradient",
+                   grads=g - block.dim * block.grad_element,
+                   activations=below + block.ffn_input_kept,
+                   temporaries=tmp + block.output_input_temps,
+                   buffers=mb.buffers + gath)  # fmt: skip
+        mb.add("the final norm's backward", grads=g, activations=below,
                temporaries=tmp + block.final_norm_temps, buffers=mb.buffers + gath)  # fmt: skip
     for j in _block_points(mb.blocks):
         _block_backward(mb, j, at_block(j))
