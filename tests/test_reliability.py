@@ -526,6 +526,37 @@ def test_attack_disk_full_during_checkpoint_writes(tmp_path: Path) -> None:
         assert "resumed from" in proc.stderr and "step-00000003" in proc.stderr
 
 
+def test_a_save_failed_by_a_full_disk_says_so_whatever_its_threads_met(tmp_path: Path) -> None:
+    """A full disk can reach DCP's writer threads as a zip writer's position check alone (a short
+    write that raised nothing: seen in the attack above, one run in several): the save's error
+    still names the full disk, and only where the disk is full."""
+    import errno
+    import os
+
+    from dtlab.checkpoint.writer import save_failure
+
+    met = [RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")]
+    with tmpfs(tmp_path / "ckpt", "1m") as d:
+        fd = os.open(d / "fill", os.O_WRONLY | os.O_CREAT)
+        try:
+            while os.write(fd, b"\0" * 65536):
+                pass
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+        finally:
+            os.close(fd)
+        full = save_failure(met, 70, 84, d)
+        assert full.errno == errno.ENOSPC, full
+        assert "No space left on device" in str(full) and "unexpected pos" in str(full)
+        assert "70 of 84 items of this rank were not written" in str(full)
+        (d / "fill").unlink()
+        room = save_failure(met, 70, 84, d)
+        assert room.errno == errno.EIO and "No space left" not in str(room), room
+        # A thread's own OSError is the cause, whatever the disk holds.
+        own = save_failure([*met, OSError(errno.EDQUOT, "Disk quota exceeded")], 1, 2, d)
+        assert own.errno == errno.EDQUOT and "quota" in str(own)
+
+
 def test_attack_read_only_durable_tier(tmp_path: Path) -> None:
     run, durable = tmp_path / "run", tmp_path / "durable"
     with tmpfs(durable, "1m", read_only=True):

@@ -8,6 +8,7 @@ import contextlib
 import errno
 import json
 import os
+import shutil
 import sys
 import threading
 import zlib
@@ -125,19 +126,38 @@ class _CheckedWriter(dcp.FileSystemWriter):
         future = super().write_data(plan, planner)
         written, wanted = len(future.value()), len(plan.items)
         if written != wanted:
-            # The root cause: an OSError (a full disk) if a thread had one; the threads that failed
-            # after it fail on what it left (a zip writer's position check).
-            errors = _writer_errors[before:]
-            oserrors = [e for e in errors if isinstance(e, OSError)]
-            cause = (oserrors or errors or [None])[0]
-            raise OSError(
-                getattr(cause, "errno", None) or errno.EIO,
-                f"{wanted - written} of {wanted} items of this rank were not written "
-                f"(a writer thread failed: {cause})",
-            )
+            raise save_failure(_writer_errors[before:], wanted - written, wanted, Path(self.path))
         sums = self.fs.checksums  # type: ignore[attr-defined]
         (Path(self.path) / CHECKSUMS.format(rank=self.rank)).write_text(json.dumps(sums))
         return future
+
+
+# Below this many bytes free, a save whose threads failed without an OSError of their own failed for
+# the disk (a short write, met by torch's zip writer as a position mismatch).
+FULL_BELOW = 1 << 20
+
+
+def save_failure(errors: list[BaseException], missing: int, wanted: int, path: Path) -> OSError:
+    """The error a rank's save raises when ``missing`` of its ``wanted`` items were not written:
+    its root cause, an OSError (a full disk) if a writer thread had one, the threads that failed
+    after it failing on what it left (a zip writer's position check). A full disk can reach the
+    threads as that position check alone (a short write that raised nothing): with less than
+    :data:`FULL_BELOW` bytes left where ``path`` is, it is named as what it is."""
+    oserrors = [e for e in errors if isinstance(e, OSError)]
+    cause: BaseException | None = (oserrors or errors or [None])[0]
+    code = getattr(cause, "errno", None) or errno.EIO
+    if not oserrors:
+        with contextlib.suppress(OSError):
+            free = shutil.disk_usage(path).free
+            if free < FULL_BELOW:
+                code = errno.ENOSPC
+                cause = OSError(
+                    errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({free:,} bytes free); {cause}"
+                )
+    return OSError(
+        code,
+        f"{missing} of {wanted} items of this rank were not written (a writer thread failed: {cause})",
+    )
 
 
 def collect_checksums(ckpt_dir: Path) -> dict[str, tuple[str, int]]:
