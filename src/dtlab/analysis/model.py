@@ -443,15 +443,17 @@ def _float8_recomputed(rank: RankInputs, block: ModelConfig, pipelined: bool) ->
     return inputs + (0 if pipelined else copies)
 
 
-def _loss_part(rank: RankInputs) -> int:
-    """The loss's activations on the last stage (its log-softmax, output): 0 on the others."""
+def _loss_part(rank: RankInputs, tokens: int | None = None) -> int:
+    """The loss's activations on the last stage (its log-softmax, output) for ``tokens`` tokens
+    (by default a micro-batch's): 0 on the others."""
     if not rank.part.last:
         return 0
     t = rank.config.train
     no_blocks = rank.rank_model.model_copy(update={"n_layers": 0})
     return activation_bytes(
-        no_blocks, rank.tokens, t.precision, t.activation_checkpointing, rank.split, True,
-        rank.half_params, rank.compiled, rank.config.seq_len,
+        no_blocks, rank.tokens if tokens is None else tokens, t.precision,
+        t.activation_checkpointing, rank.split, True, rank.half_params, rank.compiled,
+        rank.config.seq_len,
     )  # fmt: skip
 
 
@@ -460,14 +462,8 @@ def _loss_copies(rank: RankInputs) -> int:
     where autocast makes none: float32, half-precision parameters, or not the last stage)."""
     if not rank.part.last:
         return 0
-    t = rank.config.train
-    no_blocks = rank.rank_model.model_copy(update={"n_layers": 0})
-    no_tokens = activation_bytes(
-        no_blocks, 0, t.precision, t.activation_checkpointing, rank.split, True,
-        rank.half_params, rank.compiled,
-    )  # fmt: skip
     # (Without tokens: the copy and the loss's scalars, 2 floats; 6 compiled.)
-    return no_tokens - (6 if rank.compiled else 2) * FP32
+    return _loss_part(rank, tokens=0) - (6 if rank.compiled else 2) * FP32
 
 
 def _buffers_bytes(rank: RankInputs) -> int:

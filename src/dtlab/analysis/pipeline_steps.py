@@ -69,6 +69,13 @@ class StageFsdp:
     shards: list[int]
     scatter: int
 
+    @property
+    def prefetched(self) -> int:
+        """What backward gathers of a block ahead of its turn: a buffer of the block's own over a
+        shard group of several ranks, nothing over one (DDP beside the pipeline: a block's shards
+        are its parameters)."""
+        return self.block if self.scatter > 1 else 0
+
 
 class StageOp(NamedTuple):
     """One op of a pipeline rank's walk: on the rank's stage ``i`` (the model's stage ``sid``;
@@ -285,27 +292,19 @@ class PipelineSteps:
                  buffers=self.state.buffers + self.gathered(None, 0))  # fmt: skip
         if fsdp is not None and regather:
             freed, out = loss.at_output(block.dim, block.compute, block.grad_element)
-            prefetch = fsdp.block if fsdp.scatter > 1 else 0  # (see _blocks_backward)
             self.add(name, "the output projection's backward", grads=g_kept,
                      activations=op.held - freed,
-                     temporaries=t_kept + self.sending + out + prefetch,
+                     temporaries=t_kept + self.sending + out + fsdp.prefetched,
                      buffers=self.state.buffers + self.gathered(op.i, 0))  # fmt: skip
         # The final norm's backward (dtlab.analysis.timeline): the output's gradients made, the
         # loss's activations freed but the norm's float32 input.
         new = self._grads_at(op.i, first_time, 0)[0] - block.w2_grad
-        ahead = fsdp.block if fsdp is not None and fsdp.scatter > 1 and regather else 0
+        ahead = fsdp.prefetched if fsdp is not None and regather else 0
         below = op.held - self.loss_part + block.final_norm_kept
-        if block.output_input_temps:  # (dtlab.analysis.timeline.BlockShape)
-            norm_grad = block.dim * block.grad_element  # the final norm's, made after
-            self.add(name, "the output projection's input's gradient",
-                     grads=g_kept + max(0, new - norm_grad),
-                     activations=below + block.ffn_input_kept,
-                     temporaries=t_kept + self.sending + block.output_input_temps + ahead,
+        for where, unmade, activations, own in block.final_points(below):
+            self.add(name, where, grads=g_kept + max(0, new - unmade), activations=activations,
+                     temporaries=t_kept + self.sending + own + ahead,
                      buffers=self.state.buffers + self.gathered(op.i, 0))  # fmt: skip
-        self.add(name, "the final norm's backward", grads=g_kept + max(0, new),
-                 activations=below,
-                 temporaries=t_kept + self.sending + block.final_norm_temps + ahead,
-                 buffers=self.state.buffers + self.gathered(op.i, 0))  # fmt: skip
 
     def _blocks_backward(
         self, op: StageOp, kept: tuple[int, int], first_time: bool, regather: bool
@@ -317,7 +316,8 @@ class PipelineSteps:
         g_kept, t_kept = kept
         name = f"backward {self.forwards}"
         # The residual gradient into a stage before the last is its receive buffer (counted).
-        temps = block.temps - (0 if last else block.incoming)
+        into = 0 if last else block.incoming
+        temps = block.temps - into
         if self.recompute[0] and w2_copy and not first_time:
             # A recomputed block under autocast whose gradients accumulate into the stage's:
             # the down projection's weight gradient stays in the compute dtype through the
@@ -325,13 +325,7 @@ class PipelineSteps:
             # cast (measured by `dtlab plan --check`).
             temps += w2_copy + (block.compute * self.tokens * block.dim if last else 0)
         grows = first_time or self.buffered
-        # (Over a shard group of one rank, DDP beside the pipeline, a block's shards are its
-        # parameters: nothing is prefetched.)
-        prefetch = (
-            fsdp.block
-            if fsdp is not None and fsdp.scatter > 1 and regather and self.n_blocks[i] > 1
-            else 0
-        )
+        prefetch = fsdp.prefetched if fsdp is not None and regather and self.n_blocks[i] > 1 else 0
         again, gone = self.recompute
         for which, alive, above, ahead in self._block_points(op, prefetch):
             bufs = self.state.buffers + self.gathered(i, above + 1)
@@ -343,7 +337,7 @@ class PipelineSteps:
                          + (block.incoming if last else 0),
                          buffers=bufs)  # fmt: skip
             if block.float8_temps:  # train.float8: the down projection's casts
-                f8 = block.float8_temps - (0 if last else block.incoming)
+                f8 = block.float8_temps - into
                 self.add(name, f"the stage's {which} block's down projection's float8 casts",
                          grads=g_kept + max(0, new - block.w2_grad),
                          activations=alive + again - gone,
@@ -359,43 +353,43 @@ class PipelineSteps:
                          activations=alive + again - gone - block.routed_freed,
                          temporaries=t_kept + moved + self.sending + block.routed_temps + ahead,
                          buffers=bufs)  # fmt: skip
-            norm = block.norm_temps - (0 if last else block.incoming)
             # (The gradients alive from here to the block's attention backward.)
             norm_grads = (
                 g_kept + new + (2 * block.w2_grad + block.dim * block.grad_element if grows else 0)
             )
+            # The feed-forward's activations freed by then (autocast's weight copies are not).
+            at_norm = alive + again - gone - block.norm_freed + 3 * w2_copy
             self.add(name, f"the stage's {which} block's feed-forward norm's backward",
-                     grads=norm_grads,
-                     activations=alive + again - gone - block.norm_freed + 3 * w2_copy,
-                     temporaries=t_kept + moved + self.sending + norm + ahead,
+                     grads=norm_grads, activations=at_norm,
+                     temporaries=t_kept + moved + self.sending + block.norm_temps - into + ahead,
                      buffers=bufs)  # fmt: skip
             # Sequence parallelism under autocast (dtlab.analysis.timeline.BlockShape): the
             # feed-forward's and the attention's input gradients over the whole sequence.
-            into = 0 if last else block.incoming
             if block.ffn_input_temps:
                 self.add(name, f"the stage's {which} block's feed-forward input's gradient",
-                         grads=norm_grads,
-                         activations=alive + again - gone - block.norm_freed + 3 * w2_copy
-                         + block.ffn_input_kept,
+                         grads=norm_grads, activations=at_norm + block.ffn_input_kept,
                          temporaries=t_kept + moved + self.sending + block.ffn_input_temps
                          - into + ahead,
                          buffers=bufs)  # fmt: skip
             if block.qkv_input_temps:
-                own = self.figures.per_mb[i] - (self.loss_part if last else 0)
                 self.add(name, f"the stage's {which} block's attention input's gradient",
                          grads=norm_grads + block.qkv_grads,
-                         activations=alive - own // self.n_blocks[i] + block.qkv_input_kept,
+                         activations=alive - self._blocks_kept(op) // self.n_blocks[i]
+                         + block.qkv_input_kept,
                          temporaries=t_kept + moved + self.sending + block.qkv_input_temps
                          - into + ahead,
                          buffers=bufs)  # fmt: skip
             if block.attention_temps:  # context parallelism's ring (dtlab.analysis.context_plan)
-                ring = block.attention_temps - (0 if last else block.incoming)
                 self.add(name, f"the stage's {which} block's attention backward",
-                         grads=norm_grads,
-                         activations=alive + again - gone - block.norm_freed
-                         - block.attention_freed + 3 * w2_copy,
-                         temporaries=t_kept + moved + self.sending + ring + ahead,
+                         grads=norm_grads, activations=at_norm - block.attention_freed,
+                         temporaries=t_kept + moved + self.sending + block.attention_temps
+                         - into + ahead,
                          buffers=bufs)  # fmt: skip
+
+    def _blocks_kept(self, op: StageOp) -> int:
+        """What one micro-batch's forward keeps of stage ``op.i``'s blocks (the stage's own less
+        the loss's part; each block an equal share)."""
+        return self.figures.per_mb[op.i] - (self.loss_part if op.last else 0)
 
     def _block_points(self, op: StageOp, prefetch: int) -> list[tuple[str, int, int, int]]:
         """The stage's blocks looked at in a backward, as (which, activations alive, blocks above
@@ -405,7 +399,7 @@ class PipelineSteps:
         i, last = op.i, op.last
         n = self.n_blocks[i]
         top_alive = op.held - (self.loss_part if last else 0)
-        own = self.figures.per_mb[i] - (self.loss_part if last else 0)
+        own = self._blocks_kept(op)
         bottom_alive = top_alive - own + own // n
         points = [("last", top_alive, 0, prefetch)]
         if n > 2:

@@ -335,11 +335,11 @@ def _dense_block(
         block_params = numel // max(1, n_blocks)
     seq = dims.tp if config.parallel.sequence_parallel else 1
     stream = 2 if residual_half(half_params, t.precision) else FP32
+    compute = 2 if half else FP32
     shape = dense_block(
-        tokens, m.dim, hidden or m.hidden_dim, dims.tp, seq, 2 if half else FP32,
+        tokens, m.dim, hidden or m.hidden_dim, dims.tp, seq, compute,
         stream, half and not half_params, made, block_params, f8,
     )  # fmt: skip
-    compute = 2 if half else FP32
     if seq > 1 and stream != compute and t.activation_checkpointing == "none":
         shape = _sequence_parallel_inputs(shape, m, tokens, seq, stream, compute, made, dims.tp)
     ring = ring_backward_bytes(config, tokens, dims.tp)
@@ -373,7 +373,8 @@ def _sequence_parallel_inputs(
     q, kv = attention_widths(m)
     return replace(
         shape,
-        ffn_input_temps=residual + 2 * whole + shard, ffn_input_kept=stream * tokens * m.dim // seq,
+        # (The norm's output shard, in the stream's dtype, is the residual's size.)
+        ffn_input_temps=residual + 2 * whole + shard, ffn_input_kept=residual,
         output_input_temps=2 * whole + shard,
         # (And k's weight gradient as its backward makes it, in bf16 beside its float32 cast.)
         qkv_input_temps=residual + 3 * whole + (compute + FP32) * m.dim * kv // tp,

@@ -180,6 +180,13 @@ class FsdpUnits:
     scatters: bool = True  # shard groups of several ranks: each unit's gradients reduce-scattered
     shard: int = 1  # the ranks of a shard group
 
+    @property
+    def prefetches(self) -> bool:
+        """Backward gathers each block ahead of its turn into a buffer of its own: resharded after
+        forward, over a shard group of several ranks (over one, a block's shards are its
+        parameters: nothing is gathered)."""
+        return self.reshard and self.scatters
+
 
 @dataclass(frozen=True)
 class BlockShape:
@@ -246,6 +253,20 @@ class BlockShape:
     qkv_input_temps: int = 0
     qkv_input_kept: int = 0
     qkv_grads: int = 0
+
+    def final_points(self, below: int) -> list[tuple[str, int, int, int]]:
+        """The last stage's points between the output projection's backward and its last block's,
+        as (where, gradients of the head not made yet, activations, backward's own temporaries),
+        given ``below``: the activations alive at the final norm's backward (the blocks' and the
+        norm's float32 input). Under sequence parallelism with autocast the output projection's
+        input gradient first (the final norm's output shard still kept, its weight's gradient not
+        made), then the final norm's backward."""
+        points = [("the final norm's backward", 0, below, self.final_norm_temps)]
+        if self.output_input_temps:
+            unmade = self.dim * self.grad_element  # the final norm's weight's gradient
+            points.insert(0, ("the output projection's input's gradient", unmade,
+                              below + self.ffn_input_kept, self.output_input_temps))  # fmt: skip
+        return points
 
     def kept_copies(self) -> BlockShape:
         """The same block where autocast's weight copies live through the step (a pipeline's one
@@ -464,15 +485,9 @@ def _micro_batch(
         g, tmp, gath = final
         block = mb.blocks[-1].shape
         below = mb.kept - mb.loss_part + block.final_norm_kept
-        if block.output_input_temps:
-            # (The final norm's weight gradient is made by its own backward, after.)
-            mb.add("the output projection's input's gradient",
-                   grads=g - block.dim * block.grad_element,
-                   activations=below + block.ffn_input_kept,
-                   temporaries=tmp + block.output_input_temps,
+        for where, unmade, activations, own in block.final_points(below):
+            mb.add(where, grads=g - unmade, activations=activations, temporaries=tmp + own,
                    buffers=mb.buffers + gath)  # fmt: skip
-        mb.add("the final norm's backward", grads=g, activations=below,
-               temporaries=tmp + block.final_norm_temps, buffers=mb.buffers + gath)  # fmt: skip
     for j in _block_points(mb.blocks):
         _block_backward(mb, j, at_block(j))
 
@@ -544,10 +559,10 @@ def _block_backward(mb: _MicroBatch, j: int, held: tuple[int, int, int]) -> None
         buffers=buffers,
     )  # fmt: skip
     norm_grads = g + 2 * block.w2_grad + block.dim * block.grad_element + block.routed_grads
+    at_norm = alive + again - gone - block.norm_freed  # (the feed-forward's freed by then)
     mb.add(
-        f"{name}'s feed-forward norm's backward", grads=norm_grads,
-        activations=alive + again - gone - block.norm_freed, temporaries=tmp + block.norm_temps,
-        buffers=buffers,
+        f"{name}'s feed-forward norm's backward", grads=norm_grads, activations=at_norm,
+        temporaries=tmp + block.norm_temps, buffers=buffers,
     )  # fmt: skip
     if block.routed_temps:
         mb.add(
@@ -558,7 +573,7 @@ def _block_backward(mb: _MicroBatch, j: int, held: tuple[int, int, int]) -> None
     if block.ffn_input_temps:
         mb.add(
             f"{name}'s feed-forward input's gradient", grads=norm_grads,
-            activations=alive + again - gone - block.norm_freed + block.ffn_input_kept,
+            activations=at_norm + block.ffn_input_kept,
             temporaries=tmp + block.ffn_input_temps, buffers=buffers,
         )  # fmt: skip
     if block.qkv_input_temps:
@@ -570,8 +585,7 @@ def _block_backward(mb: _MicroBatch, j: int, held: tuple[int, int, int]) -> None
     if block.attention_temps:
         mb.add(
             f"{name}'s attention backward", grads=norm_grads,
-            activations=alive + again - gone - block.norm_freed - block.attention_freed,
-            temporaries=tmp + block.attention_temps,
+            activations=at_norm - block.attention_freed, temporaries=tmp + block.attention_temps,
             buffers=buffers,
         )  # fmt: skip
 
@@ -602,11 +616,11 @@ def _fsdp_micro_batch(mb: _MicroBatch, s: RankState, last: bool, fsdp: FsdpUnits
         # A block's reduce-scatter holds its input (its gradients in float32) until the next
         # block's is issued; its output, the shard, is the parameter's gradient at once. Over a
         # shard group of one rank resharded after forward (DDP beside tensor parallelism: FSDP2
-        # replicating) the same float32 copy waits for its all-reduce, and a block's shards are
-        # its parameters: nothing is prefetched (measured by `dtlab plan --check`).
+        # replicating) the same float32 copy waits for its all-reduce (measured by `dtlab plan
+        # --check`).
         if above and (fsdp.scatters or fsdp.reshard):
             temps += blocks[j + 1].unit // block.grad_element * FP32
-        if fsdp.reshard and fsdp.scatters and j > 0:
+        if fsdp.prefetches and j > 0:
             temps += blocks[j - 1].unit  # the block below, prefetched
         # Every unit is resharded after its own backward (FSDP2's default, whatever the sharding
         # after forward): under shard_grad_op the blocks above j are freed by then.
@@ -636,12 +650,11 @@ def _fsdp_micro_batch(mb: _MicroBatch, s: RankState, last: bool, fsdp: FsdpUnits
         mb.add("the root gathered for the output projection's backward", grads=shards,
                activations=mb.kept - output[0], temporaries=partial + logits_grad + fsdp.root,
                buffers=mb.buffers + fsdp.root)  # fmt: skip
-    # At the final norm's backward the root is gathered, the last block prefetched (resharded
-    # after forward; over a shard group of one rank its shards are its parameters: no buffer) or
-    # every block still gathered (not), no block's gradients made yet.
+    # At the final norm's backward the root is gathered, the last block prefetched or every block
+    # still gathered (not resharded after forward), no block's gradients made yet.
     final = (
         shards + s.head_grads,
-        partial + s.tied_grad + (blocks[-1].unit if fsdp.reshard and fsdp.scatters else 0),
+        partial + s.tied_grad + (blocks[-1].unit if fsdp.prefetches else 0),
         fsdp.root + (0 if fsdp.reshard else sum(b.unit for b in blocks)),
     )
     _micro_batch(mb, (shards, partial, gathered_fwd), at_block, output, final)
