@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import subprocess
 
 import pytest
@@ -209,7 +210,7 @@ def test_calibration_measures_and_predicts_each_layout(tmp_path) -> None:
     out = tmp_path / "cal.json"
     proc = subprocess.run(
         [PYTHON, "-m", "dtlab.bench.calibrate", "--quick", "--steps", "2", "--warmup", "1",
-         "--json", str(out), "--set", "model.preset=debug", "data.seq_len=64"],
+         "--rounds", "2", "--json", str(out), "--set", "model.preset=debug", "data.seq_len=64"],
         capture_output=True, text=True, env=cli_env(None), timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -219,6 +220,10 @@ def test_calibration_measures_and_predicts_each_layout(tmp_path) -> None:
     for r in rows:
         assert r["measured_s"] > 0 and r["predicted"]["step_time_s"] > 0
         assert r["error"] == pytest.approx(r["predicted"]["step_time_s"] / r["measured_s"] - 1)
+        # Two rounds, each its own run: the row's step is the median of their medians.
+        assert len(r["measured_rounds_s"]) == 2 and result["rounds"] == 2
+        assert r["measured_s"] == pytest.approx(statistics.median(r["measured_rounds_s"]))
+        assert r["measured_min_s"] <= min(r["measured_rounds_s"])
     assert result["mean_abs_error"] == pytest.approx(sum(abs(r["error"]) for r in rows) / 2)
     assert result["worst"]["layout"] in {r["layout"] for r in rows}
     assert "mean absolute error" in proc.stdout
@@ -255,6 +260,35 @@ def test_the_ranking_counts_pairs_within_one_job_and_the_noise_as_ties() -> None
     # tie margin); both measured in its order.
     assert (r["apart"], r["apart_agree"]) == (2, 2)
     assert (ranking(flipped)["apart"], ranking(flipped)["apart_agree"]) == (3, 0)
+
+
+def test_over_rounds_a_pair_is_ordered_when_every_round_orders_it_alike() -> None:
+    from dtlab.bench.calibrate import ranking
+
+    def rounds(layout: str, each: list[float], predicted: float) -> dict:
+        # Wide step ranges that overlap: with rounds, they no longer decide the ties.
+        row = _row(layout, 2, sorted(each)[1], predicted, spread=1.0)
+        return {**row, "measured_rounds_s": each}
+
+    # a is faster than b in every round; b and c swap places from one round to the next.
+    rows = [
+        rounds("a", [1.0, 1.1, 1.2], 0.5),
+        rounds("b", [2.0, 2.4, 2.1], 1.5),
+        rounds("c", [2.1, 2.2, 2.3], 1.4),
+    ]
+    r = ranking(rows)
+    # The medians: a < b (2.1) < c (2.2), the plan c before b: one pair of three flipped.
+    assert r["tau"] == pytest.approx(1 / 3)
+    # b-c is a tie of the measurement (rounds 1 and 3 against round 2); a-b and a-c are ordered
+    # although every timed step's range overlaps (spread 1.0).
+    assert r["tau_beyond_noise"] == pytest.approx(2 / math.sqrt(3 * 2))
+    assert [d["layouts"] for d in r["discordant"]] == [["b", "c"]]
+    assert not r["discordant"][0]["beyond_noise"]
+    # With every round agreeing the flip is beyond the noise.
+    rows[2]["measured_rounds_s"] = [2.1, 2.5, 2.2]
+    r = ranking(rows)
+    assert r["discordant"][0]["beyond_noise"]
+    assert r["tau_beyond_noise"] == pytest.approx(1 / 3)
 
 
 def test_a_group_strided_by_tensor_parallelism_crosses_nodes() -> None:

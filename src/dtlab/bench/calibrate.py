@@ -1,8 +1,9 @@
 """The plan's step time against measured steps on this machine: ``python -m dtlab.bench.calibrate``.
 
 Each layout of a grid (data parallel, ZeRO-1, FSDP, HSDP, tensor and pipeline parallel, 2-D, with and
-without activation checkpointing, at 2 to 8 processes) runs as ``dtlab bench`` runs it (its own
-processes, warm-up, then timed steps: the median counts), and ``dtlab plan --device this`` predicts the
+without activation checkpointing, at 2 to 8 processes) runs as ``dtlab bench`` times it (its own
+processes, warm-up, then timed steps: the median counts), the whole grid ``--rounds`` times over in
+turn (the median of its rounds counts), and ``dtlab plan --device this`` predicts the
 same config on the same process count: this machine's model step measured once per thread count
 (:mod:`dtlab.analysis.probe`) and its loopback's rate. With ``--links 1gbit`` the layouts also run on a
 capped link (a network namespace of :mod:`dtlab.bench.link`), where the plan is given the link's rate:
@@ -100,7 +101,8 @@ def measure(
         args = [
             *prefix, sys.executable, "-m", "dtlab.bench.worker", "--out", str(out),
             "--nproc", str(nproc), "--warmup", str(warmup), "--peak-flops", repr(peak),
-            "--peak-source", "measured fp32 GEMM once for the calibration", "--set", *overrides,
+            "--peak-source", "measured fp32 GEMM once for the calibration", "--timing-only",
+            "--set", *overrides,
             f"train.steps={steps}", "run.progress=none", f"run.dir={tmp}/run",
         ]  # fmt: skip
         proc = subprocess.run(args, capture_output=True, text=True)
@@ -159,25 +161,23 @@ def _on_link(device: Any, rate: float, link: Link, nproc: int) -> Any:
 
 
 def _row(
-    label: str, layout: _Layout, link: Link, got: dict[str, Any], want: dict[str, float]
+    label: str, layout: _Layout, link: Link, got: list[dict[str, Any]], want: dict[str, float]
 ) -> dict[str, Any]:
-    """A measured layout's row, printed: its measured and predicted step, and the error."""
+    """A measured layout's row from its rounds' runs ``got``: the median of the rounds' medians,
+    the range of every timed step, each round's median, the prediction and the error."""
     model, _, nproc, _ = layout
-    err = want["step_time_s"] / got["step_time_s"] - 1
-    print(
-        f"  measured {got['step_time_s']:.3f} s, predicted {want['step_time_s']:.3f} s "
-        f"({err:+.1%}; compute {want['compute_s']:.3f} s, communication "
-        f"{want['comm_s']:.3f} s of which exposed {want['exposed_s']:.3f} s)",
-        flush=True,
-    )
+    rounds = [g["step_time_s"] for g in got]
+    measured = statistics.median(rounds)
+    err = want["step_time_s"] / measured - 1
     return {
         "layout": label,
         "model": model,
         "nproc": nproc,
         "link": link.name,
-        "measured_s": got["step_time_s"],
-        "measured_min_s": got["step_time_min_s"],
-        "measured_max_s": got["step_time_max_s"],
+        "measured_s": measured,
+        "measured_min_s": min(g["step_time_min_s"] for g in got),
+        "measured_max_s": max(g["step_time_max_s"] for g in got),
+        "measured_rounds_s": rounds,
         "predicted": want,
         "error": err,
     }
@@ -193,6 +193,7 @@ class _Calibration:
     steps: int
     warmup: int
     sets: list[str] | None
+    rounds: int = 1
     devices: dict[tuple[str, int], Any] = field(default_factory=dict)
 
     def device(self, model: str, nproc: int, common: list[str]) -> Any:
@@ -214,29 +215,59 @@ def _run_link(
     cal: _Calibration, link: Link, grid: list[_Layout], rows: list[dict[str, Any]]
 ) -> None:
     """Measure and predict the grid's layouts on ``link`` (those of ``LINKED`` on a capped one),
-    adding their rows to ``rows``."""
+    adding their rows to ``rows``: the grid run ``cal.rounds`` times over, in turn (every other
+    round in reverse), so that the machine's drift over the minutes the grid takes (a shared
+    machine's speed moves by 5-15%) falls on every layout alike rather than on the ones measured
+    last."""
     from dtlab.bench.link import link_namespace, measure_link
 
     with link_namespace(link) as prefix:
         rate = measure_link(prefix) if link.rate_bps else None
-        for layout in grid:
-            model, name, nproc, extra = layout
-            if rate and name not in LINKED:
-                continue
-            common = [*BASES[model], *(cal.sets or [])]
-            overrides = [*common, *extra]
-            device = cal.device(model, nproc, common)
-            if rate:
-                device = _on_link(device, rate, link, nproc)
-            label = f"{name} ({nproc})" + (f" at {link.name}" if rate else "")
-            print(f"{label} ...", flush=True)
-            try:
-                got = measure(overrides, nproc, cal.steps, cal.warmup, prefix, cal.peak)
-            except DtlabError as e:
-                print(f"  failed: {e}", flush=True)
-                rows.append({"layout": label, "error": str(e)})
-                continue
-            rows.append(_row(label, layout, link, got, predict(overrides, nproc, device)))
+        todo = [g for g in grid if not rate or g[1] in LINKED]
+        runs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(todo))}
+        failed: dict[int, str] = {}
+        wants: dict[int, dict[str, float]] = {}
+        for r in range(cal.rounds):
+            order = list(range(len(todo)))
+            for i in order if r % 2 == 0 else order[::-1]:
+                model, _, nproc, extra = todo[i]
+                if i in failed:
+                    continue
+                common = [*BASES[model], *(cal.sets or [])]
+                overrides = [*common, *extra]
+                if i not in wants:
+                    device = cal.device(model, nproc, common)
+                    if rate:
+                        device = _on_link(device, rate, link, nproc)
+                    wants[i] = predict(overrides, nproc, device)
+                label = _label(todo[i], link, rate)
+                print(f"{label}, round {r + 1} of {cal.rounds} ...", flush=True)
+                try:
+                    got = measure(overrides, nproc, cal.steps, cal.warmup, prefix, cal.peak)
+                except DtlabError as e:
+                    print(f"  failed: {e}", flush=True)
+                    failed[i] = str(e)
+                    continue
+                runs[i].append(got)
+                want = wants[i]
+                print(
+                    f"  measured {got['step_time_s']:.3f} s, predicted {want['step_time_s']:.3f} s "
+                    f"({want['step_time_s'] / got['step_time_s'] - 1:+.1%}; compute "
+                    f"{want['compute_s']:.3f} s, communication {want['comm_s']:.3f} s of which "
+                    f"exposed {want['exposed_s']:.3f} s)",
+                    flush=True,
+                )
+        for i, layout in enumerate(todo):
+            label = _label(layout, link, rate)
+            if i in failed:
+                rows.append({"layout": label, "error": failed[i]})
+            else:
+                rows.append(_row(label, layout, link, runs[i], wants[i]))
+
+
+def _label(layout: _Layout, link: Link, rate: float | None) -> str:
+    _, name, nproc, _ = layout
+    return f"{name} ({nproc})" + (f" at {link.name}" if rate else "")
 
 
 def _summary(cal: _Calibration, rows: list[dict[str, Any]], grid: list[_Layout]) -> dict[str, Any]:
@@ -246,6 +277,8 @@ def _summary(cal: _Calibration, rows: list[dict[str, Any]], grid: list[_Layout])
     devices, base = cal.devices, cal.base
     return {
         "rows": rows,
+        "rounds": cal.rounds,
+        "steps": cal.steps,
         "ranking": ranking(rows),
         "mean_abs_error": statistics.fmean(errors) if errors else None,
         "worst": {"layout": worst["layout"], "error": worst["error"]} if errors else None,
@@ -266,16 +299,17 @@ def run(
     warmup: int,
     sets: list[str] | None = None,
     models: list[str] | None = None,
+    rounds: int = 1,
 ) -> dict[str, Any]:
     """Measure and predict the grid (each layout's settings after its model's base and ``sets``;
-    ``models``: of ``BASES``, all by default, tiny's two rows under ``quick``); returns the rows
-    and the summary."""
+    ``models``: of ``BASES``, all by default, tiny's two rows under ``quick``; ``rounds``: times
+    the grid is run over, see :func:`_run_link`); returns the rows and the summary."""
     from dtlab.analysis.devices import this_machine
     from dtlab.bench.link import parse_links
 
     grid = _grid(quick, models)
     base = this_machine("fp32")
-    cal = _Calibration(base, base.peak_tflops["fp32"] * 1e12, steps, warmup, sets)
+    cal = _Calibration(base, base.peak_tflops["fp32"] * 1e12, steps, warmup, sets, rounds)
     rows: list[dict[str, Any]] = []
     for link in parse_links(",".join(links)):
         _run_link(cal, link, grid, rows)
@@ -286,14 +320,27 @@ def _sign(x: float) -> int:
     return (x > 0) - (x < 0)
 
 
+def _apart(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether the measurement orders rows ``a`` and ``b``: every round the same way where both ran
+    in two rounds or more (each round's two runs minutes apart at most, the grid's drift shared),
+    else their timed steps' ranges apart."""
+    ra, rb = a.get("measured_rounds_s") or [], b.get("measured_rounds_s") or []
+    if len(ra) >= 2 and len(ra) == len(rb):
+        return len({_sign(y - x) for x, y in zip(ra, rb, strict=True)} - {0}) == 1 and all(
+            x != y for x, y in zip(ra, rb, strict=True)
+        )
+    return b["measured_min_s"] > a["measured_max_s"] or a["measured_min_s"] > b["measured_max_s"]
+
+
 def ranking(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """How well the predicted step times order the layouts a user chooses between: Kendall's tau-b
     over every pair of measured rows of one model on one process count and link (pairs across
     those compare different jobs, and count nothing).
 
-    ``tau``: ordered by the medians alone. ``tau_beyond_noise``: a pair whose timed steps' ranges
-    (min-max) overlap is a tie of the measurement (the machine cannot say which is faster), as
-    tau-b counts ties. ``apart``: the pairs the plan tells apart, predicted further apart than its
+    ``tau``: ordered by the medians alone. ``tau_beyond_noise``: a pair the measurement cannot
+    order is a tie of the measurement, as tau-b counts ties: measured over several rounds, a pair
+    that not every round orders the same way (:func:`_apart`); in one round, a pair whose timed
+    steps' ranges (min-max) overlap. ``apart``: the pairs the plan tells apart, predicted further apart than its
     tie margin (:data:`dtlab.analysis.plan.TIE_MARGIN`: closer than that the search calls them a
     tie, and its recommendation does not rest on their order), and ``apart_agree``: of those, the
     pairs the medians order the same way. ``discordant``: the pairs the plan orders the other way,
@@ -312,10 +359,7 @@ def ranking(rows: list[dict[str, Any]]) -> dict[str, Any]:
         for a, b in pairs:
             p = _sign(b["predicted"]["step_time_s"] - a["predicted"]["step_time_s"])
             m = _sign(b["measured_s"] - a["measured_s"])
-            apart = b["measured_min_s"] > a["measured_max_s"] or (
-                a["measured_min_s"] > b["measured_max_s"]
-            )
-            if noise and not apart:
+            if noise and not _apart(a, b):
                 m = 0
             pred_ties += p == 0
             meas_ties += m == 0
@@ -363,8 +407,10 @@ def ranking(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def format_table(result: dict[str, Any]) -> str:
     """The rows as a Markdown table, and the summary line."""
+    rounds = max((len(r.get("measured_rounds_s") or []) for r in result["rows"]), default=1)
+    spread = "each round's median" if rounds > 1 else "min-max"
     lines = [
-        "| layout | measured s (min-max) | predicted s | compute s | comm s (exposed) | error |",
+        f"| layout | measured s ({spread}) | predicted s | compute s | comm s (exposed) | error |",
         "|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
@@ -372,10 +418,15 @@ def format_table(result: dict[str, Any]) -> str:
             lines.append(f"| {r['layout']} | failed: {r['error']} | | | | |")
             continue
         p = r["predicted"]
+        each = r.get("measured_rounds_s") or []
+        seen = (
+            ", ".join(f"{x:.3f}" for x in each)
+            if rounds > 1
+            else f"{r['measured_min_s']:.3f}-{r['measured_max_s']:.3f}"
+        )
         lines.append(
-            f"| {r['layout']} | {r['measured_s']:.3f} ({r['measured_min_s']:.3f}-"
-            f"{r['measured_max_s']:.3f}) | {p['step_time_s']:.3f} | {p['compute_s']:.3f} | "
-            f"{p['comm_s']:.3f} ({p['exposed_s']:.3f}) | {r['error']:+.1%} |"
+            f"| {r['layout']} | {r['measured_s']:.3f} ({seen}) | {p['step_time_s']:.3f} | "
+            f"{p['compute_s']:.3f} | {p['comm_s']:.3f} ({p['exposed_s']:.3f}) | {r['error']:+.1%} |"
         )
     if result["mean_abs_error"] is not None:
         w = result["worst"]
@@ -391,7 +442,11 @@ def format_table(result: dict[str, Any]) -> str:
             f"ranking: Kendall's tau {rank['tau']:.2f} over {rank['pairs']} pairs of layouts of one "
             f"model, process count and link ("
             + (f"{noisy:.2f}" if noisy is not None else "-")
-            + " with pairs whose timed steps overlap counted as ties)"
+            + (
+                " with pairs not every round orders alike counted as ties)"
+                if rounds > 1
+                else " with pairs whose timed steps overlap counted as ties)"
+            )
         )
         lines.append(
             f"  of the {rank['apart']} pairs the plan predicts more than its tie margin "
@@ -402,7 +457,7 @@ def format_table(result: dict[str, Any]) -> str:
             lines.append(
                 f"  ordered the other way: {a} measured {ma:.3f} s, predicted {pa:.3f} s; {b} "
                 f"measured {mb:.3f} s, predicted {pb:.3f} s"
-                + ("" if d["beyond_noise"] else " (within the steps' spread)")
+                + ("" if d["beyond_noise"] else " (within the measurement's noise)")
             )
     return "\n".join(lines)
 
@@ -418,8 +473,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--links", default="none", help="comma-separated: none and/or capped rates, e.g. none,1gbit"
     )
-    ap.add_argument("--steps", type=int, default=5, help="timed steps per layout (default 5)")
+    ap.add_argument(
+        "--steps", type=int, default=3, help="timed steps per layout and round (default 3)"
+    )
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="times the grid is run over, in turn (default 3; the median of the rounds counts)",
+    )
     ap.add_argument("--json", metavar="OUT", help="also write the rows and summary here")
     ap.add_argument(
         "--set",
@@ -434,7 +497,12 @@ def main(argv: list[str] | None = None) -> int:
         if not models or any(m not in BASES for m in models):
             raise DtlabError(f"--models {args.models!r}: expected a comma-separated list of "
                              f"{', '.join(BASES)}")  # fmt: skip
-        result = run(args.quick, args.links.split(","), args.steps, args.warmup, args.set, models)
+        if args.rounds < 1 or args.steps < 1:
+            raise DtlabError(f"--rounds {args.rounds}, --steps {args.steps}: each must be >= 1")
+        result = run(
+            args.quick, args.links.split(","), args.steps, args.warmup, args.set, models,
+            args.rounds,
+        )  # fmt: skip
     except DtlabError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -174,12 +174,15 @@ def bench(
     warmup: int,
     profile_dir: Path | None,
     given_peak: tuple[float, str] | None = None,
+    timing_only: bool = False,
 ) -> dict[str, Any] | None:
     """One row (on rank 0; None on the others). ``given_peak``: the (FLOP/s, source) MFU is computed
-    against, measured once for the whole bench; without it the ranks measure their own."""
+    against, measured once for the whole bench; without it the ranks measure their own.
+    ``timing_only``: the layout and the timed steps alone (no activation measurement, counted
+    step, replay of the collectives or compute-only pass: a calibration's repeated rows)."""
     d = init_distributed(config)
     try:
-        return _bench(config, d, warmup, profile_dir, given_peak)
+        return _bench(config, d, warmup, profile_dir, given_peak, timing_only)
     finally:
         destroy_distributed()
 
@@ -212,11 +215,17 @@ class BenchEngine(TorchEngine):
     profiled."""
 
     def __init__(
-        self, config: Config, d: DistInfo, run_dir: Path, timed: range, profile_dir: Path | None
+        self,
+        config: Config,
+        d: DistInfo,
+        run_dir: Path,
+        timed: range,
+        profile_dir: Path | None,
+        counted: int,
     ) -> None:
         super().__init__(config, d, run_dir)
         self.timed, self.profile_dir = timed, profile_dir
-        self.counted = range(timed.stop, timed.stop + counted_steps(config))
+        self.counted = range(timed.stop, timed.stop + counted)
         self.group_ranks: dict[str, list[int]] = {}  # see _note_groups
         # Tensor and pipeline parallelism's collectives are counted under their dimension's name.
         dims = d.dims
@@ -273,17 +282,19 @@ def _bench(
     warmup: int,
     profile_dir: Path | None,
     given_peak: tuple[float, str] | None = None,
+    timing_only: bool = False,
 ) -> dict[str, Any] | None:
     setup_logging(d.rank, d.world_size)
     logging.getLogger("dtlab").setLevel(
         logging.ERROR
     )  # the row is the output; the run's lines are not
     steps = range(warmup + 1, warmup + config.train.steps + 1)  # the timed steps
-    run_config = _run_config(config, d, steps)
+    counted = 0 if timing_only else counted_steps(config)
+    run_config = _run_config(config, d, steps, counted)
     run_dir, lock = resolve_run_dir(run_config, d)
-    engine = BenchEngine(run_config, d, run_dir, steps, profile_dir)
+    engine = BenchEngine(run_config, d, run_dir, steps, profile_dir, counted)
     peak = peak_flops(config, d) if given_peak is None else (*given_peak, given_peak[0])
-    act = measured_activation_bytes(engine.tr, config, d.device)
+    act = None if timing_only else measured_activation_bytes(engine.tr, config, d.device)
     if d.device.type == "cuda":
         # The GEMM probe (8192 x 8192 matrices) and the activation measurement are not training: their
         # blocks go back to the device and the peaks start with the run.
@@ -299,9 +310,12 @@ def _bench(
             lock.release()
         if d.is_main:
             shutil.rmtree(run_dir, ignore_errors=True)
+    if timing_only:
+        row = {**_layout_figures(config, d), **_speed_figures(config, timing, steps, *peak)}
+        return row if d.is_main else None
     # The training's peaks, read before the replay's buffers and the compute-only model exist.
     memory = _memory_figures(config, d, engine.tr, act)
-    period = counted_steps(config)
+    period = counted
     comm_time = _replay_collectives(engine.counter, d, period, engine.group_ranks)
     compute_time = _compute_only(config, d, engine.tr) if comm_time is not None else None
     losses = [m["loss"] for m in timing.records]
@@ -320,11 +334,11 @@ def _bench(
     return row if d.is_main else None
 
 
-def _run_config(config: Config, d: DistInfo, timed: range) -> Config:
-    """The config the benchmark trains: the warm-up steps, the timed ones and the counted ones
+def _run_config(config: Config, d: DistInfo, timed: range, counted: int) -> Config:
+    """The config the benchmark trains: the warm-up steps, the timed ones and ``counted`` more
     (:func:`counted_steps`), in a temporary run directory, without checkpoints, plots or progress."""
     cfg = config.model_copy(deep=True)
-    cfg.train.steps = timed.stop + counted_steps(config) - 1
+    cfg.train.steps = timed.stop + counted - 1
     cfg.run.dir = d.decide(lambda: tempfile.mkdtemp(prefix="dtlab-bench-"))
     cfg.run.progress, cfg.run.log_every = "none", 1
     cfg.run.plot = cfg.run.tensorboard = cfg.run.profile = False
@@ -751,6 +765,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", type=Path, default=None)
     p.add_argument("--peak-flops", type=float, default=None, help="the bench's peak (FLOP/s)")
     p.add_argument("--peak-source", default="measured", help="where --peak-flops comes from")
+    p.add_argument(
+        "--timing-only", action="store_true", help="time the steps only (no memory or bytes)"
+    )
     args = parse_config_args(p, argv)
     try:
         config = load_config(args.config, args.overrides)
@@ -765,7 +782,7 @@ def main(argv: list[str] | None = None) -> int:
                 module="dtlab.bench.worker",
             )
         given = None if args.peak_flops is None else (args.peak_flops, args.peak_source)
-        row = bench(config, args.warmup, args.profile, given)
+        row = bench(config, args.warmup, args.profile, given, args.timing_only)
     except DtlabError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
