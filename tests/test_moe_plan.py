@@ -218,12 +218,6 @@ CHECKED = {
 }  # fmt: skip
 
 
-# The peak's error where it is more than 3% (measured; docs/moe-planning.md): the last stage of a
-# pipeline beside DDP with expert parallelism, over (+3.5%, and +4.4% under bf16 since autocast's
-# copy of the output weight counts with the stage's copies, alive through the step).
-PEAK_ERROR = {("pp:2 x ddp:2 ep:2", 3): 0.036, ("pp:2 x ddp:2 ep:2 bf16 full AC", 3): 0.045}
-
-
 @pytest.mark.parametrize("layout", list(CHECKED))
 def test_check_runs_an_moe_model_and_finds_the_plan(layout: str) -> None:
     """The real code under fake tensors, routed evenly: each rank's state and buffers to the byte
@@ -249,9 +243,9 @@ def test_check_runs_an_moe_model_and_finds_the_plan(layout: str) -> None:
         assert abs(plan.activations_bytes - act) <= 0.005 * act, (rank, act, plan)
         # The peak within 3%: an MoE block's own backward (its routed experts' stacked gradients
         # as autograd adds them up, the whole feed-forward freed by its norm's backward) is in the
-        # timeline, a pipeline stage's too; where it is not yet, no further off than measured.
+        # timeline, a pipeline stage's too.
         error = abs(r.peak["predicted"] - r.peak["checked"]) / r.peak["checked"]
-        assert error <= PEAK_ERROR.get((layout, rank), 0.03), (rank, r.peak)
+        assert error <= 0.03, (rank, r.peak)
         # A pipeline's dense first stage has no MoE block, and no all-to-all.
         moe_here = dims.ep_enabled and not (dims.pp_enabled and rank < nproc // 2)
         a2a = [v for k, v in r.by_collective.items() if "all_to_all" in k]

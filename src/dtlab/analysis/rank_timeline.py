@@ -400,7 +400,7 @@ def pipeline_rank_timeline(
     root += copy if holds_tied_copy(config, part) else 0
     grads = []
     for sid in part.stages:
-        blocks = _layers_numel(shapes, tuple(split[sid]))
+        blocks = _layers_numel(shapes, tuple(split[sid]), dims.ep if dims.ep_enabled else 1)
         head = root if sid == part.n_stages - 1 else 0
         embed = state.embed_grads // FP32 if sid == 0 else 0
         grads.append(
@@ -461,14 +461,17 @@ def _blocks_numel(shapes: list[ParamShape]) -> tuple[int, int]:
     return memo(shapes, ("blocks_numel",), compute)
 
 
-def _layers_numel(shapes: list[ParamShape], layers: tuple[int, ...]) -> int:
-    """Elements of blocks ``layers`` in ``shapes``."""
+def _layers_numel(shapes: list[ParamShape], layers: tuple[int, ...], ep: int) -> int:
+    """Elements of blocks ``layers`` in ``shapes`` a rank holds whole: of a routed expert's stacked
+    weight, its ``ep`` group's share (expert parallelism splits the experts over it)."""
 
     def compute() -> int:
         groups = {f"layers.{i}" for i in layers}
-        return sum(s.numel for s in shapes if s.group in groups)
+        return sum(
+            s.numel // (ep if moe.is_expert(s.name) else 1) for s in shapes if s.group in groups
+        )
 
-    return memo(shapes, ("layers_numel", layers), compute)
+    return memo(shapes, ("layers_numel", layers, ep), compute)
 
 
 def _stage_root_padded(dp_shapes: list[ParamShape], shard: int, sid: int, n_stages: int) -> int:
