@@ -536,14 +536,6 @@ CLAIMS = [
         ),
     ),
     Claim(
-        r"Not counted: PowerSGD's work \(torch's hook\)",
-        holds(
-            "src/dtlab/analysis/hook_memory.py",
-            r'if p\.compression != "dct"',
-            "only the DCT hook's work played",
-        ),
-    ),
-    Claim(
         r"What the plan does not count: PowerSGD's own compute",
         lacks("src/dtlab/analysis/steptime.py", r"(?i)powersgd", "PowerSGD's compute in the step"),
     ),

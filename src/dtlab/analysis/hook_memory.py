@@ -3,10 +3,10 @@ step, which the plan counts with the optimizer's, and what its step makes in bac
 the step's end, beside the state it replaces until the step is judged (committed or rolled back).
 
 - ``powersgd``: torch's hook keeps, per gradient bucket, the error feedback (the bucket's size) and
-  P and Q (for each gradient worth compressing, viewed as ``n x m``: ``n x r`` and ``m x r``, where
-  ``(n + m) r`` is under half of ``n m``, torch's ``min_compression_rate``); each step makes a new
-  error tensor, and :class:`dtlab.parallel.compression.PowerSGDGuard` keeps the old one and a copy
-  of P and Q until the step commits.
+  (with ``warm_start``) P and Q (for each gradient worth compressing, viewed as ``n x m``: ``n x r``
+  and ``m x r``, where ``(n + m) r`` is under half of ``n m``, torch's ``min_compression_rate``);
+  each step makes a new error tensor, and :class:`dtlab.parallel.compression.PowerSGDGuard` keeps
+  the old one and a copy of P and Q until the step commits.
 - ``dct`` (``coding: topk``): the residual of each bucket (its size), the step's new one pending
   beside it until the commit.
 - ``dct`` (``coding: quant``): EF21's estimates, this rank's and the ranks' mean, each the bucket's
@@ -16,7 +16,7 @@ Without error feedback only PowerSGD's P and Q are kept. All in the gradients' d
 DDP) on the rank's device, and none before PowerSGD's ``start_step`` (the plan counts the steady
 state); the DCT's basis (``chunk_size`` squared, float32) is kept too. Under a hook DDP keeps one
 bucket of the whole model (:func:`hook_buckets`): the DCT hook's work on it, at backward's end, is
-played on fake tensors (:func:`hook_work`); PowerSGD's (torch's hook) is not counted."""
+played on fake tensors, and torch's PowerSGD hook's counted from its source (:func:`hook_work`)."""
 
 from __future__ import annotations
 
@@ -56,14 +56,22 @@ def hook_buckets(shapes: list[ParamShape]) -> list[int]:
 
 def _powersgd_pq(shapes: list[ParamShape], rank: int) -> int:
     """Elements of P and Q over the gradients torch's PowerSGD compresses."""
-    out = 0
+    return _powersgd_split(shapes, rank)[0]
+
+
+def _powersgd_split(shapes: list[ParamShape], rank: int) -> tuple[int, int]:
+    """(Elements of P and Q over the gradients torch's PowerSGD compresses, elements of the
+    gradients it leaves whole: the vectors, and matrices too small to gain)."""
+    pq = whole = 0
     for s in shapes:
         n = s.shape[0] if s.shape else 1
         m = s.numel // max(1, n)
         r = min(n, m, rank)
         if 2 * (n + m) * r < n * m:  # torch's _should_compress, min_compression_rate 2
-            out += (n + m) * r
-    return out
+            pq += (n + m) * r
+        else:
+            whole += s.numel
+    return pq, whole
 
 
 @functools.lru_cache(maxsize=256)
@@ -95,14 +103,25 @@ def _played_bucket(numel: int, coding: str, chunk: int, topk: int, bits: int,
 
 
 def hook_work(config: Config, dims: ParallelDims, shapes: list[ParamShape]) -> int:
-    """What the DCT hook holds at once as it works on its bucket at backward's end (under a hook
-    the whole model's, :func:`hook_buckets`), its new state included; 0 for other hooks
-    (PowerSGD's work, torch's, is not counted)."""
+    """What the DCT's or PowerSGD's hook holds at once as it works on its bucket at backward's end
+    (under a hook the whole model's, :func:`hook_buckets`), its new state included; 0 for other
+    hooks.
+
+    torch's PowerSGD hook (read from its source, measured by a real gloo run's MemTracker): with
+    error feedback a copy of the bucket (the gradients with the old error added), kept until the
+    new error is made from it; the gradients it leaves whole, concatenated for their all-reduce;
+    and the new state (the new error beside the copy, and P and Q: the guard's copies of the
+    old ones, or without ``warm_start`` new ones)."""
     p = config.parallel
-    if p.compression != "dct" or not stateful_hook(config, dims):
+    if p.compression not in ("dct", "powersgd") or not stateful_hook(config, dims):
         return 0
     o = p.compression_options
     (bucket,) = hook_buckets(shapes)
+    if p.compression == "powersgd":
+        pq, whole = _powersgd_split(shapes, o.rank)
+        copy = bucket if o.error_feedback else 0
+        new = (bucket if o.error_feedback else 0) + pq
+        return FP32 * (copy + whole + new)
     return _played_bucket(bucket, o.coding, o.chunk_size, o.topk, o.bits, o.error_feedback,
                           dims.dp)  # fmt: skip
 
@@ -117,7 +136,9 @@ def hook_bytes(config: Config, dims: ParallelDims, shapes: list[ParamShape]) -> 
         return 0, 0
     buckets = hook_buckets(shapes)
     if kind == "powersgd":
-        pq = _powersgd_pq(shapes, o.rank)
+        # P and Q are kept from step to step (and copied by the guard each step) with warm_start
+        # only; without it the hook makes them anew and drops them at its end.
+        pq = _powersgd_pq(shapes, o.rank) if o.warm_start else 0
         error = sum(buckets) if o.error_feedback else 0
         return FP32 * (error + pq), FP32 * (error + pq)
     c = o.chunk_size
