@@ -553,6 +553,16 @@ UNCHECKED_REAL = {
             "train.global_batch_size=2",
         ],
     ),
+    # Without warm_start the hook makes P and Q anew each step and keeps none.
+    "ddp:2 powersgd, no warm start": (
+        2,
+        [
+            "parallel.strategy=ddp",
+            "parallel.compression=powersgd",
+            "parallel.compression_options.start_step=2",
+            "parallel.compression_options.warm_start=false",
+        ],
+    ),
     "ddp:2 dct": (2, ["parallel.strategy=ddp", "parallel.compression=dct"]),
     "ddp:2 dct quant": (
         2,
