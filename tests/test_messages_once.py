@@ -3,11 +3,18 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
+
+import pytest
 
 from conftest import FAST, run_cli
 from dtlab.launcher import said_once
+from dtlab.runtime.messages import messages_directory
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,6 +53,27 @@ def test_the_launcher_names_the_ranks_of_each_message() -> None:
     # Said by every rank: as one process says it.
     every = [{"rank": r, "kind": "error", "text": "the same"} for r in range(2)]
     assert said_once(every, ranks=2) == ["error: the same"]
+
+
+def test_a_killed_launchers_message_directory_goes_at_the_next_launch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A launcher killed with SIGKILL cannot remove its directory: the next launcher does.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale = tmp_path / f"dtlab-messages-{gone.pid}-abc"
+    stale.mkdir()
+    (stale / "rank0.json").write_text("{}")
+    live = tmp_path / f"dtlab-messages-{os.getppid()}-def"  # a launcher still running
+    live.mkdir()
+    other = tmp_path / "dtlab-messages-oldstyle"  # no process id in the name: left alone
+    other.mkdir()
+    new = messages_directory()
+    assert new.parent == tmp_path and new.name.startswith(f"dtlab-messages-{os.getpid()}-")
+    assert not stale.exists() and live.exists() and other.exists()
+    # Its own directory survives the next launcher of this process too.
+    assert messages_directory() != new and new.exists()
 
 
 def test_make_demo_prints_the_validation_figures_once() -> None:

@@ -15,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -27,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from dtlab.errors import Preempted
 from dtlab.parallel.ft_ports import bound_store
 from dtlab.runtime.lifeline import started_here
-from dtlab.runtime.messages import MESSAGES_ENV, take_messages
+from dtlab.runtime.messages import MESSAGES_ENV, messages_directory, take_messages
 from dtlab.train.rundir import finished_since, stopped_with_checkpoint
 
 if TYPE_CHECKING:
@@ -212,7 +211,7 @@ class _Ending:
 def _worker_messages() -> Iterator[Path]:
     """A directory for the workers' last words (:mod:`dtlab.runtime.messages`), named in the
     environment they inherit while they run."""
-    directory = Path(tempfile.mkdtemp(prefix="dtlab-messages-"))
+    directory = messages_directory()
     before = os.environ.get(MESSAGES_ENV)
     os.environ[MESSAGES_ENV] = str(directory)
     try:

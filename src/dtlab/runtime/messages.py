@@ -12,12 +12,43 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MESSAGES_ENV", "leave_message", "take_messages"]
+__all__ = ["MESSAGES_ENV", "leave_message", "messages_directory", "take_messages"]
 
 MESSAGES_ENV = "DTLAB_MESSAGES_DIR"
+_PREFIX = "dtlab-messages-"
+
+
+def messages_directory() -> Path:
+    """A new directory for this launcher's workers' messages, named with its process id; and the
+    directories of launchers that are gone (killed before they could remove theirs: ``kill -9``)
+    removed first (this user's), so that none builds up in the temporary directory. A worker
+    whose directory is gone prints its message itself (:func:`leave_message`)."""
+    base = Path(tempfile.gettempdir())
+    for stale in base.glob(f"{_PREFIX}*-*"):
+        pid = stale.name.removeprefix(_PREFIX).split("-", 1)[0]
+        try:
+            mine = stale.stat().st_uid == os.getuid()
+        except OSError:
+            continue
+        if mine and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=base))
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (one of another user's counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def leave_message(kind: str, text: str) -> bool:
