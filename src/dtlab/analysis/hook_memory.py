@@ -119,9 +119,8 @@ def hook_work(config: Config, dims: ParallelDims, shapes: list[ParamShape]) -> i
     (bucket,) = hook_buckets(shapes)
     if p.compression == "powersgd":
         pq, whole = _powersgd_split(shapes, o.rank)
-        copy = bucket if o.error_feedback else 0
-        new = (bucket if o.error_feedback else 0) + pq
-        return FP32 * (copy + whole + new)
+        error = bucket if o.error_feedback else 0  # the bucket's copy, and the new error
+        return FP32 * (2 * error + whole + pq)
     return _played_bucket(bucket, o.coding, o.chunk_size, o.topk, o.bits, o.error_feedback,
                           dims.dp)  # fmt: skip
 

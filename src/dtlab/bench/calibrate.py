@@ -326,9 +326,7 @@ def _apart(a: dict[str, Any], b: dict[str, Any]) -> bool:
     else their timed steps' ranges apart."""
     ra, rb = a.get("measured_rounds_s") or [], b.get("measured_rounds_s") or []
     if len(ra) >= 2 and len(ra) == len(rb):
-        return len({_sign(y - x) for x, y in zip(ra, rb, strict=True)} - {0}) == 1 and all(
-            x != y for x, y in zip(ra, rb, strict=True)
-        )
+        return {_sign(y - x) for x, y in zip(ra, rb, strict=True)} in ({1}, {-1})
     return b["measured_min_s"] > a["measured_max_s"] or a["measured_min_s"] > b["measured_max_s"]
 
 
@@ -340,10 +338,10 @@ def ranking(rows: list[dict[str, Any]]) -> dict[str, Any]:
     ``tau``: ordered by the medians alone. ``tau_beyond_noise``: a pair the measurement cannot
     order is a tie of the measurement, as tau-b counts ties: measured over several rounds, a pair
     that not every round orders the same way (:func:`_apart`); in one round, a pair whose timed
-    steps' ranges (min-max) overlap. ``apart``: the pairs the plan tells apart, predicted further apart than its
-    tie margin (:data:`dtlab.analysis.plan.TIE_MARGIN`: closer than that the search calls them a
-    tie, and its recommendation does not rest on their order), and ``apart_agree``: of those, the
-    pairs the medians order the same way. ``discordant``: the pairs the plan orders the other way,
+    steps' ranges (min-max) overlap. ``apart``: the pairs the plan tells apart, predicted further
+    apart than its tie margin (:data:`dtlab.analysis.plan.TIE_MARGIN`: closer than that the search
+    calls them a tie, and its recommendation does not rest on their order), and ``apart_agree``:
+    of those, the pairs the medians order the same way. ``discordant``: the pairs the plan orders the other way,
     each with both medians."""
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for r in rows:
