@@ -155,6 +155,7 @@ def test_each_layouts_measured_code_cost_counts_where_that_layout_runs() -> None
     sets = ["model.preset=debug", "data.seq_len=64", "train.global_batch_size=8"]
     probe = ComputeProbe(1, 2, 1e-4, 0.01, 1000, 64, "test")
     costs = {"fsdp_unit_s": 0.001, "zero_step_s": 0.1, "tp_block_s": 0.01, "tp_token_s": 1e-5}
+    costs.update(sp_block_s=0.002, sp_token_s=-4e-6)  # sequence parallelism: slower, then faster
 
     def extra(layout: list[str], world: int) -> float:
         cfg = load_config(None, [*sets, *layout])
@@ -173,6 +174,13 @@ def test_each_layouts_measured_code_cost_counts_where_that_layout_runs() -> None
     assert extra(["parallel.strategy=single", "parallel.tp=2"], 2) == pytest.approx(tp)
     halves = extra(["parallel.strategy=single", "parallel.tp=2", "train.micro_batch_size=4"], 2)
     assert halves == pytest.approx(tp + 0.01 * layers)
+    # Sequence parallelism adds its difference from plain TP: here it saves at 512 tokens.
+    sp = ["parallel.strategy=single", "parallel.tp=2", "parallel.sequence_parallel=true"]
+    assert extra(sp, 2) == pytest.approx(tp + (0.002 - 4e-6 * 512) * layers)
+    assert extra(sp, 2) < extra(["parallel.strategy=single", "parallel.tp=2"], 2)
+    # A difference larger than TP's whole cost leaves nothing, not a negative cost.
+    costs.update(sp_block_s=-1.0)
+    assert extra(sp, 2) == 0.0
 
 
 def test_the_probe_times_the_model_and_its_optimizer_apart() -> None:
@@ -200,8 +208,12 @@ def test_plan_this_device_prints_its_measured_collectives_and_step(tmp_path) -> 
     assert 0 <= rates["sync_s"] < 1
     assert dev["collective_source"].startswith("measured: gloo among 2 local processes")
     # What FSDP's, ZeRO-1's and tensor parallelism's code adds, measured under the fake group.
-    assert set(dev["wrapper_s"]) == {"fsdp_unit_s", "zero_step_s", "tp_block_s", "tp_token_s"}
-    assert all(0 <= v < 1 for v in dev["wrapper_s"].values())
+    costs = dev["wrapper_s"]
+    tp_keys = {"tp_block_s", "tp_token_s", "sp_block_s", "sp_token_s"}
+    assert set(costs) == {"fsdp_unit_s", "zero_step_s"} | tp_keys
+    # Sequence parallelism's are differences from plain TP's (it may save): any sign.
+    assert all(0 <= v < 1 for k, v in costs.items() if not k.startswith("sp_"))
+    assert all(abs(costs[k]) < 1 for k in ("sp_block_s", "sp_token_s"))
     text = format_plan(result)
     assert "  groups   all_reduce" in text and "  step     " in text and "  wrappers " in text
 

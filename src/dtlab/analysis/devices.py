@@ -67,7 +67,8 @@ class DeviceProfile:
     collective_gbps: dict[str, float] | None = None
     collective_source: str = ""
     # Seconds FSDP's and tensor parallelism's code adds per unit (block) and micro-batch on this
-    # machine's CPU (dtlab.analysis.wrappers): fsdp_unit_s, zero_step_s, tp_block_s, tp_token_s.
+    # machine's CPU (dtlab.analysis.wrappers): fsdp_unit_s, zero_step_s, tp_block_s, tp_token_s,
+    # sp_block_s, sp_token_s.
     wrapper_s: dict[str, float] | None = None
 
     # The device type of "this" machine measured: its GPU's ("cuda") where it has one.

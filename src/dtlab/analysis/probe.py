@@ -205,8 +205,9 @@ def wrapper_seconds(
     config: Config, dims: Any, wrapper_s: dict[str, float], nproc: int, probe: ComputeProbe
 ) -> float:
     """What FSDP's, ZeRO-1's and tensor parallelism's code adds to one rank's step (measured per
-    FSDP unit and micro-batch, per ZeRO-1 step, per block and micro-batch and its tokens:
-    :mod:`dtlab.analysis.wrappers`), at the cores' sharing of ``nproc`` ranks."""
+    FSDP unit and micro-batch, per ZeRO-1 step, per block and micro-batch and its tokens, with
+    sequence parallelism's difference where it runs: :mod:`dtlab.analysis.wrappers`), at the cores'
+    sharing of ``nproc`` ranks."""
     from dtlab.analysis.steptime import step_microbatches
 
     layers = config.model.n_layers // dims.pp
@@ -220,7 +221,12 @@ def wrapper_seconds(
         # Its fixed part, and the part that grows with the micro-batch's tokens.
         tokens = config.train.global_batch_size * config.seq_len / (dims.dp * m)
         per_block = wrapper_s.get("tp_block_s", 0.0) + wrapper_s.get("tp_token_s", 0.0) * tokens
-        extra += per_block * layers * m
+        if config.parallel.sequence_parallel:
+            # Sequence parallelism's difference (it splits the norms plain TP repeats: it saves).
+            per_block += (
+                wrapper_s.get("sp_block_s", 0.0) + wrapper_s.get("sp_token_s", 0.0) * tokens
+            )
+        extra += max(0.0, per_block) * layers * m
     return extra * sharing(nproc, probe.threads, probe.cores)
 
 

@@ -13,13 +13,20 @@ copies follow the parameters, not the tokens, and at one sample they are a large
 rather than a difference within two long steps' noise (measured on ``small`` at 2,048 tokens: 0.01 to
 0.10 s a unit from one measurement to the next). Tensor parallelism's on one sample and on the probe's tokens: its
 redistributions copy activations, so a block's cost grows with the micro-batch's tokens (on ``tiny``
-8 ms at one sample, 15-20 ms at 2,048 tokens, 23-26 ms at 4,096), a line through the two.
+8 ms at one sample, 15-20 ms at 2,048 tokens, 23-26 ms at 4,096), a line through the two. Sequence
+parallelism's difference from it the same way, each a paired measurement: both layouts built in one
+process, their steps taken in turn, the median of the differences (it splits the norms and residual
+adds that plain tensor parallelism repeats on every rank, and adds its own gathers' copies: on ``tiny``
+3 ms a step slower at one sample, 20-40 ms faster at 4,096 tokens; two separate measurements' noise is
+larger than that).
 
 - ``fsdp_unit_s``: FSDP (``nproc`` shards) less the plain step, per FSDP unit (blocks and root) and
   micro-batch;
 - ``zero_step_s``: ZeRO-1 (``nproc`` shards) less the plain step, per step;
 - ``tp_block_s`` and ``tp_token_s``: tensor parallelism over 2 ranks less half the plain step, per
-  block and micro-batch, and per block and token of the micro-batch.
+  block and micro-batch, and per block and token of the micro-batch;
+- ``sp_block_s`` and ``sp_token_s``: tensor parallelism over 2 ranks with sequence parallelism less
+  without it, likewise (either may be negative: it saves work).
 """
 
 from __future__ import annotations
@@ -42,8 +49,9 @@ REPEATS = 5  # timed steps of each (the median counts), after one warm-up
 
 
 def measure_wrappers(config: Config, nproc: int, threads: int) -> dict[str, float]:
-    """``fsdp_unit_s`` and ``zero_step_s`` (with ``nproc`` > 1) and ``tp_block_s`` and
-    ``tp_token_s`` (where tensor parallelism over two ranks runs: the heads split in two) of
+    """``fsdp_unit_s`` and ``zero_step_s`` (with ``nproc`` > 1), ``tp_block_s`` and ``tp_token_s``
+    (where tensor parallelism over two ranks runs: the heads split in two) and ``sp_block_s`` and
+    ``sp_token_s`` (where sequence parallelism also runs: the sequence split in two) of
     ``config``'s model at ``threads`` threads (see the module); an empty dict where none runs.
     Raises ``RuntimeError`` when a measuring process fails."""
 
@@ -66,7 +74,23 @@ def measure_wrappers(config: Config, nproc: int, threads: int) -> dict[str, floa
                 per_token = max(0.0, (many - one) / ((samples - 1) * seq))
             out["tp_block_s"] = max(0.0, one - per_token * seq)
             out["tp_token_s"] = per_token
+            if seq % 2 == 0:
+                out.update(_line(path, threads, "sequence", config))
     return out
+
+
+def _line(path: Path, threads: int, kind: str, config: Config) -> dict[str, float]:
+    """``{kind}_block_s`` and ``{kind}_token_s`` under the key prefix ``sp`` (of ``kind``
+    "sequence"): the paired difference per block and micro-batch at one sample and at the probe's
+    tokens, a line through the two (the per-token part as measured, not clamped)."""
+    m, seq = config.model, config.seq_len
+    samples = _samples(config, f"{kind}_many")
+    one = _run(path, threads, kind, 2) / m.n_layers
+    per_token = 0.0
+    if samples > 1:
+        many = _run(path, threads, f"{kind}_many", 2) / m.n_layers
+        per_token = (many - one) / ((samples - 1) * seq)
+    return {"sp_block_s": one - per_token * seq, "sp_token_s": per_token}
 
 
 def _run(path: Path, threads: int, kind: str, world: int) -> float:
@@ -93,7 +117,10 @@ def _layout(config: Config, kind: str, world: int) -> Config:
     p = data["parallel"]
     p.update(sequence_parallel=False, compression="none", pp=1)
     p["diloco"]["inner_steps"] = 0
-    if kind == "sharded":
+    if kind.startswith("sequence"):
+        p.update(strategy="single", tp=world, sequence_parallel=True)
+        gbs = _samples(config, kind)
+    elif kind == "sharded":
         p.update(strategy="fsdp", sharding="full", tp=1)
         gbs = world
     elif kind == "zero":
@@ -110,7 +137,7 @@ def _layout(config: Config, kind: str, world: int) -> Config:
 
 def _samples(config: Config, kind: str) -> int:
     """Samples a step of ``kind`` is measured on (see the module)."""
-    return max(1, PROBE_TOKENS // config.seq_len) if kind == "tensor_many" else 1
+    return max(1, PROBE_TOKENS // config.seq_len) if kind.endswith("_many") else 1
 
 
 def _layout_step(config: Config, world: int, threads: int) -> Callable[[], None]:
@@ -124,7 +151,8 @@ def _layout_step(config: Config, world: int, threads: int) -> Callable[[], None]
     torch.set_num_threads(threads)
     dims = ParallelDims.from_config(config, world)
     d = DistInfo(0, world, 0, world, torch.device("cpu"), "fake", dims)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     return rank_step(config, d)
 
 
@@ -134,8 +162,31 @@ def _seconds(step: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
+def _paired(config: Config, kind: str, world: int, threads: int) -> float:
+    """The median difference of a step of ``kind`` ("sequence", "sequence_many") less the same
+    layout without sequence parallelism: both built here, warmed up, their steps taken in turn
+    (each first every other time), so that the machine's drift falls on both alike."""
+    plain_kind = kind.replace("sequence", "tensor")
+    base = _layout_step(_layout(config, plain_kind, world), world, threads)
+    layout = _layout_step(_layout(config, kind, world), world, threads)
+    base()
+    layout()
+    diffs = []
+    for i in range(REPEATS):
+        if i % 2:
+            a = _seconds(layout)
+            diffs.append(a - _seconds(base))
+        else:
+            b = _seconds(base)
+            diffs.append(_seconds(layout) - b)
+    return statistics.median(diffs)
+
+
 def _child(path: str, threads: int, kind: str, world: int) -> None:
     config = Config.model_validate_json(Path(path).read_text(encoding="utf-8"))
+    if kind.startswith("sequence"):
+        print(json.dumps(_paired(config, kind, world, threads)), flush=True)
+        return
     plain = probe_step(config, threads, _samples(config, kind))
     plain()
     # The plain step as the plan scales it to the layout's rank: half of it under tensor
