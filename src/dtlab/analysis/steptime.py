@@ -33,9 +33,9 @@ BACKWARD_SHARE = 2 / 3  # of forward + backward FLOPs (two matmuls per forward o
 # every layout at 2 to 8 processes of the tiny and small models, on the loopback (the table in
 # docs/planning.md, "Calibration on this machine"). Nothing calibrates the GPU profiles.
 CALIBRATION = "python -m dtlab.bench.calibrate"
-CALIBRATED_MAE = 0.051
+CALIBRATED_MAE = 0.060
 CALIBRATED_ROWS = 24
-CALIBRATED_WORST = ("fsdp on 8 processes", -0.14)
+CALIBRATED_WORST = ("fsdp on 8 processes", -0.20)
 
 
 def calibration_note(measured: bool) -> str:
