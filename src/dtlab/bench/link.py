@@ -84,7 +84,9 @@ def parse_links(text: str) -> list[Link]:
     return out
 
 
-def _check_can_create() -> None:
+def check_can_create() -> None:
+    """Raise a ``DtlabError`` saying what is missing when this machine cannot make a capped link
+    (iproute2's ``ip`` and ``tc``, root for the namespaces and the rate limit)."""
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
         raise DtlabError(
@@ -112,7 +114,7 @@ def link_namespace(link: Link) -> Iterator[list[str]]:
     if link.rate_bps is None:
         yield []
         return
-    _check_can_create()
+    check_can_create()
     name = f"dtlab-{os.getpid()}-{next(_counter)}"
     _ip("netns", "add", name)
     try:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dtlab.bench.link import _check_can_create, parse_links
+from dtlab.bench.link import check_can_create, parse_links
 from dtlab.errors import DtlabError
 
 __all__ = [
@@ -149,7 +149,7 @@ def replica_network(replicas: int, up: str, down: str) -> Iterator[Network]:
         raise DtlabError(f"--replicas {replicas}: allowed 1 to 250 replicas")
     up_name, up_bps = parse_rate(up, "--up")
     down_name, down_bps = parse_rate(down, "--down")
-    _check_can_create()
+    check_can_create()
     n = next(_counter)
     tag = f"dtov-{os.getpid()}-{n}"
     net = (os.getpid() * 8 + n) % 65536
@@ -619,7 +619,7 @@ def _main(args: argparse.Namespace) -> int:
         down, _ = parse_rate(args.down, "--down")
         if args.steps < 3:
             raise DtlabError(f"--steps {args.steps}: allowed 3 or more")
-        _check_can_create()
+        check_can_create()
         check_configs(methods, args.steps, args.overrides)
         out = Path(args.out)
         (out / "runs").mkdir(parents=True, exist_ok=True)
