@@ -54,11 +54,6 @@ def hook_buckets(shapes: list[ParamShape]) -> list[int]:
     return [sum(s.numel for s in shapes)]
 
 
-def _powersgd_pq(shapes: list[ParamShape], rank: int) -> int:
-    """Elements of P and Q over the gradients torch's PowerSGD compresses."""
-    return _powersgd_split(shapes, rank)[0]
-
-
 def _powersgd_split(shapes: list[ParamShape], rank: int) -> tuple[int, int]:
     """(Elements of P and Q over the gradients torch's PowerSGD compresses, elements of the
     gradients it leaves whole: the vectors, and matrices too small to gain)."""
@@ -137,7 +132,7 @@ def hook_bytes(config: Config, dims: ParallelDims, shapes: list[ParamShape]) -> 
     if kind == "powersgd":
         # P and Q are kept from step to step (and copied by the guard each step) with warm_start
         # only; without it the hook makes them anew and drops them at its end.
-        pq = _powersgd_pq(shapes, o.rank) if o.warm_start else 0
+        pq = _powersgd_split(shapes, o.rank)[0] if o.warm_start else 0
         error = sum(buckets) if o.error_feedback else 0
         return FP32 * (error + pq), FP32 * (error + pq)
     c = o.chunk_size

@@ -66,23 +66,20 @@ def measure_wrappers(config: Config, nproc: int, threads: int) -> dict[str, floa
         if m.n_heads % 2 == 0 and m.kv_heads % 2 == 0:
             # Per block and micro-batch, a part per token (its redistributions copy activations)
             # and the rest (DTensor's dispatch): measured on one sample and on the probe's tokens.
-            seq, samples = config.seq_len, _samples(config, "tensor_many")
-            one = _run(path, threads, "tensor", 2) / m.n_layers
-            per_token = 0.0
-            if samples > 1:
-                many = _run(path, threads, "tensor_many", 2) / m.n_layers
-                per_token = max(0.0, (many - one) / ((samples - 1) * seq))
-            out["tp_block_s"] = max(0.0, one - per_token * seq)
-            out["tp_token_s"] = per_token
-            if seq % 2 == 0:
-                out.update(_line(path, threads, "sequence", config))
+            out["tp_block_s"], out["tp_token_s"] = _line(path, threads, "tensor", config)
+            if config.seq_len % 2 == 0:
+                # A difference from plain TP's: either sign (sequence parallelism may save).
+                sp = _line(path, threads, "sequence", config, signed=True)
+                out["sp_block_s"], out["sp_token_s"] = sp
     return out
 
 
-def _line(path: Path, threads: int, kind: str, config: Config) -> dict[str, float]:
-    """``{kind}_block_s`` and ``{kind}_token_s`` under the key prefix ``sp`` (of ``kind``
-    "sequence"): the paired difference per block and micro-batch at one sample and at the probe's
-    tokens, a line through the two (the per-token part as measured, not clamped)."""
+def _line(
+    path: Path, threads: int, kind: str, config: Config, signed: bool = False
+) -> tuple[float, float]:
+    """The cost of ``kind`` ("tensor", "sequence") per block and micro-batch at no tokens and per
+    block and token: a line through its measurements at one sample and at the probe's tokens
+    (``{kind}_many``); each part at least 0 unless ``signed``."""
     m, seq = config.model, config.seq_len
     samples = _samples(config, f"{kind}_many")
     one = _run(path, threads, kind, 2) / m.n_layers
@@ -90,7 +87,10 @@ def _line(path: Path, threads: int, kind: str, config: Config) -> dict[str, floa
     if samples > 1:
         many = _run(path, threads, f"{kind}_many", 2) / m.n_layers
         per_token = (many - one) / ((samples - 1) * seq)
-    return {"sp_block_s": one - per_token * seq, "sp_token_s": per_token}
+    if not signed:
+        per_token = max(0.0, per_token)
+        return max(0.0, one - per_token * seq), per_token
+    return one - per_token * seq, per_token
 
 
 def _run(path: Path, threads: int, kind: str, world: int) -> float:
