@@ -69,6 +69,11 @@ def test_the_collectives_a_step_issues_are_counted_as_the_bench_counts_them() ->
     # Tensor parallelism: 7 all-reduces per block, the embedding's and the output's, and the
     # vocabulary-parallel loss's 3 (which the bench's counter does not see).
     assert count(["parallel.strategy=single", "parallel.tp=2"], 2) == 1 + 7 * 4 + 2 + 3
+    # Sequence parallelism: 4 all-gathers and 4 reduce-scatters per block, one of each at the ends,
+    # in forward and in backward, the loss's 3, and once a step the norms' gradients' all-reduce
+    # (tests/workers/tp_comm_worker.py counts a real step's).
+    sp = ["parallel.strategy=single", "parallel.tp=2", "parallel.sequence_parallel=true"]
+    assert count(sp, 2) == 1 + 2 * (4 * 4 + 2) + 3 + 1
 
 
 def test_one_bucket_waits_whole_and_many_hide_behind_backward() -> None:

@@ -178,11 +178,11 @@ def collective_waits(
     (its reducer issues them while backward runs and waits at the end); ZeRO-1's reduce-scatter and
     all-gather; FSDP's all-gathers (forward and, with ``full`` sharding, backward, of each unit and
     micro-batch), reduce-scatters of each unit and micro-batch (a pipeline's once) and HSDP's
-    all-reduces of each unit; tensor parallelism's per block and micro-batch; a pipeline rank's
-    sends and receives (a tied model's embedding's too); expert parallelism's all-to-alls (three
-    per MoE block and micro-batch in forward, two in backward, three more where a block is
-    recomputed) and its experts' all-reduce; and the step's one reduction. ``n_layers``: the blocks
-    the rank holds."""
+    all-reduces of each unit; tensor parallelism's per block and micro-batch (and under sequence
+    parallelism one a step, of the norms' gradients); a pipeline rank's sends and receives (a tied
+    model's embedding's too); expert parallelism's all-to-alls (three per MoE block and micro-batch
+    in forward, two in backward, three more where a block is recomputed) and its experts'
+    all-reduce; and the step's one reduction. ``n_layers``: the blocks the rank holds."""
     p = config.parallel
     waits: dict[int, int] = {}
 
@@ -204,7 +204,8 @@ def collective_waits(
         add(dims.fsdp_replicate, units)
     if dims.tp_enabled:
         if p.sequence_parallel:
-            add(dims.tp, microbatches * (2 * (4 * n_layers + 2) + 3) + 2 * n_layers + 1)
+            # The norms' gradients (their inputs are sequence shards) in one all-reduce a step.
+            add(dims.tp, microbatches * (2 * (4 * n_layers + 2) + 3) + 1)
         else:
             add(dims.tp, microbatches * (7 * n_layers + 2 + 3))
     if dims.pp_enabled:
