@@ -12,7 +12,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import PYTHON, cli_env, run_cli
+from conftest import PYTHON, cli_env, run_cli, run_worker
 from dtlab.analysis.devices import PROFILES
 from dtlab.analysis.model import param_shapes
 from dtlab.analysis.plan import format_plan, predict_step, spans_nodes
@@ -74,6 +74,49 @@ def test_the_collectives_a_step_issues_are_counted_as_the_bench_counts_them() ->
     # (tests/workers/tp_comm_worker.py counts a real step's).
     sp = ["parallel.strategy=single", "parallel.tp=2", "parallel.sequence_parallel=true"]
     assert count(sp, 2) == 1 + 2 * (4 * 4 + 2) + 3 + 1
+
+
+_MOE = "model.preset=tiny-moe,model.dim=64,model.n_heads=4,model.n_kv_heads=2"
+
+
+@pytest.mark.parametrize(
+    "layouts",
+    [
+        pytest.param(
+            [
+                "parallel.strategy=ddp,train.micro_batch_size=2",
+                "parallel.strategy=ddp,parallel.sharding=optimizer",
+                "parallel.strategy=fsdp,train.micro_batch_size=2",
+                "parallel.strategy=hsdp,parallel.replicate=2",
+                "parallel.strategy=fsdp,parallel.tp=2,parallel.sequence_parallel=true,"
+                "train.activation_checkpointing=full",
+                "parallel.strategy=fsdp,parallel.pp=2",
+                "parallel.strategy=single,parallel.tp=2,parallel.pp=2",
+            ],
+            id="data-tensor-pipeline",
+        ),
+        pytest.param(
+            [
+                "parallel.strategy=ddp,parallel.tp=2,parallel.sequence_parallel=true",
+                "parallel.strategy=fsdp,parallel.pp=2,parallel.sharding=shard_grad_op",
+                "parallel.strategy=ddp,parallel.tp=2,train.activation_checkpointing=selective",
+                "parallel.strategy=single,parallel.pp=4,parallel.pp_schedule=interleaved_1f1b,"
+                "train.micro_batch_size=4,model.n_layers=8,model.tie_embeddings=true",
+                "parallel.strategy=single,parallel.pp=2,parallel.tp=2,parallel.sequence_parallel=true,"
+                "parallel.pp_schedule=zbv,train.micro_batch_size=4",
+                f"{_MOE},parallel.strategy=ddp,parallel.ep=2,parallel.tp=2",
+                f"{_MOE},parallel.strategy=ddp,parallel.ep=2,parallel.pp=2",
+            ],
+            id="schedules-recompute-experts",
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_the_step_waits_for_the_collectives_a_real_step_issues(layouts: list[str]) -> None:
+    """Each layout's whole step on 4 gloo ranks, its collectives counted by torch's profiler on the
+    rank that issues the most, against the waits the step-time model counts (context parallelism
+    is not here: the probes' step feeds whole sequences)."""
+    run_worker("waits_worker.py", 4, *layouts)
 
 
 def test_one_bucket_waits_whole_and_many_hide_behind_backward() -> None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from dtlab.analysis.hook_memory import stateful_hook
 from dtlab.config import Config
+from dtlab.config.checks import V_SCHEDULES
 from dtlab.dims import ParallelDims
 
 BACKWARD_SHARE = 2 / 3  # of forward + backward FLOPs (two matmuls per forward one)
@@ -179,11 +180,24 @@ def collective_waits(
     all-gather; FSDP's all-gathers (forward and, with ``full`` sharding, backward, of each unit and
     micro-batch), reduce-scatters of each unit and micro-batch (a pipeline's once) and HSDP's
     all-reduces of each unit; tensor parallelism's per block and micro-batch (and under sequence
-    parallelism one a step, of the norms' gradients); a pipeline rank's sends and receives (a tied
+    parallelism the norms' gradients'); a pipeline rank's sends and receives (a tied
     model's embedding's too); expert parallelism's all-to-alls (three per MoE block and micro-batch
     in forward, two in backward, three more where a block is recomputed) and its experts'
     all-reduce; and the step's one reduction. ``n_layers``: the blocks the rank holds."""
+    from dtlab.analysis.moe import moe_blocks, part_model
+
     p = config.parallel
+    v_shape = p.pp_schedule in V_SCHEDULES
+    # The MoE blocks of the rank with the most (a pipeline's last, whose blocks are past the
+    # model's first dense ones; a V's rank 0, which holds the first and the last stage).
+    v = p.stages_per_rank if dims.pp_enabled else 1
+    stages = dims.pp * v
+    held = (
+        [0, stages - 1]
+        if dims.pp_enabled and v_shape
+        else list(range(dims.pp - 1, stages, dims.pp))
+    )
+    moe_here = moe_blocks(part_model(config.model, stages, held))
     waits: dict[int, int] = {}
 
     def add(group: int, n: int) -> None:
@@ -197,31 +211,55 @@ def collective_waits(
         add(dims.dp, 2)
     if dims.fsdp_enabled:
         units = n_layers + 1
-        gathers = 2 if p.sharding == "full" else 1
-        # All-gathers, and reduce-scatters (each micro-batch's; a pipeline's once, at its end).
-        scatters = units if dims.pp_enabled else microbatches * units
-        add(dims.fsdp_shard, microbatches * gathers * units + scatters)
+        if dims.pp_enabled:
+            # A pipeline schedule keeps the stage's units gathered from their first backward to
+            # the last and reduces their gradients once (as comm_model counts the bytes).
+            gathers = (microbatches + 1 if p.sharding == "full" else 1) * units
+            scatters = units
+        else:
+            gathers = microbatches * (2 if p.sharding == "full" else 1) * units
+            scatters = microbatches * units
+        add(dims.fsdp_shard, gathers + scatters)
         add(dims.fsdp_replicate, units)
     if dims.tp_enabled:
+        # The ends' per pass: the embedding's and the output's; a pipeline's busiest rank, the
+        # last stage's, holds the output alone (and the loss's 3), but a V's rank 0 holds both.
+        ends = 1 if dims.pp_enabled and not v_shape else 2
+        # A checkpointed block's forward runs again up to the last activation backward needs
+        # (selective too: a collective's output is not among the matmuls' it keeps): attention's
+        # collectives again, and under sequence parallelism the feed-forward's gather.
+        again = n_layers if config.train.activation_checkpointing != "none" else 0
         if p.sequence_parallel:
-            # The norms' gradients (their inputs are sequence shards) in one all-reduce a step.
-            add(dims.tp, microbatches * (2 * (4 * n_layers + 2) + 3) + 1)
+            # The norms' gradients (their inputs are sequence shards): all-reduced once a step, in
+            # one all-reduce, or under FSDP (whose units reduce each gradient) one per norm.
+            norms = 2 * n_layers + 1 if dims.fsdp_enabled else 1
+            add(dims.tp, microbatches * (2 * (4 * n_layers + ends) + 3 + 3 * again) + norms)
         else:
-            add(dims.tp, microbatches * (7 * n_layers + 2 + 3))
+            # An MoE block's feed-forward is whole on every rank: no w2 output to reduce in
+            # forward, no w1 and w3 input gradients in backward.
+            dense = 7 * n_layers - 3 * moe_here
+            add(dims.tp, microbatches * (dense + ends + 3 + again))
     if dims.pp_enabled:
-        # A tied model's ends also pass the embedding: its gradient after backward, its new
-        # value after the optimizer step (a send and a receive on each of the two ranks).
-        add(2, 2 * microbatches + (2 if config.model.tie_embeddings else 0))
+        # Each micro-batch's activations and gradients, received and sent, by each of the rank's
+        # stages with a neighbour on another rank: a middle rank's both ways (the busiest); over 2
+        # ranks each holds an end of the pipeline (a V's rank 0 both, its other rank the two
+        # middle stages, neighbours on one rank). A tied model's ends also pass the embedding: its
+        # gradient after backward, its new value after the optimizer step (a send and a receive
+        # on each of the two end ranks).
+        passes = 4 * v - ((4 if v_shape else 2) if dims.pp == 2 else 0)
+        tied = 2 if config.model.tie_embeddings and dims.pp == 2 else 0
+        add(2, passes * microbatches + tied)
     if dims.cp_enabled:  # per block: the ring's passes or alltoall's all-to-alls
         from dtlab.analysis.context_plan import cp_calls
 
         add(dims.cp, microbatches * n_layers * sum(cp_calls(config, dims.cp)))
     if dims.ep_enabled:
-        from dtlab.analysis.moe import moe_blocks
-
         per_block = 5 + (3 if config.train.activation_checkpointing != "none" else 0)
-        add(dims.ep, microbatches * moe_blocks(config.model) * per_block)
+        add(dims.ep, microbatches * moe_here * per_block)
         add(dims.ep_dp, 1)
+    if moe_blocks(config.model):
+        # The step's routing figures agreed among all ranks (a pipeline's largest bias again).
+        add(dims.world_size, 2 if dims.pp_enabled else 1)
     return waits
 
 
