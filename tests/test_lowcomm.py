@@ -130,6 +130,46 @@ def test_two_methods_two_seeds_json(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert (out / "pareto.png").stat().st_size > 0
 
 
+def test_reuse_reads_back_only_finished_runs_of_the_same_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--reuse: a run an earlier invocation finished with the same settings is read back, not
+    trained again; one without its record (stopped part way) or with other settings is trained."""
+    monkeypatch.setattr(sys, "executable", PYTHON)  # the runs start from the tests' fork server
+    out = tmp_path / "out"
+    small = [
+        "model.preset=debug",
+        "data.seq_len=64",
+        "train.global_batch_size=8",
+        "train.warmup_steps=2",
+    ]
+    argv = ["--links", "none", "--steps", "4", "--out", str(out), "--set", *small]
+    assert lowcomm.main(["--methods", "diloco", *argv]) == 0
+    runs = out / "runs"
+    first = {
+        d: (runs / d / "metrics.jsonl").stat().st_mtime_ns for d in ("none-ddp", "none-diloco")
+    }
+    (runs / "none-ddp.done.json").unlink()  # as if stopped before it finished
+    json_out = tmp_path / "again.json"
+    assert (
+        lowcomm.main(["--methods", "diloco-int2", "--reuse", "--json", str(json_out), *argv]) == 0
+    )
+    assert (runs / "none-diloco" / "metrics.jsonl").stat().st_mtime_ns == first["none-diloco"]
+    assert (runs / "none-ddp" / "metrics.jsonl").stat().st_mtime_ns != first["none-ddp"]
+    data = json.loads(json_out.read_text())
+    reused = {m: e["None"]["reused"] for m, e in data["methods"].items()}
+    assert reused == {"ddp": False, "diloco": True, "diloco-int2": False}
+    assert (
+        "Read back from earlier invocations (--reuse): none-diloco."
+        in (out / "report.md").read_text()
+    )
+    # Other settings: nothing is read back.
+    again = [*argv[:-1], "train.warmup_steps=3"]
+    assert lowcomm.main(["--methods", "diloco", "--reuse", "--json", str(json_out), *again]) == 0
+    data = json.loads(json_out.read_text())
+    assert not any(e["None"]["reused"] for e in data["methods"].values())
+
+
 def test_each_method_gets_ddp_with_its_own_train_settings_and_its_dense_twin() -> None:
     """AdamW methods against ddp, Muon ones against ddp-muon, a learning rate of a method's own
     against a DDP twin of its own; a compressing DiLoCo method's dense twin is the method without

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from dtlab.analysis.latency import cross_replica_collectives
-from dtlab.bench import lowcomm_fair
+from dtlab.bench import lowcomm_fair, lowcomm_reuse
 from dtlab.bench.link import Link, link_namespace, measure_link, parse_links
 from dtlab.config import load_config
 from dtlab.errors import DtlabError
@@ -161,6 +161,11 @@ def run_env(link: Link) -> dict[str, str]:
     return env
 
 
+def _settings(steps: int, overrides: list[str]) -> list[str]:
+    """Every ``--set`` of a run of ``steps`` with ``overrides`` (its run directory aside)."""
+    return [*COMMON, f"train.steps={steps}", f"eval.every={steps}", "eval.batches=8", *overrides]
+
+
 def _run(
     prefix: list[str],
     run_dir: Path,
@@ -169,9 +174,8 @@ def _run(
     env: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     cmd = [
-        *prefix, sys.executable, "-m", "dtlab", "train", "--nproc", str(NPROC), "--set", *COMMON,
-        f"train.steps={steps}", f"eval.every={steps}", "eval.batches=8", f"run.dir={run_dir}",
-        *overrides,
+        *prefix, sys.executable, "-m", "dtlab", "train", "--nproc", str(NPROC), "--set",
+        *_settings(steps, overrides), f"run.dir={run_dir}",
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -484,7 +488,7 @@ def results_json(rows: list[dict[str, Any]], seeds: list[Any]) -> dict[str, Any]
         "round_trips_per_step", "planned_round_trips", "step_time_s", "predicted_step_time_s",
         "time_to_target_s", "predicted_time_to_target_s", "target", "baseline",
         "baseline_final_val_loss", "dense_method", "dense_final_val_loss", "dense_loss_cost",
-        "bytes_reduction",
+        "bytes_reduction", "reused",
     )  # fmt: skip
     rename = {"comm_bytes_all_steps": "comm_bytes_per_step"}
 
@@ -669,6 +673,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--out", default="bench-out/lowcomm", help="output directory")
     ap.add_argument(
+        "--reuse",
+        action="store_true",
+        help="read back a run that an earlier invocation finished in --out with the same settings "
+        "instead of training it again (uncapped links without an injected round trip only: their "
+        "losses and bytes; the report names the runs reused)",
+    )
+    ap.add_argument(
         "--set",
         dest="overrides",
         nargs="*",
@@ -719,11 +730,12 @@ def _write_outputs(
     predict(rows)
     target = figures(rows)
     (out / "results.json").write_text(json.dumps({"target": target, "rows": rows}, indent=1))
-    (out / "report.md").write_text(report(rows, target, args.steps))
+    text = report(rows, target, args.steps) + lowcomm_reuse.reused_note(rows)
+    (out / "report.md").write_text(text)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results_json(rows, seeds), indent=1))
     plots(rows, out)
-    print(report(rows, target, args.steps))
+    print(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -760,17 +772,24 @@ def _measure(
         f"-seed{seed}" if seed is not None else ""
     )
     run_dir = out / "runs" / name
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
     overrides = [*planned.overrides] + ([f"train.seed={seed}"] if seed is not None else [])
-    records = _run(prefix, run_dir, args.steps, overrides, run_env(link))
+    settings = _settings(args.steps, overrides)
+    records = lowcomm_reuse.reusable(run_dir, settings, link) if args.reuse else None
+    reused = records is not None
+    if records is None:
+        lowcomm_reuse.forget(run_dir)
+        if run_dir.exists():
+            shutil.rmtree(run_dir)
+        records = _run(prefix, run_dir, args.steps, overrides, run_env(link))
+        lowcomm_reuse.mark_done(run_dir, settings, link)
     r = _row(method, link, rate, records, inner_steps(overrides), seed)
     r.update(baseline=planned.baseline, dense_method=planned.dense, train_settings=planned.train)
+    r["reused"] = reused
     print(
         f"{link.name:>8} {method:<15} {'' if seed is None else f'seed {seed} '}"
         f"{r['wire_bytes_per_step'] / 2**20:8.3f} MiB/step {r['step_time_s']:.3f} s/step  "
         f"{r['round_trips_per_step']:.2f} round trips/step  val {_num(r['final_val_loss'], '.4f')}  "
-        f"({time.perf_counter() - t0:.0f} s)",
+        + ("(reused)" if reused else f"({time.perf_counter() - t0:.0f} s)"),
         flush=True,
     )
     return r
