@@ -179,9 +179,9 @@ def collective_waits(
     (its reducer issues them while backward runs and waits at the end); ZeRO-1's reduce-scatter and
     all-gather; FSDP's all-gathers (forward and, with ``full`` sharding, backward, of each unit and
     micro-batch), reduce-scatters of each unit and micro-batch (a pipeline's once) and HSDP's
-    all-reduces of each unit; tensor parallelism's per block and micro-batch (and under sequence
-    parallelism the norms' gradients'); a pipeline rank's sends and receives (a tied
-    model's embedding's too); expert parallelism's all-to-alls (three per MoE block and micro-batch
+    all-reduces of each unit; tensor parallelism's per block and micro-batch, and under sequence
+    parallelism the all-reduce of the norms' gradients; a pipeline rank's sends and receives (a
+    tied model's embedding's too); expert parallelism's all-to-alls (three per MoE block and micro-batch
     in forward, two in backward, three more where a block is recomputed) and its experts'
     all-reduce; and the step's one reduction. ``n_layers``: the blocks the rank holds."""
     from dtlab.analysis.moe import moe_blocks, part_model

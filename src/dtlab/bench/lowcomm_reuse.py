@@ -7,7 +7,8 @@ run directory instead of trained again, so that methods measured at different ti
 baselines and land in one table and one plot.
 
 A run is kept only once it finished: a file beside its run directory, written after ``dtlab train``
-exited 0, records what it trained (the whole command's settings and the link). A run stopped part
+exited 0, records what it trained (the whole command's settings, the link, and the dtlab and torch
+versions). A run stopped part
 way, or one that an older bench wrote, has no such file and runs again. Only runs on an uncapped
 link without an injected round trip are reused: there the figures read are the losses and the
 bytes, which do not depend on when the run took place; a capped link's step times do.
@@ -23,10 +24,17 @@ from dtlab.bench.link import Link
 
 
 def identity(settings: list[str], link: Link) -> dict[str, Any]:
-    """What a run trains: every ``--set`` of its ``dtlab train`` command (run.dir left out) and
-    the link it runs on."""
+    """What a run trains: every ``--set`` of its ``dtlab train`` command (run.dir left out), the
+    link it runs on, and the dtlab and torch versions that train it."""
+    import torch
+
+    from dtlab import __version__
+
     kept = [s for s in settings if not s.startswith("run.dir=")]
-    return {"settings": kept, "link": link.name, "rtt_s": link.rtt_s}
+    return {
+        "settings": kept, "link": link.name, "rtt_s": link.rtt_s, "dtlab": __version__,
+        "torch": torch.__version__,
+    }  # fmt: skip
 
 
 def _done_file(run_dir: Path) -> Path:
