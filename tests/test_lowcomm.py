@@ -217,6 +217,27 @@ def test_each_method_gets_ddp_with_its_own_train_settings_and_its_dense_twin() -
     assert lowcomm_fair.dir_name(twin.name) == "ddp_train.lr_1e-3_"
 
 
+def test_streaming_methods_fit_their_fragments_to_a_shallower_model() -> None:
+    # tiny's streaming methods hold one block a fragment (4); on a 2-block shape they run with 2,
+    # beside methods without fragments in the same plan, and their dense twins keep the 2 as well.
+    shape = ["model.n_layers=2"]
+    plan = lowcomm.run_plan(["streaming-int2", "diloco-int2"], shape, 8)
+    streaming = plan["streaming-int2"]
+    assert "parallel.diloco.fragments=2" in streaming.overrides
+    assert "parallel.diloco.fragments=4" not in streaming.overrides
+    assert "parallel.diloco.fragments=2" in plan[streaming.dense].overrides  # type: ignore[index]
+    assert streaming.dense != plan["diloco-int2"].dense == "diloco"
+    assert not any("fragments" in o for o in plan["diloco-int2"].overrides)
+    # On tiny itself nothing changes; a user's own fragment count still wins.
+    tiny = lowcomm.run_plan(["streaming-int2"], [], 8)["streaming-int2"]
+    assert tiny.overrides == lowcomm.METHODS["streaming-int2"]
+    user = lowcomm.run_plan(["streaming-int2"], [*shape, "parallel.diloco.fragments=1"], 8)
+    assert user["streaming-int2"].overrides[-1] == "parallel.diloco.fragments=1"
+    assert lowcomm_fair.fit_fragments(["parallel.diloco.fragments=3"], 8) == [
+        "parallel.diloco.fragments=3"
+    ]
+
+
 def _row(method: str, loss: float, **train: object) -> dict[str, object]:
     settings = {"train.optimizer": "adamw", "train.lr": 2e-3, **train}
     return {"method": method, "seed": 0, "link": "none", "final_val_loss": loss,

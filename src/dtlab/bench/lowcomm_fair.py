@@ -133,6 +133,18 @@ def _compresses(config: dict[str, Any]) -> bool:
     return _is_diloco(config) and (d["quantize"] != "none" or bool(d["topk"]))
 
 
+def fit_fragments(overrides: list[str], blocks: int) -> list[str]:
+    """``overrides`` with a Streaming DiLoCo fragment count above the model's ``blocks`` lowered to
+    ``blocks`` (one block a fragment, the most a model has): a streaming method defined with one
+    fragment per block of ``tiny`` runs on a shallower shape in the same invocation as methods
+    without fragments, each fragment still synced once per H steps (the same bytes a step)."""
+    key = "parallel.diloco.fragments="
+    return [
+        f"{key}{blocks}" if o.startswith(key) and int(o[len(key) :]) > blocks else o
+        for o in overrides
+    ]
+
+
 def plan(
     methods: list[str], known: dict[str, list[str]], user: list[str], common: list[str]
 ) -> dict[str, Planned]:
@@ -141,8 +153,11 @@ def plan(
     each method after its DDP twin and its dense twin, each once. A method's DDP twin is the
     ``train.*`` overrides of the method (with ``user`` on top) and nothing else; a compressing DiLoCo
     method's dense twin is the method with ``parallel.diloco.quantize=none`` and ``topk=0``. A twin
-    takes the name of a known method that resolves to the same config, else a name of its own."""
+    takes the name of a known method that resolves to the same config, else a name of its own.
+    A known method's fragments are fitted to the model's blocks (:func:`fit_fragments`)."""
     resolve = _Resolver(common)
+    blocks = resolve.need(list(user), "the common run")["model"]["n_layers"]
+    known = {m: fit_fragments(o, blocks) for m, o in known.items()}
     out: dict[str, Planned] = {}
 
     def twin(config: dict[str, Any], name: str, own: list[str], tail: tuple[str, ...]) -> str:
