@@ -71,7 +71,7 @@ def test_the_collectives_a_step_issues_are_counted_as_the_bench_counts_them() ->
     assert count(["parallel.strategy=single", "parallel.tp=2"], 2) == 1 + 7 * 4 + 2 + 3
     # Sequence parallelism: 4 all-gathers and 4 reduce-scatters per block, one of each at the ends,
     # in forward and in backward, the loss's 3, and once a step the norms' gradients' all-reduce
-    # (tests/workers/tp_comm_worker.py counts a real step's).
+    # (test_the_step_waits_for_the_collectives_a_real_step_issues counts a real step's).
     sp = ["parallel.strategy=single", "parallel.tp=2", "parallel.sequence_parallel=true"]
     assert count(sp, 2) == 1 + 2 * (4 * 4 + 2) + 3 + 1
 
@@ -79,10 +79,24 @@ def test_the_collectives_a_step_issues_are_counted_as_the_bench_counts_them() ->
 _MOE = "model.preset=tiny-moe,model.dim=64,model.n_heads=4,model.n_kv_heads=2"
 
 
+_TP = "parallel.strategy=single,parallel.tp=2"
+
+
 @pytest.mark.parametrize(
-    "layouts",
+    ("nproc", "layouts"),
     [
         pytest.param(
+            2,
+            [
+                _TP,
+                f"{_TP},train.micro_batch_size=8",
+                f"{_TP},parallel.sequence_parallel=true",
+                f"{_TP},parallel.sequence_parallel=true,train.micro_batch_size=8",
+            ],
+            id="tensor-two-ranks",
+        ),
+        pytest.param(
+            4,
             [
                 "parallel.strategy=ddp,train.micro_batch_size=2",
                 "parallel.strategy=ddp,parallel.sharding=optimizer",
@@ -96,6 +110,7 @@ _MOE = "model.preset=tiny-moe,model.dim=64,model.n_heads=4,model.n_kv_heads=2"
             id="data-tensor-pipeline",
         ),
         pytest.param(
+            4,
             [
                 "parallel.strategy=ddp,parallel.tp=2,parallel.sequence_parallel=true",
                 "parallel.strategy=fsdp,parallel.pp=2,parallel.sharding=shard_grad_op",
@@ -112,11 +127,14 @@ _MOE = "model.preset=tiny-moe,model.dim=64,model.n_heads=4,model.n_kv_heads=2"
         ),
     ],
 )
-def test_the_step_waits_for_the_collectives_a_real_step_issues(layouts: list[str]) -> None:
-    """Each layout's whole step on 4 gloo ranks, its collectives counted by torch's profiler on the
-    rank that issues the most, against the waits the step-time model counts (context parallelism
-    is not here: the probes' step feeds whole sequences)."""
-    run_worker("waits_worker.py", 4, *layouts)
+def test_the_step_waits_for_the_collectives_a_real_step_issues(
+    nproc: int, layouts: list[str]
+) -> None:
+    """Each layout's whole step (one micro-batch or several) on ``nproc`` gloo ranks, its
+    collectives counted by torch's profiler on the rank that issues the most, against the waits the
+    step-time model counts (context parallelism is not here: the probes' step feeds whole
+    sequences)."""
+    run_worker("waits_worker.py", nproc, *layouts)
 
 
 def test_one_bucket_waits_whole_and_many_hide_behind_backward() -> None:

@@ -1,4 +1,4 @@
-"""Four gloo ranks, each layout in turn: the collectives a whole step issues (counted by torch's
+"""Gloo ranks (as many as launched), each layout in turn: the collectives a whole step issues (counted by torch's
 profiler: every one gloo runs, on the rank that issues the most) are the ones the step-time model
 counts a wait for (:func:`dtlab.analysis.steptime.collective_waits`)."""
 
