@@ -8,6 +8,7 @@ import math
 import os
 import statistics
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -284,7 +285,9 @@ def test_plan_this_device_prints_its_measured_collectives_and_step(tmp_path) -> 
     assert "  groups   all_reduce" in text and "  step     " in text and "  wrappers " in text
 
 
-def test_calibration_measures_and_predicts_each_layout(tmp_path) -> None:
+def test_calibration_measures_and_predicts_each_layout(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "cal.json"
     proc = subprocess.run(
         [PYTHON, "-m", "dtlab.bench.calibrate", "--quick", "--steps", "2", "--warmup", "1",
@@ -308,6 +311,22 @@ def test_calibration_measures_and_predicts_each_layout(tmp_path) -> None:
     # One pair of layouts on 2 processes: the plan orders it one way or the other.
     assert result["ranking"]["pairs"] == 1 and result["ranking"]["tau"] in (-1.0, 1.0)
     assert "Kendall's tau" in proc.stdout
+
+    # Predicted again from the inputs the calibration recorded (nothing measured): the same plan
+    # on the same inputs gives each row's prediction to the bit, and the errors follow.
+    from dtlab.bench import calibrate
+    from dtlab.bench.calibrate_replan import replan
+
+    capped = {**rows[0], "layout": "ddp (2) at 1gbit", "link": "1gbit"}
+    again = replan({**result, "rows": [*rows, capped]})
+    assert [r["layout"] for r in again["rows"]] == ["ddp (2)", "fsdp (2)"]  # capped: left out
+    for r, was in zip(again["rows"], rows, strict=True):
+        assert r["predicted"] == was["predicted"] and r["error"] == was["error"]
+    assert again["ranking"] == result["ranking"] and again["replanned"]
+    for bad, why in [("{", "cannot read it"), ('{"rows": []}', "not a calibration's --json")]:
+        (tmp_path / "bad.json").write_text(bad)
+        assert calibrate.main(["--replan", str(tmp_path / "bad.json")]) == 2
+        assert why in capsys.readouterr().err
 
 
 def _row(layout: str, nproc: int, measured: float, predicted: float, spread: float = 0.01) -> dict:

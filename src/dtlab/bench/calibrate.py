@@ -407,7 +407,16 @@ def format_table(result: dict[str, Any]) -> str:
     """The rows as a Markdown table, and the summary line."""
     rounds = max((len(r.get("measured_rounds_s") or []) for r in result["rows"]), default=1)
     spread = "each round's median" if rounds > 1 else "min-max"
-    lines = [
+    lines = (
+        [
+            "Predicted again by today's plan on the inputs the calibration recorded (--replan: "
+            "its measured steps unchanged, nothing measured now).",
+            "",
+        ]
+        if result.get("replanned")
+        else []
+    )
+    lines += [
         f"| layout | measured s ({spread}) | predicted s | compute s | comm s (exposed) | error |",
         "|---|---|---|---|---|---|",
     ]
@@ -460,7 +469,20 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _read_json(path: str) -> dict[str, Any]:
+    """A calibration's --json, or a DtlabError naming the file and why it cannot be read."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise DtlabError(f"--replan {path}: cannot read it ({e})") from None
+    if not isinstance(data, dict):
+        raise DtlabError(f"--replan {path}: not a calibration's --json (not an object)")
+    return data
+
+
 def main(argv: list[str] | None = None) -> int:
+    from dtlab.bench import calibrate_replan
+
     ap = argparse.ArgumentParser(prog="python -m dtlab.bench.calibrate", description=__doc__)
     ap.add_argument("--quick", action="store_true", help="ddp and fsdp on 2 processes only")
     ap.add_argument(
@@ -483,6 +505,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--json", metavar="OUT", help="also write the rows and summary here")
     ap.add_argument(
+        "--replan",
+        metavar="FILE",
+        help="measure nothing: predict an earlier calibration's rows (its --json) again with "
+        "today's plan on the inputs it recorded",
+    )
+    ap.add_argument(
         "--set",
         nargs="+",
         default=[],
@@ -497,10 +525,13 @@ def main(argv: list[str] | None = None) -> int:
                              f"{', '.join(BASES)}")  # fmt: skip
         if args.rounds < 1 or args.steps < 1:
             raise DtlabError(f"--rounds {args.rounds}, --steps {args.steps}: each must be >= 1")
-        result = run(
-            args.quick, args.links.split(","), args.steps, args.warmup, args.set, models,
-            args.rounds,
-        )  # fmt: skip
+        if args.replan:
+            result = calibrate_replan.replan(_read_json(args.replan))
+        else:
+            result = run(
+                args.quick, args.links.split(","), args.steps, args.warmup, args.set, models,
+                args.rounds,
+            )  # fmt: skip
     except DtlabError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

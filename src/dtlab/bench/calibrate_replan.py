@@ -1,0 +1,100 @@
+"""An earlier calibration's measured steps predicted again by today's plan, from the inputs that
+calibration measured: ``python -m dtlab.bench.calibrate --replan cal.json``.
+
+A calibration takes half an hour of a machine's whole CPU, and its inputs (the probed step of each
+model, gloo's rate of each collective, the wrappers' costs, the loopback's rate, the GEMM peak) move
+between runs as much as the closest layouts differ. A change to the step-time model is judged
+fairly against the same measurements and the same inputs: each row's device is rebuilt from what
+the calibration's ``--json`` recorded, nothing is measured again, and only the predictions, the
+errors and the ranking are new. Rows on a capped link are left out (the link's measured rate is not
+recorded).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dtlab.errors import DtlabError
+
+
+def _device(result: dict[str, Any], key: str, model_config: Any) -> Any:
+    """The device the calibration predicted ``key``'s rows (``"tiny x 2"``) on, rebuilt from its
+    recorded inputs."""
+    from dtlab.analysis.devices import ComputeProbe, DeviceProfile
+    from dtlab.analysis.shapes import param_shapes
+
+    probe = result["probes"].get(key)
+    gbps = float(result["loopback_gbps"])
+    return DeviceProfile(
+        "this",
+        "this machine (the calibration's recorded inputs)",
+        0.0,
+        {k: float(v) for k, v in result["peak_tflops"].items()},
+        intra_node_gbps=gbps,
+        inter_node_gbps=gbps,
+        source="recorded by the calibration",
+        intra_node_source="recorded by the calibration",
+        inter_node_source="assumed: the same as within this machine",
+        copy_gbps=gbps,
+        probe=None
+        if probe is None
+        else ComputeProbe(
+            threads=int(probe["threads"]),
+            cores=int(probe["cores"]),
+            seconds_per_token=float(probe["seconds_per_token"]),
+            fixed_seconds=float(probe["fixed_seconds"]),
+            params=sum(s.numel for s in param_shapes(model_config)),
+            seq_len=int(probe["seq_len"]),
+            source=str(probe["source"]),
+        ),
+        collective_gbps=result["collectives"].get(key),
+        collective_source="recorded by the calibration",
+        wrapper_s=result["wrappers"].get(key),
+    )
+
+
+def replan(result: dict[str, Any]) -> dict[str, Any]:
+    """``result`` (a calibration's ``--json``) with every uncapped row's prediction and error made
+    again by today's plan on the recorded inputs, and its summary (errors, ranking) recomputed."""
+    from dtlab.bench import calibrate
+    from dtlab.config import load_config
+
+    need = ("rows", "base", "probes", "collectives", "wrappers", "loopback_gbps", "peak_tflops")
+    missing = [k for k in need if k not in result]
+    if missing:
+        raise DtlabError(f"--replan: not a calibration's --json (no {', '.join(missing)})")
+    bases: dict[str, list[str]] = result["base"]
+    rows_in: list[dict[str, Any]] = result["rows"]
+    layouts = {
+        f"{name} ({nproc})": (model, nproc, extra)
+        for model, name, nproc, extra in calibrate._grid(False, None)
+    }
+    rows: list[dict[str, Any]] = []
+    devices: dict[str, Any] = {}
+    for r in rows_in:
+        if not isinstance(r.get("error"), float) or r.get("link", "none") != "none":
+            continue
+        if r["layout"] not in layouts:
+            raise DtlabError(
+                f"--replan: layout {r['layout']!r} is not in today's grid; known: "
+                f"{', '.join(layouts)}"
+            )
+        model, nproc, extra = layouts[r["layout"]]
+        overrides = [*bases[model], *extra]
+        key = f"{model} x {nproc}"
+        if key not in devices:
+            devices[key] = _device(result, key, load_config(None, bases[model]).model)
+        want = calibrate.predict(overrides, nproc, devices[key])
+        rows.append({**r, "predicted": want, "error": want["step_time_s"] / r["measured_s"] - 1})
+    if not rows:
+        raise DtlabError("--replan: the file has no measured row on an uncapped link")
+    errors = [abs(r["error"]) for r in rows]
+    worst = max(rows, key=lambda r: abs(r["error"]))
+    return {
+        **result,
+        "rows": rows,
+        "ranking": calibrate.ranking(rows),
+        "mean_abs_error": sum(errors) / len(errors),
+        "worst": {"layout": worst["layout"], "error": worst["error"]},
+        "replanned": True,
+    }
