@@ -238,6 +238,30 @@ def test_streaming_methods_fit_their_fragments_to_a_shallower_model() -> None:
     ]
 
 
+def test_each_dense_twin_is_drawn_dashed_in_its_methods_colour() -> None:
+    def row(method: str, baseline: str, dense: str | None) -> dict[str, object]:
+        return {"method": method, "baseline": baseline, "dense_method": dense}
+
+    rows = [
+        row("ddp", "ddp", None), row("diloco", "ddp", "diloco"),
+        row("diloco-int2", "ddp", "diloco"), row("ddp-muon", "ddp-muon", None),
+        row("muon-int1-dense", "ddp-muon", "muon-int1-dense"),
+        row("muon-int1", "ddp-muon", "muon-int1-dense"), row("streaming", "ddp", "streaming"),
+    ]  # fmt: skip
+    styles = lowcomm_fair.curve_styles(rows)
+    assert styles["ddp"][:2] == styles["ddp-muon"][:2] == (None, "-")  # baselines: greys
+    assert styles["diloco-int2"][1] == styles["muon-int1"][1] == "-"
+    assert styles["diloco"] == (
+        styles["diloco-int2"][0],
+        "--",
+        "diloco (dense twin of diloco-int2)",
+    )
+    assert styles["muon-int1-dense"][:2] == (styles["muon-int1"][0], "--")
+    # A dense DiLoCo no compressing method names is a method of its own colour.
+    colours = [styles[m][0] for m in ("diloco-int2", "muon-int1", "streaming")]
+    assert styles["streaming"][1] == "-" and len(set(colours)) == 3
+
+
 def _row(method: str, loss: float, **train: object) -> dict[str, object]:
     settings = {"train.optimizer": "adamw", "train.lr": 2e-3, **train}
     return {"method": method, "seed": 0, "link": "none", "final_val_loss": loss,

@@ -317,9 +317,37 @@ def gap_curve(rows: list[dict[str, Any]], method: str, smooth: int) -> list[floa
     return [100 * (x / y - 1) for x, y in zip(mine, theirs, strict=False)]
 
 
+def curve_styles(rows: list[dict[str, Any]]) -> dict[str, tuple[int | None, str, str]]:
+    """How each method of ``rows`` is drawn among many: (its colour's index, or None for a
+    baseline, drawn in greys; its line style; its label). A compressing method has a colour of its
+    own; its dense twin the same colour dashed, so that each pair reads as one; a baseline (a method
+    that is its own) solid grey."""
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    first = {m: next(r for r in rows if r["method"] == m) for m in methods}
+    twin_of: dict[str, str] = {}
+    for m in methods:
+        dense = first[m].get("dense_method")
+        if dense and dense != m:
+            twin_of.setdefault(dense, m)
+    styles: dict[str, tuple[int | None, str, str]] = {}
+    colours = 0
+    for m in methods:
+        if first[m].get("baseline") == m:
+            styles[m] = (None, "-", m)
+        elif m not in twin_of:
+            styles[m] = (colours, "-", m)
+            colours += 1
+    for m in methods:
+        if m not in styles:
+            colour = styles.get(twin_of[m], (None, "", ""))[0]
+            styles[m] = (colour, "--", f"{m} (dense twin of {twin_of[m]})")
+    return styles
+
+
 def loss_curves_plot(rows: list[dict[str, Any]], path: Path, smooth: int) -> Path:
     """Every method's training loss over the whole run (``smooth``-step moving average, mean over
-    the seeds, first link) and, below, its gap to its own baseline in percent, to ``path``."""
+    the seeds, first link) and, below, its gap to its own baseline in percent, to ``path``; each
+    dense twin dashed in its method's colour (:func:`curve_styles`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -327,21 +355,27 @@ def loss_curves_plot(rows: list[dict[str, Any]], path: Path, smooth: int) -> Pat
 
     first = rows[0]["link"]
     sub = [r for r in rows if r["link"] == first]
-    methods = list(dict.fromkeys(r["method"] for r in sub))
+    styles = curve_styles(sub)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 8), dpi=100, sharex=True)
-    colors = plt.get_cmap("tab20")
-    for i, method in enumerate(methods):
-        color = colors((2 * i + (2 * i // 20)) % 20)  # the dark shades first, then the light
+    colors = plt.get_cmap("tab10")
+    greys = iter(["black", "dimgray", "darkgray"] * len(styles))
+    ceiling = 0.0
+    for method, (index, dash, label) in styles.items():
+        color = next(greys) if index is None else colors(index % 10)
         curve = mean_curve([r for r in sub if r["method"] == method], smooth)
-        top.plot(range(1, len(curve) + 1), curve, color=color, lw=1, label=method)
+        top.plot(range(1, len(curve) + 1), curve, color=color, ls=dash, lw=1, label=label)
+        ceiling = max(ceiling, curve[len(curve) // 40])
         gap = gap_curve(sub, method, smooth)
         if gap is not None:
-            bottom.plot(range(1, len(gap) + 1), gap, color=color, lw=1, label=method)
+            bottom.plot(range(1, len(gap) + 1), gap, color=color, ls=dash, lw=1, label=label)
     seeds = len(dict.fromkeys(r.get("seed") for r in sub))
     top.set_ylabel(
         f"training loss ({smooth}-step mean" + (f", mean of {seeds} seeds)" if seeds > 1 else ")")
     )
     top.set_title(f"loss over the run (link {first})")
+    # The first fortieth of the run (the loss falling from ln(vocabulary)) off the top, so that
+    # the rest, where the methods differ by a few percent, fills the panel.
+    top.set_ylim(top=ceiling * 1.05)
     top.legend(fontsize=7, ncol=2)
     bottom.axhline(0, color="black", lw=0.8)
     bottom.set_ylabel("gap to its baseline (%)")
