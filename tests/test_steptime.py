@@ -315,10 +315,9 @@ def test_calibration_measures_and_predicts_each_layout(
     # Predicted again from the inputs the calibration recorded (nothing measured): the same plan
     # on the same inputs gives each row's prediction to the bit, and the errors follow.
     from dtlab.bench import calibrate
-    from dtlab.bench.calibrate_replan import replan
 
     capped = {**rows[0], "layout": "ddp (2) at 1gbit", "link": "1gbit"}
-    again = replan({**result, "rows": [*rows, capped]})
+    again = calibrate.replanned({**result, "rows": [*rows, capped]})
     assert [r["layout"] for r in again["rows"]] == ["ddp (2)", "fsdp (2)"]  # capped: left out
     for r, was in zip(again["rows"], rows, strict=True):
         assert r["predicted"] == was["predicted"] and r["error"] == was["error"]

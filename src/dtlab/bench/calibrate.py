@@ -469,6 +469,15 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def replanned(result: dict[str, Any]) -> dict[str, Any]:
+    """An earlier calibration's ``result`` predicted again by today's plan on the inputs it
+    recorded (:func:`dtlab.bench.calibrate_replan.replan` over this grid)."""
+    from dtlab.bench.calibrate_replan import replan
+
+    layouts = {f"{name} ({n})": (model, n, extra) for model, name, n, extra in _grid(False, None)}
+    return replan(result, layouts, predict, ranking)
+
+
 def _read_json(path: str) -> dict[str, Any]:
     """A calibration's --json, or a DtlabError naming the file and why it cannot be read."""
     try:
@@ -481,8 +490,6 @@ def _read_json(path: str) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dtlab.bench import calibrate_replan
-
     ap = argparse.ArgumentParser(prog="python -m dtlab.bench.calibrate", description=__doc__)
     ap.add_argument("--quick", action="store_true", help="ddp and fsdp on 2 processes only")
     ap.add_argument(
@@ -526,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.rounds < 1 or args.steps < 1:
             raise DtlabError(f"--rounds {args.rounds}, --steps {args.steps}: each must be >= 1")
         if args.replan:
-            result = calibrate_replan.replan(_read_json(args.replan))
+            result = replanned(_read_json(args.replan))
         else:
             result = run(
                 args.quick, args.links.split(","), args.steps, args.warmup, args.set, models,

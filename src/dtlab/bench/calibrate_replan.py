@@ -12,9 +12,13 @@ recorded).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from dtlab.errors import DtlabError
+
+# A grid row's label ("fsdp (4)") -> its model, process count and overrides beyond the model's base.
+Layouts = dict[str, tuple[str, int, list[str]]]
 
 
 def _device(result: dict[str, Any], key: str, model_config: Any) -> Any:
@@ -53,10 +57,16 @@ def _device(result: dict[str, Any], key: str, model_config: Any) -> Any:
     )
 
 
-def replan(result: dict[str, Any]) -> dict[str, Any]:
+def replan(
+    result: dict[str, Any],
+    layouts: Layouts,
+    predict: Callable[[list[str], int, Any], dict[str, float]],
+    ranking: Callable[[list[dict[str, Any]]], dict[str, Any]],
+) -> dict[str, Any]:
     """``result`` (a calibration's ``--json``) with every uncapped row's prediction and error made
-    again by today's plan on the recorded inputs, and its summary (errors, ranking) recomputed."""
-    from dtlab.bench import calibrate
+    again by ``predict`` (the plan's step of overrides on a process count and device) on the
+    recorded inputs, and its summary (errors, ``ranking``) recomputed; ``layouts``: the grid's rows
+    by label."""
     from dtlab.config import load_config
 
     need = ("rows", "base", "probes", "collectives", "wrappers", "loopback_gbps", "peak_tflops")
@@ -65,10 +75,6 @@ def replan(result: dict[str, Any]) -> dict[str, Any]:
         raise DtlabError(f"--replan: not a calibration's --json (no {', '.join(missing)})")
     bases: dict[str, list[str]] = result["base"]
     rows_in: list[dict[str, Any]] = result["rows"]
-    layouts = {
-        f"{name} ({nproc})": (model, nproc, extra)
-        for model, name, nproc, extra in calibrate._grid(False, None)
-    }
     rows: list[dict[str, Any]] = []
     devices: dict[str, Any] = {}
     for r in rows_in:
@@ -84,7 +90,7 @@ def replan(result: dict[str, Any]) -> dict[str, Any]:
         key = f"{model} x {nproc}"
         if key not in devices:
             devices[key] = _device(result, key, load_config(None, bases[model]).model)
-        want = calibrate.predict(overrides, nproc, devices[key])
+        want = predict(overrides, nproc, devices[key])
         rows.append({**r, "predicted": want, "error": want["step_time_s"] / r["measured_s"] - 1})
     if not rows:
         raise DtlabError("--replan: the file has no measured row on an uncapped link")
@@ -93,7 +99,7 @@ def replan(result: dict[str, Any]) -> dict[str, Any]:
     return {
         **result,
         "rows": rows,
-        "ranking": calibrate.ranking(rows),
+        "ranking": ranking(rows),
         "mean_abs_error": sum(errors) / len(errors),
         "worst": {"layout": worst["layout"], "error": worst["error"]},
         "replanned": True,
