@@ -68,7 +68,7 @@ def test_the_collectives_a_step_issues_are_counted_as_the_bench_counts_them() ->
     assert count(["parallel.strategy=ddp", "parallel.sharding=optimizer"], 2) == 3
     assert count(["parallel.strategy=single", "parallel.pp=2"], 2) == 5
     # Tensor parallelism: 7 all-reduces per block, the embedding's and the output's, and the
-    # vocabulary-parallel loss's 3 (which the bench's counter does not see).
+    # vocabulary-parallel loss's 3.
     assert count(["parallel.strategy=single", "parallel.tp=2"], 2) == 1 + 7 * 4 + 2 + 3
     # Sequence parallelism: 4 all-gathers and 4 reduce-scatters per block, one of each at the ends,
     # in forward and in backward, the loss's 3, and once a step the norms' gradients' all-reduce
@@ -93,6 +93,11 @@ _TP = "parallel.strategy=single,parallel.tp=2"
                 f"{_TP},train.micro_batch_size=8",
                 f"{_TP},parallel.sequence_parallel=true",
                 f"{_TP},parallel.sequence_parallel=true,train.micro_batch_size=8",
+                # float8's scales agreed inside DTensor's dispatch: precomputed for FSDP's
+                # float8 gathers, and rowwise ones a row.
+                "parallel.strategy=fsdp,parallel.tp=2,train.precision=bf16,train.float8.enabled=true",
+                f"{_TP},train.precision=bf16,train.float8.enabled=true,"
+                "train.float8.recipe=rowwise,train.micro_batch_size=8",
             ],
             id="tensor-two-ranks",
         ),
@@ -122,6 +127,9 @@ _TP = "parallel.strategy=single,parallel.tp=2"
                 "parallel.pp_schedule=zbv,train.micro_batch_size=4",
                 f"{_MOE},parallel.strategy=ddp,parallel.ep=2,parallel.tp=2",
                 f"{_MOE},parallel.strategy=ddp,parallel.ep=2,parallel.pp=2",
+                # The norms' half-precision gradients reduced with each micro-batch FSDP reduces.
+                "parallel.strategy=fsdp,parallel.tp=2,parallel.sequence_parallel=true,"
+                "train.precision=bf16,train.micro_batch_size=2",
             ],
             id="schedules-recompute-experts",
             marks=pytest.mark.slow,

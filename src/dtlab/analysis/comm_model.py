@@ -161,7 +161,8 @@ def _model_parallel_comm(
     if dims.tp_enabled:
         ends = part.first * emb + part.last * stream
         _tp_blocks_comm(config, part, microbatches, act, stream, ends, comm)
-        _tp_loss_and_norms_comm(config, part, tokens, microbatches, comm)
+        times, grad = gain_grad_reduction(config, dims, microbatches)
+        _tp_loss_and_norms_comm(config, part, tokens, microbatches, times * grad, comm)
         if config.parallel.sequence_parallel:
             groups["tp all_gather"] = groups["tp reduce_scatter"] = dims.tp
         groups["tp all_reduce"] = dims.tp
@@ -226,23 +227,42 @@ def _tp_blocks_comm(
     comm["tp all_reduce"] -= microbatches * here * (act + 2 * stream)
 
 
+def gain_grad_reduction(config: Config, dims: ParallelDims, microbatches: int) -> tuple[int, int]:
+    """How often a step all-reduces, over the tensor-parallel ranks, the gradients of the gains
+    whose inputs are split (sequence parallelism's norms, model.qk_norm's q/k gains), and at how
+    many bytes an element: where FSDP reduce-scatters every micro-batch (shards of several ranks,
+    no pipeline) with each micro-batch, in the parameters' dtype in backward (half precision where
+    FSDP gathers half-precision weights); otherwise once a step, after the micro-batches: in
+    float32 where there were several (FSDP accumulates half-precision gradients in its float32
+    reduce dtype), in the parameters' dtype where one (measured: ``dtlab plan --check``)."""
+    every = dims.fsdp_enabled and dims.dp_shard > 1 and not dims.pp_enabled
+    half = fsdp_half_params(config, dims) and (every or microbatches == 1)
+    return (microbatches if every else 1), (2 if half else FP32)
+
+
 def _tp_loss_and_norms_comm(
-    config: Config, part: RankPart, tokens: int, microbatches: int, comm: dict[str, int]
+    config: Config,
+    part: RankPart,
+    tokens: int,
+    microbatches: int,
+    grad: int,
+    comm: dict[str, int],
 ) -> None:
     """Tensor parallelism's all-reduces beyond the blocks' into ``comm``: the vocabulary-parallel
-    loss's three floats a token (the last stage), and once a step the gradients of the gains whose
-    inputs are split: under sequence parallelism the norms', and the q/k norms' (model.qk_norm:
-    each rank normalises its own heads)."""
+    loss's three floats a token (the last stage), and the gradients of the gains whose inputs are
+    split: under sequence parallelism the norms', and the q/k norms' (model.qk_norm: each rank
+    normalises its own heads), ``grad`` bytes an element in a step (:func:`gain_grad_reduction`:
+    the reductions a step times their bytes an element)."""
     comm["tp all_reduce"] = comm.get("tp all_reduce", 0) + (
         3 * microbatches * tokens * FP32 if part.last else 0
     )
     if config.parallel.sequence_parallel:
         # The norms' weights are whole on every rank while their inputs are sequence shards:
-        # their float32 gradients are all-reduced once per step.
+        # their gradients are all-reduced.
         norms = 2 * part.n_layers + part.last
-        comm["tp all_reduce"] += norms * config.model.dim * FP32
+        comm["tp all_reduce"] += norms * config.model.dim * grad
     if config.model.qk_norm:  # a q and a k gain of head_dim a block
-        comm["tp all_reduce"] += 2 * part.n_layers * config.model.args().head_dim * FP32
+        comm["tp all_reduce"] += 2 * part.n_layers * config.model.args().head_dim * grad
 
 
 def tied_embedding_comm(

@@ -20,10 +20,9 @@ Memory, as `dtlab plan --check` measures the real code (torchao 0.18):
   made): a moment of the step's timeline of its own (:func:`down_projection_casts`), the step's
   peak under checkpointing on the shapes checked.
 
-Bytes: the float8 all-gathers (above); the scales' all-reduce after each optimizer step (one float32
-a layer) is not counted: DTensor issues it inside the dispatch of the amaxes' clamp, where the
-collective counter (a dispatch mode) is off, in `dtlab plan --check` and a run alike; the plan
-follows the counter.
+Bytes: the float8 all-gathers (above), and the scales' agreements DTensor issues inside its own
+dispatch (:func:`float8_amax_comm`): after each optimizer step the precomputed scales' amaxes (one
+float32 a layer), and under tensor parallelism the dynamic scales of the layers' sharded operands.
 
 The step's time: :mod:`dtlab.analysis.float8_time`.
 """
@@ -40,6 +39,8 @@ __all__ = [
     "block_float8",
     "down_projection_casts",
     "enabled",
+    "float8_amax_collectives",
+    "float8_amax_comm",
     "float8_block_params",
     "float8_ffn",
     "float8_gather_saving",
@@ -214,6 +215,86 @@ def block_float8(config: Config, dims: ParallelDims) -> tuple[bool, bool] | None
     gathered = gathers_float8(config, dims)
     full = config.train.activation_checkpointing == "full"
     return not gathered, full and gathered and not dims.pp_enabled
+
+
+# A block's column-wise (input whole, output split) and row-wise (input split) layers under TP.
+_COLUMNWISE = ("wq", "wk", "wv", "w1", "w3")
+_ROWWISE = ("wo", "w2")
+
+
+def float8_amax_collectives(
+    config: Config,
+    dims: ParallelDims,
+    rank_model: ModelConfig,
+    tokens: int,
+    microbatches: int,
+    device_type: str,
+) -> dict[str, tuple[int, int]]:
+    """The all-reduces a step issues to agree on float8 scales, by collective kind: (calls, bytes),
+    as DTensor issues them inside its dispatch (torchao 0.18; counted by `dtlab plan --check` on gloo):
+
+    - where FSDP gathers float8 weights (:func:`gathers_float8`), once a step the precomputed
+      scales' amaxes: a float32 a float8 layer of the rank, over each mesh dimension its weights
+      are sharded on (the FSDP shard group, the tensor-parallel group);
+    - under tensor parallelism, per block and micro-batch, the amax of each sharded operand a layer
+      casts: in forward the row-wise layers' inputs (again where a checkpointed block recomputes),
+      in backward each column-wise layer's output gradient and weight and each row-wise layer's
+      weight; where the weights' scales are not precomputed (FSDP does not gather float8), each
+      layer's weight once more in forward and once more in backward. Tensorwise: a float64 each;
+      rowwise (whose weights' scales are never precomputed, and whose row-wise weights need none in
+      backward): a float64 a row, the inputs' and output gradients' a token (``tokens``: a
+      micro-batch's on the rank), the weights' a model dimension.
+      On a GPU with tensorwise scaling tensor parallelism sends float8 itself (torchao's float8
+      styles, :func:`dtlab.parallel.float8.float8_tp_comm`), whose agreements are not measured
+      here: none counted.
+    """
+    if not enabled(config):
+        return {}
+    out: dict[str, tuple[int, int]] = {}
+    dense, routed = _blocks(rank_model)
+    precomputed = gathers_float8(config, dims)
+    if precomputed:
+        layers = _layer_count(rank_model)
+        if dims.dp_shard > 1:
+            out["all_reduce"] = (1, FP32 * layers)
+        if dims.tp_enabled:
+            out["tp all_reduce"] = (1, FP32 * layers)
+    rowwise = config.train.float8.recipe == "rowwise"
+    if not dims.tp_enabled or (device_type == "cuda" and not rowwise):
+        return out
+    again = 2 if config.train.activation_checkpointing != "none" else 1
+    f64, dim = 8, config.model.dim
+    calls = elements = 0
+    for blocks, moe_block in ((dense, False), (routed, True)):
+        names = float8_layers(config.model, moe_block)
+        col = sum(n in _COLUMNWISE for n in names)
+        row = sum(n in _ROWWISE for n in names)
+        if rowwise:  # each an operand's rows (a token's) and a weight's (a model dimension's)
+            pairs = row * again + col
+            calls += blocks * 2 * pairs
+            elements += blocks * pairs * (tokens + dim)
+        else:
+            forward = row + (0 if precomputed else len(names))
+            backward = 2 * col + row + (0 if precomputed else len(names))
+            calls += blocks * (forward * again + backward)
+            elements += blocks * (forward * again + backward)
+    n, b = out.get("tp all_reduce", (0, 0))
+    out["tp all_reduce"] = (n + microbatches * calls, b + microbatches * elements * f64)
+    return out
+
+
+def float8_amax_comm(
+    config: Config,
+    dims: ParallelDims,
+    rank_model: ModelConfig,
+    tokens: int,
+    microbatches: int,
+    device_type: str,
+) -> dict[str, int]:
+    """Bytes a step all-reduces to agree on float8 scales, by collective kind
+    (:func:`float8_amax_collectives`)."""
+    found = float8_amax_collectives(config, dims, rank_model, tokens, microbatches, device_type)
+    return {kind: nbytes for kind, (_, nbytes) in found.items()}
 
 
 def float8_ffn(config: Config) -> bool:

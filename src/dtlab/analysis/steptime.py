@@ -22,6 +22,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from dtlab.analysis.comm_model import gain_grad_reduction
+from dtlab.analysis.float8_plan import float8_amax_collectives
 from dtlab.analysis.hook_memory import stateful_hook
 from dtlab.config import Config
 from dtlab.config.checks import V_SCHEDULES
@@ -197,7 +199,8 @@ def collective_waits(
         if dims.pp_enabled and v_shape
         else list(range(dims.pp - 1, stages, dims.pp))
     )
-    moe_here = moe_blocks(part_model(config.model, stages, held))
+    rank_model = part_model(config.model, stages, held)
+    moe_here = moe_blocks(rank_model)
     waits: dict[int, int] = {}
 
     def add(group: int, n: int) -> None:
@@ -231,8 +234,10 @@ def collective_waits(
         again = n_layers if config.train.activation_checkpointing != "none" else 0
         if p.sequence_parallel:
             # The norms' gradients (their inputs are sequence shards): all-reduced once a step, in
-            # one all-reduce, or under FSDP (whose units reduce each gradient) one per norm.
-            norms = 2 * n_layers + 1 if dims.fsdp_enabled else 1
+            # one all-reduce, or under FSDP (whose units reduce each gradient) one per norm, with
+            # each micro-batch where FSDP reduce-scatters every micro-batch.
+            times, _ = gain_grad_reduction(config, dims, microbatches)
+            norms = times * (2 * n_layers + 1) if dims.fsdp_enabled else 1
             add(dims.tp, microbatches * (2 * (4 * n_layers + ends) + 3 + 3 * again) + norms)
         else:
             # An MoE block's feed-forward is whole on every rank: no w2 output to reduce in
@@ -260,6 +265,11 @@ def collective_waits(
     if moe_blocks(config.model):
         # The step's routing figures agreed among all ranks (a pipeline's largest bias again).
         add(dims.world_size, 2 if dims.pp_enabled else 1)
+    # train.float8: the scales' agreements (the CPU's emulation: gloo's path).
+    for kind, (calls, _) in float8_amax_collectives(
+        config, dims, rank_model, 0, microbatches, "cpu"
+    ).items():
+        add(dims.tp if kind.startswith("tp ") else dims.dp_shard, calls)
     return waits
 
 

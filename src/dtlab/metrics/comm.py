@@ -184,6 +184,12 @@ class CommCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func.namespace not in ("c10d", "_c10d_functional"):
+            if any(issubclass(t, _dtensor_type()) for t in types):
+                # DTensor's own dispatch may issue collectives inside an operator (the
+                # vocabulary-parallel loss's all-reduces, a partial value's reduction an operator
+                # needs). Run here, with this mode off, they would go uncounted: deferred to
+                # DTensor instead, with this mode still on, they reach it as they run.
+                return NotImplemented
             return func(*args, **(kwargs or {}))
         op = func.overloadpacket.__name__.strip("_")
         if op in _NOT_COUNTED or op.startswith("wait"):
@@ -236,6 +242,13 @@ class CommCounter(TorchDispatchMode):
         self.bytes.clear()
         self.by_group.clear()
         self.cross_calls = self.cross_bytes = 0
+
+
+@functools.cache
+def _dtensor_type() -> type:
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
 
 
 def _group_ranks(name: str) -> list[int] | None:
