@@ -57,7 +57,7 @@ def test_a_tied_layout_is_planned_as_the_checked_code(layout: str) -> None:
     the state between steps to the byte (a pipeline's last stage holds the embedding's copy
     without optimizer state; its gradient, dropped once sent, is not stepped: kept only where
     FSDP's reduced gradients share one storage), the activations within 1%, and the bytes sent
-    exact but for the loss-parallel cross-entropy's all-reduces, which the counter does not see.
+    exact (the loss-parallel cross-entropy's all-reduces, issued inside DTensor's dispatch, too).
     A pipeline's ends each send one of the embedding's two transfers: its copy's gradient from
     the last stage, its new value from the first, each the rank's own shard of it."""
     nproc, overrides, ranks = LAYOUTS[layout]
@@ -79,10 +79,8 @@ def test_a_tied_layout_is_planned_as_the_checked_code(layout: str) -> None:
         act = own["activations"]
         assert abs(step.activations_bytes - act) <= 0.01 * act, (rank, step.activations_bytes, act)
         sent = [sum(c[k] for c in r.by_collective.values()) for k in ("predicted", "checked")]
-        unseen = 3 * 4 * config.train.global_batch_size * config.seq_len if dims.tp_enabled else 0
-        assert sent[0] - sent[1] == unseen, (rank, r.by_collective)
+        assert sent[0] == sent[1], (rank, r.by_collective)
         if dims.pp_enabled:
-            assert r.collectives["predicted"] == r.collectives["checked"], (rank, r.collectives)
             # The untied model's sends (its activations and their gradients), and the embedding.
             untied = _sends(_config(*overrides), nproc, rank)
             share = EMBEDDING // dims.fsdp_shard
