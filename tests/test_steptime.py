@@ -93,13 +93,20 @@ _TP = "parallel.strategy=single,parallel.tp=2"
                 f"{_TP},train.micro_batch_size=8",
                 f"{_TP},parallel.sequence_parallel=true",
                 f"{_TP},parallel.sequence_parallel=true,train.micro_batch_size=8",
+            ],
+            id="tensor-two-ranks",
+        ),
+        pytest.param(
+            2,
+            [
                 # float8's scales agreed inside DTensor's dispatch: precomputed for FSDP's
                 # float8 gathers, and rowwise ones a row.
                 "parallel.strategy=fsdp,parallel.tp=2,train.precision=bf16,train.float8.enabled=true",
                 f"{_TP},train.precision=bf16,train.float8.enabled=true,"
                 "train.float8.recipe=rowwise,train.micro_batch_size=8",
             ],
-            id="tensor-two-ranks",
+            id="float8-two-ranks",
+            marks=pytest.mark.slow,
         ),
         pytest.param(
             4,
