@@ -89,9 +89,7 @@ _TP = "parallel.strategy=single,parallel.tp=2"
         pytest.param(
             2,
             [
-                _TP,
                 f"{_TP},train.micro_batch_size=8",
-                f"{_TP},parallel.sequence_parallel=true",
                 f"{_TP},parallel.sequence_parallel=true,train.micro_batch_size=8",
             ],
             id="tensor-two-ranks",
@@ -99,13 +97,15 @@ _TP = "parallel.strategy=single,parallel.tp=2"
         pytest.param(
             2,
             [
+                _TP,
+                f"{_TP},parallel.sequence_parallel=true",
                 # float8's scales agreed inside DTensor's dispatch: precomputed for FSDP's
                 # float8 gathers, and rowwise ones a row.
                 "parallel.strategy=fsdp,parallel.tp=2,train.precision=bf16,train.float8.enabled=true",
                 f"{_TP},train.precision=bf16,train.float8.enabled=true,"
                 "train.float8.recipe=rowwise,train.micro_batch_size=8",
             ],
-            id="float8-two-ranks",
+            id="tensor-float8-two-ranks",
             marks=pytest.mark.slow,
         ),
         pytest.param(
