@@ -21,13 +21,15 @@ Memory, as `dtlab plan --check` measures the real code (torchao 0.18):
   peak under checkpointing on the shapes checked.
 
 Bytes: the float8 all-gathers (above), and the scales' agreements DTensor issues inside its own
-dispatch (:func:`float8_amax_comm`): after each optimizer step the precomputed scales' amaxes (one
+dispatch (:func:`float8_amax_collectives`): after each optimizer step the precomputed scales' amaxes (one
 float32 a layer), and under tensor parallelism the dynamic scales of the layers' sharded operands.
 
 The step's time: :mod:`dtlab.analysis.float8_time`.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from dtlab.analysis.activations import FP32, attention_widths, moe_blocks
 from dtlab.analysis.shapes import ParamShape
@@ -36,11 +38,11 @@ from dtlab.dims import ParallelDims
 
 __all__ = [
     "ALIGN",
+    "AmaxCollective",
     "block_float8",
     "down_projection_casts",
     "enabled",
     "float8_amax_collectives",
-    "float8_amax_comm",
     "float8_block_params",
     "float8_ffn",
     "float8_gather_saving",
@@ -217,6 +219,14 @@ def block_float8(config: Config, dims: ParallelDims) -> tuple[bool, bool] | None
     return not gathered, full and gathered and not dims.pp_enabled
 
 
+class AmaxCollective(NamedTuple):
+    """The all-reduces of one collective kind a step issues to agree on float8 scales."""
+
+    group: int  # the ranks each spans
+    calls: int
+    nbytes: int
+
+
 # A block's column-wise (input whole, output split) and row-wise (input split) layers under TP.
 _COLUMNWISE = ("wq", "wk", "wv", "w1", "w3")
 _ROWWISE = ("wo", "w2")
@@ -229,8 +239,9 @@ def float8_amax_collectives(
     tokens: int,
     microbatches: int,
     device_type: str,
-) -> dict[str, tuple[int, int]]:
-    """The all-reduces a step issues to agree on float8 scales, by collective kind: (calls, bytes),
+) -> dict[str, AmaxCollective]:
+    """The all-reduces a step issues to agree on float8 scales, by collective kind (their group,
+    calls and bytes),
     as DTensor issues them inside its dispatch (torchao 0.18; counted by `dtlab plan --check` on gloo):
 
     - where FSDP gathers float8 weights (:func:`gathers_float8`), once a step the precomputed
@@ -250,15 +261,15 @@ def float8_amax_collectives(
     """
     if not enabled(config):
         return {}
-    out: dict[str, tuple[int, int]] = {}
+    out: dict[str, AmaxCollective] = {}
     dense, routed = _blocks(rank_model)
     precomputed = gathers_float8(config, dims)
     if precomputed:
         layers = _layer_count(rank_model)
         if dims.dp_shard > 1:
-            out["all_reduce"] = (1, FP32 * layers)
+            out["all_reduce"] = AmaxCollective(dims.dp_shard, 1, FP32 * layers)
         if dims.tp_enabled:
-            out["tp all_reduce"] = (1, FP32 * layers)
+            out["tp all_reduce"] = AmaxCollective(dims.tp, 1, FP32 * layers)
     rowwise = config.train.float8.recipe == "rowwise"
     if not dims.tp_enabled or (device_type == "cuda" and not rowwise):
         return out
@@ -273,28 +284,17 @@ def float8_amax_collectives(
             pairs = row * again + col
             calls += blocks * 2 * pairs
             elements += blocks * pairs * (tokens + dim)
-        else:
+        else:  # a float64 each
             forward = row + (0 if precomputed else len(names))
             backward = 2 * col + row + (0 if precomputed else len(names))
-            calls += blocks * (forward * again + backward)
-            elements += blocks * (forward * again + backward)
-    n, b = out.get("tp all_reduce", (0, 0))
-    out["tp all_reduce"] = (n + microbatches * calls, b + microbatches * elements * f64)
+            n = blocks * (forward * again + backward)
+            calls += n
+            elements += n
+    _, n, b = out.get("tp all_reduce", AmaxCollective(dims.tp, 0, 0))
+    out["tp all_reduce"] = AmaxCollective(
+        dims.tp, n + microbatches * calls, b + microbatches * elements * f64
+    )
     return out
-
-
-def float8_amax_comm(
-    config: Config,
-    dims: ParallelDims,
-    rank_model: ModelConfig,
-    tokens: int,
-    microbatches: int,
-    device_type: str,
-) -> dict[str, int]:
-    """Bytes a step all-reduces to agree on float8 scales, by collective kind
-    (:func:`float8_amax_collectives`)."""
-    found = float8_amax_collectives(config, dims, rank_model, tokens, microbatches, device_type)
-    return {kind: nbytes for kind, (_, nbytes) in found.items()}
 
 
 def float8_ffn(config: Config) -> bool:

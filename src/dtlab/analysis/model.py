@@ -63,7 +63,11 @@ from dtlab.analysis.context_plan import (
     document_mask_bytes,
 )
 from dtlab.analysis.diloco_memory import diloco_host_bytes, with_outer_sync
-from dtlab.analysis.float8_plan import float8_amax_comm, float8_kept_saving, float8_scale_bytes
+from dtlab.analysis.float8_plan import (
+    float8_amax_collectives,
+    float8_kept_saving,
+    float8_scale_bytes,
+)
 from dtlab.analysis.hook_memory import hook_bytes
 from dtlab.analysis.memo import memo
 from dtlab.analysis.pipeline_memory import (
@@ -497,12 +501,12 @@ def _rank_comm(rank: RankInputs, plan: StepPlan, shard_rank: int | None = None) 
     tied_embedding_comm(config, dims, shapes, rank.part, shard_rank, comm)
     moe.ep_comm(config, dims, shapes, rank.tokens, rank.accum, comm, groups, rank.rank_model)
     cp_comm(config, dims, rank.part, rank.tokens, rank.accum, comm, groups)
-    amax = float8_amax_comm(
+    amax = float8_amax_collectives(
         config, dims, rank.rank_model, rank.tokens, rank.accum, rank.device_type
     )
-    for kind, n in amax.items():
-        comm[kind] = comm.get(kind, 0) + n
-        groups.setdefault(kind, dims.tp if kind.startswith("tp ") else dims.dp_shard)
+    for kind, c in amax.items():
+        comm[kind] = comm.get(kind, 0) + c.nbytes
+        groups.setdefault(kind, c.group)
     if config.train.optimizer == "muon":
         _muon_comm(dims, shapes, comm, groups)
     whole = _whole_reduction(rank, comm, groups)

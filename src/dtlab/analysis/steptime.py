@@ -266,10 +266,8 @@ def collective_waits(
         # The step's routing figures agreed among all ranks (a pipeline's largest bias again).
         add(dims.world_size, 2 if dims.pp_enabled else 1)
     # train.float8: the scales' agreements (the CPU's emulation: gloo's path).
-    for kind, (calls, _) in float8_amax_collectives(
-        config, dims, rank_model, 0, microbatches, "cpu"
-    ).items():
-        add(dims.tp if kind.startswith("tp ") else dims.dp_shard, calls)
+    for c in float8_amax_collectives(config, dims, rank_model, 0, microbatches, "cpu").values():
+        add(c.group, c.calls)
     return waits
 
 

@@ -265,9 +265,10 @@ def _run_link(
                 rows.append(_row(label, layout, link, runs[i], wants[i]))
 
 
-def _label(layout: _Layout, link: Link, rate: float | None) -> str:
+def _label(layout: _Layout, link: Link | None = None, rate: float | None = None) -> str:
+    """A row's label: its layout and process count, and a capped link's name (``rate`` given)."""
     _, name, nproc, _ = layout
-    return f"{name} ({nproc})" + (f" at {link.name}" if rate else "")
+    return f"{name} ({nproc})" + (f" at {link.name}" if link and rate else "")
 
 
 def _summary(cal: _Calibration, rows: list[dict[str, Any]], grid: list[_Layout]) -> dict[str, Any]:
@@ -474,7 +475,7 @@ def replanned(result: dict[str, Any]) -> dict[str, Any]:
     recorded (:func:`dtlab.bench.calibrate_replan.replan` over this grid)."""
     from dtlab.bench.calibrate_replan import replan
 
-    layouts = {f"{name} ({n})": (model, n, extra) for model, name, n, extra in _grid(False, None)}
+    layouts = {_label(g): (g[0], g[2], g[3]) for g in _grid(False, None)}
     return replan(result, layouts, predict, ranking)
 
 
