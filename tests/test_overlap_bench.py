@@ -107,6 +107,50 @@ def test_a_row_counts_the_bytes_of_whole_outer_periods() -> None:
     overlap.check_configs(list(overlap.METHODS), 45, [])  # every method's config loads
 
 
+def test_the_emulated_device_waits_in_every_forward_of_a_process_started_with_it(
+    tmp_path: Path,
+) -> None:
+    """A Python process started with the node's environment (the hook's directory first on its path)
+    waits the given seconds in each forward of the model (this one, started without it, not at all);
+    the step's wait is shared among its micro-batches."""
+    from dtlab.bench.emulated_device import DEVICE_ENV, node_env
+
+    code = (
+        "import torch\n"
+        "from dtlab.bench.emulated_device import waited_s\n"
+        "from dtlab.config.sections import ModelConfig\n"
+        "from dtlab.models import build_model\n"
+        "model = build_model(ModelConfig(preset='debug'), device='cpu')\n"
+        "x = torch.zeros(1, 8, dtype=torch.long)\n"
+        "for _ in range(3):\n"
+        "    model(x)\n"
+        "print(*waited_s())\n"
+    )
+    base = {k: v for k, v in os.environ.items() if k != DEVICE_ENV}
+    assert node_env(base, tmp_path, 0.0) is base  # nothing emulated: the environment as it was
+    env = node_env(base, tmp_path, 0.05)
+    assert env[DEVICE_ENV] == "0.05" and env["PYTHONPATH"].split(os.pathsep)[0].endswith(
+        "emulated-device"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    waited, forwards = proc.stdout.split()
+    assert float(waited) == pytest.approx(0.15) and forwards == "3"
+    from dtlab.bench.emulated_device import waited_s
+
+    assert waited_s() == (0.0, 0)  # this process, started without it, never waits
+    # 0.2 s a step over the micro-batches of 2 replicas: 16 sequences of 2 at a time are 4.
+    assert overlap.forward_seconds(0.2, 2, 10, ["train.micro_batch_size=2"]) == pytest.approx(0.05)
+    assert overlap.forward_seconds(0.2, 2, 10, []) == 0.2  # without micro-batches: one forward
+    assert overlap.forward_seconds(0.0, 2, 10, []) == 0.0
+    assert overlap.main(["--device-s", "-1"]) == 2
+    # A batch that does not split over a replica count is named before any run.
+    with pytest.raises(DtlabError, match=r"compute-only: train\.global_batch_size = 2 samples"):
+        overlap.check_configs(["ddp"], 10, ["train.global_batch_size=2"], (2, 4))
+
+
 @needs_root
 def test_the_namespaces_are_made_capped_and_always_removed() -> None:
     with replica_network(2, "110mbit", "500mbit") as net:

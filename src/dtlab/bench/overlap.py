@@ -15,7 +15,10 @@ times of a compute-only reference (the same model, replicas and namespaces, DiLo
 steps than the run has: no collective ever crosses replicas) over the run's (:func:`utilisation`, both
 over the steps after the first). Where the records hold ``outer_sync_s`` (the step's seconds in
 DiLoCo's outer sync on the training thread), also the in-run share ``1 - sum(outer_sync_s) /
-sum(step_time_s)``. The link's rates are measured in both directions with a TCP transfer between a
+sum(step_time_s)``. With ``--device-s S`` every run's steps (the reference's too) also wait S
+seconds with the host's cores free: an accelerator's compute emulated
+(:mod:`dtlab.bench.emulated_device`), so that the communication does not share its cores with the
+compute, as on a host whose replicas compute on devices. The link's rates are measured in both directions with a TCP transfer between a
 replica's namespace and the hub's. Writes ``results.json``, ``report.md`` and ``utilisation.png``;
 ``--json OUT`` the rows.
 """
@@ -305,11 +308,15 @@ def mean_records(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return [{"step": step, "step_time_s": statistics.fmean(t)} for step, t in sorted(times.items())]
 
 
-def check_configs(methods: list[str], steps: int, extra: list[str]) -> None:
+def check_configs(
+    methods: list[str], steps: int, extra: list[str], replicas: tuple[int, ...] = ()
+) -> None:
     """Every run's config (the reference's and each method's, with ``extra``) loaded before any run
-    starts: a bad override, or a method the shape cannot hold, is named at once."""
+    starts, and its batch split over each count of ``replicas``: a bad override, or a method or
+    replica count the shape cannot hold, is named at once."""
     from dtlab.bench.lowcomm import COMMON
     from dtlab.config import load_config
+    from dtlab.config.checks import check_batch_split
 
     runs = [
         (REFERENCE, reference_overrides(steps, extra)),
@@ -317,7 +324,9 @@ def check_configs(methods: list[str], steps: int, extra: list[str]) -> None:
     ]
     for name, overrides in runs:
         try:
-            load_config(overrides=[*COMMON, f"train.steps={steps}", *overrides])
+            config = load_config(overrides=[*COMMON, f"train.steps={steps}", *overrides])
+            for count in replicas:
+                check_batch_split(config, count)
         except DtlabError as e:
             raise DtlabError(f"{name}: {e}") from None
 
@@ -343,6 +352,19 @@ def _replica_counts(text: str) -> list[int]:
     return list(dict.fromkeys(counts))
 
 
+def forward_seconds(device_s: float, replicas: int, steps: int, extra: list[str]) -> float:
+    """What each forward of the model waits so that a step waits ``device_s`` in all: ``device_s``
+    over the micro-batches a step of ``replicas`` ranks takes with the runs' overrides."""
+    if device_s <= 0:
+        return 0.0
+    from dtlab.bench.lowcomm import COMMON
+    from dtlab.config import load_config
+    from dtlab.config.checks import check_batch_split
+
+    config = load_config(overrides=[*COMMON, f"train.steps={steps}", *extra])
+    return device_s / check_batch_split(config, replicas)
+
+
 def reference_overrides(steps: int, extra: list[str]) -> list[str]:
     """The compute-only reference with the runs' ``extra`` overrides: DiLoCo with more inner steps
     than the run has and the whole model one fragment, so that it never syncs (and DDP inside a
@@ -361,10 +383,14 @@ def train_nodes(
     port: int,
     python: str = sys.executable,
     timeout_s: float = 3600,
+    forward_s: float = 0.0,
 ) -> list[dict[str, Any]]:
     """One ``dtlab train`` node per replica namespace (``--nproc 1``, this machine's cores shared
     among them: ``OMP_NUM_THREADS`` unless set), all writing ``run_dir``; the records of
-    metrics.jsonl. A DtlabError with the failed node's last lines if any fails."""
+    metrics.jsonl. ``forward_s``: each forward of the model first waits that long, an accelerator's
+    compute emulated (:mod:`dtlab.bench.emulated_device`). A DtlabError with the failed node's last
+    lines if any fails."""
+    from dtlab.bench.emulated_device import node_env
     from dtlab.bench.lowcomm import COMMON
 
     if run_dir.exists():
@@ -378,6 +404,7 @@ def train_nodes(
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // replicas)))
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
+    env = node_env(env, run_dir.parent, forward_s)
     procs: list[subprocess.Popen[bytes]] = []
     logs = [run_dir.parent / f"{run_dir.name}.node{i}.log" for i in range(replicas)]
     try:
@@ -458,6 +485,14 @@ def report(rows: list[dict[str, Any]], up: str, down: str, steps: int) -> str:
         "the first); in-run: 1 - the outer sync's share of the step time on the training thread.",
         "",
     ]
+    device_s = rows[0].get("device_s_per_step", 0.0) if rows else 0.0
+    if device_s:
+        lines[-1:-1] = [
+            "",
+            f"An accelerator's compute emulated: every step also waits {device_s:g} s with the "
+            "host's cores free, as a training thread waiting on its device "
+            "(dtlab.bench.emulated_device), beside the model's real compute on the host.",
+        ]
     for replicas in dict.fromkeys(r["replicas"] for r in rows):
         sub = [r for r in rows if r["replicas"] == replicas]
         first = sub[0]
@@ -528,6 +563,13 @@ def _parser() -> argparse.ArgumentParser:
         default=DEFAULT_METHODS,
         help=f"comma-separated, of: {', '.join(METHODS)} (default all)",
     )
+    ap.add_argument(
+        "--device-s",
+        type=float,
+        default=0.0,
+        help="emulate an accelerator: each step's training thread also waits this many seconds "
+        "with the host's cores free, as on a device computing (default 0: the CPU's compute only)",
+    )
     ap.add_argument("--json", dest="json_out", default=None, help="also write the rows here")
     ap.add_argument("--out", default="bench-out/overlap", help="output directory")
     ap.add_argument(
@@ -549,9 +591,12 @@ def measure(
     out: Path,
     extra: list[str],
     python: str = sys.executable,
+    device_s: float = 0.0,
 ) -> list[dict[str, Any]]:
-    """Every method (and the compute-only reference) on ``replicas`` namespaces: the rows."""
+    """Every method (and the compute-only reference) on ``replicas`` namespaces: the rows.
+    ``device_s``: an accelerator's seconds a step, emulated in every run (:func:`forward_seconds`)."""
     rows = []
+    forward_s = forward_seconds(device_s, replicas, steps, extra)
     with replica_network(replicas, up, down) as net:
         rates = link_rates(net)
         print(
@@ -562,15 +607,16 @@ def measure(
         port = 29500 + os.getpid() % 1000
         ref_over = reference_overrides(steps, extra)
         ref_dir = out / f"r{replicas}-{REFERENCE}"
+        emulate: dict[str, Any] = {"forward_s": forward_s}
         # The reference runs first and again last; its step times are the mean of the two (the
         # machine's own drift over the runs between), and either against the other is the noise.
-        refs = [train_nodes(net, Path(f"{ref_dir}-a"), ref_over, steps, port, python)]
+        refs = [train_nodes(net, Path(f"{ref_dir}-a"), ref_over, steps, port, python, **emulate)]
         runs: list[tuple[str, list[str], list[dict[str, Any]]]] = []
         for k, method in enumerate(methods, start=1):
             overrides = [*METHODS[method], *extra]
             t0 = time.perf_counter()
             records = train_nodes(
-                net, out / f"r{replicas}-{method}", overrides, steps, port + k, python
+                net, out / f"r{replicas}-{method}", overrides, steps, port + k, python, **emulate
             )
             runs.append((method, overrides, records))
             first = row(method, replicas, overrides, records, refs[0], rates)
@@ -581,13 +627,22 @@ def measure(
                 flush=True,
             )
         refs.append(
-            train_nodes(net, Path(f"{ref_dir}-b"), ref_over, steps, port + len(methods) + 1, python)
+            train_nodes(
+                net,
+                Path(f"{ref_dir}-b"),
+                ref_over,
+                steps,
+                port + len(methods) + 1,
+                python,
+                **emulate,
+            )
         )
     ref = mean_records(refs)
     noise = utilisation(refs[0], refs[1])
     for method, overrides, records in runs:
         rows.append(row(method, replicas, overrides, records, ref, rates))
         rows[-1]["reference_a_over_b"] = noise
+        rows[-1]["device_s_per_step"] = device_s
         print(f"{replicas} replicas {method:<18} utilisation {100 * rows[-1]['utilisation']:.1f}%")
     return rows
 
@@ -619,13 +674,18 @@ def _main(args: argparse.Namespace) -> int:
         down, _ = parse_rate(args.down, "--down")
         if args.steps < 3:
             raise DtlabError(f"--steps {args.steps}: allowed 3 or more")
+        if not 0 <= args.device_s <= 60:
+            raise DtlabError(f"--device-s {args.device_s}: allowed 0 to 60 seconds a step")
         check_can_create()
-        check_configs(methods, args.steps, args.overrides)
+        check_configs(methods, args.steps, args.overrides, tuple(counts))
         out = Path(args.out)
         (out / "runs").mkdir(parents=True, exist_ok=True)
         rows: list[dict[str, Any]] = []
         for replicas in counts:  # the outputs rewritten after each count: a long run's so far
-            rows += measure(replicas, methods, up, down, args.steps, out / "runs", args.overrides)
+            rows += measure(
+                replicas, methods, up, down, args.steps, out / "runs", args.overrides,
+                device_s=args.device_s,
+            )  # fmt: skip
             text = report(rows, up, down, args.steps)
             (out / "results.json").write_text(json.dumps(rows, indent=1))
             (out / "report.md").write_text(text)
