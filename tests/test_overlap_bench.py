@@ -224,14 +224,18 @@ def test_sigterm_ends_the_bench_through_its_clean_ups(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_a_real_run_of_two_nodes_through_the_namespaces(tmp_path: Path) -> None:
     """DDP and 1-bit Streaming DiLoCo (delay 2) on 2 replica namespaces, the debug model: every run
-    holds its steps; DDP sends what a float32 all-reduce does, the 1-bit method far fewer; the
-    reference never sends; the outputs are written and every namespace is gone."""
+    holds its steps, each as long as the emulated device's wait at least; DDP sends what a float32
+    all-reduce does, the 1-bit method far fewer; the reference never sends; the outputs are written
+    and every namespace is gone."""
     out = tmp_path / "out"
     argv = [
         "--replicas", "2", "--steps", "8", "--methods", "ddp,streaming-int1-d2", "--out", str(out),
         "--json", str(tmp_path / "overlap.json"), "--set", "model.preset=debug", "data.seq_len=64",
         "train.global_batch_size=8", "train.warmup_steps=2", "parallel.diloco.fragments=2",
     ]  # fmt: skip
+    # An accelerator's compute emulated: 0.2 s a step, reaching each node's worker through its
+    # launcher (every step of every run at least that long).
+    argv[2:2] = ["--device-s", "0.2"]
     assert overlap.main(argv) == 0
     rows = json.loads((tmp_path / "overlap.json").read_text())
     assert [(r["method"], r["replicas"], r["steps"]) for r in rows] == [
@@ -244,6 +248,7 @@ def test_a_real_run_of_two_nodes_through_the_namespaces(tmp_path: Path) -> None:
     assert share is None or 0 < share <= 1
     for r in rows:
         assert 0 < r["utilisation"] < 10 and r["reference_a_over_b"] > 0
+        assert r["device_s_per_step"] == 0.2 and r["reference_mean_step_time_s"] >= 0.2
         assert 70e6 < r["up_measured_bps"] < 115e6
     runs = out / "runs"
     for name in ("r2-compute-only-a", "r2-compute-only-b"):
@@ -251,6 +256,7 @@ def test_a_real_run_of_two_nodes_through_the_namespaces(tmp_path: Path) -> None:
             json.loads(line) for line in (runs / name / "metrics.jsonl").read_text().splitlines()
         ]
         assert len(records) == 8 and all(m["wire_bytes"] == 0 for m in records)
+        assert all(m["step_time_s"] >= 0.2 for m in records)
     assert "| streaming-int1-d2 |" in (out / "report.md").read_text()
     assert (out / "utilisation.png").stat().st_size > 0
     assert not [n for n in _namespaces() if n.startswith(f"dtov-{os.getpid()}-")]
