@@ -54,6 +54,8 @@ def test_alltoall_attention_with_grouped_key_value_heads(kv_heads: str) -> None:
         (["parallel.cp=2", "parallel.cp_method=alltoall"], 2),
         (["parallel.cp=2", "train.micro_batch_size=2"], 4),  # ddp 2 x cp 2, two micro-batches
         (["parallel.strategy=fsdp", "parallel.cp=2"], 4),  # sharded over the 4 data x cp ranks
+        # Shards over the cp ranks alone, reduce-scattered with each micro-batch.
+        (["parallel.strategy=fsdp", "parallel.cp=2", "train.micro_batch_size=4"], 2),
         # Two replica groups, each sharding over its cp ranks.
         (["parallel.strategy=hsdp", "parallel.replicate=2", "parallel.cp=2"], 4),
         # Pipeline stages of sequence parts (each stage's inputs and outputs a cp rank's tokens).
@@ -77,6 +79,7 @@ def test_alltoall_attention_with_grouped_key_value_heads(kv_heads: str) -> None:
         "cp2-alltoall",
         "ddp2xcp2-accumulation",
         "fsdp2xcp2",
+        "fsdp1xcp2-accumulation",
         "hsdp2xcp2",
         "fsdp1xcp2xpp2",
         "fsdp1xcp2xtp2",

@@ -91,8 +91,13 @@ _TP = "parallel.strategy=single,parallel.tp=2"
             [
                 f"{_TP},train.micro_batch_size=8",
                 f"{_TP},parallel.sequence_parallel=true,train.micro_batch_size=8",
+                # Context parallelism: the ring's passes, the all-to-alls, DDP's average over the
+                # cp ranks, and FSDP's shards over them reduced with each micro-batch.
+                "parallel.strategy=ddp,parallel.cp=2",
+                "parallel.strategy=ddp,parallel.cp=2,parallel.cp_method=alltoall",
+                "parallel.strategy=fsdp,parallel.cp=2,train.micro_batch_size=4",
             ],
-            id="tensor-two-ranks",
+            id="tensor-context-two-ranks",
         ),
         pytest.param(
             2,
@@ -148,8 +153,7 @@ def test_the_step_waits_for_the_collectives_a_real_step_issues(
 ) -> None:
     """Each layout's whole step (one micro-batch or several) on ``nproc`` gloo ranks, its
     collectives counted by torch's profiler on the rank that issues the most, against the waits the
-    step-time model counts (context parallelism is not here: the probes' step feeds whole
-    sequences)."""
+    step-time model counts (a context-parallel rank fed its part of each sequence)."""
     run_worker("waits_worker.py", nproc, *layouts)
 
 

@@ -235,7 +235,7 @@ def gain_grad_reduction(config: Config, dims: ParallelDims, microbatches: int) -
     FSDP gathers half-precision weights); otherwise once a step, after the micro-batches: in
     float32 where there were several (FSDP accumulates half-precision gradients in its float32
     reduce dtype), in the parameters' dtype where one (measured: ``dtlab plan --check``)."""
-    every = dims.fsdp_enabled and dims.dp_shard > 1 and not dims.pp_enabled
+    every = dims.fsdp_enabled and dims.fsdp_shard > 1 and not dims.pp_enabled
     half = fsdp_half_params(config, dims) and (every or microbatches == 1)
     return (microbatches if every else 1), (2 if half else FP32)
 

@@ -37,7 +37,14 @@ def rank_step(config: Config, d: Any) -> Callable[[], None]:
     scaler = LossScaler(config.train.precision == "fp16")
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, config.model.vocab_size, (micro, config.seq_len + 1), generator=gen)
-    batch = [(tokens[:, :-1], tokens[:, 1:])] * accum
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    if d.dims.cp_enabled:  # this rank's part of each sequence, as the loader gives it
+        from dtlab.models.sequence import shard_sequence
+
+        cp_rank = d.dims.coordinates(d.rank)["cp"]
+        inputs = shard_sequence(inputs, d.dims.cp, cp_rank)
+        targets = shard_sequence(targets, d.dims.cp, cp_rank)
+    batch = [(inputs, targets)] * accum
 
     def step() -> None:
         train_step(pm, optimizer, scheduler, scaler, batch, config, d.device)

@@ -209,7 +209,7 @@ def collective_waits(
 
     add(dims.world_size, 1)  # the step's reduction
     if dims.ddp_enabled and not dims.shard_optimizer:
-        add(dims.dp, 1)
+        add(dims.dp * dims.cp, 1)  # averaged over the data ranks and, with them, their cp ranks
     elif dims.shard_optimizer:
         add(dims.dp, 2)
     if dims.fsdp_enabled:

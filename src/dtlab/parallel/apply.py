@@ -498,8 +498,9 @@ class ParallelModel:
     @property
     def reduces_every_microbatch(self) -> bool:
         """Whether each micro-batch's gradients are reduce-scattered into FSDP's shards (shard groups
-        of several ranks), not accumulated whole until the step's last micro-batch."""
-        return isinstance(self.module, FSDPModule) and self.dims.dp_shard > 1
+        of several ranks: the data ranks, and under context parallelism their cp ranks with them),
+        not accumulated whole until the step's last micro-batch."""
+        return isinstance(self.module, FSDPModule) and self.dims.fsdp_shard > 1
 
     @torch.no_grad()
     def sync_gradients(self, dtype: torch.dtype | None = None) -> None:
