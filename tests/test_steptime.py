@@ -109,6 +109,8 @@ _TP = "parallel.strategy=single,parallel.tp=2"
                 "parallel.strategy=fsdp,parallel.tp=2,train.precision=bf16,train.float8.enabled=true",
                 f"{_TP},train.precision=bf16,train.float8.enabled=true,"
                 "train.float8.recipe=rowwise,train.micro_batch_size=8",
+                # Precomputed over FSDP's shards of the cp ranks.
+                "parallel.strategy=fsdp,parallel.cp=2,train.precision=bf16,train.float8.enabled=true",
             ],
             id="tensor-float8-two-ranks",
             marks=pytest.mark.slow,

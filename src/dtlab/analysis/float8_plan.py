@@ -266,8 +266,8 @@ def float8_amax_collectives(
     precomputed = gathers_float8(config, dims)
     if precomputed:
         layers = _layer_count(rank_model)
-        if dims.dp_shard > 1:
-            out["all_reduce"] = AmaxCollective(dims.dp_shard, 1, FP32 * layers)
+        if dims.fsdp_shard > 1:  # the shards' mesh: the data ranks and, with them, the cp ranks
+            out["all_reduce"] = AmaxCollective(dims.fsdp_shard, 1, FP32 * layers)
         if dims.tp_enabled:
             out["tp all_reduce"] = AmaxCollective(dims.tp, 1, FP32 * layers)
     rowwise = config.train.float8.recipe == "rowwise"
