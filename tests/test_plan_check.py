@@ -42,6 +42,10 @@ DILOCO: dict[str, tuple[int, list[str]]] = {
     "diloco:2 x fsdp:2 int4 bf16": (
         4, ["parallel.strategy=fsdp", "parallel.diloco.replicas=2", "parallel.diloco.quantize=int4",
             "train.precision=bf16", *_DILOCO[:1], "train.global_batch_size=4"]),
+    # Each replica's FSDP shards over its cp ranks: the outer state and syncs are the shards'.
+    "diloco:2 x fsdp over cp:2": (
+        4, ["parallel.strategy=fsdp", "parallel.diloco.replicas=2", "parallel.cp=2", *_DILOCO[:1],
+            "data.seq_len=64", "train.global_batch_size=2"]),
 }  # fmt: skip
 
 # Layouts the check runs, on the debug model: (nproc, overrides).

@@ -71,7 +71,7 @@ def _diloco_comm(
     o = config.parallel.diloco
     if dims.diloco > 1:
         kind = "diloco " + ("all_gather" if gathers(o) else "all_reduce")
-        syncs = diloco_sync_bytes(shapes, config, dims.diloco, dims.dp_shard)
+        syncs = diloco_sync_bytes(shapes, config, dims.diloco, dims.fsdp_shard)
         comm[kind], groups[kind] = round(sum(syncs) / o.inner_steps), dims.diloco
         # The replicas' agreement, once per step that sends a sync.
         agreement = diloco_agreement_bytes(dims.diloco) * diloco_sync_steps(config)

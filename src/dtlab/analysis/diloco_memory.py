@@ -49,7 +49,7 @@ def worst_step(config: Config, dims: ParallelDims, shapes: list[ParamShape]) -> 
     sent after it."""
     o = config.parallel.diloco
     h, offs = o.inner_steps, fragment_offsets(o)
-    frags = fragment_numels(shapes, config, dims.dp_shard)
+    frags = fragment_numels(shapes, config, dims.fsdp_shard)
     buf = [sync_bytes(n, o, dims.diloco) for n in frags]
 
     def held(step: int) -> int:
@@ -71,7 +71,7 @@ def diloco_host_bytes(config: Config, dims: ParallelDims, shapes: list[ParamShap
     ``delay``; without, the one fragment being synced, for the moment of its sync), with
     ``eager`` each beside this replica's share of the mean it sent."""
     o = config.parallel.diloco
-    frags = fragment_numels(shapes, config, dims.dp_shard)
+    frags = fragment_numels(shapes, config, dims.fsdp_shard)
     per_value = 1 + (o.outer_momentum > 0) + gathers(o) + o.eager
     h, offs = o.inner_steps, fragment_offsets(o)
     # After step s, fragment k's sync is in flight while (s - offset) mod H < delay (sent at its
@@ -135,7 +135,7 @@ def _largest(config: Config, dims: ParallelDims, shapes: list[ParamShape]) -> li
     out = [0] * o.fragments
     for s in shapes:
         k = fragment_of(s.name, config.model.n_layers, o.fragments)
-        out[k] = max(out[k], s.shard_numel(dims.dp_shard))
+        out[k] = max(out[k], s.shard_numel(dims.fsdp_shard))
     return out
 
 
@@ -189,7 +189,10 @@ def with_outer_sync(
     o = config.parallel.diloco
     h, offs = o.inner_steps, fragment_offsets(o)
     step = worst_step(config, dims, shapes)
-    frags, largest = fragment_numels(shapes, config, dims.dp_shard), _largest(config, dims, shapes)
+    frags, largest = (
+        fragment_numels(shapes, config, dims.fsdp_shard),
+        _largest(config, dims, shapes),
+    )
     buf = [sync_bytes(n, o, dims.diloco) for n in frags]
     flying = in_flight(step, offs, h, o.delay)
     pending = sum(buf[k] for k in flying)

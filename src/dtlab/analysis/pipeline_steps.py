@@ -381,7 +381,8 @@ class PipelineSteps:
                          buffers=bufs)  # fmt: skip
             if block.attention_temps:  # context parallelism's ring (dtlab.analysis.context_plan)
                 self.add(name, f"the stage's {which} block's attention backward",
-                         grads=norm_grads, activations=at_norm - block.attention_freed,
+                         grads=norm_grads + block.attention_grads,
+                         activations=at_norm - block.attention_freed,
                          temporaries=t_kept + moved + self.sending + block.attention_temps
                          - into + ahead,
                          buffers=bufs)  # fmt: skip

@@ -346,11 +346,15 @@ def _dense_block(
     if not ring:
         return shape
     residual = stream * tokens * m.dim // seq
+    q, _ = attention_widths(m)
     return replace(
         shape, attention_temps=residual + ring,
         # The feed-forward norm's float32 input (the stream itself in float32, its copy
         # otherwise), freed as the norm's backward ends.
         attention_freed=FP32 * tokens * m.dim // seq,
+        # The output projection's backward, just before, made its weight's gradient (where
+        # backward makes them: none under DDP's buckets, kept from step to step).
+        attention_grads=made * m.dim * q // dims.tp,
     )  # fmt: skip
 
 

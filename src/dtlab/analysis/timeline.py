@@ -219,6 +219,7 @@ class BlockShape:
     # own.
     attention_temps: int = 0
     attention_freed: int = 0  # the output projection's input, freed by its backward
+    attention_grads: int = 0  # the output projection's weight gradient, made by then
     # train.float8 (dtlab.analysis.float8_plan): the down projection's backward at its input's
     # cast to float8 (for its weight's gradient), before that gradient is made and its input
     # freed: backward's own alive then; 0 where the down projection is no float8 layer.
@@ -584,7 +585,7 @@ def _block_backward(mb: _MicroBatch, j: int, held: tuple[int, int, int]) -> None
         )  # fmt: skip
     if block.attention_temps:
         mb.add(
-            f"{name}'s attention backward", grads=norm_grads,
+            f"{name}'s attention backward", grads=norm_grads + block.attention_grads,
             activations=at_norm - block.attention_freed, temporaries=tmp + block.attention_temps,
             buffers=buffers,
         )  # fmt: skip
