@@ -18,8 +18,8 @@ DiLoCo's outer sync on the training thread), also the in-run share ``1 - sum(out
 sum(step_time_s)``. With ``--device-s S`` every run's steps (the reference's too) also wait S
 seconds with the host's cores free: an accelerator's compute emulated
 (:mod:`dtlab.bench.emulated_device`), so that the communication does not share its cores with the
-compute, as on a host whose replicas compute on devices. The link's rates are measured in both directions with a TCP transfer between a
-replica's namespace and the hub's. Writes ``results.json``, ``report.md`` and ``utilisation.png``;
+compute, as on a host whose replicas compute on devices. The link's rates are measured in both
+directions with a TCP transfer between a replica's namespace and the hub's. Writes ``results.json``, ``report.md`` and ``utilisation.png``;
 ``--json OUT`` the rows.
 """
 
