@@ -189,10 +189,8 @@ def with_outer_sync(
     o = config.parallel.diloco
     h, offs = o.inner_steps, fragment_offsets(o)
     step = worst_step(config, dims, shapes)
-    frags, largest = (
-        fragment_numels(shapes, config, dims.fsdp_shard),
-        _largest(config, dims, shapes),
-    )
+    frags = fragment_numels(shapes, config, dims.fsdp_shard)
+    largest = _largest(config, dims, shapes)
     buf = [sync_bytes(n, o, dims.diloco) for n in frags]
     flying = in_flight(step, offs, h, o.delay)
     pending = sum(buf[k] for k in flying)

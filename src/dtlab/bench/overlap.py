@@ -19,7 +19,8 @@ sum(step_time_s)``. With ``--device-s S`` every run's steps (the reference's too
 seconds with the host's cores free: an accelerator's compute emulated
 (:mod:`dtlab.bench.emulated_device`), so that the communication does not share its cores with the
 compute, as on a host whose replicas compute on devices. The link's rates are measured in both
-directions with a TCP transfer between a replica's namespace and the hub's. Writes ``results.json``, ``report.md`` and ``utilisation.png``;
+directions with a TCP transfer between a replica's namespace and the hub's. Writes
+``results.json``, ``report.md`` and ``utilisation.png``;
 ``--json OUT`` the rows.
 """
 
@@ -607,16 +608,25 @@ def measure(
         port = 29500 + os.getpid() % 1000
         ref_over = reference_overrides(steps, extra)
         ref_dir = out / f"r{replicas}-{REFERENCE}"
-        emulate: dict[str, Any] = {"forward_s": forward_s}
         # The reference runs first and again last; its step times are the mean of the two (the
         # machine's own drift over the runs between), and either against the other is the noise.
-        refs = [train_nodes(net, Path(f"{ref_dir}-a"), ref_over, steps, port, python, **emulate)]
+        refs = [
+            train_nodes(
+                net, Path(f"{ref_dir}-a"), ref_over, steps, port, python, forward_s=forward_s
+            )
+        ]
         runs: list[tuple[str, list[str], list[dict[str, Any]]]] = []
         for k, method in enumerate(methods, start=1):
             overrides = [*METHODS[method], *extra]
             t0 = time.perf_counter()
             records = train_nodes(
-                net, out / f"r{replicas}-{method}", overrides, steps, port + k, python, **emulate
+                net,
+                out / f"r{replicas}-{method}",
+                overrides,
+                steps,
+                port + k,
+                python,
+                forward_s=forward_s,
             )
             runs.append((method, overrides, records))
             first = row(method, replicas, overrides, records, refs[0], rates)
@@ -626,15 +636,10 @@ def measure(
                 f"in-run {_num(first['in_run_share'], '.3f')} ({time.perf_counter() - t0:.0f} s)",
                 flush=True,
             )
+        last_port = port + len(methods) + 1
         refs.append(
             train_nodes(
-                net,
-                Path(f"{ref_dir}-b"),
-                ref_over,
-                steps,
-                port + len(methods) + 1,
-                python,
-                **emulate,
+                net, Path(f"{ref_dir}-b"), ref_over, steps, last_port, python, forward_s=forward_s
             )
         )
     ref = mean_records(refs)
