@@ -426,6 +426,79 @@ def test_a_group_strided_by_tensor_parallelism_crosses_nodes() -> None:
     assert spans_nodes("send/recv", 2, ParallelDims.from_config(pp, 16), 8)
 
 
+def _crosses(dims: ParallelDims, names: tuple[str, ...], nproc: int) -> bool:
+    """Whether any group along the mesh dimensions ``names`` (flattened) has ranks on two nodes of
+    ``nproc``: the ranks as ``init_device_mesh`` lays them out, row-major over ``mesh_dims``
+    (whose dimensions above 1 keep the order of every dimension's, ``degrees``)."""
+    names_all = list(dims.degrees)
+    ranks = torch.arange(dims.world_size).view(*dims.degrees.values())
+    axes = [names_all.index(n) for n in names]
+    size = math.prod(dims.degrees[n] for n in names)
+    groups = ranks.movedim(axes, list(range(-len(axes), 0))).reshape(-1, size).tolist()
+    return any(len({r // nproc for r in g}) > 1 for g in groups)
+
+
+ACROSS_BASE = ["model.preset=llama3.2-1b", "data.seq_len=4096", "train.global_batch_size=64"]
+# (layout's --set, world, ranks a node): the plan's every collective against the mesh's groups.
+ACROSS = [
+    (["parallel.strategy=fsdp", "parallel.diloco.replicas=2", "parallel.diloco.inner_steps=10"], 16, 8),
+    (["parallel.strategy=ddp", "parallel.diloco.replicas=4", "parallel.diloco.inner_steps=10"], 16, 8),
+    (["parallel.strategy=hsdp", "parallel.replicate=2", "parallel.cp=2"], 16, 8),
+    (["parallel.strategy=fsdp", "parallel.pp=2", "parallel.cp=2"], 8, 4),
+    (["parallel.strategy=fsdp", "parallel.cp=2", "parallel.tp=2"], 8, 4),
+    (["parallel.strategy=fsdp", "parallel.tp=4"], 32, 8),
+    (["parallel.strategy=ddp", "parallel.pp=2", "parallel.tp=2"], 8, 4),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("sets", "world", "nproc"), ACROSS, ids=[" ".join(a[0]) for a in ACROSS])
+def test_a_collective_crosses_nodes_where_the_meshs_groups_do(
+    sets: list[str], world: int, nproc: int
+) -> None:
+    """Every collective of the step is judged across nodes exactly where a group of the mesh the
+    trainer builds has ranks on two nodes: DiLoCo's outer sync (one rank of each replica, the
+    trainer's own ``outer_peers``), HSDP's replicas and a pipeline's stages under cp, FSDP over the
+    data x cp ranks, tensor parallelism's groups."""
+    from dtlab.train.diloco import outer_peers
+
+    cfg = load_config(None, [*ACROSS_BASE, *sets])
+    dims = ParallelDims.from_config(cfg, world)
+    step = predict_step(cfg, nproc, world // nproc, PROFILES["h100"]).step
+    fsdp = ("dp_shard", "cp") if dims.fsdp_shard > dims.dp_shard else ("dp_shard",)
+    along = {
+        "send/recv": ("pp",), "all_gather": fsdp, "reduce_scatter": fsdp,
+        "all_reduce": ("dp_replicate", "cp") if dims.cp_replicates else ("dp_replicate",),
+        "dp_replicate all_reduce": ("dp_replicate", "cp"),
+    }  # fmt: skip
+    judged = 0
+    for collective, group in step.comm_groups.items():
+        if group == dims.world_size:  # the whole world's (the step's reduction, on the way)
+            crosses = dims.world_size > nproc
+        elif collective.startswith("diloco "):
+            peers = outer_peers(dims)
+            crosses = any(len({r // nproc for r in g}) > 1 for g in peers)
+        elif collective.split()[0] in ("tp", "cp"):
+            crosses = _crosses(dims, (collective.split()[0],), nproc)
+        elif collective in along and (dims.fsdp_enabled or collective == "send/recv"):
+            crosses = _crosses(dims, along[collective], nproc)
+        else:
+            continue  # the step's reduction over the replica: a few bytes
+        assert spans_nodes(collective, group, dims, nproc) == crosses, collective
+        judged += 1
+    assert judged >= 2, step.comm_groups
+
+
+def test_diloco_replicas_on_two_nodes_sync_at_the_networks_rate() -> None:
+    # diloco 2 x fsdp 8 on 2 nodes of 8: each replica a node, the outer sync between them; on one
+    # node of 16 the same collectives, every one inside the node. Only the sync's time differs.
+    cfg = load_config(None, [*ACROSS_BASE, *ACROSS[0][0]])
+    h100 = PROFILES["h100"]
+    two, one = predict_step(cfg, 8, 2, h100), predict_step(cfg, 16, 1, h100)
+    bus = two.step.comm_bus_bytes["diloco all_reduce"]
+    slower = bus / (h100.inter_node_gbps * 1e9) - bus / (h100.intra_node_gbps * 1e9)
+    assert slower > 0 and two.comm_s - one.comm_s == pytest.approx(slower, rel=1e-3)
+
+
 def test_a_smaller_group_waits_for_fewer_ranks() -> None:
     # The wait is measured among all 4 processes: a group of 4 waits it whole, a pair a third of it.
     assert wait_seconds({4: 10}, 0.01, 4) == pytest.approx(0.1)

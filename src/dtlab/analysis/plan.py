@@ -662,22 +662,28 @@ class _Costing:
 
 def spans_nodes(collective: str, group: int, dims: ParallelDims, nproc: int) -> bool:
     """Whether a ``collective`` over groups of ``group`` ranks reaches beyond one node of ``nproc``
-    (then the network limits it). The mesh lays tensor parallelism innermost, then the shard and
-    replica dimensions, then the pipeline: a group's ranks are as far apart as the dimensions inside
-    its own, so a data-parallel group under tensor parallelism spans ``group x tp`` ranks, HSDP's
-    replicas (one rank of each shard group) ``group x shard x tp``, and a pipeline's neighbouring
-    stages two data-parallel slices."""
+    (then the network limits it). The mesh lays its dimensions out row-major in the order of
+    :data:`dtlab.dims.DIM_NAMES` (the pipeline outermost, then DiLoCo's replicas, the replicate,
+    shard and cp dimensions, tensor parallelism innermost): a group's ranks span its outermost
+    dimension's degree times every degree inside it. So a data-parallel group under tensor
+    parallelism spans ``group x tp`` ranks; HSDP's replicas (one rank of each shard group) a whole
+    DiLoCo replica's data x cp x tp ranks; DiLoCo's outer sync (one rank of each replica) and a
+    pipeline's neighbouring stages whole replicas and stages apart."""
     if collective.startswith("tp "):
-        stride = 1
-    elif collective == "send/recv":
-        stride = dims.dp * dims.tp
-    elif dims.fsdp_enabled and dims.replicate_enabled and collective == "all_reduce":
-        stride = dims.dp_shard * dims.tp
+        span = group
+    elif collective == "send/recv":  # neighbouring stages: a stage's ranks apart
+        span = group * (dims.world_size // dims.pp)
+    elif collective.startswith("diloco "):  # one rank of each replica: a replica's ranks apart
+        span = group * (dims.world_size // (dims.pp * dims.diloco))
+    elif dims.fsdp_replicate > 1 and collective == "all_reduce":
+        # HSDP's replicate group (with the cp ranks where they replicate): the outermost data
+        # dimension, everything of the replica inside it.
+        span = dims.dp_replicate * dims.dp_shard * dims.cp * dims.tp
     elif collective.startswith("ep_dp "):  # one rank of each EP group of ``ep`` consecutive ones
-        stride = dims.ep * dims.tp
+        span = group * dims.ep * dims.tp
     else:
-        stride = dims.tp
-    return group * stride > nproc
+        span = group * dims.tp
+    return span > nproc
 
 
 def step_time_basis(device: DeviceProfile, moe: bool = False) -> str:
