@@ -464,12 +464,16 @@ def test_a_collective_crosses_nodes_where_the_meshs_groups_do(
     cfg = load_config(None, [*ACROSS_BASE, *sets])
     dims = ParallelDims.from_config(cfg, world)
     step = predict_step(cfg, nproc, world // nproc, PROFILES["h100"]).step
-    fsdp = ("dp_shard", "cp") if dims.fsdp_shard > dims.dp_shard else ("dp_shard",)
-    along = {
-        "send/recv": ("pp",), "all_gather": fsdp, "reduce_scatter": fsdp,
-        "all_reduce": ("dp_replicate", "cp") if dims.cp_replicates else ("dp_replicate",),
+    # The groups each collective runs over in the trainer (FSDP's mesh: its shards over the data x
+    # cp ranks, its replicas; DDP's average inside a DiLoCo replica; the pipeline's stages).
+    along: dict[str, tuple[str, ...]] = {
+        "send/recv": ("pp",),
         "dp_replicate all_reduce": ("dp_replicate", "cp"),
-    }  # fmt: skip
+    }
+    if dims.fsdp_enabled:
+        fsdp = ("dp_shard", "cp") if dims.fsdp_shard > dims.dp_shard else ("dp_shard",)
+        along.update(all_gather=fsdp, reduce_scatter=fsdp)
+        along["all_reduce"] = ("dp_replicate", "cp") if dims.cp_replicates else ("dp_replicate",)
     judged = 0
     for collective, group in step.comm_groups.items():
         if group == dims.world_size:  # the whole world's (the step's reduction, on the way)
@@ -479,7 +483,7 @@ def test_a_collective_crosses_nodes_where_the_meshs_groups_do(
             crosses = any(len({r // nproc for r in g}) > 1 for g in peers)
         elif collective.split()[0] in ("tp", "cp"):
             crosses = _crosses(dims, (collective.split()[0],), nproc)
-        elif collective in along and (dims.fsdp_enabled or collective == "send/recv"):
+        elif collective in along:
             crosses = _crosses(dims, along[collective], nproc)
         else:
             continue  # the step's reduction over the replica: a few bytes
