@@ -169,7 +169,6 @@ COMPONENTS_DIFFER: dict[tuple[str, int], set[str]] = {
     # made): the plan's largest point is a block before the check's (-0.8% at the peak).
     ("fsdp:2 shard_grad_op bf16, wide", 1): {"grads", "activations"},
     ("pp:2 zbv bf16", 1): {"temporaries"},
-    ("pp:2 dualpipev", 0): {"temporaries"},
     ("pp:2 dualpipev", 1): {"temporaries"},
 }
 

@@ -264,7 +264,8 @@ def schedule_walk(
     ``input_kept``: an in-flight micro-batch's receive buffer is what its first block keeps
     (:func:`_input_kept`)."""
     f = figures
-    alive, started, outputs = [0] * len(f.per_mb), [False] * len(f.per_mb), 0
+    alive, started = [0] * len(f.per_mb), [False] * len(f.per_mb)
+    lossless = 0  # the last stage's micro-batches past their input half, before their weight half
 
     def held() -> int:
         out = 2 * microbatches * tokens * 8  # the rank's batch, inputs and targets
@@ -276,18 +277,16 @@ def schedule_walk(
                 pass  # its outputs are the next stage's input buffers; its gradients f.local
             elif s_j != part.n_stages - 1:  # outputs kept for backward, output-gradient buffers
                 out += (n_j + microbatches) * f.stream
-            else:  # the logits of every micro-batch so far, kept to the step's end
-                out += outputs * f.logits
+            else:  # each in-flight micro-batch's logits, to its backward (its input half)
+                out += (n_j - lossless) * f.logits
         return out
 
-    lossless = 0  # the last stage's micro-batches past their input half, before their weight half
     for kind, i in order:
         sid = part.stages[i]
         last = sid == part.n_stages - 1
         if kind == "F":
             alive[i] += 1
             started[i] = True
-            outputs += sid == part.n_stages - 1
             yield kind, i, held() - lossless * f.log_softmax, list(alive)
             continue
         yield kind, i, held() - lossless * f.log_softmax, list(alive)
@@ -342,8 +341,9 @@ def _pipeline_bytes(
       in-flight micro-batch's input buffer may be its first block's input, already counted
       (:func:`_input_kept`);
     - each in-flight micro-batch's output (all but the last stage: backward starts from it);
-    - the last stage's logits of every micro-batch, kept to the step's end (the step's merged
-      output), in the output projection's dtype, split over the vocabulary by tensor parallelism;
+    - the last stage's logits of each in-flight micro-batch, to its backward (the trainer asks
+      the schedule for no merged output, which would keep every micro-batch's to the next step),
+      in the output projection's dtype, split over the vocabulary by tensor parallelism;
 
     and the rank's whole batch, inputs and targets (int64), concatenated before the schedule splits it.
     """
@@ -362,8 +362,26 @@ def _pipeline_bytes(
         if sid != part.n_stages - 1:
             held += (flight + microbatches) * stream
         else:
-            held += microbatches * tokens * (m.vocab_size // dims.tp) * (2 if half else FP32)
+            held += flight * tokens * (m.vocab_size // dims.tp) * (2 if half else FP32)
     return held + 2 * microbatches * tokens * 8
+
+
+def schedule_buffers(
+    part: RankPart, figures: StageFigures, walk: list[tuple[str, int, int, list[int]]]
+) -> int:
+    """The receive buffers torch's schedule makes at a pipeline rank's first step and keeps between
+    steps, through the optimizer step, for each micro-batch of its ``walk`` (one forward each on
+    every stage): each stage's inputs but the first stage's, and each stage's output gradients but
+    the last stage's and those of a stage whose next is on the same rank (a V schedule's middle
+    stages, which pass their tensors directly)."""
+    microbatches = sum(kind == "F" for kind, *_ in walk) // len(part.stages)
+    out = 0
+    for sid in part.stages:
+        if sid != 0:
+            out += microbatches * figures.stream
+        if sid != part.n_stages - 1 and sid + 1 not in part.stages:
+            out += microbatches * figures.stream
+    return out
 
 
 def pipeline_timeline(
@@ -418,7 +436,9 @@ def pipeline_timeline(
             steps.backward(op, final=step + 1 == len(walk))
     if tied and part.first:
         steps.tied_received(tied, after_step=False)
-    steps.add("optimizer", "the optimizer step", grads=state.grads, buffers=state.buffers)
+    steps.add("optimizer", "the optimizer step", grads=state.grads,
+              activations=schedule_buffers(part, figures, walk),
+              temporaries=steps.sent + figures.local, buffers=state.buffers)  # fmt: skip
     if tied and part.last:
         steps.tied_received(tied, after_step=True)
     return steps.t

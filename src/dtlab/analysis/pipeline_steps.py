@@ -449,7 +449,8 @@ class PipelineSteps:
             self.sending = 0
         g_kept, t_kept = self.made()
         name = f"backward {self.forwards}"
-        left = held - figures.per_mb[i] - (0 if last else figures.stream)
+        # The micro-batch's activations freed, with its output (the last stage's logits).
+        left = held - figures.per_mb[i] - (figures.logits if last else figures.stream)
         root = g.head + g.embed // FP32 * block.grad_element  # in the parameters' dtype
         if self.buffered and root:
             # The stage's root unit (its embedding, or its output and final norm) is reduced last,
