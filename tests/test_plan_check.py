@@ -526,6 +526,17 @@ def test_a_checked_rank_holds_and_sends_what_a_real_rank_does(tmp_path: Path, la
             assert close(held, n, within), (rank, name, real_peak, fake_peak)
         assert fake["collectives"] == real["collectives"]
         assert fake["host"] == real["host"]  # DiLoCo's outer state (0 without)
+        if config.parallel.pp > 1:
+            # Through the optimizer step a pipeline rank holds the schedule's receive buffers
+            # (and sent gradients) as the plan does, and no micro-batch's logits: returned by
+            # the schedule, the last stage's would all be alive to the next step.
+            at = ParallelDims.from_config(config, nproc).coordinates(rank)
+            plan = plan_step(config, nproc, pp_rank=at["pp"], shard_rank=at["dp_shard"])
+            moment = plan.timeline.at("optimizer")
+            assert moment is not None
+            held = real["timeline"]["optimizer"]["components"]
+            assert close(moment.activations, held["activations"], 0.01), (rank, held, moment)
+            assert close(moment.total, real["timeline"]["optimizer"]["total"], 0.01), rank
 
 
 # Layouts the check cannot run (DDP's compression hooks wait on a result the fake group's work
