@@ -135,3 +135,20 @@ def test_a_stage_killed_mid_run_is_named_without_a_traceback(tmp_path: Path) -> 
     assert "Traceback" not in proc.stderr, proc.stderr
     assert "[rank0] error: a collective failed on rank 0" in proc.stderr
     assert "Rank 1 (pid" in proc.stderr and "is behind" in proc.stderr, proc.stderr
+
+
+def test_the_schedule_is_asked_for_no_outputs_only_where_its_torch_takes_the_keyword() -> None:
+    """Torch's schedules since ``return_outputs`` are told not to keep the last stage's outputs
+    (every micro-batch's logits, alive to the next step otherwise); an older schedule, whose
+    unknown keywords go to the model, is passed none."""
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    from dtlab.parallel.pipeline import _no_outputs
+
+    class Older(ScheduleGPipe):
+        def step(self, *args: Any, target: Any = None, losses: Any = None, **kwargs: Any) -> None:
+            raise AssertionError("not run")
+
+    plain = ScheduleGPipe.__new__(ScheduleGPipe)
+    assert _no_outputs(plain) == {"return_outputs": False}
+    assert _no_outputs(Older.__new__(Older)) == {}
