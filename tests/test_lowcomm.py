@@ -363,3 +363,22 @@ def test_a_muon_method_is_judged_against_ddp_muon_and_its_dense_twin(
     report = (out / "report.md").read_text()
     assert "| ddp-muon | " in report and "loss_curves.png" in report
     assert (out / "loss_curves.png").stat().st_size > 0
+
+
+def test_a_run_from_another_processor_is_not_read_back(tmp_path: Path) -> None:
+    """A finished run's record names the processor it trained on; on another model the same
+    settings and seed end elsewhere, so --reuse trains it again."""
+    from dtlab.bench import lowcomm_reuse
+    from dtlab.bench.link import parse_links
+
+    run_dir = tmp_path / "none-ddp"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    settings, link = ["model.preset=debug", f"run.dir={run_dir}"], parse_links("none")[0]
+    lowcomm_reuse.mark_done(run_dir, settings, link)
+    assert lowcomm_reuse.reusable(run_dir, settings, link) == [{"step": 1, "loss": 2.0}]
+    done = tmp_path / "none-ddp.done.json"
+    record = json.loads(done.read_text())
+    assert record["processor"] == lowcomm_reuse.processor() != ""
+    done.write_text(json.dumps({**record, "processor": "another processor"}))
+    assert lowcomm_reuse.reusable(run_dir, settings, link) is None
