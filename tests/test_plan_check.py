@@ -311,6 +311,21 @@ def test_each_pipeline_stage_is_checked_with_its_own_plan(schedule: str) -> None
     assert first.peak["checked"] != last.peak["checked"]
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_a_last_stage_holds_each_micro_batchs_logits_once(schedule: str) -> None:
+    """Every moment of a pipeline's last stage within 1% of the check, with a vocabulary wide
+    enough that a micro-batch's logits are a fifth of its first forward: each forward's logits
+    counted once (at its loss), kept to its micro-batch's backward and no longer."""
+    config = load_config(
+        overrides=[*SMALL, "parallel.pp=2", f"parallel.pp_schedule={schedule}",
+                   "parallel.pp_microbatches=4", "model.vocab_size=4096"]
+    )  # fmt: skip
+    last = check_rank(config, 2, 1, 1)
+    assert last.skipped is None
+    for moment in last.timeline:
+        assert close(moment["predicted"], moment["checked"], 0.01), moment
+
+
 def test_the_check_refuses_a_torch_whose_internals_it_was_not_tested_on() -> None:
     from dtlab.analysis.check_fake import TESTED_TORCH, torch_refusal
 

@@ -287,7 +287,9 @@ def schedule_walk(
         if kind == "F":
             alive[i] += 1
             started[i] = True
-            yield kind, i, held() - lossless * f.log_softmax, list(alive)
+            # The last stage's forward is its loss, whose point counts the new logits itself.
+            new = f.logits if last else 0
+            yield kind, i, held() - lossless * f.log_softmax - new, list(alive)
             continue
         yield kind, i, held() - lossless * f.log_softmax, list(alive)
         if kind != "I":  # a zero-bubble input half keeps the micro-batch for its weight half
@@ -423,9 +425,10 @@ def pipeline_timeline(
         recompute=recompute, fsdp=fsdp, shapes=[b.kept_copies() for b in per_stage],
         copies=[b.copy for b in per_stage],
     )  # fmt: skip
-    for step, (kind, i, held, _) in enumerate(walk):
+    for step, (kind, i, held, alive) in enumerate(walk):
         sid = part.stages[i]
         op = StageOp(i, sid, sid == part.n_stages - 1, held)
+        steps.held_over = len(part.stages) == 1 and alive[i] == 1
         if kind == "F":
             steps.forward(op)
         elif kind == "I":

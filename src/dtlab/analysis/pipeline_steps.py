@@ -117,6 +117,9 @@ class PipelineSteps:
     # input gradients sent to the previous rank, alive to the step's end.
     sent: int = 0
     pending: int = 0  # the output gradients zero-bubble input halves keep for their weight halves
+    # The backward running is of a single-stage schedule's latest forward (the only micro-batch in
+    # flight), whose output the schedule's loop still references.
+    held_over: bool = False
     left: int = 0  # the activations alive after the last backward so far
     # Each stage's: gradients made (its first backward done), last op a backward, first forward
     # run, gradients reduced, and backwards to come.
@@ -449,8 +452,11 @@ class PipelineSteps:
             self.sending = 0
         g_kept, t_kept = self.made()
         name = f"backward {self.forwards}"
-        # The micro-batch's activations freed, with its output (the last stage's logits).
-        left = held - figures.per_mb[i] - (figures.logits if last else figures.stream)
+        # The micro-batch's activations freed, with its output (the last stage's logits), but
+        # where a single-stage schedule's loop still holds its latest forward's output (torch's
+        # GPipe and 1F1B keep it in a local until their next forward).
+        out = figures.stream if not last else 0 if self.held_over else figures.logits
+        left = held - figures.per_mb[i] - out
         root = g.head + g.embed // FP32 * block.grad_element  # in the parameters' dtype
         if self.buffered and root:
             # The stage's root unit (its embedding, or its output and final norm) is reduced last,
