@@ -21,6 +21,7 @@ new value is sent back to the copy after the update.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 from collections.abc import Callable
@@ -173,9 +174,14 @@ def _no_outputs(schedule: _PipelineSchedule) -> dict[str, Any]:
     has it (older ones pass unknown keywords to the model). Returned, the logits of every
     micro-batch would stay alive to the next step, through the optimizer step: ~2 GB each for an
     8B model at 8,192 tokens in bf16. Unreturned, each is freed at its micro-batch's backward."""
-    if "return_outputs" in inspect.signature(type(schedule).step).parameters:
-        return {"return_outputs": False}
-    return {}
+    return {"return_outputs": False} if _takes_return_outputs(type(schedule)) else {}
+
+
+@functools.cache
+def _takes_return_outputs(kind: type[_PipelineSchedule]) -> bool:
+    """Whether schedule class ``kind``'s ``step`` has ``return_outputs`` (read once per class, not
+    at every step)."""
+    return "return_outputs" in inspect.signature(kind.step).parameters
 
 
 @dataclass
