@@ -226,6 +226,7 @@ def _tracked(
     if prime and pm.pipeline is None:
         refiling, steps = _primed(pm.module, optimizer, tracker), 1
     tracker.track_external(pm.module, optimizer)
+    tracker.watch_gathers(pm.module)
     if pm.pipeline is not None:
         tracker.watch_reductions(pm.pipeline.stages)
     return refiling, steps

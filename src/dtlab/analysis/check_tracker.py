@@ -31,6 +31,8 @@ class _Peaks(MemTracker):
         self.reducing = False  # a pipeline stage's gradient reduction is running
         self.outer = False  # DiLoCo's outer sync is running (after the optimizer step)
         self.apart = False  # what is made now is not the device's memory (DiLoCo's host state)
+        # FSDP gathering a unit: what it makes is filed as this kind, not as forward's activations.
+        self.gathering: _RefType | None = None
 
     def _track(self, reftype: _RefType, t: torch.Tensor) -> None:
         if self.apart:
@@ -43,6 +45,8 @@ class _Peaks(MemTracker):
         after = self.backward_seen and not self._mod_tracker.is_bw
         if (self.reducing or self.outer or after) and reftype is _MemRefType.ACT:
             reftype = _MemRefType.TEMP
+        if self.gathering is not None and reftype is _MemRefType.ACT:
+            reftype = self.gathering
         super()._track(reftype, t)
 
     @contextlib.contextmanager
@@ -81,6 +85,34 @@ class _Peaks(MemTracker):
                     self.file_as_gradients(grads)
 
             stage.perform_reduce_grad = watched
+
+    def watch_gathers(self, model: torch.nn.Module) -> None:
+        """File what FSDP's all-gathers make in forward as backward's are filed: the flat buffer
+        each gathers into (and copies out of) as a temporary, the unit's unsharded parameters as
+        gathered parameters (buffers). MemTracker files both as activations, being made inside a
+        module's forward; on the plan's side they are FSDP's buffers, not what forward keeps."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in model.modules():
+            if not isinstance(m, FSDPModule):
+                continue
+            group = m._get_fsdp_state()._fsdp_param_group
+            if group is None:
+                continue
+            group.unshard = self._filed_as(group.unshard, _MemRefType.TEMP)  # type: ignore[method-assign]
+            group.wait_for_unshard = self._filed_as(  # type: ignore[method-assign]
+                group.wait_for_unshard, _MemRefType.PARAM
+            )
+
+    def _filed_as(self, fn: Any, kind: _RefType) -> Any:
+        def filed(*args: Any, **kwargs: Any) -> Any:
+            before, self.gathering = self.gathering, kind
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.gathering = before
+
+        return filed
 
     def file_gathered(self, model: torch.nn.Module) -> list[Any]:
         """File FSDP's gathered parameters as parameters from the forward of their unit on, as a

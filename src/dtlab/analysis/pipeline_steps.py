@@ -180,14 +180,56 @@ class PipelineSteps:
         after forward, inside the stage's last block."""
         g_kept, t_kept = self.made()
         self.forwards += 1
+        loss, fsdp, name = self.loss, self.fsdp, f"forward {self.forwards}"
+        gathered = self.after_backward[op.i]
+        if fsdp is not None and fsdp.reshard and gathered:
+            # After a backward the stage's units are all still gathered (the schedule turns
+            # resharding after backward off); this forward reshards them block by block, the
+            # first at its end: the first block's forward made beside every unit gathered, what
+            # the last backward left alive (a later stage's input among it: its receive buffer,
+            # which the block keeps) and the block's transients (as at the last block's below).
+            block = self.shapes[op.i]
+            own = self._blocks_kept(op) // self.n_blocks[op.i]
+            received = self.figures.stream if op.sid > 0 else 0
+            rows = 3 if block.compute < FP32 else 1
+            transient = rows * self.tokens * block.dim * block.compute + block.stream_row
+            self.add(name, "the stage's first block, its units gathered from its backward",
+                     grads=g_kept,
+                     activations=self.left + own - received + transient,
+                     temporaries=t_kept + self.sending,
+                     buffers=self.state.buffers + self.gathered(None, 0))  # fmt: skip
         self.after_backward[op.i] = False
         self.started[op.i] = True
-        loss, fsdp, name = self.loss, self.fsdp, f"forward {self.forwards}"
         extra = loss.forward_extra() if op.last and loss is not None else 0
         self.add(name, "the loss" if extra else "a stage's forward", grads=g_kept,
                  activations=op.held + extra, temporaries=t_kept + self.sending,
                  buffers=self.state.buffers + self.gathered(None, 0))  # fmt: skip
-        if fsdp is not None and fsdp.reshard and not op.last:
+        if fsdp is not None and fsdp.reshard:
+            self._last_block_forward(op, fsdp, g_kept, t_kept, gathered)
+
+    def _last_block_forward(
+        self, op: StageOp, fsdp: StageFsdp, g_kept: int, t_kept: int, gathered: bool
+    ) -> None:
+        """Inside the stage's last block's forward, FSDP resharding after forward: as FSDP gathers
+        it, and (but on the last stage, whose loss outweighs it) at its feed-forward's end;
+        ``gathered``: the stage's units are still gathered from its backward (nothing is gathered
+        again: no flat buffer)."""
+        name = f"forward {self.forwards}"
+        block = self.shapes[op.i]
+        flat = fsdp.block if fsdp.scatter > 1 and not gathered else 0
+        bufs = self.state.buffers + self.gathered(None, 0) + fsdp.roots[op.i] + fsdp.block
+        # Its all-gather copied out, the unit's before it still in its flat buffer (torch frees
+        # that after the copy-out): nothing of the block kept yet but, on the last stage, its
+        # input (the loss's part holds the last block's output, not its input; measured by
+        # `dtlab plan --check` on a pipeline's first, middle and last stages).
+        before = fsdp.block if self.n_blocks[op.i] > 1 else fsdp.roots[op.i]
+        if flat and before:
+            own = self._blocks_kept(op) // self.n_blocks[op.i]
+            activations = op.held - own - (self.loss_part - block.stream_row if op.last else 0)
+            self.add(name, "the stage's last block's all-gather", grads=g_kept,
+                     activations=activations, temporaries=t_kept + self.sending + before + flat,
+                     buffers=bufs)  # fmt: skip
+        if not op.last:
             # Inside the stage's last block, at its feed-forward's end: the stage's root and
             # the block gathered, FSDP's flat all-gather buffer of the block (made in forward,
             # kept until the next unit's all-gather or the stage's end), and the block's own
@@ -196,13 +238,10 @@ class PipelineSteps:
             # Over a shard group of one rank (DDP beside a pipeline: FSDP2 replicating) FSDP2
             # copies each shard into its parameter without an all-gather: no flat buffer, and
             # two such transients (measured alike, without sequence parallelism).
-            block = self.shapes[op.i]
-            flat = fsdp.block if fsdp.scatter > 1 else 0
             transient = (3 if flat else 2) * self.tokens * block.dim * block.compute
             self.add(name, "the stage's last block's feed-forward", grads=g_kept,
-                     activations=op.held + flat + transient, temporaries=t_kept + self.sending,
-                     buffers=self.state.buffers + self.gathered(None, 0) + fsdp.roots[op.i]
-                     + fsdp.block)  # fmt: skip
+                     activations=op.held + transient, temporaries=t_kept + self.sending + flat,
+                     buffers=bufs)  # fmt: skip
 
     def input_half(self, op: StageOp) -> None:
         """A zero-bubble schedule's input half of a backward: it keeps the micro-batch's
@@ -333,6 +372,16 @@ class PipelineSteps:
         for which, alive, above, ahead in self._block_points(op, prefetch):
             bufs = self.state.buffers + self.gathered(i, above + 1)
             new, moved = self._grads_at(i, first_time, above)
+            if not above and fsdp is not None and regather and fsdp.prefetched:
+                # The stage's last block gathered for its backward: its parameters copied out of
+                # FSDP's all-gather buffer, both alive, the residual gradient come in, nothing of
+                # the block's freed yet (the step's peak where a stage's block outweighs the final
+                # norm's float32 temporaries; measured by `dtlab plan --check`).
+                self.add(name, f"the stage's {which} block copied out of its all-gather buffer",
+                         grads=g_kept + max(0, new - block.w2_grad), activations=alive,
+                         temporaries=t_kept + moved + self.sending + (block.incoming - into)
+                         + fsdp.prefetched,
+                         buffers=bufs)  # fmt: skip
             if again:
                 self.add(name, f"the stage's {which} block recomputed",
                          grads=g_kept + max(0, new - block.w2_grad), activations=alive + again,
@@ -350,6 +399,16 @@ class PipelineSteps:
                      grads=g_kept + new, activations=alive + again - gone - block.freed,
                      temporaries=t_kept + moved + self.sending + temps + ahead,
                      buffers=bufs)  # fmt: skip
+            if not again and not block.attention_temps:
+                # The attention norm's backward (dtlab.analysis.timeline): every weight gradient
+                # of the block made, what it kept freed but the norm's float32 input.
+                self.add(name, f"the stage's {which} block's attention norm's backward",
+                         grads=g_kept + new - block.w2_grad + block.grads + block.routed_grads,
+                         activations=alive - self._blocks_kept(op) // self.n_blocks[i]
+                         + block.final_norm_kept,
+                         temporaries=t_kept + moved + self.sending + block.norm_temps - into
+                         + ahead,
+                         buffers=bufs)  # fmt: skip
             if block.routed_temps:  # an MoE block's routed experts (dtlab.analysis.rank_timeline)
                 self.add(name, f"the stage's {which} block's routed experts' backward",
                          grads=g_kept + max(0, new - block.w2_grad),

@@ -254,6 +254,9 @@ class BlockShape:
     qkv_input_temps: int = 0
     qkv_input_kept: int = 0
     qkv_grads: int = 0
+    # The residual stream on this rank ([tokens, dim], its sequence shard) in its dtype: the block's
+    # input, alive as forward gathers the block.
+    stream_row: int = 0
 
     def final_points(self, below: int) -> list[tuple[str, int, int, int]]:
         """The last stage's points between the output projection's backward and its last block's,
@@ -346,7 +349,7 @@ def dense_block(
     return BlockShape(
         temps, compute * local + copy, w2, grad_bytes * block_params, residual + gathered, copy,
         dim, compute, grad_bytes, norm_temps, norm_freed, float8_temps=float8_temps,
-        final_norm_kept=row, final_norm_temps=5 * row,
+        final_norm_kept=row, final_norm_temps=5 * row, stream_row=residual,
     )  # fmt: skip
 
 
@@ -565,6 +568,16 @@ def _block_backward(mb: _MicroBatch, j: int, held: tuple[int, int, int]) -> None
         f"{name}'s feed-forward norm's backward", grads=norm_grads, activations=at_norm,
         temporaries=tmp + block.norm_temps, buffers=buffers,
     )  # fmt: skip
+    if not again and not block.attention_temps:
+        # The attention norm's backward: every weight gradient of the block made, what the block
+        # kept freed but the norm's float32 input, backward's own as at the feed-forward norm's
+        # (a step's peak where the attention's weights outweigh what it keeps: wide, few tokens).
+        mb.add(
+            f"{name}'s attention norm's backward",
+            grads=g - block.w2_grad + block.grads + block.routed_grads,
+            activations=alive - mb.blocks[j].kept + block.final_norm_kept,
+            temporaries=tmp + block.norm_temps, buffers=buffers,
+        )  # fmt: skip
     if block.routed_temps:
         mb.add(
             f"{name}'s routed experts' backward", grads=g - block.w2_grad,
@@ -642,8 +655,32 @@ def _fsdp_micro_batch(mb: _MicroBatch, s: RankState, last: bool, fsdp: FsdpUnits
         # (measured by `dtlab plan --check`; with a large vocabulary the forward's largest point).
         first = blocks[0].unit
         mb.add("the first block's all-gather, the root gathered", "forward", grads=shards,
-               activations=loss.tokens * block.dim * FP32, temporaries=partial,
-               buffers=mb.buffers + 2 * fsdp.root + 2 * first)  # fmt: skip
+               activations=loss.tokens * block.dim * FP32, temporaries=partial + fsdp.root + first,
+               buffers=mb.buffers + fsdp.root + first)  # fmt: skip
+    if fsdp.scatters:
+        _gathers_in_forward(mb, fsdp, shards, partial)
+    if loss is not None and fsdp.root:
+        # The output projection's end, before the root is resharded: the root gathered, the last
+        # block's flat all-gather buffer still alive (torch frees a buffer at the next unit's
+        # copy-out; none comes after it in forward), the logits made, the loss not yet run.
+        cells = loss.tokens * loss.vocab
+        logits = cells * (2 if loss.half else FP32)
+        made = mb.kept - FP32 * cells + logits - loss.freed_before_backward()
+        flat = blocks[-1].unit if blocks and fsdp.scatters else 0
+        gathered = gathered_fwd or fsdp.root + blocks[-1].unit
+        mb.add("the output projection's end, the root gathered", "forward", grads=shards,
+               activations=made, temporaries=partial + flat,
+               buffers=mb.buffers + (gathered_fwd or fsdp.root))  # fmt: skip
+        if blocks:
+            # Inside the last block, at its feed-forward's end: the block gathered beside the
+            # root, its flat buffer alive, beyond what forward keeps the down projection's output
+            # (in half precision two more of its size: the norm's float32 output cast) and the
+            # block's output (the loss's part holds it; measured by `dtlab plan --check`).
+            rows = 3 if block.compute < FP32 else 1
+            transient = rows * loss.tokens * block.dim * block.compute + block.stream_row
+            mb.add("the last block's feed-forward", "forward", grads=shards,
+                   activations=mb.kept - mb.loss_part + transient, temporaries=partial + flat,
+                   buffers=mb.buffers + gathered)  # fmt: skip
     if output is not None and loss is not None:
         # The root gathered again for the output projection's backward, its flat all-gather
         # buffer beside it, before the projection's gradients are made.
@@ -659,12 +696,44 @@ def _fsdp_micro_batch(mb: _MicroBatch, s: RankState, last: bool, fsdp: FsdpUnits
         fsdp.root + (0 if fsdp.reshard else sum(b.unit for b in blocks)),
     )
     _micro_batch(mb, (shards, partial, gathered_fwd), at_block, output, final)
+    if fsdp.prefetches:
+        # Each block gathered for its backward: its parameters copied out of the all-gather buffer
+        # its successor prefetched, both alive, the residual gradient come in, nothing of the
+        # block freed and the block below not yet prefetched (a step's peak where a block's
+        # parameters outweigh its activations: wide models, few tokens a rank).
+        for j in _block_points(blocks):
+            g, tmp, gathered = at_block(j)
+            shape = blocks[j].shape
+            ahead = blocks[j - 1].unit if j > 0 else 0
+            alive = mb.kept - mb.loss_part - sum(b.kept for b in blocks[j + 1 :])
+            name = f"block {j}" + (" (the last)" if j == n_blocks - 1 else "")
+            mb.add(f"{name} copied out of its all-gather buffer", grads=g - shape.w2_grad,
+                   activations=alive,
+                   temporaries=tmp - ahead + blocks[j].unit + shape.incoming,
+                   buffers=mb.buffers + gathered)  # fmt: skip
     if fsdp.root and loss is not None:
         done = sum(b.unit_shard for b in blocks)
         grads = shards + (done if into_grads else 0)
         grads += sum(b.outside for b in blocks) if k == 1 else 0
         temps = partial + (done if fsdp.hsdp and k == 1 and not last else 0)
         _root_backward(mb, s, fsdp, grads, temps, block.grad_element)
+
+
+def _gathers_in_forward(mb: _MicroBatch, fsdp: FsdpUnits, shards: int, partial: int) -> None:
+    """Micro-batch k's forward as FSDP gathers each block after the first: the block's parameters
+    copied out of its flat all-gather buffer while the previous unit's buffer is still alive (torch
+    frees it after the copy-out, not before), beside the root and, where blocks are not resharded
+    after forward, every block gathered so far; what forward kept of the blocks before it and the
+    block's input (measured by `dtlab plan --check`)."""
+    blocks = mb.blocks
+    for j in range(1, len(blocks)):
+        before = blocks[j - 1].unit
+        gathered = blocks[j].unit if fsdp.reshard else sum(b.unit for b in blocks[: j + 1])
+        kept = mb.kept - mb.loss_part - sum(b.kept for b in blocks[j:])
+        mb.add(f"block {j}'s all-gather", "forward", grads=shards,
+               activations=kept + blocks[j].shape.stream_row,
+               temporaries=partial + before + blocks[j].unit,
+               buffers=mb.buffers + fsdp.root + gathered)  # fmt: skip
 
 
 def _root_backward(
