@@ -147,6 +147,19 @@ CHECKED = {
         4, ["parallel.pp=2", "parallel.pp_schedule=1f1b", "model.n_layers=4",
             "parallel.strategy=fsdp", "train.precision=bf16", "model.dim=128", "model.ffn_dim=512",
             "data.seq_len=16", "train.global_batch_size=4"]),
+    # A first stage's embedding (a large vocabulary, untied): gathered at its backward's start
+    # after a forward (its flat buffer alive at the last block's copy-out, or, a stage of one
+    # block, prefetched by it), and again for the embedding's backward after a backward; the
+    # stage's output still held by the schedule's loop after its last backward.
+    "pp:2 x fsdp:2 large vocabulary": (
+        4, ["parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.strategy=fsdp",
+            "model.vocab_size=8192", "model.tie_embeddings=false"]),
+    "pp:2 x fsdp:2 bf16, vocabulary 4096": (
+        4, ["parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.strategy=fsdp",
+            "model.vocab_size=4096", "model.tie_embeddings=false", "train.precision=bf16"]),
+    "pp:2 x fsdp:2 vocabulary 4096, 4 blocks": (
+        4, ["parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.strategy=fsdp",
+            "model.vocab_size=4096", "model.tie_embeddings=false", "model.n_layers=4"]),
     # A stage of one block on 4 shard ranks: its last block gathered for its backward, copied
     # out of the flat buffer, above the final norm's backward (the step's peak on the last rank).
     "pp:2 interleaved x fsdp:4 bf16": (

@@ -227,6 +227,8 @@ def _tracked(
         refiling, steps = _primed(pm.module, optimizer, tracker), 1
     tracker.track_external(pm.module, optimizer)
     tracker.watch_gathers(pm.module)
+    for stage in pm.pipeline.stages if pm.pipeline is not None else ():
+        tracker.watch_gathers(stage.submod)  # a stage's root unit: not under the rank's frame
     if pm.pipeline is not None:
         tracker.watch_reductions(pm.pipeline.stages)
     return refiling, steps

@@ -33,6 +33,7 @@ class _Peaks(MemTracker):
         self.apart = False  # what is made now is not the device's memory (DiLoCo's host state)
         # FSDP gathering a unit: what it makes is filed as this kind, not as forward's activations.
         self.gathering: _RefType | None = None
+        self.watched: set[int] = set()  # FSDP's parameter groups whose gathers are filed so
 
     def _track(self, reftype: _RefType, t: torch.Tensor) -> None:
         if self.apart:
@@ -97,20 +98,30 @@ class _Peaks(MemTracker):
             if not isinstance(m, FSDPModule):
                 continue
             group = m._get_fsdp_state()._fsdp_param_group
-            if group is None:
+            if group is None or id(group) in self.watched:
                 continue
+            self.watched.add(id(group))
             group.unshard = self._filed_as(group.unshard, _MemRefType.TEMP)  # type: ignore[method-assign]
             group.wait_for_unshard = self._filed_as(  # type: ignore[method-assign]
-                group.wait_for_unshard, _MemRefType.PARAM
+                group.wait_for_unshard, _MemRefType.PARAM, group
             )
 
-    def _filed_as(self, fn: Any, kind: _RefType) -> Any:
+    def _filed_as(self, fn: Any, kind: _RefType, group: Any = None) -> Any:
+        """``fn`` with what it makes filed as ``kind``; with ``group`` (FSDP's parameter group
+        gathered by ``fn``) its unsharded parameters filed as parameters after it, whatever they
+        were filed as when first made (a unit used without a module call of its own, a tied
+        embedding's copy read by the output projection, is refiled by nothing else)."""
+
         def filed(*args: Any, **kwargs: Any) -> Any:
             before, self.gathering = self.gathering, kind
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.gathering = before
+                for p in getattr(group, "fsdp_params", ()):
+                    unsharded = getattr(p, "_unsharded_param", None)
+                    if unsharded is not None and unsharded.untyped_storage().size():
+                        self._update_and_maybe_create_winfos(unsharded, _MemRefType.PARAM)
 
         return filed
 

@@ -238,7 +238,10 @@ class PipelineSteps:
             # Over a shard group of one rank (DDP beside a pipeline: FSDP2 replicating) FSDP2
             # copies each shard into its parameter without an all-gather: no flat buffer, and
             # two such transients (measured alike, without sequence parallelism).
-            transient = (3 if flat else 2) * self.tokens * block.dim * block.compute
+            # (In float32 one: the down projection's output; the two more are the norm's
+            # float32 output cast, measured alike on a whole model: timeline.py.)
+            rows = (3 if block.compute < FP32 else 1) if flat else 2
+            transient = rows * self.tokens * block.dim * block.compute
             self.add(name, "the stage's last block's feed-forward", grads=g_kept,
                      activations=op.held + transient, temporaries=t_kept + self.sending + flat,
                      buffers=bufs)  # fmt: skip
@@ -302,7 +305,7 @@ class PipelineSteps:
         regather = self.fsdp is not None and self.fsdp.reshard and not self.after_backward[op.i]
         self._loss_backward(op, kept, first_time, regather)
         self._blocks_backward(op, kept, first_time, regather)
-        self.left = self._after_backward(op, final)
+        self.left = self._after_backward(op, final, regather)
         self._reduce_stage(op, self.left)
 
     def tied_received(self, nbytes: int, after_step: bool) -> None:
@@ -377,10 +380,19 @@ class PipelineSteps:
                 # FSDP's all-gather buffer, both alive, the residual gradient come in, nothing of
                 # the block's freed yet (the step's peak where a stage's block outweighs the final
                 # norm's float32 temporaries; measured by `dtlab plan --check`).
+                # On a stage without the loss, whose root is first used at its backward's end
+                # (the embedding), the root's flat all-gather buffer, made as the stage's
+                # backward starts, is still alive then too; where the block is the stage's only
+                # one, the root is the unit it prefetches, after its own buffer is freed
+                # (measured by `dtlab plan --check` on first stages of one and of eight blocks).
+                root_flat = 0 if last else fsdp.roots[i]
+                flats = fsdp.prefetched + root_flat
+                if self.n_blocks[i] == 1:
+                    flats = max(fsdp.prefetched, root_flat)
                 self.add(name, f"the stage's {which} block copied out of its all-gather buffer",
                          grads=g_kept + max(0, new - block.w2_grad), activations=alive,
                          temporaries=t_kept + moved + self.sending + (block.incoming - into)
-                         + fsdp.prefetched,
+                         + flats,
                          buffers=bufs)  # fmt: skip
             if again:
                 self.add(name, f"the stage's {which} block recomputed",
@@ -492,10 +504,11 @@ class PipelineSteps:
             new = g.head + block.w2_grad
         return new, moved
 
-    def _after_backward(self, op: StageOp, final: bool) -> int:
+    def _after_backward(self, op: StageOp, final: bool, regather: bool = False) -> int:
         """Between a backward and the next op (the schedule's own code): the stage's gradients
         made, the micro-batch's activations freed, and a stage before the last frees its output
-        kept for backward. Returns the activations then alive."""
+        kept for backward (``regather``: FSDP gathered the stage again for this backward).
+        Returns the activations then alive."""
         i, sid, last, held = op
         figures, g, block = self.figures, self.grads[i], self.shapes[i]
         if not self.done[i]:
@@ -514,9 +527,20 @@ class PipelineSteps:
         # The micro-batch's activations freed, with its output (the last stage's logits), but
         # where a single-stage schedule's loop still holds its latest forward's output (torch's
         # GPipe and 1F1B keep it in a local until their next forward).
-        out = figures.stream if not last else 0 if self.held_over else figures.logits
+        out = 0 if self.held_over else figures.stream if not last else figures.logits
         left = held - figures.per_mb[i] - out
         root = g.head + g.embed // FP32 * block.grad_element  # in the parameters' dtype
+        fsdp = self.fsdp
+        if fsdp is not None and fsdp.reshard and sid == 0 and fsdp.scatter > 1 and not regather:
+            # A backward after a backward: the blocks still gathered, the root (resharded by the
+            # last one) gathered again for the embedding's backward, its flat buffer alive beside
+            # it with the embedding's input gradient, every other gradient of the stage made, the
+            # micro-batch's activations freed but its output (measured by `dtlab plan --check`:
+            # with a large vocabulary a first stage's peak). A backward after a forward gathers
+            # the root at its start instead (its buffer at the last block's copy-out, above).
+            self.add(name, "the embedding's backward", grads=g_kept, activations=left + out,
+                     temporaries=t_kept + self.sending + fsdp.roots[i] + figures.stream,
+                     buffers=self.state.buffers + self.gathered(None, 0))  # fmt: skip
         if self.buffered and root:
             # The stage's root unit (its embedding, or its output and final norm) is reduced last,
             # at the backward's end: its gradients, made in the parameters' dtype, are alive
@@ -525,7 +549,6 @@ class PipelineSteps:
             self.add(name, "the root's gradients copied into FSDP's float32 buffers",
                      grads=g_kept + root, activations=left, temporaries=t_kept + self.sending,
                      buffers=self.state.buffers + self.gathered(None, 0))  # fmt: skip
-        fsdp = self.fsdp
         if fsdp is not None and fsdp.scatter == 1 and sid == 0 and block.compute < FP32:
             left = self._replicated_embedding(op, left)
         self.add(f"after backward {self.forwards}", "between backward and the next forward",
@@ -542,7 +565,7 @@ class PipelineSteps:
         it sent (measured by `dtlab plan --check`). Returns the activations then alive."""
         g_kept, t_kept = self.made()
         g, block = self.grads[op.i], self.shapes[op.i]
-        left += self.figures.stream
+        left += 0 if self.held_over else self.figures.stream  # (held over: counted already)
         half = g.embed // FP32 * block.compute
         self.add(f"backward {self.forwards}", "the embedding's backward", grads=g_kept - g.embed,
                  activations=left,
