@@ -157,6 +157,9 @@ CHECKED = {
     "pp:2 x fsdp:2 bf16, vocabulary 4096": (
         4, ["parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.strategy=fsdp",
             "model.vocab_size=4096", "model.tie_embeddings=false", "train.precision=bf16"]),
+    "pp:2 x fsdp:2 vocabulary 4096": (
+        4, ["parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.strategy=fsdp",
+            "model.vocab_size=4096", "model.tie_embeddings=false"]),
     "pp:2 x fsdp:2 vocabulary 4096, 4 blocks": (
         4, ["parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.strategy=fsdp",
             "model.vocab_size=4096", "model.tie_embeddings=false", "model.n_layers=4"]),
