@@ -465,7 +465,7 @@ def _replicated_micro_batch(
         return (earlier + per * min(outside, above) if whole else made), s.tied_grad, 0
 
     final = (earlier if whole else s.head_grads), s.tied_grad, 0
-    _micro_batch(mb, (earlier, 0, 0), at_block, final=final)
+    _micro_batch(mb, (earlier, 0, 0), at_block, final=final, grows=not whole)
 
 
 def _micro_batch(
@@ -474,10 +474,13 @@ def _micro_batch(
     at_block: Callable[[int], tuple[int, int, int]],
     output: tuple[int, int, int] | None = None,
     final: tuple[int, int, int] | None = None,
+    grows: bool = True,
 ) -> None:
     """Micro-batch k's forward and backward points into ``t``. ``at_loss``: (gradients,
     temporaries, gathered parameters) the wrappers hold at the loss; ``at_block(j)``: the same at
-    block j's feed-forward backward; ``final``: the same at the final norm's backward. Blocks are
+    block j's feed-forward backward; ``final``: the same at the final norm's backward; ``grows``:
+    a block's backward makes its gradients anew (not into DDP's buckets or the gradients of the
+    micro-batches before). Blocks are
     looked at where backward's figures change their course: the last (nothing of it reduced yet),
     the one below it, the second and the first (the blocks between follow a straight line from
     one to the other)."""
@@ -493,7 +496,7 @@ def _micro_batch(
             mb.add(where, grads=g - unmade, activations=activations, temporaries=tmp + own,
                    buffers=mb.buffers + gath)  # fmt: skip
     for j in _block_points(mb.blocks):
-        _block_backward(mb, j, at_block(j))
+        _block_backward(mb, j, at_block(j), grows)
 
 
 def _loss_points(
@@ -534,7 +537,9 @@ def _block_points(blocks: list[BlockKind]) -> list[int]:
     return sorted(points, reverse=True)
 
 
-def _block_backward(mb: _MicroBatch, j: int, held: tuple[int, int, int]) -> None:
+def _block_backward(
+    mb: _MicroBatch, j: int, held: tuple[int, int, int], grows: bool = True
+) -> None:
     """Block j's backward points: its recomputation's end (a checkpointed block), its
     feed-forward's backward and its feed-forward norm's; ``held``: (gradients, temporaries,
     gathered parameters) the wrappers hold then."""
@@ -562,7 +567,8 @@ def _block_backward(mb: _MicroBatch, j: int, held: tuple[int, int, int]) -> None
         activations=alive + again - gone - block.freed, temporaries=tmp + block.temps,
         buffers=buffers,
     )  # fmt: skip
-    norm_grads = g + 2 * block.w2_grad + block.dim * block.grad_element + block.routed_grads
+    made = 2 * block.w2_grad + block.dim * block.grad_element + block.routed_grads
+    norm_grads = g + (made if grows else 0)
     at_norm = alive + again - gone - block.norm_freed  # (the feed-forward's freed by then)
     mb.add(
         f"{name}'s feed-forward norm's backward", grads=norm_grads, activations=at_norm,
@@ -574,7 +580,7 @@ def _block_backward(mb: _MicroBatch, j: int, held: tuple[int, int, int]) -> None
         # (a step's peak where the attention's weights outweigh what it keeps: wide, few tokens).
         mb.add(
             f"{name}'s attention norm's backward",
-            grads=g - block.w2_grad + block.grads + block.routed_grads,
+            grads=g + (block.grads - block.w2_grad + block.routed_grads if grows else 0),
             activations=alive - mb.blocks[j].kept + block.final_norm_kept,
             temporaries=tmp + block.norm_temps, buffers=buffers,
         )  # fmt: skip
