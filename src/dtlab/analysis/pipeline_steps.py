@@ -238,8 +238,7 @@ class PipelineSteps:
             # Over a shard group of one rank (DDP beside a pipeline: FSDP2 replicating) FSDP2
             # copies each shard into its parameter without an all-gather: no flat buffer, and
             # two such transients (measured alike, without sequence parallelism).
-            # (In float32 one: the down projection's output; the two more are the norm's
-            # float32 output cast, measured alike on a whole model: timeline.py.)
+            # (In float32 one, measured alike on a whole model: timeline.py.)
             rows = (3 if block.compute < FP32 else 1) if flat else 2
             transient = rows * self.tokens * block.dim * block.compute
             self.add(name, "the stage's last block's feed-forward", grads=g_kept,

@@ -254,8 +254,8 @@ class BlockShape:
     qkv_input_temps: int = 0
     qkv_input_kept: int = 0
     qkv_grads: int = 0
-    # The residual stream on this rank ([tokens, dim], its sequence shard) in its dtype: the block's
-    # input, alive as forward gathers the block.
+    # The residual stream on this rank ([tokens, dim], its sequence shard) in its dtype: a block's
+    # input or output in forward.
     stream_row: int = 0
 
     def final_points(self, below: int) -> list[tuple[str, int, int, int]]:
@@ -679,9 +679,9 @@ def _fsdp_micro_batch(mb: _MicroBatch, s: RankState, last: bool, fsdp: FsdpUnits
                buffers=mb.buffers + (gathered_fwd or fsdp.root))  # fmt: skip
         if blocks:
             # Inside the last block, at its feed-forward's end: the block gathered beside the
-            # root, its flat buffer alive, beyond what forward keeps the down projection's output
-            # (in half precision two more of its size: the norm's float32 output cast) and the
-            # block's output (the loss's part holds it; measured by `dtlab plan --check`).
+            # root, its flat buffer alive, beyond what forward keeps one residual-stream-sized
+            # tensor in the compute dtype (three in half precision) and the block's output (the
+            # loss's part holds it); measured by `dtlab plan --check`, not yet told apart.
             rows = 3 if block.compute < FP32 else 1
             transient = rows * loss.tokens * block.dim * block.compute + block.stream_row
             mb.add("the last block's feed-forward", "forward", grads=shards,
