@@ -191,8 +191,7 @@ class PipelineSteps:
             block = self.shapes[op.i]
             own = self._blocks_kept(op) // self.n_blocks[op.i]
             received = self.figures.stream if op.sid > 0 else 0
-            rows = 3 if block.compute < FP32 else 1
-            transient = rows * self.tokens * block.dim * block.compute + block.stream_row
+            transient = block.forward_transients(self.tokens) + block.stream_row
             self.add(name, "the stage's first block, its units gathered from its backward",
                      grads=g_kept,
                      activations=self.left + own - received + transient,
@@ -238,9 +237,8 @@ class PipelineSteps:
             # Over a shard group of one rank (DDP beside a pipeline: FSDP2 replicating) FSDP2
             # copies each shard into its parameter without an all-gather: no flat buffer, and
             # two such transients (measured alike, without sequence parallelism).
-            # (In float32 one, measured alike on a whole model: timeline.py.)
-            rows = (3 if block.compute < FP32 else 1) if flat else 2
-            transient = rows * self.tokens * block.dim * block.compute
+            two = 2 * self.tokens * block.dim * block.compute
+            transient = block.forward_transients(self.tokens) if flat else two
             self.add(name, "the stage's last block's feed-forward", grads=g_kept,
                      activations=op.held + transient, temporaries=t_kept + self.sending + flat,
                      buffers=bufs)  # fmt: skip
@@ -549,7 +547,7 @@ class PipelineSteps:
                      grads=g_kept + root, activations=left, temporaries=t_kept + self.sending,
                      buffers=self.state.buffers + self.gathered(None, 0))  # fmt: skip
         if fsdp is not None and fsdp.scatter == 1 and sid == 0 and block.compute < FP32:
-            left = self._replicated_embedding(op, left)
+            left = self._replicated_embedding(op, left + out)
         self.add(f"after backward {self.forwards}", "between backward and the next forward",
                  grads=g_kept, activations=left, temporaries=t_kept + self.sending,
                  buffers=self.state.buffers + self.gathered(None, 0))  # fmt: skip
@@ -561,10 +559,10 @@ class PipelineSteps:
         ends, so at the embedding's backward (the stage's last) every one but the embedding's is,
         beside the embedding's gradient in the compute dtype twice and the float32 gradient of its
         output; and the stage keeps its output in float32 through the step's end, twice the stream
-        it sent (measured by `dtlab plan --check`). Returns the activations then alive."""
+        it sent (measured by `dtlab plan --check`); ``left``: the activations alive then, the
+        output among them. Returns them."""
         g_kept, t_kept = self.made()
         g, block = self.grads[op.i], self.shapes[op.i]
-        left += 0 if self.held_over else self.figures.stream  # (held over: counted already)
         half = g.embed // FP32 * block.compute
         self.add(f"backward {self.forwards}", "the embedding's backward", grads=g_kept - g.embed,
                  activations=left,

@@ -272,6 +272,13 @@ class BlockShape:
                               below + self.ffn_input_kept, self.output_input_temps))  # fmt: skip
         return points
 
+    def forward_transients(self, tokens: int) -> int:
+        """Inside the block's forward at its feed-forward's end, what it holds beyond what it
+        keeps for backward, but its output: residual-stream-sized tensors of ``tokens`` rows in the
+        compute dtype, one in float32 and three in half precision (measured by `dtlab plan
+        --check` on whole models and pipeline stages under FSDP, not yet told apart)."""
+        return (3 if self.compute < FP32 else 1) * tokens * self.dim * self.compute
+
     def kept_copies(self) -> BlockShape:
         """The same block where autocast's weight copies live through the step (a pipeline's one
         autocast region around its schedule): the down projection's is not freed."""
@@ -679,11 +686,9 @@ def _fsdp_micro_batch(mb: _MicroBatch, s: RankState, last: bool, fsdp: FsdpUnits
                buffers=mb.buffers + (gathered_fwd or fsdp.root))  # fmt: skip
         if blocks:
             # Inside the last block, at its feed-forward's end: the block gathered beside the
-            # root, its flat buffer alive, beyond what forward keeps one residual-stream-sized
-            # tensor in the compute dtype (three in half precision) and the block's output (the
-            # loss's part holds it); measured by `dtlab plan --check`, not yet told apart.
-            rows = 3 if block.compute < FP32 else 1
-            transient = rows * loss.tokens * block.dim * block.compute + block.stream_row
+            # root, its flat buffer alive, its transients and its output (the loss's part holds
+            # it; measured by `dtlab plan --check`).
+            transient = block.forward_transients(loss.tokens) + block.stream_row
             mb.add("the last block's feed-forward", "forward", grads=shards,
                    activations=mb.kept - mb.loss_part + transient, temporaries=partial + flat,
                    buffers=mb.buffers + gathered)  # fmt: skip
