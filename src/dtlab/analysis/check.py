@@ -177,7 +177,7 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
         # reducer holds them; the parameters' .grad is emptied between steps): filed as gradients
         # from the measured step's start, they are counted once, as the gradients.
         ddp = isinstance(pm.module, DistributedDataParallel)
-        refiling, steps = _tracked(pm, optimizer, tracker, fake and not ddp, steps)
+        steps = _tracked(pm, optimizer, tracker, fake and not ddp, steps)
         buckets: list[torch.Tensor] = []
         hook = _at_optimizer_step(tracker, buckets if ddp else None)
         started = time.perf_counter()
@@ -203,8 +203,6 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
         seconds = time.perf_counter() - started
         outer.agree()
         hook.remove()
-        for handle in refiling:
-            handle.remove()
     return {
         **_figures(tracker, rest, _whole_grads(dims)),
         "collectives": _by_group(
@@ -215,23 +213,21 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
     }
 
 
-def _tracked(
-    pm: Any, optimizer: Any, tracker: _Peaks, prime: bool, steps: int
-) -> tuple[list[Any], int]:
+def _tracked(pm: Any, optimizer: Any, tracker: _Peaks, prime: bool, steps: int) -> int:
     """Point ``tracker`` at what the step holds outside its own allocations (the model, the
-    optimizer, a pipeline's reductions); with ``prime`` (fake tensors, without DDP or a pipeline)
-    the optimizer's state made beforehand, so that one step is measured. Returns the hooks to
-    remove after the step, and the steps to run."""
-    refiling: list[Any] = []
+    optimizer, FSDP's gathers, a pipeline's reductions); with ``prime`` (fake tensors, without
+    DDP or a pipeline) the optimizer's state made beforehand, so that one step is measured.
+    Returns the steps to run."""
     if prime and pm.pipeline is None:
-        refiling, steps = _primed(pm.module, optimizer, tracker), 1
+        _primed(pm.module, optimizer)
+        steps = 1
     tracker.track_external(pm.module, optimizer)
     tracker.watch_gathers(pm.module)
     for stage in pm.pipeline.stages if pm.pipeline is not None else ():
         tracker.watch_gathers(stage.submod)  # a stage's root unit: not under the rank's frame
     if pm.pipeline is not None:
         tracker.watch_reductions(pm.pipeline.stages)
-    return refiling, steps
+    return steps
 
 
 def _rank_training(config: Config, d: Any, fake: bool) -> tuple[Any, Any, Any, Any]:
@@ -291,16 +287,13 @@ def _figures(tracker: _Peaks, rest: dict[str, int], whole_grads: bool) -> dict[s
     }
 
 
-def _primed(
-    module: torch.nn.Module, optimizer: torch.optim.Optimizer, tracker: _Peaks
-) -> list[Any]:
+def _primed(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """What a first step leaves for the next that the next holds is the optimizer's state: made
     by a step on zero gradients (fake tensors hold no values), the step measured is then the
     first, in half the time (DDP, its buckets re-ordered at the second step, and pipelines, their
-    stages' buffers made at a first backward, take a whole step). Returns the hooks that file
-    FSDP's gathered parameters as a later step finds them."""
+    stages' buffers made at a first backward, take a whole step). FSDP's gathered parameters are
+    filed as a later step finds them by :meth:`_Peaks.watch_gathers`."""
     _prime(module, optimizer)
-    return tracker.file_gathered(module)
 
 
 def _group_labels(dims: Any, device_type: str) -> dict[str, str]:

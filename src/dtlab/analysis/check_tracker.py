@@ -91,7 +91,10 @@ class _Peaks(MemTracker):
         """File what FSDP's all-gathers make in forward as backward's are filed: the flat buffer
         each gathers into (and copies out of) as a temporary, the unit's unsharded parameters as
         gathered parameters (buffers). MemTracker files both as activations, being made inside a
-        module's forward; on the plan's side they are FSDP's buffers, not what forward keeps."""
+        module's forward; on the plan's side they are FSDP's buffers, not what forward keeps.
+        After each gather the unit's parameters are filed as parameters, as a step after the first
+        finds them (in a first step the root's output and norm, gathered at the root's forward,
+        would count as activations until the output's forward)."""
         from torch.distributed.fsdp import FSDPModule
 
         for m in model.modules():
@@ -124,24 +127,6 @@ class _Peaks(MemTracker):
                         self._update_and_maybe_create_winfos(unsharded, _MemRefType.PARAM)
 
         return filed
-
-    def file_gathered(self, model: torch.nn.Module) -> list[Any]:
-        """File FSDP's gathered parameters as parameters from the forward of their unit on, as a
-        step after the first finds them (MemTracker files a module's parameters at its own forward,
-        before FSDP gathers them: in a first step the root's output and norm, gathered at the
-        root's forward, would count as activations until the output's forward). Returns the
-        hooks' handles."""
-        from torch.distributed.fsdp import FSDPModule
-
-        def refile(module: torch.nn.Module, args: Any) -> None:
-            self._track_module_params_and_buffers(module, install_grad_hooks=False)
-
-        # Registered after FSDP's own pre-forward hook (its all-gather), so they run after it.
-        return [
-            m.register_forward_pre_hook(refile)
-            for m in model.modules()
-            if isinstance(m, FSDPModule)
-        ]
 
     def reset_peaks(self) -> None:
         self.kind_peak = self.current()
