@@ -107,7 +107,9 @@ def test_the_last_stage_holds_the_copy_without_optimizer_state() -> None:
 def test_the_first_stage_receives_the_copys_gradient_beside_every_gradient() -> None:
     """A wide vocabulary and few tokens: after backward the first stage receives the copy's
     gradient into a buffer of the embedding's size, beside every gradient of the stage; that moment
-    is the checked one within 0.1% and the plan's peak within 3% of the checked peak."""
+    is the checked one within 0.1%. The step's peak is the second micro-batch's embedding's
+    backward, its float32 gradient made beside every gradient (added into the embedding's own
+    after), within 0.1% too."""
     config = _config(
         TIED, "parallel.pp=2", "model.vocab_size=8192", "data.seq_len=16",
         "train.global_batch_size=2",
@@ -116,8 +118,8 @@ def test_the_first_stage_receives_the_copys_gradient_beside_every_gradient() -> 
     assert r.skipped is None
     after = next(m for m in r.timeline if m["moment"] == "after backward 2")
     assert close(after["predicted"], after["checked"], 0.001), after
-    assert "received" in r.peak["predicted_at"]["where"], r.peak
-    assert close(r.peak["predicted"], r.peak["checked"], 0.03), r.peak
+    assert r.peak["predicted_at"] == {"moment": "backward 2", "where": "the embedding's backward"}
+    assert close(r.peak["predicted"], r.peak["checked"], 0.001), r.peak
 
 
 def test_the_embeddings_transfers_are_exposed_in_the_step_time() -> None:

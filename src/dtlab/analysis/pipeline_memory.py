@@ -168,7 +168,7 @@ def stage_figures(
     split = TPSplit(dims.tp, config.parallel.sequence_parallel)
     half_params = fsdp_half_params(config, dims)
     half = t.precision in ("bf16", "fp16")
-    per_mb, copies = [], []
+    per_mb, copies, casts, heads = [], [], [], []
     for sid in part.stages:
         last = sid == part.n_stages - 1
         stage = moe.part_model(m, part.n_stages, [sid])
@@ -199,12 +199,18 @@ def stage_figures(
         )
         # Every block's copies, checkpointed or not: autocast keeps them for its whole region, the
         # step (a checkpointed block's forward makes them too).
-        copies.append(
+        cached = (
             activation_bytes(stage, 0, t.precision, "none", split, last, half_params)
             - 8
-            + moe.ep_copies_bytes(config, dims, stage, "none")
             - routed
             - f8_copies[0]
+        )
+        casts.append(cached)
+        # (The output projection's copy, on the last stage: its whole vocabulary share.)
+        heads.append(2 * m.dim * (m.vocab_size // dims.tp) if last and cached else 0)
+        copies.append(
+            cached
+            + moe.ep_copies_bytes(config, dims, stage, "none")
             # A sliding window's mask: made at the stage's first forward, read by every later one.
             + window_mask_bytes(config, dims)
         )
@@ -218,7 +224,7 @@ def stage_figures(
     ]  # fmt: skip
     local = sum(stream for sid in part.stages if sid + 1 in part.stages)  # a micro-batch's
     log_softmax = tokens * (m.vocab_size // dims.tp) * FP32
-    return StageFigures(per_mb, copies, stream, logits, captured, local, log_softmax)
+    return StageFigures(per_mb, copies, stream, logits, captured, local, log_softmax, casts, heads)
 
 
 def weight_output_grads(

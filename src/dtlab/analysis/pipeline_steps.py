@@ -33,6 +33,14 @@ class StageFigures:
     # The last stage's float32 log-softmax of a micro-batch: a zero-bubble input half frees it (the
     # loss sits above the output projection, whose weight half needs only the logits' gradient).
     log_softmax: int = 0
+    # Of ``copies``, those of autocast's cached casts (every weight's copy but the routed experts'
+    # and the float8 layers'), and of them the output projection's (the last stage's). The casts'
+    # autograd nodes are made in the stage's first forward of the step, so in every later
+    # micro-batch's backward they are older than every node of its own graph, and the engine,
+    # which runs the newest ready node first, casts their gradients to float32 only when the
+    # micro-batch's own backward is done: each weight's half-precision gradient waits until then.
+    casts: list[int] = field(default_factory=list)
+    heads: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -332,11 +340,12 @@ class PipelineSteps:
                  activations=op.held - loss.freed_before_backward(),
                  temporaries=t_kept + self.sending + loss.backward_extra(),
                  buffers=self.state.buffers + self.gathered(None, 0))  # fmt: skip
+        head = self._deferred(op.i, first_time)[0]
         if fsdp is not None and regather:
             freed, out = loss.at_output(block.dim, block.compute, block.grad_element)
             self.add(name, "the output projection's backward", grads=g_kept,
                      activations=op.held - freed,
-                     temporaries=t_kept + self.sending + out + fsdp.prefetched,
+                     temporaries=t_kept + self.sending + out + fsdp.prefetched + head,
                      buffers=self.state.buffers + self.gathered(op.i, 0))  # fmt: skip
         # The final norm's backward (dtlab.analysis.timeline): the output's gradients made, the
         # loss's activations freed but the norm's float32 input.
@@ -345,7 +354,7 @@ class PipelineSteps:
         below = op.held - self.loss_part + block.final_norm_kept
         for where, unmade, activations, own in block.final_points(below):
             self.add(name, where, grads=g_kept + max(0, new - unmade), activations=activations,
-                     temporaries=t_kept + self.sending + own + ahead,
+                     temporaries=t_kept + self.sending + own + ahead + head,
                      buffers=self.state.buffers + self.gathered(op.i, 0))  # fmt: skip
 
     def _blocks_backward(
@@ -360,18 +369,19 @@ class PipelineSteps:
         # The residual gradient into a stage before the last is its receive buffer (counted).
         into = 0 if last else block.incoming
         temps = block.temps - into
-        if self.recompute[0] and w2_copy and not first_time:
-            # A recomputed block under autocast whose gradients accumulate into the stage's:
-            # the down projection's weight gradient stays in the compute dtype through the
-            # feed-forward's backward, and on the last stage so does the residual gradient's
-            # cast (measured by `dtlab plan --check`).
-            temps += w2_copy + (block.compute * self.tokens * block.dim if last else 0)
+        # A backward after the stage's first: each cast weight's half-precision gradient waits
+        # for the backward's end (StageFigures.casts), the output projection's and those of the
+        # blocks above; of the block's own, the down projection's at its backward, the
+        # feed-forward's three at its norm's, all of them at the attention norm's.
+        head, per_block = self._deferred(i, first_time)
+        ffn_wait = 3 * w2_copy if per_block else 0
         grows = first_time or self.buffered
         prefetch = fsdp.prefetched if fsdp is not None and regather and self.n_blocks[i] > 1 else 0
         again, gone = self.recompute
         for which, alive, above, ahead in self._block_points(op, prefetch):
             bufs = self.state.buffers + self.gathered(i, above + 1)
             new, moved = self._grads_at(i, first_time, above)
+            moved += head + above * per_block  # (the casts' gradients waiting: temporaries)
             if not above and fsdp is not None and regather and fsdp.prefetched:
                 # The stage's last block gathered for its backward: its parameters copied out of
                 # FSDP's all-gather buffer, both alive, the residual gradient come in, nothing of
@@ -406,17 +416,21 @@ class PipelineSteps:
                          buffers=bufs)  # fmt: skip
             self.add(name, f"the stage's {which} block's feed-forward backward",
                      grads=g_kept + new, activations=alive + again - gone - block.freed,
-                     temporaries=t_kept + moved + self.sending + temps + ahead,
+                     temporaries=t_kept + moved + self.sending + temps + ahead
+                     + (w2_copy if per_block else 0),
                      buffers=bufs)  # fmt: skip
             if not again and not block.attention_temps:
                 # The attention norm's backward (dtlab.analysis.timeline): every weight gradient
                 # of the block made, what it kept freed but the norm's float32 input.
+                # (After the stage's first backward each is added into its gradient as it is
+                # made, but where FSDP buffers them.)
+                made = block.grads + block.routed_grads - block.w2_grad if grows else 0
                 self.add(name, f"the stage's {which} block's attention norm's backward",
-                         grads=g_kept + new - block.w2_grad + block.grads + block.routed_grads,
+                         grads=g_kept + new + made,
                          activations=alive - self._blocks_kept(op) // self.n_blocks[i]
                          + block.final_norm_kept,
                          temporaries=t_kept + moved + self.sending + block.norm_temps - into
-                         + ahead,
+                         + ahead + per_block,
                          buffers=bufs)  # fmt: skip
             if block.routed_temps:  # an MoE block's routed experts (dtlab.analysis.rank_timeline)
                 self.add(name, f"the stage's {which} block's routed experts' backward",
@@ -432,7 +446,8 @@ class PipelineSteps:
             at_norm = alive + again - gone - block.norm_freed + 3 * w2_copy
             self.add(name, f"the stage's {which} block's feed-forward norm's backward",
                      grads=norm_grads, activations=at_norm,
-                     temporaries=t_kept + moved + self.sending + block.norm_temps - into + ahead,
+                     temporaries=t_kept + moved + self.sending + block.norm_temps - into + ahead
+                     + ffn_wait,
                      buffers=bufs)  # fmt: skip
             # Sequence parallelism under autocast (dtlab.analysis.timeline.BlockShape): the
             # feed-forward's and the attention's input gradients over the whole sequence.
@@ -440,7 +455,7 @@ class PipelineSteps:
                 self.add(name, f"the stage's {which} block's feed-forward input's gradient",
                          grads=norm_grads, activations=at_norm + block.ffn_input_kept,
                          temporaries=t_kept + moved + self.sending + block.ffn_input_temps
-                         - into + ahead,
+                         - into + ahead + ffn_wait,
                          buffers=bufs)  # fmt: skip
             if block.qkv_input_temps:
                 self.add(name, f"the stage's {which} block's attention input's gradient",
@@ -448,15 +463,26 @@ class PipelineSteps:
                          activations=alive - self._blocks_kept(op) // self.n_blocks[i]
                          + block.qkv_input_kept,
                          temporaries=t_kept + moved + self.sending + block.qkv_input_temps
-                         - into + ahead,
+                         - into + ahead + per_block,
                          buffers=bufs)  # fmt: skip
             if block.attention_temps:  # context parallelism's ring (dtlab.analysis.context_plan)
                 self.add(name, f"the stage's {which} block's attention backward",
                          grads=norm_grads + block.attention_grads,
                          activations=at_norm - block.attention_freed,
                          temporaries=t_kept + moved + self.sending + block.attention_temps
-                         - into + ahead,
+                         - into + ahead + ffn_wait,
                          buffers=bufs)  # fmt: skip
+
+    def _deferred(self, i: int, first_time: bool) -> tuple[int, int]:
+        """A backward of stage ``i`` after its first (:attr:`StageFigures.casts`): (the output
+        projection's half-precision weight gradient, one block's), alive from that layer's
+        backward to the backward's end; (0, 0) at the stage's first backward, or where autocast
+        casts no weight."""
+        f = self.figures
+        if first_time or not f.casts or not f.casts[i]:
+            return 0, 0
+        head = f.heads[i]
+        return head, (f.casts[i] - head) // self.n_blocks[i]
 
     def _blocks_kept(self, op: StageOp) -> int:
         """What one micro-batch's forward keeps of stage ``op.i``'s blocks (the stage's own less
@@ -508,7 +534,8 @@ class PipelineSteps:
         Returns the activations then alive."""
         i, sid, last, held = op
         figures, g, block = self.figures, self.grads[i], self.shapes[i]
-        if not self.done[i]:
+        first_time, sent_before = not self.done[i], self.sending
+        if first_time:
             self.made_n += g.total
         self.done[i] = True
         self.after_backward[i] = True
@@ -546,27 +573,50 @@ class PipelineSteps:
             self.add(name, "the root's gradients copied into FSDP's float32 buffers",
                      grads=g_kept + root, activations=left, temporaries=t_kept + self.sending,
                      buffers=self.state.buffers + self.gathered(None, 0))  # fmt: skip
+        head, per_block = self._deferred(i, first_time)
+        waiting = head + per_block * self.n_blocks[i]
         if fsdp is not None and fsdp.scatter == 1 and sid == 0 and block.compute < FP32:
-            left = self._replicated_embedding(op, left + out)
+            left = self._replicated_embedding(op, left + out, waiting)
+        elif fsdp is None and sid == 0 and not first_time:
+            # The embedding's backward after the stage's first: its float32 gradient made (then
+            # added into the parameter's), beside its output's gradient and the cast weights'.
+            self.add(name, "the embedding's backward", grads=g_kept, activations=left + out,
+                     temporaries=t_kept + self.sending + waiting + g.embed
+                     + FP32 * self.tokens * block.dim,
+                     buffers=self.state.buffers + self.gathered(None, 0))  # fmt: skip
+        if waiting:
+            # The backward's end: the cast weights' gradients cast to float32 one by one, the
+            # newest cast first (the output projection's, else the last block's down
+            # projection's), its float32 gradient beside every half-precision one; the stage's
+            # input gradient made (measured by `dtlab plan --check` and in real gloo runs).
+            first = (head or self.copies[i]) // block.compute * FP32
+            into = figures.stream if sid != 0 else 0
+            self.add(name, "the cast weights' gradients cast to float32", grads=g_kept,
+                     activations=left + out,
+                     temporaries=t_kept + sent_before + waiting + first + into,
+                     buffers=self.state.buffers + self.gathered(None, 0))  # fmt: skip
         self.add(f"after backward {self.forwards}", "between backward and the next forward",
                  grads=g_kept, activations=left, temporaries=t_kept + self.sending,
                  buffers=self.state.buffers + self.gathered(None, 0))  # fmt: skip
         return left
 
-    def _replicated_embedding(self, op: StageOp, left: int) -> int:
+    def _replicated_embedding(self, op: StageOp, left: int, waiting: int) -> int:
         """DDP beside a pipeline (FSDP2 replicating over shard groups of one rank) in half
         precision, its first stage: each unit's float32 gradients are made as the unit's backward
         ends, so at the embedding's backward (the stage's last) every one but the embedding's is,
         beside the embedding's gradient in the compute dtype twice and the float32 gradient of its
         output; and the stage keeps its output in float32 through the step's end, twice the stream
         it sent (measured by `dtlab plan --check`); ``left``: the activations alive then, the
-        output among them. Returns them."""
+        output among them; ``waiting``: the cast weights' gradients of a backward after the
+        stage's first (:meth:`_deferred`), whose embedding's gradient is added into its own.
+        Returns them."""
         g_kept, t_kept = self.made()
         g, block = self.grads[op.i], self.shapes[op.i]
         half = g.embed // FP32 * block.compute
-        self.add(f"backward {self.forwards}", "the embedding's backward", grads=g_kept - g.embed,
-                 activations=left,
-                 temporaries=t_kept + self.sending + 2 * half + FP32 * self.tokens * block.dim,
+        self.add(f"backward {self.forwards}", "the embedding's backward",
+                 grads=g_kept - (0 if waiting else g.embed), activations=left,
+                 temporaries=t_kept + self.sending + 2 * half + FP32 * self.tokens * block.dim
+                 + waiting,
                  buffers=self.state.buffers + self.gathered(None, 0))  # fmt: skip
         return left
 
