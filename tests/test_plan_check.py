@@ -183,6 +183,15 @@ CHECKED = {
     "pp:2 1f1b bf16, wide, vocabulary 4096": (2, _WIDE_CASTS),
     "ddp:2 x pp:2 1f1b bf16, wide, vocabulary 4096": (
         4, ["parallel.strategy=ddp", *_WIDE_CASTS, "train.global_batch_size=8"]),
+    # Sequence parallelism in a pipeline on unsharded weights: a first stage's peak inside its
+    # last block's forward (the down projection's output over the whole sequence beside its
+    # reduction's copy and shard), its receive buffer the residual gradient alone, not its
+    # gathered copy; DDP beside it (FSDP2 replicating) holds the same in forward.
+    "pp:2 x tp:2 sp bf16": (4, ["parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.tp=2",
+                                "parallel.sequence_parallel=true", "train.precision=bf16"]),
+    "ddp:2 x pp:2 x tp:2 sp bf16": (
+        8, ["parallel.strategy=ddp", "parallel.pp=2", "parallel.pp_schedule=1f1b",
+            "parallel.tp=2", "parallel.sequence_parallel=true", "train.precision=bf16"]),
     # Zero-bubble schedules: each backward split into an input half and a weight half, the
     # micro-batch's activations and the gradient of every weight's output kept from one to the other.
     "pp:2 zbv": (2, ["parallel.pp=2", "parallel.pp_schedule=zbv", "model.n_layers=4"]),

@@ -213,6 +213,14 @@ class PipelineSteps:
                  buffers=self.state.buffers + self.gathered(None, 0))  # fmt: skip
         if fsdp is not None and fsdp.reshard:
             self._last_block_forward(op, fsdp, g_kept, t_kept, gathered)
+        elif fsdp is None and not op.last and self.shapes[op.i].ffn_out_transients:
+            # Inside the stage's last block, at its feed-forward's end: its down projection's
+            # output beside what the stage keeps (under sequence parallelism with autocast, the
+            # step's peak on a first stage).
+            self.add(name, "the stage's last block's feed-forward", grads=g_kept,
+                     activations=op.held + self.shapes[op.i].ffn_out_transients,
+                     temporaries=t_kept + self.sending,
+                     buffers=self.state.buffers)  # fmt: skip
 
     def _last_block_forward(
         self, op: StageOp, fsdp: StageFsdp, g_kept: int, t_kept: int, gathered: bool
@@ -244,9 +252,9 @@ class PipelineSteps:
             # by `dtlab plan --check` with FSDP, FSDP x TP and FSDP x TP x SP pipelines).
             # Over a shard group of one rank (DDP beside a pipeline: FSDP2 replicating) FSDP2
             # copies each shard into its parameter without an all-gather: no flat buffer, and
-            # two such transients (measured alike, without sequence parallelism).
-            two = 2 * self.tokens * block.dim * block.compute
-            transient = block.forward_transients(self.tokens) if flat else two
+            # the transients of a stage on unsharded weights (BlockShape.ffn_out_transients).
+            flat_ones = block.forward_transients(self.tokens)
+            transient = flat_ones if flat else block.ffn_out_transients
             self.add(name, "the stage's last block's feed-forward", grads=g_kept,
                      activations=op.held + transient, temporaries=t_kept + self.sending + flat,
                      buffers=bufs)  # fmt: skip
@@ -366,8 +374,9 @@ class PipelineSteps:
         block, w2_copy, fsdp = self.shapes[i], self.copies[i], self.fsdp
         g_kept, t_kept = kept
         name = f"backward {self.forwards}"
-        # The residual gradient into a stage before the last is its receive buffer (counted).
-        into = 0 if last else block.incoming
+        # The residual gradient into a stage before the last is its receive buffer (counted);
+        # under sequence parallelism its gathered copy is backward's own.
+        into = 0 if last else block.stream_row
         temps = block.temps - into
         # A backward after the stage's first: each cast weight's half-precision gradient waits
         # for the backward's end (StageFigures.casts), the output projection's and those of the
@@ -398,8 +407,8 @@ class PipelineSteps:
                     flats = max(fsdp.prefetched, root_flat)
                 self.add(name, f"the stage's {which} block copied out of its all-gather buffer",
                          grads=g_kept + max(0, new - block.w2_grad), activations=alive,
-                         temporaries=t_kept + moved + self.sending + (block.incoming - into)
-                         + flats,
+                         temporaries=t_kept + moved + self.sending
+                         + (block.incoming if last else 0) + flats,
                          buffers=bufs)  # fmt: skip
             if again:
                 self.add(name, f"the stage's {which} block recomputed",

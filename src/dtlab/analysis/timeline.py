@@ -257,6 +257,12 @@ class BlockShape:
     # The residual stream on this rank ([tokens, dim], its sequence shard) in its dtype: a block's
     # input or output in forward.
     stream_row: int = 0
+    # At the end of the feed-forward's forward, on unsharded weights, what it holds beyond what
+    # it keeps for backward: its down projection's output, whole (under tensor parallelism one
+    # float32 [tokens, dim] whatever the compute dtype; under sequence parallelism its partial
+    # sum, its reduction's copy and scattered shard, and under autocast on a float32 stream a
+    # float32 [tokens, dim] more).
+    ffn_out_transients: int = 0
 
     def final_points(self, below: int) -> list[tuple[str, int, int, int]]:
         """The last stage's points between the output projection's backward and its last block's,
@@ -353,10 +359,17 @@ def dense_block(
     casts = 1 if stream == compute else 2
     norm_input = stream * tokens * dim // seq + casts * compute * tokens * dim
     norm_freed = 4 * compute * local + 3 * copy + norm_input + FP32 * tokens // seq
+    # (Measured by `dtlab plan --check` on pipeline stages, at two widths and token counts.)
+    out = compute * tokens * dim
+    if seq > 1:
+        ffn_out = 5 * out // 2 + (FP32 * tokens * dim if stream != compute else 0)
+    else:
+        ffn_out = FP32 * tokens * dim if tp > 1 else out
     return BlockShape(
         temps, compute * local + copy, w2, grad_bytes * block_params, residual + gathered, copy,
         dim, compute, grad_bytes, norm_temps, norm_freed, float8_temps=float8_temps,
         final_norm_kept=row, final_norm_temps=5 * row, stream_row=residual,
+        ffn_out_transients=ffn_out,
     )  # fmt: skip
 
 
