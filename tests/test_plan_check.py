@@ -21,6 +21,10 @@ SMALL = ["model.preset=debug", "data.seq_len=64", "train.global_batch_size=8"]
 # DiLoCo's layouts: replicas of one rank, of DDP and of FSDP; one fragment and streaming ones in
 # flight through the step; plain, quantised and sparse outer gradients.
 _DILOCO = ["parallel.diloco.inner_steps=4", "data.seq_len=16", "train.global_batch_size=2"]
+_WIDE = [
+    "train.precision=bf16", "model.dim=128", "model.ffn_dim=512", "model.n_layers=4",
+    "model.vocab_size=4096", "data.seq_len=16",
+]  # fmt: skip
 _WIDE_CASTS = [
     "parallel.pp=2", "parallel.pp_schedule=1f1b", "train.precision=bf16", "model.dim=128",
     "model.ffn_dim=512", "model.n_layers=4", "model.vocab_size=4096", "data.seq_len=16",
@@ -183,6 +187,18 @@ CHECKED = {
     "pp:2 1f1b bf16, wide, vocabulary 4096": (2, _WIDE_CASTS),
     "ddp:2 x pp:2 1f1b bf16, wide, vocabulary 4096": (
         4, ["parallel.strategy=ddp", *_WIDE_CASTS, "train.global_batch_size=8"]),
+    # The model outweighing its activations (wide, few tokens): DDP's accumulation into its
+    # buckets, the output projection's weight gradient made beside the one it is added into (in
+    # bf16 then cast to float32); ZeRO-1's reduce-scatter after backward (the step's peak) and
+    # the shards' gradients the optimizer steps with.
+    "ddp:2 bf16 accumulation, wide": (2, ["parallel.strategy=ddp", "train.micro_batch_size=2",
+                                          *_WIDE]),
+    "ddp:2 accumulation, wide": (2, ["parallel.strategy=ddp", "train.micro_batch_size=2",
+                                     *_WIDE, "train.precision=fp32"]),
+    "zero-1:2 bf16, wide": (2, ["parallel.strategy=ddp", "parallel.sharding=optimizer", *_WIDE]),
+    "zero-1:4 fp16 compression, wide": (
+        4, ["parallel.strategy=ddp", "parallel.sharding=optimizer", "parallel.compression=fp16",
+            *_WIDE]),
     # Sequence parallelism in a pipeline on unsharded weights: a first stage's peak inside its
     # last block's forward (the down projection's output over the whole sequence beside its
     # reduction's copy and shard), its receive buffer the residual gradient alone, not its

@@ -80,6 +80,7 @@ import torch.distributed as dist
 
 from dtlab.analysis.check_fake import (
     _attention_as_on,
+    _collectives_as_on,
     _ddp_built_here,
     _ddp_reduced_here,
     _even_router,
@@ -397,7 +398,8 @@ def measure_fake(
 ) -> dict[str, Any]:
     """:func:`measure_step` of rank ``rank`` of ``nproc x nnodes`` ranks, in this process: the fake
     process group as that rank, fake tensors on the CPU; ``target``: the device kind whose attention
-    kernels' memory the step has (``"cuda"``: :func:`_attention_as_on`)."""
+    kernels' memory the step has and whose collectives it runs (``"cuda"``:
+    :func:`_attention_as_on`, :func:`_collectives_as_on`)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from dtlab.dims import ParallelDims
@@ -409,7 +411,7 @@ def measure_fake(
     if dims.distributed:
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        with _attention_as_on(target):
+        with _attention_as_on(target), _collectives_as_on(target):
             return measure_step(config, d, fake=True)
     finally:
         if dist.is_initialized():

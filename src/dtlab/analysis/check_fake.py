@@ -267,6 +267,24 @@ class _FlashAsOnGpu(torch.autograd.Function):
 
 
 @contextmanager
+def _collectives_as_on(device_type: str) -> Iterator[None]:
+    """ZeRO-1's gradient reduction as a ``device_type`` device's backend runs it
+    (:func:`dtlab.parallel.zero.reduce_method`): NCCL's reduce-scatter on a GPU, where the fake
+    process group's backend would pick the CPU's all-to-all."""
+    if device_type != "cuda":
+        yield
+        return
+    import dtlab.parallel.zero as zero
+
+    original = zero.reduce_method
+    zero.reduce_method = lambda backend: "reduce_scatter"  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        zero.reduce_method = original  # type: ignore[assignment]
+
+
+@contextmanager
 def _attention_as_on(device_type: str) -> Iterator[None]:
     """The model's attention with the kernel a ``device_type`` device runs
     (:func:`dtlab.models.attention.choose_kernel`) and that kernel's memory: on a GPU, key and value

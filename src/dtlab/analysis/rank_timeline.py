@@ -29,7 +29,13 @@ from dtlab.analysis.pipeline_memory import (
     StageGrads,
     pipeline_timeline,
 )
-from dtlab.analysis.shapes import ParamShape, RankPart, holds_tied_copy, padded_by_group
+from dtlab.analysis.shapes import (
+    ParamShape,
+    RankPart,
+    holds_tied_copy,
+    padded_by_group,
+    stepped_shapes,
+)
 from dtlab.analysis.timeline import (
     BlockKind,
     BlockShape,
@@ -41,6 +47,7 @@ from dtlab.analysis.timeline import (
     dense_block,
     step_timeline,
 )
+from dtlab.analysis.zero_memory import zero1_work
 from dtlab.config import Config, ModelConfig
 from dtlab.dims import ParallelDims, stage_layers
 
@@ -135,12 +142,30 @@ def rank_timeline(
     experts_flat = 0
     if dims.ep_enabled:
         experts_flat = sum(FP32 * moe.held_numel(s, dims) for s in shapes if moe.is_expert(s.name))
+    zero = None
+    if dims.shard_optimizer and dims.dp > 1:
+        stepped = stepped_shapes(shapes, holds_tied_copy(config, rank.part))
+        compressed = p.compression in ("fp16", "bf16")
+        zero = zero1_work(stepped, dims.dp, compressed, rank.device_type)
     timeline = step_timeline(
         state, rank.accum, kept, loss_part, recompute, bottom, block, n_blocks, loss, persist,
         units, after_backward=experts_flat, unbucketed=unbucketed, blocks=blocks,
         held_after=masks, to_step_end=hook_bytes(config, dims, shapes)[1],
         last_hook=hook_work(config, dims, shapes),
+        stepped_grads=zero.shard_grads if zero is not None else None,
     )  # fmt: skip
+    if zero is not None:
+        # ZeRO-1's reduce-scatter after the last backward, and its all-gather after the
+        # optimizer step (dtlab.analysis.zero_memory), both outside the optimizer's own step;
+        # forward's own freed by then but the step's loss (two float32 scalars).
+        name = f"after backward {rank.accum}"
+        base = {"params": state.params, "optimizer": state.optimizer, "buffers": state.buffers}
+        timeline.add(Moment(name, "ZeRO-1's gradient reduce-scatter", **base,
+                            grads=zero.reduce_grads, activations=masks + 2 * FP32,
+                            temporaries=zero.reduce_temps))  # fmt: skip
+        timeline.add(Moment(name, "ZeRO-1's parameter all-gather", **base,
+                            grads=zero.shard_grads, activations=masks + 2 * FP32,
+                            temporaries=zero.gather_temps))  # fmt: skip
     if p.fault_tolerance.enabled and not p.diloco.inner_steps:
         timeline.add(_groups_average(state))
     return timeline

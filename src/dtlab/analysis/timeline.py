@@ -391,6 +391,7 @@ def step_timeline(
     held_after: int = 0,
     to_step_end: int = 0,
     last_hook: int = 0,
+    stepped_grads: int | None = None,
 ) -> Timeline:
     """The step's moments on a rank without pipeline parallelism.
 
@@ -409,7 +410,8 @@ def step_timeline(
     what the last micro-batch's backward makes and the step keeps to its end (a DDP hook's new
     state beside the old, until the step commits); ``last_hook``: what DDP's communication hook
     holds as it works on its bucket at backward's end (the embedding's gradient as backward made
-    it still beside the bucket)."""
+    it still beside the bucket); ``stepped_grads``: the gradients the optimizer steps with where
+    they are not those backward made (ZeRO-1's shards')."""
     t = Timeline()
     s = state
     if blocks is None:
@@ -439,7 +441,8 @@ def step_timeline(
         )  # fmt: skip
     t.add(
         Moment(
-            "optimizer", "the optimizer step", **base, grads=s.grads, activations=held_after,
+            "optimizer", "the optimizer step", **base,
+            grads=s.grads if stepped_grads is None else stepped_grads, activations=held_after,
             temporaries=to_step_end, buffers=s.buffers,
         )
     )  # fmt: skip
@@ -485,14 +488,29 @@ def _replicated_micro_batch(
         return (earlier + per * min(outside, above) if whole else made), s.tied_grad, 0
 
     final = (earlier if whole else s.head_grads), s.tied_grad, 0
-    _micro_batch(mb, (earlier, 0, 0), at_block, final=final, grows=not whole)
+    outputs = []
+    if whole and mb.loss is not None and blocks:
+        # The output projection's weight gradient made anew beside the one it is added into
+        # (DDP's bucket, or the micro-batches' before). Under autocast on float32 weights it is
+        # made in the compute dtype, then cast to float32: the two alive together once the
+        # projection's backward has freed the logits' gradient and its weight copy (measured by
+        # `dtlab plan --check`).
+        shape, loss = blocks[-1].shape, mb.loss
+        compute, tokens, weight = shape.compute, loss.tokens, loss.vocab * shape.dim
+        freed, made = loss.at_output(shape.dim, compute, compute if shape.copy else FP32)
+        outputs.append(("the output projection's backward", freed, made, 0))
+        if shape.copy:
+            cast = (compute + FP32) * weight + compute * tokens * shape.dim
+            outputs.append(("the output projection's weight gradient cast to float32",
+                            freed + compute * weight, cast, 0))  # fmt: skip
+    _micro_batch(mb, (earlier, 0, 0), at_block, outputs=outputs, final=final, grows=not whole)
 
 
 def _micro_batch(
     mb: _MicroBatch,
     at_loss: tuple[int, int, int],
     at_block: Callable[[int], tuple[int, int, int]],
-    output: tuple[int, int, int] | None = None,
+    outputs: list[tuple[str, int, int, int]] | None = None,
     final: tuple[int, int, int] | None = None,
     grows: bool = True,
 ) -> None:
@@ -504,7 +522,7 @@ def _micro_batch(
     looked at where backward's figures change their course: the last (nothing of it reduced yet),
     the one below it, the second and the first (the blocks between follow a straight line from
     one to the other)."""
-    _loss_points(mb, at_loss, output)
+    _loss_points(mb, at_loss, outputs or [])
     if final is not None and mb.loss is not None and mb.blocks:
         # The final norm's backward, after the output projection's: the loss's and the output's
         # activations freed but the norm's float32 input (a model with a short vocabulary and
@@ -520,10 +538,11 @@ def _micro_batch(
 
 
 def _loss_points(
-    mb: _MicroBatch, at_loss: tuple[int, int, int], output: tuple[int, int, int] | None
+    mb: _MicroBatch, at_loss: tuple[int, int, int], outputs: list[tuple[str, int, int, int]]
 ) -> None:
-    """The forward's end (at the loss, or the last block without one), the loss's backward and,
-    where ``output`` is given, the output projection's backward."""
+    """The forward's end (at the loss, or the last block without one), the loss's backward and
+    the output projection's backward's ``outputs``: (where, what the loss kept and is freed by
+    then, what backward made then, what is gathered)."""
     loss, kept, buffers = mb.loss, mb.kept, mb.buffers
     fwd = kept + (loss.forward_extra() if loss else 0)
     where = "the loss" if loss else "the last block"
@@ -537,13 +556,10 @@ def _loss_points(
         activations=kept - loss.freed_before_backward(),
         temporaries=temps + loss.backward_extra(), buffers=buffers + gathered,
     )  # fmt: skip
-    if output is not None:
-        # The output projection's backward: what it frees, makes (FSDP's prefetch of the last
-        # block among it) and gathers (FSDP's root).
-        freed, made, gathering = output
+    for name, freed, made, gathering in outputs:
         mb.add(
-            "the output projection's backward", grads=grads, activations=kept - freed,
-            temporaries=temps + made, buffers=buffers + gathered + gathering,
+            name, grads=grads, activations=kept - freed, temporaries=temps + made,
+            buffers=buffers + gathered + gathering,
         )  # fmt: skip
 
 
@@ -719,7 +735,8 @@ def _fsdp_micro_batch(mb: _MicroBatch, s: RankState, last: bool, fsdp: FsdpUnits
         partial + s.tied_grad + (blocks[-1].unit if fsdp.prefetches else 0),
         fsdp.root + (0 if fsdp.reshard else sum(b.unit for b in blocks)),
     )
-    _micro_batch(mb, (shards, partial, gathered_fwd), at_block, output, final)
+    outputs = [("the output projection's backward", *output)] if output is not None else []
+    _micro_batch(mb, (shards, partial, gathered_fwd), at_block, outputs, final)
     if fsdp.prefetches:
         # Each block gathered for its backward: its parameters copied out of the all-gather buffer
         # its successor prefetched, both alive, the residual gradient come in, nothing of the

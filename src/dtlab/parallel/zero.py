@@ -161,11 +161,10 @@ class OptimizerShards:
                 if p.grad is None:
                     continue  # an unused parameter: a zero gradient
                 # Rank r's rows go to slot r; the zeros after the gradient are the last slots' padding.
-                g = p.grad.reshape(-1)
-                if g.numel() < n * pc.width:
-                    g = torch.cat([g, g.new_zeros(n * pc.width - g.numel())])
-                flat[:, pc.offset : pc.offset + pc.width] = g.view(n, pc.width)
-                p.grad = None
+                flat[:, pc.offset : pc.offset + pc.width] = _padded(p.grad, n * pc.width).view(
+                    n, pc.width
+                )
+                p.grad = None  # (nothing else holds it: freed before the collective)
             # Averaged as DDP does (and its fp16/bf16 hooks: cast, then divided).
             sent = flat.div_(n) if self.dtype is None else flat.to(self.dtype).div_(n)
             mine = self._reduce(sent)
@@ -220,8 +219,27 @@ class OptimizerShards:
             slots = gathered.view(n, slot)
             for i in bucket:
                 p, pc = self.params[i], self.pieces[i]
-                whole = slots[:, pc.offset : pc.offset + pc.width].reshape(-1)
-                p.copy_(whole[: p.numel()].view_as(p))
+                _copy_rows(p, slots[:, pc.offset : pc.offset + pc.width])
+
+
+def _copy_rows(param: torch.Tensor, slots: torch.Tensor) -> None:
+    """Copy every rank's rows of ``param`` from ``slots`` (ranks x padded width, strided: a column
+    range of the gathered buffer) into it, without a whole contiguous copy of them first: the
+    slots its rows fill whole at once, then the one it fills in part (the last ranks' padding)."""
+    flat, width = param.view(-1), slots.shape[1]
+    full = min(flat.numel() // width, slots.shape[0]) if width else 0
+    flat[: full * width].view(full, width).copy_(slots[:full])
+    rest = flat.numel() - full * width
+    if rest:
+        flat[full * width :].copy_(slots[full, :rest])
+
+
+def _padded(grad: torch.Tensor, numel: int) -> torch.Tensor:
+    """``grad`` flattened, zeros after it up to ``numel`` elements."""
+    flat = grad.reshape(-1)
+    if flat.numel() < numel:
+        flat = torch.cat([flat, flat.new_zeros(numel - flat.numel())])
+    return flat
 
 
 def _named_module(named: list[tuple[str, nn.Parameter]]) -> nn.Module:

@@ -10,7 +10,7 @@ config.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 from dtlab.config import Config
 from dtlab.data.loader import MicroBatch
@@ -207,9 +208,10 @@ def _update(
         stages=pm.dims.pp_enabled,
     )  # fmt: skip
     scaler.update(found_inf)
-    optimizer.zero_grad(set_to_none=True)
+    views = isinstance(pm.module, DistributedDataParallel) and pm.module.gradient_as_bucket_view
+    clear_gradients((p for group in optimizer.param_groups for p in group["params"]), views)
     if pm.zero is not None:  # ZeRO-1: the optimizer holds only this rank's share of the parameters
-        pm.module.zero_grad(set_to_none=True)
+        clear_gradients(pm.module.parameters(), views)
     lr = scheduler.get_last_lr()[0]
     scheduler.step()
     out: dict[str, Any] = {"loss": r.loss, "lr": lr, "grad_norm": r.norm}
@@ -221,6 +223,25 @@ def _update(
         out["stop"] = r.stop
     out.update(routing)
     return out
+
+
+def clear_gradients(params: Iterable[torch.nn.Parameter], bucket_views: bool) -> None:
+    """Drop ``params``' gradients after a step; with ``bucket_views`` (DDP's
+    ``gradient_as_bucket_view``) zero in place those that are views of its buckets, which its
+    reducer keeps anyway: dropped, the next step's unsynchronised micro-batches would make new
+    gradients beside the buckets, a second copy of every gradient until the last micro-batch's
+    sync (measured by `dtlab plan --check`); zeroed, they accumulate into the buckets. The values
+    are the same (0 + g is g)."""
+    views: list[torch.Tensor] = []
+    for p in params:
+        if p.grad is None:
+            continue
+        if bucket_views and p.grad._base is not None:
+            views.append(p.grad)
+        else:
+            p.grad = None
+    if views:
+        torch._foreach_zero_(views)
 
 
 def _accumulate_agreed(
