@@ -195,6 +195,11 @@ CHECKED = {
                                           *_WIDE]),
     "ddp:2 accumulation, wide": (2, ["parallel.strategy=ddp", "train.micro_batch_size=2",
                                      *_WIDE, "train.precision=fp32"]),
+    # DDP beside tensor parallelism (FSDP2 replicating): no flat buffer when the root is gathered
+    # for the output projection's backward, nothing prefetched; the first block's float32 copy
+    # waiting for its all-reduce at the embedding's backward, beside the embedding's gradient
+    # and its output's.
+    "ddp:2 x tp:2 bf16, wide": (4, ["parallel.strategy=ddp", "parallel.tp=2", *_WIDE]),
     "zero-1:2 bf16, wide": (2, ["parallel.strategy=ddp", "parallel.sharding=optimizer", *_WIDE]),
     "zero-1:4 fp16 compression, wide": (
         4, ["parallel.strategy=ddp", "parallel.sharding=optimizer", "parallel.compression=fp16",

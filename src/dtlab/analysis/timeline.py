@@ -688,9 +688,11 @@ def _fsdp_micro_batch(mb: _MicroBatch, s: RankState, last: bool, fsdp: FsdpUnits
     output = None
     if loss is not None and fsdp.reshard:
         # The output's backward gathers the root and prefetches the last block (an all-gather
-        # buffer of backward's until that block's backward).
+        # buffer of backward's until that block's backward; over shard groups of one rank,
+        # nothing prefetched).
         freed, made_out = loss.at_output(block.dim, block.compute, block.grad_element)
-        output = (freed, made_out + blocks[-1].unit, fsdp.root)
+        ahead = blocks[-1].unit if fsdp.prefetches else 0
+        output = (freed, made_out + ahead, fsdp.root)
     if loss is not None and fsdp.root:
         # Forward's start: the root gathered, FSDP's flat all-gather buffer of it alive until the
         # next unit's all-gather is copied out, the first block's buffer and its parameters
@@ -723,10 +725,12 @@ def _fsdp_micro_batch(mb: _MicroBatch, s: RankState, last: bool, fsdp: FsdpUnits
                    buffers=mb.buffers + gathered)  # fmt: skip
     if output is not None and loss is not None:
         # The root gathered again for the output projection's backward, its flat all-gather
-        # buffer beside it, before the projection's gradients are made.
+        # buffer beside it (none over a shard group of one rank: each shard is copied into its
+        # parameter), before the projection's gradients are made.
         logits_grad = loss.tokens * loss.vocab * (2 if loss.half else FP32)
+        root_flat = fsdp.root if fsdp.scatters else 0
         mb.add("the root gathered for the output projection's backward", grads=shards,
-               activations=mb.kept - output[0], temporaries=partial + logits_grad + fsdp.root,
+               activations=mb.kept - output[0], temporaries=partial + logits_grad + root_flat,
                buffers=mb.buffers + fsdp.root)  # fmt: skip
     # At the final norm's backward the root is gathered, the last block prefetched or every block
     # still gathered (not resharded after forward), no block's gradients made yet.
@@ -794,10 +798,15 @@ def _root_backward(
     tokens = 8 * (mb.loss.tokens + 1) + 12 if mb.loss is not None else 0
     rest = max(tokens, mb.kept - mb.loss_part - sum(b.kept for b in blocks))
     embed = s.embed_grads // FP32 * element
-    first_input = blocks[0].unit // element * FP32 if fsdp.scatters and blocks[0].unit else 0
+    # (Over a shard group of one rank resharded after forward, DDP beside tensor parallelism, the
+    # same float32 copy waits for its all-reduce: the blocks' points below.)
+    waits = fsdp.scatters or fsdp.reshard
+    first_input = blocks[0].unit // element * FP32 if waits and blocks[0].unit else 0
     made = embed + (embed if s.tied_grad else 0)
+    # (Beside it, its output's gradient: the residual stream's, from the first block.)
+    into = blocks[0].shape.stream_row if blocks else 0
     mb.add("the embedding's backward", grads=grads + s.head_grads, activations=rest,
-           temporaries=temps + first_input + s.tied_grad + made,
+           temporaries=temps + first_input + s.tied_grad + made + into,
            buffers=mb.buffers + fsdp.root)  # fmt: skip
     root_input = fsdp.root // element * FP32
     where = "the root's gradients copied into FSDP's float32 buffer to reduce-scatter"
