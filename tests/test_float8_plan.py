@@ -40,6 +40,11 @@ CHECKED: dict[str, tuple[int, list[str]]] = {
     "tp:2 sp": (2, ["parallel.strategy=fsdp", "parallel.tp=2", "parallel.sequence_parallel=true"]),
     "fsdp:2 x tp:2": (4, ["parallel.strategy=fsdp", "parallel.tp=2"]),
     "ddp:2 x tp:2": (4, ["parallel.strategy=ddp", "parallel.tp=2"]),
+    # Wide, few tokens: the embedding's backward beside the first block's float32 gradients
+    # waiting for their all-reduce (its float8 weights are copied in one byte an element).
+    "ddp:2 x tp:2, wide": (4, ["parallel.strategy=ddp", "parallel.tp=2", "model.dim=128",
+                               "model.ffn_dim=512", "model.n_layers=4", "model.vocab_size=4096",
+                               "data.seq_len=16"]),
     "pp:2": (2, ["parallel.strategy=fsdp", *_PP]),
     "ddp x pp:2": (2, ["parallel.strategy=ddp", *_PP]),
     # Checkpointing: the down projection's casts become the step's peak.
@@ -73,14 +78,20 @@ def test_the_plan_of_float8_is_the_checked_code(layout: str) -> None:
     config = load_config(overrides=[*SHAPE, *overrides])
     pipelined = "pp:" in layout
     for rank in [0, nproc - 1] if pipelined else [nproc - 1]:
-        _check(config, nproc, rank)
+        _check(config, nproc, rank, layout in WHOLE)
 
 
-def _check(config: Any, nproc: int, rank: int) -> None:
+# Where every component at the peak is within 3% too (the others: docs/planning.md).
+WHOLE = {"ddp:2 x tp:2, wide"}
+
+
+def _check(config: Any, nproc: int, rank: int, components: bool = False) -> None:
     measured = measure_fake(config, nproc, 1, rank, "cpu")
     r = check_rank(config, nproc, 1, rank, measured, "cpu")
     assert r.skipped is None
     assert close(r.peak["predicted"], r.peak["checked"], 0.03), (r.peak, r.components)
+    for name, c in r.components.items() if components else ():
+        assert close(c["predicted"], c["checked"]), (name, r.peak, r.components)
     assert_state_is_planned(config, nproc, rank, measured["components"])
     assert r.collectives["predicted"] == r.collectives["checked"], r.by_collective
     gathers = r.by_collective.get("all_gather")

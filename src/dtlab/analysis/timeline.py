@@ -675,7 +675,7 @@ def _fsdp_micro_batch(mb: _MicroBatch, s: RankState, last: bool, fsdp: FsdpUnits
         # replicating) the same float32 copy waits for its all-reduce (measured by `dtlab plan
         # --check`).
         if above and (fsdp.scatters or fsdp.reshard):
-            temps += blocks[j + 1].unit // block.grad_element * FP32
+            temps += _reduce_input(blocks[j + 1], fsdp, block.grad_element)
         if fsdp.prefetches and j > 0:
             temps += blocks[j - 1].unit  # the block below, prefetched
         # Every unit is resharded after its own backward (FSDP2's default, whatever the sharding
@@ -781,6 +781,17 @@ def _gathers_in_forward(mb: _MicroBatch, fsdp: FsdpUnits, shards: int, partial: 
                buffers=mb.buffers + fsdp.root + gathered)  # fmt: skip
 
 
+def _reduce_input(block: BlockKind, fsdp: FsdpUnits, element: int) -> int:
+    """A block's gradients in float32 as FSDP reduces them: its gathered unit in float32
+    (``element`` the bytes it gathers each in); where FSDP2 replicates float32 parameters over a
+    shard group of one rank (DDP beside tensor parallelism), its shard, the whole block in float32
+    (float8 layers' weights are copied in one byte an element there, but their gradients reduced
+    in float32; measured by `dtlab plan --check`)."""
+    if not fsdp.scatters and element == FP32 and block.unit_shard:
+        return block.unit_shard
+    return block.unit // element * FP32
+
+
 def _root_backward(
     mb: _MicroBatch, s: RankState, fsdp: FsdpUnits, grads: int, temps: int, element: int
 ) -> None:
@@ -801,7 +812,7 @@ def _root_backward(
     # (Over a shard group of one rank resharded after forward, DDP beside tensor parallelism, the
     # same float32 copy waits for its all-reduce: the blocks' points below.)
     waits = fsdp.scatters or fsdp.reshard
-    first_input = blocks[0].unit // element * FP32 if waits and blocks[0].unit else 0
+    first_input = _reduce_input(blocks[0], fsdp, element) if waits and blocks[0].unit else 0
     made = embed + (embed if s.tied_grad else 0)
     # (Beside it, its output's gradient: the residual stream's, from the first block.)
     into = blocks[0].shape.stream_row if blocks else 0
