@@ -175,7 +175,7 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
         outer = OuterRun(pm, optimizer, config, d, tracker, counter.labels)
         batch = _batch(config, dims.dp, dims.cp)
         # DDP's gradients are views of its buckets, which it keeps from step to step (its C++
-        # reducer holds them; the parameters' .grad is emptied between steps): filed as gradients
+        # reducer holds them; the trainer zeroes the views between steps): filed as gradients
         # from the measured step's start, they are counted once, as the gradients.
         ddp = isinstance(pm.module, DistributedDataParallel)
         steps = _tracked(pm, optimizer, tracker, fake and not ddp, steps)
