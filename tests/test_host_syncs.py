@@ -41,17 +41,22 @@ def test_the_counter_sees_each_kind_of_sync() -> None:
         float(t[0])
         t.tolist()
         torch.tensor([1.0, 2.0])  # host data
+        torch.tensor(5.0)  # host data (a scalar, which no fill takes)
         torch.zeros(2)  # host tensor: no device given
         # None of these: made on the device, scalars passed as kernel arguments.
         torch.zeros(2, device="cpu")
         t[0] = 2.0
         t[1].fill_(3.0)
         torch.full((2,), 1.0, device="cpu")
+        # A mask filled with a scalar where the factories' function mode does not see the
+        # assignment (inside DTensor's dispatch: torch's loss-parallel cross-entropy).
+        with torch._C.DisableTorchFunction():
+            t[t > 2.5] = 0.0
         # Another thread's read (a loader's, a checkpoint writer's) is not this code's.
         other = threading.Thread(target=t.tolist)
         other.start()
         other.join()
-    assert dict(counter.counts) == {"read": 3, "host data": 1, "host tensor": 1}
+    assert dict(counter.counts) == {"read": 3, "host data": 2, "host tensor": 1}
     # Each where this test caused it.
     assert {where.rsplit(":", 1)[0] for _, where in counter.where} == {__file__}
 

@@ -83,6 +83,8 @@ class HostSyncCounter(EagerDispatchMode):
         self._tolist: Any = None
         self._in_tolist = False
         self._scalar_setitem = 0
+        # A scalar lifted (and where), counted unless the next op fills a mask with it.
+        self._lifted: tuple[torch.Tensor, str] | None = None
         self._factories = _DefaultDevice(self)
 
     @property
@@ -118,17 +120,36 @@ class HostSyncCounter(EagerDispatchMode):
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self._settle_lifted(None, ())
         super().__exit__(*exc)
         self._factories.__exit__(*exc)
         torch.Tensor.tolist = self._tolist  # type: ignore[method-assign]
 
+    def _settle_lifted(self, name: str | None, args: Any) -> None:
+        """Count the scalar lifted by the op before this one (``name``, on ``args``; None: the
+        counter's end) as host data, unless this op fills a tensor with it: ``t[mask] = 0``
+        issued where the factories' function mode does not see the ``__setitem__`` (inside
+        DTensor's dispatch: torch's loss-parallel cross-entropy masks its targets so), the same
+        scalar argument the mode's exemption lets pass."""
+        pending, self._lifted = self._lifted, None
+        if pending is None:
+            return
+        lifted, where = pending
+        fills = name in ("masked_fill_", "masked_fill", "index_put_", "index_put")
+        if not (fills and any(a is lifted for a in args)):
+            self._count("host data", where)
+
     def _on_device(self, t: Any) -> bool:
         return isinstance(t, torch.Tensor) and t.device.type == self.device.type
 
-    def _count(self, kind: str) -> None:
+    def _count(self, kind: str, where: str | None = None) -> None:
         self.counts[kind] += 1
-        # The innermost line outside torch and the standard library (dtlab's, a test's), other
-        # modes' handlers (CommCounter's) left out.
+        self.where.append((kind, where or self._where()))
+
+    @staticmethod
+    def _where() -> str:
+        """The innermost line outside torch and the standard library (dtlab's, a test's), other
+        modes' handlers (CommCounter's) left out."""
         mine = [
             f
             for f in traceback.extract_stack()
@@ -136,7 +157,7 @@ class HostSyncCounter(EagerDispatchMode):
             and not f.filename.endswith("metrics/syncs.py")
             and f.name not in ("__torch_dispatch__", "__torch_function__")
         ]
-        self.where.append((kind, f"{mine[-1].filename}:{mine[-1].lineno}" if mine else "?"))
+        return f"{mine[-1].filename}:{mine[-1].lineno}" if mine else "?"
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -144,6 +165,7 @@ class HostSyncCounter(EagerDispatchMode):
         if self._in_tolist:
             return out
         name = func.overloadpacket.__name__
+        self._settle_lifted(name, args)
         if name == "_local_scalar_dense" and self._on_device(args[0]):
             self._count("read")
         elif name == "nonzero" and self._on_device(args[0]):
@@ -153,7 +175,10 @@ class HostSyncCounter(EagerDispatchMode):
             and self._on_device(out)
             and not self._scalar_setitem
         ):
-            self._count("host data")
+            if out.dim() == 0:
+                self._lifted = out, self._where()
+            else:
+                self._count("host data")
         elif name in _COPIES and not kwargs.get("non_blocking", len(args) > 2 and args[2]):
             src, dst = (args[0], out) if name == "_to_copy" else (args[1], args[0])
             if isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor):
