@@ -355,7 +355,7 @@ class PipelineSteps:
                      activations=op.held - freed,
                      temporaries=t_kept + self.sending + out + fsdp.prefetched + head,
                      buffers=self.state.buffers + self.gathered(op.i, 0))  # fmt: skip
-        # The final norm's backward (dtlab.analysis.timeline): the output's gradients made, the
+        # The final norm's backward (dtlab.analysis.step_points): the output's gradients made, the
         # loss's activations freed but the norm's float32 input.
         new = self._grads_at(op.i, first_time, 0)[0] - block.w2_grad
         ahead = fsdp.prefetched if fsdp is not None and regather else 0
@@ -429,7 +429,7 @@ class PipelineSteps:
                      + (w2_copy if per_block else 0),
                      buffers=bufs)  # fmt: skip
             if not again and not block.attention_temps:
-                # The attention norm's backward (dtlab.analysis.timeline): every weight gradient
+                # The attention norm's backward (dtlab.analysis.step_points): every weight gradient
                 # of the block made, what it kept freed but the norm's float32 input.
                 # (After the stage's first backward each is added into its gradient as it is
                 # made, but where FSDP buffers them.)

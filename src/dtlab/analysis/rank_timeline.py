@@ -1,4 +1,4 @@
-"""One rank's step timeline (:mod:`dtlab.analysis.timeline`, :func:`pipeline_timeline`) from its
+"""One rank's step timeline (:mod:`dtlab.analysis.step_points`, :func:`pipeline_timeline`) from its
 plan's figures: its state, its blocks' shapes and gradients, FSDP's units and an MoE model's dense
 and MoE blocks apart. :mod:`dtlab.analysis.model` plans the rank and builds its timeline here."""
 
@@ -36,6 +36,7 @@ from dtlab.analysis.shapes import (
     padded_by_group,
     stepped_shapes,
 )
+from dtlab.analysis.step_points import step_timeline
 from dtlab.analysis.timeline import (
     BlockKind,
     BlockShape,
@@ -45,7 +46,6 @@ from dtlab.analysis.timeline import (
     RankState,
     Timeline,
     dense_block,
-    step_timeline,
 )
 from dtlab.analysis.zero_memory import zero1_work
 from dtlab.config import Config, ModelConfig
