@@ -10,7 +10,7 @@ config.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -120,7 +120,7 @@ def train_step(
     agreed = _agree(pm, scaler, loss_sum, stop_signal, device, peers)
     if agreed is None:  # not committed by every fault-tolerant replica group: nothing changes
         pm.compression.rollback()
-        optimizer.zero_grad(set_to_none=True)
+        clear_gradients(_stepped(optimizer), _bucket_views(pm))
         forget_routing(pm.module)
         return {"uncommitted": True}
     later = before_update if not hooked else None  # after the clipping, before the optimizer step
@@ -208,8 +208,8 @@ def _update(
         stages=pm.dims.pp_enabled,
     )  # fmt: skip
     scaler.update(found_inf)
-    views = isinstance(pm.module, DistributedDataParallel) and pm.module.gradient_as_bucket_view
-    clear_gradients((p for group in optimizer.param_groups for p in group["params"]), views)
+    views = _bucket_views(pm)
+    clear_gradients(_stepped(optimizer), views)
     if pm.zero is not None:  # ZeRO-1: the optimizer holds only this rank's share of the parameters
         clear_gradients(pm.module.parameters(), views)
     lr = scheduler.get_last_lr()[0]
@@ -223,6 +223,15 @@ def _update(
         out["stop"] = r.stop
     out.update(routing)
     return out
+
+
+def _stepped(optimizer: torch.optim.Optimizer) -> Iterator[torch.nn.Parameter]:
+    return (p for group in optimizer.param_groups for p in group["params"])
+
+
+def _bucket_views(pm: ParallelModel) -> bool:
+    """The module's gradients are views of DDP's buckets (``gradient_as_bucket_view``)."""
+    return isinstance(pm.module, DistributedDataParallel) and pm.module.gradient_as_bucket_view
 
 
 def clear_gradients(params: Iterable[torch.nn.Parameter], bucket_views: bool) -> None:
@@ -268,7 +277,7 @@ def _accumulate_agreed(
         failed = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     ranks = agree_out_of_memory(bool(failed), device)
     if ranks:
-        pm.module.zero_grad(set_to_none=True)
+        clear_gradients(pm.module.parameters(), _bucket_views(pm))
         forget_routing(pm.module)
         raise StepOutOfMemory(ranks, int(micro_batches[0][0].shape[0]), failed)
     if not skip_sync:
