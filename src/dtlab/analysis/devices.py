@@ -287,6 +287,10 @@ wait = sorted(diffs)[len(diffs) // 2]
 SYNC_SIZE, SYNC_ITERS, SYNC_REPEATS = 768, 20, 5
 # The collectives a step issues, timed by measure_group_gbps (in this order).
 GROUP_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+# The entries of a profile's collective_gbps that are seconds per collective, not GB/s: the wait
+# beside small matrices (measure_group_gbps) and, where the ranks outnumber the cores, as a model's
+# steps meet it (dtlab.analysis.step_wait).
+WAIT_KEYS = ("sync_s", "step_wait_s")
 
 
 def measure_group_gbps(

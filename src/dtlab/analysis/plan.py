@@ -651,12 +651,17 @@ class _Costing:
         link = Link(device.intra_node_gbps, device.copy_gbps or math.inf)
         layers = cfg.model.n_layers // dims.pp
         exposed = exposed_comm(cfg, dims, times, compute, recompute, link, device.kind, layers)
-        sync = (device.collective_gbps or {}).get("sync_s", 0.0)
+        groups = device.collective_gbps or {}
+        # Where the ranks outnumber the cores, the wait as the model's steps meet it (a blocked
+        # rank's turn on a core, whatever the collective's group: dtlab.analysis.step_wait);
+        # else the wait beside small matrices, for the slowest of the group to arrive.
+        scheduled = "step_wait_s" in groups
+        sync = groups.get("step_wait_s", groups.get("sync_s", 0.0))
         if sync and dims.distributed:
             # This machine's measured wait per collective among ranks that compute (their arrival
             # and their threads' turn on the shared cores), for each collective of the step.
             waits = collective_waits(cfg, dims, layers, step_microbatches(cfg, dims))
-            exposed += wait_seconds(waits, sync, self.nproc)
+            exposed += wait_seconds(waits, sync, self.nproc, whole=scheduled)
         return exposed
 
 

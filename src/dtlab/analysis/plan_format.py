@@ -125,14 +125,19 @@ def _device_lines(dev: dict[str, Any], head: dict[str, Any]) -> list[str]:
 
 def _measured_lines(dev: dict[str, Any]) -> list[str]:
     """This machine's measured collectives, wrappers and step, those the profile has."""
+    from dtlab.analysis.devices import WAIT_KEYS
+
     lines = []
-    if dev.get("collective_gbps"):
-        lines.append(
-            "  groups   "
-            + ", ".join(f"{k} {v:.3g}" for k, v in dev["collective_gbps"].items() if k != "sync_s")
-            + f" GB/s per rank, {format_seconds(dev['collective_gbps'].get('sync_s', 0))} "
-            f"per collective beside compute ({dev['collective_source']})"
-        )
+    groups = dev.get("collective_gbps")
+    if groups:
+        rates = ", ".join(f"{k} {v:.3g}" for k, v in groups.items() if k not in WAIT_KEYS)
+        waits = f"{format_seconds(groups.get('sync_s', 0))} per collective beside compute"
+        if "step_wait_s" in groups:
+            waits += (
+                f", {format_seconds(groups['step_wait_s'])} beside the model's steps on more "
+                "ranks than cores"
+            )
+        lines.append(f"  groups   {rates} GB/s per rank, {waits} ({dev['collective_source']})")
     if dev.get("wrapper_s"):
         lines.append(
             "  wrappers "

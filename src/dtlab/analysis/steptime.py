@@ -271,13 +271,18 @@ def collective_waits(
     return waits
 
 
-def wait_seconds(waits: dict[int, int], sync_s: float, measured_group: int) -> float:
+def wait_seconds(
+    waits: dict[int, int], sync_s: float, measured_group: int, whole: bool = False
+) -> float:
     """Seconds the step's collectives (``waits``: count by group size) wait beyond their bytes, from
     ``sync_s``, the wait measured per collective among ``measured_group`` ranks computing at once.
     A smaller group waits for fewer ranks: scaled by the other members, (g - 1) / (n - 1), a rough
-    rule (only g = n is measured)."""
+    rule (only g = n is measured). ``whole``: every collective costs ``sync_s`` whatever its group
+    (where the ranks outnumber the cores, the wait is a blocked rank's turn on a core)."""
     if measured_group < 2:
         return 0.0
+    if whole:
+        return sync_s * sum(waits.values())
     return sum(
         n * sync_s * (min(g, measured_group) - 1) / (measured_group - 1) for g, n in waits.items()
     )

@@ -147,9 +147,11 @@ def _grid(quick: bool, models: list[str] | None) -> list[_Layout]:
 def _on_link(device: Any, rate: float, link: Link, nproc: int) -> Any:
     """``device`` on a capped link of ``rate`` bits/s: the namespace's loopback carries every
     rank's traffic, so each gets its share."""
+    from dtlab.analysis.devices import WAIT_KEYS
+
     per_rank = rate / 8 / 1e9 / nproc
     rates = {
-        k: v if k == "sync_s" else min(v, per_rank)
+        k: v if k in WAIT_KEYS else min(v, per_rank)
         for k, v in (device.collective_gbps or {}).items()
     }
     return replace(
