@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from dtlab.analysis.devices import ComputeProbe, DeviceProfile, cpu_memory_gib, measure_group_gbps
-from dtlab.analysis.probe_ranks import measure_ranks, oversubscribed
 from dtlab.analysis.probe_step import PROBE_TOKENS, probe_step, rank_step
+from dtlab.analysis.step_wait import measure_step_wait, oversubscribed
 from dtlab.config import Config
 
 __all__ = [
@@ -77,62 +77,31 @@ def measure_probe(
     ``copies`` > 1: that many processes train it at once (each the same), as that many ranks of a
     job share the machine's memory bandwidth and caches; the slowest counts (a synchronous step waits
     for it)."""
-    batch = max(1, PROBE_TOKENS // config.seq_len)
+    from dtlab.analysis.model import param_shapes
+
+    seq = config.seq_len
+    batch = max(1, PROBE_TOKENS // seq)
     if copies > 1:
         runs = _probe_copies(config, threads, copies)
     else:
         step = probe_step(config, threads, batch)
         step()  # warm-up
         runs = [step() for _ in range(PROBE_REPEATS)]
-    source = (
-        f"measured: training steps of this model on {copies} process(es) at once, "
-        f"{threads} thread(s) each, {batch * config.seq_len:,} tokens, median of {PROBE_REPEATS}"
-        + (", the slowest process" if copies > 1 else "")
-    )
-    return _probe(config, runs, threads, cores or os.cpu_count() or 1, 1.0, source)
-
-
-def measure_shared_probe(
-    config: Config, nproc: int, threads: int, cores: int
-) -> tuple[ComputeProbe, float]:
-    """Where ``nproc`` ranks outnumber the ``cores`` (:mod:`dtlab.analysis.probe_ranks`): the
-    probe from all of them training at once, in step, its times divided by the cores' sharing (the
-    plan multiplies them by it again, :func:`compute_seconds`), and the wait per collective inside
-    a step."""
-    batch = max(1, PROBE_TOKENS // config.seq_len)
-    runs, wait = measure_ranks(config, nproc, threads, batch, PROBE_REPEATS)
-    source = (
-        f"measured: training steps of this model on {nproc} processes at once, in step, {threads} "
-        f"thread(s) each, {batch * config.seq_len:,} tokens, median of {PROBE_REPEATS}, over the "
-        "cores' sharing"
-    )
-    return _probe(config, runs, threads, cores, sharing(nproc, threads, cores), source), wait
-
-
-def _probe(
-    config: Config,
-    runs: list[tuple[float, float]],
-    threads: int,
-    cores: int,
-    shared: float,
-    source: str,
-) -> ComputeProbe:
-    """The probe from ``runs`` (each step's seconds and its optimizer's) of the probe's tokens,
-    measured where each rank computes ``shared`` times slower for the cores' sharing."""
-    from dtlab.analysis.model import param_shapes
-
-    batch = max(1, PROBE_TOKENS // config.seq_len)
     # The median, the statistic dtlab bench reports (a typical step, not the luckiest).
-    total = statistics.median(r[0] for r in runs) / shared
-    optimizer = statistics.median(r[1] for r in runs) / shared
+    total = statistics.median(r[0] for r in runs)
+    optimizer = statistics.median(r[1] for r in runs)
     return ComputeProbe(
         threads=threads,
-        cores=cores,
-        seconds_per_token=(total - optimizer) / (batch * config.seq_len),
+        cores=cores or os.cpu_count() or 1,
+        seconds_per_token=(total - optimizer) / (batch * seq),
         fixed_seconds=optimizer,
         params=sum(s.numel for s in param_shapes(config.model)),
-        seq_len=config.seq_len,
-        source=source,
+        seq_len=seq,
+        source=(
+            f"measured: training steps of this model on {copies} process(es) at once, "
+            f"{threads} thread(s) each, {batch * seq:,} tokens, median of {PROBE_REPEATS}"
+            + (", the slowest process" if copies > 1 else "")
+        ),
     )
 
 
@@ -292,21 +261,20 @@ def with_probe(device: DeviceProfile, config: Any, nproc: int) -> tuple[DevicePr
         return device, why
     threads = rank_threads(nproc)
     cores = os.cpu_count() or 1
-    probe = None
     memory = cpu_memory_gib() * 2**30
-    if oversubscribed(nproc, threads, cores) and not probe_refusal(config, memory / nproc):
+    fits = not probe_refusal(config, memory / nproc)
+    if device.collective_gbps and oversubscribed(nproc, threads, cores) and fits:
         try:
-            probe, wait = measure_shared_probe(config, nproc, threads, cores)
-            if device.collective_gbps:
-                device = replace(
-                    device, collective_gbps={**device.collective_gbps, "step_wait_s": wait}
-                )
+            batch = max(1, PROBE_TOKENS // config.seq_len)
+            wait = measure_step_wait(config, nproc, threads, batch, PROBE_REPEATS).wait_s
+            device = replace(
+                device, collective_gbps={**device.collective_gbps, "step_wait_s": wait}
+            )
         except (RuntimeError, OSError, subprocess.SubprocessError):
-            pass  # the copies' probe below, and the small matrices' wait (sync_s)
-    if probe is None:
-        # As many at once as the ranks that compute at once (the cores they fill): they share the
-        # memory bandwidth and the caches.
-        probe = measure_probe(config, threads, max(1, min(nproc, cores // threads)), cores)
+            pass  # the small matrices' wait (sync_s) stands
+    # As many at once as the ranks that compute at once (the cores they fill): they share the
+    # memory bandwidth and the caches.
+    probe = measure_probe(config, threads, max(1, min(nproc, cores // threads)), cores)
     try:
         wrappers = measure_wrappers(config, nproc, threads)
     except (RuntimeError, OSError, subprocess.SubprocessError):

@@ -1,17 +1,16 @@
-"""The probe where a job's ranks outnumber this machine's cores: every rank trains at once, in step.
+"""What a collective costs a step beyond its bytes where a job's ranks outnumber this machine's
+cores, measured as the model's steps meet it: ``dtlab plan --device this``.
 
-Where each rank has a core of its own, :mod:`dtlab.analysis.probe` times as many copies of the
-model's step at once as there are cores to fill, and a collective's cost beyond its bytes is the wait
-for the slowest rank of its group (:func:`dtlab.analysis.devices.measure_group_gbps`'s ``sync_s``,
-ranks multiplying one small matrix between collectives). Where the ranks outnumber the cores, a rank
-that blocks gives its core to another, and a synchronous step ends when the last rank has had its
-turns: on 4 ranks of 2 cores the copies' step, scaled by the sharing, came 7% under the same steps
-taken by 4 ranks that meet at each step's end, and 8 ranks 19%; and a collective inside the step
-waits for the scheduler, not only for a straggler. So here all ``nproc`` ranks train the config's
-model at once, each on the probe's tokens, in a gloo group, every step ending as a job's does (the
-ranks meet); and in turn with those steps, the same step with a one-float all-reduce after each
-block's forward and each block's backward: the median difference per all-reduce is the wait a
-collective costs inside a step (``step_wait_s``).
+Where each rank has a core of its own, a collective waits for the slowest rank of its group to
+arrive (:func:`dtlab.analysis.devices.measure_group_gbps`'s ``sync_s``, ranks multiplying one small
+matrix between collectives). Where the ranks outnumber the cores, a rank that blocks gives its core
+to another, and the collective completes when every rank of the job has had its turn to reach it:
+the wait is the scheduler's, whatever the collective's group, and each rank resumes with the caches
+refilled from its own state, which small matrices do not show. So here every rank trains the
+config's model (its step as :mod:`dtlab.analysis.probe` takes it), all at once in a gloo group,
+each step ending as a job's does (the ranks meet), in turn with the same step with a one-float
+all-reduce after each block's forward and each block's backward: the median difference per
+all-reduce is the wait (``step_wait_s``), which the plan counts for every collective of a step.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,10 +30,16 @@ import torch
 from dtlab.analysis.probe_step import probe_step
 from dtlab.config import Config
 
-__all__ = ["RankRuns", "measure_ranks", "oversubscribed"]
+__all__ = ["StepWait", "measure_step_wait", "oversubscribed"]
 
-# (the plain steps' runs, (seconds, optimizer seconds) each; the wait per collective)
-RankRuns = tuple[list[tuple[float, float]], float]
+
+@dataclass(frozen=True)
+class StepWait:
+    """What :func:`measure_step_wait` measured on rank 0."""
+
+    wait_s: float  # the median wait per collective inside a step, at least 0
+    collectives: int  # the all-reduces a step with them issued (each block's forward and backward)
+    steps_s: list[float]  # the steps without them, each to the ranks' meeting at its end
 
 
 def oversubscribed(nproc: int, threads: int, cores: int) -> bool:
@@ -42,12 +48,12 @@ def oversubscribed(nproc: int, threads: int, cores: int) -> bool:
     return nproc * threads > cores
 
 
-def measure_ranks(
-    config: Config, nproc: int, threads: int, batch: int, repeats: int, timeout_s: float = 600.0
-) -> RankRuns:
-    """``nproc`` local processes training ``config``'s model on ``batch`` samples at ``threads``
-    threads each, in step (see the module): rank 0's ``repeats`` plain steps (each to the ranks'
-    meeting at its end) and the median wait per collective of as many pairs. Raises
+def measure_step_wait(
+    config: Config, nproc: int, threads: int, batch: int, pairs: int, timeout_s: float = 600.0
+) -> StepWait:
+    """The wait per collective among ``nproc`` local processes training ``config``'s model on
+    ``batch`` samples at ``threads`` threads each (see the module): the median over ``pairs`` of a
+    step with the collectives less the step without, per collective, on rank 0. Raises
     ``RuntimeError`` when a process fails or the measurement runs past ``timeout_s``."""
     import torch.distributed as dist
 
@@ -56,7 +62,7 @@ def measure_ranks(
     with tempfile.TemporaryDirectory(prefix="dtlab-ranks-") as tmp:
         path = Path(tmp) / "config.json"
         path.write_text(config.model_dump_json(), encoding="utf-8")
-        shared = [str(store.port), str(nproc), str(threads), str(batch), str(repeats)]
+        shared = [str(store.port), str(nproc), str(threads), str(batch), str(pairs)]
         procs = [
             subprocess.Popen(
                 [sys.executable, "-m", __name__, str(path), str(r), *shared, str(int(timeout_s))],
@@ -69,7 +75,7 @@ def measure_ranks(
         try:
             outs = [p.communicate(timeout=timeout_s) for p in procs]
         except subprocess.TimeoutExpired as e:
-            raise RuntimeError(f"the probe's ranks ran past {timeout_s:.0f} s") from e
+            raise RuntimeError(f"measuring the step's wait ran past {timeout_s:.0f} s") from e
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -83,13 +89,14 @@ def measure_ranks(
                 + (f": {tail[-1]}" if tail else "")
             )
     data = json.loads(outs[0][0].strip().splitlines()[-1])
-    return [(float(a), float(b)) for a, b in data["runs"]], max(0.0, float(data["wait_s"]))
+    steps = [float(t) for t in data["steps_s"]]
+    return StepWait(max(0.0, float(data["wait_s"])), int(data["collectives"]), steps)
 
 
-def _child(path: str, rank: int, port: int, world: int, threads: int, batch: int, repeats: int,
+def _child(path: str, rank: int, port: int, world: int, threads: int, batch: int, pairs: int,
            timeout: int) -> None:  # fmt: skip
-    """One rank of :func:`measure_ranks`: join the group, take the steps, and (rank 0) print the
-    plain steps' runs and the wait per collective as JSON."""
+    """One rank of :func:`measure_step_wait`: join the group, take the pairs of steps, and (rank 0)
+    print what :class:`StepWait` holds as JSON."""
     import torch.distributed as dist
     from torch import nn
 
@@ -113,27 +120,29 @@ def _child(path: str, rank: int, port: int, world: int, threads: int, batch: int
         nn.modules.module.register_module_full_backward_hook(collective),
     ]
 
-    def timed(flag: bool) -> tuple[float, float]:
+    def timed(flag: bool) -> float:
         on[0], calls[0] = flag, 0
         dist.barrier()
         t0 = time.perf_counter()
-        _, optimizer = step()
+        step()
         dist.barrier()  # the ranks meet, as at a job's step's end
-        return time.perf_counter() - t0, optimizer
+        return time.perf_counter() - t0
 
     timed(False), timed(True)  # warm-up
-    runs, waits = [], []
-    for i in range(repeats):
+    steps, waits, issued = [], [], 0
+    for i in range(pairs):
         # Each first every other time: the machine's drift falls on both alike.
         order = (False, True) if i % 2 == 0 else (True, False)
         pair = {flag: (timed(flag), calls[0]) for flag in order}
-        runs.append(pair[False][0])
-        waits.append((pair[True][0][0] - pair[False][0][0]) / pair[True][1])
+        steps.append(pair[False][0])
+        issued = pair[True][1]
+        waits.append((pair[True][0] - pair[False][0]) / issued)
     for h in hooks:
         h.remove()
     dist.destroy_process_group()
     if rank == 0:
-        print(json.dumps({"runs": runs, "wait_s": statistics.median(waits)}), flush=True)
+        out = {"wait_s": statistics.median(waits), "collectives": issued, "steps_s": steps}
+        print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":
