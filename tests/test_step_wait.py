@@ -98,3 +98,18 @@ def test_where_the_ranks_threads_outnumber_the_cores_the_probe_measures_the_step
     assert why is None and device.collective_gbps is not None
     assert 0 <= device.collective_gbps["step_wait_s"] < 1
     assert 0 <= device.collective_gbps["sync_s"] < 1
+
+
+def test_the_steps_wait_is_measured_on_fewer_samples_where_the_ranks_step_would_be_long() -> None:
+    from dtlab.analysis.probe import STEP_WAIT_BUDGET_S, _wait_batch
+    from dtlab.analysis.probe_step import PROBE_TOKENS
+
+    cfg = load_config(None, SETS)
+    most = PROBE_TOKENS // cfg.seq_len
+    quick = ComputeProbe(1, 2, 1e-6, 0.01, 0, cfg.seq_len, "test")
+    assert _wait_batch(cfg, quick, 8) == most
+    # A sample a rank of 8 on 2 cores takes 0.3 s: as many as fit the budget.
+    slow = replace(quick, seconds_per_token=0.3 / (4 * cfg.seq_len))
+    assert _wait_batch(cfg, slow, 8) == int(STEP_WAIT_BUDGET_S // 0.3) < most
+    huge = replace(quick, seconds_per_token=10.0 / cfg.seq_len)
+    assert _wait_batch(cfg, huge, 4) == 1

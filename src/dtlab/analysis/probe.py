@@ -231,6 +231,20 @@ def wrapper_seconds(
     return extra * sharing(nproc, probe.threads, probe.cores)
 
 
+STEP_WAIT_BUDGET_S = 2.0  # the longest step the step's wait is measured on (12 steps are taken)
+
+
+def _wait_batch(config: Config, probe: ComputeProbe, nproc: int) -> int:
+    """Samples a rank trains in the step's wait's measurement: the probe's, fewer where ``nproc``
+    ranks' step on them would take over ``STEP_WAIT_BUDGET_S`` (a larger model on many ranks), at
+    least one."""
+    per_sample = (
+        probe.seconds_per_token * config.seq_len * sharing(nproc, probe.threads, probe.cores)
+    )
+    fit = int(STEP_WAIT_BUDGET_S // per_sample) if per_sample > 0 else PROBE_TOKENS
+    return max(1, min(PROBE_TOKENS // config.seq_len, fit))
+
+
 def with_probe(device: DeviceProfile, config: Any, nproc: int) -> tuple[DeviceProfile, str | None]:
     """``device`` (this machine) measured for ``config`` on ``nproc`` ranks: its step of the model
     at the threads each rank gets (:mod:`dtlab.analysis.probe`) and each collective among ``nproc``
@@ -261,20 +275,19 @@ def with_probe(device: DeviceProfile, config: Any, nproc: int) -> tuple[DevicePr
         return device, why
     threads = rank_threads(nproc)
     cores = os.cpu_count() or 1
-    memory = cpu_memory_gib() * 2**30
-    fits = not probe_refusal(config, memory / nproc)
+    # As many at once as the ranks that compute at once (the cores they fill): they share the
+    # memory bandwidth and the caches.
+    probe = measure_probe(config, threads, max(1, min(nproc, cores // threads)), cores)
+    fits = not probe_refusal(config, cpu_memory_gib() * 2**30 / nproc)
     if device.collective_gbps and oversubscribed(nproc, threads, cores) and fits:
         try:
-            batch = max(1, PROBE_TOKENS // config.seq_len)
+            batch = _wait_batch(config, probe, nproc)
             wait = measure_step_wait(config, nproc, threads, batch, PROBE_REPEATS).wait_s
             device = replace(
                 device, collective_gbps={**device.collective_gbps, "step_wait_s": wait}
             )
         except (RuntimeError, OSError, subprocess.SubprocessError):
             pass  # the small matrices' wait (sync_s) stands
-    # As many at once as the ranks that compute at once (the cores they fill): they share the
-    # memory bandwidth and the caches.
-    probe = measure_probe(config, threads, max(1, min(nproc, cores // threads)), cores)
     try:
         wrappers = measure_wrappers(config, nproc, threads)
     except (RuntimeError, OSError, subprocess.SubprocessError):
