@@ -113,3 +113,9 @@ def test_the_steps_wait_is_measured_on_fewer_samples_where_the_ranks_step_would_
     assert _wait_batch(cfg, slow, 8) == int(STEP_WAIT_BUDGET_S // 0.3) < most
     huge = replace(quick, seconds_per_token=10.0 / cfg.seq_len)
     assert _wait_batch(cfg, huge, 4) == 1
+
+
+def test_a_process_that_fails_is_named_with_its_last_error_line() -> None:
+    cfg = load_config(None, SETS)
+    with pytest.raises(RuntimeError, match=r"a process measuring the step's wait exited with 1: "):
+        measure_step_wait(cfg, 2, 1, batch=0, pairs=1, timeout_s=120)  # no sample: refused

@@ -59,38 +59,59 @@ def measure_step_wait(
 
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore("127.0.0.1", 0, nproc + 1, True, timeout=timeout, wait_for_workers=False)
-    with tempfile.TemporaryDirectory(prefix="dtlab-ranks-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="dtlab-stepwait-") as tmp:
         path = Path(tmp) / "config.json"
         path.write_text(config.model_dump_json(), encoding="utf-8")
         shared = [str(store.port), str(nproc), str(threads), str(batch), str(pairs)]
-        procs = [
-            subprocess.Popen(
-                [sys.executable, "-m", __name__, str(path), str(r), *shared, str(int(timeout_s))],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for r in range(nproc)
-        ]
+        # Each rank's stderr to a file: read only if it fails, never a pipe left to fill.
+        errs = [Path(tmp) / f"rank{r}.err" for r in range(nproc)]
+        procs = []
+        for r in range(nproc):
+            with errs[r].open("w") as err:
+                args = [str(path), str(r), *shared, str(int(timeout_s))]
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", __name__, *args],
+                        stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
+                        stderr=err,
+                        text=True,
+                    )
+                )
         try:
-            outs = [p.communicate(timeout=timeout_s) for p in procs]
-        except subprocess.TimeoutExpired as e:
-            raise RuntimeError(f"measuring the step's wait ran past {timeout_s:.0f} s") from e
+            _await_ranks(procs, errs, timeout_s)
+            out = procs[0].stdout.read() if procs[0].stdout else ""
         finally:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
                     p.wait()
-    for p, (_, err) in zip(procs, outs, strict=True):
-        if p.returncode != 0:
-            tail = err.strip().splitlines()
-            raise RuntimeError(
-                f"a rank of the probe exited with {p.returncode}"
-                + (f": {tail[-1]}" if tail else "")
-            )
-    data = json.loads(outs[0][0].strip().splitlines()[-1])
+                if p.stdout:
+                    p.stdout.close()
+    data = json.loads(out.strip().splitlines()[-1])
     steps = [float(t) for t in data["steps_s"]]
     return StepWait(max(0.0, float(data["wait_s"])), int(data["collectives"]), steps)
+
+
+def _await_ranks(procs: list[subprocess.Popen[str]], errs: list[Path], timeout_s: float) -> None:
+    """Wait for every rank to exit; a RuntimeError naming the first that failed as soon as one does
+    (the others would wait for it in the group until their own timeout), or when they run past
+    ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [r for r, code in enumerate(codes) if code not in (None, 0)]
+        if failed:
+            r = failed[0]
+            tail = errs[r].read_text(encoding="utf-8", errors="replace").strip().splitlines()
+            raise RuntimeError(
+                f"a process measuring the step's wait exited with {codes[r]}"
+                + (f": {tail[-1]}" if tail else "")
+            )
+        if all(code == 0 for code in codes):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"measuring the step's wait ran past {timeout_s:.0f} s")
+        time.sleep(0.05)
 
 
 def _child(path: str, rank: int, port: int, world: int, threads: int, batch: int, pairs: int,
