@@ -237,6 +237,13 @@ def test_ranks_sharing_the_cores_compute_slower() -> None:
     assert compute_seconds(probe, 2048, 0.5, 0.25, 4, bubble=1 / 3) == pytest.approx(
         2 * (1024 * 1e-4 + 0.0025)
     )
+    # A part of each pass that does not grow with its tokens: once per micro-batch, for the
+    # rank's share of the model.
+    passing = ComputeProbe(1, 2, 1e-4, 0.01, 1000, 64, "test", pass_seconds=0.05)
+    assert compute_seconds(passing, 2048, 1.0, 1.0, 2) == pytest.approx(two + 0.05)
+    assert compute_seconds(passing, 2048, 0.5, 0.25, 2, passes=4) == pytest.approx(
+        1024 * 1e-4 + 0.5 * 4 * 0.05 + 0.0025
+    )
 
 
 def test_each_layouts_measured_code_cost_counts_where_that_layout_runs() -> None:
@@ -282,7 +289,31 @@ def test_the_probe_times_the_model_and_its_optimizer_apart() -> None:
     assert probe.seconds_per_token > 0 and probe.fixed_seconds > 0
     # A step of 2,048 tokens takes seconds at most on any CPU, and more than its optimizer alone.
     assert probe.seconds_per_token * 2048 < 10 and probe.fixed_seconds < 1
-    assert "2,048 tokens, median of 5" in probe.source
+    assert "2,048 and 64 tokens, median of 5" in probe.source
+    assert probe.pass_seconds >= 0
+
+
+@pytest.mark.parametrize(
+    ("pass_s", "expected"), [(0.5, (1e-3, 0.5)), (-0.05, ((2048e-3 - 0.05) / 2048, 0.0))]
+)
+def test_the_probe_splits_a_pass_into_its_tokens_part_and_its_fixed_part(
+    monkeypatch: pytest.MonkeyPatch, pass_s: float, expected: tuple[float, float]
+) -> None:
+    """Steps timed at the probe's tokens and at one sample: the line through the two; where its
+    fixed part comes out negative (noise), the probe's tokens' figure alone."""
+    import dtlab.analysis.probe as probe_mod
+
+    cfg = load_config(None, ["model.preset=debug", "data.seq_len=64"])
+
+    def fake_step(config: object, threads: int, batch: int):  # the step's (total, optimizer)
+        return lambda: (pass_s + 1e-3 * batch * 64 + 0.2, 0.2)
+
+    monkeypatch.setattr(probe_mod, "probe_step", fake_step)
+    probe = measure_probe(cfg, 1)
+    assert probe.fixed_seconds == pytest.approx(0.2)
+    assert (probe.seconds_per_token, probe.pass_seconds) == pytest.approx(expected)
+    # The probe's own step is predicted as measured, either way.
+    assert compute_seconds(probe, 2048, 1.0, 1.0, 2) == pytest.approx(pass_s + 2.048 + 0.2)
 
 
 def test_plan_this_device_prints_its_measured_collectives_and_step(tmp_path) -> None:
@@ -309,6 +340,7 @@ def test_plan_this_device_prints_its_measured_collectives_and_step(tmp_path) -> 
     assert all(abs(costs[k]) < 1 for k in ("sp_block_s", "sp_token_s"))
     text = format_plan(result)
     assert "  groups   all_reduce" in text and "  step     " in text and "  wrappers " in text
+    assert dev["probe"]["pass_seconds"] >= 0 and "per pass (micro-batch)" in text
 
 
 def test_calibration_measures_and_predicts_each_layout(

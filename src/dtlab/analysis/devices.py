@@ -32,6 +32,9 @@ class ComputeProbe:
     params: int
     seq_len: int
     source: str
+    # Forward and backward's part that does not grow with the tokens, per pass (micro-batch) of the
+    # whole model: each op's launch and the weights' reading (0 where one token count was measured).
+    pass_seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -39,6 +42,7 @@ class ComputeProbe:
             "cores": self.cores,
             "seconds_per_token": self.seconds_per_token,
             "fixed_seconds": self.fixed_seconds,
+            "pass_seconds": self.pass_seconds,
             "seq_len": self.seq_len,
             "source": self.source,
         }

@@ -614,7 +614,10 @@ class _Costing:
         # This machine, the model's own step measured on it.
         flops_share, params_share = rank_share(cfg, dims, self.shapes)
         tokens = cfg.train.global_batch_size * cfg.seq_len / dims.dp
-        compute = compute_seconds(device.probe, tokens, flops_share, params_share, nproc, idle)
+        passes = step_microbatches(cfg, dims)
+        compute = compute_seconds(
+            device.probe, tokens, flops_share, params_share, nproc, idle, passes
+        )
         fixed = compute_seconds(device.probe, 0, 0, params_share, nproc)
         recompute = (compute - fixed) * again
         compute += wrapper_seconds(cfg, dims, device.wrapper_s or {}, nproc, device.probe)

@@ -149,8 +149,9 @@ def _measured_lines(dev: dict[str, Any]) -> list[str]:
     if dev.get("probe"):
         lines.append(
             f"  step     {format_seconds(dev['probe']['seconds_per_token'] * 1e3)} per 1,000 "
-            f"tokens of forward and backward, {format_seconds(dev['probe']['fixed_seconds'])} per "
-            f"optimizer step "
+            f"tokens of forward and backward and "
+            f"{format_seconds(dev['probe'].get('pass_seconds', 0.0))} per pass (micro-batch), "
+            f"{format_seconds(dev['probe']['fixed_seconds'])} per optimizer step "
             f"({dev['probe']['source']})"
         )
     return lines

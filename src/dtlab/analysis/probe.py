@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -76,81 +77,129 @@ def measure_probe(
 
     ``copies`` > 1: that many processes train it at once (each the same), as that many ranks of a
     job share the machine's memory bandwidth and caches; the slowest counts (a synchronous step waits
-    for it)."""
+    for it). Forward and backward are timed on the probe's tokens and, where those are more than
+    one sample, on one sample: a line through the two gives the part of a pass that does not grow
+    with its tokens (on ``small`` about 0.18 s a pass, 14% of a 256-token micro-batch's)."""
     from dtlab.analysis.model import param_shapes
 
     seq = config.seq_len
     batch = max(1, PROBE_TOKENS // seq)
+    batches = [batch, 1] if batch > 1 else [batch]
     if copies > 1:
-        runs = _probe_copies(config, threads, copies)
+        phases = _probe_copies(config, threads, copies, batches)
     else:
-        step = probe_step(config, threads, batch)
-        step()  # warm-up
-        runs = [step() for _ in range(PROBE_REPEATS)]
+        phases = [_timed(probe_step(config, threads, b)) for b in batches]
     # The median, the statistic dtlab bench reports (a typical step, not the luckiest).
-    total = statistics.median(r[0] for r in runs)
-    optimizer = statistics.median(r[1] for r in runs)
+    total = statistics.median(r[0] for r in phases[0])
+    optimizer = statistics.median(r[1] for r in phases[0])
+    per_token, per_pass = (total - optimizer) / (batch * seq), 0.0
+    if len(phases) > 1:
+        one = statistics.median(r[0] - r[1] for r in phases[1])
+        slope = (total - optimizer - one) / ((batch - 1) * seq)
+        # (A negative part per pass is the two measurements' noise: the probe's tokens' figure
+        # stands alone then.)
+        if slope > 0 and one - slope * seq > 0:
+            per_token, per_pass = slope, one - slope * seq
     return ComputeProbe(
         threads=threads,
         cores=cores or os.cpu_count() or 1,
-        seconds_per_token=(total - optimizer) / (batch * seq),
+        seconds_per_token=per_token,
         fixed_seconds=optimizer,
         params=sum(s.numel for s in param_shapes(config.model)),
         seq_len=seq,
         source=(
             f"measured: training steps of this model on {copies} process(es) at once, "
-            f"{threads} thread(s) each, {batch * seq:,} tokens, median of {PROBE_REPEATS}"
-            + (", the slowest process" if copies > 1 else "")
+            f"{threads} thread(s) each, {' and '.join(f'{b * seq:,}' for b in batches)} tokens, "
+            f"median of {PROBE_REPEATS}" + (", the slowest process" if copies > 1 else "")
         ),
+        pass_seconds=per_pass,
     )
 
 
-def _probe_copies(config: Config, threads: int, copies: int) -> list[tuple[float, float]]:
-    """The runs of the slowest of ``copies`` processes training ``config``'s model at once (each
-    builds and warms up, then all start their timed steps together)."""
+def _timed(step: Callable[[], tuple[float, float]]) -> list[tuple[float, float]]:
+    """``PROBE_REPEATS`` runs of ``step`` after a warm-up."""
+    step()
+    return [step() for _ in range(PROBE_REPEATS)]
+
+
+def _probe_copies(
+    config: Config, threads: int, copies: int, batches: list[int]
+) -> list[list[tuple[float, float]]]:
+    """For each of ``batches`` (samples a step), the runs of the slowest of ``copies`` processes
+    training ``config``'s model at once (each builds and warms up, then all start their timed steps
+    together)."""
     with tempfile.TemporaryDirectory(prefix="dtlab-probe-") as tmp:
         path = Path(tmp) / "config.json"
         path.write_text(config.model_dump_json(), encoding="utf-8")
-        procs = [
-            subprocess.Popen(
-                [sys.executable, "-m", "dtlab.analysis.probe", str(path), str(threads)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for _ in range(copies)
-        ]
+        sizes = ",".join(str(b) for b in batches)
+        # Their stderr to files: a pipe nobody reads until the end could fill and stall them.
+        errs = [Path(tmp) / f"stderr-{i}" for i in range(copies)]
+        argv = [sys.executable, "-m", "dtlab.analysis.probe", str(path), str(threads), sizes]
+        procs = []
+        for err_path in errs:
+            with err_path.open("w", encoding="utf-8") as err_file:
+                procs.append(
+                    subprocess.Popen(
+                        argv,
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        stderr=err_file,
+                        text=True,
+                    )
+                )
+        phases = []
         try:
-            for p in procs:  # each says when it is ready
-                line = p.stdout.readline() if p.stdout else ""
-                if line.strip() != "ready":
-                    err = (p.stderr.read() if p.stderr else "").strip().splitlines()
-                    raise RuntimeError(f"a probe process failed: {err[-1] if err else line!r}")
+            for _ in batches:
+                for p, err_path in zip(procs, errs, strict=True):  # each says when it is ready
+                    line = p.stdout.readline() if p.stdout else ""
+                    if line.strip() != "ready":
+                        p.kill()
+                        p.wait()
+                        err = err_path.read_text(encoding="utf-8").strip().splitlines()
+                        raise RuntimeError(f"a probe process failed: {err[-1] if err else line!r}")
+                for p in procs:
+                    assert p.stdin is not None
+                    p.stdin.write("go\n")
+                    p.stdin.flush()
+                results = [_runs(p, err) for p, err in zip(procs, errs, strict=True)]
+                phases.append(max(results, key=lambda runs: statistics.median(r[0] for r in runs)))
             for p in procs:
-                assert p.stdin is not None
-                p.stdin.write("go\n")
-                p.stdin.flush()
-            results = [json.loads(p.communicate(timeout=600)[0]) for p in procs]
+                p.wait(timeout=60)
         finally:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
                     p.wait()
-    return max(results, key=lambda runs: statistics.median(r[0] for r in runs))
+    return phases
 
 
-def _child(path: str, threads: int) -> None:
-    """A probe process (:func:`_probe_copies`): build, warm up, say ``ready``, wait for ``go``, time
-    ``PROBE_REPEATS`` steps and print them as JSON."""
+def _runs(proc: subprocess.Popen[str], err_path: Path) -> list[tuple[float, float]]:
+    """The timed runs a probe process prints (RuntimeError, with its last stderr line, if it
+    printed none)."""
+    line = proc.stdout.readline() if proc.stdout else ""
+    try:
+        return [(float(a), float(b)) for a, b in json.loads(line)]
+    except (ValueError, TypeError):
+        proc.kill()
+        proc.wait()
+        err = err_path.read_text(encoding="utf-8").strip().splitlines()
+        raise RuntimeError(f"a probe process failed: {err[-1] if err else line!r}") from None
+
+
+def _child(path: str, threads: int, sizes: str) -> None:
+    """A probe process (:func:`_probe_copies`): for each of ``sizes`` (samples a step, comma
+    separated) build, warm up, say ``ready``, wait for ``go``, time ``PROBE_REPEATS`` steps and print
+    them as JSON."""
     from dtlab.config import Config as _Config
 
     config = _Config.model_validate_json(Path(path).read_text(encoding="utf-8"))
-    step = probe_step(config, threads, max(1, PROBE_TOKENS // config.seq_len))
-    step()
-    print("ready", flush=True)
-    sys.stdin.readline()
-    print(json.dumps([step() for _ in range(PROBE_REPEATS)]), flush=True)
+    for batch in (int(b) for b in sizes.split(",")):
+        step = probe_step(config, threads, batch)
+        step()
+        print("ready", flush=True)
+        sys.stdin.readline()
+        print(json.dumps([step() for _ in range(PROBE_REPEATS)]), flush=True)
+        del step  # its model, before the next size's is built
 
 
 def compute_seconds(
@@ -160,17 +209,19 @@ def compute_seconds(
     params_share: float,
     nproc: int,
     bubble: float = 0.0,
+    passes: int = 1,
 ) -> float:
     """One rank's compute in a step (forward, backward and the fixed part), from ``probe``.
 
     ``tokens``: the tokens the rank's data-parallel group trains on; ``flops_share``: the rank's part
     of the model's FLOPs per token (its stage's layers, its tensor-parallel slice); ``params_share``:
-    its part of the parameters it steps; ``bubble``: the pipeline's idle fraction.
+    its part of the parameters it steps; ``bubble``: the pipeline's idle fraction; ``passes``: the
+    forward and backward passes (micro-batches) it runs, each with the probe's part per pass.
 
     Ranks that share the cores take turns: a rank's step is its own work stretched by the sharing,
     or its own critical path with the bubble, whichever is longer (while a stage idles in the
     bubble, another rank computes on its core)."""
-    work = probe.seconds_per_token * tokens * flops_share
+    work = (probe.seconds_per_token * tokens + probe.pass_seconds * passes) * flops_share
     fixed = probe.fixed_seconds * params_share
     shared = (work + fixed) * sharing(nproc, probe.threads, probe.cores)
     return max(shared, work / (1 - bubble) + fixed)
@@ -296,4 +347,4 @@ def with_probe(device: DeviceProfile, config: Any, nproc: int) -> tuple[DevicePr
 
 
 if __name__ == "__main__":
-    _child(sys.argv[1], int(sys.argv[2]))
+    _child(sys.argv[1], int(sys.argv[2]), sys.argv[3])

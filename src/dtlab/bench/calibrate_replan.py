@@ -50,6 +50,8 @@ def _device(result: dict[str, Any], key: str, model_config: Any) -> Any:
             params=sum(s.numel for s in param_shapes(model_config)),
             seq_len=int(probe["seq_len"]),
             source=str(probe["source"]),
+            # (0 in calibrations recorded before it was measured: their compute as they had it.)
+            pass_seconds=float(probe.get("pass_seconds", 0.0)),
         ),
         collective_gbps=result["collectives"].get(key),
         collective_source="recorded by the calibration",
