@@ -363,6 +363,14 @@ def test_calibration_measures_and_predicts_each_layout(
         assert len(r["measured_rounds_s"]) == 2 and result["rounds"] == 2
         assert r["measured_s"] == pytest.approx(statistics.median(r["measured_rounds_s"]))
         assert r["measured_min_s"] <= min(r["measured_rounds_s"])
+        # The inputs measured again in each round: each round's rows predicted from its own.
+        assert len(r["predicted_rounds_s"]) == 2
+        assert r["predicted"]["step_time_s"] == pytest.approx(
+            statistics.median(r["predicted_rounds_s"])
+        )
+    assert len(result["inputs_rounds"]) == 2
+    assert [set(i["probes"]) for i in result["inputs_rounds"]] == [{"tiny x 2"}] * 2
+    assert result["probes"] == result["inputs_rounds"][0]["probes"]
     assert result["mean_abs_error"] == pytest.approx(sum(abs(r["error"]) for r in rows) / 2)
     assert result["worst"]["layout"] in {r["layout"] for r in rows}
     assert "mean absolute error" in proc.stdout

@@ -162,14 +162,27 @@ def _on_link(device: Any, rate: float, link: Link, nproc: int) -> Any:
     )  # fmt: skip
 
 
+def median_prediction(wants: list[dict[str, float]]) -> dict[str, float]:
+    """Each figure of a row's per-round predictions ``wants``: the median over the rounds, as its
+    measured step is."""
+    return {k: statistics.median(w[k] for w in wants) for k in wants[0]}
+
+
 def _row(
-    label: str, layout: _Layout, link: Link, got: list[dict[str, Any]], want: dict[str, float]
+    label: str,
+    layout: _Layout,
+    link: Link,
+    got: list[dict[str, Any]],
+    wants: list[dict[str, float]],
 ) -> dict[str, Any]:
-    """A measured layout's row from its rounds' runs ``got``: the median of the rounds' medians,
-    the range of every timed step, each round's median, the prediction and the error."""
+    """A measured layout's row from its rounds' runs ``got`` and predictions ``wants`` (one per
+    round whose inputs were measured, see :class:`_Calibration`): the median of the rounds'
+    medians, the range of every timed step, each round's median, the median prediction and the
+    error."""
     model, _, nproc, _ = layout
     rounds = [g["step_time_s"] for g in got]
     measured = statistics.median(rounds)
+    want = median_prediction(wants)
     err = want["step_time_s"] / measured - 1
     return {
         "layout": label,
@@ -181,6 +194,7 @@ def _row(
         "measured_max_s": max(g["step_time_max_s"] for g in got),
         "measured_rounds_s": rounds,
         "predicted": want,
+        "predicted_rounds_s": [w["step_time_s"] for w in wants],
         "error": err,
     }
 
@@ -188,7 +202,13 @@ def _row(
 @dataclass
 class _Calibration:
     """What the runs share: this machine, its GEMM peak, the grid's settings, and the probed device
-    of each (model, processes)."""
+    of each (model, processes, round).
+
+    ``probe_each_round``: the inputs (the model's step, the collectives, their waits, the wrappers)
+    measured again in each round, at the round's first row of that model and process count, and
+    each round's rows predicted from its own: a machine whose speed drifts by 10% over the grid's
+    minutes then moves the predictions with the measurements, so that the error is the model's,
+    not the drift's. Otherwise measured once, in the first round."""
 
     base: Any
     peak: float
@@ -196,21 +216,21 @@ class _Calibration:
     warmup: int
     sets: list[str] | None
     rounds: int = 1
-    devices: dict[tuple[str, int], Any] = field(default_factory=dict)
+    probe_each_round: bool = True
+    devices: dict[tuple[str, int, int], Any] = field(default_factory=dict)
 
-    def device(self, model: str, nproc: int, common: list[str]) -> Any:
-        """The probed device of ``model`` on ``nproc`` processes: at the threads each rank gets,
-        probed once."""
+    def device(self, model: str, nproc: int, common: list[str], round_: int) -> Any:
+        """The probed device of ``model`` on ``nproc`` processes in round ``round_`` (from 0): at
+        the threads each rank gets."""
         from dtlab.analysis.probe import with_probe
         from dtlab.config import load_config
 
-        if (model, nproc) not in self.devices:
-            self.devices[model, nproc], why = with_probe(
-                self.base, load_config(None, common), nproc
-            )
+        key = (model, nproc, round_ if self.probe_each_round else 0)
+        if key not in self.devices:
+            self.devices[key], why = with_probe(self.base, load_config(None, common), nproc)
             if why:
                 raise DtlabError(f"the model cannot be probed: {why}")
-        return self.devices[model, nproc]
+        return self.devices[key]
 
 
 def _run_link(
@@ -228,7 +248,7 @@ def _run_link(
         todo = [g for g in grid if not rate or g[1] in LINKED]
         runs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(todo))}
         failed: dict[int, str] = {}
-        wants: dict[int, dict[str, float]] = {}
+        wants: dict[int, list[dict[str, float]]] = {i: [] for i in range(len(todo))}
         for r in range(cal.rounds):
             order = list(range(len(todo)))
             for i in order if r % 2 == 0 else order[::-1]:
@@ -237,11 +257,11 @@ def _run_link(
                     continue
                 common = [*BASES[model], *(cal.sets or [])]
                 overrides = [*common, *extra]
-                if i not in wants:
-                    device = cal.device(model, nproc, common)
+                if cal.probe_each_round or not wants[i]:
+                    device = cal.device(model, nproc, common, r)
                     if rate:
                         device = _on_link(device, rate, link, nproc)
-                    wants[i] = predict(overrides, nproc, device)
+                    wants[i].append(predict(overrides, nproc, device))
                 label = _label(todo[i], link, rate)
                 print(f"{label}, round {r + 1} of {cal.rounds} ...", flush=True)
                 try:
@@ -251,7 +271,7 @@ def _run_link(
                     failed[i] = str(e)
                     continue
                 runs[i].append(got)
-                want = wants[i]
+                want = wants[i][-1]
                 print(
                     f"  measured {got['step_time_s']:.3f} s, predicted {want['step_time_s']:.3f} s "
                     f"({want['step_time_s'] / got['step_time_s'] - 1:+.1%}; compute "
@@ -273,11 +293,22 @@ def _label(layout: _Layout, link: Link | None = None, rate: float | None = None)
     return f"{name} ({nproc})" + (f" at {link.name}" if link and rate else "")
 
 
+def _inputs(cal: _Calibration, round_: int) -> dict[str, dict[str, Any]]:
+    """What round ``round_``'s predictions used, by ``"model x processes"``: the probed step, the
+    collectives' rates and waits, the wrappers' costs."""
+    devices = {(m, n): d for (m, n, r), d in cal.devices.items() if r == round_}
+    return {
+        "probes": {f"{m} x {n}": d.probe.as_dict() for (m, n), d in devices.items() if d.probe},
+        "collectives": {f"{m} x {n}": d.collective_gbps for (m, n), d in devices.items()},
+        "wrappers": {f"{m} x {n}": d.wrapper_s for (m, n), d in devices.items()},
+    }
+
+
 def _summary(cal: _Calibration, rows: list[dict[str, Any]], grid: list[_Layout]) -> dict[str, Any]:
     """The rows with their summary: the errors, the ranking, and what the predictions used."""
     errors: list[float] = [abs(r["error"]) for r in rows if isinstance(r["error"], float)]
     worst = max((r for r in rows if isinstance(r["error"], float)), key=lambda r: abs(r["error"]))
-    devices, base = cal.devices, cal.base
+    base = cal.base
     return {
         "rows": rows,
         "rounds": cal.rounds,
@@ -286,9 +317,11 @@ def _summary(cal: _Calibration, rows: list[dict[str, Any]], grid: list[_Layout])
         "mean_abs_error": statistics.fmean(errors) if errors else None,
         "worst": {"layout": worst["layout"], "error": worst["error"]} if errors else None,
         "cores": os.cpu_count(),
-        "probes": {f"{m} x {n}": d.probe.as_dict() for (m, n), d in devices.items() if d.probe},
-        "collectives": {f"{m} x {n}": d.collective_gbps for (m, n), d in devices.items()},
-        "wrappers": {f"{m} x {n}": d.wrapper_s for (m, n), d in devices.items()},
+        # The first round's inputs; and, measured in each round, every round's.
+        **_inputs(cal, 0),
+        "inputs_rounds": (
+            [_inputs(cal, r) for r in range(cal.rounds)] if cal.probe_each_round else None
+        ),
         "loopback_gbps": base.intra_node_gbps,
         "peak_tflops": base.peak_tflops,
         "base": {m: [*BASES[m], *(cal.sets or [])] for m in sorted({g[0] for g in grid})},
@@ -303,16 +336,20 @@ def run(
     sets: list[str] | None = None,
     models: list[str] | None = None,
     rounds: int = 1,
+    probe_each_round: bool = True,
 ) -> dict[str, Any]:
     """Measure and predict the grid (each layout's settings after its model's base and ``sets``;
     ``models``: of ``BASES``, all by default, tiny's two rows under ``quick``; ``rounds``: times
-    the grid is run over, see :func:`_run_link`); returns the rows and the summary."""
+    the grid is run over, see :func:`_run_link`; ``probe_each_round``: see :class:`_Calibration`);
+    returns the rows and the summary."""
     from dtlab.analysis.devices import this_machine
     from dtlab.bench.link import parse_links
 
     grid = _grid(quick, models)
     base = this_machine("fp32")
-    cal = _Calibration(base, base.peak_tflops["fp32"] * 1e12, steps, warmup, sets, rounds)
+    cal = _Calibration(
+        base, base.peak_tflops["fp32"] * 1e12, steps, warmup, sets, rounds, probe_each_round
+    )
     rows: list[dict[str, Any]] = []
     for link in parse_links(",".join(links)):
         _run_link(cal, link, grid, rows)
@@ -478,7 +515,7 @@ def replanned(result: dict[str, Any]) -> dict[str, Any]:
     from dtlab.bench.calibrate_replan import replan
 
     layouts = {_label(g): (g[0], g[2], g[3]) for g in _grid(False, None)}
-    return replan(result, layouts, predict, ranking)
+    return replan(result, layouts, predict, ranking, median_prediction)
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -513,6 +550,12 @@ def main(argv: list[str] | None = None) -> int:
         default=3,
         help="times the grid is run over, in turn (default 3; the median of the rounds counts)",
     )
+    ap.add_argument(
+        "--probe-once",
+        action="store_true",
+        help="measure the plan's inputs (the model's step, the collectives, the wrappers) in the "
+        "first round only (default: again in each round, each round's rows predicted from its own)",
+    )
     ap.add_argument("--json", metavar="OUT", help="also write the rows and summary here")
     ap.add_argument(
         "--replan",
@@ -540,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             result = run(
                 args.quick, args.links.split(","), args.steps, args.warmup, args.set, models,
-                args.rounds,
+                args.rounds, not args.probe_once,
             )  # fmt: skip
     except DtlabError as e:
         print(f"error: {e}", file=sys.stderr)

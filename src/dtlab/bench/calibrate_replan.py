@@ -21,13 +21,13 @@ from dtlab.errors import DtlabError
 Layouts = dict[str, tuple[str, int, list[str]]]
 
 
-def _device(result: dict[str, Any], key: str, model_config: Any) -> Any:
+def _device(result: dict[str, Any], inputs: dict[str, Any], key: str, model_config: Any) -> Any:
     """The device the calibration predicted ``key``'s rows (``"tiny x 2"``) on, rebuilt from its
-    recorded inputs."""
+    recorded ``inputs`` (of one round, or of the only one)."""
     from dtlab.analysis.devices import ComputeProbe, DeviceProfile
     from dtlab.analysis.shapes import param_shapes
 
-    probe = result["probes"].get(key)
+    probe = inputs["probes"].get(key)
     gbps = float(result["loopback_gbps"])
     return DeviceProfile(
         "this",
@@ -53,9 +53,9 @@ def _device(result: dict[str, Any], key: str, model_config: Any) -> Any:
             # (0 in calibrations recorded before it was measured: their compute as they had it.)
             pass_seconds=float(probe.get("pass_seconds", 0.0)),
         ),
-        collective_gbps=result["collectives"].get(key),
+        collective_gbps=inputs["collectives"].get(key),
         collective_source="recorded by the calibration",
-        wrapper_s=result["wrappers"].get(key),
+        wrapper_s=inputs["wrappers"].get(key),
     )
 
 
@@ -64,11 +64,12 @@ def replan(
     layouts: Layouts,
     predict: Callable[[list[str], int, Any], dict[str, float]],
     ranking: Callable[[list[dict[str, Any]]], dict[str, Any]],
+    median: Callable[[list[dict[str, float]]], dict[str, float]],
 ) -> dict[str, Any]:
     """``result`` (a calibration's ``--json``) with every uncapped row's prediction and error made
     again by ``predict`` (the plan's step of overrides on a process count and device) on the
-    recorded inputs, and its summary (errors, ``ranking``) recomputed; ``layouts``: the grid's rows
-    by label."""
+    recorded inputs (where each round measured its own, each round's, their ``median``), and its
+    summary (errors, ``ranking``) recomputed; ``layouts``: the grid's rows by label."""
     from dtlab.config import load_config
 
     need = ("rows", "base", "probes", "collectives", "wrappers", "loopback_gbps", "peak_tflops")
@@ -78,7 +79,8 @@ def replan(
     bases: dict[str, list[str]] = result["base"]
     rows_in: list[dict[str, Any]] = result["rows"]
     rows: list[dict[str, Any]] = []
-    devices: dict[str, Any] = {}
+    devices: dict[tuple[str, int], Any] = {}
+    rounds = result.get("inputs_rounds") or [result]
     for r in rows_in:
         if not isinstance(r.get("error"), float) or r.get("link", "none") != "none":
             continue
@@ -90,10 +92,17 @@ def replan(
         model, nproc, extra = layouts[r["layout"]]
         overrides = [*bases[model], *extra]
         key = f"{model} x {nproc}"
-        if key not in devices:
-            devices[key] = _device(result, key, load_config(None, bases[model]).model)
-        want = predict(overrides, nproc, devices[key])
-        rows.append({**r, "predicted": want, "error": want["step_time_s"] / r["measured_s"] - 1})
+        wants = []
+        for i, inputs in enumerate(rounds):
+            if (key, i) not in devices:
+                model_config = load_config(None, bases[model]).model
+                devices[key, i] = _device(result, inputs, key, model_config)
+            wants.append(predict(overrides, nproc, devices[key, i]))
+        want = median(wants)
+        again = {**r, "predicted": want, "error": want["step_time_s"] / r["measured_s"] - 1}
+        if "predicted_rounds_s" in r:
+            again["predicted_rounds_s"] = [w["step_time_s"] for w in wants]
+        rows.append(again)
     if not rows:
         raise DtlabError("--replan: the file has no measured row on an uncapped link")
     errors = [abs(r["error"]) for r in rows]
