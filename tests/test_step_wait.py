@@ -33,11 +33,11 @@ def test_the_ranks_train_in_step_with_a_collective_after_each_blocks_forward_and
     assert 0 <= got.wait_s < 1
 
 
-def _device(waits: dict[str, float]) -> DeviceProfile:
+def _device(waits: dict[str, float], cores: int = 2) -> DeviceProfile:
     rates = {"all_reduce": 1.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}
     return DeviceProfile(
         "this", "test", 16.0, {"fp32": 0.1}, 1.0, 1.0, copy_gbps=1.0,
-        probe=ComputeProbe(1, 2, 1e-5, 0.01, 0, 64, "test"),
+        probe=ComputeProbe(1, cores, 1e-5, 0.01, 0, 64, "test"),
         collective_gbps={**rates, **waits},
     )  # fmt: skip
 
@@ -49,21 +49,25 @@ def test_where_the_ranks_outnumber_the_cores_every_collective_waits_the_steps_wa
     layout: list[str],
 ) -> None:
     """With a step's wait measured (``step_wait_s``) each collective of the step costs it whole, a
-    pair's as much as the world's; with only the small matrices' wait (``sync_s``) a smaller group
-    waits a share of it."""
+    pair's as much as the world's, and so does the small matrices' wait (``sync_s``) where the
+    step's could not be measured; where each rank has its cores, a smaller group waits a share of
+    the small matrices' wait."""
     cfg = load_config(None, [*SETS, *layout])
     dims = ParallelDims.from_config(cfg, 4)
     waits = collective_waits(cfg, dims, cfg.model.n_layers, step_microbatches(cfg, dims))
 
-    def exposed(extra: dict[str, float]) -> float:
-        row = predict_step(cfg, 4, 1, _device({"sync_s": 0.0, **extra}))
+    def exposed(extra: dict[str, float], cores: int = 2) -> float:
+        row = predict_step(cfg, 4, 1, _device({"sync_s": 0.0, **extra}, cores))
         assert row.exposed_s is not None
         return row.exposed_s
 
     none = exposed({})
     whole = exposed({"step_wait_s": 0.004}) - none
     assert whole == pytest.approx(0.004 * sum(waits.values()))
-    scaled = exposed({"sync_s": 0.004}) - none
+    # 4 ranks of a thread each on 2 cores, the step's wait not measured: the small matrices' whole.
+    assert exposed({"sync_s": 0.004}) - none == pytest.approx(whole)
+    # On 4 cores, a core each: a group's share.
+    scaled = exposed({"sync_s": 0.004}, cores=4) - exposed({}, cores=4)
     assert scaled == pytest.approx(sum(0.004 * n * (min(g, 4) - 1) / 3 for g, n in waits.items()))
     if any(g < 4 for g in waits):
         assert whole > scaled

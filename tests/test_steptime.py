@@ -594,3 +594,19 @@ def test_a_stateful_hook_runs_on_one_bucket_at_backwards_end_and_nothing_hides(
     finally:
         dist.destroy_process_group()
     assert built == hook_buckets(param_shapes(config.model)) and len(built) == 1
+
+
+def test_plan_this_device_refuses_a_batch_no_layout_splits_before_measuring(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """16 samples over 3 ranks: the plan's refusal, not a minute of probing first."""
+    import dtlab.analysis.probe as probe_mod
+    from dtlab.cli import main
+
+    def probed(*_: object) -> None:
+        raise AssertionError("the machine was measured before the refusal")
+
+    monkeypatch.setattr(probe_mod, "with_probe", probed)
+    sets = ["model.preset=debug", "data.seq_len=64", "train.global_batch_size=16"]
+    assert main(["plan", "--device", "this", "--nproc", "3", "--set", *sets]) == 2
+    assert "cannot be split over 3 ranks" in capsys.readouterr().err

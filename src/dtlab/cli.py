@@ -154,7 +154,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.device is None:
         device = PROFILES[DEFAULT_DEVICE]
     elif args.device == "this":
-        device, _ = with_probe(this_device(config.train.precision), config, args.nproc)
+        device = this_device(config.train.precision)
+        # What the plan refuses (a batch that no layout of the world splits) it refuses on the
+        # unmeasured device too: before a minute of measuring, not after.
+        plan(config, args.nproc, args.nnodes, device, args.device_memory, False)
+        device, _ = with_probe(device, config, args.nproc)
     elif args.device in PROFILES:
         device = PROFILES[args.device]
     else:

@@ -40,6 +40,7 @@ from dtlab.analysis.search import (
     search,
     set_args,
 )
+from dtlab.analysis.step_wait import oversubscribed
 from dtlab.analysis.steptime import (
     Link,
     calibration_note,
@@ -656,9 +657,12 @@ class _Costing:
         exposed = exposed_comm(cfg, dims, times, compute, recompute, link, device.kind, layers)
         groups = device.collective_gbps or {}
         # Where the ranks outnumber the cores, the wait as the model's steps meet it (a blocked
-        # rank's turn on a core, whatever the collective's group: dtlab.analysis.step_wait);
-        # else the wait beside small matrices, for the slowest of the group to arrive.
-        scheduled = "step_wait_s" in groups
+        # rank's turn on a core, whatever the collective's group: dtlab.analysis.step_wait), or
+        # where that could not be measured the small matrices' wait, each counted whole; else the
+        # wait beside small matrices, for the slowest of the group to arrive.
+        probe = device.probe
+        crowded = probe is not None and oversubscribed(self.nproc, probe.threads, probe.cores)
+        scheduled = "step_wait_s" in groups or crowded
         sync = groups.get("step_wait_s", groups.get("sync_s", 0.0))
         if sync and dims.distributed:
             # This machine's measured wait per collective among ranks that compute (their arrival

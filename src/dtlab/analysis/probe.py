@@ -338,7 +338,7 @@ def with_probe(device: DeviceProfile, config: Any, nproc: int) -> tuple[DevicePr
                 device, collective_gbps={**device.collective_gbps, "step_wait_s": wait}
             )
         except (RuntimeError, OSError, subprocess.SubprocessError):
-            pass  # the small matrices' wait (sync_s) stands
+            pass  # the small matrices' wait (sync_s) stands, counted whole by the plan
     try:
         wrappers = measure_wrappers(config, nproc, threads)
     except (RuntimeError, OSError, subprocess.SubprocessError):
