@@ -153,10 +153,7 @@ def _probe_copies(
                 for p, err_path in zip(procs, errs, strict=True):  # each says when it is ready
                     line = p.stdout.readline() if p.stdout else ""
                     if line.strip() != "ready":
-                        p.kill()
-                        p.wait()
-                        err = err_path.read_text(encoding="utf-8").strip().splitlines()
-                        raise RuntimeError(f"a probe process failed: {err[-1] if err else line!r}")
+                        raise _failed(p, err_path, line)
                 for p in procs:
                     assert p.stdin is not None
                     p.stdin.write("go\n")
@@ -180,10 +177,16 @@ def _runs(proc: subprocess.Popen[str], err_path: Path) -> list[tuple[float, floa
     try:
         return [(float(a), float(b)) for a, b in json.loads(line)]
     except (ValueError, TypeError):
-        proc.kill()
-        proc.wait()
-        err = err_path.read_text(encoding="utf-8").strip().splitlines()
-        raise RuntimeError(f"a probe process failed: {err[-1] if err else line!r}") from None
+        raise _failed(proc, err_path, line) from None
+
+
+def _failed(proc: subprocess.Popen[str], err_path: Path, line: str) -> RuntimeError:
+    """A probe process that printed ``line`` where it should have said more, stopped: the error
+    naming its last stderr line (or what it printed)."""
+    proc.kill()
+    proc.wait()
+    err = err_path.read_text(encoding="utf-8").strip().splitlines()
+    return RuntimeError(f"a probe process failed: {err[-1] if err else line!r}")
 
 
 def _child(path: str, threads: int, sizes: str) -> None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dtlab.bench.calibrate_replan import median_prediction
 from dtlab.errors import DtlabError
 
 if TYPE_CHECKING:
@@ -160,12 +161,6 @@ def _on_link(device: Any, rate: float, link: Link, nproc: int) -> Any:
         intra_node_source=f"given: a link of {link.name}, measured {rate / 1e9:.3g} "
         f"Gbit/s, shared by {nproc} ranks",
     )  # fmt: skip
-
-
-def median_prediction(wants: list[dict[str, float]]) -> dict[str, float]:
-    """Each figure of a row's per-round predictions ``wants``: the median over the rounds, as its
-    measured step is."""
-    return {k: statistics.median(w[k] for w in wants) for k in wants[0]}
 
 
 def _row(
@@ -515,7 +510,7 @@ def replanned(result: dict[str, Any]) -> dict[str, Any]:
     from dtlab.bench.calibrate_replan import replan
 
     layouts = {_label(g): (g[0], g[2], g[3]) for g in _grid(False, None)}
-    return replan(result, layouts, predict, ranking, median_prediction)
+    return replan(result, layouts, predict, ranking)
 
 
 def _read_json(path: str) -> dict[str, Any]:

@@ -12,6 +12,7 @@ recorded).
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -59,16 +60,21 @@ def _device(result: dict[str, Any], inputs: dict[str, Any], key: str, model_conf
     )
 
 
+def median_prediction(wants: list[dict[str, float]]) -> dict[str, float]:
+    """Each figure of a row's per-round predictions ``wants``: the median over the rounds, as its
+    measured step is."""
+    return {k: statistics.median(w[k] for w in wants) for k in wants[0]}
+
+
 def replan(
     result: dict[str, Any],
     layouts: Layouts,
     predict: Callable[[list[str], int, Any], dict[str, float]],
     ranking: Callable[[list[dict[str, Any]]], dict[str, Any]],
-    median: Callable[[list[dict[str, float]]], dict[str, float]],
 ) -> dict[str, Any]:
     """``result`` (a calibration's ``--json``) with every uncapped row's prediction and error made
     again by ``predict`` (the plan's step of overrides on a process count and device) on the
-    recorded inputs (where each round measured its own, each round's, their ``median``), and its
+    recorded inputs (where each round measured its own, each round's, their median), and its
     summary (errors, ``ranking``) recomputed; ``layouts``: the grid's rows by label."""
     from dtlab.config import load_config
 
@@ -98,7 +104,7 @@ def replan(
                 model_config = load_config(None, bases[model]).model
                 devices[key, i] = _device(result, inputs, key, model_config)
             wants.append(predict(overrides, nproc, devices[key, i]))
-        want = median(wants)
+        want = median_prediction(wants)
         again = {**r, "predicted": want, "error": want["step_time_s"] / r["measured_s"] - 1}
         if "predicted_rounds_s" in r:
             again["predicted_rounds_s"] = [w["step_time_s"] for w in wants]
