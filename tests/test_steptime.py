@@ -24,6 +24,7 @@ from dtlab.analysis.probe import (
     rank_share,
     rank_threads,
     sharing,
+    time_slicing,
     wrapper_seconds,
 )
 from dtlab.analysis.step_wait import oversubscribed
@@ -244,14 +245,31 @@ def test_ranks_sharing_the_cores_compute_slower() -> None:
     assert compute_seconds(passing, 2048, 0.5, 0.25, 2, passes=4) == pytest.approx(
         1024 * 1e-4 + 0.5 * 4 * 0.05 + 0.0025
     )
+    # Where the ranks outnumber the cores, what the time slicing was measured to cost beyond
+    # their share; nothing where they fit the cores.
+    sliced = ComputeProbe(1, 2, 1e-4, 0.01, 1000, 64, "test", slicing=1.1)
+    assert compute_seconds(sliced, 2048, 1.0, 1.0, 8) == pytest.approx(4 * 1.1 * two)
+    assert compute_seconds(sliced, 2048, 1.0, 1.0, 2) == pytest.approx(two)
+
+
+def test_the_time_slicing_is_the_ranks_steps_at_once_over_their_share() -> None:
+    cfg = load_config(None, ["model.preset=debug", "data.seq_len=64"])
+    probe = ComputeProbe(1, 2, 1e-4, 0.01, 1000, 64, "test", pass_seconds=0.002)
+    one = 2 * 64 * 1e-4 + 0.002 + 0.01  # a step of 2 samples alone
+    # Eight ranks on two cores, each step 2 samples: four times the step alone at least.
+    assert time_slicing(probe, cfg, 2, 8, [4 * one * 1.2, 4 * one * 1.1, 9.0]) == pytest.approx(1.2)
+    # Quicker than their share is the measurements' noise; nothing measured, nothing added.
+    assert time_slicing(probe, cfg, 2, 8, [one]) == 1.0
+    assert time_slicing(probe, cfg, 2, 8, []) == 1.0
 
 
 def test_each_layouts_measured_code_cost_counts_where_that_layout_runs() -> None:
-    """FSDP's per unit and micro-batch, ZeRO-1's once a step, tensor parallelism's per block and
-    micro-batch and per block and token; stretched by the cores' sharing; nothing for DDP."""
+    """FSDP's per unit and micro-batch, ZeRO-1's and DDP's once a step, tensor parallelism's per
+    block and micro-batch and per block and token; stretched by the cores' sharing."""
     sets = ["model.preset=debug", "data.seq_len=64", "train.global_batch_size=8"]
     probe = ComputeProbe(1, 2, 1e-4, 0.01, 1000, 64, "test")
     costs = {"fsdp_unit_s": 0.001, "zero_step_s": 0.1, "tp_block_s": 0.01, "tp_token_s": 1e-5}
+    costs.update(ddp_step_s=0.03)
     costs.update(sp_block_s=0.002, sp_token_s=-4e-6)  # sequence parallelism: slower, then faster
 
     def extra(layout: list[str], world: int) -> float:
@@ -259,7 +277,8 @@ def test_each_layouts_measured_code_cost_counts_where_that_layout_runs() -> None
         return wrapper_seconds(cfg, ParallelDims.from_config(cfg, world), costs, world, probe)
 
     layers = load_config(None, sets).model.n_layers
-    assert extra(["parallel.strategy=ddp"], 2) == 0.0
+    assert extra(["parallel.strategy=ddp"], 2) == pytest.approx(0.03)
+    assert extra(["parallel.strategy=single", "parallel.pp=2"], 2) == 0.0  # no wrapper at all
     assert extra(["parallel.strategy=ddp", "parallel.sharding=optimizer"], 2) == pytest.approx(0.1)
     # Four ranks on two cores: each rank's code takes twice as long.
     assert extra(["parallel.strategy=ddp", "parallel.sharding=optimizer"], 4) == pytest.approx(0.2)
@@ -278,6 +297,36 @@ def test_each_layouts_measured_code_cost_counts_where_that_layout_runs() -> None
     # A difference larger than TP's whole cost leaves nothing, not a negative cost.
     costs.update(sp_block_s=-1.0)
     assert extra(sp, 2) == 0.0
+
+
+def test_the_wrappers_cost_leaves_out_the_fake_groups_collectives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fake group's collectives copy their inputs into their outputs, a copy a real
+    collective's measured time holds: the step is timed without the time spent inside them."""
+    import torch.distributed as dist
+
+    import dtlab.analysis.wrappers as wrappers
+
+    clock = [0.0]
+    monkeypatch.setattr(wrappers.time, "perf_counter", lambda: clock[0])
+
+    def collective(*args: object, **kwargs: object) -> None:  # a quarter second inside it
+        clock[0] += 0.25
+
+    monkeypatch.setattr(dist, "all_to_all_single", collective)
+
+    def step() -> None:  # a second of its own, and two collectives
+        clock[0] += 0.5
+        dist.all_to_all_single(None, None)
+        clock[0] += 0.5
+        dist.all_to_all_single(None, None)
+
+    with wrappers._collectives_timed() as spent:
+        assert wrappers._less(step, spent) == pytest.approx(1.0)
+        assert wrappers._less(step, spent) == pytest.approx(1.0)
+    assert dist.all_to_all_single is collective  # put back
+    assert wrappers._seconds(step) == pytest.approx(1.5)
 
 
 def test_the_probe_times_the_model_and_its_optimizer_apart() -> None:
@@ -331,10 +380,11 @@ def test_plan_this_device_prints_its_measured_collectives_and_step(tmp_path) -> 
     # What a collective costs beyond its bytes: 0 where the measurement saw none (it is clamped).
     assert 0 <= rates["sync_s"] < 1
     assert dev["collective_source"].startswith("measured: gloo among 2 local processes")
-    # What FSDP's, ZeRO-1's and tensor parallelism's code adds, measured under the fake group.
+    # What FSDP's, ZeRO-1's, DDP's and tensor parallelism's code adds, measured under the fake
+    # group.
     costs = dev["wrapper_s"]
     tp_keys = {"tp_block_s", "tp_token_s", "sp_block_s", "sp_token_s"}
-    assert set(costs) == {"fsdp_unit_s", "zero_step_s"} | tp_keys
+    assert set(costs) == {"fsdp_unit_s", "zero_step_s", "ddp_step_s"} | tp_keys
     # Sequence parallelism's are differences from plain TP's (it may save): any sign.
     assert all(0 <= v < 1 for k, v in costs.items() if not k.startswith("sp_"))
     assert all(abs(costs[k]) < 1 for k in ("sp_block_s", "sp_token_s"))

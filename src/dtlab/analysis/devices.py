@@ -35,6 +35,10 @@ class ComputeProbe:
     # Forward and backward's part that does not grow with the tokens, per pass (micro-batch) of the
     # whole model: each op's launch and the weights' reading (0 where one token count was measured).
     pass_seconds: float = 0.0
+    # Where the ranks outnumber the cores: how much longer their steps take, all at once, than their
+    # share of the cores' time (the scheduler's switches, each rank's caches refilled after
+    # another's turn); measured, at least 1 (1 where the cores suffice or it was not measured).
+    slicing: float = 1.0
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -43,6 +47,7 @@ class ComputeProbe:
             "seconds_per_token": self.seconds_per_token,
             "fixed_seconds": self.fixed_seconds,
             "pass_seconds": self.pass_seconds,
+            "slicing": self.slicing,
             "seq_len": self.seq_len,
             "source": self.source,
         }

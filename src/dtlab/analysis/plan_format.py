@@ -143,7 +143,7 @@ def _measured_lines(dev: dict[str, Any]) -> list[str]:
             "  wrappers "
             + ", ".join(f"{k} {format_seconds(v)}" for k, v in dev["wrapper_s"].items())
             + " (measured: a rank's step under the fake process group less the plain step; "
-            "FSDP's per unit and micro-batch, ZeRO-1's per step, tensor parallelism's per block "
+            "FSDP's per unit and micro-batch, ZeRO-1's and DDP's per step, tensor parallelism's per block "
             "and micro-batch and per block and token, sequence parallelism's difference from it)"
         )
     if dev.get("probe"):
@@ -154,6 +154,12 @@ def _measured_lines(dev: dict[str, Any]) -> list[str]:
             f"{format_seconds(dev['probe']['fixed_seconds'])} per optimizer step "
             f"({dev['probe']['source']})"
         )
+        slicing = dev["probe"].get("slicing", 1.0)
+        if slicing > 1:
+            lines.append(
+                f"  sharing  the ranks outnumber the cores: their steps all at once took "
+                f"{slicing:.2f}x their share of the cores' time (measured with the step's wait)"
+            )
     return lines
 
 

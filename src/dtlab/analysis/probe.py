@@ -56,6 +56,28 @@ def sharing(nproc: int, threads: int, cores: int) -> float:
     return max(1.0, nproc * threads / cores)
 
 
+def probe_sharing(probe: ComputeProbe, nproc: int) -> float:
+    """:func:`sharing` of ``nproc`` ranks at ``probe``'s threads and cores, with what the time
+    slicing itself was measured to cost them where they outnumber the cores (``probe.slicing``)."""
+    share = sharing(nproc, probe.threads, probe.cores)
+    return share * probe.slicing if share > 1 else share
+
+
+def time_slicing(probe: ComputeProbe, config: Config, batch: int, nproc: int,
+                 steps_s: list[float]) -> float:  # fmt: skip
+    """``probe.slicing`` from ``steps_s``, the steps ``nproc`` ranks took all at once on ``batch``
+    samples each (:func:`dtlab.analysis.step_wait.measure_step_wait`'s, without its collectives):
+    their median over the probe's step of that batch times the cores' sharing, at least 1 (a
+    shorter median is the two measurements' noise)."""
+    alone = (
+        probe.seconds_per_token * batch * config.seq_len + probe.pass_seconds + probe.fixed_seconds
+    )
+    expected = alone * sharing(nproc, probe.threads, probe.cores)
+    if not steps_s or expected <= 0:
+        return 1.0
+    return max(1.0, statistics.median(steps_s) / expected)
+
+
 def probe_refusal(config: Config, memory_bytes: float) -> str | None:
     """Why the model is too large to probe on this machine (None when it can be)."""
     from dtlab.analysis.model import param_shapes
@@ -226,7 +248,7 @@ def compute_seconds(
     bubble, another rank computes on its core)."""
     work = (probe.seconds_per_token * tokens + probe.pass_seconds * passes) * flops_share
     fixed = probe.fixed_seconds * params_share
-    shared = (work + fixed) * sharing(nproc, probe.threads, probe.cores)
+    shared = (work + fixed) * probe_sharing(probe, nproc)
     return max(shared, work / (1 - bubble) + fixed)
 
 
@@ -259,8 +281,8 @@ def rank_share(config: Config, dims: Any, shapes: list[Any]) -> tuple[float, flo
 def wrapper_seconds(
     config: Config, dims: Any, wrapper_s: dict[str, float], nproc: int, probe: ComputeProbe
 ) -> float:
-    """What FSDP's, ZeRO-1's and tensor parallelism's code adds to one rank's step (measured per
-    FSDP unit and micro-batch, per ZeRO-1 step, per block and micro-batch and its tokens, with
+    """What FSDP's, ZeRO-1's, DDP's and tensor parallelism's code adds to one rank's step (measured
+    per FSDP unit and micro-batch, per ZeRO-1 or DDP step, per block and micro-batch and its tokens, with
     sequence parallelism's difference where it runs: :mod:`dtlab.analysis.wrappers`), at the cores'
     sharing of ``nproc`` ranks."""
     from dtlab.analysis.steptime import step_microbatches
@@ -272,6 +294,8 @@ def wrapper_seconds(
         extra += wrapper_s.get("fsdp_unit_s", 0.0) * (layers + 1) * m
     if dims.shard_optimizer:
         extra += wrapper_s.get("zero_step_s", 0.0)
+    elif dims.ddp_enabled:
+        extra += wrapper_s.get("ddp_step_s", 0.0)
     if dims.tp_enabled:
         # Its fixed part, and the part that grows with the micro-batch's tokens.
         tokens = config.train.global_batch_size * config.seq_len / (dims.dp * m)
@@ -282,7 +306,7 @@ def wrapper_seconds(
                 wrapper_s.get("sp_block_s", 0.0) + wrapper_s.get("sp_token_s", 0.0) * tokens
             )
         extra += max(0.0, per_block) * layers * m
-    return extra * sharing(nproc, probe.threads, probe.cores)
+    return extra * probe_sharing(probe, nproc)
 
 
 STEP_WAIT_BUDGET_S = 2.0  # the longest step the step's wait is measured on (12 steps are taken)
@@ -336,10 +360,13 @@ def with_probe(device: DeviceProfile, config: Any, nproc: int) -> tuple[DevicePr
     if device.collective_gbps and oversubscribed(nproc, threads, cores) and fits:
         try:
             batch = _wait_batch(config, probe, nproc)
-            wait = measure_step_wait(config, nproc, threads, batch, PROBE_REPEATS).wait_s
+            wait = measure_step_wait(config, nproc, threads, batch, PROBE_REPEATS)
             device = replace(
-                device, collective_gbps={**device.collective_gbps, "step_wait_s": wait}
+                device, collective_gbps={**device.collective_gbps, "step_wait_s": wait.wait_s}
             )
+            # The same ranks' steps without the collectives: the time slicing's own cost.
+            slicing = time_slicing(probe, config, batch, nproc, wait.steps_s)
+            probe = replace(probe, slicing=slicing)
         except (RuntimeError, OSError, subprocess.SubprocessError):
             pass  # the small matrices' wait (sync_s) stands, counted whole by the plan
     try:

@@ -53,6 +53,7 @@ def _device(result: dict[str, Any], inputs: dict[str, Any], key: str, model_conf
             source=str(probe["source"]),
             # (0 in calibrations recorded before it was measured: their compute as they had it.)
             pass_seconds=float(probe.get("pass_seconds", 0.0)),
+            slicing=float(probe.get("slicing", 1.0)),
         ),
         collective_gbps=inputs["collectives"].get(key),
         collective_source="recorded by the calibration",
