@@ -82,12 +82,12 @@ from dtlab.analysis.check_fake import (
     _attention_as_on,
     _collectives_as_on,
     _ddp_built_here,
+    _ddp_reduced_here,
     _even_router,
     _FakeRun,
     _forget_meshes,
     _propagation_apart,
     _vote_here,
-    ddp_reduced_here,
     torch_refusal,
     unsupported,
 )
@@ -339,7 +339,7 @@ def _parallelized(config: Config, d: Any, fake: bool) -> Any:
     if fake and pm.pipeline is not None:
         _vote_here(pm.pipeline.schedule)
     if fake and isinstance(pm.module, DistributedDataParallel):
-        ddp_reduced_here(pm.module)
+        _ddp_reduced_here(pm.module)
     return pm
 
 

@@ -113,7 +113,7 @@ def _ddp_built_here() -> Iterator[None]:
         ddp_module._verify_param_shape_across_processes = verify
 
 
-def ddp_reduced_here(ddp: Any) -> None:
+def _ddp_reduced_here(ddp: Any) -> None:
     """DDP's gradient sync under the fake process group: each bucket all-reduced as DDP's own
     does (divided by the group's size, then summed), in a hook that hands the bucket back at once
     (the fake group's work on a fake tensor carries no result, which DDP's C++ reducer expects); and

@@ -143,7 +143,7 @@ def _measured_lines(dev: dict[str, Any]) -> list[str]:
             "  wrappers "
             + ", ".join(f"{k} {format_seconds(v)}" for k, v in dev["wrapper_s"].items())
             + " (measured: a rank's step under the fake process group less the plain step; "
-            "FSDP's per unit and micro-batch, ZeRO-1's and DDP's per step, tensor parallelism's per block "
+            "FSDP's per unit and micro-batch, ZeRO-1's per step, tensor parallelism's per block "
             "and micro-batch and per block and token, sequence parallelism's difference from it)"
         )
     if dev.get("probe"):

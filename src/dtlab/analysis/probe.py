@@ -281,8 +281,8 @@ def rank_share(config: Config, dims: Any, shapes: list[Any]) -> tuple[float, flo
 def wrapper_seconds(
     config: Config, dims: Any, wrapper_s: dict[str, float], nproc: int, probe: ComputeProbe
 ) -> float:
-    """What FSDP's, ZeRO-1's, DDP's and tensor parallelism's code adds to one rank's step (measured
-    per FSDP unit and micro-batch, per ZeRO-1 or DDP step, per block and micro-batch and its tokens, with
+    """What FSDP's, ZeRO-1's and tensor parallelism's code adds to one rank's step (measured
+    per FSDP unit and micro-batch, per ZeRO-1 step, per block and micro-batch and its tokens, with
     sequence parallelism's difference where it runs: :mod:`dtlab.analysis.wrappers`), at the cores'
     sharing of ``nproc`` ranks."""
     from dtlab.analysis.steptime import step_microbatches
@@ -294,8 +294,6 @@ def wrapper_seconds(
         extra += wrapper_s.get("fsdp_unit_s", 0.0) * (layers + 1) * m
     if dims.shard_optimizer:
         extra += wrapper_s.get("zero_step_s", 0.0)
-    elif dims.ddp_enabled:
-        extra += wrapper_s.get("ddp_step_s", 0.0)
     if dims.tp_enabled:
         # Its fixed part, and the part that grows with the micro-batch's tokens.
         tokens = config.train.global_batch_size * config.seq_len / (dims.dp * m)

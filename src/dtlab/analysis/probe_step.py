@@ -21,8 +21,6 @@ def rank_step(config: Config, d: Any) -> Callable[[], None]:
     """One optimizer step of this rank (``d``: its :class:`dtlab.parallel.dist.DistInfo`, its
     process group initialised where it has one) of ``config`` as a worker builds it, on fixed random
     tokens: what the probes time."""
-    from torch.nn.parallel import DistributedDataParallel
-
     from dtlab.config import check_batch_split
     from dtlab.models.llama import build_model
     from dtlab.parallel.apply import parallelize
@@ -34,12 +32,6 @@ def rank_step(config: Config, d: Any) -> Callable[[], None]:
     accum = check_batch_split(config, d.dims.dp)
     micro = config.train.global_batch_size // (accum * d.dims.dp)
     pm = parallelize(build_model(config.model), config, d)
-    if d.backend == "fake" and isinstance(pm.module, DistributedDataParallel):
-        # The fake group's all-reduce carries no result, which DDP's reducer needs: a hook hands
-        # each bucket back (its bytes and wait are the plan's other terms).
-        from dtlab.analysis.check_fake import ddp_reduced_here
-
-        ddp_reduced_here(pm.module)
     optimizer = build_optimizer(pm.optimized, config.train)
     scheduler = build_scheduler(optimizer, config.train)
     scaler = LossScaler(config.train.precision == "fp16")

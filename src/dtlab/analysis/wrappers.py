@@ -1,10 +1,9 @@
-"""What FSDP's, ZeRO-1's, DDP's and tensor parallelism's code costs a CPU rank beyond the model's arithmetic,
+"""What FSDP's, ZeRO-1's and tensor parallelism's code costs a CPU rank beyond the model's arithmetic,
 measured.
 
 FSDP2 copies each unit's shards into the all-gather buffer and out of it into the parameters, and its
 gradients into the reduce-scatter's; ZeRO-1 copies every gradient into its flat buffers, sums what it
-receives and copies the updated rows back, and steps DTensor shards; DDP's reducer copies the
-gradients into its buckets (views of them afterwards) and divides them; DTensor dispatches every op of a
+receives and copies the updated rows back, and steps DTensor shards; DTensor dispatches every op of a
 tensor-parallel block through its sharding rules and redistributes between them. None of that is in
 one process's step (:mod:`dtlab.analysis.probe`). Here a rank of each runs its real step alone, in a
 process of its own joined to torch's fake process group (collectives are dispatched and return at
@@ -12,7 +11,7 @@ once: their bytes and waits are the plan's other terms), timed after the same mo
 the same process (the medians of ``REPEATS`` steps of each), less the time spent inside the fake
 group's collectives: they copy their inputs into their outputs, a copy a real collective's time
 (the plan's term, from gloo's measured rates) already holds (on ``tiny``, 2 ranks: 8 of ZeRO-1's
-20 ms a step). FSDP's, ZeRO-1's and DDP's on one sample: their
+20 ms a step). FSDP's and ZeRO-1's on one sample: their
 copies follow the parameters, not the tokens, and at one sample they are a large part of the step
 rather than a difference within two long steps' noise (measured on ``small`` at 2,048 tokens: 0.01 to
 0.10 s a unit from one measurement to the next). Tensor parallelism's on one sample and on the probe's tokens: its
@@ -27,8 +26,6 @@ larger than that).
 - ``fsdp_unit_s``: FSDP (``nproc`` shards) less the plain step, per FSDP unit (blocks and root) and
   micro-batch;
 - ``zero_step_s``: ZeRO-1 (``nproc`` shards) less the plain step, per step;
-- ``ddp_step_s``: DDP (its buckets filled and handed back) less the plain step, per step: what
-  ZeRO-1's figure is weighed against, measured alike;
 - ``tp_block_s`` and ``tp_token_s``: tensor parallelism over 2 ranks less half the plain step, per
   block and micro-batch, and per block and token of the micro-batch;
 - ``sp_block_s`` and ``sp_token_s``: tensor parallelism over 2 ranks with sequence parallelism less
@@ -57,7 +54,7 @@ REPEATS = 5  # timed steps of each (the median counts), after one warm-up
 
 
 def measure_wrappers(config: Config, nproc: int, threads: int) -> dict[str, float]:
-    """``fsdp_unit_s``, ``zero_step_s`` and ``ddp_step_s`` (with ``nproc`` > 1), ``tp_block_s`` and ``tp_token_s``
+    """``fsdp_unit_s`` and ``zero_step_s`` (with ``nproc`` > 1), ``tp_block_s`` and ``tp_token_s``
     (where tensor parallelism over two ranks runs: the heads split in two) and ``sp_block_s`` and
     ``sp_token_s`` (where sequence parallelism also runs: the sequence split in two) of
     ``config``'s model at ``threads`` threads (see the module); an empty dict where none runs.
@@ -71,7 +68,6 @@ def measure_wrappers(config: Config, nproc: int, threads: int) -> dict[str, floa
         if nproc > 1:
             out["fsdp_unit_s"] = max(0.0, _run(path, threads, "sharded", nproc)) / (m.n_layers + 1)
             out["zero_step_s"] = max(0.0, _run(path, threads, "zero", nproc))
-            out["ddp_step_s"] = max(0.0, _run(path, threads, "ddp", nproc))
         if m.n_heads % 2 == 0 and m.kv_heads % 2 == 0:
             # Per block and micro-batch, a part per token (its redistributions copy activations)
             # and the rest (DTensor's dispatch): measured on one sample and on the probe's tokens.
@@ -119,8 +115,8 @@ def _run(path: Path, threads: int, kind: str, world: int) -> float:
 
 
 def _layout(config: Config, kind: str, world: int) -> Config:
-    """``config`` as rank 0 of ``world`` ranks of ``kind`` ("sharded": FSDP, "zero": ZeRO-1, "ddp":
-    DDP, each rank one sample; "tensor", "tensor_many": tensor parallelism, the ranks sharing
+    """``config`` as rank 0 of ``world`` ranks of ``kind`` ("sharded": FSDP, "zero": ZeRO-1, each
+    rank one sample; "tensor", "tensor_many": tensor parallelism, the ranks sharing
     :func:`_samples`), without checkpointing, as the plain probe runs."""
     data = config.model_dump()
     p = data["parallel"]
@@ -134,9 +130,6 @@ def _layout(config: Config, kind: str, world: int) -> Config:
         gbs = world
     elif kind == "zero":
         p.update(strategy="ddp", sharding="optimizer", tp=1)
-        gbs = world
-    elif kind == "ddp":
-        p.update(strategy="ddp", sharding="full", tp=1)
         gbs = world
     else:
         p.update(strategy="single", tp=world)
@@ -206,8 +199,6 @@ def _child(path: str, threads: int, kind: str, world: int) -> None:
     runs = [plain() for _ in range(REPEATS)]
     if kind.startswith("tensor"):
         expected = statistics.median(total for total, _ in runs) / 2
-    elif kind == "ddp":  # every rank steps every parameter
-        expected = statistics.median(total for total, _ in runs)
     else:
         expected = statistics.median(total - opt * (1 - 1 / world) for total, opt in runs)
     # Each model's steps together (not in turn: taking turns, each step finds the caches full of
@@ -219,7 +210,7 @@ def _child(path: str, threads: int, kind: str, world: int) -> None:
     print(json.dumps(measured - expected), flush=True)
 
 
-# The collectives FSDP2, ZeRO-1 and DDP's hook issue, by their names in ``torch.distributed``
+# The collectives FSDP2 and ZeRO-1 issue, by their names in ``torch.distributed``
 # (looked up there at each call: wrapping the module's attribute reaches every caller).
 _COLLECTIVES = (
     "all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
