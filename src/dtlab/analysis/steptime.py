@@ -31,14 +31,14 @@ from dtlab.dims import ParallelDims
 
 BACKWARD_SHARE = 2 / 3  # of forward + backward FLOPs (two matmuls per forward one)
 
-# Measured on 2026-12-01 by ``python -m dtlab.bench.calibrate`` on a 2-core x86-64 Linux machine
+# Measured on 2026-12-02 by ``python -m dtlab.bench.calibrate`` on a 2-core x86-64 Linux machine
 # (gloo, torch 2.13 CPU build): the plan with --device this against dtlab bench's median steps of
 # every layout at 2 to 8 processes of the tiny and small models, on the loopback (the table in
 # docs/planning.md, "Calibration on this machine"). Nothing calibrates the GPU profiles.
 CALIBRATION = "python -m dtlab.bench.calibrate"
-CALIBRATED_MAE = 0.060
+CALIBRATED_MAE = 0.057
 CALIBRATED_ROWS = 24
-CALIBRATED_WORST = ("fsdp on 8 processes", -0.20)
+CALIBRATED_WORST = ("small FSDP with full checkpointing on 2 processes", -0.20)
 
 
 def calibration_note(measured: bool) -> str:
