@@ -69,10 +69,10 @@ def time_slicing(probe: ComputeProbe, config: Config, batch: int, nproc: int,
     samples each (:func:`dtlab.analysis.step_wait.measure_step_wait`'s, without its collectives):
     their median over the probe's step of that batch times the cores' sharing, at least 1 (a
     shorter median is the two measurements' noise)."""
-    alone = (
-        probe.seconds_per_token * batch * config.seq_len + probe.pass_seconds + probe.fixed_seconds
-    )
-    expected = alone * sharing(nproc, probe.threads, probe.cores)
+    from dataclasses import replace
+
+    # The step as the plan takes it for these ranks, with no slicing of its own.
+    expected = compute_seconds(replace(probe, slicing=1.0), batch * config.seq_len, 1.0, 1.0, nproc)
     if not steps_s or expected <= 0:
         return 1.0
     return max(1.0, statistics.median(steps_s) / expected)
