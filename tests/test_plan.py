@@ -41,6 +41,24 @@ PINNED = [
 ]
 
 
+def test_each_strategy_row_is_its_own_layout_whatever_the_config_sets() -> None:
+    """A config of ZeRO-1: its sharding is its row's, not DDP's (DDP's row holds the whole optimizer
+    state and all-reduces; ZeRO-1's half of it, reduce-scattered and all-gathered)."""
+    rows = {
+        r["label"]: r
+        for r in run_plan("parallel.strategy=ddp", "parallel.sharding=optimizer")["strategies"]
+    }
+    ddp, zero = rows["ddp"], rows["ddp zero-1"]
+    assert set(ddp["comm"]["bytes_per_step"]) == {"all_reduce"}
+    assert {"reduce_scatter", "all_gather"} <= set(zero["comm"]["bytes_per_step"])
+    full, half = ddp["per_rank"]["optimizer_bytes"], zero["per_rank"]["optimizer_bytes"]
+    assert full == pytest.approx(2 * half, rel=0.01)
+    assert rows == {
+        r["label"]: r
+        for r in run_plan("parallel.strategy=ddp", "parallel.sharding=full")["strategies"]
+    }
+
+
 def test_advice_skips_what_is_already_set() -> None:
     # 4 MiB per rank: nothing fits, so the plan advises.
     bare = run_plan(

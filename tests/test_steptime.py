@@ -328,7 +328,9 @@ def test_the_wrappers_cost_leaves_out_the_fake_groups_collectives(
 
 
 def test_the_probe_times_the_model_and_its_optimizer_apart() -> None:
-    cfg = load_config(None, ["model.preset=debug", "data.seq_len=64", "parallel.strategy=fsdp"])
+    # (ZeRO-1's config: its sharding is refused by the one process the probe runs, unless dropped.)
+    overrides = ["parallel.strategy=ddp", "parallel.sharding=optimizer"]
+    cfg = load_config(None, ["model.preset=debug", "data.seq_len=64", *overrides])
     threads = torch.get_num_threads()
     probe = measure_probe(cfg, 1)
     assert torch.get_num_threads() == threads  # the probe's threads are put back
@@ -338,6 +340,47 @@ def test_the_probe_times_the_model_and_its_optimizer_apart() -> None:
     assert probe.seconds_per_token * 2048 < 10 and probe.fixed_seconds < 1
     assert "2,048 and 64 tokens, median of 5" in probe.source
     assert probe.pass_seconds >= 0
+
+
+WRAPPER_KINDS = {"sharded", "zero", "tensor", "tensor_many", "sequence", "sequence_many"}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "measured"),
+    [
+        (["parallel.strategy=ddp", "parallel.sharding=optimizer"], WRAPPER_KINDS),
+        (["parallel.strategy=ddp", "parallel.fault_tolerance.enabled=true"], WRAPPER_KINDS),
+        (["parallel.strategy=hsdp", "parallel.replicate=2"], WRAPPER_KINDS),
+        (["parallel.strategy=fsdp", "parallel.cp=2", "parallel.tp=2"], WRAPPER_KINDS),
+        (["parallel.strategy=ddp", "parallel.diloco.inner_steps=4"], WRAPPER_KINDS),
+        (["parallel.strategy=ddp", "parallel.compression=powersgd"], WRAPPER_KINDS),
+        (["parallel.strategy=single", "parallel.pp=2"], WRAPPER_KINDS),
+        # What the model or the training refuses is not measured (the plan never lays it out so).
+        (["model.preset=debug-moe", "parallel.strategy=fsdp", "parallel.ep=2"],
+         WRAPPER_KINDS - {"sequence", "sequence_many"}),
+        (["parallel.strategy=ddp", "train.compile=true"], {"sharded", "zero"}),
+        (["data.seq_len=63"], WRAPPER_KINDS - {"sequence", "sequence_many"}),
+    ],
+)  # fmt: skip
+def test_the_probes_measure_the_model_of_any_layout(
+    overrides: list[str], measured: set[str]
+) -> None:
+    """The probes run a config's model in their own layouts (one process, FSDP, ZeRO-1, tensor
+    and sequence parallelism): the config's own layout is dropped whole, since its settings (ZeRO-1's
+    sharding, fault tolerance, context parallelism) are refused with another."""
+    from dtlab.analysis import probe_step, wrappers
+
+    cfg = load_config(None, ["model.preset=debug", "data.seq_len=64", *overrides])
+    single = probe_step._single(cfg, 2)
+    assert single.parallel == type(cfg.parallel).model_validate({"strategy": "single"})
+    assert single.model == cfg.model and single.train.global_batch_size == 2
+    assert single.train.activation_checkpointing == "none"
+    assert {k for k in WRAPPER_KINDS if wrappers._runs(cfg, k, 2)} == measured
+    for kind in measured:
+        layout = wrappers._layout(cfg, kind, 2)
+        assert layout.model == cfg.model
+        assert layout.parallel.cp == 1 and not layout.parallel.fault_tolerance.enabled
+        assert layout.parallel.sequence_parallel == kind.startswith("sequence")
 
 
 @pytest.mark.parametrize(

@@ -116,10 +116,13 @@ def candidates(config: Config, world: int, nnodes: int) -> list[tuple[str, Confi
     if model_parallel > 1 and world % model_parallel == 0:
         world = world // model_parallel
         nnodes = nnodes if world % nnodes == 0 else 1
-    options: list[tuple[str, dict[str, Any]]] = [("single", {"strategy": "single"})]
+    # Each row sets its sharding: the config's own (ZeRO-1's "optimizer") belongs to its row only.
+    options: list[tuple[str, dict[str, Any]]] = [
+        ("single", {"strategy": "single", "sharding": "full"})
+    ]
     if world > 1:
         options = [
-            ("ddp", {"strategy": "ddp"}),
+            ("ddp", {"strategy": "ddp", "sharding": "full"}),
             *(
                 [("ddp zero-1", {"strategy": "ddp", "sharding": "optimizer"})]
                 if model_parallel == 1

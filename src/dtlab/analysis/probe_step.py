@@ -12,7 +12,7 @@ import torch
 
 from dtlab.config import Config
 
-__all__ = ["PROBE_TOKENS", "probe_step", "rank_step"]
+__all__ = ["PROBE_TOKENS", "measured_config", "probe_step", "rank_step"]
 
 PROBE_TOKENS = 2048  # tokens per probed step (at least one sample)
 
@@ -88,16 +88,21 @@ def probe_step(config: Config, threads: int, batch: int) -> Callable[[], tuple[f
     return step
 
 
-def _single(config: Config, batch: int) -> Config:
-    """``config`` as one process training ``batch`` samples a step, without checkpointing (the
-    plan adds recomputation by its FLOPs)."""
-
+def measured_config(config: Config, batch: int, **parallel: Any) -> Config:
+    """``config``'s model, data and training as the probes run them: ``batch`` samples a step in one
+    micro-batch, without checkpointing (the plan adds recomputation by its FLOPs), and a parallel
+    section of its defaults but ``parallel`` (the measured layout). The config's own layout is
+    dropped whole: its settings (ZeRO-1's sharding, fault tolerance, context parallelism, DiLoCo, a
+    compression hook) belong to it and are refused with another. Raises pydantic's
+    ``ValidationError`` where the model cannot run the measured layout."""
     data = config.model_dump()
-    data["parallel"].update(
-        strategy="single", tp=1, pp=1, cp=1, ep=1, sequence_parallel=False, compression="none"
-    )
+    data["parallel"] = {**type(config.parallel).model_validate({}).model_dump(), **parallel}
     data["train"].update(
         global_batch_size=batch, micro_batch_size=None, activation_checkpointing="none"
     )
-    data["parallel"]["diloco"]["inner_steps"] = 0
     return type(config).model_validate(data)
+
+
+def _single(config: Config, batch: int) -> Config:
+    """``config`` as one process training ``batch`` samples a step (:func:`measured_config`)."""
+    return measured_config(config, batch, strategy="single")

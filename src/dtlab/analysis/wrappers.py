@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from dtlab.analysis.probe_step import PROBE_TOKENS, probe_step, rank_step
+from dtlab.analysis.probe_step import PROBE_TOKENS, measured_config, probe_step, rank_step
 from dtlab.config import Config
 
 REPEATS = 5  # timed steps of each (the median counts), after one warm-up
@@ -65,14 +65,15 @@ def measure_wrappers(config: Config, nproc: int, threads: int) -> dict[str, floa
     with tempfile.TemporaryDirectory(prefix="dtlab-wrappers-") as tmp:
         path = Path(tmp) / "config.json"
         path.write_text(config.model_dump_json(), encoding="utf-8")
-        if nproc > 1:
+        if nproc > 1 and _runs(config, "sharded", nproc):
             out["fsdp_unit_s"] = max(0.0, _run(path, threads, "sharded", nproc)) / (m.n_layers + 1)
+        if nproc > 1 and _runs(config, "zero", nproc):
             out["zero_step_s"] = max(0.0, _run(path, threads, "zero", nproc))
-        if m.n_heads % 2 == 0 and m.kv_heads % 2 == 0:
+        if _runs(config, "tensor", 2) and _runs(config, "tensor_many", 2):
             # Per block and micro-batch, a part per token (its redistributions copy activations)
             # and the rest (DTensor's dispatch): measured on one sample and on the probe's tokens.
             out["tp_block_s"], out["tp_token_s"] = _line(path, threads, "tensor", config)
-            if config.seq_len % 2 == 0:
+            if _runs(config, "sequence", 2) and _runs(config, "sequence_many", 2):
                 # A difference from plain TP's: either sign (sequence parallelism may save).
                 sp = _line(path, threads, "sequence", config, signed=True)
                 out["sp_block_s"], out["sp_token_s"] = sp
@@ -117,27 +118,30 @@ def _run(path: Path, threads: int, kind: str, world: int) -> float:
 def _layout(config: Config, kind: str, world: int) -> Config:
     """``config`` as rank 0 of ``world`` ranks of ``kind`` ("sharded": FSDP, "zero": ZeRO-1, each
     rank one sample; "tensor", "tensor_many": tensor parallelism, the ranks sharing
-    :func:`_samples`), without checkpointing, as the plain probe runs."""
-    data = config.model_dump()
-    p = data["parallel"]
-    p.update(sequence_parallel=False, compression="none", pp=1)
-    p["diloco"]["inner_steps"] = 0
+    :func:`_samples`; "sequence", "sequence_many": with sequence parallelism), without checkpointing,
+    as the plain probe runs (:func:`dtlab.analysis.probe_step.measured_config`). Raises pydantic's
+    ``ValidationError`` where the config cannot run ``kind`` (an MoE model with sequence
+    parallelism, ``train.compile`` with tensor parallelism)."""
     if kind.startswith("sequence"):
-        p.update(strategy="single", tp=world, sequence_parallel=True)
-        gbs = _samples(config, kind)
+        layout = dict(strategy="single", tp=world, sequence_parallel=True)
     elif kind == "sharded":
-        p.update(strategy="fsdp", sharding="full", tp=1)
-        gbs = world
+        layout = dict(strategy="fsdp", sharding="full")
     elif kind == "zero":
-        p.update(strategy="ddp", sharding="optimizer", tp=1)
-        gbs = world
+        layout = dict(strategy="ddp", sharding="optimizer")
     else:
-        p.update(strategy="single", tp=world)
-        gbs = _samples(config, kind)
-    data["train"].update(
-        global_batch_size=gbs, micro_batch_size=None, activation_checkpointing="none"
-    )
-    return type(config).model_validate(data)
+        layout = dict(strategy="single", tp=world)
+    gbs = world if kind in ("sharded", "zero") else _samples(config, kind)
+    return measured_config(config, gbs, **layout)
+
+
+def _runs(config: Config, kind: str, world: int) -> bool:
+    """Whether ``config``'s model and training can run ``kind`` at all (where not, the plan never
+    lays it out so, and nothing is measured)."""
+    try:
+        _layout(config, kind, world)
+    except ValueError:  # pydantic's ValidationError: the config refuses the layout
+        return False
+    return True
 
 
 def _samples(config: Config, kind: str) -> int:
