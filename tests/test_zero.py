@@ -25,7 +25,7 @@ from conftest import (
 from dtlab import load_config
 from dtlab.analysis.model import bus_bytes, ddp_comm_bytes, param_shapes, plan_step
 from dtlab.errors import ConfigError
-from dtlab.parallel.zero import rows_of, slot_numel
+from dtlab.parallel.zero import _fill_slots, rows_of, slot_numel
 
 ZERO = ["parallel.strategy=ddp", "parallel.sharding=optimizer"]
 
@@ -49,6 +49,19 @@ def test_rows_split_as_torch_chunk_and_the_plan_shares_evenly() -> None:
     assert round(zero.optimizer_bytes / 2**30, 2) == 1.15
     gradients = bus_bytes(ddp_comm_bytes(shapes, config, 8), {}, 8)  # DDP's ring all-reduce
     assert zero.comm_bus_bytes["all_to_all"] + zero.comm_bus_bytes["all_gather"] == gradients
+
+
+@pytest.mark.parametrize(("rows", "ranks"), [(8, 4), (7, 4), (5, 4), (1, 4), (3, 2), (0, 3)])
+def test_a_gradient_fills_its_slots_rank_major_with_zeros_after(rows: int, ranks: int) -> None:
+    """A flat buffer is not zeroed first: each parameter's columns get its rows, rank r's in slot r,
+    and zeros for the last ranks' padding, whatever the buffer held (here NaN)."""
+    grad = torch.arange(1.0, rows * 3 + 1).view(rows, 3)
+    width = -(-rows // ranks) * 3
+    buffer = torch.full((ranks, width + 5), float("nan"))  # a column range of a wider buffer
+    _fill_slots(buffer[:, 2 : 2 + width], grad.reshape(-1))
+    padded = torch.cat([grad.reshape(-1), torch.zeros(ranks * width - grad.numel())])
+    assert torch.equal(buffer[:, 2 : 2 + width], padded.view(ranks, width))
+    assert buffer[:, :2].isnan().all() and buffer[:, 2 + width :].isnan().all()  # nothing else
 
 
 @pytest.mark.parametrize(

@@ -155,15 +155,16 @@ class OptimizerShards:
         n = self.ranks
         for bucket in self.buckets:
             slot = self._slot(bucket)
-            flat = torch.zeros(n, slot, device=self.params[bucket[0]].device)
+            # Not zeroed first: every column is written below (a pass over the buffer saved).
+            flat = torch.empty(n, slot, device=self.params[bucket[0]].device)
             for i in bucket:
                 p, pc = self.params[i], self.pieces[i]
+                slots = flat[:, pc.offset : pc.offset + pc.width]
                 if p.grad is None:
-                    continue  # an unused parameter: a zero gradient
-                # Rank r's rows go to slot r; the zeros after the gradient are the last slots' padding.
-                flat[:, pc.offset : pc.offset + pc.width] = _padded(p.grad, n * pc.width).view(
-                    n, pc.width
-                )
+                    slots.zero_()  # an unused parameter: a zero gradient
+                    continue
+                # Rank r's rows go to slot r; zeros after the gradient (the last slots' padding).
+                _fill_slots(slots, p.grad.reshape(-1))
                 p.grad = None  # (nothing else holds it: freed before the collective)
             # Averaged as DDP does (and its fp16/bf16 hooks: cast, then divided).
             sent = flat.div_(n) if self.dtype is None else flat.to(self.dtype).div_(n)
@@ -209,10 +210,11 @@ class OptimizerShards:
             return  # the shards are the whole parameters, updated in place
         for bucket in self.buckets:
             slot, n = self._slot(bucket), self.ranks
-            mine = torch.zeros(slot, device=self.params[bucket[0]].device)
+            mine = torch.empty(slot, device=self.params[bucket[0]].device)
             for i in bucket:
                 p, pc = self.params[i], self.pieces[i]
                 mine[pc.offset : pc.offset + pc.numel] = p[pc.start : pc.stop].reshape(-1)
+                mine[pc.offset + pc.numel : pc.offset + pc.width].zero_()  # this rank's padding
             gathered = mine.new_empty(n * slot)
             with recorded("zero-1 parameter all_gather", "all_gather", gathered):
                 all_gather_flat(gathered, mine, group=self.group)
@@ -234,12 +236,19 @@ def _copy_rows(param: torch.Tensor, slots: torch.Tensor) -> None:
         flat[full * width :].copy_(slots[full, :rest])
 
 
-def _padded(grad: torch.Tensor, numel: int) -> torch.Tensor:
-    """``grad`` flattened, zeros after it up to ``numel`` elements."""
-    flat = grad.reshape(-1)
-    if flat.numel() < numel:
-        flat = torch.cat([flat, flat.new_zeros(numel - flat.numel())])
-    return flat
+def _fill_slots(slots: torch.Tensor, flat: torch.Tensor) -> None:
+    """Write ``flat`` (a parameter's elements) into ``slots`` (ranks x padded width, strided: a
+    column range of the flat buffer) in rank-major order, zeros after it (the last ranks' padding),
+    without a padded copy of it first: the slots it fills whole, the one it fills in part, then the
+    rest."""
+    ranks, width = slots.shape
+    full = min(flat.numel() // width, ranks) if width else ranks
+    slots[:full].copy_(flat[: full * width].view(full, width))
+    if full < ranks:
+        rest = flat.numel() - full * width
+        slots[full, :rest].copy_(flat[full * width :])
+        slots[full, rest:].zero_()
+        slots[full + 1 :].zero_()
 
 
 def _named_module(named: list[tuple[str, nn.Parameter]]) -> nn.Module:
