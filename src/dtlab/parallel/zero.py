@@ -214,7 +214,8 @@ class OptimizerShards:
             for i in bucket:
                 p, pc = self.params[i], self.pieces[i]
                 mine[pc.offset : pc.offset + pc.numel] = p[pc.start : pc.stop].reshape(-1)
-                mine[pc.offset + pc.numel : pc.offset + pc.width].zero_()  # this rank's padding
+                if pc.numel < pc.width:  # this rank's padding (most parameters have none)
+                    mine[pc.offset + pc.numel : pc.offset + pc.width].zero_()
             gathered = mine.new_empty(n * slot)
             with recorded("zero-1 parameter all_gather", "all_gather", gathered):
                 all_gather_flat(gathered, mine, group=self.group)
