@@ -75,6 +75,17 @@ def test_a_bad_override_is_one_line_before_anything_runs(module: str) -> None:
     assert proc.stdout == "", proc.stdout
 
 
+@pytest.mark.parametrize("counts", [["--blocks", "1"], ["--block-steps", "0"]])
+def test_the_ledger_bench_refuses_blocks_it_cannot_pair(counts: list[str]) -> None:
+    # One block has no other to be compared with: said before any rank starts.
+    proc = run_script("ledger", *counts)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith(f"error: --blocks {1 if counts[0] == '--blocks' else 8}"), (
+        proc.stderr
+    )
+    assert "Traceback" not in proc.stderr and proc.stdout == "", proc.stderr
+
+
 def test_pipeline_bubble_is_measured_and_drawn(tmp_path: Path) -> None:
     """The pipeline benchmark times every block of one schedule and reports the bubble next to
     (p - 1) / (m + p - 1) and to the schedule's own order of work played out."""

@@ -222,4 +222,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_command(main))
+    from dtlab.parallel.dist import is_worker_env
+    from dtlab.runtime.status import leave_worker
+
+    code = run_command(main)
+    if is_worker_env():
+        leave_worker(code)  # a rank that ran a process group: see there
+    raise SystemExit(code)

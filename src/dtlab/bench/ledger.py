@@ -23,6 +23,7 @@ import torch
 
 from dtlab.cliargs import parse_config_args, run_command, script_parser
 from dtlab.config import Config, load_config
+from dtlab.errors import DtlabError
 from dtlab.parallel import ledger as ledger_module
 
 if TYPE_CHECKING:
@@ -155,6 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-steps", type=int, default=5)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parse_config_args(p, argv)
+    if args.blocks < 2 or args.block_steps < 1:
+        # One block with the ledger and one without at least, each of a timed step or more.
+        raise DtlabError(
+            f"--blocks {args.blocks}, --block-steps {args.block_steps}: --blocks must be >= 2 "
+            "(half of them with the ledger) and --block-steps >= 1"
+        )
     if args.worker:
         worker(args)
         return 0
@@ -169,4 +176,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_command(main))
+    from dtlab.parallel.dist import is_worker_env
+    from dtlab.runtime.status import leave_worker
+
+    code = run_command(main)
+    if is_worker_env():
+        leave_worker(code)  # a rank that ran a process group: see there
+    raise SystemExit(code)
