@@ -75,15 +75,64 @@ def test_a_bad_override_is_one_line_before_anything_runs(module: str) -> None:
     assert proc.stdout == "", proc.stdout
 
 
-@pytest.mark.parametrize("counts", [["--blocks", "1"], ["--block-steps", "0"]])
-def test_the_ledger_bench_refuses_blocks_it_cannot_pair(counts: list[str]) -> None:
-    # One block has no other to be compared with: said before any rank starts.
-    proc = run_script("ledger", *counts)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert proc.stderr.startswith(f"error: --blocks {1 if counts[0] == '--blocks' else 8}"), (
-        proc.stderr
-    )
-    assert "Traceback" not in proc.stderr and proc.stdout == "", proc.stderr
+INT_RANGE = "expected an integer from {} to 2147483647, got {}"
+BAD_COUNTS = [
+    ("calibrate", ["--warmup", "-1"], INT_RANGE.format(0, -1)),
+    ("calibrate", ["--rounds", "0"], INT_RANGE.format(1, 0)),
+    ("chaos", ["--replicas", "1"], INT_RANGE.format(2, 1)),  # a storm needs a survivor
+    ("chaos", ["--every", "-1"], "argument --every: expected a finite number above 0, got '-1'"),
+    ("chaos", ["--storm-s", "nan"], "expected a finite number above 0, got 'nan'"),
+    ("chaos", ["--max-restarts", "-1"], INT_RANGE.format(0, -1)),
+    ("chaos", ["--diloco", "--factor", "0"], "argument --factor: expected a finite number above 0"),
+    ("chaos", ["--diloco", "--replicas", "1"], INT_RANGE.format(2, 1)),
+    ("checkpoint", ["--repeats", "0"], INT_RANGE.format(1, 0)),
+    ("cp_comm", ["--warmup", "-1"], INT_RANGE.format(0, -1)),
+    ("cp_comm", ["--cp", "2,x"], "--cp '2,x': allowed: comma-separated integers, each 2 or more"),
+    ("cp_memory", ["--seq", "0"], "--seq '0': allowed: comma-separated integers, each 1 or more"),
+    ("fitrule", ["--timeout", "0"], "argument --timeout: expected a finite number above 0"),
+    ("handloop", ["--nproc", "0"], INT_RANGE.format(1, 0)),
+    ("ledger", ["--blocks", "1"], INT_RANGE.format(2, 1)),  # one block has none to compare with
+    ("ledger", ["--block-steps", "0"], INT_RANGE.format(1, 0)),
+    ("lowcomm", ["--seeds", "0"], INT_RANGE.format(1, 0)),
+    ("lowcomm", ["--steps", "x"], "argument --steps: expected an integer from 1"),
+    ("memory", ["--batch", "0"], INT_RANGE.format(1, 0)),
+    ("optimizer", ["--threads", "0"], "--threads '0': allowed: comma-separated integers, each 1"),
+    ("overhead", ["--repeats", "0"], INT_RANGE.format(1, 0)),
+    ("overlap", ["--device-s", "-1"], "expected a finite number of 0 or more, got '-1'"),
+    ("pipeline", ["--pp", "1"], INT_RANGE.format(2, 1)),
+    ("pipeline", ["--microbatches", "4,,x"], "--microbatches '4,,x': allowed: comma-separated"),
+    ("worker", ["--peak-flops", "inf"], "expected a finite number above 0, got 'inf'"),
+]
+
+
+@pytest.mark.parametrize(("module", "argv", "message"), BAD_COUNTS)
+def test_a_count_out_of_range_is_one_line_before_anything_runs(
+    module: str, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Each was a traceback, a run of nothing that exited 0, or a run started on it.
+    import importlib
+
+    from dtlab.cliargs import run_command
+
+    main = importlib.import_module(f"dtlab.bench.{module}").main
+    try:
+        code = run_command(lambda: main(argv))
+    except SystemExit as e:  # argparse's usage error
+        code = e.code
+    out, err = capsys.readouterr()
+    assert code == 2 and message in err, err
+    assert "Traceback" not in err and out == "", out
+
+
+def test_chaos_report_only_without_a_report_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dtlab.bench import chaos
+
+    for argv in (["--report-only"], ["--diloco", "--report-only"]):
+        assert chaos.main([*argv, "--out", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --report-only: no report to rebuild in {tmp_path}"), err
 
 
 def test_pipeline_bubble_is_measured_and_drawn(tmp_path: Path) -> None:

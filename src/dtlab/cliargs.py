@@ -17,6 +17,76 @@ CONFIG_HELP = "YAML config file or run directory (default: the built-in default)
 SET_HELP = "override a config key, e.g. --set train.lr=1e-4"
 
 
+INT_FLAG_MAX = 2**31 - 1
+
+
+def int_from(low: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer from ``low`` to :data:`INT_FLAG_MAX`; anything else is argparse's
+    usage error naming the value and the range (exit 2), before anything runs."""
+    allowed = f"an integer from {low} to {INT_FLAG_MAX}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {allowed}, got {text!r}") from None
+        if not low <= value <= INT_FLAG_MAX:
+            raise argparse.ArgumentTypeError(f"expected {allowed}, got {value}")
+        return value
+
+    parse.__name__ = f"int_from_{low}"
+    return parse
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type``: an integer of 1 or more."""
+    return int_from(1)(text)
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse ``type``: an integer of 0 or more."""
+    return int_from(0)(text)
+
+
+def _finite_float(text: str, allowed: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {allowed}, got {text!r}") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"expected {allowed}, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse ``type``: a finite number above 0 (a duration, a rate)."""
+    value = _finite_float(text, "a finite number above 0")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number above 0, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse ``type``: a finite number of 0 or more."""
+    value = _finite_float(text, "a finite number of 0 or more")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number of 0 or more, got {text!r}")
+    return value
+
+
+def int_list(text: str, flag: str, low: int = 1, high: int = INT_FLAG_MAX) -> list[int]:
+    """A comma-separated list of integers from ``low`` to ``high`` (``"2,4"``), in the order given,
+    each once: a mistake is a :class:`DtlabError` naming ``flag``, the value and what is allowed."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values or not low <= min(values) <= max(values) <= high:
+        allowed = f"{low} or more" if high == INT_FLAG_MAX else f"from {low} to {high}"
+        raise DtlabError(f"{flag} {text!r}: allowed: comma-separated integers, each {allowed}")
+    return list(dict.fromkeys(values))
+
+
 def add_config_args(parser: argparse.ArgumentParser, *, config: bool = True) -> None:
     """Add the CONFIG positional (unless ``config`` is False) and ``--set KEY=VALUE ...`` (repeatable).
 

@@ -9,6 +9,8 @@ from dtlab import __version__
 from dtlab.cliargs import (
     SchemaChoices,
     add_config_args,
+    non_negative_int,
+    positive_int,
 )
 
 _Job = TypeVar("_Job")
@@ -101,27 +103,6 @@ examples:
 
 # Counts, ranks and steps on the command line fit 32 bits, as they do in torch's launcher; a product of
 # two of them (the world size) then still fits the config's 64-bit integers.
-_INT_FLAG_MAX = 2**31 - 1
-
-
-def _int_flag(text: str, low: int, allowed: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {allowed}, got {text!r}") from None
-    if not low <= value <= _INT_FLAG_MAX:
-        raise argparse.ArgumentTypeError(f"expected {allowed}, got {value}")
-    return value
-
-
-def _positive(text: str) -> int:
-    return _int_flag(text, 1, f"an integer from 1 to {_INT_FLAG_MAX}")
-
-
-def _non_negative(text: str) -> int:
-    return _int_flag(text, 0, f"an integer from 0 to {_INT_FLAG_MAX}")
-
-
 # Kept here so that --help needs no torch import; dtlab.analysis.devices.PROFILES has the same keys.
 DEVICE_KEYS = ("h100", "h200", "a100-80gb", "a100-40gb", "l4", "rtx4090")
 
@@ -159,11 +140,11 @@ def _add_train(sub: _Commands) -> None:
     )
     t.add_argument(
         "--nproc",
-        type=_positive,
+        type=positive_int,
         default=1,
         help="processes on this node (default 1); >1 starts them through torch's elastic launcher",
     )
-    t.add_argument("--nnodes", type=_positive, default=1, help="number of nodes (default 1)")
+    t.add_argument("--nnodes", type=positive_int, default=1, help="number of nodes (default 1)")
     t.add_argument(
         "--engine",
         choices=SchemaChoices("train.engine"),
@@ -172,14 +153,14 @@ def _add_train(sub: _Commands) -> None:
         help="torch or mlx (same as --set train.engine=...; mlx ranks start through mlx.launch)",
     )
     t.add_argument(
-        "--node-rank", type=_non_negative, default=0, help="this node's rank (multi-node)"
+        "--node-rank", type=non_negative_int, default=0, help="this node's rank (multi-node)"
     )
     t.add_argument(
         "--master-addr", default=None, help="rendezvous host (multi-node; default localhost)"
     )
     t.add_argument(
         "--master-port",
-        type=_positive,
+        type=positive_int,
         default=None,
         help="rendezvous port (multi-node; default 29500)",
     )
@@ -190,7 +171,7 @@ def _add_train(sub: _Commands) -> None:
     )
     t.add_argument(
         "--max-restarts",
-        type=_non_negative,
+        type=non_negative_int,
         default=0,
         help="restart the worker group up to K times after a failure",
     )
@@ -230,9 +211,11 @@ def _add_bench(sub: _Commands) -> None:
         "and the report puts them side by side",
     )
     b.add_argument("--precision", default=None, help="comma-separated (default: the config's)")
-    b.add_argument("--steps", type=_positive, default=10, help="timed steps per run (default 10)")
     b.add_argument(
-        "--warmup", type=_non_negative, default=2, help="untimed steps first (default 2)"
+        "--steps", type=positive_int, default=10, help="timed steps per run (default 10)"
+    )
+    b.add_argument(
+        "--warmup", type=non_negative_int, default=2, help="untimed steps first (default 2)"
     )
     b.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
     b.add_argument(
@@ -255,15 +238,15 @@ def _add_launch(sub: _Commands) -> None:
 
 def _add_job_args(p: argparse.ArgumentParser) -> None:
     """What a Slurm script and a Kubernetes job both take: the world's shape, checkpoints, the config."""
-    p.add_argument("--nodes", type=_positive, default=1, help="number of nodes (default 1)")
+    p.add_argument("--nodes", type=positive_int, default=1, help="number of nodes (default 1)")
     p.add_argument(
         "--nproc-per-node",
-        type=_positive,
+        type=positive_int,
         default=1,
         help="processes (GPUs) per node (default 1)",
     )
     p.add_argument(
-        "--gpus-per-node", type=_non_negative, default=0, help="GPUs to request per node"
+        "--gpus-per-node", type=non_negative_int, default=0, help="GPUs to request per node"
     )
     p.add_argument(
         "--no-checkpoint",
@@ -305,17 +288,17 @@ def _add_slurm(lsub: _Commands) -> None:
     ls.add_argument("--partition", default=None, help="Slurm partition")
     ls.add_argument("--time", default=None, help="time limit, e.g. 4:00:00 or 2-00:00:00")
     ls.add_argument("--account", default=None, help="Slurm account to charge")
-    ls.add_argument("--cpus-per-task", type=_positive, default=None, help="CPUs per node's task")
+    ls.add_argument("--cpus-per-task", type=positive_int, default=None, help="CPUs per node's task")
     ls.add_argument(
         "--signal-seconds",
-        type=_positive,
+        type=positive_int,
         default=120,
         help="send SIGUSR1 this long before the time limit, to checkpoint and requeue (default 120)",
     )
     _add_slurm_site(ls)
     ls.add_argument(
         "--master-port",
-        type=_positive,
+        type=positive_int,
         default=None,
         help="rendezvous port (default: from the job id)",
     )
@@ -392,7 +375,7 @@ def _add_k8s(lsub: _Commands) -> None:
     lk.add_argument("--memory", default=None, help="memory request per pod, e.g. 64Gi")
     lk.add_argument(
         "--max-restarts",
-        type=_non_negative,
+        type=non_negative_int,
         default=3,
         help="restarts: a PyTorchJob's elastic restarts, a TrainJob's JobSet restarts (default 3)",
     )
@@ -464,8 +447,8 @@ def _add_plan(sub: _Commands) -> None:
         "--set are kept), show the fastest that fit, and print the dtlab train line that runs the "
         "recommended one.",
     )
-    pl.add_argument("--nproc", type=_positive, default=1, help="processes (GPUs) per node")
-    pl.add_argument("--nnodes", type=_positive, default=1, help="number of nodes")
+    pl.add_argument("--nproc", type=positive_int, default=1, help="processes (GPUs) per node")
+    pl.add_argument("--nnodes", type=positive_int, default=1, help="number of nodes")
     pl.add_argument(
         "--device",
         default=None,
@@ -522,7 +505,7 @@ def _add_verify(sub: _Commands) -> None:
         required=True,
         help="comma-separated layouts, the first the reference, e.g. single,ddp:2,fsdp:2xtp:2,pp:2",
     )
-    v.add_argument("--steps", type=_positive, default=10, help="steps per layout (default 10)")
+    v.add_argument("--steps", type=positive_int, default=10, help="steps per layout (default 10)")
     v.add_argument(
         "--out", default="verify-out", help="where the layouts' runs go (default verify-out)"
     )
@@ -602,7 +585,7 @@ def _add_generate(sub: _Commands) -> None:
     g.add_argument("--prompt", required=True, help="the text to continue (not empty)")
     g.add_argument(
         "--max-new-tokens",
-        type=_non_negative,
+        type=non_negative_int,
         default=100,
         metavar="N",
         help="generate at most N tokens (default 100)",

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dtlab.bench.calibrate_replan import median_prediction
+from dtlab.cliargs import non_negative_int, positive_int
 from dtlab.errors import DtlabError
 
 if TYPE_CHECKING:
@@ -536,12 +537,14 @@ def main(argv: list[str] | None = None) -> int:
         "--links", default="none", help="comma-separated: none and/or capped rates, e.g. none,1gbit"
     )
     ap.add_argument(
-        "--steps", type=int, default=3, help="timed steps per layout and round (default 3)"
+        "--steps", type=positive_int, default=3, help="timed steps per layout and round (default 3)"
     )
-    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    ap.add_argument(
+        "--warmup", type=non_negative_int, default=2, help="untimed steps first (default 2)"
+    )
     ap.add_argument(
         "--rounds",
-        type=int,
+        type=positive_int,
         default=3,
         help="times the grid is run over, in turn (default 3; the median of the rounds counts)",
     )
@@ -571,8 +574,6 @@ def main(argv: list[str] | None = None) -> int:
         if not models or any(m not in BASES for m in models):
             raise DtlabError(f"--models {args.models!r}: expected a comma-separated list of "
                              f"{', '.join(BASES)}")  # fmt: skip
-        if args.rounds < 1 or args.steps < 1:
-            raise DtlabError(f"--rounds {args.rounds}, --steps {args.steps}: each must be >= 1")
         if args.replan:
             result = replanned(_read_json(args.replan))
         else:

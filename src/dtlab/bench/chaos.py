@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from dtlab.bench.chaos_procs import BASE, _events, _last_step, _pids, _signal
+from dtlab.cliargs import int_from, non_negative_int, positive_float, positive_int
 
 MODES = ("ft-clean", "ft-kill", "ft-hang", "plain-clean", "restart-kill")
 # Each faulty run's fault-free twin.
@@ -538,31 +539,38 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m dtlab.bench.chaos",
         description="A kill storm against fault-tolerant replica groups, beside restart-everything.",
     )
-    ap.add_argument("--replicas", type=int, default=4, help="replica groups (DDP ranks)")
-    ap.add_argument("--steps", type=int, default=1500, help="optimizer steps of each run")
-    ap.add_argument("--every", type=float, default=30.0, help="seconds between faults")
+    ap.add_argument("--replicas", type=int_from(2), default=4, help="replica groups (DDP ranks)")
+    ap.add_argument("--steps", type=positive_int, default=1500, help="optimizer steps of each run")
+    ap.add_argument("--every", type=positive_float, default=30.0, help="seconds between faults")
     ap.add_argument(
-        "--storm-s", type=float, default=180.0, help="seconds the storm lasts (then the run ends)"
+        "--storm-s",
+        type=positive_float,
+        default=180.0,
+        help="seconds the storm lasts (then the run ends)",
     )
     ap.add_argument(
-        "--hang-s", type=float, default=10.0, help="how long a hung process stays stopped"
+        "--hang-s", type=positive_float, default=10.0, help="how long a hung process stays stopped"
     )
     ap.add_argument(
-        "--timeout-s", type=float, default=5.0, help="parallel.fault_tolerance.timeout_s"
+        "--timeout-s", type=positive_float, default=5.0, help="parallel.fault_tolerance.timeout_s"
     )
     ap.add_argument(
         "--heartbeat-s",
-        type=float,
+        type=positive_float,
         default=1.0,
         help="parallel.fault_tolerance.heartbeat_timeout_s",
     )
-    ap.add_argument("--checkpoint-every", type=int, default=20, help="checkpoint.every (every run)")
-    ap.add_argument("--max-restarts", type=int, default=100, help="restarts each agent may make")
+    ap.add_argument(
+        "--checkpoint-every", type=positive_int, default=20, help="checkpoint.every (every run)"
+    )
+    ap.add_argument(
+        "--max-restarts", type=non_negative_int, default=100, help="restarts each agent may make"
+    )
     ap.add_argument("--modes", default=",".join(MODES), help=f"runs, of {', '.join(MODES)}")
     ap.add_argument("--out", default="bench-out/chaos", help="output directory")
     ap.add_argument(
         "--seeds",
-        type=int,
+        type=non_negative_int,
         default=0,
         help="fault-free plain runs at train.seed 1..N more: the final loss's run-to-run noise",
     )
@@ -661,7 +669,11 @@ def main(argv: list[str] | None = None) -> int:
     # against (plain DDP: with no fault, the fault-tolerant run is the same training).
     seeds = [f"seed-{k}" for k in range(1, args.seeds + 1)]
     if args.report_only:
-        saved = json.loads((out / "report.json").read_text())["runs"]
+        try:
+            saved = json.loads((out / "report.json").read_text())["runs"]
+        except (OSError, ValueError, KeyError) as e:
+            print(f"error: --report-only: no report to rebuild in {out} ({e!r})", file=sys.stderr)
+            return 2
         modes = [m for m in (*modes, *seeds) if m in saved]
     else:
         modes += seeds

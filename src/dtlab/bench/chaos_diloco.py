@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from dtlab.bench.chaos_procs import BASE, _events, _last_step, _pids, _signal
+from dtlab.cliargs import int_from, non_negative_int, positive_float, positive_int
 
 __all__ = [
     "Event",
@@ -453,36 +454,56 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m dtlab.bench.chaos --diloco",
         description="DiLoCo replicas that drop out and rejoin: the loss beside clean runs' seeds.",
     )
-    ap.add_argument("--replicas", type=int, default=2, help="DiLoCo replica groups (>= 2)")
-    ap.add_argument("--inner-steps", type=int, default=8, help="H: inner steps between syncs")
-    ap.add_argument("--every-rounds", type=int, default=30, help="outer rounds between kills")
+    ap.add_argument("--replicas", type=int_from(2), default=2, help="DiLoCo replica groups (>= 2)")
+    ap.add_argument(
+        "--inner-steps", type=positive_int, default=8, help="H: inner steps between syncs"
+    )
+    ap.add_argument(
+        "--every-rounds", type=positive_int, default=30, help="outer rounds between kills"
+    )
     ap.add_argument(
         "--events",
-        type=int,
+        type=positive_int,
         default=3,
         help="kills per churn run, at most (and the default --steps)",
     )
     ap.add_argument(
         "--steps",
-        type=int,
+        type=positive_int,
         default=None,
         help="steps of each run (default: (events + 1) x every-rounds x H)",
     )
     ap.add_argument(
-        "--seeds", type=int, default=3, help="seeds (train.seed 0..N-1; the spread needs 2)"
+        "--seeds",
+        type=positive_int,
+        default=3,
+        help="seeds (train.seed 0..N-1; the spread needs 2)",
     )
-    ap.add_argument("--batch", type=int, default=4, help="samples per group and step")
-    ap.add_argument("--seq-len", type=int, default=64, help="data.seq_len")
-    ap.add_argument("--warmup", type=int, default=20, help="train.warmup_steps")
-    ap.add_argument("--min-replicas", type=int, default=1, help="fault_tolerance.min_replicas")
-    ap.add_argument("--timeout-s", type=float, default=5.0, help="fault_tolerance.timeout_s")
-    ap.add_argument("--heartbeat-s", type=float, default=1.0, help="heartbeat_timeout_s")
-    ap.add_argument("--max-restarts", type=int, default=100, help="restarts of each group")
-    ap.add_argument("--smooth", type=int, default=3, help="syncs in the moving average (1: none)")
+    ap.add_argument("--batch", type=positive_int, default=4, help="samples per group and step")
+    ap.add_argument("--seq-len", type=positive_int, default=64, help="data.seq_len")
+    ap.add_argument("--warmup", type=non_negative_int, default=20, help="train.warmup_steps")
     ap.add_argument(
-        "--after-rounds", type=int, default=3, help="rounds after the rejoin in a spike's window"
+        "--min-replicas", type=positive_int, default=1, help="fault_tolerance.min_replicas"
     )
-    ap.add_argument("--factor", type=float, default=2.0, help="pass: spike <= factor x spread")
+    ap.add_argument(
+        "--timeout-s", type=positive_float, default=5.0, help="fault_tolerance.timeout_s"
+    )
+    ap.add_argument("--heartbeat-s", type=positive_float, default=1.0, help="heartbeat_timeout_s")
+    ap.add_argument(
+        "--max-restarts", type=non_negative_int, default=100, help="restarts of each group"
+    )
+    ap.add_argument(
+        "--smooth", type=positive_int, default=3, help="syncs in the moving average (1: none)"
+    )
+    ap.add_argument(
+        "--after-rounds",
+        type=non_negative_int,
+        default=3,
+        help="rounds after the rejoin in a spike's window",
+    )
+    ap.add_argument(
+        "--factor", type=positive_float, default=2.0, help="pass: spike <= factor x spread"
+    )
     ap.add_argument("--out", default="bench-out/chaos-diloco", help="output directory")
     ap.add_argument("--set", dest="overrides", nargs="*", default=[], help="more config overrides")
     ap.add_argument(
@@ -493,12 +514,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _check(args: argparse.Namespace) -> str | None:
     """What is wrong with the arguments, as an error line (None: nothing)."""
-    for name, least in (("replicas", 2), ("seeds", 1), ("inner_steps", 1), ("every_rounds", 1)):
-        if getattr(args, name) < least:
-            flag = "--" + name.replace("_", "-")
-            return f"{flag} = {getattr(args, name)}: allowed: {least} or more"
-    if args.smooth < 1 or args.events < 1:
-        return f"--smooth = {args.smooth}, --events = {args.events}: allowed: 1 or more"
+    # The counts' ranges are their argparse types'; what is left relates two of them.
     if args.steps % args.inner_steps:
         return f"--steps = {args.steps}: allowed: a multiple of --inner-steps ({args.inner_steps})"
     return None
@@ -517,7 +533,11 @@ def main(argv: list[str] | None = None, python: str = sys.executable) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.report_only:
-        runs = json.loads((out / "report.json").read_text())["runs"]
+        try:
+            runs = json.loads((out / "report.json").read_text())["runs"]
+        except (OSError, ValueError, KeyError) as e:
+            print(f"error: --report-only: no report to rebuild in {out} ({e!r})", file=sys.stderr)
+            return 2
     else:
         runs = {}
         for s in range(args.seeds):

@@ -41,7 +41,7 @@ from dtlab.checkpoint.autoasync import TRIAL
 from dtlab.checkpoint.manager import WRITERS, Checkpointer, _dir_bytes
 from dtlab.checkpoint.manifest import verify_checkpoint
 from dtlab.checkpoint.state import ModelState, OptimizerState, Stateful
-from dtlab.cliargs import parse_config_args, run_command, script_parser
+from dtlab.cliargs import parse_config_args, positive_int, run_command, script_parser
 from dtlab.config import Config, load_config
 from dtlab.errors import DtlabError
 from dtlab.models.llama import build_model, count_params
@@ -135,7 +135,9 @@ def _timed(fn: Callable[[], Any]) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = script_parser("dtlab.bench.checkpoint", __doc__, "small")
-    p.add_argument("--repeats", type=int, default=5, help="repeats of each figure (default 5)")
+    p.add_argument(
+        "--repeats", type=positive_int, default=5, help="repeats of each figure (default 5)"
+    )
     p.add_argument(
         "--dir",
         type=Path,

@@ -68,7 +68,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from dtlab.cliargs import parse_config_args, run_command, script_parser
+from dtlab.cliargs import (
+    int_list,
+    non_negative_int,
+    parse_config_args,
+    positive_int,
+    run_command,
+    script_parser,
+)
 from dtlab.errors import DtlabError
 
 __all__ = ["CP_KINDS", "cp_bytes", "main", "measure", "rows_for"]
@@ -458,16 +465,6 @@ HEADER = (
 )
 
 
-def _ints(text: str, flag: str, least: int) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < least:
-        raise DtlabError(f"{flag} {text!r}: allowed: integers >= {least} separated by commas")
-    return values
-
-
 def _methods(text: str) -> list[str]:
     methods = [m.strip() for m in text.split(",") if m.strip()]
     if not methods or any(m not in METHODS for m in methods) or len(set(methods)) < len(methods):
@@ -487,7 +484,8 @@ def _parser() -> argparse.ArgumentParser:
         ("--warmup", 2, "steps, and attention calls, before the timed ones"),
         ("--steps", 7, "optimizer steps timed"), ("--repeats", 21, "attention calls timed"),
     ):  # fmt: skip
-        p.add_argument(flag, type=int, default=default, help=f"{what} (default {default})")
+        kind = non_negative_int if flag == "--warmup" else positive_int
+        p.add_argument(flag, type=kind, default=default, help=f"{what} (default {default})")
     p.add_argument("--json", type=Path, default=None, help="write every figure to this file")
     p.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     return p
@@ -501,12 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker is not None:
         _worker(args.overrides, methods, (args.warmup, args.steps, args.repeats), args.worker)
         return 0
-    if args.warmup < 0 or args.steps < 1 or args.repeats < 1:
-        raise DtlabError(
-            f"--warmup {args.warmup} --steps {args.steps} --repeats {args.repeats}: allowed: "
-            "warmup >= 0, steps >= 1, repeats >= 1"
-        )
-    cps = _ints(args.cp, "--cp", 2)
+    cps = int_list(args.cp, "--cp", 2)
     shape = (args.seq, args.dim, args.layers, args.heads, args.kv_heads, args.vocab, args.batch)
     overrides = [*shape_overrides(*shape, preset=args.preset), *args.overrides]
     _validate(overrides, cps, methods)

@@ -24,6 +24,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from dtlab.cliargs import int_list, positive_int
 from dtlab.errors import DtlabError
 
 __all__ = ["main", "measure", "plot"]
@@ -154,22 +155,12 @@ def plot(rows: list[tuple[int, int, int]], path: Path, setup: str = "") -> None:
     plt.close(fig)
 
 
-def _ints(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise DtlabError(f"{flag} {text!r}: allowed: positive integers separated by commas")
-    return values
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dtlab.bench.cp_memory", description=__doc__)
     parser.add_argument("--seq", default="1024,2048,4096", help="sequence lengths")
     parser.add_argument("--cp", default="1,2,4", help="context-parallel degrees")
     parser.add_argument("--preset", default="debug")
-    parser.add_argument("--batch", type=int, default=2, help="train.global_batch_size")
+    parser.add_argument("--batch", type=positive_int, default=2, help="train.global_batch_size")
     parser.add_argument("--plot", type=Path, help="also draw held MiB against the sequence (PNG)")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help=argparse.SUPPRESS)
@@ -177,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker is not None:
         _worker(args.overrides, args.worker)
         return 0
-    seqs, cps = _ints(args.seq, "--seq"), _ints(args.cp, "--cp")
+    seqs, cps = int_list(args.seq, "--seq"), int_list(args.cp, "--cp")
     rows = []
     print(f"{'seq':>7} {'cp':>3} {'held per step (MiB)':>20} {'vs cp 1':>8}")
     for seq in seqs:

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from dtlab.analysis.model import plan_step
-from dtlab.cliargs import run_command
+from dtlab.cliargs import positive_float, positive_int, run_command
 from dtlab.config import check_world, load_config
 from dtlab.errors import ConfigError
 
@@ -539,8 +539,12 @@ def _parser() -> argparse.ArgumentParser:
         + "; ".join(f"{m} {','.join(map(str, r))}" for m, r in RATIOS.items())
         + ")",
     )
-    p.add_argument("--steps", type=int, default=3, help="optimizer steps per run (default 3)")
-    p.add_argument("--timeout", type=float, default=300, help="seconds per run (default 300)")
+    p.add_argument(
+        "--steps", type=positive_int, default=3, help="optimizer steps per run (default 3)"
+    )
+    p.add_argument(
+        "--timeout", type=positive_float, default=300, help="seconds per run (default 300)"
+    )
     p.add_argument("--json", type=Path, help="write every run and the rule to this file")
     return p
 

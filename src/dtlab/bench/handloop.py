@@ -30,7 +30,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from dtlab.bench.timing import synchronize, timed
-from dtlab.cliargs import run_command
+from dtlab.cliargs import positive_int, run_command
 from dtlab.config import Config, load_config
 from dtlab.data import BatchLayout, BatchLoader, build_source
 from dtlab.data.loader import MicroBatch
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dtlab.bench.handloop", description=__doc__)
     p.add_argument("config")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--nproc", type=int, default=1)
+    p.add_argument("--nproc", type=positive_int, default=1)
     p.add_argument(
         "--interleaved", action="store_true",
         help="take dtlab's step and the hand-written one in turn in the same processes; "

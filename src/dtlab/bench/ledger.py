@@ -21,9 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dtlab.cliargs import parse_config_args, run_command, script_parser
+from dtlab.cliargs import int_from, parse_config_args, positive_int, run_command, script_parser
 from dtlab.config import Config, load_config
-from dtlab.errors import DtlabError
 from dtlab.parallel import ledger as ledger_module
 
 if TYPE_CHECKING:
@@ -149,19 +148,16 @@ def _report(args: argparse.Namespace, world: int, blocks: list[_Block]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = script_parser("dtlab.bench.ledger", __doc__, "tiny")
-    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--nproc", type=positive_int, default=2)
     p.add_argument(
-        "--blocks", type=int, default=8, help="timed blocks, half of them with the ledger"
+        "--blocks",
+        type=int_from(2),
+        default=8,
+        help="timed blocks, half of them with the ledger (2 or more: one of each to compare)",
     )
-    p.add_argument("--block-steps", type=int, default=5)
+    p.add_argument("--block-steps", type=positive_int, default=5)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parse_config_args(p, argv)
-    if args.blocks < 2 or args.block_steps < 1:
-        # One block with the ledger and one without at least, each of a timed step or more.
-        raise DtlabError(
-            f"--blocks {args.blocks}, --block-steps {args.block_steps}: --blocks must be >= 2 "
-            "(half of them with the ledger) and --block-steps >= 1"
-        )
     if args.worker:
         worker(args)
         return 0

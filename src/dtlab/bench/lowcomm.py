@@ -40,6 +40,7 @@ from typing import Any
 from dtlab.analysis.latency import cross_replica_collectives
 from dtlab.bench import lowcomm_fair, lowcomm_reuse
 from dtlab.bench.link import Link, link_namespace, measure_link, parse_links
+from dtlab.cliargs import positive_int
 from dtlab.config import load_config
 from dtlab.errors import DtlabError
 from dtlab.metrics.comm import RTT_ENV, bench_rtt_s
@@ -655,11 +656,11 @@ def _parser() -> argparse.ArgumentParser:
         "dense twin)",
     )
     ap.add_argument(
-        "--steps", type=int, default=160, help="optimizer steps of every run (default 160)"
+        "--steps", type=positive_int, default=160, help="optimizer steps of every run (default 160)"
     )
     ap.add_argument(
         "--seeds",
-        type=int,
+        type=positive_int,
         default=None,
         help="run every method with train.seed 0 to N-1 (weights and data order), each compared "
         "with DDP's run of the same seed; the report gives the mean and spread",

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from dtlab.analysis.model import activation_bytes
-from dtlab.cliargs import parse_config_args, run_command, script_parser
+from dtlab.cliargs import parse_config_args, positive_int, run_command, script_parser
 from dtlab.config import Config, load_config
 from dtlab.metrics.modes import EagerDispatchMode
 
@@ -161,8 +161,8 @@ def activation_case(config: Config, micro_batch: int, seed: int = 0) -> dict[str
 
 def main(argv: list[str] | None = None) -> int:
     p = script_parser("dtlab.bench.memory", __doc__, "tiny")
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--batch", type=int, default=8, help="sequences in the micro-batch")
+    p.add_argument("--seq-len", type=positive_int, default=256)
+    p.add_argument("--batch", type=positive_int, default=8, help="sequences in the micro-batch")
     args = parse_config_args(p, argv)
     configs = {
         (precision, ac): load_config(

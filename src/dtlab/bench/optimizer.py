@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dtlab.cliargs import run_command
+from dtlab.cliargs import int_list, positive_int, run_command
 from dtlab.config import load_config
 from dtlab.models.llama import build_model
 
@@ -50,14 +50,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--presets", default="tiny,small", help="comma-separated (default tiny,small)")
     p.add_argument("--threads", default="1,2", help="comma-separated (default 1,2)")
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=positive_int, default=20)
     args = p.parse_args(argv)
     if args.steps < 3:
         p.error(f"--steps {args.steps}: need at least 3 (the first two are left out as warm-up)")
+    threads_list = int_list(args.threads, "--threads")
     print(f"{'preset':<8} {'threads':>7} " + " ".join(f"{k + ' ms':>11}" for k in IMPLEMENTATIONS)
           + "   foreach / fused   loop / fused")  # fmt: skip
     for preset in args.presets.split(","):
-        for threads in (int(t) for t in args.threads.split(",")):
+        for threads in threads_list:
             torch.set_num_threads(threads)
             ms = {k: step_time(preset, k, args.steps) * 1e3 for k in IMPLEMENTATIONS}
             cells = " ".join(f"{v:>11.1f}" for v in ms.values())

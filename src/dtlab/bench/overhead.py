@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from dtlab.bench.handloop import LoopTimes, hand_loop
-from dtlab.cliargs import parse_config_args, run_command, script_parser
+from dtlab.cliargs import parse_config_args, positive_int, run_command, script_parser
 from dtlab.config import Config, load_config
 from dtlab.train.loop import train
 
@@ -196,8 +196,8 @@ def compare(config: Config, repeats: int, report: Callable[[str], None] = print)
 
 def main(argv: list[str] | None = None) -> int:
     p = script_parser("dtlab.bench.overhead", __doc__, "tiny")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=positive_int, default=20)
+    p.add_argument("--repeats", type=positive_int, default=3)
     args = parse_config_args(p, argv)
     if args.steps < 2 or args.repeats < 1:
         p.error(

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from dtlab.bench.link import check_can_create, parse_links
+from dtlab.cliargs import int_list, non_negative_float, positive_int
 from dtlab.errors import DtlabError
 
 __all__ = [
@@ -344,13 +345,7 @@ def _methods(text: str) -> list[str]:
 
 
 def _replica_counts(text: str) -> list[int]:
-    try:
-        counts = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        counts = []
-    if not counts or any(not 2 <= c <= 64 for c in counts):
-        raise DtlabError(f"--replicas {text!r}: allowed comma-separated counts of 2 to 64 replicas")
-    return list(dict.fromkeys(counts))
+    return int_list(text, "--replicas", 2, 64)
 
 
 def forward_seconds(device_s: float, replicas: int, steps: int, extra: list[str]) -> float:
@@ -557,7 +552,7 @@ def _parser() -> argparse.ArgumentParser:
         "--down", default="500mbit", help="each replica's download rate (default 500mbit)"
     )
     ap.add_argument(
-        "--steps", type=int, default=50, help="optimizer steps of every run (default 50)"
+        "--steps", type=positive_int, default=50, help="optimizer steps of every run (default 50)"
     )
     ap.add_argument(
         "--methods",
@@ -566,7 +561,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--device-s",
-        type=float,
+        type=non_negative_float,
         default=0.0,
         help="emulate an accelerator: each step's training thread also waits this many seconds "
         "with the host's cores free, as on a device computing (default 0: the CPU's compute only)",

@@ -36,7 +36,15 @@ from typing import Any
 
 from dtlab.analysis.model import predicted_bubble
 from dtlab.bench.timing import synchronize, timed
-from dtlab.cliargs import parse_config_args, run_command, script_parser
+from dtlab.cliargs import (
+    int_from,
+    int_list,
+    non_negative_int,
+    parse_config_args,
+    positive_int,
+    run_command,
+    script_parser,
+)
 from dtlab.config import SINGLE_STAGE_SCHEDULES, Config, load_config
 from dtlab.errors import DtlabError
 
@@ -204,16 +212,16 @@ def plot_timelines(runs: list[dict[str, Any]], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = script_parser("dtlab.bench.pipeline", __doc__, "tiny")
-    p.add_argument("--pp", type=int, default=2, help="pipeline ranks (default 2)")
+    p.add_argument("--pp", type=int_from(2), default=2, help="pipeline ranks (default 2)")
     p.add_argument("--schedules", default=DEFAULT_SCHEDULES, help="comma-separated")
     p.add_argument("--microbatches", default="4,8", help="comma-separated (default 4,8)")
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=positive_int, default=6)
+    p.add_argument("--warmup", type=non_negative_int, default=2)
     p.add_argument("--out", default="bench-out/pipeline")
     # Internal: one rank of one run.
     p.add_argument("--worker", default=None, help=argparse_hidden())
     p.add_argument("--timeline", default=None, help=argparse_hidden())
-    p.add_argument("--nproc", type=int, default=1, help=argparse_hidden())
+    p.add_argument("--nproc", type=positive_int, default=1, help=argparse_hidden())
     args = parse_config_args(p, argv)
     if args.worker is not None:
         return _worker_main(args)
@@ -222,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             f"--steps {args.steps} --warmup {args.warmup} --pp {args.pp}: need steps > warmup and pp >= 2"
         )
     schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
-    counts = [int(m) for m in args.microbatches.split(",") if m.strip()]
+    counts = int_list(args.microbatches, "--microbatches")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runs = []

@@ -51,7 +51,14 @@ from dtlab.analysis.model import (
 )
 from dtlab.bench.memory import gradient_bytes, kept_activation_bytes
 from dtlab.bench.timing import timed
-from dtlab.cliargs import add_config_args, parse_config_args, run_command
+from dtlab.cliargs import (
+    add_config_args,
+    non_negative_int,
+    parse_config_args,
+    positive_float,
+    positive_int,
+    run_command,
+)
 from dtlab.config import Config, load_config
 from dtlab.dims import layout_name
 from dtlab.errors import DtlabError
@@ -760,10 +767,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dtlab.bench.worker", description=__doc__)
     add_config_args(p)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--nproc", type=int, default=1)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--nproc", type=positive_int, default=1)
+    p.add_argument("--warmup", type=non_negative_int, default=2)
     p.add_argument("--profile", type=Path, default=None)
-    p.add_argument("--peak-flops", type=float, default=None, help="the bench's peak (FLOP/s)")
+    p.add_argument(
+        "--peak-flops", type=positive_float, default=None, help="the bench's peak (FLOP/s)"
+    )
     p.add_argument("--peak-source", default="measured", help="where --peak-flops comes from")
     p.add_argument(
         "--timing-only", action="store_true", help="time the steps only (no memory or bytes)"
