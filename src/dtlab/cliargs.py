@@ -4,6 +4,7 @@ and the choices of a flag read from the config schema, so that neither can drift
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -48,30 +49,25 @@ def non_negative_int(text: str) -> int:
     return int_from(0)(text)
 
 
-def _finite_float(text: str, allowed: str) -> float:
+def _number(text: str, positive: bool) -> float:
+    allowed = "a finite number above 0" if positive else "a finite number of 0 or more"
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {allowed}, got {text!r}") from None
-    if value != value or value in (float("inf"), float("-inf")):
+        value = math.nan
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
         raise argparse.ArgumentTypeError(f"expected {allowed}, got {text!r}")
     return value
 
 
 def positive_float(text: str) -> float:
     """An argparse ``type``: a finite number above 0 (a duration, a rate)."""
-    value = _finite_float(text, "a finite number above 0")
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number above 0, got {text!r}")
-    return value
+    return _number(text, positive=True)
 
 
 def non_negative_float(text: str) -> float:
     """An argparse ``type``: a finite number of 0 or more."""
-    value = _finite_float(text, "a finite number of 0 or more")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number of 0 or more, got {text!r}")
-    return value
+    return _number(text, positive=False)
 
 
 def int_list(text: str, flag: str, low: int = 1, high: int = INT_FLAG_MAX) -> list[int]:
