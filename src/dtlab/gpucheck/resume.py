@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dtlab.cliargs import run_command
+from dtlab.cliargs import positive_int, run_command
 from dtlab.verify import parse_layouts, table, verify
 
 __all__ = ["main"]
@@ -18,7 +18,7 @@ __all__ = ["main"]
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dtlab.gpucheck.resume", description=__doc__)
-    p.add_argument("--steps", type=int, default=4, help="steps of the run (default 4)")
+    p.add_argument("--steps", type=positive_int, default=4, help="steps of the run (default 4)")
     p.add_argument("--out", type=Path, required=True, help="where the runs go (must not exist)")
     p.add_argument("--set", dest="overrides", nargs="*", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
