@@ -124,6 +124,47 @@ def test_a_count_out_of_range_is_one_line_before_anything_runs(
     assert "Traceback" not in err and out == "", out
 
 
+OUTPUTS = [
+    (
+        "calibrate",
+        ["--json", "{file}/rows.json"],
+        "--json '{file}/rows.json': its directory '{file}'",
+    ),
+    ("chaos", ["--out", "{file}"], "--out '{file}' cannot be created: File exists"),
+    ("chaos", ["--diloco", "--out", "{file}"], "--out '{file}' cannot be created: File exists"),
+    ("checkpoint", ["--dir", "{file}"], "--dir '{file}' cannot be created: File exists"),
+    ("cp_comm", ["--json", "{file}/x.json"], "--json '{file}/x.json': its directory '{file}'"),
+    ("cp_memory", ["--plot", "{file}/x.png"], "--plot '{file}/x.png': its directory '{file}'"),
+    ("fitrule", ["--json", "{file}/x.json"], "--json '{file}/x.json': its directory '{file}'"),
+    ("lowcomm", ["--out", "{file}"], "--out '{file}' cannot be created: File exists"),
+    ("lowcomm", ["--json", "{dir}"], "--json '{dir}' is a directory; allowed: a file's path"),
+    ("overlap", ["--json", "{dir}"], "--json '{dir}' is a directory; allowed: a file's path"),
+    ("pipeline", ["--out", "{file}"], "--out '{file}' cannot be created: File exists"),
+]
+
+
+@pytest.mark.parametrize(("module", "argv", "message"), OUTPUTS)
+def test_an_output_that_cannot_be_written_is_one_line_before_anything_runs(
+    module: str, argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A file where a directory goes: each was a FileExistsError traceback, or (calibrate's,
+    # fitrule's --json) an error after the hour of measuring, its results lost.
+    import importlib
+
+    from dtlab.cliargs import run_command
+
+    paths = {"file": str(tmp_path / "a-file"), "dir": str(tmp_path)}
+    (tmp_path / "a-file").write_text("")
+    main = importlib.import_module(f"dtlab.bench.{module}").main
+    try:
+        code = run_command(lambda: main([a.format(**paths) for a in argv]))
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    assert code == 2 and message.format(**paths) in err, err
+    assert "Traceback" not in err and out == "", out
+
+
 def test_chaos_report_only_without_a_report_is_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

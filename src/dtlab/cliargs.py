@@ -9,6 +9,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from functools import cache
+from pathlib import Path
 from typing import Any, Literal, NoReturn, get_args, get_origin
 
 from dtlab.errors import DtlabError, Preempted
@@ -81,6 +82,42 @@ def int_list(text: str, flag: str, low: int = 1, high: int = INT_FLAG_MAX) -> li
         allowed = f"{low} or more" if high == INT_FLAG_MAX else f"from {low} to {high}"
         raise DtlabError(f"{flag} {text!r}: allowed: comma-separated integers, each {allowed}")
     return list(dict.fromkeys(values))
+
+
+def _unwritable_dir(out: Path) -> str | None:
+    """Why the directory ``out`` cannot be made (with its parents) and written into; None: made."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"cannot be created: {e.strerror}"
+    if not os.access(out, os.W_OK | os.X_OK):
+        return "cannot be written to (permission denied)"
+    return None
+
+
+def output_dir(path: str | os.PathLike[str], flag: str) -> Path:
+    """``path`` made (with its parents) for a script to write into, before any of its work: a
+    :class:`DtlabError` naming ``flag`` where it cannot be (a file there, no permission)."""
+    out = Path(path)
+    why = _unwritable_dir(out)
+    if why:
+        raise DtlabError(f"{flag} '{out}' {why}")
+    return out
+
+
+def output_file(path: str | os.PathLike[str], flag: str) -> Path:
+    """``path`` checked as a file a script writes at its end, before any of its work (its directory
+    made): a :class:`DtlabError` naming ``flag`` where it could not be written then, so that no
+    result is lost to a mistyped path."""
+    out = Path(path)
+    if out.is_dir():
+        raise DtlabError(f"{flag} '{out}' is a directory; allowed: a file's path")
+    why = _unwritable_dir(out.parent)
+    if why:
+        raise DtlabError(f"{flag} '{out}': its directory '{out.parent}' {why}")
+    if out.exists() and not os.access(out, os.W_OK):
+        raise DtlabError(f"{flag} '{out}' cannot be written to (permission denied)")
+    return out
 
 
 def add_config_args(parser: argparse.ArgumentParser, *, config: bool = True) -> None:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dtlab.bench.calibrate_replan import median_prediction
-from dtlab.cliargs import non_negative_int, positive_int
+from dtlab.cliargs import non_negative_int, output_file, positive_int, run_command
 from dtlab.errors import DtlabError
 
 if TYPE_CHECKING:
@@ -574,6 +574,8 @@ def main(argv: list[str] | None = None) -> int:
         if not models or any(m not in BASES for m in models):
             raise DtlabError(f"--models {args.models!r}: expected a comma-separated list of "
                              f"{', '.join(BASES)}")  # fmt: skip
+        if args.json:
+            output_file(args.json, "--json")  # before the hour of measuring, not after
         if args.replan:
             result = replanned(_read_json(args.replan))
         else:
@@ -591,4 +593,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))  # a DtlabError anywhere: one line, never a traceback

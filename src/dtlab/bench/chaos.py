@@ -47,7 +47,15 @@ from pathlib import Path
 from typing import Any
 
 from dtlab.bench.chaos_procs import BASE, _events, _last_step, _pids, _signal
-from dtlab.cliargs import int_from, non_negative_int, positive_float, positive_int
+from dtlab.cliargs import (
+    int_from,
+    non_negative_int,
+    output_dir,
+    positive_float,
+    positive_int,
+    run_command,
+)
+from dtlab.errors import DtlabError
 
 MODES = ("ft-clean", "ft-kill", "ft-hang", "plain-clean", "restart-kill")
 # Each faulty run's fault-free twin.
@@ -660,8 +668,11 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"error: --modes {','.join(bad)}: allowed: {', '.join(MODES)}", file=sys.stderr)
         return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out = output_dir(args.out, "--out")
+    except DtlabError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     runs: dict[str, Run] = {}
     figures: dict[str, dict[str, Any]] = {}
     batch = 2 * args.replicas
@@ -695,4 +706,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))  # a DtlabError anywhere: one line, never a traceback

@@ -40,7 +40,15 @@ from pathlib import Path
 from typing import Any
 
 from dtlab.bench.chaos_procs import BASE, _events, _last_step, _pids, _signal
-from dtlab.cliargs import int_from, non_negative_int, positive_float, positive_int
+from dtlab.cliargs import (
+    int_from,
+    non_negative_int,
+    output_dir,
+    positive_float,
+    positive_int,
+    run_command,
+)
+from dtlab.errors import DtlabError
 
 __all__ = [
     "Event",
@@ -530,8 +538,11 @@ def main(argv: list[str] | None = None, python: str = sys.executable) -> int:
     if bad:
         print(f"error: {bad}", file=sys.stderr)
         return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out = output_dir(args.out, "--out")
+    except DtlabError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.report_only:
         try:
             runs = json.loads((out / "report.json").read_text())["runs"]
@@ -559,4 +570,4 @@ def main(argv: list[str] | None = None, python: str = sys.executable) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))  # a DtlabError anywhere: one line, never a traceback

@@ -41,7 +41,7 @@ from dtlab.checkpoint.autoasync import TRIAL
 from dtlab.checkpoint.manager import WRITERS, Checkpointer, _dir_bytes
 from dtlab.checkpoint.manifest import verify_checkpoint
 from dtlab.checkpoint.state import ModelState, OptimizerState, Stateful
-from dtlab.cliargs import parse_config_args, positive_int, run_command, script_parser
+from dtlab.cliargs import output_dir, parse_config_args, positive_int, run_command, script_parser
 from dtlab.config import Config, load_config
 from dtlab.errors import DtlabError
 from dtlab.models.llama import build_model, count_params
@@ -150,13 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         help="skip the load of a checkpoint of 2 FSDP processes",
     )
     args = parse_config_args(p, argv)
-    if args.repeats < 1:
-        p.error(f"--repeats {args.repeats}: at least 1")
     if args.dir is not None:
-        try:
-            args.dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise DtlabError(f"--dir '{args.dir}' cannot be created: {e.strerror}") from None
+        output_dir(args.dir, "--dir")
     root = Path(tempfile.mkdtemp(prefix="dtlab-ckpt-bench-", dir=args.dir))
     try:
         config = load_config(

@@ -71,6 +71,7 @@ from typing import Any
 from dtlab.cliargs import (
     int_list,
     non_negative_int,
+    output_file,
     parse_config_args,
     positive_int,
     run_command,
@@ -500,6 +501,8 @@ def main(argv: list[str] | None = None) -> int:
         _worker(args.overrides, methods, (args.warmup, args.steps, args.repeats), args.worker)
         return 0
     cps = int_list(args.cp, "--cp", 2)
+    if args.json is not None:
+        output_file(args.json, "--json")
     shape = (args.seq, args.dim, args.layers, args.heads, args.kv_heads, args.vocab, args.batch)
     overrides = [*shape_overrides(*shape, preset=args.preset), *args.overrides]
     _validate(overrides, cps, methods)
@@ -527,7 +530,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wall time {time.perf_counter() - started:.0f} s; load average {load:.1f} before, "
           f"{os.getloadavg()[0]:.1f} after")  # fmt: skip
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
         print(f"figures: {args.json}")
     return 0

@@ -24,7 +24,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from dtlab.cliargs import int_list, positive_int
+from dtlab.cliargs import int_list, output_file, positive_int
 from dtlab.errors import DtlabError
 
 __all__ = ["main", "measure", "plot"]
@@ -169,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         _worker(args.overrides, args.worker)
         return 0
     seqs, cps = int_list(args.seq, "--seq"), int_list(args.cp, "--cp")
+    if args.plot is not None:
+        output_file(args.plot, "--plot")
     rows = []
     print(f"{'seq':>7} {'cp':>3} {'held per step (MiB)':>20} {'vs cp 1':>8}")
     for seq in seqs:

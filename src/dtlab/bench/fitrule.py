@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from dtlab.analysis.model import plan_step
-from dtlab.cliargs import positive_float, positive_int, run_command
+from dtlab.cliargs import output_file, positive_float, positive_int, run_command
 from dtlab.config import check_world, load_config
 from dtlab.errors import ConfigError
 
@@ -561,8 +561,6 @@ def _checked(
         given = _parse_ratios(args.ratios) if args.ratios else None
     except ValueError as e:
         p.error(str(e))
-    if args.steps < 1:
-        p.error(f"--steps {args.steps}: need at least 1")
     return mallocs, given
 
 
@@ -613,6 +611,8 @@ def main(argv: list[str] | None = None) -> int:
     p = _parser()
     args = p.parse_args(argv)
     mallocs, given = _checked(p, args)
+    if args.json is not None:
+        output_file(args.json, "--json")
     cases = QUICK_GRID if args.quick else GRID
     # A kill stops the bench as Ctrl-C does: the runs in flight and their cgroups go with it.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

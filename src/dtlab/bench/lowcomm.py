@@ -40,7 +40,7 @@ from typing import Any
 from dtlab.analysis.latency import cross_replica_collectives
 from dtlab.bench import lowcomm_fair, lowcomm_reuse
 from dtlab.bench.link import Link, link_namespace, measure_link, parse_links
-from dtlab.cliargs import positive_int
+from dtlab.cliargs import output_dir, output_file, positive_int, run_command
 from dtlab.config import load_config
 from dtlab.errors import DtlabError
 from dtlab.metrics.comm import RTT_ENV, bench_rtt_s
@@ -746,8 +746,9 @@ def main(argv: list[str] | None = None) -> int:
         methods = _methods(args.methods)
         seeds = _seeds(args.seeds, args.overrides)
         bench_rtt_s()  # a bad DTLAB_BENCH_RTT_MS in this environment is named before any run
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
+        out = output_dir(args.out, "--out")
+        if args.json_out:
+            output_file(args.json_out, "--json")
         rows = _measure_all(links, seeds, methods, args, out)
         _write_outputs(rows, seeds, args, out)
     except DtlabError as e:
@@ -797,4 +798,4 @@ def _measure(
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))  # a DtlabError anywhere: one line, never a traceback

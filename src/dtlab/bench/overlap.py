@@ -44,7 +44,14 @@ from pathlib import Path
 from typing import Any
 
 from dtlab.bench.link import check_can_create, parse_links
-from dtlab.cliargs import int_list, non_negative_float, positive_int
+from dtlab.cliargs import (
+    int_list,
+    non_negative_float,
+    output_dir,
+    output_file,
+    positive_int,
+    run_command,
+)
 from dtlab.errors import DtlabError
 
 __all__ = [
@@ -678,8 +685,10 @@ def _main(args: argparse.Namespace) -> int:
             raise DtlabError(f"--device-s {args.device_s}: allowed 0 to 60 seconds a step")
         check_can_create()
         check_configs(methods, args.steps, args.overrides, tuple(counts))
-        out = Path(args.out)
-        (out / "runs").mkdir(parents=True, exist_ok=True)
+        out = output_dir(args.out, "--out")
+        output_dir(out / "runs", "--out")
+        if args.json_out:
+            output_file(args.json_out, "--json")
         rows: list[dict[str, Any]] = []
         for replicas in counts:  # the outputs rewritten after each count: a long run's so far
             rows += measure(
@@ -700,4 +709,4 @@ def _main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))  # a DtlabError anywhere: one line, never a traceback

@@ -40,6 +40,7 @@ from dtlab.cliargs import (
     int_from,
     int_list,
     non_negative_int,
+    output_dir,
     parse_config_args,
     positive_int,
     run_command,
@@ -231,8 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
     counts = int_list(args.microbatches, "--microbatches")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_dir(args.out, "--out")
     runs = []
     print(
         f"{'schedule':<18} {'micro-batches':>13} {'schedule s':>10} {'bubble':>7} {'textbook':>8} "
