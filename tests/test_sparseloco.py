@@ -69,6 +69,42 @@ def test_every_value_goes_without_indices() -> None:
     assert torch.equal(decode(payload, 10_000, 1.0, 64, "int1"), sent)
 
 
+@pytest.mark.parametrize("numel", [10_000, 12_288, 7])
+def test_one_bit_values_are_their_signs_times_their_groups_mean_magnitude(numel: int) -> None:
+    """The 1-bit payload read independently of the codec: bit j of byte b (little-endian) is value
+    8 b + j, 1 for a negative value; each 4,096 values' float32 scale is their mean magnitude."""
+    import numpy as np
+
+    x = _signal(numel, seed=3)
+    x[::7] = 0.0  # zeros go as positive
+    payload, sent = encode(x, 1.0, 64, "int1")
+    code_bytes = -(-numel // 64) * 64 // 8
+    bits = np.unpackbits(payload[:code_bytes].numpy(), bitorder="little")[:numel]
+    scales = payload[code_bytes:].clone().view(torch.float32)
+    groups = x.abs().split(4096)
+    assert torch.allclose(scales, torch.stack([g.mean() for g in groups]), rtol=1e-6)
+    assert np.array_equal(bits, (x < 0).numpy())
+    per_value = scales.repeat_interleave(4096)[:numel]
+    expected = torch.where(torch.from_numpy(bits.astype(bool)), -per_value, per_value)
+    assert torch.equal(sent, expected)
+    assert torch.equal(decode(payload, numel, 1.0, 64, "int1"), expected)
+
+
+def test_bits_packed_at_any_offset_are_the_same_bytes() -> None:
+    # The 1-bit codes are packed eight at a time as one integer where the bytes are aligned, and
+    # by shifts where they are not: the same bytes either way.
+    from dtlab.train.sparseloco import _pack_bits
+
+    flat = torch.randint(
+        0, 2, (8 * 1001,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1)
+    )
+    aligned = _pack_bits(flat[:8000].view(-1, 8))
+    unaligned = _pack_bits(flat[3:8003].view(-1, 8))
+    places = torch.arange(8, dtype=torch.uint8)
+    assert torch.equal(aligned, (flat[:8000].view(-1, 8) << places).sum(1, dtype=torch.uint8))
+    assert torch.equal(unaligned, (flat[3:8003].view(-1, 8) << places).sum(1, dtype=torch.uint8))
+
+
 def test_sizes_are_counted_from_their_parts() -> None:
     # 10,000 values in chunks of 4,096: 3 chunks, 41 values each (1%), 12-bit indices, 2-bit values.
     assert index_bits(4096) == 12 and values_per_chunk(0.01, 4096) == 41

@@ -24,6 +24,7 @@ with a scale per 4,096 values. The last chunk is padded with zeros to ``chunk`` 
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
@@ -86,16 +87,29 @@ def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
     groups = flat.view(-1, 8)
-    if bits == 1:  # value j of a group is bit j of its byte: one shift and one sum (signs, int1)
-        places = torch.arange(8, dtype=torch.uint8, device=groups.device)
-        out = (groups << places).sum(1, dtype=torch.uint8)
-        return out[: math.ceil(codes.numel() / 8)]
+    if bits == 1:  # value j of a group is bit j of its byte (signs, int1)
+        return _pack_bits(groups)[: math.ceil(codes.numel() / 8)]
     out = torch.zeros(groups.shape[0], bits, dtype=torch.uint8, device=codes.device)
     for value, bit, byte, place in _bit_places(bits):
         column = out[:, byte]
         column |= ((groups[:, value] >> bit) & 1).to(torch.uint8) << place
     # Whole groups hold 8 * bits bits; the last byte of a partial group is cut to the values' bits.
     return out.flatten()[: math.ceil(codes.numel() * bits / 8)]
+
+
+# Times a group of 8 bytes read as one little-endian integer, it gathers bit 0 of byte j at bit
+# 56 + j, each term at a bit of its own (no carries): the top byte is the group's 8 bits.
+_GATHER_BITS = 0x0102040810204080
+
+
+def _pack_bits(groups: torch.Tensor) -> torch.Tensor:
+    """Groups of 8 bytes of 0 or 1 [m, 8] -> m bytes, value j at bit j: one multiply a group where a
+    shift and a sum over each value took ten times as long."""
+    if sys.byteorder != "little" or groups.storage_offset() % 8:
+        places = torch.arange(8, dtype=torch.uint8, device=groups.device)
+        return (groups << places).sum(1, dtype=torch.uint8)
+    words = groups.contiguous().view(torch.int64).flatten()
+    return words.mul(_GATHER_BITS).bitwise_right_shift_(56).to(torch.uint8)
 
 
 def _unpack(packed: torch.Tensor, count: int, bits: int) -> torch.Tensor:
@@ -144,7 +158,11 @@ def encode_sections(
         values = picked
         parts.append(picked.contiguous().flatten().view(torch.uint8))
     else:
-        codes, scale, values = _quantize(picked, SPARSE_BITS[quantize], chunks_per_scale(chunk))
+        # Every value sent: the last chunk's padding is not among them (a picked value may be).
+        real = n if idx is None else chunks * k
+        codes, scale, values = _quantize(
+            picked, SPARSE_BITS[quantize], chunks_per_scale(chunk), real
+        )
         parts += [_pack(codes, SPARSE_BITS[quantize]), scale.flatten().view(torch.uint8)]
     if idx is None:
         return parts, values.flatten()[:n]
@@ -166,11 +184,14 @@ def decode(
     else:
         bits = SPARSE_BITS[quantize]
         end = at + math.ceil(sent * bits / 8)
-        codes = _unpack(payload[at:end], sent, bits).view(chunks, k)
         g = chunks_per_scale(chunk)
         scales = math.ceil(chunks / g)
         scale = payload[end : end + 4 * scales].clone().view(torch.float32).view(scales, 1)
-        values = _dequantize(codes, _per_chunk(scale, g, chunks), bits)
+        per = _per_chunk(scale, g, chunks)
+        if bits == 1:  # each byte's 8 signs at once, looked up: no integer per bit
+            values = _signs(payload[at:end], sent).view(chunks, k) * per
+        else:
+            values = _dequantize(_unpack(payload[at:end], sent, bits).view(chunks, k), per, bits)
     if idx is None:  # every value, in order
         return values.flatten()[:numel]
     rows = torch.zeros(chunks, chunk, dtype=torch.float32, device=payload.device)
@@ -183,22 +204,26 @@ def _per_chunk(scale: torch.Tensor, g: int, chunks: int) -> torch.Tensor:
 
 
 def _quantize(
-    v: torch.Tensor, bits: int, g: int
+    v: torch.Tensor, bits: int, g: int, real: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes, one scale per group of ``g`` rows, the dequantised values) of the rows of picked
-    values ``v``."""
+    values ``v``, of which the first ``real`` are sent (the rest: the last chunk's padding)."""
     chunks, k = v.shape
     groups = math.ceil(chunks / g)
-    mag = torch.zeros(groups * g, k, dtype=v.dtype, device=v.device)
-    mag[:chunks] = v.abs()
+    mag = torch.empty(groups * g, k, dtype=v.dtype, device=v.device)
+    torch.abs(v, out=mag[:chunks])
+    mag[chunks:] = 0  # the last group's padding rows
     mag = mag.view(groups, g * k)
-    sign = (v < 0).long()
     if bits == 1:
-        # The padding rows of the last group are not sent: its mean is over the real values.
-        real = torch.full((groups,), g * k, dtype=v.dtype, device=v.device)
-        real[-1] = (chunks - (groups - 1) * g) * k
-        scale = (mag.sum(dim=1) / real).view(groups, 1)
-        return sign, scale, _dequantize(sign, _per_chunk(scale, g, chunks), bits)
+        # The padding of the last group is not sent: its mean is over the values that are.
+        count = torch.full((groups,), g * k, dtype=v.dtype, device=v.device)
+        count[-1] = real - (groups - 1) * g * k
+        scale = (mag.sum(dim=1) / count).view(groups, 1)
+        per = _per_chunk(scale, g, chunks)
+        negative = v < 0  # the code (1: negative), a byte each; the value +-scale, exactly
+        values = negative.to(v.dtype).mul_(-2.0).add_(1.0).mul_(per)
+        return negative.to(torch.uint8), scale, values
+    sign = (v < 0).long()
     levels = 1 << (bits - 1)
     scale = mag.amax(dim=1, keepdim=True)
     per = _per_chunk(scale, g, chunks)
@@ -208,9 +233,21 @@ def _quantize(
     return codes, scale, _dequantize(codes, per, bits)
 
 
+def _signs(packed: torch.Tensor, count: int) -> torch.Tensor:
+    """The ``count`` 1-bit codes of :func:`_pack` as float32 signs (code 0: +1, 1: -1), every byte's
+    eight looked up in a table of the 256 bytes: one gather, where unpacking to integers and
+    converting made four passes over eight times the bytes (the 1-bit outer sync's decode, once per
+    replica per sync, was most of its time on the host)."""
+    # Built each call (a few microseconds), not kept: a table made under a fake-tensor mode (the
+    # memory plan's tracing) must not reach a real decode.
+    byte = torch.arange(256, device=packed.device)[:, None]
+    bits = (byte >> torch.arange(8, device=packed.device)) & 1
+    table = 1.0 - 2.0 * bits.float()
+    return table[packed.long()].flatten()[:count]
+
+
 def _dequantize(codes: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
+    """The values of ``bits`` >= 2-bit codes (sign, then magnitude), each its bin's middle."""
     sign = 1.0 - 2.0 * (codes & 1).float()
-    if bits == 1:
-        return sign * scale
     levels = 1 << (bits - 1)
     return sign * ((codes >> 1).float() + 0.5) / levels * scale
