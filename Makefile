@@ -72,6 +72,7 @@ test-fast: install-dev
 bench: install
 	$(BIN)/python -m dtlab.bench.overhead
 	$(BIN)/python -m dtlab.bench.optimizer
+	$(BIN)/python -m dtlab.bench.codec
 	$(BIN)/python -m dtlab.bench.checkpoint --preset small
 	$(BIN)/python -m dtlab.bench.pipeline --out bench-out/pipeline
 	$(BIN)/dtlab bench --strategies single,ddp,fsdp,hsdp --nproc 1,2,4 --steps 8 --out bench-out \

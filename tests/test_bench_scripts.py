@@ -39,6 +39,20 @@ SMALLEST = {
         r"load \(verify \+ load\)\s+[\d.]+ s cold.*\n"
         r"load resharded \(verify \+ load\)\s+[\d.]+ s cold .* \(written by 2 FSDP processes",
     ),
+    "codec": (
+        [
+            "--methods",
+            "streaming-int1,sparseloco",
+            "--values",
+            "8192",
+            "--repeats",
+            "2",
+            "--replicas",
+            "2,3",
+        ],
+        r"\| streaming-int1 \| 1\.008 \| 1\.0 \| [\d.]+ \| [\d.]+ \| [\d.]+ \|\n"
+        r"\| sparseloco \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \|",
+    ),
     "ledger": (
         ["--preset", "debug", "--blocks", "2", "--block-steps", "2", "--set", *FAST[1:]],
         r"step wall time: median [\d.]+ ms with, [\d.]+ ms without",
@@ -86,6 +100,8 @@ BAD_COUNTS = [
     ("chaos", ["--diloco", "--factor", "0"], "argument --factor: expected a finite number above 0"),
     ("chaos", ["--diloco", "--replicas", "1"], INT_RANGE.format(2, 1)),
     ("checkpoint", ["--repeats", "0"], INT_RANGE.format(1, 0)),
+    ("codec", ["--repeats", "0"], INT_RANGE.format(1, 0)),
+    ("codec", ["--methods", "ddp,int9"], "--methods 'ddp,int9': ddp, int9 not a compressed"),
     ("cp_comm", ["--warmup", "-1"], INT_RANGE.format(0, -1)),
     ("cp_comm", ["--cp", "2,x"], "--cp '2,x': allowed: comma-separated integers, each 2 or more"),
     ("cp_memory", ["--seq", "0"], "--seq '0': allowed: comma-separated integers, each 1 or more"),
@@ -133,6 +149,7 @@ OUTPUTS = [
     ("chaos", ["--out", "{file}"], "--out '{file}' cannot be created: File exists"),
     ("chaos", ["--diloco", "--out", "{file}"], "--out '{file}' cannot be created: File exists"),
     ("checkpoint", ["--dir", "{file}"], "--dir '{file}' cannot be created: File exists"),
+    ("codec", ["--json", "{dir}"], "--json '{dir}' is a directory; allowed: a file's path"),
     ("cp_comm", ["--json", "{file}/x.json"], "--json '{file}/x.json': its directory '{file}'"),
     ("cp_memory", ["--plot", "{file}/x.png"], "--plot '{file}/x.png': its directory '{file}'"),
     ("fitrule", ["--json", "{file}/x.json"], "--json '{file}/x.json': its directory '{file}'"),
