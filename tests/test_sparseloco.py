@@ -15,8 +15,6 @@ from dtlab.analysis.model import param_shapes
 from dtlab.config import DiLoCoOptions, load_config
 from dtlab.train.outer_codec import outer_payload_bytes
 from dtlab.train.sparseloco import (
-    _pack,
-    _unpack,
     decode,
     encode,
     index_bits,
@@ -88,21 +86,6 @@ def test_one_bit_values_are_their_signs_times_their_groups_mean_magnitude(numel:
     expected = torch.where(torch.from_numpy(bits.astype(bool)), -per_value, per_value)
     assert torch.equal(sent, expected)
     assert torch.equal(decode(payload, numel, 1.0, 64, "int1"), expected)
-
-
-def test_bits_packed_at_any_offset_are_the_same_bytes() -> None:
-    # The 1-bit codes are packed eight at a time as one integer where the bytes are aligned, and
-    # by shifts where they are not: the same bytes either way.
-    from dtlab.train.sparseloco import _pack_bits
-
-    flat = torch.randint(
-        0, 2, (8 * 1001,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1)
-    )
-    aligned = _pack_bits(flat[:8000].view(-1, 8))
-    unaligned = _pack_bits(flat[3:8003].view(-1, 8))
-    places = torch.arange(8, dtype=torch.uint8)
-    assert torch.equal(aligned, (flat[:8000].view(-1, 8) << places).sum(1, dtype=torch.uint8))
-    assert torch.equal(unaligned, (flat[3:8003].view(-1, 8) << places).sum(1, dtype=torch.uint8))
 
 
 def test_sizes_are_counted_from_their_parts() -> None:
@@ -189,21 +172,3 @@ def test_bytes_per_step_are_predicted_to_the_byte(tmp_path: Path, quantize: str)
     # A sparse 2-bit sync is far smaller than the dense float32 one of the same fragments.
     n = sum(s.numel for s in param_shapes(load_config(overrides=["model.preset=debug"]).model))
     assert sum(syncs) < 0.1 * 2 * 4 * n
-
-
-@pytest.mark.parametrize("bits", [1, 4, 12])
-def test_packing_holds_bytes_not_an_integer_per_bit(bits: int) -> None:
-    # What packing a fragment holds at once beyond its codes: the codes at one byte each (four above
-    # 8 bits) and the packed bytes, not 8 bytes per bit per value (~16 GB for 1e9 values at 1 bit).
-    from dtlab.analysis.played import play
-
-    n = 1 << 16
-    codes = torch.randint(0, 2**bits, (n,), generator=torch.Generator().manual_seed(0))
-    held = play(lambda: _pack(codes, bits), codes)
-    narrow = n * (1 if bits <= 8 else 4)
-    # (a column of the bit operations holds up to another such copy, an eighth of it at a time;
-    # 1 bit shifts the codes at once, beside a byte's eight bit places: 8 bytes)
-    assert held <= 2 * narrow + n * bits // 8 + 8, (held, narrow)
-    packed = _pack(codes, bits)
-    assert packed.dtype == torch.uint8 and packed.numel() == n * bits // 8
-    assert torch.equal(_unpack(packed, n, bits), codes)

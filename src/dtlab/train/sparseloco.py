@@ -24,9 +24,10 @@ with a scale per 4,096 values. The last chunk is padded with zeros to ``chunk`` 
 from __future__ import annotations
 
 import math
-import sys
 
 import torch
+
+from dtlab.train.bitpack import pack, signs, unpack
 
 __all__ = [
     "SPARSE_BITS",
@@ -69,64 +70,6 @@ def payload_bytes(numel: int, topk: float, chunk: int, quantize: str) -> int:
     return index + math.ceil(sent * SPARSE_BITS[quantize] / 8) + 4 * scales
 
 
-def _bit_places(bits: int) -> list[tuple[int, int, int, int]]:
-    """Where each bit of a group of 8 values of ``bits`` bits goes: (value, its bit, byte, bit in the
-    byte), the values' bits one after another, little-endian (the group fills ``bits`` bytes)."""
-    return [(p // bits, p % bits, p // 8, p % 8) for p in range(8 * bits)]
-
-
-def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Non-negative integers below 2**bits, ``bits`` bits each, little-endian into bytes.
-
-    Eight values at a time fill ``bits`` whole bytes, built by bit operations on byte-wide columns:
-    what this holds beyond its output is the codes at one byte each (four above 8 bits), not one
-    integer per bit (a 1-bit fragment of 1e9 values would otherwise take ~16 GB of temporaries)."""
-    wide = torch.uint8 if bits <= 8 else torch.int32
-    flat = codes.reshape(-1).to(wide)
-    pad = (-flat.numel()) % 8
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad)])
-    groups = flat.view(-1, 8)
-    if bits == 1:  # value j of a group is bit j of its byte (signs, int1)
-        return _pack_bits(groups)[: math.ceil(codes.numel() / 8)]
-    out = torch.zeros(groups.shape[0], bits, dtype=torch.uint8, device=codes.device)
-    for value, bit, byte, place in _bit_places(bits):
-        column = out[:, byte]
-        column |= ((groups[:, value] >> bit) & 1).to(torch.uint8) << place
-    # Whole groups hold 8 * bits bits; the last byte of a partial group is cut to the values' bits.
-    return out.flatten()[: math.ceil(codes.numel() * bits / 8)]
-
-
-# Times a group of 8 bytes read as one little-endian integer, it gathers bit 0 of byte j at bit
-# 56 + j, each term at a bit of its own (no carries): the top byte is the group's 8 bits.
-_GATHER_BITS = 0x0102040810204080
-
-
-def _pack_bits(groups: torch.Tensor) -> torch.Tensor:
-    """Groups of 8 bytes of 0 or 1 [m, 8] -> m bytes, value j at bit j: one multiply a group where a
-    shift and a sum over each value took ten times as long."""
-    if sys.byteorder != "little" or groups.storage_offset() % 8:
-        places = torch.arange(8, dtype=torch.uint8, device=groups.device)
-        return (groups << places).sum(1, dtype=torch.uint8)
-    words = groups.contiguous().view(torch.int64).flatten()
-    return words.mul(_GATHER_BITS).bitwise_right_shift_(56).to(torch.uint8)
-
-
-def _unpack(packed: torch.Tensor, count: int, bits: int) -> torch.Tensor:
-    """The ``count`` integers of :func:`_pack` (int64)."""
-    pad = (-packed.numel()) % bits
-    whole = torch.cat([packed, packed.new_zeros(pad)]) if pad else packed
-    groups = whole.view(-1, bits)
-    if bits == 1:
-        places = torch.arange(8, dtype=torch.uint8, device=groups.device)
-        return ((groups >> places) & 1).long().flatten()[:count]
-    out = torch.zeros(groups.shape[0], 8, dtype=torch.int64, device=packed.device)
-    for value, bit, byte, place in _bit_places(bits):
-        column = out[:, value]
-        column |= ((groups[:, byte] >> place) & 1).long() << bit
-    return out.flatten()[:count]
-
-
 def encode(
     x: torch.Tensor, topk: float, chunk: int, quantize: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,7 +96,7 @@ def encode_sections(
     else:
         idx = rows.abs().topk(k, dim=1, sorted=False).indices
         picked = rows.gather(1, idx)
-        parts = [_pack(idx, index_bits(chunk, k))]
+        parts = [pack(idx, index_bits(chunk, k))]
     if quantize == "none":
         values = picked
         parts.append(picked.contiguous().flatten().view(torch.uint8))
@@ -163,7 +106,7 @@ def encode_sections(
         codes, scale, values = _quantize(
             picked, SPARSE_BITS[quantize], chunks_per_scale(chunk), real
         )
-        parts += [_pack(codes, SPARSE_BITS[quantize]), scale.flatten().view(torch.uint8)]
+        parts += [pack(codes, SPARSE_BITS[quantize]), scale.flatten().view(torch.uint8)]
     if idx is None:
         return parts, values.flatten()[:n]
     dense = torch.zeros_like(rows).scatter_(1, idx, values).flatten()[:n]
@@ -178,7 +121,7 @@ def decode(
     k = values_per_chunk(topk, chunk)
     sent, ib = chunks * k, index_bits(chunk, k)
     at = math.ceil(sent * ib / 8)
-    idx = None if ib == 0 else _unpack(payload[:at], sent, ib).view(chunks, k)
+    idx = None if ib == 0 else unpack(payload[:at], sent, ib).view(chunks, k)
     if quantize == "none":
         values = payload[at : at + 4 * sent].clone().view(torch.float32).view(chunks, k)
     else:
@@ -189,9 +132,9 @@ def decode(
         scale = payload[end : end + 4 * scales].clone().view(torch.float32).view(scales, 1)
         per = _per_chunk(scale, g, chunks)
         if bits == 1:  # each byte's 8 signs at once, looked up: no integer per bit
-            values = _signs(payload[at:end], sent).view(chunks, k) * per
+            values = signs(payload[at:end], sent).view(chunks, k) * per
         else:
-            values = _dequantize(_unpack(payload[at:end], sent, bits).view(chunks, k), per, bits)
+            values = _dequantize(unpack(payload[at:end], sent, bits).view(chunks, k), per, bits)
     if idx is None:  # every value, in order
         return values.flatten()[:numel]
     rows = torch.zeros(chunks, chunk, dtype=torch.float32, device=payload.device)
@@ -231,20 +174,6 @@ def _quantize(
     m = (v.abs() / safe * levels).floor().clamp(max=levels - 1).long()
     codes = sign | (m << 1)
     return codes, scale, _dequantize(codes, per, bits)
-
-
-def _signs(packed: torch.Tensor, count: int) -> torch.Tensor:
-    """The ``count`` 1-bit codes of :func:`_pack` as float32 signs (code 0: +1, 1: -1), every byte's
-    eight looked up in a table of the 256 bytes: one gather, where unpacking to integers and
-    converting made four passes over eight times the bytes (the 1-bit outer sync's decode, once per
-    replica per sync, was most of its time on the host)."""
-    # Built each call (a few microseconds), not kept: a table made under a fake-tensor mode (the
-    # memory plan's tracing) must not reach a real decode.
-    byte = torch.arange(256, device=packed.device)[:, None]
-    bits = (byte >> torch.arange(8, device=packed.device)) & 1
-    table = 1.0 - 2.0 * bits.float()
-    # index_select: a row copy per byte, a quarter of the time of the same gather by indexing.
-    return table.index_select(0, packed.int()).flatten()[:count]
 
 
 def _dequantize(codes: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
