@@ -192,3 +192,26 @@ def test_ft_layouts_refused_where_not_built(
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_diloco_checkpoint_is_not_resumed_on_another_layout_when_set_for_every_layout(
+    tmp_path: Path,
+) -> None:
+    # DiLoCo from --set (or the config) on every layout, not from a diloco:N layout: the resume of
+    # one layout's checkpoint on the reference's was tried, refused by the trainer, and failed
+    # verify. It is said not run, as for a diloco:N layout, and nothing trains for it.
+    from dtlab.verify import Tolerances, _resume_check, _StateContext, _Target, diloco_everywhere
+
+    sets = [*FAST, "parallel.diloco.replicas=2", "parallel.diloco.inner_steps=2"]
+    assert diloco_everywhere(None, sets)
+    assert not diloco_everywhere(None, list(FAST))
+    ref, other = parse_layouts("ddp:2,ddp:4")
+    assert not ref.diloco and not other.diloco  # the layouts alone do not say it
+    reports: list[str] = []
+    ctx = _StateContext(None, sets, 4, tmp_path, Tolerances(), reports.append, ref,
+                        tmp_path / "ref", "torch", diloco_everywhere(None, sets))  # fmt: skip
+    got = _resume_check(
+        ctx, other, tmp_path / "x", tmp_path / "none", _Target(ref, ctx.ref_dir, "resume on ddp:2")
+    )
+    assert got.ok and got.note.startswith("not run: a DiLoCo checkpoint"), got
+    assert reports == [] and list(tmp_path.iterdir()) == []  # nothing trained

@@ -509,6 +509,14 @@ def _dir_name(i: int, layout: Layout) -> str:
     return f"{i}-{re.sub(r'[^a-z0-9_]+', '-', layout.name)}"
 
 
+def diloco_everywhere(config: str | None, overrides: list[str]) -> bool:
+    """DiLoCo set for every layout by the config or ``--set`` (not by a ``diloco:N`` layout): each
+    layout's replicas then keep their own state and gradient norms, as a ``diloco:N`` layout's do."""
+    from dtlab.config import load_config
+
+    return load_config(config, overrides).parallel.diloco.inner_steps > 0
+
+
 def verify(
     layouts: list[Layout],
     config: str | None,
@@ -536,6 +544,7 @@ def verify(
     if source is not None:
         report(f"every layout starts from the weights of {source} (model.init_from)")
     overrides = _float8_micro_batches(layouts, config, overrides, report)
+    every_diloco = diloco_everywhere(config, overrides)
     out.mkdir(parents=True, exist_ok=True)
     middle = middle_step(steps) if "resume" in checks else None
     dirs = []
@@ -555,7 +564,7 @@ def verify(
     ref = layouts[0]
     check_started_from(ref.name, dirs[0], source)
     for layout, run_dir in zip(layouts[1:], dirs[1:], strict=True):
-        grad_norm = not (layout.diloco or ref.diloco)
+        grad_norm = not (layout.diloco or ref.diloco or every_diloco)
         # Fault-tolerant groups: each group's own run (its metrics, its final weights) compared.
         groups = sorted(run_dir.glob("replica-*"), key=lambda g: int(g.name.split("-")[1]))
         for name, where in (
@@ -569,7 +578,9 @@ def verify(
         from dtlab.config import load_config
 
         engine = load_config(config, overrides).train.engine
-        ctx = _StateContext(config, overrides, steps, out, tol, report, layouts[0], dirs[0], engine)
+        ctx = _StateContext(
+            config, overrides, steps, out, tol, report, layouts[0], dirs[0], engine, every_diloco
+        )
         for i, (layout, run_dir) in enumerate(zip(layouts, dirs, strict=True)):
             result.state.append(_state_checks(i, layout, run_dir, ctx, checks))
     (out / "verify.json").write_text(
@@ -593,6 +604,7 @@ class _StateContext:
     ref: Layout
     ref_dir: Path
     engine: str
+    every_diloco: bool = False  # DiLoCo on every layout, set by the config or --set
 
 
 class _Target(NamedTuple):
@@ -642,7 +654,7 @@ def _resume_check(
     ``base``, then compared with that layout's uninterrupted run (not run for a DiLoCo checkpoint on
     another layout)."""
     what = target.what
-    if target.layout is not layout and layout.diloco:
+    if target.layout is not layout and (layout.diloco or ctx.every_diloco):
         return StateCheck(
             what, None, None, 0.0, "-", True,
             "not run: a DiLoCo checkpoint holds each replica's own state and resumes only "
@@ -655,7 +667,7 @@ def _resume_check(
         target.layout, ctx.config, [*ctx.overrides, *target.overrides], ctx.steps, resumed,
         resume=ckpt, what=f"{layout.name}: {what} from {ckpt} failed",
     )  # fmt: skip
-    grad_norm = not (target.layout.diloco or layout.diloco)
+    grad_norm = not (target.layout.diloco or layout.diloco or ctx.every_diloco)
     return _resumed_against(ctx, resumed, target, grad_norm, f"{layout.name} ({what})")
 
 
