@@ -102,6 +102,7 @@ BAD_COUNTS = [
     ("checkpoint", ["--repeats", "0"], INT_RANGE.format(1, 0)),
     ("codec", ["--repeats", "0"], INT_RANGE.format(1, 0)),
     ("codec", ["--methods", "ddp,int9"], "--methods 'ddp,int9': ddp, int9 not a compressed"),
+    ("codec", ["--device", "tpu"], "--device 'tpu': allowed: cpu or cuda"),
     ("cp_comm", ["--warmup", "-1"], INT_RANGE.format(0, -1)),
     ("cp_comm", ["--cp", "2,x"], "--cp '2,x': allowed: comma-separated integers, each 2 or more"),
     ("cp_memory", ["--seq", "0"], "--seq '0': allowed: comma-separated integers, each 1 or more"),
@@ -180,6 +181,22 @@ def test_an_output_that_cannot_be_written_is_one_line_before_anything_runs(
     out, err = capsys.readouterr()
     assert code == 2 and message.format(**paths) in err, err
     assert "Traceback" not in err and out == "", out
+
+
+def test_the_codec_bench_on_a_gpu_torch_cannot_see_is_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import torch
+
+    from dtlab.bench.codec import main
+    from dtlab.cliargs import run_command
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is here: --device cuda runs")
+    code = run_command(lambda: main(["--device", "cuda"]))
+    out, err = capsys.readouterr()
+    assert code == 2 and "--device cuda: torch sees no CUDA GPU here; allowed: cpu" in err, err
+    assert out == "", out
 
 
 def test_chaos_report_only_without_a_report_is_one_line(

@@ -1,8 +1,9 @@
-"""The compressed outer sync's host work: encoding one replica's outer gradient and decoding the
+"""The compressed outer sync's codec: encoding one replica's outer gradient and decoding the
 replicas' mean, per low-communication method, in this process.
 
     python -m dtlab.bench.codec [--methods streaming-int1,sparseloco] [--values 770624]
-                                [--replicas 2,4] [--repeats 20] [--threads 1] [--json OUT]
+                                [--replicas 2,4] [--repeats 20] [--threads 1] [--device cpu]
+                                [--json OUT]
 
 Each method is the low-communication bench's (:data:`dtlab.bench.lowcomm.METHODS`: the same
 ``parallel.diloco`` settings) that sends a compressed payload. A fragment of ``--values`` random
@@ -10,8 +11,10 @@ float32 values (default: a quarter of ``tiny``'s 3.08M parameters, its 4 fragmen
 encoded as the sender does it (:func:`dtlab.train.outer_codec.encode`, the error feedback left in
 place) and the mean of R replicas' payloads decoded as every replica does it
 (:func:`dtlab.train.outer_codec.mean_of`). The methods take turns; the median milliseconds over
-``--repeats`` turns (one more first, left out as warm-up), every method measured in one run. This is the outer sync's time on the training
-thread of a host-side codec, beside the collective's wait (which the overlap bench measures).
+``--repeats`` turns (one more first, left out as warm-up), every method measured in one run. On
+the CPU this is the outer sync's time on the training thread of a replica on the host, beside the
+collective's wait (which the overlap bench measures); ``--device cuda`` times the same codec as a
+GPU's kernels (the device synchronised around each timed call).
 
 Under glibc the bench first keeps freed memory in the process (``mallopt``: no trimming, no
 ``mmap`` for large blocks): by default glibc hands a large freed block back to the system and the
@@ -26,7 +29,6 @@ import argparse
 import ctypes
 import json
 import statistics
-import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -34,6 +36,7 @@ from typing import Any
 import torch
 
 from dtlab.bench.lowcomm import COMMON, METHODS
+from dtlab.bench.timing import timed
 from dtlab.cliargs import int_list, output_file, positive_int, run_command
 from dtlab.config import DiLoCoOptions, load_config
 from dtlab.errors import DtlabError
@@ -56,6 +59,18 @@ def _compressed(o: DiLoCoOptions) -> bool:
     return o.inner_steps > 0 and (o.quantize != "none" or o.topk > 0)
 
 
+def codec_device(text: str) -> torch.device:
+    """``--device``: cpu, or cuda where torch sees a GPU (a :class:`DtlabError` naming what is
+    allowed otherwise)."""
+    if text == "cpu":
+        return torch.device("cpu")
+    if text in ("cuda", "gpu"):
+        if not torch.cuda.is_available():
+            raise DtlabError(f"--device {text}: torch sees no CUDA GPU here; allowed: cpu")
+        return torch.device("cuda", torch.cuda.current_device())
+    raise DtlabError(f"--device {text!r}: allowed: cpu or cuda")
+
+
 def keep_freed_memory() -> bool:
     """Ask glibc to keep freed memory in the process (no trimming, no ``mmap`` for large blocks);
     False where the C library is not glibc."""
@@ -72,22 +87,28 @@ def _encode_from(target: torch.Tensor, grad: torch.Tensor, o: DiLoCoOptions) -> 
     return encode(target.copy_(grad), o)
 
 
-def _ms(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
+def _ms(fn: Callable[[], object], device: torch.device) -> float:
+    with timed(device) as t:  # a GPU's queued kernels waited for, before and after
+        fn()
+    return t.seconds * 1e3
 
 
 def measure(
-    methods: list[str], values: int, replicas: list[int], repeats: int
+    methods: list[str],
+    values: int,
+    replicas: list[int],
+    repeats: int,
+    device: torch.device | None = None,
 ) -> list[dict[str, Any]]:
     """One row a method: its payload bytes and median encode and mean-of-R-payloads milliseconds
     for a fragment of ``values`` values. The methods take turns, one encode and one mean of each R
     a turn, over ``repeats`` turns after one left out as warm-up: the allocator's state and the
-    machine's load fall on every method alike."""
+    machine's load fall on every method alike. On ``device`` (the codec runs where the replica's
+    weights are: a GPU's kernels, or the host's cores)."""
+    device = device or torch.device("cpu")
     g = torch.Generator().manual_seed(0)
-    grads = [torch.randn(values, generator=g) for _ in range(max(replicas))]
-    target = torch.empty(values)
+    grads = [torch.randn(values, generator=g).to(device) for _ in range(max(replicas))]
+    target = torch.empty(values, device=device)
     jobs: list[tuple[str, Callable[[], object]]] = []
     rows = []
     for method in methods:
@@ -109,7 +130,7 @@ def measure(
     times: list[list[float]] = [[] for _ in jobs]
     for turn in range(repeats + 1):
         for j, (_, fn) in enumerate(jobs):
-            ms = _ms(fn)
+            ms = _ms(fn, device)
             if turn:
                 times[j].append(ms)
     for j, (key, _) in enumerate(jobs):
@@ -117,14 +138,21 @@ def measure(
     return rows
 
 
-def report(rows: list[dict[str, Any]], replicas: list[int], threads: int, kept: bool) -> str:
+def report(
+    rows: list[dict[str, Any]], replicas: list[int], threads: int, kept: bool, device: str = "cpu"
+) -> str:
     """The rows as a markdown table."""
     head = ["method", "bits/value", "payload KiB", "encode ms"]
     head += [f"mean of {r} ms" for r in replicas]
     lines = [
-        f"Outer codec on the host, {rows[0]['values']:,} values a fragment, {threads} thread(s); "
-        "median over the repeats; freed memory "
-        + ("kept in the process (glibc)." if kept else "as the C library does by default."),
+        (
+            f"Outer codec on {device}, {rows[0]['values']:,} values a fragment; median over the "
+            "repeats."
+            if device != "cpu"
+            else f"Outer codec on the host, {rows[0]['values']:,} values a fragment, {threads} "
+            "thread(s); median over the repeats; freed memory "
+            + ("kept in the process (glibc)." if kept else "as the C library does by default.")
+        ),
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
@@ -149,6 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replicas", default="2,4", help="comma-separated replica counts (default 2,4)")
     p.add_argument("--repeats", type=positive_int, default=20)
     p.add_argument("--threads", type=positive_int, default=1, help="torch threads (default 1)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="where the codec runs: cpu (default) or cuda (a GPU's kernels)",
+    )
     p.add_argument("--json", dest="json_out", help="also write the rows here")
     args = p.parse_args(argv)
     methods = [m for m in args.methods.split(",") if m]
@@ -160,11 +193,14 @@ def main(argv: list[str] | None = None) -> int:
             f"method; allowed: {', '.join(allowed)}"
         )
     replicas = int_list(args.replicas, "--replicas")
+    device = codec_device(args.device)
     json_out = output_file(args.json_out, "--json") if args.json_out else None
     torch.set_num_threads(args.threads)
     kept = keep_freed_memory()
-    rows = measure(methods, args.values, replicas, args.repeats)
-    print(report(rows, replicas, args.threads, kept), end="")
+    rows = measure(methods, args.values, replicas, args.repeats, device)
+    for row in rows:
+        row["device"] = str(device)
+    print(report(rows, replicas, args.threads, kept, device.type), end="")
     if json_out is not None:
         json_out.write_text(json.dumps(rows, indent=2) + "\n")
     return 0
