@@ -48,3 +48,20 @@ def test_a_fragment_encoded_in_slices_is_the_whole_encoding(name: str, numel: in
         parts[2], numel, o
     )
     assert torch.equal(at_once, expected / 3)
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4", "int2"])
+def test_a_block_of_zeros_sends_zeros_and_its_neighbours_their_values(quantize: str) -> None:
+    # A block whose largest magnitude is 0 has no scale to divide by: its codes are the zero code
+    # (no NaN from 0 / 0), and the blocks beside it are quantised as alone.
+    o = DiLoCoOptions(inner_steps=1, quantize=quantize)
+    x = torch.linspace(-1, 1, 3 * 64)
+    x[64:128] = 0.0
+    x[70] = -0.0
+    target = x.clone()
+    payload = encode(target, o)
+    got = decode(payload, x.numel(), o)
+    assert torch.isfinite(got).all() and torch.equal(got[64:128], torch.zeros(64))
+    alone = torch.cat([decode(encode(x[a : a + 64].clone(), o), 64, o) for a in (0, 128)])
+    assert torch.equal(torch.cat([got[:64], got[128:]]), alone)
+    assert torch.equal(target, x - got)  # what was not sent stays, the zeros' too

@@ -65,7 +65,12 @@ def _quantize_sections(x: torch.Tensor, bits: int) -> tuple[list[torch.Tensor], 
     rows = padded.view(blocks, QUANT_BLOCK)
     qmax = 2 ** (bits - 1) - 1
     scale = rows.abs().amax(dim=1, keepdim=True) / qmax
-    codes = torch.where(scale > 0, rows / scale, torch.zeros_like(rows)).round().clamp(-qmax, qmax)
+    # A block of zeros divides by 1, not 0 (its values stay zeros). The guard is on the scales, one a
+    # block: a `torch.where` over every value against the broadcast scales took 1.3 ms of a 3 ms
+    # encode of 770,624 values on a CPU. (A zero's sign may differ from before: its code's byte, so
+    # the payload, does not.)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = (rows / safe).round_().clamp_(-qmax, qmax)
     values = (codes * scale).flatten()[:n]
     c = (codes + qmax).to(torch.uint8)  # 0 .. 2 qmax, in `bits` bits
     per = 8 // bits  # codes per byte, the first in the lowest bits
