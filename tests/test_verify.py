@@ -200,16 +200,18 @@ def test_a_diloco_checkpoint_is_not_resumed_on_another_layout_when_set_for_every
     # DiLoCo from --set (or the config) on every layout, not from a diloco:N layout: the resume of
     # one layout's checkpoint on the reference's was tried, refused by the trainer, and failed
     # verify. It is said not run, as for a diloco:N layout, and nothing trains for it.
-    from dtlab.verify import Tolerances, _resume_check, _StateContext, _Target, diloco_everywhere
+    from dtlab.config import load_config
+    from dtlab.verify import Tolerances, _resume_check, _StateContext, _Target, with_base_config
 
     sets = [*FAST, "parallel.diloco.replicas=2", "parallel.diloco.inner_steps=2"]
-    assert diloco_everywhere(None, sets)
-    assert not diloco_everywhere(None, list(FAST))
-    ref, other = parse_layouts("ddp:2,ddp:4")
-    assert not ref.diloco and not other.diloco  # the layouts alone do not say it
+    plain = parse_layouts("ddp:2,ddp:4")
+    assert not any(x.diloco for x in plain)  # the layouts alone do not say it
+    assert with_base_config(plain, load_config(None, list(FAST))) == plain
+    ref, other = with_base_config(plain, load_config(None, sets))
+    assert ref.diloco and other.diloco and ref.overrides == plain[0].overrides
     reports: list[str] = []
     ctx = _StateContext(None, sets, 4, tmp_path, Tolerances(), reports.append, ref,
-                        tmp_path / "ref", "torch", diloco_everywhere(None, sets))  # fmt: skip
+                        tmp_path / "ref", "torch")  # fmt: skip
     got = _resume_check(
         ctx, other, tmp_path / "x", tmp_path / "none", _Target(ref, ctx.ref_dir, "resume on ddp:2")
     )

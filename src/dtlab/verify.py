@@ -52,9 +52,9 @@ import math
 import re
 import subprocess
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from dtlab.dims import DPWrapper, needs_replica_groups, strategies_with
 from dtlab.errors import ConfigError, DtlabError
@@ -64,6 +64,9 @@ from dtlab.verify_state import (
     compare_exports,
     export_run,
 )
+
+if TYPE_CHECKING:
+    from dtlab.config import Config
 
 _DIM = re.compile(r"^(?P<name>[a-z]+)(?::(?P<degree>\d+))?(?::(?P<option>[a-z0-9_]+))?$")
 _DATA = tuple(strategies_with(*DPWrapper))  # parallel.strategy's names
@@ -83,12 +86,17 @@ class Layout:
     name: str
     nproc: int
     overrides: tuple[str, ...]
+    # DiLoCo set for every layout by the config or --set (:func:`with_base_config`), not by the
+    # layout's own overrides.
+    base_diloco: bool = False
 
     @property
     def diloco(self) -> bool:
         """DiLoCo replicas: each replica's gradient norm is its own, and its checkpoint resumes on its
         own layout only."""
-        return any(o.startswith("parallel.diloco.inner_steps=") for o in self.overrides)
+        return self.base_diloco or any(
+            o.startswith("parallel.diloco.inner_steps=") for o in self.overrides
+        )
 
     @property
     def ft(self) -> bool:
@@ -509,12 +517,13 @@ def _dir_name(i: int, layout: Layout) -> str:
     return f"{i}-{re.sub(r'[^a-z0-9_]+', '-', layout.name)}"
 
 
-def diloco_everywhere(config: str | None, overrides: list[str]) -> bool:
-    """DiLoCo set for every layout by the config or ``--set`` (not by a ``diloco:N`` layout): each
-    layout's replicas then keep their own state and gradient norms, as a ``diloco:N`` layout's do."""
-    from dtlab.config import load_config
-
-    return load_config(config, overrides).parallel.diloco.inner_steps > 0
+def with_base_config(layouts: list[Layout], base: Config) -> list[Layout]:
+    """``layouts`` as they train on top of ``base`` (the config and ``--set``): where ``base`` sets
+    DiLoCo, every layout is a DiLoCo layout, as a ``diloco:N`` layout is (its replicas keep their
+    own state and gradient norms)."""
+    if base.parallel.diloco.inner_steps <= 0:
+        return layouts
+    return [replace(layout, base_diloco=True) for layout in layouts]
 
 
 def verify(
@@ -544,7 +553,10 @@ def verify(
     if source is not None:
         report(f"every layout starts from the weights of {source} (model.init_from)")
     overrides = _float8_micro_batches(layouts, config, overrides, report)
-    every_diloco = diloco_everywhere(config, overrides)
+    from dtlab.config import load_config
+
+    base = load_config(config, overrides)
+    layouts = with_base_config(layouts, base)
     out.mkdir(parents=True, exist_ok=True)
     middle = middle_step(steps) if "resume" in checks else None
     dirs = []
@@ -564,7 +576,7 @@ def verify(
     ref = layouts[0]
     check_started_from(ref.name, dirs[0], source)
     for layout, run_dir in zip(layouts[1:], dirs[1:], strict=True):
-        grad_norm = not (layout.diloco or ref.diloco or every_diloco)
+        grad_norm = not (layout.diloco or ref.diloco)
         # Fault-tolerant groups: each group's own run (its metrics, its final weights) compared.
         groups = sorted(run_dir.glob("replica-*"), key=lambda g: int(g.name.split("-")[1]))
         for name, where in (
@@ -575,12 +587,8 @@ def verify(
             check_started_from(name, where, source)
             result.rows.append(compare_runs(name, layout.nproc, dirs[0], where, tol, grad_norm))
     if "resume" in checks or "export" in checks:
-        from dtlab.config import load_config
-
-        engine = load_config(config, overrides).train.engine
-        ctx = _StateContext(
-            config, overrides, steps, out, tol, report, layouts[0], dirs[0], engine, every_diloco
-        )
+        engine = base.train.engine
+        ctx = _StateContext(config, overrides, steps, out, tol, report, layouts[0], dirs[0], engine)
         for i, (layout, run_dir) in enumerate(zip(layouts, dirs, strict=True)):
             result.state.append(_state_checks(i, layout, run_dir, ctx, checks))
     (out / "verify.json").write_text(
@@ -604,7 +612,6 @@ class _StateContext:
     ref: Layout
     ref_dir: Path
     engine: str
-    every_diloco: bool = False  # DiLoCo on every layout, set by the config or --set
 
 
 class _Target(NamedTuple):
@@ -654,7 +661,7 @@ def _resume_check(
     ``base``, then compared with that layout's uninterrupted run (not run for a DiLoCo checkpoint on
     another layout)."""
     what = target.what
-    if target.layout is not layout and (layout.diloco or ctx.every_diloco):
+    if target.layout is not layout and layout.diloco:
         return StateCheck(
             what, None, None, 0.0, "-", True,
             "not run: a DiLoCo checkpoint holds each replica's own state and resumes only "
@@ -667,7 +674,7 @@ def _resume_check(
         target.layout, ctx.config, [*ctx.overrides, *target.overrides], ctx.steps, resumed,
         resume=ckpt, what=f"{layout.name}: {what} from {ckpt} failed",
     )  # fmt: skip
-    grad_norm = not (target.layout.diloco or layout.diloco or ctx.every_diloco)
+    grad_norm = not (target.layout.diloco or layout.diloco)
     return _resumed_against(ctx, resumed, target, grad_norm, f"{layout.name} ({what})")
 
 
