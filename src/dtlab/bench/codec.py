@@ -64,7 +64,7 @@ def codec_device(text: str) -> torch.device:
     allowed otherwise)."""
     if text == "cpu":
         return torch.device("cpu")
-    if text in ("cuda", "gpu"):
+    if text == "cuda":
         if not torch.cuda.is_available():
             raise DtlabError(f"--device {text}: torch sees no CUDA GPU here; allowed: cpu")
         return torch.device("cuda", torch.cuda.current_device())
@@ -144,15 +144,15 @@ def report(
     """The rows as a markdown table."""
     head = ["method", "bits/value", "payload KiB", "encode ms"]
     head += [f"mean of {r} ms" for r in replicas]
+    where = f"the host, {threads} thread(s)" if device == "cpu" else device
+    title = (
+        f"Outer codec on {where}, {rows[0]['values']:,} values a fragment; median over the repeats"
+    )
+    if device == "cpu":
+        freed = "kept in the process (glibc)" if kept else "as the C library does by default"
+        title += f"; freed memory {freed}"
     lines = [
-        (
-            f"Outer codec on {device}, {rows[0]['values']:,} values a fragment; median over the "
-            "repeats."
-            if device != "cpu"
-            else f"Outer codec on the host, {rows[0]['values']:,} values a fragment, {threads} "
-            "thread(s); median over the repeats; freed memory "
-            + ("kept in the process (glibc)." if kept else "as the C library does by default.")
-        ),
+        title + ".",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
