@@ -115,6 +115,48 @@ def test_config_warnings_name_the_setting_and_its_effect() -> None:
     ]
 
 
+@pytest.mark.parametrize(
+    ("set_", "switch_on", "said"),
+    [
+        ("parallel.diloco.eager=true", "parallel.diloco.inner_steps=4",
+         "parallel.diloco.eager is set but parallel.diloco.inner_steps = 0: DiLoCo is off"),
+        ("parallel.compression_options.rank=8", "parallel.compression=powersgd",
+         "parallel.compression_options.rank is set but parallel.compression = 'none'"),
+        ("parallel.fault_tolerance.timeout_s=3", "parallel.fault_tolerance.enabled=true",
+         "parallel.fault_tolerance.timeout_s is set but parallel.fault_tolerance.enabled = false"),
+        ("train.float8.recipe=rowwise", "train.float8.enabled=true",
+         "train.float8.recipe is set but train.float8.enabled = false"),
+        ("parallel.cp_method=alltoall", "parallel.cp=2",
+         "parallel.cp_method = 'alltoall' is set but parallel.cp = 1"),
+    ],
+)  # fmt: skip
+def test_a_key_of_a_feature_that_is_off_is_said_to_be_unused(
+    set_: str, switch_on: str, said: str
+) -> None:
+    (warning,) = config_warnings(load_config(overrides=[*FAST, set_]))
+    assert warning.startswith(said), warning
+    # The feature on, the key is used: nothing to say of it.
+    on = [*FAST, set_, switch_on, "parallel.strategy=ddp"]
+    if switch_on == "train.float8.enabled=true":
+        on.append("train.precision=bf16")
+    assert not [w for w in config_warnings(load_config(overrides=on)) if set_.split("=")[0] in w]
+
+
+def test_a_run_directorys_config_warns_of_nothing_the_user_did_not_set(tmp_path: Path) -> None:
+    # config.yaml in a run directory gives every key, most at their defaults: a dense model's
+    # model.moe keys, DiLoCo's, DeMo's, float8's are there but were not set by anyone.
+    written = load_config(overrides=[*FAST, "train.steps=10"])
+    (tmp_path / "config.yaml").write_text(written.to_yaml())
+    assert config_warnings(load_config(tmp_path)) == []
+    # A key given its default value changes nothing whether its feature is on or off.
+    assert config_warnings(load_config(overrides=[*FAST, "parallel.diloco.eager=false"])) == []
+    # What the user did set, outside its feature, is still said on reading it back.
+    unused = load_config(overrides=[*FAST, "train.steps=10", "parallel.diloco.fragments=2"])
+    (tmp_path / "config.yaml").write_text(unused.to_yaml())
+    (warning,) = config_warnings(load_config(tmp_path))
+    assert warning.startswith("parallel.diloco.fragments is set but"), warning
+
+
 # --- 5, 6, 12: messages, leftovers, and what the run will see ------------------------------------
 
 

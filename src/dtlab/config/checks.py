@@ -3,6 +3,8 @@ rules that also need the world size."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from dtlab.config.schema import CROSS_RULES, Config, refuse
 from dtlab.config.sections import ModelConfig, ParallelConfig
 from dtlab.config.values import SINGLE_STAGE_SCHEDULES, show
@@ -568,25 +570,41 @@ def config_warnings(config: Config) -> list[str]:
             f"warm-up, and the learning rate never reaches train.lr = {t.lr:g} (the last step's is "
             f"{t.lr * t.steps / t.warmup_steps:.3g})"
         )
-    moe = config.model.moe
-    ignored = [
-        k for k in type(moe).model_fields if k != "experts" and config.is_given(f"model.moe.{k}")
-    ]
-    if ignored and not moe.experts:
+    p, moe = config.parallel, config.model.moe
+    # (section, its keys' prefix, the key that turns it on, whether it is on, how to turn it on)
+    features: list[tuple[Any, str, str | None, bool, str]] = [
+        (moe, "model.moe", "experts", bool(moe.experts),
+         "model.moe.experts = 0: the model is dense and the model.moe keys are not used "
+         "(model.moe.experts > 0 makes it a mixture of experts)"),
+        (t.demo, "train.demo", None, t.optimizer == "demo",
+         f"train.optimizer = {t.optimizer!r}: the train.demo keys are DeMo's and not used "
+         "(train.optimizer=demo uses them)"),
+        (p.diloco, "parallel.diloco", "inner_steps", p.diloco.inner_steps > 0,
+         "parallel.diloco.inner_steps = 0: DiLoCo is off and the parallel.diloco keys are not "
+         "used (parallel.diloco.inner_steps > 0 turns it on)"),
+        (p.compression_options, "parallel.compression_options", None,
+         p.compression in ("powersgd", "dct"),
+         f"parallel.compression = {p.compression!r}: the parallel.compression_options keys are "
+         "powersgd's and dct's and not used"),
+        (p.fault_tolerance, "parallel.fault_tolerance", "enabled", p.fault_tolerance.enabled,
+         "parallel.fault_tolerance.enabled = false: the parallel.fault_tolerance keys are not "
+         "used (parallel.fault_tolerance.enabled=true uses them)"),
+        (t.float8, "train.float8", "enabled", t.float8.enabled,
+         "train.float8.enabled = false: the train.float8 keys are not used "
+         "(train.float8.enabled=true uses them)"),
+    ]  # fmt: skip
+    for section, prefix, switch, on, why in features:
+        if not on and (key := _set_key(config, section, prefix, switch)) is not None:
+            out.append(f"{prefix}.{key} is set but {why}")
+    if p.cp == 1 and _set_key(config, p, "parallel", None, keys=("cp_method",)):
         out.append(
-            f"model.moe.{ignored[0]} is set but model.moe.experts = 0: the model is dense and the "
-            "model.moe keys are not used (model.moe.experts > 0 makes it a mixture of experts)"
+            f"parallel.cp_method = {p.cp_method!r} is set but parallel.cp = 1: no sequence is "
+            "split, so no context-parallel attention runs (parallel.cp > 1 uses it)"
         )
     if config.alerts.moe_imbalance is not None and not moe.experts:
         out.append(
             f"alerts.moe_imbalance = {config.alerts.moe_imbalance:g} is set but model.moe.experts "
             "= 0: a dense model routes nothing, so the alert never fires"
-        )
-    demo = [k for k in type(t.demo).model_fields if config.is_given(f"train.demo.{k}")]
-    if demo and t.optimizer != "demo":
-        out.append(
-            f"train.demo.{demo[0]} is set but train.optimizer = {t.optimizer!r}: the train.demo keys "
-            "are DeMo's and not used (train.optimizer=demo uses them)"
         )
     if d.paths and d.source != "files":
         out.append(
@@ -594,6 +612,25 @@ def config_warnings(config: Config) -> list[str]:
             "(data.source=files trains on them)"
         )
     return out
+
+
+def _set_key(
+    config: Config,
+    section: Any,
+    prefix: str,
+    switch: str | None,
+    keys: tuple[str, ...] | None = None,
+) -> str | None:
+    """The first key of ``section`` (under ``prefix``; ``switch``, the key that turns it on, left
+    out) that the config gives a value other than its default. A run directory's config.yaml gives
+    every key, most at their defaults: those say nothing the user meant."""
+    defaults = type(section)()
+    for k in keys or type(section).model_fields:
+        if k == switch or not config.is_given(f"{prefix}.{k}"):
+            continue
+        if getattr(section, k) != getattr(defaults, k):
+            return k
+    return None
 
 
 def check_world(config: Config, world_size: int) -> int:
