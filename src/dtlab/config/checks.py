@@ -624,11 +624,11 @@ def _set_key(
     """The first key of ``section`` (under ``prefix``; ``switch``, the key that turns it on, left
     out) that the config gives a value other than its default. A run directory's config.yaml gives
     every key, most at their defaults: those say nothing the user meant."""
-    defaults = type(section)()
-    for k in keys or type(section).model_fields:
+    fields = type(section).model_fields
+    for k in keys or fields:
         if k == switch or not config.is_given(f"{prefix}.{k}"):
             continue
-        if getattr(section, k) != getattr(defaults, k):
+        if getattr(section, k) != fields[k].get_default(call_default_factory=True):
             return k
     return None
 
