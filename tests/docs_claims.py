@@ -511,18 +511,14 @@ CLAIMS = [
                 "a stream of its own for DiLoCo's host copies",
             ),
             holds(
-                "src/dtlab/analysis/devices.py",
-                r"NCCL bandwidth is ``make gpu-check``'s to "
-                r"measure, not the plan's",
-                "plan --device this without NCCL bandwidth",
+                "src/dtlab/gpucheck/settings.py",
+                r'layouts="single,ddp:2,fsdp:2,tp:2",\n\s+killed=',
+                "gpu-check's layouts on two GPUs whatever the node has",
             ),
             holds(
-                "src/dtlab/gpucheck/settings.py",
-                r'MULTI_GPU = \("equivalence", "killed-rank"\)',
-                "gpu-check's two-GPU checks alone",
-            ),
-            lacks(
-                "src/dtlab/gpucheck/checks.py", r"(?i)bus ?bandwidth|busbw", "a bus bandwidth check"
+                "src/dtlab/gpucheck/checks.py",
+                r'"--nproc", "2", "--set", \*s\.killed',
+                "gpu-check's killed rank among two processes",
             ),
         ),
     ),
@@ -578,10 +574,26 @@ CLAIMS = [
         ),
     ),
     Claim(
+        r"memory but not the NCCL bandwidth among its GPUs",
+        lacks(
+            "src/dtlab/analysis/devices.py",
+            r"def node_link\(",
+            "the plan's measurement of the bus bandwidth among a node's GPUs",
+        ),
+    ),
+    Claim(
+        r"\(no NCCL bus bandwidth, nothing across more of the node's GPUs\)",
+        lacks(
+            "src/dtlab/gpucheck/checks.py",
+            r"def collectives\(",
+            "gpu-check's collectives across every GPU of the node",
+        ),
+    ),
+    Claim(
         r"uses one GPU \(no NCCL bus bandwidth or layout verification",
         lacks(
             "src/dtlab/gpucheck/settings.py",
-            r'MULTI_GPU = \("equivalence"',
+            r'MULTI_GPU = \(.*"equivalence"',
             "a check of the layouts on two GPUs",
         ),
     ),

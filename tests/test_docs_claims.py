@@ -103,6 +103,13 @@ STALE_GAP_SENTENCES = [
     ("docs/gpu.md", "Not yet built for several GPUs: `make gpu-check` fails where torch cannot "
      "see the node's GPUs, but uses one GPU (no NCCL bus bandwidth or layout verification across "
      "the node's GPUs).", "a check of the layouts on two GPUs"),
+    # docs/gpu.md at 9672b6f (before the collectives' bus bandwidth).
+    ("docs/gpu.md", "Not yet built for several GPUs: DiLoCo's host copies still run on the compute "
+     "stream; `dtlab plan --device this` on a GPU node measures the GPU's GEMM and\nmemory but not "
+     "the NCCL bandwidth among its GPUs; `make gpu-check` fails where torch cannot see the node's "
+     "GPUs, but uses one GPU, or two for its layouts (`ddp:2`, `fsdp:2`, `tp:2`) and its killed "
+     "rank (no NCCL bus bandwidth, nothing across more of the node's GPUs).",
+     "the plan's measurement of the bus bandwidth among a node's GPUs"),
 ]  # fmt: skip
 # docs/compression.md's DiLoCo row at e84b49d^.
 STALE_DILOCO_ROW = (

@@ -21,7 +21,7 @@ from dtlab.analysis.plan import plan
 from dtlab.config import load_config
 from dtlab.errors import DtlabError
 from dtlab.gpucheck import cudatests
-from dtlab.gpucheck.checks import Context, cuda_tests, killed_rank
+from dtlab.gpucheck.checks import Context, collectives, cuda_tests, killed_rank
 from dtlab.gpucheck.runner import Check, Deadline, StepTimeout, run_logged
 from dtlab.gpucheck.settings import BUDGET_S, CHECKS, MULTI_GPU, settings_for, skip_reason
 
@@ -57,11 +57,17 @@ def test_on_cpu_it_runs_what_it_can_exits_0_and_says_what_it_skipped(
     assert status == {
         "machine": "passed", "cuda-tests": "skipped", "train": "passed", "float8": "passed",
         "memory": "skipped",
-        "checkpoint": "passed", "resume": "passed", "equivalence": "skipped",
-        "killed-rank": "skipped",
+        "checkpoint": "passed", "resume": "passed", "collectives": "skipped",
+        "equivalence": "skipped", "killed-rank": "skipped",
     }, {n: (c["status"], c["reason"]) for n, c in checks.items()}  # fmt: skip
     assert report["ok"] and report["failed"] == []
-    assert set(report["skipped"]) == {"cuda-tests", "memory", "equivalence", "killed-rank"}
+    assert set(report["skipped"]) == {
+        "cuda-tests",
+        "memory",
+        "collectives",
+        "equivalence",
+        "killed-rank",
+    }
     # Every CUDA test collected, each skipped with its reason.
     tests = checks["cuda-tests"]["figures"]["tests"]
     assert tests and all(t["outcome"] == "skipped" and "CUDA" in t["reason"] for t in tests)
@@ -224,6 +230,39 @@ def test_the_killed_rank_check_reads_rank_0s_error_on_gloo(tmp_path: Path) -> No
                     r"a collective failed on rank 0: .*Rank 1 \(pid \d+", check.reason)  # fmt: skip
     launcher = [x for x in check.figures["error_lines"] if x.startswith("error: training failed")]
     assert launcher and "rank 1 (exit code -9)" in launcher[0]
+
+
+def test_the_collectives_check_on_gloo_checks_every_result_and_reports_the_bus_bandwidth(
+    tmp_path: Path,
+) -> None:
+    """What the node's check runs across its GPUs (NCCL), on 2 gloo processes: each collective's
+    result checked, the bus bandwidth at each size, labelled as no GPU's figure; the card's
+    datasheet link beside it where the card is known."""
+    machine = {"device_count": 0, "devices": [{"name": "NVIDIA H100 80GB HBM3"}]}
+    ctx = Context(tmp_path, machine, settings_for(0), Deadline(120.0), env=NO_GPU)
+    check = Check("collectives", CHECKS["collectives"], timeout_s=120.0)
+    collectives(ctx, check)
+    assert check.status == "passed", (check.reason, check.figures)
+    f = check.figures
+    assert f["backend"] == "gloo" and f["world"] == 2
+    assert [(r["op"], r["size"]) for r in f["results"]] == [
+        (op, size)
+        for op in ("all_reduce", "all_gather", "reduce_scatter")
+        for size in (65_536, 2**20)
+    ]
+    assert all(r["correct"] for r in f["results"])
+    assert set(f["busbw_gbps_at_largest"]) == {"all_reduce", "all_gather", "reduce_scatter"}
+    assert f["datasheet_link_gbps"] == PROFILES["h100"].intra_node_gbps
+    assert check.reason.startswith(
+        "2 ranks over gloo (CPU processes: not a GPU's figure), every result right; bus "
+        "bandwidth at 1 MiB, GB/s: all_reduce "
+    ) and check.reason.endswith("(the card's link: 450 GB/s, looked up)")
+    assert check.commands == [
+        f"python -m dtlab.bench.collectives --device cpu --nproc 2 --sizes 64K,1M --json "
+        f"{tmp_path / 'collectives' / 'busbw.json'}"
+    ]
+    assert skip_reason("collectives", 1) == "needs 2 CUDA GPUs, this machine has 1"
+    assert settings_for(8).collective_sizes == "1M,64M,1G"
 
 
 @pytest.mark.cuda

@@ -490,31 +490,79 @@ def known_profile(name: str) -> DeviceProfile | None:
     return next((p for p in PROFILES.values() if p.name == name), None)
 
 
+NODE_LINK_BYTES = 256 * 2**20  # an all-reduce large enough for a link's rate, quick on NVLink
+
+
+def node_link(
+    count: int, device_type: str = "cuda", nbytes: int = NODE_LINK_BYTES
+) -> tuple[float, str] | None:
+    """The all-reduce bus bandwidth of ``nbytes`` among this node's ``count`` devices (NCCL between
+    GPUs, gloo between CPU processes), measured now, with where it comes from; None with fewer
+    than 2. Raises ``RuntimeError`` when it cannot be measured."""
+    if count < 2:
+        return None
+    from dtlab.analysis.busbw import measure
+
+    result = measure(count, device_type, [nbytes], ("all_reduce",), iters=10, repeats=3)
+    (row,) = result["results"]
+    if not row["correct"]:
+        raise RuntimeError(
+            f"the {result['backend']} all-reduce among {count} ranks gave wrong sums"
+        )
+    return row["busbw_gbps"], (
+        f"measured: {result['backend']} all-reduce bus bandwidth of "
+        f"{nbytes / 2**20:g} MiB among this node's {count} "
+        f"{'GPUs' if device_type == 'cuda' else 'processes'} (as nccl-tests reports it)"
+    )
+
+
+def gpu_links(
+    name: str, count: int, device_type: str = "cuda", nbytes: int = NODE_LINK_BYTES
+) -> tuple[float, str, float, str]:
+    """(intra-node GB/s, its source, inter-node GB/s, its source) of a node of ``count`` GPUs named
+    ``name``: within the node measured where it has 2 or more (:func:`node_link`), else the known
+    card's link (looked up), else an H100's (assumed); across nodes looked up or assumed (one
+    node cannot measure it). ``device_type`` cpu measures gloo instead, ``nbytes`` smaller (what
+    tests run)."""
+    known = known_profile(name)
+    links = known or PROFILES["h100"]
+    looked_up = f"looked up: the {name}'s" if known else "assumed: an H100's"
+    intra, intra_source = links.intra_node_gbps, f"{looked_up} ({links.intra_node_source})"
+    try:
+        measured = node_link(count, device_type, nbytes)
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        intra_source += f"; could not be measured: {e}"
+    else:
+        if measured is not None:
+            intra, intra_source = measured
+    inter_source = f"{looked_up} ({links.inter_node_source})"
+    return intra, intra_source, links.inter_node_gbps, inter_source
+
+
 def this_gpu(precision: str) -> DeviceProfile:
     """A profile of this machine's GPU (the current CUDA device), measured now: a GEMM at
-    ``precision`` and the card's memory. Its links are the known card's (looked up), else an H100's
-    (assumed): a node's NCCL bandwidth is ``make gpu-check``'s to measure, not the plan's."""
+    ``precision``, the card's memory, and with 2 GPUs or more the all-reduce bus bandwidth among
+    them (:func:`gpu_links`); across nodes the known card's link, else an H100's (assumed)."""
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     device = torch.device("cuda", torch.cuda.current_device())
     props = torch.cuda.get_device_properties(device)
     tflops = measure_matmul_tflops(
         dtype, device, size=GPU_GEMM_SIZE, repeats=GPU_GEMM_REPEATS, best=True
     )
-    known = known_profile(props.name)
-    links = known or PROFILES["h100"]
-    looked_up = f"looked up: the {props.name}'s" if known else "assumed: an H100's"
+    count = torch.cuda.device_count()
+    intra, intra_source, inter, inter_source = gpu_links(props.name, count)
     return DeviceProfile(
         "this",
-        f"this machine's {props.name} (cuda:{device.index} of {torch.cuda.device_count()})",
+        f"this machine's {props.name} (cuda:{device.index} of {count})",
         props.total_memory / 2**30,
         {precision: tflops},
-        intra_node_gbps=links.intra_node_gbps,
-        inter_node_gbps=links.inter_node_gbps,
+        intra_node_gbps=intra,
+        inter_node_gbps=inter,
         source=f"measured: {precision} GEMM {GPU_GEMM_SIZE}^3 on cuda:{device.index}, fastest "
         f"of {GPU_GEMM_REPEATS}",
         memory_source="measured: the GPU's total memory as torch reports it",
-        intra_node_source=f"{looked_up} ({links.intra_node_source})",
-        inter_node_source=f"{looked_up} ({links.inter_node_source})",
+        intra_node_source=intra_source,
+        inter_node_source=inter_source,
         device_type="cuda",
     )
 

@@ -428,6 +428,61 @@ def _verify_json(out: Path) -> dict[str, Any] | None:
     return result if isinstance(result, dict) else None
 
 
+# ---------------------------------------------------------------- bus bandwidth
+
+
+def collectives(ctx: Context, check: Check) -> None:
+    """NCCL's collectives across every GPU of the node (gloo between 2 processes on a CPU, as the
+    tests run it): each result checked, the bus bandwidth at each size, one rank per GPU."""
+    from dtlab.analysis.devices import known_profile
+
+    s = ctx.settings
+    gpus = ctx.gpus
+    ranks, device = (gpus, "cuda") if gpus else (2, "cpu")
+    out = ctx.out / check.name / "busbw.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        python(), "-m", "dtlab.bench.collectives", "--device", device, "--nproc", str(ranks),
+        "--sizes", s.collective_sizes, "--json", str(out),
+    ]  # fmt: skip
+    proc = ctx.run(check, cmd, "busbw")
+    try:
+        result = json.loads(out.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return check.failed(
+            f"the collectives did not finish (exit code {proc.returncode}): {_tail(proc)}"
+        )
+    rows = result["results"]
+    largest = {r["op"]: r for r in rows if r["size"] == max(x["size"] for x in rows)}
+    check.figures.update({
+        "backend": result["backend"], "world": result["world"], "devices": result["devices"],
+        "results": rows,
+        "busbw_gbps_at_largest": {op: r["busbw_gbps"] for op, r in largest.items()},
+    })  # fmt: skip
+    names = {d.get("name") for d in ctx.machine.get("devices", [])}
+    card = known_profile(names.pop()) if len(names) == 1 else None
+    if card is not None:
+        check.figures["datasheet_link_gbps"] = card.intra_node_gbps
+        check.figures["datasheet_link_source"] = card.intra_node_source
+    wrong = [f"{r['op']} at {r['size']} B" for r in rows if not r["correct"]]
+    if wrong:
+        return check.failed(f"wrong results: {', '.join(wrong)}")
+    if device == "cuda" and len(set(result["devices"])) != ranks:
+        return check.failed(f"the {ranks} ranks did not each have a device: {result['devices']}")
+    if proc.returncode != 0:
+        return check.failed(f"exit code {proc.returncode}: {_tail(proc)}")
+    size = next(iter(largest.values()))["size"] / 2**20
+    said = ", ".join(f"{op} {r['busbw_gbps']:.1f}" for op, r in largest.items())
+    beside = (
+        f" (the card's link: {card.intra_node_gbps:g} GB/s, looked up)" if card is not None else ""
+    )
+    where = ", ".join(result["devices"]) if gpus else "CPU processes: not a GPU's figure"
+    check.passed(
+        f"{ranks} ranks over {result['backend']} ({where}), every result right; bus bandwidth "
+        f"at {size:g} MiB, GB/s: {said}{beside}"
+    )
+
+
 # ---------------------------------------------------------------- a killed rank
 
 
@@ -465,6 +520,7 @@ CHECK_FUNCTIONS: dict[str, Callable[[Context, Check], None]] = {
     "memory": memory,
     "checkpoint": checkpoint,
     "resume": resume,
+    "collectives": collectives,
     "equivalence": equivalence,
     "killed-rank": killed_rank,
 }

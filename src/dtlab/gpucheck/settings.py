@@ -22,12 +22,14 @@ CHECKS: dict[str, str] = {
     "cost, against a run without saves",
     "resume": "a resume from an async save continues as the uninterrupted run (dtlab verify "
     "--checks resume)",
+    "collectives": "all-reduce, all-gather and reduce-scatter across every GPU of the node, each "
+    "result checked: bus bandwidth as nccl-tests reports it, beside the card's datasheet link",
     "equivalence": "DDP, FSDP and TP train as one process on the same global batch (dtlab verify)",
     "killed-rank": "a rank killed mid-run ends the run in a clear error naming it, within the "
     "collective timeout",
     "cuda-tests": "every CUDA test of the suite (pytest -m cuda)",
 }
-MULTI_GPU = ("equivalence", "killed-rank")
+MULTI_GPU = ("collectives", "equivalence", "killed-rank")
 
 # Every dtlab run of the check: no plot, no trackers, no progress bar.
 QUIET = ["run.tensorboard=false", "run.plot=false", "run.progress=none", "run.trackers=[]"]
@@ -59,6 +61,7 @@ class Settings:
     layouts: str
     killed: list[str]
     killed_collective_timeout_s: float
+    collective_sizes: str  # --sizes of python -m dtlab.bench.collectives
 
 
 GIB = 2**30
@@ -70,7 +73,7 @@ def settings_for(gpus: int, memory_bytes: int | None = None) -> Settings:
     the same pipeline)."""
     timeouts = {
         "cuda-tests": 420.0, "train": 140.0, "float8": 140.0, "memory": 30.0, "checkpoint": 90.0,
-        "resume": 60.0, "equivalence": 90.0, "killed-rank": 75.0,
+        "resume": 60.0, "collectives": 90.0, "equivalence": 90.0, "killed-rank": 75.0,
     }  # fmt: skip
     if gpus == 0:
         # A shared CPU's load, not the work, decides how long these take: no step of the smoke is
@@ -84,6 +87,7 @@ def settings_for(gpus: int, memory_bytes: int | None = None) -> Settings:
             resume=[*DEBUG, "checkpoint.async=true"], resume_steps=4,
             equivalence=DEBUG, equivalence_steps=4, layouts="single,ddp:2,fsdp:2,tp:2",
             killed=[*DEBUG, "parallel.strategy=ddp"], killed_collective_timeout_s=10.0,
+            collective_sizes="64K,1M",
         )  # fmt: skip
     synthetic = ["data.source=synthetic", "train.warmup_steps=5"]
     # ~1.2B parameters, 8,192 tokens a step (2,048 on a card under 64 GiB), unsharded.
@@ -114,6 +118,8 @@ def settings_for(gpus: int, memory_bytes: int | None = None) -> Settings:
         equivalence=[*tiny, "train.grad_clip=0.1"], equivalence_steps=8,
         layouts="single,ddp:2,fsdp:2,tp:2",
         killed=[*DEBUG, "parallel.strategy=ddp"], killed_collective_timeout_s=20.0,
+        # A small buffer (latency), a mid one, and 1 GiB (the link's rate, as nccl-tests' largest).
+        collective_sizes="1M,64M,1G",
     )  # fmt: skip
 
 
