@@ -425,7 +425,17 @@ TP, PP = [*DDP, "parallel.tp=2"], [*DDP, "parallel.pp=2"]
 SINGLE_PP = ["parallel.strategy=single", "parallel.pp=2"]
 FT = [*DDP, "parallel.fault_tolerance.enabled=true"]
 DILOCO_FT = ["parallel.diloco.inner_steps=2"]
-RING_ON_GPU = refused(CP, "train.device=cuda")
+# The ring's blocks on a GPU's kernels (until they were wired, the ring was refused on a GPU), and
+# the plan's refusal to plan the ring for a GPU.
+RING_CUDA = lacks(
+    "src/dtlab/parallel/context.py", r"_scaled_dot_product_flash_attention\(", "the ring's CUDA kernels"
+)
+RING_NOT_PLANNED_ON_GPU = holds(
+    "src/dtlab/analysis/plan.py",
+    r'cp_method == "ring" and '
+    r'device.kind == "cuda"',
+    "the plan's refusal of the ring on a GPU",
+)
 DILOCO = ("parallel.diloco.inner_steps=2", "parallel.diloco.replicas=2")
 ONE_GPU = "nothing with two (?:GPUs )?or more|nothing with two GPUs|several GPUs nothing has run"
 
@@ -453,19 +463,25 @@ CLAIMS = [
     ),
     Claim(r"once the plan models experts", plan_lacks_experts),
     # Context parallelism's ring on the CPU's kernel, and document masks.
-    Claim(r"(ring|log-sum-exp).*CPU's (attention )?kernel(,)? so far", RING_ON_GPU),
-    Claim(r"are not wired yet, so the ring on a GPU is refused", RING_ON_GPU),
+    Claim(r"(ring|log-sum-exp).*CPU's (attention )?kernel(,)? so far", RING_CUDA),
+    Claim(r"are not wired yet, so the ring on a GPU is refused", RING_CUDA),
+    Claim(r"The ring is not planned for a GPU", RING_NOT_PLANNED_ON_GPU),
+    Claim(r"a GPU's not yet run, nor planned", RING_NOT_PLANNED_ON_GPU),
     Claim(
-        r"The ring is not planned for a GPU",
-        every(
-            RING_ON_GPU,
-            holds(
-                "src/dtlab/analysis/plan.py",
-                r'cp_method == "ring" and '
-                r'device.kind == "cuda"',
-                "the plan's refusal of the ring on a GPU",
-            ),
+        r"A GPU with no such kernel for the run's precision \(bf16 before sm80\) is refused",
+        holds(
+            "src/dtlab/parallel/context.py",
+            r"ring_kernel\(device\.type, dtype, masked, cuda_capability\(device\)\)",
+            "the ring's kernels checked when the run starts",
         ),
+    ),
+    Claim(
+        r"no GPU has run them yet",
+        lacks("docs/gpu.md", r"test_ring_\w*cuda\w*.*passed", "a GPU's report of the ring's tests"),
+    ),
+    Claim(
+        r"context parallelism is built over DDP's, FSDP's and HSDP's ranks",
+        refused(CP, "parallel.sharding=optimizer"),
     ),
     Claim(
         r"Not yet: the search does not weigh context parallelism",
@@ -475,7 +491,7 @@ CLAIMS = [
                 r"if recommended\(found\) is not None",
                 "the search with context parallelism only where nothing fits",
             ),
-            RING_ON_GPU,
+            RING_NOT_PLANNED_ON_GPU,
         ),
     ),
     Claim(

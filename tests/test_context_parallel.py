@@ -46,6 +46,127 @@ def test_alltoall_attention_with_grouped_key_value_heads(kv_heads: str) -> None:
     run_worker("ring_attention_worker.py", 2, "float64", "alltoall", kv_heads)
 
 
+# --- the ring's blocks on a GPU's kernels ------------------------------------------------------------
+def test_the_rings_kernel_is_the_one_the_models_attention_picks_on_each_device() -> None:
+    from dtlab.parallel.context import CPU_FLASH, CUDA_EFFICIENT, CUDA_FLASH, ring_kernel
+
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        assert ring_kernel("cpu", dtype, False) == ring_kernel("cpu", dtype, True) == CPU_FLASH
+    h100 = (9, 0)
+    assert ring_kernel("cuda", torch.bfloat16, False, h100) == CUDA_FLASH
+    assert ring_kernel("cuda", torch.float16, False, h100) == CUDA_FLASH
+    # A document mask's part of a block: an additive bias, which flash does not take.
+    assert ring_kernel("cuda", torch.bfloat16, True, h100) == CUDA_EFFICIENT
+    assert ring_kernel("cuda", torch.float32, False, h100) == CUDA_EFFICIENT  # flash: half only
+    assert ring_kernel("cuda", torch.float16, False, (7, 5)) == CUDA_EFFICIENT  # no flash on a T4
+    with pytest.raises(ValueError, match=r"bf16 on sm75: no fused kernel; parallel\.cp_method = "):
+        ring_kernel("cuda", torch.bfloat16, False, (7, 5))
+    with pytest.raises(ValueError, match=r"got tensors on mps: parallel\.cp_method = 'alltoall'"):
+        ring_kernel("mps", torch.float32, False)
+
+
+@pytest.mark.parametrize(
+    ("kernel", "dtype", "masked"),
+    [("cuda flash", torch.bfloat16, False), ("cuda efficient", torch.float32, False),
+     ("cuda efficient", torch.float32, True), ("cuda efficient", torch.bfloat16, True)],
+)  # fmt: skip
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_gpu_kernels_are_called_as_their_signatures_take_them(
+    kernel: str, dtype: torch.dtype, masked: bool, causal: bool
+) -> None:
+    """Each CUDA kernel's forward and backward as a ring block calls them (flash without a mask,
+    the memory-efficient kernel with one or in fp32), on meta tensors (their shapes and dtypes,
+    torch's own checks of the arguments): 20 positions a chunk, neither the bias's alignment of 16
+    nor the memory-efficient kernel's log-sum-exp rows of 32."""
+    from dtlab.parallel.context import block_backward, block_forward
+
+    meta = torch.device("meta")
+    q, k, v = (torch.empty(2, 4, 20, 16, device=meta, dtype=dtype) for _ in range(3))
+    allowed = torch.ones(2, 1, 20, 20, dtype=torch.bool, device=meta) if masked else None
+    out, lse, state = block_forward(kernel, q, k, v, causal, 0.25, allowed)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert lse.shape == (2, 4, 20) and lse.dtype == torch.float32
+    assert len(state) == 2  # the kernel's random state, which its backward takes
+    grads = block_backward(kernel, out, q, k, v, out, lse, causal, 0.25, allowed, state)
+    assert [(g.shape, g.dtype) for g in grads] == [(q.shape, dtype)] * 3
+
+
+def test_a_blocks_mask_is_the_bias_the_efficient_kernel_takes() -> None:
+    from dtlab.parallel.context import _bias
+
+    allowed = torch.rand(2, 1, 5, 20, generator=torch.Generator().manual_seed(0)) > 0.5
+    q, k = torch.empty(2, 4, 5, 8), torch.empty(2, 4, 20, 8)
+    bias = _bias(allowed, q, k)
+    assert bias.shape == (2, 4, 5, 20) and bias.dtype == q.dtype
+    assert bias.stride(-2) % 16 == 0 and bias.stride(1) == 0  # rows aligned, heads broadcast
+    expected = torch.zeros(2, 1, 5, 20).masked_fill(~allowed, float("-inf")).expand(2, 4, 5, 20)
+    assert torch.equal(bias, expected)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+def test_ring_blocks_on_the_gpu_merge_to_torchs_own_attention(
+    dtype: torch.dtype, documents: bool
+) -> None:
+    """The ring's blocks on this GPU's kernels, as one rank of cp 2 would run them: a late query
+    chunk over an early key chunk (full) and its own (causal), merged by the log-sum-exps, equal
+    to torch's causal attention of the two chunks; each block's backward from the merged output
+    sums to torch's gradients. With a document mask the blocks take their part of it."""
+    import torch.nn.functional as F
+
+    from dtlab.models.sequence import additive_mask, same_document
+    from dtlab.parallel.context import _attend, _attend_backward, _merge
+
+    dev, tol = torch.device("cuda"), (5e-2 if dtype == torch.bfloat16 else 1e-4)
+    g = torch.Generator(device=dev).manual_seed(0)
+    b, h, t, d = 2, 4, 40, 16  # chunks of 40: neither alignment of the efficient kernel
+    q, k, v, dout = (
+        torch.randn(b, h, 2 * t, d, device=dev, dtype=dtype, generator=g) for _ in range(4)
+    )
+    docs = torch.tensor([[0] * 30 + [1] * 50, [0] * 75 + [1] * 5], device=dev)
+    allowed = same_document(docs, docs, causal=True) if documents else None
+    # Torch's own attention of the whole (two chunks), the late chunk's rows.
+    wq, wk, wv = (x.clone().requires_grad_() for x in (q, k, v))
+    mask = None if allowed is None else additive_mask(allowed, dtype)
+    ref = F.scaled_dot_product_attention(wq, wk, wv, attn_mask=mask, is_causal=mask is None)
+    want = torch.autograd.grad(ref[:, :, t:], (wq, wk, wv), dout[:, :, t:])
+    # The ring's two blocks of the late query chunk (over the early chunk, in full; over its own,
+    # causally), merged; then each block's backward from the merged output.
+    ql, dl, scale = q[:, :, t:], dout[:, :, t:], d**-0.5
+    parts = []
+    for c, causal in [(0, False), (1, True)]:
+        keys = slice(c * t, (c + 1) * t)
+        cut = None if allowed is None else allowed[:, :, t:, keys]
+        o, lse, state = _attend(ql, k[:, :, keys], v[:, :, keys], causal, scale, cut)
+        parts.append((keys, causal, cut, o, lse, state))
+    (_, _, _, o0, l0, _), (_, _, _, o1, l1, _) = parts
+    out, lse = _merge(o0.float(), l0, o1.float(), l1, documents)
+    assert (out - ref[:, :, t:].float()).abs().max() <= tol
+    out = out.to(dtype)
+    dq = torch.zeros(ql.shape, device=dev)
+    dk, dv = torch.zeros(k.shape, device=dev), torch.zeros(v.shape, device=dev)
+    for keys, causal, cut, _, _, state in parts:
+        gq, gk, gv = _attend_backward(
+            dl, ql, k[:, :, keys], v[:, :, keys], out, lse, causal, scale, cut, state
+        )
+        dq += gq.float()
+        dk[:, :, keys] += gk.float()
+        dv[:, :, keys] += gv.float()
+    for got, grad in zip((dq, dk, dv), (want[0][:, :, t:], want[1], want[2]), strict=True):
+        assert (got - grad.float()).abs().max() <= tol
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_ring_attention_over_nccl_on_two_gpus_equals_one_process(dtype: str) -> None:
+    """The ring over 2 GPUs (NCCL): each rank's output and gradients equal one process's causal
+    attention of the whole sequence, with grouped key/value heads."""
+    run_worker("ring_attention_worker.py", 2, dtype, "ring", "2", "cuda")
+
+
 # --- training with each sequence split over the ranks ---------------------------------------------
 @pytest.mark.parametrize(
     ("layout", "nproc"),

@@ -103,6 +103,15 @@ STALE_GAP_SENTENCES = [
     ("docs/gpu.md", "Not yet built for several GPUs: `make gpu-check` fails where torch cannot "
      "see the node's GPUs, but uses one GPU (no NCCL bus bandwidth or layout verification across "
      "the node's GPUs).", "a check of the layouts on two GPUs"),
+    # docs/long-context.md at 2446102 (the ring on the CPU's kernel alone).
+    ("docs/long-context.md", "The ring runs on the CPU's attention kernel "
+     "(`aten._scaled_dot_product_flash_attention_for_cpu`,\nwhich returns the log-sum-exp); CUDA's "
+     "flash and memory-efficient kernels return it too, but their calls\nare not wired yet, so the "
+     "ring on a GPU is refused when the run starts (`alltoall` runs on any device's\nattention, on "
+     "the kernel the model's own attention picks).", "the ring's CUDA kernels"),
+    ("docs/long-context.md", "Not yet: the search does not weigh context parallelism against "
+     "layouts that fit without it, nor try the\nring on a GPU (it runs on the CPU's kernel so far; "
+     "its overlap is not modelled either).", "the ring's CUDA kernels"),
     # docs/gpu.md at 9672b6f (before the collectives' bus bandwidth).
     ("docs/gpu.md", "Not yet built for several GPUs: DiLoCo's host copies still run on the compute "
      "stream; `dtlab plan --device this` on a GPU node measures the GPU's GEMM and\nmemory but not "

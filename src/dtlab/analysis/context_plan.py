@@ -42,11 +42,11 @@ __all__ = [
     "document_mask_bytes", "ring_backward_bytes",
 ]  # fmt: skip
 
-# Why a ring is not planned for a GPU: dtlab's ring runs on the CPU's attention kernel so far
-# (dtlab.parallel.context.apply_context_parallel refuses it on a GPU).
+# Why a ring is not planned for a GPU: it runs on a GPU's fused kernels (dtlab.parallel.context's
+# ring_kernel), but what they hold and take there has not been checked against a GPU yet.
 RING_ON_GPU = (
-    "parallel.cp_method = 'ring' runs on the CPU's attention kernel so far, not on a GPU: "
-    "cp_method = 'alltoall' runs there"
+    "parallel.cp_method = 'ring' runs on a GPU's attention kernels (flash, memory-efficient), but "
+    "its memory and time there are not planned yet: plan cp_method = 'alltoall' for a GPU"
 )
 
 

@@ -2,7 +2,7 @@
 built over DDP's ranks (each holds the whole model), FSDP's (sharding over the data x cp ranks) or
 FSDP2's replication (whole parameters on every data x cp rank: ``ddp`` with tensor or pipeline
 parallelism, sharding ``no_shard``), the gradients averaged over the data- and context-parallel ranks
-together, on the CPU's attention kernel for the ring. So it is inside each DiLoCo replica (its data x cp ranks; the outer syncs between
+together; the ring on the CPU's or a CUDA GPU's fused attention kernels. So it is inside each DiLoCo replica (its data x cp ranks; the outer syncs between
 the ranks of the same data and cp coordinates) and each fault-tolerant replica group (its cp ranks,
 or under HSDP its data x cp ranks)."""
 
@@ -18,8 +18,7 @@ __all__ = ["check_context_parallel", "check_document_mask"]
 _CP_WHY = (
     "context parallelism is built over DDP's, FSDP's and HSDP's ranks (with tensor and pipeline "
     "parallelism, also inside DiLoCo's replicas and fault-tolerant replica groups; a mixture of "
-    "experts' experts split over the data x cp ranks, or not split), its ring on the CPU's "
-    "attention kernel, so far"
+    "experts' experts split over the data x cp ranks, or not split), so far"
 )
 
 
@@ -60,9 +59,6 @@ def check_context_parallel(c: Config) -> None:
         ),
         "parallel.compression": (p.compression != "none", repr(p.compression), "'none'"),
         "train.engine": (t.engine != "torch", repr(t.engine), "'torch'"),
-        "train.device": (
-            p.cp_method == "ring" and t.device == "cuda", repr(t.device), "'cpu' or 'auto' on a CPU",
-        ),
     }.items()}  # fmt: skip
     # A step is taken again only where the ranks meet nowhere before the gradient sync, and the
     # context-parallel ranks meet in every block's attention.

@@ -101,9 +101,11 @@ def _sm(capability: tuple[int, int] | None) -> str:
 
 
 def cuda_capability(device: torch.device) -> tuple[int, int] | None:
-    """(major, minor) of CUDA ``device``; None for any other device. (torch.compile folds
+    """(major, minor) of CUDA ``device``; None for any other device, or where torch has no CUDA
+    (:func:`choose_kernel` then assumes sm80). (torch.compile folds
     ``get_device_properties`` to a constant, so this is free inside a compiled block.)"""
-    if device.type != "cuda":
+    if device.type != "cuda" or not torch.cuda.is_available():
+        # (A CUDA tensor where torch has no CUDA is a fake one, as dtlab plan --check makes.)
         return None
     props = torch.cuda.get_device_properties(device)
     return props.major, props.minor

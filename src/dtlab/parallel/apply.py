@@ -647,9 +647,13 @@ def _parallelize_one(
         from dtlab.parallel.context import apply_context_parallel
 
         cp_group = dims.mesh(device_type, "cp").get_group()
-        apply_context_parallel(
-            model, cp_group, config.parallel.cp_method, config.seq_len, dist_info.device
+        attention_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+            t.precision, torch.float32
         )
+        apply_context_parallel(
+            model, cp_group, config.parallel.cp_method, config.seq_len, dist_info.device,
+            attention_dtype,
+        )  # fmt: skip
     if not dims.ddp_enabled:
         # A DiLoCo replica's gradients are its own (the replicas exchange pseudo-gradients): the step
         # agrees on them within the replica only (TorchEngine's step group), like a world of its own.

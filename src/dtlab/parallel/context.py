@@ -11,8 +11,9 @@ Forward: each rank starts with its own keys and values and, ``cp - 1`` times, pa
 the next rank while it computes attention against it (the send overlaps the compute). Each (query chunk,
 key chunk) pair is attended fully (the key chunk comes earlier), causally (the same chunk) or not at all
 (later); the partial outputs of a query chunk are merged by their log-sum-exps, which the device's own
-attention kernel returns beside its output (on the CPU,
-``aten._scaled_dot_product_flash_attention_for_cpu``).
+attention kernel returns beside its output (:func:`ring_kernel`: on the CPU
+``aten._scaled_dot_product_flash_attention_for_cpu``; on a CUDA GPU flash in fp16/bf16, the
+memory-efficient kernel in fp32 or with a document mask's part, as the model's own attention picks).
 
 Backward is a ring too: each block's gradients are computed by the kernel's own backward from the final
 output and log-sum-exp (the softmax over every key), the query's gradient summed here, and the key and
@@ -41,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from dtlab.errors import ConfigError
-from dtlab.models.attention import attend
+from dtlab.models.attention import attend, choose_kernel, cuda_capability
 from dtlab.models.sequence import (
     SharedMask,
     SlidingWindow,
@@ -89,6 +90,51 @@ def _block(
     return (kind, allowed) if bool(allowed.any()) else (NONE, None)
 
 
+# The device kernels a ring block runs on (:func:`ring_kernel`): each returns the log-sum-exp the merge
+# needs beside its output, and has a backward that takes the final output and log-sum-exp.
+CPU_FLASH, CUDA_FLASH, CUDA_EFFICIENT = "cpu flash", "cuda flash", "cuda efficient"
+EFFICIENT_LSE_ROWS = (
+    32  # the memory-efficient kernel's log-sum-exp: rows padded to a multiple of 32
+)
+BIAS_ALIGNMENT = 16  # and its bias's rows: a stride that is a multiple of 16 elements
+
+
+def ring_kernel(
+    device_type: str, dtype: torch.dtype, masked: bool, capability: tuple[int, int] | None = None
+) -> str:
+    """The kernel a ring block of ``dtype`` tensors on a ``device_type`` device runs on, with a
+    document mask's part (``masked``) or without: torch's fused CPU kernel; on CUDA the kernel the
+    model's own attention would pick (:func:`dtlab.models.attention.choose_kernel`: flash for
+    fp16/bf16 on sm80 and newer without a mask, else the memory-efficient kernel, which takes fp32
+    and a mask as an additive bias). A :class:`ValueError` where no fused kernel returns the
+    log-sum-exp (another device; math alone)."""
+    if device_type == "cpu":
+        return CPU_FLASH
+    if device_type != "cuda":
+        raise ValueError(
+            f"ring attention runs on the CPU's or a CUDA GPU's fused attention kernels; got tensors "
+            f"on {device_type}: parallel.cp_method = 'alltoall' runs on any device's attention"
+        )
+    kernel = choose_kernel("cuda", dtype, False, capability, masked)
+    if kernel.name == "math":
+        raise ValueError(
+            f"ring attention needs a fused kernel that returns the log-sum-exp: {kernel.why}; "
+            "parallel.cp_method = 'alltoall' runs on the math kernel too"
+        )
+    return CUDA_FLASH if kernel.name == "flash" else CUDA_EFFICIENT
+
+
+def _bias(allowed: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """A block's boolean mask [B, 1, Tq, Tk] as the memory-efficient kernel takes it, as torch's own
+    attention prepares it (``preprocess_mask``): additive, in the queries' dtype, its rows' stride
+    a multiple of 16 elements (padded, then cut back), broadcast over the heads."""
+    tk = allowed.shape[-1]
+    padded = -(-tk // BIAS_ALIGNMENT) * BIAS_ALIGNMENT
+    bias = torch.zeros((*allowed.shape[:-1], padded), dtype=q.dtype, device=q.device)
+    bias = bias[..., :tk].masked_fill_(~allowed, float("-inf"))
+    return bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+
+
 def _attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -96,19 +142,49 @@ def _attend(
     causal: bool,
     scale: float,
     allowed: torch.Tensor | None = None,
-) -> Any:
-    """(output, log-sum-exp) of attention of ``q`` over ``k``/``v`` (the device's kernel, no autograd),
-    within the boolean mask ``allowed`` [B, 1, Tq, Tk] where given."""
-    if allowed is None:
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, scale=scale
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """(output, log-sum-exp [B, H, Tq] float32, the kernel's random-state tensors for its backward)
+    of attention of ``q`` over ``k``/``v`` on the device's kernel (:func:`ring_kernel`, no
+    autograd), within the boolean mask ``allowed`` [B, 1, Tq, Tk] where given. A row with no key in
+    the block comes back as output 0 with log-sum-exp -inf (the empty sum's), so that the merge
+    gives it no weight."""
+    kernel = ring_kernel(q.device.type, q.dtype, allowed is not None, cuda_capability(q.device))
+    return block_forward(kernel, q, k, v, causal, scale, allowed)
+
+
+def block_forward(
+    kernel: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    allowed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """:func:`_attend` on ``kernel`` (one of :func:`ring_kernel`'s)."""
+    state: tuple[torch.Tensor, ...] = ()
+    if kernel == CPU_FLASH:
+        mask = None if allowed is None else additive_mask(allowed, q.dtype)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal and allowed is None, attn_mask=mask, scale=scale
         )[:2]
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, False, attn_mask=additive_mask(allowed, q.dtype), scale=scale
-    )[:2]
-    # A row with no key here comes back as output 0 with log-sum-exp 0; it is the empty sum's, -inf,
-    # so that the merge gives it no weight.
-    return out, lse.masked_fill(~allowed.any(-1), float("-inf"))
+    elif kernel == CUDA_FLASH:  # never with a mask (ring_kernel)
+        r = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale
+        )
+        out, lse, state = r[0], r[1], (r[6], r[7])
+    else:
+        bias = None if allowed is None else _bias(allowed, q, k)
+        r = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, bias, True, 0.0, causal and allowed is None, scale=scale
+        )
+        out, lse, state = r[0], r[1][..., : q.shape[2]], (r[2], r[3])
+    if allowed is None:
+        return out, lse, state
+    empty = ~allowed.any(-1)  # [B, 1, Tq]: rows with no key here
+    if kernel != CPU_FLASH:  # the CPU kernel gives them output 0 (and log-sum-exp 0); a GPU's, NaN
+        out = out.masked_fill(empty.unsqueeze(-1), 0.0)
+    return out, lse.masked_fill(empty, float("-inf")), state
 
 
 def _attend_backward(
@@ -121,16 +197,53 @@ def _attend_backward(
     causal: bool,
     scale: float,
     allowed: torch.Tensor | None = None,
+    state: tuple[torch.Tensor, ...] = (),
 ) -> Any:
-    """The kernel's own backward of one block, from the final output and log-sum-exp (a row with no
-    key in the block gets none of its gradient: its weights are exp(-inf - lse) = 0)."""
-    if allowed is None:
+    """The kernel's own backward of one block (the kernel :func:`_attend` ran it on), from the
+    final output and log-sum-exp (a row with no key in the block gets none of its gradient: its
+    weights are exp(-inf - lse) = 0); ``state``: the random-state tensors a forward of the same
+    kernel returned (no dropout reads them). (dq, dk, dv)."""
+    kernel = ring_kernel(q.device.type, q.dtype, allowed is not None, cuda_capability(q.device))
+    return block_backward(kernel, dout, q, k, v, out, lse, causal, scale, allowed, state)
+
+
+def block_backward(
+    kernel: str,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+    allowed: torch.Tensor | None = None,
+    state: tuple[torch.Tensor, ...] = (),
+) -> Any:
+    """:func:`_attend_backward` on ``kernel`` (one of :func:`ring_kernel`'s)."""
+    if kernel == CPU_FLASH:
+        mask = None if allowed is None else additive_mask(allowed, q.dtype)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, scale=scale
+            dout, q, k, v, out, lse, 0.0, causal and allowed is None, attn_mask=mask, scale=scale
         )
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, False, attn_mask=additive_mask(allowed, q.dtype), scale=scale
-    )
+    seed, offset = state
+    if kernel == CUDA_FLASH:
+        tq, tk = q.shape[2], k.shape[2]
+        # A chunk's log-sum-exp is a strided view; the CUDA kernel reads it as contiguous rows.
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse.contiguous(), None, None, tq, tk, 0.0, causal, seed, offset,
+            scale=scale,
+        )  # fmt: skip
+    # The memory-efficient kernel reads its log-sum-exp with the rows padded as it made them.
+    rows = -(-q.shape[2] // EFFICIENT_LSE_ROWS) * EFFICIENT_LSE_ROWS
+    padded = torch.zeros((*lse.shape[:-1], rows), dtype=lse.dtype, device=lse.device)
+    padded[..., : q.shape[2]] = lse
+    bias = None if allowed is None else _bias(allowed, q, k)
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, k, v, bias, out, padded, seed, offset, 0.0, [True, True, True, False],
+        causal and allowed is None, scale=scale,
+    )  # fmt: skip
+    return dq, dk, dv
 
 
 def _merge(
@@ -195,8 +308,9 @@ def _pairs_backward(
             if kind == NONE:
                 continue
             gq, gk, gv = _attend_backward(
-                douts[a], qs[a], ks[b], vs[b], outs[a], lses[a], kind == CAUSAL, ctx.scale, allowed
-            )
+                douts[a], qs[a], ks[b], vs[b], outs[a], lses[a], kind == CAUSAL, ctx.scale, allowed,
+                ctx.states[allowed is not None],
+            )  # fmt: skip
             dqs[a].add_(gq)
             dks[b].add_(gk)
             dvs[b].add_(gv)
@@ -222,6 +336,7 @@ class _RingAttention(torch.autograd.Function):
         outs: list[torch.Tensor | None] = [None, None]
         lses: list[torch.Tensor | None] = [None, None]
         kv = [k.contiguous(), v.contiguous()]
+        states: dict[bool, tuple[torch.Tensor, ...]] = {}
         for step in range(ring.cp):
             pending = ring.start(kv) if step < ring.cp - 1 else None
             source = (ring.rank - step) % ring.cp
@@ -231,7 +346,11 @@ class _RingAttention(torch.autograd.Function):
                     kind, allowed = _block(q_chunk, k_chunk, docs)
                     if kind == NONE:
                         continue
-                    part, part_lse = _attend(qs[a], ks[b], vs[b], kind == CAUSAL, scale, allowed)
+                    part, part_lse, state = _attend(
+                        qs[a], ks[b], vs[b], kind == CAUSAL, scale, allowed
+                    )
+                    # The kernel's random state (for its backward), one of masked and unmasked blocks.
+                    states.setdefault(allowed is not None, state)
                     part = part.to(wide)  # merged in float32 (float64 stays)
                     if outs[a] is None:
                         outs[a], lses[a] = part, part_lse
@@ -242,11 +361,11 @@ class _RingAttention(torch.autograd.Function):
                 _wait(pending[0])
                 kv = pending[1]
         out = _tokens_major(q.shape, q.dtype, q.device)
-        for a, part in enumerate(outs):
-            out.chunk(2, dim=2)[a].copy_(part)  # type: ignore[arg-type]
+        for a, whole in enumerate(outs):
+            out.chunk(2, dim=2)[a].copy_(whole)  # type: ignore[arg-type]
         lse = torch.cat(lses, dim=2)  # type: ignore[arg-type]
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale, ctx.docs = group, scale, docs
+        ctx.group, ctx.scale, ctx.docs, ctx.states = group, scale, docs, states
         return out
 
     @staticmethod
@@ -365,12 +484,8 @@ def ring_attention(
         return _one_process(q, k, v, scale, documents)
     if q.shape[2] % 2:
         raise ValueError(f"a rank's {q.shape[2]} positions do not split into its 2 chunks")
-    if q.device.type != "cpu":
-        # CUDA's kernels return the log-sum-exp too (flash, memory-efficient); their calls are not
-        # wired here yet.
-        raise NotImplementedError(
-            f"ring attention runs on the CPU's attention kernel; got tensors on {q.device}"
-        )
+    # Refused before the first block where the device has no kernel for the ring (ValueError).
+    ring_kernel(q.device.type, q.dtype, documents is not None, cuda_capability(q.device))
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if k.shape[1] != q.shape[1]:  # grouped key/value heads: the blocks that travel carry every head
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
@@ -475,20 +590,30 @@ def gather_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
 
 
 def apply_context_parallel(
-    model: Any, group: Any, method: str, seq_len: int, device: torch.device
+    model: Any,
+    group: Any,
+    method: str,
+    seq_len: int,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
 ) -> None:
     """Make ``model`` (a :class:`dtlab.models.llama.Transformer`, materialised) train on this rank's
     part of each ``seq_len`` sequence split over ``group``: its rotary positions those of its tokens
     in the whole sequence, and its blocks' attention computed across the group by ``method``
     (``ring`` or ``alltoall``); under a document mask its tokens are gathered over the group once per
     forward, for the documents of the whole sequence. A sliding window that cuts the ``seq_len``
-    sequence: alltoall only (the model's window, whose mask its layers share)."""
-    if method == "ring" and device.type != "cpu":
-        raise ConfigError(
-            f"parallel.cp_method = 'ring' runs on the CPU's attention kernel so far, and this rank "
-            f"trains on {device}; allowed there: parallel.cp_method = 'alltoall', or train.device = "
-            "'cpu'"
-        )
+    sequence: alltoall only (the model's window, whose mask its layers share). ``dtype``: the
+    attention's (the run's precision), which decides the ring's kernels on a GPU."""
+    if method == "ring":
+        # The blocks' kernels this device runs at the attention's dtype, with a document mask's
+        # part or without: none (a GPU before sm80 in bf16, another device) is refused here.
+        for masked in (False, True):
+            try:
+                ring_kernel(device.type, dtype, masked, cuda_capability(device))
+            except ValueError as e:
+                raise ConfigError(
+                    f"parallel.cp = {dist.get_world_size(group)} on {device}: {e}"
+                ) from None
     window = model.args.sliding_window
     if method == "ring" and window is not None and seq_len > window:
         raise ConfigError(
