@@ -428,7 +428,9 @@ DILOCO_FT = ["parallel.diloco.inner_steps=2"]
 # The ring's blocks on a GPU's kernels (until they were wired, the ring was refused on a GPU), and
 # the plan's refusal to plan the ring for a GPU.
 RING_CUDA = lacks(
-    "src/dtlab/parallel/context.py", r"_scaled_dot_product_flash_attention\(", "the ring's CUDA kernels"
+    "src/dtlab/parallel/context.py",
+    r"_scaled_dot_product_flash_attention\(",
+    "the ring's CUDA kernels",
 )
 RING_NOT_PLANNED_ON_GPU = holds(
     "src/dtlab/analysis/plan.py",
