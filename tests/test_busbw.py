@@ -7,13 +7,21 @@ from __future__ import annotations
 import json
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from conftest import PYTHON, cli_env
 from dtlab.analysis import busbw
-from dtlab.analysis.busbw import OPS, buffer_numel, bus_factor, measure
+from dtlab.analysis.busbw import (
+    OPS,
+    buffer_numel,
+    bus_factor,
+    gpus_of,
+    measure,
+    placement_problem,
+)
 from dtlab.analysis.devices import PROFILES, gpu_links, node_link
 from dtlab.bench.collectives import choose, parse_sizes
 from dtlab.errors import DtlabError
@@ -53,7 +61,7 @@ def test_every_collective_on_gloo_is_right_and_its_bus_bandwidth_is_nccl_tests()
     """3 real gloo processes, every collective at two sizes (one not a multiple of the ranks)."""
     result = measure(3, "cpu", [65_536, 100_001], OPS, iters=2, repeats=2, timeout_s=120)
     assert result["backend"] == "gloo" and result["world"] == 3
-    assert result["devices"] == ["cpu"] * 3
+    assert result["devices"] == ["cpu"] * 3 and result["placement"] == [None] * 3
     rows = result["results"]
     assert [(r["op"], r["size"]) for r in rows] == [
         (op, size)
@@ -66,6 +74,26 @@ def test_every_collective_on_gloo_is_right_and_its_bus_bandwidth_is_nccl_tests()
         assert r["algbw_gbps"] == pytest.approx(r["size"] / r["seconds"] / 1e9)
         factor = (2 if r["op"] == "all_reduce" else 1) * 2 / 3
         assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * factor)
+
+
+def test_each_ranks_gpus_are_read_from_the_drivers_list_of_contexts() -> None:
+    listing = (
+        "4242, GPU-aaaa-1111\n4243, GPU-bbbb-2222\n4242, GPU-cccc-3333\n14242, GPU-dddd-4444\n"
+        "4242, GPU-aaaa-1111\n"
+    )
+    assert gpus_of(4242, listing) == ["GPU-aaaa-1111", "GPU-cccc-3333"]
+    assert gpus_of(4243, listing) == ["GPU-bbbb-2222"] and gpus_of(1, listing) == []
+    one_each: list[dict[str, Any] | None] = [
+        {"gpus": ["GPU-a"]}, {"gpus": ["GPU-b"]}, {"unchecked": "no nvidia-smi"}, None,
+    ]  # fmt: skip
+    assert placement_problem(one_each) is None
+    # A context on GPU 0 from rank 1 (a thread that never set its device, say), or a shared GPU.
+    assert placement_problem([{"gpus": ["GPU-a"]}, {"gpus": ["GPU-a", "GPU-b"]}]) == (
+        "rank 1 holds CUDA contexts on 2 GPUs: GPU-a, GPU-b"
+    )
+    assert placement_problem([{"gpus": ["GPU-a"]}, {"gpus": ["GPU-a"]}]) == (
+        "ranks 0 and 1 share the GPU GPU-a"
+    )
 
 
 def test_the_bus_factor_and_the_buffer() -> None:
@@ -171,3 +199,4 @@ def test_nccl_collectives_across_the_gpus_are_right_each_rank_on_its_own_gpu() -
     assert result["backend"] == "nccl"
     assert result["devices"] == [f"cuda:{r}" for r in range(n)]
     assert all(r["correct"] and r["busbw_gbps"] > 0 for r in result["results"])
+    assert placement_problem(result["placement"]) is None, result["placement"]

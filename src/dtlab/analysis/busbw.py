@@ -42,7 +42,9 @@ __all__ = [
     "backend_for",
     "buffer_numel",
     "bus_factor",
+    "gpus_of",
     "measure",
+    "placement_problem",
     "rank_device",
 ]
 
@@ -110,7 +112,9 @@ def measure(
 ) -> dict[str, Any]:
     """Bus bandwidth of each of ``ops`` at each of ``sizes`` (bytes) among ``world`` processes, one
     per device (``device_type`` cuda: NCCL; cpu: gloo). Returns ``{"world", "backend", "devices"
-    (each rank's device), "results" (:meth:`Result.as_dict` each, by op then size)}``. Raises
+    (each rank's device), "results" (:meth:`Result.as_dict` each, by op then size), "placement"
+    (on GPUs each rank's CUDA contexts as the driver lists them, :func:`placement_problem`; None
+    on the CPU)}``. Raises
     ``RuntimeError`` naming the rank that failed, or the timeout."""
     if world < 2:
         raise ValueError(f"world {world}: a bus bandwidth needs at least 2 ranks")
@@ -141,6 +145,7 @@ def measure(
         "backend": backend,
         "devices": [rep["device"] for rep in reports],
         "results": reports[0]["results"],
+        "placement": [rep.get("placement") for rep in reports],
     }
 
 
@@ -184,6 +189,55 @@ def _run_ranks(
                 p.kill()
                 p.wait()
     return [(out.read_text(), err.read_text()) for out, err in logs]
+
+
+COMPUTE_APPS = ["nvidia-smi", "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"]
+
+
+def gpus_of(pid: int, listing: str) -> list[str]:
+    """The GPUs (UUIDs) on which process ``pid`` holds a CUDA context, from the lines of
+    ``nvidia-smi --query-compute-apps=pid,gpu_uuid --format=csv,noheader``."""
+    held = set()
+    for line in listing.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) >= 2 and parts[0] == str(pid):
+            held.add(parts[1])
+    return sorted(held)
+
+
+def _placement() -> dict[str, Any]:
+    """This process's CUDA contexts as the driver lists them (``{"gpus": [UUID, ...]}``), or why
+    they could not be read (``{"unchecked": reason}``): no nvidia-smi, or a container whose
+    process IDs the driver does not see."""
+    try:
+        proc = subprocess.run(COMPUTE_APPS, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"unchecked": f"nvidia-smi could not run: {e}"}
+    if proc.returncode != 0:
+        return {
+            "unchecked": f"nvidia-smi exited with {proc.returncode}: {proc.stderr.strip()[-200:]}"
+        }
+    gpus = gpus_of(os.getpid(), proc.stdout)
+    if not gpus:
+        return {"unchecked": "nvidia-smi lists no context of this process (another PID namespace)"}
+    return {"gpus": gpus}
+
+
+def placement_problem(placement: list[dict[str, Any] | None]) -> str | None:
+    """What is wrong with the ranks' CUDA contexts (each rank's :func:`_placement`): a rank on
+    more than one GPU (a context opened on a GPU it was not given), or two ranks on one; None
+    where each rank holds one GPU of its own, or where it could not be read."""
+    read = [(r, p["gpus"]) for r, p in enumerate(placement) if p and "gpus" in p]
+    for r, gpus in read:
+        if len(gpus) > 1:
+            return f"rank {r} holds CUDA contexts on {len(gpus)} GPUs: {', '.join(gpus)}"
+    owners: dict[str, int] = {}
+    for r, gpus in read:
+        for gpu in gpus:
+            if gpu in owners:
+                return f"ranks {owners[gpu]} and {r} share the GPU {gpu}"
+            owners[gpu] = r
+    return None
 
 
 def _result_line(stdout: str) -> dict[str, Any]:
@@ -269,9 +323,11 @@ def _run_rank(spec: dict[str, Any]) -> dict[str, Any]:
         for op in spec["ops"]:
             for size in spec["sizes"]:
                 results.append(_time_one(op, int(size), rank, world, device, spec).as_dict())
+        # Where this process holds CUDA contexts, read while it holds them (its collectives ran).
+        placed = _placement() if device.type == "cuda" else None
     finally:
         dist.destroy_process_group()
-    return {"device": str(device), "results": results}
+    return {"device": str(device), "results": results, "placement": placed}
 
 
 def _time_one(

@@ -434,6 +434,7 @@ def _verify_json(out: Path) -> dict[str, Any] | None:
 def collectives(ctx: Context, check: Check) -> None:
     """NCCL's collectives across every GPU of the node (gloo between 2 processes on a CPU, as the
     tests run it): each result checked, the bus bandwidth at each size, one rank per GPU."""
+    from dtlab.analysis.busbw import placement_problem
     from dtlab.analysis.devices import known_profile
 
     s = ctx.settings
@@ -469,6 +470,10 @@ def collectives(ctx: Context, check: Check) -> None:
         return check.failed(f"wrong results: {', '.join(wrong)}")
     if device == "cuda" and len(set(result["devices"])) != ranks:
         return check.failed(f"the {ranks} ranks did not each have a device: {result['devices']}")
+    placement = [p for p in result.get("placement") or [] if p is not None]
+    check.figures["placement"] = placement
+    if (problem := placement_problem(placement)) is not None:
+        return check.failed(f"placement: {problem}")
     if proc.returncode != 0:
         return check.failed(f"exit code {proc.returncode}: {_tail(proc)}")
     size = next(iter(largest.values()))["size"] / 2**20
@@ -477,6 +482,11 @@ def collectives(ctx: Context, check: Check) -> None:
         f" (the card's link: {card.intra_node_gbps:g} GB/s, looked up)" if card is not None else ""
     )
     where = ", ".join(result["devices"]) if gpus else "CPU processes: not a GPU's figure"
+    unread = [p["unchecked"] for p in placement if "unchecked" in p]
+    if placement and not unread:
+        where += "; each rank's CUDA context on a GPU of its own (nvidia-smi)"
+    elif unread:
+        where += f"; placement not read: {unread[0]}"
     check.passed(
         f"{ranks} ranks over {result['backend']} ({where}), every result right; bus bandwidth "
         f"at {size:g} MiB, GB/s: {said}{beside}"
