@@ -530,8 +530,8 @@ CLAIMS = [
             ),
             holds(
                 "src/dtlab/gpucheck/settings.py",
-                r'layouts="single,ddp:2,fsdp:2,tp:2",\n\s+killed=',
-                "gpu-check's layouts on two GPUs whatever the node has",
+                r'LAYOUTS_4 = LAYOUTS_2 \+ ",hsdp:4,fsdp:2xtp:2"\n',
+                "gpu-check's layouts on four GPUs at most",
             ),
             holds(
                 "src/dtlab/gpucheck/checks.py",

@@ -21,9 +21,10 @@ from dtlab.analysis.plan import plan
 from dtlab.config import load_config
 from dtlab.errors import DtlabError
 from dtlab.gpucheck import cudatests
-from dtlab.gpucheck.checks import Context, collectives, cuda_tests, killed_rank
+from dtlab.gpucheck.checks import Context, collectives, cuda_tests, equivalence, killed_rank
 from dtlab.gpucheck.runner import Check, Deadline, StepTimeout, run_logged
 from dtlab.gpucheck.settings import BUDGET_S, CHECKS, MULTI_GPU, settings_for, skip_reason
+from dtlab.verify import parse_layouts
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}  # the CPU path, on any machine
@@ -183,6 +184,13 @@ def test_what_a_gpu_machine_runs() -> None:
     ]
     assert single["fits"], single
     assert BUDGET_S < 600 and set(gpu.timeouts) == set(CHECKS)
+    # Each kind of parallelism over 2 GPUs; the 2-D layouts where there are 4.
+    assert settings_for(2).layouts == "single,ddp:2,fsdp:2,tp:2,pp:2,cp:2"
+    assert settings_for(8).layouts == settings_for(2).layouts + ",hsdp:4,fsdp:2xtp:2"
+    for n in (2, 8):  # every layout's world fits the node, and its config is valid there
+        for layout in parse_layouts(settings_for(n).layouts):
+            assert layout.nproc <= n
+            load_config(overrides=[*settings_for(n).equivalence, *layout.overrides])
 
 
 def test_a_step_past_its_timeout_is_stopped(tmp_path: Path) -> None:
@@ -216,6 +224,20 @@ def test_the_docs_list_is_rewritten_between_its_markers(tmp_path: Path) -> None:
     doc.write_text("no list here\n")
     with pytest.raises(DtlabError, match="has no generated list"):
         cudatests.update_docs(doc, tests)
+
+
+@pytest.mark.slow
+def test_the_layouts_a_node_of_4_gpus_verifies_are_equal_to_one_process_on_gloo(
+    tmp_path: Path,
+) -> None:
+    """What the equivalence check runs on 4 GPUs or more, every layout and the config as there,
+    on gloo processes: each within verify's tolerances of one process."""
+    s = settings_for(8)
+    ctx = Context(tmp_path, {"device_count": 0}, s, Deadline(1200.0), env=NO_GPU)
+    check = Check("equivalence", CHECKS["equivalence"], timeout_s=1200.0)
+    equivalence(ctx, check)
+    assert check.status == "passed", (check.reason, check.figures)
+    assert [r["layout"] for r in check.figures["rows"]] == s.layouts.split(",")[1:]
 
 
 def test_the_killed_rank_check_reads_rank_0s_error_on_gloo(tmp_path: Path) -> None:

@@ -5,8 +5,9 @@ With CUDA GPUs it runs every CUDA test of the suite; a bf16 + torch.compile trai
 (tokens/s, MFU against the card's measured bf16 GEMM peak); the training's peak memory against
 ``dtlab plan``'s prediction; sync and async saves (the time each blocked training and the training
 time it cost); a resume from an async save that must continue as the uninterrupted run; and, with two
-GPUs or more, DDP, FSDP and TP against one process (``dtlab verify``) and a run whose rank 1 is killed,
-which must end in a clear error within its collective timeout. On a CPU machine it runs the same
+GPUs or more, the collectives' bus bandwidth across every GPU (each rank on a GPU of its own), DDP,
+FSDP, TP, PP and CP against one process (``dtlab verify``; with four, HSDP and FSDP x TP too) and a
+run whose rank 1 is killed, which must end in a clear error within its collective timeout. On a CPU machine it runs the same
 pipeline on the debug model with the step counts cut down (under a minute) and says what it skipped
 and why. Each step has its own timeout, cut to what is left of the budget; any check that fails
 makes the exit code 1, and the report says which.

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["BUDGET_S", "CHECKS", "Settings", "settings_for", "skip_reason"]
+__all__ = ["BUDGET_S", "CHECKS", "Settings", "layouts_for", "settings_for", "skip_reason"]
 
 BUDGET_S = 570.0  # the whole check, every step included: under 10 minutes with make's own start
 
@@ -24,7 +24,8 @@ CHECKS: dict[str, str] = {
     "--checks resume)",
     "collectives": "all-reduce, all-gather and reduce-scatter across every GPU of the node, each "
     "result checked: bus bandwidth as nccl-tests reports it, beside the card's datasheet link",
-    "equivalence": "DDP, FSDP and TP train as one process on the same global batch (dtlab verify)",
+    "equivalence": "DDP, FSDP, TP, PP and CP (with 4 GPUs, HSDP and FSDP x TP too) train as one "
+    "process on the same global batch (dtlab verify)",
     "killed-rank": "a rank killed mid-run ends the run in a clear error naming it, within the "
     "collective timeout",
     "cuda-tests": "every CUDA test of the suite (pytest -m cuda)",
@@ -64,6 +65,18 @@ class Settings:
     collective_sizes: str  # --sizes of python -m dtlab.bench.collectives
 
 
+# dtlab verify's layouts on a node's GPUs: on 2, each kind of parallelism over NCCL (pipelines'
+# sends, the context-parallel ring on the GPU's attention kernels); on 4 or more, also the 2-D ones
+# (HSDP's replica groups, FSDP with TP). Each a short fp32 run of tiny: about a minute more.
+LAYOUTS_2 = "single,ddp:2,fsdp:2,tp:2,pp:2,cp:2"
+LAYOUTS_4 = LAYOUTS_2 + ",hsdp:4,fsdp:2xtp:2"
+
+
+def layouts_for(gpus: int) -> str:
+    """The layouts the equivalence check verifies with ``gpus`` CUDA GPUs (2 or more)."""
+    return LAYOUTS_4 if gpus >= 4 else LAYOUTS_2
+
+
 GIB = 2**30
 BIG_CARD = 64 * GIB  # the 1B training's 4 samples a step take about 41 GiB (dtlab plan)
 
@@ -73,7 +86,7 @@ def settings_for(gpus: int, memory_bytes: int | None = None) -> Settings:
     the same pipeline)."""
     timeouts = {
         "cuda-tests": 420.0, "train": 140.0, "float8": 140.0, "memory": 30.0, "checkpoint": 90.0,
-        "resume": 60.0, "collectives": 90.0, "equivalence": 90.0, "killed-rank": 75.0,
+        "resume": 60.0, "collectives": 90.0, "equivalence": 150.0, "killed-rank": 75.0,
     }  # fmt: skip
     if gpus == 0:
         # A shared CPU's load, not the work, decides how long these take: no step of the smoke is
@@ -116,7 +129,7 @@ def settings_for(gpus: int, memory_bytes: int | None = None) -> Settings:
         save_kinds=("none", "sync", "async"),
         resume=[*tiny, "checkpoint.async=true"], resume_steps=10,
         equivalence=[*tiny, "train.grad_clip=0.1"], equivalence_steps=8,
-        layouts="single,ddp:2,fsdp:2,tp:2",
+        layouts=layouts_for(gpus),
         killed=[*DEBUG, "parallel.strategy=ddp"], killed_collective_timeout_s=20.0,
         # A small buffer (latency), a mid one, and 1 GiB (the link's rate, as nccl-tests' largest).
         collective_sizes="1M,64M,1G",
