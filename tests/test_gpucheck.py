@@ -21,7 +21,14 @@ from dtlab.analysis.plan import plan
 from dtlab.config import load_config
 from dtlab.errors import DtlabError
 from dtlab.gpucheck import cudatests
-from dtlab.gpucheck.checks import Context, collectives, cuda_tests, equivalence, killed_rank
+from dtlab.gpucheck.checks import (
+    Context,
+    collectives,
+    cuda_tests,
+    equivalence,
+    ft_killed,
+    killed_rank,
+)
 from dtlab.gpucheck.runner import Check, Deadline, StepTimeout, run_logged
 from dtlab.gpucheck.settings import BUDGET_S, CHECKS, MULTI_GPU, settings_for, skip_reason
 from dtlab.verify import parse_layouts
@@ -59,7 +66,7 @@ def test_on_cpu_it_runs_what_it_can_exits_0_and_says_what_it_skipped(
         "machine": "passed", "cuda-tests": "skipped", "train": "passed", "float8": "passed",
         "memory": "skipped",
         "checkpoint": "passed", "resume": "passed", "collectives": "skipped",
-        "equivalence": "skipped", "killed-rank": "skipped",
+        "equivalence": "skipped", "killed-rank": "skipped", "ft-killed": "skipped",
     }, {n: (c["status"], c["reason"]) for n, c in checks.items()}  # fmt: skip
     assert report["ok"] and report["failed"] == []
     assert set(report["skipped"]) == {
@@ -185,12 +192,16 @@ def test_what_a_gpu_machine_runs() -> None:
     assert single["fits"], single
     assert BUDGET_S < 600 and set(gpu.timeouts) == set(CHECKS)
     # Each kind of parallelism over 2 GPUs; the 2-D layouts where there are 4.
-    assert settings_for(2).layouts == "single,ddp:2,fsdp:2,tp:2,pp:2,cp:2"
+    assert settings_for(2).layouts == "single,ddp:2,fsdp:2,tp:2,pp:2,cp:2,ft:2"
     assert settings_for(8).layouts == settings_for(2).layouts + ",hsdp:4,fsdp:2xtp:2"
+    assert settings_for(2).moe_layouts == "single,ep:2"
     for n in (2, 8):  # every layout's world fits the node, and its config is valid there
-        for layout in parse_layouts(settings_for(n).layouts):
-            assert layout.nproc <= n
-            load_config(overrides=[*settings_for(n).equivalence, *layout.overrides])
+        s = settings_for(n)
+        for layouts, config in ((s.layouts, s.equivalence), (s.moe_layouts, s.moe_equivalence)):
+            for layout in parse_layouts(layouts):
+                assert layout.nproc <= n
+                load_config(overrides=[*config, *layout.overrides])
+    assert load_config(overrides=settings_for(2).moe_equivalence).model.moe is not None
 
 
 def test_a_step_past_its_timeout_is_stopped(tmp_path: Path) -> None:
@@ -230,14 +241,18 @@ def test_the_docs_list_is_rewritten_between_its_markers(tmp_path: Path) -> None:
 def test_the_layouts_a_node_of_4_gpus_verifies_are_equal_to_one_process_on_gloo(
     tmp_path: Path,
 ) -> None:
-    """What the equivalence check runs on 4 GPUs or more, every layout and the config as there,
-    on gloo processes: each within verify's tolerances of one process."""
+    """What the equivalence check runs on 4 GPUs or more, every layout and the config as there
+    (the dense model's, then the mixture of experts'), on gloo processes: each within verify's
+    tolerances of one process."""
     s = settings_for(8)
     ctx = Context(tmp_path, {"device_count": 0}, s, Deadline(1200.0), env=NO_GPU)
     check = Check("equivalence", CHECKS["equivalence"], timeout_s=1200.0)
     equivalence(ctx, check)
     assert check.status == "passed", (check.reason, check.figures)
-    assert [r["layout"] for r in check.figures["rows"]] == s.layouts.split(",")[1:]
+    # Each layout's row (each fault-tolerant group's its own), the dense model's, then the MoE's.
+    rows = [re.sub(r" group \d$", "", r["layout"]) for r in check.figures["rows"]]
+    assert list(dict.fromkeys(rows)) == [*s.layouts.split(",")[1:], *s.moe_layouts.split(",")[1:]]
+    assert rows.count("ft:2") == 2
 
 
 def test_the_killed_rank_check_reads_rank_0s_error_on_gloo(tmp_path: Path) -> None:
@@ -285,6 +300,28 @@ def test_the_collectives_check_on_gloo_checks_every_result_and_reports_the_bus_b
     ]
     assert skip_reason("collectives", 1) == "needs 2 CUDA GPUs, this machine has 1"
     assert settings_for(8).collective_sizes == "1M,64M,1G"
+
+
+@pytest.mark.slow
+def test_the_ft_killed_check_sees_the_group_rejoin_on_gloo(tmp_path: Path) -> None:
+    """What the 2-GPU check runs, on 2 gloo processes: group 1 killed after step 8, restarted by
+    its agent, the live state taken from group 0, both groups to the last step."""
+    pytest.importorskip("torchft")
+    ctx = Context(tmp_path, {"device_count": 0}, settings_for(0), Deadline(300.0), env=NO_GPU)
+    check = Check("ft-killed", CHECKS["ft-killed"], timeout_s=300.0)
+    ft_killed(ctx, check)
+    assert check.status == "passed", (check.reason, check.figures)
+    assert check.figures["steps"] == [20, 20] and check.figures["exit_code"] == 0
+    assert check.figures["died"] == [
+        "[replica 1] rank 0 died (SIGKILL); restarting the workers (restart 1 of 10)"
+    ]
+    (recovery,) = check.figures["recoveries"][1]
+    assert recovery["to_step"] == 8 and check.figures["recoveries"][0] == []
+    assert re.match(
+        r"group 1 killed after step 8, restarted, recovered the state after step 8 from a live "
+        r"peer in [\d.]+ s \(it was at step 5 here\); both groups ended step 20 in [\d.]+ s$",
+        check.reason,
+    )
 
 
 @pytest.mark.cuda

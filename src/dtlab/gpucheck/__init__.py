@@ -7,7 +7,8 @@ With CUDA GPUs it runs every CUDA test of the suite; a bf16 + torch.compile trai
 time it cost); a resume from an async save that must continue as the uninterrupted run; and, with two
 GPUs or more, the collectives' bus bandwidth across every GPU (each rank on a GPU of its own), DDP,
 FSDP, TP, PP and CP against one process (``dtlab verify``; with four, HSDP and FSDP x TP too) and a
-run whose rank 1 is killed, which must end in a clear error within its collective timeout. On a CPU machine it runs the same
+run whose rank 1 is killed, which must end in a clear error within its collective timeout, and
+one of two fault-tolerant replica groups whose group 1 is killed, which must rejoin and finish. On a CPU machine it runs the same
 pipeline on the debug model with the step counts cut down (under a minute) and says what it skipped
 and why. Each step has its own timeout, cut to what is left of the budget; any check that fails
 makes the exit code 1, and the report says which.

@@ -397,27 +397,37 @@ def resume(ctx: Context, check: Check) -> None:
 
 
 def equivalence(ctx: Context, check: Check) -> None:
+    """``dtlab verify`` of the dense model's layouts, then of the mixture of experts' (expert
+    parallelism), each against one process."""
     s = ctx.settings
-    out = ctx.out / check.name / "verify"
-    cmd = dtlab(
-        "verify", "--layouts", s.layouts, "--steps", str(s.equivalence_steps), "--out", str(out),
-        "--set", *s.equivalence, *QUIET,
-    )  # fmt: skip
-    proc = ctx.run(check, cmd, "verify")
-    result = _verify_json(out)
-    if result is None:
-        return check.failed(
-            f"dtlab verify did not finish (exit code {proc.returncode}): {_tail(proc)}"
-        )
-    rows = result["rows"]
-    check.figures.update({"rows": rows, "config": s.equivalence, "layouts": s.layouts})
-    bad = [r["layout"] for r in rows if not r["ok"]]
-    if proc.returncode != 0 or bad:
-        return check.failed(
-            f"not within tolerance of {s.layouts.split(',')[0]}: {', '.join(bad) or _tail(proc)}"
-        )
+    runs = [("verify", s.layouts, s.equivalence), ("verify-moe", s.moe_layouts, s.moe_equivalence)]
+    rows: list[dict[str, Any]] = []
+    for name, layouts, config in runs:
+        out = ctx.out / check.name / name
+        cmd = dtlab(
+            "verify", "--layouts", layouts, "--steps", str(s.equivalence_steps), "--out", str(out),
+            "--set", *config, *QUIET,
+        )  # fmt: skip
+        proc = ctx.run(check, cmd, name)
+        result = _verify_json(out)
+        if result is None:
+            return check.failed(
+                f"dtlab verify --layouts {layouts} did not finish (exit code {proc.returncode}): "
+                f"{_tail(proc)}"
+            )
+        rows += result["rows"]
+        check.figures.update({"rows": rows, "config": s.equivalence, "layouts": s.layouts,
+                              "moe_config": s.moe_equivalence, "moe_layouts": s.moe_layouts})  # fmt: skip
+        bad = [r["layout"] for r in result["rows"] if not r["ok"]]
+        if proc.returncode != 0 or bad:
+            return check.failed(
+                f"not within tolerance of {layouts.split(',')[0]}: {', '.join(bad) or _tail(proc)}"
+            )
     worst = max(r["max_loss_diff"] for r in rows)
-    check.passed(f"{s.layouts}: every layout within tolerance, largest loss difference {worst:.1e}")
+    check.passed(
+        f"{s.layouts}, and {s.moe_layouts} of a mixture of experts: every layout within "
+        f"tolerance, largest loss difference {worst:.1e}"
+    )
 
 
 def _verify_json(out: Path) -> dict[str, Any] | None:
@@ -523,6 +533,69 @@ def killed_rank(ctx: Context, check: Check) -> None:
     )
 
 
+# ---------------------------------------------------------------- a fault-tolerant group killed
+
+
+def _last_step(run_dir: Path) -> int | None:
+    """The last step ``run_dir``'s metrics record (None: none)."""
+    last = None
+    try:
+        for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), int):
+                last = record["step"]
+    except OSError:
+        return None
+    return last
+
+
+FT_STEPS, FT_KILLED_AT = 20, 8
+
+
+def ft_killed(ctx: Context, check: Check) -> None:
+    """DDP over 2 fault-tolerant replica groups (torchft; one GPU each), group 1's process killed
+    after step 8: its agent restarts it, it takes the live state from group 0 and the run ends
+    every step, both groups at the same weights."""
+    s = ctx.settings
+    run_dir = ctx.out / check.name / "run"
+    cmd = dtlab(
+        "train", "--nproc", "2", "--set", *s.killed, *QUIET, f"train.steps={FT_STEPS}",
+        f"run.dir={run_dir}", "parallel.fault_tolerance.enabled=true",
+        "parallel.fault_tolerance.min_replicas=2", "checkpoint.every=5",
+    )  # fmt: skip
+    proc = ctx.run(check, cmd, "train", {"DTLAB_FAULTS": f"kill@{FT_KILLED_AT}:r1"})
+    lines = proc.stderr.splitlines()
+    died = [x for x in lines if "died (SIGKILL)" in x]
+    recovered = [x for x in lines if "recovered the state" in x]
+    summaries = [_summary(run_dir / f"replica-{g}") for g in (0, 1)]
+    steps = [_last_step(run_dir / f"replica-{g}") for g in (0, 1)]
+    check.figures.update({
+        "exit_code": proc.returncode, "wall_s": proc.wall_s, "died": died[:2],
+        "recovered": recovered[:2], "steps": steps,
+        "recoveries": [(x or {}).get("fault_tolerance", {}).get("recoveries") for x in summaries],
+    })  # fmt: skip
+    if proc.returncode != 0:
+        return check.failed(f"the run exited with {proc.returncode}: {_tail(proc)}")
+    if "Traceback" in proc.stderr:
+        return check.failed("the run printed a Python traceback")
+    if steps != [FT_STEPS, FT_STEPS]:
+        return check.failed(f"the groups' last steps are {steps}, not {FT_STEPS}")
+    if not died or not recovered:
+        return check.failed(
+            f"group 1 was not killed and recovered (died: {len(died)}, recovered: "
+            f"{len(recovered)}): {_tail(proc)}"
+        )
+    said = re.search(r"recovered the state.*", recovered[0])
+    check.passed(
+        f"group 1 killed after step {FT_KILLED_AT}, restarted, "
+        f"{said.group(0) if said else 'recovered'}; both groups ended step {FT_STEPS} in "
+        f"{proc.wall_s:.1f} s"
+    )
+
+
 CHECK_FUNCTIONS: dict[str, Callable[[Context, Check], None]] = {
     "cuda-tests": cuda_tests,
     "train": train,
@@ -533,4 +606,5 @@ CHECK_FUNCTIONS: dict[str, Callable[[Context, Check], None]] = {
     "collectives": collectives,
     "equivalence": equivalence,
     "killed-rank": killed_rank,
+    "ft-killed": ft_killed,
 }

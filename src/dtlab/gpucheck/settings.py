@@ -24,13 +24,16 @@ CHECKS: dict[str, str] = {
     "--checks resume)",
     "collectives": "all-reduce, all-gather and reduce-scatter across every GPU of the node, each "
     "result checked: bus bandwidth as nccl-tests reports it, beside the card's datasheet link",
-    "equivalence": "DDP, FSDP, TP, PP and CP (with 4 GPUs, HSDP and FSDP x TP too) train as one "
-    "process on the same global batch (dtlab verify)",
+    "equivalence": "DDP, FSDP, TP, PP, CP, fault-tolerant groups and a mixture of experts' EP "
+    "(with 4 GPUs, HSDP and FSDP x TP too) train as one process on the same global batch "
+    "(dtlab verify)",
     "killed-rank": "a rank killed mid-run ends the run in a clear error naming it, within the "
     "collective timeout",
+    "ft-killed": "DDP over 2 fault-tolerant replica groups (torchft), group 1 killed mid-run: it "
+    "rejoins with the live state of group 0 and the run ends every step",
     "cuda-tests": "every CUDA test of the suite (pytest -m cuda)",
 }
-MULTI_GPU = ("collectives", "equivalence", "killed-rank")
+MULTI_GPU = ("collectives", "equivalence", "killed-rank", "ft-killed")
 
 # Every dtlab run of the check: no plot, no trackers, no progress bar.
 QUIET = ["run.tensorboard=false", "run.plot=false", "run.progress=none", "run.trackers=[]"]
@@ -63,12 +66,17 @@ class Settings:
     killed: list[str]
     killed_collective_timeout_s: float
     collective_sizes: str  # --sizes of python -m dtlab.bench.collectives
+    moe_equivalence: list[str]  # the mixture of experts' verify (expert parallelism)
+    moe_layouts: str
 
 
 # dtlab verify's layouts on a node's GPUs: on 2, each kind of parallelism over NCCL (pipelines'
 # sends, the context-parallel ring on the GPU's attention kernels); on 4 or more, also the 2-D ones
-# (HSDP's replica groups, FSDP with TP). Each a short fp32 run of tiny: about a minute more.
-LAYOUTS_2 = "single,ddp:2,fsdp:2,tp:2,pp:2,cp:2"
+# (HSDP's replica groups, FSDP with TP); fault-tolerant replica groups over torchft's process
+# group. Each a short fp32 run of tiny: a minute or two in all.
+LAYOUTS_2 = "single,ddp:2,fsdp:2,tp:2,pp:2,cp:2,ft:2"
+# A mixture of experts, its experts split over the 2 ranks (torchft's groups, ft:2, above).
+MOE_LAYOUTS = "single,ep:2"
 LAYOUTS_4 = LAYOUTS_2 + ",hsdp:4,fsdp:2xtp:2"
 
 
@@ -87,6 +95,7 @@ def settings_for(gpus: int, memory_bytes: int | None = None) -> Settings:
     timeouts = {
         "cuda-tests": 420.0, "train": 140.0, "float8": 140.0, "memory": 30.0, "checkpoint": 90.0,
         "resume": 60.0, "collectives": 90.0, "equivalence": 150.0, "killed-rank": 75.0,
+        "ft-killed": 120.0,
     }  # fmt: skip
     if gpus == 0:
         # A shared CPU's load, not the work, decides how long these take: no step of the smoke is
@@ -101,6 +110,7 @@ def settings_for(gpus: int, memory_bytes: int | None = None) -> Settings:
             equivalence=DEBUG, equivalence_steps=4, layouts="single,ddp:2,fsdp:2,tp:2",
             killed=[*DEBUG, "parallel.strategy=ddp"], killed_collective_timeout_s=10.0,
             collective_sizes="64K,1M",
+            moe_equivalence=[*DEBUG, "model.preset=debug-moe"], moe_layouts=MOE_LAYOUTS,
         )  # fmt: skip
     synthetic = ["data.source=synthetic", "train.warmup_steps=5"]
     # ~1.2B parameters, 8,192 tokens a step (2,048 on a card under 64 GiB), unsharded.
@@ -129,6 +139,8 @@ def settings_for(gpus: int, memory_bytes: int | None = None) -> Settings:
         save_kinds=("none", "sync", "async"),
         resume=[*tiny, "checkpoint.async=true"], resume_steps=10,
         equivalence=[*tiny, "train.grad_clip=0.1"], equivalence_steps=8,
+        moe_equivalence=[*tiny, "train.grad_clip=0.1", "model.preset=debug-moe"],
+        moe_layouts=MOE_LAYOUTS,
         layouts=layouts_for(gpus),
         killed=[*DEBUG, "parallel.strategy=ddp"], killed_collective_timeout_s=20.0,
         # A small buffer (latency), a mid one, and 1 GiB (the link's rate, as nccl-tests' largest).
@@ -138,11 +150,12 @@ def settings_for(gpus: int, memory_bytes: int | None = None) -> Settings:
 
 def skip_reason(name: str, gpus: int) -> str | None:
     """Why this machine cannot run check ``name`` (None: it can)."""
-    if name == "float8":
-        import importlib.util
+    import importlib.util
 
-        if importlib.util.find_spec("torchao") is None:
-            return "torchao is not installed (pip install 'dtlab[float8]')"
+    if name == "float8" and importlib.util.find_spec("torchao") is None:
+        return "torchao is not installed (pip install 'dtlab[float8]')"
+    if name == "ft-killed" and importlib.util.find_spec("torchft") is None:
+        return "torchft is not installed (pip install 'dtlab[ft]')"
     if name in MULTI_GPU and gpus < 2:
         return f"needs 2 CUDA GPUs, this machine has {gpus}" + (
             " (on CPU, make test runs these layouts and the killed rank on gloo: "
