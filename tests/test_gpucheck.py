@@ -75,6 +75,7 @@ def test_on_cpu_it_runs_what_it_can_exits_0_and_says_what_it_skipped(
         "collectives",
         "equivalence",
         "killed-rank",
+        "ft-killed",
     }
     # Every CUDA test collected, each skipped with its reason.
     tests = checks["cuda-tests"]["figures"]["tests"]
