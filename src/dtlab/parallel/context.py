@@ -93,10 +93,9 @@ def _block(
 # The device kernels a ring block runs on (:func:`ring_kernel`): each returns the log-sum-exp the merge
 # needs beside its output, and has a backward that takes the final output and log-sum-exp.
 CPU_FLASH, CUDA_FLASH, CUDA_EFFICIENT = "cpu flash", "cuda flash", "cuda efficient"
-EFFICIENT_LSE_ROWS = (
-    32  # the memory-efficient kernel's log-sum-exp: rows padded to a multiple of 32
-)
-BIAS_ALIGNMENT = 16  # and its bias's rows: a stride that is a multiple of 16 elements
+# The memory-efficient kernel's log-sum-exp has its rows padded to a multiple of 32, and its bias
+# needs rows whose stride is a multiple of 16 elements.
+EFFICIENT_LSE_ROWS, BIAS_ALIGNMENT = 32, 16
 
 
 def ring_kernel(
