@@ -264,6 +264,34 @@ def test_the_plan_predicts_the_outer_state_in_host_memory(outer: list[str]) -> N
     assert plan.as_dict()["per_rank"]["host_bytes"] == plan.host_bytes
 
 
+def test_the_plan_shows_what_a_nodes_ranks_keep_in_host_memory_together() -> None:
+    """8 one-rank DiLoCo replicas of llama3.2-1b on a node: each rank's outer state, and the
+    node's 8 together (against the node's memory where the plan knows it: this machine's)."""
+    from dtlab.analysis.devices import PROFILES
+    from dtlab.analysis.plan import plan
+    from dtlab.analysis.plan_format import _node_host_line, format_bytes, format_plan
+
+    config = load_config(overrides=[
+        "model.preset=llama3.2-1b", "parallel.strategy=ddp", "parallel.diloco.inner_steps=30",
+        "parallel.diloco.replicas=8",
+    ])  # fmt: skip
+    p = plan(config, 8, 1, PROFILES["h100"], None)
+    assert p["host_memory_gib"] is None  # a named profile: the node's own memory is not in it
+    per_rank = max(r["per_rank"]["host_bytes"] for r in p["strategies"] if "error" not in r)
+    assert per_rank > 2**33  # θ_global and the outer momentum of 1.2B parameters, float32
+    text = format_plan(p)
+    assert (
+        f"per node, its 8 ranks together: {format_bytes(8 * per_rank)} (the node's own memory is "
+        "not in the device profile: compare it there)"
+    ) in text
+    assert _node_host_line(8, 2**30, 16.0) == (
+        "per node, its 8 ranks together: 8.0 GiB, of this machine's 16.0 GiB of host memory: 50%"
+    )
+    assert _node_host_line(8, 4 * 2**30, 16.0).endswith(": MORE THAN THE NODE HAS")
+    plain = plan(load_config(overrides=["model.preset=debug"]), 2, 1, PROFILES["h100"], None)
+    assert "per node" not in format_plan(plain)
+
+
 def _in_flight_by_walking(config: Any) -> int:
     """The most fragment elements whose sync is in flight after any inner step, step by step."""
     o = config.parallel.diloco

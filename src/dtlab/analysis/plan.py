@@ -9,7 +9,7 @@ from typing import Any
 from dtlab.analysis import moe
 from dtlab.analysis.choose import Found, reason
 from dtlab.analysis.context_plan import RING_ON_GPU
-from dtlab.analysis.devices import DeviceProfile
+from dtlab.analysis.devices import DeviceProfile, cpu_memory_gib
 from dtlab.analysis.fitrule import explain, usable_fraction
 from dtlab.analysis.float8_time import float8_time
 from dtlab.analysis.latency import cross_replica_collectives
@@ -227,6 +227,8 @@ def plan(
         "nproc": nproc,
         "nnodes": nnodes,
         "device": _device_figures(device, device_assumed, memory, memory_gib is not None, peak),
+        # The node's host memory where it is this machine (what its ranks' host bytes are held to).
+        "host_memory_gib": cpu_memory_gib() if device.key == "this" else None,
         "assumptions": _assumptions(
             device, ac, bool(config.model.moe and config.model.moe.experts)
         ),

@@ -59,7 +59,7 @@ def format_plan(p: dict[str, Any]) -> str:
         *_float8_lines(p.get("float8")),
         "",
         *_strategy_lines(p),
-        *_host_lines(p["strategies"]),
+        *_host_lines(p),
     ]
     if "search" in p:
         lines += ["", *format_search(p["search"])]
@@ -243,10 +243,12 @@ def _strategy_row(r: dict[str, Any], w: int) -> str:
     )
 
 
-def _host_lines(strategies: list[dict[str, Any]]) -> list[str]:
+def _host_lines(p: dict[str, Any]) -> list[str]:
     """Host memory per rank, beside the device's (not in the table's totals): DiLoCo's outer state and
-    an async checkpoint's staging, the most a strategy keeps of each; nothing without them."""
-    rows = [r["per_rank"] for r in strategies if "error" not in r]
+    an async checkpoint's staging, the most a strategy keeps of each; and what a node's ranks keep
+    of it together, against the node's memory where it is known (``--device this``); nothing
+    without them."""
+    rows = [r["per_rank"] for r in p["strategies"] if "error" not in r]
     host = max((r.get("host_bytes", 0) for r in rows), default=0)
     staging = max((r.get("staging_bytes", 0) for r in rows), default=0)
     lines = []
@@ -262,7 +264,21 @@ def _host_lines(strategies: list[dict[str, Any]]) -> list[str]:
             f"{format_bytes(staging)} staged (pinned on a GPU), each rank its share of what the "
             "ranks write"
         )
+    if lines:
+        lines.append(_node_host_line(p["nproc"], host + staging, p.get("host_memory_gib")))
     return ["", *lines] if lines else []
+
+
+def _node_host_line(nproc: int, per_rank: int, node_gib: float | None) -> str:
+    """What a node's ``nproc`` ranks keep in host memory together, against the node's memory
+    (``node_gib``: this machine's, measured; None where the device profile does not say)."""
+    node = nproc * per_rank
+    said = f"per node, its {nproc} rank{'s' * (nproc > 1)} together: {format_bytes(node)}"
+    if node_gib is None:
+        return f"{said} (the node's own memory is not in the device profile: compare it there)"
+    share = node / (node_gib * 2**30)
+    verdict = "MORE THAN THE NODE HAS" if share > 1 else f"{share:.0%}"
+    return f"{said}, of this machine's {node_gib:.1f} GiB of host memory: {verdict}"
 
 
 def format_search(s: dict[str, Any]) -> list[str]:
