@@ -28,6 +28,7 @@ from dtlab.gpucheck.checks import (
     equivalence,
     ft_killed,
     killed_rank,
+    resume,
 )
 from dtlab.gpucheck.runner import Check, Deadline, StepTimeout, run_logged
 from dtlab.gpucheck.settings import BUDGET_S, CHECKS, MULTI_GPU, settings_for, skip_reason
@@ -301,6 +302,27 @@ def test_the_collectives_check_on_gloo_checks_every_result_and_reports_the_bus_b
     ]
     assert skip_reason("collectives", 1) == "needs 2 CUDA GPUs, this machine has 1"
     assert settings_for(8).collective_sizes == "1M,64M,1G"
+
+
+@pytest.mark.slow
+def test_the_resume_check_of_a_node_resumes_fsdps_async_save_across_layouts_on_gloo(
+    tmp_path: Path,
+) -> None:
+    """What the resume check runs with 2 GPUs, on gloo: one process and FSDP over 2 each save
+    asynchronously at the middle step; each resumes on its own layout, and FSDP's save on one
+    process too, every run continuing as the uninterrupted one."""
+    s = settings_for(2)
+    assert s.resume_layouts == "single,fsdp:2" and settings_for(1).resume_layouts == "single"
+    ctx = Context(tmp_path, {"device_count": 0}, s, Deadline(600.0), env=NO_GPU)
+    check = Check("resume", CHECKS["resume"], timeout_s=600.0)
+    resume(ctx, check)
+    assert check.status == "passed", (check.reason, check.figures)
+    kinds = [c["check"] for c in check.figures["checks"]]
+    # One process's own resume, FSDP's on FSDP and on one process.
+    assert sorted(kinds) == ["resume", "resume", "resume on single"], kinds
+    assert check.reason.startswith(
+        "resumed at step 5 of 10 (single,fsdp:2: each on its own layout and on the first)"
+    )
 
 
 @pytest.mark.slow

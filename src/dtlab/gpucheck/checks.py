@@ -372,7 +372,7 @@ def resume(ctx: Context, check: Check) -> None:
     out = ctx.out / check.name / "verify"
     cmd = [
         python(), "-m", "dtlab.gpucheck.resume", "--steps", str(s.resume_steps), "--out", str(out),
-        "--set", *s.resume, *QUIET,
+        "--layouts", s.resume_layouts, "--set", *s.resume, *QUIET,
     ]  # fmt: skip
     proc = ctx.run(check, cmd, "verify")
     result = _verify_json(out)
@@ -381,7 +381,8 @@ def resume(ctx: Context, check: Check) -> None:
             f"the resume check did not run (exit code {proc.returncode}): {_tail(proc)}"
         )
     rows = [c for layout in result["state"] for c in layout["checks"]]
-    check.figures.update({"checks": rows, "middle_step": result.get("middle"), "config": s.resume})
+    check.figures.update({"checks": rows, "middle_step": result.get("middle"), "config": s.resume,
+                          "layouts": s.resume_layouts})  # fmt: skip
     bad = [c for c in rows if not c["ok"]]
     worst = max((c["max_loss_diff"] or 0.0) for c in rows) if rows else None
     if proc.returncode != 0 or bad or not rows:
@@ -390,9 +391,14 @@ def resume(ctx: Context, check: Check) -> None:
         return check.failed(
             f"the resumed run differs from the uninterrupted one: {notes or _tail(proc)}"
         )
+    across = (
+        f" ({s.resume_layouts}: each on its own layout and on the first)"
+        if "," in s.resume_layouts
+        else ""
+    )
     check.passed(_smoke(s,
-        f"resumed at step {result.get('middle')} of {s.resume_steps}: largest loss difference "
-        f"{worst:.1e}, parameters {max(c['max_param_diff'] for c in rows):.1e}"
+        f"resumed at step {result.get('middle')} of {s.resume_steps}{across}: largest loss "
+        f"difference {worst:.1e}, parameters {max(c['max_param_diff'] for c in rows):.1e}"
     ))  # fmt: skip
 
 

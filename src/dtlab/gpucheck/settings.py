@@ -21,7 +21,7 @@ CHECKS: dict[str, str] = {
     "checkpoint": "async and sync saves: the time each blocked training and the training time it "
     "cost, against a run without saves",
     "resume": "a resume from an async save continues as the uninterrupted run (dtlab verify "
-    "--checks resume)",
+    "--checks resume; with 2 GPUs, FSDP's save resumed on FSDP and on one process too)",
     "collectives": "all-reduce, all-gather and reduce-scatter across every GPU of the node, each "
     "result checked: bus bandwidth as nccl-tests reports it, beside the card's datasheet link",
     "equivalence": "DDP, FSDP, TP, PP, CP, fault-tolerant groups and a mixture of experts' EP "
@@ -60,6 +60,7 @@ class Settings:
     save_kinds: tuple[str, ...]  # runs of the checkpoint check: none (no saves), sync, async
     resume: list[str]
     resume_steps: int
+    resume_layouts: str  # "single" (one process alone), or verify's layouts
     equivalence: list[str]
     equivalence_steps: int
     layouts: str
@@ -94,7 +95,7 @@ def settings_for(gpus: int, memory_bytes: int | None = None) -> Settings:
     the same pipeline)."""
     timeouts = {
         "cuda-tests": 420.0, "train": 140.0, "float8": 140.0, "memory": 30.0, "checkpoint": 90.0,
-        "resume": 60.0, "collectives": 90.0, "equivalence": 150.0, "killed-rank": 75.0,
+        "resume": 60.0 if gpus < 2 else 120.0, "collectives": 90.0, "equivalence": 150.0, "killed-rank": 75.0,
         "ft-killed": 120.0,
     }  # fmt: skip
     if gpus == 0:
@@ -106,7 +107,7 @@ def settings_for(gpus: int, memory_bytes: int | None = None) -> Settings:
             "a measurement of a GPU)",
             train=DEBUG, train_steps=2, train_warmup=1,
             checkpoint=DEBUG, checkpoint_steps=6, checkpoint_every=2, save_kinds=("none", "async"),
-            resume=[*DEBUG, "checkpoint.async=true"], resume_steps=4,
+            resume=[*DEBUG, "checkpoint.async=true"], resume_steps=4, resume_layouts="single",
             equivalence=DEBUG, equivalence_steps=4, layouts="single,ddp:2,fsdp:2,tp:2",
             killed=[*DEBUG, "parallel.strategy=ddp"], killed_collective_timeout_s=10.0,
             collective_sizes="64K,1M",
@@ -138,6 +139,8 @@ def settings_for(gpus: int, memory_bytes: int | None = None) -> Settings:
         checkpoint=small, checkpoint_steps=24, checkpoint_every=7,
         save_kinds=("none", "sync", "async"),
         resume=[*tiny, "checkpoint.async=true"], resume_steps=10,
+        # With 2 GPUs an async save of FSDP's shards resumed on FSDP and on one process too.
+        resume_layouts="single,fsdp:2" if gpus >= 2 else "single",
         equivalence=[*tiny, "train.grad_clip=0.1"], equivalence_steps=8,
         moe_equivalence=[*tiny, "train.grad_clip=0.1", "model.preset=debug-moe"],
         moe_layouts=MOE_LAYOUTS,
