@@ -196,14 +196,20 @@ def test_what_a_gpu_machine_runs() -> None:
     # Each kind of parallelism over 2 GPUs; the 2-D layouts where there are 4.
     assert settings_for(2).layouts == "single,ddp:2,fsdp:2,tp:2,pp:2,cp:2,ft:2"
     assert settings_for(8).layouts == settings_for(2).layouts + ",hsdp:4,fsdp:2xtp:2"
-    assert settings_for(2).moe_layouts == "single,ep:2"
+    (moe, compiled) = settings_for(2).more_verifies
+    assert moe[2] == "single,ep:2" and load_config(overrides=moe[3]).model.moe is not None
+    assert compiled[2] == "single,fsdp:2"
+    assert load_config(overrides=compiled[3]).train.compile
+    assert load_config(overrides=compiled[3]).train.precision == "bf16"
     for n in (2, 8):  # every layout's world fits the node, and its config is valid there
         s = settings_for(n)
-        for layouts, config in ((s.layouts, s.equivalence), (s.moe_layouts, s.moe_equivalence)):
+        for layouts, config in [
+            (s.layouts, s.equivalence),
+            *((r[2], r[3]) for r in s.more_verifies),
+        ]:
             for layout in parse_layouts(layouts):
                 assert layout.nproc <= n
                 load_config(overrides=[*config, *layout.overrides])
-    assert load_config(overrides=settings_for(2).moe_equivalence).model.moe is not None
 
 
 def test_a_step_past_its_timeout_is_stopped(tmp_path: Path) -> None:
@@ -244,17 +250,21 @@ def test_the_layouts_a_node_of_4_gpus_verifies_are_equal_to_one_process_on_gloo(
     tmp_path: Path,
 ) -> None:
     """What the equivalence check runs on 4 GPUs or more, every layout and the config as there
-    (the dense model's, then the mixture of experts'), on gloo processes: each within verify's
-    tolerances of one process."""
+    (the dense model's, then the mixture of experts' and FSDP's in bf16 with compile), on gloo
+    processes: each within verify's tolerances of one process."""
     s = settings_for(8)
     ctx = Context(tmp_path, {"device_count": 0}, s, Deadline(1200.0), env=NO_GPU)
     check = Check("equivalence", CHECKS["equivalence"], timeout_s=1200.0)
     equivalence(ctx, check)
     assert check.status == "passed", (check.reason, check.figures)
-    # Each layout's row (each fault-tolerant group's its own), the dense model's, then the MoE's.
-    rows = [re.sub(r" group \d$", "", r["layout"]) for r in check.figures["rows"]]
-    assert list(dict.fromkeys(rows)) == [*s.layouts.split(",")[1:], *s.moe_layouts.split(",")[1:]]
-    assert rows.count("ft:2") == 2
+    # Each layout's row (each fault-tolerant group's its own), the dense model's, then the MoE's
+    # and the compiled bf16 run's.
+    rows = [(r["run"], re.sub(r" group \d$", "", r["layout"])) for r in check.figures["rows"]]
+    assert list(dict.fromkeys(rows)) == [
+        *(("verify", x) for x in s.layouts.split(",")[1:]),
+        ("verify-moe", "ep:2"), ("verify-bf16-compile", "fsdp:2"),
+    ]  # fmt: skip
+    assert rows.count(("verify", "ft:2")) == 2
 
 
 def test_the_killed_rank_check_reads_rank_0s_error_on_gloo(tmp_path: Path) -> None:

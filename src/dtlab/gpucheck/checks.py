@@ -403,12 +403,16 @@ def resume(ctx: Context, check: Check) -> None:
 
 
 def equivalence(ctx: Context, check: Check) -> None:
-    """``dtlab verify`` of the dense model's layouts, then of the mixture of experts' (expert
-    parallelism), each against one process."""
+    """``dtlab verify`` of the dense model's layouts, then each of the settings' further runs (a
+    mixture of experts' expert parallelism, bf16 with compile), each against one process."""
     s = ctx.settings
-    runs = [("verify", s.layouts, s.equivalence), ("verify-moe", s.moe_layouts, s.moe_equivalence)]
+    runs = [("verify", "", s.layouts, s.equivalence), *s.more_verifies]
     rows: list[dict[str, Any]] = []
-    for name, layouts, config in runs:
+    check.figures.update({"config": s.equivalence, "layouts": s.layouts, "more": [
+        {"name": name, "layouts": layouts, "config": config}
+        for name, _, layouts, config in s.more_verifies
+    ]})  # fmt: skip
+    for name, _, layouts, config in runs:
         out = ctx.out / check.name / name
         cmd = dtlab(
             "verify", "--layouts", layouts, "--steps", str(s.equivalence_steps), "--out", str(out),
@@ -421,18 +425,18 @@ def equivalence(ctx: Context, check: Check) -> None:
                 f"dtlab verify --layouts {layouts} did not finish (exit code {proc.returncode}): "
                 f"{_tail(proc)}"
             )
-        rows += result["rows"]
-        check.figures.update({"rows": rows, "config": s.equivalence, "layouts": s.layouts,
-                              "moe_config": s.moe_equivalence, "moe_layouts": s.moe_layouts})  # fmt: skip
+        rows += [{**r, "run": name} for r in result["rows"]]
+        check.figures["rows"] = rows
         bad = [r["layout"] for r in result["rows"] if not r["ok"]]
         if proc.returncode != 0 or bad:
             return check.failed(
-                f"not within tolerance of {layouts.split(',')[0]}: {', '.join(bad) or _tail(proc)}"
+                f"{name}: not within tolerance of {layouts.split(',')[0]}: "
+                f"{', '.join(bad) or _tail(proc)}"
             )
     worst = max(r["max_loss_diff"] for r in rows)
+    more = "".join(f"; {layouts} of {what}" for _, what, layouts, _ in s.more_verifies)
     check.passed(
-        f"{s.layouts}, and {s.moe_layouts} of a mixture of experts: every layout within "
-        f"tolerance, largest loss difference {worst:.1e}"
+        f"{s.layouts}{more}: every layout within tolerance, largest loss difference {worst:.1e}"
     )
 
 
