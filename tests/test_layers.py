@@ -16,7 +16,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("dtlab.errors", "dtlab.runtime", "dtlab.fsutil", "dtlab.metrics.logging"),
     ("dtlab.models", "dtlab.dims"),
     ("dtlab.config", "dtlab.cliargs"),
-    ("dtlab.data", "dtlab.metrics", "dtlab.analysis.devices"),
+    ("dtlab.data", "dtlab.metrics", "dtlab.analysis.devices", "dtlab.analysis.busbw"),
     ("dtlab.parallel",),
     ("dtlab.checkpoint",),
     ("dtlab.train", "dtlab.analysis"),
