@@ -78,16 +78,16 @@ def test_the_gpu_kernels_are_called_as_their_signatures_take_them(
     the memory-efficient kernel with one or in fp32), on meta tensors (their shapes and dtypes,
     torch's own checks of the arguments): 20 positions a chunk, neither the bias's alignment of 16
     nor the memory-efficient kernel's log-sum-exp rows of 32."""
-    from dtlab.parallel.context import block_backward, block_forward
+    from dtlab.parallel.context import _attend, _attend_backward
 
     meta = torch.device("meta")
     q, k, v = (torch.empty(2, 4, 20, 16, device=meta, dtype=dtype) for _ in range(3))
     allowed = torch.ones(2, 1, 20, 20, dtype=torch.bool, device=meta) if masked else None
-    out, lse, state = block_forward(kernel, q, k, v, causal, 0.25, allowed)
+    out, lse, state = _attend(q, k, v, causal, 0.25, allowed, kernel)
     assert out.shape == q.shape and out.dtype == dtype
     assert lse.shape == (2, 4, 20) and lse.dtype == torch.float32
     assert len(state) == 2  # the kernel's random state, which its backward takes
-    grads = block_backward(kernel, out, q, k, v, out, lse, causal, 0.25, allowed, state)
+    grads = _attend_backward(out, q, k, v, out, lse, causal, 0.25, allowed, state, kernel)
     assert [(g.shape, g.dtype) for g in grads] == [(q.shape, dtype)] * 3
 
 

@@ -123,6 +123,11 @@ def ring_kernel(
     return CUDA_FLASH if kernel.name == "flash" else CUDA_EFFICIENT
 
 
+def _kernel_of(q: torch.Tensor, masked: bool) -> str:
+    """:func:`ring_kernel` for blocks of ``q``'s device and dtype."""
+    return ring_kernel(q.device.type, q.dtype, masked, cuda_capability(q.device))
+
+
 def _bias(allowed: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """A block's boolean mask [B, 1, Tq, Tk] as the memory-efficient kernel takes it, as torch's own
     attention prepares it (``preprocess_mask``): additive, in the queries' dtype, its rows' stride
@@ -141,26 +146,14 @@ def _attend(
     causal: bool,
     scale: float,
     allowed: torch.Tensor | None = None,
+    kernel: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
     """(output, log-sum-exp [B, H, Tq] float32, the kernel's random-state tensors for its backward)
-    of attention of ``q`` over ``k``/``v`` on the device's kernel (:func:`ring_kernel`, no
-    autograd), within the boolean mask ``allowed`` [B, 1, Tq, Tk] where given. A row with no key in
-    the block comes back as output 0 with log-sum-exp -inf (the empty sum's), so that the merge
-    gives it no weight."""
-    kernel = ring_kernel(q.device.type, q.dtype, allowed is not None, cuda_capability(q.device))
-    return block_forward(kernel, q, k, v, causal, scale, allowed)
-
-
-def block_forward(
-    kernel: str,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    causal: bool,
-    scale: float,
-    allowed: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
-    """:func:`_attend` on ``kernel`` (one of :func:`ring_kernel`'s)."""
+    of attention of ``q`` over ``k``/``v`` on ``kernel`` (one of :func:`ring_kernel`'s; None: the
+    one it picks for ``q``, no autograd), within the boolean mask ``allowed`` [B, 1, Tq, Tk] where
+    given. A row with no key in the block comes back as output 0 with log-sum-exp -inf (the empty
+    sum's), so that the merge gives it no weight."""
+    kernel = kernel or _kernel_of(q, allowed is not None)
     state: tuple[torch.Tensor, ...] = ()
     if kernel == CPU_FLASH:
         mask = None if allowed is None else additive_mask(allowed, q.dtype)
@@ -197,29 +190,14 @@ def _attend_backward(
     scale: float,
     allowed: torch.Tensor | None = None,
     state: tuple[torch.Tensor, ...] = (),
+    kernel: str | None = None,
 ) -> Any:
-    """The kernel's own backward of one block (the kernel :func:`_attend` ran it on), from the
-    final output and log-sum-exp (a row with no key in the block gets none of its gradient: its
-    weights are exp(-inf - lse) = 0); ``state``: the random-state tensors a forward of the same
-    kernel returned (no dropout reads them). (dq, dk, dv)."""
-    kernel = ring_kernel(q.device.type, q.dtype, allowed is not None, cuda_capability(q.device))
-    return block_backward(kernel, dout, q, k, v, out, lse, causal, scale, allowed, state)
-
-
-def block_backward(
-    kernel: str,
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    causal: bool,
-    scale: float,
-    allowed: torch.Tensor | None = None,
-    state: tuple[torch.Tensor, ...] = (),
-) -> Any:
-    """:func:`_attend_backward` on ``kernel`` (one of :func:`ring_kernel`'s)."""
+    """The kernel's own backward of one block (``kernel``, the one :func:`_attend` ran it on; None:
+    the one :func:`ring_kernel` picks for ``q``), from the final output and log-sum-exp (a row
+    with no key in the block gets none of its gradient: its weights are exp(-inf - lse) = 0);
+    ``state``: the random-state tensors a forward of the same kernel returned (no dropout reads
+    them). (dq, dk, dv)."""
+    kernel = kernel or _kernel_of(q, allowed is not None)
     if kernel == CPU_FLASH:
         mask = None if allowed is None else additive_mask(allowed, q.dtype)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -306,9 +284,10 @@ def _pairs_backward(
             kind, allowed = _block(q_chunk, k_chunk, ctx.docs)
             if kind == NONE:
                 continue
+            cut = allowed is not None
             gq, gk, gv = _attend_backward(
                 douts[a], qs[a], ks[b], vs[b], outs[a], lses[a], kind == CAUSAL, ctx.scale, allowed,
-                ctx.states[allowed is not None],
+                ctx.states[cut], ctx.kernels[cut],
             )  # fmt: skip
             dqs[a].add_(gq)
             dks[b].add_(gk)
@@ -335,6 +314,9 @@ class _RingAttention(torch.autograd.Function):
         outs: list[torch.Tensor | None] = [None, None]
         lses: list[torch.Tensor | None] = [None, None]
         kv = [k.contiguous(), v.contiguous()]
+        # The blocks' kernels, chosen once (with a document mask's part, and without), and the
+        # random state each returned (for its backward).
+        kernels = {masked: _kernel_of(q, masked) for masked in (False, True)}
         states: dict[bool, tuple[torch.Tensor, ...]] = {}
         for step in range(ring.cp):
             pending = ring.start(kv) if step < ring.cp - 1 else None
@@ -345,11 +327,11 @@ class _RingAttention(torch.autograd.Function):
                     kind, allowed = _block(q_chunk, k_chunk, docs)
                     if kind == NONE:
                         continue
+                    cut = allowed is not None
                     part, part_lse, state = _attend(
-                        qs[a], ks[b], vs[b], kind == CAUSAL, scale, allowed
+                        qs[a], ks[b], vs[b], kind == CAUSAL, scale, allowed, kernels[cut]
                     )
-                    # The kernel's random state (for its backward), one of masked and unmasked blocks.
-                    states.setdefault(allowed is not None, state)
+                    states.setdefault(cut, state)
                     part = part.to(wide)  # merged in float32 (float64 stays)
                     if outs[a] is None:
                         outs[a], lses[a] = part, part_lse
@@ -364,7 +346,8 @@ class _RingAttention(torch.autograd.Function):
             out.chunk(2, dim=2)[a].copy_(whole)  # type: ignore[arg-type]
         lse = torch.cat(lses, dim=2)  # type: ignore[arg-type]
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale, ctx.docs, ctx.states = group, scale, docs, states
+        ctx.group, ctx.scale, ctx.docs = group, scale, docs
+        ctx.kernels, ctx.states = kernels, states
         return out
 
     @staticmethod
@@ -484,7 +467,7 @@ def ring_attention(
     if q.shape[2] % 2:
         raise ValueError(f"a rank's {q.shape[2]} positions do not split into its 2 chunks")
     # Refused before the first block where the device has no kernel for the ring (ValueError).
-    ring_kernel(q.device.type, q.dtype, documents is not None, cuda_capability(q.device))
+    _kernel_of(q, documents is not None)
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if k.shape[1] != q.shape[1]:  # grouped key/value heads: the blocks that travel carry every head
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
