@@ -548,18 +548,10 @@ def killed_rank(ctx: Context, check: Check) -> None:
 
 def _last_step(run_dir: Path) -> int | None:
     """The last step ``run_dir``'s metrics record (None: none)."""
-    last = None
-    try:
-        for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict) and isinstance(record.get("step"), int):
-                last = record["step"]
-    except OSError:
-        return None
-    return last
+    from dtlab.train.rundir import logged_steps
+
+    records = logged_steps(run_dir)
+    return int(records[-1]["step"]) if records else None
 
 
 FT_STEPS, FT_KILLED_AT = 20, 8
