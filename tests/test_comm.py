@@ -28,3 +28,21 @@ def test_cuda_ddp_hooks_run_on_the_autograd_thread_and_are_counted_once(case: st
     """On CUDA the hooks run on the autograd engine's device thread, which inherits the counter's
     dispatch mode: counted there once (not also by the Python API's count), to the byte."""
     run_worker("comm_threads_worker.py", 1, case, "cuda")
+
+
+def test_the_counter_wraps_only_the_collectives_this_torch_has(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch before 2.12 has no ``all_gather_single`` (dtlab supports torch 2.6 and later): the
+    counter wraps what exists and leaves the rest as it found it (torch 2.11 on an H200 raised
+    AttributeError entering it)."""
+    import torch.distributed as dist
+
+    from dtlab.metrics.comm import CommCounter
+
+    monkeypatch.delattr(dist, "all_gather_single", raising=False)
+    before = dist.all_reduce
+    with CommCounter():
+        assert dist.all_reduce is not before  # wrapped while active
+        assert not hasattr(dist, "all_gather_single")
+    assert dist.all_reduce is before and not hasattr(dist, "all_gather_single")

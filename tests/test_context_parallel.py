@@ -92,14 +92,20 @@ def test_the_gpu_kernels_are_called_as_their_signatures_take_them(
 
 
 def test_a_blocks_mask_is_the_bias_the_efficient_kernel_takes() -> None:
+    """Additive, aligned, broadcast over the heads; a row with no key is zeros, not -inf (the
+    kernel's bf16 backward makes NaN of a row of -inf; the row's output and gradient are
+    replaced around the kernel)."""
     from dtlab.parallel.context import _bias
 
     allowed = torch.rand(2, 1, 5, 20, generator=torch.Generator().manual_seed(0)) > 0.5
+    allowed[1, 0, 3] = False  # a query with no key in this block
     q, k = torch.empty(2, 4, 5, 8), torch.empty(2, 4, 20, 8)
     bias = _bias(allowed, q, k)
     assert bias.shape == (2, 4, 5, 20) and bias.dtype == q.dtype
     assert bias.stride(-2) % 16 == 0 and bias.stride(1) == 0  # rows aligned, heads broadcast
-    expected = torch.zeros(2, 1, 5, 20).masked_fill(~allowed, float("-inf")).expand(2, 4, 5, 20)
+    expected = torch.zeros(2, 1, 5, 20).masked_fill(~allowed, float("-inf"))
+    expected[1, 0, 3] = 0.0
+    expected = expected.expand(2, 4, 5, 20)
     assert torch.equal(bias, expected)
 
 
@@ -127,11 +133,12 @@ def test_ring_blocks_on_the_gpu_merge_to_torchs_own_attention(
     )
     docs = torch.tensor([[0] * 30 + [1] * 50, [0] * 75 + [1] * 5], device=dev)
     allowed = same_document(docs, docs, causal=True) if documents else None
-    # Torch's own attention of the whole (two chunks), the late chunk's rows.
-    wq, wk, wv = (x.clone().requires_grad_() for x in (q, k, v))
-    mask = None if allowed is None else additive_mask(allowed, dtype)
+    # Torch's own attention of the whole (two chunks) in float32 from the same inputs, the late
+    # chunk's rows (a bf16 reference would carry its own kernel's rounding, or worse: below).
+    wq, wk, wv = (x.float().requires_grad_() for x in (q, k, v))
+    mask = None if allowed is None else additive_mask(allowed, torch.float32)
     ref = F.scaled_dot_product_attention(wq, wk, wv, attn_mask=mask, is_causal=mask is None)
-    want = torch.autograd.grad(ref[:, :, t:], (wq, wk, wv), dout[:, :, t:])
+    want = torch.autograd.grad(ref[:, :, t:], (wq, wk, wv), dout[:, :, t:].float())
     # The ring's two blocks of the late query chunk (over the early chunk, in full; over its own,
     # causally), merged; then each block's backward from the merged output.
     ql, dl, scale = q[:, :, t:], dout[:, :, t:], d**-0.5
@@ -156,6 +163,34 @@ def test_ring_blocks_on_the_gpu_merge_to_torchs_own_attention(
         dv[:, :, keys] += gv.float()
     for got, grad in zip((dq, dk, dv), (want[0][:, :, t:], want[1], want[2]), strict=True):
         assert (got - grad.float()).abs().max() <= tol
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_torchs_bf16_attention_with_a_document_mask_has_float32s_gradients() -> None:
+    """Torch's own attention in bf16 with a document mask (the model's attention without context
+    parallelism), forward and backward, against the same in float32: finite and within bf16's
+    rounding. The ring's masked blocks in bf16 gave NaN query gradients on an H200 where the
+    float32 ones were right; this says whether torch's kernel does the same to the model."""
+    import torch.nn.functional as F
+
+    from dtlab.models.sequence import additive_mask, same_document
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v, dout = (
+        torch.randn(2, 4, 80, 16, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(4)
+    )
+    docs = torch.tensor([[0] * 30 + [1] * 50, [0] * 75 + [1] * 5], device=dev)
+    allowed = same_document(docs, docs, causal=True)
+    grads = []
+    for dtype in (torch.bfloat16, torch.float32):
+        xs = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+        out = F.scaled_dot_product_attention(*xs, attn_mask=additive_mask(allowed, dtype))
+        grads.append([out, *torch.autograd.grad(out, xs, dout.to(dtype))])
+    for half, full in zip(*grads, strict=True):
+        assert torch.isfinite(half).all()
+        assert (half.float() - full).abs().max() <= 5e-2
 
 
 @pytest.mark.cuda

@@ -322,7 +322,7 @@ def measure(args: argparse.Namespace) -> int:
     baseline = _nvidia_smi("memory.used")  # MiB the device holds before this process's context
     import torch
 
-    runs = grid(args.grid)
+    runs = grid(args.grid)[args.start :]
     if not torch.cuda.is_available():
         if args.grid != "smoke":
             print(f"--grid {args.grid}: needs a CUDA GPU (off one: --grid smoke, a CPU smoke of the "
@@ -433,6 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     m.add_argument(
         "--budget-s", type=float, default=330.0, help="start no run after this many seconds"
+    )
+    m.add_argument(
+        "--start", type=int, default=0, help="skip the grid's first N runs (measured before)"
     )
     m.add_argument("--no-rates", action="store_true", help="skip the card's rates")
     c = sub.add_parser("compare", help="the measured runs beside dtlab plan's predictions")

@@ -146,7 +146,9 @@ class CommCounter(TorchDispatchMode):
         # all-reduce, the low-precision hook's), are counted at the Python API instead; each
         # collective is counted in exactly one of the two places (:meth:`_seen_by_dispatch`).
         for fn, (name, arg) in _PY_API.items():
-            original = getattr(dist, fn)
+            original = getattr(dist, fn, None)
+            if original is None:  # torch before 2.12 has no all_gather_single, ...
+                continue
             self._patched[fn] = original
             setattr(dist, fn, self._wrap(original, name, arg))
         super().__enter__()
