@@ -569,10 +569,10 @@ CLAIMS = [
         ),
     ),
     Claim(
-        r"not yet measured on a GPU\)",
+        r"not yet measured under a cap on a GPU\)",
         holds(
             "src/dtlab/analysis/fitrule.py",
-            r"not yet measured on a GPU",
+            r"not yet measured under a cap on a GPU",
             "the fit rule's own words",
         ),
     ),
@@ -624,11 +624,11 @@ CLAIMS = [
         lacks("docs/performance.md", r"(?mi)^\| [^|]*zero-?1[^|]*\| [\d.]+ \|", "a ZeRO-1 row"),
     ),
     Claim(
-        r"until a GPU measures them",
+        r"until runs under a cap on a GPU measure",
         holds(
             "src/dtlab/analysis/fitrule.py",
-            r"not yet measured on a GPU",
-            "the GPU margin as modelled, not measured",
+            r"not yet measured under a cap on a GPU",
+            "the GPU margin's allocator share assumed, not measured under a cap",
         ),
     ),
     # Settings refused when the config is validated.

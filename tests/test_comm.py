@@ -22,12 +22,14 @@ def test_ddp_hooks_are_counted_to_the_byte(compression: str) -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 @pytest.mark.parametrize("case", ["threads", "fp16", "powersgd"])
 def test_cuda_ddp_hooks_run_on_the_autograd_thread_and_are_counted_once(case: str) -> None:
     """On CUDA the hooks run on the autograd engine's device thread, which inherits the counter's
-    dispatch mode: counted there once (not also by the Python API's count), to the byte."""
-    run_worker("comm_threads_worker.py", 1, case, "cuda")
+    dispatch mode: counted there once (not also by the Python API's count), to the byte. Two
+    ranks, one GPU each: a collective over one rank moves nothing and is not counted (one GPU
+    counted nothing, rightly, and this test failed there)."""
+    run_worker("comm_threads_worker.py", 2, case, "cuda")
 
 
 def test_the_counter_wraps_only_the_collectives_this_torch_has(

@@ -41,20 +41,23 @@ BENCH = "python -m dtlab.bench.fitrule"
 # The published GPU rule (Fujii, Watanabe, Yokota 2024, arXiv:2411.06465).
 GPU_PUBLISHED_MARGIN = 0.8
 GPU_SOURCE = "Fujii et al. 2024, arXiv:2411.06465: no run estimated under 80% of memory ran out, 454 runs on A100 and H100"
-# A GPU's overheads beside the tensors, modelled until a GPU measures them (docs/planning.md):
-# the CUDA context with lazy module loading (the default since CUDA 12.2) measured 287 MB by
-# PyTorch (pytorch/pytorch#86509, against 667 MB loaded eagerly); cuBLAS's and cuDNN's workspaces
-# and NCCL's buffers for a rank's few communicators (NCCL_BUFFSIZE, 4 MiB by default, per channel
-# and peer) assumed 1.2 GiB more; the caching allocator's reserved over its allocated peak (its
-# 2 MiB and 20 MiB segments, blocks split and kept) assumed 10%. On the 80 GiB reference GPU.
-GPU_CONTEXT_BYTES = 287 * 10**6
+# A GPU's overheads beside the tensors. Measured on one H200 (torch 2.11, CUDA 13.0, 26 trainings
+# of llama3.2-1b and -3b, python -m dtlab.bench.gputruth; docs/planning.md): the device memory
+# outside the caching allocator once a run has trained (the CUDA context with lazy loading,
+# cuBLAS's and cuDNN's handles, compiled kernels' modules) 767 to 771 MiB; the allocator's reserved
+# over its allocated peak 0.6% to 24.1%, what it kept when nothing pressed it, not what it needs
+# (it frees its cache and retries before running out), so 10% stays assumed until runs under a cap
+# on a GPU measure it. NCCL's buffers for a rank's few communicators (NCCL_BUFFSIZE, 4 MiB by
+# default, per channel and peer) are assumed 1.2 GiB: one GPU cannot measure them. On the 80 GiB
+# reference GPU.
+GPU_CONTEXT_BYTES = 771 * 2**20
 GPU_LIBRARIES_BYTES = int(1.2 * 2**30)
 GPU_ALLOCATOR_OVERHEAD = 0.10
 GPU_REFERENCE_BYTES = 80 * 2**30
 GPU_MODEL_SOURCE = (
-    "the CUDA context 287 MB (pytorch/pytorch#86509, lazy loading), libraries' workspaces and "
-    "NCCL's buffers 1.2 GiB and the caching allocator's reserved over allocated 10% assumed, on "
-    "80 GiB"
+    "the CUDA context and libraries 771 MiB (measured on an H200), NCCL's buffers 1.2 GiB and the "
+    "caching allocator's reserved over allocated 10% assumed (0.6-24.1% kept in unpressed runs "
+    "on the H200), on 80 GiB"
 )
 
 
@@ -90,5 +93,5 @@ def explain(kind: str) -> str:
         f"{head} (the tightest of the analytic model's margin measured by {BENCH} on CPU with freed "
         f"memory returned at once, no run under {MODEL_MARGIN:.0%} ran out, {MODEL_RUNS} runs; "
         f"that margin with a GPU's overheads modelled, {gpu_modelled_fraction():.0%}: "
-        f"{GPU_MODEL_SOURCE}; and {GPU_SOURCE}; not yet measured on a GPU)"
+        f"{GPU_MODEL_SOURCE}; and {GPU_SOURCE}; not yet measured under a cap on a GPU)"
     )

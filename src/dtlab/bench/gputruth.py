@@ -413,7 +413,7 @@ def compare(args: argparse.Namespace) -> int:
         alloc, step = r["peak_allocated_bytes"], r["median_step_time_s"]
         rows.append({**r, "plan": plan, "plan_step_s_measured_peak": pred_s})
         print(f"{r['name']:34} {alloc / GIB:9.2f} {pred / GIB:9.2f} {pred / alloc - 1:+7.1%} "
-              f"{r['peak_reserved_bytes'] / GIB:9.2f} {step * 1e3:8.1f} {pred_s * 1e3:8.1f} "
+              f"{(r['peak_reserved_bytes'] or 0) / GIB:9.2f} {step * 1e3:8.1f} {pred_s * 1e3:8.1f} "
               f"{pred_s / step - 1:+7.1%}")  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps({**data, "compared": rows}, indent=1), "utf-8")
