@@ -492,6 +492,7 @@ def _compile_note(compiled: int, eager: int) -> str:
     return (
         f"train.compile: checked eagerly, against the plan of the eager step; compiled, the "
         f"plan's peak is {compiled / 2**30:.2f} GiB ({(compiled - eager) / eager:+.1%}: "
+        "the blocks keep what torch.compile's partitioner chooses, measured on one block, and "
         "the compiled loss keeps the logits in their own dtype instead of their float32 "
         "log-softmax), not checked"
     )

@@ -55,6 +55,7 @@ from dtlab.analysis.comm_model import (
     tied_embedding_comm,
     zero1_comm_bytes,
 )
+from dtlab.analysis.compiled_memory import compiled_kept_saving
 from dtlab.analysis.context_plan import (
     cp_comm,
     cp_kept_bytes,
@@ -384,6 +385,9 @@ def _kept(rank: RankInputs) -> tuple[int, Walk | None]:
     act += document_mask_bytes(config, dims, tokens) + mask_copy_bytes(config, dims, m, tokens)
     if ac != "full":  # (under full: the recomputed block's, _activations)
         act += moe.ep_rows_bytes(config, dims, tokens, m)
+    # Compiled blocks keep less than eager ones (torch.compile's partitioner recomputes their
+    # element-wise work in backward): measured on the block itself.
+    act -= compiled_kept_saving(config, dims, m, tokens, split.tp, rank.half_params)
     flight = _in_flight(config, dims, rank.accum, rank.pp_rank)
     # Autocast's half-precision weight copies are made once per autocast region: a pipeline's
     # step runs all its micro-batches in one, so the micro-batches in flight share them.

@@ -120,7 +120,7 @@ def rank_timeline(
         )  # fmt: skip
     loss = None
     if rank_model.n_layers >= 0 and config.model.vocab_size:
-        loss = LossShape(tokens, m.vocab_size // dims.tp, half, dims.tp_enabled)
+        loss = LossShape(tokens, m.vocab_size // dims.tp, half, dims.tp_enabled, rank.compiled)
     persist = dims.ddp_enabled and not dims.shard_optimizer
     # The attention's masks (a sliding window's, a document mask), made once a forward and read
     # by every layer, are held by the model to the step's end: not freed with the blocks.

@@ -106,12 +106,18 @@ class LossShape:
     vocab: int
     half: bool
     parallel: bool
+    # The compiled loss (dtlab.train.loss under train.compile): its fused kernels make no
+    # [tokens, vocab] float32 in forward or backward; its backward makes the logits' gradient
+    # in their dtype beside them (measured on an H200: docs/planning.md).
+    compiled: bool = False
 
     def forward_extra(self) -> int:
         """Beyond what the loss keeps (its float32 log-softmax): the logits (and in half precision
         their float32 copy) alive at the log-softmax. The vocabulary-parallel loss holds one more
         [tokens, vocab] float32 (the shifted logits beside their exponent) and a few bytes a token
         (the row maxima and sums)."""
+        if self.compiled:
+            return 0
         cells = self.tokens * self.vocab
         logits = cells * (2 if self.half else FP32) + (FP32 * cells if self.half else 0)
         if self.parallel:
@@ -123,6 +129,8 @@ class LossShape:
         (each [tokens, vocab] float32); the vocabulary-parallel loss holds three such (and a few
         bytes a token of masks and indices)."""
         cells = self.tokens * self.vocab
+        if self.compiled:  # the logits' gradient
+            return cells * (2 if self.half else FP32)
         if self.parallel:
             return 3 * FP32 * cells + 33 * self.tokens + 4
         return 2 * FP32 * cells
@@ -133,8 +141,10 @@ class LossShape:
         (in the logits' dtype), the projection's input gradient [tokens, dim] and its weight
         gradient [vocab, dim] (``grad_bytes`` an element) made."""
         cells = self.tokens * self.vocab
-        freed = self.freed_before_backward() + FP32 * cells
-        temps = cells * (2 if self.half else FP32) + compute * self.tokens * dim
+        logits = cells * (2 if self.half else FP32)
+        # Compiled, what is freed is the logits themselves (their gradient is in temps).
+        freed = self.freed_before_backward() + (logits if self.compiled else FP32 * cells)
+        temps = logits + compute * self.tokens * dim
         return freed, temps + grad_bytes * self.vocab * dim
 
     def freed_before_backward(self) -> int:

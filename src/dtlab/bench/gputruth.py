@@ -258,10 +258,9 @@ def _one(run: Run, root: Path) -> dict[str, Any]:
     """Train ``run`` in this process and read the allocator's figures."""
     import torch
 
-    import dtlab
     from dtlab.analysis.model import flops_per_token
     from dtlab.metrics.peaks import cuda_peaks
-    from dtlab.train.api import resolve_config
+    from dtlab.train.api import resolve_config, train
 
     cuda = torch.cuda.is_available()
     torch._dynamo.reset()
@@ -271,7 +270,7 @@ def _one(run: Run, root: Path) -> dict[str, Any]:
         cuda_peaks(torch.device("cuda", 0)).restart()
     sets = [*run_overrides(run), *QUIET, f"run.dir={root / run.name}", f"run.name={run.name}"]
     t0 = time.perf_counter()
-    summary = dtlab.train(None, sets)
+    summary = train(None, sets)
     wall = time.perf_counter() - t0
     used = _device_used() if cuda else None
     reserved_now = int(torch.cuda.memory_reserved()) if cuda else None
