@@ -89,6 +89,12 @@ def test_unknown_precision_or_checkpointing_is_refused() -> None:
         compiled_block_saved(_model(), "fp8", "none")
     with pytest.raises(ValueError):
         eager_block_saved(_model(), "bf16", "everything")
+    with pytest.raises(ValueError):
+        eager_block_saved(_model(), "bf16", "none", "blockwise")
+    with pytest.raises(ValueError):
+        eager_block_saved(_model(), "bf16", "none", "tensorwise", "tpu")
+    with pytest.raises(ValueError):  # float8 layers train under bf16 autocast
+        eager_block_saved(_model(), "fp32", "none", "tensorwise")
 
 
 def test_the_plan_of_a_compiled_step_keeps_what_the_compiled_blocks_keep() -> None:
@@ -127,5 +133,55 @@ def test_the_plan_of_a_compiled_step_keeps_what_the_compiled_blocks_keep() -> No
     assert e.activations_bytes - c.activations_bytes == saving + loss_saving
     docs = load_config(overrides=[*base, "train.compile=true", "data.document_mask=true"])
     assert compiled_kept_saving(docs, dims, docs.model, 256, 1, False) == 0
+    # Float8 blocks: measured as converted (here as a CPU trains them).
     f8 = load_config(overrides=[*base, "train.compile=true", "train.float8.enabled=true"])
-    assert compiled_kept_saving(f8, ParallelDims.from_config(f8, 1), f8.model, 256, 1, False) == 0
+    f8_saving = compiled_kept_saving(
+        f8, ParallelDims.from_config(f8, 1), f8.model, 256, 1, False, device_type="cpu"
+    )
+    eager_f8 = eager_block_saved(f8.model, "bf16", "none", "tensorwise", "cpu")
+    compiled_f8 = compiled_block_saved(f8.model, "bf16", "none", "tensorwise", "cpu")
+    per_block = (eager_f8[0] - compiled_f8[0]) * 256 + eager_f8[1] - compiled_f8[1]
+    assert f8_saving == round(per_block) * f8.model.n_layers > 0
+
+
+def _plan_float8_block(m: ModelConfig, ac: str, device_type: str) -> tuple[float, float]:
+    """The plan's eager float8 block (tensorwise): the activation model's one block less what float8
+    layers keep less (:func:`float8_kept_saving`), per token and per block, as above."""
+    from dtlab.analysis.float8_plan import float8_kept_saving
+    from dtlab.config import load_config
+
+    config = load_config(
+        overrides=[f"model.preset={m.preset}", "train.precision=bf16", "train.float8.enabled=true"]
+    )
+    one = config.model.model_copy(update={"n_layers": 1})
+
+    def kept(t: int) -> int:
+        act = activation_bytes(one, t, "bf16", ac, final_part=False)
+        return act - sum(float8_kept_saving(config, one, t, ac, 1, False, device_type))
+
+    per_token = (kept(128) - kept(64)) / 64
+    return per_token, kept(64) - 64 * per_token - 2 * FP32
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_a_compiled_float8_block_keeps_at_most_the_eager_one(device_type: str) -> None:
+    # Float8 layers as dtlab converts them, emulated (cpu) or through torch._scaled_mm's fake
+    # kernel (cuda). The eager block is the plan's eager float8 block on either device: on a CPU
+    # the norms' readers share its float32 output, on a GPU each casts its own bf16 copy.
+    m = _model()
+    eager = eager_block_saved(m, "bf16", "none", "tensorwise", device_type)
+    assert eager == pytest.approx(_plan_float8_block(m, "none", device_type), abs=0.5)
+    compiled = compiled_block_saved(m, "bf16", "none", "tensorwise", device_type)
+    assert 0 < compiled[0] <= eager[0]
+    # Per block: the scales (float32 scalars) alone; no weight copy either way.
+    assert compiled[1] <= 64
+    assert eager[1] == 0
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+@pytest.mark.parametrize("ac", ["none", "selective", "full"])
+@pytest.mark.parametrize("preset", ["debug", "llama3.2-1b"])
+def test_the_eager_float8_measurement_is_the_plans(preset: str, ac: str, device_type: str) -> None:
+    m = _model(preset)
+    eager = eager_block_saved(m, "bf16", ac, "tensorwise", device_type)
+    assert eager == pytest.approx(_plan_float8_block(m, ac, device_type), abs=0.5)

@@ -15,6 +15,26 @@ Both run on CPU fake tensors at two sequence lengths and fit bytes = per token x
 On CPU attention is ``_scaled_dot_product_flash_attention_for_cpu``, which saves its output and
 log-sum-exp; CUDA's flash saves the same two tensors and two philox scalars (seed, offset), so the
 per-token bytes are those of a GPU run.
+
+Float8 blocks (``train.float8``, ``float8=`` the recipe) are converted as training converts them
+(:func:`dtlab.parallel.float8.apply_float8`: attention's q, k, v, o and the feed-forward's w1, w2,
+w3 become torchao's ``Float8Linear``) before checkpointing and compiling. ``device_type="cpu"``
+measures them as a CPU trains them: emulated (torchao's ``emulate``: the float8 casts, then the GEMMs
+as ``torch.mm`` on the float8 values upcast, in bf16 under CPU autocast), the layers seeing no
+autocast (``torch.is_autocast_enabled()`` is CUDA's), so they read the float32 norm output.
+``device_type="cuda"`` measures them as a GPU of compute capability 8.9 or later trains them: the
+GEMMs are ``torch._scaled_mm`` on the float8 data (its fake kernel: no GPU needed) and CUDA's
+autocast state is on, so each layer casts its input to bf16 itself. Only the eager block differs
+between the two (the CPU's readers of a norm share its float32 output instead of a bf16 copy each:
+:func:`dtlab.analysis.float8_plan.float8_kept_saving`). Compiled without checkpointing, both save
+the same tensors a token, and no float8 one (the partitioner casts again in backward from what it
+keeps): the block's float32 input, the norms' reciprocal RMS, the rotated q, k, v, attention's
+output and log-sum-exp, and the outputs of wo, w1 and w3 in bf16 (``_scaled_mm``'s on a GPU; on a
+CPU the emulated ``mm``'s, in bf16 under autocast: the same bytes). Only the per-block
+scales differ, float32 scalars: one a layer emulated, the scale and its reciprocal through
+``_scaled_mm`` (rowwise scales are a token's, in the per-token bytes). What a real GPU's compile
+could still save otherwise is what inductor decides by the device alone (CUDA's flash attention's
+philox scalars, above), not measured here.
 """
 
 from __future__ import annotations
@@ -23,9 +43,10 @@ import dataclasses
 import functools
 import gc
 import logging
+import warnings
 from collections.abc import Sequence
-from contextlib import nullcontext
-from typing import Any
+from contextlib import contextmanager, nullcontext
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -36,22 +57,35 @@ from torch.utils._pytree import tree_leaves
 from dtlab.config import ModelConfig
 from dtlab.models.args import ModelArgs
 
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
 __all__ = ["compiled_block_saved", "compiled_kept_saving", "eager_block_saved"]
 
 _AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 _AC = ("none", "selective", "full")
+_FLOAT8 = (None, "tensorwise", "rowwise")  # train.float8.recipe (None: no float8 layers)
+_DEVICES = ("cpu", "cuda")
 # The longest sequence measured. The partitioner weighs what to keep by its bytes, activations
 # (per token) against weight copies (per forward), so the sequences are as long as training's: fake
 # tensors make the length free.
 _LONGEST = 4096
 
 
-def compiled_block_saved(model_cfg: ModelConfig, precision: str, ac: str) -> tuple[float, float]:
+def compiled_block_saved(
+    model_cfg: ModelConfig,
+    precision: str,
+    ac: str,
+    float8: str | None = None,
+    device_type: str = "cpu",
+) -> tuple[float, float]:
     """``(bytes per token, bytes per block)`` that one compiled block of ``model_cfg`` keeps saved for
     backward between its forward and backward, under ``precision`` (fp32; bf16/fp16: autocast on
     float32 parameters, as single-process and DDP training run) and activation checkpointing ``ac``
     (none, selective, full: :func:`dtlab.parallel.apply.apply_ac`, applied before compiling, as
-    training does).
+    training does). ``float8``: the block's linear layers train in float8 with this recipe
+    (``train.float8.recipe``; bf16 only), measured as ``device_type`` (cpu, cuda) trains them (the
+    module's docstring); None: no float8 layers (``device_type`` is then of no consequence).
 
     The block is compiled by inductor with ``fullgraph=True`` and static shapes on fake CPU tensors;
     a custom partitioner (inductor's ``custom_partitioner_fn`` hook, which inductor calls after its
@@ -63,14 +97,21 @@ def compiled_block_saved(model_cfg: ModelConfig, precision: str, ac: str) -> tup
     Dense blocks only (an MoE block's routing reads token counts back, which fake tensors cannot
     give), attention without a mask (a sliding window is not applied). CPU autocast casts the same
     ops of a block as CUDA's (the matmuls and attention). Memoised on the block's shape,
-    ``precision`` and ``ac``; each measurement compiles twice, a few seconds for any size of block.
+    ``precision``, ``ac``, ``float8`` and ``device_type``; each measurement compiles twice, a few
+    seconds for any size of block.
     It resets torch.compile's state (``torch._dynamo.reset``) around each compile: not for a process
     that runs compiled code of its own.
     """
-    return _measure(_block_args(model_cfg), precision, ac, compiled=True)
+    return _measure(_block_args(model_cfg), precision, ac, True, *_float8(float8, device_type))
 
 
-def eager_block_saved(model_cfg: ModelConfig, precision: str, ac: str) -> tuple[float, float]:
+def eager_block_saved(
+    model_cfg: ModelConfig,
+    precision: str,
+    ac: str,
+    float8: str | None = None,
+    device_type: str = "cpu",
+) -> tuple[float, float]:
     """``(bytes per token, bytes per block)`` that one eager block of ``model_cfg`` keeps for backward,
     as :func:`compiled_block_saved` counts them but without compiling: the storages made (or, the
     block's input, given) during its forward that are still alive once only its output is held.
@@ -78,9 +119,17 @@ def eager_block_saved(model_cfg: ModelConfig, precision: str, ac: str) -> tuple[
     That is what autograd's saved tensors hold and, under checkpointing, what the checkpoint keeps
     beside them (its inputs, selective checkpointing's cached matmul outputs), which
     ``saved_tensors_hooks`` would not see. The output itself is not counted (the next block's input).
-    On fake CPU tensors, as the compiled one; under a second for any size of block.
+    On fake CPU tensors, as the compiled one (``float8``, ``device_type``: as there); under a second
+    for any size of block.
     """
-    return _measure(_block_args(model_cfg), precision, ac, compiled=False)
+    return _measure(_block_args(model_cfg), precision, ac, False, *_float8(float8, device_type))
+
+
+def _float8(float8: str | None, device_type: str) -> tuple[str | None, str]:
+    """The memo's float8 key: the device matters only to float8 layers."""
+    if float8 not in _FLOAT8 or device_type not in _DEVICES:
+        raise ValueError(f"float8 recipe {float8!r} or device {device_type!r} unknown")
+    return float8, device_type if float8 is not None else "cpu"
 
 
 def _block_args(model_cfg: ModelConfig) -> ModelArgs:
@@ -96,39 +145,82 @@ def _block_args(model_cfg: ModelConfig) -> ModelArgs:
 
 
 @functools.lru_cache(maxsize=128)
-def _measure(args: ModelArgs, precision: str, ac: str, compiled: bool) -> tuple[float, float]:
+def _measure(
+    args: ModelArgs, precision: str, ac: str, compiled: bool, float8: str | None, device_type: str
+) -> tuple[float, float]:
     if precision not in _AUTOCAST or ac not in _AC:
         raise ValueError(f"precision {precision!r} or activation checkpointing {ac!r} unknown")
+    if float8 is not None and precision != "bf16":
+        raise ValueError("float8 layers train with train.precision = bf16")
     # Two sequences of one sample.
     long = args.max_seq_len
-    counts = [(t, _saved_bytes(args, t, precision, ac, compiled)) for t in (long // 2, long)]
+    counts = [
+        (t, _saved_bytes(args, t, precision, ac, compiled, float8, device_type))
+        for t in (long // 2, long)
+    ]
     (t1, b1), (t2, b2) = counts
     per_token = (b2 - b1) / (t2 - t1)
     return per_token, b1 - per_token * t1
 
 
-def _block(args: ModelArgs, ac: str, mode: FakeTensorMode) -> tuple[torch.nn.Module, Any, Any]:
-    """A fake block built as the model builds it, checkpointed as training wraps it, and the model's
-    RoPE tables (the block takes the whole tables and slices them itself)."""
+def _block(
+    args: ModelArgs, ac: str, mode: FakeTensorMode, float8: str | None = None, emulate: bool = True
+) -> tuple[torch.nn.Module, Any, Any]:
+    """A fake block built as the model builds it, its linear layers converted to float8 (``float8``:
+    the recipe) and checkpointed as training converts and wraps it, and the model's RoPE tables (the
+    block takes the whole tables and slices them itself)."""
     from dtlab.models.llama import Transformer
     from dtlab.parallel.apply import apply_ac
 
     with mode:
         model = Transformer(args)
+    if float8 is not None:
+        from dtlab.parallel.float8 import apply_float8
+
+        apply_float8(model, float8, emulate=emulate, all_gather=False)
     apply_ac(model, ac)
     return model.layers["0"], model.rope_cos, model.rope_sin
 
 
-def _saved_bytes(args: ModelArgs, tokens: int, precision: str, ac: str, compiled: bool) -> int:
+def _saved_bytes(
+    args: ModelArgs,
+    tokens: int,
+    precision: str,
+    ac: str,
+    compiled: bool,
+    float8: str | None,
+    device_type: str,
+) -> int:
     mode = FakeTensorMode()
-    block, cos, sin = _block(args, ac, mode)
+    gpu = device_type == "cuda"
+    block, cos, sin = _block(args, ac, mode, float8, emulate=not gpu)
     dtype = _AUTOCAST[precision]
-    autocast = torch.autocast("cpu", dtype=dtype) if dtype is not None else nullcontext()
+    autocast: Any = torch.autocast("cpu", dtype=dtype) if dtype is not None else nullcontext()
+    if gpu and dtype is not None:
+        autocast = _with_cuda_autocast(autocast, dtype)
     # The block's input is made by the measurement, which alone holds it (the eager one drops it to
     # see whether the block keeps it).
     shape = (1, tokens, args.dim)
     measure = _compiled_bytes if compiled else _eager_bytes
     return measure(block, shape, cos, sin, autocast, mode)
+
+
+@contextmanager
+def _with_cuda_autocast(autocast: Any, dtype: torch.dtype) -> Iterator[None]:
+    """``autocast`` (CPU's, which casts the fake CPU tensors' ops) with CUDA's autocast state on:
+    what ``Float8Linear`` reads (``torch.is_autocast_enabled()``, CUDA's) to cast its input to
+    bf16 as on a GPU. The state alone: no CPU tensor's op is cast by it."""
+    enabled, was = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    torch.set_autocast_enabled("cuda", True)
+    torch.set_autocast_dtype("cuda", dtype)
+    try:
+        # (torchao reads the dtype through torch.get_autocast_gpu_dtype, which torch deprecates.)
+        with autocast, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "torch.get_autocast_gpu_dtype", DeprecationWarning)
+            yield
+    finally:
+        torch.set_autocast_enabled("cuda", enabled)
+        torch.set_autocast_dtype("cuda", was)
 
 
 class _Partitioned(Exception):
@@ -262,27 +354,46 @@ def _eager_bytes(
 
 
 def compiled_kept_saving(
-    config: Any, dims: Any, rank_model: ModelConfig, tokens: int, tp: int, half_params: bool
+    config: Any,
+    dims: Any,
+    rank_model: ModelConfig,
+    tokens: int,
+    tp: int,
+    half_params: bool,
+    device_type: str | None = None,
 ) -> int:
     """Bytes that compiling the blocks (``train.compile``) takes off what one micro-batch's forward
     keeps on a rank with ``rank_model``'s blocks: per block, the eager block's saved bytes less the
     compiled one's (both measured here, :func:`eager_block_saved` equal to the plan's eager
     formula). 0 where the measurement does not hold, the plan keeping the eager figure there (an
     upper bound): tensor or context parallelism, pipelines, half-precision parameters (FSDP's
-    bf16 gathers), float8 layers, a mixture of experts, attention masks (a sliding window or
-    documents); and without ``train.compile``.
+    bf16 gathers), a mixture of experts, attention masks (a sliding window or documents); and
+    without ``train.compile``.
+
+    Float8 layers (``train.float8``) are measured as converted, on the ranks' ``device_type``
+    (cpu, cuda; the eager float8 block equal to the plan's, activation_bytes less
+    :func:`dtlab.analysis.float8_plan.float8_kept_saving`, on either device). The compiled block
+    keeps the same on both, the eager one less on a CPU (its norms' readers share a float32 copy):
+    without ``device_type`` the smaller, CPU's, saving, which holds on either.
 
     Measured against an H200 (docs/planning.md): the compiled `llama3.2-1b` keeps 80,008 bytes a
-    token a block in bf16 against the eager 129,160."""
+    token a block in bf16 against the eager 129,160; in float8 (tensorwise) 55,432 against the
+    same eager 129,160."""
     t = config.train
     masked = rank_model.sliding_window is not None or config.data.document_mask
     if (
-        not t.compile or tp > 1 or half_params or t.float8.enabled or rank_model.moe.experts
+        not t.compile or tp > 1 or half_params or rank_model.moe.experts
         or masked or dims.cp_enabled or dims.pp_enabled or rank_model.n_layers == 0
     ):  # fmt: skip
         return 0
     ac = t.activation_checkpointing
-    eager = eager_block_saved(rank_model, t.precision, ac)
-    compiled = compiled_block_saved(rank_model, t.precision, ac)
-    per_block = (eager[0] - compiled[0]) * tokens + (eager[1] - compiled[1])
+    float8 = t.float8.recipe if t.float8.enabled else None
+    devices = [device_type] if device_type is not None or float8 is None else list(_DEVICES)
+
+    def saving(device: str) -> float:
+        eager = eager_block_saved(rank_model, t.precision, ac, float8, device)
+        compiled = compiled_block_saved(rank_model, t.precision, ac, float8, device)
+        return (eager[0] - compiled[0]) * tokens + (eager[1] - compiled[1])
+
+    per_block = min(saving(d or "cpu") for d in devices)
     return max(0, round(per_block) * rank_model.n_layers)

@@ -387,7 +387,9 @@ def _kept(rank: RankInputs) -> tuple[int, Walk | None]:
         act += moe.ep_rows_bytes(config, dims, tokens, m)
     # Compiled blocks keep less than eager ones (torch.compile's partitioner recomputes their
     # element-wise work in backward): measured on the block itself.
-    act -= compiled_kept_saving(config, dims, m, tokens, split.tp, rank.half_params)
+    act -= compiled_kept_saving(
+        config, dims, m, tokens, split.tp, rank.half_params, rank.device_type
+    )
     flight = _in_flight(config, dims, rank.accum, rank.pp_rank)
     # Autocast's half-precision weight copies are made once per autocast region: a pipeline's
     # step runs all its micro-batches in one, so the micro-batches in flight share them.
