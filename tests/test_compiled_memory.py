@@ -185,3 +185,37 @@ def test_the_eager_float8_measurement_is_the_plans(preset: str, ac: str, device_
     m = _model(preset)
     eager = eager_block_saved(m, "bf16", ac, "tensorwise", device_type)
     assert eager == pytest.approx(_plan_float8_block(m, ac, device_type), abs=0.5)
+
+
+def test_the_plan_read_for_its_bytes_leaves_torch_compile_alone() -> None:
+    """At a run's end the summary reads the plan's bytes (``planned_step_comm``): no compiled block
+    is measured then, so a compiled function of the process keeps its compiled code (measuring
+    resets torch.compile's caches process-wide); the plan's memory still measures it."""
+    from dtlab.analysis.compiled_memory import blocks_not_measured, compiled_kept_saving
+    from dtlab.analysis.run_comm import planned_step_comm
+    from dtlab.config import load_config
+    from dtlab.dims import ParallelDims
+
+    config = load_config(
+        overrides=["model.preset=debug", "data.seq_len=64", "train.global_batch_size=4",
+                   "train.precision=bf16", "train.compile=true", "parallel.strategy=single"]
+    )  # fmt: skip
+    from dtlab.analysis import compiled_memory
+
+    compiled_memory._measure.cache_clear()  # nothing measured before: the plan would measure
+    torch._dynamo.reset()
+    calls = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
+        calls.append(1)
+        return gm.forward
+
+    double = torch.compile(lambda x: x * 2, backend=backend)
+    double(torch.ones(3))
+    assert isinstance(planned_step_comm(config, 1, "cpu"), dict)
+    double(torch.ones(3))
+    assert calls == [1]  # compiled once: its code survived the plan
+    dims = ParallelDims.from_config(config, 1)
+    with blocks_not_measured():
+        assert compiled_kept_saving(config, dims, config.model, 256, 1, False) == 0
+    assert compiled_kept_saving(config, dims, config.model, 256, 1, False) > 0

@@ -39,12 +39,14 @@ philox scalars, above), not measured here.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import gc
 import logging
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -60,7 +62,12 @@ from dtlab.models.args import ModelArgs
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-__all__ = ["compiled_block_saved", "compiled_kept_saving", "eager_block_saved"]
+__all__ = [
+    "blocks_not_measured",
+    "compiled_block_saved",
+    "compiled_kept_saving",
+    "eager_block_saved",
+]
 
 _AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 _AC = ("none", "selective", "full")
@@ -353,6 +360,22 @@ def _eager_bytes(
     return sum(kept.values())
 
 
+_MEASURED = contextvars.ContextVar("dtlab_compiled_blocks_measured", default=True)
+
+
+@contextlib.contextmanager
+def blocks_not_measured() -> Iterator[None]:
+    """Within it, :func:`compiled_kept_saving` gives 0 (the eager figure, an upper bound) instead
+    of compiling a block to measure it: for a plan read for its bytes, not its memory, in a process
+    that trains (the measurement resets torch.compile's caches process-wide, a user's own compiled
+    functions' too)."""
+    token = _MEASURED.set(False)
+    try:
+        yield
+    finally:
+        _MEASURED.reset(token)
+
+
 def compiled_kept_saving(
     config: Any,
     dims: Any,
@@ -380,6 +403,8 @@ def compiled_kept_saving(
     token a block in bf16 against the eager 129,160; in float8 (tensorwise) 55,432 against the
     same eager 129,160."""
     t = config.train
+    if not _MEASURED.get():
+        return 0
     masked = rank_model.sliding_window is not None or config.data.document_mask
     if (
         not t.compile or tp > 1 or half_params or rank_model.moe.experts

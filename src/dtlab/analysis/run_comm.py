@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dtlab.analysis.compiled_memory import blocks_not_measured
 from dtlab.analysis.latency import cross_replica_collectives
 from dtlab.analysis.model import param_shapes, plan_step
 from dtlab.config import Config
@@ -41,7 +42,10 @@ def planned_step_comm(
         dims = ParallelDims.from_config(config, world_size)
         at = dims.coordinates(0)
         pp_rank = at["pp"] if dims.pp_enabled else None
-        plan = plan_step(config, world_size, shapes, pp_rank, device_type, at["dp_shard"])
+        # (Its bytes alone are read: no compiled block measured, which would reset torch.compile's
+        # caches in the process that trained.)
+        with blocks_not_measured():
+            plan = plan_step(config, world_size, shapes, pp_rank, device_type, at["dp_shard"])
         collectives = cross_replica_collectives(config, world_size, shapes)
     except DtlabError as e:
         return f"dtlab plan does not model this layout ({e})"
