@@ -126,19 +126,17 @@ def _nvidia_smi(query: str) -> str | None:
 
 
 def _timed(fn: Callable[[], Any], iters: int = 20, warmup: int = 3) -> float:
-    """Seconds per call of ``fn`` on the current CUDA device (events around ``iters`` calls)."""
+    """Seconds per call of ``fn`` on the current CUDA device (``iters`` calls timed together)."""
     import torch
+
+    from dtlab.bench.timing import timed
 
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / iters
+    with timed(torch.device("cuda", torch.cuda.current_device())) as t:
+        for _ in range(iters):
+            fn()
+    return t.seconds / iters
 
 
 def _gemm_tflops(m: int, n: int, k: int, dtype: str) -> float | None:
@@ -377,21 +375,29 @@ def measure(args: argparse.Namespace) -> int:
 
 
 def _plan(run: Run, device: str) -> dict[str, Any]:
-    exe = [sys.executable, "-m", "dtlab", "plan", "--json", "--nproc", "1", "--device", device]
-    proc = subprocess.run(
-        [*exe, "--set", *run_overrides(run)], capture_output=True, text=True, check=False
-    )
-    if proc.returncode != 0:
-        return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
-    plan = json.loads(proc.stdout)
-    row = {x["strategy"]: x for x in plan["strategies"]}["single"]
+    """``dtlab plan --json --nproc 1 --device DEVICE`` of ``run``, in this process (the compiled
+    blocks' measurements shared between runs)."""
+    from dtlab.analysis.devices import PROFILES
+    from dtlab.analysis.plan import plan
+    from dtlab.errors import DtlabError
+    from dtlab.train.api import resolve_config
+
+    try:
+        result = plan(resolve_config(None, run_overrides(run)), 1, 1, PROFILES[device], None)
+    except DtlabError as e:
+        return {"error": str(e)}
+    row = {x["strategy"]: x for x in result["strategies"]}["single"]
     return {"per_rank": row["per_rank"], "step_time_s": row["step_time_s"],
             "compute_time_s": row["compute_time_s"], "recompute_time_s": row["recompute_time_s"],
-            "peak_tflops": plan["device"].get("peak_tflops")}  # fmt: skip
+            "peak_tflops": result["device"].get("peak_tflops")}  # fmt: skip
 
 
 def compare(args: argparse.Namespace) -> int:
     """The ``compare`` half: each measured run beside the plan's prediction for it."""
+    from dtlab.analysis.devices import PROFILES
+
+    if args.device not in PROFILES:
+        raise SystemExit(f"--device {args.device!r}: allowed: {', '.join(PROFILES)}")
     data = json.loads(Path(args.json).read_text(encoding="utf-8"))
     measured_peak = (data.get("rates") or {}).get("bf16_gemm_tflops")
     rows = []
