@@ -114,6 +114,13 @@ class _MicroBatch:
     blocks: list[BlockKind]
     loss: LossShape | None
 
+    def left_by_blocks(self) -> int:
+        """What forward kept that is alive once every block's backward is done: forward's own are
+        freed but the micro-batch's tokens (int64, one more than it trains on) and the step's
+        scalars."""
+        tokens = 8 * (self.loss.tokens + 1) + 12 if self.loss is not None else 0
+        return max(tokens, self.kept - self.loss_part - sum(b.kept for b in self.blocks))
+
     def add(self, where: str, phase: str = "backward", **parts: int) -> None:
         """Record a point of micro-batch k's ``phase`` (``where`` it is) with its ``parts``."""
         self.t.add(Moment(f"{phase} {self.k}", where, **self.base, **parts))
@@ -165,13 +172,9 @@ def _replicated_embedding_backward(mb: _MicroBatch, s: RankState, grads: int) ->
     micro-batch are few and the vocabulary large this is the step's peak: `llama3.2-1b` with one
     sample of 2,048 tokens under checkpointing, 19.51 GiB allocated on an H200, of which the two
     tables' gradients 1.96 GiB."""
-    blocks = mb.blocks
-    # Forward's own are freed by then but the micro-batch's tokens (int64, one more than it
-    # trains on) and the step's scalars; beside them the residual stream's gradient.
-    tokens = 8 * (mb.loss.tokens + 1) + 12 if mb.loss is not None else 0
-    rest = max(tokens, mb.kept - mb.loss_part - sum(b.kept for b in blocks))
-    into = blocks[0].shape.stream_row
-    mb.add("the embedding's backward", grads=grads, activations=rest,
+    # Beside what forward left, the residual stream's gradient.
+    into = mb.blocks[0].shape.stream_row
+    mb.add("the embedding's backward", grads=grads, activations=mb.left_by_blocks(),
            temporaries=s.tied_grad + s.embed_grads + into, buffers=mb.buffers)  # fmt: skip
 
 
@@ -473,10 +476,7 @@ def _root_backward(
     the vocabulary is large and the tokens few: `llama3.2-1b` on 8 ranks at 1,024 tokens, and a
     mixture of experts' few blocks)."""
     blocks = mb.blocks
-    # Forward's own are freed by then but the micro-batch's tokens (int64, one more than it
-    # trains on) and the step's scalars.
-    tokens = 8 * (mb.loss.tokens + 1) + 12 if mb.loss is not None else 0
-    rest = max(tokens, mb.kept - mb.loss_part - sum(b.kept for b in blocks))
+    rest = mb.left_by_blocks()
     embed = s.embed_grads // FP32 * element
     # (Over a shard group of one rank resharded after forward, DDP beside tensor parallelism, the
     # same float32 copy waits for its all-reduce: the blocks' points below.)
