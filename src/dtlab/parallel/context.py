@@ -132,18 +132,18 @@ def _widened(allowed: torch.Tensor | None, dtype: torch.dtype) -> Any:
     """How a block's tensors reach the memory-efficient kernel: as they are, or in float32 for a
     block with a document mask's part in half precision. On an H200 (torch 2.11) that kernel's
     bf16 backward of such a block gave NaN and wrong query gradients where its float32 one matched
-    torch's attention (docs/long-context.md); the block's results go back in ``dtype``."""
+    torch's attention (docs/long-context.md); the block's results go back in ``dtype``. The
+    block's bias (:func:`_bias`) is float32 either way."""
     if allowed is None or dtype == torch.float32:
         return lambda t: t
     return lambda t: t.float()
 
 
-def _bias(
-    allowed: torch.Tensor, q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype | None = None
-) -> torch.Tensor:
+def _bias(allowed: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """A block's boolean mask [B, 1, Tq, Tk] as the memory-efficient kernel takes it, as torch's own
-    attention prepares it (``preprocess_mask``): additive, in ``dtype`` (default the queries'),
-    its rows' stride a multiple of 16 elements (padded, then cut back), broadcast over the heads.
+    attention prepares it (``preprocess_mask``): additive, in float32 (the kernel's dtype for a
+    masked block: :func:`_widened`), its rows' stride a multiple of 16 elements (padded, then cut
+    back), broadcast over the heads.
 
     A row with no key in the block gets a row of zeros, not of -inf, so the kernel never meets a
     row with nothing to attend to (torch's kernels have made NaN of such rows): the row's output
@@ -152,7 +152,7 @@ def _bias(
     nowhere."""
     tk = allowed.shape[-1]
     padded = -(-tk // BIAS_ALIGNMENT) * BIAS_ALIGNMENT
-    bias = torch.zeros((*allowed.shape[:-1], padded), dtype=dtype or q.dtype, device=q.device)
+    bias = torch.zeros((*allowed.shape[:-1], padded), dtype=torch.float32, device=q.device)
     bias = bias[..., :tk].masked_fill_(~allowed & allowed.any(-1, keepdim=True), float("-inf"))
     return bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
 
@@ -184,7 +184,7 @@ def _attend(
         )
         out, lse, state = r[0], r[1], (r[6], r[7])
     else:
-        bias = None if allowed is None else _bias(allowed, q, k, torch.float32)
+        bias = None if allowed is None else _bias(allowed, q, k)
         wide = _widened(allowed, q.dtype)
         r = torch.ops.aten._scaled_dot_product_efficient_attention(
             wide(q), wide(k), wide(v), bias, True, 0.0, causal and allowed is None, scale=scale
@@ -236,7 +236,7 @@ def _attend_backward(
     padded[..., : q.shape[2]] = lse
     bias = None
     if allowed is not None:  # the rows with no key here: no gradient (their bias row is zeros)
-        bias = _bias(allowed, q, k, torch.float32)
+        bias = _bias(allowed, q, k)
         dout = dout.masked_fill(~allowed.any(-1).unsqueeze(-1), 0.0)
     wide = _widened(allowed, q.dtype)
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
