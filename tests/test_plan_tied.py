@@ -148,3 +148,24 @@ def test_the_search_offers_tensor_parallelism_to_a_tied_model() -> None:
     assert rec["settings"]["parallel.tp"] == 2 and "parallel.tp=2" in rec["set"], rec
     pipelines = [r for r in s["rows"] if r["settings"]["parallel.pp"] == 2]
     assert pipelines and all(r["step_time_s"] > rec["step_time_s"] for r in pipelines)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_embeddings_backward_holds_the_tables_gradients_beside_the_others(tied: bool) -> None:
+    """On a rank holding the whole model, the embedding's backward is a moment of the step: every
+    other gradient made, and the lookup's gradient of the whole table made anew beside, for a
+    tied model, the output projection's gradient of the same table (autograd adds the two). With
+    one sample under checkpointing this is the step's peak (an H200 measured `llama3.2-1b` there:
+    docs/planning.md); untied, the lookup's gradient is the table's own."""
+    overrides = ["model.preset=debug", "data.seq_len=16", "train.global_batch_size=1",
+                 "train.activation_checkpointing=full", "parallel.strategy=single",
+                 f"model.tie_embeddings={'true' if tied else 'false'}"]  # fmt: skip
+    config = load_config(overrides=overrides)
+    p = plan_step(config, 1)
+    assert p.timeline is not None
+    at = [m for m in p.timeline.as_list() if m.where == "the embedding's backward"]
+    assert len(at) == 1, [m.where for m in p.timeline.as_list()]
+    table = 4 * config.model.vocab_size * config.model.dim  # a float32 [vocab, dim]
+    row = 4 * 16 * config.model.dim  # the residual stream's gradient, float32
+    assert at[0].temporaries == (2 if tied else 1) * table + row
+    assert at[0].grads == p.grads_bytes - table  # every gradient but the table's
