@@ -165,6 +165,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise DtlabError(
             f"--device {args.device!r} is not known; allowed: {', '.join(DEVICE_KEYS)}, this"
         )
+    if args.step_model != device.step_model:
+        import dataclasses
+
+        device = dataclasses.replace(device, step_model=args.step_model)
     result = plan(
         config,
         args.nproc,

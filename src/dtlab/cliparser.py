@@ -464,6 +464,15 @@ def _add_plan(sub: _Commands) -> None:
         help="override the device memory",
     )
     pl.add_argument(
+        "--step-model",
+        choices=("flops", "kernels"),
+        default="flops",
+        help="how a GPU's compute time is estimated: flops (the step's FLOPs at 45%% of the peak; "
+        "the default) or kernels (each kernel of the step at the rate its kind reaches, measured "
+        "as fractions of an H200's datasheet figures, and the host's dispatch where it is slower: "
+        "dense eager bf16/fp32 steps; others stay at flops)",
+    )
+    pl.add_argument(
         "--check",
         action="store_true",
         help="also run the real code of --ranks at the full world size in this process (torch's fake "

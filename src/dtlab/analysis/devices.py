@@ -88,6 +88,10 @@ class DeviceProfile:
     # where the figure comes from; None where unknown.
     memory_gbps: float | None = None
     memory_gbps_source: str = ""
+    # How a GPU's compute time is estimated: "flops" (the step's FLOPs at a fraction of the peak,
+    # dtlab.analysis.rates) or "kernels" (each kernel of the step at its kind's rate, and the host's
+    # dispatch: dtlab.analysis.roofline, where it can time the config).
+    step_model: str = "flops"
 
     @property
     def kind(self) -> str:

@@ -31,6 +31,8 @@ from dtlab.analysis.plan_format import (  # noqa: F401  (the plan's formats, imp
 )
 from dtlab.analysis.probe import compute_seconds, rank_share, wrapper_seconds
 from dtlab.analysis.rates import ACHIEVABLE_FRACTION, achievable_flops, pipeline_bubble
+from dtlab.analysis.roofline_plan import kernel_seconds as _kernel_seconds
+from dtlab.analysis.roofline_plan import kernels_time
 from dtlab.analysis.search import (
     SearchResult,
     command,
@@ -611,6 +613,8 @@ class _Costing:
         again = recompute_flops_per_token(cfg.model, cfg.seq_len, ac) / flops_per_token(
             cfg.model, cfg.seq_len
         )
+        if device.probe is None and device.step_model == "kernels" and kernels_time(cfg, device):
+            return _kernel_seconds(cfg, dims, device, self.shapes, idle)
         if device.probe is None:
             compute = flops_per_token(cfg.model, cfg.seq_len) * tokens_per_rank / rate
             # train.float8: its layers' GEMMs at the float8 rate where that is faster, the casts.
@@ -716,6 +720,14 @@ def step_time_basis(device: DeviceProfile, moe: bool = False) -> str:
         compute = (
             "compute: this model's step measured on one process, scaled to each layout's tokens, "
             "share of the FLOPs and parameters, pipeline bubble and the cores its ranks share"
+        )
+    elif device.step_model == "kernels" and device.kind == "cuda":
+        compute = (
+            "compute (--step-model kernels): each kernel of the step at its kind's rate (GEMMs, "
+            "attention, memory-bound ops, the optimizer: fractions of the datasheet measured on an "
+            "H200) or the host's dispatch where slower; an MoE, compiled or float8 step, or masked "
+            f"attention, at {ACHIEVABLE_FRACTION[device.kind]:.0%} of the peak; plus the pipeline "
+            "bubble"
         )
     else:
         unmeasured = (

@@ -37,6 +37,7 @@ from dtlab.analysis.model import (
     recompute_flops_per_token,
 )
 from dtlab.analysis.rates import achievable_flops, pipeline_bubble
+from dtlab.analysis.roofline_plan import bound_flops
 from dtlab.config import Config, ConfigError, ParallelConfig, check_world, yaml_scalar
 from dtlab.dims import (
     DPWrapper,
@@ -356,7 +357,7 @@ def _queue(
             continue
         n_layouts += 1
         dims = ParallelDims.from_config(cfg, world)
-        rate = achievable_flops(device, cfg.train.precision)
+        rate = bound_flops(device, cfg.train.precision)
         # train.float8: its layers' FLOPs at best at the float8 rate (a lower bound still).
         fast = float8_bound_share(cfg, device, rate) * fwd_bwd
         busy = 1 - pipeline_bubble(cfg, dims)

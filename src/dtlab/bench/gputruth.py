@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import platform
 import shutil
@@ -374,16 +375,19 @@ def measure(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- anywhere: against the plan
 
 
-def _plan(run: Run, device: str) -> dict[str, Any]:
-    """``dtlab plan --json --nproc 1 --device DEVICE`` of ``run``, in this process (the compiled
-    blocks' measurements shared between runs)."""
+def _plan(run: Run, device: str, step_model: str = "flops") -> dict[str, Any]:
+    """``dtlab plan --json --nproc 1 --device DEVICE --step-model STEP_MODEL`` of ``run``, in this
+    process (the compiled blocks' measurements shared between runs)."""
+    import dataclasses
+
     from dtlab.analysis.devices import PROFILES
     from dtlab.analysis.plan import plan
     from dtlab.errors import DtlabError
     from dtlab.train.api import resolve_config
 
+    profile = dataclasses.replace(PROFILES[device], step_model=step_model)
     try:
-        result = plan(resolve_config(None, run_overrides(run)), 1, 1, PROFILES[device], None)
+        result = plan(resolve_config(None, run_overrides(run)), 1, 1, profile, None)
     except DtlabError as e:
         return {"error": str(e)}
     row = {x["strategy"]: x for x in result["strategies"]}["single"]
@@ -402,7 +406,7 @@ def compare(args: argparse.Namespace) -> int:
     measured_peak = (data.get("rates") or {}).get("bf16_gemm_tflops")
     rows = []
     print(f"{'run':34} {'alloc GiB':>9} {'plan GiB':>9} {'err':>7} {'resv GiB':>9} "
-          f"{'step ms':>8} {'plan ms':>8} {'err':>7}")  # fmt: skip
+          f"{'step ms':>8} {'flops ms':>8} {'err':>7} {'kernels':>8} {'err':>7}")  # fmt: skip
     for r in data["runs"]:
         if not r.get("ok"):
             print(f"{r['name']:34} {r.get('error', '')[:80]}")
@@ -417,11 +421,15 @@ def compare(args: argparse.Namespace) -> int:
             plan["peak_tflops"] / measured_peak if measured_peak and plan["peak_tflops"] else 1.0
         )
         pred_s = plan["step_time_s"] * scale
+        # The kernels' model: its rates are fractions of the datasheet measured on an H200 (not
+        # scaled again by the measured peak).
+        kernels_s = _plan(run, args.device, "kernels").get("step_time_s", math.nan)
         alloc, step = r["peak_allocated_bytes"], r["median_step_time_s"]
-        rows.append({**r, "plan": plan, "plan_step_s_measured_peak": pred_s})
+        rows.append({**r, "plan": plan, "plan_step_s_measured_peak": pred_s,
+                     "plan_step_s_kernels": kernels_s})  # fmt: skip
         print(f"{r['name']:34} {alloc / GIB:9.2f} {pred / GIB:9.2f} {pred / alloc - 1:+7.1%} "
               f"{(r['peak_reserved_bytes'] or 0) / GIB:9.2f} {step * 1e3:8.1f} {pred_s * 1e3:8.1f} "
-              f"{pred_s / step - 1:+7.1%}")  # fmt: skip
+              f"{pred_s / step - 1:+7.1%} {kernels_s * 1e3:8.1f} {kernels_s / step - 1:+7.1%}")  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps({**data, "compared": rows}, indent=1), "utf-8")
     return 0
