@@ -470,7 +470,7 @@ def _add_plan(sub: _Commands) -> None:
         help="how a GPU's compute time is estimated: flops (the step's FLOPs at 45%% of the peak; "
         "the default) or kernels (each kernel of the step at the rate its kind reaches, measured "
         "as fractions of an H200's datasheet figures, and the host's dispatch where it is slower: "
-        "dense eager bf16/fp32 steps; others stay at flops)",
+        "dense bf16/fp32 steps, eager or compiled; others stay at flops)",
     )
     pl.add_argument(
         "--check",

@@ -63,10 +63,13 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
 
 __all__ = [
+    "Partition",
+    "blocks_measured",
     "blocks_not_measured",
     "compiled_block_saved",
     "compiled_kept_saving",
     "eager_block_saved",
+    "partition",
 ]
 
 _AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -234,29 +237,36 @@ class _Partitioned(Exception):
     """Stops the compile once the partition is known: nothing is generated or run."""
 
 
-def _compiled_bytes(
-    block: torch.nn.Module,
-    shape: tuple[int, ...],
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    autocast: Any,
-    mode: FakeTensorMode,
-) -> int:
+@dataclasses.dataclass
+class Partition:
+    """A compiled callable's forward and backward graphs as inductor's partitioner split them: the
+    values the forward saves for backward, its placeholders and the inputs the compile was given."""
+
+    forward: torch.fx.GraphModule
+    backward: torch.fx.GraphModule
+    saved: list[torch.fx.Node]
+    placeholders: list[torch.fx.Node]
+    inputs: list[Any]
+
+
+def partition(fn: Any, args: tuple[Any, ...], autocast: Any) -> Partition:
+    """Compile ``fn`` with inductor (``fullgraph=True``, static shapes) on ``args`` (fake tensors)
+    under ``autocast``, and stop once its joint graph is split into forward and backward: no code is
+    generated or run. Resets torch.compile's state (``torch._dynamo.reset``) around the compile."""
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.compile_fx import compile_fx
     from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
     inputs: list[Any] = []
-    saved: list[torch.fx.Node] = []
-    placeholders: list[torch.fx.Node] = []
+    found: list[Partition] = []
 
     class Record(CustomPartitionerFn):
         def __call__(
             self, gm: torch.fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
         ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
             fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
-            # The forward returns the block's outputs, then what it saves for backward (tensors,
-            # then symbolic sizes: none with static shapes); the backward takes those (renamed at
+            # The forward returns the outputs, then what it saves for backward (tensors, then
+            # symbolic sizes: none with static shapes); the backward takes those (renamed at
             # times, as an RNG state is), then the outputs' gradients ("tangents").
             returned = fw.graph.output_node().args[0]
             assert isinstance(returned, (tuple, list))
@@ -264,8 +274,10 @@ def _compiled_bytes(
             taken = [n.name for n in bw.graph.find_nodes(op="placeholder")]
             if len(outputs) != len([n for n in taken if not n.startswith("tangents")]):
                 raise RuntimeError("the forward's saved outputs are not the backward's inputs")
-            saved.extend(n for n in outputs if isinstance(n, torch.fx.Node))
-            placeholders.extend(fw.graph.find_nodes(op="placeholder"))
+            saved = [n for n in outputs if isinstance(n, torch.fx.Node)]
+            found.append(
+                Partition(fw, bw, saved, list(fw.graph.find_nodes(op="placeholder")), inputs)
+            )
             raise _Partitioned
 
         def uuid(self) -> None:
@@ -275,10 +287,8 @@ def _compiled_bytes(
         inputs.extend(example_inputs)  # the graph's inputs, in the forward graph's order
         return compile_fx(gm, example_inputs)
 
-    with mode:
-        x = torch.empty(shape, requires_grad=True)
     torch._dynamo.reset()
-    compiled = torch.compile(block, backend=backend, fullgraph=True, dynamic=False)
+    compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
     # Caches off: a cached compile would not partition again. Quiet: torch warns (once) that
     # selective checkpointing's policy must see no in-place ops, a warning for training, not here.
     wrap_log = logging.getLogger("torch._higher_order_ops.wrap")
@@ -290,13 +300,33 @@ def _compiled_bytes(
     ):
         try:
             with autocast:
-                compiled(x, cos, sin)
+                compiled(*args)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             if not isinstance(e.inner_exception, _Partitioned):
                 raise
         finally:
             wrap_log.setLevel(level)
             torch._dynamo.reset()
+    if not found:
+        raise RuntimeError("the compile did not reach the partitioner")
+    return found[0]
+
+
+def _compiled_bytes(
+    block: torch.nn.Module,
+    shape: tuple[int, ...],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    autocast: Any,
+    mode: FakeTensorMode,
+) -> int:
+    with mode:
+        x = torch.empty(shape, requires_grad=True)
+    try:
+        part = partition(block, (x, cos, sin), autocast)
+    except RuntimeError:
+        raise RuntimeError("the compiled block's graph is not the one measured") from None
+    saved, placeholders, inputs = part.saved, part.placeholders, part.inputs
     if not saved or len(placeholders) != len(inputs) or not any(i is x for i in inputs):
         raise RuntimeError("the compiled block's graph is not the one measured")
     # The storages of the inputs that live anyway (parameters, RoPE tables): not the block's to
@@ -374,6 +404,12 @@ def blocks_not_measured() -> Iterator[None]:
         yield
     finally:
         _MEASURED.reset(token)
+
+
+def blocks_measured() -> bool:
+    """Whether compiling a block to measure it is allowed here (not inside
+    :func:`blocks_not_measured`)."""
+    return _MEASURED.get()
 
 
 def compiled_kept_saving(

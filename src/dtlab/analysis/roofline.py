@@ -32,8 +32,9 @@ two runs of that H200's grid (``llama3.2-1b``, one sample, no checkpointing and 
 other 24 runs were not used to set any figure (docs/planning.md, "The plan against real runs on a
 GPU").
 
-Dense models in eager mode only (an MoE's routing reads token counts back, which fake tensors cannot
-give; a compiled step's fused kernels are inductor's): :func:`supported` says which.
+Dense models only (an MoE's routing reads token counts back, which fake tensors cannot give), without
+float8 layers or masked attention: :func:`supported` says which. A compiled step (``train.compile``)
+is counted by :mod:`dtlab.analysis.roofline_compiled`.
 """
 
 from __future__ import annotations
@@ -110,8 +111,6 @@ def supported(config: Config) -> str | None:
     """Why the roofline cannot time ``config``'s step (None: it can)."""
     if config.model.moe.experts:
         return "an MoE's routing is data-dependent"
-    if config.train.compile:
-        return "a compiled step's kernels are inductor's fused ones"
     if config.train.float8.enabled:
         return "float8 layers are timed by dtlab.analysis.float8_time"
     if config.data.document_mask or config.model.sliding_window:
@@ -191,55 +190,72 @@ def _trace(args: ModelArgs, tokens: int, precision: str, ac: str) -> tuple[float
     return (count.gemm, count.bytes, count.attention, count.ops)
 
 
+SHORT, LONG = 64, 128  # the counts are linear in the tokens: any two lengths do
+
+
+def base_args(model_cfg: ModelConfig, seq_len: int) -> ModelArgs:
+    """A one-block model of ``model_cfg``'s shape (its RoPE tables long enough for ``seq_len``)."""
+    return dataclasses.replace(
+        model_cfg.args(), n_layers=1, max_seq_len=max(LONG, seq_len), rope_scaling=None,
+        moe=None, sliding_window=None,
+    )  # fmt: skip
+
+
+def census_parts(
+    model_cfg: ModelConfig, precision: str, ac: str, seq_len: int
+) -> tuple[dict[int, list[float]], dict[int, list[float]]]:
+    """(a block's, the rest's) counts (GEMM FLOPs, bytes, attention calls, ops) at ``SHORT`` and
+    ``LONG`` tokens: a block's the two-block model's less the one-block model's, the rest (the
+    embedding, the final norm, the head and the loss) what is left of the one-block model's."""
+    if precision not in _AUTOCAST:
+        raise ValueError(f"precision {precision!r}: one of {sorted(_AUTOCAST)}")
+    one = base_args(model_cfg, seq_len)
+    two = dataclasses.replace(one, n_layers=2)
+    block, rest = {}, {}
+    for t in (SHORT, LONG):
+        a, b = _trace(one, t, precision, ac), _trace(two, t, precision, ac)
+        block[t] = [y - x for x, y in zip(a, b, strict=True)]
+        rest[t] = [x - d for x, d in zip(a, block[t], strict=True)]
+    return block, rest
+
+
+def compose(
+    block: dict[int, list[float]], rest: dict[int, list[float]], n_layers: int, sac_ops: int = 0
+) -> Census:
+    """The census of ``n_layers`` blocks and the rest, from their counts at ``SHORT`` and ``LONG``."""
+    whole = {
+        t: [r + n_layers * b for r, b in zip(rest[t], block[t], strict=True)] for t in (SHORT, LONG)
+    }
+    s, w = whole[SHORT], whole[LONG]
+    slope = [(y - x) / (LONG - SHORT) for x, y in zip(s, w, strict=True)]
+    return Census(
+        gemm_flops_token=slope[0],
+        gemm_flops_pass=w[0] - slope[0] * LONG,
+        bytes_token=slope[1],
+        bytes_pass=w[1] - slope[1] * LONG,
+        attention_calls=round(w[2]),
+        ops=round(w[3]),
+        sac_ops=sac_ops,
+    )
+
+
 def step_census(model_cfg: ModelConfig, precision: str, ac: str, seq_len: int) -> Census:
-    """The census of one micro-batch of ``model_cfg`` under ``precision`` (autocast on float32
+    """The census of one eager micro-batch of ``model_cfg`` under ``precision`` (autocast on float32
     parameters for bf16/fp16, as single-process, DDP and FSDP's float32 training run) and activation
     checkpointing ``ac``, at ``seq_len`` tokens a sample.
 
     Traced on fake tensors (no memory, no device) as one- and two-block models at two sequence
-    lengths: a block's counts are the difference between the two models, the embedding's, head's
-    and loss's what is left of the one-block model's; each is linear in the tokens (attention's
-    quadratic part is priced from its calls, not its bytes). About a second; memoised."""
-    if precision not in _AUTOCAST:
-        raise ValueError(f"precision {precision!r}: one of {sorted(_AUTOCAST)}")
-    base = model_cfg.args()
-    short, long = 64, 128  # the counts are linear in the tokens: any two lengths do
-    one = dataclasses.replace(
-        base, n_layers=1, max_seq_len=max(long, seq_len), rope_scaling=None, moe=None,
-        sliding_window=None,
-    )  # fmt: skip
-    two = dataclasses.replace(one, n_layers=2)
-    counts = {
-        (layers, t): _trace(m, t, precision, ac)
-        for layers, m in ((1, one), (2, two))
-        for t in (short, long)
-    }
-
-    def whole(t: int) -> list[float]:
-        """The ``base.n_layers``-block model's counts at ``t`` tokens."""
-        a, b = counts[1, t], counts[2, t]
-        return [x + (base.n_layers - 1) * (y - x) for x, y in zip(a, b, strict=True)]
-
-    s, w = whole(short), whole(long)
-    slope = [(y - x) / (long - short) for x, y in zip(s, w, strict=True)]
+    lengths (:func:`census_parts`); each count is linear in the tokens (attention's quadratic part
+    is priced from its calls, not its bytes). About a second; memoised."""
+    block, rest = census_parts(model_cfg, precision, ac, seq_len)
     sac = 0
     if ac == "selective":
         # The policy sees each op of a block's forward, and again as backward recomputes it: twice
         # the ops a full checkpoint's recompute adds.
-        full, none = (
-            step_census(model_cfg, precision, "full", seq_len),
-            step_census(model_cfg, precision, "none", seq_len),
-        )
+        full = step_census(model_cfg, precision, "full", seq_len)
+        none = step_census(model_cfg, precision, "none", seq_len)
         sac = 2 * (full.ops - none.ops)
-    return Census(
-        gemm_flops_token=slope[0],
-        gemm_flops_pass=w[0] - slope[0] * long,
-        bytes_token=slope[1],
-        bytes_pass=w[1] - slope[1] * long,
-        attention_calls=round(w[2]),
-        ops=round(w[3]),
-        sac_ops=sac,
-    )
+    return compose(block, rest, model_cfg.args().n_layers, sac)
 
 
 @dataclass(frozen=True)
@@ -263,9 +279,8 @@ class RooflineTime:
 
 
 def roofline_seconds(
+    c: Census,
     model_cfg: ModelConfig,
-    precision: str,
-    ac: str,
     seq_len: int,
     micro_batch: float,
     micro_batches: int,
@@ -273,11 +288,10 @@ def roofline_seconds(
     peak_tflops: float,
     memory_gbps: float,
 ) -> RooflineTime:
-    """The roofline time of a step of ``micro_batches`` micro-batches of ``micro_batch`` samples of
-    ``seq_len`` tokens and one optimizer step over ``params`` float32 parameters, on a device of
+    """The roofline time of a step of ``micro_batches`` micro-batches (each as census ``c`` counts
+    it) of ``micro_batch`` samples of ``seq_len`` tokens and one optimizer step over ``params`` float32 parameters, on a device of
     ``peak_tflops`` (dense, at ``precision``) and ``memory_gbps`` (its datasheet figures: the
     module's fractions of them are what its kernels reach)."""
-    c = step_census(model_cfg, precision, ac, seq_len)
     tokens = micro_batch * seq_len
     gemm_rate = peak_tflops * 1e12 * GEMM_FRACTION
     bandwidth = memory_gbps * 1e9 * MEMORY_FRACTION

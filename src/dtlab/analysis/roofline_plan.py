@@ -10,6 +10,7 @@ bubble on top (``idle``)."""
 
 from __future__ import annotations
 
+from dtlab.analysis.compiled_memory import blocks_measured
 from dtlab.analysis.devices import DeviceProfile
 from dtlab.analysis.probe import rank_share
 from dtlab.analysis.rates import achievable_flops
@@ -18,8 +19,10 @@ from dtlab.analysis.roofline import (
     GEMM_FRACTION,
     RooflineTime,
     roofline_seconds,
+    step_census,
     supported,
 )
+from dtlab.analysis.roofline_compiled import compiled_census
 from dtlab.analysis.shapes import ParamShape
 from dtlab.analysis.steptime import step_microbatches
 from dtlab.config import Config
@@ -36,6 +39,8 @@ def kernels_time(config: Config, device: DeviceProfile) -> bool:
         and bool(device.peak_tflops.get(config.train.precision))
         and bool(device.memory_gbps)
         and supported(config) is None
+        # A compiled step's census compiles its blocks, which resets torch.compile's caches.
+        and (not config.train.compile or blocks_measured())
     )
 
 
@@ -56,10 +61,12 @@ def kernel_seconds(
     bandwidth = device.memory_gbps or 0.0  # kernels_time: known
 
     def seconds(ac: str) -> float:
+        census = (compiled_census if config.train.compile else step_census)(
+            config.model, config.train.precision, ac, config.seq_len
+        )
         t = roofline_seconds(
-            config.model, config.train.precision, ac, config.seq_len, samples, passes, params,
-            peak, bandwidth,
-        )  # fmt: skip
+            census, config.model, config.seq_len, samples, passes, params, peak, bandwidth
+        )
         return _rank_seconds(t, flops_share, dims.tp) / (1 - idle)
 
     compute = seconds("none")
