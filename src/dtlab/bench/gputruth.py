@@ -10,7 +10,9 @@ Two halves, so that the GPU's time goes to the GPU's work alone:
   the device memory outside the allocator, its median step time and its losses. The JSON is
   rewritten after every run, so a run cut short by its budget leaves what it measured.
 - ``compare`` (anywhere): each measured run predicted by ``dtlab plan`` for the card, the peak
-  beside ``max_memory_allocated`` and the step time with the measured GEMM peak, as a table.
+  beside ``max_memory_allocated``, and the step time by both of the plan's models: the FLOPs model
+  with the measured GEMM peak, and the kernels' model (``--step-model kernels``), as a table.
+  docs/data/gputruth-h200.json holds one H200's ``measure``.
 """
 
 from __future__ import annotations
