@@ -40,6 +40,9 @@ def test_the_census_counts_every_gemm_of_forward_and_backward(preset: str) -> No
     assert full.gemm_flops_token == pytest.approx(8.0 * blocks - 2.0 * w2 + head, rel=1e-9)
     assert none.attention_calls == m.n_layers and full.attention_calls == 2 * m.n_layers
     assert full.ops > none.ops and none.sac_ops == 0
+    # Every GEMM and attention call (forward and backward) is a kernel; views launch none.
+    gemms = 3 * (7 * m.n_layers + 1)  # each linear layer's forward and two gradients, the head's
+    assert gemms + 2 * m.n_layers < none.kernels < none.ops
     # Selective checkpointing keeps the matmuls' outputs: no GEMM again, its policy sees the ops.
     selective = step_census(m, "bf16", "selective", 256)
     assert selective.gemm_flops_token == pytest.approx(none.gemm_flops_token, rel=1e-9)
@@ -94,10 +97,10 @@ def test_the_searchs_bound_stays_under_every_row_it_costs() -> None:
         assert row["step_time_s"] >= flops_per_token(cfg.model, 2048) * tokens / fastest * 0.999
 
 
-def test_the_kernels_model_is_within_12_percent_of_the_h200s_runs() -> None:
+def test_the_kernels_model_is_within_10_percent_of_the_h200s_runs() -> None:
     """Against the measured runs (one H200, docs/data/gputruth-h200.json): every run the kernels'
-    model times (eager and compiled; not float8) within 12% (two of the 24 set the host's per-op
-    costs), and closer than the FLOPs model on average."""
+    model times (eager and compiled; not float8) within 10% (three of the 24 set the host's per-op
+    costs and the gap between kernels), and closer than the FLOPs model on average."""
     data = json.loads(DATA.read_text(encoding="utf-8"))
     errors, flops_errors = [], []
     for r in data["runs"]:
@@ -111,9 +114,9 @@ def test_the_kernels_model_is_within_12_percent_of_the_h200s_runs() -> None:
         errors.append(kernels / measured - 1)
         flops_errors.append(flops / measured - 1)
     assert len(errors) == 24
-    assert max(abs(e) for e in errors) < 0.12
+    assert max(abs(e) for e in errors) < 0.10
     mean = sum(abs(e) for e in errors) / len(errors)
-    assert mean < 0.06 < sum(abs(e) for e in flops_errors) / len(flops_errors)
+    assert mean < 0.04 < 0.2 < sum(abs(e) for e in flops_errors) / len(flops_errors)
 
 
 def test_plan_step_model_flag_names_the_kernels_model(capsys: pytest.CaptureFixture[str]) -> None:

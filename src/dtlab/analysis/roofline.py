@@ -22,15 +22,16 @@ reads and writes, and the aten ops dispatched. :func:`roofline_seconds` prices t
   H200's measured device-to-device copy over its datasheet), and the optimizer's fused AdamW
   step (28 bytes a parameter: parameter, gradient, two moments read; parameter and moments
   written) at ``OPTIMIZER_FRACTION`` of it;
+- ``KERNEL_S`` more on the device for each kernel (the gap between two kernels run back to back);
 - the host: ``HOST_OP_S`` for every aten op dispatched (and ``SAC_OP_S`` more for each op that
   selective checkpointing's policy sees), the step taking the longer of the host's and the device's
   times (the device runs behind the host, asynchronously).
 
 Each fraction is a measurement of one H200 (driver 580.159.04, torch 2.11.0+cu130) and is taken as
-the same fraction of any other GPU's datasheet figures. The host's two per-op costs were fitted to
-two runs of that H200's grid (``llama3.2-1b``, one sample, no checkpointing and selective); the
-other 24 runs were not used to set any figure (docs/planning.md, "The plan against real runs on a
-GPU").
+the same fraction of any other GPU's datasheet figures. The host's two per-op costs and the gap
+between kernels were each fitted to one run of that H200's grid (``llama3.2-1b``: one sample with
+no checkpointing and with selective, 8 samples with none); the other runs were not used to set
+any figure (docs/planning.md, "The plan against real runs on a GPU").
 
 Dense models only (an MoE's routing reads token counts back, which fake tensors cannot give), without
 float8 layers or masked attention: :func:`supported` says which. A compiled step (``train.compile``)
@@ -57,6 +58,7 @@ __all__ = [
     "ATTENTION_FRACTION",
     "GEMM_FRACTION",
     "HOST_OP_S",
+    "KERNEL_S",
     "MEMORY_FRACTION",
     "OPTIMIZER_FRACTION",
     "SAC_OP_S",
@@ -84,6 +86,11 @@ _ADAMW_BYTES = (
 # x sequence FLOPs a token the plan counts: head dimension 64 (llama3.2-1b, 32 heads) 541 TFLOP/s,
 # 128 (llama3.2-3b, 24 heads) 692 TFLOP/s.
 ATTENTION_FRACTION = {64: 541.4 / 989.4, 128: 692.2 / 989.4}
+# The device's time between two kernels it runs back to back (the next one's launch and ramp, the
+# last one's tail), fitted to the H200's one eager run of the most kernels' work not bound by the
+# host (llama3.2-1b, 8 samples, no checkpointing: 343.3 ms measured, 332.5 ms of kernels' work
+# modelled without it, 2,374 kernels).
+KERNEL_S = (343.3e-3 - 332.5e-3) / 2374
 # The host's time per aten op dispatched in an eager step, and more per op selective
 # checkpointing's policy sees: fitted to the H200 host's 1B runs of one sample (77.6 ms with no
 # checkpointing; 222.5 ms selective), where the device's part is under the host's.
@@ -129,7 +136,8 @@ class Census:
     bytes_token: float  # read and written by kernels other than GEMMs and attention
     bytes_pass: float
     attention_calls: int  # attention's forward calls (a recomputed block's twice)
-    ops: int  # aten ops dispatched (the host's work), not counting views' metadata alone
+    ops: int  # aten ops dispatched (the host's work), views included
+    kernels: int  # of them, those that launch a kernel on the device
     sac_ops: int  # of them, those selective checkpointing's policy sees
 
 
@@ -142,6 +150,7 @@ class _Count(TorchDispatchMode):
         self.bytes = 0.0
         self.attention = 0
         self.ops = 0
+        self.kernels = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -153,15 +162,18 @@ class _Count(TorchDispatchMode):
         if name in _GEMMS:
             a, b = (args[1], args[2]) if name == "addmm" else (args[0], args[1])
             self.gemm += 2.0 * a.numel() * b.shape[-1]
+            self.kernels += 1
         elif name in _ATTENTION_OPS:
             self.attention += 1
+            self.kernels += 1
         elif name.endswith("attention_backward") or name.endswith("_attention_for_cpu_backward"):
-            pass  # priced with its forward
+            self.kernels += 1  # priced with its forward
         elif not func.is_view:
             tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
             if tensors:  # a kernel: its inputs read, its outputs written
                 ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
                 self.bytes += sum(t.numel() * t.element_size() for t in ins + tensors)
+                self.kernels += 1
         return out
 
 
@@ -187,7 +199,7 @@ def _trace(args: ModelArgs, tokens: int, precision: str, ac: str) -> tuple[float
             with torch.autocast("cpu", dtype=dtype):
                 logits = model(x)
         cross_entropy(logits, x).backward()
-    return (count.gemm, count.bytes, count.attention, count.ops)
+    return (count.gemm, count.bytes, count.attention, count.ops, count.kernels)
 
 
 SHORT, LONG = 64, 128  # the counts are linear in the tokens: any two lengths do
@@ -235,6 +247,7 @@ def compose(
         bytes_pass=w[1] - slope[1] * LONG,
         attention_calls=round(w[2]),
         ops=round(w[3]),
+        kernels=round(w[4]),
         sac_ops=sac_ops,
     )
 
@@ -304,7 +317,7 @@ def roofline_seconds(
     recomputed = max(0, c.attention_calls - args.n_layers)
     attention = (c.attention_calls - recomputed * 2 / 3) * per_call / attention_rate
     per_pass_gemm = (c.gemm_flops_token * tokens + c.gemm_flops_pass) / gemm_rate
-    per_pass_bytes = (c.bytes_token * tokens + c.bytes_pass) / bandwidth
+    per_pass_bytes = (c.bytes_token * tokens + c.bytes_pass) / bandwidth + c.kernels * KERNEL_S
     optimizer = _ADAMW_BYTES * params / (memory_gbps * 1e9 * OPTIMIZER_FRACTION)
     host = micro_batches * (c.ops * HOST_OP_S + c.sac_ops * SAC_OP_S)
     return RooflineTime(

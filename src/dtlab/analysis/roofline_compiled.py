@@ -92,7 +92,8 @@ def _source(node: torch.fx.Node) -> torch.fx.Node:
 
 
 def graph_counts(gm: torch.fx.GraphModule) -> list[float]:
-    """(GEMM FLOPs, fused kernels' bytes, attention calls, kernels) of one compiled graph."""
+    """(GEMM FLOPs, fused kernels' bytes, attention calls, ops the host launches, kernels) of one
+    compiled graph: each kernel one op."""
     gemm, attention, kernels = 0.0, 0, 0
     read: dict[torch.fx.Node, int] = {}
     written: dict[torch.fx.Node, int] = {}
@@ -119,7 +120,8 @@ def graph_counts(gm: torch.fx.GraphModule) -> list[float]:
         if any(_leaves(user) for user in node.users):
             written[node] = _bytes(node)
     kernels += 2 * kernels + 1 if kernels else 1  # a fused kernel before, between and after each
-    return [gemm, float(sum(read.values()) + sum(written.values())), float(attention), kernels]
+    moved = float(sum(read.values()) + sum(written.values()))
+    return [gemm, moved, float(attention), kernels, kernels]  # the host launches each kernel
 
 
 def _leaves(user: torch.fx.Node) -> bool:
@@ -161,7 +163,7 @@ def _loss(vocab: int, tokens: int, dtype: torch.dtype, compiled: bool) -> list[f
     count = _Count()
     with mode, count:
         cross_entropy(logits, targets).backward()
-    return [count.gemm, count.bytes, float(count.attention), float(count.ops)]
+    return [count.gemm, count.bytes, float(count.attention), float(count.ops), count.kernels]
 
 
 def compiled_census(model_cfg: ModelConfig, precision: str, ac: str, seq_len: int) -> Census:
