@@ -10,6 +10,8 @@ bubble on top (``idle``)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from dtlab.analysis.compiled_memory import blocks_measured
 from dtlab.analysis.devices import DeviceProfile
 from dtlab.analysis.probe import rank_share
@@ -17,7 +19,6 @@ from dtlab.analysis.rates import achievable_flops
 from dtlab.analysis.roofline import (
     ATTENTION_FRACTION,
     GEMM_FRACTION,
-    RooflineTime,
     roofline_seconds,
     step_census,
     supported,
@@ -28,7 +29,7 @@ from dtlab.analysis.steptime import step_microbatches
 from dtlab.config import Config
 from dtlab.dims import ParallelDims
 
-__all__ = ["bound_flops", "kernel_seconds", "kernels_time"]
+__all__ = ["bound_flops", "kernel_bound", "kernel_seconds", "kernels_time"]
 
 
 def kernels_time(config: Config, device: DeviceProfile) -> bool:
@@ -53,32 +54,67 @@ def kernel_seconds(
 ) -> tuple[float, float]:
     """(compute, recompute) seconds of one rank's step on ``device``: its kernels' roofline without
     activation checkpointing, and what the config's checkpointing adds to it."""
-    flops_share, params_share = rank_share(config, dims, shapes)
-    passes = step_microbatches(config, dims)
-    samples = config.train.global_batch_size / dims.dp / passes
-    params = sum(s.numel for s in shapes) * params_share
-    peak = device.peak_tflops[config.train.precision]
-    bandwidth = device.memory_gbps or 0.0  # kernels_time: known
+    rank = _Rank.of(config, dims, device, shapes, step_microbatches(config, dims))
+    compute = rank.seconds("none", idle)
+    ac = config.train.activation_checkpointing
+    return compute, max(0.0, rank.seconds(ac, idle) - compute) if ac != "none" else 0.0
 
-    def seconds(ac: str) -> float:
-        census = (compiled_census if config.train.compile else step_census)(
-            config.model, config.train.precision, ac, config.seq_len
+
+def kernel_bound(
+    config: Config,
+    dims: ParallelDims,
+    device: DeviceProfile,
+    shapes: list[ParamShape],
+    idle: float,
+) -> float:
+    """A lower bound of :func:`kernel_seconds`'s compute and recompute for ``config`` at any of its
+    micro-batch sizes: the device's kernels alone, in the fewest micro-batches (one without a
+    pipeline; each micro-batch adds the weights' casts and the kernels' gaps)."""
+    passes = step_microbatches(config, dims) if dims.pp_enabled else 1
+    rank = _Rank.of(config, dims, device, shapes, passes)
+    return rank.seconds(config.train.activation_checkpointing, idle, host=False)
+
+
+@dataclass(frozen=True)
+class _Rank:
+    """One rank's share of a step's kernels: its FLOPs' and parameters' shares, its micro-batches."""
+
+    config: Config
+    device: DeviceProfile
+    flops_share: float
+    params: float
+    passes: int
+    samples: float
+    tp: int
+
+    @classmethod
+    def of(
+        cls,
+        config: Config,
+        dims: ParallelDims,
+        device: DeviceProfile,
+        shapes: list[ParamShape],
+        passes: int,
+    ) -> _Rank:
+        flops_share, params_share = rank_share(config, dims, shapes)
+        samples = config.train.global_batch_size / dims.dp / passes
+        params = sum(s.numel for s in shapes) * params_share
+        return cls(config, device, flops_share, params, passes, samples, dims.tp)
+
+    def seconds(self, ac: str, idle: float, host: bool = True) -> float:
+        """The rank's step at checkpointing ``ac`` (``host``: the host's dispatch counted)."""
+        c, d = self.config, self.device
+        census = (compiled_census if c.train.compile else step_census)(
+            c.model, c.train.precision, ac, c.seq_len
         )
         t = roofline_seconds(
-            census, config.model, config.seq_len, samples, passes, params, peak, bandwidth
-        )
-        return _rank_seconds(t, flops_share, dims.tp) / (1 - idle)
-
-    compute = seconds("none")
-    ac = config.train.activation_checkpointing
-    return compute, max(0.0, seconds(ac) - compute) if ac != "none" else 0.0
-
-
-def _rank_seconds(t: RooflineTime, flops_share: float, tp: int) -> float:
-    """The whole model's roofline ``t`` as one rank's: the device's kernels at its share of the
-    FLOPs (the optimizer's already at its parameters), the host's at its stage's share."""
-    device = (t.device_s - t.optimizer_s) * flops_share + t.optimizer_s
-    return max(device, t.host_s * flops_share * tp)
+            census, c.model, c.seq_len, self.samples, self.passes, self.params,
+            d.peak_tflops[c.train.precision], d.memory_gbps or 0.0,
+        )  # fmt: skip
+        device = (t.device_s - t.optimizer_s) * self.flops_share + t.optimizer_s
+        # The host dispatches its stage's whole share, whatever tensor parallelism splits.
+        busiest = max(device, t.host_s * self.flops_share * self.tp) if host else device
+        return busiest / (1 - idle)
 
 
 def bound_flops(device: DeviceProfile, precision: str) -> float:

@@ -37,7 +37,7 @@ from dtlab.analysis.model import (
     recompute_flops_per_token,
 )
 from dtlab.analysis.rates import achievable_flops, pipeline_bubble
-from dtlab.analysis.roofline_plan import bound_flops
+from dtlab.analysis.roofline_plan import bound_flops, kernel_bound, kernels_time
 from dtlab.config import Config, ConfigError, ParallelConfig, check_world, yaml_scalar
 from dtlab.dims import (
     DPWrapper,
@@ -308,7 +308,7 @@ def search(
         [p for p in PRECISIONS if device.peak_tflops.get(p)] or [config.train.precision],
     )
     acs = _pick(config, "train.activation_checkpointing", list(AC_MODES))
-    queue, n_layouts = _queue(config, nproc, nnodes, device, precisions, acs, context)
+    queue, n_layouts = _queue(config, nproc, nnodes, device, precisions, acs, context, shapes)
     progress = _Progress(cost, device, tie_margin, acs[-1])
     for bound, _, values, cfg, dims in queue:
         if not progress.worth(bound):
@@ -341,6 +341,7 @@ def _queue(
     precisions: list[str],
     acs: list[str],
     context: tuple[list[int], str] | None = None,
+    shapes: list[ParamShape] | None = None,
 ) -> tuple[list[_Candidate], int]:
     """Every valid layout at each activation checkpointing mode in ``acs``, fastest bound first (its
     compute time with its pipeline bubble and recompute: a lower bound of its step time), and how
@@ -361,8 +362,13 @@ def _queue(
         # train.float8: its layers' FLOPs at best at the float8 rate (a lower bound still).
         fast = float8_bound_share(cfg, device, rate) * fwd_bwd
         busy = 1 - pipeline_bubble(cfg, dims)
+        kernels = device.step_model == "kernels" and shapes is not None
         for ac in acs:
             bound = (fwd_bwd - fast + extra[ac]) * tokens_per_rank / rate / busy
+            trial = apply_values(cfg, {"train.activation_checkpointing": ac}) if kernels else cfg
+            if kernels and shapes is not None and kernels_time(trial, device):
+                # The kernels' own lower bound: their device time in the fewest micro-batches.
+                bound = kernel_bound(trial, dims, device, shapes, 1 - busy)
             if bound != bound:  # an unknown peak: no bound, cost it
                 bound = 0.0
             queue.append(
@@ -466,13 +472,20 @@ class _Progress:
             found = Found({**values, "train.micro_batch_size": micros[mid]}, trial, row, label)
             if row.fits:
                 fit, hi = found, mid - 1
-                if first:
+                if first and self._orders_ac(values["train.activation_checkpointing"]):
                     self.done.add(key)  # the fewest collectives and no recompute beyond this mode's
             else:
                 self.closest.append(found)
                 lo = mid + 1
             first = False
         return fit
+
+    def _orders_ac(self, ac: str) -> bool:
+        """Whether every checkpointing mode after ``ac`` is slower than it on the same layout and
+        micro-batches. It is on FLOPs (recompute only adds them). With the kernels' model only
+        after ``none``: selective checkpointing's host-bound policy can make it slower than full
+        recompute (dtlab.analysis.roofline)."""
+        return self.device.step_model != "kernels" or ac == "none"
 
     def _keep(self, values: dict[str, Any], fit: Found) -> None:
         """One row per layout: its fastest precision, micro-batching and checkpointing that fit."""
