@@ -124,7 +124,10 @@ def test_plan_step_model_flag_names_the_kernels_model(capsys: pytest.CaptureFixt
 
     args = ["plan", "--device", "h200", "--set", "model.preset=debug", "train.precision=bf16"]
     assert main([*args, "--step-model", "kernels"]) == 0
-    assert "--step-model kernels" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "--step-model kernels" in out and "checked against 24 single-GPU steps" in out
+    assert main(args) == 0  # the FLOPs model's header says it is unchecked on a GPU
+    assert "not calibrated against a GPU's measured steps" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main([*args, "--step-model", "roofline"])
     assert "invalid choice" in capsys.readouterr().err

@@ -31,8 +31,8 @@ from dtlab.analysis.plan_format import (  # noqa: F401  (the plan's formats, imp
 )
 from dtlab.analysis.probe import compute_seconds, rank_share, wrapper_seconds
 from dtlab.analysis.rates import ACHIEVABLE_FRACTION, achievable_flops, pipeline_bubble
+from dtlab.analysis.roofline_plan import KERNELS_CHECKED, kernels_time
 from dtlab.analysis.roofline_plan import kernel_seconds as _kernel_seconds
-from dtlab.analysis.roofline_plan import kernels_time
 from dtlab.analysis.search import (
     SearchResult,
     command,
@@ -742,6 +742,8 @@ def step_time_basis(device: DeviceProfile, moe: bool = False) -> str:
             "recompute and the pipeline bubble"
         )
     checked = calibration_note(device.probe is not None)
+    if device.step_model == "kernels" and device.kind == "cuda" and device.probe is None:
+        checked = KERNELS_CHECKED
     return f"{compute}; communication at the link rates, {hides}; {checked}"
 
 
