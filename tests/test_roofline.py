@@ -70,6 +70,8 @@ def test_what_the_kernels_model_cannot_time_is_said_and_keeps_the_flops_model() 
         None, ["model.preset=debug", "train.precision=bf16", "train.float8.enabled=true"]
     )
     assert "MoE" in (supported(moe) or "") and "float8" in (supported(float8) or "")
+    cp = resolve_config(None, ["model.preset=debug", "parallel.strategy=ddp", "parallel.cp=2"])
+    assert "context parallelism" in (supported(cp) or "")
     assert supported(resolve_config(None, ["model.preset=debug"])) is None
     for cfg in (moe, float8):
         flops = plan(cfg, 1, 1, PROFILES["h200"], None)["strategies"][0]["step_time_s"]

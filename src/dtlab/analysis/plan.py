@@ -726,8 +726,8 @@ def step_time_basis(device: DeviceProfile, moe: bool = False) -> str:
             "compute (--step-model kernels): each kernel of the step at its kind's rate (GEMMs, "
             "attention, memory-bound ops, the optimizer: fractions of the datasheet measured on an "
             "H200) or the host's dispatch where slower, compiled blocks as inductor fuses them; an MoE or "
-            "float8 step, or masked "
-            f"attention, at {ACHIEVABLE_FRACTION[device.kind]:.0%} of the peak; plus the pipeline "
+            "float8 step, masked attention or context parallelism "
+            f"at {ACHIEVABLE_FRACTION[device.kind]:.0%} of the peak; plus the pipeline "
             "bubble"
         )
     else:

@@ -34,7 +34,7 @@ no checkpointing and with selective, 8 samples with none); the other runs were n
 any figure (docs/planning.md, "The plan against real runs on a GPU").
 
 Dense models only (an MoE's routing reads token counts back, which fake tensors cannot give), without
-float8 layers or masked attention: :func:`supported` says which. A compiled step (``train.compile``)
+float8 layers, masked attention or context parallelism: :func:`supported` says which. A compiled step (``train.compile``)
 is counted by :mod:`dtlab.analysis.roofline_compiled`.
 """
 
@@ -122,6 +122,8 @@ def supported(config: Config) -> str | None:
         return "float8 layers are timed by dtlab.analysis.float8_time"
     if config.data.document_mask or config.model.sliding_window:
         return "masked attention runs another kernel"
+    if config.parallel.cp > 1:
+        return "context parallelism's attention (a ring of blocks or all-to-alls) is not counted"
     return None
 
 
