@@ -61,6 +61,7 @@ def test_the_memory_bound_bytes_grow_with_the_tokens_and_bf16_casts_weights() ->
     t4 = roofline_seconds(step_census(m, "bf16", "none", 256), m, 256, 4, 1, 1e6, 989.4, 4800)
     assert t4.gemm_s > 3 * t1.gemm_s and t4.memory_s > t1.memory_s
     assert t4.host_s == t1.host_s  # the same ops dispatched, whatever their size
+    assert t4.gaps_s == t1.gaps_s > 0  # and the same kernels
     assert t1.step_s == max(t1.device_s, t1.host_s)
 
 

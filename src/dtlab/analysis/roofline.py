@@ -280,12 +280,14 @@ class RooflineTime:
     gemm_s: float
     attention_s: float
     memory_s: float  # the other kernels' bytes
+    gaps_s: float  # between the kernels
     optimizer_s: float
     host_s: float
 
     @property
     def device_s(self) -> float:
-        return self.gemm_s + self.attention_s + self.memory_s + self.optimizer_s
+        """The device's kernels and the gaps between them."""
+        return self.gemm_s + self.attention_s + self.memory_s + self.gaps_s + self.optimizer_s
 
     @property
     def step_s(self) -> float:
@@ -304,9 +306,10 @@ def roofline_seconds(
     memory_gbps: float,
 ) -> RooflineTime:
     """The roofline time of a step of ``micro_batches`` micro-batches (each as census ``c`` counts
-    it) of ``micro_batch`` samples of ``seq_len`` tokens and one optimizer step over ``params`` float32 parameters, on a device of
-    ``peak_tflops`` (dense, at ``precision``) and ``memory_gbps`` (its datasheet figures: the
-    module's fractions of them are what its kernels reach)."""
+    it) of ``micro_batch`` samples of ``seq_len`` tokens and one optimizer step over ``params``
+    float32 parameters, on a device of ``peak_tflops`` (dense, at the census's precision) and
+    ``memory_gbps`` (its datasheet figures: the module's fractions of them are what its kernels
+    reach)."""
     tokens = micro_batch * seq_len
     gemm_rate = peak_tflops * 1e12 * GEMM_FRACTION
     bandwidth = memory_gbps * 1e9 * MEMORY_FRACTION
@@ -319,13 +322,14 @@ def roofline_seconds(
     recomputed = max(0, c.attention_calls - args.n_layers)
     attention = (c.attention_calls - recomputed * 2 / 3) * per_call / attention_rate
     per_pass_gemm = (c.gemm_flops_token * tokens + c.gemm_flops_pass) / gemm_rate
-    per_pass_bytes = (c.bytes_token * tokens + c.bytes_pass) / bandwidth + c.kernels * KERNEL_S
+    per_pass_bytes = (c.bytes_token * tokens + c.bytes_pass) / bandwidth
     optimizer = _ADAMW_BYTES * params / (memory_gbps * 1e9 * OPTIMIZER_FRACTION)
     host = micro_batches * (c.ops * HOST_OP_S + c.sac_ops * SAC_OP_S)
     return RooflineTime(
         gemm_s=micro_batches * per_pass_gemm,
         attention_s=micro_batches * attention,
         memory_s=micro_batches * per_pass_bytes,
+        gaps_s=micro_batches * c.kernels * KERNEL_S,
         optimizer_s=optimizer,
         host_s=host,
     )
