@@ -42,8 +42,6 @@ from dtlab.config import ModelConfig
 
 __all__ = ["compiled_census", "graph_counts"]
 
-_TRANSPARENT = {"_unsafe_view", "clone", "_to_copy"}  # no kernel of their own when fused
-
 
 def _name(node: torch.fx.Node) -> str:
     target = node.target
@@ -119,7 +117,7 @@ def graph_counts(gm: torch.fx.GraphModule) -> list[float]:
                 read[arg] = _bytes(arg)
         if any(_leaves(user) for user in node.users):
             written[node] = _bytes(node)
-    kernels += 2 * kernels + 1 if kernels else 1  # a fused kernel before, between and after each
+    kernels += kernels + 1  # a fused kernel before, between and after each
     moved = float(sum(read.values()) + sum(written.values()))
     return [gemm, moved, float(attention), kernels, kernels]  # the host launches each kernel
 

@@ -34,7 +34,7 @@ __all__ = ["KERNELS_CHECKED", "bound_flops", "kernel_bound", "kernel_seconds", "
 # What the kernels' model has been checked against (docs/planning.md, "The kernels' model").
 KERNELS_CHECKED = (
     "compute checked against 24 single-GPU steps of llama3.2-1b and -3b on an H200 (bf16, eager and "
-    "compiled, 1-8 samples, each checkpointing mode): mean absolute error 2.6%, worst -9.8%; "
+    "compiled, 1-8 samples, each checkpointing mode): mean absolute error 2.0%, worst -9.8%; "
     "communication and layouts of several GPUs not checked against a GPU"
 )
 
