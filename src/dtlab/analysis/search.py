@@ -308,7 +308,7 @@ def search(
         [p for p in PRECISIONS if device.peak_tflops.get(p)] or [config.train.precision],
     )
     acs = _pick(config, "train.activation_checkpointing", list(AC_MODES))
-    queue, n_layouts = _queue(config, nproc, nnodes, device, precisions, acs, context, shapes)
+    queue, n_layouts = _queue(config, nproc, nnodes, device, precisions, acs, shapes, context)
     progress = _Progress(cost, device, tie_margin, acs[-1])
     for bound, _, values, cfg, dims in queue:
         if not progress.worth(bound):
@@ -340,8 +340,8 @@ def _queue(
     device: DeviceProfile,
     precisions: list[str],
     acs: list[str],
+    shapes: list[ParamShape],
     context: tuple[list[int], str] | None = None,
-    shapes: list[ParamShape] | None = None,
 ) -> tuple[list[_Candidate], int]:
     """Every valid layout at each activation checkpointing mode in ``acs``, fastest bound first (its
     compute time with its pipeline bubble and recompute: a lower bound of its step time), and how
@@ -362,11 +362,11 @@ def _queue(
         # train.float8: its layers' FLOPs at best at the float8 rate (a lower bound still).
         fast = float8_bound_share(cfg, device, rate) * fwd_bwd
         busy = 1 - pipeline_bubble(cfg, dims)
-        kernels = device.step_model == "kernels" and shapes is not None
+        kernels = device.step_model == "kernels"
         for ac in acs:
             bound = (fwd_bwd - fast + extra[ac]) * tokens_per_rank / rate / busy
             trial = apply_values(cfg, {"train.activation_checkpointing": ac}) if kernels else cfg
-            if kernels and shapes is not None and kernels_time(trial, device):
+            if kernels and kernels_time(trial, device):
                 # The kernels' own lower bound: their device time in the fewest micro-batches.
                 bound = kernel_bound(trial, dims, device, shapes, 1 - busy)
             if bound != bound:  # an unknown peak: no bound, cost it
