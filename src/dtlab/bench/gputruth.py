@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import platform
 import shutil
@@ -377,25 +376,29 @@ def measure(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- anywhere: against the plan
 
 
-def _plan(run: Run, device: str, step_model: str = "flops") -> dict[str, Any]:
-    """``dtlab plan --json --nproc 1 --device DEVICE --step-model STEP_MODEL`` of ``run``, in this
-    process (the compiled blocks' measurements shared between runs)."""
+def _plan(run: Run, device: str) -> dict[str, Any]:
+    """``dtlab plan --json --nproc 1 --device DEVICE`` of ``run``, in this process (the compiled
+    blocks' measurements shared between runs), and its step time by the kernels' model
+    (``--step-model kernels``: the config as given, no search)."""
     import dataclasses
 
     from dtlab.analysis.devices import PROFILES
-    from dtlab.analysis.plan import plan
+    from dtlab.analysis.plan import plan, predict_step
     from dtlab.errors import DtlabError
     from dtlab.train.api import resolve_config
 
-    profile = dataclasses.replace(PROFILES[device], step_model=step_model)
+    config = resolve_config(None, run_overrides(run))
+    kernels = dataclasses.replace(PROFILES[device], step_model="kernels")
     try:
-        result = plan(resolve_config(None, run_overrides(run)), 1, 1, profile, None)
+        result = plan(config, 1, 1, PROFILES[device], None)
+        kernels_s = predict_step(config, 1, 1, kernels).step_time_s
     except DtlabError as e:
         return {"error": str(e)}
     row = {x["strategy"]: x for x in result["strategies"]}["single"]
     return {"per_rank": row["per_rank"], "step_time_s": row["step_time_s"],
             "compute_time_s": row["compute_time_s"], "recompute_time_s": row["recompute_time_s"],
-            "peak_tflops": result["device"].get("peak_tflops")}  # fmt: skip
+            "peak_tflops": result["device"].get("peak_tflops"),
+            "kernels_step_time_s": kernels_s}  # fmt: skip
 
 
 def compare(args: argparse.Namespace) -> int:
@@ -425,7 +428,7 @@ def compare(args: argparse.Namespace) -> int:
         pred_s = plan["step_time_s"] * scale
         # The kernels' model: its rates are fractions of the datasheet measured on an H200 (not
         # scaled again by the measured peak).
-        kernels_s = _plan(run, args.device, "kernels").get("step_time_s", math.nan)
+        kernels_s = plan["kernels_step_time_s"]
         alloc, step = r["peak_allocated_bytes"], r["median_step_time_s"]
         rows.append({**r, "plan": plan, "plan_step_s_measured_peak": pred_s,
                      "plan_step_s_kernels": kernels_s})  # fmt: skip
