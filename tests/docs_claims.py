@@ -534,11 +534,6 @@ CLAIMS = [
     Claim(
         r"Not yet built for several GPUs",
         every(
-            lacks(
-                "src/dtlab/train/diloco.py",
-                r"cuda\.Stream|cuda\.stream\(",
-                "a stream of its own for DiLoCo's host copies",
-            ),
             holds(
                 "src/dtlab/gpucheck/settings.py",
                 r'LAYOUTS_4 = LAYOUTS_2 \+ ",hsdp:4,fsdp:2xtp:2"\n',

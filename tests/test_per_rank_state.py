@@ -27,6 +27,7 @@ from dtlab.parallel.compression import (
 from dtlab.runtime.placement import placed
 from dtlab.train.demo import DeMoState
 from dtlab.train.diloco import DiLoCo, fragment_of, outer_state_pinned
+from dtlab.train.outer_copies import STAGE_VALUES, copies_off_compute_stream, stage_values
 
 META = torch.device("meta")
 # Streaming DiLoCo with everything it keeps: momentum, error feedback, a sync in flight.
@@ -87,6 +88,20 @@ def test_the_outer_state_is_pinned_only_for_a_replica_on_a_cuda_device() -> None
     assert outer_state_pinned(torch.device("cuda", 1))
     assert not outer_state_pinned(torch.device("cpu"))
     assert not outer_state_pinned(META)
+
+
+def test_the_outer_states_copies_leave_the_compute_stream_only_on_a_gpu() -> None:
+    """Which stream copies the outer state back to host memory: a side stream for a replica on a
+    CUDA device, none on the CPU (updated in place: nothing is copied); and how large the two
+    staging buffers they pass through are: the rank's largest parameter, up to STAGE_VALUES."""
+    assert copies_off_compute_stream(torch.device("cuda", 3))
+    assert not copies_off_compute_stream(torch.device("cpu"))
+    assert not copies_off_compute_stream(META)
+    _, _, diloco = _setup()
+    assert diloco.copies is None
+    assert stage_values([6, 5, 5]) == 6
+    assert stage_values([3, STAGE_VALUES + 1]) == STAGE_VALUES
+    assert stage_values([]) == 1
 
 
 def test_diloco_saves_views_of_its_live_state() -> None:
@@ -363,6 +378,59 @@ def test_on_a_gpu_the_outer_state_is_in_pinned_host_memory_and_trains_as_on_the_
     _train(*cpu, range(7, 13))
     for a, b in zip(gpu[0].parameters(), cpu[0].parameters(), strict=True):
         torch.testing.assert_close(a.cpu(), b, rtol=1e-4, atol=1e-4)
+
+
+SIDE_STREAM_OPTIONS = {
+    "int8, 2 fragments, delay 1": STREAMING,
+    "dense, delay 0": DiLoCoOptions(inner_steps=3, outer_lr=0.7, outer_momentum=0.9, replicas=None),
+    "int4, 4 fragments, delay 2, eager": DiLoCoOptions(
+        inner_steps=4, fragments=4, delay=2, quantize="int4", eager=True, outer_lr=0.7,
+        outer_momentum=0.9, replicas=None,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("options", list(SIDE_STREAM_OPTIONS))
+@pytest.mark.parametrize("busy", ["compute", "copies"])
+def test_on_a_gpu_the_outer_states_copies_run_on_a_side_stream_and_race_nothing(
+    options: str, busy: str
+) -> None:
+    """DiLoCo's copies back to host memory on their own stream, with one stream kept busy before
+    every outer sync (a long kernel queued on it): the compute stream (a copy issued before the
+    kernels that wrote its source had run would read stale values) or the copies' stream (a read
+    of the outer state, or a staging buffer written again, before the copies had landed). Either
+    way the weights and the outer state follow the CPU run's, where nothing is copied."""
+    opts = SIDE_STREAM_OPTIONS[options]
+    runs = {}
+    for device in ("cpu", "cuda"):
+        model = Toy(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        diloco = DiLoCo(model, opt, opts, n_layers=4)
+        for step in range(1, 4 * opts.inner_steps + 2):
+            opt.zero_grad()
+            loss = sum(((p - 0.1 * step) ** 2).sum() for p in model.parameters())
+            assert isinstance(loss, torch.Tensor)
+            loss.backward()
+            opt.step()
+            if device == "cuda":
+                assert diloco.copies is not None
+                assert diloco.copies.stream != torch.cuda.current_stream()
+                if busy == "compute":
+                    torch.cuda._sleep(20_000_000)
+                else:
+                    with torch.cuda.stream(diloco.copies.stream):
+                        torch.cuda._sleep(20_000_000)
+            diloco.after_step(step)
+        diloco.host_ready()
+        runs[device] = (model, diloco)
+    (cpu, cpu_outer), (gpu, gpu_outer) = runs["cpu"], runs["cuda"]
+    for a, b in zip(gpu.parameters(), cpu.parameters(), strict=True):
+        torch.testing.assert_close(a.detach().cpu(), b.detach(), rtol=1e-4, atol=1e-4)
+    for a, b in zip(_outer_tensors(gpu_outer), _outer_tensors(cpu_outer), strict=True):
+        assert a.is_pinned()
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 GPU_METHODS = {

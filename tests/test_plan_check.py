@@ -12,6 +12,7 @@ import pytest
 from conftest import close, planned_state, run_cli, run_worker
 from dtlab.analysis.check import check_rank, measure_fake, parse_ranks
 from dtlab.analysis.model import plan_step
+from dtlab.analysis.shapes import param_shapes
 from dtlab.config import load_config
 from dtlab.dims import ParallelDims
 from dtlab.errors import ConfigError
@@ -332,6 +333,30 @@ def test_the_plan_is_the_checked_code(layout: str) -> None:
             assert abs(outer["predicted"] - outer["checked"]) <= 64, outer
             assert measured["host"] == plan.host_bytes > 0, (measured["host"], plan.host_bytes)
             assert sent["predicted"] == sent["checked"], r.by_collective
+
+
+@pytest.mark.parametrize(
+    "layout", ["diloco:2 int8, 4 fragments, delay 2, eager", "diloco:2 x fsdp:2 int4 bf16"]
+)
+def test_a_gpus_outer_sync_holds_its_copies_staging_buffers_as_planned(layout: str) -> None:
+    """On a GPU DiLoCo's copies to host memory pass through two staging buffers on the device
+    (dtlab.train.outer_copies), the size of the rank's largest parameter (its local shard), for
+    the outer sync's length: the check with the GPU's copies holds them at the outer sync's
+    moment, as the plan for a GPU does (within the same 64 B as the CPU's), and the CPU's holds
+    neither."""
+    nproc, overrides = DILOCO[layout]
+    config = load_config(overrides=[*SMALL, *overrides])
+    rank = nproc - 1
+    outer: dict[str, dict[str, Any]] = {}
+    for target in ("cpu", "cuda"):
+        r = check_rank(config, nproc, 1, rank, measure_fake(config, nproc, 1, rank, target), target)
+        outer[target] = next(m for m in r.timeline if m["moment"] == "outer sync")
+        assert abs(outer[target]["predicted"] - outer[target]["checked"]) <= 64, outer[target]
+    dims = ParallelDims.from_config(config, nproc)
+    largest = max(s.shard_numel(dims.fsdp_shard) for s in param_shapes(config.model))
+    staging = 2 * 4 * largest
+    for kind in ("predicted", "checked"):
+        assert outer["cuda"][kind] - outer["cpu"][kind] == staging, (kind, outer)
 
 
 def test_an_uneven_fsdp_split_is_planned_for_each_shard() -> None:

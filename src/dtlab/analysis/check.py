@@ -91,7 +91,7 @@ from dtlab.analysis.check_fake import (
     torch_refusal,
     unsupported,
 )
-from dtlab.analysis.check_outer import OuterRun
+from dtlab.analysis.check_outer import OuterRun, outer_copies_as_on
 from dtlab.analysis.check_report import choose_config, default_ranks, format_check, parse_ranks
 from dtlab.analysis.check_tracker import (
     _at_moment,
@@ -411,7 +411,7 @@ def measure_fake(
     if dims.distributed:
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        with _attention_as_on(target), _collectives_as_on(target):
+        with _attention_as_on(target), _collectives_as_on(target), outer_copies_as_on(target):
             return measure_step(config, d, fake=True)
     finally:
         if dist.is_initialized():

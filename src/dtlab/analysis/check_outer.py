@@ -10,8 +10,8 @@ memory: not filed with the device's, counted apart (``host``) against the plan's
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ from dtlab.metrics.comm import CommCounter
 from dtlab.runtime.signals import STOP_SIGNALS
 from dtlab.train.diloco import DiLoCo, agreement_group, outer_group, replica_group
 from dtlab.train.optimizer_step import StepPeers
+from dtlab.train.outer_copies import copies_off_compute_stream, stage_values
 
 
 class _HostApart(DiLoCo):
@@ -50,6 +51,36 @@ class _HostApart(DiLoCo):
     def _put(self, host: torch.Tensor, value: torch.Tensor) -> None:
         with self._apart():
             host.copy_(value)
+
+    # Whether the replicas' devices copy to host memory through staging buffers (a GPU's), set by
+    # :func:`outer_copies_as_on` for the check's target device.
+    staged = False
+
+    @contextmanager
+    def _outer_op(self) -> Iterator[None]:
+        """An outer operation as on the target device: on a GPU, beside the two staging buffers of
+        :class:`dtlab.train.outer_copies.HostCopies`, made for its length."""
+        if not self.staged:
+            yield
+            return
+        values = stage_values([p.numel() for p in self.params])
+        stages = [torch.empty(values) for _ in range(2)]
+        try:
+            yield
+        finally:
+            del stages
+
+
+@contextmanager
+def outer_copies_as_on(device_type: str) -> Iterator[None]:
+    """DiLoCo's outer operations in the check with the staging buffers a ``device_type`` device's
+    copies to host memory pass through (none on a CPU)."""
+    before = _HostApart.staged
+    _HostApart.staged = copies_off_compute_stream(torch.device(device_type))
+    try:
+        yield
+    finally:
+        _HostApart.staged = before
 
 
 def outer_loop(

@@ -22,6 +22,7 @@ from dtlab.dims import ParallelDims
 from dtlab.train import outer_codec
 from dtlab.train.diloco import fragment_of, fragment_offsets, gathers, sync_bytes
 from dtlab.train.outer_codec import outer_payload_bytes
+from dtlab.train.outer_copies import copies_off_compute_stream, stage_values
 
 FP32 = 4
 
@@ -180,12 +181,15 @@ def with_outer_sync(
     dims: ParallelDims,
     shapes: list[ParamShape],
     kept_grads: int,
+    device_type: str = "cpu",
 ) -> Timeline:
     """``timeline`` of the inner step with DiLoCo's device memory at the worst step of the cycle:
     the buffers of the syncs in flight through the step (temporaries at every moment), and an
     ``outer sync`` moment after the optimizer step: the rank's parameters, optimizer state and
     module buffers, ``kept_grads`` (DDP's buckets, kept from step to step), the buffers still in
-    flight, and the largest of the syncs landing and sent then."""
+    flight, the largest of the syncs landing and sent then, and on a ``device_type`` GPU the two
+    staging buffers its copies to host memory pass through for the sync's length
+    (:class:`dtlab.train.outer_copies.HostCopies`)."""
     o = config.parallel.diloco
     h, offs = o.inner_steps, fragment_offsets(o)
     step = worst_step(config, dims, shapes)
@@ -209,6 +213,8 @@ def with_outer_sync(
             most = max(most, pending + send)
             if not o.delay:
                 most = max(most, buf[k] + _land_bytes(frags[k], largest[k], o, dims.diloco))
+    if copies_off_compute_stream(torch.device(device_type)):
+        most += 2 * FP32 * stage_values(largest)
     base = timeline.at("optimizer") or timeline.peak
     out.add(
         Moment(

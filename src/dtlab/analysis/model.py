@@ -578,7 +578,9 @@ def _flat_timeline(rank: RankInputs, plan: StepPlan, acts: _Activations) -> Time
     # DDP's gradients are views of its buckets, kept from step to step; FSDP's are freed.
     ddp = dims.ddp_enabled and not dims.shard_optimizer
     step_end = timeline.at("optimizer") or timeline.peak
-    return with_outer_sync(timeline, config, dims, rank.shapes, step_end.grads if ddp else 0)
+    return with_outer_sync(
+        timeline, config, dims, rank.shapes, step_end.grads if ddp else 0, rank.device_type
+    )
 
 
 def _recompute_by_kind(

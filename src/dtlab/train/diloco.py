@@ -34,7 +34,9 @@ The outer state (θ_global, the outer momentum, the error feedback, the snapshot
 up to 16 bytes per parameter) is touched only once per fragment and cycle, so it lives in host memory,
 pinned when the replica is on a GPU (:func:`outer_state_pinned`): the GPU keeps its memory for
 training. An outer step brings a parameter's outer state to the GPU, updates it there, and copies it
-back asynchronously (:meth:`DiLoCo._land`).
+back asynchronously (:meth:`DiLoCo._land`), on a stream of its own
+(:class:`dtlab.train.outer_copies.HostCopies`): the next kernels, the next inner step's included, do
+not wait for the copies back to host memory.
 
 Between outer syncs no collective crosses replicas: a step's loss, gradient norm, flags and stop votes
 are agreed within the replica (:func:`replica_group`), and the replicas agree on what concerns the whole
@@ -44,6 +46,7 @@ run (the mean loss, a stop signal, skipped steps) with each sync, in one small a
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, overload
 
@@ -61,6 +64,7 @@ from dtlab.parallel.dist import all_gather_flat
 from dtlab.parallel.ledger import recorded
 from dtlab.runtime.placement import placed
 from dtlab.train.outer_codec import encode, mean_of, outer_payload_bytes
+from dtlab.train.outer_copies import HostCopies, copies_off_compute_stream, stage_values
 
 __all__ = [
     "DiLoCo",
@@ -221,10 +225,15 @@ class DiLoCo:
         params = self.params
         self.device = params[0].device if params else torch.device("cpu")
         self.pin = outer_state_pinned(self.device)
-        self._copied: Any = None  # a CUDA event after the last copies into the outer state
+        # On a GPU, the copies into the outer state run on a side stream (None: on the CPU).
+        self.copies = (
+            HostCopies(self.device, stage_values([p.numel() for p in params]))
+            if copies_off_compute_stream(self.device)
+            else None
+        )
         # θ_global: the weights every replica agreed on at the fragment's last sync (float32).
-        self.global_ = [self._host(p.detach().float()) for p in params]
-        self._mark_copied()
+        with self._outer_op():
+            self.global_ = [self._host(p.detach().float()) for p in params]
         self.momentum: list[torch.Tensor | None] = [None] * len(self.params)
         self.error: list[torch.Tensor | None] = [None] * len(self.params)
         # Eager updates: the other replicas' share of each parameter's mean outer gradient at its
@@ -249,42 +258,47 @@ class DiLoCo:
 
     def reset(self) -> None:
         """θ_global = the replica's weights now (after weights were loaded into a fresh run)."""
-        self.global_ = [self._host(p.detach().float()) for p in self.params]
-        self._mark_copied()
+        with self._outer_op():
+            self.global_ = [self._host(p.detach().float()) for p in self.params]
 
     # --- where the outer state lives -------------------------------------------------------------
     def _host(self, t: torch.Tensor, copy: bool = True) -> torch.Tensor:
         """``t`` in the outer state's host memory, a tensor of its own (``copy=False``: ``t`` itself
-        when it is there already). From a GPU into pinned memory the copy is asynchronous: the CPU
-        reads it only after :meth:`host_ready` (the operation that copies calls :meth:`_mark_copied`
-        once it issued its copies); the GPU's later reads are ordered behind them on its stream."""
-        if not self.pin:
+        when it is there already). From a GPU into pinned memory the copy is asynchronous, on the
+        copies' side stream: the CPU reads it only after :meth:`host_ready`, the GPU after
+        :meth:`_dev`'s wait for it."""
+        if self.copies is None:
             return t.to("cpu", copy=copy)
         out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
-        return out.copy_(t, non_blocking=True)
+        self.copies.copy(out, t)
+        return out
 
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
         """Outer state ``t`` on the replica's device to compute with: ``t`` itself on the CPU (so an
-        in-place update there is the update), else an asynchronous copy from pinned memory."""
+        in-place update there is the update), else an asynchronous copy from pinned memory, after
+        the last copy into ``t`` has landed."""
+        if self.copies is not None:
+            self.copies.before_read(t)
         return t.to(self.device, non_blocking=True)
 
     def _put(self, host: torch.Tensor, value: torch.Tensor) -> None:
         """Write ``value`` (computed by :meth:`_dev`'s copy) back into the outer state ``host``."""
-        if value is not host:
-            host.copy_(value, non_blocking=True)
+        if value is host:
+            return
+        if self.copies is None:
+            host.copy_(value)
+        else:
+            self.copies.copy(host, value)
 
-    def _mark_copied(self) -> None:
-        """After an operation's copies into the outer state: what :meth:`host_ready` waits for."""
-        if self.pin:
-            self._copied = torch.cuda.Event()
-            self._copied.record(torch.cuda.current_stream(self.device))
+    def _outer_op(self) -> AbstractContextManager[Any]:
+        """Around one outer operation (a step's sends and landings): on a GPU, the side stream's
+        staging buffers for its length."""
+        return self.copies.staged() if self.copies is not None else nullcontext()
 
     def host_ready(self) -> None:
-        """Wait for the copies into the outer state issued so far (before the CPU reads it: a save).
-        The GPU's own copies back to the device need no wait: they queue behind on its stream."""
-        if self._copied is not None:
-            self._copied.synchronize()
-            self._copied = None
+        """Wait for the copies into the outer state issued so far (before the CPU reads it: a save)."""
+        if self.copies is not None:
+            self.copies.synchronize()
 
     # --- the schedule ----------------------------------------------------------------------------
     def due(self, step: int) -> list[int]:
@@ -296,14 +310,18 @@ class DiLoCo:
         """After inner step ``step``: land the syncs due now, then send the fragments due now."""
         # Each sync is let go as it lands: its buffer is freed before the next lands or is sent.
         landing = [s for s in self.pending if s.due == step]
+        due = self.due(step)
+        if not landing and not due:
+            return
         self.pending = [s for s in self.pending if s.due != step]
-        while landing:
-            self._land(landing.pop(0))
-        for k in self.due(step):
-            if self.o.delay == 0:
-                self._land(self._send(k, step))
-            else:
-                self.pending.append(self._send(k, step))
+        with self._outer_op():
+            while landing:
+                self._land(landing.pop(0))
+            for k in due:
+                if self.o.delay == 0:
+                    self._land(self._send(k, step))
+                else:
+                    self.pending.append(self._send(k, step))
 
     # --- one fragment's sync ---------------------------------------------------------------------
     def _send(self, k: int, step: int) -> _Sync:
@@ -340,7 +358,6 @@ class DiLoCo:
             work = self._collective(all_gather_flat, buffer, payload)
         if own is not None:
             snapshot = self._estimate(idx, own)
-        self._mark_copied()
         return _Sync(k, step, step + self.o.delay, snapshot, buffer, work, own)
 
     def _split(self, idx: list[int], flat: torch.Tensor) -> list[torch.Tensor]:
@@ -433,7 +450,6 @@ class DiLoCo:
                 p.copy_(learnt.add_(glob))
                 # Two of one parameter's copies on the device at a time, none left for the next.
                 del glob, learnt
-        self._mark_copied()
         self.synced_after[sync.fragment] = sync.sent
         sync.snapshot, sync.own = [], None  # landed: its host memory is free before the next send
 
