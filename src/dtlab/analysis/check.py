@@ -83,6 +83,7 @@ from dtlab.analysis.check_fake import (
     _collectives_as_on,
     _ddp_built_here,
     _ddp_reduced_here,
+    _documents_given,
     _even_router,
     _FakeRun,
     _forget_meshes,
@@ -170,6 +171,7 @@ def measure_step(config: Config, d: Any, fake: bool, steps: int = 2) -> dict[str
     with ExitStack() as stack:
         if fake:
             _fake_run(stack)
+            stack.enter_context(_documents_given(config))
         training = _rank_training(config, d, fake)
         pm, optimizer = training[:2]
         outer = OuterRun(pm, optimizer, config, d, tracker, counter.labels)

@@ -189,12 +189,6 @@ def unsupported(config: Config, world: int) -> str | None:
     from dtlab.dims import ParallelDims
 
     dims = ParallelDims.from_config(config, world)
-    if config.data.document_mask and dims.cp_enabled and config.parallel.cp_method == "ring":
-        return (
-            "the ring with data.document_mask = true is not checked: which of its blocks any query "
-            "attends is read from the tokens' documents, which fake tensors do not hold (the ring "
-            "without a mask and cp_method = 'alltoall' with one are checked)"
-        )
     if dims.ddp_enabled and not dims.shard_optimizer and config.parallel.compression != "none":
         return (
             f"DDP with parallel.compression = {config.parallel.compression!r} is not checked: its "
@@ -264,6 +258,44 @@ class _FlashAsOnGpu(torch.autograd.Function):
         )
         del workspace
         return dq, dk, dv, None
+
+
+def ring_reads_documents(config: Config) -> bool:
+    """Whether the step's attention reads which of its blocks each query attends from the tokens'
+    documents: context parallelism's ring under a document mask."""
+    p = config.parallel
+    return config.data.document_mask and p.cp > 1 and p.cp_method == "ring"
+
+
+@contextmanager
+def _documents_given(config: Config) -> Iterator[None]:
+    """The documents of the whole sequence, real ones of a fixed layout, where the ring reads them
+    (:func:`ring_reads_documents`): the check's tokens are fake and hold none, and the ring decides
+    from the documents which (query chunk, key chunk) blocks it attends, whole or in part
+    (:func:`dtlab.parallel.context._block`). A document ends every three quarters of a chunk, so
+    every rank has blocks a document boundary cuts, whose masks the plan counts; ops on the real
+    documents run for real (:class:`_FakeRun`), as on a rank. Elsewhere nothing changes."""
+    if not ring_reads_documents(config):
+        yield
+        return
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    import dtlab.models.llama as llama
+
+    original = llama.document_ids
+    length = max(2, 3 * config.seq_len // (2 * config.parallel.cp) // 4)
+
+    def given(tokens: torch.Tensor, separator: int) -> torch.Tensor:
+        with unset_fake_temporarily():
+            real = torch.full(tuple(tokens.shape), separator + 1, dtype=tokens.dtype)
+            real[:, length - 1 :: length] = separator
+            return original(real, separator)
+
+    llama.document_ids = given  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        llama.document_ids = original  # type: ignore[assignment]
 
 
 @contextmanager

@@ -39,7 +39,7 @@ from dtlab.dims import ParallelDims
 
 __all__ = [
     "RING_ON_GPU", "cp_calls", "cp_comm", "cp_kept_bytes", "cp_kernel", "cp_recompute_bytes",
-    "document_mask_bytes", "ring_backward_bytes",
+    "document_mask_bytes", "ring_backward_bytes", "ring_block_mask_bytes",
 ]  # fmt: skip
 
 # Why a ring is not planned for a GPU: it runs on a GPU's fused kernels (dtlab.parallel.context's
@@ -136,7 +136,9 @@ def ring_backward_bytes(config: Config, tokens: int, tp: int) -> int:
     blocks in flight (the one received ahead; past the first step the one received before it,
     both at once from cp 3). Then the larger of: the travelling block's float32 key and value
     gradients sent on beside those received (four of them), or those two beside one chunk pair's
-    gradients (half the rank's tokens) with the kernel's float32 workspace for them."""
+    gradients (half the rank's tokens) with the kernel's float32 workspace for them, and under a
+    document mask the pair's part of it (:func:`ring_block_mask_bytes`), where a document boundary
+    cuts the pair."""
     p = config.parallel
     if p.cp == 1 or p.cp_method != "ring":
         return 0
@@ -144,8 +146,24 @@ def ring_backward_bytes(config: Config, tokens: int, tp: int) -> int:
     width, _ = _widths(config.model, "ring", p.cp, tp)  # the ring's blocks carry every head
     blocks = (4 if p.cp > 2 else 2) * a
     pair = 3 * a // 2 + 3 * FP32 // 2
-    per_token = 2 * a + FP32 + blocks + max(4 * FP32, 2 * FP32 + pair)
-    return tokens * width * per_token
+    held = tokens * width * (2 * a + FP32 + blocks)
+    passing = tokens * width * 4 * FP32
+    attending = tokens * width * (2 * FP32 + pair) + ring_block_mask_bytes(config, tokens)
+    return held + max(passing, attending)
+
+
+def ring_block_mask_bytes(config: Config, tokens: int) -> int:
+    """One (query chunk, key chunk) block's part of a document mask in the ring, made for the block's
+    attention and freed after it: the boolean [B, 1, C, C] (C = seq_len / 2 cp, a chunk) and its
+    additive copy in the queries' dtype; 0 without a document mask or the ring. Counted wherever a
+    document boundary may cut the block (a block within one document needs none)."""
+    p = config.parallel
+    if not config.data.document_mask or p.cp == 1 or p.cp_method != "ring":
+        return 0
+    a = 2 if _half(config.train.precision) else FP32
+    chunk = config.seq_len // (2 * p.cp)
+    samples = tokens * p.cp // config.seq_len
+    return samples * chunk * chunk * (1 + a)
 
 
 def cp_calls(config: Config, cp: int) -> tuple[int, int]:
