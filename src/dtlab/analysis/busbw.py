@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from dtlab.runtime.nvidia import smi
+
 __all__ = [
     "BUS_FACTOR",
     "OPS",
@@ -191,9 +193,6 @@ def _run_ranks(
     return [(out.read_text(), err.read_text()) for out, err in logs]
 
 
-COMPUTE_APPS = ["nvidia-smi", "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"]
-
-
 def gpus_of(pid: int, listing: str) -> list[str]:
     """The GPUs (UUIDs) on which process ``pid`` holds a CUDA context, from the lines of
     ``nvidia-smi --query-compute-apps=pid,gpu_uuid --format=csv,noheader``."""
@@ -209,10 +208,9 @@ def _placement() -> dict[str, Any]:
     """This process's CUDA contexts as the driver lists them (``{"gpus": [UUID, ...]}``), or why
     they could not be read (``{"unchecked": reason}``): no nvidia-smi, or a container whose
     process IDs the driver does not see."""
-    try:
-        proc = subprocess.run(COMPUTE_APPS, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return {"unchecked": f"nvidia-smi could not run: {e}"}
+    proc = smi("--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader", timeout=30)
+    if isinstance(proc, str):
+        return {"unchecked": proc}
     if proc.returncode != 0:
         return {
             "unchecked": f"nvidia-smi exited with {proc.returncode}: {proc.stderr.strip()[-200:]}"

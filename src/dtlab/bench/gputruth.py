@@ -23,13 +23,14 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from dtlab.runtime.nvidia import query_gpu
 
 __all__ = ["GRIDS", "Run", "grid", "main", "run_overrides"]
 
@@ -111,20 +112,6 @@ def run_overrides(run: Run) -> list[str]:
 
 
 # ---------------------------------------------------------------- on the GPU
-
-
-def _nvidia_smi(query: str) -> str | None:
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return None
-    try:
-        out = subprocess.run(
-            [exe, f"--query-gpu={query}", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=20, check=True,
-        )  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
 
 
 def _timed(fn: Callable[[], Any], iters: int = 20, warmup: int = 3) -> float:
@@ -308,7 +295,7 @@ def _cuda_machine(baseline: str | None) -> dict[str, Any]:
         "machine": {
             "device": props.name, "total_memory_bytes": props.total_memory,
             "capability": f"{props.major}.{props.minor}",
-            "driver": _nvidia_smi("driver_version"), "torch": torch.__version__,
+            "driver": query_gpu("driver_version", units=False), "torch": torch.__version__,
             "cuda": torch.version.cuda, "python": platform.python_version(),
             "baseline_used_mib": float(baseline) if baseline else None,
             "context_and_baseline_bytes": context,
@@ -320,7 +307,8 @@ def _cuda_machine(baseline: str | None) -> dict[str, Any]:
 def measure(args: argparse.Namespace) -> int:
     """The ``measure`` half: on this machine's GPU, every run of the grid until the budget ends."""
     deadline = time.monotonic() + args.budget_s
-    baseline = _nvidia_smi("memory.used")  # MiB the device holds before this process's context
+    # MiB the device holds before this process's context.
+    baseline = query_gpu("memory.used", units=False)
     import torch
 
     runs = grid(args.grid)[args.start :]

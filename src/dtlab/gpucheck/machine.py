@@ -12,40 +12,23 @@ import ctypes
 import json
 import os
 import platform
-import shutil
 import socket
-import subprocess
 from typing import Any
+
+from dtlab.runtime.nvidia import query_gpu, smi
 
 __all__ = ["cuda_driver_api", "describe", "nvidia_driver", "nvidia_gpus", "why_torch_sees_no_gpu"]
 
 
 def nvidia_driver() -> str | None:
     """The NVIDIA driver's version as ``nvidia-smi`` reports it, or None where there is none."""
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return None
-    try:
-        proc = subprocess.run(
-            [smi, "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=20,
-        )  # fmt: skip
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    lines = proc.stdout.strip().splitlines()
-    return lines[0].strip() if proc.returncode == 0 and lines else None
+    return query_gpu("driver_version")
 
 
 def nvidia_gpus() -> int:
     """The NVIDIA GPUs the driver sees (``nvidia-smi -L``), whatever torch sees; 0 without a driver."""
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return 0
-    try:
-        proc = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    if proc.returncode != 0:
+    proc = smi("-L")
+    if isinstance(proc, str) or proc.returncode != 0:
         return 0
     return sum(line.startswith("GPU ") for line in proc.stdout.splitlines())
 
