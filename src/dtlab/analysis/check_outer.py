@@ -60,14 +60,16 @@ class _HostApart(DiLoCo):
     def _outer_op(self) -> Iterator[None]:
         """An outer operation as on the target device: on a GPU, beside the two staging buffers of
         :class:`dtlab.train.outer_copies.HostCopies`, made for its length."""
-        if not self.staged:
+        if not self.staged or getattr(self, "_staging", False):  # (nested: the outer one's)
             yield
             return
         values = stage_values([p.numel() for p in self.params])
         stages = [torch.empty(values) for _ in range(2)]
+        self._staging = True
         try:
             yield
         finally:
+            self._staging = False
             del stages
 
 

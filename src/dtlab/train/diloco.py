@@ -325,6 +325,11 @@ class DiLoCo:
 
     # --- one fragment's sync ---------------------------------------------------------------------
     def _send(self, k: int, step: int) -> _Sync:
+        """Send fragment ``k``'s sync after inner step ``step`` (its collective issued)."""
+        with self._outer_op():  # a fault-tolerant sync calls it alone
+            return self._sending(k, step)
+
+    def _sending(self, k: int, step: int) -> _Sync:
         # The pseudo-gradient is computed on the replica's device, parameter by parameter, from its
         # weights and a copy of θ_global brought from the host: the GPU does the arithmetic, and the
         # collective's buffer must be there anyway (NCCL). The snapshot goes to the host. It is
@@ -411,6 +416,11 @@ class DiLoCo:
         return mean_of(parts, numel, self.o)
 
     def _land(self, sync: _Sync, mean: torch.Tensor | None = None) -> None:
+        """Apply ``sync``'s outer step (``mean``: the replicas' mean, where already taken)."""
+        with self._outer_op():  # a fault-tolerant sync calls it alone
+            self._landing(sync, mean)
+
+    def _landing(self, sync: _Sync, mean: torch.Tensor | None = None) -> None:
         """The outer step of the fragment, then the replica continues from the new θ_global plus what
         it learnt since the send. ``mean``: the replicas' mean outer gradient where another path
         computed it (fault-tolerant replica groups: :mod:`dtlab.train.diloco_ft`)."""
