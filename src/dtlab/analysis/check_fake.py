@@ -260,21 +260,17 @@ class _FlashAsOnGpu(torch.autograd.Function):
         return dq, dk, dv, None
 
 
-def ring_reads_documents(config: Config) -> bool:
-    """Whether the step's attention reads which of its blocks each query attends from the tokens'
-    documents: context parallelism's ring under a document mask."""
-    p = config.parallel
-    return config.data.document_mask and p.cp > 1 and p.cp_method == "ring"
-
-
 @contextmanager
 def _documents_given(config: Config) -> Iterator[None]:
     """The documents of the whole sequence, real ones of a fixed layout, where the ring reads them
-    (:func:`ring_reads_documents`): the check's tokens are fake and hold none, and the ring decides
-    from the documents which (query chunk, key chunk) blocks it attends, whole or in part
-    (:func:`dtlab.parallel.context._block`). A document ends every three quarters of a chunk, so
-    every rank has blocks a document boundary cuts, whose masks the plan counts; ops on the real
-    documents run for real (:class:`_FakeRun`), as on a rank. Elsewhere nothing changes."""
+    (:func:`dtlab.analysis.context_plan.ring_reads_documents`): the check's tokens are fake and
+    hold none, and the ring decides from the documents which (query chunk, key chunk) blocks it
+    attends, whole or in part (:func:`dtlab.parallel.context._block`). A document ends every three
+    quarters of a chunk, so every rank has blocks a document boundary cuts, whose masks the plan
+    counts; ops on the real documents run for real (:class:`_FakeRun`), as on a rank. Elsewhere
+    nothing changes."""
+    from dtlab.analysis.context_plan import ring_reads_documents
+
     if not ring_reads_documents(config):
         yield
         return

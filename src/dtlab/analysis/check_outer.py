@@ -22,7 +22,7 @@ from dtlab.metrics.comm import CommCounter
 from dtlab.runtime.signals import STOP_SIGNALS
 from dtlab.train.diloco import DiLoCo, agreement_group, outer_group, replica_group
 from dtlab.train.optimizer_step import StepPeers
-from dtlab.train.outer_copies import copies_off_compute_stream, stage_values
+from dtlab.train.outer_copies import copies_off_compute_stream
 
 
 class _HostApart(DiLoCo):
@@ -34,6 +34,7 @@ class _HostApart(DiLoCo):
         self._apart = apart
         self._held: dict[int, int] = {}
         self.host_peak = 0
+        self._staging = False  # an outer operation holds the staging buffers
         super().__init__(*args, **kw)
 
     def _host(self, t: torch.Tensor, copy: bool = True) -> torch.Tensor:
@@ -60,11 +61,10 @@ class _HostApart(DiLoCo):
     def _outer_op(self) -> Iterator[None]:
         """An outer operation as on the target device: on a GPU, beside the two staging buffers of
         :class:`dtlab.train.outer_copies.HostCopies`, made for its length."""
-        if not self.staged or getattr(self, "_staging", False):  # (nested: the outer one's)
+        if not self.staged or self._staging:  # (nested: the outer one's)
             yield
             return
-        values = stage_values([p.numel() for p in self.params])
-        stages = [torch.empty(values) for _ in range(2)]
+        stages = [torch.empty(self.stage_values) for _ in range(2)]
         self._staging = True
         try:
             yield

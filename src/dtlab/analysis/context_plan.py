@@ -39,7 +39,7 @@ from dtlab.dims import ParallelDims
 
 __all__ = [
     "RING_ON_GPU", "cp_calls", "cp_comm", "cp_kept_bytes", "cp_kernel", "cp_recompute_bytes",
-    "document_mask_bytes", "ring_backward_bytes", "ring_block_mask_bytes",
+    "document_mask_bytes", "ring_backward_bytes", "ring_block_mask_bytes", "ring_reads_documents",
 ]  # fmt: skip
 
 # Why a ring is not planned for a GPU: it runs on a GPU's fused kernels (dtlab.parallel.context's
@@ -152,17 +152,24 @@ def ring_backward_bytes(config: Config, tokens: int, tp: int) -> int:
     return held + max(passing, attending)
 
 
+def ring_reads_documents(config: Config) -> bool:
+    """Whether the step's attention reads which of its blocks each query attends, whole or in part,
+    from the tokens' documents: context parallelism's ring under a document mask."""
+    p = config.parallel
+    return config.data.document_mask and p.cp > 1 and p.cp_method == "ring"
+
+
 def ring_block_mask_bytes(config: Config, tokens: int) -> int:
     """One (query chunk, key chunk) block's part of a document mask in the ring, made for the block's
     attention and freed after it: the boolean [B, 1, C, C] (C = seq_len / 2 cp, a chunk) and its
     additive copy in the queries' dtype; 0 without a document mask or the ring. Counted wherever a
     document boundary may cut the block (a block within one document needs none)."""
-    p = config.parallel
-    if not config.data.document_mask or p.cp == 1 or p.cp_method != "ring":
+    if not ring_reads_documents(config):
         return 0
     a = 2 if _half(config.train.precision) else FP32
-    chunk = config.seq_len // (2 * p.cp)
-    samples = tokens * p.cp // config.seq_len
+    cp = config.parallel.cp
+    chunk = config.seq_len // (2 * cp)
+    samples = tokens * cp // config.seq_len
     return samples * chunk * chunk * (1 + a)
 
 

@@ -225,9 +225,11 @@ class DiLoCo:
         params = self.params
         self.device = params[0].device if params else torch.device("cpu")
         self.pin = outer_state_pinned(self.device)
-        # On a GPU, the copies into the outer state run on a side stream (None: on the CPU).
+        # On a GPU, the copies into the outer state run on a side stream through two staging
+        # buffers of this many values each (None: on the CPU, nothing is copied).
+        self.stage_values = stage_values([p.numel() for p in params])
         self.copies = (
-            HostCopies(self.device, stage_values([p.numel() for p in params]))
+            HostCopies(self.device, self.stage_values)
             if copies_off_compute_stream(self.device)
             else None
         )
