@@ -165,6 +165,89 @@ def test_ring_blocks_on_the_gpu_merge_to_torchs_own_attention(
         assert (got - grad.float()).abs().max() <= tol
 
 
+def _block_backward_peak(device: str, dtype: torch.dtype, samples: int, emulated: bool) -> int:
+    """The most one ring block's backward holds above what was alive before it (a late query chunk
+    over an early key chunk, as rank 0 of cp 2 runs it, on a GPU's kernel for ``dtype``): on a
+    GPU, its allocator's; ``emulated``, the fake tensors :mod:`dtlab.analysis.check_ring` makes
+    for the check of a GPU, on this host."""
+    from contextlib import ExitStack
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    import dtlab.parallel.context as context
+    from dtlab.analysis.check_ring import ring_as_on
+
+    kernel = context.ring_kernel("cuda", dtype, False)
+    with ExitStack() as stack:
+        if emulated:
+            stack.enter_context(FakeTensorMode())
+            stack.enter_context(ring_as_on("cuda"))
+            # Tracked from the inputs on: the tracker files a tensor's storage when an op first
+            # makes a view of it, as the check's tracker has filed them before the block.
+            tracker = stack.enter_context(MemTracker())
+        b, h, chunk, d = samples, 8, 512, 64
+
+        def tokens_major() -> torch.Tensor:  # [B, H, 2C, D] laid out [B, 2C, H, D], as the model's
+            return torch.randn(b, 2 * chunk, h, d, device=device, dtype=dtype).transpose(1, 2)
+
+        q, k, v = (tokens_major().chunk(2, dim=2)[i] for i in (1, 0, 0))
+        out, lse, state = context._attend(q, k, v, False, d**-0.5, None, kernel)
+        whole = tokens_major()  # the merged output and its gradient, a chunk of each
+        whole.chunk(2, dim=2)[1].copy_(out)
+        dout = torch.randn(b, h, 2 * chunk, d, device=device, dtype=dtype).chunk(2, dim=2)[1]
+        lse = torch.cat([lse, lse], dim=2).chunk(2, dim=2)[1]  # a chunk of the merged one's
+        args = (dout, q, k, v, whole.chunk(2, dim=2)[1], lse, False, d**-0.5, None, state, kernel)
+        if emulated:
+            before = tracker.get_tracker_snapshot("current")[torch.device(device)]["Total"]
+            grads = context._attend_backward(*args)
+            return int(tracker.get_tracker_snapshot("peak")[torch.device(device)]["Total"] - before)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        grads = context._attend_backward(*args)
+        torch.cuda.synchronize()
+        del grads
+        return int(torch.cuda.max_memory_allocated() - before)
+
+
+def test_the_checks_gpu_kernels_hold_what_the_plan_counts_for_a_block() -> None:
+    """The fake tensors the check makes for one block's backward on a GPU's kernel (flash in bf16,
+    memory-efficient in fp32, dtlab.analysis.check_ring) are the plan's count of them
+    (dtlab.analysis.attention_workspace): here, on fake tensors; where CUDA is, the next test holds
+    them against the GPU's allocator."""
+    from dtlab.analysis.attention_workspace import efficient_workspace_bytes, flash_backward_rows
+
+    b, h, c, d = 2, 8, 512, 64
+    half = b * h * c * d
+    rows, width = flash_backward_rows(c, d)
+    # The log-sum-exp's chunk made contiguous, the output's gradient and the output copied to the
+    # kernel's layout, the gradients, and its float32 accumulators.
+    flash = b * h * c * 4 + half * 2 * (2 + 3) + b * h * rows * 4 * (1 + width)
+    assert _block_backward_peak("cpu", torch.bfloat16, b, True) == flash
+    padded = b * h * c * 4  # the log-sum-exp, padded to rows of 32 for the kernel
+    delta = max(half * 4 + b * h * c * 4, efficient_workspace_bytes(b, h, c, d))
+    efficient = padded + half * 4 * (1 + 3) + b * h * c * 4 + delta
+    assert _block_backward_peak("cpu", torch.float32, b, True) == efficient
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("samples", [1, 2])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_checks_gpu_kernels_hold_what_the_gpus_allocator_holds(
+    dtype: str, samples: int
+) -> None:
+    """One ring block's backward on this GPU's kernel (flash in bf16, memory-efficient in fp32):
+    what the allocator holds at its most, above what was alive before, against what the check of
+    a GPU makes for it on fake tensors (dtlab.analysis.check_ring, read from PyTorch's sources):
+    within 2% and a few of the allocator's 512-byte blocks."""
+    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    real = _block_backward_peak("cuda", torch_dtype, samples, False)
+    emulated = _block_backward_peak("cpu", torch_dtype, samples, True)
+    assert abs(real - emulated) <= 0.02 * real + 8 * 512, (real, emulated)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_torchs_bf16_attention_with_a_document_mask_has_float32s_gradients() -> None:

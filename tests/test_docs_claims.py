@@ -112,6 +112,13 @@ STALE_GAP_SENTENCES = [
     ("docs/long-context.md", "Not yet: the search does not weigh context parallelism against "
      "layouts that fit without it, nor try the\nring on a GPU (it runs on the CPU's kernel so far; "
      "its overlap is not modelled either).", "the ring's CUDA kernels"),
+    # docs/long-context.md and README.md at 619c75a (before the ring was planned on a GPU's kernels).
+    ("docs/long-context.md", "Not yet: the search does not weigh context parallelism against "
+     "layouts that fit without it, nor try the\nring on a GPU (its memory and time on a GPU's "
+     "kernels are not planned yet; its overlap is not modelled\neither).",
+     "the plan's refusal of the ring on a GPU"),
+    ("README.md", "Long sequences: the ring on the device's fused attention kernel (a GPU's not yet "
+     "run, nor planned: the plan uses all-to-all there).", "the plan's refusal of the ring on a GPU"),
     # docs/gpu.md at 9672b6f (before the collectives' bus bandwidth).
     ("docs/gpu.md", "Not yet built for several GPUs: DiLoCo's host copies still run on the compute "
      "stream; `dtlab plan --device this` on a GPU node measures the GPU's GEMM and\nmemory but not "

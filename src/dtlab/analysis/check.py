@@ -94,6 +94,7 @@ from dtlab.analysis.check_fake import (
 )
 from dtlab.analysis.check_outer import OuterRun, outer_copies_as_on
 from dtlab.analysis.check_report import choose_config, default_ranks, format_check, parse_ranks
+from dtlab.analysis.check_ring import ring_as_on
 from dtlab.analysis.check_tracker import (
     _at_moment,
     _components,
@@ -401,7 +402,8 @@ def measure_fake(
     """:func:`measure_step` of rank ``rank`` of ``nproc x nnodes`` ranks, in this process: the fake
     process group as that rank, fake tensors on the CPU; ``target``: the device kind whose attention
     kernels' memory the step has and whose collectives it runs (``"cuda"``:
-    :func:`_attention_as_on`, :func:`_collectives_as_on`)."""
+    :func:`_attention_as_on`, :func:`dtlab.analysis.check_ring.ring_as_on`,
+    :func:`_collectives_as_on`)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from dtlab.dims import ParallelDims
@@ -413,7 +415,12 @@ def measure_fake(
     if dims.distributed:
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        with _attention_as_on(target), _collectives_as_on(target), outer_copies_as_on(target):
+        with (
+            _attention_as_on(target),
+            ring_as_on(target),
+            _collectives_as_on(target),
+            outer_copies_as_on(target),
+        ):
             return measure_step(config, d, fake=True)
     finally:
         if dist.is_initialized():

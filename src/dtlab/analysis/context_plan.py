@@ -33,21 +33,20 @@ from dtlab.analysis.activations import (
     masked_attention,
     query_precision,
 )
+from dtlab.analysis.attention_workspace import (
+    efficient_workspace_bytes,
+    flash_backward_rows,
+    round_up,
+)
 from dtlab.analysis.shapes import RankPart
 from dtlab.config import Config, ModelConfig
 from dtlab.dims import ParallelDims
 
 __all__ = [
-    "RING_ON_GPU", "cp_calls", "cp_comm", "cp_kept_bytes", "cp_kernel", "cp_recompute_bytes",
-    "document_mask_bytes", "ring_backward_bytes", "ring_block_mask_bytes", "ring_reads_documents",
+    "cp_calls", "cp_comm", "cp_kept_bytes", "cp_kernel", "cp_recompute_bytes",
+    "document_mask_bytes", "ring_backward_bytes", "ring_block_mask_bytes", "ring_pair_bytes",
+    "ring_reads_documents",
 ]  # fmt: skip
-
-# Why a ring is not planned for a GPU: it runs on a GPU's fused kernels (dtlab.parallel.context's
-# ring_kernel), but what they hold and take there has not been checked against a GPU yet.
-RING_ON_GPU = (
-    "parallel.cp_method = 'ring' runs on a GPU's attention kernels (flash, memory-efficient), but "
-    "its memory and time there are not planned yet: plan cp_method = 'alltoall' for a GPU"
-)
 
 
 def _half(precision: str) -> bool:
@@ -129,27 +128,70 @@ def cp_recompute_bytes(config: Config, tokens: int, kernel: str, tp: int) -> int
     return again
 
 
-def ring_backward_bytes(config: Config, tokens: int, tp: int) -> int:
+def ring_backward_bytes(config: Config, tokens: int, tp: int, device_type: str = "cpu") -> int:
     """What the ring's backward of one layer holds at its most beyond the block's kept activations
     and the residual stream's gradient; 0 without the ring. Alive throughout: the output's gradient
     and its contiguous copy, the float32 accumulator of the query's gradient, and the key/value
     blocks in flight (the one received ahead; past the first step the one received before it,
     both at once from cp 3). Then the larger of: the travelling block's float32 key and value
     gradients sent on beside those received (four of them), or those two beside one chunk pair's
-    gradients (half the rank's tokens) with the kernel's float32 workspace for them, and under a
-    document mask the pair's part of it (:func:`ring_block_mask_bytes`), where a document boundary
-    cuts the pair."""
+    backward on the ``device_type`` device's kernel (:func:`ring_pair_bytes`)."""
     p = config.parallel
     if p.cp == 1 or p.cp_method != "ring":
         return 0
     a = 2 if _half(config.train.precision) else FP32
     width, _ = _widths(config.model, "ring", p.cp, tp)  # the ring's blocks carry every head
     blocks = (4 if p.cp > 2 else 2) * a
-    pair = 3 * a // 2 + 3 * FP32 // 2
     held = tokens * width * (2 * a + FP32 + blocks)
     passing = tokens * width * 4 * FP32
-    attending = tokens * width * (2 * FP32 + pair) + ring_block_mask_bytes(config, tokens)
+    attending = tokens * width * 2 * FP32 + ring_pair_bytes(config, tokens, tp, device_type)
     return held + max(passing, attending)
+
+
+def ring_pair_bytes(config: Config, tokens: int, tp: int, device_type: str = "cpu") -> int:
+    """One (query chunk, key chunk) pair's backward in the ring at its most: the pair's three
+    gradients (half the rank's tokens each) with what the kernel holds beside them, and under a
+    document mask, where a document boundary cuts the pair, its part of the mask
+    (:func:`ring_block_mask_bytes`). On a CPU the kernel holds nothing more. On a CUDA GPU the kernel's own (:mod:`dtlab.analysis.check_ring` lists them): flash (fp16 and
+    bf16) copies the output's gradient and the output to its layout and holds the query
+    gradient's float32 accumulator and the softmax's row sums; the memory-efficient kernel (fp32,
+    and every block a document boundary cuts, in float32) copies the output's gradient and holds
+    its rows' ``delta`` with the product it is made from, then its workspace, beside the
+    log-sum-exp padded for it; a cut block's tensors go to it in float32 where they are not."""
+    a = 2 if _half(config.train.precision) else FP32
+    width, _ = _widths(config.model, "ring", config.parallel.cp, tp)
+    half = tokens // 2 * width  # one chunk's values, every head
+    if device_type != "cuda":
+        return half * 3 * a + ring_block_mask_bytes(config, tokens)
+    cp, seq = config.parallel.cp, config.seq_len
+    samples, chunk = tokens * cp // seq, seq // (2 * cp)
+    heads, head_dim = config.model.n_heads // tp, config.model.args().head_dim
+    rows = samples * heads * chunk  # one value per query row and head
+
+    def efficient(e: int) -> int:  # the kernel's own on a pair of ``e``-byte tensors
+        padded = samples * heads * round_up(chunk, 32) * FP32  # the log-sum-exp, for it
+        delta = max(
+            half * e + rows * FP32, efficient_workspace_bytes(samples, heads, chunk, head_dim)
+        )
+        return padded + half * e * (1 + 3) + rows * FP32 + delta
+
+    if _half(config.train.precision):
+        accum_rows, accum_width = flash_backward_rows(chunk, head_dim)
+        out_copy = half * a if samples > 1 else 0  # one sample's chunk is already in its layout
+        unmasked = half * (3 * a + a) + out_copy
+        unmasked += samples * heads * accum_rows * FP32 * (1 + accum_width)
+    else:
+        unmasked = efficient(FP32)
+    if not ring_reads_documents(config):
+        return unmasked
+    # A cut block: the boolean part of the mask and its float32 additive copy (rows padded to 16),
+    # the output's gradient with its empty rows zeroed, and in half precision the block's
+    # tensors (query, key, value, output and that gradient) in float32, its gradients in float32.
+    bias = samples * chunk * (chunk + round_up(chunk, 16) * FP32)
+    cut = bias + half * a + efficient(FP32)
+    if _half(config.train.precision):
+        cut += half * 5 * FP32
+    return max(unmasked, cut)
 
 
 def ring_reads_documents(config: Config) -> bool:

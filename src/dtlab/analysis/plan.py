@@ -8,7 +8,6 @@ from typing import Any
 
 from dtlab.analysis import moe
 from dtlab.analysis.choose import Found, reason
-from dtlab.analysis.context_plan import RING_ON_GPU
 from dtlab.analysis.devices import DeviceProfile, cpu_memory_gib
 from dtlab.analysis.fitrule import explain, usable_fraction
 from dtlab.analysis.float8_time import float8_time
@@ -204,8 +203,6 @@ def plan(
     ``device_assumed``: the profile was not asked for (the CLI's default); the output says so.
     ``source``: the config file and the ``--set`` overrides it came from, for the printed command.
     """
-    if config.parallel.cp > 1 and config.parallel.cp_method == "ring" and device.kind == "cuda":
-        raise ConfigError(f"parallel.cp = {config.parallel.cp} on {device.name}: {RING_ON_GPU}")
     world = nproc * nnodes
     memory = (memory_gib if memory_gib is not None else device.memory_gib) * 2**30
     precision = config.train.precision
@@ -265,20 +262,18 @@ def _with_context_parallel(
 ) -> SearchResult:
     """The search again with context parallelism where nothing fits without it and the config
     leaves ``parallel.cp`` open: each sequence split over every degree of the world the config's
-    rules take (the sequence's chunks, alltoall's heads: :func:`search`'s validation), by
-    ``alltoall`` on a GPU (dtlab's ring runs on a CPU's kernel so far) and the ring on a CPU;
-    ``found`` where that finds no more."""
+    rules take (the sequence's chunks, alltoall's heads: :func:`search`'s validation), by both
+    methods, the ring and ``alltoall``; ``found`` where that finds no more."""
     if recommended(found) is not None or config.is_given("parallel.cp"):
         return found
     if config.train.engine != "torch" or config.parallel.diloco.inner_steps:
         return found
-    method = "alltoall" if device.kind == "cuda" else "ring"
     degrees = context_degrees(nproc * nnodes)
     if not degrees:
         return found
     with_cp = search(
         config, nproc, nnodes, device, memory, costing.shapes, costing.row, TIE_MARGIN,
-        (degrees, method),
+        (degrees, ("ring", "alltoall")),
     )  # fmt: skip
     if recommended(with_cp) is None:
         return found

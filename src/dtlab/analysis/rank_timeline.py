@@ -104,7 +104,7 @@ def rank_timeline(
     half = t.precision in ("bf16", "fp16")
     fsdp = dims.fsdp_enabled
     state, made = _rank_state(config, dims, plan, shapes)
-    block = _dense_block(config, dims, shapes, tokens, made)
+    block = _dense_block(config, dims, shapes, tokens, made, device_type=rank.device_type)
     n_blocks = _blocks_numel(shapes)[0]
     units = None
     if fsdp:
@@ -189,6 +189,7 @@ def _block_shape(
     tokens: int,
     made: int,
     j: int,
+    device_type: str,
 ) -> BlockShape:
     """:func:`dense_block` of block ``j`` of an MoE model, with its own parameters on this rank: a
     dense block's feed-forward width, or an MoE block's shared experts' (its routed rows' where it
@@ -199,7 +200,9 @@ def _block_shape(
     if j >= m.moe.dense_layers:
         hidden = (m.moe.expert_dim or m.hidden_dim) * (m.moe.shared_experts or m.moe.top_k)
     f8 = j < m.moe.dense_layers and float8_ffn(config)
-    shape = _dense_block(config, dims, shapes, tokens, made, hidden, numel, f8)
+    shape = _dense_block(
+        config, dims, shapes, tokens, made, hidden, numel, f8, device_type=device_type
+    )
     if j < m.moe.dense_layers:
         return shape
     beyond, grads = memo(
@@ -296,7 +299,7 @@ def _moe_blocks(
     out = []
     for j, x in enumerate(is_moe):
         group = f"layers.{j}"
-        shape = _block_shape(config, dims, shapes, tokens, made, j)
+        shape = _block_shape(config, dims, shapes, tokens, made, j, rank.device_type)
         unit = gathered.get(group, 0)
         shard = sum(s.shard_numel(dims.fsdp_shard) for s in dp_shapes if s.group == group)
         # Expert parallelism's experts are left out of FSDP's units: their float32 gradients,
@@ -344,6 +347,8 @@ def _dense_block(
     hidden: int | None = None,
     block_params: int | None = None,
     float8: bool | None = None,
+    *,
+    device_type: str,
 ) -> BlockShape:
     """:func:`dense_block` of the rank's blocks (their parameters on this rank, as backward makes
     their gradients): by default the model's feed-forward width and the mean block's parameters;
@@ -367,7 +372,7 @@ def _dense_block(
     )  # fmt: skip
     if seq > 1 and stream != compute and t.activation_checkpointing == "none":
         shape = _sequence_parallel_inputs(shape, m, tokens, seq, stream, compute, made, dims.tp)
-    ring = ring_backward_bytes(config, tokens, dims.tp)
+    ring = ring_backward_bytes(config, tokens, dims.tp, device_type)
     if not ring:
         return shape
     residual = stream * tokens * m.dim // seq
@@ -457,10 +462,11 @@ def pipeline_rank_timeline(
         units = StageFsdp([made * r for r in root_elements], max(sizes, default=0),
                           config.parallel.sharding == "full", fsdp_half_params(config, dims),
                           shards, shard)  # fmt: skip
-    block = _dense_block(config, dims, shapes, tokens, made)
+    block = _dense_block(config, dims, shapes, tokens, made, device_type=rank.device_type)
     # An MoE model's stages each with their last block's own shape (dense or MoE).
     by_stage = (
-        [_block_shape(config, dims, shapes, tokens, made, split[sid][-1]) for sid in part.stages]
+        [_block_shape(config, dims, shapes, tokens, made, split[sid][-1], rank.device_type)
+         for sid in part.stages]
         if moe.moe_blocks(m) else None
     )  # fmt: skip
     return pipeline_timeline(

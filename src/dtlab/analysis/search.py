@@ -229,14 +229,15 @@ def layouts(
     nproc: int,
     nnodes: int,
     precisions: list[str],
-    context: tuple[list[int], str] | None = None,
+    context: tuple[list[int], tuple[str, ...]] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Every combination of the open keys but the micro-batch size and activation checkpointing
     (chosen per layout by :func:`search`), as dotted key -> value; not yet validated.
-    ``context``: context-parallel degrees to try and their method (the config's own otherwise)."""
+    ``context``: context-parallel degrees to try and the methods to try them with (the config's
+    own otherwise)."""
     world = nproc * nnodes
     m = config.model
-    cps, method = context or ([config.parallel.cp], config.parallel.cp_method)
+    cps, methods = context or ([config.parallel.cp], (config.parallel.cp_method,))
     for tp in _tp_options(config, nproc):
         stages = _divisors(math.gcd(world // tp, m.n_layers)) if world % tp == 0 else []
         for pp in _pick(config, "parallel.pp", stages):
@@ -245,9 +246,10 @@ def layouts(
             for cp in cps:
                 if world % (tp * pp * cp):
                     continue
-                extra = {"parallel.cp": cp, "parallel.cp_method": method} if context else {}
-                for values in _model_parallel_layouts(config, world, tp, pp, cp, precisions):
-                    yield {**values, **extra}
+                for method in methods:
+                    extra = {"parallel.cp": cp, "parallel.cp_method": method} if context else {}
+                    for values in _model_parallel_layouts(config, world, tp, pp, cp, precisions):
+                        yield {**values, **extra}
 
 
 def _model_parallel_layouts(
@@ -294,11 +296,11 @@ def search(
     shapes: list[ParamShape],
     cost: Any,
     tie_margin: float,
-    context: tuple[list[int], str] | None = None,
+    context: tuple[list[int], tuple[str, ...]] | None = None,
 ) -> SearchResult:
     """The fastest layouts that fit, one row per layout (its fastest micro-batch size and activation
     checkpointing that fit). ``cost(label, cfg, rate)`` is the plan's row of a config.
-    ``context``: the context-parallel degrees to try and their method (:func:`layouts`)."""
+    ``context``: the context-parallel degrees to try and their methods (:func:`layouts`)."""
 
     start = time.perf_counter()
     opened = open_keys(config)
@@ -341,7 +343,7 @@ def _queue(
     precisions: list[str],
     acs: list[str],
     shapes: list[ParamShape],
-    context: tuple[list[int], str] | None = None,
+    context: tuple[list[int], tuple[str, ...]] | None = None,
 ) -> tuple[list[_Candidate], int]:
     """Every valid layout at each activation checkpointing mode in ``acs``, fastest bound first (its
     compute time with its pipeline bubble and recompute: a lower bound of its step time), and how

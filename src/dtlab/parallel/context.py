@@ -123,6 +123,75 @@ def ring_kernel(
     return CUDA_FLASH if kernel.name == "flash" else CUDA_EFFICIENT
 
 
+# The CUDA kernels' own calls, one function each, so that ``dtlab plan --check`` can run the ring's
+# blocks with these kernels' memory on a host without them (dtlab.analysis.check_fake).
+def _flash_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, ...]:
+    """CUDA flash attention's forward: (output, log-sum-exp [B, H, Tq] float32, seed, offset)."""
+    r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    return r[0], r[1], r[6], r[7]
+
+
+def _flash_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    tq: int,
+    tk: int,
+    causal: bool,
+    state: tuple[torch.Tensor, ...],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CUDA flash attention's backward of one block from its ``state`` (seed, offset): (dq, dk, dv)."""
+    seed, offset = state
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse, None, None, tq, tk, 0.0, causal, seed, offset, scale=scale
+    )
+    return dq, dk, dv
+
+
+def _efficient_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, ...]:
+    """CUDA memory-efficient attention's forward: (output, log-sum-exp [B, H, Tq padded to a
+    multiple of 32] float32, seed, offset)."""
+    r = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, bias, True, 0.0, causal, scale=scale
+    )
+    return r[0], r[1], r[2], r[3]
+
+
+def _efficient_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    state: tuple[torch.Tensor, ...],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CUDA memory-efficient attention's backward of one block (``lse`` padded as its forward made
+    it; no gradient for ``bias``): (dq, dk, dv)."""
+    seed, offset = state
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, k, v, bias, out, lse, seed, offset, 0.0, [True, True, True, False], causal,
+        scale=scale,
+    )  # fmt: skip
+    return dq, dk, dv
+
+
 def _kernel_of(q: torch.Tensor, masked: bool) -> str:
     """:func:`ring_kernel` for blocks of ``q``'s device and dtype."""
     return ring_kernel(q.device.type, q.dtype, masked, cuda_capability(q.device))
@@ -179,17 +248,15 @@ def _attend(
             q, k, v, 0.0, causal and allowed is None, attn_mask=mask, scale=scale
         )[:2]
     elif kernel == CUDA_FLASH:  # never with a mask (ring_kernel)
-        r = torch.ops.aten._scaled_dot_product_flash_attention(
-            q, k, v, 0.0, causal, False, scale=scale
-        )
-        out, lse, state = r[0], r[1], (r[6], r[7])
+        out, lse, *seeds = _flash_forward(q, k, v, causal, scale)
+        state = tuple(seeds)
     else:
         bias = None if allowed is None else _bias(allowed, q, k)
         wide = _widened(allowed, q.dtype)
-        r = torch.ops.aten._scaled_dot_product_efficient_attention(
-            wide(q), wide(k), wide(v), bias, True, 0.0, causal and allowed is None, scale=scale
+        out, lse, *seeds = _efficient_forward(
+            wide(q), wide(k), wide(v), bias, causal and allowed is None, scale
         )
-        out, lse, state = r[0].to(q.dtype), r[1][..., : q.shape[2]], (r[2], r[3])
+        out, lse, state = out.to(q.dtype), lse[..., : q.shape[2]], tuple(seeds)
     if allowed is None:
         return out, lse, state
     empty = ~allowed.any(-1)  # [B, 1, Tq]: rows with no key here
@@ -222,14 +289,10 @@ def _attend_backward(
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal and allowed is None, attn_mask=mask, scale=scale
         )
-    seed, offset = state
     if kernel == CUDA_FLASH:
         tq, tk = q.shape[2], k.shape[2]
         # A chunk's log-sum-exp is a strided view; the CUDA kernel reads it as contiguous rows.
-        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse.contiguous(), None, None, tq, tk, 0.0, causal, seed, offset,
-            scale=scale,
-        )  # fmt: skip
+        return _flash_backward(dout, q, k, v, out, lse.contiguous(), tq, tk, causal, state, scale)
     # The memory-efficient kernel reads its log-sum-exp with the rows padded as it made them.
     rows = -(-q.shape[2] // EFFICIENT_LSE_ROWS) * EFFICIENT_LSE_ROWS
     padded = torch.zeros((*lse.shape[:-1], rows), dtype=lse.dtype, device=lse.device)
@@ -239,9 +302,9 @@ def _attend_backward(
         bias = _bias(allowed, q, k)
         dout = dout.masked_fill(~allowed.any(-1).unsqueeze(-1), 0.0)
     wide = _widened(allowed, q.dtype)
-    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        wide(dout), wide(q), wide(k), wide(v), bias, wide(out), padded, seed, offset, 0.0,
-        [True, True, True, False], causal and allowed is None, scale=scale,
+    dq, dk, dv = _efficient_backward(
+        wide(dout), wide(q), wide(k), wide(v), bias, wide(out), padded,
+        causal and allowed is None, state, scale,
     )  # fmt: skip
     return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
 
@@ -315,6 +378,7 @@ def _pairs_backward(
             dqs[a].add_(gq)
             dks[b].add_(gk)
             dvs[b].add_(gv)
+            del gq, gk, gv  # before the next pair's backward makes its own
 
 
 class _RingAttention(torch.autograd.Function):
