@@ -24,7 +24,8 @@ def _error(predicted: float, checked: float) -> str:
 
 # What the check runs attention as, by the target device's kind.
 _KERNELS = {
-    "cuda": " (attention with a GPU's kernels' memory: flash, or memory-efficient on expanded heads)"
+    "cuda": " (attention with a GPU's kernels' memory: flash, or memory-efficient on expanded heads;"
+    " the context-parallel ring's blocks with what those kernels hold beside them)"
 }
 
 
