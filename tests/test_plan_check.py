@@ -612,6 +612,29 @@ REAL = {
             "train.global_batch_size=2",
         ],
     ),
+    # Context parallelism's ring where its backward is the step's peak (a long sequence, a narrow
+    # feed-forward, full checkpointing): one chunk pair's gradients at a time; with a document
+    # mask, the blocks the documents cut take their part of it (the real run's documents are its
+    # own random data's, ending at every token 0; the check's end every three quarters of a chunk).
+    **{
+        f"cp:2 ring full AC{name}": (
+            2,
+            [
+                "parallel.strategy=ddp",
+                "parallel.cp=2",
+                "train.activation_checkpointing=full",
+                "model.dim=128",
+                "model.n_heads=8",
+                "model.n_kv_heads=2",
+                "model.ffn_dim=64",
+                "model.max_seq_len=1024",
+                "data.seq_len=1024",
+                "train.global_batch_size=2",
+                *mask,
+            ],
+        )
+        for name, mask in (("", []), (", document mask", ["data.document_mask=true"]))
+    },
     # A large vocabulary and few tokens: the root's float32 reduce-scatter input beside its
     # unsharded gradients at backward's end, its flat all-gather buffer beside it in forward.
     "fsdp:2 bf16 large vocabulary": (

@@ -454,11 +454,12 @@ class _RingAttention(torch.autograd.Function):
             ahead = ring.start([kb, vb]) if step < ring.cp - 1 else None
             source = (ring.rank - step) % ring.cp
             _pairs_backward(ctx, ring, (douts, qs, outs, lses), (kb, vb), dqs, (dkb, dvb), source)
-            # The gradients go on with their block; those sent stay alive until the send is done.
+            # The gradients go on with their block; those sent stay alive until the send is done,
+            # and no longer: a process group's work holds its tensors while the work lives.
             sent = [dkb, dvb]
             requests, (dkb, dvb) = ring.start(sent)
             _wait(requests)
-            del sent
+            del sent, requests
             if ahead is not None:
                 _wait(ahead[0])
                 kb, vb = ahead[1]
