@@ -405,6 +405,14 @@ FAST_LIST = Path(__file__).parent / "fast.txt"
 SLOW_LIST = Path(__file__).parent / "slow.txt"
 
 
+def stale_ids(listed: set[str], collected: list[str]) -> list[str]:
+    """The ids of ``listed`` whose module was collected but which name none of its ``collected``
+    tests."""
+    have = set(collected)
+    modules = {nodeid.split("::")[0] for nodeid in collected}
+    return sorted(i for i in listed if i.split("::")[0] in modules and i not in have)
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--fast",
@@ -418,6 +426,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # The longest tests (tests/pick_fast.py chose them from measured durations) are marked slow:
     # make test and CI leave them out (-m "not slow"), make test-all runs them.
     slow = {line.strip() for line in SLOW_LIST.read_text().splitlines() if line.strip()}
+    if not any(
+        "::" in arg for arg in config.args
+    ):  # whole modules collected: their ids are all here
+        stale = stale_ids(slow, [item.nodeid for item in items])
+        if stale:
+            raise pytest.UsageError(
+                "tests/slow.txt names tests that its collected modules no longer have (a renamed "
+                "test or parameter, which would leave the slow tier unmarked): "
+                + ", ".join(stale)
+                + "; rename them there (or rerun tests/pick_fast.py)"
+            )
     for item in items:
         if item.nodeid in slow:
             item.add_marker(pytest.mark.slow)

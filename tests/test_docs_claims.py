@@ -416,6 +416,17 @@ def test_the_recorded_test_fast_time_is_of_todays_fast_list() -> None:
     )
 
 
+def test_a_slow_tier_id_its_module_no_longer_has_is_named() -> None:
+    """A test renamed (or a parameter's id changed) leaves its line in tests/slow.txt marking
+    nothing, and the test runs in make test unmarked: conftest names such a line when its module is
+    collected, so that make test stops on it. A module not collected says nothing of its ids."""
+    from conftest import stale_ids
+
+    collected = ["tests/test_a.py::test_x[int8-1]", "tests/test_a.py::test_y"]
+    listed = {"tests/test_a.py::test_x[int8]", "tests/test_a.py::test_y", "tests/test_b.py::test_z"}
+    assert stale_ids(listed, collected) == ["tests/test_a.py::test_x[int8]"]
+
+
 def test_make_test_stays_under_the_20_minutes_development_md_allows() -> None:
     # docs/development.md: "it must stay under 20 minutes with the install and make check".
     text = (ROOT / "docs" / "development.md").read_text(encoding="utf-8")
