@@ -152,12 +152,14 @@ def ring_pair_bytes(config: Config, tokens: int, tp: int, device_type: str = "cp
     """One (query chunk, key chunk) pair's backward in the ring at its most: the pair's three
     gradients (half the rank's tokens each) with what the kernel holds beside them, and under a
     document mask, where a document boundary cuts the pair, its part of the mask
-    (:func:`ring_block_mask_bytes`). On a CPU the kernel holds nothing more. On a CUDA GPU the kernel's own (:mod:`dtlab.analysis.check_ring` lists them): flash (fp16 and
-    bf16) copies the output's gradient and the output to its layout and holds the query
-    gradient's float32 accumulator and the softmax's row sums; the memory-efficient kernel (fp32,
-    and every block a document boundary cuts, in float32) copies the output's gradient and holds
-    its rows' ``delta`` with the product it is made from, then its workspace, beside the
-    log-sum-exp padded for it; a cut block's tensors go to it in float32 where they are not."""
+    (:func:`ring_block_mask_bytes`). On a CPU the kernel holds nothing more. On a CUDA GPU the
+    kernel's own (:mod:`dtlab.analysis.check_ring` lists them): flash (fp16 and bf16) copies the
+    output's gradient and the output to its layout and holds the query gradient's float32
+    accumulator and the softmax's row sums, beside the log-sum-exp's chunk made contiguous for it;
+    the memory-efficient kernel (fp32, and every block a document boundary cuts, in float32)
+    copies the output's gradient and holds its rows' ``delta`` with the product it is made from,
+    then its workspace, beside the log-sum-exp padded for it; a cut block's tensors go to it in
+    float32 where they are not."""
     a = 2 if _half(config.train.precision) else FP32
     width, _ = _widths(config.model, "ring", config.parallel.cp, tp)
     half = tokens // 2 * width  # one chunk's values, every head
@@ -178,7 +180,7 @@ def ring_pair_bytes(config: Config, tokens: int, tp: int, device_type: str = "cp
     if _half(config.train.precision):
         accum_rows, accum_width = flash_backward_rows(chunk, head_dim)
         out_copy = half * a if samples > 1 else 0  # one sample's chunk is already in its layout
-        unmasked = half * (3 * a + a) + out_copy
+        unmasked = half * (3 * a + a) + out_copy + rows * FP32  # (the log-sum-exp's chunk)
         unmasked += samples * heads * accum_rows * FP32 * (1 + accum_width)
     else:
         unmasked = efficient(FP32)
