@@ -12,7 +12,7 @@ help:
 	@echo "make demo        train the tiny model on the stdlib corpus with DDP on $(NPROC) processes, plot the loss, print the validation perplexity and a sample"
 	@echo "make train       train the built-in default (1 process)"
 	@echo "make train-ddp   train configs/ddp.yaml;  make train-fsdp: configs/fsdp.yaml"
-	@echo "make test        the test suite but its longest tests (real gloo processes on CPU); make test-all: all of it; make test-fast: a quick part of every test module, before every commit (~2 min)"
+	@echo "make test        the test suite but its longest tests (real gloo processes on CPU); make test-all: all of it; make test-fast: a quick part of every test module, before every commit (~3 min)"
 	@echo "make bench       loop overhead, the optimizer step, the outer codec, the collectives' bus bandwidth, checkpoint save throughput, the pipeline bubble, then the strategy sweep (report in bench-out/)"
 	@echo "make bench-fitrule  the fit rule dtlab plan applies: short trainings under a cgroup memory cap at fractions of the prediction (root; ~10 min; bench-out/fitrule.json)"
 	@echo "make gpu-check   prove a GPU machine in under 10 minutes: every CUDA test, a 1B bf16 + compile training, memory, async saves, resume, the collectives across every GPU, layouts (report in runs/gpu-check-*; on CPU a smoke of the same)"
