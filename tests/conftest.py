@@ -426,16 +426,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # The longest tests (tests/pick_fast.py chose them from measured durations) are marked slow:
     # make test and CI leave them out (-m "not slow"), make test-all runs them.
     slow = {line.strip() for line in SLOW_LIST.read_text().splitlines() if line.strip()}
-    if not any(
-        "::" in arg for arg in config.args
-    ):  # whole modules collected: their ids are all here
-        stale = stale_ids(slow, [item.nodeid for item in items])
+    lists = [(SLOW_LIST, slow, "leave the slow tier unmarked")]
+    if config.getoption("--fast"):
+        fast = {line.strip() for line in FAST_LIST.read_text().splitlines() if line.strip()}
+        lists.append((FAST_LIST, fast, "drop it from make test-fast"))
+    # Where whole modules were collected (no test named on the command line), all their ids are here.
+    whole = not any("::" in arg for arg in config.args)
+    for path, listed, what in lists if whole else []:
+        stale = stale_ids(listed, [item.nodeid for item in items])
         if stale:
             raise pytest.UsageError(
-                "tests/slow.txt names tests that its collected modules no longer have (a renamed "
-                "test or parameter, which would leave the slow tier unmarked): "
-                + ", ".join(stale)
-                + "; rename them there (or rerun tests/pick_fast.py)"
+                f"tests/{path.name} names tests that its collected modules no longer have (a "
+                f"renamed test or parameter, which would {what}): {', '.join(stale)}; rename "
+                "them there (or rerun tests/pick_fast.py)"
             )
     for item in items:
         if item.nodeid in slow:
