@@ -91,7 +91,9 @@ def _extra_per_token(config: Config, m: ModelConfig, kernel: str, tp: int) -> in
     return (expand + swapped) * a
 
 
-def cp_kept_bytes(config: Config, m: ModelConfig, tokens: int, kernel: str, tp: int) -> int:
+def cp_kept_bytes(
+    config: Config, m: ModelConfig, tokens: int, kernel: str, tp: int, device_type: str = "cpu"
+) -> int:
     """What context parallelism's attention keeps for backward in one micro-batch of ``tokens``
     (a rank's part) over ``m``'s layers, beyond the fused kernel's figure; 0 without cp.
 
@@ -99,7 +101,10 @@ def cp_kept_bytes(config: Config, m: ModelConfig, tokens: int, kernel: str, tp: 
     policy keeps every attention kernel's output and log-sum-exp and recomputes the rest: for the
     ring, the partial output of each of the ``2 cp + 1`` (query chunk, key chunk) pairs a rank
     computes, each half its tokens, where a rank without cp keeps one whole output; for
-    ``alltoall``, the one output the kernel makes, as without cp."""
+    ``alltoall``, the one output the kernel makes, as without cp. On a GPU under a document mask
+    the ring's cut blocks run the memory-efficient kernel in float32 (``device_type``), whose
+    partial outputs the policy keeps in float32: counted so for every pair (an upper bound: a pair
+    within one document runs flash in the run's precision)."""
     p, ac = config.parallel, config.train.activation_checkpointing
     if p.cp == 1 or ac == "full":
         return 0
@@ -107,13 +112,17 @@ def cp_kept_bytes(config: Config, m: ModelConfig, tokens: int, kernel: str, tp: 
         if p.cp_method != "ring":
             return 0
         a = 2 if _half(config.train.precision) else FP32
+        if device_type == "cuda" and ring_reads_documents(config):
+            a = FP32
         q, _ = _widths(m, "ring", p.cp, tp)
         partial = q * a + m.n_heads // tp * FP32  # a token's output and log-sum-exp
         return (2 * p.cp + 1 - 2) * (tokens // 2) * m.n_layers * partial
     return tokens * m.n_layers * _extra_per_token(config, m, kernel, tp)
 
 
-def cp_recompute_bytes(config: Config, tokens: int, kernel: str, tp: int) -> int:
+def cp_recompute_bytes(
+    config: Config, tokens: int, kernel: str, tp: int, device_type: str = "cpu"
+) -> int:
     """What recomputing one checkpointed block adds (its attention's :func:`cp_kept_bytes`
     without checkpointing: the expanded heads); 0 without checkpointing. Under ``selective``
     checkpointing the ring's recomputation takes the chunk pairs' partial outputs the policy kept
@@ -124,7 +133,7 @@ def cp_recompute_bytes(config: Config, tokens: int, kernel: str, tp: int) -> int
     again = tokens * _extra_per_token(config, config.model, kernel, tp)
     if ac == "selective":
         one = config.model.model_copy(update={"n_layers": 1})
-        again -= cp_kept_bytes(config, one, tokens, kernel, tp)
+        again -= cp_kept_bytes(config, one, tokens, kernel, tp, device_type)
     return again
 
 

@@ -381,7 +381,7 @@ def _kept(rank: RankInputs) -> tuple[int, Walk | None]:
     act = activation_bytes(
         m, tokens, t.precision, ac, split, part.last, rank.half_params, rank.compiled, seq_len,
     ) + moe.ep_copies_bytes(config, dims, m)  # fmt: skip
-    act += cp_kept_bytes(config, m, tokens, rank.kernel, dims.tp)
+    act += cp_kept_bytes(config, m, tokens, rank.kernel, dims.tp, rank.device_type)
     act += document_mask_bytes(config, dims, tokens) + mask_copy_bytes(config, dims, m, tokens)
     if ac != "full":  # (under full: the recomputed block's, _activations)
         act += moe.ep_rows_bytes(config, dims, tokens, m)
@@ -433,7 +433,7 @@ def _recomputation(rank: RankInputs, pipelined: bool) -> tuple[list[ModelConfig]
     ]
     kernel_again = kernel_recompute_bytes(
         config.model, tokens, config.seq_len, t.precision, ac, rank.kernel, split
-    ) + cp_recompute_bytes(config, tokens, rank.kernel, dims.tp)
+    ) + cp_recompute_bytes(config, tokens, rank.kernel, dims.tp, rank.device_type)
     if ac != "none":  # the recomputed attention's copy of the mask
         one = config.model.model_copy(update={"n_layers": 1})
         kernel_again += mask_copy_bytes(config, dims, one, tokens, recomputed=True)

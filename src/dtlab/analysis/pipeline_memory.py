@@ -194,7 +194,7 @@ def stage_figures(
             - f8_inputs[1]
             + rows
             + kernel_bytes(stage, tokens, seq_len, t.precision, ac, kernel, split)
-            + cp_kept_bytes(config, stage, tokens, kernel, dims.tp)
+            + cp_kept_bytes(config, stage, tokens, kernel, dims.tp, device_type)
             + mask_copy_bytes(config, dims, stage, tokens)
         )
         # Every block's copies, checkpointed or not: autocast keeps them for its whole region, the
