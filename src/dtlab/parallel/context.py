@@ -124,7 +124,7 @@ def ring_kernel(
 
 
 # The CUDA kernels' own calls, one function each, so that ``dtlab plan --check`` can run the ring's
-# blocks with these kernels' memory on a host without them (dtlab.analysis.check_fake).
+# blocks with these kernels' memory on a host without them (dtlab.analysis.check_ring).
 def _flash_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
 ) -> tuple[torch.Tensor, ...]:
