@@ -39,16 +39,18 @@ from dtlab.analysis.attention_workspace import (
     flash_backward_rows,
     round_up,
 )
-from dtlab.parallel.context import ring_kernel
+from dtlab.parallel.context import EFFICIENT_LSE_ROWS, _tokens_major, ring_kernel
 
 __all__ = ["ring_as_on"]
 
 
-def _tokens_major(like: torch.Tensor) -> torch.Tensor:
-    """A tensor of ``like``'s [B, H, T, D] shape laid out [B, T, H, D], as the kernels make their
-    outputs and gradients."""
-    b, h, t, d = like.shape
-    return like.new_empty((b, t, h, d)).transpose(1, 2)
+def _gradients(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The three gradients a kernel's backward returns, each laid out [B, T, H, D] as its input's
+    shape and dtype (:func:`dtlab.parallel.context._tokens_major`)."""
+    dq, dk, dv = (_tokens_major(x.shape, x.dtype, x.device) for x in (q, k, v))
+    return dq, dk, dv
 
 
 def _no_memory() -> torch.Tensor:
@@ -94,7 +96,7 @@ def _flash_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     b, h, t, d = q.shape
     copies = [dout.transpose(1, 2).contiguous(), out.transpose(1, 2).contiguous()]
-    grads = (_tokens_major(q), _tokens_major(k), _tokens_major(v))
+    grads = _gradients(q, k, v)
     rows, width = flash_backward_rows(t, d)
     workspace = [
         q.new_empty((b, h, rows), dtype=torch.float32),  # the softmax's row sums
@@ -113,8 +115,8 @@ def _efficient_forward(
     scale: float,
 ) -> tuple[torch.Tensor, ...]:
     out, lse, *state = _cpu_kernel(q, k, v, bias, causal, scale)
-    rows = round_up(q.shape[2], 32)
-    if rows != q.shape[2]:  # the kernel's log-sum-exp, its rows padded to a multiple of 32
+    rows = round_up(q.shape[2], EFFICIENT_LSE_ROWS)
+    if rows != q.shape[2]:  # the kernel's log-sum-exp, its rows padded as it pads them
         lse = torch.cat([lse, lse.new_empty((*lse.shape[:-1], rows - q.shape[2]))], dim=-1)
     return out, lse, *state
 
@@ -133,7 +135,7 @@ def _efficient_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     b, h, t, d = q.shape
     contiguous = dout.transpose(1, 2).contiguous()
-    grads = (_tokens_major(q), _tokens_major(k), _tokens_major(v))
+    grads = _gradients(q, k, v)
     product = q.new_empty((b, t, h, d), dtype=torch.float32)
     sums = q.new_empty((b, t, h), dtype=torch.float32)
     delta = q.new_empty((b, h, t), dtype=torch.float32)

@@ -41,6 +41,7 @@ from dtlab.analysis.attention_workspace import (
 from dtlab.analysis.shapes import RankPart
 from dtlab.config import Config, ModelConfig
 from dtlab.dims import ParallelDims
+from dtlab.parallel.context import BIAS_ALIGNMENT, EFFICIENT_LSE_ROWS
 
 __all__ = [
     "cp_calls", "cp_comm", "cp_kept_bytes", "cp_kernel", "cp_recompute_bytes",
@@ -180,7 +181,9 @@ def ring_pair_bytes(config: Config, tokens: int, tp: int, device_type: str = "cp
     rows = samples * heads * chunk  # one value per query row and head
 
     def efficient(e: int) -> int:  # the kernel's own on a pair of ``e``-byte tensors
-        padded = samples * heads * round_up(chunk, 32) * FP32  # the log-sum-exp, for it
+        padded = (
+            samples * heads * round_up(chunk, EFFICIENT_LSE_ROWS) * FP32
+        )  # the log-sum-exp, for it
         delta = max(
             half * e + rows * FP32, efficient_workspace_bytes(samples, heads, chunk, head_dim)
         )
@@ -198,7 +201,7 @@ def ring_pair_bytes(config: Config, tokens: int, tp: int, device_type: str = "cp
     # A cut block: the boolean part of the mask and its float32 additive copy (rows padded to 16),
     # the output's gradient with its empty rows zeroed, and in half precision the block's
     # tensors (query, key, value, output and that gradient) in float32, its gradients in float32.
-    bias = samples * chunk * (chunk + round_up(chunk, 16) * FP32)
+    bias = samples * chunk * (chunk + round_up(chunk, BIAS_ALIGNMENT) * FP32)
     cut = bias + half * a + efficient(FP32)
     if _half(config.train.precision):
         cut += half * 5 * FP32
