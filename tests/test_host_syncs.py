@@ -139,6 +139,13 @@ def test_an_moe_step_reads_each_blocks_counts_once_and_its_routing_figures_once(
         assert dict(c.counts) == MOE_STEP, c.where
 
 
+def test_an_moe_step_on_the_grouped_kernel_reads_no_counts() -> None:
+    # In bf16 the experts run on torch's grouped kernel, whose offsets are made from the counts
+    # on the device: the step's read and its routing figures' read, none per block.
+    for c in _steps(torch.device("cpu"), *MOE, "train.precision=bf16"):
+        assert dict(c.counts) == {"read": 1 + 1}, c.where
+
+
 def test_expert_parallelism_reads_what_each_block_sends_and_receives_in_one_sync() -> None:
     # The counts cross to the experts' ranks on the device; what is sent and received is read
     # together: no more reads than without expert parallelism (before: two per block, and a
@@ -146,4 +153,13 @@ def test_expert_parallelism_reads_what_each_block_sends_and_receives_in_one_sync
     run_worker(
         "host_sync_worker.py", 2, json.dumps(MOE_STEP), "all", *MOE, "parallel.strategy=ddp",
         "parallel.ep=2",
+    )  # fmt: skip
+
+
+def test_expert_parallelism_on_the_grouped_kernel_reads_nothing_more() -> None:
+    # The grouped kernel's offsets from the counts expert parallelism read: a copy to the device
+    # of numbers already on the host, no read (the same step's reads as the loop's).
+    run_worker(
+        "host_sync_worker.py", 2, json.dumps(MOE_STEP), "all", *MOE, "parallel.strategy=ddp",
+        "parallel.ep=2", "train.precision=bf16",
     )  # fmt: skip

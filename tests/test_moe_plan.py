@@ -26,6 +26,8 @@ from dtlab.models.llama import build_model
 from dtlab.parallel.dist import DistInfo
 
 SMALL = ["model.preset=debug-moe", "data.seq_len=64", "train.global_batch_size=8"]
+GROUPED = ["model.moe.experts=32", "model.moe.expert_dim=256", "model.moe.shared_experts=0",
+           "data.seq_len=16", "train.precision=bf16"]  # fmt: skip
 
 
 def _predicted(config: Config, world: int) -> dict[str, int]:
@@ -215,6 +217,12 @@ CHECKED = {
     # of the routed experts' weights (slices, which autocast does not cache).
     "tiny-moe pp:2 1f1b bf16": (2, ["model.preset=tiny-moe", "parallel.pp=2",
                                     "parallel.pp_schedule=1f1b", "train.precision=bf16"]),
+    # Many experts of few tokens in bf16: the grouped kernel's backward is the step's peak (its
+    # three stacked gradients in float32 beside the last one's bf16 copy), and with two
+    # micro-batches the second adds each into its gradient as it comes.
+    "bf16 32 experts": (1, [*GROUPED, "train.global_batch_size=2"]),
+    "bf16 32 experts, 2 micro-batches": (1, [*GROUPED, "train.global_batch_size=4",
+                                             "train.micro_batch_size=2"]),
 }  # fmt: skip
 
 

@@ -69,9 +69,10 @@ dispatch = expert.dispatch
 
 
 def counted(x: torch.Tensor, counts: list[int], group: object):  # type: ignore[no-untyped-def]
-    got, local_counts, routing = dispatch(x, counts, group)
+    got, local_counts, on_device, routing = dispatch(x, counts, group)
+    assert on_device.tolist() == local_counts, (on_device, local_counts)
     rows.update(sent=routing.sent, received=routing.received, local=local_counts)
-    return got, local_counts, routing
+    return got, local_counts, on_device, routing
 
 
 expert.dispatch = counted

@@ -298,6 +298,16 @@ def recompute_copies_held(
     return 2 * (attention // tp + held)
 
 
+def routed_grouped(config: Config) -> bool:
+    """Whether the routed experts run on torch's grouped kernel, three matmuls a block for every
+    expert at once (:func:`dtlab.models.moe.grouped_kernel_runs`), rather than a loop over experts:
+    under ``train.precision`` bf16 with rows of a multiple of 16 bytes (the model's width and the
+    experts' a multiple of 8), on the CPU and on every GPU the plan knows (compute capability 8.0
+    or newer)."""
+    m = config.model
+    return config.train.precision == "bf16" and m.dim % 8 == 0 and _expert_dim(m) % 8 == 0
+
+
 def routed_copy_bytes(config: Config, dims: ParallelDims, m: ModelConfig | None = None) -> int:
     """Half-precision copies of the rank's routed experts that the MoE blocks of ``m`` (default
     the whole model) make in one forward: each expert's weight is cast as a slice of the stacked

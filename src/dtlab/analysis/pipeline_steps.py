@@ -445,7 +445,8 @@ class PipelineSteps:
                 self.add(name, f"the stage's {which} block's routed experts' backward",
                          grads=g_kept + max(0, new - block.w2_grad),
                          activations=alive + again - gone - block.routed_freed,
-                         temporaries=t_kept + moved + self.sending + block.routed_temps + ahead,
+                         temporaries=t_kept + moved + self.sending + ahead
+                         + (block.routed_temps if grows else block.routed_added),
                          buffers=bufs)  # fmt: skip
             # (The gradients alive from here to the block's attention backward.)
             norm_grads = (

@@ -211,9 +211,9 @@ def _block_shape(
          config.parallel.sequence_parallel, config.train.precision, fsdp_half_params(config, dims)),
         lambda: _moe_feed_forward(config, dims, tokens, made, hidden),
     )  # fmt: skip
-    temps, freed = routed_backward(config, dims, tokens, made)
+    temps, freed, added = routed_backward(config, dims, tokens, made)
     return replace(
-        shape, routed_temps=temps, routed_freed=shape.freed + freed,
+        shape, routed_temps=temps, routed_freed=shape.freed + freed, routed_added=added,
         norm_freed=shape.norm_freed + beyond, routed_grads=grads if dims.fsdp_enabled else 0,
     )  # fmt: skip
 
@@ -250,19 +250,58 @@ def _stacked_grad_bytes(config: Config, dims: ParallelDims, made: int) -> int:
     return held * (m.moe.expert_dim or m.hidden_dim) * m.dim * element
 
 
-def routed_backward(config: Config, dims: ParallelDims, tokens: int, made: int) -> tuple[int, int]:
+def routed_backward(
+    config: Config, dims: ParallelDims, tokens: int, made: int
+) -> tuple[int, int, int]:
     """An MoE block's routed experts' backward at its peak (measured by `dtlab plan --check`;
-    the same in a real run): each expert reads its weights as a slice of the stacked ones, whose
+    the same in a real run). Returns (backward's own alive then, what forward kept that the
+    combine's backward has freed: its copy of the rows, backward's own alive then where the
+    experts' gradients exist already: a later micro-batch's).
+
+    On the loop over experts each expert reads its weights as a slice of the stacked ones, whose
     gradient autograd makes at the stacked size and adds up across the experts; so once the second
     expert's down projection's gradient comes, the three stacked gradients made before, the new
     one and their sum are alive (three where the rank holds one expert), beside the gradient of
-    the routed rows' output. Returns (backward's own alive then, what forward kept that the
-    combine's backward has freed: its copy of the rows)."""
+    the routed rows' output. On the grouped kernel (:func:`dtlab.analysis.moe.routed_grouped`)
+    each stacked weight's gradient is made once, in the kernel's dtype: see
+    :func:`_grouped_backward`."""
     m = config.model
-    held = m.moe.experts // (dims.ep if dims.ep_enabled else 1)
     compute = 2 if config.train.precision in ("bf16", "fp16") else FP32
     rows = tokens * m.moe.top_k * m.dim * compute
-    return (5 if held > 1 else 3) * _stacked_grad_bytes(config, dims, made) + rows, rows
+    stacked = _stacked_grad_bytes(config, dims, made)
+    if moe.routed_grouped(config):
+        first, later = _grouped_backward(config, dims, tokens, stacked, compute)
+        return first + rows, rows, later + rows
+    held = m.moe.experts // (dims.ep if dims.ep_enabled else 1)
+    loop = (5 if held > 1 else 3) * stacked + rows
+    return loop, rows, loop
+
+
+def _grouped_backward(
+    config: Config, dims: ParallelDims, tokens: int, stacked: int, compute: int
+) -> tuple[int, int]:
+    """The grouped kernel's routed backward beyond the routed rows' output gradient, at the larger
+    of its two peaks, where the experts' gradients are made (a first backward) and where they exist
+    already. The down projection's backward: its input's gradient [rows, hidden] and its weight's
+    gradient in the kernel's dtype, before forward's copies of either are freed. The end: autograd
+    runs the weights' casts' backwards last (their casts were made first), by when the three
+    gradients in the kernel's dtype have taken the place of forward's cast copies of the weights,
+    and everything forward kept of the rows is freed but one [rows, hidden] tensor and the rows'
+    gradient; then the three stacked gradients in the parameters' dtype (``stacked`` each) are
+    made one after another, the last beside its copy in the kernel's dtype, or, where they exist
+    already, each made and added in turn. Where the parameters are in the kernel's dtype (FSDP's
+    bf16 ones) there is no cast: the three gradients, made or added as they come."""
+    m = config.model
+    held = m.moe.experts // (dims.ep if dims.ep_enabled else 1)
+    expert_dim = m.moe.expert_dim or m.hidden_dim
+    weights = held * expert_dim * m.dim * compute  # one stacked weight in the kernel's dtype
+    hidden = tokens * m.moe.top_k * expert_dim * compute
+    down = hidden + weights
+    if stacked != weights:  # cast
+        first, later = 3 * stacked + weights - 3 * weights, stacked
+    else:
+        first, later = 3 * stacked, 0
+    return max(down, first - 3 * hidden), max(down, later - 3 * hidden)
 
 
 def _moe_blocks(

@@ -296,7 +296,8 @@ def _block_backward(
         mb.add(
             f"{name}'s routed experts' backward", grads=g - block.w2_grad,
             activations=alive + again - gone - block.routed_freed,
-            temporaries=tmp + block.routed_temps, buffers=buffers,
+            temporaries=tmp + (block.routed_temps if grows else block.routed_added),
+            buffers=buffers,
         )  # fmt: skip
     if block.ffn_input_temps:
         mb.add(

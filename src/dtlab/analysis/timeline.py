@@ -241,6 +241,10 @@ class BlockShape:
     # then; 0 where the block routes nothing.
     routed_temps: int = 0
     routed_freed: int = 0
+    # The same where the routed experts' gradients exist already (a later micro-batch's backward,
+    # which adds each into its gradient as it comes): the grouped kernel's are then made and freed
+    # one at a time; the loop's as in the first.
+    routed_added: int = 0
     # The routed experts' gradients as backward makes them (the stacked weights'), alive at the
     # feed-forward norm's backward where the wrappers do not hold them already.
     routed_grads: int = 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +26,15 @@ from torch.distributed.tensor import DTensor
 
 from dtlab.models.args import MoEArgs
 
-__all__ = ["GroupedExperts", "MoE", "moe_layers", "route", "routing_override"]
+__all__ = [
+    "GroupedExperts",
+    "MoE",
+    "compute_dtype",
+    "grouped_kernel_runs",
+    "moe_layers",
+    "route",
+    "routing_override",
+]
 
 # (tokens, the layer's MoEArgs, device) -> expert ids [tokens, top_k] int64; None: the scores choose.
 Chooser = Callable[[int, MoEArgs, torch.device], torch.Tensor]
@@ -57,24 +66,103 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(experts, hidden_dim, dim))
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        counts: torch.Tensor | list[int],
+        on_device: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``x`` [sum(counts), dim], sorted by expert: the first counts[0] rows go to expert 0, ...
-        ``counts``: on the device as routing made them (read here, the layer's one host sync), or
-        already read (expert parallelism reads them with the counts it receives, in one sync)."""
-        if isinstance(counts, torch.Tensor):
-            counts = counts.tolist()
-        # A loop over experts (torch._grouped_mm runs on CPU in torch 2.13, but the loop is the
-        # plainest deterministic form; an empty expert multiplies zero rows).
+        ``counts``: on the device as routing made them, or already read (expert parallelism reads
+        them with the counts it receives, in one sync), then ``on_device`` the same on the device.
+        On the grouped kernel (:func:`grouped_kernel_runs`) the counts stay on the device; the
+        loop reads them (the layer's one host sync)."""
         # Under expert parallelism (dtlab.parallel.expert) the weights are DTensor shards of this
         # rank's experts, ``x`` their rows and ``counts`` theirs: the local tensors are the experts.
         w1, w2, w3 = (
             w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3)
         )
+        dtype = compute_dtype(x)
+        hidden, dim = w1.shape[-2:]
+        if grouped_kernel_runs(x.device.type, _capability(x.device), dtype, dim, hidden):
+            return _grouped_swiglu(x, counts if on_device is None else on_device, w1, w2, w3, dtype)
+        if isinstance(counts, torch.Tensor):
+            counts = counts.tolist()
+        # A loop over experts: an empty expert multiplies zero rows.
         outs = [
             F.linear(F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e])
             for e, xe in enumerate(torch.split(x, counts))
         ]
         return torch.cat(outs)
+
+
+# torch's grouped matrix multiply (public as F.grouped_mm in recent torch, private before).
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+# Compute capability the CUDA kernel needs (torch's F.grouped_mm: "SM >= 80").
+GROUPED_MIN_CAPABILITY = (8, 0)
+
+
+def grouped_kernel_runs(
+    device_type: str,
+    capability: tuple[int, int] | None,
+    dtype: torch.dtype,
+    dim: int,
+    hidden: int,
+) -> bool:
+    """Whether :class:`GroupedExperts` multiplies every expert in one grouped kernel
+    (``torch._grouped_mm``, three calls a layer, the counts never read on the host) rather than a
+    loop over experts (three matmuls each, the counts read once): on rows of ``dtype`` (after
+    autocast) bf16, the only dtype the kernel and its meta function (fake tensors, compile) take;
+    rows of 16 bytes' multiples (``dim`` and ``hidden`` multiples of 8), as its strides must be; on
+    the CPU, or a CUDA GPU of compute ``capability`` 8.0 or newer. Both give the same values (one
+    matmul per expert either way)."""
+    if _GROUPED_MM is None or dtype != torch.bfloat16:
+        return False
+    if dim % 8 or hidden % 8:
+        return False
+    if device_type == "cpu":
+        return True
+    return device_type == "cuda" and capability is not None and capability >= GROUPED_MIN_CAPABILITY
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul on ``x`` runs in: autocast's where it is on for ``x``'s device (it casts
+    a floating-point matmul's inputs), else ``x``'s."""
+    kind = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return x.dtype
+
+
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def _grouped_swiglu(
+    x: torch.Tensor,
+    counts: torch.Tensor | list[int],
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Every expert's SwiGLU on its rows of ``x`` in three grouped matmuls, in ``dtype``. The
+    kernel is not on autocast's lists: the rows and weights are cast here as autocast casts a
+    matmul's inputs, the rows once for each of w1 and w3 (so that their gradients meet in the
+    rows' own dtype, as the loop's do)."""
+    assert _GROUPED_MM is not None
+    if isinstance(counts, torch.Tensor):
+        offsets = counts.cumsum(0, dtype=torch.int32)  # on the device: nothing read
+    else:  # already numbers (expert parallelism's): a small copy to the device, no read
+        offsets = torch.tensor(list(accumulate(counts)), dtype=torch.int32).to(
+            x.device, non_blocking=True
+        )
+    w1, w2, w3 = (w.to(dtype) for w in (w1, w2, w3))
+    gate = _GROUPED_MM(x.to(dtype), w1.transpose(-2, -1), offs=offsets)
+    up = _GROUPED_MM(x.to(dtype), w3.transpose(-2, -1), offs=offsets)
+    return _GROUPED_MM(F.silu(gate) * up, w2.transpose(-2, -1), offs=offsets)
 
 
 def route(
@@ -147,7 +235,9 @@ class MoE(nn.Module):
         # Dispatch: the (token, slot) pairs sorted by expert (stable: token order within an expert).
         flat = ids.flatten()
         order = flat.argsort(stable=True)
-        counts_t = torch.bincount(flat, minlength=a.experts)
+        # Rows per expert, of a fixed shape (bincount's depends on the ids, which compile cannot
+        # trace): integers, so the order of the additions does not matter.
+        counts_t = flat.new_zeros(a.experts).scatter_add_(0, flat, torch.ones_like(flat))
         # The counts stay on the device: the experts read them when they need them as numbers
         # (with expert parallelism, after the counts' own all-to-all, in the same read).
         out_sorted = self.experts(x[order // a.top_k], counts_t)

@@ -207,7 +207,7 @@ def apply_tp(
 def _saved_ops() -> set[object]:
     aten = torch.ops.aten
     names = [
-        "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+        "mm", "addmm", "bmm", "_grouped_mm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
         "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention",
     ]  # fmt: skip
     return {getattr(aten, n).default for n in names if hasattr(aten, n)}

@@ -97,11 +97,12 @@ class _Routing:
 
 def dispatch(
     x: torch.Tensor, counts_t: torch.Tensor, group: Any
-) -> tuple[torch.Tensor, list[int], _Routing]:
+) -> tuple[torch.Tensor, list[int], torch.Tensor, _Routing]:
     """Send each of ``x``'s rows (sorted by expert, ``counts_t[e]`` for expert e of all E, on the
     device) to the EP rank that holds its expert. Returns the rows this rank's L experts received,
-    sorted by local expert (within one, by source rank, then as sent), their count per local expert,
-    and what :func:`combine` needs.
+    sorted by local expert (within one, by source rank, then as sent), their count per local expert
+    (read, and on the device: the grouped kernel's offsets need no copy), and what
+    :func:`combine` needs.
 
     The counts cross to their experts' ranks on the device, and what is sent and received is read in
     one host sync (the splits of the rows' all-to-all must be numbers)."""
@@ -124,7 +125,8 @@ def dispatch(
     pieces = torch.arange(sum(sizes), device=x.device).split(sizes)
     order = torch.cat([pieces[s * local + e] for e in range(local) for s in range(ep)])
     local_counts = [sum(row[e] for row in per_source) for e in range(local)]
-    return rows.index_select(0, order), local_counts, _Routing(sent, received, order)
+    on_device = got.view(ep, local).sum(0)
+    return rows.index_select(0, order), local_counts, on_device, _Routing(sent, received, order)
 
 
 def combine(y: torch.Tensor, routing: _Routing, group: Any) -> torch.Tensor:
@@ -150,9 +152,9 @@ class ExpertParallel(ParallelStyle):
 
         def before(mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
             x, counts = inputs
-            rows, local_counts, routing = dispatch(x, counts, group)
+            rows, local_counts, on_device, routing = dispatch(x, counts, group)
             mod._ep_routing = routing  # type: ignore[assignment]  # for the combine, just after
-            return rows, local_counts
+            return rows, local_counts, on_device
 
         def after(mod: nn.Module, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
             routing: _Routing = mod._ep_routing  # type: ignore[assignment]
