@@ -13,7 +13,7 @@ help:
 	@echo "make train       train the built-in default (1 process)"
 	@echo "make train-ddp   train configs/ddp.yaml;  make train-fsdp: configs/fsdp.yaml"
 	@echo "make test        the test suite but its longest tests (real gloo processes on CPU); make test-all: all of it; make test-fast: a quick part of every test module, before every commit (~3 min)"
-	@echo "make bench       loop overhead, the optimizer step, the outer codec, the collectives' bus bandwidth, checkpoint save throughput, the pipeline bubble, then the strategy sweep (report in bench-out/)"
+	@echo "make bench       loop overhead, the optimizer step, the MoE experts' kernels, the outer codec, the collectives' bus bandwidth, checkpoint save throughput, the pipeline bubble, then the strategy sweep (report in bench-out/)"
 	@echo "make bench-fitrule  the fit rule dtlab plan applies: short trainings under a cgroup memory cap at fractions of the prediction (root; ~10 min; bench-out/fitrule.json)"
 	@echo "make gpu-check   prove a GPU machine in under 10 minutes: every CUDA test, a 1B bf16 + compile training, memory, async saves, resume, the collectives across every GPU, layouts (report in runs/gpu-check-*; on CPU a smoke of the same)"
 	@echo "make check       lint + format check + type check"
@@ -72,6 +72,7 @@ test-fast: install-dev
 bench: install
 	$(BIN)/python -m dtlab.bench.overhead
 	$(BIN)/python -m dtlab.bench.optimizer
+	$(BIN)/python -m dtlab.bench.experts
 	$(BIN)/python -m dtlab.bench.codec
 	$(BIN)/python -m dtlab.bench.collectives
 	$(BIN)/python -m dtlab.bench.checkpoint --preset small
