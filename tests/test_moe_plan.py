@@ -223,6 +223,10 @@ CHECKED = {
     "bf16 32 experts": (1, [*GROUPED, "train.global_batch_size=2"]),
     "bf16 32 experts, 2 micro-batches": (1, [*GROUPED, "train.global_batch_size=4",
                                              "train.micro_batch_size=2"]),
+    # FSDP over 4 ranks, 64 experts: the last block's post-backward (its bf16 gradients copied
+    # into FSDP's float32 reduce-scatter buffer) is the step's peak.
+    "fsdp:4 bf16 64 experts": (4, ["parallel.strategy=fsdp", *GROUPED, "model.moe.experts=64",
+                                   "data.seq_len=64", "train.global_batch_size=8"]),
 }  # fmt: skip
 
 

@@ -429,12 +429,39 @@ def _fsdp_micro_batch(mb: _MicroBatch, s: RankState, last: bool, fsdp: FsdpUnits
                    activations=alive,
                    temporaries=tmp - ahead + blocks[j].unit + shape.incoming,
                    buffers=mb.buffers + gathered)  # fmt: skip
+    if fsdp.scatters or fsdp.reshard:
+        _blocks_reduce_inputs(mb, fsdp, at_block)
     if fsdp.root and loss is not None:
         done = sum(b.unit_shard for b in blocks)
         grads = shards + (done if into_grads else 0)
         grads += sum(b.outside for b in blocks) if k == 1 else 0
         temps = partial + (done if fsdp.hsdp and k == 1 and not last else 0)
         _root_backward(mb, s, fsdp, grads, temps, block.grad_element)
+
+
+def _blocks_reduce_inputs(
+    mb: _MicroBatch, fsdp: FsdpUnits, at_block: Callable[[int], tuple[int, int, int]]
+) -> None:
+    """Each block's post-backward: the block resharded, its gradients, every one made in the dtype
+    it gathers in, copied into FSDP's float32 buffer to reduce-scatter beside their unsharded
+    copies, the block below prefetched; the block above's buffer is dropped first (FSDP2 keeps one
+    reduce-scatter input in flight: ``reduce_scatter_max_input_buffers``); what the block kept
+    freed but the attention norm's float32 input (a step's peak where a block's weights outweigh
+    its activations: a mixture of many experts, measured by `dtlab plan --check`)."""
+    blocks = mb.blocks
+    n_blocks = len(blocks)
+    for j in _block_points(blocks):
+        g, tmp, gathered = at_block(j)
+        shape = blocks[j].shape
+        element = shape.grad_element
+        alive = mb.kept - mb.loss_part - sum(b.kept for b in blocks[j:])
+        above = _reduce_input(blocks[j + 1], fsdp, element) if j < n_blocks - 1 else 0
+        name = f"block {j}" + (" (the last)" if j == n_blocks - 1 else "")
+        mb.add(f"{name}'s gradients copied into FSDP's float32 buffer to reduce-scatter",
+               grads=g - shape.w2_grad + blocks[j].unit,
+               activations=alive + shape.final_norm_kept,
+               temporaries=tmp - above + _reduce_input(blocks[j], fsdp, element),
+               buffers=mb.buffers + gathered - blocks[j].unit)  # fmt: skip
 
 
 def _gathers_in_forward(mb: _MicroBatch, fsdp: FsdpUnits, shards: int, partial: int) -> None:
