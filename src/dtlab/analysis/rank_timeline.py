@@ -113,10 +113,12 @@ def rank_timeline(
         root = gathered.pop("root", 0)
         shard_grads = memo(dp_shapes, ("block_shards", shard), lambda: sum(
             s.shard_numel(shard) for s in dp_shapes if s.group != "root"))  # fmt: skip
+        last = _last_grads(dp_shapes, made)
         units = FsdpUnits(
             root=root, block=max(gathered.values(), default=0),
             block_shard=FP32 * shard_grads // max(1, n_blocks), reshard=p.sharding == "full",
             hsdp=dims.dp_replicate > 1 and shard > 1, scatters=shard > 1, shard=shard,
+            block_last=max((v for g, v in last.items() if g != "root"), default=0),
         )  # fmt: skip
     loss = None
     if rank_model.n_layers >= 0 and config.model.vocab_size:
@@ -318,6 +320,7 @@ def _moe_blocks(
     split = TPSplit(dims.tp, p.sequence_parallel)
     ac = t.activation_checkpointing
     n_blocks = rank_model.n_layers
+    last = _last_grads(dp_shapes, made)
     gathered = (
         gathered_bytes_by_group(config, dims, dp_shapes, dims.fsdp_shard, made)
         if dims.fsdp_enabled
@@ -354,9 +357,18 @@ def _moe_blocks(
             BlockKind(
                 shape, blocks_kept * raw[x] // total_raw, recompute_by_kind.get(x, (0, 0)),
                 unit, FP32 * shard if dims.fsdp_enabled else 0, outside,
+                last_grad=last.get(group, 0) if dims.fsdp_enabled else 0,
             )
         )  # fmt: skip
     return out
+
+
+def _last_grads(dp_shapes: list[ParamShape], made: int) -> dict[str, int]:
+    """Each FSDP unit's last parameter's gradient (``made`` bytes an element, as backward makes
+    it), in the order FSDP holds them (the module's)."""
+    return memo(
+        dp_shapes, ("last_grads", made), lambda: {s.group: s.numel * made for s in dp_shapes}
+    )
 
 
 def _rank_state(

@@ -64,8 +64,12 @@ def step_timeline(
     t = Timeline()
     s = state
     if blocks is None:
-        unit = (fsdp.block, fsdp.block_shard) if fsdp is not None else (0, 0)
-        blocks = [BlockKind(block, bottom_kept, recompute, *unit)] * n_blocks
+        if fsdp is not None:
+            kind = BlockKind(block, bottom_kept, recompute, fsdp.block, fsdp.block_shard,
+                             last_grad=fsdp.block_last)  # fmt: skip
+        else:
+            kind = BlockKind(block, bottom_kept, recompute)
+        blocks = [kind] * n_blocks
     blocks = blocks or [BlockKind(block, bottom_kept, recompute)]  # a rank without blocks
     base = {"params": s.params, "optimizer": s.optimizer}
     for k in range(1, accum + 1):
@@ -446,8 +450,11 @@ def _blocks_reduce_inputs(
     it gathers in, copied into FSDP's float32 buffer to reduce-scatter beside their unsharded
     copies, the block below prefetched; the block above's buffer is dropped first (FSDP2 keeps one
     reduce-scatter input in flight: ``reduce_scatter_max_input_buffers``); what the block kept
-    freed but the attention norm's float32 input (a step's peak where a block's weights outweigh
-    its activations: a mixture of many experts, measured by `dtlab plan --check`)."""
+    freed but the attention norm's float32 input. Then the reduce-scatter's output (the shard)
+    beside its input, the unsharded copies freed but the block's last parameter's (torch's
+    ``foreach_reduce`` still names it in a loop's variable): over 2 ranks the larger. A step's
+    peak where a block's weights outweigh its activations: a mixture of many experts, measured by
+    `dtlab plan --check`."""
     blocks = mb.blocks
     n_blocks = len(blocks)
     for j in _block_points(blocks):
@@ -457,11 +464,16 @@ def _blocks_reduce_inputs(
         alive = mb.kept - mb.loss_part - sum(b.kept for b in blocks[j:])
         above = _reduce_input(blocks[j + 1], fsdp, element) if j < n_blocks - 1 else 0
         name = f"block {j}" + (" (the last)" if j == n_blocks - 1 else "")
-        mb.add(f"{name}'s gradients copied into FSDP's float32 buffer to reduce-scatter",
-               grads=g - shape.w2_grad + blocks[j].unit,
-               activations=alive + shape.final_norm_kept,
-               temporaries=tmp - above + _reduce_input(blocks[j], fsdp, element),
+        where = f"{name}'s gradients copied into FSDP's float32 buffer to reduce-scatter"
+        into = _reduce_input(blocks[j], fsdp, element)
+        mb.add(where, grads=g - shape.w2_grad + blocks[j].unit,
+               activations=alive + shape.final_norm_kept, temporaries=tmp - above + into,
                buffers=mb.buffers + gathered - blocks[j].unit)  # fmt: skip
+        if fsdp.scatters:
+            mb.add(f"{where} (its output)", grads=g - shape.w2_grad + blocks[j].last_grad,
+                   activations=alive + shape.final_norm_kept,
+                   temporaries=tmp - above + into + into // fsdp.shard,
+                   buffers=mb.buffers + gathered - blocks[j].unit)  # fmt: skip
 
 
 def _gathers_in_forward(mb: _MicroBatch, fsdp: FsdpUnits, shards: int, partial: int) -> None:

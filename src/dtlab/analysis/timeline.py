@@ -190,6 +190,7 @@ class FsdpUnits:
     hsdp: bool
     scatters: bool = True  # shard groups of several ranks: each unit's gradients reduce-scattered
     shard: int = 1  # the ranks of a shard group
+    block_last: int = 0  # a block's last parameter, gathered (its :attr:`BlockKind.last_grad`)
 
     @property
     def prefetches(self) -> bool:
@@ -322,6 +323,9 @@ class BlockKind:
     # Float32 gradients the block makes outside FSDP's units (expert parallelism's experts, whole
     # on the rank and averaged over their own group after backward): alive from its backward on.
     outside: int = 0
+    # The unit's last parameter's gradient as backward makes it: FSDP's reduce keeps it through
+    # the unit's reduce-scatter (torch 2.13's foreach_reduce's loop variable still names it).
+    last_grad: int = 0
 
 
 def dense_block(
