@@ -197,7 +197,13 @@ def _block_shape(
     dense block's feed-forward width, or an MoE block's shared experts' (its routed rows' where it
     has none)."""
     m = config.model
-    numel = sum(moe.held_numel(s, dims) for s in shapes if s.group == f"layers.{j}")
+    # The block's gradients as backward makes them: under FSDP unsharded, the routed experts' apart
+    # (``routed_grads``, in their own dtype); otherwise what the rank holds.
+    numel = sum(
+        (0 if moe.is_expert(s.name) else s.numel) if dims.fsdp_enabled else moe.held_numel(s, dims)
+        for s in shapes
+        if s.group == f"layers.{j}"
+    )
     hidden = m.hidden_dim
     if j >= m.moe.dense_layers:
         hidden = (m.moe.expert_dim or m.hidden_dim) * (m.moe.shared_experts or m.moe.top_k)
