@@ -53,6 +53,10 @@ SMALLEST = {
         r"\| streaming-int1 \| 1\.008 \| 1\.0 \| [\d.]+ \| [\d.]+ \| [\d.]+ \|\n"
         r"\| sparseloco \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \|",
     ),
+    "experts": (
+        ["--presets", "debug-moe", "--experts", "0,8", "--tokens", "64", "--repeats", "2"],
+        r"debug-moe\s+4\s+[\d.]+\s+[\d.]+\s+[\d.]+x\ndebug-moe\s+8\s+[\d.]+\s+[\d.]+\s+[\d.]+x",
+    ),
     "ledger": (
         ["--preset", "debug", "--blocks", "2", "--block-steps", "2", "--set", *FAST[1:]],
         r"step wall time: median [\d.]+ ms with, [\d.]+ ms without",
@@ -106,6 +110,8 @@ BAD_COUNTS = [
     ("cp_comm", ["--warmup", "-1"], INT_RANGE.format(0, -1)),
     ("cp_comm", ["--cp", "2,x"], "--cp '2,x': allowed: comma-separated integers, each 2 or more"),
     ("cp_memory", ["--seq", "0"], "--seq '0': allowed: comma-separated integers, each 1 or more"),
+    ("experts", ["--experts", "x"], "--experts 'x': allowed: comma-separated integers, each 0"),
+    ("experts", ["--presets", "debug"], "--presets debug: not a mixture of experts"),
     ("fitrule", ["--timeout", "0"], "argument --timeout: expected a finite number above 0"),
     ("handloop", ["--nproc", "0"], INT_RANGE.format(1, 0)),
     ("ledger", ["--blocks", "1"], INT_RANGE.format(2, 1)),  # one block has none to compare with
