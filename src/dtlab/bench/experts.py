@@ -20,27 +20,30 @@ import time
 
 import torch
 
-import dtlab.models.moe as moe_model
 from dtlab.cliargs import int_list, positive_int, run_command
 from dtlab.config import load_config
-from dtlab.models.moe import GroupedExperts
+from dtlab.models.moe import (
+    GroupedExperts,
+    compute_dtype,
+    grouped_kernel_runs,
+    grouped_swiglu,
+    loop_swiglu,
+)
 
 KERNELS = ("grouped", "loop")
 
 
 def _step(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor, kernel: str) -> float:
-    """Seconds of one forward and backward of ``experts`` on ``x`` with ``kernel``."""
-    runs = moe_model.grouped_kernel_runs
-    if kernel == "loop":
-        moe_model.grouped_kernel_runs = lambda *a: False  # type: ignore[assignment]
-    try:
-        t0 = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            y = experts(x, counts)
-        y.float().sum().backward()
-        return time.perf_counter() - t0
-    finally:
-        moe_model.grouped_kernel_runs = runs
+    """Seconds of one forward and backward of ``experts``' SwiGLUs on ``x`` with ``kernel``."""
+    weights = (experts.w1, experts.w2, experts.w3)
+    t0 = time.perf_counter()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        if kernel == "grouped":
+            y = grouped_swiglu(x, counts, *weights, compute_dtype(x))
+        else:
+            y = loop_swiglu(x, counts, *weights)
+    y.float().sum().backward()
+    return time.perf_counter() - t0
 
 
 def measure(preset: str, n_experts: int | None, tokens: int, repeats: int) -> dict[str, float]:
@@ -83,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         if not m.moe.experts:
             p.error(f"--presets {preset}: not a mixture of experts (model.moe.experts = 0)")
         hidden = m.moe.expert_dim or m.hidden_dim
-        if not moe_model.grouped_kernel_runs("cpu", None, torch.bfloat16, m.dim, hidden):
+        if not grouped_kernel_runs("cpu", None, torch.bfloat16, m.dim, hidden):
             p.error(f"--presets {preset}: the grouped kernel does not take its widths "
                     f"({m.dim}, {hidden}: multiples of 8 needed)")  # fmt: skip
     torch.set_num_threads(args.threads)

@@ -31,6 +31,8 @@ __all__ = [
     "MoE",
     "compute_dtype",
     "grouped_kernel_runs",
+    "grouped_swiglu",
+    "loop_swiglu",
     "moe_layers",
     "route",
     "routing_override",
@@ -85,15 +87,27 @@ class GroupedExperts(nn.Module):
         dtype = compute_dtype(x)
         hidden, dim = w1.shape[-2:]
         if grouped_kernel_runs(x.device.type, _capability(x.device), dtype, dim, hidden):
-            return _grouped_swiglu(x, counts if on_device is None else on_device, w1, w2, w3, dtype)
-        if isinstance(counts, torch.Tensor):
-            counts = counts.tolist()
-        # A loop over experts: an empty expert multiplies zero rows.
-        outs = [
-            F.linear(F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e])
-            for e, xe in enumerate(torch.split(x, counts))
-        ]
-        return torch.cat(outs)
+            return grouped_swiglu(x, counts if on_device is None else on_device, w1, w2, w3, dtype)
+        return loop_swiglu(x, counts, w1, w2, w3)
+
+
+def loop_swiglu(
+    x: torch.Tensor,
+    counts: torch.Tensor | list[int],
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+) -> torch.Tensor:
+    """Every expert's SwiGLU on its rows of ``x`` (sorted by expert, ``counts`` rows each) as a loop
+    over experts, three matmuls each; counts on the device are read here (a host sync)."""
+    if isinstance(counts, torch.Tensor):
+        counts = counts.tolist()
+    # An empty expert multiplies zero rows.
+    outs = [
+        F.linear(F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e])
+        for e, xe in enumerate(torch.split(x, counts))
+    ]
+    return torch.cat(outs)
 
 
 # torch's grouped matrix multiply (public as F.grouped_mm in recent torch, private before).
@@ -140,7 +154,7 @@ def _capability(device: torch.device) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(device)
 
 
-def _grouped_swiglu(
+def grouped_swiglu(
     x: torch.Tensor,
     counts: torch.Tensor | list[int],
     w1: torch.Tensor,
