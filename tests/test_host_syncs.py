@@ -139,6 +139,14 @@ def test_an_moe_step_reads_each_blocks_counts_once_and_its_routing_figures_once(
         assert dict(c.counts) == MOE_STEP, c.where
 
 
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_a_recomputed_moe_block_reads_its_counts_once(mode: str) -> None:
+    # Its recomputation in backward takes what its forward read (ForwardReads): no second read
+    # per block (before: 1 + 3 x 2 + 1).
+    for c in _steps(torch.device("cpu"), *MOE, f"train.activation_checkpointing={mode}"):
+        assert dict(c.counts) == MOE_STEP, c.where
+
+
 def test_an_moe_step_on_the_grouped_kernel_reads_no_counts() -> None:
     # In bf16 the experts run on torch's grouped kernel, whose offsets are made from the counts
     # on the device: the step's read and its routing figures' read, none per block.
@@ -153,6 +161,15 @@ def test_expert_parallelism_reads_what_each_block_sends_and_receives_in_one_sync
     run_worker(
         "host_sync_worker.py", 2, json.dumps(MOE_STEP), "all", *MOE, "parallel.strategy=ddp",
         "parallel.ep=2",
+    )  # fmt: skip
+
+
+def test_expert_parallelism_under_checkpointing_reads_each_block_once() -> None:
+    # The recomputation sends no counts and reads none: it takes the splits its forward read
+    # (before: a second counts' all-to-all and read per block, 1 + 3 x 2 + 1).
+    run_worker(
+        "host_sync_worker.py", 2, json.dumps(MOE_STEP), "all", *MOE, "parallel.strategy=ddp",
+        "parallel.ep=2", "train.activation_checkpointing=full",
     )  # fmt: skip
 
 

@@ -11,10 +11,12 @@ from typing import Any
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
 
 import dtlab.models.moe as moe_model
 from dtlab.analysis.moe import routed_grouped
 from dtlab.config import load_config
+from dtlab.models.args import MoEArgs
 from dtlab.models.moe import GroupedExperts, compute_dtype, grouped_kernel_runs
 from dtlab.parallel.apply import apply_ac
 
@@ -167,3 +169,50 @@ def test_the_grouped_kernel_on_a_gpu_gives_the_loops_values() -> None:
     finally:
         moe_model.grouped_kernel_runs = before
     torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+def _layer() -> moe_model.MoE:
+    torch.manual_seed(0)
+    layer = moe_model.MoE(16, MoEArgs(experts=4, top_k=2, expert_dim=32))
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    layer.init_buffers()
+    return layer
+
+
+def _recomputed_block(choose_in_backward: moe_model.Chooser | None) -> tuple[torch.Tensor, int]:
+    """One MoE layer (fp32: the loop, which reads its counts) under full checkpointing, one forward
+    and backward; ``choose_in_backward``: the routing its recomputation takes instead of the
+    forward's. Returns (the input's gradient, the records left)."""
+    layer = _layer()
+    layer.experts.reads.on = True
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    out = checkpoint(layer, x, use_reentrant=False)
+    assert len(layer.experts.reads) == 1  # the forward's read, kept
+    if choose_in_backward is None:
+        out.sum().backward()
+    else:
+        with moe_model.routing_override(choose_in_backward):
+            out.sum().backward()
+    assert x.grad is not None
+    return x.grad, len(layer.experts.reads)
+
+
+def test_a_recomputed_block_takes_its_forwards_counts_and_gives_the_same_gradients() -> None:
+    grad, left = _recomputed_block(None)
+    assert left == 0  # taken by the recomputation
+    layer = _layer()
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    layer(x).sum().backward()
+    assert len(layer.experts.reads) == 0  # not checkpointed: nothing kept
+    assert torch.equal(grad, x.grad)
+
+
+def test_a_recomputation_that_routes_otherwise_fails() -> None:
+    # A nondeterministic router, or another micro-batch's record: the kept splits would send rows
+    # by another routing's counts; the recomputation's counts are checked against the kept ones.
+    def experts_0_and_1(n: int, args: MoEArgs, device: torch.device) -> torch.Tensor:
+        return torch.tensor([[0, 1]] * n, device=device)
+
+    with pytest.raises(RuntimeError, match="routed its tokens otherwise than its forward did"):
+        _recomputed_block(experts_0_and_1)

@@ -68,8 +68,8 @@ import dtlab.parallel.expert as expert  # noqa: E402
 dispatch = expert.dispatch
 
 
-def counted(x: torch.Tensor, counts: list[int], group: object):  # type: ignore[no-untyped-def]
-    got, local_counts, on_device, routing = dispatch(x, counts, group)
+def counted(x: torch.Tensor, counts: list[int], group: object, reads: object):  # type: ignore[no-untyped-def]
+    got, local_counts, on_device, routing = dispatch(x, counts, group, reads)
     assert on_device.tolist() == local_counts, (on_device, local_counts)
     rows.update(sent=routing.sent, received=routing.received, local=local_counts)
     return got, local_counts, on_device, routing

@@ -385,6 +385,7 @@ def _kept(rank: RankInputs) -> tuple[int, Walk | None]:
     act += document_mask_bytes(config, dims, tokens) + mask_copy_bytes(config, dims, m, tokens)
     if ac != "full":  # (under full: the recomputed block's, _activations)
         act += moe.ep_rows_bytes(config, dims, tokens, m)
+    act += moe.kept_reads_bytes(config, dims, m)
     # Compiled blocks keep less than eager ones (torch.compile's partitioner recomputes their
     # element-wise work in backward): measured on the block itself.
     act -= compiled_kept_saving(

@@ -42,6 +42,8 @@ from dtlab.analysis.activations import (
 from dtlab.analysis.memo import memo
 
 if TYPE_CHECKING:
+    import torch
+
     from dtlab.analysis.shapes import ParamShape
     from dtlab.config import Config, ModelConfig
     from dtlab.dims import ParallelDims
@@ -60,6 +62,7 @@ __all__ = [
     "flops_per_token",
     "held_numel",
     "is_expert",
+    "kept_reads_bytes",
     "moe_blocks",
     "param_counts",
     "recompute_copies_held",
@@ -303,9 +306,34 @@ def routed_grouped(config: Config) -> bool:
     expert at once (:func:`dtlab.models.moe.grouped_kernel_runs`), rather than a loop over experts:
     under ``train.precision`` bf16 with rows of a multiple of 16 bytes (the model's width and the
     experts' a multiple of 8), on the CPU and on every GPU the plan knows (compute capability 8.0
-    or newer)."""
+    or newer), where this torch has the kernel (the plan assumes the target's torch is this one)."""
+    from dtlab.models.moe import grouped_kernel_runs
+
     m = config.model
-    return config.train.precision == "bf16" and m.dim % 8 == 0 and _expert_dim(m) % 8 == 0
+    return grouped_kernel_runs("cpu", None, _precision_dtype(config), m.dim, _expert_dim(m))
+
+
+def _precision_dtype(config: Config) -> torch.dtype:
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+        config.train.precision, torch.float32
+    )
+
+
+def kept_reads_bytes(config: Config, dims: ParallelDims, m: ModelConfig | None = None) -> int:
+    """What each micro-batch's checkpointed MoE blocks of ``m`` (default the whole model) keep for
+    their recomputation beyond their activations (:class:`dtlab.models.moe.ForwardReads`): the
+    routing counts they read (int64 [experts]), to check the recomputation's against, and under
+    expert parallelism the counts received per local expert (int64 [experts / ep]); none without
+    checkpointing, or where nothing is read (the grouped kernel without expert parallelism)."""
+    m = m or config.model
+    blocks = moe_blocks(m)
+    if not blocks or config.train.activation_checkpointing == "none":
+        return 0
+    if dims.ep_enabled:
+        return blocks * INT64 * (m.moe.experts + m.moe.experts // dims.ep)
+    return 0 if routed_grouped(config) else blocks * INT64 * m.moe.experts
 
 
 def routed_copy_bytes(config: Config, dims: ParallelDims, m: ModelConfig | None = None) -> int:
@@ -425,7 +453,8 @@ def ep_comm(
     counts (int64 [experts]), the dispatch (``tokens x top_k`` rows of ``dim`` in the block's input
     dtype) and the combine (as many, in the experts' output dtype) in forward, and the two rows'
     transposes in backward; a block recomputed under activation checkpointing runs the forward's
-    three again. CommCounter counts an all-to-all's output: the rows this rank receives, which is
+    dispatch and combine again (not the counts: it keeps the splits its forward read,
+    :class:`dtlab.models.moe.ForwardReads`). CommCounter counts an all-to-all's output: the rows this rank receives, which is
     what it sends under an even router (and, summed over the ranks, under any router). Each rank
     sends ``(ep - 1) / ep`` of it to the others (:func:`dtlab.analysis.model._ring`).
 
@@ -442,7 +471,7 @@ def ep_comm(
     counts = m.moe.experts * INT64
     per_block = counts + 2 * rows * (xb + yb)
     if config.train.activation_checkpointing != "none":
-        per_block += counts + rows * (xb + yb)
+        per_block += rows * (xb + yb)
     comm["ep all_to_all"] = microbatches * blocks * per_block
     groups["ep all_to_all"] = dims.ep
     if dims.ep_dp > 1:

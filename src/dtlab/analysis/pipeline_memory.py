@@ -179,6 +179,7 @@ def stage_figures(
         # Expert parallelism's rows kept by each micro-batch (under full checkpointing only the
         # recomputed block's, counted with the recomputation).
         rows = moe.ep_rows_bytes(config, dims, tokens, stage) if ac != "full" else 0
+        rows += moe.kept_reads_bytes(config, dims, stage)  # for each block's recomputation
         # The routed experts' copies are each micro-batch's own (not cached by autocast), kept
         # for backward unless the block is checkpointed.
         routed = moe.routed_copy_bytes(config, dims, stage)

@@ -336,7 +336,7 @@ def _moe_blocks(
     def own(kind: ModelConfig, n: int) -> int:
         one = kind.model_copy(update={"n_layers": n})
         out = activation_bytes(one, tokens, t.precision, ac, split, False, half_params)
-        out += moe.ep_copies_bytes(config, dims, one)
+        out += moe.ep_copies_bytes(config, dims, one) + moe.kept_reads_bytes(config, dims, one)
         return out + (moe.ep_rows_bytes(config, dims, tokens, one) if ac != "full" else 0)
 
     kinds = {bool(moe.moe_blocks(k)): k for k in moe.block_kinds(rank_model)}

@@ -15,9 +15,11 @@ scores; the gates are still the scores of the chosen experts, so the router trai
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from itertools import accumulate
+from typing import Generic, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from dtlab.models.args import MoEArgs
 
 __all__ = [
+    "ForwardReads",
     "GroupedExperts",
     "MoE",
     "compute_dtype",
@@ -59,14 +62,71 @@ def routing_override(choose: Chooser) -> Iterator[None]:
         _chooser = before
 
 
+T = TypeVar("T")
+
+
+class ForwardReads(Generic[T]):
+    """What a checkpointed block's forward read of its routing to the host (the counts per expert;
+    under expert parallelism what is sent and received), kept for the block's recomputation in
+    backward, which then reads nothing and sends no counts again.
+
+    Off until activation checkpointing turns it on (:func:`dtlab.parallel.apply.apply_ac`). A
+    training forward keeps (routing counts on the device, what was read) in order; a recomputation
+    takes the oldest, as every schedule recomputes a stage's micro-batches in the order their
+    forwards ran. The recomputation's own counts on the device must equal those kept
+    (``torch._assert_async``: checked on the device, no read): a recomputation that routes
+    otherwise (another micro-batch's record, a nondeterministic router) fails instead of sending
+    rows by another routing's splits. :meth:`clear` (each step's :meth:`MoE.reset_routing`) drops
+    what a step left."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self._kept: deque[tuple[torch.Tensor, T]] = deque()
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def read(self, counts: torch.Tensor, reader: Callable[[], T]) -> T:
+        """``reader()``'s value for routing ``counts`` (on the device): in a recomputation, what its
+        forward read; else read now (and kept, in a checkpointed training forward)."""
+        if not (self.on and torch.is_grad_enabled()):
+            return reader()
+        if _in_backward():
+            if self._kept:
+                kept, value = self._kept.popleft()
+                _same_routing(kept, counts)
+                return value
+            return reader()  # its forward kept nothing (turned on since): read again
+        # The recomputation's check, on the forward's own counts: selective checkpointing replays
+        # a recomputation's ops against its forward's and refuses an op its forward did not run.
+        _same_routing(counts, counts)
+        value = reader()
+        self._kept.append((counts, value))
+        return value
+
+    def clear(self) -> None:
+        """Drop every record (a step's forwards not recomputed: no checkpointing, an abandoned step)."""
+        self._kept.clear()
+
+
+def _same_routing(kept: torch.Tensor, counts: torch.Tensor) -> None:
+    torch._assert_async(
+        (kept == counts).all(),
+        "an MoE block recomputed in backward routed its tokens otherwise than its forward did",
+    )
+
+
 class GroupedExperts(nn.Module):
-    """``experts`` SwiGLU experts, their weights stacked: w1, w3 [E, hidden, dim], w2 [E, dim, hidden]."""
+    """``experts`` SwiGLU experts, their weights stacked: w1, w3 [E, hidden, dim], w2 [E, dim, hidden].
+
+    ``reads``: the counts a checkpointed forward read, for its recomputation (:class:`ForwardReads`)."""
 
     def __init__(self, experts: int, dim: int, hidden_dim: int) -> None:
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(experts, hidden_dim, dim))
+        self.reads: ForwardReads[object] = ForwardReads()
 
     def forward(
         self,
@@ -88,6 +148,9 @@ class GroupedExperts(nn.Module):
         hidden, dim = w1.shape[-2:]
         if grouped_kernel_runs(x.device.type, _capability(x.device), dtype, dim, hidden):
             return grouped_swiglu(x, counts if on_device is None else on_device, w1, w2, w3, dtype)
+        if isinstance(counts, torch.Tensor):  # the loop's read, once for a checkpointed block
+            t = counts
+            counts = self.reads.read(t, t.tolist)  # type: ignore[assignment]
         return loop_swiglu(x, counts, w1, w2, w3)
 
 
@@ -293,6 +356,7 @@ class MoE(nn.Module):
         self.tokens_per_expert.zero_()
         self.aux_total.zero_()
         self.aux_loss = None
+        self.experts.reads.clear()
 
     @torch.no_grad()
     def init_buffers(self) -> None:

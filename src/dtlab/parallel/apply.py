@@ -38,7 +38,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from dtlab.config import Config
 from dtlab.dims import DPWrapper, ParallelDims
 from dtlab.models.llama import Attention, Transformer
-from dtlab.models.moe import MoE
+from dtlab.models.moe import GroupedExperts, MoE
 from dtlab.parallel.buckets import buckets
 from dtlab.parallel.compression import CompressionState, apply_ddp_compression, reduce_dtype
 from dtlab.parallel.dist import DistInfo
@@ -224,9 +224,14 @@ def apply_ac(model: Transformer, mode: str) -> None:
 
     ``full`` keeps only each block's input and recomputes the block in backward; ``selective`` keeps the
     outputs of matmuls and attention (expensive to recompute) and recomputes the cheap element-wise ops.
+    Either way an MoE block's recomputation takes the routing counts its forward read
+    (:class:`dtlab.models.moe.ForwardReads`) instead of reading them again.
     """
     if mode == "none":
         return
+    for m in model.modules():
+        if isinstance(m, GroupedExperts):
+            m.reads.on = True
     context_fn = functools.partial(
         create_selective_checkpoint_contexts, functools.partial(_selective_policy, _saved_ops())
     )

@@ -31,7 +31,8 @@ rows sent, ``R`` rows received, ``sum over ranks of R = sum of S``)::
 the experts' output dtype (bf16/fp16 under autocast, else float32). A rank sends ``8 E`` bytes in
 1. and ``(S - S_own) dim`` elements in each of 2., 3., 3'. and 2'. (``S_own``: its rows for its own
 experts, which stay on the rank; the all-to-alls still pass them through). Under activation
-checkpointing a recomputed block runs 1.-3. again in backward. After the step's backward, once per
+checkpointing a recomputed block runs 2. and 3. again in backward, with the splits its forward read
+(:class:`~dtlab.models.moe.ForwardReads`: no counts' all-to-all, no read). After the step's backward, once per
 optimizer step: an all-reduce (sum, float32 or the gradients' dtype) of every expert shard's
 gradients over the ``dp x cp / ep`` ranks holding the same experts, none when that is one rank.
 """
@@ -48,7 +49,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from dtlab.models.moe import GroupedExperts
+from dtlab.models.moe import ForwardReads, GroupedExperts
 from dtlab.parallel.ledger import recorded
 
 __all__ = ["ExpertParallel", "ExpertShards", "apply_ep", "dispatch", "expert_params"]
@@ -96,7 +97,10 @@ class _Routing:
 
 
 def dispatch(
-    x: torch.Tensor, counts_t: torch.Tensor, group: Any
+    x: torch.Tensor,
+    counts_t: torch.Tensor,
+    group: Any,
+    reads: ForwardReads[Any] | None = None,
 ) -> tuple[torch.Tensor, list[int], torch.Tensor, _Routing]:
     """Send each of ``x``'s rows (sorted by expert, ``counts_t[e]`` for expert e of all E, on the
     device) to the EP rank that holds its expert. Returns the rows this rank's L experts received,
@@ -105,15 +109,22 @@ def dispatch(
     :func:`combine` needs.
 
     The counts cross to their experts' ranks on the device, and what is sent and received is read in
-    one host sync (the splits of the rows' all-to-all must be numbers)."""
+    one host sync (the splits of the rows' all-to-all must be numbers). ``reads``: the expert
+    module's :class:`~dtlab.models.moe.ForwardReads`; a checkpointed block's recomputation takes
+    what its forward read from there (no counts' all-to-all, no read)."""
     ep = dist.get_world_size(group)
     experts = counts_t.numel()
     local = experts // ep
     counts_t = counts_t.to(torch.int64)
-    got = torch.empty_like(counts_t)
-    with recorded("moe expert counts all_to_all", "all_to_all", counts_t):
-        dist.all_to_all_single(got, counts_t, group=group)
-    both = torch.cat([counts_t, got]).tolist()  # the layer's one host sync
+
+    def read() -> tuple[list[int], torch.Tensor]:
+        got = torch.empty_like(counts_t)
+        with recorded("moe expert counts all_to_all", "all_to_all", counts_t):
+            dist.all_to_all_single(got, counts_t, group=group)
+        both = torch.cat([counts_t, got]).tolist()  # the layer's one host sync
+        return both, got.view(ep, local).sum(0)
+
+    both, on_device = read() if reads is None else reads.read(counts_t, read)
     counts = both[:experts]
     got_list = both[experts:]
     per_source = [got_list[r * local : (r + 1) * local] for r in range(ep)]  # [source][local]
@@ -125,7 +136,6 @@ def dispatch(
     pieces = torch.arange(sum(sizes), device=x.device).split(sizes)
     order = torch.cat([pieces[s * local + e] for e in range(local) for s in range(ep)])
     local_counts = [sum(row[e] for row in per_source) for e in range(local)]
-    on_device = got.view(ep, local).sum(0)
     return rows.index_select(0, order), local_counts, on_device, _Routing(sent, received, order)
 
 
@@ -152,7 +162,9 @@ class ExpertParallel(ParallelStyle):
 
         def before(mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
             x, counts = inputs
-            rows, local_counts, on_device, routing = dispatch(x, counts, group)
+            rows, local_counts, on_device, routing = dispatch(
+                x, counts, group, mod.reads if isinstance(mod, GroupedExperts) else None
+            )
             mod._ep_routing = routing  # type: ignore[assignment]  # for the combine, just after
             return rows, local_counts, on_device
 
