@@ -73,6 +73,17 @@ def test_the_plan_assumes_the_kernel_the_model_runs(
         assert routed_grouped(config) is runs, (device, precision, dim, expert_dim)
 
 
+def test_a_torch_without_the_kernel_runs_and_plans_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # torch before the grouped matmul: the model's loop, and the plan's (no grouped backward).
+    config = load_config(overrides=["model.preset=debug-moe", "train.precision=bf16"])
+    assert routed_grouped(config)
+    monkeypatch.setattr(moe_model, "_GROUPED_MM", None)
+    assert not grouped_kernel_runs("cpu", None, BF16, 64, 256)
+    assert not routed_grouped(config)
+
+
 def _experts(experts: int, dim: int, hidden: int) -> GroupedExperts:
     torch.manual_seed(0)
     m = GroupedExperts(experts, dim, hidden)

@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from dtlab.models.args import MoEArgs
+from dtlab.models.attention import cuda_capability
 
 __all__ = [
     "ForwardReads",
@@ -146,7 +147,7 @@ class GroupedExperts(nn.Module):
         )
         dtype = compute_dtype(x)
         hidden, dim = w1.shape[-2:]
-        if grouped_kernel_runs(x.device.type, _capability(x.device), dtype, dim, hidden):
+        if grouped_kernel_runs(x.device.type, cuda_capability(x.device), dtype, dim, hidden):
             return grouped_swiglu(x, counts if on_device is None else on_device, w1, w2, w3, dtype)
         if isinstance(counts, torch.Tensor):  # the loop's read, once for a checkpointed block
             t = counts
@@ -209,12 +210,6 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     if x.is_floating_point() and torch.is_autocast_enabled(kind):
         return torch.get_autocast_dtype(kind)
     return x.dtype
-
-
-def _capability(device: torch.device) -> tuple[int, int] | None:
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_capability(device)
 
 
 def grouped_swiglu(
