@@ -184,7 +184,7 @@ def collective_waits(
     all-reduces of each unit; tensor parallelism's per block and micro-batch, and under sequence
     parallelism the all-reduce of the norms' gradients; a pipeline rank's sends and receives (a
     tied model's embedding's too); expert parallelism's all-to-alls (three per MoE block and micro-batch
-    in forward, two in backward, three more where a block is recomputed) and its experts'
+    in forward, two in backward, two more where a block is recomputed: the rows', not the counts') and its experts'
     all-reduce; and the step's one reduction. ``n_layers``: the blocks the rank holds."""
     from dtlab.analysis.moe import moe_blocks, part_model
 
@@ -259,7 +259,7 @@ def collective_waits(
 
         add(dims.cp, microbatches * n_layers * sum(cp_calls(config, dims.cp)))
     if dims.ep_enabled:
-        per_block = 5 + (3 if config.train.activation_checkpointing != "none" else 0)
+        per_block = 5 + (2 if config.train.activation_checkpointing != "none" else 0)
         add(dims.ep, microbatches * moe_here * per_block)
         add(dims.ep_dp, 1)
     if moe_blocks(config.model):
