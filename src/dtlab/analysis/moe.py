@@ -42,8 +42,6 @@ from dtlab.analysis.activations import (
 from dtlab.analysis.memo import memo
 
 if TYPE_CHECKING:
-    import torch
-
     from dtlab.analysis.shapes import ParamShape
     from dtlab.config import Config, ModelConfig
     from dtlab.dims import ParallelDims
@@ -308,17 +306,11 @@ def routed_grouped(config: Config) -> bool:
     experts' a multiple of 8), on the CPU and on every GPU the plan knows (compute capability 8.0
     or newer), where this torch has the kernel (the plan assumes the target's torch is this one)."""
     from dtlab.models.moe import grouped_kernel_runs
+    from dtlab.train.precision import DTYPES
 
     m = config.model
-    return grouped_kernel_runs("cpu", None, _precision_dtype(config), m.dim, _expert_dim(m))
-
-
-def _precision_dtype(config: Config) -> torch.dtype:
-    import torch
-
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
-        config.train.precision, torch.float32
-    )
+    dtype = DTYPES[config.train.precision]
+    return grouped_kernel_runs("cpu", None, dtype, m.dim, _expert_dim(m))
 
 
 def kept_reads_bytes(config: Config, dims: ParallelDims, m: ModelConfig | None = None) -> int:

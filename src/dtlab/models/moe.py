@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from itertools import accumulate
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -150,8 +150,7 @@ class GroupedExperts(nn.Module):
         if grouped_kernel_runs(x.device.type, cuda_capability(x.device), dtype, dim, hidden):
             return grouped_swiglu(x, counts if on_device is None else on_device, w1, w2, w3, dtype)
         if isinstance(counts, torch.Tensor):  # the loop's read, once for a checkpointed block
-            t = counts
-            counts = self.reads.read(t, t.tolist)  # type: ignore[assignment]
+            counts = cast("list[int]", self.reads.read(counts, counts.tolist))
         return loop_swiglu(x, counts, w1, w2, w3)
 
 
